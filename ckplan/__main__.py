@@ -1,0 +1,3 @@
+from ckplan.cli import main
+
+main()
