@@ -1,0 +1,598 @@
+#!/usr/bin/env python3
+"""Measure what PyTorch autograd saves for backward in ONE forward of one transformer layer.
+
+This is the validation of ckplan's activation accounting (docs/validation.md). PyTorch is an
+optional dependency, used only here (`pip install torch`, or `pip install '.[torch]'`); ckplan
+itself never imports it.
+
+Method
+------
+* Small single layers are written op by op in plain PyTorch, the way nanoGPT / Megatron /
+  Hugging Face eager code writes them (no fused kernels unless a variant says so).
+* `torch.autograd.graph.saved_tensors_hooks` sees every tensor autograd saves. Each saved tensor
+  is reduced to its underlying storage (`untyped_storage().data_ptr()`), and each storage is
+  counted once, with its full `nbytes()` (that is what stays allocated). Storages of
+  parameters and buffers (the weights, the causal-mask buffer) are excluded: they are model
+  state, not activations.
+* A storage is attributed to the op that saved it first. The "current op" is set by a context
+  manager around the lines that run the op; the names are ckplan's op names (norm1, qkv_proj,
+  attn_scores, softmax, attn_dropout, attn_values, out_proj, out_dropout, norm2, fc1, act, fc2,
+  mlp_dropout; attention_core for scaled_dot_product_attention).
+
+Usage
+-----
+    python validation/torch_saved_bytes.py                 # table for the default configs
+    python validation/torch_saved_bytes.py --detail        # plus every saved storage
+    python validation/torch_saved_bytes.py --json          # machine-readable
+    python validation/torch_saved_bytes.py --compare       # ckplan's prediction vs measured
+    python validation/torch_saved_bytes.py --config gpt-bf16-dropout --seq 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+except ImportError:  # pragma: no cover - the message is the point
+    sys.exit("torch_saved_bytes.py needs PyTorch: python3 -m pip install torch")
+
+GPT_OPS = [
+    "norm1", "qkv_proj", "attn_scores", "softmax", "attn_dropout", "attn_values",
+    "attention_core", "out_proj", "out_dropout", "norm2", "fc1", "act", "fc2", "mlp_dropout",
+]  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Recording saved tensors
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SavedStorage:
+    op: str
+    dtype: str
+    shape: list[int]  # shape of the first saved tensor that referenced this storage
+    tensor_bytes: int  # numel * itemsize of that tensor
+    storage_bytes: int  # what the storage holds (counted)
+    saves: int = 1  # how many saved-tensor references point at this storage
+
+
+class SavedTensorRecorder:
+    """Counts autograd-saved storages, deduplicated, attributed to the current op tag."""
+
+    def __init__(self, exclude_ptrs: set[int]):
+        self.exclude = exclude_ptrs
+        self.current = "untagged"
+        self.storages: dict[int, SavedStorage] = {}
+        self.excluded_refs = 0
+        self._keep: list[torch.Tensor] = []  # keeps storages alive so pointers are not reused
+
+    @contextlib.contextmanager
+    def op(self, name: str) -> Iterator[None]:
+        previous, self.current = self.current, name
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.exclude:
+            self.excluded_refs += 1
+        elif ptr in self.storages:
+            self.storages[ptr].saves += 1
+        else:
+            self.storages[ptr] = SavedStorage(
+                op=self.current,
+                dtype=str(t.dtype).removeprefix("torch."),
+                shape=list(t.shape),
+                tensor_bytes=t.numel() * t.element_size(),
+                storage_bytes=storage.nbytes(),
+            )
+            self._keep.append(t)
+        return t
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield
+
+    def by_op(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.storages.values():
+            out[s.op] = out.get(s.op, 0) + s.storage_bytes
+        return out
+
+
+_NULL = contextlib.nullcontext
+
+
+def _tag(rec: SavedTensorRecorder | None, name: str):
+    return rec.op(name) if rec is not None else _NULL()
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------------
+
+
+def dropout(x: torch.Tensor, p: float, training: bool, impl: str) -> torch.Tensor:
+    """`functional`: F.dropout as written in model code. On CPU it runs the composite
+    `input * noise` path (noise has x's dtype), on CUDA it runs `native_dropout` (bool mask).
+    `native`: call torch.native_dropout directly, to see on CPU what CUDA saves."""
+    if impl == "native" and training and p > 0:
+        return torch.native_dropout(x, p, True)[0]
+    return F.dropout(x, p=p, training=training)
+
+
+class HFRMSNorm(nn.Module):
+    """Hugging Face LlamaRMSNorm (eager): upcast to fp32, x * rsqrt(mean(x^2) + eps), * w."""
+
+    def __init__(self, hidden: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Hugging Face repeat_kv: (b, g, s, d) -> (b, g * n_rep, s, d) via expand + reshape (a copy)."""
+    b, g, s, d = x.shape
+    if n_rep == 1:
+        return x
+    x = x[:, :, None, :, :].expand(b, g, n_rep, s, d)
+    return x.reshape(b, g * n_rep, s, d)
+
+
+# --------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------
+
+
+class GPTLayer(nn.Module):
+    """nanoGPT / Megatron style pre-LN layer with LayerNorm, MHA and a GELU MLP."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        h, f = cfg.hidden, cfg.ffn_hidden
+        self.cfg = cfg
+        self.ln1 = nn.LayerNorm(h)
+        self.qkv = nn.Linear(h, 3 * h)
+        self.proj = nn.Linear(h, h)
+        self.ln2 = nn.LayerNorm(h)
+        self.fc1 = nn.Linear(h, f)
+        self.fc2 = nn.Linear(f, h)
+        s = cfg.seq
+        # Additive causal mask (a buffer): `scores + mask` saves nothing for backward, whereas
+        # `scores.masked_fill(mask, -inf)` saves its boolean mask (here a view of a buffer).
+        self.register_buffer(
+            "mask", torch.full((s, s), float("-inf")).triu(1), persistent=False
+        )
+        self.register_buffer("bool_mask", torch.ones(s, s, dtype=torch.bool).triu(1))
+
+    def forward(self, x: torch.Tensor, rec: SavedTensorRecorder | None = None) -> torch.Tensor:
+        cfg = self.cfg
+        b, s, h = x.shape  # (b, s, h)
+        a = cfg.heads
+        d = h // a
+        p = cfg.dropout
+        tr = self.training
+        with _tag(rec, "norm1"):
+            y = self.ln1(x)  # (b, s, h)
+        with _tag(rec, "qkv_proj"):
+            qkv = self.qkv(y)  # (b, s, 3h)
+        q, k, v = qkv.split(h, dim=2)
+        q = q.view(b, s, a, d).transpose(1, 2)  # (b, a, s, d), a view of qkv
+        k = k.view(b, s, a, d).transpose(1, 2)
+        v = v.view(b, s, a, d).transpose(1, 2)
+        if cfg.attention == "sdpa":
+            with _tag(rec, "attention_core"):
+                y = F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=p if tr else 0.0, is_causal=cfg.mask != "none"
+                )  # (b, a, s, d)
+            self.sdpa_node = type(y.grad_fn).__name__ if y.grad_fn is not None else None
+        else:
+            with _tag(rec, "attn_scores"):
+                att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))  # (b, a, s, s)
+                if cfg.mask == "additive":
+                    att = att + self.mask[:s, :s]
+                elif cfg.mask == "masked_fill":
+                    att = att.masked_fill(self.bool_mask[:s, :s], float("-inf"))
+            with _tag(rec, "softmax"):
+                att = F.softmax(att, dim=-1)
+            with _tag(rec, "attn_dropout"):
+                att = dropout(att, p, tr, cfg.dropout_impl)
+            with _tag(rec, "attn_values"):
+                y = att @ v  # (b, a, s, d)
+        y = y.transpose(1, 2).contiguous().view(b, s, h)  # merge heads: (b, s, h)
+        with _tag(rec, "out_proj"):
+            y = self.proj(y)
+        with _tag(rec, "out_dropout"):
+            y = dropout(y, p, tr, cfg.dropout_impl)
+        x = x + y
+        with _tag(rec, "norm2"):
+            y = self.ln2(x)
+        with _tag(rec, "fc1"):
+            y = self.fc1(y)  # (b, s, F)
+        with _tag(rec, "act"):
+            y = F.gelu(y)
+        with _tag(rec, "fc2"):
+            y = self.fc2(y)  # (b, s, h)
+        with _tag(rec, "mlp_dropout"):
+            y = dropout(y, p, tr, cfg.dropout_impl)
+        return x + y
+
+
+class LlamaLayer(nn.Module):
+    """Hugging Face Llama style layer: RMSNorm, GQA attention, SwiGLU MLP, no biases."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        h, f, a, g = cfg.hidden, cfg.ffn_hidden, cfg.heads, cfg.kv_heads
+        d = h // a
+        self.cfg = cfg
+        norm = HFRMSNorm if cfg.norm_impl == "hf" else (lambda n: nn.RMSNorm(n, eps=1e-6))
+        self.input_layernorm = norm(h)
+        self.q_proj = nn.Linear(h, a * d, bias=False)
+        self.k_proj = nn.Linear(h, g * d, bias=False)
+        self.v_proj = nn.Linear(h, g * d, bias=False)
+        self.o_proj = nn.Linear(a * d, h, bias=False)
+        self.post_attention_layernorm = norm(h)
+        self.gate_proj = nn.Linear(h, f, bias=False)
+        self.up_proj = nn.Linear(h, f, bias=False)
+        self.down_proj = nn.Linear(f, h, bias=False)
+        s = cfg.seq
+        self.register_buffer(
+            "mask", torch.full((s, s), float("-inf")).triu(1), persistent=False
+        )
+
+    def forward(self, x: torch.Tensor, rec: SavedTensorRecorder | None = None) -> torch.Tensor:
+        cfg = self.cfg
+        b, s, h = x.shape  # (b, s, h)
+        a, g = cfg.heads, cfg.kv_heads
+        d = h // a
+        with _tag(rec, "norm1"):
+            y = self.input_layernorm(x)
+        with _tag(rec, "qkv_proj"):
+            q = self.q_proj(y).view(b, s, a, d).transpose(1, 2)  # (b, a, s, d)
+            k = self.k_proj(y).view(b, s, g, d).transpose(1, 2)  # (b, g, s, d)
+            v = self.v_proj(y).view(b, s, g, d).transpose(1, 2)  # (b, g, s, d)
+        if cfg.attention == "sdpa":
+            with _tag(rec, "attention_core"):
+                if cfg.kv_repeat:
+                    k, v = repeat_kv(k, a // g), repeat_kv(v, a // g)
+                y = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=cfg.mask != "none", enable_gqa=not cfg.kv_repeat
+                )
+            self.sdpa_node = type(y.grad_fn).__name__ if y.grad_fn is not None else None
+        else:
+            with _tag(rec, "attn_scores"):
+                k = repeat_kv(k, a // g)  # (b, a, s, d): HF eager copies K and V to all heads
+                att = (q @ k.transpose(2, 3)) * (1.0 / math.sqrt(d))  # (b, a, s, s)
+                if cfg.mask == "additive":
+                    att = att + self.mask[:s, :s]
+            with _tag(rec, "softmax"):
+                if cfg.softmax_fp32:  # HF eager: softmax(..., dtype=float32).to(query.dtype)
+                    att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
+                else:
+                    att = F.softmax(att, dim=-1)
+            with _tag(rec, "attn_values"):
+                v = repeat_kv(v, a // g)
+                y = att @ v  # (b, a, s, d)
+        y = y.transpose(1, 2).contiguous().view(b, s, h)
+        with _tag(rec, "out_proj"):
+            y = self.o_proj(y)
+        x = x + y
+        with _tag(rec, "norm2"):
+            y = self.post_attention_layernorm(x)
+        with _tag(rec, "fc1"):
+            gate = self.gate_proj(y)  # (b, s, F)
+            up = self.up_proj(y)  # (b, s, F)
+        with _tag(rec, "act"):
+            y = F.silu(gate) * up
+        with _tag(rec, "fc2"):
+            y = self.down_proj(y)
+        return x + y
+
+
+# --------------------------------------------------------------------------------------------
+# Configurations
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Config:
+    name: str
+    arch: str  # gpt | llama
+    dtype: str = "float32"  # float32 | bfloat16
+    seq: int = 128  # s
+    micro_batch: int = 2  # b
+    hidden: int = 256  # h
+    heads: int = 8  # a
+    kv_heads: int | None = None  # g (default a)
+    ffn_hidden: int | None = None  # F (default 4h)
+    dropout: float = 0.0
+    dropout_impl: str = "functional"  # functional | native
+    attention: str = "standard"  # standard | sdpa
+    mask: str = "additive"  # additive | masked_fill | none
+    norm_impl: str = "torch"  # llama only: torch (nn.RMSNorm) | hf (LlamaRMSNorm)
+    softmax_fp32: bool = True  # llama standard attention only: HF eager's fp32 softmax
+    kv_repeat: bool = False  # llama sdpa only: repeat_kv before SDPA instead of enable_gqa
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kv_heads is None:
+            self.kv_heads = self.heads
+        if self.ffn_hidden is None:
+            self.ffn_hidden = 4 * self.hidden
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+
+def default_configs() -> list[Config]:
+    llama = dict(arch="llama", kv_heads=2, ffn_hidden=704)  # F ~ 8h/3 rounded up to 64
+    return [
+        Config("gpt-fp32-dropout", "gpt", "float32", dropout=0.1,
+               description="GPT, fp32, dropout 0.1 (F.dropout), standard attention"),
+        Config("gpt-bf16-dropout", "gpt", "bfloat16", dropout=0.1,
+               description="GPT, bf16, dropout 0.1 (F.dropout), standard attention"),
+        Config("gpt-bf16-dropout-native", "gpt", "bfloat16", dropout=0.1, dropout_impl="native",
+               description="as gpt-bf16-dropout, dropout via torch.native_dropout (CUDA path)"),
+        Config("gpt-bf16-nodrop", "gpt", "bfloat16", dropout=0.0,
+               description="GPT, bf16, no dropout, standard attention"),
+        Config("gpt-bf16-sdpa", "gpt", "bfloat16", dropout=0.0, attention="sdpa",
+               description="GPT, bf16, no dropout, F.scaled_dot_product_attention(is_causal)"),
+        Config("llama-bf16-torchrms", **llama, dtype="bfloat16", norm_impl="torch",
+               description="Llama, bf16, nn.RMSNorm, HF eager attention (repeat_kv, fp32 softmax)"),
+        Config("llama-bf16-hfrms", **llama, dtype="bfloat16", norm_impl="hf",
+               description="Llama, bf16, HF LlamaRMSNorm, HF eager attention"),
+        Config("llama-fp32-hfrms", **llama, dtype="float32", norm_impl="hf",
+               description="Llama, fp32, HF LlamaRMSNorm, HF eager attention"),
+        Config("llama-bf16-sdpa", **llama, dtype="bfloat16", norm_impl="torch", attention="sdpa",
+               description="Llama, bf16, nn.RMSNorm, SDPA(is_causal, enable_gqa=True)"),
+    ]  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Measurement:
+    config: Config
+    by_op: dict[str, int]
+    total: int
+    storages: list[SavedStorage]
+    sdpa_node: str | None = None
+    excluded_param_refs: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def measure(cfg: Config, seed: int = 0) -> Measurement:
+    torch.manual_seed(seed)
+    layer_cls = GPTLayer if cfg.arch == "gpt" else LlamaLayer
+    layer = layer_cls(cfg).to(cfg.torch_dtype).train()
+    exclude = {t.untyped_storage().data_ptr() for t in layer.parameters()}
+    exclude |= {t.untyped_storage().data_ptr() for t in layer.buffers()}
+    x = torch.randn(cfg.micro_batch, cfg.seq, cfg.hidden, dtype=cfg.torch_dtype)
+    x.requires_grad_(True)  # the layer input is an activation (the previous layer's output)
+    rec = SavedTensorRecorder(exclude)
+    with rec.recording():
+        out = layer(x, rec)
+    by_op = rec.by_op()
+    # Backward once, to prove the recorded graph is a working one.
+    out.float().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all()
+    return Measurement(
+        config=cfg,
+        by_op=by_op,
+        total=sum(by_op.values()),
+        storages=list(rec.storages.values()),
+        sdpa_node=getattr(layer, "sdpa_node", None),
+        excluded_param_refs=rec.excluded_refs,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# ckplan's prediction
+# --------------------------------------------------------------------------------------------
+
+
+def ckplan_mapping(cfg: Config) -> dict:
+    """The YAML keys of DESIGN.md for the same layer."""
+    return {
+        "name": cfg.name,
+        "kind": "transformer",
+        "layers": 1,
+        "hidden": cfg.hidden,
+        "heads": cfg.heads,
+        "kv_heads": cfg.kv_heads,
+        "ffn_hidden": cfg.ffn_hidden,
+        "vocab": 1024,
+        "seq": cfg.seq,
+        "micro_batch": cfg.micro_batch,
+        "dtype_bytes": cfg.dtype_bytes,
+        "norm": "layernorm" if cfg.arch == "gpt" else "rmsnorm",
+        "mlp": "gelu" if cfg.arch == "gpt" else "swiglu",
+        "attention": "flash" if cfg.attention == "sdpa" else "standard",
+        "dropout": cfg.dropout,
+    }
+
+
+def ckplan_prediction(cfg: Config) -> dict[str, int]:
+    repo = Path(__file__).resolve().parent.parent
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    from ckplan.memory import activation_bytes_by_op
+    from ckplan.spec import spec_from_mapping
+
+    spec = spec_from_mapping(ckplan_mapping(cfg))
+    return {k: int(v) for k, v in activation_bytes_by_op(spec).items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+
+def _sbh(cfg: Config) -> int:
+    return cfg.seq * cfg.micro_batch * cfg.hidden
+
+
+def _coef(n: int, cfg: Config) -> str:
+    return f"{n / _sbh(cfg):.3f}"
+
+
+def _ops_in_order(*dicts: dict[str, int]) -> list[str]:
+    names = [op for op in GPT_OPS if any(op in d for d in dicts)]
+    for d in dicts:
+        names += [op for op in d if op not in names]
+    return names
+
+
+def _header(cfg: Config) -> str:
+    return (
+        f"== {cfg.name}: {cfg.description}\n"
+        f"   s={cfg.seq} b={cfg.micro_batch} h={cfg.hidden} a={cfg.heads} g={cfg.kv_heads} "
+        f"F={cfg.ffn_hidden} d={cfg.hidden // cfg.heads} dtype={cfg.dtype} "
+        f"(B={cfg.dtype_bytes}) dropout={cfg.dropout} ({cfg.dropout_impl}) "
+        f"attention={cfg.attention} mask={cfg.mask}"
+        + (f" norm={cfg.norm_impl}" if cfg.arch == "llama" else "")
+        + f"  sbh={_sbh(cfg)}"
+    )
+
+
+def print_measurement(m: Measurement, detail: bool) -> None:
+    cfg = m.config
+    print(_header(cfg))
+    if m.sdpa_node:
+        print(f"   SDPA autograd node: {m.sdpa_node}")
+    print(f"   {'op':<15}{'bytes':>12}{'/sbh':>9}")
+    for op in _ops_in_order(m.by_op):
+        print(f"   {op:<15}{m.by_op[op]:>12}{_coef(m.by_op[op], cfg):>9}")
+    print(f"   {'TOTAL':<15}{m.total:>12}{_coef(m.total, cfg):>9}")
+    if detail:
+        print("   saved storages (op, dtype, shape of first saving tensor, storage bytes, refs):")
+        for st in m.storages:
+            note = "" if st.tensor_bytes == st.storage_bytes else f" (view of {st.storage_bytes})"
+            print(
+                f"     {st.op:<15}{st.dtype:<9}{st.shape!s:<22}{st.storage_bytes:>10}"
+                f"  x{st.saves}{note}"
+            )
+    print()
+
+
+def print_comparison(m: Measurement, pred: dict[str, int]) -> None:
+    cfg = m.config
+    print(_header(cfg))
+    if m.sdpa_node:
+        print(f"   SDPA autograd node: {m.sdpa_node}")
+    print(f"   {'op':<15}{'predicted':>12}{'measured':>12}{'diff':>11}{'meas/pred':>11}")
+    for op in _ops_in_order(pred, m.by_op):
+        p, q = pred.get(op, 0), m.by_op.get(op, 0)
+        ratio = f"{q / p:.3f}" if p else ("-" if q == 0 else "inf")
+        flag = "" if p == q else "  *"
+        print(f"   {op:<15}{p:>12}{q:>12}{q - p:>+11}{ratio:>11}{flag}")
+    pt = sum(pred.values())
+    print(f"   {'TOTAL':<15}{pt:>12}{m.total:>12}{m.total - pt:>+11}{m.total / pt:>11.3f}")
+    print()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", action="append", help="config name (repeatable); default: all")
+    ap.add_argument("--list", action="store_true", help="list the configs and exit")
+    ap.add_argument("--seq", type=int, help="override s")
+    ap.add_argument("--batch", type=int, help="override b")
+    ap.add_argument("--hidden", type=int, help="override h")
+    ap.add_argument("--heads", type=int, help="override a")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    ap.add_argument("--compare", action="store_true", help="compare with ckplan's prediction")
+    ap.add_argument("--detail", action="store_true", help="list every saved storage")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    configs = default_configs()
+    if args.list:
+        for c in configs:
+            print(f"{c.name:<26}{c.description}")
+        return 0
+    if args.config:
+        known = {c.name: c for c in configs}
+        missing = [n for n in args.config if n not in known]
+        if missing:
+            print(f"unknown config(s): {', '.join(missing)}; see --list", file=sys.stderr)
+            return 2
+        configs = [known[n] for n in args.config]
+    for c in configs:
+        if args.seq:
+            c.seq = args.seq
+        if args.batch:
+            c.micro_batch = args.batch
+        if args.hidden:
+            c.hidden = args.hidden
+            c.ffn_hidden = 4 * args.hidden if c.arch == "gpt" else c.ffn_hidden
+        if args.heads:
+            c.heads = args.heads
+            c.kv_heads = args.heads if c.arch == "gpt" else c.kv_heads
+
+    results = [measure(c) for c in configs]
+    preds = [ckplan_prediction(m.config) for m in results] if args.compare else None
+
+    if args.json:
+        runs = []
+        for i, m in enumerate(results):
+            run = {
+                "config": asdict(m.config),
+                "ckplan_spec": ckplan_mapping(m.config),
+                "sbh": _sbh(m.config),
+                "measured": {"by_op": m.by_op, "total": m.total},
+                "sdpa_node": m.sdpa_node,
+                "storages": [asdict(s) for s in m.storages],
+            }
+            if preds is not None:
+                run["predicted"] = {"by_op": preds[i], "total": sum(preds[i].values())}
+            runs.append(run)
+        print(json.dumps({"torch_version": torch.__version__, "runs": runs}, indent=2))
+        return 0
+
+    print(f"torch {torch.__version__}; bytes saved for backward by one layer forward, "
+          "deduplicated by storage, parameters and buffers excluded\n")  # fmt: skip
+    for i, m in enumerate(results):
+        if preds is not None:
+            print_comparison(m, preds[i])
+        else:
+            print_measurement(m, args.detail)
+    untagged = [m.config.name for m in results if "untagged" in m.by_op]
+    if untagged:
+        print(f"warning: untagged saved tensors in {', '.join(untagged)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
