@@ -65,6 +65,7 @@ class SavedStorage:
     tensor_bytes: int  # numel * itemsize of that tensor
     storage_bytes: int  # what the storage holds (counted)
     saves: int = 1  # how many saved-tensor references point at this storage
+    ops: list[str] = field(default_factory=list)  # every op that saved it (first one counts)
 
 
 class SavedTensorRecorder:
@@ -91,7 +92,10 @@ class SavedTensorRecorder:
         if ptr in self.exclude:
             self.excluded_refs += 1
         elif ptr in self.storages:
-            self.storages[ptr].saves += 1
+            st = self.storages[ptr]
+            st.saves += 1
+            if self.current not in st.ops:
+                st.ops.append(self.current)
         else:
             self.storages[ptr] = SavedStorage(
                 op=self.current,
@@ -99,6 +103,7 @@ class SavedTensorRecorder:
                 shape=list(t.shape),
                 tensor_bytes=t.numel() * t.element_size(),
                 storage_bytes=storage.nbytes(),
+                ops=[self.current],
             )
             self._keep.append(t)
         return t
@@ -152,8 +157,28 @@ class HFRMSNorm(nn.Module):
         return self.weight * hidden_states.to(input_dtype)
 
 
+class FusedSwiGLU(torch.autograd.Function):
+    """Megatron-LM's fused SwiGLU (megatron/core/fusions/fused_bias_swiglu.py, SwiGLUFunction):
+    saves only its input, the fc1 output [gate | up] (2F wide), and recomputes silu in backward."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor) -> torch.Tensor:  # (b, s, 2F) -> (b, s, F)
+        ctx.save_for_backward(y)
+        gate, up = torch.chunk(y, 2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        gate, up = torch.chunk(y, 2, dim=-1)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        d_gate = grad * up * sig * (1 + gate * (1 - sig))
+        return torch.cat([d_gate, grad * silu], dim=-1)
+
+
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """Hugging Face repeat_kv: (b, g, s, d) -> (b, g * n_rep, s, d) via expand + reshape (a copy)."""
+    """Hugging Face repeat_kv: (b, g, s, d) -> (b, g * n_rep, s, d), expand + reshape (a copy)."""
     b, g, s, d = x.shape
     if n_rep == 1:
         return x
@@ -180,12 +205,11 @@ class GPTLayer(nn.Module):
         self.fc1 = nn.Linear(h, f)
         self.fc2 = nn.Linear(f, h)
         s = cfg.seq
-        # Additive causal mask (a buffer): `scores + mask` saves nothing for backward, whereas
-        # `scores.masked_fill(mask, -inf)` saves its boolean mask (here a view of a buffer).
-        self.register_buffer(
-            "mask", torch.full((s, s), float("-inf")).triu(1), persistent=False
-        )
-        self.register_buffer("bool_mask", torch.ones(s, s, dtype=torch.bool).triu(1))
+        # Additive causal mask (a buffer): `scores + mask` saves nothing for backward. The
+        # nanoGPT form `scores.masked_fill(self.bias[:s, :s] == 0, -inf)` saves its boolean mask,
+        # and `== 0` makes that a fresh (s, s) tensor in every layer's forward.
+        self.register_buffer("mask", torch.full((s, s), float("-inf")).triu(1), persistent=False)
+        self.register_buffer("tril", torch.ones(s, s).tril(), persistent=False)
 
     def forward(self, x: torch.Tensor, rec: SavedTensorRecorder | None = None) -> torch.Tensor:
         cfg = self.cfg
@@ -213,8 +237,8 @@ class GPTLayer(nn.Module):
                 att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))  # (b, a, s, s)
                 if cfg.mask == "additive":
                     att = att + self.mask[:s, :s]
-                elif cfg.mask == "masked_fill":
-                    att = att.masked_fill(self.bool_mask[:s, :s], float("-inf"))
+                elif cfg.mask == "masked_fill":  # nanoGPT
+                    att = att.masked_fill(self.tril[:s, :s] == 0, float("-inf"))
             with _tag(rec, "softmax"):
                 att = F.softmax(att, dim=-1)
             with _tag(rec, "attn_dropout"):
@@ -255,13 +279,14 @@ class LlamaLayer(nn.Module):
         self.v_proj = nn.Linear(h, g * d, bias=False)
         self.o_proj = nn.Linear(a * d, h, bias=False)
         self.post_attention_layernorm = norm(h)
-        self.gate_proj = nn.Linear(h, f, bias=False)
-        self.up_proj = nn.Linear(h, f, bias=False)
+        if cfg.swiglu_impl == "fused":  # Megatron: one fc1 of 2F outputs, [gate | up]
+            self.fc1 = nn.Linear(h, 2 * f, bias=False)
+        else:  # Hugging Face LlamaMLP
+            self.gate_proj = nn.Linear(h, f, bias=False)
+            self.up_proj = nn.Linear(h, f, bias=False)
         self.down_proj = nn.Linear(f, h, bias=False)
         s = cfg.seq
-        self.register_buffer(
-            "mask", torch.full((s, s), float("-inf")).triu(1), persistent=False
-        )
+        self.register_buffer("mask", torch.full((s, s), float("-inf")).triu(1), persistent=False)
 
     def forward(self, x: torch.Tensor, rec: SavedTensorRecorder | None = None) -> torch.Tensor:
         cfg = self.cfg
@@ -302,11 +327,17 @@ class LlamaLayer(nn.Module):
         x = x + y
         with _tag(rec, "norm2"):
             y = self.post_attention_layernorm(x)
-        with _tag(rec, "fc1"):
-            gate = self.gate_proj(y)  # (b, s, F)
-            up = self.up_proj(y)  # (b, s, F)
-        with _tag(rec, "act"):
-            y = F.silu(gate) * up
+        if cfg.swiglu_impl == "fused":
+            with _tag(rec, "fc1"):
+                y = self.fc1(y)  # (b, s, 2F)
+            with _tag(rec, "act"):
+                y = FusedSwiGLU.apply(y)  # (b, s, F)
+        else:
+            with _tag(rec, "fc1"):
+                gate = self.gate_proj(y)  # (b, s, F)
+                up = self.up_proj(y)  # (b, s, F)
+            with _tag(rec, "act"):
+                y = F.silu(gate) * up  # silu saves gate; mul saves silu(gate) and up
         with _tag(rec, "fc2"):
             y = self.down_proj(y)
         return x + y
@@ -335,6 +366,7 @@ class Config:
     norm_impl: str = "torch"  # llama only: torch (nn.RMSNorm) | hf (LlamaRMSNorm)
     softmax_fp32: bool = True  # llama standard attention only: HF eager's fp32 softmax
     kv_repeat: bool = False  # llama sdpa only: repeat_kv before SDPA instead of enable_gqa
+    swiglu_impl: str = "eager"  # llama only: eager (HF LlamaMLP) | fused (Megatron SwiGLUFunction)
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -360,11 +392,16 @@ def default_configs() -> list[Config]:
         Config("gpt-bf16-dropout", "gpt", "bfloat16", dropout=0.1,
                description="GPT, bf16, dropout 0.1 (F.dropout), standard attention"),
         Config("gpt-bf16-dropout-native", "gpt", "bfloat16", dropout=0.1, dropout_impl="native",
-               description="as gpt-bf16-dropout, dropout via torch.native_dropout (CUDA path)"),
+               description="as gpt-bf16-dropout, dropout via torch.native_dropout (CUDA's path)"),
         Config("gpt-bf16-nodrop", "gpt", "bfloat16", dropout=0.0,
                description="GPT, bf16, no dropout, standard attention"),
+        Config("gpt-bf16-maskedfill", "gpt", "bfloat16", dropout=0.0, mask="masked_fill",
+               description="as gpt-bf16-nodrop, nanoGPT's masked_fill(tril == 0) causal mask"),
         Config("gpt-bf16-sdpa", "gpt", "bfloat16", dropout=0.0, attention="sdpa",
                description="GPT, bf16, no dropout, F.scaled_dot_product_attention(is_causal)"),
+        Config("gpt-bf16-sdpa-dropout", "gpt", "bfloat16", dropout=0.1, dropout_impl="native",
+               attention="sdpa",
+               description="GPT, bf16, dropout 0.1 (native), SDPA(is_causal, dropout_p=0.1)"),
         Config("llama-bf16-torchrms", **llama, dtype="bfloat16", norm_impl="torch",
                description="Llama, bf16, nn.RMSNorm, HF eager attention (repeat_kv, fp32 softmax)"),
         Config("llama-bf16-hfrms", **llama, dtype="bfloat16", norm_impl="hf",
@@ -373,6 +410,12 @@ def default_configs() -> list[Config]:
                description="Llama, fp32, HF LlamaRMSNorm, HF eager attention"),
         Config("llama-bf16-sdpa", **llama, dtype="bfloat16", norm_impl="torch", attention="sdpa",
                description="Llama, bf16, nn.RMSNorm, SDPA(is_causal, enable_gqa=True)"),
+        Config("llama-bf16-sdpa-repeat", **llama, dtype="bfloat16", norm_impl="torch",
+               attention="sdpa", kv_repeat=True,
+               description="Llama, bf16, nn.RMSNorm, repeat_kv then SDPA(is_causal)"),
+        Config("llama-bf16-fusedswiglu", **llama, dtype="bfloat16", norm_impl="torch",
+               attention="sdpa", swiglu_impl="fused",
+               description="as llama-bf16-sdpa, Megatron's fused SwiGLU (saves fc1 output only)"),
     ]  # fmt: skip
 
 
@@ -443,14 +486,35 @@ def ckplan_mapping(cfg: Config) -> dict:
     }
 
 
-def ckplan_prediction(cfg: Config) -> dict[str, int]:
+def ckplan_mapping_for(cfg: Config) -> dict:
+    """ckplan_mapping plus ckplan's optional knobs that match the measured code, where the
+    installed ckplan has them (fused_swiglu: eager silu(gate) * up keeps silu(gate) too)."""
+    mapping = ckplan_mapping(cfg)
+    _import_ckplan()
+    from ckplan.spec import field_names
+
+    fields = set(field_names())
+    if "fused_swiglu" in fields and cfg.arch == "llama":
+        mapping["fused_swiglu"] = cfg.swiglu_impl == "fused"
+    if "bias" in fields:
+        mapping["bias"] = cfg.arch == "gpt"
+    if "positions" in fields and cfg.arch == "llama":
+        mapping["positions"] = "rope"  # parameter count only; no RoPE op is run here
+    return mapping
+
+
+def _import_ckplan() -> None:
     repo = Path(__file__).resolve().parent.parent
     if str(repo) not in sys.path:
         sys.path.insert(0, str(repo))
+
+
+def ckplan_prediction(cfg: Config) -> dict[str, int]:
+    _import_ckplan()
     from ckplan.memory import activation_bytes_by_op
     from ckplan.spec import spec_from_mapping
 
-    spec = spec_from_mapping(ckplan_mapping(cfg))
+    spec = spec_from_mapping(ckplan_mapping_for(cfg), origin=cfg.name)
     return {k: int(v) for k, v in activation_bytes_by_op(spec).items()}
 
 
@@ -498,10 +562,11 @@ def print_measurement(m: Measurement, detail: bool) -> None:
     if detail:
         print("   saved storages (op, dtype, shape of first saving tensor, storage bytes, refs):")
         for st in m.storages:
-            note = "" if st.tensor_bytes == st.storage_bytes else f" (view of {st.storage_bytes})"
+            note = "" if st.tensor_bytes == st.storage_bytes else f" (a {st.tensor_bytes} B view)"
+            also = f" also saved by {', '.join(st.ops[1:])}" if len(st.ops) > 1 else ""
             print(
                 f"     {st.op:<15}{st.dtype:<9}{st.shape!s:<22}{st.storage_bytes:>10}"
-                f"  x{st.saves}{note}"
+                f"  x{st.saves}{note}{also}"
             )
     print()
 
@@ -519,6 +584,12 @@ def print_comparison(m: Measurement, pred: dict[str, int]) -> None:
         print(f"   {op:<15}{p:>12}{q:>12}{q - p:>+11}{ratio:>11}{flag}")
     pt = sum(pred.values())
     print(f"   {'TOTAL':<15}{pt:>12}{m.total:>12}{m.total - pt:>+11}{m.total / pt:>11.3f}")
+    for st in m.storages:
+        if len(st.ops) > 1:
+            print(
+                f"   shared: {st.storage_bytes} B ({st.dtype} {st.shape}) saved by "
+                f"{' and '.join(st.ops)}, counted once under {st.op}"
+            )
     print()
 
 
@@ -530,6 +601,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, help="override b")
     ap.add_argument("--hidden", type=int, help="override h")
     ap.add_argument("--heads", type=int, help="override a")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE",
+        help="override a Config field of the chosen configs, e.g. softmax_fp32=false",
+    )  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--compare", action="store_true", help="compare with ckplan's prediction")
     ap.add_argument("--detail", action="store_true", help="list every saved storage")
@@ -561,6 +636,24 @@ def main(argv: list[str] | None = None) -> int:
             c.heads = args.heads
             c.kv_heads = args.heads if c.arch == "gpt" else c.kv_heads
 
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep or key not in Config.__dataclass_fields__ or key == "name":
+            print(f"--set expects FIELD=VALUE with a Config field, got {item!r}", file=sys.stderr)
+            return 2
+        for c in configs:
+            current = getattr(c, key)
+            if isinstance(current, bool):
+                value = raw.lower() in ("1", "true", "yes", "on")
+            elif isinstance(current, int):
+                value = int(raw)
+            elif isinstance(current, float):
+                value = float(raw)
+            else:
+                value = raw
+            setattr(c, key, value)
+            c.description += f" [{key}={raw}]"
+
     results = [measure(c) for c in configs]
     preds = [ckplan_prediction(m.config) for m in results] if args.compare else None
 
@@ -569,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, m in enumerate(results):
             run = {
                 "config": asdict(m.config),
-                "ckplan_spec": ckplan_mapping(m.config),
+                "ckplan_spec": ckplan_mapping_for(m.config) if args.compare else None,
                 "sbh": _sbh(m.config),
                 "measured": {"by_op": m.by_op, "total": m.total},
                 "sdpa_node": m.sdpa_node,

@@ -1,0 +1,337 @@
+"""Plans: a recomputation strategy applied to a model, with its peak memory and FLOPs.
+
+Every strategy is a schedule over one chain (embedding -> L/p layers -> output and loss, each
+stage with its forward/backward cost, input size and full-tape size), replayed step by step by
+`schedules.simulate`: peak memory is what is actually alive, never a closed-form shortcut.
+Strategy names (DESIGN.md): none, full, uniform:K, sequential:K, sqrt, selective, block:N,
+revolve:C, optimal, and selective+uniform:K / selective+sequential:K / selective+block:N.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from ckplan import flops as flops_model
+from ckplan import memory, seed
+from ckplan.ops import ATTENTION_CORE
+from ckplan.schedules import (
+    BACKWARD,
+    Chain,
+    Replay,
+    optimal_schedule,
+    revolve_schedule,
+    segment_schedule,
+    simulate,
+    store_all_schedule,
+)
+from ckplan.spec import ModelSpec
+
+FORMULAS = ("derived", "seed")
+DEFAULT_SLOTS = 500
+
+
+class StrategyError(ValueError):
+    """A strategy string that names no strategy, or does not fit the model."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A parsed `--strategy`: `kind` with its integer `size` (K, N or C) where it takes one."""
+
+    kind: str  # none | full | uniform | sequential | sqrt | selective | block | revolve | optimal
+    size: int | None = None
+    selective: bool = False  # attention core recomputed on top of `kind`
+
+    @property
+    def name(self) -> str:
+        base = self.kind if self.size is None else f"{self.kind}:{self.size}"
+        if self.selective and self.kind != "selective":
+            return f"selective+{base}"
+        return base
+
+
+_SIZED = ("uniform", "sequential", "block", "revolve")
+_PLAIN = ("none", "full", "sqrt", "selective", "optimal")
+STRATEGY_HELP = (
+    "none, full, uniform:K, sequential:K, sqrt, selective, block:N, revolve:C, optimal, "
+    "or selective+uniform:K / selective+sequential:K / selective+block:N"
+)
+
+
+def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
+    """Parse a `--strategy` value and check its size against the layers of one pipeline stage."""
+    selective = False
+    body = text.strip()
+    if body.startswith("selective+"):
+        selective, body = True, body.removeprefix("selective+")
+    match = re.fullmatch(r"([a-z]+)(?::(-?\d+))?", body)
+    kind = match.group(1) if match else ""
+    size = int(match.group(2)) if match and match.group(2) is not None else None
+    if not match or kind not in _SIZED + _PLAIN or (kind in _PLAIN) != (size is None):
+        raise StrategyError(f"unknown strategy {text!r}: expected one of {STRATEGY_HELP}")
+    if selective and kind not in ("uniform", "sequential", "block", "full", "none"):
+        raise StrategyError(f"strategy {text!r}: selective combines with uniform, sequential, block")
+    layers = spec.layers_per_stage
+    if kind in ("uniform", "sequential") and not 1 <= size <= layers:
+        raise StrategyError(f"strategy {text!r}: K must be in 1..{layers} (layers per stage)")
+    if kind == "block" and not 0 <= size <= layers:
+        raise StrategyError(f"strategy {text!r}: N must be in 0..{layers} (layers per stage)")
+    if kind == "revolve" and size < 1:
+        raise StrategyError(f"strategy {text!r}: C must be at least 1 checkpoint slot")
+    if kind == "none" and selective:
+        return Strategy("selective")
+    if kind == "full" and selective:
+        kind, size = "uniform", 1  # full recompute already re-runs the attention core
+    return Strategy(kind, size, selective or kind == "selective")
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    forward: int
+    backward: int
+    recompute: int
+
+    @property
+    def total(self) -> int:
+        return self.forward + self.backward + self.recompute
+
+    @property
+    def overhead(self) -> float:
+        """recompute / (forward + backward) (DESIGN.md)."""
+        return self.recompute / (self.forward + self.backward)
+
+
+@dataclass(frozen=True)
+class Plan:
+    spec: ModelSpec
+    strategy: str
+    formula: str
+    per_layer_activation_bytes: int
+    breakdown: dict[str, int]
+    activation_bytes: int  # peak on one GPU under the strategy
+    model_states: memory.ModelStateBytes
+    parameters_total: int
+    parameters_per_gpu: int
+    flops: FlopCount
+    steps: tuple = field(default=(), repr=False)  # the schedule, when there is one
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total_bytes(self) -> int:
+        return self.activation_bytes + self.model_states.total
+
+    @property
+    def overhead(self) -> float:
+        return self.flops.overhead
+
+
+# ---- the chain ---------------------------------------------------------------------------
+
+
+def layer_chain(spec: ModelSpec, selective: bool, first_stage: bool = True) -> Chain:
+    """The chain one GPU runs for one micro-batch: embedding (first pipeline stage), its L/p
+    layers, then output layer and loss (last stage). With `selective`, each layer's tape drops
+    the attention core and its backward re-runs the core's forward (Korthikanti §5)."""
+    per_layer = memory.activation_bytes_per_layer(spec)
+    backward = flops_model.layer_backward_flops(spec)
+    if selective:
+        per_layer = memory.selective_activation_bytes_per_layer(spec, ATTENTION_CORE)
+        backward += flops_model.group_forward_flops(spec, ATTENTION_CORE)
+    stream = memory.layer_input_bytes(spec)
+    n = spec.layers_per_stage
+    forward, backwards = [flops_model.layer_forward_flops(spec)] * n, [backward] * n
+    inputs, tapes = [stream] * n, [per_layer] * n
+    has_embedding = spec.kind == "transformer" and spec.vocab > 0 and first_stage
+    has_output = spec.kind == "transformer" and spec.vocab > 0 and (spec.pp == 1 or not first_stage)
+    if has_embedding:
+        forward, backwards = [0, *forward], [0, *backwards]
+        inputs, tapes = [memory.token_id_bytes(spec), *inputs], [memory.embedding_saved_bytes(spec), *tapes]
+    if has_output:
+        logits = flops_model.logits_forward_flops(spec)
+        forward, backwards = [*forward, logits], [*backwards, 2 * logits]
+        inputs, tapes = [*inputs, stream], [*tapes, memory.output_saved_bytes(spec)]
+    final_output = 0 if has_output else stream  # a scalar loss, or the activation sent onward
+    return Chain(
+        forward_flops=tuple(forward),
+        backward_flops=tuple(backwards),
+        input_bytes=(*inputs, final_output),
+        tape_bytes=tuple(tapes),
+    )
+
+
+def _layer_offset(spec: ModelSpec, first_stage: bool = True) -> int:
+    """Index of the first transformer layer in the chain (after the embedding stage)."""
+    return 1 if spec.kind == "transformer" and spec.vocab > 0 and first_stage else 0
+
+
+def _segments(spec: ModelSpec, chain: Chain, strategy: Strategy, first_stage: bool):
+    """(start, end, recompute) segments over the chain for the segment-style strategies."""
+    offset = _layer_offset(spec, first_stage)
+    n_layers = spec.layers_per_stage
+    segments = [(0, offset, False)] if offset else []
+    if strategy.kind == "block":
+        recomputed = strategy.size
+        segments += [(offset + i, offset + i + 1, True) for i in range(recomputed)]
+        if recomputed < n_layers:
+            segments.append((offset + recomputed, offset + n_layers, False))
+    else:
+        size = _segment_size(spec, strategy)
+        starts = range(0, n_layers, size)
+        for index, start in enumerate(starts):
+            last = index == len(starts) - 1
+            keep = strategy.kind == "sequential" and last
+            segments.append((offset + start, offset + min(start + size, n_layers), not keep))
+    if offset + n_layers < chain.length:
+        segments.append((offset + n_layers, chain.length, False))
+    return [(start, end, recompute) for start, end, recompute in segments if end > start]
+
+
+def _segment_size(spec: ModelSpec, strategy: Strategy) -> int:
+    if strategy.kind == "full":
+        return 1
+    if strategy.kind == "sqrt":
+        return max(1, seed.optimal_segment(spec.layers_per_stage))
+    return strategy.size
+
+
+def _schedule(spec: ModelSpec, chain: Chain, strategy: Strategy, budget: int | None, slots: int, first_stage: bool):
+    if strategy.kind in ("none", "selective"):
+        return store_all_schedule(chain)
+    if strategy.kind == "revolve":
+        return revolve_schedule(chain, strategy.size)
+    if strategy.kind == "optimal":
+        if budget is None:
+            raise StrategyError("strategy 'optimal' needs a memory budget (--budget)")
+        result = optimal_schedule(chain, budget, slots)
+        return None if result is None else result.steps
+    return segment_schedule(chain, _segments(spec, chain, strategy, first_stage))
+
+
+# ---- evaluation --------------------------------------------------------------------------
+
+
+def in_flight_microbatches(spec: ModelSpec) -> Fraction:
+    """Micro-batches whose activations the first pipeline stage holds at its peak.
+
+    1F1B: the first stage holds p micro-batches (Narayanan et al. 2021 §2.2; Korthikanti §4.2.3),
+    fewer when the iteration has fewer; interleaving with v virtual stages multiplies by
+    1 + (p - 1)/(p·v) (Korthikanti §4.2.3).
+    """
+    held = Fraction(min(spec.pp, spec.microbatches))
+    if spec.virtual_stages > 1:
+        held *= 1 + Fraction(spec.pp - 1, spec.pp * spec.virtual_stages)
+    return held
+
+
+def held_after_forward_bytes(chain: Chain, replay: Replay) -> int:
+    """What one micro-batch leaves alive between its forward and its backward (its
+    checkpoints and tapes): the after-figure of the last forward step, less δ_n, which the
+    replay counts from the start but which arrives only with the backward pass."""
+    first_backward = next(
+        index for index, point in enumerate(replay.trace) if point.step.kind == BACKWARD
+    )
+    before = replay.trace[first_backward - 1].after_bytes if first_backward else replay.initial_bytes
+    return before - chain.input_bytes[-1]
+
+
+def evaluate(
+    spec: ModelSpec,
+    strategy: Strategy,
+    formula: str = "derived",
+    budget: int | None = None,
+    slots: int = DEFAULT_SLOTS,
+) -> Plan | None:
+    """The plan of `strategy` on `spec`. `budget` (bytes of activation memory) is needed only
+    by `optimal`, which returns None when no schedule fits it."""
+    if formula == "seed":
+        return _evaluate_seed(spec, strategy)
+    stages = [True] if spec.pp == 1 else [True, False]  # first and last pipeline stage
+    best = None
+    for first_stage in stages:
+        chain = layer_chain(spec, strategy.selective, first_stage)
+        steps = _schedule(spec, chain, strategy, budget, slots, first_stage)
+        if steps is None:
+            return None
+        replay = simulate(chain, steps)
+        in_flight = in_flight_microbatches(spec) if first_stage else Fraction(1)
+        held = held_after_forward_bytes(chain, replay)
+        peak = replay.peak_bytes + math.floor((in_flight - 1) * held)
+        if best is None or peak > best[0]:
+            best = (peak, chain, steps, replay)
+    peak, chain, steps, replay = best
+    layers_in_chain = spec.layers_per_stage
+    selective_flops = (
+        layers_in_chain * flops_model.group_forward_flops(spec, ATTENTION_CORE)
+        if strategy.selective
+        else 0
+    )
+    per_microbatch = FlopCount(
+        forward=sum(chain.forward_flops),
+        backward=sum(chain.backward_flops) - selective_flops,
+        recompute=replay.recompute_flops + selective_flops,
+    )
+    return _plan(spec, strategy.name, "derived", peak, _per_iteration(spec, per_microbatch), tuple(steps))
+
+
+def _per_iteration(spec: ModelSpec, flops: FlopCount) -> FlopCount:
+    """FLOPs of one iteration on one GPU: every micro-batch of the pipeline passes through it."""
+    m = spec.microbatches
+    return FlopCount(flops.forward * m, flops.backward * m, flops.recompute * m)
+
+
+def _plan(spec, name, formula, activation_bytes, flops, steps=(), notes=()) -> Plan:
+    counts = memory.parameter_count(spec)
+    return Plan(
+        spec=spec,
+        strategy=name,
+        formula=formula,
+        per_layer_activation_bytes=memory.activation_bytes_per_layer(spec),
+        breakdown=memory.activation_breakdown(spec),
+        activation_bytes=activation_bytes,
+        model_states=memory.model_state_bytes(spec),
+        parameters_total=counts.total,
+        parameters_per_gpu=memory.parameters_per_gpu(spec),
+        flops=flops,
+        steps=steps,
+        notes=notes,
+    )
+
+
+def _evaluate_seed(spec: ModelSpec, strategy: Strategy) -> Plan:
+    """The seed's functions exactly (seed.py): 12·sbh·B per layer, (n_seg + K)·sbh·B after
+    checkpointing, 4/3 and (3 + 0.15)/3 cost ratios, over the layers of one GPU, with the
+    derived per-layer FLOPs as the seed's abstract f_layer."""
+    L = spec.layers_per_stage
+    shape = {"hidden": spec.hidden, "seq": spec.seq, "batch": spec.micro_batch, "bytes_per_value": spec.dtype_bytes}
+    f_layer = flops_model.layer_forward_flops(spec)
+    kind = strategy.kind
+    if strategy.selective and kind != "selective":
+        raise StrategyError(f"the seed formula set has no strategy {strategy.name!r}")
+    if kind in ("none", "selective"):
+        activation_mb = seed.activation_memory_mb(L, **shape)
+    elif kind in ("full", "uniform", "sqrt"):
+        size = _segment_size(spec, strategy)
+        activation_mb = seed.memory_after_checkpoint(L, size, **shape)
+    else:
+        raise StrategyError(f"the seed formula set has no strategy {strategy.name!r}")
+    if kind == "none":
+        recompute = 0
+    elif kind == "selective":
+        cost = seed.selective_checkpoint_cost(L, flops_per_layer=f_layer)
+        recompute = round(cost["recompute"])
+    else:
+        recompute = round(seed.checkpoint_cost(L, _segment_size(spec, strategy), f_layer)["recompute"])
+    flops = FlopCount(forward=L * f_layer, backward=2 * L * f_layer, recompute=recompute)
+    notes = ("seed formulas: layers only, no embedding/output terms",)
+    per_layer_mb = seed.activation_memory_mb(1, **shape)
+    plan = _plan(spec, strategy.name, "seed", round(activation_mb * seed.MB), _per_iteration(spec, flops), notes=notes)
+    return _replace_per_layer(plan, round(per_layer_mb * seed.MB))
+
+
+def _replace_per_layer(plan: Plan, per_layer: int) -> Plan:
+    from dataclasses import replace
+
+    return replace(plan, per_layer_activation_bytes=per_layer)

@@ -1,0 +1,73 @@
+"""The seed formula set (`--formula seed`): the original design notes' functions, reproduced
+exactly (shared/seed), so their numbers stay available for comparison.
+
+They are simplifications, kept on purpose: a flat 12·sbh·B per layer whatever the architecture,
+(n_seg + K)·sbh·B after checkpointing (true only when a layer stores nothing but its input), one
+extra forward for any checkpointing, a fixed 15% attention fraction and K = round(sqrt(L)). The
+default `derived` formula set replaces each with the architecture's own numbers.
+"""
+
+from __future__ import annotations
+
+import math
+
+SEED_ATTENTION_FRACTION = 0.15
+MB = 10**6
+
+
+def activation_memory_mb(n_layers, hidden=8192, seq=8192, batch=1, bytes_per_value=2):
+    """Seed: L layers of 12·s·b·h·B bytes, in MB (10^6)."""
+    per_layer = 12 * batch * seq * hidden * bytes_per_value
+    return n_layers * per_layer / MB
+
+
+def memory_after_checkpoint(n_layers, segment_size, hidden=8192, seq=8192, batch=1, bytes_per_value=2):
+    """Seed: (n_seg + K) layer inputs of s·b·h·B bytes, in MB, n_seg = max(1, L // K)."""
+    n_seg = max(1, n_layers // segment_size)
+    saved = (n_seg + segment_size) * 1 * batch * seq * hidden * bytes_per_value
+    return saved / MB
+
+
+def checkpoint_cost(n_layers, segment_size, flops_per_layer=1.0):
+    """Seed: any segment size costs one extra forward of every layer; overhead 4/3 - 1."""
+    fwd = n_layers * flops_per_layer
+    recompute = n_layers * flops_per_layer
+    bwd = 2 * n_layers * flops_per_layer
+    total = fwd + recompute + bwd
+    return {
+        "fwd": fwd,
+        "recompute": recompute,
+        "bwd": bwd,
+        "total": total,
+        "overhead_vs_no_ckpt": total / (fwd + bwd) - 1.0,
+    }
+
+
+def selective_checkpoint_cost(n_layers, attention_fraction=SEED_ATTENTION_FRACTION, flops_per_layer=1.0):
+    """Seed: recompute the attention share of each layer; overhead (3 + 0.15)/3 - 1 = 5%."""
+    fwd = n_layers * flops_per_layer
+    recompute = n_layers * attention_fraction * flops_per_layer
+    bwd = 2 * n_layers * flops_per_layer
+    total = fwd + recompute + bwd
+    return {
+        "fwd": fwd,
+        "recompute": recompute,
+        "bwd": bwd,
+        "total": total,
+        "overhead_vs_no_ckpt": total / (fwd + bwd) - 1.0,
+    }
+
+
+def optimal_segment(n_layers):
+    """Seed: K = round(sqrt(L)) (Chen et al. 2016, §4.1: sqrt(n) segments)."""
+    return int(round(math.sqrt(n_layers)))
+
+
+def should_recompute(layer_type, activation_bytes, recompute_flops_ratio):
+    """Seed: recompute attention above 100 MB of activations; an FFN above 500 MB only when
+    recomputing it costs under 10% extra."""
+    if layer_type == "attention" and activation_bytes > 100 * MB:
+        return True
+    if layer_type == "ffn" and activation_bytes > 500 * MB:
+        return recompute_flops_ratio < 0.1
+    return False
