@@ -619,6 +619,9 @@ def optimal_schedule(chain: Chain, budget_bytes: int, slots: int = 500) -> Sched
 def _solve_persistent(chain: Chain, unit: int, mem: int) -> tuple[Schedule, int | None] | None:
     """Fill the rotor-style table and backtrack; see :func:`optimal_schedule` for the equations.
 
+    Loop order: ``j`` ascending, ``i`` descending, so that ``C(k, j)`` (``k > i``) sits in a
+    contiguous per-``j`` buffer and ``C(i, k)`` (``k < j``) in the table row of ``i``; each
+    ``(i, j)`` is one vectorised operation over (split ``k``) x (memory ``m``).
     Returns ``(steps, dp_cost)`` (``dp_cost`` None if the float64 fallback was used) or None.
     """
     import numpy as np
@@ -633,65 +636,88 @@ def _solve_persistent(chain: Chain, unit: int, mem: int) -> tuple[Schedule, int 
     bwd = [tp[i] + a[i + 1] + bw[i] + a[i] for i in range(n)]
 
     # Exact int64 arithmetic when every finite cost fits (a stage is re-forwarded at most once
-    # per enclosing sub-problem, so n * sum(f) + sum(b) bounds any persistent schedule).
-    bound = n * sum(f) + sum(b)
-    exact = bound < 2**60
+    # per enclosing sub-problem, so n * sum(f) + sum(b) bounds any persistent schedule); sums of
+    # two table entries and a prefix stay below 2**63, and table entries are clamped to ``inf``.
+    exact = n * sum(f) + sum(b) < 2**60
     if exact:
         dtype, inf = np.int64, 2**61
     else:
         dtype, inf = np.float64, np.inf
     width = mem + 1
-    table = np.full((n + 1, n + 1, width), inf, dtype=dtype)
-    what = np.full((n + 1, n + 1, width), -1, dtype=np.int32)
-    prefix = np.zeros(n + 1, dtype=dtype)
-    prefix[1:] = np.cumsum(np.array(f, dtype=dtype))
-    g_arr = np.array(g, dtype=np.int64)
+    table = np.full((n + 1, n + 1, width), inf, dtype=dtype)  # table[i, j] = C(i, j, .)
+    what = np.full((n + 1, n + 1, width), -1, dtype=np.int32)  # 0: keep_all(i); k: leaf at k
+    column = np.full((n + 1, width), inf, dtype=dtype)  # C(., j, .) for the current j
+    prefix = [0]
+    for x in f:
+        prefix.append(prefix[-1] + x)
+    prefix_arr = np.array(prefix, dtype=dtype)
+    back = [0]
+    for x in b:
+        back.append(back[-1] + x)
 
+    # Leaf thresholds: m >= x_j + h(i, k), h(i, k) = max(g_i, x_i + max_{i<p<k} g_p), which is
+    # non-decreasing in k; runs[i] lists (first k, h) where h changes, to mask whole row blocks.
+    h_rows: list[list[int]] = []
+    runs: list[list[tuple[int, int]]] = []
     for i in range(n):
-        thr = max(a[i + 1] + g[i], bwd[i])
-        if thr <= mem:
-            table[i, i + 1, thr:] = f[i] + b[i]
-            what[i, i + 1, thr:] = 0
+        row, run, pm = [], [], 0
+        for k in range(i + 1, n + 1):
+            if k > i + 1:
+                pm = max(pm, g[k - 1])
+            h = max(g[i], a[i] + pm)
+            if not row or h != row[-1]:
+                run.append((k, h))
+            row.append(h)
+        h_rows.append(row)
+        runs.append(run)
 
-    for d in range(2, n + 1):
-        for i in range(n - d + 1):
-            j = i + d
-            best = np.full(width, inf, dtype=dtype)
-            choice = np.full(width, -1, dtype=np.int32)
+    for j in range(1, n + 1):
+        column.fill(inf)
+        i = j - 1
+        thr = max(a[j] + g[i], bwd[i])
+        if thr <= mem:
+            column[i, thr:] = f[i] + b[i]
+            what[i, j, thr:] = 0
+        table[i, j] = column[i]
+        for i in range(j - 2, -1, -1):
+            best = column[i]
+            choice = what[i, j]
             # "chain" option: keep_all(i), C(i+1, j, m - tape_i), backward(i).
             thr_a = max(a[j] + g[i], bwd[i])
             if thr_a <= mem:
                 sh = tp[i]
-                best[thr_a:] = table[i + 1, j, thr_a - sh : width - sh] + (f[i] + b[i])
+                best[thr_a:] = column[i + 1, thr_a - sh : width - sh] + (f[i] + b[i])
                 if exact:
                     np.minimum(best, inf, out=best)
-                choice[best < inf] = 0
-            # "leaf" options: checkpoint x_i, advance to x_k, C(k, j, m - x_i), then C(i, k, m).
-            inner = np.zeros(d - 1, dtype=np.int64)
-            if d > 2:
-                inner[1:] = np.maximum.accumulate(g_arr[i + 1 : j - 1])
-            thr_b = a[j] + np.maximum(g[i], a[i] + inner)
-            lo = int(thr_b[0])
-            if lo <= mem:
+                choice[thr_a:] = np.where(best[thr_a:] < inf, 0, -1)
+            # "leaf" options: keep x_i, advance to x_k, C(k, j, m - x_i), then C(i, k, m).
+            # Where the chain option already costs the no-recompute bound, no leaf is better.
+            hi = width
+            if thr_a <= mem:
+                done = best[thr_a:] == prefix[j] - prefix[i] + back[j] - back[i]
+                if done.any():
+                    hi = thr_a + int(done.argmax())
+            lo = a[j] + h_rows[i][0]
+            if lo < hi:
                 sh = a[i]
-                right = table[i + 1 : j, j, lo - sh : width - sh]
-                left = table[i, i + 1 : j, lo:]
-                cand = right + left
-                cand += (prefix[i + 1 : j] - prefix[i])[:, None]
-                # thr_b is non-decreasing in k: mask each run of equal thresholds at once.
-                starts = np.flatnonzero(np.diff(thr_b)) + 1
-                stops = [*starts.tolist(), d - 1]
-                for r0, r1 in zip(starts.tolist(), stops[1:]):
-                    cand[r0:r1, : int(thr_b[r0]) - lo] = inf
-                if exact:
-                    np.minimum(cand, inf, out=cand)
-                k_idx = np.argmin(cand, axis=0)
-                vals = cand[k_idx, np.arange(width - lo)]
-                better = vals < best[lo:]
-                best[lo:] = np.where(better, vals, best[lo:])
-                choice[lo:] = np.where(better, k_idx + i + 1, choice[lo:])
+                cand = column[i + 1 : j, lo - sh : hi - sh] + table[i, i + 1 : j, lo:hi]
+                cand += (prefix_arr[i + 1 : j] - prefix[i])[:, None]
+                run = runs[i]
+                for r in range(1, len(run)):
+                    k0, h = run[r]
+                    if k0 >= j:
+                        break
+                    k1 = run[r + 1][0] if r + 1 < len(run) else j
+                    cand[k0 - i - 1 : k1 - i - 1, : min(a[j] + h, hi) - lo] = inf
+                low = cand.min(axis=0)
+                better = low < best[lo:hi]
+                if better.any():
+                    k_best = (cand == low).argmax(axis=0) + (i + 1)
+                    best[lo:hi] = np.where(better, low, best[lo:hi])
+                    choice[lo:hi] = np.where(better, k_best, choice[lo:hi])
+            if exact:
+                np.minimum(best, inf, out=best)
             table[i, j] = best
-            what[i, j] = choice
 
     if what[0, n, mem] < 0:
         return None

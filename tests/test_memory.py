@@ -1,0 +1,129 @@
+"""Activation and model-state bytes against hand-computed values from the papers."""
+
+import pytest
+
+from ckplan.memory import (
+    activation_breakdown,
+    activation_bytes_by_op,
+    activation_bytes_per_layer,
+    layer_input_bytes,
+    model_state_bytes,
+    output_saved_bytes,
+    parameter_count,
+    parameters_per_gpu,
+    selective_activation_bytes_per_layer,
+)
+from ckplan.ops import ATTENTION_CORE
+KORTHIKANTI_PRESETS = ["megatron-22b", "megatron-175b", "megatron-530b", "megatron-1t"]
+
+
+def _sbh_as2b(spec):
+    s, b, h, a = spec.seq, spec.micro_batch, spec.hidden, spec.heads
+    return s * b * h, a * s * s * b
+
+
+@pytest.mark.parametrize("name", KORTHIKANTI_PRESETS)
+def test_korthikanti_table2_single_gpu(spec_of, name):
+    """Table 2 (B = 2, F = 4h, dropout, standard attention), t = 1: 34sbh + 5as²b;
+    selective 34sbh; full recompute 2sbh; breakdown of §4.1: attention 11sbh + 5as²b, MLP 19sbh,
+    norms 4sbh."""
+    spec = spec_of(name, tp=1, sp=False, pp=1)
+    sbh, as2b = _sbh_as2b(spec)
+    assert activation_bytes_per_layer(spec) == 34 * sbh + 5 * as2b
+    assert selective_activation_bytes_per_layer(spec, ATTENTION_CORE) == 34 * sbh
+    assert layer_input_bytes(spec) == 2 * sbh
+    assert activation_breakdown(spec) == {"attention": 11 * sbh + 5 * as2b, "mlp": 19 * sbh, "norm": 4 * sbh}
+
+
+@pytest.mark.parametrize("name", KORTHIKANTI_PRESETS)
+def test_korthikanti_table2_tensor_and_sequence_parallel(spec_of, name):
+    """Table 2's parallel rows with the paper's t = 8, per GPU:
+    TP sbh(10 + 24/t + 5as/ht); TP+SP sbh(34/t + 5as/ht); TP+selective sbh(10 + 24/t);
+    TP+SP+selective 34sbh/t; full recompute with SP 2sbh/t."""
+    tp_only = spec_of(name, sp=False, pp=1)
+    t = tp_only.tp
+    assert t == 8
+    sbh, as2b = _sbh_as2b(tp_only)
+    assert activation_bytes_per_layer(tp_only) == 10 * sbh + 24 * sbh // t + 5 * as2b // t
+    assert selective_activation_bytes_per_layer(tp_only, ATTENTION_CORE) == 10 * sbh + 24 * sbh // t
+    with_sp = spec_of(name, sp=True, pp=1)
+    assert activation_bytes_per_layer(with_sp) == 34 * sbh // t + 5 * as2b // t
+    assert selective_activation_bytes_per_layer(with_sp, ATTENTION_CORE) == 34 * sbh // t
+    assert layer_input_bytes(with_sp) == 2 * sbh // t
+
+
+def test_dropout_off_removes_masks_and_dropout_output(spec_of):
+    spec = spec_of("megatron-22b", tp=1, sp=False, pp=1, dropout=0.0)
+    sbh, as2b = _sbh_as2b(spec)
+    # 34sbh + 5as²b less the two sbh masks, the as²b mask and the 2as²b dropout output.
+    assert activation_bytes_per_layer(spec) == 32 * sbh + 2 * as2b
+    assert "attn_dropout" not in activation_bytes_by_op(spec)
+
+
+def test_flash_attention_gqa_swiglu(spec_of):
+    """Derived for Llama-3-8B (B = 2, a = 32, g = 8, d = 128, F = 14336, fused SwiGLU):
+    norms 2·2sbh; QKV input 2sbh; flash saves Q (2sbh), K and V at g·d = h/4 (2·2·sbh/4), fp32
+    logsumexp 4·a·s·b; out-proj input 2sbh; fc1 input 2sbh; fc1 output 2·2·sbF; fc2 input 2sbF."""
+    spec = spec_of("llama3-8b")
+    s, b, h, a, F = spec.seq, spec.micro_batch, spec.hidden, spec.heads, spec.ffn_hidden
+    sbh = s * b * h
+    by_op = activation_bytes_by_op(spec)
+    assert by_op["attention_core"] == 2 * sbh + 2 * 2 * sbh // 4 + 4 * a * s * b
+    assert by_op["act"] == 2 * 2 * s * b * F
+    expected = 4 * sbh + 2 * sbh + by_op["attention_core"] + 2 * sbh + 2 * sbh + 4 * s * b * F + 2 * s * b * F
+    assert activation_bytes_per_layer(spec) == expected
+    eager = spec_of("llama3-8b", fused_swiglu=False)
+    assert activation_bytes_per_layer(eager) - activation_bytes_per_layer(spec) == 2 * s * b * F
+
+
+def test_standard_attention_with_gqa_saves_repeated_kv(spec_of):
+    """K and V repeated to a heads before the matmuls (Megatron repeat_interleave, HF repeat_kv)
+    are what autograd saves; selective keeps the g·d-wide K, V as the core's input."""
+    spec = spec_of("llama3-8b", attention="standard", seq=1024)
+    s, b, h = spec.seq, spec.micro_batch, spec.hidden
+    sbh = s * b * h
+    by_op = activation_bytes_by_op(spec)
+    assert by_op["attn_scores"] == 2 * 2 * sbh and by_op["attn_values"] == 2 * sbh
+    assert selective_activation_bytes_per_layer(spec, ATTENTION_CORE) == (
+        activation_bytes_per_layer(spec) - (4 * sbh + 2 * spec.heads * s * s * b + 2 * sbh) + 2 * (sbh + 2 * sbh // 4)
+    )
+
+
+def test_output_layer_fp32_logits(spec_of):
+    """Korthikanti §4.3: final norm and output-layer inputs 4sbh/t, fp32 logits 4sbV/t (SP on)."""
+    spec = spec_of("megatron-22b", pp=1)
+    s, b, h, V, t = spec.seq, spec.micro_batch, spec.hidden, spec.vocab, spec.tp
+    assert output_saved_bytes(spec) == 4 * s * b * h // t + 4 * s * b * V // t
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("gpt2", 124_439_808),  # HF gpt2 num_parameters()
+        ("llama3-8b", 8_030_261_248),  # HF Meta-Llama-3-8B
+        ("llama2-7b", 6_738_415_616),  # HF Llama-2-7b-hf
+        ("mistral-7b", 7_241_732_096),  # HF Mistral-7B-v0.1
+        ("llama3-70b", 70_553_706_496),  # HF Meta-Llama-3-70B
+    ],
+)
+def test_parameter_counts_match_published(spec_of, name, params):
+    assert parameter_count(spec_of(name)).total == params
+
+
+def test_model_states_18_bytes_per_param_and_zero(spec_of):
+    spec = spec_of("llama3-8b")
+    params = parameter_count(spec).total
+    assert model_state_bytes(spec).total == 18 * params
+    dp = 8
+    zero1 = model_state_bytes(spec_of("llama3-8b", dp=dp, zero=1))
+    assert (zero1.weights, zero1.gradients, zero1.optimizer) == (2 * params, 4 * params, 12 * params // dp)
+    zero3 = model_state_bytes(spec_of("llama3-8b", dp=dp, zero=3))
+    assert zero3.total == (2 + 4 + 12) * params // dp
+
+
+def test_parameters_per_gpu_split_by_tp_and_pp(spec_of):
+    spec = spec_of("megatron-175b")
+    whole = parameter_count(spec)
+    per_gpu = parameters_per_gpu(spec)
+    # about 1/(t·p) of the model, plus the vocab-parallel embedding share on the first stage
+    assert whole.total / (8 * 8) < per_gpu < 1.2 * whole.total / (8 * 8)
