@@ -1,4 +1,4 @@
-"""Checkpointing schedules for a chain of stages: exact memory replay, optimal DP, Revolve, segments.
+"""Checkpointing schedules for a chain of stages: memory replay, optimal DP, Revolve, segments.
 
 Chain model
 -----------
@@ -166,7 +166,9 @@ class Step:
 
     def __post_init__(self) -> None:
         if self.kind not in STEP_KINDS:
-            raise ValueError(f"unknown step kind {self.kind!r}; expected one of {sorted(STEP_KINDS)}")
+            raise ValueError(
+                f"unknown step kind {self.kind!r}; expected one of {sorted(STEP_KINDS)}"
+            )
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage < 0:
             raise ValueError(f"step stage must be a non-negative int, got {self.stage!r}")
 
@@ -282,12 +284,7 @@ def simulate(chain: Chain, steps: Sequence[Step]) -> Replay:
                 tapes.add(i)
                 live += tape[i] - inp[i]
             nxt = steps[t + 1] if t + 1 < len(steps) else None
-            if (
-                isinstance(nxt, Step)
-                and nxt.kind != BACKWARD
-                and nxt.stage == i + 1
-                and i + 1 < n
-            ):
+            if isinstance(nxt, Step) and nxt.kind != BACKWARD and nxt.stage == i + 1 and i + 1 < n:
                 acts[i + 1] = False
                 live += inp[i + 1]
             counts[i] += 1
@@ -339,10 +336,6 @@ class ScheduleResult:
         return self.replay.layer_forwards
 
 
-def _fwd(kind: str, i: int) -> Step:
-    return Step(kind, i)
-
-
 # --------------------------------------------------------------------------------------------
 # Simple schedules
 
@@ -358,14 +351,18 @@ def store_all_schedule(chain: Chain) -> Schedule:
     )
 
 
-def _check_segments(n: int, segments: Sequence[tuple[int, int, bool]]) -> list[tuple[int, int, bool]]:
+def _check_segments(
+    n: int, segments: Sequence[tuple[int, int, bool]]
+) -> list[tuple[int, int, bool]]:
     out = []
     expected = 0
     for idx, seg in enumerate(segments):
         try:
             start, end, recompute = seg
         except (TypeError, ValueError):
-            raise ValueError(f"segment {idx}: expected (start, end, recompute), got {seg!r}") from None
+            raise ValueError(
+                f"segment {idx}: expected (start, end, recompute), got {seg!r}"
+            ) from None
         if not (isinstance(start, int) and isinstance(end, int)) or isinstance(start, bool):
             raise ValueError(f"segment {idx}: start and end must be ints, got {seg!r}")
         if start != expected:
@@ -644,8 +641,12 @@ def _solve_persistent(chain: Chain, unit: int, mem: int) -> tuple[Schedule, int 
     else:
         dtype, inf = np.float64, np.inf
     width = mem + 1
-    table = np.full((n + 1, n + 1, width), inf, dtype=dtype)  # table[i, j] = C(i, j, .)
-    what = np.full((n + 1, n + 1, width), -1, dtype=np.int32)  # 0: keep_all(i); k: leaf at k
+    # Row i holds C(i, k, .) at index k - i (k = i..n; index 0 unused): half of an n x n table.
+    # what[i][k - i, m]: 0 = keep_all(i) ("chain" or the single-stage base), k' > 0 = leaf at k'.
+    table = [np.full((n + 1 - i, width), inf, dtype=dtype) for i in range(n)]
+    what = [
+        np.full((n + 1 - i, width), -1, dtype=np.int16 if n < 2**15 else np.int32) for i in range(n)
+    ]
     column = np.full((n + 1, width), inf, dtype=dtype)  # C(., j, .) for the current j
     prefix = [0]
     for x in f:
@@ -677,11 +678,11 @@ def _solve_persistent(chain: Chain, unit: int, mem: int) -> tuple[Schedule, int 
         thr = max(a[j] + g[i], bwd[i])
         if thr <= mem:
             column[i, thr:] = f[i] + b[i]
-            what[i, j, thr:] = 0
-        table[i, j] = column[i]
+            what[i][j - i, thr:] = 0
+        table[i][j - i] = column[i]
         for i in range(j - 2, -1, -1):
             best = column[i]
-            choice = what[i, j]
+            choice = what[i][j - i]
             # "chain" option: keep_all(i), C(i+1, j, m - tape_i), backward(i).
             thr_a = max(a[j] + g[i], bwd[i])
             if thr_a <= mem:
@@ -700,7 +701,7 @@ def _solve_persistent(chain: Chain, unit: int, mem: int) -> tuple[Schedule, int 
             lo = a[j] + h_rows[i][0]
             if lo < hi:
                 sh = a[i]
-                cand = column[i + 1 : j, lo - sh : hi - sh] + table[i, i + 1 : j, lo:hi]
+                cand = column[i + 1 : j, lo - sh : hi - sh] + table[i][1 : j - i, lo:hi]
                 cand += (prefix_arr[i + 1 : j] - prefix[i])[:, None]
                 run = runs[i]
                 for r in range(1, len(run)):
@@ -717,12 +718,12 @@ def _solve_persistent(chain: Chain, unit: int, mem: int) -> tuple[Schedule, int 
                     choice[lo:hi] = np.where(better, k_best, choice[lo:hi])
             if exact:
                 np.minimum(best, inf, out=best)
-            table[i, j] = best
+            table[i][j - i] = best
 
-    if what[0, n, mem] < 0:
+    if what[0][n, mem] < 0:
         return None
     steps = _backtrack(n, what, a, tp, mem)
-    dp_cost = int(table[0, n, mem]) if exact else None
+    dp_cost = int(table[0][n, mem]) if exact else None
     return steps, dp_cost
 
 
@@ -736,7 +737,7 @@ def _backtrack(n: int, what, a: list[int], tp: list[int], mem: int) -> Schedule:
             steps.append(item)
             continue
         i, j, m = item
-        c = int(what[i, j, m])
+        c = int(what[i][j - i, m])
         if c < 0:
             raise RuntimeError(f"internal error: no decision for ({i}, {j}, {m})")
         if j == i + 1:
@@ -765,26 +766,24 @@ def enumerate_persistent_schedules(n: int) -> Iterator[Schedule]:
     Counts are the large Schröder numbers 1, 2, 6, 22, 90, 394, 1806, ...
     Source: Beaumont et al. 2019 (rotor), §4, characterisation of persistent schedules.
     """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"a chain needs at least one stage, got {n!r}")
+    yield from _persistent_schedules(0, n)
 
-    @lru_cache(maxsize=None)
-    def reverse(i: int, j: int) -> tuple[Schedule, ...]:
-        if j == i + 1:
-            return ((Step(FORWARD_KEEP_ALL, i), Step(BACKWARD, i)),)
-        out: list[Schedule] = []
-        head_all = (Step(FORWARD_KEEP_ALL, i),)
-        tail = (Step(BACKWARD, i),)
-        out.extend(head_all + rest + tail for rest in reverse(i + 1, j))
-        for k in range(i + 1, j):
-            head = (Step(FORWARD_KEEP_INPUT, i),) + tuple(
-                Step(FORWARD_DROP, p) for p in range(i + 1, k)
-            )
-            for right in reverse(k, j):
-                out.extend(head + right + left for left in reverse(i, k))
-        return tuple(out)
 
-    if n < 1:
-        raise ValueError("a chain needs at least one stage")
-    yield from reverse(0, n)
+@lru_cache(maxsize=4096)
+def _persistent_schedules(i: int, j: int) -> tuple[Schedule, ...]:
+    if j == i + 1:
+        return ((Step(FORWARD_KEEP_ALL, i), Step(BACKWARD, i)),)
+    out: list[Schedule] = []
+    head_all = (Step(FORWARD_KEEP_ALL, i),)
+    tail = (Step(BACKWARD, i),)
+    out.extend(head_all + rest + tail for rest in _persistent_schedules(i + 1, j))
+    for k in range(i + 1, j):
+        head = (Step(FORWARD_KEEP_INPUT, i), *(Step(FORWARD_DROP, p) for p in range(i + 1, k)))
+        for right in _persistent_schedules(k, j):
+            out.extend(head + right + left for left in _persistent_schedules(i, k))
+    return tuple(out)
 
 
 def brute_force_optimal(chain: Chain, budget_bytes: int) -> ScheduleResult | None:

@@ -1,0 +1,123 @@
+"""Strategies: peak memory from the replayed schedule, against hand-derived live sets."""
+
+from fractions import Fraction
+
+import pytest
+
+from ckplan.flops import group_forward_flops, layer_backward_flops, layer_forward_flops
+from ckplan.memory import (
+    activation_bytes_per_layer,
+    embedding_saved_bytes,
+    layer_input_bytes,
+    selective_activation_bytes_per_layer,
+)
+from ckplan.ops import ATTENTION_CORE
+from ckplan.plans import StrategyError, evaluate, in_flight_microbatches, parse_strategy
+from ckplan.spec import spec_from_mapping
+
+SMALL = {"name": "small", "layers": 8, "hidden": 64, "heads": 4, "seq": 32, "micro_batch": 2, "vocab": 0,
+         "dropout": 0.1}
+
+
+@pytest.fixture
+def small():
+    return spec_from_mapping(SMALL)
+
+
+def plan(spec, strategy, **kwargs):
+    return evaluate(spec, parse_strategy(strategy, spec), **kwargs)
+
+
+def test_none_holds_every_tape(small):
+    """Backward of the last layer: L tapes + δ_L + δ_{L-1} (the two gradients of that step)."""
+    T, X = activation_bytes_per_layer(small), layer_input_bytes(small)
+    result = plan(small, "none")
+    assert result.activation_bytes == small.layers * T + 2 * X
+    assert result.flops.recompute == 0 and result.overhead == 0
+
+
+def test_full_recompute(small):
+    """L layer inputs kept; at the peak one layer's tape is rebuilt: T + (L + 1)·X."""
+    T, X = activation_bytes_per_layer(small), layer_input_bytes(small)
+    result = plan(small, "full")
+    assert result.activation_bytes == T + (small.layers + 1) * X
+    assert result.flops.recompute == small.layers * layer_forward_flops(small)
+    forward, backward = layer_forward_flops(small), layer_backward_flops(small)
+    assert result.overhead == pytest.approx(forward / (forward + backward))
+
+
+@pytest.mark.parametrize("K", [1, 2, 4, 8])
+def test_uniform_segments(small, K):
+    """n = L/K stored segment inputs; backward of a segment re-forwards K tapes:
+    (n + 1)·X + K·T, not the seed's (n + K)·X (a layer stores far more than its input)."""
+    T, X = activation_bytes_per_layer(small), layer_input_bytes(small)
+    n = small.layers // K
+    assert plan(small, f"uniform:{K}").activation_bytes == (n + 1) * X + K * T
+
+
+def test_sequential_keeps_last_segment(small):
+    """torch checkpoint_sequential: the last of n segments is stored; its tapes stay alive
+    while the others' inputs are stored: (n - 1)·X + K·T + 2X, with one forward less."""
+    T, X = activation_bytes_per_layer(small), layer_input_bytes(small)
+    K, n = 2, 4
+    result = plan(small, f"sequential:{K}")
+    assert result.activation_bytes == (n - 1) * X + K * T + 2 * X
+    assert result.flops.recompute == (small.layers - K) * layer_forward_flops(small)
+
+
+def test_block_recomputes_first_layers(small):
+    T, X = activation_bytes_per_layer(small), layer_input_bytes(small)
+    N = 3
+    result = plan(small, f"block:{N}")
+    assert result.activation_bytes == N * X + (small.layers - N) * T + 2 * X
+    assert result.flops.recompute == N * layer_forward_flops(small)
+    assert plan(small, "block:0").activation_bytes == plan(small, "none").activation_bytes
+
+
+def test_selective(small):
+    S = selective_activation_bytes_per_layer(small, ATTENTION_CORE)
+    X = layer_input_bytes(small)
+    result = plan(small, "selective")
+    assert result.activation_bytes == small.layers * S + 2 * X
+    assert result.flops.recompute == small.layers * group_forward_flops(small, ATTENTION_CORE)
+    assert result.flops.backward == small.layers * layer_backward_flops(small)
+
+
+def test_sqrt_is_round_sqrt_layers(small):
+    assert plan(small, "sqrt").activation_bytes == plan(small, "uniform:3").activation_bytes
+
+
+def test_pipeline_first_stage_holds_p_microbatches(spec_of):
+    """1F1B: the first stage keeps p micro-batches of its L/p layers = L layers' worth
+    (Korthikanti §4.2.3), plus the embedding's tape per micro-batch."""
+    spec = spec_of("megatron-175b")
+    assert in_flight_microbatches(spec) == spec.pp
+    T, X = activation_bytes_per_layer(spec), layer_input_bytes(spec)
+    one_microbatch = spec.layers_per_stage * T + embedding_saved_bytes(spec)
+    result = plan(spec, "none")
+    # peak of the last micro-batch's backward + (p - 1) held micro-batches
+    assert result.activation_bytes == one_microbatch + 2 * X + (spec.pp - 1) * one_microbatch
+    interleaved = spec.replace(virtual_stages=2)
+    assert in_flight_microbatches(interleaved) == spec.pp * (1 + Fraction(spec.pp - 1, 2 * spec.pp))
+
+
+def test_few_microbatches_hold_fewer(spec_of):
+    assert in_flight_microbatches(spec_of("megatron-175b", microbatches=3)) == 3
+
+
+@pytest.mark.parametrize("text", ["uniform", "uniform:0", "uniform:99", "block:-1", "revolve:0", "bogus", "none:3",
+                                  "selective+revolve:2", "uniform:two"])
+def test_bad_strategies(small, text):
+    with pytest.raises(StrategyError):
+        parse_strategy(text, small)
+
+
+def test_strategy_names_round_trip(small):
+    for text in ["none", "full", "uniform:2", "sequential:4", "sqrt", "selective", "block:3", "revolve:2",
+                 "optimal", "selective+uniform:2", "selective+block:1"]:
+        assert parse_strategy(text, small).name == text
+
+
+def test_optimal_needs_budget(small):
+    with pytest.raises(StrategyError, match="needs a memory budget"):
+        plan(small, "optimal")

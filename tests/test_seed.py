@@ -1,0 +1,59 @@
+"""The seed formula set reproduces the seed's own numbers (shared/seed)."""
+
+import pytest
+
+from ckplan import seed
+from ckplan.plans import evaluate, parse_strategy
+
+
+def test_seed_overheads():
+    assert seed.checkpoint_cost(32, 4)["overhead_vs_no_ckpt"] == pytest.approx(1 / 3)
+    assert seed.selective_checkpoint_cost(32)["overhead_vs_no_ckpt"] == pytest.approx(0.05)
+    assert seed.checkpoint_cost(32, 4) == {"fwd": 32.0, "recompute": 32.0, "bwd": 64.0, "total": 128.0,
+                                           "overhead_vs_no_ckpt": pytest.approx(1 / 3)}
+
+
+def test_seed_memory_functions():
+    # 12 · 8192 · 8192 · 2 bytes = 1610.612736 MB per layer
+    assert seed.activation_memory_mb(1) == pytest.approx(1610.612736)
+    assert seed.activation_memory_mb(32) == pytest.approx(32 * 1610.612736)
+    # (32 // 4 + 4) inputs of 8192 · 8192 · 2 bytes = 12 · 134.217728 MB
+    assert seed.memory_after_checkpoint(32, 4) == pytest.approx(12 * 134.217728)
+    assert seed.memory_after_checkpoint(3, 8) == pytest.approx(9 * 134.217728)  # n_seg floors to 1
+
+
+@pytest.mark.parametrize(("layers", "segment"), [(1, 1), (4, 2), (32, 6), (48, 7), (96, 10), (80, 9), (2, 1)])
+def test_seed_optimal_segment(layers, segment):
+    assert seed.optimal_segment(layers) == segment
+
+
+def test_seed_should_recompute_thresholds():
+    assert seed.should_recompute("attention", 100 * 10**6 + 1, 0.5)
+    assert not seed.should_recompute("attention", 100 * 10**6, 0.0)
+    assert seed.should_recompute("ffn", 500 * 10**6 + 1, 0.09)
+    assert not seed.should_recompute("ffn", 500 * 10**6 + 1, 0.1)
+    assert not seed.should_recompute("ffn", 500 * 10**6, 0.0)
+    assert not seed.should_recompute("norm", 10**12, 0.0)
+
+
+def test_formula_seed_plans(spec_of):
+    spec = spec_of("seed")
+    sbhB = spec.seq * spec.micro_batch * spec.hidden * spec.dtype_bytes
+    none = evaluate(spec, parse_strategy("none", spec), "seed")
+    assert none.activation_bytes == 12 * sbhB * spec.layers
+    assert none.per_layer_activation_bytes == 12 * sbhB
+    uniform = evaluate(spec, parse_strategy("uniform:4", spec), "seed")
+    assert uniform.activation_bytes == (spec.layers // 4 + 4) * sbhB
+    assert uniform.overhead == pytest.approx(1 / 3)
+    sqrt = evaluate(spec, parse_strategy("sqrt", spec), "seed")
+    assert sqrt.strategy == "sqrt" and sqrt.activation_bytes == (32 // 6 + 6) * sbhB
+    selective = evaluate(spec, parse_strategy("selective", spec), "seed")
+    assert selective.overhead == pytest.approx(0.05)
+
+
+def test_derived_selective_overhead_is_not_the_seed_constant(spec_of):
+    """With s = h = 8192 the attention core is s/(6h + s) = 1/7 of a layer; its recompute over
+    forward + backward is 1/21 ≈ 4.8%, close to but not the seed's 5%."""
+    spec = spec_of("seed")
+    plan = evaluate(spec, parse_strategy("selective", spec))
+    assert plan.overhead == pytest.approx(1 / 21)
