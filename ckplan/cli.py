@@ -30,7 +30,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-stdout = Console(soft_wrap=False)
+# Wide enough for the tables when piped (Rich falls back to 80 columns without a terminal).
+PIPED_WIDTH = 140
+stdout = Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
 stderr = Console(stderr=True, soft_wrap=True)
 
 EXIT_OK, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 0, 1, 2

@@ -70,15 +70,30 @@ def _both(value: int) -> str:
     return f"{format_bytes(value, GIB)}  ({format_bytes(value, 'GB')})"
 
 
+MODEL_GROUPS = {
+    "shape": ("kind", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq", "micro_batch",
+              "dtype_bytes"),
+    "architecture": ("norm", "mlp", "attention", "positions", "bias", "dropout", "tied_embeddings",
+                     "fused_swiglu"),
+    "parallel": ("tp", "pp", "sp", "cp", "dp", "zero", "virtual_stages", "microbatches"),
+    "bytes/param": ("weight_bytes", "grad_bytes", "master_bytes", "optimizer_bytes"),
+}
+
+
 def model_table(spec: ModelSpec, title: str | None = None) -> Table:
-    table = Table(title=title or f"Model {spec.name}", show_header=False, title_justify="left")
-    table.add_column("key", style="bold")
-    table.add_column("value")
-    shown = spec.to_dict()
-    for key, value in shown.items():
-        if key == "source" and not value:
-            continue
-        table.add_row(key, str(value))
+    """Every resolved key, grouped; the source as the caption."""
+    table = Table(
+        title=title or f"Model {spec.name}",
+        show_header=False,
+        title_justify="left",
+        caption=f"source: {spec.source}" if spec.source else None,
+        caption_justify="left",
+    )
+    table.add_column("group", style="bold")
+    table.add_column("values")
+    values = spec.to_dict()
+    for group, keys in MODEL_GROUPS.items():
+        table.add_row(group, "  ".join(f"{key}={values[key]}" for key in keys))
     return table
 
 
@@ -89,7 +104,7 @@ def _sbh_coefficient(spec: ModelSpec, saved: int) -> str:
     else:
         unit = spec.seq * spec.micro_batch * spec.hidden
     ratio = Fraction(saved, unit)
-    return f"{float(ratio):,.3f}" if ratio.denominator > 1000 else str(ratio)
+    return str(ratio) if ratio.denominator == 1 else f"{float(ratio):,.3f}"
 
 
 def per_op_table(spec: ModelSpec) -> Table:

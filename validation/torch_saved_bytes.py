@@ -435,13 +435,13 @@ class Measurement:
     extra: dict = field(default_factory=dict)
 
 
-def measure(cfg: Config, seed: int = 0) -> Measurement:
+def measure(cfg: Config, seed: int = 0, device: str = "cpu") -> Measurement:
     torch.manual_seed(seed)
     layer_cls = GPTLayer if cfg.arch == "gpt" else LlamaLayer
-    layer = layer_cls(cfg).to(cfg.torch_dtype).train()
+    layer = layer_cls(cfg).to(device=device, dtype=cfg.torch_dtype).train()
     exclude = {t.untyped_storage().data_ptr() for t in layer.parameters()}
     exclude |= {t.untyped_storage().data_ptr() for t in layer.buffers()}
-    x = torch.randn(cfg.micro_batch, cfg.seq, cfg.hidden, dtype=cfg.torch_dtype)
+    x = torch.randn(cfg.micro_batch, cfg.seq, cfg.hidden, dtype=cfg.torch_dtype, device=device)
     x.requires_grad_(True)  # the layer input is an activation (the previous layer's output)
     rec = SavedTensorRecorder(exclude)
     with rec.recording():
@@ -609,6 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", action="store_true", help="compare with ckplan's prediction")
     ap.add_argument("--detail", action="store_true", help="list every saved storage")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--device", default="cpu", help="torch device (default cpu; e.g. cuda)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -654,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(c, key, value)
             c.description += f" [{key}={raw}]"
 
-    results = [measure(c) for c in configs]
+    results = [measure(c, device=args.device) for c in configs]
     preds = [ckplan_prediction(m.config) for m in results] if args.compare else None
 
     if args.json:
@@ -671,11 +672,12 @@ def main(argv: list[str] | None = None) -> int:
             if preds is not None:
                 run["predicted"] = {"by_op": preds[i], "total": sum(preds[i].values())}
             runs.append(run)
-        print(json.dumps({"torch_version": torch.__version__, "runs": runs}, indent=2))
+        out = {"torch_version": torch.__version__, "device": args.device, "runs": runs}
+        print(json.dumps(out, indent=2))
         return 0
 
-    print(f"torch {torch.__version__}; bytes saved for backward by one layer forward, "
-          "deduplicated by storage, parameters and buffers excluded\n")  # fmt: skip
+    print(f"torch {torch.__version__} on {args.device}; bytes saved for backward by one layer "
+          "forward, deduplicated by storage, parameters and buffers excluded\n")  # fmt: skip
     for i, m in enumerate(results):
         if preds is not None:
             print_comparison(m, preds[i])

@@ -1,0 +1,108 @@
+"""The command line: exit codes, JSON schema, one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ckplan.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_estimate_json_schema(capsys):
+    code, out, err = run(capsys, "estimate", "llama3-70b", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["ckplan_version"] == "0.1.0"
+    assert data["model"]["name"] == "llama3-70b" and data["model"]["kv_heads"] == 8
+    assert data["strategy"] == "none" and data["formula"] == "derived"
+    memory = data["memory"]
+    for key in ("per_layer_activation_bytes", "activation_bytes", "model_state_bytes", "total_bytes"):
+        assert isinstance(memory[key], int)
+    assert set(memory["breakdown"]) == {"attention", "mlp", "norm"}
+    assert sum(memory["breakdown"].values()) == memory["per_layer_activation_bytes"]
+    assert memory["total_bytes"] == memory["activation_bytes"] + memory["model_state_bytes"]
+    assert data["parameters"]["total"] == 70_553_706_496
+    flops = data["flops"]
+    assert flops["total"] == flops["forward"] + flops["backward"] + flops["recompute"]
+    assert data["overhead"] == 0.0
+
+
+def test_estimate_table_selective(capsys):
+    code, out, _ = run(capsys, "estimate", "gpt3-175b", "--strategy", "selective")
+    assert code == 0
+    assert "strategy selective" in out and "GiB" in out and "attn_scores" in out
+
+
+def test_estimate_overrides(capsys):
+    code, out, _ = run(capsys, "estimate", "gpt2", "--seq", "512", "--batch", "4", "--set", "dropout=0",
+                       "--set", "layers=6", "--json")
+    model = json.loads(out)["model"]
+    assert code == 0 and (model["seq"], model["micro_batch"], model["dropout"], model["layers"]) == (512, 4, 0.0, 6)
+
+
+def test_estimate_seed_formula(capsys):
+    code, out, _ = run(capsys, "estimate", "seed", "--formula", "seed", "--strategy", "uniform:4", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["formula"] == "seed"
+    assert data["overhead"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["estimate", "nosuchmodel"], "unknown model 'nosuchmodel'"),
+        (["estimate", "gpt2", "--set", "hiden=4"], "unknown key 'hiden' (did you mean 'hidden'?)"),
+        (["estimate", "gpt2", "--set", "heads=7"], "key 'heads' (7) must divide hidden (768)"),
+        (["estimate", "gpt2", "--set", "layers=-1"], "key 'layers' must be a positive integer"),
+        (["estimate", "gpt2", "--set", "noequals"], "expected key=value"),
+        (["estimate", "gpt2", "--strategy", "uniform:0"], "K must be in 1..12"),
+        (["estimate", "gpt2", "--strategy", "magic"], "unknown strategy 'magic'"),
+        (["estimate", "gpt2", "--formula", "guess"], "--formula 'guess'"),
+        (["estimate", "gpt2", "--seq", "abc"], "Invalid value for '--seq'"),
+        (["estimate", "missing.yaml"], "missing.yaml: no such file"),
+        (["estimate"], "Missing argument"),
+        (["frobnicate"], "No such command"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(capsys, argv, fragment):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert fragment in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err and out == ""
+
+
+def test_malformed_yaml_file(capsys, tmp_path):
+    path = tmp_path / "model.yaml"
+    path.write_text("name: x\nlayers: [1\n")
+    code, _, err = run(capsys, "estimate", str(path))
+    assert code == 2 and "malformed YAML" in err and str(path) in err
+
+
+def test_user_yaml_file(capsys, tmp_path):
+    path = tmp_path / "mine.yml"
+    path.write_text("name: mine\nlayers: 4\nhidden: 256\nheads: 4\nseq: 128\nmicro_batch: 2\nvocab: 1000\n")
+    code, out, _ = run(capsys, "estimate", str(path), "--json")
+    assert code == 0 and json.loads(out)["model"]["name"] == "mine"
+
+
+def test_presets_list_and_show(capsys):
+    code, out, _ = run(capsys, "presets")
+    assert code == 0 and "llama3-405b" in out and "megatron-1t" in out
+    code, out, _ = run(capsys, "presets", "mistral-7b", "--json")
+    assert code == 0 and json.loads(out)["kv_heads"] == 8
+    code, _, err = run(capsys, "presets", "nope")
+    assert code == 2 and "unknown model" in err
+
+
+def test_python_dash_m():
+    result = subprocess.run([sys.executable, "-m", "ckplan", "presets", "gpt2", "--json"],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0 and json.loads(result.stdout)["layers"] == 12
