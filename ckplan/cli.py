@@ -6,21 +6,24 @@ Every user error is one line on stderr, never a traceback, and nothing is writte
 
 from __future__ import annotations
 
+import glob
 import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 import yaml
 from rich.console import Console
 
-from ckplan import render
-from ckplan.plans import FORMULAS, STRATEGY_HELP, StrategyError, evaluate, parse_strategy
+from ckplan import render, search
+from ckplan.plans import DEFAULT_SLOTS, FORMULAS, STRATEGY_HELP, StrategyError, evaluate, parse_strategy
 from ckplan.presets import load_spec, preset_names
 from ckplan.spec import ModelSpec, SpecError
-from ckplan.units import SizeError
+from ckplan.search import DEFAULT_RESERVE
+from ckplan.units import SizeError, parse_size
 
 app = typer.Typer(
     name="ckplan",
@@ -149,6 +152,152 @@ def presets(
         print_json({preset: {**spec.to_dict(), "parameters": p} for preset, spec, p in rows})
     else:
         stdout.print(render.presets_table(rows))
+
+
+BudgetOpt = Annotated[str, typer.Option("--budget", "-b", help="Per-GPU memory: 40GB, 40GiB, 80e9, ...")]
+ReserveOpt = Annotated[
+    str | None,
+    typer.Option("--reserve", help="Taken off the budget for CUDA context and allocator slack (default 2GiB)."),
+]
+SlotsOpt = Annotated[int, typer.Option("--slots", help="Memory slots of the optimal-schedule DP.")]
+
+
+def parse_budget(budget: str, reserve: str | None) -> tuple[int, int]:
+    total = parse_size(budget)
+    kept = DEFAULT_RESERVE if reserve is None else parse_size_or_zero(reserve)
+    if kept >= total:
+        raise UserError(f"--reserve ({reserve or '2GiB'}) must be smaller than --budget ({budget})")
+    return total, kept
+
+
+def parse_size_or_zero(text: str) -> int:
+    return 0 if text.strip() == "0" else parse_size(text)
+
+
+def check_slots(slots: int) -> int:
+    if slots < 1:
+        raise UserError(f"--slots must be a positive integer, got {slots}")
+    return slots
+
+
+@app.command()
+def sweep(
+    model: ModelArg,
+    budget: BudgetOpt,
+    reserve: ReserveOpt = None,
+    micro_batch: Annotated[
+        str | None, typer.Option("--micro-batch", help="'auto': the largest micro-batch per strategy.")
+    ] = None,
+    show_all: Annotated[bool, typer.Option("--all", help="List every plan, not only the frontier.")] = False,
+    formula: FormulaOpt = "derived",
+    slots: SlotsOpt = DEFAULT_SLOTS,
+    settings: SetOpt = None,
+    seq: SeqOpt = None,
+    batch: BatchOpt = None,
+    layers: LayersOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Every candidate plan against a budget: which fit, the Pareto frontier, the best."""
+    with user_errors():
+        spec = resolve_model(model, settings, seq, batch, layers)
+        total, kept = parse_budget(budget, reserve)
+        if micro_batch not in (None, "auto"):
+            raise UserError(f"--micro-batch {micro_batch!r}: only 'auto' is accepted (use --batch N to set one)")
+        result = search.sweep(spec, total, kept, check_formula(formula), check_slots(slots))
+        micro_batches = _micro_batches(spec, result) if micro_batch == "auto" else None
+    if as_json:
+        print_json(render.sweep_dict(result, micro_batches))
+    else:
+        stdout.print(render.sweep_view(result, budget, show_all, micro_batches))
+    raise typer.Exit(EXIT_OK if result.best else EXIT_DOES_NOT_FIT)
+
+
+def _micro_batches(spec: ModelSpec, result: search.SweepResult) -> dict[str, int]:
+    names = ["none", "selective", "full", "sqrt", f"uniform:{result.min_memory_segment}"]
+    if result.best and not result.best.plan.strategy.startswith("optimal"):
+        names.append(result.best.plan.strategy)
+    return {
+        name: search.largest_micro_batch(spec, parse_strategy(name, spec), result.usable_bytes)
+        for name in dict.fromkeys(names)
+    }
+
+
+@app.command()
+def check(
+    models: Annotated[list[str], typer.Argument(help="Presets, YAML files, config.json files or globs.")],
+    budget: BudgetOpt,
+    strategy: Annotated[str, typer.Option("--strategy", "-s", help="auto (cheapest that fits) or any strategy.")] = "auto",
+    reserve: ReserveOpt = None,
+    slots: SlotsOpt = DEFAULT_SLOTS,
+    settings: SetOpt = None,
+    seq: SeqOpt = None,
+    batch: BatchOpt = None,
+    layers: LayersOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """CI capacity check: exit 0 when every model fits the budget, 1 when any does not."""
+    with user_errors():
+        total, kept = parse_budget(budget, reserve)
+        specs = [(name, resolve_model(name, settings, seq, batch, layers)) for name in expand_models(models)]
+        rows = [(name, search.best_plan(spec, total, strategy, kept, check_slots(slots))) for name, spec in specs]
+    if as_json:
+        print_json(render.check_dict(total, rows))
+    else:
+        stdout.print(render.check_table(budget, total, kept, rows))
+    raise typer.Exit(EXIT_OK if all(c and c.fits for _, c in rows) else EXIT_DOES_NOT_FIT)
+
+
+def expand_models(models: list[str]) -> list[str]:
+    """Expand globs the shell left alone (quoted, or run from CI without a shell)."""
+    expanded: list[str] = []
+    for model in models:
+        if any(char in model for char in "*?[") and not Path(model).exists():
+            matches = sorted(glob.glob(model))
+            if not matches:
+                raise UserError(f"{model}: the pattern matches no file")
+            expanded += matches
+        else:
+            expanded.append(model)
+    return expanded
+
+
+@app.command()
+def schedule(
+    model: ModelArg,
+    budget: Annotated[str | None, typer.Option("--budget", "-b", help="Per-GPU memory (needed by optimal).")] = None,
+    strategy: Annotated[str, typer.Option("--strategy", "-s", help=STRATEGY_HELP)] = "optimal",
+    reserve: ReserveOpt = None,
+    slots: SlotsOpt = DEFAULT_SLOTS,
+    settings: SetOpt = None,
+    seq: SeqOpt = None,
+    batch: BatchOpt = None,
+    layers: LayersOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Print a plan's schedule step by step (default: the optimal schedule under --budget)."""
+    with user_errors():
+        spec = resolve_model(model, settings, seq, batch, layers)
+        parsed = parse_strategy(strategy, spec)
+        activation_budget = None
+        if budget is not None:
+            total, kept = parse_budget(budget, reserve)
+            activation_budget = search.activation_budget(spec, total - kept)
+        elif parsed.kind == "optimal":
+            raise UserError("strategy 'optimal' needs --budget")
+        if activation_budget is not None and activation_budget <= 0 and parsed.kind == "optimal":
+            plan = None
+        else:
+            plan = evaluate(spec, parsed, budget=activation_budget, slots=check_slots(slots))
+    if plan is None:
+        stderr.print(
+            render.error_text(f"no {strategy} schedule fits: model states leave {activation_budget:,} bytes"),
+            highlight=False,
+        )
+        raise typer.Exit(EXIT_DOES_NOT_FIT)
+    if as_json:
+        print_json(render.schedule_dict(plan, activation_budget))
+    else:
+        stdout.print(render.schedule_view(plan, activation_budget))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -117,6 +117,7 @@ class Plan:
     parameters_per_gpu: int
     flops: FlopCount
     steps: tuple = field(default=(), repr=False)  # the schedule, when there is one
+    stage_names: tuple[str, ...] = ()  # names of the chain's stages the steps refer to
     notes: tuple[str, ...] = ()
 
     @property
@@ -160,6 +161,17 @@ def layer_chain(spec: ModelSpec, selective: bool, first_stage: bool = True) -> C
         input_bytes=(*inputs, final_output),
         tape_bytes=tuple(tapes),
     )
+
+
+def stage_names(spec: ModelSpec, first_stage: bool = True) -> list[str]:
+    """Readable names of the chain's stages: embedding, layer 0.., output+loss."""
+    offset = _layer_offset(spec, first_stage)
+    first_layer = 0 if first_stage else spec.layers - spec.layers_per_stage
+    names = ["embedding"] * offset
+    names += [f"layer {first_layer + i}" for i in range(spec.layers_per_stage)]
+    if spec.kind == "transformer" and spec.vocab > 0 and (spec.pp == 1 or not first_stage):
+        names.append("output+loss")
+    return names
 
 
 def _layer_offset(spec: ModelSpec, first_stage: bool = True) -> int:
@@ -260,8 +272,8 @@ def evaluate(
         held = held_after_forward_bytes(chain, replay)
         peak = replay.peak_bytes + math.floor((in_flight - 1) * held)
         if best is None or peak > best[0]:
-            best = (peak, chain, steps, replay)
-    peak, chain, steps, replay = best
+            best = (peak, chain, steps, replay, first_stage)
+    peak, chain, steps, replay, first_stage = best
     layers_in_chain = spec.layers_per_stage
     selective_flops = (
         layers_in_chain * flops_model.group_forward_flops(spec, ATTENTION_CORE)
@@ -273,7 +285,8 @@ def evaluate(
         backward=sum(chain.backward_flops) - selective_flops,
         recompute=replay.recompute_flops + selective_flops,
     )
-    return _plan(spec, strategy.name, "derived", peak, _per_iteration(spec, per_microbatch), tuple(steps))
+    names = tuple(stage_names(spec, first_stage))
+    return _plan(spec, strategy.name, "derived", peak, _per_iteration(spec, per_microbatch), tuple(steps), names)
 
 
 def _per_iteration(spec: ModelSpec, flops: FlopCount) -> FlopCount:
@@ -282,7 +295,7 @@ def _per_iteration(spec: ModelSpec, flops: FlopCount) -> FlopCount:
     return FlopCount(flops.forward * m, flops.backward * m, flops.recompute * m)
 
 
-def _plan(spec, name, formula, activation_bytes, flops, steps=(), notes=()) -> Plan:
+def _plan(spec, name, formula, activation_bytes, flops, steps=(), names=(), notes=()) -> Plan:
     counts = memory.parameter_count(spec)
     return Plan(
         spec=spec,
@@ -296,6 +309,7 @@ def _plan(spec, name, formula, activation_bytes, flops, steps=(), notes=()) -> P
         parameters_per_gpu=memory.parameters_per_gpu(spec),
         flops=flops,
         steps=steps,
+        stage_names=names,
         notes=notes,
     )
 

@@ -55,6 +55,7 @@ import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 FORWARD_DROP = "forward_drop"
 FORWARD_KEEP_INPUT = "forward_keep_input"
@@ -179,8 +180,7 @@ class Step:
 Schedule = tuple[Step, ...]
 
 
-@dataclass(frozen=True)
-class MemoryPoint:
+class MemoryPoint(NamedTuple):
     """Memory while ``step`` runs (``during_bytes``) and once it has finished (``after_bytes``)."""
 
     step: Step
@@ -214,6 +214,10 @@ class Replay:
         return -1
 
 
+def _where(t: int, st: Step) -> str:
+    return f"step {t} ({st})"
+
+
 def simulate(chain: Chain, steps: Sequence[Step]) -> Replay:
     """Replay ``steps`` on ``chain`` with the exact accounting of the module docstring.
 
@@ -242,19 +246,18 @@ def simulate(chain: Chain, steps: Sequence[Step]) -> Replay:
         if not isinstance(st, Step):
             raise ValueError(f"step {t}: expected a Step, got {st!r}")
         i = st.stage
-        where = f"step {t} ({st})"
         if i >= n:
-            raise ValueError(f"{where}: stage out of range for a chain of {n} stages")
+            raise ValueError(f"{_where(t, st)}: stage out of range for a chain of {n} stages")
         if st.kind == BACKWARD:
             if i != next_backward:
                 if next_backward < 0:
-                    raise ValueError(f"{where}: every stage is already backpropagated")
+                    raise ValueError(f"{_where(t, st)}: every stage is already backpropagated")
                 raise ValueError(
-                    f"{where}: backwards run once per stage in order n-1..0; "
+                    f"{_where(t, st)}: backwards run once per stage in order n-1..0; "
                     f"expected backward({next_backward})"
                 )
             if i not in tapes:
-                raise ValueError(f"{where}: tape_{i} is not live")
+                raise ValueError(f"{_where(t, st)}: tape_{i} is not live")
             during = live + bws[i] + inp[i]
             tapes.discard(i)
             live -= tape[i] + inp[i + 1]  # tape_i and δ_{i+1}
@@ -265,13 +268,13 @@ def simulate(chain: Chain, steps: Sequence[Step]) -> Replay:
             bwd_flops += b[i]
         else:
             if i > next_backward:
-                raise ValueError(f"{where}: stage {i} is already backpropagated")
+                raise ValueError(f"{_where(t, st)}: stage {i} is already backpropagated")
             if i not in acts:
-                raise ValueError(f"{where}: input x_{i} is not live")
+                raise ValueError(f"{_where(t, st)}: input x_{i} is not live")
             if i in tapes:
-                raise ValueError(f"{where}: tape_{i} is already live")
+                raise ValueError(f"{_where(t, st)}: tape_{i} is already live")
             if i + 1 in acts or i + 1 in tapes:
-                raise ValueError(f"{where}: output x_{i + 1} is already live")
+                raise ValueError(f"{_where(t, st)}: output x_{i + 1} is already live")
             during = live + fws[i] + inp[i + 1]
             if st.kind == FORWARD_DROP:
                 if not acts[i]:

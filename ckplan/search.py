@@ -1,0 +1,175 @@
+"""Plan search under a per-GPU memory budget: every candidate, the Pareto frontier, the best.
+
+The budget a plan must fit is the GPU's memory less a reserve (CUDA context, communication
+buffers, allocator slack); what remains holds model states plus the step's peak activations.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ckplan.memory import model_state_bytes
+from ckplan.plans import DEFAULT_SLOTS, Plan, Strategy, evaluate, parse_strategy
+from ckplan.spec import ModelSpec
+
+# Taken off every budget unless --reserve says otherwise: the CUDA context and cuBLAS/NCCL
+# workspaces (about 0.5-1 GiB on H100-class GPUs) plus caching-allocator fragmentation.
+DEFAULT_RESERVE = 2 * 2**30
+MICRO_BATCH_LIMIT = 4096  # the largest micro-batch `--micro-batch auto` tries
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    budget_bytes: int  # what the plan must fit: budget less reserve
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.total_bytes <= self.budget_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.budget_bytes - self.plan.total_bytes
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    spec: ModelSpec
+    budget_bytes: int
+    reserve_bytes: int
+    candidates: tuple[Candidate, ...]
+    pareto: tuple[Candidate, ...]
+    best: Candidate | None
+    min_memory_segment: int | None  # the uniform K with the least peak memory
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.budget_bytes - self.reserve_bytes
+
+    @property
+    def smallest(self) -> Candidate:
+        return min(self.candidates, key=lambda c: c.plan.total_bytes)
+
+
+def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
+    """Every strategy the sweep evaluates (all but `optimal`, which needs the budget).
+
+    uniform:K and sequential:K for K in 1..L, block:N for N in 0..L, each also with selective
+    recomputation, sqrt, and revolve:C for C up to ceil(sqrt(L)) + 1 checkpoint slots: the
+    binomial schedules reach below one stored input per segment (Griewank & Walther 2000).
+    """
+    layers = spec.layers_per_stage
+    names = ["none", "selective", "full", "sqrt"]
+    for size in range(1, layers + 1):
+        names += [f"uniform:{size}", f"sequential:{size}"]
+        names += [f"selective+uniform:{size}", f"selective+sequential:{size}"]
+    for size in range(0, layers + 1):
+        names += [f"block:{size}", f"selective+block:{size}"]
+    names += [f"revolve:{slots}" for slots in range(1, math.isqrt(layers) + 3)]
+    return [parse_strategy(name, spec) for name in dict.fromkeys(names)]
+
+
+def activation_budget(spec: ModelSpec, usable_bytes: int) -> int:
+    """What is left for activations once model states are placed (may be negative)."""
+    return usable_bytes - model_state_bytes(spec).total
+
+
+def sweep(
+    spec: ModelSpec,
+    budget_bytes: int,
+    reserve_bytes: int = DEFAULT_RESERVE,
+    formula: str = "derived",
+    slots: int = DEFAULT_SLOTS,
+) -> SweepResult:
+    """Evaluate every candidate against `budget_bytes - reserve_bytes` and pick the cheapest
+    plan that fits (least total FLOPs; ties go to the smaller peak)."""
+    usable = budget_bytes - reserve_bytes
+    strategies = candidate_strategies(spec) if formula == "derived" else _seed_strategies(spec)
+    plans = [evaluate(spec, strategy, formula) for strategy in strategies]
+    if formula == "derived":
+        optimal = _optimal_plan(spec, usable, slots)
+        if optimal is not None:
+            plans.append(optimal)
+    candidates = tuple(Candidate(plan, usable) for plan in plans)
+    fitting = [c for c in candidates if c.fits]
+    best = min(fitting, key=_cost_key) if fitting else None
+    uniform = [c for c in candidates if c.plan.strategy.startswith("uniform:")]
+    min_segment = (
+        int(min(uniform, key=lambda c: c.plan.activation_bytes).plan.strategy.split(":")[1])
+        if uniform
+        else None
+    )
+    return SweepResult(spec, budget_bytes, reserve_bytes, candidates, pareto_frontier(candidates), best, min_segment)
+
+
+def _seed_strategies(spec: ModelSpec) -> list[Strategy]:
+    names = ["none", "selective", "full", "sqrt"] + [f"uniform:{k}" for k in range(1, spec.layers_per_stage + 1)]
+    return [parse_strategy(name, spec) for name in dict.fromkeys(names)]
+
+
+def _optimal_plan(spec: ModelSpec, usable_bytes: int, slots: int) -> Plan | None:
+    """The rotor DP under the activation budget; the better of with and without selective."""
+    budget = activation_budget(spec, usable_bytes)
+    if budget <= 0:
+        return None
+    found = []
+    for strategy in (Strategy("optimal"), Strategy("optimal", selective=True)):
+        plan = evaluate(spec, strategy, budget=budget, slots=slots)
+        if plan is not None:
+            found.append(plan)
+    return min(found, key=lambda p: (p.flops.total, p.activation_bytes)) if found else None
+
+
+def _cost_key(candidate: Candidate) -> tuple[int, int]:
+    return candidate.plan.flops.total, candidate.plan.total_bytes
+
+
+def pareto_frontier(candidates: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
+    """Plans no other plan beats on both peak memory and FLOPs, by increasing memory."""
+    frontier: list[Candidate] = []
+    for candidate in sorted(candidates, key=lambda c: (c.plan.total_bytes, c.plan.flops.total)):
+        if not frontier or candidate.plan.flops.total < frontier[-1].plan.flops.total:
+            frontier.append(candidate)
+    return tuple(frontier)
+
+
+def best_plan(
+    spec: ModelSpec,
+    budget_bytes: int,
+    strategy: str = "auto",
+    reserve_bytes: int = DEFAULT_RESERVE,
+    slots: int = DEFAULT_SLOTS,
+) -> Candidate | None:
+    """For `ckplan check`: the cheapest fitting plan (`auto`), or the named strategy's plan
+    (None when `optimal` finds no schedule within the budget)."""
+    usable = budget_bytes - reserve_bytes
+    if strategy == "auto":
+        result = sweep(spec, budget_bytes, reserve_bytes, slots=slots)
+        return result.best or result.smallest
+    parsed = parse_strategy(strategy, spec)
+    budget = activation_budget(spec, usable) if parsed.kind == "optimal" else None
+    if budget is not None and budget <= 0:
+        return None
+    plan = evaluate(spec, parsed, budget=budget, slots=slots)
+    return None if plan is None else Candidate(plan, usable)
+
+
+def largest_micro_batch(spec: ModelSpec, strategy: Strategy, usable_bytes: int) -> int:
+    """The largest micro-batch whose plan fits (0 if not even 1 does); peak memory grows with
+    b, so a doubling then bisection search finds it."""
+
+    def fits(micro_batch: int) -> bool:
+        candidate = spec.replace(micro_batch=micro_batch)
+        return evaluate(candidate, strategy).total_bytes <= usable_bytes
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= MICRO_BATCH_LIMIT and fits(high):
+        low, high = high, high * 2
+    high = min(high, MICRO_BATCH_LIMIT + 1)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
