@@ -23,7 +23,7 @@ from ckplan.plans import DEFAULT_SLOTS, FORMULAS, STRATEGY_HELP, StrategyError, 
 from ckplan.presets import load_spec, preset_names
 from ckplan.spec import ModelSpec, SpecError
 from ckplan.search import DEFAULT_RESERVE
-from ckplan.units import SizeError, parse_size
+from ckplan.units import SizeError, format_bytes, parse_size
 
 app = typer.Typer(
     name="ckplan",
@@ -265,7 +265,10 @@ def expand_models(models: list[str]) -> list[str]:
 def schedule(
     model: ModelArg,
     budget: Annotated[str | None, typer.Option("--budget", "-b", help="Per-GPU memory (needed by optimal).")] = None,
-    strategy: Annotated[str, typer.Option("--strategy", "-s", help=STRATEGY_HELP)] = "optimal",
+    strategy: Annotated[
+        str,
+        typer.Option("--strategy", "-s", help="auto: the cheaper of optimal and selective+optimal; or " + STRATEGY_HELP),
+    ] = "auto",
     reserve: ReserveOpt = None,
     slots: SlotsOpt = DEFAULT_SLOTS,
     settings: SetOpt = None,
@@ -277,20 +280,23 @@ def schedule(
     """Print a plan's schedule step by step (default: the optimal schedule under --budget)."""
     with user_errors():
         spec = resolve_model(model, settings, seq, batch, layers)
-        parsed = parse_strategy(strategy, spec)
+        parsed = None if strategy == "auto" else parse_strategy(strategy, spec)
         activation_budget = None
         if budget is not None:
             total, kept = parse_budget(budget, reserve)
             activation_budget = search.activation_budget(spec, total - kept)
-        elif parsed.kind == "optimal":
-            raise UserError("strategy 'optimal' needs --budget")
-        if activation_budget is not None and activation_budget <= 0 and parsed.kind == "optimal":
+        elif parsed is None or parsed.kind == "optimal":
+            raise UserError(f"strategy {strategy!r} builds the optimal schedule and needs --budget")
+        if parsed is None:
+            plan = search.optimal_plan(spec, activation_budget, check_slots(slots))
+        elif parsed.kind == "optimal" and activation_budget <= 0:
             plan = None
         else:
             plan = evaluate(spec, parsed, budget=activation_budget, slots=check_slots(slots))
     if plan is None:
+        left = format_bytes(max(activation_budget, 0), "GiB")
         stderr.print(
-            render.error_text(f"no {strategy} schedule fits: model states leave {activation_budget:,} bytes"),
+            render.error_text(f"no {strategy} schedule fits the {left} that model states and reserve leave"),
             highlight=False,
         )
         raise typer.Exit(EXIT_DOES_NOT_FIT)

@@ -4,7 +4,7 @@ Every strategy is a schedule over one chain (embedding -> L/p layers -> output a
 stage with its forward/backward cost, input size and full-tape size), replayed step by step by
 `schedules.simulate`: peak memory is what is actually alive, never a closed-form shortcut.
 Strategy names (DESIGN.md): none, full, uniform:K, sequential:K, sqrt, selective, block:N,
-revolve:C, optimal, and selective+uniform:K / selective+sequential:K / selective+block:N.
+revolve:C, optimal, and selective+ any of them (the attention core recomputed on top).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ _SIZED = ("uniform", "sequential", "block", "revolve")
 _PLAIN = ("none", "full", "sqrt", "selective", "optimal")
 STRATEGY_HELP = (
     "none, full, uniform:K, sequential:K, sqrt, selective, block:N, revolve:C, optimal, "
-    "or selective+uniform:K / selective+sequential:K / selective+block:N"
+    "or selective+ any of these (e.g. selective+uniform:4)"
 )
 
 
@@ -72,8 +72,8 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
     size = int(match.group(2)) if match and match.group(2) is not None else None
     if not match or kind not in _SIZED + _PLAIN or (kind in _PLAIN) != (size is None):
         raise StrategyError(f"unknown strategy {text!r}: expected one of {STRATEGY_HELP}")
-    if selective and kind not in ("uniform", "sequential", "block", "full", "none"):
-        raise StrategyError(f"strategy {text!r}: selective combines with uniform, sequential, block")
+    if selective and kind == "selective":
+        raise StrategyError(f"strategy {text!r}: selective cannot combine with itself")
     layers = spec.layers_per_stage
     if kind in ("uniform", "sequential") and not 1 <= size <= layers:
         raise StrategyError(f"strategy {text!r}: K must be in 1..{layers} (layers per stage)")

@@ -354,24 +354,32 @@ def check_dict(budget: int, rows: list[tuple[str, Candidate | None]]) -> dict[st
 
 def check_table(budget_text: str, budget: int, reserve: int, rows: list[tuple[str, Candidate | None]]) -> Group:
     table = Table(title="Capacity check", title_justify="left")
-    for column in ("model", "fits", "plan", "total", "headroom", "overhead"):
-        table.add_column(column, justify="left" if column in ("model", "plan") else "right")
+    for column in ("model", "fits", "plan", "total", "headroom", "overhead", "why not"):
+        table.add_column(column, justify="left" if column in ("model", "plan", "why not") else "right")
     for model, candidate in rows:
         if candidate is None:
-            table.add_row(model, Text("no", style="red"), "no schedule fits", "", "", "")
+            table.add_row(model, Text("no", style="red"), "no schedule fits", "", "", "", "")
             continue
         plan = candidate.plan
         table.add_row(
             model,
             _fits_mark(candidate),
-            plan.strategy,
+            plan.strategy if candidate.fits else f"(smallest: {plan.strategy})",
             _gib(plan.total_bytes),
             _gib(candidate.headroom_bytes),
             f"{plan.overhead:.2%}",
+            "" if candidate.fits else _why_not(candidate),
         )
     fitting = sum(1 for _, c in rows if c and c.fits)
     summary = Text(f"{fitting} of {len(rows)} fit.", style="bold green" if fitting == len(rows) else "bold red")
     return Group(budget_line(budget_text, budget, reserve), table, summary)
+
+
+def _why_not(candidate: Candidate) -> str:
+    states = candidate.plan.model_states.total
+    if states > candidate.budget_bytes:
+        return f"model states alone {format_bytes(states, GIB)}"
+    return f"least activations {format_bytes(candidate.plan.activation_bytes, GIB)} on top of states"
 
 
 STEP_LABELS = {

@@ -110,7 +110,12 @@ def _seed_strategies(spec: ModelSpec) -> list[Strategy]:
 
 def _optimal_plan(spec: ModelSpec, usable_bytes: int, slots: int) -> Plan | None:
     """The rotor DP under the activation budget; the better of with and without selective."""
-    budget = activation_budget(spec, usable_bytes)
+    return optimal_plan(spec, activation_budget(spec, usable_bytes), slots)
+
+
+def optimal_plan(spec: ModelSpec, budget: int, slots: int = DEFAULT_SLOTS) -> Plan | None:
+    """The cheaper of `optimal` and `selective+optimal` within `budget` activation bytes (ties
+    go to the smaller peak); None when neither fits."""
     if budget <= 0:
         return None
     found = []

@@ -1,0 +1,161 @@
+"""Plan search: the chosen plan fits and nothing cheaper does; frontier; check/sweep CLI."""
+
+import json
+
+import pytest
+
+from ckplan.cli import main
+from ckplan.plans import evaluate, parse_strategy
+from ckplan.search import DEFAULT_RESERVE, largest_micro_batch, pareto_frontier, sweep
+from ckplan.spec import spec_from_mapping
+
+GB = 10**9
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "budget"),
+    [
+        ("gpt2", {"micro_batch": 8}, 7 * GB),
+        ("gpt2", {"micro_batch": 8}, 14 * GB),
+        ("llama3-8b", {"tp": 4, "sp": True, "pp": 2, "microbatches": 8}, 40 * GB),
+        ("megatron-22b", {}, 80 * GB),
+        ("llama3-70b", {"tp": 8, "pp": 4, "sp": True, "microbatches": 16}, 80 * GB),
+    ],
+)
+def test_best_fits_and_nothing_cheaper_fits(spec_of, name, overrides, budget):
+    result = sweep(spec_of(name, **overrides), budget)
+    assert result.best is not None and result.best.fits
+    assert result.best.plan.total_bytes <= budget - DEFAULT_RESERVE
+    cheapest = min(c.plan.flops.total for c in result.candidates if c.fits)
+    assert result.best.plan.flops.total == cheapest
+
+
+def test_pareto_frontier_is_exactly_the_non_dominated_plans(spec_of):
+    result = sweep(spec_of("gpt2", micro_batch=8), 7 * GB)
+
+    def dominated(c):
+        return any(
+            o.plan.total_bytes <= c.plan.total_bytes
+            and o.plan.flops.total <= c.plan.flops.total
+            and (o.plan.total_bytes, o.plan.flops.total) != (c.plan.total_bytes, c.plan.flops.total)
+            for o in result.candidates
+        )
+
+    frontier = set(id(c) for c in pareto_frontier(result.candidates))
+    keys_on_frontier = {(c.plan.total_bytes, c.plan.flops.total) for c in result.pareto}
+    keys_undominated = {(c.plan.total_bytes, c.plan.flops.total) for c in result.candidates if not dominated(c)}
+    assert keys_on_frontier == keys_undominated
+    assert len(frontier) == len(keys_on_frontier)
+
+
+def test_optimal_is_never_worse_than_a_fitting_segment_plan(spec_of):
+    """The DP is optimal among persistent schedules, which include every segment plan; with 500
+    slots it can only lose plans that fit by less than the rounding of sizes up to a slot."""
+    spec = spec_of("gpt2", micro_batch=8)
+    for budget in (7 * GB, 9 * GB, 14 * GB):
+        result = sweep(spec, budget)
+        optimal = [c for c in result.candidates if "optimal" in c.plan.strategy]
+        assert optimal and optimal[0].fits
+        activation_budget = result.usable_bytes - optimal[0].plan.model_states.total
+        slot = -(-activation_budget // 500)
+        slack = (spec.layers + 4) * slot  # every live size rounded up by less than one slot
+        comfortable = [c for c in result.candidates if c.headroom_bytes >= slack and "optimal" not in c.plan.strategy]
+        assert optimal[0].plan.flops.total <= min(c.plan.flops.total for c in comfortable)
+
+
+def test_min_memory_segment_far_below_sqrt_for_transformers(spec_of):
+    """A transformer layer stores ~17-57x its input, so the least-memory K is small; for the
+    seed MLP (a layer stores only its input) it is sqrt-like."""
+    result = sweep(spec_of("llama3-70b"), 80 * GB)
+    assert result.min_memory_segment <= 2 < round(80**0.5)
+    mlp = spec_from_mapping({"name": "m", "kind": "mlp", "layers": 64, "hidden": 64, "micro_batch": 8,
+                             "dtype_bytes": 8})
+    assert abs(sweep(mlp, 10 * GB).min_memory_segment - 8) <= 2
+
+
+def test_nothing_fits(spec_of):
+    result = sweep(spec_of("llama3-70b"), 80 * GB)
+    assert result.best is None
+    assert result.smallest.plan.total_bytes == min(c.plan.total_bytes for c in result.candidates)
+
+
+def test_largest_micro_batch_is_the_edge(spec_of):
+    spec = spec_of("gpt2")
+    strategy = parse_strategy("full", spec)
+    usable = 8 * GB
+    size = largest_micro_batch(spec, strategy, usable)
+    assert size >= 1
+    assert evaluate(spec.replace(micro_batch=size), strategy).total_bytes <= usable
+    assert evaluate(spec.replace(micro_batch=size + 1), strategy).total_bytes > usable
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_sweep_cli_json_and_exit(capsys):
+    code, out, _ = run(capsys, "sweep", "gpt2", "--budget", "14GB", "--batch", "8", "--json")
+    data = json.loads(out)
+    assert code == 0
+    assert data["budget_bytes"] == 14 * GB and data["best"]["fits"]
+    assert {"strategy", "memory", "flops", "overhead", "fits"} <= set(data["plans"][0])
+    assert data["pareto"] and all(isinstance(p["memory"]["total_bytes"], int) for p in data["pareto"])
+
+
+def test_sweep_cli_nothing_fits(capsys):
+    code, out, _ = run(capsys, "sweep", "llama3-70b", "--budget", "80GB")
+    assert code == 1
+    assert "Nothing fits" in out and "Model states alone" in out
+
+
+def test_sweep_micro_batch_auto(capsys):
+    code, out, _ = run(capsys, "sweep", "gpt2", "--budget", "40GiB", "--micro-batch", "auto", "--json")
+    sizes = json.loads(out)["max_micro_batch"]
+    assert code == 0 and sizes["full"] > sizes["none"] >= 1
+
+
+def test_check_cli(capsys, tmp_path):
+    code, out, _ = run(capsys, "check", "gpt2", "gpt2-xl", "--budget", "80GB", "--json")
+    data = json.loads(out)
+    assert code == 0 and [r["fits"] for r in data["results"]] == [True, True]
+    code, out, _ = run(capsys, "check", "gpt2", "llama3-8b", "--budget", "40GB")
+    assert code == 1 and "1 of 2 fit" in out
+    (tmp_path / "a.yaml").write_text("name: a\nlayers: 2\nhidden: 64\nheads: 4\nseq: 32\nmicro_batch: 1\n")
+    (tmp_path / "b.yaml").write_text("name: b\nlayers: 2\nhidden: 64\nheads: 4\nseq: 32\nmicro_batch: 1\n")
+    code, out, _ = run(capsys, "check", str(tmp_path / "*.yaml"), "--budget", "4GB", "--json")
+    assert code == 0 and len(json.loads(out)["results"]) == 2
+    code, out, _ = run(capsys, "check", "gpt2", "--budget", "8GB", "--strategy", "full", "--json")
+    assert code == 0 and json.loads(out)["results"][0]["plan"]["strategy"] == "full"
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["sweep", "gpt2", "--budget", "40"], "cannot parse size '40'"),
+        (["sweep", "gpt2", "--budget", "40 G"], "cannot parse size"),
+        (["sweep", "gpt2", "--budget", "-1GB"], "cannot parse size"),
+        (["sweep", "gpt2", "--budget", "4GB", "--reserve", "8GB"], "must be smaller than --budget"),
+        (["sweep", "gpt2", "--budget", "4GB", "--micro-batch", "7"], "only 'auto'"),
+        (["check", "nothing*.yaml", "--budget", "4GB"], "matches no file"),
+        (["check", "gpt2", "--budget", "4GB", "--strategy", "nope"], "unknown strategy"),
+        (["schedule", "gpt2"], "needs --budget"),
+        (["sweep", "gpt2"], "Missing option"),
+    ],
+)
+def test_search_bad_input(capsys, argv, fragment):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1 and out == ""
+
+
+def test_schedule_cli(capsys):
+    code, out, _ = run(capsys, "schedule", "gpt2", "--budget", "14GB", "--batch", "8")
+    assert code == 0 and "backward" in out and "output+loss" in out
+    code, out, _ = run(capsys, "schedule", "gpt2", "--strategy", "uniform:4", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["strategy"] == "uniform:4"
+    kinds = [step["kind"] for step in data["steps"]]
+    assert kinds.count("forward_keep_input") == 3 and kinds.count("backward") == 14
+    code, _, err = run(capsys, "schedule", "gpt2", "--budget", "4GB")
+    assert code == 1 and "no auto schedule fits" in err
