@@ -106,7 +106,7 @@ def test_few_microbatches_hold_fewer(spec_of):
 
 
 @pytest.mark.parametrize("text", ["uniform", "uniform:0", "uniform:99", "block:-1", "revolve:0", "bogus", "none:3",
-                                  "selective+revolve:2", "uniform:two"])
+                                  "selective+selective", "uniform:two"])
 def test_bad_strategies(small, text):
     with pytest.raises(StrategyError):
         parse_strategy(text, small)
