@@ -19,10 +19,17 @@ import yaml
 from rich.console import Console
 
 from ckplan import render, search
-from ckplan.plans import DEFAULT_SLOTS, FORMULAS, STRATEGY_HELP, StrategyError, evaluate, parse_strategy
+from ckplan.plans import (
+    DEFAULT_SLOTS,
+    FORMULAS,
+    STRATEGY_HELP,
+    StrategyError,
+    evaluate,
+    parse_strategy,
+)
 from ckplan.presets import load_spec, preset_names
-from ckplan.spec import ModelSpec, SpecError
 from ckplan.search import DEFAULT_RESERVE
+from ckplan.spec import ModelSpec, SpecError
 from ckplan.units import SizeError, format_bytes, parse_size
 
 app = typer.Typer(
@@ -154,10 +161,15 @@ def presets(
         stdout.print(render.presets_table(rows))
 
 
-BudgetOpt = Annotated[str, typer.Option("--budget", "-b", help="Per-GPU memory: 40GB, 40GiB, 80e9, ...")]
+BudgetOpt = Annotated[
+    str, typer.Option("--budget", "-b", help="Per-GPU memory: 40GB, 40GiB, 80e9, ...")
+]
 ReserveOpt = Annotated[
     str | None,
-    typer.Option("--reserve", help="Taken off the budget for CUDA context and allocator slack (default 2GiB)."),
+    typer.Option(
+        "--reserve",
+        help="Taken off the budget for CUDA context and allocator slack (default 2GiB).",
+    ),
 ]
 SlotsOpt = Annotated[int, typer.Option("--slots", help="Memory slots of the optimal-schedule DP.")]
 
@@ -186,9 +198,12 @@ def sweep(
     budget: BudgetOpt,
     reserve: ReserveOpt = None,
     micro_batch: Annotated[
-        str | None, typer.Option("--micro-batch", help="'auto': the largest micro-batch per strategy.")
+        str | None,
+        typer.Option("--micro-batch", help="'auto': the largest micro-batch per strategy."),
     ] = None,
-    show_all: Annotated[bool, typer.Option("--all", help="List every plan, not only the frontier.")] = False,
+    show_all: Annotated[
+        bool, typer.Option("--all", help="List every plan, not only the frontier.")
+    ] = False,
     formula: FormulaOpt = "derived",
     slots: SlotsOpt = DEFAULT_SLOTS,
     settings: SetOpt = None,
@@ -202,7 +217,9 @@ def sweep(
         spec = resolve_model(model, settings, seq, batch, layers)
         total, kept = parse_budget(budget, reserve)
         if micro_batch not in (None, "auto"):
-            raise UserError(f"--micro-batch {micro_batch!r}: only 'auto' is accepted (use --batch N to set one)")
+            raise UserError(
+                f"--micro-batch {micro_batch!r}: only 'auto' is accepted (use --batch N to set one)"
+            )
         result = search.sweep(spec, total, kept, check_formula(formula), check_slots(slots))
         micro_batches = _micro_batches(spec, result) if micro_batch == "auto" else None
     if as_json:
@@ -224,9 +241,13 @@ def _micro_batches(spec: ModelSpec, result: search.SweepResult) -> dict[str, int
 
 @app.command()
 def check(
-    models: Annotated[list[str], typer.Argument(help="Presets, YAML files, config.json files or globs.")],
+    models: Annotated[
+        list[str], typer.Argument(help="Presets, YAML files, config.json files or globs.")
+    ],
     budget: BudgetOpt,
-    strategy: Annotated[str, typer.Option("--strategy", "-s", help="auto (cheapest that fits) or any strategy.")] = "auto",
+    strategy: Annotated[
+        str, typer.Option("--strategy", "-s", help="auto (cheapest that fits) or any strategy.")
+    ] = "auto",
     reserve: ReserveOpt = None,
     slots: SlotsOpt = DEFAULT_SLOTS,
     settings: SetOpt = None,
@@ -238,8 +259,14 @@ def check(
     """CI capacity check: exit 0 when every model fits the budget, 1 when any does not."""
     with user_errors():
         total, kept = parse_budget(budget, reserve)
-        specs = [(name, resolve_model(name, settings, seq, batch, layers)) for name in expand_models(models)]
-        rows = [(name, search.best_plan(spec, total, strategy, kept, check_slots(slots))) for name, spec in specs]
+        specs = [
+            (name, resolve_model(name, settings, seq, batch, layers))
+            for name in expand_models(models)
+        ]
+        rows = [
+            (name, search.best_plan(spec, total, strategy, kept, check_slots(slots)))
+            for name, spec in specs
+        ]
     if as_json:
         print_json(render.check_dict(total, rows))
     else:
@@ -264,10 +291,16 @@ def expand_models(models: list[str]) -> list[str]:
 @app.command()
 def schedule(
     model: ModelArg,
-    budget: Annotated[str | None, typer.Option("--budget", "-b", help="Per-GPU memory (needed by optimal).")] = None,
+    budget: Annotated[
+        str | None, typer.Option("--budget", "-b", help="Per-GPU memory (needed by optimal).")
+    ] = None,
     strategy: Annotated[
         str,
-        typer.Option("--strategy", "-s", help="auto: the cheaper of optimal and selective+optimal; or " + STRATEGY_HELP),
+        typer.Option(
+            "--strategy",
+            "-s",
+            help="auto: the cheaper of optimal and selective+optimal; or " + STRATEGY_HELP,
+        ),
     ] = "auto",
     reserve: ReserveOpt = None,
     slots: SlotsOpt = DEFAULT_SLOTS,
@@ -296,7 +329,9 @@ def schedule(
     if plan is None:
         left = format_bytes(max(activation_budget, 0), "GiB")
         stderr.print(
-            render.error_text(f"no {strategy} schedule fits the {left} that model states and reserve leave"),
+            render.error_text(
+                f"no {strategy} schedule fits the {left} that model states and reserve leave"
+            ),
             highlight=False,
         )
         raise typer.Exit(EXIT_DOES_NOT_FIT)

@@ -48,6 +48,38 @@ def layer_input_bytes(spec: ModelSpec) -> int:
     return spec.dtype_bytes * _split(tokens * spec.hidden, spec.tp if spec.sp else 1)
 
 
+def mlp_forward_workspace_bytes(spec: ModelSpec) -> int:
+    """Transient bytes of one layer forward of the seed's MLP beyond its input and output.
+
+    derived from ckplan/verify.py's layer forward (the seed's layer_forward, in place):
+    ``a = x @ w1`` (b, f); ``a += b1``; ``relu(a)`` in place; ``y = a @ w2`` (b, d); ``y += b2``.
+    Alive at once: the hidden activation ``a``, b·f values, and the output ``y`` (counted by the
+    chain as x_{i+1}). So the workspace is b·f·B; 0 for transformers (not modelled).
+    """
+    if spec.kind != "mlp":
+        return 0
+    return spec.dtype_bytes * spec.micro_batch * spec.ffn_hidden
+
+
+def mlp_backward_workspace_bytes(spec: ModelSpec) -> int:
+    """Transient bytes of one layer backward of the seed's MLP beyond tape x_i, δ_{i+1}, δ_i.
+
+    derived from ckplan/verify.py's layer backward (the seed's model_backward, in place; weight
+    and bias gradients go into preallocated buffers, not counted here). In order:
+    ``a = x @ w1 + b1``, relu in place (b, f); ``gw2 = aᵀ @ g``; ``gb2 = Σ g``; ``a`` turned in
+    place into the 0/1 mask ``(h_pre > 0)``; ``gh = g @ w2ᵀ`` (b, f) — now ``a`` and ``gh`` are
+    alive, 2·b·f values; ``gh *= a`` (= the seed's g_pre); ``a`` freed; ``δ_i = gh @ w1ᵀ``
+    (b, d) — now ``gh`` and ``δ_i``, b·f + b·d; ``gw1 = xᵀ @ gh``, ``gb1 = Σ gh``; ``gh`` freed.
+    The peak is max(2·b·f, b·f + b·d) values; the chain adds δ_i (b·d) to every backward step
+    (schedules rule 5), so the workspace is B·b·(max(2f, f + d) - d) = B·b·max(2f - d, f).
+    0 for transformers (not modelled).
+    """
+    if spec.kind != "mlp":
+        return 0
+    b, d, f = spec.micro_batch, spec.hidden, spec.ffn_hidden
+    return spec.dtype_bytes * b * max(2 * f - d, f)
+
+
 def token_id_bytes(spec: ModelSpec) -> int:
     """The int64 token ids the embedding reads (s·b·8)."""
     return TOKEN_ID_BYTES * (spec.seq // spec.cp) * spec.micro_batch

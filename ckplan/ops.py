@@ -69,12 +69,18 @@ def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
         return _split(elements, t)
 
     ops = [_op("norm1", "norm", B * stream)]  # saves its input (the layer input)
-    ops.append(_op("qkv_proj", "attention", B * stream, _matmul(tokens, sharded(h + 2 * kv_width), h)))
+    ops.append(
+        _op("qkv_proj", "attention", B * stream, _matmul(tokens, sharded(h + 2 * kv_width), h))
+    )
     scores = sharded(a * spec.micro_batch * seq_local * spec.seq)  # (b, a, s, s) elements
     score_flops = sharded(_matmul(seq_local, spec.seq, spec.head_dim) * a * spec.micro_batch)
     if spec.attention == "standard":
         # Q and K, with K repeated to a heads (Megatron's repeat_interleave, HF's repeat_kv copy).
-        ops.append(_op("attn_scores", "attention", B * 2 * sharded(tokens * h), score_flops, ATTENTION_CORE))
+        ops.append(
+            _op(
+                "attn_scores", "attention", B * 2 * sharded(tokens * h), score_flops, ATTENTION_CORE
+            )
+        )
         ops.append(_op("softmax", "attention", B * scores, 0, ATTENTION_CORE))  # its output
         if dropout:
             ops.append(_op("attn_dropout", "attention", scores, 0, ATTENTION_CORE))  # 1-byte mask
@@ -92,10 +98,18 @@ def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
         logsumexp = FP32_BYTES * sharded(tokens * a)
         core_flops = 2 * score_flops
         ops.append(
-            Op("attention_core", "attention", qkv + logsumexp, core_flops,
-               2 * core_flops + score_flops, ATTENTION_CORE)
+            Op(
+                "attention_core",
+                "attention",
+                qkv + logsumexp,
+                core_flops,
+                2 * core_flops + score_flops,
+                ATTENTION_CORE,
+            )
         )
-    ops.append(_op("out_proj", "attention", B * sharded(tokens * h), _matmul(tokens, sharded(h), h)))
+    ops.append(
+        _op("out_proj", "attention", B * sharded(tokens * h), _matmul(tokens, sharded(h), h))
+    )
     if dropout:
         ops.append(_op("out_dropout", "attention", stream))
     ops.append(_op("norm2", "norm", B * stream))

@@ -149,17 +149,25 @@ def layer_chain(spec: ModelSpec, selective: bool, first_stage: bool = True) -> C
     has_output = spec.kind == "transformer" and spec.vocab > 0 and (spec.pp == 1 or not first_stage)
     if has_embedding:
         forward, backwards = [0, *forward], [0, *backwards]
-        inputs, tapes = [memory.token_id_bytes(spec), *inputs], [memory.embedding_saved_bytes(spec), *tapes]
+        inputs, tapes = (
+            [memory.token_id_bytes(spec), *inputs],
+            [memory.embedding_saved_bytes(spec), *tapes],
+        )
     if has_output:
         logits = flops_model.logits_forward_flops(spec)
         forward, backwards = [*forward, logits], [*backwards, 2 * logits]
         inputs, tapes = [*inputs, stream], [*tapes, memory.output_saved_bytes(spec)]
     final_output = 0 if has_output else stream  # a scalar loss, or the activation sent onward
+    # Layer transients (the hidden activation and its gradient), exact for the seed's MLP as
+    # ckplan verify runs it; not modelled for transformers (zeros).
+    stages = len(forward)
     return Chain(
         forward_flops=tuple(forward),
         backward_flops=tuple(backwards),
         input_bytes=(*inputs, final_output),
         tape_bytes=tuple(tapes),
+        forward_workspace_bytes=(memory.mlp_forward_workspace_bytes(spec),) * stages,
+        backward_workspace_bytes=(memory.mlp_backward_workspace_bytes(spec),) * stages,
     )
 
 
@@ -209,7 +217,14 @@ def _segment_size(spec: ModelSpec, strategy: Strategy) -> int:
     return strategy.size
 
 
-def _schedule(spec: ModelSpec, chain: Chain, strategy: Strategy, budget: int | None, slots: int, first_stage: bool):
+def _schedule(
+    spec: ModelSpec,
+    chain: Chain,
+    strategy: Strategy,
+    budget: int | None,
+    slots: int,
+    first_stage: bool,
+):
     if strategy.kind in ("none", "selective"):
         return store_all_schedule(chain)
     if strategy.kind == "revolve":
@@ -245,7 +260,9 @@ def held_after_forward_bytes(chain: Chain, replay: Replay) -> int:
     first_backward = next(
         index for index, point in enumerate(replay.trace) if point.step.kind == BACKWARD
     )
-    before = replay.trace[first_backward - 1].after_bytes if first_backward else replay.initial_bytes
+    before = (
+        replay.trace[first_backward - 1].after_bytes if first_backward else replay.initial_bytes
+    )
     return before - chain.input_bytes[-1]
 
 
@@ -286,7 +303,15 @@ def evaluate(
         recompute=replay.recompute_flops + selective_flops,
     )
     names = tuple(stage_names(spec, first_stage))
-    return _plan(spec, strategy.name, "derived", peak, _per_iteration(spec, per_microbatch), tuple(steps), names)
+    return _plan(
+        spec,
+        strategy.name,
+        "derived",
+        peak,
+        _per_iteration(spec, per_microbatch),
+        tuple(steps),
+        names,
+    )
 
 
 def _per_iteration(spec: ModelSpec, flops: FlopCount) -> FlopCount:
@@ -319,7 +344,12 @@ def _evaluate_seed(spec: ModelSpec, strategy: Strategy) -> Plan:
     checkpointing, 4/3 and (3 + 0.15)/3 cost ratios, over the layers of one GPU, with the
     derived per-layer FLOPs as the seed's abstract f_layer."""
     L = spec.layers_per_stage
-    shape = {"hidden": spec.hidden, "seq": spec.seq, "batch": spec.micro_batch, "bytes_per_value": spec.dtype_bytes}
+    shape = {
+        "hidden": spec.hidden,
+        "seq": spec.seq,
+        "batch": spec.micro_batch,
+        "bytes_per_value": spec.dtype_bytes,
+    }
     f_layer = flops_model.layer_forward_flops(spec)
     kind = strategy.kind
     if strategy.selective and kind != "selective":
@@ -337,11 +367,20 @@ def _evaluate_seed(spec: ModelSpec, strategy: Strategy) -> Plan:
         cost = seed.selective_checkpoint_cost(L, flops_per_layer=f_layer)
         recompute = round(cost["recompute"])
     else:
-        recompute = round(seed.checkpoint_cost(L, _segment_size(spec, strategy), f_layer)["recompute"])
+        recompute = round(
+            seed.checkpoint_cost(L, _segment_size(spec, strategy), f_layer)["recompute"]
+        )
     flops = FlopCount(forward=L * f_layer, backward=2 * L * f_layer, recompute=recompute)
     notes = ("seed formulas: layers only, no embedding/output terms",)
     per_layer_mb = seed.activation_memory_mb(1, **shape)
-    plan = _plan(spec, strategy.name, "seed", round(activation_mb * seed.MB), _per_iteration(spec, flops), notes=notes)
+    plan = _plan(
+        spec,
+        strategy.name,
+        "seed",
+        round(activation_mb * seed.MB),
+        _per_iteration(spec, flops),
+        notes=notes,
+    )
     return _replace_per_layer(plan, round(per_layer_mb * seed.MB))
 
 

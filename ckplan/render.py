@@ -73,10 +73,28 @@ def _both(value: int) -> str:
 
 
 MODEL_GROUPS = {
-    "shape": ("kind", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq", "micro_batch",
-              "dtype_bytes"),
-    "architecture": ("norm", "mlp", "attention", "positions", "bias", "dropout", "tied_embeddings",
-                     "fused_swiglu"),
+    "shape": (
+        "kind",
+        "layers",
+        "hidden",
+        "heads",
+        "kv_heads",
+        "ffn_hidden",
+        "vocab",
+        "seq",
+        "micro_batch",
+        "dtype_bytes",
+    ),
+    "architecture": (
+        "norm",
+        "mlp",
+        "attention",
+        "positions",
+        "bias",
+        "dropout",
+        "tied_embeddings",
+        "fused_swiglu",
+    ),
     "parallel": ("tp", "pp", "sp", "cp", "dp", "zero", "virtual_stages", "microbatches"),
     "bytes/param": ("weight_bytes", "grad_bytes", "master_bytes", "optimizer_bytes"),
 }
@@ -128,7 +146,9 @@ def per_op_table(spec: ModelSpec) -> Table:
             format_flops(op.forward_flops),
         )
     total = sum(op.saved_bytes for op in layer_ops(spec))
-    table.add_row("total", "", format_bytes(total, "MiB"), _sbh_coefficient(spec, total), "", "", style="bold")
+    table.add_row(
+        "total", "", format_bytes(total, "MiB"), _sbh_coefficient(spec, total), "", "", style="bold"
+    )
     return table
 
 
@@ -142,7 +162,11 @@ def plan_summary_table(plan: Plan) -> Table:
     table.add_column("what", style="bold")
     table.add_column("value", justify="right")
     table.add_column("note", style="dim")
-    table.add_row("activations, one layer", _gib(plan.per_layer_activation_bytes), "no recompute, one micro-batch")
+    table.add_row(
+        "activations, one layer",
+        _gib(plan.per_layer_activation_bytes),
+        "no recompute, one micro-batch",
+    )
     for component, value in plan.breakdown.items():
         table.add_row(f"  {component}", _gib(value), "")
     table.add_row("activations, step peak", _both(plan.activation_bytes), _peak_note(spec))
@@ -150,14 +174,26 @@ def plan_summary_table(plan: Plan) -> Table:
     table.add_row("model states", _both(states.total), _state_note(spec))
     table.add_row("  weights", _gib(states.weights), f"{spec.weight_bytes} B/param")
     table.add_row("  gradients", _gib(states.gradients), f"{spec.grad_bytes} B/param")
-    table.add_row("  optimizer", _gib(states.optimizer), f"{spec.master_bytes + spec.optimizer_bytes} B/param (master + Adam)")
-    table.add_row("total per GPU", _both(plan.total_bytes), "activations + model states", style="bold")
-    table.add_row("parameters", f"{plan.parameters_total:,}", f"{plan.parameters_per_gpu:,} on the busiest GPU")
+    table.add_row(
+        "  optimizer",
+        _gib(states.optimizer),
+        f"{spec.master_bytes + spec.optimizer_bytes} B/param (master + Adam)",
+    )
+    table.add_row(
+        "total per GPU", _both(plan.total_bytes), "activations + model states", style="bold"
+    )
+    table.add_row(
+        "parameters",
+        f"{plan.parameters_total:,}",
+        f"{plan.parameters_per_gpu:,} on the busiest GPU",
+    )
     flops = plan.flops
     table.add_row("forward", format_flops(flops.forward), "per iteration, one GPU")
     table.add_row("backward", format_flops(flops.backward), "")
     table.add_row("recompute", format_flops(flops.recompute), "")
-    table.add_row("overhead", f"{plan.overhead:.2%}", "recompute / (forward + backward)", style="bold")
+    table.add_row(
+        "overhead", f"{plan.overhead:.2%}", "recompute / (forward + backward)", style="bold"
+    )
     for note in plan.notes:
         table.add_row("note", "", note)
     return table
@@ -181,7 +217,18 @@ def estimate_view(plan: Plan) -> Group:
 
 def presets_table(rows: list[tuple[str, ModelSpec, int]]) -> Table:
     table = Table(title="Presets", title_justify="left")
-    for column in ("name", "params", "layers", "hidden", "heads/kv", "ffn", "seq", "vocab", "arch", "tp/pp"):
+    for column in (
+        "name",
+        "params",
+        "layers",
+        "hidden",
+        "heads/kv",
+        "ffn",
+        "seq",
+        "vocab",
+        "arch",
+        "tp/pp",
+    ):
         table.add_column(column, justify="left" if column in ("name", "arch") else "right")
     for name, spec, params in rows:
         arch = f"{spec.norm}, {spec.mlp}, {spec.attention}"
@@ -210,7 +257,11 @@ FRONTIER_ROWS = 30  # the table shows at most this many frontier plans (JSON has
 
 
 def candidate_dict(candidate: Candidate) -> dict[str, Any]:
-    return {**plan_dict(candidate.plan), "fits": candidate.fits, "headroom_bytes": candidate.headroom_bytes}
+    return {
+        **plan_dict(candidate.plan),
+        "fits": candidate.fits,
+        "headroom_bytes": candidate.headroom_bytes,
+    }
 
 
 def sweep_dict(result: SweepResult, micro_batches: dict[str, int] | None = None) -> dict[str, Any]:
@@ -234,8 +285,8 @@ def budget_line(budget_text: str, budget: int, reserve: int) -> Text:
     unit = size_unit(budget_text)
     given = budget_text if unit == "B" else format_bytes(budget, unit)
     return Text(
-        f"Budget {given} = {format_bytes(budget, GIB)} per GPU; reserve {format_bytes(reserve, GIB)} "
-        f"(CUDA context, workspaces, allocator slack); usable {format_bytes(budget - reserve, GIB)}."
+        f"Budget {given} = {_gib(budget)} per GPU; reserve {_gib(reserve)} "
+        f"(CUDA context, workspaces, allocator slack); usable {_gib(budget - reserve)}."
     )
 
 
@@ -245,7 +296,16 @@ def _fits_mark(candidate: Candidate) -> Text:
 
 def candidates_table(rows: Sequence[Candidate], title: str, best: Candidate | None) -> Table:
     table = Table(title=title, title_justify="left")
-    for column in ("strategy", "activations", "model states", "total", "headroom", "recompute", "overhead", "fits"):
+    for column in (
+        "strategy",
+        "activations",
+        "model states",
+        "total",
+        "headroom",
+        "recompute",
+        "overhead",
+        "fits",
+    ):
         table.add_column(column, justify="left" if column == "strategy" else "right")
     for candidate in rows:
         plan = candidate.plan
@@ -272,7 +332,9 @@ def _thin(rows: Sequence[Candidate], limit: int) -> list[Candidate]:
     return [rows[i] for i in picks]
 
 
-def sweep_view(result: SweepResult, budget_text: str, show_all: bool, micro_batches: dict[str, int] | None) -> Group:
+def sweep_view(
+    result: SweepResult, budget_text: str, show_all: bool, micro_batches: dict[str, int] | None
+) -> Group:
     spec = result.spec
     parts: list[Any] = [budget_line(budget_text, result.budget_bytes, result.reserve_bytes)]
     states = result.candidates[0].plan.model_states.total
@@ -290,7 +352,9 @@ def sweep_view(result: SweepResult, budget_text: str, show_all: bool, micro_batc
         shown = _thin(result.pareto, FRONTIER_ROWS)
         title = "Pareto frontier: no other plan has both less memory and less compute"
         if len(shown) < len(result.pareto):
-            title += f" ({len(shown)} of {len(result.pareto)} shown; --all or --json for every plan)"
+            title += (
+                f" ({len(shown)} of {len(result.pareto)} shown; --all or --json for every plan)"
+            )
         parts.append(candidates_table(shown, title, result.best))
     parts.append(_verdict(result))
     if result.min_memory_segment is not None:
@@ -298,7 +362,8 @@ def sweep_view(result: SweepResult, budget_text: str, show_all: bool, micro_batc
         parts.append(
             Text(
                 f"Least-memory segment size: uniform:{result.min_memory_segment} (sqrt(L) would be "
-                f"{sqrt_k}): a layer stores {_ratio(spec)}x its input, so rebuilding a long segment's "
+                f"{sqrt_k}): a layer stores {_ratio(spec)}x its input, so rebuilding a long "
+                "segment's "
                 "tapes costs more than storing more segment inputs.",
                 style="dim",
             )
@@ -325,19 +390,19 @@ def _verdict(result: SweepResult) -> Text:
         plan = best.plan
         return Text(
             f"Best plan that fits: {plan.strategy} — total {format_bytes(plan.total_bytes, GIB)}, "
-            f"headroom {format_bytes(best.headroom_bytes, GIB)}, recompute overhead {plan.overhead:.2%}.",
+            f"headroom {_gib(best.headroom_bytes)}, recompute overhead {plan.overhead:.2%}.",
             style="bold green",
         )
     smallest = result.smallest
     text = (
-        f"Nothing fits: the smallest any plan reaches is {format_bytes(smallest.plan.total_bytes, GIB)} "
-        f"({smallest.plan.strategy}), {format_bytes(-smallest.headroom_bytes, GIB)} over the usable budget."
+        f"Nothing fits: the smallest any plan reaches is {_gib(smallest.plan.total_bytes)} "
+        f"({smallest.plan.strategy}), {_gib(-smallest.headroom_bytes)} over the usable budget."
     )
     states = smallest.plan.model_states.total
     if states > result.usable_bytes:
         needed = -(-states // max(1, result.usable_bytes))
         text += (
-            f" Model states alone need {format_bytes(states, GIB)}: shard them over at least {needed} GPUs "
+            f" Model states alone need {_gib(states)}: shard them over at least {needed} GPUs "
             "(e.g. --set tp=8 --set pp=N, or --set zero=3 --set dp=N)."
         )
     return Text(text, style="bold red")
@@ -347,15 +412,20 @@ def check_dict(budget: int, rows: list[tuple[str, Candidate | None]]) -> dict[st
     return {
         "budget_bytes": budget,
         "results": [
-            {"model": model, "fits": bool(c and c.fits), "plan": candidate_dict(c) if c else None} for model, c in rows
+            {"model": model, "fits": bool(c and c.fits), "plan": candidate_dict(c) if c else None}
+            for model, c in rows
         ],
     }
 
 
-def check_table(budget_text: str, budget: int, reserve: int, rows: list[tuple[str, Candidate | None]]) -> Group:
+def check_table(
+    budget_text: str, budget: int, reserve: int, rows: list[tuple[str, Candidate | None]]
+) -> Group:
     table = Table(title="Capacity check", title_justify="left")
     for column in ("model", "fits", "plan", "total", "headroom", "overhead", "why not"):
-        table.add_column(column, justify="left" if column in ("model", "plan", "why not") else "right")
+        table.add_column(
+            column, justify="left" if column in ("model", "plan", "why not") else "right"
+        )
     for model, candidate in rows:
         if candidate is None:
             table.add_row(model, Text("no", style="red"), "no schedule fits", "", "", "", "")
@@ -371,7 +441,9 @@ def check_table(budget_text: str, budget: int, reserve: int, rows: list[tuple[st
             "" if candidate.fits else _why_not(candidate),
         )
     fitting = sum(1 for _, c in rows if c and c.fits)
-    summary = Text(f"{fitting} of {len(rows)} fit.", style="bold green" if fitting == len(rows) else "bold red")
+    summary = Text(
+        f"{fitting} of {len(rows)} fit.", style="bold green" if fitting == len(rows) else "bold red"
+    )
     return Group(budget_line(budget_text, budget, reserve), table, summary)
 
 
@@ -379,7 +451,9 @@ def _why_not(candidate: Candidate) -> str:
     states = candidate.plan.model_states.total
     if states > candidate.budget_bytes:
         return f"model states alone {format_bytes(states, GIB)}"
-    return f"least activations {format_bytes(candidate.plan.activation_bytes, GIB)} on top of states"
+    return (
+        f"least activations {format_bytes(candidate.plan.activation_bytes, GIB)} on top of states"
+    )
 
 
 STEP_LABELS = {
@@ -412,12 +486,17 @@ def schedule_dict(plan: Plan, activation_budget: int | None) -> dict[str, Any]:
         **plan_dict(plan),
         "activation_budget_bytes": activation_budget,
         "stages": list(plan.stage_names),
-        "steps": [{"kind": step.kind, "stage": step.stage, "name": plan.stage_names[step.stage]} for step in plan.steps],
+        "steps": [
+            {"kind": step.kind, "stage": step.stage, "name": plan.stage_names[step.stage]}
+            for step in plan.steps
+        ],
     }
 
 
 def schedule_view(plan: Plan, activation_budget: int | None) -> Group:
-    table = Table(title=f"Schedule: {plan.strategy} ({len(plan.steps)} steps)", title_justify="left")
+    table = Table(
+        title=f"Schedule: {plan.strategy} ({len(plan.steps)} steps)", title_justify="left"
+    )
     table.add_column("#", justify="right")
     table.add_column("step")
     table.add_column("stages")
@@ -425,10 +504,15 @@ def schedule_view(plan: Plan, activation_budget: int | None) -> Group:
     for index, (label, span, count) in enumerate(schedule_rows(plan), 1):
         table.add_row(str(index), label, span, str(count))
     forwards = sum(1 for step in plan.steps if step.kind != "backward")
-    budget = f" of {format_bytes(activation_budget, GIB)} available" if activation_budget is not None else ""
+    budget = (
+        f" of {format_bytes(activation_budget, GIB)} available"
+        if activation_budget is not None
+        else ""
+    )
     summary = Text(
-        f"Peak activations {format_bytes(plan.activation_bytes, GIB)}{budget}; {forwards} stage forwards for "
-        f"{len(plan.stage_names)} stages; recompute {format_flops(plan.flops.recompute)} per iteration, "
+        f"Peak activations {_gib(plan.activation_bytes)}{budget}; {forwards} stage forwards "
+        f"for {len(plan.stage_names)} stages; recompute {format_flops(plan.flops.recompute)} "
+        "per iteration, "
         f"overhead {plan.overhead:.2%}.",
         style="bold",
     )

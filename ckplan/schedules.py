@@ -57,6 +57,33 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
+__all__ = [
+    "BACKWARD",
+    "BRUTE_FORCE_MAX_STAGES",
+    "FORWARD_DROP",
+    "FORWARD_KEEP_ALL",
+    "FORWARD_KEEP_INPUT",
+    "FORWARD_KINDS",
+    "STEP_KINDS",
+    "Chain",
+    "MemoryPoint",
+    "Replay",
+    "Schedule",
+    "ScheduleResult",
+    "Step",
+    "beta",
+    "brute_force_optimal",
+    "enumerate_persistent_schedules",
+    "optimal_schedule",
+    "revolve_dp_min_forwards",
+    "revolve_dp_table",
+    "revolve_min_forwards",
+    "revolve_schedule",
+    "segment_schedule",
+    "simulate",
+    "store_all_schedule",
+]
+
 FORWARD_DROP = "forward_drop"
 FORWARD_KEEP_INPUT = "forward_keep_input"
 FORWARD_KEEP_ALL = "forward_keep_all"
@@ -417,8 +444,8 @@ def segment_schedule(chain: Chain, segments: Sequence[tuple[int, int, bool]]) ->
 def beta(s: int, t: int) -> int:
     """``beta(s, t) = C(s + t, s)``: steps reversible with ``s`` checkpoints, ``t`` re-advances.
 
-    Source: Griewank & Walther 2000, "Algorithm 799: Revolve", ACM TOMS 26(1), eq. (1);
-    Griewank 1992 Prop. 1. Defined as 0 for ``t < 0``.
+    Source: Griewank & Walther 2000, "Algorithm 799: Revolve", ACM TOMS 26(1), §2 (binomial
+    reversal schedules; Griewank 1992). Defined as 0 for ``t < 0``.
     """
     if s < 0:
         raise ValueError("beta: s must be >= 0")
@@ -432,7 +459,8 @@ def revolve_min_forwards(l: int, s: int) -> int:  # noqa: E741 (the paper's name
 
     Closed form ``r*l - beta(s+1, r-1)`` with ``r`` the integer such that
     ``beta(s, r-1) < l <= beta(s, r)``. Source: Griewank & Walther 2000, "Algorithm 799:
-    Revolve", ACM TOMS 26(1), Prop. 1 / eq. (3) (Griewank 1992, Prop. 1). ``s`` counts the slot
+    Revolve", ACM TOMS 26(1), §2, the proposition on the minimal number of extra forward steps
+    (checked here against :func:`revolve_dp_table` for l <= 200, s <= 10). ``s`` counts the slot
     holding the initial state; the ``l`` taping forwards that precede each reverse step are not
     counted (in this package's chain model: the recompute count in stage forwards).
     Raises ``ValueError`` when ``s == 0 and l >= 2`` (not reversible).
@@ -457,7 +485,8 @@ def revolve_dp_table(l_max: int, s_max: int) -> tuple[tuple[int | None, ...], ..
     ``p(l, s) = min over 1 <= j < l of j + p(l - j, s - 1) + p(j, s)``: advance ``j`` steps,
     store a checkpoint there, reverse the right part with one slot fewer, then the left part.
     Source: Griewank 1992, "Achieving logarithmic growth of temporal and spatial complexity in
-    reverse automatic differentiation", §3 (the recursion behind Griewank & Walther 2000, §2).
+    reverse automatic differentiation", Optim. Methods Softw. 1 (the recursion behind binomial
+    checkpointing, Griewank & Walther 2000, §2).
     """
     p: list[list[int | None]] = [[0] * (s_max + 1) for _ in range(l_max + 1)]
     for ll in range(2, l_max + 1):
@@ -485,6 +514,7 @@ def revolve_dp_min_forwards(l: int, s: int) -> int:  # noqa: E741 (the paper's n
     return value
 
 
+@lru_cache(maxsize=65536)
 def _revolve_cost(l: int, s: int) -> int | None:  # noqa: E741
     if l >= 2 and s == 0:
         return None
@@ -578,11 +608,12 @@ def optimal_schedule(chain: Chain, budget_bytes: int, slots: int = 500) -> Sched
     """Cheapest persistent schedule whose peak fits ``budget_bytes``; ``None`` if none fits.
 
     Source: Beaumont, Eyraud-Dubois, Herrmann, Joly, Shilova 2019, "Optimal checkpointing for
-    heterogeneous chains: how to train deep neural networks with limited memory" (rotor), §4
-    (Theorem: optimal persistent schedules have the recursive structure below; dynamic program
-    eq. (1)-(3) over memory, start and end of the sub-chain), adapted to this module's chain model
-    (tape includes the input, pending outputs, explicit workspaces) — the memory terms are
-    derived from the accounting in the module docstring.
+    heterogeneous chains: how to train deep neural networks with limited memory" (rotor,
+    hal-02352969): optimal persistent schedules have the recursive structure below, solved by a
+    dynamic program over (memory, start, end of the sub-chain). derived: the memory terms are
+    re-derived for this module's chain model (tape includes the input, pending outputs, explicit
+    workspaces) from the accounting in the module docstring; tests check them against
+    :func:`brute_force_optimal`, which replays every persistent schedule.
 
     Sub-problem ``C(i, j, m)``: ``x_i`` and ``δ_j`` are live, reverse stages ``[i, j)`` within
     ``m`` memory (its own bytes: ``x_i``, ``δ_j`` and everything it creates). With
@@ -767,7 +798,7 @@ def enumerate_persistent_schedules(n: int) -> Iterator[Schedule]:
     To reverse ``[i, j)`` from ``x_i``: either store the tape of stage ``i`` and continue, or keep
     ``x_i`` and advance (dropping) to any ``k`` in ``(i, j)``, reverse ``[k, j)``, then ``[i, k)``.
     Counts are the large Schröder numbers 1, 2, 6, 22, 90, 394, 1806, ...
-    Source: Beaumont et al. 2019 (rotor), §4, characterisation of persistent schedules.
+    Source: Beaumont et al. 2019 (rotor), the characterisation of persistent schedules.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"a chain needs at least one stage, got {n!r}")

@@ -100,11 +100,21 @@ def sweep(
         if uniform
         else None
     )
-    return SweepResult(spec, budget_bytes, reserve_bytes, candidates, pareto_frontier(candidates), best, min_segment)
+    return SweepResult(
+        spec,
+        budget_bytes,
+        reserve_bytes,
+        candidates,
+        pareto_frontier(candidates),
+        best,
+        min_segment,
+    )
 
 
 def _seed_strategies(spec: ModelSpec) -> list[Strategy]:
-    names = ["none", "selective", "full", "sqrt"] + [f"uniform:{k}" for k in range(1, spec.layers_per_stage + 1)]
+    names = ["none", "selective", "full", "sqrt"] + [
+        f"uniform:{k}" for k in range(1, spec.layers_per_stage + 1)
+    ]
     return [parse_strategy(name, spec) for name in dict.fromkeys(names)]
 
 

@@ -21,7 +21,9 @@ def activation_memory_mb(n_layers, hidden=8192, seq=8192, batch=1, bytes_per_val
     return n_layers * per_layer / MB
 
 
-def memory_after_checkpoint(n_layers, segment_size, hidden=8192, seq=8192, batch=1, bytes_per_value=2):
+def memory_after_checkpoint(
+    n_layers, segment_size, hidden=8192, seq=8192, batch=1, bytes_per_value=2
+):
     """Seed: (n_seg + K) layer inputs of s·b·h·B bytes, in MB, n_seg = max(1, L // K)."""
     n_seg = max(1, n_layers // segment_size)
     saved = (n_seg + segment_size) * 1 * batch * seq * hidden * bytes_per_value
@@ -43,7 +45,9 @@ def checkpoint_cost(n_layers, segment_size, flops_per_layer=1.0):
     }
 
 
-def selective_checkpoint_cost(n_layers, attention_fraction=SEED_ATTENTION_FRACTION, flops_per_layer=1.0):
+def selective_checkpoint_cost(
+    n_layers, attention_fraction=SEED_ATTENTION_FRACTION, flops_per_layer=1.0
+):
     """Seed: recompute the attention share of each layer; overhead (3 + 0.15)/3 - 1 = 5%."""
     fwd = n_layers * flops_per_layer
     recompute = n_layers * attention_fraction * flops_per_layer
@@ -60,7 +64,7 @@ def selective_checkpoint_cost(n_layers, attention_fraction=SEED_ATTENTION_FRACTI
 
 def optimal_segment(n_layers):
     """Seed: K = round(sqrt(L)) (Chen et al. 2016, §4.1: sqrt(n) segments)."""
-    return int(round(math.sqrt(n_layers)))
+    return round(math.sqrt(n_layers))  # half to even, as the seed's round(np.sqrt(L))
 
 
 def should_recompute(layer_type, activation_bytes, recompute_flops_ratio):

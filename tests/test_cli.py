@@ -23,7 +23,12 @@ def test_estimate_json_schema(capsys):
     assert data["model"]["name"] == "llama3-70b" and data["model"]["kv_heads"] == 8
     assert data["strategy"] == "none" and data["formula"] == "derived"
     memory = data["memory"]
-    for key in ("per_layer_activation_bytes", "activation_bytes", "model_state_bytes", "total_bytes"):
+    for key in (
+        "per_layer_activation_bytes",
+        "activation_bytes",
+        "model_state_bytes",
+        "total_bytes",
+    ):
         assert isinstance(memory[key], int)
     assert set(memory["breakdown"]) == {"attention", "mlp", "norm"}
     assert sum(memory["breakdown"].values()) == memory["per_layer_activation_bytes"]
@@ -41,14 +46,33 @@ def test_estimate_table_selective(capsys):
 
 
 def test_estimate_overrides(capsys):
-    code, out, _ = run(capsys, "estimate", "gpt2", "--seq", "512", "--batch", "4", "--set", "dropout=0",
-                       "--set", "layers=6", "--json")
+    code, out, _ = run(
+        capsys,
+        "estimate",
+        "gpt2",
+        "--seq",
+        "512",
+        "--batch",
+        "4",
+        "--set",
+        "dropout=0",
+        "--set",
+        "layers=6",
+        "--json",
+    )
     model = json.loads(out)["model"]
-    assert code == 0 and (model["seq"], model["micro_batch"], model["dropout"], model["layers"]) == (512, 4, 0.0, 6)
+    assert code == 0 and (
+        model["seq"],
+        model["micro_batch"],
+        model["dropout"],
+        model["layers"],
+    ) == (512, 4, 0.0, 6)
 
 
 def test_estimate_seed_formula(capsys):
-    code, out, _ = run(capsys, "estimate", "seed", "--formula", "seed", "--strategy", "uniform:4", "--json")
+    code, out, _ = run(
+        capsys, "estimate", "seed", "--formula", "seed", "--strategy", "uniform:4", "--json"
+    )
     data = json.loads(out)
     assert code == 0 and data["formula"] == "seed"
     assert data["overhead"] == pytest.approx(1 / 3)
@@ -88,7 +112,9 @@ def test_malformed_yaml_file(capsys, tmp_path):
 
 def test_user_yaml_file(capsys, tmp_path):
     path = tmp_path / "mine.yml"
-    path.write_text("name: mine\nlayers: 4\nhidden: 256\nheads: 4\nseq: 128\nmicro_batch: 2\nvocab: 1000\n")
+    path.write_text(
+        "name: mine\nlayers: 4\nhidden: 256\nheads: 4\nseq: 128\nmicro_batch: 2\nvocab: 1000\n"
+    )
     code, out, _ = run(capsys, "estimate", str(path), "--json")
     assert code == 0 and json.loads(out)["model"]["name"] == "mine"
 
@@ -103,6 +129,10 @@ def test_presets_list_and_show(capsys):
 
 
 def test_python_dash_m():
-    result = subprocess.run([sys.executable, "-m", "ckplan", "presets", "gpt2", "--json"],
-                            capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "ckplan", "presets", "gpt2", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert result.returncode == 0 and json.loads(result.stdout)["layers"] == 12

@@ -14,6 +14,7 @@ from ckplan.memory import (
     selective_activation_bytes_per_layer,
 )
 from ckplan.ops import ATTENTION_CORE
+
 KORTHIKANTI_PRESETS = ["megatron-22b", "megatron-175b", "megatron-530b", "megatron-1t"]
 
 
@@ -32,7 +33,11 @@ def test_korthikanti_table2_single_gpu(spec_of, name):
     assert activation_bytes_per_layer(spec) == 34 * sbh + 5 * as2b
     assert selective_activation_bytes_per_layer(spec, ATTENTION_CORE) == 34 * sbh
     assert layer_input_bytes(spec) == 2 * sbh
-    assert activation_breakdown(spec) == {"attention": 11 * sbh + 5 * as2b, "mlp": 19 * sbh, "norm": 4 * sbh}
+    assert activation_breakdown(spec) == {
+        "attention": 11 * sbh + 5 * as2b,
+        "mlp": 19 * sbh,
+        "norm": 4 * sbh,
+    }
 
 
 @pytest.mark.parametrize("name", KORTHIKANTI_PRESETS)
@@ -70,7 +75,15 @@ def test_flash_attention_gqa_swiglu(spec_of):
     by_op = activation_bytes_by_op(spec)
     assert by_op["attention_core"] == 2 * sbh + 2 * 2 * sbh // 4 + 4 * a * s * b
     assert by_op["act"] == 2 * 2 * s * b * F
-    expected = 4 * sbh + 2 * sbh + by_op["attention_core"] + 2 * sbh + 2 * sbh + 4 * s * b * F + 2 * s * b * F
+    expected = (
+        4 * sbh
+        + 2 * sbh
+        + by_op["attention_core"]
+        + 2 * sbh
+        + 2 * sbh
+        + 4 * s * b * F
+        + 2 * s * b * F
+    )
     assert activation_bytes_per_layer(spec) == expected
     eager = spec_of("llama3-8b", fused_swiglu=False)
     assert activation_bytes_per_layer(eager) - activation_bytes_per_layer(spec) == 2 * s * b * F
@@ -85,7 +98,9 @@ def test_standard_attention_with_gqa_saves_repeated_kv(spec_of):
     by_op = activation_bytes_by_op(spec)
     assert by_op["attn_scores"] == 2 * 2 * sbh and by_op["attn_values"] == 2 * sbh
     assert selective_activation_bytes_per_layer(spec, ATTENTION_CORE) == (
-        activation_bytes_per_layer(spec) - (4 * sbh + 2 * spec.heads * s * s * b + 2 * sbh) + 2 * (sbh + 2 * sbh // 4)
+        activation_bytes_per_layer(spec)
+        - (4 * sbh + 2 * spec.heads * s * s * b + 2 * sbh)
+        + 2 * (sbh + 2 * sbh // 4)
     )
 
 
@@ -116,7 +131,11 @@ def test_model_states_18_bytes_per_param_and_zero(spec_of):
     assert model_state_bytes(spec).total == 18 * params
     dp = 8
     zero1 = model_state_bytes(spec_of("llama3-8b", dp=dp, zero=1))
-    assert (zero1.weights, zero1.gradients, zero1.optimizer) == (2 * params, 4 * params, 12 * params // dp)
+    assert (zero1.weights, zero1.gradients, zero1.optimizer) == (
+        2 * params,
+        4 * params,
+        12 * params // dp,
+    )
     zero3 = model_state_bytes(spec_of("llama3-8b", dp=dp, zero=3))
     assert zero3.total == (2 + 4 + 12) * params // dp
 

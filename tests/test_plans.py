@@ -15,8 +15,16 @@ from ckplan.ops import ATTENTION_CORE
 from ckplan.plans import StrategyError, evaluate, in_flight_microbatches, parse_strategy
 from ckplan.spec import spec_from_mapping
 
-SMALL = {"name": "small", "layers": 8, "hidden": 64, "heads": 4, "seq": 32, "micro_batch": 2, "vocab": 0,
-         "dropout": 0.1}
+SMALL = {
+    "name": "small",
+    "layers": 8,
+    "hidden": 64,
+    "heads": 4,
+    "seq": 32,
+    "micro_batch": 2,
+    "vocab": 0,
+    "dropout": 0.1,
+}
 
 
 @pytest.fixture
@@ -105,16 +113,39 @@ def test_few_microbatches_hold_fewer(spec_of):
     assert in_flight_microbatches(spec_of("megatron-175b", microbatches=3)) == 3
 
 
-@pytest.mark.parametrize("text", ["uniform", "uniform:0", "uniform:99", "block:-1", "revolve:0", "bogus", "none:3",
-                                  "selective+selective", "uniform:two"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "uniform",
+        "uniform:0",
+        "uniform:99",
+        "block:-1",
+        "revolve:0",
+        "bogus",
+        "none:3",
+        "selective+selective",
+        "uniform:two",
+    ],
+)
 def test_bad_strategies(small, text):
     with pytest.raises(StrategyError):
         parse_strategy(text, small)
 
 
 def test_strategy_names_round_trip(small):
-    for text in ["none", "full", "uniform:2", "sequential:4", "sqrt", "selective", "block:3", "revolve:2",
-                 "optimal", "selective+uniform:2", "selective+block:1"]:
+    for text in [
+        "none",
+        "full",
+        "uniform:2",
+        "sequential:4",
+        "sqrt",
+        "selective",
+        "block:3",
+        "revolve:2",
+        "optimal",
+        "selective+uniform:2",
+        "selective+block:1",
+    ]:
         assert parse_strategy(text, small).name == text
 
 

@@ -43,7 +43,9 @@ def test_pareto_frontier_is_exactly_the_non_dominated_plans(spec_of):
 
     frontier = set(id(c) for c in pareto_frontier(result.candidates))
     keys_on_frontier = {(c.plan.total_bytes, c.plan.flops.total) for c in result.pareto}
-    keys_undominated = {(c.plan.total_bytes, c.plan.flops.total) for c in result.candidates if not dominated(c)}
+    keys_undominated = {
+        (c.plan.total_bytes, c.plan.flops.total) for c in result.candidates if not dominated(c)
+    }
     assert keys_on_frontier == keys_undominated
     assert len(frontier) == len(keys_on_frontier)
 
@@ -59,7 +61,11 @@ def test_optimal_is_never_worse_than_a_fitting_segment_plan(spec_of):
         activation_budget = result.usable_bytes - optimal[0].plan.model_states.total
         slot = -(-activation_budget // 500)
         slack = (spec.layers + 4) * slot  # every live size rounded up by less than one slot
-        comfortable = [c for c in result.candidates if c.headroom_bytes >= slack and "optimal" not in c.plan.strategy]
+        comfortable = [
+            c
+            for c in result.candidates
+            if c.headroom_bytes >= slack and "optimal" not in c.plan.strategy
+        ]
         assert optimal[0].plan.flops.total <= min(c.plan.flops.total for c in comfortable)
 
 
@@ -68,8 +74,9 @@ def test_min_memory_segment_far_below_sqrt_for_transformers(spec_of):
     seed MLP (a layer stores only its input) it is sqrt-like."""
     result = sweep(spec_of("llama3-70b"), 80 * GB)
     assert result.min_memory_segment <= 2 < round(80**0.5)
-    mlp = spec_from_mapping({"name": "m", "kind": "mlp", "layers": 64, "hidden": 64, "micro_batch": 8,
-                             "dtype_bytes": 8})
+    mlp = spec_from_mapping(
+        {"name": "m", "kind": "mlp", "layers": 64, "hidden": 64, "micro_batch": 8, "dtype_bytes": 8}
+    )
     assert abs(sweep(mlp, 10 * GB).min_memory_segment - 8) <= 2
 
 
@@ -101,7 +108,9 @@ def test_sweep_cli_json_and_exit(capsys):
     assert code == 0
     assert data["budget_bytes"] == 14 * GB and data["best"]["fits"]
     assert {"strategy", "memory", "flops", "overhead", "fits"} <= set(data["plans"][0])
-    assert data["pareto"] and all(isinstance(p["memory"]["total_bytes"], int) for p in data["pareto"])
+    assert data["pareto"] and all(
+        isinstance(p["memory"]["total_bytes"], int) for p in data["pareto"]
+    )
 
 
 def test_sweep_cli_nothing_fits(capsys):
@@ -111,7 +120,9 @@ def test_sweep_cli_nothing_fits(capsys):
 
 
 def test_sweep_micro_batch_auto(capsys):
-    code, out, _ = run(capsys, "sweep", "gpt2", "--budget", "40GiB", "--micro-batch", "auto", "--json")
+    code, out, _ = run(
+        capsys, "sweep", "gpt2", "--budget", "40GiB", "--micro-batch", "auto", "--json"
+    )
     sizes = json.loads(out)["max_micro_batch"]
     assert code == 0 and sizes["full"] > sizes["none"] >= 1
 
@@ -122,8 +133,12 @@ def test_check_cli(capsys, tmp_path):
     assert code == 0 and [r["fits"] for r in data["results"]] == [True, True]
     code, out, _ = run(capsys, "check", "gpt2", "llama3-8b", "--budget", "40GB")
     assert code == 1 and "1 of 2 fit" in out
-    (tmp_path / "a.yaml").write_text("name: a\nlayers: 2\nhidden: 64\nheads: 4\nseq: 32\nmicro_batch: 1\n")
-    (tmp_path / "b.yaml").write_text("name: b\nlayers: 2\nhidden: 64\nheads: 4\nseq: 32\nmicro_batch: 1\n")
+    (tmp_path / "a.yaml").write_text(
+        "name: a\nlayers: 2\nhidden: 64\nheads: 4\nseq: 32\nmicro_batch: 1\n"
+    )
+    (tmp_path / "b.yaml").write_text(
+        "name: b\nlayers: 2\nhidden: 64\nheads: 4\nseq: 32\nmicro_batch: 1\n"
+    )
     code, out, _ = run(capsys, "check", str(tmp_path / "*.yaml"), "--budget", "4GB", "--json")
     assert code == 0 and len(json.loads(out)["results"]) == 2
     code, out, _ = run(capsys, "check", "gpt2", "--budget", "8GB", "--strategy", "full", "--json")

@@ -9,8 +9,13 @@ from ckplan.plans import evaluate, parse_strategy
 def test_seed_overheads():
     assert seed.checkpoint_cost(32, 4)["overhead_vs_no_ckpt"] == pytest.approx(1 / 3)
     assert seed.selective_checkpoint_cost(32)["overhead_vs_no_ckpt"] == pytest.approx(0.05)
-    assert seed.checkpoint_cost(32, 4) == {"fwd": 32.0, "recompute": 32.0, "bwd": 64.0, "total": 128.0,
-                                           "overhead_vs_no_ckpt": pytest.approx(1 / 3)}
+    assert seed.checkpoint_cost(32, 4) == {
+        "fwd": 32.0,
+        "recompute": 32.0,
+        "bwd": 64.0,
+        "total": 128.0,
+        "overhead_vs_no_ckpt": pytest.approx(1 / 3),
+    }
 
 
 def test_seed_memory_functions():
@@ -22,7 +27,9 @@ def test_seed_memory_functions():
     assert seed.memory_after_checkpoint(3, 8) == pytest.approx(9 * 134.217728)  # n_seg floors to 1
 
 
-@pytest.mark.parametrize(("layers", "segment"), [(1, 1), (4, 2), (32, 6), (48, 7), (96, 10), (80, 9), (2, 1)])
+@pytest.mark.parametrize(
+    ("layers", "segment"), [(1, 1), (4, 2), (32, 6), (48, 7), (96, 10), (80, 9), (2, 1)]
+)
 def test_seed_optimal_segment(layers, segment):
     assert seed.optimal_segment(layers) == segment
 

@@ -53,15 +53,30 @@ def test_missing_required_key():
 
 
 def test_mlp_kind_needs_no_seq():
-    spec = spec_from_mapping({"name": "m", "kind": "mlp", "layers": 4, "hidden": 8, "micro_batch": 3})
+    spec = spec_from_mapping(
+        {"name": "m", "kind": "mlp", "layers": 4, "hidden": 8, "micro_batch": 3}
+    )
     assert spec.seq == 1 and spec.ffn_hidden == 32
 
 
 def test_every_preset_loads_and_cites_a_source():
     names = preset_names()
-    for expected in ["gpt2", "gpt2-xl", "gpt3-175b", "megatron-22b", "megatron-175b", "megatron-530b",
-                     "megatron-1t", "llama2-7b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3-405b",
-                     "mistral-7b", "seed"]:
+    for expected in [
+        "gpt2",
+        "gpt2-xl",
+        "gpt3-175b",
+        "megatron-22b",
+        "megatron-175b",
+        "megatron-530b",
+        "megatron-1t",
+        "llama2-7b",
+        "llama2-70b",
+        "llama3-8b",
+        "llama3-70b",
+        "llama3-405b",
+        "mistral-7b",
+        "seed",
+    ]:
         assert expected in names
     for name in names:
         spec = load_spec(name)
@@ -94,10 +109,18 @@ def test_overrides_apply_before_validation():
 
 def test_hf_config_llama(tmp_path):
     config = {
-        "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidden_size": 4096,
-        "intermediate_size": 14336, "max_position_embeddings": 8192, "model_type": "llama",
-        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
-        "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 8192,
+        "model_type": "llama",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
         "vocab_size": 128256,
     }
     path = tmp_path / "Meta-Llama-3-8B" / "config.json"
@@ -105,20 +128,47 @@ def test_hf_config_llama(tmp_path):
     path.write_text(json.dumps(config))
     spec = load_spec(str(path))
     preset = load_spec("llama3-8b")
-    for key in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq", "norm", "mlp",
-                "attention", "positions", "bias", "tied_embeddings", "dtype_bytes"):
+    for key in (
+        "layers",
+        "hidden",
+        "heads",
+        "kv_heads",
+        "ffn_hidden",
+        "vocab",
+        "seq",
+        "norm",
+        "mlp",
+        "attention",
+        "positions",
+        "bias",
+        "tied_embeddings",
+        "dtype_bytes",
+    ):
         assert getattr(spec, key) == getattr(preset, key), key
     assert spec.name == "Meta-Llama-3-8B"
 
 
 def test_hf_config_gpt2():
     mapping = hf_config_mapping(
-        {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024,
-         "vocab_size": 50257, "activation_function": "gelu_new", "attn_pdrop": 0.1},
+        {
+            "model_type": "gpt2",
+            "n_layer": 12,
+            "n_embd": 768,
+            "n_head": 12,
+            "n_positions": 1024,
+            "vocab_size": 50257,
+            "activation_function": "gelu_new",
+            "attn_pdrop": 0.1,
+        },
         "gpt2/config.json",
     )
     spec = spec_from_mapping(mapping)
-    assert (spec.norm, spec.mlp, spec.positions, spec.tied_embeddings) == ("layernorm", "gelu", "learned", True)
+    assert (spec.norm, spec.mlp, spec.positions, spec.tied_embeddings) == (
+        "layernorm",
+        "gelu",
+        "learned",
+        True,
+    )
 
 
 def test_hf_config_not_recognised():

@@ -24,7 +24,9 @@ def test_parse_size_accepts(text, expected):
     assert isinstance(parse_size(text), int)
 
 
-@pytest.mark.parametrize("text", ["40", "-1GB", "abc", "40 G", "40G", "1.5B", "", "GB", "40.5", "1e-3GB"])
+@pytest.mark.parametrize(
+    "text", ["40", "-1GB", "abc", "40 G", "40G", "1.5B", "", "GB", "40.5", "1e-3GB"]
+)
 def test_parse_size_rejects_with_reason(text):
     with pytest.raises(SizeError, match="cannot parse size"):
         parse_size(text)
