@@ -254,16 +254,16 @@ def in_flight_microbatches(spec: ModelSpec) -> Fraction:
 
 
 def held_after_forward_bytes(chain: Chain, replay: Replay) -> int:
-    """What one micro-batch leaves alive between its forward and its backward (its
-    checkpoints and tapes): the after-figure of the last forward step, less δ_n, which the
-    replay counts from the start but which arrives only with the backward pass."""
-    first_backward = next(
-        index for index, point in enumerate(replay.trace) if point.step.kind == BACKWARD
+    """What one micro-batch leaves alive between its forward pass and its backward pass (its
+    checkpoints and tapes): the after-figure of the first forward of the last stage, less δ_n,
+    which the replay counts from the start but which arrives only with the backward pass."""
+    last = chain.length - 1
+    end_of_forward = next(
+        index
+        for index, point in enumerate(replay.trace)
+        if point.step.stage == last and point.step.kind != BACKWARD
     )
-    before = (
-        replay.trace[first_backward - 1].after_bytes if first_backward else replay.initial_bytes
-    )
-    return before - chain.input_bytes[-1]
+    return replay.trace[end_of_forward].after_bytes - chain.input_bytes[-1]
 
 
 def evaluate(

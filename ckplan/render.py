@@ -517,3 +517,142 @@ def schedule_view(plan: Plan, activation_budget: int | None) -> Group:
         style="bold",
     )
     return Group(table, summary)
+
+
+# ---- verify ------------------------------------------------------------------------------
+# `report` is a ckplan.verify.VerifyReport (not imported: verify.py imports NumPy).
+
+
+def verify_run_dict(report: Any, run: Any) -> dict[str, Any]:
+    """One run in DESIGN.md's `verify --json` shape, plus per-layer counts and the overhead."""
+    overhead = report.overhead(run)
+    return {
+        "strategy": run.strategy,
+        "gradients_identical": run.gradients_identical,
+        "max_abs_grad_diff": run.max_abs_grad_diff,
+        "predicted": {
+            "peak_bytes": run.predicted.peak_bytes,
+            "layer_forwards": sum(run.predicted.layer_forwards),
+            "flops": run.predicted.flops,
+        },
+        "measured": {
+            "peak_bytes": run.measured.peak_bytes,
+            "layer_forwards": sum(run.measured.layer_forwards),
+            "flops": run.measured.flops,
+            "seconds": run.measured.seconds,
+        },
+        "ok": run.ok,
+        "peak_error": run.peak_error,
+        "layer_forwards_per_layer": {
+            "predicted": list(run.predicted.layer_forwards),
+            "measured": list(run.measured.layer_forwards),
+        },
+        "all_seconds": list(run.measured.all_seconds),
+        "time_overhead": None
+        if overhead is None
+        else {"predicted": overhead[0], "measured": overhead[1]},
+    }
+
+
+def verify_dict(report: Any) -> dict[str, Any]:
+    """`ckplan verify --json`: {"runs": [...]} (DESIGN.md) with the setup beside it."""
+    return {
+        "ckplan_version": __version__,
+        "model": report.spec.to_dict(),
+        "ok": report.ok,
+        "tolerance": {
+            "peak_relative": report.tolerance,
+            "layer_forwards": "exact",
+            "flops": "exact",
+            "gradients": "bit-identical to the seed's plain step",
+        },
+        "parameter_bytes": report.parameter_bytes,
+        "gradient_bytes": report.gradient_bytes,
+        "optimal_budget_bytes": report.budget_bytes,
+        "repeats": report.repeats,
+        "seed": report.seed,
+        "runs": [verify_run_dict(report, run) for run in report.runs],
+    }
+
+
+def _mark(ok: bool) -> Text:
+    return Text("yes", style="green") if ok else Text("NO", style="bold red")
+
+
+def _forwards(counts: Sequence[int]) -> str:
+    total = sum(counts)
+    return f"{total} (+{total - len(counts)})"
+
+
+def verify_view(report: Any) -> Group:
+    spec = report.spec
+    title = (
+        f"Verify: the seed's NumPy MLP, L={spec.layers} d={spec.hidden} f={spec.ffn_hidden} "
+        f"b={spec.micro_batch}, float64"
+    )
+    table = Table(title=title, title_justify="left")
+    table.add_column("strategy")
+    table.add_column("peak predicted", justify="right")
+    table.add_column("peak measured", justify="right")
+    table.add_column("error", justify="right")
+    table.add_column("layer fwd pred", justify="right")
+    table.add_column("layer fwd meas", justify="right")
+    table.add_column("GFLOP pred", justify="right")
+    table.add_column("GFLOP meas", justify="right")
+    table.add_column("time (s)", justify="right")
+    table.add_column("overhead pred", justify="right")
+    table.add_column("overhead meas", justify="right")
+    table.add_column("gradients", justify="center")
+    table.add_column("ok", justify="center")
+    for run in report.runs:
+        overhead = report.overhead(run)
+        grads = (
+            Text("identical", style="green")
+            if run.gradients_identical
+            else Text(f"max diff {run.max_abs_grad_diff:.3g}", style="bold red")
+        )
+        table.add_row(
+            run.strategy,
+            format_bytes(run.predicted.peak_bytes, "MiB"),
+            format_bytes(run.measured.peak_bytes, "MiB"),
+            Text(f"{run.peak_error:+.2%}", style=None if run.peak_ok else "bold red"),
+            _forwards(run.predicted.layer_forwards),
+            Text(
+                _forwards(run.measured.layer_forwards),
+                style=None if run.counts_ok else "bold red",
+            ),
+            f"{run.predicted.flops / 1e9:,.2f}",
+            Text(f"{run.measured.flops / 1e9:,.2f}", style=None if run.flops_ok else "bold red"),
+            f"{run.measured.seconds:.3f}",
+            "" if overhead is None else f"{overhead[0]:+.1%}",
+            "" if overhead is None else f"{overhead[1]:+.1%}",
+            grads,
+            _mark(run.ok),
+        )
+    budget = (
+        f"; optimal solved for an activation budget of "
+        f"{format_bytes(report.budget_bytes, 'MiB')}"
+        if report.budget_bytes is not None
+        else ""
+    )
+    notes = Text(
+        "MiB = 2^20 bytes. Peak: activations and activation gradients of one step (tracemalloc), "
+        f"parameters ({format_bytes(report.parameter_bytes, 'MiB')}) and their preallocated "
+        f"gradients ({format_bytes(report.gradient_bytes, 'MiB')}) excluded{budget}.\n"
+        "Layer forwards: total (+ recomputed). FLOPs: matmuls, 2·m·n·k. Time: median of "
+        f"{report.repeats} runs; overhead against none, predicted = FLOP ratio, measured = time "
+        "ratio (reported, not checked).\n"
+        f"Tolerances: peak within ±{report.tolerance:.0%} of predicted; layer forwards per layer "
+        "and FLOPs exact; gradients bit-identical to the seed's plain step "
+        "(model_forward + model_backward).",
+        style="dim",
+    )
+    failed = [run.strategy for run in report.runs if not run.ok]
+    if failed:
+        verdict = Text(f"MISMATCH: {', '.join(failed)} outside tolerance.", style="bold red")
+    else:
+        verdict = Text(
+            f"Verified: all {len(report.runs)} runs match the planner within tolerance.",
+            style="bold green",
+        )
+    return Group(table, notes, verdict)

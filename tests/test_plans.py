@@ -152,3 +152,15 @@ def test_strategy_names_round_trip(small):
 def test_optimal_needs_budget(small):
     with pytest.raises(StrategyError, match="needs a memory budget"):
         plan(small, "optimal")
+
+
+def test_pipeline_full_recompute_holds_only_inputs(spec_of):
+    """Under full recompute the p - 1 micro-batches waiting for their backward hold only their
+    layer inputs (and the embedding's tape), not a rebuilt tape (Korthikanti Table 2, full
+    recompute: 2sbh/t per layer with SP)."""
+    spec = spec_of("megatron-1t")
+    X = layer_input_bytes(spec)
+    waiting = embedding_saved_bytes(spec) + spec.layers_per_stage * X
+    one = plan(spec.replace(microbatches=1), "full").activation_bytes
+    assert plan(spec, "full").activation_bytes == one + (spec.pp - 1) * waiting
+    assert plan(spec, "full").activation_bytes < plan(spec, "selective").activation_bytes

@@ -1,0 +1,509 @@
+"""Run checkpointing schedules on the seed's NumPy MLP and measure them (`ckplan verify`).
+
+The network is the seed's (shared/seed): L layers of ``relu(x @ w1 + b1) @ w2 + b2``, width d,
+hidden f, b rows, float64. The seed's plain step (``model_forward`` / ``model_backward``) keeps
+each layer's input and rebuilds the hidden activation in the backward pass; its checkpointed step
+(``model_forward_checkpointed`` / ``model_backward_checkpointed``) keeps segment inputs and
+re-runs each segment. This module runs *any* schedule of :mod:`ckplan.schedules` on that network:
+the plain step is ``store_all``, the seed's segments are ``uniform:K``, and ``sequential:K``,
+``sqrt``, ``block:N``, ``revolve:C`` and ``optimal`` are just other schedules. One executor runs
+them all, step by step, holding exactly the arrays that ``schedules.simulate`` says are live and
+dropping every other reference, so CPython frees each array the moment the plan says it is dead.
+
+What is measured for one run, and how:
+
+* **gradients**: every weight, bias and input gradient, compared bit for bit (the float64 bit
+  patterns) with the seed's own plain step, transcribed verbatim below (:func:`seed_plain_step`).
+  The executor does the seed's arithmetic in the seed's order (in place, but each rounding is the
+  same), and recomputation re-runs the same deterministic kernels on the same inputs, so the
+  gradients are identical to the last bit; ``max_abs_grad_diff`` says by how much when not.
+* **peak memory**: ``tracemalloc`` (NumPy reports its data allocations to it) over one step: the
+  peak of traced bytes minus the traced bytes before the step's input ``x_0`` and output gradient
+  ``δ_L`` were allocated. Parameters and the parameter-gradient buffers are allocated before that
+  (the gradients are preallocated and written in place with ``out=``), so the peak is the
+  activation peak that the planner predicts; both are reported separately.
+* **layer forwards and FLOPs**: counted as the executor runs (every matmul adds 2·m·n·k from its
+  operands' actual shapes); element-wise ops count 0, as in :mod:`ckplan.ops`.
+* **time**: the median of several untraced runs of the step.
+
+The predictions come from the planner itself: ``plans.evaluate`` on a ``kind: mlp`` spec (peak
+``activation_bytes``, FLOPs ``flops.total``) and ``schedules.simulate`` on ``plans.layer_chain``
+(layer forwards per stage) — the same code the CLI runs. The layer transients are
+``memory.mlp_forward_workspace_bytes`` / ``mlp_backward_workspace_bytes``, derived from the layer
+code below.
+
+Timing is the only impure part; everything else is deterministic for a given ``seed``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import tracemalloc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ckplan.plans import StrategyError, evaluate, layer_chain, parse_strategy
+from ckplan.schedules import (
+    BACKWARD,
+    FORWARD_DROP,
+    FORWARD_KEEP_ALL,
+    FORWARD_KEEP_INPUT,
+    Step,
+    simulate,
+)
+from ckplan.spec import ModelSpec, spec_from_mapping
+
+PEAK_TOLERANCE = 0.05  # measured peak within ±5 % of the predicted peak
+DEFAULT_REPEATS = 3
+DTYPE_BYTES = 8  # float64
+
+Params = list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+
+
+# ---- the network --------------------------------------------------------------------------
+
+
+def mlp_spec(layers: int, hidden: int, ffn_hidden: int, batch: int) -> ModelSpec:
+    """The ``kind: mlp`` spec of the seed's network in float64 (``dtype_bytes: 8``)."""
+    return spec_from_mapping(
+        {
+            "name": f"seed-mlp-L{layers}-d{hidden}-f{ffn_hidden}-b{batch}",
+            "source": "the seed's NumPy MLP (shared/seed), run by ckplan verify",
+            "kind": "mlp",
+            "layers": layers,
+            "hidden": hidden,
+            "ffn_hidden": ffn_hidden,
+            "micro_batch": batch,
+            "dtype_bytes": DTYPE_BYTES,
+        },
+        origin="verify",
+    )
+
+
+def init_network(spec: ModelSpec, seed: int = 0) -> tuple[Params, np.ndarray, np.ndarray]:
+    """Parameters ``[(w1, b1, w2, b2)] * L``, input ``x`` (b, d), output gradient (b, d).
+
+    He-style scales (w1 ~ N(0, 2/d), w2 ~ N(0, 1/f)) keep activations O(1) through L layers, so
+    the check is not dominated by overflow or underflow; biases are small but non-zero.
+    """
+    rng = np.random.default_rng(seed)
+    b, d, f = spec.micro_batch, spec.hidden, spec.ffn_hidden
+    params = []
+    for _ in range(spec.layers):
+        w1 = rng.standard_normal((d, f)) * np.sqrt(2.0 / d)
+        b1 = rng.standard_normal(f) * 0.1
+        w2 = rng.standard_normal((f, d)) * np.sqrt(1.0 / f)
+        b2 = rng.standard_normal(d) * 0.1
+        params.append((w1, b1, w2, b2))
+    x = rng.standard_normal((b, d))
+    grad_output = rng.standard_normal((b, d))  # δ_L: the gradient of loss = Σ x_L ⊙ grad_output
+    return params, x, grad_output
+
+
+def gradient_buffers(params: Params) -> Params:
+    """One (gw1, gb1, gw2, gb2) per layer, preallocated; the executor writes them with ``out=``."""
+    return [tuple(np.empty_like(p) for p in layer) for layer in params]
+
+
+# ---- the seed's plain step, verbatim (the reference for gradients) ------------------------
+
+
+def _seed_linear_forward(x, w, b):
+    return x @ w + b
+
+
+def _seed_relu(x):
+    return np.maximum(x, 0)
+
+
+def _seed_layer_forward(x, w1, b1, w2, b2):
+    h = _seed_relu(_seed_linear_forward(x, w1, b1))
+    return _seed_linear_forward(h, w2, b2)
+
+
+def _seed_model_forward(x, params):
+    activations = [x]
+    h = x
+    for w1, b1, w2, b2 in params:
+        h = _seed_layer_forward(h, w1, b1, w2, b2)
+        activations.append(h)
+    return h, activations
+
+
+def _seed_model_backward(grad_output, activations, params):
+    grads = [None] * len(params)
+    g = grad_output
+    for i in range(len(params) - 1, -1, -1):
+        w1, b1, w2, b2 = params[i]
+        x_in = activations[i]
+        h_pre = _seed_linear_forward(x_in, w1, b1)
+        h = _seed_relu(h_pre)
+        gh = g @ w2.T
+        gw2 = h.T @ g
+        gb2 = g.sum(axis=0)
+        g_pre = gh * (h_pre > 0)
+        gx = g_pre @ w1.T
+        gw1 = x_in.T @ g_pre
+        gb1 = g_pre.sum(axis=0)
+        grads[i] = (gw1, gb1, gw2, gb2)
+        g = gx
+    return g, grads
+
+
+def seed_plain_step(params: Params, x: np.ndarray, grad_output: np.ndarray):
+    """The seed's training step without checkpointing: ``(input gradient, [(gw1, gb1, gw2,
+    gb2)] per layer)``, computed by the seed's ``model_forward`` and ``model_backward``."""
+    _, activations = _seed_model_forward(x, params)
+    return _seed_model_backward(grad_output, activations, params)
+
+
+def seed_checkpointed_step(params: Params, x: np.ndarray, grad_output: np.ndarray, k: int):
+    """The seed's ``model_forward_checkpointed`` / ``model_backward_checkpointed`` (segments of
+    ``k`` layers, each re-run in the backward pass), verbatim; = ``uniform:k``."""
+    saved_inputs = [x]
+    h = x
+    for i, (w1, b1, w2, b2) in enumerate(params):
+        h = _seed_layer_forward(h, w1, b1, w2, b2)
+        if (i + 1) % k == 0:
+            saved_inputs.append(h)
+    grads = [None] * len(params)
+    g = grad_output
+    segments = [(j * k, min((j + 1) * k, len(params))) for j in range(len(saved_inputs))]
+    for seg_idx in range(len(saved_inputs) - 1, -1, -1):
+        start, end = segments[seg_idx]
+        if start >= end:
+            continue
+        x_in = saved_inputs[seg_idx]
+        _, seg_acts = _seed_model_forward(x_in, params[start:end])
+        g, seg_grads = _seed_model_backward(g, seg_acts, params[start:end])
+        for j, gr in enumerate(seg_grads):
+            grads[start + j] = gr
+    return g, grads
+
+
+# ---- the executor -------------------------------------------------------------------------
+
+
+class _Counts:
+    """Layer forwards per stage and matmul FLOPs, counted as they run."""
+
+    def __init__(self, layers: int) -> None:
+        self.layer_forwards = [0] * layers
+        self.flops = 0
+
+    def matmul(self, a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """``a @ b`` (into ``out`` if given), counting 2·m·n·k FLOPs from the actual shapes."""
+        (m, k), (_, n) = a.shape, b.shape
+        self.flops += 2 * m * n * k
+        return np.matmul(a, b, out=out)
+
+
+def _add_bias(a: np.ndarray, bias: np.ndarray) -> None:
+    """``a += bias`` row by row. A broadcasting in-place add makes NumPy's iterator allocate a
+    buffer (64 KiB at the default bufsize) that no formula should have to know about; row by row
+    there is no temporary, and each element gets the same single rounding as the seed's
+    ``x @ w + b``."""
+    for row in a:
+        np.add(row, bias, out=row)
+
+
+def layer_forward(x, w1, b1, w2, b2, counts: _Counts) -> np.ndarray:
+    """The seed's ``layer_forward``, ``relu(x @ w1 + b1) @ w2 + b2``, in place.
+
+    Alive beyond ``x``: the hidden activation ``a`` (b, f) and the output (b, d) —
+    ``memory.mlp_forward_workspace_bytes`` is the b·f part (the chain counts the output).
+    """
+    a = counts.matmul(x, w1)  # (b, f): fc1
+    _add_bias(a, b1)
+    np.maximum(a, 0.0, out=a)  # relu, in place
+    y = counts.matmul(a, w2)  # (b, d): fc2
+    _add_bias(y, b2)
+    return y
+
+
+def layer_backward(x, g, w1, b1, w2, b2, grads, counts: _Counts) -> np.ndarray:
+    """The seed's ``model_backward`` body for one layer, in place; returns ``δ_i`` (b, d).
+
+    Rebuilds ``h_pre`` and ``h`` from the stored input ``x`` as the seed does. Weight and bias
+    gradients go into the preallocated ``grads`` buffers. The mask ``(h_pre > 0)`` is built in
+    place of ``h`` as 1.0/0.0 (``heaviside(h, 0)``; ``h > 0`` iff ``h_pre > 0``), so
+    ``gh * mask`` has the seed's bits (the seed multiplies by the bool mask promoted to 1.0/0.0).
+    Transients: ``a`` and ``gh`` (2·b·f), then ``gh`` and ``δ_i`` (b·f + b·d) —
+    ``memory.mlp_backward_workspace_bytes``.
+    """
+    gw1, gb1, gw2, gb2 = grads
+    a = counts.matmul(x, w1)  # (b, f): h_pre, recomputed
+    _add_bias(a, b1)
+    np.maximum(a, 0.0, out=a)  # h = relu(h_pre)
+    counts.matmul(a.T, g, out=gw2)  # gw2 = hᵀ @ g   (f, d)
+    np.sum(g, axis=0, out=gb2)  # gb2 = Σ g       (d,)
+    np.heaviside(a, 0.0, out=a)  # a = (h_pre > 0) as 1.0 / 0.0
+    gh = counts.matmul(g, w2.T)  # (b, f)
+    np.multiply(gh, a, out=gh)  # g_pre = gh * (h_pre > 0)
+    del a
+    gx = counts.matmul(gh, w1.T)  # δ_i (b, d)
+    counts.matmul(x.T, gh, out=gw1)  # gw1 = xᵀ @ g_pre   (d, f)
+    np.sum(gh, axis=0, out=gb1)  # gb1 = Σ g_pre  (f,)
+    return gx
+
+
+def run_schedule(
+    steps: Sequence[Step], params: Params, grads: Params, inputs: list[np.ndarray]
+) -> tuple[np.ndarray, _Counts]:
+    """Run one training step along ``steps``; return ``(δ_0, counts)``.
+
+    ``inputs`` is ``[x_0, δ_L]`` and is emptied: the executor owns those arrays, so it can free
+    ``x_0`` when the schedule says (rule 6). Live values follow ``schedules.simulate`` exactly:
+    activations ``acts`` (``checkpoints`` marks the kept ones), tapes (for this network a layer's
+    tape is its input alone, as the seed keeps), and the one live gradient ``delta``. A forward's
+    output is kept only when the next step is the forward of the next stage (rule 4), otherwise
+    its reference is dropped at once. The schedule must be valid (``simulate`` it first).
+    """
+    delta = inputs.pop()
+    acts: dict[int, np.ndarray] = {0: inputs.pop()}
+    checkpoints = {0}
+    tapes: dict[int, np.ndarray] = {}
+    counts = _Counts(len(params))
+    steps = tuple(steps)
+    for t, step in enumerate(steps):
+        i = step.stage
+        if step.kind == BACKWARD:
+            gx = layer_backward(tapes[i], delta, *params[i], grads[i], counts)
+            del tapes[i]
+            acts.pop(i, None)
+            checkpoints.discard(i)
+            delta = gx  # frees δ_{i+1}
+            del gx
+            continue
+        y = layer_forward(acts[i], *params[i], counts)
+        counts.layer_forwards[i] += 1
+        if step.kind == FORWARD_DROP:
+            if i not in checkpoints:
+                del acts[i]
+        elif step.kind == FORWARD_KEEP_INPUT:
+            checkpoints.add(i)
+        elif step.kind == FORWARD_KEEP_ALL:
+            tapes[i] = acts.pop(i)  # the tape absorbs x_i
+            checkpoints.discard(i)
+        nxt = steps[t + 1] if t + 1 < len(steps) else None
+        if nxt is not None and nxt.kind != BACKWARD and nxt.stage == i + 1:
+            acts[i + 1] = y  # pending: consumed by the next step
+        del y  # otherwise dead, freed now
+    return delta, counts
+
+
+# ---- measurement --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prediction:
+    peak_bytes: int
+    layer_forwards: tuple[int, ...]  # per layer
+    flops: int
+
+
+@dataclass(frozen=True)
+class Measurement:
+    peak_bytes: int
+    layer_forwards: tuple[int, ...]  # per layer
+    flops: int
+    seconds: float  # median
+    all_seconds: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    strategy: str
+    predicted: Prediction
+    measured: Measurement
+    gradients_identical: bool
+    max_abs_grad_diff: float
+    tolerance: float
+
+    @property
+    def peak_error(self) -> float:
+        """measured / predicted - 1."""
+        return self.measured.peak_bytes / self.predicted.peak_bytes - 1.0
+
+    @property
+    def peak_ok(self) -> bool:
+        return abs(self.peak_error) <= self.tolerance
+
+    @property
+    def counts_ok(self) -> bool:
+        return self.measured.layer_forwards == self.predicted.layer_forwards
+
+    @property
+    def flops_ok(self) -> bool:
+        return self.measured.flops == self.predicted.flops
+
+    @property
+    def ok(self) -> bool:
+        return self.gradients_identical and self.peak_ok and self.counts_ok and self.flops_ok
+
+    @property
+    def recomputed_layers(self) -> int:
+        return sum(self.measured.layer_forwards) - len(self.measured.layer_forwards)
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    spec: ModelSpec
+    runs: tuple[RunResult, ...]
+    parameter_bytes: int
+    gradient_bytes: int
+    budget_bytes: int | None  # the activation budget the optimal schedule was solved for
+    repeats: int
+    tolerance: float
+    seed: int
+
+    @property
+    def ok(self) -> bool:
+        return all(run.ok for run in self.runs)
+
+    @property
+    def baseline(self) -> RunResult | None:
+        return next((run for run in self.runs if run.strategy == "none"), None)
+
+    def overhead(self, run: RunResult) -> tuple[float, float] | None:
+        """(predicted, measured) time overhead against ``none``: FLOPs ratio - 1, seconds
+        ratio - 1."""
+        base = self.baseline
+        if base is None:
+            return None
+        predicted = run.predicted.flops / base.predicted.flops - 1.0
+        measured = run.measured.seconds / base.measured.seconds - 1.0
+        return predicted, measured
+
+
+def measure_peak(
+    steps: Sequence[Step], params: Params, grads: Params, x: np.ndarray, grad_output: np.ndarray
+) -> tuple[int, np.ndarray, _Counts]:
+    """Peak traced bytes of one step above what was traced before ``x_0`` and ``δ_L`` existed.
+
+    Works whether or not ``tracemalloc`` is already tracing (then its state is left as found).
+    """
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        inputs = [x.copy(), grad_output.copy()]
+        tracemalloc.reset_peak()
+        dx, counts = run_schedule(steps, params, grads, inputs)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        if started:
+            tracemalloc.stop()
+    return peak, dx, counts
+
+
+def time_step(
+    steps: Sequence[Step],
+    params: Params,
+    grads: Params,
+    x: np.ndarray,
+    grad_output: np.ndarray,
+    repeats: int,
+) -> tuple[float, ...]:
+    """Wall seconds of ``repeats`` runs of the step (input copies made outside the timing)."""
+    seconds = []
+    for _ in range(repeats):
+        inputs = [x.copy(), grad_output.copy()]
+        start = time.perf_counter()
+        run_schedule(steps, params, grads, inputs)
+        seconds.append(time.perf_counter() - start)
+    return tuple(seconds)
+
+
+def compare_gradients(dx, grads, ref_dx, ref_grads) -> tuple[bool, float]:
+    """(bit-identical, max |difference|) over the input gradient and every parameter gradient."""
+    pairs = [(dx, ref_dx)]
+    for layer, ref_layer in zip(grads, ref_grads, strict=True):
+        pairs += list(zip(layer, ref_layer, strict=True))
+    identical = all(
+        a.shape == b.shape and np.array_equal(a.view(np.uint64), b.view(np.uint64))
+        for a, b in pairs
+    )
+    diff = max(float(np.max(np.abs(a - b))) for a, b in pairs)
+    return identical, diff
+
+
+def predict(spec: ModelSpec, strategy: str, budget: int | None) -> tuple[Prediction, tuple]:
+    """The planner's prediction for one strategy and the schedule it would run."""
+    parsed = parse_strategy(strategy, spec)
+    plan = evaluate(spec, parsed, budget=budget)
+    if plan is None:
+        raise StrategyError(
+            f"strategy {strategy!r}: no schedule fits the activation budget of {budget:,} bytes"
+        )
+    replay = simulate(layer_chain(spec, parsed.selective), plan.steps)
+    return Prediction(plan.activation_bytes, replay.layer_forwards, plan.flops.total), plan.steps
+
+
+def default_strategies(layers: int) -> tuple[str, ...]:
+    """none, full, uniform:K and sequential:K (K = min(4, L)), sqrt, revolve:C, optimal."""
+    k = min(4, layers)
+    slots = max(1, min(4, layers // 4))
+    return ("none", "full", f"uniform:{k}", f"sequential:{k}", "sqrt", f"revolve:{slots}", "optimal")
+
+
+def default_budget(spec: ModelSpec) -> int:
+    """The activation budget for ``optimal`` when none is given: the predicted peak of
+    ``sqrt``, so that ``optimal`` shows what the best schedule does in the same memory."""
+    return evaluate(spec, parse_strategy("sqrt", spec)).activation_bytes
+
+
+def verify(
+    spec: ModelSpec,
+    strategies: Sequence[str] | None = None,
+    budget: int | None = None,
+    repeats: int = DEFAULT_REPEATS,
+    seed: int = 0,
+    tolerance: float = PEAK_TOLERANCE,
+) -> VerifyReport:
+    """Run every strategy on the seed's network, measure it and put it beside the prediction.
+
+    ``none`` (the plain step) always runs first: it is the baseline of the time overhead.
+    Raises ``StrategyError`` for a strategy that does not parse or has no schedule.
+    """
+    if spec.kind != "mlp" or spec.dtype_bytes != DTYPE_BYTES or spec.pp != 1:
+        raise StrategyError("verify runs the seed's MLP: kind mlp, dtype_bytes 8, pp 1")
+    if repeats < 1:
+        raise StrategyError(f"repeats must be at least 1, got {repeats}")
+    names = list(dict.fromkeys(["none", *(strategies or default_strategies(spec.layers))]))
+    if budget is None and any(name.strip() == "optimal" for name in names):
+        budget = default_budget(spec)
+    planned = [(name, *predict(spec, name, budget)) for name in names]
+
+    params, x, grad_output = init_network(spec, seed)
+    grads = gradient_buffers(params)
+    ref_dx, ref_grads = seed_plain_step(params, x, grad_output)
+    runs = []
+    for name, prediction, steps in planned:
+        peak, dx, counts = measure_peak(steps, params, grads, x, grad_output)
+        identical, diff = compare_gradients(dx, grads, ref_dx, ref_grads)
+        del dx
+        seconds = time_step(steps, params, grads, x, grad_output, repeats)
+        measured = Measurement(
+            peak_bytes=peak,
+            layer_forwards=tuple(counts.layer_forwards),
+            flops=counts.flops,
+            seconds=statistics.median(seconds),
+            all_seconds=seconds,
+        )
+        runs.append(RunResult(name, prediction, measured, identical, diff, tolerance))
+    param_bytes = sum(p.nbytes for layer in params for p in layer)
+    return VerifyReport(
+        spec=spec,
+        runs=tuple(runs),
+        parameter_bytes=param_bytes,
+        gradient_bytes=sum(g.nbytes for layer in grads for g in layer),
+        budget_bytes=budget,
+        repeats=repeats,
+        tolerance=tolerance,
+        seed=seed,
+    )
