@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint format bench clean
+.PHONY: run test lint format bench validate clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,12 +19,22 @@ test: $(STAMP)
 	$(BIN)/pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check ckplan tests benchmarks
-	$(BIN)/ruff format --check ckplan tests benchmarks
+	$(BIN)/ruff check ckplan tests benchmarks validation
+	$(BIN)/ruff format --check ckplan tests benchmarks validation
 
 format: $(STAMP)
-	$(BIN)/ruff format ckplan tests benchmarks
-	$(BIN)/ruff check --fix ckplan tests benchmarks
+	$(BIN)/ruff format ckplan tests benchmarks validation
+	$(BIN)/ruff check --fix ckplan tests benchmarks validation
+
+# The accounting against PyTorch autograd (docs/validation.md); torch is an optional extra.
+TORCH_STAMP := $(VENV)/.torch
+$(TORCH_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet 'torch==2.13.0'
+	touch $(TORCH_STAMP)
+
+validate: $(TORCH_STAMP)
+	$(BIN)/python validation/torch_saved_bytes.py --compare
+	$(BIN)/pytest tests/test_torch_validation.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench.py

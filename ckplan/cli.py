@@ -341,6 +341,52 @@ def schedule(
         stdout.print(render.schedule_view(plan, activation_budget))
 
 
+@app.command()
+def verify(
+    layers: Annotated[int, typer.Option("--layers", help="Layers L of the seed's MLP.")] = 16,
+    hidden: Annotated[int, typer.Option("--hidden", help="Width d.")] = 128,
+    ffn_hidden: Annotated[int, typer.Option("--ffn-hidden", help="Hidden width f.")] = 512,
+    batch: Annotated[int, typer.Option("--batch", help="Rows b of the input.")] = 64,
+    strategies: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--strategy",
+            "-s",
+            help="Repeatable or comma-separated (none always runs, as the baseline). Default: "
+            "none, full, uniform:4, sequential:4, sqrt, revolve:4, optimal.",
+        ),
+    ] = None,
+    budget: Annotated[
+        str | None,
+        typer.Option("--budget", "-b", help="Activation budget of optimal (default: sqrt's peak)."),
+    ] = None,
+    repeats: Annotated[int, typer.Option("--repeats", help="Timed runs per strategy.")] = 3,
+    seed: Annotated[int, typer.Option("--seed", help="Random seed of weights and inputs.")] = 0,
+    tolerance: Annotated[
+        float, typer.Option("--tolerance", help="Allowed relative peak-memory error.")
+    ] = 0.05,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run plans on the seed's NumPy MLP (float64) and compare with the planner's predictions:
+    peak memory, layer forwards, FLOPs, time, gradients. Exit 1 on any mismatch."""
+    with user_errors():
+        from ckplan import verify as verifier  # NumPy only for this command
+
+        if repeats < 1:
+            raise UserError(f"--repeats must be at least 1, got {repeats}")
+        if not 0 < tolerance < 1:
+            raise UserError(f"--tolerance must be in (0, 1), got {tolerance}")
+        spec = verifier.mlp_spec(layers, hidden, ffn_hidden, batch)
+        names = [name for text in strategies or [] for name in text.split(",") if name.strip()]
+        activation_budget = None if budget is None else parse_size(budget)
+        report = verifier.verify(spec, names or None, activation_budget, repeats, seed, tolerance)
+    if as_json:
+        print_json(render.verify_dict(report))
+    else:
+        stdout.print(render.verify_view(report))
+    raise typer.Exit(EXIT_OK if report.ok else EXIT_DOES_NOT_FIT)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry: usage errors become one line and exit 2, like every bad input."""
     command = typer.main.get_command(app)

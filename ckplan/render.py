@@ -592,46 +592,39 @@ def verify_view(report: Any) -> Group:
     )
     table = Table(title=title, title_justify="left")
     table.add_column("strategy")
-    table.add_column("peak predicted", justify="right")
-    table.add_column("peak measured", justify="right")
-    table.add_column("error", justify="right")
-    table.add_column("layer fwd pred", justify="right")
-    table.add_column("layer fwd meas", justify="right")
-    table.add_column("GFLOP pred", justify="right")
-    table.add_column("GFLOP meas", justify="right")
-    table.add_column("time (s)", justify="right")
-    table.add_column("overhead pred", justify="right")
-    table.add_column("overhead meas", justify="right")
-    table.add_column("gradients", justify="center")
+    table.add_column("peak pred\n(MiB)", justify="right")
+    table.add_column("peak meas\n(MiB)", justify="right")
+    table.add_column("peak\nerror", justify="right")
+    table.add_column("layer forwards\npred / meas", justify="right")
+    table.add_column("GFLOP\npred / meas", justify="right")
+    table.add_column("time\n(s)", justify="right")
+    table.add_column("overhead vs none\npred / meas", justify="right")
+    table.add_column("gradients")
     table.add_column("ok", justify="center")
+    mib = 2**20
     for run in report.runs:
         overhead = report.overhead(run)
         grads = (
             Text("identical", style="green")
             if run.gradients_identical
-            else Text(f"max diff {run.max_abs_grad_diff:.3g}", style="bold red")
+            else Text(f"diff {run.max_abs_grad_diff:.2g}", style="bold red")
         )
+        forwards = f"{_forwards(run.predicted.layer_forwards)} / {sum(run.measured.layer_forwards)}"
+        flops = f"{run.predicted.flops / 1e9:,.2f} / {run.measured.flops / 1e9:,.2f}"
         table.add_row(
             run.strategy,
-            format_bytes(run.predicted.peak_bytes, "MiB"),
-            format_bytes(run.measured.peak_bytes, "MiB"),
+            f"{run.predicted.peak_bytes / mib:,.3f}",
+            f"{run.measured.peak_bytes / mib:,.3f}",
             Text(f"{run.peak_error:+.2%}", style=None if run.peak_ok else "bold red"),
-            _forwards(run.predicted.layer_forwards),
-            Text(
-                _forwards(run.measured.layer_forwards),
-                style=None if run.counts_ok else "bold red",
-            ),
-            f"{run.predicted.flops / 1e9:,.2f}",
-            Text(f"{run.measured.flops / 1e9:,.2f}", style=None if run.flops_ok else "bold red"),
+            Text(forwards, style=None if run.counts_ok else "bold red"),
+            Text(flops, style=None if run.flops_ok else "bold red"),
             f"{run.measured.seconds:.3f}",
-            "" if overhead is None else f"{overhead[0]:+.1%}",
-            "" if overhead is None else f"{overhead[1]:+.1%}",
+            "" if overhead is None else f"{overhead[0]:+.1%} / {overhead[1]:+.1%}",
             grads,
             _mark(run.ok),
         )
     budget = (
-        f"; optimal solved for an activation budget of "
-        f"{format_bytes(report.budget_bytes, 'MiB')}"
+        f"; optimal solved for an activation budget of {format_bytes(report.budget_bytes, 'MiB')}"
         if report.budget_bytes is not None
         else ""
     )

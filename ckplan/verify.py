@@ -137,7 +137,7 @@ def _seed_model_backward(grad_output, activations, params):
     grads = [None] * len(params)
     g = grad_output
     for i in range(len(params) - 1, -1, -1):
-        w1, b1, w2, b2 = params[i]
+        w1, b1, w2, b2 = params[i]  # noqa: RUF059 (verbatim)
         x_in = activations[i]
         h_pre = _seed_linear_forward(x_in, w1, b1)
         h = _seed_relu(h_pre)
@@ -448,7 +448,15 @@ def default_strategies(layers: int) -> tuple[str, ...]:
     """none, full, uniform:K and sequential:K (K = min(4, L)), sqrt, revolve:C, optimal."""
     k = min(4, layers)
     slots = max(1, min(4, layers // 4))
-    return ("none", "full", f"uniform:{k}", f"sequential:{k}", "sqrt", f"revolve:{slots}", "optimal")
+    return (
+        "none",
+        "full",
+        f"uniform:{k}",
+        f"sequential:{k}",
+        "sqrt",
+        f"revolve:{slots}",
+        "optimal",
+    )
 
 
 def default_budget(spec: ModelSpec) -> int:
@@ -482,18 +490,27 @@ def verify(
     params, x, grad_output = init_network(spec, seed)
     grads = gradient_buffers(params)
     ref_dx, ref_grads = seed_plain_step(params, x, grad_output)
-    runs = []
-    for name, prediction, steps in planned:
+    traced = []
+    for _, _, steps in planned:
         peak, dx, counts = measure_peak(steps, params, grads, x, grad_output)
-        identical, diff = compare_gradients(dx, grads, ref_dx, ref_grads)
+        traced.append((peak, counts, *compare_gradients(dx, grads, ref_dx, ref_grads)))
         del dx
-        seconds = time_step(steps, params, grads, x, grad_output, repeats)
+    # Timed in rounds, every strategy once per round, so that drift in the machine's speed
+    # (other load, clocks) falls on all strategies alike.
+    seconds: list[list[float]] = [[] for _ in planned]
+    for _ in range(repeats):
+        for times, (_, _, steps) in zip(seconds, planned, strict=True):
+            times += time_step(steps, params, grads, x, grad_output, 1)
+    runs = []
+    for (name, prediction, _), (peak, counts, identical, diff), times in zip(
+        planned, traced, seconds, strict=True
+    ):
         measured = Measurement(
             peak_bytes=peak,
             layer_forwards=tuple(counts.layer_forwards),
             flops=counts.flops,
-            seconds=statistics.median(seconds),
-            all_seconds=seconds,
+            seconds=statistics.median(times),
+            all_seconds=tuple(times),
         )
         runs.append(RunResult(name, prediction, measured, identical, diff, tolerance))
     param_bytes = sum(p.nbytes for layer in params for p in layer)

@@ -157,6 +157,37 @@ class HFRMSNorm(nn.Module):
         return self.weight * hidden_states.to(input_dtype)
 
 
+class _FusedRMSNormFunction(torch.autograd.Function):
+    """A fused RMSNorm kernel's autograd contract (Apex FusedRMSNorm, Transformer Engine,
+    torch's CUDA `_fused_rms_norm`): saves its input and the fp32 rstd per token, nothing else."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)  # (b, s, 1) fp32
+        ctx.save_for_backward(x, weight, rstd)
+        return (x.float() * rstd).to(x.dtype) * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        xf, gf = x.float(), grad.float()
+        normed = xf * rstd
+        grad_weight = (gf * normed).sum(dim=tuple(range(x.dim() - 1))).to(weight.dtype)
+        gn = gf * weight.float()
+        grad_x = rstd * (gn - normed * (gn * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None
+
+
+class FusedRMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FusedRMSNormFunction.apply(x, self.weight, self.eps)
+
+
 class FusedSwiGLU(torch.autograd.Function):
     """Megatron-LM's fused SwiGLU (megatron/core/fusions/fused_bias_swiglu.py, SwiGLUFunction):
     saves only its input, the fc1 output [gate | up] (2F wide), and recomputes silu in backward."""
@@ -272,7 +303,8 @@ class LlamaLayer(nn.Module):
         h, f, a, g = cfg.hidden, cfg.ffn_hidden, cfg.heads, cfg.kv_heads
         d = h // a
         self.cfg = cfg
-        norm = HFRMSNorm if cfg.norm_impl == "hf" else (lambda n: nn.RMSNorm(n, eps=1e-6))
+        norms = {"hf": HFRMSNorm, "fused": FusedRMSNorm, "torch": lambda n: nn.RMSNorm(n, eps=1e-6)}
+        norm = norms[cfg.norm_impl]
         self.input_layernorm = norm(h)
         self.q_proj = nn.Linear(h, a * d, bias=False)
         self.k_proj = nn.Linear(h, g * d, bias=False)
@@ -363,7 +395,7 @@ class Config:
     dropout_impl: str = "functional"  # functional | native
     attention: str = "standard"  # standard | sdpa
     mask: str = "additive"  # additive | masked_fill | none
-    norm_impl: str = "torch"  # llama only: torch (nn.RMSNorm) | hf (LlamaRMSNorm)
+    norm_impl: str = "torch"  # llama only: torch (nn.RMSNorm) | hf (LlamaRMSNorm) | fused
     softmax_fp32: bool = True  # llama standard attention only: HF eager's fp32 softmax
     kv_repeat: bool = False  # llama sdpa only: repeat_kv before SDPA instead of enable_gqa
     swiglu_impl: str = "eager"  # llama only: eager (HF LlamaMLP) | fused (Megatron SwiGLUFunction)
@@ -416,6 +448,9 @@ def default_configs() -> list[Config]:
         Config("llama-bf16-fusedswiglu", **llama, dtype="bfloat16", norm_impl="torch",
                attention="sdpa", swiglu_impl="fused",
                description="as llama-bf16-sdpa, Megatron's fused SwiGLU (saves fc1 output only)"),
+        Config("llama-bf16-fused", **llama, dtype="bfloat16", norm_impl="fused", attention="sdpa",
+               swiglu_impl="fused",
+               description="Megatron/TE-style Llama: fused RMSNorm, SDPA(GQA), fused SwiGLU"),
     ]  # fmt: skip
 
 
