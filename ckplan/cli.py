@@ -107,6 +107,14 @@ def check_formula(formula: str) -> str:
     return formula
 
 
+def no_schedule_fits(strategy: str, activation_budget: int) -> None:
+    """A budget too small for any schedule: a does-not-fit answer (exit 1), not bad input."""
+    left = format_bytes(max(activation_budget, 0), "GiB")
+    message = f"no {strategy} schedule fits the {left} that model states and reserve leave"
+    stderr.print(render.error_text(message), highlight=False)
+    raise typer.Exit(EXIT_DOES_NOT_FIT)
+
+
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
@@ -119,6 +127,15 @@ def estimate(
     model: ModelArg,
     strategy: Annotated[str, typer.Option("--strategy", "-s", help=STRATEGY_HELP)] = "none",
     formula: FormulaOpt = "derived",
+    budget: Annotated[
+        str | None,
+        typer.Option(
+            "--budget", "-b", help="Per-GPU memory: adds fits/headroom; optimal needs it."
+        ),
+    ] = None,
+    reserve: Annotated[
+        str | None, typer.Option("--reserve", help="Taken off --budget first (default 2GiB).")
+    ] = None,
     settings: SetOpt = None,
     seq: SeqOpt = None,
     batch: BatchOpt = None,
@@ -128,11 +145,25 @@ def estimate(
     """One plan with its full breakdown: per-op activations, model states, FLOPs, overhead."""
     with user_errors():
         spec = resolve_model(model, settings, seq, batch, layers)
-        plan = evaluate(spec, parse_strategy(strategy, spec), check_formula(formula))
+        parsed = parse_strategy(strategy, spec)
+        candidate = None
+        if budget is None:
+            plan = evaluate(spec, parsed, check_formula(formula))
+        else:
+            total, kept = parse_budget(budget, reserve)
+            activation_budget = search.activation_budget(spec, total - kept)
+            plan = None
+            if parsed.kind != "optimal" or activation_budget > 0:
+                plan = evaluate(spec, parsed, check_formula(formula), budget=activation_budget)
+            if plan is None:
+                no_schedule_fits(parsed.name, activation_budget)
+            candidate = search.Candidate(plan, total - kept)
     if as_json:
-        print_json(render.estimate_dict(plan))
+        print_json(render.estimate_dict(plan, candidate))
     else:
-        stdout.print(render.estimate_view(plan))
+        stdout.print(render.estimate_view(plan, candidate))
+    if candidate is not None and not candidate.fits:
+        raise typer.Exit(EXIT_DOES_NOT_FIT)
 
 
 @app.command()
@@ -327,14 +358,7 @@ def schedule(
         else:
             plan = evaluate(spec, parsed, budget=activation_budget, slots=check_slots(slots))
     if plan is None:
-        left = format_bytes(max(activation_budget, 0), "GiB")
-        stderr.print(
-            render.error_text(
-                f"no {strategy} schedule fits the {left} that model states and reserve leave"
-            ),
-            highlight=False,
-        )
-        raise typer.Exit(EXIT_DOES_NOT_FIT)
+        no_schedule_fits(strategy, activation_budget)
     if as_json:
         print_json(render.schedule_dict(plan, activation_budget))
     else:

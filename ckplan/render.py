@@ -19,7 +19,7 @@ from ckplan.ops import layer_ops
 from ckplan.plans import Plan
 from ckplan.search import Candidate, SweepResult
 from ckplan.spec import ModelSpec
-from ckplan.units import format_bytes, format_flops, size_unit
+from ckplan.units import format_bytes, format_bytes_auto, format_flops, size_unit
 
 GIB = "GiB"
 
@@ -57,19 +57,27 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
     }
 
 
-def estimate_dict(plan: Plan) -> dict[str, Any]:
-    return {"ckplan_version": __version__, "model": plan.spec.to_dict(), **plan_dict(plan)}
+def estimate_dict(plan: Plan, candidate: Candidate | None = None) -> dict[str, Any]:
+    data = {"ckplan_version": __version__, "model": plan.spec.to_dict(), **plan_dict(plan)}
+    if candidate is not None:
+        data |= {
+            "usable_bytes": candidate.budget_bytes,
+            "fits": candidate.fits,
+            "headroom_bytes": candidate.headroom_bytes,
+        }
+    return data
 
 
 # ---- tables ------------------------------------------------------------------------------
 
 
 def _gib(value: int) -> str:
-    return format_bytes(value, GIB)
+    """Bytes for people: GiB for GPU-sized figures, smaller binary units below 1 GiB."""
+    return format_bytes_auto(value)
 
 
 def _both(value: int) -> str:
-    return f"{format_bytes(value, GIB)}  ({format_bytes(value, 'GB')})"
+    return f"{format_bytes_auto(value)}  ({format_bytes_auto(value, binary=False)})"
 
 
 MODEL_GROUPS = {
@@ -140,15 +148,13 @@ def per_op_table(spec: ModelSpec) -> Table:
         table.add_row(
             op.name,
             op.component,
-            format_bytes(op.saved_bytes, "MiB"),
+            _gib(op.saved_bytes),
             _sbh_coefficient(spec, op.saved_bytes),
             op.group or "",
             format_flops(op.forward_flops),
         )
     total = sum(op.saved_bytes for op in layer_ops(spec))
-    table.add_row(
-        "total", "", format_bytes(total, "MiB"), _sbh_coefficient(spec, total), "", "", style="bold"
-    )
+    table.add_row("total", "", _gib(total), _sbh_coefficient(spec, total), "", "", style="bold")
     return table
 
 
@@ -211,8 +217,18 @@ def _state_note(spec: ModelSpec) -> str:
     return f"{per_param} B/param{zero}"
 
 
-def estimate_view(plan: Plan) -> Group:
-    return Group(model_table(plan.spec), per_op_table(plan.spec), plan_summary_table(plan))
+def estimate_view(plan: Plan, candidate: Candidate | None = None) -> Group:
+    parts: list[Any] = [model_table(plan.spec), per_op_table(plan.spec), plan_summary_table(plan)]
+    if candidate is not None:
+        verdict = "fits" if candidate.fits else "does not fit"
+        parts.append(
+            Text(
+                f"{verdict}: {_gib(plan.total_bytes)} of {_gib(candidate.budget_bytes)} usable "
+                f"(budget less reserve), headroom {_gib(candidate.headroom_bytes)}",
+                style="bold green" if candidate.fits else "bold red",
+            )
+        )
+    return Group(*parts)
 
 
 def presets_table(rows: list[tuple[str, ModelSpec, int]]) -> Table:

@@ -89,6 +89,16 @@ def format_bytes(value: int, unit: str = "GiB", digits: int = 2) -> str:
     return f"{value / _UNITS[unit.upper()]:,.{digits}f} {unit}"
 
 
+def format_bytes_auto(value: int, binary: bool = True) -> str:
+    """Bytes in the largest unit that keeps the number >= 1 (GiB/MiB/KiB, or GB/MB/KB),
+    the unit always written out; negative values (an overshoot) keep their sign."""
+    units = ("TiB", "GiB", "MiB", "KiB") if binary else ("TB", "GB", "MB", "KB")
+    for unit in units:
+        if abs(value) >= _UNITS[unit.upper()]:
+            return format_bytes(value, unit)
+    return format_bytes(value, "B")
+
+
 def format_flops(value: int) -> str:
     """Print a FLOP count with an SI prefix: `1.23 PFLOP`."""
     for prefix, scale in (("E", 10**18), ("P", 10**15), ("T", 10**12), ("G", 10**9)):

@@ -136,3 +136,18 @@ def test_python_dash_m():
         check=False,
     )
     assert result.returncode == 0 and json.loads(result.stdout)["layers"] == 12
+
+
+def test_estimate_with_budget(capsys):
+    code, out, _ = run(capsys, "estimate", "gpt2", "--batch", "8", "--budget", "8GB", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["fits"] and data["usable_bytes"] == 8 * 10**9 - 2 * 2**30
+    assert data["headroom_bytes"] == data["usable_bytes"] - data["memory"]["total_bytes"]
+    code, out, _ = run(capsys, "estimate", "gpt2", "--batch", "8", "--budget", "4GB")
+    assert code == 1 and "does not fit" in out
+    code, out, _ = run(
+        capsys, "estimate", "gpt2", "-s", "optimal", "--batch", "8", "--budget", "8GB"
+    )
+    assert code == 0 and "fits:" in out
+    code, _, err = run(capsys, "estimate", "gpt2", "-s", "optimal", "--budget", "4GB")
+    assert code == 1 and "no optimal schedule fits" in err
