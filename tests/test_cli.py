@@ -139,9 +139,9 @@ def test_python_dash_m():
 
 
 def test_estimate_with_budget(capsys):
-    code, out, _ = run(capsys, "estimate", "gpt2", "--batch", "8", "--budget", "8GB", "--json")
+    code, out, _ = run(capsys, "estimate", "gpt2", "--batch", "8", "--budget", "16GB", "--json")
     data = json.loads(out)
-    assert code == 0 and data["fits"] and data["usable_bytes"] == 8 * 10**9 - 2 * 2**30
+    assert code == 0 and data["fits"] and data["usable_bytes"] == 16 * 10**9 - 2 * 2**30
     assert data["headroom_bytes"] == data["usable_bytes"] - data["memory"]["total_bytes"]
     code, out, _ = run(capsys, "estimate", "gpt2", "--batch", "8", "--budget", "4GB")
     assert code == 1 and "does not fit" in out
