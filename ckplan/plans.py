@@ -320,13 +320,17 @@ def _per_iteration(spec: ModelSpec, flops: FlopCount) -> FlopCount:
     return FlopCount(flops.forward * m, flops.backward * m, flops.recompute * m)
 
 
-def _plan(spec, name, formula, activation_bytes, flops, steps=(), names=(), notes=()) -> Plan:
+def _plan(
+    spec, name, formula, activation_bytes, flops, steps=(), names=(), notes=(), per_layer=None
+) -> Plan:
     counts = memory.parameter_count(spec)
     return Plan(
         spec=spec,
         strategy=name,
         formula=formula,
-        per_layer_activation_bytes=memory.activation_bytes_per_layer(spec),
+        per_layer_activation_bytes=(
+            memory.activation_bytes_per_layer(spec) if per_layer is None else per_layer
+        ),
         breakdown=memory.activation_breakdown(spec),
         activation_bytes=activation_bytes,
         model_states=memory.model_state_bytes(spec),
@@ -371,20 +375,16 @@ def _evaluate_seed(spec: ModelSpec, strategy: Strategy) -> Plan:
             seed.checkpoint_cost(L, _segment_size(spec, strategy), f_layer)["recompute"]
         )
     flops = FlopCount(forward=L * f_layer, backward=2 * L * f_layer, recompute=recompute)
-    notes = ("seed formulas: layers only, no embedding/output terms",)
-    per_layer_mb = seed.activation_memory_mb(1, **shape)
-    plan = _plan(
+    notes = (
+        "seed formulas: layers only, no embedding/output terms",
+        "the per-component breakdown is the derived model's; the seed has none",
+    )
+    return _plan(
         spec,
         strategy.name,
         "seed",
         round(activation_mb * seed.MB),
         _per_iteration(spec, flops),
         notes=notes,
+        per_layer=round(seed.activation_memory_mb(1, **shape) * seed.MB),
     )
-    return _replace_per_layer(plan, round(per_layer_mb * seed.MB))
-
-
-def _replace_per_layer(plan: Plan, per_layer: int) -> Plan:
-    from dataclasses import replace
-
-    return replace(plan, per_layer_activation_bytes=per_layer)
