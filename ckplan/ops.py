@@ -59,7 +59,7 @@ def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
     seq_local = spec.seq // spec.cp
     tokens = seq_local * spec.micro_batch  # s·b on this rank
     h, F, a = spec.hidden, spec.ffn_hidden, spec.heads
-    kv_width = spec.kv_heads * spec.head_dim  # g·d
+    kv_width = kv_heads_per_rank(spec) * spec.head_dim  # g·d / t (at least one head)
     # Tensors that are whole on every TP rank unless sequence parallelism shards them.
     replicated = t if spec.sp else 1
     dropout = spec.dropout > 0
@@ -70,7 +70,7 @@ def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
 
     ops = [_op("norm1", "norm", B * stream)]  # saves its input (the layer input)
     ops.append(
-        _op("qkv_proj", "attention", B * stream, _matmul(tokens, sharded(h + 2 * kv_width), h))
+        _op("qkv_proj", "attention", B * stream, _matmul(tokens, sharded(h) + 2 * kv_width, h))
     )
     scores = sharded(a * spec.micro_batch * seq_local * spec.seq)  # (b, a, s, s) elements
     score_flops = sharded(_matmul(seq_local, spec.seq, spec.head_dim) * a * spec.micro_batch)
@@ -94,7 +94,7 @@ def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
         # output O and the fp32 logsumexp, a·s·b values; no s² tensor, dropout regenerated from
         # the RNG state. O is counted once, as out_proj's input. Its backward recomputes QKᵀ
         # (Alg. 4 line 11): one extra score matmul on top of 2x forward.
-        qkv = B * sharded(tokens * (h + 2 * kv_width))
+        qkv = B * tokens * (sharded(h) + 2 * kv_width)
         logsumexp = FP32_BYTES * sharded(tokens * a)
         core_flops = 2 * score_flops
         ops.append(
@@ -160,5 +160,11 @@ def group_input_bytes(spec: ModelSpec, group: str) -> int:
     if group != ATTENTION_CORE or spec.kind == "mlp":
         return 0
     tokens = (spec.seq // spec.cp) * spec.micro_batch
-    kv_width = spec.kv_heads * spec.head_dim
-    return spec.dtype_bytes * _split(tokens * (spec.hidden + 2 * kv_width), spec.tp)
+    kv_width = kv_heads_per_rank(spec) * spec.head_dim
+    return spec.dtype_bytes * tokens * (_split(spec.hidden, spec.tp) + 2 * kv_width)
+
+
+def kv_heads_per_rank(spec: ModelSpec) -> int:
+    """K/V heads on one tensor-parallel rank: g/t, or one replicated head when t > g
+    (Megatron-LM replicates the query groups when tp exceeds num_query_groups)."""
+    return -(-spec.kv_heads // spec.tp)

@@ -277,41 +277,64 @@ def evaluate(
     by `optimal`, which returns None when no schedule fits it."""
     if formula == "seed":
         return _evaluate_seed(spec, strategy)
-    stages = [True] if spec.pp == 1 else [True, False]  # first and last pipeline stage
-    best = None
-    for first_stage in stages:
+    # One chain for p = 1; else the first pipeline stage (embedding, most micro-batches in
+    # flight) and the last (output layer and fp32 logits, one micro-batch in flight).
+    results = []
+    for first_stage in [True] if spec.pp == 1 else [True, False]:
         chain = layer_chain(spec, strategy.selective, first_stage)
-        steps = _schedule(spec, chain, strategy, budget, slots, first_stage)
-        if steps is None:
-            return None
-        replay = simulate(chain, steps)
         in_flight = in_flight_microbatches(spec) if first_stage else Fraction(1)
-        held = held_after_forward_bytes(chain, replay)
-        peak = replay.peak_bytes + math.floor((in_flight - 1) * held)
-        if best is None or peak > best[0]:
-            best = (peak, chain, steps, replay, first_stage)
-    peak, chain, steps, replay, first_stage = best
-    layers_in_chain = spec.layers_per_stage
-    selective_flops = (
-        layers_in_chain * flops_model.group_forward_flops(spec, ATTENTION_CORE)
-        if strategy.selective
-        else 0
+        found = _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight)
+        if found is None:
+            return None
+        peak, steps, replay = found
+        results.append((peak, steps, _stage_flops(spec, strategy, chain, replay), first_stage))
+    # Memory: the fullest stage. FLOPs: the busiest stage, which paces the pipeline.
+    peak, steps, _, first_stage = max(results, key=lambda result: result[0])
+    flops = max((result[2] for result in results), key=lambda count: count.total)
+    names = tuple(stage_names(spec, first_stage))
+    return _plan(
+        spec, strategy.name, "derived", peak, _per_iteration(spec, flops), tuple(steps), names
     )
-    per_microbatch = FlopCount(
+
+
+def _stage_flops(spec: ModelSpec, strategy: Strategy, chain: Chain, replay: Replay) -> FlopCount:
+    """One micro-batch through one chain; selective recompute is counted as recompute, not as
+    the backward the chain charges it to."""
+    layers = spec.layers_per_stage
+    core = flops_model.group_forward_flops(spec, ATTENTION_CORE)
+    selective_flops = layers * core if strategy.selective else 0
+    return FlopCount(
         forward=sum(chain.forward_flops),
         backward=sum(chain.backward_flops) - selective_flops,
         recompute=replay.recompute_flops + selective_flops,
     )
-    names = tuple(stage_names(spec, first_stage))
-    return _plan(
-        spec,
-        strategy.name,
-        "derived",
-        peak,
-        _per_iteration(spec, per_microbatch),
-        tuple(steps),
-        names,
-    )
+
+
+PIPELINE_RETRIES = 8
+
+
+def _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight):
+    """(peak, steps, replay) of one pipeline stage with `in_flight` micro-batches.
+
+    The DP plans one micro-batch; the p - 1 others waiting for their backward hold what their
+    forward left (`held_after_forward_bytes`). For `optimal` under pipelining the DP budget is
+    therefore shrunk by the overshoot and re-solved until the whole stage fits (derived; a
+    fixed point, not a joint optimum over micro-batches), or None when it cannot.
+    """
+    dp_budget = budget
+    for _ in range(PIPELINE_RETRIES):
+        steps = _schedule(spec, chain, strategy, dp_budget, slots, first_stage)
+        if steps is None:
+            return None
+        replay = simulate(chain, steps)
+        held = held_after_forward_bytes(chain, replay)
+        peak = replay.peak_bytes + math.floor((in_flight - 1) * held)
+        if strategy.kind != "optimal" or peak <= budget:
+            return peak, steps, replay
+        dp_budget -= peak - budget
+        if dp_budget <= 0:
+            return None
+    return None
 
 
 def _per_iteration(spec: ModelSpec, flops: FlopCount) -> FlopCount:

@@ -212,6 +212,11 @@ def _validate(spec: ModelSpec) -> None:
         raise SpecError(f"key 'kv_heads' ({spec.kv_heads}) must divide heads ({spec.heads})")
     if spec.heads % spec.tp:
         raise SpecError(f"key 'tp' ({spec.tp}) must divide heads ({spec.heads})")
+    if spec.kv_heads % spec.tp and spec.tp % spec.kv_heads:
+        raise SpecError(
+            f"key 'tp' ({spec.tp}) and kv_heads ({spec.kv_heads}) must divide one another "
+            "(kv heads are split over tp ranks, or replicated when tp exceeds them)"
+        )
     if spec.layers % spec.pp:
         raise SpecError(f"key 'pp' ({spec.pp}) must divide layers ({spec.layers})")
     if spec.layers_per_stage % spec.virtual_stages:

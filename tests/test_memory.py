@@ -2,6 +2,8 @@
 
 import pytest
 
+from ckplan.spec import SpecError
+
 from ckplan.memory import (
     activation_breakdown,
     activation_bytes_by_op,
@@ -146,3 +148,23 @@ def test_parameters_per_gpu_split_by_tp_and_pp(spec_of):
     per_gpu = parameters_per_gpu(spec)
     # about 1/(t·p) of the model, plus the vocab-parallel embedding share on the first stage
     assert whole.total / (8 * 8) < per_gpu < 1.2 * whole.total / (8 * 8)
+
+
+def test_tp_beyond_kv_heads_replicates_one_kv_head(spec_of):
+    """Megatron replicates query groups when tp > g: each rank keeps one K and one V head."""
+    spec = spec_of("llama3-8b", tp=16, sp=True)
+    s, b, h, d = spec.seq, spec.micro_batch, spec.hidden, spec.head_dim
+    logsumexp = 4 * s * b * spec.heads // 16
+    assert (
+        activation_bytes_by_op(spec)["attention_core"] == 2 * s * b * (h // 16 + 2 * d) + logsumexp
+    )
+    tp4 = spec_of("llama3-8b", tp=4)
+    assert (
+        activation_bytes_by_op(tp4)["attention_core"]
+        == 2 * s * b * (h // 4 + 2 * 2 * d) + 4 * s * b * 8
+    )
+
+
+def test_tp_and_kv_heads_must_divide_one_another(spec_of):
+    with pytest.raises(SpecError, match="must divide one another"):
+        spec_of("gpt2", kv_heads=4, tp=6)
