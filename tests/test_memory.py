@@ -2,8 +2,6 @@
 
 import pytest
 
-from ckplan.spec import SpecError
-
 from ckplan.memory import (
     activation_breakdown,
     activation_bytes_by_op,
@@ -16,6 +14,7 @@ from ckplan.memory import (
     selective_activation_bytes_per_layer,
 )
 from ckplan.ops import ATTENTION_CORE
+from ckplan.spec import SpecError
 
 KORTHIKANTI_PRESETS = ["megatron-22b", "megatron-175b", "megatron-530b", "megatron-1t"]
 
