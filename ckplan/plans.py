@@ -18,15 +18,16 @@ from ckplan import flops as flops_model
 from ckplan import memory, seed
 from ckplan.ops import ATTENTION_CORE
 from ckplan.schedules import (
-    BACKWARD,
     Chain,
     Replay,
     optimal_schedule,
+    pipeline_peak_bytes,
     revolve_schedule,
     segment_schedule,
     simulate,
     store_all_schedule,
 )
+from ckplan.schedules import held_after_forward_bytes as held_after_forward_bytes  # re-export
 from ckplan.spec import ModelSpec
 
 FORMULAS = ("derived", "seed")
@@ -224,6 +225,7 @@ def _schedule(
     budget: int | None,
     slots: int,
     first_stage: bool,
+    in_flight: Fraction = Fraction(1),
 ):
     if strategy.kind in ("none", "selective"):
         return store_all_schedule(chain)
@@ -232,7 +234,7 @@ def _schedule(
     if strategy.kind == "optimal":
         if budget is None:
             raise StrategyError("strategy 'optimal' needs a memory budget (--budget)")
-        result = optimal_schedule(chain, budget, slots)
+        result = optimal_schedule(chain, budget, slots, in_flight=in_flight)
         return None if result is None else result.steps
     return segment_schedule(chain, _segments(spec, chain, strategy, first_stage))
 
@@ -251,19 +253,6 @@ def in_flight_microbatches(spec: ModelSpec) -> Fraction:
     if spec.virtual_stages > 1:
         held *= 1 + Fraction(spec.pp - 1, spec.pp * spec.virtual_stages)
     return held
-
-
-def held_after_forward_bytes(chain: Chain, replay: Replay) -> int:
-    """What one micro-batch leaves alive between its forward pass and its backward pass (its
-    checkpoints and tapes): the after-figure of the first forward of the last stage, less δ_n,
-    which the replay counts from the start but which arrives only with the backward pass."""
-    last = chain.length - 1
-    end_of_forward = next(
-        index
-        for index, point in enumerate(replay.trace)
-        if point.step.stage == last and point.step.kind != BACKWARD
-    )
-    return replay.trace[end_of_forward].after_bytes - chain.input_bytes[-1]
 
 
 def evaluate(
@@ -310,31 +299,23 @@ def _stage_flops(spec: ModelSpec, strategy: Strategy, chain: Chain, replay: Repl
     )
 
 
-PIPELINE_RETRIES = 8
-
-
 def _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight):
-    """(peak, steps, replay) of one pipeline stage with `in_flight` micro-batches.
+    """(peak, steps, replay) of one pipeline stage with `in_flight` micro-batches, or None when
+    `optimal` finds no schedule within `budget`.
 
-    The DP plans one micro-batch; the p - 1 others waiting for their backward hold what their
-    forward left (`held_after_forward_bytes`). For `optimal` under pipelining the DP budget is
-    therefore shrunk by the overshoot and re-solved until the whole stage fits (derived; a
-    fixed point, not a joint optimum over micro-batches), or None when it cannot.
+    The schedule runs one micro-batch; the in_flight - 1 others waiting for their backward hold
+    what their forward left (`schedules.pipeline_peak_bytes`). `optimal` minimises FLOPs under
+    that whole-stage peak directly (`optimal_schedule(..., in_flight=...)`, derived). Its slots
+    are multiplied by ceil(in_flight): every stored size is rounded up to a slot and the waiting
+    micro-batches multiply that rounding, while the first-pass table's cost only grows with
+    (slots / in_flight)², so the finer grid costs little on the short chains of a pipeline.
     """
-    dp_budget = budget
-    for _ in range(PIPELINE_RETRIES):
-        steps = _schedule(spec, chain, strategy, dp_budget, slots, first_stage)
-        if steps is None:
-            return None
-        replay = simulate(chain, steps)
-        held = held_after_forward_bytes(chain, replay)
-        peak = replay.peak_bytes + math.floor((in_flight - 1) * held)
-        if strategy.kind != "optimal" or peak <= budget:
-            return peak, steps, replay
-        dp_budget -= peak - budget
-        if dp_budget <= 0:
-            return None
-    return None
+    slots *= math.ceil(in_flight)
+    steps = _schedule(spec, chain, strategy, budget, slots, first_stage, in_flight)
+    if steps is None:
+        return None
+    replay = simulate(chain, steps)
+    return pipeline_peak_bytes(chain, replay, in_flight), steps, replay
 
 
 def _per_iteration(spec: ModelSpec, flops: FlopCount) -> FlopCount:

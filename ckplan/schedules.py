@@ -51,9 +51,11 @@ the forward work beyond one forward of each stage. All bytes and FLOPs are exact
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -74,7 +76,9 @@ __all__ = [
     "beta",
     "brute_force_optimal",
     "enumerate_persistent_schedules",
+    "held_after_forward_bytes",
     "optimal_schedule",
+    "pipeline_peak_bytes",
     "revolve_dp_min_forwards",
     "revolve_dp_table",
     "revolve_min_forwards",
@@ -341,7 +345,11 @@ class ScheduleResult:
     """A schedule found by a solver, with its replay.
 
     ``total_flops`` / ``recompute_flops`` are the solver's own figures (they equal the replay's);
-    ``peak_bytes`` is the exact replayed peak. ``slot_bytes`` is the discretisation unit (1: exact).
+    ``peak_bytes`` is the exact replayed peak of one micro-batch. ``slot_bytes`` is the
+    discretisation unit (1: exact). With ``in_flight`` micro-batches (1F1B pipelining, see
+    :func:`pipeline_peak_bytes`), ``held_bytes`` is what each waiting micro-batch holds
+    (:func:`held_after_forward_bytes`) and ``pipeline_peak_bytes`` the whole stage's peak,
+    ``peak_bytes + ceil((in_flight - 1) * held_bytes)``; it is what fits ``budget_bytes``.
     """
 
     steps: Schedule
@@ -352,6 +360,9 @@ class ScheduleResult:
     slot_bytes: int
     slots: int
     replay: Replay
+    in_flight: Fraction
+    held_bytes: int
+    pipeline_peak_bytes: int
 
     @property
     def forward_flops(self) -> int:
@@ -364,6 +375,44 @@ class ScheduleResult:
     @property
     def layer_forwards(self) -> tuple[int, ...]:
         return self.replay.layer_forwards
+
+
+def _in_flight(value: int | Fraction) -> Fraction:
+    """Validate ``in_flight`` (an int or a Fraction, >= 1) and return it as a Fraction."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Rational):
+        raise ValueError(f"in_flight must be an int or a Fraction, got {value!r}")
+    m = Fraction(value)
+    if m < 1:
+        raise ValueError(f"in_flight must be >= 1, got {value!r}")
+    return m
+
+
+def held_after_forward_bytes(chain: Chain, replay: Replay) -> int:
+    """What one micro-batch leaves alive between its forward pass and its backward pass (its
+    checkpoints and tapes): the after-figure of the first forward of the last stage, less δ_n,
+    which the replay counts from the start but which arrives only with the backward pass."""
+    last = chain.length - 1
+    end_of_forward = next(
+        index
+        for index, point in enumerate(replay.trace)
+        if point.step.stage == last and point.step.kind != BACKWARD
+    )
+    return replay.trace[end_of_forward].after_bytes - chain.input_bytes[-1]
+
+
+def pipeline_peak_bytes(chain: Chain, replay: Replay, in_flight: int | Fraction = 1) -> int:
+    """Peak of a pipeline stage running ``replay``'s schedule with ``in_flight`` micro-batches.
+
+    derived (1F1B): while one micro-batch runs the schedule, ``in_flight - 1`` others wait for
+    their backward, each holding :func:`held_after_forward_bytes`, so the stage peaks at
+    ``replay.peak_bytes + (in_flight - 1) * held``. A fractional product is rounded up to a
+    whole byte, so ``pipeline_peak_bytes(...) <= budget`` exactly when the exact (Fraction)
+    peak fits ``budget``. ``in_flight = 1`` gives ``replay.peak_bytes``.
+    """
+    m = _in_flight(in_flight)
+    if m == 1:
+        return replay.peak_bytes
+    return replay.peak_bytes + math.ceil((m - 1) * held_after_forward_bytes(chain, replay))
 
 
 # --------------------------------------------------------------------------------------------
@@ -579,6 +628,7 @@ def _make_result(
     slot_bytes: int,
     slots: int,
     total_flops: int | None = None,
+    in_flight: Fraction = Fraction(1),
 ) -> ScheduleResult:
     replay = simulate(chain, steps)
     if total_flops is None:
@@ -587,9 +637,12 @@ def _make_result(
         raise RuntimeError(
             f"internal error: solver cost {total_flops} != replayed cost {replay.total_flops}"
         )
-    if replay.peak_bytes > budget_bytes:
+    held = held_after_forward_bytes(chain, replay)
+    peak = pipeline_peak_bytes(chain, replay, in_flight)
+    if peak > budget_bytes:
         raise RuntimeError(
-            f"internal error: replayed peak {replay.peak_bytes} exceeds budget {budget_bytes}"
+            f"internal error: replayed peak {peak} ({in_flight} in flight) exceeds budget "
+            f"{budget_bytes}"
         )
     base = sum(chain.forward_flops) + sum(chain.backward_flops)
     return ScheduleResult(
@@ -601,11 +654,16 @@ def _make_result(
         slot_bytes=slot_bytes,
         slots=slots,
         replay=replay,
+        in_flight=in_flight,
+        held_bytes=held,
+        pipeline_peak_bytes=peak,
     )
 
 
-def optimal_schedule(chain: Chain, budget_bytes: int, slots: int = 500) -> ScheduleResult | None:
-    """Cheapest persistent schedule whose peak fits ``budget_bytes``; ``None`` if none fits.
+def optimal_schedule(
+    chain: Chain, budget_bytes: int, slots: int = 500, in_flight: int | Fraction = 1
+) -> ScheduleResult | None:
+    """Cheapest persistent schedule whose (pipeline) peak fits ``budget_bytes``; None if none fits.
 
     Source: Beaumont, Eyraud-Dubois, Herrmann, Joly, Shilova 2019, "Optimal checkpointing for
     heterogeneous chains: how to train deep neural networks with limited memory" (rotor,
@@ -626,11 +684,34 @@ def optimal_schedule(chain: Chain, budget_bytes: int, slots: int = 500) -> Sched
       ``C(i, k, m)``; cost ``sum f_i..f_{k-1} + C(k, j, m - x_i) + C(i, k, m)``, needs
       ``m >= x_j + max(g_i, x_i + max_{i<p<k} g_p)``.
 
+    Pipelining (``in_flight = q > 1``, an int or a Fraction): the budget bounds
+    :func:`pipeline_peak_bytes`, ``peak + (q - 1) * held``. derived: ``held`` is the sum of the
+    items stored on the *first-pass path* (the top problem and the right sub-problems
+    ``C(k, n, .)`` it reaches by "chain", storing ``tape_i``, and "leaf", storing ``x_i``, down
+    to the base's ``tape_{n-1}``); the waiting micro-batches hold it at *every* instant of the
+    step, the forward pass included (before this micro-batch has stored those items). So a
+    schedule fits iff, for some ``H``, its held bytes are ``<= H`` and its one-micro-batch peak
+    is ``<= B - ceil((q - 1) H)``. For each ``H`` (slots, with ``B - ceil((q - 1) H) >= H + δ_n``)
+    the first-pass table ``P_H(i, h)`` reverses ``[i, n)`` from ``x_i`` with held allowance ``h``
+    and own memory ``c_H + h``, ``c_H = B - ceil((q - 1) H) - H`` (storing ``w`` takes ``w`` from
+    both, so ``c_H`` is invariant down the path):
+
+    * ``i = n - 1``: ``f_i + b_i``; needs ``tape_i <= h`` and ``c_H + h >= max(x_n + g_i, bwd_i)``.
+    * "chain": ``f_i + b_i + P_H(i+1, h - tape_i)``; needs ``tape_i <= h`` and the same threshold.
+    * "leaf" at ``i < k < n``: ``sum f_i..f_{k-1} + P_H(k, h - x_i) + C(i, k, c_H + h)``; needs
+      ``x_i <= h`` and the leaf threshold on ``c_H + h``.
+
+    The answer is ``min_H P_H(0, H)``. The left sub-problems are regular ``C(i, k, .)``: they run
+    once the path below them is reversed, within what the path's live items and the waiting
+    micro-batches leave.
+
     Sizes are discretised into slots of ``ceil(budget / slots)`` bytes, every size rounded up,
     so the discretised schedule fits at exact sizes too (the result may miss schedules that fit
     only at exact sizes; ``slots >= budget_bytes`` is exact). The table is vectorised with NumPy
-    over the memory axis and the split point: O(n^3 * slots) work, O(n^2 * slots) memory.
-    The returned costs are the DP's; the peak is the exact replay of the schedule.
+    over the memory axis and the split point: O(n^3 * slots) work, O(n^2 * slots) memory. The
+    first-pass tables are vectorised over (split, ``H``, ``h``), in blocks of rows ``H``:
+    O(n^2 * (slots / q)^2) more work (``H <= slots / q``); exact for Fraction ``q`` (``ceil``).
+    The returned costs are the DP's; the peaks are the exact replay of the schedule.
     """
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
         raise ValueError(f"budget_bytes must be an int, got {budget_bytes!r}")
@@ -638,22 +719,56 @@ def optimal_schedule(chain: Chain, budget_bytes: int, slots: int = 500) -> Sched
         raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise ValueError(f"slots must be a positive int, got {slots!r}")
+    q = _in_flight(in_flight)
     unit = max(1, _ceil_div(budget_bytes, slots))
     mem = budget_bytes // unit
-    solved = _solve_persistent(chain, unit, mem)
+    solved = _solve_persistent(chain, unit, mem, q)
     if solved is None:
         return None
     steps, dp_cost = solved
-    return _make_result(chain, steps, budget_bytes, unit, mem, dp_cost)
+    return _make_result(chain, steps, budget_bytes, unit, mem, dp_cost, q)
 
 
-def _solve_persistent(chain: Chain, unit: int, mem: int) -> tuple[Schedule, int | None] | None:
-    """Fill the rotor-style table and backtrack; see :func:`optimal_schedule` for the equations.
+class _Rotor(NamedTuple):
+    """The regular table ``C(i, k, .)`` (``table[i][k - i]``, decisions in ``what``) and the
+    discretised sizes it was built from."""
+
+    a: list[int]
+    tp: list[int]
+    g: list[int]
+    bwd: list[int]
+    prefix: list[int]
+    runs: list[list[tuple[int, int]]]
+    table: list
+    what: list
+    exact: bool
+    inf: int | float
+
+
+def _solve_persistent(
+    chain: Chain, unit: int, mem: int, in_flight: Fraction = Fraction(1)
+) -> tuple[Schedule, int | None] | None:
+    """Solve the DP of :func:`optimal_schedule` and backtrack.
+
+    Returns ``(steps, dp_cost)`` (``dp_cost`` None if the float64 fallback was used) or None.
+    """
+    n = chain.length
+    if in_flight == 1:
+        rotor = _rotor_table(chain, unit, mem, n)
+        if rotor.what[0][n, mem] < 0:
+            return None
+        steps = _backtrack(rotor.what, rotor.a, rotor.tp, 0, n, mem)
+        return steps, (int(rotor.table[0][n, mem]) if rotor.exact else None)
+    # The first-pass tables need C(i, k, .) for k < n only.
+    return _solve_pipelined(chain, _rotor_table(chain, unit, mem, n - 1), mem, in_flight)
+
+
+def _rotor_table(chain: Chain, unit: int, mem: int, last_j: int) -> _Rotor:
+    """Fill the rotor-style table for ``j <= last_j``; see :func:`optimal_schedule`.
 
     Loop order: ``j`` ascending, ``i`` descending, so that ``C(k, j)`` (``k > i``) sits in a
     contiguous per-``j`` buffer and ``C(i, k)`` (``k < j``) in the table row of ``i``; each
     ``(i, j)`` is one vectorised operation over (split ``k``) x (memory ``m``).
-    Returns ``(steps, dp_cost)`` (``dp_cost`` None if the float64 fallback was used) or None.
     """
     import numpy as np
 
@@ -706,7 +821,7 @@ def _solve_persistent(chain: Chain, unit: int, mem: int) -> tuple[Schedule, int 
         h_rows.append(row)
         runs.append(run)
 
-    for j in range(1, n + 1):
+    for j in range(1, last_j + 1):
         column.fill(inf)
         i = j - 1
         thr = max(a[j] + g[i], bwd[i])
@@ -754,17 +869,178 @@ def _solve_persistent(chain: Chain, unit: int, mem: int) -> tuple[Schedule, int 
                 np.minimum(best, inf, out=best)
             table[i][j - i] = best
 
-    if what[0][n, mem] < 0:
+    return _Rotor(a, tp, g, bwd, prefix, runs, table, what, exact, inf)
+
+
+# First-pass rows H are filled in blocks of at most this many rows and this many entries
+# (stages x rows x allowances h), which bounds the table and the per-stage candidates (16 MiB
+# each) and the columns h > H a row computes for nothing.
+_FIRST_PASS_ROWS = 32
+_FIRST_PASS_BLOCK = 1 << 21
+
+
+def _least_held(n: int, r: _Rotor) -> list[int]:
+    """``least[i]``: the fewest slots a first-pass path from node ``i`` can hold (``P(i, h)`` is
+    infinite below it): ``tape_{n-1}`` at the base, then ``tape_i`` or ``x_i`` plus the rest."""
+    least = [0] * n
+    least[n - 1] = r.tp[n - 1]
+    for i in range(n - 2, -1, -1):
+        least[i] = min(r.tp[i] + least[i + 1], r.a[i] + min(least[i + 1 :]))
+    return least
+
+
+def _first_pass_rows(n: int, r: _Rotor, mem: int, in_flight: Fraction) -> list[int]:
+    """Held allowances ``H`` worth a row: at least what any path holds, and the own memory must
+    hold the held items and ``δ_n`` (a row whose schedule holds less is beaten by a lower row)."""
+    rows = []
+    held = _least_held(n, r)[0]
+    while mem - math.ceil((in_flight - 1) * held) >= held + r.a[n]:
+        rows.append(held)
+        held += 1
+    return rows
+
+
+def _solve_pipelined(
+    chain: Chain, r: _Rotor, mem: int, in_flight: Fraction
+) -> tuple[Schedule, int | None] | None:
+    """``min_H P_H(0, H)`` over blocks of rows, then one row again with its decisions."""
+    import numpy as np
+
+    n = chain.length
+    rows = _first_pass_rows(n, r, mem, in_flight)
+    no_recompute = sum(chain.forward_flops) + sum(chain.backward_flops)
+    best = None  # (cost, H)
+    start = 0
+    while start < len(rows):
+        end = start + 1
+        while (
+            end < len(rows)
+            and end - start < _FIRST_PASS_ROWS
+            and (end + 1 - start) * (rows[end] + 1) * n <= _FIRST_PASS_BLOCK
+        ):
+            end += 1
+        block = rows[start:end]
+        table, _ = _first_pass_block(chain, r, mem, in_flight, block, record=False)
+        tops = table[0][np.arange(len(block)), block]
+        at = int(tops.argmin())
+        if tops[at] < r.inf and (best is None or tops[at] < best[0]):
+            best = (tops[at], block[at])
+            if best[0] <= no_recompute:
+                break
+        start = end
+    if best is None:
         return None
-    steps = _backtrack(n, what, a, tp, mem)
-    dp_cost = int(table[0][n, mem]) if exact else None
-    return steps, dp_cost
+    held = best[1]
+    table, choice = _first_pass_block(chain, r, mem, in_flight, [held], record=True)
+    c = mem - math.ceil((in_flight - 1) * held) - held
+    steps = _backtrack_first_pass(n, r, choice[:, 0, :], c, held)
+    return steps, (int(table[0, 0, held]) if r.exact else None)
 
 
-def _backtrack(n: int, what, a: list[int], tp: list[int], mem: int) -> Schedule:
-    """Rebuild the schedule from the decision table (iteratively: chains can be deep)."""
+def _first_pass_block(chain: Chain, r: _Rotor, mem: int, in_flight: Fraction, block, record):
+    """``P_H(i, h)`` for the rows ``H`` in ``block`` (ascending) and ``h <= max(block)``, as an
+    array ``[i, row, h]``, with the decisions (0: keep_all, k > 0: leaf at k) if ``record``.
+
+    Entries with ``h > H`` are never read (children have smaller allowances); their own memory
+    may exceed ``mem`` and reads past the regular table see ``inf``.
+    """
+    import numpy as np
+
+    n = chain.length
+    f, b = chain.forward_flops, chain.backward_flops
+    a, tp, g, bwd, prefix, runs, inf = r.a, r.tp, r.g, r.bwd, r.prefix, r.runs, r.inf
+    dtype = r.table[0].dtype
+    nb, nh = len(block), block[-1] + 1
+    c = np.array([mem - math.ceil((in_flight - 1) * held) - held for held in block])
+    own = c[:, None] + np.arange(nh)[None, :]  # own memory of a node with allowance h, per row
+    table = np.full((n, nb, nh), inf, dtype=dtype)
+    choice = np.full((n, nb, nh), -1, dtype=np.int32) if record else None
+    prefix_arr = np.array(prefix, dtype=dtype)
+    least = _least_held(n, r)
+    for i in range(n - 1, -1, -1):
+        best = table[i]
+        # "chain" (the base at i = n - 1): keep_all(i), P(i+1, h - tape_i), backward(i).
+        w = tp[i]
+        if w < nh:
+            if i == n - 1:
+                best[:, w:] = f[i] + b[i]
+            else:
+                best[:, w:] = table[i + 1][:, : nh - w] + (f[i] + b[i])
+            best[own < max(a[n] + g[i], bwd[i])] = inf
+            if r.exact:
+                np.minimum(best, inf, out=best)
+            if record:
+                choice[i][best < inf] = 0
+        # "leaf" at i < k < n: keep x_i, advance to x_k, P(k, h - x_i), then C(i, k, own).
+        if i == n - 1:
+            continue
+        sh = a[i]
+        lo = sh + min(least[i + 1 :])  # P(k, h - x_i) is infinite below
+        if lo >= nh:
+            continue
+        ks = n - 1 - i
+        # C(i, k, .) + f_i + ... + f_{k-1} for k = i+1..n-1, padded with inf past ``mem``.
+        left = np.full((ks, mem + 1 + nh), inf, dtype=dtype)
+        left[:, : mem + 1] = r.table[i][1 : n - i] + (prefix_arr[i + 1 : n] - prefix[i])[:, None]
+        run = runs[i]
+        for q, (k0, h) in enumerate(run):
+            if k0 >= n:
+                break
+            k1 = min(run[q + 1][0], n) if q + 1 < len(run) else n
+            left[k0 - i - 1 : k1 - i - 1, : a[n] + h] = inf  # leaf threshold x_n + h(i, k)
+        windows = np.lib.stride_tricks.sliding_window_view(left, nh - lo, axis=1)
+        cand = windows[:, c + lo, :]  # at own memory c_H + h, h >= lo: (k, row, h - lo)
+        cand += table[i + 1 : n, :, lo - sh : nh - sh]
+        if record:
+            k_rel = cand.argmin(axis=0)
+            low = np.take_along_axis(cand, k_rel[None], axis=0)[0]
+        else:
+            low = cand.min(axis=0)
+        sub = best[:, lo:]
+        better = low < sub
+        sub[better] = low[better]
+        if record:
+            choice[i][:, lo:][better] = (k_rel + (i + 1))[better]
+        if r.exact:
+            np.minimum(best, inf, out=best)
+    return table, choice
+
+
+def _backtrack_first_pass(n: int, r: _Rotor, choice, c: int, held: int) -> Schedule:
+    """Walk the first-pass path from ``(0, held)``, then the left sub-problems and backwards it
+    left behind, innermost first."""
     steps: list[Step] = []
-    stack: list[tuple[int, int, int] | Step] = [(0, n, mem)]
+    after: list[tuple[int, int, int] | Step] = []
+    i, h = 0, held
+    while True:
+        k = int(choice[i, h])
+        if k < 0:
+            raise RuntimeError(f"internal error: no first-pass decision for ({i}, {h})")
+        if i == n - 1:
+            steps += [Step(FORWARD_KEEP_ALL, i), Step(BACKWARD, i)]
+            break
+        if k == 0:
+            steps.append(Step(FORWARD_KEEP_ALL, i))
+            after.append(Step(BACKWARD, i))
+            i, h = i + 1, h - r.tp[i]
+        else:
+            steps.append(Step(FORWARD_KEEP_INPUT, i))
+            steps.extend(Step(FORWARD_DROP, p) for p in range(i + 1, k))
+            after.append((i, k, c + h))
+            i, h = k, h - r.a[i]
+    for item in reversed(after):
+        if isinstance(item, Step):
+            steps.append(item)
+        else:
+            steps.extend(_backtrack(r.what, r.a, r.tp, *item))
+    return tuple(steps)
+
+
+def _backtrack(what, a: list[int], tp: list[int], i: int, j: int, mem: int) -> Schedule:
+    """Rebuild the schedule of ``C(i, j, mem)`` from the decision table (iteratively: chains can
+    be deep)."""
+    steps: list[Step] = []
+    stack: list[tuple[int, int, int] | Step] = [(i, j, mem)]
     while stack:
         item = stack.pop()
         if isinstance(item, Step):
@@ -820,23 +1096,27 @@ def _persistent_schedules(i: int, j: int) -> tuple[Schedule, ...]:
     return tuple(out)
 
 
-def brute_force_optimal(chain: Chain, budget_bytes: int) -> ScheduleResult | None:
+def brute_force_optimal(
+    chain: Chain, budget_bytes: int, in_flight: int | Fraction = 1
+) -> ScheduleResult | None:
     """Exhaustive search: replay every persistent schedule, keep the cheapest that fits.
 
     derived: independent of the DP's memory equations — each candidate's peak and cost come from
-    :func:`simulate`. Exact bytes, no discretisation. For chains of at most
-    ``BRUTE_FORCE_MAX_STAGES`` stages (1806 schedules at 7 stages).
+    :func:`simulate` (with ``in_flight`` micro-batches, its :func:`pipeline_peak_bytes` must
+    fit). Exact bytes, no discretisation. For chains of at most ``BRUTE_FORCE_MAX_STAGES``
+    stages (1806 schedules at 7 stages).
     """
     n = chain.length
     if n > BRUTE_FORCE_MAX_STAGES:
         raise ValueError(f"brute force is limited to {BRUTE_FORCE_MAX_STAGES} stages, got {n}")
+    q = _in_flight(in_flight)
     best: tuple[int, Schedule] | None = None
     for steps in enumerate_persistent_schedules(n):
         replay = simulate(chain, steps)
-        if replay.peak_bytes > budget_bytes:
+        if pipeline_peak_bytes(chain, replay, q) > budget_bytes:
             continue
         if best is None or replay.total_flops < best[0]:
             best = (replay.total_flops, steps)
     if best is None:
         return None
-    return _make_result(chain, best[1], budget_bytes, 1, budget_bytes)
+    return _make_result(chain, best[1], budget_bytes, 1, budget_bytes, in_flight=q)

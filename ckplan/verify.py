@@ -37,6 +37,7 @@ Timing is the only impure part; everything else is deterministic for a given ``s
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 import tracemalloc
@@ -428,7 +429,8 @@ def compare_gradients(dx, grads, ref_dx, ref_grads) -> tuple[bool, float]:
         a.shape == b.shape and np.array_equal(a.view(np.uint64), b.view(np.uint64))
         for a, b in pairs
     )
-    diff = max(float(np.max(np.abs(a - b))) for a, b in pairs)
+    diffs = [float(np.max(np.abs(a - b))) if a.shape == b.shape else math.inf for a, b in pairs]
+    diff = max((d if math.isfinite(d) else math.inf) for d in diffs)  # NaN (unwritten): inf
     return identical, diff
 
 
@@ -482,8 +484,9 @@ def verify(
         raise StrategyError("verify runs the seed's MLP: kind mlp, dtype_bytes 8, pp 1")
     if repeats < 1:
         raise StrategyError(f"repeats must be at least 1, got {repeats}")
-    names = list(dict.fromkeys(["none", *(strategies or default_strategies(spec.layers))]))
-    if budget is None and any(name.strip() == "optimal" for name in names):
+    chosen = strategies or default_strategies(spec.layers)
+    names = list(dict.fromkeys(["none", *(name.strip() for name in chosen)]))
+    if budget is None and "optimal" in names:
         budget = default_budget(spec)
     planned = [(name, *predict(spec, name, budget)) for name in names]
 
@@ -492,6 +495,8 @@ def verify(
     ref_dx, ref_grads = seed_plain_step(params, x, grad_output)
     traced = []
     for _, _, steps in planned:
+        for buffer in (g for layer in grads for g in layer):
+            buffer.fill(np.nan)  # a gradient the schedule fails to write cannot pass
         peak, dx, counts = measure_peak(steps, params, grads, x, grad_output)
         traced.append((peak, counts, *compare_gradients(dx, grads, ref_dx, ref_grads)))
         del dx

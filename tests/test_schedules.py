@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import random
+from fractions import Fraction
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,7 +20,9 @@ from ckplan.schedules import (
     beta,
     brute_force_optimal,
     enumerate_persistent_schedules,
+    held_after_forward_bytes,
     optimal_schedule,
+    pipeline_peak_bytes,
     revolve_dp_min_forwards,
     revolve_dp_table,
     revolve_min_forwards,
@@ -442,3 +446,128 @@ def test_brute_force_stage_limit():
     c = Chain.uniform(9, forward_flops=1, backward_flops=1, input_bytes=1, tape_bytes=1)
     with pytest.raises(ValueError):
         brute_force_optimal(c, 100)
+
+
+# ------------------------------------------------------------------------------------------
+# Pipelining (1F1B): in_flight micro-batches, in_flight - 1 of them holding their forward
+
+
+def test_held_and_pipeline_peak_hand_computed():
+    c = small_chain()
+    r = simulate(c, store_all_schedule(c))
+    # after KA2: tapes 5 + 6 + 7 and δ3 (1), which arrives only with the backward
+    assert held_after_forward_bytes(c, r) == 18
+    assert pipeline_peak_bytes(c, r) == pipeline_peak_bytes(c, r, 1) == r.peak_bytes == 23
+    assert pipeline_peak_bytes(c, r, 2) == 23 + 18
+    assert pipeline_peak_bytes(c, r, Fraction(5, 2)) == 23 + 27
+    assert pipeline_peak_bytes(c, r, Fraction(5, 4)) == 23 + 5  # 4.5 rounded up
+    # keep x0, drop to x2: the first pass holds x0 (2) + tape2 (7)
+    r2 = simulate(c, (KI(0), D(1), KA(2), B(2), KA(0), KA(1), B(1), B(0)))
+    assert held_after_forward_bytes(c, r2) == 9
+
+
+def test_pipeline_forward_pass_is_charged_the_whole_held():
+    # Stage 0's forward workspace (10) sets the one-micro-batch peak 12 before anything is
+    # stored; the waiting micro-batch already holds its 2 bytes then, so 14 is needed, not 12.
+    c = Chain((1, 1), (1, 1), (1, 1, 0), (1, 1), (10, 0), (0, 0))
+    for budget in (12, 13):
+        assert optimal_schedule(c, budget, slots=budget, in_flight=2) is None
+        assert brute_force_optimal(c, budget, in_flight=2) is None
+    r = optimal_schedule(c, 14, slots=14, in_flight=2)
+    assert r is not None and r.peak_bytes == 12 and r.held_bytes == 2
+    assert r.pipeline_peak_bytes == 14
+
+
+def _random_chain(rng: random.Random, n: int, unit: int = 1) -> Chain:
+    inp = [rng.randint(0, 6) * unit for _ in range(n + 1)]
+    tape = [inp[i] + rng.randint(0, 6) * unit for i in range(n)]
+    fws = [rng.randint(0, 3) * unit for _ in range(n)]
+    bws = [rng.randint(0, 3) * unit for _ in range(n)]
+    f = [rng.randint(0, 9) for _ in range(n)]
+    b = [rng.randint(0, 9) for _ in range(n)]
+    return Chain(f, b, inp, tape, fws, bws)
+
+
+def _check_pipelined(chain: Chain, budget: int, slots: int, in_flight) -> None:
+    dp = optimal_schedule(chain, budget, slots=slots, in_flight=in_flight)
+    bf = brute_force_optimal(chain, budget, in_flight=in_flight)
+    assert (dp is None) == (bf is None), (chain, budget, in_flight, dp, bf)
+    if dp is None:
+        return
+    replay = simulate(chain, dp.steps)
+    held = held_after_forward_bytes(chain, replay)
+    assert dp.peak_bytes == replay.peak_bytes
+    assert dp.held_bytes == held and dp.in_flight == in_flight
+    assert dp.pipeline_peak_bytes == replay.peak_bytes + math.ceil((in_flight - 1) * held)
+    assert replay.peak_bytes + (in_flight - 1) * held <= budget  # exact, Fraction included
+    assert dp.total_flops == replay.total_flops == bf.total_flops
+    assert bf.pipeline_peak_bytes <= budget
+
+
+@pytest.mark.parametrize("in_flight", [1, 2, 3, Fraction(5, 2)])
+def test_pipelined_dp_matches_brute_force_exact_bytes(in_flight):
+    rng = random.Random(f"pipelined-{in_flight}")
+    for _ in range(100):
+        chain = _random_chain(rng, rng.randint(1, 6))
+        top = pipeline_peak_bytes(chain, simulate(chain, store_all_schedule(chain)), in_flight)
+        budget = rng.randint(0, top + 2)
+        _check_pipelined(chain, budget, max(budget, 1), in_flight)  # 1 byte per slot
+
+
+def test_pipelined_dp_matches_brute_force_discretised_slots():
+    rng = random.Random(99)
+    for _ in range(40):
+        unit = rng.choice([3, 1000, 2**20])
+        chain = _random_chain(rng, rng.randint(1, 6), unit)
+        slots = rng.randint(1, 80)
+        in_flight = rng.choice([2, 3, Fraction(5, 2), Fraction(7, 3)])
+        # every size is a whole number of slots: the discretisation is exact
+        _check_pipelined(chain, slots * unit, slots, in_flight)
+
+
+def test_pipelined_default_slots_fit_and_cost_grows_with_in_flight():
+    rng = random.Random(3)
+    for _ in range(3):
+        n = rng.randint(15, 30)
+        inp = [rng.randint(1, 10**9) for _ in range(n + 1)]
+        tape = [inp[i] + rng.randint(0, 10**10) for i in range(n)]
+        fws = [rng.randint(0, 10**9) for _ in range(n)]
+        f = [rng.randint(1, 10**12) for _ in range(n)]
+        chain = Chain(f, [2 * x for x in f], inp, tape, fws)
+        budget = simulate(chain, store_all_schedule(chain)).peak_bytes
+        previous = 0
+        for in_flight in (1, Fraction(3, 2), 2, 4):
+            r = optimal_schedule(chain, budget, in_flight=in_flight)
+            if r is None:
+                break
+            replay = simulate(chain, r.steps)
+            assert r.pipeline_peak_bytes == pipeline_peak_bytes(chain, replay, in_flight)
+            assert r.pipeline_peak_bytes <= budget
+            assert r.total_flops == replay.total_flops >= previous
+            previous = r.total_flops
+
+
+def test_in_flight_one_is_unchanged():
+    rng = random.Random(11)
+    for _ in range(20):
+        chain = _random_chain(rng, rng.randint(1, 8))
+        top = simulate(chain, store_all_schedule(chain)).peak_bytes
+        budget = rng.randint(0, top)
+        plain = optimal_schedule(chain, budget, slots=max(budget, 1))
+        for one in (1, Fraction(1)):
+            again = optimal_schedule(chain, budget, slots=max(budget, 1), in_flight=one)
+            assert (plain is None) == (again is None)
+            if plain is not None:
+                assert again.steps == plain.steps
+                assert again.pipeline_peak_bytes == again.peak_bytes == plain.peak_bytes
+
+
+@pytest.mark.parametrize("bad", [0, Fraction(1, 2), 2.0, True, "2"])
+def test_in_flight_rejects_invalid(bad):
+    c = small_chain()
+    with pytest.raises(ValueError):
+        optimal_schedule(c, 50, in_flight=bad)
+    with pytest.raises(ValueError):
+        brute_force_optimal(c, 50, in_flight=bad)
+    with pytest.raises(ValueError):
+        pipeline_peak_bytes(c, simulate(c, store_all_schedule(c)), bad)

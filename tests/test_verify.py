@@ -24,6 +24,7 @@ from ckplan.verify import (
     layer_backward,
     layer_forward,
     mlp_spec,
+    run_schedule,
     seed_checkpointed_step,
     seed_plain_step,
     verify,
@@ -153,6 +154,21 @@ def test_gradient_comparison_sees_the_last_bit():
     assert not identical and diff == pytest.approx(2.220446049250313e-16)
     zero = np.zeros(1)
     assert compare_gradients(zero, [], -zero, [])[0] is False  # -0.0 is another bit pattern
+
+
+def test_a_missing_backward_fails_the_gradient_check():
+    """Buffers start as NaN, so a layer the schedule never backpropagates cannot pass."""
+    spec = mlp_spec(3, 16, 32, 8)
+    params, x, g = init_network(spec)
+    grads = gradient_buffers(params)
+    for layer in grads:
+        for buffer in layer:
+            buffer.fill(np.nan)
+    steps = evaluate(spec, parse_strategy("none", spec)).steps[:-1]  # drop backward(0)
+    dx, _ = run_schedule(steps, params, grads, [x.copy(), g.copy()])
+    ref_dx, ref_grads = seed_plain_step(params, x, g)
+    identical, diff = compare_gradients(dx, grads, ref_dx, ref_grads)
+    assert not identical and diff == float("inf")
 
 
 def test_verify_rejects_bad_input():
