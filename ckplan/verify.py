@@ -5,7 +5,7 @@ hidden f, b rows, float64. The seed's plain step (``model_forward`` / ``model_ba
 each layer's input and rebuilds the hidden activation in the backward pass; its checkpointed step
 (``model_forward_checkpointed`` / ``model_backward_checkpointed``) keeps segment inputs and
 re-runs each segment. This module runs *any* schedule of :mod:`ckplan.schedules` on that network:
-the plain step is ``store_all``, the seed's segments are ``uniform:K``, and ``sequential:K``,
+the plain step is ``store_all``, the seed's segments (``model_forward_checkpointed``) are ``uniform:K``, and ``sequential:K``,
 ``sqrt``, ``block:N``, ``revolve:C`` and ``optimal`` are just other schedules. One executor runs
 them all, step by step, holding exactly the arrays that ``schedules.simulate`` says are live and
 dropping every other reference, so CPython frees each array the moment the plan says it is dead.
@@ -13,10 +13,10 @@ dropping every other reference, so CPython frees each array the moment the plan 
 What is measured for one run, and how:
 
 * **gradients**: every weight, bias and input gradient, compared bit for bit (the float64 bit
-  patterns) with the seed's own plain step, transcribed verbatim below (:func:`seed_plain_step`).
-  The executor does the seed's arithmetic in the seed's order (in place, but each rounding is the
-  same), and recomputation re-runs the same deterministic kernels on the same inputs, so the
-  gradients are identical to the last bit; ``max_abs_grad_diff`` says by how much when not.
+  patterns) with the plain, un-checkpointed step (:func:`reference_step`, fresh arrays). The
+  executor does the same arithmetic in place (each rounding the same), and recomputation re-runs
+  the same deterministic kernels on the same inputs, so the gradients are identical to the last
+  bit; ``max_abs_grad_diff`` says by how much when not.
 * **peak memory**: ``tracemalloc`` (NumPy reports its data allocations to it) over one step: the
   peak of traced bytes minus the traced bytes before the step's input ``x_0`` and output gradient
   ``δ_L`` were allocated. Parameters and the parameter-gradient buffers are allocated before that
@@ -109,80 +109,29 @@ def gradient_buffers(params: Params) -> Params:
     return [tuple(np.empty_like(p) for p in layer) for layer in params]
 
 
-# ---- the seed's plain step, verbatim (the reference for gradients) ------------------------
+# ---- the reference: the un-checkpointed step, written plainly ---------------------------
 
 
-def _seed_linear_forward(x, w, b):
-    return x @ w + b
+def reference_step(params: Params, x: np.ndarray, grad_output: np.ndarray):
+    """The plain training step, no checkpointing, in fresh arrays: ``(δ_0, [(gw1, gb1, gw2,
+    gb2)] per layer)``, the reference every schedule's gradients must match to the last bit.
 
-
-def _seed_relu(x):
-    return np.maximum(x, 0)
-
-
-def _seed_layer_forward(x, w1, b1, w2, b2):
-    h = _seed_relu(_seed_linear_forward(x, w1, b1))
-    return _seed_linear_forward(h, w2, b2)
-
-
-def _seed_model_forward(x, params):
-    activations = [x]
-    h = x
+    The seed's algorithm (shared/seed, model_forward / model_backward): keep each layer's input,
+    rebuild the hidden activation from it in the backward pass. The executor below does the same
+    arithmetic in place, so any difference is a schedule that ran the wrong thing.
+    """
+    inputs = []
     for w1, b1, w2, b2 in params:
-        h = _seed_layer_forward(h, w1, b1, w2, b2)
-        activations.append(h)
-    return h, activations
-
-
-def _seed_model_backward(grad_output, activations, params):
-    grads = [None] * len(params)
+        inputs.append(x)
+        x = np.maximum(x @ w1 + b1, 0) @ w2 + b2  # (b, d)
+    grads = []
     g = grad_output
-    for i in range(len(params) - 1, -1, -1):
-        w1, b1, w2, b2 = params[i]  # noqa: RUF059 (verbatim)
-        x_in = activations[i]
-        h_pre = _seed_linear_forward(x_in, w1, b1)
-        h = _seed_relu(h_pre)
-        gh = g @ w2.T
-        gw2 = h.T @ g
-        gb2 = g.sum(axis=0)
-        g_pre = gh * (h_pre > 0)
-        gx = g_pre @ w1.T
-        gw1 = x_in.T @ g_pre
-        gb1 = g_pre.sum(axis=0)
-        grads[i] = (gw1, gb1, gw2, gb2)
-        g = gx
-    return g, grads
-
-
-def seed_plain_step(params: Params, x: np.ndarray, grad_output: np.ndarray):
-    """The seed's training step without checkpointing: ``(input gradient, [(gw1, gb1, gw2,
-    gb2)] per layer)``, computed by the seed's ``model_forward`` and ``model_backward``."""
-    _, activations = _seed_model_forward(x, params)
-    return _seed_model_backward(grad_output, activations, params)
-
-
-def seed_checkpointed_step(params: Params, x: np.ndarray, grad_output: np.ndarray, k: int):
-    """The seed's ``model_forward_checkpointed`` / ``model_backward_checkpointed`` (segments of
-    ``k`` layers, each re-run in the backward pass), verbatim; = ``uniform:k``."""
-    saved_inputs = [x]
-    h = x
-    for i, (w1, b1, w2, b2) in enumerate(params):
-        h = _seed_layer_forward(h, w1, b1, w2, b2)
-        if (i + 1) % k == 0:
-            saved_inputs.append(h)
-    grads = [None] * len(params)
-    g = grad_output
-    segments = [(j * k, min((j + 1) * k, len(params))) for j in range(len(saved_inputs))]
-    for seg_idx in range(len(saved_inputs) - 1, -1, -1):
-        start, end = segments[seg_idx]
-        if start >= end:
-            continue
-        x_in = saved_inputs[seg_idx]
-        _, seg_acts = _seed_model_forward(x_in, params[start:end])
-        g, seg_grads = _seed_model_backward(g, seg_acts, params[start:end])
-        for j, gr in enumerate(seg_grads):
-            grads[start + j] = gr
-    return g, grads
+    for (w1, b1, w2, b2), x_in in zip(reversed(params), reversed(inputs), strict=True):
+        pre = x_in @ w1 + b1  # (b, f), rebuilt
+        g_pre = (g @ w2.T) * (pre > 0)  # through fc2 and the ReLU
+        grads.append((x_in.T @ g_pre, g_pre.sum(axis=0), np.maximum(pre, 0).T @ g, g.sum(axis=0)))
+        g = g_pre @ w1.T  # δ_i (b, d)
+    return g, grads[::-1]
 
 
 # ---- the executor -------------------------------------------------------------------------
@@ -492,7 +441,7 @@ def verify(
 
     params, x, grad_output = init_network(spec, seed)
     grads = gradient_buffers(params)
-    ref_dx, ref_grads = seed_plain_step(params, x, grad_output)
+    ref_dx, ref_grads = reference_step(params, x, grad_output)
     traced = []
     for _, _, steps in planned:
         for buffer in (g for layer in grads for g in layer):
