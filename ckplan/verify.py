@@ -5,7 +5,7 @@ hidden f, b rows, float64. The seed's plain step (``model_forward`` / ``model_ba
 each layer's input and rebuilds the hidden activation in the backward pass; its checkpointed step
 (``model_forward_checkpointed`` / ``model_backward_checkpointed``) keeps segment inputs and
 re-runs each segment. This module runs *any* schedule of :mod:`ckplan.schedules` on that network:
-the plain step is ``store_all``, the seed's segments (``model_forward_checkpointed``) are ``uniform:K``, and ``sequential:K``,
+the plain step is ``store_all``, the seed's segments are ``uniform:K``, and ``sequential:K``,
 ``sqrt``, ``block:N``, ``revolve:C`` and ``optimal`` are just other schedules. One executor runs
 them all, step by step, holding exactly the arrays that ``schedules.simulate`` says are live and
 dropping every other reference, so CPython frees each array the moment the plan says it is dead.
@@ -126,7 +126,7 @@ def reference_step(params: Params, x: np.ndarray, grad_output: np.ndarray):
         x = np.maximum(x @ w1 + b1, 0) @ w2 + b2  # (b, d)
     grads = []
     g = grad_output
-    for (w1, b1, w2, b2), x_in in zip(reversed(params), reversed(inputs), strict=True):
+    for (w1, b1, w2, _), x_in in zip(reversed(params), reversed(inputs), strict=True):
         pre = x_in @ w1 + b1  # (b, f), rebuilt
         g_pre = (g @ w2.T) * (pre > 0)  # through fc2 and the ReLU
         grads.append((x_in.T @ g_pre, g_pre.sum(axis=0), np.maximum(pre, 0).T @ g, g.sum(axis=0)))

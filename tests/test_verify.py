@@ -24,8 +24,8 @@ from ckplan.verify import (
     layer_backward,
     layer_forward,
     mlp_spec,
-    run_schedule,
     reference_step,
+    run_schedule,
     verify,
 )
 
