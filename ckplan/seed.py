@@ -32,33 +32,26 @@ def memory_after_checkpoint(
 
 def checkpoint_cost(n_layers, segment_size, flops_per_layer=1.0):
     """Seed: any segment size costs one extra forward of every layer; overhead 4/3 - 1."""
-    fwd = n_layers * flops_per_layer
-    recompute = n_layers * flops_per_layer
-    bwd = 2 * n_layers * flops_per_layer
-    total = fwd + recompute + bwd
-    return {
-        "fwd": fwd,
-        "recompute": recompute,
-        "bwd": bwd,
-        "total": total,
-        "overhead_vs_no_ckpt": total / (fwd + bwd) - 1.0,
-    }
+    return _cost(n_layers * flops_per_layer, n_layers * flops_per_layer)
 
 
 def selective_checkpoint_cost(
     n_layers, attention_fraction=SEED_ATTENTION_FRACTION, flops_per_layer=1.0
 ):
     """Seed: recompute the attention share of each layer; overhead (3 + 0.15)/3 - 1 = 5%."""
-    fwd = n_layers * flops_per_layer
-    recompute = n_layers * attention_fraction * flops_per_layer
-    bwd = 2 * n_layers * flops_per_layer
-    total = fwd + recompute + bwd
+    return _cost(n_layers * flops_per_layer, n_layers * attention_fraction * flops_per_layer)
+
+
+def _cost(forward, recompute):
+    """The seed's cost record: backward = 2x forward, overhead against no checkpointing."""
+    backward = 2 * forward
+    total = forward + recompute + backward
     return {
-        "fwd": fwd,
+        "fwd": forward,
         "recompute": recompute,
-        "bwd": bwd,
+        "bwd": backward,
         "total": total,
-        "overhead_vs_no_ckpt": total / (fwd + bwd) - 1.0,
+        "overhead_vs_no_ckpt": total / (forward + backward) - 1.0,
     }
 
 
