@@ -174,3 +174,11 @@ def test_hf_config_gpt2():
 def test_hf_config_not_recognised():
     with pytest.raises(SpecError, match="not a recognised Hugging Face config"):
         hf_config_mapping({"foo": 1}, "x/config.json")
+
+
+def test_presets_ship_as_package_data():
+    """The installed package (wheel or editable) carries the presets as ckplan.preset_data."""
+    from importlib import resources
+
+    shipped = {entry.name for entry in resources.files("ckplan.preset_data").iterdir()}
+    assert {f"{name}.yaml" for name in preset_names()} <= shipped
