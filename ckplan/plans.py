@@ -16,7 +16,7 @@ from fractions import Fraction
 
 from ckplan import flops as flops_model
 from ckplan import memory, seed
-from ckplan.ops import ATTENTION_CORE
+from ckplan.ops import ATTENTION_CORE, layer_ops
 from ckplan.schedules import (
     Chain,
     Replay,
@@ -347,6 +347,21 @@ def _plan(
     )
 
 
+def _seed_rule_note(spec: ModelSpec) -> str:
+    """The seed's should_recompute rule applied to the derived per-layer attention and MLP
+    bytes, with the attention core's FLOP fraction as the attention ratio and the MLP's share of
+    the layer FLOPs as the FFN ratio."""
+    breakdown = memory.activation_breakdown(spec)
+    layer_flops = flops_model.layer_forward_flops(spec)
+    mlp_flops = sum(op.forward_flops for op in layer_ops(spec) if op.component == "mlp")
+    attention = seed.should_recompute(
+        "attention", breakdown["attention"], flops_model.attention_core_fraction(spec)
+    )
+    ffn = seed.should_recompute("ffn", breakdown["mlp"], mlp_flops / layer_flops)
+    verdict = {True: "recompute", False: "keep"}
+    return f"seed should_recompute: attention {verdict[attention]}, ffn {verdict[ffn]}"
+
+
 def _evaluate_seed(spec: ModelSpec, strategy: Strategy) -> Plan:
     """The seed's functions exactly (seed.py): 12·sbh·B per layer, (n_seg + K)·sbh·B after
     checkpointing, 4/3 and (3 + 0.15)/3 cost ratios, over the layers of one GPU, with the
@@ -382,6 +397,7 @@ def _evaluate_seed(spec: ModelSpec, strategy: Strategy) -> Plan:
     notes = (
         "seed formulas: layers only, no embedding/output terms",
         "the per-component breakdown is the derived model's; the seed has none",
+        _seed_rule_note(spec),
     )
     return _plan(
         spec,

@@ -54,6 +54,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             "total": plan.flops.total,
         },
         "overhead": plan.overhead,
+        "notes": list(plan.notes),
     }
 
 
