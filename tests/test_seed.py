@@ -68,7 +68,7 @@ def test_derived_selective_overhead_is_not_the_seed_constant(spec_of):
 
 def test_seed_rule_reported(spec_of):
     """should_recompute on the seed preset: attention (GiBs of s² terms) over 100 MB -> recompute;
-    the FFN (over 500 MB) costs 2/3 of the layer to redo, above the 10% ratio -> keep."""
+    the FFN (over 500 MB) is 16/28 of the layer FLOPs to redo, above the 10% ratio -> keep."""
     spec = spec_of("seed")
     plan = evaluate(spec, parse_strategy("selective", spec), "seed")
     assert "seed should_recompute: attention recompute, ffn keep" in plan.notes
