@@ -722,6 +722,11 @@ def optimal_schedule(
     q = _in_flight(in_flight)
     unit = max(1, _ceil_div(budget_bytes, slots))
     mem = budget_bytes // unit
+    # No recomputation is the cheapest schedule there is: when it fits at exact sizes, it is the
+    # answer, even where rounding sizes up to slots would make the DP miss it.
+    plain = store_all_schedule(chain)
+    if pipeline_peak_bytes(chain, simulate(chain, plain), q) <= budget_bytes:
+        return _make_result(chain, plain, budget_bytes, unit, mem, None, q)
     solved = _solve_persistent(chain, unit, mem, q)
     if solved is None:
         return None
