@@ -88,7 +88,7 @@ def sweep(
     strategies = candidate_strategies(spec) if formula == "derived" else _seed_strategies(spec)
     plans = [evaluate(spec, strategy, formula) for strategy in strategies]
     if formula == "derived":
-        optimal = _optimal_plan(spec, usable, slots)
+        optimal = optimal_plan(spec, activation_budget(spec, usable), slots)
         if optimal is not None:
             plans.append(optimal)
     candidates = tuple(Candidate(plan, usable) for plan in plans)
@@ -116,11 +116,6 @@ def _seed_strategies(spec: ModelSpec) -> list[Strategy]:
         f"uniform:{k}" for k in range(1, spec.layers_per_stage + 1)
     ]
     return [parse_strategy(name, spec) for name in dict.fromkeys(names)]
-
-
-def _optimal_plan(spec: ModelSpec, usable_bytes: int, slots: int) -> Plan | None:
-    """The rotor DP under the activation budget; the better of with and without selective."""
-    return optimal_plan(spec, activation_budget(spec, usable_bytes), slots)
 
 
 def optimal_plan(spec: ModelSpec, budget: int, slots: int = DEFAULT_SLOTS) -> Plan | None:
