@@ -281,8 +281,20 @@ def evaluate(
     peak, steps, _, first_stage = max(results, key=lambda result: result[0])
     flops = max((result[2] for result in results), key=lambda count: count.total)
     names = tuple(stage_names(spec, first_stage))
+    notes = ()
+    if spec.pp > 1:
+        where = "first" if first_stage else "last"
+        held = in_flight_microbatches(spec) if first_stage else 1
+        notes = (f"peak on the {where} pipeline stage, {float(held):g} micro-batches in flight",)
     return _plan(
-        spec, strategy.name, "derived", peak, _per_iteration(spec, flops), tuple(steps), names
+        spec,
+        strategy.name,
+        "derived",
+        peak,
+        _per_iteration(spec, flops),
+        tuple(steps),
+        names,
+        notes,
     )
 
 
