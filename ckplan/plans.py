@@ -285,7 +285,8 @@ def evaluate(
     if spec.pp > 1:
         where = "first" if first_stage else "last"
         held = in_flight_microbatches(spec) if first_stage else 1
-        notes = (f"peak on the {where} pipeline stage, {float(held):g} micro-batches in flight",)
+        count = f"{float(held):g} micro-batch{'' if held == 1 else 'es'}"
+        notes = (f"peak on the {where} pipeline stage, {count} in flight",)
     return _plan(
         spec,
         strategy.name,
