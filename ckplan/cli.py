@@ -18,7 +18,7 @@ import typer
 import yaml
 from rich.console import Console
 
-from ckplan import render, search
+from ckplan import __version__, render, search
 from ckplan.plans import (
     DEFAULT_SLOTS,
     FORMULAS,
@@ -60,6 +60,24 @@ def user_errors() -> Iterator[None]:
     except (SpecError, SizeError, StrategyError, UserError) as error:
         stderr.print(render.error_text(str(error)), highlight=False)
         raise typer.Exit(EXIT_BAD_INPUT) from None
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"ckplan {__version__}\n")
+        raise typer.Exit(EXIT_OK)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version."
+        ),
+    ] = False,
+) -> None:
+    """Plan activation checkpointing and recomputation for large-model training."""
 
 
 # ---- shared options ----------------------------------------------------------------------

@@ -151,3 +151,8 @@ def test_estimate_with_budget(capsys):
     assert code == 0 and "fits:" in out
     code, _, err = run(capsys, "estimate", "gpt2", "-s", "optimal", "--budget", "4GB")
     assert code == 1 and "no optimal schedule fits" in err
+
+
+def test_version(capsys):
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.strip() == "ckplan 0.1.0"
