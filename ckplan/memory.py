@@ -72,12 +72,132 @@ def mlp_backward_workspace_bytes(spec: ModelSpec) -> int:
     (b, d) — now ``gh`` and ``δ_i``, b·f + b·d; ``gw1 = xᵀ @ gh``, ``gb1 = Σ gh``; ``gh`` freed.
     The peak is max(2·b·f, b·f + b·d) values; the chain adds δ_i (b·d) to every backward step
     (schedules rule 5), so the workspace is B·b·(max(2f, f + d) - d) = B·b·max(2f - d, f).
-    0 for transformers (not modelled).
+    0 for transformers (theirs is `layer_backward_workspace_bytes`).
     """
     if spec.kind != "mlp":
         return 0
     b, d, f = spec.micro_batch, spec.hidden, spec.ffn_hidden
     return spec.dtype_bytes * b * max(2 * f - d, f)
+
+
+@dataclass(frozen=True)
+class BackwardPoint:
+    """What is alive while one op of a layer runs its backward (`layer_backward_walk`)."""
+
+    op: str
+    saved_bytes: int  # saved tensors of the ops not yet backpropagated, this one's included
+    grad_bytes: int  # residual-stream gradients, gradients waiting for an earlier op, its own
+    workspace_bytes: int  # its backward's temporaries
+
+    @property
+    def live_bytes(self) -> int:
+        return self.saved_bytes + self.grad_bytes + self.workspace_bytes
+
+
+def layer_backward_walk(spec: ModelSpec, recomputed: str | None = None) -> list[BackwardPoint]:
+    """The live bytes during each op's backward of one transformer layer, in backward order.
+
+    derived, walking the ops of `ops.transformer_layer_ops` in reverse as autograd runs them:
+
+    - Saved: the layer's tape at the start (the layer input x included, as norm1's saved
+      input). An op's saved tensors are freed when its backward returns (`Op.saved_until`: when
+      a later-backpropagated op's does, for a storage both save).
+    - Residual stream: δ_out, the gradient of the layer output, is alive throughout (the chain
+      frees it after the stage's backward, schedules rule 5). The residual adds pass it on
+      unchanged, so it is the output gradient of the last op of each branch (fc2 or
+      mlp_dropout, out_proj or out_dropout). After norm2's backward its input gradient is added
+      to δ_out into a new tensor (δ_out stays alive), the gradient of the mid-layer residual;
+      norm1's is added to that one in place, making it δ_in. So residual-stream gradients are
+      X = layer_input_bytes until norm2 returns, 2X after. (The add itself peaks lower than
+      the norm's backward: the norm's saved input and output gradient, X each, are freed
+      first.)
+    - Other gradients: each op's `input_grad_bytes` stay alive until the ops before it have
+      read them as their `output_grad_bytes`; at op k the walk counts those waiting (op k's own
+      output gradient among them), the input gradients op k allocates and its
+      `grad_workspace_bytes`.
+
+    So live(k) = saved(ops not yet backpropagated, k included) + residual + waiting +
+    input_grad(k) + workspace(k). With `recomputed` (selective recomputation of that group),
+    the group's saved tensors are not stored: its input (`ops.group_input_bytes`) is, until the
+    group's backward ends, and the re-forward rebuilds the group's saved tensors just before
+    the group's first op is backpropagated, counted in full besides the kept input (an upper
+    bound: kernels that save their inputs as they are share those storages).
+    Parameter gradients are model states and are not counted.
+    """
+    if spec.kind == "mlp":
+        raise ValueError("the seed MLP's backward is mlp_backward_workspace_bytes, not a walk")
+    ops = layer_ops(spec)
+    group = [op for op in ops if recomputed is not None and op.group == recomputed]
+    group_names = {op.name for op in group}
+    freed_after: Counter[str] = Counter()  # bytes freed when the named op's backward returns
+    rebuilt = sum(op.saved_bytes for op in group)
+    for op in ops:
+        if op.saved_until is None or op.name in group_names:
+            freed_after[op.name] += op.saved_bytes
+        elif op.saved_until in group_names:
+            # The stored storage is this op's alone; the re-forward saves a new one.
+            freed_after[op.name] += op.saved_bytes
+            freed_after[op.saved_until] += op.saved_bytes
+            rebuilt += op.saved_bytes
+        else:
+            freed_after[op.saved_until] += op.saved_bytes
+    kept = group_input_bytes(spec, recomputed) if group else 0
+    if group:
+        freed_after[group[0].name] += kept  # the group's last backward step
+    saved = sum(op.saved_bytes for op in ops if op.name not in group_names) + kept
+    stream = layer_input_bytes(spec)
+    residual, waiting = stream, 0
+    points = []
+    for op in reversed(ops):
+        if group and op is group[-1]:
+            saved += rebuilt  # the re-forward of the group, just before its backward
+        grads = residual + waiting + op.input_grad_bytes
+        points.append(BackwardPoint(op.name, saved, grads, op.grad_workspace_bytes))
+        saved -= freed_after[op.name]
+        waiting -= op.output_grad_bytes
+        if op.component == "norm":
+            if residual == stream:
+                residual += op.input_grad_bytes  # δ_out + grad: a new tensor (δ_out is kept)
+        else:
+            waiting += op.input_grad_bytes
+    if waiting != 0 or saved != 0:  # every gradient read, every saved tensor freed
+        raise AssertionError(f"inconsistent backward fields: {waiting=} {saved=}")
+    return points
+
+
+def layer_backward_peak_bytes(spec: ModelSpec, recomputed: str | None = None) -> int:
+    """Peak bytes alive during one layer's backward: tape (as freed op by op), δ_out, the
+    gradients in flight and temporaries (derived: the maximum of `layer_backward_walk`).
+
+    Korthikanti's GPT layer (B = 2, F = 4h, dropout, standard attention, t = 1), tape
+    T = 34sbh + 5as²b: the MLP peaks at fc2's backward, T - sbh (mlp_dropout's mask freed) +
+    2sbh (δ_out) + 2sbh (dropout's input gradient) + 8sbh (fc2's input gradient) = T + 11sbh;
+    the attention at attn_values', T - 24sbh (the MLP, norm2, out_dropout and out_proj freed)
+    + 4sbh (δ_out, mid-layer residual gradient) + 2sbh (context gradient) + 2as²b + 2sbh (dP,
+    dV) = T - 16sbh + 2as²b. The peak is the larger: T + 11sbh while as/h <= 13.5.
+    For kind mlp: the seed MLP's exact figure, tape + δ_out + δ_in + its workspace.
+    """
+    if spec.kind == "mlp":
+        tape = activation_bytes_per_layer(spec)
+        return tape + 2 * layer_input_bytes(spec) + mlp_backward_workspace_bytes(spec)
+    return max(point.live_bytes for point in layer_backward_walk(spec, recomputed))
+
+
+def layer_backward_workspace_bytes(spec: ModelSpec, recomputed: str | None = None) -> int:
+    """What one layer's backward holds beyond the chain's model of it (schedules rule 5: the
+    whole tape, δ_out and δ_in): max(0, layer_backward_peak_bytes - (tape + 2X)), X the layer
+    input, the tape the selective one with `recomputed`. Never negative, so the chain's peak is
+    never below tape + 2X. For kind mlp: `mlp_backward_workspace_bytes`, exactly.
+    """
+    if spec.kind == "mlp":
+        return mlp_backward_workspace_bytes(spec)
+    tape = (
+        activation_bytes_per_layer(spec)
+        if recomputed is None
+        else selective_activation_bytes_per_layer(spec, recomputed)
+    )
+    peak = layer_backward_peak_bytes(spec, recomputed)
+    return max(0, peak - (tape + 2 * layer_input_bytes(spec)))
 
 
 def token_id_bytes(spec: ModelSpec) -> int:
@@ -98,6 +218,33 @@ def output_saved_bytes(spec: ModelSpec) -> int:
     tokens = (spec.seq // spec.cp) * spec.micro_batch
     logits = FP32_BYTES * _split(tokens * spec.vocab, spec.tp)
     return 2 * layer_input_bytes(spec) + logits
+
+
+def output_backward_peak_bytes(spec: ModelSpec) -> int:
+    """Peak bytes alive during the output stage's backward (output layer and loss).
+
+    derived, modelling Megatron-LM's vocab-parallel cross-entropy
+    (megatron/core/tensor_parallel/cross_entropy.py): its forward turns an fp32 copy of the
+    logits into the softmax in place and saves it (the 4sbV/t of the tape); its backward writes
+    the logits' gradient into that same buffer in place (softmax - one-hot) and returns it in
+    fp32, which autograd casts to the logits' dtype, a new B·sbV/t tensor, while the fp32 one is
+    alive: tape + B·sbV/t. Afterwards the fp32 buffer is freed, and the output layer's
+    backward (the B·sbV/t gradient, its input and the final norm's input saved, the final
+    norm's output gradient X) and the final norm's (adding δ_in, X) hold less. The loss is a
+    scalar: no δ_out. An unfused torch.nn.functional.cross_entropy on fp32 logits
+    (log_softmax, nll_loss) would hold two more fp32 sbV/t tensors at its backward (the
+    gradients of the log-probabilities and of the logits): not modelled.
+    """
+    tokens = (spec.seq // spec.cp) * spec.micro_batch
+    logits_grad = spec.dtype_bytes * _split(tokens * spec.vocab, spec.tp)
+    return output_saved_bytes(spec) + logits_grad
+
+
+def output_backward_workspace_bytes(spec: ModelSpec) -> int:
+    """The output stage's backward beyond the chain's tape + δ_in (δ_out is a scalar loss, 0
+    bytes): max(0, output_backward_peak_bytes - (output_saved_bytes + X)) = B·sbV/t - X."""
+    peak = output_backward_peak_bytes(spec)
+    return max(0, peak - (output_saved_bytes(spec) + layer_input_bytes(spec)))
 
 
 # ---- parameters and model states --------------------------------------------------------

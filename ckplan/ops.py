@@ -30,6 +30,21 @@ class Op:
     forward_flops: int
     backward_flops: int
     group: str | None = None  # recompute group, e.g. ATTENTION_CORE
+    # What the op's backward holds besides the saved tensors (memory.layer_backward_walk), in
+    # bytes on one GPU; parameter gradients are model states, never counted here.
+    # The gradient of its output that it reads, allocated by the backward of the op after it
+    # and freed when this backward returns; 0 when it is the residual-stream gradient itself
+    # (the walk counts that one).
+    output_grad_bytes: int = 0
+    # The gradients it allocates for its activation inputs, read by the ops before it (a norm's
+    # is added to the residual-stream gradient).
+    input_grad_bytes: int = 0
+    # Temporaries allocated and freed inside its backward, counted alive together with the two
+    # gradients above (an upper bound where they are not alive at once).
+    grad_workspace_bytes: int = 0
+    # Another op that saves the same storage and is backpropagated later: the storage is freed
+    # after that op's backward, not this one's (flash attention's output O, out_proj's input).
+    saved_until: str | None = None
 
 
 def _split(value: int, parts: int) -> int:
@@ -42,10 +57,24 @@ def _matmul(m: int, n: int, k: int) -> int:
     return 2 * m * n * k
 
 
-def _op(name: str, component: str, saved: int, flops: int = 0, group: str | None = None) -> Op:
+def _op(
+    name: str,
+    component: str,
+    saved: int,
+    flops: int = 0,
+    group: str | None = None,
+    *,
+    grads: tuple[int, int] = (0, 0),
+    workspace: int = 0,
+    saved_until: str | None = None,
+) -> Op:
     """An op whose backward costs twice its forward: derived, the gradient w.r.t. the input and
-    w.r.t. the weight are one matmul each of the forward's size (Korthikanti App. A)."""
-    return Op(name, component, saved, flops, 2 * flops, group)
+    w.r.t. the weight are one matmul each of the forward's size (Korthikanti App. A).
+    `grads` is (output_grad_bytes, input_grad_bytes), see `Op`."""
+    out_grad, in_grad = grads
+    return Op(
+        name, component, saved, flops, 2 * flops, group, out_grad, in_grad, workspace, saved_until
+    )
 
 
 def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
@@ -54,6 +83,11 @@ def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
     Standard attention with dropout, B = 2, F = 4h, a = g, t = 1 reproduces Korthikanti et al.
     2022 §4.1 exactly: attention 11sbh + 5as²b, MLP 19sbh, norms 4sbh (Table 2, 34sbh + 5as²b);
     the other knobs follow from what each op saves (derived, see each line).
+
+    The backward fields (`Op.output_grad_bytes`, `input_grad_bytes`, `grad_workspace_bytes`)
+    follow from each op's backward formula as the CUDA kernels Megatron-LM runs evaluate it: a
+    gradient has its tensor's size and dtype; element-wise backward ops are one kernel writing a
+    new tensor. Checked against PyTorch's memory profiler in docs/validation.md.
     """
     t, B = spec.tp, spec.dtype_bytes
     seq_local = spec.seq // spec.cp
@@ -68,35 +102,93 @@ def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
     def sharded(elements: int) -> int:
         return _split(elements, t)
 
-    ops = [_op("norm1", "norm", B * stream)]  # saves its input (the layer input)
+    X = B * stream  # a residual-stream shaped tensor (or its gradient), bytes
+    heads = B * sharded(tokens * h)  # a (b, a, s, d) tensor on this rank: Q, O, the context
+    qkv = B * tokens * (sharded(h) + 2 * kv_width)  # the QKV projection output, K and V at g·d
+    # Every input gradient of a linear layer is one matmul output, grad_out @ W (under SP the
+    # (s, b, h) partial sum before the reduce-scatter is a communication buffer, not counted).
+    # norm1's input gradient is added to the residual-stream gradient (memory.layer_backward_walk).
+    ops = [_op("norm1", "norm", B * stream, grads=(X, X))]  # saves its input (the layer input)
+    # The attention core's gradients of Q, K, V: standard attention's matmuls read K and V
+    # repeated to a heads; flash attention returns dK, dV at g·d width.
+    q_k_v_grads = 3 * heads if spec.attention == "standard" else qkv
     ops.append(
-        _op("qkv_proj", "attention", B * stream, _matmul(tokens, sharded(h) + 2 * kv_width, h))
+        _op(
+            "qkv_proj",
+            "attention",
+            B * stream,
+            _matmul(tokens, sharded(h) + 2 * kv_width, h),
+            # Megatron splits one QKV output into Q, K, V views: torch.split's backward
+            # concatenates their gradients (repeated K, V heads summed back to g) into the
+            # gradient of the projection output before the input-gradient matmul.
+            grads=(q_k_v_grads, X),
+            workspace=qkv,
+        )
     )
     scores = sharded(a * spec.micro_batch * seq_local * spec.seq)  # (b, a, s, s) elements
     score_flops = sharded(_matmul(seq_local, spec.seq, spec.head_dim) * a * spec.micro_batch)
     if spec.attention == "standard":
         # Q and K, with K repeated to a heads (Megatron's repeat_interleave, HF's repeat_kv copy).
+        # Backward: dQ = dS·K, dK = dSᵀ·Q (K's at a heads). Megatron folds the 1/√d scale into
+        # baddbmm's alpha and the mask into the fused softmax, so no (b, a, s, s) temporary;
+        # eager `(q @ kᵀ) * scale` allocates one more in MulBackward (docs/validation.md).
         ops.append(
             _op(
-                "attn_scores", "attention", B * 2 * sharded(tokens * h), score_flops, ATTENTION_CORE
+                "attn_scores",
+                "attention",
+                B * 2 * sharded(tokens * h),
+                score_flops,
+                ATTENTION_CORE,
+                grads=(B * scores, 2 * heads),
             )
         )
-        ops.append(_op("softmax", "attention", B * scores, 0, ATTENTION_CORE))  # its output
+        # Saves its output Y. Backward dS = Y ⊙ (dY - Σ dY ⊙ Y), one new (b, a, s, s) tensor
+        # (torch's _softmax_backward_data; Megatron's fused scale-mask-softmax kernel writes it
+        # into dY in place, B·as²b less: ckplan keeps the upper bound).
+        ops.append(
+            _op("softmax", "attention", B * scores, 0, ATTENTION_CORE, grads=(B * scores,) * 2)
+        )
         if dropout:
-            ops.append(_op("attn_dropout", "attention", scores, 0, ATTENTION_CORE))  # 1-byte mask
+            # 1-byte mask. Backward dY ⊙ mask / (1 - p): one new tensor (CUDA's masked-scale
+            # kernel; the CPU composite also casts the mask, docs/validation.md).
+            ops.append(
+                _op(
+                    "attn_dropout",
+                    "attention",
+                    scores,
+                    0,
+                    ATTENTION_CORE,
+                    grads=(B * scores,) * 2,
+                )
+            )
         # Saves the probabilities it multiplies (the dropout output; without dropout that is the
-        # softmax output, already counted) and V, repeated to a heads.
+        # softmax output, already counted) and V, repeated to a heads. Backward: dP = dC·Vᵀ and
+        # dV = Pᵀ·dC from the context gradient dC.
         probs = B * scores if dropout else 0
         values = B * sharded(tokens * h)
-        ops.append(_op("attn_values", "attention", probs + values, score_flops, ATTENTION_CORE))
+        ops.append(
+            _op(
+                "attn_values",
+                "attention",
+                probs + values,
+                score_flops,
+                ATTENTION_CORE,
+                grads=(heads, B * scores + heads),
+            )
+        )
     else:
         # Flash attention (Dao et al. 2022, Alg. 2/4): saves Q, K, V (K, V at g·d width), its
         # output O and the fp32 logsumexp, a·s·b values; no s² tensor, dropout regenerated from
         # the RNG state. O is counted once, as out_proj's input. Its backward recomputes QKᵀ
         # (Alg. 4 line 11): one extra score matmul on top of 2x forward.
-        qkv = B * tokens * (sharded(h) + 2 * kv_width)
         logsumexp = FP32_BYTES * sharded(tokens * a)
         core_flops = 2 * score_flops
+        # Backward (FlashAttention-2 csrc/flash_attn/flash_api.cpp mha_bwd, also PyTorch's CUDA
+        # flash kernel): reads dO, writes dQ, dK, dV, and allocates an fp32 dQ accumulator
+        # (s, b, a, d), the fp32 softmax_d = rowsum(dO ⊙ O) (a·s·b values) and, with fewer K/V
+        # heads than Q heads on the rank, dK and dV at a heads before summing them to g.
+        expanded = 2 * heads if kv_width < sharded(h) else 0
+        workspace = FP32_BYTES * (sharded(tokens * h) + sharded(tokens * a)) + expanded
         ops.append(
             Op(
                 "attention_core",
@@ -105,26 +197,71 @@ def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
                 core_flops,
                 2 * core_flops + score_flops,
                 ATTENTION_CORE,
+                output_grad_bytes=heads,
+                input_grad_bytes=qkv,
+                grad_workspace_bytes=workspace,
             )
         )
+    # Saves its input, the attention context; its output gradient is the residual-stream
+    # gradient (no dropout) or the dropout's input gradient. With flash attention that input is
+    # the kernel's saved O, one storage, freed after the kernel's backward.
     ops.append(
-        _op("out_proj", "attention", B * sharded(tokens * h), _matmul(tokens, sharded(h), h))
+        _op(
+            "out_proj",
+            "attention",
+            B * sharded(tokens * h),
+            _matmul(tokens, sharded(h), h),
+            grads=(X if dropout else 0, heads),
+            saved_until=None if spec.attention == "standard" else "attention_core",
+        )
     )
     if dropout:
-        ops.append(_op("out_dropout", "attention", stream))
-    ops.append(_op("norm2", "norm", B * stream))
+        # 1-byte mask; its output is added to the residual stream, so its output gradient is
+        # the residual-stream gradient; dY ⊙ mask / (1 - p) is new.
+        ops.append(_op("out_dropout", "attention", stream, grads=(0, X)))
+    ops.append(_op("norm2", "norm", B * stream, grads=(X, X)))
     ffn = sharded(tokens * F)  # (s, b, F) elements per rank
     if spec.mlp == "gelu":
-        ops.append(_op("fc1", "mlp", B * stream, _matmul(tokens, sharded(F), h)))
-        ops.append(_op("act", "mlp", B * ffn))  # GELU saves its input
+        ops.append(
+            _op("fc1", "mlp", B * stream, _matmul(tokens, sharded(F), h), grads=(B * ffn, X))
+        )
+        # GELU saves its input; gelu_backward(dY, x) is one element-wise kernel: one new tensor.
+        ops.append(_op("act", "mlp", B * ffn, grads=(B * ffn, B * ffn)))
     else:
         # SwiGLU (Shazeer 2020): fc1 computes gate and up (2F wide). A fused kernel (Megatron's
         # bias_swiglu) saves the fc1 output, 2F; eager silu(gate) * up also keeps silu(gate), 3F.
-        ops.append(_op("fc1", "mlp", B * stream, _matmul(tokens, sharded(2 * F), h)))
-        ops.append(_op("act", "mlp", B * ffn * (2 if spec.fused_swiglu else 3)))
-    ops.append(_op("fc2", "mlp", B * ffn, _matmul(tokens, h, sharded(F))))  # saves its input
+        # Eager code runs fc1 as two linears (HF gate_proj, up_proj): the first's output
+        # gradient (F) is freed before the second's input gradient is allocated, so the
+        # backward never holds more than d gate, d up and one input gradient (2F + X) either.
+        ops.append(
+            _op(
+                "fc1", "mlp", B * stream, _matmul(tokens, sharded(2 * F), h), grads=(2 * B * ffn, X)
+            )
+        )
+        # Backward: d gate and d up, 2F, from dY, F. Fused (Megatron's swiglu_back): one kernel
+        # writing [d gate | d up]. Eager: MulBackward writes d silu(gate) and d up, then
+        # SiluBackward d gate while dY is already freed: never more than 3F either.
+        ops.append(
+            _op(
+                "act",
+                "mlp",
+                B * ffn * (2 if spec.fused_swiglu else 3),
+                grads=(B * ffn, 2 * B * ffn),
+            )
+        )
+    # Saves its input; its output gradient is the residual-stream gradient (no dropout) or the
+    # dropout's input gradient.
+    ops.append(
+        _op(
+            "fc2",
+            "mlp",
+            B * ffn,
+            _matmul(tokens, h, sharded(F)),
+            grads=(X if dropout else 0, B * ffn),
+        )
+    )
     if dropout:
-        ops.append(_op("mlp_dropout", "mlp", stream))
+        ops.append(_op("mlp_dropout", "mlp", stream, grads=(0, X)))  # as out_dropout
     return tuple(ops)
 
 

@@ -159,8 +159,19 @@ def layer_chain(spec: ModelSpec, selective: bool, first_stage: bool = True) -> C
         forward, backwards = [*forward, logits], [*backwards, 2 * logits]
         inputs, tapes = [*inputs, stream], [*tapes, memory.output_saved_bytes(spec)]
     final_output = 0 if has_output else stream  # a scalar loss, or the activation sent onward
-    # Layer transients (the hidden activation and its gradient), exact for the seed's MLP as
-    # ckplan verify runs it; not modelled for transformers (zeros).
+    # Transients beyond tape + δ_out + δ_in. Forward: exact for the seed's MLP as ckplan verify
+    # runs it, not modelled for transformers (zeros). Backward: the seed MLP's exact workspace;
+    # a transformer layer's gradients in flight (memory.layer_backward_walk; with selective, the
+    # re-forwarded attention core too); the output stage's logits gradient in the activation
+    # dtype (memory.output_backward_peak_bytes); nothing for the embedding.
+    layer_workspace = memory.layer_backward_workspace_bytes(
+        spec, ATTENTION_CORE if selective and spec.kind == "transformer" else None
+    )
+    backward_workspace = [layer_workspace] * n
+    if has_embedding:
+        backward_workspace = [0, *backward_workspace]
+    if has_output:
+        backward_workspace = [*backward_workspace, memory.output_backward_workspace_bytes(spec)]
     stages = len(forward)
     return Chain(
         forward_flops=tuple(forward),
@@ -168,7 +179,7 @@ def layer_chain(spec: ModelSpec, selective: bool, first_stage: bool = True) -> C
         input_bytes=(*inputs, final_output),
         tape_bytes=tuple(tapes),
         forward_workspace_bytes=(memory.mlp_forward_workspace_bytes(spec),) * stages,
-        backward_workspace_bytes=(memory.mlp_backward_workspace_bytes(spec),) * stages,
+        backward_workspace_bytes=tuple(backward_workspace),
     )
 
 

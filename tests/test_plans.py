@@ -32,23 +32,41 @@ def small():
     return spec_from_mapping(SMALL)
 
 
+def workspace(spec):
+    """W, what a layer's backward holds beyond the chain's tape + δ_out + δ_in, by hand for
+    SMALL's layer: Korthikanti's (B = 2, F = 4h, dropout, standard attention), as/h = 2.
+
+    In sbh units, tape T = 34 + 5as/h. fc2's backward holds T - 1 (mlp_dropout's mask freed)
+    + 2 (δ_out) + 2 (mlp_dropout's input gradient) + 8 (fc2's input gradient, (s, b, 4h)) =
+    T + 11. The attention part peaks at attn_values' backward, T - 24 (the MLP, norm2,
+    out_dropout, out_proj freed) + 2 + 2 (δ_out, mid-layer residual gradient) + 2 (context
+    gradient) + 2as/h + 2 (dP, dV) = T - 16 + 2as/h = T - 12 here. The chain counts T + 4, so
+    W = 7sbh. Selective (T = 34, the attention core re-forwarded from its kept Q, K, V, 6sbh,
+    before its backward): fc2 again T + 11; attn_values 34 - 24 + 6 + 5as/h (rebuilt) + 8 +
+    2as/h = 38 here: W = 7sbh too.
+    """
+    assert spec.hidden * 2 == spec.heads * spec.seq  # as/h = 2
+    return 7 * spec.seq * spec.micro_batch * spec.hidden
+
+
 def plan(spec, strategy, **kwargs):
     return evaluate(spec, parse_strategy(strategy, spec), **kwargs)
 
 
 def test_none_holds_every_tape(small):
-    """Backward of the last layer: L tapes + δ_L + δ_{L-1} (the two gradients of that step)."""
-    T, X = activation_bytes_per_layer(small), layer_input_bytes(small)
+    """Backward of the last layer: L tapes + δ_L + δ_{L-1} (the two gradients of that step)
+    + W (its gradients in flight)."""
+    T, X, W = activation_bytes_per_layer(small), layer_input_bytes(small), workspace(small)
     result = plan(small, "none")
-    assert result.activation_bytes == small.layers * T + 2 * X
+    assert result.activation_bytes == small.layers * T + 2 * X + W
     assert result.flops.recompute == 0 and result.overhead == 0
 
 
 def test_full_recompute(small):
-    """L layer inputs kept; at the peak one layer's tape is rebuilt: T + (L + 1)·X."""
-    T, X = activation_bytes_per_layer(small), layer_input_bytes(small)
+    """L layer inputs kept; at the peak one layer's tape is rebuilt: T + (L + 1)·X + W."""
+    T, X, W = activation_bytes_per_layer(small), layer_input_bytes(small), workspace(small)
     result = plan(small, "full")
-    assert result.activation_bytes == T + (small.layers + 1) * X
+    assert result.activation_bytes == T + (small.layers + 1) * X + W
     assert result.flops.recompute == small.layers * layer_forward_flops(small)
     forward, backward = layer_forward_flops(small), layer_backward_flops(small)
     assert result.overhead == pytest.approx(forward / (forward + backward))
@@ -57,36 +75,36 @@ def test_full_recompute(small):
 @pytest.mark.parametrize("K", [1, 2, 4, 8])
 def test_uniform_segments(small, K):
     """n = L/K stored segment inputs; backward of a segment re-forwards K tapes:
-    (n + 1)·X + K·T, not the seed's (n + K)·X (a layer stores far more than its input)."""
-    T, X = activation_bytes_per_layer(small), layer_input_bytes(small)
+    (n + 1)·X + K·T + W, not the seed's (n + K)·X (a layer stores far more than its input)."""
+    T, X, W = activation_bytes_per_layer(small), layer_input_bytes(small), workspace(small)
     n = small.layers // K
-    assert plan(small, f"uniform:{K}").activation_bytes == (n + 1) * X + K * T
+    assert plan(small, f"uniform:{K}").activation_bytes == (n + 1) * X + K * T + W
 
 
 def test_sequential_keeps_last_segment(small):
     """torch checkpoint_sequential: the last of n segments is stored; its tapes stay alive
-    while the others' inputs are stored: (n - 1)·X + K·T + 2X, with one forward less."""
-    T, X = activation_bytes_per_layer(small), layer_input_bytes(small)
+    while the others' inputs are stored: (n - 1)·X + K·T + 2X + W, with one forward less."""
+    T, X, W = activation_bytes_per_layer(small), layer_input_bytes(small), workspace(small)
     K, n = 2, 4
     result = plan(small, f"sequential:{K}")
-    assert result.activation_bytes == (n - 1) * X + K * T + 2 * X
+    assert result.activation_bytes == (n - 1) * X + K * T + 2 * X + W
     assert result.flops.recompute == (small.layers - K) * layer_forward_flops(small)
 
 
 def test_block_recomputes_first_layers(small):
-    T, X = activation_bytes_per_layer(small), layer_input_bytes(small)
+    T, X, W = activation_bytes_per_layer(small), layer_input_bytes(small), workspace(small)
     N = 3
     result = plan(small, f"block:{N}")
-    assert result.activation_bytes == N * X + (small.layers - N) * T + 2 * X
+    assert result.activation_bytes == N * X + (small.layers - N) * T + 2 * X + W
     assert result.flops.recompute == N * layer_forward_flops(small)
     assert plan(small, "block:0").activation_bytes == plan(small, "none").activation_bytes
 
 
 def test_selective(small):
     S = selective_activation_bytes_per_layer(small, ATTENTION_CORE)
-    X = layer_input_bytes(small)
+    X, W = layer_input_bytes(small), workspace(small)
     result = plan(small, "selective")
-    assert result.activation_bytes == small.layers * S + 2 * X
+    assert result.activation_bytes == small.layers * S + 2 * X + W
     assert result.flops.recompute == small.layers * group_forward_flops(small, ATTENTION_CORE)
     assert result.flops.backward == small.layers * layer_backward_flops(small)
 
@@ -97,14 +115,20 @@ def test_sqrt_is_round_sqrt_layers(small):
 
 def test_pipeline_first_stage_holds_p_microbatches(spec_of):
     """1F1B: the first stage keeps p micro-batches of its L/p layers = L layers' worth
-    (Korthikanti §4.2.3), plus the embedding's tape per micro-batch."""
+    (Korthikanti §4.2.3), plus the embedding's tape per micro-batch.
+
+    The backward of its last layer adds W: as/h = 96·2048/12288 = 16 > 13.5, so that layer
+    peaks at attn_values' backward, T - 16sbh/t + 2as²b/t (see `workspace`; every term /t
+    under TP + SP), W = (2as²b - 20sbh)/t beyond the chain's T + 4sbh/t."""
     spec = spec_of("megatron-175b")
     assert in_flight_microbatches(spec) == spec.pp
     T, X = activation_bytes_per_layer(spec), layer_input_bytes(spec)
+    s, b, h, a, t = spec.seq, spec.micro_batch, spec.hidden, spec.heads, spec.tp
+    W = (2 * a * s * s * b - 20 * s * b * h) // t
     one_microbatch = spec.layers_per_stage * T + embedding_saved_bytes(spec)
     result = plan(spec, "none")
     # peak of the last micro-batch's backward + (p - 1) held micro-batches
-    assert result.activation_bytes == one_microbatch + 2 * X + (spec.pp - 1) * one_microbatch
+    assert result.activation_bytes == one_microbatch + 2 * X + W + (spec.pp - 1) * one_microbatch
     interleaved = spec.replace(virtual_stages=2)
     assert in_flight_microbatches(interleaved) == spec.pp * (1 + Fraction(spec.pp - 1, 2 * spec.pp))
 
