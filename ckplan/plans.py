@@ -68,7 +68,7 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
     body = text.strip()
     if body.startswith("selective+"):
         selective, body = True, body.removeprefix("selective+")
-    match = re.fullmatch(r"([a-z]+)(?::(-?\d+))?", body)
+    match = re.fullmatch(r"([a-z]+)(?::(-?[0-9]+))?", body)
     kind = match.group(1) if match else ""
     size = int(match.group(2)) if match and match.group(2) is not None else None
     if not match or kind not in _SIZED + _PLAIN or (kind in _PLAIN) != (size is None):

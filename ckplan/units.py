@@ -21,7 +21,8 @@ _CANONICAL = {"B": "B", "KB": "KB", "MB": "MB", "GB": "GB", "TB": "TB"} | {
     "GIB": "GiB",
     "TIB": "TiB",
 }
-_SIZE = re.compile(r"^(?P<number>\d+(?:\.\d+)?(?:[eE]\+?\d+)?)(?P<unit>[A-Za-z]+)?$")
+_SIZE = re.compile(r"^(?P<number>[0-9]+(?:\.[0-9]+)?(?:[eE]\+?[0-9]+)?)(?P<unit>[A-Za-z]+)?$")
+MAX_SIZE = 10**21  # a zettabyte: anything larger is a typo, and would overflow float printing
 
 
 class SizeError(ValueError):
@@ -57,9 +58,14 @@ def parse_size(text: str) -> int:
             f"cannot parse size {text!r}: unknown unit {unit!r}; use B, KB, MB, GB, TB, KiB, MiB, "
             "GiB or TiB"
         )
+    exponent = number.lower().partition("e")[2]
+    if int(exponent or 0) > 30:  # refuse before computing 10**exponent
+        raise SizeError(f"cannot parse size {text!r}: implausibly large")
     value = _exact_product(number, multiplier)
     if value is None:
         raise SizeError(f"cannot parse size {text!r}: it is not a whole number of bytes")
+    if value > MAX_SIZE:
+        raise SizeError(f"cannot parse size {text!r}: implausibly large (over 1000 EB)")
     return value
 
 

@@ -37,3 +37,9 @@ def test_size_unit_and_format():
     assert size_unit("80e9") == "B"
     assert format_bytes(3 * 2**29, "GiB") == "1.50 GiB"
     assert format_bytes(1234, "B") == "1,234 B"
+
+
+@pytest.mark.parametrize("text", ["1e400GB", "1e31", "2000EB", "١٢GB", "10000000000TB"])
+def test_parse_size_rejects_absurd_or_non_ascii(text):
+    with pytest.raises(SizeError, match="cannot parse size"):
+        parse_size(text)
