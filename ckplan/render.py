@@ -292,6 +292,7 @@ def sweep_dict(result: SweepResult, micro_batches: dict[str, int] | None = None)
         "best": candidate_dict(result.best) if result.best else None,
         "smallest_total_bytes": result.smallest.plan.total_bytes,
         "min_memory_segment": result.min_memory_segment,
+        "notes": list(result.notes),
     }
     if micro_batches is not None:
         data["max_micro_batch"] = micro_batches
@@ -374,6 +375,7 @@ def sweep_view(
             )
         parts.append(candidates_table(shown, title, result.best))
     parts.append(_verdict(result))
+    parts += [Text(note, style="dim") for note in result.notes]
     if result.min_memory_segment is not None:
         sqrt_k = round(spec.layers_per_stage**0.5)
         parts.append(

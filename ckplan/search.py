@@ -42,6 +42,7 @@ class SweepResult:
     pareto: tuple[Candidate, ...]
     best: Candidate | None
     min_memory_segment: int | None  # the uniform K with the least peak memory
+    notes: tuple[str, ...] = ()
 
     @property
     def usable_bytes(self) -> int:
@@ -55,19 +56,39 @@ class SweepResult:
 def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
     """Every strategy the sweep evaluates (all but `optimal`, which needs the budget).
 
-    uniform:K and sequential:K for K in 1..L, block:N for N in 0..L, each also with selective
+    uniform:K and sequential:K for K in 1..L, block:N for N in 0..L (sampled beyond 128 layers
+    per stage, see `_sizes`), each also with selective
     recomputation, sqrt, and revolve:C for C up to ceil(sqrt(L)) + 1 checkpoint slots: the
     binomial schedules reach below one stored input per segment (Griewank & Walther 2000).
     """
     layers = spec.layers_per_stage
     names = ["none", "selective", "full", "sqrt"]
-    for size in range(1, layers + 1):
+    for size in _sizes(1, layers):
         names += [f"uniform:{size}", f"sequential:{size}"]
         names += [f"selective+uniform:{size}", f"selective+sequential:{size}"]
-    for size in range(0, layers + 1):
+    for size in _sizes(0, layers):
         names += [f"block:{size}", f"selective+block:{size}"]
     names += [f"revolve:{slots}" for slots in range(1, math.isqrt(layers) + 3)]
     return [parse_strategy(name, spec) for name in dict.fromkeys(names)]
+
+
+EVERY_SIZE_UP_TO = 128  # beyond this many layers per stage, sizes are sampled
+DP_MAX_LAYERS = 256  # the O(n³·slots) DP takes minutes beyond this many layers per stage
+
+
+def _sizes(low: int, high: int) -> list[int]:
+    """Every size in low..high; for very deep stages every size up to EVERY_SIZE_UP_TO, then
+    about 10% steps and every divisor of `high`, so a sweep stays fast."""
+    if high <= EVERY_SIZE_UP_TO:
+        return list(range(low, high + 1))
+    sizes = set(range(low, EVERY_SIZE_UP_TO + 1))
+    size = EVERY_SIZE_UP_TO
+    while size < high:
+        size = max(size + 1, round(size * 1.1))
+        sizes.add(min(size, high))
+    sizes |= {k for k in range(1, math.isqrt(high) + 1) if high % k == 0}
+    sizes |= {high // k for k in range(1, math.isqrt(high) + 1) if high % k == 0}
+    return sorted(size for size in sizes if low <= size <= high)
 
 
 def activation_budget(spec: ModelSpec, usable_bytes: int) -> int:
@@ -87,7 +108,13 @@ def sweep(
     usable = budget_bytes - reserve_bytes
     strategies = candidate_strategies(spec) if formula == "derived" else _seed_strategies(spec)
     plans = [evaluate(spec, strategy, formula) for strategy in strategies]
-    if formula == "derived":
+    notes = []
+    if formula == "derived" and spec.layers_per_stage > DP_MAX_LAYERS:
+        notes.append(
+            f"optimal not searched: {spec.layers_per_stage} layers per stage is beyond the "
+            f"DP's {DP_MAX_LAYERS}; use pipeline stages or `ckplan schedule` on purpose"
+        )
+    elif formula == "derived":
         optimal = optimal_plan(spec, activation_budget(spec, usable), slots)
         if optimal is not None:
             plans.append(optimal)
@@ -108,6 +135,7 @@ def sweep(
         pareto_frontier(candidates),
         best,
         min_segment,
+        tuple(notes),
     )
 
 
