@@ -15,6 +15,7 @@ context-parallel size cp.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ckplan.spec import ModelSpec
 
@@ -284,7 +285,10 @@ def mlp_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
     )
 
 
+@lru_cache(maxsize=128)
 def layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
+    """The op table of one layer of `spec`; cached, since every memory, FLOP and chain function
+    reads the same table of a (frozen, hashable) spec."""
     return mlp_layer_ops(spec) if spec.kind == "mlp" else transformer_layer_ops(spec)
 
 
