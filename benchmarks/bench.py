@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-from ckplan.plans import evaluate, layer_chain, parse_strategy
-from ckplan.presets import load_spec
+from ckplan.io.presets import load_spec
+from ckplan.plan import evaluate, layer_chain, parse_strategy
+from ckplan.plan.search import sweep
 from ckplan.schedules import optimal_schedule
-from ckplan.search import sweep
 
 GB = 10**9
 

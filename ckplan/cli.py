@@ -18,18 +18,19 @@ import typer
 import yaml
 from rich.console import Console
 
-from ckplan import __version__, render, search
-from ckplan.plans import (
+from ckplan import __version__, render
+from ckplan.io.presets import load_spec, preset_names
+from ckplan.model.spec import ModelSpec, SpecError
+from ckplan.plan import (
     DEFAULT_SLOTS,
     FORMULAS,
     STRATEGY_HELP,
     StrategyError,
     evaluate,
     parse_strategy,
+    search,
 )
-from ckplan.presets import load_spec, preset_names
-from ckplan.search import DEFAULT_RESERVE
-from ckplan.spec import ModelSpec, SpecError
+from ckplan.plan.search import DEFAULT_RESERVE
 from ckplan.units import SizeError, format_bytes, parse_size
 
 app = typer.Typer(
@@ -190,7 +191,7 @@ def presets(
     as_json: JsonOpt = False,
 ) -> None:
     """List the shipped presets, or show one resolved."""
-    from ckplan.memory import parameter_count
+    from ckplan.model.memory import parameter_count
 
     with user_errors():
         if name is not None:

@@ -46,7 +46,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ckplan.plans import StrategyError, evaluate, layer_chain, parse_strategy
+from ckplan.model.spec import ModelSpec, spec_from_mapping
+from ckplan.plan import StrategyError, evaluate, layer_chain, parse_strategy
 from ckplan.schedules import (
     BACKWARD,
     FORWARD_DROP,
@@ -55,7 +56,6 @@ from ckplan.schedules import (
     Step,
     simulate,
 )
-from ckplan.spec import ModelSpec, spec_from_mapping
 
 PEAK_TOLERANCE = 0.05  # measured peak within ±5 % of the predicted peak
 DEFAULT_REPEATS = 3

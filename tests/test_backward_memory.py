@@ -9,7 +9,7 @@ temporaries.
 
 import pytest
 
-from ckplan.memory import (
+from ckplan.model.memory import (
     activation_bytes_per_layer,
     layer_backward_peak_bytes,
     layer_backward_walk,
@@ -21,9 +21,9 @@ from ckplan.memory import (
     output_saved_bytes,
     selective_activation_bytes_per_layer,
 )
-from ckplan.ops import ATTENTION_CORE
-from ckplan.plans import layer_chain
-from ckplan.spec import spec_from_mapping
+from ckplan.model.ops import ATTENTION_CORE
+from ckplan.model.spec import spec_from_mapping
+from ckplan.plan import layer_chain
 
 
 def korthikanti(spec_of, **overrides):

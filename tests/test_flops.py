@@ -2,7 +2,7 @@
 
 import pytest
 
-from ckplan.flops import (
+from ckplan.model.flops import (
     attention_core_fraction,
     group_forward_flops,
     layer_backward_flops,
@@ -10,7 +10,7 @@ from ckplan.flops import (
     logits_forward_flops,
     model_flops_per_iteration,
 )
-from ckplan.ops import ATTENTION_CORE
+from ckplan.model.ops import ATTENTION_CORE
 
 GPT_PRESETS = [
     "gpt2",

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ckplan.memory import (
+from ckplan.model.memory import (
     activation_breakdown,
     activation_bytes_by_op,
     activation_bytes_per_layer,
@@ -13,8 +13,8 @@ from ckplan.memory import (
     parameters_per_gpu,
     selective_activation_bytes_per_layer,
 )
-from ckplan.ops import ATTENTION_CORE
-from ckplan.spec import SpecError
+from ckplan.model.ops import ATTENTION_CORE
+from ckplan.model.spec import SpecError
 
 KORTHIKANTI_PRESETS = ["megatron-22b", "megatron-175b", "megatron-530b", "megatron-1t"]
 

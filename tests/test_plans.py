@@ -4,16 +4,16 @@ from fractions import Fraction
 
 import pytest
 
-from ckplan.flops import group_forward_flops, layer_backward_flops, layer_forward_flops
-from ckplan.memory import (
+from ckplan.model.flops import group_forward_flops, layer_backward_flops, layer_forward_flops
+from ckplan.model.memory import (
     activation_bytes_per_layer,
     embedding_saved_bytes,
     layer_input_bytes,
     selective_activation_bytes_per_layer,
 )
-from ckplan.ops import ATTENTION_CORE
-from ckplan.plans import StrategyError, evaluate, in_flight_microbatches, parse_strategy
-from ckplan.spec import spec_from_mapping
+from ckplan.model.ops import ATTENTION_CORE
+from ckplan.model.spec import spec_from_mapping
+from ckplan.plan import StrategyError, evaluate, in_flight_microbatches, parse_strategy
 
 SMALL = {
     "name": "small",

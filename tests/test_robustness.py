@@ -5,9 +5,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckplan.cli import main
-from ckplan.plans import StrategyError, parse_strategy
-from ckplan.presets import load_spec
-from ckplan.spec import SpecError, field_names, spec_from_mapping
+from ckplan.io.presets import load_spec
+from ckplan.model.spec import SpecError, field_names, spec_from_mapping
+from ckplan.plan import StrategyError, parse_strategy
 from ckplan.units import SizeError, parse_size
 
 text = st.text(max_size=20)

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from ckplan.cli import main
-from ckplan.plans import evaluate, parse_strategy
-from ckplan.search import DEFAULT_RESERVE, largest_micro_batch, pareto_frontier, sweep
-from ckplan.spec import spec_from_mapping
+from ckplan.model.spec import spec_from_mapping
+from ckplan.plan import evaluate, parse_strategy
+from ckplan.plan.search import DEFAULT_RESERVE, largest_micro_batch, pareto_frontier, sweep
 
 GB = 10**9
 

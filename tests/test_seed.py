@@ -2,8 +2,8 @@
 
 import pytest
 
-from ckplan import seed
-from ckplan.plans import evaluate, parse_strategy
+from ckplan.model import seed
+from ckplan.plan import evaluate, parse_strategy
 
 
 def test_seed_overheads():

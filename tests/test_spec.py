@@ -2,8 +2,9 @@ import json
 
 import pytest
 
-from ckplan.presets import hf_config_mapping, load_spec, preset_names
-from ckplan.spec import SpecError, spec_from_mapping
+from ckplan.io.hf_config import hf_config_mapping
+from ckplan.io.presets import load_spec, preset_names
+from ckplan.model.spec import SpecError, spec_from_mapping
 
 BASE = {"name": "t", "layers": 2, "hidden": 64, "heads": 4, "seq": 16, "micro_batch": 2}
 

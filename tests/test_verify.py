@@ -13,9 +13,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from ckplan import memory
 from ckplan.cli import main
-from ckplan.plans import StrategyError, evaluate, parse_strategy
+from ckplan.model import memory
+from ckplan.plan import StrategyError, evaluate, parse_strategy
 from ckplan.verify import (
     _Counts,
     compare_gradients,

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Measure the peak memory of ONE transformer layer's forward + backward with PyTorch's memory
-profiler, and compare it with ckplan's backward walk (`ckplan.memory.layer_backward_walk`).
+profiler, and compare it with ckplan's backward walk (`ckplan.model.memory.layer_backward_walk`).
 
 This validates what ckplan adds to a layer's backward beyond its tape, δ_out and δ_in: the
 gradients in flight and the kernels' temporaries (docs/validation.md, "Backward peak"). PyTorch
@@ -346,7 +346,7 @@ def measure_output(
 
 def _spec(cfg: Config, vocab: int = 1024):
     tsb._import_ckplan()
-    from ckplan.spec import spec_from_mapping
+    from ckplan.model.spec import spec_from_mapping
 
     mapping = tsb.ckplan_mapping_for(cfg)
     mapping["vocab"] = vocab
@@ -357,7 +357,7 @@ def predict_layer(cfg: Config) -> dict:
     """ckplan's walk and peaks for the same layer: the walk per op, its maximum, the chain's
     previous model (tape + δ_out + δ_in) and `simulate` on a one-stage chain with the workspace."""
     tsb._import_ckplan()
-    from ckplan import memory
+    from ckplan.model import memory
     from ckplan.schedules import Chain, simulate, store_all_schedule
 
     spec = _spec(cfg)
@@ -393,7 +393,7 @@ def predict_layer(cfg: Config) -> dict:
 
 def predict_output(cfg: Config, vocab: int = 1024) -> dict:
     tsb._import_ckplan()
-    from ckplan import memory
+    from ckplan.model import memory
 
     spec = _spec(cfg, vocab)
     tape = memory.output_saved_bytes(spec)

@@ -547,7 +547,7 @@ def ckplan_mapping_for(cfg: Config) -> dict:
     installed ckplan has them (fused_swiglu: eager silu(gate) * up keeps silu(gate) too)."""
     mapping = ckplan_mapping(cfg)
     _import_ckplan()
-    from ckplan.spec import field_names
+    from ckplan.model.spec import field_names
 
     fields = set(field_names())
     if "fused_swiglu" in fields and cfg.arch == "llama":
@@ -567,8 +567,8 @@ def _import_ckplan() -> None:
 
 def ckplan_prediction(cfg: Config) -> dict[str, int]:
     _import_ckplan()
-    from ckplan.memory import activation_bytes_by_op
-    from ckplan.spec import spec_from_mapping
+    from ckplan.model.memory import activation_bytes_by_op
+    from ckplan.model.spec import spec_from_mapping
 
     spec = spec_from_mapping(ckplan_mapping_for(cfg), origin=cfg.name)
     return {k: int(v) for k, v in activation_bytes_by_op(spec).items()}

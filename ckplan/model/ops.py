@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ckplan.spec import ModelSpec
+from ckplan.model.spec import ModelSpec
 
 ATTENTION_CORE = "attention_core"
 FP32_BYTES = 4

@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ckplan.memory import model_state_bytes
-from ckplan.plans import DEFAULT_SLOTS, Plan, Strategy, evaluate, parse_strategy
-from ckplan.spec import ModelSpec
+from ckplan.model.memory import model_state_bytes
+from ckplan.model.spec import ModelSpec
+from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate
+from ckplan.plan.strategies import Strategy, parse_strategy
 
 # Taken off every budget unless --reserve says otherwise: the CUDA context and cuBLAS/NCCL
 # workspaces (about 0.5-1 GiB on H100-class GPUs) plus caching-allocator fragmentation.

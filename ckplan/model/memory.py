@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from ckplan.ops import FP32_BYTES, _split, group_input_bytes, layer_ops
-from ckplan.spec import ModelSpec
+from ckplan.model.ops import FP32_BYTES, _split, group_input_bytes, layer_ops
+from ckplan.model.spec import ModelSpec
 
 TOKEN_ID_BYTES = 8  # int64 token ids, the embedding's input
 

@@ -1,13 +1,13 @@
 """FLOPs: forward and backward of a layer, the output layer, and the model per iteration.
 
 Matmuls only (2·m·n·k each), as in Korthikanti et al. 2022 App. A and Narayanan et al. 2021 §5.1.
-Per-GPU figures follow the same t/cp splits as `ops.py`.
+Per-GPU figures follow the same t/cp splits as `ops.py` (ckplan.model.ops).
 """
 
 from __future__ import annotations
 
-from ckplan.ops import ATTENTION_CORE, _matmul, _split, layer_ops
-from ckplan.spec import ModelSpec
+from ckplan.model.ops import ATTENTION_CORE, _matmul, _split, layer_ops
+from ckplan.model.spec import ModelSpec
 
 
 def layer_forward_flops(spec: ModelSpec) -> int:

@@ -3,7 +3,7 @@
 The fields read as the architecture (nanoGPT's GPTConfig style). `spec_from_mapping` is the one
 gate every input passes: unknown keys (with a did-you-mean hint), wrong types, non-positive
 sizes, heads that do not divide hidden, and unknown enum values all raise `SpecError` with a
-one-line message naming the key. Parsing files lives in `presets.py`; this module does no I/O.
+one-line message naming the key. Parsing files lives in `ckplan.io`; this module does no I/O.
 """
 
 from __future__ import annotations

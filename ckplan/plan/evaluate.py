@@ -10,13 +10,15 @@ revolve:C, optimal, and selective+ any of them (the attention core recomputed on
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from ckplan import flops as flops_model
-from ckplan import memory, seed
-from ckplan.ops import ATTENTION_CORE, layer_ops
+from ckplan.model import flops as flops_model
+from ckplan.model import memory, seed
+from ckplan.model.ops import ATTENTION_CORE, layer_ops
+from ckplan.model.spec import ModelSpec
+from ckplan.plan.layer_chain import _layer_offset, layer_chain, stage_names
+from ckplan.plan.strategies import Strategy, StrategyError
 from ckplan.schedules import (
     Chain,
     Replay,
@@ -27,66 +29,8 @@ from ckplan.schedules import (
     simulate,
     store_all_schedule,
 )
-from ckplan.schedules import held_after_forward_bytes as held_after_forward_bytes  # re-export
-from ckplan.spec import ModelSpec
 
-FORMULAS = ("derived", "seed")
 DEFAULT_SLOTS = 500
-
-
-class StrategyError(ValueError):
-    """A strategy string that names no strategy, or does not fit the model."""
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """A parsed `--strategy`: `kind` with its integer `size` (K, N or C) where it takes one."""
-
-    kind: str  # none | full | uniform | sequential | sqrt | selective | block | revolve | optimal
-    size: int | None = None
-    selective: bool = False  # attention core recomputed on top of `kind`
-
-    @property
-    def name(self) -> str:
-        base = self.kind if self.size is None else f"{self.kind}:{self.size}"
-        if self.selective and self.kind != "selective":
-            return f"selective+{base}"
-        return base
-
-
-_SIZED = ("uniform", "sequential", "block", "revolve")
-_PLAIN = ("none", "full", "sqrt", "selective", "optimal")
-STRATEGY_HELP = (
-    "none, full, uniform:K, sequential:K, sqrt, selective, block:N, revolve:C, optimal, "
-    "or selective+ any of these (e.g. selective+uniform:4)"
-)
-
-
-def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
-    """Parse a `--strategy` value and check its size against the layers of one pipeline stage."""
-    selective = False
-    body = text.strip()
-    if body.startswith("selective+"):
-        selective, body = True, body.removeprefix("selective+")
-    match = re.fullmatch(r"([a-z]+)(?::(-?[0-9]+))?", body)
-    kind = match.group(1) if match else ""
-    size = int(match.group(2)) if match and match.group(2) is not None else None
-    if not match or kind not in _SIZED + _PLAIN or (kind in _PLAIN) != (size is None):
-        raise StrategyError(f"unknown strategy {text!r}: expected one of {STRATEGY_HELP}")
-    if selective and kind == "selective":
-        raise StrategyError(f"strategy {text!r}: selective cannot combine with itself")
-    layers = spec.layers_per_stage
-    if kind in ("uniform", "sequential") and not 1 <= size <= layers:
-        raise StrategyError(f"strategy {text!r}: K must be in 1..{layers} (layers per stage)")
-    if kind == "block" and not 0 <= size <= layers:
-        raise StrategyError(f"strategy {text!r}: N must be in 0..{layers} (layers per stage)")
-    if kind == "revolve" and size < 1:
-        raise StrategyError(f"strategy {text!r}: C must be at least 1 checkpoint slot")
-    if kind == "none" and selective:
-        return Strategy("selective")
-    if kind == "full" and selective:
-        kind, size = "uniform", 1  # full recompute already re-runs the attention core
-    return Strategy(kind, size, selective or kind == "selective")
 
 
 @dataclass(frozen=True)
@@ -128,75 +72,6 @@ class Plan:
     @property
     def overhead(self) -> float:
         return self.flops.overhead
-
-
-# ---- the chain ---------------------------------------------------------------------------
-
-
-def layer_chain(spec: ModelSpec, selective: bool, first_stage: bool = True) -> Chain:
-    """The chain one GPU runs for one micro-batch: embedding (first pipeline stage), its L/p
-    layers, then output layer and loss (last stage). With `selective`, each layer's tape drops
-    the attention core and its backward re-runs the core's forward (Korthikanti §5)."""
-    per_layer = memory.activation_bytes_per_layer(spec)
-    backward = flops_model.layer_backward_flops(spec)
-    if selective:
-        per_layer = memory.selective_activation_bytes_per_layer(spec, ATTENTION_CORE)
-        backward += flops_model.group_forward_flops(spec, ATTENTION_CORE)
-    stream = memory.layer_input_bytes(spec)
-    n = spec.layers_per_stage
-    forward, backwards = [flops_model.layer_forward_flops(spec)] * n, [backward] * n
-    inputs, tapes = [stream] * n, [per_layer] * n
-    has_embedding = spec.kind == "transformer" and spec.vocab > 0 and first_stage
-    has_output = spec.kind == "transformer" and spec.vocab > 0 and (spec.pp == 1 or not first_stage)
-    if has_embedding:
-        forward, backwards = [0, *forward], [0, *backwards]
-        inputs, tapes = (
-            [memory.token_id_bytes(spec), *inputs],
-            [memory.embedding_saved_bytes(spec), *tapes],
-        )
-    if has_output:
-        logits = flops_model.logits_forward_flops(spec)
-        forward, backwards = [*forward, logits], [*backwards, 2 * logits]
-        inputs, tapes = [*inputs, stream], [*tapes, memory.output_saved_bytes(spec)]
-    final_output = 0 if has_output else stream  # a scalar loss, or the activation sent onward
-    # Transients beyond tape + δ_out + δ_in. Forward: exact for the seed's MLP as ckplan verify
-    # runs it, not modelled for transformers (zeros). Backward: the seed MLP's exact workspace;
-    # a transformer layer's gradients in flight (memory.layer_backward_walk; with selective, the
-    # re-forwarded attention core too); the output stage's logits gradient in the activation
-    # dtype (memory.output_backward_peak_bytes); nothing for the embedding.
-    layer_workspace = memory.layer_backward_workspace_bytes(
-        spec, ATTENTION_CORE if selective and spec.kind == "transformer" else None
-    )
-    backward_workspace = [layer_workspace] * n
-    if has_embedding:
-        backward_workspace = [0, *backward_workspace]
-    if has_output:
-        backward_workspace = [*backward_workspace, memory.output_backward_workspace_bytes(spec)]
-    stages = len(forward)
-    return Chain(
-        forward_flops=tuple(forward),
-        backward_flops=tuple(backwards),
-        input_bytes=(*inputs, final_output),
-        tape_bytes=tuple(tapes),
-        forward_workspace_bytes=(memory.mlp_forward_workspace_bytes(spec),) * stages,
-        backward_workspace_bytes=tuple(backward_workspace),
-    )
-
-
-def stage_names(spec: ModelSpec, first_stage: bool = True) -> list[str]:
-    """Readable names of the chain's stages: embedding, layer 0.., output+loss."""
-    offset = _layer_offset(spec, first_stage)
-    first_layer = 0 if first_stage else spec.layers - spec.layers_per_stage
-    names = ["embedding"] * offset
-    names += [f"layer {first_layer + i}" for i in range(spec.layers_per_stage)]
-    if spec.kind == "transformer" and spec.vocab > 0 and (spec.pp == 1 or not first_stage):
-        names.append("output+loss")
-    return names
-
-
-def _layer_offset(spec: ModelSpec, first_stage: bool = True) -> int:
-    """Index of the first transformer layer in the chain (after the embedding stage)."""
-    return 1 if spec.kind == "transformer" and spec.vocab > 0 and first_stage else 0
 
 
 def _segments(spec: ModelSpec, chain: Chain, strategy: Strategy, first_stage: bool):

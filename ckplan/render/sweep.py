@@ -1,0 +1,286 @@
+"""The sweep, check and schedule views."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from ckplan.model.spec import ModelSpec
+from ckplan.plan import Plan
+from ckplan.plan.search import Candidate, SweepResult
+from ckplan.render.common import GIB, _gib
+from ckplan.render.estimate import plan_dict
+from ckplan.units import format_bytes, format_flops, size_unit
+
+# ---- sweep, check, schedule --------------------------------------------------------------
+
+FRONTIER_ROWS = 30  # the table shows at most this many frontier plans (JSON has them all)
+
+
+def candidate_dict(candidate: Candidate) -> dict[str, Any]:
+    return {
+        **plan_dict(candidate.plan),
+        "fits": candidate.fits,
+        "headroom_bytes": candidate.headroom_bytes,
+    }
+
+
+def sweep_dict(result: SweepResult, micro_batches: dict[str, int] | None = None) -> dict[str, Any]:
+    data = {
+        "budget_bytes": result.budget_bytes,
+        "reserve_bytes": result.reserve_bytes,
+        "usable_bytes": result.usable_bytes,
+        "model": result.spec.to_dict(),
+        "plans": [candidate_dict(c) for c in result.candidates],
+        "pareto": [candidate_dict(c) for c in result.pareto],
+        "best": candidate_dict(result.best) if result.best else None,
+        "smallest_total_bytes": result.smallest.plan.total_bytes,
+        "min_memory_segment": result.min_memory_segment,
+        "notes": list(result.notes),
+    }
+    if micro_batches is not None:
+        data["max_micro_batch"] = micro_batches
+    return data
+
+
+def budget_line(budget_text: str, budget: int, reserve: int) -> Text:
+    unit = size_unit(budget_text)
+    given = budget_text if unit == "B" else format_bytes(budget, unit)
+    return Text(
+        f"Budget {given} = {_gib(budget)} per GPU; reserve {_gib(reserve)} "
+        f"(CUDA context, workspaces, allocator slack); usable {_gib(budget - reserve)}."
+    )
+
+
+def _fits_mark(candidate: Candidate) -> Text:
+    return Text("yes", style="green") if candidate.fits else Text("no", style="red")
+
+
+def candidates_table(rows: Sequence[Candidate], title: str, best: Candidate | None) -> Table:
+    table = Table(title=title, title_justify="left")
+    for column in (
+        "strategy",
+        "activations",
+        "model states",
+        "total",
+        "headroom",
+        "recompute",
+        "overhead",
+        "fits",
+    ):
+        table.add_column(column, justify="left" if column == "strategy" else "right")
+    for candidate in rows:
+        plan = candidate.plan
+        is_best = best is not None and candidate.plan.strategy == best.plan.strategy
+        table.add_row(
+            ("* " if is_best else "") + plan.strategy,
+            _gib(plan.activation_bytes),
+            _gib(plan.model_states.total),
+            _gib(plan.total_bytes),
+            _gib(candidate.headroom_bytes),
+            format_flops(plan.flops.recompute),
+            f"{plan.overhead:.2%}",
+            _fits_mark(candidate),
+            style="bold" if is_best else None,
+        )
+    return table
+
+
+def _thin(rows: Sequence[Candidate], limit: int) -> list[Candidate]:
+    """At most `limit` rows spread evenly over the frontier, its two ends always kept."""
+    if len(rows) <= limit:
+        return list(rows)
+    picks = sorted({round(i * (len(rows) - 1) / (limit - 1)) for i in range(limit)})
+    return [rows[i] for i in picks]
+
+
+def sweep_view(
+    result: SweepResult, budget_text: str, show_all: bool, micro_batches: dict[str, int] | None
+) -> Group:
+    spec = result.spec
+    parts: list[Any] = [budget_line(budget_text, result.budget_bytes, result.reserve_bytes)]
+    states = result.candidates[0].plan.model_states.total
+    parts.append(
+        Text(
+            f"Model {spec.name}: {spec.layers_per_stage} layers per GPU, model states "
+            f"{format_bytes(states, GIB)}; {len(result.candidates)} plans evaluated, "
+            f"{sum(c.fits for c in result.candidates)} fit."
+        )
+    )
+    if show_all:
+        rows = sorted(result.candidates, key=lambda c: c.plan.total_bytes)
+        parts.append(candidates_table(rows, "Every plan, by peak memory", result.best))
+    else:
+        shown = _thin(result.pareto, FRONTIER_ROWS)
+        title = "Pareto frontier: no other plan has both less memory and less compute"
+        if len(shown) < len(result.pareto):
+            title += (
+                f" ({len(shown)} of {len(result.pareto)} shown; --all or --json for every plan)"
+            )
+        parts.append(candidates_table(shown, title, result.best))
+    parts.append(_verdict(result))
+    parts += [Text(note, style="dim") for note in result.notes]
+    if result.min_memory_segment is not None:
+        sqrt_k = round(spec.layers_per_stage**0.5)
+        parts.append(
+            Text(
+                f"Least-memory segment size: uniform:{result.min_memory_segment} (sqrt(L) would be "
+                f"{sqrt_k}): a layer stores {_ratio(spec)}x its input, so rebuilding a long "
+                "segment's "
+                "tapes costs more than storing more segment inputs.",
+                style="dim",
+            )
+        )
+    if micro_batches:
+        table = Table(title="Largest micro-batch that fits", title_justify="left")
+        table.add_column("strategy")
+        table.add_column("micro_batch", justify="right")
+        for name, size in micro_batches.items():
+            table.add_row(name, str(size) if size else Text("none fits", style="red"))
+        parts.append(table)
+    return Group(*parts)
+
+
+def _ratio(spec: ModelSpec) -> str:
+    from ckplan.model.memory import activation_bytes_per_layer, layer_input_bytes
+
+    return f"{activation_bytes_per_layer(spec) / layer_input_bytes(spec):.1f}"
+
+
+def _verdict(result: SweepResult) -> Text:
+    best = result.best
+    if best is not None:
+        plan = best.plan
+        return Text(
+            f"Best plan that fits: {plan.strategy} — total {format_bytes(plan.total_bytes, GIB)}, "
+            f"headroom {_gib(best.headroom_bytes)}, recompute overhead {plan.overhead:.2%}.",
+            style="bold green",
+        )
+    smallest = result.smallest
+    text = (
+        f"Nothing fits: the smallest any plan reaches is {_gib(smallest.plan.total_bytes)} "
+        f"({smallest.plan.strategy}), {_gib(-smallest.headroom_bytes)} over the usable budget."
+    )
+    states = smallest.plan.model_states.total
+    if states > result.usable_bytes:
+        needed = -(-states // max(1, result.usable_bytes))
+        text += (
+            f" Model states alone need {_gib(states)}: shard them over at least {needed} GPUs "
+            "(e.g. --set tp=8 --set pp=N, or --set zero=3 --set dp=N)."
+        )
+    return Text(text, style="bold red")
+
+
+def check_dict(budget: int, rows: list[tuple[str, Candidate | None]]) -> dict[str, Any]:
+    return {
+        "budget_bytes": budget,
+        "results": [
+            {"model": model, "fits": bool(c and c.fits), "plan": candidate_dict(c) if c else None}
+            for model, c in rows
+        ],
+    }
+
+
+def check_table(
+    budget_text: str, budget: int, reserve: int, rows: list[tuple[str, Candidate | None]]
+) -> Group:
+    table = Table(title="Capacity check", title_justify="left")
+    for column in ("model", "fits", "plan", "total", "headroom", "overhead", "why not"):
+        table.add_column(
+            column, justify="left" if column in ("model", "plan", "why not") else "right"
+        )
+    for model, candidate in rows:
+        if candidate is None:
+            table.add_row(model, Text("no", style="red"), "no schedule fits", "", "", "", "")
+            continue
+        plan = candidate.plan
+        table.add_row(
+            model,
+            _fits_mark(candidate),
+            plan.strategy if candidate.fits else f"(smallest: {plan.strategy})",
+            _gib(plan.total_bytes),
+            _gib(candidate.headroom_bytes),
+            f"{plan.overhead:.2%}",
+            "" if candidate.fits else _why_not(candidate),
+        )
+    fitting = sum(1 for _, c in rows if c and c.fits)
+    summary = Text(
+        f"{fitting} of {len(rows)} fit.", style="bold green" if fitting == len(rows) else "bold red"
+    )
+    return Group(budget_line(budget_text, budget, reserve), table, summary)
+
+
+def _why_not(candidate: Candidate) -> str:
+    states = candidate.plan.model_states.total
+    if states > candidate.budget_bytes:
+        return f"model states alone {format_bytes(states, GIB)}"
+    return (
+        f"least activations {format_bytes(candidate.plan.activation_bytes, GIB)} on top of states"
+    )
+
+
+STEP_LABELS = {
+    "forward_drop": "forward, save nothing",
+    "forward_keep_input": "forward, keep input",
+    "forward_keep_all": "forward, keep all",
+    "backward": "backward",
+}
+
+
+def schedule_rows(plan: Plan) -> list[tuple[str, str, int]]:
+    """Consecutive steps of one kind over consecutive stages, merged: (label, stages, count)."""
+    rows: list[tuple[str, list[int]]] = []
+    for step in plan.steps:
+        if rows and rows[-1][0] == step.kind and abs(rows[-1][1][-1] - step.stage) == 1:
+            rows[-1][1].append(step.stage)
+        else:
+            rows.append((step.kind, [step.stage]))
+    names = plan.stage_names
+    result = []
+    for kind, stages in rows:
+        first, last = names[stages[0]], names[stages[-1]]
+        span = first if len(stages) == 1 else f"{first} .. {last}"
+        result.append((STEP_LABELS[kind], span, len(stages)))
+    return result
+
+
+def schedule_dict(plan: Plan, activation_budget: int | None) -> dict[str, Any]:
+    return {
+        **plan_dict(plan),
+        "activation_budget_bytes": activation_budget,
+        "stages": list(plan.stage_names),
+        "steps": [
+            {"kind": step.kind, "stage": step.stage, "name": plan.stage_names[step.stage]}
+            for step in plan.steps
+        ],
+    }
+
+
+def schedule_view(plan: Plan, activation_budget: int | None) -> Group:
+    table = Table(
+        title=f"Schedule: {plan.strategy} ({len(plan.steps)} steps)", title_justify="left"
+    )
+    table.add_column("#", justify="right")
+    table.add_column("step")
+    table.add_column("stages")
+    table.add_column("count", justify="right")
+    for index, (label, span, count) in enumerate(schedule_rows(plan), 1):
+        table.add_row(str(index), label, span, str(count))
+    forwards = sum(1 for step in plan.steps if step.kind != "backward")
+    budget = (
+        f" of {format_bytes(activation_budget, GIB)} available"
+        if activation_budget is not None
+        else ""
+    )
+    summary = Text(
+        f"Peak activations {_gib(plan.activation_bytes)}{budget}; {forwards} stage forwards "
+        f"for {len(plan.stage_names)} stages; recompute {format_flops(plan.flops.recompute)} "
+        "per iteration, "
+        f"overhead {plan.overhead:.2%}.",
+        style="bold",
+    )
+    return Group(table, summary)

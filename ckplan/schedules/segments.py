@@ -1,0 +1,82 @@
+"""Simple schedules: store everything, or segments (Chen et al. 2016; Megatron block)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ckplan.schedules.chain import (
+    BACKWARD,
+    FORWARD_DROP,
+    FORWARD_KEEP_ALL,
+    FORWARD_KEEP_INPUT,
+    Chain,
+    Schedule,
+    Step,
+)
+
+
+def store_all_schedule(chain: Chain) -> Schedule:
+    """No recomputation: ``forward_keep_all`` every stage, then backward in reverse.
+
+    derived: the plain training step (no checkpointing); peak = all tapes + x_n + δ_n, etc.
+    """
+    n = chain.length
+    return tuple(Step(FORWARD_KEEP_ALL, i) for i in range(n)) + tuple(
+        Step(BACKWARD, i) for i in reversed(range(n))
+    )
+
+
+def _check_segments(
+    n: int, segments: Sequence[tuple[int, int, bool]]
+) -> list[tuple[int, int, bool]]:
+    out = []
+    expected = 0
+    for idx, seg in enumerate(segments):
+        try:
+            start, end, recompute = seg
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"segment {idx}: expected (start, end, recompute), got {seg!r}"
+            ) from None
+        if not (isinstance(start, int) and isinstance(end, int)) or isinstance(start, bool):
+            raise ValueError(f"segment {idx}: start and end must be ints, got {seg!r}")
+        if start != expected:
+            raise ValueError(
+                f"segment {idx} starts at {start}, expected {expected} "
+                "(segments are half-open [start, end) and must cover 0..n-1 in order)"
+            )
+        if end <= start:
+            raise ValueError(f"segment {idx}: end {end} must be > start {start}")
+        out.append((start, end, bool(recompute)))
+        expected = end
+    if expected != n:
+        raise ValueError(f"segments cover stages 0..{expected - 1}, expected 0..{n - 1}")
+    return out
+
+
+def segment_schedule(chain: Chain, segments: Sequence[tuple[int, int, bool]]) -> Schedule:
+    """Segment checkpointing: half-open segments ``[start, end)`` covering ``0..n-1`` in order.
+
+    A *store* segment (``recompute=False``) runs ``forward_keep_all`` on its stages. A *recompute*
+    segment runs ``forward_keep_input(start)`` then ``forward_drop`` on the rest; in the backward
+    pass it re-runs ``forward_keep_all(start..end-1)`` from its stored input and backprops the
+    segment (the tape of every stage must exist for its backward, so re-forwarding keep-all is the
+    cheapest re-forward). Segments are processed in reverse in the backward pass.
+
+    Source: Chen, Xu, Zhang, Guestrin 2016, "Training Deep Nets with Sublinear Memory Cost", §4
+    (segments, one extra forward); ``torch.utils.checkpoint_sequential`` keeps the last segment
+    (= last segment stored); Megatron ``--recompute-method block`` = first segments recomputed.
+    """
+    segs = _check_segments(chain.length, segments)
+    steps: list[Step] = []
+    for start, end, recompute in segs:
+        if recompute:
+            steps.append(Step(FORWARD_KEEP_INPUT, start))
+            steps.extend(Step(FORWARD_DROP, i) for i in range(start + 1, end))
+        else:
+            steps.extend(Step(FORWARD_KEEP_ALL, i) for i in range(start, end))
+    for start, end, recompute in reversed(segs):
+        if recompute:
+            steps.extend(Step(FORWARD_KEEP_ALL, i) for i in range(start, end))
+        steps.extend(Step(BACKWARD, i) for i in reversed(range(start, end)))
+    return tuple(steps)
