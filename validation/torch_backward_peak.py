@@ -28,6 +28,15 @@ Method
   <Node>" event whose sequence number is that of the forward op that made the node; forward ops
   are tagged with ckplan's op names by recording the sequence number at which each tagged
   block starts (untagged view and residual-add ops fall under the op before them).
+* BLAS workspace: a CPU GEMM library may allocate packing/conversion buffers through torch's
+  allocator and free them before the call returns (oneDNN's bf16 matmul scratchpad). They are
+  the library's, not tensors autograd or the model keeps, so ckplan does not model them. Each
+  GEMM call (aten::mm, bmm, addmm, ...) inside a backward node is probed: the same aten op, on
+  operands of the same sizes, strides and dtype, run alone under the same profiler
+  (`_probe_blas_workspace`). When the bytes it allocates and frees inside itself there equal
+  those of the call in the layer's backward, they are left out of the live bytes and reported
+  as the step's `blas_workspace_bytes`; otherwise they stay in, with a note. A probe that finds
+  none changes nothing.
 
 Usage
 -----
@@ -54,7 +63,7 @@ try:
     import torch
     import torch.nn.functional as F
     from torch import nn
-    from torch._C._profiler import _EventType
+    from torch._C._profiler import _EventType, _TensorMetadata
     from torch.profiler import ProfilerActivity, profile
 except ImportError:  # pragma: no cover - the message is the point
     sys.exit("torch_backward_peak.py needs PyTorch: python3 -m pip install torch")
@@ -181,7 +190,19 @@ class OpTagger:
 class Step:
     op: str | None  # ckplan's op name
     node: str | None  # the autograd node
-    peak_bytes: int
+    peak_bytes: int  # live bytes, the GEMM library's own workspace left out
+    blas_workspace_bytes: int = 0  # that workspace, the most alive during this step
+
+
+@dataclass
+class GemmWorkspace:
+    """One GEMM call of a backward node: what it allocates and frees inside itself."""
+
+    node: str  # the autograd node
+    op: str  # the aten op
+    operands: str  # dtype, sizes and strides (the transposition)
+    probe_bytes: int  # the call alone (_probe_blas_workspace)
+    trace_bytes: int  # the call inside the layer's backward (a differing one, if any)
 
 
 @dataclass
@@ -196,10 +217,105 @@ class PeakMeasurement:
     timeline_peak_bytes: int  # _coalesce_timeline's, forward and backward (see _timeline_peak)
     device: str = "cpu"
     notes: list[str] = field(default_factory=list)
+    raw_backward_peak_bytes: int = 0  # as the profiler saw it, BLAS workspace included
+    gemm_calls: list[GemmWorkspace] = field(default_factory=list)  # one per distinct call
 
 
-def _allocations(prof, device: str) -> list[tuple[int, int, str | None, int | None]]:
-    """(time ns, bytes (+ alloc / - free), autograd node, its sequence number), in time order."""
+GEMMS = frozenset({"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm"})
+
+
+def _subtree_allocations(op) -> list:
+    found, stack = [], [op]
+    while stack:
+        for child in stack.pop().children:
+            (found if child.typed[0] == _EventType.Allocation else stack).append(child)
+    return sorted(found, key=lambda e: e.start_time_ns)
+
+
+def _transients(op) -> tuple[int, set[int]]:
+    """What an op allocates and frees again before it returns: the most of it alive at once,
+    and the allocation ids (each pairs an allocation with its free)."""
+    events = _subtree_allocations(op)
+    allocated = {e.typed[1].allocation_id for e in events if e.typed[1].alloc_size > 0}
+    ids = {e.typed[1].allocation_id for e in events if e.typed[1].alloc_size < 0} & allocated
+    live = peak = 0
+    for e in events:
+        if e.typed[1].allocation_id in ids:
+            live += e.typed[1].alloc_size
+            peak = max(peak, live)
+    return peak, ids
+
+
+def _gemm_call(op) -> tuple:
+    """A GEMM call as the library sees it: the aten op; per operand (dtype, sizes, strides) or
+    the scalar's value."""
+    inputs = tuple(
+        (i.dtype, tuple(i.sizes), tuple(i.strides)) if isinstance(i, _TensorMetadata) else i
+        for i in op.typed[1].inputs
+    )
+    return op.name, inputs
+
+
+def _probe_blas_workspace(call: tuple, device: str) -> int:
+    """The workspace the GEMM library allocates and frees for this call alone: the same aten op
+    on operands of the same dtype, sizes and strides, under the same memory profiler."""
+    name, inputs = call
+    schema = getattr(torch.ops.aten, name.removeprefix("aten::")).default._schema
+    args, kwargs = [], {}
+    for argument, value in zip(schema.arguments, inputs, strict=True):
+        if isinstance(value, tuple):
+            dtype, sizes, strides = value
+            value = torch.empty_strided(sizes, strides, dtype=dtype, device=device).normal_()
+        if argument.kwarg_only:
+            kwargs[argument.name] = value
+        else:
+            args.append(value)
+    with _profile(device) as prof:
+        getattr(torch.ops.aten, name.removeprefix("aten::"))(*args, **kwargs)
+    ops = [
+        e
+        for e in prof._memory_profile()._op_tree.dfs()
+        if e.typed[0] == _EventType.TorchOp and e.name == name
+    ]
+    return _transients(ops[0])[0]
+
+
+def _operands(call: tuple) -> str:
+    tensors = [v for v in call[1] if isinstance(v, tuple)]
+    dtypes = sorted({str(t[0]).removeprefix("torch.") for t in tensors})
+    return f"{'/'.join(dtypes)} " + " @ ".join(f"{list(t[1])}:{list(t[2])}" for t in tensors)
+
+
+def _allocations(prof, device: str) -> tuple[list[tuple], list[GemmWorkspace]]:
+    """(time ns, bytes (+ alloc / - free), autograd node, its sequence number, whether it is a
+    GEMM library's workspace), in time order; and the distinct GEMM calls of backward nodes."""
+    blas_ids: set[int] = set()
+    calls: dict[tuple, GemmWorkspace] = {}
+    for op in prof._memory_profile()._op_tree.dfs():
+        if op.typed[0] != _EventType.TorchOp or op.name not in GEMMS:
+            continue
+        parent = op.parent
+        while parent is not None and not parent.name.startswith(EVALUATE):
+            if parent.name in GEMMS:  # an inner call: its outermost one counts
+                break
+            parent = parent.parent
+        if parent is None or parent.name in GEMMS:
+            continue
+        trace_bytes, ids = _transients(op)
+        call = _gemm_call(op)
+        key = (parent.name, call)
+        if key not in calls:
+            calls[key] = GemmWorkspace(
+                node=parent.name.removeprefix(EVALUATE),
+                op=op.name,
+                operands=_operands(call),
+                probe_bytes=_probe_blas_workspace(call, device),
+                trace_bytes=trace_bytes,
+            )
+        if trace_bytes == calls[key].probe_bytes:
+            blas_ids |= ids
+        else:  # kept in the live bytes; shown, with a note
+            calls[key].trace_bytes = trace_bytes
     events = []
     for event in prof._memory_profile()._op_tree.dfs():
         if event.typed[0] != _EventType.Allocation:
@@ -214,9 +330,19 @@ def _allocations(prof, device: str) -> list[tuple[int, int, str | None, int | No
                 node, sequence = parent.name.removeprefix(EVALUATE), parent.typed[1].sequence_number
                 break
             parent = parent.parent
-        events.append((event.start_time_ns, alloc.alloc_size, node, sequence))
+        blas = alloc.allocation_id in blas_ids
+        events.append((event.start_time_ns, alloc.alloc_size, node, sequence, blas))
     events.sort(key=lambda e: e[0])
-    return events
+    return events, list(calls.values())
+
+
+def _blas_notes(calls: list[GemmWorkspace]) -> list[str]:
+    return [
+        f"{c.node} {c.op} {c.operands}: {c.trace_bytes} B allocated and freed inside the call, "
+        f"{c.probe_bytes} B alone; kept in the live bytes"
+        for c in calls
+        if c.trace_bytes != c.probe_bytes
+    ]
 
 
 def _timeline_peak(prof, device: str, buffers: int) -> int:
@@ -233,23 +359,31 @@ def _timeline_peak(prof, device: str, buffers: int) -> int:
     return max((sum(row) - row[parameter] for row in sizes), default=0) - buffers
 
 
-def _replay(events, baseline: int, tagger: OpTagger | None) -> tuple[int, int, int, list[Step]]:
-    live, forward_peak, backward_peak = baseline, baseline, 0
+def _replay(
+    events, baseline: int, tagger: OpTagger | None
+) -> tuple[int, int, int, int, list[Step]]:
+    """Forward peak, backward peak (BLAS workspace left out), the same with it, end, steps."""
+    live, workspace, forward_peak, backward_peak, raw_peak = baseline, 0, baseline, 0, 0
     steps: list[Step] = []
     in_backward = False
-    for _, size, node, sequence in events:
-        live += size
+    for _, size, node, sequence, blas in events:
+        if blas:
+            workspace += size
+        else:
+            live += size
         in_backward = in_backward or node is not None
         if not in_backward:
-            forward_peak = max(forward_peak, live)
+            forward_peak = max(forward_peak, live + workspace)
             continue
         backward_peak = max(backward_peak, live)
+        raw_peak = max(raw_peak, live + workspace)
         op = tagger.name_of(sequence) if tagger and sequence is not None and sequence >= 0 else None
         if steps and (steps[-1].op, steps[-1].node) == (op, node):
             steps[-1].peak_bytes = max(steps[-1].peak_bytes, live)
+            steps[-1].blas_workspace_bytes = max(steps[-1].blas_workspace_bytes, workspace)
         else:
-            steps.append(Step(op, node, live))
-    return forward_peak, backward_peak, live, steps
+            steps.append(Step(op, node, live, workspace))
+    return forward_peak, backward_peak, raw_peak, live + workspace, steps
 
 
 def _profile(device: str):
@@ -279,8 +413,8 @@ def measure_layer(cfg: Config, seed: int = 0, device: str = "cpu") -> PeakMeasur
     finally:
         tsb._FusedRMSNormFunction.weight_grads = previous
     assert torch.isfinite(grad_in.float()).all()
-    events = _allocations(prof, device)
-    forward_peak, backward_peak, end, steps = _replay(events, baseline, tagger)
+    events, calls = _allocations(prof, device)
+    forward_peak, backward_peak, raw_peak, end, steps = _replay(events, baseline, tagger)
     return PeakMeasurement(
         config=cfg,
         what="layer",
@@ -291,6 +425,9 @@ def measure_layer(cfg: Config, seed: int = 0, device: str = "cpu") -> PeakMeasur
         steps=steps,
         timeline_peak_bytes=_timeline_peak(prof, str(x.device), _used_buffer_bytes(layer, cfg)),
         device=device,
+        notes=_blas_notes(calls),
+        raw_backward_peak_bytes=raw_peak,
+        gemm_calls=calls,
     )
 
 
@@ -323,8 +460,8 @@ def measure_output(
     finally:
         tsb._FusedRMSNormFunction.weight_grads = previous
     assert torch.isfinite(grad_in.float()).all()
-    events = _allocations(prof, device)
-    forward_peak, backward_peak, end, steps = _replay(events, baseline, None)
+    events, calls = _allocations(prof, device)
+    forward_peak, backward_peak, raw_peak, end, steps = _replay(events, baseline, None)
     return PeakMeasurement(
         config=cfg,
         what=f"output-{loss}",
@@ -335,7 +472,9 @@ def measure_output(
         steps=steps,
         timeline_peak_bytes=_timeline_peak(prof, str(x.device), 0),
         device=device,
-        notes=[f"vocab {vocab}; baseline = x and the int64 targets"],
+        notes=[f"vocab {vocab}; baseline = x and the int64 targets", *_blas_notes(calls)],
+        raw_backward_peak_bytes=raw_peak,
+        gemm_calls=calls,
     )
 
 
@@ -428,25 +567,31 @@ def print_layer(m: PeakMeasurement, pred: dict | None) -> None:
     print(f"   X = {stream} B (one (s, b, h) tensor); baseline x + δ_out = {m.baseline_bytes}")
     print(f"   forward peak {m.forward_peak_bytes} ({_x(m.forward_peak_bytes, stream).strip()})")
     if pred is None:
-        print(f"   {'op':<15}{'autograd node':<48}{'bytes':>12}{'':>10}")
+        print(f"   {'op':<15}{'autograd node':<48}{'bytes':>12}{'':>10}{'BLAS ws':>10}")
         for s in m.steps:
             where = f"{s.op or '-':<15}{s.node or '-':<48}"
-            print(f"   {where}{s.peak_bytes:>12}{_x(s.peak_bytes, stream)}")
+            blas = s.blas_workspace_bytes
+            print(f"   {where}{s.peak_bytes:>12}{_x(s.peak_bytes, stream)}{blas:>10}")
     else:
         walk = {p["op"]: p["live_bytes"] for p in pred["walk"]}
-        measured: dict[str, tuple[int, str]] = {}
+        measured: dict[str, tuple[int, str, int]] = {}
         for s in m.steps:
             key = s.op or "-"
             if key not in measured or s.peak_bytes > measured[key][0]:
-                measured[key] = (s.peak_bytes, s.node or "-")
-        print(f"   {'op':<15}{'predicted':>12}{'measured':>12}{'diff':>11}{'':>10}  max at node")
+                measured[key] = (s.peak_bytes, s.node or "-", s.blas_workspace_bytes)
+        print(
+            f"   {'op':<15}{'predicted':>12}{'measured':>12}{'diff':>11}{'':>10}{'BLAS ws':>10}"
+            "  max at node"
+        )
         for op in [p["op"] for p in pred["walk"]] + [k for k in measured if k not in walk]:
-            p, (q, node) = walk.get(op, 0), measured.get(op, (0, "-"))
-            print(f"   {op:<15}{p:>12}{q:>12}{q - p:>+11}{_x(q - p, stream)}  {node}")
+            p, (q, node, blas) = walk.get(op, 0), measured.get(op, (0, "-", 0))
+            print(f"   {op:<15}{p:>12}{q:>12}{q - p:>+11}{_x(q - p, stream)}{blas:>10}  {node}")
     print(
-        f"   backward peak: measured {_bytes_and_x(m.backward_peak_bytes, stream)}; "
-        f"MemoryProfileTimeline peak (forward and backward) {m.timeline_peak_bytes}"
+        f"   backward peak: measured {_bytes_and_x(m.backward_peak_bytes, stream)}, BLAS workspace "
+        f"left out ({m.raw_backward_peak_bytes} with it); MemoryProfileTimeline peak (forward and "
+        f"backward, BLAS workspace in) {m.timeline_peak_bytes}"
     )
+    _print_gemm_calls(m)
     if pred is not None:
         p = pred["peak_bytes"]
         print(
@@ -459,6 +604,20 @@ def print_layer(m: PeakMeasurement, pred: dict | None) -> None:
     print()
 
 
+def _print_gemm_calls(m: PeakMeasurement) -> None:
+    """The BLAS workspace column's source: each backward GEMM call, probed alone."""
+    if not any(c.probe_bytes or c.trace_bytes for c in m.gemm_calls):
+        print(f"   BLAS workspace: none ({len(m.gemm_calls)} backward GEMM calls probed)")
+        return
+    print("   BLAS workspace, each backward GEMM call (dtype [sizes]:[strides]): alone / in trace")
+    node, operands = (max(len(getattr(c, k)) for c in m.gemm_calls) for k in ("node", "operands"))
+    for c in m.gemm_calls:
+        where = f"{c.node:<{node + 2}}{c.op:<11}{c.operands:<{operands}}"
+        print(f"     {where}{c.probe_bytes:>9} /{c.trace_bytes:>8}")
+    for note in m.notes if m.what == "layer" else []:
+        print(f"   note: {note}")
+
+
 def print_output(m: PeakMeasurement, pred: dict | None) -> None:
     cfg = m.config
     stream = cfg.seq * cfg.micro_batch * cfg.hidden * cfg.dtype_bytes
@@ -466,11 +625,14 @@ def print_output(m: PeakMeasurement, pred: dict | None) -> None:
         f"== {cfg.name} output stage, loss {m.what.removeprefix('output-')}: {'; '.join(m.notes)}"
     )
     print(
-        f"   forward peak {m.forward_peak_bytes}, backward peak {m.backward_peak_bytes}; "
-        f"MemoryProfileTimeline peak (forward and backward) {m.timeline_peak_bytes}"
+        f"   forward peak {m.forward_peak_bytes}, backward peak {m.backward_peak_bytes} "
+        f"({m.raw_backward_peak_bytes} with the BLAS workspace); MemoryProfileTimeline peak "
+        f"(forward and backward) {m.timeline_peak_bytes}"
     )
     for s in m.steps:
-        print(f"   {s.node or '-':<48}{s.peak_bytes:>12}{_x(s.peak_bytes, stream)}")
+        blas = s.blas_workspace_bytes
+        print(f"   {s.node or '-':<48}{s.peak_bytes:>12}{_x(s.peak_bytes, stream)}{blas:>10}")
+    _print_gemm_calls(m)
     if pred is not None:
         p = pred["peak_bytes"]
         d = m.backward_peak_bytes - m.baseline_bytes + stream - p  # the ids are not ckplan's
@@ -480,6 +642,16 @@ def print_output(m: PeakMeasurement, pred: dict | None) -> None:
             f"ckplan does, targets left out) = {d:+d}"
         )
     print()
+
+
+def _cpu() -> str:
+    """The CPU's model name and the kernels torch picked for it."""
+    import platform
+
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+    return f"{model or platform.processor()} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -536,6 +708,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({
             "torch_version": torch.__version__,
             "device": args.device,
+            "cpu": _cpu(),  # the BLAS workspace is this CPU's and these threads'
+            "threads": torch.get_num_threads(),
             "layers": [record(m, p) for m, p in runs],
             "output_stages": [record(m, p) for m, p in outputs],
         }, indent=2))  # fmt: skip
