@@ -470,7 +470,11 @@ def _first_pass_block(r: _Table, mem: int, in_flight: Fraction, block, record):
             continue
         sh = a[i]
         lo = sh + min(least[i + 1 :])  # P(k, h - x_i) is infinite below
-        if lo >= nh:
+        # P is non-increasing in h; where the chain option costs the no-recompute bound in
+        # every row, no leaf is cheaper.
+        done = best == r.base(i, n)
+        hi = int(done.argmax(axis=1).max()) if done.any(axis=1).all() else nh
+        if lo >= hi:
             continue
         ks = n - 1 - i
         # C(i, k, .) + f_i + ... + f_{k-1} for k = i+1..n-1, padded with inf past ``mem``.
@@ -486,19 +490,19 @@ def _first_pass_block(r: _Table, mem: int, in_flight: Fraction, block, record):
                 break
             k1 = min(run[q + 1][0], n) if q + 1 < len(run) else n
             left[k0 - i - 1 : k1 - i - 1, : a[n] + h] = inf  # leaf threshold x_n + h(i, k)
-        windows = np.lib.stride_tricks.sliding_window_view(left, nh - lo, axis=1)
-        cand = windows[:, c + lo, :]  # at own memory c_H + h, h >= lo: (k, row, h - lo)
-        cand += table[i + 1 : n, :, lo - sh : nh - sh]
+        windows = np.lib.stride_tricks.sliding_window_view(left, hi - lo, axis=1)
+        cand = windows[:, c + lo, :]  # at own memory c_H + h, lo <= h < hi: (k, row, h - lo)
+        cand += table[i + 1 : n, :, lo - sh : hi - sh]
         if record:
             k_rel = cand.argmin(axis=0)
             low = np.take_along_axis(cand, k_rel[None], axis=0)[0]
         else:
             low = cand.min(axis=0)
-        sub = best[:, lo:]
+        sub = best[:, lo:hi]
         better = low < sub
         sub[better] = low[better]
         if record:
-            choice[i][:, lo:][better] = (k_rel + (i + 1))[better]
+            choice[i][:, lo:hi][better] = (k_rel + (i + 1))[better]
         if r.exact:
             np.minimum(best, inf, out=best)
     return table, choice
