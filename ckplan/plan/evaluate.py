@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
+from functools import lru_cache
 
 from ckplan.model import flops as flops_model
 from ckplan.model import memory, seed
@@ -22,9 +23,12 @@ from ckplan.plan.strategies import Strategy, StrategyError
 from ckplan.schedules import (
     Chain,
     Replay,
+    SegmentReplay,
+    SegmentSteps,
     optimal_schedule,
     pipeline_peak_bytes,
     revolve_schedule,
+    segment_replay,
     segment_schedule,
     simulate,
     store_all_schedule,
@@ -166,7 +170,7 @@ def evaluate(
     # Memory: the fullest stage. FLOPs: the busiest stage, which paces the pipeline.
     peak, steps, _, first_stage = max(results, key=lambda result: result[0])
     flops = max((result[2] for result in results), key=lambda count: count.total)
-    names = tuple(stage_names(spec, first_stage))
+    names = _stage_names(spec, first_stage)
     notes = ()
     if spec.pp > 1:
         where = "first" if first_stage else "last"
@@ -179,13 +183,20 @@ def evaluate(
         "derived",
         peak,
         _per_iteration(spec, flops),
-        tuple(steps),
+        steps,
         names,
         notes,
     )
 
 
-def _stage_flops(spec: ModelSpec, strategy: Strategy, chain: Chain, replay: Replay) -> FlopCount:
+@lru_cache(maxsize=64)  # a sweep names the same stages for each of its plans
+def _stage_names(spec: ModelSpec, first_stage: bool) -> tuple[str, ...]:
+    return tuple(stage_names(spec, first_stage))
+
+
+def _stage_flops(
+    spec: ModelSpec, strategy: Strategy, chain: Chain, replay: Replay | SegmentReplay
+) -> FlopCount:
     """One micro-batch through one chain; selective recompute is counted as recompute, not as
     the backward the chain charges it to."""
     layers = spec.layers_per_stage
@@ -210,6 +221,17 @@ def _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight
     (slots / in_flight)², so the finer grid costs little on the short chains of a pipeline.
     """
     slots *= math.ceil(in_flight)
+    if strategy.kind not in ("revolve", "optimal"):
+        # Segment plans (store-all is one stored segment): their replay in closed form, O(1)
+        # per segment, and their steps built only if something reads them.
+        segments = (
+            [(0, chain.length, False)]
+            if strategy.kind in ("none", "selective")
+            else _segments(spec, chain, strategy, first_stage)
+        )
+        replay = segment_replay(chain, segments)
+        peak = replay.peak_bytes + math.ceil((in_flight - 1) * replay.held_bytes)
+        return peak, SegmentSteps(chain, segments), replay
     steps = _schedule(spec, chain, strategy, budget, slots, first_stage, in_flight)
     if steps is None:
         return None

@@ -13,6 +13,7 @@ from ckplan.model.memory import model_state_bytes
 from ckplan.model.spec import ModelSpec
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate
 from ckplan.plan.strategies import Strategy, parse_strategy
+from ckplan.schedules import revolve_min_forwards
 
 # Taken off every budget unless --reserve says otherwise: the CUDA context and cuBLAS/NCCL
 # workspaces (about 0.5-1 GiB on H100-class GPUs) plus caching-allocator fragmentation.
@@ -69,8 +70,23 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
         names += [f"selective+uniform:{size}", f"selective+sequential:{size}"]
     for size in _sizes(0, layers):
         names += [f"block:{size}", f"selective+block:{size}"]
-    names += [f"revolve:{slots}" for slots in range(1, math.isqrt(layers) + 3)]
+    names += [f"revolve:{slots}" for slots in revolve_slots(layers)[0]]
     return [parse_strategy(name, spec) for name in dict.fromkeys(names)]
+
+
+REVOLVE_MAX_STEPS = 100_000  # schedule steps the revolve candidates of one sweep replay at most
+
+
+def revolve_slots(layers: int) -> tuple[list[int], list[int]]:
+    """(kept, skipped) revolve:C candidates, C = 1..ceil(sqrt(L)) + 1: the most slots first
+    (the shortest schedules), while their steps, 2n + t(n, C) each (revolve_min_forwards),
+    add up to at most REVOLVE_MAX_STEPS; every C is kept up to about 350 layers per stage."""
+    stages = layers + 2  # embedding and output at most
+    kept, skipped, total = [], [], 0
+    for slots in range(math.isqrt(layers) + 2, 0, -1):
+        total += 2 * stages + revolve_min_forwards(stages, slots)
+        (kept if total <= REVOLVE_MAX_STEPS else skipped).append(slots)
+    return sorted(kept), sorted(skipped)
 
 
 EVERY_SIZE_UP_TO = 128  # beyond this many layers per stage, sizes are sampled
@@ -110,6 +126,13 @@ def sweep(
     strategies = candidate_strategies(spec) if formula == "derived" else _seed_strategies(spec)
     plans = [evaluate(spec, strategy, formula) for strategy in strategies]
     notes = []
+    skipped = revolve_slots(spec.layers_per_stage)[1] if formula == "derived" else []
+    if skipped:
+        which = f"{skipped[0]}" if len(skipped) == 1 else f"{skipped[0]}..{skipped[-1]}"
+        notes.append(
+            f"revolve:{which} not evaluated: too many steps to replay at "
+            f"{spec.layers_per_stage} layers per stage"
+        )
     if formula == "derived" and spec.layers_per_stage > DP_MAX_LAYERS:
         notes.append(
             f"optimal not searched: {spec.layers_per_stage} layers per stage is beyond the "

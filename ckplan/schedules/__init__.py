@@ -35,7 +35,13 @@ from ckplan.schedules.revolve import (
     revolve_schedule,
 )
 from ckplan.schedules.rotor import optimal_schedule
-from ckplan.schedules.segments import segment_schedule, store_all_schedule
+from ckplan.schedules.segments import (
+    SegmentReplay,
+    SegmentSteps,
+    segment_replay,
+    segment_schedule,
+    store_all_schedule,
+)
 
 __all__ = [
     "BACKWARD",
@@ -50,6 +56,8 @@ __all__ = [
     "Replay",
     "Schedule",
     "ScheduleResult",
+    "SegmentReplay",
+    "SegmentSteps",
     "Step",
     "beta",
     "brute_force_optimal",
@@ -61,6 +69,7 @@ __all__ = [
     "revolve_dp_table",
     "revolve_min_forwards",
     "revolve_schedule",
+    "segment_replay",
     "segment_schedule",
     "simulate",
     "store_all_schedule",

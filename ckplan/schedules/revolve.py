@@ -96,6 +96,32 @@ def _revolve_cost(l: int, s: int) -> int | None:  # noqa: E741
     return revolve_min_forwards(l, s)
 
 
+@lru_cache(maxsize=65536)
+def _revolve_advance(length: int, s: int) -> int:
+    """The first ``adv`` in ``1..length-1`` minimising
+    ``cost(adv) = adv + t(length - adv, s - 1) + t(adv, s)`` (``t`` = :func:`_revolve_cost`).
+
+    derived: ``t(l, s)`` is convex in ``l`` (its increments are ``r``, non-decreasing in ``l``),
+    so ``cost`` is convex and its first minimiser is the first ``adv`` whose increment
+    ``cost(adv + 1) - cost(adv)`` is >= 0: a binary search, tested against the linear scan.
+    With one slot the right part must be a single step.
+    """
+    if s == 1:
+        return length - 1
+    lo, hi = 1, length - 1  # the answer lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _advance_cost(length, s, mid + 1) >= _advance_cost(length, s, mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _advance_cost(length: int, s: int, adv: int) -> int:
+    return adv + _revolve_cost(length - adv, s - 1) + _revolve_cost(adv, s)
+
+
 def revolve_schedule(chain: Chain, slots_count: int) -> Schedule:
     """Binomial (Revolve) schedule with ``slots_count`` checkpoint slots for stored inputs.
 
@@ -123,15 +149,7 @@ def revolve_schedule(chain: Chain, slots_count: int) -> Schedule:
         if length == 1:
             steps += [Step(FORWARD_KEEP_ALL, i), Step(BACKWARD, i)]
             continue
-        best_k, best_cost = -1, None
-        for adv in range(1, length):
-            right = _revolve_cost(length - adv, s - 1)
-            if right is None:
-                continue
-            cost = adv + right + _revolve_cost(adv, s)
-            if best_cost is None or cost < best_cost:
-                best_k, best_cost = i + adv, cost
-        k = best_k
+        k = i + _revolve_advance(length, s)
         steps.append(Step(FORWARD_KEEP_INPUT, i))
         steps.extend(Step(FORWARD_DROP, p) for p in range(i + 1, k))
         stack.append((i, k, s))
