@@ -154,3 +154,14 @@ def test_gcd_scaling_keeps_costs_exact():
     top = simulate(chain, store_all_schedule(chain)).peak_bytes
     result = optimal_schedule(chain, top - 4, slots=top)
     assert result.total_flops == brute_force_optimal(chain, top - 4).total_flops
+
+
+def test_pipelined_row_pruning_keeps_the_reference_answer():
+    """Many first-pass rows (fine slots, two micro-batches in flight): the rows skipped by the
+    lower bounds never hold the answer, ties included (the smallest held allowance wins)."""
+    spec = load_spec("llama3-70b", {"layers": 48, "tp": 8, "sp": True, "pp": 2, "microbatches": 8})
+    chain = layer_chain(spec, False)
+    in_flight = in_flight_microbatches(spec)
+    top = pipeline_peak_bytes(chain, simulate(chain, store_all_schedule(chain)), in_flight)
+    for fraction in (0.25, 0.5, 0.8):
+        _assert_identical(chain, int(top * fraction), 1000, in_flight)

@@ -163,8 +163,8 @@ def _solve_persistent(
             return None
         steps = table.backtrack(0, n, mem)
         return steps, table.flops(0, n, mem)
-    # The first-pass tables need C(i, k, .) for k < n only.
-    return _solve_pipelined(chain, _Table(chain, unit, mem, n - 1), mem, in_flight)
+    # The first-pass tables need C(i, k, .) for k < n; C(0, n, .) bounds their rows.
+    return _solve_pipelined(chain, _Table(chain, unit, mem, n), mem, in_flight)
 
 
 class _Table:
@@ -400,30 +400,41 @@ def _first_pass_rows(n: int, r: _Table, mem: int, in_flight: Fraction) -> list[i
 def _solve_pipelined(
     chain: Chain, r: _Table, mem: int, in_flight: Fraction
 ) -> tuple[Schedule, int | None] | None:
-    """``min_H P_H(0, H)`` over blocks of rows, then one row again with its decisions."""
+    """``min_H P_H(0, H)`` (the smallest ``H`` among equal costs), then that row again with
+    its decisions.
+
+    Rows are evaluated in blocks, most promising first, and a row is skipped once a lower bound
+    on ``P_H(0, H)`` exceeds the best cost found (:func:`_first_pass_bounds`); the skipped rows
+    cost more than the answer, so the answer is that of the full search over every row.
+    """
     import numpy as np
 
     n = chain.length
     rows = _first_pass_rows(n, r, mem, in_flight)
-    no_recompute = r.base(0, n)
+    if not rows:
+        return None
+    bounds = _first_pass_bounds(r, mem, in_flight, rows)
+    order = sorted(range(len(rows)), key=lambda index: (bounds[index], rows[index]))
     best = None  # (cost, H)
     start = 0
-    while start < len(rows):
+    while start < len(order) and bounds[order[start]] < r.inf:
+        if best is not None and bounds[order[start]] > best[0]:
+            break
         end = start + 1
         while (
-            end < len(rows)
+            end < len(order)
             and end - start < _FIRST_PASS_ROWS
-            and (end + 1 - start) * (rows[end] + 1) * n <= _FIRST_PASS_BLOCK
+            and (best is None or bounds[order[end]] <= best[0])
+            and (end + 1 - start) * (max(rows[k] for k in order[start : end + 1]) + 1) * n
+            <= _FIRST_PASS_BLOCK
         ):
             end += 1
-        block = rows[start:end]
+        block = sorted(rows[k] for k in order[start:end])
         table, _ = _first_pass_block(r, mem, in_flight, block, record=False)
         tops = table[0][np.arange(len(block)), block]
-        at = int(tops.argmin())
-        if tops[at] < r.inf and (best is None or tops[at] < best[0]):
-            best = (tops[at], block[at])
-            if best[0] <= no_recompute:
-                break
+        for held, top in zip(block, tops.tolist(), strict=True):
+            if top < r.inf and (best is None or (top, held) < best):
+                best = (top, held)
         start = end
     if best is None:
         return None
@@ -432,6 +443,44 @@ def _solve_pipelined(
     c = mem - math.ceil((in_flight - 1) * held) - held
     steps = _backtrack_first_pass(n, r, choice[:, 0, :], c, held)
     return steps, (int(table[0, 0, held]) * r.scale if r.exact else None)
+
+
+def _first_pass_bounds(r: _Table, mem: int, in_flight: Fraction, rows: list[int]) -> list:
+    """A lower bound on ``P_H(0, H)`` for each row ``H``: the larger of two relaxations.
+
+    derived: (1) without the held allowance the first pass is the regular recursion, so
+    ``P_H(0, H) >= C(0, n, c_H + H)``; (2) with unlimited own memory every left sub-problem
+    ``C(i, k, .)`` costs at least its no-recompute cost, so ``P_H(0, H) >= base(0, n) + E(0, H)``
+    with ``E(i, h)`` the least forward FLOPs of the leaves' advances ``f_i + ... + f_{k-1}``
+    over first-pass paths that store at most ``h`` slots (``tape_i`` by "chain", ``x_i`` by a
+    leaf, ``tape_{n-1}`` at the end): ``E(n-1, h) = 0`` for ``h >= tape_{n-1}``,
+    ``E(i, h) = min(E(i+1, h - tape_i), min_k F(i, k) + E(k, h - x_i))``.
+    """
+    import numpy as np
+
+    n, a, tp, inf = r.n, r.a, r.tp, r.inf
+    nh = rows[-1] + 1
+    extra = np.full((n, nh), inf, dtype=r.dtype)
+    if tp[n - 1] < nh:
+        extra[n - 1, tp[n - 1] :] = 0
+    for i in range(n - 2, -1, -1):
+        best = extra[i]
+        if tp[i] < nh:
+            best[tp[i] :] = extra[i + 1, : nh - tp[i]]
+        if a[i] < nh:
+            advance = np.array([r.prefix[k] - r.prefix[i] for k in range(i + 1, n)], r.dtype)
+            leaf = (extra[i + 1 : n, : nh - a[i]] + advance[:, None]).min(axis=0)
+            np.minimum(best[a[i] :], leaf, out=best[a[i] :])
+        if r.exact:
+            np.minimum(best, inf, out=best)
+    base = r.base(0, n)
+    bounds = []
+    for held in rows:
+        relaxed = r.value(0, r.n, mem - math.ceil((in_flight - 1) * held))
+        free = extra[0, held]
+        free = base + int(free) if r.exact and free < inf else (base + float(free))
+        bounds.append(max(relaxed, min(free, inf)))
+    return bounds
 
 
 def _first_pass_block(r: _Table, mem: int, in_flight: Fraction, block, record):
