@@ -22,7 +22,7 @@ from ckplan.schedules import (
     segment_schedule,
     simulate,
 )
-from ckplan.schedules.revolve import _revolve_advance, _revolve_cost
+from ckplan.schedules.revolve import _best_advance, _revolve_cost
 
 GB = 10**9
 
@@ -129,7 +129,7 @@ def _advance_by_scan(length: int, s: int) -> int:
 def test_revolve_split_by_binary_search_equals_the_scan():
     for length in range(2, 300):
         for slots in range(1, 12):
-            assert _revolve_advance(length, slots) == _advance_by_scan(length, slots)
+            assert _best_advance(length, slots) == _advance_by_scan(length, slots)
 
 
 def test_revolve_slots_sampling():

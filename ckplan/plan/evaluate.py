@@ -121,11 +121,6 @@ def _schedule(
         return store_all_schedule(chain)
     if strategy.kind == "revolve":
         return revolve_schedule(chain, strategy.size)
-    if strategy.kind == "optimal":
-        if budget is None:
-            raise StrategyError("strategy 'optimal' needs a memory budget (--budget)")
-        result = optimal_schedule(chain, budget, slots, in_flight=in_flight)
-        return None if result is None else result.steps
     return segment_schedule(chain, _segments(spec, chain, strategy, first_stage))
 
 
@@ -165,10 +160,11 @@ def evaluate(
         found = _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight)
         if found is None:
             return None
-        peak, steps, replay = found
-        results.append((peak, steps, _stage_flops(spec, strategy, chain, replay), first_stage))
+        peak, steps, replay, group = found
+        flops = _stage_flops(spec, strategy, chain, replay)
+        results.append((peak, steps, flops, first_stage, group))
     # Memory: the fullest stage. FLOPs: the busiest stage, which paces the pipeline.
-    peak, steps, _, first_stage = max(results, key=lambda result: result[0])
+    peak, steps, _, first_stage, _ = max(results, key=lambda result: result[0])
     flops = max((result[2] for result in results), key=lambda count: count.total)
     names = _stage_names(spec, first_stage)
     notes = ()
@@ -177,6 +173,13 @@ def evaluate(
         held = in_flight_microbatches(spec) if first_stage else 1
         count = f"{float(held):g} micro-batch{'' if held == 1 else 'es'}"
         notes = (f"peak on the {where} pipeline stage, {count} in flight",)
+    grouped = max(result[4] for result in results)
+    if grouped > 1:
+        notes += (
+            f"optimal over groups of up to {grouped} consecutive layers (the exact DP would "
+            "take more than seconds here): the schedule fits; the exact optimum may recompute "
+            "less",
+        )
     return _plan(
         spec,
         strategy.name,
@@ -210,8 +213,8 @@ def _stage_flops(
 
 
 def _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight):
-    """(peak, steps, replay) of one pipeline stage with `in_flight` micro-batches, or None when
-    `optimal` finds no schedule within `budget`.
+    """(peak, steps, replay, largest stage group of the optimal DP) of one pipeline stage with
+    `in_flight` micro-batches, or None when `optimal` finds no schedule within `budget`.
 
     The schedule runs one micro-batch; the in_flight - 1 others waiting for their backward hold
     what their forward left (`schedules.pipeline_peak_bytes`). `optimal` minimises FLOPs under
@@ -231,12 +234,17 @@ def _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight
         )
         replay = segment_replay(chain, segments)
         peak = replay.peak_bytes + math.ceil((in_flight - 1) * replay.held_bytes)
-        return peak, SegmentSteps(chain, segments), replay
+        return peak, SegmentSteps(chain, segments), replay, 1
+    if strategy.kind == "optimal":
+        if budget is None:
+            raise StrategyError("strategy 'optimal' needs a memory budget (--budget)")
+        result = optimal_schedule(chain, budget, slots, in_flight=in_flight)
+        if result is None:
+            return None
+        return result.pipeline_peak_bytes, result.steps, result.replay, result.stage_group
     steps = _schedule(spec, chain, strategy, budget, slots, first_stage, in_flight)
-    if steps is None:
-        return None
     replay = simulate(chain, steps)
-    return pipeline_peak_bytes(chain, replay, in_flight), steps, replay
+    return pipeline_peak_bytes(chain, replay, in_flight), steps, replay, 1
 
 
 def _per_iteration(spec: ModelSpec, flops: FlopCount) -> FlopCount:

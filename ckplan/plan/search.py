@@ -90,7 +90,6 @@ def revolve_slots(layers: int) -> tuple[list[int], list[int]]:
 
 
 EVERY_SIZE_UP_TO = 128  # beyond this many layers per stage, sizes are sampled
-DP_MAX_LAYERS = 256  # the O(n³·slots) DP takes minutes beyond this many layers per stage
 
 
 def _sizes(low: int, high: int) -> list[int]:
@@ -133,12 +132,7 @@ def sweep(
             f"revolve:{which} not evaluated: too many steps to replay at "
             f"{spec.layers_per_stage} layers per stage"
         )
-    if formula == "derived" and spec.layers_per_stage > DP_MAX_LAYERS:
-        notes.append(
-            f"optimal not searched: {spec.layers_per_stage} layers per stage is beyond the "
-            f"DP's {DP_MAX_LAYERS}; use pipeline stages or `ckplan schedule` on purpose"
-        )
-    elif formula == "derived":
+    if formula == "derived":
         optimal = optimal_plan(spec, activation_budget(spec, usable), slots)
         if optimal is not None:
             plans.append(optimal)

@@ -96,30 +96,30 @@ def _revolve_cost(l: int, s: int) -> int | None:  # noqa: E741
     return revolve_min_forwards(l, s)
 
 
-@lru_cache(maxsize=65536)
-def _revolve_advance(length: int, s: int) -> int:
-    """The first ``adv`` in ``1..length-1`` minimising
-    ``cost(adv) = adv + t(length - adv, s - 1) + t(adv, s)`` (``t`` = :func:`_revolve_cost`).
+def _advance_cost(length: int, s: int, adv: int) -> int | None:
+    right = _revolve_cost(length - adv, s - 1)
+    return None if right is None else adv + right + _revolve_cost(adv, s)
 
-    derived: ``t(l, s)`` is convex in ``l`` (its increments are ``r``, non-decreasing in ``l``),
-    so ``cost`` is convex and its first minimiser is the first ``adv`` whose increment
-    ``cost(adv + 1) - cost(adv)`` is >= 0: a binary search, tested against the linear scan.
-    With one slot the right part must be a single step.
+
+def _best_advance(length: int, s: int) -> int:
+    """The first ``adv`` in ``1..length-1`` minimising ``adv + t(length - adv, s - 1) +
+    t(adv, s)``, ``t`` = :func:`revolve_min_forwards`, by bisection instead of a scan.
+
+    derived: ``t(l, s)`` is convex in ``l`` (0 up to ``l = 1``, then linear with slope ``r`` on
+    ``beta(s, r-1) < l <= beta(s, r)``, continuous by Pascal's rule), so the cost is convex in
+    ``adv`` and its first minimum is the first ``adv`` whose forward difference is ``>= 0``.
+    With ``s = 1`` the right part has no slot left: only ``adv = length - 1`` is feasible.
     """
     if s == 1:
         return length - 1
-    lo, hi = 1, length - 1  # the answer lies in [lo, hi]
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _advance_cost(length, s, mid + 1) >= _advance_cost(length, s, mid):
-            hi = mid
+    low, high = 1, length - 1  # the answer lies in [low, high]
+    while low < high:
+        middle = (low + high) // 2
+        if _advance_cost(length, s, middle + 1) - _advance_cost(length, s, middle) >= 0:
+            high = middle
         else:
-            lo = mid + 1
-    return lo
-
-
-def _advance_cost(length: int, s: int, adv: int) -> int:
-    return adv + _revolve_cost(length - adv, s - 1) + _revolve_cost(adv, s)
+            low = middle + 1
+    return low
 
 
 def revolve_schedule(chain: Chain, slots_count: int) -> Schedule:
@@ -149,7 +149,7 @@ def revolve_schedule(chain: Chain, slots_count: int) -> Schedule:
         if length == 1:
             steps += [Step(FORWARD_KEEP_ALL, i), Step(BACKWARD, i)]
             continue
-        k = i + _revolve_advance(length, s)
+        k = i + _best_advance(length, s)
         steps.append(Step(FORWARD_KEEP_INPUT, i))
         steps.extend(Step(FORWARD_DROP, p) for p in range(i + 1, k))
         stack.append((i, k, s))

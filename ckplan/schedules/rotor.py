@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+from ckplan.schedules import grouping
 from ckplan.schedules.chain import (
     BACKWARD,
     FORWARD_DROP,
@@ -36,6 +37,7 @@ def _make_result(
     slots: int,
     total_flops: int | None = None,
     in_flight: Fraction = Fraction(1),
+    stage_group: int = 1,
 ) -> ScheduleResult:
     replay = simulate(chain, steps)
     if total_flops is None:
@@ -64,11 +66,16 @@ def _make_result(
         in_flight=in_flight,
         held_bytes=held,
         pipeline_peak_bytes=peak,
+        stage_group=stage_group,
     )
 
 
 def optimal_schedule(
-    chain: Chain, budget_bytes: int, slots: int = 500, in_flight: int | Fraction = 1
+    chain: Chain,
+    budget_bytes: int,
+    slots: int = 500,
+    in_flight: int | Fraction = 1,
+    group_size: int | None = None,
 ) -> ScheduleResult | None:
     """Cheapest persistent schedule whose (pipeline) peak fits ``budget_bytes``; None if none fits.
 
@@ -127,6 +134,11 @@ def optimal_schedule(
     first-pass tables are vectorised over (split, ``H``, ``h``), in blocks of rows ``H``:
     O(n^2 * (slots / q)^2) more work (``H <= slots / q``); exact for Fraction ``q`` (``ceil``).
     The returned costs are the DP's; the peaks are the exact replay of the schedule.
+
+    Where the DP's work would pass :mod:`ckplan.schedules.grouping`'s limits (about a second:
+    some 500 stages of equal layers at 500 slots, about 160 with micro-batches in flight) it is
+    solved over groups of consecutive equal stages (``group_size`` forces a size);
+    ``stage_group`` in the result says how many stages the largest group has.
     """
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
         raise ValueError(f"budget_bytes must be an int, got {budget_bytes!r}")
@@ -142,11 +154,23 @@ def optimal_schedule(
     plain = store_all_schedule(chain)
     if pipeline_peak_bytes(chain, simulate(chain, plain), q) <= budget_bytes:
         return _make_result(chain, plain, budget_bytes, unit, mem, None, q)
-    solved = _solve_persistent(chain, unit, mem, q)
+    if group_size is None:
+        groups = list(grouping.optimal_groups(chain, mem + 1, q))
+    elif isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    else:
+        groups = grouping.stage_groups(chain, group_size)
+    if len(groups) == chain.length:
+        solved = _solve_persistent(chain, unit, mem, q)
+    else:
+        solved = _solve_persistent(grouping.grouped_chain(chain, groups), unit, mem, q)
     if solved is None:
         return None
     steps, dp_cost = solved
-    return _make_result(chain, steps, budget_bytes, unit, mem, dp_cost, q)
+    if len(groups) < chain.length:
+        steps = grouping.expand_schedule(steps, groups)
+    largest = max(end - start for start, end in groups)
+    return _make_result(chain, steps, budget_bytes, unit, mem, dp_cost, q, largest)
 
 
 def _solve_persistent(
