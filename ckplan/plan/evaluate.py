@@ -25,9 +25,7 @@ from ckplan.schedules import (
     Replay,
     SegmentReplay,
     SegmentSteps,
-    optimal_schedule,
     pipeline_peak_bytes,
-    revolve_schedule,
     segment_replay,
     segment_schedule,
     simulate,
@@ -120,6 +118,8 @@ def _schedule(
     if strategy.kind in ("none", "selective"):
         return store_all_schedule(chain)
     if strategy.kind == "revolve":
+        from ckplan.schedules.revolve import revolve_schedule  # only where it is used
+
         return revolve_schedule(chain, strategy.size)
     return segment_schedule(chain, _segments(spec, chain, strategy, first_stage))
 
@@ -238,6 +238,8 @@ def _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight
     if strategy.kind == "optimal":
         if budget is None:
             raise StrategyError("strategy 'optimal' needs a memory budget (--budget)")
+        from ckplan.schedules.rotor import optimal_schedule  # only where it is used (NumPy)
+
         result = optimal_schedule(chain, budget, slots, in_flight=in_flight)
         if result is None:
             return None

@@ -13,7 +13,6 @@ from ckplan.model.memory import model_state_bytes
 from ckplan.model.spec import ModelSpec
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate
 from ckplan.plan.strategies import Strategy, parse_strategy
-from ckplan.schedules import revolve_min_forwards
 
 # Taken off every budget unless --reserve says otherwise: the CUDA context and cuBLAS/NCCL
 # workspaces (about 0.5-1 GiB on H100-class GPUs) plus caching-allocator fragmentation.
@@ -81,6 +80,8 @@ def revolve_slots(layers: int) -> tuple[list[int], list[int]]:
     """(kept, skipped) revolve:C candidates, C = 1..ceil(sqrt(L)) + 1: the most slots first
     (the shortest schedules), while their steps, 2n + t(n, C) each (revolve_min_forwards),
     add up to at most REVOLVE_MAX_STEPS; every C is kept up to about 350 layers per stage."""
+    from ckplan.schedules.revolve import revolve_min_forwards
+
     stages = layers + 2  # embedding and output at most
     kept, skipped, total = [], [], 0
     for slots in range(math.isqrt(layers) + 2, 0, -1):
