@@ -12,13 +12,16 @@ from hypothesis import strategies as st
 
 from ckplan.io.presets import load_spec
 from ckplan.plan import evaluate, layer_chain, parse_strategy
-from ckplan.plan.search import REVOLVE_MAX_STEPS, revolve_slots, sweep
+from ckplan.plan.evaluate import _segment_runs, _segments
+from ckplan.plan.search import REVOLVE_MAX_STEPS, candidate_strategies, revolve_slots, sweep
 from ckplan.schedules import (
     Chain,
     SegmentSteps,
     held_after_forward_bytes,
+    replay_runs,
     revolve_min_forwards,
     segment_replay,
+    segment_runs,
     segment_schedule,
     simulate,
 )
@@ -94,7 +97,7 @@ def test_segment_replay_rejects_bad_segments():
 def test_segment_steps_are_the_schedule():
     chain = Chain.uniform(5, forward_flops=1, backward_flops=2, input_bytes=1, tape_bytes=2)
     segments = [(0, 2, True), (2, 4, False), (4, 5, True)]
-    steps = SegmentSteps(chain, segments)
+    steps = SegmentSteps(chain, segment_runs(segments))
     schedule = segment_schedule(chain, segments)
     assert len(steps) == len(schedule) == 13  # 5 forwards, 3 re-forwards, 5 backwards
     assert steps == schedule and schedule == steps
@@ -165,3 +168,53 @@ def test_random_segment_plans_on_planner_chains():
                 ]
                 replay = simulate(chain, segment_schedule(chain, segments))
                 assert segment_replay(chain, segments).peak_bytes == replay.peak_bytes
+
+
+@settings(max_examples=300, deadline=None)
+@given(chains_and_segments())
+def test_runs_replay_equals_simulate(case):
+    """The same plans given as runs (equal consecutive segments merged)."""
+    chain, segments = case
+    runs = segment_runs(segments)
+    assert [
+        seg for s, z, c, r in runs for seg in [(s + k * z, s + (k + 1) * z, r) for k in range(c)]
+    ] == segments
+    replay = simulate(chain, segment_schedule(chain, segments))
+    closed = replay_runs(chain, runs)
+    assert (closed.peak_bytes, closed.recompute_flops) == (
+        replay.peak_bytes,
+        replay.recompute_flops,
+    )
+    assert closed.held_bytes == held_after_forward_bytes(chain, replay)
+
+
+def test_runs_reject_bad_input():
+    chain = Chain.uniform(4, forward_flops=1, backward_flops=2, input_bytes=1, tape_bytes=2)
+    for runs in ([(0, 2, 1, True)], [(1, 1, 3, True)], [(0, 0, 4, True)], [(0, 2, 2, 1)], [(0, 4)]):
+        with pytest.raises(ValueError):
+            replay_runs(chain, runs)
+
+
+@pytest.mark.parametrize(
+    "preset, overrides",
+    [
+        ("gpt2", {}),
+        ("llama3-8b", {"layers": 13, "pp": 1}),
+        ("llama3-8b", {"pp": 4, "microbatches": 4}),
+    ],
+)
+def test_planner_runs_are_the_planner_segments(preset, overrides):
+    """evaluate's runs expand to exactly its segment lists, for every candidate strategy."""
+    spec = load_spec(preset, overrides)
+    for strategy in candidate_strategies(spec):
+        if strategy.kind in ("none", "selective", "revolve"):
+            continue
+        for first_stage in (True, False) if spec.pp > 1 else (True,):
+            chain = layer_chain(spec, strategy.selective, first_stage)
+            runs = _segment_runs(spec, chain, strategy, first_stage)
+            expanded = [
+                (start + k * size, start + (k + 1) * size, recompute)
+                for start, size, count, recompute in runs
+                for k in range(count)
+            ]
+            assert expanded == _segments(spec, chain, strategy, first_stage), strategy.name

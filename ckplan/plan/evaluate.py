@@ -26,7 +26,7 @@ from ckplan.schedules import (
     SegmentReplay,
     SegmentSteps,
     pipeline_peak_bytes,
-    segment_replay,
+    replay_runs,
     segment_schedule,
     simulate,
     store_all_schedule,
@@ -96,6 +96,29 @@ def _segments(spec: ModelSpec, chain: Chain, strategy: Strategy, first_stage: bo
     if offset + n_layers < chain.length:
         segments.append((offset + n_layers, chain.length, False))
     return [(start, end, recompute) for start, end, recompute in segments if end > start]
+
+
+def _segment_runs(spec: ModelSpec, chain: Chain, strategy: Strategy, first_stage: bool):
+    """`_segments` as runs (start, size, count, recompute) of equal consecutive segments
+    (`schedules.segment_replay`): O(1) entries for any number of layers."""
+    offset = _layer_offset(spec, first_stage)
+    n_layers = spec.layers_per_stage
+    runs = [(0, offset, 1, False)]
+    if strategy.kind == "block":
+        runs.append((offset, 1, strategy.size, True))
+        runs.append((offset + strategy.size, n_layers - strategy.size, 1, False))
+    else:
+        size = _segment_size(spec, strategy)
+        full, rest = divmod(n_layers, size)
+        keep_last = strategy.kind == "sequential"  # its last segment is stored
+        if rest:
+            runs.append((offset, size, full, True))
+            runs.append((offset + full * size, rest, 1, not keep_last))
+        else:
+            runs.append((offset, size, full - 1, True))
+            runs.append((offset + (full - 1) * size, size, 1, not keep_last))
+    runs.append((offset + n_layers, chain.length - offset - n_layers, 1, False))
+    return [run for run in runs if run[1] > 0 and run[2] > 0]
 
 
 def _segment_size(spec: ModelSpec, strategy: Strategy) -> int:
@@ -205,9 +228,9 @@ def _stage_flops(
     layers = spec.layers_per_stage
     core = flops_model.group_forward_flops(spec, ATTENTION_CORE)
     selective_flops = layers * core if strategy.selective else 0
-    return FlopCount(
-        forward=sum(chain.forward_flops),
-        backward=sum(chain.backward_flops) - selective_flops,
+    return FlopCount(  # the replay's sums: one forward and one backward of every stage
+        forward=replay.forward_flops - replay.recompute_flops,
+        backward=replay.backward_flops - selective_flops,
         recompute=replay.recompute_flops + selective_flops,
     )
 
@@ -226,15 +249,15 @@ def _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight
     slots *= math.ceil(in_flight)
     if strategy.kind not in ("revolve", "optimal"):
         # Segment plans (store-all is one stored segment): their replay in closed form, O(1)
-        # per segment, and their steps built only if something reads them.
-        segments = (
-            [(0, chain.length, False)]
+        # per run of equal segments, and their steps built only if something reads them.
+        runs = (
+            [(0, chain.length, 1, False)]
             if strategy.kind in ("none", "selective")
-            else _segments(spec, chain, strategy, first_stage)
+            else _segment_runs(spec, chain, strategy, first_stage)
         )
-        replay = segment_replay(chain, segments)
+        replay = replay_runs(chain, runs)
         peak = replay.peak_bytes + math.ceil((in_flight - 1) * replay.held_bytes)
-        return peak, SegmentSteps(chain, segments), replay, 1
+        return peak, SegmentSteps(chain, runs), replay, 1
     if strategy.kind == "optimal":
         if budget is None:
             raise StrategyError("strategy 'optimal' needs a memory budget (--budget)")

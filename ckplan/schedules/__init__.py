@@ -24,13 +24,13 @@ from ckplan.schedules.chain import (
     pipeline_peak_bytes,
     simulate,
 )
-from ckplan.schedules.segments import (
+from ckplan.schedules.segment_replay import (
     SegmentReplay,
-    SegmentSteps,
+    replay_runs,
     segment_replay,
-    segment_schedule,
-    store_all_schedule,
+    segment_runs,
 )
+from ckplan.schedules.segments import SegmentSteps, segment_schedule, store_all_schedule
 
 # Imported on first use, so that a command that never builds them starts faster.
 _LAZY = {
@@ -76,11 +76,13 @@ __all__ = [
     "held_after_forward_bytes",
     "optimal_schedule",
     "pipeline_peak_bytes",
+    "replay_runs",
     "revolve_dp_min_forwards",
     "revolve_dp_table",
     "revolve_min_forwards",
     "revolve_schedule",
     "segment_replay",
+    "segment_runs",
     "segment_schedule",
     "simulate",
     "store_all_schedule",

@@ -25,7 +25,7 @@ from ckplan.schedules.chain import (
 DP_MAX_WORK = 4 * 10**8  # leaf candidates of the regular table, sum over classes of n * slots
 DP_MAX_CELLS = 15 * 10**6  # kept table entries, classes * slots (two int64 tables: 240 MB)
 FIRST_PASS_MAX_WORK = 4 * 10**9  # first-pass entries before pruning, n^2 / 2 * (slots / q)^2
-COUNTED_STAGES = 1024  # chains are first grouped down to this many stages, then classes counted
+COUNTED_STAGES = 600  # chains are first grouped down to this many stages, then classes counted
 
 
 def stage_groups(chain: Chain, size: int) -> list[tuple[int, int]]:

@@ -20,6 +20,7 @@ from ckplan.schedules.chain import (
     pipeline_peak_bytes,
     simulate,
 )
+from ckplan.schedules.segment_replay import replay_runs
 from ckplan.schedules.segments import (
     store_all_schedule,
 )
@@ -151,9 +152,10 @@ def optimal_schedule(
     mem = budget_bytes // unit
     # No recomputation is the cheapest schedule there is: when it fits at exact sizes, it is the
     # answer, even where rounding sizes up to slots would make the DP miss it.
-    plain = store_all_schedule(chain)
-    if pipeline_peak_bytes(chain, simulate(chain, plain), q) <= budget_bytes:
-        return _make_result(chain, plain, budget_bytes, unit, mem, None, q)
+    # (Its peak in closed form first: the replay of a long chain takes a while.)
+    plain = replay_runs(chain, [(0, chain.length, 1, False)])
+    if plain.peak_bytes + math.ceil((q - 1) * plain.held_bytes) <= budget_bytes:
+        return _make_result(chain, store_all_schedule(chain), budget_bytes, unit, mem, None, q)
     if group_size is None:
         groups = list(grouping.optimal_groups(chain, mem + 1, q))
     elif isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
