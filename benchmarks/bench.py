@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import platform
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -83,16 +84,27 @@ def startup() -> None:
         "ckplan estimate llama3-8b": [ckplan, "estimate", "llama3-8b"],
         "ckplan estimate llama3-8b --json": [ckplan, "estimate", "llama3-8b", "--json"],
     }
-    samples: dict[str, list[float]] = {name: [] for name in cases}
+    wall: dict[str, list[float]] = {name: [] for name in cases}
+    cpu: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(3 if QUICK else 15):  # interleaved, so that load hits every case alike
         for name, command in cases.items():
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
             start = time.perf_counter()
             subprocess.run(command, capture_output=True, check=True)
-            samples[name].append(time.perf_counter() - start)
-    floor = min(samples["floor: Typer app, estimate's options"])
-    for name, values in samples.items():
-        ratio = f"{min(values) / floor:5.2f}x floor" if "ckplan" in name else ""
-        print(f"  {name:<44} {seconds(min(values), statistics.median(values))}  {ratio}")
+            wall[name].append(time.perf_counter() - start)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu[name].append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+    floor = "floor: Typer app, estimate's options"
+    print(f"  {'':<44} {'wall':>18} {'CPU':>8}  best against the floor (wall, CPU)")
+    for name in cases:
+        ratio = ""
+        if "ckplan" in name:
+            by_wall = min(wall[name]) / min(wall[floor])
+            ratio = f"{by_wall:5.2f}x {min(cpu[name]) / min(cpu[floor]):5.2f}x"
+        print(
+            f"  {name:<44} {seconds(min(wall[name]), statistics.median(wall[name]))} "
+            f"{min(cpu[name]):8.3f}  {ratio}"
+        )
 
 
 def dp() -> None:
@@ -197,19 +209,22 @@ def _cs_revolve_seconds(n: int, slots: int, limit: float = 30.0) -> str:
 
 def sweeps() -> None:
     print("\n4. Sweeps (every candidate plan, the optimal DP twice) and very deep stages")
+    pp4 = {"tp": 8, "pp": 4, "sp": True, "microbatches": 16}
     cases = [
+        ("llama3-70b tp8 pp4, 80GB", "llama3-70b", pp4, 80),
+        ("llama3-70b tp8 pp4, 50GB (optimal wins)", "llama3-70b", pp4, 50),
+        ("llama3-70b tp8, 80GB", "llama3-70b", {"tp": 8, "sp": True}, 80),
         (
-            "llama3-70b tp8 pp4, 80GB",
-            "llama3-70b",
-            {"tp": 8, "pp": 4, "sp": True, "microbatches": 16},
+            "llama3-405b tp8, 128 layers, 80GB",
+            "llama3-405b",
+            {"tp": 8, "sp": True, "layers": 128},
+            80,
         ),
-        ("llama3-70b tp8, 80GB", "llama3-70b", {"tp": 8, "sp": True}),
-        ("llama3-405b tp8, 128 layers, 80GB", "llama3-405b", {"tp": 8, "sp": True, "layers": 128}),
     ]
-    for label, preset, overrides in cases:
-        best, median, _ = timed(sweep, load_spec(preset, overrides), 80 * GB)
+    for label, preset, overrides, budget in cases:
+        best, median, _ = timed(sweep, load_spec(preset, overrides), budget * GB)
         print(f"  {'sweep ' + label:<44} {seconds(best, median)}")
-    for layers in (2000, 10000):
+    for layers in (2000, 10000, 100000):
         spec = load_spec("gpt2", {"layers": layers})
         none = evaluate(spec, parse_strategy("none", spec))
         budget = none.model_states.total + none.activation_bytes // 4 + DEFAULT_RESERVE
