@@ -37,8 +37,17 @@ validate: $(TORCH_STAMP)
 	$(BIN)/python validation/torch_backward_peak.py --compare --output
 	$(BIN)/pytest tests/test_torch_validation.py
 
-bench: $(STAMP)
-	$(BIN)/python benchmarks/bench.py
+# The bench has its own venv: checkpoint-schedules (compared with our Revolve) is no dependency.
+BENCH_VENV := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed
+$(BENCH_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip
+	$(BENCH_VENV)/bin/pip install --quiet -e . 'checkpoint-schedules==1.0.4'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BENCH_VENV)/bin/python benchmarks/bench.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(BENCH_VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -1,63 +1,249 @@
-"""`make bench`: wall time of the planner's hot paths (never asserted in tests).
+"""`make bench`: the planner's hot paths side by side with what they are measured against
+(never asserted in tests; docs/performance.md records the figures and the machine).
 
-Prints one line per case: median of several runs, in seconds.
+1. CLI start-up: `ckplan estimate PRESET` against a Typer app with the same options.
+2. The optimal DP at L = 32/64/128/256 layers x 500 slots against its first implementation
+   (`schedules.rotor_reference`), same schedules checked step for step.
+3. Revolve against the `checkpoint-schedules` package (installed in the bench venv only).
+4. Sweeps, the pipelined DP and very deep stages.
+
+Times are the best (least loaded) of several runs, in seconds, with the median beside it.
+`python benchmarks/bench.py --quick` runs fewer repeats.
 """
 
 from __future__ import annotations
 
+import os
+import platform
+import random
+import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_schedules import transformer_chain
+
 from ckplan.io.presets import load_spec
-from ckplan.plan import evaluate, layer_chain, parse_strategy
-from ckplan.plan.search import sweep
-from ckplan.schedules import optimal_schedule
+from ckplan.plan import evaluate, in_flight_microbatches, layer_chain, parse_strategy
+from ckplan.plan.search import DEFAULT_RESERVE, sweep
+from ckplan.schedules import (
+    Chain,
+    pipeline_peak_bytes,
+    revolve_min_forwards,
+    revolve_schedule,
+    simulate,
+    store_all_schedule,
+)
+from ckplan.schedules.rotor import optimal_schedule
+from ckplan.schedules.rotor_reference import optimal_schedule as reference_schedule
 
 GB = 10**9
+HERE = Path(__file__).resolve().parent
+QUICK = "--quick" in sys.argv
 
 
-def timed(label: str, function, repeats: int = 3) -> None:
-    samples = []
-    for _ in range(repeats):
+def timed(function, *args, repeats: int = 3) -> tuple[float, float, object]:
+    """(best, median, last result) of `repeats` runs of `function(*args)`."""
+    samples, result = [], None
+    for _ in range(1 if QUICK else repeats):
         start = time.perf_counter()
-        function()
+        result = function(*args)
         samples.append(time.perf_counter() - start)
-    print(f"{label:<60} {statistics.median(samples):8.3f} s")
+    return min(samples), statistics.median(samples), result
+
+
+def seconds(best: float, median: float) -> str:
+    return f"{best:8.3f} ({median:.3f})"
+
+
+def machine() -> None:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",) * 3
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}, load average {load[0]:.2f} {load[1]:.2f} "
+        f"{load[2]:.2f}; times: best (median), seconds"
+    )
+
+
+def startup() -> None:
+    print("\n1. CLI start-up (a fresh process each run)")
+    python = sys.executable
+    ckplan = str(Path(python).with_name("ckplan"))
+    cases = {
+        "python -c pass": [python, "-c", "pass"],
+        "floor: Typer app, estimate's options": [
+            python,
+            str(HERE / "typer_floor.py"),
+            "estimate",
+            "llama3-8b",
+        ],
+        "ckplan estimate llama3-8b": [ckplan, "estimate", "llama3-8b"],
+        "ckplan estimate llama3-8b --json": [ckplan, "estimate", "llama3-8b", "--json"],
+    }
+    wall: dict[str, list[float]] = {name: [] for name in cases}
+    cpu: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(3 if QUICK else 15):  # interleaved, so that load hits every case alike
+        for name, command in cases.items():
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            start = time.perf_counter()
+            subprocess.run(command, capture_output=True, check=True)
+            wall[name].append(time.perf_counter() - start)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu[name].append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+    floor = "floor: Typer app, estimate's options"
+    print(f"  {'':<44} {'wall':>18} {'CPU':>8}  best against the floor (wall, CPU)")
+    for name in cases:
+        ratio = ""
+        if "ckplan" in name:
+            by_wall = min(wall[name]) / min(wall[floor])
+            ratio = f"{by_wall:5.2f}x {min(cpu[name]) / min(cpu[floor]):5.2f}x"
+        print(
+            f"  {name:<44} {seconds(min(wall[name]), statistics.median(wall[name]))} "
+            f"{min(cpu[name]):8.3f}  {ratio}"
+        )
+
+
+def dp() -> None:
+    import numpy  # noqa: F401 (imported once, before the timings)
+
+    print("\n2. Optimal DP, transformer chain (embedding, L layers, output), budget 25% of")
+    print("   store-all, 500 slots: the fast DP against rotor_reference, schedules compared")
+    print(f"  {'chain':<34} {'fast':>18} {'reference':>18} {'speed-up':>9}  same")
+    for layers in (32, 64, 128, 256):
+        chain = transformer_chain(layers)
+        budget = simulate(chain, store_all_schedule(chain)).peak_bytes // 4
+        label = f"L = {layers} ({chain.length} stages)"
+        _dp_row(label, chain, budget, 500, 1, 1 if layers > 128 else 3)
+    # The DP's worst case: no two sub-chains alike (no class sharing), as for custom chains.
+    rng = random.Random(1)
+    n = 130
+    inputs = [rng.randint(1, 10**9) for _ in range(n + 1)]
+    tapes = [inputs[i] + rng.randint(0, 10**10) for i in range(n)]
+    forward = [rng.randint(1, 10**12) for _ in range(n)]
+    chain = Chain(forward, [2 * x for x in forward], inputs, tapes)
+    budget = simulate(chain, store_all_schedule(chain)).peak_bytes // 4
+    _dp_row("130 stages, all unequal", chain, budget, 500, 1, 1)
+    spec = load_spec("llama3-70b", {"tp": 8, "pp": 2, "sp": True, "microbatches": 16})
+    chain = layer_chain(spec, False)
+    in_flight = in_flight_microbatches(spec)
+    top = pipeline_peak_bytes(chain, simulate(chain, store_all_schedule(chain)), in_flight)
+    _dp_row("llama3-70b pp2 stage, 2 in flight", chain, int(top * 0.3), 1000, in_flight, 3)
+
+
+def _dp_row(label, chain, budget, slots, in_flight, repeats) -> None:
+    args = (chain, budget, slots, in_flight)
+    fast_best, fast_median, fast = timed(optimal_schedule, *args, repeats=repeats)
+    ref_best, ref_median, ref = timed(reference_schedule, *args, repeats=repeats)
+    same = (fast is None) == (ref is None) and (fast is None or fast.steps == ref.steps)
+    print(
+        f"  {label:<34} {seconds(fast_best, fast_median)} {seconds(ref_best, ref_median)} "
+        f"{ref_best / fast_best:8.1f}x  {'yes' if same else 'NO'}"
+    )
+
+
+def revolve() -> None:
+    print("\n3. Revolve (binomial) schedules: ckplan against checkpoint-schedules")
+    try:
+        import checkpoint_schedules as cs
+    except ImportError:
+        print("  checkpoint-schedules is not installed: `make bench` installs it in .venv-bench")
+        return
+    from importlib.metadata import version
+
+    print(f"  checkpoint-schedules {version('checkpoint-schedules')}: ", end="")
+    print("MultistageCheckpointSchedule(n, s, 0) (binomial) and")
+    print("  Revolve(n, s) (H-Revolve's DP; 30 s limit), forwards counted over the whole run")
+    print(
+        f"  {'n, slots':<14} {'ckplan build':>18} {'+ replay':>18} {'cs multistage':>18} "
+        f"{'cs Revolve':>12}  forwards equal"
+    )
+    for n, slots in ((1000, 10), (10000, 10), (10000, 100)):
+        chain = Chain.uniform(n, forward_flops=1, backward_flops=2, input_bytes=1, tape_bytes=3)
+        build = timed(revolve_schedule, chain, slots)
+        replay = timed(_revolve_replay, chain, slots)
+        ours = sum(1 for step in build[2] if step.kind != "backward")
+        multi = timed(_cs_forwards, n, slots, cs)
+        full = _cs_revolve_seconds(n, slots)
+        equal = ours == multi[2] == n + revolve_min_forwards(n, slots)
+        print(
+            f"  {f'{n:,}, {slots}':<14} {seconds(build[0], build[1])} "
+            f"{seconds(replay[0], replay[1])} {seconds(multi[0], multi[1])} {full:>12}  "
+            f"{'yes' if equal else 'NO'} ({ours:,})"
+        )
+
+
+def _revolve_replay(chain: Chain, slots: int):
+    return simulate(chain, revolve_schedule(chain, slots))
+
+
+def _cs_forwards(n: int, slots: int, cs) -> int:
+    forwards = 0
+    for action in cs.MultistageCheckpointSchedule(n, slots, 0):
+        if isinstance(action, cs.Forward):
+            forwards += len(action)
+        elif isinstance(action, cs.EndReverse):
+            return forwards
+    return forwards
+
+
+def _cs_revolve_seconds(n: int, slots: int, limit: float = 30.0) -> str:
+    code = (
+        "import time, checkpoint_schedules as cs\n"
+        "start = time.perf_counter()\n"
+        f"for action in cs.Revolve({n}, {slots}):\n"
+        "    if isinstance(action, cs.EndReverse): break\n"
+        "print(time.perf_counter() - start)\n"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=limit
+        )
+    except subprocess.TimeoutExpired:
+        return f"> {limit:.0f} s"
+    return f"{float(done.stdout):8.3f}" if done.returncode == 0 else "error"
+
+
+def sweeps() -> None:
+    print("\n4. Sweeps (every candidate plan, the optimal DP twice) and very deep stages")
+    pp4 = {"tp": 8, "pp": 4, "sp": True, "microbatches": 16}
+    cases = [
+        ("llama3-70b tp8 pp4, 80GB", "llama3-70b", pp4, 80),
+        ("llama3-70b tp8 pp4, 50GB (optimal wins)", "llama3-70b", pp4, 50),
+        ("llama3-70b tp8, 80GB", "llama3-70b", {"tp": 8, "sp": True}, 80),
+        (
+            "llama3-405b tp8, 128 layers, 80GB",
+            "llama3-405b",
+            {"tp": 8, "sp": True, "layers": 128},
+            80,
+        ),
+    ]
+    for label, preset, overrides, budget in cases:
+        best, median, _ = timed(sweep, load_spec(preset, overrides), budget * GB)
+        print(f"  {'sweep ' + label:<44} {seconds(best, median)}")
+    for layers in (2000, 10000, 100000):
+        spec = load_spec("gpt2", {"layers": layers})
+        none = evaluate(spec, parse_strategy("none", spec))
+        budget = none.model_states.total + none.activation_bytes // 4 + DEFAULT_RESERVE
+        best, median, _ = timed(sweep, spec, budget, repeats=1)
+        label = f"sweep gpt2 x {layers:,} layers, 25% activations"
+        print(f"  {label:<44} {seconds(best, median)}")
+        optimal = parse_strategy("optimal", spec)
+        activations = none.activation_bytes // 4
+        best, median, _ = timed(evaluate, spec, optimal, "derived", activations, repeats=1)
+        label = f"estimate --strategy optimal, {layers:,} layers"
+        print(f"  {label:<44} {seconds(best, median)}")
 
 
 def main() -> None:
-    llama = load_spec("llama3-8b")
-    timed("estimate llama3-8b (none)", lambda: evaluate(llama, parse_strategy("none", llama)))
-    timed(
-        "estimate llama3-8b (uniform:4)",
-        lambda: evaluate(llama, parse_strategy("uniform:4", llama)),
-    )
-    tp8 = load_spec("llama3-70b", {"tp": 8, "pp": 4, "sp": True, "microbatches": 16})
-    timed("sweep llama3-70b tp8 pp4, 80GB", lambda: sweep(tp8, 80 * GB), repeats=1)
-    deep = load_spec("llama3-405b", {"layers": 128, "tp": 8, "sp": True})
-    chain = layer_chain(deep, selective=False)
-    budget = sum(chain.tape_bytes) // 4
-    timed(
-        f"optimal DP, {chain.length} stages x 500 slots",
-        lambda: optimal_schedule(chain, budget, 500),
-        repeats=1,
-    )
-    timed(
-        f"optimal DP, {chain.length} stages x 1000 slots",
-        lambda: optimal_schedule(chain, budget, 1000),
-        repeats=1,
-    )
-    cli = [sys.executable, "-m", "ckplan", "presets", "gpt2", "--json"]
-    timed(
-        "CLI start-up: ckplan presets gpt2 --json",
-        lambda: subprocess.run(cli, capture_output=True, check=True),
-    )
-    extra = Path(__file__).with_name("bench_schedules.py")
-    if extra.exists():
-        subprocess.run([sys.executable, str(extra)], check=True)
+    machine()
+    startup()
+    dp()
+    revolve()
+    sweeps()
 
 
 if __name__ == "__main__":

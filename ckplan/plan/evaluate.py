@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
+from functools import lru_cache
 
 from ckplan.model import flops as flops_model
 from ckplan.model import memory, seed
@@ -22,9 +23,10 @@ from ckplan.plan.strategies import Strategy, StrategyError
 from ckplan.schedules import (
     Chain,
     Replay,
-    optimal_schedule,
+    SegmentReplay,
+    SegmentSteps,
     pipeline_peak_bytes,
-    revolve_schedule,
+    replay_runs,
     segment_schedule,
     simulate,
     store_all_schedule,
@@ -96,6 +98,29 @@ def _segments(spec: ModelSpec, chain: Chain, strategy: Strategy, first_stage: bo
     return [(start, end, recompute) for start, end, recompute in segments if end > start]
 
 
+def _segment_runs(spec: ModelSpec, chain: Chain, strategy: Strategy, first_stage: bool):
+    """`_segments` as runs (start, size, count, recompute) of equal consecutive segments
+    (`schedules.segment_replay`): O(1) entries for any number of layers."""
+    offset = _layer_offset(spec, first_stage)
+    n_layers = spec.layers_per_stage
+    runs = [(0, offset, 1, False)]
+    if strategy.kind == "block":
+        runs.append((offset, 1, strategy.size, True))
+        runs.append((offset + strategy.size, n_layers - strategy.size, 1, False))
+    else:
+        size = _segment_size(spec, strategy)
+        full, rest = divmod(n_layers, size)
+        keep_last = strategy.kind == "sequential"  # its last segment is stored
+        if rest:
+            runs.append((offset, size, full, True))
+            runs.append((offset + full * size, rest, 1, not keep_last))
+        else:
+            runs.append((offset, size, full - 1, True))
+            runs.append((offset + (full - 1) * size, size, 1, not keep_last))
+    runs.append((offset + n_layers, chain.length - offset - n_layers, 1, False))
+    return [run for run in runs if run[1] > 0 and run[2] > 0]
+
+
 def _segment_size(spec: ModelSpec, strategy: Strategy) -> int:
     if strategy.kind == "full":
         return 1
@@ -116,12 +141,9 @@ def _schedule(
     if strategy.kind in ("none", "selective"):
         return store_all_schedule(chain)
     if strategy.kind == "revolve":
+        from ckplan.schedules.revolve import revolve_schedule  # only where it is used
+
         return revolve_schedule(chain, strategy.size)
-    if strategy.kind == "optimal":
-        if budget is None:
-            raise StrategyError("strategy 'optimal' needs a memory budget (--budget)")
-        result = optimal_schedule(chain, budget, slots, in_flight=in_flight)
-        return None if result is None else result.steps
     return segment_schedule(chain, _segments(spec, chain, strategy, first_stage))
 
 
@@ -161,46 +183,61 @@ def evaluate(
         found = _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight)
         if found is None:
             return None
-        peak, steps, replay = found
-        results.append((peak, steps, _stage_flops(spec, strategy, chain, replay), first_stage))
+        peak, steps, replay, group = found
+        flops = _stage_flops(spec, strategy, chain, replay)
+        results.append((peak, steps, flops, first_stage, group))
     # Memory: the fullest stage. FLOPs: the busiest stage, which paces the pipeline.
-    peak, steps, _, first_stage = max(results, key=lambda result: result[0])
+    peak, steps, _, first_stage, _ = max(results, key=lambda result: result[0])
     flops = max((result[2] for result in results), key=lambda count: count.total)
-    names = tuple(stage_names(spec, first_stage))
+    names = _stage_names(spec, first_stage)
     notes = ()
     if spec.pp > 1:
         where = "first" if first_stage else "last"
         held = in_flight_microbatches(spec) if first_stage else 1
         count = f"{float(held):g} micro-batch{'' if held == 1 else 'es'}"
         notes = (f"peak on the {where} pipeline stage, {count} in flight",)
+    grouped = max(result[4] for result in results)
+    if grouped > 1:
+        notes += (
+            f"optimal over groups of up to {grouped} consecutive layers (the exact DP would "
+            "take more than seconds here): the schedule fits; the exact optimum may recompute "
+            "less",
+        )
     return _plan(
         spec,
         strategy.name,
         "derived",
         peak,
         _per_iteration(spec, flops),
-        tuple(steps),
+        steps,
         names,
         notes,
     )
 
 
-def _stage_flops(spec: ModelSpec, strategy: Strategy, chain: Chain, replay: Replay) -> FlopCount:
+@lru_cache(maxsize=64)  # a sweep names the same stages for each of its plans
+def _stage_names(spec: ModelSpec, first_stage: bool) -> tuple[str, ...]:
+    return tuple(stage_names(spec, first_stage))
+
+
+def _stage_flops(
+    spec: ModelSpec, strategy: Strategy, chain: Chain, replay: Replay | SegmentReplay
+) -> FlopCount:
     """One micro-batch through one chain; selective recompute is counted as recompute, not as
     the backward the chain charges it to."""
     layers = spec.layers_per_stage
     core = flops_model.group_forward_flops(spec, ATTENTION_CORE)
     selective_flops = layers * core if strategy.selective else 0
-    return FlopCount(
-        forward=sum(chain.forward_flops),
-        backward=sum(chain.backward_flops) - selective_flops,
+    return FlopCount(  # the replay's sums: one forward and one backward of every stage
+        forward=replay.forward_flops - replay.recompute_flops,
+        backward=replay.backward_flops - selective_flops,
         recompute=replay.recompute_flops + selective_flops,
     )
 
 
 def _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight):
-    """(peak, steps, replay) of one pipeline stage with `in_flight` micro-batches, or None when
-    `optimal` finds no schedule within `budget`.
+    """(peak, steps, replay, largest stage group of the optimal DP) of one pipeline stage with
+    `in_flight` micro-batches, or None when `optimal` finds no schedule within `budget`.
 
     The schedule runs one micro-batch; the in_flight - 1 others waiting for their backward hold
     what their forward left (`schedules.pipeline_peak_bytes`). `optimal` minimises FLOPs under
@@ -210,11 +247,29 @@ def _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight
     (slots / in_flight)², so the finer grid costs little on the short chains of a pipeline.
     """
     slots *= math.ceil(in_flight)
+    if strategy.kind not in ("revolve", "optimal"):
+        # Segment plans (store-all is one stored segment): their replay in closed form, O(1)
+        # per run of equal segments, and their steps built only if something reads them.
+        runs = (
+            [(0, chain.length, 1, False)]
+            if strategy.kind in ("none", "selective")
+            else _segment_runs(spec, chain, strategy, first_stage)
+        )
+        replay = replay_runs(chain, runs)
+        peak = replay.peak_bytes + math.ceil((in_flight - 1) * replay.held_bytes)
+        return peak, SegmentSteps(chain, runs), replay, 1
+    if strategy.kind == "optimal":
+        if budget is None:
+            raise StrategyError("strategy 'optimal' needs a memory budget (--budget)")
+        from ckplan.schedules.rotor import optimal_schedule  # only where it is used (NumPy)
+
+        result = optimal_schedule(chain, budget, slots, in_flight=in_flight)
+        if result is None:
+            return None
+        return result.pipeline_peak_bytes, result.steps, result.replay, result.stage_group
     steps = _schedule(spec, chain, strategy, budget, slots, first_stage, in_flight)
-    if steps is None:
-        return None
     replay = simulate(chain, steps)
-    return pipeline_peak_bytes(chain, replay, in_flight), steps, replay
+    return pipeline_peak_bytes(chain, replay, in_flight), steps, replay, 1
 
 
 def _per_iteration(spec: ModelSpec, flops: FlopCount) -> FlopCount:

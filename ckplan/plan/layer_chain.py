@@ -3,6 +3,8 @@ its layers -> output layer and loss, each stage with its FLOPs, input, tape and 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ckplan.model import flops as flops_model
 from ckplan.model import memory
 from ckplan.model.ops import ATTENTION_CORE
@@ -10,6 +12,7 @@ from ckplan.model.spec import ModelSpec
 from ckplan.schedules import Chain
 
 
+@lru_cache(maxsize=64)  # a sweep asks for the same few chains hundreds of times
 def layer_chain(spec: ModelSpec, selective: bool, first_stage: bool = True) -> Chain:
     """The chain one GPU runs for one micro-batch: embedding (first pipeline stage), its L/p
     layers, then output layer and loss (last stage). With `selective`, each layer's tape drops

@@ -69,12 +69,28 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
         names += [f"selective+uniform:{size}", f"selective+sequential:{size}"]
     for size in _sizes(0, layers):
         names += [f"block:{size}", f"selective+block:{size}"]
-    names += [f"revolve:{slots}" for slots in range(1, math.isqrt(layers) + 3)]
+    names += [f"revolve:{slots}" for slots in revolve_slots(layers)[0]]
     return [parse_strategy(name, spec) for name in dict.fromkeys(names)]
 
 
+REVOLVE_MAX_STEPS = 100_000  # schedule steps the revolve candidates of one sweep replay at most
+
+
+def revolve_slots(layers: int) -> tuple[list[int], list[int]]:
+    """(kept, skipped) revolve:C candidates, C = 1..ceil(sqrt(L)) + 1: the most slots first
+    (the shortest schedules), while their steps, 2n + t(n, C) each (revolve_min_forwards),
+    add up to at most REVOLVE_MAX_STEPS; every C is kept up to about 350 layers per stage."""
+    from ckplan.schedules.revolve import revolve_min_forwards
+
+    stages = layers + 2  # embedding and output at most
+    kept, skipped, total = [], [], 0
+    for slots in range(math.isqrt(layers) + 2, 0, -1):
+        total += 2 * stages + revolve_min_forwards(stages, slots)
+        (kept if total <= REVOLVE_MAX_STEPS else skipped).append(slots)
+    return sorted(kept), sorted(skipped)
+
+
 EVERY_SIZE_UP_TO = 128  # beyond this many layers per stage, sizes are sampled
-DP_MAX_LAYERS = 256  # the O(n³·slots) DP takes minutes beyond this many layers per stage
 
 
 def _sizes(low: int, high: int) -> list[int]:
@@ -110,12 +126,14 @@ def sweep(
     strategies = candidate_strategies(spec) if formula == "derived" else _seed_strategies(spec)
     plans = [evaluate(spec, strategy, formula) for strategy in strategies]
     notes = []
-    if formula == "derived" and spec.layers_per_stage > DP_MAX_LAYERS:
+    skipped = revolve_slots(spec.layers_per_stage)[1] if formula == "derived" else []
+    if skipped:
+        which = f"{skipped[0]}" if len(skipped) == 1 else f"{skipped[0]}..{skipped[-1]}"
         notes.append(
-            f"optimal not searched: {spec.layers_per_stage} layers per stage is beyond the "
-            f"DP's {DP_MAX_LAYERS}; use pipeline stages or `ckplan schedule` on purpose"
+            f"revolve:{which} not evaluated: too many steps to replay at "
+            f"{spec.layers_per_stage} layers per stage"
         )
-    elif formula == "derived":
+    if formula == "derived":
         optimal = optimal_plan(spec, activation_budget(spec, usable), slots)
         if optimal is not None:
             plans.append(optimal)

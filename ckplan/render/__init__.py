@@ -4,6 +4,8 @@ The only package that knows how things look. Byte and FLOP counts stay exact int
 tables print binary units and say so, with decimal units beside totals.
 """
 
+from importlib import import_module
+
 from ckplan.render.common import error_text
 from ckplan.render.estimate import (
     estimate_dict,
@@ -12,15 +14,27 @@ from ckplan.render.estimate import (
     plan_dict,
     presets_table,
 )
-from ckplan.render.sweep import (
-    check_dict,
-    check_table,
-    schedule_dict,
-    schedule_view,
-    sweep_dict,
-    sweep_view,
-)
-from ckplan.render.verify import verify_dict, verify_view
+
+# The sweep, check, schedule and verify views are imported on first use (start-up time).
+_LAZY = {
+    "check_dict": "sweep",
+    "check_table": "sweep",
+    "schedule_dict": "sweep",
+    "schedule_view": "sweep",
+    "sweep_dict": "sweep",
+    "sweep_view": "sweep",
+    "verify_dict": "verify",
+    "verify_view": "verify",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "check_dict",

@@ -5,11 +5,8 @@ Megatron's block) -> revolve (binomial, fixed slots) -> rotor (optimal under a b
 brute_force (the oracle the DP is tested against).
 """
 
-from ckplan.schedules.brute_force import (
-    BRUTE_FORCE_MAX_STAGES,
-    brute_force_optimal,
-    enumerate_persistent_schedules,
-)
+from importlib import import_module
+
 from ckplan.schedules.chain import (
     BACKWARD,
     FORWARD_DROP,
@@ -27,15 +24,35 @@ from ckplan.schedules.chain import (
     pipeline_peak_bytes,
     simulate,
 )
-from ckplan.schedules.revolve import (
-    beta,
-    revolve_dp_min_forwards,
-    revolve_dp_table,
-    revolve_min_forwards,
-    revolve_schedule,
+from ckplan.schedules.segment_replay import (
+    SegmentReplay,
+    replay_runs,
+    segment_replay,
+    segment_runs,
 )
-from ckplan.schedules.rotor import optimal_schedule
-from ckplan.schedules.segments import segment_schedule, store_all_schedule
+from ckplan.schedules.segments import SegmentSteps, segment_schedule, store_all_schedule
+
+# Imported on first use, so that a command that never builds them starts faster.
+_LAZY = {
+    "BRUTE_FORCE_MAX_STAGES": "brute_force",
+    "brute_force_optimal": "brute_force",
+    "enumerate_persistent_schedules": "brute_force",
+    "beta": "revolve",
+    "revolve_dp_min_forwards": "revolve",
+    "revolve_dp_table": "revolve",
+    "revolve_min_forwards": "revolve",
+    "revolve_schedule": "revolve",
+    "optimal_schedule": "rotor",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BACKWARD",
@@ -50,6 +67,8 @@ __all__ = [
     "Replay",
     "Schedule",
     "ScheduleResult",
+    "SegmentReplay",
+    "SegmentSteps",
     "Step",
     "beta",
     "brute_force_optimal",
@@ -57,10 +76,13 @@ __all__ = [
     "held_after_forward_bytes",
     "optimal_schedule",
     "pipeline_peak_bytes",
+    "replay_runs",
     "revolve_dp_min_forwards",
     "revolve_dp_table",
     "revolve_min_forwards",
     "revolve_schedule",
+    "segment_replay",
+    "segment_runs",
     "segment_schedule",
     "simulate",
     "store_all_schedule",

@@ -330,6 +330,7 @@ class ScheduleResult:
     in_flight: Fraction
     held_bytes: int
     pipeline_peak_bytes: int
+    stage_group: int = 1  # >1: the DP ran on groups of up to this many stages (grouping.py)
 
     @property
     def forward_flops(self) -> int:

@@ -29,6 +29,19 @@ def store_all_schedule(chain: Chain) -> Schedule:
 def _check_segments(
     n: int, segments: Sequence[tuple[int, int, bool]]
 ) -> list[tuple[int, int, bool]]:
+    # Fast path for what planners pass (tuples of two ints and a bool, in order); anything else
+    # takes the checks below, which name the first bad segment.
+    expected = 0
+    for seg in segments:
+        if type(seg) is not tuple or len(seg) != 3 or type(seg[2]) is not bool:
+            break
+        start, end, _ = seg
+        if type(start) is not int or type(end) is not int or start != expected or end <= start:
+            break
+        expected = end
+    else:
+        if expected == n:
+            return list(segments)
     out = []
     expected = 0
     for idx, seg in enumerate(segments):
@@ -80,3 +93,43 @@ def segment_schedule(chain: Chain, segments: Sequence[tuple[int, int, bool]]) ->
             steps.extend(Step(FORWARD_KEEP_ALL, i) for i in range(start, end))
         steps.extend(Step(BACKWARD, i) for i in reversed(range(start, end)))
     return tuple(steps)
+
+
+class SegmentSteps(Sequence):
+    """The steps of :func:`segment_schedule` for runs of equal segments
+    (:mod:`ckplan.schedules.segment_replay`), built on first use: a sweep evaluates hundreds of
+    segment plans from :func:`segment_replay.replay_runs` and shows the steps of at most one.
+    Compares equal to the tuple of its steps."""
+
+    def __init__(self, chain: Chain, runs: Sequence[tuple[int, int, int, bool]]) -> None:
+        self._chain, self._runs = chain, runs  # checked when the steps are built
+        self._steps: Schedule | None = None
+
+    def steps(self) -> Schedule:
+        if self._steps is None:
+            segments = [
+                (start + k * size, start + (k + 1) * size, recompute)
+                for start, size, count, recompute in self._runs
+                for k in range(count)
+            ]
+            self._steps = segment_schedule(self._chain, segments)
+        return self._steps
+
+    def __len__(self) -> int:
+        again = sum(size * count for _, size, count, recompute in self._runs if recompute)
+        return 2 * self._chain.length + again
+
+    def __getitem__(self, index):
+        return self.steps()[index]
+
+    def __iter__(self):
+        return iter(self.steps())
+
+    def __eq__(self, other) -> bool:
+        return self.steps() == (other.steps() if isinstance(other, SegmentSteps) else other)
+
+    def __hash__(self) -> int:
+        return hash(self.steps())
+
+    def __repr__(self) -> str:
+        return f"SegmentSteps({len(self)} steps)"

@@ -1,0 +1,196 @@
+"""Segment schedules replayed in closed form: what :func:`simulate` measures for
+:func:`segment_schedule`, in O(1) per run of equal segments over equal stages.
+
+A sweep evaluates about a thousand segment plans (uniform:K, sequential:K, block:N, with and
+without selective recompute); replaying each step by step costs O(n) per plan, minutes on a
+10,000-layer stage. Plans are described as *runs* ``(start, size, count, recompute)``: ``count``
+consecutive segments of ``size`` stages from ``start`` (``block:N`` is one run of N one-stage
+segments, ``uniform:K`` one run of ``L // K`` segments and a shorter one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from ckplan.schedules.chain import Chain
+from ckplan.schedules.segments import _check_segments
+
+Segment = tuple[int, int, bool]  # (start, end, recompute)
+Run = tuple[int, int, int, bool]  # (start, size, count, recompute)
+
+
+def segment_runs(segments: Sequence[Segment]) -> list[Run]:
+    """Runs of consecutive segments of equal size and kind."""
+    runs: list[Run] = []
+    for start, end, recompute in segments:
+        if runs:
+            first, size, count, kind = runs[-1]
+            if kind == recompute and end - start == size and first + size * count == start:
+                runs[-1] = (first, size, count + 1, kind)
+                continue
+        runs.append((start, end - start, 1, recompute))
+    return runs
+
+
+def _check_runs(n: int, runs: Sequence[Run]) -> None:
+    expected = 0
+    for index, run in enumerate(runs):
+        try:
+            start, size, count, recompute = run
+        except (TypeError, ValueError):
+            message = f"run {index}: expected (start, size, count, recompute), got {run!r}"
+            raise ValueError(message) from None
+        values = (start, size, count)
+        if any(type(v) is not int for v in values) or not isinstance(recompute, bool):
+            raise ValueError(f"run {index}: expected three ints and a bool, got {run!r}")
+        if start != expected or size < 1 or count < 1:
+            raise ValueError(
+                f"run {index} {run!r}: runs start where the previous ends ({expected}), "
+                "with size and count >= 1"
+            )
+        expected = start + size * count
+    if expected != n:
+        raise ValueError(f"runs cover stages 0..{expected - 1}, expected 0..{n - 1}")
+
+
+class SegmentReplay(NamedTuple):
+    """What :func:`simulate` would measure for a segment schedule (the figures planners read)."""
+
+    peak_bytes: int
+    held_bytes: int  # what the schedule keeps between its forward and backward passes
+    forward_flops: int
+    backward_flops: int
+    recompute_flops: int
+
+    @property
+    def total_flops(self) -> int:
+        return self.forward_flops + self.backward_flops
+
+
+class _Terms(NamedTuple):
+    """Per-chain sums and per-stage terms (module docstring of :func:`replay_runs`)."""
+
+    tapes: list[int]  # T[p]: tape bytes of stages 0..p-1
+    forwards: list[int]  # F[p]: forward FLOPs of stages 0..p-1
+    step: list[int]  # V[p] = x_p + forward workspace_p + x_{p+1}
+    tape_step: list[int]  # U[p] = T[p] + V[p]
+    backward: list[int]  # W[p] = T[p+1] + x_{p+1} + backward workspace_p + x_p
+    stretch_end: list[int]  # the last stage q >= p such that stages p..q are all equal
+    backwards: int  # backward FLOPs of the chain
+
+
+_TERMS: dict[int, tuple[Chain, _Terms]] = {}  # by id(chain); a few recent chains
+
+
+def _terms(chain: Chain) -> _Terms:
+    entry = _TERMS.get(id(chain))
+    if entry is not None and entry[0] is chain:
+        return entry[1]
+    n, a, t = chain.length, chain.input_bytes, chain.tape_bytes
+    fws, bws = chain.forward_workspace_bytes, chain.backward_workspace_bytes
+    tapes, forwards = [0], [0]
+    for p in range(n):
+        tapes.append(tapes[-1] + t[p])
+        forwards.append(forwards[-1] + chain.forward_flops[p])
+    step = [a[p] + fws[p] + a[p + 1] for p in range(n)]
+    kinds = list(zip(chain.forward_flops, chain.backward_flops, a[:n], t, fws, bws, strict=True))
+    stretch_end = list(range(n))
+    for p in range(n - 2, -1, -1):
+        if kinds[p] == kinds[p + 1]:
+            stretch_end[p] = stretch_end[p + 1]
+    terms = _Terms(
+        tapes,
+        forwards,
+        step,
+        [tapes[p] + step[p] for p in range(n)],
+        [tapes[p + 1] + a[p + 1] + bws[p] + a[p] for p in range(n)],
+        stretch_end,
+        sum(chain.backward_flops),
+    )
+    if len(_TERMS) >= 8:
+        _TERMS.clear()
+    _TERMS[id(chain)] = (chain, terms)
+    return terms
+
+
+def _range_max(terms: _Terms, values: list[int], lo: int, hi: int) -> int:
+    """``max(values[lo:hi])`` for ``values`` V, U or W, one stretch of equal stages at a time:
+    inside a stretch, but for its last stage (whose successor may differ), V is constant and U,
+    W do not decrease (T does not), so the maximum is at the last regular stage or the last."""
+    best = values[lo]
+    p = lo
+    while p < hi:
+        last = terms.stretch_end[p]
+        top = min(hi - 1, last)
+        regular = top if top < last else top - 1
+        if regular >= p:
+            best = max(best, values[regular])
+        if top == last:
+            best = max(best, values[last])
+        p = top + 1
+    return best
+
+
+def replay_runs(chain: Chain, runs: Sequence[Run]) -> SegmentReplay:
+    """:func:`simulate` of :func:`segment_schedule` for the segments of ``runs``, in closed form.
+
+    derived from the replay rules (chain module docstring), with ``K`` the bytes the segments
+    before ``[st, en)`` keep (their tapes, or the input of a recompute segment), ``T`` the prefix
+    sums of tapes and ``V``, ``U``, ``W`` as in :class:`_Terms`. Every after-figure is at most the
+    next step's during-figure, so the peak is the largest during-figure:
+
+    * forward pass, store segment: ``x_n + K + max_p (T[p] - T[st] + V[p])``;
+      recompute segment: ``x_n + K + max(V[st], x_st + max_{p > st} V[p])``;
+    * backward pass, re-forward of a recompute segment (``x_st`` absorbed by ``tape_st``):
+      ``x_en + K + max_p (T[p] - T[st] + V[p])``; backward of stage ``p`` (either kind):
+      ``K + T[p+1] - T[st] + x_{p+1} + backward workspace_p + x_p``.
+
+    The held bytes are ``K`` after the last segment. Equal segments over equal stages (``x_en``
+    included) have equal terms but for ``K``, which only grows: of such a stretch only the last
+    is evaluated. Tests check every figure against :func:`simulate` on random chains and runs.
+    """
+    _check_runs(chain.length, runs)
+    terms = _terms(chain)
+    a, T, F = chain.input_bytes, terms.tapes, terms.forwards
+    last = a[chain.length]
+    kept = 0  # K: bytes the earlier segments keep
+    peak = 0
+    recompute = 0
+    for start, size, count, recomputed in runs:
+        while count:
+            # Of the segments inside the stretch of equal stages at `start`, skip all but the last.
+            inside = min(count, (terms.stretch_end[start] - start) // size)
+            if inside > 1:
+                skipped = inside - 1
+                kept += skipped * (a[start] if recomputed else T[start + size] - T[start])
+                if recomputed:
+                    recompute += skipped * (F[start + size] - F[start])
+                start += skipped * size
+                count -= skipped
+            end = start + size
+            base = kept - T[start]
+            if recomputed:
+                forward = terms.step[start]
+                if size > 1:
+                    forward = max(forward, a[start] + _range_max(terms, terms.step, start + 1, end))
+                again = a[end] + base + _range_max(terms, terms.tape_step, start, end)
+                peak = max(peak, last + kept + forward, again)
+                recompute += F[end] - F[start]
+            else:
+                peak = max(peak, last + base + _range_max(terms, terms.tape_step, start, end))
+            peak = max(peak, base + _range_max(terms, terms.backward, start, end))
+            kept += a[start] if recomputed else T[end] - T[start]
+            start, count = end, count - 1
+    return SegmentReplay(
+        peak_bytes=peak,
+        held_bytes=kept,
+        forward_flops=F[-1] + recompute,
+        backward_flops=terms.backwards,
+        recompute_flops=recompute,
+    )
+
+
+def segment_replay(chain: Chain, segments: Sequence[Segment]) -> SegmentReplay:
+    """:func:`replay_runs` for a list of ``(start, end, recompute)`` segments."""
+    return replay_runs(chain, segment_runs(_check_segments(chain.length, segments)))

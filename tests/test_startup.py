@@ -1,0 +1,45 @@
+"""Start-up: commands that need no NumPy and no optimal schedule do not import them (the
+timings are in `make bench`, docs/performance.md)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+PROBE = """
+import sys
+from ckplan.cli import main
+main({argv!r})
+loaded = [name for name in ("numpy", "ckplan.schedules.rotor", "ckplan.schedules.brute_force",
+          "ckplan.render.verify", "ckplan.verify") if name in sys.modules]
+sys.stderr.write("LOADED " + " ".join(loaded) + "\\n")
+"""
+
+
+def _loaded(argv: list[str]) -> list[str]:
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE.format(argv=argv)], capture_output=True, text=True
+    )
+    line = [row for row in result.stderr.splitlines() if row.startswith("LOADED")]
+    assert line, result.stderr
+    return line[0].split()[1:]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["estimate", "llama3-8b"],
+        ["estimate", "llama3-8b", "--json", "--strategy", "uniform:4"],
+        ["presets"],
+        ["estimate", "gpt2", "--strategy", "revolve:3", "--budget", "80GB"],
+    ],
+)
+def test_no_numpy_and_no_dp_at_start_up(argv):
+    assert _loaded(argv) == []
+
+
+def test_the_dp_loads_numpy_when_it_runs():
+    argv = ["estimate", "llama3-8b", "--strategy", "optimal", "--budget", "160GB", "--json"]
+    assert "numpy" in _loaded(argv) and "ckplan.schedules.rotor" in _loaded(argv)
