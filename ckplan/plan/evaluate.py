@@ -17,6 +17,7 @@ from ckplan.model import flops as flops_model
 from ckplan.model import memory, seed
 from ckplan.model.ops import ATTENTION_CORE, layer_ops
 from ckplan.model.spec import ModelSpec
+from ckplan.plan import limits
 from ckplan.plan.layer_chain import _layer_offset, layer_chain, stage_names
 from ckplan.plan.strategies import Strategy, StrategyError
 from ckplan.schedules import (
@@ -116,10 +117,12 @@ def _schedule(
     if strategy.kind in ("none", "selective"):
         return store_all_schedule(chain)
     if strategy.kind == "revolve":
+        limits.check_revolve(chain.length, strategy.size, strategy.name)
         return revolve_schedule(chain, strategy.size)
     if strategy.kind == "optimal":
         if budget is None:
             raise StrategyError("strategy 'optimal' needs a memory budget (--budget)")
+        limits.check_dp(chain.length, slots, strategy.name)
         result = optimal_schedule(chain, budget, slots, in_flight=in_flight)
         return None if result is None else result.steps
     return segment_schedule(chain, _segments(spec, chain, strategy, first_stage))

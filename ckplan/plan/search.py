@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from ckplan.model.memory import model_state_bytes
 from ckplan.model.spec import ModelSpec
-from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate
+from ckplan.plan import limits
+from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate, in_flight_microbatches
 from ckplan.plan.strategies import Strategy, parse_strategy
 
 # Taken off every budget unless --reserve says otherwise: the CUDA context and cuBLAS/NCCL
@@ -69,7 +70,11 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
         names += [f"selective+uniform:{size}", f"selective+sequential:{size}"]
     for size in _sizes(0, layers):
         names += [f"block:{size}", f"selective+block:{size}"]
-    names += [f"revolve:{slots}" for slots in range(1, math.isqrt(layers) + 3)]
+    names += [
+        f"revolve:{slots}"
+        for slots in range(1, math.isqrt(layers) + 3)
+        if limits.revolve_steps(layers + 2, slots) <= limits.MAX_SCHEDULE_STEPS
+    ]
     return [parse_strategy(name, spec) for name in dict.fromkeys(names)]
 
 
@@ -114,6 +119,13 @@ def sweep(
         notes.append(
             f"optimal not searched: {spec.layers_per_stage} layers per stage is beyond the "
             f"DP's {DP_MAX_LAYERS}; use pipeline stages or `ckplan schedule` on purpose"
+        )
+    elif formula == "derived" and not limits.dp_within_limits(
+        spec.layers_per_stage + 2, slots * math.ceil(in_flight_microbatches(spec))
+    ):
+        notes.append(
+            f"optimal not searched: {slots:,} slots over {spec.layers_per_stage + 2} stages is "
+            "beyond the DP's limits; use fewer --slots"
         )
     elif formula == "derived":
         optimal = optimal_plan(spec, activation_budget(spec, usable), slots)

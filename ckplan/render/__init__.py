@@ -12,6 +12,7 @@ from ckplan.render.estimate import (
     plan_dict,
     presets_table,
 )
+from ckplan.render.no_fit import estimate_no_fit_dict, schedule_no_fit_dict
 from ckplan.render.sweep import (
     check_dict,
     check_table,
@@ -27,11 +28,13 @@ __all__ = [
     "check_table",
     "error_text",
     "estimate_dict",
+    "estimate_no_fit_dict",
     "estimate_view",
     "model_table",
     "plan_dict",
     "presets_table",
     "schedule_dict",
+    "schedule_no_fit_dict",
     "schedule_view",
     "sweep_dict",
     "sweep_view",

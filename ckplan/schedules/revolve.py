@@ -96,6 +96,32 @@ def _revolve_cost(l: int, s: int) -> int | None:  # noqa: E741
     return revolve_min_forwards(l, s)
 
 
+def _advance_cost(length: int, s: int, adv: int) -> int | None:
+    right = _revolve_cost(length - adv, s - 1)
+    return None if right is None else adv + right + _revolve_cost(adv, s)
+
+
+def _best_advance(length: int, s: int) -> int:
+    """The first ``adv`` in ``1..length-1`` minimising ``adv + t(length - adv, s - 1) +
+    t(adv, s)``, ``t`` = :func:`revolve_min_forwards`, by bisection instead of a scan.
+
+    derived: ``t(l, s)`` is convex in ``l`` (0 up to ``l = 1``, then linear with slope ``r`` on
+    ``beta(s, r-1) < l <= beta(s, r)``, continuous by Pascal's rule), so the cost is convex in
+    ``adv`` and its first minimum is the first ``adv`` whose forward difference is ``>= 0``.
+    With ``s = 1`` the right part has no slot left: only ``adv = length - 1`` is feasible.
+    """
+    if s == 1:
+        return length - 1
+    low, high = 1, length - 1  # the answer lies in [low, high]
+    while low < high:
+        middle = (low + high) // 2
+        if _advance_cost(length, s, middle + 1) - _advance_cost(length, s, middle) >= 0:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
 def revolve_schedule(chain: Chain, slots_count: int) -> Schedule:
     """Binomial (Revolve) schedule with ``slots_count`` checkpoint slots for stored inputs.
 
@@ -123,15 +149,7 @@ def revolve_schedule(chain: Chain, slots_count: int) -> Schedule:
         if length == 1:
             steps += [Step(FORWARD_KEEP_ALL, i), Step(BACKWARD, i)]
             continue
-        best_k, best_cost = -1, None
-        for adv in range(1, length):
-            right = _revolve_cost(length - adv, s - 1)
-            if right is None:
-                continue
-            cost = adv + right + _revolve_cost(adv, s)
-            if best_cost is None or cost < best_cost:
-                best_k, best_cost = i + adv, cost
-        k = best_k
+        k = i + _best_advance(length, s)
         steps.append(Step(FORWARD_KEEP_INPUT, i))
         steps.extend(Step(FORWARD_DROP, p) for p in range(i + 1, k))
         stack.append((i, k, s))
