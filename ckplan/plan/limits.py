@@ -58,7 +58,8 @@ def check_dp(stages: int, slots: int, name: str = "optimal") -> None:
         raise StrategyError(
             f"strategy {name!r}: the optimal DP over {stages:,} stages x {slots:,} memory slots "
             "is beyond what ckplan solves in seconds; split the layers over pipeline stages "
-            "(--set pp=N), use fewer --slots, or a segment strategy"
+            "(--set pp=N), use fewer --slots (a pipeline stage multiplies them by its "
+            "micro-batches in flight), or a segment strategy"
         )
 
 
