@@ -8,6 +8,7 @@ Every error is one line on stderr, never a traceback, and nothing is written.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import json
 import sys
@@ -474,9 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     """Console-script entry: usage errors become one line and exit 2, like every bad input;
     anything unexpected becomes one line and exit 3, never a traceback and never exit 1."""
     _tolerant_streams()
-    command = typer.main.get_command(app)
     try:
-        code = command.main(args=argv, prog_name="ckplan", standalone_mode=False)
+        code = _click_command().main(args=argv, prog_name="ckplan", standalone_mode=False)
     except typer.Exit as exit_:
         code = exit_.exit_code
     except typer.Abort:  # Ctrl-C or end of input while Click prompts
@@ -491,6 +491,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         sys.exit(code)
     return code
+
+
+@functools.cache
+def _click_command():
+    """Typer builds the Click command from the signatures (~15 ms): once per process, so that
+    in-process callers (the tests run the CLI hundreds of times) pay it once."""
+    return typer.main.get_command(app)
 
 
 def _report_exception(error: Exception) -> int:
