@@ -53,6 +53,19 @@ PIPED_WIDTH = 140
 stdout = Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
 stderr = Console(stderr=True, soft_wrap=True)
 
+
+class ReaderGone(Exception):
+    """The reader of stdout went away (`ckplan presets | head -1`): exit 141, not 1."""
+
+
+def _on_broken_pipe() -> None:
+    """Rich's own answer to a broken pipe is SystemExit(1), the "does not fit" code."""
+    _silence_stdout()
+    raise ReaderGone
+
+
+stdout.on_broken_pipe = _on_broken_pipe
+
 EXIT_OK, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 EXIT_BROKEN_PIPE = 141  # the reader of stdout went away, as a shell reports SIGPIPE
@@ -154,7 +167,12 @@ def no_schedule_fits(
 
 
 def print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    try:
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+        raise ReaderGone from None
 
 
 # ---- commands ----------------------------------------------------------------------------
@@ -477,14 +495,19 @@ def main(argv: list[str] | None = None) -> int:
     _tolerant_streams()
     try:
         code = _click_command().main(args=argv, prog_name="ckplan", standalone_mode=False)
-    except typer.Exit as exit_:
-        code = exit_.exit_code
-    except typer.Abort:  # Ctrl-C or end of input while Click prompts
+    except typer.Abort:  # Ctrl-C (a subclass of typer.Exit: caught first)
         print_error("interrupted")
         code = EXIT_INTERRUPTED
-    except BrokenPipeError:  # the reader went away (`ckplan presets | head -1`)
-        _silence_stdout()
+    except typer.Exit as exit_:
+        code = exit_.exit_code
+    except ReaderGone:
         code = EXIT_BROKEN_PIPE
+    except SystemExit as exit_:
+        # Typer answers a broken pipe it meets itself with sys.exit(1), the "does not fit"
+        # code, after wrapping stdout so that the exit flush stays quiet.
+        if type(sys.stdout).__name__ != "PacifyFlushWrapper":
+            raise
+        code = EXIT_BROKEN_PIPE if exit_.code == 1 else exit_.code
     except Exception as error:
         code = _report_exception(error)
     code = code if isinstance(code, int) else EXIT_OK

@@ -1,6 +1,8 @@
 """Reliability: the exit-code contract under crashes, JSON on exit 1, work limits, safe YAML."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -134,3 +136,24 @@ def test_quote_is_bounded_for_any_value():
     assert quote("x" * 10**6).endswith("(1,000,000 characters)")
     assert one_line("a\nb\x1b[31m\ud800") == "a b\\x1b[31m\\ud800"
     assert len(one_line("y" * 10**6)) == 400
+
+
+@pytest.mark.parametrize("argv", [["presets"], ["estimate", "gpt2", "--json"]])
+def test_a_closed_stdout_exits_141_not_1(argv):
+    """Rich and Typer answer a broken pipe with exit 1, which CI reads as "does not fit"."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ckplan", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    process.stdout.close()
+    err = process.stderr.read()
+    process.stderr.close()
+    assert process.wait(timeout=60) == cli.EXIT_BROKEN_PIPE == 141 and err == b""
+
+
+def test_ctrl_c_exits_130(capsys, monkeypatch):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "evaluate", interrupt)
+    code, out, _ = run(capsys, "estimate", "gpt2")
+    assert code == 130 and out == ""
