@@ -495,10 +495,10 @@ def main(argv: list[str] | None = None) -> int:
     _tolerant_streams()
     try:
         code = _click_command().main(args=argv, prog_name="ckplan", standalone_mode=False)
-    except typer.Abort:  # Ctrl-C (a subclass of typer.Exit: caught first)
+    except typer.Abort:  # end of input at a prompt (a typer.Exit: caught first)
         print_error("interrupted")
         code = EXIT_INTERRUPTED
-    except typer.Exit as exit_:
+    except typer.Exit as exit_:  # Ctrl-C arrives as typer.Exit(130)
         code = exit_.exit_code
     except ReaderGone:
         code = EXIT_BROKEN_PIPE
@@ -535,10 +535,9 @@ def _report_exception(error: Exception) -> int:
     if isinstance(error, MemoryError):
         print_error("out of memory (MemoryError): please report this input as a ckplan bug")
     else:
-        detail = quote(str(error)) if str(error) else ""
+        detail = f": {quote(error.args[0])}" if error.args else ""
         print_error(
-            f"internal error ({type(error).__name__}{': ' + detail if detail else ''}); "
-            "please report it as a ckplan bug"
+            f"internal error ({type(error).__name__}{detail}); please report it as a ckplan bug"
         )
     return EXIT_INTERNAL
 

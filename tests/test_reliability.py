@@ -22,7 +22,9 @@ def run(capsys, *argv):
     return code, out, err
 
 
-@pytest.mark.parametrize("error", [RuntimeError("boom\nsecond line"), MemoryError(), KeyError(1)])
+@pytest.mark.parametrize(
+    "error", [RuntimeError("boom\nsecond line"), MemoryError(), KeyError(1), ValueError(10**5000)]
+)
 def test_an_unexpected_exception_exits_3_in_one_line(capsys, monkeypatch, error):
     def explode(*args, **kwargs):
         raise error
