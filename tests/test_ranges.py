@@ -80,3 +80,13 @@ def test_the_deepest_model_is_answered(capsys):
     assert (
         data["memory"]["activation_bytes"] > 100_000 * data["memory"]["per_layer_activation_bytes"]
     )
+
+
+def test_every_integer_key_has_a_range():
+    """A new size key (MoE experts, MLA ranks, ...) needs its documented range too."""
+    import dataclasses
+
+    from ckplan.model.spec import ModelSpec
+
+    integers = {f.name for f in dataclasses.fields(ModelSpec) if f.type.startswith("int")}
+    assert integers == set(SIZE_RANGES)

@@ -202,7 +202,7 @@ def _coerce(origin: str, key: str, value: Any) -> Any:
         text = value.strip()
         digits = text.lstrip("+-").replace("_", "").lstrip("0") or "0"
         if len(digits) > 30:  # beyond every range; Python refuses int() over 4,300 digits
-            low, high = SIZE_RANGES[key]
+            low, high = SIZE_RANGES.get(key, (0, 10**30))
             raise SpecError(
                 f"{origin}: key {key!r} must be in {low:,}..{high:,}, got an integer of "
                 f"{len(digits):,} digits"
