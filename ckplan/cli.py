@@ -1,11 +1,14 @@
 """The `ckplan` command line: parse, dispatch to the library, hand results to `render`.
 
-Exit codes (DESIGN.md): 0 success / fits / verified; 1 does not fit / mismatch; 2 bad input.
-Every user error is one line on stderr, never a traceback, and nothing is written.
+Exit codes (DESIGN.md): 0 success / fits / verified; 1 does not fit / mismatch; 2 bad input;
+3 an unexpected error inside ckplan (a bug: never 1, which CI reads as "does not fit").
+Every error is one line on stderr, never a traceback, and nothing is written.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import glob
 import json
 import sys
@@ -19,6 +22,7 @@ import yaml
 from rich.console import Console
 
 from ckplan import __version__, render
+from ckplan.io import safe_yaml
 from ckplan.io.presets import load_spec, preset_names
 from ckplan.model.spec import ModelSpec, SpecError
 from ckplan.plan import (
@@ -27,10 +31,13 @@ from ckplan.plan import (
     STRATEGY_HELP,
     StrategyError,
     evaluate,
+    limits,
     parse_strategy,
     search,
+    stage_names,
 )
 from ckplan.plan.search import DEFAULT_RESERVE
+from ckplan.quoting import abbreviate, one_line, quote
 from ckplan.units import SizeError, format_bytes, parse_size
 
 app = typer.Typer(
@@ -46,7 +53,22 @@ PIPED_WIDTH = 140
 stdout = Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
 stderr = Console(stderr=True, soft_wrap=True)
 
-EXIT_OK, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 0, 1, 2
+
+class ReaderGone(Exception):
+    """The reader of stdout went away (`ckplan presets | head -1`): exit 141, not 1."""
+
+
+def _on_broken_pipe() -> None:
+    """Rich's own answer to a broken pipe is SystemExit(1), the "does not fit" code."""
+    _silence_stdout()
+    raise ReaderGone
+
+
+stdout.on_broken_pipe = _on_broken_pipe
+
+EXIT_OK, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
+EXIT_BROKEN_PIPE = 141  # the reader of stdout went away, as a shell reports SIGPIPE
 
 
 class UserError(Exception):
@@ -59,8 +81,13 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except (SpecError, SizeError, StrategyError, UserError) as error:
-        stderr.print(render.error_text(str(error)), highlight=False)
+        print_error(str(error))
         raise typer.Exit(EXIT_BAD_INPUT) from None
+
+
+def print_error(message: str) -> None:
+    """`error: <message>` as one printable line on stderr, however long or odd the message."""
+    stderr.print(render.error_text(one_line(message)), highlight=False)
 
 
 def _print_version(value: bool) -> None:
@@ -104,11 +131,11 @@ def parse_overrides(
     for setting in settings or []:
         key, sep, raw = setting.partition("=")
         if not sep or not key.strip():
-            raise UserError(f"--set {setting!r}: expected key=value, e.g. --set seq=4096")
+            raise UserError(f"--set {quote(setting)}: expected key=value, e.g. --set seq=4096")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else raw
+            value = safe_yaml.load(raw) if raw.strip() else raw
         except yaml.YAMLError:
-            value = raw
+            value = raw  # not a YAML scalar: the spec says what the key expects
         overrides[key.strip()] = value
     for key, value in (("seq", seq), ("micro_batch", batch), ("layers", layers)):
         if value is not None:
@@ -122,20 +149,30 @@ def resolve_model(model: str, settings, seq, batch, layers) -> ModelSpec:
 
 def check_formula(formula: str) -> str:
     if formula not in FORMULAS:
-        raise UserError(f"--formula {formula!r}: expected one of {', '.join(FORMULAS)}")
+        raise UserError(f"--formula {quote(formula)}: expected one of {', '.join(FORMULAS)}")
     return formula
 
 
-def no_schedule_fits(strategy: str, activation_budget: int) -> None:
-    """A budget too small for any schedule: a does-not-fit answer (exit 1), not bad input."""
+def no_schedule_fits(
+    strategy: str, activation_budget: int, as_json: bool = False, json_data=None
+) -> None:
+    """A budget too small for any schedule: a does-not-fit answer (exit 1), not bad input.
+    With --json, `json_data(reason)` is printed too, so that --json always prints JSON."""
     left = format_bytes(max(activation_budget, 0), "GiB")
     message = f"no {strategy} schedule fits the {left} that model states and reserve leave"
-    stderr.print(render.error_text(message), highlight=False)
+    if as_json and json_data is not None:
+        print_json(json_data(message))
+    print_error(message)
     raise typer.Exit(EXIT_DOES_NOT_FIT)
 
 
 def print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    try:
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+        raise ReaderGone from None
 
 
 # ---- commands ----------------------------------------------------------------------------
@@ -175,7 +212,14 @@ def estimate(
             if parsed.kind != "optimal" or activation_budget > 0:
                 plan = evaluate(spec, parsed, check_formula(formula), budget=activation_budget)
             if plan is None:
-                no_schedule_fits(parsed.name, activation_budget)
+                no_schedule_fits(
+                    parsed.name,
+                    activation_budget,
+                    as_json,
+                    lambda reason: render.estimate_no_fit_dict(
+                        spec, parsed.name, total - kept, activation_budget, reason
+                    ),
+                )
             candidate = search.Candidate(plan, total - kept)
     if as_json:
         print_json(render.estimate_dict(plan, candidate))
@@ -237,9 +281,7 @@ def parse_size_or_zero(text: str) -> int:
 
 
 def check_slots(slots: int) -> int:
-    if slots < 1:
-        raise UserError(f"--slots must be a positive integer, got {slots}")
-    return slots
+    return limits.check_slots(slots)
 
 
 @app.command()
@@ -268,7 +310,8 @@ def sweep(
         total, kept = parse_budget(budget, reserve)
         if micro_batch not in (None, "auto"):
             raise UserError(
-                f"--micro-batch {micro_batch!r}: only 'auto' is accepted (use --batch N to set one)"
+                f"--micro-batch {quote(micro_batch)}: only 'auto' is accepted (use --batch N "
+                "to set one)"
             )
         result = search.sweep(spec, total, kept, check_formula(formula), check_slots(slots))
         micro_batches = _micro_batches(spec, result) if micro_batch == "auto" else None
@@ -328,14 +371,21 @@ def expand_models(models: list[str]) -> list[str]:
     """Expand globs the shell left alone (quoted, or run from CI without a shell)."""
     expanded: list[str] = []
     for model in models:
-        if any(char in model for char in "*?[") and not Path(model).exists():
+        if any(char in model for char in "*?[") and not _exists(model):
             matches = sorted(glob.glob(model))
             if not matches:
-                raise UserError(f"{model}: the pattern matches no file")
+                raise UserError(f"{abbreviate(model)}: the pattern matches no file")
             expanded += matches
         else:
             expanded.append(model)
     return expanded
+
+
+def _exists(path: str) -> bool:
+    try:
+        return Path(path).exists()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL character
+        return False
 
 
 @app.command()
@@ -377,7 +427,14 @@ def schedule(
         else:
             plan = evaluate(spec, parsed, budget=activation_budget, slots=check_slots(slots))
     if plan is None:
-        no_schedule_fits(strategy, activation_budget)
+        no_schedule_fits(
+            strategy,
+            activation_budget,
+            as_json,
+            lambda reason: render.schedule_no_fit_dict(
+                spec, strategy, activation_budget, reason, stage_names(spec)
+            ),
+        )
     if as_json:
         print_json(render.schedule_dict(plan, activation_budget))
     else:
@@ -415,8 +472,10 @@ def verify(
     with user_errors():
         from ckplan import verify as verifier  # NumPy only for this command
 
-        if repeats < 1:
-            raise UserError(f"--repeats must be at least 1, got {repeats}")
+        if not 1 <= repeats <= verifier.MAX_REPEATS:
+            raise UserError(f"--repeats must be in 1..{verifier.MAX_REPEATS}, got {quote(repeats)}")
+        if not 0 <= seed < 2**63:
+            raise UserError(f"--seed must be in 0..2**63-1, got {quote(seed)}")
         if not 0 < tolerance < 1:
             raise UserError(f"--tolerance must be in (0, 1), got {tolerance}")
         spec = verifier.mlp_spec(layers, hidden, ffn_hidden, batch)
@@ -431,25 +490,70 @@ def verify(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console-script entry: usage errors become one line and exit 2, like every bad input."""
-    command = typer.main.get_command(app)
+    """Console-script entry: usage errors become one line and exit 2, like every bad input;
+    anything unexpected becomes one line and exit 3, never a traceback and never exit 1."""
+    _tolerant_streams()
     try:
-        code = command.main(args=argv, prog_name="ckplan", standalone_mode=False)
-    except typer.Exit as exit_:
+        code = _click_command().main(args=argv, prog_name="ckplan", standalone_mode=False)
+    except typer.Abort:  # end of input at a prompt (a typer.Exit: caught first)
+        print_error("interrupted")
+        code = EXIT_INTERRUPTED
+    except typer.Exit as exit_:  # Ctrl-C arrives as typer.Exit(130)
         code = exit_.exit_code
-    except typer.Abort:
-        code = EXIT_DOES_NOT_FIT
-    except Exception as error:
-        # Click's usage errors (typer vendors click; both expose format_message + exit_code).
-        if not hasattr(error, "format_message") or not hasattr(error, "exit_code"):
+    except ReaderGone:
+        code = EXIT_BROKEN_PIPE
+    except SystemExit as exit_:
+        # Typer answers a broken pipe it meets itself with sys.exit(1), the "does not fit"
+        # code, after wrapping stdout so that the exit flush stays quiet.
+        if type(sys.stdout).__name__ != "PacifyFlushWrapper":
             raise
-        if type(error).__name__ == "NoArgsIsHelpError":
-            stdout.print(error.format_message(), highlight=False)
-        else:
-            message = " ".join(error.format_message().split())
-            stderr.print(render.error_text(message), highlight=False)
-        code = EXIT_BAD_INPUT
+        code = EXIT_BROKEN_PIPE if exit_.code == 1 else exit_.code
+    except Exception as error:
+        code = _report_exception(error)
     code = code if isinstance(code, int) else EXIT_OK
     if argv is None:
         sys.exit(code)
     return code
+
+
+@functools.cache
+def _click_command():
+    """Typer builds the Click command from the signatures (~15 ms): once per process, so that
+    in-process callers (the tests run the CLI hundreds of times) pay it once."""
+    return typer.main.get_command(app)
+
+
+def _report_exception(error: Exception) -> int:
+    """Click's usage errors (typer vendors click; both expose format_message + exit_code) are
+    bad input, exit 2; anything else is a bug in ckplan, exit 3, said in one line."""
+    if hasattr(error, "format_message") and hasattr(error, "exit_code"):
+        if type(error).__name__ == "NoArgsIsHelpError":
+            stdout.print(error.format_message(), highlight=False)
+        else:
+            print_error(error.format_message())
+        return EXIT_BAD_INPUT
+    if isinstance(error, MemoryError):
+        print_error("out of memory (MemoryError): please report this input as a ckplan bug")
+    else:
+        detail = f": {quote(error.args[0])}" if error.args else ""
+        print_error(
+            f"internal error ({type(error).__name__}{detail}); please report it as a ckplan bug"
+        )
+    return EXIT_INTERNAL
+
+
+def _tolerant_streams() -> None:
+    """Characters the terminal's encoding cannot show (a lone surrogate from a non-UTF-8
+    argument, a '·' on an ASCII console) print as escapes instead of raising."""
+    for stream in (sys.stdout, sys.stderr):
+        # not a text file, or already closed: nothing to do
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            stream.reconfigure(errors="backslashreplace")
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe, send what Python flushes at exit to /dev/null instead."""
+    import os
+
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

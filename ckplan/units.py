@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from ckplan.quoting import quote
+
 DECIMAL_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 BINARY_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _UNITS = {**DECIMAL_UNITS, **BINARY_UNITS}
@@ -37,35 +39,37 @@ def parse_size(text: str) -> int:
     match = _SIZE.match(text.strip())
     if not match:
         raise SizeError(
-            f"cannot parse size {text!r}: expected a number with a unit such as 40GB, 40GiB, "
+            f"cannot parse size {quote(text)}: expected a number with a unit such as 40GB, 40GiB, "
             "512MB, 1.5TB, or a plain number of bytes such as 80e9"
         )
     number, unit = match.group("number"), match.group("unit")
+    if len(number) > 40:  # no size needs 40 digits; Python refuses int() beyond 4,300
+        raise SizeError(f"cannot parse size {quote(text)}: too many digits")
     if unit is None:
         if "." in number and not re.search(r"[eE]", number):
             raise SizeError(
-                f"cannot parse size {text!r}: a number without a unit is bytes and must be whole "
-                "(did you mean GB?)"
+                f"cannot parse size {quote(text)}: a number without a unit is bytes and must be "
+                "whole (did you mean GB?)"
             )
         if not re.search(r"[eE]", number) and int(number) < 2**20:
             raise SizeError(
-                f"cannot parse size {text!r}: {number} bytes is implausibly small for a memory "
-                "size; add a unit such as GB or GiB"
+                f"cannot parse size {quote(text)}: {number} bytes is implausibly small for a "
+                "memory size; add a unit such as GB or GiB"
             )
     multiplier = _UNITS.get((unit or "B").upper())
     if multiplier is None:
         raise SizeError(
-            f"cannot parse size {text!r}: unknown unit {unit!r}; use B, KB, MB, GB, TB, KiB, MiB, "
-            "GiB or TiB"
+            f"cannot parse size {quote(text)}: unknown unit {quote(unit)}; use B, KB, MB, GB, TB, "
+            "KiB, MiB, GiB or TiB"
         )
     exponent = number.lower().partition("e")[2]
     if int(exponent or 0) > 30:  # refuse before computing 10**exponent
-        raise SizeError(f"cannot parse size {text!r}: implausibly large")
+        raise SizeError(f"cannot parse size {quote(text)}: implausibly large")
     value = _exact_product(number, multiplier)
     if value is None:
-        raise SizeError(f"cannot parse size {text!r}: it is not a whole number of bytes")
+        raise SizeError(f"cannot parse size {quote(text)}: it is not a whole number of bytes")
     if value > MAX_SIZE:
-        raise SizeError(f"cannot parse size {text!r}: implausibly large (over 1000 EB)")
+        raise SizeError(f"cannot parse size {quote(text)}: implausibly large (over 1000 EB)")
     return value
 
 

@@ -59,6 +59,11 @@ from ckplan.schedules import (
 
 PEAK_TOLERANCE = 0.05  # measured peak within ±5 % of the predicted peak
 DEFAULT_REPEATS = 3
+# What one verify run may allocate and compute, checked before it starts: its arrays live in
+# this process, its FLOPs run on the CPU (10-35 GFLOP/s per core measured, README "Verify").
+MAX_ARRAY_BYTES = 4 * 2**30
+MAX_TOTAL_FLOPS = 10**13  # ~10 minutes on one core; the README's L=32, d=512 run is 4.2e12
+MAX_REPEATS = 100
 DTYPE_BYTES = 8  # float64
 
 Params = list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
@@ -416,6 +421,37 @@ def default_budget(spec: ModelSpec) -> int:
     return evaluate(spec, parse_strategy("sqrt", spec)).activation_bytes
 
 
+def array_bytes(spec: ModelSpec) -> int:
+    """What a verify run holds at most: parameters, their gradient buffers and the reference
+    step's gradients (3 copies of L(2df + d + f) values), and two steps' activations (the
+    reference's and the run's: L + 2 inputs of b·d values, a layer's b·(2f + d) transients)."""
+    L, d, f, b = spec.layers, spec.hidden, spec.ffn_hidden, spec.micro_batch
+    parameters = L * (2 * d * f + d + f)
+    activations = (L + 2) * b * d + b * (2 * f + d)
+    return DTYPE_BYTES * (3 * parameters + 2 * activations)
+
+
+def check_limits(spec: ModelSpec, flops_per_run: Sequence[int], repeats: int) -> None:
+    """Refuse a run beyond MAX_ARRAY_BYTES, MAX_TOTAL_FLOPS or MAX_REPEATS before it starts:
+    each strategy runs once traced and `repeats` times timed, after one reference step."""
+    if not 1 <= repeats <= MAX_REPEATS:
+        raise StrategyError(f"repeats must be in 1..{MAX_REPEATS}, got {repeats:,}")
+    size = f"L={spec.layers} d={spec.hidden} f={spec.ffn_hidden} b={spec.micro_batch}"
+    held = array_bytes(spec)
+    if held > MAX_ARRAY_BYTES:
+        raise StrategyError(
+            f"verify {size} would hold {held / 2**30:,.1f} GiB of arrays, more than the "
+            f"{MAX_ARRAY_BYTES // 2**30} GiB it allows; choose smaller sizes"
+        )
+    total = flops_per_run[0] + sum(flops_per_run) * (1 + repeats)
+    if total > MAX_TOTAL_FLOPS:
+        raise StrategyError(
+            f"verify {size} would run {total / 1e12:,.1f} TFLOP with {repeats} repeats, more "
+            f"than the {MAX_TOTAL_FLOPS / 1e12:g} TFLOP it allows; choose smaller sizes, fewer "
+            "strategies or repeats"
+        )
+
+
 def verify(
     spec: ModelSpec,
     strategies: Sequence[str] | None = None,
@@ -438,6 +474,7 @@ def verify(
     if budget is None and "optimal" in names:
         budget = default_budget(spec)
     planned = [(name, *predict(spec, name, budget)) for name in names]
+    check_limits(spec, [prediction.flops for _, prediction, _ in planned], repeats)
 
     params, x, grad_output = init_network(spec, seed)
     grads = gradient_buffers(params)

@@ -16,8 +16,10 @@ from typing import Any
 
 import yaml
 
+from ckplan.io import safe_yaml
 from ckplan.io.hf_config import hf_config_mapping
 from ckplan.model.spec import ModelSpec, SpecError, spec_from_mapping
+from ckplan.quoting import abbreviate, quote
 
 
 def _preset_folder() -> Traversable:
@@ -49,18 +51,48 @@ def load_mapping(model: str) -> tuple[dict[str, Any], str]:
     """Resolve MODEL (preset name, .yaml/.yml path, or config.json path) to (mapping, origin)."""
     path = Path(model)
     if path.suffix in (".yaml", ".yml", ".json"):
-        if not path.is_file():
-            raise SpecError(f"{model}: no such file")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
-            raise SpecError(f"{model}: cannot read file ({error})") from None
+        origin = abbreviate(model)
+        text = read_text_file(path, origin)
         if path.suffix == ".json":
-            return hf_config_mapping(_parse_json(text, model), model), model
-        return _parse_yaml(text, model), model
+            return hf_config_mapping(_parse_json(text, origin), origin), origin
+        return _parse_yaml(text, origin), origin
     if model in preset_names():
         return preset_mapping(model), f"preset {model}"
     raise SpecError(_unknown_model(model))
+
+
+MAX_FILE_BYTES = 1 << 20  # a model description or config.json is a few KB
+
+
+def read_text_file(path: Path, origin: str) -> str:
+    """The UTF-8 text of a model file, or a SpecError saying why it cannot be read: missing,
+    a directory or device, unreadable, over MAX_FILE_BYTES, or not UTF-8 text."""
+    try:
+        if not path.exists():
+            raise SpecError(f"{origin}: no such file")
+        if path.is_dir():
+            raise SpecError(f"{origin}: is a directory, not a model file")
+        if not path.is_file():
+            raise SpecError(f"{origin}: not a regular file")
+        with path.open("rb") as file:
+            data = file.read(MAX_FILE_BYTES + 1)
+    except SpecError:
+        raise
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise SpecError(f"{origin}: cannot read file ({reason})") from None
+    except ValueError:  # a NUL character, a name the file system's encoding cannot hold
+        raise SpecError(f"{origin}: cannot read file (not a valid file name)") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise SpecError(
+            f"{origin}: file larger than {MAX_FILE_BYTES // 2**20} MiB: not a model file"
+        )
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise SpecError(
+            f"{origin}: not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start})"
+        ) from None
 
 
 def load_spec(model: str, overrides: Mapping[str, Any] | None = None) -> ModelSpec:
@@ -72,22 +104,21 @@ def load_spec(model: str, overrides: Mapping[str, Any] | None = None) -> ModelSp
 def _unknown_model(name: str) -> str:
     import difflib
 
-    close = difflib.get_close_matches(name, preset_names(), n=1)
+    close = difflib.get_close_matches(name, preset_names(), n=1) if len(name) < 100 else []
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return (
-        f"unknown model {name!r}{hint}: expected a preset name (see `ckplan presets`), "
+        f"unknown model {quote(name)}{hint}: expected a preset name (see `ckplan presets`), "
         "a .yaml file or a config.json"
     )
 
 
 def _parse_yaml(text: str, origin: str) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(text)
+        data = safe_yaml.load(text)
     except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(error, "problem", None) or "invalid YAML"
-        raise SpecError(f"{origin}: malformed YAML{where}: {problem}") from None
+        raise SpecError(f"{origin}: {safe_yaml.describe_error(error)}") from None
+    if data is None:
+        raise SpecError(f"{origin}: empty, expected a YAML mapping of keys to values")
     if not isinstance(data, dict):
         raise SpecError(
             f"{origin}: expected a YAML mapping of keys to values, got {type(data).__name__}"
@@ -97,9 +128,31 @@ def _parse_yaml(text: str, origin: str) -> dict[str, Any]:
 
 def _parse_json(text: str, origin: str) -> dict[str, Any]:
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_int=_json_int, object_pairs_hook=_json_object)
     except json.JSONDecodeError as error:
         raise SpecError(f"{origin}: malformed JSON at line {error.lineno}: {error.msg}") from None
+    except RecursionError:
+        raise SpecError(f"{origin}: JSON nested too deeply: not a config.json") from None
+    except _DuplicateKey as error:
+        raise SpecError(f"{origin}: duplicate JSON key {quote(error.args[0])}") from None
     if not isinstance(data, dict):
         raise SpecError(f"{origin}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    data = dict(pairs)
+    if len(data) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return data
+
+
+def _json_int(text: str) -> int | str:
+    """JSON integers as ints; one too long for any size stays text, which the spec rejects by
+    key (Python refuses to convert over 4,300 digits, and no size has 100)."""
+    return text if len(text) > safe_yaml.MAX_NUMBER_CHARS else int(text)

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from ckplan.quoting import quote
 
 
 class SpecError(ValueError):
@@ -99,24 +102,33 @@ _ENUMS = {
     "attention": ATTENTIONS,
     "positions": POSITIONS,
 }
-# Sizes that must be >= 1; vocab and zero may be 0.
-_POSITIVE = {
-    "layers",
-    "hidden",
-    "seq",
-    "micro_batch",
-    "heads",
-    "kv_heads",
-    "ffn_hidden",
-    "dtype_bytes",
-    "tp",
-    "pp",
-    "cp",
-    "dp",
-    "virtual_stages",
-    "microbatches",
+# The documented range of every size key (README "Ranges"). Generous: a model 100x larger than
+# any trained today fits (today's largest: ~130 layers, hidden 25,600, FFN 73,728, 160 heads,
+# vocab 262k, contexts of 10M tokens, ~100k GPUs), and a typo beyond it is an error instead of
+# a minutes-long run or an exhausted memory. vocab and zero may be 0.
+SIZE_RANGES: dict[str, tuple[int, int]] = {
+    "layers": (1, 100_000),
+    "hidden": (1, 2**20),
+    "seq": (1, 2**24),
+    "micro_batch": (1, 2**20),
+    "heads": (1, 2**16),
+    "kv_heads": (1, 2**16),
+    "ffn_hidden": (1, 2**22),
+    "vocab": (0, 2**24),
+    "dtype_bytes": (1, 8),
+    "tp": (1, 2**16),
+    "pp": (1, 2**16),
+    "cp": (1, 2**20),
+    "dp": (1, 2**24),
+    "zero": (0, 3),
+    "virtual_stages": (1, 2**16),
+    "microbatches": (1, 2**20),
+    "weight_bytes": (0, 64),
+    "grad_bytes": (0, 64),
+    "master_bytes": (0, 64),
+    "optimizer_bytes": (0, 64),
 }
-_NON_NEGATIVE = {"vocab", "zero", "weight_bytes", "grad_bytes", "master_bytes", "optimizer_bytes"}
+MAX_TEXT_CHARS = 1000  # name and source
 
 
 def field_names() -> list[str]:
@@ -136,7 +148,7 @@ def spec_from_mapping(mapping: Mapping[str, Any], origin: str = "model") -> Mode
     values: dict[str, Any] = {}
     for key, value in mapping.items():
         if not isinstance(key, str) or key not in _FIELDS:
-            raise SpecError(f"{origin}: unknown key {key!r}{_did_you_mean(str(key))}")
+            raise SpecError(f"{origin}: unknown key {quote(key)}{_did_you_mean(key)}")
         values[key] = _coerce(origin, key, value)
     missing = [key for key in _REQUIRED if key not in values]
     if values.get("kind") == "mlp":
@@ -150,8 +162,9 @@ def spec_from_mapping(mapping: Mapping[str, Any], origin: str = "model") -> Mode
         raise SpecError(f"{origin}: {error}") from None
 
 
-def _did_you_mean(key: str) -> str:
-    close = difflib.get_close_matches(key, _FIELDS, n=1, cutoff=0.6)
+def _did_you_mean(key: Any) -> str:
+    key = key if isinstance(key, str) and len(key) < 100 else ""
+    close = difflib.get_close_matches(key, _FIELDS, n=1, cutoff=0.6) if key else []
     return f" (did you mean {close[0]!r}?)" if close else f"; valid keys: {', '.join(_FIELDS)}"
 
 
@@ -163,49 +176,61 @@ def _coerce(origin: str, key: str, value: Any) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
-        raise SpecError(f"{origin}: key {key!r} expects true or false, got {value!r}")
+        raise SpecError(f"{origin}: key {key!r} expects true or false, got {quote(value)}")
     if key in _STR_FIELDS:
         if not isinstance(value, str):
-            raise SpecError(f"{origin}: key {key!r} expects a string, got {value!r}")
+            raise SpecError(f"{origin}: key {key!r} expects a string, got {quote(value)}")
+        if len(value) > MAX_TEXT_CHARS:
+            raise SpecError(
+                f"{origin}: key {key!r} is {len(value):,} characters long; at most "
+                f"{MAX_TEXT_CHARS:,} are accepted"
+            )
         return value
     if key in _FLOAT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int | float | str):
-            raise SpecError(f"{origin}: key {key!r} expects a number, got {value!r}")
+            raise SpecError(f"{origin}: key {key!r} expects a number, got {quote(value)}")
         try:
             return float(value)
-        except ValueError:
-            raise SpecError(f"{origin}: key {key!r} expects a number, got {value!r}") from None
+        except (ValueError, OverflowError):
+            raise SpecError(f"{origin}: key {key!r} expects a number, got {quote(value)}") from None
     # integers: accept ints and integer-valued strings/floats (from --set), nothing else
     if isinstance(value, bool):
-        raise SpecError(f"{origin}: key {key!r} expects an integer, got {value!r}")
+        raise SpecError(f"{origin}: key {key!r} expects an integer, got {quote(value)}")
     if isinstance(value, float) and value.is_integer():
         return int(value)
-    if isinstance(value, str):
-        try:
-            return int(value.replace("_", ""))
-        except ValueError:
-            pass
+    if isinstance(value, str) and re.fullmatch(r"[+-]?[0-9][0-9_]*", value.strip()):
+        text = value.strip()
+        digits = text.lstrip("+-").replace("_", "").lstrip("0") or "0"
+        if len(digits) > 30:  # beyond every range; Python refuses int() over 4,300 digits
+            low, high = SIZE_RANGES.get(key, (0, 10**30))
+            raise SpecError(
+                f"{origin}: key {key!r} must be in {low:,}..{high:,}, got an integer of "
+                f"{len(digits):,} digits"
+            )
+        return -int(digits) if text.startswith("-") else int(digits)
     if isinstance(value, int):
         return value
-    raise SpecError(f"{origin}: key {key!r} expects an integer, got {value!r}")
+    raise SpecError(f"{origin}: key {key!r} expects an integer, got {quote(value)}")
 
 
 def _validate(spec: ModelSpec) -> None:
-    for key in _POSITIVE:
-        if getattr(spec, key) < 1:
-            raise SpecError(f"key {key!r} must be a positive integer, got {getattr(spec, key)}")
-    for key in _NON_NEGATIVE:
-        if getattr(spec, key) < 0:
-            raise SpecError(f"key {key!r} must be >= 0, got {getattr(spec, key)}")
+    for key, (low, high) in SIZE_RANGES.items():
+        value = getattr(spec, key)
+        if value < low and low == 1:
+            raise SpecError(f"key {key!r} must be a positive integer, got {quote(value)}")
+        if value < low:
+            raise SpecError(f"key {key!r} must be >= {low}, got {quote(value)}")
+        if value > high and key != "zero":
+            raise SpecError(f"key {key!r} must be in {low:,}..{high:,}, got {quote(value)}")
     for key, allowed in _ENUMS.items():
         if getattr(spec, key) not in allowed:
             raise SpecError(
-                f"key {key!r} must be one of {', '.join(allowed)}, got {getattr(spec, key)!r}"
+                f"key {key!r} must be one of {', '.join(allowed)}, got {quote(getattr(spec, key))}"
             )
     if not 0.0 <= spec.dropout < 1.0:
         raise SpecError(f"key 'dropout' must be in [0, 1), got {spec.dropout}")
     if spec.zero > 3:
-        raise SpecError(f"key 'zero' must be 0, 1, 2 or 3, got {spec.zero}")
+        raise SpecError(f"key 'zero' must be 0, 1, 2 or 3, got {quote(spec.zero)}")
     if spec.hidden % spec.heads:
         raise SpecError(f"key 'heads' ({spec.heads}) must divide hidden ({spec.hidden})")
     if spec.heads % spec.kv_heads:

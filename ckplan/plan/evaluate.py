@@ -18,6 +18,7 @@ from ckplan.model import flops as flops_model
 from ckplan.model import memory, seed
 from ckplan.model.ops import ATTENTION_CORE, layer_ops
 from ckplan.model.spec import ModelSpec
+from ckplan.plan import limits
 from ckplan.plan.layer_chain import _layer_offset, layer_chain, stage_names
 from ckplan.plan.strategies import Strategy, StrategyError
 from ckplan.schedules import (
@@ -143,6 +144,7 @@ def _schedule(
     if strategy.kind == "revolve":
         from ckplan.schedules.revolve import revolve_schedule  # only where it is used
 
+        limits.check_revolve(chain.length, strategy.size, strategy.name)
         return revolve_schedule(chain, strategy.size)
     return segment_schedule(chain, _segments(spec, chain, strategy, first_stage))
 

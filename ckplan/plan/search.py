@@ -160,7 +160,7 @@ def sweep(
 
 def _seed_strategies(spec: ModelSpec) -> list[Strategy]:
     names = ["none", "selective", "full", "sqrt"] + [
-        f"uniform:{k}" for k in range(1, spec.layers_per_stage + 1)
+        f"uniform:{k}" for k in _sizes(1, spec.layers_per_stage)
     ]
     return [parse_strategy(name, spec) for name in dict.fromkeys(names)]
 

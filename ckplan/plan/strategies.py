@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from ckplan.model.spec import ModelSpec
+from ckplan.quoting import quote
 
 FORMULAS = ("derived", "seed")
 
@@ -44,20 +45,20 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
     body = text.strip()
     if body.startswith("selective+"):
         selective, body = True, body.removeprefix("selective+")
-    match = re.fullmatch(r"([a-z]+)(?::(-?[0-9]+))?", body)
+    match = re.fullmatch(r"([a-z]+)(?::(-?[0-9]{1,18}))?", body)
     kind = match.group(1) if match else ""
     size = int(match.group(2)) if match and match.group(2) is not None else None
     if not match or kind not in _SIZED + _PLAIN or (kind in _PLAIN) != (size is None):
-        raise StrategyError(f"unknown strategy {text!r}: expected one of {STRATEGY_HELP}")
+        raise StrategyError(f"unknown strategy {quote(text)}: expected one of {STRATEGY_HELP}")
     if selective and kind == "selective":
-        raise StrategyError(f"strategy {text!r}: selective cannot combine with itself")
+        raise StrategyError(f"strategy {quote(text)}: selective cannot combine with itself")
     layers = spec.layers_per_stage
     if kind in ("uniform", "sequential") and not 1 <= size <= layers:
-        raise StrategyError(f"strategy {text!r}: K must be in 1..{layers} (layers per stage)")
+        raise StrategyError(f"strategy {quote(text)}: K must be in 1..{layers} (layers per stage)")
     if kind == "block" and not 0 <= size <= layers:
-        raise StrategyError(f"strategy {text!r}: N must be in 0..{layers} (layers per stage)")
+        raise StrategyError(f"strategy {quote(text)}: N must be in 0..{layers} (layers per stage)")
     if kind == "revolve" and size < 1:
-        raise StrategyError(f"strategy {text!r}: C must be at least 1 checkpoint slot")
+        raise StrategyError(f"strategy {quote(text)}: C must be at least 1 checkpoint slot")
     if kind == "none" and selective:
         return Strategy("selective")
     if kind == "full" and selective:

@@ -25,6 +25,8 @@ _LAZY = {
     "sweep_view": "sweep",
     "verify_dict": "verify",
     "verify_view": "verify",
+    "estimate_no_fit_dict": "no_fit",
+    "schedule_no_fit_dict": "no_fit",
 }
 
 
@@ -41,11 +43,13 @@ __all__ = [
     "check_table",
     "error_text",
     "estimate_dict",
+    "estimate_no_fit_dict",
     "estimate_view",
     "model_table",
     "plan_dict",
     "presets_table",
     "schedule_dict",
+    "schedule_no_fit_dict",
     "schedule_view",
     "sweep_dict",
     "sweep_view",

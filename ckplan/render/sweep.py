@@ -19,6 +19,7 @@ from ckplan.units import format_bytes, format_flops, size_unit
 # ---- sweep, check, schedule --------------------------------------------------------------
 
 FRONTIER_ROWS = 30  # the table shows at most this many frontier plans (JSON has them all)
+SCHEDULE_ROWS = 400  # and at most this many schedule rows, half from each end
 
 
 def candidate_dict(candidate: Candidate) -> dict[str, Any]:
@@ -268,7 +269,13 @@ def schedule_view(plan: Plan, activation_budget: int | None) -> Group:
     table.add_column("step")
     table.add_column("stages")
     table.add_column("count", justify="right")
-    for index, (label, span, count) in enumerate(schedule_rows(plan), 1):
+    rows = schedule_rows(plan)
+    for index, (label, span, count) in enumerate(rows, 1):
+        if SCHEDULE_ROWS // 2 < index <= len(rows) - SCHEDULE_ROWS // 2:
+            if index == SCHEDULE_ROWS // 2 + 1:  # a long schedule: its two ends (JSON has all)
+                omitted = len(rows) - SCHEDULE_ROWS // 2 * 2
+                table.add_row("...", f"{omitted:,} rows omitted (--json lists every step)", "", "")
+            continue
         table.add_row(str(index), label, span, str(count))
     forwards = sum(1 for step in plan.steps if step.kind != "backward")
     budget = (

@@ -1,0 +1,112 @@
+"""DESIGN.md's JSON contract as data, and a small checker (no jsonschema dependency).
+
+A schema is a type (`int` means an int that is not a bool; `float` accepts ints; `str`, `bool`),
+`None`, a tuple of alternatives, a dict of required keys (extra keys are allowed: the contract
+names what must be there), or a one-element list (every element matches it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ckplan.model.spec import ModelSpec
+
+_PYTHON_TYPES = {"int": int, "str": str, "bool": bool, "float": float}
+
+
+def _model_schema() -> dict:
+    """Every resolved key of the model with its type, from the ModelSpec fields."""
+    schema = {}
+    for field in dataclasses.fields(ModelSpec):
+        name = field.type.split(" | ")[0]  # "int | None" resolves to int
+        schema[field.name] = _PYTHON_TYPES[name]
+    return schema
+
+
+MODEL = _model_schema()
+MEMORY = {
+    "per_layer_activation_bytes": int,
+    "breakdown": {"attention": int, "mlp": int, "norm": int},
+    "activation_bytes": int,
+    "model_state_bytes": int,
+    "total_bytes": int,
+}
+FLOPS = {"forward": int, "backward": int, "recompute": int, "total": int}
+PLAN = {
+    "strategy": str,
+    "formula": str,
+    "memory": MEMORY,
+    "parameters": {"total": int, "per_gpu": int},
+    "flops": FLOPS,
+    "overhead": float,
+}
+SWEEP_PLAN = {**PLAN, "fits": bool}
+ESTIMATE = {"ckplan_version": str, "model": MODEL, **PLAN}
+SWEEP = {
+    "budget_bytes": int,
+    "plans": [SWEEP_PLAN],
+    "pareto": [SWEEP_PLAN],
+    "best": (SWEEP_PLAN, None),
+}
+CHECK = {
+    "budget_bytes": int,
+    "results": [{"model": str, "fits": bool, "plan": (SWEEP_PLAN, None)}],
+}
+COUNTS = {"peak_bytes": int, "layer_forwards": int, "flops": int}
+VERIFY = {
+    "runs": [
+        {
+            "strategy": str,
+            "gradients_identical": bool,
+            "max_abs_grad_diff": float,
+            "predicted": COUNTS,
+            "measured": {**COUNTS, "seconds": float},
+            "ok": bool,
+        }
+    ]
+}
+SCHEDULE = {
+    **PLAN,
+    "activation_budget_bytes": (int, None),
+    "stages": [str],
+    "steps": [{"kind": str, "stage": int, "name": str}],
+}
+NO_FIT = {
+    "strategy": str,
+    "memory": None,
+    "flops": None,
+    "fits": bool,
+    "activation_budget_bytes": int,
+    "notes": [str],
+}
+
+
+def errors(value: Any, schema: Any, where: str = "$") -> list[str]:
+    """Every place where `value` breaks `schema`, as 'path: problem'."""
+    if isinstance(schema, tuple):
+        found = [errors(value, option, where) for option in schema]
+        return [] if any(not e for e in found) else found[0]
+    if schema is None:
+        return [] if value is None else [f"{where}: expected null, got {value!r}"]
+    if isinstance(schema, dict):
+        if not isinstance(value, dict):
+            return [f"{where}: expected an object, got {type(value).__name__}"]
+        out = []
+        for key, sub in schema.items():
+            if key not in value:
+                out.append(f"{where}: missing key {key!r}")
+            else:
+                out += errors(value[key], sub, f"{where}.{key}")
+        return out
+    if isinstance(schema, list):
+        if not isinstance(value, list):
+            return [f"{where}: expected an array, got {type(value).__name__}"]
+        return [e for i, item in enumerate(value) for e in errors(item, schema[0], f"{where}[{i}]")]
+    if schema is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    elif schema is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, schema)
+    return [] if ok else [f"{where}: expected {schema.__name__}, got {value!r}"]
