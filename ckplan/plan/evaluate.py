@@ -64,6 +64,9 @@ class Plan:
     steps: tuple = field(default=(), repr=False)  # the schedule, when there is one
     stage_names: tuple[str, ...] = ()  # names of the chain's stages the steps refer to
     notes: tuple[str, ...] = ()
+    # (first_stage, forwards per chain stage) of each pipeline stage evaluated, from the
+    # schedule replay: what the time model (ckplan.hardware.step_time) re-runs
+    stage_forwards: tuple[tuple[bool, tuple[int, ...]], ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -154,7 +157,7 @@ def evaluate(
         return _evaluate_seed(spec, strategy)
     # One chain for p = 1; else the first pipeline stage (embedding, most micro-batches in
     # flight) and the last (output layer and fp32 logits, one micro-batch in flight).
-    results = []
+    results, forwards = [], []
     for first_stage in [True] if spec.pp == 1 else [True, False]:
         chain = layer_chain(spec, strategy.selective, first_stage)
         in_flight = in_flight_microbatches(spec) if first_stage else Fraction(1)
@@ -163,6 +166,7 @@ def evaluate(
             return None
         peak, steps, replay = found
         results.append((peak, steps, _stage_flops(spec, strategy, chain, replay), first_stage))
+        forwards.append((first_stage, replay.layer_forwards))
     # Memory: the fullest stage. FLOPs: the busiest stage, which paces the pipeline.
     peak, steps, _, first_stage = max(results, key=lambda result: result[0])
     flops = max((result[2] for result in results), key=lambda count: count.total)
@@ -182,6 +186,7 @@ def evaluate(
         tuple(steps),
         names,
         notes,
+        stage_forwards=tuple(forwards),
     )
 
 
@@ -224,7 +229,16 @@ def _per_iteration(spec: ModelSpec, flops: FlopCount) -> FlopCount:
 
 
 def _plan(
-    spec, name, formula, activation_bytes, flops, steps=(), names=(), notes=(), per_layer=None
+    spec,
+    name,
+    formula,
+    activation_bytes,
+    flops,
+    steps=(),
+    names=(),
+    notes=(),
+    per_layer=None,
+    stage_forwards=(),
 ) -> Plan:
     counts = memory.parameter_count(spec)
     return Plan(
@@ -243,6 +257,7 @@ def _plan(
         steps=steps,
         stage_names=names,
         notes=notes,
+        stage_forwards=stage_forwards,
     )
 
 

@@ -20,6 +20,7 @@ from ckplan.render.sweep import (
     sweep_dict,
     sweep_view,
 )
+from ckplan.render.time import gpu_table, gpus_table, step_time_table
 from ckplan.render.verify import verify_dict, verify_view
 
 __all__ = [
@@ -28,11 +29,14 @@ __all__ = [
     "error_text",
     "estimate_dict",
     "estimate_view",
+    "gpu_table",
+    "gpus_table",
     "model_table",
     "plan_dict",
     "presets_table",
     "schedule_dict",
     "schedule_view",
+    "step_time_table",
     "sweep_dict",
     "sweep_view",
     "verify_dict",
