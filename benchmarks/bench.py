@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from ckplan.hardware.step_time import step_time
+from ckplan.io.gpus import load_gpu
 from ckplan.io.presets import load_spec
 from ckplan.plan import evaluate, layer_chain, parse_strategy
 from ckplan.plan.search import sweep
@@ -37,6 +39,18 @@ def main() -> None:
     )
     tp8 = load_spec("llama3-70b", {"tp": 8, "pp": 4, "sp": True, "microbatches": 16})
     timed("sweep llama3-70b tp8 pp4, 80GB", lambda: sweep(tp8, 80 * GB), repeats=1)
+    h100 = load_gpu("h100-sxm")
+    timed(
+        "sweep llama3-70b tp8 pp4, --gpu h100-sxm (every plan timed)",
+        lambda: sweep(tp8, 80 * GB, gpu=h100),
+        repeats=1,
+    )
+    plan = evaluate(tp8, parse_strategy("selective", tp8))
+    step_time(plan, h100)  # per-layer times cached per (spec, gpu)
+    timed(
+        "step_time x 1000 (cached layer times)",
+        lambda: [step_time(plan, h100) for _ in range(1000)],
+    )
     deep = load_spec("llama3-405b", {"layers": 128, "tp": 8, "sp": True})
     chain = layer_chain(deep, selective=False)
     budget = sum(chain.tape_bytes) // 4

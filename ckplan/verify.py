@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ckplan.hardware.cpu import CPUProfile, measure_cpu_profile
+from ckplan.hardware.cpu import CPUProfile, measure_cpu_profile, median_profile
 from ckplan.hardware.step_time import step_time
 from ckplan.model.spec import ModelSpec, spec_from_mapping
 from ckplan.plan import Plan, StrategyError, evaluate, layer_chain, parse_strategy
@@ -405,14 +405,16 @@ def backward_calls(rows: int) -> int:
 def predicted_seconds(spec: ModelSpec, plan, profile: CPUProfile) -> float:
     """The time model's seconds for one step of `plan` on this executor: the roofline of every
     op run (forwards per layer from the replay, `hardware.step_time` on the `cpu` profile) plus
-    the per-call overhead of the NumPy calls the executor makes."""
+    the per-call overhead of the NumPy calls the executor makes and the measured cost of the
+    backward's 0/1 mask (`np.heaviside`, b·f values per layer backward)."""
     time = step_time(plan, profile.as_gpu())
     roofline = time.forward_seconds + time.backward_seconds + time.recompute_seconds
     forwards = sum(sum(counts) for _, counts in plan.stage_forwards)
     calls = forwards * forward_calls(spec.micro_batch) + spec.layers * backward_calls(
         spec.micro_batch
     )
-    return roofline + calls * profile.call_seconds
+    masks = spec.layers * spec.micro_batch * spec.ffn_hidden
+    return roofline + calls * profile.call_seconds + masks * profile.mask_seconds_per_value
 
 
 def predict(spec: ModelSpec, strategy: str, budget: int | None) -> tuple[Prediction, Plan]:
@@ -475,13 +477,8 @@ def verify(
     planned = [(name, *predict(spec, name, budget)) for name in names]
 
     params, x, grad_output = init_network(spec, seed)
-    profile = None
-    if predict_time:
-        profile = measure_cpu_profile(x, [w1 for w1, _, _, _ in params])
-        planned = [
-            (name, replace(prediction, seconds=predicted_seconds(spec, plan, profile)), plan)
-            for name, prediction, plan in planned
-        ]
+    weights = [w1 for w1, _, _, _ in params]
+    plans = [plan for _, _, plan in planned]
     planned = [(name, prediction, plan.steps) for name, prediction, plan in planned]
     grads = gradient_buffers(params)
     ref_dx, ref_grads = reference_step(params, x, grad_output)
@@ -494,10 +491,21 @@ def verify(
         del dx
     # Timed in rounds, every strategy once per round, so that drift in the machine's speed
     # (other load, clocks) falls on all strategies alike.
+    # With predict_time, the cpu profile is probed in every round too, between the runs, so it
+    # sees the load they see (hardware.cpu).
     seconds: list[list[float]] = [[] for _ in planned]
+    probes = []
     for _ in range(repeats):
+        if predict_time:
+            probes.append(measure_cpu_profile(x, weights))
         for times, (_, _, steps) in zip(seconds, planned, strict=True):
             times += time_step(steps, params, grads, x, grad_output, 1)
+    profile = median_profile(probes) if predict_time else None
+    if profile is not None:
+        planned = [
+            (name, replace(prediction, seconds=predicted_seconds(spec, plan, profile)), steps)
+            for (name, prediction, steps), plan in zip(planned, plans, strict=True)
+        ]
     runs = []
     for (name, prediction, _), (peak, counts, identical, diff), times in zip(
         planned, traced, seconds, strict=True

@@ -215,6 +215,7 @@ def test_cli_json_schema(capsys):
         "flops_per_s",
         "bytes_per_s",
         "call_seconds",
+        "mask_seconds_per_value",
         "probe_spread",
     }
 

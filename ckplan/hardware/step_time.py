@@ -271,7 +271,8 @@ def output_time(spec: ModelSpec, gpu: GPU) -> StageTime:
     )
 
 
-def chain_stage_times(spec: ModelSpec, gpu: GPU, first_stage: bool) -> list[StageTime]:
+@lru_cache(maxsize=256)
+def chain_stage_times(spec: ModelSpec, gpu: GPU, first_stage: bool) -> tuple[StageTime, ...]:
     """The times of the chain's stages, in `plan.layer_chain`'s order."""
     stages = [layer_time(spec, gpu)] * spec.layers_per_stage
     has_vocab = spec.kind == "transformer" and spec.vocab > 0
@@ -279,7 +280,7 @@ def chain_stage_times(spec: ModelSpec, gpu: GPU, first_stage: bool) -> list[Stag
         stages = [embedding_time(spec, gpu), *stages]
     if has_vocab and (spec.pp == 1 or not first_stage):
         stages = [*stages, output_time(spec, gpu)]
-    return stages
+    return tuple(stages)
 
 
 # ---- one micro-batch through one pipeline stage ------------------------------------------
@@ -307,7 +308,7 @@ class MicroBatchTime:
 
 
 def micro_batch_time(
-    stages: list[StageTime], forwards: tuple[int, ...], selective: bool
+    stages: tuple[StageTime, ...] | list[StageTime], forwards: tuple[int, ...], selective: bool
 ) -> MicroBatchTime:
     """One micro-batch: stage i's forward `forwards[i]` times (the first is the forward, the
     others recompute), every backward once, and with `selective` each layer's attention-core
@@ -329,9 +330,17 @@ def micro_batch_time(
     return MicroBatchTime(forward, backward, recompute, forward_comm, backward_comm, recompute_comm)
 
 
+@lru_cache(maxsize=8192)
+def _stage_micro_batch(
+    spec: ModelSpec, gpu: GPU, first_stage: bool, forwards: tuple[int, ...], selective: bool
+) -> MicroBatchTime:
+    return micro_batch_time(chain_stage_times(spec, gpu, first_stage), forwards, selective)
+
+
 # ---- the iteration -----------------------------------------------------------------------
 
 
+@lru_cache(maxsize=256)
 def pipeline_p2p_seconds(spec: ModelSpec, gpu: GPU) -> float:
     """Pipeline sends of one micro-batch on one stage: its activation forward and its gradient
     backward, once per virtual stage (Narayanan et al. 2021 §2.2, §4.1: with the scatter/gather
@@ -344,6 +353,7 @@ def pipeline_p2p_seconds(spec: ModelSpec, gpu: GPU) -> float:
     return 2 * spec.virtual_stages * comm.p2p_seconds(size, bandwidth)
 
 
+@lru_cache(maxsize=256)
 def data_parallel_seconds(spec: ModelSpec, gpu: GPU) -> float:
     """Data-parallel communication of one iteration, before overlap: the gradients reduced over
     the dp·cp ranks that hold the same parameters (Megatron-LM reduces over both). ZeRO 0: a
@@ -366,6 +376,7 @@ def data_parallel_seconds(spec: ModelSpec, gpu: GPU) -> float:
     return spec.microbatches * (2 * gather + scatter)
 
 
+@lru_cache(maxsize=256)
 def optimizer_seconds(spec: ModelSpec, gpu: GPU) -> float:
     """Adam's step, memory-bound: per parameter it reads the gradient, master weight and both
     moments and writes the master weight, moments and half-precision weight (Megatron-LM's
@@ -398,11 +409,11 @@ def step_time_from_forwards(
     ((first_stage, layer_forwards) as the schedule replay gives them); `flop_overhead`
     (recompute / (forward + backward) FLOPs) turns MFU into HFU."""
     times = [
-        micro_batch_time(chain_stage_times(spec, gpu, first), forwards, selective)
+        _stage_micro_batch(spec, gpu, first, tuple(forwards), selective)
         for first, forwards in stage_forwards
     ]
     plain = [
-        micro_batch_time(chain_stage_times(spec, gpu, first), (1,) * len(forwards), False)
+        _stage_micro_batch(spec, gpu, first, (1,) * len(forwards), False)
         for first, forwards in stage_forwards
     ]
     busiest = max(times, key=lambda t: t.total)
@@ -416,12 +427,7 @@ def step_time_from_forwards(
 
     gpus = spec.tp * spec.pp * spec.cp * spec.dp
     global_batch = spec.micro_batch * m * spec.dp
-    if spec.kind == "transformer":
-        model_flops = model_flops_per_iteration(spec, global_batch)
-    else:  # the seed MLP: 3 x the forward matmuls of every layer
-        layer = sum(op.forward_flops for op in model_layer_ops(spec))
-        model_flops = 3 * layer * spec.layers * global_batch
-    mfu = model_flops / (step * gpus * gpu.bf16_flops)
+    mfu = _model_flops(spec, global_batch) / (step * gpus * gpu.bf16_flops)
     tokens = global_batch * spec.seq
     communication = m * (busiest.forward_comm + busiest.backward_comm) + p2p + dp
     breakdown = {
@@ -447,6 +453,16 @@ def step_time_from_forwards(
         tokens_per_second_per_gpu=tokens / step / gpus,
         breakdown=breakdown,
     )
+
+
+@lru_cache(maxsize=256)
+def _model_flops(spec: ModelSpec, global_batch: int) -> int:
+    """Model FLOPs of one iteration (Korthikanti App. A); the seed MLP: 3 x its layers' forward
+    matmuls."""
+    if spec.kind == "transformer":
+        return model_flops_per_iteration(spec, global_batch)
+    layer = sum(op.forward_flops for op in model_layer_ops(spec))
+    return 3 * layer * spec.layers * global_batch
 
 
 def step_time(plan, gpu: GPU) -> StepTime | None:

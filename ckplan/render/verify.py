@@ -75,6 +75,7 @@ def _profile_dict(profile: Any) -> dict[str, float]:
         "flops_per_s": profile.flops_per_s,
         "bytes_per_s": profile.bytes_per_s,
         "call_seconds": profile.call_seconds,
+        "mask_seconds_per_value": profile.mask_seconds_per_value,
         "probe_spread": profile.probe_spread,
     }
 
@@ -92,8 +93,8 @@ def _seconds(run: Any) -> str:
     predicted = run.predicted.seconds
     if predicted is None:
         return f"{run.measured.seconds:.3f}"
-    error = predicted / run.measured.seconds - 1
-    return f"{predicted:.3f} / {run.measured.seconds:.3f} ({error:+.0%})"
+    measured = run.measured.seconds
+    return f"{predicted:.3f} / {measured:.3f} ({predicted / measured - 1:+.0%})"
 
 
 def _only_headers_over(run: Any) -> bool:
@@ -106,10 +107,11 @@ def _profile_note(profile: Any) -> str:
     if profile is None:
         return ""
     return (
-        f"Time predicted by the roofline model on a cpu profile measured now: GEMM "
-        f"{profile.flops_per_s / 1e9:.1f} GFLOP/s (probe spread {profile.probe_spread:.0%}), "
-        f"element-wise {profile.bytes_per_s / 1e9:.1f} GB/s, "
-        f"{profile.call_seconds * 1e6:.2f} µs per NumPy call.\n"
+        f"Time predicted by the roofline model on a cpu profile probed between the runs "
+        f"(medians): GEMM {profile.flops_per_s / 1e9:.1f} GFLOP/s (it moved by "
+        f"{profile.probe_spread:.0%} between rounds), element-wise "
+        f"{profile.bytes_per_s / 1e9:.1f} GB/s, {profile.call_seconds * 1e6:.2f} µs per NumPy "
+        f"call, np.heaviside {profile.mask_seconds_per_value * 1e9:.1f} ns per value.\n"
     )
 
 
