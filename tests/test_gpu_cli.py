@@ -170,3 +170,15 @@ def test_check_and_schedule_with_gpu(capsys):
     assert json.loads(out)["budget_bytes"] == 80 * 10**9
     code, out, _ = run(capsys, "schedule", "gpt2", "--batch", "8", "--gpu", "rtx-4090", "--json")
     assert code == 0 and set(json.loads(out)["time"]) >= TIME_KEYS
+
+
+def test_set_gpu_memory_sets_the_budget(capsys):
+    code, out, _ = run(
+        capsys, "estimate", "gpt2", "--gpu", "a100-80gb", "--set", "gpu.memory_bytes=40e9", "--json"
+    )
+    assert code == 0 and json.loads(out)["usable_bytes"] == 40 * 10**9 - 2 * 2**30
+
+
+def test_seed_formula_with_gpu_says_why_no_time(capsys):
+    code, out, _ = run(capsys, "estimate", "gpt2", "--formula", "seed", "--gpu", "a100-80gb")
+    assert code == 0 and "No step time on a100-80gb" in out

@@ -217,6 +217,14 @@ def estimate_view(
     parts: list[Any] = [model_table(plan.spec), per_op_table(plan.spec), plan_summary_table(plan)]
     if time is not None:
         parts.append(step_time_table(plan, time, gpu))
+    elif gpu is not None:
+        parts.append(
+            Text(
+                f"No step time on {gpu.name}: the seed formula set has no schedule to time "
+                "(use --formula derived).",
+                style="dim",
+            )
+        )
     if candidate is not None:
         verdict = "fits" if candidate.fits else "does not fit"
         parts.append(

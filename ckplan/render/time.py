@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from ckplan.hardware.gpus import GPU
 from ckplan.hardware.step_time import StepTime
@@ -90,17 +92,11 @@ def gpus_table(devices: list[GPU]) -> Table:
     return table
 
 
-def gpu_table(gpu: GPU) -> Table:
-    table = Table(
-        title=f"GPU {gpu.name}",
-        show_header=False,
-        title_justify="left",
-        caption=f"source: {gpu.source}" if gpu.source else None,
-        caption_justify="left",
-    )
+def gpu_table(gpu: GPU) -> Group:
+    table = Table(title=f"GPU {gpu.name}", show_header=False, title_justify="left")
     table.add_column("key", style="bold")
     table.add_column("value", justify="right")
     for key, value in gpu.to_dict().items():
         if key not in ("name", "source"):
             table.add_row(key, f"{value:g}" if isinstance(value, float) else str(value))
-    return table
+    return Group(table, Text(f"source: {gpu.source}", style="dim")) if gpu.source else Group(table)
