@@ -40,8 +40,6 @@ from ckplan.model.ops import layer_ops as model_layer_ops
 from ckplan.model.spec import ModelSpec
 
 ZERO = OpTime(0.0, 0.0)
-# Adam's step per parameter (Megatron-LM's mixed precision): reads the gradient, master weight
-# and both moments, writes master weight, moments and the half-precision weight.
 TOKEN_ID_BYTES = memory.TOKEN_ID_BYTES
 
 
