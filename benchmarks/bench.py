@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_schedules import transformer_chain
 
+from ckplan.hardware.step_time import step_time
+from ckplan.io.gpus import load_gpu
 from ckplan.io.presets import load_spec
 from ckplan.plan import evaluate, in_flight_microbatches, layer_chain, parse_strategy
 from ckplan.plan.search import DEFAULT_RESERVE, sweep
@@ -238,12 +240,25 @@ def sweeps() -> None:
         print(f"  {label:<44} {seconds(best, median)}")
 
 
+def time_model() -> None:
+    print("\n5. Step-time model (roofline per op, ckplan.hardware)")
+    tp8 = load_spec("llama3-70b", {"tp": 8, "pp": 4, "sp": True, "microbatches": 16})
+    h100 = load_gpu("h100-sxm")
+    best, median, _ = timed(sweep, tp8, 80 * GB, DEFAULT_RESERVE, "derived", 500, h100)
+    print(f"  {'sweep llama3-70b tp8 pp4, --gpu h100-sxm':<44} {seconds(best, median)}")
+    plan = evaluate(tp8, parse_strategy("selective", tp8))
+    step_time(plan, h100)  # per-layer times cached per (spec, gpu)
+    best, median, _ = timed(lambda: [step_time(plan, h100) for _ in range(1000)])
+    print(f"  {'step_time x 1000 (cached layer times)':<44} {seconds(best, median)}")
+
+
 def main() -> None:
     machine()
     startup()
     dp()
     revolve()
     sweeps()
+    time_model()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,10 @@ import yaml
 from rich.console import Console
 
 from ckplan import __version__, render
+from ckplan.hardware.gpus import GPU, GPUError
+from ckplan.hardware.step_time import step_time
 from ckplan.io import safe_yaml
+from ckplan.io.gpus import gpu_names, load_gpu
 from ckplan.io.presets import load_spec, preset_names
 from ckplan.model.spec import ModelSpec, SpecError
 from ckplan.plan import (
@@ -80,7 +83,7 @@ def user_errors() -> Iterator[None]:
     """Turn every bad-input error into one line on stderr and exit code 2."""
     try:
         yield
-    except (SpecError, SizeError, StrategyError, UserError) as error:
+    except (SpecError, SizeError, StrategyError, GPUError, UserError) as error:
         print_error(str(error))
         raise typer.Exit(EXIT_BAD_INPUT) from None
 
@@ -113,8 +116,21 @@ def _root(
 ModelArg = Annotated[str, typer.Argument(help="Preset name, a .yaml file, or a HF config.json.")]
 SetOpt = Annotated[
     list[str] | None,
-    typer.Option("--set", help="Override any model key: --set key=value (repeatable)."),
+    typer.Option(
+        "--set",
+        help="Override any model key: --set key=value (repeatable); a GPU key with the gpu. "
+        "prefix: --set gpu.matmul_efficiency=0.7.",
+    ),
 ]
+GpuOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--gpu",
+        help="GPU preset (see `ckplan gpus`) or .yaml file: sets the budget (unless --budget) "
+        "and adds step time, MFU and the time overhead.",
+    ),
+]
+GPU_PREFIX = "gpu."
 SeqOpt = Annotated[int | None, typer.Option("--seq", help="Shortcut for --set seq=N.")]
 BatchOpt = Annotated[int | None, typer.Option("--batch", help="Shortcut for --set micro_batch=N.")]
 LayersOpt = Annotated[int | None, typer.Option("--layers", help="Shortcut for --set layers=N.")]
@@ -127,7 +143,18 @@ FormulaOpt = Annotated[
 def parse_overrides(
     settings: list[str] | None, seq: int | None, batch: int | None, layers: int | None
 ) -> dict[str, Any]:
-    overrides: dict[str, Any] = {}
+    overrides = {
+        key: value for key, value in _settings(settings).items() if not key.startswith(GPU_PREFIX)
+    }
+    for key, value in (("seq", seq), ("micro_batch", batch), ("layers", layers)):
+        if value is not None:
+            overrides[key] = value
+    return overrides
+
+
+def _settings(settings: list[str] | None) -> dict[str, Any]:
+    """Every --set key=value, values parsed as YAML scalars."""
+    parsed: dict[str, Any] = {}
     for setting in settings or []:
         key, sep, raw = setting.partition("=")
         if not sep or not key.strip():
@@ -136,15 +163,41 @@ def parse_overrides(
             value = safe_yaml.load(raw) if raw.strip() else raw
         except yaml.YAMLError:
             value = raw  # not a YAML scalar: the spec says what the key expects
-        overrides[key.strip()] = value
-    for key, value in (("seq", seq), ("micro_batch", batch), ("layers", layers)):
-        if value is not None:
-            overrides[key] = value
-    return overrides
+        parsed[key.strip()] = value
+    return parsed
 
 
 def resolve_model(model: str, settings, seq, batch, layers) -> ModelSpec:
     return load_spec(model, parse_overrides(settings, seq, batch, layers))
+
+
+def resolve_gpu(gpu: str | None, settings: list[str] | None) -> GPU | None:
+    """The --gpu preset or file with the --set gpu.KEY=VALUE overrides applied."""
+    overrides = {
+        key.removeprefix(GPU_PREFIX): value
+        for key, value in _settings(settings).items()
+        if key.startswith(GPU_PREFIX)
+    }
+    if gpu is None:
+        if overrides:
+            key = next(iter(overrides))
+            raise UserError(f"--set gpu.{key}: GPU keys need --gpu NAME|FILE")
+        return None
+    return load_gpu(gpu, overrides)
+
+
+def resolve_budget(
+    budget: str | None, reserve: str | None, gpu: GPU | None
+) -> tuple[str, int, int] | None:
+    """(budget as the user reads it, total bytes, reserve bytes): --budget, else the GPU's
+    memory; None when neither is given."""
+    if budget is not None:
+        return (budget, *parse_budget(budget, reserve))
+    if gpu is None:
+        return None
+    text = f"{gpu.memory_bytes / 10**9:g}GB"
+    total, kept = parse_budget(text, reserve)
+    return text, total, kept
 
 
 def check_formula(formula: str) -> str:
@@ -192,21 +245,25 @@ def estimate(
     reserve: Annotated[
         str | None, typer.Option("--reserve", help="Taken off --budget first (default 2GiB).")
     ] = None,
+    gpu: GpuOpt = None,
     settings: SetOpt = None,
     seq: SeqOpt = None,
     batch: BatchOpt = None,
     layers: LayersOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """One plan with its full breakdown: per-op activations, model states, FLOPs, overhead."""
+    """One plan with its full breakdown: per-op activations, model states, FLOPs, overhead
+    (and with --gpu: step time, MFU, the time overhead and its breakdown)."""
     with user_errors():
         spec = resolve_model(model, settings, seq, batch, layers)
+        device = resolve_gpu(gpu, settings)
         parsed = parse_strategy(strategy, spec)
         candidate = None
-        if budget is None:
+        budgets = resolve_budget(budget, reserve, device)
+        if budgets is None:
             plan = evaluate(spec, parsed, check_formula(formula))
         else:
-            total, kept = parse_budget(budget, reserve)
+            _, total, kept = budgets
             activation_budget = search.activation_budget(spec, total - kept)
             plan = None
             if parsed.kind != "optimal" or activation_budget > 0:
@@ -221,10 +278,11 @@ def estimate(
                     ),
                 )
             candidate = search.Candidate(plan, total - kept)
+        time = None if device is None else step_time(plan, device)
     if as_json:
-        print_json(render.estimate_dict(plan, candidate))
+        print_json(render.estimate_dict(plan, candidate, time))
     else:
-        stdout.print(render.estimate_view(plan, candidate))
+        stdout.print(render.estimate_view(plan, candidate, time, device))
     if candidate is not None and not candidate.fits:
         raise typer.Exit(EXIT_DOES_NOT_FIT)
 
@@ -255,8 +313,26 @@ def presets(
         stdout.print(render.presets_table(rows))
 
 
+@app.command()
+def gpus(
+    name: Annotated[str | None, typer.Argument(help="Show one GPU, every key resolved.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List the shipped GPU presets (datasheet figures and efficiencies), or show one."""
+    with user_errors():
+        devices = [load_gpu(name)] if name is not None else [load_gpu(n) for n in gpu_names()]
+    if as_json:
+        data = {device.name: device.to_dict() for device in devices}
+        print_json(devices[0].to_dict() if name is not None else data)
+    elif name is not None:
+        stdout.print(render.gpu_table(devices[0]))
+    else:
+        stdout.print(render.gpus_table(devices))
+
+
 BudgetOpt = Annotated[
-    str, typer.Option("--budget", "-b", help="Per-GPU memory: 40GB, 40GiB, 80e9, ...")
+    str | None,
+    typer.Option("--budget", "-b", help="Per-GPU memory: 40GB, 40GiB, 80e9, ... (or --gpu)"),
 ]
 ReserveOpt = Annotated[
     str | None,
@@ -276,6 +352,13 @@ def parse_budget(budget: str, reserve: str | None) -> tuple[int, int]:
     return total, kept
 
 
+def require_budget(budget: str | None, reserve: str | None, gpu: GPU | None):
+    budgets = resolve_budget(budget, reserve, gpu)
+    if budgets is None:
+        raise UserError("--budget SIZE (or --gpu NAME, which sets it) is required")
+    return budgets
+
+
 def parse_size_or_zero(text: str) -> int:
     return 0 if text.strip() == "0" else parse_size(text)
 
@@ -287,8 +370,15 @@ def check_slots(slots: int) -> int:
 @app.command()
 def sweep(
     model: ModelArg,
-    budget: BudgetOpt,
+    budget: BudgetOpt = None,
     reserve: ReserveOpt = None,
+    gpu: GpuOpt = None,
+    rank: Annotated[
+        str | None,
+        typer.Option(
+            "--rank", help="time (the default with --gpu) or flops: what the best plan minimises."
+        ),
+    ] = None,
     micro_batch: Annotated[
         str | None,
         typer.Option("--micro-batch", help="'auto': the largest micro-batch per strategy."),
@@ -304,21 +394,29 @@ def sweep(
     layers: LayersOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Every candidate plan against a budget: which fit, the Pareto frontier, the best."""
+    """Every candidate plan against a budget: which fit, the Pareto frontier, the best (the
+    fastest with --gpu)."""
     with user_errors():
         spec = resolve_model(model, settings, seq, batch, layers)
-        total, kept = parse_budget(budget, reserve)
+        device = resolve_gpu(gpu, settings)
+        budget_text, total, kept = require_budget(budget, reserve, device)
+        if rank not in (None, *search.RANKS):
+            raise UserError(f"--rank {rank!r}: expected one of {', '.join(search.RANKS)}")
+        if rank == "time" and device is None:
+            raise UserError("--rank time needs --gpu NAME|FILE")
         if micro_batch not in (None, "auto"):
             raise UserError(
                 f"--micro-batch {quote(micro_batch)}: only 'auto' is accepted (use --batch N "
                 "to set one)"
             )
-        result = search.sweep(spec, total, kept, check_formula(formula), check_slots(slots))
+        result = search.sweep(
+            spec, total, kept, check_formula(formula), check_slots(slots), device, rank
+        )
         micro_batches = _micro_batches(spec, result) if micro_batch == "auto" else None
     if as_json:
         print_json(render.sweep_dict(result, micro_batches))
     else:
-        stdout.print(render.sweep_view(result, budget, show_all, micro_batches))
+        stdout.print(render.sweep_view(result, budget_text, show_all, micro_batches))
     raise typer.Exit(EXIT_OK if result.best else EXIT_DOES_NOT_FIT)
 
 
@@ -337,11 +435,15 @@ def check(
     models: Annotated[
         list[str], typer.Argument(help="Presets, YAML files, config.json files or globs.")
     ],
-    budget: BudgetOpt,
+    budget: BudgetOpt = None,
     strategy: Annotated[
-        str, typer.Option("--strategy", "-s", help="auto (cheapest that fits) or any strategy.")
+        str,
+        typer.Option(
+            "--strategy", "-s", help="auto (cheapest that fits; fastest with --gpu) or any."
+        ),
     ] = "auto",
     reserve: ReserveOpt = None,
+    gpu: GpuOpt = None,
     slots: SlotsOpt = DEFAULT_SLOTS,
     settings: SetOpt = None,
     seq: SeqOpt = None,
@@ -351,19 +453,20 @@ def check(
 ) -> None:
     """CI capacity check: exit 0 when every model fits the budget, 1 when any does not."""
     with user_errors():
-        total, kept = parse_budget(budget, reserve)
+        device = resolve_gpu(gpu, settings)
+        budget_text, total, kept = require_budget(budget, reserve, device)
         specs = [
             (name, resolve_model(name, settings, seq, batch, layers))
             for name in expand_models(models)
         ]
         rows = [
-            (name, search.best_plan(spec, total, strategy, kept, check_slots(slots)))
+            (name, search.best_plan(spec, total, strategy, kept, check_slots(slots), device))
             for name, spec in specs
         ]
     if as_json:
         print_json(render.check_dict(total, rows))
     else:
-        stdout.print(render.check_table(budget, total, kept, rows))
+        stdout.print(render.check_table(budget_text, total, kept, rows))
     raise typer.Exit(EXIT_OK if all(c and c.fits for _, c in rows) else EXIT_DOES_NOT_FIT)
 
 
@@ -403,6 +506,7 @@ def schedule(
         ),
     ] = "auto",
     reserve: ReserveOpt = None,
+    gpu: GpuOpt = None,
     slots: SlotsOpt = DEFAULT_SLOTS,
     settings: SetOpt = None,
     seq: SeqOpt = None,
@@ -413,15 +517,17 @@ def schedule(
     """Print a plan's schedule step by step (default: the optimal schedule under --budget)."""
     with user_errors():
         spec = resolve_model(model, settings, seq, batch, layers)
+        device = resolve_gpu(gpu, settings)
         parsed = None if strategy == "auto" else parse_strategy(strategy, spec)
         activation_budget = None
-        if budget is not None:
-            total, kept = parse_budget(budget, reserve)
+        budgets = resolve_budget(budget, reserve, device)
+        if budgets is not None:
+            _, total, kept = budgets
             activation_budget = search.activation_budget(spec, total - kept)
         elif parsed is None or parsed.kind == "optimal":
             raise UserError(f"strategy {strategy!r} builds the optimal schedule and needs --budget")
         if parsed is None:
-            plan = search.optimal_plan(spec, activation_budget, check_slots(slots))
+            plan = search.optimal_plan(spec, activation_budget, check_slots(slots), device)
         elif parsed.kind == "optimal" and activation_budget <= 0:
             plan = None
         else:
@@ -435,10 +541,11 @@ def schedule(
                 spec, strategy, activation_budget, reason, stage_names(spec)
             ),
         )
+    time = None if device is None else step_time(plan, device)
     if as_json:
-        print_json(render.schedule_dict(plan, activation_budget))
+        print_json(render.schedule_dict(plan, activation_budget, time))
     else:
-        stdout.print(render.schedule_view(plan, activation_budget))
+        stdout.print(render.schedule_view(plan, activation_budget, time))
 
 
 @app.command()

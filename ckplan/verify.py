@@ -24,7 +24,10 @@ What is measured for one run, and how:
   activation peak that the planner predicts; both are reported separately.
 * **layer forwards and FLOPs**: counted as the executor runs (every matmul adds 2·m·n·k from its
   operands' actual shapes); element-wise ops count 0, as in :mod:`ckplan.ops`.
-* **time**: the median of several untraced runs of the step.
+* **time**: the median of several untraced runs of the step, beside the time model's prediction
+  (``hardware.step_time`` on a ``cpu`` profile probed on the spot, ``hardware.cpu``: the
+  layer's GEMM rate, the element-wise bandwidth at its array size, and the cost of one NumPy
+  call, times the calls this executor makes).
 
 The predictions come from the planner itself: ``plans.evaluate`` on a ``kind: mlp`` spec (peak
 ``activation_bytes``, FLOPs ``flops.total``) and ``schedules.simulate`` on ``plans.layer_chain``
@@ -42,12 +45,14 @@ import statistics
 import time
 import tracemalloc
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ckplan.hardware.cpu import CPUProfile, measure_cpu_profile, median_profile
+from ckplan.hardware.step_time import step_time
 from ckplan.model.spec import ModelSpec, spec_from_mapping
-from ckplan.plan import StrategyError, evaluate, layer_chain, parse_strategy
+from ckplan.plan import Plan, StrategyError, evaluate, layer_chain, parse_strategy
 from ckplan.schedules import (
     BACKWARD,
     FORWARD_DROP,
@@ -258,6 +263,7 @@ class Prediction:
     peak_bytes: int
     layer_forwards: tuple[int, ...]  # per layer
     flops: int
+    seconds: float | None = None  # the time model on the measured cpu profile
 
 
 @dataclass(frozen=True)
@@ -314,6 +320,7 @@ class VerifyReport:
     repeats: int
     tolerance: float
     seed: int
+    profile: CPUProfile | None = None
 
     @property
     def ok(self) -> bool:
@@ -388,8 +395,35 @@ def compare_gradients(dx, grads, ref_dx, ref_grads) -> tuple[bool, float]:
     return identical, diff
 
 
-def predict(spec: ModelSpec, strategy: str, budget: int | None) -> tuple[Prediction, tuple]:
-    """The planner's prediction for one strategy and the schedule it would run."""
+def forward_calls(rows: int) -> int:
+    """NumPy calls of `layer_forward`: two matmuls, relu, and a row-by-row bias add after each
+    matmul (b calls each)."""
+    return 2 * rows + 3
+
+
+def backward_calls(rows: int) -> int:
+    """NumPy calls of `layer_backward`: the re-run fc1 matmul and its b bias-add calls, relu,
+    the four gradient matmuls, two bias-gradient sums, the mask and its multiply."""
+    return rows + 10
+
+
+def predicted_seconds(spec: ModelSpec, plan, profile: CPUProfile) -> float:
+    """The time model's seconds for one step of `plan` on this executor: the roofline of every
+    op run (forwards per layer from the replay, `hardware.step_time` on the `cpu` profile) plus
+    the per-call overhead of the NumPy calls the executor makes and the measured cost of the
+    backward's 0/1 mask (`np.heaviside`, b·f values per layer backward)."""
+    time = step_time(plan, profile.as_gpu())
+    roofline = time.forward_seconds + time.backward_seconds + time.recompute_seconds
+    forwards = sum(sum(counts) for _, counts in plan.stage_forwards)
+    calls = forwards * forward_calls(spec.micro_batch) + spec.layers * backward_calls(
+        spec.micro_batch
+    )
+    masks = spec.layers * spec.micro_batch * spec.ffn_hidden
+    return roofline + calls * profile.call_seconds + masks * profile.mask_seconds_per_value
+
+
+def predict(spec: ModelSpec, strategy: str, budget: int | None) -> tuple[Prediction, Plan]:
+    """The planner's prediction for one strategy and the plan (schedule) it would run."""
     parsed = parse_strategy(strategy, spec)
     plan = evaluate(spec, parsed, budget=budget)
     if plan is None:
@@ -397,7 +431,7 @@ def predict(spec: ModelSpec, strategy: str, budget: int | None) -> tuple[Predict
             f"strategy {strategy!r}: no schedule fits the activation budget of {budget:,} bytes"
         )
     replay = simulate(layer_chain(spec, parsed.selective), plan.steps)
-    return Prediction(plan.activation_bytes, replay.layer_forwards, plan.flops.total), plan.steps
+    return Prediction(plan.activation_bytes, replay.layer_forwards, plan.flops.total), plan
 
 
 def default_strategies(layers: int) -> tuple[str, ...]:
@@ -459,11 +493,14 @@ def verify(
     repeats: int = DEFAULT_REPEATS,
     seed: int = 0,
     tolerance: float = PEAK_TOLERANCE,
+    predict_time: bool = True,
 ) -> VerifyReport:
     """Run every strategy on the seed's network, measure it and put it beside the prediction.
 
     ``none`` (the plain step) always runs first: it is the baseline of the time overhead.
-    Raises ``StrategyError`` for a strategy that does not parse or has no schedule.
+    With ``predict_time``, a ``cpu`` profile is probed first (``hardware.cpu``) and each run's
+    seconds are predicted from it. Raises ``StrategyError`` for a strategy that does not parse
+    or has no schedule.
     """
     if spec.kind != "mlp" or spec.dtype_bytes != DTYPE_BYTES or spec.pp != 1:
         raise StrategyError("verify runs the seed's MLP: kind mlp, dtype_bytes 8, pp 1")
@@ -477,6 +514,9 @@ def verify(
     check_limits(spec, [prediction.flops for _, prediction, _ in planned], repeats)
 
     params, x, grad_output = init_network(spec, seed)
+    weights = [w1 for w1, _, _, _ in params]
+    plans = [plan for _, _, plan in planned]
+    planned = [(name, prediction, plan.steps) for name, prediction, plan in planned]
     grads = gradient_buffers(params)
     ref_dx, ref_grads = reference_step(params, x, grad_output)
     traced = []
@@ -488,10 +528,21 @@ def verify(
         del dx
     # Timed in rounds, every strategy once per round, so that drift in the machine's speed
     # (other load, clocks) falls on all strategies alike.
+    # With predict_time, the cpu profile is probed in every round too, between the runs, so it
+    # sees the load they see (hardware.cpu).
     seconds: list[list[float]] = [[] for _ in planned]
+    probes = []
     for _ in range(repeats):
+        if predict_time:
+            probes.append(measure_cpu_profile(x, weights))
         for times, (_, _, steps) in zip(seconds, planned, strict=True):
             times += time_step(steps, params, grads, x, grad_output, 1)
+    profile = median_profile(probes) if predict_time else None
+    if profile is not None:
+        planned = [
+            (name, replace(prediction, seconds=predicted_seconds(spec, plan, profile)), steps)
+            for (name, prediction, steps), plan in zip(planned, plans, strict=True)
+        ]
     runs = []
     for (name, prediction, _), (peak, counts, identical, diff), times in zip(
         planned, traced, seconds, strict=True
@@ -514,4 +565,5 @@ def verify(
         repeats=repeats,
         tolerance=tolerance,
         seed=seed,
+        profile=profile,
     )

@@ -120,7 +120,7 @@ def test_pipeline_first_stage_holds_p_microbatches(spec_of):
     The backward of its last layer adds W: as/h = 96·2048/12288 = 16 > 13.5, so that layer
     peaks at attn_values' backward, T - 16sbh/t + 2as²b/t (see `workspace`; every term /t
     under TP + SP), W = (2as²b - 20sbh)/t beyond the chain's T + 4sbh/t."""
-    spec = spec_of("megatron-175b")
+    spec = spec_of("megatron-175b", virtual_stages=1)  # the preset interleaves 3 (Table 3)
     assert in_flight_microbatches(spec) == spec.pp
     T, X = activation_bytes_per_layer(spec), layer_input_bytes(spec)
     s, b, h, a, t = spec.seq, spec.micro_batch, spec.hidden, spec.heads, spec.tp
@@ -134,7 +134,8 @@ def test_pipeline_first_stage_holds_p_microbatches(spec_of):
 
 
 def test_few_microbatches_hold_fewer(spec_of):
-    assert in_flight_microbatches(spec_of("megatron-175b", microbatches=3)) == 3
+    spec = spec_of("megatron-175b", microbatches=3, virtual_stages=1)
+    assert in_flight_microbatches(spec) == 3
 
 
 @pytest.mark.parametrize(

@@ -158,7 +158,7 @@ def test_check_cli(capsys, tmp_path):
         (["check", "nothing*.yaml", "--budget", "4GB"], "matches no file"),
         (["check", "gpt2", "--budget", "4GB", "--strategy", "nope"], "unknown strategy"),
         (["schedule", "gpt2"], "needs --budget"),
-        (["sweep", "gpt2"], "Missing option"),
+        (["sweep", "gpt2"], "--budget SIZE (or --gpu NAME"),
     ],
 )
 def test_search_bad_input(capsys, argv, fragment):

@@ -203,13 +203,21 @@ def test_cli_json_schema(capsys):
     for r in data["runs"]:
         assert isinstance(r["gradients_identical"], bool) and r["gradients_identical"]
         assert isinstance(r["max_abs_grad_diff"], float)
-        assert set(r["predicted"]) == {"peak_bytes", "layer_forwards", "flops"}
+        assert set(r["predicted"]) == {"peak_bytes", "layer_forwards", "flops", "seconds"}
+        assert r["predicted"]["seconds"] > 0
         assert set(r["measured"]) == {"peak_bytes", "layer_forwards", "flops", "seconds"}
         for key in ("peak_bytes", "layer_forwards", "flops"):
             assert isinstance(r["predicted"][key], int) and isinstance(r["measured"][key], int)
         assert r["predicted"]["layer_forwards"] == r["measured"]["layer_forwards"]
         assert isinstance(r["measured"]["seconds"], float) and r["ok"] is True
     assert data["runs"][1]["predicted"]["layer_forwards"] == 8
+    assert set(data["cpu_profile"]) == {
+        "flops_per_s",
+        "bytes_per_s",
+        "call_seconds",
+        "mask_seconds_per_value",
+        "probe_spread",
+    }
 
 
 def test_cli_table(capsys):
@@ -245,3 +253,22 @@ def test_cli_bad_input_exits_2(capsys, extra):
 def test_cli_imports_numpy_only_for_verify():
     code = "import sys, ckplan.cli; assert 'numpy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_predicted_seconds_compose_the_time_model():
+    """The cpu prediction is the roofline of the ops each schedule runs plus the executor's
+    NumPy calls: more forwards, more predicted time, by exactly the layer forward's share."""
+    from ckplan import verify as executor
+    from ckplan.hardware.cpu import CPUProfile
+    from ckplan.hardware.step_time import layer_time
+
+    spec = mlp_spec(4, 16, 32, 8)
+    profile = CPUProfile(flops_per_s=1e10, bytes_per_s=1e10, call_seconds=1e-6, probe_spread=0)
+    none = evaluate(spec, parse_strategy("none", spec))
+    full = evaluate(spec, parse_strategy("full", spec))
+    layer = layer_time(spec, profile.as_gpu())
+    extra = layer.forward.total + executor.forward_calls(8) * 1e-6
+    difference = executor.predicted_seconds(spec, full, profile) - executor.predicted_seconds(
+        spec, none, profile
+    )
+    assert difference == pytest.approx(4 * extra)

@@ -21,6 +21,19 @@ from ckplan.model.spec import ModelSpec
 
 ATTENTION_CORE = "attention_core"
 FP32_BYTES = 4
+MASK_BYTES = 1  # a dropout mask value
+
+
+@dataclass(frozen=True)
+class Matmul:
+    """One (batched) GEMM of an op's forward: `batch` x (m x k) @ (k x n), operands and result
+    of `dtype_bytes` each. Its backward is the two transposed products (ckplan.hardware)."""
+
+    m: int
+    n: int
+    k: int
+    batch: int = 1
+    dtype_bytes: int = 2
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,17 @@ class Op:
     # Another op that saves the same storage and is backpropagated later: the storage is freed
     # after that op's backward, not this one's (flash attention's output O, out_proj's input).
     saved_until: str | None = None
+    # What the time model reads (ckplan.hardware.roofline); the defaults suit ops without them.
+    matmul: Matmul | None = None  # its forward GEMM; None for element-wise ops
+    # HBM bytes its memory-bound kernels read and write (element-wise, reductions, copies;
+    # not the GEMM's own operands): what it moves, not what it saves.
+    forward_bytes: int = 0
+    backward_bytes: int = 0
+    # The tensor-parallel collective around it (Megatron-LM): "column" (input all-gathered under
+    # SP, input gradient all-reduced or reduce-scattered) or "row" (output all-reduced, or
+    # reduce-scattered under SP).
+    tp_comm: str | None = None
+    fused_kernel: bool = False  # one compute-bound kernel timed on its FLOPs (flash attention)
 
 
 def _split(value: int, parts: int) -> int:
@@ -68,13 +92,29 @@ def _op(
     grads: tuple[int, int] = (0, 0),
     workspace: int = 0,
     saved_until: str | None = None,
+    matmul: Matmul | None = None,
+    moved: tuple[int, int] = (0, 0),
+    tp_comm: str | None = None,
 ) -> Op:
     """An op whose backward costs twice its forward: derived, the gradient w.r.t. the input and
     w.r.t. the weight are one matmul each of the forward's size (Korthikanti App. A).
-    `grads` is (output_grad_bytes, input_grad_bytes), see `Op`."""
+    `grads` is (output_grad_bytes, input_grad_bytes), see `Op`; `moved` is (forward_bytes,
+    backward_bytes)."""
     out_grad, in_grad = grads
     return Op(
-        name, component, saved, flops, 2 * flops, group, out_grad, in_grad, workspace, saved_until
+        name,
+        component,
+        saved,
+        flops,
+        2 * flops,
+        group,
+        out_grad,
+        in_grad,
+        workspace,
+        saved_until,
+        matmul,
+        *moved,
+        tp_comm,
     )
 
 
@@ -105,29 +145,52 @@ def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
 
     X = B * stream  # a residual-stream shaped tensor (or its gradient), bytes
     heads = B * sharded(tokens * h)  # a (b, a, s, d) tensor on this rank: Q, O, the context
+    heads_per_rank = a // t
+    # Bytes moved (time model): a norm reads x and writes y. Its backward is two passes in
+    # Megatron-LM's fused kernel (fused_kernels/layer_norm_cuda_kernel.cu, HostLayerNormGradient):
+    # cuComputePartGradGammaBeta reads dy and x, cuComputeGradInput reads them again and writes
+    # dx; then autograd adds dx to the residual-stream gradient (read two, write one). A residual
+    # add, or Megatron's fused bias-dropout-add, reads the branch and the residual and writes the
+    # sum (and a 1-byte mask); its backward reads dy (and the mask) and writes dx.
+    norm_moved = (2 * X, 8 * X)
+    residual_add = 3 * X
+    mask = MASK_BYTES * stream
+
+    def linear(m: int, n: int, k: int) -> Matmul:
+        return Matmul(m, n, k, 1, B)
+
+    def bias_grad(elements: int) -> int:
+        """A bias gradient reads the output gradient once (a sum over tokens)."""
+        return B * elements if spec.bias else 0
+
     qkv = B * tokens * (sharded(h) + 2 * kv_width)  # the QKV projection output, K and V at g·d
     # Every input gradient of a linear layer is one matmul output, grad_out @ W (under SP the
     # (s, b, h) partial sum before the reduce-scatter is a communication buffer, not counted).
     # norm1's input gradient is added to the residual-stream gradient (memory.layer_backward_walk).
-    ops = [_op("norm1", "norm", B * stream, grads=(X, X))]  # saves its input (the layer input)
+    ops = [_op("norm1", "norm", B * stream, grads=(X, X), moved=norm_moved)]  # saves its input
     # The attention core's gradients of Q, K, V: standard attention's matmuls read K and V
     # repeated to a heads; flash attention returns dK, dV at g·d width.
     q_k_v_grads = 3 * heads if spec.attention == "standard" else qkv
+    qkv_width = sharded(h) + 2 * kv_width
     ops.append(
         _op(
             "qkv_proj",
             "attention",
             B * stream,
-            _matmul(tokens, sharded(h) + 2 * kv_width, h),
+            _matmul(tokens, qkv_width, h),
             # Megatron splits one QKV output into Q, K, V views: torch.split's backward
             # concatenates their gradients (repeated K, V heads summed back to g) into the
             # gradient of the projection output before the input-gradient matmul.
             grads=(q_k_v_grads, X),
             workspace=qkv,
+            matmul=linear(tokens, qkv_width, h),  # the input is all-gathered under SP
+            moved=(0, bias_grad(tokens * qkv_width)),
+            tp_comm="column",
         )
     )
     scores = sharded(a * spec.micro_batch * seq_local * spec.seq)  # (b, a, s, s) elements
     score_flops = sharded(_matmul(seq_local, spec.seq, spec.head_dim) * a * spec.micro_batch)
+    head_batch = spec.micro_batch * heads_per_rank  # one GEMM per (sequence, head) on this rank
     if spec.attention == "standard":
         # Q and K, with K repeated to a heads (Megatron's repeat_interleave, HF's repeat_kv copy).
         # Backward: dQ = dS·K, dK = dSᵀ·Q (K's at a heads). Megatron folds the 1/√d scale into
@@ -141,13 +204,24 @@ def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
                 score_flops,
                 ATTENTION_CORE,
                 grads=(B * scores, 2 * heads),
+                matmul=Matmul(seq_local, spec.seq, spec.head_dim, head_batch, B),
             )
         )
         # Saves its output Y. Backward dS = Y ⊙ (dY - Σ dY ⊙ Y), one new (b, a, s, s) tensor
         # (torch's _softmax_backward_data; Megatron's fused scale-mask-softmax kernel writes it
         # into dY in place, B·as²b less: ckplan keeps the upper bound).
+        # Moves: reads the scores, writes P; backward reads P and dP, writes dS (Megatron's
+        # fused scale-mask-softmax, one kernel each way).
         ops.append(
-            _op("softmax", "attention", B * scores, 0, ATTENTION_CORE, grads=(B * scores,) * 2)
+            _op(
+                "softmax",
+                "attention",
+                B * scores,
+                0,
+                ATTENTION_CORE,
+                grads=(B * scores,) * 2,
+                moved=(2 * B * scores, 3 * B * scores),
+            )
         )
         if dropout:
             # 1-byte mask. Backward dY ⊙ mask / (1 - p): one new tensor (CUDA's masked-scale
@@ -160,6 +234,8 @@ def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
                     0,
                     ATTENTION_CORE,
                     grads=(B * scores,) * 2,
+                    # reads P, writes P' and the mask; backward reads dP' and the mask, writes dP
+                    moved=((2 * B + MASK_BYTES) * scores,) * 2,
                 )
             )
         # Saves the probabilities it multiplies (the dropout output; without dropout that is the
@@ -175,6 +251,9 @@ def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
                 score_flops,
                 ATTENTION_CORE,
                 grads=(heads, B * scores + heads),
+                matmul=Matmul(seq_local, spec.head_dim, spec.seq, head_batch, B),
+                # the context (b, a, s, d) -> (s, b, h) permute copy, and its gradient's
+                moved=(2 * heads, 2 * heads),
             )
         )
     else:
@@ -183,6 +262,7 @@ def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
         # the RNG state. O is counted once, as out_proj's input. Its backward recomputes QKᵀ
         # (Alg. 4 line 11): one extra score matmul on top of 2x forward.
         logsumexp = FP32_BYTES * sharded(tokens * a)
+        q_elements = sharded(tokens * h)
         core_flops = 2 * score_flops
         # Backward (FlashAttention-2 csrc/flash_attn/flash_api.cpp mha_bwd, also PyTorch's CUDA
         # flash kernel): reads dO, writes dQ, dK, dV, and allocates an fp32 dQ accumulator
@@ -201,6 +281,12 @@ def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
                 output_grad_bytes=heads,
                 input_grad_bytes=qkv,
                 grad_workspace_bytes=workspace,
+                # One fused kernel: reads Q, K, V, writes O and the logsumexp; backward reads
+                # Q, K, V, O, dO and the logsumexp, writes dQ, dK, dV (and its fp32 dQ
+                # accumulator, read back once).
+                forward_bytes=qkv + heads + logsumexp,
+                backward_bytes=2 * qkv + 2 * heads + logsumexp + 2 * FP32_BYTES * q_elements,
+                fused_kernel=True,
             )
         )
     # Saves its input, the attention context; its output gradient is the residual-stream
@@ -214,20 +300,39 @@ def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
             _matmul(tokens, sharded(h), h),
             grads=(X if dropout else 0, heads),
             saved_until=None if spec.attention == "standard" else "attention_core",
+            matmul=linear(tokens, h, sharded(h)),  # the output is reduce-scattered under SP
+            # without dropout, the residual add follows (with it, out_dropout's fused kernel)
+            moved=(0 if dropout else residual_add, 0),
+            tp_comm="row",
         )
     )
+    # Megatron's bias-dropout-add: the bias of a row-parallel linear is added after its
+    # reduction, so its gradient is a sum of the stream-shaped output gradient.
+    dropout_moved = (residual_add + mask, 2 * X + mask + bias_grad(stream))
     if dropout:
         # 1-byte mask; its output is added to the residual stream, so its output gradient is
         # the residual-stream gradient; dY ⊙ mask / (1 - p) is new.
-        ops.append(_op("out_dropout", "attention", stream, grads=(0, X)))
-    ops.append(_op("norm2", "norm", B * stream, grads=(X, X)))
+        ops.append(_op("out_dropout", "attention", stream, grads=(0, X), moved=dropout_moved))
+    ops.append(_op("norm2", "norm", B * stream, grads=(X, X), moved=norm_moved))
     ffn = sharded(tokens * F)  # (s, b, F) elements per rank
     if spec.mlp == "gelu":
         ops.append(
-            _op("fc1", "mlp", B * stream, _matmul(tokens, sharded(F), h), grads=(B * ffn, X))
+            _op(
+                "fc1",
+                "mlp",
+                B * stream,
+                _matmul(tokens, sharded(F), h),
+                grads=(B * ffn, X),
+                matmul=linear(tokens, sharded(F), h),
+                moved=(0, bias_grad(ffn)),
+                tp_comm="column",
+            )
         )
         # GELU saves its input; gelu_backward(dY, x) is one element-wise kernel: one new tensor.
-        ops.append(_op("act", "mlp", B * ffn, grads=(B * ffn, B * ffn)))
+        # Moves: reads x, writes y (Megatron's fused bias-GELU); backward reads dY and x.
+        ops.append(
+            _op("act", "mlp", B * ffn, grads=(B * ffn, B * ffn), moved=(2 * B * ffn, 3 * B * ffn))
+        )
     else:
         # SwiGLU (Shazeer 2020): fc1 computes gate and up (2F wide). A fused kernel (Megatron's
         # bias_swiglu) saves the fc1 output, 2F; eager silu(gate) * up also keeps silu(gate), 3F.
@@ -236,18 +341,31 @@ def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
         # backward never holds more than d gate, d up and one input gradient (2F + X) either.
         ops.append(
             _op(
-                "fc1", "mlp", B * stream, _matmul(tokens, sharded(2 * F), h), grads=(2 * B * ffn, X)
+                "fc1",
+                "mlp",
+                B * stream,
+                _matmul(tokens, sharded(2 * F), h),
+                grads=(2 * B * ffn, X),
+                matmul=linear(tokens, sharded(2 * F), h),
+                moved=(0, bias_grad(2 * ffn)),
+                tp_comm="column",
             )
         )
         # Backward: d gate and d up, 2F, from dY, F. Fused (Megatron's swiglu_back): one kernel
         # writing [d gate | d up]. Eager: MulBackward writes d silu(gate) and d up, then
         # SiluBackward d gate while dY is already freed: never more than 3F either.
+        # Moves, fused: reads gate and up, writes y; backward reads dY, gate and up, writes
+        # d gate and d up. Eager: silu(gate) (2F), the product (3F); backward 3F + 2F + 3F.
+        swiglu_moved = (
+            (3 * B * ffn, 5 * B * ffn) if spec.fused_swiglu else (5 * B * ffn, 8 * B * ffn)
+        )
         ops.append(
             _op(
                 "act",
                 "mlp",
                 B * ffn * (2 if spec.fused_swiglu else 3),
                 grads=(B * ffn, 2 * B * ffn),
+                moved=swiglu_moved,
             )
         )
     # Saves its input; its output gradient is the residual-stream gradient (no dropout) or the
@@ -259,10 +377,13 @@ def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
             B * ffn,
             _matmul(tokens, h, sharded(F)),
             grads=(X if dropout else 0, B * ffn),
+            matmul=linear(tokens, h, sharded(F)),
+            moved=(0 if dropout else residual_add, 0),
+            tp_comm="row",
         )
     )
-    if dropout:
-        ops.append(_op("mlp_dropout", "mlp", stream, grads=(0, X)))  # as out_dropout
+    if dropout:  # as out_dropout
+        ops.append(_op("mlp_dropout", "mlp", stream, grads=(0, X), moved=dropout_moved))
     return tuple(ops)
 
 
@@ -278,10 +399,33 @@ def mlp_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
     B, rows, d, f = spec.dtype_bytes, spec.micro_batch, spec.hidden, spec.ffn_hidden
     fc1_flops = _matmul(rows, f, d)
     fc2_flops = _matmul(rows, d, f)
+    hidden, out = B * rows * f, B * rows * d  # (b, f) and (b, d) arrays, bytes
+    # Bytes moved, as ckplan/verify.py runs the layer: forward `a += b1` (read, write a),
+    # relu in place (read, write a), `y += b2` (read, write y). Backward: the re-run fc1 with
+    # its bias add and relu, gb2 = Σ g (read g), the 0/1 mask in place (read, write a),
+    # gh *= mask (read two, write one), gb1 = Σ gh (read gh).
     return (
-        Op("fc1", "mlp", B * rows * d, fc1_flops, 3 * fc1_flops),
-        Op("act", "mlp", 0, 0, 0),
-        Op("fc2", "mlp", 0, fc2_flops, 2 * fc2_flops),
+        Op(
+            "fc1",
+            "mlp",
+            B * rows * d,
+            fc1_flops,
+            3 * fc1_flops,
+            matmul=Matmul(rows, f, d, 1, B),
+            forward_bytes=2 * hidden,
+            backward_bytes=2 * hidden + 3 * hidden + hidden,
+        ),
+        Op("act", "mlp", 0, 0, 0, forward_bytes=2 * hidden, backward_bytes=2 * hidden + 2 * hidden),
+        Op(
+            "fc2",
+            "mlp",
+            0,
+            fc2_flops,
+            2 * fc2_flops,
+            matmul=Matmul(rows, d, f, 1, B),
+            forward_bytes=2 * out,
+            backward_bytes=out,
+        ),
     )
 
 

@@ -28,6 +28,7 @@ from ckplan.schedules import (
     SegmentSteps,
     pipeline_peak_bytes,
     replay_runs,
+    run_forwards,
     segment_schedule,
     simulate,
     store_all_schedule,
@@ -67,6 +68,9 @@ class Plan:
     steps: tuple = field(default=(), repr=False)  # the schedule, when there is one
     stage_names: tuple[str, ...] = ()  # names of the chain's stages the steps refer to
     notes: tuple[str, ...] = ()
+    # (first_stage, forwards per chain stage) of each pipeline stage evaluated, from the
+    # schedule replay: what the time model (ckplan.hardware.step_time) re-runs
+    stage_forwards: tuple[tuple[bool, tuple[int, ...]], ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -178,7 +182,7 @@ def evaluate(
         return _evaluate_seed(spec, strategy)
     # One chain for p = 1; else the first pipeline stage (embedding, most micro-batches in
     # flight) and the last (output layer and fp32 logits, one micro-batch in flight).
-    results = []
+    results, forwards = [], []
     for first_stage in [True] if spec.pp == 1 else [True, False]:
         chain = layer_chain(spec, strategy.selective, first_stage)
         in_flight = in_flight_microbatches(spec) if first_stage else Fraction(1)
@@ -188,6 +192,12 @@ def evaluate(
         peak, steps, replay, group = found
         flops = _stage_flops(spec, strategy, chain, replay)
         results.append((peak, steps, flops, first_stage, group))
+        counts = (
+            run_forwards(chain.length, steps.runs)
+            if isinstance(steps, SegmentSteps)
+            else replay.layer_forwards
+        )
+        forwards.append((first_stage, counts))
     # Memory: the fullest stage. FLOPs: the busiest stage, which paces the pipeline.
     peak, steps, _, first_stage, _ = max(results, key=lambda result: result[0])
     flops = max((result[2] for result in results), key=lambda count: count.total)
@@ -214,6 +224,7 @@ def evaluate(
         steps,
         names,
         notes,
+        stage_forwards=tuple(forwards),
     )
 
 
@@ -281,7 +292,16 @@ def _per_iteration(spec: ModelSpec, flops: FlopCount) -> FlopCount:
 
 
 def _plan(
-    spec, name, formula, activation_bytes, flops, steps=(), names=(), notes=(), per_layer=None
+    spec,
+    name,
+    formula,
+    activation_bytes,
+    flops,
+    steps=(),
+    names=(),
+    notes=(),
+    per_layer=None,
+    stage_forwards=(),
 ) -> Plan:
     counts = memory.parameter_count(spec)
     return Plan(
@@ -300,6 +320,7 @@ def _plan(
         steps=steps,
         stage_names=names,
         notes=notes,
+        stage_forwards=stage_forwards,
     )
 
 

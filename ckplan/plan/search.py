@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ckplan.hardware.gpus import GPU
+from ckplan.hardware.step_time import StepTime, step_time
 from ckplan.model.memory import model_state_bytes
 from ckplan.model.spec import ModelSpec
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate
@@ -18,12 +20,14 @@ from ckplan.plan.strategies import Strategy, parse_strategy
 # workspaces (about 0.5-1 GiB on H100-class GPUs) plus caching-allocator fragmentation.
 DEFAULT_RESERVE = 2 * 2**30
 MICRO_BATCH_LIMIT = 4096  # the largest micro-batch `--micro-batch auto` tries
+RANKS = ("time", "flops")  # what "best" minimises: step time on a GPU, or total FLOPs
 
 
 @dataclass(frozen=True)
 class Candidate:
     plan: Plan
     budget_bytes: int  # what the plan must fit: budget less reserve
+    time: StepTime | None = None  # on the GPU given, if any
 
     @property
     def fits(self) -> bool:
@@ -44,6 +48,8 @@ class SweepResult:
     best: Candidate | None
     min_memory_segment: int | None  # the uniform K with the least peak memory
     notes: tuple[str, ...] = ()
+    gpu: GPU | None = None
+    rank: str = "flops"  # the best plan has the least step time ("time") or FLOPs ("flops")
 
     @property
     def usable_bytes(self) -> int:
@@ -119,9 +125,14 @@ def sweep(
     reserve_bytes: int = DEFAULT_RESERVE,
     formula: str = "derived",
     slots: int = DEFAULT_SLOTS,
+    gpu: GPU | None = None,
+    rank: str | None = None,
 ) -> SweepResult:
     """Evaluate every candidate against `budget_bytes - reserve_bytes` and pick the cheapest
-    plan that fits (least total FLOPs; ties go to the smaller peak)."""
+    plan that fits: the least step time on `gpu` (rank "time", the default with a GPU) or the
+    least total FLOPs (rank "flops"); ties go to the smaller peak. With a GPU every plan is
+    timed (`hardware.step_time`)."""
+    rank = _rank(gpu, rank)
     usable = budget_bytes - reserve_bytes
     strategies = candidate_strategies(spec) if formula == "derived" else _seed_strategies(spec)
     plans = [evaluate(spec, strategy, formula) for strategy in strategies]
@@ -134,12 +145,13 @@ def sweep(
             f"{spec.layers_per_stage} layers per stage"
         )
     if formula == "derived":
-        optimal = optimal_plan(spec, activation_budget(spec, usable), slots)
+        optimal = optimal_plan(spec, activation_budget(spec, usable), slots, gpu)
         if optimal is not None:
             plans.append(optimal)
-    candidates = tuple(Candidate(plan, usable) for plan in plans)
+    candidates = tuple(_candidate(plan, usable, gpu) for plan in plans)
     fitting = [c for c in candidates if c.fits]
-    best = min(fitting, key=_cost_key) if fitting else None
+    cost = _cost_key(rank)
+    best = min(fitting, key=cost) if fitting else None
     uniform = [c for c in candidates if c.plan.strategy.startswith("uniform:")]
     min_segment = (
         int(min(uniform, key=lambda c: c.plan.activation_bytes).plan.strategy.split(":")[1])
@@ -151,11 +163,27 @@ def sweep(
         budget_bytes,
         reserve_bytes,
         candidates,
-        pareto_frontier(candidates),
+        pareto_frontier(candidates, rank),
         best,
         min_segment,
         tuple(notes),
+        gpu,
+        rank,
     )
+
+
+def _rank(gpu: GPU | None, rank: str | None) -> str:
+    if rank is None:
+        return "time" if gpu is not None else "flops"
+    if rank not in RANKS:
+        raise ValueError(f"rank must be one of {', '.join(RANKS)}, got {rank!r}")
+    if rank == "time" and gpu is None:
+        raise ValueError("ranking by step time needs a GPU")
+    return rank
+
+
+def _candidate(plan: Plan, usable: int, gpu: GPU | None) -> Candidate:
+    return Candidate(plan, usable, None if gpu is None else step_time(plan, gpu))
 
 
 def _seed_strategies(spec: ModelSpec) -> list[Strategy]:
@@ -165,9 +193,12 @@ def _seed_strategies(spec: ModelSpec) -> list[Strategy]:
     return [parse_strategy(name, spec) for name in dict.fromkeys(names)]
 
 
-def optimal_plan(spec: ModelSpec, budget: int, slots: int = DEFAULT_SLOTS) -> Plan | None:
-    """The cheaper of `optimal` and `selective+optimal` within `budget` activation bytes (ties
-    go to the smaller peak); None when neither fits."""
+def optimal_plan(
+    spec: ModelSpec, budget: int, slots: int = DEFAULT_SLOTS, gpu: GPU | None = None
+) -> Plan | None:
+    """The cheaper of `optimal` and `selective+optimal` within `budget` activation bytes (in
+    FLOPs, or in step time on `gpu`; ties go to the smaller peak); None when neither fits.
+    The DP itself minimises recompute FLOPs (rotor's costs are the chain's FLOPs)."""
     if budget <= 0:
         return None
     found = []
@@ -175,18 +206,31 @@ def optimal_plan(spec: ModelSpec, budget: int, slots: int = DEFAULT_SLOTS) -> Pl
         plan = evaluate(spec, strategy, budget=budget, slots=slots)
         if plan is not None:
             found.append(plan)
-    return min(found, key=lambda p: (p.flops.total, p.activation_bytes)) if found else None
+    if not found:
+        return None
+    if gpu is not None:
+        return min(found, key=lambda p: (step_time(p, gpu).step_seconds, p.activation_bytes))
+    return min(found, key=lambda p: (p.flops.total, p.activation_bytes))
 
 
-def _cost_key(candidate: Candidate) -> tuple[int, int]:
-    return candidate.plan.flops.total, candidate.plan.total_bytes
+def _cost(candidate: Candidate, rank: str) -> float:
+    if rank == "time" and candidate.time is not None:
+        return candidate.time.step_seconds
+    return candidate.plan.flops.total
 
 
-def pareto_frontier(candidates: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
-    """Plans no other plan beats on both peak memory and FLOPs, by increasing memory."""
+def _cost_key(rank: str = "flops"):
+    return lambda candidate: (_cost(candidate, rank), candidate.plan.total_bytes)
+
+
+def pareto_frontier(
+    candidates: tuple[Candidate, ...], rank: str = "flops"
+) -> tuple[Candidate, ...]:
+    """Plans no other plan beats on both peak memory and cost (FLOPs, or step time with rank
+    "time"), by increasing memory."""
     frontier: list[Candidate] = []
-    for candidate in sorted(candidates, key=lambda c: (c.plan.total_bytes, c.plan.flops.total)):
-        if not frontier or candidate.plan.flops.total < frontier[-1].plan.flops.total:
+    for candidate in sorted(candidates, key=lambda c: (c.plan.total_bytes, _cost(c, rank))):
+        if not frontier or _cost(candidate, rank) < _cost(frontier[-1], rank):
             frontier.append(candidate)
     return tuple(frontier)
 
@@ -197,19 +241,21 @@ def best_plan(
     strategy: str = "auto",
     reserve_bytes: int = DEFAULT_RESERVE,
     slots: int = DEFAULT_SLOTS,
+    gpu: GPU | None = None,
+    rank: str | None = None,
 ) -> Candidate | None:
-    """For `ckplan check`: the cheapest fitting plan (`auto`), or the named strategy's plan
-    (None when `optimal` finds no schedule within the budget)."""
+    """For `ckplan check`: the cheapest fitting plan (`auto`; the fastest with a GPU), or the
+    named strategy's plan (None when `optimal` finds no schedule within the budget)."""
     usable = budget_bytes - reserve_bytes
     if strategy == "auto":
-        result = sweep(spec, budget_bytes, reserve_bytes, slots=slots)
+        result = sweep(spec, budget_bytes, reserve_bytes, slots=slots, gpu=gpu, rank=rank)
         return result.best or result.smallest
     parsed = parse_strategy(strategy, spec)
     budget = activation_budget(spec, usable) if parsed.kind == "optimal" else None
     if budget is not None and budget <= 0:
         return None
     plan = evaluate(spec, parsed, budget=budget, slots=slots)
-    return None if plan is None else Candidate(plan, usable)
+    return None if plan is None else _candidate(plan, usable, gpu)
 
 
 def largest_micro_batch(spec: ModelSpec, strategy: Strategy, usable_bytes: int) -> int:

@@ -27,6 +27,9 @@ _LAZY = {
     "verify_view": "verify",
     "estimate_no_fit_dict": "no_fit",
     "schedule_no_fit_dict": "no_fit",
+    "gpu_table": "time",
+    "gpus_table": "time",
+    "step_time_table": "time",
 }
 
 
@@ -45,12 +48,15 @@ __all__ = [
     "estimate_dict",
     "estimate_no_fit_dict",
     "estimate_view",
+    "gpu_table",
+    "gpus_table",
     "model_table",
     "plan_dict",
     "presets_table",
     "schedule_dict",
     "schedule_no_fit_dict",
     "schedule_view",
+    "step_time_table",
     "sweep_dict",
     "sweep_view",
     "verify_dict",

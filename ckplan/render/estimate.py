@@ -10,20 +10,24 @@ from rich.table import Table
 from rich.text import Text
 
 from ckplan import __version__
+from ckplan.hardware.gpus import GPU
+from ckplan.hardware.step_time import StepTime
 from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 from ckplan.plan.search import Candidate
 from ckplan.render.common import _both, _gib
+from ckplan.render.time import step_time_table
 from ckplan.units import format_flops
 
 # ---- JSON --------------------------------------------------------------------------------
 
 
-def plan_dict(plan: Plan) -> dict[str, Any]:
-    """A plan in DESIGN.md's `estimate --json` shape (plus `per_op` and `model_states`)."""
+def plan_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
+    """A plan in DESIGN.md's `estimate --json` shape (plus `per_op` and `model_states`), and
+    its `time` object when a GPU was given."""
     states = plan.model_states
-    return {
+    data = {
         "strategy": plan.strategy,
         "formula": plan.formula,
         "memory": {
@@ -49,10 +53,15 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "overhead": plan.overhead,
         "notes": list(plan.notes),
     }
+    if time is not None:
+        data["time"] = time.to_dict()
+    return data
 
 
-def estimate_dict(plan: Plan, candidate: Candidate | None = None) -> dict[str, Any]:
-    data = {"ckplan_version": __version__, "model": plan.spec.to_dict(), **plan_dict(plan)}
+def estimate_dict(
+    plan: Plan, candidate: Candidate | None = None, time: StepTime | None = None
+) -> dict[str, Any]:
+    data = {"ckplan_version": __version__, "model": plan.spec.to_dict(), **plan_dict(plan, time)}
     if candidate is not None:
         data |= {
             "usable_bytes": candidate.budget_bytes,
@@ -199,8 +208,23 @@ def _state_note(spec: ModelSpec) -> str:
     return f"{per_param} B/param{zero}"
 
 
-def estimate_view(plan: Plan, candidate: Candidate | None = None) -> Group:
+def estimate_view(
+    plan: Plan,
+    candidate: Candidate | None = None,
+    time: StepTime | None = None,
+    gpu: GPU | None = None,
+) -> Group:
     parts: list[Any] = [model_table(plan.spec), per_op_table(plan.spec), plan_summary_table(plan)]
+    if time is not None:
+        parts.append(step_time_table(plan, time, gpu))
+    elif gpu is not None:
+        parts.append(
+            Text(
+                f"No step time on {gpu.name}: the seed formula set has no schedule to time "
+                "(use --formula derived).",
+                style="dim",
+            )
+        )
     if candidate is not None:
         verdict = "fits" if candidate.fits else "does not fit"
         parts.append(

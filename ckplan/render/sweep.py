@@ -9,11 +9,13 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from ckplan.hardware.step_time import StepTime
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 from ckplan.plan.search import Candidate, SweepResult
 from ckplan.render.common import GIB, _gib
 from ckplan.render.estimate import plan_dict
+from ckplan.render.time import seconds
 from ckplan.units import format_bytes, format_flops, size_unit
 
 # ---- sweep, check, schedule --------------------------------------------------------------
@@ -24,7 +26,7 @@ SCHEDULE_ROWS = 400  # and at most this many schedule rows, half from each end
 
 def candidate_dict(candidate: Candidate) -> dict[str, Any]:
     return {
-        **plan_dict(candidate.plan),
+        **plan_dict(candidate.plan, candidate.time),
         "fits": candidate.fits,
         "headroom_bytes": candidate.headroom_bytes,
     }
@@ -42,6 +44,8 @@ def sweep_dict(result: SweepResult, micro_batches: dict[str, int] | None = None)
         "smallest_total_bytes": result.smallest.plan.total_bytes,
         "min_memory_segment": result.min_memory_segment,
         "notes": list(result.notes),
+        "rank": result.rank,
+        "gpu": None if result.gpu is None else result.gpu.name,
     }
     if micro_batches is not None:
         data["max_micro_batch"] = micro_batches
@@ -62,22 +66,16 @@ def _fits_mark(candidate: Candidate) -> Text:
 
 
 def candidates_table(rows: Sequence[Candidate], title: str, best: Candidate | None) -> Table:
+    timed = any(candidate.time is not None for candidate in rows)
     table = Table(title=title, title_justify="left")
-    for column in (
-        "strategy",
-        "activations",
-        "model states",
-        "total",
-        "headroom",
-        "recompute",
-        "overhead",
-        "fits",
-    ):
+    columns = ["strategy", "activations", "model states", "total", "headroom", "recompute"]
+    columns += ["overhead"] if not timed else ["FLOP ovh", "step", "time ovh", "MFU"]
+    for column in (*columns, "fits"):
         table.add_column(column, justify="left" if column == "strategy" else "right")
     for candidate in rows:
         plan = candidate.plan
         is_best = best is not None and candidate.plan.strategy == best.plan.strategy
-        table.add_row(
+        cells = [
             ("* " if is_best else "") + plan.strategy,
             _gib(plan.activation_bytes),
             _gib(plan.model_states.total),
@@ -85,10 +83,17 @@ def candidates_table(rows: Sequence[Candidate], title: str, best: Candidate | No
             _gib(candidate.headroom_bytes),
             format_flops(plan.flops.recompute),
             f"{plan.overhead:.2%}",
-            _fits_mark(candidate),
-            style="bold" if is_best else None,
-        )
+        ]
+        if timed:
+            cells += _time_cells(candidate.time)
+        table.add_row(*cells, _fits_mark(candidate), style="bold" if is_best else None)
     return table
+
+
+def _time_cells(time: StepTime | None) -> list[str]:
+    if time is None:
+        return ["", "", ""]
+    return [seconds(time.step_seconds), f"{time.overhead:+.2%}", f"{time.mfu:.1%}"]
 
 
 def _thin(rows: Sequence[Candidate], limit: int) -> list[Candidate]:
@@ -112,12 +117,21 @@ def sweep_view(
             f"{sum(c.fits for c in result.candidates)} fit."
         )
     )
+    cost = "a shorter step" if result.rank == "time" else "less compute"
+    if result.gpu is not None:
+        parts.append(
+            Text(
+                f"Step time on {result.gpu.name}; the best plan is the "
+                + ("fastest" if result.rank == "time" else "cheapest in FLOPs")
+                + " that fits (--rank time|flops)."
+            )
+        )
     if show_all:
         rows = sorted(result.candidates, key=lambda c: c.plan.total_bytes)
         parts.append(candidates_table(rows, "Every plan, by peak memory", result.best))
     else:
         shown = _thin(result.pareto, FRONTIER_ROWS)
-        title = "Pareto frontier: no other plan has both less memory and less compute"
+        title = f"Pareto frontier: no other plan has both less memory and {cost}"
         if len(shown) < len(result.pareto):
             title += (
                 f" ({len(shown)} of {len(result.pareto)} shown; --all or --json for every plan)"
@@ -156,9 +170,16 @@ def _verdict(result: SweepResult) -> Text:
     best = result.best
     if best is not None:
         plan = best.plan
+        timing = ""
+        if best.time is not None:
+            timing = (
+                f", step {seconds(best.time.step_seconds)} (time overhead "
+                f"{best.time.overhead:+.2%}, MFU {best.time.mfu:.1%})"
+            )
         return Text(
             f"Best plan that fits: {plan.strategy} — total {format_bytes(plan.total_bytes, GIB)}, "
-            f"headroom {_gib(best.headroom_bytes)}, recompute overhead {plan.overhead:.2%}.",
+            f"headroom {_gib(best.headroom_bytes)}, recompute overhead {plan.overhead:.2%}"
+            f"{timing}.",
             style="bold green",
         )
     smallest = result.smallest
@@ -189,25 +210,31 @@ def check_dict(budget: int, rows: list[tuple[str, Candidate | None]]) -> dict[st
 def check_table(
     budget_text: str, budget: int, reserve: int, rows: list[tuple[str, Candidate | None]]
 ) -> Group:
+    timed = any(c is not None and c.time is not None for _, c in rows)
     table = Table(title="Capacity check", title_justify="left")
-    for column in ("model", "fits", "plan", "total", "headroom", "overhead", "why not"):
+    columns = ["model", "fits", "plan", "total", "headroom", "overhead"]
+    columns += ["step", "time ovh", "MFU"] if timed else []
+    for column in (*columns, "why not"):
         table.add_column(
             column, justify="left" if column in ("model", "plan", "why not") else "right"
         )
     for model, candidate in rows:
         if candidate is None:
-            table.add_row(model, Text("no", style="red"), "no schedule fits", "", "", "", "")
+            blanks = [""] * (len(columns) - 2)
+            table.add_row(model, Text("no", style="red"), "no schedule fits", *blanks)
             continue
         plan = candidate.plan
-        table.add_row(
+        cells = [
             model,
             _fits_mark(candidate),
             plan.strategy if candidate.fits else f"(smallest: {plan.strategy})",
             _gib(plan.total_bytes),
             _gib(candidate.headroom_bytes),
             f"{plan.overhead:.2%}",
-            "" if candidate.fits else _why_not(candidate),
-        )
+        ]
+        if timed:
+            cells += _time_cells(candidate.time)
+        table.add_row(*cells, "" if candidate.fits else _why_not(candidate))
     fitting = sum(1 for _, c in rows if c and c.fits)
     summary = Text(
         f"{fitting} of {len(rows)} fit.", style="bold green" if fitting == len(rows) else "bold red"
@@ -249,9 +276,11 @@ def schedule_rows(plan: Plan) -> list[tuple[str, str, int]]:
     return result
 
 
-def schedule_dict(plan: Plan, activation_budget: int | None) -> dict[str, Any]:
+def schedule_dict(
+    plan: Plan, activation_budget: int | None, time: StepTime | None = None
+) -> dict[str, Any]:
     return {
-        **plan_dict(plan),
+        **plan_dict(plan, time),
         "activation_budget_bytes": activation_budget,
         "stages": list(plan.stage_names),
         "steps": [
@@ -261,7 +290,7 @@ def schedule_dict(plan: Plan, activation_budget: int | None) -> dict[str, Any]:
     }
 
 
-def schedule_view(plan: Plan, activation_budget: int | None) -> Group:
+def schedule_view(plan: Plan, activation_budget: int | None, time: StepTime | None = None) -> Group:
     table = Table(
         title=f"Schedule: {plan.strategy} ({len(plan.steps)} steps)", title_justify="left"
     )
@@ -287,7 +316,13 @@ def schedule_view(plan: Plan, activation_budget: int | None) -> Group:
         f"Peak activations {_gib(plan.activation_bytes)}{budget}; {forwards} stage forwards "
         f"for {len(plan.stage_names)} stages; recompute {format_flops(plan.flops.recompute)} "
         "per iteration, "
-        f"overhead {plan.overhead:.2%}.",
+        f"overhead {plan.overhead:.2%}"
+        + (
+            ""
+            if time is None
+            else f"; step {seconds(time.step_seconds)}, time overhead {time.overhead:+.2%}"
+        )
+        + ".",
         style="bold",
     )
     return Group(table, summary)

@@ -27,6 +27,7 @@ def verify_run_dict(report: Any, run: Any) -> dict[str, Any]:
             "peak_bytes": run.predicted.peak_bytes,
             "layer_forwards": sum(run.predicted.layer_forwards),
             "flops": run.predicted.flops,
+            "seconds": run.predicted.seconds,
         },
         "measured": {
             "peak_bytes": run.measured.peak_bytes,
@@ -65,6 +66,17 @@ def verify_dict(report: Any) -> dict[str, Any]:
         "repeats": report.repeats,
         "seed": report.seed,
         "runs": [verify_run_dict(report, run) for run in report.runs],
+        "cpu_profile": None if report.profile is None else _profile_dict(report.profile),
+    }
+
+
+def _profile_dict(profile: Any) -> dict[str, float]:
+    return {
+        "flops_per_s": profile.flops_per_s,
+        "bytes_per_s": profile.bytes_per_s,
+        "call_seconds": profile.call_seconds,
+        "mask_seconds_per_value": profile.mask_seconds_per_value,
+        "probe_spread": profile.probe_spread,
     }
 
 
@@ -77,10 +89,30 @@ def _forwards(counts: Sequence[int]) -> str:
     return f"{total} (+{total - len(counts)})"
 
 
+def _seconds(run: Any) -> str:
+    predicted = run.predicted.seconds
+    if predicted is None:
+        return f"{run.measured.seconds:.3f}"
+    measured = run.measured.seconds
+    return f"{predicted:.3f} / {measured:.3f} ({predicted / measured - 1:+.0%})"
+
+
 def _only_headers_over(run: Any) -> bool:
     """The run failed on peak memory alone, by a few KiB of Python objects on top."""
     excess = run.measured.peak_bytes - run.predicted.peak_bytes
     return run.gradients_identical and run.counts_ok and run.flops_ok and 0 < excess < 16384
+
+
+def _profile_note(profile: Any) -> str:
+    if profile is None:
+        return ""
+    return (
+        f"Time predicted by the roofline model on a cpu profile probed between the runs "
+        f"(medians): GEMM {profile.flops_per_s / 1e9:.1f} GFLOP/s (it moved by "
+        f"{profile.probe_spread:.0%} between rounds), element-wise "
+        f"{profile.bytes_per_s / 1e9:.1f} GB/s, {profile.call_seconds * 1e6:.2f} µs per NumPy "
+        f"call, np.heaviside {profile.mask_seconds_per_value * 1e9:.1f} ns per value.\n"
+    )
 
 
 def verify_view(report: Any) -> Group:
@@ -96,7 +128,8 @@ def verify_view(report: Any) -> Group:
     table.add_column("peak\nerror", justify="right")
     table.add_column("layer forwards\npred / meas", justify="right")
     table.add_column("GFLOP\npred / meas", justify="right")
-    table.add_column("time\n(s)", justify="right")
+    timed = report.profile is not None
+    table.add_column("time (s)\npred / meas" if timed else "time\n(s)", justify="right")
     table.add_column("overhead vs none\npred / meas", justify="right")
     table.add_column("gradients")
     table.add_column("ok", justify="center")
@@ -117,7 +150,7 @@ def verify_view(report: Any) -> Group:
             Text(f"{run.peak_error:+.2%}", style=None if run.peak_ok else "bold red"),
             Text(forwards, style=None if run.counts_ok else "bold red"),
             Text(flops, style=None if run.flops_ok else "bold red"),
-            f"{run.measured.seconds:.3f}",
+            _seconds(run),
             "" if overhead is None else f"{overhead[0]:+.1%} / {overhead[1]:+.1%}",
             grads,
             _mark(run.ok),
@@ -134,7 +167,8 @@ def verify_view(report: Any) -> Group:
         "Layer forwards: total (+ recomputed). FLOPs: matmuls, 2·m·n·k. Time: median of "
         f"{report.repeats} runs; overhead against none, predicted = FLOP ratio, measured = time "
         "ratio (reported, not checked).\n"
-        f"Tolerances: peak within ±{report.tolerance:.0%} of predicted; layer forwards per layer "
+        + _profile_note(report.profile)
+        + f"Tolerances: peak within ±{report.tolerance:.0%} of predicted; layer forwards per layer "
         "and FLOPs exact; gradients bit-identical to the seed's plain step "
         "(model_forward + model_backward).",
         style="dim",

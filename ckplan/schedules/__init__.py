@@ -27,6 +27,7 @@ from ckplan.schedules.chain import (
 from ckplan.schedules.segment_replay import (
     SegmentReplay,
     replay_runs,
+    run_forwards,
     segment_replay,
     segment_runs,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "revolve_dp_table",
     "revolve_min_forwards",
     "revolve_schedule",
+    "run_forwards",
     "segment_replay",
     "segment_runs",
     "segment_schedule",

@@ -33,6 +33,16 @@ def segment_runs(segments: Sequence[Segment]) -> list[Run]:
     return runs
 
 
+def run_forwards(n: int, runs: Sequence[Run]) -> tuple[int, ...]:
+    """Forwards of each of the n stages under a segment schedule: one, and one more in a
+    recomputed segment (derived: a recompute segment re-runs its stages once in backward)."""
+    forwards = [1] * n
+    for start, size, count, recompute in runs:
+        if recompute:
+            forwards[start : start + size * count] = [2] * (size * count)
+    return tuple(forwards)
+
+
 def _check_runs(n: int, runs: Sequence[Run]) -> None:
     expected = 0
     for index, run in enumerate(runs):

@@ -105,6 +105,10 @@ class SegmentSteps(Sequence):
         self._chain, self._runs = chain, runs  # checked when the steps are built
         self._steps: Schedule | None = None
 
+    @property
+    def runs(self) -> Sequence[tuple[int, int, int, bool]]:
+        return self._runs
+
     def steps(self) -> Schedule:
         if self._steps is None:
             segments = [

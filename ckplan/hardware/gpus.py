@@ -1,0 +1,141 @@
+"""A GPU: datasheet figures and the efficiencies the time model applies to them.
+
+`GPU` is a frozen dataclass whose fields are the keys of a GPU file (DESIGN.md, wave 2). Reading
+files lives in `ckplan.io.gpus`; `gpu_from_mapping` is the one gate every mapping passes, with
+one-line `GPUError`s naming the key, as `spec.spec_from_mapping` does for models.
+
+Datasheet keys (per GPU, bytes and FLOP/s as plain numbers):
+  memory_bytes          HBM capacity as the datasheet states it (80 GB -> 80e9)
+  bf16_flops            dense BF16 tensor-core FLOP/s (no 2:4 sparsity)
+  fp32_flops            FP32 FLOP/s (non-tensor)
+  hbm_bytes_per_s       memory bandwidth
+  link_bytes_per_s      intra-node GPU-to-GPU bandwidth per GPU, one direction
+  gpus_per_node         GPUs joined by that link
+  network_bytes_per_s   inter-node bandwidth per GPU, one direction
+
+Efficiency keys (fractions of the datasheet figure actually reached; see each default's source in
+the shipped files and README "Step time"):
+  matmul_efficiency           large, well-shaped GEMMs (the shape curve multiplies it)
+  memory_efficiency           element-wise and reduction kernels against hbm_bytes_per_s
+  link_efficiency             NCCL ring collectives against link_bytes_per_s
+  network_efficiency          the same against network_bytes_per_s
+  flash_attention_efficiency  a fused flash-attention kernel, FLOPs it executes / bf16_flops
+  dp_overlap                  share of data-parallel communication hidden behind compute
+  sm_count, tile_m, tile_n    the wave-quantisation term of the shape curve (roofline.py)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+class GPUError(ValueError):
+    """Invalid GPU description; the message is one line and names the offending key."""
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int
+    bf16_flops: float
+    fp32_flops: float
+    hbm_bytes_per_s: float
+    link_bytes_per_s: float
+    gpus_per_node: int
+    network_bytes_per_s: float
+    source: str = ""
+    matmul_efficiency: float = 0.8
+    memory_efficiency: float = 0.8
+    link_efficiency: float = 0.7
+    network_efficiency: float = 0.85
+    flash_attention_efficiency: float = 0.5
+    dp_overlap: float = 0.0
+    sm_count: int = 108
+    tile_m: int = 256
+    tile_n: int = 128
+
+    def replace(self, **changes: Any) -> GPU:
+        return gpu_from_mapping({**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(GPU)}
+_REQUIRED = [name for name, f in _FIELDS.items() if f.default is dataclasses.MISSING]
+_STRINGS = {"name", "source"}
+_INTEGERS = {"memory_bytes", "gpus_per_node", "sm_count", "tile_m", "tile_n"}
+_FRACTIONS = {  # (0, 1]; dp_overlap may be 0
+    "matmul_efficiency",
+    "memory_efficiency",
+    "link_efficiency",
+    "network_efficiency",
+    "flash_attention_efficiency",
+}
+
+
+def gpu_keys() -> list[str]:
+    return list(_FIELDS)
+
+
+def gpu_from_mapping(mapping: Mapping[str, Any], origin: str = "gpu") -> GPU:
+    """Validate a YAML-style mapping into a GPU. Numbers may be written 312e12 or 312_000e9;
+    every size and rate must be positive, every efficiency in (0, 1] (dp_overlap in [0, 1])."""
+    if not isinstance(mapping, Mapping):
+        raise GPUError(
+            f"{origin}: expected a mapping of keys to values, got {type(mapping).__name__}"
+        )
+    values: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if not isinstance(key, str) or key not in _FIELDS:
+            raise GPUError(f"{origin}: unknown key {key!r}{_did_you_mean(str(key))}")
+        values[key] = _coerce(origin, key, value)
+    missing = [key for key in _REQUIRED if key not in values]
+    if missing:
+        raise GPUError(f"{origin}: missing required key {missing[0]!r}")
+    return GPU(**values)
+
+
+def _did_you_mean(key: str) -> str:
+    close = difflib.get_close_matches(key, _FIELDS, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else f"; valid keys: {', '.join(_FIELDS)}"
+
+
+def _number(origin: str, key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise GPUError(f"{origin}: key {key!r} expects a number, got {value!r}")
+    try:
+        number = float(value.replace("_", "")) if isinstance(value, str) else float(value)
+    except ValueError:
+        raise GPUError(f"{origin}: key {key!r} expects a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise GPUError(f"{origin}: key {key!r} expects a finite number, got {value!r}")
+    return number
+
+
+def _coerce(origin: str, key: str, value: Any) -> Any:
+    if key in _STRINGS:
+        if not isinstance(value, str):
+            raise GPUError(f"{origin}: key {key!r} expects a string, got {value!r}")
+        return value
+    number = _number(origin, key, value)
+    if key in _INTEGERS:
+        if not number.is_integer() or number < 1:
+            raise GPUError(f"{origin}: key {key!r} must be a positive integer, got {value!r}")
+        return int(number)
+    if key == "dp_overlap":
+        if not 0.0 <= number <= 1.0:
+            raise GPUError(f"{origin}: key 'dp_overlap' must be in [0, 1], got {value!r}")
+        return number
+    if key in _FRACTIONS:
+        if not 0.0 < number <= 1.0:
+            raise GPUError(f"{origin}: key {key!r} must be in (0, 1], got {value!r}")
+        return number
+    if number <= 0:
+        raise GPUError(f"{origin}: key {key!r} must be positive, got {value!r}")
+    return number

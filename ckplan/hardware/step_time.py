@@ -1,0 +1,474 @@
+"""Step time: the ops of the op table timed on a GPU, composed into one training iteration.
+
+One micro-batch through the chain one GPU runs (embedding -> its layers -> output and loss):
+every stage's forward is timed once per forward the schedule replay runs (`Plan.stage_forwards`,
+so every strategy, `optimal` and `revolve` included, gets the time of the ops it re-runs), its
+backward once; selective recomputation re-runs each layer's attention core in the backward.
+Communication: tensor-parallel collectives per layer (Megatron-LM's, Korthikanti §4.2.2) in the
+forward, the backward and every re-forward; the context-parallel K/V ring; pipeline sends; the
+data-parallel gradient reduction and ZeRO-3's parameter gathers. Then the pipeline: m
+micro-batches, and the 1F1B bubble of (p - 1)/v micro-batch times (Narayanan et al. 2021 §2.2:
+a bubble fraction of (p - 1)/(m·v) of the ideal time), then the optimizer step.
+
+MFU and HFU follow Korthikanti §6.3 (Chowdhery et al. 2022): model FLOPs per iteration
+(`flops.model_flops_per_iteration`, no recompute) over step time, GPUs and peak; hardware FLOPs
+add the recompute the plan runs (`Plan.flops.overhead`).
+
+Pure and fast: the per-layer figures are cached per (spec, gpu), so timing each of a sweep's
+plans is a few additions (`step_time(plan, gpu)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from ckplan.hardware import communication as comm
+from ckplan.hardware.gpus import GPU
+from ckplan.hardware.roofline import (
+    OpTime,
+    backward_matmuls,
+    matmul_seconds,
+    memory_seconds,
+    op_backward_time,
+    op_forward_time,
+)
+from ckplan.model import memory
+from ckplan.model.flops import model_flops_per_iteration
+from ckplan.model.ops import ATTENTION_CORE, FP32_BYTES, Matmul, Op, _split, kv_heads_per_rank
+from ckplan.model.ops import layer_ops as model_layer_ops
+from ckplan.model.spec import ModelSpec
+
+ZERO = OpTime(0.0, 0.0)
+TOKEN_ID_BYTES = memory.TOKEN_ID_BYTES
+
+
+def _add(a: OpTime, b: OpTime) -> OpTime:
+    return OpTime(a.matmul + b.matmul, a.memory + b.memory)
+
+
+def _scale(a: OpTime, factor: float) -> OpTime:
+    return OpTime(a.matmul * factor, a.memory * factor)
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """One chain stage (embedding, a layer, output and loss), one micro-batch."""
+
+    forward: OpTime = ZERO
+    backward: OpTime = ZERO
+    forward_comm: float = 0.0  # exposed seconds, in the forward and in every re-forward
+    backward_comm: float = 0.0
+    # selective recomputation: the attention core's re-forward in the backward (layers only)
+    core_forward: OpTime = ZERO
+    core_comm: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One training iteration on the busiest GPU, in seconds; the parts sum to `step_seconds`.
+
+    communication_seconds is what forward, backward, pipeline and data-parallel communication
+    add (the re-forwards' collectives are in recompute_seconds); `breakdown` splits the step
+    by kind instead (its communication includes the re-forwards')."""
+
+    step_seconds: float
+    forward_seconds: float
+    backward_seconds: float
+    recompute_seconds: float
+    communication_seconds: float
+    bubble_seconds: float
+    optimizer_seconds: float
+    overhead: float  # recompute's cost: step / step without recompute - 1
+    mfu: float
+    hfu: float
+    tokens_per_second_per_gpu: float
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        """The JSON `time` object (DESIGN.md wave 2) plus optimizer_seconds and breakdown."""
+        return {
+            "step_seconds": self.step_seconds,
+            "forward_seconds": self.forward_seconds,
+            "backward_seconds": self.backward_seconds,
+            "recompute_seconds": self.recompute_seconds,
+            "communication_seconds": self.communication_seconds,
+            "bubble_seconds": self.bubble_seconds,
+            "overhead": self.overhead,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
+            "optimizer_seconds": self.optimizer_seconds,
+            "breakdown": dict(self.breakdown),
+        }
+
+
+# ---- per-stage times (cached per spec and GPU) -------------------------------------------
+
+
+def _sum_ops(ops, timer, gpu: GPU, dtype: int) -> OpTime:
+    total = ZERO
+    for op in ops:
+        total = _add(total, timer(op, gpu, dtype))
+    return total
+
+
+def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tuple[float, float]:
+    """Exposed seconds of the tensor-parallel collectives of `ops`, (forward, backward), as
+    Megatron-LM runs them (tensor_parallel/layers.py, mappings.py; Korthikanti §4.2.2):
+
+    - a column-parallel linear (`tp_comm` "column": QKV, fc1): without SP, its input gradient
+      is all-reduced in the backward, overlapped with the weight-gradient GEMM; with SP, its
+      input is all-gathered in the forward (exposed) and again in the backward, overlapped with
+      the input-gradient GEMM, and the input gradient is reduce-scattered, overlapped with the
+      weight-gradient GEMM;
+    - a row-parallel linear ("row": out_proj, fc2): its output is all-reduced in the forward
+      (exposed); with SP reduce-scattered in the forward and its output gradient all-gathered
+      in the backward (both exposed).
+
+    Each collective moves the whole (s·b, h) tensor of B-byte values on the TP link.
+    """
+    t = spec.tp
+    if t == 1:
+        return 0.0, 0.0
+    bandwidth = comm.group_bandwidth(gpu, t, 1)
+    forward = backward = 0.0
+    for op in ops:
+        if op.tp_comm is None or op.matmul is None:
+            continue
+        mm = op.matmul
+        input_grad, weight_grad = backward_matmuls(mm)
+        if op.tp_comm == "column":
+            size = mm.batch * mm.m * mm.k * mm.dtype_bytes
+            if spec.sp:
+                gather = comm.all_gather_seconds(size, t, bandwidth)
+                forward += gather
+                backward += comm.exposed(gather, matmul_seconds(gpu, input_grad))
+                scatter = comm.reduce_scatter_seconds(size, t, bandwidth)
+                backward += comm.exposed(scatter, matmul_seconds(gpu, weight_grad))
+            else:
+                reduce = comm.all_reduce_seconds(size, t, bandwidth)
+                backward += comm.exposed(reduce, matmul_seconds(gpu, weight_grad))
+        else:
+            size = mm.batch * mm.m * mm.n * mm.dtype_bytes
+            if spec.sp:
+                forward += comm.reduce_scatter_seconds(size, t, bandwidth)
+                backward += comm.all_gather_seconds(size, t, bandwidth)
+            else:
+                forward += comm.all_reduce_seconds(size, t, bandwidth)
+    return forward, backward
+
+
+def context_parallel_comm(
+    spec: ModelSpec, gpu: GPU, core_forward: OpTime, core_backward: OpTime
+) -> tuple[float, float]:
+    """Exposed seconds of the context-parallel ring exchange of K and V, (forward, backward).
+
+    Ring attention as Megatron-LM's context parallelism runs it (Liu et al. 2023; Megatron-Core
+    context_parallel docs): each of the cp - 1 steps sends this rank's K and V chunk, 2·(s/cp)·b
+    ·(g·d/t)·B bytes, to the next rank while the attention of the current chunk is computed; the
+    backward sends K, V and their gradients, twice that. Overlapped with the attention core.
+    """
+    cp = spec.cp
+    if cp == 1 or spec.kind != "transformer":
+        return 0.0, 0.0
+    tokens = (spec.seq // cp) * spec.micro_batch
+    kv = 2 * tokens * kv_heads_per_rank(spec) * spec.head_dim * spec.dtype_bytes
+    bandwidth = comm.group_bandwidth(gpu, cp, spec.tp)
+    send = (cp - 1) * comm.p2p_seconds(kv, bandwidth)
+    return comm.exposed(send, core_forward.total), comm.exposed(2 * send, core_backward.total)
+
+
+@lru_cache(maxsize=256)
+def layer_time(spec: ModelSpec, gpu: GPU) -> StageTime:
+    """One layer, one micro-batch: its ops' roofline times and its exposed communication."""
+    ops = model_layer_ops(spec)
+    dtype = spec.dtype_bytes
+    core = [op for op in ops if op.group == ATTENTION_CORE]
+    forward = _sum_ops(ops, op_forward_time, gpu, dtype)
+    backward = _sum_ops(ops, op_backward_time, gpu, dtype)
+    core_forward = _sum_ops(core, op_forward_time, gpu, dtype)
+    core_backward = _sum_ops(core, op_backward_time, gpu, dtype)
+    tp_forward, tp_backward = tensor_parallel_comm(spec, gpu, ops)
+    cp_forward, cp_backward = context_parallel_comm(spec, gpu, core_forward, core_backward)
+    return StageTime(
+        forward=forward,
+        backward=backward,
+        forward_comm=tp_forward + cp_forward,
+        backward_comm=tp_backward + cp_backward,
+        core_forward=core_forward,
+        core_comm=cp_forward,
+    )
+
+
+def _tokens(spec: ModelSpec) -> int:
+    return (spec.seq // spec.cp) * spec.micro_batch
+
+
+@lru_cache(maxsize=256)
+def embedding_time(spec: ModelSpec, gpu: GPU) -> StageTime:
+    """The embedding (first pipeline stage): a gather of token rows (memory-bound: reads the ids
+    and rows, writes (s·b, h)), learned positions added, embedding dropout; Megatron's
+    vocab-parallel embedding all-reduces its output over TP (reduce-scatters under SP, whose
+    backward all-gathers). Backward: the rows' gradients accumulated into the fp32 gradient."""
+    if spec.kind != "transformer" or spec.vocab == 0:
+        return StageTime()
+    tokens, B = _tokens(spec), spec.dtype_bytes
+    full = tokens * spec.hidden
+    stream = memory.layer_input_bytes(spec)
+    moved = TOKEN_ID_BYTES * tokens + 2 * B * full
+    if spec.positions == "learned":
+        moved += 3 * B * full
+    if spec.dropout > 0:
+        moved += 2 * stream + stream // B
+    backward_moved = B * full + 2 * FP32_BYTES * full
+    forward_comm = backward_comm = 0.0
+    if spec.tp > 1:
+        bandwidth = comm.group_bandwidth(gpu, spec.tp, 1)
+        if spec.sp:
+            forward_comm = comm.reduce_scatter_seconds(B * full, spec.tp, bandwidth)
+            backward_comm = comm.all_gather_seconds(B * full, spec.tp, bandwidth)
+        else:
+            forward_comm = comm.all_reduce_seconds(B * full, spec.tp, bandwidth)
+    return StageTime(
+        forward=OpTime(0.0, memory_seconds(gpu, moved)),
+        backward=OpTime(0.0, memory_seconds(gpu, backward_moved)),
+        forward_comm=forward_comm,
+        backward_comm=backward_comm,
+    )
+
+
+@lru_cache(maxsize=256)
+def output_time(spec: ModelSpec, gpu: GPU) -> StageTime:
+    """Final norm, the output layer (a column-parallel GEMM, (s·b, h) @ (h, V/t)) and Megatron's
+    vocab-parallel cross-entropy: the logits cast to fp32 and turned into the softmax in place
+    (reads B, then passes over fp32 logits for max, sum and normalise), backward in place
+    (softmax - one-hot) and cast back to B bytes (output_backward_peak_bytes' kernels)."""
+    if spec.kind != "transformer" or spec.vocab == 0:
+        return StageTime()
+    tokens, B = _tokens(spec), spec.dtype_bytes
+    stream = memory.layer_input_bytes(spec)
+    logits = tokens * _split(spec.vocab, spec.tp)
+    head = Op(
+        "output",
+        "output",
+        0,
+        2 * tokens * _split(spec.vocab, spec.tp) * spec.hidden,
+        4 * tokens * _split(spec.vocab, spec.tp) * spec.hidden,
+        matmul=Matmul(tokens, _split(spec.vocab, spec.tp), spec.hidden, 1, B),
+        forward_bytes=2 * stream + (B + 3 * FP32_BYTES) * logits,
+        backward_bytes=3 * stream + (3 * FP32_BYTES + B) * logits,
+        tp_comm="column",
+    )
+    forward_comm, backward_comm = tensor_parallel_comm(spec, gpu, (head,))
+    return StageTime(
+        forward=op_forward_time(head, gpu, B),
+        backward=op_backward_time(head, gpu, B),
+        forward_comm=forward_comm,
+        backward_comm=backward_comm,
+    )
+
+
+@lru_cache(maxsize=256)
+def chain_stage_times(spec: ModelSpec, gpu: GPU, first_stage: bool) -> tuple[StageTime, ...]:
+    """The times of the chain's stages, in `plan.layer_chain`'s order."""
+    stages = [layer_time(spec, gpu)] * spec.layers_per_stage
+    has_vocab = spec.kind == "transformer" and spec.vocab > 0
+    if has_vocab and first_stage:
+        stages = [embedding_time(spec, gpu), *stages]
+    if has_vocab and (spec.pp == 1 or not first_stage):
+        stages = [*stages, output_time(spec, gpu)]
+    return tuple(stages)
+
+
+# ---- one micro-batch through one pipeline stage ------------------------------------------
+
+
+@dataclass(frozen=True)
+class MicroBatchTime:
+    forward: OpTime
+    backward: OpTime
+    recompute: OpTime
+    forward_comm: float
+    backward_comm: float
+    recompute_comm: float
+
+    @property
+    def total(self) -> float:
+        return (
+            self.forward.total
+            + self.backward.total
+            + self.recompute.total
+            + self.forward_comm
+            + self.backward_comm
+            + self.recompute_comm
+        )
+
+
+def micro_batch_time(
+    stages: tuple[StageTime, ...] | list[StageTime], forwards: tuple[int, ...], selective: bool
+) -> MicroBatchTime:
+    """One micro-batch: stage i's forward `forwards[i]` times (the first is the forward, the
+    others recompute), every backward once, and with `selective` each layer's attention-core
+    re-forward."""
+    if len(forwards) != len(stages):
+        raise ValueError(f"{len(forwards)} forward counts for a chain of {len(stages)} stages")
+    forward = backward = recompute = ZERO
+    forward_comm = backward_comm = recompute_comm = 0.0
+    for stage, count in zip(stages, forwards, strict=True):
+        forward = _add(forward, stage.forward)
+        backward = _add(backward, stage.backward)
+        recompute = _add(recompute, _scale(stage.forward, count - 1))
+        forward_comm += stage.forward_comm
+        backward_comm += stage.backward_comm
+        recompute_comm += (count - 1) * stage.forward_comm
+        if selective:
+            recompute = _add(recompute, stage.core_forward)
+            recompute_comm += stage.core_comm
+    return MicroBatchTime(forward, backward, recompute, forward_comm, backward_comm, recompute_comm)
+
+
+@lru_cache(maxsize=8192)
+def _stage_micro_batch(
+    spec: ModelSpec, gpu: GPU, first_stage: bool, forwards: tuple[int, ...], selective: bool
+) -> MicroBatchTime:
+    return micro_batch_time(chain_stage_times(spec, gpu, first_stage), forwards, selective)
+
+
+# ---- the iteration -----------------------------------------------------------------------
+
+
+@lru_cache(maxsize=256)
+def pipeline_p2p_seconds(spec: ModelSpec, gpu: GPU) -> float:
+    """Pipeline sends of one micro-batch on one stage: its activation forward and its gradient
+    backward, once per virtual stage (Narayanan et al. 2021 §2.2, §4.1: with the scatter/gather
+    optimisation each rank sends its 1/t share, as it holds under SP). Counted exposed."""
+    if spec.pp == 1:
+        return 0.0
+    stream = memory.layer_input_bytes(spec)
+    size = stream if spec.sp else _split(stream, spec.tp)
+    bandwidth = comm.group_bandwidth(gpu, 2, spec.tp * spec.cp * spec.dp)
+    return 2 * spec.virtual_stages * comm.p2p_seconds(size, bandwidth)
+
+
+@lru_cache(maxsize=256)
+def data_parallel_seconds(spec: ModelSpec, gpu: GPU) -> float:
+    """Data-parallel communication of one iteration, before overlap: the gradients reduced over
+    the dp·cp ranks that hold the same parameters (Megatron-LM reduces over both). ZeRO 0: a
+    ring all-reduce of the gradients (grad_bytes per parameter); ZeRO 1-2 (Megatron's
+    distributed optimizer): a reduce-scatter of the gradients and an all-gather of the updated
+    weights (weight_bytes); ZeRO 3 (Rajbhandari et al. 2020 §5.3): per micro-batch, the weights
+    all-gathered for the forward and again for the backward and the gradients reduce-scattered."""
+    ranks = spec.dp * spec.cp
+    if ranks == 1:
+        return 0.0
+    params = memory.parameters_per_gpu(spec)
+    grads, weights = params * spec.grad_bytes, params * spec.weight_bytes
+    bandwidth = comm.group_bandwidth(gpu, ranks, spec.tp)
+    if spec.zero == 0:
+        return comm.all_reduce_seconds(grads, ranks, bandwidth)
+    gather = comm.all_gather_seconds(weights, ranks, bandwidth)
+    scatter = comm.reduce_scatter_seconds(grads, ranks, bandwidth)
+    if spec.zero < 3:
+        return scatter + gather
+    return spec.microbatches * (2 * gather + scatter)
+
+
+@lru_cache(maxsize=256)
+def optimizer_seconds(spec: ModelSpec, gpu: GPU) -> float:
+    """Adam's step, memory-bound: per parameter it reads the gradient, master weight and both
+    moments and writes the master weight, moments and half-precision weight (Megatron-LM's
+    mixed-precision Adam; sharded over dp from ZeRO 1)."""
+    params = memory.parameters_per_gpu(spec)
+    if spec.zero >= 1:
+        params = _split(params, spec.dp)
+    per_param = (
+        spec.grad_bytes + 2 * spec.master_bytes + 2 * spec.optimizer_bytes + spec.weight_bytes
+    )
+    return memory_seconds(gpu, params * per_param)
+
+
+def _pipeline(spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime) -> tuple[float, float, float]:
+    """(compute and stage communication, bubble, p2p) seconds of the iteration."""
+    p2p = pipeline_p2p_seconds(spec, gpu)
+    per_micro_batch = busiest.total + p2p
+    bubble = (spec.pp - 1) / spec.virtual_stages * per_micro_batch
+    return spec.microbatches * per_micro_batch, bubble, spec.microbatches * p2p
+
+
+def step_time_from_forwards(
+    spec: ModelSpec,
+    gpu: GPU,
+    stage_forwards: tuple[tuple[bool, tuple[int, ...]], ...],
+    selective: bool,
+    flop_overhead: float = 0.0,
+) -> StepTime:
+    """The iteration's time from each pipeline stage's forward counts per chain stage
+    ((first_stage, layer_forwards) as the schedule replay gives them); `flop_overhead`
+    (recompute / (forward + backward) FLOPs) turns MFU into HFU."""
+    times = [
+        _stage_micro_batch(spec, gpu, first, tuple(forwards), selective)
+        for first, forwards in stage_forwards
+    ]
+    plain = [
+        _stage_micro_batch(spec, gpu, first, (1,) * len(forwards), False)
+        for first, forwards in stage_forwards
+    ]
+    busiest = max(times, key=lambda t: t.total)
+    m = spec.microbatches
+    compute, bubble, p2p = _pipeline(spec, gpu, busiest)
+    dp = (1 - gpu.dp_overlap) * data_parallel_seconds(spec, gpu)
+    optimizer = optimizer_seconds(spec, gpu)
+    step = compute + bubble + dp + optimizer
+    plain_compute, plain_bubble, _ = _pipeline(spec, gpu, max(plain, key=lambda t: t.total))
+    step_without = plain_compute + plain_bubble + dp + optimizer
+
+    gpus = spec.tp * spec.pp * spec.cp * spec.dp
+    global_batch = spec.micro_batch * m * spec.dp
+    mfu = _model_flops(spec, global_batch) / (step * gpus * gpu.bf16_flops)
+    tokens = global_batch * spec.seq
+    communication = m * (busiest.forward_comm + busiest.backward_comm) + p2p + dp
+    breakdown = {
+        "matmul_seconds": m
+        * (busiest.forward.matmul + busiest.backward.matmul + busiest.recompute.matmul),
+        "memory_bound_seconds": m
+        * (busiest.forward.memory + busiest.backward.memory + busiest.recompute.memory),
+        "communication_seconds": communication + m * busiest.recompute_comm,
+        "bubble_seconds": bubble,
+        "optimizer_seconds": optimizer,
+    }
+    return StepTime(
+        step_seconds=step,
+        forward_seconds=m * busiest.forward.total,
+        backward_seconds=m * busiest.backward.total,
+        recompute_seconds=m * (busiest.recompute.total + busiest.recompute_comm),
+        communication_seconds=communication,
+        bubble_seconds=bubble,
+        optimizer_seconds=optimizer,
+        overhead=step / step_without - 1,
+        mfu=mfu,
+        hfu=mfu * (1 + flop_overhead),
+        tokens_per_second_per_gpu=tokens / step / gpus,
+        breakdown=breakdown,
+    )
+
+
+@lru_cache(maxsize=256)
+def _model_flops(spec: ModelSpec, global_batch: int) -> int:
+    """Model FLOPs of one iteration (Korthikanti App. A); the seed MLP: 3 x its layers' forward
+    matmuls."""
+    if spec.kind == "transformer":
+        return model_flops_per_iteration(spec, global_batch)
+    layer = sum(op.forward_flops for op in model_layer_ops(spec))
+    return 3 * layer * spec.layers * global_batch
+
+
+def step_time(plan, gpu: GPU) -> StepTime | None:
+    """The step time of a `plan.Plan` on `gpu`; None for plans without a schedule replay (the
+    seed formula set)."""
+    if not plan.stage_forwards:
+        return None
+    selective = plan.strategy.startswith("selective")
+    return step_time_from_forwards(
+        plan.spec, gpu, plan.stage_forwards, selective, plan.flops.overhead
+    )

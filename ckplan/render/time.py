@@ -1,0 +1,102 @@
+"""The time views: a plan's step time on a GPU, and the GPU presets."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from ckplan.hardware.gpus import GPU
+from ckplan.hardware.step_time import StepTime
+from ckplan.plan import Plan
+
+
+def seconds(value: float) -> str:
+    """Seconds for people: ms below one second."""
+    return f"{value * 1e3:.2f} ms" if value < 1 else f"{value:.3f} s"
+
+
+def step_time_table(plan: Plan, time: StepTime, gpu: GPU | None) -> Table:
+    """Step time, its parts, MFU/HFU, throughput and the time overhead beside the FLOP one."""
+    where = f" on {gpu.name}" if gpu is not None else ""
+    table = Table(
+        title=f"Step time{where} (one iteration, busiest GPU)",
+        show_header=False,
+        title_justify="left",
+    )
+    table.add_column("what", style="bold")
+    table.add_column("value", justify="right")
+    table.add_column("note", style="dim")
+    step = time.step_seconds
+    spec = plan.spec
+    table.add_row("step", seconds(step), f"{spec.microbatches} micro-batches", style="bold")
+    parts = (
+        ("forward", time.forward_seconds, "compute"),
+        ("backward", time.backward_seconds, "compute"),
+        ("recompute", time.recompute_seconds, "re-run ops and their collectives"),
+        ("communication", time.communication_seconds, "exposed TP/CP/PP/DP"),
+        ("pipeline bubble", time.bubble_seconds, f"(p-1)/v = {spec.pp - 1}/{spec.virtual_stages}"),
+        ("optimizer", time.optimizer_seconds, "Adam, memory-bound"),
+    )
+    for name, value, note in parts:
+        table.add_row(f"  {name}", seconds(value), f"{value / step:.1%}  {note}")
+    table.add_row("by kind", "", "")
+    labels = {
+        "matmul_seconds": "matmul",
+        "memory_bound_seconds": "memory-bound",
+        "communication_seconds": "communication",
+        "bubble_seconds": "bubble",
+        "optimizer_seconds": "optimizer",
+    }
+    for key, value in time.breakdown.items():
+        table.add_row(f"  {labels.get(key, key)}", seconds(value), f"{value / step:.1%}")
+    table.add_row("MFU", f"{time.mfu:.1%}", "model FLOPs / (step x GPUs x peak)", style="bold")
+    table.add_row("HFU", f"{time.hfu:.1%}", "with the recomputed FLOPs")
+    table.add_row("tokens/s per GPU", f"{time.tokens_per_second_per_gpu:,.0f}", "")
+    table.add_row(
+        "recompute overhead",
+        f"{time.overhead:+.2%} time",
+        f"{plan.overhead:+.2%} FLOPs (recompute / (forward + backward))",
+        style="bold",
+    )
+    return table
+
+
+def gpus_table(devices: list[GPU]) -> Table:
+    table = Table(title="GPU presets (dense BF16; bandwidths one direction)", title_justify="left")
+    columns = (
+        "name",
+        "memory",
+        "BF16 TFLOP/s",
+        "FP32 TFLOP/s",
+        "HBM TB/s",
+        "link GB/s",
+        "per node",
+        "network GB/s",
+        "matmul eff",
+    )
+    for column in columns:
+        table.add_column(column, justify="left" if column == "name" else "right")
+    for gpu in devices:
+        table.add_row(
+            gpu.name,
+            f"{gpu.memory_bytes / 1e9:g} GB",
+            f"{gpu.bf16_flops / 1e12:,.1f}",
+            f"{gpu.fp32_flops / 1e12:,.1f}",
+            f"{gpu.hbm_bytes_per_s / 1e12:.2f}",
+            f"{gpu.link_bytes_per_s / 1e9:,.0f}",
+            str(gpu.gpus_per_node),
+            f"{gpu.network_bytes_per_s / 1e9:,.1f}",
+            f"{gpu.matmul_efficiency:.3f}",
+        )
+    return table
+
+
+def gpu_table(gpu: GPU) -> Group:
+    table = Table(title=f"GPU {gpu.name}", show_header=False, title_justify="left")
+    table.add_column("key", style="bold")
+    table.add_column("value", justify="right")
+    for key, value in gpu.to_dict().items():
+        if key not in ("name", "source"):
+            table.add_row(key, f"{value:g}" if isinstance(value, float) else str(value))
+    return Group(table, Text(f"source: {gpu.source}", style="dim")) if gpu.source else Group(table)

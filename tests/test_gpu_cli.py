@@ -1,0 +1,184 @@
+"""The command line with --gpu: presets, errors, JSON `time`, ranking by step time."""
+
+import json
+
+import pytest
+
+from ckplan.cli import main
+
+TIME_KEYS = {
+    "step_seconds",
+    "forward_seconds",
+    "backward_seconds",
+    "recompute_seconds",
+    "communication_seconds",
+    "bubble_seconds",
+    "overhead",
+    "mfu",
+    "hfu",
+    "tokens_per_second_per_gpu",
+}
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_gpus_lists_presets(capsys):
+    code, out, _ = run(capsys, "gpus")
+    assert code == 0
+    for name in ("a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200", "mi300x", "rtx-4090"):
+        assert name in out
+
+
+def test_gpus_json_and_one(capsys):
+    code, out, _ = run(capsys, "gpus", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["h100-sxm"]["bf16_flops"] == 989e12
+    code, out, _ = run(capsys, "gpus", "h200", "--json")
+    assert code == 0 and json.loads(out)["memory_bytes"] == 141 * 10**9
+    code, out, _ = run(capsys, "gpus", "l40s")
+    assert code == 0 and "datasheet" in out
+
+
+def test_estimate_json_time_object(capsys):
+    code, out, err = run(
+        capsys, "estimate", "megatron-22b", "--strategy", "selective", "--gpu", "a100-80gb"
+    )
+    assert code == 0, err
+    assert "Step time on a100-80gb" in out and "MFU" in out and "matmul" in out
+    code, out, _ = run(
+        capsys,
+        "estimate",
+        "megatron-22b",
+        "--strategy",
+        "selective",
+        "--gpu",
+        "a100-80gb",
+        "--json",
+    )
+    data = json.loads(out)
+    assert set(data["time"]) >= TIME_KEYS
+    assert data["usable_bytes"] == 80 * 10**9 - 2 * 2**30  # --gpu set the budget
+    time = data["time"]
+    assert 0 < time["mfu"] < 1 and time["hfu"] >= time["mfu"]
+    assert time["overhead"] > 0 and time["recompute_seconds"] > 0
+
+
+def test_estimate_without_gpu_has_no_time(capsys):
+    code, out, _ = run(capsys, "estimate", "gpt2", "--json")
+    assert code == 0 and "time" not in json.loads(out)
+
+
+def test_budget_wins_over_gpu(capsys):
+    code, out, _ = run(
+        capsys, "estimate", "gpt2", "--gpu", "a100-80gb", "--budget", "40GB", "--json"
+    )
+    assert code == 0 and json.loads(out)["usable_bytes"] == 40 * 10**9 - 2 * 2**30
+
+
+def test_set_gpu_key(capsys):
+    argv = ["estimate", "gpt2", "--gpu", "a100-80gb", "--json"]
+    _, base, _ = run(capsys, *argv)
+    _, slow, _ = run(capsys, *argv, "--set", "gpu.matmul_efficiency=0.4", "--set", "seq=1024")
+    assert json.loads(slow)["time"]["step_seconds"] > json.loads(base)["time"]["step_seconds"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["estimate", "gpt2", "--gpu", "a100"], "unknown GPU 'a100': expected one of a100-40gb"),
+        (["estimate", "gpt2", "--set", "gpu.matmul_efficiency=0.5"], "need --gpu"),
+        (
+            ["estimate", "gpt2", "--gpu", "h100-sxm", "--set", "gpu.matmul_eff=0.5"],
+            "unknown key 'matmul_eff'",
+        ),
+        (
+            ["estimate", "gpt2", "--gpu", "h100-sxm", "--set", "gpu.matmul_efficiency=2"],
+            "must be in (0, 1]",
+        ),
+        (["estimate", "gpt2", "--gpu", "missing.yaml"], "missing.yaml: no such file"),
+        (["sweep", "gpt2", "--rank", "time"], "--budget SIZE"),
+        (["sweep", "gpt2", "--budget", "8GB", "--rank", "time"], "--rank time needs --gpu"),
+        (["sweep", "gpt2", "--gpu", "a100-80gb", "--rank", "fast"], "--rank 'fast'"),
+        (["check", "gpt2", "--gpu", "nope"], "unknown GPU 'nope'"),
+        (["schedule", "gpt2", "--gpu", "nope"], "unknown GPU 'nope'"),
+    ],
+)
+def test_gpu_bad_input(capsys, argv, fragment):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1 and out == ""
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("name: x\nbf16_flops: [1\n", "malformed YAML at line"),
+        ("- 1\n- 2\n", "expected a YAML mapping"),
+        ("name: x\nbf16_flop: 1\n", "unknown key 'bf16_flop'"),
+        ("name: x\n", "missing required key 'memory_bytes'"),
+    ],
+)
+def test_bad_gpu_file(capsys, tmp_path, text, fragment):
+    path = tmp_path / "gpu.yaml"
+    path.write_text(text)
+    code, out, err = run(capsys, "estimate", "gpt2", "--gpu", str(path))
+    assert code == 2 and fragment in err and str(path) in err
+    assert len(err.strip().splitlines()) == 1 and out == ""
+
+
+def test_gpu_file_works(capsys, tmp_path):
+    path = tmp_path / "mine.yml"
+    path.write_text(
+        "name: mine\nmemory_bytes: 24e9\nbf16_flops: 100e12\nfp32_flops: 20e12\n"
+        "hbm_bytes_per_s: 1e12\nlink_bytes_per_s: 32e9\ngpus_per_node: 4\n"
+        "network_bytes_per_s: 12.5e9\n"
+    )
+    code, out, err = run(capsys, "estimate", "gpt2", "--gpu", str(path), "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["usable_bytes"] == 24 * 10**9 - 2 * 2**30 and data["time"]["step_seconds"] > 0
+
+
+def test_sweep_ranks_by_time(capsys):
+    argv = ["sweep", "llama3-70b", "--gpu", "h100-sxm", "--set", "tp=8", "--set", "pp=4"]
+    argv += ["--set", "sp=true", "--set", "microbatches=16", "--json"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["rank"] == "time" and data["gpu"] == "h100-sxm"
+    fitting = [plan for plan in data["plans"] if plan["fits"]]
+    fastest = min(plan["time"]["step_seconds"] for plan in fitting)
+    assert data["best"]["time"]["step_seconds"] == fastest
+    code, out, _ = run(capsys, *argv, "--rank", "flops")
+    by_flops = json.loads(out)
+    least = min(plan["flops"]["total"] for plan in by_flops["plans"] if plan["fits"])
+    assert by_flops["rank"] == "flops" and by_flops["best"]["flops"]["total"] == least
+
+
+def test_sweep_table_with_gpu(capsys):
+    code, out, _ = run(capsys, "sweep", "gpt2", "--gpu", "a100-40gb", "--batch", "8")
+    assert code == 0 and "step" in out and "time ovh" in out and "Best plan that fits" in out
+
+
+def test_check_and_schedule_with_gpu(capsys):
+    code, out, _ = run(capsys, "check", "megatron-22b", "--gpu", "a100-80gb", "--json")
+    result = json.loads(out)["results"][0]
+    assert code == 0 and set(result["plan"]["time"]) >= TIME_KEYS
+    assert json.loads(out)["budget_bytes"] == 80 * 10**9
+    code, out, _ = run(capsys, "schedule", "gpt2", "--batch", "8", "--gpu", "rtx-4090", "--json")
+    assert code == 0 and set(json.loads(out)["time"]) >= TIME_KEYS
+
+
+def test_set_gpu_memory_sets_the_budget(capsys):
+    code, out, _ = run(
+        capsys, "estimate", "gpt2", "--gpu", "a100-80gb", "--set", "gpu.memory_bytes=40e9", "--json"
+    )
+    assert code == 0 and json.loads(out)["usable_bytes"] == 40 * 10**9 - 2 * 2**30
+
+
+def test_seed_formula_with_gpu_says_why_no_time(capsys):
+    code, out, _ = run(capsys, "estimate", "gpt2", "--formula", "seed", "--gpu", "a100-80gb")
+    assert code == 0 and "No step time on a100-80gb" in out
