@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import groupby
 
 from ckplan.hardware import communication as comm
 from ckplan.hardware.gpus import GPU
@@ -315,16 +316,18 @@ def micro_batch_time(
         raise ValueError(f"{len(forwards)} forward counts for a chain of {len(stages)} stages")
     forward = backward = recompute = ZERO
     forward_comm = backward_comm = recompute_comm = 0.0
-    for stage, count in zip(stages, forwards, strict=True):
-        forward = _add(forward, stage.forward)
-        backward = _add(backward, stage.backward)
-        recompute = _add(recompute, _scale(stage.forward, count - 1))
-        forward_comm += stage.forward_comm
-        backward_comm += stage.backward_comm
-        recompute_comm += (count - 1) * stage.forward_comm
+    # Runs of equal stages with equal counts (a deep uniform stack is a few runs) are added once.
+    for (stage, count), run in groupby(zip(stages, forwards, strict=True)):
+        n = sum(1 for _ in run)
+        forward = _add(forward, _scale(stage.forward, n))
+        backward = _add(backward, _scale(stage.backward, n))
+        recompute = _add(recompute, _scale(stage.forward, n * (count - 1)))
+        forward_comm += n * stage.forward_comm
+        backward_comm += n * stage.backward_comm
+        recompute_comm += n * (count - 1) * stage.forward_comm
         if selective:
-            recompute = _add(recompute, stage.core_forward)
-            recompute_comm += stage.core_comm
+            recompute = _add(recompute, _scale(stage.core_forward, n))
+            recompute_comm += n * stage.core_comm
     return MicroBatchTime(forward, backward, recompute, forward_comm, backward_comm, recompute_comm)
 
 
