@@ -15,7 +15,8 @@ from fractions import Fraction
 
 from ckplan.model import flops as flops_model
 from ckplan.model import memory, seed
-from ckplan.model.ops import ATTENTION_CORE, layer_ops
+from ckplan.model.layers import stage_kinds
+from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
 from ckplan.plan.layer_chain import _layer_offset, layer_chain, stage_names
 from ckplan.plan.strategies import Strategy, StrategyError
@@ -77,15 +78,15 @@ class Plan:
 def _segments(spec: ModelSpec, chain: Chain, strategy: Strategy, first_stage: bool):
     """(start, end, recompute) segments over the chain for the segment-style strategies."""
     offset = _layer_offset(spec, first_stage)
-    n_layers = spec.layers_per_stage
+    n_layers = chain.length - offset - (1 if _has_output(spec, chain, offset) else 0)
     segments = [(0, offset, False)] if offset else []
     if strategy.kind == "block":
-        recomputed = strategy.size
+        recomputed = min(strategy.size, n_layers)  # uneven stages: at most this stage's
         segments += [(offset + i, offset + i + 1, True) for i in range(recomputed)]
         if recomputed < n_layers:
             segments.append((offset + recomputed, offset + n_layers, False))
     else:
-        size = _segment_size(spec, strategy)
+        size = min(_segment_size(spec, strategy), n_layers)
         starts = range(0, n_layers, size)
         for index, start in enumerate(starts):
             last = index == len(starts) - 1
@@ -94,6 +95,11 @@ def _segments(spec: ModelSpec, chain: Chain, strategy: Strategy, first_stage: bo
     if offset + n_layers < chain.length:
         segments.append((offset + n_layers, chain.length, False))
     return [(start, end, recompute) for start, end, recompute in segments if end > start]
+
+
+def _has_output(spec: ModelSpec, chain: Chain, offset: int) -> bool:
+    """Whether the chain ends with the output layer and loss (it carries no activation on)."""
+    return spec.kind == "transformer" and spec.vocab > 0 and chain.input_bytes[-1] == 0
 
 
 def _segment_size(spec: ModelSpec, strategy: Strategy) -> int:
@@ -128,17 +134,37 @@ def _schedule(
 # ---- evaluation --------------------------------------------------------------------------
 
 
-def in_flight_microbatches(spec: ModelSpec) -> Fraction:
-    """Micro-batches whose activations the first pipeline stage holds at its peak.
+def in_flight_microbatches(spec: ModelSpec, stage: int = 0) -> Fraction:
+    """Micro-batches whose activations pipeline stage `stage` holds at its peak.
 
-    1F1B: the first stage holds p micro-batches (Narayanan et al. 2021 §2.2; Korthikanti §4.2.3),
-    fewer when the iteration has fewer; interleaving with v virtual stages multiplies by
-    1 + (p - 1)/(p·v) (Korthikanti §4.2.3).
+    1F1B: stage k holds p - k micro-batches (Narayanan et al. 2021 §2.2; Korthikanti §4.2.3),
+    the first p, fewer when the iteration has fewer; interleaving with v virtual stages
+    multiplies by 1 + (p - 1)/(p·v) (Korthikanti §4.2.3). The last stage is counted with one
+    (its micro-batch's backward follows its forward at once).
     """
-    held = Fraction(min(spec.pp, spec.microbatches))
+    if stage == spec.pp - 1 and stage > 0:
+        return Fraction(1)
+    held = Fraction(min(spec.pp - stage, spec.microbatches))
     if spec.virtual_stages > 1:
         held *= 1 + Fraction(spec.pp - 1, spec.pp * spec.virtual_stages)
     return held
+
+
+def pipeline_stages(spec: ModelSpec) -> list[int]:
+    """The pipeline stages whose peak can be the fullest: the first (embedding, most
+    micro-batches in flight) and the last (output layer and fp32 logits); with mixed layers
+    also each middle stage whose layer kinds no earlier stage holds (an earlier stage with the
+    same layers holds more micro-batches)."""
+    if spec.pp == 1:
+        return [0]
+    seen = {stage_kinds(spec, 0)}
+    stages = [0]
+    for stage in range(1, spec.pp - 1):
+        kinds = stage_kinds(spec, stage)
+        if kinds not in seen:
+            seen.add(kinds)
+            stages.append(stage)
+    return [*stages, spec.pp - 1]
 
 
 def evaluate(
@@ -153,26 +179,34 @@ def evaluate(
     if formula == "seed":
         return _evaluate_seed(spec, strategy)
     # One chain for p = 1; else the first pipeline stage (embedding, most micro-batches in
-    # flight) and the last (output layer and fp32 logits, one micro-batch in flight).
+    # flight), the last (output layer and fp32 logits, one micro-batch in flight) and, with
+    # mixed layers, the middle stages that hold other layers (`pipeline_stages`).
     results = []
-    for first_stage in [True] if spec.pp == 1 else [True, False]:
-        chain = layer_chain(spec, strategy.selective, first_stage)
-        in_flight = in_flight_microbatches(spec) if first_stage else Fraction(1)
+    for stage in pipeline_stages(spec):
+        first_stage = stage == 0
+        chain = layer_chain(spec, strategy.groups, stage=stage)
+        in_flight = in_flight_microbatches(spec, stage)
         found = _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight)
         if found is None:
             return None
         peak, steps, replay = found
-        results.append((peak, steps, _stage_flops(spec, strategy, chain, replay), first_stage))
+        results.append((peak, steps, _stage_flops(spec, strategy, chain, replay, stage), stage))
     # Memory: the fullest stage. FLOPs: the busiest stage, which paces the pipeline.
-    peak, steps, _, first_stage = max(results, key=lambda result: result[0])
+    peak, steps, _, stage = max(results, key=lambda result: result[0])
     flops = max((result[2] for result in results), key=lambda count: count.total)
-    names = tuple(stage_names(spec, first_stage))
+    names = tuple(stage_names(spec, stage=stage))
     notes = ()
     if spec.pp > 1:
-        where = "first" if first_stage else "last"
-        held = in_flight_microbatches(spec) if first_stage else 1
+        where = {0: "the first", spec.pp - 1: "the last"}.get(stage, f"stage {stage} of the")
+        held = in_flight_microbatches(spec, stage)
         count = f"{float(held):g} micro-batch{'' if held == 1 else 'es'}"
-        notes = (f"peak on the {where} pipeline stage, {count} in flight",)
+        notes = (f"peak on {where} pipeline stage, {count} in flight",)
+        states_stage = memory.busiest_stage(spec)
+        if states_stage != stage:
+            notes += (
+                f"model states of stage {states_stage}, which holds the most parameters (an "
+                "upper bound: the activation peak is on another stage)",
+            )
     return _plan(
         spec,
         strategy.name,
@@ -185,12 +219,17 @@ def evaluate(
     )
 
 
-def _stage_flops(spec: ModelSpec, strategy: Strategy, chain: Chain, replay: Replay) -> FlopCount:
+def _stage_flops(
+    spec: ModelSpec, strategy: Strategy, chain: Chain, replay: Replay, stage: int = 0
+) -> FlopCount:
     """One micro-batch through one chain; selective recompute is counted as recompute, not as
     the backward the chain charges it to."""
-    layers = spec.layers_per_stage
-    core = flops_model.group_forward_flops(spec, ATTENTION_CORE)
-    selective_flops = layers * core if strategy.selective else 0
+    groups = strategy.groups
+    selective_flops = 0
+    if groups:
+        selective_flops = sum(
+            flops_model.group_forward_flops(spec, groups, kind) for kind in stage_kinds(spec, stage)
+        )
     return FlopCount(
         forward=sum(chain.forward_flops),
         backward=sum(chain.backward_flops) - selective_flops,
@@ -274,7 +313,7 @@ def _evaluate_seed(spec: ModelSpec, strategy: Strategy) -> Plan:
     }
     f_layer = flops_model.layer_forward_flops(spec)
     kind = strategy.kind
-    if strategy.selective and kind != "selective":
+    if (strategy.selective and kind != "selective") or strategy.moe:
         raise StrategyError(f"the seed formula set has no strategy {strategy.name!r}")
     if kind in ("none", "selective"):
         activation_mb = seed.activation_memory_mb(L, **shape)

@@ -70,6 +70,12 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
     for size in _sizes(0, layers):
         names += [f"block:{size}", f"selective+block:{size}"]
     names += [f"revolve:{slots}" for slots in range(1, math.isqrt(layers) + 3)]
+    if spec.experts:
+        # Recomputing the MoE block or only its expert MLPs, alone, with the attention core,
+        # and on top of Megatron's block recompute.
+        names += ["moe", "experts", "selective+moe", "selective+experts"]
+        for size in _sizes(1, layers):
+            names += [f"moe+block:{size}", f"selective+moe+block:{size}"]
     return [parse_strategy(name, spec) for name in dict.fromkeys(names)]
 
 
@@ -148,12 +154,16 @@ def _seed_strategies(spec: ModelSpec) -> list[Strategy]:
 
 
 def optimal_plan(spec: ModelSpec, budget: int, slots: int = DEFAULT_SLOTS) -> Plan | None:
-    """The cheaper of `optimal` and `selective+optimal` within `budget` activation bytes (ties
-    go to the smaller peak); None when neither fits."""
+    """The cheaper of `optimal` and `selective+optimal` (with experts, also `moe+optimal` and
+    `selective+moe+optimal`) within `budget` activation bytes (ties go to the smaller peak);
+    None when none fits."""
     if budget <= 0:
         return None
     found = []
-    for strategy in (Strategy("optimal"), Strategy("optimal", selective=True)):
+    strategies = [Strategy("optimal"), Strategy("optimal", selective=True)]
+    if spec.experts:
+        strategies += [Strategy("optimal", moe="moe"), Strategy("optimal", None, True, "moe")]
+    for strategy in strategies:
         plan = evaluate(spec, strategy, budget=budget, slots=slots)
         if plan is not None:
             found.append(plan)

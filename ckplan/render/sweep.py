@@ -9,11 +9,12 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from ckplan.model.moe import expert_layout
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 from ckplan.plan.search import Candidate, SweepResult
 from ckplan.render.common import GIB, _gib
-from ckplan.render.estimate import plan_dict
+from ckplan.render.estimate import expert_layout_line, plan_dict
 from ckplan.units import format_bytes, format_flops, size_unit
 
 # ---- sweep, check, schedule --------------------------------------------------------------
@@ -111,6 +112,10 @@ def sweep_view(
             f"{sum(c.fits for c in result.candidates)} fit."
         )
     )
+    layout = expert_layout(spec)
+    if layout is not None:
+        first = result.candidates[0].plan.model_states
+        parts.append(Text(expert_layout_line(layout, first.total, first.expert_total)))
     if show_all:
         rows = sorted(result.candidates, key=lambda c: c.plan.total_bytes)
         parts.append(candidates_table(rows, "Every plan, by peak memory", result.best))
