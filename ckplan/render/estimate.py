@@ -381,6 +381,12 @@ def presets_table(rows: list[tuple[str, ModelSpec, int]]) -> Table:
         table.add_column(column, justify="left" if column in ("name", "arch") else "right")
     for name, spec, params in rows:
         arch = f"{spec.norm}, {spec.mlp}, {spec.attention}"
+        if spec.mla:
+            arch += ", mla"
+        if spec.experts:
+            arch += f", moe {spec.experts}x top-{spec.top_k}"
+        if spec.sliding_window:
+            arch += f", window {spec.sliding_window}"
         table.add_row(
             name,
             f"{params / 1e9:,.2f} B" if params >= 10**9 else f"{params / 1e6:,.1f} M",
