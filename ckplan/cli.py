@@ -91,6 +91,14 @@ SetOpt = Annotated[
 SeqOpt = Annotated[int | None, typer.Option("--seq", help="Shortcut for --set seq=N.")]
 BatchOpt = Annotated[int | None, typer.Option("--batch", help="Shortcut for --set micro_batch=N.")]
 LayersOpt = Annotated[int | None, typer.Option("--layers", help="Shortcut for --set layers=N.")]
+MoeImbalanceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--moe-imbalance",
+        help="MoE routing on the busiest expert rank: average (default), worst, or a factor "
+        ">= 1 (shortcut for --set moe_imbalance=...).",
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
 FormulaOpt = Annotated[
     str, typer.Option("--formula", help="derived (from the architecture) or seed (the seed's).")
@@ -98,7 +106,11 @@ FormulaOpt = Annotated[
 
 
 def parse_overrides(
-    settings: list[str] | None, seq: int | None, batch: int | None, layers: int | None
+    settings: list[str] | None,
+    seq: int | None,
+    batch: int | None,
+    layers: int | None,
+    moe_imbalance: str | None = None,
 ) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     for setting in settings or []:
@@ -110,14 +122,20 @@ def parse_overrides(
         except yaml.YAMLError:
             value = raw
         overrides[key.strip()] = value
-    for key, value in (("seq", seq), ("micro_batch", batch), ("layers", layers)):
+    shortcuts = (
+        ("seq", seq),
+        ("micro_batch", batch),
+        ("layers", layers),
+        ("moe_imbalance", moe_imbalance),
+    )
+    for key, value in shortcuts:
         if value is not None:
             overrides[key] = value
     return overrides
 
 
-def resolve_model(model: str, settings, seq, batch, layers) -> ModelSpec:
-    return load_spec(model, parse_overrides(settings, seq, batch, layers))
+def resolve_model(model: str, settings, seq, batch, layers, moe_imbalance=None) -> ModelSpec:
+    return load_spec(model, parse_overrides(settings, seq, batch, layers, moe_imbalance))
 
 
 def check_formula(formula: str) -> str:
@@ -159,11 +177,12 @@ def estimate(
     seq: SeqOpt = None,
     batch: BatchOpt = None,
     layers: LayersOpt = None,
+    moe_imbalance: MoeImbalanceOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """One plan with its full breakdown: per-op activations, model states, FLOPs, overhead."""
     with user_errors():
-        spec = resolve_model(model, settings, seq, batch, layers)
+        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance)
         parsed = parse_strategy(strategy, spec)
         candidate = None
         if budget is None:
@@ -260,11 +279,12 @@ def sweep(
     seq: SeqOpt = None,
     batch: BatchOpt = None,
     layers: LayersOpt = None,
+    moe_imbalance: MoeImbalanceOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Every candidate plan against a budget: which fit, the Pareto frontier, the best."""
     with user_errors():
-        spec = resolve_model(model, settings, seq, batch, layers)
+        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance)
         total, kept = parse_budget(budget, reserve)
         if micro_batch not in (None, "auto"):
             raise UserError(
@@ -304,13 +324,14 @@ def check(
     seq: SeqOpt = None,
     batch: BatchOpt = None,
     layers: LayersOpt = None,
+    moe_imbalance: MoeImbalanceOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """CI capacity check: exit 0 when every model fits the budget, 1 when any does not."""
     with user_errors():
         total, kept = parse_budget(budget, reserve)
         specs = [
-            (name, resolve_model(name, settings, seq, batch, layers))
+            (name, resolve_model(name, settings, seq, batch, layers, moe_imbalance))
             for name in expand_models(models)
         ]
         rows = [
@@ -358,11 +379,12 @@ def schedule(
     seq: SeqOpt = None,
     batch: BatchOpt = None,
     layers: LayersOpt = None,
+    moe_imbalance: MoeImbalanceOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Print a plan's schedule step by step (default: the optimal schedule under --budget)."""
     with user_errors():
-        spec = resolve_model(model, settings, seq, batch, layers)
+        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance)
         parsed = None if strategy == "auto" else parse_strategy(strategy, spec)
         activation_budget = None
         if budget is not None:

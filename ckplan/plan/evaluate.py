@@ -30,6 +30,7 @@ from ckplan.schedules import (
     simulate,
     store_all_schedule,
 )
+from ckplan.units import format_flops
 
 DEFAULT_SLOTS = 500
 
@@ -193,19 +194,28 @@ def evaluate(
         results.append((peak, steps, _stage_flops(spec, strategy, chain, replay, stage), stage))
     # Memory: the fullest stage. FLOPs: the busiest stage, which paces the pipeline.
     peak, steps, _, stage = max(results, key=lambda result: result[0])
-    flops = max((result[2] for result in results), key=lambda count: count.total)
+    busiest = max(results, key=lambda result: result[2].total)
+    flops = busiest[2]
     names = tuple(stage_names(spec, stage=stage))
     notes = ()
     if spec.pp > 1:
-        where = {0: "the first", spec.pp - 1: "the last"}.get(stage, f"stage {stage} of the")
+        ends = {0: "the first pipeline stage", spec.pp - 1: "the last pipeline stage"}
+        where = ends.get(stage, f"pipeline stage {stage}")
         held = in_flight_microbatches(spec, stage)
         count = f"{float(held):g} micro-batch{'' if held == 1 else 'es'}"
-        notes = (f"peak on {where} pipeline stage, {count} in flight",)
+        notes = (f"peak on {where}, {count} in flight",)
         states_stage = memory.busiest_stage(spec)
         if states_stage != stage:
             notes += (
                 f"model states of stage {states_stage}, which holds the most parameters (an "
                 "upper bound: the activation peak is on another stage)",
+            )
+        hidden = max(results, key=lambda result: result[2].recompute)
+        if hidden[2].recompute > flops.recompute:
+            per_iteration = hidden[2].recompute * spec.microbatches
+            notes += (
+                f"stage {hidden[3]} recomputes {format_flops(per_iteration)} per iteration, "
+                f"within the slack of the busiest stage ({busiest[3]}), whose FLOPs are shown",
             )
     return _plan(
         spec,

@@ -128,6 +128,9 @@ def sweep_view(
             )
         parts.append(candidates_table(shown, title, result.best))
     parts.append(_verdict(result))
+    if result.best is not None:  # recompute the busiest stage's FLOPs do not show
+        hidden = [note for note in result.best.plan.notes if " recomputes " in note]
+        parts += [Text(f"({note})", style="dim") for note in hidden]
     parts += [Text(note, style="dim") for note in result.notes]
     if result.min_memory_segment is not None:
         sqrt_k = round(spec.layers_per_stage**0.5)
