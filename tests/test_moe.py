@@ -39,14 +39,15 @@ def by_op(spec):
 
 
 def test_saved_bytes_by_hand():
-    """T = 64, k = 2, E = 4, R = T·k = 128 rows: router input B·T·h; top-k indices 8·T·k, their
-    fp32 softmax 4·T·k and the fp32 aux-loss softmax 4·T·E; permute's int64 indices 8·T·k and
-    the 1-byte routing map T·E; fc1 input B·R·h; fused SwiGLU input B·R·2F plus the R weights;
-    fc2 input B·R·F; unpermute reuses permute's indices."""
+    """T = 64, k = 2, E = 4, R = T·k = 128 rows: router input B·T·h; top-k indices 8·T·k,
+    their fp32 softmax 4·T·k and the fp32 aux-loss softmax 4·T·E; permute's int64 indices
+    8·T·k, the 1-byte routing map T·E and masked_select's input, the transposed probabilities
+    B·T·E; fc1 input B·R·h; fused SwiGLU input B·R·2F plus the R weights; fc2 input B·R·F;
+    unpermute reuses permute's indices."""
     ops = by_op(small())
     assert ops["router"].saved_bytes == 2 * 64 * 64
     assert ops["router_probs"].saved_bytes == 8 * 128 + 4 * 128 + 4 * 256
-    assert ops["permute"].saved_bytes == 8 * 128 + 256
+    assert ops["permute"].saved_bytes == 8 * 128 + 256 + 2 * 256
     assert ops["expert_fc1"].saved_bytes == 2 * 128 * 64
     assert ops["expert_act"].saved_bytes == 2 * 128 * (2 * 32 + 1)
     assert ops["expert_fc2"].saved_bytes == 2 * 128 * 32

@@ -80,8 +80,9 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
     Saved bytes per op (derived from each op's backward in the Megatron code named above):
     router: its input x (T·h; the shared experts read the same storage); router_probs: the
     top-k indices (int64), the fp32 softmax of the k selected scores, the fp32 aux-loss softmax
-    over all E experts; permute: the sorted token indices (int64, one per dispatched copy) and
-    the boolean routing map masked_select keeps for the probabilities; expert_fc1: its input,
+    over all E experts; permute: the sorted token indices (int64, one per dispatched copy), and
+    the boolean routing map and the transposed (E, T) probabilities masked_select keeps (its
+    backward needs its input's shape: autograd saves the input itself); expert_fc1: its input,
     the R dispatched rows; expert_act: its input (fc1's output, 2F_e/etp gated) and the R
     routing probabilities it weights by; expert_fc2: its input; unpermute: nothing new (its
     scatter-add reuses permute's indices). All-to-all and all-gather save nothing.
@@ -114,7 +115,7 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
         _op(
             "permute",
             "mlp",
-            INDEX_BYTES * sent + MASK_BYTES * tokens * E,
+            INDEX_BYTES * sent + MASK_BYTES * tokens * E + B * tokens * E,
             0,
             MOE,
             grads=(B * rows * (h + 1), logits + (0 if shared else X)),
