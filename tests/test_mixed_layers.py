@@ -75,10 +75,10 @@ def test_pipeline_stages_hold_their_layers(spec_of):
     The first stage holds dense layer 0; stage 1 holds dense layers 1, 2 and MoE 3, 4."""
     spec = spec_of("deepseek-v3", pp=16, first_stage_layers=1, tp=2, sp=True, etp=1, ep=2)
     assert spec.stage_layer_counts == (1,) + (4,) * 15
-    assert stage_layer_indices(spec, 0) == [0]
-    assert stage_layer_indices(spec, 1) == [1, 2, 3, 4]
+    assert stage_layer_indices(spec, 0) == (0,)
+    assert stage_layer_indices(spec, 1) == (1, 2, 3, 4)
     assert stage_kinds(spec, 1) == (DENSE, DENSE, MOE, MOE)
-    assert stage_layer_indices(spec, 15) == [57, 58, 59, 60]
+    assert stage_layer_indices(spec, 15) == (57, 58, 59, 60)
     # Model states: the stage with the most parameters (an all-MoE one), not the first.
     assert memory.busiest_stage(spec) > 0
     plan = evaluate(spec, parse_strategy("none", spec))
@@ -98,8 +98,8 @@ def test_interleaved_stages_hold_chunks():
             "virtual_stages": 2,
         }
     )
-    assert stage_layer_indices(spec, 0) == [0, 1, 4, 5]
-    assert stage_layer_indices(spec, 1) == [2, 3, 6, 7]
+    assert stage_layer_indices(spec, 0) == (0, 1, 4, 5)
+    assert stage_layer_indices(spec, 1) == (2, 3, 6, 7)
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,8 @@ experts counts the experts each token is routed to (`moe.routed_rows`), never al
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ckplan.model.layers import LayerKind, layer_kinds
 from ckplan.model.ops import ATTENTION_CORE, _matmul, _split, in_group, layer_ops
 from ckplan.model.spec import ModelSpec
@@ -30,7 +32,12 @@ def group_forward_flops(
     """Forward FLOPs of a recompute group (or several) in one layer; the attention core is QKᵀ
     and AV, 4bs²h, a fraction s / (6h + s) of an MHA layer with F = 4h (derived from the
     above)."""
-    groups = (group,) if isinstance(group, str) else group
+    groups = (group,) if isinstance(group, str) else tuple(group)
+    return _group_forward_flops(spec, groups, kind)
+
+
+@lru_cache(maxsize=512)
+def _group_forward_flops(spec: ModelSpec, groups: tuple[str, ...], kind: LayerKind | None) -> int:
     ops = layer_ops(spec, kind)
     return sum(op.forward_flops for op in ops if any(in_group(op, name) for name in groups))
 

@@ -125,7 +125,8 @@ def is_uniform(spec) -> bool:
     return len(distinct_kinds(spec)) == 1
 
 
-def stage_layer_indices(spec, stage: int) -> list[int]:
+@lru_cache(maxsize=512)
+def stage_layer_indices(spec, stage: int) -> tuple[int, ...]:
     """The layers pipeline stage `stage` (0-based) holds, in the order it runs them.
 
     Megatron-LM's layout: p stages of L/p consecutive layers; with v virtual stages (interleaved
@@ -136,12 +137,13 @@ def stage_layer_indices(spec, stage: int) -> list[int]:
     counts = spec.stage_layer_counts
     if len(set(counts)) > 1:
         start = sum(counts[:stage])
-        return list(range(start, start + counts[stage]))
+        return tuple(range(start, start + counts[stage]))
     chunk = spec.layers // (spec.pp * spec.virtual_stages)
     chunks = range(stage, spec.pp * spec.virtual_stages, spec.pp)
-    return [c * chunk + i for c in chunks for i in range(chunk)]
+    return tuple(c * chunk + i for c in chunks for i in range(chunk))
 
 
+@lru_cache(maxsize=512)
 def stage_kinds(spec, stage: int) -> tuple[LayerKind, ...]:
     kinds = layer_kinds(spec)
     return tuple(kinds[i] for i in stage_layer_indices(spec, stage))

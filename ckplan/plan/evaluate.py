@@ -10,8 +10,10 @@ revolve:C, optimal, and selective+ any of them (the attention core recomputed on
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
+from functools import lru_cache
 
 from ckplan.model import flops as flops_model
 from ckplan.model import memory, seed
@@ -151,13 +153,14 @@ def in_flight_microbatches(spec: ModelSpec, stage: int = 0) -> Fraction:
     return held
 
 
-def pipeline_stages(spec: ModelSpec) -> list[int]:
+@lru_cache(maxsize=128)
+def pipeline_stages(spec: ModelSpec) -> tuple[int, ...]:
     """The pipeline stages whose peak can be the fullest: the first (embedding, most
     micro-batches in flight) and the last (output layer and fp32 logits); with mixed layers
     also each middle stage whose layer kinds no earlier stage holds (an earlier stage with the
     same layers holds more micro-batches)."""
     if spec.pp == 1:
-        return [0]
+        return (0,)
     seen = {stage_kinds(spec, 0)}
     stages = [0]
     for stage in range(1, spec.pp - 1):
@@ -165,7 +168,7 @@ def pipeline_stages(spec: ModelSpec) -> list[int]:
         if kinds not in seen:
             seen.add(kinds)
             stages.append(stage)
-    return [*stages, spec.pp - 1]
+    return (*stages, spec.pp - 1)
 
 
 def evaluate(
@@ -237,8 +240,10 @@ def _stage_flops(
     groups = strategy.groups
     selective_flops = 0
     if groups:
+        kinds = Counter(stage_kinds(spec, stage))
         selective_flops = sum(
-            flops_model.group_forward_flops(spec, groups, kind) for kind in stage_kinds(spec, stage)
+            count * flops_model.group_forward_flops(spec, groups, kind)
+            for kind, count in kinds.items()
         )
     return FlopCount(
         forward=sum(chain.forward_flops),

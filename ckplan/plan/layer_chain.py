@@ -59,9 +59,15 @@ def layer_chain(
     its stage holds, then output layer and loss (last stage). With `selective`, each layer's
     tape drops the attention core (or the named recompute groups) and its backward re-runs the
     core's forward (Korthikanti §5)."""
-    groups = recompute_groups(selective)
-    stage = stage_index(spec, first_stage, stage)
-    costs = [layer_stage_costs(spec, kind, groups) for kind in stage_kinds(spec, stage)]
+    return _layer_chain(spec, recompute_groups(selective), stage_index(spec, first_stage, stage))
+
+
+@lru_cache(maxsize=256)
+def _layer_chain(spec: ModelSpec, groups: tuple[str, ...], stage: int) -> Chain:
+    """`layer_chain`, cached: a sweep evaluates hundreds of strategies on the same chains."""
+    kinds = stage_kinds(spec, stage)
+    per_kind = {kind: layer_stage_costs(spec, kind, groups) for kind in set(kinds)}
+    costs = [per_kind[kind] for kind in kinds]
     forward = [cost[0] for cost in costs]
     backwards = [cost[1] for cost in costs]
     tapes = [cost[2] for cost in costs]
