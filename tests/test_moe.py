@@ -189,6 +189,8 @@ def test_parameters_and_states_per_gpu_with_experts(spec_of):
         ({"moe_layers": "2-9"}, "the model has layers 0..3"),
         ({"moe_imbalance": 0.5}, "average, worst or a factor >= 1"),
         ({"experts": 0, "ep": 2}, "'ep' needs a mixture of experts"),
+        ({"experts": 0, "moe_imbalance": "worst"}, "'moe_imbalance' needs a mixture of experts"),
+        ({"sliding_window_layers": "0-:2"}, "needs a sliding_window > 0"),
     ],
 )
 def test_moe_keys_are_validated(changes, message):
@@ -201,3 +203,18 @@ def test_moe_strategy_needs_experts(spec_of):
 
     with pytest.raises(StrategyError, match="has none"):
         parse_strategy("moe", spec_of("gpt2"))
+
+
+def test_model_flops_count_the_routed_experts(spec_of):
+    """Model FLOPs per iteration: 3 x every layer's forward and the logits, at any layout; an
+    MoE layer's expert FLOPs are T·k·6·h·F_e (the k routed experts of every token)."""
+    from ckplan.model.flops import layer_forward_flops, model_flops_per_iteration
+
+    spec = spec_of("deepseek-v3", pp=16, first_stage_layers=1, ep=8, dp=8)
+    whole = spec_of("deepseek-v3", seq=spec.seq, micro_batch=1)
+    dense, moe = LayerKind(), MOE_LAYER
+    layers = 3 * layer_forward_flops(whole, dense) + 58 * layer_forward_flops(whole, moe)
+    logits = 2 * whole.seq * whole.hidden * whole.vocab
+    assert model_flops_per_iteration(spec, 2) == 3 * (layers + logits) * 2
+    experts = sum(op.forward_flops for op in layer_ops(whole, moe) if op.name.startswith("expert_"))
+    assert experts == whole.seq * 8 * 6 * 7168 * 2048

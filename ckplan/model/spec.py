@@ -397,6 +397,8 @@ def _validate_uneven_stages(spec: ModelSpec) -> None:
 def _validate_layer_sets(spec: ModelSpec) -> None:
     from ckplan.model.layers import LayerSetError, parse_layer_set
 
+    if spec.sliding_window_layers != "all" and not spec.sliding_window:
+        raise SpecError("key 'sliding_window_layers' needs a sliding_window > 0")
     for key in sorted(_LAYER_SET_FIELDS):
         try:
             parse_layer_set(getattr(spec, key), spec.layers)
@@ -439,6 +441,9 @@ def _validate_moe(spec: ModelSpec) -> None:
             raise SpecError(
                 "keys capacity_factor, shared_expert_gate, expert_bias need experts > 0"
             )
+        for key, default in (("moe_layers", "all"), ("moe_imbalance", "average"), ("top_k", 2)):
+            if getattr(spec, key) != default:
+                raise SpecError(f"key {key!r} needs a mixture of experts (experts > 0)")
         return
     from ckplan.model.layers import parse_layer_set
 
