@@ -37,6 +37,11 @@ def main() -> None:
     )
     tp8 = load_spec("llama3-70b", {"tp": 8, "pp": 4, "sp": True, "microbatches": 16})
     timed("sweep llama3-70b tp8 pp4, 80GB", lambda: sweep(tp8, 80 * GB), repeats=1)
+    deepseek = load_spec(
+        "deepseek-v3",
+        {"ep": 64, "dp": 128, "pp": 16, "first_stage_layers": 1, "zero": 1, "microbatches": 64},
+    )
+    timed("sweep deepseek-v3 pp16 ep64, 80GB (mixed layers)", lambda: sweep(deepseek, 80 * GB))
     deep = load_spec("llama3-405b", {"layers": 128, "tp": 8, "sp": True})
     chain = layer_chain(deep, selective=False)
     budget = sum(chain.tape_bytes) // 4
