@@ -400,6 +400,8 @@ def _validate_layer_sets(spec: ModelSpec) -> None:
     if spec.sliding_window_layers != "all" and not spec.sliding_window:
         raise SpecError("key 'sliding_window_layers' needs a sliding_window > 0")
     for key in sorted(_LAYER_SET_FIELDS):
+        if getattr(spec, key).strip().lower() in ("all", "none"):
+            continue  # valid for any depth; no need to build the set
         try:
             parse_layer_set(getattr(spec, key), spec.layers)
         except LayerSetError as error:
