@@ -134,6 +134,14 @@ GPU_PREFIX = "gpu."
 SeqOpt = Annotated[int | None, typer.Option("--seq", help="Shortcut for --set seq=N.")]
 BatchOpt = Annotated[int | None, typer.Option("--batch", help="Shortcut for --set micro_batch=N.")]
 LayersOpt = Annotated[int | None, typer.Option("--layers", help="Shortcut for --set layers=N.")]
+MoeImbalanceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--moe-imbalance",
+        help="MoE routing on the busiest expert rank: average (default), worst, or a factor "
+        ">= 1 (shortcut for --set moe_imbalance=...).",
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
 FormulaOpt = Annotated[
     str, typer.Option("--formula", help="derived (from the architecture) or seed (the seed's).")
@@ -141,12 +149,22 @@ FormulaOpt = Annotated[
 
 
 def parse_overrides(
-    settings: list[str] | None, seq: int | None, batch: int | None, layers: int | None
+    settings: list[str] | None,
+    seq: int | None,
+    batch: int | None,
+    layers: int | None,
+    moe_imbalance: str | None = None,
 ) -> dict[str, Any]:
     overrides = {
         key: value for key, value in _settings(settings).items() if not key.startswith(GPU_PREFIX)
     }
-    for key, value in (("seq", seq), ("micro_batch", batch), ("layers", layers)):
+    shortcuts = (
+        ("seq", seq),
+        ("micro_batch", batch),
+        ("layers", layers),
+        ("moe_imbalance", moe_imbalance),
+    )
+    for key, value in shortcuts:
         if value is not None:
             overrides[key] = value
     return overrides
@@ -167,8 +185,8 @@ def _settings(settings: list[str] | None) -> dict[str, Any]:
     return parsed
 
 
-def resolve_model(model: str, settings, seq, batch, layers) -> ModelSpec:
-    return load_spec(model, parse_overrides(settings, seq, batch, layers))
+def resolve_model(model: str, settings, seq, batch, layers, moe_imbalance=None) -> ModelSpec:
+    return load_spec(model, parse_overrides(settings, seq, batch, layers, moe_imbalance))
 
 
 def resolve_gpu(gpu: str | None, settings: list[str] | None) -> GPU | None:
@@ -250,12 +268,13 @@ def estimate(
     seq: SeqOpt = None,
     batch: BatchOpt = None,
     layers: LayersOpt = None,
+    moe_imbalance: MoeImbalanceOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """One plan with its full breakdown: per-op activations, model states, FLOPs, overhead
     (and with --gpu: step time, MFU, the time overhead and its breakdown)."""
     with user_errors():
-        spec = resolve_model(model, settings, seq, batch, layers)
+        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance)
         device = resolve_gpu(gpu, settings)
         parsed = parse_strategy(strategy, spec)
         candidate = None
@@ -392,12 +411,13 @@ def sweep(
     seq: SeqOpt = None,
     batch: BatchOpt = None,
     layers: LayersOpt = None,
+    moe_imbalance: MoeImbalanceOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Every candidate plan against a budget: which fit, the Pareto frontier, the best (the
     fastest with --gpu)."""
     with user_errors():
-        spec = resolve_model(model, settings, seq, batch, layers)
+        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance)
         device = resolve_gpu(gpu, settings)
         budget_text, total, kept = require_budget(budget, reserve, device)
         if rank not in (None, *search.RANKS):
@@ -449,6 +469,7 @@ def check(
     seq: SeqOpt = None,
     batch: BatchOpt = None,
     layers: LayersOpt = None,
+    moe_imbalance: MoeImbalanceOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """CI capacity check: exit 0 when every model fits the budget, 1 when any does not."""
@@ -456,7 +477,7 @@ def check(
         device = resolve_gpu(gpu, settings)
         budget_text, total, kept = require_budget(budget, reserve, device)
         specs = [
-            (name, resolve_model(name, settings, seq, batch, layers))
+            (name, resolve_model(name, settings, seq, batch, layers, moe_imbalance))
             for name in expand_models(models)
         ]
         rows = [
@@ -512,11 +533,12 @@ def schedule(
     seq: SeqOpt = None,
     batch: BatchOpt = None,
     layers: LayersOpt = None,
+    moe_imbalance: MoeImbalanceOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Print a plan's schedule step by step (default: the optimal schedule under --budget)."""
     with user_errors():
-        spec = resolve_model(model, settings, seq, batch, layers)
+        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance)
         device = resolve_gpu(gpu, settings)
         parsed = None if strategy == "auto" else parse_strategy(strategy, spec)
         activation_budget = None

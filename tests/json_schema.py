@@ -19,8 +19,9 @@ def _model_schema() -> dict:
     """Every resolved key of the model with its type, from the ModelSpec fields."""
     schema = {}
     for field in dataclasses.fields(ModelSpec):
-        name = field.type.split(" | ")[0]  # "int | None" resolves to int
-        schema[field.name] = _PYTHON_TYPES[name]
+        name = field.type.split(" | ")[0]  # "int | None": an int, or null where it stays unset
+        kind = _PYTHON_TYPES[name]
+        schema[field.name] = (kind, None) if "None" in field.type else kind
     return schema
 
 

@@ -352,7 +352,7 @@ def test_mfu_near_korthikanti_table5(spec_of, a100, name):
 def test_step_time_from_forwards_checks_lengths(spec_of, a100):
     spec = spec_of("gpt2")
     with pytest.raises(ValueError, match="forward counts"):
-        step_time_from_forwards(spec, a100, ((True, (1, 1)),), False)
+        step_time_from_forwards(spec, a100, ((0, (1, 1)),), False)
 
 
 def test_micro_batch_time_counts_reruns(spec_of, a100):

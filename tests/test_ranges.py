@@ -24,6 +24,19 @@ def corner(key: str, value: int) -> dict:
         spec |= {"seq": max(16, value)}
     if key == "tp":
         spec |= {"kv_heads": max(4, value)}
+    moe_keys = ("ep", "top_k", "shared_experts", "shared_ffn_hidden", "etp", "moe_ffn_hidden")
+    if key in moe_keys and value > 0:
+        spec |= {"experts": max(8, value) if key in ("ep", "top_k") else 8}
+        if key == "etp":
+            spec |= {"moe_ffn_hidden": max(256, value)}
+        if key in ("ep", "etp"):
+            spec |= {"dp": value}  # expert groups are carved from the data-parallel GPUs
+    mla_keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    if key in mla_keys and value > 0:
+        spec = {"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8}
+        spec |= {**BASE, "v_head_dim": 8, "bias": False, key: value}
+    if key in ("first_stage_layers", "last_stage_layers"):
+        spec |= {"pp": 2, "layers": value + 1}
     return spec
 
 

@@ -189,3 +189,29 @@ def test_blas_workspace_replay(backward_harness):
         ("AddmmBackward0", 150, 30),
         ("GeluBackward0", 130, 0),
     ]
+
+
+# ---- MoE and MLA (validation/torch_moe_mla.py) ----------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["moe-bf16", "mla-bf16"])
+def test_moe_and_mla_layers_match_op_by_op(harness, name):
+    """A Megatron-Core MoE layer and a DeepSeek-V3-style MLA layer: every op as predicted but
+    the fused RMSNorms' fp32 rstd (4 bytes per token, the latent norms included), the router's
+    int64 tokens-per-expert (8·E) and scalar aux loss (4 bytes) that its aux loss keeps, and the
+    attention output, one storage saved by the core and by out_proj (compared as a sum)."""
+    config = _config(harness, name)
+    measured = harness.measure(config)
+    predicted = harness.ckplan_prediction(config)
+    tokens = config.seq * config.micro_batch
+    pair = ("attention_core", "out_proj")
+    assert sum(measured.by_op.get(op, 0) for op in pair) == sum(predicted[op] for op in pair)
+    norms = {"norm1", "norm2", "q_norm", "kv_norm"}
+    for op, value in predicted.items():
+        if op in pair:
+            continue
+        extra = 4 * tokens if op in norms else 0
+        if op == "router_probs":
+            extra = 8 * config.experts + 4
+        assert measured.by_op.get(op, 0) - value == extra, op
+    assert set(measured.by_op) <= set(predicted)

@@ -47,8 +47,11 @@ except ImportError:  # pragma: no cover - the message is the point
     sys.exit("torch_saved_bytes.py needs PyTorch: python3 -m pip install torch")
 
 GPT_OPS = [
-    "norm1", "qkv_proj", "attn_scores", "softmax", "attn_dropout", "attn_values",
+    "norm1", "qkv_proj", "q_down", "q_norm", "q_up", "kv_down", "kv_norm", "kv_up",
+    "attn_scores", "softmax", "attn_dropout", "attn_values",
     "attention_core", "out_proj", "out_dropout", "norm2", "fc1", "act", "fc2", "mlp_dropout",
+    "router", "router_probs", "permute", "expert_fc1", "expert_act", "expert_fc2", "unpermute",
+    "shared_fc1", "shared_act", "shared_fc2",
 ]  # fmt: skip
 
 
@@ -404,7 +407,7 @@ class LlamaLayer(nn.Module):
 @dataclass
 class Config:
     name: str
-    arch: str  # gpt | llama
+    arch: str  # gpt | llama | moe | mla (validation/torch_moe_mla.py)
     dtype: str = "float32"  # float32 | bfloat16
     seq: int = 128  # s
     micro_batch: int = 2  # b
@@ -421,6 +424,17 @@ class Config:
     kv_repeat: bool = False  # llama sdpa only: repeat_kv before SDPA instead of enable_gqa
     swiglu_impl: str = "eager"  # llama only: eager (HF LlamaMLP) | fused (Megatron SwiGLUFunction)
     description: str = ""
+    # moe: experts, top-k, expert width, shared experts' width (0: none)
+    experts: int = 0
+    top_k: int = 2
+    moe_ffn_hidden: int = 0
+    shared_ffn_hidden: int = 0
+    # mla: latent ranks and head dims
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_heads is None:
@@ -472,6 +486,15 @@ def default_configs() -> list[Config]:
         Config("llama-bf16-fused", **llama, dtype="bfloat16", norm_impl="fused", attention="sdpa",
                swiglu_impl="fused",
                description="Megatron/TE-style Llama: fused RMSNorm, SDPA(GQA), fused SwiGLU"),
+        Config("moe-bf16", "moe", "bfloat16", kv_heads=2, experts=8, top_k=2, moe_ffn_hidden=128,
+               shared_ffn_hidden=256, attention="sdpa",
+               description="Megatron-Core MoE layer: 8 experts of 128, top-2, a shared expert "
+                           "of 256, weighted SwiGLU, SDPA(GQA), fused RMSNorm"),
+        Config("mla-bf16", "mla", "bfloat16", heads=4, ffn_hidden=704, q_lora_rank=96,
+               kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+               attention="sdpa",
+               description="DeepSeek-V3-style MLA layer (Megatron's MLASelfAttention), flash "
+                           "kernel contract, dense fused SwiGLU MLP"),
     ]  # fmt: skip
 
 
@@ -493,7 +516,14 @@ class Measurement:
 
 def measure(cfg: Config, seed: int = 0, device: str = "cpu") -> Measurement:
     torch.manual_seed(seed)
-    layer_cls = GPTLayer if cfg.arch == "gpt" else LlamaLayer
+    layer_cls = {"gpt": GPTLayer, "llama": LlamaLayer}.get(cfg.arch)
+    if layer_cls is None:
+        here = str(Path(__file__).resolve().parent)
+        if here not in sys.path:
+            sys.path.insert(0, here)
+        import torch_moe_mla
+
+        layer_cls = {"moe": torch_moe_mla.MoELayer, "mla": torch_moe_mla.MLALayer}[cfg.arch]
     layer = layer_cls(cfg).to(device=device, dtype=cfg.torch_dtype).train()
     exclude = {t.untyped_storage().data_ptr() for t in layer.parameters()}
     exclude |= {t.untyped_storage().data_ptr() for t in layer.buffers()}
@@ -556,6 +586,22 @@ def ckplan_mapping_for(cfg: Config) -> dict:
         mapping["bias"] = cfg.arch == "gpt"
     if "positions" in fields and cfg.arch == "llama":
         mapping["positions"] = "rope"  # parameter count only; no RoPE op is run here
+    if cfg.arch in ("moe", "mla"):
+        mapping |= {"norm": "rmsnorm", "mlp": "swiglu", "positions": "rope", "bias": False}
+        mapping["fused_swiglu"] = True
+    if cfg.arch == "moe":
+        mapping |= {
+            "experts": cfg.experts,
+            "top_k": cfg.top_k,
+            "moe_ffn_hidden": cfg.moe_ffn_hidden,
+        }
+        if cfg.shared_ffn_hidden:
+            mapping |= {"shared_experts": 1, "shared_ffn_hidden": cfg.shared_ffn_hidden}
+    if cfg.arch == "mla":
+        mapping["kv_heads"] = cfg.heads
+        for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"):
+            mapping[key] = getattr(cfg, key)
+        mapping["v_head_dim"] = cfg.v_head_dim
     return mapping
 
 

@@ -36,7 +36,16 @@ from ckplan.hardware.roofline import (
 )
 from ckplan.model import memory
 from ckplan.model.flops import model_flops_per_iteration
-from ckplan.model.ops import ATTENTION_CORE, FP32_BYTES, Matmul, Op, _split, kv_heads_per_rank
+from ckplan.model.layers import LayerKind, stage_kinds
+from ckplan.model.ops import (
+    ATTENTION_CORE,
+    FP32_BYTES,
+    Matmul,
+    Op,
+    _split,
+    in_group,
+    kv_heads_per_rank,
+)
 from ckplan.model.ops import layer_ops as model_layer_ops
 from ckplan.model.spec import ModelSpec
 
@@ -181,11 +190,18 @@ def context_parallel_comm(
 
 
 @lru_cache(maxsize=256)
-def layer_time(spec: ModelSpec, gpu: GPU) -> StageTime:
-    """One layer, one micro-batch: its ops' roofline times and its exposed communication."""
-    ops = model_layer_ops(spec)
+def layer_time(
+    spec: ModelSpec,
+    gpu: GPU,
+    kind: LayerKind | None = None,
+    groups: tuple[str, ...] = (ATTENTION_CORE,),
+) -> StageTime:
+    """One layer of `kind` (default: the representative one), one micro-batch: its ops'
+    roofline times and its exposed communication; `core_forward` is the forward of the
+    recompute `groups` (the attention core by default)."""
+    ops = model_layer_ops(spec, kind)
     dtype = spec.dtype_bytes
-    core = [op for op in ops if op.group == ATTENTION_CORE]
+    core = [op for op in ops if any(in_group(op, group) for group in groups)]
     forward = _sum_ops(ops, op_forward_time, gpu, dtype)
     backward = _sum_ops(ops, op_backward_time, gpu, dtype)
     core_forward = _sum_ops(core, op_forward_time, gpu, dtype)
@@ -198,7 +214,7 @@ def layer_time(spec: ModelSpec, gpu: GPU) -> StageTime:
         forward_comm=tp_forward + cp_forward,
         backward_comm=tp_backward + cp_backward,
         core_forward=core_forward,
-        core_comm=cp_forward,
+        core_comm=cp_forward if ATTENTION_CORE in groups else 0.0,
     )
 
 
@@ -271,13 +287,18 @@ def output_time(spec: ModelSpec, gpu: GPU) -> StageTime:
 
 
 @lru_cache(maxsize=256)
-def chain_stage_times(spec: ModelSpec, gpu: GPU, first_stage: bool) -> tuple[StageTime, ...]:
-    """The times of the chain's stages, in `plan.layer_chain`'s order."""
-    stages = [layer_time(spec, gpu)] * spec.layers_per_stage
+def chain_stage_times(
+    spec: ModelSpec, gpu: GPU, stage: int, groups: tuple[str, ...] = (ATTENTION_CORE,)
+) -> tuple[StageTime, ...]:
+    """The times of the chain of pipeline stage `stage`, in `plan.layer_chain`'s order: each
+    layer timed as its kind (mixed layers, `model.layers`)."""
+    kinds = stage_kinds(spec, stage)
+    per_kind = {kind: layer_time(spec, gpu, kind, groups) for kind in set(kinds)}
+    stages = [per_kind[kind] for kind in kinds]
     has_vocab = spec.kind == "transformer" and spec.vocab > 0
-    if has_vocab and first_stage:
+    if has_vocab and stage == 0:
         stages = [embedding_time(spec, gpu), *stages]
-    if has_vocab and (spec.pp == 1 or not first_stage):
+    if has_vocab and stage == spec.pp - 1:
         stages = [*stages, output_time(spec, gpu)]
     return tuple(stages)
 
@@ -310,8 +331,8 @@ def micro_batch_time(
     stages: tuple[StageTime, ...] | list[StageTime], forwards: tuple[int, ...], selective: bool
 ) -> MicroBatchTime:
     """One micro-batch: stage i's forward `forwards[i]` times (the first is the forward, the
-    others recompute), every backward once, and with `selective` each layer's attention-core
-    re-forward."""
+    others recompute), every backward once, and with `selective` each layer's re-forward of
+    its recompute groups (`StageTime.core_forward`)."""
     if len(forwards) != len(stages):
         raise ValueError(f"{len(forwards)} forward counts for a chain of {len(stages)} stages")
     forward = backward = recompute = ZERO
@@ -333,9 +354,10 @@ def micro_batch_time(
 
 @lru_cache(maxsize=8192)
 def _stage_micro_batch(
-    spec: ModelSpec, gpu: GPU, first_stage: bool, forwards: tuple[int, ...], selective: bool
+    spec: ModelSpec, gpu: GPU, stage: int, forwards: tuple[int, ...], groups: tuple[str, ...]
 ) -> MicroBatchTime:
-    return micro_batch_time(chain_stage_times(spec, gpu, first_stage), forwards, selective)
+    stages = chain_stage_times(spec, gpu, stage, groups or (ATTENTION_CORE,))
+    return micro_batch_time(stages, forwards, bool(groups))
 
 
 # ---- the iteration -----------------------------------------------------------------------
@@ -402,20 +424,23 @@ def _pipeline(spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime) -> tuple[float
 def step_time_from_forwards(
     spec: ModelSpec,
     gpu: GPU,
-    stage_forwards: tuple[tuple[bool, tuple[int, ...]], ...],
-    selective: bool,
+    stage_forwards: tuple[tuple[int, tuple[int, ...]], ...],
+    groups: tuple[str, ...] | bool,
     flop_overhead: float = 0.0,
 ) -> StepTime:
     """The iteration's time from each pipeline stage's forward counts per chain stage
-    ((first_stage, layer_forwards) as the schedule replay gives them); `flop_overhead`
+    ((pipeline stage, layer_forwards) as the schedule replay gives them), `groups` the recompute
+    groups re-run inside stored layers (True: the attention core); `flop_overhead`
     (recompute / (forward + backward) FLOPs) turns MFU into HFU."""
+    if isinstance(groups, bool):
+        groups = (ATTENTION_CORE,) if groups else ()
     times = [
-        _stage_micro_batch(spec, gpu, first, tuple(forwards), selective)
-        for first, forwards in stage_forwards
+        _stage_micro_batch(spec, gpu, stage, tuple(forwards), groups)
+        for stage, forwards in stage_forwards
     ]
     plain = [
-        _stage_micro_batch(spec, gpu, first, (1,) * len(forwards), False)
-        for first, forwards in stage_forwards
+        _stage_micro_batch(spec, gpu, stage, (1,) * len(forwards), ())
+        for stage, forwards in stage_forwards
     ]
     busiest = max(times, key=lambda t: t.total)
     m = spec.microbatches
@@ -471,7 +496,6 @@ def step_time(plan, gpu: GPU) -> StepTime | None:
     seed formula set)."""
     if not plan.stage_forwards:
         return None
-    selective = plan.strategy.startswith("selective")
     return step_time_from_forwards(
-        plan.spec, gpu, plan.stage_forwards, selective, plan.flops.overhead
+        plan.spec, gpu, plan.stage_forwards, plan.recompute_groups, plan.flops.overhead
     )

@@ -1,61 +1,364 @@
-"""Hugging Face `config.json` -> ckplan's model keys, family by family."""
+"""Hugging Face `config.json` -> ckplan's model keys, family by family.
+
+Each supported `model_type` is mapped key by key, with the defaults of its transformers config
+class for the keys a checkpoint leaves out (Gemma 3's sparse text_config relies on them). Keys
+that change what ckplan counts are either modelled (qkv bias, tied embeddings, head_dim,
+qk-norm, post-norms, parallel residual, sliding windows, experts, MLA) or refused with an error
+naming them; keys that change nothing ckplan counts are ignored on purpose: RoPE settings and
+partial rotary (no parameters, nothing saved), logit soft-capping (an element-wise tanh fused in
+the kernels), Gemma's embedding scaling, router details (group-limited top-k, scaling factors).
+`seq` defaults to the model's maximum context; override it with --seq.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ckplan.model.layers import format_layer_set
 from ckplan.model.spec import SpecError
+from ckplan.quoting import quote
 
-# Hugging Face config.json key -> ckplan key, for the two config families in use.
-_HF_KEYS = {
-    "num_hidden_layers": "layers",
-    "n_layer": "layers",
-    "hidden_size": "hidden",
-    "n_embd": "hidden",
-    "num_attention_heads": "heads",
-    "n_head": "heads",
-    "num_key_value_heads": "kv_heads",
-    "intermediate_size": "ffn_hidden",
-    "n_inner": "ffn_hidden",
-    "vocab_size": "vocab",
-    "max_position_embeddings": "seq",
-    "n_positions": "seq",
-    "tie_word_embeddings": "tied_embeddings",
-}
 _HF_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 def hf_config_mapping(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
-    """Translate a Hugging Face `config.json` into ckplan's keys.
-
-    Llama-family configs (`rms_norm_eps`, `hidden_act: silu`) become rmsnorm + SwiGLU + RoPE
-    without biases, trained with flash attention (the usual choice); GPT-2-family configs become
-    layernorm + GELU with learned positions, standard attention and biases. `seq` defaults to the
-    model's maximum context; override it with --seq.
-    """
-    mapping: dict[str, Any] = {"name": Path(origin).parent.name or "hf-model", "source": origin}
-    for hf_key, key in _HF_KEYS.items():
-        if config.get(hf_key) is not None and key not in mapping:
-            mapping[key] = config[hf_key]
-    if "layers" not in mapping or "hidden" not in mapping or "heads" not in mapping:
+    """Translate a Hugging Face `config.json` into ckplan's keys (see the module docstring)."""
+    model_type = config.get("model_type")
+    notes: list[str] = []
+    if model_type == "gemma3" and isinstance(config.get("text_config"), Mapping):
+        # The multimodal checkpoint: its language model is the text_config.
+        if config.get("vision_config"):
+            notes.append("vision tower and projector not counted")
+        text = dict(config["text_config"])
+        for key in ("torch_dtype", "dtype"):
+            text.setdefault(key, config.get(key))
+        config, model_type = text, "gemma3_text"
+    if model_type is None:
+        if "n_layer" in config or "num_hidden_layers" in config:
+            raise SpecError(
+                f"{origin}: not a recognised Hugging Face config: it has no model_type "
+                f"(supported: {', '.join(SUPPORTED)})"
+            )
         raise SpecError(
-            f"{origin}: not a recognised Hugging Face config: needs num_hidden_layers, "
-            "hidden_size and num_attention_heads (or n_layer, n_embd, n_head)"
+            f"{origin}: not a recognised Hugging Face config: needs model_type and "
+            "num_hidden_layers, hidden_size, num_attention_heads (or n_layer, n_embd, n_head)"
         )
-    llama_like = "rms_norm_eps" in config or config.get("hidden_act") == "silu"
-    mapping |= {
-        "norm": "rmsnorm" if "rms_norm_eps" in config else "layernorm",
-        "mlp": "swiglu" if config.get("hidden_act") == "silu" else "gelu",
-        "positions": "rope" if llama_like else "learned",
-        "attention": "flash" if llama_like else "standard",
-        "bias": bool(config.get("attention_bias", False)) if llama_like else True,
-        "micro_batch": 1,
-        "dtype_bytes": _HF_DTYPE_BYTES.get(str(config.get("torch_dtype", "bfloat16")), 2),
-    }
-    if "tied_embeddings" not in mapping and config.get("model_type") == "gpt2":
-        mapping["tied_embeddings"] = True
-    if not llama_like and "attn_pdrop" in config:
-        mapping["dropout"] = config["attn_pdrop"]
+    family = _FAMILIES.get(model_type)
+    if family is None:
+        raise SpecError(
+            f"{origin}: unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED)}"
+        )
+    mapping = family(_Config(config, origin, model_type))
+    mapping = {"name": Path(origin).parent.name or "hf-model", **mapping}
+    source = f"{origin} (HF model_type {model_type})"
+    if notes or mapping.get("_notes"):
+        source += "; " + "; ".join([*notes, *mapping.pop("_notes", [])])
+    mapping.pop("_notes", None)
+    mapping["source"] = source
     return mapping
+
+
+class _Config:
+    """A config.json with its family's defaults and one-line errors."""
+
+    def __init__(self, data: Mapping[str, Any], origin: str, model_type: str):
+        self.data, self.origin, self.model_type = data, origin, model_type
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.data.get(key)
+        return default if value is None else value
+
+    def need(self, key: str, default: Any = None) -> Any:
+        value = self.get(key, default)
+        if value is None:
+            raise SpecError(f"{self.origin}: {self.model_type} config lacks {key!r}")
+        return value
+
+    def flag(self, key: str, default: bool) -> bool:
+        """A JSON true/false (a string such as "false" would read as true under bool())."""
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise SpecError(f"{self.origin}: key {key!r} expects true or false, got {quote(value)}")
+        return value
+
+    def refuse(self, keys: str, why: str) -> SpecError:
+        return SpecError(f"{self.origin}: cannot model {keys} ({why})")
+
+
+def _base(c: _Config, *, tied: bool, head_dim: int | None = None) -> dict[str, Any]:
+    """The keys every RoPE decoder family shares (Llama's names)."""
+    heads = c.need("num_attention_heads")
+    hidden = c.need("hidden_size")
+    dtype = str(c.get("torch_dtype", c.get("dtype", "bfloat16")))
+    mapping = {
+        "layers": c.need("num_hidden_layers"),
+        "hidden": hidden,
+        "heads": heads,
+        "kv_heads": c.get("num_key_value_heads", heads),
+        "ffn_hidden": c.need("intermediate_size"),
+        "vocab": c.need("vocab_size"),
+        "seq": c.need("max_position_embeddings"),
+        "micro_batch": 1,
+        "dtype_bytes": _HF_DTYPE_BYTES.get(dtype, 2),
+        "norm": "rmsnorm",
+        "mlp": _gated_mlp(c),
+        "attention": "flash",
+        "positions": "rope",
+        "bias": False,
+        "dropout": 0.0,
+        "tied_embeddings": c.flag("tie_word_embeddings", tied),
+    }
+    head_dim = c.get("head_dim", head_dim)
+    if head_dim is not None and head_dim * heads != hidden:
+        mapping["head_dim"] = head_dim
+    return mapping
+
+
+def _gated_mlp(c: _Config) -> str:
+    act = str(c.get("hidden_activation", c.get("hidden_act", "silu")))
+    if act in ("silu", "swish"):
+        return "swiglu"
+    if act.startswith("gelu"):
+        return "geglu"
+    raise c.refuse("hidden_act", f"{act!r}: ckplan models gated silu and gelu MLPs")
+
+
+def _llama_biases(c: _Config) -> dict[str, Any]:
+    """Llama-style attention_bias (Q, K, V and O) and mlp_bias: both or neither."""
+    attention, mlp = c.flag("attention_bias", False), c.flag("mlp_bias", False)
+    if attention != mlp:
+        raise c.refuse(
+            "attention_bias" if attention else "mlp_bias",
+            "ckplan's biases are on every linear layer (bias) or on Q, K, V only (qkv_bias)",
+        )
+    return {"bias": attention}
+
+
+def _windows(c: _Config, layers: int, default_pattern: Callable[[int], bool] | None) -> dict:
+    """sliding_window and which layers use it: HF's layer_types when given, else the family's
+    rule (`default_pattern(i)` True for a sliding layer; None: every layer)."""
+    window = c.get("sliding_window")
+    if not window:
+        return {}
+    types = c.get("layer_types")
+    if types is not None:
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if unknown or len(types) != layers:
+            raise c.refuse("layer_types", "ckplan models sliding_attention and full_attention")
+        sliding = {i for i, kind in enumerate(types) if kind == "sliding_attention"}
+    elif default_pattern is None:
+        sliding = set(range(layers))
+    else:
+        sliding = {i for i in range(layers) if default_pattern(i)}
+    if not sliding:
+        return {}
+    return {"sliding_window": window, "sliding_window_layers": format_layer_set(sliding, layers)}
+
+
+def _moe_layers(layers: int, moe: set[int]) -> str:
+    return format_layer_set(moe, layers)
+
+
+# ---- the families ---------------------------------------------------------------------------
+
+
+def _llama(c: _Config) -> dict[str, Any]:
+    return {**_base(c, tied=False), **_llama_biases(c)}
+
+
+def _mistral(c: _Config) -> dict[str, Any]:
+    mapping = {**_base(c, tied=False), **_llama_biases(c)}
+    # MistralConfig's default window is 4096; v0.2+ checkpoints set null (full attention).
+    data = dict(c.data)
+    data.setdefault("sliding_window", 4096)
+    return mapping | _windows(_Config(data, c.origin, c.model_type), mapping["layers"], None)
+
+
+def _mixtral(c: _Config) -> dict[str, Any]:
+    mapping = {**_base(c, tied=False), **_llama_biases(c)}
+    mapping |= _windows(c, mapping["layers"], None)
+    mapping |= {"experts": c.get("num_local_experts", 8), "top_k": c.get("num_experts_per_tok", 2)}
+    return mapping
+
+
+def _qwen_windows(c: _Config, layers: int) -> dict[str, Any]:
+    """Qwen2/3: a window only with use_sliding_window, on the layers from max_window_layers."""
+    if not c.flag("use_sliding_window", False):
+        return {}
+    start = c.get("max_window_layers", layers)
+    return _windows(c, layers, lambda i: i >= start)
+
+
+def _qwen2(c: _Config) -> dict[str, Any]:
+    mapping = _base(c, tied=False) | {"qkv_bias": True}  # Qwen2Attention: q, k, v with bias
+    return mapping | _qwen_windows(c, mapping["layers"])
+
+
+def _qwen3(c: _Config) -> dict[str, Any]:
+    mapping = {**_base(c, tied=False, head_dim=128), **_llama_biases(c), "qk_norm": True}
+    return mapping | _qwen_windows(c, mapping["layers"])
+
+
+def _qwen_moe_layers(c: _Config, layers: int, experts: int) -> set[int]:
+    """Qwen2/3-MoE: layer i is sparse unless in mlp_only_layers, every decoder_sparse_step."""
+    step = c.get("decoder_sparse_step", 1)
+    dense = set(c.get("mlp_only_layers", []))
+    return {i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0}
+
+
+def _qwen2_moe(c: _Config) -> dict[str, Any]:
+    mapping = _qwen2(c)
+    experts = c.get("num_experts", 60)
+    shared = c.get("shared_expert_intermediate_size", 5632)
+    mapping |= {
+        "experts": experts,
+        "top_k": c.get("num_experts_per_tok", 4),
+        "moe_ffn_hidden": c.get("moe_intermediate_size", 1408),
+        "moe_layers": _moe_layers(
+            mapping["layers"], _qwen_moe_layers(c, mapping["layers"], experts)
+        ),
+    }
+    if shared:  # Qwen2MoeSparseMoeBlock: one shared expert with a sigmoid gate
+        mapping |= {"shared_experts": 1, "shared_ffn_hidden": shared, "shared_expert_gate": True}
+    return mapping
+
+
+def _qwen3_moe(c: _Config) -> dict[str, Any]:
+    mapping = _qwen3(c)
+    experts = c.get("num_experts", 128)
+    return mapping | {
+        "experts": experts,
+        "top_k": c.get("num_experts_per_tok", 8),
+        "moe_ffn_hidden": c.get("moe_intermediate_size", 768),
+        "moe_layers": _moe_layers(
+            mapping["layers"], _qwen_moe_layers(c, mapping["layers"], experts)
+        ),
+    }
+
+
+def _gemma(c: _Config) -> dict[str, Any]:
+    return {**_base(c, tied=True, head_dim=256), **_llama_biases(c)}
+
+
+def _gemma2(c: _Config) -> dict[str, Any]:
+    mapping = {**_gemma(c), "post_norms": True}
+    data = dict(c.data)
+    data.setdefault("sliding_window", 4096)
+    # Gemma2DecoderLayer: sliding on the even layers, (i + 1) % 2 != 0.
+    windows = _windows(
+        _Config(data, c.origin, c.model_type), mapping["layers"], lambda i: i % 2 == 0
+    )
+    return mapping | windows
+
+
+def _gemma3_text(c: _Config) -> dict[str, Any]:
+    # Gemma3TextConfig's defaults for the keys gemma-3-4b-it's sparse text_config leaves out.
+    defaults = {"vocab_size": 262_208, "num_attention_heads": 8, "num_key_value_heads": 4,
+                "max_position_embeddings": 131_072, "sliding_window": 4096}  # fmt: skip
+    given = {key: value for key, value in c.data.items() if value is not None}
+    c = _Config(defaults | given, c.origin, c.model_type)
+    mapping = {**_gemma(c), "post_norms": True, "qk_norm": True}
+    # Gemma3TextConfig: every sliding_window_pattern-th layer global, (i + 1) % 6 == 0.
+    pattern = c.get("sliding_window_pattern", c.get("_sliding_window_pattern", 6))
+    windows = _windows(c, mapping["layers"], lambda i: (i + 1) % pattern != 0)
+    return mapping | windows
+
+
+def _phi3(c: _Config) -> dict[str, Any]:
+    mapping = {**_base(c, tied=False), **_llama_biases(c)}  # fused qkv_proj and gate_up_proj
+    return mapping | _windows(c, mapping["layers"], None)
+
+
+def _gpt2(c: _Config) -> dict[str, Any]:
+    if c.flag("add_cross_attention", False):
+        raise c.refuse("add_cross_attention", "a decoder-only layer has no cross-attention")
+    hidden = c.need("n_embd")
+    return {
+        "layers": c.need("n_layer"),
+        "hidden": hidden,
+        "heads": c.need("n_head"),
+        "ffn_hidden": c.get("n_inner", 4 * hidden),
+        "vocab": c.need("vocab_size"),
+        "seq": c.need("n_positions"),
+        "micro_batch": 1,
+        "dtype_bytes": _HF_DTYPE_BYTES.get(str(c.get("torch_dtype", "float32")), 4),
+        "norm": "layernorm",
+        "mlp": "gelu",
+        "attention": "standard",
+        "positions": "learned",
+        "bias": True,
+        "dropout": c.get("attn_pdrop", 0.1),
+        "tied_embeddings": c.flag("tie_word_embeddings", True),
+    }
+
+
+def _gpt_neox(c: _Config) -> dict[str, Any]:
+    if not c.flag("attention_bias", True):
+        raise c.refuse(
+            "attention_bias", "GPT-NeoX's MLP keeps its biases; ckplan's are all or none"
+        )
+    mapping = _base(c, tied=False)
+    return mapping | {
+        "norm": "layernorm",
+        "mlp": "gelu",
+        "bias": True,
+        "parallel_residual": c.flag("use_parallel_residual", True),
+        "dropout": c.get("attention_dropout", 0.0) or 0.0,
+    }
+
+
+def _deepseek(c: _Config) -> dict[str, Any]:
+    """DeepSeek-V2/V3: MLA, a dense first_k_dense_replace, then MoE every moe_layer_freq-th
+    layer (DeepseekV2DecoderLayer), shared experts of n_shared_experts × moe_intermediate_size;
+    V3's noaux_tc routing adds a per-expert bias (e_score_correction_bias)."""
+    mapping = {**_base(c, tied=False), **_llama_biases(c)}
+    mapping.pop("head_dim", None)
+    layers = mapping["layers"]
+    mapping |= {
+        "q_lora_rank": c.get("q_lora_rank", 0),
+        "kv_lora_rank": c.need("kv_lora_rank"),
+        "qk_nope_head_dim": c.need("qk_nope_head_dim"),
+        "qk_rope_head_dim": c.need("qk_rope_head_dim"),
+        "v_head_dim": c.need("v_head_dim"),
+    }
+    experts = c.get("n_routed_experts", 0)
+    notes = []
+    if experts:
+        first_dense, freq = c.get("first_k_dense_replace", 0), c.get("moe_layer_freq", 1)
+        moe = {i for i in range(layers) if i >= first_dense and i % freq == 0}
+        shared = c.get("n_shared_experts", 0)
+        mapping |= {
+            "experts": experts,
+            "top_k": c.need("num_experts_per_tok"),
+            "moe_ffn_hidden": c.need("moe_intermediate_size"),
+            "moe_layers": _moe_layers(layers, moe),
+            "shared_experts": shared,
+            "expert_bias": c.get("topk_method") == "noaux_tc",
+        }
+    mtp = c.get("num_nextn_predict_layers", 0)
+    if mtp:
+        notes.append(f"its {mtp} multi-token-prediction layer(s) not modelled")
+    return mapping | {"_notes": notes}
+
+
+_FAMILIES: dict[str, Callable[[_Config], dict[str, Any]]] = {
+    "llama": _llama,
+    "mistral": _mistral,
+    "mixtral": _mixtral,
+    "qwen2": _qwen2,
+    "qwen2_moe": _qwen2_moe,
+    "qwen3": _qwen3,
+    "qwen3_moe": _qwen3_moe,
+    "gemma": _gemma,
+    "gemma2": _gemma2,
+    "gemma3": _gemma3_text,  # a text-only gemma3 config (the multimodal one: text_config)
+    "gemma3_text": _gemma3_text,
+    "phi3": _phi3,
+    "gpt2": _gpt2,
+    "gpt_neox": _gpt_neox,
+    "deepseek_v2": _deepseek,
+    "deepseek_v3": _deepseek,
+}
+SUPPORTED = tuple(_FAMILIES)

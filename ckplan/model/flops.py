@@ -1,31 +1,45 @@
 """FLOPs: forward and backward of a layer, the output layer, and the model per iteration.
 
 Matmuls only (2·m·n·k each), as in Korthikanti et al. 2022 App. A and Narayanan et al. 2021 §5.1.
-Per-GPU figures follow the same t/cp splits as `ops.py` (ckplan.model.ops).
+Per-GPU figures follow the same t/cp splits as `ops.py` (ckplan.model.ops); a mixture of
+experts counts the experts each token is routed to (`moe.routed_rows`), never all of them.
 """
 
 from __future__ import annotations
 
-from ckplan.model.ops import ATTENTION_CORE, _matmul, _split, layer_ops
+from functools import lru_cache
+
+from ckplan.model.layers import LayerKind, layer_kinds
+from ckplan.model.ops import ATTENTION_CORE, _matmul, _split, in_group, layer_ops
 from ckplan.model.spec import ModelSpec
 
 
-def layer_forward_flops(spec: ModelSpec) -> int:
+def layer_forward_flops(spec: ModelSpec, kind: LayerKind | None = None) -> int:
     """Forward FLOPs of one layer: QKV 2sbh(h + 2gd), QKᵀ 2bs²h, AV 2bs²h, out-proj 2sbh²,
     MLP 4sbhF (GELU) or 6sbhF (SwiGLU); 24sbh² + 4bs²h for MHA with F = 4h (Korthikanti App. A)."""
-    return sum(op.forward_flops for op in layer_ops(spec))
+    return sum(op.forward_flops for op in layer_ops(spec, kind))
 
 
-def layer_backward_flops(spec: ModelSpec) -> int:
+def layer_backward_flops(spec: ModelSpec, kind: LayerKind | None = None) -> int:
     """Backward FLOPs of one layer: 2x forward (one matmul for the input gradient and one for
     the weight gradient per forward matmul), plus flash attention's in-kernel QKᵀ recompute."""
-    return sum(op.backward_flops for op in layer_ops(spec))
+    return sum(op.backward_flops for op in layer_ops(spec, kind))
 
 
-def group_forward_flops(spec: ModelSpec, group: str) -> int:
-    """Forward FLOPs of a recompute group in one layer; the attention core is QKᵀ and AV,
-    4bs²h, a fraction s / (6h + s) of an MHA layer with F = 4h (derived from the above)."""
-    return sum(op.forward_flops for op in layer_ops(spec) if op.group == group)
+def group_forward_flops(
+    spec: ModelSpec, group: str | tuple[str, ...], kind: LayerKind | None = None
+) -> int:
+    """Forward FLOPs of a recompute group (or several) in one layer; the attention core is QKᵀ
+    and AV, 4bs²h, a fraction s / (6h + s) of an MHA layer with F = 4h (derived from the
+    above)."""
+    groups = (group,) if isinstance(group, str) else tuple(group)
+    return _group_forward_flops(spec, groups, kind)
+
+
+@lru_cache(maxsize=512)
+def _group_forward_flops(spec: ModelSpec, groups: tuple[str, ...], kind: LayerKind | None) -> int:
+    ops = layer_ops(spec, kind)
+    return sum(op.forward_flops for op in ops if any(in_group(op, name) for name in groups))
 
 
 def attention_core_fraction(spec: ModelSpec) -> float:
@@ -43,7 +57,12 @@ def logits_forward_flops(spec: ModelSpec) -> int:
 def model_flops_per_iteration(spec: ModelSpec, global_batch: int) -> int:
     """Model FLOPs of one iteration (forward + backward, no recompute) for `global_batch`
     sequences: 3 x (L layers + logits) forward. For GPT with F = 4h this is Korthikanti App. A's
-    72·B·s·l·h²·(1 + s/6h + V/12hl) exactly."""
-    whole = spec.replace(tp=1, sp=False, cp=1, pp=1, micro_batch=1, virtual_stages=1)
-    per_sequence = spec.layers * layer_forward_flops(whole) + logits_forward_flops(whole)
-    return 3 * per_sequence * global_batch
+    72·B·s·l·h²·(1 + s/6h + V/12hl) exactly. A mixture of experts counts the k routed experts
+    of every token (average routing, no capacity padding)."""
+    whole = spec.replace(
+        tp=1, sp=False, cp=1, pp=1, micro_batch=1, virtual_stages=1, ep=1, etp=1, dp=1, zero=0,
+        capacity_factor=0.0, moe_imbalance="average", first_stage_layers=None,
+        last_stage_layers=None,
+    )  # fmt: skip
+    layers = sum(layer_forward_flops(whole, kind) for kind in layer_kinds(whole))
+    return 3 * (layers + logits_forward_flops(whole)) * global_batch

@@ -5,38 +5,55 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 
-from ckplan.model.ops import FP32_BYTES, _split, group_input_bytes, layer_ops
+from ckplan.model.layers import LayerKind, layer_kinds, stage_layer_indices
+from ckplan.model.ops import FP32_BYTES, _split, group_input_bytes, in_group, layer_ops
 from ckplan.model.spec import ModelSpec
+
+# The norms whose input gradient is added to the residual-stream gradient (a post-norm's is
+# read by the op before it, like any other op's).
+RESIDUAL_NORMS = ("norm1", "norm2")
 
 TOKEN_ID_BYTES = 8  # int64 token ids, the embedding's input
 
 
-def activation_bytes_by_op(spec: ModelSpec) -> dict[str, int]:
-    """Bytes each op of one layer saves for backward (one micro-batch, one GPU, no recompute)."""
-    return {op.name: op.saved_bytes for op in layer_ops(spec)}
+def activation_bytes_by_op(spec: ModelSpec, kind: LayerKind | None = None) -> dict[str, int]:
+    """Bytes each op of one layer saves for backward (one micro-batch, one GPU, no recompute).
+    `kind`: which layer of a mixed model (default `ops.representative_kind`)."""
+    return {op.name: op.saved_bytes for op in layer_ops(spec, kind)}
 
 
-def activation_breakdown(spec: ModelSpec) -> dict[str, int]:
+def activation_breakdown(spec: ModelSpec, kind: LayerKind | None = None) -> dict[str, int]:
     """One layer's saved bytes summed by component: attention, mlp, norm (Korthikanti §4.1)."""
     totals: Counter[str] = Counter({"attention": 0, "mlp": 0, "norm": 0})
-    for op in layer_ops(spec):
+    for op in layer_ops(spec, kind):
         totals[op.component] += op.saved_bytes
     return dict(totals)
 
 
-def activation_bytes_per_layer(spec: ModelSpec) -> int:
+def activation_bytes_per_layer(spec: ModelSpec, kind: LayerKind | None = None) -> int:
     """Sum of what one layer's ops save: Korthikanti Table 2, row "no parallelism" for t = 1."""
-    return sum(op.saved_bytes for op in layer_ops(spec))
+    return sum(op.saved_bytes for op in layer_ops(spec, kind))
 
 
-def selective_activation_bytes_per_layer(spec: ModelSpec, group: str) -> int:
-    """One layer with `group` recomputed: its ops' saved bytes dropped, its input kept.
+def selective_activation_bytes_per_layer(
+    spec: ModelSpec, group: str | tuple[str, ...], kind: LayerKind | None = None
+) -> int:
+    """One layer with `group` (or several) recomputed: its ops' saved bytes dropped, its input
+    kept.
 
     Korthikanti §5: with the attention core recomputed, a layer stores 34sbh (B = 2, t = 1).
     """
-    dropped = sum(op.saved_bytes for op in layer_ops(spec) if op.group == group)
-    return activation_bytes_per_layer(spec) - dropped + group_input_bytes(spec, group)
+    groups = (group,) if isinstance(group, str) else group
+    ops = layer_ops(spec, kind)
+    total = sum(op.saved_bytes for op in ops)
+    for name in groups:
+        members = [op for op in ops if in_group(op, name)]
+        if members:
+            total -= sum(op.saved_bytes for op in members)
+            total += group_input_bytes(spec, name, kind)
+    return total
 
 
 def layer_input_bytes(spec: ModelSpec) -> int:
@@ -94,7 +111,11 @@ class BackwardPoint:
         return self.saved_bytes + self.grad_bytes + self.workspace_bytes
 
 
-def layer_backward_walk(spec: ModelSpec, recomputed: str | None = None) -> list[BackwardPoint]:
+def layer_backward_walk(
+    spec: ModelSpec,
+    recomputed: str | tuple[str, ...] | None = None,
+    kind: LayerKind | None = None,
+) -> list[BackwardPoint]:
     """The live bytes during each op's backward of one transformer layer, in backward order.
 
     derived, walking the ops of `ops.transformer_layer_ops` in reverse as autograd runs them:
@@ -117,45 +138,52 @@ def layer_backward_walk(spec: ModelSpec, recomputed: str | None = None) -> list[
       `grad_workspace_bytes`.
 
     So live(k) = saved(ops not yet backpropagated, k included) + residual + waiting +
-    input_grad(k) + workspace(k). With `recomputed` (selective recomputation of that group),
-    the group's saved tensors are not stored: its input (`ops.group_input_bytes`) is, until the
-    group's backward ends, and the re-forward rebuilds the group's saved tensors just before
-    the group's first op is backpropagated, counted in full besides the kept input (an upper
-    bound: kernels that save their inputs as they are share those storages).
+    input_grad(k) + workspace(k). With `recomputed` (selective recomputation of that group, or
+    of each of several disjoint groups), the group's saved tensors are not stored: its input
+    (`ops.group_input_bytes`) is, until the group's backward ends, and the re-forward rebuilds
+    the group's saved tensors just before the group's first op is backpropagated, counted in
+    full besides the kept input (an upper bound: kernels that save their inputs as they are
+    share those storages).
     Parameter gradients are model states and are not counted.
     """
     if spec.kind == "mlp":
         raise ValueError("the seed MLP's backward is mlp_backward_workspace_bytes, not a walk")
-    ops = layer_ops(spec)
-    group = [op for op in ops if recomputed is not None and op.group == recomputed]
-    group_names = {op.name for op in group}
+    ops = layer_ops(spec, kind)
+    names = (
+        () if recomputed is None else (recomputed,) if isinstance(recomputed, str) else recomputed
+    )
+    groups = {name: [op for op in ops if in_group(op, name)] for name in names}
+    groups = {name: members for name, members in groups.items() if members}
+    member_of = {op.name: name for name, members in groups.items() for op in members}
     freed_after: Counter[str] = Counter()  # bytes freed when the named op's backward returns
-    rebuilt = sum(op.saved_bytes for op in group)
+    rebuilt = {name: sum(op.saved_bytes for op in members) for name, members in groups.items()}
     for op in ops:
-        if op.saved_until is None or op.name in group_names:
+        if op.saved_until is None or op.name in member_of:
             freed_after[op.name] += op.saved_bytes
-        elif op.saved_until in group_names:
+        elif op.saved_until in member_of:
             # The stored storage is this op's alone; the re-forward saves a new one.
             freed_after[op.name] += op.saved_bytes
             freed_after[op.saved_until] += op.saved_bytes
-            rebuilt += op.saved_bytes
+            rebuilt[member_of[op.saved_until]] += op.saved_bytes
         else:
             freed_after[op.saved_until] += op.saved_bytes
-    kept = group_input_bytes(spec, recomputed) if group else 0
-    if group:
-        freed_after[group[0].name] += kept  # the group's last backward step
-    saved = sum(op.saved_bytes for op in ops if op.name not in group_names) + kept
+    kept = 0
+    for name, members in groups.items():
+        held = group_input_bytes(spec, name, kind)
+        freed_after[members[0].name] += held  # the group's last backward step
+        kept += held
+    saved = sum(op.saved_bytes for op in ops if op.name not in member_of) + kept
+    re_forward = {members[-1].name: rebuilt[name] for name, members in groups.items()}
     stream = layer_input_bytes(spec)
     residual, waiting = stream, 0
     points = []
     for op in reversed(ops):
-        if group and op is group[-1]:
-            saved += rebuilt  # the re-forward of the group, just before its backward
+        saved += re_forward.get(op.name, 0)  # a group's re-forward, just before its backward
         grads = residual + waiting + op.input_grad_bytes
         points.append(BackwardPoint(op.name, saved, grads, op.grad_workspace_bytes))
         saved -= freed_after[op.name]
         waiting -= op.output_grad_bytes
-        if op.component == "norm":
+        if op.name in RESIDUAL_NORMS:
             if residual == stream:
                 residual += op.input_grad_bytes  # δ_out + grad: a new tensor (δ_out is kept)
         else:
@@ -165,7 +193,11 @@ def layer_backward_walk(spec: ModelSpec, recomputed: str | None = None) -> list[
     return points
 
 
-def layer_backward_peak_bytes(spec: ModelSpec, recomputed: str | None = None) -> int:
+def layer_backward_peak_bytes(
+    spec: ModelSpec,
+    recomputed: str | tuple[str, ...] | None = None,
+    kind: LayerKind | None = None,
+) -> int:
     """Peak bytes alive during one layer's backward: tape (as freed op by op), δ_out, the
     gradients in flight and temporaries (derived: the maximum of `layer_backward_walk`).
 
@@ -180,10 +212,14 @@ def layer_backward_peak_bytes(spec: ModelSpec, recomputed: str | None = None) ->
     if spec.kind == "mlp":
         tape = activation_bytes_per_layer(spec)
         return tape + 2 * layer_input_bytes(spec) + mlp_backward_workspace_bytes(spec)
-    return max(point.live_bytes for point in layer_backward_walk(spec, recomputed))
+    return max(point.live_bytes for point in layer_backward_walk(spec, recomputed, kind))
 
 
-def layer_backward_workspace_bytes(spec: ModelSpec, recomputed: str | None = None) -> int:
+def layer_backward_workspace_bytes(
+    spec: ModelSpec,
+    recomputed: str | tuple[str, ...] | None = None,
+    kind: LayerKind | None = None,
+) -> int:
     """What one layer's backward holds beyond the chain's model of it (schedules rule 5: the
     whole tape, δ_out and δ_in): max(0, layer_backward_peak_bytes - (tape + 2X)), X the layer
     input, the tape the selective one with `recomputed`. Never negative, so the chain's peak is
@@ -192,11 +228,11 @@ def layer_backward_workspace_bytes(spec: ModelSpec, recomputed: str | None = Non
     if spec.kind == "mlp":
         return mlp_backward_workspace_bytes(spec)
     tape = (
-        activation_bytes_per_layer(spec)
-        if recomputed is None
-        else selective_activation_bytes_per_layer(spec, recomputed)
+        activation_bytes_per_layer(spec, kind)
+        if not recomputed
+        else selective_activation_bytes_per_layer(spec, recomputed, kind)
     )
-    peak = layer_backward_peak_bytes(spec, recomputed)
+    peak = layer_backward_peak_bytes(spec, recomputed, kind)
     return max(0, peak - (tape + 2 * layer_input_bytes(spec)))
 
 
@@ -253,14 +289,23 @@ def output_backward_workspace_bytes(spec: ModelSpec) -> int:
 @dataclass(frozen=True)
 class ParameterCount:
     embedding: int  # token (+ learned position) embeddings
-    per_layer: int
+    per_layer: int  # one layer (of the representative kind, for a mixed model)
     layers: int
     final_norm: int
     output: int  # output projection, 0 when tied to the embedding
+    all_layers: int | None = None  # every layer's, when the layers differ; None: per_layer·L
+    experts: int = 0  # of all, the routed experts' parameters
+    inactive: int = 0  # routed experts' parameters a token does not use (E - k of every E)
 
     @property
     def total(self) -> int:
-        return self.embedding + self.per_layer * self.layers + self.final_norm + self.output
+        layers = self.per_layer * self.layers if self.all_layers is None else self.all_layers
+        return self.embedding + layers + self.final_norm + self.output
+
+    @property
+    def active(self) -> int:
+        """Parameters one token passes through (DeepSeek-V3: 37B of 671B)."""
+        return self.total - self.inactive
 
 
 def norm_parameters(spec: ModelSpec) -> int:
@@ -268,42 +313,130 @@ def norm_parameters(spec: ModelSpec) -> int:
     return 2 * spec.hidden if spec.norm == "layernorm" else spec.hidden
 
 
-def layer_parameters(spec: ModelSpec) -> int:
-    """Weights of one layer from its matmul shapes (derived: QKV h·(h + 2gd), out-proj h², MLP
-    2hF for GELU or 3hF for SwiGLU, biases on every output when `bias`, two norms)."""
+@dataclass(frozen=True)
+class LayerParameters:
+    """One layer's weights by how they are laid out (Megatron-LM's modules)."""
+
+    split: int  # split over tp: column/row-parallel linears and their biases
+    replicated: int  # whole on every TP rank: norms, the router, MLA's down projections
+    experts: int = 0  # routed experts, split over ep·etp
+    inactive: int = 0  # the routed experts a token does not use
+
+    @property
+    def total(self) -> int:
+        return self.split + self.replicated + self.experts
+
+    def per_rank(self, spec: ModelSpec) -> int:
+        experts = _split(self.experts, spec.ep * spec.etp)
+        return _split(self.split, spec.tp) + self.replicated + experts
+
+
+@lru_cache(maxsize=256)
+def layer_parameter_parts(spec: ModelSpec, kind: LayerKind | None = None) -> LayerParameters:
+    """Weights of one layer from its matmul shapes (derived: QKV h·(a·d + 2gd), out-proj
+    a·d·h, MLP 2hF for GELU or 3hF gated, biases on every output when `bias` (on Q, K, V only
+    with `qkv_bias`), norms; MLA: `mla.mla_parameters`; MoE: `moe.moe_layer_parameters`)."""
+    from ckplan.model.ops import representative_kind
+
     h, F = spec.hidden, spec.ffn_hidden
+    kind = representative_kind(spec) if kind is None else kind
+    norms = (4 if spec.post_norms else 2) * norm_parameters(spec)
+    if spec.mla:
+        from ckplan.model.mla import mla_parameters
+
+        split, replicated = mla_parameters(spec)
+        replicated += norms
+    else:
+        d = spec.head_dim
+        qkv_out = spec.heads * d + 2 * spec.kv_heads * d
+        split = h * qkv_out + spec.heads * d * h
+        split += (qkv_out if spec.qkv_bias else 0) + (h if spec.bias else 0)
+        replicated = norms + (2 * d if spec.qk_norm else 0)
+    if kind.moe:
+        from ckplan.model.moe import moe_layer_parameters
+
+        moe_split, moe_replicated, experts = moe_layer_parameters(spec)
+        inactive = experts // spec.experts * (spec.experts - spec.top_k)
+        return LayerParameters(split + moe_split, replicated + moe_replicated, experts, inactive)
+    gated = spec.mlp != "gelu"
+    split += (3 if gated else 2) * h * F
+    if spec.bias:
+        split += (2 * F if gated else F) + h
+    return LayerParameters(split, replicated)
+
+
+def layer_parameters(spec: ModelSpec, kind: LayerKind | None = None) -> int:
+    """Weights of one layer (`layer_parameter_parts`); the seed MLP's w1, b1, w2, b2."""
     if spec.kind == "mlp":
-        return h * F + F + F * h + h  # w1, b1, w2, b2 of the seed's MLP
-    qkv_out = h + 2 * spec.kv_heads * spec.head_dim
-    matrices = h * qkv_out + h * h + (2 if spec.mlp == "gelu" else 3) * h * F
-    biases = (qkv_out + h + F + h) if spec.bias else 0
-    return matrices + biases + 2 * norm_parameters(spec)
+        h, F = spec.hidden, spec.ffn_hidden
+        return h * F + F + F * h + h
+    return layer_parameter_parts(spec, kind).total
 
 
+@lru_cache(maxsize=128)
 def parameter_count(spec: ModelSpec) -> ParameterCount:
-    """Parameters of the whole model. GPT-2 (124M) gives 124,439,808; Llama-3-8B 8,030,261,248."""
+    """Parameters of the whole model. GPT-2 (124M) gives 124,439,808; Llama-3-8B 8,030,261,248;
+    Mixtral-8x7B 46,702,792,704; DeepSeek-V3 671,026,420,224 (its 61 layers, MTP excluded)."""
     if spec.kind == "mlp":
         return ParameterCount(0, layer_parameters(spec), spec.layers, 0, 0)
     positions = spec.seq * spec.hidden if spec.positions == "learned" else 0
     embedding = spec.vocab * spec.hidden + positions
     output = 0 if spec.tied_embeddings else spec.vocab * spec.hidden
     final_norm = norm_parameters(spec)
-    return ParameterCount(embedding, layer_parameters(spec), spec.layers, final_norm, output)
+    kinds = layer_kinds(spec)
+    parts = [layer_parameter_parts(spec, kind) for kind in kinds]
+    all_layers = sum(part.total for part in parts) if len(set(kinds)) > 1 else None
+    return ParameterCount(
+        embedding,
+        layer_parameters(spec),
+        spec.layers,
+        final_norm,
+        output,
+        all_layers,
+        sum(part.experts for part in parts),
+        sum(part.inactive for part in parts),
+    )
+
+
+@lru_cache(maxsize=256)
+def stage_parameters(spec: ModelSpec, stage: int = 0) -> tuple[int, int]:
+    """(dense, expert) parameters on one GPU of pipeline stage `stage`: its layers with
+    matrices split over t (Megatron's vocab-parallel embedding and column/row-parallel
+    linears; norms, routers, MLA down projections replicated) and routed experts over ep·etp,
+    the embedding on the first stage, final norm and output layer on the last."""
+    counts = parameter_count(spec)
+    if spec.kind == "mlp":
+        return counts.total, 0
+    kinds = layer_kinds(spec)
+    dense = expert = 0
+    for index in stage_layer_indices(spec, stage):
+        part = layer_parameter_parts(spec, kinds[index])
+        dense += _split(part.split, spec.tp) + part.replicated
+        expert += _split(part.experts, spec.ep * spec.etp)
+    if stage == 0:
+        dense += _split(counts.embedding, spec.tp)
+    if stage == spec.pp - 1:
+        dense += counts.final_norm + _split(counts.output, spec.tp)
+    return dense, expert
+
+
+@lru_cache(maxsize=128)
+def busiest_stage(spec: ModelSpec) -> int:
+    """The pipeline stage whose GPUs hold the most parameters: the first (embedding) when
+    every stage holds the same kinds of layers (Korthikanti's and Megatron's accounting), else
+    the fullest (DeepSeek-V3's first stage holds its three dense layers)."""
+    from ckplan.model.layers import stage_kinds
+
+    if spec.kind == "mlp" or len({stage_kinds(spec, k) for k in range(spec.pp)}) == 1:
+        return 0
+    return max(range(spec.pp), key=lambda stage: sum(stage_parameters(spec, stage)))
 
 
 def parameters_per_gpu(spec: ModelSpec) -> int:
-    """Parameters held by the busiest GPU: the first pipeline stage (embedding and L/p layers),
-    plus the output layer and final norm when p = 1; matrices split over t (derived: Megatron's
-    vocab-parallel embedding and column/row-parallel linears; norms replicated)."""
-    counts = parameter_count(spec)
-    if spec.kind == "mlp":
-        return counts.total
-    replicated = 2 * norm_parameters(spec)  # the two norms of a layer are whole on every rank
-    layer = _split(counts.per_layer - replicated, spec.tp) + replicated
-    first = _split(counts.embedding, spec.tp) + spec.layers_per_stage * layer
-    if spec.pp == 1:
-        first += counts.final_norm + _split(counts.output, spec.tp)
-    return first
+    """Parameters held by the busiest GPU (`busiest_stage`): for a uniform model the first
+    pipeline stage (embedding and L/p layers), plus the output layer and final norm when
+    p = 1."""
+    return sum(stage_parameters(spec, busiest_stage(spec)))
 
 
 @dataclass(frozen=True)
@@ -311,30 +444,44 @@ class ModelStateBytes:
     weights: int
     gradients: int
     optimizer: int  # fp32 master weights + Adam moments
+    # of the above, the routed experts' (sharded over expert-data-parallel ranks by ZeRO)
+    expert_weights: int = 0
+    expert_gradients: int = 0
+    expert_optimizer: int = 0
 
     @property
     def total(self) -> int:
         return self.weights + self.gradients + self.optimizer
 
+    @property
+    def expert_total(self) -> int:
+        return self.expert_weights + self.expert_gradients + self.expert_optimizer
+
 
 def model_state_bytes(spec: ModelSpec) -> ModelStateBytes:
-    """Weights, gradients and optimizer state per GPU.
+    """Weights, gradients and optimizer state per GPU (of the busiest stage).
 
     Megatron-LM's mixed-precision Adam keeps 18 bytes per parameter: bf16 weights (2), fp32 main
     gradients (4), fp32 master weights (4), Adam m and v (4 + 4) (Megatron-LM
     docs/source/distrib_optimizer.md); each part is a spec key. ZeRO (Rajbhandari et al. 2020,
     §5): stage 1 shards master weights and optimizer over dp, stage 2 also gradients, stage 3
-    also weights. Megatron's distributed optimizer, 6 + 12/dp, is zero: 1 here.
+    also weights. Megatron's distributed optimizer, 6 + 12/dp, is zero: 1 here. Routed
+    experts' states are sharded over their own data-parallel group, tp·cp·dp/(ep·etp)
+    (Megatron-LM's expert_data_parallel_size; `ModelSpec.expert_data_parallel`).
     """
-    params = parameters_per_gpu(spec)
-    dp = spec.dp
+    dense, expert = stage_parameters(spec, busiest_stage(spec))
 
-    def shard(bytes_per_param: int, from_stage: int) -> int:
+    def shard(params: int, dp: int, bytes_per_param: int, from_stage: int) -> int:
         total = params * bytes_per_param
         return _split(total, dp) if spec.zero >= from_stage else total
 
+    def both(bytes_per_param: int, from_stage: int) -> tuple[int, int]:
+        experts = shard(expert, spec.expert_data_parallel, bytes_per_param, from_stage)
+        return shard(dense, spec.dp, bytes_per_param, from_stage) + experts, experts
+
+    weights, expert_weights = both(spec.weight_bytes, 3)
+    gradients, expert_gradients = both(spec.grad_bytes, 2)
+    optimizer, expert_optimizer = both(spec.master_bytes + spec.optimizer_bytes, 1)
     return ModelStateBytes(
-        weights=shard(spec.weight_bytes, 3),
-        gradients=shard(spec.grad_bytes, 2),
-        optimizer=shard(spec.master_bytes + spec.optimizer_bytes, 1),
+        weights, gradients, optimizer, expert_weights, expert_gradients, expert_optimizer
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ckplan.model.layers import DENSE, LayerKind, layer_kinds
 from ckplan.model.spec import ModelSpec
 
 ATTENTION_CORE = "attention_core"
@@ -118,93 +119,205 @@ def _op(
     )
 
 
-def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
-    """The ops of one transformer layer on one GPU, in forward order.
+@dataclass(frozen=True)
+class LayerShapes:
+    """The per-rank sizes every op of one transformer layer is built from (one micro-batch).
+
+    Tensors split by heads or by the FFN width are divided by t; the residual stream is divided
+    by t only under sequence parallelism (Korthikanti §4.2.2); every token count by cp.
+    """
+
+    B: int  # bytes per activation value
+    t: int  # tensor-parallel size
+    tokens: int  # s·b on this rank (s / cp)
+    stream_tokens: int  # tokens of a residual-stream tensor on this rank (/t under SP)
+    stream: int  # elements of an (s, b, h) residual-stream tensor on this rank
+    X: int  # bytes of that tensor (or of its gradient)
+    replicated: int  # t under SP, else 1
+
+    @classmethod
+    def of(cls, spec: ModelSpec) -> LayerShapes:
+        tokens = (spec.seq // spec.cp) * spec.micro_batch
+        replicated = spec.tp if spec.sp else 1
+        stream = _split(tokens * spec.hidden, replicated)
+        B = spec.dtype_bytes
+        return cls(B, spec.tp, tokens, _split(tokens, replicated), stream, B * stream, replicated)
+
+    def sharded(self, elements: int) -> int:
+        return _split(elements, self.t)
+
+    # Bytes moved (the time model, ckplan.hardware): what kernels read and write.
+    @property
+    def norm_moved(self) -> tuple[int, int]:
+        """A norm reads x and writes y. Its backward is two passes in Megatron-LM's fused kernel
+        (fused_kernels/layer_norm_cuda_kernel.cu, HostLayerNormGradient):
+        cuComputePartGradGammaBeta reads dy and x, cuComputeGradInput reads them again and
+        writes dx; then autograd adds dx to the residual-stream gradient (read two, write one)."""
+        return 2 * self.X, 8 * self.X
+
+    @property
+    def residual_add(self) -> int:
+        """A residual add, or Megatron's fused bias-dropout-add, reads the branch and the
+        residual and writes the sum."""
+        return 3 * self.X
+
+    @property
+    def dropout_moved(self) -> tuple[int, int]:
+        """Bias-dropout-add: the add and a 1-byte mask; backward reads dy and the mask, writes
+        dx (and the row-parallel bias gradient, a sum of dy, counted with the linear)."""
+        mask = MASK_BYTES * self.stream
+        return self.residual_add + mask, 2 * self.X + mask
+
+    def linear(self, m: int, n: int, k: int) -> Matmul:
+        return Matmul(m, n, k, 1, self.B)
+
+
+def transformer_layer_ops(spec: ModelSpec, kind: LayerKind = DENSE) -> tuple[Op, ...]:
+    """The ops of one transformer layer of `kind` on one GPU, in forward order.
 
     Standard attention with dropout, B = 2, F = 4h, a = g, t = 1 reproduces Korthikanti et al.
     2022 §4.1 exactly: attention 11sbh + 5as²b, MLP 19sbh, norms 4sbh (Table 2, 34sbh + 5as²b);
-    the other knobs follow from what each op saves (derived, see each line).
+    the other knobs follow from what each op saves (derived, see each line). Multi-head latent
+    attention is `ckplan.model.mla`, the mixture-of-experts MLP `ckplan.model.moe`.
 
     The backward fields (`Op.output_grad_bytes`, `input_grad_bytes`, `grad_workspace_bytes`)
     follow from each op's backward formula as the CUDA kernels Megatron-LM runs evaluate it: a
     gradient has its tensor's size and dtype; element-wise backward ops are one kernel writing a
     new tensor. Checked against PyTorch's memory profiler in docs/validation.md.
     """
-    t, B = spec.tp, spec.dtype_bytes
-    seq_local = spec.seq // spec.cp
-    tokens = seq_local * spec.micro_batch  # s·b on this rank
-    h, F, a = spec.hidden, spec.ffn_hidden, spec.heads
-    kv_width = kv_heads_per_rank(spec) * spec.head_dim  # g·d / t (at least one head)
-    # Tensors that are whole on every TP rank unless sequence parallelism shards them.
-    replicated = t if spec.sp else 1
+    shapes = LayerShapes.of(spec)
+    B, X, stream = shapes.B, shapes.X, shapes.stream
     dropout = spec.dropout > 0
-    stream = _split(tokens * h, replicated)  # (s, b, h) residual-stream shaped, per rank
-
-    def sharded(elements: int) -> int:
-        return _split(elements, t)
-
-    X = B * stream  # a residual-stream shaped tensor (or its gradient), bytes
-    heads = B * sharded(tokens * h)  # a (b, a, s, d) tensor on this rank: Q, O, the context
-    heads_per_rank = a // t
-    # Bytes moved (time model): a norm reads x and writes y. Its backward is two passes in
-    # Megatron-LM's fused kernel (fused_kernels/layer_norm_cuda_kernel.cu, HostLayerNormGradient):
-    # cuComputePartGradGammaBeta reads dy and x, cuComputeGradInput reads them again and writes
-    # dx; then autograd adds dx to the residual-stream gradient (read two, write one). A residual
-    # add, or Megatron's fused bias-dropout-add, reads the branch and the residual and writes the
-    # sum (and a 1-byte mask); its backward reads dy (and the mask) and writes dx.
-    norm_moved = (2 * X, 8 * X)
-    residual_add = 3 * X
-    mask = MASK_BYTES * stream
-
-    def linear(m: int, n: int, k: int) -> Matmul:
-        return Matmul(m, n, k, 1, B)
-
-    def bias_grad(elements: int) -> int:
-        """A bias gradient reads the output gradient once (a sum over tokens)."""
-        return B * elements if spec.bias else 0
-
-    qkv = B * tokens * (sharded(h) + 2 * kv_width)  # the QKV projection output, K and V at g·d
-    # Every input gradient of a linear layer is one matmul output, grad_out @ W (under SP the
-    # (s, b, h) partial sum before the reduce-scatter is a communication buffer, not counted).
-    # norm1's input gradient is added to the residual-stream gradient (memory.layer_backward_walk).
-    ops = [_op("norm1", "norm", B * stream, grads=(X, X), moved=norm_moved)]  # saves its input
-    # The attention core's gradients of Q, K, V: standard attention's matmuls read K and V
-    # repeated to a heads; flash attention returns dK, dV at g·d width.
-    q_k_v_grads = 3 * heads if spec.attention == "standard" else qkv
-    qkv_width = sharded(h) + 2 * kv_width
-    ops.append(
-        _op(
-            "qkv_proj",
-            "attention",
-            B * stream,
-            _matmul(tokens, qkv_width, h),
-            # Megatron splits one QKV output into Q, K, V views: torch.split's backward
-            # concatenates their gradients (repeated K, V heads summed back to g) into the
-            # gradient of the projection output before the input-gradient matmul.
-            grads=(q_k_v_grads, X),
-            workspace=qkv,
-            matmul=linear(tokens, qkv_width, h),  # the input is all-gathered under SP
-            moved=(0, bias_grad(tokens * qkv_width)),
-            tp_comm="column",
+    # norm1 saves its input (the layer input); its input gradient is added to the
+    # residual-stream gradient (memory.layer_backward_walk).
+    ops = [_op("norm1", "norm", B * stream, grads=(X, X), moved=shapes.norm_moved)]
+    ops += _attention_ops(spec, kind, shapes)
+    # Gemma 2/3 normalise the attention output before the residual add: the norm saves it.
+    tail_grad = X if dropout else 0  # gradient of the attention branch's last op's output
+    if spec.post_norms:
+        ops.append(
+            _op("post_attn_norm", "norm", B * stream, grads=(tail_grad, X), moved=shapes.norm_moved)
         )
-    )
-    scores = sharded(a * spec.micro_batch * seq_local * spec.seq)  # (b, a, s, s) elements
-    score_flops = sharded(_matmul(seq_local, spec.seq, spec.head_dim) * a * spec.micro_batch)
-    head_batch = spec.micro_batch * heads_per_rank  # one GEMM per (sequence, head) on this rank
+    if dropout:
+        # 1-byte mask; its output is added to the residual stream, so its output gradient is
+        # the residual-stream gradient; dY ⊙ mask / (1 - p) is new.
+        ops.append(
+            _op("out_dropout", "attention", stream, grads=(0, X), moved=shapes.dropout_moved)
+        )
+    # norm2 saves its input, the mid-layer residual stream; with a parallel residual (GPT-NeoX)
+    # that is the layer input norm1 already saves: one storage, freed after norm1's backward.
+    if spec.parallel_residual:
+        ops.append(_op("norm2", "norm", 0, grads=(X, X), moved=shapes.norm_moved))
+    else:
+        ops.append(_op("norm2", "norm", B * stream, grads=(X, X), moved=shapes.norm_moved))
+    mlp_out_grad = X if (dropout or spec.post_norms) else 0
+    if kind.moe:
+        from ckplan.model.moe import moe_ops
+
+        ops += moe_ops(spec, shapes, mlp_out_grad)
+    else:
+        ops += _dense_mlp_ops(spec, shapes, mlp_out_grad)
+    if spec.post_norms:
+        ops.append(
+            _op(
+                "post_mlp_norm",
+                "norm",
+                B * stream,
+                grads=(X if dropout else 0, X),
+                moved=shapes.norm_moved,
+            )
+        )
+    if dropout:  # as out_dropout
+        ops.append(_op("mlp_dropout", "mlp", stream, grads=(0, X), moved=shapes.dropout_moved))
+    return tuple(ops)
+
+
+def _attention_ops(spec: ModelSpec, kind: LayerKind, shapes: LayerShapes) -> list[Op]:
+    """QKV projection (or MLA's projections), the attention core, the output projection."""
+    B, X, tokens = shapes.B, shapes.X, shapes.tokens
+    sharded = shapes.sharded
+    dropout = spec.dropout > 0
+    heads_r = spec.heads // spec.tp  # a/t query heads on this rank (tp divides heads)
+    if spec.mla:
+        from ckplan.model.mla import mla_projection_ops
+
+        qk_dim = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+        v_dim = spec.v_head_dim
+        kv_heads_r = heads_r  # every head has its own K and V
+    else:
+        qk_dim = v_dim = spec.head_dim
+        kv_heads_r = kv_heads_per_rank(spec)  # g/t (at least one head)
+    d_q = B * tokens * heads_r * qk_dim  # Q, (b, a, s, d) on this rank
+    d_k = B * tokens * kv_heads_r * qk_dim  # K at g heads
+    d_v = B * tokens * kv_heads_r * v_dim  # V at g heads
+    context = B * tokens * heads_r * v_dim  # the attention output O, (b, a, s, d_v)
+    qkv = d_q + d_k + d_v  # Q, K, V as the projections produce them
+    # The attention core's gradients of Q, K, V: standard attention's matmuls read K and V
+    # repeated to a heads; flash attention returns dK, dV at g heads.
+    if spec.attention == "standard":
+        core_grads = (d_q, B * tokens * heads_r * qk_dim, context)
+    else:
+        core_grads = (d_q, d_k, d_v)
+    ops: list[Op] = []
+    if spec.mla:
+        ops += mla_projection_ops(spec, shapes, core_grads)
+    else:
+        q_width = heads_r * spec.head_dim + 2 * kv_heads_r * spec.head_dim
+        # The QKV projection saves its input (norm1's output). Megatron splits one QKV output
+        # into Q, K, V views: torch.split's backward concatenates their gradients (repeated K,
+        # V heads summed back to g) into the gradient of the projection output before the
+        # input-gradient matmul.
+        # With qk_norm, dQ and dK come through the norms, K's at g heads.
+        out_grad = d_q + d_k + core_grads[2] if spec.qk_norm else sum(core_grads)
+        ops.append(
+            _op(
+                "qkv_proj",
+                "attention",
+                B * shapes.stream,
+                _matmul(tokens, q_width, spec.hidden),
+                grads=(out_grad, X),
+                workspace=qkv,
+                matmul=shapes.linear(tokens, q_width, spec.hidden),  # input all-gathered under SP
+                moved=(0, B * tokens * q_width if spec.qkv_bias else 0),  # the bias gradient
+                tp_comm="column",
+            )
+        )
+        if spec.qk_norm:
+            # Qwen3 / Gemma 3: RMSNorm over each head of Q and K before RoPE; saves its inputs,
+            # Q and K as projected (Q, K, V then saved by the core are new tensors).
+            ops.append(
+                _op(
+                    "qk_norm",
+                    "attention",
+                    d_q + d_k,
+                    grads=(core_grads[0] + core_grads[1], d_q + d_k),
+                    # reads and writes Q and K; backward reads dY and the input twice, writes dX
+                    moved=(2 * (d_q + d_k), 5 * (d_q + d_k)),
+                )
+            )
+    s_local, s = spec.seq // spec.cp, spec.seq
+    window = kind.window if kind.window and kind.window < s else 0
+    scores = heads_r * spec.micro_batch * s_local * s  # (b, a, s, s) elements on this rank
+    score_flops = _matmul(s_local, s, qk_dim) * heads_r * spec.micro_batch
+    values_flops = _matmul(s_local, v_dim, s) * heads_r * spec.micro_batch
+    head_batch = spec.micro_batch * heads_r  # one GEMM per (sequence, head) on this rank
     if spec.attention == "standard":
         # Q and K, with K repeated to a heads (Megatron's repeat_interleave, HF's repeat_kv copy).
         # Backward: dQ = dS·K, dK = dSᵀ·Q (K's at a heads). Megatron folds the 1/√d scale into
         # baddbmm's alpha and the mask into the fused softmax, so no (b, a, s, s) temporary;
         # eager `(q @ kᵀ) * scale` allocates one more in MulBackward (docs/validation.md).
+        # A sliding window changes nothing here: eager attention materialises every (query,
+        # key) score and masks those outside the window.
+        k_repeated = B * tokens * heads_r * qk_dim
         ops.append(
             _op(
                 "attn_scores",
                 "attention",
-                B * 2 * sharded(tokens * h),
+                d_q + k_repeated,
                 score_flops,
                 ATTENTION_CORE,
-                grads=(B * scores, 2 * heads),
-                matmul=Matmul(seq_local, spec.seq, spec.head_dim, head_batch, B),
+                grads=(B * scores, d_q + k_repeated),
+                matmul=Matmul(s_local, s, qk_dim, head_batch, B),
             )
         )
         # Saves its output Y. Backward dS = Y ⊙ (dY - Σ dY ⊙ Y), one new (b, a, s, s) tensor
@@ -242,34 +355,38 @@ def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
         # softmax output, already counted) and V, repeated to a heads. Backward: dP = dC·Vᵀ and
         # dV = Pᵀ·dC from the context gradient dC.
         probs = B * scores if dropout else 0
-        values = B * sharded(tokens * h)
         ops.append(
             _op(
                 "attn_values",
                 "attention",
-                probs + values,
-                score_flops,
+                probs + context,
+                values_flops,
                 ATTENTION_CORE,
-                grads=(heads, B * scores + heads),
-                matmul=Matmul(seq_local, spec.head_dim, spec.seq, head_batch, B),
+                grads=(context, B * scores + context),
+                matmul=Matmul(s_local, v_dim, s, head_batch, B),
                 # the context (b, a, s, d) -> (s, b, h) permute copy, and its gradient's
-                moved=(2 * heads, 2 * heads),
+                moved=(2 * context, 2 * context),
             )
         )
     else:
-        # Flash attention (Dao et al. 2022, Alg. 2/4): saves Q, K, V (K, V at g·d width), its
+        # Flash attention (Dao et al. 2022, Alg. 2/4): saves Q, K, V (K, V at g heads), its
         # output O and the fp32 logsumexp, a·s·b values; no s² tensor, dropout regenerated from
         # the RNG state. O is counted once, as out_proj's input. Its backward recomputes QKᵀ
         # (Alg. 4 line 11): one extra score matmul on top of 2x forward.
-        logsumexp = FP32_BYTES * sharded(tokens * a)
-        q_elements = sharded(tokens * h)
-        core_flops = 2 * score_flops
+        # With a sliding window W < s the kernel skips the blocks outside it: each query meets
+        # W keys instead of s (the count keeps Korthikanti's convention of not discounting
+        # the causal mask; FlashAttention-2's window_size=(W - 1, 0)). Saved bytes unchanged.
+        if window:
+            score_flops = _matmul(s_local, window, qk_dim) * heads_r * spec.micro_batch
+            values_flops = _matmul(s_local, v_dim, window) * heads_r * spec.micro_batch
+        logsumexp = FP32_BYTES * sharded(tokens * spec.heads)
+        core_flops = score_flops + values_flops
         # Backward (FlashAttention-2 csrc/flash_attn/flash_api.cpp mha_bwd, also PyTorch's CUDA
         # flash kernel): reads dO, writes dQ, dK, dV, and allocates an fp32 dQ accumulator
         # (s, b, a, d), the fp32 softmax_d = rowsum(dO ⊙ O) (a·s·b values) and, with fewer K/V
         # heads than Q heads on the rank, dK and dV at a heads before summing them to g.
-        expanded = 2 * heads if kv_width < sharded(h) else 0
-        workspace = FP32_BYTES * (sharded(tokens * h) + sharded(tokens * a)) + expanded
+        expanded = B * tokens * heads_r * (qk_dim + v_dim) if kv_heads_r < heads_r else 0
+        workspace = FP32_BYTES * (tokens * heads_r * qk_dim + sharded(tokens * spec.heads))
         ops.append(
             Op(
                 "attention_core",
@@ -278,76 +395,120 @@ def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
                 core_flops,
                 2 * core_flops + score_flops,
                 ATTENTION_CORE,
-                output_grad_bytes=heads,
-                input_grad_bytes=qkv,
-                grad_workspace_bytes=workspace,
+                output_grad_bytes=context,
+                input_grad_bytes=sum(core_grads),
+                grad_workspace_bytes=workspace + expanded,
                 # One fused kernel: reads Q, K, V, writes O and the logsumexp; backward reads
                 # Q, K, V, O, dO and the logsumexp, writes dQ, dK, dV (and its fp32 dQ
                 # accumulator, read back once).
-                forward_bytes=qkv + heads + logsumexp,
-                backward_bytes=2 * qkv + 2 * heads + logsumexp + 2 * FP32_BYTES * q_elements,
+                forward_bytes=qkv + context + logsumexp,
+                backward_bytes=2 * qkv
+                + 2 * context
+                + logsumexp
+                + 2 * FP32_BYTES * tokens * heads_r * qk_dim,
                 fused_kernel=True,
             )
         )
     # Saves its input, the attention context; its output gradient is the residual-stream
-    # gradient (no dropout) or the dropout's input gradient. With flash attention that input is
-    # the kernel's saved O, one storage, freed after the kernel's backward.
+    # gradient (no dropout, no post-norm) or the gradient the op after it allocates. With flash
+    # attention that input is the kernel's saved O, one storage, freed after the kernel's
+    # backward.
     ops.append(
         _op(
             "out_proj",
             "attention",
-            B * sharded(tokens * h),
-            _matmul(tokens, sharded(h), h),
-            grads=(X if dropout else 0, heads),
+            context,
+            _matmul(tokens, spec.hidden, heads_r * v_dim),
+            grads=(X if (dropout or spec.post_norms) else 0, context),
             saved_until=None if spec.attention == "standard" else "attention_core",
-            matmul=linear(tokens, h, sharded(h)),  # the output is reduce-scattered under SP
-            # without dropout, the residual add follows (with it, out_dropout's fused kernel)
-            moved=(0 if dropout else residual_add, 0),
+            # the output is reduce-scattered under SP
+            matmul=shapes.linear(tokens, spec.hidden, heads_r * v_dim),
+            # without dropout, the residual add follows (with it, out_dropout's fused kernel);
+            # a row-parallel bias is added after the reduction: its gradient sums dY
+            moved=(0 if dropout else shapes.residual_add, X if spec.bias else 0),
             tp_comm="row",
         )
     )
-    # Megatron's bias-dropout-add: the bias of a row-parallel linear is added after its
-    # reduction, so its gradient is a sum of the stream-shaped output gradient.
-    dropout_moved = (residual_add + mask, 2 * X + mask + bias_grad(stream))
-    if dropout:
-        # 1-byte mask; its output is added to the residual stream, so its output gradient is
-        # the residual-stream gradient; dY ⊙ mask / (1 - p) is new.
-        ops.append(_op("out_dropout", "attention", stream, grads=(0, X), moved=dropout_moved))
-    ops.append(_op("norm2", "norm", B * stream, grads=(X, X), moved=norm_moved))
-    ffn = sharded(tokens * F)  # (s, b, F) elements per rank
+    return ops
+
+
+def _dense_mlp_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
+    """fc1, its activation and fc2 of a dense MLP (or of shared experts: `moe.py`)."""
+    return mlp_block_ops(spec, shapes, spec.ffn_hidden, out_grad, prefix="")
+
+
+def mlp_block_ops(
+    spec: ModelSpec,
+    shapes: LayerShapes,
+    ffn: int,
+    out_grad: int,
+    prefix: str,
+    *,
+    input_saved: bool = True,
+    input_grad: bool = True,
+    group: str | None = None,
+) -> list[Op]:
+    """A TP-split MLP of width `ffn` over the layer's tokens; op names get `prefix`.
+
+    `input_saved` False: fc1's input is a storage another op saves already (the shared experts
+    read the router's input); `input_grad` False: fc1's input gradient is added in place into
+    a gradient another op allocates (counted as workspace).
+    """
+    B, X, tokens = shapes.B, shapes.X, shapes.tokens
+    sharded = shapes.sharded
+    ffn_elems = sharded(tokens * ffn)  # (s, b, F) elements per rank
+    fc1_in = B * shapes.stream if input_saved else 0
+    in_grads = (X, 0) if input_grad else (0, X)  # (input grad, workspace)
+    # The dense MLP's fc2 output meets the residual stream: its add, unless the bias-dropout-add
+    # of mlp_dropout does it; biases' gradients sum the output gradients.
+    residual = shapes.residual_add if (prefix == "" and spec.dropout == 0) else 0
+    bias = B if spec.bias else 0
+    ops: list[Op] = []
     if spec.mlp == "gelu":
         ops.append(
             _op(
-                "fc1",
+                f"{prefix}fc1",
                 "mlp",
-                B * stream,
-                _matmul(tokens, sharded(F), h),
-                grads=(B * ffn, X),
-                matmul=linear(tokens, sharded(F), h),
-                moved=(0, bias_grad(ffn)),
+                fc1_in,
+                _matmul(tokens, sharded(ffn), spec.hidden),
+                group,
+                grads=(B * ffn_elems, in_grads[0]),
+                workspace=in_grads[1],
+                matmul=shapes.linear(tokens, sharded(ffn), spec.hidden),
+                moved=(0, bias * ffn_elems),
                 tp_comm="column",
             )
         )
         # GELU saves its input; gelu_backward(dY, x) is one element-wise kernel: one new tensor.
         # Moves: reads x, writes y (Megatron's fused bias-GELU); backward reads dY and x.
         ops.append(
-            _op("act", "mlp", B * ffn, grads=(B * ffn, B * ffn), moved=(2 * B * ffn, 3 * B * ffn))
+            _op(
+                f"{prefix}act",
+                "mlp",
+                B * ffn_elems,
+                0,
+                group,
+                grads=(B * ffn_elems,) * 2,
+                moved=(2 * B * ffn_elems, 3 * B * ffn_elems),
+            )
         )
     else:
-        # SwiGLU (Shazeer 2020): fc1 computes gate and up (2F wide). A fused kernel (Megatron's
-        # bias_swiglu) saves the fc1 output, 2F; eager silu(gate) * up also keeps silu(gate), 3F.
-        # Eager code runs fc1 as two linears (HF gate_proj, up_proj): the first's output
-        # gradient (F) is freed before the second's input gradient is allocated, so the
-        # backward never holds more than d gate, d up and one input gradient (2F + X) either.
+        # SwiGLU / GeGLU (Shazeer 2020): fc1 computes gate and up (2F wide). A fused kernel
+        # (Megatron's bias_swiglu) saves the fc1 output, 2F; eager silu(gate) * up also keeps
+        # silu(gate), 3F. Eager code runs fc1 as two linears (HF gate_proj, up_proj): the
+        # first's output gradient (F) is freed before the second's input gradient is allocated,
+        # so the backward never holds more than d gate, d up and one input gradient either.
         ops.append(
             _op(
-                "fc1",
+                f"{prefix}fc1",
                 "mlp",
-                B * stream,
-                _matmul(tokens, sharded(2 * F), h),
-                grads=(2 * B * ffn, X),
-                matmul=linear(tokens, sharded(2 * F), h),
-                moved=(0, bias_grad(2 * ffn)),
+                fc1_in,
+                _matmul(tokens, sharded(2 * ffn), spec.hidden),
+                group,
+                grads=(2 * B * ffn_elems, in_grads[0]),
+                workspace=in_grads[1],
+                matmul=shapes.linear(tokens, sharded(2 * ffn), spec.hidden),
+                moved=(0, bias * 2 * ffn_elems),
                 tp_comm="column",
             )
         )
@@ -357,34 +518,37 @@ def transformer_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
         # Moves, fused: reads gate and up, writes y; backward reads dY, gate and up, writes
         # d gate and d up. Eager: silu(gate) (2F), the product (3F); backward 3F + 2F + 3F.
         swiglu_moved = (
-            (3 * B * ffn, 5 * B * ffn) if spec.fused_swiglu else (5 * B * ffn, 8 * B * ffn)
+            (3 * B * ffn_elems, 5 * B * ffn_elems)
+            if spec.fused_swiglu
+            else (5 * B * ffn_elems, 8 * B * ffn_elems)
         )
         ops.append(
             _op(
-                "act",
+                f"{prefix}act",
                 "mlp",
-                B * ffn * (2 if spec.fused_swiglu else 3),
-                grads=(B * ffn, 2 * B * ffn),
+                B * ffn_elems * (2 if spec.fused_swiglu else 3),
+                0,
+                group,
+                grads=(B * ffn_elems, 2 * B * ffn_elems),
                 moved=swiglu_moved,
             )
         )
     # Saves its input; its output gradient is the residual-stream gradient (no dropout) or the
-    # dropout's input gradient.
+    # gradient the op after it allocates.
     ops.append(
         _op(
-            "fc2",
+            f"{prefix}fc2",
             "mlp",
-            B * ffn,
-            _matmul(tokens, h, sharded(F)),
-            grads=(X if dropout else 0, B * ffn),
-            matmul=linear(tokens, h, sharded(F)),
-            moved=(0 if dropout else residual_add, 0),
+            B * ffn_elems,
+            _matmul(tokens, spec.hidden, sharded(ffn)),
+            group,
+            grads=(out_grad, B * ffn_elems),
+            matmul=shapes.linear(tokens, spec.hidden, sharded(ffn)),  # reduce-scattered under SP
+            moved=(residual, bias * shapes.stream),
             tp_comm="row",
         )
     )
-    if dropout:  # as out_dropout
-        ops.append(_op("mlp_dropout", "mlp", stream, grads=(0, X), moved=dropout_moved))
-    return tuple(ops)
+    return ops
 
 
 def mlp_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
@@ -429,24 +593,68 @@ def mlp_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
     )
 
 
+@lru_cache(maxsize=256)
+def layer_ops(spec: ModelSpec, kind: LayerKind | None = None) -> tuple[Op, ...]:
+    """The op table of one layer of `kind` (default: `representative_kind`) of `spec`; cached,
+    since every memory, FLOP and chain function reads the same table of a (frozen, hashable)
+    spec."""
+    if spec.kind == "mlp":
+        return mlp_layer_ops(spec)
+    return transformer_layer_ops(spec, representative_kind(spec) if kind is None else kind)
+
+
 @lru_cache(maxsize=128)
-def layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
-    """The op table of one layer of `spec`; cached, since every memory, FLOP and chain function
-    reads the same table of a (frozen, hashable) spec."""
-    return mlp_layer_ops(spec) if spec.kind == "mlp" else transformer_layer_ops(spec)
+def representative_kind(spec: ModelSpec) -> LayerKind:
+    """The kind shown as "one layer": the one that saves the most bytes for backward (ties:
+    the most frequent, then the first); the only kind of a uniform model."""
+    kinds = layer_kinds(spec)
+    if spec.kind == "mlp" or len(set(kinds)) == 1:
+        return kinds[0]
+    counts = {kind: kinds.count(kind) for kind in dict.fromkeys(kinds)}
+
+    def weight(kind: LayerKind) -> tuple[int, int]:
+        return sum(op.saved_bytes for op in transformer_layer_ops(spec, kind)), counts[kind]
+
+    return max(counts, key=weight)
 
 
-def group_input_bytes(spec: ModelSpec, group: str) -> int:
+def in_group(op: Op, group: str) -> bool:
+    """Whether `op` belongs to recompute group `group`; groups nest with "/" (the expert MLPs,
+    EXPERTS = "moe/experts", are part of the whole MoE block, MOE = "moe")."""
+    return op.group is not None and (op.group == group or op.group.startswith(group + "/"))
+
+
+def group_input_bytes(spec: ModelSpec, group: str, kind: LayerKind | None = None) -> int:
     """Bytes a recompute group must keep as its input so it can be re-run in backward.
 
     The attention core (Korthikanti §5, selective recomputation) is recomputed from Q, K and V
-    as the QKV projection produced them: K and V at g·d width, before any repeat to a heads.
+    as the projections produced them: K and V at g heads, before any repeat to a heads. The MoE
+    block (Megatron's --moe-layer-recompute, `tensor_parallel.checkpoint(custom_forward,
+    hidden_states)`) from norm2's output; the expert MLPs from their dispatched tokens and
+    routing probabilities (`moe.experts_input_bytes`). A group the layer does not have keeps
+    nothing.
     """
-    if group != ATTENTION_CORE or spec.kind == "mlp":
+    if spec.kind == "mlp":
         return 0
-    tokens = (spec.seq // spec.cp) * spec.micro_batch
-    kv_width = kv_heads_per_rank(spec) * spec.head_dim
-    return spec.dtype_bytes * tokens * (_split(spec.hidden, spec.tp) + 2 * kv_width)
+    kind = representative_kind(spec) if kind is None else kind
+    shapes = LayerShapes.of(spec)
+    if group == ATTENTION_CORE:
+        heads_r = spec.heads // spec.tp
+        if spec.mla:
+            qk_dim = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+            width = heads_r * (2 * qk_dim + spec.v_head_dim)
+        else:
+            width = (heads_r + 2 * kv_heads_per_rank(spec)) * spec.head_dim
+        return spec.dtype_bytes * shapes.tokens * width
+    if not kind.moe:
+        return 0
+    from ckplan.model.moe import EXPERTS, MOE, experts_input_bytes
+
+    if group == MOE:
+        return shapes.X
+    if group == EXPERTS:
+        return experts_input_bytes(spec, shapes)
+    return 0
 
 
 def kv_heads_per_rank(spec: ModelSpec) -> int:

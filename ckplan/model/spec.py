@@ -13,6 +13,7 @@ import difflib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from ckplan.quoting import quote
@@ -24,7 +25,7 @@ class SpecError(ValueError):
 
 KINDS = ("transformer", "mlp")
 NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu")
+MLPS = ("gelu", "swiglu", "geglu")  # geglu: gated like swiglu (Gemma), the same shapes
 ATTENTIONS = ("standard", "flash")
 POSITIONS = ("learned", "rope")
 
@@ -65,23 +66,98 @@ class ModelSpec:
     grad_bytes: int = 4
     master_bytes: int = 4
     optimizer_bytes: int = 8
+    # attention details of the Hugging Face families (README "Model keys")
+    head_dim: int | None = None  # d; None -> h / a (Gemma, Qwen3: a·d != h)
+    qkv_bias: bool | None = None  # biases on Q, K, V only (Qwen2); None -> bias
+    qk_norm: bool = False  # RMSNorm on each head of Q and K (Qwen3, Gemma 3)
+    post_norms: bool = False  # norms after attention and MLP too (Gemma 2/3)
+    parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX)
+    # sliding-window attention: the window in tokens (0 = none) and the layers that use it
+    sliding_window: int = 0
+    sliding_window_layers: str = "all"  # a layer set (ckplan.model.layers)
+    # multi-head latent attention (DeepSeek-V2/V3), on when kv_lora_rank > 0
+    q_lora_rank: int = 0  # 0: Q projected directly from h
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # mixture of experts, on when experts > 0 (Megatron-LM's names in comments)
+    experts: int = 0  # --num-experts
+    top_k: int = 2  # --moe-router-topk
+    moe_ffn_hidden: int | None = None  # --moe-ffn-hidden-size; None -> ffn_hidden
+    shared_experts: int = 0
+    shared_ffn_hidden: int | None = None  # all shared experts; None -> shared_experts·F_e
+    shared_expert_gate: bool = False  # sigmoid gate on the shared experts (Qwen2-MoE)
+    expert_bias: bool = False  # per-expert routing bias (DeepSeek-V3 aux-loss-free balancing)
+    capacity_factor: float = 0.0  # --moe-expert-capacity-factor, padded; 0 = dropless
+    moe_layers: str = "all"  # a layer set; --moe-layer-freq N is 0-:N
+    moe_imbalance: str = "average"  # average | worst | a factor >= 1 (tokens on the busiest rank)
+    ep: int = 1  # --expert-model-parallel-size
+    etp: int | None = None  # --expert-tensor-parallel-size; None -> tp (Megatron's default)
+    # uneven pipelines: layers of the first / last stage (Megatron's
+    # --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers); the other
+    # stages share the rest evenly. None: L/p on every stage.
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
+        _validate_ranges(self)
         if self.ffn_hidden is None:
             object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
+        if self.head_dim is None:
+            if self.heads >= 1 and self.hidden % self.heads:
+                raise SpecError(
+                    f"key 'heads' ({self.heads}) must divide hidden ({self.hidden}), "
+                    "or give head_dim"
+                )
+            object.__setattr__(self, "head_dim", self.hidden // max(self.heads, 1))
+        if self.qkv_bias is None:
+            object.__setattr__(self, "qkv_bias", self.bias)
+        if self.moe_ffn_hidden is None:
+            object.__setattr__(self, "moe_ffn_hidden", self.ffn_hidden)
+        if self.shared_ffn_hidden is None:
+            object.__setattr__(self, "shared_ffn_hidden", self.shared_experts * self.moe_ffn_hidden)
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
         _validate(self)
 
     @property
-    def head_dim(self) -> int:
-        """d = h / a."""
-        return self.hidden // self.heads
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2 §2.1), on when kv_lora_rank > 0."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Data-parallel size of the expert weights: tp·cp·dp / (ep·etp). Megatron-LM's
+        expert_data_parallel_size = world / (etp·ep·pp) with world = tp·cp·dp·pp
+        (megatron/core/parallel_state.py; MoE README, "MoE Parallel Folding")."""
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
 
     @property
     def layers_per_stage(self) -> int:
-        """Transformer layers held by one pipeline stage, L / p."""
-        return self.layers // self.pp
+        """Transformer layers held by one pipeline stage, L / p (the most any stage holds, with
+        uneven stages)."""
+        return max(self.stage_layer_counts)
+
+    @property
+    def stage_layer_counts(self) -> tuple[int, ...]:
+        """Layers of each pipeline stage: L/p each, or first_stage_layers, last_stage_layers
+        and the rest split evenly over the stages between (Megatron-LM's uneven split)."""
+        p = self.pp
+        if self.first_stage_layers is None and self.last_stage_layers is None:
+            return (self.layers // p,) * p
+        first, last = self.first_stage_layers, self.last_stage_layers
+        middle_stages = p - (first is not None) - (last is not None)
+        rest = self.layers - (first or 0) - (last or 0)
+        each = rest // middle_stages if middle_stages else 0
+        counts = [each] * p
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+        return tuple(counts)
 
     def replace(self, **changes: Any) -> ModelSpec:
         return spec_from_mapping({**self.to_dict(), **changes})
@@ -92,9 +168,23 @@ class ModelSpec:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ModelSpec)}
 _REQUIRED = [name for name, f in _FIELDS.items() if f.default is dataclasses.MISSING]
-_BOOL_FIELDS = {"bias", "tied_embeddings", "fused_swiglu", "sp"}
+_BOOL_FIELDS = {
+    "bias",
+    "tied_embeddings",
+    "fused_swiglu",
+    "sp",
+    "qkv_bias",
+    "qk_norm",
+    "post_norms",
+    "parallel_residual",
+    "shared_expert_gate",
+    "expert_bias",
+}
 _STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions"}
-_FLOAT_FIELDS = {"dropout"}
+_LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
+_FLOAT_FIELDS = {"dropout", "capacity_factor"}
+_NULLABLE = {"kv_heads", "ffn_hidden", "head_dim", "qkv_bias", "moe_ffn_hidden"}
+_NULLABLE |= {"shared_ffn_hidden", "etp", "first_stage_layers", "last_stage_layers"}
 _ENUMS = {
     "kind": KINDS,
     "norm": NORMS,
@@ -127,6 +217,23 @@ SIZE_RANGES: dict[str, tuple[int, int]] = {
     "grad_bytes": (0, 64),
     "master_bytes": (0, 64),
     "optimizer_bytes": (0, 64),
+    # mixed layers, MoE, MLA, sliding window (0: not used, where the key allows it)
+    "head_dim": (1, 2**16),
+    "sliding_window": (0, 2**24),
+    "experts": (0, 2**20),
+    "top_k": (1, 2**16),
+    "moe_ffn_hidden": (1, 2**22),
+    "shared_experts": (0, 2**16),
+    "shared_ffn_hidden": (0, 2**22),
+    "ep": (1, 2**20),
+    "etp": (1, 2**16),
+    "q_lora_rank": (0, 2**20),
+    "kv_lora_rank": (0, 2**20),
+    "qk_nope_head_dim": (0, 2**16),
+    "qk_rope_head_dim": (0, 2**16),
+    "v_head_dim": (0, 2**16),
+    "first_stage_layers": (1, 99_999),  # the other stages hold at least one layer
+    "last_stage_layers": (1, 99_999),
 }
 MAX_TEXT_CHARS = 1000  # name and source
 
@@ -169,8 +276,12 @@ def _did_you_mean(key: Any) -> str:
 
 
 def _coerce(origin: str, key: str, value: Any) -> Any:
-    if key in ("kv_heads", "ffn_hidden") and value is None:
+    if key in _NULLABLE and value is None:
         return None
+    if key in _LAYER_SET_FIELDS:
+        return _coerce_layer_set(origin, key, value)
+    if key == "moe_imbalance":
+        return _coerce_imbalance(origin, value)
     if key in _BOOL_FIELDS:
         if isinstance(value, bool):
             return value
@@ -213,15 +324,53 @@ def _coerce(origin: str, key: str, value: Any) -> Any:
     raise SpecError(f"{origin}: key {key!r} expects an integer, got {quote(value)}")
 
 
-def _validate(spec: ModelSpec) -> None:
+def _coerce_layer_set(origin: str, key: str, value: Any) -> str:
+    """A layer set: its string form, or a YAML list of layer indices joined by commas."""
+    if isinstance(value, list) and all(
+        isinstance(item, int) and not isinstance(item, bool) for item in value
+    ):
+        return ",".join(str(item) for item in value) if value else "none"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str):
+        raise SpecError(
+            f"{origin}: key {key!r} expects a layer set such as all, none, 3-, 0-:2 or a list "
+            f"of layer indices, got {value!r}"
+        )
+    return value
+
+
+def _coerce_imbalance(origin: str, value: Any) -> str:
+    """average | worst | a number >= 1, kept as a string (the factor stays exact)."""
+    text = str(value).strip().lower()
+    if text in ("average", "worst"):
+        return text
+    try:
+        factor = Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        factor = None
+    if isinstance(value, bool) or factor is None or factor < 1:
+        raise SpecError(
+            f"{origin}: key 'moe_imbalance' expects average, worst or a factor >= 1, got {value!r}"
+        )
+    return "average" if factor == 1 else text
+
+
+def _validate_ranges(spec: ModelSpec) -> None:
+    """Every size key inside its documented range (before anything divides by it)."""
     for key, (low, high) in SIZE_RANGES.items():
         value = getattr(spec, key)
+        if value is None:  # a nullable key left to its default
+            continue
         if value < low and low == 1:
             raise SpecError(f"key {key!r} must be a positive integer, got {quote(value)}")
         if value < low:
             raise SpecError(f"key {key!r} must be >= {low}, got {quote(value)}")
         if value > high and key != "zero":
             raise SpecError(f"key {key!r} must be in {low:,}..{high:,}, got {quote(value)}")
+
+
+def _validate(spec: ModelSpec) -> None:
     for key, allowed in _ENUMS.items():
         if getattr(spec, key) not in allowed:
             raise SpecError(
@@ -231,8 +380,6 @@ def _validate(spec: ModelSpec) -> None:
         raise SpecError(f"key 'dropout' must be in [0, 1), got {spec.dropout}")
     if spec.zero > 3:
         raise SpecError(f"key 'zero' must be 0, 1, 2 or 3, got {quote(spec.zero)}")
-    if spec.hidden % spec.heads:
-        raise SpecError(f"key 'heads' ({spec.heads}) must divide hidden ({spec.hidden})")
     if spec.heads % spec.kv_heads:
         raise SpecError(f"key 'kv_heads' ({spec.kv_heads}) must divide heads ({spec.heads})")
     if spec.heads % spec.tp:
@@ -242,8 +389,13 @@ def _validate(spec: ModelSpec) -> None:
             f"key 'tp' ({spec.tp}) and kv_heads ({spec.kv_heads}) must divide one another "
             "(kv heads are split over tp ranks, or replicated when tp exceeds them)"
         )
-    if spec.layers % spec.pp:
-        raise SpecError(f"key 'pp' ({spec.pp}) must divide layers ({spec.layers})")
+    if spec.first_stage_layers is not None or spec.last_stage_layers is not None:
+        _validate_uneven_stages(spec)
+    elif spec.layers % spec.pp:
+        raise SpecError(
+            f"key 'pp' ({spec.pp}) must divide layers ({spec.layers}), or give "
+            "first_stage_layers / last_stage_layers"
+        )
     if spec.layers_per_stage % spec.virtual_stages:
         raise SpecError(
             f"key 'virtual_stages' ({spec.virtual_stages}) must divide layers per pipeline "
@@ -253,3 +405,117 @@ def _validate(spec: ModelSpec) -> None:
         raise SpecError("key 'sp' (sequence parallelism) needs tp > 1")
     if spec.seq % spec.cp:
         raise SpecError(f"key 'cp' ({spec.cp}) must divide seq ({spec.seq})")
+    if not 0.0 <= spec.capacity_factor <= 1e6:
+        raise SpecError(f"key 'capacity_factor' must be >= 0, got {spec.capacity_factor}")
+    _validate_layer_sets(spec)
+    _validate_mla(spec)
+    _validate_moe(spec)
+
+
+def _validate_uneven_stages(spec: ModelSpec) -> None:
+    given = {
+        key: getattr(spec, key)
+        for key in ("first_stage_layers", "last_stage_layers")
+        if getattr(spec, key) is not None
+    }
+    for key, value in given.items():
+        if value < 1:
+            raise SpecError(f"key {key!r} must be a positive integer, got {value}")
+    if spec.pp < 2:
+        raise SpecError(f"key {next(iter(given))!r} needs pipeline parallelism (pp > 1)")
+    if spec.virtual_stages > 1:
+        raise SpecError("keys first_stage_layers / last_stage_layers need virtual_stages: 1")
+    middle = spec.pp - len(given)
+    rest = spec.layers - sum(given.values())
+    if rest < 0 or (middle == 0 and rest != 0) or (middle and (rest < middle or rest % middle)):
+        what = " + ".join(f"{key} ({value})" for key, value in given.items())
+        raise SpecError(
+            f"{what} leave {rest} of {spec.layers} layers, which the other {middle} pipeline "
+            "stages must share evenly (at least one each)"
+        )
+
+
+def _validate_layer_sets(spec: ModelSpec) -> None:
+    from ckplan.model.layers import LayerSetError, parse_layer_set
+
+    if spec.sliding_window_layers != "all" and not spec.sliding_window:
+        raise SpecError("key 'sliding_window_layers' needs a sliding_window > 0")
+    for key in sorted(_LAYER_SET_FIELDS):
+        if getattr(spec, key).strip().lower() in ("all", "none"):
+            continue  # valid for any depth; no need to build the set
+        try:
+            parse_layer_set(getattr(spec, key), spec.layers)
+        except LayerSetError as error:
+            raise SpecError(f"key {key!r}: {error}") from None
+
+
+def _validate_mla(spec: ModelSpec) -> None:
+    mla_keys = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    if not spec.mla:
+        given = [key for key in mla_keys if getattr(spec, key)]
+        if given:
+            raise SpecError(
+                f"key {given[0]!r} needs multi-head latent attention (kv_lora_rank > 0)"
+            )
+        return
+    for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(spec, key) < 1:
+            raise SpecError(
+                f"key 'kv_lora_rank' (multi-head latent attention) needs {key} > 0, "
+                f"got {getattr(spec, key)}"
+            )
+    if spec.qkv_bias:
+        raise SpecError("key 'kv_lora_rank': multi-head latent attention has no QKV bias")
+    if spec.kv_heads != spec.heads:
+        raise SpecError(
+            f"key 'kv_heads' ({spec.kv_heads}) must equal heads ({spec.heads}) with multi-head "
+            "latent attention (every head has its own K and V)"
+        )
+    if spec.kind != "transformer":
+        raise SpecError("key 'kv_lora_rank' needs kind: transformer")
+
+
+def _validate_moe(spec: ModelSpec) -> None:
+    if not spec.experts:
+        for key, default in (("ep", 1), ("shared_experts", 0), ("shared_ffn_hidden", 0)):
+            if getattr(spec, key) != default:
+                raise SpecError(f"key {key!r} needs a mixture of experts (experts > 0)")
+        if spec.capacity_factor or spec.shared_expert_gate or spec.expert_bias:
+            raise SpecError(
+                "keys capacity_factor, shared_expert_gate, expert_bias need experts > 0"
+            )
+        for key, default in (("moe_layers", "all"), ("moe_imbalance", "average"), ("top_k", 2)):
+            if getattr(spec, key) != default:
+                raise SpecError(f"key {key!r} needs a mixture of experts (experts > 0)")
+        return
+    from ckplan.model.layers import parse_layer_set
+
+    if spec.kind != "transformer":
+        raise SpecError("key 'experts' needs kind: transformer")
+    if not 1 <= spec.top_k <= spec.experts:
+        raise SpecError(f"key 'top_k' ({spec.top_k}) must be in 1..experts ({spec.experts})")
+    if spec.experts % spec.ep:
+        raise SpecError(f"key 'ep' ({spec.ep}) must divide experts ({spec.experts})")
+    if spec.moe_ffn_hidden % spec.etp:
+        raise SpecError(
+            f"key 'etp' ({spec.etp}) must divide moe_ffn_hidden ({spec.moe_ffn_hidden})"
+        )
+    group = spec.tp * spec.cp * spec.dp
+    if group % (spec.ep * spec.etp):
+        raise SpecError(
+            f"keys ep·etp ({spec.ep}·{spec.etp}) must divide tp·cp·dp ({group}): the expert "
+            "groups are carved from the same GPUs (raise dp, or set etp=1)"
+        )
+    if spec.tp > 1 and not spec.sp:
+        raise SpecError(
+            "key 'sp': a mixture of experts with tp > 1 needs sequence parallelism "
+            "(Megatron-LM requires it); add sp=true"
+        )
+    if spec.shared_experts and spec.shared_ffn_hidden % spec.tp:
+        raise SpecError(
+            f"key 'tp' ({spec.tp}) must divide shared_ffn_hidden ({spec.shared_ffn_hidden})"
+        )
+    if spec.shared_expert_gate and not spec.shared_ffn_hidden:
+        raise SpecError("key 'shared_expert_gate' needs shared experts (shared_ffn_hidden > 0)")
+    if not parse_layer_set(spec.moe_layers, spec.layers):
+        raise SpecError("key 'moe_layers' selects no layer (use experts: 0 for a dense model)")

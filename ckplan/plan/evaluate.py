@@ -10,13 +10,15 @@ revolve:C, optimal, and selective+ any of them (the attention core recomputed on
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import lru_cache
 
 from ckplan.model import flops as flops_model
 from ckplan.model import memory, seed
-from ckplan.model.ops import ATTENTION_CORE, layer_ops
+from ckplan.model.layers import stage_kinds
+from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import limits
 from ckplan.plan.layer_chain import _layer_offset, layer_chain, stage_names
@@ -33,6 +35,7 @@ from ckplan.schedules import (
     simulate,
     store_all_schedule,
 )
+from ckplan.units import format_flops
 
 DEFAULT_SLOTS = 500
 
@@ -68,9 +71,11 @@ class Plan:
     steps: tuple = field(default=(), repr=False)  # the schedule, when there is one
     stage_names: tuple[str, ...] = ()  # names of the chain's stages the steps refer to
     notes: tuple[str, ...] = ()
-    # (first_stage, forwards per chain stage) of each pipeline stage evaluated, from the
+    # (pipeline stage, forwards per chain stage) of each pipeline stage evaluated, from the
     # schedule replay: what the time model (ckplan.hardware.step_time) re-runs
-    stage_forwards: tuple[tuple[bool, tuple[int, ...]], ...] = ()
+    stage_forwards: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # recompute groups re-run inside every stored layer (selective, moe, experts)
+    recompute_groups: tuple[str, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -84,15 +89,15 @@ class Plan:
 def _segments(spec: ModelSpec, chain: Chain, strategy: Strategy, first_stage: bool):
     """(start, end, recompute) segments over the chain for the segment-style strategies."""
     offset = _layer_offset(spec, first_stage)
-    n_layers = spec.layers_per_stage
+    n_layers = chain.length - offset - (1 if _has_output(spec, chain, offset) else 0)
     segments = [(0, offset, False)] if offset else []
     if strategy.kind == "block":
-        recomputed = strategy.size
+        recomputed = min(strategy.size, n_layers)  # uneven stages: at most this stage's
         segments += [(offset + i, offset + i + 1, True) for i in range(recomputed)]
         if recomputed < n_layers:
             segments.append((offset + recomputed, offset + n_layers, False))
     else:
-        size = _segment_size(spec, strategy)
+        size = min(_segment_size(spec, strategy), n_layers)
         starts = range(0, n_layers, size)
         for index, start in enumerate(starts):
             last = index == len(starts) - 1
@@ -107,13 +112,14 @@ def _segment_runs(spec: ModelSpec, chain: Chain, strategy: Strategy, first_stage
     """`_segments` as runs (start, size, count, recompute) of equal consecutive segments
     (`schedules.segment_replay`): O(1) entries for any number of layers."""
     offset = _layer_offset(spec, first_stage)
-    n_layers = spec.layers_per_stage
+    n_layers = chain.length - offset - (1 if _has_output(spec, chain, offset) else 0)
     runs = [(0, offset, 1, False)]
     if strategy.kind == "block":
-        runs.append((offset, 1, strategy.size, True))
-        runs.append((offset + strategy.size, n_layers - strategy.size, 1, False))
+        recomputed = min(strategy.size, n_layers)  # uneven stages: at most this stage's
+        runs.append((offset, 1, recomputed, True))
+        runs.append((offset + recomputed, n_layers - recomputed, 1, False))
     else:
-        size = _segment_size(spec, strategy)
+        size = min(_segment_size(spec, strategy), n_layers)
         full, rest = divmod(n_layers, size)
         keep_last = strategy.kind == "sequential"  # its last segment is stored
         if rest:
@@ -124,6 +130,11 @@ def _segment_runs(spec: ModelSpec, chain: Chain, strategy: Strategy, first_stage
             runs.append((offset + (full - 1) * size, size, 1, not keep_last))
     runs.append((offset + n_layers, chain.length - offset - n_layers, 1, False))
     return [run for run in runs if run[1] > 0 and run[2] > 0]
+
+
+def _has_output(spec: ModelSpec, chain: Chain, offset: int) -> bool:
+    """Whether the chain ends with the output layer and loss (it carries no activation on)."""
+    return spec.kind == "transformer" and spec.vocab > 0 and chain.input_bytes[-1] == 0
 
 
 def _segment_size(spec: ModelSpec, strategy: Strategy) -> int:
@@ -156,17 +167,38 @@ def _schedule(
 # ---- evaluation --------------------------------------------------------------------------
 
 
-def in_flight_microbatches(spec: ModelSpec) -> Fraction:
-    """Micro-batches whose activations the first pipeline stage holds at its peak.
+def in_flight_microbatches(spec: ModelSpec, stage: int = 0) -> Fraction:
+    """Micro-batches whose activations pipeline stage `stage` holds at its peak.
 
-    1F1B: the first stage holds p micro-batches (Narayanan et al. 2021 §2.2; Korthikanti §4.2.3),
-    fewer when the iteration has fewer; interleaving with v virtual stages multiplies by
-    1 + (p - 1)/(p·v) (Korthikanti §4.2.3).
+    1F1B: stage k holds p - k micro-batches (Narayanan et al. 2021 §2.2; Korthikanti §4.2.3),
+    the first p, fewer when the iteration has fewer; interleaving with v virtual stages
+    multiplies by 1 + (p - 1)/(p·v) (Korthikanti §4.2.3). The last stage is counted with one
+    (its micro-batch's backward follows its forward at once).
     """
-    held = Fraction(min(spec.pp, spec.microbatches))
+    if stage == spec.pp - 1 and stage > 0:
+        return Fraction(1)
+    held = Fraction(min(spec.pp - stage, spec.microbatches))
     if spec.virtual_stages > 1:
         held *= 1 + Fraction(spec.pp - 1, spec.pp * spec.virtual_stages)
     return held
+
+
+@lru_cache(maxsize=128)
+def pipeline_stages(spec: ModelSpec) -> tuple[int, ...]:
+    """The pipeline stages whose peak can be the fullest: the first (embedding, most
+    micro-batches in flight) and the last (output layer and fp32 logits); with mixed layers
+    also each middle stage whose layer kinds no earlier stage holds (an earlier stage with the
+    same layers holds more micro-batches)."""
+    if spec.pp == 1:
+        return (0,)
+    seen = {stage_kinds(spec, 0)}
+    stages = [0]
+    for stage in range(1, spec.pp - 1):
+        kinds = stage_kinds(spec, stage)
+        if kinds not in seen:
+            seen.add(kinds)
+            stages.append(stage)
+    return (*stages, spec.pp - 1)
 
 
 def evaluate(
@@ -181,33 +213,50 @@ def evaluate(
     if formula == "seed":
         return _evaluate_seed(spec, strategy)
     # One chain for p = 1; else the first pipeline stage (embedding, most micro-batches in
-    # flight) and the last (output layer and fp32 logits, one micro-batch in flight).
+    # flight), the last (output layer and fp32 logits, one micro-batch in flight) and, with
+    # mixed layers, the middle stages that hold other layers (`pipeline_stages`).
     results, forwards = [], []
-    for first_stage in [True] if spec.pp == 1 else [True, False]:
-        chain = layer_chain(spec, strategy.selective, first_stage)
-        in_flight = in_flight_microbatches(spec) if first_stage else Fraction(1)
+    for stage in pipeline_stages(spec):
+        first_stage = stage == 0
+        chain = layer_chain(spec, strategy.groups, stage=stage)
+        in_flight = in_flight_microbatches(spec, stage)
         found = _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight)
         if found is None:
             return None
         peak, steps, replay, group = found
-        flops = _stage_flops(spec, strategy, chain, replay)
-        results.append((peak, steps, flops, first_stage, group))
+        flops = _stage_flops(spec, strategy, chain, replay, stage)
+        results.append((peak, steps, flops, stage, group))
         counts = (
             run_forwards(chain.length, steps.runs)
             if isinstance(steps, SegmentSteps)
             else replay.layer_forwards
         )
-        forwards.append((first_stage, counts))
+        forwards.append((stage, counts))
     # Memory: the fullest stage. FLOPs: the busiest stage, which paces the pipeline.
-    peak, steps, _, first_stage, _ = max(results, key=lambda result: result[0])
-    flops = max((result[2] for result in results), key=lambda count: count.total)
-    names = _stage_names(spec, first_stage)
+    peak, steps, _, stage, _ = max(results, key=lambda result: result[0])
+    busiest = max(results, key=lambda result: result[2].total)
+    flops = busiest[2]
+    names = _stage_names(spec, stage)
     notes = ()
     if spec.pp > 1:
-        where = "first" if first_stage else "last"
-        held = in_flight_microbatches(spec) if first_stage else 1
+        ends = {0: "the first pipeline stage", spec.pp - 1: "the last pipeline stage"}
+        where = ends.get(stage, f"pipeline stage {stage}")
+        held = in_flight_microbatches(spec, stage)
         count = f"{float(held):g} micro-batch{'' if held == 1 else 'es'}"
-        notes = (f"peak on the {where} pipeline stage, {count} in flight",)
+        notes = (f"peak on {where}, {count} in flight",)
+        states_stage = memory.busiest_stage(spec)
+        if states_stage != stage:
+            notes += (
+                f"model states of stage {states_stage}, which holds the most parameters (an "
+                "upper bound: the activation peak is on another stage)",
+            )
+        hidden = max(results, key=lambda result: result[2].recompute)
+        if hidden[2].recompute > flops.recompute:
+            per_iteration = hidden[2].recompute * spec.microbatches
+            notes += (
+                f"stage {hidden[3]} recomputes {format_flops(per_iteration)} per iteration, "
+                f"within the slack of the busiest stage ({busiest[3]}), whose FLOPs are shown",
+            )
     grouped = max(result[4] for result in results)
     if grouped > 1:
         notes += (
@@ -225,22 +274,37 @@ def evaluate(
         names,
         notes,
         stage_forwards=tuple(forwards),
+        recompute_groups=strategy.groups,
     )
 
 
 @lru_cache(maxsize=64)  # a sweep names the same stages for each of its plans
-def _stage_names(spec: ModelSpec, first_stage: bool) -> tuple[str, ...]:
-    return tuple(stage_names(spec, first_stage))
+def _stage_names(spec: ModelSpec, stage: int) -> tuple[str, ...]:
+    return tuple(stage_names(spec, stage=stage))
+
+
+@lru_cache(maxsize=256)
+def _stage_kind_counts(spec: ModelSpec, stage: int) -> Counter:
+    return Counter(stage_kinds(spec, stage))
 
 
 def _stage_flops(
-    spec: ModelSpec, strategy: Strategy, chain: Chain, replay: Replay | SegmentReplay
+    spec: ModelSpec,
+    strategy: Strategy,
+    chain: Chain,
+    replay: Replay | SegmentReplay,
+    stage: int = 0,
 ) -> FlopCount:
     """One micro-batch through one chain; selective recompute is counted as recompute, not as
     the backward the chain charges it to."""
-    layers = spec.layers_per_stage
-    core = flops_model.group_forward_flops(spec, ATTENTION_CORE)
-    selective_flops = layers * core if strategy.selective else 0
+    groups = strategy.groups
+    selective_flops = 0
+    if groups:
+        kinds = _stage_kind_counts(spec, stage)
+        selective_flops = sum(
+            count * flops_model.group_forward_flops(spec, groups, kind)
+            for kind, count in kinds.items()
+        )
     return FlopCount(  # the replay's sums: one forward and one backward of every stage
         forward=replay.forward_flops - replay.recompute_flops,
         backward=replay.backward_flops - selective_flops,
@@ -302,6 +366,7 @@ def _plan(
     notes=(),
     per_layer=None,
     stage_forwards=(),
+    recompute_groups=(),
 ) -> Plan:
     counts = memory.parameter_count(spec)
     return Plan(
@@ -321,6 +386,7 @@ def _plan(
         stage_names=names,
         notes=notes,
         stage_forwards=stage_forwards,
+        recompute_groups=recompute_groups,
     )
 
 
@@ -352,7 +418,7 @@ def _evaluate_seed(spec: ModelSpec, strategy: Strategy) -> Plan:
     }
     f_layer = flops_model.layer_forward_flops(spec)
     kind = strategy.kind
-    if strategy.selective and kind != "selective":
+    if (strategy.selective and kind != "selective") or strategy.moe:
         raise StrategyError(f"the seed formula set has no strategy {strategy.name!r}")
     if kind in ("none", "selective"):
         activation_mb = seed.activation_memory_mb(L, **shape)

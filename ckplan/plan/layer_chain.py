@@ -1,5 +1,7 @@
-"""The chain one GPU runs for one micro-batch, built from a model's op table: embedding ->
-its layers -> output layer and loss, each stage with its FLOPs, input, tape and workspaces."""
+"""The chain one GPU runs for one micro-batch, built from a model's op tables: embedding ->
+its layers -> output layer and loss, each stage with its FLOPs, input, tape and workspaces.
+Layers of different kinds (dense and MoE, full and sliding-window attention) each bring their
+own op table (`ckplan.model.layers`)."""
 
 from __future__ import annotations
 
@@ -7,27 +9,73 @@ from functools import lru_cache
 
 from ckplan.model import flops as flops_model
 from ckplan.model import memory
+from ckplan.model.layers import LayerKind, stage_kinds, stage_layer_indices
 from ckplan.model.ops import ATTENTION_CORE
 from ckplan.model.spec import ModelSpec
 from ckplan.schedules import Chain
 
 
-@lru_cache(maxsize=64)  # a sweep asks for the same few chains hundreds of times
-def layer_chain(spec: ModelSpec, selective: bool, first_stage: bool = True) -> Chain:
-    """The chain one GPU runs for one micro-batch: embedding (first pipeline stage), its L/p
-    layers, then output layer and loss (last stage). With `selective`, each layer's tape drops
-    the attention core and its backward re-runs the core's forward (Korthikanti §5)."""
-    per_layer = memory.activation_bytes_per_layer(spec)
-    backward = flops_model.layer_backward_flops(spec)
-    if selective:
-        per_layer = memory.selective_activation_bytes_per_layer(spec, ATTENTION_CORE)
-        backward += flops_model.group_forward_flops(spec, ATTENTION_CORE)
+def recompute_groups(selective: bool | tuple[str, ...]) -> tuple[str, ...]:
+    """`True` is the attention core (Korthikanti §5); a tuple names the groups itself
+    (`Strategy.groups`)."""
+    if isinstance(selective, bool):
+        return (ATTENTION_CORE,) if selective else ()
+    return tuple(selective)
+
+
+@lru_cache(maxsize=512)
+def layer_stage_costs(
+    spec: ModelSpec, kind: LayerKind, groups: tuple[str, ...]
+) -> tuple[int, int, int, int]:
+    """(forward FLOPs, backward FLOPs, tape bytes, backward workspace bytes) of one layer of
+    `kind` as a chain stage, with `groups` recomputed inside it: the tape drops the groups'
+    saved tensors and keeps their inputs, the backward re-runs their forward."""
+    forward = flops_model.layer_forward_flops(spec, kind)
+    backward = flops_model.layer_backward_flops(spec, kind)
+    if groups:
+        tape = memory.selective_activation_bytes_per_layer(spec, groups, kind)
+        backward += flops_model.group_forward_flops(spec, groups, kind)
+    else:
+        tape = memory.activation_bytes_per_layer(spec, kind)
+    recomputed = groups if groups and spec.kind == "transformer" else None
+    workspace = memory.layer_backward_workspace_bytes(spec, recomputed, kind)
+    return forward, backward, tape, workspace
+
+
+def stage_index(spec: ModelSpec, first_stage: bool = True, stage: int | None = None) -> int:
+    """The pipeline stage a chain is for: `stage`, else the first or the last."""
+    if stage is not None:
+        return stage
+    return 0 if first_stage else spec.pp - 1
+
+
+def layer_chain(
+    spec: ModelSpec,
+    selective: bool | tuple[str, ...],
+    first_stage: bool = True,
+    stage: int | None = None,
+) -> Chain:
+    """The chain one GPU runs for one micro-batch: embedding (first pipeline stage), the layers
+    its stage holds, then output layer and loss (last stage). With `selective`, each layer's
+    tape drops the attention core (or the named recompute groups) and its backward re-runs the
+    core's forward (Korthikanti §5)."""
+    return _layer_chain(spec, recompute_groups(selective), stage_index(spec, first_stage, stage))
+
+
+@lru_cache(maxsize=256)
+def _layer_chain(spec: ModelSpec, groups: tuple[str, ...], stage: int) -> Chain:
+    """`layer_chain`, cached: a sweep evaluates hundreds of strategies on the same chains."""
+    kinds = stage_kinds(spec, stage)
+    per_kind = {kind: layer_stage_costs(spec, kind, groups) for kind in set(kinds)}
+    costs = [per_kind[kind] for kind in kinds]
+    forward = [cost[0] for cost in costs]
+    backwards = [cost[1] for cost in costs]
+    tapes = [cost[2] for cost in costs]
+    backward_workspace = [cost[3] for cost in costs]
     stream = memory.layer_input_bytes(spec)
-    n = spec.layers_per_stage
-    forward, backwards = [flops_model.layer_forward_flops(spec)] * n, [backward] * n
-    inputs, tapes = [stream] * n, [per_layer] * n
-    has_embedding = spec.kind == "transformer" and spec.vocab > 0 and first_stage
-    has_output = spec.kind == "transformer" and spec.vocab > 0 and (spec.pp == 1 or not first_stage)
+    inputs = [stream] * len(costs)
+    has_embedding = spec.kind == "transformer" and spec.vocab > 0 and stage == 0
+    has_output = spec.kind == "transformer" and spec.vocab > 0 and stage == spec.pp - 1
     if has_embedding:
         forward, backwards = [0, *forward], [0, *backwards]
         inputs, tapes = (
@@ -42,12 +90,8 @@ def layer_chain(spec: ModelSpec, selective: bool, first_stage: bool = True) -> C
     # Transients beyond tape + δ_out + δ_in. Forward: exact for the seed's MLP as ckplan verify
     # runs it, not modelled for transformers (zeros). Backward: the seed MLP's exact workspace;
     # a transformer layer's gradients in flight (memory.layer_backward_walk; with selective, the
-    # re-forwarded attention core too); the output stage's logits gradient in the activation
-    # dtype (memory.output_backward_peak_bytes); nothing for the embedding.
-    layer_workspace = memory.layer_backward_workspace_bytes(
-        spec, ATTENTION_CORE if selective and spec.kind == "transformer" else None
-    )
-    backward_workspace = [layer_workspace] * n
+    # re-forwarded groups too); the output stage's logits gradient in the activation dtype
+    # (memory.output_backward_peak_bytes); nothing for the embedding.
     if has_embedding:
         backward_workspace = [0, *backward_workspace]
     if has_output:
@@ -63,13 +107,12 @@ def layer_chain(spec: ModelSpec, selective: bool, first_stage: bool = True) -> C
     )
 
 
-def stage_names(spec: ModelSpec, first_stage: bool = True) -> list[str]:
+def stage_names(spec: ModelSpec, first_stage: bool = True, stage: int | None = None) -> list[str]:
     """Readable names of the chain's stages: embedding, layer 0.., output+loss."""
-    offset = _layer_offset(spec, first_stage)
-    first_layer = 0 if first_stage else spec.layers - spec.layers_per_stage
-    names = ["embedding"] * offset
-    names += [f"layer {first_layer + i}" for i in range(spec.layers_per_stage)]
-    if spec.kind == "transformer" and spec.vocab > 0 and (spec.pp == 1 or not first_stage):
+    stage = stage_index(spec, first_stage, stage)
+    names = ["embedding"] * _layer_offset(spec, stage == 0)
+    names += [f"layer {index}" for index in stage_layer_indices(spec, stage)]
+    if spec.kind == "transformer" and spec.vocab > 0 and stage == spec.pp - 1:
         names.append("output+loss")
     return names
 

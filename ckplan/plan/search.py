@@ -76,6 +76,12 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
     for size in _sizes(0, layers):
         names += [f"block:{size}", f"selective+block:{size}"]
     names += [f"revolve:{slots}" for slots in revolve_slots(layers)[0]]
+    if spec.experts:
+        # Recomputing the MoE block or only its expert MLPs, alone, with the attention core,
+        # and on top of Megatron's block recompute.
+        names += ["moe", "experts", "selective+moe", "selective+experts"]
+        for size in _sizes(1, layers):
+            names += [f"moe+block:{size}", f"selective+moe+block:{size}"]
     return [parse_strategy(name, spec) for name in dict.fromkeys(names)]
 
 
@@ -196,13 +202,17 @@ def _seed_strategies(spec: ModelSpec) -> list[Strategy]:
 def optimal_plan(
     spec: ModelSpec, budget: int, slots: int = DEFAULT_SLOTS, gpu: GPU | None = None
 ) -> Plan | None:
-    """The cheaper of `optimal` and `selective+optimal` within `budget` activation bytes (in
-    FLOPs, or in step time on `gpu`; ties go to the smaller peak); None when neither fits.
-    The DP itself minimises recompute FLOPs (rotor's costs are the chain's FLOPs)."""
+    """The cheaper of `optimal` and `selective+optimal` (with experts, also `moe+optimal` and
+    `selective+moe+optimal`) within `budget` activation bytes (in FLOPs, or in step time on
+    `gpu`; ties go to the smaller peak); None when none fits. The DP itself minimises
+    recompute FLOPs (rotor's costs are the chain's FLOPs)."""
     if budget <= 0:
         return None
     found = []
-    for strategy in (Strategy("optimal"), Strategy("optimal", selective=True)):
+    strategies = [Strategy("optimal"), Strategy("optimal", selective=True)]
+    if spec.experts:
+        strategies += [Strategy("optimal", moe="moe"), Strategy("optimal", None, True, "moe")]
+    for strategy in strategies:
         plan = evaluate(spec, strategy, budget=budget, slots=slots)
         if plan is not None:
             found.append(plan)

@@ -1,14 +1,25 @@
-"""Strategies: the `--strategy` grammar (DESIGN.md) parsed and checked against a model."""
+"""Strategies: the `--strategy` grammar (DESIGN.md) parsed and checked against a model.
+
+    [selective+][moe+|experts+]BASE   or a modifier alone (selective, moe, experts, ...)
+
+BASE is none, full, uniform:K, sequential:K, sqrt, block:N, revolve:C or optimal. The
+modifiers recompute a group of ops inside every stored layer: `selective` the attention core
+(Korthikanti §5), `moe` the whole MoE block (Megatron-LM --moe-layer-recompute, or
+--recompute-modules moe), `experts` the routed expert MLPs only. `moe` and `experts` need a
+model with experts.
+"""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
+from ckplan.model.ops import ATTENTION_CORE
 from ckplan.model.spec import ModelSpec
 from ckplan.quoting import quote
 
 FORMULAS = ("derived", "seed")
+MOE_GROUPS = {"moe": "moe", "experts": "moe/experts"}  # modifier -> recompute group (moe.py)
 
 
 class StrategyError(ValueError):
@@ -22,29 +33,47 @@ class Strategy:
     kind: str  # none | full | uniform | sequential | sqrt | selective | block | revolve | optimal
     size: int | None = None
     selective: bool = False  # attention core recomputed on top of `kind`
+    moe: str | None = None  # "moe" | "experts": that MoE group recomputed on top of `kind`
 
     @property
     def name(self) -> str:
         base = self.kind if self.size is None else f"{self.kind}:{self.size}"
-        if self.selective and self.kind != "selective":
-            return f"selective+{base}"
-        return base
+        prefix = (["selective"] if self.selective else []) + ([self.moe] if self.moe else [])
+        if self.kind in ("none", "selective") and prefix:
+            return "+".join(prefix)
+        return "+".join([*prefix, base])
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The recompute groups (ops.py / moe.py names) re-run inside every stored layer."""
+        groups = (ATTENTION_CORE,) if self.selective else ()
+        return groups + ((MOE_GROUPS[self.moe],) if self.moe else ())
 
 
 _SIZED = ("uniform", "sequential", "block", "revolve")
 _PLAIN = ("none", "full", "sqrt", "selective", "optimal")
 STRATEGY_HELP = (
     "none, full, uniform:K, sequential:K, sqrt, selective, block:N, revolve:C, optimal, "
-    "or selective+ any of these (e.g. selective+uniform:4)"
+    "or selective+ any of these (e.g. selective+uniform:4); with experts also moe+ or "
+    "experts+ (e.g. selective+moe+block:2)"
 )
 
 
 def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
     """Parse a `--strategy` value and check its size against the layers of one pipeline stage."""
-    selective = False
-    body = text.strip()
-    if body.startswith("selective+"):
-        selective, body = True, body.removeprefix("selective+")
+    parts = text.strip().split("+")
+    modifiers, body = parts[:-1], parts[-1]
+    if body in MOE_GROUPS or (body == "selective" and modifiers):
+        modifiers, body = [*modifiers, body], "none"
+    selective = "selective" in modifiers
+    moe = [m for m in modifiers if m in MOE_GROUPS]
+    unknown = [m for m in modifiers if m != "selective" and m not in MOE_GROUPS]
+    if unknown or len(set(modifiers)) < len(modifiers) or len(moe) > 1:
+        if len(moe) > 1:
+            raise StrategyError(f"strategy {quote(text)}: moe already recomputes the expert MLPs")
+        if not unknown and len(set(modifiers)) < len(modifiers):
+            raise StrategyError(f"strategy {quote(text)}: selective cannot combine with itself")
+        raise StrategyError(f"unknown strategy {quote(text)}: expected one of {STRATEGY_HELP}")
     match = re.fullmatch(r"([a-z]+)(?::(-?[0-9]{1,18}))?", body)
     kind = match.group(1) if match else ""
     size = int(match.group(2)) if match and match.group(2) is not None else None
@@ -52,6 +81,11 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
         raise StrategyError(f"unknown strategy {quote(text)}: expected one of {STRATEGY_HELP}")
     if selective and kind == "selective":
         raise StrategyError(f"strategy {quote(text)}: selective cannot combine with itself")
+    if moe and not spec.experts:
+        raise StrategyError(
+            f"strategy {quote(text)}: {moe[0]} recomputes MoE layers; this model has none "
+            "(experts: 0)"
+        )
     layers = spec.layers_per_stage
     if kind in ("uniform", "sequential") and not 1 <= size <= layers:
         raise StrategyError(f"strategy {quote(text)}: K must be in 1..{layers} (layers per stage)")
@@ -59,8 +93,10 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
         raise StrategyError(f"strategy {quote(text)}: N must be in 0..{layers} (layers per stage)")
     if kind == "revolve" and size < 1:
         raise StrategyError(f"strategy {quote(text)}: C must be at least 1 checkpoint slot")
+    group = moe[0] if moe else None
     if kind == "none" and selective:
-        return Strategy("selective")
-    if kind == "full" and selective:
-        kind, size = "uniform", 1  # full recompute already re-runs the attention core
-    return Strategy(kind, size, selective or kind == "selective")
+        return Strategy("selective", selective=True, moe=group)
+    if kind == "full" and (selective or group):
+        # full recompute already re-runs every op of every layer
+        return Strategy("uniform", 1, selective)
+    return Strategy(kind, size, selective or kind == "selective", group)

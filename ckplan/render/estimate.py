@@ -12,6 +12,13 @@ from rich.text import Text
 from ckplan import __version__
 from ckplan.hardware.gpus import GPU
 from ckplan.hardware.step_time import StepTime
+from ckplan.model.layers import distinct_kinds, format_layer_set, layer_kinds
+from ckplan.model.memory import (
+    activation_breakdown,
+    activation_bytes_per_layer,
+    parameter_count,
+)
+from ckplan.model.moe import ExpertLayout, expert_layout
 from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
@@ -55,7 +62,78 @@ def plan_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
     }
     if time is not None:
         data["time"] = time.to_dict()
+    spec = plan.spec
+    if len(distinct_kinds(spec)) > 1:
+        data["memory"]["layer_kinds"] = layer_kinds_list(spec)
+    layout = expert_layout(spec)
+    if layout is not None:
+        data["memory"]["model_states"]["experts"] = {
+            "weights": states.expert_weights,
+            "gradients": states.expert_gradients,
+            "optimizer": states.expert_optimizer,
+            "total": states.expert_total,
+        }
+        data["memory"]["expert_parallel"] = expert_layout_dict(layout)
+        data["parameters"]["active"] = parameter_count(spec).active
     return data
+
+
+def layer_kinds_list(spec: ModelSpec) -> list[dict[str, Any]]:
+    """Each kind of layer of a mixed model: which layers, and what one of them saves."""
+    kinds = layer_kinds(spec)
+    rows = []
+    for kind in distinct_kinds(spec):
+        indices = {i for i, k in enumerate(kinds) if k == kind}
+        rows.append(
+            {
+                "kind": kind.name,
+                "moe": kind.moe,
+                "window": kind.window,
+                "layers": format_layer_set(indices, spec.layers),
+                "count": len(indices),
+                "per_layer_activation_bytes": activation_bytes_per_layer(spec, kind),
+                "breakdown": activation_breakdown(spec, kind),
+                "per_op": {op.name: op.saved_bytes for op in layer_ops(spec, kind)},
+            }
+        )
+    return rows
+
+
+def expert_layout_dict(layout: ExpertLayout) -> dict[str, Any]:
+    return {
+        "experts": layout.experts,
+        "top_k": layout.top_k,
+        "ep": layout.ep,
+        "etp": layout.etp,
+        "expert_data_parallel": layout.expert_data_parallel,
+        "experts_per_gpu": layout.experts_per_gpu,
+        "expert_ffn_per_gpu": layout.expert_ffn_per_gpu,
+        "moe_layers_per_gpu": layout.moe_layers_per_gpu,
+        "tokens_per_gpu": layout.tokens_per_gpu,
+        "routed_rows_per_gpu": layout.routed_rows_per_gpu,
+        "average_rows_per_gpu": layout.average_rows_per_gpu,
+        "expert_parameters_per_gpu": layout.expert_parameters_per_gpu,
+        "moe_imbalance": layout.moe_imbalance,
+        "capacity_factor": layout.capacity_factor,
+    }
+
+
+def expert_layout_line(layout: ExpertLayout, states_total: int, expert_states: int) -> str:
+    """One line: the expert-parallel layout and what it puts on a GPU."""
+    routing = {"average": "balanced routing", "worst": "worst-case routing"}.get(
+        layout.moe_imbalance, f"{layout.moe_imbalance}x imbalance"
+    )
+    if layout.capacity_factor:
+        routing = f"capacity factor {layout.capacity_factor:g}, padded"
+    return (
+        f"Experts: {layout.experts} (top-{layout.top_k}) over ep={layout.ep}: "
+        f"{layout.experts_per_gpu} per GPU, each {layout.expert_ffn_per_gpu} wide "
+        f"(etp={layout.etp}); expert data parallel {layout.expert_data_parallel}; "
+        f"{layout.moe_layers_per_gpu} MoE layers per GPU, each routing "
+        f"{layout.routed_rows_per_gpu:,} token copies to this GPU's experts per micro-batch "
+        f"({routing}; {layout.tokens_per_gpu:,} tokens in); expert states "
+        f"{_gib(expert_states)} of {_gib(states_total)}."
+    )
 
 
 def estimate_dict(
@@ -97,6 +175,34 @@ MODEL_GROUPS = {
     "parallel": ("tp", "pp", "sp", "cp", "dp", "zero", "virtual_stages", "microbatches"),
     "bytes/param": ("weight_bytes", "grad_bytes", "master_bytes", "optimizer_bytes"),
 }
+# Shown only when set away from their defaults (a dense, uniform model shows none of them).
+OPTIONAL_GROUPS = {
+    "attention+": (
+        "head_dim",
+        "qkv_bias",
+        "qk_norm",
+        "post_norms",
+        "parallel_residual",
+        "sliding_window",
+        "sliding_window_layers",
+    ),
+    "mla": ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+    "moe": (
+        "experts",
+        "top_k",
+        "moe_ffn_hidden",
+        "shared_experts",
+        "shared_ffn_hidden",
+        "shared_expert_gate",
+        "expert_bias",
+        "capacity_factor",
+        "moe_layers",
+        "moe_imbalance",
+        "ep",
+        "etp",
+    ),
+    "stages": ("first_stage_layers", "last_stage_layers"),
+}
 
 
 def model_table(spec: ModelSpec, title: str | None = None) -> Table:
@@ -113,6 +219,21 @@ def model_table(spec: ModelSpec, title: str | None = None) -> Table:
     values = spec.to_dict()
     for group, keys in MODEL_GROUPS.items():
         table.add_row(group, "  ".join(f"{key}={values[key]}" for key in keys))
+    if spec.kind == "transformer":
+        shown = {
+            "attention+": spec.head_dim * spec.heads != spec.hidden
+            or spec.qkv_bias != spec.bias
+            or spec.qk_norm
+            or spec.post_norms
+            or spec.parallel_residual
+            or bool(spec.sliding_window),
+            "mla": spec.mla,
+            "moe": bool(spec.experts),
+            "stages": spec.first_stage_layers is not None or spec.last_stage_layers is not None,
+        }
+        for group, keys in OPTIONAL_GROUPS.items():
+            if shown[group]:
+                table.add_row(group, "  ".join(f"{key}={values[key]}" for key in keys))
     return table
 
 
@@ -126,16 +247,32 @@ def _sbh_coefficient(spec: ModelSpec, saved: int) -> str:
     return str(ratio) if ratio.denominator == 1 else f"{float(ratio):,.3f}"
 
 
-def per_op_table(spec: ModelSpec) -> Table:
+def per_op_tables(spec: ModelSpec) -> list[Table]:
+    """The per-op table of each kind of layer (one table for a uniform model)."""
+    kinds = distinct_kinds(spec)
+    if len(kinds) == 1:
+        return [per_op_table(spec)]
+    all_kinds = layer_kinds(spec)
+    tables = []
+    for kind in kinds:
+        indices = {i for i, k in enumerate(all_kinds) if k == kind}
+        where = format_layer_set(indices, spec.layers)
+        title = f"{kind.name} layer ({len(indices)} of {spec.layers}: {where})"
+        tables.append(per_op_table(spec, kind, title))
+    return tables
+
+
+def per_op_table(spec: ModelSpec, kind=None, title: str | None = None) -> Table:
     unit = "b·d" if spec.kind == "mlp" else "s·b·h"
-    table = Table(title="One layer, one micro-batch, one GPU, no recompute", title_justify="left")
+    heading = "One layer, one micro-batch, one GPU, no recompute"
+    table = Table(title=f"{title}: {heading}" if title else heading, title_justify="left")
     table.add_column("op")
     table.add_column("component")
     table.add_column("saved", justify="right")
     table.add_column(f"x {unit}", justify="right")
     table.add_column("recompute group")
     table.add_column("forward FLOPs", justify="right")
-    for op in layer_ops(spec):
+    for op in layer_ops(spec, kind):
         table.add_row(
             op.name,
             op.component,
@@ -144,7 +281,7 @@ def per_op_table(spec: ModelSpec) -> Table:
             op.group or "",
             format_flops(op.forward_flops),
         )
-    total = sum(op.saved_bytes for op in layer_ops(spec))
+    total = sum(op.saved_bytes for op in layer_ops(spec, kind))
     table.add_row("total", "", _gib(total), _sbh_coefficient(spec, total), "", "", style="bold")
     return table
 
@@ -176,6 +313,13 @@ def plan_summary_table(plan: Plan) -> Table:
         _gib(states.optimizer),
         f"{spec.master_bytes + spec.optimizer_bytes} B/param (master + Adam)",
     )
+    if spec.experts:
+        table.add_row(
+            "  of which experts",
+            _gib(states.expert_total),
+            f"E/ep = {spec.experts // spec.ep} experts per GPU, ZeRO-{spec.zero} over "
+            f"expert-DP {spec.expert_data_parallel}",
+        )
     table.add_row(
         "total per GPU", _both(plan.total_bytes), "activations + model states", style="bold"
     )
@@ -184,6 +328,8 @@ def plan_summary_table(plan: Plan) -> Table:
         f"{plan.parameters_total:,}",
         f"{plan.parameters_per_gpu:,} on the busiest GPU",
     )
+    if spec.experts:
+        table.add_row("  active", f"{parameter_count(spec).active:,}", "per token (top-k experts)")
     flops = plan.flops
     table.add_row("forward", format_flops(flops.forward), "per iteration, one GPU")
     table.add_row("backward", format_flops(flops.backward), "")
@@ -214,7 +360,11 @@ def estimate_view(
     time: StepTime | None = None,
     gpu: GPU | None = None,
 ) -> Group:
-    parts: list[Any] = [model_table(plan.spec), per_op_table(plan.spec), plan_summary_table(plan)]
+    parts: list[Any] = [model_table(plan.spec), *per_op_tables(plan.spec), plan_summary_table(plan)]
+    layout = expert_layout(plan.spec)
+    if layout is not None:
+        states = plan.model_states
+        parts.append(Text(expert_layout_line(layout, states.total, states.expert_total)))
     if time is not None:
         parts.append(step_time_table(plan, time, gpu))
     elif gpu is not None:
@@ -254,6 +404,12 @@ def presets_table(rows: list[tuple[str, ModelSpec, int]]) -> Table:
         table.add_column(column, justify="left" if column in ("name", "arch") else "right")
     for name, spec, params in rows:
         arch = f"{spec.norm}, {spec.mlp}, {spec.attention}"
+        if spec.mla:
+            arch += ", mla"
+        if spec.experts:
+            arch += f", moe {spec.experts}x top-{spec.top_k}"
+        if spec.sliding_window:
+            arch += f", window {spec.sliding_window}"
         table.add_row(
             name,
             f"{params / 1e9:,.2f} B" if params >= 10**9 else f"{params / 1e6:,.1f} M",

@@ -10,11 +10,12 @@ from rich.table import Table
 from rich.text import Text
 
 from ckplan.hardware.step_time import StepTime
+from ckplan.model.moe import expert_layout
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 from ckplan.plan.search import Candidate, SweepResult
 from ckplan.render.common import GIB, _gib
-from ckplan.render.estimate import plan_dict
+from ckplan.render.estimate import expert_layout_line, plan_dict
 from ckplan.render.time import seconds
 from ckplan.units import format_bytes, format_flops, size_unit
 
@@ -126,6 +127,10 @@ def sweep_view(
                 + " that fits (--rank time|flops)."
             )
         )
+    layout = expert_layout(spec)
+    if layout is not None:
+        first = result.candidates[0].plan.model_states
+        parts.append(Text(expert_layout_line(layout, first.total, first.expert_total)))
     if show_all:
         rows = sorted(result.candidates, key=lambda c: c.plan.total_bytes)
         parts.append(candidates_table(rows, "Every plan, by peak memory", result.best))
@@ -138,6 +143,9 @@ def sweep_view(
             )
         parts.append(candidates_table(shown, title, result.best))
     parts.append(_verdict(result))
+    if result.best is not None:  # recompute the busiest stage's FLOPs do not show
+        hidden = [note for note in result.best.plan.notes if " recomputes " in note]
+        parts += [Text(f"({note})", style="dim") for note in hidden]
     parts += [Text(note, style="dim") for note in result.notes]
     if result.min_memory_segment is not None:
         sqrt_k = round(spec.layers_per_stage**0.5)

@@ -1,0 +1,149 @@
+"""Mixed layers: which kind each layer of a model is, and which layers a pipeline stage holds.
+
+A model is a list of layers; layers differ in two ways that change their op table:
+  - the MLP: dense, or a mixture of experts (`moe_layers`, e.g. DeepSeek-V3's first 3 layers
+    dense, Llama-4-style every other layer MoE);
+  - the attention span: full, or a sliding window (`sliding_window_layers`, e.g. Gemma 2's
+    alternating local and global layers).
+Both keys are *layer sets*, parsed here:
+
+    all | none | TERM[,TERM...]      TERM = N | A-B | A- , optionally :S (every S-th layer)
+
+Layers are 0-based; `A-B` is inclusive; `A-` runs to the last layer; `:S` keeps every S-th
+layer of the range starting at its first. So Megatron's `--moe-layer-freq 2` is `0-:2`, DeepSeek's
+`first_k_dense_replace: 3` is `3-`, and Gemma 2's sliding layers (the even ones) are `0-:2`.
+A YAML list of layer indices is accepted too.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+
+class LayerSetError(ValueError):
+    """A layer set that does not parse or names layers the model does not have."""
+
+
+_TERM = re.compile(r"(\d+)(?:(-)(\d*))?(?::(\d+))?")
+
+
+def parse_layer_set(text: str, layers: int) -> frozenset[int]:
+    """The 0-based layer indices a layer-set string selects (grammar in the module docstring)."""
+    body = text.strip().lower()
+    if body == "all":
+        return frozenset(range(layers))
+    if body in ("none", ""):
+        return frozenset()
+    selected: set[int] = set()
+    for term in body.split(","):
+        match = _TERM.fullmatch(term.strip())
+        if not match:
+            raise LayerSetError(
+                f"{term.strip()!r} is not a layer range (expected N, A-B, A- or A-B:S, "
+                "0-based, e.g. 3- or 0-:2)"
+            )
+        start = int(match.group(1))
+        end = start
+        if match.group(2):
+            end = int(match.group(3)) if match.group(3) else layers - 1
+        step = int(match.group(4)) if match.group(4) else 1
+        if step < 1:
+            raise LayerSetError(f"{term.strip()!r}: the step must be at least 1")
+        if end < start:
+            raise LayerSetError(f"{term.strip()!r}: the range ends before it starts")
+        if end >= layers:
+            raise LayerSetError(f"{term.strip()!r}: the model has layers 0..{layers - 1}")
+        selected.update(range(start, end + 1, step))
+    return frozenset(selected)
+
+
+def format_layer_set(indices: frozenset[int] | set[int], layers: int) -> str:
+    """A compact layer-set string: `all`, `none`, or comma-separated ranges (`0-2,5,7-`)."""
+    if len(indices) == layers:
+        return "all"
+    if not indices:
+        return "none"
+    ordered = sorted(indices)
+    for step in range(2, layers):  # a strided run to the end, such as Gemma 2's 0-:2
+        start = ordered[0]
+        if list(range(start, layers, step)) == ordered and len(ordered) > 2:
+            return f"{start}-:{step}"
+    runs, first, last = [], ordered[0], ordered[0]
+    for index in ordered[1:]:
+        if index == last + 1:
+            last = index
+            continue
+        runs.append((first, last))
+        first = last = index
+    runs.append((first, last))
+    parts = []
+    for first, last in runs:
+        if first == last:
+            parts.append(str(first))
+        else:
+            parts.append(f"{first}-" if last == layers - 1 else f"{first}-{last}")
+    return ",".join(parts)
+
+
+@dataclass(frozen=True, order=True)
+class LayerKind:
+    """What distinguishes one layer's op table from another's in the same model."""
+
+    moe: bool = False  # a mixture-of-experts MLP instead of the dense one
+    window: int = 0  # sliding-window attention span in tokens; 0 = full attention
+
+    @property
+    def name(self) -> str:
+        mlp = "moe" if self.moe else "dense"
+        return mlp if not self.window else f"{mlp}, window {self.window}"
+
+
+DENSE = LayerKind()
+
+
+@lru_cache(maxsize=128)
+def layer_kinds(spec) -> tuple[LayerKind, ...]:
+    """The kind of every layer of `spec`, in order (one entry per layer)."""
+    if spec.kind != "transformer":
+        return (DENSE,) * spec.layers
+    moe = parse_layer_set(spec.moe_layers, spec.layers) if spec.experts else frozenset()
+    window = spec.sliding_window if spec.sliding_window and spec.sliding_window < spec.seq else 0
+    windowed = parse_layer_set(spec.sliding_window_layers, spec.layers) if window else frozenset()
+    return tuple(
+        LayerKind(moe=i in moe, window=window if i in windowed else 0) for i in range(spec.layers)
+    )
+
+
+def distinct_kinds(spec) -> tuple[LayerKind, ...]:
+    """The kinds present in the model, in order of first appearance."""
+    return tuple(dict.fromkeys(layer_kinds(spec)))
+
+
+def is_uniform(spec) -> bool:
+    return len(distinct_kinds(spec)) == 1
+
+
+@lru_cache(maxsize=512)
+def stage_layer_indices(spec, stage: int) -> tuple[int, ...]:
+    """The layers pipeline stage `stage` (0-based) holds, in the order it runs them.
+
+    Megatron-LM's layout: p stages of L/p consecutive layers; with v virtual stages (interleaved
+    1F1B), model chunk c of L/(p·v) layers sits on stage c mod p, so stage k holds chunks
+    k, k + p, k + 2p, ... (Narayanan et al. 2021, §2.2). Uneven stages (first_stage_layers,
+    last_stage_layers) hold consecutive layers.
+    """
+    counts = spec.stage_layer_counts
+    if len(set(counts)) > 1:
+        start = sum(counts[:stage])
+        return tuple(range(start, start + counts[stage]))
+    chunk = spec.layers // (spec.pp * spec.virtual_stages)
+    chunks = range(stage, spec.pp * spec.virtual_stages, spec.pp)
+    return tuple(c * chunk + i for c in chunks for i in range(chunk))
+
+
+@lru_cache(maxsize=512)
+def stage_kinds(spec, stage: int) -> tuple[LayerKind, ...]:
+    kinds = layer_kinds(spec)
+    return tuple(kinds[i] for i in stage_layer_indices(spec, stage))

@@ -1,0 +1,121 @@
+"""Multi-head latent attention (DeepSeek-V2 §2.1, DeepSeek-V3 §2.1.1): its projections.
+
+Q and K/V are projected through low-rank latents: the layer input x goes down to a query
+latent (q_lora_rank wide, RMSNorm) and up to a heads of qk_nope + qk_rope dims, and down to a
+KV latent (kv_lora_rank) plus one shared RoPE key (qk_rope dims), the latent normalised and
+projected up to a heads of qk_nope (K) + v_head_dim (V). The attention core then runs on
+Q, K of qk_nope + qk_rope dims and V of v_head_dim (`ops._attention_ops`).
+
+Parallel layout as Megatron-LM's MLASelfAttention with Transformer Engine
+(megatron/core/transformer/multi_latent_attention.py): the down projections are duplicated
+linears (whole on every TP rank, each over its own s/t tokens under sequence parallelism),
+their norms too; the up projections are column-parallel (a/t heads per rank) and, under
+sequence parallelism, save their un-gathered s/t-token input.
+
+What each saves (derived from each op's backward): a linear saves its input, an RMSNorm its
+input (the fp32 per-token rstd left out, as for every norm in ckplan); RoPE saves nothing but
+its cos/sin tables (Megatron's fused kernels). The norm of the KV latent is taken as saving the
+latent alone (a contiguous input, as TE's norm kernels need); normalising a view of the down
+projection's output would keep the RoPE key's qk_rope columns alive with it.
+"""
+
+from __future__ import annotations
+
+from ckplan.model.ops import LayerShapes, Op, _matmul, _op
+from ckplan.model.spec import ModelSpec
+
+
+def mla_projection_ops(
+    spec: ModelSpec, shapes: LayerShapes, core_grads: tuple[int, int, int]
+) -> list[Op]:
+    """q_down, q_norm, q_up (or q_proj without a query latent), kv_down, kv_norm, kv_up.
+
+    `core_grads` are the attention core's gradients of Q, K, V (bytes on this rank), which the
+    up projections read as their output gradients. The backward fields follow the gradients'
+    paths: dQ to q_up; dK's no-RoPE part and dV to kv_up, dK's RoPE part summed over the heads
+    into the shared RoPE key's gradient (counted at kv_up), which kv_down reads with the
+    latent's; x's gradient is kv_down's, into which q_down's is accumulated (workspace).
+    """
+    B, X, tokens = shapes.B, shapes.X, shapes.tokens
+    local = shapes.stream_tokens  # tokens each rank projects down (s/t under SP, else s)
+    heads_r = spec.heads // spec.tp
+    nope, rope, v_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+    qk_dim = nope + rope
+    q_rank, kv_rank = spec.q_lora_rank, spec.kv_lora_rank
+    d_q, d_k, d_v = core_grads
+    ops = []
+    if q_rank:
+        latent = B * local * q_rank
+        # x is saved once, here (kv_down reads the same storage; q_down is backpropagated last).
+        ops.append(
+            _op(
+                "q_down",
+                "attention",
+                X,
+                _matmul(local, q_rank, spec.hidden),
+                grads=(latent, 0),
+                workspace=X,
+            )
+        )
+        ops.append(_op("q_norm", "attention", latent, grads=(latent, latent)))
+        ops.append(
+            _op(
+                "q_up",
+                "attention",
+                latent,
+                _matmul(tokens, heads_r * qk_dim, q_rank),
+                grads=(d_q, latent),
+            )
+        )
+    else:
+        ops.append(
+            _op(
+                "q_proj",
+                "attention",
+                X,
+                _matmul(tokens, heads_r * qk_dim, spec.hidden),
+                grads=(d_q, 0),
+                workspace=X,
+            )
+        )
+    kv_latent = B * local * kv_rank
+    rope_key = B * local * rope  # the shared RoPE key's gradient, summed over the heads
+    ops.append(
+        _op(
+            "kv_down",
+            "attention",
+            0,
+            _matmul(local, kv_rank + rope, spec.hidden),
+            grads=(kv_latent + rope_key, X),
+        )
+    )
+    ops.append(_op("kv_norm", "attention", kv_latent, grads=(kv_latent, kv_latent)))
+    ops.append(
+        _op(
+            "kv_up",
+            "attention",
+            kv_latent,
+            _matmul(tokens, heads_r * (nope + v_dim), kv_rank),
+            grads=(d_k + d_v, kv_latent + rope_key),
+        )
+    )
+    return ops
+
+
+def mla_parameters(spec: ModelSpec) -> tuple[int, int]:
+    """(tensor-parallel, replicated) parameters of one MLA block: up projections and the
+    output projection split over tp; down projections and the latent norms whole on every
+    rank (Megatron-LM's duplicated linears). DeepSeek-V3 (h 7168, a 128, q_lora 1536,
+    kv_lora 512, nope 128, rope 64, v 128): 187,107,328 in all."""
+    h, a = spec.hidden, spec.heads
+    qk_dim = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+    kv_rank = spec.kv_lora_rank
+    if spec.q_lora_rank:
+        q_split = spec.q_lora_rank * a * qk_dim
+        q_whole = h * spec.q_lora_rank + spec.q_lora_rank  # q_down and q_norm
+    else:
+        q_split, q_whole = h * a * qk_dim, 0
+    kv_split = kv_rank * a * (spec.qk_nope_head_dim + spec.v_head_dim)
+    kv_whole = h * (kv_rank + spec.qk_rope_head_dim) + kv_rank  # kv_down and kv_norm
+    out = a * spec.v_head_dim * h
+    return q_split + kv_split + out, q_whole + kv_whole

@@ -1,0 +1,147 @@
+"""Hugging Face config.json of each supported family (real files, tests/fixtures/hf/) against
+the published parameter totals, and the keys ckplan refuses."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ckplan.io.hf_config import SUPPORTED, hf_config_mapping
+from ckplan.io.presets import load_spec
+from ckplan.model.layers import layer_kinds
+from ckplan.model.memory import parameter_count
+from ckplan.model.spec import SpecError
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+
+# Published totals: the checkpoints' safetensors parameter counts (the HF model pages' "Model
+# size"), as also quoted by keras-hub presets and model cards.
+PUBLISHED = {
+    "Meta-Llama-3-8B": 8_030_261_248,
+    "Mistral-7B-v0.1": 7_241_732_096,
+    "Mixtral-8x7B-v0.1": 46_702_792_704,
+    "Qwen2-7B": 7_615_616_512,  # with the q, k, v biases
+    "Qwen1.5-MoE-A2.7B": 14_315_784_192,
+    "Qwen3-8B": 8_190_735_360,
+    "Qwen3-30B-A3B": 30_532_122_624,
+    "gemma-7b": 8_537_680_896,
+    "gemma-2-9b": 9_241_705_984,
+    "Phi-3-mini-4k-instruct": 3_821_079_552,
+    "gpt2": 124_439_808,
+    "pythia-160m": 162_322_944,  # gpt_neox
+    "DeepSeek-V2-Lite": 15_706_484_224,
+}
+
+
+def load(name, **overrides):
+    return load_spec(str(FIXTURES / name / "config.json"), overrides)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameters_equal_the_published_total(name):
+    assert parameter_count(load(name)).total == PUBLISHED[name]
+
+
+def test_every_supported_family_has_a_fixture():
+    types = set()
+    for path in FIXTURES.glob("*/config.json"):
+        types.add(json.loads(path.read_text())["model_type"])
+    assert types >= set(SUPPORTED) - {"gemma3_text"}
+
+
+def test_deepseek_v3_671b_main_model():
+    """DeepSeek-V3: 671B total (README_WEIGHTS.md: "Main Model Weights ... Total parameters:
+    671B"), the 61 layers, embedding and output head; the MTP module (11.5B unique) is not
+    counted, and the source says so. Activated 36.6B without the input embedding."""
+    spec = load("DeepSeek-V3")
+    counts = parameter_count(spec)
+    assert counts.total == 671_026_419_200
+    assert round(counts.total / 1e9) == 671
+    assert round((counts.active - spec.vocab * spec.hidden) / 1e8) == 366
+    assert "multi-token-prediction" in spec.source
+    assert spec.expert_bias and spec.moe_layers == "3-" and spec.q_lora_rank == 1536
+
+
+def test_gemma3_text_config_with_the_vision_tower():
+    """gemma-3-4b-it: ckplan counts the language model (text_config, with Gemma3TextConfig's
+    defaults for the keys the file leaves out); adding the SigLIP vision tower and projector,
+    derived here from vision_config, gives the published 4,300,079,472."""
+    config = json.loads((FIXTURES / "gemma-3-4b-it" / "config.json").read_text())
+    spec = load("gemma-3-4b-it")
+    text = parameter_count(spec).total
+    v = config["vision_config"]
+    d, f, n = v["hidden_size"], v["intermediate_size"], v["num_hidden_layers"]
+    patches = (v["image_size"] // v["patch_size"]) ** 2
+    vision = 3 * v["patch_size"] ** 2 * d + d + patches * d  # patch conv and positions
+    vision += n * (4 * (d * d + d) + 2 * d * f + f + d + 2 * 2 * d) + 2 * d  # layers, post-LN
+    projector = d * spec.hidden + d  # mm_input_projection and mm_soft_emb_norm
+    assert text + vision + projector == 4_300_079_472
+    assert "vision tower" in spec.source
+    assert (spec.vocab, spec.heads, spec.kv_heads, spec.head_dim) == (262_208, 8, 4, 256)
+    assert spec.qk_norm and spec.post_norms and spec.tied_embeddings
+    windows = [kind.window for kind in layer_kinds(spec.replace(seq=8192))]
+    assert windows[:6] == [1024] * 5 + [0]
+
+
+def test_mixtral_is_a_mixture_of_experts_not_a_dense_7b():
+    spec = load("Mixtral-8x7B-v0.1")
+    assert (spec.experts, spec.top_k, spec.moe_ffn_hidden) == (8, 2, 14336)
+    assert parameter_count(spec).total > 46e9
+
+
+def test_family_quirks():
+    assert load("Qwen2-7B").qkv_bias and not load("Qwen2-7B").bias
+    qwen3 = load("Qwen3-8B")
+    assert qwen3.qk_norm and qwen3.head_dim == 128
+    moe = load("Qwen1.5-MoE-A2.7B")
+    assert (moe.shared_ffn_hidden, moe.shared_expert_gate, moe.qkv_bias) == (5632, True, True)
+    gemma2 = load("gemma-2-9b")
+    assert gemma2.post_norms and gemma2.sliding_window_layers == "0-:2"
+    assert gemma2.mlp == "geglu" and gemma2.tied_embeddings and gemma2.dtype_bytes == 4
+    assert load("Mistral-7B-v0.1").sliding_window == 4096
+    assert load("Phi-3-mini-4k-instruct").sliding_window == 2047
+    neox = load("pythia-160m")
+    assert neox.parallel_residual and neox.norm == "layernorm" and not neox.tied_embeddings
+    lite = load("DeepSeek-V2-Lite")
+    assert (lite.q_lora_rank, lite.moe_layers, lite.shared_ffn_hidden) == (0, "1-", 2816)
+    assert not lite.expert_bias
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"model_type": "llama4"}, "unsupported model_type 'llama4'; supported: llama, "),
+        ({"model_type": "llama", "attention_bias": True}, "cannot model attention_bias"),
+        ({"model_type": "llama", "mlp_bias": True}, "cannot model mlp_bias"),
+        ({"model_type": "llama", "hidden_act": "relu2"}, "cannot model hidden_act"),
+        (
+            {"model_type": "gemma2", "layer_types": ["linear_attention"] * 32},
+            "cannot model layer_types",
+        ),
+        ({"model_type": "gpt_neox", "attention_bias": False}, "cannot model attention_bias"),
+    ],
+)
+def test_keys_ckplan_cannot_model_are_errors(changes, message):
+    config = json.loads((FIXTURES / "Meta-Llama-3-8B" / "config.json").read_text())
+    with pytest.raises(SpecError, match=message):
+        hf_config_mapping({**config, **changes}, "x/config.json")
+
+
+def test_gpt2_cross_attention_is_refused():
+    config = json.loads((FIXTURES / "gpt2" / "config.json").read_text())
+    with pytest.raises(SpecError, match="cannot model add_cross_attention"):
+        hf_config_mapping({**config, "add_cross_attention": True}, "x/config.json")
+
+
+def test_a_config_without_model_type():
+    with pytest.raises(SpecError, match="no model_type"):
+        hf_config_mapping({"num_hidden_layers": 2}, "x/config.json")
+
+
+def test_qwen_moe_layer_rules():
+    """decoder_sparse_step 2: layers 1, 3, ... sparse; mlp_only_layers stay dense."""
+    config = json.loads((FIXTURES / "Qwen3-30B-A3B" / "config.json").read_text())
+    mapping = hf_config_mapping(
+        {**config, "decoder_sparse_step": 2, "mlp_only_layers": [1]}, "x/config.json"
+    )
+    assert mapping["moe_layers"] == "3-:2"
