@@ -315,32 +315,55 @@ def norm_parameters(spec: ModelSpec) -> int:
 
 @dataclass(frozen=True)
 class LayerParameters:
-    """One layer's weights by how they are laid out (Megatron-LM's modules)."""
+    """One layer's weights by how Megatron-LM lays them out on the tensor-parallel ranks."""
 
-    split: int  # split over tp: column/row-parallel linears and their biases
-    replicated: int  # whole on every TP rank: norms, the router, MLA's down projections
-    experts: int = 0  # routed experts, split over ep·etp
+    split: int  # split over tp: column-parallel linears and biases, row-parallel weights
+    replicated: int  # whole on every TP rank: norms, row-parallel biases, router, MLA down
+    experts: int = 0  # routed experts (all their weights and biases), split over ep·etp
     inactive: int = 0  # the routed experts a token does not use
+    kv: int = 0  # K and V projections and biases: g/t heads per rank, one replicated if t > g
+    expert_row_bias: int = 0  # of `experts`, their fc2 biases: whole on every etp rank
 
     @property
     def total(self) -> int:
-        return self.split + self.replicated + self.experts
+        return self.split + self.replicated + self.experts + self.kv
 
-    def per_rank(self, spec: ModelSpec) -> int:
-        experts = _split(self.experts, spec.ep * spec.etp)
-        return _split(self.split, spec.tp) + self.replicated + experts
+    def dense_per_rank(self, spec: ModelSpec) -> int:
+        """Dense weights on one TP rank (`tensor_parallel_layout`)."""
+        kv = self.kv // spec.kv_heads * -(-spec.kv_heads // spec.tp) if self.kv else 0
+        return _split(self.split, spec.tp) + self.replicated + kv
+
+    def experts_per_rank(self, spec: ModelSpec) -> int:
+        """Routed-expert weights on one rank: E/ep experts, each split over etp but for its
+        row-parallel fc2 bias."""
+        matrices = _split(self.experts - self.expert_row_bias, spec.ep * spec.etp)
+        return matrices + _split(self.expert_row_bias, spec.ep)
 
 
 @lru_cache(maxsize=256)
 def layer_parameter_parts(spec: ModelSpec, kind: LayerKind | None = None) -> LayerParameters:
     """Weights of one layer from its matmul shapes (derived: QKV h·(a·d + 2gd), out-proj
     a·d·h, MLP 2hF for GELU or 3hF gated, biases on every output when `bias` (on Q, K, V only
-    with `qkv_bias`), norms; MLA: `mla.mla_parameters`; MoE: `moe.moe_layer_parameters`)."""
+    with `qkv_bias`), norms; MLA: `mla.mla_parameters`; MoE: `moe.moe_layer_parameters`),
+    laid out as Megatron-LM's modules hold them on each tensor-parallel rank
+    (megatron/core/tensor_parallel/layers.py, transformer/attention.py):
+
+    - ColumnParallelLinear (QKV, fc1, MLA up projections, the output layer) splits its weight
+      and its bias over t;
+    - RowParallelLinear (out-proj, fc2) splits its weight over t but keeps the whole bias of
+      `output_size` on every rank (it is added after the all-reduce);
+    - K and V of GQA: g/t heads per rank, and one head (replicated) on each rank when t > g
+      (ckplan's `kv_heads_per_rank`, as for the activations);
+    - norms, QK-norms, the MoE router and MLA's down projections and latent norms are whole on
+      every rank; routed experts split over ep·etp, their fc2 biases over ep only.
+    """
     from ckplan.model.ops import representative_kind
 
     h, F = spec.hidden, spec.ffn_hidden
     kind = representative_kind(spec) if kind is None else kind
     norms = (4 if spec.post_norms else 2) * norm_parameters(spec)
+    row_bias = h if spec.bias else 0  # a row-parallel linear's bias: whole on every rank
+    kv = 0
     if spec.mla:
         from ckplan.model.mla import mla_parameters
 
@@ -348,21 +371,30 @@ def layer_parameter_parts(spec: ModelSpec, kind: LayerKind | None = None) -> Lay
         replicated += norms
     else:
         d = spec.head_dim
-        qkv_out = spec.heads * d + 2 * spec.kv_heads * d
-        split = h * qkv_out + spec.heads * d * h
-        split += (qkv_out if spec.qkv_bias else 0) + (h if spec.bias else 0)
-        replicated = norms + (2 * d if spec.qk_norm else 0)
+        q_out, kv_out = spec.heads * d, 2 * spec.kv_heads * d
+        split = h * q_out + spec.heads * d * h + (q_out if spec.qkv_bias else 0)
+        kv = h * kv_out + (kv_out if spec.qkv_bias else 0)
+        replicated = norms + (2 * d if spec.qk_norm else 0) + row_bias
     if kind.moe:
         from ckplan.model.moe import moe_layer_parameters
 
         moe_split, moe_replicated, experts = moe_layer_parameters(spec)
+        shared_bias = row_bias if spec.shared_ffn_hidden else 0  # the shared experts' fc2 bias
         inactive = experts // spec.experts * (spec.experts - spec.top_k)
-        return LayerParameters(split + moe_split, replicated + moe_replicated, experts, inactive)
+        return LayerParameters(
+            split + moe_split - shared_bias,
+            replicated + moe_replicated + shared_bias,
+            experts,
+            inactive,
+            kv,
+            spec.experts * row_bias,
+        )
     gated = spec.mlp != "gelu"
     split += (3 if gated else 2) * h * F
     if spec.bias:
-        split += (2 * F if gated else F) + h
-    return LayerParameters(split, replicated)
+        split += 2 * F if gated else F
+        replicated += row_bias
+    return LayerParameters(split, replicated, kv=kv)
 
 
 def layer_parameters(spec: ModelSpec, kind: LayerKind | None = None) -> int:
@@ -400,42 +432,60 @@ def parameter_count(spec: ModelSpec) -> ParameterCount:
 
 @lru_cache(maxsize=256)
 def stage_parameters(spec: ModelSpec, stage: int = 0) -> tuple[int, int]:
-    """(dense, expert) parameters on one GPU of pipeline stage `stage`: its layers with
-    matrices split over t (Megatron's vocab-parallel embedding and column/row-parallel
-    linears; norms, routers, MLA down projections replicated) and routed experts over ep·etp,
-    the embedding on the first stage, final norm and output layer on the last."""
+    """(dense, expert) parameters on one GPU of pipeline stage `stage`, as Megatron-LM lays
+    them out (`layer_parameter_parts`): its layers; on the first stage the vocab-parallel word
+    embedding (V/t rows) and the learned position embedding, a plain torch.nn.Embedding whole
+    on every TP rank (megatron/core/models/common/embeddings/language_model_embedding.py,
+    "Position embedding (serial)"); on the last stage the final norm (whole) and the
+    column-parallel output layer (V/t rows), which with tied embeddings and p > 1 is a copy of
+    the word embedding kept on the last stage (LanguageModule.
+    setup_embeddings_and_output_layer: "maintain duplicated embedding weights in post
+    processing stage"). The seed MLP: its stage's layers."""
     counts = parameter_count(spec)
     if spec.kind == "mlp":
-        return counts.total, 0
+        return counts.per_layer * len(stage_layer_indices(spec, stage)), 0
     kinds = layer_kinds(spec)
     dense = expert = 0
-    for index in stage_layer_indices(spec, stage):
-        part = layer_parameter_parts(spec, kinds[index])
-        dense += _split(part.split, spec.tp) + part.replicated
-        expert += _split(part.experts, spec.ep * spec.etp)
+    for kind, count in Counter(kinds[i] for i in stage_layer_indices(spec, stage)).items():
+        part = layer_parameter_parts(spec, kind)
+        dense += count * part.dense_per_rank(spec)
+        expert += count * part.experts_per_rank(spec)
+    words = _split(spec.vocab * spec.hidden, spec.tp)
     if stage == 0:
-        dense += _split(counts.embedding, spec.tp)
+        dense += words + (counts.embedding - spec.vocab * spec.hidden)  # positions, whole
     if stage == spec.pp - 1:
-        dense += counts.final_norm + _split(counts.output, spec.tp)
+        tied_copy = spec.tied_embeddings and spec.pp > 1
+        dense += counts.final_norm + (words if counts.output or tied_copy else 0)
     return dense, expert
+
+
+def distinct_stages(spec: ModelSpec) -> tuple[int, ...]:
+    """One pipeline stage of each kind whose parameters can differ: the first, the last, and
+    each middle stage whose layer kinds no earlier middle stage holds."""
+    from ckplan.model.layers import stage_kinds
+
+    stages, seen = [0], set()
+    for stage in range(1, spec.pp - 1):
+        kinds = Counter(stage_kinds(spec, stage))
+        key = frozenset(kinds.items())
+        if key not in seen:
+            seen.add(key)
+            stages.append(stage)
+    return (*stages, spec.pp - 1) if spec.pp > 1 else (0,)
 
 
 @lru_cache(maxsize=128)
 def busiest_stage(spec: ModelSpec) -> int:
-    """The pipeline stage whose GPUs hold the most parameters: the first (embedding) when
-    every stage holds the same kinds of layers (Korthikanti's and Megatron's accounting), else
-    the fullest (DeepSeek-V3's first stage holds its three dense layers)."""
-    from ckplan.model.layers import stage_kinds
-
-    if spec.kind == "mlp" or len({stage_kinds(spec, k) for k in range(spec.pp)}) == 1:
-        return 0
-    return max(range(spec.pp), key=lambda stage: sum(stage_parameters(spec, stage)))
+    """The pipeline stage whose GPUs hold the most parameters (the first of equals): the first
+    (embedding) or the last (output layer) for a uniform model, else the fullest
+    (DeepSeek-V3's first stage holds its three dense layers)."""
+    return max(
+        distinct_stages(spec), key=lambda stage: (sum(stage_parameters(spec, stage)), -stage)
+    )
 
 
 def parameters_per_gpu(spec: ModelSpec) -> int:
-    """Parameters held by the busiest GPU (`busiest_stage`): for a uniform model the first
-    pipeline stage (embedding and L/p layers), plus the output layer and final norm when
-    p = 1."""
+    """Parameters held by the busiest GPU (`busiest_stage`)."""
     return sum(stage_parameters(spec, busiest_stage(spec)))
 
 
@@ -458,8 +508,9 @@ class ModelStateBytes:
         return self.expert_weights + self.expert_gradients + self.expert_optimizer
 
 
-def model_state_bytes(spec: ModelSpec) -> ModelStateBytes:
-    """Weights, gradients and optimizer state per GPU (of the busiest stage).
+def model_state_bytes(spec: ModelSpec, stage: int | None = None) -> ModelStateBytes:
+    """Weights, gradients and optimizer state per GPU of pipeline stage `stage` (default the
+    busiest, `busiest_stage`).
 
     Megatron-LM's mixed-precision Adam keeps 18 bytes per parameter: bf16 weights (2), fp32 main
     gradients (4), fp32 master weights (4), Adam m and v (4 + 4) (Megatron-LM
@@ -469,7 +520,13 @@ def model_state_bytes(spec: ModelSpec) -> ModelStateBytes:
     experts' states are sharded over their own data-parallel group, tp·cp·dp/(ep·etp)
     (Megatron-LM's expert_data_parallel_size; `ModelSpec.expert_data_parallel`).
     """
-    dense, expert = stage_parameters(spec, busiest_stage(spec))
+    dense, expert = stage_parameters(spec, busiest_stage(spec) if stage is None else stage)
+    return states_of(spec, dense, expert)
+
+
+def states_of(spec: ModelSpec, dense: int, expert: int) -> ModelStateBytes:
+    """The model states of `dense` and `expert` parameters under spec's ZeRO stage, dp and
+    expert data parallelism (`model_state_bytes`)."""
 
     def shard(params: int, dp: int, bytes_per_param: int, from_stage: int) -> int:
         total = params * bytes_per_param

@@ -76,6 +76,8 @@ class Plan:
     stage_forwards: tuple[tuple[int, tuple[int, ...]], ...] = ()
     # recompute groups re-run inside every stored layer (selective, moe, experts)
     recompute_groups: tuple[str, ...] = ()
+    # the pipeline stage whose GPUs peak (model states + activations); its states are shown
+    peak_stage: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -232,24 +234,18 @@ def evaluate(
             else replay.layer_forwards
         )
         forwards.append((stage, counts))
-    # Memory: the fullest stage. FLOPs: the busiest stage, which paces the pipeline.
-    peak, steps, _, stage, _ = max(results, key=lambda result: result[0])
+    # Memory: the GPU whose model states and activations together are the most (each stage
+    # holds its own parameters). FLOPs: the busiest stage, which paces the pipeline.
+    states = {stage: memory.model_state_bytes(spec, stage) for *_, stage, _ in results}
+    peak, steps, _, stage, _ = max(results, key=lambda r: (r[0] + states[r[3]].total, -r[3]))
     busiest = max(results, key=lambda result: result[2].total)
     flops = busiest[2]
     names = _stage_names(spec, stage)
     notes = ()
     if spec.pp > 1:
-        ends = {0: "the first pipeline stage", spec.pp - 1: "the last pipeline stage"}
-        where = ends.get(stage, f"pipeline stage {stage}")
         held = in_flight_microbatches(spec, stage)
         count = f"{float(held):g} micro-batch{'' if held == 1 else 'es'}"
-        notes = (f"peak on {where}, {count} in flight",)
-        states_stage = memory.busiest_stage(spec)
-        if states_stage != stage:
-            notes += (
-                f"model states of stage {states_stage}, which holds the most parameters (an "
-                "upper bound: the activation peak is on another stage)",
-            )
+        notes = (f"peak on {stage_label(spec, stage)}, {count} in flight",)
         hidden = max(results, key=lambda result: result[2].recompute)
         if hidden[2].recompute > flops.recompute:
             per_iteration = hidden[2].recompute * spec.microbatches
@@ -275,7 +271,15 @@ def evaluate(
         notes,
         stage_forwards=tuple(forwards),
         recompute_groups=strategy.groups,
+        peak_stage=stage,
+        model_states=states[stage],
     )
+
+
+def stage_label(spec: ModelSpec, stage: int) -> str:
+    """'the first pipeline stage', 'the last pipeline stage' or 'pipeline stage k'."""
+    ends = {0: "the first pipeline stage", spec.pp - 1: "the last pipeline stage"}
+    return ends.get(stage, f"pipeline stage {stage}")
 
 
 @lru_cache(maxsize=64)  # a sweep names the same stages for each of its plans
@@ -367,6 +371,8 @@ def _plan(
     per_layer=None,
     stage_forwards=(),
     recompute_groups=(),
+    peak_stage=0,
+    model_states=None,
 ) -> Plan:
     counts = memory.parameter_count(spec)
     return Plan(
@@ -378,7 +384,7 @@ def _plan(
         ),
         breakdown=memory.activation_breakdown(spec),
         activation_bytes=activation_bytes,
-        model_states=memory.model_state_bytes(spec),
+        model_states=memory.model_state_bytes(spec) if model_states is None else model_states,
         parameters_total=counts.total,
         parameters_per_gpu=memory.parameters_per_gpu(spec),
         flops=flops,
@@ -387,6 +393,7 @@ def _plan(
         notes=notes,
         stage_forwards=stage_forwards,
         recompute_groups=recompute_groups,
+        peak_stage=peak_stage,
     )
 
 
