@@ -132,15 +132,25 @@ def stage_layer_indices(spec, stage: int) -> tuple[int, ...]:
     Megatron-LM's layout: p stages of L/p consecutive layers; with v virtual stages (interleaved
     1F1B), model chunk c of L/(p·v) layers sits on stage c mod p, so stage k holds chunks
     k, k + p, k + 2p, ... (Narayanan et al. 2021, §2.2). Uneven stages (first_stage_layers,
-    last_stage_layers) hold consecutive layers.
+    last_stage_layers) hold consecutive layers. With the embedding and/or loss counted in the
+    split (Megatron's get_num_layers_to_build and get_transformer_layer_offset), the chunks cut
+    the sequence [embedding, layer 0 .. layer L-1, loss]: the first chunk of the first stage
+    holds one layer fewer, the last chunk of the last stage too.
     """
     counts = spec.stage_layer_counts
-    if len(set(counts)) > 1:
+    if spec.first_stage_layers is not None or spec.last_stage_layers is not None:
         start = sum(counts[:stage])
         return tuple(range(start, start + counts[stage]))
-    chunk = spec.layers // (spec.pp * spec.virtual_stages)
+    embedding, loss = spec.pipeline_split_extras
+    items = spec.layers + embedding + loss
+    chunk = items // (spec.pp * spec.virtual_stages)
     chunks = range(stage, spec.pp * spec.virtual_stages, spec.pp)
-    return tuple(c * chunk + i for c in chunks for i in range(chunk))
+    return tuple(
+        item - embedding
+        for c in chunks
+        for item in range(c * chunk, (c + 1) * chunk)
+        if embedding <= item < spec.layers + embedding
+    )
 
 
 @lru_cache(maxsize=512)

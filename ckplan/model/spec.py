@@ -99,6 +99,12 @@ class ModelSpec:
     # stages share the rest evenly. None: L/p on every stage.
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    # Megatron's --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-
+    # split: the embedding (the loss) counts as one layer when the L (+1, +2) layers are split
+    # over the p stages, so the first (last) stage holds one transformer layer fewer
+    # (Llama 3's 126 layers over p 16: 7, 8 x 14, 7).
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_heads is None:
@@ -147,7 +153,9 @@ class ModelSpec:
         and the rest split evenly over the stages between (Megatron-LM's uneven split)."""
         p = self.pp
         if self.first_stage_layers is None and self.last_stage_layers is None:
-            return (self.layers // p,) * p
+            embedding, loss = self.pipeline_split_extras
+            each = (self.layers + embedding + loss) // p
+            return (each - embedding, *(each,) * (p - 2), each - loss) if p > 1 else (each,)
         first, last = self.first_stage_layers, self.last_stage_layers
         middle_stages = p - (first is not None) - (last is not None)
         rest = self.layers - (first or 0) - (last or 0)
@@ -158,6 +166,14 @@ class ModelSpec:
         if last is not None:
             counts[-1] = last
         return tuple(counts)
+
+    @property
+    def pipeline_split_extras(self) -> tuple[int, int]:
+        """(embedding, loss): 1 where Megatron counts it as a layer of the pipeline split."""
+        return (
+            int(self.account_for_embedding_in_pipeline_split),
+            int(self.account_for_loss_in_pipeline_split),
+        )
 
     def replace(self, **changes: Any) -> ModelSpec:
         return spec_from_mapping({**self.to_dict(), **changes})
@@ -179,6 +195,8 @@ _BOOL_FIELDS = {
     "parallel_residual",
     "shared_expert_gate",
     "expert_bias",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
 }
 _STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions"}
 _LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
@@ -391,12 +409,15 @@ def _validate(spec: ModelSpec) -> None:
         )
     if spec.first_stage_layers is not None or spec.last_stage_layers is not None:
         _validate_uneven_stages(spec)
+    elif any(spec.pipeline_split_extras):
+        _validate_split_extras(spec)
     elif spec.layers % spec.pp:
         raise SpecError(
             f"key 'pp' ({spec.pp}) must divide layers ({spec.layers}), or give "
-            "first_stage_layers / last_stage_layers"
+            "first_stage_layers / last_stage_layers (or account_for_embedding_in_pipeline_split"
+            " / account_for_loss_in_pipeline_split)"
         )
-    if spec.layers_per_stage % spec.virtual_stages:
+    elif spec.layers_per_stage % spec.virtual_stages:
         raise SpecError(
             f"key 'virtual_stages' ({spec.virtual_stages}) must divide layers per pipeline "
             f"stage ({spec.layers_per_stage})"
@@ -421,6 +442,11 @@ def _validate_uneven_stages(spec: ModelSpec) -> None:
     for key, value in given.items():
         if value < 1:
             raise SpecError(f"key {key!r} must be a positive integer, got {value}")
+    if any(spec.pipeline_split_extras):
+        raise SpecError(
+            "keys first_stage_layers / last_stage_layers set the stages' layers themselves: "
+            "drop account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split"
+        )
     if spec.pp < 2:
         raise SpecError(f"key {next(iter(given))!r} needs pipeline parallelism (pp > 1)")
     if spec.virtual_stages > 1:
@@ -432,6 +458,39 @@ def _validate_uneven_stages(spec: ModelSpec) -> None:
         raise SpecError(
             f"{what} leave {rest} of {spec.layers} layers, which the other {middle} pipeline "
             "stages must share evenly (at least one each)"
+        )
+
+
+def _validate_split_extras(spec: ModelSpec) -> None:
+    """Megatron's get_num_layers_to_build with the embedding and/or loss counted as layers:
+    p divides L + extras, each stage (each virtual stage) takes an equal share, the first
+    (last) stage one layer fewer; ckplan also wants a layer on every pipeline stage."""
+    embedding, loss = spec.pipeline_split_extras
+    given = [
+        key
+        for key, on in (
+            ("account_for_embedding_in_pipeline_split", embedding),
+            ("account_for_loss_in_pipeline_split", loss),
+        )
+        if on
+    ]
+    if spec.pp < 2:
+        raise SpecError(f"key {given[0]!r} needs pipeline parallelism (pp > 1)")
+    items = spec.layers + embedding + loss
+    what = "layers" + " + embedding" * embedding + " + loss" * loss
+    if items % spec.pp:
+        raise SpecError(
+            f"key 'pp' ({spec.pp}) must divide {what} ({items}) with {' and '.join(given)}"
+        )
+    if items // spec.pp <= max(embedding, loss):
+        raise SpecError(
+            f"key 'pp' ({spec.pp}): {what} ({items}) leave no transformer layer on the first or "
+            "last pipeline stage"
+        )
+    if (items // spec.pp) % spec.virtual_stages:
+        raise SpecError(
+            f"key 'virtual_stages' ({spec.virtual_stages}) must divide the {items // spec.pp} "
+            f"layers per pipeline stage that {what} ({items}) give"
         )
 
 
