@@ -41,6 +41,7 @@ from ckplan.hardware.roofline import (
 from ckplan.model import memory
 from ckplan.model.flops import model_flops_per_iteration
 from ckplan.model.layers import LayerKind, stage_kinds
+from ckplan.model.moe import MOE
 from ckplan.model.ops import (
     ATTENTION_CORE,
     FP32_BYTES,
@@ -232,8 +233,6 @@ def layer_time(
     recompute `groups` (the attention core by default), `core_comm` the collectives its re-run
     repeats (the K/V ring of the attention core; the shared experts' TP collectives and the
     expert-parallel ones of the whole MoE block, group `moe`)."""
-    from ckplan.model.moe import MOE
-
     kind = representative_kind(spec) if kind is None else kind
     ops = model_layer_ops(spec, kind)
     dtype = spec.dtype_bytes
