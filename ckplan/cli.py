@@ -92,13 +92,25 @@ SeqOpt = Annotated[int | None, typer.Option("--seq", help="Shortcut for --set se
 BatchOpt = Annotated[int | None, typer.Option("--batch", help="Shortcut for --set micro_batch=N.")]
 LayersOpt = Annotated[int | None, typer.Option("--layers", help="Shortcut for --set layers=N.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+ProfileOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--profile",
+        help="Kernel profile: fused (default), torch-eager, torch-sdpa or a .yaml file "
+        "(ckplan calibrate writes one). Shortcut for --set profile=NAME.",
+    ),
+]
 FormulaOpt = Annotated[
     str, typer.Option("--formula", help="derived (from the architecture) or seed (the seed's).")
 ]
 
 
 def parse_overrides(
-    settings: list[str] | None, seq: int | None, batch: int | None, layers: int | None
+    settings: list[str] | None,
+    seq: int | None,
+    batch: int | None,
+    layers: int | None,
+    profile: str | None = None,
 ) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     for setting in settings or []:
@@ -110,14 +122,19 @@ def parse_overrides(
         except yaml.YAMLError:
             value = raw
         overrides[key.strip()] = value
-    for key, value in (("seq", seq), ("micro_batch", batch), ("layers", layers)):
+    for key, value in (
+        ("seq", seq),
+        ("micro_batch", batch),
+        ("layers", layers),
+        ("profile", profile),
+    ):
         if value is not None:
             overrides[key] = value
     return overrides
 
 
-def resolve_model(model: str, settings, seq, batch, layers) -> ModelSpec:
-    return load_spec(model, parse_overrides(settings, seq, batch, layers))
+def resolve_model(model: str, settings, seq, batch, layers, profile=None) -> ModelSpec:
+    return load_spec(model, parse_overrides(settings, seq, batch, layers, profile))
 
 
 def check_formula(formula: str) -> str:
@@ -159,11 +176,12 @@ def estimate(
     seq: SeqOpt = None,
     batch: BatchOpt = None,
     layers: LayersOpt = None,
+    profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """One plan with its full breakdown: per-op activations, model states, FLOPs, overhead."""
     with user_errors():
-        spec = resolve_model(model, settings, seq, batch, layers)
+        spec = resolve_model(model, settings, seq, batch, layers, profile)
         parsed = parse_strategy(strategy, spec)
         candidate = None
         if budget is None:
@@ -260,11 +278,12 @@ def sweep(
     seq: SeqOpt = None,
     batch: BatchOpt = None,
     layers: LayersOpt = None,
+    profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Every candidate plan against a budget: which fit, the Pareto frontier, the best."""
     with user_errors():
-        spec = resolve_model(model, settings, seq, batch, layers)
+        spec = resolve_model(model, settings, seq, batch, layers, profile)
         total, kept = parse_budget(budget, reserve)
         if micro_batch not in (None, "auto"):
             raise UserError(
@@ -304,13 +323,14 @@ def check(
     seq: SeqOpt = None,
     batch: BatchOpt = None,
     layers: LayersOpt = None,
+    profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """CI capacity check: exit 0 when every model fits the budget, 1 when any does not."""
     with user_errors():
         total, kept = parse_budget(budget, reserve)
         specs = [
-            (name, resolve_model(name, settings, seq, batch, layers))
+            (name, resolve_model(name, settings, seq, batch, layers, profile))
             for name in expand_models(models)
         ]
         rows = [
@@ -358,11 +378,12 @@ def schedule(
     seq: SeqOpt = None,
     batch: BatchOpt = None,
     layers: LayersOpt = None,
+    profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Print a plan's schedule step by step (default: the optimal schedule under --budget)."""
     with user_errors():
-        spec = resolve_model(model, settings, seq, batch, layers)
+        spec = resolve_model(model, settings, seq, batch, layers, profile)
         parsed = None if strategy == "auto" else parse_strategy(strategy, spec)
         activation_budget = None
         if budget is not None:

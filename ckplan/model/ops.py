@@ -288,8 +288,17 @@ def mlp_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
 @lru_cache(maxsize=128)
 def layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
     """The op table of one layer of `spec`; cached, since every memory, FLOP and chain function
-    reads the same table of a (frozen, hashable) spec."""
-    return mlp_layer_ops(spec) if spec.kind == "mlp" else transformer_layer_ops(spec)
+    reads the same table of a (frozen, hashable) spec. A `profile` other than fused (this table)
+    replaces the numbers of the ops it names (ckplan.model.profiles)."""
+    if spec.kind == "mlp":
+        return mlp_layer_ops(spec)
+    ops = transformer_layer_ops(spec)
+    if spec.profile == "fused":
+        return ops
+    from ckplan.io.profiles import load_profile  # the profile's YAML, parsed once per file
+    from ckplan.model.profiles import apply_profile
+
+    return apply_profile(ops, spec, load_profile(spec.profile))
 
 
 def group_input_bytes(spec: ModelSpec, group: str) -> int:

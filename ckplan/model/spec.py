@@ -48,6 +48,8 @@ class ModelSpec:
     dropout: float = 0.0
     tied_embeddings: bool = False
     fused_swiglu: bool = True  # Megatron's bias_swiglu saves fc1 output, not silu(gate) too
+    # kernel profile (ckplan.model.profiles): a shipped name or a .yaml file; fused = ops.py's
+    profile: str = "fused"
     # parallel layout
     tp: int = 1
     pp: int = 1
@@ -90,7 +92,7 @@ class ModelSpec:
 _FIELDS = {f.name: f for f in dataclasses.fields(ModelSpec)}
 _REQUIRED = [name for name, f in _FIELDS.items() if f.default is dataclasses.MISSING]
 _BOOL_FIELDS = {"bias", "tied_embeddings", "fused_swiglu", "sp"}
-_STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions"}
+_STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions", "profile"}
 _FLOAT_FIELDS = {"dropout"}
 _ENUMS = {
     "kind": KINDS,
@@ -202,6 +204,12 @@ def _validate(spec: ModelSpec) -> None:
             raise SpecError(
                 f"key {key!r} must be one of {', '.join(allowed)}, got {getattr(spec, key)!r}"
             )
+    if not spec.profile.strip():
+        raise SpecError(
+            "key 'profile' expects a profile name (fused, torch-eager, ...) or a .yaml file"
+        )
+    if spec.kind == "mlp" and spec.profile != "fused":
+        raise SpecError("key 'profile' applies to kind: transformer; the seed MLP has no profiles")
     if not 0.0 <= spec.dropout < 1.0:
         raise SpecError(f"key 'dropout' must be in [0, 1), got {spec.dropout}")
     if spec.zero > 3:
