@@ -410,3 +410,22 @@ def _check_gradients_chain(ops: list[Op], profile: Profile) -> None:
             f"profile {profile.name!r}: {waiting} bytes of input gradients (input_grad) are read "
             "by no op before them (output_grad)"
         )
+
+
+def resolved_fields(profile: Profile, op: str, spec: ModelSpec) -> dict[str, Terms]:
+    """The fields `profile` sets for `op` in this model, its when-cases applied."""
+    fields: dict[str, Terms] = {}
+    for case in profile.cases(op):
+        if holds(case.condition, spec):
+            fields.update(case.fields)
+    return fields
+
+
+def terms_text(terms: Terms) -> str:
+    """ "B·sbh + 4·sb", "(4+B)·sbh", "0": a field as it reads in the docs."""
+    parts = []
+    for term, form in sorted(terms, key=lambda item: list(TERMS).index(item[0])):
+        text = format_form(form)
+        text = f"({text})" if any(c in text[1:] for c in "+-") else text
+        parts.append(f"{text}·{term}")
+    return " + ".join(parts) or "0"

@@ -4,6 +4,7 @@ The only package that knows how things look. Byte and FLOP counts stay exact int
 tables print binary units and say so, with decimal units beside totals.
 """
 
+from ckplan.render.calibrate import calibrate_dict, calibrate_view
 from ckplan.render.common import error_text
 from ckplan.render.estimate import (
     estimate_dict,
@@ -23,6 +24,8 @@ from ckplan.render.sweep import (
 from ckplan.render.verify import verify_dict, verify_view
 
 __all__ = [
+    "calibrate_dict",
+    "calibrate_view",
     "check_dict",
     "check_table",
     "error_text",
