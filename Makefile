@@ -37,6 +37,7 @@ $(TORCH_STAMP): $(STAMP)
 validate: $(TORCH_STAMP)
 	$(BIN)/python validation/torch_saved_bytes.py --compare
 	$(BIN)/python validation/torch_backward_peak.py --compare --output
+	$(BIN)/python validation/calibrated_profiles.py
 	$(BIN)/pytest tests/test_torch_validation.py
 
 bench: $(STAMP)
