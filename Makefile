@@ -38,6 +38,7 @@ validate: $(TORCH_STAMP)
 	$(BIN)/python validation/torch_saved_bytes.py --compare
 	$(BIN)/python validation/torch_backward_peak.py --compare --output
 	$(BIN)/python validation/calibrated_profiles.py
+	$(BIN)/python validation/calibrated_profiles.py --backward
 	$(BIN)/pytest tests/test_torch_validation.py
 
 bench: $(STAMP)

@@ -164,3 +164,34 @@ def test_hf_llama_layer_is_torch_eager():
     measured = profile_from_mapping(result.profile, "hf")
     assert result.max_residual == 0 and result.check_error == 0
     assert _bytes(spec, measured) == _bytes(spec, load_profile("torch-eager"))
+
+
+@pytest.fixture(scope="module")
+def eager_backward():
+    """validation/calibrated_profiles.py --backward at two of its shapes."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "validation" / "calibrated_profiles.py"
+    spec = importlib.util.spec_from_file_location("calibrated_profiles", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    module.BACKWARD_SHAPES = [(128, 2, 256, 8, 2, 704), (512, 2, 256, 8, 2, 704)]
+    return module.backward("bfloat16") + module.backward("float32")
+
+
+def test_torch_eager_backward_fields_predict_the_hf_eager_peak(eager_backward):
+    """torch-eager's backward fields (LlamaRMSNorm's fp32 composite, the fp32 softmax's
+    gradient casts, eager's scale multiply, repeat_kv's sums to g heads): the walk gives the
+    measured peak of the HF eager Llama block's backward within a few scalars, at as/h = 4
+    (peak in the MLP) and 16 (peak at the softmax), bf16 and fp32."""
+    for row in eager_backward:
+        assert 0 <= row["measured_peak_bytes"] - row["predicted_peak_bytes"] <= 64, row["shape"]
+        ops = row["ops"]
+        exact = ["norm2", "softmax", "attn_scores", "act"]
+        if row["dtype"] == "float32":  # no oneDNN bf16 GEMM scratchpads in the linears' steps
+            exact += ["fc2", "fc1", "out_proj", "attn_values"]
+        for op in exact:
+            assert 0 <= ops[op]["measured"] - ops[op]["predicted"] <= 64, (row["shape"], op)

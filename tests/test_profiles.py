@@ -325,3 +325,18 @@ def test_profile_key_in_a_model_file_is_read_beside_it(tmp_path, capsys):
 def test_profile_errors_are_profile_errors():
     with pytest.raises(ProfileError):
         load_profile("nosuch")
+
+
+@given(specs())
+@settings(max_examples=200, deadline=None)
+def test_eager_profiles_apply_to_any_model_they_describe(spec):
+    """torch-eager (standard attention) and torch-sdpa (flash): no negative field, gradients
+    that chain, a backward walk that closes, at any size and layout (bf16, fp32, fp8 sizes)."""
+    if spec.dtype_bytes == 8:
+        spec = spec.replace(dtype_bytes=2)
+    name = "torch-eager" if spec.attention == "standard" else "torch-sdpa"
+    eager = spec.replace(profile=name)
+    ops = layer_ops(eager)
+    assert all(op.saved_bytes >= 0 and op.grad_workspace_bytes >= 0 for op in ops)
+    assert layer_backward_walk(eager)
+    assert sum(op.saved_bytes for op in ops) >= sum(op.saved_bytes for op in layer_ops(spec))

@@ -11,6 +11,11 @@ written profile, as the command computes it) is compared with it, and with the f
     python validation/calibrated_profiles.py            # the table of docs/validation.md
     python validation/calibrated_profiles.py --json
     python validation/calibrated_profiles.py --hf       # also the transformers layers
+    python validation/calibrated_profiles.py --backward # torch-eager's backward fields
+
+`--backward` checks the backward fields of profiles/torch-eager.yaml instead: the Hugging Face
+eager Llama block's forward + backward measured with torch_backward_peak.py (PyTorch's memory
+profiler), per op and at the peak, against ckplan's walk with the torch-eager profile.
 """
 
 from __future__ import annotations
@@ -104,12 +109,80 @@ def run(hf: bool) -> list[dict]:
     return rows
 
 
+BACKWARD_SHAPES = [(48, 2, 192, 6, 3, 320), (128, 2, 256, 8, 2, 704), (512, 2, 256, 8, 2, 704)]
+
+
+def backward(dtype: str) -> list[dict]:
+    """The HF eager Llama block (bf16 or fp32) under torch_backward_peak.py, against ckplan's
+    walk with the torch-eager profile. In bf16, LlamaRMSNorm saves an fp32 copy of the layer
+    input x, not x, which a model frees after the layer's forward; the harness holds x (as the
+    tensor it differentiates for), so one B·sbh is taken off every measured figure."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import torch_backward_peak as tbp
+    import torch_saved_bytes as tsb
+
+    from ckplan.calibrate.layers import Config
+
+    mapping = tsb.ckplan_mapping_for
+    tsb.ckplan_mapping_for = lambda cfg: {**mapping(cfg), "profile": "torch-eager"}
+    rows = []
+    try:
+        for s, b, h, a, g, F in BACKWARD_SHAPES:
+            cfg = Config(
+                "hf-eager", "llama", dtype, seq=s, micro_batch=b, hidden=h, heads=a, kv_heads=g,
+                ffn_hidden=F, norm_impl="hf", softmax_fp32=True, swiglu_impl="eager",
+            )  # fmt: skip
+            measured = tbp.measure_layer(cfg)
+            predicted = tbp.predict_layer(cfg)
+            x = s * b * h * cfg.dtype_bytes if dtype == "bfloat16" else 0
+            by_op: dict[str, int] = {}
+            for step in measured.steps:
+                by_op[step.op] = max(by_op.get(step.op, 0), step.peak_bytes - x)
+            rows.append(
+                {
+                    "dtype": dtype,
+                    "shape": Shape(s, b, h, a, g, F).text(),
+                    "measured_peak_bytes": measured.backward_peak_bytes - x,
+                    "predicted_peak_bytes": predicted["peak_bytes"],
+                    "ops": {
+                        p["op"]: {"measured": by_op.get(p["op"], 0), "predicted": p["live_bytes"]}
+                        for p in predicted["walk"]
+                    },
+                }
+            )
+    finally:
+        tsb.ckplan_mapping_for = mapping
+    return rows
+
+
+def print_backward(rows: list[dict]) -> None:
+    print(
+        "| dtype | shape | measured peak | predicted peak | diff | per op: measured - predicted |"
+    )
+    print("|---|---|---:|---:|---:|---|")
+    for r in rows:
+        ops = ", ".join(f"{op} {v['measured'] - v['predicted']:+,}" for op, v in r["ops"].items())
+        diff = r["measured_peak_bytes"] - r["predicted_peak_bytes"]
+        print(
+            f"| {r['dtype']} | {r['shape']} | {r['measured_peak_bytes']:,} | "
+            f"{r['predicted_peak_bytes']:,} | {diff:+,} | {ops} |"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--hf", action="store_true", help="also the transformers decoder layers")
+    ap.add_argument("--backward", action="store_true", help="torch-eager's backward fields")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.backward:
+        rows = backward("bfloat16") + backward("float32")
+        if args.json:
+            print(json.dumps({"torch_version": str(torch.__version__), "rows": rows}, indent=2))
+        else:
+            print_backward(rows)
+        return 0
     rows = run(args.hf)
     if args.json:
         print(json.dumps({"torch_version": str(torch.__version__), "rows": rows}, indent=2))

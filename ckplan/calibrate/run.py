@@ -28,6 +28,7 @@ from ckplan.model.profiles import (
     ProfileError,
     apply_profile,
     condition_text,
+    field_text,
     profile_from_mapping,
     resolved_fields,
     terms_text,
@@ -333,7 +334,7 @@ def compare_with_fused(result: Calibration) -> list[dict]:
         rows.append(
             {
                 "op": op,
-                "fused": terms_text(resolved_fields(fused, op, spec).get("saved", ())),
+                "fused": field_text(resolved_fields(fused, op, spec).get("saved", ((),))),
                 "calibrated": terms_text(measured),
                 "fused_bytes": fused_bytes,
                 "calibrated_bytes": calibrated_bytes,

@@ -22,7 +22,9 @@ Terms: element counts on one GPU rank, split exactly as `ops.transformer_layer_o
 
 Coefficients are bytes per element, a linear form in B, the spec's `dtype_bytes`: "B" (a tensor
 in the activation dtype), "4" (fp32 whatever the activation dtype), "1" (a bool mask), "4+B",
-"8-2B", "3/2*B". An op's bytes are the sum over its terms, rounded up to a whole byte.
+"8-2B", "3/2*B". An op's bytes are the sum over its terms, rounded up to a whole byte. A field
+may also be a list of such mappings: the largest of them (a backward step whose peak is one of
+several moments, e.g. eager attention's scale multiply).
 
 Conditions (`when:` and `requires:`) make numbers depend on the model: `KEY=VALUE` for a model
 key (`attention=flash`, `dtype_bytes=4`, `fused_swiglu=false`), a bare key for a flag or a number
@@ -87,6 +89,7 @@ TOP_KEYS = ("name", "source", "description", "requires", "ops", "calibration")
 
 Form = tuple[Fraction, Fraction]  # bytes per element: (constant, multiple of B)
 Terms = tuple[tuple[str, Form], ...]
+Field = tuple[Terms, ...]  # alternatives: the field is the largest of them (one, mostly)
 Condition = tuple[tuple[bool, str, Any], ...]  # (negated, key, value or None for a bare key)
 
 
@@ -99,7 +102,7 @@ class Case:
     """Field values of one op that apply when `condition` holds (always, when empty)."""
 
     condition: Condition
-    fields: tuple[tuple[str, Terms], ...]
+    fields: tuple[tuple[str, Field], ...]
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,15 @@ def format_form(form: Form) -> str:
     if constant or not parts:
         parts.append(("+" if parts and constant > 0 else "") + str(constant))
     return "".join(parts)
+
+
+def _parse_field(value: Any, where: str) -> Field:
+    """A mapping of terms, or a list of them: the largest (a max of linear forms)."""
+    if isinstance(value, list):
+        if not value:
+            raise ProfileError(f"{where}: expected a mapping of terms, or a non-empty list of them")
+        return tuple(_parse_terms(item, f"{where}[{i}]") for i, item in enumerate(value))
+    return (_parse_terms(value, where),)
 
 
 def _parse_terms(value: Any, where: str) -> Terms:
@@ -276,7 +288,7 @@ def _parse_fields(entry: Mapping, where: str, allow_when: bool = False):
         if key not in FIELDS:
             allowed = [*FIELDS, "when"] if allow_when else list(FIELDS)
             raise ProfileError(f"{where}: unknown field {key!r}{_hint(str(key), allowed)}")
-        fields.append((key, _parse_terms(value, f"{where}.{key}")))
+        fields.append((key, _parse_field(value, f"{where}.{key}")))
     return tuple(fields)
 
 
@@ -339,12 +351,13 @@ def condition_text(condition: Condition) -> str:
     return ",".join(items)
 
 
-def field_bytes(terms: Terms, spec: ModelSpec, values: dict[str, int] | None = None) -> Fraction:
-    """Σ term elements × (constant + multiple·B) bytes, exact."""
+def field_bytes(field: Field, spec: ModelSpec, values: dict[str, int] | None = None) -> Fraction:
+    """The largest alternative of Σ term elements × (constant + multiple·B) bytes, exact."""
     values = values if values is not None else term_values(spec)
     B = spec.dtype_bytes
-    return sum(
-        (values[term] * (constant + per_b * B) for term, (constant, per_b) in terms), Fraction(0)
+    return max(
+        sum((values[t] * (constant + per_b * B) for t, (constant, per_b) in terms), Fraction(0))
+        for terms in field
     )
 
 
@@ -381,8 +394,8 @@ def apply_profile(ops: tuple[Op, ...], spec: ModelSpec, profile: Profile) -> tup
         changes: dict[str, int] = {}
         for case in profile.cases(op.name):
             if holds(case.condition, spec):
-                for field, terms in case.fields:
-                    exact = field_bytes(terms, spec, values)
+                for field, alternatives in case.fields:
+                    exact = field_bytes(alternatives, spec, values)
                     if exact < 0:
                         raise ProfileError(
                             f"profile {profile.name!r}: ops.{op.name}.{field} is negative "
@@ -412,9 +425,9 @@ def _check_gradients_chain(ops: list[Op], profile: Profile) -> None:
         )
 
 
-def resolved_fields(profile: Profile, op: str, spec: ModelSpec) -> dict[str, Terms]:
+def resolved_fields(profile: Profile, op: str, spec: ModelSpec) -> dict[str, Field]:
     """The fields `profile` sets for `op` in this model, its when-cases applied."""
-    fields: dict[str, Terms] = {}
+    fields: dict[str, Field] = {}
     for case in profile.cases(op):
         if holds(case.condition, spec):
             fields.update(case.fields)
@@ -429,3 +442,8 @@ def terms_text(terms: Terms) -> str:
         text = f"({text})" if any(c in text[1:] for c in "+-") else text
         parts.append(f"{text}·{term}")
     return " + ".join(parts) or "0"
+
+
+def field_text(field: Field) -> str:
+    texts = [terms_text(terms) for terms in field]
+    return texts[0] if len(texts) == 1 else f"max({', '.join(texts)})"
