@@ -195,3 +195,21 @@ def test_torch_eager_backward_fields_predict_the_hf_eager_peak(eager_backward):
             exact += ["fc2", "fc1", "out_proj", "attn_values"]
         for op in exact:
             assert 0 <= ops[op]["measured"] - ops[op]["predicted"] <= 64, (row["shape"], op)
+
+
+def test_hf_layer_from_a_config_json(tmp_path, capsys):
+    """--hf with a config.json builds that model type's decoder layer (here Qwen2, with QKV
+    biases): the same eager saves as Llama's."""
+    pytest.importorskip("transformers", reason="transformers not installed: --hf not tested")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 24,
+        "vocab_size": 151936, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "hidden_act": "silu", "torch_dtype": "bfloat16", "attention_bias": True,
+    }))  # fmt: skip
+    argv = ["calibrate", str(config), "--hf", "--set", "attention=standard", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "qwen2 decoder layer" in report["block"] and report["check"]["error"] == 0
+    assert report["profile"]["ops"]["softmax"] == {"saved": {"as2b": 4}}

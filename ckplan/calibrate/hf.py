@@ -43,16 +43,23 @@ def hf_block(
     import transformers
 
     kind = model_type(spec, config)
+    keys = {k: v for k, v in (config or {}).items() if k not in ("model_type", "architectures")}
     try:
-        hf_config = transformers.AutoConfig.for_model(kind, **(config or {}))
-    except (ValueError, KeyError) as error:
-        raise CalibrationError(f"--hf: transformers has no model type {kind!r} ({error})") from None
-    _resize(hf_config, spec, shape)
-    hf_config._attn_implementation = "sdpa" if spec.attention == "flash" else "eager"
-    module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
-    if kind == "gpt2":
-        return _gpt2(module, hf_config, shape, dtype, device)
-    return _llama_like(module, hf_config, shape, dtype, device, kind)
+        hf_config = transformers.AutoConfig.for_model(kind, **keys)
+        _resize(hf_config, spec, shape)
+        hf_config._attn_implementation = "sdpa" if spec.attention == "flash" else "eager"
+        module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+        if kind == "gpt2":
+            return _gpt2(module, hf_config, shape, dtype, device)
+        return _llama_like(module, hf_config, shape, dtype, device, kind)
+    except CalibrationError:
+        raise
+    except Exception as error:  # transformers' own errors, whatever their type: one line
+        message = " ".join(str(error).split())[:200]
+        raise CalibrationError(
+            f"--hf: transformers could not build a {kind!r} layer ({type(error).__name__}: "
+            f"{message})"
+        ) from None
 
 
 def _resize(hf_config, spec: ModelSpec, shape: Shape) -> None:

@@ -87,10 +87,12 @@ class Calibration:
         return (sum(self.check_predicted.values()) - measured) / measured
 
 
-def block_description(spec: ModelSpec, hf: bool) -> str:
+def block_description(spec: ModelSpec, hf: bool, hf_config: dict | None = None) -> str:
     attention = "F.scaled_dot_product_attention" if spec.attention == "flash" else "eager attention"
     if hf:
-        return f"Hugging Face decoder layer ({attention})"
+        from ckplan.calibrate.hf import model_type
+
+        return f"transformers' {model_type(spec, hf_config)} decoder layer ({attention})"
     if spec.norm == "layernorm":
         return f"GPT block: nn.LayerNorm, {attention}, F.gelu, dropout {spec.dropout}"
     return f"Llama block: Hugging Face LlamaRMSNorm, {attention}, eager SwiGLU"
@@ -157,8 +159,14 @@ def measure(
     x = torch.randn(shape.batch, shape.seq, shape.hidden, dtype=dtype, device=device)
     x.requires_grad_(True)  # the layer input: the previous layer's output, an activation
     recorder = CallRecorder(block.layer, block.exclude)
-    with recorder.recording():
-        out = block.forward(x, recorder)
+    try:
+        with recorder.recording():
+            out = block.forward(x, recorder)
+    except Exception as error:  # a layer that does not run: one line, not a traceback
+        message = " ".join(str(error).split())[:200]
+        raise CalibrationError(
+            f"the layer's forward failed at {shape.text()} ({type(error).__name__}: {message})"
+        ) from None
     try:
         labels = attribute(recorder.calls)
     except ValueError as error:
@@ -176,7 +184,7 @@ def measure(
     core = [c.name for c, op in zip(recorder.calls, labels, strict=True) if op == "attention_core"]
     node = None
     if any(is_fused_attention(name) for name in core):
-        node = _sdpa_node(out)
+        node = _sdpa_node(out) or "the math path (no fused SDPA kernel)"
     out.float().sum().backward()  # the recorded graph is a working one
     if x.grad is None or not torch.isfinite(x.grad.float()).all():
         raise CalibrationError("the layer's backward did not produce a finite input gradient")
@@ -229,7 +237,7 @@ def calibrate(
     table = [op.name for op in transformer_layer_ops(spec)]
     unmeasured = [op for op in table if op not in fits]
     unmodelled = [op for op in fits if op not in table]
-    profile = _profile_mapping(spec, fits, unmeasured, hf, device, name, samples, held_out)
+    profile = _profile_mapping(spec, fits, unmeasured, hf, device, name, samples, hf_config)
     predicted = _predict(spec, profile, held_out.shape)
     profile["calibration"]["check"] = {
         "shape": held_out.shape.text(),
@@ -238,7 +246,7 @@ def calibrate(
     }
     return Calibration(
         spec,
-        block_description(spec, hf),
+        block_description(spec, hf, hf_config),
         device,
         str(torch.__version__),
         fits,
@@ -264,14 +272,14 @@ def requires(spec: ModelSpec) -> list[str]:
     return [condition_text(item) for item in items]
 
 
-def _profile_mapping(spec, fits, unmeasured, hf, device, name, samples, held_out) -> dict:
+def _profile_mapping(spec, fits, unmeasured, hf, device, name, samples, hf_config) -> dict:
     ops = {op: {"saved": fit.mapping()} for op, fit in fits.items()}
     for op in unmeasured:  # the measured layer has no such op: it saves nothing
         ops[op] = {"saved": {}}
     ordered = {op: ops[op] for op in OP_NAMES if op in ops}
     return {
         "name": name or f"{spec.name}-calibrated",
-        "source": f"ckplan calibrate: {block_description(spec, hf)}, "
+        "source": f"ckplan calibrate: {block_description(spec, hf, hf_config)}, "
         f"torch {torch.__version__!s} on {device}",
         "description": f"what autograd saves for one {spec.name} layer, measured and fitted "
         "exactly (ckplan calibrate)",
@@ -280,7 +288,7 @@ def _profile_mapping(spec, fits, unmeasured, hf, device, name, samples, held_out
         "calibration": {
             "torch": str(torch.__version__),
             "device": device,
-            "block": block_description(spec, hf),
+            "block": block_description(spec, hf, hf_config),
             "fit_shapes": [s.shape.text() for s in samples],
             "max_residual_bytes": str(max((f.max_residual for f in fits.values()), default=0)),
         },
