@@ -5,6 +5,7 @@ Prints one line per case: median of several runs, in seconds.
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import subprocess
 import sys
@@ -50,6 +51,19 @@ def main() -> None:
         lambda: optimal_schedule(chain, budget, 1000),
         repeats=1,
     )
+    eager = load_spec("llama3-70b", {"tp": 8, "pp": 4, "sp": True, "profile": "torch-sdpa"})
+    timed(
+        "sweep llama3-70b tp8 pp4, 80GB, --profile torch-sdpa",
+        lambda: sweep(eager, 80 * GB),
+        repeats=1,
+    )
+    if importlib.util.find_spec("torch") is not None:
+        calibrate = [sys.executable, "-m", "ckplan", "calibrate", "llama3-8b", "--json"]
+        timed(
+            "ckplan calibrate llama3-8b (torch, CPU)",
+            lambda: subprocess.run(calibrate, capture_output=True, check=True),
+            repeats=1,
+        )
     cli = [sys.executable, "-m", "ckplan", "presets", "gpt2", "--json"]
     timed(
         "CLI start-up: ckplan presets gpt2 --json",

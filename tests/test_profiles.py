@@ -92,6 +92,16 @@ def test_every_op_name_is_known_to_profiles(spec):
     assert {op.name for op in transformer_layer_ops(spec)} <= set(OP_NAMES)
 
 
+def test_every_preset_op_is_known_to_profiles(spec_of):
+    """Ops added with new layer kinds (presets using them) must join OP_NAMES."""
+    from ckplan.io.presets import preset_names
+
+    for name in preset_names():
+        spec = spec_of(name)
+        if spec.kind == "transformer":
+            assert {op.name for op in layer_ops(spec)} <= set(OP_NAMES), name
+
+
 # ---- torch-eager and torch-sdpa against the measurements of docs/validation.md -------------
 
 LLAMA = {
