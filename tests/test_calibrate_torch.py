@@ -213,3 +213,16 @@ def test_hf_layer_from_a_config_json(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert "qwen2 decoder layer" in report["block"] and report["check"]["error"] == 0
     assert report["profile"]["ops"]["softmax"] == {"saved": {"as2b": 4}}
+
+
+def test_cuda_without_a_gpu_is_one_line(capsys):
+    """--device cuda is guarded: on a machine without CUDA, one line and exit 2. (The CUDA path
+    itself, ckplan/calibrate/cuda.py, has not been run: no GPU here.)"""
+    import ckplan.calibrate.cuda as cuda
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: this checks the guard on machines without one")
+    code = main(["calibrate", "gpt2", "--device", "cuda"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and "no CUDA device" in err
+    assert cuda.gpu_shape(load_spec("llama3-8b")).kv_heads == 2
