@@ -143,6 +143,14 @@ MoeImbalanceOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+ProfileOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--profile",
+        help="Kernel profile: fused (default), torch-eager, torch-sdpa or a .yaml file "
+        "(ckplan calibrate writes one). Shortcut for --set profile=NAME.",
+    ),
+]
 FormulaOpt = Annotated[
     str, typer.Option("--formula", help="derived (from the architecture) or seed (the seed's).")
 ]
@@ -154,6 +162,7 @@ def parse_overrides(
     batch: int | None,
     layers: int | None,
     moe_imbalance: str | None = None,
+    profile: str | None = None,
 ) -> dict[str, Any]:
     overrides = {
         key: value for key, value in _settings(settings).items() if not key.startswith(GPU_PREFIX)
@@ -163,6 +172,7 @@ def parse_overrides(
         ("micro_batch", batch),
         ("layers", layers),
         ("moe_imbalance", moe_imbalance),
+        ("profile", profile),
     )
     for key, value in shortcuts:
         if value is not None:
@@ -185,8 +195,10 @@ def _settings(settings: list[str] | None) -> dict[str, Any]:
     return parsed
 
 
-def resolve_model(model: str, settings, seq, batch, layers, moe_imbalance=None) -> ModelSpec:
-    return load_spec(model, parse_overrides(settings, seq, batch, layers, moe_imbalance))
+def resolve_model(
+    model: str, settings, seq, batch, layers, moe_imbalance=None, profile=None
+) -> ModelSpec:
+    return load_spec(model, parse_overrides(settings, seq, batch, layers, moe_imbalance, profile))
 
 
 def resolve_gpu(gpu: str | None, settings: list[str] | None) -> GPU | None:
@@ -269,12 +281,13 @@ def estimate(
     batch: BatchOpt = None,
     layers: LayersOpt = None,
     moe_imbalance: MoeImbalanceOpt = None,
+    profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """One plan with its full breakdown: per-op activations, model states, FLOPs, overhead
     (and with --gpu: step time, MFU, the time overhead and its breakdown)."""
     with user_errors():
-        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance)
+        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance, profile)
         device = resolve_gpu(gpu, settings)
         parsed = parse_strategy(strategy, spec)
         candidate = None
@@ -412,12 +425,13 @@ def sweep(
     batch: BatchOpt = None,
     layers: LayersOpt = None,
     moe_imbalance: MoeImbalanceOpt = None,
+    profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Every candidate plan against a budget: which fit, the Pareto frontier, the best (the
     fastest with --gpu)."""
     with user_errors():
-        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance)
+        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance, profile)
         device = resolve_gpu(gpu, settings)
         budget_text, total, kept = require_budget(budget, reserve, device)
         if rank not in (None, *search.RANKS):
@@ -470,6 +484,7 @@ def check(
     batch: BatchOpt = None,
     layers: LayersOpt = None,
     moe_imbalance: MoeImbalanceOpt = None,
+    profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """CI capacity check: exit 0 when every model fits the budget, 1 when any does not."""
@@ -477,7 +492,7 @@ def check(
         device = resolve_gpu(gpu, settings)
         budget_text, total, kept = require_budget(budget, reserve, device)
         specs = [
-            (name, resolve_model(name, settings, seq, batch, layers, moe_imbalance))
+            (name, resolve_model(name, settings, seq, batch, layers, moe_imbalance, profile))
             for name in expand_models(models)
         ]
         rows = [
@@ -534,11 +549,12 @@ def schedule(
     batch: BatchOpt = None,
     layers: LayersOpt = None,
     moe_imbalance: MoeImbalanceOpt = None,
+    profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Print a plan's schedule step by step (default: the optimal schedule under --budget)."""
     with user_errors():
-        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance)
+        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance, profile)
         device = resolve_gpu(gpu, settings)
         parsed = None if strategy == "auto" else parse_strategy(strategy, spec)
         activation_budget = None
@@ -568,6 +584,77 @@ def schedule(
         print_json(render.schedule_dict(plan, activation_budget, time))
     else:
         stdout.print(render.schedule_view(plan, activation_budget, time))
+
+
+@app.command()
+def calibrate(
+    model: ModelArg,
+    out: Annotated[
+        str | None, typer.Option("--out", "-o", help="Write the fitted profile to this .yaml.")
+    ] = None,
+    hf: Annotated[
+        bool,
+        typer.Option("--hf", help="Measure the real Hugging Face decoder layer (transformers)."),
+    ] = False,
+    device: Annotated[
+        str, typer.Option("--device", help="cpu, or cuda: also checks peak memory on the GPU.")
+    ] = "cpu",
+    name: Annotated[str | None, typer.Option("--name", help="The profile's name.")] = None,
+    settings: SetOpt = None,
+    seq: SeqOpt = None,
+    batch: BatchOpt = None,
+    layers: LayersOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Measure what autograd saves per op for one layer of MODEL (PyTorch, small shapes), fit
+    a kernel profile exactly, check it on a shape left out, and compare it with fused."""
+    from ckplan.calibrate import missing_extra
+
+    with user_errors():
+        spec = resolve_model(model, settings, seq, batch, layers)
+        if device != "cpu" and not device.startswith("cuda"):
+            raise UserError(f"--device {device!r}: expected cpu or cuda")
+        if out is not None and not out.endswith((".yaml", ".yml")):
+            raise UserError(f"--out {out!r}: expected a .yaml file")
+        if out is not None and not Path(out).parent.is_dir():
+            raise UserError(f"--out {out!r}: no such folder {str(Path(out).parent)!r}")
+        missing = missing_extra(hf)
+        if missing:
+            raise UserError(missing)
+        from ckplan.calibrate import run
+
+        hf_config = _hf_config(model) if hf else None
+        try:
+            result = run.calibrate(spec, hf, device, name, hf_config)
+            if device.startswith("cuda"):
+                from ckplan.calibrate.cuda import peak_memory_check
+
+                result.cuda = peak_memory_check(spec, result, device, hf, hf_config)
+            comparison = run.compare_with_fused(result)
+        except run.CalibrationError as error:
+            raise UserError(str(error)) from None
+        if out is not None:
+            _write_profile(out, result.profile)
+    if as_json:
+        print_json(render.calibrate_dict(result, comparison, out))
+    else:
+        stdout.print(render.calibrate_view(result, comparison, out))
+
+
+def _hf_config(model: str) -> dict | None:
+    """A config.json MODEL's own keys (its model_type picks the layer), else None."""
+    if not model.endswith(".json"):
+        return None
+    return json.loads(Path(model).read_text(encoding="utf-8"))
+
+
+def _write_profile(path: str, profile: dict) -> None:
+    header = "# A kernel profile written by `ckplan calibrate` (terms: ckplan/model/profiles.py)\n"
+    text = header + yaml.safe_dump(profile, sort_keys=False, allow_unicode=True, width=100)
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as error:
+        raise UserError(f"--out {path}: cannot write ({error.strerror})") from None
 
 
 @app.command()

@@ -30,6 +30,8 @@ _LAZY = {
     "gpu_table": "time",
     "gpus_table": "time",
     "step_time_table": "time",
+    "calibrate_dict": "calibrate",
+    "calibrate_view": "calibrate",
 }
 
 
@@ -42,6 +44,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "calibrate_dict",
+    "calibrate_view",
     "check_dict",
     "check_table",
     "error_text",
