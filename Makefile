@@ -35,7 +35,7 @@ $(TORCH_STAMP): $(STAMP)
 validate: $(TORCH_STAMP)
 	$(BIN)/python validation/torch_saved_bytes.py --compare
 	$(BIN)/python validation/torch_backward_peak.py --compare --output
-	$(BIN)/pytest tests/test_torch_validation.py
+	$(BIN)/pytest tests/test_torch_validation.py tests/test_export_torch.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench.py

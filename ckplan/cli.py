@@ -19,6 +19,7 @@ import yaml
 from rich.console import Console
 
 from ckplan import __version__, render
+from ckplan.io.exports import ExportError
 from ckplan.io.presets import load_spec, preset_names
 from ckplan.model.spec import ModelSpec, SpecError
 from ckplan.plan import (
@@ -58,7 +59,7 @@ def user_errors() -> Iterator[None]:
     """Turn every bad-input error into one line on stderr and exit code 2."""
     try:
         yield
-    except (SpecError, SizeError, StrategyError, UserError) as error:
+    except (SpecError, SizeError, StrategyError, UserError, ExportError) as error:
         stderr.print(render.error_text(str(error)), highlight=False)
         raise typer.Exit(EXIT_BAD_INPUT) from None
 
@@ -92,6 +93,9 @@ SeqOpt = Annotated[int | None, typer.Option("--seq", help="Shortcut for --set se
 BatchOpt = Annotated[int | None, typer.Option("--batch", help="Shortcut for --set micro_batch=N.")]
 LayersOpt = Annotated[int | None, typer.Option("--layers", help="Shortcut for --set layers=N.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+QuietOpt = Annotated[
+    bool, typer.Option("--quiet", "-q", help="No progress bar and no notes on stderr.")
+]
 FormulaOpt = Annotated[
     str, typer.Option("--formula", help="derived (from the architecture) or seed (the seed's).")
 ]
@@ -428,6 +432,89 @@ def verify(
     else:
         stdout.print(render.verify_view(report))
     raise typer.Exit(EXIT_OK if report.ok else EXIT_DOES_NOT_FIT)
+
+
+@app.command()
+def export(
+    model: ModelArg,
+    plan: Annotated[
+        str,
+        typer.Option(
+            "--plan",
+            "-p",
+            help="auto (the cheapest the target can express within --budget) or " + STRATEGY_HELP,
+        ),
+    ],
+    to: Annotated[
+        str, typer.Option("--to", "-t", help="megatron, torch, deepspeed, torchtitan or yaml.")
+    ],
+    budget: Annotated[
+        str | None,
+        typer.Option("--budget", "-b", help="Per-GPU memory (needed by auto and optimal)."),
+    ] = None,
+    reserve: ReserveOpt = None,
+    slots: SlotsOpt = DEFAULT_SLOTS,
+    recompute_modules: Annotated[
+        bool,
+        typer.Option(
+            "--recompute-modules/--no-recompute-modules",
+            help="megatron: name the selective modules (--recompute-modules core_attn); off for "
+            "Megatron-LM versions without that flag.",
+        ),
+    ] = True,
+    settings: SetOpt = None,
+    seq: SeqOpt = None,
+    batch: BatchOpt = None,
+    layers: LayersOpt = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Write a plan for a launcher: Megatron-LM flags, a PyTorch snippet, a DeepSpeed config
+    block, torchtitan's [activation_checkpoint] TOML, or the model and plan as YAML. A plan the
+    target cannot express is an error that names the nearest one it can."""
+    from ckplan.io import exports
+
+    with user_errors():
+        exports.check_target(to)
+        spec = resolve_model(model, settings, seq, batch, layers)
+        chosen = _export_plan(spec, plan, to, budget, reserve, check_slots(slots))
+        result = exports.export(chosen, to, recompute_modules)
+    sys.stdout.write(result.text)
+    if not quiet:
+        for note in result.notes:
+            stderr.print(render.note_text(note), highlight=False)
+
+
+def _export_plan(spec: ModelSpec, plan: str, target: str, budget, reserve, slots: int):
+    """The plan to export: `auto` picks the cheapest fitting plan that `target` can express."""
+    from ckplan.io import exports
+
+    activation_budget = None
+    if budget is not None:
+        total, kept = parse_budget(budget, reserve)
+        activation_budget = search.activation_budget(spec, total - kept)
+    if plan == "auto":
+        if budget is None:
+            raise UserError("--plan auto picks the cheapest plan that fits: it needs --budget")
+        result = search.sweep(spec, total, kept, slots=slots)
+        best = exports.best_expressible(spec, result.candidates, target)
+        if best is None:
+            message = f"no plan that {target} can express fits {budget}"
+            stderr.print(render.error_text(message), highlight=False)
+            raise typer.Exit(EXIT_DOES_NOT_FIT)
+        return best.plan
+    parsed = parse_strategy(plan, spec)
+    if parsed.kind == "optimal":
+        if activation_budget is None:
+            raise UserError(f"--plan {plan!r} builds the optimal schedule and needs --budget")
+        found = (
+            evaluate(spec, parsed, budget=activation_budget, slots=slots)
+            if activation_budget > 0
+            else None
+        )
+        if found is None:
+            no_schedule_fits(plan, activation_budget)
+        return found
+    return evaluate(spec, parsed)
 
 
 def main(argv: list[str] | None = None) -> int:

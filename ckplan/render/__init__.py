@@ -4,7 +4,7 @@ The only package that knows how things look. Byte and FLOP counts stay exact int
 tables print binary units and say so, with decimal units beside totals.
 """
 
-from ckplan.render.common import error_text
+from ckplan.render.common import error_text, note_text
 from ckplan.render.estimate import (
     estimate_dict,
     estimate_view,
@@ -29,6 +29,7 @@ __all__ = [
     "estimate_dict",
     "estimate_view",
     "model_table",
+    "note_text",
     "plan_dict",
     "presets_table",
     "schedule_dict",

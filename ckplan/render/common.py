@@ -20,3 +20,7 @@ def _both(value: int) -> str:
 
 def error_text(message: str) -> Text:
     return Text(f"error: {message}", style="red")
+
+
+def note_text(message: str) -> Text:
+    return Text(f"note: {message}", style="dim")
