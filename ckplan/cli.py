@@ -32,6 +32,8 @@ from ckplan.plan import (
     search,
 )
 from ckplan.plan.search import DEFAULT_RESERVE
+from ckplan.render import plot as render_plot
+from ckplan.render.plot import PlotError
 from ckplan.units import SizeError, format_bytes, parse_size
 
 app = typer.Typer(
@@ -59,7 +61,7 @@ def user_errors() -> Iterator[None]:
     """Turn every bad-input error into one line on stderr and exit code 2."""
     try:
         yield
-    except (SpecError, SizeError, StrategyError, UserError, ExportError) as error:
+    except (SpecError, SizeError, StrategyError, UserError, ExportError, PlotError) as error:
         stderr.print(render.error_text(str(error)), highlight=False)
         raise typer.Exit(EXIT_BAD_INPUT) from None
 
@@ -93,6 +95,10 @@ SeqOpt = Annotated[int | None, typer.Option("--seq", help="Shortcut for --set se
 BatchOpt = Annotated[int | None, typer.Option("--batch", help="Shortcut for --set micro_batch=N.")]
 LayersOpt = Annotated[int | None, typer.Option("--layers", help="Shortcut for --set layers=N.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+PlotOpt = Annotated[
+    str | None,
+    typer.Option("--plot", help="Also draw it to FILE.png or FILE.svg (needs ckplan[plot])."),
+]
 QuietOpt = Annotated[
     bool, typer.Option("--quiet", "-q", help="No progress bar and no notes on stderr.")
 ]
@@ -164,9 +170,12 @@ def estimate(
     batch: BatchOpt = None,
     layers: LayersOpt = None,
     as_json: JsonOpt = False,
+    plot: PlotOpt = None,
 ) -> None:
     """One plan with its full breakdown: per-op activations, model states, FLOPs, overhead."""
     with user_errors():
+        if plot is not None:
+            render_plot.check_plot(plot)
         spec = resolve_model(model, settings, seq, batch, layers)
         parsed = parse_strategy(strategy, spec)
         candidate = None
@@ -181,12 +190,26 @@ def estimate(
             if plan is None:
                 no_schedule_fits(parsed.name, activation_budget)
             candidate = search.Candidate(plan, total - kept)
+        if plot is not None:
+            _estimate_plot(plan, candidate, plot)
     if as_json:
         print_json(render.estimate_dict(plan, candidate))
     else:
         stdout.print(render.estimate_view(plan, candidate))
     if candidate is not None and not candidate.fits:
         raise typer.Exit(EXIT_DOES_NOT_FIT)
+
+
+def _estimate_plot(plan, candidate, path: str) -> None:
+    from ckplan.plan.timeline import memory_timeline
+
+    timeline = memory_timeline(plan)
+    if timeline is None:
+        raise UserError(f"--plot: formula {plan.formula!r} has no schedule to draw")
+    budget = None
+    if candidate is not None:
+        budget = candidate.budget_bytes - plan.model_states.total
+    render_plot.timeline_plot(plan, timeline, path, budget)
 
 
 @app.command()
@@ -265,9 +288,12 @@ def sweep(
     batch: BatchOpt = None,
     layers: LayersOpt = None,
     as_json: JsonOpt = False,
+    plot: PlotOpt = None,
 ) -> None:
     """Every candidate plan against a budget: which fit, the Pareto frontier, the best."""
     with user_errors():
+        if plot is not None:
+            render_plot.check_plot(plot)
         spec = resolve_model(model, settings, seq, batch, layers)
         total, kept = parse_budget(budget, reserve)
         if micro_batch not in (None, "auto"):
@@ -276,6 +302,8 @@ def sweep(
             )
         result = search.sweep(spec, total, kept, check_formula(formula), check_slots(slots))
         micro_batches = _micro_batches(spec, result) if micro_batch == "auto" else None
+        if plot is not None:
+            render_plot.sweep_plot(result, budget, plot)
     if as_json:
         print_json(render.sweep_dict(result, micro_batches))
     else:

@@ -12,7 +12,7 @@ from rich.text import Text
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 from ckplan.plan.search import Candidate, SweepResult
-from ckplan.render.common import GIB, _gib
+from ckplan.render.common import GIB, _gib, memory_bar
 from ckplan.render.estimate import plan_dict
 from ckplan.units import format_bytes, format_flops, size_unit
 
@@ -71,8 +71,11 @@ def candidates_table(rows: Sequence[Candidate], title: str, best: Candidate | No
         "recompute",
         "overhead",
         "fits",
+        "of usable budget",
     ):
-        table.add_column(column, justify="left" if column == "strategy" else "right")
+        table.add_column(
+            column, justify="left" if column in ("strategy", "of usable budget") else "right"
+        )
     for candidate in rows:
         plan = candidate.plan
         is_best = best is not None and candidate.plan.strategy == best.plan.strategy
@@ -85,6 +88,7 @@ def candidates_table(rows: Sequence[Candidate], title: str, best: Candidate | No
             format_flops(plan.flops.recompute),
             f"{plan.overhead:.2%}",
             _fits_mark(candidate),
+            memory_bar(plan.total_bytes, candidate.budget_bytes),
             style="bold" if is_best else None,
         )
     return table
@@ -189,13 +193,15 @@ def check_table(
     budget_text: str, budget: int, reserve: int, rows: list[tuple[str, Candidate | None]]
 ) -> Group:
     table = Table(title="Capacity check", title_justify="left")
-    for column in ("model", "fits", "plan", "total", "headroom", "overhead", "why not"):
+    columns = ("model", "fits", "plan", "total", "headroom", "overhead", "of usable", "why not")
+    for column in columns:
         table.add_column(
-            column, justify="left" if column in ("model", "plan", "why not") else "right"
+            column,
+            justify="left" if column in ("model", "plan", "of usable", "why not") else "right",
         )
     for model, candidate in rows:
         if candidate is None:
-            table.add_row(model, Text("no", style="red"), "no schedule fits", "", "", "", "")
+            table.add_row(model, Text("no", style="red"), "no schedule fits", "", "", "", "", "")
             continue
         plan = candidate.plan
         table.add_row(
@@ -205,6 +211,7 @@ def check_table(
             _gib(plan.total_bytes),
             _gib(candidate.headroom_bytes),
             f"{plan.overhead:.2%}",
+            memory_bar(plan.total_bytes, candidate.budget_bytes),
             "" if candidate.fits else _why_not(candidate),
         )
     fitting = sum(1 for _, c in rows if c and c.fits)
