@@ -34,6 +34,7 @@ from ckplan.plan import (
 from ckplan.plan.search import DEFAULT_RESERVE
 from ckplan.render import plot as render_plot
 from ckplan.render.plot import PlotError
+from ckplan.render.progress import progress
 from ckplan.units import SizeError, format_bytes, parse_size
 
 app = typer.Typer(
@@ -95,6 +96,13 @@ SeqOpt = Annotated[int | None, typer.Option("--seq", help="Shortcut for --set se
 BatchOpt = Annotated[int | None, typer.Option("--batch", help="Shortcut for --set micro_batch=N.")]
 LayersOpt = Annotated[int | None, typer.Option("--layers", help="Shortcut for --set layers=N.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+FORMATS = ("table", "json", "csv", "markdown")
+FormatOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--format", "-f", help="table (default), json, csv, or markdown (e.g. a PR comment)."
+    ),
+]
 PlotOpt = Annotated[
     str | None,
     typer.Option("--plot", help="Also draw it to FILE.png or FILE.svg (needs ckplan[plot])."),
@@ -148,6 +156,22 @@ def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
 
+def output_format(fmt: str | None, as_json: bool) -> str:
+    """--format, with --json as its alias for json."""
+    if fmt is not None and fmt not in FORMATS:
+        raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if as_json and fmt not in (None, "json"):
+        raise UserError(f"--json and --format {fmt} disagree: give one of them")
+    return "json" if as_json else fmt or "table"
+
+
+def print_rows(table, fmt: str) -> None:
+    """csv or markdown through the one writer of each (render.rows)."""
+    from ckplan.render import rows
+
+    sys.stdout.write(rows.to_csv(table) if fmt == "csv" else rows.to_markdown(table))
+
+
 # ---- commands ----------------------------------------------------------------------------
 
 
@@ -170,10 +194,12 @@ def estimate(
     batch: BatchOpt = None,
     layers: LayersOpt = None,
     as_json: JsonOpt = False,
+    fmt: FormatOpt = None,
     plot: PlotOpt = None,
 ) -> None:
     """One plan with its full breakdown: per-op activations, model states, FLOPs, overhead."""
     with user_errors():
+        fmt = output_format(fmt, as_json)
         if plot is not None:
             render_plot.check_plot(plot)
         spec = resolve_model(model, settings, seq, batch, layers)
@@ -192,8 +218,12 @@ def estimate(
             candidate = search.Candidate(plan, total - kept)
         if plot is not None:
             _estimate_plot(plan, candidate, plot)
-    if as_json:
+    if fmt == "json":
         print_json(render.estimate_dict(plan, candidate))
+    elif fmt in ("csv", "markdown"):
+        from ckplan.render.row_models import estimate_rows
+
+        print_rows(estimate_rows(plan, candidate), fmt)
     else:
         stdout.print(render.estimate_view(plan, candidate))
     if candidate is not None and not candidate.fits:
@@ -288,10 +318,13 @@ def sweep(
     batch: BatchOpt = None,
     layers: LayersOpt = None,
     as_json: JsonOpt = False,
+    fmt: FormatOpt = None,
     plot: PlotOpt = None,
+    quiet: QuietOpt = False,
 ) -> None:
     """Every candidate plan against a budget: which fit, the Pareto frontier, the best."""
     with user_errors():
+        fmt = output_format(fmt, as_json)
         if plot is not None:
             render_plot.check_plot(plot)
         spec = resolve_model(model, settings, seq, batch, layers)
@@ -300,12 +333,18 @@ def sweep(
             raise UserError(
                 f"--micro-batch {micro_batch!r}: only 'auto' is accepted (use --batch N to set one)"
             )
-        result = search.sweep(spec, total, kept, check_formula(formula), check_slots(slots))
+        formula, slots = check_formula(formula), check_slots(slots)
+        with progress(f"sweep {spec.name}: plans", quiet) as report:
+            result = search.sweep(spec, total, kept, formula, slots, progress=report)
         micro_batches = _micro_batches(spec, result) if micro_batch == "auto" else None
         if plot is not None:
             render_plot.sweep_plot(result, budget, plot)
-    if as_json:
+    if fmt == "json":
         print_json(render.sweep_dict(result, micro_batches))
+    elif fmt in ("csv", "markdown"):
+        from ckplan.render.row_models import sweep_rows
+
+        print_rows(sweep_rows(result, budget, show_all), fmt)
     else:
         stdout.print(render.sweep_view(result, budget, show_all, micro_batches))
     raise typer.Exit(EXIT_OK if result.best else EXIT_DOES_NOT_FIT)
@@ -337,20 +376,31 @@ def check(
     batch: BatchOpt = None,
     layers: LayersOpt = None,
     as_json: JsonOpt = False,
+    fmt: FormatOpt = None,
+    quiet: QuietOpt = False,
 ) -> None:
     """CI capacity check: exit 0 when every model fits the budget, 1 when any does not."""
     with user_errors():
+        fmt = output_format(fmt, as_json)
         total, kept = parse_budget(budget, reserve)
         specs = [
             (name, resolve_model(name, settings, seq, batch, layers))
             for name in expand_models(models)
         ]
-        rows = [
-            (name, search.best_plan(spec, total, strategy, kept, check_slots(slots)))
-            for name, spec in specs
-        ]
-    if as_json:
+        rows = []
+        with progress("check: models", quiet) as report:
+            for done, (name, spec) in enumerate(specs):
+                report(done, len(specs))
+                rows.append(
+                    (name, search.best_plan(spec, total, strategy, kept, check_slots(slots)))
+                )
+            report(len(specs), len(specs))
+    if fmt == "json":
         print_json(render.check_dict(total, rows))
+    elif fmt in ("csv", "markdown"):
+        from ckplan.render.row_models import check_rows
+
+        print_rows(check_rows(budget, total, kept, rows), fmt)
     else:
         stdout.print(render.check_table(budget, total, kept, rows))
     raise typer.Exit(EXIT_OK if all(c and c.fits for _, c in rows) else EXIT_DOES_NOT_FIT)

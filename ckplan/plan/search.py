@@ -7,6 +7,7 @@ buffers, allocator slack); what remains holds model states plus the step's peak 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckplan.model.memory import model_state_bytes
@@ -103,12 +104,18 @@ def sweep(
     reserve_bytes: int = DEFAULT_RESERVE,
     formula: str = "derived",
     slots: int = DEFAULT_SLOTS,
+    progress: Callable[[int, int], None] | None = None,
 ) -> SweepResult:
     """Evaluate every candidate against `budget_bytes - reserve_bytes` and pick the cheapest
-    plan that fits (least total FLOPs; ties go to the smaller peak)."""
+    plan that fits (least total FLOPs; ties go to the smaller peak). `progress(done, total)`
+    is told after each candidate (the optimal schedule counts as the last one)."""
     usable = budget_bytes - reserve_bytes
     strategies = candidate_strategies(spec) if formula == "derived" else _seed_strategies(spec)
-    plans = [evaluate(spec, strategy, formula) for strategy in strategies]
+    plans = []
+    for done, strategy in enumerate(strategies, 1):
+        plans.append(evaluate(spec, strategy, formula))
+        if progress is not None:
+            progress(done, len(strategies) + 1)
     notes = []
     if formula == "derived" and spec.layers_per_stage > DP_MAX_LAYERS:
         notes.append(
@@ -119,6 +126,8 @@ def sweep(
         optimal = optimal_plan(spec, activation_budget(spec, usable), slots)
         if optimal is not None:
             plans.append(optimal)
+    if progress is not None:
+        progress(len(strategies) + 1, len(strategies) + 1)
     candidates = tuple(Candidate(plan, usable) for plan in plans)
     fitting = [c for c in candidates if c.fits]
     best = min(fitting, key=_cost_key) if fitting else None
