@@ -40,7 +40,7 @@ from ckplan.units import SizeError, format_bytes, parse_size
 app = typer.Typer(
     name="ckplan",
     help="Plan activation checkpointing and recomputation for large-model training.",
-    add_completion=False,
+    add_completion=True,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -87,7 +87,24 @@ def _root(
 
 # ---- shared options ----------------------------------------------------------------------
 
-ModelArg = Annotated[str, typer.Argument(help="Preset name, a .yaml file, or a HF config.json.")]
+
+def complete_model(incomplete: str) -> list[str]:
+    """Shell completion of MODEL: preset names, then .yaml/.yml/.json files and folders."""
+    names = [name for name in preset_names() if name.startswith(incomplete)]
+    for path in sorted(glob.glob(incomplete + "*")):
+        if Path(path).is_dir():
+            names.append(path + "/")
+        elif path.endswith((".yaml", ".yml", ".json")):
+            names.append(path)
+    return names
+
+
+ModelArg = Annotated[
+    str,
+    typer.Argument(
+        help="Preset name, a .yaml file, or a HF config.json.", autocompletion=complete_model
+    ),
+]
 SetOpt = Annotated[
     list[str] | None,
     typer.Option("--set", help="Override any model key: --set key=value (repeatable)."),
@@ -524,7 +541,17 @@ def export(
         ),
     ],
     to: Annotated[
-        str, typer.Option("--to", "-t", help="megatron, torch, deepspeed, torchtitan or yaml.")
+        str,
+        typer.Option(
+            "--to",
+            "-t",
+            help="megatron, torch, deepspeed, torchtitan or yaml.",
+            autocompletion=lambda incomplete: [
+                t
+                for t in ("megatron", "torch", "deepspeed", "torchtitan", "yaml")
+                if t.startswith(incomplete)
+            ],
+        ),
     ],
     budget: Annotated[
         str | None,
