@@ -39,7 +39,7 @@ validate: $(TORCH_STAMP)
 	$(BIN)/python validation/torch_backward_peak.py --compare --output
 	$(BIN)/python validation/calibrated_profiles.py
 	$(BIN)/python validation/calibrated_profiles.py --backward
-	$(BIN)/pytest tests/test_torch_validation.py
+	$(BIN)/pytest tests/test_torch_validation.py tests/test_export_torch.py
 
 # The bench has its own venv: checkpoint-schedules (compared with our Revolve) is no dependency.
 BENCH_VENV := .venv-bench

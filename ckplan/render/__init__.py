@@ -6,7 +6,7 @@ tables print binary units and say so, with decimal units beside totals.
 
 from importlib import import_module
 
-from ckplan.render.common import error_text
+from ckplan.render.common import error_text, note_text
 from ckplan.render.estimate import (
     estimate_dict,
     estimate_view,
@@ -55,6 +55,7 @@ __all__ = [
     "gpu_table",
     "gpus_table",
     "model_table",
+    "note_text",
     "plan_dict",
     "presets_table",
     "schedule_dict",
