@@ -18,6 +18,9 @@ import yaml
 
 from ckplan.io import safe_yaml
 from ckplan.io.hf_config import hf_config_mapping
+from ckplan.io.profiles import is_profile_file
+from ckplan.model.ops import layer_ops
+from ckplan.model.profiles import DEFAULT_PROFILE, ProfileError
 from ckplan.model.spec import ModelSpec, SpecError, spec_from_mapping
 from ckplan.quoting import abbreviate, quote
 
@@ -96,9 +99,27 @@ def read_text_file(path: Path, origin: str) -> str:
 
 
 def load_spec(model: str, overrides: Mapping[str, Any] | None = None) -> ModelSpec:
-    """Load MODEL and apply `--set`-style overrides before validation."""
+    """Load MODEL and apply `--set`-style overrides before validation. A kernel profile other
+    than fused is loaded and applied here, so that its errors are bad input like the model's."""
     mapping, origin = load_mapping(model)
-    return spec_from_mapping({**mapping, **(overrides or {})}, origin)
+    spec = spec_from_mapping({**_profile_beside(mapping, model), **(overrides or {})}, origin)
+    if spec.profile != DEFAULT_PROFILE:
+        try:
+            layer_ops(spec)
+        except ProfileError as error:
+            raise SpecError(f"{origin}: {error}") from None
+    return spec
+
+
+def _profile_beside(mapping: dict[str, Any], model: str) -> dict[str, Any]:
+    """A model file's relative `profile:` path is read beside the model file when it is there."""
+    reference = mapping.get("profile")
+    if not isinstance(reference, str) or not is_profile_file(reference):
+        return mapping
+    beside = Path(model).parent / reference
+    if Path(reference).is_absolute() or not Path(model).is_file() or not beside.is_file():
+        return mapping
+    return {**mapping, "profile": str(beside)}
 
 
 def _unknown_model(name: str) -> str:

@@ -52,6 +52,8 @@ class ModelSpec:
     dropout: float = 0.0
     tied_embeddings: bool = False
     fused_swiglu: bool = True  # Megatron's bias_swiglu saves fc1 output, not silu(gate) too
+    # kernel profile (ckplan.model.profiles): a shipped name or a .yaml file; fused = ops.py's
+    profile: str = "fused"
     # parallel layout
     tp: int = 1
     pp: int = 1
@@ -160,7 +162,20 @@ class ModelSpec:
         return tuple(counts)
 
     def replace(self, **changes: Any) -> ModelSpec:
-        return spec_from_mapping({**self.to_dict(), **changes})
+        """A copy with `changes`. Keys whose value is still the default derived from other keys
+        (head_dim = h/a, etp = tp, ...) are derived again from the changed ones."""
+        values = self.to_dict()
+        derived = {
+            "head_dim": self.hidden // self.heads,
+            "qkv_bias": self.bias,
+            "moe_ffn_hidden": self.ffn_hidden,
+            "shared_ffn_hidden": self.shared_experts * self.moe_ffn_hidden,
+            "etp": self.tp,
+        }
+        for key, default in derived.items():
+            if key not in changes and values[key] == default:
+                del values[key]
+        return spec_from_mapping({**values, **changes})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -180,7 +195,7 @@ _BOOL_FIELDS = {
     "shared_expert_gate",
     "expert_bias",
 }
-_STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions"}
+_STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions", "profile"}
 _LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
 _FLOAT_FIELDS = {"dropout", "capacity_factor"}
 _NULLABLE = {"kv_heads", "ffn_hidden", "head_dim", "qkv_bias", "moe_ffn_hidden"}
@@ -376,6 +391,12 @@ def _validate(spec: ModelSpec) -> None:
             raise SpecError(
                 f"key {key!r} must be one of {', '.join(allowed)}, got {quote(getattr(spec, key))}"
             )
+    if not spec.profile.strip():
+        raise SpecError(
+            "key 'profile' expects a profile name (fused, torch-eager, ...) or a .yaml file"
+        )
+    if spec.kind == "mlp" and spec.profile != "fused":
+        raise SpecError("key 'profile' applies to kind: transformer; the seed MLP has no profiles")
     if not 0.0 <= spec.dropout < 1.0:
         raise SpecError(f"key 'dropout' must be in [0, 1), got {spec.dropout}")
     if spec.zero > 3:

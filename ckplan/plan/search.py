@@ -7,6 +7,7 @@ buffers, allocator slack); what remains holds model states plus the step's peak 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckplan.hardware.gpus import GPU
@@ -133,15 +134,21 @@ def sweep(
     slots: int = DEFAULT_SLOTS,
     gpu: GPU | None = None,
     rank: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> SweepResult:
     """Evaluate every candidate against `budget_bytes - reserve_bytes` and pick the cheapest
     plan that fits: the least step time on `gpu` (rank "time", the default with a GPU) or the
     least total FLOPs (rank "flops"); ties go to the smaller peak. With a GPU every plan is
-    timed (`hardware.step_time`)."""
+    timed (`hardware.step_time`). `progress(done, total)` is told after each candidate (the
+    optimal schedule counts as the last one)."""
     rank = _rank(gpu, rank)
     usable = budget_bytes - reserve_bytes
     strategies = candidate_strategies(spec) if formula == "derived" else _seed_strategies(spec)
-    plans = [evaluate(spec, strategy, formula) for strategy in strategies]
+    plans = []
+    for done, strategy in enumerate(strategies, 1):
+        plans.append(evaluate(spec, strategy, formula))
+        if progress is not None:
+            progress(done, len(strategies) + 1)
     notes = []
     skipped = revolve_slots(spec.layers_per_stage)[1] if formula == "derived" else []
     if skipped:
@@ -154,6 +161,8 @@ def sweep(
         optimal = optimal_plan(spec, activation_budget(spec, usable), slots, gpu)
         if optimal is not None:
             plans.append(optimal)
+    if progress is not None:
+        progress(len(strategies) + 1, len(strategies) + 1)
     candidates = tuple(_candidate(plan, usable, gpu) for plan in plans)
     fitting = [c for c in candidates if c.fits]
     cost = _cost_key(rank)

@@ -171,6 +171,7 @@ MODEL_GROUPS = {
         "dropout",
         "tied_embeddings",
         "fused_swiglu",
+        "profile",
     ),
     "parallel": ("tp", "pp", "sp", "cp", "dp", "zero", "virtual_stages", "microbatches"),
     "bytes/param": ("weight_bytes", "grad_bytes", "master_bytes", "optimizer_bytes"),
