@@ -34,7 +34,7 @@ def step_time_table(plan: Plan, time: StepTime, gpu: GPU | None) -> Table:
         ("forward", time.forward_seconds, "compute"),
         ("backward", time.backward_seconds, "compute"),
         ("recompute", time.recompute_seconds, "re-run ops and their collectives"),
-        ("communication", time.communication_seconds, "exposed TP/CP/PP/DP"),
+        ("communication", time.communication_seconds, "exposed TP/CP/EP/PP/DP"),
         ("pipeline bubble", time.bubble_seconds, f"(p-1)/v = {spec.pp - 1}/{spec.virtual_stages}"),
         ("optimizer", time.optimizer_seconds, "Adam, memory-bound"),
     )
