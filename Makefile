@@ -26,7 +26,9 @@ format: $(STAMP)
 	$(BIN)/ruff format ckplan tests benchmarks validation
 	$(BIN)/ruff check --fix ckplan tests benchmarks validation
 
-# The accounting against PyTorch autograd (docs/validation.md); torch is an optional extra.
+# The accounting against PyTorch autograd (docs/validation.md) and `ckplan calibrate`; torch is
+# an optional extra. `make test` runs its tests where torch is installed and reports them as
+# skipped where not; .ci/run installs it first and sets CKPLAN_REQUIRE_TORCH=1.
 TORCH_STAMP := $(VENV)/.torch
 $(TORCH_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet 'torch==2.13.0'
@@ -35,7 +37,9 @@ $(TORCH_STAMP): $(STAMP)
 validate: $(TORCH_STAMP)
 	$(BIN)/python validation/torch_saved_bytes.py --compare
 	$(BIN)/python validation/torch_backward_peak.py --compare --output
-	$(BIN)/pytest tests/test_torch_validation.py
+	$(BIN)/python validation/calibrated_profiles.py
+	$(BIN)/python validation/calibrated_profiles.py --backward
+	$(BIN)/pytest tests/test_torch_validation.py tests/test_export_torch.py
 
 # The bench has its own venv: checkpoint-schedules (compared with our Revolve) is no dependency.
 BENCH_VENV := .venv-bench

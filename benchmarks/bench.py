@@ -13,6 +13,7 @@ Times are the best (least loaded) of several runs, in seconds, with the median b
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import random
@@ -254,6 +255,21 @@ def time_model() -> None:
     print(f"  {'step_time x 1000 (cached layer times)':<44} {seconds(best, median)}")
 
 
+def profiles() -> None:
+    print("\n6. Kernel profiles and ckplan calibrate")
+    eager = load_spec("llama3-70b", {"tp": 8, "pp": 4, "sp": True, "profile": "torch-sdpa"})
+    best, median, _ = timed(sweep, eager, 80 * GB, repeats=1)
+    print(f"  {'sweep llama3-70b tp8 pp4, --profile torch-sdpa':<44} {seconds(best, median)}")
+    if importlib.util.find_spec("torch") is None:
+        print("  ckplan calibrate: torch is not installed in this environment")
+        return
+    calibrate = [sys.executable, "-m", "ckplan", "calibrate", "llama3-8b", "--json"]
+    best, median, _ = timed(
+        lambda: subprocess.run(calibrate, capture_output=True, check=True), repeats=1
+    )
+    print(f"  {'ckplan calibrate llama3-8b (torch, CPU)':<44} {seconds(best, median)}")
+
+
 def main() -> None:
     machine()
     startup()
@@ -261,6 +277,7 @@ def main() -> None:
     revolve()
     sweeps()
     time_model()
+    profiles()
 
 
 if __name__ == "__main__":

@@ -15,24 +15,22 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 import yaml
 from rich.console import Console
 
 from ckplan import __version__, render
-from ckplan.hardware.gpus import GPU, GPUError
-from ckplan.hardware.step_time import step_time
+from ckplan.errors import InputError
 from ckplan.io import safe_yaml
 from ckplan.io.gpus import gpu_names, load_gpu
 from ckplan.io.presets import load_spec, preset_names
-from ckplan.model.spec import ModelSpec, SpecError
+from ckplan.model.spec import ModelSpec
 from ckplan.plan import (
     DEFAULT_SLOTS,
     FORMULAS,
     STRATEGY_HELP,
-    StrategyError,
     evaluate,
     limits,
     parse_strategy,
@@ -41,12 +39,16 @@ from ckplan.plan import (
 )
 from ckplan.plan.search import DEFAULT_RESERVE
 from ckplan.quoting import abbreviate, one_line, quote
-from ckplan.units import SizeError, format_bytes, parse_size
+from ckplan.render.progress import progress
+from ckplan.units import format_bytes, parse_size
+
+if TYPE_CHECKING:
+    from ckplan.hardware.gpus import GPU
 
 app = typer.Typer(
     name="ckplan",
     help="Plan activation checkpointing and recomputation for large-model training.",
-    add_completion=False,
+    add_completion=True,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -78,12 +80,26 @@ class UserError(Exception):
     """Bad input found by the CLI itself (not by the spec or units parsers)."""
 
 
+def _step_time(plan, gpu):
+    """The time model, imported when a command is given --gpu (start-up time)."""
+    from ckplan.hardware.step_time import step_time
+
+    return step_time(plan, gpu)
+
+
+def _plots():
+    """The plot renderer, imported when a command is given --plot."""
+    from ckplan.render import plot
+
+    return plot
+
+
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Turn every bad-input error into one line on stderr and exit code 2."""
     try:
         yield
-    except (SpecError, SizeError, StrategyError, GPUError, UserError) as error:
+    except (InputError, UserError) as error:
         print_error(str(error))
         raise typer.Exit(EXIT_BAD_INPUT) from None
 
@@ -113,7 +129,24 @@ def _root(
 
 # ---- shared options ----------------------------------------------------------------------
 
-ModelArg = Annotated[str, typer.Argument(help="Preset name, a .yaml file, or a HF config.json.")]
+
+def complete_model(incomplete: str) -> list[str]:
+    """Shell completion of MODEL: preset names, then .yaml/.yml/.json files and folders."""
+    names = [name for name in preset_names() if name.startswith(incomplete)]
+    for path in sorted(glob.glob(incomplete + "*")):
+        if Path(path).is_dir():
+            names.append(path + "/")
+        elif path.endswith((".yaml", ".yml", ".json")):
+            names.append(path)
+    return names
+
+
+ModelArg = Annotated[
+    str,
+    typer.Argument(
+        help="Preset name, a .yaml file, or a HF config.json.", autocompletion=complete_model
+    ),
+]
 SetOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -143,6 +176,28 @@ MoeImbalanceOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+ProfileOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--profile",
+        help="Kernel profile: fused (default), torch-eager, torch-sdpa or a .yaml file "
+        "(ckplan calibrate writes one). Shortcut for --set profile=NAME.",
+    ),
+]
+FORMATS = ("table", "json", "csv", "markdown")
+FormatOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--format", "-f", help="table (default), json, csv, or markdown (e.g. a PR comment)."
+    ),
+]
+PlotOpt = Annotated[
+    str | None,
+    typer.Option("--plot", help="Also draw it to FILE.png or FILE.svg (needs ckplan[plot])."),
+]
+QuietOpt = Annotated[
+    bool, typer.Option("--quiet", "-q", help="No progress bar and no notes on stderr.")
+]
 FormulaOpt = Annotated[
     str, typer.Option("--formula", help="derived (from the architecture) or seed (the seed's).")
 ]
@@ -154,6 +209,7 @@ def parse_overrides(
     batch: int | None,
     layers: int | None,
     moe_imbalance: str | None = None,
+    profile: str | None = None,
 ) -> dict[str, Any]:
     overrides = {
         key: value for key, value in _settings(settings).items() if not key.startswith(GPU_PREFIX)
@@ -163,6 +219,7 @@ def parse_overrides(
         ("micro_batch", batch),
         ("layers", layers),
         ("moe_imbalance", moe_imbalance),
+        ("profile", profile),
     )
     for key, value in shortcuts:
         if value is not None:
@@ -185,8 +242,10 @@ def _settings(settings: list[str] | None) -> dict[str, Any]:
     return parsed
 
 
-def resolve_model(model: str, settings, seq, batch, layers, moe_imbalance=None) -> ModelSpec:
-    return load_spec(model, parse_overrides(settings, seq, batch, layers, moe_imbalance))
+def resolve_model(
+    model: str, settings, seq, batch, layers, moe_imbalance=None, profile=None
+) -> ModelSpec:
+    return load_spec(model, parse_overrides(settings, seq, batch, layers, moe_imbalance, profile))
 
 
 def resolve_gpu(gpu: str | None, settings: list[str] | None) -> GPU | None:
@@ -246,6 +305,22 @@ def print_json(data: Any) -> None:
         raise ReaderGone from None
 
 
+def output_format(fmt: str | None, as_json: bool) -> str:
+    """--format, with --json as its alias for json."""
+    if fmt is not None and fmt not in FORMATS:
+        raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if as_json and fmt not in (None, "json"):
+        raise UserError(f"--json and --format {fmt} disagree: give one of them")
+    return "json" if as_json else fmt or "table"
+
+
+def print_rows(table, fmt: str) -> None:
+    """csv or markdown through the one writer of each (render.rows)."""
+    from ckplan.render import rows
+
+    sys.stdout.write(rows.to_csv(table) if fmt == "csv" else rows.to_markdown(table))
+
+
 # ---- commands ----------------------------------------------------------------------------
 
 
@@ -269,12 +344,18 @@ def estimate(
     batch: BatchOpt = None,
     layers: LayersOpt = None,
     moe_imbalance: MoeImbalanceOpt = None,
+    profile: ProfileOpt = None,
     as_json: JsonOpt = False,
+    fmt: FormatOpt = None,
+    plot: PlotOpt = None,
 ) -> None:
     """One plan with its full breakdown: per-op activations, model states, FLOPs, overhead
     (and with --gpu: step time, MFU, the time overhead and its breakdown)."""
     with user_errors():
-        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance)
+        fmt = output_format(fmt, as_json)
+        if plot is not None:
+            _plots().check_plot(plot)
+        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance, profile)
         device = resolve_gpu(gpu, settings)
         parsed = parse_strategy(strategy, spec)
         candidate = None
@@ -291,19 +372,37 @@ def estimate(
                 no_schedule_fits(
                     parsed.name,
                     activation_budget,
-                    as_json,
+                    fmt == "json",
                     lambda reason: render.estimate_no_fit_dict(
                         spec, parsed.name, total - kept, activation_budget, reason
                     ),
                 )
             candidate = search.Candidate(plan, total - kept)
-        time = None if device is None else step_time(plan, device)
-    if as_json:
+        time = None if device is None else _step_time(plan, device)
+        if plot is not None:
+            _estimate_plot(plan, candidate, plot)
+    if fmt == "json":
         print_json(render.estimate_dict(plan, candidate, time))
+    elif fmt in ("csv", "markdown"):
+        from ckplan.render.row_models import estimate_rows
+
+        print_rows(estimate_rows(plan, candidate, time), fmt)
     else:
         stdout.print(render.estimate_view(plan, candidate, time, device))
     if candidate is not None and not candidate.fits:
         raise typer.Exit(EXIT_DOES_NOT_FIT)
+
+
+def _estimate_plot(plan, candidate, path: str) -> None:
+    from ckplan.plan.timeline import memory_timeline
+
+    timeline = memory_timeline(plan)
+    if timeline is None:
+        raise UserError(f"--plot: formula {plan.formula!r} has no schedule to draw")
+    budget = None
+    if candidate is not None:
+        budget = candidate.budget_bytes - plan.model_states.total
+    _plots().timeline_plot(plan, timeline, path, budget)
 
 
 @app.command()
@@ -412,12 +511,19 @@ def sweep(
     batch: BatchOpt = None,
     layers: LayersOpt = None,
     moe_imbalance: MoeImbalanceOpt = None,
+    profile: ProfileOpt = None,
     as_json: JsonOpt = False,
+    fmt: FormatOpt = None,
+    plot: PlotOpt = None,
+    quiet: QuietOpt = False,
 ) -> None:
     """Every candidate plan against a budget: which fit, the Pareto frontier, the best (the
     fastest with --gpu)."""
     with user_errors():
-        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance)
+        fmt = output_format(fmt, as_json)
+        if plot is not None:
+            _plots().check_plot(plot)
+        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance, profile)
         device = resolve_gpu(gpu, settings)
         budget_text, total, kept = require_budget(budget, reserve, device)
         if rank not in (None, *search.RANKS):
@@ -429,12 +535,18 @@ def sweep(
                 f"--micro-batch {quote(micro_batch)}: only 'auto' is accepted (use --batch N "
                 "to set one)"
             )
-        result = search.sweep(
-            spec, total, kept, check_formula(formula), check_slots(slots), device, rank
-        )
+        formula, slots = check_formula(formula), check_slots(slots)
+        with progress(f"sweep {spec.name}: plans", quiet) as report:
+            result = search.sweep(spec, total, kept, formula, slots, device, rank, progress=report)
         micro_batches = _micro_batches(spec, result) if micro_batch == "auto" else None
-    if as_json:
+        if plot is not None:
+            _plots().sweep_plot(result, budget_text, plot)
+    if fmt == "json":
         print_json(render.sweep_dict(result, micro_batches))
+    elif fmt in ("csv", "markdown"):
+        from ckplan.render.row_models import sweep_rows
+
+        print_rows(sweep_rows(result, budget_text, show_all), fmt)
     else:
         stdout.print(render.sweep_view(result, budget_text, show_all, micro_batches))
     raise typer.Exit(EXIT_OK if result.best else EXIT_DOES_NOT_FIT)
@@ -470,22 +582,33 @@ def check(
     batch: BatchOpt = None,
     layers: LayersOpt = None,
     moe_imbalance: MoeImbalanceOpt = None,
+    profile: ProfileOpt = None,
     as_json: JsonOpt = False,
+    fmt: FormatOpt = None,
+    quiet: QuietOpt = False,
 ) -> None:
     """CI capacity check: exit 0 when every model fits the budget, 1 when any does not."""
     with user_errors():
+        fmt = output_format(fmt, as_json)
         device = resolve_gpu(gpu, settings)
         budget_text, total, kept = require_budget(budget, reserve, device)
         specs = [
-            (name, resolve_model(name, settings, seq, batch, layers, moe_imbalance))
+            (name, resolve_model(name, settings, seq, batch, layers, moe_imbalance, profile))
             for name in expand_models(models)
         ]
-        rows = [
-            (name, search.best_plan(spec, total, strategy, kept, check_slots(slots), device))
-            for name, spec in specs
-        ]
-    if as_json:
+        rows = []
+        with progress("check: models", quiet) as report:
+            for done, (name, spec) in enumerate(specs):
+                report(done, len(specs))
+                best = search.best_plan(spec, total, strategy, kept, check_slots(slots), device)
+                rows.append((name, best))
+            report(len(specs), len(specs))
+    if fmt == "json":
         print_json(render.check_dict(total, rows))
+    elif fmt in ("csv", "markdown"):
+        from ckplan.render.row_models import check_rows
+
+        print_rows(check_rows(budget_text, total, kept, rows), fmt)
     else:
         stdout.print(render.check_table(budget_text, total, kept, rows))
     raise typer.Exit(EXIT_OK if all(c and c.fits for _, c in rows) else EXIT_DOES_NOT_FIT)
@@ -534,11 +657,12 @@ def schedule(
     batch: BatchOpt = None,
     layers: LayersOpt = None,
     moe_imbalance: MoeImbalanceOpt = None,
+    profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Print a plan's schedule step by step (default: the optimal schedule under --budget)."""
     with user_errors():
-        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance)
+        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance, profile)
         device = resolve_gpu(gpu, settings)
         parsed = None if strategy == "auto" else parse_strategy(strategy, spec)
         activation_budget = None
@@ -563,11 +687,82 @@ def schedule(
                 spec, strategy, activation_budget, reason, stage_names(spec)
             ),
         )
-    time = None if device is None else step_time(plan, device)
+    time = None if device is None else _step_time(plan, device)
     if as_json:
         print_json(render.schedule_dict(plan, activation_budget, time))
     else:
         stdout.print(render.schedule_view(plan, activation_budget, time))
+
+
+@app.command()
+def calibrate(
+    model: ModelArg,
+    out: Annotated[
+        str | None, typer.Option("--out", "-o", help="Write the fitted profile to this .yaml.")
+    ] = None,
+    hf: Annotated[
+        bool,
+        typer.Option("--hf", help="Measure the real Hugging Face decoder layer (transformers)."),
+    ] = False,
+    device: Annotated[
+        str, typer.Option("--device", help="cpu, or cuda: also checks peak memory on the GPU.")
+    ] = "cpu",
+    name: Annotated[str | None, typer.Option("--name", help="The profile's name.")] = None,
+    settings: SetOpt = None,
+    seq: SeqOpt = None,
+    batch: BatchOpt = None,
+    layers: LayersOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Measure what autograd saves per op for one layer of MODEL (PyTorch, small shapes), fit
+    a kernel profile exactly, check it on a shape left out, and compare it with fused."""
+    from ckplan.calibrate import missing_extra
+
+    with user_errors():
+        spec = resolve_model(model, settings, seq, batch, layers)
+        if device != "cpu" and not device.startswith("cuda"):
+            raise UserError(f"--device {device!r}: expected cpu or cuda")
+        if out is not None and not out.endswith((".yaml", ".yml")):
+            raise UserError(f"--out {out!r}: expected a .yaml file")
+        if out is not None and not Path(out).parent.is_dir():
+            raise UserError(f"--out {out!r}: no such folder {str(Path(out).parent)!r}")
+        missing = missing_extra(hf)
+        if missing:
+            raise UserError(missing)
+        from ckplan.calibrate import run
+
+        hf_config = _hf_config(model) if hf else None
+        try:
+            result = run.calibrate(spec, hf, device, name, hf_config)
+            if device.startswith("cuda"):
+                from ckplan.calibrate.cuda import peak_memory_check
+
+                result.cuda = peak_memory_check(spec, result, device, hf, hf_config)
+            comparison = run.compare_with_fused(result)
+        except run.CalibrationError as error:
+            raise UserError(str(error)) from None
+        if out is not None:
+            _write_profile(out, result.profile)
+    if as_json:
+        print_json(render.calibrate_dict(result, comparison, out))
+    else:
+        stdout.print(render.calibrate_view(result, comparison, out))
+
+
+def _hf_config(model: str) -> dict | None:
+    """A config.json MODEL's own keys (its model_type picks the layer), else None."""
+    if not model.endswith(".json"):
+        return None
+    return json.loads(Path(model).read_text(encoding="utf-8"))
+
+
+def _write_profile(path: str, profile: dict) -> None:
+    header = "# A kernel profile written by `ckplan calibrate` (terms: ckplan/model/profiles.py)\n"
+    text = header + yaml.safe_dump(profile, sort_keys=False, allow_unicode=True, width=100)
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as error:
+        raise UserError(f"--out {path}: cannot write ({error.strerror})") from None
 
 
 @app.command()
@@ -616,6 +811,99 @@ def verify(
     else:
         stdout.print(render.verify_view(report))
     raise typer.Exit(EXIT_OK if report.ok else EXIT_DOES_NOT_FIT)
+
+
+@app.command()
+def export(
+    model: ModelArg,
+    plan: Annotated[
+        str,
+        typer.Option(
+            "--plan",
+            "-p",
+            help="auto (the cheapest the target can express within --budget) or " + STRATEGY_HELP,
+        ),
+    ],
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to",
+            "-t",
+            help="megatron, torch, deepspeed, torchtitan or yaml.",
+            autocompletion=lambda incomplete: [
+                t
+                for t in ("megatron", "torch", "deepspeed", "torchtitan", "yaml")
+                if t.startswith(incomplete)
+            ],
+        ),
+    ],
+    budget: Annotated[
+        str | None,
+        typer.Option("--budget", "-b", help="Per-GPU memory (needed by auto and optimal)."),
+    ] = None,
+    reserve: ReserveOpt = None,
+    slots: SlotsOpt = DEFAULT_SLOTS,
+    recompute_modules: Annotated[
+        bool,
+        typer.Option(
+            "--recompute-modules/--no-recompute-modules",
+            help="megatron: name the selective modules (--recompute-modules core_attn); off for "
+            "Megatron-LM versions without that flag.",
+        ),
+    ] = True,
+    settings: SetOpt = None,
+    seq: SeqOpt = None,
+    batch: BatchOpt = None,
+    layers: LayersOpt = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Write a plan for a launcher: Megatron-LM flags, a PyTorch snippet, a DeepSpeed config
+    block, torchtitan's [activation_checkpoint] TOML, or the model and plan as YAML. A plan the
+    target cannot express is an error that names the nearest one it can."""
+    from ckplan.io import exports
+
+    with user_errors():
+        exports.check_target(to)
+        spec = resolve_model(model, settings, seq, batch, layers)
+        chosen = _export_plan(spec, plan, to, budget, reserve, check_slots(slots))
+        result = exports.export(chosen, to, recompute_modules)
+    sys.stdout.write(result.text)
+    if not quiet:
+        for note in result.notes:
+            stderr.print(render.note_text(note), highlight=False)
+
+
+def _export_plan(spec: ModelSpec, plan: str, target: str, budget, reserve, slots: int):
+    """The plan to export: `auto` picks the cheapest fitting plan that `target` can express."""
+    from ckplan.io import exports
+
+    activation_budget = None
+    if budget is not None:
+        total, kept = parse_budget(budget, reserve)
+        activation_budget = search.activation_budget(spec, total - kept)
+    if plan == "auto":
+        if budget is None:
+            raise UserError("--plan auto picks the cheapest plan that fits: it needs --budget")
+        result = search.sweep(spec, total, kept, slots=slots)
+        best = exports.best_expressible(spec, result.candidates, target)
+        if best is None:
+            message = f"no plan that {target} can express fits {budget}"
+            stderr.print(render.error_text(message), highlight=False)
+            raise typer.Exit(EXIT_DOES_NOT_FIT)
+        return best.plan
+    parsed = parse_strategy(plan, spec)
+    if parsed.kind == "optimal":
+        if activation_budget is None:
+            raise UserError(f"--plan {plan!r} builds the optimal schedule and needs --budget")
+        found = (
+            evaluate(spec, parsed, budget=activation_budget, slots=slots)
+            if activation_budget > 0
+            else None
+        )
+        if found is None:
+            no_schedule_fits(plan, activation_budget)
+        return found
+    return evaluate(spec, parsed)
 
 
 def main(argv: list[str] | None = None) -> int:

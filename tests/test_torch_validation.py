@@ -1,7 +1,8 @@
 """ckplan's per-op accounting against PyTorch autograd (validation/torch_saved_bytes.py) and
 its backward walk against PyTorch's memory profiler (validation/torch_backward_peak.py).
 
-Skipped unless torch is installed (`make validate` installs the CPU build and runs this file).
+Skipped (and reported) where torch is not installed, failed under CKPLAN_REQUIRE_TORCH=1 (CI
+installs the CPU build and sets it; `make validate` installs it too).
 Where the measured code does what ckplan models (1-byte dropout masks, fused norms, GQA-aware
 attention, Megatron's fused SwiGLU), every op matches to the byte except the norms' per-token
 statistics, which ckplan leaves out on purpose (Korthikanti Table 2 leaves them out too); so
@@ -13,8 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from needs_torch import torch_or_skip
 
-torch = pytest.importorskip("torch")
+torch = torch_or_skip()
 
 SCRIPT = Path(__file__).resolve().parent.parent / "validation" / "torch_saved_bytes.py"
 

@@ -8,10 +8,18 @@ for n ranks and a tensor of S bytes (the whole, gathered tensor), each rank send
 over its own link, so the time is that volume over the per-GPU bandwidth of one direction. The
 latency terms (n steps of a few microseconds) are left out: they matter only for small messages.
 
+All-to-all (nccl-tests src/alltoall.cu, AlltoAllGetBw: bus bandwidth = algorithm bandwidth x
+(n-1)/n): each rank holds S bytes split evenly over the n ranks and keeps its own 1/n, so
+(n-1)/n · S leave it and as much arrive.
+
 Which link: Megatron-LM orders ranks tensor-parallel fastest, then context-, data- and
 pipeline-parallel (megatron/core/parallel_state.py, order "tp-cp-ep-dp-pp"), so a group of n
 ranks with stride r spans n·r consecutive GPUs; it stays inside a node when n·r <=
 gpus_per_node and uses the intra-node link, else the inter-node network (`group_bandwidth`).
+The expert groups come from a second generator over the same GPUs with tp = etp, cp = 1 and
+the same order (parallel_state.py, `expert_decoder_rank_generator`, "MoE Parallel Folding"):
+an expert-parallel group is ep ranks etp apart, an expert-tensor-parallel group etp
+consecutive ranks, an expert-data-parallel group ranks ep·etp apart.
 """
 
 from __future__ import annotations
@@ -36,6 +44,40 @@ def all_gather_seconds(size_bytes: float, ranks: int, bandwidth: float) -> float
 def reduce_scatter_seconds(size_bytes: float, ranks: int, bandwidth: float) -> float:
     """Ring reduce-scatter of S bytes into n shards: (n-1)/n · S per rank, as all-gather."""
     return all_gather_seconds(size_bytes, ranks, bandwidth)
+
+
+def all_to_all_seconds(size_bytes: float, ranks: int, bandwidth: float) -> float:
+    """All-to-all of S bytes per rank (S/n to each rank, itself included): (n-1)/n · S leave
+    each rank over its link (nccl-tests' all-to-all bus bandwidth)."""
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) / ranks * size_bytes / bandwidth
+
+
+def ranks_per_node(gpu: GPU, ranks: int, stride: int) -> int:
+    """Members of a group of `ranks` GPUs, `stride` apart, that share one node (derived: the
+    group spans ranks·stride consecutive GPUs; a node of G GPUs holds G/stride of them, at
+    least one). All of them when the group fits in a node."""
+    if ranks * stride <= gpu.gpus_per_node:
+        return ranks
+    return max(1, min(ranks, gpu.gpus_per_node // stride))
+
+
+def hierarchical_all_to_all_seconds(size_bytes: float, ranks: int, stride: int, gpu: GPU) -> float:
+    """All-to-all of S bytes per rank over a group that may span nodes (derived from
+    `all_to_all_seconds`): of the (n-1)/n · S leaving a rank, (g-1)/n · S go to the g - 1
+    members on its own node over the intra-node link and (n-g)/n · S to other nodes over the
+    network, both at once (NCCL posts every peer's send together; NVLink and the NIC are
+    separate paths), so the time is the slower of the two. Inside a node (g = n) it is the
+    plain all-to-all on the link; across nodes the network share dominates."""
+    if ranks <= 1:
+        return 0.0
+    local = ranks_per_node(gpu, ranks, stride)
+    link = gpu.link_bytes_per_s * gpu.link_efficiency
+    network = gpu.network_bytes_per_s * gpu.network_efficiency
+    intra = (local - 1) / ranks * size_bytes / link
+    inter = (ranks - local) / ranks * size_bytes / network
+    return max(intra, inter)
 
 
 def p2p_seconds(size_bytes: float, bandwidth: float) -> float:

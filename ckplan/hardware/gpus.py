@@ -21,6 +21,11 @@ the shipped files and README "Step time"):
   network_efficiency          the same against network_bytes_per_s
   flash_attention_efficiency  a fused flash-attention kernel, FLOPs it executes / bf16_flops
   dp_overlap                  share of data-parallel communication hidden behind compute
+  ep_overlap                  share of expert-parallel all-to-all (and etp) communication hidden
+                              behind the same layer's compute; 0 = Megatron-LM's default
+                              alltoall dispatcher, which runs it on the compute stream; 1 =
+                              fully hidden where the compute allows (DeepSeek's DualPipe,
+                              Megatron's --overlap-moe-expert-parallel-comm)
   sm_count, tile_m, tile_n    the wave-quantisation term of the shape curve (roofline.py)
 """
 
@@ -33,8 +38,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckplan.errors import InputError
 
-class GPUError(ValueError):
+
+class GPUError(InputError):
     """Invalid GPU description; the message is one line and names the offending key."""
 
 
@@ -55,6 +62,7 @@ class GPU:
     network_efficiency: float = 0.85
     flash_attention_efficiency: float = 0.5
     dp_overlap: float = 0.0
+    ep_overlap: float = 0.0
     sm_count: int = 108
     tile_m: int = 256
     tile_n: int = 128
@@ -70,7 +78,8 @@ _FIELDS = {f.name: f for f in dataclasses.fields(GPU)}
 _REQUIRED = [name for name, f in _FIELDS.items() if f.default is dataclasses.MISSING]
 _STRINGS = {"name", "source"}
 _INTEGERS = {"memory_bytes", "gpus_per_node", "sm_count", "tile_m", "tile_n"}
-_FRACTIONS = {  # (0, 1]; dp_overlap may be 0
+_OVERLAPS = {"dp_overlap", "ep_overlap"}  # [0, 1]
+_FRACTIONS = {  # (0, 1]
     "matmul_efficiency",
     "memory_efficiency",
     "link_efficiency",
@@ -85,7 +94,7 @@ def gpu_keys() -> list[str]:
 
 def gpu_from_mapping(mapping: Mapping[str, Any], origin: str = "gpu") -> GPU:
     """Validate a YAML-style mapping into a GPU. Numbers may be written 312e12 or 312_000e9;
-    every size and rate must be positive, every efficiency in (0, 1] (dp_overlap in [0, 1])."""
+    every size and rate must be positive, every efficiency in (0, 1] (the overlaps in [0, 1])."""
     if not isinstance(mapping, Mapping):
         raise GPUError(
             f"{origin}: expected a mapping of keys to values, got {type(mapping).__name__}"
@@ -128,9 +137,9 @@ def _coerce(origin: str, key: str, value: Any) -> Any:
         if not number.is_integer() or number < 1:
             raise GPUError(f"{origin}: key {key!r} must be a positive integer, got {value!r}")
         return int(number)
-    if key == "dp_overlap":
+    if key in _OVERLAPS:
         if not 0.0 <= number <= 1.0:
-            raise GPUError(f"{origin}: key 'dp_overlap' must be in [0, 1], got {value!r}")
+            raise GPUError(f"{origin}: key {key!r} must be in [0, 1], got {value!r}")
         return number
     if key in _FRACTIONS:
         if not 0.0 < number <= 1.0:

@@ -5,10 +5,13 @@ every stage's forward is timed once per forward the schedule replay runs (`Plan.
 so every strategy, `optimal` and `revolve` included, gets the time of the ops it re-runs), its
 backward once; selective recomputation re-runs each layer's attention core in the backward.
 Communication: tensor-parallel collectives per layer (Megatron-LM's, Korthikanti §4.2.2) in the
-forward, the backward and every re-forward; the context-parallel K/V ring; pipeline sends; the
-data-parallel gradient reduction and ZeRO-3's parameter gathers. Then the pipeline: m
-micro-batches, and the 1F1B bubble of (p - 1)/v micro-batch times (Narayanan et al. 2021 §2.2:
-a bubble fraction of (p - 1)/(m·v) of the ideal time), then the optimizer step.
+forward, the backward and every re-forward; the context-parallel K/V ring; MLA's RoPE-key
+gather; the expert-parallel all-to-alls and etp gathers of every MoE layer
+(`hardware.expert_parallel`); pipeline sends; the data-parallel gradient reduction (dense
+parameters over dp·cp, routed experts over their expert-data-parallel group) and ZeRO-3's
+parameter gathers. Then the pipeline: m micro-batches, and the 1F1B bubble of (p - 1)/v
+micro-batch times (Narayanan et al. 2021 §2.2: a bubble fraction of (p - 1)/(m·v) of the ideal
+time), then the optimizer step.
 
 MFU and HFU follow Korthikanti §6.3 (Chowdhery et al. 2022): model FLOPs per iteration
 (`flops.model_flops_per_iteration`, no recompute) over step time, GPUs and peak; hardware FLOPs
@@ -25,6 +28,7 @@ from functools import lru_cache
 from itertools import groupby
 
 from ckplan.hardware import communication as comm
+from ckplan.hardware.expert_parallel import expert_parallel_comm, exposed_fraction
 from ckplan.hardware.gpus import GPU
 from ckplan.hardware.roofline import (
     OpTime,
@@ -37,6 +41,7 @@ from ckplan.hardware.roofline import (
 from ckplan.model import memory
 from ckplan.model.flops import model_flops_per_iteration
 from ckplan.model.layers import LayerKind, stage_kinds
+from ckplan.model.moe import MOE
 from ckplan.model.ops import (
     ATTENTION_CORE,
     FP32_BYTES,
@@ -45,6 +50,7 @@ from ckplan.model.ops import (
     _split,
     in_group,
     kv_heads_per_rank,
+    representative_kind,
 )
 from ckplan.model.ops import layer_ops as model_layer_ops
 from ckplan.model.spec import ModelSpec
@@ -72,6 +78,10 @@ class StageTime:
     # selective recomputation: the attention core's re-forward in the backward (layers only)
     core_forward: OpTime = ZERO
     core_comm: float = 0.0
+    # of the communication above, the expert-parallel share (MoE layers)
+    expert_forward_comm: float = 0.0
+    expert_backward_comm: float = 0.0
+    core_expert_comm: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -94,9 +104,13 @@ class StepTime:
     hfu: float
     tokens_per_second_per_gpu: float
     breakdown: dict[str, float] = field(default_factory=dict)
+    # exposed expert-parallel communication of the step (all-to-alls, etp gathers), re-forwards
+    # included; part of communication_seconds and recompute_seconds
+    expert_parallel_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, object]:
-        """The JSON `time` object (DESIGN.md wave 2) plus optimizer_seconds and breakdown."""
+        """The JSON `time` object (DESIGN.md wave 2) plus optimizer_seconds,
+        expert_parallel_seconds and breakdown."""
         return {
             "step_seconds": self.step_seconds,
             "forward_seconds": self.forward_seconds,
@@ -109,6 +123,7 @@ class StepTime:
             "hfu": self.hfu,
             "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
             "optimizer_seconds": self.optimizer_seconds,
+            "expert_parallel_seconds": self.expert_parallel_seconds,
             "breakdown": dict(self.breakdown),
         }
 
@@ -189,6 +204,23 @@ def context_parallel_comm(
     return comm.exposed(send, core_forward.total), comm.exposed(2 * send, core_backward.total)
 
 
+def mla_comm(spec: ModelSpec, gpu: GPU) -> tuple[float, float]:
+    """Exposed seconds of MLA's RoPE-key gather, (forward, backward): under sequence
+    parallelism the shared RoPE key (s·b, qk_rope) of the rank's s/t tokens is all-gathered over
+    TP in the forward and its gradient reduce-scattered in the backward
+    (multi_latent_attention.py: `gather_from_sequence_parallel_region(k_pos_emb)`); the up
+    projections' own gathers are their `tp_comm`. Nothing without SP (each rank projects all
+    tokens) or without MLA."""
+    if not spec.mla or spec.tp == 1 or not spec.sp:
+        return 0.0, 0.0
+    size = _tokens(spec) * spec.qk_rope_head_dim * spec.dtype_bytes
+    bandwidth = comm.group_bandwidth(gpu, spec.tp, 1)
+    return (
+        comm.all_gather_seconds(size, spec.tp, bandwidth),
+        comm.reduce_scatter_seconds(size, spec.tp, bandwidth),
+    )
+
+
 @lru_cache(maxsize=256)
 def layer_time(
     spec: ModelSpec,
@@ -198,7 +230,10 @@ def layer_time(
 ) -> StageTime:
     """One layer of `kind` (default: the representative one), one micro-batch: its ops'
     roofline times and its exposed communication; `core_forward` is the forward of the
-    recompute `groups` (the attention core by default)."""
+    recompute `groups` (the attention core by default), `core_comm` the collectives its re-run
+    repeats (the K/V ring of the attention core; the shared experts' TP collectives and the
+    expert-parallel ones of the whole MoE block, group `moe`)."""
+    kind = representative_kind(spec) if kind is None else kind
     ops = model_layer_ops(spec, kind)
     dtype = spec.dtype_bytes
     core = [op for op in ops if any(in_group(op, group) for group in groups)]
@@ -208,13 +243,26 @@ def layer_time(
     core_backward = _sum_ops(core, op_backward_time, gpu, dtype)
     tp_forward, tp_backward = tensor_parallel_comm(spec, gpu, ops)
     cp_forward, cp_backward = context_parallel_comm(spec, gpu, core_forward, core_backward)
+    mla_forward, mla_backward = mla_comm(spec, gpu)
+    ep_forward = ep_backward = 0.0
+    if kind.moe:
+        ep = expert_parallel_comm(spec, gpu)
+        compute = forward.total + backward.total
+        left = exposed_fraction(ep.forward + ep.backward, compute, gpu.ep_overlap)
+        ep_forward, ep_backward = left * ep.forward, left * ep.backward
+    core_comm = tensor_parallel_comm(spec, gpu, tuple(core))[0]
+    core_comm += cp_forward if ATTENTION_CORE in groups else 0.0
+    core_ep = ep_forward if MOE in groups else 0.0
     return StageTime(
         forward=forward,
         backward=backward,
-        forward_comm=tp_forward + cp_forward,
-        backward_comm=tp_backward + cp_backward,
+        forward_comm=tp_forward + cp_forward + mla_forward + ep_forward,
+        backward_comm=tp_backward + cp_backward + mla_backward + ep_backward,
         core_forward=core_forward,
-        core_comm=cp_forward if ATTENTION_CORE in groups else 0.0,
+        core_comm=core_comm + core_ep,
+        expert_forward_comm=ep_forward,
+        expert_backward_comm=ep_backward,
+        core_expert_comm=core_ep,
     )
 
 
@@ -314,6 +362,7 @@ class MicroBatchTime:
     forward_comm: float
     backward_comm: float
     recompute_comm: float
+    expert_comm: float = 0.0  # the expert-parallel share of the three above
 
     @property
     def total(self) -> float:
@@ -336,7 +385,7 @@ def micro_batch_time(
     if len(forwards) != len(stages):
         raise ValueError(f"{len(forwards)} forward counts for a chain of {len(stages)} stages")
     forward = backward = recompute = ZERO
-    forward_comm = backward_comm = recompute_comm = 0.0
+    forward_comm = backward_comm = recompute_comm = expert_comm = 0.0
     # Runs of equal stages with equal counts (a deep uniform stack is a few runs) are added once.
     for (stage, count), run in groupby(zip(stages, forwards, strict=True)):
         n = sum(1 for _ in run)
@@ -346,10 +395,14 @@ def micro_batch_time(
         forward_comm += n * stage.forward_comm
         backward_comm += n * stage.backward_comm
         recompute_comm += n * (count - 1) * stage.forward_comm
+        expert_comm += n * (count * stage.expert_forward_comm + stage.expert_backward_comm)
         if selective:
             recompute = _add(recompute, _scale(stage.core_forward, n))
             recompute_comm += n * stage.core_comm
-    return MicroBatchTime(forward, backward, recompute, forward_comm, backward_comm, recompute_comm)
+            expert_comm += n * stage.core_expert_comm
+    return MicroBatchTime(
+        forward, backward, recompute, forward_comm, backward_comm, recompute_comm, expert_comm
+    )
 
 
 @lru_cache(maxsize=8192)
@@ -376,20 +429,17 @@ def pipeline_p2p_seconds(spec: ModelSpec, gpu: GPU) -> float:
     return 2 * spec.virtual_stages * comm.p2p_seconds(size, bandwidth)
 
 
-@lru_cache(maxsize=256)
-def data_parallel_seconds(spec: ModelSpec, gpu: GPU) -> float:
-    """Data-parallel communication of one iteration, before overlap: the gradients reduced over
-    the dp·cp ranks that hold the same parameters (Megatron-LM reduces over both). ZeRO 0: a
-    ring all-reduce of the gradients (grad_bytes per parameter); ZeRO 1-2 (Megatron's
-    distributed optimizer): a reduce-scatter of the gradients and an all-gather of the updated
-    weights (weight_bytes); ZeRO 3 (Rajbhandari et al. 2020 §5.3): per micro-batch, the weights
-    all-gathered for the forward and again for the backward and the gradients reduce-scattered."""
-    ranks = spec.dp * spec.cp
-    if ranks == 1:
+def _gradient_reduction_seconds(
+    spec: ModelSpec, params: int, ranks: int, bandwidth: float
+) -> float:
+    """One group's share of the data-parallel communication: ZeRO 0 a ring all-reduce of the
+    gradients (grad_bytes per parameter); ZeRO 1-2 (Megatron's distributed optimizer) a
+    reduce-scatter of the gradients and an all-gather of the updated weights (weight_bytes);
+    ZeRO 3 (Rajbhandari et al. 2020 §5.3) per micro-batch the weights all-gathered for the
+    forward and again for the backward, the gradients reduce-scattered."""
+    if ranks == 1 or params == 0:
         return 0.0
-    params = memory.parameters_per_gpu(spec)
     grads, weights = params * spec.grad_bytes, params * spec.weight_bytes
-    bandwidth = comm.group_bandwidth(gpu, ranks, spec.tp)
     if spec.zero == 0:
         return comm.all_reduce_seconds(grads, ranks, bandwidth)
     gather = comm.all_gather_seconds(weights, ranks, bandwidth)
@@ -400,17 +450,41 @@ def data_parallel_seconds(spec: ModelSpec, gpu: GPU) -> float:
 
 
 @lru_cache(maxsize=256)
+def data_parallel_seconds(spec: ModelSpec, gpu: GPU) -> float:
+    """Data-parallel communication of one iteration, before overlap, on the busiest stage's
+    GPU: its dense parameters' gradients reduced over the dp·cp ranks that hold the same
+    parameters (Megatron-LM reduces over both), and its routed experts' over their
+    expert-data-parallel group, tp·cp·dp/(ep·etp) ranks ep·etp apart (Megatron's
+    expert_data_parallel group, `ModelSpec.expert_data_parallel`), one after the other
+    (`_gradient_reduction_seconds` for each)."""
+    dense, experts = memory.stage_parameters(spec, memory.busiest_stage(spec))
+    ranks = spec.dp * spec.cp
+    seconds = _gradient_reduction_seconds(
+        spec, dense, ranks, comm.group_bandwidth(gpu, ranks, spec.tp)
+    )
+    if experts:
+        expert_ranks, stride = spec.expert_data_parallel, spec.ep * spec.etp
+        seconds += _gradient_reduction_seconds(
+            spec, experts, expert_ranks, comm.group_bandwidth(gpu, expert_ranks, stride)
+        )
+    return seconds
+
+
+@lru_cache(maxsize=256)
 def optimizer_seconds(spec: ModelSpec, gpu: GPU) -> float:
     """Adam's step, memory-bound: per parameter it reads the gradient, master weight and both
     moments and writes the master weight, moments and half-precision weight (Megatron-LM's
-    mixed-precision Adam; sharded over dp from ZeRO 1)."""
-    params = memory.parameters_per_gpu(spec)
+    mixed-precision Adam), over the parameters whose optimizer state this GPU holds: from ZeRO 1
+    its dense parameters' share over dp and its routed experts' share over their
+    expert-data-parallel group (as `memory.model_state_bytes` shards them)."""
+    dense, experts = memory.stage_parameters(spec, memory.busiest_stage(spec))
     if spec.zero >= 1:
-        params = _split(params, spec.dp)
+        dense = _split(dense, spec.dp)
+        experts = _split(experts, spec.expert_data_parallel) if experts else 0
     per_param = (
         spec.grad_bytes + 2 * spec.master_bytes + 2 * spec.optimizer_bytes + spec.weight_bytes
     )
-    return memory_seconds(gpu, params * per_param)
+    return memory_seconds(gpu, (dense + experts) * per_param)
 
 
 def _pipeline(spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime) -> tuple[float, float, float]:
@@ -456,6 +530,7 @@ def step_time_from_forwards(
     mfu = _model_flops(spec, global_batch) / (step * gpus * gpu.bf16_flops)
     tokens = global_batch * spec.seq
     communication = m * (busiest.forward_comm + busiest.backward_comm) + p2p + dp
+    expert_parallel = m * busiest.expert_comm
     breakdown = {
         "matmul_seconds": m
         * (busiest.forward.matmul + busiest.backward.matmul + busiest.recompute.matmul),
@@ -478,6 +553,7 @@ def step_time_from_forwards(
         hfu=mfu * (1 + flop_overhead),
         tokens_per_second_per_gpu=tokens / step / gpus,
         breakdown=breakdown,
+        expert_parallel_seconds=expert_parallel,
     )
 
 

@@ -17,8 +17,8 @@ from typing import Any
 import yaml
 
 from ckplan.io import safe_yaml
-from ckplan.io.hf_config import hf_config_mapping
-from ckplan.model.spec import ModelSpec, SpecError, spec_from_mapping
+from ckplan.model.ops import layer_ops
+from ckplan.model.spec import DEFAULT_PROFILE, ModelSpec, SpecError, spec_from_mapping
 from ckplan.quoting import abbreviate, quote
 
 
@@ -54,6 +54,8 @@ def load_mapping(model: str) -> tuple[dict[str, Any], str]:
         origin = abbreviate(model)
         text = read_text_file(path, origin)
         if path.suffix == ".json":
+            from ckplan.io.hf_config import hf_config_mapping  # only for config.json
+
             return hf_config_mapping(_parse_json(text, origin), origin), origin
         return _parse_yaml(text, origin), origin
     if model in preset_names():
@@ -96,9 +98,33 @@ def read_text_file(path: Path, origin: str) -> str:
 
 
 def load_spec(model: str, overrides: Mapping[str, Any] | None = None) -> ModelSpec:
-    """Load MODEL and apply `--set`-style overrides before validation."""
+    """Load MODEL and apply `--set`-style overrides before validation. A kernel profile other
+    than fused is loaded and applied here, so that its errors are bad input like the model's."""
     mapping, origin = load_mapping(model)
-    return spec_from_mapping({**mapping, **(overrides or {})}, origin)
+    spec = spec_from_mapping({**_profile_beside(mapping, model), **(overrides or {})}, origin)
+    if spec.profile != DEFAULT_PROFILE:
+        from ckplan.model.profiles import ProfileError  # only with a profile
+
+        try:
+            layer_ops(spec)
+        except ProfileError as error:
+            raise SpecError(f"{origin}: {error}") from None
+    return spec
+
+
+def _profile_beside(mapping: dict[str, Any], model: str) -> dict[str, Any]:
+    """A model file's relative `profile:` path is read beside the model file when it is there."""
+    reference = mapping.get("profile")
+    if not isinstance(reference, str):
+        return mapping
+    from ckplan.io.profiles import is_profile_file
+
+    if not is_profile_file(reference):
+        return mapping
+    beside = Path(model).parent / reference
+    if Path(reference).is_absolute() or not Path(model).is_file() or not beside.is_file():
+        return mapping
+    return {**mapping, "profile": str(beside)}
 
 
 def _unknown_model(name: str) -> str:

@@ -17,6 +17,19 @@ input (the fp32 per-token rstd left out, as for every norm in ckplan); RoPE save
 its cos/sin tables (Megatron's fused kernels). The norm of the KV latent is taken as saving the
 latent alone (a contiguous input, as TE's norm kernels need); normalising a view of the down
 projection's output would keep the RoPE key's qk_rope columns alive with it.
+
+What the time model reads (`ckplan.hardware`), from the same Megatron code: the down
+projections are GEMMs over the rank's own tokens with no collective (duplicated linears), the up
+projections (and q_proj) column-parallel GEMMs whose input is all-gathered under sequence
+parallelism (s·b·rank values, not s·b·h) or whose input gradient is all-reduced without it; the
+shared RoPE key is all-gathered under sequence parallelism on its own
+(`gather_from_sequence_parallel_region(k_pos_emb)`, `step_time.mla_comm`). Bytes moved: the
+latent norms (read x, write y; backward reads dY and x twice, writes dX), the copy that makes
+the KV latent contiguous for the norm and its split's gradient, the sum of the query and KV
+branches' gradients of x, and the assembly of Q, K and V (`torch.cat([q_nope, q_pe])`,
+`torch.cat([k_nope, k_pe expanded to the heads])`, `value.contiguous()`) with their gradients.
+The RoPE rotation itself is left out, as for every RoPE in ckplan (the dense QKV projection
+counts none either).
 """
 
 from __future__ import annotations
@@ -43,6 +56,19 @@ def mla_projection_ops(
     qk_dim = nope + rope
     q_rank, kv_rank = spec.q_lora_rank, spec.kv_lora_rank
     d_q, d_k, d_v = core_grads
+    # Assembling Q: cat([q_nope, q_pe]) reads and writes Q; backward the split's gradient is
+    # concatenated back (read and written). K: cat([k_nope, k_pe expanded]) reads the no-RoPE
+    # part and the shared key, writes K; V: value.contiguous() copies V. Backward: dK's no-RoPE
+    # part and dV concatenated into the kv_up output gradient, dK's RoPE part summed over the
+    # heads into the shared key's gradient.
+    nope_part = B * tokens * heads_r * nope
+    q_moved = (2 * d_q, 2 * d_q)
+    kv_moved = (
+        nope_part + B * tokens * rope + d_k + 2 * d_v,
+        2 * (nope_part + d_v) + B * tokens * heads_r * rope + B * tokens * rope,
+    )
+    # x feeds two linears (q_down or q_proj, and kv_down): autograd adds their input gradients.
+    x_grad_sum = 3 * X
     ops = []
     if q_rank:
         latent = B * local * q_rank
@@ -55,9 +81,19 @@ def mla_projection_ops(
                 _matmul(local, q_rank, spec.hidden),
                 grads=(latent, 0),
                 workspace=X,
+                matmul=shapes.linear(local, q_rank, spec.hidden),  # duplicated: no collective
+                moved=(0, x_grad_sum),
             )
         )
-        ops.append(_op("q_norm", "attention", latent, grads=(latent, latent)))
+        ops.append(
+            _op(
+                "q_norm",
+                "attention",
+                latent,
+                grads=(latent, latent),
+                moved=(2 * latent, 5 * latent),
+            )
+        )
         ops.append(
             _op(
                 "q_up",
@@ -65,6 +101,9 @@ def mla_projection_ops(
                 latent,
                 _matmul(tokens, heads_r * qk_dim, q_rank),
                 grads=(d_q, latent),
+                matmul=shapes.linear(tokens, heads_r * qk_dim, q_rank),
+                moved=q_moved,
+                tp_comm="column",  # the latent all-gathered under SP
             )
         )
     else:
@@ -76,6 +115,9 @@ def mla_projection_ops(
                 _matmul(tokens, heads_r * qk_dim, spec.hidden),
                 grads=(d_q, 0),
                 workspace=X,
+                matmul=shapes.linear(tokens, heads_r * qk_dim, spec.hidden),
+                moved=(q_moved[0], q_moved[1] + x_grad_sum),
+                tp_comm="column",
             )
         )
     kv_latent = B * local * kv_rank
@@ -87,9 +129,21 @@ def mla_projection_ops(
             0,
             _matmul(local, kv_rank + rope, spec.hidden),
             grads=(kv_latent + rope_key, X),
+            matmul=shapes.linear(local, kv_rank + rope, spec.hidden),  # duplicated
+            # backward: torch.split's gradient, the latent's and the key's concatenated
+            moved=(0, 2 * (kv_latent + rope_key)),
         )
     )
-    ops.append(_op("kv_norm", "attention", kv_latent, grads=(kv_latent, kv_latent)))
+    ops.append(
+        _op(
+            "kv_norm",
+            "attention",
+            kv_latent,
+            grads=(kv_latent, kv_latent),
+            # the contiguous copy of the latent view (read and write), then the norm
+            moved=(2 * kv_latent + 2 * kv_latent, 5 * kv_latent),
+        )
+    )
     ops.append(
         _op(
             "kv_up",
@@ -97,6 +151,9 @@ def mla_projection_ops(
             kv_latent,
             _matmul(tokens, heads_r * (nope + v_dim), kv_rank),
             grads=(d_k + d_v, kv_latent + rope_key),
+            matmul=shapes.linear(tokens, heads_r * (nope + v_dim), kv_rank),
+            moved=kv_moved,
+            tp_comm="column",  # the latent all-gathered under SP
         )
     )
     return ops

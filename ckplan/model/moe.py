@@ -20,6 +20,14 @@ buffer is padded to its capacity ceil(c·T·k/E) per source rank (GShard; Megatr
 every token of the ep group choosing this rank's experts, T·ep·min(k, E/ep); a factor f is
 f·T·k rows, capped at that worst case. With expert tensor parallelism the etp ranks' rows are
 gathered: R = rows·etp, each rank computing F_e/etp of every local expert.
+
+What the time model reads (`ckplan.hardware`): the router's GEMM (T x h) @ (h x E), whole on
+every rank; the expert MLPs as grouped GEMMs over the R rows of this rank, one group per local
+expert (TEGroupedMLP: Transformer Engine's GroupedLinear, `gg.ops.gmm` in the older
+GroupedMLP), no tensor-parallel collective of their own (the dispatcher's all-gather and
+reduce-scatter over etp are expert-parallel communication, `hardware.expert_parallel`); the
+bytes the unfused router, permutation and weighted-activation kernels move (`*_moved` below,
+Megatron's defaults: no --moe-permute-fusion, no --moe-router-fusion).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from ckplan.model.ops import FP32_BYTES, LayerShapes, Op, _matmul, _op, mlp_block_ops
+from ckplan.model.ops import FP32_BYTES, LayerShapes, Matmul, Op, _matmul, _op, mlp_block_ops
 from ckplan.model.spec import ModelSpec
 
 MOE = "moe"  # recompute group: the whole MoE block (Megatron --moe-layer-recompute)
@@ -68,6 +76,135 @@ def routed_rows(spec: ModelSpec, shapes: LayerShapes) -> int:
     return rows * spec.etp
 
 
+def received_rows(spec: ModelSpec, shapes: LayerShapes) -> int:
+    """Rows the dispatch all-to-all delivers to this rank (before the etp all-gather):
+    R / etp (token_dispatcher.py: output_splits, the tokens every EP rank sends this rank's
+    local experts)."""
+    return routed_rows(spec, shapes) // spec.etp
+
+
+def local_experts(spec: ModelSpec) -> int:
+    """Experts held by one rank: E / ep (Megatron's num_local_experts)."""
+    return spec.experts // spec.ep
+
+
+def expert_matmul(spec: ModelSpec, shapes: LayerShapes, n: int, k: int) -> Matmul:
+    """A grouped GEMM over this rank's R routed rows: one (R/E_l x k) @ (k x n) product per local
+    expert, E_l = E/ep (TEGroupedMLP's GroupedLinear, one group per local expert). When R does
+    not split evenly over the E_l experts (an imbalance factor), the groups are the gcd of R and
+    E_l, so that 2·m·n·k·groups is the op's FLOPs exactly."""
+    rows = routed_rows(spec, shapes)
+    groups = math.gcd(rows, local_experts(spec))
+    return Matmul(rows // groups, n, k, groups, shapes.B)
+
+
+def router_probs_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
+    """Bytes the unfused top-k routing and aux-loss kernels move, (forward, backward), per rank
+    (moe_utils.py: topk_routing_with_score_function with the default softmax after top-k,
+    compute_routing_scores_for_aux_loss; T tokens, E experts, k, B-byte logits, int64 indices):
+
+    forward: topk(logits) reads B·T·E, writes (B + 8)·T·k; the k-way softmax in fp32 and back
+    (B -> 4 -> B over T·k); the dense probabilities zeros_like(logits).scatter (writes B·T·E,
+    reads (8 + B)·T·k, writes B·T·k); the routing map zeros(int32).scatter.bool() (4·T·E,
+    8·T·k read, 4·T·k, then 4·T·E read, T·E written); the aux loss: softmax(logits, fp32)
+    (B·T·E read, 4·T·E written), its top-k (4·T·E read, 12·T·k written), its map as above
+    (4 + 5 per T·E, 12 per T·k), the per-expert sums of the scores (4·T·E) and of the map (T·E).
+    backward: the scatter's gather (B·T·k each way), the k-way softmax's backward in fp32
+    (B + 4, 3·4 and 4 + B per T·k), top-k's backward into zeros (B·T·E, (8 + 2B)·T·k), the
+    aux-loss softmax backward (reads its 4·T·E output, writes 4·T·E), cast to B (4 + B) and
+    added into the logits' gradient (3B per T·E)."""
+    tokens, E, k, B = shapes.stream_tokens, spec.experts, spec.top_k, shapes.B
+    te, tk = tokens * E, tokens * k
+    i, f = INDEX_BYTES, FP32_BYTES
+    forward_te = B + B + (4 + 4 + 1) + (B + f) + f + (4 + 4 + 1) + f + MASK_BYTES
+    forward_tk = (B + i) + (B + f) + (f + B) + (i + 2 * B) + (i + 4) + (f + i) + (i + 4)
+    backward_te = B + f + f + (f + B) + 3 * B
+    backward_tk = 2 * B + (B + f) + 3 * f + (f + B) + (i + 2 * B)
+    return forward_te * te + forward_tk * tk, backward_te * te + backward_tk * tk
+
+
+def permute_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
+    """Bytes the unfused token permutation moves, (forward, backward), per rank (moe_utils.py
+    `permute`; token_dispatcher.py MoEAlltoAllTokenDispatcher `sort_chunks_by_idxs`):
+
+    forward: the routing map transposed (T·E bytes read and written); the token indices
+    masked_select'ed (reads the map and T int64 indices, writes S int64); the probabilities
+    transposed (B·T·E each way) and masked_select'ed (reads (B + 1)·T·E, writes B·S);
+    tokens.index_select (reads S indices and S rows of h, writes S rows): S = the rows sent,
+    T·k or E·capacity. With more than one local expert, the received R rows (and their
+    probabilities) are sorted by expert after the all-to-all: split + cat, B·R·(h + 1) each way.
+    backward: index_select's backward, an index_add of the S row gradients into zeros (B·T·h
+    written, S indices and B·S·h read, B·S·h accumulated); masked_select's backward into zeros
+    (B·T·E, the T·E map, B·S read and B·S written) and the transposed copy back (B·T·E each
+    way); the sort's inverse, B·R·(h + 1) each way."""
+    tokens, E, h, B = shapes.stream_tokens, spec.experts, spec.hidden, shapes.B
+    sent, rows = sent_rows(spec, shapes), routed_rows(spec, shapes)
+    te = tokens * E
+    forward = 2 * MASK_BYTES * te + INDEX_BYTES * (tokens + sent)
+    forward += 2 * B * te + (B + MASK_BYTES) * te + B * sent
+    forward += INDEX_BYTES * sent + 2 * B * sent * h
+    backward = B * tokens * h + INDEX_BYTES * sent + 2 * B * sent * h
+    backward += B * te + MASK_BYTES * te + 2 * B * sent + 2 * B * te
+    if local_experts(spec) > 1:
+        forward += 2 * B * rows * (h + 1)
+        backward += 2 * B * rows * (h + 1)
+    return forward, backward
+
+
+def unpermute_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
+    """Bytes the unfused un-permutation and the MoE block's adds move, (forward, backward), per
+    rank (token_dispatcher.py combine_preprocess / combine_postprocess, moe_utils.py
+    `unpermute` without probabilities, which the weighted activation applied):
+
+    forward: with more than one local expert the R output rows un-sorted (B·R·h each way); the
+    scatter_add of the S returned rows into zeros (B·T·h written, S indices and B·S·h read,
+    B·S·h accumulated); the shared experts' output added (3X) and the residual add (3X, unless
+    the block's bias-dropout-add does it, `mlp_dropout`). backward: scatter_add's backward, a
+    gather of the S rows' gradients (S indices, B·S·h each way), and the un-sort's inverse."""
+    tokens, h, B = shapes.stream_tokens, spec.hidden, shapes.B
+    sent, rows = sent_rows(spec, shapes), routed_rows(spec, shapes)
+    forward = B * tokens * h + INDEX_BYTES * sent + 2 * B * sent * h
+    backward = INDEX_BYTES * sent + 2 * B * sent * h
+    if local_experts(spec) > 1:
+        forward += 2 * B * rows * h
+        backward += 2 * B * rows * h
+    if spec.shared_ffn_hidden:
+        forward += shapes.residual_add
+    if spec.dropout == 0:
+        forward += shapes.residual_add
+    return forward, backward
+
+
+def expert_act_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
+    """Bytes the weighted activation moves over the R rows, (forward, backward), F = F_e/etp
+    (experts.py TEGroupedMLP bias_act_func): fused (weighted_bias_swiglu_impl) it reads the
+    gate and up halves and the probability, writes F: B·R·(3F + 1); backward reads dY, the
+    input and the probability, writes the input's and the probability's gradients: B·R·(5F + 2).
+    Eager, the dense SwiGLU's 5F / 8F (`ops.mlp_block_ops`) plus the product with the
+    probability, F + 1 read and F written, and its backward, 4F + 2 (dY·p, and Σ dY ⊙ y);
+    GELU 2F / 3F plus the same product."""
+    rows, B = routed_rows(spec, shapes), shapes.B
+    F = spec.moe_ffn_hidden // spec.etp
+    weighted = (2 * F + 1, 4 * F + 2)
+    if spec.mlp == "gelu":
+        act = (2 * F, 3 * F)
+    elif spec.fused_swiglu:
+        return B * rows * (3 * F + 1), B * rows * (5 * F + 2)
+    else:
+        act = (5 * F, 8 * F)
+    return B * rows * (act[0] + weighted[0]), B * rows * (act[1] + weighted[1])
+
+
+def shared_gate_moved(shapes: LayerShapes) -> tuple[int, int]:
+    """Qwen2-MoE's sigmoid(x·w_g) · shared output over T tokens, (forward, backward): the
+    sigmoid (B·T each way) and the product (X + B·T read, X written); backward the shared
+    output's gradient dY·g (X + B·T read, X written), the gate's Σ dY ⊙ y (2X read, B·T
+    written) and the sigmoid's backward (2B·T read, B·T written)."""
+    BT = shapes.B * shapes.stream_tokens
+    X = shapes.X
+    return 2 * BT + 2 * X + BT, (2 * X + BT) + (2 * X + BT) + 3 * BT
+
+
 def experts_input_bytes(spec: ModelSpec, shapes: LayerShapes) -> int:
     """What recomputing the expert MLPs keeps: their dispatched tokens and probabilities."""
     rows = routed_rows(spec, shapes)
@@ -101,8 +238,21 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
     logits = B * tokens * E
     # x's gradient: allocated by the first of its readers to be backpropagated (the shared
     # experts' fc1, else permute); the others' are added into it (workspace).
+    # The gradients of x from its readers (router, permutation, shared experts, their gate) are
+    # summed by autograd: one add (2 read, 1 written) per reader after the first.
+    readers = 2 + shared + (shared and spec.shared_expert_gate)
     ops = [
-        _op("router", "mlp", X, _matmul(tokens, E, h), MOE, grads=(logits, 0), workspace=X),
+        _op(
+            "router",
+            "mlp",
+            X,
+            _matmul(tokens, E, h),
+            MOE,
+            grads=(logits, 0),
+            workspace=X,
+            matmul=Matmul(tokens, E, h, 1, B),  # whole on every rank, over its T tokens
+            moved=(0, (readers - 1) * shapes.residual_add),
+        ),
         _op(
             "router_probs",
             "mlp",
@@ -111,6 +261,7 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
             MOE,
             grads=(logits, logits),
             workspace=FP32_BYTES * tokens * E,
+            moved=router_probs_moved(spec, shapes),
         ),
         _op(
             "permute",
@@ -120,6 +271,7 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
             MOE,
             grads=(B * rows * (h + 1), logits + (0 if shared else X)),
             workspace=B * sent * h + (X if shared else 0),
+            moved=permute_moved(spec, shapes),
         ),
         _op(
             "expert_fc1",
@@ -128,6 +280,7 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
             _matmul(rows, fc1_width, h),
             EXPERTS,
             grads=(B * rows * fc1_width, B * rows * h),
+            matmul=expert_matmul(spec, shapes, fc1_width, h),
         ),
         _op(
             "expert_act",
@@ -136,6 +289,7 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
             0,
             EXPERTS,
             grads=(B * rows * ffn_r, B * rows * (fc1_width + 1)),
+            moved=expert_act_moved(spec, shapes),
         ),
         _op(
             "expert_fc2",
@@ -144,6 +298,7 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
             _matmul(rows, h, ffn_r),
             EXPERTS,
             grads=(B * rows * h, B * rows * ffn_r),
+            matmul=expert_matmul(spec, shapes, h, ffn_r),
         ),
         _op(
             "unpermute",
@@ -153,6 +308,7 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
             MOE,
             grads=(out_grad, B * rows * h),
             workspace=B * sent * h,
+            moved=unpermute_moved(spec, shapes),
         ),
     ]
     if shared:
@@ -172,6 +328,8 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
                     MOE,
                     grads=(0, X),
                     workspace=X,
+                    matmul=Matmul(tokens, 1, h, 1, B),
+                    moved=shared_gate_moved(shapes),
                 )
             )
     return ops

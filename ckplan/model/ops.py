@@ -597,10 +597,17 @@ def mlp_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
 def layer_ops(spec: ModelSpec, kind: LayerKind | None = None) -> tuple[Op, ...]:
     """The op table of one layer of `kind` (default: `representative_kind`) of `spec`; cached,
     since every memory, FLOP and chain function reads the same table of a (frozen, hashable)
-    spec."""
+    spec. A `profile` other than fused (this table) replaces the numbers of the ops it names
+    (ckplan.model.profiles)."""
     if spec.kind == "mlp":
         return mlp_layer_ops(spec)
-    return transformer_layer_ops(spec, representative_kind(spec) if kind is None else kind)
+    ops = transformer_layer_ops(spec, representative_kind(spec) if kind is None else kind)
+    if spec.profile == "fused":
+        return ops
+    from ckplan.io.profiles import load_profile  # the profile's YAML, parsed once per file
+    from ckplan.model.profiles import apply_profile
+
+    return apply_profile(ops, spec, load_profile(spec.profile))
 
 
 @lru_cache(maxsize=128)

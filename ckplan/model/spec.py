@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from ckplan.errors import InputError
 from ckplan.quoting import quote
 
 
-class SpecError(ValueError):
+class SpecError(InputError):
     """Invalid model description; the message is one line and names the offending key."""
 
 
@@ -28,6 +29,7 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu", "geglu")  # geglu: gated like swiglu (Gemma), the same shapes
 ATTENTIONS = ("standard", "flash")
 POSITIONS = ("learned", "rope")
+DEFAULT_PROFILE = "fused"  # the op table itself (ckplan.model.profiles)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class ModelSpec:
     dropout: float = 0.0
     tied_embeddings: bool = False
     fused_swiglu: bool = True  # Megatron's bias_swiglu saves fc1 output, not silu(gate) too
+    # kernel profile (ckplan.model.profiles): a shipped name or a .yaml file; fused = ops.py's
+    profile: str = DEFAULT_PROFILE
     # parallel layout
     tp: int = 1
     pp: int = 1
@@ -176,7 +180,20 @@ class ModelSpec:
         )
 
     def replace(self, **changes: Any) -> ModelSpec:
-        return spec_from_mapping({**self.to_dict(), **changes})
+        """A copy with `changes`. Keys whose value is still the default derived from other keys
+        (head_dim = h/a, etp = tp, ...) are derived again from the changed ones."""
+        values = self.to_dict()
+        derived = {
+            "head_dim": self.hidden // self.heads,
+            "qkv_bias": self.bias,
+            "moe_ffn_hidden": self.ffn_hidden,
+            "shared_ffn_hidden": self.shared_experts * self.moe_ffn_hidden,
+            "etp": self.tp,
+        }
+        for key, default in derived.items():
+            if key not in changes and values[key] == default:
+                del values[key]
+        return spec_from_mapping({**values, **changes})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -198,7 +215,7 @@ _BOOL_FIELDS = {
     "account_for_embedding_in_pipeline_split",
     "account_for_loss_in_pipeline_split",
 }
-_STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions"}
+_STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions", "profile"}
 _LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
 _FLOAT_FIELDS = {"dropout", "capacity_factor"}
 _NULLABLE = {"kv_heads", "ffn_hidden", "head_dim", "qkv_bias", "moe_ffn_hidden"}
@@ -394,6 +411,12 @@ def _validate(spec: ModelSpec) -> None:
             raise SpecError(
                 f"key {key!r} must be one of {', '.join(allowed)}, got {quote(getattr(spec, key))}"
             )
+    if not spec.profile.strip():
+        raise SpecError(
+            "key 'profile' expects a profile name (fused, torch-eager, ...) or a .yaml file"
+        )
+    if spec.kind == "mlp" and spec.profile != "fused":
+        raise SpecError("key 'profile' applies to kind: transformer; the seed MLP has no profiles")
     if not 0.0 <= spec.dropout < 1.0:
         raise SpecError(f"key 'dropout' must be in [0, 1), got {spec.dropout}")
     if spec.zero > 3:

@@ -7,14 +7,18 @@ buffers, allocator slack); what remains holds model states plus the step's peak 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ckplan.hardware.gpus import GPU
-from ckplan.hardware.step_time import StepTime, step_time
 from ckplan.model.memory import model_state_bytes
 from ckplan.model.spec import ModelSpec
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate
 from ckplan.plan.strategies import Strategy, parse_strategy
+
+if TYPE_CHECKING:
+    from ckplan.hardware.gpus import GPU
+    from ckplan.hardware.step_time import StepTime
 
 # Taken off every budget unless --reserve says otherwise: the CUDA context and cuBLAS/NCCL
 # workspaces (about 0.5-1 GiB on H100-class GPUs) plus caching-allocator fragmentation.
@@ -133,15 +137,21 @@ def sweep(
     slots: int = DEFAULT_SLOTS,
     gpu: GPU | None = None,
     rank: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> SweepResult:
     """Evaluate every candidate against `budget_bytes - reserve_bytes` and pick the cheapest
     plan that fits: the least step time on `gpu` (rank "time", the default with a GPU) or the
     least total FLOPs (rank "flops"); ties go to the smaller peak. With a GPU every plan is
-    timed (`hardware.step_time`)."""
+    timed (`hardware.step_time`). `progress(done, total)` is told after each candidate (the
+    optimal schedule counts as the last one)."""
     rank = _rank(gpu, rank)
     usable = budget_bytes - reserve_bytes
     strategies = candidate_strategies(spec) if formula == "derived" else _seed_strategies(spec)
-    plans = [evaluate(spec, strategy, formula) for strategy in strategies]
+    plans = []
+    for done, strategy in enumerate(strategies, 1):
+        plans.append(evaluate(spec, strategy, formula))
+        if progress is not None:
+            progress(done, len(strategies) + 1)
     notes = []
     skipped = revolve_slots(spec.layers_per_stage)[1] if formula == "derived" else []
     if skipped:
@@ -154,6 +164,8 @@ def sweep(
         optimal = optimal_plan(spec, activation_budget(spec, usable), slots, gpu)
         if optimal is not None:
             plans.append(optimal)
+    if progress is not None:
+        progress(len(strategies) + 1, len(strategies) + 1)
     candidates = tuple(_candidate(plan, usable, gpu) for plan in plans)
     fitting = [c for c in candidates if c.fits]
     cost = _cost_key(rank)
@@ -189,7 +201,11 @@ def _rank(gpu: GPU | None, rank: str | None) -> str:
 
 
 def _candidate(plan: Plan, usable: int, gpu: GPU | None) -> Candidate:
-    return Candidate(plan, usable, None if gpu is None else step_time(plan, gpu))
+    if gpu is None:
+        return Candidate(plan, usable)
+    from ckplan.hardware.step_time import step_time  # only with a GPU (start-up time)
+
+    return Candidate(plan, usable, step_time(plan, gpu))
 
 
 def _seed_strategies(spec: ModelSpec) -> list[Strategy]:
@@ -219,6 +235,8 @@ def optimal_plan(
     if not found:
         return None
     if gpu is not None:
+        from ckplan.hardware.step_time import step_time
+
         return min(found, key=lambda p: (step_time(p, gpu).step_seconds, p.activation_bytes))
     return min(found, key=lambda p: (p.flops.total, p.activation_bytes))
 

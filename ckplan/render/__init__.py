@@ -6,7 +6,7 @@ tables print binary units and say so, with decimal units beside totals.
 
 from importlib import import_module
 
-from ckplan.render.common import error_text
+from ckplan.render.common import error_text, note_text
 from ckplan.render.estimate import (
     estimate_dict,
     estimate_view,
@@ -30,6 +30,8 @@ _LAZY = {
     "gpu_table": "time",
     "gpus_table": "time",
     "step_time_table": "time",
+    "calibrate_dict": "calibrate",
+    "calibrate_view": "calibrate",
 }
 
 
@@ -42,6 +44,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "calibrate_dict",
+    "calibrate_view",
     "check_dict",
     "check_table",
     "error_text",
@@ -51,6 +55,7 @@ __all__ = [
     "gpu_table",
     "gpus_table",
     "model_table",
+    "note_text",
     "plan_dict",
     "presets_table",
     "schedule_dict",

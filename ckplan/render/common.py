@@ -20,3 +20,20 @@ def _both(value: int) -> str:
 
 def error_text(message: str) -> Text:
     return Text(f"error: {message}", style="red")
+
+
+def note_text(message: str) -> Text:
+    return Text(f"note: {message}", style="dim")
+
+
+BAR_WIDTH = 10
+
+
+def memory_bar(used: int, budget: int, width: int = BAR_WIDTH) -> Text:
+    """`used` against `budget` as a bar with its percentage: green up to 90 %, yellow up to
+    the budget, red beyond it (the bar full, the percentage saying by how much)."""
+    fraction = used / budget if budget > 0 else float("inf")
+    filled = width if fraction >= 1 else round(fraction * width)
+    style = "green" if fraction <= 0.9 else "yellow" if fraction <= 1 else "red"
+    percent = f"{fraction:>4.0%}" if fraction < 10 else ">999%"
+    return Text("█" * filled + "░" * (width - filled) + " " + percent, style=style)

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from ckplan.hardware.step_time import StepTime
 from ckplan.model.moe import expert_layout
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 from ckplan.plan.search import Candidate, SweepResult
-from ckplan.render.common import GIB, _gib
+from ckplan.render.common import GIB, _gib, memory_bar
 from ckplan.render.estimate import expert_layout_line, plan_dict
 from ckplan.render.time import seconds
+
+if TYPE_CHECKING:
+    from ckplan.hardware.step_time import StepTime
 from ckplan.units import format_bytes, format_flops, size_unit
 
 # ---- sweep, check, schedule --------------------------------------------------------------
@@ -71,8 +73,10 @@ def candidates_table(rows: Sequence[Candidate], title: str, best: Candidate | No
     table = Table(title=title, title_justify="left")
     columns = ["strategy", "activations", "model states", "total", "headroom", "recompute"]
     columns += ["overhead"] if not timed else ["FLOP ovh", "step", "time ovh", "MFU"]
-    for column in (*columns, "fits"):
-        table.add_column(column, justify="left" if column == "strategy" else "right")
+    for column in (*columns, "fits", "of usable budget"):
+        table.add_column(
+            column, justify="left" if column in ("strategy", "of usable budget") else "right"
+        )
     for candidate in rows:
         plan = candidate.plan
         is_best = best is not None and candidate.plan.strategy == best.plan.strategy
@@ -87,7 +91,12 @@ def candidates_table(rows: Sequence[Candidate], title: str, best: Candidate | No
         ]
         if timed:
             cells += _time_cells(candidate.time)
-        table.add_row(*cells, _fits_mark(candidate), style="bold" if is_best else None)
+        table.add_row(
+            *cells,
+            _fits_mark(candidate),
+            memory_bar(plan.total_bytes, candidate.budget_bytes),
+            style="bold" if is_best else None,
+        )
     return table
 
 
@@ -222,13 +231,14 @@ def check_table(
     table = Table(title="Capacity check", title_justify="left")
     columns = ["model", "fits", "plan", "total", "headroom", "overhead"]
     columns += ["step", "time ovh", "MFU"] if timed else []
-    for column in (*columns, "why not"):
+    for column in (*columns, "of usable", "why not"):
         table.add_column(
-            column, justify="left" if column in ("model", "plan", "why not") else "right"
+            column,
+            justify="left" if column in ("model", "plan", "of usable", "why not") else "right",
         )
     for model, candidate in rows:
         if candidate is None:
-            blanks = [""] * (len(columns) - 2)
+            blanks = [""] * (len(columns) - 1)
             table.add_row(model, Text("no", style="red"), "no schedule fits", *blanks)
             continue
         plan = candidate.plan
@@ -242,7 +252,11 @@ def check_table(
         ]
         if timed:
             cells += _time_cells(candidate.time)
-        table.add_row(*cells, "" if candidate.fits else _why_not(candidate))
+        table.add_row(
+            *cells,
+            memory_bar(plan.total_bytes, candidate.budget_bytes),
+            "" if candidate.fits else _why_not(candidate),
+        )
     fitting = sum(1 for _, c in rows if c and c.fits)
     summary = Text(
         f"{fitting} of {len(rows)} fit.", style="bold green" if fitting == len(rows) else "bold red"

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from ckplan.hardware.gpus import GPU
-from ckplan.hardware.step_time import StepTime
-from ckplan.plan import Plan
+if TYPE_CHECKING:
+    from ckplan.hardware.gpus import GPU
+    from ckplan.hardware.step_time import StepTime
+    from ckplan.plan import Plan
 
 
 def seconds(value: float) -> str:
@@ -34,7 +37,7 @@ def step_time_table(plan: Plan, time: StepTime, gpu: GPU | None) -> Table:
         ("forward", time.forward_seconds, "compute"),
         ("backward", time.backward_seconds, "compute"),
         ("recompute", time.recompute_seconds, "re-run ops and their collectives"),
-        ("communication", time.communication_seconds, "exposed TP/CP/PP/DP"),
+        ("communication", time.communication_seconds, "exposed TP/CP/EP/PP/DP"),
         ("pipeline bubble", time.bubble_seconds, f"(p-1)/v = {spec.pp - 1}/{spec.virtual_stages}"),
         ("optimizer", time.optimizer_seconds, "Adam, memory-bound"),
     )

@@ -1,0 +1,20 @@
+"""`ckplan calibrate`: measure what autograd saves per op for one layer, fit a kernel profile.
+
+Needs the optional extra `ckplan[torch]` (and `transformers` for --hf). Nothing here imports
+torch at import time except the modules that run layers (record, layers, run, hf, cuda); the CLI
+imports them only inside the command, after checking that torch is installed.
+"""
+
+import importlib.util
+
+TORCH_EXTRA = "ckplan calibrate needs PyTorch: pip install 'ckplan[torch]' (the CPU build will do)"
+HF_EXTRA = "--hf needs Hugging Face transformers: pip install transformers"
+
+
+def missing_extra(hf: bool = False) -> str | None:
+    """The one-line message naming the extra that is not installed, else None."""
+    if importlib.util.find_spec("torch") is None:
+        return TORCH_EXTRA
+    if hf and importlib.util.find_spec("transformers") is None:
+        return HF_EXTRA
+    return None

@@ -1,0 +1,118 @@
+"""Exports: a plan in a launcher's own terms (`ckplan export MODEL --plan S --to TARGET`).
+
+Each target module has `reason(spec, layers)` (why it cannot run these layer segments, None
+when it can), `render(plan, layers)` (the artifact, text) and `notes(plan, layers)` (how to wire
+it in). The layer segments come from the plan's own replayed schedule (`segments.py`), so an
+export never describes a schedule other than the one ckplan measured. A plan that a target
+cannot express is an `ExportError` that names the part and offers the nearest plan the target
+can express: the cheapest (least FLOPs) whose peak is no higher, else the smallest peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckplan.errors import InputError
+from ckplan.io.exports import deepspeed, megatron, torch_snippet, torchtitan, yaml_plan
+from ckplan.io.exports.segments import LayerSegments, layer_segments
+from ckplan.model.spec import ModelSpec
+from ckplan.plan import Plan, evaluate
+from ckplan.units import format_bytes_auto
+
+TARGETS = {
+    module.NAME: module for module in (megatron, torch_snippet, deepspeed, torchtitan, yaml_plan)
+}
+
+
+class ExportError(InputError):
+    """A plan the target cannot express; the message offers the nearest one it can."""
+
+
+@dataclass(frozen=True)
+class Export:
+    text: str  # the artifact, exactly as it goes into a file or a command line
+    notes: tuple[str, ...] = ()  # how to wire it in, for people
+
+
+def check_target(target: str) -> str:
+    if target not in TARGETS:
+        raise ExportError(f"--to {target!r}: expected one of {', '.join(TARGETS)}")
+    return target
+
+
+def why_not(plan: Plan, target: str) -> str | None:
+    """Why `target` cannot express `plan` (None when it can)."""
+    if target == yaml_plan.NAME:
+        return None
+    layers = layer_segments(plan)
+    if isinstance(layers, str):
+        return f"plan {plan.strategy}: {layers}"
+    because = TARGETS[target].reason(plan.spec, layers)
+    return None if because is None else f"plan {plan.strategy}: {because}"
+
+
+def export(plan: Plan, target: str, recompute_modules: bool = True) -> Export:
+    """The plan written for `target`, or ExportError with the nearest expressible plan."""
+    module = TARGETS[check_target(target)]
+    because = why_not(plan, target)
+    if because is not None:
+        raise ExportError(f"{target} cannot express {because}; {_offer(plan, target)}")
+    layers = layer_segments(plan)
+    if module is yaml_plan:
+        return Export(yaml_plan.render(plan, None if isinstance(layers, str) else layers))
+    assert isinstance(layers, LayerSegments)
+    if module is megatron:
+        text = megatron.render(plan, layers, recompute_modules)
+    else:
+        text = module.render(plan, layers)
+    return Export(text, tuple(module.notes(plan, layers)))
+
+
+def nearest(plan: Plan, target: str) -> Plan | None:
+    """The target's nearest plan to `plan` among the sweep's strategies: the cheapest whose
+    peak is no higher than `plan`'s, else the one with the smallest peak; None if none."""
+    from ckplan.plan.search import candidate_strategies  # the sweep's candidates
+
+    spec = plan.spec
+    expressible = []
+    for strategy in candidate_strategies(spec):
+        candidate = evaluate(spec, strategy)
+        if candidate is not None and why_not(candidate, target) is None:
+            expressible.append(candidate)
+    if not expressible:
+        return None
+    within = [c for c in expressible if c.activation_bytes <= plan.activation_bytes]
+    if within:
+        return min(within, key=lambda c: (c.flops.total, c.activation_bytes))
+    return min(expressible, key=lambda c: (c.activation_bytes, c.flops.total))
+
+
+def _offer(plan: Plan, target: str) -> str:
+    near = nearest(plan, target)
+    if near is None:
+        return f"no plan of this model is expressible for {target}"
+    return (
+        f"nearest expressible plan: {near.strategy} (peak activations "
+        f"{format_bytes_auto(near.activation_bytes)} vs {format_bytes_auto(plan.activation_bytes)}"
+        f", recompute overhead {near.overhead:.2%} vs {plan.overhead:.2%}); "
+        f"run with --plan {near.strategy}"
+    )
+
+
+def best_expressible(spec: ModelSpec, candidates, target: str):
+    """For `--plan auto`: the cheapest fitting candidate (search.Candidate) the target can
+    express, else None."""
+    fitting = [c for c in candidates if c.fits and why_not(c.plan, target) is None]
+    return min(fitting, key=lambda c: (c.plan.flops.total, c.plan.total_bytes), default=None)
+
+
+__all__ = [
+    "TARGETS",
+    "Export",
+    "ExportError",
+    "best_expressible",
+    "check_target",
+    "export",
+    "nearest",
+    "why_not",
+]

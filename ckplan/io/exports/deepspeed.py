@@ -1,0 +1,85 @@
+"""A DeepSpeed config fragment for a plan: `activation_checkpointing` and the batch and ZeRO
+keys the plan was computed for.
+
+DeepSpeed's `activation_checkpointing` block (deepspeed/runtime/activation_checkpointing/
+config.py) has exactly six keys: `partition_activations`, `contiguous_memory_optimization`,
+`cpu_checkpointing`, `number_checkpoints`, `synchronize_checkpoint_boundary`, `profile`. They
+configure `deepspeed.checkpointing.checkpoint`; which layers it wraps is the model's code:
+`PipelineModule(activation_checkpoint_interval=K)` checkpoints every chunk of K layers
+(deepspeed/runtime/pipe/module.py, ckplan's `uniform:K` when the chunks are transformer
+blocks), any other segmentation calls `deepspeed.checkpointing.checkpoint` on its ranges.
+`number_checkpoints` sizes the buffer of `contiguous_memory_optimization`: the recomputed
+segments per stage. ckplan models neither activation partitioning nor CPU checkpointing, so
+both stay false. The pipeline engine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline
+parallelism" (deepspeed/runtime/pipe/engine.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+from ckplan.io.exports.segments import LayerSegments
+from ckplan.model.spec import ModelSpec
+from ckplan.plan import Plan
+
+NAME = "deepspeed"
+
+
+def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
+    if layers.moe:
+        return f"recomputing the {layers.moe} of MoE layers: no DeepSpeed option for it yet"
+    if spec.pp > 1 and spec.zero > 1:
+        return f"zero={spec.zero} with pp={spec.pp}: DeepSpeed's pipeline engine allows ZeRO 0-1"
+    return None
+
+
+def config(plan: Plan, layers: LayerSegments) -> dict:
+    spec = plan.spec
+    return {
+        "train_micro_batch_size_per_gpu": spec.micro_batch,
+        "gradient_accumulation_steps": spec.microbatches,
+        "zero_optimization": {"stage": spec.zero},
+        "activation_checkpointing": {
+            "partition_activations": False,
+            "cpu_checkpointing": False,
+            "contiguous_memory_optimization": False,
+            "number_checkpoints": len(layers.recomputed) or None,
+            "synchronize_checkpoint_boundary": False,
+            "profile": False,
+        },
+    }
+
+
+def render(plan: Plan, layers: LayerSegments) -> str:
+    return json.dumps(config(plan, layers), indent=2) + "\n"
+
+
+def notes(plan: Plan, layers: LayerSegments) -> list[str]:
+    lines = []
+    if layers.recomputed:
+        ranges = ", ".join(f"{start}..{end - 1}" for start, end in layers.recomputed[:6])
+        more = ", ..." if len(layers.recomputed) > 6 else ""
+        lines.append(
+            "wrap each range of layers with deepspeed.checkpointing.checkpoint: "
+            f"layers {ranges}{more} of each stage"
+        )
+        size = layers.uniform_size()
+        if size is not None:
+            lines.append(
+                "or, in a PipelineModule of transformer blocks: "
+                f"activation_checkpoint_interval={size}"
+            )
+    if layers.selective:
+        lines.append(
+            "selective: wrap each layer's attention core (QKᵀ, softmax, dropout, ·V) in "
+            "deepspeed.checkpointing.checkpoint"
+        )
+    if not lines:
+        lines.append("no checkpointing: the plan stores every activation")
+    spec = plan.spec
+    if spec.tp > 1 or spec.pp > 1 or spec.cp > 1:
+        lines.append(
+            f"tp={spec.tp} pp={spec.pp} cp={spec.cp} are the launcher's (Megatron-DeepSpeed: "
+            "the flags of --to megatron)"
+        )
+    return lines

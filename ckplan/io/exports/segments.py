@@ -1,0 +1,147 @@
+"""What a plan recomputes, layer by layer: the segments every launcher is written from.
+
+A launcher cannot run a schedule step by step; it wraps ranges of transformer layers in a
+checkpoint. So each export starts from the plan's own replayed schedule (`Plan.steps`) and
+recovers the layer segments it is made of: ranges whose input is kept and that are re-run once
+in backward, and ranges stored whole. Recovery is exact or refused: the segments are accepted
+only when `schedules.segment_schedule` rebuilds the very same steps from them, so an export can
+never describe a schedule other than the one ckplan measured (a binomial or optimal schedule
+that re-runs a range more than once has no segments, and says so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckplan.plan import Plan
+from ckplan.schedules import (
+    BACKWARD,
+    FORWARD_DROP,
+    FORWARD_KEEP_ALL,
+    FORWARD_KEEP_INPUT,
+    Chain,
+    segment_schedule,
+)
+
+LAYER_PREFIX = "layer "
+
+
+@dataclass(frozen=True)
+class LayerSegments:
+    """The layers of one pipeline stage as half-open `(start, end, recompute)` ranges over
+    0..layers-1 (indices within the stage), whether the attention core is recomputed on top
+    (selective), and which MoE group is (`moe`: the whole MoE block, `experts`: the routed
+    expert MLPs; None)."""
+
+    layers: int
+    segments: tuple[tuple[int, int, bool], ...]
+    selective: bool
+    moe: str | None = None
+
+    @property
+    def recomputed(self) -> tuple[tuple[int, int], ...]:
+        return tuple((start, end) for start, end, recompute in self.segments if recompute)
+
+    @property
+    def stores_all(self) -> bool:
+        return not self.recomputed
+
+    def uniform_size(self) -> int | None:
+        """K when every layer is recomputed in segments of K from the stage's first layer, the
+        last one possibly shorter (Megatron `uniform`, Chen et al.'s segments)."""
+        sizes = [end - start for start, end, recompute in self.segments]
+        if not self.segments or not all(recompute for *_, recompute in self.segments):
+            return None
+        size = sizes[0]
+        return size if all(s == size for s in sizes[:-1]) and sizes[-1] <= size else None
+
+    def block_count(self) -> int | None:
+        """N when the first N layers are each recomputed alone and the rest stored (Megatron
+        `block`); 0 when nothing is recomputed."""
+        count = 0
+        for start, end, recompute in self.segments:
+            if not recompute:
+                break
+            if end - start != 1:
+                return None
+            count += 1
+        stored = self.segments[count:]
+        return count if len(stored) <= 1 and not any(r for *_, r in stored) else None
+
+    def every_nth(self) -> int | None:
+        """N when exactly the layers N-1, 2N-1, ... are each recomputed alone and every other
+        layer is stored (torchtitan's `selective_ac_option = N`)."""
+        recomputed = {start for start, end in self.recomputed if end - start == 1}
+        if len(recomputed) != len(self.recomputed) or not recomputed:
+            return None
+        step = min(recomputed) + 1
+        return step if recomputed == set(range(step - 1, self.layers, step)) else None
+
+
+def schedule_segments(steps, stages: int) -> list[tuple[int, int, bool]] | None:
+    """The segments whose `segment_schedule` is exactly `steps`, or None when `steps` is not a
+    one-level segment schedule (some range re-run twice, or steps in another order)."""
+    forward = []  # the first forward pass: stages 0..n-1, each once
+    for step in steps:
+        if step.kind == BACKWARD or (forward and step.stage != forward[-1].stage + 1):
+            break
+        forward.append(step)
+    segments: list[tuple[int, int, bool]] = []
+    for step in forward:
+        if step.kind == FORWARD_KEEP_ALL:
+            segments.append((step.stage, step.stage + 1, False))
+        elif step.kind == FORWARD_KEEP_INPUT:
+            segments.append((step.stage, step.stage + 1, True))
+        elif step.kind == FORWARD_DROP and segments and segments[-1][2]:
+            start, _, _ = segments[-1]
+            segments[-1] = (start, step.stage + 1, True)
+        else:
+            return None
+    merged: list[tuple[int, int, bool]] = []
+    for start, end, recompute in segments:  # consecutive stored stages form one segment
+        if merged and not recompute and not merged[-1][2] and merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], end, False)
+        else:
+            merged.append((start, end, recompute))
+    chain = Chain.uniform(stages, forward_flops=0, backward_flops=0, input_bytes=0, tape_bytes=0)
+    try:
+        rebuilt = segment_schedule(chain, merged)
+    except ValueError:
+        return None
+    return merged if tuple(rebuilt) == tuple(steps) else None
+
+
+def layer_segments(plan: Plan) -> LayerSegments | str:
+    """The plan's layer segments, or the reason (one phrase) why it has none."""
+    spec = plan.spec
+    selective = plan.strategy.startswith("selective")
+    moe = {"moe": "moe", "moe/experts": "experts"}
+    moe_group = next((moe[g] for g in plan.recompute_groups if g in moe), None)
+    names = plan.stage_names
+    if not plan.steps:
+        return "it has no schedule (the seed formula set)"
+    if spec.pp > 1 and plan.strategy.endswith("optimal"):
+        return (
+            "each pipeline stage has its own optimal schedule and a launcher applies one "
+            "recompute setting to every stage"
+        )
+    segments = schedule_segments(plan.steps, len(names))
+    if segments is None:
+        return "its schedule re-runs some layers more than once (nested recomputation)"
+    first_layer = next(i for i, name in enumerate(names) if name.startswith(LAYER_PREFIX))
+    layers = sum(1 for name in names if name.startswith(LAYER_PREFIX))
+    result = []
+    for start, end, recompute in segments:
+        inside = [i for i in range(start, end) if names[i].startswith(LAYER_PREFIX)]
+        if recompute and len(inside) != end - start:
+            extra = next(names[i] for i in range(start, end) if i not in inside)
+            return f"it recomputes the {extra} stage together with layers"
+        if inside:
+            result.append((inside[0] - first_layer, inside[-1] + 1 - first_layer, recompute))
+    merged: list[tuple[int, int, bool]] = []
+    for start, end, recompute in result:
+        if merged and not recompute and not merged[-1][2]:
+            merged[-1] = (merged[-1][0], end, False)
+        else:
+            merged.append((start, end, recompute))
+    return LayerSegments(layers, tuple(merged), selective, moe_group)

@@ -1,0 +1,125 @@
+"""A PyTorch snippet that runs one pipeline stage's layers under the plan.
+
+`torch.utils.checkpoint` (PyTorch 2.x, torch/utils/checkpoint.py):
+
+- `checkpoint(fn, *args, use_reentrant=False, context_fn=...)` keeps fn's inputs and re-runs fn
+  in backward: one recomputed segment.
+- `checkpoint_sequential(functions, segments, input, use_reentrant=False)` splits the functions
+  into `segments` chunks of len // segments, checkpoints all but the last chunk and runs the last
+  one normally ("the last chunk has to be non-volatile"): ckplan's `sequential:K` when K divides
+  the layers.
+- Selective recomputation (Korthikanti et al. 2022 §5, Megatron-LM's `core_attn`) checkpoints
+  the attention core alone, as Megatron does (`_checkpointed_attention_forward`): the core's
+  inputs q, k, v are kept and QKᵀ, softmax, dropout and ·V are re-run in backward. The snippet's
+  `attention_core(core, q, k, v, *rest)` is that call; the model's attention calls its core
+  through it. Selective activation checkpointing (`create_selective_checkpoint_contexts`) is
+  not used: measured on torch 2.13 (tests/test_export_torch.py), a layer-level policy that
+  recomputes the core and saves every other op caches op outputs that autograd never saves,
+  and its caches stay alive under an enclosing segment checkpoint, so neither `selective` nor
+  `selective+uniform:K` would hold what ckplan predicts.
+
+The snippet defines `forward_layers(layers, hidden)`, which replaces `for layer in layers:
+hidden = layer(hidden)` in the model's forward; `layers` holds this stage's transformer blocks.
+Nested checkpoints (the attention core inside a recomputed segment) are supported by the
+non-reentrant implementation.
+"""
+
+from __future__ import annotations
+
+from ckplan.io.exports.segments import LayerSegments
+from ckplan.model.spec import ModelSpec
+from ckplan.plan import Plan
+
+NAME = "torch"
+
+_SELECTIVE = '''\
+def attention_core(core, q, k, v, *rest):
+    """Selective recomputation: the model's attention calls its core (QKᵀ, softmax, dropout,
+    ·V) as attention_core(core, q, k, v, ...): q, k, v are kept, the core re-runs in backward."""
+    return checkpoint(core, q, k, v, *rest, use_reentrant=False)
+'''
+
+_SEQUENTIAL = """\
+def forward_layers(layers, hidden):
+    # {chunks} chunks of {size} layers; all but the last are re-run in backward.
+    return checkpoint_sequential(
+        list(layers), {chunks}, hidden, use_reentrant=False
+    )
+"""
+
+_SEGMENTS = """\
+# (first, last + 1, recompute): a recomputed segment keeps its input and is re-run in backward;
+# a stored one keeps every activation.
+SEGMENTS = {segments}
+
+
+def _run(layers, start, end):
+    def forward(hidden):
+        for layer in layers[start:end]:
+            hidden = layer(hidden)
+        return hidden
+
+    return forward
+
+
+def forward_layers(layers, hidden):
+    for start, end, recompute in SEGMENTS:
+        if recompute:
+            hidden = checkpoint(_run(layers, start, end), hidden, use_reentrant=False)
+        else:
+            hidden = _run(layers, start, end)(hidden)
+    return hidden
+"""
+
+
+def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
+    """PyTorch wraps any one-level segments: nothing to refuse."""
+    if layers.moe:
+        return f"recomputing the {layers.moe} of MoE layers: no PyTorch snippet option for it yet"
+    return None
+
+
+def render(plan: Plan, layers: LayerSegments) -> str:
+    spec = plan.spec
+    chunks = sequential_chunks(layers)
+    names = set()
+    if chunks:
+        names.add("checkpoint_sequential")
+    if layers.selective or not chunks:
+        names.add("checkpoint")
+    header = [
+        f"# ckplan: plan {plan.strategy} for {spec.name}, {layers.layers} layers per pipeline "
+        "stage.",
+        "# forward_layers(layers, hidden) replaces `for layer in layers: hidden = layer(hidden)`.",
+        f"from torch.utils.checkpoint import {', '.join(sorted(names))}",
+    ]
+    parts = ["\n".join(header)]
+    if layers.selective:
+        parts.append(_SELECTIVE)
+    if chunks:
+        parts.append(_SEQUENTIAL.format(chunks=chunks, size=layers.layers // chunks))
+    else:
+        parts.append(_SEGMENTS.format(segments=list(layers.segments)))
+    return "\n\n\n".join(part.rstrip("\n") for part in parts) + "\n"
+
+
+def sequential_chunks(layers: LayerSegments) -> int | None:
+    """s when the segments are exactly checkpoint_sequential's with s > 1 chunks: s - 1 chunks
+    of layers // s recomputed from the first layer, the rest stored."""
+    segments = layers.segments
+    count = len(segments)
+    if count < 2 or segments[-1][2] or not all(r for *_, r in segments[:-1]):
+        return None
+    size = layers.layers // count
+    expected = [(i * size, (i + 1) * size, True) for i in range(count - 1)]
+    expected.append(((count - 1) * size, layers.layers, False))
+    return count if list(segments) == expected else None
+
+
+def notes(plan: Plan, layers: LayerSegments) -> list[str]:
+    lines = ["paste it into the model's module; `layers` are this stage's transformer blocks"]
+    if layers.selective:
+        lines.append("selective: call the attention core as attention_core(core, q, k, v, ...)")
+    if plan.spec.pp > 1:
+        lines.append(f"each pipeline stage runs it on its own {layers.layers} layers")
+    return lines

@@ -1,0 +1,65 @@
+"""The memory timeline of a plan's step: live activation bytes before and during each step of
+its replayed schedule, for `ckplan estimate --plot`.
+
+The replay is `schedules.simulate` on the chain the plan was evaluated on (the fuller pipeline
+stage); with micro-batches in flight, the others waiting for their backward hold what their
+forward left (`schedules.pipeline_peak_bytes`), a constant added to every point. So the
+timeline's maximum is exactly the plan's `activation_bytes`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ckplan.plan.evaluate import Plan, in_flight_microbatches
+from ckplan.plan.layer_chain import layer_chain
+from ckplan.schedules import held_after_forward_bytes, simulate
+
+
+@dataclass(frozen=True)
+class Timeline:
+    labels: tuple[str, ...]  # one per step: "forward layer 3", "backward output+loss", ...
+    during_bytes: tuple[int, ...]  # live while the step runs
+    after_bytes: tuple[int, ...]  # live once it has finished
+    initial_bytes: int
+    waiting_bytes: int  # held by the other micro-batches in flight, included above
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.initial_bytes, *self.during_bytes, *self.after_bytes)
+
+    @property
+    def peak_step(self) -> int:
+        """Index of the first step whose during-figure is the peak (-1: the initial state)."""
+        return next((i for i, b in enumerate(self.during_bytes) if b == self.peak_bytes), -1)
+
+
+STEP_VERBS = {
+    "forward_drop": "forward",
+    "forward_keep_input": "forward",
+    "forward_keep_all": "forward",
+    "backward": "backward",
+}
+
+
+def memory_timeline(plan: Plan) -> Timeline | None:
+    """The plan's timeline, or None when it has no schedule (the seed formula set)."""
+    if not plan.steps:
+        return None
+    spec = plan.spec
+    first_stage = spec.pp == 1 or "layer 0" in plan.stage_names  # which stage the steps run
+    chain = layer_chain(spec, plan.strategy.startswith("selective"), first_stage)
+    replay = simulate(chain, plan.steps)
+    waiting = 0
+    if spec.pp > 1 and first_stage:
+        in_flight = in_flight_microbatches(spec)
+        waiting = math.ceil((in_flight - 1) * held_after_forward_bytes(chain, replay))
+    labels = tuple(f"{STEP_VERBS[step.kind]} {plan.stage_names[step.stage]}" for step in plan.steps)
+    return Timeline(
+        labels,
+        tuple(point.during_bytes + waiting for point in replay.trace),
+        tuple(point.after_bytes + waiting for point in replay.trace),
+        replay.initial_bytes + waiting,
+        waiting,
+    )

@@ -1,0 +1,136 @@
+"""Megatron-LM's own argument rules, mirrored for the export tests (not used by ckplan).
+
+The flag definitions copy megatron/training/arguments.py (names, types, choices, actions); the
+checks copy `validate_args` and `TransformerConfig.__post_init__`
+(megatron/core/transformer/transformer_config.py), NVIDIA/Megatron-LM main. Parsing uses argparse
+with `allow_abbrev=False` as Megatron does, so an unknown flag fails like it would there.
+"""
+
+import argparse
+import shlex
+
+
+class MegatronArgError(ValueError):
+    pass
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(allow_abbrev=False, exit_on_error=False)
+    p.add_argument("--num-layers", type=int, default=None)
+    p.add_argument("--seq-length", type=int, default=None)
+    p.add_argument("--micro-batch-size", type=int, default=None)
+    p.add_argument("--global-batch-size", type=int, default=None)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--context-parallel-size", type=int, default=1)
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    p.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--recompute-activations", action="store_true")
+    p.add_argument("--recompute-granularity", type=str, default=None, choices=["full", "selective"])
+    p.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"])
+    p.add_argument("--recompute-num-layers", type=int, default=None)
+    p.add_argument("--recompute-modules", nargs="*", type=str, default=None)
+    p.add_argument("--distribute-saved-activations", action="store_true")
+    return p
+
+
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe")
+
+
+def parse(text: str, world_size: int) -> argparse.Namespace:
+    try:
+        args = parser().parse_args(shlex.split(text))
+    except (argparse.ArgumentError, SystemExit) as error:
+        raise MegatronArgError(f"argparse: {error}") from None
+    args.world_size = world_size
+    return args
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise MegatronArgError(message)
+
+
+def validate(args: argparse.Namespace) -> argparse.Namespace:
+    """validate_args + TransformerConfig.__post_init__, the checks these flags reach."""
+    tp, pp, cp = (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.context_parallel_size,
+    )
+    model_size = tp * pp * cp
+    check(args.world_size % model_size == 0, "world size is not divisible by tp·pp·cp")
+    args.data_parallel_size = args.world_size // model_size
+    check(args.micro_batch_size is not None and args.micro_batch_size > 0, "micro batch size")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    check(args.global_batch_size > 0, "global batch size")
+    # the microbatch calculator: global = micro * dp * number of micro-batches
+    check(
+        args.global_batch_size % (args.micro_batch_size * args.data_parallel_size) == 0,
+        "global batch size is not divisible by micro batch size times data parallel size",
+    )
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        check(args.num_layers % pp == 0, "number of layers must be divisible by pp")
+        per_stage = args.num_layers // pp
+        check(
+            per_stage % args.num_layers_per_virtual_pipeline_stage == 0,
+            "number of layers per pipeline stage must be divisible by layers per virtual stage",
+        )
+        vpp = per_stage // args.num_layers_per_virtual_pipeline_stage
+        args.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
+    else:
+        check(args.num_layers % pp == 0, "Number of layers should be divisible by pp")
+    if args.virtual_pipeline_model_parallel_size is not None:
+        if args.overlap_p2p_comm:
+            check(pp > 1, "interleaved schedule needs pipeline-model-parallel size > 1")
+        else:
+            check(pp > 2, "interleaved schedule without p2p overlap needs pp > 2")
+    if cp > 1:
+        check(args.seq_length % (cp * 2) == 0, "seq-length must be a multiple of 2·cp")
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.distribute_saved_activations:
+        check(tp > 1, "distribute saved activations needs tp > 1")
+        check(args.recompute_granularity == "full", "distributed needs full granularity")
+        check(args.recompute_method is not None, "distributed needs a recompute method")
+    if args.recompute_granularity == "selective":
+        check(
+            args.recompute_method is None,
+            "recompute method is not yet supported for selective recomputing granularity",
+        )
+    if tp == 1:
+        # Megatron switches it off with a warning; an export that asks for it is wrong.
+        check(not args.sequence_parallel, "sequence parallelism needs tp > 1")
+    # TransformerConfig.__post_init__
+    if args.recompute_granularity is not None:
+        if args.recompute_method is None:
+            check(
+                args.recompute_granularity == "selective",
+                f"Using recompute_granularity: {args.recompute_granularity} so recompute_method "
+                'must be "block" or "uniform"',
+            )
+        if args.recompute_granularity != "selective":
+            check(
+                args.recompute_num_layers is not None,
+                "recompute_num_layers must be between 1 and num_layers_per_pipeline_rank",
+            )
+            # the range the message states
+            check(
+                1 <= args.recompute_num_layers <= args.num_layers // pp,
+                "recompute_num_layers must be between 1 and num_layers_per_pipeline_rank",
+            )
+        else:
+            check(args.recompute_num_layers is None, "selective: recompute_num_layers must be None")
+    else:
+        check(args.recompute_method is None, "a recompute method without a granularity is ignored")
+    if args.recompute_modules is not None:
+        check(args.recompute_granularity == "selective", "recompute modules need selective")
+        check(
+            all(module in RECOMPUTE_MODULES for module in args.recompute_modules),
+            "unknown recompute module",
+        )
+    return args

@@ -1,0 +1,228 @@
+"""`ckplan calibrate` against PyTorch autograd (CPU): the fitted profiles, their check at a shape
+left out of the fit, the attribution rule against the explicit op tags of the validation
+layers, and the profile through `ckplan estimate`. Needs torch (tests/needs_torch.py)."""
+
+import json
+
+import pytest
+from needs_torch import torch_or_skip
+
+from ckplan.cli import main
+from ckplan.io.presets import load_spec
+from ckplan.io.profiles import load_profile
+from ckplan.model.ops import transformer_layer_ops
+from ckplan.model.profiles import apply_profile, profile_from_mapping
+
+torch = torch_or_skip()
+
+from ckplan.calibrate.attribute import attribute  # noqa: E402
+from ckplan.calibrate.layers import Config, GPTLayer, LlamaLayer  # noqa: E402
+from ckplan.calibrate.record import CallRecorder  # noqa: E402
+from ckplan.calibrate.run import calibrate, compare_with_fused  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llama_eager():
+    return calibrate(load_spec("llama3-8b", {"attention": "standard"}))
+
+
+@pytest.fixture(scope="module")
+def llama_sdpa():
+    return calibrate(load_spec("llama3-8b"))
+
+
+@pytest.fixture(scope="module")
+def gpt_dropout():
+    return calibrate(load_spec("gpt2", {"dropout": 0.1}))
+
+
+def _bytes(spec, profile):
+    return [op.saved_bytes for op in apply_profile(transformer_layer_ops(spec), spec, profile)]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{}, {"seq": 2048, "micro_batch": 3}, {"tp": 4, "sp": True}, {"tp": 8, "cp": 2}],
+)
+def test_calibrated_hf_eager_llama_is_torch_eager(llama_eager, layout):
+    """The Hugging Face eager Llama layer, measured and fitted, is the shipped torch-eager
+    profile, op for op, at any size and layout."""
+    spec = load_spec("llama3-8b", {"attention": "standard", **layout})
+    measured = profile_from_mapping(llama_eager.profile, "calibrated")
+    assert _bytes(spec, measured) == _bytes(spec, load_profile("torch-eager"))
+
+
+def test_calibrated_sdpa_llama_is_torch_sdpa(llama_sdpa):
+    spec = load_spec("llama3-70b", {"tp": 8, "sp": True, "seq": 4096})
+    measured = profile_from_mapping(llama_sdpa.profile, "calibrated")
+    assert _bytes(spec, measured) == _bytes(spec, load_profile("torch-sdpa"))
+    assert llama_sdpa.check.sdpa_node == "ScaledDotProductFlashAttentionForCpuBackward0"
+
+
+def test_calibrated_gpt_is_korthikanti_plus_cpu_layernorm_statistics(gpt_dropout):
+    """The GPT block with 1-byte dropout masks is fused's table (Korthikanti's 34sbh + 5as²b)
+    except LayerNorm's mean and rstd, which the CPU keeps in the activation dtype: 2·B·sb per
+    norm (docs/validation.md §1)."""
+    rows = {row["op"]: row for row in compare_with_fused(gpt_dropout)}
+    for op, row in rows.items():
+        if op in ("norm1", "norm2"):
+            assert row["calibrated"] == "B·sbh + 2B·sb"
+            s, b = 1024, 1
+            assert row["calibrated_bytes"] - row["fused_bytes"] == 2 * 2 * s * b
+        else:
+            assert row["calibrated"] == row["fused"], op
+            assert row["calibrated_bytes"] == row["fused_bytes"], op
+
+
+@pytest.mark.parametrize("fixture", ["llama_eager", "llama_sdpa", "gpt_dropout"])
+def test_exact_fit_and_held_out_check(request, fixture):
+    result = request.getfixturevalue(fixture)
+    assert result.max_residual == 0
+    assert result.check_error == 0  # within 1 % is the bar; the fit is exact
+    assert result.check.bytes_by_op == {k: v for k, v in result.check_predicted.items() if v}
+    assert not result.unmeasured and not result.unmodelled
+
+
+VALIDATION_CONFIGS = [
+    Config("gpt-native", "gpt", "bfloat16", dropout=0.1, dropout_impl="native"),
+    Config("gpt-functional", "gpt", "float32", dropout=0.1),
+    Config("gpt-maskedfill", "gpt", "bfloat16", mask="masked_fill"),
+    Config("gpt-sdpa", "gpt", "bfloat16", attention="sdpa"),
+    Config("llama-hf", "llama", "bfloat16", kv_heads=2, ffn_hidden=704, norm_impl="hf"),
+    Config("llama-repeat", "llama", "bfloat16", kv_heads=2, ffn_hidden=704, attention="sdpa",
+           kv_repeat=True),
+    Config("llama-fused", "llama", "bfloat16", kv_heads=2, ffn_hidden=704, norm_impl="fused",
+           attention="sdpa", swiglu_impl="fused"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("config", VALIDATION_CONFIGS, ids=lambda c: c.name)
+def test_rule_agrees_with_the_validation_layers_tags(config):
+    """validation/torch_saved_bytes.py tags each op of its layers by hand; the rule that
+    calibrate applies to any layer gives every save the same op (smaller shapes than there)."""
+    config.seq, config.micro_batch, config.hidden, config.heads = 32, 2, 64, 4
+    config.kv_heads = min(config.kv_heads, 4)
+    config.ffn_hidden = 96 if config.arch == "llama" else 256
+    torch.manual_seed(0)
+    layer = (GPTLayer if config.arch == "gpt" else LlamaLayer)(config)
+    layer = layer.to(dtype=config.torch_dtype).train()
+    x = torch.randn(2, 32, 64, dtype=config.torch_dtype, requires_grad=True)
+    recorder = CallRecorder(layer, set(), native_dropout=False)
+    with recorder.recording():
+        layer(x, recorder)
+    labels = attribute(recorder.calls)
+    saves = [(tag, labels[call]) for s in recorder.storages.values()
+             for tag, call in zip(s.tags, s.calls, strict=True)]  # fmt: skip
+    assert len(saves) > 10
+    assert all(tag == label for tag, label in saves), [s for s in saves if s[0] != s[1]]
+
+
+def test_calibrate_then_estimate_at_the_held_out_shape(tmp_path, capsys):
+    """The must-show: with the calibrated profile, `ckplan estimate` predicts what autograd
+    saves for one layer at a shape not used in fitting (here exactly)."""
+    out = tmp_path / "gpt.yaml"
+    assert main(["calibrate", "gpt2", "--set", "dropout=0.1", "--out", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    check = report["check"]
+    s, b, h, a, g, F = (int(part.split("=")[1]) for part in check["shape"].split())
+    model = tmp_path / "check.yaml"
+    model.write_text(
+        f"name: check\nlayers: 1\nhidden: {h}\nheads: {a}\nkv_heads: {g}\nffn_hidden: {F}\n"
+        f"seq: {s}\nmicro_batch: {b}\ndropout: 0.1\nprofile: gpt.yaml\n"
+    )
+    assert main(["estimate", str(model), "--json"]) == 0
+    estimate = json.loads(capsys.readouterr().out)
+    predicted = estimate["memory"]["per_layer_activation_bytes"]
+    assert predicted == check["measured_bytes"] == check["predicted_bytes"]
+    assert report["written"] == str(out) and out.read_text().startswith("# A kernel profile")
+    assert report["profile"]["requires"] == [
+        "attention=standard", "norm=layernorm", "mlp=gelu", "dropout", "!gqa", "dtype_bytes=2",
+    ]  # fmt: skip
+
+
+def test_calibrated_profile_refuses_another_architecture(tmp_path, capsys, llama_eager):
+    import yaml
+
+    path = tmp_path / "l.yaml"
+    path.write_text(yaml.safe_dump(llama_eager.profile))
+    code = main(["estimate", "llama3-8b", "--profile", str(path)])
+    _, err = capsys.readouterr()
+    assert code == 2 and "attention=standard" in err and len(err.strip().splitlines()) == 1
+
+
+def test_calibrate_unsupported_block_is_one_line(capsys):
+    code = main(["calibrate", "gpt2", "--set", "mlp=swiglu"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and "--hf" in err and len(err.strip().splitlines()) == 1
+
+
+def test_hf_llama_layer_is_torch_eager():
+    """The real transformers LlamaDecoderLayer (random weights), when transformers is here."""
+    pytest.importorskip("transformers", reason="transformers not installed: --hf not tested")
+    result = calibrate(load_spec("llama3-8b", {"attention": "standard"}), hf=True)
+    spec = load_spec("llama3-8b", {"attention": "standard"})
+    measured = profile_from_mapping(result.profile, "hf")
+    assert result.max_residual == 0 and result.check_error == 0
+    assert _bytes(spec, measured) == _bytes(spec, load_profile("torch-eager"))
+
+
+@pytest.fixture(scope="module")
+def eager_backward():
+    """validation/calibrated_profiles.py --backward at two of its shapes."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "validation" / "calibrated_profiles.py"
+    spec = importlib.util.spec_from_file_location("calibrated_profiles", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    module.BACKWARD_SHAPES = [(128, 2, 256, 8, 2, 704), (512, 2, 256, 8, 2, 704)]
+    return module.backward("bfloat16") + module.backward("float32")
+
+
+def test_torch_eager_backward_fields_predict_the_hf_eager_peak(eager_backward):
+    """torch-eager's backward fields (LlamaRMSNorm's fp32 composite, the fp32 softmax's
+    gradient casts, eager's scale multiply, repeat_kv's sums to g heads): the walk gives the
+    measured peak of the HF eager Llama block's backward within a few scalars, at as/h = 4
+    (peak in the MLP) and 16 (peak at the softmax), bf16 and fp32."""
+    for row in eager_backward:
+        assert 0 <= row["measured_peak_bytes"] - row["predicted_peak_bytes"] <= 64, row["shape"]
+        ops = row["ops"]
+        exact = ["norm2", "softmax", "attn_scores", "act"]
+        if row["dtype"] == "float32":  # no oneDNN bf16 GEMM scratchpads in the linears' steps
+            exact += ["fc2", "fc1", "out_proj", "attn_values"]
+        for op in exact:
+            assert 0 <= ops[op]["measured"] - ops[op]["predicted"] <= 64, (row["shape"], op)
+
+
+def test_hf_layer_from_a_config_json(tmp_path, capsys):
+    """--hf with a config.json builds that model type's decoder layer (here Qwen2, with QKV
+    biases): the same eager saves as Llama's."""
+    pytest.importorskip("transformers", reason="transformers not installed: --hf not tested")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 24,
+        "vocab_size": 151936, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "hidden_act": "silu", "torch_dtype": "bfloat16", "attention_bias": True,
+    }))  # fmt: skip
+    argv = ["calibrate", str(config), "--hf", "--set", "attention=standard", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "qwen2 decoder layer" in report["block"] and report["check"]["error"] == 0
+    assert report["profile"]["ops"]["softmax"] == {"saved": {"as2b": 4}}
+
+
+def test_cuda_without_a_gpu_is_one_line(capsys):
+    """--device cuda is guarded: on a machine without CUDA, one line and exit 2. (The CUDA path
+    itself, ckplan/calibrate/cuda.py, has not been run: no GPU here.)"""
+    import ckplan.calibrate.cuda as cuda
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: this checks the guard on machines without one")
+    code = main(["calibrate", "gpt2", "--device", "cuda"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and "no CUDA device" in err
+    assert cuda.gpu_shape(load_spec("llama3-8b")).kv_heads == 2

@@ -1,0 +1,354 @@
+"""`ckplan export`: each launcher's own rules, flags read back into the same plan, refusals that
+name the part and offer the nearest expressible plan."""
+
+import json
+
+import pytest
+import yaml
+from megatron_args import MegatronArgError, parse, validate
+
+from ckplan.cli import main
+from ckplan.io import exports
+from ckplan.io.exports import deepspeed, megatron, torchtitan
+from ckplan.io.exports.segments import LayerSegments, layer_segments, schedule_segments
+from ckplan.model.spec import spec_from_mapping
+from ckplan.plan import evaluate, parse_strategy
+from ckplan.plan.search import activation_budget, candidate_strategies
+from ckplan.schedules import revolve_schedule, segment_schedule
+from ckplan.schedules.chain import Chain
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def plan_of(spec, name, **kwargs):
+    return evaluate(spec, parse_strategy(name, spec), **kwargs)
+
+
+def world_size(spec):
+    return spec.tp * spec.pp * spec.cp * spec.dp
+
+
+def megatron_args(plan):
+    text = exports.export(plan, "megatron").text
+    return text, validate(parse(text, world_size(plan.spec)))
+
+
+# ---- the must-shows ---------------------------------------------------------------------
+
+
+def test_uniform_2_flags_megatron_accepts(capsys):
+    code, out, err = run(capsys, "export", "llama3-8b", "--plan", "uniform:2", "--to", "megatron")
+    assert code == 0, err
+    args = validate(parse(out, 1))
+    assert (args.recompute_granularity, args.recompute_method) == ("full", "uniform")
+    assert args.recompute_num_layers == 2 and args.num_layers == 32
+
+
+def test_selective_flags_have_no_method(capsys):
+    code, out, _ = run(capsys, "export", "llama3-8b", "--plan", "selective", "--to", "megatron")
+    assert code == 0
+    assert "--recompute-granularity selective" in out.splitlines()
+    assert "--recompute-method" not in out and "--recompute-num-layers" not in out
+    args = validate(parse(out, 1))
+    assert args.recompute_modules == ["core_attn"]
+    code, out, _ = run(
+        capsys,
+        "export",
+        "llama3-8b",
+        "--plan",
+        "selective",
+        "--to",
+        "megatron",
+        "--no-recompute-modules",
+    )
+    assert code == 0 and "--recompute-modules" not in out
+    assert validate(parse(out, 1)).recompute_granularity == "selective"
+
+
+# ---- the validator mirrors Megatron: it refuses what Megatron refuses --------------------
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        "--recompute-granularity selective --recompute-method uniform",
+        "--recompute-granularity full --recompute-num-layers 2",
+        "--recompute-granularity full --recompute-method block",
+        "--recompute-granularity selective --recompute-num-layers 2",
+        "--recompute-granularity partial",
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 33",
+        "--sequence-parallel",
+        "--context-parallel-size 4 --seq-length 4100",
+        "--num-layers-per-virtual-pipeline-stage 4",
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+        "--recompute-modules core_attn",
+        "--recompute-everything",
+    ],
+)
+def test_validator_refuses_what_megatron_refuses(flags):
+    text = "--num-layers 32 --seq-length 8192 --micro-batch-size 1 " + flags
+    with pytest.raises(MegatronArgError):
+        validate(parse(text, 4))
+
+
+# ---- every exportable plan: flags valid, and read back into the same plan ----------------
+
+LAYOUTS = [
+    {},
+    {"tp": 8, "sp": True, "pp": 4, "microbatches": 8, "dp": 2, "zero": 1},
+    {"tp": 2, "cp": 2, "pp": 2, "microbatches": 4},
+    {"pp": 4, "virtual_stages": 2, "microbatches": 8},
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_megatron_round_trip(spec_of, layout):
+    spec = spec_of("llama3-8b", **layout)
+    names = {s.name for s in candidate_strategies(spec)} | {"sqrt", "full"}
+    exported = refused = 0
+    for name in sorted(names):
+        plan = plan_of(spec, name)
+        if exports.why_not(plan, "megatron") is not None:
+            refused += 1  # (the refusal itself: test_refusal_names_the_part_and_the_nearest_plan)
+            continue
+        text, args = megatron_args(plan)
+        assert args.tensor_model_parallel_size == spec.tp
+        assert args.pipeline_model_parallel_size == spec.pp
+        assert args.context_parallel_size == spec.cp
+        assert args.sequence_parallel == spec.sp
+        assert args.data_parallel_size == spec.dp
+        assert args.use_distributed_optimizer == (spec.zero == 1)
+        assert args.micro_batch_size == spec.micro_batch
+        assert args.global_batch_size // (spec.micro_batch * spec.dp) == spec.microbatches
+        assert (args.virtual_pipeline_model_parallel_size or 1) == spec.virtual_stages
+        back = plan_of(spec, megatron.strategy_from_flags(megatron.parse_flags(text)))
+        assert (back.activation_bytes, back.flops) == (plan.activation_bytes, plan.flops), name
+        exported += 1
+    assert exported > 10 and refused > 10
+
+
+def test_uniform_with_virtual_stages_needs_k_to_divide_the_chunk(spec_of):
+    spec = spec_of("llama3-8b", pp=4, virtual_stages=2, microbatches=8)  # chunks of 4 layers
+    assert exports.why_not(plan_of(spec, "uniform:2"), "megatron") is None
+    assert "must divide 4" in exports.why_not(plan_of(spec, "uniform:3"), "megatron")
+    assert "model chunk" in exports.why_not(plan_of(spec, "block:2"), "megatron")
+
+
+def test_megatron_refuses_layouts_it_has_no_flag_for(spec_of):
+    assert "zero=3" in exports.why_not(plan_of(spec_of("gpt2", zero=3, dp=8), "none"), "megatron")
+    odd = spec_of("gpt2", seq=1026, cp=2)  # a multiple of cp, not of 2·cp
+    assert "2·cp" in exports.why_not(plan_of(odd, "none"), "megatron")
+
+
+# ---- refusals: which part, and the nearest expressible plan ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("target", "name", "part"),
+    [
+        ("megatron", "sequential:4", "last segment stored"),
+        ("megatron", "selective+uniform:4", "takes no --recompute-method"),
+        ("megatron", "revolve:3", "more than once"),
+        ("torch", "revolve:3", "more than once"),
+        ("torchtitan", "selective", "attention core"),
+        ("torchtitan", "uniform:4", "every N-th block"),
+    ],
+)
+def test_refusal_names_the_part_and_the_nearest_plan(spec_of, target, name, part):
+    spec = spec_of("llama3-8b")
+    plan = plan_of(spec, name)
+    with pytest.raises(exports.ExportError) as error:
+        exports.export(plan, target)
+    message = str(error.value)
+    assert part in message and "\n" not in message
+    near = exports.nearest(plan, target)
+    assert f"--plan {near.strategy}" in message
+    assert exports.why_not(near, target) is None
+    expressible = [
+        p
+        for p in (evaluate(spec, s) for s in candidate_strategies(spec))
+        if exports.why_not(p, target) is None
+    ]
+    within = [p for p in expressible if p.activation_bytes <= plan.activation_bytes]
+    if within:  # the cheapest that needs no more memory
+        assert near.activation_bytes <= plan.activation_bytes
+        assert near.flops.total == min(p.flops.total for p in within)
+    else:  # else the least memory
+        assert near.activation_bytes == min(p.activation_bytes for p in expressible)
+
+
+def test_optimal_megatron_refused_torch_exported(spec_of, capsys):
+    argv = ["export", "gpt2", "--plan", "optimal", "--budget", "7GB", "--batch", "8"]
+    code, out, err = run(capsys, *argv, "--to", "megatron")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "no Megatron-LM flag" in err and "--plan " in err
+    code, out, _ = run(capsys, *argv, "--to", "torch")
+    assert code == 0 and "SEGMENTS = [" in out
+
+
+def test_cli_errors(capsys):
+    code, out, err = run(capsys, "export", "gpt2", "--plan", "none", "--to", "jax")
+    assert code == 2 and out == "" and "--to 'jax'" in err
+    code, out, err = run(capsys, "export", "gpt2", "--plan", "optimal", "--to", "torch")
+    assert code == 2 and "needs --budget" in err
+    code, out, err = run(capsys, "export", "gpt2", "--plan", "auto", "--to", "torch")
+    assert code == 2 and "needs --budget" in err
+
+
+def test_auto_picks_the_cheapest_the_target_can_express(spec_of, capsys):
+    code, out, _ = run(
+        capsys,
+        "export",
+        "gpt2",
+        "--plan",
+        "auto",
+        "--budget",
+        "7GB",
+        "--batch",
+        "8",
+        "--to",
+        "megatron",
+        "-q",
+    )
+    assert code == 0
+    args = validate(parse(out, 1))
+    spec = spec_of("gpt2", micro_batch=8)
+    back = plan_of(spec, megatron.strategy_from_flags(megatron.parse_flags(out)))
+    usable = 7 * 10**9 - 2 * 2**30
+    assert back.total_bytes <= usable
+    cheaper = [
+        p
+        for p in (evaluate(spec, s) for s in candidate_strategies(spec))
+        if p.total_bytes <= usable and exports.why_not(p, "megatron") is None
+    ]
+    assert back.flops.total == min(p.flops.total for p in cheaper)
+    assert args.recompute_granularity in (None, "full", "selective")
+    code, _, err = run(
+        capsys, "export", "llama3-70b", "--plan", "auto", "--budget", "80GB", "--to", "torch"
+    )
+    assert code == 1 and "no plan" in err
+
+
+# ---- segments recovered from the replayed schedule ----------------------------------------
+
+
+def test_segments_round_trip_through_the_schedule():
+    chain = Chain.uniform(9, forward_flops=1, backward_flops=2, input_bytes=1, tape_bytes=3)
+    for segments in (
+        [(0, 9, False)],
+        [(0, 1, False), (1, 4, True), (4, 6, True), (6, 9, False)],
+        [(0, 2, True), (2, 3, False), (3, 9, True)],
+    ):
+        steps = segment_schedule(chain, segments)
+        assert schedule_segments(steps, 9) == segments
+    assert schedule_segments(revolve_schedule(chain, 2), 9) is None
+
+
+def test_layer_segments_of_named_strategies(spec_of):
+    spec = spec_of("gpt2")  # 12 layers
+    assert layer_segments(plan_of(spec, "uniform:5")).segments == (
+        (0, 5, True),
+        (5, 10, True),
+        (10, 12, True),
+    )
+    block = layer_segments(plan_of(spec, "selective+block:3"))
+    assert block.selective and block.block_count() == 3 and block.uniform_size() is None
+    assert layer_segments(plan_of(spec, "sequential:4")).segments[-1] == (8, 12, False)
+    every_third = LayerSegments(
+        12,
+        (
+            (0, 2, False),
+            (2, 3, True),
+            (3, 5, False),
+            (5, 6, True),
+            (6, 8, False),
+            (8, 9, True),
+            (9, 11, False),
+            (11, 12, True),
+        ),
+        False,
+    )
+    assert every_third.every_nth() == 3 and every_third.block_count() is None
+
+
+# ---- the other targets ----------------------------------------------------------------------
+
+
+def test_torchtitan_sections(spec_of):
+    spec = spec_of("llama3-8b")
+    for name, expected in (("none", "none"), ("full", "full"), ("block:32", "full")):
+        text = exports.export(plan_of(spec, name), "torchtitan").text
+        assert "[activation_checkpoint]" in text
+        back = torchtitan.strategy_from_toml(text)
+        assert back == expected
+        assert plan_of(spec, back).activation_bytes == plan_of(spec, name).activation_bytes
+    every_fourth = LayerSegments(
+        8, ((0, 3, False), (3, 4, True), (4, 7, False), (7, 8, True)), False
+    )
+    assert torchtitan.section(every_fourth) == {"mode": "selective", "selective_ac_option": "4"}
+
+
+def test_deepspeed_block_has_exactly_its_documented_keys(spec_of):
+    data = json.loads(exports.export(plan_of(spec_of("gpt2"), "uniform:3"), "deepspeed").text)
+    assert set(data["activation_checkpointing"]) == {
+        "partition_activations",
+        "contiguous_memory_optimization",
+        "cpu_checkpointing",
+        "number_checkpoints",
+        "synchronize_checkpoint_boundary",
+        "profile",
+    }
+    assert data["activation_checkpointing"]["number_checkpoints"] == 4
+    piped = spec_of("gpt2", pp=2, zero=2, dp=2, microbatches=4)
+    assert "ZeRO 0-1" in deepspeed.reason(piped, layer_segments(plan_of(piped, "none")))
+
+
+def test_yaml_holds_the_resolved_model_and_any_plan(spec_of):
+    spec = spec_of("gpt2", seq=512)
+    for name in ("uniform:3", "revolve:2"):
+        plan = plan_of(spec, name)
+        data = yaml.safe_load(exports.export(plan, "yaml").text)
+        assert spec_from_mapping(data["model"]) == spec
+        assert data["plan"]["strategy"] == name
+        assert data["plan"]["total_bytes"] == plan.total_bytes
+        assert data["plan"]["flops"]["recompute"] == plan.flops.recompute
+    budget = activation_budget(spec, 7 * 10**9)
+    assert exports.export(plan_of(spec, "optimal", budget=budget), "yaml").text
+
+
+# ---- MoE recomputation (Megatron-Core's --recompute-modules moe) ---------------------------
+
+MIXTRAL_LAYOUT = {"tp": 2, "sp": True, "ep": 2, "etp": 1, "dp": 2}
+
+
+@pytest.mark.parametrize(
+    ("name", "modules"), [("moe", ["moe"]), ("selective+moe", ["core_attn", "moe"])]
+)
+def test_moe_recompute_exports_as_recompute_modules_and_round_trips(spec_of, name, modules):
+    """TransformerConfig.recompute_modules has "moe" (the whole MoE layer, normal
+    checkpointing); the flags read back give the same plan."""
+    spec = spec_of("mixtral-8x7b", **MIXTRAL_LAYOUT)
+    plan = plan_of(spec, name)
+    text, args = megatron_args(plan)
+    assert args.recompute_granularity == "selective" and args.recompute_modules == modules
+    assert args.recompute_method is None
+    back = megatron.strategy_from_flags(megatron.parse_flags(text))
+    assert back == name
+    again = plan_of(spec, back)
+    assert (again.activation_bytes, again.flops) == (plan.activation_bytes, plan.flops)
+
+
+@pytest.mark.parametrize(
+    ("name", "part"),
+    [("experts", "no experts-only module"), ("moe+block:2", "together with whole layers")],
+)
+def test_moe_plans_megatron_cannot_express_are_refused(spec_of, name, part):
+    spec = spec_of("mixtral-8x7b", **MIXTRAL_LAYOUT)
+    with pytest.raises(exports.ExportError, match=part):
+        exports.export(plan_of(spec, name), "megatron")
+    with pytest.raises(exports.ExportError, match="MoE layers"):
+        exports.export(plan_of(spec, "moe"), "torch")

@@ -1,0 +1,480 @@
+"""The time model for MoE and MLA layers: GEMM shapes, bytes moved, expert-parallel
+communication, expert-data-parallel reduction, the optimizer over held parameters, MoE MFU."""
+
+import pytest
+
+from ckplan.hardware import communication as comm
+from ckplan.hardware.expert_parallel import (
+    ExpertParallelComm,
+    combine_bytes,
+    dispatch_bytes,
+    expert_parallel_comm,
+    exposed_fraction,
+)
+from ckplan.hardware.gpus import GPUError, gpu_from_mapping
+from ckplan.hardware.roofline import backward_matmuls, matmul_seconds, op_forward_time
+from ckplan.hardware.step_time import (
+    data_parallel_seconds,
+    layer_time,
+    mla_comm,
+    optimizer_seconds,
+    step_time,
+    tensor_parallel_comm,
+)
+from ckplan.io.gpus import load_gpu
+from ckplan.model import memory
+from ckplan.model.flops import model_flops_per_iteration
+from ckplan.model.layers import LayerKind
+from ckplan.model.moe import expert_matmul, routed_rows
+from ckplan.model.ops import LayerShapes, layer_ops
+from ckplan.model.spec import spec_from_mapping
+from ckplan.plan import evaluate, parse_strategy
+
+MOE_LAYER = LayerKind(moe=True)
+DENSE_LAYER = LayerKind()
+
+# h 64, s 32, b 2 (T = 64 tokens), 4 experts of F_e 32, top-2, fused SwiGLU, B = 2.
+SMALL = {
+    "name": "small-moe",
+    "layers": 4,
+    "hidden": 64,
+    "heads": 4,
+    "seq": 32,
+    "micro_batch": 2,
+    "vocab": 0,
+    "norm": "rmsnorm",
+    "mlp": "swiglu",
+    "attention": "flash",
+    "bias": False,
+    "experts": 4,
+    "top_k": 2,
+    "moe_ffn_hidden": 32,
+}
+# h 64, a 4, q_lora 16, kv_lora 8, nope 8, rope 4, v 8; s 16, b 1 (T = 16), B = 2.
+MLA = {
+    "name": "small-mla",
+    "layers": 2,
+    "hidden": 64,
+    "heads": 4,
+    "seq": 16,
+    "micro_batch": 1,
+    "vocab": 0,
+    "norm": "rmsnorm",
+    "mlp": "swiglu",
+    "attention": "flash",
+    "bias": False,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 8,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+}
+
+
+def small(**changes):
+    return spec_from_mapping({**SMALL, **changes})
+
+
+def moe_ops(spec):
+    return {op.name: op for op in layer_ops(spec, MOE_LAYER)}
+
+
+@pytest.fixture
+def h100():
+    return load_gpu("h100-sxm")
+
+
+# ---- op annotations ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [
+        ("mixtral-8x7b", {}),
+        ("mixtral-8x7b", {"tp": 2, "sp": True, "ep": 4, "dp": 4}),
+        ("deepseek-v3", {"pp": 61, "ep": 64, "dp": 64}),
+        ("deepseek-v3", {"tp": 4, "sp": True, "pp": 61, "ep": 8, "etp": 1, "dp": 2}),
+        ("qwen3-30b-a3b", {"ep": 8, "dp": 8, "moe_imbalance": "1.37"}),
+        ("qwen3-30b-a3b", {"ep": 4, "dp": 4, "capacity_factor": 1.25}),
+    ],
+)
+def test_every_moe_and_mla_matmul_matches_its_flops(spec_of, name, overrides):
+    """The GEMM shapes the time model reads reproduce the FLOPs the memory/FLOP model counts,
+    for every op of every layer kind: router, grouped expert GEMMs (also under an imbalance
+    factor whose rows do not split evenly over the local experts), shared experts, MLA."""
+    spec = spec_of(name, **overrides)
+    for kind in (DENSE_LAYER, MOE_LAYER):
+        for op in layer_ops(spec, kind):
+            if op.forward_flops and not op.fused_kernel:
+                assert op.matmul is not None, (name, op.name)
+                mm = op.matmul
+                assert op.forward_flops == 2 * mm.batch * mm.m * mm.n * mm.k, (name, op.name)
+
+
+def test_moe_ops_carry_shapes_bytes_and_no_tp_collective():
+    """Router (T x h) @ (h x E); experts grouped over the E/ep local experts; the permutation,
+    routing and activation kernels move bytes; only the shared experts are tensor-parallel."""
+    ops = moe_ops(small(shared_experts=1))
+    assert (ops["router"].matmul.m, ops["router"].matmul.n, ops["router"].matmul.k) == (64, 4, 64)
+    fc1 = ops["expert_fc1"].matmul
+    assert (fc1.m, fc1.n, fc1.k, fc1.batch) == (128 // 4, 2 * 32, 64, 4)
+    fc2 = ops["expert_fc2"].matmul
+    assert (fc2.m, fc2.n, fc2.k, fc2.batch) == (32, 64, 32, 4)
+    for name in ("router_probs", "permute", "expert_act", "unpermute"):
+        assert ops[name].forward_bytes > 0 and ops[name].backward_bytes > 0, name
+    tp = {name for name, op in ops.items() if op.tp_comm}
+    assert tp == {"qkv_proj", "out_proj", "shared_fc1", "shared_fc2"}
+
+
+def test_moe_bytes_moved_by_hand():
+    """T = 64, E = 4, k = 2, S = R = 128 rows, h = 64, F = 32, B = 2, one rank (4 local
+    experts, so the received rows are sorted by expert too).
+    expert_act (fused weighted SwiGLU): B·R·(3F + 1) = 2·128·97; backward B·R·(5F + 2).
+    permute: map transposed 2·T·E, indices 8·(T + S), probabilities transposed 2B·T·E and
+    masked_select'ed (B + 1)·T·E + B·S, index_select 8·S + 2B·S·h, the sort 2B·R·(h + 1).
+    unpermute: zeros B·T·h, scatter_add 8·S + 2B·S·h, un-sort 2B·R·h, the residual add 3X.
+    router_probs forward: per (token, expert) 2B + 9 (top-k read, dense probabilities, int map
+    and its bool) + (B + 4) + 4 + 9 + 4 + 1 (aux softmax, its top-k, map, sums) = 37; per
+    (token, choice) 70 (top-k outputs, k-way softmax and casts, scatters)."""
+    ops = moe_ops(small())
+    assert ops["expert_act"].forward_bytes == 2 * 128 * 97
+    assert ops["expert_act"].backward_bytes == 2 * 128 * 162
+    permute = 2 * 256 + 8 * (64 + 128) + 4 * 256 + 3 * 256 + 2 * 128
+    permute += 8 * 128 + 4 * 128 * 64 + 4 * 128 * 65
+    assert ops["permute"].forward_bytes == permute == 71168
+    X = 2 * 64 * 64
+    unpermute = 2 * 64 * 64 + 8 * 128 + 4 * 128 * 64 + 4 * 128 * 64 + 3 * X
+    assert ops["unpermute"].forward_bytes == unpermute
+    assert ops["unpermute"].backward_bytes == 8 * 128 + 4 * 128 * 64 + 4 * 128 * 64
+    assert ops["router_probs"].forward_bytes == 37 * 256 + 70 * 128
+    # With one local expert (ep = E) nothing is sorted: 2B·R·(h + 1) less.
+    ep4 = small(ep=4, dp=4, tp=1)
+    assert moe_ops(ep4)["permute"].forward_bytes == permute - 4 * 128 * 65
+
+
+def test_eager_and_gelu_expert_activations():
+    """Eager SwiGLU: 5F + (2F + 1) forward, 8F + (4F + 2) backward; GELU: 2F + (2F + 1),
+    3F + (4F + 2), over the R = 128 rows, F = 32, B = 2."""
+    eager = moe_ops(small(fused_swiglu=False))["expert_act"]
+    assert (eager.forward_bytes, eager.backward_bytes) == (2 * 128 * 225, 2 * 128 * 386)
+    gelu = moe_ops(small(mlp="gelu"))["expert_act"]
+    assert (gelu.forward_bytes, gelu.backward_bytes) == (2 * 128 * 129, 2 * 128 * 226)
+
+
+def test_grouped_gemm_rows_follow_imbalance_and_capacity():
+    """Per local expert: T·k/E_l rows on average, twice that at moe_imbalance 2, the padded
+    ep·capacity with a capacity factor; 65·2·1.5 = 195 rows do not split over 2 experts:
+    one group of 195 rows keeps the FLOPs exact."""
+    base = small(ep=2, dp=2)
+    shapes = LayerShapes.of(base)
+    assert expert_matmul(base, shapes, 64, 64).m == 128 // 2
+    double = base.replace(moe_imbalance="2")
+    assert expert_matmul(double, shapes, 64, 64).m == 256 // 2
+    capped = base.replace(capacity_factor=1.5)
+    capacity = -(-64 * 2 * 3 // (2 * 4))  # ceil(T·k·c/E) = 24
+    assert expert_matmul(capped, shapes, 64, 64).m == 2 * capacity
+    odd = small(ep=2, dp=2, seq=65, micro_batch=1, moe_imbalance="1.5")
+    odd_shapes = LayerShapes.of(odd)
+    mm = expert_matmul(odd, odd_shapes, 64, 64)
+    assert routed_rows(odd, odd_shapes) == 195 and (mm.m, mm.batch) == (195, 1)
+
+
+def test_moe_layer_time_scales_with_routed_rows(h100):
+    """The expert GEMMs' time grows with the rows routed to the rank: 2x rows, 2x the GEMM time
+    at shapes large enough to fill the GPU (Mixtral's experts, T = 4096, ep 8)."""
+    spec = spec_from_mapping(
+        {**SMALL, "hidden": 4096, "heads": 32, "seq": 4096, "micro_batch": 1, "experts": 8,
+         "moe_ffn_hidden": 14336, "ep": 8, "dp": 8}
+    )  # fmt: skip
+    busy = spec.replace(moe_imbalance="2")
+
+    def experts(s):
+        ops = moe_ops(s)
+        return sum(op_forward_time(ops[n], h100).total for n in ("expert_fc1", "expert_fc2"))
+
+    assert experts(busy) / experts(spec) == pytest.approx(2.0, rel=0.01)
+    assert (
+        layer_time(busy, h100, MOE_LAYER).forward.total
+        > layer_time(spec, h100, MOE_LAYER).forward.total
+    )
+
+
+def test_mla_shapes_collectives_and_bytes(h100):
+    """Down projections over the rank's own s/t tokens, no collective; up projections
+    column-parallel, gathering their latent (s·b·rank values) under SP; the RoPE key gathered
+    on its own; latent norms move 2 and 5 latents (+ the KV latent's contiguous copy)."""
+    spec = spec_from_mapping({**MLA, "tp": 2, "sp": True, "heads": 4})
+    ops = {op.name: op for op in layer_ops(spec)}
+    assert ops["q_down"].tp_comm is None and ops["kv_down"].tp_comm is None
+    assert (ops["q_down"].matmul.m, ops["q_down"].matmul.n) == (8, 16)  # 16 tokens / t
+    assert ops["q_up"].tp_comm == "column" and ops["kv_up"].tp_comm == "column"
+    latent = 2 * 8 * 16
+    assert (ops["q_norm"].forward_bytes, ops["q_norm"].backward_bytes) == (
+        2 * latent,
+        5 * latent,
+    )
+    kv_latent = 2 * 8 * 8
+    assert ops["kv_norm"].forward_bytes == 4 * kv_latent
+    bandwidth = 450e9 * 0.7
+    forward, backward = tensor_parallel_comm(spec, h100, (ops["q_up"],))
+    latent_gather = comm.all_gather_seconds(2 * 16 * 16, 2, bandwidth)
+    assert forward == pytest.approx(latent_gather)
+    input_grad, weight_grad = backward_matmuls(ops["q_up"].matmul)
+    assert backward == pytest.approx(
+        comm.exposed(latent_gather, matmul_seconds(h100, input_grad))
+        + comm.exposed(latent_gather, matmul_seconds(h100, weight_grad))
+    )
+    rope_forward, rope_backward = mla_comm(spec, h100)
+    assert rope_forward == pytest.approx(comm.all_gather_seconds(2 * 16 * 4, 2, bandwidth))
+    assert rope_backward == pytest.approx(comm.reduce_scatter_seconds(2 * 16 * 4, 2, bandwidth))
+    assert mla_comm(spec.replace(sp=False), h100) == (0.0, 0.0)
+    # Q assembled by a cat: Q read and written, forward and backward (T·a/t·(nope + rope)).
+    d_q = 2 * 16 * 2 * 12
+    assert ops["q_up"].forward_bytes == 2 * d_q == ops["q_up"].backward_bytes
+
+
+# ---- communication formulas ----------------------------------------------------------------
+
+
+def test_all_to_all_hand_computed():
+    """64 MB per rank over 8 ranks at 100 GB/s: 7/8 of it leaves, 0.56 ms; nothing at 1 rank."""
+    assert comm.all_to_all_seconds(64e6, 8, 1e11) == pytest.approx(0.56e-3)
+    assert comm.all_to_all_seconds(64e6, 1, 1e11) == 0.0
+
+
+def test_ranks_per_node(h100):
+    assert comm.ranks_per_node(h100, 8, 1) == 8  # fits
+    assert comm.ranks_per_node(h100, 64, 1) == 8  # 8 nodes of 8
+    assert comm.ranks_per_node(h100, 8, 2) == 4  # 16 GPUs, 4 of the group per node
+    assert comm.ranks_per_node(h100, 4, 16) == 1  # one per node
+
+
+def test_hierarchical_all_to_all_switches_links(h100):
+    """Inside a node the plain all-to-all on NVLink; 16 ranks on two 8-GPU nodes: 7/16 of S on
+    NVLink (450e9 x 0.7), 8/16 on the network (50e9 x 0.85), the slower, the network's."""
+    S = 64e6
+    link, network = 450e9 * 0.7, 50e9 * 0.85
+    inside = comm.hierarchical_all_to_all_seconds(S, 8, 1, h100)
+    assert inside == pytest.approx(comm.all_to_all_seconds(S, 8, link))
+    across = comm.hierarchical_all_to_all_seconds(S, 16, 1, h100)
+    assert across == pytest.approx(8 / 16 * S / network)
+    assert across > 3 * comm.all_to_all_seconds(S, 16, link)
+    assert comm.hierarchical_all_to_all_seconds(S, 1, 1, h100) == 0.0
+
+
+def test_expert_parallel_comm_zero_without_ep(h100):
+    """ep = etp = 1: the dispatcher moves nothing between GPUs; a dense model neither."""
+    assert expert_parallel_comm(small(), h100) == ExpertParallelComm()
+    spec = small()
+    assert layer_time(spec, h100, MOE_LAYER).expert_forward_comm == 0.0
+    plain = small(experts=0, top_k=2)
+    assert expert_parallel_comm(plain.replace(experts=0), h100).forward == 0.0
+
+
+def test_expert_parallel_dispatch_hand_computed(h100):
+    """Mixtral-like layer, T = 4096 tokens, k = 2, ep = 8 in one node: S = 8192 rows; dispatch
+    B·S·(h + 1) = 2·8192·4097 bytes, combine 2·8192·4096, each 7/8 over NVLink at
+    450e9 x 0.7; backward the same again."""
+    spec = spec_from_mapping(
+        {**SMALL, "hidden": 4096, "heads": 32, "seq": 4096, "micro_batch": 1, "experts": 8,
+         "moe_ffn_hidden": 14336, "ep": 8, "dp": 8}
+    )  # fmt: skip
+    shapes = LayerShapes.of(spec)
+    assert dispatch_bytes(spec, shapes) == 2 * 8192 * 4097
+    assert combine_bytes(spec, shapes) == 2 * 8192 * 4096
+    ep = expert_parallel_comm(spec, h100)
+    link = 450e9 * 0.7
+    assert ep.dispatch == pytest.approx(7 / 8 * 2 * 8192 * 4097 / link)
+    assert ep.combine == pytest.approx(7 / 8 * 2 * 8192 * 4096 / link)
+    assert ep.gather == ep.scatter == 0.0
+    assert ep.backward == ep.forward
+    layer = layer_time(spec, h100, MOE_LAYER)
+    assert layer.expert_forward_comm == pytest.approx(ep.forward)
+    dense = layer_time(spec.replace(ep=1, dp=8), h100, MOE_LAYER)
+    assert layer.forward_comm - dense.forward_comm == pytest.approx(ep.forward)
+
+
+def test_expert_parallel_across_nodes_and_imbalance(h100):
+    """ep = 16 spans two nodes: the network share sets the time. The busiest rank under
+    `worst` routing receives T·ep·min(k, E/ep) rows and the all-to-all waits for it."""
+    spec = spec_from_mapping(
+        {**SMALL, "hidden": 4096, "heads": 32, "seq": 4096, "micro_batch": 1, "experts": 16,
+         "moe_ffn_hidden": 1024, "ep": 16, "dp": 16}
+    )  # fmt: skip
+    ep = expert_parallel_comm(spec, h100)
+    size = 2 * 8192 * 4097
+    assert ep.dispatch == pytest.approx(8 / 16 * size / (50e9 * 0.85))
+    worst = spec.replace(moe_imbalance="worst")
+    rows = 4096 * 16 * 1  # min(k, E/ep) = 1
+    assert dispatch_bytes(worst, LayerShapes.of(worst)) == 2 * rows * 4097
+    assert expert_parallel_comm(worst, h100).dispatch == pytest.approx(
+        8 / 16 * 2 * rows * 4097 / (50e9 * 0.85)
+    )
+
+
+def test_expert_tensor_parallel_gather_and_scatter(h100):
+    """tp = etp = 2, ep = 4: the received rows are all-gathered over the 2 etp ranks (R = 2·S
+    rows of h + 1 values) and the outputs reduce-scattered; the ep group of 4 ranks 2 apart
+    spans 8 GPUs, one node."""
+    spec = small(tp=2, sp=True, ep=4, dp=4)
+    shapes = LayerShapes.of(spec)
+    T = 64 // 2
+    S = T * 2
+    R = routed_rows(spec, shapes)
+    assert R == 2 * S
+    ep = expert_parallel_comm(spec, h100)
+    link = 450e9 * 0.7
+    assert ep.gather == pytest.approx(comm.all_gather_seconds(2 * R * 65, 2, link))
+    assert ep.scatter == pytest.approx(comm.reduce_scatter_seconds(2 * R * 64, 2, link))
+    assert ep.dispatch == pytest.approx(comm.all_to_all_seconds(2 * S * 65, 4, link))
+
+
+def test_ep_overlap_hides_up_to_the_layer_compute(h100):
+    """exposed_fraction: none hidden at overlap 0; at 1 all of it when the compute is longer,
+    else the compute's worth."""
+    assert exposed_fraction(2.0, 5.0, 0.0) == 1.0
+    assert exposed_fraction(2.0, 5.0, 1.0) == 0.0
+    assert exposed_fraction(2.0, 1.0, 1.0) == pytest.approx(0.5)
+    assert exposed_fraction(2.0, 5.0, 0.25) == pytest.approx(0.75)
+    assert exposed_fraction(0.0, 1.0, 0.5) == 0.0
+    spec = small(ep=4, dp=4)
+    hidden = layer_time(spec, h100.replace(ep_overlap=1.0), MOE_LAYER)
+    layer = layer_time(spec, h100, MOE_LAYER)
+    ep = expert_parallel_comm(spec, h100)
+    compute = layer.forward.total + layer.backward.total
+    exposed = max(0.0, ep.forward + ep.backward - compute)
+    assert hidden.expert_forward_comm + hidden.expert_backward_comm == pytest.approx(exposed)
+
+
+def test_ep_overlap_key_is_validated(h100):
+    with pytest.raises(GPUError, match="'ep_overlap' must be in \\[0, 1\\]"):
+        gpu_from_mapping({**h100.to_dict(), "ep_overlap": 1.5})
+
+
+def test_h800_datasheet_figures():
+    """H800 SXM: the H100 SXM's compute and memory, NVLink 400 GB/s (200 each way), one
+    400 Gb/s InfiniBand port per GPU (DeepSeek-V3 report: 50 GB/s)."""
+    gpu = load_gpu("h800")
+    h100 = load_gpu("h100-sxm")
+    assert (gpu.bf16_flops, gpu.hbm_bytes_per_s, gpu.memory_bytes) == (
+        h100.bf16_flops,
+        h100.hbm_bytes_per_s,
+        h100.memory_bytes,
+    )
+    assert (gpu.link_bytes_per_s, gpu.network_bytes_per_s, gpu.gpus_per_node) == (200e9, 50e9, 8)
+
+
+# ---- recompute, data parallelism, optimizer -----------------------------------------------
+
+
+def test_moe_recompute_reruns_the_all_to_alls(h100):
+    """`moe` (--moe-layer-recompute) re-runs the dispatcher in every MoE layer's backward:
+    m micro-batches x MoE layers x the forward's EP communication more; `experts` re-runs the
+    expert MLPs only, on the rows already dispatched: no more communication."""
+    spec = small(ep=4, dp=4, microbatches=2)
+    ep = expert_parallel_comm(spec, h100).forward
+    none = step_time(evaluate(spec, parse_strategy("none", spec)), h100)
+    moe = step_time(evaluate(spec, parse_strategy("moe", spec)), h100)
+    experts = step_time(evaluate(spec, parse_strategy("experts", spec)), h100)
+    assert none.expert_parallel_seconds == pytest.approx(2 * 4 * 2 * ep)  # m·L·(fwd + bwd)
+    assert moe.expert_parallel_seconds - none.expert_parallel_seconds == pytest.approx(2 * 4 * ep)
+    assert experts.expert_parallel_seconds == pytest.approx(none.expert_parallel_seconds)
+    full = step_time(evaluate(spec, parse_strategy("full", spec)), h100)
+    assert full.expert_parallel_seconds == pytest.approx(3 * 2 * 4 * ep)
+
+
+def test_data_parallel_reduces_experts_over_their_own_group(spec_of, h100):
+    """Mixtral, ep 8, dp 16, ZeRO 1: the dense parameters' gradients over the 16 dp ranks
+    (consecutive, tp = 1: two nodes, the network), the experts' over their expert-data-parallel
+    group of 2 ranks ep·etp = 8 apart (the next node: the network)."""
+    spec = spec_of("mixtral-8x7b", ep=8, dp=16, zero=1)
+    dense, experts = memory.stage_parameters(spec, memory.busiest_stage(spec))
+    network = 50e9 * 0.85
+    assert spec.expert_data_parallel == 2
+
+    def zero1(params, ranks):
+        return comm.reduce_scatter_seconds(4 * params, ranks, network) + comm.all_gather_seconds(
+            2 * params, ranks, network
+        )
+
+    assert data_parallel_seconds(spec, h100) == pytest.approx(zero1(dense, 16) + zero1(experts, 2))
+    # ep = 1: the experts share the dense group (expert-DP = dp), the old all-in-one sum.
+    one = spec.replace(ep=1)
+    dense1, experts1 = memory.stage_parameters(one, memory.busiest_stage(one))
+    assert data_parallel_seconds(one, h100) == pytest.approx(
+        zero1(dense1, 16) + zero1(experts1, 16)
+    )
+
+
+def test_optimizer_steps_the_parameters_held(spec_of, h100):
+    """ZeRO 1: dense parameters' states over dp, experts' over expert-DP, 30 bytes moved per
+    parameter (4 gradient + 2·4 master + 2·8 moments + 2 weight), as model_state_bytes shards."""
+    spec = spec_of("mixtral-8x7b", ep=8, dp=16, zero=1)
+    dense, experts = memory.stage_parameters(spec, memory.busiest_stage(spec))
+    held = -(-dense // 16) + -(-experts // 2)
+    assert optimizer_seconds(spec, h100) == pytest.approx(held * 30 / (3.35e12 * 0.8))
+    states = memory.model_state_bytes(spec)
+    assert states.optimizer == pytest.approx(12 * held, rel=1e-6)
+
+
+# ---- model FLOPs and MFU -------------------------------------------------------------------
+
+
+TINY = {
+    "name": "tiny-moe",
+    "layers": 2,
+    "hidden": 64,
+    "heads": 4,
+    "seq": 32,
+    "micro_batch": 1,
+    "vocab": 100,
+    "norm": "rmsnorm",
+    "mlp": "swiglu",
+    "attention": "flash",
+    "bias": False,
+    "ffn_hidden": 128,
+    "experts": 4,
+    "top_k": 2,
+    "moe_ffn_hidden": 32,
+    "shared_experts": 1,
+    "moe_layers": "1",
+}
+
+
+def test_moe_model_flops_by_hand():
+    """A dense layer and an MoE layer, h 64, a = g = 4, s 32, V 100, per sequence forward:
+    attention 2sh(h + 2gd) + 2sh² + 4s²h = 786,432 + 262,144 + 262,144 per layer; dense
+    SwiGLU 6shF = 1,572,864 (F 128); MoE router 2shE = 16,384, k = 2 routed experts of F_e 32,
+    2·6·s·h·32 = 786,432 (not all 4), one shared 6·s·h·32 = 393,216; logits 2shV = 409,600.
+    Model FLOPs per iteration = 3 x that x global batch (Korthikanti App. A: active experts
+    only, no recompute), whatever the parallel layout."""
+    attention = 786_432 + 262_144 + 262_144
+    forward = 2 * attention + 1_572_864 + (16_384 + 786_432 + 393_216) + 409_600
+    assert forward == 5_799_936
+    spec = spec_from_mapping(TINY)
+    assert model_flops_per_iteration(spec, 8) == 3 * forward * 8
+    laid_out = spec_from_mapping({**TINY, "ep": 2, "dp": 2, "tp": 2, "sp": True})
+    assert model_flops_per_iteration(laid_out, 8) == 3 * forward * 8
+    everyone = spec_from_mapping({**TINY, "top_k": 4})  # all 4 experts active: 2x the experts
+    assert model_flops_per_iteration(everyone, 8) == 3 * (forward + 786_432) * 8
+
+
+def test_moe_mfu_is_model_flops_over_step(h100):
+    """MFU = 3·forward·global batch / (step x GPUs x peak), the same with ep."""
+    spec = spec_from_mapping({**TINY, "ep": 2, "dp": 2, "microbatches": 4})
+    plan = evaluate(spec, parse_strategy("none", spec))
+    time = step_time(plan, h100)
+    global_batch = 1 * 4 * 2
+    expected = 3 * 5_799_936 * global_batch / (time.step_seconds * 2 * h100.bf16_flops)
+    assert time.mfu == pytest.approx(expected)
+    assert time.to_dict()["expert_parallel_seconds"] == time.expert_parallel_seconds > 0
+
+
+def test_router_gemm_is_timed_on_its_shape(h100):
+    """The router's (T x h) @ (h x E) is a skinny GEMM: its time is the roofline of that
+    shape, not its FLOPs at matmul_efficiency."""
+    ops = moe_ops(small())
+    router = ops["router"]
+    assert op_forward_time(router, h100).matmul == pytest.approx(
+        matmul_seconds(h100, router.matmul)
+    )
