@@ -62,7 +62,8 @@ def model_flops_per_iteration(spec: ModelSpec, global_batch: int) -> int:
     whole = spec.replace(
         tp=1, sp=False, cp=1, pp=1, micro_batch=1, virtual_stages=1, ep=1, etp=1, dp=1, zero=0,
         capacity_factor=0.0, moe_imbalance="average", first_stage_layers=None,
-        last_stage_layers=None,
+        last_stage_layers=None, account_for_embedding_in_pipeline_split=False,
+        account_for_loss_in_pipeline_split=False,
     )  # fmt: skip
     layers = sum(layer_forward_flops(whole, kind) for kind in layer_kinds(whole))
     return 3 * (layers + logits_forward_flops(whole)) * global_batch

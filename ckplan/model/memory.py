@@ -524,17 +524,27 @@ def model_state_bytes(spec: ModelSpec, stage: int | None = None) -> ModelStateBy
     return states_of(spec, dense, expert)
 
 
-def states_of(spec: ModelSpec, dense: int, expert: int) -> ModelStateBytes:
-    """The model states of `dense` and `expert` parameters under spec's ZeRO stage, dp and
-    expert data parallelism (`model_state_bytes`)."""
+def states_of(
+    spec: ModelSpec,
+    dense: int,
+    expert: int,
+    zero: int | None = None,
+    dp: int | None = None,
+    expert_dp: int | None = None,
+) -> ModelStateBytes:
+    """The model states of `dense` and `expert` parameters under spec's bytes per parameter
+    and its ZeRO stage, dp and expert data parallelism (or those given): `model_state_bytes`."""
+    zero = spec.zero if zero is None else zero
+    dp = spec.dp if dp is None else dp
+    expert_dp = spec.expert_data_parallel if expert_dp is None else expert_dp
 
-    def shard(params: int, dp: int, bytes_per_param: int, from_stage: int) -> int:
+    def shard(params: int, ranks: int, bytes_per_param: int, from_stage: int) -> int:
         total = params * bytes_per_param
-        return _split(total, dp) if spec.zero >= from_stage else total
+        return _split(total, ranks) if zero >= from_stage else total
 
     def both(bytes_per_param: int, from_stage: int) -> tuple[int, int]:
-        experts = shard(expert, spec.expert_data_parallel, bytes_per_param, from_stage)
-        return shard(dense, spec.dp, bytes_per_param, from_stage) + experts, experts
+        experts = shard(expert, expert_dp, bytes_per_param, from_stage)
+        return shard(dense, dp, bytes_per_param, from_stage) + experts, experts
 
     weights, expert_weights = both(spec.weight_bytes, 3)
     gradients, expert_gradients = both(spec.grad_bytes, 2)

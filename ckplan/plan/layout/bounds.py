@@ -1,0 +1,391 @@
+"""Lower bounds on a layout's step time and per-GPU memory, from a few cached quantities.
+
+A layout's chain depends on few of its keys: one layer's ops and times on (tp, sp, cp,
+micro-batch) (and ep, etp, dp for experts), a stage's layers on (pp, split, v), its parameters
+on those and (tp, ep, etp). So the search computes each of these once per distinct value and
+composes a layout's bounds by arithmetic:
+
+- time: (m + (p - 1)/v) x (the busiest stage's micro-batch + its pipeline sends) + the
+  data-parallel reduction not overlapped + the optimizer step, each term as
+  `hardware.step_time` composes it for a plan without recomputation (`step_time_from_forwards`:
+  `_pipeline`, `data_parallel_seconds`, `optimizer_seconds`, mirrored here on the cached
+  parameter counts). Recomputation only adds time, so this bounds every plan of the layout
+  from below, and is that of `none`.
+- memory: on every stage, model states (`memory.states_of` over the stage's parameters) plus
+  the least any schedule holds while one layer runs its backward: that layer's tape, its input
+  and output gradients and its backward workspace (the chain's rule for a backward step),
+  whatever it recomputes; on the last stage the output layer's backward (fp32 logits and their
+  gradient). No plan of the layout fits if this does not.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from ckplan.hardware import communication as comm
+from ckplan.hardware.gpus import GPU
+from ckplan.hardware.roofline import memory_seconds
+from ckplan.hardware.step_time import StageTime, embedding_time, layer_time, output_time
+from ckplan.model import memory
+from ckplan.model.layers import LayerKind, stage_kinds
+from ckplan.model.moe import EXPERTS, MOE
+from ckplan.model.ops import ATTENTION_CORE, _split
+from ckplan.model.spec import ModelSpec
+from ckplan.plan.layer_chain import layer_stage_costs
+from ckplan.plan.layout.space import Layout, Split
+
+# Every combination of recompute groups a strategy can run (`Strategy.groups`).
+_GROUPS = (
+    (),
+    (ATTENTION_CORE,),
+    (MOE,),
+    (EXPERTS,),
+    (ATTENTION_CORE, MOE),
+    (ATTENTION_CORE, EXPERTS),
+)
+
+
+def _plain(stage: StageTime) -> float:
+    """One micro-batch through a chain stage without recomputation (`micro_batch_time`)."""
+    return stage.forward.total + stage.backward.total + stage.forward_comm + stage.backward_comm
+
+
+def _ratio(seconds: float, saved_bytes: int) -> float:
+    """Seconds per byte; infinite where nothing is saved."""
+    return seconds / saved_bytes if saved_bytes > 0 else float("inf")
+
+
+def _comm(stage: StageTime) -> float:
+    return stage.forward_comm + stage.backward_comm
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """One pipeline stage whose contents no other listed stage repeats."""
+
+    index: int
+    kinds: tuple[tuple[LayerKind, int], ...]  # its layers, counted by kind
+    first: bool
+    last: bool
+
+
+@dataclass(frozen=True)
+class TimeBound:
+    """The lower bound on step time and its parts (seconds)."""
+
+    seconds: float
+    micro_batch: float  # the busiest stage's micro-batch, plain, with its sends
+    bubble: float
+    communication: float  # exposed TP/CP collectives, pipeline sends, data parallelism
+    data_parallel: float
+    optimizer: float
+
+
+@dataclass(frozen=True)
+class MemoryBound:
+    bytes: int  # the fullest stage's states + least activations
+    stage: int
+    states: int  # that stage's model states
+    activations: int  # the least activations any plan holds there
+
+
+class Bounds:
+    """The caches and bounds of one search (one model, one GPU)."""
+
+    def __init__(self, spec: ModelSpec, gpu: GPU) -> None:
+        self.spec = spec
+        self.gpu = gpu
+        self._stages: dict[tuple, tuple[StageShape, ...]] = {}
+        self._layers: dict[tuple, dict[str, Any]] = {}
+        self._params: dict[tuple, dict[int, tuple[int, int]]] = {}
+        self._states: dict[tuple, tuple[tuple[StageShape, int], ...]] = {}
+
+    @cached_property
+    def experts(self) -> bool:
+        return self.spec.experts > 0
+
+    # ---- cached parts ------------------------------------------------------------------
+
+    def _spec(self, **keys: Any) -> ModelSpec:
+        """The model with layout keys changed; the split keys not given are cleared."""
+        cleared = {key: None for key in ("first_stage_layers", "last_stage_layers")}
+        cleared |= {
+            "account_for_embedding_in_pipeline_split": False,
+            "account_for_loss_in_pipeline_split": False,
+            "etp": None,
+        }
+        return self.spec.replace(**(cleared | keys))
+
+    def stages(self, pp: int, split: Split, v: int) -> tuple[StageShape, ...]:
+        """The distinct stages of a pipeline (`memory.distinct_stages`), with their layers."""
+        key = (pp, split, v)
+        if key not in self._stages:
+            spec = self._spec(
+                tp=1, sp=False, cp=1, dp=1, zero=0, ep=1, pp=pp, virtual_stages=v,
+                microbatches=1, **split.keys(),
+            )  # fmt: skip
+            self._stages[key] = tuple(
+                StageShape(
+                    stage,
+                    tuple(sorted(Counter(stage_kinds(spec, stage)).items())),
+                    stage == 0,
+                    stage == pp - 1,
+                )
+                for stage in memory.distinct_stages(spec)
+            )
+        return self._stages[key]
+
+    def layer(self, layout: Layout) -> dict[str, Any]:
+        """One layer's time and least backward memory per kind, the embedding's and output's
+        time and the output's least backward memory, the residual stream: for (tp, sp, cp,
+        micro-batch) (and ep, etp, dp with experts)."""
+        dp = layout.dp if self.experts else 1
+        key = (layout.tp, layout.sp, layout.cp, layout.micro_batch, layout.ep, layout.etp, dp)
+        if key not in self._layers:
+            keys = {"ep": layout.ep, "etp": layout.etp} if self.experts else {}
+            spec = self._spec(
+                tp=layout.tp, sp=layout.sp, cp=layout.cp, micro_batch=layout.micro_batch,
+                dp=dp, pp=1, virtual_stages=1, zero=0, microbatches=1, **keys,
+            )  # fmt: skip
+            stream = memory.layer_input_bytes(spec)
+            kinds = {}
+            for kind in dict.fromkeys(memory.layer_kinds(spec)):
+                least = min(
+                    tape + workspace + 2 * stream
+                    for groups in self._groups(kind)
+                    for _, _, tape, workspace in (layer_stage_costs(spec, kind, groups),)
+                )
+                time = layer_time(spec, self.gpu, kind)
+                kinds[kind] = (_plain(time), least, _comm(time), self._layer_ratio(spec, kind))
+            output, ratios = 0, {"embedding": float("inf"), "output": float("inf")}
+            embedding, head = embedding_time(spec, self.gpu), output_time(spec, self.gpu)
+            if spec.kind == "transformer" and spec.vocab > 0:
+                saved = memory.output_saved_bytes(spec)
+                output = max(memory.output_backward_peak_bytes(spec), saved + stream)
+                ratios["output"] = _ratio(head.forward.total, saved)
+                ratios["embedding"] = _ratio(
+                    embedding.forward.total, memory.embedding_saved_bytes(spec)
+                )
+            self._layers[key] = {
+                "kinds": kinds,
+                "embedding": embedding,
+                "output": head,
+                "output_bytes": output,
+                "stream": stream,
+                "ratios": ratios,
+            }
+        return self._layers[key]
+
+    def _layer_ratio(self, spec: ModelSpec, kind: LayerKind) -> float:
+        """The fewest seconds of recomputation per byte a layer of `kind` stops storing: its
+        forward for its whole tape, or a recompute group's forward for the bytes the group's
+        recomputation drops (`layer_stage_costs`)."""
+        tape = layer_stage_costs(spec, kind, ())[2]
+        best = _ratio(layer_time(spec, self.gpu, kind).forward.total, tape)
+        for groups in self._groups(kind):
+            if groups:
+                saved = tape - layer_stage_costs(spec, kind, groups)[2]
+                core = layer_time(spec, self.gpu, kind, groups).core_forward.total
+                best = min(best, _ratio(core, saved))
+        return best
+
+    def _groups(self, kind: LayerKind) -> tuple[tuple[str, ...], ...]:
+        if kind.moe:
+            return _GROUPS
+        return tuple(groups for groups in _GROUPS if MOE not in groups and EXPERTS not in groups)
+
+    def parameters(self, layout: Layout) -> dict[int, tuple[int, int]]:
+        """(dense, expert) parameters per GPU of each distinct stage."""
+        key = (layout.tp, layout.pp, layout.split, layout.virtual_stages, layout.ep, layout.etp)
+        if key not in self._params:
+            keys = {}
+            if self.experts:
+                keys = {"ep": layout.ep, "etp": layout.etp, "dp": layout.ep * layout.etp}
+            spec = self._spec(
+                tp=layout.tp, sp=layout.tp > 1, cp=1, zero=0, pp=layout.pp,
+                virtual_stages=layout.virtual_stages, microbatches=1,
+                **{"dp": 1, **keys}, **layout.split.keys(),
+            )  # fmt: skip
+            self._params[key] = {
+                shape.index: memory.stage_parameters(spec, shape.index)
+                for shape in self.stages(layout.pp, layout.split, layout.virtual_stages)
+            }
+        return self._params[key]
+
+    # ---- bounds ------------------------------------------------------------------------
+
+    def states(self, layout: Layout, stage: int) -> memory.ModelStateBytes:
+        dense, expert = self.parameters(layout)[stage]
+        return memory.states_of(
+            self.spec, dense, expert, zero=layout.zero, dp=layout.dp,
+            expert_dp=self._expert_dp(layout),
+        )  # fmt: skip
+
+    def stage_states(self, layout: Layout) -> tuple[tuple[StageShape, int], ...]:
+        """Each distinct stage with its model states' total bytes."""
+        key = (
+            layout.tp, layout.pp, layout.split, layout.virtual_stages, layout.cp, layout.dp,
+            layout.ep, layout.etp, layout.zero,
+        )  # fmt: skip
+        if key not in self._states:
+            shapes = self.stages(layout.pp, layout.split, layout.virtual_stages)
+            self._states[key] = tuple(
+                (shape, self.states(layout, shape.index).total) for shape in shapes
+            )
+        return self._states[key]
+
+    def memory(self, layout: Layout) -> MemoryBound:
+        """The least per-GPU memory any plan of `layout` needs (module docstring)."""
+        layer = self.layer(layout)
+        kinds, output = layer["kinds"], layer["output_bytes"]
+        best = None
+        for shape, states in self.stage_states(layout):
+            least = max((kinds[kind][1] for kind, _ in shape.kinds), default=0)
+            if shape.last:
+                least = max(least, output)
+            if best is None or states + least > best.bytes:
+                best = MemoryBound(states + least, shape.index, states, least)
+        assert best is not None
+        return best
+
+    def _stage_seconds(self, layout: Layout, shape: StageShape) -> tuple[float, float]:
+        """(plain micro-batch seconds, of which exposed collectives) of one stage."""
+        layer = self.layer(layout)
+        ends = [layer["embedding"]] * shape.first + [layer["output"]] * shape.last
+        kinds = layer["kinds"]
+        seconds = sum(count * kinds[kind][0] for kind, count in shape.kinds)
+        collectives = sum(count * kinds[kind][2] for kind, count in shape.kinds)
+        return seconds + sum(map(_plain, ends)), collectives + sum(map(_comm, ends))
+
+    def time(self, layout: Layout) -> TimeBound:
+        """The least step time any plan of `layout` takes (module docstring)."""
+        layer, gpu = self.layer(layout), self.gpu
+        busiest = collectives = 0.0
+        for shape in self.stages(layout.pp, layout.split, layout.virtual_stages):
+            seconds, exposed = self._stage_seconds(layout, shape)
+            if seconds > busiest:
+                busiest, collectives = seconds, exposed
+        p2p = self._pipeline_sends(layout, layer["stream"])
+        per_micro_batch = busiest + p2p
+        m, v = layout.microbatches, layout.virtual_stages
+        bubble = (layout.pp - 1) / v * per_micro_batch
+        dp = (1 - gpu.dp_overlap) * self._data_parallel(layout)
+        optimizer = self._optimizer(layout)
+        return TimeBound(
+            seconds=m * per_micro_batch + bubble + dp + optimizer,
+            micro_batch=per_micro_batch,
+            bubble=bubble,
+            communication=m * (p2p + collectives) + dp,
+            data_parallel=dp,
+            optimizer=optimizer,
+        )
+
+    def recompute_time(
+        self, layout: Layout, bound: TimeBound, stage: int, deficit: int, in_flight: float
+    ) -> float:
+        """The least step time of a plan that frees `deficit` bytes on pipeline stage `stage`
+        with `in_flight` micro-batches there (derived: a stage's peak is one micro-batch's peak
+        plus what each waiting one holds, so every byte a plan stops storing per micro-batch
+        frees at most `in_flight` bytes of the peak; it must stop storing deficit / in_flight
+        bytes, each at the least recompute seconds per byte of the stage's layers, embedding or
+        output (a fractional knapsack); that time adds to the stage's micro-batch, which paces
+        the pipeline once it exceeds the busiest)."""
+        shape = self._stage_shape(layout, stage)
+        layer = self.layer(layout)
+        ratios = [layer["kinds"][kind][3] for kind, _ in shape.kinds]
+        ratios += [layer["ratios"]["embedding"]] * shape.first
+        ratios += [layer["ratios"]["output"]] * shape.last
+        extra = deficit / in_flight * min(ratios, default=float("inf"))
+        busiest = max(
+            self._stage_seconds(layout, s)[0]
+            for s in self.stages(layout.pp, layout.split, layout.virtual_stages)
+        )
+        grow = max(0.0, self._stage_seconds(layout, shape)[0] + extra - busiest)
+        steps = layout.microbatches + (layout.pp - 1) / layout.virtual_stages
+        return bound.seconds + steps * grow
+
+    def _stage_shape(self, layout: Layout, stage: int) -> StageShape:
+        for shape in self.stages(layout.pp, layout.split, layout.virtual_stages):
+            if shape.index == stage:
+                return shape
+        spec = self._spec(
+            tp=1, sp=False, cp=1, dp=1, zero=0, ep=1, pp=layout.pp,
+            virtual_stages=layout.virtual_stages, microbatches=1, **layout.split.keys(),
+        )  # fmt: skip
+        kinds = tuple(sorted(Counter(stage_kinds(spec, stage)).items()))
+        return StageShape(stage, kinds, stage == 0, stage == layout.pp - 1)
+
+    def _pipeline_sends(self, layout: Layout, stream: int) -> float:
+        """`step_time.pipeline_p2p_seconds`: activation and gradient, once per virtual stage,
+        the 1/t share under the scatter/gather optimisation."""
+        if layout.pp == 1:
+            return 0.0
+        size = stream if layout.sp else _split(stream, layout.tp)
+        stride = layout.tp * layout.cp * layout.dp
+        bandwidth = comm.group_bandwidth(self.gpu, 2, stride)
+        return 2 * layout.virtual_stages * comm.p2p_seconds(size, bandwidth)
+
+    def _busiest_parameters(self, layout: Layout) -> tuple[int, int]:
+        """`memory.busiest_stage`'s (dense, expert) parameters: the stage with the most (the
+        first of equals)."""
+        params = self.parameters(layout)
+        stage = max(params, key=lambda stage: (sum(params[stage]), -stage))
+        return params[stage]
+
+    def _expert_dp(self, layout: Layout) -> int:
+        return layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp)
+
+    def _data_parallel(self, layout: Layout) -> float:
+        """`step_time.data_parallel_seconds`, before overlap: the dense parameters reduced over
+        dp·cp ranks tp apart, the experts' over their expert-data-parallel group."""
+        dense, experts = self._busiest_parameters(layout)
+        ranks = layout.dp * layout.cp
+        seconds = self._reduction(layout, dense, ranks, layout.tp)
+        if experts:
+            seconds += self._reduction(
+                layout, experts, self._expert_dp(layout), layout.ep * layout.etp
+            )
+        return seconds
+
+    def _reduction(self, layout: Layout, params: int, ranks: int, stride: int) -> float:
+        """`step_time._gradient_reduction_seconds` under the layout's ZeRO stage."""
+        if ranks == 1 or params == 0:
+            return 0.0
+        bandwidth = comm.group_bandwidth(self.gpu, ranks, stride)
+        grads, weights = params * self.spec.grad_bytes, params * self.spec.weight_bytes
+        if layout.zero == 0:
+            return comm.all_reduce_seconds(grads, ranks, bandwidth)
+        gather = comm.all_gather_seconds(weights, ranks, bandwidth)
+        scatter = comm.reduce_scatter_seconds(grads, ranks, bandwidth)
+        if layout.zero < 3:
+            return scatter + gather
+        return layout.microbatches * (2 * gather + scatter)
+
+    def _optimizer(self, layout: Layout) -> float:
+        """`step_time.optimizer_seconds`: Adam's memory-bound step over this GPU's share."""
+        spec = self.spec
+        dense, experts = self._busiest_parameters(layout)
+        if layout.zero >= 1:
+            dense = _split(dense, layout.dp)
+            experts = _split(experts, self._expert_dp(layout)) if experts else 0
+        per_param = (
+            spec.grad_bytes + 2 * spec.master_bytes + 2 * spec.optimizer_bytes + spec.weight_bytes
+        )
+        return memory_seconds(self.gpu, (dense + experts) * per_param)
+
+
+def layout_keys_cleared(layout: Layout, experts: bool) -> dict[str, Any]:
+    """Every key a layout sets, the split keys it does not use cleared: what `spec.replace`
+    needs to turn a model into this layout whatever layout its file had."""
+    keys: dict[str, Any] = {
+        "first_stage_layers": None,
+        "last_stage_layers": None,
+        "account_for_embedding_in_pipeline_split": False,
+        "account_for_loss_in_pipeline_split": False,
+    }
+    if not experts:
+        keys["etp"] = None
+    return keys | layout.keys(experts)

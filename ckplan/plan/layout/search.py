@@ -1,0 +1,377 @@
+"""The layout search: the fastest layouts of N GPUs for a model, each with its best plan.
+
+Every layout (`space.layouts`) gets two lower bounds from cached parts (`bounds.Bounds`): the
+least per-GPU memory any of its plans needs, and the least step time (that of a plan without
+recomputation). A layout whose memory bound exceeds the usable budget is rejected there.
+The others are evaluated in order of their time bound (branch and bound): each with the
+layer-level plans of the existing search (`none`; `selective`; the fewest layers of Megatron's
+`block:N`, alone and with selective recomputation, found by bisection since memory falls as N
+grows; with experts `moe`, `experts` and their selective forms), timed by
+`hardware.step_time`. The search stops when the next bound exceeds the K-th best time found.
+
+The optimal DP (`plan.search.optimal_plan`: `optimal` and its selective and MoE forms, the
+cheapest persistent schedules within the activation budget) runs only where the layer-level
+plans cannot decide: where none of them fits (the DP then says whether any schedule does), and
+where the fastest recomputes while the layout's bound (its time without recomputation) is
+below the K-th best time, so that a schedule recomputing less could still enter the top K;
+this repeats until no layout can.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ckplan.hardware.gpus import GPU
+from ckplan.hardware.step_time import step_time
+from ckplan.model.spec import ModelSpec, SpecError
+from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate, in_flight_microbatches
+from ckplan.plan.layout.bounds import Bounds, MemoryBound, TimeBound, layout_keys_cleared
+from ckplan.plan.layout.space import Layout, SearchSpace, layouts
+from ckplan.plan.search import DEFAULT_RESERVE, Candidate, activation_budget, optimal_plan
+from ckplan.plan.strategies import parse_strategy
+
+DEFAULT_TOP = 10
+SCREEN_SLOTS = 25  # the fewest memory slots of a screening DP
+MAX_REJECTED = 5  # rejected layouts explained, per kind of reason
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """A layout evaluated: its model, its best plan found (or the smallest, if none fits)."""
+
+    layout: Layout
+    spec: ModelSpec
+    candidate: Candidate
+    time_bound: TimeBound
+    memory_bound: MemoryBound
+    optimal: bool = False  # the DP ran on it (its plan is the faster of its and the DP's)
+    # the least time of any plan that fits (`Bounds.recompute_time`; the time bound if `none`
+    # fits)
+    fit_bound: float = 0.0
+    # no layer-level plan fits and the DP has not run: whether any schedule fits is open
+    undecided: bool = False
+
+    @property
+    def fits(self) -> bool:
+        return self.candidate.fits
+
+    @property
+    def seconds(self) -> float:
+        time = self.candidate.time
+        return float("inf") if time is None else time.step_seconds
+
+    @property
+    def plan(self) -> Plan:
+        return self.candidate.plan
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A layout not shown, and why: over memory (`model_states`: its states alone exceed the
+    usable memory; `memory`: its least plan, or its memory bound, does), or slower than the K
+    shown (`slower`)."""
+
+    layout: Layout
+    reason: str
+    time_bound: TimeBound
+    memory_bound: MemoryBound
+    usable_bytes: int
+    evaluated: Evaluated | None = None  # when it was evaluated in full
+
+    @property
+    def over_bytes(self) -> int | None:
+        """How far its least-memory plan (evaluated), else its memory bound, is over the usable
+        budget; None for a layout that fits."""
+        if self.reason == "slower":
+            return None
+        if self.evaluated is not None:
+            return -self.evaluated.candidate.headroom_bytes
+        return self.memory_bound.bytes - self.usable_bytes
+
+    @property
+    def seconds(self) -> float:
+        """Its step time when evaluated, else its bound."""
+        if self.evaluated is not None and self.evaluated.fits:
+            return self.evaluated.seconds
+        return self.time_bound.seconds
+
+
+@dataclass(frozen=True)
+class LayoutResult:
+    spec: ModelSpec
+    gpu: GPU
+    gpus: int
+    global_batch: int
+    budget_bytes: int
+    reserve_bytes: int
+    layouts: tuple[Evaluated, ...]  # the fastest that fit, fastest first, at most `top`
+    rejected: tuple[Rejected, ...]  # the best rejected, explained
+    counts: dict[str, int] = field(default_factory=dict)
+    least_memory: Rejected | None = None  # when nothing fits: the layout nearest to fitting
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.budget_bytes - self.reserve_bytes
+
+
+def search_layouts(
+    spec: ModelSpec,
+    gpus: int,
+    gpu: GPU,
+    global_batch: int,
+    budget_bytes: int,
+    reserve_bytes: int = DEFAULT_RESERVE,
+    top: int = DEFAULT_TOP,
+    constraints: dict | None = None,
+    slots: int = DEFAULT_SLOTS,
+) -> LayoutResult:
+    """The `top` fastest layouts of `gpus` GPUs that fit, and the best rejected (module
+    docstring)."""
+    usable = budget_bytes - reserve_bytes
+    space = SearchSpace(spec, gpus, gpu.gpus_per_node, global_batch, dict(constraints or {}))
+    bounds = Bounds(spec, gpu)
+    counts: Counter[str] = Counter()
+    queue: list[tuple[float, Layout, TimeBound, MemoryBound]] = []
+    over: list[Rejected] = []
+    failed: dict[tuple, int] = {}  # layouts but for the micro-batch -> least one over memory
+    for layout in layouts(space):
+        counts["layouts"] += 1
+        family = (*layout.without_zero()[:-2], layout.zero)
+        if layout.micro_batch >= failed.get(family, layout.micro_batch + 1):
+            counts["memory"] += 1  # activations grow with the micro-batch: over too
+            continue
+        memory_bound = bounds.memory(layout)
+        time_bound = bounds.time(layout)
+        if memory_bound.bytes > usable:
+            failed[family] = layout.micro_batch
+            reason = "model_states" if memory_bound.states > usable else "memory"
+            counts[reason] += 1
+            over.append(Rejected(layout, reason, time_bound, memory_bound, usable))
+            continue
+        queue.append((time_bound.seconds, layout, time_bound, memory_bound))
+    queue.sort(key=lambda item: (item[0], item[1]))
+
+    run = _Run(spec, gpu, bounds, usable, budget_bytes, reserve_bytes, slots, top)
+    for position, (seconds, layout, time_bound, memory_bound) in enumerate(queue):
+        if seconds > run.kth_time():
+            counts["pruned"] = len(queue) - position
+            break
+        run.add(layout, time_bound, memory_bound)
+    run.refine()
+    shown = run.ranked()[:top]
+    counts |= {
+        "evaluated": run.evaluations,
+        "optimal": run.optimal_runs,
+        "over_memory_evaluated": sum(not e.fits for e in run.evaluated),
+    }
+    rejected = _rejected(run, over, queue, shown, usable)
+    least = None if shown else _least_memory(run, over, usable)
+    return LayoutResult(
+        spec,
+        gpu,
+        gpus,
+        global_batch,
+        budget_bytes,
+        reserve_bytes,
+        tuple(shown),
+        tuple(rejected),
+        dict(counts),
+        least,
+    )
+
+
+class _Run:
+    """The evaluated layouts of one search, the fastest per layout-but-for-ZeRO."""
+
+    def __init__(self, spec, gpu, bounds, usable, budget, reserve, slots, top) -> None:
+        self.spec, self.gpu, self.bounds, self.usable = spec, gpu, bounds, usable
+        self.budget, self.reserve, self.slots, self.top = budget, reserve, slots, top
+        self.evaluated: list[Evaluated] = []
+        self.best: dict[tuple, Evaluated] = {}  # fitting, per layout.without_zero()
+        self.evaluations = self.optimal_runs = 0
+
+    def kth_time(self) -> float:
+        if len(self.best) < self.top:
+            return float("inf")
+        return heapq.nsmallest(self.top, (e.seconds for e in self.best.values()))[-1]
+
+    def add(self, layout: Layout, time_bound: TimeBound, memory_bound: MemoryBound) -> None:
+        self.evaluations += 1
+        try:
+            spec = self.spec.replace(**layout_keys_cleared(layout, self.spec.experts > 0))
+        except SpecError:  # a rule of the spec the enumeration does not know: not a layout
+            return
+        candidate, smallest, none = self._layer_level(spec)
+        undecided = candidate is None  # no layer-level plan fits: the DP decides (`refine`)
+        candidate = candidate or smallest
+        fit_bound = time_bound.seconds
+        if not none.fits:
+            stage = none.plan.peak_stage
+            fit_bound = self.bounds.recompute_time(
+                layout,
+                time_bound,
+                stage,
+                -none.headroom_bytes,
+                float(in_flight_microbatches(spec, stage)),
+            )
+        evaluated = Evaluated(
+            layout, spec, candidate, time_bound, memory_bound, False, fit_bound, undecided
+        )
+        self.evaluated.append(evaluated)
+        self._keep(evaluated)
+
+    def _keep(self, evaluated: Evaluated) -> None:
+        if not evaluated.fits:
+            return
+        key = evaluated.layout.without_zero()
+        held = self.best.get(key)
+        if held is None or (evaluated.seconds, evaluated.layout.zero) < (
+            held.seconds,
+            held.layout.zero,
+        ):
+            self.best[key] = evaluated
+
+    def _candidate(self, spec: ModelSpec, name: str) -> Candidate:
+        plan = evaluate(spec, parse_strategy(name, spec))
+        return Candidate(plan, self.usable, None)
+
+    def _timed(self, candidate: Candidate) -> Candidate:
+        return Candidate(candidate.plan, self.usable, step_time(candidate.plan, self.gpu))
+
+    def _layer_level(self, spec: ModelSpec) -> tuple[Candidate | None, Candidate, Candidate]:
+        """(the fastest fitting layer-level plan or None, the least-memory one evaluated,
+        `none`)."""
+        none = self._candidate(spec, "none")
+        if none.fits:
+            timed = self._timed(none)
+            return timed, timed, none
+        tried = []
+        names = ["selective"]
+        if spec.experts:
+            names += ["moe", "experts", "selective+moe", "selective+experts"]
+        tried += [self._candidate(spec, name) for name in names]
+        for prefix in ("block:", "selective+block:"):
+            tried.append(self._fewest_blocks(spec, prefix))
+        smallest = min(tried, key=lambda c: c.plan.total_bytes)
+        fitting = [self._timed(c) for c in tried if c.fits]
+        if not fitting:
+            return None, self._timed(smallest), none
+        fastest = min(fitting, key=lambda c: (c.time.step_seconds, c.plan.total_bytes))
+        return fastest, smallest, none
+
+    def _fewest_blocks(self, spec: ModelSpec, prefix: str) -> Candidate:
+        """block:N with the fewest recomputed layers per stage that fits (memory falls as N
+        grows; bisection), or block over every layer when none fits."""
+        high = spec.layers_per_stage
+        best = self._candidate(spec, f"{prefix}{high}")
+        if not best.fits:
+            return best
+        low = 0  # block:0 is `none` (or `selective`), known not to fit
+        while high - low > 1:
+            middle = (low + high) // 2
+            candidate = self._candidate(spec, f"{prefix}{middle}")
+            if candidate.fits:
+                high, best = middle, candidate
+            else:
+                low = middle
+        return best
+
+    def _optimal(self, spec: ModelSpec, screen: bool = False) -> Candidate | None:
+        """The DP's fastest schedule within the activation budget, None if none fits. With
+        `screen`, at about `slots` memory slots in all instead of `slots` per micro-batch in
+        flight (`evaluate._stage_schedule`): coarser, so it may recompute more, but always a
+        plan that fits, in a fraction of the time."""
+        self.optimal_runs += 1
+        budget = activation_budget(spec, self.usable)
+        slots = self.slots
+        if screen:
+            slots = max(SCREEN_SLOTS, slots // math.ceil(in_flight_microbatches(spec, 0)) // 4)
+        plan = optimal_plan(spec, budget, slots, self.gpu)
+        return None if plan is None else self._timed(Candidate(plan, self.usable))
+
+    def refine(self) -> None:
+        """Run the DP, in order of their fit bound (the least time of any plan that fits), on
+        the layouts where no layer-level plan fits and on those whose layer-level plan
+        recomputes, while that bound is below the K-th best time (updated after each; it only
+        falls) and below the plan's own time; keep the faster plan. A layout left undecided
+        could not enter the top K whatever the DP found."""
+        order = sorted(
+            (e.fit_bound, index)
+            for index, e in enumerate(self.evaluated)
+            if e.undecided or (e.fits and not e.optimal and e.plan.strategy != "none")
+        )
+        for seconds, index in order:
+            e = self.evaluated[index]
+            if seconds >= min(self.kth_time(), e.seconds):
+                continue
+            best = self._optimal(e.spec, screen=True)
+            if best is None and e.undecided:  # the coarse DP may miss a tight fit
+                best = self._optimal(e.spec)
+            candidate = e.candidate
+            if best is not None and best.fits and best.time.step_seconds < e.seconds:
+                candidate = best
+            refined = Evaluated(
+                e.layout, e.spec, candidate, e.time_bound, e.memory_bound, True, e.fit_bound
+            )
+            self.evaluated[index] = refined
+            self._keep(refined)
+
+    def ranked(self) -> list[Evaluated]:
+        return sorted(self.best.values(), key=lambda e: (e.seconds, e.layout.zero, e.layout))
+
+
+def _rejected(
+    run: _Run, over: list[Rejected], queue, shown: list[Evaluated], usable: int
+) -> list[Rejected]:
+    """The best rejected layouts: those over memory that would have been faster than the
+    fastest shown (by their bound, fastest first), then the fastest ones evaluated or bounded
+    that fit but did not make the top K."""
+    fastest = shown[0].seconds if shown else float("inf")
+    evaluated_over = [
+        Rejected(e.layout, "memory", e.time_bound, e.memory_bound, usable, e)
+        for e in run.evaluated
+        if not e.fits
+    ]
+    memory = sorted(
+        (r for r in over + evaluated_over if r.time_bound.seconds < fastest),
+        key=lambda r: (r.time_bound.seconds, r.layout),
+    )
+    listed = {e.layout.without_zero() for e in shown}
+    slower = []
+    for e in sorted(run.evaluated, key=lambda e: (e.seconds, e.layout)):
+        if e.fits and e.layout.without_zero() not in listed:
+            slower.append(Rejected(e.layout, "slower", e.time_bound, e.memory_bound, usable, e))
+            listed.add(e.layout.without_zero())
+    for seconds, layout, time_bound, memory_bound in queue:
+        if len(slower) >= MAX_REJECTED:
+            break
+        if layout.without_zero() not in listed and seconds >= fastest:
+            slower.append(Rejected(layout, "slower", time_bound, memory_bound, usable))
+            listed.add(layout.without_zero())
+    slower.sort(key=lambda r: (r.seconds, r.layout))
+    return _distinct(memory)[:MAX_REJECTED] + slower[:MAX_REJECTED]
+
+
+def _distinct(rejected: list[Rejected]) -> list[Rejected]:
+    """One per layout-but-for-ZeRO (the first listed)."""
+    seen, kept = set(), []
+    for r in rejected:
+        key = r.layout.without_zero()
+        if key not in seen:
+            seen.add(key)
+            kept.append(r)
+    return kept
+
+
+def _least_memory(run: _Run, over: list[Rejected], usable: int) -> Rejected | None:
+    """When nothing fits: the layout that comes nearest, by its evaluated smallest plan or by
+    its memory bound."""
+    choices = [
+        Rejected(e.layout, "memory", e.time_bound, e.memory_bound, usable, e)
+        for e in run.evaluated
+        if not e.fits
+    ] + over
+    return min(choices, key=lambda r: (r.over_bytes, r.time_bound.seconds), default=None)

@@ -1,0 +1,163 @@
+"""The layout search (ckplan/plan/layout): the enumeration follows Megatron-LM's rules, the
+bounds bound, and the search agrees with brute force over a small grid."""
+
+from collections import defaultdict
+
+import pytest
+
+from ckplan.hardware.step_time import step_time
+from ckplan.io.gpus import load_gpu
+from ckplan.io.presets import load_spec
+from ckplan.plan.evaluate import evaluate
+from ckplan.plan.layout.bounds import Bounds, layout_keys_cleared
+from ckplan.plan.layout.search import search_layouts
+from ckplan.plan.layout.space import SearchSpace, Split, divisors, layouts, pipeline_splits
+from ckplan.plan.strategies import parse_strategy
+
+GPU = load_gpu("h100-sxm")
+SMALL = load_spec("gpt2", {"seq": 1024, "layers": 4})
+GIB = 2**30
+
+
+def layout_spec(spec, layout):
+    return spec.replace(**layout_keys_cleared(layout, spec.experts > 0))
+
+
+def test_divisors():
+    assert divisors(12) == [1, 2, 3, 4, 6, 12]
+    assert divisors(1) == [1]
+    assert divisors(16) == [1, 2, 4, 8, 16]
+
+
+def test_llama3_405b_over_pp16_counts_embedding_and_loss():
+    """126 layers over 16 stages: Megatron's account_for_embedding/loss split (128 items, 8
+    each: 7 layers on the first and last stage, 8 on the 14 others), and explicit first/last
+    splits around middle stages of 8 layers (rest 14 = 7 + 7, or 8 + 6, 6 + 8)."""
+    splits = pipeline_splits(126, 16)
+    assert Split(embedding=True, loss=True) in splits
+    assert Split(first=7, last=7) not in splits  # the same stage counts as the embedding/loss
+    assert Split(first=8, last=6) in splits and Split(first=6, last=8) in splits
+    assert pipeline_splits(80, 16) == [Split()]  # pp divides: the even split only
+    assert pipeline_splits(3, 4) == []  # a stage would be empty
+
+
+def test_every_layout_follows_the_rules():
+    spec = load_spec("llama3-8b", {"seq": 4096})
+    space = SearchSpace(spec, 32, GPU.gpus_per_node, 64, {})
+    found = list(layouts(space))
+    assert found
+    for layout in found:
+        assert layout.tp * layout.pp * layout.cp * layout.dp == 32
+        assert layout.micro_batch * layout.microbatches * layout.dp == 64
+        assert layout.tp <= GPU.gpus_per_node and spec.heads % layout.tp == 0
+        assert spec.kv_heads % layout.tp == 0 or layout.tp % spec.kv_heads == 0
+        assert spec.seq % layout.cp == 0
+        assert layout.sp is False or layout.tp > 1
+        if layout.virtual_stages > 1:
+            assert layout.microbatches % layout.pp == 0
+        if layout.dp == 1:
+            assert layout.zero == 0
+        layout_spec(spec, layout)  # the spec accepts it (raises otherwise)
+    # tp 16 would leave the node; kv heads 8 replicated under no tp here, so tp <= 8
+    assert {layout.tp for layout in found} == {1, 2, 4, 8}
+
+
+def test_constraints_fix_keys():
+    space = SearchSpace(SMALL, 8, 8, 16, {"tp": 2, "zero": 1})
+    found = list(layouts(space))
+    assert found and all(layout.tp == 2 and layout.zero == 1 for layout in found)
+
+
+@pytest.mark.parametrize("budget", [GIB, 4 * GIB])
+def test_bounds_bound_every_plan(budget):
+    """The memory bound is at most the memory of every plan (least: full recomputation); the
+    time bound is the time of `none`, exactly as hardware.step_time computes it."""
+    space = SearchSpace(SMALL, 8, 8, 16, {})
+    bounds = Bounds(SMALL, GPU)
+    for layout in list(layouts(space))[::7]:
+        spec = layout_spec(SMALL, layout)
+        none = evaluate(spec, parse_strategy("none", spec))
+        assert bounds.time(layout).seconds == pytest.approx(
+            step_time(none, GPU).step_seconds, rel=1e-9
+        )
+        least = min(
+            evaluate(spec, parse_strategy(name, spec)).total_bytes
+            for name in ("none", "selective", f"block:{spec.layers_per_stage}", "full")
+        )
+        assert bounds.memory(layout).bytes <= least
+
+
+def brute_force(spec, gpus, batch, usable):
+    """Every layout of the grid with every layer-level plan: the fastest that fits per layout
+    but for its ZeRO stage, the lower ZeRO stage among equals (as the search keeps them)."""
+    best = {}
+    for layout in layouts(SearchSpace(spec, gpus, GPU.gpus_per_node, batch, {})):
+        model = layout_spec(spec, layout)
+        names = ["none", "selective"]
+        names += [f"block:{k}" for k in range(1, model.layers_per_stage + 1)]
+        names += [f"selective+block:{k}" for k in range(1, model.layers_per_stage + 1)]
+        for name in names:
+            plan = evaluate(model, parse_strategy(name, model))
+            if plan.total_bytes > usable:
+                continue
+            key = layout.without_zero()
+            entry = (step_time(plan, GPU).step_seconds, layout.zero)
+            if key not in best or entry < best[key]:
+                best[key] = entry
+    return best
+
+
+@pytest.mark.parametrize("budget", [int(1.25 * GIB), 4 * GIB])
+def test_search_agrees_with_brute_force(budget):
+    """On 4 GPUs: the search's fastest layout is no slower than brute force's fastest over
+    the layer-level plans (it may be faster where the DP recomputes less); every layout whose
+    layer-level best beats the search's K-th time is listed; with memory to spare (no
+    recomputation anywhere) the top K is brute force's, in the same order."""
+    top = 5
+    result = search_layouts(SMALL, 4, GPU, 8, budget, 0, top=top)
+    brute = brute_force(SMALL, 4, 8, budget)
+    ranked = sorted(brute.items(), key=lambda item: item[1])
+    shown = [e.layout.without_zero() for e in result.layouts]
+    assert len(shown) == min(top, len(brute))
+    assert result.layouts[0].seconds <= ranked[0][1][0] * (1 + 1e-12)
+    kth = result.layouts[-1].seconds
+    for key, (seconds, _) in ranked:
+        if seconds < kth * (1 - 1e-12):
+            assert key in shown
+    if budget == 4 * GIB:
+        assert shown == [key for key, _ in ranked[:top]]
+        times = [e.seconds for e in result.layouts]
+        assert times == pytest.approx([seconds for _, (seconds, _) in ranked[:top]], rel=1e-12)
+
+
+def test_shown_layouts_fit_when_re_evaluated():
+    """Every layout shown fits and takes the time shown when its keys are set on the model
+    and its plan evaluated again (the DP's plans: fit within the same activation budget)."""
+    result = search_layouts(SMALL, 8, GPU, 16, GIB, 0, top=5)
+    assert result.layouts
+    for e in result.layouts:
+        spec = layout_spec(SMALL, e.layout)
+        assert spec == e.spec
+        if e.plan.strategy.startswith("optimal"):
+            assert e.plan.total_bytes <= GIB
+            continue
+        plan = evaluate(spec, parse_strategy(e.plan.strategy, spec))
+        assert plan.total_bytes == e.plan.total_bytes <= GIB
+        assert step_time(plan, GPU).step_seconds == pytest.approx(e.seconds, rel=1e-12)
+
+
+def test_nothing_fits_names_the_nearest_layout():
+    result = search_layouts(SMALL, 2, GPU, 2, GIB // 4, 0)
+    assert result.layouts == ()
+    assert result.least_memory is not None and result.least_memory.over_bytes > 0
+
+
+def test_rejected_explain_memory_and_speed():
+    result = search_layouts(SMALL, 8, GPU, 16, GIB, 0, top=3)
+    reasons = defaultdict(list)
+    for r in result.rejected:
+        reasons[r.reason].append(r)
+    for r in reasons["memory"] + reasons["model_states"]:
+        assert r.over_bytes > 0
+    for r in reasons["slower"]:
+        assert r.over_bytes is None and r.seconds >= result.layouts[0].seconds
