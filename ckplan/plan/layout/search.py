@@ -24,18 +24,19 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ckplan.errors import InputError
 from ckplan.hardware.gpus import GPU
 from ckplan.hardware.step_time import step_time
 from ckplan.model.spec import ModelSpec, SpecError
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate, in_flight_microbatches
 from ckplan.plan.layout.bounds import Bounds, MemoryBound, TimeBound, layout_keys_cleared
-from ckplan.plan.layout.space import Layout, SearchSpace, layouts
+from ckplan.plan.layout.space import Layout, SearchSpace, layouts, tensor_parallel_sizes
 from ckplan.plan.search import DEFAULT_RESERVE, Candidate, activation_budget, optimal_plan
 from ckplan.plan.strategies import parse_strategy
 
 DEFAULT_TOP = 10
 SCREEN_SLOTS = 25  # the fewest memory slots of a screening DP
-MAX_REJECTED = 5  # rejected layouts explained, per kind of reason
+MAX_REJECTED = 3  # rejected layouts explained, per kind of reason
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,59 @@ class LayoutResult:
     @property
     def usable_bytes(self) -> int:
         return self.budget_bytes - self.reserve_bytes
+
+
+class LayoutError(InputError):
+    """No layout can exist: the GPU count, global batch and fixed keys contradict."""
+
+
+def check_search(
+    spec: ModelSpec, gpus: int, gpus_per_node: int, global_batch: int, constraints: dict
+) -> None:
+    """Refuse, naming the option, a search with no layout at all (bad input, not "does not
+    fit"): a fixed key that does not divide what it must, or a global batch no dp divides."""
+    for key, value in constraints.items():
+        if key == "sp":
+            if not isinstance(value, bool):
+                raise LayoutError(f"--set sp={value}: expected true or false")
+            continue
+        low = 0 if key == "zero" else 1
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            expected = "0, 1, 2 or 3" if key == "zero" else "a positive integer"
+            raise LayoutError(f"--set {key}={value}: expected {expected}")
+        if key == "zero" and value > 3:
+            raise LayoutError(f"--set zero={value}: expected 0, 1, 2 or 3")
+    product = 1
+    for key in ("tp", "pp", "cp", "dp"):
+        value = constraints.get(key)
+        if value is None:
+            continue
+        product *= value
+        if gpus % product:
+            raise LayoutError(
+                f"--set {key}={value}: tp·pp·cp·dp must divide --gpus {gpus:,}, "
+                f"and {product:,} does not"
+            )
+    dp = constraints.get("dp")
+    if dp is not None and global_batch % dp:
+        raise LayoutError(f"--global-batch {global_batch:,} is not divisible by --set dp={dp}")
+    micro_batch = constraints.get("micro_batch")
+    if isinstance(micro_batch, int) and micro_batch >= 1 and global_batch % micro_batch:
+        raise LayoutError(
+            f"--global-batch {global_batch:,} is not divisible by --set micro_batch={micro_batch}"
+        )
+    space = SearchSpace(spec, gpus, gpus_per_node, global_batch, constraints)
+    if not tensor_parallel_sizes(space):
+        raise LayoutError(
+            f"no tensor-parallel size for {spec.name}: tp must divide --gpus {gpus:,}, the "
+            f"{spec.heads} heads and the FFN width, and stay within a node of {gpus_per_node}"
+        )
+    if next(layouts(space), None) is None:
+        raise LayoutError(
+            f"no layout of {gpus:,} GPUs runs global batch {global_batch:,} of {spec.name}: "
+            "dp = gpus / (tp·pp·cp) must divide the global batch, cp the sequence, pp at most "
+            "the layers (and every key --set fixes must agree)"
+        )
 
 
 def search_layouts(
@@ -352,7 +406,10 @@ def _rejected(
             slower.append(Rejected(layout, "slower", time_bound, memory_bound, usable))
             listed.add(layout.without_zero())
     slower.sort(key=lambda r: (r.seconds, r.layout))
-    return _distinct(memory)[:MAX_REJECTED] + slower[:MAX_REJECTED]
+    memory = _distinct(memory)
+    states = [r for r in memory if r.reason == "model_states"][:MAX_REJECTED]
+    activations = [r for r in memory if r.reason != "model_states"][:MAX_REJECTED]
+    return states + activations + slower[:MAX_REJECTED]
 
 
 def _distinct(rejected: list[Rejected]) -> list[Rejected]:

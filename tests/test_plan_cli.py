@@ -1,0 +1,130 @@
+"""`ckplan plan`: the layouts it prints fit and take the time it says when `estimate` evaluates
+them with the same keys, ranked as `estimate --gpu` times them; its JSON, CSV and Markdown."""
+
+import csv
+import io
+import json
+
+import pytest
+
+from ckplan.cli import main
+
+SMALL = ["plan", "gpt2", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch", "16"]
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def estimate(capsys, model, layout, extra=()):
+    """`ckplan estimate` of a printed layout with its --set keys and plan."""
+    argv = ["estimate", model, "--gpu", "h100-sxm", "--strategy", layout["strategy"], "--json"]
+    for arg in layout["set"]:
+        argv += ["--set", arg]
+    code, out, err = run(capsys, *argv, *extra)
+    return code, json.loads(out), err
+
+
+@pytest.mark.parametrize(
+    "argv, shared",
+    [
+        (SMALL, ["--budget", "3.5GB"]),
+        (SMALL, ["--budget", "5GB", "--seq", "2048"]),
+        (["plan", "llama3-8b", "--gpus", "16", "--gpu", "h100-sxm", "--global-batch", "32",
+          "--top", "4"], ["--seq", "8192"]),
+    ],
+)  # fmt: skip
+def test_every_printed_layout_fits_and_times_as_estimate_says(capsys, argv, shared):
+    code, out, err = run(capsys, *argv, *shared, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["layouts"]
+    times = []
+    for layout in data["layouts"]:
+        assert layout["fits"] and layout["memory"]["headroom_bytes"] >= 0
+        code, plan, err = estimate(capsys, argv[1], layout, shared)
+        assert code == 0, err
+        assert plan["fits"] is True
+        if layout["strategy"].startswith("optimal"):
+            # estimate's DP runs at its default slots; the search's plan fits the same budget
+            times.append(layout["time"]["step_seconds"])
+            continue
+        assert plan["memory"]["total_bytes"] == layout["memory"]["total_bytes"]
+        assert plan["time"]["step_seconds"] == pytest.approx(
+            layout["time"]["step_seconds"], rel=1e-12
+        )
+        times.append(plan["time"]["step_seconds"])
+    assert times == sorted(times)  # the ranking is estimate --gpu's
+
+
+def test_json_schema(capsys):
+    code, out, _ = run(capsys, *SMALL, "--budget", "3.5GB", "--json", "--top", "3")
+    assert code == 0
+    data = json.loads(out)
+    assert {"gpus", "gpu", "layouts", "rejected"} <= data.keys()
+    assert data["gpus"] == 8 and data["gpu"] == "h100-sxm" and data["global_batch"] == 16
+    assert len(data["layouts"]) == 3
+    for layout in data["layouts"]:
+        for key in ("tp", "pp", "cp", "dp", "ep", "zero", "sp", "virtual_stages"):
+            assert key in layout
+        assert layout["tp"] * layout["pp"] * layout["cp"] * layout["dp"] == 8
+        assert layout["micro_batch"] * layout["microbatches"] * layout["dp"] == 16
+        assert sum(layout["stage_layers"]) == 12 and len(layout["stage_layers"]) == layout["pp"]
+        assert {"strategy", "fits", "memory", "time", "set"} <= layout.keys()
+        assert layout["time"]["mfu"] > 0
+    rejected = data["rejected"]
+    assert rejected["counts"]["layouts"] >= rejected["counts"]["evaluated"] > 0
+    for r in rejected["layouts"]:
+        assert r["reason"] in ("model_states", "memory", "slower") and r["why"]
+
+
+def test_table_names_the_fastest_and_how_to_check_it(capsys):
+    code, out, _ = run(capsys, *SMALL, "--budget", "3.5GB", "--top", "3")
+    assert code == 0
+    assert "the fastest layouts" in out and "Fastest: tp " in out
+    assert (
+        "Check it: ckplan estimate gpt2 --gpu h100-sxm --budget 3.5GB --seq 1024 --strategy" in out
+    )
+    assert "layouts:" in out and "evaluated" in out
+
+
+def test_csv_and_markdown(capsys):
+    code, out, _ = run(capsys, *SMALL, "--format", "csv", "--top", "2")
+    assert code == 0
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert len(rows) == 2 and rows[0]["rank"] == "1"
+    assert float(rows[0]["step_seconds"]) <= float(rows[1]["step_seconds"])
+    code, out, _ = run(capsys, *SMALL, "--format", "markdown", "--top", "2")
+    assert code == 0 and out.startswith("**gpt2 on 8 x h100-sxm") and "| # |" in out
+
+
+def test_set_fixes_layout_keys(capsys):
+    code, out, _ = run(capsys, *SMALL, "--set", "tp=2", "--set", "pp=2", "--json")
+    assert code == 0
+    layouts = json.loads(out)["layouts"]
+    assert layouts and all(x["tp"] == 2 and x["pp"] == 2 for x in layouts)
+
+
+def test_uneven_pipeline_of_llama3_405b(capsys):
+    """Llama 3 405B's layout (Dubey et al. 2024, Table 4: 16,384 GPUs, TP 8, PP 16, DP 128 at
+    seq 8192): 126 layers over 16 stages as 7, 8 x 14, 7 with the embedding and loss counted."""
+    code, out, err = run(
+        capsys, "plan", "llama3-405b", "--gpus", "16384", "--gpu", "h100-sxm", "--seq", "8192",
+        "--global-batch", "2048", "--set", "tp=8", "--set", "pp=16", "--set", "cp=1", "--json",
+        "--top", "1",
+    )  # fmt: skip
+    assert code == 0, err
+    layout = json.loads(out)["layouts"][0]
+    assert layout["stage_layers"] == [7] + [8] * 14 + [7]
+    assert layout["account_for_embedding_in_pipeline_split"] is True
+    assert layout["dp"] == 128
+
+
+def test_nothing_fits_is_exit_1_with_the_nearest_layout(capsys):
+    code, out, err = run(capsys, "plan", "gpt3-175b", "--gpus", "2", "--gpu", "h100-sxm", "--json")
+    assert code == 1
+    data = json.loads(out)
+    assert data["layouts"] == [] and data["rejected"]["nearest"]["over_bytes"] > 0
+    assert err.startswith("error: no layout of 2 GPUs fits") and len(err.splitlines()) == 1
