@@ -284,12 +284,23 @@ def check_formula(formula: str) -> str:
 
 
 def no_schedule_fits(
-    strategy: str, activation_budget: int, as_json: bool = False, json_data=None
+    strategy: str,
+    activation_budget: int,
+    as_json: bool = False,
+    json_data=None,
+    advice: tuple[ModelSpec, int] | None = None,
 ) -> None:
     """A budget too small for any schedule: a does-not-fit answer (exit 1), not bad input.
-    With --json, `json_data(reason)` is printed too, so that --json always prints JSON."""
+    With --json, `json_data(reason)` is printed too, so that --json always prints JSON.
+    `advice` (the model, usable bytes): what to raise from its layout (`plan.advice`)."""
     left = format_bytes(max(activation_budget, 0), "GiB")
     message = f"no {strategy} schedule fits the {left} that model states and reserve leave"
+    if advice is not None:
+        from ckplan.plan.advice import advice_lines
+
+        lines = advice_lines(*advice, limit=2)
+        if lines:
+            message += "; from this layout: " + "; or ".join(lines)
     if as_json and json_data is not None:
         print_json(json_data(message))
     print_error(message)
@@ -376,6 +387,7 @@ def estimate(
                     lambda reason: render.estimate_no_fit_dict(
                         spec, parsed.name, total - kept, activation_budget, reason
                     ),
+                    advice=(spec, total - kept),
                 )
             candidate = search.Candidate(plan, total - kept)
         time = None if device is None else _step_time(plan, device)
@@ -748,6 +760,7 @@ def schedule(
             lambda reason: render.schedule_no_fit_dict(
                 spec, strategy, activation_budget, reason, stage_names(spec)
             ),
+            advice=(spec, total - kept),
         )
     time = None if device is None else _step_time(plan, device)
     if as_json:

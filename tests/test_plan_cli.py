@@ -128,3 +128,7 @@ def test_nothing_fits_is_exit_1_with_the_nearest_layout(capsys):
     data = json.loads(out)
     assert data["layouts"] == [] and data["rejected"]["nearest"]["over_bytes"] > 0
     assert err.startswith("error: no layout of 2 GPUs fits") and len(err.splitlines()) == 1
+    # advice from the nearest layout: more GPUs, how laid out, and the memory that results
+    assert data["advice"] and all(line.startswith("--gpus ") for line in data["advice"])
+    more = int(data["advice"][0].split()[1].replace(",", ""))
+    assert more > 2 and "per GPU with full recomputation" in data["advice"][0]

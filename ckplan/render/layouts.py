@@ -234,7 +234,7 @@ def plan_dict(result: LayoutResult) -> dict[str, Any]:
 
 
 def result_advice(result: LayoutResult) -> tuple[str, ...]:
-    return getattr(result, "advice", ())
+    return result.advice
 
 
 def plan_view(result: LayoutResult, budget_text: str, model: str | None = None) -> Group:
@@ -326,6 +326,8 @@ def no_fit_line(result: LayoutResult) -> str:
     least = result.least_memory
     if least is not None:
         text += f"; nearest: {layout_text(least.layout)}, {why(least, None)}"
+    if result.advice:
+        text += f"; try {result.advice[0]}"
     return text
 
 

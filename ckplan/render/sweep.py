@@ -52,6 +52,8 @@ def sweep_dict(result: SweepResult, micro_batches: dict[str, int] | None = None)
     }
     if micro_batches is not None:
         data["max_micro_batch"] = micro_batches
+    if result.best is None:
+        data["advice"] = sweep_advice(result)
     return data
 
 
@@ -206,12 +208,21 @@ def _verdict(result: SweepResult) -> Text:
     )
     states = smallest.plan.model_states.total
     if states > result.usable_bytes:
-        needed = -(-states // max(1, result.usable_bytes))
-        text += (
-            f" Model states alone need {_gib(states)}: shard them over at least {needed} GPUs "
-            "(e.g. --set tp=8 --set pp=N, or --set zero=3 --set dp=N)."
-        )
+        text += f" Model states alone need {_gib(states)}."
+    advice = sweep_advice(result)
+    if advice:
+        text += " From this layout: " + "; or ".join(advice) + "."
     return Text(text, style="bold red")
+
+
+def sweep_advice(result: SweepResult) -> list[str]:
+    """What to raise from the model's layout so that the least plan fits (`plan.advice`);
+    none for the seed formula set."""
+    if result.smallest.plan.formula != "derived":
+        return []
+    from ckplan.plan.advice import advice_lines
+
+    return advice_lines(result.spec, result.usable_bytes)
 
 
 def check_dict(budget: int, rows: list[tuple[str, Candidate | None]]) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from ckplan.plan.layout.bounds import Bounds, MemoryBound, TimeBound, layout_key
 from ckplan.plan.layout.space import Layout, SearchSpace, layouts, tensor_parallel_sizes
 from ckplan.plan.search import DEFAULT_RESERVE, Candidate, activation_budget, optimal_plan
 from ckplan.plan.strategies import parse_strategy
+from ckplan.units import format_bytes_auto
 
 DEFAULT_TOP = 10
 SCREEN_SLOTS = 25  # the fewest memory slots of a screening DP
@@ -112,6 +113,7 @@ class LayoutResult:
     rejected: tuple[Rejected, ...]  # the best rejected, explained
     counts: dict[str, int] = field(default_factory=dict)
     least_memory: Rejected | None = None  # when nothing fits: the layout nearest to fitting
+    advice: tuple[str, ...] = ()  # when nothing fits: how many GPUs, laid out how, would do
 
     @property
     def usable_bytes(self) -> int:
@@ -223,6 +225,7 @@ def search_layouts(
     }
     rejected = _rejected(run, over, queue, shown, usable)
     least = None if shown else _least_memory(run, over, usable)
+    advice = () if least is None else _more_gpus(spec, gpus, gpu, least, usable)
     return LayoutResult(
         spec,
         gpu,
@@ -234,7 +237,22 @@ def search_layouts(
         tuple(rejected),
         dict(counts),
         least,
+        advice,
     )
+
+
+def _more_gpus(spec: ModelSpec, gpus: int, gpu: GPU, nearest: Rejected, usable: int):
+    """From the nearest layout, the levers that take more GPUs (`plan.advice`): the search
+    already tried every layout of these GPUs."""
+    from ckplan.plan.advice import advise
+
+    model = spec.replace(**layout_keys_cleared(nearest.layout, spec.experts > 0))
+    return tuple(
+        f"--gpus {round(gpus * a.gpus_factor):,} laid out with {a.settings}: "
+        f"{format_bytes_auto(a.total_bytes)} per GPU with full recomputation"
+        for a in advise(model, usable, gpu.gpus_per_node)
+        if a.gpus_factor > 1 and a.fits
+    )[:3]
 
 
 class _Run:

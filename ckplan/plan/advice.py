@@ -1,0 +1,138 @@
+"""What to change when nothing fits, derived from the model's current layout.
+
+Each direction raises one lever of the layout from where it stands (ZeRO stage; tp within a
+node; pp, with Megatron's uneven split where pp does not divide the layers; dp under ZeRO 3; cp;
+or a smaller micro-batch) by the least step that makes the least-memory plan (`full`
+recomputation) fit, and says what that plan then needs per GPU and how many times the GPUs it
+takes. A lever that cannot make it fit alone is reported with the least it reaches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ckplan.model.spec import ModelSpec, SpecError
+from ckplan.plan.evaluate import evaluate
+from ckplan.plan.strategies import parse_strategy
+from ckplan.units import format_bytes_auto
+
+MAX_STEPS = 8  # doublings tried per lever (x256)
+GPUS_PER_NODE = 8  # tp stays within a node when no GPU is given
+
+
+@dataclass(frozen=True)
+class Advice:
+    keys: dict[str, Any]  # the changed model keys (--set)
+    total_bytes: int  # the least-memory plan's per-GPU memory with them
+    fits: bool
+    gpus_factor: float  # GPUs needed, as a multiple of the current layout's
+
+    @property
+    def settings(self) -> str:
+        return " ".join(f"--set {k}={_text(v)}" for k, v in self.keys.items())
+
+    def text(self) -> str:
+        gpus = "the same GPUs" if self.gpus_factor == 1 else f"{self.gpus_factor:g}x the GPUs"
+        verdict = "fits" if self.fits else "still over"
+        return (
+            f"{self.settings}: {format_bytes_auto(self.total_bytes)} per GPU with full "
+            f"recomputation ({verdict}; {gpus})"
+        )
+
+
+def _text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def least_bytes(spec: ModelSpec) -> int:
+    """Per-GPU memory of the least-memory plan: every layer recomputed (`full`)."""
+    return evaluate(spec, parse_strategy("full", spec)).total_bytes
+
+
+def _gpus(spec: ModelSpec) -> int:
+    return spec.tp * spec.pp * spec.cp * spec.dp
+
+
+def _try(spec: ModelSpec, keys: dict[str, Any]) -> ModelSpec | None:
+    try:
+        return spec.replace(**keys)
+    except SpecError:  # not a valid layout of this model
+        return None
+
+
+def _pipeline_keys(spec: ModelSpec, pp: int) -> dict[str, Any] | None:
+    """pp with the split Megatron would use: even, else embedding/loss counted as layers."""
+    from ckplan.plan.layout.space import pipeline_splits
+
+    splits = pipeline_splits(spec.layers, pp)
+    if not splits:
+        return None
+    keys = {
+        "pp": pp,
+        "virtual_stages": 1,
+        "first_stage_layers": None,
+        "last_stage_layers": None,
+        "account_for_embedding_in_pipeline_split": False,
+        "account_for_loss_in_pipeline_split": False,
+    }
+    return keys | splits[0].keys()
+
+
+def _levers(spec: ModelSpec, gpus_per_node: int):
+    """Each lever's successive settings, least change first."""
+    zero = [{"zero": z} for z in range(spec.zero + 1, 4)] if spec.dp > 1 else []
+    tp = [
+        {"tp": t, "sp": True}
+        for t in (spec.tp * 2**k for k in range(1, MAX_STEPS))
+        if t <= gpus_per_node and spec.heads % t == 0
+    ]
+    pp = [
+        keys
+        for p in (spec.pp * 2**k for k in range(1, MAX_STEPS))
+        if p <= spec.layers and (keys := _pipeline_keys(spec, p)) is not None
+    ]
+    dp = [{"dp": spec.dp * 2**k, "zero": 3} for k in range(1, MAX_STEPS)]
+    cp = [
+        {"cp": c} for c in (spec.cp * 2**k for k in range(1, MAX_STEPS)) if spec.seq % (2 * c) == 0
+    ]
+    micro_batch = [
+        {"micro_batch": b}
+        for b in sorted({spec.micro_batch // 2**k for k in range(1, MAX_STEPS)}, reverse=True)
+        if b >= 1 and spec.micro_batch % b == 0
+    ]
+    return [zero, tp, pp, dp, cp, micro_batch]
+
+
+def advise(spec: ModelSpec, usable_bytes: int, gpus_per_node: int = GPUS_PER_NODE) -> list[Advice]:
+    """Per lever, the least change that fits (or the least memory it reaches), fitting ones
+    first, fewest GPUs first."""
+    current = least_bytes(spec)
+    if current <= usable_bytes:
+        return []
+    gpus = _gpus(spec)
+    found: list[Advice] = []
+    for lever in _levers(spec, gpus_per_node):
+        best = None
+        for keys in lever:
+            changed = _try(spec, keys)
+            if changed is None:
+                continue
+            total = least_bytes(changed)
+            shown = {k: v for k, v in keys.items() if getattr(spec, k) != v}
+            advice = Advice(shown, total, total <= usable_bytes, _gpus(changed) / gpus)
+            if advice.fits:
+                best = advice
+                break
+            if best is None or total < best.total_bytes:
+                best = advice
+        if best is not None and best.total_bytes < current:
+            found.append(best)
+    found.sort(key=lambda a: (not a.fits, a.gpus_factor, a.total_bytes))
+    fitting = [a for a in found if a.fits]
+    return fitting or found
+
+
+def advice_lines(spec: ModelSpec, usable_bytes: int, limit: int = 3) -> list[str]:
+    """The first `limit` pieces of advice as lines for people."""
+    return [a.text() for a in advise(spec, usable_bytes)[:limit]]

@@ -1,0 +1,56 @@
+"""Advice when nothing fits: derived from the model's layout, never a fixed example."""
+
+import json
+
+from ckplan.cli import main
+from ckplan.io.presets import load_spec
+from ckplan.plan.advice import advise, least_bytes
+
+GIB = 2**30
+TP8_PP2 = {"tp": 8, "sp": True, "pp": 2, "microbatches": 8}
+
+
+def test_every_advice_raises_a_lever_and_fits_when_applied():
+    spec = load_spec("llama3-70b", TP8_PP2)
+    usable = 38 * GIB
+    found = advise(spec, usable)
+    assert found and all(a.fits for a in found)
+    for a in found:
+        changed = spec.replace(**a.keys)
+        assert least_bytes(changed) == a.total_bytes <= usable
+        gpus = changed.tp * changed.pp * changed.cp * changed.dp
+        assert gpus == a.gpus_factor * 128 / 8  # tp 8 x pp 2 today
+        for key in ("tp", "pp", "dp", "cp", "zero"):
+            if key in a.keys:
+                assert a.keys[key] > getattr(spec, key)  # raised from where it stands
+        assert "tp" not in a.keys  # tp 8 fills the node already
+
+
+def test_no_advice_when_the_least_plan_fits():
+    spec = load_spec("gpt2")
+    assert least_bytes(spec) < 70 * GIB
+    assert advise(spec, 70 * GIB) == []
+
+
+def test_sweep_at_tp8_pp2_advises_from_its_layout(capsys):
+    """The issue's example: sweep on a model already at tp 8 pp 2 must not say "shard them
+    over at least 2 GPUs"; it names what to raise from there and the memory that results."""
+    argv = ["sweep", "llama3-70b", "--budget", "40GB"]
+    for key, value in TP8_PP2.items():
+        argv += ["--set", f"{key}={str(value).lower()}"]
+    code = main(argv)
+    out, _ = capsys.readouterr()
+    assert code == 1
+    text = " ".join(out.split())
+    assert "shard them over" not in text
+    assert "From this layout: --set" in text and "per GPU with full recomputation (fits;" in text
+    code = main([*argv, "--json"])
+    advice = json.loads(capsys.readouterr().out)["advice"]
+    assert advice and all("--set" in line for line in advice)
+
+
+def test_estimate_optimal_no_fit_names_a_lever(capsys):
+    code = main(["estimate", "llama3-70b", "--strategy", "optimal", "--budget", "80GB"])
+    _, err = capsys.readouterr()
+    assert code == 1 and len(err.splitlines()) == 1
+    assert "from this layout: --set" in err
