@@ -270,6 +270,30 @@ def profiles() -> None:
     print(f"  {'ckplan calibrate llama3-8b (torch, CPU)':<44} {seconds(best, median)}")
 
 
+def layout_search() -> None:
+    print("\n7. Layout search (ckplan plan): layouts enumerated per second, whole searches")
+    from ckplan.plan.layout.search import search_layouts
+
+    h100 = load_gpu("h100-sxm")
+    cases = [
+        ("llama3-70b", 64, 512),
+        ("llama3-405b", 16384, 2048),
+        ("megatron-1t", 3072, 3072),
+    ]
+    for model, gpus, batch in cases:
+        spec = load_spec(model, {"seq": 8192} if model.startswith("llama") else {})
+        best, median, result = timed(
+            search_layouts, spec, gpus, h100, batch, h100.memory_bytes, repeats=2
+        )
+        counts = result.counts
+        label = f"plan {model} --gpus {gpus:,} --global-batch {batch:,}"
+        print(
+            f"  {label:<52} {seconds(best, median)}  {counts['layouts']:>7,} layouts, "
+            f"{counts['layouts'] / best:>9,.0f} layouts/s, {counts['evaluated']:,} evaluated, "
+            f"{counts['optimal']:,} DPs"
+        )
+
+
 def main() -> None:
     machine()
     startup()
@@ -278,6 +302,7 @@ def main() -> None:
     sweeps()
     time_model()
     profiles()
+    layout_search()
 
 
 if __name__ == "__main__":

@@ -108,8 +108,9 @@ def test_set_fixes_layout_keys(capsys):
 
 
 def test_uneven_pipeline_of_llama3_405b(capsys):
-    """Llama 3 405B's layout (Dubey et al. 2024, Table 4: 16,384 GPUs, TP 8, PP 16, DP 128 at
-    seq 8192): 126 layers over 16 stages as 7, 8 x 14, 7 with the embedding and loss counted."""
+    """Llama 3 405B over PP 16 on 16,384 GPUs (TP 8, so DP 128 at CP 1): 126 layers as 7,
+    8 x 14, 7 with the embedding and loss counted as layers (Megatron's
+    account_for_embedding/loss_in_pipeline_split)."""
     code, out, err = run(
         capsys, "plan", "llama3-405b", "--gpus", "16384", "--gpu", "h100-sxm", "--seq", "8192",
         "--global-batch", "2048", "--set", "tp=8", "--set", "pp=16", "--set", "cp=1", "--json",

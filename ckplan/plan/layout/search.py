@@ -183,9 +183,11 @@ def search_layouts(
     top: int = DEFAULT_TOP,
     constraints: dict | None = None,
     slots: int = DEFAULT_SLOTS,
+    cutoff: float = math.inf,
 ) -> LayoutResult:
     """The `top` fastest layouts of `gpus` GPUs that fit, and the best rejected (module
-    docstring)."""
+    docstring); with `cutoff`, only layouts faster than `cutoff` seconds (every one of them
+    with a large `top`: how a given layout ranks)."""
     usable = budget_bytes - reserve_bytes
     space = SearchSpace(spec, gpus, gpu.gpus_per_node, global_batch, dict(constraints or {}))
     bounds = Bounds(spec, gpu)
@@ -210,7 +212,7 @@ def search_layouts(
         queue.append((time_bound.seconds, layout, time_bound, memory_bound))
     queue.sort(key=lambda item: (item[0], item[1]))
 
-    run = _Run(spec, gpu, bounds, usable, budget_bytes, reserve_bytes, slots, top)
+    run = _Run(spec, gpu, bounds, usable, budget_bytes, reserve_bytes, slots, top, cutoff)
     for position, (seconds, layout, time_bound, memory_bound) in enumerate(queue):
         if seconds > run.kth_time():
             counts["pruned"] = len(queue) - position
@@ -258,17 +260,20 @@ def _more_gpus(spec: ModelSpec, gpus: int, gpu: GPU, nearest: Rejected, usable: 
 class _Run:
     """The evaluated layouts of one search, the fastest per layout-but-for-ZeRO."""
 
-    def __init__(self, spec, gpu, bounds, usable, budget, reserve, slots, top) -> None:
+    def __init__(self, spec, gpu, bounds, usable, budget, reserve, slots, top, cutoff) -> None:
         self.spec, self.gpu, self.bounds, self.usable = spec, gpu, bounds, usable
         self.budget, self.reserve, self.slots, self.top = budget, reserve, slots, top
+        self.cutoff = cutoff
         self.evaluated: list[Evaluated] = []
         self.best: dict[tuple, Evaluated] = {}  # fitting, per layout.without_zero()
         self.evaluations = self.optimal_runs = 0
 
     def kth_time(self) -> float:
         if len(self.best) < self.top:
-            return float("inf")
-        return heapq.nsmallest(self.top, (e.seconds for e in self.best.values()))[-1]
+            return self.cutoff
+        return min(
+            self.cutoff, heapq.nsmallest(self.top, (e.seconds for e in self.best.values()))[-1]
+        )
 
     def add(self, layout: Layout, time_bound: TimeBound, memory_bound: MemoryBound) -> None:
         self.evaluations += 1
