@@ -8,6 +8,7 @@ import pytest
 from ckplan.hardware.step_time import step_time
 from ckplan.io.gpus import load_gpu
 from ckplan.io.presets import load_spec
+from ckplan.model.spec import spec_from_mapping
 from ckplan.plan.evaluate import evaluate
 from ckplan.plan.layout.bounds import Bounds, layout_keys_cleared
 from ckplan.plan.layout.search import search_layouts
@@ -83,6 +84,35 @@ def test_bounds_bound_every_plan(budget):
         least = min(
             evaluate(spec, parse_strategy(name, spec)).total_bytes
             for name in ("none", "selective", f"block:{spec.layers_per_stage}", "full")
+        )
+        assert bounds.memory(layout).bytes <= least
+
+
+# A small MoE model with a vocabulary: 4 experts, top-2 (the layer's ops depend on ep and etp,
+# never on dp: the bounds cache them per (tp, sp, cp, micro-batch, ep, etp)).
+MOE = spec_from_mapping(
+    {
+        "name": "small-moe", "layers": 4, "hidden": 256, "heads": 8, "seq": 512,
+        "micro_batch": 1, "vocab": 1000, "norm": "rmsnorm", "mlp": "swiglu",
+        "attention": "flash", "bias": False, "experts": 4, "top_k": 2, "moe_ffn_hidden": 128,
+    }
+)  # fmt: skip
+
+
+def test_moe_bounds_bound_every_plan():
+    space = SearchSpace(MOE, 8, 8, 16, {})
+    found = list(layouts(space))
+    assert {layout.ep for layout in found} == {1, 2, 4}
+    bounds = Bounds(MOE, GPU)
+    for layout in found[::5]:
+        spec = layout_spec(MOE, layout)
+        none = evaluate(spec, parse_strategy("none", spec))
+        assert bounds.time(layout).seconds == pytest.approx(
+            step_time(none, GPU).step_seconds, rel=1e-9
+        )
+        least = min(
+            evaluate(spec, parse_strategy(name, spec)).total_bytes
+            for name in ("none", "selective", "full", "moe", "experts")
         )
         assert bounds.memory(layout).bytes <= least
 

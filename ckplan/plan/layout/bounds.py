@@ -20,6 +20,7 @@ composes a layout's bounds by arithmetic:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
@@ -100,6 +101,9 @@ class Bounds:
         self.gpu = gpu
         self._stages: dict[tuple, tuple[StageShape, ...]] = {}
         self._layers: dict[tuple, dict[str, Any]] = {}
+        self._layer_specs: dict[tuple, ModelSpec] = {}
+        self._memories: dict[tuple, dict[str, Any]] = {}
+        self._ratios: dict[tuple, dict[Any, float]] = {}
         self._params: dict[tuple, dict[int, tuple[int, int]]] = {}
         self._states: dict[tuple, tuple[tuple[StageShape, int], ...]] = {}
 
@@ -138,46 +142,82 @@ class Bounds:
             )
         return self._stages[key]
 
-    def layer(self, layout: Layout) -> dict[str, Any]:
-        """One layer's time and least backward memory per kind, the embedding's and output's
-        time and the output's least backward memory, the residual stream: for (tp, sp, cp,
-        micro-batch) (and ep, etp, dp with experts)."""
-        dp = layout.dp if self.experts else 1
-        key = (layout.tp, layout.sp, layout.cp, layout.micro_batch, layout.ep, layout.etp, dp)
-        if key not in self._layers:
-            keys = {"ep": layout.ep, "etp": layout.etp} if self.experts else {}
-            spec = self._spec(
+    def _layer_key(self, layout: Layout) -> tuple:
+        """What one layer's ops depend on: (tp, sp, cp, micro-batch), and (ep, etp) with
+        experts (dp only shards states and sets the expert-data-parallel group)."""
+        experts = (layout.ep, layout.etp) if self.experts else ()
+        return (layout.tp, layout.sp, layout.cp, layout.micro_batch, *experts)
+
+    def _layer_spec(self, layout: Layout) -> ModelSpec:
+        key = self._layer_key(layout)
+        if key not in self._layer_specs:
+            keys = {}
+            if self.experts:  # the least dp the expert layout allows
+                keys = {"ep": layout.ep, "etp": layout.etp}
+                keys["dp"] = _least_dp(layout)
+            self._layer_specs[key] = self._spec(
                 tp=layout.tp, sp=layout.sp, cp=layout.cp, micro_batch=layout.micro_batch,
-                dp=dp, pp=1, virtual_stages=1, zero=0, microbatches=1, **keys,
+                pp=1, virtual_stages=1, zero=0, microbatches=1, **{"dp": 1, **keys},
             )  # fmt: skip
+        return self._layer_specs[key]
+
+    def layer_memory(self, layout: Layout) -> dict[str, Any]:
+        """One layer's least backward memory per kind, the output's, the residual stream."""
+        key = self._layer_key(layout)
+        if key not in self._memories:
+            spec = self._layer_spec(layout)
             stream = memory.layer_input_bytes(spec)
-            kinds = {}
-            for kind in dict.fromkeys(memory.layer_kinds(spec)):
-                least = min(
+            kinds = {
+                kind: min(
                     tape + workspace + 2 * stream
                     for groups in self._groups(kind)
                     for _, _, tape, workspace in (layer_stage_costs(spec, kind, groups),)
                 )
-                time = layer_time(spec, self.gpu, kind)
-                kinds[kind] = (_plain(time), least, _comm(time), self._layer_ratio(spec, kind))
-            output, ratios = 0, {"embedding": float("inf"), "output": float("inf")}
-            embedding, head = embedding_time(spec, self.gpu), output_time(spec, self.gpu)
+                for kind in dict.fromkeys(memory.layer_kinds(spec))
+            }
+            output = 0
             if spec.kind == "transformer" and spec.vocab > 0:
                 saved = memory.output_saved_bytes(spec)
                 output = max(memory.output_backward_peak_bytes(spec), saved + stream)
-                ratios["output"] = _ratio(head.forward.total, saved)
-                ratios["embedding"] = _ratio(
-                    embedding.forward.total, memory.embedding_saved_bytes(spec)
-                )
+            self._memories[key] = {"kinds": kinds, "output_bytes": output, "stream": stream}
+        return self._memories[key]
+
+    def layer(self, layout: Layout) -> dict[str, Any]:
+        """One layer's time per kind ((plain micro-batch, exposed collectives)), the
+        embedding's and output's times, the residual stream."""
+        key = self._layer_key(layout)
+        if key not in self._layers:
+            spec = self._layer_spec(layout)
+            kinds = {}
+            for kind in dict.fromkeys(memory.layer_kinds(spec)):
+                time = layer_time(spec, self.gpu, kind)
+                kinds[kind] = (_plain(time), _comm(time))
             self._layers[key] = {
                 "kinds": kinds,
-                "embedding": embedding,
-                "output": head,
-                "output_bytes": output,
-                "stream": stream,
-                "ratios": ratios,
+                "embedding": embedding_time(spec, self.gpu),
+                "output": output_time(spec, self.gpu),
+                "stream": memory.layer_input_bytes(spec),
             }
         return self._layers[key]
+
+    def ratios(self, layout: Layout) -> dict[Any, float]:
+        """The least recompute seconds per byte saved of each layer kind, the embedding and
+        the output (`_layer_ratio`)."""
+        key = self._layer_key(layout)
+        if key not in self._ratios:
+            spec = self._layer_spec(layout)
+            ratios: dict[Any, float] = {"embedding": float("inf"), "output": float("inf")}
+            for kind in dict.fromkeys(memory.layer_kinds(spec)):
+                ratios[kind] = self._layer_ratio(spec, kind)
+            if spec.kind == "transformer" and spec.vocab > 0:
+                layer = self.layer(layout)
+                saved = memory.output_saved_bytes(spec)
+                ratios["output"] = _ratio(layer["output"].forward.total, saved)
+                ratios["embedding"] = _ratio(
+                    layer["embedding"].forward.total, memory.embedding_saved_bytes(spec)
+                )
+            self._ratios[key] = ratios
+        return self._ratios[key]
 
     def _layer_ratio(self, spec: ModelSpec, kind: LayerKind) -> float:
         """The fewest seconds of recomputation per byte a layer of `kind` stops storing: its
@@ -239,11 +279,11 @@ class Bounds:
 
     def memory(self, layout: Layout) -> MemoryBound:
         """The least per-GPU memory any plan of `layout` needs (module docstring)."""
-        layer = self.layer(layout)
+        layer = self.layer_memory(layout)
         kinds, output = layer["kinds"], layer["output_bytes"]
         best = None
         for shape, states in self.stage_states(layout):
-            least = max((kinds[kind][1] for kind, _ in shape.kinds), default=0)
+            least = max((kinds[kind] for kind, _ in shape.kinds), default=0)
             if shape.last:
                 least = max(least, output)
             if best is None or states + least > best.bytes:
@@ -257,7 +297,7 @@ class Bounds:
         ends = [layer["embedding"]] * shape.first + [layer["output"]] * shape.last
         kinds = layer["kinds"]
         seconds = sum(count * kinds[kind][0] for kind, count in shape.kinds)
-        collectives = sum(count * kinds[kind][2] for kind, count in shape.kinds)
+        collectives = sum(count * kinds[kind][1] for kind, count in shape.kinds)
         return seconds + sum(map(_plain, ends)), collectives + sum(map(_comm, ends))
 
     def time(self, layout: Layout) -> TimeBound:
@@ -294,10 +334,10 @@ class Bounds:
         output (a fractional knapsack); that time adds to the stage's micro-batch, which paces
         the pipeline once it exceeds the busiest)."""
         shape = self._stage_shape(layout, stage)
-        layer = self.layer(layout)
-        ratios = [layer["kinds"][kind][3] for kind, _ in shape.kinds]
-        ratios += [layer["ratios"]["embedding"]] * shape.first
-        ratios += [layer["ratios"]["output"]] * shape.last
+        known = self.ratios(layout)
+        ratios = [known[kind] for kind, _ in shape.kinds]
+        ratios += [known["embedding"]] * shape.first
+        ratios += [known["output"]] * shape.last
         extra = deficit / in_flight * min(ratios, default=float("inf"))
         busiest = max(
             self._stage_seconds(layout, s)[0]
@@ -375,6 +415,13 @@ class Bounds:
             spec.grad_bytes + 2 * spec.master_bytes + 2 * spec.optimizer_bytes + spec.weight_bytes
         )
         return memory_seconds(self.gpu, (dense + experts) * per_param)
+
+
+def _least_dp(layout: Layout) -> int:
+    """The least dp with ep·etp dividing tp·cp·dp: a valid model for the layer's ops, which do
+    not depend on dp."""
+    group, ranks = layout.ep * layout.etp, layout.tp * layout.cp
+    return group // math.gcd(group, ranks)
 
 
 def layout_keys_cleared(layout: Layout, experts: bool) -> dict[str, Any]:

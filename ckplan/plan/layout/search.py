@@ -165,12 +165,41 @@ def check_search(
             f"no tensor-parallel size for {spec.name}: tp must divide --gpus {gpus:,}, the "
             f"{spec.heads} heads and the FFN width, and stay within a node of {gpus_per_node}"
         )
+    check_layer_shapes(space)
     if next(layouts(space), None) is None:
         raise LayoutError(
             f"no layout of {gpus:,} GPUs runs global batch {global_batch:,} of {spec.name}: "
             "dp = gpus / (tp·pp·cp) must divide the global batch, cp the sequence, pp at most "
             "the layers (and every key --set fixes must agree)"
         )
+
+
+# Distinct (tp, sp, cp, micro-batch, ep, etp) of one search: each costs a few ms of per-layer
+# work (`bounds.Bounds.layer`); dense models on 16,384 GPUs have about 1,000.
+MAX_LAYER_SHAPES = 4000
+
+
+def check_layer_shapes(space: SearchSpace) -> None:
+    """Refuse a search whose layouts have more than MAX_LAYER_SHAPES distinct per-layer shapes
+    (it would take minutes, not seconds), naming the keys with the most values to fix."""
+    shapes: set[tuple] = set()
+    for layout in layouts(space):
+        shapes.add((layout.tp, layout.sp, layout.cp, layout.micro_batch, layout.ep, layout.etp))
+        if len(shapes) > MAX_LAYER_SHAPES:
+            break
+    else:
+        return
+    names = ("tp", "sp", "cp", "micro_batch", "ep", "etp")
+    spread = sorted(
+        ((len({shape[i] for shape in shapes}), name) for i, name in enumerate(names)),
+        reverse=True,
+    )
+    keys = ", ".join(f"{name} ({count}+ values)" for count, name in spread[:3] if count > 1)
+    raise LayoutError(
+        f"more than {MAX_LAYER_SHAPES:,} layer shapes to evaluate, more than ckplan searches in "
+        f"seconds; fix some layout keys with --set (most values: {keys}) or give a smaller "
+        "--global-batch"
+    )
 
 
 def search_layouts(
