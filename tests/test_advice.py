@@ -54,3 +54,14 @@ def test_estimate_optimal_no_fit_names_a_lever(capsys):
     _, err = capsys.readouterr()
     assert code == 1 and len(err.splitlines()) == 1
     assert "from this layout: --set" in err
+
+
+def test_check_advises_each_model_that_does_not_fit(capsys):
+    code = main(["check", "gpt2", "llama3-70b", "--budget", "80GB", "--json"])
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert code == 1
+    assert results[0]["fits"] and results[0]["advice"] == []
+    assert not results[1]["fits"] and results[1]["advice"][0].startswith("--set ")
+    code = main(["check", "gpt2", "llama3-70b", "--budget", "80GB"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "llama3-70b: from its layout, --set" in out

@@ -229,7 +229,12 @@ def check_dict(budget: int, rows: list[tuple[str, Candidate | None]]) -> dict[st
     return {
         "budget_bytes": budget,
         "results": [
-            {"model": model, "fits": bool(c and c.fits), "plan": candidate_dict(c) if c else None}
+            {
+                "model": model,
+                "fits": bool(c and c.fits),
+                "plan": candidate_dict(c) if c else None,
+                "advice": candidate_advice(c),
+            }
             for model, c in rows
         ],
     }
@@ -272,7 +277,21 @@ def check_table(
     summary = Text(
         f"{fitting} of {len(rows)} fit.", style="bold green" if fitting == len(rows) else "bold red"
     )
-    return Group(budget_line(budget_text, budget, reserve), table, summary)
+    advice = [
+        Text(f"{model}: from its layout, {lines[0]}", style="yellow")
+        for model, candidate in rows
+        if (lines := candidate_advice(candidate))
+    ]
+    return Group(budget_line(budget_text, budget, reserve), table, summary, *advice)
+
+
+def candidate_advice(candidate: Candidate | None) -> list[str]:
+    """What to raise from a plan's layout when it does not fit (`plan.advice`)."""
+    if candidate is None or candidate.fits or candidate.plan.formula != "derived":
+        return []
+    from ckplan.plan.advice import advice_lines
+
+    return advice_lines(candidate.plan.spec, candidate.budget_bytes)
 
 
 def _why_not(candidate: Candidate) -> str:
