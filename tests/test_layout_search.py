@@ -191,3 +191,26 @@ def test_rejected_explain_memory_and_speed():
         assert r.over_bytes > 0
     for r in reasons["slower"]:
         assert r.over_bytes is None and r.seconds >= result.layouts[0].seconds
+
+
+@pytest.mark.parametrize(
+    "preset, gpus, batch, keys",
+    [
+        ("megatron-22b", 8, 4, {"tp": 8, "pp": 1, "cp": 1, "micro_batch": 4}),
+        ("megatron-175b", 64, 64, {"tp": 8, "pp": 8, "cp": 1, "micro_batch": 1}),
+        ("megatron-530b", 280, 280, {"tp": 8, "pp": 35, "cp": 1, "micro_batch": 1}),
+        ("megatron-1t", 512, 512, {"tp": 8, "pp": 64, "cp": 1, "micro_batch": 1}),
+    ],
+)
+def test_korthikanti_table3_layouts_fit(preset, gpus, batch, keys):
+    """Korthikanti et al. (2022), Table 3: given the GPU count and global batch, the published
+    layout (TP 8 with SP, PP 1/8/35/64, no DP, their micro-batch and virtual stages) is among
+    the layouts that fit on A100 80 GB, with selective recomputation, the paper's plan
+    (docs/validation.md has its rank)."""
+    spec = load_spec(preset)
+    gpu = load_gpu("a100-80gb")
+    keys = {**keys, "sp": True, "virtual_stages": spec.virtual_stages}
+    result = search_layouts(spec, gpus, gpu, batch, gpu.memory_bytes, constraints=keys, top=1)
+    assert result.layouts, result.least_memory
+    best = result.layouts[0]
+    assert best.fits and best.layout.dp == 1 and best.plan.strategy == "selective"

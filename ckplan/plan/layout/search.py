@@ -11,10 +11,11 @@ grows; with experts `moe`, `experts` and their selective forms), timed by
 
 The optimal DP (`plan.search.optimal_plan`: `optimal` and its selective and MoE forms, the
 cheapest persistent schedules within the activation budget) runs only where the layer-level
-plans cannot decide: where none of them fits (the DP then says whether any schedule does), and
-where the fastest recomputes while the layout's bound (its time without recomputation) is
-below the K-th best time, so that a schedule recomputing less could still enter the top K;
-this repeats until no layout can.
+plans cannot decide and the answer could change the top K: on layouts where none of them fits
+(the DP then says whether any schedule does) or whose fastest recomputes, while the least time
+of any plan that fits (`bounds.Bounds.recompute_time`) is below the K-th best time, in order of
+that bound, until no layout can enter. Layouts where no layer-level plan fits and the DP did
+not run are reported over memory by their least layer-level plan.
 """
 
 from __future__ import annotations
