@@ -264,7 +264,9 @@ def profiles() -> None:
         print("  ckplan calibrate: torch is not installed in this environment")
         return
     calibrate = [sys.executable, "-m", "ckplan", "calibrate", "llama3-8b", "--json"]
-    best, median, _ = timed(subprocess.run, calibrate, repeats=1)
+    best, median, _ = timed(
+        lambda: subprocess.run(calibrate, capture_output=True, check=True), repeats=1
+    )
     print(f"  {'ckplan calibrate llama3-8b (torch, CPU)':<44} {seconds(best, median)}")
 
 

@@ -15,25 +15,22 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 import yaml
 from rich.console import Console
 
 from ckplan import __version__, render
-from ckplan.hardware.gpus import GPU, GPUError
-from ckplan.hardware.step_time import step_time
+from ckplan.errors import InputError
 from ckplan.io import safe_yaml
-from ckplan.io.exports import ExportError
 from ckplan.io.gpus import gpu_names, load_gpu
 from ckplan.io.presets import load_spec, preset_names
-from ckplan.model.spec import ModelSpec, SpecError
+from ckplan.model.spec import ModelSpec
 from ckplan.plan import (
     DEFAULT_SLOTS,
     FORMULAS,
     STRATEGY_HELP,
-    StrategyError,
     evaluate,
     limits,
     parse_strategy,
@@ -42,10 +39,11 @@ from ckplan.plan import (
 )
 from ckplan.plan.search import DEFAULT_RESERVE
 from ckplan.quoting import abbreviate, one_line, quote
-from ckplan.render import plot as render_plot
-from ckplan.render.plot import PlotError
 from ckplan.render.progress import progress
-from ckplan.units import SizeError, format_bytes, parse_size
+from ckplan.units import format_bytes, parse_size
+
+if TYPE_CHECKING:
+    from ckplan.hardware.gpus import GPU
 
 app = typer.Typer(
     name="ckplan",
@@ -82,20 +80,26 @@ class UserError(Exception):
     """Bad input found by the CLI itself (not by the spec or units parsers)."""
 
 
+def _step_time(plan, gpu):
+    """The time model, imported when a command is given --gpu (start-up time)."""
+    from ckplan.hardware.step_time import step_time
+
+    return step_time(plan, gpu)
+
+
+def _plots():
+    """The plot renderer, imported when a command is given --plot."""
+    from ckplan.render import plot
+
+    return plot
+
+
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Turn every bad-input error into one line on stderr and exit code 2."""
     try:
         yield
-    except (
-        SpecError,
-        SizeError,
-        StrategyError,
-        GPUError,
-        UserError,
-        ExportError,
-        PlotError,
-    ) as error:
+    except (InputError, UserError) as error:
         print_error(str(error))
         raise typer.Exit(EXIT_BAD_INPUT) from None
 
@@ -350,7 +354,7 @@ def estimate(
     with user_errors():
         fmt = output_format(fmt, as_json)
         if plot is not None:
-            render_plot.check_plot(plot)
+            _plots().check_plot(plot)
         spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance, profile)
         device = resolve_gpu(gpu, settings)
         parsed = parse_strategy(strategy, spec)
@@ -374,7 +378,7 @@ def estimate(
                     ),
                 )
             candidate = search.Candidate(plan, total - kept)
-        time = None if device is None else step_time(plan, device)
+        time = None if device is None else _step_time(plan, device)
         if plot is not None:
             _estimate_plot(plan, candidate, plot)
     if fmt == "json":
@@ -398,7 +402,7 @@ def _estimate_plot(plan, candidate, path: str) -> None:
     budget = None
     if candidate is not None:
         budget = candidate.budget_bytes - plan.model_states.total
-    render_plot.timeline_plot(plan, timeline, path, budget)
+    _plots().timeline_plot(plan, timeline, path, budget)
 
 
 @app.command()
@@ -518,7 +522,7 @@ def sweep(
     with user_errors():
         fmt = output_format(fmt, as_json)
         if plot is not None:
-            render_plot.check_plot(plot)
+            _plots().check_plot(plot)
         spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance, profile)
         device = resolve_gpu(gpu, settings)
         budget_text, total, kept = require_budget(budget, reserve, device)
@@ -536,7 +540,7 @@ def sweep(
             result = search.sweep(spec, total, kept, formula, slots, device, rank, progress=report)
         micro_batches = _micro_batches(spec, result) if micro_batch == "auto" else None
         if plot is not None:
-            render_plot.sweep_plot(result, budget_text, plot)
+            _plots().sweep_plot(result, budget_text, plot)
     if fmt == "json":
         print_json(render.sweep_dict(result, micro_batches))
     elif fmt in ("csv", "markdown"):
@@ -683,7 +687,7 @@ def schedule(
                 spec, strategy, activation_budget, reason, stage_names(spec)
             ),
         )
-    time = None if device is None else step_time(plan, device)
+    time = None if device is None else _step_time(plan, device)
     if as_json:
         print_json(render.schedule_dict(plan, activation_budget, time))
     else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+from ckplan.errors import InputError
 from ckplan.quoting import quote
 
 DECIMAL_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -27,7 +28,7 @@ _SIZE = re.compile(r"^(?P<number>[0-9]+(?:\.[0-9]+)?(?:[eE]\+?[0-9]+)?)(?P<unit>
 MAX_SIZE = 10**21  # a zettabyte: anything larger is a typo, and would overflow float printing
 
 
-class SizeError(ValueError):
+class SizeError(InputError):
     """A size string that is not one of the accepted forms."""
 
 

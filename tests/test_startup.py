@@ -1,5 +1,6 @@
-"""Start-up: commands that need no NumPy and no optimal schedule do not import them (the
-timings are in `make bench`, docs/performance.md)."""
+"""Start-up: commands that need no NumPy, no optimal schedule, no time model, exports, plots,
+profiles or HF configs do not import them (the timings are in `make bench`,
+docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import sys
 from ckplan.cli import main
 main({argv!r})
 loaded = [name for name in ("numpy", "ckplan.schedules.rotor", "ckplan.schedules.brute_force",
-          "ckplan.render.verify", "ckplan.verify") if name in sys.modules]
+          "ckplan.render.verify", "ckplan.verify", "ckplan.hardware.step_time",
+          "ckplan.io.exports", "ckplan.render.plot", "ckplan.model.profiles",
+          "ckplan.io.hf_config", "ckplan.calibrate") if name in sys.modules]
 sys.stderr.write("LOADED " + " ".join(loaded) + "\\n")
 """
 

@@ -47,8 +47,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckplan.errors import InputError
 
-class GPUError(ValueError):
+
+class GPUError(InputError):
     """Invalid GPU description; the message is one line and names the offending key."""
 
 

@@ -17,11 +17,8 @@ from typing import Any
 import yaml
 
 from ckplan.io import safe_yaml
-from ckplan.io.hf_config import hf_config_mapping
-from ckplan.io.profiles import is_profile_file
 from ckplan.model.ops import layer_ops
-from ckplan.model.profiles import DEFAULT_PROFILE, ProfileError
-from ckplan.model.spec import ModelSpec, SpecError, spec_from_mapping
+from ckplan.model.spec import DEFAULT_PROFILE, ModelSpec, SpecError, spec_from_mapping
 from ckplan.quoting import abbreviate, quote
 
 
@@ -57,6 +54,8 @@ def load_mapping(model: str) -> tuple[dict[str, Any], str]:
         origin = abbreviate(model)
         text = read_text_file(path, origin)
         if path.suffix == ".json":
+            from ckplan.io.hf_config import hf_config_mapping  # only for config.json
+
             return hf_config_mapping(_parse_json(text, origin), origin), origin
         return _parse_yaml(text, origin), origin
     if model in preset_names():
@@ -104,6 +103,8 @@ def load_spec(model: str, overrides: Mapping[str, Any] | None = None) -> ModelSp
     mapping, origin = load_mapping(model)
     spec = spec_from_mapping({**_profile_beside(mapping, model), **(overrides or {})}, origin)
     if spec.profile != DEFAULT_PROFILE:
+        from ckplan.model.profiles import ProfileError  # only with a profile
+
         try:
             layer_ops(spec)
         except ProfileError as error:
@@ -114,7 +115,11 @@ def load_spec(model: str, overrides: Mapping[str, Any] | None = None) -> ModelSp
 def _profile_beside(mapping: dict[str, Any], model: str) -> dict[str, Any]:
     """A model file's relative `profile:` path is read beside the model file when it is there."""
     reference = mapping.get("profile")
-    if not isinstance(reference, str) or not is_profile_file(reference):
+    if not isinstance(reference, str):
+        return mapping
+    from ckplan.io.profiles import is_profile_file
+
+    if not is_profile_file(reference):
         return mapping
     beside = Path(model).parent / reference
     if Path(reference).is_absolute() or not Path(model).is_file() or not beside.is_file():

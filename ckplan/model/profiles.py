@@ -45,9 +45,13 @@ from fractions import Fraction
 from typing import Any
 
 from ckplan.model.ops import Op, _split, kv_heads_per_rank
-from ckplan.model.spec import _ENUMS, ModelSpec, SpecError, _coerce, field_names
-
-DEFAULT_PROFILE = "fused"
+from ckplan.model.spec import (
+    _ENUMS,
+    ModelSpec,
+    SpecError,
+    _coerce,
+    field_names,
+)
 
 TERMS = {
     "sbh": "s·b·h, a residual-stream tensor (/ t under sequence parallelism)",

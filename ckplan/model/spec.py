@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from ckplan.errors import InputError
 from ckplan.quoting import quote
 
 
-class SpecError(ValueError):
+class SpecError(InputError):
     """Invalid model description; the message is one line and names the offending key."""
 
 
@@ -28,6 +29,7 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu", "geglu")  # geglu: gated like swiglu (Gemma), the same shapes
 ATTENTIONS = ("standard", "flash")
 POSITIONS = ("learned", "rope")
+DEFAULT_PROFILE = "fused"  # the op table itself (ckplan.model.profiles)
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class ModelSpec:
     tied_embeddings: bool = False
     fused_swiglu: bool = True  # Megatron's bias_swiglu saves fc1 output, not silu(gate) too
     # kernel profile (ckplan.model.profiles): a shipped name or a .yaml file; fused = ops.py's
-    profile: str = "fused"
+    profile: str = DEFAULT_PROFILE
     # parallel layout
     tp: int = 1
     pp: int = 1

@@ -9,13 +9,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ckplan.hardware.gpus import GPU
-from ckplan.hardware.step_time import StepTime, step_time
 from ckplan.model.memory import model_state_bytes
 from ckplan.model.spec import ModelSpec
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate
 from ckplan.plan.strategies import Strategy, parse_strategy
+
+if TYPE_CHECKING:
+    from ckplan.hardware.gpus import GPU
+    from ckplan.hardware.step_time import StepTime
 
 # Taken off every budget unless --reserve says otherwise: the CUDA context and cuBLAS/NCCL
 # workspaces (about 0.5-1 GiB on H100-class GPUs) plus caching-allocator fragmentation.
@@ -198,7 +201,11 @@ def _rank(gpu: GPU | None, rank: str | None) -> str:
 
 
 def _candidate(plan: Plan, usable: int, gpu: GPU | None) -> Candidate:
-    return Candidate(plan, usable, None if gpu is None else step_time(plan, gpu))
+    if gpu is None:
+        return Candidate(plan, usable)
+    from ckplan.hardware.step_time import step_time  # only with a GPU (start-up time)
+
+    return Candidate(plan, usable, step_time(plan, gpu))
 
 
 def _seed_strategies(spec: ModelSpec) -> list[Strategy]:
@@ -228,6 +235,8 @@ def optimal_plan(
     if not found:
         return None
     if gpu is not None:
+        from ckplan.hardware.step_time import step_time
+
         return min(found, key=lambda p: (step_time(p, gpu).step_seconds, p.activation_bytes))
     return min(found, key=lambda p: (p.flops.total, p.activation_bytes))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ckplan.errors import InputError
 from ckplan.model.ops import ATTENTION_CORE
 from ckplan.model.spec import ModelSpec
 from ckplan.quoting import quote
@@ -22,7 +23,7 @@ FORMULAS = ("derived", "seed")
 MOE_GROUPS = {"moe": "moe", "experts": "moe/experts"}  # modifier -> recompute group (moe.py)
 
 
-class StrategyError(ValueError):
+class StrategyError(InputError):
     """A strategy string that names no strategy, or does not fit the model."""
 
 

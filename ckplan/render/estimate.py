@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
 from ckplan import __version__
-from ckplan.hardware.gpus import GPU
-from ckplan.hardware.step_time import StepTime
 from ckplan.model.layers import distinct_kinds, format_layer_set, layer_kinds
 from ckplan.model.memory import (
     activation_breakdown,
@@ -24,8 +22,11 @@ from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 from ckplan.plan.search import Candidate
 from ckplan.render.common import _both, _gib
-from ckplan.render.time import step_time_table
 from ckplan.units import format_flops
+
+if TYPE_CHECKING:
+    from ckplan.hardware.gpus import GPU
+    from ckplan.hardware.step_time import StepTime
 
 # ---- JSON --------------------------------------------------------------------------------
 
@@ -367,6 +368,8 @@ def estimate_view(
         states = plan.model_states
         parts.append(Text(expert_layout_line(layout, states.total, states.expert_total)))
     if time is not None:
+        from ckplan.render.time import step_time_table
+
         parts.append(step_time_table(plan, time, gpu))
     elif gpu is not None:
         parts.append(

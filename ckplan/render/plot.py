@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from ckplan.errors import InputError
 from ckplan.plan import Plan
 from ckplan.plan.search import SweepResult
 from ckplan.plan.timeline import Timeline
@@ -19,7 +20,7 @@ GIB = 2**30
 MISSING = "--plot needs matplotlib, the optional extra: pip install 'ckplan[plot]'"
 
 
-class PlotError(ValueError):
+class PlotError(InputError):
     """A plot that cannot be made: matplotlib missing, or an unsupported file name."""
 
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from ckplan.hardware.step_time import StepTime
 from ckplan.model.moe import expert_layout
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
@@ -17,6 +16,9 @@ from ckplan.plan.search import Candidate, SweepResult
 from ckplan.render.common import GIB, _gib, memory_bar
 from ckplan.render.estimate import expert_layout_line, plan_dict
 from ckplan.render.time import seconds
+
+if TYPE_CHECKING:
+    from ckplan.hardware.step_time import StepTime
 from ckplan.units import format_bytes, format_flops, size_unit
 
 # ---- sweep, check, schedule --------------------------------------------------------------

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from ckplan.hardware.gpus import GPU
-from ckplan.hardware.step_time import StepTime
-from ckplan.plan import Plan
+if TYPE_CHECKING:
+    from ckplan.hardware.gpus import GPU
+    from ckplan.hardware.step_time import StepTime
+    from ckplan.plan import Plan
 
 
 def seconds(value: float) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ckplan.errors import InputError
 from ckplan.io.exports import deepspeed, megatron, torch_snippet, torchtitan, yaml_plan
 from ckplan.io.exports.segments import LayerSegments, layer_segments
 from ckplan.model.spec import ModelSpec
@@ -23,7 +24,7 @@ TARGETS = {
 }
 
 
-class ExportError(ValueError):
+class ExportError(InputError):
     """A plan the target cannot express; the message offers the nearest one it can."""
 
 
