@@ -412,6 +412,41 @@ def test_mfu_near_korthikanti_table5(spec_of, a100, name):
     assert abs(time.mfu / KORTHIKANTI_MFU[name] - 1) < 0.25
 
 
+KORTHIKANTI_TABLE4 = {  # one 22B layer on A100 80GB: (forward ms, backward ms)
+    "baseline": (7.7, 11.9),
+    "sp": (7.2, 11.8),
+    "full": (7.7, 19.5),
+    "selective": (7.7, 13.2),
+    "selective+sp": (7.2, 13.1),
+}
+
+
+def test_layer_times_near_korthikanti_table4(spec_of, a100):
+    """Reported, not fitted (docs/validation.md, Table 4): every forward, backward and combined
+    time within issue 10's 10 %; full and selective recompute within 3 and 2 points of +39 and
+    +7 %; selective + SP (which misses its 2 points) closer than Calculon's +11.5 % to +4 %."""
+    rows = {}
+    for sp in (False, True):
+        layer = layer_time(spec_of("megatron-22b", sp=sp), a100)
+        forward = (layer.forward.total + layer.forward_comm) * 1e3
+        backward = (layer.backward.total + layer.backward_comm) * 1e3
+        core = (layer.core_forward.total + layer.core_comm) * 1e3
+        rows["sp" if sp else "baseline"] = (forward, backward)
+        if not sp:
+            rows["full"] = (forward, backward + forward)
+        rows["selective+sp" if sp else "selective"] = (forward, backward + core)
+    for name, (forward, backward) in rows.items():
+        measured_forward, measured_backward = KORTHIKANTI_TABLE4[name]
+        assert abs(forward / measured_forward - 1) < 0.10, name
+        assert abs(backward / measured_backward - 1) < 0.10, name
+        assert abs((forward + backward) / (measured_forward + measured_backward) - 1) < 0.10
+    base = sum(rows["baseline"])
+    overhead = {name: sum(times) / base - 1 for name, times in rows.items()}
+    assert abs(overhead["full"] - 0.39) <= 0.03
+    assert abs(overhead["selective"] - 0.07) <= 0.02
+    assert abs(overhead["selective+sp"] - 0.04) < abs(0.115 - 0.04)
+
+
 def test_step_time_from_forwards_checks_lengths(spec_of, a100):
     spec = spec_of("gpt2")
     with pytest.raises(ValueError, match="forward counts"):
