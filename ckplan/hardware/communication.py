@@ -5,8 +5,18 @@ operations in MPICH"; the bus-bandwidth convention of NCCL's nccl-tests, doc/PER
 for n ranks and a tensor of S bytes (the whole, gathered tensor), each rank sends and receives
   all-reduce                    2(n-1)/n · S
   all-gather, reduce-scatter     (n-1)/n · S
-over its own link, so the time is that volume over the per-GPU bandwidth of one direction. The
-latency terms (n steps of a few microseconds) are left out: they matter only for small messages.
+over its own link, so the time is that volume over the per-GPU bandwidth of one direction.
+NCCL's own model adds a latency (src/graph/tuning.cc, ncclTopoTuneModel): baseLat once plus
+hwLat per ring step, 2(n-1) steps for an all-reduce and n-1 for an all-gather or a
+reduce-scatter, so one reduce-scatter plus one all-gather pays baseLat once more than the
+all-reduce that moves the same bytes (`ring_latency_seconds`; the GPU file's
+collective_latency_s and collective_step_latency_s, 0 where not given). The tensor-parallel
+collectives add it (hardware.step_time); the data-parallel, expert-parallel, context-parallel
+and pipeline transfers, megabytes to gigabytes on groups where NCCL may pick other algorithms,
+are bandwidth alone.
+
+A collective overlapped with a GEMM slows it (`overlapped`): its NCCL blocks hold SMs the GEMM
+would use (roofline.contended_matmul_seconds, the GPU file's nccl_channels).
 
 All-to-all (nccl-tests src/alltoall.cu, AlltoAllGetBw: bus bandwidth = algorithm bandwidth x
 (n-1)/n): each rank holds S bytes split evenly over the n ranks and keeps its own 1/n, so
@@ -98,3 +108,37 @@ def exposed(comm_seconds: float, overlapped_compute_seconds: float) -> float:
     """Time a collective adds when it runs beside compute it can hide behind (derived:
     max(0, comm - compute); no slowdown of the compute is modelled)."""
     return max(0.0, comm_seconds - overlapped_compute_seconds)
+
+
+def ring_latency_seconds(gpu: GPU, steps: int) -> float:
+    """NCCL's latency of a ring collective of `steps` steps within a node (src/graph/tuning.cc:
+    latency = baseLat + nsteps · hwLat; the ring, Simple protocol, NVLink figures are 8.4 us
+    and 3.4 us per step): collective_latency_s + steps · collective_step_latency_s. 0 for no
+    steps (one rank)."""
+    if steps <= 0:
+        return 0.0
+    return gpu.collective_latency_s + steps * gpu.collective_step_latency_s
+
+
+def all_reduce_latency(gpu: GPU, ranks: int) -> float:
+    """A ring all-reduce's latency: 2(n-1) steps (a reduce-scatter then an all-gather)."""
+    return ring_latency_seconds(gpu, 2 * (ranks - 1))
+
+
+def all_gather_latency(gpu: GPU, ranks: int) -> float:
+    """A ring all-gather's or reduce-scatter's latency: n-1 steps. Two of them pay
+    collective_latency_s once more than one all-reduce."""
+    return ring_latency_seconds(gpu, ranks - 1)
+
+
+def overlapped(comm_seconds: float, gemm_seconds: float, contended_gemm_seconds: float) -> float:
+    """Seconds a collective adds to the GEMM it runs beside (derived). While it runs, the GEMM
+    proceeds at gemm / contended of its speed (its SMs shared, roofline.
+    contended_matmul_seconds). If the collective outlasts the contended GEMM, the pair takes
+    the collective's time: it adds comm - gemm. Else the GEMM does comm / contended of its
+    work meanwhile and the rest at full speed, comm + (1 - comm / contended) · gemm in all: it
+    adds comm · (1 - gemm / contended). Without contention (contended = gemm) this is
+    `exposed`."""
+    if comm_seconds >= contended_gemm_seconds:
+        return comm_seconds - gemm_seconds
+    return comm_seconds * (1 - gemm_seconds / contended_gemm_seconds)

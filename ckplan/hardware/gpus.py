@@ -27,6 +27,15 @@ the shipped files and README "Step time"):
                               fully hidden where the compute allows (DeepSeek's DualPipe,
                               Megatron's --overlap-moe-expert-parallel-comm)
   sm_count, tile_m, tile_n    the wave-quantisation term of the shape curve (roofline.py)
+
+Collective keys (NCCL's own cost model and its footprint on the GPU; 0 = not modelled, the
+default for a file without them; the shipped files cite their figures):
+  collective_latency_s        fixed seconds of one ring collective (NCCL's baseLat)
+  collective_step_latency_s   seconds per ring step on the link (NCCL's hwLat), so a ring
+                              all-reduce over n GPUs costs base + 2(n-1) steps, an all-gather or
+                              reduce-scatter base + (n-1) (communication.ring_latency_seconds)
+  nccl_channels               CUDA blocks a collective runs, one per channel, each holding an
+                              SM a large-tile GEMM cannot share (communication.overlapped)
 """
 
 from __future__ import annotations
@@ -66,6 +75,9 @@ class GPU:
     sm_count: int = 108
     tile_m: int = 256
     tile_n: int = 128
+    collective_latency_s: float = 0.0
+    collective_step_latency_s: float = 0.0
+    nccl_channels: int = 0
 
     def replace(self, **changes: Any) -> GPU:
         return gpu_from_mapping({**self.to_dict(), **changes})
@@ -78,6 +90,10 @@ _FIELDS = {f.name: f for f in dataclasses.fields(GPU)}
 _REQUIRED = [name for name, f in _FIELDS.items() if f.default is dataclasses.MISSING]
 _STRINGS = {"name", "source"}
 _INTEGERS = {"memory_bytes", "gpus_per_node", "sm_count", "tile_m", "tile_n"}
+_COUNTS = {"nccl_channels"}  # integers >= 0 (0: not modelled)
+_LATENCIES = {"collective_latency_s", "collective_step_latency_s"}  # [0, MAX_LATENCY_S]
+# 1 ms: twenty times the largest of NCCL's latencies (tuning.cc, 50 us a step on the network)
+MAX_LATENCY_S = 1e-3
 _OVERLAPS = {"dp_overlap", "ep_overlap"}  # [0, 1]
 _FRACTIONS = {  # (0, 1]
     "matmul_efficiency",
@@ -94,7 +110,8 @@ def gpu_keys() -> list[str]:
 
 def gpu_from_mapping(mapping: Mapping[str, Any], origin: str = "gpu") -> GPU:
     """Validate a YAML-style mapping into a GPU. Numbers may be written 312e12 or 312_000e9;
-    every size and rate must be positive, every efficiency in (0, 1] (the overlaps in [0, 1])."""
+    every size and rate must be positive, every efficiency in (0, 1] (the overlaps in [0, 1]),
+    the collective latencies in [0, 1 ms], nccl_channels an integer >= 0 below sm_count."""
     if not isinstance(mapping, Mapping):
         raise GPUError(
             f"{origin}: expected a mapping of keys to values, got {type(mapping).__name__}"
@@ -107,7 +124,13 @@ def gpu_from_mapping(mapping: Mapping[str, Any], origin: str = "gpu") -> GPU:
     missing = [key for key in _REQUIRED if key not in values]
     if missing:
         raise GPUError(f"{origin}: missing required key {missing[0]!r}")
-    return GPU(**values)
+    gpu = GPU(**values)
+    if gpu.nccl_channels >= gpu.sm_count:
+        raise GPUError(
+            f"{origin}: key 'nccl_channels' must be below sm_count ({gpu.sm_count}), "
+            f"got {gpu.nccl_channels}"
+        )
+    return gpu
 
 
 def _did_you_mean(key: str) -> str:
@@ -133,6 +156,16 @@ def _coerce(origin: str, key: str, value: Any) -> Any:
             raise GPUError(f"{origin}: key {key!r} expects a string, got {value!r}")
         return value
     number = _number(origin, key, value)
+    if key in _COUNTS:
+        if not number.is_integer() or number < 0:
+            raise GPUError(f"{origin}: key {key!r} must be an integer >= 0, got {value!r}")
+        return int(number)
+    if key in _LATENCIES:
+        if not 0.0 <= number <= MAX_LATENCY_S:
+            raise GPUError(
+                f"{origin}: key {key!r} must be in [0, {MAX_LATENCY_S:g}] seconds, got {value!r}"
+            )
+        return number
     if key in _INTEGERS:
         if not number.is_integer() or number < 1:
             raise GPUError(f"{origin}: key {key!r} must be a positive integer, got {value!r}")

@@ -83,15 +83,31 @@ def memory_seconds(gpu: GPU, moved_bytes: int) -> float:
     return moved_bytes / (gpu.hbm_bytes_per_s * gpu.memory_efficiency)
 
 
-def matmul_seconds(gpu: GPU, matmul: Matmul) -> float:
+def matmul_seconds(gpu: GPU, matmul: Matmul, sms_taken: int = 0) -> float:
     """Roofline of one (batched) GEMM: max(2·m·n·k·batch / (peak x matmul_efficiency x
-    shape_efficiency), (m·k + k·n + m·n)·batch·B / (bandwidth x memory_efficiency))."""
+    shape_efficiency), (m·k + k·n + m·n)·batch·B / (bandwidth x memory_efficiency)).
+
+    `sms_taken` SMs held by another kernel (a collective's blocks, `contended_matmul_seconds`)
+    leave the GEMM sm_count - sms_taken of them: its compute side takes sm_count / (sm_count -
+    sms_taken) times as long (derived: the rate is per SM; the wave term stays the whole GPU's,
+    as the SMs come back when the other kernel ends), its memory side is unchanged."""
     m, n, k, batch = matmul.m, matmul.n, matmul.k, matmul.batch
     flops = 2 * m * n * k * batch
     rate = peak_flops(gpu, matmul.dtype_bytes) * gpu.matmul_efficiency
     compute = flops / (rate * shape_efficiency(gpu, m, n, batch))
+    compute *= gpu.sm_count / (gpu.sm_count - sms_taken)
     moved = (m * k + k * n + m * n) * batch * matmul.dtype_bytes
     return max(compute, memory_seconds(gpu, moved))
+
+
+def contended_matmul_seconds(gpu: GPU, matmul: Matmul) -> float:
+    """The GEMM while a collective runs beside it: NCCL runs one CUDA block per channel
+    (NCCL docs, NCCL_MIN_NCHANNELS: more channels "uses more CUDA compute resources"), launched
+    first (Megatron-LM delays the GEMM "to have all-reduce scheduled first and have GPU
+    resources allocated"), and a large-tile GEMM block cannot share an SM with one (256 threads
+    at up to 255 registers each fill an SM's 64K-register file), so the GEMM has sm_count -
+    nccl_channels SMs. E.g. A100 (108 SMs, 24 channels): 108/84 = 1.29x on its compute side."""
+    return matmul_seconds(gpu, matmul, gpu.nccl_channels)
 
 
 def backward_matmuls(matmul: Matmul) -> tuple[Matmul, Matmul]:

@@ -33,6 +33,7 @@ from ckplan.hardware.gpus import GPU
 from ckplan.hardware.roofline import (
     OpTime,
     backward_matmuls,
+    contended_matmul_seconds,
     matmul_seconds,
     memory_seconds,
     op_backward_time,
@@ -139,8 +140,9 @@ def _sum_ops(ops, timer, gpu: GPU, dtype: int) -> OpTime:
 
 
 def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tuple[float, float]:
-    """Exposed seconds of the tensor-parallel collectives of `ops`, (forward, backward), as
-    Megatron-LM runs them (tensor_parallel/layers.py, mappings.py; Korthikanti §4.2.2):
+    """Seconds the tensor-parallel collectives of `ops` add, (forward, backward), as
+    Megatron-LM runs them (tensor_parallel/layers.py, `LinearWithGradAccumulationAndAsync
+    Communication`, and mappings.py; Korthikanti §4.2.2):
 
     - a column-parallel linear (`tp_comm` "column": QKV, fc1): without SP, its input gradient
       is all-reduced in the backward, overlapped with the weight-gradient GEMM; with SP, its
@@ -151,12 +153,21 @@ def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tupl
       (exposed); with SP reduce-scattered in the forward and its output gradient all-gathered
       in the backward (both exposed).
 
-    Each collective moves the whole (s·b, h) tensor of B-byte values on the TP link.
+    Each collective moves the whole (s·b, h) tensor of B-byte values on the TP link, plus NCCL's
+    ring latency (`comm.all_reduce_latency`, `all_gather_latency`). An overlapped one adds what
+    it does not hide and the slowdown of the GEMM whose SMs its blocks hold (`comm.overlapped`).
     """
     t = spec.tp
     if t == 1:
         return 0.0, 0.0
     bandwidth = comm.group_bandwidth(gpu, t, 1)
+    reduce_latency = comm.all_reduce_latency(gpu, t)
+    gather_latency = comm.all_gather_latency(gpu, t)
+
+    def beside(seconds: float, gemm: Matmul) -> float:
+        alone = matmul_seconds(gpu, gemm)
+        return comm.overlapped(seconds, alone, contended_matmul_seconds(gpu, gemm))
+
     forward = backward = 0.0
     for op in ops:
         if op.tp_comm is None or op.matmul is None:
@@ -166,21 +177,21 @@ def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tupl
         if op.tp_comm == "column":
             size = mm.batch * mm.m * mm.k * mm.dtype_bytes
             if spec.sp:
-                gather = comm.all_gather_seconds(size, t, bandwidth)
+                gather = comm.all_gather_seconds(size, t, bandwidth) + gather_latency
                 forward += gather
-                backward += comm.exposed(gather, matmul_seconds(gpu, input_grad))
-                scatter = comm.reduce_scatter_seconds(size, t, bandwidth)
-                backward += comm.exposed(scatter, matmul_seconds(gpu, weight_grad))
+                backward += beside(gather, input_grad)
+                scatter = comm.reduce_scatter_seconds(size, t, bandwidth) + gather_latency
+                backward += beside(scatter, weight_grad)
             else:
-                reduce = comm.all_reduce_seconds(size, t, bandwidth)
-                backward += comm.exposed(reduce, matmul_seconds(gpu, weight_grad))
+                reduce = comm.all_reduce_seconds(size, t, bandwidth) + reduce_latency
+                backward += beside(reduce, weight_grad)
         else:
             size = mm.batch * mm.m * mm.n * mm.dtype_bytes
             if spec.sp:
-                forward += comm.reduce_scatter_seconds(size, t, bandwidth)
-                backward += comm.all_gather_seconds(size, t, bandwidth)
+                forward += comm.reduce_scatter_seconds(size, t, bandwidth) + gather_latency
+                backward += comm.all_gather_seconds(size, t, bandwidth) + gather_latency
             else:
-                forward += comm.all_reduce_seconds(size, t, bandwidth)
+                forward += comm.all_reduce_seconds(size, t, bandwidth) + reduce_latency
     return forward, backward
 
 
@@ -215,9 +226,10 @@ def mla_comm(spec: ModelSpec, gpu: GPU) -> tuple[float, float]:
         return 0.0, 0.0
     size = _tokens(spec) * spec.qk_rope_head_dim * spec.dtype_bytes
     bandwidth = comm.group_bandwidth(gpu, spec.tp, 1)
+    latency = comm.all_gather_latency(gpu, spec.tp)
     return (
-        comm.all_gather_seconds(size, spec.tp, bandwidth),
-        comm.reduce_scatter_seconds(size, spec.tp, bandwidth),
+        comm.all_gather_seconds(size, spec.tp, bandwidth) + latency,
+        comm.reduce_scatter_seconds(size, spec.tp, bandwidth) + latency,
     )
 
 
@@ -291,10 +303,12 @@ def embedding_time(spec: ModelSpec, gpu: GPU) -> StageTime:
     if spec.tp > 1:
         bandwidth = comm.group_bandwidth(gpu, spec.tp, 1)
         if spec.sp:
-            forward_comm = comm.reduce_scatter_seconds(B * full, spec.tp, bandwidth)
-            backward_comm = comm.all_gather_seconds(B * full, spec.tp, bandwidth)
+            latency = comm.all_gather_latency(gpu, spec.tp)
+            forward_comm = comm.reduce_scatter_seconds(B * full, spec.tp, bandwidth) + latency
+            backward_comm = comm.all_gather_seconds(B * full, spec.tp, bandwidth) + latency
         else:
-            forward_comm = comm.all_reduce_seconds(B * full, spec.tp, bandwidth)
+            latency = comm.all_reduce_latency(gpu, spec.tp)
+            forward_comm = comm.all_reduce_seconds(B * full, spec.tp, bandwidth) + latency
     return StageTime(
         forward=OpTime(0.0, memory_seconds(gpu, moved)),
         backward=OpTime(0.0, memory_seconds(gpu, backward_moved)),
