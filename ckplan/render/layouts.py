@@ -105,8 +105,16 @@ def _stage(layout: Layout, stage: int) -> str:
     return {0: "the first stage", layout.pp - 1: "the last stage"}.get(stage, f"stage {stage}")
 
 
-def _parts(bubble: float, communication: float, recompute: float) -> dict[str, float]:
-    return {"bubble": bubble, "communication": communication, "recomputation": recompute}
+def _parts(step: float, bubble: float, communication: float, recompute: float) -> dict:
+    """The step's bubble, exposed communication, recomputation and the rest (compute and the
+    optimizer)."""
+    rest = step - bubble - communication - recompute
+    return {
+        "bubble": bubble,
+        "communication": communication,
+        "recomputation": recompute,
+        "compute": rest,
+    }
 
 
 def _time_parts(item) -> tuple[float, dict[str, float]]:
@@ -116,10 +124,10 @@ def _time_parts(item) -> tuple[float, dict[str, float]]:
     if e is not None and e.fits and e.candidate.time is not None:
         t = e.candidate.time
         return t.step_seconds, _parts(
-            t.bubble_seconds, t.communication_seconds, t.recompute_seconds
+            t.step_seconds, t.bubble_seconds, t.communication_seconds, t.recompute_seconds
         )
     bound = item.time_bound
-    return bound.seconds, _parts(bound.bubble, bound.communication, 0.0)
+    return bound.seconds, _parts(bound.seconds, bound.bubble, bound.communication, 0.0)
 
 
 def _slower(rejected: Rejected, best: Evaluated | None) -> str:
@@ -135,6 +143,7 @@ def _slower(rejected: Rejected, best: Evaluated | None) -> str:
             "bubble": "pipeline bubble",
             "communication": "communication-bound: exposed communication",
             "recomputation": "recomputation",
+            "compute": "compute and optimizer",
         }[name]
         then = seconds(best_parts[name]) if best_parts[name] > 0 else "none"
         text += f": {label} {seconds(parts[name])} ({then} in the fastest)"
@@ -229,12 +238,8 @@ def plan_dict(result: LayoutResult) -> dict[str, Any]:
             "layouts": [rejected_dict(r, best) for r in result.rejected],
             "nearest": None if least is None else rejected_dict(least, None),
         },
-        "advice": list(result_advice(result)),
+        "advice": list(result.advice),
     }
-
-
-def result_advice(result: LayoutResult) -> tuple[str, ...]:
-    return result.advice
 
 
 def plan_view(result: LayoutResult, budget_text: str, model: str | None = None) -> Group:
@@ -272,7 +277,7 @@ def plan_view(result: LayoutResult, budget_text: str, model: str | None = None) 
         parts.append(rejected)
     parts.append(_counts_line(result))
     parts += _verdict(result, best, budget_text, model or result.spec.name)
-    parts += [Text(f"Advice: {line}", style="yellow") for line in result_advice(result)]
+    parts += [Text(f"Advice: {line}", style="yellow") for line in result.advice]
     return Group(*parts)
 
 

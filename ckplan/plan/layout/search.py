@@ -141,6 +141,9 @@ def check_search(
             raise LayoutError(f"--set {key}={value}: expected {expected}")
         if key == "zero" and value > 3:
             raise LayoutError(f"--set zero={value}: expected 0, 1, 2 or 3")
+    for key in ("ep", "etp"):
+        if key in constraints and not spec.experts:
+            raise LayoutError(f"--set {key}={constraints[key]}: {spec.name} has no experts")
     product = 1
     for key in ("tp", "pp", "cp", "dp"):
         value = constraints.get(key)
