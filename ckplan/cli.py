@@ -11,6 +11,7 @@ import contextlib
 import functools
 import glob
 import json
+import shlex
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -621,6 +622,12 @@ def plan(
         device = resolve_gpu(gpu, settings)
         budget_text, total, kept = require_budget(budget, reserve, device)
         slots = check_slots(slots)
+        extra = "".join(
+            f" --set {shlex.quote(setting)}"
+            for setting in settings or []
+            if setting.partition("=")[0].strip() not in constraints
+        )
+        extra += f" --profile {shlex.quote(profile)}" if profile else ""
         layout_search.check_search(spec, gpus, device.gpus_per_node, global_batch, constraints)
         result = layout_search.search_layouts(
             spec, gpus, device, global_batch, total, kept, top, constraints, slots
@@ -630,7 +637,7 @@ def plan(
     elif fmt in ("csv", "markdown"):
         print_rows(layout_view.plan_rows(result), fmt)
     else:
-        stdout.print(layout_view.plan_view(result, budget_text, model))
+        stdout.print(layout_view.plan_view(result, budget_text, model, extra), soft_wrap=True)
     if not result.layouts:
         print_error(layout_view.no_fit_line(result))
         raise typer.Exit(EXIT_DOES_NOT_FIT)

@@ -4,6 +4,7 @@ them with the same keys, ranked as `estimate --gpu` times them; its JSON, CSV an
 import csv
 import io
 import json
+import shlex
 
 import pytest
 
@@ -133,3 +134,22 @@ def test_nothing_fits_is_exit_1_with_the_nearest_layout(capsys):
     assert data["advice"] and all(line.startswith("--gpus ") for line in data["advice"])
     more = int(data["advice"][0].split()[1].replace(",", ""))
     assert more > 2 and "per GPU with full recomputation" in data["advice"][0]
+
+
+def test_the_check_command_printed_reproduces_the_fastest(capsys):
+    """The table's "Check it:" line, run as printed (model options included), evaluates the
+    fastest layout to the step time and memory `plan --json` gives it."""
+    argv = [*SMALL, "--budget", "3.5GB", "--set", "dropout=0", "--profile", "torch-eager"]
+    code, out, _ = run(capsys, *argv, "--top", "1", "--json")
+    assert code == 0
+    fastest = json.loads(out)["layouts"][0]
+    code, out, _ = run(capsys, *argv, "--top", "1")
+    line = next(x for x in out.splitlines() if x.startswith("Check it: "))
+    command = shlex.split(line.removeprefix("Check it: "))
+    assert command[:2] == ["ckplan", "estimate"] and "--profile" in command
+    code, out, err = run(capsys, *command[1:], "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["fits"] and plan["strategy"] == fastest["strategy"]
+    assert plan["memory"]["total_bytes"] == fastest["memory"]["total_bytes"]
+    assert plan["time"]["step_seconds"] == pytest.approx(fastest["time"]["step_seconds"], rel=1e-12)

@@ -242,8 +242,11 @@ def plan_dict(result: LayoutResult) -> dict[str, Any]:
     }
 
 
-def plan_view(result: LayoutResult, budget_text: str, model: str | None = None) -> Group:
-    """The ranked layouts, the best rejected and a verdict."""
+def plan_view(
+    result: LayoutResult, budget_text: str, model: str | None = None, extra: str = ""
+) -> Group:
+    """The ranked layouts, the best rejected and a verdict; `extra`: the command line's model
+    options that the check command repeats."""
     parts: list[Any] = [budget_line(budget_text, result.budget_bytes, result.reserve_bytes)]
     title = (
         f"{result.spec.name} on {result.gpus:,} x {result.gpu.name}, global batch "
@@ -276,7 +279,7 @@ def plan_view(result: LayoutResult, budget_text: str, model: str | None = None) 
             rejected.add_row(Text(layout_text(r.layout)), REASONS[r.reason], Text(why(r, best)))
         parts.append(rejected)
     parts.append(_counts_line(result))
-    parts += _verdict(result, best, budget_text, model or result.spec.name)
+    parts += _verdict(result, best, budget_text, model or result.spec.name, extra)
     parts += [Text(f"Advice: {line}", style="yellow") for line in result.advice]
     return Group(*parts)
 
@@ -293,7 +296,7 @@ def _counts_line(result: LayoutResult) -> Text:
 
 
 def _verdict(
-    result: LayoutResult, best: Evaluated | None, budget_text: str, model: str
+    result: LayoutResult, best: Evaluated | None, budget_text: str, model: str, extra: str
 ) -> list[Text]:
     if best is None:
         return [Text(no_fit_line(result), style="bold red")]
@@ -305,14 +308,16 @@ def _verdict(
             style="bold green",
         ),
         Text(
-            "Check it: " + check_command(result, best, budget_text, model),
+            "Check it: " + check_command(result, best, budget_text, model, extra),
             no_wrap=True,
             overflow="ignore",
         ),
     ]
 
 
-def check_command(result: LayoutResult, e: Evaluated, budget_text: str, model: str) -> str:
+def check_command(
+    result: LayoutResult, e: Evaluated, budget_text: str, model: str, extra: str = ""
+) -> str:
     """The `ckplan estimate` command that evaluates layout `e` again."""
     sets = " ".join(f"--set {arg}" for arg in set_arguments(e.layout, e.spec.experts > 0))
     reserve = (
@@ -320,7 +325,7 @@ def check_command(result: LayoutResult, e: Evaluated, budget_text: str, model: s
     )
     return (
         f"ckplan estimate {shlex.quote(model)} --gpu {result.gpu.name} --budget {budget_text}"
-        f"{reserve} --seq {result.spec.seq} --strategy {e.plan.strategy} {sets}"
+        f"{reserve} --seq {result.spec.seq}{extra} --strategy {e.plan.strategy} {sets}"
     )
 
 
