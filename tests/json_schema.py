@@ -82,6 +82,72 @@ NO_FIT = {
     "notes": [str],
 }
 
+TIME = {
+    "step_seconds": float,
+    "forward_seconds": float,
+    "backward_seconds": float,
+    "recompute_seconds": float,
+    "communication_seconds": float,
+    "bubble_seconds": float,
+    "overhead": float,
+    "mfu": float,
+    "hfu": float,
+    "tokens_per_second_per_gpu": float,
+}
+_LAYOUT_KEYS = {
+    "tp": int,
+    "pp": int,
+    "cp": int,
+    "dp": int,
+    "ep": int,
+    "zero": int,
+    "sp": bool,
+    "virtual_stages": int,
+    "micro_batch": int,
+    "microbatches": int,
+    "first_stage_layers": (int, None),
+    "last_stage_layers": (int, None),
+    "account_for_embedding_in_pipeline_split": bool,
+    "account_for_loss_in_pipeline_split": bool,
+}
+LAYOUT = {
+    **_LAYOUT_KEYS,
+    "etp": (int, None),
+    "stage_layers": [int],
+    "strategy": str,
+    "fits": bool,
+    "memory": {
+        "total_bytes": int,
+        "activation_bytes": int,
+        "model_state_bytes": int,
+        "headroom_bytes": int,
+        "peak_stage": int,
+    },
+    "time": TIME,
+    "set": [str],
+}
+REJECTED = {
+    **_LAYOUT_KEYS,
+    "reason": str,
+    "why": str,
+    "over_bytes": (int, None),
+    "step_seconds": float,
+    "evaluated": bool,
+}
+LAYOUTS = {
+    "gpus": int,
+    "gpu": str,
+    "model": str,
+    "global_batch": int,
+    "seq": int,
+    "budget_bytes": int,
+    "reserve_bytes": int,
+    "usable_bytes": int,
+    "layouts": [LAYOUT],
+    "rejected": {"counts": {"layouts": int}, "layouts": [REJECTED], "nearest": (REJECTED, None)},
+    "advice": [str],
+}
+
 
 def errors(value: Any, schema: Any, where: str = "$") -> list[str]:
     """Every place where `value` breaks `schema`, as 'path: problem'."""

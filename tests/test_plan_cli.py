@@ -7,6 +7,7 @@ import json
 import shlex
 
 import pytest
+from json_schema import LAYOUTS, errors
 
 from ckplan.cli import main
 
@@ -64,6 +65,7 @@ def test_json_schema(capsys):
     code, out, _ = run(capsys, *SMALL, "--budget", "3.5GB", "--json", "--top", "3")
     assert code == 0
     data = json.loads(out)
+    assert errors(data, LAYOUTS) == []
     assert {"gpus", "gpu", "layouts", "rejected"} <= data.keys()
     assert data["gpus"] == 8 and data["gpu"] == "h100-sxm" and data["global_batch"] == 16
     assert len(data["layouts"]) == 3
@@ -128,6 +130,7 @@ def test_nothing_fits_is_exit_1_with_the_nearest_layout(capsys):
     code, out, err = run(capsys, "plan", "gpt3-175b", "--gpus", "2", "--gpu", "h100-sxm", "--json")
     assert code == 1
     data = json.loads(out)
+    assert errors(data, LAYOUTS) == []
     assert data["layouts"] == [] and data["rejected"]["nearest"]["over_bytes"] > 0
     assert err.startswith("error: no layout of 2 GPUs fits") and len(err.splitlines()) == 1
     # advice from the nearest layout: more GPUs, how laid out, and the memory that results
