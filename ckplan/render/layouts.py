@@ -87,8 +87,9 @@ def why(rejected: Rejected, best: Evaluated | None) -> str:
         e = rejected.evaluated
         if e is not None:
             plan = e.plan
+            least = "no schedule fits (the DP ran); least plan" if e.optimal else "least plan"
             return (
-                f"least plan {plan.strategy} {_gib(plan.total_bytes)} on "
+                f"{least} {plan.strategy} {_gib(plan.total_bytes)} on "
                 f"{stage_label(plan.spec, plan.peak_stage)}, {_gib(rejected.over_bytes)} over"
             )
         bound = rejected.memory_bound
