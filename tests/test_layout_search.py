@@ -13,6 +13,7 @@ from ckplan.plan.evaluate import evaluate
 from ckplan.plan.layout.bounds import Bounds, layout_keys_cleared
 from ckplan.plan.layout.search import search_layouts
 from ckplan.plan.layout.space import SearchSpace, Split, divisors, layouts, pipeline_splits
+from ckplan.plan.search import optimal_plan
 from ckplan.plan.strategies import parse_strategy
 
 GPU = load_gpu("h100-sxm")
@@ -115,6 +116,31 @@ def test_moe_bounds_bound_every_plan():
             for name in ("none", "selective", "full", "moe", "experts")
         )
         assert bounds.memory(layout).bytes <= least
+
+
+def test_memory_bound_holds_for_the_dp_at_its_tightest():
+    """The DP's schedules (`optimal`, `selective+optimal`) at the least activation budget any
+    of them fits: still at or above the memory bound (one layer's backward on the fullest
+    stage)."""
+    space = SearchSpace(SMALL, 8, 8, 16, {})
+    bounds = Bounds(SMALL, GPU)
+    checked = 0
+    for layout in list(layouts(space))[::23]:
+        spec = layout_spec(SMALL, layout)
+        bound = bounds.memory(layout).bytes
+        low, high = 1, evaluate(spec, parse_strategy("none", spec)).activation_bytes
+        plan = None
+        for _ in range(12):  # bisect the activation budget down to the least that fits
+            middle = (low + high) // 2
+            found = optimal_plan(spec, middle, 100)
+            if found is None:
+                low = middle
+            else:
+                high, plan = middle, found
+        assert plan is not None  # the DP fits somewhere below `none`'s activations
+        assert plan.total_bytes >= bound, layout
+        checked += 1
+    assert checked >= 10
 
 
 def brute_force(spec, gpus, batch, usable):
