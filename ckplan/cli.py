@@ -249,6 +249,13 @@ def resolve_model(
     return load_spec(model, parse_overrides(settings, seq, batch, layers, moe_imbalance, profile))
 
 
+def no_gpu_keys(settings: list[str] | None, command: str) -> None:
+    """Commands without --gpu refuse `--set gpu.KEY=...` rather than ignore it."""
+    for key in _settings(settings):
+        if key.startswith(GPU_PREFIX):
+            raise UserError(f"--set {quote(key)}: {command} takes no GPU, so GPU keys do not apply")
+
+
 def resolve_gpu(gpu: str | None, settings: list[str] | None) -> GPU | None:
     """The --gpu preset or file with the --set gpu.KEY=VALUE overrides applied."""
     overrides = {
@@ -576,6 +583,7 @@ def _micro_batches(spec: ModelSpec, result: search.SweepResult) -> dict[str, int
 
 
 MAX_GPUS = 1_048_576  # --gpus: the documented range of `ckplan plan`
+MAX_GLOBAL_BATCH = 2**24  # --global-batch: sequences per step (the search factors it)
 
 
 @app.command()
@@ -613,6 +621,11 @@ def plan(
         global_batch = gpus if global_batch is None else global_batch
         if global_batch < 1:
             raise UserError(f"--global-batch must be at least 1, got {global_batch}")
+        if global_batch > MAX_GLOBAL_BATCH:
+            raise UserError(
+                f"--global-batch must be in 1..{MAX_GLOBAL_BATCH:,} sequences, "
+                f"got {quote(global_batch)}"
+            )
         if top < 1:
             raise UserError(f"--top must be at least 1, got {top}")
         overrides = parse_overrides(settings, seq, None, None, None, profile)
@@ -801,6 +814,7 @@ def calibrate(
     from ckplan.calibrate import missing_extra
 
     with user_errors():
+        no_gpu_keys(settings, "calibrate")
         spec = resolve_model(model, settings, seq, batch, layers)
         if device != "cpu" and not device.startswith("cuda"):
             raise UserError(f"--device {device!r}: expected cpu or cuda")
@@ -946,6 +960,7 @@ def export(
 
     with user_errors():
         exports.check_target(to)
+        no_gpu_keys(settings, "export")
         spec = resolve_model(model, settings, seq, batch, layers)
         chosen = _export_plan(spec, plan, to, budget, reserve, check_slots(slots))
         result = exports.export(chosen, to, recompute_modules)
