@@ -819,9 +819,11 @@ def calibrate(
         if device != "cpu" and not device.startswith("cuda"):
             raise UserError(f"--device {device!r}: expected cpu or cuda")
         if out is not None and not out.endswith((".yaml", ".yml")):
-            raise UserError(f"--out {out!r}: expected a .yaml file")
-        if out is not None and not Path(out).parent.is_dir():
-            raise UserError(f"--out {out!r}: no such folder {str(Path(out).parent)!r}")
+            raise UserError(f"--out {quote(out)}: expected a .yaml file")
+        if out is not None:
+            from ckplan.io.paths import check_output
+
+            check_output(out, "--out")
         missing = missing_extra(hf)
         if missing:
             raise UserError(missing)
@@ -855,10 +857,9 @@ def _hf_config(model: str) -> dict | None:
 def _write_profile(path: str, profile: dict) -> None:
     header = "# A kernel profile written by `ckplan calibrate` (terms: ckplan/model/profiles.py)\n"
     text = header + yaml.safe_dump(profile, sort_keys=False, allow_unicode=True, width=100)
-    try:
-        Path(path).write_text(text, encoding="utf-8")
-    except OSError as error:
-        raise UserError(f"--out {path}: cannot write ({error.strerror})") from None
+    from ckplan.io.paths import write_atomic
+
+    write_atomic(path, "--out", lambda temporary: temporary.write_text(text, encoding="utf-8"))
 
 
 @app.command()

@@ -10,9 +10,11 @@ import importlib.util
 from pathlib import Path
 
 from ckplan.errors import InputError
+from ckplan.io.paths import check_output, write_atomic
 from ckplan.plan import Plan
 from ckplan.plan.search import SweepResult
 from ckplan.plan.timeline import Timeline
+from ckplan.quoting import quote
 from ckplan.units import format_bytes_auto
 
 FORMATS = (".png", ".svg")
@@ -26,11 +28,9 @@ class PlotError(InputError):
 
 def check_plot(path: str) -> Path:
     """Fail before any work (nothing written) when the plot cannot be made."""
-    target = Path(path)
-    if target.suffix.lower() not in FORMATS:
-        raise PlotError(f"--plot {path!r}: expected a .png or .svg file name")
-    if not target.parent.is_dir():
-        raise PlotError(f"--plot {path!r}: folder {str(target.parent)!r} does not exist")
+    if Path(path).suffix.lower() not in FORMATS:
+        raise PlotError(f"--plot {quote(path)}: expected a .png or .svg file name")
+    target = check_output(path, "--plot")
     if importlib.util.find_spec("matplotlib") is None:
         raise PlotError(MISSING)
     return target
@@ -48,7 +48,8 @@ def _pyplot():
 
 def _save(figure, path: Path) -> None:
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    kind = Path(path).suffix.lower().removeprefix(".")
+    write_atomic(path, "--plot", lambda temporary: figure.savefig(temporary, dpi=120, format=kind))
 
 
 def sweep_plot(result: SweepResult, budget_text: str, path: str) -> None:
