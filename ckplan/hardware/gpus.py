@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckplan.errors import InputError
+from ckplan.quoting import quote
 
 
 class GPUError(InputError):
@@ -94,6 +95,9 @@ _COUNTS = {"nccl_channels"}  # integers >= 0 (0: not modelled)
 _LATENCIES = {"collective_latency_s", "collective_step_latency_s"}  # [0, MAX_LATENCY_S]
 # 1 ms: twenty times the largest of NCCL's latencies (tuning.cc, 50 us a step on the network)
 MAX_LATENCY_S = 1e-3
+MAX_RATE = 1e21  # any size or rate above a zetta- is a typo (and overflows what is built on it)
+MAX_COUNT = 2**20  # gpus_per_node, sm_count, tiles
+MEMORY_RANGE = (2**20, 10**21)  # memory_bytes: 1 MiB .. 1 ZB, as --budget accepts
 _OVERLAPS = {"dp_overlap", "ep_overlap"}  # [0, 1]
 _FRACTIONS = {  # (0, 1]
     "matmul_efficiency",
@@ -119,7 +123,7 @@ def gpu_from_mapping(mapping: Mapping[str, Any], origin: str = "gpu") -> GPU:
     values: dict[str, Any] = {}
     for key, value in mapping.items():
         if not isinstance(key, str) or key not in _FIELDS:
-            raise GPUError(f"{origin}: unknown key {key!r}{_did_you_mean(str(key))}")
+            raise GPUError(f"{origin}: unknown key {quote(key)}{_did_you_mean(key)}")
         values[key] = _coerce(origin, key, value)
     missing = [key for key in _REQUIRED if key not in values]
     if missing:
@@ -133,51 +137,64 @@ def gpu_from_mapping(mapping: Mapping[str, Any], origin: str = "gpu") -> GPU:
     return gpu
 
 
-def _did_you_mean(key: str) -> str:
-    close = difflib.get_close_matches(key, _FIELDS, n=1, cutoff=0.6)
+def _did_you_mean(key: Any) -> str:
+    key = key if isinstance(key, str) and len(key) < 100 else ""
+    close = difflib.get_close_matches(key, _FIELDS, n=1, cutoff=0.6) if key else []
     return f" (did you mean {close[0]!r}?)" if close else f"; valid keys: {', '.join(_FIELDS)}"
 
 
 def _number(origin: str, key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise GPUError(f"{origin}: key {key!r} expects a number, got {value!r}")
+        raise GPUError(f"{origin}: key {key!r} expects a number, got {quote(value)}")
+    if isinstance(value, str) and not value.isascii():  # float() reads '٠.٧', '０.７'
+        raise GPUError(
+            f"{origin}: key {key!r} expects a number in ASCII digits, got {quote(value)}"
+        )
     try:
         number = float(value.replace("_", "")) if isinstance(value, str) else float(value)
-    except ValueError:
-        raise GPUError(f"{origin}: key {key!r} expects a number, got {value!r}") from None
+    except (ValueError, OverflowError):
+        raise GPUError(f"{origin}: key {key!r} expects a number, got {quote(value)}") from None
     if not math.isfinite(number):
-        raise GPUError(f"{origin}: key {key!r} expects a finite number, got {value!r}")
+        raise GPUError(f"{origin}: key {key!r} expects a finite number, got {quote(value)}")
     return number
 
 
 def _coerce(origin: str, key: str, value: Any) -> Any:
     if key in _STRINGS:
         if not isinstance(value, str):
-            raise GPUError(f"{origin}: key {key!r} expects a string, got {value!r}")
+            raise GPUError(f"{origin}: key {key!r} expects a string, got {quote(value)}")
         return value
     number = _number(origin, key, value)
     if key in _COUNTS:
         if not number.is_integer() or number < 0:
-            raise GPUError(f"{origin}: key {key!r} must be an integer >= 0, got {value!r}")
+            raise GPUError(f"{origin}: key {key!r} must be an integer >= 0, got {quote(value)}")
         return int(number)
     if key in _LATENCIES:
         if not 0.0 <= number <= MAX_LATENCY_S:
             raise GPUError(
-                f"{origin}: key {key!r} must be in [0, {MAX_LATENCY_S:g}] seconds, got {value!r}"
+                f"{origin}: key {key!r} must be in [0, {MAX_LATENCY_S:g}] seconds, "
+                f"got {quote(value)}"
             )
         return number
     if key in _INTEGERS:
         if not number.is_integer() or number < 1:
-            raise GPUError(f"{origin}: key {key!r} must be a positive integer, got {value!r}")
+            raise GPUError(f"{origin}: key {key!r} must be a positive integer, got {quote(value)}")
+        low, high = MEMORY_RANGE if key == "memory_bytes" else (1, MAX_COUNT)
+        if not low <= number <= high:
+            raise GPUError(
+                f"{origin}: key {key!r} must be in {low:,}..{high:,}, got {quote(value)}"
+            )
         return int(number)
     if key in _OVERLAPS:
         if not 0.0 <= number <= 1.0:
-            raise GPUError(f"{origin}: key {key!r} must be in [0, 1], got {value!r}")
+            raise GPUError(f"{origin}: key {key!r} must be in [0, 1], got {quote(value)}")
         return number
     if key in _FRACTIONS:
         if not 0.0 < number <= 1.0:
-            raise GPUError(f"{origin}: key {key!r} must be in (0, 1], got {value!r}")
+            raise GPUError(f"{origin}: key {key!r} must be in (0, 1], got {quote(value)}")
         return number
     if number <= 0:
-        raise GPUError(f"{origin}: key {key!r} must be positive, got {value!r}")
+        raise GPUError(f"{origin}: key {key!r} must be positive, got {quote(value)}")
+    if number > MAX_RATE:
+        raise GPUError(f"{origin}: key {key!r} must be at most {MAX_RATE:g}, got {quote(value)}")
     return number

@@ -15,7 +15,9 @@ from typing import Any
 import yaml
 
 from ckplan.hardware.gpus import GPU, GPUError, gpu_from_mapping
-from ckplan.io.presets import _preset_folder
+from ckplan.io import safe_yaml
+from ckplan.io.presets import _preset_folder, read_text_file
+from ckplan.quoting import abbreviate, quote
 
 GPU_FOLDER = "gpus"
 
@@ -51,29 +53,22 @@ def _preset_mapping(name: str) -> tuple[tuple[str, Any], ...]:
 def _load_mapping(name_or_file: str) -> tuple[dict[str, Any], str]:
     path = Path(name_or_file)
     if path.suffix in (".yaml", ".yml"):
-        if not path.is_file():
-            raise GPUError(f"{name_or_file}: no such file")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
-            raise GPUError(f"{name_or_file}: cannot read file ({error})") from None
-        return _parse_yaml(text, name_or_file), name_or_file
+        origin = abbreviate(name_or_file)
+        text = read_text_file(path, origin, GPUError, "a GPU file")
+        return _parse_yaml(text, origin), origin
     if name_or_file in gpu_names():
         return dict(_preset_mapping(name_or_file)), f"gpu {name_or_file}"
     raise GPUError(
-        f"unknown GPU {name_or_file!r}: expected one of {', '.join(gpu_names())} "
+        f"unknown GPU {quote(name_or_file)}: expected one of {', '.join(gpu_names())} "
         "or a .yaml file (see `ckplan gpus`)"
     )
 
 
 def _parse_yaml(text: str, origin: str) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(text)
+        data = safe_yaml.load(text)
     except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(error, "problem", None) or "invalid YAML"
-        raise GPUError(f"{origin}: malformed YAML{where}: {problem}") from None
+        raise GPUError(f"{origin}: {safe_yaml.describe_error(error)}") from None
     if not isinstance(data, dict):
         raise GPUError(
             f"{origin}: expected a YAML mapping of keys to values, got {type(data).__name__}"

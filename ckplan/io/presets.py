@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from ckplan.errors import InputError
 from ckplan.io import safe_yaml
 from ckplan.model.ops import layer_ops
 from ckplan.model.spec import DEFAULT_PROFILE, ModelSpec, SpecError, spec_from_mapping
@@ -66,33 +67,33 @@ def load_mapping(model: str) -> tuple[dict[str, Any], str]:
 MAX_FILE_BYTES = 1 << 20  # a model description or config.json is a few KB
 
 
-def read_text_file(path: Path, origin: str) -> str:
-    """The UTF-8 text of a model file, or a SpecError saying why it cannot be read: missing,
-    a directory or device, unreadable, over MAX_FILE_BYTES, or not UTF-8 text."""
+def read_text_file(
+    path: Path, origin: str, error_type: type[InputError] = SpecError, what: str = "a model file"
+) -> str:
+    """The UTF-8 text of a model (GPU, profile) file, or an `error_type` saying why it cannot be
+    read: missing, a directory or device, unreadable, over MAX_FILE_BYTES, or not UTF-8 text."""
     try:
         if not path.exists():
-            raise SpecError(f"{origin}: no such file")
+            raise error_type(f"{origin}: no such file")
         if path.is_dir():
-            raise SpecError(f"{origin}: is a directory, not a model file")
+            raise error_type(f"{origin}: is a directory, not {what}")
         if not path.is_file():
-            raise SpecError(f"{origin}: not a regular file")
+            raise error_type(f"{origin}: not a regular file")
         with path.open("rb") as file:
             data = file.read(MAX_FILE_BYTES + 1)
-    except SpecError:
+    except InputError:
         raise
     except OSError as error:
         reason = error.strerror or type(error).__name__
-        raise SpecError(f"{origin}: cannot read file ({reason})") from None
+        raise error_type(f"{origin}: cannot read file ({reason})") from None
     except ValueError:  # a NUL character, a name the file system's encoding cannot hold
-        raise SpecError(f"{origin}: cannot read file (not a valid file name)") from None
+        raise error_type(f"{origin}: cannot read file (not a valid file name)") from None
     if len(data) > MAX_FILE_BYTES:
-        raise SpecError(
-            f"{origin}: file larger than {MAX_FILE_BYTES // 2**20} MiB: not a model file"
-        )
+        raise error_type(f"{origin}: file larger than {MAX_FILE_BYTES // 2**20} MiB: not {what}")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as error:
-        raise SpecError(
+        raise error_type(
             f"{origin}: not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start})"
         ) from None
 

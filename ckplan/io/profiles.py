@@ -16,7 +16,9 @@ from pathlib import Path
 
 import yaml
 
+from ckplan.io import safe_yaml
 from ckplan.model.profiles import Profile, ProfileError, profile_from_mapping
+from ckplan.quoting import abbreviate, quote
 
 
 def _profile_folder() -> Traversable:
@@ -47,14 +49,20 @@ def load_profile(reference: str) -> Profile:
         path = Path(reference)
         try:
             stat = path.stat()
-        except OSError:
-            raise ProfileError(f"profile {reference}: no such file") from None
+        except (OSError, ValueError):
+            stat = None
+        if stat is None or not path.is_file():  # the reader says why
+            return profile_from_mapping(_read(path, reference), abbreviate(reference))
         return _load_file(str(path), stat.st_mtime_ns, stat.st_size)
     if reference not in profile_names():
-        close = difflib.get_close_matches(reference, profile_names(), n=1)
+        close = (
+            difflib.get_close_matches(reference, profile_names(), n=1)
+            if len(reference) < 100
+            else []
+        )
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ProfileError(
-            f"unknown profile {reference!r}{hint}: expected one of "
+            f"unknown profile {quote(reference)}{hint}: expected one of "
             f"{', '.join(profile_names())} or a .yaml file"
         )
     return _load_shipped(reference)
@@ -78,27 +86,23 @@ def _load_shipped(name: str) -> Profile:
 
 @lru_cache(maxsize=64)
 def _load_file(path: str, mtime_ns: int, size: int) -> Profile:
-    return profile_from_mapping(_read(Path(path), path), path)
+    return profile_from_mapping(_read(Path(path), path), abbreviate(path))
 
 
 def _read(path: Path, origin: str) -> dict:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ProfileError(f"profile {origin}: no such file") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise ProfileError(f"profile {origin}: cannot read file ({error})") from None
-    return _parse(text, origin)
+    """A profile file through the model files' reader (size cap, no devices, UTF-8) and the
+    safe YAML loader."""
+    from ckplan.io.presets import read_text_file
+
+    text = read_text_file(path, f"profile {abbreviate(origin)}", ProfileError, "a profile file")
+    return _parse(text, abbreviate(origin))
 
 
 def _parse(text: str, origin: str) -> dict:
     try:
-        data = yaml.safe_load(text)
+        data = safe_yaml.load(text)
     except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(error, "problem", None) or "invalid YAML"
-        raise ProfileError(f"{origin}: malformed YAML{where}: {problem}") from None
+        raise ProfileError(f"{origin}: {safe_yaml.describe_error(error)}") from None
     if not isinstance(data, dict):
         raise ProfileError(f"{origin}: expected a YAML mapping with an 'ops' key")
     return data

@@ -52,6 +52,7 @@ from ckplan.model.spec import (
     _coerce,
     field_names,
 )
+from ckplan.quoting import quote
 
 TERMS = {
     "sbh": "s·b·h, a residual-stream tensor (/ t under sequence parallelism)",
@@ -146,6 +147,7 @@ class Profile:
 
 # ---- parsing -----------------------------------------------------------------------------
 
+MAX_FORM_CHARS = 1000  # a coefficient is a few characters; Fraction() refuses 4,300 digits
 _FORM_TERM = re.compile(r"([+-]?)([0-9]+(?:\.[0-9]+)?(?:/[0-9]+)?)?(\*?B)?")
 
 
@@ -153,12 +155,17 @@ def parse_form(value: Any, where: str) -> Form:
     """A coefficient: an int, a decimal, or a linear form in B ("4+B", "8-2B", "3/2*B")."""
     if isinstance(value, bool):
         raise ProfileError(
-            f"{where}: expected bytes per element such as 2, B or 4+B, got {value!r}"
+            f"{where}: expected bytes per element such as 2, B or 4+B, got {quote(value)}"
         )
     if isinstance(value, int):
         return Fraction(value), Fraction(0)
     if isinstance(value, float) and math.isfinite(value):
         return Fraction(str(value)), Fraction(0)
+    if isinstance(value, str) and len(value) > MAX_FORM_CHARS:
+        raise ProfileError(
+            f"{where}: a coefficient of {len(value):,} characters; at most {MAX_FORM_CHARS:,} "
+            "are accepted"
+        )
     text = value.replace(" ", "") if isinstance(value, str) else ""
     constant, per_b, position = Fraction(0), Fraction(0), 0
     while text and position < len(text):
@@ -181,7 +188,7 @@ def parse_form(value: Any, where: str) -> Form:
         position = match.end()
     if not text or position != len(text):
         raise ProfileError(
-            f"{where}: expected bytes per element such as 2, B, 4+B or 3/2*B, got {value!r}"
+            f"{where}: expected bytes per element such as 2, B, 4+B or 3/2*B, got {quote(value)}"
         )
     return constant, per_b
 
@@ -217,8 +224,8 @@ def _parse_terms(value: Any, where: str) -> Terms:
         )
     terms = []
     for term, coefficient in value.items():
-        if term not in TERMS:
-            raise ProfileError(f"{where}: unknown term {term!r}{_hint(term, TERMS)}")
+        if not isinstance(term, str) or term not in TERMS:
+            raise ProfileError(f"{where}: unknown term {quote(term)}{_hint(term, TERMS)}")
         terms.append((term, parse_form(coefficient, f"{where}.{term}")))
     return tuple(sorted(terms))
 
@@ -237,7 +244,7 @@ def parse_condition(text: Any, where: str) -> Condition:
         known = [*field_names(), *DERIVED_FLAGS]
         if key not in known:
             raise ProfileError(
-                f"{where}: unknown key {key!r} in condition {text!r}{_hint(key, known)}"
+                f"{where}: unknown key {quote(key)} in condition {quote(text)}{_hint(key, known)}"
             )
         if sep:
             try:
@@ -246,11 +253,11 @@ def parse_condition(text: Any, where: str) -> Condition:
                 raise ProfileError(str(error)) from None
             if key in _ENUMS and parsed not in _ENUMS[key]:
                 allowed = ", ".join(_ENUMS[key])
-                raise ProfileError(f"{where}: {key} must be one of {allowed}, got {parsed!r}")
+                raise ProfileError(f"{where}: {key} must be one of {allowed}, got {quote(parsed)}")
         elif key in DERIVED_FLAGS or _is_flag(key):
             parsed = None
         else:
-            raise ProfileError(f"{where}: condition {item!r} needs a value, e.g. {key}=...")
+            raise ProfileError(f"{where}: condition {quote(item)} needs a value, e.g. {key}=...")
         items.append((negated, key, parsed))
     return tuple(items)
 
@@ -266,7 +273,7 @@ def profile_from_mapping(mapping: Any, origin: str) -> Profile:
         raise ProfileError(f"{origin}: expected a mapping with an 'ops' key")
     for key in mapping:
         if key not in TOP_KEYS:
-            raise ProfileError(f"{origin}: unknown key {key!r}{_hint(str(key), TOP_KEYS)}")
+            raise ProfileError(f"{origin}: unknown key {quote(key)}{_hint(key, TOP_KEYS)}")
     ops = mapping.get("ops")
     if not isinstance(ops, Mapping):
         raise ProfileError(f"{origin}: key 'ops' expects a mapping of op names to their numbers")
@@ -276,7 +283,7 @@ def profile_from_mapping(mapping: Any, origin: str) -> Profile:
     entries = []
     for op, entry in ops.items():
         if op not in OP_NAMES:
-            raise ProfileError(f"{origin}: unknown op {op!r}{_hint(str(op), OP_NAMES)}")
+            raise ProfileError(f"{origin}: unknown op {quote(op)}{_hint(op, OP_NAMES)}")
         entries.append((op, _parse_cases(entry, f"{origin}: ops.{op}")))
     for key in ("name", "source", "description"):
         if key in mapping and not isinstance(mapping[key], str):
@@ -314,7 +321,7 @@ def _parse_fields(entry: Mapping, where: str, allow_when: bool = False):
             continue
         if key not in FIELDS:
             allowed = [*FIELDS, "when"] if allow_when else list(FIELDS)
-            raise ProfileError(f"{where}: unknown field {key!r}{_hint(str(key), allowed)}")
+            raise ProfileError(f"{where}: unknown field {quote(key)}{_hint(key, allowed)}")
         fields.append((key, _parse_field(value, f"{where}.{key}")))
     return tuple(fields)
 
@@ -329,8 +336,9 @@ def _as_list(value: Any, where: str) -> list:
     raise ProfileError(f"{where}: expected a condition or a list of conditions")
 
 
-def _hint(key: str, choices) -> str:
-    close = difflib.get_close_matches(key, list(choices), n=1, cutoff=0.6)
+def _hint(key: Any, choices) -> str:
+    key = key if isinstance(key, str) and len(key) < 100 else ""
+    close = difflib.get_close_matches(key, list(choices), n=1, cutoff=0.6) if key else []
     return f" (did you mean {close[0]!r}?)" if close else f"; expected one of {', '.join(choices)}"
 
 
@@ -397,7 +405,7 @@ def check_requires(profile: Profile, spec: ModelSpec) -> None:
             else:
                 have = condition_text(((False, key, getattr(spec, key)),))
             raise ProfileError(
-                f"profile {profile.name!r} describes layers with {condition_text((item,))}; "
+                f"profile {quote(profile.name)} describes layers with {condition_text((item,))}; "
                 f"the model has {have}" + _REQUIRES_HINTS.get((key, value), "")
             )
 
@@ -425,7 +433,7 @@ def apply_profile(ops: tuple[Op, ...], spec: ModelSpec, profile: Profile) -> tup
                     exact = field_bytes(alternatives, spec, values)
                     if exact < 0:
                         raise ProfileError(
-                            f"profile {profile.name!r}: ops.{op.name}.{field} is negative "
+                            f"profile {quote(profile.name)}: ops.{op.name}.{field} is negative "
                             f"({exact} bytes) for this model (dtype_bytes={spec.dtype_bytes})"
                         )
                     changes[FIELDS[field]] = math.ceil(exact)
@@ -440,15 +448,15 @@ def _check_gradients_chain(ops: list[Op], profile: Profile) -> None:
         waiting -= op.output_grad_bytes
         if waiting < 0:
             raise ProfileError(
-                f"profile {profile.name!r}: ops.{op.name}.output_grad is {-waiting} bytes more "
-                "than the input gradients of the ops after it (input_grad) leave"
+                f"profile {quote(profile.name)}: ops.{op.name}.output_grad is {-waiting} bytes "
+                "more than the input gradients of the ops after it (input_grad) leave"
             )
         if op.component != "norm":
             waiting += op.input_grad_bytes
     if waiting:
         raise ProfileError(
-            f"profile {profile.name!r}: {waiting} bytes of input gradients (input_grad) are read "
-            "by no op before them (output_grad)"
+            f"profile {quote(profile.name)}: {waiting} bytes of input gradients (input_grad) are "
+            "read by no op before them (output_grad)"
         )
 
 
