@@ -21,6 +21,24 @@ from ckplan.model.spec import SpecError
 from ckplan.quoting import quote
 
 _HF_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+# Integer keys ckplan reads, checked for their JSON type before anything computes with them
+# (a JSON "32" would pass as --set's text does; a dict in head_dim would multiply).
+_INTEGER_KEYS = (
+    "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "vocab_size", "max_position_embeddings", "head_dim", "n_layer", "n_embd",
+    "n_head", "n_inner", "n_positions", "sliding_window", "num_local_experts",
+    "num_experts_per_tok", "num_experts", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts",
+)  # fmt: skip
+# Integer keys that pick layers: whole numbers, the divisors at least 1.
+_LAYER_RULE_KEYS = {
+    "decoder_sparse_step": 1, "moe_layer_freq": 1, "sliding_window_pattern": 1,
+    "_sliding_window_pattern": 1, "max_window_layers": 0, "first_k_dense_replace": 0,
+    "num_nextn_predict_layers": 0,
+}  # fmt: skip
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 
 
 def hf_config_mapping(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
@@ -35,6 +53,10 @@ def hf_config_mapping(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
         for key in ("torch_dtype", "dtype"):
             text.setdefault(key, config.get(key))
         config, model_type = text, "gemma3_text"
+    if model_type is not None and not isinstance(model_type, str):
+        raise SpecError(
+            f"{origin}: key 'model_type' expects a string such as llama, got {quote(model_type)}"
+        )
     if model_type is None:
         if "n_layer" in config or "num_hidden_layers" in config:
             raise SpecError(
@@ -48,8 +70,10 @@ def hf_config_mapping(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
     family = _FAMILIES.get(model_type)
     if family is None:
         raise SpecError(
-            f"{origin}: unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED)}"
+            f"{origin}: unsupported model_type {quote(model_type)}; supported: "
+            f"{', '.join(SUPPORTED)}"
         )
+    _check_types(config, origin, model_type)
     mapping = family(_Config(config, origin, model_type))
     mapping = {"name": Path(origin).parent.name or "hf-model", **mapping}
     source = f"{origin} (HF model_type {model_type})"
@@ -58,6 +82,53 @@ def hf_config_mapping(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
     mapping.pop("_notes", None)
     mapping["source"] = source
     return mapping
+
+
+def _check_types(config: Mapping[str, Any], origin: str, model_type: str) -> None:
+    """The JSON types of the keys ckplan reads (null: absent, the family's default)."""
+    from ckplan.io.presets import LongInteger
+
+    for key in _INTEGER_KEYS:
+        value = config.get(key)
+        if value is None or isinstance(value, LongInteger | float):
+            continue  # the spec says what is wrong with a float or a huge integer, by range
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(f"{origin}: key {key!r} expects an integer, got {quote(value)}")
+    for key, low in _LAYER_RULE_KEYS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 100_000:
+            raise SpecError(
+                f"{origin}: key {key!r} expects an integer in {low}..100,000, got {quote(value)}"
+            )
+    for key in ("mlp_only_layers", "layer_types"):
+        value = config.get(key)
+        kind = str if key == "layer_types" else int
+        if value is not None and (
+            not isinstance(value, list)
+            or not all(isinstance(item, kind) and not isinstance(item, bool) for item in value)
+        ):
+            what = "layer type names" if kind is str else "layer indices"
+            raise SpecError(f"{origin}: key {key!r} expects a list of {what}, got {quote(value)}")
+    for key in ("torch_dtype", "dtype"):
+        value = config.get(key)
+        if value is not None and (not isinstance(value, str) or value not in _HF_DTYPE_BYTES):
+            raise SpecError(
+                f"{origin}: key {key!r} expects one of {', '.join(_HF_DTYPE_BYTES)}, "
+                f"got {quote(value)}"
+            )
+    for key in ("hidden_act", "hidden_activation", "topk_method"):
+        value = config.get(key)
+        if value is not None and not isinstance(value, str):
+            raise SpecError(f"{origin}: key {key!r} expects a string, got {quote(value)}")
+    if model_type not in _MOE_FAMILIES:
+        for key in _EXPERT_KEYS:
+            if config.get(key):
+                raise SpecError(
+                    f"{origin}: cannot model {key} in a {model_type} config (a dense family); "
+                    f"ckplan reads experts for model_type {', '.join(_MOE_FAMILIES)}"
+                )
 
 
 class _Config:
@@ -91,7 +162,7 @@ def _base(c: _Config, *, tied: bool, head_dim: int | None = None) -> dict[str, A
     """The keys every RoPE decoder family shares (Llama's names)."""
     heads = c.need("num_attention_heads")
     hidden = c.need("hidden_size")
-    dtype = str(c.get("torch_dtype", c.get("dtype", "bfloat16")))
+    dtype = c.get("torch_dtype", c.get("dtype", "bfloat16"))
     mapping = {
         "layers": c.need("num_hidden_layers"),
         "hidden": hidden,
@@ -101,7 +172,7 @@ def _base(c: _Config, *, tied: bool, head_dim: int | None = None) -> dict[str, A
         "vocab": c.need("vocab_size"),
         "seq": c.need("max_position_embeddings"),
         "micro_batch": 1,
-        "dtype_bytes": _HF_DTYPE_BYTES.get(dtype, 2),
+        "dtype_bytes": _HF_DTYPE_BYTES[dtype],
         "norm": "rmsnorm",
         "mlp": _gated_mlp(c),
         "attention": "flash",
@@ -122,7 +193,7 @@ def _gated_mlp(c: _Config) -> str:
         return "swiglu"
     if act.startswith("gelu"):
         return "geglu"
-    raise c.refuse("hidden_act", f"{act!r}: ckplan models gated silu and gelu MLPs")
+    raise c.refuse("hidden_act", f"{quote(act)}: ckplan models gated silu and gelu MLPs")
 
 
 def _llama_biases(c: _Config) -> dict[str, Any]:
@@ -283,7 +354,7 @@ def _gpt2(c: _Config) -> dict[str, Any]:
         "vocab": c.need("vocab_size"),
         "seq": c.need("n_positions"),
         "micro_batch": 1,
-        "dtype_bytes": _HF_DTYPE_BYTES.get(str(c.get("torch_dtype", "float32")), 4),
+        "dtype_bytes": _HF_DTYPE_BYTES[c.get("torch_dtype", c.get("dtype", "float32"))],
         "norm": "layernorm",
         "mlp": "gelu",
         "attention": "standard",

@@ -179,7 +179,11 @@ def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return data
 
 
+class LongInteger(str):
+    """A JSON integer too long to convert, kept as its digits (an integer, not a JSON string)."""
+
+
 def _json_int(text: str) -> int | str:
     """JSON integers as ints; one too long for any size stays text, which the spec rejects by
     key (Python refuses to convert over 4,300 digits, and no size has 100)."""
-    return text if len(text) > safe_yaml.MAX_NUMBER_CHARS else int(text)
+    return LongInteger(text) if len(text) > safe_yaml.MAX_NUMBER_CHARS else int(text)
