@@ -8,9 +8,11 @@ Every error is one line on stderr, never a traceback, and nothing is written.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import glob
 import json
+import os
 import shlex
 import sys
 from collections.abc import Iterator
@@ -56,8 +58,32 @@ app = typer.Typer(
 )
 # Wide enough for the tables when piped (Rich falls back to 80 columns without a terminal).
 PIPED_WIDTH = 140
-stdout = Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
-stderr = Console(stderr=True, soft_wrap=True)
+MAX_COLUMNS = 10_000
+
+
+def _isatty(stream) -> bool:
+    """A closed stream (`ckplan ... >&-` leaves sys.stdout None) is no terminal."""
+    try:
+        return bool(stream is not None and stream.isatty())
+    except (ValueError, OSError, AttributeError):
+        return False
+
+
+def _console_environ() -> dict[str, str]:
+    """The environment Rich sizes its consoles from, without a COLUMNS or LINES it would
+    choke on: Rich reads '²' as a digit (then int() fails) and takes 0 as a width."""
+    environ = dict(os.environ)
+    for key in ("COLUMNS", "LINES"):
+        value = environ.get(key)
+        if value is not None and not (
+            value.isascii() and value.isdigit() and 1 <= int(value) <= MAX_COLUMNS
+        ):
+            del environ[key]
+    return environ
+
+
+stdout = Console(width=None if _isatty(sys.stdout) else PIPED_WIDTH, _environ=_console_environ())
+stderr = Console(stderr=True, soft_wrap=True, _environ=_console_environ())
 
 
 class ReaderGone(Exception):
@@ -107,7 +133,9 @@ def user_errors() -> Iterator[None]:
 
 def print_error(message: str) -> None:
     """`error: <message>` as one printable line on stderr, however long or odd the message."""
-    stderr.print(render.error_text(one_line(message)), highlight=False)
+    # stderr full or closed: nowhere to say it, the exit code still tells
+    with contextlib.suppress(OSError, ValueError):
+        stderr.print(render.error_text(one_line(message)), highlight=False)
 
 
 def _print_version(value: bool) -> None:
@@ -1008,6 +1036,14 @@ def main(argv: list[str] | None = None) -> int:
     """Console-script entry: usage errors become one line and exit 2, like every bad input;
     anything unexpected becomes one line and exit 3, never a traceback and never exit 1."""
     _tolerant_streams()
+    if sys.stderr is None:  # `2>&-`: errors go nowhere, the exit code still tells
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (open for the process's life)
+    if sys.stdout is None:  # `>&-`
+        print_error("standard output is closed: nowhere to print the answer")
+        code = EXIT_BAD_INPUT
+        if argv is None:
+            sys.exit(code)
+        return code
     try:
         code = _click_command().main(args=argv, prog_name="ckplan", standalone_mode=False)
     except typer.Abort:  # end of input at a prompt (a typer.Exit: caught first)
@@ -1026,6 +1062,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:
         code = _report_exception(error)
     code = code if isinstance(code, int) else EXIT_OK
+    if code != EXIT_BROKEN_PIPE:
+        code = _flush_stdout(code)
     if argv is None:
         sys.exit(code)
     return code
@@ -1043,10 +1081,15 @@ def _report_exception(error: Exception) -> int:
     bad input, exit 2; anything else is a bug in ckplan, exit 3, said in one line."""
     if hasattr(error, "format_message") and hasattr(error, "exit_code"):
         if type(error).__name__ == "NoArgsIsHelpError":
-            stdout.print(error.format_message(), highlight=False)
+            try:
+                stdout.print(error.format_message(), highlight=False)
+            except OSError as output_error:
+                return _output_failed(output_error)
         else:
             print_error(error.format_message())
         return EXIT_BAD_INPUT
+    if isinstance(error, OSError) and error.errno in OUTPUT_ERRNOS:
+        return _output_failed(error)
     if isinstance(error, MemoryError):
         print_error("out of memory (MemoryError): please report this input as a ckplan bug")
     else:
@@ -1055,6 +1098,33 @@ def _report_exception(error: Exception) -> int:
             f"internal error ({type(error).__name__}{detail}); please report it as a ckplan bug"
         )
     return EXIT_INTERNAL
+
+
+# What writing the answer to stdout raises when it cannot (`> /dev/full`, a closed or lost
+# descriptor); reading input files turns its own OSErrors into bad input before this.
+OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EBADF}
+
+
+def _flush_stdout(code: int) -> int:
+    """Flush the answer now, so that a full disk is one line and exit 2 here rather than
+    Python's 'Exception ignored' at exit (exit 120)."""
+    try:
+        if sys.stdout is not None:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except OSError as error:
+        return _output_failed(error)
+    except ValueError:  # closed by the command's caller
+        pass
+    return code
+
+
+def _output_failed(error: OSError) -> int:
+    print_error(f"cannot write to standard output ({error.strerror or type(error).__name__})")
+    _silence_stdout()
+    return EXIT_BAD_INPUT
 
 
 def _tolerant_streams() -> None:
