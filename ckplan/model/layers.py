@@ -21,12 +21,15 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ckplan.quoting import quote
+
 
 class LayerSetError(ValueError):
     """A layer set that does not parse or names layers the model does not have."""
 
 
-_TERM = re.compile(r"(\d+)(?:(-)(\d*))?(?::(\d+))?")
+# ASCII digits only (\d would read '٣'), at most 18 of them (int() refuses 4,300)
+_TERM = re.compile(r"([0-9]{1,18})(?:(-)([0-9]{0,18}))?(?::([0-9]{1,18}))?")
 
 
 def parse_layer_set(text: str, layers: int) -> frozenset[int]:
@@ -41,7 +44,7 @@ def parse_layer_set(text: str, layers: int) -> frozenset[int]:
         match = _TERM.fullmatch(term.strip())
         if not match:
             raise LayerSetError(
-                f"{term.strip()!r} is not a layer range (expected N, A-B, A- or A-B:S, "
+                f"{quote(term.strip())} is not a layer range (expected N, A-B, A- or A-B:S, "
                 "0-based, e.g. 3- or 0-:2)"
             )
         start = int(match.group(1))
@@ -50,11 +53,11 @@ def parse_layer_set(text: str, layers: int) -> frozenset[int]:
             end = int(match.group(3)) if match.group(3) else layers - 1
         step = int(match.group(4)) if match.group(4) else 1
         if step < 1:
-            raise LayerSetError(f"{term.strip()!r}: the step must be at least 1")
+            raise LayerSetError(f"{quote(term.strip())}: the step must be at least 1")
         if end < start:
-            raise LayerSetError(f"{term.strip()!r}: the range ends before it starts")
+            raise LayerSetError(f"{quote(term.strip())}: the range ends before it starts")
         if end >= layers:
-            raise LayerSetError(f"{term.strip()!r}: the model has layers 0..{layers - 1}")
+            raise LayerSetError(f"{quote(term.strip())}: the model has layers 0..{layers - 1}")
         selected.update(range(start, end + 1, step))
     return frozenset(selected)
 

@@ -335,6 +335,10 @@ def _coerce(origin: str, key: str, value: Any) -> Any:
     if key in _FLOAT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int | float | str):
             raise SpecError(f"{origin}: key {key!r} expects a number, got {quote(value)}")
+        if isinstance(value, str) and not value.isascii():  # float() reads '٠.١', '０.１'
+            raise SpecError(
+                f"{origin}: key {key!r} expects a number in ASCII digits, got {quote(value)}"
+            )
         try:
             return float(value)
         except (ValueError, OverflowError):
@@ -370,7 +374,7 @@ def _coerce_layer_set(origin: str, key: str, value: Any) -> str:
     if not isinstance(value, str):
         raise SpecError(
             f"{origin}: key {key!r} expects a layer set such as all, none, 3-, 0-:2 or a list "
-            f"of layer indices, got {value!r}"
+            f"of layer indices, got {quote(value)}"
         )
     return value
 
@@ -381,12 +385,14 @@ def _coerce_imbalance(origin: str, value: Any) -> str:
     if text in ("average", "worst"):
         return text
     try:
-        factor = Fraction(text)
+        # ASCII digits only (Fraction reads '١.٥'), and short (int() refuses 4,300 digits)
+        factor = Fraction(text) if text.isascii() and len(text) <= 100 else None
     except (ValueError, ZeroDivisionError):
         factor = None
     if isinstance(value, bool) or factor is None or factor < 1:
         raise SpecError(
-            f"{origin}: key 'moe_imbalance' expects average, worst or a factor >= 1, got {value!r}"
+            f"{origin}: key 'moe_imbalance' expects average, worst or a factor >= 1, "
+            f"got {quote(value)}"
         )
     return "average" if factor == 1 else text
 
