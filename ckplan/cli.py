@@ -41,7 +41,7 @@ from ckplan.plan import (
     stage_names,
 )
 from ckplan.plan.search import DEFAULT_RESERVE
-from ckplan.quoting import abbreviate, one_line, quote
+from ckplan.quoting import abbreviate, one_line, quote, shorten
 from ckplan.render.progress import progress
 from ckplan.units import format_bytes, parse_size
 
@@ -294,7 +294,7 @@ def resolve_gpu(gpu: str | None, settings: list[str] | None) -> GPU | None:
     if gpu is None:
         if overrides:
             key = next(iter(overrides))
-            raise UserError(f"--set gpu.{key}: GPU keys need --gpu NAME|FILE")
+            raise UserError(f"--set gpu.{shorten(key)}: GPU keys need --gpu NAME|FILE")
         return None
     return load_gpu(gpu, overrides)
 
@@ -355,9 +355,9 @@ def print_json(data: Any) -> None:
 def output_format(fmt: str | None, as_json: bool) -> str:
     """--format, with --json as its alias for json."""
     if fmt is not None and fmt not in FORMATS:
-        raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+        raise UserError(f"--format {quote(fmt)}: expected one of {', '.join(FORMATS)}")
     if as_json and fmt not in (None, "json"):
-        raise UserError(f"--json and --format {fmt} disagree: give one of them")
+        raise UserError(f"--json and --format {shorten(fmt)} disagree: give one of them")
     return "json" if as_json else fmt or "table"
 
 
@@ -514,7 +514,10 @@ def parse_budget(budget: str, reserve: str | None) -> tuple[int, int]:
     total = parse_size(budget)
     kept = DEFAULT_RESERVE if reserve is None else parse_size_or_zero(reserve)
     if kept >= total:
-        raise UserError(f"--reserve ({reserve or '2GiB'}) must be smaller than --budget ({budget})")
+        raise UserError(
+            f"--reserve ({shorten(reserve or '2GiB')}) must be smaller than --budget "
+            f"({shorten(budget)})"
+        )
     return total, kept
 
 
@@ -575,7 +578,7 @@ def sweep(
         device = resolve_gpu(gpu, settings)
         budget_text, total, kept = require_budget(budget, reserve, device)
         if rank not in (None, *search.RANKS):
-            raise UserError(f"--rank {rank!r}: expected one of {', '.join(search.RANKS)}")
+            raise UserError(f"--rank {quote(rank)}: expected one of {', '.join(search.RANKS)}")
         if rank == "time" and device is None:
             raise UserError("--rank time needs --gpu NAME|FILE")
         if micro_batch not in (None, "auto"):
@@ -793,7 +796,9 @@ def schedule(
             _, total, kept = budgets
             activation_budget = search.activation_budget(spec, total - kept)
         elif parsed is None or parsed.kind == "optimal":
-            raise UserError(f"strategy {strategy!r} builds the optimal schedule and needs --budget")
+            raise UserError(
+                f"strategy {quote(strategy)} builds the optimal schedule and needs --budget"
+            )
         if parsed is None:
             plan = search.optimal_plan(spec, activation_budget, check_slots(slots), device)
         elif parsed.kind == "optimal" and activation_budget <= 0:
@@ -845,7 +850,7 @@ def calibrate(
         no_gpu_keys(settings, "calibrate")
         spec = resolve_model(model, settings, seq, batch, layers)
         if device != "cpu" and not device.startswith("cuda"):
-            raise UserError(f"--device {device!r}: expected cpu or cuda")
+            raise UserError(f"--device {quote(device)}: expected cpu or cuda")
         if out is not None and not out.endswith((".yaml", ".yml")):
             raise UserError(f"--out {quote(out)}: expected a .yaml file")
         if out is not None:
@@ -1013,14 +1018,14 @@ def _export_plan(spec: ModelSpec, plan: str, target: str, budget, reserve, slots
         result = search.sweep(spec, total, kept, slots=slots)
         best = exports.best_expressible(spec, result.candidates, target)
         if best is None:
-            message = f"no plan that {target} can express fits {budget}"
+            message = f"no plan that {target} can express fits {shorten(budget)}"
             stderr.print(render.error_text(message), highlight=False)
             raise typer.Exit(EXIT_DOES_NOT_FIT)
         return best.plan
     parsed = parse_strategy(plan, spec)
     if parsed.kind == "optimal":
         if activation_budget is None:
-            raise UserError(f"--plan {plan!r} builds the optimal schedule and needs --budget")
+            raise UserError(f"--plan {quote(plan)} builds the optimal schedule and needs --budget")
         found = (
             evaluate(spec, parsed, budget=activation_budget, slots=slots)
             if activation_budget > 0

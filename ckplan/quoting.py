@@ -76,3 +76,10 @@ def one_line(text: str, limit: int = LINE_LIMIT) -> str:
     if len(printable) > limit:
         printable = printable[: limit - 3] + "..."
     return printable
+
+
+def shorten(value: Any, limit: int = QUOTE_LIMIT) -> str:
+    """A user value written as the user wrote it (`--set tp=abc`, `--budget 40GB`), not repr'd,
+    cut in the middle to at most `limit` characters; non-strings as `quote` shows them."""
+    text = value if isinstance(value, str) else quote(value)
+    return one_line(abbreviate(text, limit), limit * 2)

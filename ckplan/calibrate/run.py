@@ -34,6 +34,7 @@ from ckplan.model.profiles import (
     terms_text,
 )
 from ckplan.model.spec import ModelSpec
+from ckplan.quoting import quote
 
 DTYPES = {2: torch.bfloat16, 4: torch.float32}
 
@@ -224,7 +225,7 @@ def calibrate(
             f"{spec.dtype_bytes}"
         )
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise CalibrationError(f"--device {device}: torch sees no CUDA device here")
+        raise CalibrationError(f"--device {quote(device)}: torch sees no CUDA device here")
     dtype = DTYPES[spec.dtype_bytes]
     gqa = spec.kv_heads < spec.heads
     samples = [measure(spec, shape, dtype, device, hf, hf_config) for shape in fit_shapes(gqa)]

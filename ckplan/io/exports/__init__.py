@@ -17,6 +17,7 @@ from ckplan.io.exports import deepspeed, megatron, torch_snippet, torchtitan, ya
 from ckplan.io.exports.segments import LayerSegments, layer_segments
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan, evaluate
+from ckplan.quoting import quote
 from ckplan.units import format_bytes_auto
 
 TARGETS = {
@@ -36,7 +37,7 @@ class Export:
 
 def check_target(target: str) -> str:
     if target not in TARGETS:
-        raise ExportError(f"--to {target!r}: expected one of {', '.join(TARGETS)}")
+        raise ExportError(f"--to {quote(target)}: expected one of {', '.join(TARGETS)}")
     return target
 
 

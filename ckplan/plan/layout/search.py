@@ -34,6 +34,7 @@ from ckplan.plan.layout.bounds import Bounds, MemoryBound, TimeBound, layout_key
 from ckplan.plan.layout.space import Layout, SearchSpace, layouts, tensor_parallel_sizes
 from ckplan.plan.search import DEFAULT_RESERVE, Candidate, activation_budget, optimal_plan
 from ckplan.plan.strategies import parse_strategy
+from ckplan.quoting import shorten
 from ckplan.units import format_bytes_auto
 
 DEFAULT_TOP = 10
@@ -133,14 +134,14 @@ def check_search(
     for key, value in constraints.items():
         if key == "sp":
             if not isinstance(value, bool):
-                raise LayoutError(f"--set sp={value}: expected true or false")
+                raise LayoutError(f"--set sp={shorten(value)}: expected true or false")
             continue
         low = 0 if key == "zero" else 1
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             expected = "0, 1, 2 or 3" if key == "zero" else "a positive integer"
-            raise LayoutError(f"--set {key}={value}: expected {expected}")
+            raise LayoutError(f"--set {key}={shorten(value)}: expected {expected}")
         if key == "zero" and value > 3:
-            raise LayoutError(f"--set zero={value}: expected 0, 1, 2 or 3")
+            raise LayoutError(f"--set zero={shorten(value)}: expected 0, 1, 2 or 3")
     for key in ("ep", "etp"):
         if key in constraints and not spec.experts:
             raise LayoutError(f"--set {key}={constraints[key]}: {spec.name} has no experts")
