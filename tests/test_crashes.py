@@ -145,3 +145,16 @@ def test_odd_columns_and_lines_do_not_crash(columns, tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.decode().count("\n") == 1
     assert bad.stderr.decode().startswith("error: unknown model 'nosuch'")
+
+
+def test_a_symlink_to_a_file_is_followed(tmp_path):
+    (tmp_path / "real").mkdir()
+    real = tmp_path / "real" / "p.yaml"
+    real.write_text("old\n")
+    link = tmp_path / "link.yaml"
+    link.symlink_to(real)
+    check_output(str(link), "--out")
+    write_atomic(link, "--out", lambda temporary: temporary.write_text("new\n"))
+    assert link.is_symlink()
+    assert real.read_text() == "new\n"
+    assert sorted(p.name for p in (tmp_path / "real").iterdir()) == ["p.yaml"]

@@ -6,7 +6,8 @@ or a lone surrogate in the name (no file system holds them), a name over NAME_MA
 over PATH_MAX, a folder that does not exist, a directory or a device where the file would go, a
 folder ckplan cannot create files in (/proc, read-only). `write_atomic` writes to a temporary
 file beside the target and renames it over the target, so that a failure half-way (a full disk)
-leaves no partial file: the old file, if any, stays as it was.
+leaves no partial file: the old file, if any, stays as it was. A symlink to a file is
+followed: the file it names is replaced, the link stays.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def check_output(path: str, option: str) -> Path:
             raise OutputPathError(f"{shown}: is a directory, expected a file name")
         if target.exists() and not stat.S_ISREG(target.stat().st_mode):
             raise OutputPathError(f"{shown}: not a regular file")
-        fd, probe = tempfile.mkstemp(dir=target.parent, prefix=_TEMP_PREFIX)
+        fd, probe = tempfile.mkstemp(dir=_final(target).parent, prefix=_TEMP_PREFIX)
         os.close(fd)
         os.unlink(probe)
     except OSError as error:
@@ -67,8 +68,8 @@ def check_output(path: str, option: str) -> Path:
 def write_atomic(path: str | Path, option: str, write: Callable[[Path], None]) -> None:
     """`write(temporary path)`, then rename it over `path`; on any failure the temporary file
     is removed, and an OSError becomes OutputPathError."""
-    target = Path(path)
     try:
+        target = _final(Path(path))
         fd, name = tempfile.mkstemp(dir=target.parent, prefix=_TEMP_PREFIX, suffix=target.suffix)
     except OSError as error:
         raise _cannot_write(option, path, error) from None
@@ -83,6 +84,11 @@ def write_atomic(path: str | Path, option: str, write: Callable[[Path], None]) -
     finally:
         with contextlib.suppress(OSError):
             temporary.unlink(missing_ok=True)
+
+
+def _final(target: Path) -> Path:
+    """Where the file really goes: a symlink's target is replaced, not the link."""
+    return target.resolve() if target.is_symlink() else target
 
 
 def _shown(option: str, path: str) -> str:
