@@ -96,6 +96,7 @@ _LATENCIES = {"collective_latency_s", "collective_step_latency_s"}  # [0, MAX_LA
 # 1 ms: twenty times the largest of NCCL's latencies (tuning.cc, 50 us a step on the network)
 MAX_LATENCY_S = 1e-3
 MAX_RATE = 1e21  # any size or rate above a zetta- is a typo (and overflows what is built on it)
+MAX_TEXT_CHARS = 1000  # name, source: as the model's text keys
 MAX_COUNT = 2**20  # gpus_per_node, sm_count, tiles
 MEMORY_RANGE = (2**20, 10**21)  # memory_bytes: 1 MiB .. 1 ZB, as --budget accepts
 _OVERLAPS = {"dp_overlap", "ep_overlap"}  # [0, 1]
@@ -163,6 +164,11 @@ def _coerce(origin: str, key: str, value: Any) -> Any:
     if key in _STRINGS:
         if not isinstance(value, str):
             raise GPUError(f"{origin}: key {key!r} expects a string, got {quote(value)}")
+        if len(value) > MAX_TEXT_CHARS:
+            raise GPUError(
+                f"{origin}: key {key!r} is {len(value):,} characters long; at most "
+                f"{MAX_TEXT_CHARS:,} are accepted"
+            )
         return value
     number = _number(origin, key, value)
     if key in _COUNTS:
