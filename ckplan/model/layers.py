@@ -18,6 +18,7 @@ A YAML list of layer indices is accepted too.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -176,3 +177,10 @@ def stage_layer_indices(spec, stage: int) -> tuple[int, ...]:
 def stage_kinds(spec, stage: int) -> tuple[LayerKind, ...]:
     kinds = layer_kinds(spec)
     return tuple(kinds[i] for i in stage_layer_indices(spec, stage))
+
+
+@lru_cache(maxsize=512)
+def stage_kind_counts(spec, stage: int) -> Counter:
+    """How many layers of each kind pipeline stage `stage` holds (kinds in order of first
+    appearance). Callers must not modify it (it is cached)."""
+    return Counter(stage_kinds(spec, stage))
