@@ -116,14 +116,14 @@ def layer_kinds(spec) -> tuple[LayerKind, ...]:
     moe = parse_layer_set(spec.moe_layers, spec.layers) if spec.experts else frozenset()
     window = spec.sliding_window if spec.sliding_window and spec.sliding_window < spec.seq else 0
     windowed = parse_layer_set(spec.sliding_window_layers, spec.layers) if window else frozenset()
-    interned: dict[LayerKind, LayerKind] = {}
-    return tuple(
-        interned.setdefault(kind, kind)
-        for kind in (
-            LayerKind(moe=i in moe, window=window if i in windowed else 0)
-            for i in range(spec.layers)
-        )
-    )
+    # One instance per kind, picked per layer by a flag byte (1: MoE, 2: windowed).
+    flags = bytearray(spec.layers)
+    for i in moe:
+        flags[i] |= 1
+    for i in windowed:
+        flags[i] |= 2
+    table = [LayerKind(moe=bool(f & 1), window=window if f & 2 else 0) for f in range(4)]
+    return tuple(map(table.__getitem__, flags))
 
 
 @lru_cache(maxsize=128)

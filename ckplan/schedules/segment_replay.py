@@ -11,7 +11,9 @@ segments, ``uniform:K`` one run of ``L // K`` segments and a shorter one).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 from math import gcd
+from operator import add
 from typing import NamedTuple
 
 from ckplan.schedules.chain import Chain
@@ -102,11 +104,9 @@ def _terms(chain: Chain) -> _Terms:
         return entry[1]
     n, a, t = chain.length, chain.input_bytes, chain.tape_bytes
     fws, bws = chain.forward_workspace_bytes, chain.backward_workspace_bytes
-    tapes, forwards = [0], [0]
-    for p in range(n):
-        tapes.append(tapes[-1] + t[p])
-        forwards.append(forwards[-1] + chain.forward_flops[p])
-    step = [a[p] + fws[p] + a[p + 1] for p in range(n)]
+    tapes = list(accumulate(t, initial=0))
+    forwards = list(accumulate(chain.forward_flops, initial=0))
+    step = list(map(add, map(add, a[:n], fws), a[1:]))
     # A stage with its successor's input (V and W read it): equal keys P apart make V, W - T
     # and U - T periodic, and the prefix sums grow by the same amount every P stages.
     keys = intern(
@@ -118,8 +118,8 @@ def _terms(chain: Chain) -> _Terms:
         tapes,
         forwards,
         step,
-        [tapes[p] + step[p] for p in range(n)],
-        [tapes[p + 1] + a[p + 1] + bws[p] + a[p] for p in range(n)],
+        list(map(add, tapes, step)),
+        list(map(add, map(add, map(add, tapes[1:], a[1:]), bws), a)),
         period,
         stretch_end,
         sum(chain.backward_flops),
