@@ -15,6 +15,7 @@ interned to small ints first, so that comparing them runs in C.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from itertools import compress
 from operator import ne
 
 MAX_PERIOD = 12  # the longest period looked for in a chain (Gemma 2: 2; every-3rd-MoE: 3)
@@ -22,8 +23,8 @@ MAX_PERIOD = 12  # the longest period looked for in a chain (Gemma 2: 2; every-3
 
 def intern(items: Sequence[Hashable]) -> list[int]:
     """Each item as a small int, equal items equal ints (numbered in order of first appearance)."""
-    ids: dict[Hashable, int] = {}
-    return [ids.setdefault(item, len(ids)) for item in items]
+    ids = {item: index for index, item in enumerate(dict.fromkeys(items))}
+    return list(map(ids.__getitem__, items))
 
 
 def smallest_period(items: Sequence[Hashable]) -> int:
@@ -70,10 +71,14 @@ def periodic_ends(ids: Sequence[int], period: int) -> list[int]:
     (``ids[r] == ids[r + period]`` whenever ``p <= r < r + period <= q``). With ``period = 1``,
     the end of the run of equal items at ``p``."""
     n = len(ids)
-    ends = [0] * n
-    fail = n - period  # the first r >= p whose successor ``period`` on is unlike it (or missing)
-    for p in range(n - 1, -1, -1):
-        if p + period >= n or ids[p] != ids[p + period]:
-            fail = p
-        ends[p] = min(n - 1, fail + period - 1)
+    # The positions r unlike the one ``period`` on (and the last ``period``, which have none):
+    # for p up to such an r, the stretch ends at r + period - 1.
+    fails = list(compress(range(n), map(ne, ids, ids[period:])))
+    fails.extend(range(max(0, n - period), n))
+    ends: list[int] = []
+    p = 0
+    for fail in fails:
+        if fail >= p:
+            ends.extend([min(n - 1, fail + period - 1)] * (fail + 1 - p))
+            p = fail + 1
     return ends
