@@ -5,18 +5,26 @@ alternate, against the step-by-step replay, whatever period it is given."""
 from __future__ import annotations
 
 import importlib
+import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckplan.io.presets import load_spec
+from ckplan.plan import evaluate, layer_chain, parse_strategy
 from ckplan.schedules import (
     Chain,
+    brute_force_optimal,
     held_after_forward_bytes,
+    optimal_schedule,
+    pipeline_peak_bytes,
     replay_runs,
     segment_runs,
     segment_schedule,
     simulate,
+    store_all_schedule,
 )
+from ckplan.schedules.grouping import grouped_chain, stage_groups
 from ckplan.schedules.periodic import (
     bulk_period,
     intern,
@@ -131,3 +139,88 @@ def test_replay_runs_on_periodic_chains_equals_simulate(case):
     finally:
         segment_replay_module.bulk_period = detect
         segment_replay_module._TERMS.clear()
+
+
+# ---- the optimal DP over groups of whole periods ----------------------------------------
+
+grouping_module = importlib.import_module("ckplan.schedules.grouping")
+
+
+def _alternating(layers: int, period: int = 2) -> Chain:
+    """Embedding, `layers` layers cycling through `period` kinds, output (the planner's shape)."""
+    kinds = [(5 + k, 10 + 2 * k, 4, 24 + 3 * k, 2, 8 + k) for k in range(period)]
+    body = [kinds[i % period] for i in range(layers)]
+    stages = [(1, 0, 1, 3, 0, 0), *body, (9, 18, 4, 40, 0, 30)]
+    return Chain(
+        [s[0] for s in stages],
+        [s[1] for s in stages],
+        [s[2] for s in stages] + [0],
+        [s[3] for s in stages],
+        [s[4] for s in stages],
+        [s[5] for s in stages],
+    )
+
+
+def test_alternating_groups_are_whole_periods():
+    chain = _alternating(40)
+    groups = stage_groups(chain, 4)
+    assert groups[0] == (0, 1) and groups[-1] == (41, 42)
+    inner = groups[1:-1]
+    assert [q - p for p, q in inner] == [4] * 10
+    coarse = grouped_chain(chain, groups)
+    assert len(set(zip(coarse.forward_flops[1:-1], coarse.tape_bytes[1:-1], strict=True))) == 1
+    three = stage_groups(_alternating(30, period=3), 4)
+    assert {q - p for p, q in three[1:-1]} == {6}
+    assert stage_groups(chain, 1) == [(p, p + 1) for p in range(42)]
+
+
+def test_period_groups_fit_and_never_beat_the_optimum():
+    """Brute force needs chains of at most 7 stages, too short for a period to be detected:
+    the period is forced (any grouping gives a valid, fitting schedule)."""
+    rng = random.Random(5)
+    detect = grouping_module.bulk_period
+    found = 0
+    try:
+        for _ in range(60):
+            period = rng.choice([2, 3])
+            grouping_module.bulk_period = lambda ids, period=period: period
+            grouping_module.optimal_groups.cache_clear()
+            chain = _alternating(rng.randint(2, 5), period)
+            in_flight = rng.choice([1, 2])
+            top = pipeline_peak_bytes(chain, simulate(chain, store_all_schedule(chain)), in_flight)
+            budget = rng.randint(0, top)
+            size = rng.randint(2, 4)
+            grouped = optimal_schedule(chain, budget, max(budget, 1), in_flight, group_size=size)
+            if grouped is None:
+                continue
+            found += 1
+            exact = brute_force_optimal(chain, budget, in_flight)
+            replay = simulate(chain, grouped.steps)
+            assert exact is not None and grouped.total_flops >= exact.total_flops
+            assert grouped.total_flops == replay.total_flops
+            assert grouped.pipeline_peak_bytes == pipeline_peak_bytes(chain, replay, in_flight)
+            assert grouped.pipeline_peak_bytes <= budget
+    finally:
+        grouping_module.bulk_period = detect
+        grouping_module.optimal_groups.cache_clear()
+    assert found > 15
+
+
+def test_small_alternating_chains_run_the_exact_dp():
+    chain = _alternating(60)
+    budget = pipeline_peak_bytes(chain, simulate(chain, store_all_schedule(chain)), 1) // 3
+    default = optimal_schedule(chain, budget, 200)
+    exact = optimal_schedule(chain, budget, 200, group_size=1)
+    assert default is not None and default.stage_group == 1
+    assert default.steps == exact.steps
+
+
+def test_deep_alternating_optimal_answers_on_groups():
+    spec = load_spec("gpt2", {"layers": 3000, "experts": 8, "moe_layers": "0-:2"})
+    none = evaluate(spec, parse_strategy("none", spec))
+    budget = none.activation_bytes // 4
+    plan = evaluate(spec, parse_strategy("optimal", spec), budget=budget)
+    assert plan is not None and plan.activation_bytes <= budget
+    assert any("optimal over groups of up to" in note for note in plan.notes)
+    replay = simulate(layer_chain(spec, False), plan.steps)
+    assert replay.peak_bytes == plan.activation_bytes
