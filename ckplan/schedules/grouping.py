@@ -29,11 +29,12 @@ FIRST_PASS_MAX_WORK = 4 * 10**9  # first-pass entries before pruning, n^2 / 2 * 
 COUNTED_STAGES = 600  # chains are first grouped down to this many stages, then classes counted
 
 
-def stage_groups(chain: Chain, size: int) -> list[tuple[int, int]]:
+def stage_groups(chain: Chain, size: int, periodic: bool = True) -> list[tuple[int, int]]:
     """Groups ``[p, q)`` covering the chain in order: each run of equal stages cut into groups
     of ``size`` (its last group shorter); stages unlike their neighbours (embedding, output)
     stay alone. ``size = 1``: one group per stage. Where the stages alternate with a period
-    ``P`` > 1, groups of whole periods instead (:func:`_periodic_groups`)."""
+    ``P`` > 1, groups of whole periods instead (:func:`_periodic_groups`), unless not
+    ``periodic``."""
     n = chain.length
     if size == 1:
         return [(p, p + 1) for p in range(n)]
@@ -49,7 +50,7 @@ def stage_groups(chain: Chain, size: int) -> list[tuple[int, int]]:
         )
     )
     ids = intern(kinds)
-    period = bulk_period(ids)
+    period = bulk_period(ids) if periodic else 1
     if period > 1:
         return _periodic_groups(ids, period, size)
     runs, start = [], 0
@@ -124,6 +125,14 @@ def optimal_groups(chain: Chain, width: int, in_flight) -> tuple[tuple[int, int]
     """The groups the optimal DP runs on: one per stage when its work is within the limits
     above, else the smallest group size that brings it there."""
     size = max(1, -(-chain.length // COUNTED_STAGES))
+    # First the groups of equal stages alone, as long as there are few enough to count: an
+    # alternating chain of a few hundred stages keeps its exact DP (no equal neighbours to
+    # group); beyond, or where that is over the limits, groups of whole periods.
+    runs = stage_groups(chain, size, periodic=False)
+    if len(runs) <= 2 * COUNTED_STAGES and runs != stage_groups(chain, size):
+        coarse = chain if len(runs) == chain.length else grouped_chain(chain, runs)
+        if _within(dp_work(coarse, width, in_flight)):
+            return tuple(runs)
     while True:
         groups = stage_groups(chain, size)
         coarse = chain if size == 1 else grouped_chain(chain, groups)
