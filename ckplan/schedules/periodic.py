@@ -19,6 +19,7 @@ from itertools import compress
 from operator import ne
 
 MAX_PERIOD = 12  # the longest period looked for in a chain (Gemma 2: 2; every-3rd-MoE: 3)
+FEW = 7  # positions that may break a period (a chain's ends) for it to be taken at once
 
 
 def intern(items: Sequence[Hashable]) -> list[int]:
@@ -51,16 +52,19 @@ def mismatches(ids: Sequence[int], period: int) -> int:
 
 
 def bulk_period(ids: Sequence[int], max_period: int = MAX_PERIOD) -> int:
-    """The period of most of the sequence: the ``P <= max_period`` with the fewest positions
-    unlike the one ``P`` after them, plus ``P`` (shorter periods preferred on a tie). The ends
-    of a chain (embedding, output) break the period of its layers only there. Any period keeps
-    the callers exact; a good one only makes them faster."""
+    """The period of most of the sequence: the smallest ``P <= max_period`` with at most
+    ``FEW`` positions unlike the one ``P`` after them (the ends of a chain, embedding and
+    output, break the period of its layers only there), else the ``P`` with the fewest such
+    positions plus ``P`` (shorter periods preferred on a tie). Any period keeps the callers
+    exact; a good one only makes them faster."""
     n = len(ids)
     best, best_score = 1, mismatches(ids, 1) + 1
-    if best_score <= 8:  # runs of equal stages: the common case, decided at once
+    if best_score <= FEW + 1:  # runs of equal stages: the common case, decided at once
         return 1
     for period in range(2, min(max_period, n - 1) + 1):
         score = mismatches(ids, period) + period
+        if score <= FEW + period:
+            return period
         if score < best_score:
             best, best_score = period, score
     return best
