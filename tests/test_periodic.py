@@ -131,6 +131,7 @@ def test_replay_runs_on_periodic_chains_equals_simulate(case):
     try:
         for period in (None, forced):
             segment_replay_module._TERMS.clear()
+            segment_replay_module._EQUAL_TERMS.clear()
             if period is not None:
                 segment_replay_module.bulk_period = lambda ids, period=period: period
             closed = replay_runs(chain, runs)
@@ -143,6 +144,7 @@ def test_replay_runs_on_periodic_chains_equals_simulate(case):
     finally:
         segment_replay_module.bulk_period = detect
         segment_replay_module._TERMS.clear()
+        segment_replay_module._EQUAL_TERMS.clear()
 
 
 # ---- the optimal DP over groups of whole periods ----------------------------------------

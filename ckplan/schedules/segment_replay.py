@@ -98,10 +98,26 @@ class _Terms(NamedTuple):
 _TERMS: dict[int, tuple[Chain, _Terms]] = {}  # by id(chain); a few recent chains
 
 
+_EQUAL_TERMS: dict[Chain, _Terms] = {}  # by value: equal chains of other specs (dp, ZeRO)
+
+
 def _terms(chain: Chain) -> _Terms:
     entry = _TERMS.get(id(chain))
     if entry is not None and entry[0] is chain:
         return entry[1]
+    terms = _EQUAL_TERMS.get(chain)
+    if terms is None:
+        terms = _build_terms(chain)
+        if len(_EQUAL_TERMS) >= 16:
+            _EQUAL_TERMS.clear()
+        _EQUAL_TERMS[chain] = terms
+    if len(_TERMS) >= 8:
+        _TERMS.clear()
+    _TERMS[id(chain)] = (chain, terms)
+    return terms
+
+
+def _build_terms(chain: Chain) -> _Terms:
     n, a, t = chain.length, chain.input_bytes, chain.tape_bytes
     fws, bws = chain.forward_workspace_bytes, chain.backward_workspace_bytes
     tapes = list(accumulate(t, initial=0))
@@ -124,9 +140,6 @@ def _terms(chain: Chain) -> _Terms:
         stretch_end,
         sum(chain.backward_flops),
     )
-    if len(_TERMS) >= 8:
-        _TERMS.clear()
-    _TERMS[id(chain)] = (chain, terms)
     return terms
 
 
