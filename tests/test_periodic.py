@@ -230,3 +230,20 @@ def test_deep_alternating_optimal_answers_on_groups():
     assert any("optimal over groups of up to" in note for note in plan.notes)
     replay = simulate(layer_chain(spec, False), plan.steps)
     assert replay.peak_bytes == plan.activation_bytes
+
+
+def test_layouts_differing_in_dp_and_zero_share_their_chain():
+    """The chain is built once for dp = 1, ZeRO 0: equal to the one built from each layout."""
+    from ckplan.plan.layer_chain import _layer_chain, recompute_groups
+
+    for preset, keys in [
+        ("llama3-8b", {"dp": 8, "zero": 3}),
+        ("mixtral-8x7b", {"dp": 16, "zero": 1, "ep": 8}),
+        ("deepseek-v3", {"dp": 32, "zero": 2, "ep": 32, "tp": 4, "sp": True}),
+        ("gemma2-9b", {"dp": 4, "zero": 3, "pp": 2}),
+    ]:
+        spec = load_spec(preset, keys)
+        for selective in (False, True):
+            for stage in range(spec.pp):
+                built = _layer_chain(spec, recompute_groups(selective), stage)
+                assert layer_chain(spec, selective, stage=stage) == built

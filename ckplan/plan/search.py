@@ -229,8 +229,10 @@ def optimal_plan(
     if spec.experts:
         strategies += [Strategy("optimal", moe="moe"), Strategy("optimal", None, True, "moe")]
     for strategy in strategies:
-        if gpu is None and found and _least_flops(spec, strategy) > min(
-            plan.flops.total for plan in found
+        if (
+            gpu is None
+            and found
+            and _least_flops(spec, strategy) > min(plan.flops.total for plan in found)
         ):
             # Its plan recomputes at least what storing everything does (the same groups), so
             # it costs more FLOPs than a plan already found: the DP need not run.
