@@ -992,10 +992,10 @@ def _export_plan(spec: ModelSpec, plan: str, target: str, budget, reserve, slots
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry: usage errors become one line and exit 2, like every bad input;
     anything unexpected becomes one line and exit 3, never a traceback and never exit 1."""
-    _tolerant_streams()
     # Deep models keep large lists of per-stage figures alive; the collector's full passes over
     # them cost a quarter of a 100,000-layer sweep. Collect young objects less often.
     gc.set_threshold(100_000, 50, 100)
+    _tolerant_streams()
     try:
         code = _click_command().main(args=argv, prog_name="ckplan", standalone_mode=False)
     except typer.Abort:  # end of input at a prompt (a typer.Exit: caught first)
