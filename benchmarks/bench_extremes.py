@@ -20,6 +20,8 @@ PARALLEL = (
     "gpt2 --set tp=4 --set sp=true --set pp=12 --set dp=16777216 --set zero=3 --set cp=1024 "
     "--set seq=1048576 --set microbatches=1048576"
 )
+# Layers that alternate kinds (schedules/periodic.py): every other layer MoE, every third.
+ALTERNATING = "gpt2 --layers 100000 --set experts=8 --set moe_layers=0-:2"
 CASES = {
     "L=100k none": f"estimate {DEEP}",
     "L=100k full": f"estimate {DEEP} --strategy full",
@@ -42,6 +44,18 @@ CASES = {
     "largest parallel sweep": f"sweep {PARALLEL} --budget 80GB",
     "v=2^16": "estimate gpt2 --set layers=65536 --set virtual_stages=65536",
     "sweep L=512 (speed helper's)": "sweep gpt2 --budget 80GB --layers 512",
+    "alternating L=100k sweep --json": f"sweep {ALTERNATING} --budget 40GB --json",
+    "alternating L=100k optimal": f"estimate {ALTERNATING} --strategy optimal --budget 45TB",
+    "alternating L=100k check": f"check {ALTERNATING} --budget 45TB",
+    "alternating L=2000 optimal": (
+        "estimate gpt2 --layers 2000 --set experts=8 --set moe_layers=0-:2 --strategy optimal "
+        "--budget 900GB"
+    ),
+    "alternating every 3rd L=30000 sweep": (
+        "sweep gpt2 --layers 30000 --set experts=8 --set moe_layers=0-:3 --budget 15TB --json"
+    ),
+    "alternating gemma2-9b sweep 200GB": "sweep gemma2-9b --budget 200GB --json",
+    "alternating gemma2-9b L=20000 sweep 2TB": "sweep gemma2-9b --layers 20000 --budget 2TB",
 }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ckplan.model.layers import LayerKind, layer_kinds
+from ckplan.model.layers import LayerKind, kind_layer_indices
 from ckplan.model.ops import ATTENTION_CORE, _matmul, _split, in_group, layer_ops
 from ckplan.model.spec import ModelSpec
 
@@ -65,5 +65,8 @@ def model_flops_per_iteration(spec: ModelSpec, global_batch: int) -> int:
         last_stage_layers=None, account_for_embedding_in_pipeline_split=False,
         account_for_loss_in_pipeline_split=False,
     )  # fmt: skip
-    layers = sum(layer_forward_flops(whole, kind) for kind in layer_kinds(whole))
+    layers = sum(  # per kind of layer, times its count (ints: exact)
+        layer_forward_flops(whole, kind) * len(indices)
+        for kind, indices in kind_layer_indices(whole).items()
+    )
     return 3 * (layers + logits_forward_flops(whole)) * global_batch

@@ -18,8 +18,9 @@ A YAML list of layer indices is accepted too.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections import Counter
 from functools import lru_cache
+from typing import NamedTuple
 
 from ckplan.quoting import quote
 
@@ -69,9 +70,10 @@ def format_layer_set(indices: frozenset[int] | set[int], layers: int) -> str:
     if not indices:
         return "none"
     ordered = sorted(indices)
-    for step in range(2, layers):  # a strided run to the end, such as Gemma 2's 0-:2
-        start = ordered[0]
-        if list(range(start, layers, step)) == ordered and len(ordered) > 2:
+    if len(ordered) > 2 and ordered[1] - ordered[0] >= 2:
+        # a strided run to the end, such as Gemma 2's 0-:2 (its step is its first gap)
+        start, step = ordered[0], ordered[1] - ordered[0]
+        if list(range(start, layers, step)) == ordered:
             return f"{start}-:{step}"
     runs, first, last = [], ordered[0], ordered[0]
     for index in ordered[1:]:
@@ -90,9 +92,12 @@ def format_layer_set(indices: frozenset[int] | set[int], layers: int) -> str:
     return ",".join(parts)
 
 
-@dataclass(frozen=True, order=True)
-class LayerKind:
-    """What distinguishes one layer's op table from another's in the same model."""
+class LayerKind(NamedTuple):
+    """What distinguishes one layer's op table from another's in the same model.
+
+    A named tuple, so that hashing and comparing the kinds of a 100,000-layer model runs in C
+    (a frozen dataclass's Python-level ``__eq__``/``__hash__`` cost seconds there); a model's
+    layers share one instance per kind (:func:`layer_kinds`)."""
 
     moe: bool = False  # a mixture-of-experts MLP instead of the dense one
     window: int = 0  # sliding-window attention span in tokens; 0 = full attention
@@ -114,14 +119,29 @@ def layer_kinds(spec) -> tuple[LayerKind, ...]:
     moe = parse_layer_set(spec.moe_layers, spec.layers) if spec.experts else frozenset()
     window = spec.sliding_window if spec.sliding_window and spec.sliding_window < spec.seq else 0
     windowed = parse_layer_set(spec.sliding_window_layers, spec.layers) if window else frozenset()
-    return tuple(
-        LayerKind(moe=i in moe, window=window if i in windowed else 0) for i in range(spec.layers)
-    )
+    # One instance per kind, picked per layer by a flag byte (1: MoE, 2: windowed).
+    flags = bytearray(spec.layers)
+    for i in moe:
+        flags[i] |= 1
+    for i in windowed:
+        flags[i] |= 2
+    table = [LayerKind(moe=bool(f & 1), window=window if f & 2 else 0) for f in range(4)]
+    return tuple(map(table.__getitem__, flags))
 
 
+@lru_cache(maxsize=128)
 def distinct_kinds(spec) -> tuple[LayerKind, ...]:
     """The kinds present in the model, in order of first appearance."""
     return tuple(dict.fromkeys(layer_kinds(spec)))
+
+
+@lru_cache(maxsize=128)
+def kind_layer_indices(spec) -> dict[LayerKind, tuple[int, ...]]:
+    """The layers of each kind, by kind in order of first appearance (computed once per spec)."""
+    indices: dict[LayerKind, list[int]] = {kind: [] for kind in distinct_kinds(spec)}
+    for i, kind in enumerate(layer_kinds(spec)):
+        indices[kind].append(i)
+    return {kind: tuple(found) for kind, found in indices.items()}
 
 
 def is_uniform(spec) -> bool:
@@ -160,3 +180,10 @@ def stage_layer_indices(spec, stage: int) -> tuple[int, ...]:
 def stage_kinds(spec, stage: int) -> tuple[LayerKind, ...]:
     kinds = layer_kinds(spec)
     return tuple(kinds[i] for i in stage_layer_indices(spec, stage))
+
+
+@lru_cache(maxsize=512)
+def stage_kind_counts(spec, stage: int) -> Counter:
+    """How many layers of each kind pipeline stage `stage` holds (kinds in order of first
+    appearance). Callers must not modify it (it is cached)."""
+    return Counter(stage_kinds(spec, stage))

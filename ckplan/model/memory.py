@@ -415,9 +415,10 @@ def parameter_count(spec: ModelSpec) -> ParameterCount:
     embedding = spec.vocab * spec.hidden + positions
     output = 0 if spec.tied_embeddings else spec.vocab * spec.hidden
     final_norm = norm_parameters(spec)
-    kinds = layer_kinds(spec)
-    parts = [layer_parameter_parts(spec, kind) for kind in kinds]
-    all_layers = sum(part.total for part in parts) if len(set(kinds)) > 1 else None
+    # Per kind of layer, times its count (the sums are of ints: exact in any order).
+    counts = Counter(layer_kinds(spec))
+    parts = [(layer_parameter_parts(spec, kind), count) for kind, count in counts.items()]
+    all_layers = sum(part.total * count for part, count in parts) if len(counts) > 1 else None
     return ParameterCount(
         embedding,
         layer_parameters(spec),
@@ -425,8 +426,8 @@ def parameter_count(spec: ModelSpec) -> ParameterCount:
         final_norm,
         output,
         all_layers,
-        sum(part.experts for part in parts),
-        sum(part.inactive for part in parts),
+        sum(part.experts * count for part, count in parts),
+        sum(part.inactive * count for part, count in parts),
     )
 
 
@@ -444,9 +445,10 @@ def stage_parameters(spec: ModelSpec, stage: int = 0) -> tuple[int, int]:
     counts = parameter_count(spec)
     if spec.kind == "mlp":
         return counts.per_layer * len(stage_layer_indices(spec, stage)), 0
-    kinds = layer_kinds(spec)
+    from ckplan.model.layers import stage_kind_counts
+
     dense = expert = 0
-    for kind, count in Counter(kinds[i] for i in stage_layer_indices(spec, stage)).items():
+    for kind, count in stage_kind_counts(spec, stage).items():
         part = layer_parameter_parts(spec, kind)
         dense += count * part.dense_per_rank(spec)
         expert += count * part.experts_per_rank(spec)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import lru_cache
 
 from ckplan.model.ops import FP32_BYTES, LayerShapes, Matmul, Op, _matmul, _op, mlp_block_ops
 from ckplan.model.spec import ModelSpec
@@ -377,11 +378,12 @@ class ExpertLayout:
     capacity_factor: float
 
 
+@lru_cache(maxsize=64)  # a sweep describes the same layout for each of its plans
 def expert_layout(spec: ModelSpec) -> ExpertLayout | None:
     """The expert-parallel layout of `spec` on one GPU; None without experts."""
     if not spec.experts:
         return None
-    from ckplan.model.layers import stage_kinds
+    from ckplan.model.layers import stage_kind_counts
     from ckplan.model.memory import busiest_stage, stage_parameters
 
     shapes = LayerShapes.of(spec)
@@ -395,7 +397,9 @@ def expert_layout(spec: ModelSpec) -> ExpertLayout | None:
         expert_data_parallel=spec.expert_data_parallel,
         experts_per_gpu=spec.experts // spec.ep,
         expert_ffn_per_gpu=spec.moe_ffn_hidden // spec.etp,
-        moe_layers_per_gpu=sum(kind.moe for kind in stage_kinds(spec, stage)),
+        moe_layers_per_gpu=sum(
+            count for kind, count in stage_kind_counts(spec, stage).items() if kind.moe
+        ),
         tokens_per_gpu=shapes.stream_tokens,
         routed_rows_per_gpu=routed_rows(spec, shapes),
         average_rows_per_gpu=average,

@@ -11,7 +11,7 @@ from ckplan.model import flops as flops_model
 from ckplan.model import memory
 from ckplan.model.layers import LayerKind, stage_kinds, stage_layer_indices
 from ckplan.model.ops import ATTENTION_CORE
-from ckplan.model.spec import ModelSpec
+from ckplan.model.spec import ModelSpec, SpecError
 from ckplan.schedules import Chain
 
 
@@ -59,7 +59,22 @@ def layer_chain(
     its stage holds, then output layer and loss (last stage). With `selective`, each layer's
     tape drops the attention core (or the named recompute groups) and its backward re-runs the
     core's forward (Korthikanti §5)."""
-    return _layer_chain(spec, recompute_groups(selective), stage_index(spec, first_stage, stage))
+    return _layer_chain(
+        _activation_spec(spec), recompute_groups(selective), stage_index(spec, first_stage, stage)
+    )
+
+
+@lru_cache(maxsize=128)
+def _activation_spec(spec: ModelSpec) -> ModelSpec:
+    """`spec` with dp = 1 and no ZeRO, where valid: the chain depends on neither (they shard
+    model states only), so the layouts that differ in them share one chain (`ckplan sweep`'s
+    advice tries several on a 100,000-layer model)."""
+    if spec.dp == 1 and spec.zero == 0:
+        return spec
+    try:
+        return spec.replace(dp=1, zero=0)
+    except SpecError:
+        return spec
 
 
 @lru_cache(maxsize=256)

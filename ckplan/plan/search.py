@@ -229,6 +229,14 @@ def optimal_plan(
     if spec.experts:
         strategies += [Strategy("optimal", moe="moe"), Strategy("optimal", None, True, "moe")]
     for strategy in strategies:
+        if (
+            gpu is None
+            and found
+            and _least_flops(spec, strategy) > min(plan.flops.total for plan in found)
+        ):
+            # Its plan recomputes at least what storing everything does (the same groups), so
+            # it costs more FLOPs than a plan already found: the DP need not run.
+            continue
         plan = evaluate(spec, strategy, budget=budget, slots=slots)
         if plan is not None:
             found.append(plan)
@@ -239,6 +247,13 @@ def optimal_plan(
 
         return min(found, key=lambda p: (step_time(p, gpu).step_seconds, p.activation_bytes))
     return min(found, key=lambda p: (p.flops.total, p.activation_bytes))
+
+
+def _least_flops(spec: ModelSpec, strategy: Strategy) -> int:
+    """A lower bound on the FLOPs of `strategy`'s plans: its recompute groups with every layer
+    stored (a schedule only adds re-forwards to that, on every pipeline stage)."""
+    stored = Strategy("none", None, strategy.selective, strategy.moe)
+    return evaluate(spec, stored).flops.total
 
 
 def _cost(candidate: Candidate, rank: str) -> float:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 from fractions import Fraction
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Group
@@ -10,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ckplan import __version__
-from ckplan.model.layers import distinct_kinds, format_layer_set, layer_kinds
+from ckplan.model.layers import distinct_kinds, format_layer_set, kind_layer_indices
 from ckplan.model.memory import (
     activation_breakdown,
     activation_bytes_per_layer,
@@ -81,10 +83,14 @@ def plan_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
 
 def layer_kinds_list(spec: ModelSpec) -> list[dict[str, Any]]:
     """Each kind of layer of a mixed model: which layers, and what one of them saves."""
-    kinds = layer_kinds(spec)
+    return copy.deepcopy(_layer_kinds_rows(spec))
+
+
+@lru_cache(maxsize=32)  # a sweep describes the same model for each of its plans
+def _layer_kinds_rows(spec: ModelSpec) -> list[dict[str, Any]]:
     rows = []
-    for kind in distinct_kinds(spec):
-        indices = {i for i, k in enumerate(kinds) if k == kind}
+    for kind, found in kind_layer_indices(spec).items():
+        indices = set(found)
         rows.append(
             {
                 "kind": kind.name,
@@ -254,10 +260,9 @@ def per_op_tables(spec: ModelSpec) -> list[Table]:
     kinds = distinct_kinds(spec)
     if len(kinds) == 1:
         return [per_op_table(spec)]
-    all_kinds = layer_kinds(spec)
     tables = []
-    for kind in kinds:
-        indices = {i for i, k in enumerate(all_kinds) if k == kind}
+    for kind, found in kind_layer_indices(spec).items():
+        indices = set(found)
         where = format_layer_set(indices, spec.layers)
         title = f"{kind.name} layer ({len(indices)} of {spec.layers}: {where})"
         tables.append(per_op_table(spec, kind, title))

@@ -70,6 +70,14 @@ def _int_tuple(name: str, values: Sequence[int], length: int) -> tuple[int, ...]
     """Validate a sequence of non-negative integers and return it as a tuple of Python ints."""
     if isinstance(values, (str, bytes)):
         raise ValueError(f"{name} must be a sequence of integers")
+    # The common case, checked in C: plain ints, none negative (else the loop below says
+    # which value is wrong).
+    if (
+        isinstance(values, (tuple, list))
+        and len(values) == length
+        and (not values or (set(map(type, values)) == {int} and min(values) >= 0))
+    ):
+        return tuple(values)
     out = []
     for k, v in enumerate(values):
         if isinstance(v, bool):

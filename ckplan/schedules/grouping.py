@@ -20,6 +20,7 @@ from ckplan.schedules.chain import (
     Schedule,
     Step,
 )
+from ckplan.schedules.periodic import bulk_period, intern, periodic_ends
 
 # What the DP may cost before it runs on groups instead (about a second each on one core):
 DP_MAX_WORK = 4 * 10**8  # leaf candidates of the regular table, sum over classes of n * slots
@@ -28,10 +29,12 @@ FIRST_PASS_MAX_WORK = 4 * 10**9  # first-pass entries before pruning, n^2 / 2 * 
 COUNTED_STAGES = 600  # chains are first grouped down to this many stages, then classes counted
 
 
-def stage_groups(chain: Chain, size: int) -> list[tuple[int, int]]:
+def stage_groups(chain: Chain, size: int, periodic: bool = True) -> list[tuple[int, int]]:
     """Groups ``[p, q)`` covering the chain in order: each run of equal stages cut into groups
     of ``size`` (its last group shorter); stages unlike their neighbours (embedding, output)
-    stay alone. ``size = 1``: one group per stage."""
+    stay alone. ``size = 1``: one group per stage. Where the stages alternate with a period
+    ``P`` > 1, groups of whole periods instead (:func:`_periodic_groups`), unless not
+    ``periodic``."""
     n = chain.length
     if size == 1:
         return [(p, p + 1) for p in range(n)]
@@ -46,12 +49,37 @@ def stage_groups(chain: Chain, size: int) -> list[tuple[int, int]]:
             strict=True,
         )
     )
+    ids = intern(kinds)
+    period = bulk_period(ids) if periodic else 1
+    if period > 1:
+        return _periodic_groups(ids, period, size)
     runs, start = [], 0
     for p in range(1, n + 1):
         if p == n or kinds[p] != kinds[start]:
             runs.append((start, p))
             start = p
     return [(p, min(p + size, end)) for start, end in runs for p in range(start, end, size)]
+
+
+def _periodic_groups(ids: list[int], period: int, size: int) -> list[tuple[int, int]]:
+    """``stage_groups`` where the stages repeat with ``period`` > 1 (layers that alternate
+    kinds, :mod:`ckplan.schedules.periodic`): each periodic stretch cut into groups of whole
+    periods, ``ceil(size / period)`` of them (its last group shorter), so that its groups are
+    equal as runs of equal stages' are; stages outside such stretches stay alone."""
+    n = len(ids)
+    ends = periodic_ends(ids, period)
+    length = -(-size // period) * period
+    groups: list[tuple[int, int]] = []
+    p = 0
+    while p < n:
+        end = ends[p] + 1
+        if end - p < 2 * period:  # no repetition here (embedding, output)
+            groups.append((p, p + 1))
+            p += 1
+            continue
+        groups.extend((q, min(q + length, end)) for q in range(p, end, length))
+        p = end
+    return groups
 
 
 def dp_work(chain: Chain, width: int, in_flight) -> tuple[int, int, int]:
@@ -97,6 +125,14 @@ def optimal_groups(chain: Chain, width: int, in_flight) -> tuple[tuple[int, int]
     """The groups the optimal DP runs on: one per stage when its work is within the limits
     above, else the smallest group size that brings it there."""
     size = max(1, -(-chain.length // COUNTED_STAGES))
+    # First the groups of equal stages alone, as long as there are few enough to count: an
+    # alternating chain of a few hundred stages keeps its exact DP (no equal neighbours to
+    # group); beyond, or where that is over the limits, groups of whole periods.
+    runs = stage_groups(chain, size, periodic=False)
+    if len(runs) <= 2 * COUNTED_STAGES and runs != stage_groups(chain, size):
+        coarse = chain if len(runs) == chain.length else grouped_chain(chain, runs)
+        if _within(dp_work(coarse, width, in_flight)):
+            return tuple(runs)
     while True:
         groups = stage_groups(chain, size)
         coarse = chain if size == 1 else grouped_chain(chain, groups)

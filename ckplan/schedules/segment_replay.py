@@ -11,9 +11,13 @@ segments, ``uniform:K`` one run of ``L // K`` segments and a shorter one).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
+from math import gcd
+from operator import add
 from typing import NamedTuple
 
 from ckplan.schedules.chain import Chain
+from ckplan.schedules.periodic import bulk_period, intern, periodic_ends
 from ckplan.schedules.segments import _check_segments
 
 Segment = tuple[int, int, bool]  # (start, end, recompute)
@@ -86,58 +90,68 @@ class _Terms(NamedTuple):
     step: list[int]  # V[p] = x_p + forward workspace_p + x_{p+1}
     tape_step: list[int]  # U[p] = T[p] + V[p]
     backward: list[int]  # W[p] = T[p+1] + x_{p+1} + backward workspace_p + x_p
-    stretch_end: list[int]  # the last stage q >= p such that stages p..q are all equal
+    period: int  # P: the period of most of the chain's stages (1: runs of equal stages)
+    stretch_end: list[int]  # the last stage q >= p such that stages p..q are P-periodic
     backwards: int  # backward FLOPs of the chain
 
 
 _TERMS: dict[int, tuple[Chain, _Terms]] = {}  # by id(chain); a few recent chains
 
 
+_EQUAL_TERMS: dict[Chain, _Terms] = {}  # by value: equal chains of other specs (dp, ZeRO)
+
+
 def _terms(chain: Chain) -> _Terms:
     entry = _TERMS.get(id(chain))
     if entry is not None and entry[0] is chain:
         return entry[1]
-    n, a, t = chain.length, chain.input_bytes, chain.tape_bytes
-    fws, bws = chain.forward_workspace_bytes, chain.backward_workspace_bytes
-    tapes, forwards = [0], [0]
-    for p in range(n):
-        tapes.append(tapes[-1] + t[p])
-        forwards.append(forwards[-1] + chain.forward_flops[p])
-    step = [a[p] + fws[p] + a[p + 1] for p in range(n)]
-    kinds = list(zip(chain.forward_flops, chain.backward_flops, a[:n], t, fws, bws, strict=True))
-    stretch_end = list(range(n))
-    for p in range(n - 2, -1, -1):
-        if kinds[p] == kinds[p + 1]:
-            stretch_end[p] = stretch_end[p + 1]
-    terms = _Terms(
-        tapes,
-        forwards,
-        step,
-        [tapes[p] + step[p] for p in range(n)],
-        [tapes[p + 1] + a[p + 1] + bws[p] + a[p] for p in range(n)],
-        stretch_end,
-        sum(chain.backward_flops),
-    )
+    terms = _EQUAL_TERMS.get(chain)
+    if terms is None:
+        terms = _build_terms(chain)
+        if len(_EQUAL_TERMS) >= 16:
+            _EQUAL_TERMS.clear()
+        _EQUAL_TERMS[chain] = terms
     if len(_TERMS) >= 8:
         _TERMS.clear()
     _TERMS[id(chain)] = (chain, terms)
     return terms
 
 
+def _build_terms(chain: Chain) -> _Terms:
+    n, a, t = chain.length, chain.input_bytes, chain.tape_bytes
+    fws, bws = chain.forward_workspace_bytes, chain.backward_workspace_bytes
+    tapes = list(accumulate(t, initial=0))
+    forwards = list(accumulate(chain.forward_flops, initial=0))
+    step = list(map(add, map(add, a[:n], fws), a[1:]))
+    # A stage with its successor's input (V and W read it): equal keys P apart make V, W - T
+    # and U - T periodic, and the prefix sums grow by the same amount every P stages.
+    keys = intern(
+        list(zip(chain.forward_flops, chain.backward_flops, a[:n], t, fws, bws, a[1:], strict=True))
+    )
+    period = bulk_period(keys)
+    stretch_end = periodic_ends(keys, period)
+    terms = _Terms(
+        tapes,
+        forwards,
+        step,
+        list(map(add, tapes, step)),
+        list(map(add, map(add, map(add, tapes[1:], a[1:]), bws), a)),
+        period,
+        stretch_end,
+        sum(chain.backward_flops),
+    )
+    return terms
+
+
 def _range_max(terms: _Terms, values: list[int], lo: int, hi: int) -> int:
-    """``max(values[lo:hi])`` for ``values`` V, U or W, one stretch of equal stages at a time:
-    inside a stretch, but for its last stage (whose successor may differ), V is constant and U,
-    W do not decrease (T does not), so the maximum is at the last regular stage or the last."""
+    """``max(values[lo:hi])`` for ``values`` V, U or W, one P-periodic stretch at a time:
+    inside a stretch V repeats every P stages and U, W grow (T does not decrease), so the
+    maximum is among its last P stages."""
     best = values[lo]
-    p = lo
+    p, period, ends = lo, terms.period, terms.stretch_end
     while p < hi:
-        last = terms.stretch_end[p]
-        top = min(hi - 1, last)
-        regular = top if top < last else top - 1
-        if regular >= p:
-            best = max(best, values[regular])
-        if top == last:
-            best = max(best, values[last])
+        top = min(hi - 1, ends[p])
+        best = max(best, max(values[max(p, top - period + 1) : top + 1]))
         p = top + 1
     return best
 
@@ -158,7 +172,10 @@ def replay_runs(chain: Chain, runs: Sequence[Run]) -> SegmentReplay:
 
     The held bytes are ``K`` after the last segment. Equal segments over equal stages (``x_en``
     included) have equal terms but for ``K``, which only grows: of such a stretch only the last
-    is evaluated. Tests check every figure against :func:`simulate` on random chains and runs.
+    is evaluated. Likewise in a P-periodic stretch (:mod:`ckplan.schedules.periodic`): segment
+    ``i`` and segment ``i + m``, ``m = P / gcd(size, P)``, have equal terms but for ``K``, so
+    whole cycles of ``m`` segments are skipped, their ``K`` and FLOPs added ``cycles`` times.
+    Tests check every figure against :func:`simulate` on random chains and runs.
     """
     _check_runs(chain.length, runs)
     terms = _terms(chain)
@@ -167,17 +184,22 @@ def replay_runs(chain: Chain, runs: Sequence[Run]) -> SegmentReplay:
     kept = 0  # K: bytes the earlier segments keep
     peak = 0
     recompute = 0
+    period = terms.period
     for start, size, count, recomputed in runs:
+        cycle = period // gcd(size, period)  # m: segments until they repeat
         while count:
-            # Of the segments inside the stretch of equal stages at `start`, skip all but the last.
-            inside = min(count, (terms.stretch_end[start] - start) // size)
-            if inside > 1:
-                skipped = inside - 1
-                kept += skipped * (a[start] if recomputed else T[start + size] - T[start])
+            # Of the segments inside the periodic stretch at `start`, skip all but the last cycle.
+            inside = min(count, (terms.stretch_end[start] - start + 1) // size)
+            cycles = inside // cycle - 1
+            if cycles > 0:
+                span = cycle * size
                 if recomputed:
-                    recompute += skipped * (F[start + size] - F[start])
-                start += skipped * size
-                count -= skipped
+                    kept += cycles * sum(a[start : start + span : size])
+                    recompute += cycles * (F[start + span] - F[start])
+                else:
+                    kept += cycles * (T[start + span] - T[start])
+                start += cycles * span
+                count -= cycles * cycle
             end = start + size
             base = kept - T[start]
             if recomputed:
