@@ -151,13 +151,32 @@ def hostile_int(rng: random.Random) -> str:
 def hostile_value(rng: random.Random, key: str) -> str:
     if key in ("moe_layers", "sliding_window_layers"):
         return pick(rng, LAYER_SETS)
-    if key in ("name", "source", "kind", "norm", "mlp", "attention", "positions", "profile"):
-        if rng.random() < 0.7:
-            return pick(rng, STR_VALUES)
-    if key in ("dropout", "capacity_factor", "moe_imbalance"):
-        if rng.random() < 0.5:
-            return pick(rng, ["0.5", "1", "1.0", "0.999", "-0.1", "2", "average", "worst", "1/2",
-                              "3/2", "1/0", "0/0", "1e-400", "1.5", "nan", "AVERAGE", " worst"])  # fmt: skip
+    texts = ("name", "source", "kind", "norm", "mlp", "attention", "positions", "profile")
+    if key in texts and rng.random() < 0.7:
+        return pick(rng, STR_VALUES)
+    if key in ("dropout", "capacity_factor", "moe_imbalance") and rng.random() < 0.5:
+        return pick(
+            rng,
+            [
+                "0.5",
+                "1",
+                "1.0",
+                "0.999",
+                "-0.1",
+                "2",
+                "average",
+                "worst",
+                "1/2",
+                "3/2",
+                "1/0",
+                "0/0",
+                "1e-400",
+                "1.5",
+                "nan",
+                "AVERAGE",
+                " worst",
+            ],
+        )
     return hostile_int(rng)
 
 
@@ -211,14 +230,40 @@ def mutate_model_text(rng: random.Random, base: dict) -> str:
             other = pick(rng, fields)
             lines[other] = "*anchor"
         elif kind < 0.88:
-            lines[key] = pick(rng, ["!!str 4", "!!int '4'", "!!float 4", "!custom 4", "!!null ''",
-                                    "!!python/tuple [1]", "!!map {}", "!!seq []"])  # fmt: skip
+            lines[key] = pick(
+                rng,
+                [
+                    "!!str 4",
+                    "!!int '4'",
+                    "!!float 4",
+                    "!custom 4",
+                    "!!null ''",
+                    "!!python/tuple [1]",
+                    "!!map {}",
+                    "!!seq []",
+                ],
+            )
         elif kind < 0.92:
             extra.append(f"{key}: {hostile_value(rng, key)}")  # a duplicate key
         elif kind < 0.96:
-            extra.append(pick(rng, ["<<: {layers: 2}", "? [a]\n: 1", "--- \nlayers: 2", "%YAML 1.1",
-                                    "\t layers: 2", "layers: [", "'layers': 2", "1: 2", "null: 3",
-                                    "true: 1", "[1]: 2"]))  # fmt: skip
+            extra.append(
+                pick(
+                    rng,
+                    [
+                        "<<: {layers: 2}",
+                        "? [a]\n: 1",
+                        "--- \nlayers: 2",
+                        "%YAML 1.1",
+                        "\t layers: 2",
+                        "layers: [",
+                        "'layers': 2",
+                        "1: 2",
+                        "null: 3",
+                        "true: 1",
+                        "[1]: 2",
+                    ],
+                )
+            )
         else:
             lines[key] = "\n" + "".join(f"  - {hostile_int(rng)}\n" for _ in range(2)).rstrip()
     body = "".join(f"{key}: {value}\n" for key, value in lines.items())
@@ -242,9 +287,10 @@ JSON_VALUES = [
 HF_EXTRA_KEYS = [
     "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
     "intermediate_size", "vocab_size", "max_position_embeddings", "head_dim", "torch_dtype",
-    "hidden_act", "tie_word_embeddings", "sliding_window", "use_sliding_window", "max_window_layers",
-    "layer_types", "num_local_experts", "num_experts_per_tok", "num_experts", "decoder_sparse_step",
-    "mlp_only_layers", "moe_intermediate_size", "shared_expert_intermediate_size", "n_routed_experts",
+    "hidden_act", "tie_word_embeddings", "sliding_window", "use_sliding_window",
+    "max_window_layers", "layer_types", "num_local_experts", "num_experts_per_tok", "num_experts",
+    "decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "n_routed_experts",
     "first_k_dense_replace", "moe_layer_freq", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
     "qk_nope_head_dim", "v_head_dim", "attention_bias", "mlp_bias", "n_layer", "n_embd", "n_head",
     "n_positions", "n_inner", "attn_pdrop", "rope_scaling", "quantization_config", "text_config",
@@ -269,8 +315,22 @@ def hf_config_text(rng: random.Random) -> tuple[str, str]:
         elif kind < 0.85:
             config.pop(key, None)
         elif kind < 0.93:
-            config["model_type"] = pick(rng, [*HF_FAMILIES, "llama4", "gemma3", "bert", "LLAMA",
-                                              "deepseek_v3", "qwen2_moe", "qwen3_moe", "phi3", "gpt_neox", ""])  # fmt: skip
+            config["model_type"] = pick(
+                rng,
+                [
+                    *HF_FAMILIES,
+                    "llama4",
+                    "gemma3",
+                    "bert",
+                    "LLAMA",
+                    "deepseek_v3",
+                    "qwen2_moe",
+                    "qwen3_moe",
+                    "phi3",
+                    "gpt_neox",
+                    "",
+                ],
+            )
         else:
             config[misspell(rng, key)] = config.pop(key)
     text = json.dumps(config, allow_nan=True)
@@ -299,8 +359,18 @@ def gpu_file_text(rng: random.Random) -> str:
             data[pick(rng, list(GPU_FIELDS))] = pick(rng, JSON_VALUES)
     text = yaml.safe_dump(data, allow_unicode=True)
     if rng.random() < 0.1:
-        text = pick(rng, ["", "[1, 2]", "name: [\n", "a: &a 1\nb: *a\n", "42\n", "!!python/none\n",
-                          "memory_bytes: !!binary AAAA\n"])  # fmt: skip
+        text = pick(
+            rng,
+            [
+                "",
+                "[1, 2]",
+                "name: [\n",
+                "a: &a 1\nb: *a\n",
+                "42\n",
+                "!!python/none\n",
+                "memory_bytes: !!binary AAAA\n",
+            ],
+        )
     return text
 
 
@@ -316,15 +386,37 @@ def profile_file_text(rng: random.Random) -> str:
             entry = ops[op] if isinstance(ops[op], dict) else {}
             entry[part] = pick(
                 rng,
-                [{"sbh": "B"}, {"sbh": -1}, {"sbh": "2B+"}, {"xyz": 1}, {"sbh": "1/0"}, [], "B",
-                 {"sbh": True}, {"sbh": None}, {"as2b": "4-2B"}, {"sbh": "B*B"}, {"sbh": "1e3"}],
-            )  # fmt: skip
+                [
+                    {"sbh": "B"},
+                    {"sbh": -1},
+                    {"sbh": "2B+"},
+                    {"xyz": 1},
+                    {"sbh": "1/0"},
+                    [],
+                    "B",
+                    {"sbh": True},
+                    {"sbh": None},
+                    {"as2b": "4-2B"},
+                    {"sbh": "B*B"},
+                    {"sbh": "1e3"},
+                ],
+            )
             ops[op] = entry
         elif kind < 0.55 and ops:
             ops[misspell(rng, pick(rng, list(ops)))] = {"saved": {"sbh": "B"}}
         elif kind < 0.7:
-            data["requires"] = pick(rng, ["attention=flash", "attention=", "nosuch=1", "", "x",
-                                          "attention=standard,norm=rmsnorm", 3])  # fmt: skip
+            data["requires"] = pick(
+                rng,
+                [
+                    "attention=flash",
+                    "attention=",
+                    "nosuch=1",
+                    "",
+                    "x",
+                    "attention=standard,norm=rmsnorm",
+                    3,
+                ],
+            )
         elif kind < 0.8:
             data.pop(pick(rng, list(data)), None)
         else:
@@ -361,8 +453,24 @@ def model_arg(rng: random.Random, files: dict) -> str:
             pick(rng, [BASE_MODEL, MOE_MODEL, MLA_MODEL, WINDOW_MODEL])
         )
         return "model.yaml"
-    return pick(rng, ["nosuch", "gpt3", "", "model.yml", "./gpt2", "GPT2", "gpt2.yaml", "config.json",
-                      "\u202egpt2", "-", "--", "llama3-8b ", "presets/gpt2.yaml"])  # fmt: skip
+    return pick(
+        rng,
+        [
+            "nosuch",
+            "gpt3",
+            "",
+            "model.yml",
+            "./gpt2",
+            "GPT2",
+            "gpt2.yaml",
+            "config.json",
+            "\u202egpt2",
+            "-",
+            "--",
+            "llama3-8b ",
+            "presets/gpt2.yaml",
+        ],
+    )
 
 
 def set_args(rng: random.Random, moe: bool = False) -> list[str]:
@@ -375,10 +483,26 @@ def set_args(rng: random.Random, moe: bool = False) -> list[str]:
         if r < 0.6:
             key = pick(rng, list(_FIELDS))
             if moe and rng.random() < 0.5:
-                key = pick(rng, ["experts", "top_k", "moe_ffn_hidden", "moe_layers", "ep", "etp",
-                                 "capacity_factor", "moe_imbalance", "shared_experts",
-                                 "shared_ffn_hidden", "expert_bias", "sliding_window",
-                                 "sliding_window_layers", "kv_lora_rank", "q_lora_rank"])  # fmt: skip
+                key = pick(
+                    rng,
+                    [
+                        "experts",
+                        "top_k",
+                        "moe_ffn_hidden",
+                        "moe_layers",
+                        "ep",
+                        "etp",
+                        "capacity_factor",
+                        "moe_imbalance",
+                        "shared_experts",
+                        "shared_ffn_hidden",
+                        "expert_bias",
+                        "sliding_window",
+                        "sliding_window_layers",
+                        "kv_lora_rank",
+                        "q_lora_rank",
+                    ],
+                )
             out.append(f"{key}={hostile_value(rng, key)}")
         elif r < 0.75:
             key = pick(rng, list(GPU_FIELDS))
@@ -386,9 +510,27 @@ def set_args(rng: random.Random, moe: bool = False) -> list[str]:
         elif r < 0.85:
             out.append(f"{misspell(rng, pick(rng, list(_FIELDS)))}=2")
         else:
-            out.append(pick(rng, ["layers", "=", "==", "layers==2", "layers = 2", "gpu.=1", "gpu.",
-                                  "gpu.gpu.name=x", ".layers=2", "layers=2=3", "tp=2,pp=2",
-                                  "layers=\u0000", "name=" + "x" * 3000, "layers=1 # c"]))  # fmt: skip
+            out.append(
+                pick(
+                    rng,
+                    [
+                        "layers",
+                        "=",
+                        "==",
+                        "layers==2",
+                        "layers = 2",
+                        "gpu.=1",
+                        "gpu.",
+                        "gpu.gpu.name=x",
+                        ".layers=2",
+                        "layers=2=3",
+                        "tp=2,pp=2",
+                        "layers=\u0000",
+                        "name=" + "x" * 3000,
+                        "layers=1 # c",
+                    ],
+                )
+            )
     return [arg for value in out for arg in ("--set", value)]
 
 
@@ -403,21 +545,73 @@ def gpu_arg(rng: random.Random, files: dict) -> list[str]:
     if r < 0.85:
         files["gpu.yaml"] = gpu_file_text(rng)
         return ["--gpu", "gpu.yaml"]
-    return ["--gpu", pick(rng, ["h100", "H100-SXM", "a100", "", "gpu.yml", "nosuch.yaml", "h100-sxm ",
-                                "mi300", "tpu-v5", "a100-80gb.yaml", "\u0430100-80gb"])]  # fmt: skip
+    return [
+        "--gpu",
+        pick(
+            rng,
+            [
+                "h100",
+                "H100-SXM",
+                "a100",
+                "",
+                "gpu.yml",
+                "nosuch.yaml",
+                "h100-sxm ",
+                "mi300",
+                "tpu-v5",
+                "a100-80gb.yaml",
+                "\u0430100-80gb",
+            ],
+        ),
+    ]
 
 
 def profile_arg(rng: random.Random, files: dict) -> list[str]:
     if rng.random() < 0.5:
         files["prof.yaml"] = profile_file_text(rng)
         return ["--profile", "prof.yaml"]
-    return ["--profile", pick(rng, ["fused", "torch-eager", "torch-sdpa", "eager", "", "FUSED",
-                                    "prof.yml", "nosuch.yaml", "torch_eager"])]  # fmt: skip
+    return [
+        "--profile",
+        pick(
+            rng,
+            [
+                "fused",
+                "torch-eager",
+                "torch-sdpa",
+                "eager",
+                "",
+                "FUSED",
+                "prof.yml",
+                "nosuch.yaml",
+                "torch_eager",
+            ],
+        ),
+    ]
 
 
 def shortcut(rng: random.Random, option: str) -> list[str]:
-    return [option, pick(rng, ["0", "-1", "1", "2", "8", "2.5", "abc", "99999999999999999999",
-                               "1e3", "٣", "", "4096", "100001", "16777217"])]  # fmt: skip
+    return [
+        option,
+        pick(
+            rng,
+            [
+                "0",
+                "-1",
+                "1",
+                "2",
+                "8",
+                "2.5",
+                "abc",
+                "99999999999999999999",
+                "1e3",
+                "٣",
+                "",
+                "4096",
+                "100001",
+                "16777217",
+            ],
+        ),
+    ]
 
 
 def common_model_options(rng: random.Random, files: dict, command: str) -> list[str]:
@@ -433,8 +627,27 @@ def common_model_options(rng: random.Random, files: dict, command: str) -> list[
     if command in ("estimate", "sweep", "check", "schedule", "plan") and rng.random() < 0.15:
         argv += profile_arg(rng, files)
     if command in ("estimate", "sweep", "check", "schedule") and rng.random() < 0.1:
-        argv += ["--moe-imbalance", pick(rng, ["average", "worst", "1", "1.5", "0.5", "-1", "nan",
-                                               "inf", "3/2", "1/0", "", "AVERAGE", "1e400"])]  # fmt: skip
+        argv += [
+            "--moe-imbalance",
+            pick(
+                rng,
+                [
+                    "average",
+                    "worst",
+                    "1",
+                    "1.5",
+                    "0.5",
+                    "-1",
+                    "nan",
+                    "inf",
+                    "3/2",
+                    "1/0",
+                    "",
+                    "AVERAGE",
+                    "1e400",
+                ],
+            ),
+        ]
     if command != "calibrate" and rng.random() < 0.1:
         argv += ["--reserve", pick(rng, SIZES)]
     if command in ("sweep", "check", "schedule", "plan", "export") and rng.random() < 0.1:
@@ -509,9 +722,17 @@ def generate(seed: int, index: int) -> dict:
     )
     if command == "calibrate":
         # Keep calibrate cheap: almost always something invalid before torch runs.
-        bad = [["--set", f"layers={hostile_int(rng)}"], ["--device", pick(rng, ["cuda", "tpu", "", "CPU", "cuda:9"])],
-               ["--out", pick(rng, ["p.txt", "p.yaml", "", "sub/p.yaml"])], ["--name", ""], ["--seq", "0"],
-               ["--batch", "-1"], ["--layers", "abc"], ["--set", "gpu.sm_count=0"], ["--bogus"]]  # fmt: skip
+        bad = [
+            ["--set", f"layers={hostile_int(rng)}"],
+            ["--device", pick(rng, ["cuda", "tpu", "", "CPU", "cuda:9"])],
+            ["--out", pick(rng, ["p.txt", "p.yaml", "", "sub/p.yaml"])],
+            ["--name", ""],
+            ["--seq", "0"],
+            ["--batch", "-1"],
+            ["--layers", "abc"],
+            ["--set", "gpu.sm_count=0"],
+            ["--bogus"],
+        ]
         argv += pick(rng, bad)
         return {"argv": argv, "files": files, "family": "calibrate"}
     if (command in ("sweep", "check") and rng.random() < 0.85) or (
@@ -555,15 +776,54 @@ def generate(seed: int, index: int) -> dict:
         if rng.random() < 0.2:
             argv += budget_arg(rng)
         if rng.random() < 0.4:
-            argv += ["--set", pick(rng, ["tp=2", "tp=3", "pp=2", "pp=4", "cp=2", "dp=2", "ep=2", "zero=1",
-                                         "zero=4", "sp=true", "virtual_stages=2", "microbatches=4", "tp=0",
-                                         "etp=2", "first_stage_layers=1", "tp=-1", "dp=0", "sp=maybe"])]  # fmt: skip
+            argv += [
+                "--set",
+                pick(
+                    rng,
+                    [
+                        "tp=2",
+                        "tp=3",
+                        "pp=2",
+                        "pp=4",
+                        "cp=2",
+                        "dp=2",
+                        "ep=2",
+                        "zero=1",
+                        "zero=4",
+                        "sp=true",
+                        "virtual_stages=2",
+                        "microbatches=4",
+                        "tp=0",
+                        "etp=2",
+                        "first_stage_layers=1",
+                        "tp=-1",
+                        "dp=0",
+                        "sp=maybe",
+                    ],
+                ),
+            ]
     if command == "export":
         if rng.random() < 0.92:
             argv += ["--plan", pick(rng, STRATEGIES)]
         if rng.random() < 0.92:
-            argv += ["--to", pick(rng, ["megatron", "torch", "deepspeed", "torchtitan", "yaml", "Megatron",
-                                        "", "json", "nemo", "torch "])]  # fmt: skip
+            argv += [
+                "--to",
+                pick(
+                    rng,
+                    [
+                        "megatron",
+                        "torch",
+                        "deepspeed",
+                        "torchtitan",
+                        "yaml",
+                        "Megatron",
+                        "",
+                        "json",
+                        "nemo",
+                        "torch ",
+                    ],
+                ),
+            ]
         if rng.random() < 0.15:
             argv.append(pick(rng, ["--recompute-modules", "--no-recompute-modules"]))
     if command in ("estimate", "sweep") and rng.random() < 0.06:
@@ -690,10 +950,9 @@ def classify(code: int | None, out: str, err: str, changed: bool) -> list[str]:
     lines = err.splitlines()
     if code == 2 and (len(lines) != 1 or not lines[0].startswith("error: ")):
         problems.append("multiline")
-    if code == 1 and lines and (len(lines) != 1 or not lines[0].startswith("error: ")):
-        # exit 1 may carry notes before its error line; only a traceback-like flood is flagged
-        if not any(line.startswith("error: ") for line in lines):
-            problems.append("multiline")
+    # exit 1 may carry notes before its error line, or nothing on stderr
+    if code == 1 and lines and not any(line.startswith("error: ") for line in lines):
+        problems.append("multiline")
     if code == 2 and out.strip():
         problems.append("stdout-on-2")
     if code != 0 and changed:
@@ -764,8 +1023,19 @@ def main() -> int:
         if not verdicts[0].startswith("ok-"):
             bad.append((case, verdicts, code, out, err, elapsed))
         if log:
-            log.write(json.dumps({**case, "code": code, "verdicts": verdicts, "err": err[:2000],
-                                  "seconds": round(elapsed, 3)}, ensure_ascii=False) + "\n")  # fmt: skip
+            log.write(
+                json.dumps(
+                    {
+                        **case,
+                        "code": code,
+                        "verdicts": verdicts,
+                        "err": err[:2000],
+                        "seconds": round(elapsed, 3),
+                    },
+                    ensure_ascii=False,
+                )
+                + "\n"
+            )
         if args.show:
             print(f"--- case {index} ({case['family']}): exit {code}, {elapsed:.2f}s, {verdicts}")
             print("$ " + reproducer(case))
@@ -787,9 +1057,11 @@ def main() -> int:
     print(f"{'total':<12}" + "".join(f"{counts[v]:>12}" for v in verdict_names))
     slowest.sort(reverse=True)
     print("slowest: " + ", ".join(f"#{i} {s:.1f}s" for s, i in slowest[:5]))
-    for case, verdicts, code, out, err, elapsed in bad:
-        print(f"\n=== BAD case {case['index']} of seed {case['seed']} ({case['family']}): "
-              f"{', '.join(verdicts)}; exit {code}, {elapsed:.1f}s")  # fmt: skip
+    for case, verdicts, code, _out, err, elapsed in bad:
+        print(
+            f"\n=== BAD case {case['index']} of seed {case['seed']} ({case['family']}): "
+            f"{', '.join(verdicts)}; exit {code}, {elapsed:.1f}s"
+        )
         print("stderr: " + (err.strip()[-1500:] or "(empty)"))
         print(
             "replay: python tests/fuzz_cli.py --seed {} --only {} --show".format(
