@@ -148,7 +148,34 @@ def hostile_int(rng: random.Random) -> str:
     return pick(rng, INT_VALUES)
 
 
+_BOOLS = {
+    "bias", "tied_embeddings", "fused_swiglu", "sp", "qkv_bias", "qk_norm", "post_norms",
+    "parallel_residual", "shared_expert_gate", "expert_bias",
+    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+}  # fmt: skip
+_ENUM_VALUES = {
+    "kind": ["transformer", "mlp"],
+    "norm": ["layernorm", "rmsnorm"],
+    "mlp": ["gelu", "swiglu", "geglu"],
+    "attention": ["standard", "flash"],
+    "positions": ["learned", "rope"],
+    "profile": ["fused", "torch-eager", "torch-sdpa"],
+    "moe_imbalance": ["average", "worst", "1.5", "8"],
+    "dropout": ["0.0", "0.1", "0.5"],
+    "capacity_factor": ["1.0", "1.25", "2", "0.5"],
+}
+PLAUSIBLE = ["1", "2", "3", "4", "8", "16", "32", "64", "0", "5", "6", "7", "12", "128"]
+
+
 def hostile_value(rng: random.Random, key: str) -> str:
+    if rng.random() < 0.35:  # in range but in odd combinations: where divisions go wrong
+        if key in ("moe_layers", "sliding_window_layers"):
+            return pick(rng, ["all", "none", "0", "1-", "0-:2", "1-:3", "0,2", "3-"])
+        if key in _BOOLS:
+            return pick(rng, ["true", "false"])
+        if key in _ENUM_VALUES:
+            return pick(rng, _ENUM_VALUES[key])
+        return pick(rng, PLAUSIBLE)
     if key in ("moe_layers", "sliding_window_layers"):
         return pick(rng, LAYER_SETS)
     texts = ("name", "source", "kind", "norm", "mlp", "attention", "positions", "profile")
@@ -955,7 +982,7 @@ def classify(code: int | None, out: str, err: str, changed: bool) -> list[str]:
         problems.append("multiline")
     if code == 2 and out.strip():
         problems.append("stdout-on-2")
-    if code != 0 and changed:
+    if code not in (0, 1) and changed:  # exit 1 is an answer: its --plot may be written
         problems.append("written")
     return problems or [f"ok-{code}"]
 
