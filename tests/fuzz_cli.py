@@ -690,7 +690,14 @@ def common_model_options(rng: random.Random, files: dict, command: str) -> list[
 
 
 def generate(seed: int, index: int) -> dict:
-    """Case `index` of `seed`: {argv, files, family}."""
+    """Case `index` of `seed`: {argv, files, family}. No argument holds a NUL byte, which no
+    process can receive."""
+    case = _generate(seed, index)
+    case["argv"] = [arg.replace("\x00", "\x01") for arg in case["argv"]]
+    return case
+
+
+def _generate(seed: int, index: int) -> dict:
     rng = random.Random(f"{seed}:{index}")
     files: dict[str, str] = {}
     command = pick(rng, [*MODEL_COMMANDS, *MODEL_COMMANDS, "gpus", "verify", "calibrate"])
