@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint format bench validate clean
+.PHONY: run test lint format bench validate clean fuzz
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,13 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/pytest
+
+# A seeded fuzzer of hostile CLI invocations (tests/fuzz_cli.py; tests/corpus/README.md); not part
+# of `make test`. One case at a time, each with a 10 s and 4 GiB limit; exit 1 when any case is bad.
+FUZZ_CASES ?= 2000
+FUZZ_SEED ?= 0
+fuzz: $(STAMP)
+	$(BIN)/python tests/fuzz_cli.py --cases $(FUZZ_CASES) --seed $(FUZZ_SEED)
 
 lint: $(STAMP)
 	$(BIN)/ruff check ckplan tests benchmarks validation

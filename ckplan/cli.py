@@ -18,6 +18,7 @@ import shlex
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -309,7 +310,8 @@ def resolve_budget(
         return (budget, *parse_budget(budget, reserve))
     if gpu is None:
         return None
-    text = f"{gpu.memory_bytes / 10**9:g}GB"
+    # Exact decimal GB: `:g` wrote a tiny memory_bytes as '1e-07GB', which parse_size refuses.
+    text = f"{Decimal(gpu.memory_bytes) / 10**9:f}GB"
     total, kept = parse_budget(text, reserve)
     return text, total, kept
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ckplan.model.layers import format_layer_set
-from ckplan.model.spec import SpecError
+from ckplan.model.spec import SIZE_RANGES, SpecError
 from ckplan.quoting import quote
 
 _HF_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -207,9 +207,16 @@ def _llama_biases(c: _Config) -> dict[str, Any]:
     return {"bias": attention}
 
 
+def _capped(layers: int) -> int:
+    """A layer count to loop over: at most one past the most ckplan accepts, which the spec then
+    refuses with its range (a config of 10**30 layers was looped over layer by layer first)."""
+    return min(layers, SIZE_RANGES["layers"][1] + 1)
+
+
 def _windows(c: _Config, layers: int, default_pattern: Callable[[int], bool] | None) -> dict:
     """sliding_window and which layers use it: HF's layer_types when given, else the family's
     rule (`default_pattern(i)` True for a sliding layer; None: every layer)."""
+    layers = _capped(layers)
     window = c.get("sliding_window")
     if not window:
         return {}
@@ -229,6 +236,7 @@ def _windows(c: _Config, layers: int, default_pattern: Callable[[int], bool] | N
 
 
 def _moe_layers(layers: int, moe: set[int]) -> str:
+    layers = _capped(layers)
     return format_layer_set(moe, layers)
 
 
@@ -274,6 +282,7 @@ def _qwen3(c: _Config) -> dict[str, Any]:
 
 def _qwen_moe_layers(c: _Config, layers: int, experts: int) -> set[int]:
     """Qwen2/3-MoE: layer i is sparse unless in mlp_only_layers, every decoder_sparse_step."""
+    layers = _capped(layers)
     step = c.get("decoder_sparse_step", 1)
     dense = set(c.get("mlp_only_layers", []))
     return {i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0}
@@ -386,7 +395,7 @@ def _deepseek(c: _Config) -> dict[str, Any]:
     V3's noaux_tc routing adds a per-expert bias (e_score_correction_bias)."""
     mapping = {**_base(c, tied=False), **_llama_biases(c)}
     mapping.pop("head_dim", None)
-    layers = mapping["layers"]
+    layers = _capped(mapping["layers"])
     mapping |= {
         "q_lora_rank": c.get("q_lora_rank", 0),
         "kv_lora_rank": c.need("kv_lora_rank"),

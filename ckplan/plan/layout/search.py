@@ -145,6 +145,22 @@ def check_search(
     for key in ("ep", "etp"):
         if key in constraints and not spec.experts:
             raise LayoutError(f"--set {key}={constraints[key]}: {spec.name} has no experts")
+    group = 1
+    for key in ("ep", "etp"):
+        value = constraints.get(key)
+        if value is None:
+            continue
+        group *= value
+        if gpus % group:
+            raise LayoutError(
+                f"--set {key}={value}: ep·etp must divide tp·cp·dp, a divisor of --gpus "
+                f"{gpus:,}, and {group:,} does not"
+            )
+    ep = constraints.get("ep")
+    if ep is not None and spec.experts % ep:
+        raise LayoutError(
+            f"--set ep={ep}: ep must divide the {spec.experts:,} experts of {spec.name}"
+        )
     product = 1
     for key in ("tp", "pp", "cp", "dp"):
         value = constraints.get(key)

@@ -18,6 +18,7 @@ The rules, each Megatron-LM's (or the spec's, which follows it):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +47,8 @@ SPLIT_KEYS = (
 )
 
 
-@dataclass(frozen=True, order=True)
+@functools.total_ordering
+@dataclass(frozen=True)
 class Split:
     """How the layers fall on the pipeline stages: evenly (all fields unset), Megatron's
     embedding/loss counted as layers, or explicit first/last stage layers."""
@@ -55,6 +57,17 @@ class Split:
     last: int | None = None
     embedding: bool = False
     loss: bool = False
+
+    def __lt__(self, other: Split) -> bool:
+        # Layouts sort by their fields; an unset first/last (None) sorts before any count
+        # (order=True compared None with an int and raised on layouts tied in time).
+        return self._order() < other._order()
+
+    def _order(self) -> tuple:
+        unset = -1
+        first = unset if self.first is None else self.first
+        last = unset if self.last is None else self.last
+        return (first, last, self.embedding, self.loss)
 
     def keys(self) -> dict[str, Any]:
         keys: dict[str, Any] = {}
