@@ -46,17 +46,17 @@ class _Loader(yaml.SafeLoader):
     def compose_node(self, parent, index):
         event = self.peek_event()
         if isinstance(event, yaml.AliasEvent):
-            _refuse("YAML aliases (*name) are not accepted in a model description", event)
+            _refuse("YAML aliases (*name) are not accepted in ckplan's YAML files", event)
         tag = getattr(event, "tag", None)
         if tag not in (None, "!"):
             shown = tag.replace("tag:yaml.org,2002:", "!!")
-            _refuse(f"YAML tags are not accepted in a model description ({quote(shown)})", event)
+            _refuse(f"YAML tags are not accepted in ckplan's YAML files ({quote(shown)})", event)
         self._nodes += 1
         if self._nodes > MAX_NODES:
-            _refuse(f"more than {MAX_NODES:,} YAML nodes: not a model description", event)
+            _refuse(f"more than {MAX_NODES:,} YAML nodes: too large for a ckplan YAML file", event)
         self._depth += 1
         if self._depth > MAX_DEPTH:
-            _refuse(f"YAML nested deeper than {MAX_DEPTH} levels: not a model description", event)
+            _refuse(f"YAML nested deeper than {MAX_DEPTH} levels: not a ckplan YAML file", event)
         try:
             return super().compose_node(parent, index)
         finally:
