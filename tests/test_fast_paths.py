@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from chains import chain_of_stages
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -42,15 +43,7 @@ def chains_and_segments(draw):
         kinds = ([head] + [layer] * (n - 2) + [tail])[:n]
     else:
         kinds = [draw(kind) for _ in range(n)]
-    inputs = [k[2] for k in kinds] + [draw(sizes)]
-    chain = Chain(
-        [k[0] for k in kinds],
-        [k[1] for k in kinds],
-        inputs,
-        [inputs[p] + k[3] for p, k in enumerate(kinds)],
-        [k[4] for k in kinds],
-        [k[5] for k in kinds],
-    )
+    chain = chain_of_stages(kinds, draw(sizes), tape_includes_input=True)
     if draw(st.booleans()):
         size, offset = draw(st.integers(1, n)), draw(st.integers(0, 1))
         bounds = sorted({0, n, *range(offset, n, size)})

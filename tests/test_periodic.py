@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import random
 
+from chains import chain_of_stages
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -92,15 +93,7 @@ def periodic_chains_and_runs(draw):
     repeats = draw(st.integers(1, 12))
     kinds = [draw(kind), *(pattern * repeats), draw(kind)][: draw(st.integers(1, 50))]
     n = len(kinds)
-    inputs = [k[2] for k in kinds] + [draw(sizes)]
-    chain = Chain(
-        [k[0] for k in kinds],
-        [k[1] for k in kinds],
-        inputs,
-        [inputs[p] + k[3] for p, k in enumerate(kinds)],
-        [k[4] for k in kinds],
-        [k[5] for k in kinds],
-    )
+    chain = chain_of_stages(kinds, draw(sizes), tape_includes_input=True)
     if draw(st.booleans()):
         size, offset = draw(st.integers(1, n)), draw(st.integers(0, 2))
         bounds = sorted({0, n, *range(min(offset, n), n, size)})
@@ -157,14 +150,7 @@ def _alternating(layers: int, period: int = 2) -> Chain:
     kinds = [(5 + k, 10 + 2 * k, 4, 24 + 3 * k, 2, 8 + k) for k in range(period)]
     body = [kinds[i % period] for i in range(layers)]
     stages = [(1, 0, 1, 3, 0, 0), *body, (9, 18, 4, 40, 0, 30)]
-    return Chain(
-        [s[0] for s in stages],
-        [s[1] for s in stages],
-        [s[2] for s in stages] + [0],
-        [s[3] for s in stages],
-        [s[4] for s in stages],
-        [s[5] for s in stages],
-    )
+    return chain_of_stages(stages, 0)
 
 
 def test_alternating_groups_are_whole_periods():

@@ -126,6 +126,21 @@ class LayoutError(InputError):
     """No layout can exist: the GPU count, global batch and fixed keys contradict."""
 
 
+def _check_product_divides(constraints, keys, gpus: int, rule: str) -> None:
+    """The fixed sizes among `keys`, multiplied in order, must divide the GPUs at every step;
+    the first that breaks it is named."""
+    product = 1
+    for key in keys:
+        value = constraints.get(key)
+        if value is None:
+            continue
+        product *= value
+        if gpus % product:
+            raise LayoutError(
+                f"--set {key}={value}: {rule} --gpus {gpus:,}, and {product:,} does not"
+            )
+
+
 def check_search(
     spec: ModelSpec, gpus: int, gpus_per_node: int, global_batch: int, constraints: dict
 ) -> None:
@@ -145,33 +160,15 @@ def check_search(
     for key in ("ep", "etp"):
         if key in constraints and not spec.experts:
             raise LayoutError(f"--set {key}={constraints[key]}: {spec.name} has no experts")
-    group = 1
-    for key in ("ep", "etp"):
-        value = constraints.get(key)
-        if value is None:
-            continue
-        group *= value
-        if gpus % group:
-            raise LayoutError(
-                f"--set {key}={value}: ep·etp must divide tp·cp·dp, a divisor of --gpus "
-                f"{gpus:,}, and {group:,} does not"
-            )
+    _check_product_divides(
+        constraints, ("ep", "etp"), gpus, "ep·etp must divide tp·cp·dp, a divisor of"
+    )
     ep = constraints.get("ep")
     if ep is not None and spec.experts % ep:
         raise LayoutError(
             f"--set ep={ep}: ep must divide the {spec.experts:,} experts of {spec.name}"
         )
-    product = 1
-    for key in ("tp", "pp", "cp", "dp"):
-        value = constraints.get(key)
-        if value is None:
-            continue
-        product *= value
-        if gpus % product:
-            raise LayoutError(
-                f"--set {key}={value}: tp·pp·cp·dp must divide --gpus {gpus:,}, "
-                f"and {product:,} does not"
-            )
+    _check_product_divides(constraints, ("tp", "pp", "cp", "dp"), gpus, "tp·pp·cp·dp must divide")
     dp = constraints.get("dp")
     if dp is not None and global_batch % dp:
         raise LayoutError(f"--global-batch {global_batch:,} is not divisible by --set dp={dp}")
