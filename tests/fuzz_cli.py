@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
+from tree_snapshot import snapshot  # noqa: E402
 
 PRESETS = ROOT / "presets"
 PROFILES = ROOT / "profiles"
@@ -871,15 +872,6 @@ def _generate(seed: int, index: int) -> dict:
 
 
 # ---- running ----------------------------------------------------------------------------------
-
-
-def snapshot(root: Path) -> dict[str, int]:
-    entries = {}
-    for folder, names, files in os.walk(root):
-        for name in names + files:
-            path = Path(folder, name)
-            entries[str(path.relative_to(root))] = path.lstat().st_size
-    return entries
 
 
 def write_files(root: Path, files: dict[str, str]) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tree_snapshot import snapshot
 
 from ckplan.cli import main
 
@@ -104,16 +105,6 @@ def materialise(case: dict, root: Path) -> list[str]:
 def repeated(spec: dict) -> str:
     """`{head, repeat, times, tail}`: a long text without writing it out in the manifest."""
     return spec.get("head", "") + spec["repeat"] * spec["times"] + spec.get("tail", "")
-
-
-def snapshot(root: Path) -> dict[str, int]:
-    """Every entry under `root` (symlinks not followed) with its size."""
-    entries = {}
-    for folder, names, files in os.walk(root):
-        for name in names + files:
-            path = Path(folder, name)
-            entries[str(path.relative_to(root))] = path.lstat().st_size
-    return entries
 
 
 def skip_reason(case: dict) -> str | None:
