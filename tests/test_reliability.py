@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from ckplan import cli
+from ckplan.cli import estimate as estimate_command
 from ckplan.cli import main
 from ckplan.io import safe_yaml
 from ckplan.plan import StrategyError, evaluate, limits, parse_strategy
@@ -29,7 +30,7 @@ def test_an_unexpected_exception_exits_3_in_one_line(capsys, monkeypatch, error)
     def explode(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(cli, "evaluate", explode)
+    monkeypatch.setattr(estimate_command, "evaluate", explode)
     code, out, err = run(capsys, "estimate", "gpt2")
     assert code == cli.EXIT_INTERNAL == 3
     assert out == "" and len(err.splitlines()) == 1 and "Traceback" not in err
@@ -160,6 +161,6 @@ def test_ctrl_c_exits_130(capsys, monkeypatch):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "evaluate", interrupt)
+    monkeypatch.setattr(estimate_command, "evaluate", interrupt)
     code, out, _ = run(capsys, "estimate", "gpt2")
     assert code == 130 and out == ""

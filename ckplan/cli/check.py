@@ -1,0 +1,110 @@
+"""`ckplan check`: the CI capacity check of several models against one budget."""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ckplan import render
+from ckplan.cli.errors import EXIT_DOES_NOT_FIT, EXIT_OK, UserError, user_errors
+from ckplan.cli.options import (
+    BatchOpt,
+    BudgetOpt,
+    FormatOpt,
+    GpuOpt,
+    JsonOpt,
+    LayersOpt,
+    MoeImbalanceOpt,
+    ProfileOpt,
+    QuietOpt,
+    ReserveOpt,
+    SeqOpt,
+    SetOpt,
+    SlotsOpt,
+)
+from ckplan.cli.output import print_json, print_rows, stdout
+from ckplan.cli.resolve import (
+    check_slots,
+    output_format,
+    require_budget,
+    resolve_gpu,
+    resolve_model,
+)
+from ckplan.plan import DEFAULT_SLOTS, search
+from ckplan.quoting import abbreviate
+from ckplan.render.progress import progress
+
+
+def check(
+    models: Annotated[
+        list[str], typer.Argument(help="Presets, YAML files, config.json files or globs.")
+    ],
+    budget: BudgetOpt = None,
+    strategy: Annotated[
+        str,
+        typer.Option(
+            "--strategy", "-s", help="auto (cheapest that fits; fastest with --gpu) or any."
+        ),
+    ] = "auto",
+    reserve: ReserveOpt = None,
+    gpu: GpuOpt = None,
+    slots: SlotsOpt = DEFAULT_SLOTS,
+    settings: SetOpt = None,
+    seq: SeqOpt = None,
+    batch: BatchOpt = None,
+    layers: LayersOpt = None,
+    moe_imbalance: MoeImbalanceOpt = None,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+    fmt: FormatOpt = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """CI capacity check: exit 0 when every model fits the budget, 1 when any does not."""
+    with user_errors():
+        fmt = output_format(fmt, as_json)
+        device = resolve_gpu(gpu, settings)
+        budget_text, total, kept = require_budget(budget, reserve, device)
+        specs = [
+            (name, resolve_model(name, settings, seq, batch, layers, moe_imbalance, profile))
+            for name in expand_models(models)
+        ]
+        rows = []
+        with progress("check: models", quiet) as report:
+            for done, (name, spec) in enumerate(specs):
+                report(done, len(specs))
+                best = search.best_plan(spec, total, strategy, kept, check_slots(slots), device)
+                rows.append((name, best))
+            report(len(specs), len(specs))
+    if fmt == "json":
+        print_json(render.check_dict(total, rows))
+    elif fmt in ("csv", "markdown"):
+        from ckplan.render.row_models import check_rows
+
+        print_rows(check_rows(budget_text, total, kept, rows), fmt)
+    else:
+        stdout.print(render.check_table(budget_text, total, kept, rows))
+    raise typer.Exit(EXIT_OK if all(c and c.fits for _, c in rows) else EXIT_DOES_NOT_FIT)
+
+
+def expand_models(models: list[str]) -> list[str]:
+    """Expand globs the shell left alone (quoted, or run from CI without a shell)."""
+    expanded: list[str] = []
+    for model in models:
+        if any(char in model for char in "*?[") and not _exists(model):
+            matches = sorted(glob.glob(model))
+            if not matches:
+                raise UserError(f"{abbreviate(model)}: the pattern matches no file")
+            expanded += matches
+        else:
+            expanded.append(model)
+    return expanded
+
+
+def _exists(path: str) -> bool:
+    try:
+        return Path(path).exists()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL character
+        return False

@@ -1,0 +1,115 @@
+"""`ckplan estimate`: one plan with its full breakdown."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ckplan import render
+from ckplan.cli.errors import EXIT_DOES_NOT_FIT, UserError, no_schedule_fits, user_errors
+from ckplan.cli.lazy import plots, step_time
+from ckplan.cli.options import (
+    BatchOpt,
+    FormatOpt,
+    FormulaOpt,
+    GpuOpt,
+    JsonOpt,
+    LayersOpt,
+    ModelArg,
+    MoeImbalanceOpt,
+    PlotOpt,
+    ProfileOpt,
+    SeqOpt,
+    SetOpt,
+)
+from ckplan.cli.output import print_json, print_rows, stdout
+from ckplan.cli.resolve import (
+    check_formula,
+    output_format,
+    resolve_budget,
+    resolve_gpu,
+    resolve_model,
+)
+from ckplan.plan import STRATEGY_HELP, evaluate, parse_strategy, search
+
+
+def estimate(
+    model: ModelArg,
+    strategy: Annotated[str, typer.Option("--strategy", "-s", help=STRATEGY_HELP)] = "none",
+    formula: FormulaOpt = "derived",
+    budget: Annotated[
+        str | None,
+        typer.Option(
+            "--budget", "-b", help="Per-GPU memory: adds fits/headroom; optimal needs it."
+        ),
+    ] = None,
+    reserve: Annotated[
+        str | None, typer.Option("--reserve", help="Taken off --budget first (default 2GiB).")
+    ] = None,
+    gpu: GpuOpt = None,
+    settings: SetOpt = None,
+    seq: SeqOpt = None,
+    batch: BatchOpt = None,
+    layers: LayersOpt = None,
+    moe_imbalance: MoeImbalanceOpt = None,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+    fmt: FormatOpt = None,
+    plot: PlotOpt = None,
+) -> None:
+    """One plan with its full breakdown: per-op activations, model states, FLOPs, overhead
+    (and with --gpu: step time, MFU, the time overhead and its breakdown)."""
+    with user_errors():
+        fmt = output_format(fmt, as_json)
+        if plot is not None:
+            plots().check_plot(plot)
+        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance, profile)
+        device = resolve_gpu(gpu, settings)
+        parsed = parse_strategy(strategy, spec)
+        candidate = None
+        budgets = resolve_budget(budget, reserve, device)
+        if budgets is None:
+            plan = evaluate(spec, parsed, check_formula(formula))
+        else:
+            _, total, kept = budgets
+            activation_budget = search.activation_budget(spec, total - kept)
+            plan = None
+            if parsed.kind != "optimal" or activation_budget > 0:
+                plan = evaluate(spec, parsed, check_formula(formula), budget=activation_budget)
+            if plan is None:
+                no_schedule_fits(
+                    parsed.name,
+                    activation_budget,
+                    fmt == "json",
+                    lambda reason: render.estimate_no_fit_dict(
+                        spec, parsed.name, total - kept, activation_budget, reason
+                    ),
+                    advice=(spec, total - kept),
+                )
+            candidate = search.Candidate(plan, total - kept)
+        time = None if device is None else step_time(plan, device)
+        if plot is not None:
+            _estimate_plot(plan, candidate, plot)
+    if fmt == "json":
+        print_json(render.estimate_dict(plan, candidate, time))
+    elif fmt in ("csv", "markdown"):
+        from ckplan.render.row_models import estimate_rows
+
+        print_rows(estimate_rows(plan, candidate, time), fmt)
+    else:
+        stdout.print(render.estimate_view(plan, candidate, time, device))
+    if candidate is not None and not candidate.fits:
+        raise typer.Exit(EXIT_DOES_NOT_FIT)
+
+
+def _estimate_plot(plan, candidate, path: str) -> None:
+    from ckplan.plan.timeline import memory_timeline
+
+    timeline = memory_timeline(plan)
+    if timeline is None:
+        raise UserError(f"--plot: formula {plan.formula!r} has no schedule to draw")
+    budget = None
+    if candidate is not None:
+        budget = candidate.budget_bytes - plan.model_states.total
+    plots().timeline_plot(plan, timeline, path, budget)

@@ -1,0 +1,120 @@
+"""`ckplan export`: a plan written for a launcher (Megatron-LM, PyTorch, DeepSpeed,
+torchtitan, YAML)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from ckplan import render
+from ckplan.cli.errors import EXIT_DOES_NOT_FIT, UserError, no_schedule_fits, user_errors
+from ckplan.cli.options import (
+    BatchOpt,
+    LayersOpt,
+    ModelArg,
+    QuietOpt,
+    ReserveOpt,
+    SeqOpt,
+    SetOpt,
+    SlotsOpt,
+)
+from ckplan.cli.output import stderr
+from ckplan.cli.resolve import check_slots, no_gpu_keys, parse_budget, resolve_model
+from ckplan.model.spec import ModelSpec
+from ckplan.plan import DEFAULT_SLOTS, STRATEGY_HELP, evaluate, parse_strategy, search
+from ckplan.quoting import quote, shorten
+
+
+def export(
+    model: ModelArg,
+    plan: Annotated[
+        str,
+        typer.Option(
+            "--plan",
+            "-p",
+            help="auto (the cheapest the target can express within --budget) or " + STRATEGY_HELP,
+        ),
+    ],
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to",
+            "-t",
+            help="megatron, torch, deepspeed, torchtitan or yaml.",
+            autocompletion=lambda incomplete: [
+                t
+                for t in ("megatron", "torch", "deepspeed", "torchtitan", "yaml")
+                if t.startswith(incomplete)
+            ],
+        ),
+    ],
+    budget: Annotated[
+        str | None,
+        typer.Option("--budget", "-b", help="Per-GPU memory (needed by auto and optimal)."),
+    ] = None,
+    reserve: ReserveOpt = None,
+    slots: SlotsOpt = DEFAULT_SLOTS,
+    recompute_modules: Annotated[
+        bool,
+        typer.Option(
+            "--recompute-modules/--no-recompute-modules",
+            help="megatron: name the selective modules (--recompute-modules core_attn); off for "
+            "Megatron-LM versions without that flag.",
+        ),
+    ] = True,
+    settings: SetOpt = None,
+    seq: SeqOpt = None,
+    batch: BatchOpt = None,
+    layers: LayersOpt = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Write a plan for a launcher: Megatron-LM flags, a PyTorch snippet, a DeepSpeed config
+    block, torchtitan's [activation_checkpoint] TOML, or the model and plan as YAML. A plan the
+    target cannot express is an error that names the nearest one it can."""
+    from ckplan.io import exports
+
+    with user_errors():
+        exports.check_target(to)
+        no_gpu_keys(settings, "export")
+        spec = resolve_model(model, settings, seq, batch, layers)
+        chosen = _export_plan(spec, plan, to, budget, reserve, check_slots(slots))
+        result = exports.export(chosen, to, recompute_modules)
+    sys.stdout.write(result.text)
+    if not quiet:
+        for note in result.notes:
+            stderr.print(render.note_text(note), highlight=False)
+
+
+def _export_plan(spec: ModelSpec, plan: str, target: str, budget, reserve, slots: int):
+    """The plan to export: `auto` picks the cheapest fitting plan that `target` can express."""
+    from ckplan.io import exports
+
+    activation_budget = None
+    if budget is not None:
+        total, kept = parse_budget(budget, reserve)
+        activation_budget = search.activation_budget(spec, total - kept)
+    if plan == "auto":
+        if budget is None:
+            raise UserError("--plan auto picks the cheapest plan that fits: it needs --budget")
+        result = search.sweep(spec, total, kept, slots=slots)
+        best = exports.best_expressible(spec, result.candidates, target)
+        if best is None:
+            message = f"no plan that {target} can express fits {shorten(budget)}"
+            stderr.print(render.error_text(message), highlight=False)
+            raise typer.Exit(EXIT_DOES_NOT_FIT)
+        return best.plan
+    parsed = parse_strategy(plan, spec)
+    if parsed.kind == "optimal":
+        if activation_budget is None:
+            raise UserError(f"--plan {quote(plan)} builds the optimal schedule and needs --budget")
+        found = (
+            evaluate(spec, parsed, budget=activation_budget, slots=slots)
+            if activation_budget > 0
+            else None
+        )
+        if found is None:
+            no_schedule_fits(plan, activation_budget)
+        return found
+    return evaluate(spec, parsed)

@@ -1,0 +1,89 @@
+"""Where answers go: the stdout and stderr consoles, JSON and csv/markdown rows on stdout, and a
+reader of stdout that goes away (`ckplan presets | head -1`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from typing import Any
+
+from rich.console import Console
+
+# Wide enough for the tables when piped (Rich falls back to 80 columns without a terminal).
+
+
+PIPED_WIDTH = 140
+MAX_COLUMNS = 10_000
+
+
+def _isatty(stream) -> bool:
+    """A closed stream (`ckplan ... >&-` leaves sys.stdout None) is no terminal."""
+    try:
+        return bool(stream is not None and stream.isatty())
+    except (ValueError, OSError, AttributeError):
+        return False
+
+
+def _console_environ() -> dict[str, str]:
+    """The environment Rich sizes its consoles from, without a COLUMNS or LINES it would
+    choke on: Rich reads '²' as a digit (then int() fails) and takes 0 as a width."""
+    environ = dict(os.environ)
+    for key in ("COLUMNS", "LINES"):
+        value = environ.get(key)
+        if value is not None and not (
+            value.isascii() and value.isdigit() and 1 <= int(value) <= MAX_COLUMNS
+        ):
+            del environ[key]
+    return environ
+
+
+stdout = Console(width=None if _isatty(sys.stdout) else PIPED_WIDTH, _environ=_console_environ())
+stderr = Console(stderr=True, soft_wrap=True, _environ=_console_environ())
+
+
+class ReaderGone(Exception):
+    """The reader of stdout went away (`ckplan presets | head -1`): exit 141, not 1."""
+
+
+def _on_broken_pipe() -> None:
+    """Rich's own answer to a broken pipe is SystemExit(1), the "does not fit" code."""
+    silence_stdout()
+    raise ReaderGone
+
+
+stdout.on_broken_pipe = _on_broken_pipe
+
+
+def print_json(data: Any) -> None:
+    try:
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        silence_stdout()
+        raise ReaderGone from None
+
+
+def print_rows(table, fmt: str) -> None:
+    """csv or markdown through the one writer of each (render.rows)."""
+    from ckplan.render import rows
+
+    sys.stdout.write(rows.to_csv(table) if fmt == "csv" else rows.to_markdown(table))
+
+
+def tolerant_streams() -> None:
+    """Characters the terminal's encoding cannot show (a lone surrogate from a non-UTF-8
+    argument, a '·' on an ASCII console) print as escapes instead of raising."""
+    for stream in (sys.stdout, sys.stderr):
+        # not a text file, or already closed: nothing to do
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            stream.reconfigure(errors="backslashreplace")
+
+
+def silence_stdout() -> None:
+    """After a broken pipe, send what Python flushes at exit to /dev/null instead."""
+    import os
+
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -1,0 +1,104 @@
+"""`ckplan plan`: the fastest layouts of a model on N GPUs."""
+
+from __future__ import annotations
+
+import shlex
+from typing import Annotated
+
+import typer
+
+from ckplan.cli.errors import EXIT_DOES_NOT_FIT, UserError, print_error, user_errors
+from ckplan.cli.options import (
+    BudgetOpt,
+    FormatOpt,
+    JsonOpt,
+    ModelArg,
+    ProfileOpt,
+    ReserveOpt,
+    SeqOpt,
+    SetOpt,
+    SlotsOpt,
+)
+from ckplan.cli.output import print_json, print_rows, stdout
+from ckplan.cli.resolve import (
+    check_slots,
+    output_format,
+    parse_overrides,
+    require_budget,
+    resolve_gpu,
+)
+from ckplan.io.presets import load_spec
+from ckplan.plan import DEFAULT_SLOTS
+from ckplan.quoting import quote
+
+MAX_GPUS = 1_048_576  # --gpus: the documented range of `ckplan plan`
+MAX_GLOBAL_BATCH = 2**24  # --global-batch: sequences per step (the search factors it)
+
+
+def plan(
+    model: ModelArg,
+    gpus: Annotated[int, typer.Option("--gpus", help="GPUs to lay the model out on.")],
+    gpu: Annotated[
+        str, typer.Option("--gpu", help="GPU preset (see `ckplan gpus`) or .yaml file.")
+    ],
+    global_batch: Annotated[
+        int | None,
+        typer.Option("--global-batch", help="Sequences per step (default: one per GPU)."),
+    ] = None,
+    top: Annotated[int, typer.Option("--top", help="How many layouts to show.")] = 10,
+    budget: BudgetOpt = None,
+    reserve: ReserveOpt = None,
+    slots: SlotsOpt = DEFAULT_SLOTS,
+    settings: SetOpt = None,
+    seq: SeqOpt = None,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+    fmt: FormatOpt = None,
+) -> None:
+    """The fastest layouts (tp, sp, pp and its split, virtual stages, cp, dp, ZeRO,
+    micro-batches) of --gpus GPUs, each with its best recomputation plan; --set tp=8 (any
+    layout key) fixes a key."""
+    from ckplan.plan.layout import search as layout_search
+    from ckplan.plan.layout.space import constraints_from
+    from ckplan.render import layouts as layout_view
+
+    with user_errors():
+        fmt = output_format(fmt, as_json)
+        if not 1 <= gpus <= MAX_GPUS:
+            raise UserError(f"--gpus must be in 1..{MAX_GPUS:,}, got {gpus}")
+        global_batch = gpus if global_batch is None else global_batch
+        if global_batch < 1:
+            raise UserError(f"--global-batch must be at least 1, got {global_batch}")
+        if global_batch > MAX_GLOBAL_BATCH:
+            raise UserError(
+                f"--global-batch must be in 1..{MAX_GLOBAL_BATCH:,} sequences, "
+                f"got {quote(global_batch)}"
+            )
+        if top < 1:
+            raise UserError(f"--top must be at least 1, got {top}")
+        overrides = parse_overrides(settings, seq, None, None, None, profile)
+        constraints = constraints_from(overrides)
+        # the search sets the layout keys; the model is read without them
+        spec = load_spec(model, {k: v for k, v in overrides.items() if k not in constraints})
+        device = resolve_gpu(gpu, settings)
+        budget_text, total, kept = require_budget(budget, reserve, device)
+        slots = check_slots(slots)
+        extra = "".join(
+            f" --set {shlex.quote(setting)}"
+            for setting in settings or []
+            if setting.partition("=")[0].strip() not in constraints
+        )
+        extra += f" --profile {shlex.quote(profile)}" if profile else ""
+        layout_search.check_search(spec, gpus, device.gpus_per_node, global_batch, constraints)
+        result = layout_search.search_layouts(
+            spec, gpus, device, global_batch, total, kept, top, constraints, slots
+        )
+    if fmt == "json":
+        print_json(layout_view.plan_dict(result))
+    elif fmt in ("csv", "markdown"):
+        print_rows(layout_view.plan_rows(result), fmt)
+    else:
+        stdout.print(layout_view.plan_view(result, budget_text, model, extra), soft_wrap=True)
+    if not result.layouts:
+        print_error(layout_view.no_fit_line(result))
+        raise typer.Exit(EXIT_DOES_NOT_FIT)

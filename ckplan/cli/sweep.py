@@ -1,0 +1,118 @@
+"""`ckplan sweep`: every candidate plan against a budget."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ckplan import render
+from ckplan.cli.errors import EXIT_DOES_NOT_FIT, EXIT_OK, UserError, user_errors
+from ckplan.cli.lazy import plots
+from ckplan.cli.options import (
+    BatchOpt,
+    BudgetOpt,
+    FormatOpt,
+    FormulaOpt,
+    GpuOpt,
+    JsonOpt,
+    LayersOpt,
+    ModelArg,
+    MoeImbalanceOpt,
+    PlotOpt,
+    ProfileOpt,
+    QuietOpt,
+    ReserveOpt,
+    SeqOpt,
+    SetOpt,
+    SlotsOpt,
+)
+from ckplan.cli.output import print_json, print_rows, stdout
+from ckplan.cli.resolve import (
+    check_formula,
+    check_slots,
+    output_format,
+    require_budget,
+    resolve_gpu,
+    resolve_model,
+)
+from ckplan.model.spec import ModelSpec
+from ckplan.plan import DEFAULT_SLOTS, parse_strategy, search
+from ckplan.quoting import quote
+from ckplan.render.progress import progress
+
+
+def sweep(
+    model: ModelArg,
+    budget: BudgetOpt = None,
+    reserve: ReserveOpt = None,
+    gpu: GpuOpt = None,
+    rank: Annotated[
+        str | None,
+        typer.Option(
+            "--rank", help="time (the default with --gpu) or flops: what the best plan minimises."
+        ),
+    ] = None,
+    micro_batch: Annotated[
+        str | None,
+        typer.Option("--micro-batch", help="'auto': the largest micro-batch per strategy."),
+    ] = None,
+    show_all: Annotated[
+        bool, typer.Option("--all", help="List every plan, not only the frontier.")
+    ] = False,
+    formula: FormulaOpt = "derived",
+    slots: SlotsOpt = DEFAULT_SLOTS,
+    settings: SetOpt = None,
+    seq: SeqOpt = None,
+    batch: BatchOpt = None,
+    layers: LayersOpt = None,
+    moe_imbalance: MoeImbalanceOpt = None,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+    fmt: FormatOpt = None,
+    plot: PlotOpt = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Every candidate plan against a budget: which fit, the Pareto frontier, the best (the
+    fastest with --gpu)."""
+    with user_errors():
+        fmt = output_format(fmt, as_json)
+        if plot is not None:
+            plots().check_plot(plot)
+        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance, profile)
+        device = resolve_gpu(gpu, settings)
+        budget_text, total, kept = require_budget(budget, reserve, device)
+        if rank not in (None, *search.RANKS):
+            raise UserError(f"--rank {quote(rank)}: expected one of {', '.join(search.RANKS)}")
+        if rank == "time" and device is None:
+            raise UserError("--rank time needs --gpu NAME|FILE")
+        if micro_batch not in (None, "auto"):
+            raise UserError(
+                f"--micro-batch {quote(micro_batch)}: only 'auto' is accepted (use --batch N "
+                "to set one)"
+            )
+        formula, slots = check_formula(formula), check_slots(slots)
+        with progress(f"sweep {spec.name}: plans", quiet) as report:
+            result = search.sweep(spec, total, kept, formula, slots, device, rank, progress=report)
+        micro_batches = _micro_batches(spec, result) if micro_batch == "auto" else None
+        if plot is not None:
+            plots().sweep_plot(result, budget_text, plot)
+    if fmt == "json":
+        print_json(render.sweep_dict(result, micro_batches))
+    elif fmt in ("csv", "markdown"):
+        from ckplan.render.row_models import sweep_rows
+
+        print_rows(sweep_rows(result, budget_text, show_all), fmt)
+    else:
+        stdout.print(render.sweep_view(result, budget_text, show_all, micro_batches))
+    raise typer.Exit(EXIT_OK if result.best else EXIT_DOES_NOT_FIT)
+
+
+def _micro_batches(spec: ModelSpec, result: search.SweepResult) -> dict[str, int]:
+    names = ["none", "selective", "full", "sqrt", f"uniform:{result.min_memory_segment}"]
+    if result.best and not result.best.plan.strategy.startswith("optimal"):
+        names.append(result.best.plan.strategy)
+    return {
+        name: search.largest_micro_batch(spec, parse_strategy(name, spec), result.usable_bytes)
+        for name in dict.fromkeys(names)
+    }
