@@ -1,6 +1,5 @@
-"""How a command ends without its answer. Exit codes (DESIGN.md): 0 success / fits / verified;
-1 does not fit / mismatch; 2 bad input; 3 an unexpected error inside ckplan (a bug: never 1,
-which CI reads as "does not fit"). Every error is one line on stderr, never a traceback."""
+"""How a command ends without its answer: the exit codes (DESIGN.md, ckplan/cli/__init__.py),
+bad input as one line on stderr and exit 2, and no schedule that fits as exit 1."""
 
 from __future__ import annotations
 

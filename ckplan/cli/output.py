@@ -12,8 +12,6 @@ from typing import Any
 from rich.console import Console
 
 # Wide enough for the tables when piped (Rich falls back to 80 columns without a terminal).
-
-
 PIPED_WIDTH = 140
 MAX_COLUMNS = 10_000
 
