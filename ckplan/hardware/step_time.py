@@ -431,19 +431,19 @@ class _StageTable:
     other arrays hold each distinct StageTime's figures."""
 
     __slots__ = (
-        "ids",
-        "fm",
-        "fmem",
+        "bc",
         "bm",
         "bmem",
-        "fc",
-        "bc",
+        "cc",
+        "cec",
         "cm",
         "cmem",
-        "cc",
-        "efc",
         "ebc",
-        "cec",
+        "efc",
+        "fc",
+        "fm",
+        "fmem",
+        "ids",
     )
 
     def __init__(self, stages: tuple[StageTime, ...]) -> None:

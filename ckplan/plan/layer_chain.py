@@ -5,6 +5,7 @@ own op table (`ckplan.model.layers`)."""
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 from ckplan.model import flops as flops_model
@@ -64,17 +65,25 @@ def layer_chain(
     )
 
 
-@lru_cache(maxsize=128)
+@lru_cache(maxsize=1024)
 def _activation_spec(spec: ModelSpec) -> ModelSpec:
-    """`spec` with dp = 1 and no ZeRO, where valid: the chain depends on neither (they shard
-    model states only), so the layouts that differ in them share one chain (`ckplan sweep`'s
-    advice tries several on a 100,000-layer model)."""
-    if spec.dp == 1 and spec.zero == 0:
+    """`spec` with the least dp, no ZeRO and one micro-batch per iteration, where valid: the
+    chain depends on none of them (dp and ZeRO shard model states, the micro-batch count
+    times the iteration), so the layouts that differ in them share one chain (`ckplan sweep`'s
+    advice tries several on a 100,000-layer model; `ckplan plan --global-batch` many more).
+    The least dp is 1, or with experts the least that keeps ep·etp dividing tp·cp·dp."""
+    dp = 1
+    if spec.experts:
+        group = spec.ep * spec.etp
+        dp = group // math.gcd(spec.tp * spec.cp, group)
+    if (spec.dp, spec.zero, spec.microbatches) == (dp, 0, 1):
         return spec
-    try:
-        return spec.replace(dp=1, zero=0)
-    except SpecError:
-        return spec
+    for changes in ({"dp": dp, "zero": 0, "microbatches": 1}, {"dp": dp, "zero": 0}):
+        try:
+            return spec.replace(**changes)
+        except SpecError:
+            continue
+    return spec
 
 
 @lru_cache(maxsize=256)
