@@ -57,6 +57,7 @@ from ckplan.model.ops import (
 )
 from ckplan.model.ops import layer_ops as model_layer_ops
 from ckplan.model.spec import ModelSpec
+from ckplan.plan.layer_chain import _activation_spec
 
 ZERO = OpTime(0.0, 0.0)
 TOKEN_ID_BYTES = memory.TOKEN_ID_BYTES
@@ -538,11 +539,28 @@ def _stage_micro_batch(
     spec: ModelSpec, gpu: GPU, stage: int, forwards: tuple[int, ...], groups: tuple[str, ...]
 ) -> MicroBatchTime:
     chain_groups = groups or (ATTENTION_CORE,)
+    return _activation_micro_batch(
+        _activation_spec(spec), gpu, stage, forwards, chain_groups, bool(groups)
+    )
+
+
+@lru_cache(maxsize=8192)
+def _activation_micro_batch(
+    spec: ModelSpec,
+    gpu: GPU,
+    stage: int,
+    forwards: tuple[int, ...],
+    chain_groups: tuple[str, ...],
+    selective: bool,
+) -> MicroBatchTime:
+    """`_stage_micro_batch` on `layer_chain`'s activation spec (the least dp, no ZeRO, one
+    micro-batch): a micro-batch's stage times depend on none of them, so the layouts that
+    differ only there share it."""
     if len(forwards) >= _TABLE_MIN_STAGES:
         table = _chain_stage_table(spec, gpu, stage, chain_groups)
-        return _table_micro_batch_time(table, forwards, bool(groups))
+        return _table_micro_batch_time(table, forwards, selective)
     stages = chain_stage_times(spec, gpu, stage, chain_groups)
-    return micro_batch_time(stages, forwards, bool(groups))
+    return micro_batch_time(stages, forwards, selective)
 
 
 # ---- the iteration -----------------------------------------------------------------------
