@@ -6,6 +6,7 @@ own op table (`ckplan.model.layers`)."""
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from functools import lru_cache
 
 from ckplan.model import flops as flops_model
@@ -86,9 +87,29 @@ def _activation_spec(spec: ModelSpec) -> ModelSpec:
     return spec
 
 
-@lru_cache(maxsize=256)
+_CHAINS: OrderedDict[tuple, Chain] = OrderedDict()  # least recently used first
+_CHAIN_STAGES = [0]  # the stages of the chains held
+_MAX_CHAINS, _MAX_CHAIN_STAGES = 4096, 1_000_000
+
+
 def _layer_chain(spec: ModelSpec, groups: tuple[str, ...], stage: int) -> Chain:
-    """`layer_chain`, cached: a sweep evaluates hundreds of strategies on the same chains."""
+    """`layer_chain`, cached: a sweep evaluates hundreds of strategies on the same chains, and
+    `ckplan plan` thousands of layouts on a few thousand chains. The least recently used chain
+    goes beyond 4,096 chains or a million chain stages in all (deep models hold fewer)."""
+    key = (spec, groups, stage)
+    chain = _CHAINS.get(key)
+    if chain is not None:
+        _CHAINS.move_to_end(key)
+        return chain
+    chain = _build_layer_chain(spec, groups, stage)
+    _CHAINS[key] = chain
+    _CHAIN_STAGES[0] += chain.length
+    while len(_CHAINS) > 1 and (len(_CHAINS) > _MAX_CHAINS or _CHAIN_STAGES[0] > _MAX_CHAIN_STAGES):
+        _CHAIN_STAGES[0] -= _CHAINS.popitem(last=False)[1].length
+    return chain
+
+
+def _build_layer_chain(spec: ModelSpec, groups: tuple[str, ...], stage: int) -> Chain:
     kinds = stage_kinds(spec, stage)
     per_kind = {kind: layer_stage_costs(spec, kind, groups) for kind in set(kinds)}
     costs = [per_kind[kind] for kind in kinds]
