@@ -56,6 +56,15 @@ CASES = {
     ),
     "alternating gemma2-9b sweep 200GB": "sweep gemma2-9b --budget 200GB --json",
     "alternating gemma2-9b L=20000 sweep 2TB": "sweep gemma2-9b --layers 20000 --budget 2TB",
+    # the layout search on alternating layers (docs/performance.md, "Long alternating models")
+    "alternating L=600 plan 64 GPUs batch 512": (
+        "plan gpt2 --set layers=600 --set experts=8 --set moe_layers=0-:2 --gpus 64 "
+        "--gpu h100-sxm --global-batch 512 --json"
+    ),
+    "alternating L=2000 plan 64 GPUs": (
+        "plan gpt2 --set layers=2000 --set experts=8 --set moe_layers=0-:2 --gpus 64 "
+        "--gpu h100-sxm --json"
+    ),
 }
 
 

@@ -1,6 +1,7 @@
 """The time model: GPU files, roofline, ring collectives, pipeline bubble, step composition."""
 
 import math
+import random
 from importlib import resources
 
 import pytest
@@ -473,3 +474,39 @@ def test_gpu_is_hashable_and_replace_validates(a100):
     with pytest.raises(GPUError):
         a100.replace(matmul_efficiency=0)
     assert isinstance(a100, GPU) and math.isfinite(a100.bf16_flops)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"layers": 60, "experts": 8, "moe_layers": "0-:2"},
+        {"layers": 61, "experts": 8, "moe_layers": "0-:3", "tp": 2, "sp": True},
+        {"layers": 50},
+    ],
+)
+def test_micro_batch_time_arrays_equal_the_loop(spec_of, a100, overrides):
+    """The array path (`_table_micro_batch_time`, long chains) adds the same runs in the same
+    order as `micro_batch_time`'s loop: equal to the last bit, recomputation or not."""
+    from ckplan.hardware.step_time import (
+        ATTENTION_CORE,
+        _StageTable,
+        _table_micro_batch_time,
+        chain_stage_times,
+    )
+
+    rng = random.Random(7)
+    spec = spec_of("gpt2", **overrides)
+    stages = chain_stage_times(spec, a100, 0, (ATTENTION_CORE,))
+    table = _StageTable(stages)
+    patterns = [
+        (1,) * len(stages),
+        tuple(rng.choice((1, 1, 2, 3)) for _ in stages),
+        tuple(1 + (i // 5) % 3 for i in range(len(stages))),
+    ]
+    for forwards in patterns:
+        for selective in (False, True):
+            slow = micro_batch_time(stages, forwards, selective)
+            fast = _table_micro_batch_time(table, forwards, selective)
+            assert fast == slow, (forwards, selective)
+    with pytest.raises(ValueError, match="forward counts"):
+        _table_micro_batch_time(table, (1,), False)

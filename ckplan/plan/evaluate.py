@@ -316,6 +316,29 @@ def _stage_flops(
     )
 
 
+_REPLAYS: dict[tuple[int, tuple], tuple[Chain, SegmentReplay]] = {}
+_REPLAYED_STAGES = 0
+
+
+def _replay_runs(chain: Chain, runs: list) -> SegmentReplay:
+    """`replay_runs`, remembered by chain (identity) and runs: the layouts that differ only in
+    dp, ZeRO or micro-batch count share a chain (`layer_chain`), and `ckplan plan` evaluates
+    the same plans on each of them."""
+    key = (id(chain), tuple(runs))
+    entry = _REPLAYS.get(key)
+    if entry is not None and entry[0] is chain:
+        return entry[1]
+    replay = replay_runs(chain, runs)
+    global _REPLAYED_STAGES
+    # The entries keep their chains alive: at most 4,096 of them, 2 million chain stages.
+    if len(_REPLAYS) >= 4096 or _REPLAYED_STAGES > 2_000_000:
+        _REPLAYS.clear()
+        _REPLAYED_STAGES = 0
+    _REPLAYS[key] = (chain, replay)
+    _REPLAYED_STAGES += chain.length
+    return replay
+
+
 def _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight):
     """(peak, steps, replay, largest stage group of the optimal DP) of one pipeline stage with
     `in_flight` micro-batches, or None when `optimal` finds no schedule within `budget`.
@@ -336,7 +359,7 @@ def _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight
             if strategy.kind in ("none", "selective")
             else _segment_runs(spec, chain, strategy, first_stage)
         )
-        replay = replay_runs(chain, runs)
+        replay = _replay_runs(chain, runs)
         peak = replay.peak_bytes + math.ceil((in_flight - 1) * replay.held_bytes)
         return peak, SegmentSteps(chain, runs), replay, 1
     if strategy.kind == "optimal":

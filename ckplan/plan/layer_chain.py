@@ -5,6 +5,8 @@ own op table (`ckplan.model.layers`)."""
 
 from __future__ import annotations
 
+import math
+from collections import OrderedDict
 from functools import lru_cache
 
 from ckplan.model import flops as flops_model
@@ -64,22 +66,50 @@ def layer_chain(
     )
 
 
-@lru_cache(maxsize=128)
+@lru_cache(maxsize=1024)
 def _activation_spec(spec: ModelSpec) -> ModelSpec:
-    """`spec` with dp = 1 and no ZeRO, where valid: the chain depends on neither (they shard
-    model states only), so the layouts that differ in them share one chain (`ckplan sweep`'s
-    advice tries several on a 100,000-layer model)."""
-    if spec.dp == 1 and spec.zero == 0:
+    """`spec` with the least dp, no ZeRO and one micro-batch per iteration, where valid: the
+    chain depends on none of them (dp and ZeRO shard model states, the micro-batch count
+    times the iteration), so the layouts that differ in them share one chain (`ckplan sweep`'s
+    advice tries several on a 100,000-layer model; `ckplan plan --global-batch` many more).
+    The least dp is 1, or with experts the least that keeps ep·etp dividing tp·cp·dp."""
+    dp = 1
+    if spec.experts:
+        group = spec.ep * spec.etp
+        dp = group // math.gcd(spec.tp * spec.cp, group)
+    if (spec.dp, spec.zero, spec.microbatches) == (dp, 0, 1):
         return spec
-    try:
-        return spec.replace(dp=1, zero=0)
-    except SpecError:
-        return spec
+    for changes in ({"dp": dp, "zero": 0, "microbatches": 1}, {"dp": dp, "zero": 0}):
+        try:
+            return spec.replace(**changes)
+        except SpecError:
+            continue
+    return spec
 
 
-@lru_cache(maxsize=256)
+_CHAINS: OrderedDict[tuple, Chain] = OrderedDict()  # least recently used first
+_CHAIN_STAGES = [0]  # the stages of the chains held
+_MAX_CHAINS, _MAX_CHAIN_STAGES = 4096, 1_000_000
+
+
 def _layer_chain(spec: ModelSpec, groups: tuple[str, ...], stage: int) -> Chain:
-    """`layer_chain`, cached: a sweep evaluates hundreds of strategies on the same chains."""
+    """`layer_chain`, cached: a sweep evaluates hundreds of strategies on the same chains, and
+    `ckplan plan` thousands of layouts on a few thousand chains. The least recently used chain
+    goes beyond 4,096 chains or a million chain stages in all (deep models hold fewer)."""
+    key = (spec, groups, stage)
+    chain = _CHAINS.get(key)
+    if chain is not None:
+        _CHAINS.move_to_end(key)
+        return chain
+    chain = _build_layer_chain(spec, groups, stage)
+    _CHAINS[key] = chain
+    _CHAIN_STAGES[0] += chain.length
+    while len(_CHAINS) > 1 and (len(_CHAINS) > _MAX_CHAINS or _CHAIN_STAGES[0] > _MAX_CHAIN_STAGES):
+        _CHAIN_STAGES[0] -= _CHAINS.popitem(last=False)[1].length
+    return chain
+
+
+def _build_layer_chain(spec: ModelSpec, groups: tuple[str, ...], stage: int) -> Chain:
     kinds = stage_kinds(spec, stage)
     per_kind = {kind: layer_stage_costs(spec, kind, groups) for kind in set(kinds)}
     costs = [per_kind[kind] for kind in kinds]

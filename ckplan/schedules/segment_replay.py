@@ -96,6 +96,7 @@ class _Terms(NamedTuple):
 
 
 _TERMS: dict[int, tuple[Chain, _Terms]] = {}  # by id(chain); a few recent chains
+_TERMS_STAGES = 0  # the stages of the chains in _TERMS
 
 
 _EQUAL_TERMS: dict[Chain, _Terms] = {}  # by value: equal chains of other specs (dp, ZeRO)
@@ -111,9 +112,14 @@ def _terms(chain: Chain) -> _Terms:
         if len(_EQUAL_TERMS) >= 16:
             _EQUAL_TERMS.clear()
         _EQUAL_TERMS[chain] = terms
-    if len(_TERMS) >= 8:
+    global _TERMS_STAGES
+    # A few recent chains, up to 1,024 of them or a million stages in all (`ckplan plan`
+    # returns to each of a few thousand chains).
+    if len(_TERMS) >= 1024 or _TERMS_STAGES > 1_000_000:
         _TERMS.clear()
+        _TERMS_STAGES = 0
     _TERMS[id(chain)] = (chain, terms)
+    _TERMS_STAGES += chain.length
     return terms
 
 

@@ -314,13 +314,16 @@ class _Run:
         self.evaluated: list[Evaluated] = []
         self.best: dict[tuple, Evaluated] = {}  # fitting, per layout.without_zero()
         self.evaluations = self.optimal_runs = 0
+        self._kth: float | None = None  # kth_time, until `best` changes
 
     def kth_time(self) -> float:
-        if len(self.best) < self.top:
-            return self.cutoff
-        return min(
-            self.cutoff, heapq.nsmallest(self.top, (e.seconds for e in self.best.values()))[-1]
-        )
+        if self._kth is None:  # computed again only after `best` changed
+            if len(self.best) < self.top:
+                self._kth = self.cutoff
+            else:
+                seconds = (e.seconds for e in self.best.values())
+                self._kth = min(self.cutoff, heapq.nsmallest(self.top, seconds)[-1])
+        return self._kth
 
     def add(self, layout: Layout, time_bound: TimeBound, memory_bound: MemoryBound) -> None:
         self.evaluations += 1
@@ -357,6 +360,7 @@ class _Run:
             held.layout.zero,
         ):
             self.best[key] = evaluated
+            self._kth = None
 
     def _candidate(self, spec: ModelSpec, name: str) -> Candidate:
         plan = evaluate(spec, parse_strategy(name, spec))
