@@ -485,19 +485,15 @@ def test_gpu_is_hashable_and_replace_validates(a100):
     ],
 )
 def test_micro_batch_time_arrays_equal_the_loop(spec_of, a100, overrides):
-    """The array path (`_table_micro_batch_time`, long chains) adds the same runs in the same
+    """The array path (`table_micro_batch_time`, long chains) adds the same runs in the same
     order as `micro_batch_time`'s loop: equal to the last bit, recomputation or not."""
-    from ckplan.hardware.step_time import (
-        ATTENTION_CORE,
-        _StageTable,
-        _table_micro_batch_time,
-        chain_stage_times,
-    )
+    from ckplan.hardware.stage_table import StageTable, table_micro_batch_time
+    from ckplan.hardware.step_time import ATTENTION_CORE, chain_stage_times
 
     rng = random.Random(7)
     spec = spec_of("gpt2", **overrides)
     stages = chain_stage_times(spec, a100, 0, (ATTENTION_CORE,))
-    table = _StageTable(stages)
+    table = StageTable(stages)
     patterns = [
         (1,) * len(stages),
         tuple(rng.choice((1, 1, 2, 3)) for _ in stages),
@@ -506,7 +502,7 @@ def test_micro_batch_time_arrays_equal_the_loop(spec_of, a100, overrides):
     for forwards in patterns:
         for selective in (False, True):
             slow = micro_batch_time(stages, forwards, selective)
-            fast = _table_micro_batch_time(table, forwards, selective)
+            fast = table_micro_batch_time(table, forwards, selective)
             assert fast == slow, (forwards, selective)
     with pytest.raises(ValueError, match="forward counts"):
-        _table_micro_batch_time(table, (1,), False)
+        table_micro_batch_time(table, (1,), False)

@@ -46,3 +46,11 @@ def test_no_numpy_and_no_dp_at_start_up(argv):
 def test_the_dp_loads_numpy_when_it_runs():
     argv = ["estimate", "llama3-8b", "--strategy", "optimal", "--budget", "160GB", "--json"]
     assert "numpy" in _loaded(argv) and "ckplan.schedules.rotor" in _loaded(argv)
+
+
+def test_the_time_model_loads_no_numpy_on_short_chains():
+    """`--gpu` loads the time model; its array path (hardware/stage_table.py) only for chains of
+    48 stages or more."""
+    assert _loaded(["estimate", "llama3-8b", "--gpu", "h100-sxm", "--strategy", "full"]) == [
+        "ckplan.hardware.step_time"
+    ]
