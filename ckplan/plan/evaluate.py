@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import lru_cache
 
+from ckplan.cache import BoundedCache
 from ckplan.model import flops as flops_model
 from ckplan.model import memory, seed
 from ckplan.model.layers import stage_kinds
@@ -316,8 +317,8 @@ def _stage_flops(
     )
 
 
-_REPLAYS: dict[tuple[int, tuple], tuple[Chain, SegmentReplay]] = {}
-_REPLAYED_STAGES = 0
+# By chain identity and runs; an entry keeps its chain alive, so its id is not reused.
+_REPLAYS = BoundedCache(max_entries=4096, max_weight=2_000_000)
 
 
 def _replay_runs(chain: Chain, runs: list) -> SegmentReplay:
@@ -329,13 +330,7 @@ def _replay_runs(chain: Chain, runs: list) -> SegmentReplay:
     if entry is not None and entry[0] is chain:
         return entry[1]
     replay = replay_runs(chain, runs)
-    global _REPLAYED_STAGES
-    # The entries keep their chains alive: at most 4,096 of them, 2 million chain stages.
-    if len(_REPLAYS) >= 4096 or _REPLAYED_STAGES > 2_000_000:
-        _REPLAYS.clear()
-        _REPLAYED_STAGES = 0
-    _REPLAYS[key] = (chain, replay)
-    _REPLAYED_STAGES += chain.length
+    _REPLAYS.put(key, (chain, replay), chain.length)
     return replay
 
 

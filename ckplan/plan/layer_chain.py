@@ -6,9 +6,9 @@ own op table (`ckplan.model.layers`)."""
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from functools import lru_cache
 
+from ckplan.cache import BoundedCache
 from ckplan.model import flops as flops_model
 from ckplan.model import memory
 from ckplan.model.layers import LayerKind, stage_kinds, stage_layer_indices
@@ -87,9 +87,7 @@ def _activation_spec(spec: ModelSpec) -> ModelSpec:
     return spec
 
 
-_CHAINS: OrderedDict[tuple, Chain] = OrderedDict()  # least recently used first
-_CHAIN_STAGES = [0]  # the stages of the chains held
-_MAX_CHAINS, _MAX_CHAIN_STAGES = 4096, 1_000_000
+_CHAINS = BoundedCache(max_entries=4096, max_weight=1_000_000)  # weighed in chain stages
 
 
 def _layer_chain(spec: ModelSpec, groups: tuple[str, ...], stage: int) -> Chain:
@@ -98,14 +96,9 @@ def _layer_chain(spec: ModelSpec, groups: tuple[str, ...], stage: int) -> Chain:
     goes beyond 4,096 chains or a million chain stages in all (deep models hold fewer)."""
     key = (spec, groups, stage)
     chain = _CHAINS.get(key)
-    if chain is not None:
-        _CHAINS.move_to_end(key)
-        return chain
-    chain = _build_layer_chain(spec, groups, stage)
-    _CHAINS[key] = chain
-    _CHAIN_STAGES[0] += chain.length
-    while len(_CHAINS) > 1 and (len(_CHAINS) > _MAX_CHAINS or _CHAIN_STAGES[0] > _MAX_CHAIN_STAGES):
-        _CHAIN_STAGES[0] -= _CHAINS.popitem(last=False)[1].length
+    if chain is None:
+        chain = _build_layer_chain(spec, groups, stage)
+        _CHAINS.put(key, chain, chain.length)
     return chain
 
 

@@ -16,6 +16,7 @@ from math import gcd
 from operator import add
 from typing import NamedTuple
 
+from ckplan.cache import BoundedCache
 from ckplan.schedules.chain import Chain
 from ckplan.schedules.periodic import bulk_period, intern, periodic_ends
 from ckplan.schedules.segments import _check_segments
@@ -95,11 +96,11 @@ class _Terms(NamedTuple):
     backwards: int  # backward FLOPs of the chain
 
 
-_TERMS: dict[int, tuple[Chain, _Terms]] = {}  # by id(chain); a few recent chains
-_TERMS_STAGES = 0  # the stages of the chains in _TERMS
-
-
-_EQUAL_TERMS: dict[Chain, _Terms] = {}  # by value: equal chains of other specs (dp, ZeRO)
+# By identity (hashing a long chain costs more than a lookup saves; an entry keeps its chain
+# alive, so its id is not reused): `ckplan plan` returns to each of a few thousand chains. By
+# value: equal chains built for other specs (dp, ZeRO).
+_TERMS = BoundedCache(max_entries=1024, max_weight=1_000_000)
+_EQUAL_TERMS = BoundedCache(max_entries=16, max_weight=1_000_000)
 
 
 def _terms(chain: Chain) -> _Terms:
@@ -109,17 +110,8 @@ def _terms(chain: Chain) -> _Terms:
     terms = _EQUAL_TERMS.get(chain)
     if terms is None:
         terms = _build_terms(chain)
-        if len(_EQUAL_TERMS) >= 16:
-            _EQUAL_TERMS.clear()
-        _EQUAL_TERMS[chain] = terms
-    global _TERMS_STAGES
-    # A few recent chains, up to 1,024 of them or a million stages in all (`ckplan plan`
-    # returns to each of a few thousand chains).
-    if len(_TERMS) >= 1024 or _TERMS_STAGES > 1_000_000:
-        _TERMS.clear()
-        _TERMS_STAGES = 0
-    _TERMS[id(chain)] = (chain, terms)
-    _TERMS_STAGES += chain.length
+        _EQUAL_TERMS.put(chain, terms, chain.length)
+    _TERMS.put(id(chain), (chain, terms), chain.length)
     return terms
 
 
