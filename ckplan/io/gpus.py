@@ -16,7 +16,8 @@ import yaml
 
 from ckplan.hardware.gpus import GPU, GPUError, gpu_from_mapping
 from ckplan.io import safe_yaml
-from ckplan.io.presets import _preset_folder, read_text_file
+from ckplan.io.files import read_text_file
+from ckplan.io.presets import _preset_folder
 from ckplan.quoting import abbreviate, quote
 
 GPU_FOLDER = "gpus"

@@ -94,13 +94,15 @@ def _check_types(config: Mapping[str, Any], origin: str, model_type: str) -> Non
             continue  # the spec says what is wrong with a float or a huge integer, by range
         if isinstance(value, bool) or not isinstance(value, int):
             raise SpecError(f"{origin}: key {key!r} expects an integer, got {quote(value)}")
+    most_layers = SIZE_RANGES["layers"][1]  # a layer rule's step or count
     for key, low in _LAYER_RULE_KEYS.items():
         value = config.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 100_000:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= most_layers:
             raise SpecError(
-                f"{origin}: key {key!r} expects an integer in {low}..100,000, got {quote(value)}"
+                f"{origin}: key {key!r} expects an integer in {low}..{most_layers:,}, "
+                f"got {quote(value)}"
             )
     for key in ("mlp_only_layers", "layer_types"):
         value = config.get(key)

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from ckplan.io import safe_yaml
+from ckplan.io.files import read_text_file
 from ckplan.model.profiles import Profile, ProfileError, profile_from_mapping
 from ckplan.quoting import abbreviate, quote
 
@@ -92,8 +93,6 @@ def _load_file(path: str, mtime_ns: int, size: int) -> Profile:
 def _read(path: Path, origin: str) -> dict:
     """A profile file through the model files' reader (size cap, no devices, UTF-8) and the
     safe YAML loader."""
-    from ckplan.io.presets import read_text_file
-
     text = read_text_file(path, f"profile {abbreviate(origin)}", ProfileError, "a profile file")
     return _parse(text, abbreviate(origin))
 

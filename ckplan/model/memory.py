@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ckplan.model.layers import LayerKind, layer_kinds, stage_layer_indices
+from ckplan.model.layers import LayerKind, layer_kinds, stage_kind_counts, stage_layer_indices
 from ckplan.model.ops import FP32_BYTES, _split, group_input_bytes, in_group, layer_ops
 from ckplan.model.spec import ModelSpec
 
@@ -445,8 +445,6 @@ def stage_parameters(spec: ModelSpec, stage: int = 0) -> tuple[int, int]:
     counts = parameter_count(spec)
     if spec.kind == "mlp":
         return counts.per_layer * len(stage_layer_indices(spec, stage)), 0
-    from ckplan.model.layers import stage_kind_counts
-
     dense = expert = 0
     for kind, count in stage_kind_counts(spec, stage).items():
         part = layer_parameter_parts(spec, kind)
