@@ -31,7 +31,6 @@ from ckplan.schedules.periodic import (
     intern,
     mismatches,
     periodic_ends,
-    smallest_period,
 )
 
 segment_replay_module = importlib.import_module("ckplan.schedules.segment_replay")
@@ -40,13 +39,6 @@ small_sequences = st.lists(st.integers(0, 2), max_size=40)
 
 def _is_periodic(items, period) -> bool:
     return all(items[i] == items[i + period] for i in range(len(items) - period))
-
-
-@settings(max_examples=300, deadline=None)
-@given(small_sequences)
-def test_smallest_period_is_brute_force(items):
-    expected = next((p for p in range(1, len(items) + 1) if _is_periodic(items, p)), 1)
-    assert smallest_period(items) == expected
 
 
 @settings(max_examples=300, deadline=None)

@@ -28,24 +28,6 @@ def intern(items: Sequence[Hashable]) -> list[int]:
     return list(map(ids.__getitem__, items))
 
 
-def smallest_period(items: Sequence[Hashable]) -> int:
-    """The smallest ``P >= 1`` with ``items[i] == items[i + P]`` for every ``i`` where both
-    exist (``len(items)`` when none is shorter; 1 for an empty sequence). Knuth-Morris-Pratt's
-    failure function: the period is the length less the longest proper border."""
-    n = len(items)
-    if n == 0:
-        return 1
-    border = [0] * n
-    k = 0
-    for i in range(1, n):
-        while k and items[i] != items[k]:
-            k = border[k - 1]
-        if items[i] == items[k]:
-            k += 1
-        border[i] = k
-    return n - border[-1]
-
-
 def mismatches(ids: Sequence[int], period: int) -> int:
     """How many ``i`` have ``ids[i] != ids[i + period]``."""
     return sum(map(ne, ids, ids[period:]))
