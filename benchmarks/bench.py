@@ -25,12 +25,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The reference DP is a test oracle (tests/oracles/), compared with here.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from bench_schedules import transformer_chain
+from oracles.rotor_reference import optimal_schedule as reference_schedule
 
 from ckplan.hardware.step_time import step_time
-from ckplan.io.gpus import load_gpu
-from ckplan.io.presets import load_spec
+from ckplan.inputs.gpus import load_gpu
+from ckplan.inputs.presets import load_spec
 from ckplan.plan import evaluate, in_flight_microbatches, layer_chain, parse_strategy
 from ckplan.plan.search import DEFAULT_RESERVE, sweep
 from ckplan.schedules import (
@@ -42,7 +45,6 @@ from ckplan.schedules import (
     store_all_schedule,
 )
 from ckplan.schedules.rotor import optimal_schedule
-from ckplan.schedules.rotor_reference import optimal_schedule as reference_schedule
 
 GB = 10**9
 HERE = Path(__file__).resolve().parent

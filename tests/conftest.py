@@ -1,6 +1,6 @@
 import pytest
 
-from ckplan.io.presets import load_spec
+from ckplan.inputs.presets import load_spec
 
 
 @pytest.fixture

@@ -1026,7 +1026,7 @@ def main() -> int:
     if not args.exec:
         import ckplan.cli
 
-        ckplan.cli._click_command()
+        ckplan.cli.click_command()
     indices = args.only if args.only is not None else range(args.cases)
     counts: collections.Counter = collections.Counter()
     by_family: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)

@@ -3,7 +3,7 @@
 import json
 
 from ckplan.cli import main
-from ckplan.io.presets import load_spec
+from ckplan.inputs.presets import load_spec
 from ckplan.plan.advice import advise, least_bytes
 
 GIB = 2**30

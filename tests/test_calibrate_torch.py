@@ -8,8 +8,8 @@ import pytest
 from needs_torch import torch_or_skip
 
 from ckplan.cli import main
-from ckplan.io.presets import load_spec
-from ckplan.io.profiles import load_profile
+from ckplan.inputs.presets import load_spec
+from ckplan.inputs.profiles import load_profile
 from ckplan.model.ops import transformer_layer_ops
 from ckplan.model.profiles import apply_profile, profile_from_mapping
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from ckplan.errors import InputError
-from ckplan.io.paths import check_output, write_atomic
+from ckplan.inputs.paths import check_output, write_atomic
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):

@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from ckplan.io import exports  # noqa: E402
-from ckplan.io.exports.segments import layer_segments  # noqa: E402
+from ckplan import exports  # noqa: E402
+from ckplan.exports.segments import layer_segments  # noqa: E402
 from ckplan.plan import evaluate, layer_chain, parse_strategy  # noqa: E402
 from ckplan.plan.search import activation_budget  # noqa: E402
 from ckplan.schedules import simulate  # noqa: E402

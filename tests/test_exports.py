@@ -7,10 +7,10 @@ import pytest
 import yaml
 from megatron_args import MegatronArgError, parse, validate
 
+from ckplan import exports
 from ckplan.cli import main
-from ckplan.io import exports
-from ckplan.io.exports import deepspeed, megatron, torchtitan
-from ckplan.io.exports.segments import LayerSegments, layer_segments, schedule_segments
+from ckplan.exports import deepspeed, megatron, torchtitan
+from ckplan.exports.segments import LayerSegments, layer_segments, schedule_segments
 from ckplan.model.spec import spec_from_mapping
 from ckplan.plan import evaluate, parse_strategy
 from ckplan.plan.search import activation_budget, candidate_strategies

@@ -11,7 +11,7 @@ from chains import chain_of_stages
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckplan.io.presets import load_spec
+from ckplan.inputs.presets import load_spec
 from ckplan.plan import evaluate, layer_chain, parse_strategy
 from ckplan.plan.evaluate import _segment_runs, _segments
 from ckplan.plan.search import REVOLVE_MAX_STEPS, candidate_strategies, revolve_slots, sweep

@@ -6,11 +6,12 @@ from __future__ import annotations
 import random
 from fractions import Fraction
 
-from ckplan.io.presets import load_spec
+from oracles.brute_force import brute_force_optimal
+
+from ckplan.inputs.presets import load_spec
 from ckplan.plan import evaluate, layer_chain, parse_strategy
 from ckplan.schedules import (
     Chain,
-    brute_force_optimal,
     optimal_schedule,
     pipeline_peak_bytes,
     simulate,

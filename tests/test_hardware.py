@@ -23,7 +23,7 @@ from ckplan.hardware.step_time import (
     step_time,
     step_time_from_forwards,
 )
-from ckplan.io.gpus import gpu_names, load_gpu
+from ckplan.inputs.gpus import gpu_names, load_gpu
 from ckplan.model.flops import model_flops_per_iteration
 from ckplan.model.ops import Matmul, Op, layer_ops
 from ckplan.plan import evaluate, parse_strategy

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ckplan.io.hf_config import SUPPORTED, hf_config_mapping
-from ckplan.io.presets import load_spec
+from ckplan.inputs.hf_config import SUPPORTED, hf_config_mapping
+from ckplan.inputs.presets import load_spec
 from ckplan.model.layers import layer_kinds
 from ckplan.model.memory import parameter_count
 from ckplan.model.spec import SpecError

@@ -6,8 +6,8 @@ from collections import defaultdict
 import pytest
 
 from ckplan.hardware.step_time import step_time
-from ckplan.io.gpus import load_gpu
-from ckplan.io.presets import load_spec
+from ckplan.inputs.gpus import load_gpu
+from ckplan.inputs.presets import load_spec
 from ckplan.model.spec import spec_from_mapping
 from ckplan.plan.evaluate import evaluate
 from ckplan.plan.layout.bounds import Bounds, layout_keys_cleared

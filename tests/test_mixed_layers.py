@@ -2,6 +2,7 @@
 against brute force), uneven stages, and the uniform case unchanged."""
 
 import pytest
+from oracles.brute_force import brute_force_optimal
 
 from ckplan.model import memory
 from ckplan.model.layers import (
@@ -16,7 +17,7 @@ from ckplan.model.layers import (
 from ckplan.model.spec import SpecError, spec_from_mapping
 from ckplan.plan import evaluate, layer_chain, parse_strategy
 from ckplan.render import estimate_dict
-from ckplan.schedules import brute_force_optimal, simulate
+from ckplan.schedules import simulate
 
 DENSE, MOE = LayerKind(), LayerKind(moe=True)
 

@@ -26,7 +26,7 @@ from ckplan.hardware.step_time import (
     step_time,
     tensor_parallel_comm,
 )
-from ckplan.io.gpus import load_gpu
+from ckplan.inputs.gpus import load_gpu
 from ckplan.model import memory
 from ckplan.model.flops import model_flops_per_iteration
 from ckplan.model.layers import LayerKind

@@ -10,12 +10,12 @@ import random
 from chains import chain_of_stages
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles.brute_force import brute_force_optimal
 
-from ckplan.io.presets import load_spec
+from ckplan.inputs.presets import load_spec
 from ckplan.plan import evaluate, layer_chain, parse_strategy
 from ckplan.schedules import (
     Chain,
-    brute_force_optimal,
     held_after_forward_bytes,
     optimal_schedule,
     pipeline_peak_bytes,

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckplan.cli import main
-from ckplan.io.presets import load_spec
-from ckplan.io.profiles import load_profile, profile_names
+from ckplan.inputs.presets import load_spec
+from ckplan.inputs.profiles import load_profile, profile_names
 from ckplan.model.memory import activation_bytes_by_op, layer_backward_walk
 from ckplan.model.ops import layer_ops, transformer_layer_ops
 from ckplan.model.profiles import (
@@ -94,7 +94,7 @@ def test_every_op_name_is_known_to_profiles(spec):
 
 def test_every_preset_op_is_known_to_profiles(spec_of):
     """Ops added with new layer kinds (presets using them) must join OP_NAMES."""
-    from ckplan.io.presets import preset_names
+    from ckplan.inputs.presets import preset_names
 
     for name in preset_names():
         spec = spec_of(name)

@@ -10,7 +10,7 @@ import yaml
 from ckplan import cli
 from ckplan.cli import estimate as estimate_command
 from ckplan.cli import main
-from ckplan.io import safe_yaml
+from ckplan.inputs import safe_yaml
 from ckplan.plan import StrategyError, evaluate, limits, parse_strategy
 from ckplan.quoting import integer_digits, one_line, quote
 from ckplan.schedules import revolve

@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckplan.cli import main
-from ckplan.io.presets import load_spec
+from ckplan.inputs.presets import load_spec
 from ckplan.model.spec import SpecError, field_names, spec_from_mapping
 from ckplan.plan import StrategyError, parse_strategy
 from ckplan.units import SizeError, parse_size

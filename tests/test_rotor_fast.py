@@ -14,19 +14,19 @@ import random
 from fractions import Fraction
 
 import pytest
+from oracles.brute_force import brute_force_optimal
+from oracles.rotor_reference import optimal_schedule as reference_schedule
 
-from ckplan.io.presets import load_spec
+from ckplan.inputs.presets import load_spec
 from ckplan.plan import layer_chain
 from ckplan.plan.evaluate import in_flight_microbatches
 from ckplan.schedules import (
     Chain,
-    brute_force_optimal,
     pipeline_peak_bytes,
     simulate,
     store_all_schedule,
 )
 from ckplan.schedules.rotor import _Table, optimal_schedule
-from ckplan.schedules.rotor_reference import optimal_schedule as reference_schedule
 
 
 def _heterogeneous(rng: random.Random, n: int, unit: int) -> Chain:

@@ -9,6 +9,7 @@ from fractions import Fraction
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from oracles.brute_force import brute_force_optimal, enumerate_persistent_schedules
 
 from ckplan.schedules import (
     BACKWARD,
@@ -18,8 +19,6 @@ from ckplan.schedules import (
     Chain,
     Step,
     beta,
-    brute_force_optimal,
-    enumerate_persistent_schedules,
     held_after_forward_bytes,
     optimal_schedule,
     pipeline_peak_bytes,

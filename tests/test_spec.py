@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from ckplan.io.hf_config import hf_config_mapping
-from ckplan.io.presets import load_spec, preset_names
+from ckplan.inputs.hf_config import hf_config_mapping
+from ckplan.inputs.presets import load_spec, preset_names
 from ckplan.model.spec import SpecError, spec_from_mapping
 
 BASE = {"name": "t", "layers": 2, "hidden": 64, "heads": 4, "seq": 16, "micro_batch": 2}

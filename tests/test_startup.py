@@ -13,10 +13,10 @@ PROBE = """
 import sys
 from ckplan.cli import main
 main({argv!r})
-loaded = [name for name in ("numpy", "ckplan.schedules.rotor", "ckplan.schedules.brute_force",
+loaded = [name for name in ("numpy", "ckplan.schedules.rotor", "oracles.brute_force",
           "ckplan.render.verify", "ckplan.verify", "ckplan.hardware.step_time",
-          "ckplan.io.exports", "ckplan.render.plot", "ckplan.model.profiles",
-          "ckplan.io.hf_config", "ckplan.calibrate") if name in sys.modules]
+          "ckplan.exports", "ckplan.render.plot", "ckplan.model.profiles",
+          "ckplan.inputs.hf_config", "ckplan.calibrate") if name in sys.modules]
 sys.stderr.write("LOADED " + " ".join(loaded) + "\\n")
 """
 

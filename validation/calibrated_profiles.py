@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ckplan.calibrate.fit import Shape, check_shape
 from ckplan.calibrate.run import DTYPES, calibrate, measure
-from ckplan.io.presets import load_spec
+from ckplan.inputs.presets import load_spec
 from ckplan.model.memory import activation_bytes_per_layer
 
 VARIANTS = [

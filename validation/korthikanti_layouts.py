@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import time
 
-from ckplan.io.gpus import load_gpu
-from ckplan.io.presets import load_spec
+from ckplan.inputs.gpus import load_gpu
+from ckplan.inputs.presets import load_spec
 from ckplan.plan.layout.search import search_layouts
 from ckplan.plan.search import DEFAULT_RESERVE
 from ckplan.render.layouts import layout_text

@@ -20,8 +20,8 @@ import argparse
 import yaml
 
 from ckplan.hardware.step_time import layer_time, step_time
-from ckplan.io.gpus import load_gpu
-from ckplan.io.presets import load_spec
+from ckplan.inputs.gpus import load_gpu
+from ckplan.inputs.presets import load_spec
 from ckplan.plan import evaluate, parse_strategy
 
 # Korthikanti et al. 2022, Table 4: (forward ms, backward ms), 22B, one layer

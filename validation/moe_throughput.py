@@ -24,8 +24,8 @@ import argparse
 from ckplan.hardware.expert_parallel import expert_parallel_comm
 from ckplan.hardware.roofline import op_backward_time, op_forward_time
 from ckplan.hardware.step_time import layer_time, step_time
-from ckplan.io.gpus import load_gpu
-from ckplan.io.presets import load_spec
+from ckplan.inputs.gpus import load_gpu
+from ckplan.inputs.presets import load_spec
 from ckplan.model.layers import LayerKind
 from ckplan.model.ops import layer_ops
 from ckplan.plan import evaluate, parse_strategy

@@ -110,13 +110,13 @@ def _attention_gqa(layer, x, rec):
     b, s, h = x.shape
     a, g = cfg.heads, cfg.kv_heads
     d = h // a
-    with base._tag(rec, "norm1"):
+    with base.tag_tensor(rec, "norm1"):
         y = layer.input_layernorm(x)
-    with base._tag(rec, "qkv_proj"):
+    with base.tag_tensor(rec, "qkv_proj"):
         q = layer.q_proj(y).view(b, s, a, d).transpose(1, 2)
         k = layer.k_proj(y).view(b, s, g, d).transpose(1, 2)
         v = layer.v_proj(y).view(b, s, g, d).transpose(1, 2)
-    with base._tag(rec, "attention_core"):
+    with base.tag_tensor(rec, "attention_core"):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     return y.transpose(1, 2).contiguous().view(b, s, a * d)
 
@@ -146,15 +146,15 @@ class MoELayer(nn.Module):
         b, s, h = x.shape
         E, k = cfg.experts, cfg.top_k
         y = _attention_gqa(self, x, rec)
-        with base._tag(rec, "out_proj"):
+        with base.tag_tensor(rec, "out_proj"):
             y = self.o_proj(y)
         x = x + y
-        with base._tag(rec, "norm2"):
+        with base.tag_tensor(rec, "norm2"):
             hidden = self.post_attention_layernorm(x).view(b * s, h)  # T = b·s tokens
         tokens = hidden.shape[0]
-        with base._tag(rec, "router"):
+        with base.tag_tensor(rec, "router"):
             logits = self.router(hidden)  # (T, E)
-        with base._tag(rec, "router_probs"):
+        with base.tag_tensor(rec, "router_probs"):
             scores, top = torch.topk(logits, k=k, dim=1)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
             routing_probs = torch.zeros_like(logits).scatter(1, top, probs)  # (T, E)
@@ -163,7 +163,7 @@ class MoELayer(nn.Module):
             tokens_per_expert = routing_map.sum(dim=0)
             aux_loss = (aux_scores.sum(0) * tokens_per_expert).sum() * (E * 1e-2 / (k * tokens))
             routing_probs = _AuxLossScaler.apply(routing_probs, aux_loss)
-        with base._tag(rec, "permute"):
+        with base.tag_tensor(rec, "permute"):
             map_t = routing_map.T.contiguous()  # (E, T)
             token_ids = torch.arange(tokens).unsqueeze(0).expand(E, -1)
             sorted_ids = token_ids.masked_select(map_t)  # (T·k,), grouped by expert
@@ -175,22 +175,22 @@ class MoELayer(nn.Module):
         for e in range(E):
             rows = slice(start, start + counts[e])
             start += counts[e]
-            with base._tag(rec, "expert_fc1"):
+            with base.tag_tensor(rec, "expert_fc1"):
                 z = self.fc1[e](permuted[rows])
-            with base._tag(rec, "expert_act"):
+            with base.tag_tensor(rec, "expert_act"):
                 z = _WeightedSwiGLU.apply(z, permuted_probs[rows].unsqueeze(-1))
-            with base._tag(rec, "expert_fc2"):
+            with base.tag_tensor(rec, "expert_fc2"):
                 outs.append(self.fc2[e](z))
-        with base._tag(rec, "unpermute"):
+        with base.tag_tensor(rec, "unpermute"):
             expert_out = torch.cat(outs)
             index = sorted_ids.unsqueeze(1).expand(-1, h)
             y = torch.zeros(tokens, h, dtype=x.dtype).scatter_add(0, index, expert_out)
         if cfg.shared_ffn_hidden:
-            with base._tag(rec, "shared_fc1"):
+            with base.tag_tensor(rec, "shared_fc1"):
                 z = self.shared_fc1(hidden)
-            with base._tag(rec, "shared_act"):
+            with base.tag_tensor(rec, "shared_act"):
                 z = base.FusedSwiGLU.apply(z)
-            with base._tag(rec, "shared_fc2"):
+            with base.tag_tensor(rec, "shared_fc2"):
                 y = y + self.shared_fc2(z)
         return x + y.view(b, s, h)
 
@@ -236,22 +236,22 @@ class MLALayer(nn.Module):
         b, s, _ = x.shape  # (b, s, h)
         a = cfg.heads
         nope, rope, v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        with base._tag(rec, "norm1"):
+        with base.tag_tensor(rec, "norm1"):
             y = self.input_layernorm(x)
-        with base._tag(rec, "q_down"):
+        with base.tag_tensor(rec, "q_down"):
             q_latent = self.q_down(y)
-        with base._tag(rec, "q_norm"):
+        with base.tag_tensor(rec, "q_norm"):
             q_latent = self.q_norm(q_latent)
-        with base._tag(rec, "q_up"):
+        with base.tag_tensor(rec, "q_up"):
             q = self.q_up(q_latent).view(b, s, a, nope + rope)
-        with base._tag(rec, "kv_down"):
+        with base.tag_tensor(rec, "kv_down"):
             kv = self.kv_down(y)
         kv_latent, k_rope = torch.split(kv, [cfg.kv_lora_rank, rope], dim=-1)
-        with base._tag(rec, "kv_norm"):
+        with base.tag_tensor(rec, "kv_norm"):
             kv_latent = self.kv_norm(kv_latent.contiguous())
-        with base._tag(rec, "kv_up"):
+        with base.tag_tensor(rec, "kv_up"):
             kv = self.kv_up(kv_latent).view(b, s, a, nope + v_dim)
-        with base._tag(rec, "attention_core"):
+        with base.tag_tensor(rec, "attention_core"):
             q_nope, q_rope = torch.split(q, [nope, rope], dim=-1)
             q = torch.cat([q_nope, self.rope(q_rope)], -1)  # (b, s, a, nope + rope)
             k_nope, v = torch.split(kv, [nope, v_dim], dim=-1)
@@ -260,15 +260,15 @@ class MLALayer(nn.Module):
             v = v.contiguous()
             out = FlashAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         y = out.transpose(1, 2).contiguous().view(b, s, a * v_dim)
-        with base._tag(rec, "out_proj"):
+        with base.tag_tensor(rec, "out_proj"):
             y = self.o_proj(y)
         x = x + y
-        with base._tag(rec, "norm2"):
+        with base.tag_tensor(rec, "norm2"):
             y = self.post_attention_layernorm(x)
-        with base._tag(rec, "fc1"):
+        with base.tag_tensor(rec, "fc1"):
             y = self.fc1(y)
-        with base._tag(rec, "act"):
+        with base.tag_tensor(rec, "act"):
             y = base.FusedSwiGLU.apply(y)
-        with base._tag(rec, "fc2"):
+        with base.tag_tensor(rec, "fc2"):
             y = self.fc2(y)
         return x + y

@@ -63,7 +63,7 @@ from ckplan.calibrate.layers import (  # noqa: E402, F401
     dropout,
     repeat_kv,
 )
-from ckplan.calibrate.record import SavedStorage, SavedTensorRecorder, _tag  # noqa: E402, F401
+from ckplan.calibrate.record import SavedStorage, SavedTensorRecorder, tag_tensor  # noqa: E402, F401
 
 GPT_OPS = [
     "norm1", "qkv_proj", "q_down", "q_norm", "q_up", "kv_down", "kv_norm", "kv_up",

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ckplan.calibrate.record import SavedTensorRecorder, _tag
+from ckplan.calibrate.record import SavedTensorRecorder, tag_tensor
 
 # --------------------------------------------------------------------------------------------
 # Building blocks
@@ -158,48 +158,48 @@ class GPTLayer(nn.Module):
         d = h // a
         p = cfg.dropout
         tr = self.training
-        with _tag(rec, "norm1"):
+        with tag_tensor(rec, "norm1"):
             y = self.ln1(x)  # (b, s, h)
-        with _tag(rec, "qkv_proj"):
+        with tag_tensor(rec, "qkv_proj"):
             qkv = self.qkv(y)  # (b, s, 3h)
         q, k, v = qkv.split(h, dim=2)
         q = q.view(b, s, a, d).transpose(1, 2)  # (b, a, s, d), a view of qkv
         k = k.view(b, s, a, d).transpose(1, 2)
         v = v.view(b, s, a, d).transpose(1, 2)
         if cfg.attention == "sdpa":
-            with _tag(rec, "attention_core"):
+            with tag_tensor(rec, "attention_core"):
                 y = F.scaled_dot_product_attention(
                     q, k, v, dropout_p=p if tr else 0.0, is_causal=cfg.mask != "none"
                 )  # (b, a, s, d)
             self.sdpa_node = type(y.grad_fn).__name__ if y.grad_fn is not None else None
         else:
-            with _tag(rec, "attn_scores"):
+            with tag_tensor(rec, "attn_scores"):
                 att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))  # (b, a, s, s)
                 if cfg.mask == "additive":
                     att = att + self.mask[:s, :s]
                 elif cfg.mask == "masked_fill":  # nanoGPT
                     att = att.masked_fill(self.tril[:s, :s] == 0, float("-inf"))
-            with _tag(rec, "softmax"):
+            with tag_tensor(rec, "softmax"):
                 att = F.softmax(att, dim=-1)
-            with _tag(rec, "attn_dropout"):
+            with tag_tensor(rec, "attn_dropout"):
                 att = dropout(att, p, tr, cfg.dropout_impl)
-            with _tag(rec, "attn_values"):
+            with tag_tensor(rec, "attn_values"):
                 y = att @ v  # (b, a, s, d)
         y = y.transpose(1, 2).contiguous().view(b, s, h)  # merge heads: (b, s, h)
-        with _tag(rec, "out_proj"):
+        with tag_tensor(rec, "out_proj"):
             y = self.proj(y)
-        with _tag(rec, "out_dropout"):
+        with tag_tensor(rec, "out_dropout"):
             y = dropout(y, p, tr, cfg.dropout_impl)
         x = x + y
-        with _tag(rec, "norm2"):
+        with tag_tensor(rec, "norm2"):
             y = self.ln2(x)
-        with _tag(rec, "fc1"):
+        with tag_tensor(rec, "fc1"):
             y = self.fc1(y)  # (b, s, F)
-        with _tag(rec, "act"):
+        with tag_tensor(rec, "act"):
             y = F.gelu(y)
-        with _tag(rec, "fc2"):
+        with tag_tensor(rec, "fc2"):
             y = self.fc2(y)  # (b, s, h)
-        with _tag(rec, "mlp_dropout"):
+        with tag_tensor(rec, "mlp_dropout"):
             y = dropout(y, p, tr, cfg.dropout_impl)
         return x + y
 
@@ -234,14 +234,14 @@ class LlamaLayer(nn.Module):
         b, s, h = x.shape  # (b, s, h)
         a, g = cfg.heads, cfg.kv_heads
         d = h // a
-        with _tag(rec, "norm1"):
+        with tag_tensor(rec, "norm1"):
             y = self.input_layernorm(x)
-        with _tag(rec, "qkv_proj"):
+        with tag_tensor(rec, "qkv_proj"):
             q = self.q_proj(y).view(b, s, a, d).transpose(1, 2)  # (b, a, s, d)
             k = self.k_proj(y).view(b, s, g, d).transpose(1, 2)  # (b, g, s, d)
             v = self.v_proj(y).view(b, s, g, d).transpose(1, 2)  # (b, g, s, d)
         if cfg.attention == "sdpa":
-            with _tag(rec, "attention_core"):
+            with tag_tensor(rec, "attention_core"):
                 if cfg.kv_repeat:
                     k, v = repeat_kv(k, a // g), repeat_kv(v, a // g)
                 y = F.scaled_dot_product_attention(
@@ -249,37 +249,37 @@ class LlamaLayer(nn.Module):
                 )
             self.sdpa_node = type(y.grad_fn).__name__ if y.grad_fn is not None else None
         else:
-            with _tag(rec, "attn_scores"):
+            with tag_tensor(rec, "attn_scores"):
                 k = repeat_kv(k, a // g)  # (b, a, s, d): HF eager copies K and V to all heads
                 att = (q @ k.transpose(2, 3)) * (1.0 / math.sqrt(d))  # (b, a, s, s)
                 if cfg.mask == "additive":
                     att = att + self.mask[:s, :s]
-            with _tag(rec, "softmax"):
+            with tag_tensor(rec, "softmax"):
                 if cfg.softmax_fp32:  # HF eager: softmax(..., dtype=float32).to(query.dtype)
                     att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
                 else:
                     att = F.softmax(att, dim=-1)
-            with _tag(rec, "attn_values"):
+            with tag_tensor(rec, "attn_values"):
                 v = repeat_kv(v, a // g)
                 y = att @ v  # (b, a, s, d)
         y = y.transpose(1, 2).contiguous().view(b, s, h)
-        with _tag(rec, "out_proj"):
+        with tag_tensor(rec, "out_proj"):
             y = self.o_proj(y)
         x = x + y
-        with _tag(rec, "norm2"):
+        with tag_tensor(rec, "norm2"):
             y = self.post_attention_layernorm(x)
         if cfg.swiglu_impl == "fused":
-            with _tag(rec, "fc1"):
+            with tag_tensor(rec, "fc1"):
                 y = self.fc1(y)  # (b, s, 2F)
-            with _tag(rec, "act"):
+            with tag_tensor(rec, "act"):
                 y = FusedSwiGLU.apply(y)  # (b, s, F)
         else:
-            with _tag(rec, "fc1"):
+            with tag_tensor(rec, "fc1"):
                 gate = self.gate_proj(y)  # (b, s, F)
                 up = self.up_proj(y)  # (b, s, F)
-            with _tag(rec, "act"):
+            with tag_tensor(rec, "act"):
                 y = F.silu(gate) * up  # silu saves gate; mul saves silu(gate) and up
-        with _tag(rec, "fc2"):
+        with tag_tensor(rec, "fc2"):
             y = self.down_proj(y)
         return x + y
 

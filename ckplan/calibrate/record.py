@@ -87,7 +87,7 @@ class SavedTensorRecorder:
 _NULL = contextlib.nullcontext
 
 
-def _tag(rec: SavedTensorRecorder | None, name: str):
+def tag_tensor(rec: SavedTensorRecorder | None, name: str):
     return rec.op(name) if rec is not None else _NULL()
 
 

@@ -331,7 +331,7 @@ def bytes_at(spec: ModelSpec, mapping: dict) -> dict[str, tuple[int, int]]:
 def compare_with_fused(result: Calibration) -> list[dict]:
     """Op by op of the model's table: what fused saves and what was measured, as terms and in
     bytes at the model's own size (its seq, batch and layout)."""
-    from ckplan.io.profiles import load_profile
+    from ckplan.inputs.profiles import load_profile
 
     fused = load_profile("fused")
     spec = result.spec.replace(profile="fused")

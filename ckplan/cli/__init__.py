@@ -28,7 +28,7 @@ from ckplan.cli import (
     sweep,
     verify,
 )
-from ckplan.cli.app import _click_command, app, main
+from ckplan.cli.app import app, click_command, main
 from ckplan.cli.errors import (
     EXIT_BAD_INPUT,
     EXIT_BROKEN_PIPE,
@@ -46,8 +46,8 @@ __all__ = [
     "EXIT_INTERNAL",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
-    "_click_command",
     "app",
+    "click_command",
     "complete_model",
     "main",
 ]

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(code)
         return code
     try:
-        code = _click_command().main(args=argv, prog_name="ckplan", standalone_mode=False)
+        code = click_command().main(args=argv, prog_name="ckplan", standalone_mode=False)
     except typer.Abort:  # end of input at a prompt (a typer.Exit: caught first)
         print_error("interrupted")
         code = EXIT_INTERRUPTED
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @functools.cache
-def _click_command():
+def click_command():
     """Typer builds the Click command from the signatures (~15 ms): once per process, so that
     in-process callers (the tests run the CLI hundreds of times) pay it once."""
     return typer.main.get_command(app)

@@ -48,7 +48,7 @@ def calibrate(
         if out is not None and not out.endswith((".yaml", ".yml")):
             raise UserError(f"--out {quote(out)}: expected a .yaml file")
         if out is not None:
-            from ckplan.io.paths import check_output
+            from ckplan.inputs.paths import check_output
 
             check_output(out, "--out")
         missing = missing_extra(hf)
@@ -84,6 +84,6 @@ def _hf_config(model: str) -> dict | None:
 def _write_profile(path: str, profile: dict) -> None:
     header = "# A kernel profile written by `ckplan calibrate` (terms: ckplan/model/profiles.py)\n"
     text = header + yaml.safe_dump(profile, sort_keys=False, allow_unicode=True, width=100)
-    from ckplan.io.paths import write_atomic
+    from ckplan.inputs.paths import write_atomic
 
     write_atomic(path, "--out", lambda temporary: temporary.write_text(text, encoding="utf-8"))

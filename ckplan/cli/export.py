@@ -73,7 +73,7 @@ def export(
     """Write a plan for a launcher: Megatron-LM flags, a PyTorch snippet, a DeepSpeed config
     block, torchtitan's [activation_checkpoint] TOML, or the model and plan as YAML. A plan the
     target cannot express is an error that names the nearest one it can."""
-    from ckplan.io import exports
+    from ckplan import exports
 
     with user_errors():
         exports.check_target(to)
@@ -89,7 +89,7 @@ def export(
 
 def _export_plan(spec: ModelSpec, plan: str, target: str, budget, reserve, slots: int):
     """The plan to export: `auto` picks the cheapest fitting plan that `target` can express."""
-    from ckplan.io import exports
+    from ckplan import exports
 
     activation_budget = None
     if budget is not None:

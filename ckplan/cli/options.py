@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from ckplan.io.presets import preset_names
+from ckplan.inputs.presets import preset_names
 
 
 def complete_model(incomplete: str) -> list[str]:

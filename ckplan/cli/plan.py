@@ -27,7 +27,7 @@ from ckplan.cli.resolve import (
     require_budget,
     resolve_gpu,
 )
-from ckplan.io.presets import load_spec
+from ckplan.inputs.presets import load_spec
 from ckplan.plan import DEFAULT_SLOTS
 from ckplan.quoting import quote
 

@@ -10,8 +10,8 @@ from ckplan import render
 from ckplan.cli.errors import user_errors
 from ckplan.cli.options import JsonOpt
 from ckplan.cli.output import print_json, stdout
-from ckplan.io.gpus import gpu_names, load_gpu
-from ckplan.io.presets import load_spec, preset_names
+from ckplan.inputs.gpus import gpu_names, load_gpu
+from ckplan.inputs.presets import load_spec, preset_names
 
 
 def presets(

@@ -10,9 +10,9 @@ import yaml
 
 from ckplan.cli.errors import UserError
 from ckplan.cli.options import FORMATS
-from ckplan.io import safe_yaml
-from ckplan.io.gpus import load_gpu
-from ckplan.io.presets import load_spec
+from ckplan.inputs import safe_yaml
+from ckplan.inputs.gpus import load_gpu
+from ckplan.inputs.presets import load_spec
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import FORMULAS, limits
 from ckplan.plan.search import DEFAULT_RESERVE

@@ -1,7 +1,7 @@
 """A GPU: datasheet figures and the efficiencies the time model applies to them.
 
 `GPU` is a frozen dataclass whose fields are the keys of a GPU file (DESIGN.md, wave 2). Reading
-files lives in `ckplan.io.gpus`; `gpu_from_mapping` is the one gate every mapping passes, with
+files lives in `ckplan.inputs.gpus`; `gpu_from_mapping` is the one gate every mapping passes, with
 one-line `GPUError`s naming the key, as `spec.spec_from_mapping` does for models.
 
 Datasheet keys (per GPU, bytes and FLOP/s as plain numbers):

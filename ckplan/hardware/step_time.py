@@ -48,14 +48,13 @@ from ckplan.model.ops import (
     FP32_BYTES,
     Matmul,
     Op,
-    _split,
     in_group,
     kv_heads_per_rank,
     representative_kind,
+    split_share,
 )
 from ckplan.model.ops import layer_ops as model_layer_ops
-from ckplan.model.spec import ModelSpec
-from ckplan.plan.layer_chain import _activation_spec
+from ckplan.model.spec import ModelSpec, activation_spec
 
 ZERO = OpTime(0.0, 0.0)
 TOKEN_ID_BYTES = memory.TOKEN_ID_BYTES
@@ -328,14 +327,14 @@ def output_time(spec: ModelSpec, gpu: GPU) -> StageTime:
         return StageTime()
     tokens, B = _tokens(spec), spec.dtype_bytes
     stream = memory.layer_input_bytes(spec)
-    logits = tokens * _split(spec.vocab, spec.tp)
+    logits = tokens * split_share(spec.vocab, spec.tp)
     head = Op(
         "output",
         "output",
         0,
-        2 * tokens * _split(spec.vocab, spec.tp) * spec.hidden,
-        4 * tokens * _split(spec.vocab, spec.tp) * spec.hidden,
-        matmul=Matmul(tokens, _split(spec.vocab, spec.tp), spec.hidden, 1, B),
+        2 * tokens * split_share(spec.vocab, spec.tp) * spec.hidden,
+        4 * tokens * split_share(spec.vocab, spec.tp) * spec.hidden,
+        matmul=Matmul(tokens, split_share(spec.vocab, spec.tp), spec.hidden, 1, B),
         forward_bytes=2 * stream + (B + 3 * FP32_BYTES) * logits,
         backward_bytes=3 * stream + (3 * FP32_BYTES + B) * logits,
         tp_comm="column",
@@ -437,7 +436,7 @@ def _stage_micro_batch(
 ) -> MicroBatchTime:
     chain_groups = groups or (ATTENTION_CORE,)
     return _activation_micro_batch(
-        _activation_spec(spec), gpu, stage, forwards, chain_groups, bool(groups)
+        activation_spec(spec), gpu, stage, forwards, chain_groups, bool(groups)
     )
 
 
@@ -473,7 +472,7 @@ def pipeline_p2p_seconds(spec: ModelSpec, gpu: GPU) -> float:
     if spec.pp == 1:
         return 0.0
     stream = memory.layer_input_bytes(spec)
-    size = stream if spec.sp else _split(stream, spec.tp)
+    size = stream if spec.sp else split_share(stream, spec.tp)
     bandwidth = comm.group_bandwidth(gpu, 2, spec.tp * spec.cp * spec.dp)
     return 2 * spec.virtual_stages * comm.p2p_seconds(size, bandwidth)
 
@@ -528,8 +527,8 @@ def optimizer_seconds(spec: ModelSpec, gpu: GPU) -> float:
     expert-data-parallel group (as `memory.model_state_bytes` shards them)."""
     dense, experts = memory.stage_parameters(spec, memory.busiest_stage(spec))
     if spec.zero >= 1:
-        dense = _split(dense, spec.dp)
-        experts = _split(experts, spec.expert_data_parallel) if experts else 0
+        dense = split_share(dense, spec.dp)
+        experts = split_share(experts, spec.expert_data_parallel) if experts else 0
     per_param = (
         spec.grad_bytes + 2 * spec.master_bytes + 2 * spec.optimizer_bytes + spec.weight_bytes
     )

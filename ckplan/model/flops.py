@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ckplan.model.layers import LayerKind, kind_layer_indices
-from ckplan.model.ops import ATTENTION_CORE, _matmul, _split, in_group, layer_ops
+from ckplan.model.ops import ATTENTION_CORE, in_group, layer_ops, matmul_flops, split_share
 from ckplan.model.spec import ModelSpec
 
 
@@ -51,7 +51,7 @@ def attention_core_fraction(spec: ModelSpec) -> float:
 def logits_forward_flops(spec: ModelSpec) -> int:
     """Output layer: (s·b, h) @ (h, V) = 2sbhV (Korthikanti App. A), vocab split over t."""
     tokens = (spec.seq // spec.cp) * spec.micro_batch
-    return _matmul(tokens, _split(spec.vocab, spec.tp), spec.hidden)
+    return matmul_flops(tokens, split_share(spec.vocab, spec.tp), spec.hidden)
 
 
 def model_flops_per_iteration(spec: ModelSpec, global_batch: int) -> int:

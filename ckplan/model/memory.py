@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ckplan.model.layers import LayerKind, layer_kinds, stage_kind_counts, stage_layer_indices
-from ckplan.model.ops import FP32_BYTES, _split, group_input_bytes, in_group, layer_ops
+from ckplan.model.ops import FP32_BYTES, group_input_bytes, in_group, layer_ops, split_share
 from ckplan.model.spec import ModelSpec
 
 # The norms whose input gradient is added to the residual-stream gradient (a post-norm's is
@@ -62,7 +62,7 @@ def layer_input_bytes(spec: ModelSpec) -> int:
     if spec.kind == "mlp":
         return spec.dtype_bytes * spec.micro_batch * spec.hidden
     tokens = (spec.seq // spec.cp) * spec.micro_batch
-    return spec.dtype_bytes * _split(tokens * spec.hidden, spec.tp if spec.sp else 1)
+    return spec.dtype_bytes * split_share(tokens * spec.hidden, spec.tp if spec.sp else 1)
 
 
 def mlp_forward_workspace_bytes(spec: ModelSpec) -> int:
@@ -252,7 +252,7 @@ def output_saved_bytes(spec: ModelSpec) -> int:
     """The output stage's tape: final-norm input and output-layer input, 4sbh/t for B = 2 under
     SP, plus the fp32 logits the cross-entropy keeps, 4sbV/t (Korthikanti §4.3)."""
     tokens = (spec.seq // spec.cp) * spec.micro_batch
-    logits = FP32_BYTES * _split(tokens * spec.vocab, spec.tp)
+    logits = FP32_BYTES * split_share(tokens * spec.vocab, spec.tp)
     return 2 * layer_input_bytes(spec) + logits
 
 
@@ -272,7 +272,7 @@ def output_backward_peak_bytes(spec: ModelSpec) -> int:
     gradients of the log-probabilities and of the logits): not modelled.
     """
     tokens = (spec.seq // spec.cp) * spec.micro_batch
-    logits_grad = spec.dtype_bytes * _split(tokens * spec.vocab, spec.tp)
+    logits_grad = spec.dtype_bytes * split_share(tokens * spec.vocab, spec.tp)
     return output_saved_bytes(spec) + logits_grad
 
 
@@ -331,13 +331,13 @@ class LayerParameters:
     def dense_per_rank(self, spec: ModelSpec) -> int:
         """Dense weights on one TP rank (`tensor_parallel_layout`)."""
         kv = self.kv // spec.kv_heads * -(-spec.kv_heads // spec.tp) if self.kv else 0
-        return _split(self.split, spec.tp) + self.replicated + kv
+        return split_share(self.split, spec.tp) + self.replicated + kv
 
     def experts_per_rank(self, spec: ModelSpec) -> int:
         """Routed-expert weights on one rank: E/ep experts, each split over etp but for its
         row-parallel fc2 bias."""
-        matrices = _split(self.experts - self.expert_row_bias, spec.ep * spec.etp)
-        return matrices + _split(self.expert_row_bias, spec.ep)
+        matrices = split_share(self.experts - self.expert_row_bias, spec.ep * spec.etp)
+        return matrices + split_share(self.expert_row_bias, spec.ep)
 
 
 @lru_cache(maxsize=256)
@@ -450,7 +450,7 @@ def stage_parameters(spec: ModelSpec, stage: int = 0) -> tuple[int, int]:
         part = layer_parameter_parts(spec, kind)
         dense += count * part.dense_per_rank(spec)
         expert += count * part.experts_per_rank(spec)
-    words = _split(spec.vocab * spec.hidden, spec.tp)
+    words = split_share(spec.vocab * spec.hidden, spec.tp)
     if stage == 0:
         dense += words + (counts.embedding - spec.vocab * spec.hidden)  # positions, whole
     if stage == spec.pp - 1:
@@ -540,7 +540,7 @@ def states_of(
 
     def shard(params: int, ranks: int, bytes_per_param: int, from_stage: int) -> int:
         total = params * bytes_per_param
-        return _split(total, ranks) if zero >= from_stage else total
+        return split_share(total, ranks) if zero >= from_stage else total
 
     def both(bytes_per_param: int, from_stage: int) -> tuple[int, int]:
         experts = shard(expert, expert_dp, bytes_per_param, from_stage)

@@ -34,7 +34,7 @@ counts none either).
 
 from __future__ import annotations
 
-from ckplan.model.ops import LayerShapes, Op, _matmul, _op
+from ckplan.model.ops import LayerShapes, Op, make_op, matmul_flops
 from ckplan.model.spec import ModelSpec
 
 
@@ -74,11 +74,11 @@ def mla_projection_ops(
         latent = B * local * q_rank
         # x is saved once, here (kv_down reads the same storage; q_down is backpropagated last).
         ops.append(
-            _op(
+            make_op(
                 "q_down",
                 "attention",
                 X,
-                _matmul(local, q_rank, spec.hidden),
+                matmul_flops(local, q_rank, spec.hidden),
                 grads=(latent, 0),
                 workspace=X,
                 matmul=shapes.linear(local, q_rank, spec.hidden),  # duplicated: no collective
@@ -86,7 +86,7 @@ def mla_projection_ops(
             )
         )
         ops.append(
-            _op(
+            make_op(
                 "q_norm",
                 "attention",
                 latent,
@@ -95,11 +95,11 @@ def mla_projection_ops(
             )
         )
         ops.append(
-            _op(
+            make_op(
                 "q_up",
                 "attention",
                 latent,
-                _matmul(tokens, heads_r * qk_dim, q_rank),
+                matmul_flops(tokens, heads_r * qk_dim, q_rank),
                 grads=(d_q, latent),
                 matmul=shapes.linear(tokens, heads_r * qk_dim, q_rank),
                 moved=q_moved,
@@ -108,11 +108,11 @@ def mla_projection_ops(
         )
     else:
         ops.append(
-            _op(
+            make_op(
                 "q_proj",
                 "attention",
                 X,
-                _matmul(tokens, heads_r * qk_dim, spec.hidden),
+                matmul_flops(tokens, heads_r * qk_dim, spec.hidden),
                 grads=(d_q, 0),
                 workspace=X,
                 matmul=shapes.linear(tokens, heads_r * qk_dim, spec.hidden),
@@ -123,11 +123,11 @@ def mla_projection_ops(
     kv_latent = B * local * kv_rank
     rope_key = B * local * rope  # the shared RoPE key's gradient, summed over the heads
     ops.append(
-        _op(
+        make_op(
             "kv_down",
             "attention",
             0,
-            _matmul(local, kv_rank + rope, spec.hidden),
+            matmul_flops(local, kv_rank + rope, spec.hidden),
             grads=(kv_latent + rope_key, X),
             matmul=shapes.linear(local, kv_rank + rope, spec.hidden),  # duplicated
             # backward: torch.split's gradient, the latent's and the key's concatenated
@@ -135,7 +135,7 @@ def mla_projection_ops(
         )
     )
     ops.append(
-        _op(
+        make_op(
             "kv_norm",
             "attention",
             kv_latent,
@@ -145,11 +145,11 @@ def mla_projection_ops(
         )
     )
     ops.append(
-        _op(
+        make_op(
             "kv_up",
             "attention",
             kv_latent,
-            _matmul(tokens, heads_r * (nope + v_dim), kv_rank),
+            matmul_flops(tokens, heads_r * (nope + v_dim), kv_rank),
             grads=(d_k + d_v, kv_latent + rope_key),
             matmul=shapes.linear(tokens, heads_r * (nope + v_dim), kv_rank),
             moved=kv_moved,

@@ -37,7 +37,15 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 
-from ckplan.model.ops import FP32_BYTES, LayerShapes, Matmul, Op, _matmul, _op, mlp_block_ops
+from ckplan.model.ops import (
+    FP32_BYTES,
+    LayerShapes,
+    Matmul,
+    Op,
+    make_op,
+    matmul_flops,
+    mlp_block_ops,
+)
 from ckplan.model.spec import ModelSpec
 
 MOE = "moe"  # recompute group: the whole MoE block (Megatron --moe-layer-recompute)
@@ -243,18 +251,18 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
     # summed by autograd: one add (2 read, 1 written) per reader after the first.
     readers = 2 + shared + (shared and spec.shared_expert_gate)
     ops = [
-        _op(
+        make_op(
             "router",
             "mlp",
             X,
-            _matmul(tokens, E, h),
+            matmul_flops(tokens, E, h),
             MOE,
             grads=(logits, 0),
             workspace=X,
             matmul=Matmul(tokens, E, h, 1, B),  # whole on every rank, over its T tokens
             moved=(0, (readers - 1) * shapes.residual_add),
         ),
-        _op(
+        make_op(
             "router_probs",
             "mlp",
             INDEX_BYTES * tokens * k + FP32_BYTES * tokens * k + FP32_BYTES * tokens * E,
@@ -264,7 +272,7 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
             workspace=FP32_BYTES * tokens * E,
             moved=router_probs_moved(spec, shapes),
         ),
-        _op(
+        make_op(
             "permute",
             "mlp",
             INDEX_BYTES * sent + MASK_BYTES * tokens * E + B * tokens * E,
@@ -274,16 +282,16 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
             workspace=B * sent * h + (X if shared else 0),
             moved=permute_moved(spec, shapes),
         ),
-        _op(
+        make_op(
             "expert_fc1",
             "mlp",
             B * rows * h,
-            _matmul(rows, fc1_width, h),
+            matmul_flops(rows, fc1_width, h),
             EXPERTS,
             grads=(B * rows * fc1_width, B * rows * h),
             matmul=expert_matmul(spec, shapes, fc1_width, h),
         ),
-        _op(
+        make_op(
             "expert_act",
             "mlp",
             B * rows * (act_saved + 1),
@@ -292,16 +300,16 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
             grads=(B * rows * ffn_r, B * rows * (fc1_width + 1)),
             moved=expert_act_moved(spec, shapes),
         ),
-        _op(
+        make_op(
             "expert_fc2",
             "mlp",
             B * rows * ffn_r,
-            _matmul(rows, h, ffn_r),
+            matmul_flops(rows, h, ffn_r),
             EXPERTS,
             grads=(B * rows * h, B * rows * ffn_r),
             matmul=expert_matmul(spec, shapes, h, ffn_r),
         ),
-        _op(
+        make_op(
             "unpermute",
             "mlp",
             0,
@@ -321,11 +329,11 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
         if gate:
             # sigmoid(x·w_g) · shared output: the product saves both (T·h and T values).
             ops.append(
-                _op(
+                make_op(
                     "shared_gate",
                     "mlp",
                     B * tokens * (h + 1),
-                    _matmul(tokens, 1, h),
+                    matmul_flops(tokens, 1, h),
                     MOE,
                     grads=(0, X),
                     workspace=X,

@@ -73,17 +73,17 @@ class Op:
     fused_kernel: bool = False  # one compute-bound kernel timed on its FLOPs (flash attention)
 
 
-def _split(value: int, parts: int) -> int:
+def split_share(value: int, parts: int) -> int:
     """Per-rank share of `value` elements split over `parts` ranks (the largest share)."""
     return -(-value // parts)
 
 
-def _matmul(m: int, n: int, k: int) -> int:
+def matmul_flops(m: int, n: int, k: int) -> int:
     """FLOPs of an (m x k) @ (k x n) matmul: one multiply and one add per term."""
     return 2 * m * n * k
 
 
-def _op(
+def make_op(
     name: str,
     component: str,
     saved: int,
@@ -139,12 +139,14 @@ class LayerShapes:
     def of(cls, spec: ModelSpec) -> LayerShapes:
         tokens = (spec.seq // spec.cp) * spec.micro_batch
         replicated = spec.tp if spec.sp else 1
-        stream = _split(tokens * spec.hidden, replicated)
+        stream = split_share(tokens * spec.hidden, replicated)
         B = spec.dtype_bytes
-        return cls(B, spec.tp, tokens, _split(tokens, replicated), stream, B * stream, replicated)
+        return cls(
+            B, spec.tp, tokens, split_share(tokens, replicated), stream, B * stream, replicated
+        )
 
     def sharded(self, elements: int) -> int:
-        return _split(elements, self.t)
+        return split_share(elements, self.t)
 
     # Bytes moved (the time model, ckplan.hardware): what kernels read and write.
     @property
@@ -190,26 +192,28 @@ def transformer_layer_ops(spec: ModelSpec, kind: LayerKind = DENSE) -> tuple[Op,
     dropout = spec.dropout > 0
     # norm1 saves its input (the layer input); its input gradient is added to the
     # residual-stream gradient (memory.layer_backward_walk).
-    ops = [_op("norm1", "norm", B * stream, grads=(X, X), moved=shapes.norm_moved)]
+    ops = [make_op("norm1", "norm", B * stream, grads=(X, X), moved=shapes.norm_moved)]
     ops += _attention_ops(spec, kind, shapes)
     # Gemma 2/3 normalise the attention output before the residual add: the norm saves it.
     tail_grad = X if dropout else 0  # gradient of the attention branch's last op's output
     if spec.post_norms:
         ops.append(
-            _op("post_attn_norm", "norm", B * stream, grads=(tail_grad, X), moved=shapes.norm_moved)
+            make_op(
+                "post_attn_norm", "norm", B * stream, grads=(tail_grad, X), moved=shapes.norm_moved
+            )
         )
     if dropout:
         # 1-byte mask; its output is added to the residual stream, so its output gradient is
         # the residual-stream gradient; dY ⊙ mask / (1 - p) is new.
         ops.append(
-            _op("out_dropout", "attention", stream, grads=(0, X), moved=shapes.dropout_moved)
+            make_op("out_dropout", "attention", stream, grads=(0, X), moved=shapes.dropout_moved)
         )
     # norm2 saves its input, the mid-layer residual stream; with a parallel residual (GPT-NeoX)
     # that is the layer input norm1 already saves: one storage, freed after norm1's backward.
     if spec.parallel_residual:
-        ops.append(_op("norm2", "norm", 0, grads=(X, X), moved=shapes.norm_moved))
+        ops.append(make_op("norm2", "norm", 0, grads=(X, X), moved=shapes.norm_moved))
     else:
-        ops.append(_op("norm2", "norm", B * stream, grads=(X, X), moved=shapes.norm_moved))
+        ops.append(make_op("norm2", "norm", B * stream, grads=(X, X), moved=shapes.norm_moved))
     mlp_out_grad = X if (dropout or spec.post_norms) else 0
     if kind.moe:
         from ckplan.model.moe import moe_ops
@@ -219,7 +223,7 @@ def transformer_layer_ops(spec: ModelSpec, kind: LayerKind = DENSE) -> tuple[Op,
         ops += _dense_mlp_ops(spec, shapes, mlp_out_grad)
     if spec.post_norms:
         ops.append(
-            _op(
+            make_op(
                 "post_mlp_norm",
                 "norm",
                 B * stream,
@@ -228,7 +232,7 @@ def transformer_layer_ops(spec: ModelSpec, kind: LayerKind = DENSE) -> tuple[Op,
             )
         )
     if dropout:  # as out_dropout
-        ops.append(_op("mlp_dropout", "mlp", stream, grads=(0, X), moved=shapes.dropout_moved))
+        ops.append(make_op("mlp_dropout", "mlp", stream, grads=(0, X), moved=shapes.dropout_moved))
     return tuple(ops)
 
 
@@ -270,11 +274,11 @@ def _attention_ops(spec: ModelSpec, kind: LayerKind, shapes: LayerShapes) -> lis
         # With qk_norm, dQ and dK come through the norms, K's at g heads.
         out_grad = d_q + d_k + core_grads[2] if spec.qk_norm else sum(core_grads)
         ops.append(
-            _op(
+            make_op(
                 "qkv_proj",
                 "attention",
                 B * shapes.stream,
-                _matmul(tokens, q_width, spec.hidden),
+                matmul_flops(tokens, q_width, spec.hidden),
                 grads=(out_grad, X),
                 workspace=qkv,
                 matmul=shapes.linear(tokens, q_width, spec.hidden),  # input all-gathered under SP
@@ -286,7 +290,7 @@ def _attention_ops(spec: ModelSpec, kind: LayerKind, shapes: LayerShapes) -> lis
             # Qwen3 / Gemma 3: RMSNorm over each head of Q and K before RoPE; saves its inputs,
             # Q and K as projected (Q, K, V then saved by the core are new tensors).
             ops.append(
-                _op(
+                make_op(
                     "qk_norm",
                     "attention",
                     d_q + d_k,
@@ -298,8 +302,8 @@ def _attention_ops(spec: ModelSpec, kind: LayerKind, shapes: LayerShapes) -> lis
     s_local, s = spec.seq // spec.cp, spec.seq
     window = kind.window if kind.window and kind.window < s else 0
     scores = heads_r * spec.micro_batch * s_local * s  # (b, a, s, s) elements on this rank
-    score_flops = _matmul(s_local, s, qk_dim) * heads_r * spec.micro_batch
-    values_flops = _matmul(s_local, v_dim, s) * heads_r * spec.micro_batch
+    score_flops = matmul_flops(s_local, s, qk_dim) * heads_r * spec.micro_batch
+    values_flops = matmul_flops(s_local, v_dim, s) * heads_r * spec.micro_batch
     head_batch = spec.micro_batch * heads_r  # one GEMM per (sequence, head) on this rank
     if spec.attention == "standard":
         # Q and K, with K repeated to a heads (Megatron's repeat_interleave, HF's repeat_kv copy).
@@ -310,7 +314,7 @@ def _attention_ops(spec: ModelSpec, kind: LayerKind, shapes: LayerShapes) -> lis
         # key) score and masks those outside the window.
         k_repeated = B * tokens * heads_r * qk_dim
         ops.append(
-            _op(
+            make_op(
                 "attn_scores",
                 "attention",
                 d_q + k_repeated,
@@ -326,7 +330,7 @@ def _attention_ops(spec: ModelSpec, kind: LayerKind, shapes: LayerShapes) -> lis
         # Moves: reads the scores, writes P; backward reads P and dP, writes dS (Megatron's
         # fused scale-mask-softmax, one kernel each way).
         ops.append(
-            _op(
+            make_op(
                 "softmax",
                 "attention",
                 B * scores,
@@ -340,7 +344,7 @@ def _attention_ops(spec: ModelSpec, kind: LayerKind, shapes: LayerShapes) -> lis
             # 1-byte mask. Backward dY ⊙ mask / (1 - p): one new tensor (CUDA's masked-scale
             # kernel; the CPU composite also casts the mask, docs/validation.md).
             ops.append(
-                _op(
+                make_op(
                     "attn_dropout",
                     "attention",
                     scores,
@@ -356,7 +360,7 @@ def _attention_ops(spec: ModelSpec, kind: LayerKind, shapes: LayerShapes) -> lis
         # dV = Pᵀ·dC from the context gradient dC.
         probs = B * scores if dropout else 0
         ops.append(
-            _op(
+            make_op(
                 "attn_values",
                 "attention",
                 probs + context,
@@ -377,8 +381,8 @@ def _attention_ops(spec: ModelSpec, kind: LayerKind, shapes: LayerShapes) -> lis
         # W keys instead of s (the count keeps Korthikanti's convention of not discounting
         # the causal mask; FlashAttention-2's window_size=(W - 1, 0)). Saved bytes unchanged.
         if window:
-            score_flops = _matmul(s_local, window, qk_dim) * heads_r * spec.micro_batch
-            values_flops = _matmul(s_local, v_dim, window) * heads_r * spec.micro_batch
+            score_flops = matmul_flops(s_local, window, qk_dim) * heads_r * spec.micro_batch
+            values_flops = matmul_flops(s_local, v_dim, window) * heads_r * spec.micro_batch
         logsumexp = FP32_BYTES * sharded(tokens * spec.heads)
         core_flops = score_flops + values_flops
         # Backward (FlashAttention-2 csrc/flash_attn/flash_api.cpp mha_bwd, also PyTorch's CUDA
@@ -414,11 +418,11 @@ def _attention_ops(spec: ModelSpec, kind: LayerKind, shapes: LayerShapes) -> lis
     # attention that input is the kernel's saved O, one storage, freed after the kernel's
     # backward.
     ops.append(
-        _op(
+        make_op(
             "out_proj",
             "attention",
             context,
-            _matmul(tokens, spec.hidden, heads_r * v_dim),
+            matmul_flops(tokens, spec.hidden, heads_r * v_dim),
             grads=(X if (dropout or spec.post_norms) else 0, context),
             saved_until=None if spec.attention == "standard" else "attention_core",
             # the output is reduce-scattered under SP
@@ -466,11 +470,11 @@ def mlp_block_ops(
     ops: list[Op] = []
     if spec.mlp == "gelu":
         ops.append(
-            _op(
+            make_op(
                 f"{prefix}fc1",
                 "mlp",
                 fc1_in,
-                _matmul(tokens, sharded(ffn), spec.hidden),
+                matmul_flops(tokens, sharded(ffn), spec.hidden),
                 group,
                 grads=(B * ffn_elems, in_grads[0]),
                 workspace=in_grads[1],
@@ -482,7 +486,7 @@ def mlp_block_ops(
         # GELU saves its input; gelu_backward(dY, x) is one element-wise kernel: one new tensor.
         # Moves: reads x, writes y (Megatron's fused bias-GELU); backward reads dY and x.
         ops.append(
-            _op(
+            make_op(
                 f"{prefix}act",
                 "mlp",
                 B * ffn_elems,
@@ -499,11 +503,11 @@ def mlp_block_ops(
         # first's output gradient (F) is freed before the second's input gradient is allocated,
         # so the backward never holds more than d gate, d up and one input gradient either.
         ops.append(
-            _op(
+            make_op(
                 f"{prefix}fc1",
                 "mlp",
                 fc1_in,
-                _matmul(tokens, sharded(2 * ffn), spec.hidden),
+                matmul_flops(tokens, sharded(2 * ffn), spec.hidden),
                 group,
                 grads=(2 * B * ffn_elems, in_grads[0]),
                 workspace=in_grads[1],
@@ -523,7 +527,7 @@ def mlp_block_ops(
             else (5 * B * ffn_elems, 8 * B * ffn_elems)
         )
         ops.append(
-            _op(
+            make_op(
                 f"{prefix}act",
                 "mlp",
                 B * ffn_elems * (2 if spec.fused_swiglu else 3),
@@ -536,11 +540,11 @@ def mlp_block_ops(
     # Saves its input; its output gradient is the residual-stream gradient (no dropout) or the
     # gradient the op after it allocates.
     ops.append(
-        _op(
+        make_op(
             f"{prefix}fc2",
             "mlp",
             B * ffn_elems,
-            _matmul(tokens, spec.hidden, sharded(ffn)),
+            matmul_flops(tokens, spec.hidden, sharded(ffn)),
             group,
             grads=(out_grad, B * ffn_elems),
             matmul=shapes.linear(tokens, spec.hidden, sharded(ffn)),  # reduce-scattered under SP
@@ -561,8 +565,8 @@ def mlp_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
     @ w1ᵀ and gw1 = x_inᵀ @ g_pre, plus the re-run of x_in @ w1).
     """
     B, rows, d, f = spec.dtype_bytes, spec.micro_batch, spec.hidden, spec.ffn_hidden
-    fc1_flops = _matmul(rows, f, d)
-    fc2_flops = _matmul(rows, d, f)
+    fc1_flops = matmul_flops(rows, f, d)
+    fc2_flops = matmul_flops(rows, d, f)
     hidden, out = B * rows * f, B * rows * d  # (b, f) and (b, d) arrays, bytes
     # Bytes moved, as ckplan/verify.py runs the layer: forward `a += b1` (read, write a),
     # relu in place (read, write a), `y += b2` (read, write y). Backward: the re-run fc1 with
@@ -604,7 +608,7 @@ def layer_ops(spec: ModelSpec, kind: LayerKind | None = None) -> tuple[Op, ...]:
     ops = transformer_layer_ops(spec, representative_kind(spec) if kind is None else kind)
     if spec.profile == "fused":
         return ops
-    from ckplan.io.profiles import load_profile  # the profile's YAML, parsed once per file
+    from ckplan.inputs.profiles import load_profile  # the profile's YAML, parsed once per file
     from ckplan.model.profiles import apply_profile
 
     return apply_profile(ops, spec, load_profile(spec.profile))

@@ -9,7 +9,7 @@ where they differ, what its backward holds (`Op.output_grad_bytes`, `input_grad_
 not name keep the table's numbers, so new ops keep theirs until a profile names them.
 
 Terms: element counts on one GPU rank, split exactly as `ops.transformer_layer_ops` splits them
-(t = tp, tokens = s·b / cp, "/ t" the largest share of a split, `ops._split`):
+(t = tp, tokens = s·b / cp, "/ t" the largest share of a split, `ops.split_share`):
 
     sbh   s·b·h    a residual-stream tensor: whole on each TP rank, / t under sequence parallelism
     sbad  s·b·a·d  a tensor at the a attention heads (Q, O, the context): s·b·h / t
@@ -44,12 +44,12 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from ckplan.model.ops import Op, _split, kv_heads_per_rank
+from ckplan.model.ops import Op, kv_heads_per_rank, split_share
 from ckplan.model.spec import (
-    _ENUMS,
+    ENUMS,
     ModelSpec,
     SpecError,
-    _coerce,
+    coerce_value,
     field_names,
 )
 from ckplan.quoting import quote
@@ -248,11 +248,11 @@ def parse_condition(text: Any, where: str) -> Condition:
             )
         if sep:
             try:
-                parsed = _coerce(where, key, value.strip())
+                parsed = coerce_value(where, key, value.strip())
             except SpecError as error:
                 raise ProfileError(str(error)) from None
-            if key in _ENUMS and parsed not in _ENUMS[key]:
-                allowed = ", ".join(_ENUMS[key])
+            if key in ENUMS and parsed not in ENUMS[key]:
+                allowed = ", ".join(ENUMS[key])
                 raise ProfileError(f"{where}: {key} must be one of {allowed}, got {quote(parsed)}")
         elif key in DERIVED_FLAGS or _is_flag(key):
             parsed = None
@@ -352,13 +352,13 @@ def term_values(spec: ModelSpec) -> dict[str, int]:
     tokens = seq_local * spec.micro_batch
     replicated = t if spec.sp else 1
     return {
-        "sbh": _split(tokens * spec.hidden, replicated),
-        "sbad": _split(tokens * spec.hidden, t),
+        "sbh": split_share(tokens * spec.hidden, replicated),
+        "sbad": split_share(tokens * spec.hidden, t),
         "sbgd": tokens * kv_heads_per_rank(spec) * spec.head_dim,
-        "sbF": _split(tokens * spec.ffn_hidden, t),
-        "as2b": _split(spec.heads * spec.micro_batch * seq_local * spec.seq, t),
-        "asb": _split(tokens * spec.heads, t),
-        "sb": _split(tokens, replicated),
+        "sbF": split_share(tokens * spec.ffn_hidden, t),
+        "as2b": split_share(spec.heads * spec.micro_batch * seq_local * spec.seq, t),
+        "asb": split_share(tokens * spec.heads, t),
+        "sb": split_share(tokens, replicated),
         "s2": seq_local * spec.seq,
     }
 

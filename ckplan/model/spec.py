@@ -3,17 +3,19 @@
 The fields read as the architecture (nanoGPT's GPTConfig style). `spec_from_mapping` is the one
 gate every input passes: unknown keys (with a did-you-mean hint), wrong types, non-positive
 sizes, heads that do not divide hidden, and unknown enum values all raise `SpecError` with a
-one-line message naming the key. Parsing files lives in `ckplan.io`; this module does no I/O.
+one-line message naming the key. Parsing files lives in `ckplan.inputs`; this module does no I/O.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import lru_cache
 from typing import Any
 
 from ckplan.errors import InputError
@@ -220,7 +222,7 @@ _LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
 _FLOAT_FIELDS = {"dropout", "capacity_factor"}
 _NULLABLE = {"kv_heads", "ffn_hidden", "head_dim", "qkv_bias", "moe_ffn_hidden"}
 _NULLABLE |= {"shared_ffn_hidden", "etp", "first_stage_layers", "last_stage_layers"}
-_ENUMS = {
+ENUMS = {
     "kind": KINDS,
     "norm": NORMS,
     "mlp": MLPS,
@@ -273,6 +275,27 @@ SIZE_RANGES: dict[str, tuple[int, int]] = {
 MAX_TEXT_CHARS = 1000  # name and source
 
 
+@lru_cache(maxsize=1024)
+def activation_spec(spec: ModelSpec) -> ModelSpec:
+    """`spec` with the least dp, no ZeRO and one micro-batch per iteration, where valid: the
+    chain depends on none of them (dp and ZeRO shard model states, the micro-batch count
+    times the iteration), so the layouts that differ in them share one chain (`ckplan sweep`'s
+    advice tries several on a 100,000-layer model; `ckplan plan --global-batch` many more).
+    The least dp is 1, or with experts the least that keeps ep·etp dividing tp·cp·dp."""
+    dp = 1
+    if spec.experts:
+        group = spec.ep * spec.etp
+        dp = group // math.gcd(spec.tp * spec.cp, group)
+    if (spec.dp, spec.zero, spec.microbatches) == (dp, 0, 1):
+        return spec
+    for changes in ({"dp": dp, "zero": 0, "microbatches": 1}, {"dp": dp, "zero": 0}):
+        try:
+            return spec.replace(**changes)
+        except SpecError:
+            continue
+    return spec
+
+
 def field_names() -> list[str]:
     return list(_FIELDS)
 
@@ -291,7 +314,7 @@ def spec_from_mapping(mapping: Mapping[str, Any], origin: str = "model") -> Mode
     for key, value in mapping.items():
         if not isinstance(key, str) or key not in _FIELDS:
             raise SpecError(f"{origin}: unknown key {quote(key)}{_did_you_mean(key)}")
-        values[key] = _coerce(origin, key, value)
+        values[key] = coerce_value(origin, key, value)
     missing = [key for key in _REQUIRED if key not in values]
     if values.get("kind") == "mlp":
         values.setdefault("seq", 1)
@@ -310,7 +333,7 @@ def _did_you_mean(key: Any) -> str:
     return f" (did you mean {close[0]!r}?)" if close else f"; valid keys: {', '.join(_FIELDS)}"
 
 
-def _coerce(origin: str, key: str, value: Any) -> Any:
+def coerce_value(origin: str, key: str, value: Any) -> Any:
     if key in _NULLABLE and value is None:
         return None
     if key in _LAYER_SET_FIELDS:
@@ -412,7 +435,7 @@ def _validate_ranges(spec: ModelSpec) -> None:
 
 
 def _validate(spec: ModelSpec) -> None:
-    for key, allowed in _ENUMS.items():
+    for key, allowed in ENUMS.items():
         if getattr(spec, key) not in allowed:
             raise SpecError(
                 f"key {key!r} must be one of {', '.join(allowed)}, got {quote(getattr(spec, key))}"

@@ -22,7 +22,7 @@ from ckplan.model.layers import stage_kinds
 from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import limits
-from ckplan.plan.layer_chain import _layer_offset, layer_chain, stage_names
+from ckplan.plan.layer_chain import layer_chain, layer_offset, stage_names
 from ckplan.plan.strategies import Strategy, StrategyError
 from ckplan.schedules import (
     Chain,
@@ -91,7 +91,7 @@ class Plan:
 
 def _segments(spec: ModelSpec, chain: Chain, strategy: Strategy, first_stage: bool):
     """(start, end, recompute) segments over the chain for the segment-style strategies."""
-    offset = _layer_offset(spec, first_stage)
+    offset = layer_offset(spec, first_stage)
     n_layers = chain.length - offset - (1 if _has_output(spec, chain, offset) else 0)
     segments = [(0, offset, False)] if offset else []
     if strategy.kind == "block":
@@ -114,7 +114,7 @@ def _segments(spec: ModelSpec, chain: Chain, strategy: Strategy, first_stage: bo
 def _segment_runs(spec: ModelSpec, chain: Chain, strategy: Strategy, first_stage: bool):
     """`_segments` as runs (start, size, count, recompute) of equal consecutive segments
     (`schedules.segment_replay`): O(1) entries for any number of layers."""
-    offset = _layer_offset(spec, first_stage)
+    offset = layer_offset(spec, first_stage)
     n_layers = chain.length - offset - (1 if _has_output(spec, chain, offset) else 0)
     runs = [(0, offset, 1, False)]
     if strategy.kind == "block":

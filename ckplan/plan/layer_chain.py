@@ -5,7 +5,6 @@ own op table (`ckplan.model.layers`)."""
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 
 from ckplan.cache import BoundedCache
@@ -13,7 +12,7 @@ from ckplan.model import flops as flops_model
 from ckplan.model import memory
 from ckplan.model.layers import LayerKind, stage_kinds, stage_layer_indices
 from ckplan.model.ops import ATTENTION_CORE
-from ckplan.model.spec import ModelSpec, SpecError
+from ckplan.model.spec import ModelSpec, activation_spec
 from ckplan.schedules import Chain
 
 
@@ -62,29 +61,8 @@ def layer_chain(
     tape drops the attention core (or the named recompute groups) and its backward re-runs the
     core's forward (Korthikanti §5)."""
     return _layer_chain(
-        _activation_spec(spec), recompute_groups(selective), stage_index(spec, first_stage, stage)
+        activation_spec(spec), recompute_groups(selective), stage_index(spec, first_stage, stage)
     )
-
-
-@lru_cache(maxsize=1024)
-def _activation_spec(spec: ModelSpec) -> ModelSpec:
-    """`spec` with the least dp, no ZeRO and one micro-batch per iteration, where valid: the
-    chain depends on none of them (dp and ZeRO shard model states, the micro-batch count
-    times the iteration), so the layouts that differ in them share one chain (`ckplan sweep`'s
-    advice tries several on a 100,000-layer model; `ckplan plan --global-batch` many more).
-    The least dp is 1, or with experts the least that keeps ep·etp dividing tp·cp·dp."""
-    dp = 1
-    if spec.experts:
-        group = spec.ep * spec.etp
-        dp = group // math.gcd(spec.tp * spec.cp, group)
-    if (spec.dp, spec.zero, spec.microbatches) == (dp, 0, 1):
-        return spec
-    for changes in ({"dp": dp, "zero": 0, "microbatches": 1}, {"dp": dp, "zero": 0}):
-        try:
-            return spec.replace(**changes)
-        except SpecError:
-            continue
-    return spec
 
 
 _CHAINS = BoundedCache(max_entries=4096, max_weight=1_000_000)  # weighed in chain stages
@@ -148,13 +126,13 @@ def _build_layer_chain(spec: ModelSpec, groups: tuple[str, ...], stage: int) -> 
 def stage_names(spec: ModelSpec, first_stage: bool = True, stage: int | None = None) -> list[str]:
     """Readable names of the chain's stages: embedding, layer 0.., output+loss."""
     stage = stage_index(spec, first_stage, stage)
-    names = ["embedding"] * _layer_offset(spec, stage == 0)
+    names = ["embedding"] * layer_offset(spec, stage == 0)
     names += [f"layer {index}" for index in stage_layer_indices(spec, stage)]
     if spec.kind == "transformer" and spec.vocab > 0 and stage == spec.pp - 1:
         names.append("output+loss")
     return names
 
 
-def _layer_offset(spec: ModelSpec, first_stage: bool = True) -> int:
+def layer_offset(spec: ModelSpec, first_stage: bool = True) -> int:
     """Index of the first transformer layer in the chain (after the embedding stage)."""
     return 1 if spec.kind == "transformer" and spec.vocab > 0 and first_stage else 0

@@ -8,7 +8,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from ckplan.render.common import _gib
+from ckplan.render.common import gib
 
 
 def calibrate_dict(result, comparison: list[dict], written: str | None) -> dict[str, Any]:
@@ -51,15 +51,15 @@ def calibrate_view(result, comparison: list[dict], written: str | None) -> Group
             row["op"],
             row["fused"],
             row["calibrated"],
-            _gib(fused),
-            _gib(calibrated),
+            gib(fused),
+            gib(calibrated),
             ratio,
             style=style,
         )
     fused_total = sum(row["fused_bytes"] for row in comparison)
     total = sum(row["calibrated_bytes"] for row in comparison)
     table.add_row(
-        "total", "", "", _gib(fused_total), _gib(total), f"{total / fused_total:.3f}", style="bold"
+        "total", "", "", gib(fused_total), gib(total), f"{total / fused_total:.3f}", style="bold"
     )
     check = result.profile["calibration"]["check"]
     lines = [

@@ -9,12 +9,12 @@ from ckplan.units import format_bytes_auto
 GIB = "GiB"
 
 
-def _gib(value: int) -> str:
+def gib(value: int) -> str:
     """Bytes for people: GiB for GPU-sized figures, smaller binary units below 1 GiB."""
     return format_bytes_auto(value)
 
 
-def _both(value: int) -> str:
+def both_units(value: int) -> str:
     return f"{format_bytes_auto(value)}  ({format_bytes_auto(value, binary=False)})"
 
 

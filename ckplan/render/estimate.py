@@ -23,7 +23,7 @@ from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 from ckplan.plan.search import Candidate
-from ckplan.render.common import _both, _gib
+from ckplan.render.common import both_units, gib
 from ckplan.units import format_flops
 
 if TYPE_CHECKING:
@@ -139,7 +139,7 @@ def expert_layout_line(layout: ExpertLayout, states_total: int, expert_states: i
         f"{layout.moe_layers_per_gpu} MoE layers per GPU, each routing "
         f"{layout.routed_rows_per_gpu:,} token copies to this GPU's experts per micro-batch "
         f"({routing}; {layout.tokens_per_gpu:,} tokens in); expert states "
-        f"{_gib(expert_states)} of {_gib(states_total)}."
+        f"{gib(expert_states)} of {gib(states_total)}."
     )
 
 
@@ -283,13 +283,13 @@ def per_op_table(spec: ModelSpec, kind=None, title: str | None = None) -> Table:
         table.add_row(
             op.name,
             op.component,
-            _gib(op.saved_bytes),
+            gib(op.saved_bytes),
             _sbh_coefficient(spec, op.saved_bytes),
             op.group or "",
             format_flops(op.forward_flops),
         )
     total = sum(op.saved_bytes for op in layer_ops(spec, kind))
-    table.add_row("total", "", _gib(total), _sbh_coefficient(spec, total), "", "", style="bold")
+    table.add_row("total", "", gib(total), _sbh_coefficient(spec, total), "", "", style="bold")
     return table
 
 
@@ -305,30 +305,30 @@ def plan_summary_table(plan: Plan) -> Table:
     table.add_column("note", style="dim")
     table.add_row(
         "activations, one layer",
-        _gib(plan.per_layer_activation_bytes),
+        gib(plan.per_layer_activation_bytes),
         "no recompute, one micro-batch",
     )
     for component, value in plan.breakdown.items():
-        table.add_row(f"  {component}", _gib(value), "")
-    table.add_row("activations, step peak", _both(plan.activation_bytes), _peak_note(spec))
+        table.add_row(f"  {component}", gib(value), "")
+    table.add_row("activations, step peak", both_units(plan.activation_bytes), _peak_note(spec))
     states = plan.model_states
-    table.add_row("model states", _both(states.total), _state_note(spec))
-    table.add_row("  weights", _gib(states.weights), f"{spec.weight_bytes} B/param")
-    table.add_row("  gradients", _gib(states.gradients), f"{spec.grad_bytes} B/param")
+    table.add_row("model states", both_units(states.total), _state_note(spec))
+    table.add_row("  weights", gib(states.weights), f"{spec.weight_bytes} B/param")
+    table.add_row("  gradients", gib(states.gradients), f"{spec.grad_bytes} B/param")
     table.add_row(
         "  optimizer",
-        _gib(states.optimizer),
+        gib(states.optimizer),
         f"{spec.master_bytes + spec.optimizer_bytes} B/param (master + Adam)",
     )
     if spec.experts:
         table.add_row(
             "  of which experts",
-            _gib(states.expert_total),
+            gib(states.expert_total),
             f"E/ep = {spec.experts // spec.ep} experts per GPU, ZeRO-{spec.zero} over "
             f"expert-DP {spec.expert_data_parallel}",
         )
     table.add_row(
-        "total per GPU", _both(plan.total_bytes), "activations + model states", style="bold"
+        "total per GPU", both_units(plan.total_bytes), "activations + model states", style="bold"
     )
     table.add_row(
         "parameters",
@@ -388,8 +388,8 @@ def estimate_view(
         verdict = "fits" if candidate.fits else "does not fit"
         parts.append(
             Text(
-                f"{verdict}: {_gib(plan.total_bytes)} of {_gib(candidate.budget_bytes)} usable "
-                f"(budget less reserve), headroom {_gib(candidate.headroom_bytes)}",
+                f"{verdict}: {gib(plan.total_bytes)} of {gib(candidate.budget_bytes)} usable "
+                f"(budget less reserve), headroom {gib(candidate.headroom_bytes)}",
                 style="bold green" if candidate.fits else "bold red",
             )
         )

@@ -17,7 +17,7 @@ from ckplan.plan.evaluate import stage_label
 from ckplan.plan.layout.search import Evaluated, LayoutResult, Rejected
 from ckplan.plan.layout.space import Layout
 from ckplan.plan.search import DEFAULT_RESERVE
-from ckplan.render.common import _gib, memory_bar
+from ckplan.render.common import gib, memory_bar
 from ckplan.render.rows import Column, RowTable
 from ckplan.render.sweep import budget_line
 from ckplan.render.time import seconds
@@ -80,8 +80,8 @@ def why(rejected: Rejected, best: Evaluated | None) -> str:
     if rejected.reason == "model_states":
         bound = rejected.memory_bound
         return (
-            f"model states {_gib(bound.states)} alone on {_stage(rejected.layout, bound.stage)}, "
-            f"{_gib(rejected.over_bytes)} over"
+            f"model states {gib(bound.states)} alone on {_stage(rejected.layout, bound.stage)}, "
+            f"{gib(rejected.over_bytes)} over"
         )
     if rejected.reason == "memory":
         e = rejected.evaluated
@@ -89,13 +89,13 @@ def why(rejected: Rejected, best: Evaluated | None) -> str:
             plan = e.plan
             least = "no schedule fits (the DP ran); least plan" if e.optimal else "least plan"
             return (
-                f"{least} {plan.strategy} {_gib(plan.total_bytes)} on "
-                f"{stage_label(plan.spec, plan.peak_stage)}, {_gib(rejected.over_bytes)} over"
+                f"{least} {plan.strategy} {gib(plan.total_bytes)} on "
+                f"{stage_label(plan.spec, plan.peak_stage)}, {gib(rejected.over_bytes)} over"
             )
         bound = rejected.memory_bound
         return (
-            f"needs at least {_gib(bound.bytes)} on {_stage(rejected.layout, bound.stage)} "
-            f"(states {_gib(bound.states)}), {_gib(rejected.over_bytes)} over"
+            f"needs at least {gib(bound.bytes)} on {_stage(rejected.layout, bound.stage)} "
+            f"(states {gib(bound.states)}), {gib(rejected.over_bytes)} over"
         )
     return _slower(rejected, best)
 
@@ -263,7 +263,7 @@ def plan_view(
             Text(layout_text(e.layout, e.spec)),
             Text(plan.strategy),
             Text.assemble(
-                f"{_gib(plan.total_bytes)} ", memory_bar(plan.total_bytes, e.candidate.budget_bytes)
+                f"{gib(plan.total_bytes)} ", memory_bar(plan.total_bytes, e.candidate.budget_bytes)
             ),
             _stage(e.layout, plan.peak_stage),
             seconds(time.step_seconds) if time else "",
@@ -333,7 +333,7 @@ def check_command(
 def no_fit_line(result: LayoutResult) -> str:
     """No layout fits: the nearest one and by how much it is over."""
     gpus = f"{result.gpus:,} GPU" + ("s" if result.gpus > 1 else "")
-    text = f"no layout of {gpus} fits the {_gib(result.usable_bytes)} usable per GPU"
+    text = f"no layout of {gpus} fits the {gib(result.usable_bytes)} usable per GPU"
     least = result.least_memory
     if least is not None:
         text += f"; nearest: {layout_text(least.layout)}, {why(least, None)}"
@@ -361,7 +361,7 @@ def plan_rows(result: LayoutResult) -> RowTable:
         column("microbatches", "microbatches", lambda e: e.layout.microbatches),
         column("stage_layers", "stage layers", lambda e: split_text(e.spec), right=False),
         column("strategy", "plan", lambda e: e.plan.strategy, right=False),
-        column("total_bytes", "per-GPU memory", lambda e: e.plan.total_bytes, _gib),
+        column("total_bytes", "per-GPU memory", lambda e: e.plan.total_bytes, gib),
         column("peak_stage", "peaks on", lambda e: e.plan.peak_stage),
         column("step_seconds", "step", lambda e: time_of(e).step_seconds, seconds),
         column("mfu", "MFU", lambda e: time_of(e).mfu, lambda v: f"{v:.1%}"),

@@ -10,7 +10,7 @@ import importlib.util
 from pathlib import Path
 
 from ckplan.errors import InputError
-from ckplan.io.paths import check_output, write_atomic
+from ckplan.inputs.paths import check_output, write_atomic
 from ckplan.plan import Plan
 from ckplan.plan.search import SweepResult
 from ckplan.plan.timeline import Timeline

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from ckplan.plan import Plan
 from ckplan.plan.search import Candidate, SweepResult
-from ckplan.render.common import _gib, memory_bar
+from ckplan.render.common import gib, memory_bar
 from ckplan.render.rows import Column, RowTable
-from ckplan.render.sweep import _verdict, _why_not, budget_line
+from ckplan.render.sweep import budget_line, sweep_verdict, why_not_fitting
 from ckplan.units import format_flops
 
 
@@ -34,9 +34,9 @@ def plan_columns(plan_of) -> list[Column]:
 
     specs = [
         ("strategy", "plan", lambda p: p.strategy, None, False),
-        ("activation_bytes", "activations", lambda p: p.activation_bytes, _gib, True),
-        ("model_state_bytes", "model states", lambda p: p.model_states.total, _gib, True),
-        ("total_bytes", "total", lambda p: p.total_bytes, _gib, True),
+        ("activation_bytes", "activations", lambda p: p.activation_bytes, gib, True),
+        ("model_state_bytes", "model states", lambda p: p.model_states.total, gib, True),
+        ("total_bytes", "total", lambda p: p.total_bytes, gib, True),
         ("recompute_flops", "recompute", lambda p: p.flops.recompute, format_flops, True),
         ("total_flops", "FLOPs", lambda p: p.flops.total, format_flops, True),
         ("overhead", "overhead", lambda p: p.overhead, lambda v: f"{v:.2%}", True),
@@ -89,8 +89,8 @@ def budget_columns(candidate_of) -> list[Column]:
         return memory_bar(c.plan.total_bytes, c.budget_bytes).plain
 
     fits = get(lambda c: c.fits, lambda c: _yes(c.fits))
-    headroom = get(lambda c: c.headroom_bytes, lambda c: _gib(c.headroom_bytes))
-    usable = get(lambda c: c.budget_bytes, lambda c: _gib(c.budget_bytes))
+    headroom = get(lambda c: c.headroom_bytes, lambda c: gib(c.headroom_bytes))
+    usable = get(lambda c: c.budget_bytes, lambda c: gib(c.budget_bytes))
     of_usable = get(share, bar)
     return [
         Column("fits", "fits", *fits),
@@ -111,7 +111,7 @@ def estimate_rows(plan: Plan, candidate: Candidate | None = None, time=None) -> 
             "per_layer_activation_bytes",
             "one layer",
             lambda _: plan.per_layer_activation_bytes,
-            lambda _: _gib(plan.per_layer_activation_bytes),
+            lambda _: gib(plan.per_layer_activation_bytes),
         ),
         *plan_columns(lambda _: plan),
     ]
@@ -142,7 +142,7 @@ def sweep_rows(result: SweepResult, budget_text: str, show_all: bool) -> RowTabl
     ]
     which = "every plan" if show_all else "Pareto frontier"
     notes = [budget_line(budget_text, result.budget_bytes, result.reserve_bytes).plain]
-    notes += [_verdict(result).plain, *result.notes]
+    notes += [sweep_verdict(result).plain, *result.notes]
     return RowTable(columns, rows, title=f"{result.spec.name}: {which}", notes=notes)
 
 
@@ -181,4 +181,4 @@ def check_rows(
 def _reason(candidate: Candidate | None) -> str:
     if candidate is None:
         return "no schedule fits"
-    return "" if candidate.fits else _why_not(candidate)
+    return "" if candidate.fits else why_not_fitting(candidate)

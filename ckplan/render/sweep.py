@@ -13,7 +13,7 @@ from ckplan.model.moe import expert_layout
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 from ckplan.plan.search import Candidate, SweepResult
-from ckplan.render.common import GIB, _gib, memory_bar
+from ckplan.render.common import GIB, gib, memory_bar
 from ckplan.render.estimate import expert_layout_line, plan_dict
 from ckplan.render.time import seconds
 
@@ -61,8 +61,8 @@ def budget_line(budget_text: str, budget: int, reserve: int) -> Text:
     unit = size_unit(budget_text)
     given = budget_text if unit == "B" else format_bytes(budget, unit)
     return Text(
-        f"Budget {given} = {_gib(budget)} per GPU; reserve {_gib(reserve)} "
-        f"(CUDA context, workspaces, allocator slack); usable {_gib(budget - reserve)}."
+        f"Budget {given} = {gib(budget)} per GPU; reserve {gib(reserve)} "
+        f"(CUDA context, workspaces, allocator slack); usable {gib(budget - reserve)}."
     )
 
 
@@ -84,10 +84,10 @@ def candidates_table(rows: Sequence[Candidate], title: str, best: Candidate | No
         is_best = best is not None and candidate.plan.strategy == best.plan.strategy
         cells = [
             ("* " if is_best else "") + plan.strategy,
-            _gib(plan.activation_bytes),
-            _gib(plan.model_states.total),
-            _gib(plan.total_bytes),
-            _gib(candidate.headroom_bytes),
+            gib(plan.activation_bytes),
+            gib(plan.model_states.total),
+            gib(plan.total_bytes),
+            gib(candidate.headroom_bytes),
             format_flops(plan.flops.recompute),
             f"{plan.overhead:.2%}",
         ]
@@ -153,7 +153,7 @@ def sweep_view(
                 f" ({len(shown)} of {len(result.pareto)} shown; --all or --json for every plan)"
             )
         parts.append(candidates_table(shown, title, result.best))
-    parts.append(_verdict(result))
+    parts.append(sweep_verdict(result))
     if result.best is not None:  # recompute the busiest stage's FLOPs do not show
         hidden = [note for note in result.best.plan.notes if " recomputes " in note]
         parts += [Text(f"({note})", style="dim") for note in hidden]
@@ -185,7 +185,7 @@ def _ratio(spec: ModelSpec) -> str:
     return f"{activation_bytes_per_layer(spec) / layer_input_bytes(spec):.1f}"
 
 
-def _verdict(result: SweepResult) -> Text:
+def sweep_verdict(result: SweepResult) -> Text:
     best = result.best
     if best is not None:
         plan = best.plan
@@ -197,18 +197,18 @@ def _verdict(result: SweepResult) -> Text:
             )
         return Text(
             f"Best plan that fits: {plan.strategy} — total {format_bytes(plan.total_bytes, GIB)}, "
-            f"headroom {_gib(best.headroom_bytes)}, recompute overhead {plan.overhead:.2%}"
+            f"headroom {gib(best.headroom_bytes)}, recompute overhead {plan.overhead:.2%}"
             f"{timing}.",
             style="bold green",
         )
     smallest = result.smallest
     text = (
-        f"Nothing fits: the smallest any plan reaches is {_gib(smallest.plan.total_bytes)} "
-        f"({smallest.plan.strategy}), {_gib(-smallest.headroom_bytes)} over the usable budget."
+        f"Nothing fits: the smallest any plan reaches is {gib(smallest.plan.total_bytes)} "
+        f"({smallest.plan.strategy}), {gib(-smallest.headroom_bytes)} over the usable budget."
     )
     states = smallest.plan.model_states.total
     if states > result.usable_bytes:
-        text += f" Model states alone need {_gib(states)}."
+        text += f" Model states alone need {gib(states)}."
     advice = sweep_advice(result)
     if advice:
         text += " From this layout: " + "; or ".join(advice) + "."
@@ -262,8 +262,8 @@ def check_table(
             model,
             _fits_mark(candidate),
             plan.strategy if candidate.fits else f"(smallest: {plan.strategy})",
-            _gib(plan.total_bytes),
-            _gib(candidate.headroom_bytes),
+            gib(plan.total_bytes),
+            gib(candidate.headroom_bytes),
             f"{plan.overhead:.2%}",
         ]
         if timed:
@@ -271,7 +271,7 @@ def check_table(
         table.add_row(
             *cells,
             memory_bar(plan.total_bytes, candidate.budget_bytes),
-            "" if candidate.fits else _why_not(candidate),
+            "" if candidate.fits else why_not_fitting(candidate),
         )
     fitting = sum(1 for _, c in rows if c and c.fits)
     summary = Text(
@@ -294,7 +294,7 @@ def candidate_advice(candidate: Candidate | None) -> list[str]:
     return advice_lines(candidate.plan.spec, candidate.budget_bytes)
 
 
-def _why_not(candidate: Candidate) -> str:
+def why_not_fitting(candidate: Candidate) -> str:
     states = candidate.plan.model_states.total
     if states > candidate.budget_bytes:
         return f"model states alone {format_bytes(states, GIB)}"
@@ -365,7 +365,7 @@ def schedule_view(plan: Plan, activation_budget: int | None, time: StepTime | No
         else ""
     )
     summary = Text(
-        f"Peak activations {_gib(plan.activation_bytes)}{budget}; {forwards} stage forwards "
+        f"Peak activations {gib(plan.activation_bytes)}{budget}; {forwards} stage forwards "
         f"for {len(plan.stage_names)} stages; recompute {format_flops(plan.flops.recompute)} "
         "per iteration, "
         f"overhead {plan.overhead:.2%}"

@@ -1,8 +1,8 @@
 """Checkpointing schedules for a chain of stages.
 
 chain (the stages and the exact memory replay) -> segments (store-all, Chen's segments,
-Megatron's block) -> revolve (binomial, fixed slots) -> rotor (optimal under a budget) ->
-brute_force (the oracle the DP is tested against).
+Megatron's block) -> revolve (binomial, fixed slots) -> rotor (optimal under a budget).
+The oracles the DP is tested against live with the tests (tests/oracles/).
 """
 
 from importlib import import_module
@@ -35,9 +35,6 @@ from ckplan.schedules.segments import SegmentSteps, segment_schedule, store_all_
 
 # Imported on first use, so that a command that never builds them starts faster.
 _LAZY = {
-    "BRUTE_FORCE_MAX_STAGES": "brute_force",
-    "brute_force_optimal": "brute_force",
-    "enumerate_persistent_schedules": "brute_force",
     "beta": "revolve",
     "revolve_dp_min_forwards": "revolve",
     "revolve_dp_table": "revolve",
@@ -57,7 +54,6 @@ def __getattr__(name: str):
 
 __all__ = [
     "BACKWARD",
-    "BRUTE_FORCE_MAX_STAGES",
     "FORWARD_DROP",
     "FORWARD_KEEP_ALL",
     "FORWARD_KEEP_INPUT",
@@ -72,8 +68,6 @@ __all__ = [
     "SegmentSteps",
     "Step",
     "beta",
-    "brute_force_optimal",
-    "enumerate_persistent_schedules",
     "held_after_forward_bytes",
     "optimal_schedule",
     "pipeline_peak_bytes",

@@ -353,7 +353,7 @@ class ScheduleResult:
         return self.replay.layer_forwards
 
 
-def _in_flight(value: int | Fraction) -> Fraction:
+def in_flight_fraction(value: int | Fraction) -> Fraction:
     """Validate ``in_flight`` (an int or a Fraction, >= 1) and return it as a Fraction."""
     if isinstance(value, bool) or not isinstance(value, numbers.Rational):
         raise ValueError(f"in_flight must be an int or a Fraction, got {value!r}")
@@ -385,7 +385,7 @@ def pipeline_peak_bytes(chain: Chain, replay: Replay, in_flight: int | Fraction 
     whole byte, so ``pipeline_peak_bytes(...) <= budget`` exactly when the exact (Fraction)
     peak fits ``budget``. ``in_flight = 1`` gives ``replay.peak_bytes``.
     """
-    m = _in_flight(in_flight)
+    m = in_flight_fraction(in_flight)
     if m == 1:
         return replay.peak_bytes
     return replay.peak_bytes + math.ceil((m - 1) * held_after_forward_bytes(chain, replay))

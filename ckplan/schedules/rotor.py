@@ -15,8 +15,8 @@ from ckplan.schedules.chain import (
     Schedule,
     ScheduleResult,
     Step,
-    _in_flight,
     held_after_forward_bytes,
+    in_flight_fraction,
     pipeline_peak_bytes,
     simulate,
 )
@@ -30,7 +30,7 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _make_result(
+def schedule_result(
     chain: Chain,
     steps: Schedule,
     budget_bytes: int,
@@ -147,7 +147,7 @@ def optimal_schedule(
         raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise ValueError(f"slots must be a positive int, got {slots!r}")
-    q = _in_flight(in_flight)
+    q = in_flight_fraction(in_flight)
     unit = max(1, _ceil_div(budget_bytes, slots))
     mem = budget_bytes // unit
     # No recomputation is the cheapest schedule there is: when it fits at exact sizes, it is the
@@ -155,7 +155,7 @@ def optimal_schedule(
     # (Its peak in closed form first: the replay of a long chain takes a while.)
     plain = replay_runs(chain, [(0, chain.length, 1, False)])
     if plain.peak_bytes + math.ceil((q - 1) * plain.held_bytes) <= budget_bytes:
-        return _make_result(chain, store_all_schedule(chain), budget_bytes, unit, mem, None, q)
+        return schedule_result(chain, store_all_schedule(chain), budget_bytes, unit, mem, None, q)
     if group_size is None:
         groups = list(grouping.optimal_groups(chain, mem + 1, q))
     elif isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
@@ -172,7 +172,7 @@ def optimal_schedule(
     if len(groups) < chain.length:
         steps = grouping.expand_schedule(steps, groups)
     largest = max(end - start for start, end in groups)
-    return _make_result(chain, steps, budget_bytes, unit, mem, dp_cost, q, largest)
+    return schedule_result(chain, steps, budget_bytes, unit, mem, dp_cost, q, largest)
 
 
 def _solve_persistent(

@@ -19,7 +19,7 @@ from typing import NamedTuple
 from ckplan.cache import BoundedCache
 from ckplan.schedules.chain import Chain
 from ckplan.schedules.periodic import bulk_period, intern, periodic_ends
-from ckplan.schedules.segments import _check_segments
+from ckplan.schedules.segments import check_segments
 
 Segment = tuple[int, int, bool]  # (start, end, recompute)
 Run = tuple[int, int, int, bool]  # (start, size, count, recompute)
@@ -223,4 +223,4 @@ def replay_runs(chain: Chain, runs: Sequence[Run]) -> SegmentReplay:
 
 def segment_replay(chain: Chain, segments: Sequence[Segment]) -> SegmentReplay:
     """:func:`replay_runs` for a list of ``(start, end, recompute)`` segments."""
-    return replay_runs(chain, segment_runs(_check_segments(chain.length, segments)))
+    return replay_runs(chain, segment_runs(check_segments(chain.length, segments)))

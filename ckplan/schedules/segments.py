@@ -26,7 +26,7 @@ def store_all_schedule(chain: Chain) -> Schedule:
     )
 
 
-def _check_segments(
+def check_segments(
     n: int, segments: Sequence[tuple[int, int, bool]]
 ) -> list[tuple[int, int, bool]]:
     # Fast path for what planners pass (tuples of two ints and a bool, in order); anything else
@@ -80,7 +80,7 @@ def segment_schedule(chain: Chain, segments: Sequence[tuple[int, int, bool]]) ->
     (segments, one extra forward); ``torch.utils.checkpoint_sequential`` keeps the last segment
     (= last segment stored); Megatron ``--recompute-method block`` = first segments recomputed.
     """
-    segs = _check_segments(chain.length, segments)
+    segs = check_segments(chain.length, segments)
     steps: list[Step] = []
     for start, end, recompute in segs:
         if recompute:

@@ -33,7 +33,7 @@ from ckplan.hardware.step_time import StageTime, embedding_time, layer_time, out
 from ckplan.model import memory
 from ckplan.model.layers import LayerKind, stage_kinds
 from ckplan.model.moe import EXPERTS, MOE
-from ckplan.model.ops import ATTENTION_CORE, _split
+from ckplan.model.ops import ATTENTION_CORE, split_share
 from ckplan.model.spec import ModelSpec
 from ckplan.plan.layer_chain import layer_stage_costs
 from ckplan.plan.layout.space import Layout, Split
@@ -363,7 +363,7 @@ class Bounds:
         the 1/t share under the scatter/gather optimisation."""
         if layout.pp == 1:
             return 0.0
-        size = stream if layout.sp else _split(stream, layout.tp)
+        size = stream if layout.sp else split_share(stream, layout.tp)
         stride = layout.tp * layout.cp * layout.dp
         bandwidth = comm.group_bandwidth(self.gpu, 2, stride)
         return 2 * layout.virtual_stages * comm.p2p_seconds(size, bandwidth)
@@ -409,8 +409,8 @@ class Bounds:
         spec = self.spec
         dense, experts = self._busiest_parameters(layout)
         if layout.zero >= 1:
-            dense = _split(dense, layout.dp)
-            experts = _split(experts, self._expert_dp(layout)) if experts else 0
+            dense = split_share(dense, layout.dp)
+            experts = split_share(experts, self._expert_dp(layout)) if experts else 0
         per_param = (
             spec.grad_bytes + 2 * spec.master_bytes + 2 * spec.optimizer_bytes + spec.weight_bytes
         )

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import shlex
 
-from ckplan.io.exports.segments import LayerSegments
+from ckplan.exports.segments import LayerSegments
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 

@@ -15,12 +15,12 @@ from ckplan.schedules.chain import (
     Schedule,
     ScheduleResult,
     Step,
-    _in_flight,
+    in_flight_fraction,
     pipeline_peak_bytes,
     simulate,
 )
 from ckplan.schedules.rotor import (
-    _make_result,
+    schedule_result,
 )
 
 # Stages in the exhaustive search; 7 stages have 1806 persistent schedules (a Schröder number).
@@ -68,7 +68,7 @@ def brute_force_optimal(
     n = chain.length
     if n > BRUTE_FORCE_MAX_STAGES:
         raise ValueError(f"brute force is limited to {BRUTE_FORCE_MAX_STAGES} stages, got {n}")
-    q = _in_flight(in_flight)
+    q = in_flight_fraction(in_flight)
     best: tuple[int, Schedule] | None = None
     for steps in enumerate_persistent_schedules(n):
         replay = simulate(chain, steps)
@@ -78,4 +78,4 @@ def brute_force_optimal(
             best = (replay.total_flops, steps)
     if best is None:
         return None
-    return _make_result(chain, best[1], budget_bytes, 1, budget_bytes, in_flight=q)
+    return schedule_result(chain, best[1], budget_bytes, 1, budget_bytes, in_flight=q)

@@ -16,14 +16,14 @@ from typing import Any
 
 import yaml
 
-from ckplan.io import safe_yaml
-from ckplan.io.files import read_text_file
+from ckplan.inputs import safe_yaml
+from ckplan.inputs.files import read_text_file
 from ckplan.model.ops import layer_ops
 from ckplan.model.spec import DEFAULT_PROFILE, ModelSpec, SpecError, spec_from_mapping
 from ckplan.quoting import abbreviate, quote
 
 
-def _preset_folder() -> Traversable:
+def preset_folder() -> Traversable:
     """The shipped presets: the `ckplan.preset_data` package of an install (wheel or editable),
     else the source tree's presets/ folder (running from a checkout without installing)."""
     try:
@@ -35,14 +35,14 @@ def _preset_folder() -> Traversable:
 def preset_names() -> list[str]:
     return sorted(
         entry.name.removesuffix(".yaml")
-        for entry in _preset_folder().iterdir()
+        for entry in preset_folder().iterdir()
         if entry.name.endswith(".yaml")
     )
 
 
 def preset_mapping(name: str) -> dict[str, Any]:
     """The raw mapping of a shipped preset (before validation)."""
-    entry = _preset_folder().joinpath(f"{name}.yaml")
+    entry = preset_folder().joinpath(f"{name}.yaml")
     if not entry.is_file():
         raise SpecError(_unknown_model(name))
     return _parse_yaml(entry.read_text(encoding="utf-8"), f"preset {name}")
@@ -55,7 +55,7 @@ def load_mapping(model: str) -> tuple[dict[str, Any], str]:
         origin = abbreviate(model)
         text = read_text_file(path, origin)
         if path.suffix == ".json":
-            from ckplan.io.hf_config import hf_config_mapping  # only for config.json
+            from ckplan.inputs.hf_config import hf_config_mapping  # only for config.json
 
             return hf_config_mapping(_parse_json(text, origin), origin), origin
         return _parse_yaml(text, origin), origin
@@ -84,7 +84,7 @@ def _profile_beside(mapping: dict[str, Any], model: str) -> dict[str, Any]:
     reference = mapping.get("profile")
     if not isinstance(reference, str):
         return mapping
-    from ckplan.io.profiles import is_profile_file
+    from ckplan.inputs.profiles import is_profile_file
 
     if not is_profile_file(reference):
         return mapping

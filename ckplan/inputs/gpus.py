@@ -15,16 +15,16 @@ from typing import Any
 import yaml
 
 from ckplan.hardware.gpus import GPU, GPUError, gpu_from_mapping
-from ckplan.io import safe_yaml
-from ckplan.io.files import read_text_file
-from ckplan.io.presets import _preset_folder
+from ckplan.inputs import safe_yaml
+from ckplan.inputs.files import read_text_file
+from ckplan.inputs.presets import preset_folder
 from ckplan.quoting import abbreviate, quote
 
 GPU_FOLDER = "gpus"
 
 
 def _gpu_folder() -> Traversable:
-    return _preset_folder().joinpath(GPU_FOLDER)
+    return preset_folder().joinpath(GPU_FOLDER)
 
 
 @lru_cache(maxsize=1)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 
-from ckplan.io.exports.segments import LayerSegments
+from ckplan.exports.segments import LayerSegments
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 

@@ -7,7 +7,7 @@ from typing import Any
 import yaml
 
 from ckplan import __version__
-from ckplan.io.exports.segments import LayerSegments
+from ckplan.exports.segments import LayerSegments
 from ckplan.plan import Plan
 
 NAME = "yaml"

@@ -16,11 +16,11 @@ from ckplan.schedules.chain import (
     Schedule,
     ScheduleResult,
     Step,
-    _in_flight,
+    in_flight_fraction,
     pipeline_peak_bytes,
     simulate,
 )
-from ckplan.schedules.rotor import _make_result
+from ckplan.schedules.rotor import schedule_result
 from ckplan.schedules.segments import (
     store_all_schedule,
 )
@@ -89,19 +89,19 @@ def optimal_schedule(
         raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise ValueError(f"slots must be a positive int, got {slots!r}")
-    q = _in_flight(in_flight)
+    q = in_flight_fraction(in_flight)
     unit = max(1, _ceil_div(budget_bytes, slots))
     mem = budget_bytes // unit
     # No recomputation is the cheapest schedule there is: when it fits at exact sizes, it is the
     # answer, even where rounding sizes up to slots would make the DP miss it.
     plain = store_all_schedule(chain)
     if pipeline_peak_bytes(chain, simulate(chain, plain), q) <= budget_bytes:
-        return _make_result(chain, plain, budget_bytes, unit, mem, None, q)
+        return schedule_result(chain, plain, budget_bytes, unit, mem, None, q)
     solved = _solve_persistent(chain, unit, mem, q)
     if solved is None:
         return None
     steps, dp_cost = solved
-    return _make_result(chain, steps, budget_bytes, unit, mem, dp_cost, q)
+    return schedule_result(chain, steps, budget_bytes, unit, mem, dp_cost, q)
 
 
 class _Rotor(NamedTuple):

@@ -86,7 +86,7 @@ def hf_config_mapping(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
 
 def _check_types(config: Mapping[str, Any], origin: str, model_type: str) -> None:
     """The JSON types of the keys ckplan reads (null: absent, the family's default)."""
-    from ckplan.io.presets import LongInteger
+    from ckplan.inputs.presets import LongInteger
 
     for key in _INTEGER_KEYS:
         value = config.get(key)

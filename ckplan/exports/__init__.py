@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckplan.errors import InputError
-from ckplan.io.exports import deepspeed, megatron, torch_snippet, torchtitan, yaml_plan
-from ckplan.io.exports.segments import LayerSegments, layer_segments
+from ckplan.exports import deepspeed, megatron, torch_snippet, torchtitan, yaml_plan
+from ckplan.exports.segments import LayerSegments, layer_segments
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan, evaluate
 from ckplan.quoting import quote

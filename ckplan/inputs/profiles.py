@@ -16,8 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from ckplan.io import safe_yaml
-from ckplan.io.files import read_text_file
+from ckplan.inputs import safe_yaml
+from ckplan.inputs.files import read_text_file
 from ckplan.model.profiles import Profile, ProfileError, profile_from_mapping
 from ckplan.quoting import abbreviate, quote
 

@@ -26,7 +26,7 @@ non-reentrant implementation.
 
 from __future__ import annotations
 
-from ckplan.io.exports.segments import LayerSegments
+from ckplan.exports.segments import LayerSegments
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 
