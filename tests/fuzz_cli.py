@@ -235,9 +235,9 @@ def mutate_model_text(rng: random.Random, base: dict) -> str:
     """A model YAML with one to three hostile mutations, written as text (tags, anchors...)."""
     lines = {key: yaml_scalar_text(value) for key, value in base.items()}
     keys = list(lines)
-    from ckplan.model.spec import _FIELDS
+    from ckplan.model.spec import field_names
 
-    fields = list(_FIELDS)
+    fields = field_names()
     extra: list[str] = []
     for _ in range(rng.randint(1, 3)):
         kind = rng.random()
@@ -503,13 +503,13 @@ def model_arg(rng: random.Random, files: dict) -> str:
 
 def set_args(rng: random.Random, moe: bool = False) -> list[str]:
     from ckplan.hardware.gpus import _FIELDS as GPU_FIELDS
-    from ckplan.model.spec import _FIELDS
+    from ckplan.model.spec import field_names
 
     out: list[str] = []
     for _ in range(rng.randint(1, 3)):
         r = rng.random()
         if r < 0.6:
-            key = pick(rng, list(_FIELDS))
+            key = pick(rng, field_names())
             if moe and rng.random() < 0.5:
                 key = pick(
                     rng,
@@ -536,7 +536,7 @@ def set_args(rng: random.Random, moe: bool = False) -> list[str]:
             key = pick(rng, list(GPU_FIELDS))
             out.append(f"gpu.{key}={hostile_value(rng, key)}")
         elif r < 0.85:
-            out.append(f"{misspell(rng, pick(rng, list(_FIELDS)))}=2")
+            out.append(f"{misspell(rng, pick(rng, field_names()))}=2")
         else:
             out.append(
                 pick(

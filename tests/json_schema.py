@@ -7,10 +7,9 @@ names what must be there), or a one-element list (every element matches it).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from ckplan.model.spec import ModelSpec
+from ckplan.model.spec import model_keys
 
 _PYTHON_TYPES = {"int": int, "str": str, "bool": bool, "float": float}
 
@@ -18,10 +17,10 @@ _PYTHON_TYPES = {"int": int, "str": str, "bool": bool, "float": float}
 def _model_schema() -> dict:
     """Every resolved key of the model with its type, from the ModelSpec fields."""
     schema = {}
-    for field in dataclasses.fields(ModelSpec):
+    for key, field in model_keys().items():
         name = field.type.split(" | ")[0]  # "int | None": an int, or null where it stays unset
-        kind = _PYTHON_TYPES[name]
-        schema[field.name] = (kind, None) if "None" in field.type else kind
+        kind = _PYTHON_TYPES.get(name, str)  # the profile: the name or file the user gave
+        schema[key] = (kind, None) if "None" in field.type else kind
     return schema
 
 

@@ -21,7 +21,7 @@ from ckplan.model.memory import (
     output_saved_bytes,
     selective_activation_bytes_per_layer,
 )
-from ckplan.model.ops import ATTENTION_CORE
+from ckplan.model.op import ATTENTION_CORE
 from ckplan.model.spec import spec_from_mapping
 from ckplan.plan import layer_chain
 

@@ -10,7 +10,7 @@ from ckplan.model.flops import (
     logits_forward_flops,
     model_flops_per_iteration,
 )
-from ckplan.model.ops import ATTENTION_CORE
+from ckplan.model.op import ATTENTION_CORE
 
 GPT_PRESETS = [
     "gpt2",

@@ -25,7 +25,8 @@ from ckplan.hardware.step_time import (
 )
 from ckplan.inputs.gpus import gpu_names, load_gpu
 from ckplan.model.flops import model_flops_per_iteration
-from ckplan.model.ops import Matmul, Op, layer_ops
+from ckplan.model.op import Matmul, Op
+from ckplan.model.ops import layer_ops
 from ckplan.plan import evaluate, parse_strategy
 
 REQUIRED_GPUS = {

@@ -13,7 +13,7 @@ from ckplan.model.memory import (
     parameters_per_gpu,
     selective_activation_bytes_per_layer,
 )
-from ckplan.model.ops import ATTENTION_CORE
+from ckplan.model.op import ATTENTION_CORE
 from ckplan.model.spec import SpecError
 
 KORTHIKANTI_PRESETS = ["megatron-22b", "megatron-175b", "megatron-530b", "megatron-1t"]

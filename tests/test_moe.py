@@ -3,9 +3,11 @@
 import pytest
 
 from ckplan.model import flops, memory
+from ckplan.model.expert_layout import expert_layout
 from ckplan.model.layers import LayerKind
-from ckplan.model.moe import EXPERTS, MOE, expert_layout, routed_rows
-from ckplan.model.ops import LayerShapes, layer_ops
+from ckplan.model.moe import EXPERTS, MOE, routed_rows
+from ckplan.model.op import LayerShapes
+from ckplan.model.ops import layer_ops
 from ckplan.model.spec import SpecError, spec_from_mapping
 from ckplan.plan import evaluate, parse_strategy
 

@@ -31,7 +31,8 @@ from ckplan.model import memory
 from ckplan.model.flops import model_flops_per_iteration
 from ckplan.model.layers import LayerKind
 from ckplan.model.moe import expert_matmul, routed_rows
-from ckplan.model.ops import LayerShapes, layer_ops
+from ckplan.model.op import LayerShapes
+from ckplan.model.ops import layer_ops
 from ckplan.model.spec import spec_from_mapping
 from ckplan.plan import evaluate, parse_strategy
 

@@ -11,7 +11,7 @@ from ckplan.model.memory import (
     layer_input_bytes,
     selective_activation_bytes_per_layer,
 )
-from ckplan.model.ops import ATTENTION_CORE
+from ckplan.model.op import ATTENTION_CORE
 from ckplan.model.spec import spec_from_mapping
 from ckplan.plan import StrategyError, evaluate, in_flight_microbatches, parse_strategy
 

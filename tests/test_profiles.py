@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckplan.cli import main
-from ckplan.inputs.presets import load_spec
+from ckplan.inputs.presets import load_spec, spec_from_values
 from ckplan.inputs.profiles import load_profile, profile_names
 from ckplan.model.memory import activation_bytes_by_op, layer_backward_walk
 from ckplan.model.ops import layer_ops, transformer_layer_ops
@@ -134,7 +134,7 @@ LLAMA = {
     ],
 )  # fmt: skip
 def test_torch_eager_is_the_measured_hf_eager_llama_layer(dtype_bytes, measured):
-    spec = spec_from_mapping({**LLAMA, "dtype_bytes": dtype_bytes, "profile": "torch-eager"})
+    spec = spec_from_values({**LLAMA, "dtype_bytes": dtype_bytes, "profile": "torch-eager"})
     assert activation_bytes_by_op(spec) == measured
 
 
@@ -176,7 +176,7 @@ def test_profile_changes_only_the_ops_it_names(tmp_path):
     path = tmp_path / "softmax.yaml"
     path.write_text("name: s\nops:\n  softmax: {saved: {as2b: 4}}\n")
     base = load_spec("gpt2")
-    changed = base.replace(profile=str(path))
+    changed = base.replace(profile=load_profile(str(path)))
     for old, new in zip(layer_ops(base), layer_ops(changed), strict=True):
         if old.name == "softmax":
             assert new.saved_bytes == 2 * old.saved_bytes  # 4 bytes instead of B = 2
@@ -326,7 +326,7 @@ def test_profile_key_in_a_model_file_is_read_beside_it(tmp_path, capsys):
         "name: m\nlayers: 2\nhidden: 64\nheads: 4\nseq: 32\nmicro_batch: 1\nprofile: eager.yaml\n"
     )
     spec = load_spec(str(model))
-    assert spec.profile == str(tmp_path / "eager.yaml")
+    assert spec.profile.reference == str(tmp_path / "eager.yaml")
     assert activation_bytes_by_op(spec)["act"] == 3 * 32 * 256 * 2
     assert main(["estimate", str(model), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["model"]["profile"].endswith("eager.yaml")
@@ -345,7 +345,7 @@ def test_eager_profiles_apply_to_any_model_they_describe(spec):
     if spec.dtype_bytes == 8:
         spec = spec.replace(dtype_bytes=2)
     name = "torch-eager" if spec.attention == "standard" else "torch-sdpa"
-    eager = spec.replace(profile=name)
+    eager = spec.replace(profile=load_profile(name))
     ops = layer_ops(eager)
     assert all(op.saved_bytes >= 0 and op.grad_workspace_bytes >= 0 for op in ops)
     assert layer_backward_walk(eager)

@@ -22,7 +22,8 @@ from json_schema import CHECK, ESTIMATE, NO_FIT, SCHEDULE, SWEEP, VERIFY, errors
 from ckplan.cli import main
 from ckplan.model.flops import model_flops_per_iteration
 from ckplan.model.memory import activation_bytes_per_layer, parameter_count
-from ckplan.model.ops import ATTENTION_CORE, group_input_bytes
+from ckplan.model.op import ATTENTION_CORE
+from ckplan.model.ops import group_input_bytes
 from ckplan.model.spec import ModelSpec, spec_from_mapping
 from ckplan.plan import evaluate, parse_strategy
 from ckplan.plan.search import DEFAULT_RESERVE, best_plan, candidate_strategies, sweep

@@ -485,11 +485,11 @@ def measure_output(
 
 def _spec(cfg: Config, vocab: int = 1024):
     tsb._import_ckplan()
-    from ckplan.model.spec import spec_from_mapping
+    from ckplan.inputs.presets import spec_from_values
 
     mapping = tsb.ckplan_mapping_for(cfg)
     mapping["vocab"] = vocab
-    return spec_from_mapping(mapping, origin=cfg.name)
+    return spec_from_values(mapping, origin=cfg.name)
 
 
 def predict_layer(cfg: Config) -> dict:

@@ -235,10 +235,10 @@ def ckplan_mapping_for(cfg: Config) -> dict:
 
 def ckplan_prediction(cfg: Config) -> dict[str, int]:
     _import_ckplan()
+    from ckplan.inputs.presets import spec_from_values
     from ckplan.model.memory import activation_bytes_by_op
-    from ckplan.model.spec import spec_from_mapping
 
-    spec = spec_from_mapping(ckplan_mapping_for(cfg), origin=cfg.name)
+    spec = spec_from_values(ckplan_mapping_for(cfg), origin=cfg.name)
     return {k: int(v) for k, v in activation_bytes_by_op(spec).items()}
 
 

@@ -3,12 +3,23 @@
 Needs the optional extra `ckplan[torch]` (and `transformers` for --hf). Nothing here imports
 torch at import time except the modules that run layers (record, layers, run, hf, cuda); the CLI
 imports them only inside the command, after checking that torch is installed.
+
+    attribute  which op of the table a recorded torch call belongs to (pure Python)
+    fit        fitting a profile's coefficients to measured layers, exactly (pure Python)
+    record     what autograd saves in one forward, storage by storage
+    layers     ckplan's own GPT and Llama blocks written op by op in PyTorch
+    block      one built layer and the calibration error
+    hf         the real Hugging Face decoder layer
+    run        measure, fit, check: the calibration
+    cuda       the step peak on CUDA against torch.cuda.max_memory_allocated
 """
 
 import importlib.util
 
 TORCH_EXTRA = "ckplan calibrate needs PyTorch: pip install 'ckplan[torch]' (the CPU build will do)"
 HF_EXTRA = "--hf needs Hugging Face transformers: pip install transformers"
+
+__all__ = ["HF_EXTRA", "TORCH_EXTRA", "missing_extra"]
 
 
 def missing_extra(hf: bool = False) -> str | None:

@@ -17,8 +17,8 @@ import inspect
 
 import torch
 
+from ckplan.calibrate.block import Block, CalibrationError
 from ckplan.calibrate.fit import Shape
-from ckplan.calibrate.run import Block, CalibrationError
 from ckplan.model.spec import ModelSpec
 
 # ckplan's architecture -> the Hugging Face model type built for it when the model is no

@@ -12,13 +12,13 @@ profile through the same code `ckplan estimate` runs (`profiles.apply_profile` o
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 
 import torch
 
 from ckplan.calibrate.attribute import attribute, is_fused_attention, resolve
+from ckplan.calibrate.block import Block, CalibrationError
 from ckplan.calibrate.fit import OpFit, Shape, check_shape, fit_op, fit_shapes
 from ckplan.calibrate.layers import Config, GPTLayer, LlamaLayer
 from ckplan.calibrate.record import CallRecorder
@@ -37,20 +37,6 @@ from ckplan.model.spec import ModelSpec
 from ckplan.quoting import quote
 
 DTYPES = {2: torch.bfloat16, 4: torch.float32}
-
-
-class CalibrationError(ValueError):
-    """A model calibrate cannot build or measure; one line."""
-
-
-@dataclass
-class Block:
-    """One built layer: its module, how to run it, and the input storages that are not
-    activations (an attention mask, RoPE's cos and sin)."""
-
-    layer: torch.nn.Module
-    forward: Callable  # (x, recorder) -> output
-    exclude: set[int] = field(default_factory=set)
 
 
 @dataclass

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from ckplan.hardware import communication as comm
 from ckplan.hardware.gpus import GPU
 from ckplan.model.moe import received_rows, routed_rows, sent_rows
-from ckplan.model.ops import LayerShapes
+from ckplan.model.op import LayerShapes
 from ckplan.model.spec import ModelSpec
 
 

@@ -35,7 +35,7 @@ import math
 from typing import NamedTuple
 
 from ckplan.hardware.gpus import GPU
-from ckplan.model.ops import Matmul, Op
+from ckplan.model.op import Matmul, Op
 
 CAUSAL_FRACTION = 0.5  # the share of the s x s score blocks a causal flash kernel computes
 FP32_BYTES = 4

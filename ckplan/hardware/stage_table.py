@@ -1,14 +1,14 @@
 """A chain's stage times as NumPy arrays: `micro_batch_time` for long chains (a sweep or a
 layout search times thousands of plans on chains of thousands of stages), with the same runs,
 products and additions in the same order, so that the result is bit-identical. Imported only
-for chains of `step_time._TABLE_MIN_STAGES` stages or more, so the CLI starts without NumPy."""
+for chains of `step_time.TABLE_MIN_STAGES` stages or more, so the CLI starts without NumPy."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ckplan.hardware.roofline import OpTime
-from ckplan.hardware.step_time import MicroBatchTime, StageTime
+from ckplan.hardware.times import MicroBatchTime, StageTime
 
 
 class StageTable:

@@ -39,24 +39,24 @@ from ckplan.hardware.roofline import (
     op_backward_time,
     op_forward_time,
 )
+from ckplan.hardware.times import ZERO, MicroBatchTime, StageTime
 from ckplan.model import memory
 from ckplan.model.flops import model_flops_per_iteration
 from ckplan.model.layers import LayerKind, stage_kinds
 from ckplan.model.moe import MOE
-from ckplan.model.ops import (
+from ckplan.model.op import (
     ATTENTION_CORE,
     FP32_BYTES,
     Matmul,
     Op,
     in_group,
     kv_heads_per_rank,
-    representative_kind,
     split_share,
 )
 from ckplan.model.ops import layer_ops as model_layer_ops
-from ckplan.model.spec import ModelSpec, activation_spec
+from ckplan.model.ops import representative_kind
+from ckplan.model.spec import ModelSpec
 
-ZERO = OpTime(0.0, 0.0)
 TOKEN_ID_BYTES = memory.TOKEN_ID_BYTES
 
 
@@ -66,23 +66,6 @@ def _add(a: OpTime, b: OpTime) -> OpTime:
 
 def _scale(a: OpTime, factor: float) -> OpTime:
     return OpTime(a.matmul * factor, a.memory * factor)
-
-
-@dataclass(frozen=True)
-class StageTime:
-    """One chain stage (embedding, a layer, output and loss), one micro-batch."""
-
-    forward: OpTime = ZERO
-    backward: OpTime = ZERO
-    forward_comm: float = 0.0  # exposed seconds, in the forward and in every re-forward
-    backward_comm: float = 0.0
-    # selective recomputation: the attention core's re-forward in the backward (layers only)
-    core_forward: OpTime = ZERO
-    core_comm: float = 0.0
-    # of the communication above, the expert-parallel share (MoE layers)
-    expert_forward_comm: float = 0.0
-    expert_backward_comm: float = 0.0
-    core_expert_comm: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -368,28 +351,6 @@ def chain_stage_times(
 # ---- one micro-batch through one pipeline stage ------------------------------------------
 
 
-@dataclass(frozen=True)
-class MicroBatchTime:
-    forward: OpTime
-    backward: OpTime
-    recompute: OpTime
-    forward_comm: float
-    backward_comm: float
-    recompute_comm: float
-    expert_comm: float = 0.0  # the expert-parallel share of the three above
-
-    @property
-    def total(self) -> float:
-        return (
-            self.forward.total
-            + self.backward.total
-            + self.recompute.total
-            + self.forward_comm
-            + self.backward_comm
-            + self.recompute_comm
-        )
-
-
 def micro_batch_time(
     stages: tuple[StageTime, ...] | list[StageTime], forwards: tuple[int, ...], selective: bool
 ) -> MicroBatchTime:
@@ -420,7 +381,7 @@ def micro_batch_time(
 
 
 # Below this many chain stages `micro_batch_time`'s loop is as fast as the arrays.
-_TABLE_MIN_STAGES = 48
+TABLE_MIN_STAGES = 48
 
 
 @lru_cache(maxsize=256)
@@ -435,9 +396,7 @@ def _stage_micro_batch(
     spec: ModelSpec, gpu: GPU, stage: int, forwards: tuple[int, ...], groups: tuple[str, ...]
 ) -> MicroBatchTime:
     chain_groups = groups or (ATTENTION_CORE,)
-    return _activation_micro_batch(
-        activation_spec(spec), gpu, stage, forwards, chain_groups, bool(groups)
-    )
+    return _activation_micro_batch(spec.chain, gpu, stage, forwards, chain_groups, bool(groups))
 
 
 @lru_cache(maxsize=8192)
@@ -449,10 +408,10 @@ def _activation_micro_batch(
     chain_groups: tuple[str, ...],
     selective: bool,
 ) -> MicroBatchTime:
-    """`_stage_micro_batch` on `layer_chain`'s activation spec (the least dp, no ZeRO, one
-    micro-batch): a micro-batch's stage times depend on none of them, so the layouts that
-    differ only there share it."""
-    if len(forwards) >= _TABLE_MIN_STAGES:
+    """`_stage_micro_batch` on the parts one GPU's chain depends on (`spec.chain`): a
+    micro-batch's stage times depend on neither dp, ZeRO nor the micro-batch count, so the
+    layouts that differ only there share it."""
+    if len(forwards) >= TABLE_MIN_STAGES:
         from ckplan.hardware.stage_table import table_micro_batch_time
 
         table = _chain_stage_table(spec, gpu, stage, chain_groups)

@@ -40,3 +40,7 @@ def read_text_file(
         raise error_type(
             f"{origin}: not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start})"
         ) from None
+
+
+class LongInteger(str):
+    """A JSON integer too long to convert, kept as its digits (an integer, not a JSON string)."""

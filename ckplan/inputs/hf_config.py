@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ckplan.inputs.files import LongInteger
 from ckplan.model.layers import format_layer_set
 from ckplan.model.spec import SIZE_RANGES, SpecError
 from ckplan.quoting import quote
@@ -86,7 +87,6 @@ def hf_config_mapping(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
 
 def _check_types(config: Mapping[str, Any], origin: str, model_type: str) -> None:
     """The JSON types of the keys ckplan reads (null: absent, the family's default)."""
-    from ckplan.inputs.presets import LongInteger
 
     for key in _INTEGER_KEYS:
         value = config.get(key)

@@ -17,9 +17,15 @@ from typing import Any
 import yaml
 
 from ckplan.inputs import safe_yaml
-from ckplan.inputs.files import read_text_file
+from ckplan.inputs.files import LongInteger, read_text_file
 from ckplan.model.ops import layer_ops
-from ckplan.model.spec import DEFAULT_PROFILE, ModelSpec, SpecError, spec_from_mapping
+from ckplan.model.spec import (
+    DEFAULT_PROFILE,
+    ModelSpec,
+    SpecError,
+    coerce_value,
+    spec_from_mapping,
+)
 from ckplan.quoting import abbreviate, quote
 
 
@@ -66,16 +72,35 @@ def load_mapping(model: str) -> tuple[dict[str, Any], str]:
 
 def load_spec(model: str, overrides: Mapping[str, Any] | None = None) -> ModelSpec:
     """Load MODEL and apply `--set`-style overrides before validation. A kernel profile other
-    than fused is loaded and applied here, so that its errors are bad input like the model's."""
+    than fused is read here (the model does no I/O) and applied, so that its errors are bad
+    input like the model's."""
     mapping, origin = load_mapping(model)
-    spec = spec_from_mapping({**_profile_beside(mapping, model), **(overrides or {})}, origin)
-    if spec.profile != DEFAULT_PROFILE:
-        from ckplan.model.profiles import ProfileError  # only with a profile
+    return spec_from_values({**_profile_beside(mapping, model), **(overrides or {})}, origin)
 
-        try:
-            layer_ops(spec)
-        except ProfileError as error:
-            raise SpecError(f"{origin}: {error}") from None
+
+def spec_from_values(values: Mapping[str, Any], origin: str = "model") -> ModelSpec:
+    """`model.spec.spec_from_mapping` with the `profile` key read here when it names a shipped
+    profile or a file (the model does no I/O), checked against the model and applied."""
+    reference = values.get("profile", DEFAULT_PROFILE) if isinstance(values, Mapping) else None
+    if reference == DEFAULT_PROFILE or not isinstance(reference, str) or not reference.strip():
+        return spec_from_mapping(values, origin)
+    spec = spec_from_mapping({**values, "profile": DEFAULT_PROFILE}, origin)
+    try:
+        coerce_value(origin, "profile", reference)  # the text checks of every string key
+    except SpecError as error:
+        raise SpecError(str(error)) from None
+    if spec.kind != "transformer":
+        raise SpecError(
+            f"{origin}: key 'profile' applies to kind: transformer; the NumPy MLP has no profiles"
+        )
+    from ckplan.inputs.profiles import load_profile  # only with a profile
+    from ckplan.model.profiles import ProfileError
+
+    try:
+        spec = spec.replace(profile=load_profile(reference))
+        layer_ops(spec)
+    except ProfileError as error:
+        raise SpecError(f"{origin}: {error}") from None
     return spec
 
 
@@ -143,10 +168,6 @@ def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: set[str] = set()
         raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
     return data
-
-
-class LongInteger(str):
-    """A JSON integer too long to convert, kept as its digits (an integer, not a JSON string)."""
 
 
 def _json_int(text: str) -> int | str:

@@ -7,6 +7,7 @@ parsed once per (path, modification time) and validated by `model.profiles.profi
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 from functools import lru_cache
@@ -44,8 +45,13 @@ def is_profile_file(reference: str) -> bool:
 
 
 def load_profile(reference: str) -> Profile:
-    """The profile a model's `profile:` key (or --profile) names; ProfileError when it is
-    unknown, missing, unreadable or invalid."""
+    """The profile a model's `profile:` key (or --profile) names, carrying `reference` as the
+    name the user gave; ProfileError when it is unknown, missing, unreadable or invalid."""
+    profile = _load_profile(reference)
+    return dataclasses.replace(profile, reference=reference)
+
+
+def _load_profile(reference: str) -> Profile:
     if is_profile_file(reference):
         path = Path(reference)
         try:

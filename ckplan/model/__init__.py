@@ -1,0 +1,38 @@
+"""The model: what a layer saves and computes, pure functions over a model description.
+
+No I/O and no printing: files are read by `ckplan.inputs`, results shown by `ckplan.render`.
+
+    parts          the frozen records a description is made of (architecture, run shape,
+                   parallelism, data parallelism, training state) and the size ranges
+    spec           ModelSpec (the parts, validated together), ChainSpec (what one GPU's chain
+                   depends on), spec_from_mapping (the one gate every input passes)
+    kernel_profile a kernel profile as a value (Profile, FUSED)
+    layers         layer sets and kinds of layers (dense, MoE, sliding window), pipeline stages
+    op             one op's record (Op, Matmul) and the per-rank shapes (LayerShapes)
+    mlp_block      the MLP block's ops (dense MLPs and shared experts)
+    mla            multi-head latent attention's projections
+    moe            the mixture-of-experts block
+    ops            the op table of a layer, with its kernel profile applied
+    profiles       kernel profiles: parsed from a mapping, applied to an op table
+    memory         activation bytes per op and layer, parameters, model states
+    flops          forward, backward and per-iteration FLOPs
+    expert_layout  the experts one GPU holds
+    seed           the simple formula set (`--formula simple`)
+"""
+
+__all__ = [
+    "expert_layout",
+    "flops",
+    "kernel_profile",
+    "layers",
+    "memory",
+    "mla",
+    "mlp_block",
+    "moe",
+    "op",
+    "ops",
+    "parts",
+    "profiles",
+    "seed",
+    "spec",
+]

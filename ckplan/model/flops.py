@@ -7,10 +7,10 @@ experts counts the experts each token is routed to (`moe.routed_rows`), never al
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 from ckplan.model.layers import LayerKind, kind_layer_indices
-from ckplan.model.ops import ATTENTION_CORE, in_group, layer_ops, matmul_flops, split_share
+from ckplan.model.op import ATTENTION_CORE, in_group, matmul_flops, split_share
+from ckplan.model.ops import layer_ops
+from ckplan.model.parts import cached_by_chain
 from ckplan.model.spec import ModelSpec
 
 
@@ -36,7 +36,7 @@ def group_forward_flops(
     return _group_forward_flops(spec, groups, kind)
 
 
-@lru_cache(maxsize=512)
+@cached_by_chain(maxsize=512)
 def _group_forward_flops(spec: ModelSpec, groups: tuple[str, ...], kind: LayerKind | None) -> int:
     ops = layer_ops(spec, kind)
     return sum(op.forward_flops for op in ops if any(in_group(op, name) for name in groups))

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from functools import lru_cache
 from typing import NamedTuple
 
+from ckplan.model.parts import cached_by_chain
 from ckplan.quoting import quote
 
 
@@ -111,7 +111,7 @@ class LayerKind(NamedTuple):
 DENSE = LayerKind()
 
 
-@lru_cache(maxsize=128)
+@cached_by_chain(maxsize=128)
 def layer_kinds(spec) -> tuple[LayerKind, ...]:
     """The kind of every layer of `spec`, in order (one entry per layer)."""
     if spec.kind != "transformer":
@@ -129,13 +129,13 @@ def layer_kinds(spec) -> tuple[LayerKind, ...]:
     return tuple(map(table.__getitem__, flags))
 
 
-@lru_cache(maxsize=128)
+@cached_by_chain(maxsize=128)
 def distinct_kinds(spec) -> tuple[LayerKind, ...]:
     """The kinds present in the model, in order of first appearance."""
     return tuple(dict.fromkeys(layer_kinds(spec)))
 
 
-@lru_cache(maxsize=128)
+@cached_by_chain(maxsize=128)
 def kind_layer_indices(spec) -> dict[LayerKind, tuple[int, ...]]:
     """The layers of each kind, by kind in order of first appearance (computed once per spec)."""
     indices: dict[LayerKind, list[int]] = {kind: [] for kind in distinct_kinds(spec)}
@@ -148,7 +148,7 @@ def is_uniform(spec) -> bool:
     return len(distinct_kinds(spec)) == 1
 
 
-@lru_cache(maxsize=512)
+@cached_by_chain(maxsize=512)
 def stage_layer_indices(spec, stage: int) -> tuple[int, ...]:
     """The layers pipeline stage `stage` (0-based) holds, in the order it runs them.
 
@@ -176,13 +176,13 @@ def stage_layer_indices(spec, stage: int) -> tuple[int, ...]:
     )
 
 
-@lru_cache(maxsize=512)
+@cached_by_chain(maxsize=512)
 def stage_kinds(spec, stage: int) -> tuple[LayerKind, ...]:
     kinds = layer_kinds(spec)
     return tuple(kinds[i] for i in stage_layer_indices(spec, stage))
 
 
-@lru_cache(maxsize=512)
+@cached_by_chain(maxsize=512)
 def stage_kind_counts(spec, stage: int) -> Counter:
     """How many layers of each kind pipeline stage `stage` holds (kinds in order of first
     appearance). Callers must not modify it (it is cached)."""

@@ -5,10 +5,19 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from functools import lru_cache
 
-from ckplan.model.layers import LayerKind, layer_kinds, stage_kind_counts, stage_layer_indices
-from ckplan.model.ops import FP32_BYTES, group_input_bytes, in_group, layer_ops, split_share
+from ckplan.model.layers import (
+    LayerKind,
+    layer_kinds,
+    stage_kind_counts,
+    stage_kinds,
+    stage_layer_indices,
+)
+from ckplan.model.mla import mla_parameters
+from ckplan.model.moe import moe_layer_parameters
+from ckplan.model.op import FP32_BYTES, in_group, split_share
+from ckplan.model.ops import group_input_bytes, layer_ops, representative_kind
+from ckplan.model.parts import cached_by_chain
 from ckplan.model.spec import ModelSpec
 
 # The norms whose input gradient is added to the residual-stream gradient (a post-norm's is
@@ -340,7 +349,7 @@ class LayerParameters:
         return matrices + split_share(self.expert_row_bias, spec.ep)
 
 
-@lru_cache(maxsize=256)
+@cached_by_chain(maxsize=256)
 def layer_parameter_parts(spec: ModelSpec, kind: LayerKind | None = None) -> LayerParameters:
     """Weights of one layer from its matmul shapes (derived: QKV h·(a·d + 2gd), out-proj
     a·d·h, MLP 2hF for GELU or 3hF gated, biases on every output when `bias` (on Q, K, V only
@@ -357,7 +366,6 @@ def layer_parameter_parts(spec: ModelSpec, kind: LayerKind | None = None) -> Lay
     - norms, QK-norms, the MoE router and MLA's down projections and latent norms are whole on
       every rank; routed experts split over ep·etp, their fc2 biases over ep only.
     """
-    from ckplan.model.ops import representative_kind
 
     h, F = spec.hidden, spec.ffn_hidden
     kind = representative_kind(spec) if kind is None else kind
@@ -365,8 +373,6 @@ def layer_parameter_parts(spec: ModelSpec, kind: LayerKind | None = None) -> Lay
     row_bias = h if spec.bias else 0  # a row-parallel linear's bias: whole on every rank
     kv = 0
     if spec.mla:
-        from ckplan.model.mla import mla_parameters
-
         split, replicated = mla_parameters(spec)
         replicated += norms
     else:
@@ -376,8 +382,6 @@ def layer_parameter_parts(spec: ModelSpec, kind: LayerKind | None = None) -> Lay
         kv = h * kv_out + (kv_out if spec.qkv_bias else 0)
         replicated = norms + (2 * d if spec.qk_norm else 0) + row_bias
     if kind.moe:
-        from ckplan.model.moe import moe_layer_parameters
-
         moe_split, moe_replicated, experts = moe_layer_parameters(spec)
         shared_bias = row_bias if spec.shared_ffn_hidden else 0  # the shared experts' fc2 bias
         inactive = experts // spec.experts * (spec.experts - spec.top_k)
@@ -405,7 +409,7 @@ def layer_parameters(spec: ModelSpec, kind: LayerKind | None = None) -> int:
     return layer_parameter_parts(spec, kind).total
 
 
-@lru_cache(maxsize=128)
+@cached_by_chain(maxsize=128)
 def parameter_count(spec: ModelSpec) -> ParameterCount:
     """Parameters of the whole model. GPT-2 (124M) gives 124,439,808; Llama-3-8B 8,030,261,248;
     Mixtral-8x7B 46,702,792,704; DeepSeek-V3 671,026,420,224 (its 61 layers, MTP excluded)."""
@@ -431,7 +435,7 @@ def parameter_count(spec: ModelSpec) -> ParameterCount:
     )
 
 
-@lru_cache(maxsize=256)
+@cached_by_chain(maxsize=256)
 def stage_parameters(spec: ModelSpec, stage: int = 0) -> tuple[int, int]:
     """(dense, expert) parameters on one GPU of pipeline stage `stage`, as Megatron-LM lays
     them out (`layer_parameter_parts`): its layers; on the first stage the vocab-parallel word
@@ -462,7 +466,6 @@ def stage_parameters(spec: ModelSpec, stage: int = 0) -> tuple[int, int]:
 def distinct_stages(spec: ModelSpec) -> tuple[int, ...]:
     """One pipeline stage of each kind whose parameters can differ: the first, the last, and
     each middle stage whose layer kinds no earlier middle stage holds."""
-    from ckplan.model.layers import stage_kinds
 
     stages, seen = [0], set()
     for stage in range(1, spec.pp - 1):
@@ -474,7 +477,7 @@ def distinct_stages(spec: ModelSpec) -> tuple[int, ...]:
     return (*stages, spec.pp - 1) if spec.pp > 1 else (0,)
 
 
-@lru_cache(maxsize=128)
+@cached_by_chain(maxsize=128)
 def busiest_stage(spec: ModelSpec) -> int:
     """The pipeline stage whose GPUs hold the most parameters (the first of equals): the first
     (embedding) or the last (output layer) for a uniform model, else the fullest

@@ -34,7 +34,7 @@ counts none either).
 
 from __future__ import annotations
 
-from ckplan.model.ops import LayerShapes, Op, make_op, matmul_flops
+from ckplan.model.op import LayerShapes, Op, make_op, matmul_flops
 from ckplan.model.spec import ModelSpec
 
 

@@ -1,9 +1,10 @@
-"""A layer is a list of ops: what each saves for backward and what its forward costs.
+"""A layer is a list of ops (`ckplan.model.op`): the op table of each kind of layer.
 
-Modelled the way `torch.utils.flop_counter` models aten ops: one small record per op, with the
-bytes it saves for backward, its forward/backward FLOPs (matmuls only, 2·m·n·k each; element-wise
-ops count as 0), and the recompute group it belongs to. Every strategy, breakdown and chain is a
-sum over this one table, so they cannot disagree.
+Every strategy, breakdown and chain is a sum over this one table, so they cannot disagree. A
+dense or sliding-window transformer layer is built here; multi-head latent attention
+(`ckplan.model.mla`) and the mixture-of-experts MLP (`ckplan.model.moe`) bring their own ops. A
+kernel profile other than `fused` (`ckplan.model.profiles`) replaces the numbers of the ops it
+names.
 
 Notation (Korthikanti et al. 2022, §4): s sequence, b micro-batch, h hidden, a heads, g kv heads,
 d = h/a, F ffn hidden, B bytes per activation value, t tensor-parallel size. Dropout masks are one
@@ -14,167 +15,26 @@ context-parallel size cp.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache
-
 from ckplan.model.layers import DENSE, LayerKind, layer_kinds
-from ckplan.model.spec import ModelSpec
-
-ATTENTION_CORE = "attention_core"
-FP32_BYTES = 4
-MASK_BYTES = 1  # a dropout mask value
-
-
-@dataclass(frozen=True)
-class Matmul:
-    """One (batched) GEMM of an op's forward: `batch` x (m x k) @ (k x n), operands and result
-    of `dtype_bytes` each. Its backward is the two transposed products (ckplan.hardware)."""
-
-    m: int
-    n: int
-    k: int
-    batch: int = 1
-    dtype_bytes: int = 2
-
-
-@dataclass(frozen=True)
-class Op:
-    name: str
-    component: str  # "attention" | "mlp" | "norm"
-    saved_bytes: int  # what autograd keeps for this op's backward
-    forward_flops: int
-    backward_flops: int
-    group: str | None = None  # recompute group, e.g. ATTENTION_CORE
-    # What the op's backward holds besides the saved tensors (memory.layer_backward_walk), in
-    # bytes on one GPU; parameter gradients are model states, never counted here.
-    # The gradient of its output that it reads, allocated by the backward of the op after it
-    # and freed when this backward returns; 0 when it is the residual-stream gradient itself
-    # (the walk counts that one).
-    output_grad_bytes: int = 0
-    # The gradients it allocates for its activation inputs, read by the ops before it (a norm's
-    # is added to the residual-stream gradient).
-    input_grad_bytes: int = 0
-    # Temporaries allocated and freed inside its backward, counted alive together with the two
-    # gradients above (an upper bound where they are not alive at once).
-    grad_workspace_bytes: int = 0
-    # Another op that saves the same storage and is backpropagated later: the storage is freed
-    # after that op's backward, not this one's (flash attention's output O, out_proj's input).
-    saved_until: str | None = None
-    # What the time model reads (ckplan.hardware.roofline); the defaults suit ops without them.
-    matmul: Matmul | None = None  # its forward GEMM; None for element-wise ops
-    # HBM bytes its memory-bound kernels read and write (element-wise, reductions, copies;
-    # not the GEMM's own operands): what it moves, not what it saves.
-    forward_bytes: int = 0
-    backward_bytes: int = 0
-    # The tensor-parallel collective around it (Megatron-LM): "column" (input all-gathered under
-    # SP, input gradient all-reduced or reduce-scattered) or "row" (output all-reduced, or
-    # reduce-scattered under SP).
-    tp_comm: str | None = None
-    fused_kernel: bool = False  # one compute-bound kernel timed on its FLOPs (flash attention)
+from ckplan.model.mla import mla_projection_ops
+from ckplan.model.mlp_block import dense_mlp_ops
+from ckplan.model.moe import EXPERTS, MOE, experts_input_bytes, moe_ops
+from ckplan.model.op import (
+    ATTENTION_CORE,
+    FP32_BYTES,
+    MASK_BYTES,
+    LayerShapes,
+    Matmul,
+    Op,
+    kv_heads_per_rank,
+    make_op,
+    matmul_flops,
+)
+from ckplan.model.parts import cached_by_chain
+from ckplan.model.spec import ChainSpec
 
 
-def split_share(value: int, parts: int) -> int:
-    """Per-rank share of `value` elements split over `parts` ranks (the largest share)."""
-    return -(-value // parts)
-
-
-def matmul_flops(m: int, n: int, k: int) -> int:
-    """FLOPs of an (m x k) @ (k x n) matmul: one multiply and one add per term."""
-    return 2 * m * n * k
-
-
-def make_op(
-    name: str,
-    component: str,
-    saved: int,
-    flops: int = 0,
-    group: str | None = None,
-    *,
-    grads: tuple[int, int] = (0, 0),
-    workspace: int = 0,
-    saved_until: str | None = None,
-    matmul: Matmul | None = None,
-    moved: tuple[int, int] = (0, 0),
-    tp_comm: str | None = None,
-) -> Op:
-    """An op whose backward costs twice its forward: derived, the gradient w.r.t. the input and
-    w.r.t. the weight are one matmul each of the forward's size (Korthikanti App. A).
-    `grads` is (output_grad_bytes, input_grad_bytes), see `Op`; `moved` is (forward_bytes,
-    backward_bytes)."""
-    out_grad, in_grad = grads
-    return Op(
-        name,
-        component,
-        saved,
-        flops,
-        2 * flops,
-        group,
-        out_grad,
-        in_grad,
-        workspace,
-        saved_until,
-        matmul,
-        *moved,
-        tp_comm,
-    )
-
-
-@dataclass(frozen=True)
-class LayerShapes:
-    """The per-rank sizes every op of one transformer layer is built from (one micro-batch).
-
-    Tensors split by heads or by the FFN width are divided by t; the residual stream is divided
-    by t only under sequence parallelism (Korthikanti §4.2.2); every token count by cp.
-    """
-
-    B: int  # bytes per activation value
-    t: int  # tensor-parallel size
-    tokens: int  # s·b on this rank (s / cp)
-    stream_tokens: int  # tokens of a residual-stream tensor on this rank (/t under SP)
-    stream: int  # elements of an (s, b, h) residual-stream tensor on this rank
-    X: int  # bytes of that tensor (or of its gradient)
-    replicated: int  # t under SP, else 1
-
-    @classmethod
-    def of(cls, spec: ModelSpec) -> LayerShapes:
-        tokens = (spec.seq // spec.cp) * spec.micro_batch
-        replicated = spec.tp if spec.sp else 1
-        stream = split_share(tokens * spec.hidden, replicated)
-        B = spec.dtype_bytes
-        return cls(
-            B, spec.tp, tokens, split_share(tokens, replicated), stream, B * stream, replicated
-        )
-
-    def sharded(self, elements: int) -> int:
-        return split_share(elements, self.t)
-
-    # Bytes moved (the time model, ckplan.hardware): what kernels read and write.
-    @property
-    def norm_moved(self) -> tuple[int, int]:
-        """A norm reads x and writes y. Its backward is two passes in Megatron-LM's fused kernel
-        (fused_kernels/layer_norm_cuda_kernel.cu, HostLayerNormGradient):
-        cuComputePartGradGammaBeta reads dy and x, cuComputeGradInput reads them again and
-        writes dx; then autograd adds dx to the residual-stream gradient (read two, write one)."""
-        return 2 * self.X, 8 * self.X
-
-    @property
-    def residual_add(self) -> int:
-        """A residual add, or Megatron's fused bias-dropout-add, reads the branch and the
-        residual and writes the sum."""
-        return 3 * self.X
-
-    @property
-    def dropout_moved(self) -> tuple[int, int]:
-        """Bias-dropout-add: the add and a 1-byte mask; backward reads dy and the mask, writes
-        dx (and the row-parallel bias gradient, a sum of dy, counted with the linear)."""
-        mask = MASK_BYTES * self.stream
-        return self.residual_add + mask, 2 * self.X + mask
-
-    def linear(self, m: int, n: int, k: int) -> Matmul:
-        return Matmul(m, n, k, 1, self.B)
-
-
-def transformer_layer_ops(spec: ModelSpec, kind: LayerKind = DENSE) -> tuple[Op, ...]:
+def transformer_layer_ops(spec: ChainSpec, kind: LayerKind = DENSE) -> tuple[Op, ...]:
     """The ops of one transformer layer of `kind` on one GPU, in forward order.
 
     Standard attention with dropout, B = 2, F = 4h, a = g, t = 1 reproduces Korthikanti et al.
@@ -216,11 +76,9 @@ def transformer_layer_ops(spec: ModelSpec, kind: LayerKind = DENSE) -> tuple[Op,
         ops.append(make_op("norm2", "norm", B * stream, grads=(X, X), moved=shapes.norm_moved))
     mlp_out_grad = X if (dropout or spec.post_norms) else 0
     if kind.moe:
-        from ckplan.model.moe import moe_ops
-
         ops += moe_ops(spec, shapes, mlp_out_grad)
     else:
-        ops += _dense_mlp_ops(spec, shapes, mlp_out_grad)
+        ops += dense_mlp_ops(spec, shapes, mlp_out_grad)
     if spec.post_norms:
         ops.append(
             make_op(
@@ -236,15 +94,13 @@ def transformer_layer_ops(spec: ModelSpec, kind: LayerKind = DENSE) -> tuple[Op,
     return tuple(ops)
 
 
-def _attention_ops(spec: ModelSpec, kind: LayerKind, shapes: LayerShapes) -> list[Op]:
+def _attention_ops(spec: ChainSpec, kind: LayerKind, shapes: LayerShapes) -> list[Op]:
     """QKV projection (or MLA's projections), the attention core, the output projection."""
     B, X, tokens = shapes.B, shapes.X, shapes.tokens
     sharded = shapes.sharded
     dropout = spec.dropout > 0
     heads_r = spec.heads // spec.tp  # a/t query heads on this rank (tp divides heads)
     if spec.mla:
-        from ckplan.model.mla import mla_projection_ops
-
         qk_dim = spec.qk_nope_head_dim + spec.qk_rope_head_dim
         v_dim = spec.v_head_dim
         kv_heads_r = heads_r  # every head has its own K and V
@@ -436,126 +292,7 @@ def _attention_ops(spec: ModelSpec, kind: LayerKind, shapes: LayerShapes) -> lis
     return ops
 
 
-def _dense_mlp_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
-    """fc1, its activation and fc2 of a dense MLP (or of shared experts: `moe.py`)."""
-    return mlp_block_ops(spec, shapes, spec.ffn_hidden, out_grad, prefix="")
-
-
-def mlp_block_ops(
-    spec: ModelSpec,
-    shapes: LayerShapes,
-    ffn: int,
-    out_grad: int,
-    prefix: str,
-    *,
-    input_saved: bool = True,
-    input_grad: bool = True,
-    group: str | None = None,
-) -> list[Op]:
-    """A TP-split MLP of width `ffn` over the layer's tokens; op names get `prefix`.
-
-    `input_saved` False: fc1's input is a storage another op saves already (the shared experts
-    read the router's input); `input_grad` False: fc1's input gradient is added in place into
-    a gradient another op allocates (counted as workspace).
-    """
-    B, X, tokens = shapes.B, shapes.X, shapes.tokens
-    sharded = shapes.sharded
-    ffn_elems = sharded(tokens * ffn)  # (s, b, F) elements per rank
-    fc1_in = B * shapes.stream if input_saved else 0
-    in_grads = (X, 0) if input_grad else (0, X)  # (input grad, workspace)
-    # The dense MLP's fc2 output meets the residual stream: its add, unless the bias-dropout-add
-    # of mlp_dropout does it; biases' gradients sum the output gradients.
-    residual = shapes.residual_add if (prefix == "" and spec.dropout == 0) else 0
-    bias = B if spec.bias else 0
-    ops: list[Op] = []
-    if spec.mlp == "gelu":
-        ops.append(
-            make_op(
-                f"{prefix}fc1",
-                "mlp",
-                fc1_in,
-                matmul_flops(tokens, sharded(ffn), spec.hidden),
-                group,
-                grads=(B * ffn_elems, in_grads[0]),
-                workspace=in_grads[1],
-                matmul=shapes.linear(tokens, sharded(ffn), spec.hidden),
-                moved=(0, bias * ffn_elems),
-                tp_comm="column",
-            )
-        )
-        # GELU saves its input; gelu_backward(dY, x) is one element-wise kernel: one new tensor.
-        # Moves: reads x, writes y (Megatron's fused bias-GELU); backward reads dY and x.
-        ops.append(
-            make_op(
-                f"{prefix}act",
-                "mlp",
-                B * ffn_elems,
-                0,
-                group,
-                grads=(B * ffn_elems,) * 2,
-                moved=(2 * B * ffn_elems, 3 * B * ffn_elems),
-            )
-        )
-    else:
-        # SwiGLU / GeGLU (Shazeer 2020): fc1 computes gate and up (2F wide). A fused kernel
-        # (Megatron's bias_swiglu) saves the fc1 output, 2F; eager silu(gate) * up also keeps
-        # silu(gate), 3F. Eager code runs fc1 as two linears (HF gate_proj, up_proj): the
-        # first's output gradient (F) is freed before the second's input gradient is allocated,
-        # so the backward never holds more than d gate, d up and one input gradient either.
-        ops.append(
-            make_op(
-                f"{prefix}fc1",
-                "mlp",
-                fc1_in,
-                matmul_flops(tokens, sharded(2 * ffn), spec.hidden),
-                group,
-                grads=(2 * B * ffn_elems, in_grads[0]),
-                workspace=in_grads[1],
-                matmul=shapes.linear(tokens, sharded(2 * ffn), spec.hidden),
-                moved=(0, bias * 2 * ffn_elems),
-                tp_comm="column",
-            )
-        )
-        # Backward: d gate and d up, 2F, from dY, F. Fused (Megatron's swiglu_back): one kernel
-        # writing [d gate | d up]. Eager: MulBackward writes d silu(gate) and d up, then
-        # SiluBackward d gate while dY is already freed: never more than 3F either.
-        # Moves, fused: reads gate and up, writes y; backward reads dY, gate and up, writes
-        # d gate and d up. Eager: silu(gate) (2F), the product (3F); backward 3F + 2F + 3F.
-        swiglu_moved = (
-            (3 * B * ffn_elems, 5 * B * ffn_elems)
-            if spec.fused_swiglu
-            else (5 * B * ffn_elems, 8 * B * ffn_elems)
-        )
-        ops.append(
-            make_op(
-                f"{prefix}act",
-                "mlp",
-                B * ffn_elems * (2 if spec.fused_swiglu else 3),
-                0,
-                group,
-                grads=(B * ffn_elems, 2 * B * ffn_elems),
-                moved=swiglu_moved,
-            )
-        )
-    # Saves its input; its output gradient is the residual-stream gradient (no dropout) or the
-    # gradient the op after it allocates.
-    ops.append(
-        make_op(
-            f"{prefix}fc2",
-            "mlp",
-            B * ffn_elems,
-            matmul_flops(tokens, spec.hidden, sharded(ffn)),
-            group,
-            grads=(out_grad, B * ffn_elems),
-            matmul=shapes.linear(tokens, spec.hidden, sharded(ffn)),  # reduce-scattered under SP
-            moved=(residual, bias * shapes.stream),
-            tp_comm="row",
-        )
-    )
-    return ops
-
-
-def mlp_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
+def mlp_layer_ops(spec: ChainSpec) -> tuple[Op, ...]:
     """The seed's NumPy MLP layer (shared/seed): relu(x @ w1 + b1) @ w2 + b2, width d = hidden,
     f = ffn_hidden, rows = micro_batch.
 
@@ -597,25 +334,24 @@ def mlp_layer_ops(spec: ModelSpec) -> tuple[Op, ...]:
     )
 
 
-@lru_cache(maxsize=256)
-def layer_ops(spec: ModelSpec, kind: LayerKind | None = None) -> tuple[Op, ...]:
-    """The op table of one layer of `kind` (default: `representative_kind`) of `spec`; cached,
-    since every memory, FLOP and chain function reads the same table of a (frozen, hashable)
-    spec. A `profile` other than fused (this table) replaces the numbers of the ops it names
-    (ckplan.model.profiles)."""
+@cached_by_chain(maxsize=256)
+def layer_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Op, ...]:
+    """The op table of one layer of `kind` (default: `representative_kind`) of `spec` on one
+    GPU. Cached by the parts it depends on (`spec.chain`: architecture, run shape, parallelism,
+    kernel profile), since every memory, FLOP and chain function reads the same table. A profile
+    other than fused (this table) replaces the numbers of the ops it names."""
     if spec.kind == "mlp":
         return mlp_layer_ops(spec)
     ops = transformer_layer_ops(spec, representative_kind(spec) if kind is None else kind)
-    if spec.profile == "fused":
+    if spec.profile.is_fused:
         return ops
-    from ckplan.inputs.profiles import load_profile  # the profile's YAML, parsed once per file
-    from ckplan.model.profiles import apply_profile
+    from ckplan.model.profiles import apply_profile  # only with a profile (start-up time)
 
-    return apply_profile(ops, spec, load_profile(spec.profile))
+    return apply_profile(ops, spec, spec.profile)
 
 
-@lru_cache(maxsize=128)
-def representative_kind(spec: ModelSpec) -> LayerKind:
+@cached_by_chain(maxsize=128)
+def representative_kind(spec: ChainSpec) -> LayerKind:
     """The kind shown as "one layer": the one that saves the most bytes for backward (ties:
     the most frequent, then the first); the only kind of a uniform model."""
     kinds = layer_kinds(spec)
@@ -629,13 +365,7 @@ def representative_kind(spec: ModelSpec) -> LayerKind:
     return max(counts, key=weight)
 
 
-def in_group(op: Op, group: str) -> bool:
-    """Whether `op` belongs to recompute group `group`; groups nest with "/" (the expert MLPs,
-    EXPERTS = "moe/experts", are part of the whole MoE block, MOE = "moe")."""
-    return op.group is not None and (op.group == group or op.group.startswith(group + "/"))
-
-
-def group_input_bytes(spec: ModelSpec, group: str, kind: LayerKind | None = None) -> int:
+def group_input_bytes(spec: ChainSpec, group: str, kind: LayerKind | None = None) -> int:
     """Bytes a recompute group must keep as its input so it can be re-run in backward.
 
     The attention core (Korthikanti §5, selective recomputation) is recomputed from Q, K and V
@@ -659,16 +389,8 @@ def group_input_bytes(spec: ModelSpec, group: str, kind: LayerKind | None = None
         return spec.dtype_bytes * shapes.tokens * width
     if not kind.moe:
         return 0
-    from ckplan.model.moe import EXPERTS, MOE, experts_input_bytes
-
     if group == MOE:
         return shapes.X
     if group == EXPERTS:
         return experts_input_bytes(spec, shapes)
     return 0
-
-
-def kv_heads_per_rank(spec: ModelSpec) -> int:
-    """K/V heads on one tensor-parallel rank: g/t, or one replicated head when t > g
-    (Megatron-LM replicates the query groups when tp exceeds num_query_groups)."""
-    return -(-spec.kv_heads // spec.tp)

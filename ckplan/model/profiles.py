@@ -40,17 +40,20 @@ import difflib
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from ckplan.model.ops import Op, kv_heads_per_rank, split_share
+from ckplan.model.kernel_profile import Case, Condition, Field, Form, Profile, Terms
+from ckplan.model.op import Op, kv_heads_per_rank, split_share
 from ckplan.model.spec import (
+    CHAIN_PARTS,
     ENUMS,
-    ModelSpec,
+    KEY_ORDER,
+    PART_OF,
+    ChainSpec,
     SpecError,
     coerce_value,
-    field_names,
+    model_keys,
 )
 from ckplan.quoting import quote
 
@@ -113,36 +116,13 @@ OP_NAMES = (
     "shared_gate",
 )
 DERIVED_FLAGS = ("gqa",)
+# Conditions name the keys one GPU's op table depends on (ckplan.model.spec.ChainSpec).
+CONDITION_KEYS = tuple(key for key in KEY_ORDER if PART_OF.get(key) in CHAIN_PARTS)
 TOP_KEYS = ("name", "source", "description", "requires", "ops", "calibration")
-
-Form = tuple[Fraction, Fraction]  # bytes per element: (constant, multiple of B)
-Terms = tuple[tuple[str, Form], ...]
-Field = tuple[Terms, ...]  # alternatives: the field is the largest of them (one, mostly)
-Condition = tuple[tuple[bool, str, Any], ...]  # (negated, key, value or None for a bare key)
 
 
 class ProfileError(SpecError):
     """Invalid profile, or a profile that does not fit the model; one line naming the key."""
-
-
-@dataclass(frozen=True)
-class Case:
-    """Field values of one op that apply when `condition` holds (always, when empty)."""
-
-    condition: Condition
-    fields: tuple[tuple[str, Field], ...]
-
-
-@dataclass(frozen=True)
-class Profile:
-    name: str
-    source: str = ""
-    description: str = ""
-    requires: Condition = ()
-    ops: tuple[tuple[str, tuple[Case, ...]], ...] = ()
-
-    def cases(self, op: str) -> tuple[Case, ...]:
-        return dict(self.ops).get(op, ())
 
 
 # ---- parsing -----------------------------------------------------------------------------
@@ -241,7 +221,7 @@ def parse_condition(text: Any, where: str) -> Condition:
         negated = item.startswith("!")
         key, sep, value = item.lstrip("!").partition("=")
         key = key.strip()
-        known = [*field_names(), *DERIVED_FLAGS]
+        known = [*CONDITION_KEYS, *DERIVED_FLAGS]
         if key not in known:
             raise ProfileError(
                 f"{where}: unknown key {quote(key)} in condition {quote(text)}{_hint(key, known)}"
@@ -263,7 +243,7 @@ def parse_condition(text: Any, where: str) -> Condition:
 
 
 def _is_flag(key: str) -> bool:
-    default = ModelSpec.__dataclass_fields__[key].default
+    default = model_keys()[key].default
     return isinstance(default, bool | int | float) and key not in ("name", "source")
 
 
@@ -345,7 +325,7 @@ def _hint(key: Any, choices) -> str:
 # ---- applying ----------------------------------------------------------------------------
 
 
-def term_values(spec: ModelSpec) -> dict[str, int]:
+def term_values(spec: ChainSpec) -> dict[str, int]:
     """The terms' element counts on one rank, split as `ops.transformer_layer_ops` splits them."""
     t = spec.tp
     seq_local = spec.seq // spec.cp
@@ -363,11 +343,11 @@ def term_values(spec: ModelSpec) -> dict[str, int]:
     }
 
 
-def holds(condition: Condition, spec: ModelSpec) -> bool:
+def holds(condition: Condition, spec: ChainSpec) -> bool:
     return all(_item_holds(key, value, spec) != negated for negated, key, value in condition)
 
 
-def _item_holds(key: str, value: Any, spec: ModelSpec) -> bool:
+def _item_holds(key: str, value: Any, spec: ChainSpec) -> bool:
     if key == "gqa":
         return kv_heads_per_rank(spec) < spec.heads // spec.tp
     actual = getattr(spec, key)
@@ -386,7 +366,7 @@ def condition_text(condition: Condition) -> str:
     return ",".join(items)
 
 
-def field_bytes(field: Field, spec: ModelSpec, values: dict[str, int] | None = None) -> Fraction:
+def field_bytes(field: Field, spec: ChainSpec, values: dict[str, int] | None = None) -> Fraction:
     """The largest alternative of Σ term elements × (constant + multiple·B) bytes, exact."""
     values = values if values is not None else term_values(spec)
     B = spec.dtype_bytes
@@ -396,7 +376,7 @@ def field_bytes(field: Field, spec: ModelSpec, values: dict[str, int] | None = N
     )
 
 
-def check_requires(profile: Profile, spec: ModelSpec) -> None:
+def check_requires(profile: Profile, spec: ChainSpec) -> None:
     for item in profile.requires:
         if not holds((item,), spec):
             _, key, value = item
@@ -416,7 +396,7 @@ _REQUIRES_HINTS = {
 }
 
 
-def apply_profile(ops: tuple[Op, ...], spec: ModelSpec, profile: Profile) -> tuple[Op, ...]:
+def apply_profile(ops: tuple[Op, ...], spec: ChainSpec, profile: Profile) -> tuple[Op, ...]:
     """The op table with the numbers of the ops `profile` names replaced (derived: each field is
     Σ term × coefficient over the terms above); ops it does not name are returned unchanged.
     Raises ProfileError when the model misses the profile's `requires`, a field comes out
@@ -460,7 +440,7 @@ def _check_gradients_chain(ops: list[Op], profile: Profile) -> None:
         )
 
 
-def resolved_fields(profile: Profile, op: str, spec: ModelSpec) -> dict[str, Field]:
+def resolved_fields(profile: Profile, op: str, spec: ChainSpec) -> dict[str, Field]:
     """The fields `profile` sets for `op` in this model, its when-cases applied."""
     fields: dict[str, Field] = {}
     for case in profile.cases(op):

@@ -1,151 +1,104 @@
 """The model description: a validated, immutable `ModelSpec` built from a YAML-style mapping.
 
-The fields read as the architecture (nanoGPT's GPTConfig style). `spec_from_mapping` is the one
-gate every input passes: unknown keys (with a did-you-mean hint), wrong types, non-positive
-sizes, heads that do not divide hidden, and unknown enum values all raise `SpecError` with a
-one-line message naming the key. Parsing files lives in `ckplan.inputs`; this module does no I/O.
+Users write one flat mapping (docs/models.md); `spec_from_mapping` is the one gate every input
+passes: unknown keys (with a did-you-mean hint), wrong types, non-positive sizes, heads that do
+not divide hidden, and unknown enum values all raise `SpecError` with a one-line message naming
+the key. The result holds the mapping in parts (`ckplan.model.parts`): architecture, run shape,
+parallelism, data parallelism, training state, and the kernel profile as a value. Every key
+also reads flat (`spec.hidden` is `spec.architecture.hidden`), as users name them.
+
+`ChainSpec` is what one GPU's op tables and chain depend on: the architecture, the run shape,
+the parallelism and the kernel profile (`spec.chain`). Op tables and chains are cached by it, so
+layouts that differ only in dp, ZeRO or the micro-batch count share them. Reading files is the
+edge's (`ckplan.inputs`); this module does no I/O.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import lru_cache
 from typing import Any
 
-from ckplan.errors import InputError
+from ckplan.model.kernel_profile import FUSED, FUSED_NAME, Profile
+from ckplan.model.layers import LayerSetError, parse_layer_set
+from ckplan.model.parts import (
+    PARTS,
+    SIZE_RANGES,
+    Architecture,
+    DataParallel,
+    Parallelism,
+    RunShape,
+    SpecError,
+    TrainingState,
+)
 from ckplan.quoting import quote
 
-
-class SpecError(InputError):
-    """Invalid model description; the message is one line and names the offending key."""
-
+__all__ = [
+    "SIZE_RANGES",
+    "ChainSpec",
+    "ModelSpec",
+    "SpecError",
+    "field_names",
+    "model_keys",
+    "spec_from_mapping",
+]
 
 KINDS = ("transformer", "mlp")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu", "geglu")  # geglu: gated like swiglu (Gemma), the same shapes
 ATTENTIONS = ("standard", "flash")
 POSITIONS = ("learned", "rope")
-DEFAULT_PROFILE = "fused"  # the op table itself (ckplan.model.profiles)
+DEFAULT_PROFILE = FUSED_NAME  # the op table itself (ckplan.model.ops)
+
+# The flat keys users write, in the order the output lists them, each with the part it lives in.
+KEY_ORDER = (
+    "name", "layers", "hidden", "seq", "micro_batch", "heads", "kv_heads", "ffn_hidden", "vocab",
+    "dtype_bytes", "kind", "source", "norm", "mlp", "attention", "positions", "bias", "dropout",
+    "tied_embeddings", "fused_swiglu", "profile", "tp", "pp", "sp", "cp", "dp", "zero",
+    "virtual_stages", "microbatches", "weight_bytes", "grad_bytes", "master_bytes",
+    "optimizer_bytes", "head_dim", "qkv_bias", "qk_norm", "post_norms", "parallel_residual",
+    "sliding_window", "sliding_window_layers", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "experts", "top_k", "moe_ffn_hidden", "shared_experts",
+    "shared_ffn_hidden", "shared_expert_gate", "expert_bias", "capacity_factor", "moe_layers",
+    "moe_imbalance", "ep", "etp", "first_stage_layers", "last_stage_layers",
+    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+)  # fmt: skip
+PART_OF: dict[str, str] = {
+    field.name: part for part, record in PARTS.items() for field in dataclasses.fields(record)
+}
+CHAIN_PARTS = ("architecture", "shape", "parallel")
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    layers: int  # L
-    hidden: int  # h (for kind=mlp: the width d)
-    seq: int  # s (for kind=mlp: unused, 1)
-    micro_batch: int  # b (for kind=mlp: rows per step)
-    heads: int = 1  # a
-    kv_heads: int | None = None  # g; None -> heads
-    ffn_hidden: int | None = None  # F; None -> 4h
-    vocab: int = 0  # V; 0 -> no embedding/output layer in the chain
-    dtype_bytes: int = 2  # B: bytes per activation value
-    kind: str = "transformer"
-    source: str = ""
-    norm: str = "layernorm"
-    mlp: str = "gelu"
-    attention: str = "standard"
-    positions: str = "learned"
-    bias: bool = True
-    dropout: float = 0.0
-    tied_embeddings: bool = False
-    fused_swiglu: bool = True  # Megatron's bias_swiglu saves fc1 output, not silu(gate) too
-    # kernel profile (ckplan.model.profiles): a shipped name or a .yaml file; fused = ops.py's
-    profile: str = DEFAULT_PROFILE
-    # parallel layout
-    tp: int = 1
-    pp: int = 1
-    sp: bool = False
-    cp: int = 1
-    dp: int = 1
-    zero: int = 0
-    virtual_stages: int = 1
-    microbatches: int = 1
-    # model states, bytes per parameter (Megatron-LM's mixed-precision Adam: 2 + 4 + 4 + 4 + 4)
-    weight_bytes: int = 2
-    grad_bytes: int = 4
-    master_bytes: int = 4
-    optimizer_bytes: int = 8
-    # attention details of the Hugging Face families (README "Model keys")
-    head_dim: int | None = None  # d; None -> h / a (Gemma, Qwen3: a·d != h)
-    qkv_bias: bool | None = None  # biases on Q, K, V only (Qwen2); None -> bias
-    qk_norm: bool = False  # RMSNorm on each head of Q and K (Qwen3, Gemma 3)
-    post_norms: bool = False  # norms after attention and MLP too (Gemma 2/3)
-    parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX)
-    # sliding-window attention: the window in tokens (0 = none) and the layers that use it
-    sliding_window: int = 0
-    sliding_window_layers: str = "all"  # a layer set (ckplan.model.layers)
-    # multi-head latent attention (DeepSeek-V2/V3), on when kv_lora_rank > 0
-    q_lora_rank: int = 0  # 0: Q projected directly from h
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    # mixture of experts, on when experts > 0 (Megatron-LM's names in comments)
-    experts: int = 0  # --num-experts
-    top_k: int = 2  # --moe-router-topk
-    moe_ffn_hidden: int | None = None  # --moe-ffn-hidden-size; None -> ffn_hidden
-    shared_experts: int = 0
-    shared_ffn_hidden: int | None = None  # all shared experts; None -> shared_experts·F_e
-    shared_expert_gate: bool = False  # sigmoid gate on the shared experts (Qwen2-MoE)
-    expert_bias: bool = False  # per-expert routing bias (DeepSeek-V3 aux-loss-free balancing)
-    capacity_factor: float = 0.0  # --moe-expert-capacity-factor, padded; 0 = dropless
-    moe_layers: str = "all"  # a layer set; --moe-layer-freq N is 0-:N
-    moe_imbalance: str = "average"  # average | worst | a factor >= 1 (tokens on the busiest rank)
-    ep: int = 1  # --expert-model-parallel-size
-    etp: int | None = None  # --expert-tensor-parallel-size; None -> tp (Megatron's default)
-    # uneven pipelines: layers of the first / last stage (Megatron's
-    # --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers); the other
-    # stages share the rest evenly. None: L/p on every stage.
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
-    # Megatron's --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-
-    # split: the embedding (the loss) counts as one layer when the L (+1, +2) layers are split
-    # over the p stages, so the first (last) stage holds one transformer layer fewer
-    # (Llama 3's 126 layers over p 16: 7, 8 x 14, 7).
-    account_for_embedding_in_pipeline_split: bool = False
-    account_for_loss_in_pipeline_split: bool = False
+def _flat_properties(cls: type, parts: tuple[str, ...]) -> type:
+    """Read every key of `parts` flat on `cls`: `spec.hidden` is `spec.architecture.hidden`."""
+    for key, part in PART_OF.items():
+        if part in parts:
+            getter = _part_getter(part, key)
+            setattr(cls, key, property(getter, doc=f"`{part}.{key}`"))
+    return cls
 
-    def __post_init__(self) -> None:
-        if self.kv_heads is None:
-            object.__setattr__(self, "kv_heads", self.heads)
-        _validate_ranges(self)
-        if self.ffn_hidden is None:
-            object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
-        if self.head_dim is None:
-            if self.heads >= 1 and self.hidden % self.heads:
-                raise SpecError(
-                    f"key 'heads' ({self.heads}) must divide hidden ({self.hidden}), "
-                    "or give head_dim"
-                )
-            object.__setattr__(self, "head_dim", self.hidden // max(self.heads, 1))
-        if self.qkv_bias is None:
-            object.__setattr__(self, "qkv_bias", self.bias)
-        if self.moe_ffn_hidden is None:
-            object.__setattr__(self, "moe_ffn_hidden", self.ffn_hidden)
-        if self.shared_ffn_hidden is None:
-            object.__setattr__(self, "shared_ffn_hidden", self.shared_experts * self.moe_ffn_hidden)
-        if self.etp is None:
-            object.__setattr__(self, "etp", self.tp)
-        _validate(self)
+
+def _part_getter(part: str, key: str):
+    def get(self):
+        return getattr(getattr(self, part), key)
+
+    return get
+
+
+class _Layers:
+    """What the layer count and the pipeline split give, for ModelSpec and ChainSpec alike."""
+
+    architecture: Architecture
+    parallel: Parallelism
 
     @property
     def mla(self) -> bool:
         """Multi-head latent attention (DeepSeek-V2 §2.1), on when kv_lora_rank > 0."""
-        return self.kv_lora_rank > 0
-
-    @property
-    def expert_data_parallel(self) -> int:
-        """Data-parallel size of the expert weights: tp·cp·dp / (ep·etp). Megatron-LM's
-        expert_data_parallel_size = world / (etp·ep·pp) with world = tp·cp·dp·pp
-        (megatron/core/parallel_state.py; MoE README, "MoE Parallel Folding")."""
-        return self.tp * self.cp * self.dp // (self.ep * self.etp)
+        return self.architecture.mla
 
     @property
     def layers_per_stage(self) -> int:
@@ -155,73 +108,147 @@ class ModelSpec:
 
     @property
     def stage_layer_counts(self) -> tuple[int, ...]:
-        """Layers of each pipeline stage: L/p each, or first_stage_layers, last_stage_layers
-        and the rest split evenly over the stages between (Megatron-LM's uneven split)."""
-        p = self.pp
-        if self.first_stage_layers is None and self.last_stage_layers is None:
-            embedding, loss = self.pipeline_split_extras
-            each = (self.layers + embedding + loss) // p
-            return (each - embedding, *(each,) * (p - 2), each - loss) if p > 1 else (each,)
-        first, last = self.first_stage_layers, self.last_stage_layers
-        middle_stages = p - (first is not None) - (last is not None)
-        rest = self.layers - (first or 0) - (last or 0)
-        each = rest // middle_stages if middle_stages else 0
-        counts = [each] * p
-        if first is not None:
-            counts[0] = first
-        if last is not None:
-            counts[-1] = last
-        return tuple(counts)
+        """Layers of each pipeline stage (`Parallelism.stage_layer_counts`)."""
+        return self.parallel.stage_layer_counts(self.architecture.layers)
 
     @property
     def pipeline_split_extras(self) -> tuple[int, int]:
         """(embedding, loss): 1 where Megatron counts it as a layer of the pipeline split."""
-        return (
-            int(self.account_for_embedding_in_pipeline_split),
-            int(self.account_for_loss_in_pipeline_split),
-        )
+        return self.parallel.pipeline_split_extras
+
+
+@dataclass(frozen=True, eq=True)
+class ChainSpec(_Layers):
+    """What one GPU's op tables and chain depend on. Built by `ModelSpec.chain`; validated as
+    part of the ModelSpec it comes from."""
+
+    architecture: Architecture
+    shape: RunShape
+    parallel: Parallelism
+    profile: Profile = FUSED
+
+    def __hash__(self) -> int:
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.architecture, self.shape, self.parallel, self.profile))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    @property
+    def chain(self) -> ChainSpec:
+        return self
+
+    def replace(self, **changes: Any) -> ChainSpec:
+        """A copy with flat `changes` to its parts (each part checks its own keys; the rules
+        across parts were checked on the ModelSpec this came from)."""
+        return dataclasses.replace(self, **_part_changes(self, changes, CHAIN_PARTS))
+
+
+@dataclass(frozen=True, eq=True)
+class ModelSpec(_Layers):
+    """A model and how it is trained: the parts, the kernel profile, and where it came from."""
+
+    name: str
+    architecture: Architecture
+    shape: RunShape
+    parallel: Parallelism = dataclasses.field(default_factory=Parallelism)
+    data_parallel: DataParallel = dataclasses.field(default_factory=DataParallel)
+    training: TrainingState = dataclasses.field(default_factory=TrainingState)
+    profile: Profile = FUSED
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        chain = ChainSpec(self.architecture, self.shape, self.parallel, self.profile)
+        object.__setattr__(self, "_chain", chain)
+
+    def __hash__(self) -> int:
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    @property
+    def chain(self) -> ChainSpec:
+        """The parts one GPU's op tables and chain depend on."""
+        return self.__dict__["_chain"]
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Data-parallel size of the expert weights: tp·cp·dp / (ep·etp). Megatron-LM's
+        expert_data_parallel_size = world / (etp·ep·pp) with world = tp·cp·dp·pp
+        (megatron/core/parallel_state.py; MoE README, "MoE Parallel Folding")."""
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
 
     def replace(self, **changes: Any) -> ModelSpec:
-        """A copy with `changes`. Keys whose value is still the default derived from other keys
-        (head_dim = h/a, etp = tp, ...) are derived again from the changed ones."""
+        """A copy with flat `changes`, validated again. Keys whose value is still the default
+        derived from other keys (head_dim = h/a, etp = tp, ...) are derived again from the
+        changed ones."""
         values = self.to_dict()
-        derived = {
-            "head_dim": self.hidden // self.heads,
-            "qkv_bias": self.bias,
-            "moe_ffn_hidden": self.ffn_hidden,
-            "shared_ffn_hidden": self.shared_experts * self.moe_ffn_hidden,
-            "etp": self.tp,
-        }
+        values["profile"] = self.profile
+        derived = {**self.architecture.derived_defaults(), "etp": self.tp}
         for key, default in derived.items():
             if key not in changes and values[key] == default:
                 del values[key]
         return spec_from_mapping({**values, **changes})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The flat keys, resolved, in the order users read them (the profile by the reference
+        the user gave)."""
+        values = {}
+        for key in KEY_ORDER:
+            if key == "profile":
+                values[key] = self.profile.reference
+            else:
+                values[key] = getattr(self, key)
+        return values
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(ModelSpec)}
-_REQUIRED = [name for name, f in _FIELDS.items() if f.default is dataclasses.MISSING]
-_BOOL_FIELDS = {
-    "bias",
-    "tied_embeddings",
-    "fused_swiglu",
-    "sp",
-    "qkv_bias",
-    "qk_norm",
-    "post_norms",
-    "parallel_residual",
-    "shared_expert_gate",
-    "expert_bias",
-    "account_for_embedding_in_pipeline_split",
-    "account_for_loss_in_pipeline_split",
-}
+_flat_properties(ChainSpec, CHAIN_PARTS)
+_flat_properties(ModelSpec, tuple(PARTS))
+
+
+def _part_changes(spec: Any, changes: Mapping[str, Any], parts: tuple[str, ...]) -> dict:
+    by_part: dict[str, dict[str, Any]] = {}
+    for key, value in changes.items():
+        part = "profile" if key == "profile" else PART_OF.get(key)
+        if part is None or (part not in parts and part != "profile"):
+            raise SpecError(f"unknown key {quote(key)} for {type(spec).__name__}.replace")
+        if part == "profile":
+            by_part["profile"] = value
+        else:
+            by_part.setdefault(part, {})[key] = value
+    out: dict[str, Any] = {}
+    for part, values in by_part.items():
+        out[part] = (
+            values if part == "profile" else dataclasses.replace(getattr(spec, part), **values)
+        )
+    return out
+
+
+def field_names() -> list[str]:
+    """The flat keys of a model description, in output order."""
+    return list(KEY_ORDER)
+
+
+def model_keys() -> dict[str, dataclasses.Field]:
+    """Each flat key's field (its type and default) in the part that holds it, in output order;
+    `name`, `source` and `profile` from ModelSpec itself."""
+    own = {f.name: f for f in dataclasses.fields(ModelSpec)}
+    fields = {f.name: f for record in PARTS.values() for f in dataclasses.fields(record)}
+    return {key: fields.get(key) or own[key] for key in KEY_ORDER}
+
+
+_KEYS = model_keys()
+_REQUIRED = [
+    key for key, f in _KEYS.items() if f.default is dataclasses.MISSING and key not in PARTS
+]
+_BOOL_FIELDS = {key for key, f in _KEYS.items() if f.type in ("bool", "bool | None")}
 _STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions", "profile"}
 _LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
 _FLOAT_FIELDS = {"dropout", "capacity_factor"}
-_NULLABLE = {"kv_heads", "ffn_hidden", "head_dim", "qkv_bias", "moe_ffn_hidden"}
-_NULLABLE |= {"shared_ffn_hidden", "etp", "first_stage_layers", "last_stage_layers"}
+_NULLABLE = {key for key, f in _KEYS.items() if "None" in str(f.type)}
 ENUMS = {
     "kind": KINDS,
     "norm": NORMS,
@@ -229,82 +256,15 @@ ENUMS = {
     "attention": ATTENTIONS,
     "positions": POSITIONS,
 }
-# The documented range of every size key (README "Ranges"). Generous: a model 100x larger than
-# any trained today fits (today's largest: ~130 layers, hidden 25,600, FFN 73,728, 160 heads,
-# vocab 262k, contexts of 10M tokens, ~100k GPUs), and a typo beyond it is an error instead of
-# a minutes-long run or an exhausted memory. vocab and zero may be 0.
-SIZE_RANGES: dict[str, tuple[int, int]] = {
-    "layers": (1, 100_000),
-    "hidden": (1, 2**20),
-    "seq": (1, 2**24),
-    "micro_batch": (1, 2**20),
-    "heads": (1, 2**16),
-    "kv_heads": (1, 2**16),
-    "ffn_hidden": (1, 2**22),
-    "vocab": (0, 2**24),
-    "dtype_bytes": (1, 8),
-    "tp": (1, 2**16),
-    "pp": (1, 2**16),
-    "cp": (1, 2**20),
-    "dp": (1, 2**24),
-    "zero": (0, 3),
-    "virtual_stages": (1, 2**16),
-    "microbatches": (1, 2**20),
-    "weight_bytes": (0, 64),
-    "grad_bytes": (0, 64),
-    "master_bytes": (0, 64),
-    "optimizer_bytes": (0, 64),
-    # mixed layers, MoE, MLA, sliding window (0: not used, where the key allows it)
-    "head_dim": (1, 2**16),
-    "sliding_window": (0, 2**24),
-    "experts": (0, 2**20),
-    "top_k": (1, 2**16),
-    "moe_ffn_hidden": (1, 2**22),
-    "shared_experts": (0, 2**16),
-    "shared_ffn_hidden": (0, 2**22),
-    "ep": (1, 2**20),
-    "etp": (1, 2**16),
-    "q_lora_rank": (0, 2**20),
-    "kv_lora_rank": (0, 2**20),
-    "qk_nope_head_dim": (0, 2**16),
-    "qk_rope_head_dim": (0, 2**16),
-    "v_head_dim": (0, 2**16),
-    "first_stage_layers": (1, 99_999),  # the other stages hold at least one layer
-    "last_stage_layers": (1, 99_999),
-}
 MAX_TEXT_CHARS = 1000  # name and source
-
-
-@lru_cache(maxsize=1024)
-def activation_spec(spec: ModelSpec) -> ModelSpec:
-    """`spec` with the least dp, no ZeRO and one micro-batch per iteration, where valid: the
-    chain depends on none of them (dp and ZeRO shard model states, the micro-batch count
-    times the iteration), so the layouts that differ in them share one chain (`ckplan sweep`'s
-    advice tries several on a 100,000-layer model; `ckplan plan --global-batch` many more).
-    The least dp is 1, or with experts the least that keeps ep·etp dividing tp·cp·dp."""
-    dp = 1
-    if spec.experts:
-        group = spec.ep * spec.etp
-        dp = group // math.gcd(spec.tp * spec.cp, group)
-    if (spec.dp, spec.zero, spec.microbatches) == (dp, 0, 1):
-        return spec
-    for changes in ({"dp": dp, "zero": 0, "microbatches": 1}, {"dp": dp, "zero": 0}):
-        try:
-            return spec.replace(**changes)
-        except SpecError:
-            continue
-    return spec
-
-
-def field_names() -> list[str]:
-    return list(_FIELDS)
 
 
 def spec_from_mapping(mapping: Mapping[str, Any], origin: str = "model") -> ModelSpec:
     """Validate a YAML-style mapping into a ModelSpec, resolving defaults.
 
     `origin` prefixes error messages (a file name or preset name) so that the user knows
-    which description is wrong.
+    which description is wrong. `profile` is a `Profile` value (`ckplan.inputs.load_spec` reads
+    a named or file profile into one) or `fused`, the op table itself.
     """
     if not isinstance(mapping, Mapping):
         raise SpecError(
@@ -312,9 +272,9 @@ def spec_from_mapping(mapping: Mapping[str, Any], origin: str = "model") -> Mode
         )
     values: dict[str, Any] = {}
     for key, value in mapping.items():
-        if not isinstance(key, str) or key not in _FIELDS:
+        if not isinstance(key, str) or key not in _KEYS:
             raise SpecError(f"{origin}: unknown key {quote(key)}{_did_you_mean(key)}")
-        values[key] = coerce_value(origin, key, value)
+        values[key] = value if isinstance(value, Profile) else coerce_value(origin, key, value)
     missing = [key for key in _REQUIRED if key not in values]
     if values.get("kind") == "mlp":
         values.setdefault("seq", 1)
@@ -322,15 +282,61 @@ def spec_from_mapping(mapping: Mapping[str, Any], origin: str = "model") -> Mode
     if missing:
         raise SpecError(f"{origin}: missing required key {missing[0]!r}")
     try:
-        return ModelSpec(**values)
+        return _build(values)
     except SpecError as error:
         raise SpecError(f"{origin}: {error}") from None
 
 
+def _build(values: dict[str, Any]) -> ModelSpec:
+    _validate_ranges(values)
+    parts: dict[str, dict[str, Any]] = {part: {} for part in PARTS}
+    for key, value in values.items():
+        if key in PART_OF:
+            parts[PART_OF[key]][key] = value
+    return ModelSpec(
+        name=values["name"],
+        source=values.get("source", ""),
+        profile=_profile_value(values.get("profile", FUSED)),
+        **{part: record(**parts[part]) for part, record in PARTS.items()},
+    )
+
+
+def _profile_value(value: Any) -> Profile:
+    if isinstance(value, Profile):
+        return value
+    if not isinstance(value, str):
+        raise SpecError(f"key 'profile' expects a string, got {quote(value)}")
+    if not value.strip():
+        raise SpecError(
+            "key 'profile' expects a profile name (fused, torch-eager, ...) or a .yaml file"
+        )
+    if value == FUSED_NAME:
+        return FUSED
+    raise SpecError(
+        f"key 'profile' ({quote(value)}) names a profile to read: load the model with "
+        "ckplan.inputs.presets.load_spec, which reads it"
+    )
+
+
+def _validate_ranges(values: Mapping[str, Any]) -> None:
+    """Every size key inside its documented range, in one order whatever part holds it (each
+    part checks its own again when built)."""
+    for key, (low, high) in SIZE_RANGES.items():
+        value = values.get(key)
+        if value is None:  # absent, or a nullable key left to its default
+            continue
+        if value < low and low == 1:
+            raise SpecError(f"key {key!r} must be a positive integer, got {quote(value)}")
+        if value < low:
+            raise SpecError(f"key {key!r} must be >= {low}, got {quote(value)}")
+        if value > high and key != "zero":
+            raise SpecError(f"key {key!r} must be in {low:,}..{high:,}, got {quote(value)}")
+
+
 def _did_you_mean(key: Any) -> str:
     key = key if isinstance(key, str) and len(key) < 100 else ""
-    close = difflib.get_close_matches(key, _FIELDS, n=1, cutoff=0.6) if key else []
-    return f" (did you mean {close[0]!r}?)" if close else f"; valid keys: {', '.join(_FIELDS)}"
+    close = difflib.get_close_matches(key, _KEYS, n=1, cutoff=0.6) if key else []
+    return f" (did you mean {close[0]!r}?)" if close else f"; valid keys: {', '.join(_KEYS)}"
 
 
 def coerce_value(origin: str, key: str, value: Any) -> Any:
@@ -420,32 +426,14 @@ def _coerce_imbalance(origin: str, value: Any) -> str:
     return "average" if factor == 1 else text
 
 
-def _validate_ranges(spec: ModelSpec) -> None:
-    """Every size key inside its documented range (before anything divides by it)."""
-    for key, (low, high) in SIZE_RANGES.items():
-        value = getattr(spec, key)
-        if value is None:  # a nullable key left to its default
-            continue
-        if value < low and low == 1:
-            raise SpecError(f"key {key!r} must be a positive integer, got {quote(value)}")
-        if value < low:
-            raise SpecError(f"key {key!r} must be >= {low}, got {quote(value)}")
-        if value > high and key != "zero":
-            raise SpecError(f"key {key!r} must be in {low:,}..{high:,}, got {quote(value)}")
-
-
 def _validate(spec: ModelSpec) -> None:
     for key, allowed in ENUMS.items():
         if getattr(spec, key) not in allowed:
             raise SpecError(
                 f"key {key!r} must be one of {', '.join(allowed)}, got {quote(getattr(spec, key))}"
             )
-    if not spec.profile.strip():
-        raise SpecError(
-            "key 'profile' expects a profile name (fused, torch-eager, ...) or a .yaml file"
-        )
-    if spec.kind == "mlp" and spec.profile != "fused":
-        raise SpecError("key 'profile' applies to kind: transformer; the seed MLP has no profiles")
+    if spec.kind == "mlp" and not spec.profile.is_fused:
+        raise SpecError("key 'profile' applies to kind: transformer; the NumPy MLP has no profiles")
     if not 0.0 <= spec.dropout < 1.0:
         raise SpecError(f"key 'dropout' must be in [0, 1), got {spec.dropout}")
     if spec.zero > 3:
@@ -547,8 +535,6 @@ def _validate_split_extras(spec: ModelSpec) -> None:
 
 
 def _validate_layer_sets(spec: ModelSpec) -> None:
-    from ckplan.model.layers import LayerSetError, parse_layer_set
-
     if spec.sliding_window_layers != "all" and not spec.sliding_window:
         raise SpecError("key 'sliding_window_layers' needs a sliding_window > 0")
     for key in sorted(_LAYER_SET_FIELDS):
@@ -599,8 +585,6 @@ def _validate_moe(spec: ModelSpec) -> None:
             if getattr(spec, key) != default:
                 raise SpecError(f"key {key!r} needs a mixture of experts (experts > 0)")
         return
-    from ckplan.model.layers import parse_layer_set
-
     if spec.kind != "transformer":
         raise SpecError("key 'experts' needs kind: transformer")
     if not 1 <= spec.top_k <= spec.experts:

@@ -11,8 +11,8 @@ from ckplan.cache import BoundedCache
 from ckplan.model import flops as flops_model
 from ckplan.model import memory
 from ckplan.model.layers import LayerKind, stage_kinds, stage_layer_indices
-from ckplan.model.ops import ATTENTION_CORE
-from ckplan.model.spec import ModelSpec, activation_spec
+from ckplan.model.op import ATTENTION_CORE
+from ckplan.model.spec import ModelSpec
 from ckplan.schedules import Chain
 
 
@@ -61,7 +61,7 @@ def layer_chain(
     tape drops the attention core (or the named recompute groups) and its backward re-runs the
     core's forward (Korthikanti §5)."""
     return _layer_chain(
-        activation_spec(spec), recompute_groups(selective), stage_index(spec, first_stage, stage)
+        spec.chain, recompute_groups(selective), stage_index(spec, first_stage, stage)
     )
 
 

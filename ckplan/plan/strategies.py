@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from ckplan.errors import InputError
-from ckplan.model.ops import ATTENTION_CORE
+from ckplan.model.op import ATTENTION_CORE
 from ckplan.model.spec import ModelSpec
 from ckplan.quoting import quote
 

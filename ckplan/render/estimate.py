@@ -12,13 +12,13 @@ from rich.table import Table
 from rich.text import Text
 
 from ckplan import __version__
+from ckplan.model.expert_layout import ExpertLayout, expert_layout
 from ckplan.model.layers import distinct_kinds, format_layer_set, kind_layer_indices
 from ckplan.model.memory import (
     activation_breakdown,
     activation_bytes_per_layer,
     parameter_count,
 )
-from ckplan.model.moe import ExpertLayout, expert_layout
 from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan

@@ -29,11 +29,12 @@ from typing import Any
 from ckplan.hardware import communication as comm
 from ckplan.hardware.gpus import GPU
 from ckplan.hardware.roofline import memory_seconds
-from ckplan.hardware.step_time import StageTime, embedding_time, layer_time, output_time
+from ckplan.hardware.step_time import embedding_time, layer_time, output_time
+from ckplan.hardware.times import StageTime
 from ckplan.model import memory
 from ckplan.model.layers import LayerKind, stage_kinds
 from ckplan.model.moe import EXPERTS, MOE
-from ckplan.model.ops import ATTENTION_CORE, split_share
+from ckplan.model.op import ATTENTION_CORE, split_share
 from ckplan.model.spec import ModelSpec
 from ckplan.plan.layer_chain import layer_stage_costs
 from ckplan.plan.layout.space import Layout, Split

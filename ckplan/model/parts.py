@@ -1,0 +1,318 @@
+"""The parts of a model description, each its own frozen record.
+
+A run is described by what the network is (`Architecture`), the shape of one micro-batch
+(`RunShape`), how one model replica is split over GPUs (`Parallelism`), how replicas share the
+work (`DataParallel`) and what each parameter costs in memory (`TrainingState`). Users write
+them as one flat YAML mapping (README, docs/models.md); `ckplan.model.spec` validates the mapping
+into these records. Consumers take only the parts they depend on: one GPU's op table and chain
+depend on the architecture, the run shape and the parallelism (`ChainSpec`), never on dp, ZeRO or
+the micro-batch count, so layouts that differ only there share them.
+
+Each record resolves its own defaults that derive from its own keys (kv_heads = heads,
+ffn_hidden = 4h, head_dim = h / a, etp = tp, ...) after checking the ranges those defaults divide
+by; rules across keys and parts are `ckplan.model.spec`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ckplan.errors import InputError
+from ckplan.quoting import quote
+
+
+class SpecError(InputError):
+    """Invalid model description; the message is one line and names the offending key."""
+
+
+# The documented range of every size key (docs/models.md "Ranges"). Generous: a model 100x larger
+# than any trained today fits (today's largest: ~130 layers, hidden 25,600, FFN 73,728, 160 heads,
+# vocab 262k, contexts of 10M tokens, ~100k GPUs), and a typo beyond it is an error instead of a
+# minutes-long run or an exhausted memory. vocab and zero may be 0.
+SIZE_RANGES: dict[str, tuple[int, int]] = {
+    "layers": (1, 100_000),
+    "hidden": (1, 2**20),
+    "seq": (1, 2**24),
+    "micro_batch": (1, 2**20),
+    "heads": (1, 2**16),
+    "kv_heads": (1, 2**16),
+    "ffn_hidden": (1, 2**22),
+    "vocab": (0, 2**24),
+    "dtype_bytes": (1, 8),
+    "tp": (1, 2**16),
+    "pp": (1, 2**16),
+    "cp": (1, 2**20),
+    "dp": (1, 2**24),
+    "zero": (0, 3),
+    "virtual_stages": (1, 2**16),
+    "microbatches": (1, 2**20),
+    "weight_bytes": (0, 64),
+    "grad_bytes": (0, 64),
+    "master_bytes": (0, 64),
+    "optimizer_bytes": (0, 64),
+    # mixed layers, MoE, MLA, sliding window (0: not used, where the key allows it)
+    "head_dim": (1, 2**16),
+    "sliding_window": (0, 2**24),
+    "experts": (0, 2**20),
+    "top_k": (1, 2**16),
+    "moe_ffn_hidden": (1, 2**22),
+    "shared_experts": (0, 2**16),
+    "shared_ffn_hidden": (0, 2**22),
+    "ep": (1, 2**20),
+    "etp": (1, 2**16),
+    "q_lora_rank": (0, 2**20),
+    "kv_lora_rank": (0, 2**20),
+    "qk_nope_head_dim": (0, 2**16),
+    "qk_rope_head_dim": (0, 2**16),
+    "v_head_dim": (0, 2**16),
+    "first_stage_layers": (1, 99_999),  # the other stages hold at least one layer
+    "last_stage_layers": (1, 99_999),
+}
+
+
+def check_ranges(record: Any) -> None:
+    """Every size key of `record` inside its documented range (before anything divides by it)."""
+    for field in dataclasses.fields(record):
+        limits = SIZE_RANGES.get(field.name)
+        value = getattr(record, field.name)
+        if limits is None or value is None:  # not a size, or a nullable key left to its default
+            continue
+        low, high = limits
+        key = field.name
+        if value < low and low == 1:
+            raise SpecError(f"key {key!r} must be a positive integer, got {quote(value)}")
+        if value < low:
+            raise SpecError(f"key {key!r} must be >= {low}, got {quote(value)}")
+        if value > high and key != "zero":
+            raise SpecError(f"key {key!r} must be in {low:,}..{high:,}, got {quote(value)}")
+
+
+class _Record:
+    """Frozen records used as cache keys: the hash is computed once."""
+
+    def __hash__(self) -> int:
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def _derive(self, key: str, value: Any) -> None:
+        object.__setattr__(self, key, value)
+
+
+@dataclass(frozen=True, eq=True)
+class Architecture(_Record):
+    """What the network is: its layers, widths, attention, MLP and experts."""
+
+    layers: int  # L
+    hidden: int  # h (kind mlp: the width d)
+    heads: int = 1  # a
+    kv_heads: int | None = None  # g; None -> heads
+    ffn_hidden: int | None = None  # F; None -> 4h
+    vocab: int = 0  # V; 0 -> no embedding/output layer in the chain
+    kind: str = "transformer"  # transformer | mlp (the NumPy MLP that `ckplan verify` runs)
+    norm: str = "layernorm"
+    mlp: str = "gelu"
+    attention: str = "standard"
+    positions: str = "learned"
+    bias: bool = True
+    dropout: float = 0.0
+    tied_embeddings: bool = False
+    fused_swiglu: bool = True  # Megatron's bias_swiglu saves fc1 output, not silu(gate) too
+    # attention details of the Hugging Face families (docs/architectures.md)
+    head_dim: int | None = None  # d; None -> h / a (Gemma, Qwen3: a·d != h)
+    qkv_bias: bool | None = None  # biases on Q, K, V only (Qwen2); None -> bias
+    qk_norm: bool = False  # RMSNorm on each head of Q and K (Qwen3, Gemma 3)
+    post_norms: bool = False  # norms after attention and MLP too (Gemma 2/3)
+    parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX)
+    # sliding-window attention: the window in tokens (0 = none) and the layers that use it
+    sliding_window: int = 0
+    sliding_window_layers: str = "all"  # a layer set (ckplan.model.layers)
+    # multi-head latent attention (DeepSeek-V2/V3), on when kv_lora_rank > 0
+    q_lora_rank: int = 0  # 0: Q projected directly from h
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # mixture of experts, on when experts > 0 (Megatron-LM's names in comments)
+    experts: int = 0  # --num-experts
+    top_k: int = 2  # --moe-router-topk
+    moe_ffn_hidden: int | None = None  # --moe-ffn-hidden-size; None -> ffn_hidden
+    shared_experts: int = 0
+    shared_ffn_hidden: int | None = None  # all shared experts; None -> shared_experts·F_e
+    shared_expert_gate: bool = False  # sigmoid gate on the shared experts (Qwen2-MoE)
+    expert_bias: bool = False  # per-expert routing bias (DeepSeek-V3 aux-loss-free balancing)
+    capacity_factor: float = 0.0  # --moe-expert-capacity-factor, padded; 0 = dropless
+    moe_layers: str = "all"  # a layer set; --moe-layer-freq N is 0-:N
+
+    __hash__ = _Record.__hash__
+
+    def __post_init__(self) -> None:
+        if self.kv_heads is None:
+            self._derive("kv_heads", self.heads)
+        check_ranges(self)
+        if self.ffn_hidden is None:
+            self._derive("ffn_hidden", 4 * self.hidden)
+        if self.head_dim is None:
+            if self.hidden % self.heads:
+                raise SpecError(
+                    f"key 'heads' ({self.heads}) must divide hidden ({self.hidden}), "
+                    "or give head_dim"
+                )
+            self._derive("head_dim", self.hidden // self.heads)
+        if self.qkv_bias is None:
+            self._derive("qkv_bias", self.bias)
+        if self.moe_ffn_hidden is None:
+            self._derive("moe_ffn_hidden", self.ffn_hidden)
+        if self.shared_ffn_hidden is None:
+            self._derive("shared_ffn_hidden", self.shared_experts * self.moe_ffn_hidden)
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2 §2.1), on when kv_lora_rank > 0."""
+        return self.kv_lora_rank > 0
+
+    def derived_defaults(self) -> dict[str, Any]:
+        """The keys whose default derives from other keys, at the value it would derive to."""
+        return {
+            "head_dim": self.hidden // self.heads,
+            "qkv_bias": self.bias,
+            "moe_ffn_hidden": self.ffn_hidden,
+            "shared_ffn_hidden": self.shared_experts * self.moe_ffn_hidden,
+        }
+
+
+@dataclass(frozen=True, eq=True)
+class RunShape(_Record):
+    """One micro-batch as one model replica sees it: tokens, rows, the activation dtype, and how
+    evenly a mixture of experts routes them."""
+
+    seq: int  # s (kind mlp: unused, 1)
+    micro_batch: int  # b (kind mlp: rows per step)
+    dtype_bytes: int = 2  # B: bytes per activation value
+    moe_imbalance: str = "average"  # average | worst | a factor >= 1 (tokens on the busiest rank)
+
+    __hash__ = _Record.__hash__
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
+
+
+@dataclass(frozen=True, eq=True)
+class Parallelism(_Record):
+    """How one model replica is split over GPUs: what one GPU's layers, ops and chain depend on."""
+
+    tp: int = 1
+    pp: int = 1
+    sp: bool = False
+    cp: int = 1
+    virtual_stages: int = 1
+    ep: int = 1  # --expert-model-parallel-size
+    etp: int | None = None  # --expert-tensor-parallel-size; None -> tp (Megatron's default)
+    # uneven pipelines: layers of the first / last stage (Megatron's
+    # --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers); the other
+    # stages share the rest evenly. None: L/p on every stage.
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    # Megatron's --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-
+    # split: the embedding (the loss) counts as one layer when the L (+1, +2) layers are split
+    # over the p stages, so the first (last) stage holds one transformer layer fewer
+    # (Llama 3's 126 layers over p 16: 7, 8 x 14, 7).
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+
+    __hash__ = _Record.__hash__
+
+    def __post_init__(self) -> None:
+        if self.etp is None:
+            self._derive("etp", self.tp)
+        check_ranges(self)
+
+    @property
+    def pipeline_split_extras(self) -> tuple[int, int]:
+        """(embedding, loss): 1 where Megatron counts it as a layer of the pipeline split."""
+        return (
+            int(self.account_for_embedding_in_pipeline_split),
+            int(self.account_for_loss_in_pipeline_split),
+        )
+
+    def stage_layer_counts(self, layers: int) -> tuple[int, ...]:
+        """Layers of each pipeline stage: L/p each, or first_stage_layers, last_stage_layers
+        and the rest split evenly over the stages between (Megatron-LM's uneven split)."""
+        p = self.pp
+        if self.first_stage_layers is None and self.last_stage_layers is None:
+            embedding, loss = self.pipeline_split_extras
+            each = (layers + embedding + loss) // p
+            return (each - embedding, *(each,) * (p - 2), each - loss) if p > 1 else (each,)
+        first, last = self.first_stage_layers, self.last_stage_layers
+        middle_stages = p - (first is not None) - (last is not None)
+        rest = layers - (first or 0) - (last or 0)
+        each = rest // middle_stages if middle_stages else 0
+        counts = [each] * p
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+        return tuple(counts)
+
+
+@dataclass(frozen=True, eq=True)
+class DataParallel(_Record):
+    """How model replicas share the work of an iteration: their number, how they shard the
+    model states (ZeRO stage), and the micro-batches each pipeline runs per iteration."""
+
+    dp: int = 1
+    zero: int = 0
+    microbatches: int = 1  # per iteration per pipeline
+
+    __hash__ = _Record.__hash__
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
+
+
+@dataclass(frozen=True, eq=True)
+class TrainingState(_Record):
+    """What each parameter costs in memory beside the activations, bytes per parameter
+    (Megatron-LM's mixed-precision Adam: 2 + 4 + 4 + 4 + 4)."""
+
+    weight_bytes: int = 2
+    grad_bytes: int = 4
+    master_bytes: int = 4
+    optimizer_bytes: int = 8
+
+    __hash__ = _Record.__hash__
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
+
+
+PARTS: dict[str, type] = {
+    "architecture": Architecture,
+    "shape": RunShape,
+    "parallel": Parallelism,
+    "data_parallel": DataParallel,
+    "training": TrainingState,
+}
+
+
+def cached_by_chain(maxsize: int) -> Callable:
+    """Cache a function of one GPU's model by the parts it depends on (`spec.chain`): layouts
+    that differ only in dp, ZeRO, the micro-batch count or the training state share entries."""
+
+    def wrap(function: Callable) -> Callable:
+        cached = functools.lru_cache(maxsize=maxsize)(function)
+
+        @functools.wraps(function)
+        def call(spec, *args, **kwargs):
+            return cached(spec.chain, *args, **kwargs)
+
+        call.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+        return call
+
+    return wrap
