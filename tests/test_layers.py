@@ -1,7 +1,7 @@
 """The package's imports point one way, share only public names, and form no circle.
 
 Layers, lowest first (docs/code.md): units and errors -> model -> schedules -> hardware -> plan ->
-verify -> inputs -> calibrate -> exports -> render -> cli. A module may import its own layer and
+verify -> inputs -> published, calibrate -> exports -> render -> cli. A module may import its own layer and
 the layers below it, never one above; every import is counted, also those inside functions (an
 import deferred for start-up time is still a dependency).
 """
@@ -26,6 +26,7 @@ RANKS = {
     "plan": 4,
     "verify": 5,
     "inputs": 6,
+    "published": 7,
     "calibrate": 7,
     "exports": 8,
     "render": 9,

@@ -7,11 +7,14 @@ experts counts the experts each token is routed to (`moe.routed_rows`), never al
 
 from __future__ import annotations
 
+import dataclasses
+
 from ckplan.model.layers import LayerKind, kind_layer_indices
+from ckplan.model.memory import parameter_count
 from ckplan.model.op import ATTENTION_CORE, in_group, matmul_flops, split_share
 from ckplan.model.ops import layer_ops
-from ckplan.model.parts import cached_by_chain
-from ckplan.model.spec import ModelSpec
+from ckplan.model.parts import Parallelism, RunShape, cached_by_chain
+from ckplan.model.spec import ChainSpec, ModelSpec
 
 
 def layer_forward_flops(spec: ModelSpec, kind: LayerKind | None = None) -> int:
@@ -54,19 +57,73 @@ def logits_forward_flops(spec: ModelSpec) -> int:
     return matmul_flops(tokens, split_share(spec.vocab, spec.tp), spec.hidden)
 
 
+def _whole_model(spec: ModelSpec) -> ChainSpec:
+    """The model on one GPU with one sequence: no parallelism, no capacity padding, average
+    routing, so that FLOPs count the model itself."""
+    return ChainSpec(
+        architecture=dataclasses.replace(spec.architecture, capacity_factor=0.0),
+        shape=RunShape(seq=spec.seq, micro_batch=1, dtype_bytes=spec.dtype_bytes),
+        parallel=Parallelism(),
+        profile=spec.profile,
+    )
+
+
+def _per_sequence(spec: ModelSpec) -> tuple[int, int, int]:
+    """Forward FLOPs of one sequence: (all layers, their attention cores, the logits)."""
+    whole = _whole_model(spec)
+    indices = kind_layer_indices(whole)
+    layers = sum(layer_forward_flops(whole, kind) * len(at) for kind, at in indices.items())
+    core = sum(
+        group_forward_flops(whole, ATTENTION_CORE, kind) * len(at) for kind, at in indices.items()
+    )
+    return layers, core, logits_forward_flops(whole)
+
+
 def model_flops_per_iteration(spec: ModelSpec, global_batch: int) -> int:
     """Model FLOPs of one iteration (forward + backward, no recompute) for `global_batch`
     sequences: 3 x (L layers + logits) forward. For GPT with F = 4h this is Korthikanti App. A's
     72·B·s·l·h²·(1 + s/6h + V/12hl) exactly. A mixture of experts counts the k routed experts
     of every token (average routing, no capacity padding)."""
-    whole = spec.replace(
-        tp=1, sp=False, cp=1, pp=1, micro_batch=1, virtual_stages=1, ep=1, etp=1, dp=1, zero=0,
-        capacity_factor=0.0, moe_imbalance="average", first_stage_layers=None,
-        last_stage_layers=None, account_for_embedding_in_pipeline_split=False,
-        account_for_loss_in_pipeline_split=False,
-    )  # fmt: skip
-    layers = sum(  # per kind of layer, times its count (ints: exact)
-        layer_forward_flops(whole, kind) * len(indices)
-        for kind, indices in kind_layer_indices(whole).items()
-    )
-    return 3 * (layers + logits_forward_flops(whole)) * global_batch
+    layers, _, logits = _per_sequence(spec)
+    return 3 * (layers + logits) * global_batch
+
+
+# The FLOP counts publishers divide by time for TFLOP/s and MFU. A published figure is compared
+# on its own publisher's count (ckplan validate); `--mfu-convention` picks ckplan's.
+FLOP_CONVENTIONS: dict[str, str] = {
+    "full": "3 x forward matmul FLOPs with the full s x s attention (Korthikanti et al. 2022 "
+    "App. A; Megatron-LM's num_floating_point_operations; NeMo's flops_formulas)",
+    "causal": "as full, the attention core (QK^T and AV) counted once for the causal half "
+    "(Megatron-Bridge's flop_utils: 'only half of the attention matrix is computed')",
+    "recompute": "as full, the layers' forward counted again for full activation recomputation: "
+    "96·B·s·l·h²·(1 + s/6h + V/16lh) for GPT (Narayanan et al. 2021, Eq. 3)",
+    "6n": "6 x non-embedding parameters x tokens + 12·l·a·d·s per token (Chowdhery et al. 2022 "
+    "App. B; torchtitan's get_num_flop_per_token)",
+    "6n-all": "6 x all parameters x tokens + 12·l·h·s per token (llm-foundry's MFU: "
+    "3·(2·n_params·s + 2·2·l·h·s²) per sequence)",
+}
+MFU_CONVENTION = "full"  # ckplan's MFU: model FLOPs, no recompute, full attention
+
+
+def iteration_flops(spec: ModelSpec, global_batch: int, convention: str = MFU_CONVENTION) -> int:
+    """FLOPs of one iteration of `global_batch` sequences as `convention` counts them
+    (FLOP_CONVENTIONS), exact. The parameter conventions count the parameters a token passes
+    through (a mixture of experts: its k routed experts), `6n` without the input embedding, and
+    the attention scores and values as 12·l·a·d·s per token (PaLM's 12·L·H·Q·T), `6n-all` with
+    every parameter and 12·l·h·s (llm-foundry's d_model)."""
+    if convention in ("6n", "6n-all"):
+        count = parameter_count(_whole_model(spec))
+        parameters = count.active - (count.embedding if convention == "6n" else 0)
+        width = spec.heads * spec.head_dim if convention == "6n" else spec.hidden
+        per_token = 6 * parameters + 12 * spec.layers * width * spec.seq
+        return per_token * spec.seq * global_batch
+    layers, core, logits = _per_sequence(spec)
+    if convention == "full":
+        per_sequence = 3 * (layers + logits)
+    elif convention == "causal":
+        per_sequence = 3 * (layers - core + core // 2 + logits)
+    elif convention == "recompute":
+        per_sequence = 4 * layers + 3 * logits
+    else:
+        raise ValueError(f"unknown FLOP convention {convention!r}")
+    return per_sequence * global_batch

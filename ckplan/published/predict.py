@@ -1,0 +1,212 @@
+"""ckplan's prediction of a published run, and its error against the published figure.
+
+Each run is built as a user would describe it (its model, its published layout, its
+recomputation), planned with `plan.evaluate` and timed with `hardware.step_time`. A throughput
+figure implies a step time, so every time metric is compared as a step time (predicted /
+published - 1, positive when ckplan is slower) and, where the publisher counts FLOPs, as MFU in
+the publisher's own convention and peak (predicted - published, in points).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckplan.errors import InputError
+from ckplan.hardware.gpus import GPU
+from ckplan.hardware.step_time import step_time
+from ckplan.inputs.gpus import load_gpu
+from ckplan.inputs.presets import load_mapping, spec_from_values
+from ckplan.model.flops import iteration_flops
+from ckplan.model.spec import ModelSpec
+from ckplan.plan import evaluate, parse_strategy
+from ckplan.plan.evaluate import Plan
+from ckplan.plan.search import DEFAULT_RESERVE
+from ckplan.published.runs import MEMORY_METRICS, PublishedRun
+
+# What ckplan cannot model yet, by run key and value: such runs are listed, not scored.
+NOT_MODELLED = {
+    ("precision", "fp8"): "FP8 GEMMs are not modelled",
+}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    run: PublishedRun
+    status: str  # "ok", or why the run is not scored
+    predicted: float | None = None  # in the published metric's unit
+    error: float | None = None  # predicted / published - 1 (step time, or memory)
+    predicted_step: float | None = None
+    published_step: float | None = None
+    predicted_mfu: float | None = None  # in the publisher's convention, where it has one
+    published_mfu: float | None = None
+    fits: bool | None = None
+    memory_bytes: int | None = None
+    spec: ModelSpec | None = None
+    plan: Plan | None = None
+
+    @property
+    def scored(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def mfu_points(self) -> float | None:
+        if self.predicted_mfu is None or self.published_mfu is None:
+            return None
+        return 100 * (self.predicted_mfu - self.published_mfu)
+
+
+def run_spec(run: PublishedRun) -> ModelSpec:
+    """The run as a model description: its model, its layout, its micro-batches."""
+    if isinstance(run.model, str):
+        base, origin = load_mapping(run.model)
+    else:
+        base, origin = {"name": run.name, **run.model}, run.name
+    layout = dict(run.layout)
+    tp, pp, cp = (int(layout.get(key, 1)) for key in ("tp", "pp", "cp"))
+    dp = int(layout.get("dp", run.gpus // (tp * pp * cp)))
+    if tp * pp * cp * dp != run.gpus:
+        raise InputError(f"{run.name}: tp·pp·cp·dp = {tp * pp * cp * dp}, not gpus {run.gpus}")
+    per_step = run.micro_batch * dp
+    if run.global_batch % per_step:
+        raise InputError(
+            f"{run.name}: global batch {run.global_batch} is not a multiple of micro_batch·dp "
+            f"({per_step})"
+        )
+    values: dict[str, Any] = {
+        **base,
+        **run.settings,
+        **layout,
+        "dp": dp,
+        "seq": run.seq,
+        "micro_batch": run.micro_batch,
+        "microbatches": run.global_batch // per_step,
+    }
+    values.pop("zero", None)
+    zero = int(layout.get("zero", 0))
+    return spec_from_values({**values, "zero": zero}, origin)
+
+
+def strategy_of(run: PublishedRun) -> str:
+    """ckplan's strategy for the run's recomputation (`full` is Megatron's uniform full
+    recomputation of every layer, `selective` the attention core)."""
+    return run.recompute
+
+
+def predict(run: PublishedRun, gpu: GPU | None = None) -> Prediction:
+    for (key, value), why in NOT_MODELLED.items():
+        if getattr(run, key, None) == value:
+            return Prediction(run, f"not modelled: {why}")
+    try:
+        spec = run_spec(run)
+        gpu = gpu or load_gpu(run.gpu)
+        plan = evaluate(spec, parse_strategy(strategy_of(run), spec))
+    except InputError as error:
+        return Prediction(run, f"not modelled: {error}")
+    memory = plan.total_bytes
+    fits = memory <= gpu.memory_bytes - DEFAULT_RESERVE
+    metric, value = run.published.metric, run.published.value
+    if metric in MEMORY_METRICS:
+        return Prediction(
+            run, "ok", memory, memory / value - 1, fits=fits, memory_bytes=memory,
+            spec=spec, plan=plan,
+        )  # fmt: skip
+    time = step_time(plan, gpu)
+    if time is None:
+        return Prediction(run, "not modelled: no step time for this plan", spec=spec, plan=plan)
+    step = time.step_seconds
+    flops = _convention_flops(spec, run)
+    peak = run.published.peak_flops or gpu.bf16_flops
+    published_step = _published_step(run, flops, peak)
+    predicted = _metric_value(run, step, flops, peak)
+    mfu = (lambda seconds: flops / (seconds * run.gpus * peak)) if flops else None
+    return Prediction(
+        run,
+        "ok",
+        predicted=predicted,
+        error=step / published_step - 1,
+        predicted_step=step,
+        published_step=published_step,
+        predicted_mfu=mfu(step) if mfu else None,
+        published_mfu=mfu(published_step) if mfu else None,
+        fits=fits,
+        memory_bytes=memory,
+        spec=spec,
+        plan=plan,
+    )
+
+
+def _convention_flops(spec: ModelSpec, run: PublishedRun) -> int | None:
+    convention = run.published.convention
+    return iteration_flops(spec, run.global_batch, convention) if convention else None
+
+
+def _published_step(run: PublishedRun, flops: int | None, peak: float) -> float:
+    """The step time a published figure implies."""
+    metric, value = run.published.metric, run.published.value
+    tokens = run.global_batch * run.seq
+    if metric == "step_seconds":
+        return value
+    if metric == "tokens_per_second_per_gpu":
+        return tokens / (value * run.gpus)
+    if metric == "samples_per_second":
+        return run.global_batch / value
+    if metric == "tflops_per_gpu":
+        return flops / (value * 1e12 * run.gpus)
+    if metric == "mfu":
+        return flops / (value * run.gpus * peak)
+    raise ValueError(metric)
+
+
+def _metric_value(run: PublishedRun, step: float, flops: int | None, peak: float) -> float:
+    metric = run.published.metric
+    tokens = run.global_batch * run.seq
+    return {
+        "step_seconds": lambda: step,
+        "tokens_per_second_per_gpu": lambda: tokens / (step * run.gpus),
+        "samples_per_second": lambda: run.global_batch / step,
+        "tflops_per_gpu": lambda: flops / (step * run.gpus) / 1e12,
+        "mfu": lambda: flops / (step * run.gpus * peak),
+    }[metric]()
+
+
+def summarise(predictions: list[Prediction]) -> dict[str, Any]:
+    """Mean and largest |step error|, mean signed error and mean MFU error in points, per
+    split, per GPU and per framework (scored time runs), and the memory runs' errors."""
+    time = [p for p in predictions if p.scored and p.run.published.metric not in MEMORY_METRICS]
+    memory = [p for p in predictions if p.scored and p.run.published.metric in MEMORY_METRICS]
+    groups: dict[str, Mapping[str, list[Prediction]]] = {
+        "split": _group(time, lambda p: p.run.split),
+        "gpu": _group(time, lambda p: p.run.gpu),
+        "framework": _group(time, lambda p: p.run.framework),
+    }
+    return {
+        "time": {"all": _stats(time), **{k: {g: _stats(v) for g, v in d.items()} for k, d in
+                                         groups.items()}},
+        "memory": {"all": _stats(memory), "split": {
+            g: _stats(v) for g, v in _group(memory, lambda p: p.run.split).items()}},
+        "not_scored": sum(1 for p in predictions if not p.scored),
+    }  # fmt: skip
+
+
+def _group(predictions: list[Prediction], key) -> dict[str, list[Prediction]]:
+    groups: dict[str, list[Prediction]] = {}
+    for prediction in predictions:
+        groups.setdefault(key(prediction), []).append(prediction)
+    return dict(sorted(groups.items()))
+
+
+def _stats(predictions: list[Prediction]) -> dict[str, Any]:
+    errors = [p.error for p in predictions if p.error is not None]
+    points = [p.mfu_points for p in predictions if p.mfu_points is not None]
+    if not errors:
+        return {"runs": 0}
+    return {
+        "runs": len(errors),
+        "mean_abs_error": sum(abs(e) for e in errors) / len(errors),
+        "max_abs_error": max(abs(e) for e in errors),
+        "mean_error": sum(errors) / len(errors),
+        "mfu_runs": len(points),
+        "mean_abs_mfu_points": sum(abs(x) for x in points) / len(points) if points else None,
+    }
