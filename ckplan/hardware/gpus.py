@@ -36,6 +36,18 @@ default for a file without them; the shipped files cite their figures):
                               reduce-scatter base + (n-1) (communication.ring_latency_seconds)
   nccl_channels               CUDA blocks a collective runs, one per channel, each holding an
                               SM a large-tile GEMM cannot share (communication.overlapped)
+
+Precision and attention-kernel keys (hardware.code_path):
+  fp8_flops, fp8_matmul_efficiency   dense FP8 tensor-core FLOP/s and its best-shape share
+  flash3_efficiency, cudnn_attention_efficiency, triton_attention_efficiency
+                              each kernel's forward + backward plateau (flash_attention_efficiency
+                              is FlashAttention-2's), from the kernels' published benchmarks
+  attention_half_seq          the sequence length at which they reach half the plateau
+  sustained_fraction          the share of the kernel benchmarks a training step sustains (fitted)
+  clock_factor                a power-capped part's compute rate against the rated one
+
+memory_bytes is what CUDA reports (torch.cuda.get_device_properties().total_memory), below the
+datasheet's decimal figure (an 80 GB H100: 81,106 MiB).
 """
 
 from __future__ import annotations
@@ -79,6 +91,23 @@ class GPU:
     collective_latency_s: float = 0.0
     collective_step_latency_s: float = 0.0
     nccl_channels: int = 0
+    # FP8 tensor cores (0: none) and the share of them a best-shape FP8 GEMM reaches (MAMF)
+    fp8_flops: float = 0.0
+    fp8_matmul_efficiency: float = 0.7
+    # attention kernels other than FlashAttention-2 (flash_attention_efficiency): their plateau
+    # as a share of bf16_flops, 0 where the kernel does not run on this GPU
+    flash3_efficiency: float = 0.0
+    cudnn_attention_efficiency: float = 0.0
+    triton_attention_efficiency: float = 0.0
+    # tokens (per CP rank) at which an attention kernel reaches half its plateau (e(s) = plateau ·
+    # s / (s + attention_half_seq)); 0: the plateau at every length
+    attention_half_seq: float = 0.0
+    # the share of its MAMF a training step's GEMMs and attention kernels sustain (power and
+    # clocks under load, GEMMs beside NCCL, transposed backward operands): fitted on published
+    # runs (docs/validation.md, "The time model's fitted constants"); 1 = the kernel benchmarks
+    sustained_fraction: float = 1.0
+    # a power-capped or down-clocked part: compute rates scale by this (1 = as rated)
+    clock_factor: float = 1.0
 
     def replace(self, **changes: Any) -> GPU:
         return gpu_from_mapping({**self.to_dict(), **changes})
@@ -100,12 +129,19 @@ MAX_TEXT_CHARS = 1000  # name, source: as the model's text keys
 MAX_COUNT = 2**20  # gpus_per_node, sm_count, tiles
 MEMORY_RANGE = (2**20, 10**21)  # memory_bytes: 1 MiB .. 1 ZB, as --budget accepts
 _OVERLAPS = {"dp_overlap", "ep_overlap"}  # [0, 1]
+# [0, 1]: 0 = the GPU has no such unit or kernel
+_OPTIONAL_FRACTIONS = {"flash3_efficiency", "cudnn_attention_efficiency"}
+_OPTIONAL_FRACTIONS |= {"triton_attention_efficiency"}
+_NON_NEGATIVE = {"fp8_flops", "attention_half_seq"}  # [0, MAX_RATE]
 _FRACTIONS = {  # (0, 1]
     "matmul_efficiency",
     "memory_efficiency",
     "link_efficiency",
     "network_efficiency",
     "flash_attention_efficiency",
+    "fp8_matmul_efficiency",
+    "sustained_fraction",
+    "clock_factor",
 }
 
 
@@ -191,7 +227,7 @@ def _coerce(origin: str, key: str, value: Any) -> Any:
                 f"{origin}: key {key!r} must be in {low:,}..{high:,}, got {quote(value)}"
             )
         return int(number)
-    if key in _OVERLAPS:
+    if key in _OVERLAPS or key in _OPTIONAL_FRACTIONS:
         if not 0.0 <= number <= 1.0:
             raise GPUError(f"{origin}: key {key!r} must be in [0, 1], got {quote(value)}")
         return number
@@ -199,6 +235,8 @@ def _coerce(origin: str, key: str, value: Any) -> Any:
         if not 0.0 < number <= 1.0:
             raise GPUError(f"{origin}: key {key!r} must be in (0, 1], got {quote(value)}")
         return number
+    if key in _NON_NEGATIVE and number == 0:
+        return 0.0
     if number <= 0:
         raise GPUError(f"{origin}: key {key!r} must be positive, got {quote(value)}")
     if number > MAX_RATE:

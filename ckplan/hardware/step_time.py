@@ -28,6 +28,7 @@ from functools import lru_cache
 from itertools import groupby
 
 from ckplan.hardware import communication as comm
+from ckplan.hardware.code_path import spec_code_path
 from ckplan.hardware.expert_parallel import expert_parallel_comm, exposed_fraction
 from ckplan.hardware.gpus import GPU
 from ckplan.hardware.roofline import (
@@ -36,8 +37,6 @@ from ckplan.hardware.roofline import (
     contended_matmul_seconds,
     matmul_seconds,
     memory_seconds,
-    op_backward_time,
-    op_forward_time,
 )
 from ckplan.hardware.times import ZERO, MicroBatchTime, StageTime
 from ckplan.model import memory
@@ -115,10 +114,10 @@ class StepTime:
 # ---- per-stage times (cached per spec and GPU) -------------------------------------------
 
 
-def _sum_ops(ops, timer, gpu: GPU, dtype: int) -> OpTime:
+def _sum_ops(ops, timer, dtype: int) -> OpTime:
     total = ZERO
     for op in ops:
-        total = _add(total, timer(op, gpu, dtype))
+        total = _add(total, timer(op, dtype))
     return total
 
 
@@ -136,6 +135,8 @@ def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tupl
       (exposed); with SP reduce-scattered in the forward and its output gradient all-gathered
       in the backward (both exposed).
 
+    With `tp_comm_overlap` the exposed ones are pipelined with their GEMM (`pipelined`).
+
     Each collective moves the whole (s·b, h) tensor of B-byte values on the TP link, plus NCCL's
     ring latency (`comm.all_reduce_latency`, `all_gather_latency`). An overlapped one adds what
     it does not hide and the slowdown of the GEMM whose SMs its blocks hold (`comm.overlapped`).
@@ -151,6 +152,14 @@ def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tupl
         alone = matmul_seconds(gpu, gemm)
         return comm.overlapped(seconds, alone, contended_matmul_seconds(gpu, gemm))
 
+    def pipelined(seconds: float, gemm: Matmul) -> float:
+        """A collective on the GEMM's critical path: exposed, or with `tp_comm_overlap`
+        (Transformer Engine's userbuffers, torchtitan's async TP) split into t chunks
+        pipelined with the GEMM, one chunk exposed (NeMo's communication-overlap docs)."""
+        if not spec.tp_comm_overlap:
+            return seconds
+        return max(seconds / t, beside(seconds, gemm))
+
     forward = backward = 0.0
     for op in ops:
         if op.tp_comm is None or op.matmul is None:
@@ -161,7 +170,7 @@ def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tupl
             size = mm.batch * mm.m * mm.k * mm.dtype_bytes
             if spec.sp:
                 gather = comm.all_gather_seconds(size, t, bandwidth) + gather_latency
-                forward += gather
+                forward += pipelined(gather, mm)
                 backward += beside(gather, input_grad)
                 scatter = comm.reduce_scatter_seconds(size, t, bandwidth) + gather_latency
                 backward += beside(scatter, weight_grad)
@@ -171,10 +180,14 @@ def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tupl
         else:
             size = mm.batch * mm.m * mm.n * mm.dtype_bytes
             if spec.sp:
-                forward += comm.reduce_scatter_seconds(size, t, bandwidth) + gather_latency
-                backward += comm.all_gather_seconds(size, t, bandwidth) + gather_latency
+                scatter = comm.reduce_scatter_seconds(size, t, bandwidth) + gather_latency
+                forward += pipelined(scatter, mm)
+                gather = comm.all_gather_seconds(size, t, bandwidth) + gather_latency
+                backward += pipelined(gather, input_grad)
             else:
-                forward += comm.all_reduce_seconds(size, t, bandwidth) + reduce_latency
+                forward += pipelined(
+                    comm.all_reduce_seconds(size, t, bandwidth) + reduce_latency, mm
+                )
     return forward, backward
 
 
@@ -231,11 +244,13 @@ def layer_time(
     kind = representative_kind(spec) if kind is None else kind
     ops = model_layer_ops(spec, kind)
     dtype = spec.dtype_bytes
+    path = spec_code_path(spec, gpu)
+    gpu = path.gpu  # compute at the sustained rates; links as they are
     core = [op for op in ops if any(in_group(op, group) for group in groups)]
-    forward = _sum_ops(ops, op_forward_time, gpu, dtype)
-    backward = _sum_ops(ops, op_backward_time, gpu, dtype)
-    core_forward = _sum_ops(core, op_forward_time, gpu, dtype)
-    core_backward = _sum_ops(core, op_backward_time, gpu, dtype)
+    forward = _sum_ops(ops, path.forward, dtype)
+    backward = _sum_ops(ops, path.backward, dtype)
+    core_forward = _sum_ops(core, path.forward, dtype)
+    core_backward = _sum_ops(core, path.backward, dtype)
     tp_forward, tp_backward = tensor_parallel_comm(spec, gpu, ops)
     cp_forward, cp_backward = context_parallel_comm(spec, gpu, core_forward, core_backward)
     mla_forward, mla_backward = mla_comm(spec, gpu)
@@ -322,10 +337,11 @@ def output_time(spec: ModelSpec, gpu: GPU) -> StageTime:
         backward_bytes=3 * stream + (3 * FP32_BYTES + B) * logits,
         tp_comm="column",
     )
-    forward_comm, backward_comm = tensor_parallel_comm(spec, gpu, (head,))
+    path = spec_code_path(spec, gpu)
+    forward_comm, backward_comm = tensor_parallel_comm(spec, path.gpu, (head,))
     return StageTime(
-        forward=op_forward_time(head, gpu, B),
-        backward=op_backward_time(head, gpu, B),
+        forward=path.forward(head, B),
+        backward=path.backward(head, B),
         forward_comm=forward_comm,
         backward_comm=backward_comm,
     )
@@ -436,45 +452,103 @@ def pipeline_p2p_seconds(spec: ModelSpec, gpu: GPU) -> float:
     return 2 * spec.virtual_stages * comm.p2p_seconds(size, bandwidth)
 
 
-def _gradient_reduction_seconds(
+@dataclass(frozen=True)
+class DataParallelComm:
+    """The data-parallel collectives of one iteration, before overlap, in seconds: once per
+    iteration (the gradients' reduction, the updated weights' gather) and, under ZeRO-3/FSDP,
+    per micro-batch (the weights gathered for its forward, and for its backward with the
+    gradients reduce-scattered)."""
+
+    reduce: float = 0.0
+    gather: float = 0.0
+    forward: float = 0.0  # per micro-batch
+    backward: float = 0.0  # per micro-batch
+
+    def __add__(self, other: DataParallelComm) -> DataParallelComm:
+        return DataParallelComm(
+            self.reduce + other.reduce,
+            self.gather + other.gather,
+            self.forward + other.forward,
+            self.backward + other.backward,
+        )
+
+    def total(self, microbatches: int) -> float:
+        return self.reduce + self.gather + microbatches * (self.forward + self.backward)
+
+
+def _gradient_reduction(
     spec: ModelSpec, params: int, ranks: int, bandwidth: float
-) -> float:
+) -> DataParallelComm:
     """One group's share of the data-parallel communication: ZeRO 0 a ring all-reduce of the
     gradients (grad_bytes per parameter); ZeRO 1-2 (Megatron's distributed optimizer) a
     reduce-scatter of the gradients and an all-gather of the updated weights (weight_bytes);
     ZeRO 3 (Rajbhandari et al. 2020 §5.3) per micro-batch the weights all-gathered for the
     forward and again for the backward, the gradients reduce-scattered."""
     if ranks == 1 or params == 0:
-        return 0.0
+        return DataParallelComm()
     grads, weights = params * spec.grad_bytes, params * spec.weight_bytes
     if spec.zero == 0:
-        return comm.all_reduce_seconds(grads, ranks, bandwidth)
+        return DataParallelComm(reduce=comm.all_reduce_seconds(grads, ranks, bandwidth))
     gather = comm.all_gather_seconds(weights, ranks, bandwidth)
     scatter = comm.reduce_scatter_seconds(grads, ranks, bandwidth)
     if spec.zero < 3:
-        return scatter + gather
-    return spec.microbatches * (2 * gather + scatter)
+        return DataParallelComm(reduce=scatter, gather=gather)
+    return DataParallelComm(forward=gather, backward=gather + scatter)
 
 
 @lru_cache(maxsize=256)
-def data_parallel_seconds(spec: ModelSpec, gpu: GPU) -> float:
+def data_parallel_comm(spec: ModelSpec, gpu: GPU) -> DataParallelComm:
     """Data-parallel communication of one iteration, before overlap, on the busiest stage's
     GPU: its dense parameters' gradients reduced over the dp·cp ranks that hold the same
     parameters (Megatron-LM reduces over both), and its routed experts' over their
     expert-data-parallel group, tp·cp·dp/(ep·etp) ranks ep·etp apart (Megatron's
     expert_data_parallel group, `ModelSpec.expert_data_parallel`), one after the other
-    (`_gradient_reduction_seconds` for each)."""
+    (`_gradient_reduction` for each)."""
     dense, experts = memory.stage_parameters(spec, memory.busiest_stage(spec))
     ranks = spec.dp * spec.cp
-    seconds = _gradient_reduction_seconds(
-        spec, dense, ranks, comm.group_bandwidth(gpu, ranks, spec.tp)
-    )
+    parts = _gradient_reduction(spec, dense, ranks, comm.group_bandwidth(gpu, ranks, spec.tp))
     if experts:
         expert_ranks, stride = spec.expert_data_parallel, spec.ep * spec.etp
-        seconds += _gradient_reduction_seconds(
+        parts += _gradient_reduction(
             spec, experts, expert_ranks, comm.group_bandwidth(gpu, expert_ranks, stride)
         )
-    return seconds
+    return parts
+
+
+def data_parallel_seconds(spec: ModelSpec, gpu: GPU) -> float:
+    """All the data-parallel communication of one iteration, before overlap."""
+    return data_parallel_comm(spec, gpu).total(spec.microbatches)
+
+
+def data_parallel_exposed(spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime) -> float:
+    """What the data-parallel communication adds to the step.
+
+    Without `dp_comm_overlap`, all of it but the GPU file's dp_overlap share. With it, each
+    collective runs beside the compute it can hide behind, as Megatron-LM
+    (--overlap-grad-reduce, --overlap-param-gather), DDP's buckets, DeepSpeed's overlap_comm and
+    FSDP's prefetch run it: the gradients' reduction beside the backward of the last
+    micro-batch, the weights' gather beside the next forward, ZeRO-3's per-micro-batch gathers
+    and reduce-scatters beside that micro-batch's forward and backward. Each adds what it does
+    not hide and the slowdown of the GEMMs whose SMs its NCCL blocks hold
+    (`comm.overlapped`), and never less than one layer's chunk, which waits for the last
+    layer's compute (NeMo's communication-overlap docs: "exposes only one DP communication
+    chunk")."""
+    parts = data_parallel_comm(spec, gpu)
+    if not spec.dp_comm_overlap:
+        return (1 - gpu.dp_overlap) * parts.total(spec.microbatches)
+    chunks = max(1, spec.layers_per_stage // spec.virtual_stages)
+    slowdown = gpu.sm_count / (gpu.sm_count - gpu.nccl_channels)
+
+    def hidden(seconds: float, behind: OpTime) -> float:
+        if seconds == 0:
+            return 0.0
+        contended = behind.matmul * slowdown + behind.memory
+        return max(seconds / chunks, comm.overlapped(seconds, behind.total, contended))
+
+    backward = _add(busiest.backward, busiest.recompute)
+    once = hidden(parts.reduce, backward) + hidden(parts.gather, busiest.forward)
+    each = hidden(parts.forward, busiest.forward) + hidden(parts.backward, backward)
+    return once + spec.microbatches * each
 
 
 @lru_cache(maxsize=256)
@@ -526,7 +600,7 @@ def step_time_from_forwards(
     busiest = max(times, key=lambda t: t.total)
     m = spec.microbatches
     compute, bubble, p2p = _pipeline(spec, gpu, busiest)
-    dp = (1 - gpu.dp_overlap) * data_parallel_seconds(spec, gpu)
+    dp = data_parallel_exposed(spec, gpu, busiest)
     optimizer = optimizer_seconds(spec, gpu)
     step = compute + bubble + dp + optimizer
     plain_compute, plain_bubble, _ = _pipeline(spec, gpu, max(plain, key=lambda t: t.total))

@@ -292,12 +292,68 @@ class TrainingState(_Record):
         check_ranges(self)
 
 
+FRAMEWORKS = ("megatron", "torchtitan", "deepspeed", "hf")
+KERNELS = ("fused", "eager", "compiled")
+ATTENTION_KERNELS = ("flash2", "flash3", "cudnn", "triton", "sdpa")
+PRECISIONS = ("bf16", "fp16", "fp8")
+# What each framework does when the model file does not say (docs/frameworks.md): Megatron-LM's
+# fused CUDA kernels and TE/flash attention, no DP overlap unless asked (--overlap-grad-reduce is
+# off by default); torchtitan's eager PyTorch (torch.compile off by default), FSDP2's prefetch;
+# DeepSpeed's overlap_comm; Hugging Face Trainer's eager modules and DDP's bucketed all-reduce.
+FRAMEWORK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "megatron": {"kernels": "fused", "dp_comm_overlap": False},
+    "torchtitan": {"kernels": "eager", "dp_comm_overlap": True},
+    "deepspeed": {"kernels": "fused", "dp_comm_overlap": True},
+    "hf": {"kernels": "eager", "dp_comm_overlap": True},
+}
+
+
+@dataclass(frozen=True, eq=True)
+class Execution(_Record):
+    """How the framework runs the step: which framework, its kernels for the memory-bound ops
+    (Megatron's fused CUDA kernels, eager PyTorch, torch.compile), the attention kernel, the GEMM
+    precision, and which communication it overlaps with compute."""
+
+    framework: str = "megatron"  # megatron | torchtitan | deepspeed | hf
+    kernels: str | None = None  # fused | eager | compiled; None -> the framework's
+    attention_kernel: str = "flash2"  # flash2 | flash3 | cudnn | triton | sdpa (flash2 backend)
+    precision: str = "bf16"  # bf16 | fp16 | fp8 (the linear layers' GEMMs)
+    tp_comm_overlap: bool = False  # Megatron/TE --tp-comm-overlap, torchtitan async TP
+    dp_comm_overlap: bool | None = None  # overlap DP/FSDP traffic with compute; None -> framework's
+
+    __hash__ = _Record.__hash__
+
+    def __post_init__(self) -> None:
+        for key, allowed in (
+            ("framework", FRAMEWORKS),
+            ("attention_kernel", ATTENTION_KERNELS),
+            ("precision", PRECISIONS),
+        ):
+            if getattr(self, key) not in allowed:
+                raise SpecError(
+                    f"key {key!r} must be one of {', '.join(allowed)}, "
+                    f"got {quote(getattr(self, key))}"
+                )
+        defaults = FRAMEWORK_DEFAULTS[self.framework]
+        for key in ("kernels", "dp_comm_overlap"):
+            if getattr(self, key) is None:
+                self._derive(key, defaults[key])
+        if self.kernels not in KERNELS:
+            raise SpecError(
+                f"key 'kernels' must be one of {', '.join(KERNELS)}, got {quote(self.kernels)}"
+            )
+
+    def derived_defaults(self) -> dict[str, Any]:
+        return dict(FRAMEWORK_DEFAULTS[self.framework])
+
+
 PARTS: dict[str, type] = {
     "architecture": Architecture,
     "shape": RunShape,
     "parallel": Parallelism,
     "data_parallel": DataParallel,
     "training": TrainingState,
+    "execution": Execution,
 }
 
 

@@ -30,6 +30,7 @@ from ckplan.model.parts import (
     SIZE_RANGES,
     Architecture,
     DataParallel,
+    Execution,
     Parallelism,
     RunShape,
     SpecError,
@@ -66,11 +67,13 @@ KEY_ORDER = (
     "shared_ffn_hidden", "shared_expert_gate", "expert_bias", "capacity_factor", "moe_layers",
     "moe_imbalance", "ep", "etp", "first_stage_layers", "last_stage_layers",
     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+    "framework", "kernels", "attention_kernel", "precision", "tp_comm_overlap",
+    "dp_comm_overlap",
 )  # fmt: skip
 PART_OF: dict[str, str] = {
     field.name: part for part, record in PARTS.items() for field in dataclasses.fields(record)
 }
-CHAIN_PARTS = ("architecture", "shape", "parallel")
+CHAIN_PARTS = ("architecture", "shape", "parallel", "execution")
 
 
 def _flat_properties(cls: type, parts: tuple[str, ...]) -> type:
@@ -125,12 +128,15 @@ class ChainSpec(_Layers):
     architecture: Architecture
     shape: RunShape
     parallel: Parallelism
+    execution: Execution = dataclasses.field(default_factory=Execution)
     profile: Profile = FUSED
 
     def __hash__(self) -> int:
         cached = self.__dict__.get("_hash")
         if cached is None:
-            cached = hash((self.architecture, self.shape, self.parallel, self.profile))
+            cached = hash(
+                (self.architecture, self.shape, self.parallel, self.execution, self.profile)
+            )
             object.__setattr__(self, "_hash", cached)
         return cached
 
@@ -154,12 +160,15 @@ class ModelSpec(_Layers):
     parallel: Parallelism = dataclasses.field(default_factory=Parallelism)
     data_parallel: DataParallel = dataclasses.field(default_factory=DataParallel)
     training: TrainingState = dataclasses.field(default_factory=TrainingState)
+    execution: Execution = dataclasses.field(default_factory=Execution)
     profile: Profile = FUSED
     source: str = ""
 
     def __post_init__(self) -> None:
         _validate(self)
-        chain = ChainSpec(self.architecture, self.shape, self.parallel, self.profile)
+        chain = ChainSpec(
+            self.architecture, self.shape, self.parallel, self.execution, self.profile
+        )
         object.__setattr__(self, "_chain", chain)
 
     def __hash__(self) -> int:
@@ -187,7 +196,11 @@ class ModelSpec(_Layers):
         changed ones."""
         values = self.to_dict()
         values["profile"] = self.profile
-        derived = {**self.architecture.derived_defaults(), "etp": self.tp}
+        derived = {
+            **self.architecture.derived_defaults(),
+            "etp": self.tp,
+            **self.execution.derived_defaults(),
+        }
         for key, default in derived.items():
             if key not in changes and values[key] == default:
                 del values[key]
@@ -246,6 +259,7 @@ _REQUIRED = [
 ]
 _BOOL_FIELDS = {key for key, f in _KEYS.items() if f.type in ("bool", "bool | None")}
 _STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions", "profile"}
+_STR_FIELDS |= {"framework", "kernels", "attention_kernel", "precision"}
 _LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
 _FLOAT_FIELDS = {"dropout", "capacity_factor"}
 _NULLABLE = {key for key, f in _KEYS.items() if "None" in str(f.type)}

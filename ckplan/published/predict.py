@@ -26,8 +26,23 @@ from ckplan.plan.search import DEFAULT_RESERVE
 from ckplan.published.runs import MEMORY_METRICS, PublishedRun
 
 # What ckplan cannot model yet, by run key and value: such runs are listed, not scored.
-NOT_MODELLED = {
-    ("precision", "fp8"): "FP8 GEMMs are not modelled",
+NOT_MODELLED: dict[tuple[str, str], str] = {}
+# The publisher's framework as ckplan's `framework` key: NeMo and Megatron-Bridge run
+# Megatron-Core; Megatron-DeepSpeed runs Megatron-LM's kernels; Composer (llm-foundry) runs
+# PyTorch FSDP with eager modules, as Hugging Face Trainer and torchtune do; a private stack
+# ("other": Meta's, metaseq, DeepSeek's) is taken as Megatron-like fused kernels.
+FRAMEWORK_KEY = {
+    "megatron": "megatron",
+    "nemo": "megatron",
+    "megatron-deepspeed": "megatron",
+    "torchtitan": "torchtitan",
+    "deepspeed": "deepspeed",
+    "composer": "hf",
+    "hf": "hf",
+    "torchtune": "hf",
+    "unsloth": "hf",
+    "axolotl": "hf",
+    "other": "megatron",
 }
 
 
@@ -74,8 +89,17 @@ def run_spec(run: PublishedRun) -> ModelSpec:
             f"{run.name}: global batch {run.global_batch} is not a multiple of micro_batch·dp "
             f"({per_step})"
         )
+    execution: dict[str, Any] = {
+        "framework": FRAMEWORK_KEY.get(run.framework, "megatron"),
+        "precision": "bf16" if run.precision in ("fp16", "bf16") else run.precision,
+    }
+    if run.compile:
+        execution["kernels"] = "compiled"
+    if run.attention_kernel in ("flash2", "flash3", "cudnn", "triton", "sdpa"):
+        execution["attention_kernel"] = run.attention_kernel
     values: dict[str, Any] = {
         **base,
+        **execution,
         **run.settings,
         **layout,
         "dp": dp,
@@ -100,7 +124,7 @@ def predict(run: PublishedRun, gpu: GPU | None = None) -> Prediction:
             return Prediction(run, f"not modelled: {why}")
     try:
         spec = run_spec(run)
-        gpu = gpu or load_gpu(run.gpu)
+        gpu = gpu or load_gpu(run.gpu, run.gpu_settings)
         plan = evaluate(spec, parse_strategy(strategy_of(run), spec))
     except InputError as error:
         return Prediction(run, f"not modelled: {error}")

@@ -93,6 +93,7 @@ class PublishedRun:
     framework_version: str = ""
     url: str = ""
     settings: Mapping[str, Any] = field(default_factory=dict)  # other model keys the run sets
+    gpu_settings: Mapping[str, Any] = field(default_factory=dict)  # GPU keys that differ
     assumptions: tuple[str, ...] = ()
     file: str = ""
 
@@ -121,6 +122,7 @@ _RUN_KEYS = {
     "assumptions",
     "split",
     "settings",
+    "gpu_settings",
     # fine-tuning and memory runs: recorded, modelled where ckplan has the key
     "training",
     "lora",
@@ -167,8 +169,9 @@ def run_from_mapping(
     if split not in SPLITS:
         raise RunError(f"{where}: key 'split' expects calibration or test, got {quote(split)}")
     settings = mapping.get("settings", {})
-    if not isinstance(settings, Mapping):
-        raise RunError(f"{where}: key 'settings' expects a mapping of model keys")
+    gpu_settings = mapping.get("gpu_settings", {})
+    if not isinstance(settings, Mapping) or not isinstance(gpu_settings, Mapping):
+        raise RunError(f"{where}: keys 'settings', 'gpu_settings' expect mappings of keys")
     return PublishedRun(
         name=name,
         source=source,
@@ -190,6 +193,7 @@ def run_from_mapping(
         compile=bool(mapping.get("compile", False)),
         url=url,
         settings=dict(settings),
+        gpu_settings=dict(gpu_settings),
         assumptions=tuple(str(item) for item in mapping.get("assumptions", ()) or ()),
         file=file,
     )

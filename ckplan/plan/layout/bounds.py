@@ -313,7 +313,11 @@ class Bounds:
         per_micro_batch = busiest + p2p
         m, v = layout.microbatches, layout.virtual_stages
         bubble = (layout.pp - 1) / v * per_micro_batch
-        dp = (1 - gpu.dp_overlap) * self._data_parallel(layout)
+        dp = self._data_parallel(layout)
+        if self.spec.dp_comm_overlap:  # at least one layer's chunk of each collective
+            dp /= self.spec.layers  # (a stage holds at most all the layers)
+        else:
+            dp *= 1 - gpu.dp_overlap
         optimizer = self._optimizer(layout)
         return TimeBound(
             seconds=m * per_micro_batch + bubble + dp + optimizer,
@@ -392,7 +396,7 @@ class Bounds:
         return seconds
 
     def _reduction(self, layout: Layout, params: int, ranks: int, stride: int) -> float:
-        """`step_time._gradient_reduction_seconds` under the layout's ZeRO stage."""
+        """`step_time._gradient_reduction` under the layout's ZeRO stage, all of it."""
         if ranks == 1 or params == 0:
             return 0.0
         bandwidth = comm.group_bandwidth(self.gpu, ranks, stride)

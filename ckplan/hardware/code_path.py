@@ -1,0 +1,174 @@
+"""The code a framework runs the op table with, and what it changes in each op's time.
+
+The op table counts what Megatron-LM's fused kernels do (`ckplan.model.ops`). A run differs in
+four ways, each a key of the model's `Execution` part:
+
+- **Attention kernel** (`attention_kernel`): FlashAttention-2, -3, cuDNN's fused attention,
+  Triton, or PyTorch's SDPA (whose flash backend is FlashAttention-2). Each kernel's throughput
+  grows with the sequence length towards a plateau, e(s) = plateau · s / (s + s½), fitted per
+  GPU to the kernels' published benchmarks (the GPU files cite them), never to training runs.
+- **Sustained rates** (`GPU.sustained_fraction`, `GPU.clock_factor`): kernel benchmarks and MAMF
+  are best shapes on an idle, cool GPU; a training step's GEMMs run at power and clocks under
+  full load, beside NCCL, with transposed backward operands. The share they sustain is the one
+  constant fitted to published training runs (docs/validation.md).
+- **Kernels for the memory-bound ops** (`kernels`): Megatron's fused CUDA kernels and
+  torch.compile's generated ones (Inductor fuses each chain of element-wise ops into one kernel)
+  move what the op table says; eager PyTorch runs each step of a norm, an activation and RoPE as
+  its own kernel and moves more (`EAGER_BYTES`, derived below from the Hugging Face / torchtitan
+  Llama code).
+- **GEMM precision** (`precision`): FP8 linear layers (Transformer Engine, torchao float8) run at
+  the FP8 tensor-core rate and pay for casting their inputs and gradients to FP8; the attention
+  core and the output layer stay in BF16 (Megatron-LM and torchao's defaults).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ckplan.hardware.gpus import GPU, GPUError
+from ckplan.hardware.roofline import OpTime, memory_seconds, op_backward_time, op_forward_time
+from ckplan.model.op import ATTENTION_CORE, Op, in_group
+
+# Eager PyTorch against the fused kernel, bytes moved per op (forward, backward), derived from
+# the Hugging Face / torchtitan Llama modules element by element, with B = 2:
+# - RMSNorm (LlamaRMSNorm.forward): x.to(fp32) (read 2, write 4), pow(2) (4, 4), mean (4),
+#   x * rsqrt(var) (4, 4), .to(dtype) (4, 2), weight * x (2, 2): 36 bytes per element against
+#   the fused kernel's 4 (read x, write y), 9x; its autograd backward runs each step's gradient
+#   (about 30 bytes per element against the fused backward's 16 in `LayerShapes.norm_moved`),
+#   1.9x. LayerNorm's eager module is one ATen kernel (torch.nn.functional.layer_norm): 1x.
+# - SwiGLU (act_fn(gate) * up): silu (2, 2) then the product (4, 2), 10 bytes per element against
+#   the fused bias_swiglu's 6, 1.7x; backward 16 against 10, 1.6x.
+# Residual adds, dropout and GEMMs are the same kernels either way.
+EAGER_BYTES: dict[tuple[str, str], tuple[float, float]] = {
+    ("norm", "rmsnorm"): (9.0, 1.9),
+    ("act", "swiglu"): (1.7, 1.6),
+    ("act", "geglu"): (1.7, 1.6),
+}
+# RoPE applied eagerly (apply_rotary_pos_emb: rotate_half's slices, negation and cat, q·cos,
+# rotate_half(q)·sin, the sum) moves about 24 bytes per element of Q and of K, the fused kernel
+# 4: 20 bytes more per element, forward and backward alike (derived from the code as above).
+EAGER_ROPE_EXTRA_BYTES = 20
+# FP8 casts (Transformer Engine's cast-transpose, torchao's float8 scaling): each linear GEMM's
+# input is read in BF16 and written in FP8 twice (row-wise and column-wise for the backward's
+# transposed use), 4 bytes per element in the forward; the output gradient likewise in the
+# backward.
+FP8_CAST_BYTES = 4
+NORM_OPS = ("norm1", "norm2", "qk_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "kv_norm")
+NOT_FP8 = ("output", "router")  # the output layer and the router stay in BF16
+
+
+@dataclass(frozen=True)
+class CodePath:
+    """What a run's execution changes in the roofline of its ops (see the module docstring)."""
+
+    gpu: GPU  # compute rates at the sustained fraction, the attention kernel's at this length
+    fp8_gpu: GPU | None  # the same for FP8 GEMMs; None: BF16 GEMMs
+    eager: bool
+    norm: str
+    mlp: str
+    rope: bool
+
+    def forward(self, op: Op, dtype_bytes: int) -> OpTime:
+        return self._time(op, dtype_bytes, backward=False)
+
+    def backward(self, op: Op, dtype_bytes: int) -> OpTime:
+        return self._time(op, dtype_bytes, backward=True)
+
+    def _time(self, op: Op, dtype_bytes: int, backward: bool) -> OpTime:
+        op = self._eager(op) if self.eager else op
+        timer = op_backward_time if backward else op_forward_time
+        if self.fp8_gpu is None or not _fp8_gemm(op):
+            return timer(op, self.gpu, dtype_bytes)
+        # the GEMMs at the FP8 rate (1-byte operands), the element-wise kernels as they are
+        gemm = timer(dataclasses.replace(op, forward_bytes=0, backward_bytes=0), self.fp8_gpu, 1)
+        rest = timer(dataclasses.replace(op, matmul=None, forward_flops=0, backward_flops=0),
+                     self.gpu, dtype_bytes)  # fmt: skip
+        mm = op.matmul
+        cast = FP8_CAST_BYTES * mm.batch * (mm.m * mm.n if backward else mm.m * mm.k)
+        return OpTime(gemm.matmul, rest.memory + memory_seconds(self.gpu, cast))
+
+    def _eager(self, op: Op) -> Op:
+        kind = ("norm", self.norm) if op.name in NORM_OPS else (op.name, self.mlp)
+        forward, backward = EAGER_BYTES.get(kind, (1.0, 1.0))
+        extra = 0
+        if self.rope and op.name == "qkv_proj" and op.matmul is not None:
+            mm = op.matmul  # (tokens x (q + k + v) width); Q and K are all but V's share
+            extra = EAGER_ROPE_EXTRA_BYTES * mm.batch * mm.m * mm.n * 2 // 3
+        if (forward, backward, extra) == (1.0, 1.0, 0):
+            return op
+        return dataclasses.replace(
+            op,
+            forward_bytes=round(op.forward_bytes * forward) + extra,
+            backward_bytes=round(op.backward_bytes * backward) + extra,
+        )
+
+
+def _fp8_gemm(op: Op) -> bool:
+    return op.matmul is not None and op.name not in NOT_FP8 and not in_group(op, ATTENTION_CORE)
+
+
+def attention_plateau(gpu: GPU, kernel: str) -> float:
+    """The kernel's forward + backward plateau as a share of bf16_flops; SDPA's flash backend is
+    FlashAttention-2. GPUError where the kernel does not run on this GPU."""
+    plateau = {
+        "flash2": gpu.flash_attention_efficiency,
+        "sdpa": gpu.flash_attention_efficiency,
+        "flash3": gpu.flash3_efficiency,
+        "cudnn": gpu.cudnn_attention_efficiency,
+        "triton": gpu.triton_attention_efficiency,
+    }[kernel]
+    if not plateau:
+        raise GPUError(f"attention_kernel {kernel!r} has no figure for GPU {gpu.name!r}")
+    return plateau
+
+
+def attention_efficiency(gpu: GPU, kernel: str, seq: int) -> float:
+    """e(s) = plateau · s / (s + attention_half_seq) at `seq` query tokens per rank."""
+    plateau = attention_plateau(gpu, kernel)
+    return plateau * seq / (seq + gpu.attention_half_seq)
+
+
+@lru_cache(maxsize=512)
+def code_path(
+    gpu: GPU,
+    attention_kernel: str,
+    seq: int,
+    precision: str,
+    kernels: str,
+    norm: str,
+    mlp: str,
+    rope: bool,
+) -> CodePath:
+    """The code path of a run on `gpu` (`seq`: query tokens per context-parallel rank)."""
+    rate = gpu.sustained_fraction * gpu.clock_factor
+    effective = dataclasses.replace(
+        gpu,
+        matmul_efficiency=gpu.matmul_efficiency * rate,
+        flash_attention_efficiency=attention_efficiency(gpu, attention_kernel, seq) * rate,
+    )
+    fp8 = None
+    if precision == "fp8":
+        if not gpu.fp8_flops:
+            raise GPUError(f"precision fp8 needs FP8 tensor cores; GPU {gpu.name!r} has none")
+        fp8 = dataclasses.replace(
+            effective,
+            bf16_flops=gpu.fp8_flops,
+            matmul_efficiency=gpu.fp8_matmul_efficiency * rate,
+        )
+    return CodePath(effective, fp8, kernels == "eager", norm, mlp, rope)
+
+
+def spec_code_path(spec, gpu: GPU) -> CodePath:
+    """`code_path` for a model description (a ModelSpec or its ChainSpec)."""
+    return code_path(
+        gpu,
+        spec.attention_kernel,
+        max(1, spec.seq // spec.cp),
+        spec.precision,
+        spec.kernels,
+        spec.norm,
+        spec.mlp,
+        spec.positions == "rope",
+    )
