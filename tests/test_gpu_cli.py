@@ -38,7 +38,7 @@ def test_gpus_json_and_one(capsys):
     data = json.loads(out)
     assert code == 0 and data["h100-sxm"]["bf16_flops"] == 989e12
     code, out, _ = run(capsys, "gpus", "h200", "--json")
-    assert code == 0 and json.loads(out)["memory_bytes"] == 141 * 10**9
+    assert code == 0 and json.loads(out)["memory_bytes"] == 143156 * 2**20
     code, out, _ = run(capsys, "gpus", "l40s")
     assert code == 0 and "datasheet" in out
 
@@ -61,7 +61,7 @@ def test_estimate_json_time_object(capsys):
     )
     data = json.loads(out)
     assert set(data["time"]) >= TIME_KEYS
-    assert data["usable_bytes"] == 80 * 10**9 - 2 * 2**30  # --gpu set the budget
+    assert data["usable_bytes"] == 81158 * 2**20 - 2 * 2**30  # --gpu set the budget
     time = data["time"]
     assert 0 < time["mfu"] < 1 and time["hfu"] >= time["mfu"]
     assert time["overhead"] > 0 and time["recompute_seconds"] > 0
@@ -167,7 +167,7 @@ def test_check_and_schedule_with_gpu(capsys):
     code, out, _ = run(capsys, "check", "megatron-22b", "--gpu", "a100-80gb", "--json")
     result = json.loads(out)["results"][0]
     assert code == 0 and set(result["plan"]["time"]) >= TIME_KEYS
-    assert json.loads(out)["budget_bytes"] == 80 * 10**9
+    assert json.loads(out)["budget_bytes"] == 81158 * 2**20  # the memory CUDA reports
     code, out, _ = run(capsys, "schedule", "gpt2", "--batch", "8", "--gpu", "rtx-4090", "--json")
     assert code == 0 and set(json.loads(out)["time"]) >= TIME_KEYS
 
