@@ -26,6 +26,7 @@ from ckplan.cli import (
     presets,
     schedule,
     sweep,
+    validate,
     verify,
 )
 from ckplan.cli.app import app, click_command, main
@@ -63,6 +64,7 @@ for _command in (
     schedule.schedule,
     calibrate.calibrate,
     verify.verify,
+    validate.validate,
     export.export,
 ):
     app.command()(_command)

@@ -143,7 +143,8 @@ def runs_from_file(data: Any, origin: str) -> list[PublishedRun]:
     if not isinstance(runs, list) or not runs:
         raise RunError(f"{origin}: key 'runs' expects a list of runs")
     return [
-        run_from_mapping(run, f"{origin}: runs[{i}]", source, url) for i, run in enumerate(runs)
+        run_from_mapping(run, f"{origin}: runs[{i}]", source, url, file=origin)
+        for i, run in enumerate(runs)
     ]
 
 

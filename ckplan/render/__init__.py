@@ -32,6 +32,8 @@ _LAZY = {
     "step_time_table": "time",
     "calibrate_dict": "calibrate",
     "calibrate_view": "calibrate",
+    "validate_dict": "validate",
+    "validate_view": "validate",
 }
 
 
@@ -64,6 +66,8 @@ __all__ = [
     "step_time_table",
     "sweep_dict",
     "sweep_view",
+    "validate_dict",
+    "validate_view",
     "verify_dict",
     "verify_view",
 ]

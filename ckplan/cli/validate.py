@@ -1,0 +1,50 @@
+"""`ckplan validate`: ckplan against published training runs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ckplan.cli.errors import EXIT_OK, UserError, user_errors
+from ckplan.cli.options import JsonOpt
+from ckplan.cli.output import print_json, stdout
+from ckplan.quoting import quote
+
+SPLITS = ("calibration", "test")
+
+
+def validate(
+    only: Annotated[
+        str | None,
+        typer.Option(
+            "--only",
+            help="Runs whose name, file, GPU, framework or source contains TEXT.",
+            metavar="TEXT",
+        ),
+    ] = None,
+    split: Annotated[
+        str | None,
+        typer.Option("--split", help="calibration or test: the runs of one split only."),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run every published training run of the suite (validation/runs/) through ckplan: the
+    published step time, throughput, MFU or peak memory beside ckplan's, the error, and its
+    summary per split, GPU and framework."""
+    with user_errors():
+        if split is not None and split not in SPLITS:
+            raise UserError(f"--split expects calibration or test, got {quote(split)}")
+        from ckplan.published.suite import run_suite, summarise
+
+        predictions = run_suite(only, split)
+        if not predictions:
+            raise UserError(f"--only {quote(only)} matches no published run")
+        summary = summarise(predictions)
+    from ckplan import render
+
+    if as_json:
+        print_json(render.validate_dict(predictions, summary))
+    else:
+        stdout.print(render.validate_view(predictions, summary))
+    raise typer.Exit(EXIT_OK)
