@@ -118,10 +118,34 @@ def strategy_of(run: PublishedRun) -> str:
     return run.recompute
 
 
-def predict(run: PublishedRun, gpu: GPU | None = None) -> Prediction:
+# What ckplan models of how a run trains (PublishedRun.training), by key: anything else is listed
+# as not modelled rather than scored.
+MODELLED_TRAINING = {
+    "training": ("full",),
+    "weight_format": ("bf16",),
+    "optimizer": ("adamw",),
+    "offload": ("none",),
+    "loss": ("fused", "eager"),
+}
+
+
+def unmodelled(run: PublishedRun) -> str | None:
+    """Why ckplan cannot score `run` yet, or None."""
     for (key, value), why in NOT_MODELLED.items():
         if getattr(run, key, None) == value:
-            return Prediction(run, f"not modelled: {why}")
+            return why
+    for key, value in run.training.items():
+        if key in MODELLED_TRAINING and value not in MODELLED_TRAINING[key]:
+            return f"{key} {value} is not modelled"
+    if run.published.metric in ("nvidia_smi_bytes", "memory_active_bytes"):
+        return f"{run.published.metric.removesuffix('_bytes')} memory is not modelled"
+    return None
+
+
+def predict(run: PublishedRun, gpu: GPU | None = None) -> Prediction:
+    why = unmodelled(run)
+    if why:
+        return Prediction(run, f"not modelled: {why}")
     try:
         spec = run_spec(run)
         gpu = gpu or load_gpu(run.gpu, run.gpu_settings)

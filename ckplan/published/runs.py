@@ -94,6 +94,9 @@ class PublishedRun:
     url: str = ""
     settings: Mapping[str, Any] = field(default_factory=dict)  # other model keys the run sets
     gpu_settings: Mapping[str, Any] = field(default_factory=dict)  # GPU keys that differ
+    # how it was trained beyond the layout (training, lora, weight_format, optimizer, loss,
+    # offload), as published; ckplan scores a run only where it models these
+    training: Mapping[str, Any] = field(default_factory=dict)
     assumptions: tuple[str, ...] = ()
     file: str = ""
 
@@ -102,6 +105,7 @@ class PublishedRun:
         return self.published.metric in MEMORY_METRICS
 
 
+TRAINING_KEYS = ("training", "lora", "weight_format", "optimizer", "loss", "offload")
 _RUN_KEYS = {
     "name",
     "where",
@@ -195,6 +199,7 @@ def run_from_mapping(
         url=url,
         settings=dict(settings),
         gpu_settings=dict(gpu_settings),
+        training={key: mapping[key] for key in TRAINING_KEYS if key in mapping},
         assumptions=tuple(str(item) for item in mapping.get("assumptions", ()) or ()),
         file=file,
     )
