@@ -9,6 +9,11 @@ temporaries.
 
 import pytest
 
+from ckplan.model.loss import (
+    output_backward_peak_bytes,
+    output_backward_workspace_bytes,
+    output_saved_bytes,
+)
 from ckplan.model.memory import (
     activation_bytes_per_layer,
     layer_backward_peak_bytes,
@@ -16,9 +21,6 @@ from ckplan.model.memory import (
     layer_backward_workspace_bytes,
     layer_input_bytes,
     mlp_backward_workspace_bytes,
-    output_backward_peak_bytes,
-    output_backward_workspace_bytes,
-    output_saved_bytes,
     selective_activation_bytes_per_layer,
 )
 from ckplan.model.op import ATTENTION_CORE

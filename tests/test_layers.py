@@ -2,8 +2,8 @@
 
 Layers, lowest first (docs/code.md): units and errors -> model -> schedules -> hardware -> plan ->
 verify -> inputs -> published, calibrate -> exports -> render -> cli. A module may import its own
-layer and the layers below it, never one above; every import is counted, also those inside functions (an
-import deferred for start-up time is still a dependency).
+layer and the layers below it, never one above; every import is counted, also those inside
+functions (an import deferred for start-up time is still a dependency).
 """
 
 from __future__ import annotations

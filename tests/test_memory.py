@@ -2,13 +2,13 @@
 
 import pytest
 
+from ckplan.model.loss import output_saved_bytes
 from ckplan.model.memory import (
     activation_breakdown,
     activation_bytes_by_op,
     activation_bytes_per_layer,
     layer_input_bytes,
     model_state_bytes,
-    output_saved_bytes,
     parameter_count,
     parameters_per_gpu,
     selective_activation_bytes_per_layer,

@@ -532,17 +532,17 @@ def predict_layer(cfg: Config) -> dict:
 
 def predict_output(cfg: Config, vocab: int = 1024) -> dict:
     tsb._import_ckplan()
-    from ckplan.model import memory
+    from ckplan.model import loss, memory
 
     spec = _spec(cfg, vocab)
-    tape = memory.output_saved_bytes(spec)
+    tape = loss.output_saved_bytes(spec)
     stream = memory.layer_input_bytes(spec)
     return {
-        "peak_bytes": memory.output_backward_peak_bytes(spec),
+        "peak_bytes": loss.output_backward_peak_bytes(spec),
         "tape_bytes": tape,
         "stream_bytes": stream,
         "previous_model_bytes": tape + stream,
-        "workspace_bytes": memory.output_backward_workspace_bytes(spec),
+        "workspace_bytes": loss.output_backward_workspace_bytes(spec),
     }
 
 

@@ -39,7 +39,7 @@ from ckplan.hardware.roofline import (
     memory_seconds,
 )
 from ckplan.hardware.times import ZERO, MicroBatchTime, StageTime
-from ckplan.model import memory
+from ckplan.model import loss, memory
 from ckplan.model.flops import model_flops_per_iteration
 from ckplan.model.layers import LayerKind, stage_kinds
 from ckplan.model.moe import MOE
@@ -317,15 +317,14 @@ def embedding_time(spec: ModelSpec, gpu: GPU) -> StageTime:
 
 @lru_cache(maxsize=256)
 def output_time(spec: ModelSpec, gpu: GPU) -> StageTime:
-    """Final norm, the output layer (a column-parallel GEMM, (s·b, h) @ (h, V/t)) and Megatron's
-    vocab-parallel cross-entropy: the logits cast to fp32 and turned into the softmax in place
-    (reads B, then passes over fp32 logits for max, sum and normalise), backward in place
-    (softmax - one-hot) and cast back to B bytes (output_backward_peak_bytes' kernels)."""
+    """Final norm, the output layer (a column-parallel GEMM, (s·b, h) @ (h, V/t)) and the loss's
+    kernels as its implementation runs them (`loss.loss_moved_bytes`: Megatron's vocab-parallel
+    cross-entropy, PyTorch's on upcast logits, or chunks of either)."""
     if spec.kind != "transformer" or spec.vocab == 0:
         return StageTime()
     tokens, B = _tokens(spec), spec.dtype_bytes
     stream = memory.layer_input_bytes(spec)
-    logits = tokens * split_share(spec.vocab, spec.tp)
+    loss_forward, loss_backward = loss.loss_moved_bytes(spec)
     head = Op(
         "output",
         "output",
@@ -333,8 +332,8 @@ def output_time(spec: ModelSpec, gpu: GPU) -> StageTime:
         2 * tokens * split_share(spec.vocab, spec.tp) * spec.hidden,
         4 * tokens * split_share(spec.vocab, spec.tp) * spec.hidden,
         matmul=Matmul(tokens, split_share(spec.vocab, spec.tp), spec.hidden, 1, B),
-        forward_bytes=2 * stream + (B + 3 * FP32_BYTES) * logits,
-        backward_bytes=3 * stream + (3 * FP32_BYTES + B) * logits,
+        forward_bytes=2 * stream + loss_forward,
+        backward_bytes=3 * stream + loss_backward,
         tp_comm="column",
     )
     path = spec_code_path(spec, gpu)

@@ -15,7 +15,7 @@ from ckplan.model.layers import (
 )
 from ckplan.model.mla import mla_parameters
 from ckplan.model.moe import moe_layer_parameters
-from ckplan.model.op import FP32_BYTES, in_group, split_share
+from ckplan.model.op import in_group, split_share
 from ckplan.model.ops import group_input_bytes, layer_ops, representative_kind
 from ckplan.model.parts import cached_by_chain
 from ckplan.model.spec import ModelSpec
@@ -255,41 +255,6 @@ def embedding_saved_bytes(spec: ModelSpec) -> int:
     dropout mask, sbh (/t under SP) (Korthikanti §4.3)."""
     mask = layer_input_bytes(spec) // spec.dtype_bytes if spec.dropout > 0 else 0
     return token_id_bytes(spec) + mask
-
-
-def output_saved_bytes(spec: ModelSpec) -> int:
-    """The output stage's tape: final-norm input and output-layer input, 4sbh/t for B = 2 under
-    SP, plus the fp32 logits the cross-entropy keeps, 4sbV/t (Korthikanti §4.3)."""
-    tokens = (spec.seq // spec.cp) * spec.micro_batch
-    logits = FP32_BYTES * split_share(tokens * spec.vocab, spec.tp)
-    return 2 * layer_input_bytes(spec) + logits
-
-
-def output_backward_peak_bytes(spec: ModelSpec) -> int:
-    """Peak bytes alive during the output stage's backward (output layer and loss).
-
-    derived, modelling Megatron-LM's vocab-parallel cross-entropy
-    (megatron/core/tensor_parallel/cross_entropy.py): its forward turns an fp32 copy of the
-    logits into the softmax in place and saves it (the 4sbV/t of the tape); its backward writes
-    the logits' gradient into that same buffer in place (softmax - one-hot) and returns it in
-    fp32, which autograd casts to the logits' dtype, a new B·sbV/t tensor, while the fp32 one is
-    alive: tape + B·sbV/t. Afterwards the fp32 buffer is freed, and the output layer's
-    backward (the B·sbV/t gradient, its input and the final norm's input saved, the final
-    norm's output gradient X) and the final norm's (adding δ_in, X) hold less. The loss is a
-    scalar: no δ_out. An unfused torch.nn.functional.cross_entropy on fp32 logits
-    (log_softmax, nll_loss) would hold two more fp32 sbV/t tensors at its backward (the
-    gradients of the log-probabilities and of the logits): not modelled.
-    """
-    tokens = (spec.seq // spec.cp) * spec.micro_batch
-    logits_grad = spec.dtype_bytes * split_share(tokens * spec.vocab, spec.tp)
-    return output_saved_bytes(spec) + logits_grad
-
-
-def output_backward_workspace_bytes(spec: ModelSpec) -> int:
-    """The output stage's backward beyond the chain's tape + δ_in (δ_out is a scalar loss, 0
-    bytes): max(0, output_backward_peak_bytes - (output_saved_bytes + X)) = B·sbV/t - X."""
-    peak = output_backward_peak_bytes(spec)
-    return max(0, peak - (output_saved_bytes(spec) + layer_input_bytes(spec)))
 
 
 # ---- parameters and model states --------------------------------------------------------

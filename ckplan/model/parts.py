@@ -301,11 +301,22 @@ PRECISIONS = ("bf16", "fp16", "fp8")
 # off by default); torchtitan's eager PyTorch (torch.compile off by default), FSDP2's prefetch;
 # DeepSpeed's overlap_comm; Hugging Face Trainer's eager modules and DDP's bucketed all-reduce.
 FRAMEWORK_DEFAULTS: dict[str, dict[str, Any]] = {
-    "megatron": {"kernels": "fused", "dp_comm_overlap": False},
-    "torchtitan": {"kernels": "eager", "dp_comm_overlap": True},
-    "deepspeed": {"kernels": "fused", "dp_comm_overlap": True},
-    "hf": {"kernels": "eager", "dp_comm_overlap": True},
+    "megatron": {"kernels": "fused", "dp_comm_overlap": False, "loss": "fused"},
+    "torchtitan": {"kernels": "eager", "dp_comm_overlap": True, "loss": "eager"},
+    "deepspeed": {"kernels": "fused", "dp_comm_overlap": True, "loss": "fused"},
+    "hf": {"kernels": "eager", "dp_comm_overlap": True, "loss": "eager"},
 }
+MAX_LOSS_CHUNKS = 2**16
+
+
+def _is_chunked(loss: str) -> bool:
+    kind, _, count = loss.partition(":")
+    return (
+        kind == "chunked"
+        and count.isascii()
+        and count.isdigit()
+        and (2 <= int(count[:8]) <= MAX_LOSS_CHUNKS)
+    )
 
 
 @dataclass(frozen=True, eq=True)
@@ -318,6 +329,7 @@ class Execution(_Record):
     kernels: str | None = None  # fused | eager | compiled; None -> the framework's
     attention_kernel: str = "flash2"  # flash2 | flash3 | cudnn | triton | sdpa (flash2 backend)
     precision: str = "bf16"  # bf16 | fp16 | fp8 (the linear layers' GEMMs)
+    loss: str | None = None  # fused | eager | chunked:N (ckplan.model.loss); None -> framework's
     tp_comm_overlap: bool = False  # Megatron/TE --tp-comm-overlap, torchtitan async TP
     dp_comm_overlap: bool | None = None  # overlap DP/FSDP traffic with compute; None -> framework's
 
@@ -335,9 +347,14 @@ class Execution(_Record):
                     f"got {quote(getattr(self, key))}"
                 )
         defaults = FRAMEWORK_DEFAULTS[self.framework]
-        for key in ("kernels", "dp_comm_overlap"):
+        for key in ("kernels", "dp_comm_overlap", "loss"):
             if getattr(self, key) is None:
                 self._derive(key, defaults[key])
+        if self.loss not in ("fused", "eager") and not _is_chunked(self.loss):
+            raise SpecError(
+                f"key 'loss' must be fused, eager or chunked:N (N in 2..{MAX_LOSS_CHUNKS:,}), "
+                f"got {quote(self.loss)}"
+            )
         if self.kernels not in KERNELS:
             raise SpecError(
                 f"key 'kernels' must be one of {', '.join(KERNELS)}, got {quote(self.kernels)}"

@@ -67,7 +67,7 @@ KEY_ORDER = (
     "shared_ffn_hidden", "shared_expert_gate", "expert_bias", "capacity_factor", "moe_layers",
     "moe_imbalance", "ep", "etp", "first_stage_layers", "last_stage_layers",
     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
-    "framework", "kernels", "attention_kernel", "precision", "tp_comm_overlap",
+    "framework", "kernels", "attention_kernel", "precision", "loss", "tp_comm_overlap",
     "dp_comm_overlap",
 )  # fmt: skip
 PART_OF: dict[str, str] = {
@@ -259,7 +259,7 @@ _REQUIRED = [
 ]
 _BOOL_FIELDS = {key for key, f in _KEYS.items() if f.type in ("bool", "bool | None")}
 _STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions", "profile"}
-_STR_FIELDS |= {"framework", "kernels", "attention_kernel", "precision"}
+_STR_FIELDS |= {"framework", "kernels", "attention_kernel", "precision", "loss"}
 _LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
 _FLOAT_FIELDS = {"dropout", "capacity_factor"}
 _NULLABLE = {key for key, f in _KEYS.items() if "None" in str(f.type)}

@@ -9,7 +9,7 @@ from functools import lru_cache
 
 from ckplan.cache import BoundedCache
 from ckplan.model import flops as flops_model
-from ckplan.model import memory
+from ckplan.model import loss, memory
 from ckplan.model.layers import LayerKind, stage_kinds, stage_layer_indices
 from ckplan.model.op import ATTENTION_CORE
 from ckplan.model.spec import ModelSpec
@@ -101,24 +101,29 @@ def _build_layer_chain(spec: ModelSpec, groups: tuple[str, ...], stage: int) -> 
     if has_output:
         logits = flops_model.logits_forward_flops(spec)
         forward, backwards = [*forward, logits], [*backwards, 2 * logits]
-        inputs, tapes = [*inputs, stream], [*tapes, memory.output_saved_bytes(spec)]
+        inputs, tapes = [*inputs, stream], [*tapes, loss.output_saved_bytes(spec)]
     final_output = 0 if has_output else stream  # a scalar loss, or the activation sent onward
     # Transients beyond tape + δ_out + δ_in. Forward: exact for the seed's MLP as ckplan verify
     # runs it, not modelled for transformers (zeros). Backward: the seed MLP's exact workspace;
     # a transformer layer's gradients in flight (memory.layer_backward_walk; with selective, the
     # re-forwarded groups too); the output stage's logits gradient in the activation dtype
-    # (memory.output_backward_peak_bytes); nothing for the embedding.
+    # (loss.output_backward_peak_bytes); nothing for the embedding.
     if has_embedding:
         backward_workspace = [0, *backward_workspace]
     if has_output:
-        backward_workspace = [*backward_workspace, memory.output_backward_workspace_bytes(spec)]
+        backward_workspace = [*backward_workspace, loss.output_backward_workspace_bytes(spec)]
     stages = len(forward)
+    # Forward transients: the NumPy MLP's exact workspace; a transformer's output stage holds
+    # its loss's (loss.output_forward_workspace_bytes); its layers none beyond their tapes.
+    forward_workspace = [memory.mlp_forward_workspace_bytes(spec)] * stages
+    if has_output:
+        forward_workspace[-1] = loss.output_forward_workspace_bytes(spec)
     return Chain(
         forward_flops=tuple(forward),
         backward_flops=tuple(backwards),
         input_bytes=(*inputs, final_output),
         tape_bytes=tuple(tapes),
-        forward_workspace_bytes=(memory.mlp_forward_workspace_bytes(spec),) * stages,
+        forward_workspace_bytes=forward_workspace,
         backward_workspace_bytes=tuple(backward_workspace),
     )
 

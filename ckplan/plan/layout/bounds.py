@@ -31,7 +31,7 @@ from ckplan.hardware.gpus import GPU
 from ckplan.hardware.roofline import memory_seconds
 from ckplan.hardware.step_time import embedding_time, layer_time, output_time
 from ckplan.hardware.times import StageTime
-from ckplan.model import memory
+from ckplan.model import loss, memory
 from ckplan.model.layers import LayerKind, stage_kinds
 from ckplan.model.moe import EXPERTS, MOE
 from ckplan.model.op import ATTENTION_CORE, split_share
@@ -178,8 +178,8 @@ class Bounds:
             }
             output = 0
             if spec.kind == "transformer" and spec.vocab > 0:
-                saved = memory.output_saved_bytes(spec)
-                output = max(memory.output_backward_peak_bytes(spec), saved + stream)
+                saved = loss.output_saved_bytes(spec)
+                output = max(loss.output_backward_peak_bytes(spec), saved + stream)
             self._memories[key] = {"kinds": kinds, "output_bytes": output, "stream": stream}
         return self._memories[key]
 
@@ -212,7 +212,7 @@ class Bounds:
                 ratios[kind] = self._layer_ratio(spec, kind)
             if spec.kind == "transformer" and spec.vocab > 0:
                 layer = self.layer(layout)
-                saved = memory.output_saved_bytes(spec)
+                saved = loss.output_saved_bytes(spec)
                 ratios["output"] = _ratio(layer["output"].forward.total, saved)
                 ratios["embedding"] = _ratio(
                     layer["embedding"].forward.total, memory.embedding_saved_bytes(spec)

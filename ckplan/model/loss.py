@@ -1,0 +1,127 @@
+"""The output stage: final norm, output layer and the loss, as each implementation holds it.
+
+Notation: T = s·b/cp tokens on this rank, L = T·V/t logits on this rank (the vocabulary split
+over t, Megatron's vocab-parallel output layer; torchtitan's loss parallel), X = the residual
+stream's bytes (`memory.layer_input_bytes`), B the activation dtype's bytes. The stage's input is
+the last layer's output (X); its tape keeps that (the final norm's input) and the output layer's
+input (X) and what the loss saves.
+
+- `fused` — Megatron-LM's vocab-parallel cross-entropy (megatron/core/tensor_parallel/
+  cross_entropy.py): `.float()` copies the B-byte logits to fp32, turns the copy into the
+  softmax in place and saves it (4L, Korthikanti §4.3's fp32 logits); the backward writes the
+  gradient into that buffer in place and autograd casts it to B bytes. Forward transient: the
+  B-byte logits beside the fp32 copy; backward: + B·L.
+- `eager` — PyTorch's cross-entropy on upcast logits, as Hugging Face transformers
+  (loss/loss_utils.py ForCausalLMLoss: `logits = logits.float()` then
+  `nn.functional.cross_entropy`) and torchtitan (`cross_entropy(pred.flatten(0, 1).float(), ...)`)
+  run it: the fp32 copy feeds log_softmax, which saves its fp32 output (4L); nll_loss saves only
+  the targets. Forward transient: the B-byte logits, the fp32 copy and the log-probabilities
+  together (B + 8)L; backward: the log-probabilities' gradient and the logits' (8L) beside the
+  saved 4L.
+- `chunked:N` — the output layer and the loss N tokens-chunks at a time, each chunk's backward
+  run in the forward (torchtitan's ChunkedLossWrapper, Liger-Kernel's fused linear
+  cross-entropy): nothing of size L is saved; the hidden states' gradient is accumulated in fp32
+  (4·T·h per rank) and kept for the backward; a chunk holds its logits, their fp32 copy,
+  log-probabilities and two fp32 gradients, (B + 16)·L/N.
+"""
+
+from __future__ import annotations
+
+from ckplan.model.op import FP32_BYTES, split_share
+from ckplan.model.spec import ChainSpec
+
+LOSSES = ("fused", "eager", "chunked:N")
+
+
+def chunks(loss: str) -> int:
+    """N of `chunked:N` (1 for the others)."""
+    return int(loss.split(":", 1)[1]) if loss.startswith("chunked:") else 1
+
+
+def logits_elements(spec: ChainSpec) -> int:
+    """L: the logits on this rank, T·V/t (the largest share of the vocabulary split)."""
+    tokens = (spec.seq // spec.cp) * spec.micro_batch
+    return split_share(tokens * spec.vocab, spec.tp)
+
+
+def stream_bytes(spec: ChainSpec) -> int:
+    """X: the residual stream's bytes on this rank (/t under sequence parallelism)."""
+    tokens = (spec.seq // spec.cp) * spec.micro_batch
+    replicated = spec.tp if spec.sp else 1
+    return spec.dtype_bytes * split_share(tokens * spec.hidden, replicated)
+
+
+def hidden_grad_accumulator_bytes(spec: ChainSpec) -> int:
+    """The fp32 gradient of the output layer's input a chunked loss accumulates: 4·T·h."""
+    tokens = (spec.seq // spec.cp) * spec.micro_batch
+    return FP32_BYTES * tokens * spec.hidden
+
+
+def output_saved_bytes(spec: ChainSpec) -> int:
+    """The output stage's tape: the final norm's input and the output layer's input (2X; 4sbh/t
+    for B = 2 under SP) and what the loss keeps: 4L (fused, eager: the fp32 softmax or
+    log-probabilities, Korthikanti §4.3's 4sbV/t) or the fp32 hidden-gradient accumulator
+    (chunked)."""
+    X = stream_bytes(spec)
+    if spec.loss.startswith("chunked:"):
+        return 2 * X + hidden_grad_accumulator_bytes(spec)
+    return 2 * X + FP32_BYTES * logits_elements(spec)
+
+
+def output_forward_workspace_bytes(spec: ChainSpec) -> int:
+    """What the output stage's forward holds beyond its input while it runs (the chain's
+    forward workspace): its tape less the input, and the loss's transients (module docstring):
+    B·L (fused), (B + 4)·L (eager: the B-byte logits and the fp32 copy beside the saved
+    log-probabilities), (B + 16)·L/N (a chunk)."""
+    X, L, B = stream_bytes(spec), logits_elements(spec), spec.dtype_bytes
+    beyond_input = output_saved_bytes(spec) - X
+    if spec.loss == "fused":
+        return beyond_input + B * L
+    if spec.loss == "eager":
+        return beyond_input + (B + FP32_BYTES) * L
+    return beyond_input + -(-(B + 4 * FP32_BYTES) * L // chunks(spec.loss))
+
+
+def output_backward_peak_bytes(spec: ChainSpec) -> int:
+    """Peak bytes alive during the output stage's backward (output layer and loss).
+
+    fused (derived, Megatron-LM's vocab-parallel cross-entropy): its backward writes the logits'
+    gradient into the saved fp32 buffer in place and returns it in fp32, which autograd casts
+    to the logits' dtype, a new B·L tensor, while the fp32 one is alive: tape + B·L. Afterwards
+    the fp32 buffer is freed, and the output layer's backward (the B·L gradient, its input and
+    the final norm's input saved, the final norm's output gradient X) and the final norm's
+    (adding δ_in, X) hold less. eager: nll_loss's backward writes the log-probabilities'
+    gradient (4L), log_softmax's the fp32 logits' (4L) beside the saved 4L: tape + 8L; the cast
+    back to B bytes follows once the log-probabilities are freed. chunked: the gradient is
+    already accumulated; the output layer's input gradient is that buffer: tape + X (δ_in).
+    The loss is a scalar: no δ_out."""
+    L, B = logits_elements(spec), spec.dtype_bytes
+    tape = output_saved_bytes(spec)
+    if spec.loss == "fused":
+        return tape + B * L
+    if spec.loss == "eager":
+        return tape + 2 * FP32_BYTES * L
+    return tape + stream_bytes(spec)
+
+
+def output_backward_workspace_bytes(spec: ChainSpec) -> int:
+    """The output stage's backward beyond the chain's tape + δ_in (δ_out is a scalar loss, 0
+    bytes): max(0, output_backward_peak_bytes - (output_saved_bytes + X))."""
+    peak = output_backward_peak_bytes(spec)
+    return max(0, peak - (output_saved_bytes(spec) + stream_bytes(spec)))
+
+
+def loss_moved_bytes(spec: ChainSpec) -> tuple[int, int]:
+    """Bytes the loss's kernels read and write, (forward, backward), beyond the output GEMM
+    (derived from the kernels above): fused, one fp32 pass to copy, one to find the max, one
+    to sum the exponentials and normalise, (B + 12)·L forward, (12 + B)·L backward (the
+    in-place gradient and the cast back); eager, the cast (B + 4), log_softmax (4 + 4 and its
+    two reductions, 8) and nll_loss's gather, (B + 16)·L forward, nll_loss's and log_softmax's
+    backward (4 + 12) and the cast back (4 + B), (20 + B)·L; chunked, the eager kernels on
+    every chunk, forward and backward in the forward pass."""
+    L, B = logits_elements(spec), spec.dtype_bytes
+    if spec.loss == "fused":
+        return (B + 12) * L, (12 + B) * L
+    if spec.loss == "eager":
+        return (B + 16) * L, (20 + B) * L
+    return (B + 16) * L + (20 + B) * L, 0
