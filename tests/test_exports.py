@@ -303,7 +303,7 @@ def test_deepspeed_block_has_exactly_its_documented_keys(spec_of):
         "profile",
     }
     assert data["activation_checkpointing"]["number_checkpoints"] == 4
-    piped = spec_of("gpt2", pp=2, zero=2, dp=2, microbatches=4)
+    piped = spec_of("gpt2", pp=2, zero=2, dp=2, microbatches=4, framework="torchtitan")
     assert "ZeRO 0-1" in deepspeed.reason(piped, layer_segments(plan_of(piped, "none")))
 
 

@@ -218,7 +218,7 @@ def test_layouts_differing_in_dp_and_zero_share_their_chain():
         ("llama3-8b", {"dp": 8, "zero": 3}),
         ("mixtral-8x7b", {"dp": 16, "zero": 1, "ep": 8}),
         ("deepseek-v3", {"dp": 32, "zero": 2, "ep": 32, "tp": 4, "sp": True}),
-        ("gemma2-9b", {"dp": 4, "zero": 3, "pp": 2}),
+        ("gemma2-9b", {"dp": 4, "zero": 3, "pp": 2, "framework": "torchtitan"}),
     ]:
         spec = load_spec(preset, keys)
         for selective in (False, True):

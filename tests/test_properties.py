@@ -21,6 +21,7 @@ from json_schema import CHECK, ESTIMATE, NO_FIT, SCHEDULE, SWEEP, VERIFY, errors
 
 from ckplan.cli import main
 from ckplan.model.flops import model_flops_per_iteration
+from ckplan.model.frameworks import layout_error
 from ckplan.model.memory import activation_bytes_per_layer, parameter_count
 from ckplan.model.op import ATTENTION_CORE
 from ckplan.model.ops import group_input_bytes
@@ -53,6 +54,9 @@ def transformers(draw) -> dict:
     pp = draw(st.sampled_from([1, 2, 3]))
     seq = draw(st.sampled_from([8, 16, 32, 64]))
     hidden = heads * draw(st.sampled_from([8, 16]))
+    cp = draw(st.sampled_from([c for c in (1, 2) if seq % c == 0]))
+    framework = draw(st.sampled_from(["megatron", "torchtitan", "deepspeed"]))
+    zeros = [z for z in range(4) if layout_error(framework, z, tp, pp, cp, 1) is None]
     return {
         "name": "random",
         "layers": pp * per_stage,
@@ -75,9 +79,10 @@ def transformers(draw) -> dict:
         "tp": tp,
         "sp": tp > 1 and draw(st.booleans()),
         "pp": pp,
-        "cp": draw(st.sampled_from([c for c in (1, 2) if seq % c == 0])),
+        "cp": cp,
         "dp": draw(st.sampled_from([1, 2, 4])),
-        "zero": draw(st.integers(0, 3)),
+        "framework": framework,
+        "zero": draw(st.sampled_from(zeros)),
         "virtual_stages": draw(st.sampled_from(divisors(per_stage))),
         "microbatches": draw(st.integers(1, 8)),
     }

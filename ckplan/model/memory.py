@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from ckplan.model import frameworks
 from ckplan.model.layers import (
     LayerKind,
     layer_kinds,
@@ -466,10 +467,12 @@ class ModelStateBytes:
     expert_weights: int = 0
     expert_gradients: int = 0
     expert_optimizer: int = 0
+    # the framework's communication buckets and unsharded copies (model.frameworks)
+    buffers: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer
+        return self.weights + self.gradients + self.optimizer + self.buffers
 
     @property
     def expert_total(self) -> int:
@@ -488,8 +491,31 @@ def model_state_bytes(spec: ModelSpec, stage: int | None = None) -> ModelStateBy
     experts' states are sharded over their own data-parallel group, tp·cp·dp/(ep·etp)
     (Megatron-LM's expert_data_parallel_size; `ModelSpec.expert_data_parallel`).
     """
-    dense, expert = stage_parameters(spec, busiest_stage(spec) if stage is None else stage)
-    return states_of(spec, dense, expert)
+    stage = busiest_stage(spec) if stage is None else stage
+    dense, expert = stage_parameters(spec, stage)
+    return states_of(spec, dense, expert, buffers=stage_buffer_bytes(spec, stage))
+
+
+def stage_buffer_bytes(spec: ModelSpec, stage: int) -> int:
+    """The framework's buffers on one GPU of pipeline stage `stage` (frameworks.buffer_bytes):
+    over its parameters, its largest layer's and those outside the layers."""
+    if spec.kind != "transformer":
+        return 0
+    dense, expert = stage_parameters(spec, stage)
+    layer = max(
+        layer_parameter_parts(spec, kind).dense_per_rank(spec)
+        + layer_parameter_parts(spec, kind).experts_per_rank(spec)
+        for kind in stage_kind_counts(spec, stage)
+    )
+    in_layers = sum(
+        count
+        * (
+            layer_parameter_parts(spec, kind).dense_per_rank(spec)
+            + layer_parameter_parts(spec, kind).experts_per_rank(spec)
+        )
+        for kind, count in stage_kind_counts(spec, stage).items()
+    )
+    return frameworks.buffer_bytes(spec, dense + expert, layer, dense + expert - in_layers)
 
 
 def states_of(
@@ -499,6 +525,7 @@ def states_of(
     zero: int | None = None,
     dp: int | None = None,
     expert_dp: int | None = None,
+    buffers: int = 0,
 ) -> ModelStateBytes:
     """The model states of `dense` and `expert` parameters under spec's bytes per parameter
     and its ZeRO stage, dp and expert data parallelism (or those given): `model_state_bytes`."""
@@ -518,5 +545,5 @@ def states_of(
     gradients, expert_gradients = both(spec.grad_bytes, 2)
     optimizer, expert_optimizer = both(spec.master_bytes + spec.optimizer_bytes, 1)
     return ModelStateBytes(
-        weights, gradients, optimizer, expert_weights, expert_gradients, expert_optimizer
+        weights, gradients, optimizer, expert_weights, expert_gradients, expert_optimizer, buffers
     )

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from ckplan.model import frameworks
 from ckplan.model.kernel_profile import FUSED, FUSED_NAME, Profile
 from ckplan.model.layers import LayerSetError, parse_layer_set
 from ckplan.model.parts import (
@@ -200,6 +201,7 @@ class ModelSpec(_Layers):
             **self.architecture.derived_defaults(),
             "etp": self.tp,
             **self.execution.derived_defaults(),
+            **frameworks.training_defaults(self.framework, self.zero),
         }
         for key, default in derived.items():
             if key not in changes and values[key] == default:
@@ -303,6 +305,13 @@ def spec_from_mapping(mapping: Mapping[str, Any], origin: str = "model") -> Mode
 
 def _build(values: dict[str, Any]) -> ModelSpec:
     _validate_ranges(values)
+    framework = values.get("framework") or "megatron"
+    if framework in frameworks.RULES:  # else Execution names the key
+        defaults = frameworks.training_defaults(framework, values.get("zero") or 0)
+        values = {
+            **defaults,
+            **{k: v for k, v in values.items() if v is not None or k not in defaults},
+        }
     parts: dict[str, dict[str, Any]] = {part: {} for part in PARTS}
     for key, value in values.items():
         if key in PART_OF:
@@ -476,6 +485,9 @@ def _validate(spec: ModelSpec) -> None:
             f"key 'virtual_stages' ({spec.virtual_stages}) must divide layers per pipeline "
             f"stage ({spec.layers_per_stage})"
         )
+    reason = frameworks.layout_error(spec.framework, spec.zero, spec.tp, spec.pp, spec.cp, spec.ep)
+    if reason:
+        raise SpecError(reason)
     if spec.sp and spec.tp == 1:
         raise SpecError("key 'sp' (sequence parallelism) needs tp > 1")
     if spec.seq % spec.cp:

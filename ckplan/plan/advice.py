@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ckplan.model.frameworks import layout_error
 from ckplan.model.spec import ModelSpec, SpecError
 from ckplan.plan.evaluate import evaluate
 from ckplan.plan.strategies import parse_strategy
@@ -81,7 +82,12 @@ def _pipeline_keys(spec: ModelSpec, pp: int) -> dict[str, Any] | None:
 
 def _levers(spec: ModelSpec, gpus_per_node: int):
     """Each lever's successive settings, least change first."""
-    zero = [{"zero": z} for z in range(spec.zero + 1, 4)] if spec.dp > 1 else []
+    runnable = [
+        z
+        for z in range(4)
+        if layout_error(spec.framework, z, spec.tp, spec.pp, spec.cp, spec.ep) is None
+    ]
+    zero = [{"zero": z} for z in runnable if z > spec.zero] if spec.dp > 1 else []
     tp = [
         {"tp": t, "sp": True}
         for t in (spec.tp * 2**k for k in range(1, MAX_STEPS))
@@ -92,7 +98,7 @@ def _levers(spec: ModelSpec, gpus_per_node: int):
         for p in (spec.pp * 2**k for k in range(1, MAX_STEPS))
         if p <= spec.layers and (keys := _pipeline_keys(spec, p)) is not None
     ]
-    dp = [{"dp": spec.dp * 2**k, "zero": 3} for k in range(1, MAX_STEPS)]
+    dp = [{"dp": spec.dp * 2**k, "zero": max(runnable)} for k in range(1, MAX_STEPS)]
     cp = [
         {"cp": c} for c in (spec.cp * 2**k for k in range(1, MAX_STEPS)) if spec.seq % (2 * c) == 0
     ]

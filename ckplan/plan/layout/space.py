@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckplan.model.frameworks import layout_error
 from ckplan.model.spec import ModelSpec
 
 # The keys a layout sets; --set may fix any of them for the search (`constraints`).
@@ -254,8 +255,14 @@ def layouts(space: SearchSpace) -> Iterator[Layout]:
                 if batch % dp or not space.allowed("dp", dp):
                     continue
                 for ep, etp in _expert_layouts(space, tp, cp, dp):
-                    zeros = (
-                        (0, 1, 2, 3) if dp > 1 or (experts and tp * cp * dp > ep * etp) else (0,)
+                    zeros = tuple(
+                        zero
+                        for zero in (
+                            (0, 1, 2, 3)
+                            if dp > 1 or (experts and tp * cp * dp > ep * etp)
+                            else (0,)
+                        )
+                        if layout_error(spec.framework, zero, tp, pp, cp, ep) is None
                     )
                     for micro_batch in divisors(batch // dp):
                         microbatches = batch // (dp * micro_batch)
