@@ -555,11 +555,11 @@ def optimizer_seconds(spec: ModelSpec, gpu: GPU) -> float:
     """Adam's step, memory-bound: per parameter it reads the gradient, master weight and both
     moments and writes the master weight, moments and half-precision weight (Megatron-LM's
     mixed-precision Adam), over the parameters whose optimizer state this GPU holds: from ZeRO 1
-    its dense parameters' share over dp and its routed experts' share over their
+    its dense parameters' share over dp·cp and its routed experts' share over their
     expert-data-parallel group (as `memory.model_state_bytes` shards them)."""
     dense, experts = memory.stage_parameters(spec, memory.busiest_stage(spec))
     if spec.zero >= 1:
-        dense = split_share(dense, spec.dp)
+        dense = split_share(dense, spec.dp * spec.cp)
         experts = split_share(experts, spec.expert_data_parallel) if experts else 0
     per_param = (
         spec.grad_bytes + 2 * spec.master_bytes + 2 * spec.optimizer_bytes + spec.weight_bytes

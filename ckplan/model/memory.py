@@ -486,8 +486,10 @@ def model_state_bytes(spec: ModelSpec, stage: int | None = None) -> ModelStateBy
     Megatron-LM's mixed-precision Adam keeps 18 bytes per parameter: bf16 weights (2), fp32 main
     gradients (4), fp32 master weights (4), Adam m and v (4 + 4) (Megatron-LM
     docs/source/distrib_optimizer.md); each part is a spec key. ZeRO (Rajbhandari et al. 2020,
-    §5): stage 1 shards master weights and optimizer over dp, stage 2 also gradients, stage 3
-    also weights. Megatron's distributed optimizer, 6 + 12/dp, is zero: 1 here. Routed
+    §5): stage 1 shards master weights and optimizer over the dp·cp ranks that hold the same
+    parameters (Megatron's data-parallel group with context parallelism; torchtitan's dp_shard·cp
+    FSDP mesh), stage 2 also gradients, stage 3 also weights. Megatron's distributed optimizer,
+    6 + 12/d, is zero: 1 here. Routed
     experts' states are sharded over their own data-parallel group, tp·cp·dp/(ep·etp)
     (Megatron-LM's expert_data_parallel_size; `ModelSpec.expert_data_parallel`).
     """
@@ -528,9 +530,11 @@ def states_of(
     buffers: int = 0,
 ) -> ModelStateBytes:
     """The model states of `dense` and `expert` parameters under spec's bytes per parameter
-    and its ZeRO stage, dp and expert data parallelism (or those given): `model_state_bytes`."""
+    and its ZeRO stage, its data-parallel ranks `dp` (default dp·cp: the ranks that hold the
+    same dense parameters, over which Megatron-LM's distributed optimizer and torchtitan's FSDP
+    shard them) and expert data parallelism (or those given): `model_state_bytes`."""
     zero = spec.zero if zero is None else zero
-    dp = spec.dp if dp is None else dp
+    dp = spec.dp * spec.cp if dp is None else dp
     expert_dp = spec.expert_data_parallel if expert_dp is None else expert_dp
 
     def shard(params: int, ranks: int, bytes_per_param: int, from_stage: int) -> int:

@@ -261,7 +261,7 @@ class Bounds:
     def states(self, layout: Layout, stage: int) -> memory.ModelStateBytes:
         dense, expert = self.parameters(layout)[stage]
         return memory.states_of(
-            self.spec, dense, expert, zero=layout.zero, dp=layout.dp,
+            self.spec, dense, expert, zero=layout.zero, dp=layout.dp * layout.cp,
             expert_dp=self._expert_dp(layout),
         )  # fmt: skip
 
@@ -414,7 +414,7 @@ class Bounds:
         spec = self.spec
         dense, experts = self._busiest_parameters(layout)
         if layout.zero >= 1:
-            dense = split_share(dense, layout.dp)
+            dense = split_share(dense, layout.dp * layout.cp)
             experts = split_share(experts, self._expert_dp(layout)) if experts else 0
         per_param = (
             spec.grad_bytes + 2 * spec.master_bytes + 2 * spec.optimizer_bytes + spec.weight_bytes
