@@ -31,6 +31,7 @@ MEMORY = {
     "activation_bytes": int,
     "model_state_bytes": int,
     "total_bytes": int,
+    "reserved_bytes": int,
 }
 FLOPS = {"forward": int, "backward": int, "recompute": int, "total": int}
 PLAN = {

@@ -142,7 +142,7 @@ def test_estimate_with_budget(capsys):
     code, out, _ = run(capsys, "estimate", "gpt2", "--batch", "8", "--budget", "16GB", "--json")
     data = json.loads(out)
     assert code == 0 and data["fits"] and data["usable_bytes"] == 16 * 10**9 - 2 * 2**30
-    assert data["headroom_bytes"] == data["usable_bytes"] - data["memory"]["total_bytes"]
+    assert data["headroom_bytes"] == data["usable_bytes"] - data["memory"]["reserved_bytes"]
     code, out, _ = run(capsys, "estimate", "gpt2", "--batch", "8", "--budget", "4GB")
     assert code == 1 and "does not fit" in out
     code, out, _ = run(

@@ -81,7 +81,21 @@ def load_spec(model: str, overrides: Mapping[str, Any] | None = None) -> ModelSp
 def spec_from_values(values: Mapping[str, Any], origin: str = "model") -> ModelSpec:
     """`model.spec.spec_from_mapping` with the `profile` key read here when it names a shipped
     profile or a file (the model does no I/O), checked against the model and applied."""
-    reference = values.get("profile", DEFAULT_PROFILE) if isinstance(values, Mapping) else None
+    reference = values.get("profile") if isinstance(values, Mapping) else None
+    if reference is None and isinstance(values, Mapping):
+        spec = spec_from_mapping(values, origin)
+        implied = _framework_profile(spec)
+        if implied == DEFAULT_PROFILE:
+            return spec
+        from ckplan.inputs.profiles import load_profile
+        from ckplan.model.profiles import ProfileError
+
+        try:  # a profile the architecture does not fit stays the op table's (fused)
+            implied_spec = spec.replace(profile=load_profile(implied))
+            layer_ops(implied_spec)
+        except ProfileError:
+            return spec
+        return implied_spec
     if reference == DEFAULT_PROFILE or not isinstance(reference, str) or not reference.strip():
         return spec_from_mapping(values, origin)
     spec = spec_from_mapping({**values, "profile": DEFAULT_PROFILE}, origin)
@@ -102,6 +116,16 @@ def spec_from_values(values: Mapping[str, Any], origin: str = "model") -> ModelS
     except ProfileError as error:
         raise SpecError(f"{origin}: {error}") from None
     return spec
+
+
+def _framework_profile(spec: ModelSpec) -> str:
+    """The kernel profile a framework's eager PyTorch code implies when the model names none:
+    Hugging Face's and torchtitan's eager modules save what the torch-sdpa profile (flash
+    attention through SDPA) or torch-eager (standard attention) measures; fused and compiled
+    kernels what the op table counts (fused)."""
+    if spec.kind != "transformer" or spec.kernels != "eager":
+        return DEFAULT_PROFILE
+    return "torch-sdpa" if spec.attention == "flash" else "torch-eager"
 
 
 def _profile_beside(mapping: dict[str, Any], model: str) -> dict[str, Any]:

@@ -332,6 +332,7 @@ class Execution(_Record):
     loss: str | None = None  # fused | eager | chunked:N (ckplan.model.loss); None -> framework's
     tp_comm_overlap: bool = False  # Megatron/TE --tp-comm-overlap, torchtitan async TP
     dp_comm_overlap: bool | None = None  # overlap DP/FSDP traffic with compute; None -> framework's
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
     __hash__ = _Record.__hash__
 

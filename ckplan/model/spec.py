@@ -69,7 +69,7 @@ KEY_ORDER = (
     "moe_imbalance", "ep", "etp", "first_stage_layers", "last_stage_layers",
     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
     "framework", "kernels", "attention_kernel", "precision", "loss", "tp_comm_overlap",
-    "dp_comm_overlap",
+    "dp_comm_overlap", "expandable_segments",
 )  # fmt: skip
 PART_OF: dict[str, str] = {
     field.name: part for part, record in PARTS.items() for field in dataclasses.fields(record)

@@ -16,8 +16,8 @@ from fractions import Fraction
 from functools import lru_cache
 
 from ckplan.cache import BoundedCache
+from ckplan.model import allocator, memory, seed
 from ckplan.model import flops as flops_model
-from ckplan.model import memory, seed
 from ckplan.model.layers import stage_kinds
 from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
@@ -82,7 +82,15 @@ class Plan:
 
     @property
     def total_bytes(self) -> int:
+        """The allocated peak per GPU: activations and model states (torch's
+        max_memory_allocated)."""
         return self.activation_bytes + self.model_states.total
+
+    @property
+    def reserved_bytes(self) -> int:
+        """The allocator's reserved peak per GPU (max_memory_reserved), what a budget is checked
+        against (model.allocator)."""
+        return allocator.reserved_bytes(self.total_bytes, self.spec.expandable_segments)
 
     @property
     def overhead(self) -> float:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ckplan.model import allocator
 from ckplan.model.memory import model_state_bytes
 from ckplan.model.spec import ModelSpec
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate
@@ -35,11 +36,11 @@ class Candidate:
 
     @property
     def fits(self) -> bool:
-        return self.plan.total_bytes <= self.budget_bytes
+        return self.plan.reserved_bytes <= self.budget_bytes
 
     @property
     def headroom_bytes(self) -> int:
-        return self.budget_bytes - self.plan.total_bytes
+        return self.budget_bytes - self.plan.reserved_bytes
 
 
 @dataclass(frozen=True)
@@ -125,8 +126,10 @@ def _sizes(low: int, high: int) -> list[int]:
 
 
 def activation_budget(spec: ModelSpec, usable_bytes: int) -> int:
-    """What is left for activations once model states are placed (may be negative)."""
-    return usable_bytes - model_state_bytes(spec).total
+    """What is left for activations once model states are placed (may be negative): the
+    allocated bytes whose reserved peak fits `usable_bytes` (model.allocator), less the states."""
+    allocatable = allocator.allocatable_bytes(usable_bytes, spec.expandable_segments)
+    return allocatable - model_state_bytes(spec).total
 
 
 def sweep(
@@ -307,7 +310,7 @@ def largest_micro_batch(spec: ModelSpec, strategy: Strategy, usable_bytes: int) 
 
     def fits(micro_batch: int) -> bool:
         candidate = spec.replace(micro_batch=micro_batch)
-        return evaluate(candidate, strategy).total_bytes <= usable_bytes
+        return evaluate(candidate, strategy).reserved_bytes <= usable_bytes
 
     if not fits(1):
         return 0

@@ -50,8 +50,10 @@ def plan_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
                 "weights": states.weights,
                 "gradients": states.gradients,
                 "optimizer": states.optimizer,
+                "buffers": states.buffers,
             },
             "total_bytes": plan.total_bytes,
+            "reserved_bytes": plan.reserved_bytes,
         },
         "parameters": {"total": plan.parameters_total, "per_gpu": plan.parameters_per_gpu},
         "flops": {

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from ckplan.errors import InputError
 from ckplan.hardware.gpus import GPU
 from ckplan.hardware.step_time import step_time
+from ckplan.model import allocator
 from ckplan.model.spec import ModelSpec, SpecError
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate, in_flight_microbatches
 from ckplan.plan.layout.bounds import Bounds, MemoryBound, TimeBound, layout_keys_cleared
@@ -250,7 +251,7 @@ def search_layouts(
             continue
         memory_bound = bounds.memory(layout)
         time_bound = bounds.time(layout)
-        if memory_bound.bytes > usable:
+        if allocator.reserved_bytes(memory_bound.bytes, spec.expandable_segments) > usable:
             failed[family] = layout.micro_batch
             reason = "model_states" if memory_bound.states > usable else "memory"
             counts[reason] += 1

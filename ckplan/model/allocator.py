@@ -1,0 +1,48 @@
+"""PyTorch's CUDA caching allocator: the reserved peak beside the allocated one.
+
+Frameworks report `torch.cuda.max_memory_reserved` and a run runs out of memory when the
+allocator cannot reserve more, so a budget is checked against the reserved peak. The allocator
+(c10/cuda/CUDACachingAllocator.cpp) rounds every large request up to 2 MiB (kRoundLarge) and
+packs requests of 1-10 MiB into 20 MiB blocks; freed blocks stay reserved, and blocks that
+cannot be split or merged for the next request's size leave gaps (fragmentation), so the
+reserved peak exceeds the allocated one by a share that depends on the run's pattern of
+allocations: 1.13 at a Megatron-LM run's peak (NVIDIA/Megatron-LM PR #5662's sample, max
+allocated 5,670 MB, max reserved 6,406 MB), 1.39 in a 2020 Megatron log (issue #60). With
+`expandable_segments` (PYTORCH_CUDA_ALLOC_CONF) one segment per stream grows in 2 MiB pages
+instead ("Note [Expandable Segments]"), and the gaps mostly go.
+
+ckplan models the reserved peak as the allocated peak times (1 + slack), rounded up to 2 MiB;
+the slack without expandable segments is fitted to published reserved peaks of the calibration
+split (validation/fit_memory_model.py, docs/validation.md); with them it is the gap between
+reserved and allocated that torchtune reports after loading a model with expandable segments
+(docs/source/tutorials/e2e_flow.rst: 6.21 GiB allocated, 6.27 GiB reserved), 1%.
+"""
+
+from __future__ import annotations
+
+import math
+
+ROUND_LARGE = 2 * 2**20  # kRoundLarge: large blocks are multiples of 2 MiB
+# fitted by validation/fit_memory_model.py (docs/validation.md, "Reserved memory")
+ALLOCATOR_SLACK = 0.0
+EXPANDABLE_SLACK = 0.01
+
+
+def slack(expandable_segments: bool) -> float:
+    return EXPANDABLE_SLACK if expandable_segments else ALLOCATOR_SLACK
+
+
+def reserved_bytes(allocated: int, expandable_segments: bool = False) -> int:
+    """The reserved peak of an allocated peak: allocated · (1 + slack), rounded up to 2 MiB."""
+    if allocated <= 0:
+        return 0
+    grown = math.ceil(allocated * (1 + slack(expandable_segments)))
+    return -(-grown // ROUND_LARGE) * ROUND_LARGE
+
+
+def allocatable_bytes(reserved: int, expandable_segments: bool = False) -> int:
+    """The largest allocated peak whose reserved peak fits in `reserved` bytes."""
+    if reserved <= 0:
+        return reserved
+    whole = (reserved // ROUND_LARGE) * ROUND_LARGE
+    return math.floor(whole / (1 + slack(expandable_segments)))
