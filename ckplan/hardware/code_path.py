@@ -149,7 +149,7 @@ def code_path(
         flash_attention_efficiency=attention_efficiency(gpu, attention_kernel, seq) * rate,
     )
     fp8 = None
-    if precision == "fp8":
+    if precision in ("fp8", "float8"):
         if not gpu.fp8_flops:
             raise GPUError(f"precision fp8 needs FP8 tensor cores; GPU {gpu.name!r} has none")
         fp8 = dataclasses.replace(

@@ -485,7 +485,9 @@ def _gradient_reduction(
     forward and again for the backward, the gradients reduce-scattered."""
     if ranks == 1 or params == 0:
         return DataParallelComm()
-    grads, weights = params * spec.grad_bytes, params * spec.weight_bytes
+    # FSDP gathers the weights in the compute dtype (MixedPrecisionPolicy.param_dtype), whatever
+    # the sharded copy's (fp32 under torchtitan and Hugging Face's AMP)
+    grads, weights = params * spec.grad_bytes, params * min(spec.weight_bytes, spec.dtype_bytes)
     if spec.zero == 0:
         return DataParallelComm(reduce=comm.all_reduce_seconds(grads, ranks, bandwidth))
     gather = comm.all_gather_seconds(weights, ranks, bandwidth)

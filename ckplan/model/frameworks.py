@@ -25,7 +25,9 @@ parameter (its mixed-precision recipe) and adds buffers of its own:
   fp32 (stage3.py `grad_partitions_flat_buffer`, gradient_accumulation_dtype fp32). Buffers
   (deepspeed/runtime/zero/config.py defaults, v0.16.4): the reduce bucket, 5e8 elements in bf16,
   doubled with overlap_comm (default on for ZeRO-3 only), the all-gather bucket (5e8, ZeRO-1/2),
-  ZeRO-3's prefetch bucket (5e7). Pipeline parallelism only with ZeRO 0-1.
+  ZeRO-3's prefetch bucket (5e7) and the parameters it keeps gathered, at most
+  stage3_max_live_parameters (1e9) unless a single weight is larger. Pipeline parallelism only
+  with ZeRO 0-1.
 - `hf` (Hugging Face Trainer / accelerate, AMP bf16 over fp32 weights): fp32 weights, gradients
   and Adam, 16 bytes per parameter; DDP's reducer keeps its buckets beside the gradients
   (gradient_as_bucket_view off by default: another 4 bytes per parameter); autocast caches a bf16
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 DEEPSPEED_REDUCE_BUCKET = 500_000_000  # elements (reduce_bucket_size)
 DEEPSPEED_ALLGATHER_BUCKET = 500_000_000  # elements (allgather_bucket_size)
 DEEPSPEED_PREFETCH_BUCKET = 50_000_000  # elements (stage3_prefetch_bucket_size)
+DEEPSPEED_MAX_LIVE = 1_000_000_000  # parameters (stage3_max_live_parameters)
 HALF = 2  # bytes of a bf16 value
 
 
@@ -98,6 +101,14 @@ def _zero_hint(framework: str) -> str:
     }.get(framework, "")
 
 
+def largest_weight(spec) -> int:
+    """The largest weight matrix of a layer on one GPU, which a gather cannot split."""
+    widths = [spec.ffn_hidden, (spec.heads + 2 * spec.kv_heads) * spec.head_dim]
+    if spec.experts:
+        widths.append(spec.moe_ffn_hidden)
+    return spec.hidden * max(widths) // spec.tp
+
+
 def buffer_bytes(spec, stage_params: int, layer_params: int, root_params: int) -> int:
     """Bytes a framework holds beside the model states at its peak on one GPU: its
     communication buckets and unsharded copies (module docstring). `stage_params` are the
@@ -113,9 +124,10 @@ def buffer_bytes(spec, stage_params: int, layer_params: int, root_params: int) -
         return unsharded + reducing
     if framework == "deepspeed" and dp > 1 and zero >= 1:
         reduce = min(DEEPSPEED_REDUCE_BUCKET, stage_params) * HALF
-        if zero == 3:  # overlap_comm on: two buckets; the prefetch bucket; two live layers
+        if zero == 3:  # overlap_comm on: two buckets; the prefetch bucket; the live parameters
             prefetch = min(DEEPSPEED_PREFETCH_BUCKET, stage_params) * HALF
-            return 2 * reduce + prefetch + HALF * 2 * layer_params
+            live = max(min(2 * layer_params, DEEPSPEED_MAX_LIVE), largest_weight(spec))
+            return 2 * reduce + prefetch + HALF * live
         gather = min(DEEPSPEED_ALLGATHER_BUCKET, stage_params) * HALF
         return reduce + gather
     if framework == "hf":

@@ -517,7 +517,12 @@ def stage_buffer_bytes(spec: ModelSpec, stage: int) -> int:
         )
         for kind, count in stage_kind_counts(spec, stage).items()
     )
-    return frameworks.buffer_bytes(spec, dense + expert, layer, dense + expert - in_layers)
+    buffers = frameworks.buffer_bytes(spec, dense + expert, layer, dense + expert - in_layers)
+    if spec.precision == "fp8" and spec.zero < 3:
+        # Transformer Engine caches each weight's FP8 copy, row-wise and column-wise, for the
+        # iteration (module `_fp8_workspaces`): 2 bytes per parameter
+        buffers += 2 * (dense + expert)
+    return buffers
 
 
 def states_of(

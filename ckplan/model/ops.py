@@ -15,6 +15,8 @@ context-parallel size cp.
 
 from __future__ import annotations
 
+import dataclasses
+
 from ckplan.model.layers import DENSE, LayerKind, layer_kinds
 from ckplan.model.mla import mla_projection_ops
 from ckplan.model.mlp_block import dense_mlp_ops
@@ -343,11 +345,34 @@ def layer_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Op, ...]:
     if spec.kind == "mlp":
         return mlp_layer_ops(spec)
     ops = transformer_layer_ops(spec, representative_kind(spec) if kind is None else kind)
+    if spec.precision == "fp8":
+        ops = fp8_saved(ops, spec.dtype_bytes)
     if spec.profile.is_fused:
         return ops
     from ckplan.model.profiles import apply_profile  # only with a profile (start-up time)
 
     return apply_profile(ops, spec, spec.profile)
+
+
+# Linear layers whose GEMM runs in FP8 (the router and the output layer stay in BF16; the
+# attention core's products are not linear layers).
+FP8_LINEARS = frozenset(
+    {"qkv_proj", "out_proj", "fc1", "fc2", "q_proj", "q_down", "q_up", "kv_down", "kv_up"}
+    | {"expert_fc1", "expert_fc2", "shared_fc1", "shared_fc2"}
+)
+
+
+def fp8_saved(ops: tuple[Op, ...], dtype_bytes: int) -> tuple[Op, ...]:
+    """Transformer Engine's FP8 linear layers save the FP8 (1-byte), column-wise copy of their
+    input for the backward instead of the B-byte input (transformer_engine/pytorch/module/
+    linear.py: `inputmat.update_usage(rowwise_usage=False, columnwise_usage=True)`, "Discard
+    row-wise data since it is not needed in backward pass")."""
+    return tuple(
+        dataclasses.replace(op, saved_bytes=-(-op.saved_bytes // dtype_bytes))
+        if op.name in FP8_LINEARS and op.matmul is not None
+        else op
+        for op in ops
+    )
 
 
 @cached_by_chain(maxsize=128)

@@ -295,7 +295,7 @@ class TrainingState(_Record):
 FRAMEWORKS = ("megatron", "torchtitan", "deepspeed", "hf")
 KERNELS = ("fused", "eager", "compiled")
 ATTENTION_KERNELS = ("flash2", "flash3", "cudnn", "triton", "sdpa")
-PRECISIONS = ("bf16", "fp16", "fp8")
+PRECISIONS = ("bf16", "fp16", "fp8", "float8")
 # What each framework does when the model file does not say (docs/frameworks.md): Megatron-LM's
 # fused CUDA kernels and TE/flash attention, no DP overlap unless asked (--overlap-grad-reduce is
 # off by default); torchtitan's eager PyTorch (torch.compile off by default), FSDP2's prefetch;
@@ -328,7 +328,9 @@ class Execution(_Record):
     framework: str = "megatron"  # megatron | torchtitan | deepspeed | hf
     kernels: str | None = None  # fused | eager | compiled; None -> the framework's
     attention_kernel: str = "flash2"  # flash2 | flash3 | cudnn | triton | sdpa (flash2 backend)
-    precision: str = "bf16"  # bf16 | fp16 | fp8 (the linear layers' GEMMs)
+    # the linear layers' GEMMs: bf16 | fp16 | fp8 (Transformer Engine: saves FP8 copies of their
+    # inputs) | float8 (torchao's float8 training: saves them in bf16)
+    precision: str = "bf16"
     loss: str | None = None  # fused | eager | chunked:N (ckplan.model.loss); None -> framework's
     tp_comm_overlap: bool = False  # Megatron/TE --tp-comm-overlap, torchtitan async TP
     dp_comm_overlap: bool | None = None  # overlap DP/FSDP traffic with compute; None -> framework's

@@ -93,6 +93,8 @@ def run_spec(run: PublishedRun) -> ModelSpec:
         "framework": FRAMEWORK_KEY.get(run.framework, "megatron"),
         "precision": "bf16" if run.precision in ("fp16", "bf16") else run.precision,
     }
+    if run.framework in FUSED_MODULES:
+        execution["kernels"] = "fused"
     if run.compile:
         execution["kernels"] = "compiled"
     if run.attention_kernel in ("flash2", "flash3", "cudnn", "triton", "sdpa"):
@@ -118,6 +120,9 @@ def strategy_of(run: PublishedRun) -> str:
     return run.recompute
 
 
+# Frameworks whose model code runs one kernel per norm and activation although the training
+# loop is PyTorch's: llm-foundry's MPT (low-precision LayerNorm, GELU, flash attention).
+FUSED_MODULES = ("composer",)
 # What ckplan models of how a run trains (PublishedRun.training), by key: anything else is listed
 # as not modelled rather than scored.
 MODELLED_TRAINING = {
@@ -153,11 +158,12 @@ def predict(run: PublishedRun, gpu: GPU | None = None) -> Prediction:
     except InputError as error:
         return Prediction(run, f"not modelled: {error}")
     memory = plan.total_bytes
-    fits = memory <= gpu.memory_bytes - DEFAULT_RESERVE
+    fits = plan.reserved_bytes <= gpu.memory_bytes - DEFAULT_RESERVE
     metric, value = run.published.metric, run.published.value
     if metric in MEMORY_METRICS:
+        predicted = plan.reserved_bytes if metric == "memory_reserved_bytes" else memory
         return Prediction(
-            run, "ok", memory, memory / value - 1, fits=fits, memory_bytes=memory,
+            run, "ok", predicted, predicted / value - 1, fits=fits, memory_bytes=memory,
             spec=spec, plan=plan,
         )  # fmt: skip
     time = step_time(plan, gpu)

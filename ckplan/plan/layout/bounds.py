@@ -400,7 +400,8 @@ class Bounds:
         if ranks == 1 or params == 0:
             return 0.0
         bandwidth = comm.group_bandwidth(self.gpu, ranks, stride)
-        grads, weights = params * self.spec.grad_bytes, params * self.spec.weight_bytes
+        spec = self.spec
+        grads, weights = params * spec.grad_bytes, params * min(spec.weight_bytes, spec.dtype_bytes)
         if layout.zero == 0:
             return comm.all_reduce_seconds(grads, ranks, bandwidth)
         gather = comm.all_gather_seconds(weights, ranks, bandwidth)

@@ -1,0 +1,209 @@
+"""The public-runs suite: its files, ckplan's FLOP conventions, the prediction of a run, the fit
+and `ckplan validate`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from json_schema import errors
+
+from ckplan.cli import main
+from ckplan.inputs.gpus import gpu_names, load_gpu
+from ckplan.inputs.presets import load_spec, preset_names
+from ckplan.inputs.runs import run_files
+from ckplan.model.flops import FLOP_CONVENTIONS, iteration_flops
+from ckplan.published.predict import predict, run_spec
+from ckplan.published.runs import METRICS, RunError, run_from_mapping, runs_from_file
+from ckplan.published.suite import accuracy, run_suite, suite_runs
+
+RUNS = suite_runs()
+BY_NAME = {run.name: run for run in RUNS}
+
+
+def test_the_suite_has_its_runs_and_both_splits():
+    assert len(RUNS) >= 140
+    assert len(BY_NAME) == len(RUNS), "run names must be unique"
+    time = [run for run in RUNS if not run.is_memory]
+    memory = [run for run in RUNS if run.is_memory]
+    assert len(time) >= 40 and len(memory) >= 15
+    for runs in (time, memory):
+        assert {run.split for run in runs} == {"calibration", "test"}
+    for gpu in ("a100-80gb", "h100-sxm"):
+        assert {run.split for run in time if run.gpu == gpu} == {"calibration", "test"}
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda run: run.name)
+def test_every_run_is_cited_and_complete(run):
+    assert run.source and run.where, "a run says where in its source its figure is"
+    assert run.published.metric in METRICS and run.published.value > 0
+    assert (isinstance(run.model, str) and run.model in preset_names()) or isinstance(
+        run.model, dict
+    )
+    layout = run.layout
+    tp, pp, cp = (layout.get(key, 1) for key in ("tp", "pp", "cp"))
+    assert tp * pp * cp * layout.get("dp", run.gpus // (tp * pp * cp)) == run.gpus
+    if run.published.metric in ("tflops_per_gpu", "mfu"):
+        assert run.published.convention in FLOP_CONVENTIONS
+
+
+def test_the_split_is_a_hash_of_the_name():
+    """Fixed before any fitting: a run's split follows from its name alone."""
+    import hashlib
+
+    for run in RUNS:
+        digest = int(hashlib.sha256(run.name.encode()).hexdigest(), 16)
+        assert run.split == ("test" if digest % 5 < 2 else "calibration"), run.name
+
+
+def test_flop_conventions_by_hand():
+    """Korthikanti App. A (72BslH²(1 + s/6h + V/12hl)) and Narayanan et al. 2021 Eq. 3
+    (96BslH²(1 + s/6h + V/16lh)) for GPT-3 175B at s = 2048, B = 1536."""
+    spec = load_spec("megatron-175b", {"seq": 2048})
+    B, s, l, h, V = 1536, 2048, 96, 12288, 51200  # noqa: E741
+    full = 72 * B * s * l * h * h + 72 * B * s * l * h * h * s // (6 * h) + 6 * B * s * h * V
+    assert iteration_flops(spec, B, "full") == full
+    recompute = 96 * B * s * l * h * h + 96 * B * s * l * h * h * s // (6 * h) + 6 * B * s * h * V
+    assert iteration_flops(spec, B, "recompute") == recompute
+    core = 12 * B * s * s * h * l  # QK^T and AV, forward and backward, full s²
+    assert iteration_flops(spec, B, "causal") == full - core // 2
+
+
+def test_parameter_conventions():
+    """6N + 12·l·a·d·s per token (torchtitan, PaLM) without the input embedding; llm-foundry's
+    with every parameter and d_model."""
+    from ckplan.model.memory import parameter_count
+
+    spec = load_spec("llama3-8b", {"seq": 8192})
+    count = parameter_count(spec)
+    per_token = 6 * (count.total - count.embedding) + 12 * 32 * 4096 * 8192
+    assert iteration_flops(spec, 4, "6n") == per_token * 8192 * 4
+    per_token = 6 * count.total + 12 * 32 * 4096 * 8192
+    assert iteration_flops(spec, 4, "6n-all") == per_token * 8192 * 4
+
+
+def test_a_throughput_implies_a_step_time():
+    run = BY_NAME["megatron21-gpt-1p7b-32xa100-tp1-pp1-dp32"]
+    prediction = predict(run)
+    flops = iteration_flops(prediction.spec, run.global_batch, "recompute")
+    assert prediction.published_step == pytest.approx(flops / (137e12 * 32))
+    assert prediction.error == pytest.approx(
+        prediction.predicted_step / prediction.published_step - 1
+    )
+    peak = load_gpu("a100-80gb").bf16_flops
+    assert prediction.published_mfu == pytest.approx(137e12 / peak)
+
+
+def test_a_run_becomes_its_model_and_layout():
+    run = BY_NAME["llama3-405b-8192xh100-tp8-cp1-pp16-dp64-seq8192"]
+    spec = run_spec(run)
+    assert (spec.tp, spec.pp, spec.dp, spec.virtual_stages) == (8, 16, 64, 2)
+    assert spec.microbatches * spec.micro_batch * spec.dp == run.global_batch
+    assert spec.stage_layer_counts[0] == spec.stage_layer_counts[-1] == 7
+
+
+# Published runs really ran, yet ckplan's peak for these is over their GPU's memory: each is a
+# known gap, explained in docs/validation.md ("Runs that ran but do not fit"). The list may only
+# shrink.
+KNOWN_UNFIT = {
+    "llama3-405b-8192xh100-tp8-cp1-pp16-dp64-seq8192",
+    "llama3-405b-16384xh100-tp8-cp1-pp16-dp128-seq8192",
+    "llama3-405b-16384xh100-tp8-cp16-pp16-dp8-seq131072",
+    "nemo2407-gpt3-175b-128xh100-tp4-pp8-cp1-vp6-fp8",
+    "nemo2407-gpt3-175b-512xh100-tp4-pp8-cp1-vp6-fp8",
+    "nemo2407-llama3-8b-8xh100-tp1-pp1-cp2-vp1-fp8",
+    "opt-175b-992xa100-fsdp-tp8",
+    "llmfoundry-mpt-3b-8xh100-seq8192-mbs3",
+}
+
+
+def test_runs_that_ran_fit():
+    """The scored runs fit under their own layout (the reserved peak against the GPU's memory
+    less the reserve), but for the known gaps."""
+    unfit = {p.run.name for p in run_suite() if p.scored and p.fits is False}
+    assert unfit <= KNOWN_UNFIT, sorted(unfit - KNOWN_UNFIT)
+
+
+def test_bad_runs_are_refused():
+    base = {
+        "name": "x",
+        "where": "t",
+        "gpu": "h100-sxm",
+        "gpus": 8,
+        "framework": "megatron",
+        "model": "gpt2",
+        "seq": 1024,
+        "micro_batch": 1,
+        "global_batch": 8,
+        "split": "test",
+        "published": {"metric": "step_seconds", "value": 1.0},
+    }
+    run_from_mapping(base, "ok")
+    for change, fragment in (
+        ({"split": "train"}, "split"),
+        ({"published": {"metric": "speed", "value": 1}}, "published.metric"),
+        ({"published": {"metric": "mfu", "value": 0.4}}, "published.convention"),
+        ({"gpus": 0}, "'gpus'"),
+        ({"frobnicate": 1}, "unknown key"),
+    ):
+        with pytest.raises(RunError, match=fragment):
+            run_from_mapping({**base, **change}, "bad")
+    with pytest.raises(RunError, match="runs"):
+        runs_from_file({"source": "s", "runs": []}, "file")
+
+
+def test_every_file_of_the_suite_loads():
+    names = [name for name, _ in run_files()]
+    assert len(names) >= 20 and all(name.endswith(".yaml") for name in names)
+    for prediction in run_suite():  # a GPU ckplan has no file for is listed, not scored
+        if prediction.run.gpu not in gpu_names():
+            assert not prediction.scored
+
+
+def test_validate_json(capsys):
+    code = main(["validate", "--only", "korthikanti", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(data["runs"]) == 8
+    schema = {
+        "runs": [{"name": str, "source": str, "metric": str, "published": float, "split": str}],
+        "summary": {"time": {"all": {"runs": int}}},
+    }
+    assert errors(data, schema) == []
+    for run in data["runs"]:
+        assert run["predicted"] > 0 and math.isfinite(run["error"])
+
+
+def test_validate_table_and_bad_options(capsys):
+    assert main(["validate", "--only", "bloom"]) == 0
+    assert "Step-time error" in capsys.readouterr().out
+    assert main(["validate", "--split", "train"]) == 2
+    assert "--split" in capsys.readouterr().err
+    assert main(["validate", "--only", "no-such-run"]) == 2
+
+
+def test_accuracy_groups_by_gpu_family_and_framework():
+    figures = accuracy(run_suite(only="megatron21"))
+    assert (
+        figures["A100"]["runs"]
+        == figures["A100/megatron"]["runs"] + figures["A100/deepspeed"]["runs"]
+    )
+    assert figures["A100/megatron"]["runs"] >= 10
+    assert 0 < figures["A100"]["mean_abs_error"] < 0.25
+
+
+def test_the_fitted_constants_are_the_fit():
+    """The presets hold what validation/fit_time_model.py fits on the calibration split."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "validation"))
+    import fit_time_model
+
+    calibration = list(fit_time_model.time_runs("calibration"))
+    for family, presets in fit_time_model.FAMILIES.items():
+        runs = [run for run in calibration if run.gpu in presets]
+        fitted = fit_time_model.golden_section(
+            lambda x, runs=runs: fit_time_model.loss(runs, x), 0.5, 1.0
+        )
+        assert load_gpu(presets[0]).sustained_fraction == pytest.approx(fitted, abs=0.002), family
