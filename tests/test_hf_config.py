@@ -145,3 +145,16 @@ def test_qwen_moe_layer_rules():
         {**config, "decoder_sparse_step": 2, "mlp_only_layers": [1]}, "x/config.json"
     )
     assert mapping["moe_layers"] == "3-:2"
+
+
+def test_a_config_json_runs_at_the_default_sequence_length_and_says_so():
+    """Never silently the model's maximum context (Qwen2-7B allows 131,072 tokens)."""
+    from ckplan.inputs.hf_config import DEFAULT_SEQ
+
+    path = "tests/fixtures/hf/Qwen2-7B/config.json"
+    spec = load_spec(path)
+    assert spec.seq == DEFAULT_SEQ == 4096
+    assert "seq 4,096: ckplan's default for a config.json" in spec.source
+    assert "up to 131,072 tokens" in spec.source
+    chosen = load_spec(path, {"seq": 8192})
+    assert chosen.seq == 8192 and "default for a config.json" not in chosen.source

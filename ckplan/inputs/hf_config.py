@@ -7,7 +7,9 @@ qk-norm, post-norms, parallel residual, sliding windows, experts, MLA) or refuse
 naming them; keys that change nothing ckplan counts are ignored on purpose: RoPE settings and
 partial rotary (no parameters, nothing saved), logit soft-capping (an element-wise tanh fused in
 the kernels), Gemma's embedding scaling, router details (group-limited top-k, scaling factors).
-`seq` defaults to the model's maximum context; override it with --seq.
+`seq` is DEFAULT_SEQ (or the model's maximum context where that is shorter), never the maximum
+context itself: a planner asked about a 131,072-token model should not silently plan at 131,072
+tokens. The source line says so, with the model's limit; --seq changes it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ckplan.model.layers import format_layer_set
 from ckplan.model.spec import SIZE_RANGES, SpecError
 from ckplan.quoting import quote
 
+DEFAULT_SEQ = 4096  # tokens, for a config.json that --seq does not set
 _HF_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 # Integer keys ckplan reads, checked for their JSON type before anything computes with them
 # (a JSON "32" would pass as --set's text does; a dict in head_dim would multiply).
@@ -77,12 +80,28 @@ def hf_config_mapping(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
     _check_types(config, origin, model_type)
     mapping = family(_Config(config, origin, model_type))
     mapping = {"name": Path(origin).parent.name or "hf-model", **mapping}
+    longest = mapping["seq"]
+    low, high = SIZE_RANGES["seq"]
+    if isinstance(longest, int) and not low <= longest <= high:
+        key = "n_positions" if model_type == "gpt2" else "max_position_embeddings"
+        raise SpecError(f"{origin}: key {key!r} must be in {low:,}..{high:,}, got {quote(longest)}")
+    mapping["seq"] = min(DEFAULT_SEQ, longest) if isinstance(longest, int) else longest
+    mapping["_max_seq"] = longest
     source = f"{origin} (HF model_type {model_type})"
     if notes or mapping.get("_notes"):
         source += "; " + "; ".join([*notes, *mapping.pop("_notes", [])])
     mapping.pop("_notes", None)
     mapping["source"] = source
     return mapping
+
+
+def seq_note(mapping: Mapping[str, Any]) -> str:
+    """Where a config.json's sequence length came from, for the source line."""
+    longest = mapping.get("_max_seq")
+    return (
+        f"seq {mapping['seq']:,}: ckplan's default for a config.json (the model allows up to "
+        f"{longest:,} tokens; --seq to change)"
+    )
 
 
 def _check_types(config: Mapping[str, Any], origin: str, model_type: str) -> None:

@@ -75,7 +75,14 @@ def load_spec(model: str, overrides: Mapping[str, Any] | None = None) -> ModelSp
     than fused is read here (the model does no I/O) and applied, so that its errors are bad
     input like the model's."""
     mapping, origin = load_mapping(model)
-    return spec_from_values({**_profile_beside(mapping, model), **(overrides or {})}, origin)
+    overrides = dict(overrides or {})
+    if "_max_seq" in mapping:  # a config.json: say where its sequence length came from
+        from ckplan.inputs.hf_config import seq_note
+
+        longest = mapping.pop("_max_seq")
+        if "seq" not in overrides and isinstance(longest, int):
+            mapping["source"] = f"{mapping['source']}; {seq_note({**mapping, '_max_seq': longest})}"
+    return spec_from_values({**_profile_beside(mapping, model), **overrides}, origin)
 
 
 def spec_from_values(values: Mapping[str, Any], origin: str = "model") -> ModelSpec:
