@@ -21,7 +21,7 @@ from ckplan.cli.errors import (
     EXIT_OK,
     print_error,
 )
-from ckplan.cli.output import ReaderGone, silence_stdout, stdout, tolerant_streams
+from ckplan.cli.output import ReaderGone, print_view, silence_stdout, tolerant_streams
 from ckplan.quoting import quote
 
 app = typer.Typer(
@@ -105,7 +105,7 @@ def _report_exception(error: Exception) -> int:
     if hasattr(error, "format_message") and hasattr(error, "exit_code"):
         if type(error).__name__ == "NoArgsIsHelpError":
             try:
-                stdout.print(error.format_message(), highlight=False)
+                print_view(error.format_message(), highlight=False)
             except OSError as output_error:
                 return _output_failed(output_error)
         else:

@@ -12,7 +12,7 @@ import yaml
 from ckplan import render
 from ckplan.cli.errors import UserError, user_errors
 from ckplan.cli.options import BatchOpt, JsonOpt, LayersOpt, ModelArg, SeqOpt, SetOpt
-from ckplan.cli.output import print_json, stdout
+from ckplan.cli.output import print_json, print_view
 from ckplan.cli.resolve import no_gpu_keys, resolve_model
 from ckplan.quoting import quote
 
@@ -71,7 +71,7 @@ def calibrate(
     if as_json:
         print_json(render.calibrate_dict(result, comparison, out))
     else:
-        stdout.print(render.calibrate_view(result, comparison, out))
+        print_view(render.calibrate_view(result, comparison, out))
 
 
 def _hf_config(model: str) -> dict | None:

@@ -25,7 +25,7 @@ from ckplan.cli.options import (
     SetOpt,
     SlotsOpt,
 )
-from ckplan.cli.output import print_json, print_rows, stdout
+from ckplan.cli.output import print_json, print_rows, print_view
 from ckplan.cli.resolve import (
     check_slots,
     output_format,
@@ -85,7 +85,7 @@ def check(
 
         print_rows(check_rows(budget_text, total, kept, rows), fmt)
     else:
-        stdout.print(render.check_table(budget_text, total, kept, rows))
+        print_view(render.check_table(budget_text, total, kept, rows))
     raise typer.Exit(EXIT_OK if all(c and c.fits for _, c in rows) else EXIT_DOES_NOT_FIT)
 
 

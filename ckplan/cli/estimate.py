@@ -23,7 +23,7 @@ from ckplan.cli.options import (
     SeqOpt,
     SetOpt,
 )
-from ckplan.cli.output import print_json, print_rows, stdout
+from ckplan.cli.output import print_json, print_rows, print_view
 from ckplan.cli.resolve import (
     check_formula,
     output_format,
@@ -98,7 +98,7 @@ def estimate(
 
         print_rows(estimate_rows(plan, candidate, time), fmt)
     else:
-        stdout.print(render.estimate_view(plan, candidate, time, device))
+        print_view(render.estimate_view(plan, candidate, time, device))
     if candidate is not None and not candidate.fits:
         raise typer.Exit(EXIT_DOES_NOT_FIT)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from rich.console import Console
 
-# Wide enough for the tables when piped (Rich falls back to 80 columns without a terminal).
+# The width when piped and COLUMNS does not say (Rich falls back to 80 without a terminal).
 PIPED_WIDTH = 140
 MAX_COLUMNS = 10_000
 
@@ -37,7 +37,13 @@ def _console_environ() -> dict[str, str]:
     return environ
 
 
-stdout = Console(width=None if _isatty(sys.stdout) else PIPED_WIDTH, _environ=_console_environ())
+def _piped_width(environ: dict[str, str]) -> int:
+    """COLUMNS when set (and readable), else PIPED_WIDTH: a CI log or `| less` says its width."""
+    return int(environ["COLUMNS"]) if "COLUMNS" in environ else PIPED_WIDTH
+
+
+_ENVIRON = _console_environ()
+stdout = Console(width=None if _isatty(sys.stdout) else _piped_width(_ENVIRON), _environ=_ENVIRON)
 stderr = Console(stderr=True, soft_wrap=True, _environ=_console_environ())
 
 
@@ -52,6 +58,13 @@ def _on_broken_pipe() -> None:
 
 
 stdout.on_broken_pipe = _on_broken_pipe
+
+
+def print_view(view, **options) -> None:
+    """A view (a table, or tables in a group) fitted to stdout's width (render.fit)."""
+    from ckplan.render.fit import fit
+
+    stdout.print(fit(view, stdout), **options)
 
 
 def print_json(data: Any) -> None:

@@ -19,7 +19,7 @@ from ckplan.cli.options import (
     SetOpt,
     SlotsOpt,
 )
-from ckplan.cli.output import print_json, print_rows, stdout
+from ckplan.cli.output import print_json, print_rows, print_view
 from ckplan.cli.resolve import (
     check_slots,
     output_format,
@@ -98,7 +98,7 @@ def plan(
     elif fmt in ("csv", "markdown"):
         print_rows(layout_view.plan_rows(result), fmt)
     else:
-        stdout.print(layout_view.plan_view(result, budget_text, model, extra), soft_wrap=True)
+        print_view(layout_view.plan_view(result, budget_text, model, extra), soft_wrap=True)
     if not result.layouts:
         print_error(layout_view.no_fit_line(result))
         raise typer.Exit(EXIT_DOES_NOT_FIT)

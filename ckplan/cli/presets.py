@@ -9,7 +9,7 @@ import typer
 from ckplan import render
 from ckplan.cli.errors import user_errors
 from ckplan.cli.options import JsonOpt
-from ckplan.cli.output import print_json, stdout
+from ckplan.cli.output import print_json, print_view
 from ckplan.inputs.gpus import gpu_names, load_gpu
 from ckplan.inputs.presets import load_spec, preset_names
 
@@ -27,7 +27,7 @@ def presets(
             if as_json:
                 print_json(spec.to_dict())
             else:
-                stdout.print(render.model_table(spec, f"Preset {name}"))
+                print_view(render.model_table(spec, f"Preset {name}"))
             return
         rows = []
         for preset in preset_names():
@@ -36,7 +36,7 @@ def presets(
     if as_json:
         print_json({preset: {**spec.to_dict(), "parameters": p} for preset, spec, p in rows})
     else:
-        stdout.print(render.presets_table(rows))
+        print_view(render.presets_table(rows))
 
 
 def gpus(
@@ -50,6 +50,6 @@ def gpus(
         data = {device.name: device.to_dict() for device in devices}
         print_json(devices[0].to_dict() if name is not None else data)
     elif name is not None:
-        stdout.print(render.gpu_table(devices[0]))
+        print_view(render.gpu_table(devices[0]))
     else:
-        stdout.print(render.gpus_table(devices))
+        print_view(render.gpus_table(devices))

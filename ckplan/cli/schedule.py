@@ -22,7 +22,7 @@ from ckplan.cli.options import (
     SetOpt,
     SlotsOpt,
 )
-from ckplan.cli.output import print_json, stdout
+from ckplan.cli.output import print_json, print_view
 from ckplan.cli.resolve import check_slots, resolve_budget, resolve_gpu, resolve_model
 from ckplan.plan import DEFAULT_SLOTS, STRATEGY_HELP, evaluate, parse_strategy, search, stage_names
 from ckplan.quoting import quote
@@ -86,4 +86,4 @@ def schedule(
     if as_json:
         print_json(render.schedule_dict(plan, activation_budget, time))
     else:
-        stdout.print(render.schedule_view(plan, activation_budget, time))
+        print_view(render.schedule_view(plan, activation_budget, time))

@@ -27,7 +27,7 @@ from ckplan.cli.options import (
     SetOpt,
     SlotsOpt,
 )
-from ckplan.cli.output import print_json, print_rows, stdout
+from ckplan.cli.output import print_json, print_rows, print_view
 from ckplan.cli.resolve import (
     check_formula,
     check_slots,
@@ -104,7 +104,7 @@ def sweep(
 
         print_rows(sweep_rows(result, budget_text, show_all), fmt)
     else:
-        stdout.print(render.sweep_view(result, budget_text, show_all, micro_batches))
+        print_view(render.sweep_view(result, budget_text, show_all, micro_batches))
     raise typer.Exit(EXIT_OK if result.best else EXIT_DOES_NOT_FIT)
 
 

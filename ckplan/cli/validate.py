@@ -8,7 +8,7 @@ import typer
 
 from ckplan.cli.errors import EXIT_OK, UserError, user_errors
 from ckplan.cli.options import JsonOpt
-from ckplan.cli.output import print_json, stdout
+from ckplan.cli.output import print_json, print_view
 from ckplan.quoting import quote
 
 SPLITS = ("calibration", "test")
@@ -46,5 +46,5 @@ def validate(
     if as_json:
         print_json(render.validate_dict(predictions, summary))
     else:
-        stdout.print(render.validate_view(predictions, summary))
+        print_view(render.validate_view(predictions, summary))
     raise typer.Exit(EXIT_OK)

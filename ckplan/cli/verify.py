@@ -9,7 +9,7 @@ import typer
 from ckplan import render
 from ckplan.cli.errors import EXIT_DOES_NOT_FIT, EXIT_OK, UserError, user_errors
 from ckplan.cli.options import JsonOpt
-from ckplan.cli.output import print_json, stdout
+from ckplan.cli.output import print_json, print_view
 from ckplan.quoting import quote
 from ckplan.units import parse_size
 
@@ -57,5 +57,5 @@ def verify(
     if as_json:
         print_json(render.verify_dict(report))
     else:
-        stdout.print(render.verify_view(report))
+        print_view(render.verify_view(report))
     raise typer.Exit(EXIT_OK if report.ok else EXIT_DOES_NOT_FIT)

@@ -45,8 +45,11 @@ _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 
 
-def hf_config_mapping(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
-    """Translate a Hugging Face `config.json` into ckplan's keys (see the module docstring)."""
+def hf_config_mapping(
+    config: Mapping[str, Any], origin: str, with_context: bool = False
+) -> dict[str, Any]:
+    """Translate a Hugging Face `config.json` into ckplan's keys (see the module docstring);
+    `with_context` adds the model's own maximum context as `_max_seq` for `seq_note`."""
     model_type = config.get("model_type")
     notes: list[str] = []
     if model_type == "gemma3" and isinstance(config.get("text_config"), Mapping):
@@ -86,7 +89,8 @@ def hf_config_mapping(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
         key = "n_positions" if model_type == "gpt2" else "max_position_embeddings"
         raise SpecError(f"{origin}: key {key!r} must be in {low:,}..{high:,}, got {quote(longest)}")
     mapping["seq"] = min(DEFAULT_SEQ, longest) if isinstance(longest, int) else longest
-    mapping["_max_seq"] = longest
+    if with_context:
+        mapping["_max_seq"] = longest
     source = f"{origin} (HF model_type {model_type})"
     if notes or mapping.get("_notes"):
         source += "; " + "; ".join([*notes, *mapping.pop("_notes", [])])

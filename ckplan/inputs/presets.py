@@ -63,7 +63,7 @@ def load_mapping(model: str) -> tuple[dict[str, Any], str]:
         if path.suffix == ".json":
             from ckplan.inputs.hf_config import hf_config_mapping  # only for config.json
 
-            return hf_config_mapping(_parse_json(text, origin), origin), origin
+            return hf_config_mapping(_parse_json(text, origin), origin, with_context=True), origin
         return _parse_yaml(text, origin), origin
     if model in preset_names():
         return preset_mapping(model), f"preset {model}"

@@ -24,6 +24,7 @@ from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 from ckplan.plan.search import Candidate
 from ckplan.render.common import both_units, gib
+from ckplan.render.fit import declare
 from ckplan.units import format_flops
 
 if TYPE_CHECKING:
@@ -275,6 +276,7 @@ def per_op_table(spec: ModelSpec, kind=None, title: str | None = None) -> Table:
     unit = "b·d" if spec.kind == "mlp" else "s·b·h"
     heading = "One layer, one micro-batch, one GPU, no recompute"
     table = Table(title=f"{title}: {heading}" if title else heading, title_justify="left")
+    declare(table, f"x {unit}", "component", "recompute group", "forward FLOPs")
     table.add_column("op")
     table.add_column("component")
     table.add_column("saved", justify="right")

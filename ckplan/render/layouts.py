@@ -18,6 +18,7 @@ from ckplan.plan.layout.search import Evaluated, LayoutResult, Rejected
 from ckplan.plan.layout.space import Layout
 from ckplan.plan.search import DEFAULT_RESERVE
 from ckplan.render.common import gib, memory_bar
+from ckplan.render.fit import declare
 from ckplan.render.rows import Column, RowTable
 from ckplan.render.sweep import budget_line
 from ckplan.render.time import seconds
@@ -254,9 +255,10 @@ def plan_view(
         f"{result.spec.name} on {result.gpus:,} x {result.gpu.name}, global batch "
         f"{result.global_batch:,} x seq {result.spec.seq:,}: the fastest layouts"
     )
-    table = Table(title=title, title_justify="left")
+    table = declare(Table(title=title, title_justify="left"), "peaks on", "#", "MFU")
+    left = ("layout", "plan", "per-GPU memory")  # the memory cell, a figure and a bar, may wrap
     for column in ("#", "layout", "plan", "per-GPU memory", "peaks on", "step", "MFU"):
-        table.add_column(column, justify="left" if column in ("layout", "plan") else "right")
+        table.add_column(column, justify="left" if column in left else "right")
     for rank, e in enumerate(result.layouts, 1):
         plan, time = e.plan, e.candidate.time
         table.add_row(

@@ -15,6 +15,7 @@ from ckplan.plan import Plan
 from ckplan.plan.search import Candidate, SweepResult
 from ckplan.render.common import GIB, gib, memory_bar
 from ckplan.render.estimate import expert_layout_line, plan_dict
+from ckplan.render.fit import declare
 from ckplan.render.time import seconds
 
 if TYPE_CHECKING:
@@ -99,7 +100,10 @@ def candidates_table(rows: Sequence[Candidate], title: str, best: Candidate | No
             memory_bar(plan.total_bytes, candidate.budget_bytes),
             style="bold" if is_best else None,
         )
-    return table
+    return declare(
+        table, "of usable budget", "headroom", "recompute", "model states", "activations",
+        "FLOP ovh", "time ovh", "overhead", "total",
+    )  # fmt: skip
 
 
 def _time_cells(time: StepTime | None) -> list[str]:
@@ -245,6 +249,7 @@ def check_table(
 ) -> Group:
     timed = any(c is not None and c.time is not None for _, c in rows)
     table = Table(title="Capacity check", title_justify="left")
+    declare(table, "of usable", "overhead", "headroom", "time ovh", "step", "MFU", "total")
     columns = ["model", "fits", "plan", "total", "headroom", "overhead"]
     columns += ["step", "time ovh", "MFU"] if timed else []
     for column in (*columns, "of usable", "why not"):

@@ -60,7 +60,10 @@ def validate_view(predictions: list[Any], summary: dict[str, Any]):
     from rich.table import Table
     from rich.text import Text
 
+    from ckplan.render.fit import declare
+
     runs = Table(title="Published runs: the published figure beside ckplan's", title_justify="left")
+    declare(runs, "MFU pts", "split", "framework", "GPUs", "metric")
     for column, justify in (
         ("run", "left"),
         ("GPUs", "right"),
