@@ -54,3 +54,26 @@ def test_the_time_model_loads_no_numpy_on_short_chains():
     assert _loaded(["estimate", "llama3-8b", "--gpu", "h100-sxm", "--strategy", "full"]) == [
         "ckplan.hardware.step_time"
     ]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["estimate", "llama3-8b", "--json"],
+        ["sweep", "gpt2", "--budget", "8GB", "--json"],
+        ["check", "gpt2", "--budget", "8GB", "--json"],
+        ["schedule", "gpt2", "--strategy", "sqrt", "--json"],
+    ],
+)
+def test_json_needs_no_rich(argv):
+    """JSON for a CI job: no Rich console, table or text is imported to print it."""
+    probe = (
+        "import sys, io, contextlib\n"
+        "from ckplan.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    main({argv!r})\n"
+        "sys.stderr.write('RICH ' + ' '.join(m for m in sys.modules if m.startswith('rich')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    line = [row for row in result.stderr.splitlines() if row.startswith("RICH")]
+    assert line == ["RICH "], result.stderr[-500:]

@@ -10,7 +10,8 @@ from contextlib import contextmanager
 import typer
 
 from ckplan import render
-from ckplan.cli.output import print_json, stderr
+from ckplan.cli import output
+from ckplan.cli.output import print_json
 from ckplan.errors import InputError
 from ckplan.model.spec import ModelSpec
 from ckplan.quoting import one_line
@@ -39,7 +40,7 @@ def print_error(message: str) -> None:
     """`error: <message>` as one printable line on stderr, however long or odd the message."""
     # stderr full or closed: nowhere to say it, the exit code still tells
     with contextlib.suppress(OSError, ValueError):
-        stderr.print(render.error_text(one_line(message)), highlight=False)
+        output.stderr.print(render.error_text(one_line(message)), highlight=False)
 
 
 def no_schedule_fits(

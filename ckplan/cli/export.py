@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from ckplan import render
+from ckplan.cli import output
 from ckplan.cli.errors import EXIT_DOES_NOT_FIT, UserError, no_schedule_fits, user_errors
 from ckplan.cli.options import (
     BatchOpt,
@@ -20,7 +21,6 @@ from ckplan.cli.options import (
     SetOpt,
     SlotsOpt,
 )
-from ckplan.cli.output import stderr
 from ckplan.cli.resolve import check_slots, no_gpu_keys, parse_budget, resolve_model
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import DEFAULT_SLOTS, STRATEGY_HELP, evaluate, parse_strategy, search
@@ -84,7 +84,7 @@ def export(
     sys.stdout.write(result.text)
     if not quiet:
         for note in result.notes:
-            stderr.print(render.note_text(note), highlight=False)
+            output.stderr.print(render.note_text(note), highlight=False)
 
 
 def _export_plan(spec: ModelSpec, plan: str, target: str, budget, reserve, slots: int):
@@ -102,7 +102,7 @@ def _export_plan(spec: ModelSpec, plan: str, target: str, budget, reserve, slots
         best = exports.best_expressible(spec, result.candidates, target)
         if best is None:
             message = f"no plan that {target} can express fits {shorten(budget)}"
-            stderr.print(render.error_text(message), highlight=False)
+            output.stderr.print(render.error_text(message), highlight=False)
             raise typer.Exit(EXIT_DOES_NOT_FIT)
         return best.plan
     parsed = parse_strategy(plan, spec)

@@ -7,9 +7,10 @@ import contextlib
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
+if TYPE_CHECKING:  # the consoles are made on first use: --json needs no Rich
+    from rich.console import Console
 
 # The width when piped and COLUMNS does not say (Rich falls back to 80 without a terminal).
 PIPED_WIDTH = 140
@@ -42,9 +43,33 @@ def _piped_width(environ: dict[str, str]) -> int:
     return int(environ["COLUMNS"]) if "COLUMNS" in environ else PIPED_WIDTH
 
 
-_ENVIRON = _console_environ()
-stdout = Console(width=None if _isatty(sys.stdout) else _piped_width(_ENVIRON), _environ=_ENVIRON)
-stderr = Console(stderr=True, soft_wrap=True, _environ=_console_environ())
+def _make_stdout() -> Console:
+    from rich.console import Console
+
+    environ = _console_environ()
+    console = Console(
+        width=None if _isatty(sys.stdout) else _piped_width(environ), _environ=environ
+    )
+    console.on_broken_pipe = _on_broken_pipe
+    return console
+
+
+def _make_stderr() -> Console:
+    from rich.console import Console
+
+    return Console(stderr=True, soft_wrap=True, _environ=_console_environ())
+
+
+_CONSOLES = {"stdout": _make_stdout, "stderr": _make_stderr}
+
+
+def __getattr__(name: str):
+    """`stdout` and `stderr`, the Rich consoles, made on first use."""
+    if name not in _CONSOLES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    console = _CONSOLES[name]()
+    globals()[name] = console
+    return console
 
 
 class ReaderGone(Exception):
@@ -57,14 +82,12 @@ def _on_broken_pipe() -> None:
     raise ReaderGone
 
 
-stdout.on_broken_pipe = _on_broken_pipe
-
-
 def print_view(view, **options) -> None:
     """A view (a table, or tables in a group) fitted to stdout's width (render.fit)."""
     from ckplan.render.fit import fit
 
-    stdout.print(fit(view, stdout), **options)
+    console = globals().get("stdout") or __getattr__("stdout")
+    console.print(fit(view, console), **options)
 
 
 def print_json(data: Any) -> None:

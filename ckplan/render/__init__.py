@@ -6,17 +6,15 @@ tables print binary units and say so, with decimal units beside totals.
 
 from importlib import import_module
 
-from ckplan.render.common import error_text, note_text
-from ckplan.render.estimate import (
-    estimate_dict,
-    estimate_view,
-    model_table,
-    plan_dict,
-    presets_table,
-)
-
-# The sweep, check, schedule and verify views are imported on first use (start-up time).
+# Every view is imported on first use (start-up time: a command imports only its own).
 _LAZY = {
+    "error_text": "common",
+    "note_text": "common",
+    "estimate_dict": "estimate",
+    "estimate_view": "estimate",
+    "model_table": "estimate",
+    "plan_dict": "estimate",
+    "presets_table": "estimate",
     "check_dict": "sweep",
     "check_table": "sweep",
     "schedule_dict": "sweep",

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from rich.console import Group
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Any
 
 from ckplan.render.common import gib
+
+if TYPE_CHECKING:  # Rich is imported where a table is built: --json needs none
+    from rich.console import Group
 
 
 def calibrate_dict(result, comparison: list[dict], written: str | None) -> dict[str, Any]:
@@ -32,6 +31,10 @@ def calibrate_dict(result, comparison: list[dict], written: str | None) -> dict[
 
 
 def calibrate_view(result, comparison: list[dict], written: str | None) -> Group:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
     spec = result.spec
     title = (
         f"Calibrate {spec.name}: {result.block}, torch {result.torch_version} on {result.device}"

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from rich.text import Text
+from typing import TYPE_CHECKING
 
 from ckplan.units import format_bytes_auto
+
+if TYPE_CHECKING:  # Rich is imported where a table is built: --json needs none
+    from rich.text import Text
 
 GIB = "GiB"
 
@@ -19,10 +22,14 @@ def both_units(value: int) -> str:
 
 
 def error_text(message: str) -> Text:
+    from rich.text import Text
+
     return Text(f"error: {message}", style="red")
 
 
 def note_text(message: str) -> Text:
+    from rich.text import Text
+
     return Text(f"note: {message}", style="dim")
 
 
@@ -32,6 +39,8 @@ BAR_WIDTH = 10
 def memory_bar(used: int, budget: int, width: int = BAR_WIDTH) -> Text:
     """`used` against `budget` as a bar with its percentage: green up to 90 %, yellow up to
     the budget, red beyond it (the bar full, the percentage saying by how much)."""
+    from rich.text import Text
+
     fraction = used / budget if budget > 0 else float("inf")
     filled = width if fraction >= 1 else round(fraction * width)
     style = "green" if fraction <= 0.9 else "yellow" if fraction <= 1 else "red"

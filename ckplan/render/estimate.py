@@ -7,10 +7,6 @@ from fractions import Fraction
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Group
-from rich.table import Table
-from rich.text import Text
-
 from ckplan import __version__
 from ckplan.model.expert_layout import ExpertLayout, expert_layout
 from ckplan.model.layers import distinct_kinds, format_layer_set, kind_layer_indices
@@ -27,7 +23,10 @@ from ckplan.render.common import both_units, gib
 from ckplan.render.fit import declare
 from ckplan.units import format_flops
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # Rich is imported where a table is built: --json needs none
+    from rich.console import Group
+    from rich.table import Table
+
     from ckplan.hardware.gpus import GPU
     from ckplan.hardware.step_time import StepTime
 
@@ -218,6 +217,8 @@ OPTIONAL_GROUPS = {
 
 def model_table(spec: ModelSpec, title: str | None = None) -> Table:
     """Every resolved key, grouped; the source as the caption."""
+    from rich.table import Table
+
     table = Table(
         title=title or f"Model {spec.name}",
         show_header=False,
@@ -273,6 +274,8 @@ def per_op_tables(spec: ModelSpec) -> list[Table]:
 
 
 def per_op_table(spec: ModelSpec, kind=None, title: str | None = None) -> Table:
+    from rich.table import Table
+
     unit = "b·d" if spec.kind == "mlp" else "s·b·h"
     heading = "One layer, one micro-batch, one GPU, no recompute"
     table = Table(title=f"{title}: {heading}" if title else heading, title_justify="left")
@@ -298,6 +301,8 @@ def per_op_table(spec: ModelSpec, kind=None, title: str | None = None) -> Table:
 
 
 def plan_summary_table(plan: Plan) -> Table:
+    from rich.table import Table
+
     spec = plan.spec
     table = Table(
         title=f"Plan: strategy {plan.strategy}, formula {plan.formula}",
@@ -371,6 +376,9 @@ def estimate_view(
     time: StepTime | None = None,
     gpu: GPU | None = None,
 ) -> Group:
+    from rich.console import Group
+    from rich.text import Text
+
     parts: list[Any] = [model_table(plan.spec), *per_op_tables(plan.spec), plan_summary_table(plan)]
     layout = expert_layout(plan.spec)
     if layout is not None:
@@ -401,6 +409,8 @@ def estimate_view(
 
 
 def presets_table(rows: list[tuple[str, ModelSpec, int]]) -> Table:
+    from rich.table import Table
+
     table = Table(title="Presets", title_justify="left")
     for column in (
         "name",

@@ -11,12 +11,18 @@ only. What was dropped is said under the table: -f csv or --json have every colu
 
 from __future__ import annotations
 
-from rich.console import Console, Group
-from rich.table import Table
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # Rich is imported when a table is fitted: --json needs none
+    from rich.console import Console
+    from rich.table import Table
 
 
 def fit(renderable, console: Console):
     """`renderable` with every table in it fitted to `console`'s width."""
+    from rich.console import Group
+    from rich.table import Table
+
     if isinstance(renderable, Table):
         return fit_table(renderable, console)
     if isinstance(renderable, Group):

@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import shlex
 from itertools import groupby
-from typing import Any
-
-from rich.console import Group
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Any
 
 from ckplan import __version__
 from ckplan.model.layers import stage_layer_indices
@@ -22,6 +18,10 @@ from ckplan.render.fit import declare
 from ckplan.render.rows import Column, RowTable
 from ckplan.render.sweep import budget_line
 from ckplan.render.time import seconds
+
+if TYPE_CHECKING:  # Rich is imported where a table is built: --json needs none
+    from rich.console import Group
+    from rich.text import Text
 
 REASONS = {
     "model_states": "model states over memory",
@@ -250,6 +250,10 @@ def plan_view(
 ) -> Group:
     """The ranked layouts, the best rejected and a verdict; `extra`: the command line's model
     options that the check command repeats."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
     parts: list[Any] = [budget_line(budget_text, result.budget_bytes, result.reserve_bytes)]
     title = (
         f"{result.spec.name} on {result.gpus:,} x {result.gpu.name}, global batch "
@@ -289,6 +293,8 @@ def plan_view(
 
 
 def _counts_line(result: LayoutResult) -> Text:
+    from rich.text import Text
+
     c = result.counts
     return Text(
         f"{c.get('layouts', 0):,} layouts: {c.get('model_states', 0):,} over memory by their "
@@ -302,6 +308,8 @@ def _counts_line(result: LayoutResult) -> Text:
 def _verdict(
     result: LayoutResult, best: Evaluated | None, budget_text: str, model: str, extra: str
 ) -> list[Text]:
+    from rich.text import Text
+
     if best is None:
         return [Text(no_fit_line(result), style="bold red")]
     time = best.candidate.time

@@ -5,10 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Group
-from rich.table import Table
-from rich.text import Text
-
 from ckplan.model.expert_layout import expert_layout
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
@@ -18,7 +14,11 @@ from ckplan.render.estimate import expert_layout_line, plan_dict
 from ckplan.render.fit import declare
 from ckplan.render.time import seconds
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # Rich is imported where a table is built: --json needs none
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
     from ckplan.hardware.step_time import StepTime
 from ckplan.units import format_bytes, format_flops, size_unit
 
@@ -59,6 +59,8 @@ def sweep_dict(result: SweepResult, micro_batches: dict[str, int] | None = None)
 
 
 def budget_line(budget_text: str, budget: int, reserve: int) -> Text:
+    from rich.text import Text
+
     unit = size_unit(budget_text)
     given = budget_text if unit == "B" else format_bytes(budget, unit)
     return Text(
@@ -68,10 +70,14 @@ def budget_line(budget_text: str, budget: int, reserve: int) -> Text:
 
 
 def _fits_mark(candidate: Candidate) -> Text:
+    from rich.text import Text
+
     return Text("yes", style="green") if candidate.fits else Text("no", style="red")
 
 
 def candidates_table(rows: Sequence[Candidate], title: str, best: Candidate | None) -> Table:
+    from rich.table import Table
+
     timed = any(candidate.time is not None for candidate in rows)
     table = Table(title=title, title_justify="left")
     columns = ["strategy", "activations", "model states", "total", "headroom", "recompute"]
@@ -123,6 +129,10 @@ def _thin(rows: Sequence[Candidate], limit: int) -> list[Candidate]:
 def sweep_view(
     result: SweepResult, budget_text: str, show_all: bool, micro_batches: dict[str, int] | None
 ) -> Group:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
     spec = result.spec
     parts: list[Any] = [budget_line(budget_text, result.budget_bytes, result.reserve_bytes)]
     states = result.candidates[0].plan.model_states.total
@@ -190,6 +200,8 @@ def _ratio(spec: ModelSpec) -> str:
 
 
 def sweep_verdict(result: SweepResult) -> Text:
+    from rich.text import Text
+
     best = result.best
     if best is not None:
         plan = best.plan
@@ -247,6 +259,10 @@ def check_dict(budget: int, rows: list[tuple[str, Candidate | None]]) -> dict[st
 def check_table(
     budget_text: str, budget: int, reserve: int, rows: list[tuple[str, Candidate | None]]
 ) -> Group:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
     timed = any(c is not None and c.time is not None for _, c in rows)
     table = Table(title="Capacity check", title_justify="left")
     declare(table, "of usable", "overhead", "headroom", "time ovh", "step", "MFU", "total")
@@ -348,6 +364,10 @@ def schedule_dict(
 
 
 def schedule_view(plan: Plan, activation_budget: int | None, time: StepTime | None = None) -> Group:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(
         title=f"Schedule: {plan.strategy} ({len(plan.steps)} steps)", title_justify="left"
     )

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rich.console import Group
-from rich.table import Table
-from rich.text import Text
+if TYPE_CHECKING:  # Rich is imported where a table is built: --json needs none
+    from rich.console import Group
+    from rich.table import Table
 
-if TYPE_CHECKING:
     from ckplan.hardware.gpus import GPU
     from ckplan.hardware.step_time import StepTime
     from ckplan.plan import Plan
@@ -21,6 +20,8 @@ def seconds(value: float) -> str:
 
 def step_time_table(plan: Plan, time: StepTime, gpu: GPU | None) -> Table:
     """Step time, its parts, MFU/HFU, throughput and the time overhead beside the FLOP one."""
+    from rich.table import Table
+
     where = f" on {gpu.name}" if gpu is not None else ""
     table = Table(
         title=f"Step time{where} (one iteration, busiest GPU)",
@@ -66,6 +67,8 @@ def step_time_table(plan: Plan, time: StepTime, gpu: GPU | None) -> Table:
 
 
 def gpus_table(devices: list[GPU]) -> Table:
+    from rich.table import Table
+
     table = Table(title="GPU presets (dense BF16; bandwidths one direction)", title_justify="left")
     columns = (
         "name",
@@ -96,6 +99,10 @@ def gpus_table(devices: list[GPU]) -> Table:
 
 
 def gpu_table(gpu: GPU) -> Group:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(title=f"GPU {gpu.name}", show_header=False, title_justify="left")
     table.add_column("key", style="bold")
     table.add_column("value", justify="right")

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
-from rich.console import Group
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Any
 
 from ckplan import __version__
 from ckplan.units import format_bytes
+
+if TYPE_CHECKING:  # Rich is imported where a table is built: --json needs none
+    from rich.console import Group
+    from rich.text import Text
 
 # ---- verify ------------------------------------------------------------------------------
 # `report` is a ckplan.verify.VerifyReport (not imported: verify.py imports NumPy).
@@ -81,6 +81,8 @@ def _profile_dict(profile: Any) -> dict[str, float]:
 
 
 def _mark(ok: bool) -> Text:
+    from rich.text import Text
+
     return Text("yes", style="green") if ok else Text("NO", style="bold red")
 
 
@@ -116,6 +118,10 @@ def _profile_note(profile: Any) -> str:
 
 
 def verify_view(report: Any) -> Group:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
     spec = report.spec
     title = (
         f"Verify: the seed's NumPy MLP, L={spec.layers} d={spec.hidden} f={spec.ffn_hidden} "
