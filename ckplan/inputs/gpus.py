@@ -57,12 +57,35 @@ def _load_mapping(name_or_file: str) -> tuple[dict[str, Any], str]:
         origin = abbreviate(name_or_file)
         text = read_text_file(path, origin, GPUError, "a GPU file")
         return _parse_yaml(text, origin), origin
-    if name_or_file in gpu_names():
-        return dict(_preset_mapping(name_or_file)), f"gpu {name_or_file}"
+    name = preset_gpu_name(name_or_file)
+    if name is not None:
+        return dict(_preset_mapping(name)), f"gpu {name}"
     raise GPUError(
         f"unknown GPU {quote(name_or_file)}: expected one of {', '.join(gpu_names())} "
-        "or a .yaml file (see `ckplan gpus`)"
+        f"or a .yaml file (see `ckplan gpus`){_did_you_mean(name_or_file)}"
     )
+
+
+def preset_gpu_name(text: str) -> str | None:
+    """The shipped preset `text` names, whatever its case (H100-SXM is h100-sxm)."""
+    by_lower = {name.lower(): name for name in gpu_names()}
+    return by_lower.get(text.lower()) if len(text) < 100 else None
+
+
+def _did_you_mean(text: str) -> str:
+    """A near preset name, ignoring case, dashes and spaces (h100sxm -> h100-sxm)."""
+    import difflib
+
+    def squeeze(name: str) -> str:
+        return name.lower().replace("-", "").replace("_", "").replace(" ", "")
+
+    if len(text) >= 100:
+        return ""
+    squeezed = {squeeze(name): name for name in gpu_names()}
+    if squeeze(text) in squeezed:
+        return f"; did you mean {squeezed[squeeze(text)]!r}?"
+    close = difflib.get_close_matches(text.lower(), gpu_names(), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _parse_yaml(text: str, origin: str) -> dict[str, Any]:

@@ -83,12 +83,17 @@ def check_ranges(record: Any) -> None:
             continue
         low, high = limits
         key = field.name
-        if value < low and low == 1:
-            raise SpecError(f"key {key!r} must be a positive integer, got {quote(value)}")
-        if value < low:
-            raise SpecError(f"key {key!r} must be >= {low}, got {quote(value)}")
-        if value > high and key != "zero":
-            raise SpecError(f"key {key!r} must be in {low:,}..{high:,}, got {quote(value)}")
+        range_error(key, value, low, high)
+
+
+def range_error(key: str, value: int, low: int, high: int) -> None:
+    """SpecError when `value` is outside `low..high` (zero's own check says 0-3)."""
+    if value < low and low == 1:
+        raise SpecError(key=key, rule="must be a positive integer", value=value)
+    if value < low:
+        raise SpecError(key=key, rule=f"must be >= {low}", value=value)
+    if value > high and key != "zero":
+        raise SpecError(key=key, rule=f"must be in {low:,}..{high:,}", value=value)
 
 
 class _Record:
@@ -346,8 +351,7 @@ class Execution(_Record):
         ):
             if getattr(self, key) not in allowed:
                 raise SpecError(
-                    f"key {key!r} must be one of {', '.join(allowed)}, "
-                    f"got {quote(getattr(self, key))}"
+                    key=key, rule=f"must be one of {', '.join(allowed)}", value=getattr(self, key)
                 )
         defaults = FRAMEWORK_DEFAULTS[self.framework]
         for key in ("kernels", "dp_comm_overlap", "loss"):

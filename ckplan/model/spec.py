@@ -36,6 +36,7 @@ from ckplan.model.parts import (
     RunShape,
     SpecError,
     TrainingState,
+    range_error,
 )
 from ckplan.quoting import quote
 
@@ -300,7 +301,7 @@ def spec_from_mapping(mapping: Mapping[str, Any], origin: str = "model") -> Mode
     try:
         return _build(values)
     except SpecError as error:
-        raise SpecError(f"{origin}: {error}") from None
+        raise error.within(origin) from None
 
 
 def _build(values: dict[str, Any]) -> ModelSpec:
@@ -346,14 +347,8 @@ def _validate_ranges(values: Mapping[str, Any]) -> None:
     part checks its own again when built)."""
     for key, (low, high) in SIZE_RANGES.items():
         value = values.get(key)
-        if value is None:  # absent, or a nullable key left to its default
-            continue
-        if value < low and low == 1:
-            raise SpecError(f"key {key!r} must be a positive integer, got {quote(value)}")
-        if value < low:
-            raise SpecError(f"key {key!r} must be >= {low}, got {quote(value)}")
-        if value > high and key != "zero":
-            raise SpecError(f"key {key!r} must be in {low:,}..{high:,}, got {quote(value)}")
+        if value is not None:  # absent, or a nullable key left to its default
+            range_error(key, value, low, high)
 
 
 def _did_you_mean(key: Any) -> str:
@@ -374,10 +369,10 @@ def coerce_value(origin: str, key: str, value: Any) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
-        raise SpecError(f"{origin}: key {key!r} expects true or false, got {quote(value)}")
+        raise SpecError(key=key, rule="expects true or false", value=value, origin=origin)
     if key in _STR_FIELDS:
         if not isinstance(value, str):
-            raise SpecError(f"{origin}: key {key!r} expects a string, got {quote(value)}")
+            raise SpecError(key=key, rule="expects a string", value=value, origin=origin)
         if len(value) > MAX_TEXT_CHARS:
             raise SpecError(
                 f"{origin}: key {key!r} is {len(value):,} characters long; at most "
@@ -386,7 +381,7 @@ def coerce_value(origin: str, key: str, value: Any) -> Any:
         return value
     if key in _FLOAT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int | float | str):
-            raise SpecError(f"{origin}: key {key!r} expects a number, got {quote(value)}")
+            raise SpecError(key=key, rule="expects a number", value=value, origin=origin)
         if isinstance(value, str) and not value.isascii():  # float() reads '٠.١', '０.１'
             raise SpecError(
                 f"{origin}: key {key!r} expects a number in ASCII digits, got {quote(value)}"
@@ -394,10 +389,10 @@ def coerce_value(origin: str, key: str, value: Any) -> Any:
         try:
             return float(value)
         except (ValueError, OverflowError):
-            raise SpecError(f"{origin}: key {key!r} expects a number, got {quote(value)}") from None
+            raise SpecError(key=key, rule="expects a number", value=value, origin=origin) from None
     # integers: accept ints and integer-valued strings/floats (from --set), nothing else
     if isinstance(value, bool):
-        raise SpecError(f"{origin}: key {key!r} expects an integer, got {quote(value)}")
+        raise SpecError(key=key, rule="expects an integer", value=value, origin=origin)
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, str) and re.fullmatch(r"[+-]?[0-9][0-9_]*", value.strip()):
@@ -412,7 +407,7 @@ def coerce_value(origin: str, key: str, value: Any) -> Any:
         return -int(digits) if text.startswith("-") else int(digits)
     if isinstance(value, int):
         return value
-    raise SpecError(f"{origin}: key {key!r} expects an integer, got {quote(value)}")
+    raise SpecError(key=key, rule="expects an integer", value=value, origin=origin)
 
 
 def _coerce_layer_set(origin: str, key: str, value: Any) -> str:
@@ -453,7 +448,7 @@ def _validate(spec: ModelSpec) -> None:
     for key, allowed in ENUMS.items():
         if getattr(spec, key) not in allowed:
             raise SpecError(
-                f"key {key!r} must be one of {', '.join(allowed)}, got {quote(getattr(spec, key))}"
+                key=key, rule=f"must be one of {', '.join(allowed)}", value=getattr(spec, key)
             )
     if spec.kind == "mlp" and not spec.profile.is_fused:
         raise SpecError("key 'profile' applies to kind: transformer; the NumPy MLP has no profiles")

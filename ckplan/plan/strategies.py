@@ -60,6 +60,23 @@ STRATEGY_HELP = (
 )
 
 
+def _hint(text: str) -> str:
+    """'; did you mean ...?' for a misspelt strategy word (selectve -> selective)."""
+    import difflib
+
+    words = [*_PLAIN, *_SIZED, *MOE_GROUPS]
+    if len(text) > 100:
+        return ""
+    parts = text.strip().split("+")
+    fixed = []
+    for part in parts:
+        word, sep, size = part.partition(":")
+        close = difflib.get_close_matches(word.lower(), words, n=1, cutoff=0.7)
+        fixed.append((close[0] if close else word) + sep + size)
+    guess = "+".join(fixed)
+    return f"; did you mean {guess!r}?" if guess != text.strip() else ""
+
+
 def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
     """Parse a `--strategy` value and check its size against the layers of one pipeline stage."""
     parts = text.strip().split("+")
@@ -74,12 +91,16 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
             raise StrategyError(f"strategy {quote(text)}: moe already recomputes the expert MLPs")
         if not unknown and len(set(modifiers)) < len(modifiers):
             raise StrategyError(f"strategy {quote(text)}: selective cannot combine with itself")
-        raise StrategyError(f"unknown strategy {quote(text)}: expected one of {STRATEGY_HELP}")
+        raise StrategyError(
+            f"unknown strategy {quote(text)}: expected one of {STRATEGY_HELP}{_hint(text)}"
+        )
     match = re.fullmatch(r"([a-z]+)(?::(-?[0-9]{1,18}))?", body)
     kind = match.group(1) if match else ""
     size = int(match.group(2)) if match and match.group(2) is not None else None
     if not match or kind not in _SIZED + _PLAIN or (kind in _PLAIN) != (size is None):
-        raise StrategyError(f"unknown strategy {quote(text)}: expected one of {STRATEGY_HELP}")
+        raise StrategyError(
+            f"unknown strategy {quote(text)}: expected one of {STRATEGY_HELP}{_hint(text)}"
+        )
     if selective and kind == "selective":
         raise StrategyError(f"strategy {quote(text)}: selective cannot combine with itself")
     if moe and not spec.experts:
