@@ -60,7 +60,7 @@ HF_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 MODEL_COMMANDS = ["estimate", "sweep", "check", "schedule", "plan", "export", "presets"]
 ALL_COMMANDS = [*MODEL_COMMANDS, "gpus", "verify", "calibrate"]
 SMALL_PRESETS = ["gpt2", "gpt2-xl", "llama3-8b", "mistral-7b", "gemma2-9b", "mixtral-8x7b"]
-BIG_PRESETS = ["deepseek-v3", "qwen3-30b-a3b", "llama3-70b", "megatron-22b", "seed"]
+BIG_PRESETS = ["deepseek-v3", "qwen3-30b-a3b", "llama3-70b", "megatron-22b", "example-8192"]
 GPU_NAMES = [
     "a100-40gb",
     "a100-80gb",

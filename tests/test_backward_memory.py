@@ -20,12 +20,12 @@ from ckplan.model.memory import (
     layer_backward_walk,
     layer_backward_workspace_bytes,
     layer_input_bytes,
-    mlp_backward_workspace_bytes,
     selective_activation_bytes_per_layer,
 )
 from ckplan.model.op import ATTENTION_CORE
 from ckplan.model.spec import spec_from_mapping
 from ckplan.plan import layer_chain
+from ckplan.simple import mlp as numpy_mlp
 
 
 def korthikanti(spec_of, **overrides):
@@ -194,7 +194,7 @@ def test_workspace_never_negative():
 
 
 def test_seed_mlp_unchanged():
-    """The seed MLP keeps its exact, verified workspace (ckplan verify), on every stage."""
+    """The NumPy MLP keeps its exact, verified workspace (ckplan verify), on every stage."""
     spec = spec_from_mapping(
         {
             "name": "m",
@@ -207,10 +207,10 @@ def test_seed_mlp_unchanged():
             "dtype_bytes": 8,
         }
     )
-    assert layer_backward_workspace_bytes(spec) == mlp_backward_workspace_bytes(spec)
+    assert layer_backward_workspace_bytes(spec) == numpy_mlp.backward_workspace_bytes(spec)
     assert (
         layer_chain(spec, False).backward_workspace_bytes
-        == (mlp_backward_workspace_bytes(spec),) * 4
+        == (numpy_mlp.backward_workspace_bytes(spec),) * 4
     )
     with pytest.raises(ValueError):
         layer_backward_walk(spec)

@@ -69,12 +69,12 @@ def test_estimate_overrides(capsys):
     ) == (512, 4, 0.0, 6)
 
 
-def test_estimate_seed_formula(capsys):
+def test_estimate_simple_formula_by_its_old_name(capsys):
     code, out, _ = run(
         capsys, "estimate", "seed", "--formula", "seed", "--strategy", "uniform:4", "--json"
     )
     data = json.loads(out)
-    assert code == 0 and data["formula"] == "seed"
+    assert code == 0 and data["formula"] == "simple"  # seed, the old name, reads as simple
     assert data["overhead"] == pytest.approx(1 / 3)
 
 

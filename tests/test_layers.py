@@ -24,7 +24,11 @@ RANKS = {
     "schedules": 2,
     "hardware": 3,
     "plan": 4,
-    "verify": 5,
+    # the NumPy MLP and the simple formula set: a package across layers, ranked by module
+    "simple.formulas": 1,
+    "simple.mlp": 1,
+    "simple": 1,
+    "simple.verify": 5,
     "inputs": 6,
     "published": 7,
     "calibrate": 7,
@@ -80,7 +84,11 @@ def _imports(module: str) -> list[tuple[str, str, int]]:
 
 
 def _layer(module: str) -> str:
+    """The key of RANKS a module falls under: its sub-package, or a module of a package that
+    spans layers (ckplan.simple)."""
     parts = module.split(".")
+    if len(parts) > 2 and ".".join(parts[1:3]) in RANKS:
+        return ".".join(parts[1:3])
     return parts[1] if len(parts) > 1 else "__init__"
 
 

@@ -75,7 +75,8 @@ def test_full_recompute(small):
 @pytest.mark.parametrize("K", [1, 2, 4, 8])
 def test_uniform_segments(small, K):
     """n = L/K stored segment inputs; backward of a segment re-forwards K tapes:
-    (n + 1)·X + K·T + W, not the seed's (n + K)·X (a layer stores far more than its input)."""
+    (n + 1)·X + K·T + W, not the simple formulas' (n + K)·X (a layer stores far more than its
+    input)."""
     T, X, W = activation_bytes_per_layer(small), layer_input_bytes(small), workspace(small)
     n = small.layers // K
     assert plan(small, f"uniform:{K}").activation_bytes == (n + 1) * X + K * T + W

@@ -90,7 +90,7 @@ def transformers(draw) -> dict:
 
 @st.composite
 def seed_mlps(draw) -> dict:
-    """The seed's MLP (`kind: mlp`), as `ckplan verify` runs it."""
+    """The NumPy MLP (`kind: mlp`), as `ckplan verify` runs it."""
     return {
         "name": "mlp",
         "kind": "mlp",

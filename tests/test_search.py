@@ -71,7 +71,7 @@ def test_optimal_is_never_worse_than_a_fitting_segment_plan(spec_of):
 
 def test_min_memory_segment_far_below_sqrt_for_transformers(spec_of):
     """A transformer layer stores ~17-57x its input, so the least-memory K is small; for the
-    seed MLP (a layer stores only its input) it is sqrt-like. (Llama-3-70B: K = 3, not 2, as
+    NumPy MLP (a layer stores only its input) it is sqrt-like. (Llama-3-70B: K = 3, not 2, as
     the loss's backward, fp32 logits and their bf16 gradient, 47 layer inputs' worth, runs while
     all L/K segment inputs are stored.)"""
     result = sweep(spec_of("llama3-70b"), 80 * GB)

@@ -76,7 +76,7 @@ def test_every_preset_loads_and_cites_a_source():
         "llama3-70b",
         "llama3-405b",
         "mistral-7b",
-        "seed",
+        "example-8192",
     ]:
         assert expected in names
     for name in names:

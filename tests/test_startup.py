@@ -14,7 +14,7 @@ import sys
 from ckplan.cli import main
 main({argv!r})
 loaded = [name for name in ("numpy", "ckplan.schedules.rotor", "oracles.brute_force",
-          "ckplan.render.verify", "ckplan.verify", "ckplan.hardware.step_time",
+          "ckplan.render.verify", "ckplan.simple.verify", "ckplan.hardware.step_time",
           "ckplan.exports", "ckplan.render.plot", "ckplan.model.profiles",
           "ckplan.inputs.hf_config", "ckplan.calibrate") if name in sys.modules]
 sys.stderr.write("LOADED " + " ".join(loaded) + "\\n")

@@ -1,4 +1,4 @@
-"""`ckplan verify`: the NumPy executor of the seed's MLP against the planner's predictions.
+"""`ckplan verify`: the NumPy MLP's executor against the planner's predictions.
 
 Tolerances (the ones `ckplan verify` states): peak memory within 5 % of the prediction (here also
 never below it and at most a few KiB of Python object headers above it), layer forwards per layer
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from ckplan.cli import main
-from ckplan.model import memory
 from ckplan.plan import StrategyError, evaluate, parse_strategy
-from ckplan.verify import (
+from ckplan.simple import mlp as numpy_mlp
+from ckplan.simple.verify import (
     _Counts,
     compare_gradients,
     gradient_buffers,
@@ -120,8 +120,8 @@ def _traced_peak(fn):
 
 @pytest.mark.parametrize(("d", "f"), [(64, 256), (128, 64)])
 def test_layer_workspaces_are_exact(d, f):
-    """One layer forward holds its output plus mlp_forward_workspace_bytes; one backward holds
-    δ_i plus mlp_backward_workspace_bytes (the formulas the chain uses), up to object headers."""
+    """One layer forward holds its output plus forward_workspace_bytes; one backward holds
+    δ_i plus backward_workspace_bytes (the formulas the chain uses), up to object headers."""
     spec = mlp_spec(1, d, f, 32)
     params, x, g = init_network(spec)
     grads = gradient_buffers(params)
@@ -129,9 +129,9 @@ def test_layer_workspaces_are_exact(d, f):
     act = 8 * 32 * d
     y, peak = _traced_peak(lambda: layer_forward(x, *params[0], counts))
     assert y.shape == (32, d)
-    assert 0 <= peak - (act + memory.mlp_forward_workspace_bytes(spec)) <= 2048
+    assert 0 <= peak - (act + numpy_mlp.forward_workspace_bytes(spec)) <= 2048
     _, peak = _traced_peak(lambda: layer_backward(x, g, *params[0], grads[0], counts))
-    assert 0 <= peak - (act + memory.mlp_backward_workspace_bytes(spec)) <= 2048
+    assert 0 <= peak - (act + numpy_mlp.backward_workspace_bytes(spec)) <= 2048
     assert counts.flops == 4 * 32 * d * f + 10 * 32 * d * f  # the ops table's figures
 
 
@@ -258,9 +258,9 @@ def test_cli_imports_numpy_only_for_verify():
 def test_predicted_seconds_compose_the_time_model():
     """The cpu prediction is the roofline of the ops each schedule runs plus the executor's
     NumPy calls: more forwards, more predicted time, by exactly the layer forward's share."""
-    from ckplan import verify as executor
     from ckplan.hardware.cpu import CPUProfile
     from ckplan.hardware.step_time import layer_time
+    from ckplan.simple import verify as executor
 
     spec = mlp_spec(4, 16, 32, 8)
     profile = CPUProfile(flops_per_s=1e10, bytes_per_s=1e10, call_seconds=1e-6, probe_spread=0)

@@ -13,7 +13,7 @@ from ckplan import render
 from ckplan.cli.errors import UserError, user_errors
 from ckplan.cli.options import BatchOpt, JsonOpt, LayersOpt, ModelArg, SeqOpt, SetOpt
 from ckplan.cli.output import print_json, print_view
-from ckplan.cli.resolve import no_gpu_keys, resolve_model
+from ckplan.cli.resolve import resolve
 from ckplan.quoting import quote
 
 
@@ -41,8 +41,9 @@ def calibrate(
     from ckplan.calibrate import missing_extra
 
     with user_errors():
-        no_gpu_keys(settings, "calibrate")
-        spec = resolve_model(model, settings, seq, batch, layers)
+        spec = resolve(
+            model, settings=settings, seq=seq, batch=batch, layers=layers, gpu_keys="calibrate"
+        ).spec
         if device != "cpu" and not device.startswith("cuda"):
             raise UserError(f"--device {quote(device)}: expected cpu or cuda")
         if out is not None and not out.endswith((".yaml", ".yml")):

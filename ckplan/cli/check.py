@@ -26,13 +26,7 @@ from ckplan.cli.options import (
     SlotsOpt,
 )
 from ckplan.cli.output import print_json, print_rows, print_view
-from ckplan.cli.resolve import (
-    check_slots,
-    output_format,
-    require_budget,
-    resolve_gpu,
-    resolve_model,
-)
+from ckplan.cli.resolve import check_slots, output_format, resolve
 from ckplan.plan import DEFAULT_SLOTS, search
 from ckplan.quoting import abbreviate
 from ckplan.render.progress import progress
@@ -65,12 +59,29 @@ def check(
     """CI capacity check: exit 0 when every model fits the budget, 1 when any does not."""
     with user_errors():
         fmt = output_format(fmt, as_json)
-        device = resolve_gpu(gpu, settings)
-        budget_text, total, kept = require_budget(budget, reserve, device)
-        specs = [
-            (name, resolve_model(name, settings, seq, batch, layers, moe_imbalance, profile))
+        runs = [
+            (
+                name,
+                resolve(
+                    name,
+                    settings=settings,
+                    seq=seq,
+                    batch=batch,
+                    layers=layers,
+                    moe_imbalance=moe_imbalance,
+                    profile=profile,
+                    gpu=gpu,
+                    budget=budget,
+                    reserve=reserve,
+                    need_budget=True,
+                ),
+            )
             for name in expand_models(models)
         ]
+        specs = [(name, run.spec) for name, run in runs]
+        first = runs[0][1]
+        device, budget_text = first.gpu, first.budget_text
+        total, kept = first.budget_bytes, first.reserve_bytes
         rows = []
         with progress("check: models", quiet) as report:
             for done, (name, spec) in enumerate(specs):

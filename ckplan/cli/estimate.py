@@ -20,17 +20,12 @@ from ckplan.cli.options import (
     MoeImbalanceOpt,
     PlotOpt,
     ProfileOpt,
+    QuietOpt,
     SeqOpt,
     SetOpt,
 )
 from ckplan.cli.output import print_json, print_rows, print_view
-from ckplan.cli.resolve import (
-    check_formula,
-    output_format,
-    resolve_budget,
-    resolve_gpu,
-    resolve_model,
-)
+from ckplan.cli.resolve import check_formula, output_format, resolve
 from ckplan.plan import STRATEGY_HELP, evaluate, parse_strategy, search
 
 
@@ -57,6 +52,7 @@ def estimate(
     as_json: JsonOpt = False,
     fmt: FormatOpt = None,
     plot: PlotOpt = None,
+    quiet: QuietOpt = False,
 ) -> None:
     """One plan with its full breakdown: per-op activations, model states, FLOPs, overhead
     (and with --gpu: step time, MFU, the time overhead and its breakdown)."""
@@ -64,15 +60,18 @@ def estimate(
         fmt = output_format(fmt, as_json)
         if plot is not None:
             plots().check_plot(plot)
-        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance, profile)
-        device = resolve_gpu(gpu, settings)
+        run = resolve(
+            model, settings=settings, seq=seq, batch=batch, layers=layers,
+            moe_imbalance=moe_imbalance, profile=profile, gpu=gpu, budget=budget,
+            reserve=reserve,
+        )  # fmt: skip
+        spec, device = run.spec, run.gpu
         parsed = parse_strategy(strategy, spec)
         candidate = None
-        budgets = resolve_budget(budget, reserve, device)
-        if budgets is None:
+        if run.budget_bytes is None:
             plan = evaluate(spec, parsed, check_formula(formula))
         else:
-            _, total, kept = budgets
+            total, kept = run.budget_bytes, run.reserve_bytes
             activation_budget = search.activation_budget(spec, total - kept)
             plan = None
             if parsed.kind != "optimal" or activation_budget > 0:

@@ -21,7 +21,7 @@ from ckplan.cli.options import (
     SetOpt,
     SlotsOpt,
 )
-from ckplan.cli.resolve import check_slots, no_gpu_keys, parse_budget, resolve_model
+from ckplan.cli.resolve import check_slots, parse_budget, resolve
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import DEFAULT_SLOTS, STRATEGY_HELP, evaluate, parse_strategy, search
 from ckplan.quoting import quote, shorten
@@ -77,8 +77,9 @@ def export(
 
     with user_errors():
         exports.check_target(to)
-        no_gpu_keys(settings, "export")
-        spec = resolve_model(model, settings, seq, batch, layers)
+        spec = resolve(
+            model, settings=settings, seq=seq, batch=batch, layers=layers, gpu_keys="export"
+        ).spec
         chosen = _export_plan(spec, plan, to, budget, reserve, check_slots(slots))
         result = exports.export(chosen, to, recompute_modules)
     sys.stdout.write(result.text)

@@ -82,7 +82,12 @@ QuietOpt = Annotated[
     bool, typer.Option("--quiet", "-q", help="No progress bar and no notes on stderr.")
 ]
 FormulaOpt = Annotated[
-    str, typer.Option("--formula", help="derived (from the architecture) or seed (the seed's).")
+    str,
+    typer.Option(
+        "--formula",
+        help="derived (from the architecture's ops) or simple (12·s·b·h·B per layer; seed, its "
+        "old name, is accepted).",
+    ),
 ]
 
 

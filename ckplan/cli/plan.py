@@ -14,6 +14,7 @@ from ckplan.cli.options import (
     JsonOpt,
     ModelArg,
     ProfileOpt,
+    QuietOpt,
     ReserveOpt,
     SeqOpt,
     SetOpt,
@@ -54,6 +55,7 @@ def plan(
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,
     fmt: FormatOpt = None,
+    quiet: QuietOpt = False,
 ) -> None:
     """The fastest layouts (tp, sp, pp and its split, virtual stages, cp, dp, ZeRO,
     micro-batches) of --gpus GPUs, each with its best recomputation plan; --set tp=8 (any

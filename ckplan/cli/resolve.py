@@ -1,8 +1,10 @@
-"""Options to what the library takes: --set and its shortcuts to a model spec, --gpu to a GPU,
---budget/--reserve to bytes; and the checks of --formula, --slots and --format."""
+"""Options to what the library takes: `resolve` turns a command's model, --set and its
+shortcuts, --gpu, --budget and --reserve into one `Resolved` (the model spec, the GPU, the budget
+in bytes), the same way for every command; and the checks of --formula, --slots and --format."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +18,7 @@ from ckplan.inputs.presets import load_spec
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import FORMULAS, limits
 from ckplan.plan.search import DEFAULT_RESERVE
+from ckplan.plan.strategies import formula_name
 from ckplan.quoting import quote, shorten
 from ckplan.units import parse_size
 
@@ -23,6 +26,53 @@ if TYPE_CHECKING:
     from ckplan.hardware.gpus import GPU
 
 GPU_PREFIX = "gpu."
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What a command's options resolve to: a model, a GPU (or none), and a budget (or none)."""
+
+    spec: ModelSpec
+    gpu: GPU | None = None
+    budget_text: str | None = None  # as the user reads it: --budget, or the GPU's memory
+    budget_bytes: int | None = None
+    reserve_bytes: int | None = None
+
+    @property
+    def usable_bytes(self) -> int | None:
+        """The budget less the reserve: what a plan's reserved peak must fit."""
+        if self.budget_bytes is None:
+            return None
+        return self.budget_bytes - self.reserve_bytes
+
+
+def resolve(
+    model: str,
+    *,
+    settings: list[str] | None = None,
+    seq: int | None = None,
+    batch: int | None = None,
+    layers: int | None = None,
+    moe_imbalance: str | None = None,
+    profile: str | None = None,
+    gpu: str | None = None,
+    budget: str | None = None,
+    reserve: str | None = None,
+    need_budget: bool = False,
+    gpu_keys: str | None = None,
+) -> Resolved:
+    """The one way every command turns its options into a model, a GPU and a budget.
+    `need_budget`: --budget or --gpu must give one; `gpu_keys`: this command (named) takes no
+    GPU, so `--set gpu.KEY` is refused rather than ignored."""
+    if gpu_keys is not None:
+        no_gpu_keys(settings, gpu_keys)
+    spec = load_spec(model, parse_overrides(settings, seq, batch, layers, moe_imbalance, profile))
+    device = resolve_gpu(gpu, settings)
+    budgets = (require_budget if need_budget else resolve_budget)(budget, reserve, device)
+    if budgets is None:
+        return Resolved(spec, device)
+    text, total, kept = budgets
+    return Resolved(spec, device, text, total, kept)
 
 
 def parse_overrides(
@@ -108,9 +158,14 @@ def resolve_budget(
 
 
 def check_formula(formula: str) -> str:
-    if formula not in FORMULAS:
-        raise UserError(f"--formula {quote(formula)}: expected one of {', '.join(FORMULAS)}")
-    return formula
+    """The formula set --formula names (`seed`, the simple set's old name, is accepted)."""
+    name = formula_name(formula)
+    if name not in FORMULAS:
+        raise UserError(
+            f"--formula {quote(formula)}: expected one of {', '.join(FORMULAS)} (or seed, the "
+            "simple set's old name)"
+        )
+    return name
 
 
 def output_format(fmt: str | None, as_json: bool) -> str:

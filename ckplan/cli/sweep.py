@@ -28,14 +28,7 @@ from ckplan.cli.options import (
     SlotsOpt,
 )
 from ckplan.cli.output import print_json, print_rows, print_view
-from ckplan.cli.resolve import (
-    check_formula,
-    check_slots,
-    output_format,
-    require_budget,
-    resolve_gpu,
-    resolve_model,
-)
+from ckplan.cli.resolve import check_formula, check_slots, output_format, resolve
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import DEFAULT_SLOTS, parse_strategy, search
 from ckplan.quoting import quote
@@ -79,9 +72,13 @@ def sweep(
         fmt = output_format(fmt, as_json)
         if plot is not None:
             plots().check_plot(plot)
-        spec = resolve_model(model, settings, seq, batch, layers, moe_imbalance, profile)
-        device = resolve_gpu(gpu, settings)
-        budget_text, total, kept = require_budget(budget, reserve, device)
+        run = resolve(
+            model, settings=settings, seq=seq, batch=batch, layers=layers,
+            moe_imbalance=moe_imbalance, profile=profile, gpu=gpu, budget=budget,
+            reserve=reserve, need_budget=True,
+        )  # fmt: skip
+        spec, device = run.spec, run.gpu
+        budget_text, total, kept = run.budget_text, run.budget_bytes, run.reserve_bytes
         if rank not in (None, *search.RANKS):
             raise UserError(f"--rank {quote(rank)}: expected one of {', '.join(search.RANKS)}")
         if rank == "time" and device is None:

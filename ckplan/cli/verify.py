@@ -1,4 +1,4 @@
-"""`ckplan verify`: run plans on the seed's NumPy MLP and compare with the predictions."""
+"""`ckplan verify`: run plans on the NumPy MLP and compare with the predictions."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ckplan.units import parse_size
 
 
 def verify(
-    layers: Annotated[int, typer.Option("--layers", help="Layers L of the seed's MLP.")] = 16,
+    layers: Annotated[int, typer.Option("--layers", help="Layers L of the NumPy MLP.")] = 16,
     hidden: Annotated[int, typer.Option("--hidden", help="Width d.")] = 128,
     ffn_hidden: Annotated[int, typer.Option("--ffn-hidden", help="Hidden width f.")] = 512,
     batch: Annotated[int, typer.Option("--batch", help="Rows b of the input.")] = 64,
@@ -39,10 +39,10 @@ def verify(
     ] = 0.05,
     as_json: JsonOpt = False,
 ) -> None:
-    """Run plans on the seed's NumPy MLP (float64) and compare with the planner's predictions:
+    """Run plans on the NumPy MLP (float64) and compare with the planner's predictions:
     peak memory, layer forwards, FLOPs, time, gradients. Exit 1 on any mismatch."""
     with user_errors():
-        from ckplan import verify as verifier  # NumPy only for this command
+        from ckplan.simple import verify as verifier  # NumPy only for this command
 
         if not 1 <= repeats <= verifier.MAX_REPEATS:
             raise UserError(f"--repeats must be in 1..{verifier.MAX_REPEATS}, got {quote(repeats)}")

@@ -119,7 +119,7 @@ def layer_segments(plan: Plan) -> LayerSegments | str:
     moe_group = next((moe[g] for g in plan.recompute_groups if g in moe), None)
     names = plan.stage_names
     if not plan.steps:
-        return "it has no schedule (the seed formula set)"
+        return "it has no schedule (the simple formula set)"
     if spec.pp > 1 and plan.strategy.endswith("optimal"):
         return (
             "each pipeline stage has its own optimal schedule and a launcher applies one "

@@ -11,6 +11,7 @@ cpu              the `cpu` device profile `ckplan verify` measures on the spot
 """
 
 __all__ = [
+    "code_path",
     "communication",
     "cpu",
     "expert_parallel",

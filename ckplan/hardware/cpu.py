@@ -98,7 +98,7 @@ def _mask_rates(source: np.ndarray, seconds: float) -> list[float]:
 def measure_cpu_profile(
     inputs: np.ndarray, weights: Sequence[np.ndarray], seconds: float = PROBE_SECONDS
 ) -> CPUProfile:
-    """Probe this machine with the seed MLP's input (b, d) and its layers' (d, f) weights."""
+    """Probe this machine with the NumPy MLP's input (b, d) and its layers' (d, f) weights."""
     rows = inputs.shape[0]
     hidden = weights[0].shape[1]
     out = np.empty((rows, hidden))

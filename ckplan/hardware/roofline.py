@@ -7,7 +7,7 @@ attainable bandwidth). Attainable = datasheet x efficiency (the GPU file's keys)
 - GEMMs (`Op.matmul`): FLOPs at bf16_flops x matmul_efficiency x `shape_efficiency`, bytes =
   both operands and the result. The backward of a GEMM is two products of the same FLOPs, the
   input gradient (m x n) @ (n x k) and the weight gradient (k x m) @ (m x n) (Korthikanti App. A);
-  an op whose backward FLOPs exceed twice its forward re-runs the forward product (the seed MLP).
+  an op whose backward FLOPs exceed twice its forward re-runs the forward product (the NumPy MLP).
 - Element-wise and reduction kernels (`Op.forward_bytes`, `backward_bytes`): memory-bound, bytes
   at hbm_bytes_per_s x memory_efficiency. Standard attention's softmax, mask and dropout are here.
 - A fused kernel (`Op.fused_kernel`, flash attention): one kernel, its FLOPs at bf16_flops x

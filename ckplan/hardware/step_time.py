@@ -641,7 +641,7 @@ def step_time_from_forwards(
 
 @lru_cache(maxsize=256)
 def _model_flops(spec: ModelSpec, global_batch: int) -> int:
-    """Model FLOPs of one iteration (Korthikanti App. A); the seed MLP: 3 x its layers' forward
+    """Model FLOPs of one iteration (Korthikanti App. A); the NumPy MLP: 3 x its layers' forward
     matmuls."""
     if spec.kind == "transformer":
         return model_flops_per_iteration(spec, global_batch)
@@ -651,7 +651,7 @@ def _model_flops(spec: ModelSpec, global_batch: int) -> int:
 
 def step_time(plan, gpu: GPU) -> StepTime | None:
     """The step time of a `plan.Plan` on `gpu`; None for plans without a schedule replay (the
-    seed formula set)."""
+    simple formula set)."""
     if not plan.stage_forwards:
         return None
     return step_time_from_forwards(

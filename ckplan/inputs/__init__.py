@@ -10,4 +10,4 @@ profiles   kernel profiles: shipped or the user's YAML
 paths      output files (--plot, calibrate --out), checked first and written atomically
 """
 
-__all__ = ["files", "gpus", "hf_config", "paths", "presets", "profiles", "safe_yaml"]
+__all__ = ["files", "gpus", "hf_config", "paths", "presets", "profiles", "runs", "safe_yaml"]

@@ -46,8 +46,13 @@ def preset_names() -> list[str]:
     )
 
 
+# Old preset names, still accepted.
+PRESET_ALIASES = {"seed": "example-8192"}
+
+
 def preset_mapping(name: str) -> dict[str, Any]:
     """The raw mapping of a shipped preset (before validation)."""
+    name = PRESET_ALIASES.get(name, name)
     entry = preset_folder().joinpath(f"{name}.yaml")
     if not entry.is_file():
         raise SpecError(_unknown_model(name))
@@ -65,8 +70,8 @@ def load_mapping(model: str) -> tuple[dict[str, Any], str]:
 
             return hf_config_mapping(_parse_json(text, origin), origin, with_context=True), origin
         return _parse_yaml(text, origin), origin
-    if model in preset_names():
-        return preset_mapping(model), f"preset {model}"
+    if model in preset_names() or model in PRESET_ALIASES:
+        return preset_mapping(model), f"preset {PRESET_ALIASES.get(model, model)}"
     raise SpecError(_unknown_model(model))
 
 

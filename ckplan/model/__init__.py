@@ -7,6 +7,9 @@ No I/O and no printing: files are read by `ckplan.inputs`, results shown by `ckp
     spec           ModelSpec (the parts, validated together), ChainSpec (what one GPU's chain
                    depends on), spec_from_mapping (the one gate every input passes)
     kernel_profile a kernel profile as a value (Profile, FUSED)
+    frameworks     what each training framework keeps per parameter, its buffers, its layouts
+    loss           the output stage and the loss, as each implementation holds it
+    allocator      the caching allocator's reserved peak beside the allocated one
     layers         layer sets and kinds of layers (dense, MoE, sliding window), pipeline stages
     op             one op's record (Op, Matmul) and the per-rank shapes (LayerShapes)
     mlp_block      the MLP block's ops (dense MLPs and shared experts)
@@ -17,10 +20,12 @@ No I/O and no printing: files are read by `ckplan.inputs`, results shown by `ckp
     memory         activation bytes per op and layer, parameters, model states
     flops          forward, backward and per-iteration FLOPs
     expert_layout  the experts one GPU holds
-    seed           the simple formula set (`--formula simple`)
 """
 
 __all__ = [
+    "allocator",
+    "frameworks",
+    "loss",
     "expert_layout",
     "flops",
     "kernel_profile",
@@ -33,6 +38,5 @@ __all__ = [
     "ops",
     "parts",
     "profiles",
-    "seed",
     "spec",
 ]

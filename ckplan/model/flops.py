@@ -46,8 +46,8 @@ def _group_forward_flops(spec: ModelSpec, groups: tuple[str, ...], kind: LayerKi
 
 
 def attention_core_fraction(spec: ModelSpec) -> float:
-    """Share of a layer's forward FLOPs in the attention core. The seed's constant 0.15 is this
-    at s = h = 8192 with F = 4h: 8192 / (6·8192 + 8192) = 1/7 ≈ 0.143."""
+    """Share of a layer's forward FLOPs in the attention core. The simple formula set's constant
+    0.15 is this at s = h = 8192 with F = 4h: 8192 / (6·8192 + 8192) = 1/7 ≈ 0.143."""
     return group_forward_flops(spec, ATTENTION_CORE) / layer_forward_flops(spec)
 
 

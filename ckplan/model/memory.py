@@ -20,6 +20,7 @@ from ckplan.model.op import in_group, split_share
 from ckplan.model.ops import group_input_bytes, layer_ops, representative_kind
 from ckplan.model.parts import cached_by_chain
 from ckplan.model.spec import ModelSpec
+from ckplan.simple import mlp as numpy_mlp
 
 # The norms whose input gradient is added to the residual-stream gradient (a post-norm's is
 # read by the op before it, like any other op's).
@@ -70,41 +71,9 @@ def layer_input_bytes(spec: ModelSpec) -> int:
     """The residual stream entering a layer, (s, b, h): what full recompute keeps per layer
     (Korthikanti Table 2, "full recompute" 2sbh for B = 2; /t under sequence parallelism)."""
     if spec.kind == "mlp":
-        return spec.dtype_bytes * spec.micro_batch * spec.hidden
+        return numpy_mlp.input_bytes(spec)
     tokens = (spec.seq // spec.cp) * spec.micro_batch
     return spec.dtype_bytes * split_share(tokens * spec.hidden, spec.tp if spec.sp else 1)
-
-
-def mlp_forward_workspace_bytes(spec: ModelSpec) -> int:
-    """Transient bytes of one layer forward of the seed's MLP beyond its input and output.
-
-    derived from ckplan/verify.py's layer forward (the seed's layer_forward, in place):
-    ``a = x @ w1`` (b, f); ``a += b1``; ``relu(a)`` in place; ``y = a @ w2`` (b, d); ``y += b2``.
-    Alive at once: the hidden activation ``a``, b·f values, and the output ``y`` (counted by the
-    chain as x_{i+1}). So the workspace is b·f·B; 0 for transformers (not modelled).
-    """
-    if spec.kind != "mlp":
-        return 0
-    return spec.dtype_bytes * spec.micro_batch * spec.ffn_hidden
-
-
-def mlp_backward_workspace_bytes(spec: ModelSpec) -> int:
-    """Transient bytes of one layer backward of the seed's MLP beyond tape x_i, δ_{i+1}, δ_i.
-
-    derived from ckplan/verify.py's layer backward (the seed's model_backward, in place; weight
-    and bias gradients go into preallocated buffers, not counted here). In order:
-    ``a = x @ w1 + b1``, relu in place (b, f); ``gw2 = aᵀ @ g``; ``gb2 = Σ g``; ``a`` turned in
-    place into the 0/1 mask ``(h_pre > 0)``; ``gh = g @ w2ᵀ`` (b, f) — now ``a`` and ``gh`` are
-    alive, 2·b·f values; ``gh *= a`` (= the seed's g_pre); ``a`` freed; ``δ_i = gh @ w1ᵀ``
-    (b, d) — now ``gh`` and ``δ_i``, b·f + b·d; ``gw1 = xᵀ @ gh``, ``gb1 = Σ gh``; ``gh`` freed.
-    The peak is max(2·b·f, b·f + b·d) values; the chain adds δ_i (b·d) to every backward step
-    (schedules rule 5), so the workspace is B·b·(max(2f, f + d) - d) = B·b·max(2f - d, f).
-    0 for transformers (theirs is `layer_backward_workspace_bytes`).
-    """
-    if spec.kind != "mlp":
-        return 0
-    b, d, f = spec.micro_batch, spec.hidden, spec.ffn_hidden
-    return spec.dtype_bytes * b * max(2 * f - d, f)
 
 
 @dataclass(frozen=True)
@@ -157,7 +126,7 @@ def layer_backward_walk(
     Parameter gradients are model states and are not counted.
     """
     if spec.kind == "mlp":
-        raise ValueError("the seed MLP's backward is mlp_backward_workspace_bytes, not a walk")
+        raise ValueError("the NumPy MLP's backward is simple.mlp.backward_workspace_bytes")
     ops = layer_ops(spec, kind)
     names = (
         () if recomputed is None else (recomputed,) if isinstance(recomputed, str) else recomputed
@@ -217,11 +186,11 @@ def layer_backward_peak_bytes(
     the attention at attn_values', T - 24sbh (the MLP, norm2, out_dropout and out_proj freed)
     + 4sbh (δ_out, mid-layer residual gradient) + 2sbh (context gradient) + 2as²b + 2sbh (dP,
     dV) = T - 16sbh + 2as²b. The peak is the larger: T + 11sbh while as/h <= 13.5.
-    For kind mlp: the seed MLP's exact figure, tape + δ_out + δ_in + its workspace.
+    For kind mlp: the NumPy MLP's exact figure, tape + δ_out + δ_in + its workspace.
     """
     if spec.kind == "mlp":
         tape = activation_bytes_per_layer(spec)
-        return tape + 2 * layer_input_bytes(spec) + mlp_backward_workspace_bytes(spec)
+        return tape + 2 * layer_input_bytes(spec) + numpy_mlp.backward_workspace_bytes(spec)
     return max(point.live_bytes for point in layer_backward_walk(spec, recomputed, kind))
 
 
@@ -233,10 +202,10 @@ def layer_backward_workspace_bytes(
     """What one layer's backward holds beyond the chain's model of it (schedules rule 5: the
     whole tape, δ_out and δ_in): max(0, layer_backward_peak_bytes - (tape + 2X)), X the layer
     input, the tape the selective one with `recomputed`. Never negative, so the chain's peak is
-    never below tape + 2X. For kind mlp: `mlp_backward_workspace_bytes`, exactly.
+    never below tape + 2X. For kind mlp: `simple.mlp.backward_workspace_bytes`, exactly.
     """
     if spec.kind == "mlp":
-        return mlp_backward_workspace_bytes(spec)
+        return numpy_mlp.backward_workspace_bytes(spec)
     tape = (
         activation_bytes_per_layer(spec, kind)
         if not recomputed
@@ -368,10 +337,9 @@ def layer_parameter_parts(spec: ModelSpec, kind: LayerKind | None = None) -> Lay
 
 
 def layer_parameters(spec: ModelSpec, kind: LayerKind | None = None) -> int:
-    """Weights of one layer (`layer_parameter_parts`); the seed MLP's w1, b1, w2, b2."""
+    """Weights of one layer (`layer_parameter_parts`); the NumPy MLP's w1, b1, w2, b2."""
     if spec.kind == "mlp":
-        h, F = spec.hidden, spec.ffn_hidden
-        return h * F + F + F * h + h
+        return numpy_mlp.layer_parameters(spec)
     return layer_parameter_parts(spec, kind).total
 
 
@@ -411,7 +379,7 @@ def stage_parameters(spec: ModelSpec, stage: int = 0) -> tuple[int, int]:
     column-parallel output layer (V/t rows), which with tied embeddings and p > 1 is a copy of
     the word embedding kept on the last stage (LanguageModule.
     setup_embeddings_and_output_layer: "maintain duplicated embedding weights in post
-    processing stage"). The seed MLP: its stage's layers."""
+    processing stage"). The NumPy MLP: its stage's layers."""
     counts = parameter_count(spec)
     if spec.kind == "mlp":
         return counts.per_layer * len(stage_layer_indices(spec, stage)), 0

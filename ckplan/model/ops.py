@@ -34,6 +34,7 @@ from ckplan.model.op import (
 )
 from ckplan.model.parts import cached_by_chain
 from ckplan.model.spec import ChainSpec
+from ckplan.simple import mlp as numpy_mlp
 
 
 def transformer_layer_ops(spec: ChainSpec, kind: LayerKind = DENSE) -> tuple[Op, ...]:
@@ -294,48 +295,6 @@ def _attention_ops(spec: ChainSpec, kind: LayerKind, shapes: LayerShapes) -> lis
     return ops
 
 
-def mlp_layer_ops(spec: ChainSpec) -> tuple[Op, ...]:
-    """The seed's NumPy MLP layer (shared/seed): relu(x @ w1 + b1) @ w2 + b2, width d = hidden,
-    f = ffn_hidden, rows = micro_batch.
-
-    The seed's executor keeps only each layer's input and rebuilds the hidden activation in the
-    backward pass (model_backward recomputes linear_forward(x_in, w1, b1)), so fc1 saves its input
-    and nothing else is kept; fc1's backward costs one extra forward matmul (derived: gx = g_pre
-    @ w1ᵀ and gw1 = x_inᵀ @ g_pre, plus the re-run of x_in @ w1).
-    """
-    B, rows, d, f = spec.dtype_bytes, spec.micro_batch, spec.hidden, spec.ffn_hidden
-    fc1_flops = matmul_flops(rows, f, d)
-    fc2_flops = matmul_flops(rows, d, f)
-    hidden, out = B * rows * f, B * rows * d  # (b, f) and (b, d) arrays, bytes
-    # Bytes moved, as ckplan/verify.py runs the layer: forward `a += b1` (read, write a),
-    # relu in place (read, write a), `y += b2` (read, write y). Backward: the re-run fc1 with
-    # its bias add and relu, gb2 = Σ g (read g), the 0/1 mask in place (read, write a),
-    # gh *= mask (read two, write one), gb1 = Σ gh (read gh).
-    return (
-        Op(
-            "fc1",
-            "mlp",
-            B * rows * d,
-            fc1_flops,
-            3 * fc1_flops,
-            matmul=Matmul(rows, f, d, 1, B),
-            forward_bytes=2 * hidden,
-            backward_bytes=2 * hidden + 3 * hidden + hidden,
-        ),
-        Op("act", "mlp", 0, 0, 0, forward_bytes=2 * hidden, backward_bytes=2 * hidden + 2 * hidden),
-        Op(
-            "fc2",
-            "mlp",
-            0,
-            fc2_flops,
-            2 * fc2_flops,
-            matmul=Matmul(rows, d, f, 1, B),
-            forward_bytes=2 * out,
-            backward_bytes=out,
-        ),
-    )
-
-
 @cached_by_chain(maxsize=256)
 def layer_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Op, ...]:
     """The op table of one layer of `kind` (default: `representative_kind`) of `spec` on one
@@ -343,7 +302,7 @@ def layer_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Op, ...]:
     kernel profile), since every memory, FLOP and chain function reads the same table. A profile
     other than fused (this table) replaces the numbers of the ops it names."""
     if spec.kind == "mlp":
-        return mlp_layer_ops(spec)
+        return numpy_mlp.layer_ops(spec)
     ops = transformer_layer_ops(spec, representative_kind(spec) if kind is None else kind)
     if spec.precision == "fp8":
         ops = fp8_saved(ops, spec.dtype_bytes)

@@ -16,14 +16,14 @@ from fractions import Fraction
 from functools import lru_cache
 
 from ckplan.cache import BoundedCache
-from ckplan.model import allocator, memory, seed
+from ckplan.model import allocator, memory
 from ckplan.model import flops as flops_model
 from ckplan.model.layers import stage_kinds
 from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import limits
 from ckplan.plan.layer_chain import layer_chain, layer_offset, stage_names
-from ckplan.plan.strategies import Strategy, StrategyError
+from ckplan.plan.strategies import Strategy, StrategyError, formula_name
 from ckplan.schedules import (
     Chain,
     Replay,
@@ -36,6 +36,7 @@ from ckplan.schedules import (
     simulate,
     store_all_schedule,
 )
+from ckplan.simple import formulas as simple
 from ckplan.units import format_flops
 
 DEFAULT_SLOTS = 500
@@ -152,7 +153,7 @@ def _segment_size(spec: ModelSpec, strategy: Strategy) -> int:
     if strategy.kind == "full":
         return 1
     if strategy.kind == "sqrt":
-        return max(1, seed.optimal_segment(spec.layers_per_stage))
+        return max(1, simple.optimal_segment(spec.layers_per_stage))
     return strategy.size
 
 
@@ -221,8 +222,8 @@ def evaluate(
 ) -> Plan | None:
     """The plan of `strategy` on `spec`. `budget` (bytes of activation memory) is needed only
     by `optimal`, which returns None when no schedule fits it."""
-    if formula == "seed":
-        return _evaluate_seed(spec, strategy)
+    if formula_name(formula) == "simple":
+        return _evaluate_simple(spec, strategy)
     # One chain for p = 1; else the first pipeline stage (embedding, most micro-batches in
     # flight), the last (output layer and fp32 logits, one micro-batch in flight) and, with
     # mixed layers, the middle stages that hold other layers (`pipeline_stages`).
@@ -423,25 +424,25 @@ def _plan(
     )
 
 
-def _seed_rule_note(spec: ModelSpec) -> str:
-    """The seed's should_recompute rule applied to the derived per-layer attention and MLP
-    bytes, with the attention core's FLOP fraction as the attention ratio and the MLP's share of
-    the layer FLOPs as the FFN ratio."""
+def _simple_rule_note(spec: ModelSpec) -> str:
+    """The simple formula set's should_recompute rule applied to the derived per-layer
+    attention and MLP bytes, with the attention core's FLOP fraction as the attention ratio and
+    the MLP's share of the layer FLOPs as the FFN ratio."""
     breakdown = memory.activation_breakdown(spec)
     layer_flops = flops_model.layer_forward_flops(spec)
     mlp_flops = sum(op.forward_flops for op in layer_ops(spec) if op.component == "mlp")
-    attention = seed.should_recompute(
+    attention = simple.should_recompute(
         "attention", breakdown["attention"], flops_model.attention_core_fraction(spec)
     )
-    ffn = seed.should_recompute("ffn", breakdown["mlp"], mlp_flops / layer_flops)
+    ffn = simple.should_recompute("ffn", breakdown["mlp"], mlp_flops / layer_flops)
     verdict = {True: "recompute", False: "keep"}
-    return f"seed should_recompute: attention {verdict[attention]}, ffn {verdict[ffn]}"
+    return f"rule of thumb (should_recompute): attention {verdict[attention]}, ffn {verdict[ffn]}"
 
 
-def _evaluate_seed(spec: ModelSpec, strategy: Strategy) -> Plan:
-    """The seed's functions exactly (seed.py): 12·sbh·B per layer, (n_seg + K)·sbh·B after
-    checkpointing, 4/3 and (3 + 0.15)/3 cost ratios, over the layers of one GPU, with the
-    derived per-layer FLOPs as the seed's abstract f_layer."""
+def _evaluate_simple(spec: ModelSpec, strategy: Strategy) -> Plan:
+    """The simple formula set exactly (ckplan.simple.formulas): 12·sbh·B per layer,
+    (n_seg + K)·sbh·B after checkpointing, 4/3 and (3 + 0.15)/3 cost ratios, over the layers of
+    one GPU, with the derived per-layer FLOPs as its abstract f_layer."""
     L = spec.layers_per_stage
     shape = {
         "hidden": spec.hidden,
@@ -452,35 +453,35 @@ def _evaluate_seed(spec: ModelSpec, strategy: Strategy) -> Plan:
     f_layer = flops_model.layer_forward_flops(spec)
     kind = strategy.kind
     if (strategy.selective and kind != "selective") or strategy.moe:
-        raise StrategyError(f"the seed formula set has no strategy {strategy.name!r}")
+        raise StrategyError(f"the simple formula set has no strategy {strategy.name!r}")
     if kind in ("none", "selective"):
-        activation_mb = seed.activation_memory_mb(L, **shape)
+        activation_mb = simple.activation_memory_mb(L, **shape)
     elif kind in ("full", "uniform", "sqrt"):
         size = _segment_size(spec, strategy)
-        activation_mb = seed.memory_after_checkpoint(L, size, **shape)
+        activation_mb = simple.memory_after_checkpoint(L, size, **shape)
     else:
-        raise StrategyError(f"the seed formula set has no strategy {strategy.name!r}")
+        raise StrategyError(f"the simple formula set has no strategy {strategy.name!r}")
     if kind == "none":
         recompute = 0
     elif kind == "selective":
-        cost = seed.selective_checkpoint_cost(L, flops_per_layer=f_layer)
+        cost = simple.selective_checkpoint_cost(L, flops_per_layer=f_layer)
         recompute = round(cost["recompute"])
     else:
         recompute = round(
-            seed.checkpoint_cost(L, _segment_size(spec, strategy), f_layer)["recompute"]
+            simple.checkpoint_cost(L, _segment_size(spec, strategy), f_layer)["recompute"]
         )
     flops = FlopCount(forward=L * f_layer, backward=2 * L * f_layer, recompute=recompute)
     notes = (
-        "seed formulas: layers only, no embedding/output terms",
-        "the per-component breakdown is the derived model's; the seed has none",
-        _seed_rule_note(spec),
+        "simple formulas: layers only, no embedding/output terms",
+        "the per-component breakdown is the derived model's; the simple formulas have none",
+        _simple_rule_note(spec),
     )
     return _plan(
         spec,
         strategy.name,
-        "seed",
-        round(activation_mb * seed.MB),
+        "simple",
+        round(activation_mb * simple.MB),
         _per_iteration(spec, flops),
         notes=notes,
-        per_layer=round(seed.activation_memory_mb(1, **shape) * seed.MB),
+        per_layer=round(simple.activation_memory_mb(1, **shape) * simple.MB),
     )

@@ -14,6 +14,7 @@ from ckplan.model.layers import LayerKind, stage_kinds, stage_layer_indices
 from ckplan.model.op import ATTENTION_CORE
 from ckplan.model.spec import ModelSpec
 from ckplan.schedules import Chain
+from ckplan.simple import mlp as numpy_mlp
 
 
 def recompute_groups(selective: bool | tuple[str, ...]) -> tuple[str, ...]:
@@ -103,8 +104,8 @@ def _build_layer_chain(spec: ModelSpec, groups: tuple[str, ...], stage: int) -> 
         forward, backwards = [*forward, logits], [*backwards, 2 * logits]
         inputs, tapes = [*inputs, stream], [*tapes, loss.output_saved_bytes(spec)]
     final_output = 0 if has_output else stream  # a scalar loss, or the activation sent onward
-    # Transients beyond tape + δ_out + δ_in. Forward: exact for the seed's MLP as ckplan verify
-    # runs it, not modelled for transformers (zeros). Backward: the seed MLP's exact workspace;
+    # Transients beyond tape + δ_out + δ_in. Forward: exact for the NumPy MLP as ckplan verify
+    # runs it, not modelled for transformers (zeros). Backward: the NumPy MLP's exact workspace;
     # a transformer layer's gradients in flight (memory.layer_backward_walk; with selective, the
     # re-forwarded groups too); the output stage's logits gradient in the activation dtype
     # (loss.output_backward_peak_bytes); nothing for the embedding.
@@ -115,7 +116,9 @@ def _build_layer_chain(spec: ModelSpec, groups: tuple[str, ...], stage: int) -> 
     stages = len(forward)
     # Forward transients: the NumPy MLP's exact workspace; a transformer's output stage holds
     # its loss's (loss.output_forward_workspace_bytes); its layers none beyond their tapes.
-    forward_workspace = [memory.mlp_forward_workspace_bytes(spec)] * stages
+    forward_workspace = [
+        numpy_mlp.forward_workspace_bytes(spec) if spec.kind == "mlp" else 0
+    ] * stages
     if has_output:
         forward_workspace[-1] = loss.output_forward_workspace_bytes(spec)
     return Chain(

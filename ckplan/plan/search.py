@@ -15,7 +15,7 @@ from ckplan.model import allocator
 from ckplan.model.memory import model_state_bytes
 from ckplan.model.spec import ModelSpec
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate
-from ckplan.plan.strategies import Strategy, parse_strategy
+from ckplan.plan.strategies import Strategy, formula_name, parse_strategy
 
 if TYPE_CHECKING:
     from ckplan.hardware.gpus import GPU
@@ -149,7 +149,8 @@ def sweep(
     optimal schedule counts as the last one)."""
     rank = _rank(gpu, rank)
     usable = budget_bytes - reserve_bytes
-    strategies = candidate_strategies(spec) if formula == "derived" else _seed_strategies(spec)
+    formula = formula_name(formula)
+    strategies = candidate_strategies(spec) if formula == "derived" else _simple_strategies(spec)
     plans = []
     for done, strategy in enumerate(strategies, 1):
         plans.append(evaluate(spec, strategy, formula))
@@ -211,7 +212,8 @@ def _candidate(plan: Plan, usable: int, gpu: GPU | None) -> Candidate:
     return Candidate(plan, usable, step_time(plan, gpu))
 
 
-def _seed_strategies(spec: ModelSpec) -> list[Strategy]:
+def _simple_strategies(spec: ModelSpec) -> list[Strategy]:
+    """What the simple formula set can say: none, selective and segments."""
     names = ["none", "selective", "full", "sqrt"] + [
         f"uniform:{k}" for k in _sizes(1, spec.layers_per_stage)
     ]

@@ -19,7 +19,15 @@ from ckplan.model.op import ATTENTION_CORE
 from ckplan.model.spec import ModelSpec
 from ckplan.quoting import quote
 
-FORMULAS = ("derived", "seed")
+FORMULAS = ("derived", "simple")
+FORMULA_ALIASES = {"seed": "simple"}  # the simple formula set's old name, still accepted
+
+
+def formula_name(text: str) -> str:
+    """The formula set `text` names (an alias read as its set); unchanged if it names none."""
+    return FORMULA_ALIASES.get(text, text)
+
+
 MOE_GROUPS = {"moe": "moe", "experts": "moe/experts"}  # modifier -> recompute group (moe.py)
 
 

@@ -44,7 +44,7 @@ STEP_VERBS = {
 
 
 def memory_timeline(plan: Plan) -> Timeline | None:
-    """The plan's timeline, or None when it has no schedule (the seed formula set)."""
+    """The plan's timeline, or None when it has no schedule (the simple formula set)."""
     if not plan.steps:
         return None
     spec = plan.spec

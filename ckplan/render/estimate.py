@@ -391,7 +391,7 @@ def estimate_view(
     elif gpu is not None:
         parts.append(
             Text(
-                f"No step time on {gpu.name}: the seed formula set has no schedule to time "
+                f"No step time on {gpu.name}: the simple formula set has no schedule to time "
                 "(use --formula derived).",
                 style="dim",
             )

@@ -182,3 +182,39 @@ def _reason(candidate: Candidate | None) -> str:
     if candidate is None:
         return "no schedule fits"
     return "" if candidate.fits else why_not_fitting(candidate)
+
+
+def schedule_row_table(plan: Plan) -> RowTable:
+    """A plan's schedule for -f csv/markdown: each run of steps (`sweep.schedule_rows`)."""
+    from ckplan.render.sweep import schedule_rows
+
+    rows = [(index, *row) for index, row in enumerate(schedule_rows(plan), 1)]
+    columns = [
+        Column("index", "#", lambda r: r[0]),
+        Column("step", "step", lambda r: r[1], right=False),
+        Column("stages", "stages", lambda r: r[2], right=False),
+        Column("count", "count", lambda r: r[3]),
+    ]
+    return RowTable(columns, rows, title=f"{plan.spec.name}: schedule of {plan.strategy}")
+
+
+def validate_row_table(predictions: list) -> RowTable:
+    """The published runs beside ckplan's figures, for -f csv/markdown."""
+    columns = [
+        Column("name", "run", lambda p: p.run.name, right=False),
+        Column("gpu", "GPU", lambda p: p.run.gpu, right=False),
+        Column("gpus", "GPUs", lambda p: p.run.gpus),
+        Column("framework", "framework", lambda p: p.run.framework, right=False),
+        Column("split", "split", lambda p: p.run.split, right=False),
+        Column("metric", "metric", lambda p: p.run.published.metric, right=False),
+        Column("published", "published", lambda p: p.run.published.value),
+        Column("predicted", "ckplan", lambda p: p.predicted),
+        Column(
+            "error",
+            "step error",
+            lambda p: p.error,
+            lambda p: "" if p.error is None else f"{p.error:+.1%}",
+        ),
+        Column("status", "status", lambda p: p.status, right=False),
+    ]
+    return RowTable(columns, predictions, title="Published runs")

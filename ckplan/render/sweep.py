@@ -233,7 +233,7 @@ def sweep_verdict(result: SweepResult) -> Text:
 
 def sweep_advice(result: SweepResult) -> list[str]:
     """What to raise from the model's layout so that the least plan fits (`plan.advice`);
-    none for the seed formula set."""
+    none for the simple formula set."""
     if result.smallest.plan.formula != "derived":
         return []
     from ckplan.plan.advice import advice_lines

@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # Rich is imported where a table is built: --json needs none
     from rich.text import Text
 
 # ---- verify ------------------------------------------------------------------------------
-# `report` is a ckplan.verify.VerifyReport (not imported: verify.py imports NumPy).
+# `report` is a ckplan.simple.verify.VerifyReport (not imported: it imports NumPy).
 
 
 def verify_run_dict(report: Any, run: Any) -> dict[str, Any]:
@@ -58,7 +58,7 @@ def verify_dict(report: Any) -> dict[str, Any]:
             "peak_relative": report.tolerance,
             "layer_forwards": "exact",
             "flops": "exact",
-            "gradients": "bit-identical to the seed's plain step",
+            "gradients": "bit-identical to the plain step",
         },
         "parameter_bytes": report.parameter_bytes,
         "gradient_bytes": report.gradient_bytes,
@@ -124,7 +124,7 @@ def verify_view(report: Any) -> Group:
 
     spec = report.spec
     title = (
-        f"Verify: the seed's NumPy MLP, L={spec.layers} d={spec.hidden} f={spec.ffn_hidden} "
+        f"Verify: the NumPy MLP, L={spec.layers} d={spec.hidden} f={spec.ffn_hidden} "
         f"b={spec.micro_batch}, float64"
     )
     table = Table(title=title, title_justify="left")
@@ -175,7 +175,7 @@ def verify_view(report: Any) -> Group:
         "ratio (reported, not checked).\n"
         + _profile_note(report.profile)
         + f"Tolerances: peak within ±{report.tolerance:.0%} of predicted; layer forwards per layer "
-        "and FLOPs exact; gradients bit-identical to the seed's plain step "
+        "and FLOPs exact; gradients bit-identical to the plain step "
         "(model_forward + model_backward).",
         style="dim",
     )

@@ -1,11 +1,11 @@
-"""Run checkpointing schedules on the seed's NumPy MLP and measure them (`ckplan verify`).
+"""Run checkpointing schedules on the NumPy MLP and measure them (`ckplan verify`).
 
-The network is the seed's (shared/seed): L layers of ``relu(x @ w1 + b1) @ w2 + b2``, width d,
+The network: L layers of ``relu(x @ w1 + b1) @ w2 + b2``, width d,
 hidden f, b rows, float64. The seed's plain step (``model_forward`` / ``model_backward``) keeps
 each layer's input and rebuilds the hidden activation in the backward pass; its checkpointed step
 (``model_forward_checkpointed`` / ``model_backward_checkpointed``) keeps segment inputs and
 re-runs each segment. This module runs *any* schedule of :mod:`ckplan.schedules` on that network:
-the plain step is ``store_all``, the seed's segments are ``uniform:K``, and ``sequential:K``,
+the plain step is ``store_all``, the segments of K layers are ``uniform:K``, and ``sequential:K``,
 ``sqrt``, ``block:N``, ``revolve:C`` and ``optimal`` are just other schedules. One executor runs
 them all, step by step, holding exactly the arrays that ``schedules.simulate`` says are live and
 dropping every other reference, so CPython frees each array the moment the plan says it is dead.
@@ -32,7 +32,7 @@ What is measured for one run, and how:
 The predictions come from the planner itself: ``plans.evaluate`` on a ``kind: mlp`` spec (peak
 ``activation_bytes``, FLOPs ``flops.total``) and ``schedules.simulate`` on ``plans.layer_chain``
 (layer forwards per stage) — the same code the CLI runs. The layer transients are
-``memory.mlp_forward_workspace_bytes`` / ``mlp_backward_workspace_bytes``, derived from the layer
+``simple.mlp.forward_workspace_bytes`` / ``backward_workspace_bytes``, derived from the layer
 code below.
 
 Timing is the only impure part; everything else is deterministic for a given ``seed``.
@@ -78,11 +78,11 @@ Params = list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
 
 
 def mlp_spec(layers: int, hidden: int, ffn_hidden: int, batch: int) -> ModelSpec:
-    """The ``kind: mlp`` spec of the seed's network in float64 (``dtype_bytes: 8``)."""
+    """The ``kind: mlp`` spec of the NumPy MLP in float64 (``dtype_bytes: 8``)."""
     return spec_from_mapping(
         {
             "name": f"seed-mlp-L{layers}-d{hidden}-f{ffn_hidden}-b{batch}",
-            "source": "the seed's NumPy MLP (shared/seed), run by ckplan verify",
+            "source": "the NumPy MLP that ckplan verify runs (ckplan.simple)",
             "kind": "mlp",
             "layers": layers,
             "hidden": hidden,
@@ -164,7 +164,7 @@ class _Counts:
 def _add_bias(a: np.ndarray, bias: np.ndarray) -> None:
     """``a += bias`` row by row. A broadcasting in-place add makes NumPy's iterator allocate a
     buffer (64 KiB at the default bufsize) that no formula should have to know about; row by row
-    there is no temporary, and each element gets the same single rounding as the seed's
+    there is no temporary, and each element gets the same single rounding as the plain step's
     ``x @ w + b``."""
     for row in a:
         np.add(row, bias, out=row)
@@ -174,7 +174,7 @@ def layer_forward(x, w1, b1, w2, b2, counts: _Counts) -> np.ndarray:
     """The seed's ``layer_forward``, ``relu(x @ w1 + b1) @ w2 + b2``, in place.
 
     Alive beyond ``x``: the hidden activation ``a`` (b, f) and the output (b, d) —
-    ``memory.mlp_forward_workspace_bytes`` is the b·f part (the chain counts the output).
+    ``simple.mlp.forward_workspace_bytes`` is the b·f part (the chain counts the output).
     """
     a = counts.matmul(x, w1)  # (b, f): fc1
     _add_bias(a, b1)
@@ -187,12 +187,12 @@ def layer_forward(x, w1, b1, w2, b2, counts: _Counts) -> np.ndarray:
 def layer_backward(x, g, w1, b1, w2, b2, grads, counts: _Counts) -> np.ndarray:
     """The seed's ``model_backward`` body for one layer, in place; returns ``δ_i`` (b, d).
 
-    Rebuilds ``h_pre`` and ``h`` from the stored input ``x`` as the seed does. Weight and bias
+    Rebuilds ``h_pre`` and ``h`` from the stored input ``x`` as the plain step does. Weight and bias
     gradients go into the preallocated ``grads`` buffers. The mask ``(h_pre > 0)`` is built in
     place of ``h`` as 1.0/0.0 (``heaviside(h, 0)``; ``h > 0`` iff ``h_pre > 0``), so
-    ``gh * mask`` has the seed's bits (the seed multiplies by the bool mask promoted to 1.0/0.0).
+    ``gh * mask`` has the plain step's bits (it multiplies by the bool mask promoted to 1.0/0.0).
     Transients: ``a`` and ``gh`` (2·b·f), then ``gh`` and ``δ_i`` (b·f + b·d) —
-    ``memory.mlp_backward_workspace_bytes``.
+    ``simple.mlp.backward_workspace_bytes``.
     """
     gw1, gb1, gw2, gb2 = grads
     a = counts.matmul(x, w1)  # (b, f): h_pre, recomputed
@@ -218,7 +218,7 @@ def run_schedule(
     ``inputs`` is ``[x_0, δ_L]`` and is emptied: the executor owns those arrays, so it can free
     ``x_0`` when the schedule says (rule 6). Live values follow ``schedules.simulate`` exactly:
     activations ``acts`` (``checkpoints`` marks the kept ones), tapes (for this network a layer's
-    tape is its input alone, as the seed keeps), and the one live gradient ``delta``. A forward's
+    tape is its input alone), and the one live gradient ``delta``. A forward's
     output is kept only when the next step is the forward of the next stage (rule 4), otherwise
     its reference is dropped at once. The schedule must be valid (``simulate`` it first).
     """
@@ -495,7 +495,7 @@ def verify(
     tolerance: float = PEAK_TOLERANCE,
     predict_time: bool = True,
 ) -> VerifyReport:
-    """Run every strategy on the seed's network, measure it and put it beside the prediction.
+    """Run every strategy on the NumPy MLP, measure it and put it beside the prediction.
 
     ``none`` (the plain step) always runs first: it is the baseline of the time overhead.
     With ``predict_time``, a ``cpu`` profile is probed first (``hardware.cpu``) and each run's
@@ -503,7 +503,7 @@ def verify(
     or has no schedule.
     """
     if spec.kind != "mlp" or spec.dtype_bytes != DTYPE_BYTES or spec.pp != 1:
-        raise StrategyError("verify runs the seed's MLP: kind mlp, dtype_bytes 8, pp 1")
+        raise StrategyError("verify runs the NumPy MLP: kind mlp, dtype_bytes 8, pp 1")
     if repeats < 1:
         raise StrategyError(f"repeats must be at least 1, got {repeats}")
     chosen = strategies or default_strategies(spec.layers)

@@ -1,9 +1,9 @@
-"""The seed formula set reproduces the seed's own numbers (shared/seed)."""
+"""The simple formula set: its functions by hand, its plans, and `seed`, its old name."""
 
 import pytest
 
-from ckplan.model import seed
 from ckplan.plan import evaluate, parse_strategy
+from ckplan.simple import formulas as seed
 
 
 def test_seed_overheads():
@@ -44,7 +44,7 @@ def test_seed_should_recompute_thresholds():
 
 
 def test_formula_seed_plans(spec_of):
-    spec = spec_of("seed")
+    spec = spec_of("example-8192")
     sbhB = spec.seq * spec.micro_batch * spec.hidden * spec.dtype_bytes
     none = evaluate(spec, parse_strategy("none", spec), "seed")
     assert none.activation_bytes == 12 * sbhB * spec.layers
@@ -56,19 +56,35 @@ def test_formula_seed_plans(spec_of):
     assert sqrt.strategy == "sqrt" and sqrt.activation_bytes == (32 // 6 + 6) * sbhB
     selective = evaluate(spec, parse_strategy("selective", spec), "seed")
     assert selective.overhead == pytest.approx(0.05)
+    assert selective.formula == "simple"  # the old name is read as the new one
+    assert evaluate(spec, parse_strategy("none", spec), "simple") == none
 
 
 def test_derived_selective_overhead_is_not_the_seed_constant(spec_of):
     """With s = h = 8192 the attention core is s/(6h + s) = 1/7 of a layer; its recompute over
-    forward + backward is 1/21 ≈ 4.8%, close to but not the seed's 5%."""
-    spec = spec_of("seed")
+    forward + backward is 1/21 ≈ 4.8%, close to but not the simple formulas' 5%."""
+    spec = spec_of("example-8192")
     plan = evaluate(spec, parse_strategy("selective", spec))
     assert plan.overhead == pytest.approx(1 / 21)
 
 
 def test_seed_rule_reported(spec_of):
-    """should_recompute on the seed preset: attention (GiBs of s² terms) over 100 MB -> recompute;
-    the FFN (over 500 MB) is 16/28 of the layer FLOPs to redo, above the 10% ratio -> keep."""
-    spec = spec_of("seed")
+    """should_recompute on the example-8192 preset: attention (GiBs of s² terms) over 100 MB ->
+    recompute; the FFN (over 500 MB) is 16/28 of the layer FLOPs to redo, above the 10% ratio ->
+    keep."""
+    spec = spec_of("example-8192")
     plan = evaluate(spec, parse_strategy("selective", spec), "seed")
-    assert "seed should_recompute: attention recompute, ffn keep" in plan.notes
+    assert "rule of thumb (should_recompute): attention recompute, ffn keep" in plan.notes
+
+
+def test_the_old_names_still_work(capsys):
+    """`--formula seed` and the preset `seed` are the simple set and example-8192."""
+    import json
+
+    from ckplan.cli import main
+
+    assert main(["estimate", "seed", "--formula", "seed", "--json"]) == 0
+    old = json.loads(capsys.readouterr().out)
+    assert main(["estimate", "example-8192", "--formula", "simple", "--json"]) == 0
+    new = json.loads(capsys.readouterr().out)
+    assert old == new and new["formula"] == "simple" and new["model"]["name"] == "example-8192"
