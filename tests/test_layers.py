@@ -190,3 +190,13 @@ def test_the_test_sees_a_lazy_upward_import(tmp_path, monkeypatch):
     fake.write_text(source, encoding="utf-8")
     monkeypatch.setitem(MODULES, "ckplan.model.spec", fake)
     assert any(target == "ckplan.plan.evaluate" for target, _, _ in _imports("ckplan.model.spec"))
+
+
+def test_every_package_ships_in_the_wheel():
+    """A package missing from pyproject's list installs nowhere but this checkout."""
+    tomllib = pytest.importorskip("tomllib")
+    root = PACKAGE.parent
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    listed = set(pyproject["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(root).parts) for init in PACKAGE.rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)

@@ -24,12 +24,12 @@ No I/O and no printing: files are read by `ckplan.inputs`, results shown by `ckp
 
 __all__ = [
     "allocator",
-    "frameworks",
-    "loss",
     "expert_layout",
     "flops",
+    "frameworks",
     "kernel_profile",
     "layers",
+    "loss",
     "memory",
     "mla",
     "mlp_block",
