@@ -11,3 +11,16 @@ def spec_of():
         return load_spec(name, overrides)
 
     return load
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run the command line in-process: cli("estimate", "gpt2") -> (exit code, stdout, stderr)."""
+    from ckplan.cli import main
+
+    def run(*argv):
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

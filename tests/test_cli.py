@@ -6,17 +6,9 @@ import sys
 
 import pytest
 
-from ckplan.cli import main
 
-
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def test_estimate_json_schema(capsys):
-    code, out, err = run(capsys, "estimate", "llama3-70b", "--json")
+def test_estimate_json_schema(cli):
+    code, out, err = cli("estimate", "llama3-70b", "--json")
     assert code == 0, err
     data = json.loads(out)
     assert data["ckplan_version"] == "0.1.0"
@@ -39,15 +31,14 @@ def test_estimate_json_schema(capsys):
     assert data["overhead"] == 0.0
 
 
-def test_estimate_table_selective(capsys):
-    code, out, _ = run(capsys, "estimate", "gpt3-175b", "--strategy", "selective")
+def test_estimate_table_selective(cli):
+    code, out, _ = cli("estimate", "gpt3-175b", "--strategy", "selective")
     assert code == 0
     assert "strategy selective" in out and "GiB" in out and "attn_scores" in out
 
 
-def test_estimate_overrides(capsys):
-    code, out, _ = run(
-        capsys,
+def test_estimate_overrides(cli):
+    code, out, _ = cli(
         "estimate",
         "gpt2",
         "--seq",
@@ -69,10 +60,8 @@ def test_estimate_overrides(capsys):
     ) == (512, 4, 0.0, 6)
 
 
-def test_estimate_simple_formula_by_its_old_name(capsys):
-    code, out, _ = run(
-        capsys, "estimate", "seed", "--formula", "seed", "--strategy", "uniform:4", "--json"
-    )
+def test_estimate_simple_formula_by_its_old_name(cli):
+    code, out, _ = cli("estimate", "seed", "--formula", "seed", "--strategy", "uniform:4", "--json")
     data = json.loads(out)
     assert code == 0 and data["formula"] == "simple"  # seed, the old name, reads as simple
     assert data["overhead"] == pytest.approx(1 / 3)
@@ -95,36 +84,36 @@ def test_estimate_simple_formula_by_its_old_name(capsys):
         (["frobnicate"], "No such command"),
     ],
 )
-def test_bad_input_is_one_line_exit_2(capsys, argv, fragment):
-    code, out, err = run(capsys, *argv)
+def test_bad_input_is_one_line_exit_2(cli, argv, fragment):
+    code, out, err = cli(*argv)
     assert code == 2
     assert fragment in err
     assert len(err.strip().splitlines()) == 1, err
     assert "Traceback" not in err and out == ""
 
 
-def test_malformed_yaml_file(capsys, tmp_path):
+def test_malformed_yaml_file(cli, tmp_path):
     path = tmp_path / "model.yaml"
     path.write_text("name: x\nlayers: [1\n")
-    code, _, err = run(capsys, "estimate", str(path))
+    code, _, err = cli("estimate", str(path))
     assert code == 2 and "malformed YAML" in err and str(path) in err
 
 
-def test_user_yaml_file(capsys, tmp_path):
+def test_user_yaml_file(cli, tmp_path):
     path = tmp_path / "mine.yml"
     path.write_text(
         "name: mine\nlayers: 4\nhidden: 256\nheads: 4\nseq: 128\nmicro_batch: 2\nvocab: 1000\n"
     )
-    code, out, _ = run(capsys, "estimate", str(path), "--json")
+    code, out, _ = cli("estimate", str(path), "--json")
     assert code == 0 and json.loads(out)["model"]["name"] == "mine"
 
 
-def test_presets_list_and_show(capsys):
-    code, out, _ = run(capsys, "presets")
+def test_presets_list_and_show(cli):
+    code, out, _ = cli("presets")
     assert code == 0 and "llama3-405b" in out and "megatron-1t" in out
-    code, out, _ = run(capsys, "presets", "mistral-7b", "--json")
+    code, out, _ = cli("presets", "mistral-7b", "--json")
     assert code == 0 and json.loads(out)["kv_heads"] == 8
-    code, _, err = run(capsys, "presets", "nope")
+    code, _, err = cli("presets", "nope")
     assert code == 2 and "unknown model" in err
 
 
@@ -138,21 +127,19 @@ def test_python_dash_m():
     assert result.returncode == 0 and json.loads(result.stdout)["layers"] == 12
 
 
-def test_estimate_with_budget(capsys):
-    code, out, _ = run(capsys, "estimate", "gpt2", "--batch", "8", "--budget", "16GB", "--json")
+def test_estimate_with_budget(cli):
+    code, out, _ = cli("estimate", "gpt2", "--batch", "8", "--budget", "16GB", "--json")
     data = json.loads(out)
     assert code == 0 and data["fits"] and data["usable_bytes"] == 16 * 10**9 - 2 * 2**30
     assert data["headroom_bytes"] == data["usable_bytes"] - data["memory"]["reserved_bytes"]
-    code, out, _ = run(capsys, "estimate", "gpt2", "--batch", "8", "--budget", "4GB")
+    code, out, _ = cli("estimate", "gpt2", "--batch", "8", "--budget", "4GB")
     assert code == 1 and "does not fit" in out
-    code, out, _ = run(
-        capsys, "estimate", "gpt2", "-s", "optimal", "--batch", "8", "--budget", "8GB"
-    )
+    code, out, _ = cli("estimate", "gpt2", "-s", "optimal", "--batch", "8", "--budget", "8GB")
     assert code == 0 and "fits:" in out
-    code, _, err = run(capsys, "estimate", "gpt2", "-s", "optimal", "--budget", "4GB")
+    code, _, err = cli("estimate", "gpt2", "-s", "optimal", "--budget", "4GB")
     assert code == 1 and "no optimal schedule fits" in err
 
 
-def test_version(capsys):
-    code, out, _ = run(capsys, "--version")
+def test_version(cli):
+    code, out, _ = cli("--version")
     assert code == 0 and out.strip() == "ckplan 0.1.0"

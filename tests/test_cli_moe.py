@@ -4,8 +4,6 @@ breakdown, --moe-imbalance, HF configs as MODEL."""
 import json
 from pathlib import Path
 
-from ckplan.cli import main
-
 HF = Path(__file__).parent / "fixtures" / "hf"
 # DeepSeek-V3 as trained (DeepSeek-V3 report §3.2): no TP, PP 16, EP 64, ZeRO-1 data parallel;
 # its 61 layers split 1 + 15 x 4 over the stages.
@@ -15,20 +13,12 @@ DEEPSEEK_LAYOUT = [
 ]
 
 
-def run(capsys, *args):
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def test_sweep_deepseek_v3_shows_the_expert_parallel_layout(capsys):
-    code, out, _ = run(capsys, "sweep", "deepseek-v3", "--budget", "80GB", *DEEPSEEK_LAYOUT)
+def test_sweep_deepseek_v3_shows_the_expert_parallel_layout(cli):
+    code, out, _ = cli("sweep", "deepseek-v3", "--budget", "80GB", *DEEPSEEK_LAYOUT)
     assert code == 0
     assert "Experts: 256 (top-8) over ep=64: 4 per GPU" in out
     assert "expert data parallel 2" in out
-    code, out, _ = run(
-        capsys, "sweep", "deepseek-v3", "--budget", "80GB", *DEEPSEEK_LAYOUT, "--json"
-    )
+    code, out, _ = cli("sweep", "deepseek-v3", "--budget", "80GB", *DEEPSEEK_LAYOUT, "--json")
     best = json.loads(out)["best"]
     layout = best["memory"]["expert_parallel"]
     assert (layout["ep"], layout["experts_per_gpu"], layout["expert_data_parallel"]) == (64, 4, 2)
@@ -38,12 +28,10 @@ def test_sweep_deepseek_v3_shows_the_expert_parallel_layout(capsys):
     assert best["fits"]
 
 
-def test_estimate_moe_imbalance_worst_needs_more_memory(capsys):
+def test_estimate_moe_imbalance_worst_needs_more_memory(cli):
     layout = ["--set", "ep=8", "--set", "dp=8"]
-    _, average, _ = run(capsys, "estimate", "mixtral-8x7b", *layout, "--json")
-    _, worst, _ = run(
-        capsys, "estimate", "mixtral-8x7b", *layout, "--moe-imbalance", "worst", "--json"
-    )
+    _, average, _ = cli("estimate", "mixtral-8x7b", *layout, "--json")
+    _, worst, _ = cli("estimate", "mixtral-8x7b", *layout, "--moe-imbalance", "worst", "--json")
     average, worst = json.loads(average), json.loads(worst)
     assert (
         worst["memory"]["per_layer_activation_bytes"]
@@ -53,26 +41,26 @@ def test_estimate_moe_imbalance_worst_needs_more_memory(capsys):
         worst["memory"]["expert_parallel"]["routed_rows_per_gpu"]
         == 4 * (average["memory"]["expert_parallel"]["routed_rows_per_gpu"])
     )
-    code, _, err = run(capsys, "estimate", "mixtral-8x7b", "--moe-imbalance", "half")
+    code, _, err = cli("estimate", "mixtral-8x7b", "--moe-imbalance", "half")
     assert code == 2 and "moe_imbalance" in err and len(err.strip().splitlines()) == 1
 
 
-def test_estimate_view_of_a_mixed_model(capsys):
-    code, out, _ = run(capsys, "estimate", "deepseek-v3", *DEEPSEEK_LAYOUT, "--strategy", "moe")
+def test_estimate_view_of_a_mixed_model(cli):
+    code, out, _ = cli("estimate", "deepseek-v3", *DEEPSEEK_LAYOUT, "--strategy", "moe")
     assert code == 0
     assert "dense layer (3 of 61: 0-2)" in out and "moe layer (58 of 61: 3-)" in out
     assert "of which experts" in out and "active" in out
 
 
-def test_hf_config_as_model(capsys):
+def test_hf_config_as_model(cli):
     config = str(HF / "Qwen3-30B-A3B" / "config.json")
-    code, out, _ = run(capsys, "estimate", config, "--seq", "4096", "--json")
+    code, out, _ = cli("estimate", config, "--seq", "4096", "--json")
     assert code == 0 and json.loads(out)["parameters"]["total"] == 30_532_122_624
 
 
-def test_unsupported_hf_model_type_is_one_line(capsys, tmp_path):
+def test_unsupported_hf_model_type_is_one_line(cli, tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "mamba", "num_hidden_layers": 2}))
-    code, _, err = run(capsys, "estimate", str(path))
+    code, _, err = cli("estimate", str(path))
     assert code == 2 and "unsupported model_type 'mamba'; supported: llama" in err
     assert len(err.strip().splitlines()) == 1

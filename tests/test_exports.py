@@ -8,7 +8,6 @@ import yaml
 from megatron_args import MegatronArgError, parse, validate
 
 from ckplan import exports
-from ckplan.cli import main
 from ckplan.exports import deepspeed, megatron, torchtitan
 from ckplan.exports.segments import LayerSegments, layer_segments, schedule_segments
 from ckplan.model.spec import spec_from_mapping
@@ -16,12 +15,6 @@ from ckplan.plan import evaluate, parse_strategy
 from ckplan.plan.search import activation_budget, candidate_strategies
 from ckplan.schedules import revolve_schedule, segment_schedule
 from ckplan.schedules.chain import Chain
-
-
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def plan_of(spec, name, **kwargs):
@@ -40,23 +33,22 @@ def megatron_args(plan):
 # ---- the must-shows ---------------------------------------------------------------------
 
 
-def test_uniform_2_flags_megatron_accepts(capsys):
-    code, out, err = run(capsys, "export", "llama3-8b", "--plan", "uniform:2", "--to", "megatron")
+def test_uniform_2_flags_megatron_accepts(cli):
+    code, out, err = cli("export", "llama3-8b", "--plan", "uniform:2", "--to", "megatron")
     assert code == 0, err
     args = validate(parse(out, 1))
     assert (args.recompute_granularity, args.recompute_method) == ("full", "uniform")
     assert args.recompute_num_layers == 2 and args.num_layers == 32
 
 
-def test_selective_flags_have_no_method(capsys):
-    code, out, _ = run(capsys, "export", "llama3-8b", "--plan", "selective", "--to", "megatron")
+def test_selective_flags_have_no_method(cli):
+    code, out, _ = cli("export", "llama3-8b", "--plan", "selective", "--to", "megatron")
     assert code == 0
     assert "--recompute-granularity selective" in out.splitlines()
     assert "--recompute-method" not in out and "--recompute-num-layers" not in out
     args = validate(parse(out, 1))
     assert args.recompute_modules == ["core_attn"]
-    code, out, _ = run(
-        capsys,
+    code, out, _ = cli(
         "export",
         "llama3-8b",
         "--plan",
@@ -181,27 +173,26 @@ def test_refusal_names_the_part_and_the_nearest_plan(spec_of, target, name, part
         assert near.activation_bytes == min(p.activation_bytes for p in expressible)
 
 
-def test_optimal_megatron_refused_torch_exported(spec_of, capsys):
+def test_optimal_megatron_refused_torch_exported(spec_of, cli):
     argv = ["export", "gpt2", "--plan", "optimal", "--budget", "7GB", "--batch", "8"]
-    code, out, err = run(capsys, *argv, "--to", "megatron")
+    code, out, err = cli(*argv, "--to", "megatron")
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "no Megatron-LM flag" in err and "--plan " in err
-    code, out, _ = run(capsys, *argv, "--to", "torch")
+    code, out, _ = cli(*argv, "--to", "torch")
     assert code == 0 and "SEGMENTS = [" in out
 
 
-def test_cli_errors(capsys):
-    code, out, err = run(capsys, "export", "gpt2", "--plan", "none", "--to", "jax")
+def test_cli_errors(cli):
+    code, out, err = cli("export", "gpt2", "--plan", "none", "--to", "jax")
     assert code == 2 and out == "" and "--to 'jax'" in err
-    code, out, err = run(capsys, "export", "gpt2", "--plan", "optimal", "--to", "torch")
+    code, out, err = cli("export", "gpt2", "--plan", "optimal", "--to", "torch")
     assert code == 2 and "needs --budget" in err
-    code, out, err = run(capsys, "export", "gpt2", "--plan", "auto", "--to", "torch")
+    code, out, err = cli("export", "gpt2", "--plan", "auto", "--to", "torch")
     assert code == 2 and "needs --budget" in err
 
 
-def test_auto_picks_the_cheapest_the_target_can_express(spec_of, capsys):
-    code, out, _ = run(
-        capsys,
+def test_auto_picks_the_cheapest_the_target_can_express(cli, spec_of):
+    code, out, _ = cli(
         "export",
         "gpt2",
         "--plan",
@@ -227,8 +218,8 @@ def test_auto_picks_the_cheapest_the_target_can_express(spec_of, capsys):
     ]
     assert back.flops.total == min(p.flops.total for p in cheaper)
     assert args.recompute_granularity in (None, "full", "selective")
-    code, _, err = run(
-        capsys, "export", "llama3-70b", "--plan", "auto", "--budget", "80GB", "--to", "torch"
+    code, _, err = cli(
+        "export", "llama3-70b", "--plan", "auto", "--budget", "80GB", "--to", "torch"
     )
     assert code == 1 and "no plan" in err
 

@@ -8,17 +8,10 @@ import json
 
 import pytest
 
-from ckplan.cli import main
 from ckplan.plan import evaluate, parse_strategy
 from ckplan.render import progress as progress_module
 from ckplan.render.row_models import plan_columns
 from ckplan.render.rows import Column, RowTable, to_csv, to_markdown
-
-
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def markdown_rows(text):
@@ -32,10 +25,10 @@ def markdown_rows(text):
 SWEEP = ["sweep", "gpt2", "--budget", "7GB", "--batch", "8"]
 
 
-def test_sweep_csv_holds_the_json_figures(capsys):
-    _, out, _ = run(capsys, *SWEEP, "--json")
+def test_sweep_csv_holds_the_json_figures(cli):
+    _, out, _ = cli(*SWEEP, "--json")
     data = json.loads(out)
-    code, out, err = run(capsys, *SWEEP, "--format", "csv")
+    code, out, err = cli(*SWEEP, "--format", "csv")
     assert code == 0 and err == ""
     rows = list(csv.DictReader(io.StringIO(out)))
     assert [r["strategy"] for r in rows] == [p["strategy"] for p in data["pareto"]]
@@ -46,12 +39,12 @@ def test_sweep_csv_holds_the_json_figures(capsys):
         assert float(row["overhead"]) == plan["overhead"]
         assert row["fits"] == ("true" if plan["fits"] else "false")
         assert row["best"] == ("true" if plan["strategy"] == data["best"]["strategy"] else "false")
-    code, out, _ = run(capsys, *SWEEP, "--format", "csv", "--all")
+    code, out, _ = cli(*SWEEP, "--format", "csv", "--all")
     assert len(list(csv.DictReader(io.StringIO(out)))) == len(data["plans"])
 
 
-def test_sweep_markdown_marks_the_best(capsys):
-    code, out, _ = run(capsys, *SWEEP, "--format", "markdown")
+def test_sweep_markdown_marks_the_best(cli):
+    code, out, _ = cli(*SWEEP, "--format", "markdown")
     assert code == 0
     header, rows = markdown_rows(out)
     assert header[0] == "plan" and "of usable budget" in header
@@ -60,41 +53,41 @@ def test_sweep_markdown_marks_the_best(capsys):
     assert "Best plan that fits: sqrt" in out
 
 
-def test_check_markdown_for_a_pr_comment(capsys):
+def test_check_markdown_for_a_pr_comment(cli):
     argv = ["check", "presets/megatron-22b.yaml", "llama3-70b", "--budget", "80GB"]
-    code, out, _ = run(capsys, *argv, "--format", "markdown")
+    code, out, _ = cli(*argv, "--format", "markdown")
     assert code == 1
     header, rows = markdown_rows(out)
     assert header[:3] == ["model", "fits", "plan"]
     assert [row[1] for row in rows] == ["yes", "no"]
     assert "model states alone" in rows[1][-1]
     assert "1 of 2 fit." in out and out.startswith("**Capacity check**")
-    code, out, _ = run(capsys, *argv, "-f", "csv")
+    code, out, _ = cli(*argv, "-f", "csv")
     parsed = list(csv.DictReader(io.StringIO(out)))
     assert [r["fits"] for r in parsed] == ["true", "false"]
     assert int(parsed[1]["headroom_bytes"]) < 0
 
 
-def test_estimate_formats(capsys, spec_of):
+def test_estimate_formats(cli, spec_of):
     spec = spec_of("llama3-8b")
     plan = evaluate(spec, parse_strategy("selective", spec))
-    code, out, _ = run(capsys, "estimate", "llama3-8b", "-s", "selective", "-f", "csv")
+    code, out, _ = cli("estimate", "llama3-8b", "-s", "selective", "-f", "csv")
     assert code == 0
     (row,) = csv.DictReader(io.StringIO(out))
     assert int(row["activation_bytes"]) == plan.activation_bytes
     assert int(row["per_layer_activation_bytes"]) == plan.per_layer_activation_bytes
     assert "fits" not in row  # no budget given
-    code, out, _ = run(capsys, "estimate", "llama3-8b", "-f", "markdown", "--budget", "80GB")
+    code, out, _ = cli("estimate", "llama3-8b", "-f", "markdown", "--budget", "80GB")
     assert code == 1  # 8B unsharded needs more than 80 GB
     header, rows = markdown_rows(out)
     assert "fits" in header and rows[0][header.index("fits")] == "no"
 
 
-def test_json_alias_and_bad_formats(capsys):
-    assert run(capsys, *SWEEP, "--json")[1] == run(capsys, *SWEEP, "--format", "json")[1]
-    code, out, err = run(capsys, *SWEEP, "--format", "xml")
+def test_json_alias_and_bad_formats(cli):
+    assert cli(*SWEEP, "--json")[1] == cli(*SWEEP, "--format", "json")[1]
+    code, out, err = cli(*SWEEP, "--format", "xml")
     assert code == 2 and out == "" and "--format 'xml'" in err
-    code, out, err = run(capsys, *SWEEP, "--format", "csv", "--json")
+    code, out, err = cli(*SWEEP, "--format", "csv", "--json")
     assert code == 2 and out == "" and "disagree" in err
 
 
@@ -114,9 +107,9 @@ def test_writers_take_any_columns(spec_of):
     assert markdown_rows(to_markdown(pipe))[1] == [["x\\|y"]]
 
 
-def test_progress_is_off_the_output(capsys, monkeypatch):
+def test_progress_is_off_the_output(cli, monkeypatch):
     """Not a terminal (as under pytest and in CI): no bar, stderr stays empty."""
-    code, _, err = run(capsys, "check", "presets/*.yaml", "--budget", "80GB", "-f", "csv")
+    code, _, err = cli("check", "presets/*.yaml", "--budget", "80GB", "-f", "csv")
     assert code == 1 and err == ""
     bar = progress_module.Progress("x", enabled=False)
     bar(1, 2)
@@ -134,6 +127,6 @@ def test_progress_is_off_the_output(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("command", [["sweep", "gpt2", "--budget", "7GB"], ["check", "gpt2"]])
-def test_quiet_is_accepted(capsys, command):
+def test_quiet_is_accepted(cli, command):
     argv = [*command, "--quiet"] if command[0] == "sweep" else [*command, "-b", "7GB", "-q"]
-    assert run(capsys, *argv)[0] in (0, 1)
+    assert cli(*argv)[0] in (0, 1)

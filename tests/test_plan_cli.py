@@ -9,23 +9,15 @@ import shlex
 import pytest
 from json_schema import LAYOUTS, errors
 
-from ckplan.cli import main
-
 SMALL = ["plan", "gpt2", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch", "16"]
 
 
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def estimate(capsys, model, layout, extra=()):
+def estimate(cli, model, layout, extra=()):
     """`ckplan estimate` of a printed layout with its --set keys and plan."""
     argv = ["estimate", model, "--gpu", "h100-sxm", "--strategy", layout["strategy"], "--json"]
     for arg in layout["set"]:
         argv += ["--set", arg]
-    code, out, err = run(capsys, *argv, *extra)
+    code, out, err = cli(*argv, *extra)
     return code, json.loads(out), err
 
 
@@ -38,15 +30,15 @@ def estimate(capsys, model, layout, extra=()):
           "--top", "4"], ["--seq", "8192"]),
     ],
 )  # fmt: skip
-def test_every_printed_layout_fits_and_times_as_estimate_says(capsys, argv, shared):
-    code, out, err = run(capsys, *argv, *shared, "--json")
+def test_every_printed_layout_fits_and_times_as_estimate_says(cli, argv, shared):
+    code, out, err = cli(*argv, *shared, "--json")
     assert code == 0, err
     data = json.loads(out)
     assert data["layouts"]
     times = []
     for layout in data["layouts"]:
         assert layout["fits"] and layout["memory"]["headroom_bytes"] >= 0
-        code, plan, err = estimate(capsys, argv[1], layout, shared)
+        code, plan, err = estimate(cli, argv[1], layout, shared)
         assert code == 0, err
         assert plan["fits"] is True
         if layout["strategy"].startswith("optimal"):
@@ -61,8 +53,8 @@ def test_every_printed_layout_fits_and_times_as_estimate_says(capsys, argv, shar
     assert times == sorted(times)  # the ranking is estimate --gpu's
 
 
-def test_json_schema(capsys):
-    code, out, _ = run(capsys, *SMALL, "--budget", "3.5GB", "--json", "--top", "3")
+def test_json_schema(cli):
+    code, out, _ = cli(*SMALL, "--budget", "3.5GB", "--json", "--top", "3")
     assert code == 0
     data = json.loads(out)
     assert errors(data, LAYOUTS) == []
@@ -83,8 +75,8 @@ def test_json_schema(capsys):
         assert r["reason"] in ("model_states", "memory", "slower") and r["why"]
 
 
-def test_table_names_the_fastest_and_how_to_check_it(capsys):
-    code, out, _ = run(capsys, *SMALL, "--budget", "3.5GB", "--top", "3")
+def test_table_names_the_fastest_and_how_to_check_it(cli):
+    code, out, _ = cli(*SMALL, "--budget", "3.5GB", "--top", "3")
     assert code == 0
     assert "the fastest layouts" in out and "Fastest: tp " in out
     assert (
@@ -93,29 +85,29 @@ def test_table_names_the_fastest_and_how_to_check_it(capsys):
     assert "layouts:" in out and "evaluated" in out
 
 
-def test_csv_and_markdown(capsys):
-    code, out, _ = run(capsys, *SMALL, "--format", "csv", "--top", "2")
+def test_csv_and_markdown(cli):
+    code, out, _ = cli(*SMALL, "--format", "csv", "--top", "2")
     assert code == 0
     rows = list(csv.DictReader(io.StringIO(out)))
     assert len(rows) == 2 and rows[0]["rank"] == "1"
     assert float(rows[0]["step_seconds"]) <= float(rows[1]["step_seconds"])
-    code, out, _ = run(capsys, *SMALL, "--format", "markdown", "--top", "2")
+    code, out, _ = cli(*SMALL, "--format", "markdown", "--top", "2")
     assert code == 0 and out.startswith("**gpt2 on 8 x h100-sxm") and "| # |" in out
 
 
-def test_set_fixes_layout_keys(capsys):
-    code, out, _ = run(capsys, *SMALL, "--set", "tp=2", "--set", "pp=2", "--json")
+def test_set_fixes_layout_keys(cli):
+    code, out, _ = cli(*SMALL, "--set", "tp=2", "--set", "pp=2", "--json")
     assert code == 0
     layouts = json.loads(out)["layouts"]
     assert layouts and all(x["tp"] == 2 and x["pp"] == 2 for x in layouts)
 
 
-def test_uneven_pipeline_of_llama3_405b(capsys):
+def test_uneven_pipeline_of_llama3_405b(cli):
     """Llama 3 405B over PP 16 on 16,384 GPUs (TP 8, so DP 128 at CP 1): 126 layers as 7,
     8 x 14, 7 with the embedding and loss counted as layers (Megatron's
     account_for_embedding/loss_in_pipeline_split)."""
-    code, out, err = run(
-        capsys, "plan", "llama3-405b", "--gpus", "16384", "--gpu", "h100-sxm", "--seq", "8192",
+    code, out, err = cli(
+        "plan", "llama3-405b", "--gpus", "16384", "--gpu", "h100-sxm", "--seq", "8192",
         "--global-batch", "2048", "--set", "tp=8", "--set", "pp=16", "--set", "cp=1", "--json",
         "--top", "1",
     )  # fmt: skip
@@ -126,8 +118,8 @@ def test_uneven_pipeline_of_llama3_405b(capsys):
     assert layout["dp"] == 128
 
 
-def test_nothing_fits_is_exit_1_with_the_nearest_layout(capsys):
-    code, out, err = run(capsys, "plan", "gpt3-175b", "--gpus", "2", "--gpu", "h100-sxm", "--json")
+def test_nothing_fits_is_exit_1_with_the_nearest_layout(cli):
+    code, out, err = cli("plan", "gpt3-175b", "--gpus", "2", "--gpu", "h100-sxm", "--json")
     assert code == 1
     data = json.loads(out)
     assert errors(data, LAYOUTS) == []
@@ -139,18 +131,18 @@ def test_nothing_fits_is_exit_1_with_the_nearest_layout(capsys):
     assert more > 2 and "per GPU with full recomputation" in data["advice"][0]
 
 
-def test_the_check_command_printed_reproduces_the_fastest(capsys):
+def test_the_check_command_printed_reproduces_the_fastest(cli):
     """The table's "Check it:" line, run as printed (model options included), evaluates the
     fastest layout to the step time and memory `plan --json` gives it."""
     argv = [*SMALL, "--budget", "3.5GB", "--set", "dropout=0", "--profile", "torch-eager"]
-    code, out, _ = run(capsys, *argv, "--top", "1", "--json")
+    code, out, _ = cli(*argv, "--top", "1", "--json")
     assert code == 0
     fastest = json.loads(out)["layouts"][0]
-    code, out, _ = run(capsys, *argv, "--top", "1")
+    code, out, _ = cli(*argv, "--top", "1")
     line = next(x for x in out.splitlines() if x.startswith("Check it: "))
     command = shlex.split(line.removeprefix("Check it: "))
     assert command[:2] == ["ckplan", "estimate"] and "--profile" in command
-    code, out, err = run(capsys, *command[1:], "--json")
+    code, out, err = cli(*command[1:], "--json")
     assert code == 0, err
     plan = json.loads(out)
     assert plan["fits"] and plan["strategy"] == fastest["strategy"]

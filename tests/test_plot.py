@@ -12,7 +12,6 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from ckplan.cli import main
 from ckplan.plan import evaluate, parse_strategy
 from ckplan.plan.timeline import memory_timeline
 from ckplan.units import format_bytes_auto
@@ -29,12 +28,6 @@ def matplotlib():
     return pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is missing")
 
 
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def svg_text(path):
     root = ET.parse(path).getroot()  # parses: well-formed XML
     assert root.tag.endswith("svg")
@@ -45,9 +38,9 @@ SWEEP = ["sweep", "llama3-70b", "--budget", "80GB", "--set", "tp=8", "--set", "p
 SWEEP += ["--set", "sp=true", "--set", "microbatches=16"]
 
 
-def test_sweep_svg_shows_budget_frontier_and_best(matplotlib, capsys, tmp_path):
+def test_sweep_svg_shows_budget_frontier_and_best(matplotlib, cli, tmp_path):
     path = tmp_path / "sweep.svg"
-    code, out, _ = run(capsys, *SWEEP, "--plot", str(path), "--json")
+    code, out, _ = cli(*SWEEP, "--plot", str(path), "--json")
     assert code == 0
     best = json.loads(out)["best"]
     text = svg_text(path)
@@ -57,21 +50,21 @@ def test_sweep_svg_shows_budget_frontier_and_best(matplotlib, capsys, tmp_path):
     assert format_bytes_auto(best["memory"]["total_bytes"]) in text
 
 
-def test_sweep_png_when_nothing_fits(matplotlib, capsys, tmp_path):
+def test_sweep_png_when_nothing_fits(matplotlib, cli, tmp_path):
     path = tmp_path / "sweep.png"
-    code, _, _ = run(capsys, "sweep", "llama3-70b", "--budget", "80GB", "--plot", str(path))
+    code, _, _ = cli("sweep", "llama3-70b", "--budget", "80GB", "--plot", str(path))
     assert code == 1  # does not fit, and the plot is still drawn
     data = path.read_bytes()
     assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000
     svg = tmp_path / "sweep.svg"
-    run(capsys, "sweep", "llama3-70b", "--budget", "80GB", "--plot", str(svg))
+    cli("sweep", "llama3-70b", "--budget", "80GB", "--plot", str(svg))
     assert "nothing fits; smallest: " in svg_text(svg)
 
 
-def test_estimate_timeline_marks_the_peak(matplotlib, capsys, tmp_path, spec_of):
+def test_estimate_timeline_marks_the_peak(matplotlib, cli, tmp_path, spec_of):
     path = tmp_path / "timeline.svg"
     argv = ["estimate", "llama3-8b", "--strategy", "uniform:4", "--budget", "80GB"]
-    code, _, _ = run(capsys, *argv, "--set", "zero=1", "--set", "dp=8", "--plot", str(path))
+    code, _, _ = cli(*argv, "--set", "zero=1", "--set", "dp=8", "--plot", str(path))
     assert code == 0
     spec = spec_of("llama3-8b", zero=1, dp=8)
     plan = evaluate(spec, parse_strategy("uniform:4", spec))
@@ -79,25 +72,25 @@ def test_estimate_timeline_marks_the_peak(matplotlib, capsys, tmp_path, spec_of)
     assert f"peak {format_bytes_auto(plan.activation_bytes)}" in text
     assert "activation budget" in text and "uniform:4" in text
     png = tmp_path / "timeline.png"
-    assert run(capsys, "estimate", "gpt2", "--plot", str(png))[0] == 0
+    assert cli("estimate", "gpt2", "--plot", str(png))[0] == 0
     assert png.read_bytes().startswith(PNG_SIGNATURE)
 
 
-def test_bad_plot_names_write_nothing(capsys, tmp_path):
+def test_bad_plot_names_write_nothing(cli, tmp_path):
     for name in ("plot.pdf", "missing/plot.png"):
         path = tmp_path / name
-        code, out, err = run(capsys, "estimate", "gpt2", "--plot", str(path))
+        code, out, err = cli("estimate", "gpt2", "--plot", str(path))
         assert code == 2 and out == "" and err.count("\n") == 1 and "--plot" in err
         assert not path.exists()
 
 
-def test_without_matplotlib_one_line_naming_the_extra(capsys, tmp_path, monkeypatch):
+def test_without_matplotlib_one_line_naming_the_extra(cli, tmp_path, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name)
     )
     path = tmp_path / "sweep.png"
-    code, out, err = run(capsys, "sweep", "gpt2", "--budget", "40GB", "--plot", str(path))
+    code, out, err = cli("sweep", "gpt2", "--budget", "40GB", "--plot", str(path))
     assert code == 2 and out == "" and not path.exists()
     assert err.count("\n") == 1 and "pip install 'ckplan[plot]'" in err
 

@@ -7,9 +7,8 @@ import sys
 import pytest
 import yaml
 
-from ckplan import cli
+from ckplan import cli as ckplan_cli
 from ckplan.cli import estimate as estimate_command
-from ckplan.cli import main
 from ckplan.inputs import safe_yaml
 from ckplan.model import allocator
 from ckplan.plan import StrategyError, evaluate, limits, parse_strategy
@@ -18,29 +17,23 @@ from ckplan.schedules import revolve
 from ckplan.schedules.revolve import _best_advance, _revolve_cost
 
 
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 @pytest.mark.parametrize(
     "error", [RuntimeError("boom\nsecond line"), MemoryError(), KeyError(1), ValueError(10**5000)]
 )
-def test_an_unexpected_exception_exits_3_in_one_line(capsys, monkeypatch, error):
+def test_an_unexpected_exception_exits_3_in_one_line(cli, monkeypatch, error):
     def explode(*args, **kwargs):
         raise error
 
     monkeypatch.setattr(estimate_command, "evaluate", explode)
-    code, out, err = run(capsys, "estimate", "gpt2")
-    assert code == cli.EXIT_INTERNAL == 3
+    code, out, err = cli("estimate", "gpt2")
+    assert code == ckplan_cli.EXIT_INTERNAL == 3
     assert out == "" and len(err.splitlines()) == 1 and "Traceback" not in err
     assert type(error).__name__ in err and "ckplan bug" in err
 
 
-def test_estimate_optimal_prints_json_when_nothing_fits(capsys):
-    code, out, err = run(
-        capsys, "estimate", "gpt2", "--strategy", "optimal", "--budget", "4.5GB", "--batch", "32",
+def test_estimate_optimal_prints_json_when_nothing_fits(cli):
+    code, out, err = cli(
+        "estimate", "gpt2", "--strategy", "optimal", "--budget", "4.5GB", "--batch", "32",
         "--seq", "1024", "--json",
     )  # fmt: skip
     data = json.loads(out)
@@ -51,8 +44,8 @@ def test_estimate_optimal_prints_json_when_nothing_fits(capsys):
     assert data["notes"] == [err.strip().removeprefix("error: ")]
 
 
-def test_schedule_prints_json_when_nothing_fits(capsys):
-    code, out, _ = run(capsys, "schedule", "gpt2", "--budget", "4.5GB", "--batch", "32", "--json")
+def test_schedule_prints_json_when_nothing_fits(cli):
+    code, out, _ = cli("schedule", "gpt2", "--budget", "4.5GB", "--batch", "32", "--json")
     data = json.loads(out)
     assert code == 1 and data["fits"] is False and data["steps"] == []
     assert data["stages"][0] == "embedding" and data["stages"][-1] == "output+loss"
@@ -148,7 +141,7 @@ def test_quote_is_bounded_for_any_value():
 
 
 @pytest.mark.parametrize("argv", [["presets"], ["estimate", "gpt2", "--json"]])
-def test_a_closed_stdout_exits_141_not_1(argv):
+def test_a_closed_stdout_exits_141_not_1(cli, argv):
     """Rich and Typer answer a broken pipe with exit 1, which CI reads as "does not fit"."""
     process = subprocess.Popen(
         [sys.executable, "-m", "ckplan", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE
@@ -156,13 +149,13 @@ def test_a_closed_stdout_exits_141_not_1(argv):
     process.stdout.close()
     err = process.stderr.read()
     process.stderr.close()
-    assert process.wait(timeout=60) == cli.EXIT_BROKEN_PIPE == 141 and err == b""
+    assert process.wait(timeout=60) == ckplan_cli.EXIT_BROKEN_PIPE == 141 and err == b""
 
 
-def test_ctrl_c_exits_130(capsys, monkeypatch):
+def test_ctrl_c_exits_130(cli, monkeypatch):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(estimate_command, "evaluate", interrupt)
-    code, out, _ = run(capsys, "estimate", "gpt2")
+    code, out, _ = cli("estimate", "gpt2")
     assert code == 130 and out == ""

@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-from ckplan.cli import main
 from ckplan.model.spec import spec_from_mapping
 from ckplan.plan import evaluate, parse_strategy
 from ckplan.plan.search import DEFAULT_RESERVE, largest_micro_batch, pareto_frontier, sweep
@@ -98,14 +97,8 @@ def test_largest_micro_batch_is_the_edge(spec_of):
     assert evaluate(spec.replace(micro_batch=size + 1), strategy).total_bytes > usable
 
 
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def test_sweep_cli_json_and_exit(capsys):
-    code, out, _ = run(capsys, "sweep", "gpt2", "--budget", "14GB", "--batch", "8", "--json")
+def test_sweep_cli_json_and_exit(cli):
+    code, out, _ = cli("sweep", "gpt2", "--budget", "14GB", "--batch", "8", "--json")
     data = json.loads(out)
     assert code == 0
     assert data["budget_bytes"] == 14 * GB and data["best"]["fits"]
@@ -115,25 +108,23 @@ def test_sweep_cli_json_and_exit(capsys):
     )
 
 
-def test_sweep_cli_nothing_fits(capsys):
-    code, out, _ = run(capsys, "sweep", "llama3-70b", "--budget", "80GB")
+def test_sweep_cli_nothing_fits(cli):
+    code, out, _ = cli("sweep", "llama3-70b", "--budget", "80GB")
     assert code == 1
     assert "Nothing fits" in out and "Model states alone" in out
 
 
-def test_sweep_micro_batch_auto(capsys):
-    code, out, _ = run(
-        capsys, "sweep", "gpt2", "--budget", "40GiB", "--micro-batch", "auto", "--json"
-    )
+def test_sweep_micro_batch_auto(cli):
+    code, out, _ = cli("sweep", "gpt2", "--budget", "40GiB", "--micro-batch", "auto", "--json")
     sizes = json.loads(out)["max_micro_batch"]
     assert code == 0 and sizes["full"] > sizes["none"] >= 1
 
 
-def test_check_cli(capsys, tmp_path):
-    code, out, _ = run(capsys, "check", "gpt2", "gpt2-xl", "--budget", "80GB", "--json")
+def test_check_cli(cli, tmp_path):
+    code, out, _ = cli("check", "gpt2", "gpt2-xl", "--budget", "80GB", "--json")
     data = json.loads(out)
     assert code == 0 and [r["fits"] for r in data["results"]] == [True, True]
-    code, out, _ = run(capsys, "check", "gpt2", "llama3-8b", "--budget", "40GB")
+    code, out, _ = cli("check", "gpt2", "llama3-8b", "--budget", "40GB")
     assert code == 1 and "1 of 2 fit" in out
     (tmp_path / "a.yaml").write_text(
         "name: a\nlayers: 2\nhidden: 64\nheads: 4\nseq: 32\nmicro_batch: 1\n"
@@ -141,9 +132,9 @@ def test_check_cli(capsys, tmp_path):
     (tmp_path / "b.yaml").write_text(
         "name: b\nlayers: 2\nhidden: 64\nheads: 4\nseq: 32\nmicro_batch: 1\n"
     )
-    code, out, _ = run(capsys, "check", str(tmp_path / "*.yaml"), "--budget", "4GB", "--json")
+    code, out, _ = cli("check", str(tmp_path / "*.yaml"), "--budget", "4GB", "--json")
     assert code == 0 and len(json.loads(out)["results"]) == 2
-    code, out, _ = run(capsys, "check", "gpt2", "--budget", "8GB", "--strategy", "full", "--json")
+    code, out, _ = cli("check", "gpt2", "--budget", "8GB", "--strategy", "full", "--json")
     assert code == 0 and json.loads(out)["results"][0]["plan"]["strategy"] == "full"
 
 
@@ -161,18 +152,18 @@ def test_check_cli(capsys, tmp_path):
         (["sweep", "gpt2"], "--budget SIZE (or --gpu NAME"),
     ],
 )
-def test_search_bad_input(capsys, argv, fragment):
-    code, out, err = run(capsys, *argv)
+def test_search_bad_input(cli, argv, fragment):
+    code, out, err = cli(*argv)
     assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1 and out == ""
 
 
-def test_schedule_cli(capsys):
-    code, out, _ = run(capsys, "schedule", "gpt2", "--budget", "14GB", "--batch", "8")
+def test_schedule_cli(cli):
+    code, out, _ = cli("schedule", "gpt2", "--budget", "14GB", "--batch", "8")
     assert code == 0 and "backward" in out and "output+loss" in out
-    code, out, _ = run(capsys, "schedule", "gpt2", "--strategy", "uniform:4", "--json")
+    code, out, _ = cli("schedule", "gpt2", "--strategy", "uniform:4", "--json")
     data = json.loads(out)
     assert code == 0 and data["strategy"] == "uniform:4"
     kinds = [step["kind"] for step in data["steps"]]
     assert kinds.count("forward_keep_input") == 3 and kinds.count("backward") == 14
-    code, _, err = run(capsys, "schedule", "gpt2", "--budget", "4GB")
+    code, _, err = cli("schedule", "gpt2", "--budget", "4GB")
     assert code == 1 and "no auto schedule fits" in err

@@ -13,7 +13,6 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from ckplan.cli import main
 from ckplan.plan import StrategyError, evaluate, parse_strategy
 from ckplan.simple import mlp as numpy_mlp
 from ckplan.simple.verify import (
@@ -185,17 +184,11 @@ def test_verify_rejects_bad_input():
         verify(mlp_spec(4, 16, 16, 4), ["optimal"], budget=1, repeats=1)
 
 
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 SMALL = ("verify", "--layers", "4", "--hidden", "64", "--ffn-hidden", "128", "--batch", "32")
 
 
-def test_cli_json_schema(capsys):
-    code, out, err = run(capsys, *SMALL, "-s", "full,revolve:2", "--repeats", "1", "--json")
+def test_cli_json_schema(cli):
+    code, out, err = cli(*SMALL, "-s", "full,revolve:2", "--repeats", "1", "--json")
     assert code == 0, err
     data = json.loads(out)
     assert data["ok"] is True
@@ -220,15 +213,15 @@ def test_cli_json_schema(capsys):
     }
 
 
-def test_cli_table(capsys):
-    code, out, err = run(capsys, *SMALL, "--strategy", "uniform:2", "--repeats", "1")
+def test_cli_table(cli):
+    code, out, err = cli(*SMALL, "--strategy", "uniform:2", "--repeats", "1")
     assert code == 0, err
     assert "uniform:2" in out and "identical" in out and "Verified" in out
 
 
-def test_cli_mismatch_exits_1(capsys):
+def test_cli_mismatch_exits_1(cli):
     """A tolerance below the few bytes of Python objects the measurement includes must fail."""
-    code, out, _ = run(capsys, *SMALL, "-s", "full", "--repeats", "1", "--tolerance", "1e-9")
+    code, out, _ = cli(*SMALL, "-s", "full", "--repeats", "1", "--tolerance", "1e-9")
     assert code == 1
     assert "MISMATCH" in out
 
@@ -244,13 +237,13 @@ def test_cli_mismatch_exits_1(capsys):
         ("--layers", "0"),
     ],
 )
-def test_cli_bad_input_exits_2(capsys, extra):
-    code, out, err = run(capsys, *SMALL, *extra)
+def test_cli_bad_input_exits_2(cli, extra):
+    code, out, err = cli(*SMALL, *extra)
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1
 
 
-def test_cli_imports_numpy_only_for_verify():
+def test_cli_imports_numpy_only_for_verify(cli):
     code = "import sys, ckplan.cli; assert 'numpy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
