@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from fractions import Fraction
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -158,35 +159,8 @@ def estimate_dict(
     return data
 
 
-MODEL_GROUPS = {
-    "shape": (
-        "kind",
-        "layers",
-        "hidden",
-        "heads",
-        "kv_heads",
-        "ffn_hidden",
-        "vocab",
-        "seq",
-        "micro_batch",
-        "dtype_bytes",
-    ),
-    "architecture": (
-        "norm",
-        "mlp",
-        "attention",
-        "positions",
-        "bias",
-        "dropout",
-        "tied_embeddings",
-        "fused_swiglu",
-        "profile",
-    ),
-    "parallel": ("tp", "pp", "sp", "cp", "dp", "zero", "virtual_stages", "microbatches"),
-    "bytes/param": ("weight_bytes", "grad_bytes", "master_bytes", "optimizer_bytes"),
-}
-# Shown only when set away from their defaults (a dense, uniform model shows none of them).
-OPTIONAL_GROUPS = {
+# Architecture keys of one feature, shown as their own row when the model uses it.
+ARCHITECTURE_FEATURES = {
     "attention+": (
         "head_dim",
         "qkv_bias",
@@ -207,16 +181,72 @@ OPTIONAL_GROUPS = {
         "expert_bias",
         "capacity_factor",
         "moe_layers",
+    ),
+}
+# Keys of the other parts that only MoE models or uneven pipelines use: shown when not default.
+QUIET_KEYS = frozenset(
+    {
         "moe_imbalance",
         "ep",
         "etp",
-    ),
-    "stages": ("first_stage_layers", "last_stage_layers"),
+        "first_stage_layers",
+        "last_stage_layers",
+        "account_for_embedding_in_pipeline_split",
+        "account_for_loss_in_pipeline_split",
+    }
+)
+PART_TITLES = {
+    "shape": "run shape",
+    "parallel": "parallel",
+    "data_parallel": "data parallel",
+    "training": "bytes/param",
+    "execution": "execution",
 }
 
 
+def model_rows(spec: ModelSpec) -> list[tuple[str, list[str]]]:
+    """The resolved keys as (row title, keys) in the model's parts: the architecture (and a row
+    per feature it uses), the run shape, parallelism, data parallelism, bytes per parameter and
+    the execution (framework, kernels, precision, profile)."""
+    parts = {name: getattr(spec, name) for name in PART_TITLES} | {
+        "architecture": spec.architecture
+    }
+    featured = {key for keys in ARCHITECTURE_FEATURES.values() for key in keys}
+    core = [f.name for f in dataclasses.fields(spec.architecture) if f.name not in featured]
+    rows = [("architecture", core)]
+    if spec.kind == "transformer":
+        used = {
+            "attention+": spec.head_dim * spec.heads != spec.hidden
+            or spec.qkv_bias != spec.bias
+            or spec.qk_norm
+            or spec.post_norms
+            or spec.parallel_residual
+            or bool(spec.sliding_window),
+            "mla": spec.mla,
+            "moe": bool(spec.experts),
+        }
+        rows += [(name, list(keys)) for name, keys in ARCHITECTURE_FEATURES.items() if used[name]]
+    for name, title in PART_TITLES.items():
+        part = parts[name]
+        keys = [
+            f.name
+            for f in dataclasses.fields(part)
+            if f.name not in QUIET_KEYS or _shown(spec, f.name, getattr(part, f.name), f.default)
+        ]
+        if name == "execution":
+            keys.append("profile")
+        rows.append((title, keys))
+    return rows
+
+
+def _shown(spec: ModelSpec, key: str, value: Any, default: Any) -> bool:
+    if spec.experts and key in ("moe_imbalance", "ep", "etp"):
+        return True
+    return value != (spec.tp if key == "etp" else default)
+
+
 def model_table(spec: ModelSpec, title: str | None = None) -> Table:
-    """Every resolved key, grouped; the source as the caption."""
+    """Every resolved key, in the model's parts; the source as the caption."""
     from rich.table import Table
 
     table = Table(
@@ -226,26 +256,11 @@ def model_table(spec: ModelSpec, title: str | None = None) -> Table:
         caption=f"source: {spec.source}" if spec.source else None,
         caption_justify="left",
     )
-    table.add_column("group", style="bold")
+    table.add_column("part", style="bold")
     table.add_column("values")
     values = spec.to_dict()
-    for group, keys in MODEL_GROUPS.items():
-        table.add_row(group, "  ".join(f"{key}={values[key]}" for key in keys))
-    if spec.kind == "transformer":
-        shown = {
-            "attention+": spec.head_dim * spec.heads != spec.hidden
-            or spec.qkv_bias != spec.bias
-            or spec.qk_norm
-            or spec.post_norms
-            or spec.parallel_residual
-            or bool(spec.sliding_window),
-            "mla": spec.mla,
-            "moe": bool(spec.experts),
-            "stages": spec.first_stage_layers is not None or spec.last_stage_layers is not None,
-        }
-        for group, keys in OPTIONAL_GROUPS.items():
-            if shown[group]:
-                table.add_row(group, "  ".join(f"{key}={values[key]}" for key in keys))
+    for name, keys in model_rows(spec):
+        table.add_row(name, "  ".join(f"{key}={values[key]}" for key in keys))
     return table
 
 
