@@ -9,9 +9,9 @@ trailing spaces and trailing blank lines, and reads two marks in the shown outpu
 
 Commands run as a user would type them (`shlex`, `#` comments, leading `NAME=value` environment
 settings) with `COLUMNS=100` unless the command sets its own, in a scratch folder per document
-that holds the repository's presets/, profiles/, examples/, validation/ and tests/, so files written by
-one command (`--out`) are read by the next and nothing lands in the checkout. A command that
-needs an optional extra that is not installed (torch for `calibrate`) is skipped.
+that holds the repository's presets/, profiles/, examples/, validation/ and tests/, so files
+written by one command (`--out`) are read by the next and nothing lands in the checkout. A
+command that needs an optional extra that is not installed (torch for `calibrate`) is skipped.
 
     python tests/doc_examples.py            # check every document; exit 1 on a difference
     python tests/doc_examples.py --update   # rewrite shown outputs that have no marks
@@ -91,12 +91,8 @@ def examples(document: Path) -> list[Example]:
         while index < len(lines) and not lines[index].startswith(("$ ", "```")):
             index += 1
         environment, argv = _split(command, document, start + 1)
-        found.append(
-            Example(
-                document, start + 1, command, lines[output_start:index], output_start,
-                environment, argv,
-            )  # fmt: skip
-        )
+        shown = lines[output_start:index]
+        found.append(Example(document, start + 1, command, shown, output_start, environment, argv))
     return found
 
 
@@ -177,9 +173,7 @@ def matches(shown: list[str], actual: list[str]) -> bool:
 
 
 def difference(example: Example, actual: list[str]) -> str:
-    diff = difflib.unified_diff(
-        _trim(example.shown), actual, "shown", "printed", lineterm="", n=2
-    )
+    diff = difflib.unified_diff(_trim(example.shown), actual, "shown", "printed", lineterm="", n=2)
     return f"{example.name}: $ {example.command}\n" + "\n".join(diff)
 
 

@@ -10,6 +10,9 @@ run, fixed before any fitting by a hash of the run's name (validation/runs/READM
 
     python validation/fit_time_model.py            # fit and report
     python validation/fit_time_model.py --write    # and write the fitted values into the presets
+
+With --write it also writes, from the refitted model, the held-out accuracy that `estimate
+--gpu` and `plan` quote (ckplan/published/accuracy.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ FAMILIES = {
     "hopper": ("h100-sxm", "h100-pcie", "h800", "h200"),
 }
 PRESETS = Path(__file__).resolve().parents[1] / "presets" / "gpus"
+ACCURACY_MODULE = Path(__file__).resolve().parents[1] / "ckplan" / "published" / "accuracy.py"
 
 
 def time_runs(split: str):
@@ -79,6 +83,25 @@ def write(preset: str, fraction: float, runs: int) -> None:
     path.write_text(text, encoding="utf-8")
 
 
+def write_accuracy() -> None:
+    """Rewrite ACCURACY in ckplan/published/accuracy.py from the test split, predicted afresh
+    (a new process reads the presets just written)."""
+    import subprocess
+
+    code = (
+        "from ckplan.published.suite import accuracy, run_suite; "
+        "print(repr(accuracy(run_suite(split='test'))))"
+    )
+    figures = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    text = ACCURACY_MODULE.read_text(encoding="utf-8")
+    dictionary = r"^ACCURACY: [^\n]*\{(?:[^{}]|\{[^{}]*\})*\}"
+    line = f"ACCURACY: dict[str, dict[str, float]] = {figures}"
+    text = re.sub(dictionary, lambda _: line, text, count=1, flags=re.M)
+    ACCURACY_MODULE.write_text(text, encoding="utf-8")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="write the fitted values")
@@ -99,6 +122,9 @@ def main() -> int:
         if args.write:
             for preset in presets:
                 write(preset, fraction, len(runs))
+    if args.write:
+        write_accuracy()
+        print(f"wrote the held-out accuracy to {ACCURACY_MODULE.name}")
     return 0
 
 

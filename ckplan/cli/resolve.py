@@ -5,7 +5,6 @@ in bytes), the same way for every command; and the checks of --formula, --slots 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -151,8 +150,10 @@ def resolve_budget(
         return (budget, *parse_budget(budget, reserve))
     if gpu is None:
         return None
-    # Exact decimal GB: `:g` wrote a tiny memory_bytes as '1e-07GB', which parse_size refuses.
-    text = f"{Decimal(gpu.memory_bytes) / 10**9:f}GB"
+    # Whole GB where the memory is (datasheet figures), else the exact bytes: CUDA-reported sizes
+    # are not round, and a decimal like 85.100331008GB reads worse than the integer.
+    whole, rest = divmod(gpu.memory_bytes, 10**9)
+    text = f"{whole}GB" if not rest else f"{gpu.memory_bytes}"
     total, kept = parse_budget(text, reserve)
     return text, total, kept
 

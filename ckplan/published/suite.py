@@ -7,18 +7,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from ckplan.inputs.runs import run_files
+from ckplan.published.accuracy import FAMILIES
 from ckplan.published.predict import Prediction, predict, summarise
 from ckplan.published.runs import MEMORY_METRICS, PublishedRun, runs_from_file
-
-# GPUs that share a chip share their accuracy figure (and their fitted constant).
-GPU_FAMILIES = {
-    "a100-40gb": "A100",
-    "a100-80gb": "A100",
-    "h100-sxm": "H100",
-    "h100-pcie": "H100",
-    "h800": "H100",
-    "h200": "H100",
-}
 
 
 def suite_runs() -> list[PublishedRun]:
@@ -44,15 +35,16 @@ def run_suite(only: str | None = None, split: str | None = None) -> list[Predict
     return [predict(run) for run in selected(suite_runs(), only, split)]
 
 
-def accuracy(predictions: list[Prediction]) -> dict[str, Any]:
+def accuracy(predictions: list[Prediction], split: str = "test") -> dict[str, Any]:
     """Mean |step error| and run count per GPU family, and per family and framework, over the
-    scored time runs of both splits: what `estimate` and `plan` quote."""
+    scored time runs of `split` (the held-out test split by default: runs the fitted constants
+    never saw): what `estimate` and `plan` quote."""
     groups: dict[str, list[float]] = {}
     for prediction in predictions:
         run = prediction.run
-        if not prediction.scored or run.published.metric in MEMORY_METRICS:
+        if not prediction.scored or run.published.metric in MEMORY_METRICS or run.split != split:
             continue
-        family = GPU_FAMILIES.get(run.gpu, run.gpu)
+        family = FAMILIES.get(run.gpu, run.gpu)
         for key in (family, f"{family}/{prediction.spec.framework}"):
             groups.setdefault(key, []).append(abs(prediction.error))
     return {

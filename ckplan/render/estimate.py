@@ -20,6 +20,7 @@ from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 from ckplan.plan.search import Candidate
+from ckplan.published.accuracy import accuracy_note
 from ckplan.render.common import both_units, gib
 from ckplan.render.fit import declare
 from ckplan.units import format_flops
@@ -403,6 +404,8 @@ def estimate_view(
         from ckplan.render.time import step_time_table
 
         parts.append(step_time_table(plan, time, gpu))
+        if gpu is not None:
+            parts.append(Text(f"Accuracy: {accuracy_note(gpu.name, plan.spec.framework)}."))
     elif gpu is not None:
         parts.append(
             Text(

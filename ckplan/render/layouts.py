@@ -13,6 +13,7 @@ from ckplan.plan.evaluate import stage_label
 from ckplan.plan.layout.search import Evaluated, LayoutResult, Rejected
 from ckplan.plan.layout.space import Layout
 from ckplan.plan.search import DEFAULT_RESERVE
+from ckplan.published.accuracy import accuracy_note
 from ckplan.render.common import gib, memory_bar
 from ckplan.render.fit import declare
 from ckplan.render.rows import Column, RowTable
@@ -319,6 +320,7 @@ def _verdict(
             f"Fastest: {layout_text(best.layout, best.spec)} with {best.plan.strategy}{timing}.",
             style="bold green",
         ),
+        Text(f"Accuracy: {accuracy_note(result.gpu.name, best.spec.framework)}."),
         Text(
             "Check it: " + check_command(result, best, budget_text, model, extra),
             no_wrap=True,

@@ -1,0 +1,60 @@
+"""How close the time model came on published runs it was not fitted to, by GPU family and
+framework: the line `estimate --gpu` and `plan` print under a step time.
+
+ACCURACY is written by `validation/fit_time_model.py --write` from the test split of the public
+runs (validation/runs/), and tests/test_published.py holds it equal to what the suite computes,
+so that the quoted figure is never older than the model. Reading it costs no prediction at
+start-up.
+"""
+
+from __future__ import annotations
+
+# written by validation/fit_time_model.py --write; do not edit by hand
+ACCURACY: dict[str, dict[str, float]] = {
+    "A100": {"runs": 11, "mean_abs_error": 0.0843},
+    "A100/deepspeed": {"runs": 2, "mean_abs_error": 0.166},
+    "A100/megatron": {"runs": 9, "mean_abs_error": 0.0661},
+    "H100": {"runs": 17, "mean_abs_error": 0.1611},
+    "H100/hf": {"runs": 5, "mean_abs_error": 0.2342},
+    "H100/megatron": {"runs": 7, "mean_abs_error": 0.1123},
+    "H100/torchtitan": {"runs": 5, "mean_abs_error": 0.1562},
+}
+# Fewer held-out runs than this for a framework on a family: quote the whole family instead.
+FEWEST_RUNS = 3
+FAMILIES = {
+    "a100-40gb": "A100",
+    "a100-80gb": "A100",
+    "h100-sxm": "H100",
+    "h100-pcie": "H100",
+    "h800": "H100",
+    "h200": "H100",
+}
+
+
+def family_of(gpu_name: str) -> str | None:
+    return FAMILIES.get(gpu_name)
+
+
+def accuracy_note(gpu_name: str, framework: str) -> str:
+    """One line: the mean |step error| on held-out published runs nearest this GPU and framework."""
+    family = family_of(gpu_name)
+    if family is None:
+        return (
+            f"no published training runs on {gpu_name} are checked yet: the step time is the "
+            "model's alone (ckplan validate)"
+        )
+    for key, what in (
+        (f"{family}/{framework}", f"{family} GPUs with {framework}"),
+        (family, f"{family} GPUs"),
+    ):
+        figures = ACCURACY.get(key)
+        if figures and figures["runs"] >= FEWEST_RUNS:
+            runs, error = int(figures["runs"]), figures["mean_abs_error"]
+            return (
+                f"on {runs} held-out published runs on {what}, predicted steps were within "
+                f"{error:.0%} on average (ckplan validate --split test)"
+            )
+    return f"too few held-out published runs on {family} GPUs to quote an error (ckplan validate)"
+
+
+__all__ = ["ACCURACY", "FAMILIES", "accuracy_note", "family_of"]
