@@ -1,4 +1,4 @@
-"""DESIGN.md's JSON contract as data, and a small checker (no jsonschema dependency).
+"""The JSON contract of the commands as data, and a small checker (no jsonschema dependency).
 
 A schema is a type (`int` means an int that is not a bool; `float` accepts ints; `str`, `bool`),
 `None`, a tuple of alternatives, a dict of required keys (extra keys are allowed: the contract

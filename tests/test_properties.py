@@ -2,7 +2,7 @@
 
 Memory grows with seq, micro-batch and layers; no strategy peaks above storing everything;
 sweep's best plan fits and nothing that fits is cheaper; check agrees with sweep; JSON is
-deterministic and matches DESIGN.md's schema; counts stay exact integers at 1T parameters and
+deterministic and matches tests/json_schema.py; counts stay exact integers at 1T parameters and
 1M tokens. CKPLAN_PROPERTY_EXAMPLES sets the examples per property (default 20, a few seconds
 each); raise it for a thorough run, e.g. CKPLAN_PROPERTY_EXAMPLES=500 make test.
 """
@@ -300,7 +300,7 @@ def run_json(argv: list[str]) -> tuple[int, dict, str]:
 @given(transformers(), st.floats(0.05, 1.5))
 def test_json_is_deterministic_schema_valid_and_check_agrees_with_sweep(mapping, fraction):
     """Through the real CLI, on a model file: every command's JSON twice (byte-identical), each
-    valid against DESIGN.md's schema, and `check`'s verdict and plan equal `sweep`'s best."""
+    valid against the JSON schema, and `check`'s verdict and plan equal `sweep`'s best."""
     with tempfile.TemporaryDirectory() as folder:
         path = str(Path(folder, "model.yaml"))
         Path(path).write_text(yaml.safe_dump({k: v for k, v in mapping.items() if v is not None}))

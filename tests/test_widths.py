@@ -12,13 +12,14 @@ import pytest
 
 from ckplan.cli import main, output
 
-BOX = set("┏┃┡│└┗┓┩┫┛╇━─┬┴┼╋┳┻")
+BOX = set("┏┃┡│└┗┓┩┫┛╇━─┬┴┼╋┳┻┌┐┘├┤")
 COMMANDS = [
     ["estimate", "llama3-8b"],
     ["estimate", "llama3-8b", "--gpu", "h100-sxm", "--strategy", "selective"],
     ["sweep", "llama3-8b", "--budget", "40GB"],
     ["sweep", "llama3-8b", "--budget", "40GB", "--gpu", "h100-sxm"],
     ["check", "presets/megatron-22b.yaml", "presets/megatron-175b.yaml", "--budget", "80GB"],
+    ["check", "presets/megatron-22b.yaml", "--budget", "80GB"],
     ["check", "presets/megatron-22b.yaml", "--budget", "80GB", "--gpu", "a100-80gb"],
     ["schedule", "gpt2", "--strategy", "sqrt"],
     ["plan", "llama3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch", "16"],
@@ -53,6 +54,9 @@ def test_tables_fit_without_cutting(capsys, monkeypatch, argv, width):
     assert "…" not in text
     too_wide = [line for line in _table_lines(text) if len(line) > width]
     assert not too_wide, too_wide[:3]
+    # a table cropped at the edge loses its right border (Rich crops what it cannot fold)
+    cropped = [line for line in _table_lines(text) if line.rstrip()[-1] not in BOX]
+    assert not cropped, cropped[:3]
 
 
 @pytest.mark.parametrize(

@@ -180,7 +180,7 @@ def measure(cfg: Config, seed: int = 0, device: str = "cpu") -> Measurement:
 
 
 def ckplan_mapping(cfg: Config) -> dict:
-    """The YAML keys of DESIGN.md for the same layer."""
+    """The model keys (docs/models.md) for the same layer."""
     return {
         "name": cfg.name,
         "kind": "transformer",

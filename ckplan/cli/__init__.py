@@ -1,6 +1,6 @@
 """The `ckplan` command line: parse, dispatch to the library, hand results to `render`.
 
-Exit codes (DESIGN.md): 0 success / fits / verified; 1 does not fit / mismatch; 2 bad input;
+Exit codes (docs/models.md): 0 success / fits / verified; 1 does not fit / mismatch; 2 bad input;
 3 an unexpected error inside ckplan (a bug: never 1, which CI reads as "does not fit").
 Every error is one line on stderr, never a traceback, and nothing is written.
 

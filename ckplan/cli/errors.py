@@ -1,4 +1,4 @@
-"""How a command ends without its answer: the exit codes (DESIGN.md, ckplan/cli/__init__.py),
+"""How a command ends without its answer: the exit codes (docs/models.md, ckplan/cli/__init__.py),
 bad input as one line on stderr and exit 2, and no schedule that fits as exit 1."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A GPU: datasheet figures and the efficiencies the time model applies to them.
 
-`GPU` is a frozen dataclass whose fields are the keys of a GPU file (DESIGN.md, wave 2). Reading
+`GPU` is a frozen dataclass whose fields are the keys of a GPU file (docs/time-model.md). Reading
 files lives in `ckplan.inputs.gpus`; `gpu_from_mapping` is the one gate every mapping passes, with
 one-line `GPUError`s naming the key, as `spec.spec_from_mapping` does for models.
 

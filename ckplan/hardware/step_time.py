@@ -92,7 +92,7 @@ class StepTime:
     expert_parallel_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, object]:
-        """The JSON `time` object (DESIGN.md wave 2) plus optimizer_seconds,
+        """The JSON `time` object (docs/time-model.md) plus optimizer_seconds,
         expert_parallel_seconds and breakdown."""
         return {
             "step_seconds": self.step_seconds,

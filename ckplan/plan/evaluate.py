@@ -3,7 +3,7 @@
 Every strategy is a schedule over one chain (embedding -> L/p layers -> output and loss, each
 stage with its forward/backward cost, input size and full-tape size), replayed step by step by
 `schedules.simulate`: peak memory is what is actually alive, never a closed-form shortcut.
-Strategy names (DESIGN.md): none, full, uniform:K, sequential:K, sqrt, selective, block:N,
+Strategy names (docs/strategies.md): none, full, uniform:K, sequential:K, sqrt, selective, block:N,
 revolve:C, optimal, and selective+ any of them (the attention core recomputed on top).
 """
 
@@ -54,7 +54,7 @@ class FlopCount:
 
     @property
     def overhead(self) -> float:
-        """recompute / (forward + backward) (DESIGN.md)."""
+        """recompute / (forward + backward)."""
         return self.recompute / (self.forward + self.backward)
 
 

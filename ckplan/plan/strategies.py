@@ -1,4 +1,4 @@
-"""Strategies: the `--strategy` grammar (DESIGN.md) parsed and checked against a model.
+"""Strategies: the `--strategy` grammar (docs/strategies.md) parsed and checked against a model.
 
     [selective+][moe+|experts+]BASE   or a modifier alone (selective, moe, experts, ...)
 

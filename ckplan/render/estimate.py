@@ -36,8 +36,8 @@ if TYPE_CHECKING:  # Rich is imported where a table is built: --json needs none
 
 
 def plan_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
-    """A plan in DESIGN.md's `estimate --json` shape (plus `per_op` and `model_states`), and
-    its `time` object when a GPU was given."""
+    """A plan in `estimate --json`'s shape (tests/json_schema.py), with `per_op` and
+    `model_states`, and its `time` object when a GPU was given."""
     states = plan.model_states
     data = {
         "strategy": plan.strategy,
@@ -340,11 +340,14 @@ def plan_summary_table(plan: Plan) -> Table:
     table.add_row("model states", both_units(states.total), _state_note(spec))
     table.add_row("  weights", gib(states.weights), f"{spec.weight_bytes} B/param")
     table.add_row("  gradients", gib(states.gradients), f"{spec.grad_bytes} B/param")
+    held = "master + Adam" if spec.master_bytes else "Adam; the weights are the master copy"
     table.add_row(
         "  optimizer",
         gib(states.optimizer),
-        f"{spec.master_bytes + spec.optimizer_bytes} B/param (master + Adam)",
+        f"{spec.master_bytes + spec.optimizer_bytes} B/param ({held})",
     )
+    if states.buffers:
+        table.add_row("  buffers", gib(states.buffers), f"{spec.framework}'s (docs/memory.md)")
     if spec.experts:
         table.add_row(
             "  of which experts",
@@ -354,6 +357,11 @@ def plan_summary_table(plan: Plan) -> Table:
         )
     table.add_row(
         "total per GPU", both_units(plan.total_bytes), "activations + model states", style="bold"
+    )
+    table.add_row(
+        "  reserved",
+        both_units(plan.reserved_bytes),
+        "the CUDA caching allocator's peak (max_memory_reserved)",
     )
     table.add_row(
         "parameters",

@@ -61,6 +61,7 @@ def fit_table(table: Table, console: Console) -> Table:
         column.overflow = "fold"
         column.no_wrap = False
         column.min_width = column_minimum(column)
+    _narrow(table, width)
     if dropped:
         note = (
             f"{len(dropped)} column{'s' * (len(dropped) > 1)} left out to fit {width} columns: "
@@ -68,6 +69,33 @@ def fit_table(table: Table, console: Console) -> Table:
         )
         table.caption = f"{table.caption}\n{note}" if table.caption else note
     return table
+
+
+def _natural_width(column) -> int:
+    cells = [str(column.header), *(str(getattr(cell, "plain", cell)) for cell in column._cells)]
+    return max((len(line) for cell in cells for line in cell.splitlines() or [""]), default=1)
+
+
+def _narrow(table: Table, width: int) -> None:
+    """Give each column its width when the table is too wide: the text columns with the most
+    room above their minimum fold first. Rich's own collapse keeps a short header such as
+    "why not" whole and crops the table's right edge instead."""
+    columns = table.columns
+    widths = [_natural_width(c) for c in columns]
+    excess = sum(widths) + 3 * len(columns) + 1 - width
+    if excess <= 0:
+        return
+    for _ in range(excess):
+        room = [
+            (widths[i] - c.min_width, i)
+            for i, c in enumerate(columns)
+            if c.justify != "right" and widths[i] > c.min_width
+        ]
+        if not room:
+            break
+        widths[max(room)[1]] -= 1
+    for column, column_width in zip(columns, widths, strict=True):
+        column.width = column_width
 
 
 def _header(column) -> str:

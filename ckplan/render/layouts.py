@@ -157,8 +157,8 @@ def _slower(rejected: Rejected, best: Evaluated | None) -> str:
 
 
 def layout_dict(e: Evaluated) -> dict[str, Any]:
-    """One layout of `plan --json`: DESIGN.md's keys, the split, the plan's memory (and the
-    stage that peaks) and its `time` object."""
+    """One layout of `plan --json`: the documented keys (docs/layouts.md), the split, the
+    plan's memory (and the stage that peaks) and its `time` object."""
     layout, plan, experts = e.layout, e.plan, e.spec.experts > 0
     data: dict[str, Any] = {
         "tp": layout.tp,
@@ -223,7 +223,7 @@ def rejected_dict(r: Rejected, best: Evaluated | None) -> dict[str, Any]:
 
 
 def plan_dict(result: LayoutResult) -> dict[str, Any]:
-    """`ckplan plan --json` (README, DESIGN.md)."""
+    """`ckplan plan --json` (docs/layouts.md)."""
     best = result.layouts[0] if result.layouts else None
     least = result.least_memory
     return {
@@ -337,8 +337,10 @@ def check_command(
     reserve = (
         "" if result.reserve_bytes == DEFAULT_RESERVE else f" --reserve {result.reserve_bytes}"
     )
+    # the GPU's own memory is the budget --gpu sets: no --budget to repeat
+    budget = "" if result.budget_bytes == result.gpu.memory_bytes else f" --budget {budget_text}"
     return (
-        f"ckplan estimate {shlex.quote(model)} --gpu {result.gpu.name} --budget {budget_text}"
+        f"ckplan estimate {shlex.quote(model)} --gpu {result.gpu.name}{budget}"
         f"{reserve} --seq {result.spec.seq}{extra} --strategy {e.plan.strategy} {sets}"
     )
 

@@ -62,7 +62,8 @@ def budget_line(budget_text: str, budget: int, reserve: int) -> Text:
     from rich.text import Text
 
     unit = size_unit(budget_text)
-    given = budget_text if unit == "B" else format_bytes(budget, unit)
+    # plain bytes (a GPU's CUDA-reported memory) read as decimal GB, as datasheets print them
+    given = f"{budget / 10**9:,.2f} GB" if unit == "B" else format_bytes(budget, unit)
     return Text(
         f"Budget {given} = {gib(budget)} per GPU; reserve {gib(reserve)} "
         f"(CUDA context, workspaces, allocator slack); usable {gib(budget - reserve)}."

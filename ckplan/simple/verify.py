@@ -1,7 +1,7 @@
 """Run checkpointing schedules on the NumPy MLP and measure them (`ckplan verify`).
 
 The network: L layers of ``relu(x @ w1 + b1) @ w2 + b2``, width d,
-hidden f, b rows, float64. The seed's plain step (``model_forward`` / ``model_backward``) keeps
+hidden f, b rows, float64. The plain step (``model_forward`` / ``model_backward``) keeps
 each layer's input and rebuilds the hidden activation in the backward pass; its checkpointed step
 (``model_forward_checkpointed`` / ``model_backward_checkpointed``) keeps segment inputs and
 re-runs each segment. This module runs *any* schedule of :mod:`ckplan.schedules` on that network:
@@ -126,7 +126,7 @@ def reference_step(params: Params, x: np.ndarray, grad_output: np.ndarray):
     """The plain training step, no checkpointing, in fresh arrays: ``(δ_0, [(gw1, gb1, gw2,
     gb2)] per layer)``, the reference every schedule's gradients must match to the last bit.
 
-    The seed's algorithm (shared/seed, model_forward / model_backward): keep each layer's input,
+    The plain algorithm (model_forward / model_backward): keep each layer's input,
     rebuild the hidden activation from it in the backward pass. The executor below does the same
     arithmetic in place, so any difference is a schedule that ran the wrong thing.
     """
@@ -171,7 +171,7 @@ def _add_bias(a: np.ndarray, bias: np.ndarray) -> None:
 
 
 def layer_forward(x, w1, b1, w2, b2, counts: _Counts) -> np.ndarray:
-    """The seed's ``layer_forward``, ``relu(x @ w1 + b1) @ w2 + b2``, in place.
+    """``layer_forward``, ``relu(x @ w1 + b1) @ w2 + b2``, in place.
 
     Alive beyond ``x``: the hidden activation ``a`` (b, f) and the output (b, d) —
     ``simple.mlp.forward_workspace_bytes`` is the b·f part (the chain counts the output).
@@ -185,7 +185,7 @@ def layer_forward(x, w1, b1, w2, b2, counts: _Counts) -> np.ndarray:
 
 
 def layer_backward(x, g, w1, b1, w2, b2, grads, counts: _Counts) -> np.ndarray:
-    """The seed's ``model_backward`` body for one layer, in place; returns ``δ_i`` (b, d).
+    """``model_backward``'s body for one layer, in place; returns ``δ_i`` (b, d).
 
     Rebuilds ``h_pre`` and ``h`` from the stored input ``x`` as the plain step does. Weight and bias
     gradients go into the preallocated ``grads`` buffers. The mask ``(h_pre > 0)`` is built in
