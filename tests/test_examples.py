@@ -27,6 +27,21 @@ def test_workflow_shape():
         and "gh pr comment" in runs
         and "--body-file capacity.md" in runs
     )
+    # installed from the repository, not a package index
+    assert 'pip install "$CKPLAN_SOURCE"' in runs and data["env"]["CKPLAN_SOURCE"].startswith(
+        "git+"
+    )
+
+
+def test_the_trigger_matches_the_files_checked():
+    """The pull-request path filter names exactly the files the check command reads."""
+    data = workflow()
+    paths = data.get("on", data.get(True))["pull_request"]["paths"]
+    steps = data["jobs"]["capacity"]["steps"]
+    script = next(step["run"] for step in steps if "ckplan check" in step.get("run", ""))
+    line = next(line for line in script.splitlines() if line.strip().startswith("ckplan check"))
+    pattern = shlex.split(line)[2]
+    assert pattern in paths
 
 
 def test_the_workflows_check_command(capsys, monkeypatch):

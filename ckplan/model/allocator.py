@@ -11,11 +11,12 @@ allocated 5,670 MB, max reserved 6,406 MB), 1.39 in a 2020 Megatron log (issue #
 `expandable_segments` (PYTORCH_CUDA_ALLOC_CONF) one segment per stream grows in 2 MiB pages
 instead ("Note [Expandable Segments]"), and the gaps mostly go.
 
-ckplan models the reserved peak as the allocated peak times (1 + slack), rounded up to 2 MiB;
-the slack without expandable segments is fitted to published reserved peaks of the calibration
-split (validation/fit_memory_model.py, docs/validation.md); with them it is the gap between
-reserved and allocated that torchtune reports after loading a model with expandable segments
-(docs/source/tutorials/e2e_flow.rst: 6.21 GiB allocated, 6.27 GiB reserved), 1%.
+ckplan models the reserved peak as the allocated peak times (1 + slack), rounded up to 2 MiB.
+With expandable segments the slack is the gap between reserved and allocated that torchtune
+reports after loading a model with them (docs/source/tutorials/e2e_flow.rst: 6.21 GiB
+allocated, 6.27 GiB reserved), 1%. Without them it is 0 until enough published runs report both
+peaks to fit one figure on a calibration split: the two above disagree (1.13 and 1.39), and one
+of them chosen would be a guess (docs/memory.md).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import math
 
 ROUND_LARGE = 2 * 2**20  # kRoundLarge: large blocks are multiples of 2 MiB
-# fitted by validation/fit_memory_model.py (docs/validation.md, "Reserved memory")
+# not fitted yet: too few published runs report both peaks (module docstring)
 ALLOCATOR_SLACK = 0.0
 EXPANDABLE_SLACK = 0.01
 

@@ -98,7 +98,11 @@ def run_spec(run: PublishedRun) -> ModelSpec:
     if run.compile:
         execution["kernels"] = "compiled"
     if run.attention_kernel in ("flash2", "flash3", "cudnn", "triton", "sdpa"):
+        # a fused attention kernel keeps no s x s matrix, whatever the preset's attention says
         execution["attention_kernel"] = run.attention_kernel
+        execution["attention"] = "flash"
+    if run.training.get("loss") in MODELLED_TRAINING["loss"]:
+        execution["loss"] = run.training["loss"]
     values: dict[str, Any] = {
         **base,
         **execution,
@@ -134,8 +138,18 @@ MODELLED_TRAINING = {
 }
 
 
+# Recomputation of single ops by a policy (torchtitan's selective "op" AC saves matmul outputs by
+# a rule) and per-layer selection without a fixed period are not strategies ckplan has yet.
+UNMODELLED_RECOMPUTE = {
+    "selective-op": "torchtitan's per-op selective recomputation (selective_ac_option op)",
+    "selective-layer": "per-layer selective recomputation",
+}
+
+
 def unmodelled(run: PublishedRun) -> str | None:
     """Why ckplan cannot score `run` yet, or None."""
+    if run.recompute in UNMODELLED_RECOMPUTE:
+        return f"recompute {UNMODELLED_RECOMPUTE[run.recompute]} is not modelled"
     for (key, value), why in NOT_MODELLED.items():
         if getattr(run, key, None) == value:
             return why
