@@ -78,3 +78,12 @@ def test_documents_speak_of_the_project_alone(document):
         if FOREIGN.search(line)
     ]
     assert not found, "\n".join(found)
+
+
+def test_every_model_key_is_documented():
+    """A key a model file accepts is named in docs/models.md or docs/architectures.md."""
+    from ckplan.model.spec import KEY_ORDER
+
+    text = "".join((ROOT / "docs" / name).read_text() for name in ("models.md", "architectures.md"))
+    missing = [key for key in KEY_ORDER if f"`{key}`" not in text]
+    assert not missing, missing
