@@ -11,7 +11,7 @@ import yaml
 
 from ckplan import render
 from ckplan.cli.errors import UserError, user_errors
-from ckplan.cli.options import BatchOpt, JsonOpt, LayersOpt, ModelArg, SeqOpt, SetOpt
+from ckplan.cli.options import BatchOpt, JsonOpt, LayersOpt, ModelArg, ModelSetOpt, SeqOpt
 from ckplan.cli.output import print_json, print_view
 from ckplan.cli.resolve import resolve
 from ckplan.quoting import quote
@@ -30,7 +30,7 @@ def calibrate(
         str, typer.Option("--device", help="cpu, or cuda: also checks peak memory on the GPU.")
     ] = "cpu",
     name: Annotated[str | None, typer.Option("--name", help="The profile's name.")] = None,
-    settings: SetOpt = None,
+    settings: ModelSetOpt = None,
     seq: SeqOpt = None,
     batch: BatchOpt = None,
     layers: LayersOpt = None,

@@ -15,10 +15,10 @@ from ckplan.cli.options import (
     BatchOpt,
     LayersOpt,
     ModelArg,
+    ModelSetOpt,
     QuietOpt,
     ReserveOpt,
     SeqOpt,
-    SetOpt,
     SlotsOpt,
 )
 from ckplan.cli.resolve import check_slots, parse_budget, resolve
@@ -64,7 +64,7 @@ def export(
             "Megatron-LM versions without that flag.",
         ),
     ] = True,
-    settings: SetOpt = None,
+    settings: ModelSetOpt = None,
     seq: SeqOpt = None,
     batch: BatchOpt = None,
     layers: LayersOpt = None,

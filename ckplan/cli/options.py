@@ -37,6 +37,11 @@ SetOpt = Annotated[
         "prefix: --set gpu.matmul_efficiency=0.7.",
     ),
 ]
+# For commands that take no GPU (calibrate, export): the same option without the gpu. keys.
+ModelSetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="Override any model key: --set key=value (repeatable)."),
+]
 GpuOpt = Annotated[
     str | None,
     typer.Option(
