@@ -91,6 +91,7 @@ TIME = {
     "bubble_seconds": float,
     "overhead": float,
     "mfu": float,
+    "mfu_convention": str,
     "hfu": float,
     "tokens_per_second_per_gpu": float,
 }

@@ -171,3 +171,25 @@ def test_set_gpu_memory_sets_the_budget(cli):
 def test_seed_formula_with_gpu_says_why_no_time(cli):
     code, out, _ = cli("estimate", "gpt2", "--formula", "seed", "--gpu", "a100-80gb")
     assert code == 0 and "No step time on a100-80gb" in out
+
+
+def test_mfu_in_another_convention(cli):
+    """--mfu-convention counts the same step's FLOPs as another publisher would: causal
+    attention halves the attention core, so MFU falls; HFU (what ran) stays."""
+    runs = {}
+    for convention in ("full", "causal", "6n"):
+        code, out, _ = cli(
+            "estimate", "gpt2", "--gpu", "h100-sxm", "--mfu-convention", convention, "--json"
+        )
+        assert code == 0
+        runs[convention] = json.loads(out)["time"]
+    assert runs["causal"]["mfu"] < runs["full"]["mfu"]
+    assert runs["causal"]["hfu"] == runs["full"]["hfu"]
+    assert {run["mfu_convention"] for run in runs.values()} == {"full", "causal", "6n"}
+    code, out, _ = cli(
+        "plan", "llama3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--top", "1",
+        "--mfu-convention", "causal", "--json",
+    )  # fmt: skip
+    assert code == 0 and json.loads(out)["layouts"][0]["time"]["mfu_convention"] == "causal"
+    code, _, err = cli("sweep", "gpt2", "--gpu", "a100-80gb", "--mfu-convention", "palm")
+    assert code == 2 and "--mfu-convention 'palm': expected one of full" in err

@@ -10,6 +10,7 @@ import typer
 
 from ckplan import render
 from ckplan.cli.errors import EXIT_DOES_NOT_FIT, EXIT_OK, UserError, user_errors
+from ckplan.cli.lazy import candidate_in_convention
 from ckplan.cli.options import (
     BatchOpt,
     BudgetOpt,
@@ -17,6 +18,7 @@ from ckplan.cli.options import (
     GpuOpt,
     JsonOpt,
     LayersOpt,
+    MfuConventionOpt,
     MoeImbalanceOpt,
     ProfileOpt,
     QuietOpt,
@@ -26,7 +28,7 @@ from ckplan.cli.options import (
     SlotsOpt,
 )
 from ckplan.cli.output import print_json, print_rows, print_view
-from ckplan.cli.resolve import check_slots, output_format, resolve
+from ckplan.cli.resolve import check_mfu_convention, check_slots, output_format, resolve
 from ckplan.plan import DEFAULT_SLOTS, search
 from ckplan.quoting import abbreviate
 from ckplan.render.progress import progress
@@ -45,6 +47,7 @@ def check(
     ] = "auto",
     reserve: ReserveOpt = None,
     gpu: GpuOpt = None,
+    mfu_convention: MfuConventionOpt = "full",
     slots: SlotsOpt = DEFAULT_SLOTS,
     settings: SetOpt = None,
     seq: SeqOpt = None,
@@ -59,6 +62,7 @@ def check(
     """CI capacity check: exit 0 when every model fits the budget, 1 when any does not."""
     with user_errors():
         fmt = output_format(fmt, as_json)
+        mfu_convention = check_mfu_convention(mfu_convention)
         runs = [
             (
                 name,
@@ -87,7 +91,7 @@ def check(
             for done, (name, spec) in enumerate(specs):
                 report(done, len(specs))
                 best = search.best_plan(spec, total, strategy, kept, check_slots(slots), device)
-                rows.append((name, best))
+                rows.append((name, candidate_in_convention(best, mfu_convention)))
             report(len(specs), len(specs))
     if fmt == "json":
         print_json(render.check_dict(total, rows))

@@ -16,6 +16,7 @@ from ckplan.cli.options import (
     GpuOpt,
     JsonOpt,
     LayersOpt,
+    MfuConventionOpt,
     ModelArg,
     MoeImbalanceOpt,
     PlotOpt,
@@ -25,7 +26,7 @@ from ckplan.cli.options import (
     SetOpt,
 )
 from ckplan.cli.output import print_json, print_rows, print_view
-from ckplan.cli.resolve import check_formula, output_format, resolve
+from ckplan.cli.resolve import check_formula, check_mfu_convention, output_format, resolve
 from ckplan.plan import STRATEGY_HELP, evaluate, parse_strategy, search
 
 
@@ -43,6 +44,7 @@ def estimate(
         str | None, typer.Option("--reserve", help="Taken off --budget first (default 2GiB).")
     ] = None,
     gpu: GpuOpt = None,
+    mfu_convention: MfuConventionOpt = "full",
     settings: SetOpt = None,
     seq: SeqOpt = None,
     batch: BatchOpt = None,
@@ -58,6 +60,7 @@ def estimate(
     (and with --gpu: step time, MFU, the time overhead and its breakdown)."""
     with user_errors():
         fmt = output_format(fmt, as_json)
+        mfu_convention = check_mfu_convention(mfu_convention)
         if plot is not None:
             plots().check_plot(plot)
         run = resolve(
@@ -87,7 +90,7 @@ def estimate(
                     advice=(spec, total - kept),
                 )
             candidate = search.Candidate(plan, total - kept)
-        time = None if device is None else step_time(plan, device)
+        time = None if device is None else step_time(plan, device, mfu_convention)
         if plot is not None:
             _estimate_plot(plan, candidate, plot)
     if fmt == "json":

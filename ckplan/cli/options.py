@@ -42,6 +42,16 @@ ModelSetOpt = Annotated[
     list[str] | None,
     typer.Option("--set", help="Override any model key: --set key=value (repeatable)."),
 ]
+MfuConventionOpt = Annotated[
+    str,
+    typer.Option(
+        "--mfu-convention",
+        help="The FLOP count MFU divides: full (Korthikanti et al. App. A, Megatron-LM; the "
+        "default), causal (attention halved), recompute (recomputed layers counted), 6n "
+        "(6 x non-embedding parameters, PaLM / torchtitan) or 6n-all (all parameters, "
+        "llm-foundry).",
+    ),
+]
 GpuOpt = Annotated[
     str | None,
     typer.Option(

@@ -8,10 +8,12 @@ from typing import Annotated
 import typer
 
 from ckplan.cli.errors import EXIT_DOES_NOT_FIT, UserError, print_error, user_errors
+from ckplan.cli.lazy import layouts_in_convention
 from ckplan.cli.options import (
     BudgetOpt,
     FormatOpt,
     JsonOpt,
+    MfuConventionOpt,
     ModelArg,
     ProfileOpt,
     QuietOpt,
@@ -22,6 +24,7 @@ from ckplan.cli.options import (
 )
 from ckplan.cli.output import print_json, print_rows, print_view
 from ckplan.cli.resolve import (
+    check_mfu_convention,
     check_slots,
     output_format,
     parse_overrides,
@@ -56,6 +59,7 @@ def plan(
     as_json: JsonOpt = False,
     fmt: FormatOpt = None,
     quiet: QuietOpt = False,
+    mfu_convention: MfuConventionOpt = "full",
 ) -> None:
     """The fastest layouts (tp, sp, pp and its split, virtual stages, cp, dp, ZeRO,
     micro-batches) of --gpus GPUs, each with its best recomputation plan; --set tp=8 (any
@@ -66,6 +70,7 @@ def plan(
 
     with user_errors():
         fmt = output_format(fmt, as_json)
+        mfu_convention = check_mfu_convention(mfu_convention)
         if not 1 <= gpus <= MAX_GPUS:
             raise UserError(f"--gpus must be in 1..{MAX_GPUS:,}, got {gpus}")
         global_batch = gpus if global_batch is None else global_batch
@@ -95,6 +100,7 @@ def plan(
         result = layout_search.search_layouts(
             spec, gpus, device, global_batch, total, kept, top, constraints, slots
         )
+        result = layouts_in_convention(result, mfu_convention)
     if fmt == "json":
         print_json(layout_view.plan_dict(result))
     elif fmt in ("csv", "markdown"):

@@ -158,6 +158,17 @@ def resolve_budget(
     return text, total, kept
 
 
+def check_mfu_convention(convention: str) -> str:
+    """The FLOP convention --mfu-convention names (ckplan.model.flops.FLOP_CONVENTIONS)."""
+    from ckplan.model.flops import FLOP_CONVENTIONS
+
+    if convention not in FLOP_CONVENTIONS:
+        raise UserError(
+            f"--mfu-convention {quote(convention)}: expected one of {', '.join(FLOP_CONVENTIONS)}"
+        )
+    return convention
+
+
 def check_formula(formula: str) -> str:
     """The formula set --formula names (`seed`, the simple set's old name, is accepted)."""
     name = formula_name(formula)

@@ -15,6 +15,7 @@ from ckplan.cli.options import (
     GpuOpt,
     JsonOpt,
     LayersOpt,
+    MfuConventionOpt,
     ModelArg,
     MoeImbalanceOpt,
     PlotOpt,
@@ -26,7 +27,7 @@ from ckplan.cli.options import (
     SlotsOpt,
 )
 from ckplan.cli.output import print_json, print_rows, print_view
-from ckplan.cli.resolve import check_slots, output_format, resolve
+from ckplan.cli.resolve import check_mfu_convention, check_slots, output_format, resolve
 from ckplan.plan import DEFAULT_SLOTS, STRATEGY_HELP, evaluate, parse_strategy, search, stage_names
 from ckplan.quoting import quote
 
@@ -46,6 +47,7 @@ def schedule(
     ] = "auto",
     reserve: ReserveOpt = None,
     gpu: GpuOpt = None,
+    mfu_convention: MfuConventionOpt = "full",
     slots: SlotsOpt = DEFAULT_SLOTS,
     settings: SetOpt = None,
     seq: SeqOpt = None,
@@ -61,6 +63,7 @@ def schedule(
     """Print a plan's schedule step by step (default: the optimal schedule under --budget)."""
     with user_errors():
         fmt = output_format(fmt, as_json)
+        mfu_convention = check_mfu_convention(mfu_convention)
         if plot is not None:
             plots().check_plot(plot)
         run = resolve(
@@ -94,7 +97,7 @@ def schedule(
             ),
             advice=(spec, total - kept),
         )
-    time = None if device is None else step_time(plan, device)
+    time = None if device is None else step_time(plan, device, mfu_convention)
     if plot is not None:
         with user_errors():
             draw_timeline(plan, activation_budget, plot)

@@ -8,7 +8,7 @@ import typer
 
 from ckplan import render
 from ckplan.cli.errors import EXIT_DOES_NOT_FIT, EXIT_OK, UserError, user_errors
-from ckplan.cli.lazy import plots
+from ckplan.cli.lazy import plots, sweep_in_convention
 from ckplan.cli.options import (
     BatchOpt,
     BudgetOpt,
@@ -17,6 +17,7 @@ from ckplan.cli.options import (
     GpuOpt,
     JsonOpt,
     LayersOpt,
+    MfuConventionOpt,
     ModelArg,
     MoeImbalanceOpt,
     PlotOpt,
@@ -28,7 +29,13 @@ from ckplan.cli.options import (
     SlotsOpt,
 )
 from ckplan.cli.output import print_json, print_rows, print_view
-from ckplan.cli.resolve import check_formula, check_slots, output_format, resolve
+from ckplan.cli.resolve import (
+    check_formula,
+    check_mfu_convention,
+    check_slots,
+    output_format,
+    resolve,
+)
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import DEFAULT_SLOTS, parse_strategy, search
 from ckplan.quoting import quote
@@ -40,6 +47,7 @@ def sweep(
     budget: BudgetOpt = None,
     reserve: ReserveOpt = None,
     gpu: GpuOpt = None,
+    mfu_convention: MfuConventionOpt = "full",
     rank: Annotated[
         str | None,
         typer.Option(
@@ -70,6 +78,7 @@ def sweep(
     fastest with --gpu)."""
     with user_errors():
         fmt = output_format(fmt, as_json)
+        mfu_convention = check_mfu_convention(mfu_convention)
         if plot is not None:
             plots().check_plot(plot)
         run = resolve(
@@ -91,6 +100,7 @@ def sweep(
         formula, slots = check_formula(formula), check_slots(slots)
         with progress(f"sweep {spec.name}: plans", quiet) as report:
             result = search.sweep(spec, total, kept, formula, slots, device, rank, progress=report)
+        result = sweep_in_convention(result, mfu_convention)
         micro_batches = _micro_batches(spec, result) if micro_batch == "auto" else None
         if plot is not None:
             plots().sweep_plot(result, budget_text, plot)

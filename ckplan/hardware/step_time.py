@@ -23,6 +23,7 @@ plans is a few additions (`step_time(plan, gpu)`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import groupby
@@ -40,7 +41,7 @@ from ckplan.hardware.roofline import (
 )
 from ckplan.hardware.times import ZERO, MicroBatchTime, StageTime
 from ckplan.model import loss, memory
-from ckplan.model.flops import model_flops_per_iteration
+from ckplan.model.flops import MFU_CONVENTION, iteration_flops, model_flops_per_iteration
 from ckplan.model.layers import LayerKind, stage_kinds
 from ckplan.model.moe import MOE
 from ckplan.model.op import (
@@ -90,6 +91,8 @@ class StepTime:
     # exposed expert-parallel communication of the step (all-to-alls, etp gathers), re-forwards
     # included; part of communication_seconds and recompute_seconds
     expert_parallel_seconds: float = 0.0
+    # the FLOP count `mfu` divides (ckplan.model.flops.FLOP_CONVENTIONS); hfu counts what ran
+    mfu_convention: str = MFU_CONVENTION
 
     def to_dict(self) -> dict[str, object]:
         """The JSON `time` object (docs/time-model.md) plus optimizer_seconds,
@@ -103,6 +106,7 @@ class StepTime:
             "bubble_seconds": self.bubble_seconds,
             "overhead": self.overhead,
             "mfu": self.mfu,
+            "mfu_convention": self.mfu_convention,
             "hfu": self.hfu,
             "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
             "optimizer_seconds": self.optimizer_seconds,
@@ -647,6 +651,18 @@ def _model_flops(spec: ModelSpec, global_batch: int) -> int:
         return model_flops_per_iteration(spec, global_batch)
     layer = sum(op.forward_flops for op in model_layer_ops(spec))
     return 3 * layer * spec.layers * global_batch
+
+
+def in_mfu_convention(time: StepTime, spec: ModelSpec, convention: str) -> StepTime:
+    """`time` with its MFU counted in `convention` (FLOP_CONVENTIONS): the same step, the FLOPs
+    another publisher would count in it. The NumPy MLP has one count only."""
+    if convention == time.mfu_convention or spec.kind != "transformer":
+        return time
+    global_batch = spec.micro_batch * spec.microbatches * spec.dp
+    ratio = iteration_flops(spec, global_batch, convention) / iteration_flops(
+        spec, global_batch, time.mfu_convention
+    )
+    return dataclasses.replace(time, mfu=time.mfu * ratio, mfu_convention=convention)
 
 
 def step_time(plan, gpu: GPU) -> StepTime | None:

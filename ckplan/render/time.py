@@ -54,7 +54,12 @@ def step_time_table(plan: Plan, time: StepTime, gpu: GPU | None) -> Table:
     }
     for key, value in time.breakdown.items():
         table.add_row(f"  {labels.get(key, key)}", seconds(value), f"{value / step:.1%}")
-    table.add_row("MFU", f"{time.mfu:.1%}", "model FLOPs / (step x GPUs x peak)", style="bold")
+    table.add_row(
+        "MFU",
+        f"{time.mfu:.1%}",
+        f"model FLOPs ({time.mfu_convention} count) / (step x GPUs x peak)",
+        style="bold",
+    )
     table.add_row("HFU", f"{time.hfu:.1%}", "with the recomputed FLOPs")
     table.add_row("tokens/s per GPU", f"{time.tokens_per_second_per_gpu:,.0f}", "")
     table.add_row(
