@@ -65,16 +65,16 @@ def estimate_bytes(spec, shape: Shape, profile: str) -> int:
     """`ckplan estimate`'s per_layer_activation_bytes for one layer at `shape`."""
     at_shape = spec.replace(
         layers=1, seq=shape.seq, micro_batch=shape.batch, hidden=shape.hidden,
-        heads=shape.heads, kv_heads=shape.kv_heads, ffn_hidden=shape.ffn, profile=profile,
+        heads=shape.heads, kv_heads=shape.kv_heads, ffn_hidden=shape.ffn,
     )  # fmt: skip
-    return activation_bytes_per_layer(load_spec_from(at_shape))
+    return activation_bytes_per_layer(load_spec_from(at_shape, profile))
 
 
-def load_spec_from(spec):
+def load_spec_from(spec, profile: str):
     """Through a model file, as the command reads it (the profile loaded and checked)."""
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "model.yaml"
-        path.write_text(yaml.safe_dump(spec.to_dict()), encoding="utf-8")
+        path.write_text(yaml.safe_dump({**spec.to_dict(), "profile": profile}), encoding="utf-8")
         return load_spec(str(path))
 
 
