@@ -28,7 +28,7 @@ from ckplan.cli.options import (
     SlotsOpt,
 )
 from ckplan.cli.output import print_json, print_rows, print_view
-from ckplan.cli.resolve import check_mfu_convention, check_slots, output_format, resolve
+from ckplan.cli.resolve import check_slots, output_options, resolve
 from ckplan.plan import DEFAULT_SLOTS, search
 from ckplan.quoting import abbreviate
 from ckplan.render.progress import progress
@@ -61,8 +61,7 @@ def check(
 ) -> None:
     """CI capacity check: exit 0 when every model fits the budget, 1 when any does not."""
     with user_errors():
-        fmt = output_format(fmt, as_json)
-        mfu_convention = check_mfu_convention(mfu_convention)
+        fmt, mfu_convention = output_options(fmt, as_json, mfu_convention)
         runs = [
             (
                 name,

@@ -26,7 +26,7 @@ from ckplan.cli.options import (
     SetOpt,
 )
 from ckplan.cli.output import print_json, print_rows, print_view
-from ckplan.cli.resolve import check_formula, check_mfu_convention, output_format, resolve
+from ckplan.cli.resolve import check_formula, output_options, resolve
 from ckplan.plan import STRATEGY_HELP, evaluate, parse_strategy, search
 
 
@@ -59,10 +59,7 @@ def estimate(
     """One plan with its full breakdown: per-op activations, model states, FLOPs, overhead
     (and with --gpu: step time, MFU, the time overhead and its breakdown)."""
     with user_errors():
-        fmt = output_format(fmt, as_json)
-        mfu_convention = check_mfu_convention(mfu_convention)
-        if plot is not None:
-            plots().check_plot(plot)
+        fmt, mfu_convention = output_options(fmt, as_json, mfu_convention, plot)
         run = resolve(
             model, settings=settings, seq=seq, batch=batch, layers=layers,
             moe_imbalance=moe_imbalance, profile=profile, gpu=gpu, budget=budget,

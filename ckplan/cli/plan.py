@@ -24,9 +24,8 @@ from ckplan.cli.options import (
 )
 from ckplan.cli.output import print_json, print_rows, print_view
 from ckplan.cli.resolve import (
-    check_mfu_convention,
     check_slots,
-    output_format,
+    output_options,
     parse_overrides,
     require_budget,
     resolve_gpu,
@@ -69,8 +68,7 @@ def plan(
     from ckplan.render import layouts as layout_view
 
     with user_errors():
-        fmt = output_format(fmt, as_json)
-        mfu_convention = check_mfu_convention(mfu_convention)
+        fmt, mfu_convention = output_options(fmt, as_json, mfu_convention)
         if not 1 <= gpus <= MAX_GPUS:
             raise UserError(f"--gpus must be in 1..{MAX_GPUS:,}, got {gpus}")
         global_batch = gpus if global_batch is None else global_batch

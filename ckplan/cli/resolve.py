@@ -158,6 +158,20 @@ def resolve_budget(
     return text, total, kept
 
 
+def output_options(
+    fmt: str | None, as_json: bool, mfu_convention: str = "full", plot: str | None = None
+) -> tuple[str, str]:
+    """The options every planning command checks before any work: the output format, the MFU
+    convention, and the --plot file (writable, its extra installed)."""
+    fmt = output_format(fmt, as_json)
+    mfu_convention = check_mfu_convention(mfu_convention)
+    if plot is not None:
+        from ckplan.cli.lazy import plots
+
+        plots().check_plot(plot)
+    return fmt, mfu_convention
+
+
 def check_mfu_convention(convention: str) -> str:
     """The FLOP convention --mfu-convention names (ckplan.model.flops.FLOP_CONVENTIONS)."""
     from ckplan.model.flops import FLOP_CONVENTIONS

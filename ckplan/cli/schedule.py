@@ -27,7 +27,7 @@ from ckplan.cli.options import (
     SlotsOpt,
 )
 from ckplan.cli.output import print_json, print_rows, print_view
-from ckplan.cli.resolve import check_mfu_convention, check_slots, output_format, resolve
+from ckplan.cli.resolve import check_slots, output_options, resolve
 from ckplan.plan import DEFAULT_SLOTS, STRATEGY_HELP, evaluate, parse_strategy, search, stage_names
 from ckplan.quoting import quote
 
@@ -62,10 +62,7 @@ def schedule(
 ) -> None:
     """Print a plan's schedule step by step (default: the optimal schedule under --budget)."""
     with user_errors():
-        fmt = output_format(fmt, as_json)
-        mfu_convention = check_mfu_convention(mfu_convention)
-        if plot is not None:
-            plots().check_plot(plot)
+        fmt, mfu_convention = output_options(fmt, as_json, mfu_convention, plot)
         run = resolve(
             model, settings=settings, seq=seq, batch=batch, layers=layers,
             moe_imbalance=moe_imbalance, profile=profile, gpu=gpu, budget=budget,

@@ -29,13 +29,7 @@ from ckplan.cli.options import (
     SlotsOpt,
 )
 from ckplan.cli.output import print_json, print_rows, print_view
-from ckplan.cli.resolve import (
-    check_formula,
-    check_mfu_convention,
-    check_slots,
-    output_format,
-    resolve,
-)
+from ckplan.cli.resolve import check_formula, check_slots, output_options, resolve
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import DEFAULT_SLOTS, parse_strategy, search
 from ckplan.quoting import quote
@@ -77,10 +71,7 @@ def sweep(
     """Every candidate plan against a budget: which fit, the Pareto frontier, the best (the
     fastest with --gpu)."""
     with user_errors():
-        fmt = output_format(fmt, as_json)
-        mfu_convention = check_mfu_convention(mfu_convention)
-        if plot is not None:
-            plots().check_plot(plot)
+        fmt, mfu_convention = output_options(fmt, as_json, mfu_convention, plot)
         run = resolve(
             model, settings=settings, seq=seq, batch=batch, layers=layers,
             moe_imbalance=moe_imbalance, profile=profile, gpu=gpu, budget=budget,

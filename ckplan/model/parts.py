@@ -96,15 +96,21 @@ def range_error(key: str, value: int, low: int, high: int) -> None:
         raise SpecError(key=key, rule=f"must be in {low:,}..{high:,}", value=value)
 
 
+def cached_hash(record: Any) -> int:
+    """The hash of a frozen dataclass over its fields, computed once: records are cache keys
+    hashed on every lookup."""
+    cached = record.__dict__.get("_hash")
+    if cached is None:
+        cached = hash(tuple(getattr(record, f.name) for f in dataclasses.fields(record)))
+        object.__setattr__(record, "_hash", cached)
+    return cached
+
+
 class _Record:
     """Frozen records used as cache keys: the hash is computed once."""
 
     def __hash__(self) -> int:
-        cached = self.__dict__.get("_hash")
-        if cached is None:
-            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
-            object.__setattr__(self, "_hash", cached)
-        return cached
+        return cached_hash(self)
 
     def _derive(self, key: str, value: Any) -> None:
         object.__setattr__(self, key, value)

@@ -36,6 +36,7 @@ from ckplan.model.parts import (
     RunShape,
     SpecError,
     TrainingState,
+    cached_hash,
     range_error,
 )
 from ckplan.quoting import quote
@@ -134,13 +135,7 @@ class ChainSpec(_Layers):
     profile: Profile = FUSED
 
     def __hash__(self) -> int:
-        cached = self.__dict__.get("_hash")
-        if cached is None:
-            cached = hash(
-                (self.architecture, self.shape, self.parallel, self.execution, self.profile)
-            )
-            object.__setattr__(self, "_hash", cached)
-        return cached
+        return cached_hash(self)
 
     @property
     def chain(self) -> ChainSpec:
@@ -174,11 +169,7 @@ class ModelSpec(_Layers):
         object.__setattr__(self, "_chain", chain)
 
     def __hash__(self) -> int:
-        cached = self.__dict__.get("_hash")
-        if cached is None:
-            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
-            object.__setattr__(self, "_hash", cached)
-        return cached
+        return cached_hash(self)
 
     @property
     def chain(self) -> ChainSpec:
