@@ -1,13 +1,16 @@
 """Megatron-LM's own argument rules, mirrored for the export tests (not used by ckplan).
 
-The flag definitions copy megatron/training/arguments.py (names, types, choices, actions); the
-checks copy `validate_args` and `TransformerConfig.__post_init__`
-(megatron/core/transformer/transformer_config.py), NVIDIA/Megatron-LM main. Parsing uses argparse
+The flag definitions are Megatron-LM's own, generated from megatron/training/arguments.py at a
+named release (tests/megatron_flags.py, by tests/megatron_mirror.py); the checks copy
+`validate_args` and `TransformerConfig.__post_init__` (megatron/core/transformer/
+transformer_config.py) at the same release, core_v0.15.0. Parsing uses argparse
 with `allow_abbrev=False` as Megatron does, so an unknown flag fails like it would there.
 """
 
 import argparse
 import shlex
+
+import megatron_flags
 
 
 class MegatronArgError(ValueError):
@@ -15,25 +18,8 @@ class MegatronArgError(ValueError):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(allow_abbrev=False, exit_on_error=False)
-    p.add_argument("--num-layers", type=int, default=None)
-    p.add_argument("--seq-length", type=int, default=None)
-    p.add_argument("--micro-batch-size", type=int, default=None)
-    p.add_argument("--global-batch-size", type=int, default=None)
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--context-parallel-size", type=int, default=1)
-    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    p.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--use-distributed-optimizer", action="store_true")
-    p.add_argument("--recompute-activations", action="store_true")
-    p.add_argument("--recompute-granularity", type=str, default=None, choices=["full", "selective"])
-    p.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"])
-    p.add_argument("--recompute-num-layers", type=int, default=None)
-    p.add_argument("--recompute-modules", nargs="*", type=str, default=None)
-    p.add_argument("--distribute-saved-activations", action="store_true")
-    return p
+    """Megatron-LM's own flags at a named release (tests/megatron_flags.py, generated)."""
+    return megatron_flags.parser()
 
 
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe")
