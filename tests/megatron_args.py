@@ -58,18 +58,55 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         args.global_batch_size % (args.micro_batch_size * args.data_parallel_size) == 0,
         "global batch size is not divisible by micro batch size times data parallel size",
     )
+    # validate_args at core_v0.15.0: virtual stages, uneven stages, the embedding and loss
+    # counted as layers
+    layers = args.num_layers + args.account_for_embedding_in_pipeline_split
+    layers += args.account_for_loss_in_pipeline_split
+    uneven = (
+        args.decoder_first_pipeline_num_layers is not None
+        or args.decoder_last_pipeline_num_layers is not None
+    )
     args.virtual_pipeline_model_parallel_size = None
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        check(args.num_layers % pp == 0, "number of layers must be divisible by pp")
-        per_stage = args.num_layers // pp
+    if args.num_virtual_stages_per_pipeline_rank is not None:
+        vpp = args.num_virtual_stages_per_pipeline_rank
+        args.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
+    elif args.num_layers_per_virtual_pipeline_stage is not None:
+        check(
+            not uneven,
+            "please use --num-virtual-stages-per-pipeline-rank to specify virtual pipeline "
+            "parallel degree when enable uneven pipeline parallelism",
+        )
+        check(layers % pp == 0, "number of layers of the model must be divisible by pp")
+        per_stage = layers // pp
         check(
             per_stage % args.num_layers_per_virtual_pipeline_stage == 0,
             "number of layers per pipeline stage must be divisible by layers per virtual stage",
         )
         vpp = per_stage // args.num_layers_per_virtual_pipeline_stage
         args.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
-    else:
-        check(args.num_layers % pp == 0, "Number of layers should be divisible by pp")
+    elif not uneven:
+        check(layers % pp == 0, "Number of layers should be divisible by the pp size")
+    if uneven:  # TransformerConfig: the rest split evenly over the middle stages
+        first = args.decoder_first_pipeline_num_layers or 0
+        last = args.decoder_last_pipeline_num_layers or 0
+        middle = pp - (first > 0) - (last > 0)
+        rest = args.num_layers - first - last
+        even = rest == 0 if middle == 0 else rest % middle == 0
+        check(rest >= 0 and even, "the layers left for the middle stages must split evenly")
+    if args.overlap_param_gather:
+        check(
+            args.use_distributed_optimizer or args.use_megatron_fsdp,
+            "--overlap-param-gather only supported with distributed optimizer or megatron fsdp",
+        )
+        check(
+            args.overlap_grad_reduce, "Must use --overlap-param-gather with --overlap-grad-reduce"
+        )
+    if args.position_embedding_type == "learned_absolute" or args.max_position_embeddings:
+        check(
+            args.max_position_embeddings is not None
+            and args.max_position_embeddings >= args.seq_length,
+            "max_position_embeddings must be greater than or equal to seq_length",
+        )
     if args.virtual_pipeline_model_parallel_size is not None:
         if args.overlap_p2p_comm:
             check(pp > 1, "interleaved schedule needs pipeline-model-parallel size > 1")

@@ -143,3 +143,20 @@ def test_estimate_with_budget(cli):
 def test_version(cli):
     code, out, _ = cli("--version")
     assert code == 0 and out.strip() == "ckplan 0.1.0"
+
+
+# ---- integer options read as Typer reads them, with or without its pydantic adapter -------
+
+
+@pytest.mark.parametrize("text", ["4096", "0004096", " 4096", "4_096", "+4096"])
+def test_integer_options_read_as_typer_reads_them(cli, text):
+    code, out, err = cli("estimate", "gpt2", "--seq", text, "--json")
+    assert code == 0, err
+    assert json.loads(out)["model"]["seq"] == 4096
+
+
+@pytest.mark.parametrize("text", ["4k", "1e3", "٤٠٩٦", ""])
+def test_integer_options_refuse_as_typer_does(cli, text):
+    code, out, err = cli("estimate", "gpt2", "--seq", text)
+    assert code == 2 and out == ""
+    assert "'--seq'" in err

@@ -10,6 +10,7 @@ from megatron_args import MegatronArgError, parse, validate
 from ckplan import exports
 from ckplan.exports import deepspeed, megatron, torchtitan
 from ckplan.exports.segments import LayerSegments, layer_segments, schedule_segments
+from ckplan.model.layers import parse_layer_set
 from ckplan.model.spec import spec_from_mapping
 from ckplan.plan import evaluate, parse_strategy
 from ckplan.plan.search import activation_budget, candidate_strategies
@@ -131,7 +132,9 @@ def test_uniform_with_virtual_stages_needs_k_to_divide_the_chunk(spec_of):
 
 
 def test_megatron_refuses_layouts_it_has_no_flag_for(spec_of):
-    assert "zero=3" in exports.why_not(plan_of(spec_of("gpt2", zero=3, dp=8), "none"), "megatron")
+    sharded = spec_of("gpt2", zero=3, dp=8, pp=2, framework="torchtitan")
+    assert "Megatron-FSDP" in exports.why_not(plan_of(sharded, "none"), "megatron")
+    assert "geglu" in exports.why_not(plan_of(spec_of("gemma2-9b"), "none"), "megatron")
     odd = spec_of("gpt2", seq=1026, cp=2)  # a multiple of cp, not of 2·cp
     assert "2·cp" in exports.why_not(plan_of(odd, "none"), "megatron")
 
@@ -343,3 +346,64 @@ def test_moe_plans_megatron_cannot_express_are_refused(spec_of, name, part):
         exports.export(plan_of(spec, name), "megatron")
     with pytest.raises(exports.ExportError, match="MoE layers"):
         exports.export(plan_of(spec, "moe"), "torch")
+
+
+# ---- the whole model in Megatron-LM's flags, read back by its own parser -------------------
+
+MEGATRON_MODELS = [
+    ("llama3-8b", {"tp": 2, "sp": True, "dp": 4, "zero": 1, "dp_comm_overlap": True}),
+    ("llama3-70b", {"tp": 8, "pp": 4, "sp": True, "virtual_stages": 5, "microbatches": 16}),
+    (
+        "llama3-405b",
+        {
+            "tp": 8,
+            "pp": 16,
+            "sp": True,
+            "microbatches": 16,
+            "virtual_stages": 2,
+            "account_for_embedding_in_pipeline_split": True,
+            "account_for_loss_in_pipeline_split": True,
+        },
+    ),
+    ("deepseek-v3", {"ep": 64, "dp": 128, "pp": 16, "first_stage_layers": 1, "zero": 1}),
+    ("mixtral-8x7b", {"tp": 2, "sp": True, "ep": 8, "dp": 8, "precision": "fp8"}),
+    ("qwen3-30b-a3b", {"ep": 8, "dp": 8, "zero": 2}),
+    ("megatron-175b", {}),
+    ("gpt2", {"dp": 8, "zero": 3}),
+]
+
+
+@pytest.mark.parametrize(("name", "layout"), MEGATRON_MODELS, ids=[m for m, _ in MEGATRON_MODELS])
+def test_megatron_flags_describe_the_whole_model(spec_of, name, layout):
+    """Every flag is Megatron-LM's own (core_v0.15.0's parser), validate_args accepts them, and
+    they read back into the same model, layout and precision."""
+    spec = spec_of(name, **layout)
+    plan = plan_of(spec, "selective")
+    text = exports.export(plan, "megatron").text
+    gpus = spec.tp * spec.pp * spec.cp * spec.dp
+    args = validate(parse(text, gpus))
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (
+        spec.layers, spec.hidden, spec.heads,
+    )  # fmt: skip
+    assert args.ffn_hidden_size == spec.ffn_hidden and args.seq_length == spec.seq
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    assert groups == spec.kv_heads
+    assert args.normalization == ("RMSNorm" if spec.norm == "rmsnorm" else "LayerNorm")
+    assert args.swiglu == (spec.mlp == "swiglu")
+    assert args.untie_embeddings_and_output_weights == (not spec.tied_embeddings)
+    assert args.data_parallel_size == spec.dp
+    assert args.use_distributed_optimizer == (spec.zero == 1)
+    assert args.bf16 and (args.fp8 == "hybrid") == (spec.precision == "fp8")
+    assert args.decoder_first_pipeline_num_layers == spec.first_stage_layers
+    assert (args.virtual_pipeline_model_parallel_size or 1) == spec.virtual_stages
+    if spec.experts:
+        pattern = eval(args.moe_layer_freq)  # Megatron's moe_freq_type evaluates it so
+        moe = [i for i, flag in enumerate(pattern) if flag]
+        assert len(pattern) == spec.layers and moe == sorted(
+            parse_layer_set(spec.moe_layers, spec.layers)
+        )
+        assert (args.num_experts, args.moe_router_topk) == (spec.experts, spec.top_k)
+        assert args.expert_model_parallel_size == spec.ep
+    if spec.mla:
+        assert args.multi_latent_attention and args.kv_lora_rank == spec.kv_lora_rank
+    assert megatron.strategy_from_flags(megatron.parse_flags(text)) == "selective"

@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from ckplan import __version__
+from ckplan.cli import coercion
 from ckplan.cli.errors import (
     EXIT_BAD_INPUT,
     EXIT_BROKEN_PIPE,
@@ -23,6 +24,9 @@ from ckplan.cli.errors import (
 )
 from ckplan.cli.output import ReaderGone, print_view, silence_stdout, tolerant_streams
 from ckplan.quoting import quote
+
+# Typer's per-option pydantic adapters, built only for values that need them (start-up time)
+coercion.install()
 
 app = typer.Typer(
     name="ckplan",

@@ -21,15 +21,32 @@ megatron/core/transformer/transformer_config.py, NVIDIA/Megatron-LM main):
   seq-length a multiple of 2·cp; `--num-layers-per-virtual-pipeline-stage` must divide the layers
   per pipeline stage and needs pp > 1 (pp > 2 with `--no-overlap-p2p-communication`).
 - `--use-distributed-optimizer` shards fp32 master weights and Adam states over data parallel,
-  6 + 12/dp bytes per parameter (docs/source/distrib_optimizer.md): ckplan's `zero: 1`.
-  The data-parallel size is world size / (tp·pp·cp): no flag.
+  6 + 12/dp bytes per parameter (docs/source/distrib_optimizer.md): ckplan's `zero: 1`; zero 2
+  and 3 are Megatron-FSDP (`--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads`
+  or `optim_grads_params`). The data-parallel size is world size / (tp·pp·cp): no flag.
+- The model: `--hidden-size`, `--ffn-hidden-size`, `--num-attention-heads`,
+  `--group-query-attention --num-query-groups`, `--kv-channels` (a·d ≠ h), `--normalization`,
+  `--swiglu`, `--position-embedding-type`, `--disable-bias-linear`, `--add-qkv-bias`,
+  `--qk-layernorm`, `--untie-embeddings-and-output-weights`, dropouts, `--window-size`; MoE
+  (`--num-experts`, `--moe-router-topk`, `--moe-ffn-hidden-size`, `--moe-layer-freq` as a
+  pattern such as `[0]*3+[1]*58`, shared experts, expert bias, capacity,
+  `--expert-model-parallel-size`, `--expert-tensor-parallel-size`), MLA
+  (`--multi-latent-attention` and its ranks and head dims); uneven stages
+  (`--decoder-first/last-pipeline-num-layers`, with `--num-virtual-stages-per-pipeline-rank`
+  when interleaved, which validate_args requires), the
+  embedding or loss counted as a layer; `--bf16`/`--fp16`, `--fp8-format hybrid`; the
+  attention backend; `--overlap-grad-reduce`/`--overlap-param-gather`, `--tp-comm-overlap`.
+  The vocabulary comes from the tokenizer, so it is a note, not a flag.
 """
 
 from __future__ import annotations
 
+import re
 import shlex
+from itertools import groupby
 
 from ckplan.exports.segments import LayerSegments
+from ckplan.model.layers import parse_layer_set
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 
@@ -40,11 +57,13 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
     """Why Megatron-LM cannot run these layer segments on this layout (None: it can)."""
     if spec.kind != "transformer":
         return f"Megatron-LM trains transformers, not model kind {spec.kind!r}"
-    if spec.zero > 1:
+    if spec.zero > 1 and spec.pp > 1:
         return (
-            f"zero={spec.zero}: Megatron-LM's --use-distributed-optimizer shards optimizer "
-            "states only (zero=1)"
+            f"zero={spec.zero} with pp {spec.pp}: Megatron-LM shards gradients and weights "
+            "through Megatron-FSDP, which ckplan runs without pipeline parallelism"
         )
+    if spec.kind == "transformer" and (why := _architecture_reason(spec)):
+        return why
     if spec.cp > 1 and spec.seq % (2 * spec.cp):
         return f"seq {spec.seq}: Megatron-LM needs a multiple of 2·cp = {2 * spec.cp}"
     if spec.virtual_stages > 1 and spec.pp == 1:
@@ -97,6 +116,29 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
     )
 
 
+def _architecture_reason(spec: ModelSpec) -> str | None:
+    """What of the model's architecture no Megatron-LM flag (core_v0.15.0) expresses."""
+    if spec.mlp == "geglu":
+        return "mlp geglu: Megatron-LM's gated MLP is SwiGLU (--swiglu); it has no GeGLU flag"
+    if spec.post_norms:
+        return "post_norms: Megatron-LM's GPT layer has no norms after attention and the MLP"
+    if spec.parallel_residual:
+        return "parallel_residual: Megatron-LM's GPT layer runs attention and the MLP in sequence"
+    if spec.shared_expert_gate:
+        return "shared_expert_gate: Megatron-LM's shared experts have no gate flag"
+    if spec.sliding_window and spec.sliding_window_layers != "all":
+        return (
+            "sliding windows on some layers: --window-size applies to every layer (its "
+            "--window-attn-skip-freq pattern is not written by ckplan)"
+        )
+    if spec.precision == "float8":
+        return (
+            "precision float8 (torchao): Megatron-LM runs FP8 through Transformer Engine, "
+            "precision fp8"
+        )
+    return None
+
+
 def _describe(layers: LayerSegments) -> str:
     parts = [f"{start}-{end - 1}" for start, end in layers.recomputed]
     shown = ", ".join(parts[:4]) + (", ..." if len(parts) > 4 else "")
@@ -115,13 +157,30 @@ def flags(plan: Plan, layers: LayerSegments, recompute_modules: bool = True) -> 
         ["--pipeline-model-parallel-size", str(spec.pp)],
         ["--context-parallel-size", str(spec.cp)],
     ]
+    uneven = spec.first_stage_layers is not None or spec.last_stage_layers is not None
+    if spec.first_stage_layers is not None:
+        out.append(["--decoder-first-pipeline-num-layers", str(spec.first_stage_layers)])
+    if spec.last_stage_layers is not None:
+        out.append(["--decoder-last-pipeline-num-layers", str(spec.last_stage_layers)])
+    if spec.account_for_embedding_in_pipeline_split:
+        out.append(["--account-for-embedding-in-pipeline-split"])
+    if spec.account_for_loss_in_pipeline_split:
+        out.append(["--account-for-loss-in-pipeline-split"])
     if spec.virtual_stages > 1:
-        chunk = spec.layers_per_stage // spec.virtual_stages
-        out.append(["--num-layers-per-virtual-pipeline-stage", str(chunk)])
+        if uneven or _accounted(spec):
+            out.append(["--num-virtual-stages-per-pipeline-rank", str(spec.virtual_stages)])
+        else:
+            chunk = spec.layers_per_stage // spec.virtual_stages
+            out.append(["--num-layers-per-virtual-pipeline-stage", str(chunk)])
     if spec.sp:
         out.append(["--sequence-parallel"])
     if spec.zero == 1:
         out.append(["--use-distributed-optimizer"])
+    elif spec.zero > 1:
+        strategy = "optim_grads" if spec.zero == 2 else "optim_grads_params"
+        out += [["--use-megatron-fsdp"], ["--data-parallel-sharding-strategy", strategy]]
+    if spec.kind == "transformer":
+        out += model_flags(spec)
     if layers.selective or layers.moe:
         modules = (["core_attn"] if layers.selective else []) + ([layers.moe] if layers.moe else [])
         out.append(["--recompute-granularity", "selective"])
@@ -142,9 +201,121 @@ def flags(plan: Plan, layers: LayerSegments, recompute_modules: bool = True) -> 
     return out
 
 
+def _accounted(spec: ModelSpec) -> bool:
+    return spec.account_for_embedding_in_pipeline_split or spec.account_for_loss_in_pipeline_split
+
+
+ATTENTION_BACKENDS = {"flash2": "flash", "flash3": "flash", "cudnn": "fused"}
+
+
+def model_flags(spec: ModelSpec) -> list[list[str]]:
+    """The model, its precision and the runtime switches, as Megatron-LM's flags (module
+    docstring)."""
+    out = [
+        ["--hidden-size", str(spec.hidden)],
+        ["--ffn-hidden-size", str(spec.ffn_hidden)],
+        ["--num-attention-heads", str(spec.heads)],
+    ]
+    if spec.kv_heads != spec.heads:
+        out += [["--group-query-attention"], ["--num-query-groups", str(spec.kv_heads)]]
+    if spec.head_dim * spec.heads != spec.hidden:
+        out.append(["--kv-channels", str(spec.head_dim)])
+    out.append(["--max-position-embeddings", str(spec.seq)])
+    positions = "rope" if spec.positions == "rope" else "learned_absolute"
+    out.append(["--position-embedding-type", positions])
+    out.append(["--normalization", "RMSNorm" if spec.norm == "rmsnorm" else "LayerNorm"])
+    if spec.mlp == "swiglu":
+        out.append(["--swiglu"])
+    if not spec.bias:
+        out.append(["--disable-bias-linear"])
+        if spec.qkv_bias:
+            out.append(["--add-qkv-bias"])
+    if spec.qk_norm:
+        out.append(["--qk-layernorm"])
+    if not spec.tied_embeddings:
+        out.append(["--untie-embeddings-and-output-weights"])
+    dropout = f"{spec.dropout:g}"
+    out += [["--attention-dropout", dropout], ["--hidden-dropout", dropout]]
+    if spec.sliding_window:
+        out.append(["--window-size", f"{spec.sliding_window},0"])  # tuple_type reads "W,0"
+    if spec.mla:
+        out.append(["--multi-latent-attention"])
+        if spec.q_lora_rank:
+            out.append(["--q-lora-rank", str(spec.q_lora_rank)])
+        out += [
+            ["--kv-lora-rank", str(spec.kv_lora_rank)],
+            ["--qk-head-dim", str(spec.qk_nope_head_dim)],
+            ["--qk-pos-emb-head-dim", str(spec.qk_rope_head_dim)],
+            ["--v-head-dim", str(spec.v_head_dim)],
+        ]
+    if spec.experts:
+        out += _moe_flags(spec)
+    out += _precision_flags(spec)
+    if spec.attention == "standard":
+        out.append(["--attention-backend", "unfused"])
+    else:
+        out.append(["--attention-backend", ATTENTION_BACKENDS.get(spec.attention_kernel, "auto")])
+    if spec.dp_comm_overlap and spec.dp > 1:
+        out.append(["--overlap-grad-reduce"])
+        if spec.zero == 1:
+            out.append(["--overlap-param-gather"])
+    if spec.tp_comm_overlap and spec.sp:
+        out.append(["--tp-comm-overlap"])
+    return out
+
+
+def _moe_flags(spec: ModelSpec) -> list[list[str]]:
+    out = [
+        ["--num-experts", str(spec.experts)],
+        ["--moe-router-topk", str(spec.top_k)],
+        ["--moe-ffn-hidden-size", str(spec.moe_ffn_hidden)],
+        ["--moe-layer-freq", moe_layer_pattern(spec)],
+        ["--moe-grouped-gemm"],
+        ["--expert-model-parallel-size", str(spec.ep)],
+        ["--expert-tensor-parallel-size", str(spec.etp)],
+    ]
+    if spec.shared_experts:
+        out.append(["--moe-shared-expert-intermediate-size", str(spec.shared_ffn_hidden)])
+    if spec.expert_bias:
+        out.append(["--moe-router-enable-expert-bias"])
+    if spec.capacity_factor:
+        out += [
+            ["--moe-expert-capacity-factor", f"{spec.capacity_factor:g}"],
+            ["--moe-pad-expert-input-to-capacity"],
+        ]
+    return out
+
+
+def moe_layer_pattern(spec: ModelSpec) -> str:
+    """The MoE layers as Megatron-LM's `--moe-layer-freq` list expression (its moe_freq_type
+    evaluates any text with a `[`), run-length coded and without parentheses, so that a shell
+    reads it bare: DeepSeek-V3's three dense layers first are "[0]*3+[1]*58"."""
+    moe = parse_layer_set(spec.moe_layers, spec.layers)
+    flags = [1 if layer in moe else 0 for layer in range(spec.layers)]
+    runs = [(flag, len(list(group))) for flag, group in groupby(flags)]
+    return "+".join(f"[{flag}]*{count}" for flag, count in runs)
+
+
+def _precision_flags(spec: ModelSpec) -> list[list[str]]:
+    if spec.precision == "fp16":
+        return [["--fp16"]]
+    if spec.precision == "fp8":
+        return [["--bf16"], ["--fp8-format", "hybrid"]]
+    return [["--bf16"]]
+
+
 def render(plan: Plan, layers: LayerSegments, recompute_modules: bool = True) -> str:
     """One flag per line (`$(ckplan export ...)` splits them into words)."""
-    return "\n".join(shlex.join(flag) for flag in flags(plan, layers, recompute_modules)) + "\n"
+    lines = (" ".join(map(_word, flag)) for flag in flags(plan, layers, recompute_modules))
+    return "\n".join(lines) + "\n"
+
+
+def _word(word: str) -> str:
+    """A word as the shell reads it both ways it is used: pasted into a script, and unquoted
+    from `$(ckplan export ...)`, which splits on blanks but removes no quotes. So a word is
+    quoted only where it must be (a blank, a quote or a shell operator in it); `--moe-layer-freq`'s
+    pattern `[0]*3+[1]*58` stays bare: as a glob it matches no file, so the shell keeps it."""
+    return shlex.quote(word) if re.search(r"[\s'\"\\$`;&|<>()]", word) else word
 
 
 def notes(plan: Plan, layers: LayerSegments) -> list[str]:
@@ -156,6 +327,15 @@ def notes(plan: Plan, layers: LayerSegments) -> list[str]:
     ]
     if layers.stores_all and not layers.selective and not layers.moe:
         lines.append("no recompute flags: the plan stores every activation")
+    if spec.kind == "transformer" and spec.vocab:
+        lines.append(
+            f"vocabulary {spec.vocab:,}: set by your tokenizer (--tokenizer-type ...); "
+            "Megatron-LM pads it to a multiple of --make-vocab-size-divisible-by (128) x tp"
+        )
+    if spec.framework != "megatron":
+        lines.append(
+            f"the model names framework {spec.framework}; these are Megatron-LM's flags for it"
+        )
     return lines
 
 
