@@ -65,3 +65,15 @@ def test_check_advises_each_model_that_does_not_fit(capsys):
     code = main(["check", "gpt2", "llama3-70b", "--budget", "80GB"])
     out = " ".join(capsys.readouterr().out.split())
     assert "llama3-70b: from its layout, --set" in out
+
+
+def test_a_chunked_loss_is_a_lever_on_the_same_gpus(spec_of):
+    """Llama-3-8B's 128k vocabulary: the eager loss holds fp32 logits of the whole vocabulary;
+    computing the loss in chunks fits without more GPUs, and is offered first."""
+    spec = spec_of("llama3-8b", framework="torchtitan", dp=8, zero=3)
+    usable = least_bytes(spec) - 2 * 2**30  # two GiB short with every layer recomputed
+    first = advise(spec, usable)[0]
+    assert first.keys == {"loss": "chunked:4"} and first.fits and first.gpus_factor == 1
+    chunked = spec.replace(loss="chunked:4")
+    assert least_bytes(chunked) <= usable < least_bytes(spec)
+    assert all("loss" not in a.keys for a in advise(chunked, least_bytes(chunked) - 1))

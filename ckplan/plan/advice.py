@@ -20,6 +20,7 @@ from ckplan.units import format_bytes_auto
 
 MAX_STEPS = 8  # doublings tried per lever (x256)
 GPUS_PER_NODE = 8  # tp stays within a node when no GPU is given
+LOSS_CHUNKS = (4, 8, 16, 32)  # chunk counts the loss lever tries, fewest first
 
 
 @dataclass(frozen=True)
@@ -102,12 +103,19 @@ def _levers(spec: ModelSpec, gpus_per_node: int):
     cp = [
         {"cp": c} for c in (spec.cp * 2**k for k in range(1, MAX_STEPS)) if spec.seq % (2 * c) == 0
     ]
+    # the loss computed in chunks (torchtitan's chunked loss, Liger-Kernel's fused linear
+    # cross-entropy): no logits of the whole vocabulary held, on the same GPUs
+    loss = (
+        [{"loss": f"chunked:{n}"} for n in LOSS_CHUNKS]
+        if spec.vocab and not spec.loss.startswith("chunked")
+        else []
+    )
     micro_batch = [
         {"micro_batch": b}
         for b in sorted({spec.micro_batch // 2**k for k in range(1, MAX_STEPS)}, reverse=True)
         if b >= 1 and spec.micro_batch % b == 0
     ]
-    return [zero, tp, pp, dp, cp, micro_batch]
+    return [zero, loss, tp, pp, dp, cp, micro_batch]
 
 
 def advise(spec: ModelSpec, usable_bytes: int, gpus_per_node: int = GPUS_PER_NODE) -> list[Advice]:
