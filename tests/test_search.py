@@ -167,3 +167,34 @@ def test_schedule_cli(cli):
     assert kinds.count("forward_keep_input") == 3 and kinds.count("backward") == 14
     code, _, err = cli("schedule", "gpt2", "--budget", "4GB")
     assert code == 1 and "no auto schedule fits" in err
+
+
+def test_longest_seq_fits_and_one_granule_more_does_not(spec_of):
+    """--seq auto: the longest sequence (in SEQ_GRANULE steps) whose plan fits, per strategy;
+    memory grows with s, so one step more is over."""
+    from ckplan.plan.search import SEQ_GRANULE, longest_seq
+
+    spec = spec_of("gpt2", micro_batch=4)
+    usable = 6 * 2**30
+    for name in ("none", "full", "selective"):
+        strategy = parse_strategy(name, spec)
+        tokens = longest_seq(spec, strategy, usable)
+        assert tokens % SEQ_GRANULE == 0 and tokens > 0
+        fitting = evaluate(spec.replace(seq=tokens), strategy).reserved_bytes
+        over = evaluate(spec.replace(seq=tokens + SEQ_GRANULE), strategy).reserved_bytes
+        assert fitting <= usable < over
+    assert longest_seq(spec, parse_strategy("none", spec), 2**20) == 0
+
+
+def test_sweep_seq_auto_in_json(cli):
+    code, out, err = cli("sweep", "gpt2", "--budget", "8GB", "--seq", "auto", "--json")
+    assert code == 0, err
+    seqs = json.loads(out)["max_seq"]
+    assert seqs["full"] > seqs["none"] > 0
+
+
+def test_sweep_seq_auto_when_nothing_fits(cli):
+    code, out, _ = cli("sweep", "llama3-70b", "--budget", "8GB", "--seq", "auto", "--json")
+    data = json.loads(out)
+    assert code == 1 and data["best"] is None
+    assert set(data["max_seq"].values()) == {0}

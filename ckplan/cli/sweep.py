@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 import typer
@@ -24,7 +25,6 @@ from ckplan.cli.options import (
     ProfileOpt,
     QuietOpt,
     ReserveOpt,
-    SeqOpt,
     SetOpt,
     SlotsOpt,
 )
@@ -58,7 +58,13 @@ def sweep(
     formula: FormulaOpt = "derived",
     slots: SlotsOpt = DEFAULT_SLOTS,
     settings: SetOpt = None,
-    seq: SeqOpt = None,
+    seq: Annotated[
+        str | None,
+        typer.Option(
+            "--seq",
+            help="Shortcut for --set seq=N; 'auto': also the longest sequence per strategy.",
+        ),
+    ] = None,
     batch: BatchOpt = None,
     layers: LayersOpt = None,
     moe_imbalance: MoeImbalanceOpt = None,
@@ -72,8 +78,10 @@ def sweep(
     fastest with --gpu)."""
     with user_errors():
         fmt, mfu_convention = output_options(fmt, as_json, mfu_convention, plot)
+        seq_auto = seq == "auto"
+        tokens = None if seq_auto else seq_tokens(seq)
         run = resolve(
-            model, settings=settings, seq=seq, batch=batch, layers=layers,
+            model, settings=settings, seq=tokens, batch=batch, layers=layers,
             moe_imbalance=moe_imbalance, profile=profile, gpu=gpu, budget=budget,
             reserve=reserve, need_budget=True,
         )  # fmt: skip
@@ -93,24 +101,52 @@ def sweep(
             result = search.sweep(spec, total, kept, formula, slots, device, rank, progress=report)
         result = sweep_in_convention(result, mfu_convention)
         micro_batches = _micro_batches(spec, result) if micro_batch == "auto" else None
+        seqs = _longest_seqs(spec, result) if seq_auto else None
         if plot is not None:
             plots().sweep_plot(result, budget_text, plot)
     if fmt == "json":
-        print_json(render.sweep_dict(result, micro_batches))
+        print_json(render.sweep_dict(result, micro_batches, seqs))
     elif fmt in ("csv", "markdown"):
         from ckplan.render.row_models import sweep_rows
 
         print_rows(sweep_rows(result, budget_text, show_all), fmt)
     else:
-        print_view(render.sweep_view(result, budget_text, show_all, micro_batches))
+        print_view(render.sweep_view(result, budget_text, show_all, micro_batches, seqs))
     raise typer.Exit(EXIT_OK if result.best else EXIT_DOES_NOT_FIT)
 
 
-def _micro_batches(spec: ModelSpec, result: search.SweepResult) -> dict[str, int]:
+def _reported_strategies(spec: ModelSpec, result: search.SweepResult) -> list[str]:
+    """The strategies `--micro-batch auto` and `--seq auto` answer for: the classic ones, the
+    least-memory segment size and the sweep's best (not `optimal`, which is solved for one
+    shape)."""
     names = ["none", "selective", "full", "sqrt", f"uniform:{result.min_memory_segment}"]
     if result.best and not result.best.plan.strategy.startswith("optimal"):
         names.append(result.best.plan.strategy)
+    return list(dict.fromkeys(names))
+
+
+def _micro_batches(spec: ModelSpec, result: search.SweepResult) -> dict[str, int]:
     return {
         name: search.largest_micro_batch(spec, parse_strategy(name, spec), result.usable_bytes)
-        for name in dict.fromkeys(names)
+        for name in _reported_strategies(spec, result)
     }
+
+
+def _longest_seqs(spec: ModelSpec, result: search.SweepResult) -> dict[str, int]:
+    return {
+        name: search.longest_seq(spec, parse_strategy(name, spec), result.usable_bytes)
+        for name in _reported_strategies(spec, result)
+    }
+
+
+def seq_tokens(text: str | None) -> int | None:
+    """--seq as a number of tokens (what Typer reads as an integer: digits, a sign, spaces or
+    underscores between digits), or None."""
+    if text is None:
+        return None
+    if not re.fullmatch(r"\s*[+-]?[0-9]+(_[0-9]+)*\s*", text):
+        raise UserError(
+            f"Invalid value for '--seq': expected a whole number of tokens or auto, got "
+            f"{quote(text)}"
+        )
+    return int(text)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ckplan.model import allocator
 from ckplan.model.memory import model_state_bytes
-from ckplan.model.spec import ModelSpec
+from ckplan.model.spec import SIZE_RANGES, ModelSpec, SpecError
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate
 from ckplan.plan.strategies import Strategy, formula_name, parse_strategy
 
@@ -304,6 +304,35 @@ def best_plan(
         return None
     plan = evaluate(spec, parsed, budget=budget, slots=slots)
     return None if plan is None else _candidate(plan, usable, gpu)
+
+
+SEQ_GRANULE = 256  # `--seq auto` answers in whole multiples of this many tokens
+
+
+def longest_seq(spec: ModelSpec, strategy: Strategy, usable_bytes: int) -> int:
+    """The longest sequence, a multiple of SEQ_GRANULE (and of 2·cp, which context parallelism
+    needs), whose plan fits (0 if not even one granule does): peak memory grows with s
+    (tests/test_properties.py), so a doubling then bisection search finds it."""
+    step = math.lcm(SEQ_GRANULE, 2 * spec.cp) if spec.cp > 1 else SEQ_GRANULE
+    limit = SIZE_RANGES["seq"][1] // step
+
+    def fits(units: int) -> bool:
+        try:
+            candidate = spec.replace(seq=units * step)
+        except SpecError:  # a length the model cannot take (a window longer, a range)
+            return False
+        return evaluate(candidate, strategy).reserved_bytes <= usable_bytes
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low * step
 
 
 def largest_micro_batch(spec: ModelSpec, strategy: Strategy, usable_bytes: int) -> int:

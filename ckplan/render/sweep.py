@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from ckplan.model.expert_layout import expert_layout
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
-from ckplan.plan.search import Candidate, SweepResult
+from ckplan.plan.search import SEQ_GRANULE, Candidate, SweepResult
 from ckplan.render.common import GIB, gib, memory_bar
 from ckplan.render.estimate import expert_layout_line, plan_dict
 from ckplan.render.fit import declare
@@ -36,7 +36,11 @@ def candidate_dict(candidate: Candidate) -> dict[str, Any]:
     }
 
 
-def sweep_dict(result: SweepResult, micro_batches: dict[str, int] | None = None) -> dict[str, Any]:
+def sweep_dict(
+    result: SweepResult,
+    micro_batches: dict[str, int] | None = None,
+    seqs: dict[str, int] | None = None,
+) -> dict[str, Any]:
     data = {
         "budget_bytes": result.budget_bytes,
         "reserve_bytes": result.reserve_bytes,
@@ -53,6 +57,8 @@ def sweep_dict(result: SweepResult, micro_batches: dict[str, int] | None = None)
     }
     if micro_batches is not None:
         data["max_micro_batch"] = micro_batches
+    if seqs is not None:
+        data["max_seq"] = seqs
     if result.best is None:
         data["advice"] = sweep_advice(result)
     return data
@@ -128,7 +134,11 @@ def _thin(rows: Sequence[Candidate], limit: int) -> list[Candidate]:
 
 
 def sweep_view(
-    result: SweepResult, budget_text: str, show_all: bool, micro_batches: dict[str, int] | None
+    result: SweepResult,
+    budget_text: str,
+    show_all: bool,
+    micro_batches: dict[str, int] | None,
+    seqs: dict[str, int] | None = None,
 ) -> Group:
     from rich.console import Group
     from rich.table import Table
@@ -185,12 +195,28 @@ def sweep_view(
             )
         )
     if micro_batches:
-        table = Table(title="Largest micro-batch that fits", title_justify="left")
+        title = "Largest micro-batch that fits"
+        table = Table(title=title, title_justify="left", min_width=len(title))
         table.add_column("strategy")
         table.add_column("micro_batch", justify="right")
         for name, size in micro_batches.items():
             table.add_row(name, str(size) if size else Text("none fits", style="red"))
         parts.append(table)
+    if seqs:
+        title = "Longest sequence that fits"
+        table = Table(title=title, title_justify="left", min_width=len(title))
+        table.add_column("strategy")
+        table.add_column("seq", justify="right")
+        for name, tokens in seqs.items():
+            table.add_row(name, f"{tokens:,}" if tokens else Text("none fits", style="red"))
+        parts.append(table)
+        parts.append(
+            Text(
+                f"(at micro-batch {spec.micro_batch}, in multiples of {SEQ_GRANULE} tokens; "
+                "the model's own position limit is not applied)",
+                style="dim",
+            )
+        )
     return Group(*parts)
 
 
