@@ -84,6 +84,12 @@ def _did_you_mean(text: str) -> str:
     squeezed = {squeeze(name): name for name in gpu_names()}
     if squeeze(text) in squeezed:
         return f"; did you mean {squeezed[squeeze(text)]!r}?"
+    # a family name (h100, a100): its presets, before any other near spelling
+    family = [
+        name for key, name in squeezed.items() if squeeze(text) and key.startswith(squeeze(text))
+    ]
+    if 0 < len(family) <= 3:
+        return "; did you mean " + " or ".join(repr(name) for name in family) + "?"
     close = difflib.get_close_matches(text.lower(), gpu_names(), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
 
