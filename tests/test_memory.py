@@ -167,3 +167,18 @@ def test_tp_beyond_kv_heads_replicates_one_kv_head(spec_of):
 def test_tp_and_kv_heads_must_divide_one_another(spec_of):
     with pytest.raises(SpecError, match="must divide one another"):
         spec_of("gpt2", kv_heads=4, tp=6)
+
+
+def test_the_loss_per_term_in_estimate_json(cli):
+    """estimate --json names the loss and what it holds; a chunked loss saves no logits."""
+    import json
+
+    terms = {}
+    for kind in ("fused", "eager", "chunked:8"):
+        code, out, _ = cli("estimate", "llama3-8b", "--set", f"loss={kind}", "--json")
+        assert code == 0
+        terms[kind] = json.loads(out)["memory"]["loss"]
+        assert terms[kind]["kind"] == kind
+    assert terms["fused"]["saved_bytes"] == terms["eager"]["saved_bytes"]
+    assert terms["eager"]["backward_peak_bytes"] > terms["fused"]["backward_peak_bytes"]
+    assert terms["chunked:8"]["saved_bytes"] < terms["fused"]["saved_bytes"] // 10

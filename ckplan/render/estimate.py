@@ -70,6 +70,8 @@ def plan_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
     if time is not None:
         data["time"] = time.to_dict()
     spec = plan.spec
+    if spec.kind == "transformer" and spec.vocab:
+        data["memory"]["loss"] = loss_terms(spec)
     if len(distinct_kinds(spec)) > 1:
         data["memory"]["layer_kinds"] = layer_kinds_list(spec)
     layout = expert_layout(spec)
@@ -336,6 +338,13 @@ def plan_summary_table(plan: Plan) -> Table:
     for component, value in plan.breakdown.items():
         table.add_row(f"  {component}", gib(value), "")
     table.add_row("activations, step peak", both_units(plan.activation_bytes), _peak_note(spec))
+    if spec.kind == "transformer" and spec.vocab:
+        terms = loss_terms(spec)
+        table.add_row(
+            f"  output + loss ({spec.loss})",
+            gib(terms["saved_bytes"]),
+            f"saved; its backward peaks at {gib(terms['backward_peak_bytes'])}",
+        )
     states = plan.model_states
     table.add_row("model states", both_units(states.total), _state_note(spec))
     table.add_row("  weights", gib(states.weights), f"{spec.weight_bytes} B/param")
@@ -380,6 +389,20 @@ def plan_summary_table(plan: Plan) -> Table:
     for note in plan.notes:
         table.add_row("note", "", note)
     return table
+
+
+def loss_terms(spec: ModelSpec) -> dict[str, Any]:
+    """The output stage (final norm, output layer, loss) as the chosen loss holds it, per term:
+    its tape, what its forward holds beyond its input, its backward's peak."""
+    from ckplan.model import loss
+
+    chain = spec.chain
+    return {
+        "kind": spec.loss,
+        "saved_bytes": loss.output_saved_bytes(chain),
+        "forward_workspace_bytes": loss.output_forward_workspace_bytes(chain),
+        "backward_peak_bytes": loss.output_backward_peak_bytes(chain),
+    }
 
 
 def _peak_note(spec: ModelSpec) -> str:
