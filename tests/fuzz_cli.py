@@ -790,7 +790,12 @@ def _generate(seed: int, index: int) -> dict:
         if rng.random() < 0.1:
             argv += ["--micro-batch", pick(rng, ["auto", "4", "", "AUTO"])]
         if rng.random() < 0.1:
+            argv += ["--seq", pick(rng, ["auto", "4096", " 512", "4k", "", "AUTO", "2_048"])]
+        if rng.random() < 0.1:
             argv.append("--all")
+    if command in ("estimate", "sweep", "check", "schedule", "plan") and rng.random() < 0.08:
+        conventions = ["full", "causal", "recompute", "6n", "6n-all", "", "palm", "FULL"]
+        argv += ["--mfu-convention", pick(rng, conventions)]
     if command in ("sweep", "check", "export") and rng.random() < 0.3:
         argv.append("--quiet")
     if command == "plan":
