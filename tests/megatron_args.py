@@ -22,7 +22,15 @@ def parser() -> argparse.ArgumentParser:
     return megatron_flags.parser()
 
 
-RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe")
+RECOMPUTE_MODULES = (
+    "core_attn",
+    "moe_act",
+    "layernorm",
+    "mla_up_proj",
+    "mlp",
+    "moe",
+    "shared_experts",
+)
 
 
 def parse(text: str, world_size: int) -> argparse.Namespace:

@@ -407,3 +407,17 @@ def test_megatron_flags_describe_the_whole_model(spec_of, name, layout):
     if spec.mla:
         assert args.multi_latent_attention and args.kv_lora_rank == spec.kv_lora_rank
     assert megatron.strategy_from_flags(megatron.parse_flags(text)) == "selective"
+
+
+def test_megatron_recompute_modules_mlp_round_trip(spec_of):
+    """selective+mlp is Megatron-Core's --recompute-modules core_attn mlp, accepted by
+    core_v0.15.0's rules and read back; the other targets refuse it with the reason."""
+    spec = spec_of("llama3-8b", tp=2, sp=True, dp=4)
+    plan = plan_of(spec, "selective+mlp")
+    text = exports.export(plan, "megatron").text
+    args = validate(parse(text, 8))
+    assert args.recompute_granularity == "selective"
+    assert args.recompute_modules == ["core_attn", "mlp"]
+    assert megatron.strategy_from_flags(megatron.parse_flags(text)) == "selective+mlp"
+    for target in ("torch", "deepspeed", "torchtitan"):
+        assert "dense MLP" in exports.why_not(plan_of(spec, "mlp"), target)

@@ -190,3 +190,32 @@ def test_pipeline_full_recompute_holds_only_inputs(spec_of):
     one = plan(spec.replace(microbatches=1), "full").activation_bytes
     assert plan(spec, "full").activation_bytes == one + (spec.pp - 1) * waiting
     assert plan(spec, "full").activation_bytes < plan(spec, "selective").activation_bytes
+
+
+# ---- the dense MLP module (Megatron-Core's --recompute-modules mlp) ------------------------
+
+
+def test_mlp_module_keeps_fc1_input_and_rebuilds_the_rest(spec_of):
+    """`mlp` stores each layer but re-runs fc1, the activation and fc2 in its backward: the
+    layer keeps fc1's input (norm2's output) instead of the MLP's tapes, and the recompute is
+    exactly the MLP's forward FLOPs of every layer and micro-batch."""
+    from ckplan.model.op import DENSE_MLP, in_group
+    from ckplan.model.ops import group_input_bytes, layer_ops
+
+    spec = spec_of("llama3-8b", layers=4)
+    none = evaluate(spec, parse_strategy("none", spec))
+    mlp = evaluate(spec, parse_strategy("mlp", spec))
+    members = [op for op in layer_ops(spec) if in_group(op, DENSE_MLP)]
+    assert [op.name for op in members] == ["fc1", "act", "fc2"]
+    assert group_input_bytes(spec.chain, DENSE_MLP) == members[0].saved_bytes
+    assert mlp.flops.recompute == spec.layers * sum(op.forward_flops for op in members)
+    assert mlp.activation_bytes < none.activation_bytes
+    both = evaluate(spec, parse_strategy("mlp+selective", spec))
+    assert both.strategy == "selective+mlp"
+    assert both.flops.recompute > mlp.flops.recompute
+
+
+def test_mlp_module_needs_dense_layers(spec_of):
+    with pytest.raises(StrategyError, match="every layer of this model is MoE"):
+        parse_strategy("mlp", spec_of("mixtral-8x7b"))
+    parse_strategy("mlp", spec_of("deepseek-v3"))  # its three dense layers

@@ -28,6 +28,11 @@ NAME = "deepspeed"
 def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
     if layers.moe:
         return f"recomputing the {layers.moe} of MoE layers: no DeepSpeed option for it yet"
+    if layers.mlp:
+        return (
+            "recomputing the dense MLP alone (Megatron-Core's mlp module): no DeepSpeed "
+            "option for it yet"
+        )
     if spec.pp > 1 and spec.zero > 1:
         return f"zero={spec.zero} with pp={spec.pp}: DeepSpeed's pipeline engine allows ZeRO 0-1"
     return None

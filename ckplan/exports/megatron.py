@@ -73,9 +73,9 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
             "recomputing only the routed expert MLPs: Megatron-LM's --recompute-modules has moe "
             "(the whole MoE layer) and moe_act (the activation), no experts-only module"
         )
-    if layers.moe and layers.recomputed:
+    if (layers.moe or layers.mlp) and layers.recomputed:
         return (
-            "MoE recomputation together with whole layers: Megatron-LM's --recompute-modules "
+            "module recomputation together with whole layers: Megatron-LM's --recompute-modules "
             "need the selective granularity, which takes no --recompute-method"
         )
     if layers.stores_all:
@@ -181,8 +181,12 @@ def flags(plan: Plan, layers: LayerSegments, recompute_modules: bool = True) -> 
         out += [["--use-megatron-fsdp"], ["--data-parallel-sharding-strategy", strategy]]
     if spec.kind == "transformer":
         out += model_flags(spec)
-    if layers.selective or layers.moe:
-        modules = (["core_attn"] if layers.selective else []) + ([layers.moe] if layers.moe else [])
+    if layers.modules:
+        modules = (
+            (["core_attn"] if layers.selective else [])
+            + (["mlp"] if layers.mlp else [])
+            + ([layers.moe] if layers.moe else [])
+        )
         out.append(["--recompute-granularity", "selective"])
         if recompute_modules:
             out.append(["--recompute-modules", *modules])
@@ -325,7 +329,7 @@ def notes(plan: Plan, layers: LayerSegments) -> list[str]:
         f"launch on {gpus} GPU{'s' if gpus > 1 else ''}: data-parallel size {spec.dp} = "
         "world size / (tp·pp·cp)",
     ]
-    if layers.stores_all and not layers.selective and not layers.moe:
+    if layers.stores_all and not layers.modules:
         lines.append("no recompute flags: the plan stores every activation")
     if spec.kind == "transformer" and spec.vocab:
         lines.append(
@@ -359,14 +363,18 @@ def parse_flags(text: str) -> dict[str, list[str]]:
 
 def strategy_from_flags(parsed: dict[str, list[str]]) -> str:
     """The ckplan strategy that Megatron-LM flags select (per pipeline stage, no interleaving
-    shift): none, selective, moe, selective+moe, uniform:K or block:N."""
+    shift): none, selective, mlp, moe and their + combinations, uniform:K or block:N."""
     granularity = parsed.get("--recompute-granularity", [None])[0]
     if granularity is None:
         return "moe" if "--moe-layer-recompute" in parsed else "none"
     if granularity == "selective":
         modules = parsed.get("--recompute-modules", ["core_attn"])
         moe = "moe" in modules or "--moe-layer-recompute" in parsed
-        names = (["selective"] if "core_attn" in modules else []) + (["moe"] if moe else [])
+        names = (
+            (["selective"] if "core_attn" in modules else [])
+            + (["mlp"] if "mlp" in modules else [])
+            + (["moe"] if moe else [])
+        )
         return "+".join(names) or "none"
     method = parsed["--recompute-method"][0]
     count = int(parsed["--recompute-num-layers"][0])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ckplan.model.op import DENSE_MLP
 from ckplan.plan import Plan
 from ckplan.schedules import (
     BACKWARD,
@@ -30,13 +31,19 @@ LAYER_PREFIX = "layer "
 class LayerSegments:
     """The layers of one pipeline stage as half-open `(start, end, recompute)` ranges over
     0..layers-1 (indices within the stage), whether the attention core is recomputed on top
-    (selective), and which MoE group is (`moe`: the whole MoE block, `experts`: the routed
-    expert MLPs; None)."""
+    (selective), whether the dense MLP is (`mlp`), and which MoE group is (`moe`: the whole MoE
+    block, `experts`: the routed expert MLPs; None)."""
 
     layers: int
     segments: tuple[tuple[int, int, bool], ...]
     selective: bool
     moe: str | None = None
+    mlp: bool = False
+
+    @property
+    def modules(self) -> bool:
+        """Whether a module of the layer (attention core, MLP, MoE) is recomputed on top."""
+        return self.selective or self.mlp or self.moe is not None
 
     @property
     def recomputed(self) -> tuple[tuple[int, int], ...]:
@@ -144,4 +151,6 @@ def layer_segments(plan: Plan) -> LayerSegments | str:
             merged[-1] = (merged[-1][0], end, False)
         else:
             merged.append((start, end, recompute))
-    return LayerSegments(layers, tuple(merged), selective, moe_group)
+    return LayerSegments(
+        layers, tuple(merged), selective, moe_group, DENSE_MLP in plan.recompute_groups
+    )

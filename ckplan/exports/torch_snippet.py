@@ -76,6 +76,11 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
     """PyTorch wraps any one-level segments: nothing to refuse."""
     if layers.moe:
         return f"recomputing the {layers.moe} of MoE layers: no PyTorch snippet option for it yet"
+    if layers.mlp:
+        return (
+            "recomputing the dense MLP alone (Megatron-Core's mlp module): no PyTorch snippet "
+            "option for it yet"
+        )
     return None
 
 

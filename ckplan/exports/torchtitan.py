@@ -25,6 +25,11 @@ NAME = "torchtitan"
 def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
     if layers.moe:
         return f"recomputing the {layers.moe} of MoE layers: no torchtitan option for it yet"
+    if layers.mlp:
+        return (
+            "recomputing the dense MLP alone (Megatron-Core's mlp module): no torchtitan "
+            "option for it yet"
+        )
     if spec.kind != "transformer":
         return f"torchtitan trains transformers, not model kind {spec.kind!r}"
     if layers.selective:

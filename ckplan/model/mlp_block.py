@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from ckplan.model.op import LayerShapes, Op, make_op, matmul_flops
+from ckplan.model.op import DENSE_MLP, LayerShapes, Op, make_op, matmul_flops
 from ckplan.model.spec import ChainSpec
 
 
 def dense_mlp_ops(spec: ChainSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
-    """fc1, its activation and fc2 of a dense MLP (or of shared experts: `moe.py`)."""
-    return mlp_block_ops(spec, shapes, spec.ffn_hidden, out_grad, prefix="")
+    """fc1, its activation and fc2 of a dense MLP (or of shared experts: `moe.py`), in the
+    DENSE_MLP recompute group."""
+    return mlp_block_ops(spec, shapes, spec.ffn_hidden, out_grad, prefix="", group=DENSE_MLP)
 
 
 def mlp_block_ops(

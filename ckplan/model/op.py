@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from ckplan.model.spec import ChainSpec
 
 ATTENTION_CORE = "attention_core"
+# recompute group: a dense layer's MLP (fc1, its activation, fc2), Megatron-Core's
+# --recompute-modules mlp
+DENSE_MLP = "mlp"
 FP32_BYTES = 4
 MASK_BYTES = 1  # a dropout mask value
 

@@ -23,6 +23,7 @@ from ckplan.model.mlp_block import dense_mlp_ops
 from ckplan.model.moe import EXPERTS, MOE, experts_input_bytes, moe_ops
 from ckplan.model.op import (
     ATTENTION_CORE,
+    DENSE_MLP,
     FP32_BYTES,
     MASK_BYTES,
     LayerShapes,
@@ -355,9 +356,9 @@ def group_input_bytes(spec: ChainSpec, group: str, kind: LayerKind | None = None
     The attention core (Korthikanti §5, selective recomputation) is recomputed from Q, K and V
     as the projections produced them: K and V at g heads, before any repeat to a heads. The MoE
     block (Megatron's --moe-layer-recompute, `tensor_parallel.checkpoint(custom_forward,
-    hidden_states)`) from norm2's output; the expert MLPs from their dispatched tokens and
-    routing probabilities (`moe.experts_input_bytes`). A group the layer does not have keeps
-    nothing.
+    hidden_states)`) and the dense MLP (`--recompute-modules mlp`) from norm2's output; the
+    expert MLPs from their dispatched tokens and routing probabilities
+    (`moe.experts_input_bytes`). A group the layer does not have keeps nothing.
     """
     if spec.kind == "mlp":
         return 0
@@ -371,6 +372,8 @@ def group_input_bytes(spec: ChainSpec, group: str, kind: LayerKind | None = None
         else:
             width = (heads_r + 2 * kv_heads_per_rank(spec)) * spec.head_dim
         return spec.dtype_bytes * shapes.tokens * width
+    if group == DENSE_MLP:  # fc1's input, norm2's output, as fc1 saves it
+        return 0 if kind.moe else spec.dtype_bytes * shapes.stream
     if not kind.moe:
         return 0
     if group == MOE:

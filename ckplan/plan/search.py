@@ -15,7 +15,7 @@ from ckplan.model import allocator
 from ckplan.model.memory import model_state_bytes
 from ckplan.model.spec import SIZE_RANGES, ModelSpec, SpecError
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate
-from ckplan.plan.strategies import Strategy, formula_name, parse_strategy
+from ckplan.plan.strategies import Strategy, formula_name, has_dense_layers, parse_strategy
 
 if TYPE_CHECKING:
     from ckplan.hardware.gpus import GPU
@@ -71,7 +71,8 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
     uniform:K and sequential:K for K in 1..L, block:N for N in 0..L (sampled beyond 128 layers
     per stage, see `_sizes`), each also with selective
     recomputation, sqrt, and revolve:C for C up to ceil(sqrt(L)) + 1 checkpoint slots: the
-    binomial schedules reach below one stored input per segment (Griewank & Walther 2000).
+    binomial schedules reach below one stored input per segment (Griewank & Walther 2000);
+    the dense MLP module (`mlp`, `selective+mlp`) where the model has dense layers.
     """
     layers = spec.layers_per_stage
     names = ["none", "selective", "full", "sqrt"]
@@ -81,6 +82,9 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
     for size in _sizes(0, layers):
         names += [f"block:{size}", f"selective+block:{size}"]
     names += [f"revolve:{slots}" for slots in revolve_slots(layers)[0]]
+    if spec.kind == "transformer" and has_dense_layers(spec):
+        # Megatron-Core's --recompute-modules mlp: the dense MLP re-run, alone and with the core
+        names += ["mlp", "selective+mlp"]
     if spec.experts:
         # Recomputing the MoE block or only its expert MLPs, alone, with the attention core,
         # and on top of Megatron's block recompute.
@@ -257,7 +261,7 @@ def optimal_plan(
 def _least_flops(spec: ModelSpec, strategy: Strategy) -> int:
     """A lower bound on the FLOPs of `strategy`'s plans: its recompute groups with every layer
     stored (a schedule only adds re-forwards to that, on every pipeline stage)."""
-    stored = Strategy("none", None, strategy.selective, strategy.moe)
+    stored = Strategy("none", None, strategy.selective, strategy.moe, strategy.mlp)
     return evaluate(spec, stored).flops.total
 
 

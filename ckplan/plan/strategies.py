@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from ckplan.errors import InputError
-from ckplan.model.op import ATTENTION_CORE
+from ckplan.model.op import ATTENTION_CORE, DENSE_MLP
 from ckplan.model.spec import ModelSpec
 from ckplan.quoting import quote
 
@@ -43,11 +43,16 @@ class Strategy:
     size: int | None = None
     selective: bool = False  # attention core recomputed on top of `kind`
     moe: str | None = None  # "moe" | "experts": that MoE group recomputed on top of `kind`
+    mlp: bool = False  # the dense MLP (fc1, activation, fc2) recomputed on top of `kind`
 
     @property
     def name(self) -> str:
         base = self.kind if self.size is None else f"{self.kind}:{self.size}"
-        prefix = (["selective"] if self.selective else []) + ([self.moe] if self.moe else [])
+        prefix = (
+            (["selective"] if self.selective else [])
+            + (["mlp"] if self.mlp else [])
+            + ([self.moe] if self.moe else [])
+        )
         if self.kind in ("none", "selective") and prefix:
             return "+".join(prefix)
         return "+".join([*prefix, base])
@@ -56,6 +61,7 @@ class Strategy:
     def groups(self) -> tuple[str, ...]:
         """The recompute groups (ops.py / moe.py names) re-run inside every stored layer."""
         groups = (ATTENTION_CORE,) if self.selective else ()
+        groups += (DENSE_MLP,) if self.mlp else ()
         return groups + ((MOE_GROUPS[self.moe],) if self.moe else ())
 
 
@@ -63,8 +69,8 @@ _SIZED = ("uniform", "sequential", "block", "revolve")
 _PLAIN = ("none", "full", "sqrt", "selective", "optimal")
 STRATEGY_HELP = (
     "none, full, uniform:K, sequential:K, sqrt, selective, block:N, revolve:C, optimal, "
-    "or selective+ any of these (e.g. selective+uniform:4); with experts also moe+ or "
-    "experts+ (e.g. selective+moe+block:2)"
+    "or selective+ / mlp+ any of these (e.g. selective+uniform:4, selective+mlp); with "
+    "experts also moe+ or experts+ (e.g. selective+moe+block:2)"
 )
 
 
@@ -72,7 +78,7 @@ def _hint(text: str) -> str:
     """'; did you mean ...?' for a misspelt strategy word (selectve -> selective)."""
     import difflib
 
-    words = [*_PLAIN, *_SIZED, *MOE_GROUPS]
+    words = [*_PLAIN, *_SIZED, *MOE_GROUPS, "mlp"]
     if len(text) > 100:
         return ""
     parts = text.strip().split("+")
@@ -89,16 +95,18 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
     """Parse a `--strategy` value and check its size against the layers of one pipeline stage."""
     parts = text.strip().split("+")
     modifiers, body = parts[:-1], parts[-1]
-    if body in MOE_GROUPS or (body == "selective" and modifiers):
+    if body in MOE_GROUPS or body == "mlp" or (body == "selective" and modifiers):
         modifiers, body = [*modifiers, body], "none"
     selective = "selective" in modifiers
+    mlp = "mlp" in modifiers
     moe = [m for m in modifiers if m in MOE_GROUPS]
-    unknown = [m for m in modifiers if m != "selective" and m not in MOE_GROUPS]
+    unknown = [m for m in modifiers if m not in ("selective", "mlp") and m not in MOE_GROUPS]
     if unknown or len(set(modifiers)) < len(modifiers) or len(moe) > 1:
         if len(moe) > 1:
             raise StrategyError(f"strategy {quote(text)}: moe already recomputes the expert MLPs")
         if not unknown and len(set(modifiers)) < len(modifiers):
-            raise StrategyError(f"strategy {quote(text)}: selective cannot combine with itself")
+            twice = next(m for m in modifiers if modifiers.count(m) > 1)
+            raise StrategyError(f"strategy {quote(text)}: {twice} cannot combine with itself")
         raise StrategyError(
             f"unknown strategy {quote(text)}: expected one of {STRATEGY_HELP}{_hint(text)}"
         )
@@ -123,10 +131,26 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
         raise StrategyError(f"strategy {quote(text)}: N must be in 0..{layers} (layers per stage)")
     if kind == "revolve" and size < 1:
         raise StrategyError(f"strategy {quote(text)}: C must be at least 1 checkpoint slot")
+    if mlp and not has_dense_layers(spec):
+        raise StrategyError(
+            f"strategy {quote(text)}: mlp recomputes dense MLPs; every layer of this model is MoE"
+        )
     group = moe[0] if moe else None
-    if kind == "none" and selective:
-        return Strategy("selective", selective=True, moe=group)
-    if kind == "full" and (selective or group):
+    if kind == "none" and (selective or mlp or group):
+        name = "selective" if selective else "none"
+        return Strategy(name, selective=selective, moe=group, mlp=mlp)
+    if kind == "full" and (selective or group or mlp):
         # full recompute already re-runs every op of every layer
         return Strategy("uniform", 1, selective)
-    return Strategy(kind, size, selective or kind == "selective", group)
+    return Strategy(kind, size, selective or kind == "selective", group, mlp)
+
+
+def has_dense_layers(spec: ModelSpec) -> bool:
+    """Whether any layer has a dense MLP (the `mlp` module has something to recompute)."""
+    if spec.kind != "transformer":
+        return False
+    if not spec.experts:
+        return True
+    from ckplan.model.layers import parse_layer_set
+
+    return len(parse_layer_set(spec.moe_layers, spec.layers)) < spec.layers
