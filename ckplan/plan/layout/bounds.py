@@ -34,7 +34,7 @@ from ckplan.hardware.times import StageTime
 from ckplan.model import loss, memory
 from ckplan.model.layers import LayerKind, stage_kinds
 from ckplan.model.moe import EXPERTS, MOE
-from ckplan.model.op import ATTENTION_CORE, split_share
+from ckplan.model.op import ATTENTION_CORE, DENSE_MLP, split_share
 from ckplan.model.spec import ModelSpec
 from ckplan.plan.layer_chain import layer_stage_costs
 from ckplan.plan.layout.space import Layout, Split
@@ -43,6 +43,8 @@ from ckplan.plan.layout.space import Layout, Split
 _GROUPS = (
     (),
     (ATTENTION_CORE,),
+    (DENSE_MLP,),
+    (ATTENTION_CORE, DENSE_MLP),
     (MOE,),
     (EXPERTS,),
     (ATTENTION_CORE, MOE),
@@ -234,8 +236,8 @@ class Bounds:
         return best
 
     def _groups(self, kind: LayerKind) -> tuple[tuple[str, ...], ...]:
-        if kind.moe:
-            return _GROUPS
+        if kind.moe:  # no dense MLP in a MoE layer
+            return tuple(groups for groups in _GROUPS if DENSE_MLP not in groups)
         return tuple(groups for groups in _GROUPS if MOE not in groups and EXPERTS not in groups)
 
     def parameters(self, layout: Layout) -> dict[int, tuple[int, int]]:

@@ -4,7 +4,8 @@ Every layout (`space.layouts`) gets two lower bounds from cached parts (`bounds.
 least per-GPU memory any of its plans needs, and the least step time (that of a plan without
 recomputation). A layout whose memory bound exceeds the usable budget is rejected there.
 The others are evaluated in order of their time bound (branch and bound): each with the
-layer-level plans of the existing search (`none`; `selective`; the fewest layers of Megatron's
+layer-level plans of the existing search (`none`; `selective`; the dense MLP module, `mlp` and
+`selective+mlp`; the fewest layers of Megatron's
 `block:N`, alone and with selective recomputation, found by bisection since memory falls as N
 grows; with experts `moe`, `experts` and their selective forms), timed by
 `hardware.step_time`. The search stops when the next bound exceeds the K-th best time found.
@@ -34,7 +35,7 @@ from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate, in_flight_microb
 from ckplan.plan.layout.bounds import Bounds, MemoryBound, TimeBound, layout_keys_cleared
 from ckplan.plan.layout.space import Layout, SearchSpace, layouts, tensor_parallel_sizes
 from ckplan.plan.search import DEFAULT_RESERVE, Candidate, activation_budget, optimal_plan
-from ckplan.plan.strategies import parse_strategy
+from ckplan.plan.strategies import has_dense_layers, parse_strategy
 from ckplan.quoting import shorten
 from ckplan.units import format_bytes_auto
 
@@ -379,6 +380,8 @@ class _Run:
             return timed, timed, none
         tried = []
         names = ["selective"]
+        if has_dense_layers(spec):
+            names += ["mlp", "selective+mlp"]
         if spec.experts:
             names += ["moe", "experts", "selective+moe", "selective+experts"]
         tried += [self._candidate(spec, name) for name in names]
