@@ -217,3 +217,50 @@ def test_moe_and_mla_layers_match_op_by_op(harness, name):
             extra = 8 * config.experts + 4
         assert measured.by_op.get(op, 0) - value == extra, op
     assert set(measured.by_op) <= set(predicted)
+
+
+def test_mlp_module_recompute_saves_what_ckplan_predicts(harness, monkeypatch):
+    """The dense MLP under torch.utils.checkpoint (reentrant: it saves its input, norm2's
+    output, and nothing inside) drops exactly what ckplan's `mlp` module drops: the MLP ops'
+    saved tensors less the kept input."""
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    from ckplan.calibrate import layers as torch_layers
+    from ckplan.inputs.presets import spec_from_values
+    from ckplan.model.op import DENSE_MLP, in_group
+    from ckplan.model.ops import group_input_bytes, layer_ops
+
+    config = _config(harness, "llama-bf16-fused")
+    plain = harness.measure(config).total
+
+    swiglu = torch_layers.FusedSwiGLU
+
+    class Identity:
+        @staticmethod
+        def apply(y):
+            return y
+
+    def checkpointed(cfg):
+        layer = torch_layers.LlamaLayer(cfg)
+        fc1, down = layer.fc1, layer.down_proj
+
+        def mlp(y):
+            return down(swiglu.apply(fc1(y)))
+
+        class Checkpointed(nn.Module):
+            def forward(self, y):
+                return checkpoint(mlp, y, use_reentrant=True)
+
+        layer.fc1, layer.down_proj = Checkpointed(), nn.Identity()
+        layer.register_module("mlp_weights", nn.ModuleList([fc1, down]))  # parameters excluded
+        return layer
+
+    monkeypatch.setattr(torch_layers, "FusedSwiGLU", Identity)
+    monkeypatch.setattr(harness, "LlamaLayer", checkpointed)
+    recomputed = harness.measure(config).total
+
+    spec = spec_from_values(harness.ckplan_mapping(config))
+    members = [op for op in layer_ops(spec) if in_group(op, DENSE_MLP)]
+    dropped = sum(op.saved_bytes for op in members) - group_input_bytes(spec.chain, DENSE_MLP)
+    assert plain - recomputed == dropped > 0
