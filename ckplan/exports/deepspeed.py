@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 
-from ckplan.exports.segments import LayerSegments
+from ckplan.exports.segments import LayerSegments, module_reason
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 
@@ -26,13 +26,8 @@ NAME = "deepspeed"
 
 
 def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
-    if layers.moe:
-        return f"recomputing the {layers.moe} of MoE layers: no DeepSpeed option for it yet"
-    if layers.mlp:
-        return (
-            "recomputing the dense MLP alone (Megatron-Core's mlp module): no DeepSpeed "
-            "option for it yet"
-        )
+    if why := module_reason(layers, "DeepSpeed"):
+        return why
     if spec.pp > 1 and spec.zero > 1:
         return f"zero={spec.zero} with pp={spec.pp}: DeepSpeed's pipeline engine allows ZeRO 0-1"
     return None

@@ -118,6 +118,19 @@ def schedule_segments(steps, stages: int) -> list[tuple[int, int, bool]] | None:
     return merged if tuple(rebuilt) == tuple(steps) else None
 
 
+def module_reason(layers: LayerSegments, target: str) -> str | None:
+    """Why a target without module recomputation (everything but Megatron-LM) cannot run a
+    plan that recomputes an MoE group or the dense MLP alone, or None."""
+    if layers.moe:
+        return f"recomputing the {layers.moe} of MoE layers: no {target} option for it yet"
+    if layers.mlp:
+        return (
+            f"recomputing the dense MLP alone (Megatron-Core's mlp module): no {target} option "
+            "for it yet"
+        )
+    return None
+
+
 def layer_segments(plan: Plan) -> LayerSegments | str:
     """The plan's layer segments, or the reason (one phrase) why it has none."""
     spec = plan.spec

@@ -26,7 +26,7 @@ non-reentrant implementation.
 
 from __future__ import annotations
 
-from ckplan.exports.segments import LayerSegments
+from ckplan.exports.segments import LayerSegments, module_reason
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 
@@ -74,13 +74,8 @@ def forward_layers(layers, hidden):
 
 def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
     """PyTorch wraps any one-level segments: nothing to refuse."""
-    if layers.moe:
-        return f"recomputing the {layers.moe} of MoE layers: no PyTorch snippet option for it yet"
-    if layers.mlp:
-        return (
-            "recomputing the dense MLP alone (Megatron-Core's mlp module): no PyTorch snippet "
-            "option for it yet"
-        )
+    if why := module_reason(layers, "PyTorch snippet"):
+        return why
     return None
 
 

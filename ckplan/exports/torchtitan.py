@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from ckplan.exports.segments import LayerSegments
+from ckplan.exports.segments import LayerSegments, module_reason
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 
@@ -23,13 +23,8 @@ NAME = "torchtitan"
 
 
 def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
-    if layers.moe:
-        return f"recomputing the {layers.moe} of MoE layers: no torchtitan option for it yet"
-    if layers.mlp:
-        return (
-            "recomputing the dense MLP alone (Megatron-Core's mlp module): no torchtitan "
-            "option for it yet"
-        )
+    if why := module_reason(layers, "torchtitan"):
+        return why
     if spec.kind != "transformer":
         return f"torchtitan trains transformers, not model kind {spec.kind!r}"
     if layers.selective:

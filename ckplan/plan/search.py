@@ -327,16 +327,7 @@ def longest_seq(spec: ModelSpec, strategy: Strategy, usable_bytes: int) -> int:
             return False
         return evaluate(candidate, strategy).reserved_bytes <= usable_bytes
 
-    if not fits(1):
-        return 0
-    low, high = 1, 2
-    while high <= limit and fits(high):
-        low, high = high, high * 2
-    high = min(high, limit + 1)
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low * step
+    return _largest(fits, limit) * step
 
 
 def largest_micro_batch(spec: ModelSpec, strategy: Strategy, usable_bytes: int) -> int:
@@ -347,12 +338,18 @@ def largest_micro_batch(spec: ModelSpec, strategy: Strategy, usable_bytes: int) 
         candidate = spec.replace(micro_batch=micro_batch)
         return evaluate(candidate, strategy).reserved_bytes <= usable_bytes
 
+    return _largest(fits, MICRO_BATCH_LIMIT)
+
+
+def _largest(fits, limit: int) -> int:
+    """The largest n in 1..limit with fits(n), for a `fits` true up to some n and false beyond
+    (memory grows with n); 0 if fits(1) is false. Doubling, then bisection: O(log n) calls."""
     if not fits(1):
         return 0
     low, high = 1, 2
-    while high <= MICRO_BATCH_LIMIT and fits(high):
+    while high <= limit and fits(high):
         low, high = high, high * 2
-    high = min(high, MICRO_BATCH_LIMIT + 1)
+    high = min(high, limit + 1)
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)

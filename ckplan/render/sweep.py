@@ -141,7 +141,6 @@ def sweep_view(
     seqs: dict[str, int] | None = None,
 ) -> Group:
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
     spec = result.spec
@@ -195,21 +194,9 @@ def sweep_view(
             )
         )
     if micro_batches:
-        title = "Largest micro-batch that fits"
-        table = Table(title=title, title_justify="left", min_width=len(title))
-        table.add_column("strategy")
-        table.add_column("micro_batch", justify="right")
-        for name, size in micro_batches.items():
-            table.add_row(name, str(size) if size else Text("none fits", style="red"))
-        parts.append(table)
+        parts.append(_largest_table("Largest micro-batch that fits", "micro_batch", micro_batches))
     if seqs:
-        title = "Longest sequence that fits"
-        table = Table(title=title, title_justify="left", min_width=len(title))
-        table.add_column("strategy")
-        table.add_column("seq", justify="right")
-        for name, tokens in seqs.items():
-            table.add_row(name, f"{tokens:,}" if tokens else Text("none fits", style="red"))
-        parts.append(table)
+        parts.append(_largest_table("Longest sequence that fits", "seq", seqs))
         parts.append(
             Text(
                 f"(at micro-batch {spec.micro_batch}, in multiples of {SEQ_GRANULE} tokens; "
@@ -218,6 +205,19 @@ def sweep_view(
             )
         )
     return Group(*parts)
+
+
+def _largest_table(title: str, column: str, values: dict[str, int]) -> Table:
+    """One value per strategy (`--micro-batch auto`, `--seq auto`); 0 reads "none fits"."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=title, title_justify="left", min_width=len(title))
+    table.add_column("strategy")
+    table.add_column(column, justify="right")
+    for name, value in values.items():
+        table.add_row(name, f"{value:,}" if value else Text("none fits", style="red"))
+    return table
 
 
 def _ratio(spec: ModelSpec) -> str:
