@@ -43,7 +43,7 @@ CASES = {
     "largest parallel": f"estimate {PARALLEL}",
     "largest parallel sweep": f"sweep {PARALLEL} --budget 80GB",
     "v=2^16": "estimate gpt2 --set layers=65536 --set virtual_stages=65536",
-    "sweep L=512 (speed helper's)": "sweep gpt2 --budget 80GB --layers 512",
+    "sweep L=512": "sweep gpt2 --budget 80GB --layers 512",
     "alternating L=100k sweep --json": f"sweep {ALTERNATING} --budget 40GB --json",
     "alternating L=100k optimal": f"estimate {ALTERNATING} --strategy optimal --budget 45TB",
     "alternating L=100k check": f"check {ALTERNATING} --budget 45TB",

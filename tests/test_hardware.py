@@ -428,7 +428,7 @@ KORTHIKANTI_TABLE4 = {  # one 22B layer on A100 80GB: (forward ms, backward ms)
 
 def test_layer_times_near_korthikanti_table4(spec_of, a100):
     """Reported, not fitted (docs/validation.md, Table 4): every forward, backward and combined
-    time within issue 10's 10 %; full and selective recompute within 3 and 2 points of +39 and
+    time within 10 %; full and selective recompute within 3 and 2 points of +39 and
     +7 %; selective + SP (which misses its 2 points) closer than Calculon's +11.5 % to +4 %."""
     rows = {}
     for sp in (False, True):

@@ -92,7 +92,7 @@ def test_kv_heads_replicated_beyond_kv_groups(spec_of):
 
 def test_megatron_presets_positions_no_longer_divided(spec_of):
     """The busiest GPU of Korthikanti's models holds s·h position parameters whole: 0.4 % more
-    than dividing them by t for 22B, 2.2 % for 1T (issue 11)."""
+    than dividing them by t for 22B, 2.2 % for 1T."""
     for name, low, high in (("megatron-22b", 0.003, 0.006), ("megatron-1t", 0.02, 0.025)):
         spec = spec_of(name)
         per_gpu = memory.parameters_per_gpu(spec)

@@ -4,8 +4,8 @@ Table 4: one transformer layer of the 22B model (h 6144, a 64, s 2048, micro-bat
 an A100 80GB: forward, backward and combined milliseconds and the recompute overhead for no
 recompute, sequence parallelism, full recompute, selective recompute, selective + SP. Table 5:
 end-to-end iteration time and MFU/HFU of the four Table 3 models (selective + SP) and the full
-recompute baseline. The measured figures are the paper's (found with ckplan's `search` tool in a
-stored copy of arXiv 2205.05198); Calculon's overheads are those issue 10 quotes.
+recompute baseline. The measured figures are the paper's (arXiv 2205.05198, Tables 4 and 5);
+Calculon's overheads are three figures attributed to Calculon, unverified (docs/validation.md).
 
     python validation/korthikanti_table4.py                     # the shipped a100-80gb
     python validation/korthikanti_table4.py --set matmul_efficiency=0.75
@@ -32,7 +32,7 @@ TABLE4 = {
     "selective recompute": (7.7, 13.2),
     "selective + sequence": (7.2, 13.1),
 }
-CALCULON = {  # overheads Calculon (Isaev et al., SC'23) predicts, as issue 10 quotes them
+CALCULON = {  # overheads attributed to Calculon (Isaev et al., SC'23); unverified
     "full recompute": 0.374,
     "selective recompute": 0.049,
     "selective + sequence": 0.115,
@@ -88,7 +88,7 @@ def print_table4(gpu) -> None:
         )
 
 
-# The targets of issue 10: the paper's rounded overheads (Table 4's last column), and how far
+# The targets: the paper's rounded overheads (Table 4's last column), and how far
 # each prediction may be from them, in points
 TARGETS = {"full recompute": (0.39, 0.03), "selective recompute": (0.07, 0.02)}
 TARGETS["selective + sequence"] = (0.04, 0.02)

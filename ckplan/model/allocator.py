@@ -7,7 +7,7 @@ packs requests of 1-10 MiB into 20 MiB blocks; freed blocks stay reserved, and b
 cannot be split or merged for the next request's size leave gaps (fragmentation), so the
 reserved peak exceeds the allocated one by a share that depends on the run's pattern of
 allocations: 1.13 at a Megatron-LM run's peak (NVIDIA/Megatron-LM PR #5662's sample, max
-allocated 5,670 MB, max reserved 6,406 MB), 1.39 in a 2020 Megatron log (issue #60). With
+allocated 5,670 MB, max reserved 6,406 MB), 1.39 in a 2020 log (NVIDIA/Megatron-LM issue #60). With
 `expandable_segments` (PYTORCH_CUDA_ALLOC_CONF) one segment per stream grows in 2 MiB pages
 instead ("Note [Expandable Segments]"), and the gaps mostly go.
 
