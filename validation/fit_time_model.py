@@ -25,13 +25,14 @@ from pathlib import Path
 
 from ckplan.inputs.gpus import load_gpu
 from ckplan.inputs.runs import run_files
+from ckplan.published.accuracy import FAMILIES as GPU_FAMILIES
 from ckplan.published.predict import predict
 from ckplan.published.runs import MEMORY_METRICS, runs_from_file
 
-FAMILIES = {
-    "a100": ("a100-40gb", "a100-80gb"),
-    "hopper": ("h100-sxm", "h100-pcie", "h800", "h200"),
-}
+# The GPU presets of each family, as the accuracy line groups them (one fitted constant each).
+FAMILIES: dict[str, tuple[str, ...]] = {}
+for _preset, _family in GPU_FAMILIES.items():
+    FAMILIES[_family] = (*FAMILIES.get(_family, ()), _preset)
 PRESETS = Path(__file__).resolve().parents[1] / "presets" / "gpus"
 ACCURACY_MODULE = Path(__file__).resolve().parents[1] / "ckplan" / "published" / "accuracy.py"
 
