@@ -51,6 +51,9 @@ class Example:
     first_output_index: int  # 0-based index of the first output line in the document
     environment: dict[str, str]
     argv: list[str]
+    # the extras of this command and of the commands before it in its block (a file the first
+    # writes, the next reads): without one of them, the rest of the block is skipped too
+    needs: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -61,10 +64,7 @@ class Example:
         return any(line == SKIP_LINES or ANY_TEXT in line for line in self.shown)
 
     def missing_extra(self) -> str | None:
-        module = NEEDS.get(self.argv[0] if self.argv else "")
-        if module and importlib.util.find_spec(module) is None:
-            return module
-        return None
+        return next((m for m in self.needs if importlib.util.find_spec(m) is None), None)
 
 
 def examples(document: Path) -> list[Example]:
@@ -77,6 +77,7 @@ def examples(document: Path) -> list[Example]:
         line = lines[index]
         if line.startswith("```"):
             in_console = not in_console and line.strip() == "```console"
+            needs: tuple[str, ...] = ()
             index += 1
             continue
         if not (in_console and line.startswith("$ ")):
@@ -93,7 +94,11 @@ def examples(document: Path) -> list[Example]:
             index += 1
         environment, argv = _split(command, document, start + 1)
         shown = lines[output_start:index]
-        found.append(Example(document, start + 1, command, shown, output_start, environment, argv))
+        if (extra := NEEDS.get(argv[0] if argv else "")) and extra not in needs:
+            needs = (*needs, extra)
+        found.append(
+            Example(document, start + 1, command, shown, output_start, environment, argv, needs)
+        )
     return found
 
 
