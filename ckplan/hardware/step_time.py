@@ -53,6 +53,7 @@ from ckplan.model.op import (
     kv_heads_per_rank,
     split_share,
 )
+from ckplan.model.op_policy import is_policy, parse_policy, policy_comm_ops, recomputed_ops
 from ckplan.model.ops import layer_ops as model_layer_ops
 from ckplan.model.ops import representative_kind
 from ckplan.model.spec import ModelSpec
@@ -250,7 +251,11 @@ def layer_time(
     dtype = spec.dtype_bytes
     path = spec_code_path(spec, gpu)
     gpu = path.gpu  # compute at the sustained rates; links as they are
-    core = [op for op in ops if any(in_group(op, group) for group in groups)]
+    policy = parse_policy(groups[0]) if groups and is_policy(groups[0]) else None
+    if policy:  # a per-op policy re-runs every op it does not keep
+        core = list(recomputed_ops(spec, policy, kind))
+    else:
+        core = [op for op in ops if any(in_group(op, group) for group in groups)]
     forward = _sum_ops(ops, path.forward, dtype)
     backward = _sum_ops(ops, path.backward, dtype)
     core_forward = _sum_ops(core, path.forward, dtype)
@@ -264,8 +269,10 @@ def layer_time(
         compute = forward.total + backward.total
         left = exposed_fraction(ep.forward + ep.backward, compute, gpu.ep_overlap)
         ep_forward, ep_backward = left * ep.forward, left * ep.backward
-    core_comm = tensor_parallel_comm(spec, gpu, tuple(core))[0]
-    core_comm += cp_forward if ATTENTION_CORE in groups else 0.0
+    comm_ops = policy_comm_ops(spec, policy, kind) if policy else tuple(core)
+    core_comm = tensor_parallel_comm(spec, gpu, comm_ops)[0]
+    core_attention = any(op.name == "attention_core" for op in core)
+    core_comm += cp_forward if ATTENTION_CORE in groups or (policy and core_attention) else 0.0
     core_ep = ep_forward if MOE in groups else 0.0
     return StageTime(
         forward=forward,

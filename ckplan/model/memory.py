@@ -17,6 +17,7 @@ from ckplan.model.layers import (
 from ckplan.model.mla import mla_parameters
 from ckplan.model.moe import moe_layer_parameters
 from ckplan.model.op import in_group, split_share
+from ckplan.model.op_policy import is_policy, parse_policy, policy_tape_bytes
 from ckplan.model.ops import group_input_bytes, layer_ops, representative_kind
 from ckplan.model.parts import cached_by_chain
 from ckplan.model.spec import ModelSpec
@@ -57,6 +58,8 @@ def selective_activation_bytes_per_layer(
     Korthikanti §5: with the attention core recomputed, a layer stores 34sbh (B = 2, t = 1).
     """
     groups = (group,) if isinstance(group, str) else group
+    if groups and is_policy(groups[0]):  # a per-op policy decides the whole layer
+        return policy_tape_bytes(spec, parse_policy(groups[0]), kind)
     ops = layer_ops(spec, kind)
     total = sum(op.saved_bytes for op in ops)
     for name in groups:
@@ -131,6 +134,10 @@ def layer_backward_walk(
     names = (
         () if recomputed is None else (recomputed,) if isinstance(recomputed, str) else recomputed
     )
+    if names and is_policy(names[0]):
+        # A per-op policy re-runs the whole layer before its first backward: the walk of the
+        # full tape (`layer_backward_workspace_bytes` measures it against the policy's tape).
+        names = ()
     groups = {name: [op for op in ops if in_group(op, name)] for name in names}
     groups = {name: members for name, members in groups.items() if members}
     member_of = {op.name: name for name, members in groups.items() for op in members}
@@ -211,6 +218,8 @@ def layer_backward_workspace_bytes(
         if not recomputed
         else selective_activation_bytes_per_layer(spec, recomputed, kind)
     )
+    # Under a per-op policy the backward holds the rebuilt tape beside the policy's own
+    # (its kept outputs are freed as the re-forward consumes them): the full walk's peak.
     peak = layer_backward_peak_bytes(spec, recomputed, kind)
     return max(0, peak - (tape + 2 * layer_input_bytes(spec)))
 

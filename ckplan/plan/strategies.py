@@ -11,11 +11,20 @@ model with experts.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
 from ckplan.errors import InputError
 from ckplan.model.op import ATTENTION_CORE, DENSE_MLP
+from ckplan.model.op_policy import (
+    POLICY_PREFIX,
+    TORCHTITAN_POLICY,
+    PolicyError,
+    check_policy_model,
+    parse_policy,
+    policy_text,
+)
 from ckplan.model.spec import ModelSpec
 from ckplan.quoting import quote
 
@@ -44,12 +53,14 @@ class Strategy:
     selective: bool = False  # attention core recomputed on top of `kind`
     moe: str | None = None  # "moe" | "experts": that MoE group recomputed on top of `kind`
     mlp: bool = False  # the dense MLP (fc1, activation, fc2) recomputed on top of `kind`
+    policy: str | None = None  # a per-op policy (`sac:...`, model.op_policy) in stored layers
 
     @property
     def name(self) -> str:
         base = self.kind if self.size is None else f"{self.kind}:{self.size}"
         prefix = (
-            (["selective"] if self.selective else [])
+            ([_policy_word(self.policy)] if self.policy else [])
+            + (["selective"] if self.selective else [])
             + (["mlp"] if self.mlp else [])
             + ([self.moe] if self.moe else [])
         )
@@ -60,6 +71,8 @@ class Strategy:
     @property
     def groups(self) -> tuple[str, ...]:
         """The recompute groups (ops.py / moe.py names) re-run inside every stored layer."""
+        if self.policy:
+            return (self.policy,)
         groups = (ATTENTION_CORE,) if self.selective else ()
         groups += (DENSE_MLP,) if self.mlp else ()
         return groups + ((MOE_GROUPS[self.moe],) if self.moe else ())
@@ -70,7 +83,8 @@ _PLAIN = ("none", "full", "sqrt", "selective", "optimal")
 STRATEGY_HELP = (
     "none, full, uniform:K, sequential:K, sqrt, selective, block:N, revolve:C, optimal, "
     "or selective+ / mlp+ any of these (e.g. selective+uniform:4, selective+mlp); with "
-    "experts also moe+ or experts+ (e.g. selective+moe+block:2)"
+    "experts also moe+ or experts+ (e.g. selective+moe+block:2); per-op policies sac "
+    "(torchtitan's) or sac:OP,... (e.g. sac:matmuls%2,attention)"
 )
 
 
@@ -91,9 +105,48 @@ def _hint(text: str) -> str:
     return f"; did you mean {guess!r}?" if guess != text.strip() else ""
 
 
+def _policy_word(policy: str) -> str:
+    """How a strategy name spells a per-op policy: `sac` for torchtitan's."""
+    return "sac" if policy == TORCHTITAN_POLICY else policy
+
+
+def _is_policy_word(part: str) -> bool:
+    return part == "sac" or part.startswith(POLICY_PREFIX)
+
+
+def _parse_policy(text: str, word: str, spec: ModelSpec) -> str:
+    """The canonical policy of `word` (`sac` or `sac:ITEM,...`), checked against the model."""
+    try:
+        policy = TORCHTITAN_POLICY if word == "sac" else policy_text(parse_policy(word))
+    except PolicyError as error:
+        raise StrategyError(f"strategy {quote(text)}: {error}") from None
+    why = check_policy_model(spec)
+    if why:
+        raise StrategyError(f"strategy {quote(text)}: {why}")
+    return policy
+
+
 def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
     """Parse a `--strategy` value and check its size against the layers of one pipeline stage."""
     parts = text.strip().split("+")
+    words = [part for part in parts if _is_policy_word(part)]
+    if words:
+        if len(words) > 1 or len(parts) > 2:
+            raise StrategyError(
+                f"strategy {quote(text)}: a per-op policy decides every op of a layer; it "
+                "combines only with one layer-level strategy (e.g. sac+block:4)"
+            )
+        policy = _parse_policy(text, words[0], spec)
+        rest = [part for part in parts if not _is_policy_word(part)]
+        base = parse_strategy(rest[0], spec) if rest else Strategy("none")
+        if base.groups:
+            raise StrategyError(
+                f"strategy {quote(text)}: a per-op policy already decides what "
+                f"{base.name} recomputes inside a layer"
+            )
+        if base.kind == "full":
+            return Strategy("uniform", 1)  # every layer re-run whole: the policy has no say
+        return dataclasses.replace(base, policy=policy)
     modifiers, body = parts[:-1], parts[-1]
     if body in MOE_GROUPS or body == "mlp" or (body == "selective" and modifiers):
         modifiers, body = [*modifiers, body], "none"

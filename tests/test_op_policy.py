@@ -1,0 +1,247 @@
+"""Per-op recomputation policies (`sac`, `sac:OP,...`): the tape by hand, the grammar, the
+chain, and what PyTorch's selective checkpointing keeps with the same policy."""
+
+import pytest
+
+from ckplan.model.op_policy import (
+    TORCHTITAN_POLICY,
+    kept_units,
+    parse_policy,
+    policy_tape_bytes,
+    policy_text,
+    recomputed_forward_flops,
+)
+from ckplan.model.spec import spec_from_mapping
+from ckplan.plan.evaluate import evaluate
+from ckplan.plan.strategies import StrategyError, parse_strategy
+
+SMALL = {
+    "name": "small",
+    "layers": 2,
+    "hidden": 64,
+    "heads": 4,
+    "kv_heads": 2,
+    "ffn_hidden": 96,
+    "seq": 16,
+    "micro_batch": 2,
+    "vocab": 0,
+    "dtype_bytes": 4,
+    "norm": "rmsnorm",
+    "mlp": "swiglu",
+    "attention": "flash",
+    "positions": "rope",
+    "dropout": 0,
+}
+
+
+def small(**changes):
+    return spec_from_mapping({**SMALL, **changes})
+
+
+def test_torchtitan_policy_keeps_wq_wv_w1_w2_and_attention():
+    spec = small()
+    policy = parse_policy(TORCHTITAN_POLICY)
+    assert kept_units(spec, policy) == ("q_proj", "v_proj", "attention", "gate_proj", "fc2")
+
+
+def test_torchtitan_tape_by_hand():
+    # s·b = 32 tokens, fp32: input x 32·64·4; wq 32·64·4; wv 32·(2·16)·4; SDPA output 32·64·4
+    # and logsumexp 32·4·4; w1 32·96·4; w2 32·64·4
+    tokens = 32
+    expected = 4 * tokens * (64 + 64 + 32 + 64 + 4 + 96 + 64)
+    assert policy_tape_bytes(small(), parse_policy("sac")) == expected == 49_664
+
+
+def test_recomputed_flops_by_hand():
+    # wk 2·32·32·64, wo 2·32·64·64, w3 2·32·96·64; the attention kernel is kept
+    expected = 2 * 32 * 64 * (32 + 64 + 96)
+    assert recomputed_forward_flops(small(), parse_policy("sac")) == expected
+    # every matmul kept: the attention kernel's QKᵀ and AV (2·b·a·s²·d each) are re-run
+    assert recomputed_forward_flops(small(), parse_policy("sac:matmuls")) == (
+        2 * (2 * 2 * 4 * 16 * 16 * 16)
+    )
+
+
+def test_tensor_parallel_sequence_parallel_keeps_the_reduce_scatters():
+    spec = small(tp=2, sp=True)
+    kept = kept_units(spec, parse_policy("sac"))
+    assert kept.count("reduce_scatter") == 2
+    tokens = 32
+    # input x and the two reduce-scattered outputs: the stream /2; wq 2 heads, wv 1 head; the
+    # attention output at 2 heads and its logsumexp; w1 48 wide; w2's partial sums (32, 64)
+    expected = 4 * (3 * tokens * 32 + tokens * 32 + tokens * 16 + tokens * 32 + tokens * 2)
+    expected += 4 * (tokens * 48 + tokens * 64)
+    assert policy_tape_bytes(spec, parse_policy("sac")) == expected
+
+
+def test_float8_matmuls_are_not_aten_mm():
+    spec = small(precision="float8")
+    assert kept_units(spec, parse_policy("sac")) == ("attention",)
+    assert kept_units(spec, parse_policy("sac:q_proj,attention")) == ("q_proj", "attention")
+
+
+def test_policy_grammar_round_trips():
+    assert policy_text(parse_policy("sac:wo,matmuls%3,sdpa")) == "sac:matmuls%3,attention,out_proj"
+    assert policy_text(parse_policy(TORCHTITAN_POLICY)) == TORCHTITAN_POLICY
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("sac:nothing", "unknown op 'nothing'"),
+        ("sac:matmuls%0", "K in 1..1000"),
+        ("sac+sac", "per-op policy"),
+        ("sac+selective", "already decides"),
+        ("sac+mlp+block:1", "combines only with one"),
+    ],
+)
+def test_bad_policies_are_one_line_errors(text, fragment):
+    with pytest.raises(StrategyError, match=fragment):
+        parse_strategy(text, small())
+
+
+def test_policy_needs_a_dense_flash_layer():
+    with pytest.raises(StrategyError, match="attention: flash"):
+        parse_strategy("sac", small(attention="standard"))
+
+
+def test_strategy_names_and_full():
+    spec = small()
+    assert parse_strategy("sac", spec).name == "sac"
+    assert parse_strategy("sac+block:1", spec).name == "sac+block:1"
+    assert parse_strategy("sac:attention", spec).name == "sac:attention"
+    assert parse_strategy("sac+full", spec).name == "uniform:1"
+
+
+def test_chain_memory_and_recompute_order():
+    """The policy sits between no recomputation and full recomputation in memory, and keeping
+    more outputs never costs more recompute."""
+    spec = spec_from_mapping({**SMALL, "layers": 4, "vocab": 128})
+    plans = {name: evaluate(spec, parse_strategy(name, spec)) for name in ("none", "sac", "full")}
+    assert plans["full"].total_bytes < plans["sac"].total_bytes < plans["none"].total_bytes
+    keep_all = evaluate(spec, parse_strategy("sac:matmuls,attention", spec))
+    assert keep_all.flops.recompute == 0
+    assert 0 < plans["sac"].flops.recompute < plans["full"].flops.recompute
+
+
+# ---- PyTorch's selective checkpointing with the same policy ------------------------------------
+
+
+def _torch_block(torch, spec):
+    """A torchtitan-style Llama block (torchtitan/models/llama3/model/model.py at v0.1.0): RMSNorm,
+    wq, wk, wv, RoPE, SDPA (causal, GQA), wo, residual, RMSNorm, w2(silu(w1(x)) * w3(x))."""
+    nn, F = torch.nn, torch.nn.functional
+    h, a, g, d, ffn = spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.ffn_hidden
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wq, self.wk = nn.Linear(h, a * d, bias=False), nn.Linear(h, g * d, bias=False)
+            self.wv, self.wo = nn.Linear(h, g * d, bias=False), nn.Linear(a * d, h, bias=False)
+            self.w1, self.w3 = nn.Linear(h, ffn, bias=False), nn.Linear(h, ffn, bias=False)
+            self.w2 = nn.Linear(ffn, h, bias=False)
+            self.attention_norm, self.ffn_norm = nn.RMSNorm(h), nn.RMSNorm(h)
+
+        def rope(self, x):  # (b, s, heads, d): rotate pairs by position-dependent angles
+            s = x.shape[1]
+            angles = torch.arange(s)[:, None] * (10000.0 ** (-torch.arange(d // 2) / (d // 2)))
+            cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+            x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+            return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            y = self.attention_norm(x)
+            q = self.wq(y).view(b, s, a, d)
+            k = self.wk(y).view(b, s, g, d)
+            v = self.wv(y).view(b, s, g, d)
+            q, k = self.rope(q), self.rope(k)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
+                enable_gqa=True,
+            )
+            hidden = x + self.wo(out.transpose(1, 2).reshape(b, s, a * d))
+            z = self.ffn_norm(hidden)
+            return hidden + self.w2(F.silu(self.w1(z)) * self.w3(z))
+
+    return Block()
+
+
+def _policy_fn(torch, spec, policy):
+    """torchtitan's `_custom_policy` generalised to an `OpPolicy`: mm outputs by the every-K-th
+    rule, the SDPA kernels' outputs when the policy keeps the attention (CPU's flash kernel is
+    its own op), the linear layers by their position among the mm calls when named."""
+    from collections import defaultdict
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from ckplan.model.op_policy import unit_ops
+
+    matmul_names = [unit.name for unit in unit_ops(spec) if unit.matmul]
+    aten = torch.ops.aten
+    attention_ops = {
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
+    meta = defaultdict(int)
+
+    def policy_fn(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        save = False
+        if func == aten.mm.default:
+            meta[mode] += 1
+            index = meta[mode]
+            unit = type("U", (), {"name": matmul_names[index - 1], "matmul": True})()
+            save = policy.keeps(unit, index)
+        elif func in attention_ops:
+            save = "attention" in policy.names
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy_fn
+
+
+@pytest.mark.parametrize(
+    "policy_text_", [TORCHTITAN_POLICY, "sac:matmuls", "sac:attention", "sac:wq,wo,w2,attention"]
+)
+def test_torch_selective_checkpoint_keeps_the_predicted_bytes(policy_text_):
+    from needs_torch import torch_or_skip
+
+    torch = torch_or_skip()
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    spec = small()
+    policy = parse_policy(policy_text_)
+    torch.manual_seed(0)
+    block = _torch_block(torch, spec)
+    x = torch.randn(spec.micro_batch, spec.seq, spec.hidden, requires_grad=True)
+    modes = []
+
+    def context_fn():
+        pair = create_selective_checkpoint_contexts(_policy_fn(torch, spec, policy))
+        modes.append(pair[0])
+        return pair
+
+    out = checkpoint(block, x, use_reentrant=False, context_fn=context_fn)
+    storages = {}
+    for entries in modes[0].storage.values():
+        for wrapped in entries.values():
+            values = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+            for value in values:
+                tensor = getattr(value, "val", None)
+                if isinstance(tensor, torch.Tensor):
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+    layer_input = x.numel() * x.element_size()
+    assert sum(storages.values()) + layer_input == policy_tape_bytes(spec, policy)
+    # and the step is the plain one
+    out.sum().backward()
+    grads = [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
+    block.zero_grad()
+    x.grad = None
+    block(x).sum().backward()
+    for got, want in zip(grads, [p.grad for p in block.parameters()] + [x.grad], strict=True):
+        torch.testing.assert_close(got, want)
