@@ -200,6 +200,27 @@ def respaced(shown: list[str], actual: list[str]) -> list[str]:
     return out
 
 
+def refreshed(shown: list[str], actual: list[str], cutoff: float = 0.7) -> list[str]:
+    """`shown` with each line replaced by the most similar printed line after the previous one
+    (difflib ratio >= `cutoff`): the same rows with new numbers. `...` lines stay."""
+    out, position = [], 0
+    for line in shown:
+        if line == SKIP_LINES or ANY_TEXT in line:
+            out.append(line)
+            continue
+        scores = [
+            (difflib.SequenceMatcher(None, _words(line), _words(actual[index])).ratio(), index)
+            for index in range(position, len(actual))
+        ]
+        best = max(scores, default=(0.0, -1))
+        if best[0] >= cutoff:
+            out.append(actual[best[1]])
+            position = best[1] + 1
+        else:
+            out.append(line)
+    return out
+
+
 def difference(example: Example, actual: list[str]) -> str:
     diff = difflib.unified_diff(_trim(example.shown), actual, "shown", "printed", lineterm="", n=2)
     return f"{example.name}: $ {example.command}\n" + "\n".join(diff)
@@ -208,6 +229,12 @@ def difference(example: Example, actual: list[str]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--update", action="store_true", help="rewrite unmarked shown outputs")
+    parser.add_argument(
+        "--refresh",
+        action="store_true",
+        help="with --update, also replace each line of a marked output by its most similar "
+        "printed line (new numbers in the same rows); read the diff before committing",
+    )
     parser.add_argument("documents", nargs="*", type=Path, default=DOCUMENTS)
     arguments = parser.parse_args()
     failed = 0
@@ -232,6 +259,9 @@ def main() -> int:
                 elif arguments.update and matches(respaced(example.shown, actual), actual):
                     replacements.append((example, respaced(example.shown, actual)))
                     print(f"re-spaced {example.name}")
+                elif arguments.refresh and matches(refreshed(example.shown, actual), actual):
+                    replacements.append((example, refreshed(example.shown, actual)))
+                    print(f"refreshed {example.name}")
                 else:
                     failed += 1
                     print(difference(example, actual))

@@ -245,3 +245,34 @@ def test_torch_selective_checkpoint_keeps_the_predicted_bytes(policy_text_):
     block(x).sum().backward()
     for got, want in zip(grads, [p.grad for p in block.parameters()] + [x.grad], strict=True):
         torch.testing.assert_close(got, want)
+
+
+# ---- exports ------------------------------------------------------------------------------------
+
+
+def test_torchtitan_exports_sac_as_op_level_ac_and_reads_it_back():
+    from ckplan import exports
+    from ckplan.exports.torchtitan import strategy_from_toml
+
+    spec = spec_from_mapping({**SMALL, "layers": 4, "vocab": 128})
+    plan = evaluate(spec, parse_strategy("sac", spec))
+    text = exports.export(plan, "torchtitan").text
+    assert 'mode = "selective"' in text and 'selective_ac_option = "op"' in text
+    assert strategy_from_toml(text) == "sac"
+
+
+@pytest.mark.parametrize(
+    ("strategy", "target", "fragment"),
+    [
+        ("sac", "megatron", "not ops chosen by a policy"),
+        ("sac", "deepspeed", "no DeepSpeed option"),
+        ("sac:attention", "torchtitan", "is the policy sac only"),
+        ("sac+block:1", "torchtitan", "one activation-checkpoint mode"),
+    ],
+)
+def test_targets_that_cannot_run_a_policy_say_why(strategy, target, fragment):
+    from ckplan import exports
+
+    spec = spec_from_mapping({**SMALL, "layers": 4, "vocab": 128})
+    plan = evaluate(spec, parse_strategy(strategy, spec))
+    assert fragment in exports.why_not(plan, target)

@@ -57,6 +57,11 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
     """Why Megatron-LM cannot run these layer segments on this layout (None: it can)."""
     if spec.kind != "transformer":
         return f"Megatron-LM trains transformers, not model kind {spec.kind!r}"
+    if layers.policy:
+        return (
+            f"the per-op policy {layers.policy}: Megatron-LM recomputes whole layers or the "
+            "modules of --recompute-modules, not ops chosen by a policy"
+        )
     if spec.zero > 1 and spec.pp > 1:
         return (
             f"zero={spec.zero} with pp {spec.pp}: Megatron-LM shards gradients and weights "

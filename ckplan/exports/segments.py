@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckplan.model.op import DENSE_MLP
+from ckplan.model.op_policy import is_policy
 from ckplan.plan import Plan
 from ckplan.schedules import (
     BACKWARD,
@@ -39,11 +40,13 @@ class LayerSegments:
     selective: bool
     moe: str | None = None
     mlp: bool = False
+    policy: str | None = None  # a per-op policy (`sac:...`) in every stored layer
 
     @property
     def modules(self) -> bool:
-        """Whether a module of the layer (attention core, MLP, MoE) is recomputed on top."""
-        return self.selective or self.mlp or self.moe is not None
+        """Whether a module of the layer (attention core, MLP, MoE) is recomputed on top, or a
+        per-op policy decides what the layer keeps."""
+        return self.selective or self.mlp or self.moe is not None or self.policy is not None
 
     @property
     def recomputed(self) -> tuple[tuple[int, int], ...]:
@@ -121,6 +124,8 @@ def schedule_segments(steps, stages: int) -> list[tuple[int, int, bool]] | None:
 def module_reason(layers: LayerSegments, target: str) -> str | None:
     """Why a target without module recomputation (everything but Megatron-LM) cannot run a
     plan that recomputes an MoE group or the dense MLP alone, or None."""
+    if layers.policy:
+        return f"the per-op policy {layers.policy}: no {target} option for it yet"
     if layers.moe:
         return f"recomputing the {layers.moe} of MoE layers: no {target} option for it yet"
     if layers.mlp:
@@ -164,6 +169,7 @@ def layer_segments(plan: Plan) -> LayerSegments | str:
             merged[-1] = (merged[-1][0], end, False)
         else:
             merged.append((start, end, recompute))
+    policy = next((group for group in plan.recompute_groups if is_policy(group)), None)
     return LayerSegments(
-        layers, tuple(merged), selective, moe_group, DENSE_MLP in plan.recompute_groups
+        layers, tuple(merged), selective, moe_group, DENSE_MLP in plan.recompute_groups, policy
     )

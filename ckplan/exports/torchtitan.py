@@ -5,8 +5,9 @@ torchtitan (torchtitan/config/job_config.py, torchtitan/distributed/activation_c
 `checkpoint_wrapper`; `selective` with `selective_ac_option = "N"` (a positive integer) wraps
 every N-th block, counting from 1 (`_layer_sac_count % ac_freq == 0`), and stores the others;
 `selective_ac_option = "op"` is op-level SAC that saves the outputs of matmuls (all but every
-second one), attention (SDPA) and collectives and recomputes the rest of each block: not
-ckplan's selective, which recomputes the attention core and saves the rest. The section reads
+second one), attention (SDPA) and reduce-scatters and recomputes the rest of each block:
+ckplan's `sac` (ckplan.model.op_policy), not its selective, which recomputes the attention core
+and saves the rest. The section reads
 the same in the TOML files of torchtitan releases and in the `ActivationCheckpoint` dataclass of
 newer Python configs.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import re
 
 from ckplan.exports.segments import LayerSegments, module_reason
+from ckplan.model.op_policy import TORCHTITAN_POLICY
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 
@@ -23,6 +25,18 @@ NAME = "torchtitan"
 
 
 def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
+    if layers.policy == TORCHTITAN_POLICY:
+        if layers.stores_all:
+            return None
+        return (
+            "its per-op policy beside fully recomputed layers: torchtitan applies one "
+            "activation-checkpoint mode to every block"
+        )
+    if layers.policy:
+        return (
+            f'the per-op policy {layers.policy}: torchtitan\'s selective_ac_option = "op" '
+            "is the policy sac only"
+        )
     if why := module_reason(layers, "torchtitan"):
         return why
     if spec.kind != "transformer":
@@ -49,6 +63,8 @@ def _option(layers: LayerSegments) -> str | None:
 
 
 def section(layers: LayerSegments) -> dict[str, str]:
+    if layers.policy == TORCHTITAN_POLICY:
+        return {"mode": "selective", "selective_ac_option": "op"}
     if layers.stores_all:
         return {"mode": "none"}
     option = _option(layers)
@@ -73,13 +89,16 @@ def notes(plan: Plan, layers: LayerSegments) -> list[str]:
 
 
 def strategy_from_toml(text: str) -> str:
-    """The ckplan strategy that an `[activation_checkpoint]` section selects: none or full.
-    Every-N-th-layer selective AC (N > 1) has no ckplan strategy name: ValueError."""
+    """The ckplan strategy that an `[activation_checkpoint]` section selects: none, full or
+    sac (op-level selective AC). Every-N-th-layer selective AC (N > 1) has no ckplan strategy
+    name: ValueError."""
     values = dict(re.findall(r'^\s*(\w+)\s*=\s*"([^"]*)"', text, flags=re.MULTILINE))
     mode = values.get("mode", "none")
     if mode == "none":
         return "none"
     if mode == "full" or values.get("selective_ac_option") == "1":
         return "full"
+    if values.get("selective_ac_option") == "op":
+        return "sac"
     option = values.get("selective_ac_option")
     raise ValueError(f"selective_ac_option {option!r} has no ckplan strategy name")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ckplan.model import allocator
 from ckplan.model.memory import model_state_bytes
+from ckplan.model.op_policy import TORCHTITAN_POLICY, check_policy_model
 from ckplan.model.spec import SIZE_RANGES, ModelSpec, SpecError
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate
 from ckplan.plan.strategies import Strategy, formula_name, has_dense_layers, parse_strategy
@@ -72,7 +73,9 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
     per stage, see `_sizes`), each also with selective
     recomputation, sqrt, and revolve:C for C up to ceil(sqrt(L)) + 1 checkpoint slots: the
     binomial schedules reach below one stored input per segment (Griewank & Walther 2000);
-    the dense MLP module (`mlp`, `selective+mlp`) where the model has dense layers.
+    the dense MLP module (`mlp`, `selective+mlp`) where the model has dense layers;
+    torchtitan's per-op policy (`sac`, `sac+block:N`) where its layers are dense with flash
+    attention.
     """
     layers = spec.layers_per_stage
     names = ["none", "selective", "full", "sqrt"]
@@ -85,6 +88,10 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
     if spec.kind == "transformer" and has_dense_layers(spec):
         # Megatron-Core's --recompute-modules mlp: the dense MLP re-run, alone and with the core
         names += ["mlp", "selective+mlp"]
+    if check_policy_model(spec) is None:
+        # torchtitan's per-op policy in every stored layer, alone and beside fully recomputed
+        # layers
+        names += ["sac"] + [f"sac+block:{size}" for size in _sizes(1, layers)]
     if spec.experts:
         # Recomputing the MoE block or only its expert MLPs, alone, with the attention core,
         # and on top of Megatron's block recompute.
@@ -227,14 +234,17 @@ def _simple_strategies(spec: ModelSpec) -> list[Strategy]:
 def optimal_plan(
     spec: ModelSpec, budget: int, slots: int = DEFAULT_SLOTS, gpu: GPU | None = None
 ) -> Plan | None:
-    """The cheaper of `optimal` and `selective+optimal` (with experts, also `moe+optimal` and
-    `selective+moe+optimal`) within `budget` activation bytes (in FLOPs, or in step time on
-    `gpu`; ties go to the smaller peak); None when none fits. The DP itself minimises
-    recompute FLOPs (rotor's costs are the chain's FLOPs)."""
+    """The cheaper of `optimal` and `selective+optimal` (with dense flash-attention layers also
+    `sac+optimal`; with experts, also `moe+optimal` and `selective+moe+optimal`) within
+    `budget` activation bytes (in FLOPs, or in step time on `gpu`; ties go to the smaller
+    peak); None when none fits. The DP itself minimises recompute FLOPs (rotor's costs are the
+    chain's FLOPs)."""
     if budget <= 0:
         return None
     found = []
     strategies = [Strategy("optimal"), Strategy("optimal", selective=True)]
+    if check_policy_model(spec) is None:
+        strategies.append(Strategy("optimal", policy=TORCHTITAN_POLICY))
     if spec.experts:
         strategies += [Strategy("optimal", moe="moe"), Strategy("optimal", None, True, "moe")]
     for strategy in strategies:
@@ -261,7 +271,7 @@ def optimal_plan(
 def _least_flops(spec: ModelSpec, strategy: Strategy) -> int:
     """A lower bound on the FLOPs of `strategy`'s plans: its recompute groups with every layer
     stored (a schedule only adds re-forwards to that, on every pipeline stage)."""
-    stored = Strategy("none", None, strategy.selective, strategy.moe, strategy.mlp)
+    stored = Strategy("none", None, strategy.selective, strategy.moe, strategy.mlp, strategy.policy)
     return evaluate(spec, stored).flops.total
 
 

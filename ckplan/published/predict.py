@@ -120,8 +120,9 @@ def run_spec(run: PublishedRun) -> ModelSpec:
 
 def strategy_of(run: PublishedRun) -> str:
     """ckplan's strategy for the run's recomputation (`full` is Megatron's uniform full
-    recomputation of every layer, `selective` the attention core)."""
-    return run.recompute
+    recomputation of every layer, `selective` the attention core, `selective-op` torchtitan's
+    per-op policy, `sac`)."""
+    return RECOMPUTE_STRATEGIES.get(run.recompute, run.recompute)
 
 
 # Frameworks whose model code runs one kernel per norm and activation although the training
@@ -138,12 +139,12 @@ MODELLED_TRAINING = {
 }
 
 
-# Recomputation of single ops by a policy (torchtitan's selective "op" AC saves matmul outputs by
-# a rule) and per-layer selection without a fixed period are not strategies ckplan has yet.
+# Per-layer selection without a fixed period is not a strategy ckplan has yet.
 UNMODELLED_RECOMPUTE = {
-    "selective-op": "torchtitan's per-op selective recomputation (selective_ac_option op)",
     "selective-layer": "per-layer selective recomputation",
 }
+# Run recompute names that are ckplan strategies under another name.
+RECOMPUTE_STRATEGIES = {"selective-op": "sac"}
 
 
 def unmodelled(run: PublishedRun) -> str | None:
