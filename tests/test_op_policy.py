@@ -276,3 +276,67 @@ def test_targets_that_cannot_run_a_policy_say_why(strategy, target, fragment):
     spec = spec_from_mapping({**SMALL, "layers": 4, "vocab": 128})
     plan = evaluate(spec, parse_strategy(strategy, spec))
     assert fragment in exports.why_not(plan, target)
+
+
+@pytest.mark.parametrize("strategy", ["sac", "sac+block:1", "sac:wo,w2,attention"])
+def test_exported_policy_fn_keeps_the_predicted_bytes(strategy):
+    """The torch export's policy_fn, run on two torchtitan-style blocks: what its selective
+    checkpoints keep is ckplan's tape, layer by layer, and the gradients are the plain step's."""
+    from needs_torch import torch_or_skip
+
+    torch = torch_or_skip()
+    import torch.utils.checkpoint as checkpoint_module
+
+    from ckplan import exports
+    from ckplan.model import memory
+
+    spec = small()
+    plan = evaluate(spec, parse_strategy(strategy, spec))
+    snippet = exports.export(plan, "torch").text
+    namespace: dict = {}
+    exec(compile(snippet, "snippet", "exec"), namespace)
+    modes = []
+
+    def recording(policy_fn):
+        pair = checkpoint_module.create_selective_checkpoint_contexts(policy_fn)
+        modes.append(pair[0])
+        return pair
+
+    namespace["create_selective_checkpoint_contexts"] = recording
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([_torch_block(torch, spec) for _ in range(spec.layers)])
+    x = torch.randn(spec.micro_batch, spec.seq, spec.hidden, requires_grad=True)
+    out = namespace["forward_layers"](layers, x)
+    forward_modes = list(modes)  # a re-forward adds its own contexts
+    kept = sum(
+        tensor.untyped_storage().nbytes()
+        for mode in forward_modes
+        for entries in mode.storage.values()
+        for wrapped in entries.values()
+        for value in (wrapped if isinstance(wrapped, tuple) else (wrapped,))
+        if isinstance(tensor := getattr(value, "val", None), torch.Tensor)
+    )
+    stored_layers = sum(
+        end - start for start, end, recompute in plan_segments(plan) if not recompute
+    )
+    assert len(forward_modes) == stored_layers
+    X = memory.layer_input_bytes(spec)
+    assert kept == stored_layers * (
+        memory.selective_activation_bytes_per_layer(spec, plan.recompute_groups) - X
+    )
+    out.sum().backward()
+    grads = [p.grad.clone() for p in layers.parameters()] + [x.grad.clone()]
+    layers.zero_grad()
+    x.grad = None
+    hidden = x
+    for layer in layers:
+        hidden = layer(hidden)
+    hidden.sum().backward()
+    for got, want in zip(grads, [p.grad for p in layers.parameters()] + [x.grad], strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def plan_segments(plan):
+    from ckplan.exports.segments import layer_segments
+
+    return layer_segments(plan).segments

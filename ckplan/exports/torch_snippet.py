@@ -26,7 +26,10 @@ non-reentrant implementation.
 
 from __future__ import annotations
 
+import textwrap
+
 from ckplan.exports.segments import LayerSegments, module_reason
+from ckplan.model.op_policy import kept_units, parse_policy, unit_ops
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 
@@ -72,15 +75,156 @@ def forward_layers(layers, hidden):
 """
 
 
+# Units a policy_fn can recognise by their aten op: matmuls by their count, the attention
+# kernels and reduce-scatters by name.
+_RECOGNISED = ("attention", "reduce_scatter")
+
+_POLICY = """\
+# Per-op policy {policy}: selective activation checkpointing.
+# Kept outputs: matmuls {numbers}{others}; every other op re-runs in backward.
+{order}
+KEEP_MATMULS = {keep}
+KEEP_ATTENTION = {attention}
+KEEP_REDUCE_SCATTER = {scatter}
+
+
+def _ops(namespace, *names):
+    return {{getattr(namespace, name).default for name in names if hasattr(namespace, name)}}
+
+
+ATTENTION_OPS = _ops(
+    torch.ops.aten,
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+REDUCE_SCATTER_OPS = _ops(torch.ops._c10d_functional, "reduce_scatter_tensor")
+
+
+def _policy(counts):
+    def policy_fn(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func == torch.ops.aten.mm.default:
+            counts[mode] += 1
+            keep = counts[mode] in KEEP_MATMULS
+        elif func in ATTENTION_OPS:
+            keep = KEEP_ATTENTION
+        elif func in REDUCE_SCATTER_OPS:
+            keep = KEEP_REDUCE_SCATTER
+        else:
+            keep = False
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy_fn
+
+
+def context_fn():
+    # a new count for every layer's checkpoint (and its re-forward)
+    return create_selective_checkpoint_contexts(_policy(defaultdict(int)))
+"""
+
+_POLICY_SEGMENTS = """\
+# (first, last + 1, recompute): a recomputed segment keeps its input and is re-run whole in
+# backward; each layer of a stored one runs under the per-op policy.
+SEGMENTS = {segments}
+
+
+def forward_layers(layers, hidden):
+    for start, end, recompute in SEGMENTS:
+        if recompute:
+
+            def forward(hidden, start=start, end=end):
+                for layer in layers[start:end]:
+                    hidden = layer(hidden)
+                return hidden
+
+            hidden = checkpoint(forward, hidden, use_reentrant=False)
+        else:
+            for layer in layers[start:end]:
+                hidden = checkpoint(layer, hidden, use_reentrant=False, context_fn=context_fn)
+    return hidden
+"""
+
+
 def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
-    """PyTorch wraps any one-level segments: nothing to refuse."""
+    """PyTorch wraps any one-level segments; a per-op policy whose kept units a policy_fn can
+    recognise (matmuls, attention kernels, reduce-scatters) is selective activation
+    checkpointing."""
+    if layers.policy:
+        policy = parse_policy(layers.policy)
+        named = sorted(
+            name
+            for name in policy.names
+            if name not in _RECOGNISED
+            and name in kept_units(spec, policy)
+            and not _is_matmul(spec, name)
+        )
+        if named:
+            return (
+                f"the per-op policy {layers.policy}: a policy_fn recognises matmuls, attention "
+                f"kernels and reduce-scatters by their aten op, not {', '.join(named)}"
+            )
+        return None
     if why := module_reason(layers, "PyTorch snippet"):
         return why
     return None
 
 
+def _is_matmul(spec: ModelSpec, name: str) -> bool:
+    return any(unit.name == name and unit.matmul for unit in unit_ops(spec))
+
+
+def _policy_part(spec: ModelSpec, layers: LayerSegments) -> str:
+    policy = parse_policy(layers.policy)
+    kept = set(kept_units(spec, policy))
+    matmuls = [unit.name for unit in unit_ops(spec) if unit.matmul]
+    counting = spec.precision not in ("fp8", "float8")
+    keep = sorted(i for i, name in enumerate(matmuls, 1) if name in kept) if counting else []
+    others = [name for name in _RECOGNISED if name in kept]
+    return _POLICY.format(
+        policy=layers.policy,
+        numbers=", ".join(map(str, keep)) or "none",
+        order="\n".join(
+            textwrap.wrap(
+                "Matmuls are the aten.mm calls of a layer counted from 1: "
+                + ", ".join(matmuls)
+                + ".",
+                width=98,
+                initial_indent="# ",
+                subsequent_indent="# ",
+            )
+        ),
+        others="".join(f", {name}" for name in others),
+        keep="{" + ", ".join(map(str, keep)) + "}" if keep else "set()",
+        attention="attention" in kept,
+        scatter="reduce_scatter" in kept,
+    )
+
+
 def render(plan: Plan, layers: LayerSegments) -> str:
     spec = plan.spec
+    if layers.policy:
+        header = [
+            f"# ckplan: plan {plan.strategy} for {spec.name}, {layers.layers} layers per pipeline "
+            "stage.",
+            "# forward_layers(layers, hidden) replaces `for layer in layers: hidden = "
+            "layer(hidden)`.",
+            "from collections import defaultdict",
+            "",
+            "import torch",
+            "from torch.utils.checkpoint import (",
+            "    CheckpointPolicy,",
+            "    checkpoint,",
+            "    create_selective_checkpoint_contexts,",
+            ")",
+        ]
+        parts = [
+            "\n".join(header),
+            _policy_part(spec, layers),
+            _POLICY_SEGMENTS.format(segments=list(layers.segments)),
+        ]
+        return "\n\n\n".join(part.rstrip("\n") for part in parts) + "\n"
     chunks = sequential_chunks(layers)
     names = set()
     if chunks:
@@ -120,6 +264,11 @@ def notes(plan: Plan, layers: LayerSegments) -> list[str]:
     lines = ["paste it into the model's module; `layers` are this stage's transformer blocks"]
     if layers.selective:
         lines.append("selective: call the attention core as attention_core(core, q, k, v, ...)")
+    if layers.policy:
+        lines.append(
+            "the matmul numbers assume the layer runs each projection as its own linear, in "
+            "the order the policy comment gives (torchtitan's and Hugging Face's Llama blocks)"
+        )
     if plan.spec.pp > 1:
         lines.append(f"each pipeline stage runs it on its own {layers.layers} layers")
     return lines
