@@ -18,8 +18,12 @@ parameter (its mixed-precision recipe) and adds buffers of its own:
   the layer running and of the one prefetched; the layer's unsharded bf16 gradients and the
   fp32 reduce-scatter input while it reduces; the root module (embedding, final norm, output)
   not resharded after forward. Under pipeline parallelism it does not reshard after forward
-  (torchtitan's parallelize apply_fsdp): the whole stage stays unsharded. zero 0 is its
-  replicate (DDP/HSDP), 2 FSDP without resharding after forward, 3 FSDP.
+  (torchtitan's parallelize apply_fsdp): the whole stage stays unsharded; and the pipeline
+  stage runs every micro-batch's backward without gradient sync, reduce-scattering once after
+  the last (torch/distributed/pipelining/stage.py `backward_maybe_with_nosync`, PyTorch
+  v2.13.0), so FSDP2 accumulates the stage's unsharded gradients in its reduce dtype, fp32
+  (_fsdp_param.py `to_accumulated_grad_if_needed`): 4 bytes per parameter of the stage.
+  zero 0 is its replicate (DDP/HSDP), 2 FSDP without resharding after forward, 3 FSDP.
 - `deepspeed` (ZeRO, bf16): bf16 weights and gradients, fp32 master weights and Adam, 16 bytes
   per parameter (Rajbhandari et al. 2020, K = 12); ZeRO-3 accumulates its gradient partition in
   fp32 (stage3.py `grad_partitions_flat_buffer`, gradient_accumulation_dtype fp32). Buffers
@@ -115,11 +119,14 @@ def buffer_bytes(spec, stage_params: int, layer_params: int, root_params: int) -
     parameters this GPU's pipeline stage holds, `layer_params` one layer's (the largest),
     `root_params` those outside the layers (embedding, final norm, output) on this stage."""
     framework, zero, dp = spec.framework, spec.zero, spec.dp
-    if framework == "torchtitan" and dp > 1 and zero >= 2:
+    # torchtitan's FSDP mesh is dp_shard·cp (context-parallel ranks hold the same parameters)
+    if framework == "torchtitan" and dp * spec.cp > 1 and zero >= 2:
         if zero == 2 or spec.pp > 1:
             unsharded = HALF * stage_params  # no reshard after forward
         else:  # the running layer, the prefetched one, and the root module
             unsharded = HALF * (2 * layer_params + root_params)
+        if spec.pp > 1:  # fp32 unsharded gradients of the stage, the running layer's in bf16
+            return unsharded + 4 * stage_params + HALF * layer_params
         reducing = (HALF + 4) * layer_params  # bf16 gradients, fp32 reduce-scatter input
         return unsharded + reducing
     if framework == "deepspeed" and dp > 1 and zero >= 1:

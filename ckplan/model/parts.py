@@ -312,10 +312,32 @@ PRECISIONS = ("bf16", "fp16", "fp8", "float8")
 # off by default); torchtitan's eager PyTorch (torch.compile off by default), FSDP2's prefetch;
 # DeepSpeed's overlap_comm; Hugging Face Trainer's eager modules and DDP's bucketed all-reduce.
 FRAMEWORK_DEFAULTS: dict[str, dict[str, Any]] = {
-    "megatron": {"kernels": "fused", "dp_comm_overlap": False, "loss": "fused"},
-    "torchtitan": {"kernels": "eager", "dp_comm_overlap": True, "loss": "eager"},
-    "deepspeed": {"kernels": "fused", "dp_comm_overlap": True, "loss": "fused"},
-    "hf": {"kernels": "eager", "dp_comm_overlap": True, "loss": "eager"},
+    "megatron": {
+        "kernels": "fused",
+        "dp_comm_overlap": False,
+        "loss": "fused",
+        "expandable_segments": False,
+    },
+    # torchtitan's launcher sets PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"
+    # (run_llama_train.sh at 9dec370, run_train.sh since)
+    "torchtitan": {
+        "kernels": "eager",
+        "dp_comm_overlap": True,
+        "loss": "eager",
+        "expandable_segments": True,
+    },
+    "deepspeed": {
+        "kernels": "fused",
+        "dp_comm_overlap": True,
+        "loss": "fused",
+        "expandable_segments": False,
+    },
+    "hf": {
+        "kernels": "eager",
+        "dp_comm_overlap": True,
+        "loss": "eager",
+        "expandable_segments": False,
+    },
 }
 MAX_LOSS_CHUNKS = 2**16
 
@@ -345,7 +367,8 @@ class Execution(_Record):
     loss: str | None = None  # fused | eager | chunked:N (ckplan.model.loss); None -> framework's
     tp_comm_overlap: bool = False  # Megatron/TE --tp-comm-overlap, torchtitan async TP
     dp_comm_overlap: bool | None = None  # overlap DP/FSDP traffic with compute; None -> framework's
-    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; None -> the framework's launcher's
+    expandable_segments: bool | None = None
 
     __hash__ = _Record.__hash__
 
@@ -360,7 +383,7 @@ class Execution(_Record):
                     key=key, rule=f"must be one of {', '.join(allowed)}", value=getattr(self, key)
                 )
         defaults = FRAMEWORK_DEFAULTS[self.framework]
-        for key in ("kernels", "dp_comm_overlap", "loss"):
+        for key in ("kernels", "dp_comm_overlap", "loss", "expandable_segments"):
             if getattr(self, key) is None:
                 self._derive(key, defaults[key])
         if self.loss not in ("fused", "eager") and not _is_chunked(self.loss):
