@@ -340,3 +340,77 @@ def plan_segments(plan):
     from ckplan.exports.segments import layer_segments
 
     return layer_segments(plan).segments
+
+
+# ---- the best per-op policy ---------------------------------------------------------------------
+
+
+def test_frontier_is_the_brute_force_pareto_set():
+    """Every subset of units enumerated: the frontier holds exactly the non-dominated ones."""
+    from itertools import combinations
+
+    from ckplan.inputs.gpus import load_gpu
+    from ckplan.plan.policy_search import _choosable, policy_frontier, unit_cost
+
+    for gpu in (None, load_gpu("h100-sxm")):
+        spec = small()
+        units = _choosable(spec, None)
+        X = 4 * 32 * 64
+        total = sum(unit_cost(spec, u, gpu) for u in units)
+        every = []
+        for size in range(len(units) + 1):
+            for chosen in combinations(units, size):
+                tape = X + sum(u.output_bytes for u in chosen)
+                cost = total - sum(unit_cost(spec, u, gpu) for u in chosen)
+                every.append((tape, cost))
+        best = {}
+        for tape, cost in every:
+            best[tape] = min(best.get(tape, cost), cost)
+        brute = []
+        for tape in sorted(best):
+            if not brute or best[tape] < brute[-1][1] - 1e-12 * max(1.0, abs(brute[-1][1])):
+                brute.append((tape, best[tape]))
+        frontier = [(p.tape_bytes, p.cost) for p in policy_frontier(spec, gpu)]
+        assert [t for t, _ in frontier] == [t for t, _ in brute]
+        for (_, got), (_, want) in zip(frontier, brute, strict=True):
+            assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+def test_frontier_points_are_policies_with_their_tape():
+    from ckplan.plan.policy_search import policy_frontier
+
+    spec = small()
+    for point in policy_frontier(spec):
+        if point.kept:
+            assert policy_tape_bytes(spec, parse_policy(point.strategy)) == point.tape_bytes
+            strategy = parse_strategy(point.strategy, spec)
+            assert strategy.policy == policy_text(parse_policy(point.strategy))
+
+
+def test_best_policy_within_a_budget():
+    from ckplan.plan.policy_search import best_policy, policy_frontier
+
+    spec = small()
+    frontier = policy_frontier(spec)
+    assert frontier[0].kept == () and frontier[-1].cost == 0
+    everything = frontier[-1].tape_bytes
+    assert best_policy(spec, everything).cost == 0
+    assert best_policy(spec, frontier[0].tape_bytes - 1) is None
+    middle = frontier[len(frontier) // 2]
+    assert best_policy(spec, middle.tape_bytes).cost == middle.cost
+
+
+def test_sweep_offers_the_best_policy_that_fits(spec_of):
+    """Llama-3-8B, two 8,192-token sequences per H100, FSDP over 8: the frontier's best fitting
+    policy is in the sweep, fits, and is no slower than torchtitan's sac."""
+    from ckplan.inputs.gpus import load_gpu
+    from ckplan.plan.search import sweep
+
+    spec = spec_of("llama3-8b", micro_batch=2, dp=8, zero=3)
+    gpu = load_gpu("h100-sxm")
+    result = sweep(spec, gpu.memory_bytes, gpu=gpu)
+    by_name = {c.plan.strategy: c for c in result.candidates}
+    policies = [c for name, c in by_name.items() if name.startswith("sac:")]
+    assert len(policies) == 1 and policies[0].fits
+    assert policies[0].time.step_seconds <= by_name["sac"].time.step_seconds
+    assert result.best.time.step_seconds <= policies[0].time.step_seconds

@@ -179,6 +179,10 @@ def sweep(
         optimal = optimal_plan(spec, activation_budget(spec, usable), slots, gpu)
         if optimal is not None:
             plans.append(optimal)
+        # with a GPU only: elementwise re-runs cost time, not FLOPs
+        policy = best_policy_plan(spec, usable, gpu) if gpu is not None else None
+        if policy is not None and policy.strategy not in {plan.strategy for plan in plans}:
+            plans.append(policy)
     if progress is not None:
         progress(len(strategies) + 1, len(strategies) + 1)
     candidates = tuple(_candidate(plan, usable, gpu) for plan in plans)
@@ -266,6 +270,32 @@ def optimal_plan(
 
         return min(found, key=lambda p: (step_time(p, gpu).step_seconds, p.activation_bytes))
     return min(found, key=lambda p: (p.flops.total, p.activation_bytes))
+
+
+def best_policy_plan(spec: ModelSpec, usable: int, gpu: GPU | None = None) -> Plan | None:
+    """The plan of the cheapest per-op policy (`policy_search.policy_frontier`: re-run time on
+    `gpu`, FLOPs without) whose plan fits `usable` bytes; None when the model has no policies
+    or none fits. A plan's peak grows with its policy's stored bytes, so a binary search over
+    the frontier (by bytes) finds the last that fits."""
+    if spec.kind != "transformer" or check_policy_model(spec) is not None:
+        return None
+    from ckplan.plan.policy_search import policy_frontier
+
+    frontier = [point for point in policy_frontier(spec, gpu) if point.kept]
+    allocatable = allocator.allocatable_bytes(usable, spec.expandable_segments)
+
+    def plan_of(index: int) -> Plan:
+        return evaluate(spec, parse_strategy(frontier[index].strategy, spec))
+
+    low, high, found = 0, len(frontier) - 1, None
+    while low <= high:
+        middle = (low + high) // 2
+        plan = plan_of(middle)
+        if plan.total_bytes <= allocatable:
+            found, low = plan, middle + 1
+        else:
+            high = middle - 1
+    return found
 
 
 def _least_flops(spec: ModelSpec, strategy: Strategy) -> int:
