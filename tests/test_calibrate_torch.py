@@ -226,3 +226,50 @@ def test_cuda_without_a_gpu_is_one_line(capsys):
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and "no CUDA device" in err
     assert cuda.gpu_shape(load_spec("llama3-8b")).kv_heads == 2
+
+
+EXAMPLE_MODULE = "examples/modules/my_block.py:build"
+
+
+def test_calibrate_a_module_of_ones_own(tmp_path, capsys, monkeypatch):
+    """`--module FILE.py:FACTORY`: the example block (torch's RMSNorm, separate projections,
+    RoPE on buffers, SDPA, eager SwiGLU) fits exactly, checks on the held-out shape, and the
+    profile it writes is what estimate then uses."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    out = tmp_path / "mine.yaml"
+    code = main(
+        ["calibrate", "llama3-8b", "--set", "dtype_bytes=4", "--module", EXAMPLE_MODULE,
+         "-o", str(out), "--json"]
+    )  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert report["check"]["measured_bytes"] == report["check"]["predicted_bytes"]
+    assert "my_block.py:build" in report["block"]
+    profile = load_profile(str(out))
+    spec = load_spec("llama3-8b", {"dtype_bytes": 4, "seq": 48, "micro_batch": 2})
+    names = [op.name for op in transformer_layer_ops(spec)]
+    saved = dict(zip(names, _bytes(spec, profile), strict=True))
+    # torch's nn.RMSNorm keeps its input and the normalised input (2B·sbh) and the fp32 rms
+    assert saved["norm1"] == 2 * 4 * 48 * 2 * 4096 + 4 * 48 * 2
+
+
+@pytest.mark.parametrize(
+    ("module", "fragment"),
+    [
+        ("no_colon", "expected PACKAGE.MODULE:FACTORY or FILE.py:FACTORY"),
+        ("missing.py:build", "no file 'missing.py'"),
+        ("examples/modules/my_block.py:nothing", "has no callable 'nothing'"),
+        ("no_such_package_xyz:build", "importing 'no_such_package_xyz' failed"),
+        ("json:dumps", "the factory failed"),
+    ],
+)
+def test_calibrate_bad_modules_are_one_line(capsys, monkeypatch, module, fragment):
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    code = main(["calibrate", "llama3-8b", "--module", module])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and fragment in err

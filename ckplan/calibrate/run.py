@@ -74,8 +74,12 @@ class Calibration:
         return (sum(self.check_predicted.values()) - measured) / measured
 
 
-def block_description(spec: ModelSpec, hf: bool, hf_config: dict | None = None) -> str:
+def block_description(
+    spec: ModelSpec, hf: bool, hf_config: dict | None = None, module: str | None = None
+) -> str:
     attention = "F.scaled_dot_product_attention" if spec.attention == "flash" else "eager attention"
+    if module:
+        return f"the layer of {module}"
     if hf:
         from ckplan.calibrate.hf import model_type
 
@@ -134,10 +138,16 @@ def measure(
     hf: bool,
     hf_config: dict | None = None,
     seed: int = 0,
+    module: str | None = None,
 ) -> ShapeMeasurement:
-    """One forward of one layer at `shape`: elements saved per op and dtype class."""
+    """One forward of one layer at `shape`: elements saved per op and dtype class. `module`:
+    the user's factory, PKG.MOD:FACTORY (`ckplan.calibrate.user`)."""
     torch.manual_seed(seed)
-    if hf:
+    if module:
+        from ckplan.calibrate.user import load_factory, user_block
+
+        block = user_block(load_factory(module), module, shape, dtype, device)
+    elif hf:
         from ckplan.calibrate.hf import hf_block
 
         block = hf_block(spec, shape, dtype, device, hf_config)
@@ -200,9 +210,11 @@ def calibrate(
     device: str = "cpu",
     name: str | None = None,
     hf_config: dict | None = None,
+    module: str | None = None,
 ) -> Calibration:
     """Measure one layer of `spec` at the fitting shapes and the check shape, fit the profile.
-    `hf_config`: the model's config.json (its model_type picks the Hugging Face layer)."""
+    `hf_config`: the model's config.json (its model_type picks the Hugging Face layer);
+    `module`: the user's own layer, PKG.MOD:FACTORY."""
     if spec.kind != "transformer":
         raise CalibrationError("calibrate measures transformer layers (kind: transformer)")
     if spec.dtype_bytes not in DTYPES:
@@ -214,8 +226,15 @@ def calibrate(
         raise CalibrationError(f"--device {quote(device)}: torch sees no CUDA device here")
     dtype = DTYPES[spec.dtype_bytes]
     gqa = spec.kv_heads < spec.heads
-    samples = [measure(spec, shape, dtype, device, hf, hf_config) for shape in fit_shapes(gqa)]
-    held_out = measure(spec, check_shape(gqa), dtype, device, hf, hf_config)
+    if module:
+        from ckplan.calibrate.user import load_factory
+
+        load_factory(module)  # a bad factory is one error before any measurement
+    samples = [
+        measure(spec, shape, dtype, device, hf, hf_config, module=module)
+        for shape in fit_shapes(gqa)
+    ]
+    held_out = measure(spec, check_shape(gqa), dtype, device, hf, hf_config, module=module)
     measured_ops = [op for op in OP_NAMES if any(op in s.elements for s in samples)]
     fits = {
         op: fit_op(op, [(s.shape, s.elements.get(op, {})) for s in samples], spec.dtype_bytes)
@@ -224,7 +243,8 @@ def calibrate(
     table = [op.name for op in transformer_layer_ops(spec)]
     unmeasured = [op for op in table if op not in fits]
     unmodelled = [op for op in fits if op not in table]
-    profile = _profile_mapping(spec, fits, unmeasured, hf, device, name, samples, hf_config)
+    block = block_description(spec, hf, hf_config, module)
+    profile = _profile_mapping(spec, fits, unmeasured, block, device, name, samples)
     predicted = _predict(spec, profile, held_out.shape)
     profile["calibration"]["check"] = {
         "shape": held_out.shape.text(),
@@ -233,7 +253,7 @@ def calibrate(
     }
     return Calibration(
         spec,
-        block_description(spec, hf, hf_config),
+        block,
         device,
         str(torch.__version__),
         fits,
@@ -259,15 +279,14 @@ def requires(spec: ModelSpec) -> list[str]:
     return [condition_text(item) for item in items]
 
 
-def _profile_mapping(spec, fits, unmeasured, hf, device, name, samples, hf_config) -> dict:
+def _profile_mapping(spec, fits, unmeasured, block, device, name, samples) -> dict:
     ops = {op: {"saved": fit.mapping()} for op, fit in fits.items()}
     for op in unmeasured:  # the measured layer has no such op: it saves nothing
         ops[op] = {"saved": {}}
     ordered = {op: ops[op] for op in OP_NAMES if op in ops}
     return {
         "name": name or f"{spec.name}-calibrated",
-        "source": f"ckplan calibrate: {block_description(spec, hf, hf_config)}, "
-        f"torch {torch.__version__!s} on {device}",
+        "source": f"ckplan calibrate: {block}, torch {torch.__version__!s} on {device}",
         "description": f"what autograd saves for one {spec.name} layer, measured and fitted "
         "exactly (ckplan calibrate)",
         "requires": requires(spec),
@@ -275,7 +294,7 @@ def _profile_mapping(spec, fits, unmeasured, hf, device, name, samples, hf_confi
         "calibration": {
             "torch": str(torch.__version__),
             "device": device,
-            "block": block_description(spec, hf, hf_config),
+            "block": block,
             "fit_shapes": [s.shape.text() for s in samples],
             "max_residual_bytes": str(max((f.max_residual for f in fits.values()), default=0)),
         },

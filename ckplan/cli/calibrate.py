@@ -26,6 +26,14 @@ def calibrate(
         bool,
         typer.Option("--hf", help="Measure the real Hugging Face decoder layer (transformers)."),
     ] = False,
+    module: Annotated[
+        str | None,
+        typer.Option(
+            "--module",
+            help="Measure your own layer: PACKAGE.MODULE:FACTORY or FILE.py:FACTORY, a "
+            "factory taking the shape as keywords (docs/profiles.md).",
+        ),
+    ] = None,
     device: Annotated[
         str, typer.Option("--device", help="cpu, or cuda: also checks peak memory on the GPU.")
     ] = "cpu",
@@ -52,6 +60,8 @@ def calibrate(
             from ckplan.inputs.paths import check_output
 
             check_output(out, "--out")
+        if module is not None and hf:
+            raise UserError("--module and --hf: measure one layer, your module or Hugging Face's")
         missing = missing_extra(hf)
         if missing:
             raise UserError(missing)
@@ -59,7 +69,7 @@ def calibrate(
 
         hf_config = _hf_config(model) if hf else None
         try:
-            result = run.calibrate(spec, hf, device, name, hf_config)
+            result = run.calibrate(spec, hf, device, name, hf_config, module)
             if device.startswith("cuda"):
                 from ckplan.calibrate.cuda import peak_memory_check
 
