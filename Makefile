@@ -26,12 +26,12 @@ fuzz: $(STAMP)
 	$(BIN)/python tests/fuzz_cli.py --cases $(FUZZ_CASES) --seed $(FUZZ_SEED)
 
 lint: $(STAMP)
-	$(BIN)/ruff check ckplan tests benchmarks validation
-	$(BIN)/ruff format --check ckplan tests benchmarks validation
+	$(BIN)/ruff check ckplan tests benchmarks validation examples
+	$(BIN)/ruff format --check ckplan tests benchmarks validation examples
 
 format: $(STAMP)
-	$(BIN)/ruff format ckplan tests benchmarks validation
-	$(BIN)/ruff check --fix ckplan tests benchmarks validation
+	$(BIN)/ruff format ckplan tests benchmarks validation examples
+	$(BIN)/ruff check --fix ckplan tests benchmarks validation examples
 
 # The accounting against PyTorch autograd (docs/validation.md) and `ckplan calibrate`; torch is
 # an optional extra. `make test` runs its tests where torch is installed and reports them as
