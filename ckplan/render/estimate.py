@@ -202,8 +202,9 @@ PART_TITLES = {
     "shape": "run shape",
     "parallel": "parallel",
     "data_parallel": "data parallel",
-    "training": "bytes/param",
+    "states": "bytes/param",
     "execution": "execution",
+    "finetune": "fine-tuning",
 }
 
 
@@ -230,6 +231,8 @@ def model_rows(spec: ModelSpec) -> list[tuple[str, list[str]]]:
         }
         rows += [(name, list(keys)) for name, keys in ARCHITECTURE_FEATURES.items() if used[name]]
     for name, title in PART_TITLES.items():
+        if name == "finetune" and spec.training == "full":
+            continue  # the default: every weight trains
         part = parts[name]
         keys = [
             f.name
