@@ -683,6 +683,11 @@ def _validate_finetune(spec: ModelSpec) -> None:
         )
     if spec.precision in ("fp8", "float8"):
         raise SpecError(f"key 'precision' must be bf16 or fp16 with {what}, got {spec.precision}")
+    if finetune.weight_format in ("nf4", "fp4", "int8") and spec.tp > 1:
+        raise SpecError(
+            f"key 'tp' must be 1 with weight_format: {finetune.weight_format} (quantised "
+            "weights split over tensor-parallel ranks are not modelled yet)"
+        )
     if lora and spec.tp > 1:
         raise SpecError(
             f"key 'tp' must be 1 with {what}: the adapters' tensor-parallel layout is not "
