@@ -128,3 +128,35 @@ def test_saved_bytes_match_autograd(harness, dtype, training, targets, dropout):
     for op in ("norm1", "norm2"):
         assert measured[op] - predicted[op] == 4 * tokens, op
     assert "untagged" not in measured
+
+
+PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "torch-sdpa.yaml"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("training", "targets", "dropout"), CASES[:4])
+def test_hugging_face_eager_norms_with_frozen_gains(harness, dtype, training, targets, dropout):
+    """Hugging Face's LlamaRMSNorm with a frozen gain saves its fp32 input and rstd, not the
+    normalized tensor `weight *` would need for the gain's gradient: the torch-sdpa profile's
+    case, every op to the byte, the norms' statistics included."""
+    cfg = harness.Config(
+        f"llama-{dtype}-hf-{training}",
+        "llama",
+        dtype,
+        kv_heads=2,
+        ffn_hidden=704,
+        norm_impl="hf",
+        attention="sdpa",
+        swiglu_impl="eager",
+    )
+    from ckplan.inputs.presets import spec_from_values
+    from ckplan.model.memory import activation_bytes_by_op
+
+    measured = measure(harness, cfg, targets, 8, dropout)
+    mapping = harness.ckplan_mapping_for(cfg) | {"training": training, "profile": str(PROFILE)}
+    if training == "lora":
+        mapping |= {"lora_rank": 8, "lora_targets": ",".join(targets), "lora_dropout": dropout}
+    predicted = activation_bytes_by_op(spec_from_values(mapping, origin=cfg.name))
+    for op in ("norm1", "norm2", "act"):
+        assert measured[op] == predicted[op], op
+    assert sum(measured.values()) == sum(predicted.values())
