@@ -205,3 +205,24 @@ def spec_ops(spec):
     from ckplan.model.ops import layer_ops
 
     return layer_ops(spec)
+
+
+def test_published_lora_runs_translate_into_fine_tuning_keys():
+    """The torchtune and PEFT LoRA/QLoRA runs become specs with their rank, targets (torchtune's
+    output_proj, w1, w2, w3 as o_proj, gate_proj, down_proj, up_proj) and weight format; what
+    keeps them unscored is their loss, offload or metric, not the fine-tuning."""
+    from ckplan.published.predict import run_spec, unmodelled
+    from ckplan.published.suite import suite_runs
+
+    runs = [run for run in suite_runs() if run.training.get("training", "full") != "full"]
+    assert len(runs) >= 2
+    for run in runs:
+        spec = run_spec(run)
+        assert spec.training == run.training["training"]
+        assert spec.lora_rank == run.training["lora"]["rank"]
+        reason = unmodelled(run) or ""
+        assert "training" not in reason and "weight_format" not in reason
+    torchtune = next(run for run in runs if run.name.startswith("torchtune-llama3.2-3b-qlora"))
+    spec = run_spec(torchtune)
+    assert spec.weight_format == "nf4"
+    assert spec.lora_targets == "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
