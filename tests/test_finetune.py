@@ -226,3 +226,14 @@ def test_published_lora_runs_translate_into_fine_tuning_keys():
     spec = run_spec(torchtune)
     assert spec.weight_format == "nf4"
     assert spec.lora_targets == "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+
+
+def test_a_frozen_output_layer_keeps_no_input_and_no_weight_gradient():
+    from ckplan.model.loss import output_saved_bytes
+    from ckplan.plan.layer_chain import layer_chain
+
+    full, lora = small(), small(training="lora")
+    assert output_saved_bytes(full) - output_saved_bytes(lora) == X
+    logits = 2 * TOKENS * 256 * 64
+    assert layer_chain(full, False).backward_flops[-1] == 2 * logits
+    assert layer_chain(lora, False).backward_flops[-1] == logits

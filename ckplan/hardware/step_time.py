@@ -334,7 +334,11 @@ def output_time(spec: ModelSpec, gpu: GPU) -> StageTime:
         "output",
         0,
         2 * tokens * split_share(spec.vocab, spec.tp) * spec.hidden,
-        4 * tokens * split_share(spec.vocab, spec.tp) * spec.hidden,
+        # a frozen output layer (docs/fine-tuning.md): the input gradient's GEMM alone
+        (4 if spec.training == "full" else 2)
+        * tokens
+        * split_share(spec.vocab, spec.tp)
+        * spec.hidden,
         matmul=Matmul(tokens, split_share(spec.vocab, spec.tp), spec.hidden, 1, B),
         forward_bytes=2 * stream + loss_forward,
         backward_bytes=3 * stream + loss_backward,
