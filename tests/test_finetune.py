@@ -237,3 +237,12 @@ def test_a_frozen_output_layer_keeps_no_input_and_no_weight_gradient():
     logits = 2 * TOKENS * 256 * 64
     assert layer_chain(full, False).backward_flops[-1] == 2 * logits
     assert layer_chain(lora, False).backward_flops[-1] == logits
+
+
+def test_plan_searches_tp_1_for_lora_and_exports_say_what_they_carry(capsys):
+    code = main(["plan", "llama3-8b", "--set", "training=lora", "--gpus", "8", "--gpu", "h100-sxm"])
+    out = capsys.readouterr().out
+    assert code == 0 and "Fastest: tp 1" in out
+    code = main(["export", "llama3-8b", "--set", "training=qlora", "-p", "full", "-t", "torch"])
+    captured = capsys.readouterr()
+    assert code == 0 and "training: qlora" in captured.out + captured.err

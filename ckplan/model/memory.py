@@ -488,7 +488,9 @@ def model_state_bytes(spec: ModelSpec, stage: int | None = None) -> ModelStateBy
     return states_of(spec, dense, expert, buffers=stage_buffer_bytes(spec, stage))
 
 
-def finetune_state_bytes(spec: ModelSpec, stage: int) -> ModelStateBytes:
+def finetune_state_bytes(
+    spec: ModelSpec, stage: int, zero: int | None = None, dp: int | None = None
+) -> ModelStateBytes:
     """Model states per GPU of pipeline stage `stage` when the base weights are frozen
     (training: frozen, lora, qlora; ckplan.model.finetune).
 
@@ -503,8 +505,11 @@ def finetune_state_bytes(spec: ModelSpec, stage: int) -> ModelStateBytes:
     and optimizer bytes (hf's 4 + 4 + 0 + 8 are PEFT's fp32 adapters: its
     autocast_adapter_dtype=True upcasts bf16 and fp16 adapter weights, peft v0.17.0
     src/peft/tuners/tuners_utils.py `_cast_adapter_dtype`). The framework's buffers
-    (`frameworks.buffer_bytes`) are those of the trainable parameters.
+    (`frameworks.buffer_bytes`) are those of the trainable parameters. `zero` and `dp` (the
+    ranks sharing the states, default spec's zero and dp·cp) as `states_of` takes them.
     """
+    zero = spec.zero if zero is None else zero
+    dp = spec.dp * spec.cp if dp is None else dp
     dense, _ = stage_parameters(spec, stage)
     layers_here = sum(stage_kind_counts(spec, stage).values())
     fmt = spec.weight_format
@@ -518,12 +523,12 @@ def finetune_state_bytes(spec: ModelSpec, stage: int) -> ModelStateBytes:
         per_value = spec.weight_bytes if fmt is None else {"fp32": 4}.get(fmt, 2)
         linear_bytes = linear_values * per_value
     base = (dense - linear_values) * spec.weight_bytes + linear_bytes
-    if spec.zero >= 3:
-        base = split_share(base, spec.dp * spec.cp)
+    if zero >= 3:
+        base = split_share(base, dp)
     adapter_layer = finetune.lora_layer_parameters(spec)
     trainable = layers_here * adapter_layer
     buffers = frameworks.buffer_bytes(spec, trainable, adapter_layer, 0) if trainable else 0
-    adapters = states_of(spec, trainable, 0)
+    adapters = states_of(spec, trainable, 0, zero=zero, dp=dp)
     return ModelStateBytes(
         base + adapters.weights, adapters.gradients, adapters.optimizer, buffers=buffers
     )
