@@ -497,7 +497,9 @@ def finetune_state_bytes(
     derived: a frozen parameter holds its weight and nothing else: no gradient, no master copy,
     no optimizer state (PyTorch optimizers skip parameters whose .grad is None). The layers'
     linear weights are held in weight_format (`finetune.quantized_weight_bytes`: bitsandbytes
-    quantises only nn.Linear layers); the norms, biases, embeddings and output layer at
+    replaces nn.Linear layers, and transformers keeps the output layer in full precision,
+    src/transformers/integrations/bitsandbytes.py get_keys_to_not_convert, "keep the lm_head
+    in full precision"); the norms, biases, embeddings and output layer at
     weight_bytes (bf16 in torchtune's QLoRA recipes; fp32 after PEFT's
     prepare_model_for_kbit_training, peft v0.17.0 src/peft/utils/other.py, "cast all non INT8
     parameters to fp32", which hf's weight_bytes 4 gives). ZeRO-3 shards the frozen weights
