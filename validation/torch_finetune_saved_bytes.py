@@ -11,6 +11,7 @@ dropout(x))) * scaling`, nn.Dropout as PEFT builds it). Saved tensors are record
 
     python validation/torch_finetune_saved_bytes.py                # CPU, JSON on stdout
     python validation/torch_finetune_saved_bytes.py --device cuda  # a GPU's kernels
+    python validation/torch_finetune_saved_bytes.py --compare      # beside ckplan's prediction
 """
 
 from __future__ import annotations
@@ -107,9 +108,63 @@ def four_bit(device: str) -> dict | None:
     return {"version": bnb.__version__, "parts": parts, "matmul_saved": saved}
 
 
+# ckplan's ops beside each tag of the measured layer: a linear and its adapters run under one
+# tag; SDPA saves the attention output O that ckplan counts with out_proj.
+SITES = {
+    "norm1": ("norm1",),
+    "qkv_proj": ("qkv_proj", "qkv_proj_lora"),
+    "attention_core": ("attention_core", "out_proj", "out_proj_lora"),
+    "norm2": ("norm2",),
+    "fc1": ("fc1", "fc1_lora"),
+    "act": ("act",),
+    "fc2": ("fc2", "fc2_lora"),
+}
+
+
+def predicted(cfg: Config, training: str, targets, rank: int, dropout: float) -> dict[str, int]:
+    """ckplan's saved bytes per tag of the measured layer (SITES)."""
+    from ckplan.inputs.presets import spec_from_values
+    from ckplan.model.memory import activation_bytes_by_op
+
+    mapping = {
+        "name": cfg.name, "layers": 1, "hidden": cfg.hidden, "heads": cfg.heads,
+        "kv_heads": cfg.kv_heads, "ffn_hidden": cfg.ffn_hidden, "vocab": 1024, "seq": cfg.seq,
+        "micro_batch": cfg.micro_batch, "dtype_bytes": cfg.dtype_bytes, "norm": "rmsnorm",
+        "mlp": "swiglu", "attention": "flash", "positions": "rope", "bias": False,
+        "fused_swiglu": False, "training": training,
+    }  # fmt: skip
+    if training == "lora":
+        mapping |= {"lora_rank": rank, "lora_targets": ",".join(targets), "lora_dropout": dropout}
+    ops = activation_bytes_by_op(spec_from_values(mapping, origin=cfg.name))
+    return {tag: sum(ops.get(op, 0) for op in names) for tag, names in SITES.items()}
+
+
+def print_comparison(result: dict) -> None:
+    print(f"torch {result['torch']} on {result['device']}: measured - predicted, bytes per tag")
+    for run in result["runs"]:
+        cfg = Config(
+            "x", "llama", run["dtype"], kv_heads=2, ffn_hidden=704, norm_impl="fused",
+            attention="sdpa", swiglu_impl="eager",
+        )  # fmt: skip
+        want = predicted(cfg, run["training"], run["targets"], 8, run["dropout"])
+        got = run["by_op"]
+        diffs = {
+            tag: got.get(tag, 0)
+            + (got.get("out_proj", 0) if tag == "attention_core" else 0)
+            - value
+            for tag, value in want.items()
+        }
+        what = f"{run['dtype']:<9} {run['training']:<6} {','.join(run['targets']) or '-':<62}"
+        shown = "  ".join(f"{tag} {diff:+d}" for tag, diff in diffs.items() if diff) or "exact"
+        print(f"{what} dropout {run['dropout']:<4}  {shown}")
+    print("(each fused norm keeps an fp32 rstd per token, 4·s·b bytes, which ckplan leaves out;")
+    print(" on the CPU nn.Dropout keeps its mask in the input's dtype, not CUDA's 1-byte mask)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--compare", action="store_true", help="ckplan's prediction beside")
     args = parser.parse_args(argv)
     runs = []
     for dtype in ("float32", "bfloat16"):
@@ -125,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
     result = {"torch": torch.__version__, "device": args.device, "runs": runs}
     result["four_bit"] = four_bit(args.device)
-    print(json.dumps(result, indent=1))
+    if args.compare:
+        print_comparison(result)
+    else:
+        print(json.dumps(result, indent=1))
     return 0
 
 
