@@ -183,7 +183,7 @@ def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
             out.append(op)
             continue
         site = by_site.get(op.name, [])
-        keeps_input = (site and not dropout) or (
+        keeps_input = (bool(site) and not dropout) or (
             op.name == "out_proj" and op.saved_until is not None
         )
         dequantized = HALF_BYTES * site_weights[op.name] if quantized else 0
