@@ -46,7 +46,8 @@ validate: $(TORCH_STAMP)
 	$(BIN)/python validation/torch_backward_peak.py --compare --output
 	$(BIN)/python validation/calibrated_profiles.py
 	$(BIN)/python validation/calibrated_profiles.py --backward
-	$(BIN)/pytest tests/test_torch_validation.py tests/test_export_torch.py
+	$(BIN)/python validation/torch_finetune_saved_bytes.py --compare
+	$(BIN)/pytest tests/test_torch_validation.py tests/test_export_torch.py tests/test_finetune_torch.py
 
 # The bench has its own venv: checkpoint-schedules (compared with our Revolve) is no dependency.
 BENCH_VENV := .venv-bench

@@ -37,6 +37,8 @@ def corner(key: str, value: int) -> dict:
         spec |= {**BASE, "v_head_dim": 8, "bias": False, key: value}
     if key in ("first_stage_layers", "last_stage_layers"):
         spec |= {"pp": 2, "layers": value + 1}
+    if key == "lora_rank":
+        spec |= {"training": "lora"}
     return spec
 
 

@@ -66,7 +66,18 @@ def export(plan: Plan, target: str, recompute_modules: bool = True) -> Export:
         text = megatron.render(plan, layers, recompute_modules)
     else:
         text = module.render(plan, layers)
-    return Export(text, tuple(module.notes(plan, layers)))
+    notes = list(module.notes(plan, layers))
+    if plan.spec.training != "full":
+        notes.append(
+            f"training: {plan.spec.training}: the plan's memory assumes frozen base weights"
+            + (
+                f" and LoRA r={plan.spec.lora_rank} on {plan.spec.lora_targets}"
+                if plan.spec.finetune.adapters
+                else ""
+            )
+            + "; set them up in the training code (these settings carry only the recomputation)"
+        )
+    return Export(text, tuple(notes))
 
 
 def nearest(plan: Plan, target: str) -> Plan | None:

@@ -137,7 +137,8 @@ def op_forward_time(op: Op, gpu: GPU, dtype_bytes: int = 2) -> OpTime:
 
 def op_backward_time(op: Op, gpu: GPU, dtype_bytes: int = 2) -> OpTime:
     """One op's backward: the two transposed products of its GEMM (plus forward re-runs where
-    its backward FLOPs exceed twice the forward's), or its fused kernel, and its memory-bound
+    its backward FLOPs exceed twice the forward's; the input gradient's alone where they are
+    below, a frozen weight's, ckplan.model.finetune), or its fused kernel, and its memory-bound
     kernels."""
     if op.fused_kernel:
         compute = _flops_seconds(
@@ -145,7 +146,10 @@ def op_backward_time(op: Op, gpu: GPU, dtype_bytes: int = 2) -> OpTime:
         )
         return OpTime(max(compute, memory_seconds(gpu, op.backward_bytes)), 0.0)
     if op.matmul is not None:
-        gemm = sum(matmul_seconds(gpu, product) for product in backward_matmuls(op.matmul))
+        products = backward_matmuls(op.matmul)
+        if op.backward_flops < 2 * op.forward_flops:  # a frozen weight: no weight gradient
+            products = products[:1]
+        gemm = sum(matmul_seconds(gpu, product) for product in products)
         if op.forward_flops and op.backward_flops > 2 * op.forward_flops:
             reruns = (op.backward_flops - 2 * op.forward_flops) / op.forward_flops
             gemm += reruns * matmul_seconds(gpu, op.matmul)

@@ -341,7 +341,11 @@ def output_time(spec: ModelSpec, gpu: GPU) -> StageTime:
         "output",
         0,
         2 * tokens * split_share(spec.vocab, spec.tp) * spec.hidden,
-        4 * tokens * split_share(spec.vocab, spec.tp) * spec.hidden,
+        # a frozen output layer (docs/fine-tuning.md): the input gradient's GEMM alone
+        (4 if spec.training == "full" else 2)
+        * tokens
+        * split_share(spec.vocab, spec.tp)
+        * spec.hidden,
         matmul=Matmul(tokens, split_share(spec.vocab, spec.tp), spec.hidden, 1, B),
         forward_bytes=2 * stream + loss_forward,
         backward_bytes=3 * stream + loss_backward,
@@ -515,8 +519,9 @@ def data_parallel_comm(spec: ModelSpec, gpu: GPU) -> DataParallelComm:
     parameters (Megatron-LM reduces over both), and its routed experts' over their
     expert-data-parallel group, tp·cp·dp/(ep·etp) ranks ep·etp apart (Megatron's
     expert_data_parallel group, `ModelSpec.expert_data_parallel`), one after the other
-    (`_gradient_reduction` for each)."""
-    dense, experts = memory.stage_parameters(spec, memory.busiest_stage(spec))
+    (`_gradient_reduction` for each); only the trainable parameters' gradients
+    (`memory.trainable_stage_parameters`)."""
+    dense, experts = memory.trainable_stage_parameters(spec, memory.busiest_stage(spec))
     ranks = spec.dp * spec.cp
     parts = _gradient_reduction(spec, dense, ranks, comm.group_bandwidth(gpu, ranks, spec.tp))
     if experts:
@@ -569,8 +574,9 @@ def optimizer_seconds(spec: ModelSpec, gpu: GPU) -> float:
     moments and writes the master weight, moments and half-precision weight (Megatron-LM's
     mixed-precision Adam), over the parameters whose optimizer state this GPU holds: from ZeRO 1
     its dense parameters' share over dp·cp and its routed experts' share over their
-    expert-data-parallel group (as `memory.model_state_bytes` shards them)."""
-    dense, experts = memory.stage_parameters(spec, memory.busiest_stage(spec))
+    expert-data-parallel group (as `memory.model_state_bytes` shards them); only the trainable
+    ones when the base weights are frozen (`memory.trainable_stage_parameters`)."""
+    dense, experts = memory.trainable_stage_parameters(spec, memory.busiest_stage(spec))
     if spec.zero >= 1:
         dense = split_share(dense, spec.dp * spec.cp)
         experts = split_share(experts, spec.expert_data_parallel) if experts else 0

@@ -3,7 +3,8 @@
 No I/O and no printing: files are read by `ckplan.inputs`, results shown by `ckplan.render`.
 
     parts          the frozen records a description is made of (architecture, run shape,
-                   parallelism, data parallelism, training state) and the size ranges
+                   parallelism, data parallelism, training state,
+                   fine-tuning) and the size ranges
     spec           ModelSpec (the parts, validated together), ChainSpec (what one GPU's chain
                    depends on), spec_from_mapping (the one gate every input passes)
     kernel_profile a kernel profile as a value (Profile, FUSED)
@@ -15,6 +16,7 @@ No I/O and no printing: files are read by `ckplan.inputs`, results shown by `ckp
     mlp_block      the MLP block's ops (dense MLPs and shared experts)
     mla            multi-head latent attention's projections
     moe            the mixture-of-experts block
+    finetune       frozen weights, LoRA and QLoRA: the op post-pass and the adapters' sizes
     ops            the op table of a layer, with its kernel profile applied
     profiles       kernel profiles: parsed from a mapping, applied to an op table
     memory         activation bytes per op and layer, parameters, model states
@@ -25,6 +27,7 @@ No I/O and no printing: files are read by `ckplan.inputs`, results shown by `ckp
 __all__ = [
     "allocator",
     "expert_layout",
+    "finetune",
     "flops",
     "frameworks",
     "kernel_profile",

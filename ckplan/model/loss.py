@@ -59,13 +59,16 @@ def hidden_grad_accumulator_bytes(spec: ChainSpec) -> int:
 
 def output_saved_bytes(spec: ChainSpec) -> int:
     """The output stage's tape: the final norm's input and the output layer's input (2X; 4sbh/t
-    for B = 2 under SP) and what the loss keeps: 4L (fused, eager: the fp32 softmax or
-    log-probabilities, Korthikanti §4.3's 4sbV/t) or the fp32 hidden-gradient accumulator
-    (chunked)."""
+    for B = 2 under SP; X when the output layer is frozen) and what the loss keeps: 4L (fused,
+    eager: the fp32 softmax or log-probabilities, Korthikanti §4.3's 4sbV/t) or the fp32
+    hidden-gradient accumulator (chunked)."""
     X = stream_bytes(spec)
+    # a frozen output layer (training: frozen, lora, qlora) keeps no input for its weight's
+    # gradient (docs/fine-tuning.md); the final norm keeps its own
+    inputs = 2 * X if spec.training == "full" else X
     if spec.loss.startswith("chunked:"):
-        return 2 * X + hidden_grad_accumulator_bytes(spec)
-    return 2 * X + FP32_BYTES * logits_elements(spec)
+        return inputs + hidden_grad_accumulator_bytes(spec)
+    return inputs + FP32_BYTES * logits_elements(spec)
 
 
 def output_forward_workspace_bytes(spec: ChainSpec) -> int:

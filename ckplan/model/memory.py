@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from ckplan.model import frameworks
+from ckplan.model import finetune, frameworks
 from ckplan.model.layers import (
     LayerKind,
     layer_kinds,
@@ -249,6 +249,9 @@ class ParameterCount:
     all_layers: int | None = None  # every layer's, when the layers differ; None: per_layer·L
     experts: int = 0  # of all, the routed experts' parameters
     inactive: int = 0  # routed experts' parameters a token does not use (E - k of every E)
+    # parameters that train, besides the total: None when all of them do (training: full);
+    # LoRA's adapters are not in the total
+    trainable: int | None = None
 
     @property
     def total(self) -> int:
@@ -259,6 +262,11 @@ class ParameterCount:
     def active(self) -> int:
         """Parameters one token passes through (DeepSeek-V3: 37B of 671B)."""
         return self.total - self.inactive
+
+    @property
+    def trained(self) -> int:
+        """Parameters that train: all of them, or the fine-tuning's (`trainable`)."""
+        return self.total if self.trainable is None else self.trainable
 
 
 def norm_parameters(spec: ModelSpec) -> int:
@@ -375,6 +383,7 @@ def parameter_count(spec: ModelSpec) -> ParameterCount:
         all_layers,
         sum(part.experts * count for part, count in parts),
         sum(part.inactive * count for part, count in parts),
+        None if spec.training == "full" else spec.layers * finetune.lora_layer_parameters(spec),
     )
 
 
@@ -404,6 +413,17 @@ def stage_parameters(spec: ModelSpec, stage: int = 0) -> tuple[int, int]:
         tied_copy = spec.tied_embeddings and spec.pp > 1
         dense += counts.final_norm + (words if counts.output or tied_copy else 0)
     return dense, expert
+
+
+def trainable_stage_parameters(spec: ModelSpec, stage: int = 0) -> tuple[int, int]:
+    """(dense, expert) parameters that train on one GPU of pipeline stage `stage`: all of
+    `stage_parameters`, or with frozen base weights the LoRA adapters of its layers
+    (`finetune.lora_layer_parameters`; none for training: frozen). What the gradients'
+    reduction and the optimizer step read."""
+    if spec.training == "full":
+        return stage_parameters(spec, stage)
+    layers_here = sum(stage_kind_counts(spec, stage).values())
+    return layers_here * finetune.lora_layer_parameters(spec), 0
 
 
 def distinct_stages(spec: ModelSpec) -> tuple[int, ...]:
@@ -471,8 +491,58 @@ def model_state_bytes(spec: ModelSpec, stage: int | None = None) -> ModelStateBy
     (Megatron-LM's expert_data_parallel_size; `ModelSpec.expert_data_parallel`).
     """
     stage = busiest_stage(spec) if stage is None else stage
+    if spec.training != "full":
+        return finetune_state_bytes(spec, stage)
     dense, expert = stage_parameters(spec, stage)
     return states_of(spec, dense, expert, buffers=stage_buffer_bytes(spec, stage))
+
+
+def finetune_state_bytes(
+    spec: ModelSpec, stage: int, zero: int | None = None, dp: int | None = None
+) -> ModelStateBytes:
+    """Model states per GPU of pipeline stage `stage` when the base weights are frozen
+    (training: frozen, lora, qlora; ckplan.model.finetune).
+
+    derived: a frozen parameter holds its weight and nothing else: no gradient, no master copy,
+    no optimizer state (PyTorch optimizers skip parameters whose .grad is None). The layers'
+    linear weights are held in weight_format (`finetune.quantized_weight_bytes`: bitsandbytes
+    replaces nn.Linear layers, and transformers keeps the output layer in full precision,
+    src/transformers/integrations/bitsandbytes.py get_keys_to_not_convert, "keep the lm_head
+    in full precision"); the norms, biases, embeddings and output layer at
+    weight_bytes (bf16 in torchtune's QLoRA recipes; fp32 after PEFT's
+    prepare_model_for_kbit_training, peft v0.17.0 src/peft/utils/other.py, "cast all non INT8
+    parameters to fp32", which hf's weight_bytes 4 gives). ZeRO-3 shards the frozen weights
+    over dp·cp as any weight. The LoRA adapters train with the usual weight, gradient, master
+    and optimizer bytes (hf's 4 + 4 + 0 + 8 are PEFT's fp32 adapters: its
+    autocast_adapter_dtype=True upcasts bf16 and fp16 adapter weights, peft v0.17.0
+    src/peft/tuners/tuners_utils.py `_cast_adapter_dtype`). The framework's buffers
+    (`frameworks.buffer_bytes`) are those of the trainable parameters. `zero` and `dp` (the
+    ranks sharing the states, default spec's zero and dp·cp) as `states_of` takes them.
+    """
+    zero = spec.zero if zero is None else zero
+    dp = spec.dp * spec.cp if dp is None else dp
+    dense, _ = stage_parameters(spec, stage)
+    layers_here = sum(stage_kind_counts(spec, stage).values())
+    fmt = spec.weight_format
+    linear_whole = finetune.linear_weight_parameters(spec)  # one layer, not split
+    if spec.tp == 1:
+        linear_values = layers_here * linear_whole
+        linear_bytes = layers_here * finetune.frozen_linear_bytes(spec, spec.weight_bytes)
+    else:  # frozen weights under tp (bf16, fp16, fp32): the split linears at their bytes
+        part = layer_parameter_parts(spec)
+        linear_values = layers_here * (part.dense_per_rank(spec) - (part.total - linear_whole))
+        per_value = spec.weight_bytes if fmt is None else {"fp32": 4}.get(fmt, 2)
+        linear_bytes = linear_values * per_value
+    base = (dense - linear_values) * spec.weight_bytes + linear_bytes
+    if zero >= 3:
+        base = split_share(base, dp)
+    adapter_layer = finetune.lora_layer_parameters(spec)
+    trainable = layers_here * adapter_layer
+    buffers = frameworks.buffer_bytes(spec, trainable, adapter_layer, 0) if trainable else 0
+    adapters = states_of(spec, trainable, 0, zero=zero, dp=dp)
+    return ModelStateBytes(
+        base + adapters.weights, adapters.gradients, adapters.optimizer, buffers=buffers
+    )
 
 
 def stage_buffer_bytes(spec: ModelSpec, stage: int) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ckplan.model.finetune import frozen_ops
 from ckplan.model.layers import DENSE, LayerKind, layer_kinds
 from ckplan.model.mla import mla_projection_ops
 from ckplan.model.mlp_block import dense_mlp_ops
@@ -307,11 +308,11 @@ def layer_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Op, ...]:
     ops = transformer_layer_ops(spec, representative_kind(spec) if kind is None else kind)
     if spec.precision == "fp8":
         ops = fp8_saved(ops, spec.dtype_bytes)
-    if spec.profile.is_fused:
-        return ops
-    from ckplan.model.profiles import apply_profile  # only with a profile (start-up time)
+    if not spec.profile.is_fused:
+        from ckplan.model.profiles import apply_profile  # only with a profile (start-up time)
 
-    return apply_profile(ops, spec, spec.profile)
+        ops = apply_profile(ops, spec, spec.profile)
+    return frozen_ops(ops, spec) if spec.training != "full" else ops
 
 
 # Linear layers whose GEMM runs in FP8 (the router and the output layer stay in BF16; the

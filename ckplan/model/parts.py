@@ -71,6 +71,7 @@ SIZE_RANGES: dict[str, tuple[int, int]] = {
     "v_head_dim": (0, 2**16),
     "first_stage_layers": (1, 99_999),  # the other stages hold at least one layer
     "last_stage_layers": (1, 99_999),
+    "lora_rank": (1, 2**20),
 }
 
 
@@ -303,6 +304,74 @@ class TrainingState(_Record):
         check_ranges(self)
 
 
+TRAININGS = ("full", "frozen", "lora", "qlora")
+WEIGHT_FORMATS = ("bf16", "fp16", "fp32", "nf4", "fp4", "int8")
+# PEFT's module names of a Llama-style layer, in layer order (peft/utils/constants.py at v0.17.0)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = "all-linear"
+# PEFT's default for Llama (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING["llama"])
+DEFAULT_LORA_TARGETS = "q_proj,v_proj"
+
+
+@dataclass(frozen=True, eq=True)
+class FineTuning(_Record):
+    """Which weights train: all of them (`full`), none of the layers' (`frozen`: the base model
+    frozen, e.g. a linear probe beyond it), or low-rank adapters beside frozen linear layers
+    (LoRA, Hu et al. 2021; QLoRA over 4-bit weights, Dettmers et al. 2023). Its keys change
+    what each linear layer saves for backward, so one GPU's op table depends on it."""
+
+    training: str = "full"  # full | frozen | lora | qlora
+    lora_rank: int = 16  # r
+    lora_alpha: float | None = None  # the scaling alpha/r: no effect on memory or FLOPs
+    lora_targets: str = DEFAULT_LORA_TARGETS  # PEFT module names, comma-separated, or all-linear
+    lora_dropout: float = 0.0  # PEFT's lora_dropout (nn.Dropout on each adapter's input)
+    weight_format: str | None = None  # the frozen linear weights; None -> nf4 for qlora, else
+    # weight_bytes
+
+    __hash__ = _Record.__hash__
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
+        for key, allowed in (("training", TRAININGS), ("weight_format", WEIGHT_FORMATS)):
+            value = getattr(self, key)
+            if value is not None and value not in allowed:
+                raise SpecError(key=key, rule=f"must be one of {', '.join(allowed)}", value=value)
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise SpecError(key="lora_dropout", rule="must be in [0, 1)", value=self.lora_dropout)
+        if self.lora_alpha is not None and not 0.0 < self.lora_alpha <= 1e9:
+            raise SpecError(key="lora_alpha", rule="must be > 0", value=self.lora_alpha)
+        self._derive("lora_targets", _targets(self.lora_targets))
+        if self.weight_format is None and self.training == "qlora":
+            self._derive("weight_format", "nf4")
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The targeted PEFT module names, in layer order; none without LoRA."""
+        if self.training not in ("lora", "qlora"):
+            return ()
+        if self.lora_targets == ALL_LINEAR:
+            return LORA_TARGETS
+        return tuple(self.lora_targets.split(","))
+
+    def derived_defaults(self) -> dict[str, Any]:
+        return {"weight_format": "nf4" if self.training == "qlora" else None}
+
+
+def _targets(text: str) -> str:
+    """lora_targets in one spelling: all-linear, or known names in layer order, once each."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if [name.lower() for name in names] == [ALL_LINEAR]:
+        return ALL_LINEAR
+    unknown = [name for name in names if name not in LORA_TARGETS]
+    if unknown or not names:
+        raise SpecError(
+            key="lora_targets",
+            rule=f"must be {ALL_LINEAR} or names from {', '.join(LORA_TARGETS)}",
+            value=text,
+        )
+    return ",".join(name for name in LORA_TARGETS if name in names)
+
+
 FRAMEWORKS = ("megatron", "torchtitan", "deepspeed", "hf")
 KERNELS = ("fused", "eager", "compiled")
 ATTENTION_KERNELS = ("flash2", "flash3", "cudnn", "triton", "sdpa")
@@ -405,8 +474,9 @@ PARTS: dict[str, type] = {
     "shape": RunShape,
     "parallel": Parallelism,
     "data_parallel": DataParallel,
-    "training": TrainingState,
+    "states": TrainingState,
     "execution": Execution,
+    "finetune": FineTuning,
 }
 
 

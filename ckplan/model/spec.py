@@ -32,6 +32,7 @@ from ckplan.model.parts import (
     Architecture,
     DataParallel,
     Execution,
+    FineTuning,
     Parallelism,
     RunShape,
     SpecError,
@@ -71,12 +72,13 @@ KEY_ORDER = (
     "moe_imbalance", "ep", "etp", "first_stage_layers", "last_stage_layers",
     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
     "framework", "kernels", "attention_kernel", "precision", "loss", "tp_comm_overlap",
-    "dp_comm_overlap", "expandable_segments",
+    "dp_comm_overlap", "expandable_segments", "training", "lora_rank", "lora_alpha",
+    "lora_targets", "lora_dropout", "weight_format",
 )  # fmt: skip
 PART_OF: dict[str, str] = {
     field.name: part for part, record in PARTS.items() for field in dataclasses.fields(record)
 }
-CHAIN_PARTS = ("architecture", "shape", "parallel", "execution")
+CHAIN_PARTS = ("architecture", "shape", "parallel", "execution", "finetune")
 
 
 def _flat_properties(cls: type, parts: tuple[str, ...]) -> type:
@@ -133,6 +135,7 @@ class ChainSpec(_Layers):
     parallel: Parallelism
     execution: Execution = dataclasses.field(default_factory=Execution)
     profile: Profile = FUSED
+    finetune: FineTuning = dataclasses.field(default_factory=FineTuning)
 
     def __hash__(self) -> int:
         return cached_hash(self)
@@ -156,15 +159,21 @@ class ModelSpec(_Layers):
     shape: RunShape
     parallel: Parallelism = dataclasses.field(default_factory=Parallelism)
     data_parallel: DataParallel = dataclasses.field(default_factory=DataParallel)
-    training: TrainingState = dataclasses.field(default_factory=TrainingState)
+    states: TrainingState = dataclasses.field(default_factory=TrainingState)
     execution: Execution = dataclasses.field(default_factory=Execution)
     profile: Profile = FUSED
     source: str = ""
+    finetune: FineTuning = dataclasses.field(default_factory=FineTuning)
 
     def __post_init__(self) -> None:
         _validate(self)
         chain = ChainSpec(
-            self.architecture, self.shape, self.parallel, self.execution, self.profile
+            self.architecture,
+            self.shape,
+            self.parallel,
+            self.execution,
+            self.profile,
+            self.finetune,
         )
         object.__setattr__(self, "_chain", chain)
 
@@ -193,6 +202,7 @@ class ModelSpec(_Layers):
             **self.architecture.derived_defaults(),
             "etp": self.tp,
             **self.execution.derived_defaults(),
+            **self.finetune.derived_defaults(),
             **frameworks.training_defaults(self.framework, self.zero),
         }
         for key, default in derived.items():
@@ -254,8 +264,9 @@ _REQUIRED = [
 _BOOL_FIELDS = {key for key, f in _KEYS.items() if f.type in ("bool", "bool | None")}
 _STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions", "profile"}
 _STR_FIELDS |= {"framework", "kernels", "attention_kernel", "precision", "loss"}
+_STR_FIELDS |= {"training", "lora_targets", "weight_format"}
 _LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
-_FLOAT_FIELDS = {"dropout", "capacity_factor"}
+_FLOAT_FIELDS = {"dropout", "capacity_factor", "lora_dropout", "lora_alpha"}
 _NULLABLE = {key for key, f in _KEYS.items() if "None" in str(f.type)}
 ENUMS = {
     "kind": KINDS,
@@ -353,6 +364,12 @@ def coerce_value(origin: str, key: str, value: Any) -> Any:
         return None
     if key in _LAYER_SET_FIELDS:
         return _coerce_layer_set(origin, key, value)
+    if key == "lora_targets" and isinstance(value, list):  # a YAML list of module names
+        if not value or not all(isinstance(item, str) for item in value):
+            raise SpecError(
+                key=key, rule="expects module names or all-linear", value=value, origin=origin
+            )
+        value = ",".join(value)
     if key == "moe_imbalance":
         return _coerce_imbalance(origin, value)
     if key in _BOOL_FIELDS:
@@ -483,6 +500,7 @@ def _validate(spec: ModelSpec) -> None:
     _validate_layer_sets(spec)
     _validate_mla(spec)
     _validate_moe(spec)
+    _validate_finetune(spec)
 
 
 def _validate_uneven_stages(spec: ModelSpec) -> None:
@@ -626,3 +644,57 @@ def _validate_moe(spec: ModelSpec) -> None:
         raise SpecError("key 'shared_expert_gate' needs shared experts (shared_ffn_hidden > 0)")
     if not parse_layer_set(spec.moe_layers, spec.layers):
         raise SpecError("key 'moe_layers' selects no layer (use experts: 0 for a dense model)")
+
+
+def _validate_finetune(spec: ModelSpec) -> None:
+    """The fine-tuning keys (docs/fine-tuning.md): LoRA keys need LoRA, QLoRA 4-bit weights,
+    and the layers and layouts ckplan models with frozen weights."""
+    finetune = spec.finetune
+    lora = finetune.training in ("lora", "qlora")
+    if not lora:
+        defaults = FineTuning()
+        for key in ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout"):
+            if getattr(finetune, key) != getattr(defaults, key):
+                raise SpecError(
+                    f"key {key!r} needs training: lora or qlora (training is {finetune.training})"
+                )
+    if finetune.training == "full":
+        if finetune.weight_format is not None:
+            raise SpecError(
+                "key 'weight_format' sets the frozen weights' format: it needs training: "
+                "frozen, lora or qlora (full training keeps weight_bytes)"
+            )
+        return
+    if finetune.training == "qlora" and finetune.weight_format not in ("nf4", "fp4"):
+        raise SpecError(
+            f"key 'weight_format' must be nf4 or fp4 with training: qlora (4-bit frozen "
+            f"weights), got {quote(finetune.weight_format)}"
+        )
+    what = f"training: {finetune.training}"
+    if spec.kind != "transformer":
+        raise SpecError(f"key 'training' ({finetune.training}) needs kind: transformer")
+    if spec.experts:
+        raise SpecError(
+            f"key 'experts': {what} is not modelled for a mixture of experts yet (experts: 0)"
+        )
+    if spec.mla:
+        raise SpecError(
+            f"key 'kv_lora_rank': {what} is not modelled with multi-head latent attention yet"
+        )
+    if spec.precision in ("fp8", "float8"):
+        raise SpecError(f"key 'precision' must be bf16 or fp16 with {what}, got {spec.precision}")
+    if finetune.weight_format in ("nf4", "fp4", "int8") and spec.tp > 1:
+        raise SpecError(
+            f"key 'tp' must be 1 with weight_format: {finetune.weight_format} (quantised "
+            "weights split over tensor-parallel ranks are not modelled yet)"
+        )
+    if lora and spec.tp > 1:
+        raise SpecError(
+            f"key 'tp' must be 1 with {what}: the adapters' tensor-parallel layout is not "
+            "modelled yet"
+        )
+    if "gate_proj" in finetune.lora_targets.split(",") and spec.mlp == "gelu":
+        raise SpecError(
+            "key 'lora_targets': gate_proj needs a gated MLP (mlp: swiglu or geglu); a GELU "
+            "MLP has up_proj and down_proj"
+        )

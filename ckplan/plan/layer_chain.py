@@ -101,7 +101,9 @@ def _build_layer_chain(spec: ModelSpec, groups: tuple[str, ...], stage: int) -> 
         )
     if has_output:
         logits = flops_model.logits_forward_flops(spec)
-        forward, backwards = [*forward, logits], [*backwards, 2 * logits]
+        # a frozen output layer (docs/fine-tuning.md): no weight-gradient GEMM
+        output_backward = 2 * logits if spec.training == "full" else logits
+        forward, backwards = [*forward, logits], [*backwards, output_backward]
         inputs, tapes = [*inputs, stream], [*tapes, loss.output_saved_bytes(spec)]
     final_output = 0 if has_output else stream  # a scalar loss, or the activation sent onward
     # Transients beyond tape + δ_out + δ_in. Forward: exact for the NumPy MLP as ckplan verify

@@ -106,6 +106,7 @@ def run_spec(run: PublishedRun) -> ModelSpec:
     values: dict[str, Any] = {
         **base,
         **execution,
+        **finetune_values(run),
         **run.settings,
         **layout,
         "dp": dp,
@@ -116,6 +117,34 @@ def run_spec(run: PublishedRun) -> ModelSpec:
     values.pop("zero", None)
     zero = int(layout.get("zero", 0))
     return spec_from_values({**values, "zero": zero}, origin)
+
+
+# torchtune's module names (torchtune/modules/peft/lora.py users: the attention's q_proj, k_proj,
+# v_proj, output_proj; the SwiGLU FeedForward's w1 gate, w3 up, w2 down) as PEFT's
+TORCHTUNE_TARGETS = {"output_proj": "o_proj", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def finetune_values(run: PublishedRun) -> dict[str, Any]:
+    """The run's fine-tuning as ckplan's keys (docs/fine-tuning.md): training, the LoRA rank,
+    targets (torchtune's names mapped to PEFT's) and dropout, the frozen weights' format."""
+    training = run.training.get("training", "full")
+    if training == "full":
+        return {}
+    values: dict[str, Any] = {"training": training}
+    if "weight_format" in run.training:
+        values["weight_format"] = run.training["weight_format"]
+    lora = run.training.get("lora") or {}
+    if training in ("lora", "qlora") and isinstance(lora, dict):
+        if "rank" in lora:
+            values["lora_rank"] = lora["rank"]
+        if "alpha" in lora:
+            values["lora_alpha"] = lora["alpha"]
+        if "dropout" in lora:
+            values["lora_dropout"] = lora["dropout"]
+        if "targets" in lora:
+            names = [name.strip() for name in str(lora["targets"]).split(",")]
+            values["lora_targets"] = ",".join(TORCHTUNE_TARGETS.get(name, name) for name in names)
+    return values
 
 
 def strategy_of(run: PublishedRun) -> str:
@@ -131,8 +160,8 @@ FUSED_MODULES = ("composer",)
 # What ckplan models of how a run trains (PublishedRun.training), by key: anything else is listed
 # as not modelled rather than scored.
 MODELLED_TRAINING = {
-    "training": ("full",),
-    "weight_format": ("bf16",),
+    "training": ("full", "frozen", "lora", "qlora"),
+    "weight_format": ("bf16", "fp16", "fp32", "nf4", "fp4", "int8"),
     "optimizer": ("adamw",),
     "offload": ("none",),
     "loss": ("fused", "eager"),

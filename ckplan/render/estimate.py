@@ -57,7 +57,11 @@ def plan_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
             "total_bytes": plan.total_bytes,
             "reserved_bytes": plan.reserved_bytes,
         },
-        "parameters": {"total": plan.parameters_total, "per_gpu": plan.parameters_per_gpu},
+        "parameters": {
+            "total": plan.parameters_total,
+            "per_gpu": plan.parameters_per_gpu,
+            "trainable": parameter_count(plan.spec).trained,
+        },
         "flops": {
             "forward": plan.flops.forward,
             "backward": plan.flops.backward,
@@ -202,8 +206,9 @@ PART_TITLES = {
     "shape": "run shape",
     "parallel": "parallel",
     "data_parallel": "data parallel",
-    "training": "bytes/param",
+    "states": "bytes/param",
     "execution": "execution",
+    "finetune": "fine-tuning",
 }
 
 
@@ -230,6 +235,8 @@ def model_rows(spec: ModelSpec) -> list[tuple[str, list[str]]]:
         }
         rows += [(name, list(keys)) for name, keys in ARCHITECTURE_FEATURES.items() if used[name]]
     for name, title in PART_TITLES.items():
+        if name == "finetune" and spec.training == "full":
+            continue  # the default: every weight trains
         part = parts[name]
         keys = [
             f.name
@@ -347,8 +354,21 @@ def plan_summary_table(plan: Plan) -> Table:
         )
     states = plan.model_states
     table.add_row("model states", both_units(states.total), _state_note(spec))
-    table.add_row("  weights", gib(states.weights), f"{spec.weight_bytes} B/param")
-    table.add_row("  gradients", gib(states.gradients), f"{spec.grad_bytes} B/param")
+    frozen = spec.training != "full"
+    base = spec.weight_format or f"{spec.weight_bytes} B/param"
+    table.add_row(
+        "  weights",
+        gib(states.weights),
+        f"frozen linears {base}, the rest {spec.weight_bytes} B/param"
+        + (f"; adapters {spec.weight_bytes} B/param" if spec.finetune.adapters else "")
+        if frozen
+        else f"{spec.weight_bytes} B/param",
+    )
+    table.add_row(
+        "  gradients",
+        gib(states.gradients),
+        f"{spec.grad_bytes} B/param" + (" (trainable parameters only)" if frozen else ""),
+    )
     held = "master + Adam" if spec.master_bytes else "Adam; the weights are the master copy"
     table.add_row(
         "  optimizer",
@@ -379,6 +399,15 @@ def plan_summary_table(plan: Plan) -> Table:
     )
     if spec.experts:
         table.add_row("  active", f"{parameter_count(spec).active:,}", "per token (top-k experts)")
+    if spec.training != "full":
+        trained = parameter_count(spec).trained
+        share = trained / plan.parameters_total if plan.parameters_total else 0.0
+        what = (
+            f"LoRA r={spec.lora_rank} on {spec.lora_targets}, beside the total"
+            if spec.finetune.adapters
+            else "every weight frozen"
+        )
+        table.add_row("  trainable", f"{trained:,}", f"{share:.4%} of the total; {what}")
     flops = plan.flops
     table.add_row("forward", format_flops(flops.forward), "per iteration, one GPU")
     table.add_row("backward", format_flops(flops.backward), "")
@@ -412,6 +441,9 @@ def _peak_note(spec: ModelSpec) -> str:
 
 
 def _state_note(spec: ModelSpec) -> str:
+    if spec.training != "full":
+        zero = f", ZeRO-{spec.zero} over dp={spec.dp}" if spec.zero else ""
+        return f"training: {spec.training}: frozen weights, trainable parameters' states{zero}"
     per_param = spec.weight_bytes + spec.grad_bytes + spec.master_bytes + spec.optimizer_bytes
     zero = f", ZeRO-{spec.zero} over dp={spec.dp}" if spec.zero else ""
     return f"{per_param} B/param{zero}"

@@ -261,6 +261,14 @@ class Bounds:
     # ---- bounds ------------------------------------------------------------------------
 
     def states(self, layout: Layout, stage: int) -> memory.ModelStateBytes:
+        if self.spec.training != "full":  # frozen weights (docs/fine-tuning.md)
+            spec = self._spec(
+                tp=layout.tp, sp=layout.tp > 1, cp=1, dp=1, zero=0, pp=layout.pp,
+                virtual_stages=layout.virtual_stages, microbatches=1, **layout.split.keys(),
+            )  # fmt: skip
+            return memory.finetune_state_bytes(
+                spec, stage, zero=layout.zero, dp=layout.dp * layout.cp
+            )
         dense, expert = self.parameters(layout)[stage]
         return memory.states_of(
             self.spec, dense, expert, zero=layout.zero, dp=layout.dp * layout.cp,

@@ -220,7 +220,7 @@ class SearchSpace:
 
 def tensor_parallel_sizes(space: SearchSpace) -> list[int]:
     """tp inside one node, dividing N, the heads and the FFN widths; kv heads and tp must
-    divide one another (split or replicated)."""
+    divide one another (split or replicated); 1 with LoRA adapters or quantised weights."""
     spec = space.spec
     sizes = []
     for tp in divisors(space.gpus):
@@ -232,6 +232,8 @@ def tensor_parallel_sizes(space: SearchSpace) -> list[int]:
             continue
         if spec.shared_experts and spec.shared_ffn_hidden % tp:
             continue
+        if tp > 1 and (spec.finetune.adapters or spec.weight_format in ("nf4", "fp4", "int8")):
+            continue  # LoRA and quantised weights are modelled on tp 1 (docs/fine-tuning.md)
         sizes.append(tp)
     return sizes
 

@@ -1,0 +1,233 @@
+"""Fine-tuning with frozen weights, LoRA and QLoRA: what changes in a layer's op table and in
+the model states when the base weights do not train (docs/fine-tuning.md).
+
+- A frozen linear layer y = x·Wᵀ needs only W for its input gradient dX = dY·W and computes no
+  weight gradient: autograd saves its input only when the weight requires a gradient (PyTorch's
+  generated MmBackward saves `self` only if `mat2` needs a gradient; tools/autograd/
+  derivatives.yaml, `mm`), and its backward runs one GEMM instead of two.
+- LoRA (Hu et al. 2021, §4.1) adds y += B·A·dropout(x)·(alpha/r) beside each targeted linear,
+  with A (r x in) and B (out x r) trained. PEFT's `lora.Linear.forward` (peft v0.17.0,
+  src/peft/tuners/lora/layer.py): `result = result + lora_B(lora_A(dropout(x))) * scaling`,
+  where `dropout` is nn.Identity when lora_dropout is 0. A saves its input (x itself, or the
+  dropout's new output and its mask), B saves A's r-wide output; the multiply by the Python
+  float `scaling` and the add save nothing.
+- QLoRA (Dettmers et al. 2023) keeps the frozen linear weights in 4-bit NormalFloat with
+  double-quantised block statistics (`quantized_weight_bytes`); bitsandbytes' MatMul4Bit
+  (bitsandbytes 0.45.5, bitsandbytes/autograd/_functions.py) saves no activation
+  (`ctx.tensors = (None, B)`: the packed weight only) and dequantises the weight to the
+  activation dtype in forward and again in backward for dX.
+
+PEFT names the linear layers of a Llama layer q_proj, k_proj, v_proj, o_proj, gate_proj,
+up_proj and down_proj; ckplan's ops are qkv_proj (q, k, v), out_proj (o), fc1 (gate and up, or
+up alone in a GELU MLP) and fc2 (down).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ckplan.model.op import MASK_BYTES, Op, matmul_flops
+from ckplan.model.parts import LORA_TARGETS
+from ckplan.model.spec import ChainSpec
+
+# ckplan's linear op holding each PEFT module
+SITE_OF = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "o_proj": "out_proj",
+    "gate_proj": "fc1",
+    "up_proj": "fc1",
+    "down_proj": "fc2",
+}
+FROZEN_LINEARS = ("qkv_proj", "out_proj", "fc1", "fc2")
+# bitsandbytes' defaults (bitsandbytes 0.45.5, bitsandbytes/functional.py quantize_4bit and
+# quantize_blockwise): 64 weights per 4-bit block; double quantisation quantises the blocks'
+# fp32 absmax to 8 bits in blocks of 256, each with an fp32 absmax, around one fp32 offset.
+NF4_BLOCK = 64
+NF4_STATS_BLOCK = 256
+NF4_CODE_BYTES = 16 * 4  # get_4bit_type: the 16 fp32 levels of nf4/fp4, one tensor per weight
+FP32_BYTES = 4
+HALF_BYTES = 2
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One LoRA adapter of one layer: its PEFT module, the op it sits beside, its widths."""
+
+    module: str
+    site: str
+    fan_in: int
+    fan_out: int
+
+    def parameters(self, rank: int) -> int:
+        """A (r x in) and B (out x r): r·(in + out) (Hu et al. 2021, §4.1)."""
+        return rank * (self.fan_in + self.fan_out)
+
+
+def linear_shapes(spec: ChainSpec) -> dict[str, tuple[int, int]]:
+    """(in, out) of each PEFT-named linear layer of one dense layer, whole (not split over tp):
+    q a·d, k and v g·d, o from a·d, gate and up F (gated MLPs only), down to h."""
+    h, d, F = spec.hidden, spec.head_dim, spec.ffn_hidden
+    shapes = {
+        "q_proj": (h, spec.heads * d),
+        "k_proj": (h, spec.kv_heads * d),
+        "v_proj": (h, spec.kv_heads * d),
+        "o_proj": (spec.heads * d, h),
+        "gate_proj": (h, F),
+        "up_proj": (h, F),
+        "down_proj": (F, h),
+    }
+    if spec.mlp == "gelu":
+        del shapes["gate_proj"]
+    return shapes
+
+
+def adapters(spec: ChainSpec) -> tuple[Adapter, ...]:
+    """The LoRA adapters of one layer, in layer order (all-linear: every linear layer of the
+    layer, the output layer excluded, as PEFT's INCLUDE_LINEAR_LAYERS_SHORTHAND)."""
+    shapes = linear_shapes(spec)
+    return tuple(
+        Adapter(name, SITE_OF[name], *shapes[name])
+        for name in LORA_TARGETS
+        if name in spec.finetune.adapters and name in shapes
+    )
+
+
+def lora_layer_parameters(spec: ChainSpec) -> int:
+    """Trainable parameters of one layer's adapters: Σ r·(in + out) (PEFT's
+    print_trainable_parameters counts the same lora_A and lora_B weights)."""
+    return sum(adapter.parameters(spec.finetune.lora_rank) for adapter in adapters(spec))
+
+
+def quantized_weight_bytes(fan_in: int, fan_out: int, weight_format: str) -> int:
+    """Bytes of one frozen linear weight of fan_in·fan_out values in `weight_format`.
+
+    nf4 / fp4 (bitsandbytes 0.45.5, functional.quantize_4bit with Params4bit's defaults
+    blocksize 64, compress_statistics True, as QLoRA's recipe bnb_4bit_use_double_quant): two
+    values per byte, ⌈n/2⌉; per block of 64 an 8-bit quantised absmax; per 256 of those an fp32
+    absmax (quantize_blockwise's state2); one fp32 offset; the 16 fp32 code values. The
+    256-entry dynamic map of the second level is one cached tensor for all weights (not
+    counted).
+    int8 (bitsandbytes Int8Params, LLM.int8(), Dettmers et al. 2022): one byte per value and an
+    fp32 scale per output row (SCB).
+    bf16 / fp16 / fp32: 2, 2 or 4 bytes per value.
+    """
+    n = fan_in * fan_out
+    if weight_format in ("nf4", "fp4"):
+        blocks = -(-n // NF4_BLOCK)
+        second_level = -(-blocks // NF4_STATS_BLOCK)
+        return -(-n // 2) + blocks + FP32_BYTES * second_level + FP32_BYTES + NF4_CODE_BYTES
+    if weight_format == "int8":
+        return n + FP32_BYTES * fan_out
+    return n * {"bf16": 2, "fp16": 2, "fp32": 4}[weight_format]
+
+
+def frozen_linear_bytes(spec: ChainSpec, weight_bytes: int) -> int:
+    """Bytes of one layer's frozen linear weights (the biases excluded): each weight in the
+    weight_format, or at `weight_bytes` per value when none is given."""
+    fmt = spec.finetune.weight_format
+    return sum(
+        fan_in * fan_out * weight_bytes
+        if fmt is None
+        else quantized_weight_bytes(fan_in, fan_out, fmt)
+        for fan_in, fan_out in linear_shapes(spec).values()
+    )
+
+
+def linear_weight_parameters(spec: ChainSpec) -> int:
+    """Values of one layer's linear weights (biases excluded)."""
+    return sum(fan_in * fan_out for fan_in, fan_out in linear_shapes(spec).values())
+
+
+def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
+    """The op table with the base weights frozen, and LoRA's ops after the linears they adapt
+    (an op post-pass, like `ops.fp8_saved`, so that every strategy, breakdown and chain reads
+    the same table). derived:
+
+    - A frozen linear saves its input only where another user saves the same storage: a LoRA
+      adapter without dropout on it (one storage, counted once with the linear), or, for
+      out_proj beside flash attention, the attention output O that the kernel saves anyway.
+      Its backward is the input-gradient GEMM alone (backward FLOPs = forward FLOPs) and it
+      has no bias gradient to sum.
+    - QLoRA: its backward dequantises the (largest) weight of the op to the activation dtype,
+      a temporary beside its gradients.
+    - `{site}_lora`, one op per adapted linear: per adapter A's r-wide output (B's input); with
+      lora_dropout, per adapter the dropout output A saves and its 1-byte mask (CUDA's
+      native_dropout); FLOPs 2·tokens·r·(in + out) forward, twice that backward (both
+      adapters train and pass dX on). Its backward reads the linear's output gradient (counted
+      with the linear) and holds, for one adapter at a time, the gradients of the scaled
+      product (out), of A's output (r) and of its input (in, twice with dropout) until they
+      are added to the linear's input gradient: workspace.
+    """
+    finetune = spec.finetune
+    if finetune.training == "full":
+        return ops
+    B = spec.dtype_bytes
+    tokens = (spec.seq // spec.cp) * spec.micro_batch
+    rank = finetune.lora_rank
+    dropout = finetune.lora_dropout > 0
+    by_site: dict[str, list[Adapter]] = {}
+    for adapter in adapters(spec):
+        by_site.setdefault(adapter.site, []).append(adapter)
+    shapes = linear_shapes(spec)
+    site_weights: dict[str, int] = {}
+    for name, (fan_in, fan_out) in shapes.items():
+        site = SITE_OF[name]
+        site_weights[site] = max(site_weights.get(site, 0), fan_in * fan_out)
+    quantized = finetune.weight_format in ("nf4", "fp4", "int8")
+    out: list[Op] = []
+    for op in ops:
+        if op.name not in FROZEN_LINEARS or op.matmul is None:
+            out.append(op)
+            continue
+        site = by_site.get(op.name, [])
+        keeps_input = (bool(site) and not dropout) or (
+            op.name == "out_proj" and op.saved_until is not None
+        )
+        dequantized = HALF_BYTES * site_weights[op.name] if quantized else 0
+        out.append(
+            dataclasses.replace(
+                op,
+                saved_bytes=op.saved_bytes if keeps_input else 0,
+                backward_flops=op.forward_flops,
+                backward_bytes=0,
+                grad_workspace_bytes=op.grad_workspace_bytes + dequantized,
+            )
+        )
+        if site:
+            out.append(lora_op(op, site, B, tokens, rank, dropout))
+    return tuple(out)
+
+
+def lora_op(base: Op, site: list[Adapter], B: int, tokens: int, rank: int, dropout: bool) -> Op:
+    """The adapters beside one linear op (`frozen_ops`). Moves (derived): per adapter, forward
+    reads x and writes the dropout output and mask (with dropout), reads and writes the
+    out-wide product for the scaling and adds it to the linear's output (read two, write one);
+    backward reads dY and writes the scaled gradient, with dropout reads the mask and the
+    gradient and writes dX, and adds dX to the linear's input gradient (read two, write one)."""
+    saved = flops = forward_moved = backward_moved = workspace = 0
+    for adapter in site:
+        fan_in, fan_out = adapter.fan_in, adapter.fan_out
+        saved += B * tokens * rank
+        flops += matmul_flops(tokens, rank, fan_in) + matmul_flops(tokens, fan_out, rank)
+        forward_moved += 5 * B * tokens * fan_out
+        backward_moved += 2 * B * tokens * fan_out + 3 * B * tokens * fan_in
+        if dropout:
+            saved += (B + MASK_BYTES) * tokens * fan_in
+            forward_moved += (2 * B + MASK_BYTES) * tokens * fan_in
+            backward_moved += (2 * B + MASK_BYTES) * tokens * fan_in
+        in_grads = (2 if dropout else 1) * fan_in
+        workspace = max(workspace, B * tokens * (fan_out + rank + in_grads))
+    return Op(
+        f"{base.name}_lora",
+        base.component,
+        saved,
+        flops,
+        2 * flops,
+        base.group,
+        grad_workspace_bytes=workspace,
+        forward_bytes=forward_moved,
+        backward_bytes=backward_moved,
+    )

@@ -1,0 +1,248 @@
+"""Frozen weights, LoRA and QLoRA (ckplan.model.finetune, docs/fine-tuning.md): the op table,
+the parameters and the model states of a small Llama-style model, by hand, to the byte."""
+
+import json
+
+import pytest
+
+from ckplan.cli import main
+from ckplan.model.finetune import quantized_weight_bytes
+from ckplan.model.flops import layer_backward_flops
+from ckplan.model.memory import (
+    activation_bytes_by_op,
+    layer_backward_walk,
+    model_state_bytes,
+    parameter_count,
+)
+from ckplan.model.spec import spec_from_mapping
+
+# s 16, b 2, h 64, a 4, g 2 (d 16), F 128, B 2: 32 tokens, a residual-stream tensor 4,096 bytes
+SMALL = {
+    "name": "small",
+    "layers": 2,
+    "hidden": 64,
+    "heads": 4,
+    "kv_heads": 2,
+    "ffn_hidden": 128,
+    "vocab": 256,
+    "seq": 16,
+    "micro_batch": 2,
+    "norm": "rmsnorm",
+    "mlp": "swiglu",
+    "attention": "flash",
+    "positions": "rope",
+    "bias": False,
+}
+TOKENS, X = 32, 2 * 32 * 64
+
+
+def small(**changes):
+    return spec_from_mapping({**SMALL, **changes})
+
+
+def test_frozen_linears_save_no_input_but_flash_attention_output():
+    full = activation_bytes_by_op(small())
+    frozen = activation_bytes_by_op(small(training="frozen"))
+    assert full["qkv_proj"] == X and full["fc1"] == X and full["fc2"] == 2 * TOKENS * 128
+    assert frozen["qkv_proj"] == frozen["fc1"] == frozen["fc2"] == 0
+    # out_proj's input is the attention output O, which the flash kernel saves anyway
+    assert frozen["out_proj"] == full["out_proj"] == 2 * TOKENS * 64
+    for op in ("norm1", "attention_core", "norm2", "act"):
+        assert frozen[op] == full[op]
+
+
+def test_frozen_standard_attention_out_proj_saves_nothing():
+    frozen = activation_bytes_by_op(small(training="frozen", attention="standard"))
+    assert frozen["out_proj"] == 0
+
+
+def test_lora_on_q_and_v_by_hand():
+    """r 8 on q_proj (64 -> 64) and v_proj (64 -> 32), no dropout: the two adapters read the
+    norm's output, one storage kept with qkv_proj; each saves its r-wide A output."""
+    spec = small(training="lora", lora_rank=8)
+    saved = activation_bytes_by_op(spec)
+    assert saved["qkv_proj"] == X
+    assert saved["qkv_proj_lora"] == 2 * (2 * TOKENS * 8)  # 1,024
+    assert saved["fc1"] == saved["fc2"] == 0
+    assert "fc1_lora" not in saved
+    ops = {op.name: op for op in spec_ops(spec)}
+    # q: 2·32·8·64 + 2·32·64·8, v: 2·32·8·64 + 2·32·32·8
+    assert ops["qkv_proj_lora"].forward_flops == 65_536 + 49_152
+    assert ops["qkv_proj_lora"].backward_flops == 2 * (65_536 + 49_152)
+    # the frozen projection: the input gradient's GEMM only
+    qkv = 2 * TOKENS * (64 + 2 * 32) * 64
+    assert ops["qkv_proj"].forward_flops == ops["qkv_proj"].backward_flops == qkv
+    # trainable: r·(in + out) per adapter, 8·128 + 8·96 per layer, two layers
+    assert parameter_count(spec).trainable == 2 * (8 * 128 + 8 * 96)
+    assert parameter_count(spec).total == parameter_count(small()).total
+
+
+def test_lora_dropout_saves_a_copy_and_a_mask_per_adapter():
+    spec = small(training="lora", lora_rank=8, lora_dropout=0.1)
+    saved = activation_bytes_by_op(spec)
+    assert saved["qkv_proj"] == 0  # the adapters save their dropout outputs instead
+    assert saved["qkv_proj_lora"] == 2 * (2 * TOKENS * 8 + (2 + 1) * TOKENS * 64)
+
+
+def test_all_linear_targets_every_linear_of_the_layer():
+    spec = small(training="lora", lora_rank=4, lora_targets="all-linear")
+    saved = activation_bytes_by_op(spec)
+    per_adapter = 2 * TOKENS * 4
+    assert saved["qkv_proj_lora"] == 3 * per_adapter
+    assert saved["out_proj_lora"] == per_adapter
+    assert saved["fc1_lora"] == 2 * per_adapter  # gate_proj and up_proj
+    assert saved["fc2_lora"] == per_adapter
+    assert saved["fc1"] == X and saved["fc2"] == 2 * TOKENS * 128  # inputs the adapters read
+    widths = [(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)]
+    assert parameter_count(spec).trainable == 2 * sum(4 * (i + o) for i, o in widths)
+
+
+def test_lora_targets_spellings():
+    assert small(training="lora", lora_targets="v_proj, q_proj,q_proj").lora_targets == (
+        "q_proj,v_proj"
+    )
+    assert small(training="lora", lora_targets=["down_proj", "o_proj"]).lora_targets == (
+        "o_proj,down_proj"
+    )
+    assert small(training="lora", lora_targets="ALL-LINEAR").lora_targets == "all-linear"
+    gelu = small(training="lora", mlp="gelu", lora_targets="all-linear", lora_rank=2)
+    assert "fc1_lora" in activation_bytes_by_op(gelu)  # up_proj alone on a GELU MLP
+
+
+def test_backward_walk_stays_consistent():
+    """Every gradient read, every saved tensor freed (the walk checks it) and the adapters'
+    backward temporaries counted where they run."""
+    for changes in (
+        {"training": "frozen"},
+        {"training": "lora", "lora_targets": "all-linear"},
+        {"training": "qlora", "lora_dropout": 0.1, "lora_targets": "all-linear"},
+    ):
+        points = {point.op: point for point in layer_backward_walk(small(**changes))}
+        assert points["fc2"].live_bytes > 0
+    points = {p.op: p for p in layer_backward_walk(small(training="lora", lora_rank=8))}
+    # per adapter: the scaled product's gradient (out), A's output gradient (r), dX (in)
+    assert points["qkv_proj_lora"].workspace_bytes == 2 * TOKENS * (64 + 8 + 64)
+
+
+def test_frozen_backward_flops_drop_the_weight_gradients():
+    full, frozen = small(), small(training="frozen")
+    linears = sum(op.forward_flops for op in spec_ops(full) if op.name != "attention_core")
+    assert layer_backward_flops(full) - layer_backward_flops(frozen) == linears
+
+
+def test_nf4_bytes_of_a_4096_square_weight():
+    """16,777,216 values: 8,388,608 packed bytes, 262,144 8-bit block absmax, 1,024 fp32
+    second-level absmax, an fp32 offset, the 16 fp32 code values."""
+    assert quantized_weight_bytes(4096, 4096, "nf4") == 8_388_608 + 262_144 + 4_096 + 4 + 64
+    assert quantized_weight_bytes(4096, 4096, "fp4") == quantized_weight_bytes(4096, 4096, "nf4")
+    assert quantized_weight_bytes(4096, 1024, "int8") == 4096 * 1024 + 4 * 1024
+    assert quantized_weight_bytes(3, 5, "nf4") == 8 + 1 + 4 + 4 + 64
+    assert quantized_weight_bytes(10, 10, "bf16") == 200
+    assert quantized_weight_bytes(10, 10, "fp32") == 400
+
+
+def test_frozen_states_hold_the_weights_only():
+    spec = small(training="frozen")
+    states = model_state_bytes(spec)
+    assert states.gradients == states.optimizer == 0
+    assert states.weights == 2 * parameter_count(spec).total
+
+
+def test_qlora_states_by_hand():
+    """The linears in nf4; norms, embedding and output at weight_bytes (2); the adapters at
+    2 + 4 + 4 + 8 (Megatron-LM's recipe, the default framework)."""
+    spec = small(training="qlora", lora_rank=8)
+    assert spec.weight_format == "nf4"
+    linears = [(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)]
+    per_layer = sum(quantized_weight_bytes(i, o, "nf4") for i, o in linears)
+    rest = 2 * 256 * 64 + 64 + 2 * 2 * 64  # embedding, output, final norm, layers' norms
+    adapters = 2 * (8 * 128 + 8 * 96)
+    states = model_state_bytes(spec)
+    assert states.weights == 2 * per_layer + 2 * rest + 2 * adapters
+    assert states.gradients == 4 * adapters
+    assert states.optimizer == 12 * adapters
+
+
+def test_lora_on_llama3_8b_matches_peft_trainable_counts():
+    """PEFT's print_trainable_parameters on Meta-Llama-3-8B, r 16: 6,815,744 for q_proj and
+    v_proj, 41,943,040 for all-linear."""
+    from ckplan.inputs.presets import load_spec
+
+    qv = load_spec("llama3-8b", {"training": "lora"})
+    assert parameter_count(qv).trainable == 6_815_744
+    every = load_spec("llama3-8b", {"training": "lora", "lora_targets": "all-linear"})
+    assert parameter_count(every).trainable == 41_943_040
+
+
+def test_zero3_shards_the_frozen_weights():
+    one = model_state_bytes(small(training="lora", framework="torchtitan"))
+    four = model_state_bytes(small(training="lora", framework="torchtitan", dp=4, zero=3))
+    assert four.weights < one.weights and four.gradients == -(-one.gradients // 4)
+
+
+def test_estimate_shows_the_trainable_parameters(capsys):
+    code = main(["estimate", "llama3-8b", "--set", "training=lora", "--set", "lora_rank=16"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "trainable" in out and "6,815,744" in out and "q_proj,v_proj" in out
+    code = main(["estimate", "llama3-8b", "--set", "training=qlora", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["parameters"]["trainable"] == 6_815_744
+    assert data["memory"]["model_states"]["gradients"] == 4 * 6_815_744
+
+
+@pytest.mark.parametrize("strategy", ["full", "selective", "mlp+uniform:2", "optimal"])
+def test_every_strategy_reads_the_same_table(strategy, capsys):
+    argv = ["estimate", "llama3-8b", "--set", "training=qlora", "-s", strategy, "--json"]
+    argv += ["--budget", "24GB"] if strategy == "optimal" else []
+    code = main(argv)
+    data = json.loads(capsys.readouterr().out)
+    assert code in (0, 1)
+    assert data["memory"]["per_op"]["fc1"] == 0
+
+
+def spec_ops(spec):
+    from ckplan.model.ops import layer_ops
+
+    return layer_ops(spec)
+
+
+def test_published_lora_runs_translate_into_fine_tuning_keys():
+    """The torchtune and PEFT LoRA/QLoRA runs become specs with their rank, targets (torchtune's
+    output_proj, w1, w2, w3 as o_proj, gate_proj, down_proj, up_proj) and weight format; what
+    keeps them unscored is their loss, offload or metric, not the fine-tuning."""
+    from ckplan.published.predict import run_spec, unmodelled
+    from ckplan.published.suite import suite_runs
+
+    runs = [run for run in suite_runs() if run.training.get("training", "full") != "full"]
+    assert len(runs) >= 2
+    for run in runs:
+        spec = run_spec(run)
+        assert spec.training == run.training["training"]
+        assert spec.lora_rank == run.training["lora"]["rank"]
+        reason = unmodelled(run) or ""
+        assert "training" not in reason and "weight_format" not in reason
+    torchtune = next(run for run in runs if run.name.startswith("torchtune-llama3.2-3b-qlora"))
+    spec = run_spec(torchtune)
+    assert spec.weight_format == "nf4"
+    assert spec.lora_targets == "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+
+
+def test_a_frozen_output_layer_keeps_no_input_and_no_weight_gradient():
+    from ckplan.model.loss import output_saved_bytes
+    from ckplan.plan.layer_chain import layer_chain
+
+    full, lora = small(), small(training="lora")
+    assert output_saved_bytes(full) - output_saved_bytes(lora) == X
+    logits = 2 * TOKENS * 256 * 64
+    assert layer_chain(full, False).backward_flops[-1] == 2 * logits
+    assert layer_chain(lora, False).backward_flops[-1] == logits
+
+
+def test_plan_searches_tp_1_for_lora_and_exports_say_what_they_carry(capsys):
+    code = main(["plan", "llama3-8b", "--set", "training=lora", "--gpus", "8", "--gpu", "h100-sxm"])
+    out = capsys.readouterr().out
+    assert code == 0 and "Fastest: tp 1" in out
+    code = main(["export", "llama3-8b", "--set", "training=qlora", "-p", "full", "-t", "torch"])
+    captured = capsys.readouterr()
+    assert code == 0 and "training: qlora" in captured.out + captured.err
