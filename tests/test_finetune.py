@@ -246,3 +246,26 @@ def test_plan_searches_tp_1_for_lora_and_exports_say_what_they_carry(capsys):
     code = main(["export", "llama3-8b", "--set", "training=qlora", "-p", "full", "-t", "torch"])
     captured = capsys.readouterr()
     assert code == 0 and "training: qlora" in captured.out + captured.err
+
+
+def test_model_flops_of_a_fine_tune_skip_the_frozen_weight_gradients():
+    """MFU's model FLOPs: 3 x forward less one GEMM per frozen linear and the frozen output
+    layer; LoRA adds its adapters' 3 x forward. Per sequence (s 16): q 64, k 32, v 32 wide,
+    out 64, gate and up 128 each, down 64 (2·s·in·out FLOPs each), logits 2·16·64·256."""
+    from ckplan.model.flops import frozen_weight_gradient_flops, model_flops_per_iteration
+
+    s = 16
+    linears = 2 * s * 64 * (64 + 32 + 32) + 2 * s * 64 * 64 + 2 * s * 64 * 256 + 2 * s * 128 * 64
+    logits = 2 * s * 64 * 256
+    frozen = small(training="frozen")
+    assert frozen_weight_gradient_flops(frozen) == 2 * linears + logits
+    full = small()
+    assert frozen_weight_gradient_flops(full) == 0
+    assert model_flops_per_iteration(full, 1) - model_flops_per_iteration(frozen, 1) == (
+        2 * linears + logits
+    )
+    # LoRA r 8 on q and v of both layers: A 64 -> 8 and B 8 -> 64 (q) or 32 (v), trained: 3 x
+    # their forward
+    lora = small(training="lora", lora_rank=8)
+    adapters = 2 * (2 * s * 8 * (64 + 64) + 2 * s * 8 * (64 + 32))
+    assert model_flops_per_iteration(lora, 1) == model_flops_per_iteration(frozen, 1) + 3 * adapters

@@ -67,8 +67,31 @@ def _whole_model(spec: ModelSpec) -> ChainSpec:
         architecture=dataclasses.replace(spec.architecture, capacity_factor=0.0),
         shape=RunShape(seq=spec.seq, micro_batch=1, dtype_bytes=spec.dtype_bytes),
         parallel=Parallelism(),
+        finetune=spec.finetune,
         profile=spec.profile,
     )
+
+
+def frozen_weight_gradient_flops(spec: ModelSpec) -> int:
+    """FLOPs of the weight-gradient GEMMs that frozen weights skip, per sequence (0 for
+    training: full): one GEMM of its forward's size per frozen linear layer (ckplan.model.
+    finetune), and the output layer's when it is frozen. The model FLOPs of a fine-tune are
+    3 x forward less these: forward, the input gradients, and the adapters' weight gradients
+    (derived)."""
+    if spec.training == "full" or spec.kind != "transformer":
+        return 0
+    whole = _whole_model(spec)
+    skipped = 0
+    for kind, at in kind_layer_indices(whole).items():
+        per_layer = sum(
+            2 * op.forward_flops - op.backward_flops
+            for op in layer_ops(whole, kind)
+            if op.matmul is not None
+            and not op.fused_kernel
+            and op.backward_flops < 2 * op.forward_flops
+        )
+        skipped += per_layer * len(at)
+    return skipped + logits_forward_flops(whole)
 
 
 def _per_sequence(spec: ModelSpec) -> tuple[int, int, int]:
@@ -88,7 +111,7 @@ def model_flops_per_iteration(spec: ModelSpec, global_batch: int) -> int:
     72·B·s·l·h²·(1 + s/6h + V/12hl) exactly. A mixture of experts counts the k routed experts
     of every token (average routing, no capacity padding)."""
     layers, _, logits = _per_sequence(spec)
-    return 3 * (layers + logits) * global_batch
+    return (3 * (layers + logits) - frozen_weight_gradient_flops(spec)) * global_batch
 
 
 # The FLOP counts publishers divide by time for TFLOP/s and MFU. A published figure is compared
@@ -129,4 +152,4 @@ def iteration_flops(spec: ModelSpec, global_batch: int, convention: str = MFU_CO
         per_sequence = 4 * layers + 3 * logits
     else:
         raise ValueError(f"unknown FLOP convention {convention!r}")
-    return per_sequence * global_batch
+    return (per_sequence - frozen_weight_gradient_flops(spec)) * global_batch

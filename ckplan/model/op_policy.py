@@ -161,6 +161,9 @@ def check_policy_model(spec: ChainSpec) -> str | None:
         return "per-op policies are modelled with attention: flash (the SDPA kernels)"
     if spec.dropout > 0:
         return "per-op policies are modelled without dropout"
+    if spec.training != "full":
+        # adapters add matmuls of their own, which an every-K-th rule would count
+        return f"per-op policies are modelled for training: full, not {spec.training}"
     return None
 
 
