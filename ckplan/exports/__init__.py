@@ -43,6 +43,8 @@ def check_target(target: str) -> str:
 
 def why_not(plan: Plan, target: str) -> str | None:
     """Why `target` cannot express `plan` (None when it can)."""
+    if plan.stage_offloads:
+        return f"plan {plan.strategy}: offloading tapes to host memory is not exported yet"
     if target == yaml_plan.NAME:
         return None
     layers = layer_segments(plan)

@@ -33,10 +33,15 @@ class Candidate:
     plan: Plan
     budget_bytes: int  # what the plan must fit: budget less reserve
     time: StepTime | None = None  # on the GPU given, if any
+    # host memory the plan's offloaded tapes may pin (hardware.host_link), with a GPU
+    host_budget_bytes: int | None = None
 
     @property
     def fits(self) -> bool:
-        return self.plan.reserved_bytes <= self.budget_bytes
+        host = self.host_budget_bytes
+        return self.plan.reserved_bytes <= self.budget_bytes and (
+            host is None or self.plan.host_bytes <= host
+        )
 
     @property
     def headroom_bytes(self) -> int:
@@ -72,7 +77,8 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
     per stage, see `_sizes`), each also with selective
     recomputation, sqrt, and revolve:C for C up to ceil(sqrt(L)) + 1 checkpoint slots: the
     binomial schedules reach below one stored input per segment (Griewank & Walther 2000);
-    the dense MLP module (`mlp`, `selective+mlp`) where the model has dense layers.
+    the dense MLP module (`mlp`, `selective+mlp`) where the model has dense layers;
+    every stored tape offloaded to host memory (`offload`, `selective+offload`).
     """
     layers = spec.layers_per_stage
     names = ["none", "selective", "full", "sqrt"]
@@ -82,6 +88,7 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
     for size in _sizes(0, layers):
         names += [f"block:{size}", f"selective+block:{size}"]
     names += [f"revolve:{slots}" for slots in revolve_slots(layers)[0]]
+    names += ["offload", "selective+offload"]
     if spec.kind == "transformer" and has_dense_layers(spec):
         # Megatron-Core's --recompute-modules mlp: the dense MLP re-run, alone and with the core
         names += ["mlp", "selective+mlp"]
@@ -172,6 +179,10 @@ def sweep(
         optimal = optimal_plan(spec, activation_budget(spec, usable), slots, gpu)
         if optimal is not None:
             plans.append(optimal)
+        if gpu is not None:
+            joint = offload_optimal_plan(spec, activation_budget(spec, usable), gpu, slots)
+            if joint is not None:
+                plans.append(joint)
     if progress is not None:
         progress(len(strategies) + 1, len(strategies) + 1)
     candidates = tuple(_candidate(plan, usable, gpu) for plan in plans)
@@ -211,9 +222,10 @@ def _rank(gpu: GPU | None, rank: str | None) -> str:
 def _candidate(plan: Plan, usable: int, gpu: GPU | None) -> Candidate:
     if gpu is None:
         return Candidate(plan, usable)
+    from ckplan.hardware.host_link import host_memory_per_gpu
     from ckplan.hardware.step_time import step_time  # only with a GPU (start-up time)
 
-    return Candidate(plan, usable, step_time(plan, gpu))
+    return Candidate(plan, usable, step_time(plan, gpu), host_memory_per_gpu(gpu))
 
 
 def _simple_strategies(spec: ModelSpec) -> list[Strategy]:
@@ -256,6 +268,29 @@ def optimal_plan(
 
         return min(found, key=lambda p: (step_time(p, gpu).step_seconds, p.activation_bytes))
     return min(found, key=lambda p: (p.flops.total, p.activation_bytes))
+
+
+def offload_optimal_plan(
+    spec: ModelSpec, budget: int, gpu: GPU, slots: int = DEFAULT_SLOTS
+) -> Plan | None:
+    """The faster on `gpu` of `offload+optimal` and `selective+offload+optimal` within `budget`
+    activation bytes and the GPU's host memory (ties go to the smaller peak); None when neither
+    fits, or with pipeline parallelism (the joint DP plans one micro-batch in flight)."""
+    if budget <= 0 or spec.pp > 1:
+        return None
+    from ckplan.hardware.step_time import step_time
+
+    found = []
+    for strategy in (
+        Strategy("optimal", offload=True),
+        Strategy("optimal", selective=True, offload=True),
+    ):
+        plan = evaluate(spec, strategy, budget=budget, slots=slots, gpu=gpu)
+        if plan is not None:
+            found.append(plan)
+    if not found:
+        return None
+    return min(found, key=lambda p: (step_time(p, gpu).step_seconds, p.activation_bytes))
 
 
 def _least_flops(spec: ModelSpec, strategy: Strategy) -> int:

@@ -6,7 +6,9 @@ BASE is none, full, uniform:K, sequential:K, sqrt, block:N, revolve:C or optimal
 modifiers recompute a group of ops inside every stored layer: `selective` the attention core
 (Korthikanti §5), `moe` the whole MoE block (Megatron-LM --moe-layer-recompute, or
 --recompute-modules moe), `experts` the routed expert MLPs only. `moe` and `experts` need a
-model with experts.
+model with experts. `offload` moves stored tapes to host memory (Beaumont et al. 2021): alone
+every layer's tape, no recomputation; `offload+optimal` the joint DP over keep, offload and
+recompute (docs/offloading.md).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Strategy:
     selective: bool = False  # attention core recomputed on top of `kind`
     moe: str | None = None  # "moe" | "experts": that MoE group recomputed on top of `kind`
     mlp: bool = False  # the dense MLP (fc1, activation, fc2) recomputed on top of `kind`
+    offload: bool = False  # stored tapes offloaded to host memory (none or optimal only)
 
     @property
     def name(self) -> str:
@@ -52,6 +55,7 @@ class Strategy:
             (["selective"] if self.selective else [])
             + (["mlp"] if self.mlp else [])
             + ([self.moe] if self.moe else [])
+            + (["offload"] if self.offload else [])
         )
         if self.kind in ("none", "selective") and prefix:
             return "+".join(prefix)
@@ -70,7 +74,7 @@ _PLAIN = ("none", "full", "sqrt", "selective", "optimal")
 STRATEGY_HELP = (
     "none, full, uniform:K, sequential:K, sqrt, selective, block:N, revolve:C, optimal, "
     "or selective+ / mlp+ any of these (e.g. selective+uniform:4, selective+mlp); with "
-    "experts also moe+ or experts+ (e.g. selective+moe+block:2)"
+    "experts also moe+ or experts+ (e.g. selective+moe+block:2); offload or offload+optimal"
 )
 
 
@@ -78,7 +82,7 @@ def _hint(text: str) -> str:
     """'; did you mean ...?' for a misspelt strategy word (selectve -> selective)."""
     import difflib
 
-    words = [*_PLAIN, *_SIZED, *MOE_GROUPS, "mlp"]
+    words = [*_PLAIN, *_SIZED, *MOE_GROUPS, "mlp", "offload"]
     if len(text) > 100:
         return ""
     parts = text.strip().split("+")
@@ -95,12 +99,15 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
     """Parse a `--strategy` value and check its size against the layers of one pipeline stage."""
     parts = text.strip().split("+")
     modifiers, body = parts[:-1], parts[-1]
-    if body in MOE_GROUPS or body == "mlp" or (body == "selective" and modifiers):
+    if body in MOE_GROUPS or body in ("mlp", "offload") or (body == "selective" and modifiers):
         modifiers, body = [*modifiers, body], "none"
     selective = "selective" in modifiers
     mlp = "mlp" in modifiers
+    offload = "offload" in modifiers
     moe = [m for m in modifiers if m in MOE_GROUPS]
-    unknown = [m for m in modifiers if m not in ("selective", "mlp") and m not in MOE_GROUPS]
+    unknown = [
+        m for m in modifiers if m not in ("selective", "mlp", "offload") and m not in MOE_GROUPS
+    ]
     if unknown or len(set(modifiers)) < len(modifiers) or len(moe) > 1:
         if len(moe) > 1:
             raise StrategyError(f"strategy {quote(text)}: moe already recomputes the expert MLPs")
@@ -135,14 +142,19 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
         raise StrategyError(
             f"strategy {quote(text)}: mlp recomputes dense MLPs; every layer of this model is MoE"
         )
+    if offload and kind not in ("none", "optimal"):
+        raise StrategyError(
+            f"strategy {quote(text)}: offload combines with none (every stored tape to host) "
+            "or optimal (offload+optimal), not with " + kind
+        )
     group = moe[0] if moe else None
-    if kind == "none" and (selective or mlp or group):
+    if kind == "none" and (selective or mlp or group or offload):
         name = "selective" if selective else "none"
-        return Strategy(name, selective=selective, moe=group, mlp=mlp)
+        return Strategy(name, selective=selective, moe=group, mlp=mlp, offload=offload)
     if kind == "full" and (selective or group or mlp):
         # full recompute already re-runs every op of every layer
         return Strategy("uniform", 1, selective)
-    return Strategy(kind, size, selective or kind == "selective", group, mlp)
+    return Strategy(kind, size, selective or kind == "selective", group, mlp, offload)
 
 
 def has_dense_layers(spec: ModelSpec) -> bool:

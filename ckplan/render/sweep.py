@@ -10,7 +10,7 @@ from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 from ckplan.plan.search import SEQ_GRANULE, Candidate, SweepResult
 from ckplan.render.common import GIB, gib, memory_bar
-from ckplan.render.estimate import expert_layout_line, plan_dict
+from ckplan.render.estimate import expert_layout_line, offload_text, plan_dict
 from ckplan.render.fit import declare
 from ckplan.render.time import seconds
 
@@ -33,7 +33,11 @@ def candidate_dict(candidate: Candidate) -> dict[str, Any]:
         **plan_dict(candidate.plan, candidate.time),
         "fits": candidate.fits,
         "headroom_bytes": candidate.headroom_bytes,
-    }
+    } | (
+        {"host_budget_bytes": candidate.host_budget_bytes}
+        if candidate.plan.stage_offloads and candidate.host_budget_bytes is not None
+        else {}
+    )
 
 
 def sweep_dict(
@@ -177,6 +181,10 @@ def sweep_view(
                 f" ({len(shown)} of {len(result.pareto)} shown; --all or --json for every plan)"
             )
         parts.append(candidates_table(shown, title, result.best))
+    offloads = [c for c in (result.candidates if show_all else shown) if c.plan.stage_offloads]
+    if offloads:
+        parts.append(Text("Offload (tapes in pinned host memory, copies beside compute):"))
+        parts += [Text("  " + offload_text(c.plan, c.time, c.host_budget_bytes)) for c in offloads]
     parts.append(sweep_verdict(result))
     if result.best is not None:  # recompute the busiest stage's FLOPs do not show
         hidden = [note for note in result.best.plan.notes if " recomputes " in note]

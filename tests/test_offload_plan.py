@@ -1,0 +1,103 @@
+"""Offload strategies on models: parsing, plans, step time, sweep and the CLI's figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ckplan.hardware.host_link import exposed_copy_seconds, host_memory_per_gpu
+from ckplan.hardware.step_time import chain_compute_seconds, step_time
+from ckplan.inputs.gpus import load_gpu
+from ckplan.plan import evaluate
+from ckplan.plan.layer_chain import layer_chain
+from ckplan.plan.search import activation_budget, offload_optimal_plan, sweep
+from ckplan.plan.strategies import StrategyError, parse_strategy
+from ckplan.schedules.offload import offload_all, simulate_offload
+
+
+@pytest.mark.parametrize(
+    "text, name, kind",
+    [
+        ("offload", "offload", "none"),
+        ("selective+offload", "selective+offload", "selective"),
+        ("offload+optimal", "offload+optimal", "optimal"),
+        ("selective+offload+optimal", "selective+offload+optimal", "optimal"),
+    ],
+)
+def test_parse_offload_words(spec_of, text, name, kind):
+    strategy = parse_strategy(text, spec_of("gpt2"))
+    assert strategy.offload and strategy.name == name and strategy.kind == kind
+
+
+def test_offload_plan_is_the_replay(spec_of):
+    spec = spec_of("llama3-8b", seq=4096, microbatches=3)
+    plan = evaluate(spec, parse_strategy("offload", spec))
+    chain = layer_chain(spec, ())
+    steps, stages = offload_all(chain)
+    replay = simulate_offload(chain, steps, stages)
+    assert plan.activation_bytes == replay.device_peak_bytes
+    assert plan.host_bytes == replay.host_peak_bytes == sum(chain.tape_bytes[:-1])
+    assert plan.bytes_moved == 2 * sum(chain.tape_bytes[:-1]) * 3
+    assert plan.flops.recompute == 0
+    assert plan.activation_bytes < evaluate(spec, parse_strategy("none", spec)).activation_bytes
+
+
+def test_offload_step_time_adds_the_exposed_copies(spec_of):
+    spec = spec_of("llama3-8b", seq=4096)
+    gpu = load_gpu("rtx-4090")
+    plan = evaluate(spec, parse_strategy("offload", spec))
+    none = evaluate(spec, parse_strategy("none", spec))
+    forward, backward = chain_compute_seconds(spec, gpu, 0)
+    exposed = exposed_copy_seconds(forward, backward, plan.stage_offloads[0][1], gpu)
+    time, plain = step_time(plan, gpu), step_time(none, gpu)
+    assert time.offload_exposed_seconds == pytest.approx(exposed) and exposed > 0
+    assert time.step_seconds == pytest.approx(plain.step_seconds + exposed)
+    assert time.to_dict()["offload_exposed_seconds"] == time.offload_exposed_seconds
+    assert "offload_exposed_seconds" not in plain.to_dict()
+
+
+def test_offload_optimal_needs_a_gpu_and_one_micro_batch_in_flight(spec_of):
+    spec = spec_of("gpt2")
+    with pytest.raises(StrategyError, match="needs a GPU"):
+        evaluate(spec, parse_strategy("offload+optimal", spec), budget=2**30)
+    piped = spec_of("gpt2", pp=2, microbatches=4)
+    gpu = load_gpu("a100-80gb")
+    with pytest.raises(StrategyError, match="pp > 1"):
+        evaluate(piped, parse_strategy("offload+optimal", piped), budget=2**30, gpu=gpu)
+    # offload alone runs pipelined: the waiting micro-batches keep their tapes on host
+    plan = evaluate(piped, parse_strategy("offload", piped))
+    assert plan.host_bytes > 0
+
+
+def test_offload_beats_recomputation_where_copies_hide(spec_of):
+    # llama3-8b at 16k tokens on an RTX 4090 (ZeRO-3 over 16 GPUs): a layer's forward takes
+    # about as long as its tape's copy over PCIe, so the joint DP offloads instead of recomputing
+    spec = spec_of("llama3-8b", seq=16384, dp=16, zero=3, loss="chunked:16")
+    gpu = load_gpu("rtx-4090")
+    budget = activation_budget(spec, gpu.memory_bytes - 2 * 2**30)
+    joint = offload_optimal_plan(spec, budget, gpu)
+    rotor = evaluate(spec, parse_strategy("optimal", spec), budget=budget)
+    assert joint is not None and rotor is not None
+    assert joint.activation_bytes <= budget and joint.host_bytes <= host_memory_per_gpu(gpu)
+    assert step_time(joint, gpu).step_seconds < step_time(rotor, gpu).step_seconds
+    assert joint.flops.recompute < rotor.flops.recompute
+
+
+def test_sweep_tries_offload(spec_of):
+    spec = spec_of("gpt2", micro_batch=8)
+    result = sweep(spec, 16 * 2**30, gpu=load_gpu("a100-80gb"))
+    names = {c.plan.strategy for c in result.candidates}
+    assert {"offload", "selective+offload"} <= names
+    assert any(name.endswith("offload+optimal") for name in names)
+
+
+def test_cli_json_offload_fields(spec_of, capsys):
+    from ckplan.cli import main
+
+    main(["estimate", "gpt2", "--strategy", "offload", "--gpu", "a100-80gb", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    offload = data["offload"]
+    assert offload["host_bytes"] > 0 and offload["bytes_moved"] == 2 * offload["host_bytes"]
+    assert offload["offloaded_stages"][0] == "embedding"
+    assert offload["exposed_seconds"] == data["time"].get("offload_exposed_seconds", 0.0)
