@@ -101,3 +101,19 @@ def test_cli_json_offload_fields(spec_of, capsys):
     assert offload["host_bytes"] > 0 and offload["bytes_moved"] == 2 * offload["host_bytes"]
     assert offload["offloaded_stages"][0] == "embedding"
     assert offload["exposed_seconds"] == data["time"].get("offload_exposed_seconds", 0.0)
+
+
+def test_verify_runs_offload_schedules_on_the_numpy_mlp():
+    from ckplan.simple.verify import mlp_spec, verify
+
+    spec = mlp_spec(8, 128, 256, 32)
+    report = verify(spec, ["offload", "offload+optimal"], repeats=1, predict_time=False)
+    runs = {run.strategy: run for run in report.runs}
+    for name in ("offload", "offload+optimal"):
+        run = runs[name]
+        assert run.ok and run.gradients_identical and run.offload_ok
+        assert run.predicted.offloaded
+        assert run.measured.host_peak_bytes == run.predicted.host_peak_bytes > 0
+        assert run.measured.bytes_moved == run.predicted.bytes_moved > 0
+    # tapes on host: less on device than the plain step
+    assert runs["offload"].measured.peak_bytes < runs["none"].measured.peak_bytes
