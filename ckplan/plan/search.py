@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 DEFAULT_RESERVE = 2 * 2**30
 MICRO_BATCH_LIMIT = 4096  # the largest micro-batch `--micro-batch auto` tries
 RANKS = ("time", "flops")  # what "best" minimises: step time on a GPU, or total FLOPs
+# With a GPU the sweep also stores every tape on host (ckplan.plan.offload) and runs the joint
+# DP (offload_optimal_plan); without one a copy would look free.
+OFFLOAD_CANDIDATES = ("offload", "selective+offload")
 
 
 @dataclass(frozen=True)
@@ -77,8 +80,7 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
     per stage, see `_sizes`), each also with selective
     recomputation, sqrt, and revolve:C for C up to ceil(sqrt(L)) + 1 checkpoint slots: the
     binomial schedules reach below one stored input per segment (Griewank & Walther 2000);
-    the dense MLP module (`mlp`, `selective+mlp`) where the model has dense layers;
-    every stored tape offloaded to host memory (`offload`, `selective+offload`).
+    the dense MLP module (`mlp`, `selective+mlp`) where the model has dense layers.
     """
     layers = spec.layers_per_stage
     names = ["none", "selective", "full", "sqrt"]
@@ -88,7 +90,6 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
     for size in _sizes(0, layers):
         names += [f"block:{size}", f"selective+block:{size}"]
     names += [f"revolve:{slots}" for slots in revolve_slots(layers)[0]]
-    names += ["offload", "selective+offload"]
     if spec.kind == "transformer" and has_dense_layers(spec):
         # Megatron-Core's --recompute-modules mlp: the dense MLP re-run, alone and with the core
         names += ["mlp", "selective+mlp"]
@@ -163,6 +164,9 @@ def sweep(
     formula = formula_name(formula)
     strategies = candidate_strategies(spec) if formula == "derived" else _simple_strategies(spec)
     plans = []
+    if formula == "derived" and gpu is not None:
+        # Tapes on host cost copy time only a GPU's host link and stage times can price.
+        strategies += [parse_strategy(name, spec) for name in OFFLOAD_CANDIDATES]
     for done, strategy in enumerate(strategies, 1):
         plans.append(evaluate(spec, strategy, formula))
         if progress is not None:
