@@ -364,17 +364,27 @@ STEP_LABELS = {
     "forward_keep_input": "forward, keep input",
     "forward_keep_all": "forward, keep all",
     "backward": "backward",
+    "forward_keep_all+offload": "forward, keep all, offload",
 }
+
+
+def offloaded_stages(plan: Plan) -> frozenset[int]:
+    """The chain stages whose tapes the plan's peak pipeline stage offloads to host."""
+    return frozenset(i for i, _ in dict(plan.stage_offloads).get(plan.peak_stage, ()))
 
 
 def schedule_rows(plan: Plan) -> list[tuple[str, str, int]]:
     """Consecutive steps of one kind over consecutive stages, merged: (label, stages, count)."""
     rows: list[tuple[str, list[int]]] = []
+    offloaded = offloaded_stages(plan)
     for step in plan.steps:
-        if rows and rows[-1][0] == step.kind and abs(rows[-1][1][-1] - step.stage) == 1:
+        kind = step.kind
+        if kind == "forward_keep_all" and step.stage in offloaded:
+            kind += "+offload"
+        if rows and rows[-1][0] == kind and abs(rows[-1][1][-1] - step.stage) == 1:
             rows[-1][1].append(step.stage)
         else:
-            rows.append((step.kind, [step.stage]))
+            rows.append((kind, [step.stage]))
     names = plan.stage_names
     result = []
     for kind, stages in rows:
@@ -387,12 +397,18 @@ def schedule_rows(plan: Plan) -> list[tuple[str, str, int]]:
 def schedule_dict(
     plan: Plan, activation_budget: int | None, time: StepTime | None = None
 ) -> dict[str, Any]:
+    offloaded = offloaded_stages(plan)
     return {
         **plan_dict(plan, time),
         "activation_budget_bytes": activation_budget,
         "stages": list(plan.stage_names),
         "steps": [
             {"kind": step.kind, "stage": step.stage, "name": plan.stage_names[step.stage]}
+            | (
+                {"offload": True}
+                if step.kind == "forward_keep_all" and step.stage in offloaded
+                else {}
+            )
             for step in plan.steps
         ],
     }
