@@ -254,9 +254,10 @@ def optimal_offload_schedule(
 
     Device sizes are rounded up to slots of ``ceil(budget / slots)`` bytes and host sizes to
     ``ceil(host_budget / host_slots)`` bytes, so the schedule fits at exact sizes too
-    (``slots >= budget_bytes`` is exact for the device). The host dimension is solved only when
-    the best schedule without it exceeds the host budget. Ties: keep, then offload, then the
-    smallest ``k``. The result's peaks are the exact replay (:func:`simulate_offload`).
+    (``slots >= budget_bytes`` is exact for the device); storing everything on device, the
+    cheapest schedule, is returned whenever it fits at exact sizes. The host dimension is solved
+    only when the best schedule without it exceeds the host budget. Ties: keep, then offload,
+    then the smallest ``k``. The result's peaks are the exact replay (:func:`simulate_offload`).
     """
     for name, value in (("budget_bytes", budget_bytes), ("host_budget_bytes", host_budget_bytes)):
         if value is None and name == "host_budget_bytes":
@@ -276,7 +277,13 @@ def optimal_offload_schedule(
         )
     unit = max(1, -(-budget_bytes // slots))
     mem = budget_bytes // unit
-    found = _solve(chain, copy, unit, mem, None, 0)
+    # Storing everything on device is the cheapest schedule there is: when it fits at exact
+    # sizes it is the answer, even where rounding sizes up to slots would make the DP miss it.
+    plain = store_all_schedule(chain)
+    if simulate(chain, plain).peak_bytes <= budget_bytes:
+        found = (plain, (), sum(chain.forward_flops) + sum(chain.backward_flops))
+    else:
+        found = _solve(chain, copy, unit, mem, None, 0)
     if found is not None and host_budget_bytes is not None:
         replay = simulate_offload(chain, found[0], found[1])
         if replay.host_peak_bytes > host_budget_bytes:
