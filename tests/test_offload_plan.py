@@ -117,3 +117,19 @@ def test_verify_runs_offload_schedules_on_the_numpy_mlp():
         assert run.measured.bytes_moved == run.predicted.bytes_moved > 0
     # tapes on host: less on device than the plain step
     assert runs["offload"].measured.peak_bytes < runs["none"].measured.peak_bytes
+
+
+@pytest.mark.parametrize("text", ["offload", "selective+offload"])
+def test_timeline_of_an_offload_plan_peaks_at_its_activations(spec_of, text):
+    from ckplan.plan.timeline import memory_timeline
+
+    for layout in ({}, {"pp": 2, "microbatches": 4}):
+        spec = spec_of("llama3-8b", seq=4096, **layout)
+        plan = evaluate(spec, parse_strategy(text, spec))
+        assert memory_timeline(plan).peak_bytes == plan.activation_bytes
+
+
+def test_simple_formulas_refuse_offload(spec_of):
+    spec = spec_of("gpt2")
+    with pytest.raises(StrategyError, match="simple formula set has no strategy 'offload'"):
+        evaluate(spec, parse_strategy("offload", spec), formula="simple")

@@ -518,7 +518,12 @@ def _evaluate_simple(spec: ModelSpec, strategy: Strategy) -> Plan:
     }
     f_layer = flops_model.layer_forward_flops(spec)
     kind = strategy.kind
-    if (strategy.selective and kind != "selective") or strategy.moe or strategy.mlp:
+    if (
+        (strategy.selective and kind != "selective")
+        or strategy.moe
+        or strategy.mlp
+        or strategy.offload
+    ):
         raise StrategyError(f"the simple formula set has no strategy {strategy.name!r}")
     if kind in ("none", "selective"):
         activation_mb = simple.activation_memory_mb(L, **shape)
