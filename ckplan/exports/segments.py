@@ -32,13 +32,15 @@ class LayerSegments:
     """The layers of one pipeline stage as half-open `(start, end, recompute)` ranges over
     0..layers-1 (indices within the stage), whether the attention core is recomputed on top
     (selective), whether the dense MLP is (`mlp`), and which MoE group is (`moe`: the whole MoE
-    block, `experts`: the routed expert MLPs; None)."""
+    block, `experts`: the routed expert MLPs; None), and the stored layers whose tapes go to host
+    memory (`offloaded`, indices within the stage: ckplan.schedules.offload)."""
 
     layers: int
     segments: tuple[tuple[int, int, bool], ...]
     selective: bool
     moe: str | None = None
     mlp: bool = False
+    offloaded: tuple[int, ...] = ()
 
     @property
     def modules(self) -> bool:
@@ -140,6 +142,11 @@ def layer_segments(plan: Plan) -> LayerSegments | str:
     names = plan.stage_names
     if not plan.steps:
         return "it has no schedule (the simple formula set)"
+    if spec.pp > 1 and plan.stage_offloads:
+        return (
+            "each pipeline stage offloads its own layers and a launcher applies one setting to "
+            "every stage"
+        )
     if spec.pp > 1 and plan.strategy.endswith("optimal"):
         return (
             "each pipeline stage has its own optimal schedule and a launcher applies one "
@@ -164,6 +171,12 @@ def layer_segments(plan: Plan) -> LayerSegments | str:
             merged[-1] = (merged[-1][0], end, False)
         else:
             merged.append((start, end, recompute))
+    offloaded = dict(plan.stage_offloads).get(plan.peak_stage, ())
     return LayerSegments(
-        layers, tuple(merged), selective, moe_group, DENSE_MLP in plan.recompute_groups
+        layers,
+        tuple(merged),
+        selective,
+        moe_group,
+        DENSE_MLP in plan.recompute_groups,
+        tuple(i - first_layer for i, _ in offloaded if names[i].startswith(LAYER_PREFIX)),
     )
