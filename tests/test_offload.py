@@ -187,3 +187,32 @@ def test_dp_rejects(kwargs, message):
     args = {"chain": uniform(), "budget_bytes": 30, "copy_cost": [1] * 4, **kwargs}
     with pytest.raises(ValueError, match=message):
         optimal_offload_schedule(**args)
+
+
+def test_replay_invariants_over_every_offload_schedule():
+    # For every persistent schedule of small chains and every set of first-pass tapes: the
+    # device peak never exceeds the plain replay's, every offloaded tape is on host at once
+    # (the first pass ends before any comes back), and each crosses the link twice.
+    from itertools import combinations
+
+    from oracles.brute_force import enumerate_persistent_schedules
+
+    from ckplan.schedules.offload import first_pass_stages
+
+    rng = random.Random(5)
+    for n in range(2, 6):
+        chain = random_chain(rng, n)
+        for steps in enumerate_persistent_schedules(n):
+            plain = simulate(chain, steps).peak_bytes
+            candidates = [i for i in first_pass_stages(steps, n) if i < n - 1]
+            for size in range(len(candidates) + 1):
+                for stages in combinations(candidates, size):
+                    try:
+                        replay = simulate_offload(chain, steps, stages)
+                    except ValueError:
+                        continue
+                    on_host = sum(chain.tape_bytes[i] for i in stages)
+                    assert replay.device_peak_bytes <= plain
+                    assert replay.host_peak_bytes == on_host
+                    assert replay.bytes_moved == 2 * on_host
+                    assert replay.host_trace[-1] == (0, 0)
