@@ -133,3 +133,14 @@ def test_simple_formulas_refuse_offload(spec_of):
     spec = spec_of("gpt2")
     with pytest.raises(StrategyError, match="simple formula set has no strategy 'offload'"):
         evaluate(spec, parse_strategy("offload", spec), formula="simple")
+
+
+def test_joint_plan_within_a_binding_host_memory_mixes_offload_and_recompute(spec_of):
+    spec = spec_of("llama3-8b", seq=16384, dp=16, zero=3, loss="chunked:16")
+    gpu = load_gpu("rtx-4090").replace(host_memory_bytes=400 * 10**9)
+    budget = activation_budget(spec, gpu.memory_bytes - 2 * 2**30)
+    joint = offload_optimal_plan(spec, budget, gpu)
+    everything = evaluate(spec, parse_strategy("offload", spec))
+    assert everything.host_bytes > host_memory_per_gpu(gpu)
+    assert 0 < joint.host_bytes <= host_memory_per_gpu(gpu)
+    assert joint.flops.recompute > 0 and joint.activation_bytes <= budget

@@ -345,7 +345,7 @@ def best_plan(
     budget = activation_budget(spec, usable) if parsed.kind == "optimal" else None
     if budget is not None and budget <= 0:
         return None
-    plan = evaluate(spec, parsed, budget=budget, slots=slots)
+    plan = evaluate(spec, parsed, budget=budget, slots=slots, gpu=gpu)
     return None if plan is None else _candidate(plan, usable, gpu)
 
 

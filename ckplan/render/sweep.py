@@ -182,6 +182,9 @@ def sweep_view(
             )
         parts.append(candidates_table(shown, title, result.best))
     offloads = [c for c in (result.candidates if show_all else shown) if c.plan.stage_offloads]
+    best = result.best
+    if best is not None and best.plan.stage_offloads and best not in offloads:
+        offloads.append(best)  # a plan within the host memory, beaten only by plans beyond it
     if offloads:
         parts.append(Text("Offload (tapes in pinned host memory, copies beside compute):"))
         parts += [Text("  " + offload_text(c.plan, c.time, c.host_budget_bytes)) for c in offloads]
@@ -352,6 +355,13 @@ def candidate_advice(candidate: Candidate | None) -> list[str]:
 
 def why_not_fitting(candidate: Candidate) -> str:
     states = candidate.plan.model_states.total
+    host = candidate.host_budget_bytes
+    fits_device = candidate.plan.reserved_bytes <= candidate.budget_bytes
+    if fits_device and host is not None and candidate.plan.host_bytes > host:
+        return (
+            f"offloaded tapes {format_bytes(candidate.plan.host_bytes, GIB)} over the "
+            f"{format_bytes(host, GIB)} of host memory per GPU"
+        )
     if states > candidate.budget_bytes:
         return f"model states alone {format_bytes(states, GIB)}"
     return (
