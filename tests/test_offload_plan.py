@@ -144,3 +144,16 @@ def test_joint_plan_within_a_binding_host_memory_mixes_offload_and_recompute(spe
     assert everything.host_bytes > host_memory_per_gpu(gpu)
     assert 0 < joint.host_bytes <= host_memory_per_gpu(gpu)
     assert joint.flops.recompute > 0 and joint.activation_bytes <= budget
+
+
+def test_sweep_auto_shapes_skip_a_best_offload_optimal(capsys):
+    from ckplan.cli import main
+
+    argv = ["sweep", "llama3-8b", "--gpu", "rtx-4090", "--seq", "16384", "--set", "dp=16"]
+    argv += ["--set", "zero=3", "--set", "loss=chunked:16", "--micro-batch", "auto", "--json"]
+    code = main(argv)
+    data = json.loads(capsys.readouterr().out)
+    assert code in (0, None)
+    assert data["best"]["strategy"] == "offload+optimal"
+    assert "offload+optimal" not in data["max_micro_batch"]
+    assert data["best"]["offload"]["host_bytes"] <= data["best"]["host_budget_bytes"]
