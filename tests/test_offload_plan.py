@@ -157,3 +157,27 @@ def test_sweep_auto_shapes_skip_a_best_offload_optimal(capsys):
     assert data["best"]["strategy"] == "offload+optimal"
     assert "offload+optimal" not in data["max_micro_batch"]
     assert data["best"]["offload"]["host_bytes"] <= data["best"]["host_budget_bytes"]
+
+
+def test_offload_json_shapes(capsys):
+    from json_schema import ESTIMATE, OFFLOAD, SCHEDULE, SWEEP, errors
+
+    from ckplan.cli import main
+
+    shape = ["--gpu", "a100-80gb", "--set", "micro_batch=8", "--json"]
+    main(["estimate", "gpt2", "--strategy", "offload", *shape])
+    data = json.loads(capsys.readouterr().out)
+    assert errors(data, {**ESTIMATE, "offload": {**OFFLOAD, "exposed_seconds": float}}) == []
+    main(["schedule", "gpt2", "--strategy", "offload+optimal", *shape])
+    data = json.loads(capsys.readouterr().out)
+    assert errors(data, {**SCHEDULE, "offload": OFFLOAD}) == []
+    marked = [step for step in data["steps"] if step.get("offload")]
+    assert len(marked) == len(data["offload"]["offloaded_stages"])
+    assert all(step["kind"] == "forward_keep_all" for step in marked)
+    main(["sweep", "gpt2", *shape])
+    data = json.loads(capsys.readouterr().out)
+    assert errors(data, SWEEP) == []
+    offloads = [plan for plan in data["plans"] if "offload" in plan]
+    assert {plan["strategy"] for plan in offloads} >= {"offload", "selective+offload"}
+    assert all(errors(plan["offload"], OFFLOAD) == [] for plan in offloads)
+    assert all(isinstance(plan["host_budget_bytes"], int) for plan in offloads)
