@@ -103,7 +103,13 @@ def offload_stage(
                 "parallelism (pp > 1) is not supported; use offload"
             )
         from ckplan.hardware.step_time import chain_compute_seconds
-        from ckplan.schedules.offload import optimal_offload_schedule
+        from ckplan.schedules.offload import JOINT_MAX_STAGES, optimal_offload_schedule
+
+        if chain.length > JOINT_MAX_STAGES:
+            raise StrategyError(
+                f"strategy {strategy.name!r} plans chains of at most {JOINT_MAX_STAGES} stages, "
+                f"this one has {chain.length}: use offload, or fewer layers per pipeline stage"
+            )
 
         forward, backward = chain_compute_seconds(spec, gpu, stage, strategy.groups)
         copies = [copy_seconds(tape, gpu) for tape in chain.tape_bytes]

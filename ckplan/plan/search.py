@@ -279,8 +279,11 @@ def offload_optimal_plan(
 ) -> Plan | None:
     """The faster on `gpu` of `offload+optimal` and `selective+offload+optimal` within `budget`
     activation bytes and the GPU's host memory (ties go to the smaller peak); None when neither
-    fits, or with pipeline parallelism (the joint DP plans one micro-batch in flight)."""
-    if budget <= 0 or spec.pp > 1:
+    fits, with pipeline parallelism (the joint DP plans one micro-batch in flight), or beyond
+    the joint DP's chain length (`schedules.offload.JOINT_MAX_STAGES`)."""
+    from ckplan.schedules.offload import JOINT_MAX_STAGES
+
+    if budget <= 0 or spec.pp > 1 or spec.layers_per_stage + 2 > JOINT_MAX_STAGES:
         return None
     from ckplan.hardware.step_time import step_time
 

@@ -56,6 +56,9 @@ from ckplan.schedules.segments import store_all_schedule
 
 # Costs beyond this bound would overflow the DP's int64 tables (entries are clamped to 2**61).
 MAX_EXACT_COST = 2**60
+# The joint DP's work grows with the square of the stages (about a second at 386 stages and 500
+# slots, benchmarks/bench_schedules.py); the plans refuse longer chains rather than wait.
+JOINT_MAX_STAGES = 512
 
 
 def exposed_transfer(transfer: int | float, overlapped: int | float) -> int | float:
