@@ -1,4 +1,5 @@
-"""Time the optimal (rotor) DP of ckplan.schedules on a transformer-sized chain.
+"""Time the optimal (rotor) DP and the joint offload DP of ckplan.schedules on a
+transformer-sized chain.
 
 Usage: python3 benchmarks/bench_schedules.py [--layers 128] [--slots 500] [--repeat 3]
 
@@ -6,7 +7,9 @@ The chain is embedding + L layers + output layer/loss (L + 2 stages), with sizes
 Llama-like model (h = 4096, s = 4096, b = 1, bf16, V = 128256): layer input 2sbh bytes, layer tape
 34sbh bytes (Korthikanti et al. 2022, Table 2, no dropout masks counted separately here), layer
 forward 24sbh^2 + 4bs^2h FLOPs, backward twice that; the output stage keeps fp32 logits.
-Each budget is a fraction of the store-everything peak.
+Each budget is a fraction of the store-everything peak. The joint DP (schedules.offload) prices
+a tape's copy at COPY_FLOPS_PER_BYTE FLOPs of compute per byte: a GPU sustaining 132 TFLOP/s
+(an RTX 4090 at 0.8 of its 165 TFLOP/s) on a 25.6 GB/s host link (PCIe Gen4 x16 at 0.8).
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from ckplan.schedules import (
     simulate,
     store_all_schedule,
 )
+from ckplan.schedules.offload import optimal_offload_schedule
+
+COPY_FLOPS_PER_BYTE = 132e12 / 25.6e9  # FLOP/s over bytes/s
 
 
 def transformer_chain(layers: int, h: int = 4096, s: int = 4096, b: int = 1) -> Chain:
@@ -75,6 +81,33 @@ def main() -> None:
         print(
             f"{frac:>8.0%} {budget / 2**30:>8.1f} {times[0]:>8.2f} "
             f"{times[len(times) // 2]:>9.2f} {peak:>9} {overhead:>10}"
+        )
+
+    copy = [int(tape * COPY_FLOPS_PER_BYTE) for tape in chain.tape_bytes]
+    print(f"joint DP (keep, offload, recompute), a copy costs {COPY_FLOPS_PER_BYTE:,.0f} FLOP/byte")
+    print(
+        f"{'budget':>8} {'GiB':>8} {'best s':>8} {'median s':>9} {'peak GiB':>9} {'recompute':>10}"
+        f" {'offloaded':>10} {'exposed':>8}"
+    )
+    for frac in (0.05, 0.1, 0.25, 0.5, 1.0):
+        budget = int(top * frac)
+        times = []
+        joint = None
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            joint = optimal_offload_schedule(chain, budget, copy, slots=args.slots)
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        if joint is None:
+            cells = f"{'-':>9} {'infeasible':>10} {'':>10} {'':>8}"
+        else:
+            cells = (
+                f"{joint.peak_bytes / 2**30:>9.1f} {joint.replay.recompute_flops / base:>10.1%} "
+                f"{len(joint.offloaded):>10} {joint.exposed_cost / base:>8.1%}"
+            )
+        print(
+            f"{frac:>8.0%} {budget / 2**30:>8.1f} {times[0]:>8.2f} "
+            f"{times[len(times) // 2]:>9.2f} {cells}"
         )
 
     for slots_count in (4, 12):

@@ -43,6 +43,8 @@ PLAN = {
     "overhead": float,
 }
 SWEEP_PLAN = {**PLAN, "fits": bool}
+# An offload plan's `offload` object (docs/offloading.md); `exposed_seconds` with a GPU.
+OFFLOAD = {"host_bytes": int, "bytes_moved": int, "offloaded_stages": [str]}
 ESTIMATE = {"ckplan_version": str, "model": MODEL, **PLAN}
 SWEEP = {
     "budget_bytes": int,

@@ -165,3 +165,44 @@ def test_snippet_runs_the_plan(spec_of, model, name):
     assert held == expected
     if "sequential:3" in name:
         assert "checkpoint_sequential" in export.text
+
+
+@pytest.mark.parametrize("name", ["offload", "selective+offload"])
+def test_offload_snippet_saves_the_offloaded_layers_on_cpu(spec_of, model, name):
+    """Every offloaded layer runs under save_on_cpu (counted as its contexts open and its saved
+    tensors are packed); the gradients equal the plain step's. On a CPU build save_on_cpu makes
+    no copy, so the device memory is not measured here (ckplan verify measures it on NumPy)."""
+    layers, x, (reference, _, _) = model
+    plan = _plan(spec_of, name)
+    export = exports.export(plan, "torch")
+    namespace = {}
+    exec(compile(export.text, f"<ckplan export {name}>", "exec"), namespace)
+    opened, packed = [], []
+    real = namespace["save_on_cpu"]
+
+    class Counting(real):
+        def __init__(self, pin_memory=False):
+            super().__init__(pin_memory=pin_memory)
+            pack = self.pack_hook
+
+            def counting_pack(tensor):
+                packed.append(tensor.untyped_storage().nbytes())
+                return pack(tensor)
+
+            self.pack_hook = counting_pack
+
+        def __enter__(self):
+            opened.append(1)
+            return super().__enter__()
+
+    namespace["save_on_cpu"] = Counting
+    selective = plan.strategy.startswith("selective")
+    Block.attention_core = staticmethod(namespace["attention_core"] if selective else plain_core)
+    try:
+        grads, _, _ = step(namespace["forward_layers"], layers, x)
+    finally:
+        Block.attention_core = staticmethod(plain_core)
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference, strict=True))
+    offloaded = layer_segments(plan).offloaded
+    assert offloaded == tuple(range(LAYERS)) and len(opened) == LAYERS
+    assert packed and min(packed) > 0

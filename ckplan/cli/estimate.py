@@ -69,13 +69,15 @@ def estimate(
         parsed = parse_strategy(strategy, spec)
         candidate = None
         if run.budget_bytes is None:
-            plan = evaluate(spec, parsed, check_formula(formula))
+            plan = evaluate(spec, parsed, check_formula(formula), gpu=device)
         else:
             total, kept = run.budget_bytes, run.reserve_bytes
             activation_budget = search.activation_budget(spec, total - kept)
             plan = None
             if parsed.kind != "optimal" or activation_budget > 0:
-                plan = evaluate(spec, parsed, check_formula(formula), budget=activation_budget)
+                plan = evaluate(
+                    spec, parsed, check_formula(formula), budget=activation_budget, gpu=device
+                )
             if plan is None:
                 no_schedule_fits(
                     parsed.name,
@@ -86,7 +88,7 @@ def estimate(
                     ),
                     advice=(spec, total - kept),
                 )
-            candidate = search.Candidate(plan, total - kept)
+            candidate = search.Candidate(plan, total - kept, None, _host_budget(plan, device))
         time = None if device is None else step_time(plan, device, mfu_convention)
         if plot is not None:
             _estimate_plot(plan, candidate, plot)
@@ -100,6 +102,15 @@ def estimate(
         print_view(render.estimate_view(plan, candidate, time, device))
     if candidate is not None and not candidate.fits:
         raise typer.Exit(EXIT_DOES_NOT_FIT)
+
+
+def _host_budget(plan, device) -> int | None:
+    """The host memory an offload plan's pinned tapes must fit, with a GPU."""
+    if device is None or not plan.stage_offloads:
+        return None
+    from ckplan.hardware.host_link import host_memory_per_gpu
+
+    return host_memory_per_gpu(device)
 
 
 def _estimate_plot(plan, candidate, path: str) -> None:

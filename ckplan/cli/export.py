@@ -107,6 +107,11 @@ def _export_plan(spec: ModelSpec, plan: str, target: str, budget, reserve, slots
             raise typer.Exit(EXIT_DOES_NOT_FIT)
         return best.plan
     parsed = parse_strategy(plan, spec)
+    if parsed.offload and parsed.kind == "optimal":
+        raise UserError(
+            f"--plan {quote(plan)} weighs host copies against a GPU's stage times and export "
+            "takes no --gpu; ckplan schedule --gpu GPU --strategy ... --json lists its steps"
+        )
     if parsed.kind == "optimal":
         if activation_budget is None:
             raise UserError(f"--plan {quote(plan)} builds the optimal schedule and needs --budget")

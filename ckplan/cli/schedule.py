@@ -83,7 +83,9 @@ def schedule(
         elif parsed.kind == "optimal" and activation_budget <= 0:
             plan = None
         else:
-            plan = evaluate(spec, parsed, budget=activation_budget, slots=check_slots(slots))
+            plan = evaluate(
+                spec, parsed, budget=activation_budget, slots=check_slots(slots), gpu=device
+            )
     if plan is None:
         no_schedule_fits(
             strategy,

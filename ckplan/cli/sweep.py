@@ -117,10 +117,10 @@ def sweep(
 
 def _reported_strategies(spec: ModelSpec, result: search.SweepResult) -> list[str]:
     """The strategies `--micro-batch auto` and `--seq auto` answer for: the classic ones, the
-    least-memory segment size and the sweep's best (not `optimal`, which is solved for one
-    shape)."""
+    least-memory segment size and the sweep's best (not an `optimal` one, `offload+optimal`
+    included, which is solved for one shape)."""
     names = ["none", "selective", "full", "sqrt", f"uniform:{result.min_memory_segment}"]
-    if result.best and not result.best.plan.strategy.startswith("optimal"):
+    if result.best and "optimal" not in result.best.plan.strategy.split("+"):
         names.append(result.best.plan.strategy)
     return list(dict.fromkeys(names))
 

@@ -43,6 +43,11 @@ def check_target(target: str) -> str:
 
 def why_not(plan: Plan, target: str) -> str | None:
     """Why `target` cannot express `plan` (None when it can)."""
+    if plan.stage_offloads and target != torch_snippet.NAME:
+        return (
+            f"plan {plan.strategy}: offloading tapes to host memory is exported to PyTorch only "
+            "(--to torch, torch.autograd.graph.save_on_cpu)"
+        )
     if target == yaml_plan.NAME:
         return None
     layers = layer_segments(plan)

@@ -33,7 +33,8 @@ class LayerSegments:
     """The layers of one pipeline stage as half-open `(start, end, recompute)` ranges over
     0..layers-1 (indices within the stage), whether the attention core is recomputed on top
     (selective), whether the dense MLP is (`mlp`), and which MoE group is (`moe`: the whole MoE
-    block, `experts`: the routed expert MLPs; None)."""
+    block, `experts`: the routed expert MLPs; None), and the stored layers whose tapes go to host
+    memory (`offloaded`, indices within the stage: ckplan.schedules.offload)."""
 
     layers: int
     segments: tuple[tuple[int, int, bool], ...]
@@ -41,6 +42,7 @@ class LayerSegments:
     moe: str | None = None
     mlp: bool = False
     policy: str | None = None  # a per-op policy (`sac:...`) in every stored layer
+    offloaded: tuple[int, ...] = ()
 
     @property
     def modules(self) -> bool:
@@ -145,6 +147,11 @@ def layer_segments(plan: Plan) -> LayerSegments | str:
     names = plan.stage_names
     if not plan.steps:
         return "it has no schedule (the simple formula set)"
+    if spec.pp > 1 and plan.stage_offloads:
+        return (
+            "each pipeline stage offloads its own layers and a launcher applies one setting to "
+            "every stage"
+        )
     if spec.pp > 1 and plan.strategy.endswith("optimal"):
         return (
             "each pipeline stage has its own optimal schedule and a launcher applies one "
@@ -170,6 +177,13 @@ def layer_segments(plan: Plan) -> LayerSegments | str:
         else:
             merged.append((start, end, recompute))
     policy = next((group for group in plan.recompute_groups if is_policy(group)), None)
+    offloaded = dict(plan.stage_offloads).get(plan.peak_stage, ())
     return LayerSegments(
-        layers, tuple(merged), selective, moe_group, DENSE_MLP in plan.recompute_groups, policy
+        layers,
+        tuple(merged),
+        selective,
+        moe_group,
+        DENSE_MLP in plan.recompute_groups,
+        policy,
+        tuple(i - first_layer for i, _ in offloaded if names[i].startswith(LAYER_PREFIX)),
     )

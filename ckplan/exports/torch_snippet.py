@@ -18,6 +18,14 @@
   and its caches stay alive under an enclosing segment checkpoint, so neither `selective` nor
   `selective+uniform:K` would hold what ckplan predicts.
 
+Offloading (`offload`, `offload+optimal`; ckplan.schedules.offload): the layers whose tapes
+go to host run under `torch.autograd.graph.save_on_cpu(pin_memory=True)` (PyTorch 2.x,
+torch/autograd/graph.py), which packs every tensor autograd saves inside it into pinned host
+memory and copies it back when the backward unpacks it. Its copies run on the current stream,
+not beside the compute, so its step is slower than ckplan's overlapped estimate by up to the
+copies' exposed share; its device memory is at most ckplan's (a tape leaves the GPU as it is
+saved, not after the next layer).
+
 The snippet defines `forward_layers(layers, hidden)`, which replaces `for layer in layers:
 hidden = layer(hidden)` in the model's forward; `layers` holds this stage's transformer blocks.
 Nested checkpoints (the attention core inside a recomputed segment) are supported by the
@@ -60,6 +68,42 @@ def _run(layers, start, end):
     def forward(hidden):
         for layer in layers[start:end]:
             hidden = layer(hidden)
+        return hidden
+
+    return forward
+
+
+def forward_layers(layers, hidden):
+    for start, end, recompute in SEGMENTS:
+        if recompute:
+            hidden = checkpoint(_run(layers, start, end), hidden, use_reentrant=False)
+        else:
+            hidden = _run(layers, start, end)(hidden)
+    return hidden
+"""
+
+
+_OFFLOAD = """\
+# (first, last + 1, recompute): a recomputed segment keeps its input and is re-run in backward;
+# a stored one keeps every activation, on host for the layers in OFFLOADED.
+SEGMENTS = {segments}
+OFFLOADED = frozenset({offloaded})
+
+
+def _layer(layers, index):
+    def forward(hidden):
+        if index in OFFLOADED:
+            with save_on_cpu(pin_memory=True):
+                return layers[index](hidden)
+        return layers[index](hidden)
+
+    return forward
+
+
+def _run(layers, start, end):
+    def forward(hidden):
+        for index in range(start, end):
+            hidden = _layer(layers, index)(hidden)
         return hidden
 
     return forward
@@ -152,6 +196,11 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
     recognise (matmuls, attention kernels, reduce-scatters) is selective activation
     checkpointing."""
     if layers.policy:
+        if layers.offloaded:
+            return (
+                f"the per-op policy {layers.policy} with offloaded layers: the snippet runs one "
+                "or the other"
+            )
         policy = parse_policy(layers.policy)
         named = sorted(
             name
@@ -225,7 +274,7 @@ def render(plan: Plan, layers: LayerSegments) -> str:
             _POLICY_SEGMENTS.format(segments=list(layers.segments)),
         ]
         return "\n\n\n".join(part.rstrip("\n") for part in parts) + "\n"
-    chunks = sequential_chunks(layers)
+    chunks = None if layers.offloaded else sequential_chunks(layers)
     names = set()
     if chunks:
         names.add("checkpoint_sequential")
@@ -237,14 +286,28 @@ def render(plan: Plan, layers: LayerSegments) -> str:
         "# forward_layers(layers, hidden) replaces `for layer in layers: hidden = layer(hidden)`.",
         f"from torch.utils.checkpoint import {', '.join(sorted(names))}",
     ]
+    if layers.offloaded:
+        header.append("from torch.autograd.graph import save_on_cpu")
     parts = ["\n".join(header)]
     if layers.selective:
         parts.append(_SELECTIVE)
-    if chunks:
+    if layers.offloaded:
+        parts.append(
+            _OFFLOAD.format(segments=list(layers.segments), offloaded=_indices(layers.offloaded))
+        )
+    elif chunks:
         parts.append(_SEQUENTIAL.format(chunks=chunks, size=layers.layers // chunks))
     else:
         parts.append(_SEGMENTS.format(segments=list(layers.segments)))
     return "\n\n\n".join(part.rstrip("\n") for part in parts) + "\n"
+
+
+def _indices(indices: tuple[int, ...]) -> str:
+    """`range(a, b)` for consecutive indices, else their list."""
+    ordered = sorted(indices)
+    if ordered == list(range(ordered[0], ordered[-1] + 1)):
+        return f"range({ordered[0]}, {ordered[-1] + 1})"
+    return str(ordered)
 
 
 def sequential_chunks(layers: LayerSegments) -> int | None:
@@ -271,4 +334,10 @@ def notes(plan: Plan, layers: LayerSegments) -> list[str]:
         )
     if plan.spec.pp > 1:
         lines.append(f"each pipeline stage runs it on its own {layers.layers} layers")
+    if layers.offloaded:
+        lines.append(
+            f"offload: {len(layers.offloaded)} layers save their tensors in pinned host memory "
+            "(save_on_cpu copies on the compute stream: slower than the overlapped estimate); "
+            "the embedding's and output layer's tapes stay where the model keeps them"
+        )
     return lines

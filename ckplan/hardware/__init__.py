@@ -7,6 +7,7 @@ expert_parallel  the token dispatcher's collectives of one MoE layer
 times            the time records of a chain stage and a micro-batch
 step_time        one training iteration composed from the op table (StepTime, step_time)
 stage_table      a long chain's stage times as NumPy arrays (bit-identical to step_time)
+host_link        the GPU-to-host link and host memory (activation offloading)
 cpu              the `cpu` device profile `ckplan verify` measures on the spot
 """
 
@@ -16,6 +17,7 @@ __all__ = [
     "cpu",
     "expert_parallel",
     "gpus",
+    "host_link",
     "roofline",
     "stage_table",
     "step_time",

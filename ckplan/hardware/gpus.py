@@ -13,6 +13,14 @@ Datasheet keys (per GPU, bytes and FLOP/s as plain numbers):
   gpus_per_node         GPUs joined by that link
   network_bytes_per_s   inter-node bandwidth per GPU, one direction
 
+Host keys (activation offloading, ckplan.hardware.host_link; defaults: a PCIe Gen4 x16 host
+link per GPU and 1 TB of host memory per node):
+  host_bytes_per_s      GPU-to-host link, one direction, as the datasheet states it (PCIe Gen4
+                        x16 32e9, Gen5 x16 64e9, GH200 NVLink-C2C 450e9)
+  host_link_efficiency  share of host_bytes_per_s a pinned bulk copy reaches
+  gpus_per_host_link    GPUs that share one host link (behind one PCIe switch uplink)
+  host_memory_bytes     host memory of one node; its share per GPU bounds the pinned tapes
+
 Efficiency keys (fractions of the datasheet figure actually reached; see each default's source in
 the shipped files and README "Step time"):
   matmul_efficiency           large, well-shaped GEMMs (the shape curve multiplies it)
@@ -108,6 +116,11 @@ class GPU:
     sustained_fraction: float = 1.0
     # a power-capped or down-clocked part: compute rates scale by this (1 = as rated)
     clock_factor: float = 1.0
+    # the host link and host memory (activation offloading, hardware.host_link)
+    host_bytes_per_s: float = 32e9
+    host_link_efficiency: float = 0.8
+    gpus_per_host_link: int = 1
+    host_memory_bytes: int = 10**12
 
     def replace(self, **changes: Any) -> GPU:
         return gpu_from_mapping({**self.to_dict(), **changes})
@@ -120,6 +133,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(GPU)}
 _REQUIRED = [name for name, f in _FIELDS.items() if f.default is dataclasses.MISSING]
 _STRINGS = {"name", "source"}
 _INTEGERS = {"memory_bytes", "gpus_per_node", "sm_count", "tile_m", "tile_n"}
+_INTEGERS |= {"gpus_per_host_link", "host_memory_bytes"}
 _COUNTS = {"nccl_channels"}  # integers >= 0 (0: not modelled)
 _LATENCIES = {"collective_latency_s", "collective_step_latency_s"}  # [0, MAX_LATENCY_S]
 # 1 ms: twenty times the largest of NCCL's latencies (tuning.cc, 50 us a step on the network)
@@ -142,6 +156,7 @@ _FRACTIONS = {  # (0, 1]
     "fp8_matmul_efficiency",
     "sustained_fraction",
     "clock_factor",
+    "host_link_efficiency",
 }
 
 
@@ -166,6 +181,11 @@ def gpu_from_mapping(mapping: Mapping[str, Any], origin: str = "gpu") -> GPU:
     if missing:
         raise GPUError(f"{origin}: missing required key {missing[0]!r}")
     gpu = GPU(**values)
+    if gpu.gpus_per_host_link > gpu.gpus_per_node:
+        raise GPUError(
+            f"{origin}: key 'gpus_per_host_link' must be at most gpus_per_node "
+            f"({gpu.gpus_per_node}), got {gpu.gpus_per_host_link}"
+        )
     if gpu.nccl_channels >= gpu.sm_count:
         raise GPUError(
             f"{origin}: key 'nccl_channels' must be below sm_count ({gpu.sm_count}), "
@@ -221,7 +241,7 @@ def _coerce(origin: str, key: str, value: Any) -> Any:
     if key in _INTEGERS:
         if not number.is_integer() or number < 1:
             raise GPUError(f"{origin}: key {key!r} must be a positive integer, got {quote(value)}")
-        low, high = MEMORY_RANGE if key == "memory_bytes" else (1, MAX_COUNT)
+        low, high = MEMORY_RANGE if key.endswith("memory_bytes") else (1, MAX_COUNT)
         if not low <= number <= high:
             raise GPUError(
                 f"{origin}: key {key!r} must be in {low:,}..{high:,}, got {quote(value)}"

@@ -94,6 +94,9 @@ class StepTime:
     expert_parallel_seconds: float = 0.0
     # the FLOP count `mfu` divides (ckplan.model.flops.FLOP_CONVENTIONS); hfu counts what ran
     mfu_convention: str = MFU_CONVENTION
+    # activation offloading: host copies the compute could not hide (hardware.host_link);
+    # part of step_seconds
+    offload_exposed_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, object]:
         """The JSON `time` object (docs/time-model.md) plus optimizer_seconds,
@@ -113,7 +116,11 @@ class StepTime:
             "optimizer_seconds": self.optimizer_seconds,
             "expert_parallel_seconds": self.expert_parallel_seconds,
             "breakdown": dict(self.breakdown),
-        }
+        } | (
+            {"offload_exposed_seconds": self.offload_exposed_seconds}
+            if self.offload_exposed_seconds
+            else {}
+        )
 
 
 # ---- per-stage times (cached per spec and GPU) -------------------------------------------
@@ -600,6 +607,7 @@ def step_time_from_forwards(
     stage_forwards: tuple[tuple[int, tuple[int, ...]], ...],
     groups: tuple[str, ...] | bool,
     flop_overhead: float = 0.0,
+    stage_offloads: tuple = (),
 ) -> StepTime:
     """The iteration's time from each pipeline stage's forward counts per chain stage
     ((pipeline stage, layer_forwards) as the schedule replay gives them), `groups` the recompute
@@ -615,12 +623,19 @@ def step_time_from_forwards(
         _stage_micro_batch(spec, gpu, stage, (1,) * len(forwards), ())
         for stage, forwards in stage_forwards
     ]
-    busiest = max(times, key=lambda t: t.total)
+    exposed = dict.fromkeys(range(len(times)), 0.0)
+    offloads = dict(stage_offloads)
+    for index, (stage, _) in enumerate(stage_forwards):
+        if offloads.get(stage):
+            exposed[index] = offload_exposed_seconds(spec, gpu, stage, offloads[stage], groups)
+    index = max(range(len(times)), key=lambda k: times[k].total + exposed[k])
+    busiest = times[index]
     m = spec.microbatches
     compute, bubble, p2p = _pipeline(spec, gpu, busiest)
     dp = data_parallel_exposed(spec, gpu, busiest)
     optimizer = optimizer_seconds(spec, gpu)
-    step = compute + bubble + dp + optimizer
+    offload = m * exposed[index]
+    step = compute + bubble + dp + optimizer + offload
     plain_compute, plain_bubble, _ = _pipeline(spec, gpu, max(plain, key=lambda t: t.total))
     step_without = plain_compute + plain_bubble + dp + optimizer
 
@@ -653,7 +668,44 @@ def step_time_from_forwards(
         tokens_per_second_per_gpu=tokens / step / gpus,
         breakdown=breakdown,
         expert_parallel_seconds=expert_parallel,
+        offload_exposed_seconds=offload,
     )
+
+
+def offload_exposed_seconds(
+    spec: ModelSpec,
+    gpu: GPU,
+    stage: int,
+    offloaded: tuple[tuple[int, int], ...],
+    groups: tuple[str, ...] = (),
+) -> float:
+    """One micro-batch's exposed host copies on pipeline stage `stage`: each offloaded (chain
+    stage i, tape bytes) copies out beside the forward of chain stage i + 1 and back beside its
+    backward (hardware.host_link.exposed_copy_seconds), with this model's stage times
+    (communication included; the backward with the recompute groups' re-forward).
+
+    derived: ckplan.schedules.offload (rules O1, O2). The exposure is added to the step (it
+    delays the compute stream of every micro-batch); the pipeline bubble is not scaled by it.
+    """
+    from ckplan.hardware.host_link import exposed_copy_seconds
+
+    forward, backward = chain_compute_seconds(spec, gpu, stage, groups)
+    return exposed_copy_seconds(forward, backward, offloaded, gpu)
+
+
+def chain_compute_seconds(
+    spec: ModelSpec, gpu: GPU, stage: int, groups: tuple[str, ...] = ()
+) -> tuple[list[float], list[float]]:
+    """(forward, backward) seconds of each chain stage of pipeline stage `stage`, communication
+    included, the backward with the recompute groups' re-forward (as `micro_batch_time` counts
+    them): what a host copy beside them can hide behind."""
+    times = chain_stage_times(spec, gpu, stage, groups or (ATTENTION_CORE,))
+    forward = [t.forward.total + t.forward_comm for t in times]
+    backward = [
+        t.backward.total + t.backward_comm + ((t.core_forward.total + t.core_comm) if groups else 0)
+        for t in times
+    ]
+    return forward, backward
 
 
 @lru_cache(maxsize=256)
@@ -684,5 +736,10 @@ def step_time(plan, gpu: GPU) -> StepTime | None:
     if not plan.stage_forwards:
         return None
     return step_time_from_forwards(
-        plan.spec, gpu, plan.stage_forwards, plan.recompute_groups, plan.flops.overhead
+        plan.spec,
+        gpu,
+        plan.stage_forwards,
+        plan.recompute_groups,
+        plan.flops.overhead,
+        getattr(plan, "stage_offloads", ()),
     )

@@ -80,6 +80,12 @@ class Plan:
     recompute_groups: tuple[str, ...] = ()
     # the pipeline stage whose GPUs peak (model states + activations); its states are shown
     peak_stage: int = 0
+    # activation offloading (ckplan.plan.offload): pinned host bytes per GPU at the peak, bytes
+    # copied between device and host per iteration (both directions), and for each pipeline
+    # stage evaluated the (chain stage, tape bytes) it offloads, which the time model reads
+    host_bytes: int = 0
+    bytes_moved: int = 0
+    stage_offloads: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -219,11 +225,15 @@ def evaluate(
     formula: str = "derived",
     budget: int | None = None,
     slots: int = DEFAULT_SLOTS,
+    gpu=None,
 ) -> Plan | None:
     """The plan of `strategy` on `spec`. `budget` (bytes of activation memory) is needed only
-    by `optimal`, which returns None when no schedule fits it."""
+    by `optimal`, which returns None when no schedule fits it; `gpu` only by
+    `offload+optimal` (its stage times and host link)."""
     if formula_name(formula) == "simple":
         return _evaluate_simple(spec, strategy)
+    if strategy.offload:
+        return _evaluate_offload(spec, strategy, budget, slots, gpu)
     # One chain for p = 1; else the first pipeline stage (embedding, most micro-batches in
     # flight), the last (output layer and fp32 logits, one micro-batch in flight) and, with
     # mixed layers, the middle stages that hold other layers (`pipeline_stages`).
@@ -400,6 +410,9 @@ def _plan(
     recompute_groups=(),
     peak_stage=0,
     model_states=None,
+    host_bytes=0,
+    bytes_moved=0,
+    stage_offloads=(),
 ) -> Plan:
     counts = memory.parameter_count(spec)
     return Plan(
@@ -421,6 +434,59 @@ def _plan(
         stage_forwards=stage_forwards,
         recompute_groups=recompute_groups,
         peak_stage=peak_stage,
+        host_bytes=host_bytes,
+        bytes_moved=bytes_moved,
+        stage_offloads=stage_offloads,
+    )
+
+
+def _evaluate_offload(spec, strategy, budget, slots, gpu) -> Plan | None:
+    """`offload` and `offload+optimal` (ckplan.plan.offload): each pipeline stage's schedule
+    with its tapes on host; the GPU that peaks on device is shown, the most host bytes of any."""
+    from ckplan.plan.offload import offload_stage
+
+    results, forwards, offloads = [], [], []
+    for stage in pipeline_stages(spec):
+        chain = layer_chain(spec, strategy.groups, stage=stage)
+        in_flight = in_flight_microbatches(spec, stage)
+        found = offload_stage(spec, chain, strategy, stage, in_flight, budget, slots, gpu)
+        if found is None:
+            return None
+        flops = _stage_flops(spec, strategy, chain, found.replay.replay, stage)
+        results.append((found, flops, stage))
+        forwards.append((stage, found.replay.replay.layer_forwards))
+        offloads.append((stage, found.offloaded))
+    states = {stage: memory.model_state_bytes(spec, stage) for *_, stage in results}
+    found, _, stage = max(results, key=lambda r: (r[0].peak_bytes + states[r[2]].total, -r[2]))
+    flops = max(results, key=lambda result: result[1].total)[1]
+    host = max(result[0].host_bytes for result in results)
+    moved = max(result[0].bytes_moved for result in results) * spec.microbatches
+    names = _stage_names(spec, stage)
+    kept = [i for i, _ in found.offloaded]
+    notes = (
+        f"{len(kept)} of {len(names)} stored tapes offloaded to host memory"
+        + (f" ({names[kept[0]]} .. {names[kept[-1]]})" if kept else ""),
+    )
+    if spec.pp > 1:
+        held = in_flight_microbatches(spec, stage)
+        count = f"{float(held):g} micro-batch{'' if held == 1 else 'es'}"
+        notes += (f"peak on {stage_label(spec, stage)}, {count} in flight",)
+    return _plan(
+        spec,
+        strategy.name,
+        "derived",
+        found.peak_bytes,
+        _per_iteration(spec, flops),
+        found.steps,
+        names,
+        notes,
+        stage_forwards=tuple(forwards),
+        recompute_groups=strategy.groups,
+        peak_stage=stage,
+        model_states=states[stage],
+        host_bytes=host,
+        bytes_moved=moved,
+        stage_offloads=tuple(offloads),
     )
 
 
@@ -452,7 +518,12 @@ def _evaluate_simple(spec: ModelSpec, strategy: Strategy) -> Plan:
     }
     f_layer = flops_model.layer_forward_flops(spec)
     kind = strategy.kind
-    if (strategy.selective and kind != "selective") or strategy.moe or strategy.mlp:
+    if (
+        (strategy.selective and kind != "selective")
+        or strategy.moe
+        or strategy.mlp
+        or strategy.offload
+    ):
         raise StrategyError(f"the simple formula set has no strategy {strategy.name!r}")
     if kind in ("none", "selective"):
         activation_mb = simple.activation_memory_mb(L, **shape)

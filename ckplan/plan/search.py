@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 DEFAULT_RESERVE = 2 * 2**30
 MICRO_BATCH_LIMIT = 4096  # the largest micro-batch `--micro-batch auto` tries
 RANKS = ("time", "flops")  # what "best" minimises: step time on a GPU, or total FLOPs
+# With a GPU the sweep also stores every tape on host (ckplan.plan.offload) and runs the joint
+# DP (offload_optimal_plan); without one a copy would look free.
+OFFLOAD_CANDIDATES = ("offload", "selective+offload")
 
 
 @dataclass(frozen=True)
@@ -34,10 +37,15 @@ class Candidate:
     plan: Plan
     budget_bytes: int  # what the plan must fit: budget less reserve
     time: StepTime | None = None  # on the GPU given, if any
+    # host memory the plan's offloaded tapes may pin (hardware.host_link), with a GPU
+    host_budget_bytes: int | None = None
 
     @property
     def fits(self) -> bool:
-        return self.plan.reserved_bytes <= self.budget_bytes
+        host = self.host_budget_bytes
+        return self.plan.reserved_bytes <= self.budget_bytes and (
+            host is None or self.plan.host_bytes <= host
+        )
 
     @property
     def headroom_bytes(self) -> int:
@@ -163,6 +171,9 @@ def sweep(
     formula = formula_name(formula)
     strategies = candidate_strategies(spec) if formula == "derived" else _simple_strategies(spec)
     plans = []
+    if formula == "derived" and gpu is not None:
+        # Tapes on host cost copy time only a GPU's host link and stage times can price.
+        strategies += [parse_strategy(name, spec) for name in OFFLOAD_CANDIDATES]
     for done, strategy in enumerate(strategies, 1):
         plans.append(evaluate(spec, strategy, formula))
         if progress is not None:
@@ -183,6 +194,10 @@ def sweep(
         policy = best_policy_plan(spec, usable, gpu) if gpu is not None else None
         if policy is not None and policy.strategy not in {plan.strategy for plan in plans}:
             plans.append(policy)
+        if gpu is not None:
+            joint = offload_optimal_plan(spec, activation_budget(spec, usable), gpu, slots)
+            if joint is not None:
+                plans.append(joint)
     if progress is not None:
         progress(len(strategies) + 1, len(strategies) + 1)
     candidates = tuple(_candidate(plan, usable, gpu) for plan in plans)
@@ -222,9 +237,10 @@ def _rank(gpu: GPU | None, rank: str | None) -> str:
 def _candidate(plan: Plan, usable: int, gpu: GPU | None) -> Candidate:
     if gpu is None:
         return Candidate(plan, usable)
+    from ckplan.hardware.host_link import host_memory_per_gpu
     from ckplan.hardware.step_time import step_time  # only with a GPU (start-up time)
 
-    return Candidate(plan, usable, step_time(plan, gpu))
+    return Candidate(plan, usable, step_time(plan, gpu), host_memory_per_gpu(gpu))
 
 
 def _simple_strategies(spec: ModelSpec) -> list[Strategy]:
@@ -298,6 +314,32 @@ def best_policy_plan(spec: ModelSpec, usable: int, gpu: GPU | None = None) -> Pl
     return found
 
 
+def offload_optimal_plan(
+    spec: ModelSpec, budget: int, gpu: GPU, slots: int = DEFAULT_SLOTS
+) -> Plan | None:
+    """The faster on `gpu` of `offload+optimal` and `selective+offload+optimal` within `budget`
+    activation bytes and the GPU's host memory (ties go to the smaller peak); None when neither
+    fits, with pipeline parallelism (the joint DP plans one micro-batch in flight), or beyond
+    the joint DP's chain length (`schedules.offload.JOINT_MAX_STAGES`)."""
+    from ckplan.schedules.offload import JOINT_MAX_STAGES
+
+    if budget <= 0 or spec.pp > 1 or spec.layers_per_stage + 2 > JOINT_MAX_STAGES:
+        return None
+    from ckplan.hardware.step_time import step_time
+
+    found = []
+    for strategy in (
+        Strategy("optimal", offload=True),
+        Strategy("optimal", selective=True, offload=True),
+    ):
+        plan = evaluate(spec, strategy, budget=budget, slots=slots, gpu=gpu)
+        if plan is not None:
+            found.append(plan)
+    if not found:
+        return None
+    return min(found, key=lambda p: (step_time(p, gpu).step_seconds, p.activation_bytes))
+
+
 def _least_flops(spec: ModelSpec, strategy: Strategy) -> int:
     """A lower bound on the FLOPs of `strategy`'s plans: its recompute groups with every layer
     stored (a schedule only adds re-forwards to that, on every pipeline stage)."""
@@ -346,7 +388,7 @@ def best_plan(
     budget = activation_budget(spec, usable) if parsed.kind == "optimal" else None
     if budget is not None and budget <= 0:
         return None
-    plan = evaluate(spec, parsed, budget=budget, slots=slots)
+    plan = evaluate(spec, parsed, budget=budget, slots=slots, gpu=gpu)
     return None if plan is None else _candidate(plan, usable, gpu)
 
 

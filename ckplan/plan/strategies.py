@@ -6,7 +6,9 @@ BASE is none, full, uniform:K, sequential:K, sqrt, block:N, revolve:C or optimal
 modifiers recompute a group of ops inside every stored layer: `selective` the attention core
 (Korthikanti §5), `moe` the whole MoE block (Megatron-LM --moe-layer-recompute, or
 --recompute-modules moe), `experts` the routed expert MLPs only. `moe` and `experts` need a
-model with experts.
+model with experts. `offload` moves stored tapes to host memory (Beaumont et al. 2021): alone
+every layer's tape, no recomputation; `offload+optimal` the joint DP over keep, offload and
+recompute (docs/offloading.md).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Strategy:
     moe: str | None = None  # "moe" | "experts": that MoE group recomputed on top of `kind`
     mlp: bool = False  # the dense MLP (fc1, activation, fc2) recomputed on top of `kind`
     policy: str | None = None  # a per-op policy (`sac:...`, model.op_policy) in stored layers
+    offload: bool = False  # stored tapes offloaded to host memory (none or optimal only)
 
     @property
     def name(self) -> str:
@@ -63,6 +66,7 @@ class Strategy:
             + (["selective"] if self.selective else [])
             + (["mlp"] if self.mlp else [])
             + ([self.moe] if self.moe else [])
+            + (["offload"] if self.offload else [])
         )
         if self.kind in ("none", "selective") and prefix:
             return "+".join(prefix)
@@ -81,18 +85,19 @@ class Strategy:
 _SIZED = ("uniform", "sequential", "block", "revolve")
 _PLAIN = ("none", "full", "sqrt", "selective", "optimal")
 STRATEGY_HELP = (
-    "none, full, uniform:K, sequential:K, sqrt, selective, block:N, revolve:C, optimal, "
-    "or selective+ / mlp+ any of these (e.g. selective+uniform:4, selective+mlp); with "
-    "experts also moe+ or experts+ (e.g. selective+moe+block:2); per-op policies sac "
-    "(torchtitan's) or sac:OP,... (e.g. sac:matmuls%2,attention)"
+    "none, full, uniform:K, sequential:K, sqrt, selective, block:N, revolve:C, optimal, each "
+    "with selective+ or mlp+ (e.g. selective+uniform:4), with experts moe+ or experts+; "
+    "per-op policies sac or sac:OP,... (e.g. sac:matmuls%2,attention); offload, "
+    "offload+optimal (docs/strategies.md)"
 )
 
 
 def _hint(text: str) -> str:
-    """'; did you mean ...?' for a misspelt strategy word (selectve -> selective)."""
+    """' (did you mean ...?)' for a misspelt strategy word (selectve -> selective), said before
+    the long list of strategies so that a cut line keeps it."""
     import difflib
 
-    words = [*_PLAIN, *_SIZED, *MOE_GROUPS, "mlp"]
+    words = [*_PLAIN, *_SIZED, *MOE_GROUPS, "mlp", "offload"]
     if len(text) > 100:
         return ""
     parts = text.strip().split("+")
@@ -102,7 +107,7 @@ def _hint(text: str) -> str:
         close = difflib.get_close_matches(word.lower(), words, n=1, cutoff=0.7)
         fixed.append((close[0] if close else word) + sep + size)
     guess = "+".join(fixed)
-    return f"; did you mean {guess!r}?" if guess != text.strip() else ""
+    return f" (did you mean {guess!r}?)" if guess != text.strip() else ""
 
 
 def _policy_word(policy: str) -> str:
@@ -148,12 +153,15 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
             return Strategy("uniform", 1)  # every layer re-run whole: the policy has no say
         return dataclasses.replace(base, policy=policy)
     modifiers, body = parts[:-1], parts[-1]
-    if body in MOE_GROUPS or body == "mlp" or (body == "selective" and modifiers):
+    if body in MOE_GROUPS or body in ("mlp", "offload") or (body == "selective" and modifiers):
         modifiers, body = [*modifiers, body], "none"
     selective = "selective" in modifiers
     mlp = "mlp" in modifiers
+    offload = "offload" in modifiers
     moe = [m for m in modifiers if m in MOE_GROUPS]
-    unknown = [m for m in modifiers if m not in ("selective", "mlp") and m not in MOE_GROUPS]
+    unknown = [
+        m for m in modifiers if m not in ("selective", "mlp", "offload") and m not in MOE_GROUPS
+    ]
     if unknown or len(set(modifiers)) < len(modifiers) or len(moe) > 1:
         if len(moe) > 1:
             raise StrategyError(f"strategy {quote(text)}: moe already recomputes the expert MLPs")
@@ -161,14 +169,14 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
             twice = next(m for m in modifiers if modifiers.count(m) > 1)
             raise StrategyError(f"strategy {quote(text)}: {twice} cannot combine with itself")
         raise StrategyError(
-            f"unknown strategy {quote(text)}: expected one of {STRATEGY_HELP}{_hint(text)}"
+            f"unknown strategy {quote(text)}{_hint(text)}: expected one of {STRATEGY_HELP}"
         )
     match = re.fullmatch(r"([a-z]+)(?::(-?[0-9]{1,18}))?", body)
     kind = match.group(1) if match else ""
     size = int(match.group(2)) if match and match.group(2) is not None else None
     if not match or kind not in _SIZED + _PLAIN or (kind in _PLAIN) != (size is None):
         raise StrategyError(
-            f"unknown strategy {quote(text)}: expected one of {STRATEGY_HELP}{_hint(text)}"
+            f"unknown strategy {quote(text)}{_hint(text)}: expected one of {STRATEGY_HELP}"
         )
     if selective and kind == "selective":
         raise StrategyError(f"strategy {quote(text)}: selective cannot combine with itself")
@@ -188,14 +196,19 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
         raise StrategyError(
             f"strategy {quote(text)}: mlp recomputes dense MLPs; every layer of this model is MoE"
         )
+    if offload and kind not in ("none", "optimal"):
+        raise StrategyError(
+            f"strategy {quote(text)}: offload combines with none (every stored tape to host) "
+            "or optimal (offload+optimal), not with " + kind
+        )
     group = moe[0] if moe else None
-    if kind == "none" and (selective or mlp or group):
+    if kind == "none" and (selective or mlp or group or offload):
         name = "selective" if selective else "none"
-        return Strategy(name, selective=selective, moe=group, mlp=mlp)
+        return Strategy(name, selective=selective, moe=group, mlp=mlp, offload=offload)
     if kind == "full" and (selective or group or mlp):
         # full recompute already re-runs every op of every layer
         return Strategy("uniform", 1, selective)
-    return Strategy(kind, size, selective or kind == "selective", group, mlp)
+    return Strategy(kind, size, selective or kind == "selective", group, mlp, offload=offload)
 
 
 def has_dense_layers(spec: ModelSpec) -> bool:

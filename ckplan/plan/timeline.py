@@ -4,7 +4,8 @@ its replayed schedule, for `ckplan estimate --plot`.
 The replay is `schedules.simulate` on the chain the plan was evaluated on (the fuller pipeline
 stage); with micro-batches in flight, the others waiting for their backward hold what their
 forward left (`schedules.pipeline_peak_bytes`), a constant added to every point. So the
-timeline's maximum is exactly the plan's `activation_bytes`.
+timeline's maximum is exactly the plan's `activation_bytes`. An offload plan's timeline is the
+device side of `schedules.offload.simulate_offload` (its tapes on host between their copies).
 """
 
 from __future__ import annotations
@@ -51,15 +52,24 @@ def memory_timeline(plan: Plan) -> Timeline | None:
     first_stage = spec.pp == 1 or "layer 0" in plan.stage_names  # which stage the steps run
     chain = layer_chain(spec, plan.strategy.startswith("selective"), first_stage)
     replay = simulate(chain, plan.steps)
+    trace = [(point.during_bytes, point.after_bytes) for point in replay.trace]
+    on_host = 0
+    offloaded = dict(plan.stage_offloads).get(plan.peak_stage, ())
+    if offloaded:
+        from ckplan.schedules.offload import simulate_offload
+
+        trace = simulate_offload(chain, plan.steps, [i for i, _ in offloaded]).device_trace
+        on_host = sum(nbytes for _, nbytes in offloaded)
     waiting = 0
     if spec.pp > 1 and first_stage:
         in_flight = in_flight_microbatches(spec)
-        waiting = math.ceil((in_flight - 1) * held_after_forward_bytes(chain, replay))
+        held = held_after_forward_bytes(chain, replay) - on_host
+        waiting = math.ceil((in_flight - 1) * held)
     labels = tuple(f"{STEP_VERBS[step.kind]} {plan.stage_names[step.stage]}" for step in plan.steps)
     return Timeline(
         labels,
-        tuple(point.during_bytes + waiting for point in replay.trace),
-        tuple(point.after_bytes + waiting for point in replay.trace),
+        tuple(during + waiting for during, _ in trace),
+        tuple(after + waiting for _, after in trace),
         replay.initial_bytes + waiting,
         waiting,
     )

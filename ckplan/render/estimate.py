@@ -73,6 +73,8 @@ def plan_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
     }
     if time is not None:
         data["time"] = time.to_dict()
+    if plan.stage_offloads:
+        data["offload"] = offload_dict(plan, time)
     spec = plan.spec
     if spec.kind == "transformer" and spec.vocab:
         data["memory"]["loss"] = loss_terms(spec)
@@ -449,6 +451,34 @@ def _state_note(spec: ModelSpec) -> str:
     return f"{per_param} B/param{zero}"
 
 
+def offload_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
+    """The JSON `offload` object of a plan with tapes on host (docs/offloading.md)."""
+    peak = dict(plan.stage_offloads).get(plan.peak_stage, ())
+    data: dict[str, Any] = {
+        "host_bytes": plan.host_bytes,
+        "bytes_moved": plan.bytes_moved,
+        "offloaded_stages": [plan.stage_names[i] for i, _ in peak],
+    }
+    if time is not None:
+        data["exposed_seconds"] = time.offload_exposed_seconds
+    return data
+
+
+def offload_text(plan: Plan, time: StepTime | None = None, host_budget: int | None = None) -> str:
+    """One line on a plan's offloaded tapes: how many, host bytes, bytes moved, exposed copies."""
+    peak = dict(plan.stage_offloads).get(plan.peak_stage, ())
+    text = (
+        f"{plan.strategy}: {len(peak)} tapes on host, {gib(plan.host_bytes)} pinned per GPU"
+        + (f" (of {gib(host_budget)} host memory per GPU)" if host_budget is not None else "")
+        + f", {gib(plan.bytes_moved)} moved per step"
+    )
+    if time is not None:
+        from ckplan.render.time import seconds
+
+        text += f", copies exposed {seconds(time.offload_exposed_seconds)}"
+    return text + "."
+
+
 def estimate_view(
     plan: Plan,
     candidate: Candidate | None = None,
@@ -463,6 +493,13 @@ def estimate_view(
     if layout is not None:
         states = plan.model_states
         parts.append(Text(expert_layout_line(layout, states.total, states.expert_total)))
+    if plan.stage_offloads:
+        host = None
+        if gpu is not None:
+            from ckplan.hardware.host_link import host_memory_per_gpu
+
+            host = host_memory_per_gpu(gpu)
+        parts.append(Text("Offload: " + offload_text(plan, time, host)))
     if time is not None:
         from ckplan.render.time import step_time_table
 

@@ -10,7 +10,7 @@ from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 from ckplan.plan.search import SEQ_GRANULE, Candidate, SweepResult
 from ckplan.render.common import GIB, gib, memory_bar
-from ckplan.render.estimate import expert_layout_line, plan_dict
+from ckplan.render.estimate import expert_layout_line, offload_text, plan_dict
 from ckplan.render.fit import declare
 from ckplan.render.time import seconds
 
@@ -33,7 +33,11 @@ def candidate_dict(candidate: Candidate) -> dict[str, Any]:
         **plan_dict(candidate.plan, candidate.time),
         "fits": candidate.fits,
         "headroom_bytes": candidate.headroom_bytes,
-    }
+    } | (
+        {"host_budget_bytes": candidate.host_budget_bytes}
+        if candidate.plan.stage_offloads and candidate.host_budget_bytes is not None
+        else {}
+    )
 
 
 def sweep_dict(
@@ -177,6 +181,13 @@ def sweep_view(
                 f" ({len(shown)} of {len(result.pareto)} shown; --all or --json for every plan)"
             )
         parts.append(candidates_table(shown, title, result.best))
+    offloads = [c for c in (result.candidates if show_all else shown) if c.plan.stage_offloads]
+    best = result.best
+    if best is not None and best.plan.stage_offloads and best not in offloads:
+        offloads.append(best)  # a plan within the host memory, beaten only by plans beyond it
+    if offloads:
+        parts.append(Text("Offload (tapes in pinned host memory, copies beside compute):"))
+        parts += [Text("  " + offload_text(c.plan, c.time, c.host_budget_bytes)) for c in offloads]
     parts.append(sweep_verdict(result))
     if result.best is not None:  # recompute the busiest stage's FLOPs do not show
         hidden = [note for note in result.best.plan.notes if " recomputes " in note]
@@ -344,6 +355,13 @@ def candidate_advice(candidate: Candidate | None) -> list[str]:
 
 def why_not_fitting(candidate: Candidate) -> str:
     states = candidate.plan.model_states.total
+    host = candidate.host_budget_bytes
+    fits_device = candidate.plan.reserved_bytes <= candidate.budget_bytes
+    if fits_device and host is not None and candidate.plan.host_bytes > host:
+        return (
+            f"offloaded tapes {format_bytes(candidate.plan.host_bytes, GIB)} over the "
+            f"{format_bytes(host, GIB)} of host memory per GPU"
+        )
     if states > candidate.budget_bytes:
         return f"model states alone {format_bytes(states, GIB)}"
     return (
@@ -356,17 +374,27 @@ STEP_LABELS = {
     "forward_keep_input": "forward, keep input",
     "forward_keep_all": "forward, keep all",
     "backward": "backward",
+    "forward_keep_all+offload": "forward, keep all, offload",
 }
+
+
+def offloaded_stages(plan: Plan) -> frozenset[int]:
+    """The chain stages whose tapes the plan's peak pipeline stage offloads to host."""
+    return frozenset(i for i, _ in dict(plan.stage_offloads).get(plan.peak_stage, ()))
 
 
 def schedule_rows(plan: Plan) -> list[tuple[str, str, int]]:
     """Consecutive steps of one kind over consecutive stages, merged: (label, stages, count)."""
     rows: list[tuple[str, list[int]]] = []
+    offloaded = offloaded_stages(plan)
     for step in plan.steps:
-        if rows and rows[-1][0] == step.kind and abs(rows[-1][1][-1] - step.stage) == 1:
+        kind = step.kind
+        if kind == "forward_keep_all" and step.stage in offloaded:
+            kind += "+offload"
+        if rows and rows[-1][0] == kind and abs(rows[-1][1][-1] - step.stage) == 1:
             rows[-1][1].append(step.stage)
         else:
-            rows.append((step.kind, [step.stage]))
+            rows.append((kind, [step.stage]))
     names = plan.stage_names
     result = []
     for kind, stages in rows:
@@ -379,12 +407,18 @@ def schedule_rows(plan: Plan) -> list[tuple[str, str, int]]:
 def schedule_dict(
     plan: Plan, activation_budget: int | None, time: StepTime | None = None
 ) -> dict[str, Any]:
+    offloaded = offloaded_stages(plan)
     return {
         **plan_dict(plan, time),
         "activation_budget_bytes": activation_budget,
         "stages": list(plan.stage_names),
         "steps": [
             {"kind": step.kind, "stage": step.stage, "name": plan.stage_names[step.stage]}
+            | (
+                {"offload": True}
+                if step.kind == "forward_keep_all" and step.stage in offloaded
+                else {}
+            )
             for step in plan.steps
         ],
     }

@@ -42,6 +42,8 @@ def step_time_table(plan: Plan, time: StepTime, gpu: GPU | None) -> Table:
         ("pipeline bubble", time.bubble_seconds, f"(p-1)/v = {spec.pp - 1}/{spec.virtual_stages}"),
         ("optimizer", time.optimizer_seconds, "Adam, memory-bound"),
     )
+    if time.offload_exposed_seconds:
+        parts += (("offload copies", time.offload_exposed_seconds, "host copies not hidden"),)
     for name, value, note in parts:
         table.add_row(f"  {name}", seconds(value), f"{value / step:.1%}  {note}")
     table.add_row("by kind", "", "")

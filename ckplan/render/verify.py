@@ -47,6 +47,24 @@ def verify_run_dict(report: Any, run: Any) -> dict[str, Any]:
         "time_overhead": None
         if overhead is None
         else {"predicted": overhead[0], "measured": overhead[1]},
+    } | (_offload_dict(run) if run.predicted.offloaded else {})
+
+
+def _offload_dict(run: Any) -> dict[str, Any]:
+    """An offload run's host figures (docs/offloading.md): they must be equal."""
+    return {
+        "offload": {
+            "offloaded_layers": list(run.predicted.offloaded),
+            "predicted": {
+                "host_peak_bytes": run.predicted.host_peak_bytes,
+                "bytes_moved": run.predicted.bytes_moved,
+            },
+            "measured": {
+                "host_peak_bytes": run.measured.host_peak_bytes,
+                "bytes_moved": run.measured.bytes_moved,
+            },
+            "ok": run.offload_ok,
+        }
     }
 
 
@@ -186,6 +204,20 @@ def verify_view(report: Any) -> Group:
         "(model_forward + model_backward).",
         style="dim",
     )
+    offloads = [run for run in report.runs if run.predicted.offloaded]
+    if offloads:
+        notes.append(
+            "\nOffload (host pool, exact): "
+            + "; ".join(
+                f"{run.strategy}: {len(run.predicted.offloaded)} layers, host peak "
+                f"{run.predicted.host_peak_bytes / mib:,.3f} / "
+                f"{run.measured.host_peak_bytes / mib:,.3f} MiB, moved "
+                f"{run.predicted.bytes_moved / mib:,.3f} / "
+                f"{run.measured.bytes_moved / mib:,.3f} MiB"
+                for run in offloads
+            )
+            + " (pred / meas)."
+        )
     failed = [run.strategy for run in report.runs if not run.ok]
     if failed:
         verdict = Text(f"MISMATCH: {', '.join(failed)} outside tolerance.", style="bold red")

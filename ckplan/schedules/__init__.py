@@ -1,7 +1,8 @@
 """Checkpointing schedules for a chain of stages.
 
 chain (the stages and the exact memory replay) -> segments (store-all, Chen's segments,
-Megatron's block) -> revolve (binomial, fixed slots) -> rotor (optimal under a budget).
+Megatron's block) -> revolve (binomial, fixed slots) -> rotor (optimal under a budget) ->
+offload (tapes on host memory: their replay and the joint DP with recomputation).
 The oracles the DP is tested against live with the tests (tests/oracles/).
 """
 

@@ -193,6 +193,14 @@ def _solve_persistent(
     return _solve_pipelined(chain, _Table(chain, unit, mem, n), mem, in_flight)
 
 
+def regular_table(chain: Chain, unit: int, mem: int, last_j: int):
+    """The table ``C(i, j, m)`` of :func:`optimal_schedule` for ``j <= last_j`` at slots of
+    ``unit`` bytes and ``m <= mem`` slots, for solvers that build on it
+    (:mod:`ckplan.schedules.offload`). Its ``plus`` rows hold ``C`` plus the forward FLOPs of
+    the sub-chain, divided by ``scale``; ``backtrack(i, j, m)`` rebuilds a schedule."""
+    return _Table(chain, unit, mem, last_j)
+
+
 class _Table:
     """The regular table ``C(i, j, .)`` for ``j <= last_j``, one row per class of equal
     sub-chains, with the discretised sizes and scaled FLOPs it was built from; see

@@ -24,6 +24,11 @@ What is measured for one run, and how:
   activation peak that the planner predicts; both are reported separately.
 * **layer forwards and FLOPs**: counted as the executor runs (every matmul adds 2·m·n·k from its
   operands' actual shapes); element-wise ops count 0, as in :mod:`ckplan.ops`.
+* **offload** (``offload``, ``offload+optimal``): an offloaded tape is copied into a host pool
+  (:class:`HostPool`, one buffer allocated before the step is traced, so only device arrays are
+  traced) when the forward after it ends, and copied back into a fresh device array when the
+  backward after it starts, as ``schedules.offload`` rules O1-O3 say; the pool counts its bytes
+  in use (host peak, a slot reserved when its copy starts) and the bytes copied both ways.
 * **time**: the median of several untraced runs of the step, beside the time model's prediction
   (``hardware.step_time`` on a ``cpu`` profile probed on the spot, ``hardware.cpu``: the
   layer's GEMM rate, the element-wise bandwidth at its array size, and the cost of one NumPy
@@ -72,6 +77,10 @@ MAX_REPEATS = 100
 DTYPE_BYTES = 8  # float64
 
 Params = list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+# The device `offload+optimal` is planned for here: 10 GFLOP/s (a core's float64 GEMMs) with
+# the default host link (hardware.gpus: PCIe Gen4 x16 at 0.8); verify measures the memory of
+# the schedule it chooses, not its time.
+NOMINAL_DEVICE = CPUProfile(flops_per_s=1e10, bytes_per_s=1e10, call_seconds=0.0).as_gpu()
 
 
 # ---- the network --------------------------------------------------------------------------
@@ -210,8 +219,51 @@ def layer_backward(x, g, w1, b1, w2, b2, grads, counts: _Counts) -> np.ndarray:
     return gx
 
 
+class HostPool:
+    """Host memory for offloaded tapes: one float64 buffer with a fixed slot per offloaded
+    stage, allocated before a step runs; counts the bytes reserved (its peak is the host peak)
+    and the bytes copied in both directions."""
+
+    def __init__(self, sizes: dict[int, int]) -> None:
+        self.slots: dict[int, tuple[int, int]] = {}
+        offset = 0
+        for stage, values in sorted(sizes.items()):
+            self.slots[stage] = (offset, values)
+            offset += values
+        self.buffer = np.empty(offset)
+        self.in_use = self.peak = self.moved = 0
+
+    def reserve(self, stage: int) -> None:
+        """The copy of ``stage``'s tape starts: its host bytes are taken."""
+        self.in_use += self.slots[stage][1] * DTYPE_BYTES
+        self.peak = max(self.peak, self.in_use)
+
+    def put(self, stage: int, array: np.ndarray) -> None:
+        """Copy a device array into the stage's slot."""
+        offset, values = self.slots[stage]
+        self.buffer[offset : offset + values] = array.reshape(-1)
+        self.moved += array.nbytes
+
+    def take(self, stage: int, shape: tuple[int, ...]) -> np.ndarray:
+        """A fresh device array with the stage's tape copied back."""
+        offset, values = self.slots[stage]
+        out = np.empty(shape)
+        out.reshape(-1)[:] = self.buffer[offset : offset + values]
+        self.moved += out.nbytes
+        return out
+
+    def release(self, stage: int) -> None:
+        """The copy back is done: the stage's host bytes are free."""
+        self.in_use -= self.slots[stage][1] * DTYPE_BYTES
+
+
 def run_schedule(
-    steps: Sequence[Step], params: Params, grads: Params, inputs: list[np.ndarray]
+    steps: Sequence[Step],
+    params: Params,
+    grads: Params,
+    inputs: list[np.ndarray],
+    offloaded: Sequence[int] = (),
+    pool: HostPool | None = None,
 ) -> tuple[np.ndarray, _Counts]:
     """Run one training step along ``steps``; return ``(δ_0, counts)``.
 
@@ -221,7 +273,14 @@ def run_schedule(
     tape is its input alone), and the one live gradient ``delta``. A forward's
     output is kept only when the next step is the forward of the next stage (rule 4), otherwise
     its reference is dropped at once. The schedule must be valid (``simulate`` it first).
+
+    With ``offloaded`` stages and a ``pool`` (``schedules.offload``, rules O1-O3): the tape of an
+    offloaded stage goes to the pool when the step after its ``forward_keep_all`` ends, and comes
+    back when the ``backward`` of the next stage starts.
     """
+    offloaded = set(offloaded)
+    shapes: dict[int, tuple[int, ...]] = {}
+    copy_out: int | None = None  # the stage whose tape is copied out during this step
     delta = inputs.pop()
     acts: dict[int, np.ndarray] = {0: inputs.pop()}
     checkpoints = {0}
@@ -231,12 +290,16 @@ def run_schedule(
     for t, step in enumerate(steps):
         i = step.stage
         if step.kind == BACKWARD:
+            if i - 1 in offloaded:  # prefetch: the tape of stage i - 1 comes back beside it
+                tapes[i - 1] = pool.take(i - 1, shapes[i - 1])
             gx = layer_backward(tapes[i], delta, *params[i], grads[i], counts)
             del tapes[i]
             acts.pop(i, None)
             checkpoints.discard(i)
             delta = gx  # frees δ_{i+1}
             del gx
+            if i - 1 in offloaded:
+                pool.release(i - 1)
             continue
         y = layer_forward(acts[i], *params[i], counts)
         counts.layer_forwards[i] += 1
@@ -252,6 +315,14 @@ def run_schedule(
         if nxt is not None and nxt.kind != BACKWARD and nxt.stage == i + 1:
             acts[i + 1] = y  # pending: consumed by the next step
         del y  # otherwise dead, freed now
+        if copy_out is not None:  # the copy overlapping this step ends: the device tape goes
+            pool.put(copy_out, tapes[copy_out])
+            del tapes[copy_out]
+            copy_out = None
+        if step.kind == FORWARD_KEEP_ALL and i in offloaded:
+            shapes[i] = tapes[i].shape
+            pool.reserve(i)
+            copy_out = i
     return delta, counts
 
 
@@ -264,6 +335,9 @@ class Prediction:
     layer_forwards: tuple[int, ...]  # per layer
     flops: int
     seconds: float | None = None  # the time model on the measured cpu profile
+    host_peak_bytes: int = 0  # offload: pinned host bytes at the peak (schedules.offload)
+    bytes_moved: int = 0  # offload: bytes copied to host and back
+    offloaded: tuple[int, ...] = ()  # offload: the stages whose tapes go to host
 
 
 @dataclass(frozen=True)
@@ -273,6 +347,8 @@ class Measurement:
     flops: int
     seconds: float  # median
     all_seconds: tuple[float, ...]
+    host_peak_bytes: int = 0  # the host pool's most bytes in use
+    bytes_moved: int = 0  # the host pool's bytes copied, both ways
 
 
 @dataclass(frozen=True)
@@ -302,8 +378,22 @@ class RunResult:
         return self.measured.flops == self.predicted.flops
 
     @property
+    def offload_ok(self) -> bool:
+        """Host peak and bytes moved exactly as predicted (both 0 without offloading)."""
+        return (self.measured.host_peak_bytes, self.measured.bytes_moved) == (
+            self.predicted.host_peak_bytes,
+            self.predicted.bytes_moved,
+        )
+
+    @property
     def ok(self) -> bool:
-        return self.gradients_identical and self.peak_ok and self.counts_ok and self.flops_ok
+        return (
+            self.gradients_identical
+            and self.peak_ok
+            and self.counts_ok
+            and self.flops_ok
+            and self.offload_ok
+        )
 
     @property
     def recomputed_layers(self) -> int:
@@ -342,9 +432,15 @@ class VerifyReport:
 
 
 def measure_peak(
-    steps: Sequence[Step], params: Params, grads: Params, x: np.ndarray, grad_output: np.ndarray
-) -> tuple[int, np.ndarray, _Counts]:
-    """Peak traced bytes of one step above what was traced before ``x_0`` and ``δ_L`` existed.
+    steps: Sequence[Step],
+    params: Params,
+    grads: Params,
+    x: np.ndarray,
+    grad_output: np.ndarray,
+    offloaded: Sequence[int] = (),
+) -> tuple[int, np.ndarray, _Counts, HostPool]:
+    """Peak traced bytes of one step above what was traced before ``x_0`` and ``δ_L`` existed,
+    with the host pool of its ``offloaded`` stages (allocated before, so not in the peak).
 
     Works whether or not ``tracemalloc`` is already tracing (then its state is left as found).
     """
@@ -352,15 +448,16 @@ def measure_peak(
     if started:
         tracemalloc.start()
     try:
+        pool = HostPool(dict.fromkeys(offloaded, x.size))
         base = tracemalloc.get_traced_memory()[0]
         inputs = [x.copy(), grad_output.copy()]
         tracemalloc.reset_peak()
-        dx, counts = run_schedule(steps, params, grads, inputs)
+        dx, counts = run_schedule(steps, params, grads, inputs, offloaded, pool)
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         if started:
             tracemalloc.stop()
-    return peak, dx, counts
+    return peak, dx, counts, pool
 
 
 def time_step(
@@ -370,13 +467,16 @@ def time_step(
     x: np.ndarray,
     grad_output: np.ndarray,
     repeats: int,
+    offloaded: Sequence[int] = (),
 ) -> tuple[float, ...]:
-    """Wall seconds of ``repeats`` runs of the step (input copies made outside the timing)."""
+    """Wall seconds of ``repeats`` runs of the step (input copies and the host pool made
+    outside the timing)."""
     seconds = []
     for _ in range(repeats):
         inputs = [x.copy(), grad_output.copy()]
+        pool = HostPool(dict.fromkeys(offloaded, x.size))
         start = time.perf_counter()
-        run_schedule(steps, params, grads, inputs)
+        run_schedule(steps, params, grads, inputs, offloaded, pool)
         seconds.append(time.perf_counter() - start)
     return tuple(seconds)
 
@@ -425,13 +525,22 @@ def predicted_seconds(spec: ModelSpec, plan, profile: CPUProfile) -> float:
 def predict(spec: ModelSpec, strategy: str, budget: int | None) -> tuple[Prediction, Plan]:
     """The planner's prediction for one strategy and the plan (schedule) it would run."""
     parsed = parse_strategy(strategy, spec)
-    plan = evaluate(spec, parsed, budget=budget)
+    plan = evaluate(spec, parsed, budget=budget, gpu=NOMINAL_DEVICE if parsed.offload else None)
     if plan is None:
         raise StrategyError(
             f"strategy {strategy!r}: no schedule fits the activation budget of {budget:,} bytes"
         )
     replay = simulate(layer_chain(spec, parsed.selective), plan.steps)
-    return Prediction(plan.activation_bytes, replay.layer_forwards, plan.flops.total), plan
+    offloaded = tuple(i for i, _ in dict(plan.stage_offloads).get(0, ()))
+    prediction = Prediction(
+        plan.activation_bytes,
+        replay.layer_forwards,
+        plan.flops.total,
+        host_peak_bytes=plan.host_bytes,
+        bytes_moved=plan.bytes_moved,
+        offloaded=offloaded,
+    )
+    return prediction, plan
 
 
 def default_strategies(layers: int) -> tuple[str, ...]:
@@ -508,7 +617,7 @@ def verify(
         raise StrategyError(f"repeats must be at least 1, got {repeats}")
     chosen = strategies or default_strategies(spec.layers)
     names = list(dict.fromkeys(["none", *(name.strip() for name in chosen)]))
-    if budget is None and "optimal" in names:
+    if budget is None and any(name.endswith("optimal") for name in names):
         budget = default_budget(spec)
     planned = [(name, *predict(spec, name, budget)) for name in names]
     check_limits(spec, [prediction.flops for _, prediction, _ in planned], repeats)
@@ -520,11 +629,14 @@ def verify(
     grads = gradient_buffers(params)
     ref_dx, ref_grads = reference_step(params, x, grad_output)
     traced = []
-    for _, _, steps in planned:
+    for _, prediction, steps in planned:
         for buffer in (g for layer in grads for g in layer):
             buffer.fill(np.nan)  # a gradient the schedule fails to write cannot pass
-        peak, dx, counts = measure_peak(steps, params, grads, x, grad_output)
-        traced.append((peak, counts, *compare_gradients(dx, grads, ref_dx, ref_grads)))
+        offloaded = prediction.offloaded
+        peak, dx, counts, pool = measure_peak(steps, params, grads, x, grad_output, offloaded)
+        host = (pool.peak, pool.moved)
+        del pool
+        traced.append((peak, counts, *compare_gradients(dx, grads, ref_dx, ref_grads), host))
         del dx
     # Timed in rounds, every strategy once per round, so that drift in the machine's speed
     # (other load, clocks) falls on all strategies alike.
@@ -535,8 +647,8 @@ def verify(
     for _ in range(repeats):
         if predict_time:
             probes.append(measure_cpu_profile(x, weights))
-        for times, (_, _, steps) in zip(seconds, planned, strict=True):
-            times += time_step(steps, params, grads, x, grad_output, 1)
+        for times, (_, prediction, steps) in zip(seconds, planned, strict=True):
+            times += time_step(steps, params, grads, x, grad_output, 1, prediction.offloaded)
     profile = median_profile(probes) if predict_time else None
     if profile is not None:
         planned = [
@@ -544,7 +656,7 @@ def verify(
             for (name, prediction, steps), plan in zip(planned, plans, strict=True)
         ]
     runs = []
-    for (name, prediction, _), (peak, counts, identical, diff), times in zip(
+    for (name, prediction, _), (peak, counts, identical, diff, host), times in zip(
         planned, traced, seconds, strict=True
     ):
         measured = Measurement(
@@ -553,6 +665,8 @@ def verify(
             flops=counts.flops,
             seconds=statistics.median(times),
             all_seconds=tuple(times),
+            host_peak_bytes=host[0],
+            bytes_moved=host[1],
         )
         runs.append(RunResult(name, prediction, measured, identical, diff, tolerance))
     param_bytes = sum(p.nbytes for layer in params for p in layer)

@@ -1,0 +1,130 @@
+"""Offload plans: one pipeline stage's chain with stored tapes on host memory.
+
+`offload` stores every tape and offloads every one but the last stage's (its backward follows
+at once); `offload+optimal` runs the joint DP over keep, offload and recompute
+(ckplan.schedules.offload, Beaumont et al. 2021) on the stage times of a GPU, with the host
+link's copy times and the GPU's share of its node's host memory as the host budget.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+from ckplan.hardware.gpus import GPU
+from ckplan.hardware.host_link import copy_seconds, host_memory_per_gpu
+from ckplan.model.spec import ModelSpec
+from ckplan.plan.strategies import Strategy, StrategyError
+from ckplan.schedules import Chain, Schedule, held_after_forward_bytes
+from ckplan.schedules.offload import OffloadReplay, offload_all, simulate_offload
+
+NANOSECOND = 1e-9  # the DP's integer time unit
+
+
+@dataclass(frozen=True)
+class OffloadStage:
+    """One pipeline stage's offload schedule with ``in_flight`` micro-batches: the device peak
+    (the waiting micro-batches hold their device items only), host bytes (theirs too), bytes
+    moved per micro-batch and the offloaded (stage, tape bytes)."""
+
+    peak_bytes: int
+    steps: Schedule
+    replay: OffloadReplay
+    host_bytes: int
+    bytes_moved: int
+    offloaded: tuple[tuple[int, int], ...]
+
+
+def pipelined_offload_bytes(
+    chain: Chain, replay: OffloadReplay, in_flight: Fraction
+) -> tuple[int, int]:
+    """(device peak, host peak) of a pipeline stage with ``in_flight`` micro-batches.
+
+    derived (1F1B, as ``schedules.pipeline_peak_bytes``): each of the ``in_flight - 1``
+    waiting micro-batches holds what its forward left, its offloaded tapes on host and the
+    rest on device; rounded up to whole bytes.
+    """
+    on_host = sum(chain.tape_bytes[i] for i in replay.offloaded)
+    held = held_after_forward_bytes(chain, replay.replay) - on_host
+    waiting = in_flight - 1
+    return (
+        replay.device_peak_bytes + math.ceil(waiting * held),
+        replay.host_peak_bytes + math.ceil(waiting * on_host),
+    )
+
+
+def stage_time_chain(
+    chain: Chain, forward_seconds, backward_seconds, tape_copy_seconds
+) -> tuple[Chain, tuple[int, ...]]:
+    """The chain with its FLOPs replaced by whole nanoseconds of forward and backward, and the
+    copy time of each tape in nanoseconds: the joint DP's costs.
+
+    derived: the DP minimises the step's compute plus exposed copy time; stage times and copy
+    times rounded to the nearest nanosecond.
+    """
+    ns = [round(t / NANOSECOND) for t in forward_seconds]
+    nb = [round(t / NANOSECOND) for t in backward_seconds]
+    copies = tuple(round(t / NANOSECOND) for t in tape_copy_seconds)
+    timed = Chain(
+        ns,
+        nb,
+        chain.input_bytes,
+        chain.tape_bytes,
+        chain.forward_workspace_bytes,
+        chain.backward_workspace_bytes,
+    )
+    return timed, copies
+
+
+def offload_stage(
+    spec: ModelSpec,
+    chain: Chain,
+    strategy: Strategy,
+    stage: int,
+    in_flight: Fraction,
+    budget: int | None,
+    slots: int,
+    gpu: GPU | None,
+) -> OffloadStage | None:
+    """The offload schedule of one pipeline stage; None when `offload+optimal` finds none
+    within `budget` activation bytes and the GPU's host memory."""
+    if strategy.kind == "optimal":
+        if budget is None:
+            raise StrategyError(f"strategy {strategy.name!r} needs a memory budget (--budget)")
+        if gpu is None:
+            raise StrategyError(
+                f"strategy {strategy.name!r} needs a GPU (--gpu): it weighs host copies "
+                "against compute time"
+            )
+        if in_flight != 1:
+            raise StrategyError(
+                f"strategy {strategy.name!r} plans one micro-batch in flight: pipeline "
+                "parallelism (pp > 1) is not supported; use offload"
+            )
+        from ckplan.hardware.step_time import chain_compute_seconds
+        from ckplan.schedules.offload import JOINT_MAX_STAGES, optimal_offload_schedule
+
+        if chain.length > JOINT_MAX_STAGES:
+            raise StrategyError(
+                f"strategy {strategy.name!r} plans chains of at most {JOINT_MAX_STAGES} stages, "
+                f"this one has {chain.length}: use offload, or fewer layers per pipeline stage"
+            )
+
+        forward, backward = chain_compute_seconds(spec, gpu, stage, strategy.groups)
+        copies = [copy_seconds(tape, gpu) for tape in chain.tape_bytes]
+        timed, copy_ns = stage_time_chain(chain, forward, backward, copies)
+        if budget < 0:
+            return None
+        result = optimal_offload_schedule(
+            timed, budget, copy_ns, host_budget_bytes=host_memory_per_gpu(gpu), slots=slots
+        )
+        if result is None:
+            return None
+        steps, stages = result.steps, result.offloaded
+    else:
+        steps, stages = offload_all(chain)
+    replay = simulate_offload(chain, steps, stages)
+    peak, host = pipelined_offload_bytes(chain, replay, in_flight)
+    offloaded = tuple((i, chain.tape_bytes[i]) for i in stages)
+    return OffloadStage(peak, steps, replay, host, replay.bytes_moved, offloaded)

@@ -1,0 +1,183 @@
+"""Offload strategies on models: parsing, plans, step time, sweep and the CLI's figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ckplan.hardware.host_link import exposed_copy_seconds, host_memory_per_gpu
+from ckplan.hardware.step_time import chain_compute_seconds, step_time
+from ckplan.inputs.gpus import load_gpu
+from ckplan.plan import evaluate
+from ckplan.plan.layer_chain import layer_chain
+from ckplan.plan.search import activation_budget, offload_optimal_plan, sweep
+from ckplan.plan.strategies import StrategyError, parse_strategy
+from ckplan.schedules.offload import offload_all, simulate_offload
+
+
+@pytest.mark.parametrize(
+    "text, name, kind",
+    [
+        ("offload", "offload", "none"),
+        ("selective+offload", "selective+offload", "selective"),
+        ("offload+optimal", "offload+optimal", "optimal"),
+        ("selective+offload+optimal", "selective+offload+optimal", "optimal"),
+    ],
+)
+def test_parse_offload_words(spec_of, text, name, kind):
+    strategy = parse_strategy(text, spec_of("gpt2"))
+    assert strategy.offload and strategy.name == name and strategy.kind == kind
+
+
+def test_offload_plan_is_the_replay(spec_of):
+    spec = spec_of("llama3-8b", seq=4096, microbatches=3)
+    plan = evaluate(spec, parse_strategy("offload", spec))
+    chain = layer_chain(spec, ())
+    steps, stages = offload_all(chain)
+    replay = simulate_offload(chain, steps, stages)
+    assert plan.activation_bytes == replay.device_peak_bytes
+    assert plan.host_bytes == replay.host_peak_bytes == sum(chain.tape_bytes[:-1])
+    assert plan.bytes_moved == 2 * sum(chain.tape_bytes[:-1]) * 3
+    assert plan.flops.recompute == 0
+    assert plan.activation_bytes < evaluate(spec, parse_strategy("none", spec)).activation_bytes
+
+
+def test_offload_step_time_adds_the_exposed_copies(spec_of):
+    spec = spec_of("llama3-8b", seq=4096)
+    gpu = load_gpu("rtx-4090")
+    plan = evaluate(spec, parse_strategy("offload", spec))
+    none = evaluate(spec, parse_strategy("none", spec))
+    forward, backward = chain_compute_seconds(spec, gpu, 0)
+    exposed = exposed_copy_seconds(forward, backward, plan.stage_offloads[0][1], gpu)
+    time, plain = step_time(plan, gpu), step_time(none, gpu)
+    assert time.offload_exposed_seconds == pytest.approx(exposed) and exposed > 0
+    assert time.step_seconds == pytest.approx(plain.step_seconds + exposed)
+    assert time.to_dict()["offload_exposed_seconds"] == time.offload_exposed_seconds
+    assert "offload_exposed_seconds" not in plain.to_dict()
+
+
+def test_offload_optimal_needs_a_gpu_and_one_micro_batch_in_flight(spec_of):
+    spec = spec_of("gpt2")
+    with pytest.raises(StrategyError, match="needs a GPU"):
+        evaluate(spec, parse_strategy("offload+optimal", spec), budget=2**30)
+    piped = spec_of("gpt2", pp=2, microbatches=4)
+    gpu = load_gpu("a100-80gb")
+    with pytest.raises(StrategyError, match="pp > 1"):
+        evaluate(piped, parse_strategy("offload+optimal", piped), budget=2**30, gpu=gpu)
+    # offload alone runs pipelined: the waiting micro-batches keep their tapes on host
+    plan = evaluate(piped, parse_strategy("offload", piped))
+    assert plan.host_bytes > 0
+
+
+def test_offload_beats_recomputation_where_copies_hide(spec_of):
+    # llama3-8b at 16k tokens on an RTX 4090 (ZeRO-3 over 16 GPUs): a layer's forward takes
+    # about as long as its tape's copy over PCIe, so the joint DP offloads instead of recomputing
+    spec = spec_of("llama3-8b", seq=16384, dp=16, zero=3, loss="chunked:16")
+    gpu = load_gpu("rtx-4090")
+    budget = activation_budget(spec, gpu.memory_bytes - 2 * 2**30)
+    joint = offload_optimal_plan(spec, budget, gpu)
+    rotor = evaluate(spec, parse_strategy("optimal", spec), budget=budget)
+    assert joint is not None and rotor is not None
+    assert joint.activation_bytes <= budget and joint.host_bytes <= host_memory_per_gpu(gpu)
+    assert step_time(joint, gpu).step_seconds < step_time(rotor, gpu).step_seconds
+    assert joint.flops.recompute < rotor.flops.recompute
+
+
+def test_sweep_tries_offload(spec_of):
+    spec = spec_of("gpt2", micro_batch=8)
+    result = sweep(spec, 16 * 2**30, gpu=load_gpu("a100-80gb"))
+    names = {c.plan.strategy for c in result.candidates}
+    assert {"offload", "selective+offload"} <= names
+    assert any(name.endswith("offload+optimal") for name in names)
+
+
+def test_cli_json_offload_fields(spec_of, capsys):
+    from ckplan.cli import main
+
+    main(["estimate", "gpt2", "--strategy", "offload", "--gpu", "a100-80gb", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    offload = data["offload"]
+    assert offload["host_bytes"] > 0 and offload["bytes_moved"] == 2 * offload["host_bytes"]
+    assert offload["offloaded_stages"][0] == "embedding"
+    assert offload["exposed_seconds"] == data["time"].get("offload_exposed_seconds", 0.0)
+
+
+def test_verify_runs_offload_schedules_on_the_numpy_mlp():
+    from ckplan.simple.verify import mlp_spec, verify
+
+    spec = mlp_spec(8, 128, 256, 32)
+    report = verify(spec, ["offload", "offload+optimal"], repeats=1, predict_time=False)
+    runs = {run.strategy: run for run in report.runs}
+    for name in ("offload", "offload+optimal"):
+        run = runs[name]
+        assert run.ok and run.gradients_identical and run.offload_ok
+        assert run.predicted.offloaded
+        assert run.measured.host_peak_bytes == run.predicted.host_peak_bytes > 0
+        assert run.measured.bytes_moved == run.predicted.bytes_moved > 0
+    # tapes on host: less on device than the plain step
+    assert runs["offload"].measured.peak_bytes < runs["none"].measured.peak_bytes
+
+
+@pytest.mark.parametrize("text", ["offload", "selective+offload"])
+def test_timeline_of_an_offload_plan_peaks_at_its_activations(spec_of, text):
+    from ckplan.plan.timeline import memory_timeline
+
+    for layout in ({}, {"pp": 2, "microbatches": 4}):
+        spec = spec_of("llama3-8b", seq=4096, **layout)
+        plan = evaluate(spec, parse_strategy(text, spec))
+        assert memory_timeline(plan).peak_bytes == plan.activation_bytes
+
+
+def test_simple_formulas_refuse_offload(spec_of):
+    spec = spec_of("gpt2")
+    with pytest.raises(StrategyError, match="simple formula set has no strategy 'offload'"):
+        evaluate(spec, parse_strategy("offload", spec), formula="simple")
+
+
+def test_joint_plan_within_a_binding_host_memory_mixes_offload_and_recompute(spec_of):
+    spec = spec_of("llama3-8b", seq=16384, dp=16, zero=3, loss="chunked:16")
+    gpu = load_gpu("rtx-4090").replace(host_memory_bytes=400 * 10**9)
+    budget = activation_budget(spec, gpu.memory_bytes - 2 * 2**30)
+    joint = offload_optimal_plan(spec, budget, gpu)
+    everything = evaluate(spec, parse_strategy("offload", spec))
+    assert everything.host_bytes > host_memory_per_gpu(gpu)
+    assert 0 < joint.host_bytes <= host_memory_per_gpu(gpu)
+    assert joint.flops.recompute > 0 and joint.activation_bytes <= budget
+
+
+def test_sweep_auto_shapes_skip_a_best_offload_optimal(capsys):
+    from ckplan.cli import main
+
+    argv = ["sweep", "llama3-8b", "--gpu", "rtx-4090", "--seq", "16384", "--set", "dp=16"]
+    argv += ["--set", "zero=3", "--set", "loss=chunked:16", "--micro-batch", "auto", "--json"]
+    code = main(argv)
+    data = json.loads(capsys.readouterr().out)
+    assert code in (0, None)
+    assert data["best"]["strategy"] == "offload+optimal"
+    assert "offload+optimal" not in data["max_micro_batch"]
+    assert data["best"]["offload"]["host_bytes"] <= data["best"]["host_budget_bytes"]
+
+
+def test_offload_json_shapes(capsys):
+    from json_schema import ESTIMATE, OFFLOAD, SCHEDULE, SWEEP, errors
+
+    from ckplan.cli import main
+
+    shape = ["--gpu", "a100-80gb", "--set", "micro_batch=8", "--json"]
+    main(["estimate", "gpt2", "--strategy", "offload", *shape])
+    data = json.loads(capsys.readouterr().out)
+    assert errors(data, {**ESTIMATE, "offload": {**OFFLOAD, "exposed_seconds": float}}) == []
+    main(["schedule", "gpt2", "--strategy", "offload+optimal", *shape])
+    data = json.loads(capsys.readouterr().out)
+    assert errors(data, {**SCHEDULE, "offload": OFFLOAD}) == []
+    marked = [step for step in data["steps"] if step.get("offload")]
+    assert len(marked) == len(data["offload"]["offloaded_stages"])
+    assert all(step["kind"] == "forward_keep_all" for step in marked)
+    main(["sweep", "gpt2", *shape])
+    data = json.loads(capsys.readouterr().out)
+    assert errors(data, SWEEP) == []
+    offloads = [plan for plan in data["plans"] if "offload" in plan]
+    assert {plan["strategy"] for plan in offloads} >= {"offload", "selective+offload"}
+    assert all(errors(plan["offload"], OFFLOAD) == [] for plan in offloads)
+    assert all(isinstance(plan["host_budget_bytes"], int) for plan in offloads)
