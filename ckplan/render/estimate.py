@@ -14,6 +14,7 @@ from ckplan.model.layers import distinct_kinds, format_layer_set, kind_layer_ind
 from ckplan.model.memory import (
     activation_breakdown,
     activation_bytes_per_layer,
+    gradients_allocated_in_backward,
     parameter_count,
 )
 from ckplan.model.ops import layer_ops
@@ -369,7 +370,13 @@ def plan_summary_table(plan: Plan) -> Table:
     table.add_row(
         "  gradients",
         gib(states.gradients),
-        f"{spec.grad_bytes} B/param" + (" (trainable parameters only)" if frozen else ""),
+        f"{spec.grad_bytes} B/param"
+        + (" (trainable parameters only)" if frozen else "")
+        + (
+            "; those the backward has written by the peak"
+            if gradients_allocated_in_backward(spec)
+            else ""
+        ),
     )
     held = "master + Adam" if spec.master_bytes else "Adam; the weights are the master copy"
     table.add_row(
