@@ -1,6 +1,8 @@
 """ckplan's predictions beside what validation/device/measure_plans.py measured on a GPU.
 
     python validation/device/compare.py validation/device/results-h200-torch-2.11.json --gpu h200
+    python validation/device/compare.py validation/device/results-h200-torch-2.11-expandable.json \
+        --expandable
 
 Prints a Markdown table (docs/validation.md, "Measured on a GPU"): per plan the measured
 `max_memory_allocated`, ckplan's allocated peak and the error, the same for
@@ -35,6 +37,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("results")
     parser.add_argument("--gpu", default="h200")
+    parser.add_argument(
+        "--expandable",
+        action="store_true",
+        help="the run set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+    )
     args = parser.parse_args()
     report = json.loads(Path(args.results).read_text(encoding="utf-8"))
     gpu = load_gpu(args.gpu)
@@ -46,7 +53,7 @@ def main() -> None:
     gib = 2**30
     for measured in report["plans"]:
         strategy, keys = PLANS[measured["plan"]]
-        spec = load_spec(str(MODEL), keys)
+        spec = load_spec(str(MODEL), {**keys, "expandable_segments": args.expandable})
         plan = evaluate(spec, parse_strategy(strategy, spec), gpu=gpu)
         seconds = step_time(plan, gpu).step_seconds
         allocated, reserved = measured["max_memory_allocated"], measured["max_memory_reserved"]
