@@ -75,6 +75,10 @@ UNIT_ALIASES = {
     "attention_core": "attention",
 }
 MAX_EVERY = 1000
+# Frameworks whose layers are PyTorch modules a selective-checkpoint policy can wrap
+# (Megatron-LM's are too, but it offers no hook for a policy: its recompute options are whole
+# layers and --recompute-modules).
+POLICY_FRAMEWORKS = ("torchtitan", "hf", "deepspeed")
 
 
 class PolicyError(InputError):
@@ -164,6 +168,12 @@ def check_policy_model(spec: ChainSpec) -> str | None:
     if spec.training != "full":
         # adapters add matmuls of their own, which an every-K-th rule would count
         return f"per-op policies are modelled for training: full, not {spec.training}"
+    if spec.framework not in POLICY_FRAMEWORKS:
+        return (
+            f"per-op policies run where the layers are PyTorch modules (framework: "
+            f"{', '.join(POLICY_FRAMEWORKS)}); {spec.framework} recomputes whole layers or its "
+            "modules"
+        )
     return None
 
 
@@ -309,12 +319,24 @@ def policy_tape_bytes(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None 
     return LayerShapes.of(spec).X + sum(unit.output_bytes for unit in units if unit.name in kept)
 
 
+def skips_rerun(unit: Unit) -> bool:
+    """Whether keeping `unit`'s output spares its re-run: a matmul or the attention kernel,
+    one op whose output is what the ops after it need. A norm, an activation or a residual add
+    is several aten ops in eager code (an upcast, a mean, an rsqrt, a multiply; silu and a
+    multiply) whose inner outputs its backward reads: keeping the last one spares their re-run
+    nothing (derived from PyTorch's selective checkpointing, which caches op by op)."""
+    return unit.matmul or unit.name == "attention"
+
+
 def recomputed_ops(
     spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None
 ) -> tuple[Op, ...]:
-    """The ops the backward re-runs under `policy`: every unit but the kept ones."""
+    """The ops the backward re-runs under `policy`: every unit but the kept matmuls and
+    attention kernel (`skips_rerun`)."""
     kept = set(kept_units(spec, policy, kind))
-    return tuple(unit.op for unit in unit_ops(spec, kind) if unit.name not in kept)
+    return tuple(
+        unit.op for unit in unit_ops(spec, kind) if unit.name not in kept or not skips_rerun(unit)
+    )
 
 
 def recomputed_forward_flops(

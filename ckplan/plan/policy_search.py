@@ -19,7 +19,7 @@ from ckplan.hardware.code_path import spec_code_path
 from ckplan.hardware.gpus import GPU
 from ckplan.model.layers import LayerKind
 from ckplan.model.op import LayerShapes
-from ckplan.model.op_policy import POLICY_PREFIX, UNIT_NAMES, Unit, unit_ops
+from ckplan.model.op_policy import POLICY_PREFIX, UNIT_NAMES, Unit, skips_rerun, unit_ops
 from ckplan.model.spec import ModelSpec
 
 # A frontier never holds more points than this (the largest unit tables have ~18 units; sizes
@@ -52,11 +52,12 @@ def unit_cost(spec: ModelSpec, unit: Unit, gpu: GPU | None) -> float:
 
 
 def _choosable(spec: ModelSpec, kind: LayerKind | None) -> list[Unit]:
-    """The units a policy can keep by name, one entry per name (reduce-scatters are left to
-    `sac`; the residual adds are not nameable)."""
+    """The units worth keeping, one entry per name: the matmuls and the attention kernel
+    (`op_policy.skips_rerun`; keeping a norm's or an activation's output costs its bytes and
+    spares no re-run). Reduce-scatters are left to `sac`."""
     seen: dict[str, Unit] = {}
     for unit in unit_ops(spec, kind):
-        if unit.name in UNIT_NAMES and unit.name != "reduce_scatter" and unit.name not in seen:
+        if unit.name in UNIT_NAMES and skips_rerun(unit) and unit.name not in seen:
             seen[unit.name] = unit
     return list(seen.values())
 

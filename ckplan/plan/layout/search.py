@@ -30,11 +30,18 @@ from ckplan.errors import InputError
 from ckplan.hardware.gpus import GPU
 from ckplan.hardware.step_time import step_time
 from ckplan.model import allocator
+from ckplan.model.op_policy import check_policy_model
 from ckplan.model.spec import ModelSpec, SpecError
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate, in_flight_microbatches
 from ckplan.plan.layout.bounds import Bounds, MemoryBound, TimeBound, layout_keys_cleared
 from ckplan.plan.layout.space import Layout, SearchSpace, layouts, tensor_parallel_sizes
-from ckplan.plan.search import DEFAULT_RESERVE, Candidate, activation_budget, optimal_plan
+from ckplan.plan.search import (
+    DEFAULT_RESERVE,
+    Candidate,
+    activation_budget,
+    best_policy_plan,
+    optimal_plan,
+)
 from ckplan.plan.strategies import has_dense_layers, parse_strategy
 from ckplan.quoting import shorten
 from ckplan.units import format_bytes_auto
@@ -384,9 +391,18 @@ class _Run:
             names += ["mlp", "selective+mlp"]
         if spec.experts:
             names += ["moe", "experts", "selective+moe", "selective+experts"]
+        # PyTorch's selective checkpointing runs where the layers are PyTorch modules
+        policies = check_policy_model(spec) is None
+        if policies:
+            names.append("sac")
         tried += [self._candidate(spec, name) for name in names]
-        for prefix in ("block:", "selective+block:"):
+        prefixes = ("block:", "selective+block:") + (("sac+block:",) if policies else ())
+        for prefix in prefixes:
             tried.append(self._fewest_blocks(spec, prefix))
+        if policies:  # the cheapest per-op policy that fits (plan.policy_search)
+            best = best_policy_plan(spec, self.usable, self.gpu)
+            if best is not None:
+                tried.append(Candidate(best, self.usable, None))
         smallest = min(tried, key=lambda c: c.plan.total_bytes)
         fitting = [self._timed(c) for c in tried if c.fits]
         if not fitting:
