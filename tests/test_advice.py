@@ -33,8 +33,8 @@ def test_no_advice_when_the_least_plan_fits():
 
 
 def test_sweep_at_tp8_pp2_advises_from_its_layout(capsys):
-    """The issue's example: sweep on a model already at tp 8 pp 2 must not say "shard them
-    over at least 2 GPUs"; it names what to raise from there and the memory that results."""
+    """Sweep on a model already at tp 8 pp 2 must not say "shard them over at least 2 GPUs";
+    it names what to raise from there and the memory that results."""
     argv = ["sweep", "llama3-70b", "--budget", "40GB"]
     for key, value in TP8_PP2.items():
         argv += ["--set", f"{key}={str(value).lower()}"]

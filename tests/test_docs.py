@@ -65,7 +65,8 @@ def test_relative_links_resolve(document):
 # Words about how the project was made, or paths a user of the project does not have.
 FOREIGN = re.compile(
     r"\bseed design\b|\bthe seed\b|\bseed's\b|shared/|DESIGN\.md|\bhelpers?\b|\bthis task\b"
-    r"|\bissue \d+|\bsearch tool\b|\bsubagent|\bsession\b",
+    r"|\bissue \d+|\bthe issue\b|\bissue's\b|\bsearch tool\b|\bsubagent|\bsession\b"
+    r"|\bagent\b|\bin this work\b",
     re.IGNORECASE,
 )
 

@@ -261,8 +261,10 @@ def evaluate(
     states = {stage: memory.model_state_bytes(spec, stage) for *_, stage, _ in results}
     peak, steps, _, stage, _ = max(results, key=lambda r: (r[0] + states[r[3]].total, -r[3]))
     if memory.gradients_allocated_in_backward(spec):
-        chain = layer_chain(spec, strategy.groups, stage=0)
-        live = gradients_at_peak(chain, steps, peak, memory.chain_gradient_bytes(spec))
+        trace = simulate(layer_chain(spec, strategy.groups, stage=0), tuple(steps)).trace
+        during = [point.during_bytes for point in trace]
+        grads = memory.chain_gradient_bytes(spec)
+        live = gradients_at_peak(tuple(steps), during, peak, grads)
         states[stage] = dataclasses.replace(states[stage], gradients=live)
     busiest = max(results, key=lambda result: result[2].total)
     flops = busiest[2]
@@ -302,20 +304,19 @@ def evaluate(
     )
 
 
-def gradients_at_peak(chain: Chain, steps, activation_peak: int, gradients: tuple[int, ...]) -> int:
+def gradients_at_peak(
+    steps, during: list[int], activation_peak: int, gradients: tuple[int, ...]
+) -> int:
     """The gradient bytes to add to the activation peak when each chain stage's gradients are
     allocated by its backward and kept to the end of the step (memory.
-    gradients_allocated_in_backward): max over the replayed steps of (live activations + the
-    gradients of the stages backpropagated so far, the running one's included) less the
-    activation peak (derived; the replay's trace is `schedules.simulate`'s)."""
-    if len(gradients) != chain.length:
-        raise ValueError("one gradient size per chain stage")
-    trace = simulate(chain, tuple(steps)).trace
+    gradients_allocated_in_backward): max over the replayed steps of (the live activations
+    `during` each step + the gradients of the stages backpropagated so far, the running one's
+    included) less the activation peak (derived; `during` is the replay's trace)."""
     written, best = 0, activation_peak
-    for point in trace:
-        if point.step.kind == BACKWARD:
-            written += gradients[point.step.stage]
-        best = max(best, point.during_bytes + written)
+    for step, live in zip(steps, during, strict=True):
+        if step.kind == BACKWARD:
+            written += gradients[step.stage]
+        best = max(best, live + written)
     return best - activation_peak
 
 
@@ -481,6 +482,11 @@ def _evaluate_offload(spec, strategy, budget, slots, gpu) -> Plan | None:
         offloads.append((stage, found.offloaded))
     states = {stage: memory.model_state_bytes(spec, stage) for *_, stage in results}
     found, _, stage = max(results, key=lambda r: (r[0].peak_bytes + states[r[2]].total, -r[2]))
+    if memory.gradients_allocated_in_backward(spec):
+        during = [point[0] for point in found.replay.device_trace]
+        grads = memory.chain_gradient_bytes(spec)
+        live = gradients_at_peak(tuple(found.steps), during, found.peak_bytes, grads)
+        states[stage] = dataclasses.replace(states[stage], gradients=live)
     flops = max(results, key=lambda result: result[1].total)[1]
     host = max(result[0].host_bytes for result in results)
     moved = max(result[0].bytes_moved for result in results) * spec.microbatches
