@@ -464,3 +464,22 @@ def schedule_view(plan: Plan, activation_budget: int | None, time: StepTime | No
         style="bold",
     )
     return Group(table, summary)
+
+
+def largest_line(spec: ModelSpec, key: str, value: int, what: str, step: int) -> Text:
+    """What `--seq auto` / `--micro-batch auto` found for `what` (a strategy, a model): the
+    largest value that fits, or that not even `step` (the smallest tried) does; `spec` is the
+    model at the value shown."""
+    from rich.text import Text
+
+    if key == "seq":
+        noun, at, unit = "sequence", f"micro-batch {spec.micro_batch}, multiples of {step}", " tokens"
+    else:
+        noun, at, unit = "micro-batch", f"seq {spec.seq:,}", ""
+    if not value:
+        return Text(
+            f"No {noun} fits with {what}: not even {step:,}{unit} (shown at {step:,}).",
+            style="red",
+        )
+    longest = "Longest" if key == "seq" else "Largest"
+    return Text(f"{longest} {noun} that fits with {what}: {value:,}{unit} ({at}).", style="bold")
