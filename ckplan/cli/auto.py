@@ -13,9 +13,7 @@ from ckplan.quoting import quote
 
 SeqAutoOpt = Annotated[
     str | None,
-    typer.Option(
-        "--seq", help="Shortcut for --set seq=N; 'auto': the longest sequence that fits."
-    ),
+    typer.Option("--seq", help="Shortcut for --set seq=N; 'auto': the longest sequence that fits."),
 ]
 MicroBatchAutoOpt = Annotated[
     str | None,
@@ -51,7 +49,9 @@ def read_auto(
 def need_budget(key: str | None, usable_bytes: int | None) -> None:
     """A search needs the memory it must fit."""
     if key is not None and usable_bytes is None:
-        raise UserError(f"{OPTIONS[key]} auto needs --budget SIZE or --gpu NAME (the memory to fit)")
+        raise UserError(
+            f"{OPTIONS[key]} auto needs --budget SIZE or --gpu NAME (the memory to fit)"
+        )
 
 
 def seq_tokens(text: str | None) -> int | None:
@@ -64,4 +64,9 @@ def seq_tokens(text: str | None) -> int | None:
             f"Invalid value for '--seq': expected a whole number of tokens or auto, got "
             f"{quote(text)}"
         )
-    return int(text)
+    try:
+        return int(text)
+    except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+        raise UserError(
+            f"Invalid value for '--seq': {quote(text)} has more digits than any model takes"
+        ) from None

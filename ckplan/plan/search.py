@@ -475,6 +475,7 @@ def largest_fitting_any(
     key: str,
     gpu: GPU | None = None,
     slots: int = DEFAULT_SLOTS,
+    formula: str = "derived",
 ) -> int:
     """The largest `key` (as `largest_fitting`) at which some plan of the sweep fits (the best
     of `best_plan`'s `auto`); 0 when none does at the smallest value. Derived: each plan's
@@ -489,7 +490,8 @@ def largest_fitting_any(
             candidate = spec.replace(**{key: units * step})
         except SpecError:
             return False
-        return sweep(candidate, budget_bytes, reserve_bytes, slots=slots, gpu=gpu).best is not None
+        found = sweep(candidate, budget_bytes, reserve_bytes, formula, slots, gpu)
+        return found.best is not None
 
     return _largest(fits, auto_limit(spec, key)) * step
 

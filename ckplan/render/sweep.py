@@ -44,6 +44,7 @@ def sweep_dict(
     result: SweepResult,
     micro_batches: dict[str, int] | None = None,
     seqs: dict[str, int] | None = None,
+    reach: tuple[str, int, Candidate | None] | None = None,
 ) -> dict[str, Any]:
     data = {
         "budget_bytes": result.budget_bytes,
@@ -63,6 +64,9 @@ def sweep_dict(
         data["max_micro_batch"] = micro_batches
     if seqs is not None:
         data["max_seq"] = seqs
+    if reach is not None:
+        key, value, best = reach
+        data[f"best_at_max_{key}"] = {key: value, "best": candidate_dict(best) if best else None}
     if result.best is None:
         data["advice"] = sweep_advice(result)
     return data
@@ -143,6 +147,7 @@ def sweep_view(
     show_all: bool,
     micro_batches: dict[str, int] | None,
     seqs: dict[str, int] | None = None,
+    reach: tuple[str, int, Candidate | None] | None = None,
 ) -> Group:
     from rich.console import Group
     from rich.text import Text
@@ -215,7 +220,28 @@ def sweep_view(
                 style="dim",
             )
         )
+    if reach is not None:
+        parts.append(reach_line(*reach))
     return Group(*parts)
+
+
+def reach_line(key: str, value: int, best: Candidate | None) -> Text:
+    """The largest value any plan of the sweep fits (`--seq auto`, `--micro-batch auto`) and
+    the best plan there."""
+    from rich.text import Text
+
+    noun = "sequence" if key == "seq" else "micro-batch"
+    if not value or best is None:
+        return Text(f"No plan fits any {noun}.", style="red")
+    timing = f", step {seconds(best.time.step_seconds)}" if best.time is not None else ""
+    plan = best.plan
+    return Text(
+        f"{'Longest' if key == 'seq' else 'Largest'} {noun} any plan fits: {value:,}"
+        f"{' tokens' if key == 'seq' else ''}, best there {plan.strategy} (total "
+        f"{gib(plan.total_bytes)}, headroom {gib(best.headroom_bytes)}, recompute overhead "
+        f"{plan.overhead:.2%}{timing}).",
+        style="bold",
+    )
 
 
 def _largest_table(title: str, column: str, values: dict[str, int]) -> Table:
@@ -473,7 +499,11 @@ def largest_line(spec: ModelSpec, key: str, value: int, what: str, step: int) ->
     from rich.text import Text
 
     if key == "seq":
-        noun, at, unit = "sequence", f"micro-batch {spec.micro_batch}, multiples of {step}", " tokens"
+        noun, at, unit = (
+            "sequence",
+            f"micro-batch {spec.micro_batch}, multiples of {step}",
+            " tokens",
+        )
     else:
         noun, at, unit = "micro-batch", f"seq {spec.seq:,}", ""
     if not value:
