@@ -305,23 +305,34 @@ def sweep_advice(result: SweepResult) -> list[str]:
     return advice_lines(result.spec, result.usable_bytes)
 
 
-def check_dict(budget: int, rows: list[tuple[str, Candidate | None]]) -> dict[str, Any]:
-    return {
-        "budget_bytes": budget,
-        "results": [
-            {
-                "model": model,
-                "fits": bool(c and c.fits),
-                "plan": candidate_dict(c) if c else None,
-                "advice": candidate_advice(c),
-            }
-            for model, c in rows
-        ],
-    }
+def check_dict(
+    budget: int,
+    rows: list[tuple[str, Candidate | None]],
+    largest: tuple[str, list[int]] | None = None,
+) -> dict[str, Any]:
+    """`largest`: (key, the largest value per model) for `--seq auto` / `--micro-batch auto`."""
+    results = [
+        {
+            "model": model,
+            "fits": bool(c and c.fits),
+            "plan": candidate_dict(c) if c else None,
+            "advice": candidate_advice(c),
+        }
+        for model, c in rows
+    ]
+    if largest is not None:
+        key, values = largest
+        for result, value in zip(results, values, strict=True):
+            result[f"max_{key}"] = value
+    return {"budget_bytes": budget, "results": results}
 
 
 def check_table(
-    budget_text: str, budget: int, reserve: int, rows: list[tuple[str, Candidate | None]]
+    budget_text: str,
+    budget: int,
+    reserve: int,
+    rows: list[tuple[str, Candidate | None]],
+    largest: tuple[str, list[int]] | None = None,
 ) -> Group:
     from rich.console import Group
     from rich.table import Table
@@ -330,21 +341,24 @@ def check_table(
     timed = any(c is not None and c.time is not None for _, c in rows)
     table = Table(title="Capacity check", title_justify="left")
     declare(table, "of usable", "overhead", "headroom", "time ovh", "step", "MFU", "total")
-    columns = ["model", "fits", "plan", "total", "headroom", "overhead"]
+    label = [] if largest is None else ["max seq" if largest[0] == "seq" else "max mb"]
+    columns = ["model", *label, "fits", "plan", "total", "headroom", "overhead"]
     columns += ["step", "time ovh", "MFU"] if timed else []
     for column in (*columns, "of usable", "why not"):
         table.add_column(
             column,
             justify="left" if column in ("model", "plan", "of usable", "why not") else "right",
         )
-    for model, candidate in rows:
+    values = [[] for _ in rows] if largest is None else [[_largest_cell(v)] for v in largest[1]]
+    for (model, candidate), value in zip(rows, values, strict=True):
         if candidate is None:
-            blanks = [""] * (len(columns) - 1)
-            table.add_row(model, Text("no", style="red"), "no schedule fits", *blanks)
+            blanks = [""] * (len(columns) - 2 - len(value))
+            table.add_row(model, *value, Text("no", style="red"), "no schedule fits", *blanks)
             continue
         plan = candidate.plan
         cells = [
             model,
+            *value,
             _fits_mark(candidate),
             plan.strategy if candidate.fits else f"(smallest: {plan.strategy})",
             gib(plan.total_bytes),
@@ -368,6 +382,12 @@ def check_table(
         if (lines := candidate_advice(candidate))
     ]
     return Group(budget_line(budget_text, budget, reserve), table, summary, *advice)
+
+
+def _largest_cell(value: int) -> str | Text:
+    from rich.text import Text
+
+    return f"{value:,}" if value else Text("none fits", style="red")
 
 
 def candidate_advice(candidate: Candidate | None) -> list[str]:
