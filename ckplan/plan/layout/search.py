@@ -34,7 +34,15 @@ from ckplan.model.spec import ModelSpec, SpecError
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate, in_flight_microbatches
 from ckplan.plan.layout.bounds import Bounds, MemoryBound, TimeBound, layout_keys_cleared
 from ckplan.plan.layout.space import Layout, SearchSpace, layouts, tensor_parallel_sizes
-from ckplan.plan.search import DEFAULT_RESERVE, Candidate, activation_budget, optimal_plan
+from ckplan.plan.search import (
+    DEFAULT_RESERVE,
+    Candidate,
+    _largest,
+    activation_budget,
+    auto_limit,
+    auto_step,
+    optimal_plan,
+)
 from ckplan.plan.strategies import has_dense_layers, parse_strategy
 from ckplan.quoting import shorten
 from ckplan.units import format_bytes_auto
@@ -290,6 +298,35 @@ def search_layouts(
         least,
         advice,
     )
+
+
+def longest_seq_layouts(
+    spec: ModelSpec,
+    gpus: int,
+    gpu: GPU,
+    global_batch: int,
+    budget_bytes: int,
+    reserve_bytes: int = DEFAULT_RESERVE,
+    constraints: dict | None = None,
+    slots: int = DEFAULT_SLOTS,
+) -> int:
+    """The longest sequence (a multiple of `search.auto_step`) at which some layout of `gpus`
+    GPUs fits (`search_layouts` finds one); 0 when none does at the smallest. Derived: every
+    layout's fitting is true up to its own edge (memory grows with s), so "some layout fits"
+    is too, and doubling then bisection finds the largest edge."""
+    step = auto_step(spec, "seq")
+
+    def fits(units: int) -> bool:
+        try:
+            candidate = spec.replace(seq=units * step)
+        except SpecError:
+            return False
+        found = search_layouts(
+            candidate, gpus, gpu, global_batch, budget_bytes, reserve_bytes, 1, constraints, slots
+        )
+        return bool(found.layouts)
+
+    return _largest(fits, auto_limit(spec, "seq")) * step
 
 
 def _more_gpus(spec: ModelSpec, gpus: int, gpu: GPU, nearest: Rejected, usable: int):
