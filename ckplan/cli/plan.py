@@ -129,7 +129,8 @@ def plan(
             from ckplan import render
 
             step = search.auto_step(spec, "seq")
-            line = render.largest_line(spec, "seq", longest, "a layout of these GPUs", step)
+            at = f"global batch {global_batch}, multiples of {step}"
+            line = render.largest_line(spec, "seq", longest, f"{gpus} GPUs", step, at)
             view = Group(line, view)
         print_view(view, soft_wrap=True)
     if not result.layouts:

@@ -512,20 +512,20 @@ def schedule_view(plan: Plan, activation_budget: int | None, time: StepTime | No
     return Group(table, summary)
 
 
-def largest_line(spec: ModelSpec, key: str, value: int, what: str, step: int) -> Text:
+def largest_line(
+    spec: ModelSpec, key: str, value: int, what: str, step: int, at: str | None = None
+) -> Text:
     """What `--seq auto` / `--micro-batch auto` found for `what` (a strategy, a model): the
     largest value that fits, or that not even `step` (the smallest tried) does; `spec` is the
-    model at the value shown."""
+    model at the value shown, `at` what the value was searched at (default: the other key)."""
     from rich.text import Text
 
     if key == "seq":
-        noun, at, unit = (
-            "sequence",
-            f"micro-batch {spec.micro_batch}, multiples of {step}",
-            " tokens",
-        )
+        noun, unit = "sequence", " tokens"
+        at = at or f"micro-batch {spec.micro_batch}, multiples of {step}"
     else:
-        noun, at, unit = "micro-batch", f"seq {spec.seq:,}", ""
+        noun, unit = "micro-batch", ""
+        at = at or f"seq {spec.seq:,}"
     if not value:
         return Text(
             f"No {noun} fits with {what}: not even {step:,}{unit} (shown at {step:,}).",
