@@ -452,7 +452,7 @@ def largest_fitting(
     `auto_limit`, at which `strategy`'s plan fits `usable_bytes` (`fitting_plan`); 0 when not
     even the smallest does. Derived: peak memory grows with s and b for a fixed strategy
     (tests/test_properties.py checks it on a grid), so fitting is true up to some value and
-    false beyond, and doubling then bisection (`_largest`) finds the edge in O(log n) plans.
+    false beyond, and doubling then bisection (`largest_true`) finds the edge in O(log n) plans.
     A value the model refuses (`SpecError`: a range, a divisibility) counts as not fitting."""
     if key not in AUTO_KEYS:
         raise ValueError(f"key must be one of {', '.join(AUTO_KEYS)}, got {key!r}")
@@ -465,7 +465,7 @@ def largest_fitting(
             return False
         return fitting_plan(candidate, strategy, usable_bytes, gpu, formula, slots) is not None
 
-    return _largest(fits, auto_limit(spec, key)) * step
+    return largest_true(fits, auto_limit(spec, key)) * step
 
 
 def largest_fitting_any(
@@ -493,7 +493,7 @@ def largest_fitting_any(
         found = sweep(candidate, budget_bytes, reserve_bytes, formula, slots, gpu)
         return found.best is not None
 
-    return _largest(fits, auto_limit(spec, key)) * step
+    return largest_true(fits, auto_limit(spec, key)) * step
 
 
 def longest_seq(spec: ModelSpec, strategy: Strategy, usable_bytes: int) -> int:
@@ -508,7 +508,7 @@ def largest_micro_batch(spec: ModelSpec, strategy: Strategy, usable_bytes: int) 
     return largest_fitting(spec, strategy, usable_bytes, "micro_batch")
 
 
-def _largest(fits, limit: int) -> int:
+def largest_true(fits, limit: int) -> int:
     """The largest n in 1..limit with fits(n), for a `fits` true up to some n and false beyond
     (memory grows with n); 0 if fits(1) is false. Doubling, then bisection: O(log n) calls."""
     if not fits(1):

@@ -37,10 +37,10 @@ from ckplan.plan.layout.space import Layout, SearchSpace, layouts, tensor_parall
 from ckplan.plan.search import (
     DEFAULT_RESERVE,
     Candidate,
-    _largest,
     activation_budget,
     auto_limit,
     auto_step,
+    largest_true,
     optimal_plan,
 )
 from ckplan.plan.strategies import has_dense_layers, parse_strategy
@@ -321,12 +321,45 @@ def longest_seq_layouts(
             candidate = spec.replace(seq=units * step)
         except SpecError:
             return False
-        found = search_layouts(
-            candidate, gpus, gpu, global_batch, budget_bytes, reserve_bytes, 1, constraints, slots
+        return any_layout_fits(
+            candidate, gpus, gpu, global_batch, budget_bytes, reserve_bytes, constraints, slots
         )
-        return bool(found.layouts)
 
-    return _largest(fits, auto_limit(spec, "seq")) * step
+    return largest_true(fits, auto_limit(spec, "seq")) * step
+
+
+def any_layout_fits(
+    spec: ModelSpec,
+    gpus: int,
+    gpu: GPU,
+    global_batch: int,
+    budget_bytes: int,
+    reserve_bytes: int = DEFAULT_RESERVE,
+    constraints: dict | None = None,
+    slots: int = DEFAULT_SLOTS,
+) -> bool:
+    """Whether `search_layouts` would find a layout that fits, without ranking them: the
+    layouts whose memory lower bound fits, least bound first, each with its layer-level plans
+    and then the DP (as `search_layouts` evaluates and refines them), until one fits. Derived:
+    the search keeps every layout that fits until it holds `top` of them, so it finds one
+    exactly when one of these does."""
+    usable = budget_bytes - reserve_bytes
+    space = SearchSpace(spec, gpus, gpu.gpus_per_node, global_batch, dict(constraints or {}))
+    bounds = Bounds(spec, gpu)
+    under = []
+    for layout in layouts(space):
+        memory_bound = bounds.memory(layout)
+        if allocator.reserved_bytes(memory_bound.bytes, spec.expandable_segments) <= usable:
+            under.append((memory_bound.bytes, layout))
+    run = _Run(spec, gpu, bounds, usable, budget_bytes, reserve_bytes, slots, 1, math.inf)
+    for _, layout in sorted(under):
+        try:
+            model = spec.replace(**layout_keys_cleared(layout, spec.experts > 0))
+        except SpecError:  # not a layout (as `_Run.add`)
+            continue
+        if run._layer_level(model)[0] is not None or run._optimal(model) is not None:
+            return True
+    return False
 
 
 def _more_gpus(spec: ModelSpec, gpus: int, gpu: GPU, nearest: Rejected, usable: int):
