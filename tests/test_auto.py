@@ -249,3 +249,18 @@ def test_plan_seq_auto(cli):
 def test_auto_bad_input(cli, argv, fragment):
     code, out, err = cli(*argv)
     assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1 and out == ""
+
+
+@pytest.mark.parametrize(("model", "gpus"), [("gpt2", 2), ("llama3-8b", 8)])
+def test_longest_seq_layouts_is_the_edge_of_the_layout_search(spec_of, model, gpus):
+    """The existence check agrees with the ranked search on both sides of the edge (a layout
+    whose only fitting plan is the DP's counts, however slow)."""
+    from ckplan.plan.layout.search import any_layout_fits, longest_seq_layouts, search_layouts
+
+    spec, gpu = spec_of(model), load_gpu("h100-sxm")
+    longest = longest_seq_layouts(spec, gpus, gpu, gpus, gpu.memory_bytes)
+    assert longest > 0
+    for seq, fits in ((longest, True), (longest + SEQ_GRANULE, False)):
+        at = spec.replace(seq=seq)
+        found = search_layouts(at, gpus, gpu, gpus, gpu.memory_bytes, top=1)
+        assert bool(found.layouts) == fits == any_layout_fits(at, gpus, gpu, gpus, gpu.memory_bytes)

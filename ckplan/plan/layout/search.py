@@ -357,7 +357,10 @@ def any_layout_fits(
             model = spec.replace(**layout_keys_cleared(layout, spec.experts > 0))
         except SpecError:  # not a layout (as `_Run.add`)
             continue
-        if run._layer_level(model)[0] is not None or run._optimal(model) is not None:
+        if run._layer_level(model)[0] is not None:
+            return True
+        optimal = run._optimal(model)
+        if optimal is not None and optimal.fits:
             return True
     return False
 
@@ -507,13 +510,14 @@ class _Run:
         )
         for seconds, index in order:
             e = self.evaluated[index]
-            if seconds >= min(self.kth_time(), e.seconds):
+            current = math.inf if e.undecided else e.seconds  # an undecided plan does not fit
+            if seconds >= min(self.kth_time(), current):
                 continue
             best = self._optimal(e.spec, screen=True)
             if best is None and e.undecided:  # the coarse DP may miss a tight fit
                 best = self._optimal(e.spec)
             candidate = e.candidate
-            if best is not None and best.fits and best.time.step_seconds < e.seconds:
+            if best is not None and best.fits and best.time.step_seconds < current:
                 candidate = best
             refined = Evaluated(
                 e.layout, e.spec, candidate, e.time_bound, e.memory_bound, True, e.fit_bound
