@@ -264,3 +264,15 @@ def test_longest_seq_layouts_is_the_edge_of_the_layout_search(spec_of, model, gp
         at = spec.replace(seq=seq)
         found = search_layouts(at, gpus, gpu, gpus, gpu.memory_bytes, top=1)
         assert bool(found.layouts) == fits == any_layout_fits(at, gpus, gpu, gpus, gpu.memory_bytes)
+
+
+def test_auto_json_matches_the_schema(cli):
+    from json_schema import CHECK_MAX_MICRO_BATCH, ESTIMATE_MAX_SEQ, SWEEP_MAX_SEQ, errors
+
+    budget = ["--budget", "8GB"]
+    _, out, _ = cli("estimate", "gpt2", *budget, "--seq", "auto", "-s", "full", "--json")
+    assert errors(json.loads(out), ESTIMATE_MAX_SEQ) == []
+    _, out, _ = cli("sweep", "gpt2", *budget, "--seq", "auto", "--json")
+    assert errors(json.loads(out), SWEEP_MAX_SEQ) == []
+    _, out, _ = cli("check", "gpt2", "llama3-8b", *budget, "--micro-batch", "auto", "--json")
+    assert errors(json.loads(out), CHECK_MAX_MICRO_BATCH) == []
