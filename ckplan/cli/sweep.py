@@ -110,10 +110,11 @@ def sweep(
 def _reported_strategies(spec: ModelSpec, result: search.SweepResult, formula: str) -> list[str]:
     """The strategies `--micro-batch auto` and `--seq auto` answer for: the classic ones, the
     least-memory segment size, `optimal` (solved at each value for the budget) and the sweep's
-    best (not `offload+optimal`, whose joint DP grows with the chain's square)."""
+    best (not `offload+optimal` nor `selective+offload+optimal`, whose joint DP grows with the
+    chain's square)."""
     names = ["none", "selective", "full", "sqrt", f"uniform:{result.min_memory_segment}"]
     names += ["optimal"] if formula == "derived" else []
-    if result.best and not result.best.plan.strategy.startswith("offload+optimal"):
+    if result.best and not {"offload", "optimal"} <= set(result.best.plan.strategy.split("+")):
         names.append(result.best.plan.strategy)
     return list(dict.fromkeys(names))
 
