@@ -296,6 +296,38 @@ def layout_search() -> None:
         )
 
 
+def auto() -> None:
+    print("\n8. --seq auto / --micro-batch auto (a binary search of plans, sweeps or layouts)")
+    from ckplan.plan.layout.search import longest_seq_layouts
+    from ckplan.plan.search import largest_fitting, largest_fitting_any
+
+    rtx = load_gpu("rtx-4090")
+    qlora = load_spec("llama3-8b", {"training": "qlora"})
+    usable = rtx.memory_bytes - DEFAULT_RESERVE
+    for name in ("full", "optimal"):
+        strategy = parse_strategy(name, qlora)
+        best, median, _ = timed(largest_fitting, qlora, strategy, usable, "seq", rtx)
+        print(f"  {'estimate llama3-8b qlora --seq auto -s ' + name:<52} {seconds(best, median)}")
+    best, median, _ = timed(
+        largest_fitting_any, qlora, rtx.memory_bytes, DEFAULT_RESERVE, "seq", rtx, repeats=1
+    )
+    print(f"  {'largest seq any plan fits, llama3-8b qlora rtx-4090':<52} {seconds(best, median)}")
+    tp8 = load_spec("llama3-70b", {"tp": 8, "pp": 4, "sp": True, "microbatches": 16})
+    best, median, _ = timed(
+        largest_fitting_any, tp8, 80 * GB, DEFAULT_RESERVE, "micro_batch", repeats=1
+    )
+    print(
+        f"  {'largest micro-batch any plan fits, llama3-70b tp8 pp4':<52} {seconds(best, median)}"
+    )
+    h100 = load_gpu("h100-sxm")
+    for model, gpus in (("llama3-8b", 8), ("llama3-70b", 64)):
+        spec = load_spec(model, {})
+        best, median, _ = timed(
+            longest_seq_layouts, spec, gpus, h100, gpus, h100.memory_bytes, repeats=1
+        )
+        print(f"  {f'plan {model} --gpus {gpus} --seq auto':<52} {seconds(best, median)}")
+
+
 def main() -> None:
     machine()
     startup()
@@ -305,6 +337,7 @@ def main() -> None:
     time_model()
     profiles()
     layout_search()
+    auto()
 
 
 if __name__ == "__main__":

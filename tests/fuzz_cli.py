@@ -793,6 +793,9 @@ def _generate(seed: int, index: int) -> dict:
             argv += ["--seq", pick(rng, ["auto", "4096", " 512", "4k", "", "AUTO", "2_048"])]
         if rng.random() < 0.1:
             argv.append("--all")
+    if command in ("estimate", "check", "plan") and rng.random() < 0.1:
+        option = pick(rng, ["--seq", "--micro-batch"])
+        argv += [option, pick(rng, ["auto", "Auto", "auto,", "", "4096"])]
     if command in ("estimate", "sweep", "check", "schedule", "plan") and rng.random() < 0.08:
         conventions = ["full", "causal", "recompute", "6n", "6n-all", "", "palm", "FULL"]
         argv += ["--mfu-convention", pick(rng, conventions)]

@@ -56,6 +56,17 @@ CHECK = {
     "budget_bytes": int,
     "results": [{"model": str, "fits": bool, "plan": (SWEEP_PLAN, None)}],
 }
+# --seq auto / --micro-batch auto (docs/strategies.md): the same objects with the largest value.
+ESTIMATE_MAX_SEQ = {**ESTIMATE, "max_seq": int}
+SWEEP_MAX_SEQ = {
+    **SWEEP,
+    "max_seq": {"none": int, "full": int, "optimal": int},
+    "best_at_max_seq": {"seq": int, "best": (SWEEP_PLAN, None)},
+}
+CHECK_MAX_MICRO_BATCH = {
+    "budget_bytes": int,
+    "results": [{"model": str, "fits": bool, "plan": (SWEEP_PLAN, None), "max_micro_batch": int}],
+}
 COUNTS = {"peak_bytes": int, "layer_forwards": int, "flops": int}
 VERIFY = {
     "runs": [

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from ckplan import render
+from ckplan.cli.auto import MicroBatchAutoOpt, SeqAutoOpt, read_auto
 from ckplan.cli.errors import EXIT_DOES_NOT_FIT, EXIT_OK, UserError, user_errors
 from ckplan.cli.lazy import candidate_in_convention
 from ckplan.cli.options import (
@@ -23,13 +24,12 @@ from ckplan.cli.options import (
     ProfileOpt,
     QuietOpt,
     ReserveOpt,
-    SeqOpt,
     SetOpt,
     SlotsOpt,
 )
 from ckplan.cli.output import print_json, print_rows, print_view
 from ckplan.cli.resolve import check_slots, output_options, resolve
-from ckplan.plan import DEFAULT_SLOTS, search
+from ckplan.plan import DEFAULT_SLOTS, parse_strategy, search
 from ckplan.quoting import abbreviate
 from ckplan.render.progress import progress
 
@@ -50,8 +50,9 @@ def check(
     mfu_convention: MfuConventionOpt = "full",
     slots: SlotsOpt = DEFAULT_SLOTS,
     settings: SetOpt = None,
-    seq: SeqOpt = None,
+    seq: SeqAutoOpt = None,
     batch: BatchOpt = None,
+    micro_batch: MicroBatchAutoOpt = None,
     layers: LayersOpt = None,
     moe_imbalance: MoeImbalanceOpt = None,
     profile: ProfileOpt = None,
@@ -59,16 +60,18 @@ def check(
     fmt: FormatOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
-    """CI capacity check: exit 0 when every model fits the budget, 1 when any does not."""
+    """CI capacity check: exit 0 when every model fits the budget, 1 when any does not; --seq
+    auto or --micro-batch auto: each model at the largest value that fits."""
     with user_errors():
         fmt, mfu_convention = output_options(fmt, as_json, mfu_convention)
+        tokens, auto_key = read_auto(seq, micro_batch, batch)
         runs = [
             (
                 name,
                 resolve(
                     name,
                     settings=settings,
-                    seq=seq,
+                    seq=tokens,
                     batch=batch,
                     layers=layers,
                     moe_imbalance=moe_imbalance,
@@ -85,22 +88,36 @@ def check(
         first = runs[0][1]
         device, budget_text = first.gpu, first.budget_text
         total, kept = first.budget_bytes, first.reserve_bytes
-        rows = []
+        rows, values = [], []
+        slots = check_slots(slots)
         with progress("check: models", quiet) as report:
             for done, (name, spec) in enumerate(specs):
                 report(done, len(specs))
-                best = search.best_plan(spec, total, strategy, kept, check_slots(slots), device)
+                if auto_key is not None:
+                    value = _largest(spec, strategy, total, kept, auto_key, device, slots)
+                    spec = spec.replace(**{auto_key: value or search.auto_step(spec, auto_key)})
+                    values.append(value)
+                best = search.best_plan(spec, total, strategy, kept, slots, device)
                 rows.append((name, candidate_in_convention(best, mfu_convention)))
             report(len(specs), len(specs))
+        largest = None if auto_key is None else (auto_key, values)
     if fmt == "json":
-        print_json(render.check_dict(total, rows))
+        print_json(render.check_dict(total, rows, largest))
     elif fmt in ("csv", "markdown"):
         from ckplan.render.row_models import check_rows
 
         print_rows(check_rows(budget_text, total, kept, rows), fmt)
     else:
-        print_view(render.check_table(budget_text, total, kept, rows))
+        print_view(render.check_table(budget_text, total, kept, rows, largest))
     raise typer.Exit(EXIT_OK if all(c and c.fits for _, c in rows) else EXIT_DOES_NOT_FIT)
+
+
+def _largest(spec, strategy: str, total: int, kept: int, key: str, device, slots: int) -> int:
+    """The largest `key` at which `strategy` fits (`auto`: any plan `best_plan` weighs)."""
+    if strategy == "auto":
+        return search.largest_fitting_any(spec, total, kept, key, device, slots)
+    parsed = parse_strategy(strategy, spec)
+    return search.largest_fitting(spec, parsed, total - kept, key, device, slots=slots)
 
 
 def expand_models(models: list[str]) -> list[str]:

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from ckplan import render
+from ckplan.cli.auto import MicroBatchAutoOpt, SeqAutoOpt, need_budget, read_auto
 from ckplan.cli.errors import EXIT_DOES_NOT_FIT, UserError, no_schedule_fits, user_errors
 from ckplan.cli.lazy import plots, step_time
 from ckplan.cli.options import (
@@ -22,7 +23,6 @@ from ckplan.cli.options import (
     PlotOpt,
     ProfileOpt,
     QuietOpt,
-    SeqOpt,
     SetOpt,
 )
 from ckplan.cli.output import print_json, print_rows, print_view
@@ -46,8 +46,9 @@ def estimate(
     gpu: GpuOpt = None,
     mfu_convention: MfuConventionOpt = "full",
     settings: SetOpt = None,
-    seq: SeqOpt = None,
+    seq: SeqAutoOpt = None,
     batch: BatchOpt = None,
+    micro_batch: MicroBatchAutoOpt = None,
     layers: LayersOpt = None,
     moe_imbalance: MoeImbalanceOpt = None,
     profile: ProfileOpt = None,
@@ -57,16 +58,27 @@ def estimate(
     quiet: QuietOpt = False,
 ) -> None:
     """One plan with its full breakdown: per-op activations, model states, FLOPs, overhead
-    (and with --gpu: step time, MFU, the time overhead and its breakdown)."""
+    (and with --gpu: step time, MFU, the time overhead and its breakdown); --seq auto or
+    --micro-batch auto: at the largest value that fits."""
     with user_errors():
         fmt, mfu_convention = output_options(fmt, as_json, mfu_convention, plot)
+        tokens, auto_key = read_auto(seq, micro_batch, batch)
         run = resolve(
-            model, settings=settings, seq=seq, batch=batch, layers=layers,
+            model, settings=settings, seq=tokens, batch=batch, layers=layers,
             moe_imbalance=moe_imbalance, profile=profile, gpu=gpu, budget=budget,
             reserve=reserve,
         )  # fmt: skip
         spec, device = run.spec, run.gpu
         parsed = parse_strategy(strategy, spec)
+        need_budget(auto_key, run.usable_bytes)
+        largest = None
+        if auto_key is not None:
+            formula = check_formula(formula)
+            largest = search.largest_fitting(
+                spec, parsed, run.usable_bytes, auto_key, device, formula
+            )
+            step = search.auto_step(spec, auto_key)
+            spec = spec.replace(**{auto_key: largest or step})
         candidate = None
         if run.budget_bytes is None:
             plan = evaluate(spec, parsed, check_formula(formula), gpu=device)
@@ -93,13 +105,22 @@ def estimate(
         if plot is not None:
             _estimate_plot(plan, candidate, plot)
     if fmt == "json":
-        print_json(render.estimate_dict(plan, candidate, time))
+        data = render.estimate_dict(plan, candidate, time)
+        if auto_key is not None:
+            data[f"max_{auto_key}"] = largest
+        print_json(data)
     elif fmt in ("csv", "markdown"):
         from ckplan.render.row_models import estimate_rows
 
         print_rows(estimate_rows(plan, candidate, time), fmt)
     else:
-        print_view(render.estimate_view(plan, candidate, time, device))
+        view = render.estimate_view(plan, candidate, time, device)
+        if auto_key is not None:
+            from rich.console import Group
+
+            line = render.largest_line(spec, auto_key, largest, parsed.name, step)
+            view = Group(view, line)
+        print_view(view)
     if candidate is not None and not candidate.fits:
         raise typer.Exit(EXIT_DOES_NOT_FIT)
 

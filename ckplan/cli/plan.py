@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from ckplan.cli.auto import MicroBatchAutoOpt, SeqAutoOpt, read_auto
 from ckplan.cli.errors import EXIT_DOES_NOT_FIT, UserError, print_error, user_errors
 from ckplan.cli.lazy import layouts_in_convention
 from ckplan.cli.options import (
@@ -18,7 +19,6 @@ from ckplan.cli.options import (
     ProfileOpt,
     QuietOpt,
     ReserveOpt,
-    SeqOpt,
     SetOpt,
     SlotsOpt,
 )
@@ -31,8 +31,9 @@ from ckplan.cli.resolve import (
     resolve_gpu,
 )
 from ckplan.inputs.presets import load_spec
-from ckplan.plan import DEFAULT_SLOTS
+from ckplan.plan import DEFAULT_SLOTS, search
 from ckplan.quoting import quote
+from ckplan.render.progress import progress
 
 MAX_GPUS = 1_048_576  # --gpus: the documented range of `ckplan plan`
 MAX_GLOBAL_BATCH = 2**24  # --global-batch: sequences per step (the search factors it)
@@ -53,7 +54,8 @@ def plan(
     reserve: ReserveOpt = None,
     slots: SlotsOpt = DEFAULT_SLOTS,
     settings: SetOpt = None,
-    seq: SeqOpt = None,
+    seq: SeqAutoOpt = None,
+    micro_batch: MicroBatchAutoOpt = None,
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,
     fmt: FormatOpt = None,
@@ -62,13 +64,19 @@ def plan(
 ) -> None:
     """The fastest layouts (tp, sp, pp and its split, virtual stages, cp, dp, ZeRO,
     micro-batches) of --gpus GPUs, each with its best recomputation plan; --set tp=8 (any
-    layout key) fixes a key."""
+    layout key) fixes a key; --seq auto: at the longest sequence some layout fits."""
     from ckplan.plan.layout import search as layout_search
     from ckplan.plan.layout.space import constraints_from
     from ckplan.render import layouts as layout_view
 
     with user_errors():
         fmt, mfu_convention = output_options(fmt, as_json, mfu_convention)
+        seq, auto_key = read_auto(seq, micro_batch)
+        if auto_key == "micro_batch":
+            raise UserError(
+                "--micro-batch auto: plan chooses each layout's micro-batch from --global-batch; "
+                "use --seq auto, or --set micro_batch=N to fix one"
+            )
         if not 1 <= gpus <= MAX_GPUS:
             raise UserError(f"--gpus must be in 1..{MAX_GPUS:,}, got {gpus}")
         global_batch = gpus if global_batch is None else global_batch
@@ -95,16 +103,36 @@ def plan(
         )
         extra += f" --profile {shlex.quote(profile)}" if profile else ""
         layout_search.check_search(spec, gpus, device.gpus_per_node, global_batch, constraints)
+        longest = None
+        if auto_key == "seq":
+            with progress(f"plan {spec.name}: the longest seq", quiet):
+                longest = layout_search.longest_seq_layouts(
+                    spec, gpus, device, global_batch, total, kept, constraints, slots
+                )
+            spec = spec.replace(seq=longest or search.auto_step(spec, "seq"))
         result = layout_search.search_layouts(
             spec, gpus, device, global_batch, total, kept, top, constraints, slots
         )
         result = layouts_in_convention(result, mfu_convention)
     if fmt == "json":
-        print_json(layout_view.plan_dict(result))
+        data = layout_view.plan_dict(result)
+        if auto_key == "seq":
+            data["max_seq"] = longest
+        print_json(data)
     elif fmt in ("csv", "markdown"):
         print_rows(layout_view.plan_rows(result), fmt)
     else:
-        print_view(layout_view.plan_view(result, budget_text, model, extra), soft_wrap=True)
+        view = layout_view.plan_view(result, budget_text, model, extra)
+        if auto_key == "seq":
+            from rich.console import Group
+
+            from ckplan import render
+
+            step = search.auto_step(spec, "seq")
+            at = f"global batch {global_batch}, multiples of {step}"
+            line = render.largest_line(spec, "seq", longest, f"{gpus} GPUs", step, at)
+            view = Group(line, view)
+        print_view(view, soft_wrap=True)
     if not result.layouts:
         print_error(layout_view.no_fit_line(result))
         raise typer.Exit(EXIT_DOES_NOT_FIT)

@@ -393,37 +393,122 @@ def best_plan(
 
 
 SEQ_GRANULE = 256  # `--seq auto` answers in whole multiples of this many tokens
+AUTO_KEYS = ("seq", "micro_batch")  # what `--seq auto` and `--micro-batch auto` search
 
 
-def longest_seq(spec: ModelSpec, strategy: Strategy, usable_bytes: int) -> int:
-    """The longest sequence, a multiple of SEQ_GRANULE (and of 2·cp, which context parallelism
-    needs), whose plan fits (0 if not even one granule does): peak memory grows with s
-    (tests/test_properties.py), so a doubling then bisection search finds it."""
-    step = math.lcm(SEQ_GRANULE, 2 * spec.cp) if spec.cp > 1 else SEQ_GRANULE
-    limit = SIZE_RANGES["seq"][1] // step
+def auto_step(spec: ModelSpec, key: str) -> int:
+    """The values `largest_fitting` tries are multiples of this: SEQ_GRANULE tokens (and of
+    2·cp, which context parallelism's load-balanced split needs) for seq, 1 for micro_batch."""
+    if key == "micro_batch":
+        return 1
+    return math.lcm(SEQ_GRANULE, 2 * spec.cp) if spec.cp > 1 else SEQ_GRANULE
+
+
+def auto_limit(spec: ModelSpec, key: str) -> int:
+    """The largest multiple of `auto_step` tried: the documented range of seq
+    (`SIZE_RANGES`), MICRO_BATCH_LIMIT micro-batches."""
+    if key == "micro_batch":
+        return MICRO_BATCH_LIMIT
+    return SIZE_RANGES["seq"][1] // auto_step(spec, key)
+
+
+def fitting_plan(
+    spec: ModelSpec,
+    strategy: Strategy,
+    usable_bytes: int,
+    gpu: GPU | None = None,
+    formula: str = "derived",
+    slots: int = DEFAULT_SLOTS,
+) -> Plan | None:
+    """`strategy`'s plan on `spec` when its reserved peak fits `usable_bytes` (and, with a
+    GPU, its offloaded tapes the host memory), else None. An `optimal` strategy is solved for
+    the activation budget those bytes leave (`activation_budget`), as `best_plan` does."""
+    budget = None
+    if strategy.kind == "optimal":
+        budget = activation_budget(spec, usable_bytes)
+        if budget <= 0:
+            return None
+    plan = evaluate(spec, strategy, formula, budget=budget, slots=slots, gpu=gpu)
+    if plan is None or plan.reserved_bytes > usable_bytes:
+        return None
+    if gpu is not None and plan.stage_offloads:
+        from ckplan.hardware.host_link import host_memory_per_gpu
+
+        if plan.host_bytes > host_memory_per_gpu(gpu):
+            return None
+    return plan
+
+
+def largest_fitting(
+    spec: ModelSpec,
+    strategy: Strategy,
+    usable_bytes: int,
+    key: str,
+    gpu: GPU | None = None,
+    formula: str = "derived",
+    slots: int = DEFAULT_SLOTS,
+) -> int:
+    """The largest `key` ("seq" or "micro_batch"), a multiple of `auto_step` up to
+    `auto_limit`, at which `strategy`'s plan fits `usable_bytes` (`fitting_plan`); 0 when not
+    even the smallest does. Derived: peak memory grows with s and b for a fixed strategy
+    (tests/test_properties.py checks it on a grid), so fitting is true up to some value and
+    false beyond, and doubling then bisection (`largest_true`) finds the edge in O(log n) plans.
+    A value the model refuses (`SpecError`: a range, a divisibility) counts as not fitting."""
+    if key not in AUTO_KEYS:
+        raise ValueError(f"key must be one of {', '.join(AUTO_KEYS)}, got {key!r}")
+    step = auto_step(spec, key)
 
     def fits(units: int) -> bool:
         try:
-            candidate = spec.replace(seq=units * step)
-        except SpecError:  # a length the model cannot take (a window longer, a range)
+            candidate = spec.replace(**{key: units * step})
+        except SpecError:
             return False
-        return evaluate(candidate, strategy).reserved_bytes <= usable_bytes
+        return fitting_plan(candidate, strategy, usable_bytes, gpu, formula, slots) is not None
 
-    return _largest(fits, limit) * step
+    return largest_true(fits, auto_limit(spec, key)) * step
+
+
+def largest_fitting_any(
+    spec: ModelSpec,
+    budget_bytes: int,
+    reserve_bytes: int,
+    key: str,
+    gpu: GPU | None = None,
+    slots: int = DEFAULT_SLOTS,
+    formula: str = "derived",
+) -> int:
+    """The largest `key` (as `largest_fitting`) at which some plan of the sweep fits (the best
+    of `best_plan`'s `auto`); 0 when none does at the smallest value. Derived: each plan's
+    fitting is true up to its own edge, so "some plan fits" is true up to the largest edge, and
+    the same doubling and bisection finds it."""
+    if key not in AUTO_KEYS:
+        raise ValueError(f"key must be one of {', '.join(AUTO_KEYS)}, got {key!r}")
+    step = auto_step(spec, key)
+
+    def fits(units: int) -> bool:
+        try:
+            candidate = spec.replace(**{key: units * step})
+        except SpecError:
+            return False
+        found = sweep(candidate, budget_bytes, reserve_bytes, formula, slots, gpu)
+        return found.best is not None
+
+    return largest_true(fits, auto_limit(spec, key)) * step
+
+
+def longest_seq(spec: ModelSpec, strategy: Strategy, usable_bytes: int) -> int:
+    """The longest sequence, a multiple of SEQ_GRANULE (and of 2·cp), whose plan fits (0 if
+    not even one granule does): `largest_fitting` over seq."""
+    return largest_fitting(spec, strategy, usable_bytes, "seq")
 
 
 def largest_micro_batch(spec: ModelSpec, strategy: Strategy, usable_bytes: int) -> int:
-    """The largest micro-batch whose plan fits (0 if not even 1 does); peak memory grows with
-    b, so a doubling then bisection search finds it."""
-
-    def fits(micro_batch: int) -> bool:
-        candidate = spec.replace(micro_batch=micro_batch)
-        return evaluate(candidate, strategy).reserved_bytes <= usable_bytes
-
-    return _largest(fits, MICRO_BATCH_LIMIT)
+    """The largest micro-batch whose plan fits (0 if not even 1 does): `largest_fitting` over
+    micro_batch."""
+    return largest_fitting(spec, strategy, usable_bytes, "micro_batch")
 
 
-def _largest(fits, limit: int) -> int:
+def largest_true(fits, limit: int) -> int:
     """The largest n in 1..limit with fits(n), for a `fits` true up to some n and false beyond
     (memory grows with n); 0 if fits(1) is false. Doubling, then bisection: O(log n) calls."""
     if not fits(1):

@@ -17,6 +17,7 @@ _LAZY = {
     "presets_table": "estimate",
     "check_dict": "sweep",
     "check_table": "sweep",
+    "largest_line": "sweep",
     "schedule_dict": "sweep",
     "schedule_view": "sweep",
     "sweep_dict": "sweep",

@@ -44,6 +44,7 @@ def sweep_dict(
     result: SweepResult,
     micro_batches: dict[str, int] | None = None,
     seqs: dict[str, int] | None = None,
+    reach: tuple[str, int, Candidate | None] | None = None,
 ) -> dict[str, Any]:
     data = {
         "budget_bytes": result.budget_bytes,
@@ -63,6 +64,9 @@ def sweep_dict(
         data["max_micro_batch"] = micro_batches
     if seqs is not None:
         data["max_seq"] = seqs
+    if reach is not None:
+        key, value, best = reach
+        data[f"best_at_max_{key}"] = {key: value, "best": candidate_dict(best) if best else None}
     if result.best is None:
         data["advice"] = sweep_advice(result)
     return data
@@ -143,6 +147,7 @@ def sweep_view(
     show_all: bool,
     micro_batches: dict[str, int] | None,
     seqs: dict[str, int] | None = None,
+    reach: tuple[str, int, Candidate | None] | None = None,
 ) -> Group:
     from rich.console import Group
     from rich.text import Text
@@ -215,7 +220,28 @@ def sweep_view(
                 style="dim",
             )
         )
+    if reach is not None:
+        parts.append(reach_line(*reach))
     return Group(*parts)
+
+
+def reach_line(key: str, value: int, best: Candidate | None) -> Text:
+    """The largest value any plan of the sweep fits (`--seq auto`, `--micro-batch auto`) and
+    the best plan there."""
+    from rich.text import Text
+
+    noun = "sequence" if key == "seq" else "micro-batch"
+    if not value or best is None:
+        return Text(f"No plan fits any {noun}.", style="red")
+    timing = f", step {seconds(best.time.step_seconds)}" if best.time is not None else ""
+    plan = best.plan
+    return Text(
+        f"{'Longest' if key == 'seq' else 'Largest'} {noun} any plan fits: {value:,}"
+        f"{' tokens' if key == 'seq' else ''}, best there {plan.strategy} (total "
+        f"{gib(plan.total_bytes)}, headroom {gib(best.headroom_bytes)}, recompute overhead "
+        f"{plan.overhead:.2%}{timing}).",
+        style="bold",
+    )
 
 
 def _largest_table(title: str, column: str, values: dict[str, int]) -> Table:
@@ -279,23 +305,34 @@ def sweep_advice(result: SweepResult) -> list[str]:
     return advice_lines(result.spec, result.usable_bytes)
 
 
-def check_dict(budget: int, rows: list[tuple[str, Candidate | None]]) -> dict[str, Any]:
-    return {
-        "budget_bytes": budget,
-        "results": [
-            {
-                "model": model,
-                "fits": bool(c and c.fits),
-                "plan": candidate_dict(c) if c else None,
-                "advice": candidate_advice(c),
-            }
-            for model, c in rows
-        ],
-    }
+def check_dict(
+    budget: int,
+    rows: list[tuple[str, Candidate | None]],
+    largest: tuple[str, list[int]] | None = None,
+) -> dict[str, Any]:
+    """`largest`: (key, the largest value per model) for `--seq auto` / `--micro-batch auto`."""
+    results = [
+        {
+            "model": model,
+            "fits": bool(c and c.fits),
+            "plan": candidate_dict(c) if c else None,
+            "advice": candidate_advice(c),
+        }
+        for model, c in rows
+    ]
+    if largest is not None:
+        key, values = largest
+        for result, value in zip(results, values, strict=True):
+            result[f"max_{key}"] = value
+    return {"budget_bytes": budget, "results": results}
 
 
 def check_table(
-    budget_text: str, budget: int, reserve: int, rows: list[tuple[str, Candidate | None]]
+    budget_text: str,
+    budget: int,
+    reserve: int,
+    rows: list[tuple[str, Candidate | None]],
+    largest: tuple[str, list[int]] | None = None,
 ) -> Group:
     from rich.console import Group
     from rich.table import Table
@@ -304,21 +341,24 @@ def check_table(
     timed = any(c is not None and c.time is not None for _, c in rows)
     table = Table(title="Capacity check", title_justify="left")
     declare(table, "of usable", "overhead", "headroom", "time ovh", "step", "MFU", "total")
-    columns = ["model", "fits", "plan", "total", "headroom", "overhead"]
+    label = [] if largest is None else ["max seq" if largest[0] == "seq" else "max mb"]
+    columns = ["model", *label, "fits", "plan", "total", "headroom", "overhead"]
     columns += ["step", "time ovh", "MFU"] if timed else []
     for column in (*columns, "of usable", "why not"):
         table.add_column(
             column,
             justify="left" if column in ("model", "plan", "of usable", "why not") else "right",
         )
-    for model, candidate in rows:
+    values = [[] for _ in rows] if largest is None else [[_largest_cell(v)] for v in largest[1]]
+    for (model, candidate), value in zip(rows, values, strict=True):
         if candidate is None:
-            blanks = [""] * (len(columns) - 1)
-            table.add_row(model, Text("no", style="red"), "no schedule fits", *blanks)
+            blanks = [""] * (len(columns) - 2 - len(value))
+            table.add_row(model, *value, Text("no", style="red"), "no schedule fits", *blanks)
             continue
         plan = candidate.plan
         cells = [
             model,
+            *value,
             _fits_mark(candidate),
             plan.strategy if candidate.fits else f"(smallest: {plan.strategy})",
             gib(plan.total_bytes),
@@ -342,6 +382,12 @@ def check_table(
         if (lines := candidate_advice(candidate))
     ]
     return Group(budget_line(budget_text, budget, reserve), table, summary, *advice)
+
+
+def _largest_cell(value: int) -> str | Text:
+    from rich.text import Text
+
+    return f"{value:,}" if value else Text("none fits", style="red")
 
 
 def candidate_advice(candidate: Candidate | None) -> list[str]:
@@ -464,3 +510,26 @@ def schedule_view(plan: Plan, activation_budget: int | None, time: StepTime | No
         style="bold",
     )
     return Group(table, summary)
+
+
+def largest_line(
+    spec: ModelSpec, key: str, value: int, what: str, step: int, at: str | None = None
+) -> Text:
+    """What `--seq auto` / `--micro-batch auto` found for `what` (a strategy, a model): the
+    largest value that fits, or that not even `step` (the smallest tried) does; `spec` is the
+    model at the value shown, `at` what the value was searched at (default: the other key)."""
+    from rich.text import Text
+
+    if key == "seq":
+        noun, unit = "sequence", " tokens"
+        at = at or f"micro-batch {spec.micro_batch}, multiples of {step}"
+    else:
+        noun, unit = "micro-batch", ""
+        at = at or f"seq {spec.seq:,}"
+    if not value:
+        return Text(
+            f"No {noun} fits with {what}: not even {step:,}{unit} (shown at {step:,}).",
+            style="red",
+        )
+    longest = "Longest" if key == "seq" else "Largest"
+    return Text(f"{longest} {noun} that fits with {what}: {value:,}{unit} ({at}).", style="bold")

@@ -39,7 +39,10 @@ from ckplan.plan.search import (
     DEFAULT_RESERVE,
     Candidate,
     activation_budget,
+    auto_limit,
+    auto_step,
     best_policy_plan,
+    largest_true,
     optimal_plan,
 )
 from ckplan.plan.strategies import has_dense_layers, parse_strategy
@@ -299,6 +302,71 @@ def search_layouts(
     )
 
 
+def longest_seq_layouts(
+    spec: ModelSpec,
+    gpus: int,
+    gpu: GPU,
+    global_batch: int,
+    budget_bytes: int,
+    reserve_bytes: int = DEFAULT_RESERVE,
+    constraints: dict | None = None,
+    slots: int = DEFAULT_SLOTS,
+) -> int:
+    """The longest sequence (a multiple of `search.auto_step`) at which some layout of `gpus`
+    GPUs fits (`search_layouts` finds one); 0 when none does at the smallest. Derived: every
+    layout's fitting is true up to its own edge (memory grows with s), so "some layout fits"
+    is too, and doubling then bisection finds the largest edge."""
+    step = auto_step(spec, "seq")
+
+    def fits(units: int) -> bool:
+        try:
+            candidate = spec.replace(seq=units * step)
+        except SpecError:
+            return False
+        return any_layout_fits(
+            candidate, gpus, gpu, global_batch, budget_bytes, reserve_bytes, constraints, slots
+        )
+
+    return largest_true(fits, auto_limit(spec, "seq")) * step
+
+
+def any_layout_fits(
+    spec: ModelSpec,
+    gpus: int,
+    gpu: GPU,
+    global_batch: int,
+    budget_bytes: int,
+    reserve_bytes: int = DEFAULT_RESERVE,
+    constraints: dict | None = None,
+    slots: int = DEFAULT_SLOTS,
+) -> bool:
+    """Whether `search_layouts` would find a layout that fits, without ranking them: the
+    layouts whose memory lower bound fits, least bound first, each with its layer-level plans
+    and then the DP (as `search_layouts` evaluates and refines them), until one fits. Derived:
+    the search keeps every layout that fits until it holds `top` of them, so it finds one
+    exactly when one of these does."""
+    usable = budget_bytes - reserve_bytes
+    space = SearchSpace(spec, gpus, gpu.gpus_per_node, global_batch, dict(constraints or {}))
+    bounds = Bounds(spec, gpu)
+    under = []
+    for layout in layouts(space):
+        memory_bound = bounds.memory(layout)
+        if allocator.reserved_bytes(memory_bound.bytes, spec.expandable_segments) <= usable:
+            under.append((memory_bound.bytes, layout))
+    run = _Run(spec, gpu, bounds, usable, budget_bytes, reserve_bytes, slots, 1, math.inf)
+    for _, layout in sorted(under):
+        try:
+            model = spec.replace(**layout_keys_cleared(layout, spec.experts > 0))
+        except SpecError:  # not a layout (as `_Run.add`)
+            continue
+        if run._layer_level(model)[0] is not None:
+            return True
+        optimal = run._optimal(model)
+        if optimal is not None and optimal.fits:
+            return True
+    return False
+
+
 def _more_gpus(spec: ModelSpec, gpus: int, gpu: GPU, nearest: Rejected, usable: int):
     """From the nearest layout, the levers that take more GPUs (`plan.advice`): the search
     already tried every layout of these GPUs."""
@@ -453,13 +521,14 @@ class _Run:
         )
         for seconds, index in order:
             e = self.evaluated[index]
-            if seconds >= min(self.kth_time(), e.seconds):
+            current = math.inf if e.undecided else e.seconds  # an undecided plan does not fit
+            if seconds >= min(self.kth_time(), current):
                 continue
             best = self._optimal(e.spec, screen=True)
             if best is None and e.undecided:  # the coarse DP may miss a tight fit
                 best = self._optimal(e.spec)
             candidate = e.candidate
-            if best is not None and best.fits and best.time.step_seconds < e.seconds:
+            if best is not None and best.fits and best.time.step_seconds < current:
                 candidate = best
             refined = Evaluated(
                 e.layout, e.spec, candidate, e.time_bound, e.memory_bound, True, e.fit_bound
