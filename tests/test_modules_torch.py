@@ -1,0 +1,199 @@
+"""Megatron-Core's output-discarding checkpoints applied to PyTorch layers, measured with
+saved_tensors_hooks: what the layer stores matches ckplan's `layernorm` and `moe_act` tapes.
+
+The checkpoint is Megatron-Core's `tensor_parallel.CheckpointWithoutOutput` (core_v0.15.0,
+megatron/core/tensor_parallel/random.py) in a few lines: the function runs without autograd,
+its inputs are saved, and once the consumer has saved the output, the output's storage is
+resized to 0; before the backward reaches it, the function is re-run and its result copied
+back into that storage. The gradients match the plain layer's.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from needs_torch import torch_or_skip
+
+torch = torch_or_skip()
+
+VALIDATION = Path(__file__).resolve().parent.parent / "validation"
+
+
+def _load(name):
+    if name in sys.modules:
+        return sys.modules[name]
+    if str(VALIDATION) not in sys.path:
+        sys.path.insert(0, str(VALIDATION))
+    spec = importlib.util.spec_from_file_location(name, VALIDATION / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class _WithoutOutput(torch.autograd.Function):
+    """Runs `run(*inputs)` without autograd and saves only the inputs; the backward re-runs
+    it with autograd (Megatron-Core's CheckpointFunctionWithoutOutput)."""
+
+    @staticmethod
+    def forward(ctx, run, *inputs):
+        ctx.run = run
+        ctx.save_for_backward(*inputs)
+        return run(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = ctx.run(*inputs)
+        torch.autograd.backward(out, grad)
+        return (None, *[t.grad if t.requires_grad else None for t in inputs])
+
+
+class Discards:
+    """Every output-discarding checkpoint of one forward: discard after it, restore before the
+    backward (here all at once, at the layer output's gradient)."""
+
+    def __init__(self):
+        self.entries = []
+
+    def checkpoint(self, run, *inputs):
+        out = _WithoutOutput.apply(run, *inputs)
+        self.entries.append((out, run, inputs))
+        return out
+
+    def discard(self):
+        for out, _, _ in self.entries:
+            out.untyped_storage().resize_(0)
+
+    def restore(self, _grad=None):
+        for out, run, inputs in self.entries:
+            with torch.no_grad():
+                again = run(*inputs)
+            out.untyped_storage().resize_(again.untyped_storage().nbytes())
+            out.untyped_storage().copy_(again.untyped_storage())
+
+
+class Recorder:
+    """Every tensor autograd saves, by storage, parameters and buffers left out."""
+
+    def __init__(self, exclude):
+        self.exclude = exclude
+        self.tensors = {}
+
+    def pack(self, tensor):
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr not in self.exclude:
+            self.tensors.setdefault(ptr, tensor)
+        return tensor
+
+    def total(self):
+        return sum(t.untyped_storage().nbytes() for t in self.tensors.values())
+
+
+class _Norm(torch.nn.Module):
+    def __init__(self, norm, discards):
+        super().__init__()
+        self.norm = norm
+        self.discards = discards
+
+    def forward(self, x):
+        return self.discards.checkpoint(self.norm, x)
+
+
+def _run(layer, cfg, discards, seed=1):
+    exclude = {t.untyped_storage().data_ptr() for t in layer.parameters()}
+    exclude |= {t.untyped_storage().data_ptr() for t in layer.buffers()}
+    torch.manual_seed(seed)
+    x = torch.randn(cfg.micro_batch, cfg.seq, cfg.hidden, dtype=cfg.torch_dtype)
+    x.requires_grad_(True)
+    recorder = Recorder(exclude)
+    with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+        out = layer(x)
+    if discards is not None:
+        discards.discard()
+        out.register_hook(discards.restore)
+    stored = recorder.total()
+    out.float().sum().backward()
+    grads = [x.grad] + [p.grad for p in layer.parameters()]
+    return stored, grads
+
+
+def _layer(harness, cfg, module):
+    torch.manual_seed(0)
+    cls = {"llama": harness.LlamaLayer}.get(cfg.arch) or module.MoELayer
+    return cls(cfg).to(dtype=cfg.torch_dtype).train()
+
+
+def _prediction(harness, cfg, groups):
+    from ckplan.inputs.presets import spec_from_values
+    from ckplan.model.memory import selective_activation_bytes_per_layer
+
+    spec = spec_from_values(harness.ckplan_mapping_for(cfg), origin=cfg.name)
+    return selective_activation_bytes_per_layer(spec, groups)
+
+
+@pytest.fixture(scope="module")
+def harness():
+    return _load("torch_saved_bytes")
+
+
+@pytest.fixture(scope="module")
+def moe_module(harness):
+    return _load("torch_moe_mla")
+
+
+def _config(harness, name):
+    return next(c for c in harness.default_configs() if c.name == name)
+
+
+def _same(grads, expected):
+    for got, want in zip(grads, expected, strict=True):
+        assert (got is None) == (want is None)
+        if got is not None:
+            torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", ["llama-bf16-fused", "moe-bf16"])
+def test_layernorm_checkpoint_matches_the_predicted_tape(harness, moe_module, name):
+    """The layer with both norms under the checkpoint stores what ckplan's `layernorm` drops
+    less, and the norms' fp32 statistics (ckplan leaves them out; the checkpoint runs the
+    norms without autograd). The Llama layer, which ckplan models to the byte but for those
+    statistics, stores exactly the predicted tape."""
+    cfg = _config(harness, name)
+    plain = _layer(harness, cfg, moe_module)
+    stored_plain, expected = _run(plain, cfg, None)
+    layer = _layer(harness, cfg, moe_module)
+    discards = Discards()
+    layer.input_layernorm = _Norm(layer.input_layernorm, discards)
+    layer.post_attention_layernorm = _Norm(layer.post_attention_layernorm, discards)
+    stored, grads = _run(layer, cfg, discards)
+    predicted = _prediction(harness, cfg, ("layernorm",))
+    statistics = 2 * 4 * cfg.seq * cfg.micro_batch  # fused RMSNorm: an fp32 rstd per token
+    assert stored_plain - stored == _prediction(harness, cfg, ()) - predicted + statistics
+    if cfg.arch == "llama":
+        assert stored == predicted
+    _same(grads, expected)
+
+
+def test_moe_act_checkpoint_matches_the_predicted_saving(harness, moe_module, monkeypatch):
+    """The experts' weighted SwiGLU under the checkpoint: the layer stores what ckplan's
+    `moe_act` drops less than without it, to the byte."""
+    cfg = _config(harness, "moe-bf16")
+    plain = _layer(harness, cfg, moe_module)
+    stored_plain, expected = _run(plain, cfg, None)
+    discards = Discards()
+    swiglu = moe_module._WeightedSwiGLU
+
+    class Checkpointed:
+        @staticmethod
+        def apply(z, weights):
+            return discards.checkpoint(swiglu.apply, z, weights)
+
+    monkeypatch.setattr(moe_module, "_WeightedSwiGLU", Checkpointed)
+    layer = _layer(harness, cfg, moe_module)
+    stored, grads = _run(layer, cfg, discards)
+    predicted = _prediction(harness, cfg, ()) - _prediction(harness, cfg, ("moe_act",))
+    assert stored_plain - stored == predicted
+    _same(grads, expected)
