@@ -100,9 +100,8 @@ _SIZED = ("uniform", "sequential", "block", "revolve")
 _PLAIN = ("none", "full", "sqrt", "selective", "optimal")
 STRATEGY_HELP = (
     "none, full, uniform:K, sequential:K, sqrt, selective, block:N, revolve:C, optimal, each "
-    "with selective+ or mlp+ (e.g. selective+uniform:4), with experts moe+ or experts+; "
-    "Megatron-Core modules layernorm+, moe_act+, mla_up_proj+, shared_experts+; "
-    "per-op policies sac or sac:OP,... (e.g. sac:matmuls%2,attention); offload, "
+    "with selective+, mlp+ or layernorm+... (e.g. selective+uniform:4), with experts moe+ or "
+    "experts+; per-op policies sac or sac:OP,... (e.g. sac:matmuls%2,attention); offload, "
     "offload+optimal (docs/strategies.md)"
 )
 

@@ -248,13 +248,12 @@ class Bounds:
         return best
 
     def _groups(self, kind: LayerKind) -> tuple[tuple[str, ...], ...]:
-        """The combinations that change a layer of `kind`: no dense MLP in a MoE layer, no MoE
-        group in a dense one, MLA's up projections only with MLA, the shared experts only where
-        the model has them."""
-        spec = self.spec
-        absent = {MLA_UP_PROJ} if not spec.mla else set()
-        absent |= {SHARED_EXPERTS} if not spec.shared_ffn_hidden else set()
-        absent |= {DENSE_MLP} if kind.moe else {MOE, EXPERTS, MOE_ACT, SHARED_EXPERTS}
+        """The combinations the layout search runs on a layer of `kind`: no dense MLP in a MoE
+        layer, no MoE group in a dense one, and none of Megatron-Core's other modules, which its
+        plans (layout/search.py `_layer_level` and the optimal DP) never use: their cheap
+        re-runs (a norm's forward) would only loosen the bound."""
+        absent = set(_MODULE_GROUPS)
+        absent |= {DENSE_MLP} if kind.moe else {MOE, EXPERTS}
         return tuple(groups for groups in _GROUPS if not absent.intersection(groups))
 
     def parameters(self, layout: Layout) -> dict[int, tuple[int, int]]:
