@@ -264,3 +264,46 @@ def test_megatron_flags_read_back():
         "--recompute-modules": ["core_attn", "layernorm", "moe_act"],
     }
     assert strategy_from_flags(flags) == "selective+layernorm+moe_act"
+
+
+@pytest.mark.parametrize(
+    ("model", "name", "expected"),
+    [
+        ("llama3-8b", "layernorm+selective", ["core_attn", "layernorm"]),
+        ("mixtral-8x7b", "moe_act+layernorm", ["layernorm", "moe_act"]),
+        (
+            "deepseek-v3",
+            "selective+layernorm+moe_act+mla_up_proj+shared_experts",
+            ["core_attn", "layernorm", "moe_act", "mla_up_proj", "shared_experts"],
+        ),
+    ],
+)
+def test_megatron_export_passes_the_mirror_and_reads_back(model, name, expected):
+    """--recompute-modules as Megatron-Core core_v0.15.0's parser, validate_args and
+    TransformerConfig's checks accept them (tests/megatron_args.py), read back to the plan."""
+    from megatron_args import parse, validate
+
+    from ckplan import exports
+    from ckplan.exports import megatron
+    from ckplan.plan import evaluate
+
+    spec = load_spec(model)
+    plan = evaluate(spec, parse_strategy(name, spec))
+    text = exports.export(plan, "megatron").text
+    args = validate(parse(text, 1))
+    assert args.recompute_granularity == "selective"
+    assert args.recompute_modules == expected
+    assert megatron.strategy_from_flags(megatron.parse_flags(text)) == plan.strategy
+    for target in ("torch", "deepspeed", "torchtitan"):
+        assert "Megatron-Core's" in exports.why_not(plan, target)
+
+
+def test_megatron_mirror_refuses_what_transformer_config_refuses():
+    from megatron_args import MegatronArgError, parse, validate
+
+    base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    base += "--max-position-embeddings 32 --micro-batch-size 1 --recompute-granularity selective "
+    with pytest.raises(MegatronArgError, match="moe_grouped_gemm"):
+        validate(parse(base + "--num-experts 4 --recompute-modules moe_act", 1))
+    with pytest.raises(MegatronArgError, match="multi_latent_attention"):
+        validate(parse(base + "--recompute-modules mla_up_proj", 1))
