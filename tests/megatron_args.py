@@ -175,6 +175,12 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
             "mla_up_proj in recompute_modules is only supported with multi_latent_attention.",
         )
         check(
+            not (modules & {"moe_act", "layernorm"})
+            or getattr(args, "fp8", None) is None
+            or getattr(args, "fp8_recipe", "delayed") != "delayed",
+            "Delayed scaling does not support moe_act and layernorm recompute for fp8.",
+        )
+        check(
             "shared_experts" not in modules
             or getattr(args, "moe_shared_expert_intermediate_size", None) is None
             or not getattr(args, "moe_shared_expert_overlap", False),

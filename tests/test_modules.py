@@ -307,3 +307,16 @@ def test_megatron_mirror_refuses_what_transformer_config_refuses():
         validate(parse(base + "--num-experts 4 --recompute-modules moe_act", 1))
     with pytest.raises(MegatronArgError, match="multi_latent_attention"):
         validate(parse(base + "--recompute-modules mla_up_proj", 1))
+
+
+def test_megatron_mirror_refuses_delayed_fp8_with_discarding_modules():
+    from megatron_args import MegatronArgError, parse, validate
+
+    text = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--max-position-embeddings 32 --micro-batch-size 1 --bf16 --fp8-format hybrid "
+        "--recompute-granularity selective --recompute-modules layernorm"
+    )
+    with pytest.raises(MegatronArgError, match="Delayed scaling"):
+        validate(parse(text, 1))
+    assert validate(parse(text + " --fp8-recipe tensorwise", 1)).recompute_modules == ["layernorm"]

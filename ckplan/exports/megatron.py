@@ -79,6 +79,12 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
             "recomputing only the routed expert MLPs: Megatron-LM's --recompute-modules has moe "
             "(the whole MoE layer) and moe_act (the activation), no experts-only module"
         )
+    discarding = [word for word in layers.extra if word in ("layernorm", "moe_act")]
+    if discarding and spec.precision == "fp8":
+        return (
+            f"{discarding[0]} with FP8: Megatron-Core refuses it under delayed scaling, the "
+            "recipe the export leaves as Megatron's default (transformer_config.py core_v0.15.0)"
+        )
     if (layers.moe or layers.mlp or layers.extra) and layers.recomputed:
         return (
             "module recomputation together with whole layers: Megatron-LM's --recompute-modules "
