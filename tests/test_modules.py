@@ -180,24 +180,35 @@ def test_walk_balances_and_tape_between_full_and_none(name):
 
 
 def test_walk_rebuilds_norm_outputs_before_the_consumer_blocks():
+    """Megatron's re-run restores the discarded storage and keeps its own output for the norm's
+    backward: two copies from the consumer block's last op until the consumer's backward."""
     spec = small()
     X = B * T * H
     plain = {p.op: p.saved_bytes for p in memory.layer_backward_walk(spec)}
     walk = {p.op: p.saved_bytes for p in memory.layer_backward_walk(spec, (LAYERNORM,))}
-    # before the MLP's backward only the two norm outputs are missing
-    assert plain["fc2"] - walk["fc2"] == X  # norm2's rebuilt at fc2, norm1's still dropped
-    assert plain["out_proj"] - walk["out_proj"] == 0  # both rebuilt (norm2's freed with fc1)
-    assert plain["qkv_proj"] == walk["qkv_proj"]
+    # at fc2 and until norm2's backward: norm2's output restored and its re-run copy, norm1's
+    # still dropped
+    assert walk["fc2"] - plain["fc2"] == X - X
+    assert walk["norm2"] - plain["norm2"] == X - X
+    # from out_proj: norm1's output restored and its re-run copy
+    assert walk["out_proj"] - plain["out_proj"] == X
+    assert walk["qkv_proj"] - plain["qkv_proj"] == X  # norm1's copy, freed with norm1
+    assert walk["norm1"] - plain["norm1"] == X
+    assert memory.layer_backward_walk(spec, (LAYERNORM,))[-1].op == "norm1"
 
 
-def test_moe_act_peak_is_lower_where_the_activation_output_was_the_peak():
+def test_moe_act_walk_holds_two_copies_at_fc2():
     spec = moe_small()
     plain = memory.layer_backward_walk(spec)
     walk = memory.layer_backward_walk(spec, (MOE_ACT,))
     assert [p.op for p in plain] == [p.op for p in walk]
     at = {p.op: (p.saved_bytes, q.saved_bytes) for p, q in zip(plain, walk, strict=True)}
-    assert at["expert_fc2"][0] == at["expert_fc2"][1]  # rebuilt just before fc2's backward
-    assert at["unpermute"][0] - at["unpermute"][1] == B * T * 2 * 48
+    act_out = B * T * 2 * 48  # the activation output, R = T·k rows of F_e
+    # stored: without it, until fc2's backward; then restored beside the re-run copy
+    assert at["unpermute"][0] - at["unpermute"][1] == act_out
+    assert at["expert_fc2"][1] - at["expert_fc2"][0] == act_out
+    assert at["expert_act"][1] - at["expert_act"][0] == act_out  # the copy, until act's backward
+    assert at["expert_fc1"][1] == at["expert_fc1"][0]
 
 
 # ---- the grammar ----------------------------------------------------------------------

@@ -168,8 +168,11 @@ def layer_backward_walk(
     share those storages). An output-discarding module (`layer_discard_plan`) stores its
     checkpoint's inputs instead of its output; its re-run rebuilds the output and its ops' saved
     tensors just before the backward of `Discard.restore` (the consumer block's last op, where
-    Megatron-Core's gradient hook fires), freed as without recomputation; its extra kept inputs
-    are freed after its first op's backward.
+    Megatron-Core's gradient hook fires), freed as without recomputation. The re-run's output
+    is a second copy (megatron/core/tensor_parallel/random.py at core_v0.15.0,
+    `CheckpointWithoutOutput._recompute`: the recomputed outputs are copied into the discarded
+    storage and kept in `ctx.outputs` for the function's backward): it and the extra kept
+    inputs are freed after the function's first op's backward.
     Parameter gradients are model states and are not counted.
     """
     if spec.kind == "mlp":
@@ -210,12 +213,14 @@ def layer_backward_walk(
     )
     order = [op.name for op in ops]
     for discard, dropped in layer_discard_plan(spec, names, kind):
-        # stored: its inputs, not its output; re-run before `restore`'s backward
+        # stored: its inputs, not its output; re-run before `restore`'s backward, which
+        # restores the output's storage (freed with its readers) and keeps the re-run's own
+        # output, with its graph, until the function's backward (freed with its first op)
         saved += discard.extra_kept - discard.member_dropped - dropped
-        re_forward[discard.restore] += dropped + discard.member_dropped
+        re_forward[discard.restore] += dropped + discard.member_dropped + discard.output
         first = min((order.index(n) for n in discard.members if n in order), default=None)
         if first is not None:
-            freed_after[order[first]] += discard.extra_kept
+            freed_after[order[first]] += discard.extra_kept + discard.output
     stream = layer_input_bytes(spec)
     residual, waiting = stream, 0
     points = []
