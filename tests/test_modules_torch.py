@@ -238,3 +238,46 @@ def test_moe_act_checkpoint_matches_the_predicted_saving(harness, moe_module, mo
     predicted = _prediction(harness, cfg, ()) - _prediction(harness, cfg, ("moe_act",))
     assert stored_plain - stored == predicted
     _same(grads, expected)
+
+
+def test_layernorm_backward_peak_against_the_walk(harness):
+    """One Llama layer's forward + backward under PyTorch's memory profiler
+    (validation/torch_backward_peak.py), both norms under the checkpoint: the backward peak
+    against ckplan's walk with `layernorm` (the re-run output beside the restored storage)."""
+    peak = _load("torch_backward_peak")
+    from ckplan.model.memory import layer_backward_peak_bytes, layer_backward_walk
+
+    cfg = next(c for c in peak.default_configs() if c.name == "llama-bf16-fused")
+    torch.manual_seed(0)
+    layer = harness.LlamaLayer(cfg).to(dtype=cfg.torch_dtype).train()
+    discards = Discards()
+    layer.input_layernorm = _Norm(layer.input_layernorm, discards)
+    layer.post_attention_layernorm = _Norm(layer.post_attention_layernorm, discards)
+    discard_after(layer.o_proj, discards)
+    discard_after(layer.down_proj, discards)
+    shape = (cfg.micro_batch, cfg.seq, cfg.hidden)
+    x = torch.randn(shape, dtype=cfg.torch_dtype, requires_grad=True)
+    grad_out = torch.randn(shape, dtype=cfg.torch_dtype)
+    baseline = x.untyped_storage().nbytes() + grad_out.untyped_storage().nbytes()
+    tagger = peak.OpTagger()
+    previous = harness._FusedRMSNormFunction.weight_grads
+    harness._FusedRMSNormFunction.weight_grads = False  # input gradient only
+    try:
+        with peak._profile("cpu") as prof:
+            out = layer(x, tagger)
+            out.untyped_storage().resize_(0)
+            (grad_in,) = torch.autograd.grad(out, x, grad_out)
+    finally:
+        harness._FusedRMSNormFunction.weight_grads = previous
+    assert torch.isfinite(grad_in.float()).all()
+    events, _ = peak._allocations(prof, "cpu")
+    _, measured, _, _, _ = peak._replay(events, baseline, tagger)
+    spec = peak._spec(cfg)
+    predicted = layer_backward_peak_bytes(spec, ("layernorm",))
+    statistics = 2 * 4 * cfg.seq * cfg.micro_batch
+    # within the norms' fp32 statistics (the re-run saves them; ckplan leaves them out) and a
+    # few scalars, as tests/test_torch_validation.py compares the plain layer's
+    assert 0 <= measured - predicted <= statistics + 64
+    # a walk that dropped the re-run's own copy would be one norm output short at fc2
+    walk = {p.op: p.live_bytes for p in layer_backward_walk(spec, ("layernorm",))}
+    assert max(walk, key=walk.get) == "fc2"
