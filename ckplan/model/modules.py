@@ -114,8 +114,8 @@ def layer_discards(spec: ChainSpec, ops: tuple[Op, ...], name: str) -> tuple[Dis
     if name == MOE_ACT:
         if "expert_act" not in by_name:
             return ()
-        act, fc1 = by_name["expert_act"], by_name["expert_fc1"]
-        kept = act_inputs_bytes(fc1, act)
+        act = by_name["expert_act"]
+        kept = act_inputs_bytes(act)
         return (
             Discard(
                 ("expert_act",),
@@ -147,7 +147,7 @@ def _stream(spec: ChainSpec) -> int:
     return LayerShapes.of(spec).stream
 
 
-def act_inputs_bytes(fc1: Op, act: Op) -> int:
+def act_inputs_bytes(act: Op) -> int:
     """What the experts' activation checkpoint keeps: its inputs, the fc1 output (2F_e/etp wide
     gated) and the R routing probabilities (moe/experts.py `bias_act_func(intermediate_parallel,
     bias_parallel, permuted_probs)`, core_v0.15.0), the bytes of the activation's input
