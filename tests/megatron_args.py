@@ -164,4 +164,26 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
             all(module in RECOMPUTE_MODULES for module in args.recompute_modules),
             "unknown recompute module",
         )
+        # TransformerConfig.__post_init__ (core_v0.15.0 transformer_config.py)
+        modules = set(args.recompute_modules)
+        check(
+            "moe_act" not in modules or bool(getattr(args, "moe_grouped_gemm", False)),
+            "moe_act in recompute_modules is only supported with moe_grouped_gemm.",
+        )
+        check(
+            "mla_up_proj" not in modules or bool(getattr(args, "multi_latent_attention", False)),
+            "mla_up_proj in recompute_modules is only supported with multi_latent_attention.",
+        )
+        check(
+            not (modules & {"moe_act", "layernorm"})
+            or getattr(args, "fp8", None) is None
+            or getattr(args, "fp8_recipe", "delayed") != "delayed",
+            "Delayed scaling does not support moe_act and layernorm recompute for fp8.",
+        )
+        check(
+            "shared_experts" not in modules
+            or getattr(args, "moe_shared_expert_intermediate_size", None) is None
+            or not getattr(args, "moe_shared_expert_overlap", False),
+            "shared_experts recompute cannot work with --moe-shared-expert-overlap.",
+        )
     return args

@@ -68,6 +68,11 @@ def export(plan: Plan, target: str, recompute_modules: bool = True) -> Export:
         return Export(yaml_plan.render(plan, None if isinstance(layers, str) else layers))
     assert isinstance(layers, LayerSegments)
     if module is megatron:
+        if layers.extra and not recompute_modules:
+            raise ExportError(
+                f"{target} without --recompute-modules cannot express plan {plan.strategy}: "
+                f"Megatron-Core's {layers.extra[0]} module is named only by that flag"
+            )
         text = megatron.render(plan, layers, recompute_modules)
     else:
         text = module.render(plan, layers)

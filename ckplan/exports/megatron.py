@@ -49,6 +49,7 @@ from ckplan.exports.segments import LayerSegments
 from ckplan.model.layers import parse_layer_set
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
+from ckplan.plan.strategies import MODULES
 
 NAME = "megatron"
 
@@ -78,7 +79,13 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
             "recomputing only the routed expert MLPs: Megatron-LM's --recompute-modules has moe "
             "(the whole MoE layer) and moe_act (the activation), no experts-only module"
         )
-    if (layers.moe or layers.mlp) and layers.recomputed:
+    discarding = [word for word in layers.extra if word in ("layernorm", "moe_act")]
+    if discarding and spec.precision == "fp8":
+        return (
+            f"{discarding[0]} with FP8: Megatron-Core refuses it under delayed scaling, the "
+            "recipe the export leaves as Megatron's default (transformer_config.py core_v0.15.0)"
+        )
+    if (layers.moe or layers.mlp or layers.extra) and layers.recomputed:
         return (
             "module recomputation together with whole layers: Megatron-LM's --recompute-modules "
             "need the selective granularity, which takes no --recompute-method"
@@ -191,11 +198,12 @@ def flags(plan: Plan, layers: LayerSegments, recompute_modules: bool = True) -> 
             (["core_attn"] if layers.selective else [])
             + (["mlp"] if layers.mlp else [])
             + ([layers.moe] if layers.moe else [])
+            + list(layers.extra)
         )
         out.append(["--recompute-granularity", "selective"])
         if recompute_modules:
             out.append(["--recompute-modules", *modules])
-        elif layers.moe:  # older Megatron-LM: the MoE layer's own switch
+        elif layers.moe and not layers.extra:  # older Megatron-LM: the MoE layer's own switch
             out.append(["--moe-layer-recompute"])
     elif not layers.stores_all:
         size = layers.uniform_size()
@@ -379,6 +387,7 @@ def strategy_from_flags(parsed: dict[str, list[str]]) -> str:
             (["selective"] if "core_attn" in modules else [])
             + (["mlp"] if "mlp" in modules else [])
             + (["moe"] if moe else [])
+            + [word for word in MODULES if word in modules]
         )
         return "+".join(names) or "none"
     method = parsed["--recompute-method"][0]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from ckplan.model.op import DENSE_MLP
 from ckplan.model.op_policy import is_policy
 from ckplan.plan import Plan
+from ckplan.plan.strategies import MODULES
 from ckplan.schedules import (
     BACKWARD,
     FORWARD_DROP,
@@ -43,12 +44,21 @@ class LayerSegments:
     mlp: bool = False
     policy: str | None = None  # a per-op policy (`sac:...`) in every stored layer
     offloaded: tuple[int, ...] = ()
+    # Megatron-Core's other --recompute-modules (layernorm, moe_act, mla_up_proj,
+    # shared_experts: strategies.MODULES), in its order
+    extra: tuple[str, ...] = ()
 
     @property
     def modules(self) -> bool:
         """Whether a module of the layer (attention core, MLP, MoE) is recomputed on top, or a
         per-op policy decides what the layer keeps."""
-        return self.selective or self.mlp or self.moe is not None or self.policy is not None
+        return (
+            self.selective
+            or self.mlp
+            or self.moe is not None
+            or self.policy is not None
+            or bool(self.extra)
+        )
 
     @property
     def recomputed(self) -> tuple[tuple[int, int], ...]:
@@ -135,6 +145,8 @@ def module_reason(layers: LayerSegments, target: str) -> str | None:
             f"recomputing the dense MLP alone (Megatron-Core's mlp module): no {target} option "
             "for it yet"
         )
+    if layers.extra:
+        return f"Megatron-Core's {layers.extra[0]} module: no {target} option for it yet"
     return None
 
 
@@ -186,4 +198,5 @@ def layer_segments(plan: Plan) -> LayerSegments | str:
         DENSE_MLP in plan.recompute_groups,
         policy,
         tuple(i - first_layer for i, _ in offloaded if names[i].startswith(LAYER_PREFIX)),
+        tuple(word for word, group in MODULES.items() if group in plan.recompute_groups),
     )

@@ -43,13 +43,13 @@ from ckplan.hardware.times import ZERO, MicroBatchTime, StageTime
 from ckplan.model import loss, memory
 from ckplan.model.flops import MFU_CONVENTION, iteration_flops, model_flops_per_iteration
 from ckplan.model.layers import LayerKind, stage_kinds
+from ckplan.model.modules import module_ops
 from ckplan.model.moe import MOE
 from ckplan.model.op import (
     ATTENTION_CORE,
     FP32_BYTES,
     Matmul,
     Op,
-    in_group,
     kv_heads_per_rank,
     split_share,
 )
@@ -259,10 +259,8 @@ def layer_time(
     path = spec_code_path(spec, gpu)
     gpu = path.gpu  # compute at the sustained rates; links as they are
     policy = parse_policy(groups[0]) if groups and is_policy(groups[0]) else None
-    if policy:  # a per-op policy re-runs every op it does not keep
-        core = list(recomputed_ops(spec, policy, kind))
-    else:
-        core = [op for op in ops if any(in_group(op, group) for group in groups)]
+    # a per-op policy re-runs every op it does not keep
+    core = list(recomputed_ops(spec, policy, kind)) if policy else module_ops(ops, groups)
     forward = _sum_ops(ops, path.forward, dtype)
     backward = _sum_ops(ops, path.backward, dtype)
     core_forward = _sum_ops(core, path.forward, dtype)

@@ -11,7 +11,8 @@ import dataclasses
 
 from ckplan.model.layers import LayerKind, kind_layer_indices
 from ckplan.model.memory import parameter_count
-from ckplan.model.op import ATTENTION_CORE, in_group, matmul_flops, split_share
+from ckplan.model.modules import module_ops
+from ckplan.model.op import ATTENTION_CORE, matmul_flops, split_share
 from ckplan.model.op_policy import is_policy, parse_policy, recomputed_forward_flops
 from ckplan.model.ops import layer_ops
 from ckplan.model.parts import Parallelism, RunShape, cached_by_chain
@@ -44,8 +45,7 @@ def group_forward_flops(
 def _group_forward_flops(spec: ModelSpec, groups: tuple[str, ...], kind: LayerKind | None) -> int:
     if groups and is_policy(groups[0]):  # the ops a per-op policy re-runs
         return recomputed_forward_flops(spec, parse_policy(groups[0]), kind)
-    ops = layer_ops(spec, kind)
-    return sum(op.forward_flops for op in ops if any(in_group(op, name) for name in groups))
+    return sum(op.forward_flops for op in module_ops(layer_ops(spec, kind), groups))
 
 
 def attention_core_fraction(spec: ModelSpec) -> float:

@@ -15,6 +15,7 @@ from ckplan.model.layers import (
     stage_layer_indices,
 )
 from ckplan.model.mla import mla_parameters
+from ckplan.model.modules import Discard, is_discarding, layer_discards
 from ckplan.model.moe import moe_layer_parameters
 from ckplan.model.op import in_group, split_share
 from ckplan.model.op_policy import is_policy, parse_policy, policy_tape_bytes
@@ -64,10 +65,49 @@ def selective_activation_bytes_per_layer(
     total = sum(op.saved_bytes for op in ops)
     for name in groups:
         members = [op for op in ops if in_group(op, name)]
-        if members:
+        if members and not is_discarding(name):
             total -= sum(op.saved_bytes for op in members)
             total += group_input_bytes(spec, name, kind)
+    for discard, dropped in layer_discard_plan(spec, groups, kind):
+        total += discard.extra_kept - discard.member_dropped - dropped
     return total
+
+
+def layer_discard_plan(
+    spec: ModelSpec, groups: tuple[str, ...], kind: LayerKind | None = None
+) -> list[tuple[Discard, int]]:
+    """Each output-discarding checkpoint of `groups` (`modules.layer_discards`: layernorm,
+    moe_act, mla_up_proj) in one layer, with the bytes of its output the tape stops holding.
+
+    derived: the output's storage is freed wherever it is saved, so the tape drops it once,
+    from the ops that save it (`Discard.readers`) or, for a reader inside a recomputed group,
+    from that group's kept input (the dense MLP's and the MoE block's input is norm2's output,
+    the attention core's Q, K and V); never more than the output itself (an FP8 linear saves a
+    1-byte copy, and Megatron's `set_save_original_input` then saves the discarded original).
+    """
+    ops = layer_ops(spec, kind)
+    active = {
+        name: {op.name for op in ops if in_group(op, name)}
+        for name in groups
+        if not is_discarding(name)
+    }
+    plan = []
+    for name in groups:
+        if not is_discarding(name):
+            continue
+        for discard in layer_discards(spec, ops, name):
+            stored, holders = 0, set()
+            for op in ops:
+                if op.name not in discard.readers:
+                    continue
+                holder = next((g for g, members in active.items() if op.name in members), None)
+                if holder is None:
+                    stored += op.saved_bytes
+                else:
+                    holders.add(holder)
+            stored += sum(group_input_bytes(spec, g, kind) for g in sorted(holders))
+            plan.append((discard, min(discard.output, stored)))
+    return plan
 
 
 def layer_input_bytes(spec: ModelSpec) -> int:
@@ -125,7 +165,14 @@ def layer_backward_walk(
     (`ops.group_input_bytes`) is, until the group's backward ends, and the re-forward rebuilds
     the group's saved tensors just before the group's first op is backpropagated, counted in
     full besides the kept input (an upper bound: kernels that save their inputs as they are
-    share those storages).
+    share those storages). An output-discarding module (`layer_discard_plan`) stores its
+    checkpoint's inputs instead of its output; its re-run rebuilds the output and its ops' saved
+    tensors just before the backward of `Discard.restore` (the consumer block's last op, where
+    Megatron-Core's gradient hook fires), freed as without recomputation. The re-run's output
+    is a second copy (megatron/core/tensor_parallel/random.py at core_v0.15.0,
+    `CheckpointWithoutOutput._recompute`: the recomputed outputs are copied into the discarded
+    storage and kept in `ctx.outputs` for the function's backward): it and the extra kept
+    inputs are freed after the function's first op's backward.
     Parameter gradients are model states and are not counted.
     """
     if spec.kind == "mlp":
@@ -138,7 +185,9 @@ def layer_backward_walk(
         # A per-op policy re-runs the whole layer before its first backward: the walk of the
         # full tape (`layer_backward_workspace_bytes` measures it against the policy's tape).
         names = ()
-    groups = {name: [op for op in ops if in_group(op, name)] for name in names}
+    groups = {
+        name: [op for op in ops if in_group(op, name)] for name in names if not is_discarding(name)
+    }
     groups = {name: members for name, members in groups.items() if members}
     member_of = {op.name: name for name, members in groups.items() for op in members}
     freed_after: Counter[str] = Counter()  # bytes freed when the named op's backward returns
@@ -159,7 +208,19 @@ def layer_backward_walk(
         freed_after[members[0].name] += held  # the group's last backward step
         kept += held
     saved = sum(op.saved_bytes for op in ops if op.name not in member_of) + kept
-    re_forward = {members[-1].name: rebuilt[name] for name, members in groups.items()}
+    re_forward: Counter[str] = Counter(
+        {members[-1].name: rebuilt[name] for name, members in groups.items()}
+    )
+    order = [op.name for op in ops]
+    for discard, dropped in layer_discard_plan(spec, names, kind):
+        # stored: its inputs, not its output; re-run before `restore`'s backward, which
+        # restores the output's storage (freed with its readers) and keeps the re-run's own
+        # output, with its graph, until the function's backward (freed with its first op)
+        saved += discard.extra_kept - discard.member_dropped - dropped
+        re_forward[discard.restore] += dropped + discard.member_dropped + discard.output
+        first = min((order.index(n) for n in discard.members if n in order), default=None)
+        if first is not None:
+            freed_after[order[first]] += discard.extra_kept + discard.output
     stream = layer_input_bytes(spec)
     residual, waiting = stream, 0
     points = []

@@ -41,6 +41,9 @@ from ckplan.model.spec import ModelSpec
 
 MOE = "moe"  # recompute group: the whole MoE block (Megatron --moe-layer-recompute)
 EXPERTS = "moe/experts"  # recompute group: the routed expert MLPs only
+# recompute group: the shared experts (Megatron-Core --recompute-modules shared_experts,
+# moe/moe_layer.py core_v0.15.0: `tensor_parallel.checkpoint(self.shared_experts, ...)`)
+SHARED_EXPERTS = "moe/shared_experts"
 INDEX_BYTES = 8  # int64 token indices (torch.topk, index_select)
 MASK_BYTES = 1  # the boolean routing map
 
@@ -315,7 +318,7 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
         gate = spec.shared_expert_gate
         ops += mlp_block_ops(
             spec, shapes, spec.shared_ffn_hidden, X if gate else 0, "shared_", input_saved=False,
-            group=MOE,
+            group=SHARED_EXPERTS,
         )  # fmt: skip
         if gate:
             # sigmoid(x·w_g) · shared output: the product saves both (T·h and T values).
@@ -325,7 +328,7 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
                     "mlp",
                     B * tokens * (h + 1),
                     matmul_flops(tokens, 1, h),
-                    MOE,
+                    SHARED_EXPERTS,  # SharedExpertMLP.forward applies its gate
                     grads=(0, X),
                     workspace=X,
                     matmul=Matmul(tokens, 1, h, 1, B),

@@ -359,7 +359,8 @@ def group_input_bytes(spec: ChainSpec, group: str, kind: LayerKind | None = None
     block (Megatron's --moe-layer-recompute, `tensor_parallel.checkpoint(custom_forward,
     hidden_states)`) and the dense MLP (`--recompute-modules mlp`) from norm2's output; the
     expert MLPs from their dispatched tokens and routing probabilities
-    (`moe.experts_input_bytes`). A group the layer does not have keeps nothing.
+    (`moe.experts_input_bytes`); the shared experts nothing more: their checkpoint's input is
+    norm2's output, which the router saves. A group the layer does not have keeps nothing.
     """
     if spec.kind == "mlp":
         return 0
@@ -381,4 +382,4 @@ def group_input_bytes(spec: ChainSpec, group: str, kind: LayerKind | None = None
         return shapes.X
     if group == EXPERTS:
         return experts_input_bytes(spec, shapes)
-    return 0
+    return 0  # SHARED_EXPERTS among them

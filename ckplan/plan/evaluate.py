@@ -552,6 +552,7 @@ def _evaluate_simple(spec: ModelSpec, strategy: Strategy) -> Plan:
         or strategy.moe
         or strategy.mlp
         or strategy.offload
+        or strategy.modules
     ):
         raise StrategyError(f"the simple formula set has no strategy {strategy.name!r}")
     if kind in ("none", "selective"):

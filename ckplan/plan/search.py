@@ -82,6 +82,7 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
     recomputation, sqrt, and revolve:C for C up to ceil(sqrt(L)) + 1 checkpoint slots: the
     binomial schedules reach below one stored input per segment (Griewank & Walther 2000);
     the dense MLP module (`mlp`, `selective+mlp`) where the model has dense layers;
+    Megatron-Core's other modules the model has (`module_candidates`);
     torchtitan's per-op policy (`sac`, `sac+block:N`) where its layers are dense with flash
     attention.
     """
@@ -106,7 +107,29 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
         names += ["moe", "experts", "selective+moe", "selective+experts"]
         for size in _sizes(1, layers):
             names += [f"moe+block:{size}", f"selective+moe+block:{size}"]
+    names += module_candidates(spec)
     return [parse_strategy(name, spec) for name in dict.fromkeys(names)]
+
+
+def module_candidates(spec: ModelSpec) -> list[str]:
+    """Megatron-Core's output-discarding and shared-expert modules (layernorm, moe_act,
+    mla_up_proj, shared_experts) the model has: each alone and with the attention core, all of
+    them together, with the core, and with the core and the dense MLP: at most 11 names, each
+    in every stored layer (no layer-level segments: Megatron-LM's selective granularity takes
+    no --recompute-method)."""
+    if spec.kind != "transformer":
+        return []
+    words = ["layernorm"]
+    if spec.experts:
+        words += ["moe_act"] + (["shared_experts"] if spec.shared_ffn_hidden else [])
+    if spec.mla:
+        words.append("mla_up_proj")
+    names = [name for word in words for name in (word, f"selective+{word}")]
+    every = "+".join(words)
+    names += [every, f"selective+{every}"]
+    if has_dense_layers(spec):
+        names.append(f"selective+mlp+{every}")
+    return names
 
 
 REVOLVE_MAX_STEPS = 100_000  # schedule steps the revolve candidates of one sweep replay at most
@@ -343,7 +366,15 @@ def offload_optimal_plan(
 def _least_flops(spec: ModelSpec, strategy: Strategy) -> int:
     """A lower bound on the FLOPs of `strategy`'s plans: its recompute groups with every layer
     stored (a schedule only adds re-forwards to that, on every pipeline stage)."""
-    stored = Strategy("none", None, strategy.selective, strategy.moe, strategy.mlp, strategy.policy)
+    stored = Strategy(
+        "none",
+        None,
+        strategy.selective,
+        strategy.moe,
+        strategy.mlp,
+        strategy.policy,
+        modules=strategy.modules,
+    )
     return evaluate(spec, stored).flops.total
 
 
@@ -354,7 +385,16 @@ def _cost(candidate: Candidate, rank: str) -> float:
 
 
 def _cost_key(rank: str = "flops"):
-    return lambda candidate: (_cost(candidate, rank), candidate.plan.total_bytes)
+    """The best plan's order: least cost, then least memory. By FLOPs, plans of equal FLOPs
+    first by how many recompute groups they re-run: a re-run without FLOPs (a norm's, an
+    activation's) still takes time that a FLOP count does not see."""
+    if rank == "time":
+        return lambda candidate: (_cost(candidate, rank), candidate.plan.total_bytes)
+    return lambda candidate: (
+        _cost(candidate, rank),
+        len(candidate.plan.recompute_groups),
+        candidate.plan.total_bytes,
+    )
 
 
 def pareto_frontier(

@@ -1,6 +1,6 @@
 """Strategies: the `--strategy` grammar (docs/strategies.md) parsed and checked against a model.
 
-    [selective+][moe+|experts+]BASE   or a modifier alone (selective, moe, experts, ...)
+    [selective+][moe+|experts+][MODULE+...]BASE   or a modifier alone (selective, moe, ...)
 
 BASE is none, full, uniform:K, sequential:K, sqrt, block:N, revolve:C or optimal. The
 modifiers recompute a group of ops inside every stored layer: `selective` the attention core
@@ -8,7 +8,8 @@ modifiers recompute a group of ops inside every stored layer: `selective` the at
 --recompute-modules moe), `experts` the routed expert MLPs only. `moe` and `experts` need a
 model with experts. `offload` moves stored tapes to host memory (Beaumont et al. 2021): alone
 every layer's tape, no recomputation; `offload+optimal` the joint DP over keep, offload and
-recompute (docs/offloading.md).
+recompute (docs/offloading.md). The MODULE words are Megatron-Core's other
+--recompute-modules: layernorm, moe_act, mla_up_proj, shared_experts (ckplan.model.modules).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import re
 from dataclasses import dataclass
 
 from ckplan.errors import InputError
+from ckplan.model.modules import LAYERNORM, MLA_UP_PROJ, MOE_ACT
+from ckplan.model.moe import SHARED_EXPERTS
 from ckplan.model.op import ATTENTION_CORE, DENSE_MLP
 from ckplan.model.op_policy import (
     POLICY_PREFIX,
@@ -40,6 +43,14 @@ def formula_name(text: str) -> str:
 
 
 MOE_GROUPS = {"moe": "moe", "experts": "moe/experts"}  # modifier -> recompute group (moe.py)
+# Megatron-Core's other --recompute-modules, in its order: modifier -> recompute group
+# (ckplan.model.modules; the shared experts' group is moe.py's)
+MODULES = {
+    LAYERNORM: LAYERNORM,
+    MOE_ACT: MOE_ACT,
+    MLA_UP_PROJ: MLA_UP_PROJ,
+    "shared_experts": SHARED_EXPERTS,
+}
 
 
 class StrategyError(InputError):
@@ -57,6 +68,7 @@ class Strategy:
     mlp: bool = False  # the dense MLP (fc1, activation, fc2) recomputed on top of `kind`
     policy: str | None = None  # a per-op policy (`sac:...`, model.op_policy) in stored layers
     offload: bool = False  # stored tapes offloaded to host memory (none or optimal only)
+    modules: tuple[str, ...] = ()  # MODULES words recomputed on top of `kind`, in their order
 
     @property
     def name(self) -> str:
@@ -66,6 +78,7 @@ class Strategy:
             + (["selective"] if self.selective else [])
             + (["mlp"] if self.mlp else [])
             + ([self.moe] if self.moe else [])
+            + list(self.modules)
             + (["offload"] if self.offload else [])
         )
         if self.kind in ("none", "selective") and prefix:
@@ -79,15 +92,16 @@ class Strategy:
             return (self.policy,)
         groups = (ATTENTION_CORE,) if self.selective else ()
         groups += (DENSE_MLP,) if self.mlp else ()
-        return groups + ((MOE_GROUPS[self.moe],) if self.moe else ())
+        groups += (MOE_GROUPS[self.moe],) if self.moe else ()
+        return groups + tuple(MODULES[word] for word in self.modules)
 
 
 _SIZED = ("uniform", "sequential", "block", "revolve")
 _PLAIN = ("none", "full", "sqrt", "selective", "optimal")
 STRATEGY_HELP = (
     "none, full, uniform:K, sequential:K, sqrt, selective, block:N, revolve:C, optimal, each "
-    "with selective+ or mlp+ (e.g. selective+uniform:4), with experts moe+ or experts+; "
-    "per-op policies sac or sac:OP,... (e.g. sac:matmuls%2,attention); offload, "
+    "with selective+, mlp+ or layernorm+... (e.g. selective+uniform:4), with experts moe+ or "
+    "experts+; per-op policies sac or sac:OP,... (e.g. sac:matmuls%2,attention); offload, "
     "offload+optimal (docs/strategies.md)"
 )
 
@@ -97,7 +111,7 @@ def _hint(text: str) -> str:
     the long list of strategies so that a cut line keeps it."""
     import difflib
 
-    words = [*_PLAIN, *_SIZED, *MOE_GROUPS, "mlp", "offload"]
+    words = [*_PLAIN, *_SIZED, *MOE_GROUPS, *MODULES, "mlp", "offload"]
     if len(text) > 100:
         return ""
     parts = text.strip().split("+")
@@ -153,14 +167,22 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
             return Strategy("uniform", 1)  # every layer re-run whole: the policy has no say
         return dataclasses.replace(base, policy=policy)
     modifiers, body = parts[:-1], parts[-1]
-    if body in MOE_GROUPS or body in ("mlp", "offload") or (body == "selective" and modifiers):
+    if (
+        body in MOE_GROUPS
+        or body in MODULES
+        or body in ("mlp", "offload")
+        or (body == "selective" and modifiers)
+    ):
         modifiers, body = [*modifiers, body], "none"
     selective = "selective" in modifiers
     mlp = "mlp" in modifiers
     offload = "offload" in modifiers
     moe = [m for m in modifiers if m in MOE_GROUPS]
+    modules = tuple(word for word in MODULES if word in modifiers)
     unknown = [
-        m for m in modifiers if m not in ("selective", "mlp", "offload") and m not in MOE_GROUPS
+        m
+        for m in modifiers
+        if m not in ("selective", "mlp", "offload") and m not in MOE_GROUPS and m not in MODULES
     ]
     if unknown or len(set(modifiers)) < len(modifiers) or len(moe) > 1:
         if len(moe) > 1:
@@ -196,19 +218,49 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
         raise StrategyError(
             f"strategy {quote(text)}: mlp recomputes dense MLPs; every layer of this model is MoE"
         )
+    if modules:
+        _check_modules(text, modules, group := (moe[0] if moe else None), spec)
     if offload and kind not in ("none", "optimal"):
         raise StrategyError(
             f"strategy {quote(text)}: offload combines with none (every stored tape to host) "
             "or optimal (offload+optimal), not with " + kind
         )
     group = moe[0] if moe else None
-    if kind == "none" and (selective or mlp or group or offload):
+    if kind == "none" and (selective or mlp or group or offload or modules):
         name = "selective" if selective else "none"
-        return Strategy(name, selective=selective, moe=group, mlp=mlp, offload=offload)
-    if kind == "full" and (selective or group or mlp):
+        return Strategy(
+            name, selective=selective, moe=group, mlp=mlp, offload=offload, modules=modules
+        )
+    if kind == "full" and (selective or group or mlp or modules):
         # full recompute already re-runs every op of every layer
         return Strategy("uniform", 1, selective)
-    return Strategy(kind, size, selective or kind == "selective", group, mlp, offload=offload)
+    return Strategy(
+        kind, size, selective or kind == "selective", group, mlp, offload=offload, modules=modules
+    )
+
+
+def _check_modules(text: str, modules: tuple[str, ...], group: str | None, spec: ModelSpec) -> None:
+    """Refuse a Megatron-Core module the model lacks, or one another modifier already covers."""
+    where = f"strategy {quote(text)}"
+    if spec.kind != "transformer":
+        raise StrategyError(f"{where}: {modules[0]} recomputes part of a transformer layer")
+    if MLA_UP_PROJ in modules and not spec.mla:
+        raise StrategyError(
+            f"{where}: mla_up_proj recomputes multi-head latent attention's up projections; "
+            "this model has none (attention is not MLA)"
+        )
+    for word in (MOE_ACT, "shared_experts"):
+        if word in modules and not spec.experts:
+            raise StrategyError(
+                f"{where}: {word} recomputes part of MoE layers; this model has none (experts: 0)"
+            )
+        if word in modules and group:
+            raise StrategyError(f"{where}: {group} already recomputes what {word} does")
+    if "shared_experts" in modules and not spec.shared_ffn_hidden:
+        raise StrategyError(
+            f"{where}: shared_experts recomputes the shared experts; this model has none "
+            "(shared_ffn_hidden: 0)"
+        )
 
 
 def has_dense_layers(spec: ModelSpec) -> bool:

@@ -20,6 +20,7 @@ composes a layout's bounds by arithmetic:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -33,14 +34,18 @@ from ckplan.hardware.step_time import embedding_time, layer_time, output_time
 from ckplan.hardware.times import StageTime
 from ckplan.model import loss, memory
 from ckplan.model.layers import LayerKind, stage_kinds
-from ckplan.model.moe import EXPERTS, MOE
+from ckplan.model.modules import LAYERNORM, MLA_UP_PROJ, MOE_ACT
+from ckplan.model.moe import EXPERTS, MOE, SHARED_EXPERTS
 from ckplan.model.op import ATTENTION_CORE, DENSE_MLP, split_share
 from ckplan.model.spec import ModelSpec
 from ckplan.plan.layer_chain import layer_stage_costs
 from ckplan.plan.layout.space import Layout, Split
 
-# Every combination of recompute groups a strategy can run (`Strategy.groups`).
-_GROUPS = (
+# Every combination of recompute groups a strategy can run (`Strategy.groups`): the attention
+# core, the dense MLP or an MoE group, then any of Megatron-Core's other modules (MODULES, in
+# order, strategies.MODULES; moe_act and shared_experts not beside an MoE group, which covers them).
+_MODULE_GROUPS = (LAYERNORM, MOE_ACT, MLA_UP_PROJ, SHARED_EXPERTS)  # strategies.MODULES
+_BASE_GROUPS = (
     (),
     (ATTENTION_CORE,),
     (DENSE_MLP,),
@@ -49,6 +54,13 @@ _GROUPS = (
     (EXPERTS,),
     (ATTENTION_CORE, MOE),
     (ATTENTION_CORE, EXPERTS),
+)
+_GROUPS = tuple(
+    base + extra
+    for base in _BASE_GROUPS
+    for count in range(len(_MODULE_GROUPS) + 1)
+    for extra in itertools.combinations(_MODULE_GROUPS, count)
+    if not ((MOE in base or EXPERTS in base) and (MOE_ACT in extra or SHARED_EXPERTS in extra))
 )
 
 
@@ -236,9 +248,13 @@ class Bounds:
         return best
 
     def _groups(self, kind: LayerKind) -> tuple[tuple[str, ...], ...]:
-        if kind.moe:  # no dense MLP in a MoE layer
-            return tuple(groups for groups in _GROUPS if DENSE_MLP not in groups)
-        return tuple(groups for groups in _GROUPS if MOE not in groups and EXPERTS not in groups)
+        """The combinations the layout search runs on a layer of `kind`: no dense MLP in a MoE
+        layer, no MoE group in a dense one, and none of Megatron-Core's other modules, which its
+        plans (layout/search.py `_layer_level` and the optimal DP) never use: their cheap
+        re-runs (a norm's forward) would only loosen the bound."""
+        absent = set(_MODULE_GROUPS)
+        absent |= {DENSE_MLP} if kind.moe else {MOE, EXPERTS}
+        return tuple(groups for groups in _GROUPS if not absent.intersection(groups))
 
     def parameters(self, layout: Layout) -> dict[int, tuple[int, int]]:
         """(dense, expert) parameters per GPU of each distinct stage."""
