@@ -31,7 +31,7 @@ from ckplan.hardware.gpus import GPU
 from ckplan.hardware.roofline import memory_seconds
 from ckplan.hardware.step_time import embedding_time, layer_time, output_time
 from ckplan.hardware.times import StageTime
-from ckplan.model import loss, memory
+from ckplan.model import loss, memory, optimizers
 from ckplan.model.layers import LayerKind, stage_kinds
 from ckplan.model.moe import EXPERTS, MOE
 from ckplan.model.op import ATTENTION_CORE, DENSE_MLP, split_share
@@ -427,8 +427,12 @@ class Bounds:
         if layout.zero >= 1:
             dense = split_share(dense, layout.dp * layout.cp)
             experts = split_share(experts, self._expert_dp(layout)) if experts else 0
-        per_param = (
-            spec.grad_bytes + 2 * spec.master_bytes + 2 * spec.optimizer_bytes + spec.weight_bytes
+        per_param = optimizers.step_bytes_per_parameter(
+            spec.optimizer,
+            spec.grad_bytes,
+            spec.master_bytes,
+            spec.weight_bytes,
+            spec.optimizer_bytes,
         )
         return memory_seconds(self.gpu, (dense + experts) * per_param)
 
