@@ -5,6 +5,12 @@ node; pp, with Megatron's uneven split where pp does not divide the layers; dp u
 or a smaller micro-batch) by the least step that makes the least-memory plan (`full`
 recomputation) fit, and says what that plan then needs per GPU and how many times the GPUs it
 takes. A lever that cannot make it fit alone is reported with the least it reaches.
+
+On one GPU the levers are a fine-tune's (docs/fine-tuning.md): LoRA adapters, then QLoRA's
+4-bit frozen weights; an 8-bit optimizer (bitsandbytes' AdamW8bit); the optimizer step in
+backward; the chunked loss and a smaller micro-batch, each with every layer recomputed; and
+more GPUs only through data parallelism with ZeRO-3 (FSDP), never tensor or pipeline
+parallelism across cards that PCIe joins.
 """
 
 from __future__ import annotations
@@ -115,12 +121,32 @@ def _levers(spec: ModelSpec, gpus_per_node: int):
         for b in sorted({spec.micro_batch // 2**k for k in range(1, MAX_STEPS)}, reverse=True)
         if b >= 1 and spec.micro_batch % b == 0
     ]
+    if _gpus(spec) == 1:
+        return [*_finetune_levers(spec), loss, micro_batch, dp]
     return [zero, loss, tp, pp, dp, cp, micro_batch]
+
+
+def _finetune_levers(spec: ModelSpec) -> list[list[dict[str, Any]]]:
+    """One GPU's fine-tuning levers, least change first: train LoRA adapters (PEFT's default
+    targets) instead of every weight, then QLoRA over 4-bit weights; an 8-bit AdamW; the step
+    in backward (one layer's gradients held, needs one micro-batch per step)."""
+    training = []
+    if spec.training == "full":
+        training.append({"training": "lora"})
+    if spec.training in ("full", "lora", "frozen"):
+        training.append({"training": "qlora"})
+    optimizer = [{"optimizer": "adamw-8bit"}] if spec.optimizer in ("adamw", "adamw-bf16") else []
+    in_backward = (
+        [{"optimizer_in_backward": True}]
+        if not spec.optimizer_in_backward and spec.microbatches == 1
+        else []
+    )
+    return [training, optimizer, in_backward]
 
 
 def advise(spec: ModelSpec, usable_bytes: int, gpus_per_node: int = GPUS_PER_NODE) -> list[Advice]:
     """Per lever, the least change that fits (or the least memory it reaches), fitting ones
-    first, fewest GPUs first."""
+    first, fewest GPUs first; only the fitting ones when some fit, but on one GPU."""
     current = least_bytes(spec)
     if current <= usable_bytes:
         return []
@@ -143,6 +169,8 @@ def advise(spec: ModelSpec, usable_bytes: int, gpus_per_node: int = GPUS_PER_NOD
         if best is not None and best.total_bytes < current:
             found.append(best)
     found.sort(key=lambda a: (not a.fits, a.gpus_factor, a.total_bytes))
+    if gpus == 1:  # every fine-tuning lever, with what it gives alone
+        return found
     fitting = [a for a in found if a.fits]
     return fitting or found
 
