@@ -270,9 +270,11 @@ class Bounds:
                 spec, stage, zero=layout.zero, dp=layout.dp * layout.cp
             )
         dense, expert = self.parameters(layout)[stage]
+        # the step in backward holds one layer's gradients: none here keeps the bound below
+        held = 0 if self.spec.optimizer_in_backward else None
         return memory.states_of(
             self.spec, dense, expert, zero=layout.zero, dp=layout.dp * layout.cp,
-            expert_dp=self._expert_dp(layout),
+            expert_dp=self._expert_dp(layout), held_gradients=held,
         )  # fmt: skip
 
     def stage_states(self, layout: Layout) -> tuple[tuple[StageShape, int], ...]:
