@@ -60,10 +60,11 @@ def test_parameter_count():
             + 8 * 64,
         ),
         # per matrix 4·(rows + columns), per vector 4·n: q 4·128, k and v 4·96, o 4·128,
-        # gate, up, down 4·192, the norms 4·64 each; embedding and output 4·320, final norm
+        # gate, up, down 4·192, the norms 4·64 each; embedding and output 4·320, final norm;
+        # and the RMS scalar of each of the 21 tensors
         (
             "adafactor",
-            2 * 4 * (128 + 96 + 96 + 128 + 3 * 192 + 2 * 64) + 2 * 4 * 320 + 4 * 64,
+            2 * 4 * (128 + 96 + 96 + 128 + 3 * 192 + 2 * 64) + 2 * 4 * 320 + 4 * 64 + 4 * 21,
         ),
     ],
 )
@@ -133,8 +134,8 @@ def test_8bit_tensor_rule():
 
 
 def test_adafactor_tensor_rule():
-    assert optimizers.tensor_adafactor_state_bytes((8, 3, 5)) == 4 * 8 * (3 + 5)
-    assert optimizers.tensor_adafactor_state_bytes((7,)) == 28
+    assert optimizers.tensor_adafactor_state_bytes((8, 3, 5)) == 4 * 8 * (3 + 5) + 4
+    assert optimizers.tensor_adafactor_state_bytes((7,)) == 28 + 4
 
 
 def test_optimizer_in_backward_holds_one_layer():

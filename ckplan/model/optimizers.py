@@ -89,13 +89,14 @@ def tensor_adafactor_state_bytes(shape: Shape) -> int:
     Adafactor.step; Shazeer & Stern 2018 §3): a tensor of two or more dimensions keeps the
     second moment factored, exp_avg_sq_row of shape[:-1] and exp_avg_sq_col of shape[:-2] +
     shape[-1:]; a vector keeps exp_avg_sq whole. In the gradient's dtype after `grad.float()`:
-    fp32. No exp_avg with beta1=None (the default)."""
+    fp32. No exp_avg with beta1=None (the default). After the first step `state["RMS"]` holds
+    the parameter's root mean square, a 0-dim fp32 tensor: 4 bytes more per tensor."""
     if len(shape) >= 2:
         lead = 1
         for size in shape[:-2]:
             lead *= size
-        return FP32 * lead * (shape[-2] + shape[-1])
-    return FP32 * shape[0]
+        return FP32 * lead * (shape[-2] + shape[-1]) + FP32
+    return FP32 * shape[0] + FP32
 
 
 def tensor_state_bytes(optimizer: str, tensors: Mapping[Shape, int]) -> int:
