@@ -152,7 +152,7 @@ def test_optimizer_in_backward_holds_one_layer():
     [
         ({"optimizer": "adamw-8bit", "tp": 2, "framework": "megatron"}, "at tp 1"),
         ({"optimizer": "adafactor", "dp": 2, "zero": 2}, "use zero: 0"),
-        ({"optimizer_in_backward": True, "microbatches": 2}, "no gradient accumulation"),
+        ({"optimizer_in_backward": True, "microbatches": 2}, "gradients never accumulate"),
         ({"optimizer": "adam"}, "key 'optimizer' must be one of"),
     ],
 )

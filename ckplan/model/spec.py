@@ -709,12 +709,12 @@ def _validate_optimizer(spec: ModelSpec) -> None:
     factored moments need whole tensors; the step in backward runs one micro-batch per step."""
     optimizer = spec.optimizer
     shaped = optimizer in ("adamw-8bit", "paged-adamw-8bit", "adafactor")
-    if shaped and spec.training == "full":  # noqa: SIM102
-        if spec.kind != "transformer" or spec.experts or spec.mla or spec.tp > 1:
-            raise SpecError(
-                f"key 'optimizer' ({optimizer}): its per-tensor states are modelled for dense "
-                "transformer layers at tp 1 (kind: transformer, experts: 0, no MLA, tp: 1)"
-            )
+    unknown_shapes = spec.kind != "transformer" or spec.experts or spec.mla or spec.tp > 1
+    if shaped and spec.training == "full" and unknown_shapes:
+        raise SpecError(
+            f"key 'optimizer' ({optimizer}): its per-tensor states are modelled for dense "
+            "transformer layers at tp 1 (kind: transformer, experts: 0, no MLA, tp: 1)"
+        )
     if optimizer == "adafactor" and spec.zero >= 1:
         raise SpecError(
             f"key 'zero' ({spec.zero}): adafactor factors each whole weight matrix; use zero: 0"
@@ -722,8 +722,8 @@ def _validate_optimizer(spec: ModelSpec) -> None:
     if spec.optimizer_in_backward:
         if spec.pp > 1 or spec.microbatches > 1:
             raise SpecError(
-                "key 'optimizer_in_backward' steps every micro-batch's gradients at once: it "
-                "needs pp: 1 and microbatches: 1 (no gradient accumulation)"
+                "key 'optimizer_in_backward' steps in every backward, so gradients never "
+                "accumulate: it needs pp: 1 and microbatches: 1"
             )
         if spec.experts:
             raise SpecError(
