@@ -152,3 +152,24 @@ def test_objects_construct(spec_of, tmp_path):
     assert args.per_device_train_batch_size == 2 and args.gradient_accumulation_steps == 4
     assert args.gradient_checkpointing is True and str(args.optim.value) == "adamw_torch"
     assert lora.r == 16 and lora.task_type == "CAUSAL_LM"
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_qlora_snippet_and_every_optim_construct(spec_of, tmp_path):
+    """The QLoRA snippet's BitsAndBytesConfig and TrainingArguments construct, and every optim
+    the export writes is one of transformers' OptimizerNames (optional, as above)."""
+    pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from ckplan.exports.peft import OPTIM
+
+    names = {name.value for name in transformers.training_args.OptimizerNames}
+    assert set(OPTIM.values()) <= names
+    spec = spec_of("llama3-8b", **LLAMA, training="qlora", optimizer="paged-adamw-8bit")
+    text = exports.export(plan_of(spec, "full"), "peft").text
+    text = text.replace('output_dir="out"', f"output_dir={str(tmp_path)!r}")
+    text = text.replace("bf16=True,", "bf16=True, use_cpu=True,")  # no GPU here
+    namespace: dict = {}
+    exec(compile(text, "peft_snippet", "exec"), namespace)
+    bnb = namespace["bnb_config"]
+    assert bnb.load_in_4bit and bnb.bnb_4bit_quant_type == "nf4" and bnb.bnb_4bit_use_double_quant
+    assert str(namespace["training_args"].optim.value) == "paged_adamw_8bit"
