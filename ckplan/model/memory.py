@@ -723,3 +723,64 @@ def in_backward_gradient_parameters(spec: ModelSpec, stage: int) -> int | None:
     outside = dense + expert - layers_total
     vocab_block = split_share(spec.vocab * spec.hidden, spec.tp) if outside else 0
     return max(layer, min(vocab_block, outside) if outside else 0)
+
+
+# Frameworks whose training loop frees the gradients every step (`optimizer.zero_grad()`,
+# set_to_none=True by default since PyTorch 2.0, torch/optim/optimizer.py): the backward
+# allocates each parameter's gradient when it reaches it. Megatron-LM keeps its fp32 main
+# gradients in a persistent contiguous buffer (distributed/param_and_grad_buffer.py), DeepSpeed
+# its gradient partitions and buckets: there the gradients are held for the whole step.
+GRADIENTS_FREED_EACH_STEP = ("torchtitan", "hf")
+
+
+def gradients_allocated_in_backward(spec: ModelSpec) -> bool:
+    """Whether the step's gradients come into being during its backward pass, stage by stage:
+    a framework that frees them every step (`GRADIENTS_FREED_EACH_STEP`), one micro-batch per
+    step (with gradient accumulation they persist from the first micro-batch on) and no pipeline
+    parallelism (ckplan replays one chain per GPU then). Not with optimizer_in_backward, whose
+    held gradients `in_backward_gradient_parameters` counts."""
+    return (
+        not spec.optimizer_in_backward
+        and spec.kind == "transformer"
+        and spec.framework in GRADIENTS_FREED_EACH_STEP
+        and spec.microbatches == 1
+        and spec.pp == 1
+    )
+
+
+def chain_gradient_bytes(spec: ModelSpec) -> tuple[int, ...]:
+    """The gradient bytes each stage of the one-GPU chain (embedding, layers, output and loss)
+    writes in its backward, as `states_of` counts them (grad_bytes per trainable parameter,
+    sharded over dp·cp from ZeRO 2): derived from `stage_parameters` split by chain stage.
+    With frozen base weights only the layers' adapters have gradients."""
+    from ckplan.model import finetune
+
+    kinds = stage_kinds(spec, 0)
+    if spec.training == "full":
+        per_layer = [
+            states_of(
+                spec,
+                layer_parameter_parts(spec, kind).dense_per_rank(spec),
+                layer_parameter_parts(spec, kind).experts_per_rank(spec),
+            ).gradients
+            for kind in kinds
+        ]
+        dense, expert = stage_parameters(spec, 0)
+        in_layers = sum(
+            layer_parameter_parts(spec, kind).dense_per_rank(spec)
+            + layer_parameter_parts(spec, kind).experts_per_rank(spec)
+            for kind in kinds
+        )
+        counts = parameter_count(spec)
+        words = split_share(spec.vocab * spec.hidden, spec.tp)
+        embedding = words + (counts.embedding - spec.vocab * spec.hidden)
+        outside = dense + expert - in_layers
+        output = outside - embedding  # final norm and output layer (a tied one: its copy)
+        first = states_of(spec, embedding, 0).gradients
+        last = states_of(spec, output, 0).gradients
+    else:
+        adapters = finetune.lora_layer_parameters(spec)
+        per_layer = [states_of(spec, adapters, 0).gradients for _ in kinds]
+        first = last = 0
+    has_ends = spec.vocab > 0
+    return (first, *per_layer, last) if has_ends else tuple(per_layer)

@@ -9,6 +9,7 @@ revolve:C, optimal, and selective+ any of them (the attention core recomputed on
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from ckplan.plan import limits
 from ckplan.plan.layer_chain import layer_chain, layer_offset, stage_names
 from ckplan.plan.strategies import Strategy, StrategyError, formula_name
 from ckplan.schedules import (
+    BACKWARD,
     Chain,
     Replay,
     SegmentReplay,
@@ -258,6 +260,10 @@ def evaluate(
     # holds its own parameters). FLOPs: the busiest stage, which paces the pipeline.
     states = {stage: memory.model_state_bytes(spec, stage) for *_, stage, _ in results}
     peak, steps, _, stage, _ = max(results, key=lambda r: (r[0] + states[r[3]].total, -r[3]))
+    if memory.gradients_allocated_in_backward(spec):
+        chain = layer_chain(spec, strategy.groups, stage=0)
+        live = gradients_at_peak(chain, steps, peak, memory.chain_gradient_bytes(spec))
+        states[stage] = dataclasses.replace(states[stage], gradients=live)
     busiest = max(results, key=lambda result: result[2].total)
     flops = busiest[2]
     names = _stage_names(spec, stage)
@@ -294,6 +300,23 @@ def evaluate(
         peak_stage=stage,
         model_states=states[stage],
     )
+
+
+def gradients_at_peak(chain: Chain, steps, activation_peak: int, gradients: tuple[int, ...]) -> int:
+    """The gradient bytes to add to the activation peak when each chain stage's gradients are
+    allocated by its backward and kept to the end of the step (memory.
+    gradients_allocated_in_backward): max over the replayed steps of (live activations + the
+    gradients of the stages backpropagated so far, the running one's included) less the
+    activation peak (derived; the replay's trace is `schedules.simulate`'s)."""
+    if len(gradients) != chain.length:
+        raise ValueError("one gradient size per chain stage")
+    trace = simulate(chain, tuple(steps)).trace
+    written, best = 0, activation_peak
+    for point in trace:
+        if point.step.kind == BACKWARD:
+            written += gradients[point.step.stage]
+        best = max(best, point.during_bytes + written)
+    return best - activation_peak
 
 
 def stage_label(spec: ModelSpec, stage: int) -> str:

@@ -14,6 +14,7 @@ from ckplan.model.layers import distinct_kinds, format_layer_set, kind_layer_ind
 from ckplan.model.memory import (
     activation_breakdown,
     activation_bytes_per_layer,
+    gradients_allocated_in_backward,
     optimizer_tensor_bytes,
     parameter_count,
 )
@@ -372,7 +373,12 @@ def plan_summary_table(plan: Plan) -> Table:
         gib(states.gradients),
         f"{spec.grad_bytes} B/param"
         + (" (trainable parameters only)" if frozen else "")
-        + ("; one layer's at a time (optimizer_in_backward)" if spec.optimizer_in_backward else ""),
+        + ("; one layer's at a time (optimizer_in_backward)" if spec.optimizer_in_backward else "")
+        + (
+            "; those the backward has written by the peak"
+            if gradients_allocated_in_backward(spec)
+            else ""
+        ),
     )
     name = "Adam" if spec.optimizer == "adamw" else spec.optimizer
     held = f"master + {name}" if spec.master_bytes else f"{name}; the weights are the master copy"
