@@ -169,3 +169,12 @@ def test_step_time_follows_the_bytes():
     per_param = optimizers.step_bytes_per_parameter("adamw", 4, 0, 4, 8)
     assert per_param == 4 + 16 + 4
     assert optimizers.step_bytes_per_parameter("adafactor", 4, 0, 4, 0) == 12
+
+
+def test_in_backward_is_not_the_frameworks_freed_gradients():
+    """hf frees its gradients every step and allocates them in backward; with the step in
+    backward each is freed right after its step instead, which the model states count."""
+    from ckplan.model.memory import gradients_allocated_in_backward
+
+    assert gradients_allocated_in_backward(small())
+    assert not gradients_allocated_in_backward(small(optimizer_in_backward=True))
