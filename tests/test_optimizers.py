@@ -116,6 +116,7 @@ def test_lora_adapters_only():
         {"qkv_bias": True, "qk_norm": True, "post_norms": True, "tied_embeddings": True},
         {"pp": 2, "framework": "megatron"},
         {"pp": 2, "tied_embeddings": True, "framework": "megatron"},
+        {"vocab": 0, "positions": "learned", "norm": "layernorm"},
     ],
 )
 def test_tensors_sum_to_the_parameters(changes):

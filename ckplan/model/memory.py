@@ -683,9 +683,10 @@ def trainable_tensors(spec: ModelSpec, stage: int = 0) -> Counter:
     for shape, count in layer_tensors(spec).items():
         tensors[shape] += count * layers_here
     h, vocab = spec.hidden, spec.vocab
-    if stage == 0 and vocab:
-        tensors[(vocab, h)] += 1
-        positions = parameter_count(spec).embedding - vocab * h
+    if stage == 0:
+        if vocab:
+            tensors[(vocab, h)] += 1
+        positions = parameter_count(spec).embedding - vocab * h  # learned positions
         if positions:
             tensors[(positions // h, h)] += 1
     if stage == spec.pp - 1:
