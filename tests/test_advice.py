@@ -3,8 +3,9 @@
 import json
 
 from ckplan.cli import main
+from ckplan.inputs.gpus import load_gpu
 from ckplan.inputs.presets import load_spec
-from ckplan.plan.advice import advise, least_bytes
+from ckplan.plan.advice import advise, least_bytes, over_pcie
 
 GIB = 2**30
 TP8_PP2 = {"tp": 8, "sp": True, "pp": 2, "microbatches": 8}
@@ -77,3 +78,42 @@ def test_a_chunked_loss_is_a_lever_on_the_same_gpus(spec_of):
     chunked = spec.replace(loss="chunked:4")
     assert least_bytes(chunked) <= usable < least_bytes(spec)
     assert all("loss" not in a.keys for a in advise(chunked, least_bytes(chunked) - 1))
+
+
+def test_one_gpu_fine_tune_names_the_fine_tuning_levers():
+    """A full fine-tune of an 8B model on one 24 GB PCIe card: LoRA, QLoRA, an 8-bit
+    optimizer, the step in backward, the chunked loss, each with what it gives alone; FSDP over
+    more GPUs; never tensor or pipeline parallelism across PCIe cards."""
+    spec = load_spec("llama3-8b", {"seq": 2048})
+    usable = 22 * GIB
+    assert over_pcie(load_gpu("rtx-4090")) and not over_pcie(load_gpu("h100-sxm"))
+    found = advise(spec, usable, pcie=True)
+    keys = [a.keys for a in found]
+    assert keys[0] == {"training": "lora"} and found[0].fits and found[0].gpus_factor == 1
+    assert {"optimizer": "adamw-8bit"} in keys
+    assert {"optimizer_in_backward": True} in keys
+    assert any("loss" in k for k in keys)
+    assert all("tp" not in k and "pp" not in k and "cp" not in k for k in keys)
+    for a in found:
+        assert least_bytes(spec.replace(**a.keys)) == a.total_bytes
+    # Hugging Face's fp32 weights: LoRA alone is still over, QLoRA fits
+    hf = load_spec("llama3-8b", {"seq": 2048, "framework": "hf"})
+    first = advise(hf, usable, pcie=True)[0]
+    assert first.keys == {"training": "qlora"} and first.fits
+    # a LoRA run on one GPU of unknown link: the fine-tune's levers beside tp within a node;
+    # an 8-bit optimizer is not offered again, nor LoRA once training is lora
+    lora = load_spec("llama3-8b", {"training": "lora", "optimizer": "adamw-8bit", "seq": 2048})
+    keys = [a.keys for a in advise(lora, 4 * GIB)]
+    assert {"training": "lora"} not in keys and {"optimizer": "adamw-8bit"} not in keys
+    assert {"training": "qlora"} in keys
+    # full training on one GPU of unknown link: the layout's levers as before
+    keys = [a.keys for a in advise(spec, usable)]
+    assert {"training": "lora"} not in keys and any("tp" in k for k in keys)
+
+
+def test_sweep_on_a_pcie_card_advises_the_fine_tune(capsys):
+    code = main(["sweep", "llama3-8b", "--gpu", "rtx-4090", "--seq", "2048", "-q", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 1
+    assert data["advice"][0].startswith("--set training=lora: ")
+    assert not any("--set tp=" in line for line in data["advice"])

@@ -39,6 +39,11 @@ REQUIRED_GPUS = {
     "mi300x",
     "l40s",
     "rtx-4090",
+    "rtx-5090",
+    "rtx-a6000",
+    "a10g",
+    "t4",
+    "h100-nvl",
 }
 DESIGN_KEYS = {
     "name",

@@ -42,7 +42,7 @@ def export(
         typer.Option(
             "--to",
             "-t",
-            help="megatron, torch, deepspeed, torchtitan or yaml.",
+            help="megatron, torch, deepspeed, torchtitan, yaml or peft.",
             autocompletion=lambda incomplete: [
                 t
                 for t in ("megatron", "torch", "deepspeed", "torchtitan", "yaml")
@@ -71,8 +71,9 @@ def export(
     quiet: QuietOpt = False,
 ) -> None:
     """Write a plan for a launcher: Megatron-LM flags, a PyTorch snippet, a DeepSpeed config
-    block, torchtitan's [activation_checkpoint] TOML, or the model and plan as YAML. A plan the
-    target cannot express is an error that names the nearest one it can."""
+    block, torchtitan's [activation_checkpoint] TOML, Hugging Face Trainer and PEFT arguments,
+    or the model and plan as YAML. A plan the target cannot express is an error that names the
+    nearest one it can."""
     from ckplan import exports
 
     with user_errors():

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckplan.errors import InputError
-from ckplan.exports import deepspeed, megatron, torch_snippet, torchtitan, yaml_plan
+from ckplan.exports import deepspeed, megatron, peft, torch_snippet, torchtitan, yaml_plan
 from ckplan.exports.segments import LayerSegments, layer_segments
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan, evaluate
@@ -21,7 +21,8 @@ from ckplan.quoting import quote
 from ckplan.units import format_bytes_auto
 
 TARGETS = {
-    module.NAME: module for module in (megatron, torch_snippet, deepspeed, torchtitan, yaml_plan)
+    module.NAME: module
+    for module in (megatron, torch_snippet, deepspeed, torchtitan, yaml_plan, peft)
 }
 
 
@@ -77,7 +78,7 @@ def export(plan: Plan, target: str, recompute_modules: bool = True) -> Export:
     else:
         text = module.render(plan, layers)
     notes = list(module.notes(plan, layers))
-    if plan.spec.training != "full":
+    if plan.spec.training != "full" and module is not peft:
         notes.append(
             f"training: {plan.spec.training}: the plan's memory assumes frozen base weights"
             + (

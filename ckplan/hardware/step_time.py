@@ -40,7 +40,7 @@ from ckplan.hardware.roofline import (
     memory_seconds,
 )
 from ckplan.hardware.times import ZERO, MicroBatchTime, StageTime
-from ckplan.model import loss, memory
+from ckplan.model import loss, memory, optimizers
 from ckplan.model.flops import MFU_CONVENTION, iteration_flops, model_flops_per_iteration
 from ckplan.model.layers import LayerKind, stage_kinds
 from ckplan.model.modules import module_ops
@@ -575,9 +575,10 @@ def data_parallel_exposed(spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime) ->
 
 @lru_cache(maxsize=256)
 def optimizer_seconds(spec: ModelSpec, gpu: GPU) -> float:
-    """Adam's step, memory-bound: per parameter it reads the gradient, master weight and both
-    moments and writes the master weight, moments and half-precision weight (Megatron-LM's
-    mixed-precision Adam), over the parameters whose optimizer state this GPU holds: from ZeRO 1
+    """The optimizer's step, memory-bound: per parameter it reads the gradient, master weight and
+    its states and writes the master weight, states and half-precision weight (Megatron-LM's
+    mixed-precision Adam; `optimizers.step_bytes_per_parameter` for the others), over the
+    parameters whose optimizer state this GPU holds: from ZeRO 1
     its dense parameters' share over dp·cp and its routed experts' share over their
     expert-data-parallel group (as `memory.model_state_bytes` shards them); only the trainable
     ones when the base weights are frozen (`memory.trainable_stage_parameters`)."""
@@ -585,8 +586,8 @@ def optimizer_seconds(spec: ModelSpec, gpu: GPU) -> float:
     if spec.zero >= 1:
         dense = split_share(dense, spec.dp * spec.cp)
         experts = split_share(experts, spec.expert_data_parallel) if experts else 0
-    per_param = (
-        spec.grad_bytes + 2 * spec.master_bytes + 2 * spec.optimizer_bytes + spec.weight_bytes
+    per_param = optimizers.step_bytes_per_parameter(
+        spec.optimizer, spec.grad_bytes, spec.master_bytes, spec.weight_bytes, spec.optimizer_bytes
     )
     return memory_seconds(gpu, (dense + experts) * per_param)
 

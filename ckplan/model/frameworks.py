@@ -43,6 +43,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ckplan.model import optimizers
+
 DEEPSPEED_REDUCE_BUCKET = 500_000_000  # elements (reduce_bucket_size)
 DEEPSPEED_ALLGATHER_BUCKET = 500_000_000  # elements (allgather_bucket_size)
 DEEPSPEED_PREFETCH_BUCKET = 50_000_000  # elements (stage3_prefetch_bucket_size)
@@ -68,12 +70,18 @@ RULES = {
 TRAINING_KEYS = ("weight_bytes", "grad_bytes", "master_bytes", "optimizer_bytes")
 
 
-def training_defaults(framework: str, zero: int = 0) -> dict[str, int]:
+def training_defaults(framework: str, zero: int = 0, optimizer: str = "adamw") -> dict[str, int]:
     """The framework's bytes per parameter, as the TrainingState keys; DeepSpeed's ZeRO-3
-    accumulates its gradient partition in fp32."""
+    accumulates its gradient partition in fp32; optimizer_bytes the optimizer's own
+    (`optimizers.per_parameter_bytes`, Adam's 8 for adamw or an unknown name, which the
+    TrainingState record refuses)."""
     defaults = dict(zip(TRAINING_KEYS, RULES[framework].bytes_per_parameter, strict=True))
     if framework == "deepspeed" and zero == 3:
         defaults["grad_bytes"] = 4
+    if optimizer in optimizers.OPTIMIZERS:
+        defaults["optimizer_bytes"] = optimizers.per_parameter_bytes(
+            optimizer, defaults["optimizer_bytes"]
+        )
     return defaults
 
 

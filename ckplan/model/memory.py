@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from ckplan.model import finetune, frameworks
+from ckplan.model import finetune, frameworks, optimizers
 from ckplan.model.layers import (
     LayerKind,
     layer_kinds,
@@ -555,7 +555,14 @@ def model_state_bytes(spec: ModelSpec, stage: int | None = None) -> ModelStateBy
     if spec.training != "full":
         return finetune_state_bytes(spec, stage)
     dense, expert = stage_parameters(spec, stage)
-    return states_of(spec, dense, expert, buffers=stage_buffer_bytes(spec, stage))
+    return states_of(
+        spec,
+        dense,
+        expert,
+        buffers=stage_buffer_bytes(spec, stage),
+        optimizer_extra=optimizer_tensor_bytes(spec, stage),
+        held_gradients=in_backward_gradient_parameters(spec, stage),
+    )
 
 
 def finetune_state_bytes(
@@ -600,7 +607,15 @@ def finetune_state_bytes(
     adapter_layer = finetune.lora_layer_parameters(spec)
     trainable = layers_here * adapter_layer
     buffers = frameworks.buffer_bytes(spec, trainable, adapter_layer, 0) if trainable else 0
-    adapters = states_of(spec, trainable, 0, zero=zero, dp=dp)
+    adapters = states_of(
+        spec,
+        trainable,
+        0,
+        zero=zero,
+        dp=dp,
+        optimizer_extra=optimizer_tensor_bytes(spec, stage),
+        held_gradients=in_backward_gradient_parameters(spec, stage),
+    )
     return ModelStateBytes(
         base + adapters.weights, adapters.gradients, adapters.optimizer, buffers=buffers
     )
@@ -641,11 +656,17 @@ def states_of(
     dp: int | None = None,
     expert_dp: int | None = None,
     buffers: int = 0,
+    optimizer_extra: int = 0,
+    held_gradients: int | None = None,
 ) -> ModelStateBytes:
     """The model states of `dense` and `expert` parameters under spec's bytes per parameter
     and its ZeRO stage, its data-parallel ranks `dp` (default dp·cp: the ranks that hold the
     same dense parameters, over which Megatron-LM's distributed optimizer and torchtitan's FSDP
-    shard them) and expert data parallelism (or those given): `model_state_bytes`."""
+    shard them) and expert data parallelism (or those given): `model_state_bytes`.
+    `optimizer_extra`: the dense parameters' shape-dependent optimizer state
+    (`optimizer_tensor_bytes`), sharded with the rest of it; `held_gradients`: the dense
+    parameters whose gradients are held at once when they are not all
+    (`in_backward_gradient_parameters`)."""
     zero = spec.zero if zero is None else zero
     dp = spec.dp * spec.cp if dp is None else dp
     expert_dp = spec.expert_data_parallel if expert_dp is None else expert_dp
@@ -660,10 +681,110 @@ def states_of(
 
     weights, expert_weights = both(spec.weight_bytes, 3)
     gradients, expert_gradients = both(spec.grad_bytes, 2)
+    if held_gradients is not None:
+        gradients = shard(min(held_gradients, dense), dp, spec.grad_bytes, 2)
     optimizer, expert_optimizer = both(spec.master_bytes + spec.optimizer_bytes, 1)
+    if optimizer_extra:
+        optimizer += split_share(optimizer_extra, dp) if zero >= 1 else optimizer_extra
     return ModelStateBytes(
         weights, gradients, optimizer, expert_weights, expert_gradients, expert_optimizer, buffers
     )
+
+
+def optimizer_at_default(spec: ModelSpec) -> bool:
+    """Whether optimizer_bytes is the optimizer's own default (`optimizers.per_parameter_bytes`
+    over the framework's): then its shape-dependent state is added per tensor."""
+    default = frameworks.training_defaults(spec.framework, spec.zero, spec.optimizer)
+    return spec.optimizer_bytes == default["optimizer_bytes"]
+
+
+def optimizer_tensor_bytes(spec: ModelSpec, stage: int) -> int:
+    """The shape-dependent optimizer state of the trainable tensors on one GPU of pipeline stage
+    `stage` (`optimizers.tensor_state_bytes` over `trainable_tensors`), before ZeRO shards it;
+    0 for the optimizers without one or when optimizer_bytes is given."""
+    if spec.optimizer not in optimizers.SHAPED or not optimizer_at_default(spec):
+        return 0
+    return optimizers.tensor_state_bytes(spec.optimizer, trainable_tensors(spec, stage))
+
+
+def layer_tensors(spec: ModelSpec) -> Counter:
+    """The shapes of one dense layer's parameter tensors, as Hugging Face's Llama-style modules
+    hold them (tp 1; `finetune.linear_shapes`): each linear's (out, in) weight and its bias,
+    the norms' gains (and LayerNorm's biases), the QK-norms' gains. Their values sum to
+    `layer_parameters` (derived from `layer_parameter_parts`)."""
+    h, d = spec.hidden, spec.head_dim
+    tensors: Counter = Counter()
+    for name, (fan_in, fan_out) in finetune.linear_shapes(spec).items():
+        tensors[(fan_out, fan_in)] += 1
+        has_bias = spec.qkv_bias if name in ("q_proj", "k_proj", "v_proj") else spec.bias
+        if has_bias:
+            tensors[(fan_out,)] += 1
+    norms = 4 if spec.post_norms else 2
+    tensors[(h,)] += norms * (2 if spec.norm == "layernorm" else 1)
+    if spec.qk_norm:
+        tensors[(d,)] += 2
+    return tensors
+
+
+@cached_by_chain(maxsize=128)
+def trainable_tensors(spec: ModelSpec, stage: int = 0) -> Counter:
+    """Shape -> count of the tensors that train on one GPU of pipeline stage `stage`: with
+    training: full, its layers' (`layer_tensors`), on the first stage the word embedding (V, h)
+    and the learned positions, on the last the final norm and the output layer (V, h) (or the
+    tied copy with pp > 1); with LoRA, each adapter's A (r, in) and B (out, r) (PEFT's
+    lora_A / lora_B nn.Linear weights). Dense transformers at tp 1 (the spec's rules)."""
+    layers_here = sum(stage_kind_counts(spec, stage).values())
+    tensors: Counter = Counter()
+    if spec.training != "full":
+        rank = spec.finetune.lora_rank
+        for adapter in finetune.adapters(spec):
+            tensors[(rank, adapter.fan_in)] += layers_here
+            tensors[(adapter.fan_out, rank)] += layers_here
+        return tensors
+    for shape, count in layer_tensors(spec).items():
+        tensors[shape] += count * layers_here
+    h, vocab = spec.hidden, spec.vocab
+    if stage == 0:
+        if vocab:
+            tensors[(vocab, h)] += 1
+        positions = parameter_count(spec).embedding - vocab * h  # learned positions
+        if positions:
+            tensors[(positions // h, h)] += 1
+    if stage == spec.pp - 1:
+        tensors[(h,)] += 2 if spec.norm == "layernorm" else 1
+        if vocab and (not spec.tied_embeddings or spec.pp > 1):
+            tensors[(vocab, h)] += 1
+    return tensors
+
+
+def in_backward_gradient_parameters(spec: ModelSpec, stage: int) -> int | None:
+    """With optimizer_in_backward, the trainable parameters whose gradients are held at once on
+    one GPU of pipeline stage `stage`: each parameter steps and frees its gradient as soon as
+    it is accumulated (PyTorch's `_apply_optimizer_in_backward` registers a post-accumulate-
+    grad hook per parameter), so at most one layer's gradients are alive while its backward
+    runs, or the largest tensor outside the layers (the output layer's or the embedding's).
+    derived: the larger of the two. None without it (all gradients are held)."""
+    if not spec.optimizer_in_backward:
+        return None
+    if spec.training != "full":
+        return finetune.lora_layer_parameters(spec)
+    layer = max(
+        layer_parameter_parts(spec, kind).dense_per_rank(spec)
+        + layer_parameter_parts(spec, kind).experts_per_rank(spec)
+        for kind in stage_kind_counts(spec, stage)
+    )
+    dense, expert = stage_parameters(spec, stage)
+    layers_total = sum(
+        count
+        * (
+            layer_parameter_parts(spec, kind).dense_per_rank(spec)
+            + layer_parameter_parts(spec, kind).experts_per_rank(spec)
+        )
+        for kind, count in stage_kind_counts(spec, stage).items()
+    )
+    outside = dense + expert - layers_total
+    vocab_block = split_share(spec.vocab * spec.hidden, spec.tp) if outside else 0
+    return max(layer, min(vocab_block, outside) if outside else 0)
 
 
 # Frameworks whose training loop frees the gradients every step (`optimizer.zero_grad()`,
@@ -678,9 +799,11 @@ def gradients_allocated_in_backward(spec: ModelSpec) -> bool:
     """Whether the step's gradients come into being during its backward pass, stage by stage:
     a framework that frees them every step (`GRADIENTS_FREED_EACH_STEP`), one micro-batch per
     step (with gradient accumulation they persist from the first micro-batch on) and no pipeline
-    parallelism (ckplan replays one chain per GPU then)."""
+    parallelism (ckplan replays one chain per GPU then). Not with optimizer_in_backward, whose
+    held gradients `in_backward_gradient_parameters` counts."""
     return (
-        spec.kind == "transformer"
+        not spec.optimizer_in_backward
+        and spec.kind == "transformer"
         and spec.framework in GRADIENTS_FREED_EACH_STEP
         and spec.microbatches == 1
         and spec.pp == 1

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckplan.errors import InputError
+from ckplan.model.optimizers import OPTIMIZERS
 from ckplan.quoting import quote
 
 
@@ -297,11 +298,16 @@ class TrainingState(_Record):
     grad_bytes: int = 4
     master_bytes: int = 4
     optimizer_bytes: int = 8
+    optimizer: str = "adamw"  # ckplan.model.optimizers.OPTIMIZERS
+    optimizer_in_backward: bool = False  # step each parameter in backward, free its gradient
 
     __hash__ = _Record.__hash__
 
     def __post_init__(self) -> None:
         check_ranges(self)
+        if self.optimizer not in OPTIMIZERS:
+            rule = f"must be one of {', '.join(OPTIMIZERS)}"
+            raise SpecError(key="optimizer", rule=rule, value=self.optimizer)
 
 
 TRAININGS = ("full", "frozen", "lora", "qlora")

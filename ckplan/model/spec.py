@@ -73,7 +73,7 @@ KEY_ORDER = (
     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
     "framework", "kernels", "attention_kernel", "precision", "loss", "tp_comm_overlap",
     "dp_comm_overlap", "expandable_segments", "training", "lora_rank", "lora_alpha",
-    "lora_targets", "lora_dropout", "weight_format",
+    "lora_targets", "lora_dropout", "weight_format", "optimizer", "optimizer_in_backward",
 )  # fmt: skip
 PART_OF: dict[str, str] = {
     field.name: part for part, record in PARTS.items() for field in dataclasses.fields(record)
@@ -203,7 +203,7 @@ class ModelSpec(_Layers):
             "etp": self.tp,
             **self.execution.derived_defaults(),
             **self.finetune.derived_defaults(),
-            **frameworks.training_defaults(self.framework, self.zero),
+            **frameworks.training_defaults(self.framework, self.zero, self.optimizer),
         }
         for key, default in derived.items():
             if key not in changes and values[key] == default:
@@ -264,7 +264,7 @@ _REQUIRED = [
 _BOOL_FIELDS = {key for key, f in _KEYS.items() if f.type in ("bool", "bool | None")}
 _STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions", "profile"}
 _STR_FIELDS |= {"framework", "kernels", "attention_kernel", "precision", "loss"}
-_STR_FIELDS |= {"training", "lora_targets", "weight_format"}
+_STR_FIELDS |= {"training", "lora_targets", "weight_format", "optimizer"}
 _LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
 _FLOAT_FIELDS = {"dropout", "capacity_factor", "lora_dropout", "lora_alpha"}
 _NULLABLE = {key for key, f in _KEYS.items() if "None" in str(f.type)}
@@ -310,7 +310,9 @@ def _build(values: dict[str, Any]) -> ModelSpec:
     _validate_ranges(values)
     framework = values.get("framework") or "megatron"
     if framework in frameworks.RULES:  # else Execution names the key
-        defaults = frameworks.training_defaults(framework, values.get("zero") or 0)
+        defaults = frameworks.training_defaults(
+            framework, values.get("zero") or 0, values.get("optimizer") or "adamw"
+        )
         values = {
             **defaults,
             **{k: v for k, v in values.items() if v is not None or k not in defaults},
@@ -501,6 +503,7 @@ def _validate(spec: ModelSpec) -> None:
     _validate_mla(spec)
     _validate_moe(spec)
     _validate_finetune(spec)
+    _validate_optimizer(spec)
 
 
 def _validate_uneven_stages(spec: ModelSpec) -> None:
@@ -698,3 +701,31 @@ def _validate_finetune(spec: ModelSpec) -> None:
             "key 'lora_targets': gate_proj needs a gated MLP (mlp: swiglu or geglu); a GELU "
             "MLP has up_proj and down_proj"
         )
+
+
+def _validate_optimizer(spec: ModelSpec) -> None:
+    """The optimizer keys (docs/fine-tuning.md "Optimizers"): per-tensor states need the
+    tensors' shapes, which ckplan knows for dense transformer layers at tp 1; Adafactor's
+    factored moments need whole tensors; the step in backward runs one micro-batch per step."""
+    optimizer = spec.optimizer
+    shaped = optimizer in ("adamw-8bit", "paged-adamw-8bit", "adafactor")
+    unknown_shapes = spec.kind != "transformer" or spec.experts or spec.mla or spec.tp > 1
+    if shaped and spec.training == "full" and unknown_shapes:
+        raise SpecError(
+            f"key 'optimizer' ({optimizer}): its per-tensor states are modelled for dense "
+            "transformer layers at tp 1 (kind: transformer, experts: 0, no MLA, tp: 1)"
+        )
+    if optimizer == "adafactor" and spec.zero >= 1:
+        raise SpecError(
+            f"key 'zero' ({spec.zero}): adafactor factors each whole weight matrix; use zero: 0"
+        )
+    if spec.optimizer_in_backward:
+        if spec.pp > 1 or spec.microbatches > 1:
+            raise SpecError(
+                "key 'optimizer_in_backward' steps in every backward, so gradients never "
+                "accumulate: it needs pp: 1 and microbatches: 1"
+            )
+        if spec.experts:
+            raise SpecError(
+                "key 'optimizer_in_backward' is not modelled for a mixture of experts (experts: 0)"
+            )

@@ -5,6 +5,13 @@ node; pp, with Megatron's uneven split where pp does not divide the layers; dp u
 or a smaller micro-batch) by the least step that makes the least-memory plan (`full`
 recomputation) fit, and says what that plan then needs per GPU and how many times the GPUs it
 takes. A lever that cannot make it fit alone is reported with the least it reaches.
+
+A fine-tune on one GPU (its `training` not full, or a card whose GPUs only PCIe joins) adds a
+fine-tune's levers (docs/fine-tuning.md): LoRA adapters, then QLoRA's 4-bit frozen weights; an
+8-bit optimizer (bitsandbytes' AdamW8bit); the optimizer step in backward; each with every
+layer recomputed and shown with what it gives alone. On a PCIe card more GPUs come only
+through data parallelism with ZeRO-3 (FSDP), never tensor, pipeline or context parallelism
+across cards that PCIe joins.
 """
 
 from __future__ import annotations
@@ -21,6 +28,12 @@ from ckplan.units import format_bytes_auto
 MAX_STEPS = 8  # doublings tried per lever (x256)
 GPUS_PER_NODE = 8  # tp stays within a node when no GPU is given
 LOSS_CHUNKS = (4, 8, 16, 32)  # chunk counts the loss lever tries, fewest first
+PCIE_LINK = 64e9  # bytes/s one direction: PCIe Gen5 x16; a GPU link no faster is PCIe
+
+
+def over_pcie(gpu) -> bool:
+    """Whether the GPU's peers are joined by PCIe only (link_bytes_per_s at most Gen5 x16's)."""
+    return gpu is not None and gpu.link_bytes_per_s <= PCIE_LINK
 
 
 @dataclass(frozen=True)
@@ -81,7 +94,12 @@ def _pipeline_keys(spec: ModelSpec, pp: int) -> dict[str, Any] | None:
     return keys | splits[0].keys()
 
 
-def _levers(spec: ModelSpec, gpus_per_node: int):
+def _one_gpu_fine_tune(spec: ModelSpec, pcie: bool) -> bool:
+    """A fine-tune on one GPU: its training is not full, or the card is a PCIe one."""
+    return _gpus(spec) == 1 and (pcie or spec.training != "full")
+
+
+def _levers(spec: ModelSpec, gpus_per_node: int, pcie: bool = False):
     """Each lever's successive settings, least change first."""
     runnable = [
         z
@@ -115,18 +133,44 @@ def _levers(spec: ModelSpec, gpus_per_node: int):
         for b in sorted({spec.micro_batch // 2**k for k in range(1, MAX_STEPS)}, reverse=True)
         if b >= 1 and spec.micro_batch % b == 0
     ]
+    if _one_gpu_fine_tune(spec, pcie):
+        if pcie:  # no tensor, pipeline or context parallelism over PCIe
+            return [*_finetune_levers(spec), loss, micro_batch, dp]
+        return [*_finetune_levers(spec), zero, loss, tp, pp, dp, cp, micro_batch]
     return [zero, loss, tp, pp, dp, cp, micro_batch]
 
 
-def advise(spec: ModelSpec, usable_bytes: int, gpus_per_node: int = GPUS_PER_NODE) -> list[Advice]:
+def _finetune_levers(spec: ModelSpec) -> list[list[dict[str, Any]]]:
+    """One GPU's fine-tuning levers, least change first: train LoRA adapters (PEFT's default
+    targets) instead of every weight, then QLoRA over 4-bit weights; an 8-bit AdamW; the step
+    in backward (one layer's gradients held, needs one micro-batch per step)."""
+    training = []
+    if spec.training == "full":
+        training.append({"training": "lora"})
+    if spec.training in ("full", "lora", "frozen"):
+        training.append({"training": "qlora"})
+    optimizer = [{"optimizer": "adamw-8bit"}] if spec.optimizer in ("adamw", "adamw-bf16") else []
+    in_backward = (
+        [{"optimizer_in_backward": True}]
+        if not spec.optimizer_in_backward and spec.microbatches == 1
+        else []
+    )
+    return [training, optimizer, in_backward]
+
+
+def advise(
+    spec: ModelSpec, usable_bytes: int, gpus_per_node: int = GPUS_PER_NODE, pcie: bool = False
+) -> list[Advice]:
     """Per lever, the least change that fits (or the least memory it reaches), fitting ones
-    first, fewest GPUs first."""
+    first, fewest GPUs first; only the fitting ones when some fit, but for a fine-tune on one
+    GPU, which sees every lever with what it gives. `pcie`: the GPUs are joined by PCIe only
+    (`over_pcie`)."""
     current = least_bytes(spec)
     if current <= usable_bytes:
         return []
     gpus = _gpus(spec)
     found: list[Advice] = []
-    for lever in _levers(spec, gpus_per_node):
+    for lever in _levers(spec, gpus_per_node, pcie):
         best = None
         for keys in lever:
             changed = _try(spec, keys)
@@ -143,10 +187,15 @@ def advise(spec: ModelSpec, usable_bytes: int, gpus_per_node: int = GPUS_PER_NOD
         if best is not None and best.total_bytes < current:
             found.append(best)
     found.sort(key=lambda a: (not a.fits, a.gpus_factor, a.total_bytes))
+    if _one_gpu_fine_tune(spec, pcie):  # every lever, with what it gives alone
+        return found
     fitting = [a for a in found if a.fits]
     return fitting or found
 
 
-def advice_lines(spec: ModelSpec, usable_bytes: int, limit: int = 3) -> list[str]:
-    """The first `limit` pieces of advice as lines for people."""
-    return [a.text() for a in advise(spec, usable_bytes)[:limit]]
+def advice_lines(spec: ModelSpec, usable_bytes: int, limit: int = 3, gpu=None) -> list[str]:
+    """The first `limit` pieces of advice as lines for people; `gpu` (when known) sets the
+    GPUs per node and whether PCIe joins them."""
+    per_node = gpu.gpus_per_node if gpu is not None else GPUS_PER_NODE
+    found = advise(spec, usable_bytes, per_node, over_pcie(gpu))
+    return [a.text() for a in found[:limit]]

@@ -15,6 +15,7 @@ from ckplan.model.memory import (
     activation_breakdown,
     activation_bytes_per_layer,
     gradients_allocated_in_backward,
+    optimizer_tensor_bytes,
     parameter_count,
 )
 from ckplan.model.ops import layer_ops
@@ -372,17 +373,20 @@ def plan_summary_table(plan: Plan) -> Table:
         gib(states.gradients),
         f"{spec.grad_bytes} B/param"
         + (" (trainable parameters only)" if frozen else "")
+        + ("; one layer's at a time (optimizer_in_backward)" if spec.optimizer_in_backward else "")
         + (
             "; those the backward has written by the peak"
             if gradients_allocated_in_backward(spec)
             else ""
         ),
     )
-    held = "master + Adam" if spec.master_bytes else "Adam; the weights are the master copy"
+    name = "Adam" if spec.optimizer == "adamw" else spec.optimizer
+    held = f"master + {name}" if spec.master_bytes else f"{name}; the weights are the master copy"
+    per_tensor = " + per-tensor states" if optimizer_tensor_bytes(spec, 0) else ""
     table.add_row(
         "  optimizer",
         gib(states.optimizer),
-        f"{spec.master_bytes + spec.optimizer_bytes} B/param ({held})",
+        f"{spec.master_bytes + spec.optimizer_bytes} B/param{per_tensor} ({held})",
     )
     if states.buffers:
         table.add_row("  buffers", gib(states.buffers), f"{spec.framework}'s (docs/memory.md)")

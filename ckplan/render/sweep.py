@@ -302,7 +302,7 @@ def sweep_advice(result: SweepResult) -> list[str]:
         return []
     from ckplan.plan.advice import advice_lines
 
-    return advice_lines(result.spec, result.usable_bytes)
+    return advice_lines(result.spec, result.usable_bytes, gpu=result.gpu)
 
 
 def check_dict(

@@ -40,7 +40,7 @@ def step_time_table(plan: Plan, time: StepTime, gpu: GPU | None) -> Table:
         ("recompute", time.recompute_seconds, "re-run ops and their collectives"),
         ("communication", time.communication_seconds, "exposed TP/CP/EP/PP/DP"),
         ("pipeline bubble", time.bubble_seconds, f"(p-1)/v = {spec.pp - 1}/{spec.virtual_stages}"),
-        ("optimizer", time.optimizer_seconds, "Adam, memory-bound"),
+        ("optimizer", time.optimizer_seconds, f"{_optimizer_name(spec)}, memory-bound"),
     )
     if time.offload_exposed_seconds:
         parts += (("offload copies", time.offload_exposed_seconds, "host copies not hidden"),)
@@ -117,3 +117,8 @@ def gpu_table(gpu: GPU) -> Group:
         if key not in ("name", "source"):
             table.add_row(key, f"{value:g}" if isinstance(value, float) else str(value))
     return Group(table, Text(f"source: {gpu.source}", style="dim")) if gpu.source else Group(table)
+
+
+def _optimizer_name(spec) -> str:
+    """The optimizer as the step-time table names it (Adam for adamw, as before)."""
+    return "Adam" if spec.optimizer == "adamw" else spec.optimizer

@@ -32,7 +32,7 @@ from ckplan.hardware.gpus import GPU
 from ckplan.hardware.roofline import memory_seconds
 from ckplan.hardware.step_time import embedding_time, layer_time, output_time
 from ckplan.hardware.times import StageTime
-from ckplan.model import loss, memory
+from ckplan.model import loss, memory, optimizers
 from ckplan.model.layers import LayerKind, stage_kinds
 from ckplan.model.modules import LAYERNORM, MLA_UP_PROJ, MOE_ACT
 from ckplan.model.moe import EXPERTS, MOE, SHARED_EXPERTS
@@ -286,9 +286,11 @@ class Bounds:
                 spec, stage, zero=layout.zero, dp=layout.dp * layout.cp
             )
         dense, expert = self.parameters(layout)[stage]
+        # the step in backward holds one layer's gradients: none here keeps the bound below
+        held = 0 if self.spec.optimizer_in_backward else None
         return memory.states_of(
             self.spec, dense, expert, zero=layout.zero, dp=layout.dp * layout.cp,
-            expert_dp=self._expert_dp(layout),
+            expert_dp=self._expert_dp(layout), held_gradients=held,
         )  # fmt: skip
 
     def stage_states(self, layout: Layout) -> tuple[tuple[StageShape, int], ...]:
@@ -443,8 +445,12 @@ class Bounds:
         if layout.zero >= 1:
             dense = split_share(dense, layout.dp * layout.cp)
             experts = split_share(experts, self._expert_dp(layout)) if experts else 0
-        per_param = (
-            spec.grad_bytes + 2 * spec.master_bytes + 2 * spec.optimizer_bytes + spec.weight_bytes
+        per_param = optimizers.step_bytes_per_parameter(
+            spec.optimizer,
+            spec.grad_bytes,
+            spec.master_bytes,
+            spec.weight_bytes,
+            spec.optimizer_bytes,
         )
         return memory_seconds(self.gpu, (dense + experts) * per_param)
 

@@ -370,13 +370,13 @@ def any_layout_fits(
 def _more_gpus(spec: ModelSpec, gpus: int, gpu: GPU, nearest: Rejected, usable: int):
     """From the nearest layout, the levers that take more GPUs (`plan.advice`): the search
     already tried every layout of these GPUs."""
-    from ckplan.plan.advice import advise
+    from ckplan.plan.advice import advise, over_pcie
 
     model = spec.replace(**layout_keys_cleared(nearest.layout, spec.experts > 0))
     return tuple(
         f"--gpus {round(gpus * a.gpus_factor):,} laid out with {a.settings}: "
         f"{format_bytes_auto(a.total_bytes)} per GPU with full recomputation"
-        for a in advise(model, usable, gpu.gpus_per_node)
+        for a in advise(model, usable, gpu.gpus_per_node, over_pcie(gpu))
         if a.gpus_factor > 1 and a.fits
     )[:3]
 

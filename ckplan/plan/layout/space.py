@@ -234,6 +234,8 @@ def tensor_parallel_sizes(space: SearchSpace) -> list[int]:
             continue
         if tp > 1 and (spec.finetune.adapters or spec.weight_format in ("nf4", "fp4", "int8")):
             continue  # LoRA and quantised weights are modelled on tp 1 (docs/fine-tuning.md)
+        if tp > 1 and spec.optimizer in ("adamw-8bit", "paged-adamw-8bit", "adafactor"):
+            continue  # per-tensor optimizer states are modelled on tp 1 (docs/fine-tuning.md)
         sizes.append(tp)
     return sizes
 
@@ -278,6 +280,8 @@ def layouts(space: SearchSpace) -> Iterator[Layout]:
                                     for zero in zeros:
                                         if not space.allowed("zero", zero):
                                             continue
+                                        if not _optimizer_allows(spec, zero, pp, microbatches):
+                                            continue
                                         yield Layout(
                                             tp,
                                             sp,
@@ -292,6 +296,14 @@ def layouts(space: SearchSpace) -> Iterator[Layout]:
                                             micro_batch,
                                             microbatches,
                                         )
+
+
+def _optimizer_allows(spec: ModelSpec, zero: int, pp: int, microbatches: int) -> bool:
+    """The optimizer's rules on a layout (`spec._validate_optimizer`): Adafactor on zero 0,
+    the step in backward on one pipeline stage and one micro-batch."""
+    if spec.optimizer == "adafactor" and zero >= 1:
+        return False
+    return not (spec.optimizer_in_backward and (pp > 1 or microbatches > 1))
 
 
 def _virtual_stages(space: SearchSpace, pp: int, split: Split, microbatches: int) -> list[int]:

@@ -1,0 +1,192 @@
+"""A Python snippet for Hugging Face's Trainer with PEFT: `LoraConfig`, `BitsAndBytesConfig`
+and `TrainingArguments` for the plan (docs/exports.md).
+
+- PEFT's `LoraConfig` (peft v0.17.0, src/peft/tuners/lora/config.py): `r`, `lora_alpha`
+  (default 8), `target_modules` (module names, or the shorthand "all-linear"), `lora_dropout`,
+  `task_type="CAUSAL_LM"`.
+- transformers' `BitsAndBytesConfig` (v4.56.0, src/transformers/utils/quantization_config.py):
+  QLoRA's recipe (Dettmers et al. 2023) is `load_in_4bit=True`, `bnb_4bit_quant_type="nf4"`
+  (or "fp4"), `bnb_4bit_use_double_quant=True` (ckplan's 4-bit weight bytes count the
+  double-quantised statistics), `bnb_4bit_compute_dtype=torch.bfloat16`; int8 frozen weights
+  are `load_in_8bit=True`.
+- transformers' `TrainingArguments` (v4.56.0, src/transformers/training_args.py):
+  `per_device_train_batch_size`, `gradient_accumulation_steps`, `gradient_checkpointing`
+  (the model's `gradient_checkpointing_enable`, which checkpoints every decoder layer, one
+  layer per checkpoint), `gradient_checkpointing_kwargs={"use_reentrant": False}`, `optim`
+  (an `OptimizerNames` value: adamw_torch, adamw_8bit, paged_adamw_8bit, adafactor, sgd,
+  lion_32bit, adamw_anyprecision with `optim_args`), `bf16` / `fp16`, and `fsdp`
+  ("shard_grad_op" for ZeRO-2, "full_shard" for ZeRO-3).
+
+The Trainer runs data parallelism only and recomputes every layer or none: other layer
+segments, module recomputation, per-op policies, tp/pp/cp/ep > 1, the step in backward and
+SGD with momentum (its `optim="sgd"` is torch.optim.SGD without momentum) are refused.
+"""
+
+from __future__ import annotations
+
+from ckplan.exports.segments import LayerSegments, module_reason
+from ckplan.model.spec import ModelSpec
+from ckplan.plan import Plan
+
+NAME = "peft"
+# ckplan's optimizer -> TrainingArguments.optim (transformers v4.56.0 OptimizerNames)
+OPTIM = {
+    "adamw": "adamw_torch",
+    "adamw-8bit": "adamw_8bit",
+    "paged-adamw-8bit": "paged_adamw_8bit",
+    "adafactor": "adafactor",
+    "sgd-nomomentum": "sgd",
+    "lion": "lion_32bit",
+    "adamw-bf16": "adamw_anyprecision",
+}
+# Trainer parses optim_args "k=v,k=v" into AnyPrecisionAdamW's dtypes (use_kahan_summation off)
+ANYPRECISION_ARGS = "momentum_dtype=bfloat16,variance_dtype=bfloat16"
+PEFT_LORA_ALPHA = 8  # LoraConfig's default lora_alpha (peft v0.17.0)
+FSDP = {2: "shard_grad_op", 3: "full_shard"}
+
+
+def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
+    """Why Hugging Face's Trainer cannot run this plan, or None."""
+    if why := module_reason(layers, "Trainer"):
+        return why
+    if spec.kind != "transformer":
+        return f"the Trainer's PEFT models are transformers, not model kind {spec.kind!r}"
+    for key in ("tp", "pp", "cp", "ep"):
+        if getattr(spec, key) > 1:
+            return f"{key}={getattr(spec, key)}: the Trainer runs data parallelism only"
+    if spec.zero == 1:
+        return "zero=1: the Trainer's FSDP shards gradients too (zero 2) or the weights (3)"
+    if spec.optimizer == "sgd":
+        return (
+            "optimizer: sgd keeps a momentum buffer; the Trainer's optim 'sgd' is "
+            "torch.optim.SGD without momentum (optimizer: sgd-nomomentum)"
+        )
+    if spec.optimizer_in_backward:
+        return (
+            "optimizer_in_backward: the Trainer steps after backward (torchtune's "
+            "optimizer_in_bwd runs it)"
+        )
+    if spec.precision not in ("bf16", "fp16"):
+        return f"precision {spec.precision}: the Trainer's mixed precision is bf16 or fp16"
+    if layers.selective:
+        return (
+            "selective recomputation of the attention core: the Trainer's gradient "
+            "checkpointing wraps whole decoder layers"
+        )
+    if layers.stores_all or layers.uniform_size() == 1:
+        return None
+    return (
+        "these layer segments: the Trainer's gradient_checkpointing recomputes every layer "
+        "(one per checkpoint) or none"
+    )
+
+
+def values(plan: Plan, layers: LayerSegments) -> dict[str, dict[str, object]]:
+    """The keyword arguments of each object of the snippet, by object name."""
+    spec = plan.spec
+    out: dict[str, dict[str, object]] = {}
+    fmt = spec.weight_format
+    if fmt in ("nf4", "fp4"):
+        out["BitsAndBytesConfig"] = {
+            "load_in_4bit": True,
+            "bnb_4bit_quant_type": fmt,
+            "bnb_4bit_use_double_quant": True,
+            "bnb_4bit_compute_dtype": "torch.bfloat16"
+            if spec.precision == "bf16"
+            else "torch.float16",
+        }
+    elif fmt == "int8":
+        out["BitsAndBytesConfig"] = {"load_in_8bit": True}
+    if spec.finetune.adapters:
+        alpha = spec.lora_alpha if spec.lora_alpha is not None else PEFT_LORA_ALPHA
+        targets = spec.lora_targets
+        out["LoraConfig"] = {
+            "r": spec.lora_rank,
+            "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+            "target_modules": targets if targets == "all-linear" else targets.split(","),
+            "lora_dropout": spec.lora_dropout,
+            "task_type": "CAUSAL_LM",
+        }
+    args: dict[str, object] = {
+        "output_dir": "out",
+        "per_device_train_batch_size": spec.micro_batch,
+        "gradient_accumulation_steps": spec.microbatches,
+        "gradient_checkpointing": bool(layers.recomputed),
+    }
+    if layers.recomputed:
+        args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    args["optim"] = OPTIM[spec.optimizer]
+    if spec.optimizer == "adamw-bf16":
+        args["optim_args"] = ANYPRECISION_ARGS
+    args["bf16" if spec.precision == "bf16" else "fp16"] = True
+    if spec.dp > 1 and spec.zero in FSDP:
+        args["fsdp"] = FSDP[spec.zero]
+    out["TrainingArguments"] = args
+    return out
+
+
+def _literal(value: object) -> str:
+    if isinstance(value, str) and value.startswith("torch."):
+        return value  # a dtype, not a string
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_literal(k)}: {_literal(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_literal(v) for v in value) + "]"
+    return repr(value).replace("'", '"')
+
+
+def render(plan: Plan, layers: LayerSegments) -> str:
+    spec = plan.spec
+    objects = values(plan, layers)
+    names = {
+        "BitsAndBytesConfig": "bnb_config",
+        "LoraConfig": "lora_config",
+        "TrainingArguments": "training_args",
+    }
+    quantized = "BitsAndBytesConfig" in objects
+    lines = [f"# ckplan plan {plan.strategy} for {spec.name}: Hugging Face Trainer with PEFT"]
+    if quantized:
+        lines.append("import torch")
+    if "LoraConfig" in objects:
+        lines.append("from peft import LoraConfig")
+    imported = [name for name in ("BitsAndBytesConfig", "TrainingArguments") if name in objects]
+    lines += [f"from transformers import {', '.join(imported)}", ""]
+    for name, kwargs in objects.items():
+        lines.append(f"{names[name]} = {name}(")
+        lines.extend(f"    {key}={_literal(value)}," for key, value in kwargs.items())
+        lines.append(")")
+    config = ", quantization_config=bnb_config" if quantized else ""
+    lines.append(f"# model = AutoModelForCausalLM.from_pretrained(NAME{config})")
+    if quantized:
+        lines.append("# model = peft.prepare_model_for_kbit_training(model)")
+    if "LoraConfig" in objects:
+        lines.append("# model = peft.get_peft_model(model, lora_config)")
+    lines.append("# Trainer(model=model, args=training_args, train_dataset=...).train()")
+    return "\n".join(lines) + "\n"
+
+
+def notes(plan: Plan, layers: LayerSegments) -> list[str]:
+    spec = plan.spec
+    lines = []
+    if spec.framework != "hf":
+        lines.append(
+            f"the plan's model states are {spec.framework}'s bytes per parameter; "
+            "framework: hf gives the Trainer's (fp32 weights and Adam, autocast copies)"
+        )
+    if spec.training == "frozen":
+        lines.append("training: frozen: freeze the base model's parameters in the training code")
+    if spec.loss.startswith("chunked") or spec.loss == "fused":
+        lines.append(
+            f"loss: {spec.loss}: the Trainer materialises the logits; "
+            "use_liger_kernel=True gives a fused linear cross-entropy"
+        )
+    if spec.optimizer == "adamw-bf16":
+        lines.append("optim adamw_anyprecision needs torchdistx installed")
+    if spec.optimizer == "paged-adamw-8bit":
+        lines.append(
+            "paged_adamw_8bit: ckplan counts its states on the GPU; they move to host memory "
+            "only under memory pressure"
+        )
+    if spec.dp > 1:
+        lines.append(f"launch {spec.dp} processes (torchrun or accelerate launch)")
+    return lines

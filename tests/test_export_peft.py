@@ -1,0 +1,175 @@
+"""`ckplan export --to peft`: the snippet parses, its keyword values are the plan's, the plans
+Hugging Face's Trainer cannot run are refused, and (when peft and transformers are installed)
+the objects construct."""
+
+import ast
+import re
+
+import pytest
+
+from ckplan import exports
+from ckplan.exports import ExportError
+from ckplan.plan import evaluate, parse_strategy
+
+LLAMA = dict(framework="hf", seq=1024, micro_batch=2, microbatches=4)
+
+
+def plan_of(spec, name):
+    return evaluate(spec, parse_strategy(name, spec))
+
+
+def calls(text):
+    """Each constructor call of the snippet: name -> {keyword: value} (dtypes as their text)."""
+    out = {}
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            out[node.func.id] = {
+                kw.arg: ast.unparse(kw.value)
+                if isinstance(kw.value, ast.Attribute)
+                else ast.literal_eval(kw.value)
+                for kw in node.keywords
+            }
+    return out
+
+
+def test_qlora_snippet_matches_the_plan(spec_of):
+    spec = spec_of(
+        "llama3-8b",
+        **LLAMA,
+        training="qlora",
+        lora_rank=32,
+        lora_alpha=64,
+        lora_targets="all-linear",
+        lora_dropout=0.05,
+        optimizer="paged-adamw-8bit",
+    )
+    text = exports.export(plan_of(spec, "full"), "peft").text
+    got = calls(text)
+    assert got["BitsAndBytesConfig"] == {
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True,
+        "bnb_4bit_compute_dtype": "torch.bfloat16",
+    }
+    assert got["LoraConfig"] == {
+        "r": 32,
+        "lora_alpha": 64,
+        "target_modules": "all-linear",
+        "lora_dropout": 0.05,
+        "task_type": "CAUSAL_LM",
+    }
+    assert got["TrainingArguments"] == {
+        "output_dir": "out",
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 4,
+        "gradient_checkpointing": True,
+        "gradient_checkpointing_kwargs": {"use_reentrant": False},
+        "optim": "paged_adamw_8bit",
+        "bf16": True,
+    }
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "optim"),
+    [
+        ("adamw", "adamw_torch"),
+        ("adamw-8bit", "adamw_8bit"),
+        ("adafactor", "adafactor"),
+        ("sgd-nomomentum", "sgd"),
+        ("lion", "lion_32bit"),
+        ("adamw-bf16", "adamw_anyprecision"),
+    ],
+)
+def test_optim_names(spec_of, optimizer, optim):
+    spec = spec_of("llama3-8b", **LLAMA, training="lora", optimizer=optimizer)
+    got = calls(exports.export(plan_of(spec, "none"), "peft").text)
+    args = got["TrainingArguments"]
+    assert args["optim"] == optim
+    assert args["gradient_checkpointing"] is False
+    assert "gradient_checkpointing_kwargs" not in args
+    assert got["LoraConfig"]["target_modules"] == ["q_proj", "v_proj"]
+    assert got["LoraConfig"]["lora_alpha"] == 8  # PEFT's default when lora_alpha is not given
+    assert "BitsAndBytesConfig" not in got
+
+
+def test_full_fine_tune_has_no_lora_config(spec_of):
+    spec = spec_of("llama3-8b", **LLAMA, dp=4, zero=3)
+    got = calls(exports.export(plan_of(spec, "full"), "peft").text)
+    assert "LoraConfig" not in got and "BitsAndBytesConfig" not in got
+    assert got["TrainingArguments"]["fsdp"] == "full_shard"
+
+
+@pytest.mark.parametrize(
+    ("changes", "strategy", "fragment"),
+    [
+        ({}, "uniform:2", "recomputes every layer (one per checkpoint) or none"),
+        ({}, "selective", "wraps whole decoder layers"),
+        ({"framework": "megatron", "tp": 2}, "full", "tp=2: the Trainer runs data parallelism"),
+        ({"framework": "megatron", "pp": 2}, "full", "pp=2"),
+        ({"training": "full", "optimizer": "sgd"}, "full", "without momentum"),
+        ({"optimizer_in_backward": True, "microbatches": 1}, "full", "steps after backward"),
+    ],
+)
+def test_refusals(spec_of, changes, strategy, fragment):
+    spec = spec_of("llama3-8b", **{**LLAMA, **changes})
+    plan = plan_of(spec, strategy)
+    with pytest.raises(ExportError, match=re.escape(fragment)) as error:
+        exports.export(plan, "peft")
+    assert "\n" not in str(error.value)
+
+
+def test_cli(cli):
+    code, out, err = cli(
+        "export",
+        "llama3-8b",
+        "--plan",
+        "full",
+        "--to",
+        "peft",
+        "--set",
+        "framework=hf",
+        "--set",
+        "training=qlora",
+    )
+    assert code == 0, err
+    assert calls(out)["BitsAndBytesConfig"]["load_in_4bit"] is True
+    code, _, err = cli("export", "llama3-8b", "--plan", "uniform:4", "--to", "peft")
+    assert code == 2 and "nearest expressible plan" in err
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers v5's new argument names
+def test_objects_construct(spec_of, tmp_path):
+    """The snippet runs against the installed libraries (optional: skipped without them)."""
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    spec = spec_of("llama3-8b", **LLAMA, training="lora", lora_targets="all-linear")
+    text = exports.export(plan_of(spec, "full"), "peft").text
+    text = text.replace('output_dir="out"', f"output_dir={str(tmp_path)!r}")
+    text = text.replace("bf16=True,", "bf16=True, use_cpu=True,")  # no GPU here
+    namespace: dict = {}
+    exec(compile(text, "peft_snippet", "exec"), namespace)
+    args, lora = namespace["training_args"], namespace["lora_config"]
+    assert args.per_device_train_batch_size == 2 and args.gradient_accumulation_steps == 4
+    assert args.gradient_checkpointing is True and str(args.optim.value) == "adamw_torch"
+    assert lora.r == 16 and lora.task_type == "CAUSAL_LM"
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_qlora_snippet_and_every_optim_construct(spec_of, tmp_path):
+    """The QLoRA snippet's BitsAndBytesConfig and TrainingArguments construct, and every optim
+    the export writes is one of transformers' OptimizerNames (optional, as above)."""
+    pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from ckplan.exports.peft import OPTIM
+
+    names = {name.value for name in transformers.training_args.OptimizerNames}
+    assert set(OPTIM.values()) <= names
+    spec = spec_of("llama3-8b", **LLAMA, training="qlora", optimizer="paged-adamw-8bit")
+    text = exports.export(plan_of(spec, "full"), "peft").text
+    text = text.replace('output_dir="out"', f"output_dir={str(tmp_path)!r}")
+    text = text.replace("bf16=True,", "bf16=True, use_cpu=True,")  # no GPU here
+    namespace: dict = {}
+    exec(compile(text, "peft_snippet", "exec"), namespace)
+    bnb = namespace["bnb_config"]
+    assert bnb.load_in_4bit and bnb.bnb_4bit_quant_type == "nf4" and bnb.bnb_4bit_use_double_quant
+    assert str(namespace["training_args"].optim.value) == "paged_adamw_8bit"
