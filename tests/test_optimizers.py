@@ -5,6 +5,7 @@ time; the layouts the search enumerates."""
 from math import prod
 
 import pytest
+from test_finetune import SMALL as FINETUNE_SMALL
 
 from ckplan.hardware.step_time import optimizer_seconds
 from ckplan.inputs.gpus import load_gpu
@@ -13,23 +14,7 @@ from ckplan.model.memory import model_state_bytes, stage_parameters, trainable_t
 from ckplan.model.spec import SpecError, spec_from_mapping
 
 # h 64, a 4, g 2 (d 16), F 128, V 256, two layers, untied: 106,816 parameters
-SMALL = {
-    "name": "small",
-    "layers": 2,
-    "hidden": 64,
-    "heads": 4,
-    "kv_heads": 2,
-    "ffn_hidden": 128,
-    "vocab": 256,
-    "seq": 16,
-    "micro_batch": 2,
-    "norm": "rmsnorm",
-    "mlp": "swiglu",
-    "attention": "flash",
-    "positions": "rope",
-    "bias": False,
-    "framework": "hf",  # fp32 weights, no master copy: the optimizer bytes are the state alone
-}
+SMALL = {**FINETUNE_SMALL, "framework": "hf"}  # fp32 weights, no master copy: the state alone
 P = 106_816
 
 

@@ -12,23 +12,7 @@ from ckplan.model.spec import spec_from_mapping
 
 torch = torch_or_skip()
 
-SMALL = {
-    "name": "small",
-    "layers": 2,
-    "hidden": 64,
-    "heads": 4,
-    "kv_heads": 2,
-    "ffn_hidden": 128,
-    "vocab": 256,
-    "seq": 16,
-    "micro_batch": 2,
-    "norm": "rmsnorm",
-    "mlp": "swiglu",
-    "attention": "flash",
-    "positions": "rope",
-    "bias": False,
-    "framework": "hf",  # fp32 weights, no master copy: the optimizer bytes are its state alone
-}
+from test_optimizers import SMALL  # noqa: E402  (the same small Llama, framework hf)
 
 
 def state_bytes(optimizer) -> int:

@@ -494,18 +494,13 @@ def largest_fitting(
     (tests/test_properties.py checks it on a grid), so fitting is true up to some value and
     false beyond, and doubling then bisection (`largest_true`) finds the edge in O(log n) plans.
     A value the model refuses (`SpecError`: a range, a divisibility) counts as not fitting."""
-    if key not in AUTO_KEYS:
-        raise ValueError(f"key must be one of {', '.join(AUTO_KEYS)}, got {key!r}")
-    step = auto_step(spec, key)
-
-    def fits(units: int) -> bool:
-        try:
-            candidate = spec.replace(**{key: units * step})
-        except SpecError:
-            return False
-        return fitting_plan(candidate, strategy, usable_bytes, gpu, formula, slots) is not None
-
-    return largest_true(fits, auto_limit(spec, key)) * step
+    return largest_value(
+        spec,
+        key,
+        lambda candidate: (
+            fitting_plan(candidate, strategy, usable_bytes, gpu, formula, slots) is not None
+        ),
+    )
 
 
 def largest_fitting_any(
@@ -521,19 +516,13 @@ def largest_fitting_any(
     of `best_plan`'s `auto`); 0 when none does at the smallest value. Derived: each plan's
     fitting is true up to its own edge, so "some plan fits" is true up to the largest edge, and
     the same doubling and bisection finds it."""
-    if key not in AUTO_KEYS:
-        raise ValueError(f"key must be one of {', '.join(AUTO_KEYS)}, got {key!r}")
-    step = auto_step(spec, key)
-
-    def fits(units: int) -> bool:
-        try:
-            candidate = spec.replace(**{key: units * step})
-        except SpecError:
-            return False
-        found = sweep(candidate, budget_bytes, reserve_bytes, formula, slots, gpu)
-        return found.best is not None
-
-    return largest_true(fits, auto_limit(spec, key)) * step
+    return largest_value(
+        spec,
+        key,
+        lambda candidate: (
+            sweep(candidate, budget_bytes, reserve_bytes, formula, slots, gpu).best is not None
+        ),
+    )
 
 
 def longest_seq(spec: ModelSpec, strategy: Strategy, usable_bytes: int) -> int:
@@ -546,6 +535,25 @@ def largest_micro_batch(spec: ModelSpec, strategy: Strategy, usable_bytes: int) 
     """The largest micro-batch whose plan fits (0 if not even 1 does): `largest_fitting` over
     micro_batch."""
     return largest_fitting(spec, strategy, usable_bytes, "micro_batch")
+
+
+def largest_value(spec: ModelSpec, key: str, fits: Callable[[ModelSpec], bool]) -> int:
+    """The largest `key` ("seq" or "micro_batch"), a multiple of `auto_step` up to
+    `auto_limit`, at which `fits(spec with that value)` holds, by `largest_true`; 0 when not
+    even the smallest does. A value the model refuses (`SpecError`: a range, a divisibility)
+    counts as not fitting. `fits` must hold up to some value and fail beyond it."""
+    if key not in AUTO_KEYS:
+        raise ValueError(f"key must be one of {', '.join(AUTO_KEYS)}, got {key!r}")
+    step = auto_step(spec, key)
+
+    def holds(units: int) -> bool:
+        try:
+            candidate = spec.replace(**{key: units * step})
+        except SpecError:
+            return False
+        return fits(candidate)
+
+    return largest_true(holds, auto_limit(spec, key)) * step
 
 
 def largest_true(fits, limit: int) -> int:

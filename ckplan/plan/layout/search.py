@@ -39,10 +39,8 @@ from ckplan.plan.search import (
     DEFAULT_RESERVE,
     Candidate,
     activation_budget,
-    auto_limit,
-    auto_step,
     best_policy_plan,
-    largest_true,
+    largest_value,
     optimal_plan,
 )
 from ckplan.plan.strategies import has_dense_layers, parse_strategy
@@ -316,18 +314,13 @@ def longest_seq_layouts(
     GPUs fits (`search_layouts` finds one); 0 when none does at the smallest. Derived: every
     layout's fitting is true up to its own edge (memory grows with s), so "some layout fits"
     is too, and doubling then bisection finds the largest edge."""
-    step = auto_step(spec, "seq")
-
-    def fits(units: int) -> bool:
-        try:
-            candidate = spec.replace(seq=units * step)
-        except SpecError:
-            return False
-        return any_layout_fits(
+    return largest_value(
+        spec,
+        "seq",
+        lambda candidate: any_layout_fits(
             candidate, gpus, gpu, global_batch, budget_bytes, reserve_bytes, constraints, slots
-        )
-
-    return largest_true(fits, auto_limit(spec, "seq")) * step
+        ),
+    )
 
 
 def any_layout_fits(
