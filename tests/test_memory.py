@@ -1,7 +1,11 @@
 """Activation and model-state bytes against hand-computed values from the papers."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
+from ckplan.model import allocator
 from ckplan.model.loss import output_saved_bytes
 from ckplan.model.memory import (
     activation_breakdown,
@@ -182,3 +186,34 @@ def test_the_loss_per_term_in_estimate_json(cli):
     assert terms["fused"]["saved_bytes"] == terms["eager"]["saved_bytes"]
     assert terms["eager"]["backward_peak_bytes"] > terms["fused"]["backward_peak_bytes"]
     assert terms["chunked:8"]["saved_bytes"] < terms["fused"]["saved_bytes"] // 10
+
+
+def _fit_allocator():
+    path = Path(__file__).resolve().parents[1] / "validation" / "fit_allocator.py"
+    spec = importlib.util.spec_from_file_location("fit_allocator", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_allocator_slack_is_the_fit_on_the_gpu_measurements():
+    """The constants are validation/fit_allocator.py's medians of the committed H200 runs."""
+    fit = _fit_allocator()
+    assert fit.fitted_slack(expandable_segments=False) == allocator.ALLOCATOR_SLACK
+    assert fit.fitted_slack(expandable_segments=True) == allocator.EXPANDABLE_SLACK
+    # by hand: the default allocator's six plans, sorted; the median is the mean of the middle two
+    slacks = sorted(fit.measured_slacks(fit.MEASUREMENTS[False]).values())
+    assert len(slacks) == 6 and round((slacks[2] + slacks[3]) / 2, 4) == allocator.ALLOCATOR_SLACK
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_reserved_and_allocatable_bytes_invert_each_other(expandable):
+    gib = 2**30
+    reserved = allocator.reserved_bytes(10 * gib, expandable)
+    slack = allocator.slack(expandable)
+    assert reserved % allocator.ROUND_LARGE == 0
+    assert 10 * gib * (1 + slack) <= reserved < 10 * gib * (1 + slack) + allocator.ROUND_LARGE
+    # the largest allocated peak that fits `reserved` maps back inside it, one byte more does not
+    largest = allocator.allocatable_bytes(reserved, expandable)
+    assert allocator.reserved_bytes(largest, expandable) <= reserved
+    assert allocator.reserved_bytes(largest + 2 * allocator.ROUND_LARGE, expandable) > reserved
