@@ -207,13 +207,27 @@ def test_the_allocator_slack_is_the_fit_on_the_gpu_measurements():
 
 
 @pytest.mark.parametrize("expandable", [False, True])
-def test_reserved_and_allocatable_bytes_invert_each_other(expandable):
+def test_reserved_bytes_add_the_slack_in_2_mib_blocks(expandable):
     gib = 2**30
     reserved = allocator.reserved_bytes(10 * gib, expandable)
     slack = allocator.slack(expandable)
     assert reserved % allocator.ROUND_LARGE == 0
     assert 10 * gib * (1 + slack) <= reserved < 10 * gib * (1 + slack) + allocator.ROUND_LARGE
-    # the largest allocated peak that fits `reserved` maps back inside it, one byte more does not
-    largest = allocator.allocatable_bytes(reserved, expandable)
-    assert allocator.reserved_bytes(largest, expandable) <= reserved
-    assert allocator.reserved_bytes(largest + 2 * allocator.ROUND_LARGE, expandable) > reserved
+
+
+def test_the_budget_takes_the_allocated_blocks_and_the_cache_gives_way():
+    """Under pressure the allocator releases its cache: the budget holds the allocated peak's
+    2 MiB blocks, and the reserved peak shrinks to what is available, never below them."""
+    mib = 2**20
+    assert allocator.budgeted_bytes(0) == 0
+    assert allocator.budgeted_bytes(1) == 2 * mib
+    assert allocator.budgeted_bytes(4 * mib) == 4 * mib
+    assert allocator.budgeted_bytes(4 * mib + 1) == 6 * mib
+    assert allocator.allocatable_bytes(7 * mib) == 6 * mib
+    for allocated in (1, 6 * mib, 6 * mib + 1, 10 * 2**30):
+        assert allocator.budgeted_bytes(allocator.allocatable_bytes(allocated)) <= allocated
+    allocated = 10 * 2**30
+    plenty = allocator.reserved_bytes(allocated)
+    assert allocator.reserved_within(allocated, 100 * 2**30) == plenty
+    assert allocator.reserved_within(allocated, allocated + 100 * mib) == allocated + 100 * mib
+    assert allocator.reserved_within(allocated, allocated // 2) == allocated

@@ -18,6 +18,7 @@ from ckplan.hardware.gpus import GPU
 from ckplan.hardware.step_time import step_time
 from ckplan.inputs.gpus import load_gpu
 from ckplan.inputs.presets import load_mapping, spec_from_values
+from ckplan.model import allocator
 from ckplan.model.flops import iteration_flops
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import evaluate, parse_strategy
@@ -202,10 +203,16 @@ def predict(run: PublishedRun, gpu: GPU | None = None) -> Prediction:
     except InputError as error:
         return Prediction(run, f"not modelled: {error}")
     memory = plan.total_bytes
-    fits = plan.reserved_bytes <= gpu.memory_bytes - DEFAULT_RESERVE
+    fits = plan.budgeted_bytes <= gpu.memory_bytes - DEFAULT_RESERVE
     metric, value = run.published.metric, run.published.value
     if metric in MEMORY_METRICS:
-        predicted = plan.reserved_bytes if metric == "memory_reserved_bytes" else memory
+        if metric == "memory_reserved_bytes":
+            available = gpu.memory_bytes - DEFAULT_RESERVE
+            predicted = allocator.reserved_within(
+                plan.total_bytes, available, spec.expandable_segments
+            )
+        else:
+            predicted = memory
         return Prediction(
             run, "ok", predicted, predicted / value - 1, fits=fits, memory_bytes=memory,
             spec=spec, plan=plan,
