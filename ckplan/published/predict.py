@@ -20,6 +20,7 @@ from ckplan.inputs.gpus import load_gpu
 from ckplan.inputs.presets import load_mapping, spec_from_values
 from ckplan.model import allocator
 from ckplan.model.flops import iteration_flops
+from ckplan.model.optimizers import OPTIMIZERS
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import evaluate, parse_strategy
 from ckplan.plan.evaluate import Plan
@@ -102,12 +103,13 @@ def run_spec(run: PublishedRun) -> ModelSpec:
         # a fused attention kernel keeps no s x s matrix, whatever the preset's attention says
         execution["attention_kernel"] = run.attention_kernel
         execution["attention"] = "flash"
-    if run.training.get("loss") in MODELLED_TRAINING["loss"]:
+    if _modelled(run.training.get("loss"), MODELLED_TRAINING["loss"]):
         execution["loss"] = run.training["loss"]
     values: dict[str, Any] = {
         **base,
         **execution,
         **finetune_values(run),
+        **optimizer_values(run),
         **run.settings,
         **layout,
         "dp": dp,
@@ -148,6 +150,42 @@ def finetune_values(run: PublishedRun) -> dict[str, Any]:
     return values
 
 
+# Frameworks that train in pure bf16: the model is built in the recipe's dtype, so weights,
+# gradients and optimizer states are bf16 and there is no fp32 master copy. torchtune: "we
+# don't support mixed-precision training" (docs/source/tutorials/memory_optimizations.rst,
+# v0.6.1); the recipes build the model under `training.set_default_dtype(self._dtype)`
+# (recipes/full_finetune_single_device.py `_setup_model`, 1814feb).
+PURE_BF16 = ("torchtune",)
+HALF = 2  # bytes of a bf16 value
+
+
+def optimizer_values(run: PublishedRun) -> dict[str, Any]:
+    """The run's optimizer and bytes per parameter as ckplan's keys (docs/fine-tuning.md,
+    "Optimizers"). Under a pure-bf16 framework (`PURE_BF16`) the weights and gradients are bf16,
+    no master copy is kept, and torch.optim.AdamW keeps exp_avg and exp_avg_sq in the
+    parameters' dtype (`torch.zeros_like(p, memory_format=torch.preserve_format)`,
+    torch/optim/adamw.py, PyTorch v2.5): `adamw` is ckplan's `adamw-bf16`. bitsandbytes' 8-bit
+    states do not depend on the parameters' dtype (`optimizers.tensor_8bit_state_bytes`)."""
+    optimizer = str(run.training.get("optimizer", "adamw"))
+    values: dict[str, Any] = {}
+    pure = run.framework in PURE_BF16 and run.precision == "bf16"
+    if pure:
+        values.update(weight_bytes=HALF, grad_bytes=HALF, master_bytes=0)
+        if optimizer == "adamw":
+            optimizer = "adamw-bf16"
+    if optimizer != "adamw":
+        values["optimizer"] = optimizer
+    return values
+
+
+def _modelled(value: Any, modelled: tuple[str, ...]) -> bool:
+    """Whether `value` is one of `modelled`; `chunked:N` stands for every N."""
+    text = str(value)
+    if text.startswith("chunked:"):
+        return "chunked:N" in modelled and text.removeprefix("chunked:").isdigit()
+    return text in modelled
+
+
 def strategy_of(run: PublishedRun) -> str:
     """ckplan's strategy for the run's recomputation (`full` is Megatron's uniform full
     recomputation of every layer, `selective` the attention core, `selective-op` torchtitan's
@@ -163,9 +201,9 @@ FUSED_MODULES = ("composer",)
 MODELLED_TRAINING = {
     "training": ("full", "frozen", "lora", "qlora"),
     "weight_format": ("bf16", "fp16", "fp32", "nf4", "fp4", "int8"),
-    "optimizer": ("adamw",),
+    "optimizer": OPTIMIZERS,
     "offload": ("none",),
-    "loss": ("fused", "eager"),
+    "loss": ("fused", "eager", "chunked:N"),
 }
 
 
@@ -185,9 +223,9 @@ def unmodelled(run: PublishedRun) -> str | None:
         if getattr(run, key, None) == value:
             return why
     for key, value in run.training.items():
-        if key in MODELLED_TRAINING and value not in MODELLED_TRAINING[key]:
+        if key in MODELLED_TRAINING and not _modelled(value, MODELLED_TRAINING[key]):
             return f"{key} {value} is not modelled"
-    if run.published.metric in ("nvidia_smi_bytes", "memory_active_bytes"):
+    if run.published.metric == "nvidia_smi_bytes":
         return f"{run.published.metric.removesuffix('_bytes')} memory is not modelled"
     return None
 
