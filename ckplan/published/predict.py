@@ -20,12 +20,15 @@ from ckplan.inputs.gpus import load_gpu
 from ckplan.inputs.presets import load_mapping, spec_from_values
 from ckplan.model import allocator
 from ckplan.model.flops import iteration_flops
-from ckplan.model.optimizers import OPTIMIZERS
+from ckplan.model.memory import layer_input_bytes, trainable_tensors
+from ckplan.model.optimizers import OPTIMIZERS, paged_state_bytes
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import evaluate, parse_strategy
 from ckplan.plan.evaluate import Plan
 from ckplan.plan.search import DEFAULT_RESERVE
+from ckplan.plan.timeline import memory_timeline
 from ckplan.published.runs import MEMORY_METRICS, PublishedRun
+from ckplan.schedules import BACKWARD, FORWARD_KEEP_ALL, FORWARD_KEEP_INPUT
 
 # What ckplan cannot model yet, by run key and value: such runs are listed, not scored.
 NOT_MODELLED: dict[tuple[str, str], str] = {}
@@ -186,6 +189,92 @@ def _modelled(value: Any, modelled: tuple[str, ...]) -> bool:
     return text in modelled
 
 
+# torchtune's OffloadActivations (torchtune/training/_activation_offloading.py at 1814feb):
+# the default max_fwd_stash_size, the packed tensors the forward keeps on the device until
+# their copy to the host is waited on.
+TORCHTUNE_FORWARD_STASH = 5
+# the final norm packs its input and its rstd after the last layer's input (the output layer
+# runs under NoOpManager and packs nothing)
+FINAL_NORM_PACKED = 2
+
+
+def offloads_checkpoints(run: PublishedRun) -> bool:
+    """Whether the run offloads the layer inputs that full recomputation keeps, as torchtune's
+    `enable_activation_offloading` does beside activation checkpointing ("only the
+    checkpointed tensors will be offloaded", docs/source/tutorials/memory_optimizations.rst,
+    v0.6.1; the recipe refuses offloading without checkpointing)."""
+    return (
+        run.training.get("offload", "none") == "activations"
+        and run.framework == "torchtune"
+        and strategy_of(run) == "full"
+    )
+
+
+def checkpoint_offload_activation_bytes(plan: Plan) -> int:
+    """The activation peak of a `full` plan whose checkpointed layer inputs move to the host
+    as torchtune's OffloadActivations moves them (torchtune/training/_activation_offloading.py
+    at 1814feb, streams on): the plan's replayed timeline (`plan.timeline.memory_timeline`)
+    less, at every step, the layer inputs held on the host then (each `layer_input_bytes`).
+
+    derived from that file: in the forward each packed tensor is copied to the host and the
+    device copy stays in `fwd_stash` until a tensor `max_fwd_stash_size` (5) packs later is
+    packed, so the newest 5 packed tensors stay on the device (the final norm packs 2 after
+    the last layer); the stash is emptied once the first backward node has run; in the
+    backward each input comes back when its layer's recomputation unpacks it. A checkpointed
+    layer is taken to pack one tensor, its input. The device copy an unpacked input keeps
+    until the compute stream is done (`record_stream`) is one layer input at most, counted
+    within the layer's recomputation."""
+    timeline = memory_timeline(plan)
+    if timeline is None:
+        raise ValueError("a full plan has a schedule")
+    names = plan.stage_names
+    X = layer_input_bytes(plan.spec)
+    held: set[int] = set()  # checkpointed layer inputs
+    packed = 0
+    stash_alive = True
+    peak = timeline.initial_bytes
+    for t, step in enumerate(plan.steps):
+        is_layer = names[step.stage].startswith("layer ")
+        current = {step.stage}
+        if step.kind == FORWARD_KEEP_INPUT and is_layer and stash_alive:
+            packed += 1
+        elif step.kind == FORWARD_KEEP_ALL and not is_layer and stash_alive:
+            packed += FINAL_NORM_PACKED
+        waiting = len(held - current)
+        on_host = min(waiting, max(0, packed - TORCHTUNE_FORWARD_STASH)) if stash_alive else waiting
+        peak = max(peak, timeline.during_bytes[t] - on_host * X)
+        if step.kind == FORWARD_KEEP_INPUT and is_layer:
+            held.add(step.stage)
+        elif step.kind in (FORWARD_KEEP_ALL, BACKWARD):
+            held.discard(step.stage)
+        if step.kind == BACKWARD:
+            stash_alive = False
+        waiting = len(held)
+        on_host = min(waiting, max(0, packed - TORCHTUNE_FORWARD_STASH)) if stash_alive else waiting
+        peak = max(peak, timeline.after_bytes[t] - on_host * X)
+    return peak
+
+
+# PyTorch's caching-allocator statistics. `memory_active_bytes` is active_bytes.all.peak:
+# c10/cuda/CUDACachingAllocator.cpp (pytorch/pytorch at 001074d2) raises allocated_bytes and
+# active_bytes by the same block size in `alloc_found_block`; `free` lowers allocated_bytes at
+# once but active_bytes only in `free_block`, which for a block used on another stream
+# (`recordStream`) waits until that stream's events complete (`insert_events`). On one stream
+# the two peaks are equal; ckplan's allocated peak is compared with it, the blocks awaiting
+# another stream (torchtune's offloading stream) being at most one layer input here
+# (`checkpoint_offload_activation_bytes`).
+ALLOCATOR_METRICS = ("memory_allocated_bytes", "memory_active_bytes", "memory_reserved_bytes")
+
+
+def outside_allocator_bytes(spec: ModelSpec) -> int:
+    """Bytes of the plan's model states that PyTorch's caching allocator does not hold, so no
+    torch.cuda.memory_stats figure counts them: a paged bitsandbytes optimizer's states
+    (`optimizers.paged_state_bytes`, ZeRO 0 on one GPU as these runs are)."""
+    if spec.optimizer != "paged-adamw-8bit" or spec.zero or spec.pp > 1:
+        return 0
+    return paged_state_bytes(spec.optimizer, trainable_tensors(spec, 0))
+
+
 def strategy_of(run: PublishedRun) -> str:
     """ckplan's strategy for the run's recomputation (`full` is Megatron's uniform full
     recomputation of every layer, `selective` the attention core, `selective-op` torchtitan's
@@ -202,7 +291,7 @@ MODELLED_TRAINING = {
     "training": ("full", "frozen", "lora", "qlora"),
     "weight_format": ("bf16", "fp16", "fp32", "nf4", "fp4", "int8"),
     "optimizer": OPTIMIZERS,
-    "offload": ("none",),
+    "offload": ("none", "activations"),
     "loss": ("fused", "eager", "chunked:N"),
 }
 
@@ -225,6 +314,12 @@ def unmodelled(run: PublishedRun) -> str | None:
     for key, value in run.training.items():
         if key in MODELLED_TRAINING and not _modelled(value, MODELLED_TRAINING[key]):
             return f"{key} {value} is not modelled"
+    offload = run.training.get("offload", "none")
+    if offload == "activations" and not offloads_checkpoints(run):
+        return (
+            "offload activations is modelled only as torchtune's offload of the checkpointed "
+            "layer inputs (recompute full)"
+        )
     if run.published.metric == "nvidia_smi_bytes":
         return f"{run.published.metric.removesuffix('_bytes')} memory is not modelled"
     return None
@@ -241,14 +336,16 @@ def predict(run: PublishedRun, gpu: GPU | None = None) -> Prediction:
     except InputError as error:
         return Prediction(run, f"not modelled: {error}")
     memory = plan.total_bytes
+    if offloads_checkpoints(run):
+        memory = plan.model_states.total + checkpoint_offload_activation_bytes(plan)
+    if run.published.metric in ALLOCATOR_METRICS:
+        memory -= outside_allocator_bytes(spec)
     fits = plan.budgeted_bytes <= gpu.memory_bytes - DEFAULT_RESERVE
     metric, value = run.published.metric, run.published.value
     if metric in MEMORY_METRICS:
         if metric == "memory_reserved_bytes":
             available = gpu.memory_bytes - DEFAULT_RESERVE
-            predicted = allocator.reserved_within(
-                plan.total_bytes, available, spec.expandable_segments
-            )
+            predicted = allocator.reserved_within(memory, available, spec.expandable_segments)
         else:
             predicted = memory
         return Prediction(
