@@ -50,9 +50,10 @@ SHAPED = (*EIGHT_BIT, "adafactor")  # states that depend on each tensor's shape
 # min_8bit_size (4096, bitsandbytes/optim/adamw.py AdamW8bit) values keep fp32 states.
 BNB_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
-# bitsandbytes optim/optimizer.py `get_state_buffer`: a paged optimizer allocates a state of
-# 1e5 values or more with functional.get_paged (cudaMallocManaged, csrc `cget_managed_ptr`,
-# bitsandbytes 0.50.1), outside PyTorch's caching allocator; smaller states with torch.zeros_like
+# bitsandbytes 0.45.5, optim/optimizer.py `get_state_buffer`: a paged optimizer allocates a
+# state of 1e5 values or more with functional.get_paged (csrc/pythonInterface.cpp
+# `cget_managed_ptr`: cudaMallocManaged), outside PyTorch's caching allocator; smaller states
+# with torch.zeros_like
 BNB_MIN_PAGED_SIZE = 100_000
 FP32 = 4
 
@@ -99,7 +100,7 @@ def paged_state_bytes(optimizer: str, tensors: Mapping[Shape, int]) -> int:
     return sum(
         count * 2 * _numel(shape)
         for shape, count in tensors.items()
-        if _numel(shape) >= BNB_MIN_PAGED_SIZE and _numel(shape) >= BNB_MIN_8BIT_SIZE
+        if _numel(shape) >= BNB_MIN_PAGED_SIZE  # 8-bit, as 1e5 > min_8bit_size
     )
 
 
