@@ -15,6 +15,7 @@ from ckplan.model.spec import spec_from_mapping
 from ckplan.plan import evaluate, parse_strategy
 from ckplan.published.predict import (
     checkpoint_offload_activation_bytes,
+    liger_chunks,
     offloads_checkpoints,
     outside_allocator_bytes,
     predict,
@@ -166,3 +167,21 @@ def test_few_layers_offload_nothing_before_the_backward(layers):
     offloaded = checkpoint_offload_activation_bytes(plan)
     X = layer_input_bytes(spec)
     assert plan.activation_bytes - layers * X <= offloaded <= plan.activation_bytes
+
+
+def test_liger_s_chunk_count_by_hand():
+    """Liger-Kernel's fused linear cross-entropy splits BT tokens into chunks of
+    next_power_of_2(⌈BT/⌈V/h⌉⌉): Llama-3-8B (V 128,256, h 4,096) gives ⌈V/h⌉ = 32, so 8 x 1,024
+    tokens make chunks of 256, 32 of them, and every power-of-two length the same count."""
+    runs = [run for run in suite_runs() if run.name.startswith("liger-e2e-llama3-8b-liger")]
+    assert len(runs) == 5
+    for run in runs:
+        assert liger_chunks(run) == 32
+        assert run_spec(run).loss == "chunked:32"
+        assert predict(run).scored
+    odd = dataclasses.replace(runs[0], seq=1000)  # 8,000 tokens: chunks of 256, the last short
+    assert liger_chunks(odd) == 32
+    small = dataclasses.replace(runs[0], seq=64, micro_batch=1)  # 64 tokens: chunks of 2
+    assert liger_chunks(small) == 32
+    hf = next(run for run in suite_runs() if run.name == "liger-e2e-llama3-8b-hf-seq1024")
+    assert run_spec(hf).loss == "eager"

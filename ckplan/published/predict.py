@@ -106,8 +106,11 @@ def run_spec(run: PublishedRun) -> ModelSpec:
         # a fused attention kernel keeps no s x s matrix, whatever the preset's attention says
         execution["attention_kernel"] = run.attention_kernel
         execution["attention"] = "flash"
-    if _modelled(run.training.get("loss"), MODELLED_TRAINING["loss"]):
-        execution["loss"] = run.training["loss"]
+    loss = run.training.get("loss")
+    if loss == "fused-linear-ce":
+        execution["loss"] = f"chunked:{liger_chunks(run)}"
+    elif _modelled(loss, MODELLED_TRAINING["loss"]):
+        execution["loss"] = loss
     values: dict[str, Any] = {
         **base,
         **execution,
@@ -275,6 +278,21 @@ def outside_allocator_bytes(spec: ModelSpec) -> int:
     return paged_state_bytes(spec.optimizer, trainable_tensors(spec, 0))
 
 
+def liger_chunks(run: PublishedRun) -> int:
+    """The token chunks of Liger-Kernel's fused linear cross-entropy, ckplan's `chunked:N`
+    (src/liger_kernel/ops/fused_linear_cross_entropy.py at e85611c, `forward`): with BT tokens
+    of a micro-batch, h the hidden size and V the vocabulary, inc_factor = ⌈V/h⌉, chunk_size =
+    next_power_of_2(⌈BT/inc_factor⌉), num_chunks = ⌈BT/chunk_size⌉ (so that a chunk's logits are
+    about the input's size)."""
+    spec_values = run.model if not isinstance(run.model, str) else load_mapping(run.model)[0]
+    hidden, vocab = int(spec_values["hidden"]), int(spec_values["vocab"])
+    tokens = run.micro_batch * run.seq
+    inc_factor = -(-vocab // hidden)
+    per_chunk = -(-tokens // inc_factor)
+    chunk_size = 1 << (per_chunk - 1).bit_length()
+    return -(-tokens // chunk_size)
+
+
 def strategy_of(run: PublishedRun) -> str:
     """ckplan's strategy for the run's recomputation (`full` is Megatron's uniform full
     recomputation of every layer, `selective` the attention core, `selective-op` torchtitan's
@@ -292,7 +310,7 @@ MODELLED_TRAINING = {
     "weight_format": ("bf16", "fp16", "fp32", "nf4", "fp4", "int8"),
     "optimizer": OPTIMIZERS,
     "offload": ("none", "activations"),
-    "loss": ("fused", "eager", "chunked:N"),
+    "loss": ("fused", "eager", "chunked:N", "fused-linear-ce"),
 }
 
 
