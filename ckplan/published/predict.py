@@ -196,9 +196,17 @@ def _modelled(value: Any, modelled: tuple[str, ...]) -> bool:
 # the default max_fwd_stash_size, the packed tensors the forward keeps on the device until
 # their copy to the host is waited on.
 TORCHTUNE_FORWARD_STASH = 5
-# the final norm packs its input and its rstd after the last layer's input (the output layer
-# runs under NoOpManager and packs nothing)
-FINAL_NORM_PACKED = 2
+# The tensors each chain stage packs through the saved-tensor hooks in the forward, each taking
+# a tensor id whether it is offloaded or not (`pack_tensor` calls get_tensor_id first): the
+# embedding its token ids; a checkpointed layer its input (non-reentrant checkpointing packs
+# the region's input through the outer hooks and nothing else); the output stage the eager
+# final RMSNorm's six (torchtune/modules/rms_norm.py at 1814feb: the fp32 input for pow and for
+# the product, the rsqrt result twice, the bf16 normalised tensor and the scale, a Parameter
+# that is not offloaded); the output layer runs under NoOpManager. Counted with
+# torch.autograd.graph.saved_tensors_hooks on the CPU (torch 2.13).
+EMBEDDING_PACKED = 1
+LAYER_PACKED = 1
+FINAL_NORM_PACKED = 6
 
 
 def offloads_checkpoints(run: PublishedRun) -> bool:
@@ -221,8 +229,9 @@ def checkpoint_offload_activation_bytes(plan: Plan) -> int:
 
     derived from that file: in the forward each packed tensor is copied to the host and the
     device copy stays in `fwd_stash` until a tensor `max_fwd_stash_size` (5) packs later is
-    packed, so the newest 5 packed tensors stay on the device (the final norm packs 2 after
-    the last layer); the stash is emptied once the first backward node has run; in the
+    packed, so the newest 5 packed tensors stay on the device (`EMBEDDING_PACKED`,
+    `LAYER_PACKED`, `FINAL_NORM_PACKED` count them); the stash is emptied once the first
+    backward node has run; in the
     backward each input comes back when its layer's recomputation unpacks it. A checkpointed
     layer is taken to pack one tensor, its input. The device copy an unpacked input keeps
     until the compute stream is done (`record_stream`) is one layer input at most, counted
@@ -239,10 +248,11 @@ def checkpoint_offload_activation_bytes(plan: Plan) -> int:
     for t, step in enumerate(plan.steps):
         is_layer = names[step.stage].startswith("layer ")
         current = {step.stage}
-        if step.kind == FORWARD_KEEP_INPUT and is_layer and stash_alive:
-            packed += 1
-        elif step.kind == FORWARD_KEEP_ALL and not is_layer and stash_alive:
-            packed += FINAL_NORM_PACKED
+        if stash_alive and step.kind != BACKWARD:
+            if is_layer:
+                packed += LAYER_PACKED
+            else:
+                packed += EMBEDDING_PACKED if step.stage == 0 else FINAL_NORM_PACKED
         waiting = len(held - current)
         on_host = min(waiting, max(0, packed - TORCHTUNE_FORWARD_STASH)) if stash_alive else waiting
         peak = max(peak, timeline.during_bytes[t] - on_host * X)
