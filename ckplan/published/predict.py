@@ -4,7 +4,10 @@ Each run is built as a user would describe it (its model, its published layout, 
 recomputation), planned with `plan.evaluate` and timed with `hardware.step_time`. A throughput
 figure implies a step time, so every time metric is compared as a step time (predicted /
 published - 1, positive when ckplan is slower) and, where the publisher counts FLOPs, as MFU in
-the publisher's own convention and peak (predicted - published, in points).
+the publisher's own convention and peak (predicted - published, in points). A peak from
+PyTorch's allocator statistics (allocated, active or reserved bytes) is compared with ckplan's
+allocated or reserved peak less what lives outside that allocator (`ALLOCATOR_METRICS`,
+`outside_allocator_bytes`).
 """
 
 from __future__ import annotations
