@@ -527,6 +527,9 @@ class ModelStateBytes:
     expert_optimizer: int = 0
     # the framework's communication buckets and unsharded copies (model.frameworks)
     buffers: int = 0
+    # model states in host memory (optimizer_offload, param_offload: `offloaded_states`), per
+    # GPU; not in `total`, which is the device's
+    host: int = 0
 
     @property
     def total(self) -> int:
@@ -686,8 +689,66 @@ def states_of(
     optimizer, expert_optimizer = both(spec.master_bytes + spec.optimizer_bytes, 1)
     if optimizer_extra:
         optimizer += split_share(optimizer_extra, dp) if zero >= 1 else optimizer_extra
-    return ModelStateBytes(
+    states = ModelStateBytes(
         weights, gradients, optimizer, expert_weights, expert_gradients, expert_optimizer, buffers
+    )
+    if spec.optimizer_offload == "none":
+        return states
+    sharded = split_share(dense, dp) + (split_share(expert, expert_dp) if expert else 0)
+    return offloaded_states(spec, states, sharded, zero)
+
+
+HOST_GRADIENT_BYTES = 4  # fp32 gradients on the host (DeepSpeed's master dtype; FSDP2's reduce)
+
+
+def offloaded_states(
+    spec: ModelSpec, states: ModelStateBytes, sharded: int, zero: int
+) -> ModelStateBytes:
+    """The model states `states` (per GPU, on the device) with optimizer_offload: cpu (and
+    param_offload: cpu), `sharded` the parameters whose states this GPU owns (its share over
+    dp·cp and the experts' data-parallel group): what stays on the device, and `host`, what
+    the host holds for this GPU (every byte of it pinned but Adam's moments).
+
+    DeepSpeed ZeRO-Offload (deepspeed/runtime/zero/stage_1_and_2.py and stage3.py, v0.19.8;
+    Ren et al. 2021 §4): the fp32 master partition and its fp32 gradient
+    (single_partition_of_fp32_groups and its .grad, pinned; ZeRO-3's grad_partitions_flat_buffer
+    on the offload device) and DeepSpeedCPUAdam's exp_avg and exp_avg_sq move to the host:
+    (master_bytes + optimizer_bytes + 4) per owned parameter; the device keeps no gradient
+    buffer beyond the reduce buckets (each bucket's partition is copied out as it is reduced).
+    ZeRO 1-2 also pin a weight_bytes copy of the partition on the host for the copy back
+    (param_buffer_of_bit16_for_cpu_offload_groups) and two gradient staging buffers of the
+    largest parameter, one on each side (`frameworks.largest_parameter`); the bf16 weights stay
+    on the device. With offload_param (ZeRO-3), the weight_bytes partition lives on the host
+    instead of the device.
+
+    FSDP CPU offload (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, PyTorch v2.13.0,
+    CPUOffloadPolicy): the sharded parameters (weight_bytes, fp32 in torchtitan's recipe, the
+    optimizer's own), their sharded gradients (reduce-scatter output copied to the CPU) and
+    torch's AdamW moments are on the host: (weight_bytes + 4 + master_bytes + optimizer_bytes)
+    per owned parameter; the device holds only the gathered parameters and buckets (`buffers`).
+    """
+    owned = states.optimizer + sharded * HOST_GRADIENT_BYTES
+    weights, expert_weights, buffers = states.weights, states.expert_weights, states.buffers
+    if spec.framework == "deepspeed":
+        staging = frameworks.HALF * frameworks.largest_parameter(spec) if zero < 3 else 0
+        host = owned + staging
+        if zero < 3 or spec.param_offload != "none":
+            host += sharded * spec.weight_bytes  # the partition's copy, or the partition
+        if spec.param_offload != "none":
+            weights = expert_weights = 0
+        buffers += staging
+    else:
+        host = owned + sharded * spec.weight_bytes
+        weights = expert_weights = 0
+    return ModelStateBytes(
+        weights=weights,
+        gradients=0,
+        optimizer=0,
+        expert_weights=expert_weights,
+        expert_gradients=0,
+        expert_optimizer=0,
+        buffers=buffers,
+        host=host,
     )
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckplan.errors import InputError
+from ckplan.model.frameworks import OFFLOAD_DEVICES
 from ckplan.model.optimizers import OPTIMIZERS
 from ckplan.quoting import quote
 
@@ -300,6 +301,10 @@ class TrainingState(_Record):
     optimizer_bytes: int = 8
     optimizer: str = "adamw"  # ckplan.model.optimizers.OPTIMIZERS
     optimizer_in_backward: bool = False  # step each parameter in backward, free its gradient
+    # model states in host memory (ckplan.model.frameworks.state_offload_error): the fp32
+    # master weights, optimizer states and gradients, the step on the CPU; and the weights
+    optimizer_offload: str = "none"  # none | cpu
+    param_offload: str = "none"  # none | cpu
 
     __hash__ = _Record.__hash__
 
@@ -308,6 +313,10 @@ class TrainingState(_Record):
         if self.optimizer not in OPTIMIZERS:
             rule = f"must be one of {', '.join(OPTIMIZERS)}"
             raise SpecError(key="optimizer", rule=rule, value=self.optimizer)
+        for key in ("optimizer_offload", "param_offload"):
+            if getattr(self, key) not in OFFLOAD_DEVICES:
+                rule = f"must be one of {', '.join(OFFLOAD_DEVICES)}"
+                raise SpecError(key=key, rule=rule, value=getattr(self, key))
 
 
 TRAININGS = ("full", "frozen", "lora", "qlora")

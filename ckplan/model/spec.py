@@ -74,6 +74,7 @@ KEY_ORDER = (
     "framework", "kernels", "attention_kernel", "precision", "loss", "tp_comm_overlap",
     "dp_comm_overlap", "expandable_segments", "training", "lora_rank", "lora_alpha",
     "lora_targets", "lora_dropout", "weight_format", "optimizer", "optimizer_in_backward",
+    "optimizer_offload", "param_offload",
 )  # fmt: skip
 PART_OF: dict[str, str] = {
     field.name: part for part, record in PARTS.items() for field in dataclasses.fields(record)
@@ -265,6 +266,7 @@ _BOOL_FIELDS = {key for key, f in _KEYS.items() if f.type in ("bool", "bool | No
 _STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions", "profile"}
 _STR_FIELDS |= {"framework", "kernels", "attention_kernel", "precision", "loss"}
 _STR_FIELDS |= {"training", "lora_targets", "weight_format", "optimizer"}
+_STR_FIELDS |= {"optimizer_offload", "param_offload"}
 _LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
 _FLOAT_FIELDS = {"dropout", "capacity_factor", "lora_dropout", "lora_alpha"}
 _NULLABLE = {key for key, f in _KEYS.items() if "None" in str(f.type)}
@@ -504,6 +506,8 @@ def _validate(spec: ModelSpec) -> None:
     _validate_moe(spec)
     _validate_finetune(spec)
     _validate_optimizer(spec)
+    if reason := frameworks.state_offload_error(spec):
+        raise SpecError(reason)
 
 
 def _validate_uneven_stages(spec: ModelSpec) -> None:

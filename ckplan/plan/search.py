@@ -44,7 +44,7 @@ class Candidate:
     def fits(self) -> bool:
         host = self.host_budget_bytes
         return self.plan.reserved_bytes <= self.budget_bytes and (
-            host is None or self.plan.host_bytes <= host
+            host is None or self.plan.host_total_bytes <= host
         )
 
     @property
@@ -471,10 +471,10 @@ def fitting_plan(
     plan = evaluate(spec, strategy, formula, budget=budget, slots=slots, gpu=gpu)
     if plan is None or plan.reserved_bytes > usable_bytes:
         return None
-    if gpu is not None and plan.stage_offloads:
+    if gpu is not None and plan.host_total_bytes:
         from ckplan.hardware.host_link import host_memory_per_gpu
 
-        if plan.host_bytes > host_memory_per_gpu(gpu):
+        if plan.host_total_bytes > host_memory_per_gpu(gpu):
             return None
     return plan
 

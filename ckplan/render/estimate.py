@@ -55,7 +55,8 @@ def plan_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
                 "gradients": states.gradients,
                 "optimizer": states.optimizer,
                 "buffers": states.buffers,
-            },
+            }
+            | ({"host": states.host} if states.host else {}),
             "total_bytes": plan.total_bytes,
             "reserved_bytes": plan.reserved_bytes,
         },
@@ -368,10 +369,13 @@ def plan_summary_table(plan: Plan) -> Table:
         if frozen
         else f"{spec.weight_bytes} B/param",
     )
+    on_host = spec.optimizer_offload != "none"
     table.add_row(
         "  gradients",
         gib(states.gradients),
-        f"{spec.grad_bytes} B/param"
+        "on the host (optimizer_offload)"
+        if on_host
+        else f"{spec.grad_bytes} B/param"
         + (" (trainable parameters only)" if frozen else "")
         + ("; one layer's at a time (optimizer_in_backward)" if spec.optimizer_in_backward else "")
         + (
@@ -386,10 +390,16 @@ def plan_summary_table(plan: Plan) -> Table:
     table.add_row(
         "  optimizer",
         gib(states.optimizer),
-        f"{spec.master_bytes + spec.optimizer_bytes} B/param{per_tensor} ({held})",
+        "on the host (optimizer_offload)"
+        if on_host
+        else f"{spec.master_bytes + spec.optimizer_bytes} B/param{per_tensor} ({held})",
     )
     if states.buffers:
         table.add_row("  buffers", gib(states.buffers), f"{spec.framework}'s (docs/memory.md)")
+    if states.host:
+        table.add_row(
+            "model states on host", both_units(states.host), host_state_note(spec), style="bold"
+        )
     if spec.experts:
         table.add_row(
             "  of which experts",
@@ -459,7 +469,21 @@ def _state_note(spec: ModelSpec) -> str:
         return f"training: {spec.training}: frozen weights, trainable parameters' states{zero}"
     per_param = spec.weight_bytes + spec.grad_bytes + spec.master_bytes + spec.optimizer_bytes
     zero = f", ZeRO-{spec.zero} over dp={spec.dp}" if spec.zero else ""
+    if spec.optimizer_offload != "none":
+        return f"{per_param} B/param{zero}; on the device: what is not on the host"
     return f"{per_param} B/param{zero}"
+
+
+def host_state_note(spec) -> str:
+    """What the host holds per GPU under optimizer_offload (memory.offloaded_states)."""
+    ds = spec.framework == "deepspeed"
+    parts = ["master + Adam", "fp32 gradients"]
+    if not ds or spec.param_offload != "none":
+        parts.insert(0, "weights")
+    elif spec.zero < 3:
+        parts.append(f"a {spec.weight_bytes} B/param copy and staging")
+    name = "ZeRO-Offload" if ds else "FSDP CPU offload"
+    return f"per GPU, {name}: " + ", ".join(parts)
 
 
 def offload_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:

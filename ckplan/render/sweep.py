@@ -35,7 +35,7 @@ def candidate_dict(candidate: Candidate) -> dict[str, Any]:
         "headroom_bytes": candidate.headroom_bytes,
     } | (
         {"host_budget_bytes": candidate.host_budget_bytes}
-        if candidate.plan.stage_offloads and candidate.host_budget_bytes is not None
+        if candidate.plan.host_total_bytes and candidate.host_budget_bytes is not None
         else {}
     )
 
@@ -403,7 +403,13 @@ def why_not_fitting(candidate: Candidate) -> str:
     states = candidate.plan.model_states.total
     host = candidate.host_budget_bytes
     fits_device = candidate.plan.reserved_bytes <= candidate.budget_bytes
-    if fits_device and host is not None and candidate.plan.host_bytes > host:
+    if fits_device and host is not None and candidate.plan.host_total_bytes > host:
+        if candidate.plan.model_states.host:
+            return (
+                f"host memory {format_bytes(candidate.plan.host_total_bytes, GIB)} (model states "
+                f"{format_bytes(candidate.plan.model_states.host, GIB)}) over the "
+                f"{format_bytes(host, GIB)} per GPU"
+            )
         return (
             f"offloaded tapes {format_bytes(candidate.plan.host_bytes, GIB)} over the "
             f"{format_bytes(host, GIB)} of host memory per GPU"

@@ -28,7 +28,9 @@ from functools import cached_property
 from typing import Any
 
 from ckplan.hardware import communication as comm
+from ckplan.hardware import host_states
 from ckplan.hardware.gpus import GPU
+from ckplan.hardware.host_link import copy_seconds
 from ckplan.hardware.roofline import memory_seconds
 from ckplan.hardware.step_time import embedding_time, layer_time, output_time
 from ckplan.hardware.times import StageTime
@@ -445,6 +447,13 @@ class Bounds:
         if layout.zero >= 1:
             dense = split_share(dense, layout.dp * layout.cp)
             experts = split_share(experts, self._expert_dp(layout)) if experts else 0
+        if spec.optimizer_offload != "none":
+            # the CPU step and the copy after it, never hidden (host_states); the copies
+            # beside the compute only add to it
+            traffic = host_states.state_traffic(spec, dense + experts, layout.zero)
+            after = copy_seconds(traffic.after_step_to_device, self.gpu)
+            sharing = min(self.gpu.gpus_per_node, layout.gpus)
+            return host_states.cpu_adam_seconds(traffic, self.gpu, sharing) + after
         per_param = optimizers.step_bytes_per_parameter(
             spec.optimizer,
             spec.grad_bytes,
