@@ -554,7 +554,13 @@ def estimate_view(
         parts.append(
             Text(
                 f"{verdict}: {gib(plan.total_bytes)} of {gib(candidate.budget_bytes)} usable "
-                f"(budget less reserve), headroom {gib(candidate.headroom_bytes)}",
+                f"(budget less reserve), headroom {gib(candidate.headroom_bytes)}"
+                + (
+                    f"; host {gib(plan.host_total_bytes)} of "
+                    f"{gib(candidate.host_budget_bytes)} host memory per GPU"
+                    if plan.model_states.host and candidate.host_budget_bytes is not None
+                    else ""
+                ),
                 style="bold green" if candidate.fits else "bold red",
             )
         )

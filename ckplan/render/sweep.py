@@ -282,6 +282,13 @@ def sweep_verdict(result: SweepResult) -> Text:
             style="bold green",
         )
     smallest = result.smallest
+    host = smallest.host_budget_bytes
+    if smallest.headroom_bytes >= 0 and host is not None and smallest.plan.model_states.host:
+        return Text(
+            f"Nothing fits: {smallest.plan.strategy} fits the GPU, but its "
+            f"{why_not_fitting(smallest)}.",
+            style="bold red",
+        )
     text = (
         f"Nothing fits: the smallest any plan reaches is {gib(smallest.plan.total_bytes)} "
         f"({smallest.plan.strategy}), {gib(-smallest.headroom_bytes)} over the usable budget."
