@@ -195,7 +195,8 @@ ARCHITECTURE_FEATURES = {
         "moe_layers",
     ),
 }
-# Keys of the other parts that only MoE models or uneven pipelines use: shown when not default.
+# Keys of the other parts that only MoE models, uneven pipelines or model states on the host
+# use: shown when not default.
 QUIET_KEYS = frozenset(
     {
         "moe_imbalance",
@@ -205,6 +206,8 @@ QUIET_KEYS = frozenset(
         "last_stage_layers",
         "account_for_embedding_in_pipeline_split",
         "account_for_loss_in_pipeline_split",
+        "optimizer_offload",
+        "param_offload",
     }
 )
 PART_TITLES = {

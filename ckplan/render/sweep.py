@@ -193,6 +193,8 @@ def sweep_view(
     if offloads:
         parts.append(Text("Offload (tapes in pinned host memory, copies beside compute):"))
         parts += [Text("  " + offload_text(c.plan, c.time, c.host_budget_bytes)) for c in offloads]
+    if result.candidates and result.candidates[0].plan.model_states.host:
+        parts.append(Text(host_states_text(result.best or result.smallest)))
     parts.append(sweep_verdict(result))
     if result.best is not None:  # recompute the busiest stage's FLOPs do not show
         hidden = [note for note in result.best.plan.notes if " recomputes " in note]
@@ -404,6 +406,25 @@ def candidate_advice(candidate: Candidate | None) -> list[str]:
     from ckplan.plan.advice import advice_lines
 
     return advice_lines(candidate.plan.spec, candidate.budget_bytes)
+
+
+def host_states_text(candidate: Candidate) -> str:
+    """One line on the model states a plan keeps in host memory: bytes per GPU, the host
+    memory they share with offloaded tapes, the CPU step and the copies not hidden."""
+    states = candidate.plan.model_states
+    host = candidate.host_budget_bytes
+    text = f"Model states on the host: {gib(states.host)} per GPU" + (
+        f" (of {gib(host)} host memory per GPU)" if host is not None else ""
+    )
+    time = candidate.time
+    if time is not None:
+        from ckplan.render.time import seconds
+
+        text += (
+            f"; CPU optimizer step {seconds(time.optimizer_seconds)}, state copies exposed "
+            f"{seconds(time.state_copy_seconds)} ({candidate.plan.strategy})"
+        )
+    return text + "."
 
 
 def why_not_fitting(candidate: Candidate) -> str:
