@@ -17,7 +17,7 @@ from ckplan.model.layers import (
 from ckplan.model.mla import mla_parameters
 from ckplan.model.modules import Discard, is_discarding, layer_discards
 from ckplan.model.moe import moe_layer_parameters
-from ckplan.model.op import in_group, split_share
+from ckplan.model.op import DENSE_MLP, in_group, split_share
 from ckplan.model.op_policy import is_policy, parse_policy, policy_tape_bytes
 from ckplan.model.ops import group_input_bytes, layer_ops, representative_kind
 from ckplan.model.parts import cached_by_chain
@@ -190,16 +190,33 @@ def layer_backward_walk(
     }
     groups = {name: members for name, members in groups.items() if members}
     member_of = {op.name: name for name, members in groups.items() for op in members}
+    # TiledMLP (`mlp_tiles`): the recomputed MLP runs its re-forward and backward tile by tile
+    tiles = spec.mlp_tiles if DENSE_MLP in groups else 1
+    tiled = {op.name for op in groups.get(DENSE_MLP, ())} if tiles > 1 else set()
+
+    tokens = (spec.seq // spec.cp) * spec.micro_batch
+
+    def tile(nbytes: int, name: str) -> int:
+        """One tile's share of an MLP op's bytes: torch.chunk's largest chunk of the tokens."""
+        if name not in tiled:
+            return nbytes
+        if nbytes % tokens == 0:
+            return nbytes // tokens * -(-tokens // tiles)
+        return -(-nbytes // tiles)
+
     freed_after: Counter[str] = Counter()  # bytes freed when the named op's backward returns
-    rebuilt = {name: sum(op.saved_bytes for op in members) for name, members in groups.items()}
+    rebuilt = {
+        name: sum(tile(op.saved_bytes, op.name) for op in members)
+        for name, members in groups.items()
+    }
     for op in ops:
         if op.saved_until is None or op.name in member_of:
-            freed_after[op.name] += op.saved_bytes
+            freed_after[op.name] += tile(op.saved_bytes, op.name)
         elif op.saved_until in member_of:
             # The stored storage is this op's alone; the re-forward saves a new one.
             freed_after[op.name] += op.saved_bytes
-            freed_after[op.saved_until] += op.saved_bytes
-            rebuilt[member_of[op.saved_until]] += op.saved_bytes
+            freed_after[op.saved_until] += tile(op.saved_bytes, op.saved_until)
+            rebuilt[member_of[op.saved_until]] += tile(op.saved_bytes, op.saved_until)
         else:
             freed_after[op.saved_until] += op.saved_bytes
     kept = 0
@@ -224,8 +241,28 @@ def layer_backward_walk(
     stream = layer_input_bytes(spec)
     residual, waiting = stream, 0
     points = []
+    first = groups[DENSE_MLP][0] if tiled else None
+    last = groups[DENSE_MLP][-1].name if tiled else None
+    held = 0  # TiledMLP's whole input gradient and incoming gradient, through its tiles
     for op in reversed(ops):
         saved += re_forward.get(op.name, 0)  # a group's re-forward, just before its backward
+        if op.name in tiled:
+            if op.name == last:  # x_grad = zeros_like(x); the incoming gradient is kept
+                held = first.input_grad_bytes + op.output_grad_bytes
+                waiting -= op.output_grad_bytes
+            own = tile(op.input_grad_bytes, op.name)  # fc1's: a tile's, added into x_grad
+            grads = residual + waiting + held + own
+            workspace = tile(op.grad_workspace_bytes, op.name)
+            points.append(BackwardPoint(op.name, saved, grads, workspace))
+            saved -= freed_after[op.name]
+            if op.name != last:
+                waiting -= tile(op.output_grad_bytes, op.name)
+            if op is first:  # the tiles are done: x_grad is the group's input gradient
+                waiting += first.input_grad_bytes
+                held = 0
+            else:
+                waiting += own
+            continue
         grads = residual + waiting + op.input_grad_bytes
         points.append(BackwardPoint(op.name, saved, grads, op.grad_workspace_bytes))
         saved -= freed_after[op.name]

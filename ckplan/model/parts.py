@@ -52,6 +52,7 @@ SIZE_RANGES: dict[str, tuple[int, int]] = {
     "zero": (0, 3),
     "virtual_stages": (1, 2**16),
     "microbatches": (1, 2**20),
+    "mlp_tiles": (1, 2**20),
     "weight_bytes": (0, 64),
     "grad_bytes": (0, 64),
     "master_bytes": (0, 64),
@@ -453,10 +454,14 @@ class Execution(_Record):
     dp_comm_overlap: bool | None = None  # overlap DP/FSDP traffic with compute; None -> framework's
     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; None -> the framework's launcher's
     expandable_segments: bool | None = None
+    # TiledMLP (Bekman et al. 2025, ALST): the recomputed dense MLP (the `mlp` strategy word)
+    # re-runs its forward and backward in this many tiles of the tokens
+    mlp_tiles: int = 1
 
     __hash__ = _Record.__hash__
 
     def __post_init__(self) -> None:
+        check_ranges(self)
         for key, allowed in (
             ("framework", FRAMEWORKS),
             ("attention_kernel", ATTENTION_KERNELS),

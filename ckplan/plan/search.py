@@ -108,7 +108,7 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
         for size in _sizes(1, layers):
             names += [f"moe+block:{size}", f"selective+moe+block:{size}"]
     names += module_candidates(spec)
-    return [parse_strategy(name, spec) for name in dict.fromkeys(names)]
+    return _distinct([parse_strategy(name, spec) for name in dict.fromkeys(names)])
 
 
 def module_candidates(spec: ModelSpec) -> list[str]:
@@ -271,7 +271,7 @@ def _simple_strategies(spec: ModelSpec) -> list[Strategy]:
     names = ["none", "selective", "full", "sqrt"] + [
         f"uniform:{k}" for k in _sizes(1, spec.layers_per_stage)
     ]
-    return [parse_strategy(name, spec) for name in dict.fromkeys(names)]
+    return _distinct([parse_strategy(name, spec) for name in dict.fromkeys(names)])
 
 
 def optimal_plan(
@@ -569,3 +569,8 @@ def largest_true(fits, limit: int) -> int:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low
+
+
+def _distinct(strategies: list[Strategy]) -> list[Strategy]:
+    """Each strategy once by name (with mlp_tiles every name gains the mlp word)."""
+    return list({strategy.name: strategy for strategy in strategies}.values())

@@ -226,6 +226,8 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
             "or optimal (offload+optimal), not with " + kind
         )
     group = moe[0] if moe else None
+    # TiledMLP replaces every dense MLP's forward: it is recomputed in every stored layer
+    mlp = mlp or (spec.mlp_tiles > 1 and has_dense_layers(spec) and kind != "full")
     if kind == "none" and (selective or mlp or group or offload or modules):
         name = "selective" if selective else "none"
         return Strategy(
