@@ -227,6 +227,12 @@ def sweep(
     fitting = [c for c in candidates if c.fits]
     cost = _cost_key(rank)
     best = min(fitting, key=cost) if fitting else None
+    stored = [c for c in candidates if not c.plan.stage_offloads]  # TiledMLP: tapes on GPU
+    if formula == "derived" and stored:
+        fit = [c for c in stored if c.fits]
+        reference = min(fit, key=cost) if fit else min(stored, key=lambda c: c.plan.reserved_bytes)
+        if note := tiled_mlp_note(reference, usable, gpu, slots):
+            notes.append(note)
     uniform = [c for c in candidates if c.plan.strategy.startswith("uniform:")]
     min_segment = (
         int(min(uniform, key=lambda c: c.plan.activation_bytes).plan.strategy.split(":")[1])
@@ -574,3 +580,63 @@ def largest_true(fits, limit: int) -> int:
 def _distinct(strategies: list[Strategy]) -> list[Strategy]:
     """Each strategy once by name (with mlp_tiles every name gains the mlp word)."""
     return list({strategy.name: strategy for strategy in strategies}.values())
+
+
+def tiled_mlp_tiles(spec: ModelSpec) -> int | None:
+    """The TiledMLP tile count the sweep tries on a long sequence: DeepSpeed's example,
+    ceil(seqlen / hidden) (deepspeed/runtime/sequence_parallel/ulysses_sp.py `TiledMLP`,
+    v0.19.8), over the tokens of a micro-batch per rank; None where it does not apply (a
+    sequence shorter than twice the hidden size, experts, mlp_tiles already set)."""
+    tokens = (spec.seq // spec.cp) * spec.micro_batch
+    if spec.kind != "transformer" or spec.experts or spec.mlp_tiles > 1:
+        return None
+    if tokens < 2 * spec.hidden:
+        return None
+    return -(-tokens // spec.hidden)
+
+
+def tiled_mlp_note(
+    reference: Candidate, usable: int, gpu: GPU | None, slots: int = DEFAULT_SLOTS
+) -> str | None:
+    """On a long sequence, the sweep's best plan that keeps its tapes on the GPU (or, when none
+    fits, its smallest) evaluated again with TiledMLP (`tiled_mlp_tiles`) under the same budget: one line when
+    it helps (a shorter step where both fit, a fit where the plan did not, else a lower
+    peak)."""
+    spec = reference.plan.spec
+    tiles = tiled_mlp_tiles(spec)
+    if tiles is None:
+        return None
+    from ckplan.plan.strategies import StrategyError
+
+    tiled = spec.replace(mlp_tiles=tiles)
+    try:
+        strategy = parse_strategy(reference.plan.strategy, tiled)
+    except StrategyError:
+        return None
+    budget = activation_budget(tiled, usable)
+    plan = evaluate(tiled, strategy, "derived", budget=budget, slots=slots, gpu=gpu)
+    if plan is None:
+        return None
+    candidate = _candidate(plan, usable, gpu)
+    before, after = reference.plan.reserved_bytes, plan.reserved_bytes
+    if candidate.fits and reference.fits and gpu is not None:
+        helps = candidate.time.step_seconds < reference.time.step_seconds
+    elif candidate.fits != reference.fits:
+        helps = candidate.fits
+    else:
+        helps = after < before
+    if not helps:
+        return None
+    from ckplan.units import format_bytes
+
+    fits = "fits" if candidate.fits else "does not fit"
+    text = (
+        f"TiledMLP (--set mlp_tiles={tiles}): {plan.strategy} peaks at {format_bytes(after)} "
+        f"({fits}; {reference.plan.strategy} without it: {format_bytes(before)})"
+    )
+    if candidate.time is not None and reference.time is not None:
+        text += (
+            f", step {candidate.time.step_seconds:.3f} s instead of "
+            f"{reference.time.step_seconds:.3f} s"
+        )
+    return text + "."

@@ -227,15 +227,17 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
         )
     group = moe[0] if moe else None
     # TiledMLP replaces every dense MLP's forward: it is recomputed in every stored layer
-    mlp = mlp or (spec.mlp_tiles > 1 and has_dense_layers(spec) and kind != "full")
+    tiled_mlp = spec.mlp_tiles > 1 and has_dense_layers(spec)
+    mlp = mlp or tiled_mlp
     if kind == "none" and (selective or mlp or group or offload or modules):
         name = "selective" if selective else "none"
         return Strategy(
             name, selective=selective, moe=group, mlp=mlp, offload=offload, modules=modules
         )
     if kind == "full" and (selective or group or mlp or modules):
-        # full recompute already re-runs every op of every layer
-        return Strategy("uniform", 1, selective)
+        # full recompute already re-runs every op of every layer (TiledMLP's MLP runs its
+        # backward tile by tile inside it)
+        return Strategy(kind="uniform", size=1, selective=selective, mlp=tiled_mlp)
     return Strategy(
         kind, size, selective or kind == "selective", group, mlp, offload=offload, modules=modules
     )

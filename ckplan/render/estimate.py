@@ -208,6 +208,7 @@ QUIET_KEYS = frozenset(
         "account_for_loss_in_pipeline_split",
         "optimizer_offload",
         "param_offload",
+        "mlp_tiles",
     }
 )
 PART_TITLES = {
