@@ -599,9 +599,9 @@ def tiled_mlp_note(
     reference: Candidate, usable: int, gpu: GPU | None, slots: int = DEFAULT_SLOTS
 ) -> str | None:
     """On a long sequence, the sweep's best plan that keeps its tapes on the GPU (or, when none
-    fits, its smallest) evaluated again with TiledMLP (`tiled_mlp_tiles`) under the same budget: one line when
-    it helps (a shorter step where both fit, a fit where the plan did not, else a lower
-    peak)."""
+    fits, its smallest) evaluated again with TiledMLP (`tiled_mlp_tiles`) under the same
+    budget: one line when it helps (a shorter step where both fit, a fit where the plan did
+    not, else a lower peak)."""
     spec = reference.plan.spec
     tiles = tiled_mlp_tiles(spec)
     if tiles is None:
