@@ -81,3 +81,20 @@ def test_sweep_tries_tiles_on_long_sequences():
     result = sweep(spec, gpu.memory_bytes, gpu=gpu)
     note = next(n for n in result.notes if n.startswith("TiledMLP"))
     assert "--set mlp_tiles=16" in note and "mlp+optimal" in note
+
+
+def test_sweep_tries_the_step_in_backward():
+    """The optimizer stepping in backward holds one layer's gradients: a plan one byte over
+    its budget fits with it, and the sweep's note says so; not where it cannot run."""
+    from ckplan.plan.evaluate import evaluate
+    from ckplan.plan.search import Candidate, in_backward_note
+
+    spec = load_spec("gpt2", {"framework": "deepspeed"})
+    plan = evaluate(spec, parse_strategy("uniform:2", spec))
+    usable = plan.reserved_bytes - 1
+    note = in_backward_note(Candidate(plan, usable), usable, None)
+    assert note.startswith("Optimizer in backward (--set optimizer_in_backward=true): uniform:2")
+    assert "(fits; uniform:2 without it:" in note
+    accumulating = load_spec("gpt2", {"framework": "deepspeed", "microbatches": 2})
+    plan = evaluate(accumulating, parse_strategy("uniform:2", accumulating))
+    assert in_backward_note(Candidate(plan, usable), usable, None) is None

@@ -30,6 +30,9 @@ RANKS = ("time", "flops")  # what "best" minimises: step time on a GPU, or total
 # With a GPU the sweep also stores every tape on host (ckplan.plan.offload) and runs the joint
 # DP (offload_optimal_plan); without one a copy would look free.
 OFFLOAD_CANDIDATES = ("offload", "selective+offload")
+# The sweep re-evaluates its best plan with TiledMLP and with the step in backward; it says so
+# where that shortens the step by at least this share (or makes a plan fit)
+LEVER_GAIN = 0.01
 
 
 @dataclass(frozen=True)
@@ -231,8 +234,9 @@ def sweep(
     if formula == "derived" and stored:
         fit = [c for c in stored if c.fits]
         reference = min(fit, key=cost) if fit else min(stored, key=lambda c: c.plan.reserved_bytes)
-        if note := tiled_mlp_note(reference, usable, gpu, slots):
-            notes.append(note)
+        for lever in (tiled_mlp_note, in_backward_note):
+            if note := lever(reference, usable, gpu, slots):
+                notes.append(note)
     uniform = [c for c in candidates if c.plan.strategy.startswith("uniform:")]
     min_segment = (
         int(min(uniform, key=lambda c: c.plan.activation_bytes).plan.strategy.split(":")[1])
@@ -600,27 +604,58 @@ def tiled_mlp_note(
 ) -> str | None:
     """On a long sequence, the sweep's best plan that keeps its tapes on the GPU (or, when none
     fits, its smallest) evaluated again with TiledMLP (`tiled_mlp_tiles`) under the same
-    budget: one line when it helps (a shorter step where both fit, a fit where the plan did
-    not, else a lower peak)."""
-    spec = reference.plan.spec
-    tiles = tiled_mlp_tiles(spec)
+    budget: one line when it helps (`lever_note`)."""
+    tiles = tiled_mlp_tiles(reference.plan.spec)
     if tiles is None:
         return None
+    return lever_note(reference, {"mlp_tiles": tiles}, "TiledMLP", usable, gpu, slots)
+
+
+def in_backward_note(
+    reference: Candidate, usable: int, gpu: GPU | None, slots: int = DEFAULT_SLOTS
+) -> str | None:
+    """The same plan with the optimizer stepping in backward (`optimizer_in_backward`: one
+    layer's gradients held instead of all of them), where the model allows it (one pipeline
+    stage, one micro-batch, no experts, model states on the GPU): one line when it helps."""
+    spec = reference.plan.spec
+    if (
+        spec.optimizer_in_backward
+        or spec.pp > 1
+        or spec.microbatches > 1
+        or spec.experts
+        or spec.optimizer_offload != "none"
+    ):
+        return None
+    changes = {"optimizer_in_backward": True}
+    return lever_note(reference, changes, "Optimizer in backward", usable, gpu, slots)
+
+
+def lever_note(
+    reference: Candidate,
+    changes: dict,
+    label: str,
+    usable: int,
+    gpu: GPU | None,
+    slots: int = DEFAULT_SLOTS,
+) -> str | None:
+    """`reference`'s strategy evaluated again on the model with `changes` under the same
+    budget: one line when it helps (a step at least LEVER_GAIN shorter where both fit, a fit
+    where the plan did not, else a lower peak), None otherwise."""
     from ckplan.plan.strategies import StrategyError
 
-    tiled = spec.replace(mlp_tiles=tiles)
     try:
-        strategy = parse_strategy(reference.plan.strategy, tiled)
-    except StrategyError:
+        changed = reference.plan.spec.replace(**changes)
+        strategy = parse_strategy(reference.plan.strategy, changed)
+    except (SpecError, StrategyError):
         return None
-    budget = activation_budget(tiled, usable)
-    plan = evaluate(tiled, strategy, "derived", budget=budget, slots=slots, gpu=gpu)
+    budget = activation_budget(changed, usable)
+    plan = evaluate(changed, strategy, "derived", budget=budget, slots=slots, gpu=gpu)
     if plan is None:
         return None
     candidate = _candidate(plan, usable, gpu)
     before, after = reference.plan.reserved_bytes, plan.reserved_bytes
     if candidate.fits and reference.fits and gpu is not None:
-        helps = candidate.time.step_seconds < reference.time.step_seconds
+        helps = candidate.time.step_seconds < (1 - LEVER_GAIN) * reference.time.step_seconds
     elif candidate.fits != reference.fits:
         helps = candidate.fits
     else:
@@ -629,9 +664,10 @@ def tiled_mlp_note(
         return None
     from ckplan.units import format_bytes
 
+    keys = " ".join(f"--set {key}={str(value).lower()}" for key, value in changes.items())
     fits = "fits" if candidate.fits else "does not fit"
     text = (
-        f"TiledMLP (--set mlp_tiles={tiles}): {plan.strategy} peaks at {format_bytes(after)} "
+        f"{label} ({keys}): {plan.strategy} peaks at {format_bytes(after)} "
         f"({fits}; {reference.plan.strategy} without it: {format_bytes(before)})"
     )
     if candidate.time is not None and reference.time is not None:
