@@ -35,7 +35,8 @@ def candidate_dict(candidate: Candidate) -> dict[str, Any]:
         "headroom_bytes": candidate.headroom_bytes,
     } | (
         {"host_budget_bytes": candidate.host_budget_bytes}
-        if candidate.plan.host_total_bytes and candidate.host_budget_bytes is not None
+        if (candidate.plan.stage_offloads or candidate.plan.model_states.host)
+        and candidate.host_budget_bytes is not None
         else {}
     )
 
