@@ -253,3 +253,24 @@ def test_cpu_adam_traffic_is_deepspeeds():
     ops = re.findall(r"simd_(mul|fma|sqrt|div)<span>", body)
     flops = sum(2 if op == "fma" else 1 for op in ops)
     assert flops == host_states.CPU_ADAM_FLOPS_PER_PARAMETER
+
+
+def test_layout_search_runs_offloaded_layouts(capsys):
+    """`ckplan plan` with model states on the host: every layout it tries runs them (ZeRO >= 1
+    for DeepSpeed, one micro-batch per step), and its bounds count the host's states off the
+    device."""
+    import json
+
+    from ckplan.cli import main
+
+    argv = ["plan", "llama3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--seq", "4096"]
+    argv += ["--set", "framework=deepspeed", "--set", "optimizer_offload=cpu", "--json"]
+    try:
+        main(argv)
+    except SystemExit as exit:
+        assert exit.code in (0, None)
+    data = json.loads(capsys.readouterr().out)
+    layouts = data["layouts"]
+    assert layouts
+    assert all(layout["zero"] >= 1 and layout["microbatches"] == 1 for layout in layouts)
+    assert all(layout["time"]["state_copy_seconds"] > 0 for layout in layouts)

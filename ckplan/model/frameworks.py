@@ -131,12 +131,13 @@ def _zero_hint(framework: str) -> str:
     }.get(framework, "")
 
 
-def largest_weight(spec) -> int:
-    """The largest weight matrix of a layer on one GPU, which a gather cannot split."""
+def largest_weight(spec, tp: int | None = None) -> int:
+    """The largest weight matrix of a layer on one GPU, which a gather cannot split; `tp` a
+    layout's, default the spec's."""
     widths = [spec.ffn_hidden, (spec.heads + 2 * spec.kv_heads) * spec.head_dim]
     if spec.experts:
         widths.append(spec.moe_ffn_hidden)
-    return spec.hidden * max(widths) // spec.tp
+    return spec.hidden * max(widths) // (spec.tp if tp is None else tp)
 
 
 def buffer_bytes(spec, stage_params: int, layer_params: int, root_params: int) -> int:
@@ -227,11 +228,12 @@ def state_offload_error(
     return None
 
 
-def largest_parameter(spec) -> int:
+def largest_parameter(spec, tp: int | None = None) -> int:
     """Values of the largest parameter tensor on one GPU: the vocab-parallel embedding or
     output layer (V/t rows of h) or a layer's largest weight (`largest_weight`). DeepSpeed's
     CPU offload sizes its gradient staging buffers by it (stage_1_and_2.py, v0.19.8:
     temp_grad_buffer_for_cpu_offload and temp_grad_buffer_for_gpu_offload, `largest_param_numel`
-    values in the parameters' dtype)."""
-    vocab = -(-spec.vocab * spec.hidden // spec.tp) if spec.vocab else 0
-    return max(vocab, largest_weight(spec))
+    values in the parameters' dtype). `tp`: a layout's, default the spec's."""
+    tp = spec.tp if tp is None else tp
+    vocab = -(-spec.vocab * spec.hidden // tp) if spec.vocab else 0
+    return max(vocab, largest_weight(spec, tp))

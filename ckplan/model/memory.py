@@ -698,6 +698,7 @@ def states_of(
     buffers: int = 0,
     optimizer_extra: int = 0,
     held_gradients: int | None = None,
+    tp: int | None = None,
 ) -> ModelStateBytes:
     """The model states of `dense` and `expert` parameters under spec's bytes per parameter
     and its ZeRO stage, its data-parallel ranks `dp` (default dp·cp: the ranks that hold the
@@ -706,7 +707,8 @@ def states_of(
     `optimizer_extra`: the dense parameters' shape-dependent optimizer state
     (`optimizer_tensor_bytes`), sharded with the rest of it; `held_gradients`: the dense
     parameters whose gradients are held at once when they are not all
-    (`in_backward_gradient_parameters`)."""
+    (`in_backward_gradient_parameters`); `tp` a layout's (the offloaded states' staging
+    buffers), default the spec's."""
     zero = spec.zero if zero is None else zero
     dp = spec.dp * spec.cp if dp is None else dp
     expert_dp = spec.expert_data_parallel if expert_dp is None else expert_dp
@@ -732,14 +734,14 @@ def states_of(
     if spec.optimizer_offload == "none":
         return states
     sharded = split_share(dense, dp) + (split_share(expert, expert_dp) if expert else 0)
-    return offloaded_states(spec, states, sharded, zero)
+    return offloaded_states(spec, states, sharded, zero, tp)
 
 
 HOST_GRADIENT_BYTES = 4  # fp32 gradients on the host (DeepSpeed's master dtype; FSDP2's reduce)
 
 
 def offloaded_states(
-    spec: ModelSpec, states: ModelStateBytes, sharded: int, zero: int
+    spec: ModelSpec, states: ModelStateBytes, sharded: int, zero: int, tp: int | None = None
 ) -> ModelStateBytes:
     """The model states `states` (per GPU, on the device) with optimizer_offload: cpu (and
     param_offload: cpu), `sharded` the parameters whose states this GPU owns (its share over
@@ -767,7 +769,7 @@ def offloaded_states(
     owned = states.optimizer + sharded * HOST_GRADIENT_BYTES
     weights, expert_weights, buffers = states.weights, states.expert_weights, states.buffers
     if spec.framework == "deepspeed":
-        staging = frameworks.HALF * frameworks.largest_parameter(spec) if zero < 3 else 0
+        staging = frameworks.HALF * frameworks.largest_parameter(spec, tp) if zero < 3 else 0
         host = owned + staging
         if zero < 3 or spec.param_offload != "none":
             host += sharded * spec.weight_bytes  # the partition's copy, or the partition

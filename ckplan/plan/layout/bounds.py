@@ -137,6 +137,9 @@ class Bounds:
             "account_for_embedding_in_pipeline_split": False,
             "account_for_loss_in_pipeline_split": False,
             "etp": None,
+            # the parts' specs run any layout (ZeRO 0 among them); `states` offloads
+            "optimizer_offload": "none",
+            "param_offload": "none",
         }
         return self.spec.replace(**(cleared | keys))
 
@@ -292,7 +295,7 @@ class Bounds:
         held = 0 if self.spec.optimizer_in_backward else None
         return memory.states_of(
             self.spec, dense, expert, zero=layout.zero, dp=layout.dp * layout.cp,
-            expert_dp=self._expert_dp(layout), held_gradients=held,
+            expert_dp=self._expert_dp(layout), held_gradients=held, tp=layout.tp,
         )  # fmt: skip
 
     def stage_states(self, layout: Layout) -> tuple[tuple[StageShape, int], ...]:
