@@ -274,3 +274,25 @@ def test_layout_search_runs_offloaded_layouts(capsys):
     assert layouts
     assert all(layout["zero"] >= 1 and layout["microbatches"] == 1 for layout in layouts)
     assert all(layout["time"]["state_copy_seconds"] > 0 for layout in layouts)
+
+
+def test_json_shows_the_host_states(capsys):
+    """`estimate --json`: the host bytes in `memory.model_states.host`, the copies and the CPU
+    step in `state_offload`, the exposed copies in `time.state_copy_seconds`."""
+    import json
+
+    from ckplan.cli import main
+
+    argv = ["estimate", "llama3-8b", "--gpu", "h100-sxm", "--set", "framework=deepspeed"]
+    argv += ["--set", "zero=2", "--set", "dp=8", "--set", "optimizer_offload=cpu", "--json"]
+    main(argv)
+    data = json.loads(capsys.readouterr().out)
+    offload = data["state_offload"]
+    owned = -(-8_030_261_248 // 8)
+    assert offload["host_bytes"] == data["memory"]["model_states"]["host"]
+    assert offload["host_bytes"] == owned * 18 + 2 * 128_256 * 4096
+    assert offload["gradients_to_host_bytes"] == 4 * owned
+    assert offload["after_step_to_device_bytes"] == 2 * owned
+    assert offload["cpu_step_bytes"] == 34 * owned
+    assert offload["exposed_seconds"] == data["time"]["state_copy_seconds"]
+    assert offload["cpu_step_seconds"] == data["time"]["optimizer_seconds"]

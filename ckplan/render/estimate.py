@@ -78,6 +78,8 @@ def plan_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
         data["time"] = time.to_dict()
     if plan.stage_offloads:
         data["offload"] = offload_dict(plan, time)
+    if plan.model_states.host:
+        data["state_offload"] = state_offload_dict(plan, time)
     spec = plan.spec
     if spec.kind == "transformer" and spec.vocab:
         data["memory"]["loss"] = loss_terms(spec)
@@ -476,6 +478,27 @@ def _state_note(spec: ModelSpec) -> str:
     if spec.optimizer_offload != "none":
         return f"{per_param} B/param{zero}; on the device: what is not on the host"
     return f"{per_param} B/param{zero}"
+
+
+def state_offload_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
+    """The JSON `state_offload` object of a plan with model states on the host
+    (docs/offloading.md, "Model states on the host"): host bytes per GPU, one step's copies
+    each way and the CPU step's bytes (`hardware.host_states.state_traffic`), and with a GPU
+    the CPU step's and the exposed copies' seconds."""
+    from ckplan.hardware.host_states import state_traffic
+
+    traffic = state_traffic(plan.spec)
+    data: dict[str, Any] = {
+        "host_bytes": plan.model_states.host,
+        "gradients_to_host_bytes": traffic.gradients_to_host,
+        "gathers_to_device_bytes": traffic.gathers_to_device,
+        "after_step_to_device_bytes": traffic.after_step_to_device,
+        "cpu_step_bytes": traffic.cpu_bytes,
+    }
+    if time is not None:
+        data["cpu_step_seconds"] = time.optimizer_seconds
+        data["exposed_seconds"] = time.state_copy_seconds
+    return data
 
 
 def host_state_note(spec) -> str:
