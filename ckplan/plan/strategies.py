@@ -158,6 +158,11 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
         policy = _parse_policy(text, words[0], spec)
         rest = [part for part in parts if not _is_policy_word(part)]
         base = parse_strategy(rest[0], spec) if rest else Strategy("none")
+        if rest and rest[0] == "full":
+            return Strategy(kind="uniform", size=1)  # every layer re-run whole
+        if base.mlp and "mlp" not in rest[0].split("+"):
+            # mlp_tiles' MLP word: the policy decides every op of a layer (no tiles there)
+            base = dataclasses.replace(base, mlp=False)
         if base.groups:
             raise StrategyError(
                 f"strategy {quote(text)}: a per-op policy already decides what "
