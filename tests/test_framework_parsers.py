@@ -31,6 +31,8 @@ DEEPSPEED_CASES = [
     ("uniform:2", {"zero": 2, "dp": 8, "microbatches": 4}),
     ("block:4", {"zero": 3, "dp": 16, "micro_batch": 2}),
     ("selective", {"zero": 0, "dp": 4}),
+    ("none", {"zero": 2, "dp": 1, "optimizer_offload": "cpu"}),
+    ("full", {"zero": 3, "dp": 8, "optimizer_offload": "cpu", "param_offload": "cpu"}),
 ]
 
 
@@ -52,6 +54,15 @@ def test_deepspeed_loads_the_exported_config(spec_of, strategy, layout):
         loaded.activation_checkpointing_config.number_checkpoints
         == (config["activation_checkpointing"]["number_checkpoints"])
     )
+    for key, block in (
+        ("optimizer_offload", "offload_optimizer"),
+        ("param_offload", "offload_param"),
+    ):
+        offload = getattr(loaded.zero_config, block)
+        if getattr(spec, key) == "none":
+            assert offload is None
+        else:
+            assert (str(offload.device), offload.pin_memory) == ("cpu", True)
 
 
 # torchtitan's package imports its models (and triton) on import; its config modules need only

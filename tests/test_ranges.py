@@ -22,6 +22,8 @@ def corner(key: str, value: int) -> dict:
         spec |= {"layers": max(4, value)}
     if key == "cp":
         spec |= {"seq": max(16, value)}
+    if key == "mlp_tiles":  # at most one token a tile
+        spec |= {"seq": max(spec.get("seq", 1), value)}
     if key == "tp":
         spec |= {"kv_heads": max(4, value)}
     moe_keys = ("ep", "top_k", "shared_experts", "shared_ffn_hidden", "etp", "moe_ffn_hidden")

@@ -126,8 +126,9 @@ def estimate(
 
 
 def _host_budget(plan, device) -> int | None:
-    """The host memory an offload plan's pinned tapes must fit, with a GPU."""
-    if device is None or not plan.stage_offloads:
+    """The host memory an offload plan's pinned tapes and offloaded model states must fit,
+    with a GPU."""
+    if device is None or not (plan.stage_offloads or plan.model_states.host):
         return None
     from ckplan.hardware.host_link import host_memory_per_gpu
 

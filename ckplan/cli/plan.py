@@ -91,8 +91,12 @@ def plan(
             raise UserError(f"--top must be at least 1, got {top}")
         overrides = parse_overrides(settings, seq, None, None, None, profile)
         constraints = constraints_from(overrides)
-        # the search sets the layout keys; the model is read without them
-        spec = load_spec(model, {k: v for k, v in overrides.items() if k not in constraints})
+        # the search sets the layout keys; the model is read without them (with model states
+        # on the host, at a ZeRO stage that offloads them: every layout sets its own)
+        base = {k: v for k, v in overrides.items() if k not in constraints}
+        if any(base.get(key, "none") != "none" for key in ("optimizer_offload", "param_offload")):
+            base["zero"] = 3
+        spec = load_spec(model, base)
         device = resolve_gpu(gpu, settings)
         budget_text, total, kept = require_budget(budget, reserve, device)
         slots = check_slots(slots)

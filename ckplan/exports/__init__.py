@@ -51,6 +51,12 @@ def why_not(plan: Plan, target: str) -> str | None:
         )
     if target == yaml_plan.NAME:
         return None
+    if plan.spec.mlp_tiles > 1:
+        return (
+            f"plan {plan.strategy}: mlp_tiles ({plan.spec.mlp_tiles}) is TiledMLP, which "
+            "replaces the MLP's forward in the model's code (DeepSpeed's "
+            "deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP); no config key runs it"
+        )
     layers = layer_segments(plan)
     if isinstance(layers, str):
         return f"plan {plan.strategy}: {layers}"

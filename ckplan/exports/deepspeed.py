@@ -12,6 +12,13 @@ blocks), any other segmentation calls `deepspeed.checkpointing.checkpoint` on it
 segments per stage. ckplan models neither activation partitioning nor CPU checkpointing, so
 both stay false. The pipeline engine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline
 parallelism" (deepspeed/runtime/pipe/engine.py).
+
+Model states on the host (`optimizer_offload: cpu`, `param_offload: cpu`) become
+`zero_optimization.offload_optimizer` and `offload_param`, `{"device": "cpu", "pin_memory":
+true}` (deepspeed/runtime/zero/offload_config.py, v0.19.8: DeepSpeedZeroOffloadOptimizerConfig,
+valid with stage 1, 2 and 3, and DeepSpeedZeroOffloadParamConfig, stage 3 only); ZeRO-Offload
+asserts the optimizer is DeepSpeedCPUAdam (stage_1_and_2.py `_enforce_cpu_offload`), which a
+config's `"optimizer": {"type": "AdamW"}` builds when offload_optimizer is set.
 """
 
 from __future__ import annotations
@@ -30,7 +37,25 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
         return why
     if spec.pp > 1 and spec.zero > 1:
         return f"zero={spec.zero} with pp={spec.pp}: DeepSpeed's pipeline engine allows ZeRO 0-1"
+    if spec.param_offload != "none" and spec.zero != 3:
+        return (
+            f"param_offload with zero={spec.zero}: DeepSpeed's offload_param runs with ZeRO 3 only"
+        )
     return None
+
+
+def zero_section(spec: ModelSpec) -> dict:
+    """`zero_optimization`: the stage and, with model states on the host, the offload blocks
+    (module docstring)."""
+    section: dict = {"stage": spec.zero}
+    for key, block in (
+        ("optimizer_offload", "offload_optimizer"),
+        ("param_offload", "offload_param"),
+    ):
+        device = getattr(spec, key)
+        if device != "none":
+            section[block] = {"device": device, "pin_memory": True}
+    return section
 
 
 def config(plan: Plan, layers: LayerSegments) -> dict:
@@ -38,7 +63,7 @@ def config(plan: Plan, layers: LayerSegments) -> dict:
     return {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
         "gradient_accumulation_steps": spec.microbatches,
-        "zero_optimization": {"stage": spec.zero},
+        "zero_optimization": zero_section(spec),
         "activation_checkpointing": {
             "partition_activations": False,
             "cpu_checkpointing": False,
@@ -76,6 +101,11 @@ def notes(plan: Plan, layers: LayerSegments) -> list[str]:
         )
     if not lines:
         lines.append("no checkpointing: the plan stores every activation")
+    if plan.spec.optimizer_offload != "none":
+        lines.append(
+            'offload_optimizer steps with DeepSpeedCPUAdam: give "optimizer": {"type": "AdamW"} '
+            "(or pass deepspeed.ops.adam.DeepSpeedCPUAdam)"
+        )
     spec = plan.spec
     if spec.tp > 1 or spec.pp > 1 or spec.cp > 1:
         lines.append(

@@ -21,6 +21,12 @@ link per GPU and 1 TB of host memory per node):
   gpus_per_host_link    GPUs that share one host link (behind one PCIe switch uplink)
   host_memory_bytes     host memory of one node; its share per GPU bounds the pinned tapes
 
+Host CPU keys (model states on the host: the CPU optimizer step, ckplan.hardware.host_states;
+defaults: DGX H100's two Intel Xeon Platinum 8480C):
+  host_cpu_bytes_per_s        the node's CPU memory bandwidth (all sockets, datasheet)
+  host_cpu_memory_efficiency  share of it a streaming kernel reaches (STREAM)
+  host_cpu_flops              the node's FP32 vector FLOP/s (all sockets, base clock)
+
 Efficiency keys (fractions of the datasheet figure actually reached; see each default's source in
 the shipped files and README "Step time"):
   matmul_efficiency           large, well-shaped GEMMs (the shape curve multiplies it)
@@ -121,6 +127,13 @@ class GPU:
     host_link_efficiency: float = 0.8
     gpus_per_host_link: int = 1
     host_memory_bytes: int = 10**12
+    # the host's CPUs (model states on the host, hardware.host_states). Default: DGX H100's two
+    # Xeon Platinum 8480C (DGX H100 datasheet); Intel's 8480+ specification: 56 cores, 2.0 GHz
+    # base, 8 channels of DDR5-4800 per socket, two AVX-512 FMA units per core: 2 x 8 x 4.8e9
+    # x 8 bytes = 614.4e9 B/s, 2 x 56 x 2.0e9 x 64 FP32 FLOPs per cycle = 14.336e12 FLOP/s
+    host_cpu_bytes_per_s: float = 614.4e9
+    host_cpu_memory_efficiency: float = 0.7  # assumed; measure with STREAM's triad
+    host_cpu_flops: float = 14.336e12
 
     def replace(self, **changes: Any) -> GPU:
         return gpu_from_mapping({**self.to_dict(), **changes})
@@ -157,6 +170,7 @@ _FRACTIONS = {  # (0, 1]
     "sustained_fraction",
     "clock_factor",
     "host_link_efficiency",
+    "host_cpu_memory_efficiency",
 }
 
 

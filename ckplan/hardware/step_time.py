@@ -29,6 +29,7 @@ from functools import lru_cache
 from itertools import groupby
 
 from ckplan.hardware import communication as comm
+from ckplan.hardware import host_states
 from ckplan.hardware.code_path import spec_code_path
 from ckplan.hardware.expert_parallel import expert_parallel_comm, exposed_fraction
 from ckplan.hardware.gpus import GPU
@@ -97,29 +98,36 @@ class StepTime:
     # activation offloading: host copies the compute could not hide (hardware.host_link);
     # part of step_seconds
     offload_exposed_seconds: float = 0.0
+    # model states on the host (hardware.host_states): their copies the compute could not
+    # hide; part of step_seconds (optimizer_seconds is then the CPU step)
+    state_copy_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, object]:
         """The JSON `time` object (docs/time-model.md) plus optimizer_seconds,
         expert_parallel_seconds and breakdown."""
-        return {
-            "step_seconds": self.step_seconds,
-            "forward_seconds": self.forward_seconds,
-            "backward_seconds": self.backward_seconds,
-            "recompute_seconds": self.recompute_seconds,
-            "communication_seconds": self.communication_seconds,
-            "bubble_seconds": self.bubble_seconds,
-            "overhead": self.overhead,
-            "mfu": self.mfu,
-            "mfu_convention": self.mfu_convention,
-            "hfu": self.hfu,
-            "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
-            "optimizer_seconds": self.optimizer_seconds,
-            "expert_parallel_seconds": self.expert_parallel_seconds,
-            "breakdown": dict(self.breakdown),
-        } | (
-            {"offload_exposed_seconds": self.offload_exposed_seconds}
-            if self.offload_exposed_seconds
-            else {}
+        return (
+            {
+                "step_seconds": self.step_seconds,
+                "forward_seconds": self.forward_seconds,
+                "backward_seconds": self.backward_seconds,
+                "recompute_seconds": self.recompute_seconds,
+                "communication_seconds": self.communication_seconds,
+                "bubble_seconds": self.bubble_seconds,
+                "overhead": self.overhead,
+                "mfu": self.mfu,
+                "mfu_convention": self.mfu_convention,
+                "hfu": self.hfu,
+                "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
+                "optimizer_seconds": self.optimizer_seconds,
+                "expert_parallel_seconds": self.expert_parallel_seconds,
+                "breakdown": dict(self.breakdown),
+            }
+            | (
+                {"offload_exposed_seconds": self.offload_exposed_seconds}
+                if self.offload_exposed_seconds
+                else {}
+            )
+            | ({"state_copy_seconds": self.state_copy_seconds} if self.state_copy_seconds else {})
         )
 
 
@@ -581,7 +589,11 @@ def optimizer_seconds(spec: ModelSpec, gpu: GPU) -> float:
     parameters whose optimizer state this GPU holds: from ZeRO 1
     its dense parameters' share over dp·cp and its routed experts' share over their
     expert-data-parallel group (as `memory.model_state_bytes` shards them); only the trainable
-    ones when the base weights are frozen (`memory.trainable_stage_parameters`)."""
+    ones when the base weights are frozen (`memory.trainable_stage_parameters`). With
+    optimizer_offload the host's CPU steps instead (`host_states.cpu_adam_seconds`)."""
+    if spec.optimizer_offload != "none":
+        traffic = host_states.state_traffic(spec)
+        return host_states.cpu_adam_seconds(traffic, gpu, host_states.gpus_stepping(spec, gpu))
     dense, experts = memory.trainable_stage_parameters(spec, memory.busiest_stage(spec))
     if spec.zero >= 1:
         dense = split_share(dense, spec.dp * spec.cp)
@@ -634,9 +646,13 @@ def step_time_from_forwards(
     dp = data_parallel_exposed(spec, gpu, busiest)
     optimizer = optimizer_seconds(spec, gpu)
     offload = m * exposed[index]
-    step = compute + bubble + dp + optimizer + offload
-    plain_compute, plain_bubble, _ = _pipeline(spec, gpu, max(plain, key=lambda t: t.total))
-    step_without = plain_compute + plain_bubble + dp + optimizer
+    states = state_copy_seconds(spec, gpu, busiest)
+    step = compute + bubble + dp + optimizer + offload + states
+    plain_busiest = max(plain, key=lambda t: t.total)
+    plain_compute, plain_bubble, _ = _pipeline(spec, gpu, plain_busiest)
+    step_without = (
+        plain_compute + plain_bubble + dp + optimizer + state_copy_seconds(spec, gpu, plain_busiest)
+    )
 
     gpus = spec.tp * spec.pp * spec.cp * spec.dp
     global_batch = spec.micro_batch * m * spec.dp
@@ -668,7 +684,25 @@ def step_time_from_forwards(
         breakdown=breakdown,
         expert_parallel_seconds=expert_parallel,
         offload_exposed_seconds=offload,
+        state_copy_seconds=states,
     )
+
+
+def state_copy_seconds(spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime) -> float:
+    """The exposed host copies of the offloaded model states in one step
+    (`host_states.exposed_state_copy_seconds` beside the busiest stage's forward and backward,
+    communication and re-forwards included); 0 without optimizer_offload."""
+    if spec.optimizer_offload == "none":
+        return 0.0
+    forward = busiest.forward.total + busiest.forward_comm
+    backward = (
+        busiest.backward.total
+        + busiest.backward_comm
+        + busiest.recompute.total
+        + busiest.recompute_comm
+    )
+    traffic = host_states.state_traffic(spec)
+    return host_states.exposed_state_copy_seconds(traffic, gpu, forward, backward)
 
 
 def offload_exposed_seconds(

@@ -38,6 +38,23 @@ parameter (its mixed-precision recipe) and adds buffers of its own:
   copy of every fp32 weight for the forward and backward (2 bytes per parameter; none when
   weight_bytes is 2, weights already in bf16 as in pure-bf16 training). No tensor, pipeline,
   context or expert parallelism; ZeRO-2/3 through accelerate's FSDP or DeepSpeed.
+
+Model states in host memory (`optimizer_offload: cpu`, `param_offload: cpu`;
+`state_offload_error` says what each framework runs, ckplan.model.memory `offloaded_states`
+what stays on the GPU, ckplan.hardware.host_states the copies and the CPU step):
+
+- `deepspeed`: ZeRO-Offload (Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model
+  Training", USENIX ATC), `zero_optimization.offload_optimizer: {device: cpu}`, valid with
+  ZeRO 1, 2 and 3 (deepspeed/runtime/zero/offload_config.py, v0.19.8): the fp32 master
+  partition, its fp32 gradient and Adam's moments on the host, the step DeepSpeedCPUAdam's; and
+  ZeRO-Infinity's `offload_param: {device: cpu}`, ZeRO-3 only ("Valid only with stage 3"): the
+  bf16 parameter partition on the host too.
+- `torchtitan`, `hf`: FSDP's CPU offload (FSDP2 `CPUOffloadPolicy`, torchtitan's
+  `training.enable_cpu_offload`; accelerate's `fsdp_offload_params`), which moves the sharded
+  parameters, their gradients and the optimizer step to the CPU together: both keys at once,
+  with ZeRO 2 or 3 (FSDP).
+- `megatron`: not modelled (Megatron-Core's `optimizer_cpu_offload` is another design,
+  a hybrid device optimizer).
 """
 
 from __future__ import annotations
@@ -51,6 +68,7 @@ DEEPSPEED_ALLGATHER_BUCKET = 500_000_000  # elements (allgather_bucket_size)
 DEEPSPEED_PREFETCH_BUCKET = 50_000_000  # elements (stage3_prefetch_bucket_size)
 DEEPSPEED_MAX_LIVE = 1_000_000_000  # parameters (stage3_max_live_parameters)
 HALF = 2  # bytes of a bf16 value
+OFFLOAD_DEVICES = ("none", "cpu")  # optimizer_offload, param_offload
 
 
 @dataclass(frozen=True)
@@ -114,12 +132,13 @@ def _zero_hint(framework: str) -> str:
     }.get(framework, "")
 
 
-def largest_weight(spec) -> int:
-    """The largest weight matrix of a layer on one GPU, which a gather cannot split."""
+def largest_weight(spec, tp: int | None = None) -> int:
+    """The largest weight matrix of a layer on one GPU, which a gather cannot split; `tp` a
+    layout's, default the spec's."""
     widths = [spec.ffn_hidden, (spec.heads + 2 * spec.kv_heads) * spec.head_dim]
     if spec.experts:
         widths.append(spec.moe_ffn_hidden)
-    return spec.hidden * max(widths) // spec.tp
+    return spec.hidden * max(widths) // (spec.tp if tp is None else tp)
 
 
 def buffer_bytes(spec, stage_params: int, layer_params: int, root_params: int) -> int:
@@ -155,3 +174,71 @@ def buffer_bytes(spec, stage_params: int, layer_params: int, root_params: int) -
         autocast = HALF * (stage_params if zero < 3 else 2 * layer_params) if fp32_weights else 0
         return buckets + autocast
     return 0
+
+
+def state_offload_error(
+    spec, zero: int | None = None, pp: int | None = None, microbatches: int | None = None
+) -> str | None:
+    """Why the spec's `optimizer_offload` and `param_offload` cannot run as ckplan models them
+    (one line naming the key), or None (module docstring): DeepSpeed's offload_optimizer with
+    ZeRO 1-3 and its offload_param with ZeRO 3 beside it; FSDP's CPU offload, both keys, with
+    ZeRO 2-3. Both need full training with Adam (DeepSpeedCPUAdam; torch's AdamW on CPU
+    tensors), one pipeline stage and one micro-batch per step (DeepSpeed accumulates micro-
+    batches' gradients through host buffers and FSDP on the CPU, which ckplan does not time),
+    and no optimizer_in_backward. `zero`, `pp`, `microbatches`: a layout's, default the spec's."""
+    optimizer, param = spec.optimizer_offload != "none", spec.param_offload != "none"
+    if not (optimizer or param):
+        return None
+    key = "optimizer_offload" if optimizer else "param_offload"
+    framework = spec.framework
+    zero = spec.zero if zero is None else zero
+    pp = spec.pp if pp is None else pp
+    microbatches = spec.microbatches if microbatches is None else microbatches
+    if framework == "megatron":
+        return (
+            f"key {key!r}: model states on the host are modelled for framework deepspeed "
+            "(ZeRO-Offload), torchtitan or hf (FSDP CPU offload), not megatron"
+        )
+    if param and not optimizer:
+        return (
+            "key 'param_offload' (cpu) needs optimizer_offload: cpu (the parameters' "
+            "optimizer states go to the host first)"
+        )
+    if framework == "deepspeed":
+        if zero < 1:
+            return f"key 'zero' ({zero}): DeepSpeed's offload_optimizer runs with ZeRO 1, 2 or 3"
+        if param and zero != 3:
+            return f"key 'zero' ({zero}): DeepSpeed's offload_param runs with ZeRO 3 only"
+    elif not param:
+        return (
+            f"key 'optimizer_offload' (cpu): {framework}'s FSDP CPU offload moves the parameters, "
+            "gradients and optimizer step together; set param_offload: cpu too"
+        )
+    elif zero < 2:
+        return f"key 'zero' ({zero}): FSDP's CPU offload shards the states; use zero 2 or 3"
+    if spec.training != "full":
+        return f"key {key!r}: model states on the host are modelled for training: full"
+    if spec.optimizer != "adamw":
+        return (
+            f"key {key!r}: the CPU step is modelled for optimizer: adamw "
+            f"(DeepSpeedCPUAdam), got {spec.optimizer}"
+        )
+    if spec.optimizer_in_backward:
+        return f"key {key!r}: the CPU step runs after backward; drop optimizer_in_backward"
+    if pp > 1 or microbatches > 1:
+        return (
+            f"key {key!r}: model states on the host are modelled for one pipeline stage and "
+            "one micro-batch per step (pp: 1, microbatches: 1)"
+        )
+    return None
+
+
+def largest_parameter(spec, tp: int | None = None) -> int:
+    """Values of the largest parameter tensor on one GPU: the vocab-parallel embedding or
+    output layer (V/t rows of h) or a layer's largest weight (`largest_weight`). DeepSpeed's
+    CPU offload sizes its gradient staging buffers by it (stage_1_and_2.py, v0.19.8:
+    temp_grad_buffer_for_cpu_offload and temp_grad_buffer_for_gpu_offload, `largest_param_numel`
+    values in the parameters' dtype). `tp`: a layout's, default the spec's."""
+    tp = spec.tp if tp is None else tp
+    vocab = -(-spec.vocab * spec.hidden // tp) if spec.vocab else 0
+    return max(vocab, largest_weight(spec, tp))

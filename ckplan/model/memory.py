@@ -17,7 +17,7 @@ from ckplan.model.layers import (
 from ckplan.model.mla import mla_parameters
 from ckplan.model.modules import Discard, is_discarding, layer_discards
 from ckplan.model.moe import moe_layer_parameters
-from ckplan.model.op import in_group, split_share
+from ckplan.model.op import DENSE_MLP, in_group, split_share
 from ckplan.model.op_policy import is_policy, parse_policy, policy_tape_bytes
 from ckplan.model.ops import group_input_bytes, layer_ops, representative_kind
 from ckplan.model.parts import cached_by_chain
@@ -190,16 +190,33 @@ def layer_backward_walk(
     }
     groups = {name: members for name, members in groups.items() if members}
     member_of = {op.name: name for name, members in groups.items() for op in members}
+    # TiledMLP (`mlp_tiles`): the recomputed MLP runs its re-forward and backward tile by tile
+    tiles = spec.mlp_tiles if DENSE_MLP in groups else 1
+    tiled = {op.name for op in groups.get(DENSE_MLP, ())} if tiles > 1 else set()
+
+    tokens = (spec.seq // spec.cp) * spec.micro_batch
+
+    def tile(nbytes: int, name: str) -> int:
+        """One tile's share of an MLP op's bytes: torch.chunk's largest chunk of the tokens."""
+        if name not in tiled:
+            return nbytes
+        if nbytes % tokens == 0:
+            return nbytes // tokens * -(-tokens // tiles)
+        return -(-nbytes // tiles)
+
     freed_after: Counter[str] = Counter()  # bytes freed when the named op's backward returns
-    rebuilt = {name: sum(op.saved_bytes for op in members) for name, members in groups.items()}
+    rebuilt = {
+        name: sum(tile(op.saved_bytes, op.name) for op in members)
+        for name, members in groups.items()
+    }
     for op in ops:
         if op.saved_until is None or op.name in member_of:
-            freed_after[op.name] += op.saved_bytes
+            freed_after[op.name] += tile(op.saved_bytes, op.name)
         elif op.saved_until in member_of:
             # The stored storage is this op's alone; the re-forward saves a new one.
             freed_after[op.name] += op.saved_bytes
-            freed_after[op.saved_until] += op.saved_bytes
-            rebuilt[member_of[op.saved_until]] += op.saved_bytes
+            freed_after[op.saved_until] += tile(op.saved_bytes, op.saved_until)
+            rebuilt[member_of[op.saved_until]] += tile(op.saved_bytes, op.saved_until)
         else:
             freed_after[op.saved_until] += op.saved_bytes
     kept = 0
@@ -224,8 +241,28 @@ def layer_backward_walk(
     stream = layer_input_bytes(spec)
     residual, waiting = stream, 0
     points = []
+    first = groups[DENSE_MLP][0] if tiled else None
+    last = groups[DENSE_MLP][-1].name if tiled else None
+    held = 0  # TiledMLP's whole input gradient and incoming gradient, through its tiles
     for op in reversed(ops):
         saved += re_forward.get(op.name, 0)  # a group's re-forward, just before its backward
+        if op.name in tiled:
+            if op.name == last:  # x_grad = zeros_like(x); the incoming gradient is kept
+                held = first.input_grad_bytes + op.output_grad_bytes
+                waiting -= op.output_grad_bytes
+            own = tile(op.input_grad_bytes, op.name)  # fc1's: a tile's, added into x_grad
+            grads = residual + waiting + held + own
+            workspace = tile(op.grad_workspace_bytes, op.name)
+            points.append(BackwardPoint(op.name, saved, grads, workspace))
+            saved -= freed_after[op.name]
+            if op.name != last:
+                waiting -= tile(op.output_grad_bytes, op.name)
+            if op is first:  # the tiles are done: x_grad is the group's input gradient
+                waiting += first.input_grad_bytes
+                held = 0
+            else:
+                waiting += own
+            continue
         grads = residual + waiting + op.input_grad_bytes
         points.append(BackwardPoint(op.name, saved, grads, op.grad_workspace_bytes))
         saved -= freed_after[op.name]
@@ -527,6 +564,9 @@ class ModelStateBytes:
     expert_optimizer: int = 0
     # the framework's communication buckets and unsharded copies (model.frameworks)
     buffers: int = 0
+    # model states in host memory (optimizer_offload, param_offload: `offloaded_states`), per
+    # GPU; not in `total`, which is the device's
+    host: int = 0
 
     @property
     def total(self) -> int:
@@ -658,6 +698,7 @@ def states_of(
     buffers: int = 0,
     optimizer_extra: int = 0,
     held_gradients: int | None = None,
+    tp: int | None = None,
 ) -> ModelStateBytes:
     """The model states of `dense` and `expert` parameters under spec's bytes per parameter
     and its ZeRO stage, its data-parallel ranks `dp` (default dp·cp: the ranks that hold the
@@ -666,7 +707,8 @@ def states_of(
     `optimizer_extra`: the dense parameters' shape-dependent optimizer state
     (`optimizer_tensor_bytes`), sharded with the rest of it; `held_gradients`: the dense
     parameters whose gradients are held at once when they are not all
-    (`in_backward_gradient_parameters`)."""
+    (`in_backward_gradient_parameters`); `tp` a layout's (the offloaded states' staging
+    buffers), default the spec's."""
     zero = spec.zero if zero is None else zero
     dp = spec.dp * spec.cp if dp is None else dp
     expert_dp = spec.expert_data_parallel if expert_dp is None else expert_dp
@@ -686,8 +728,66 @@ def states_of(
     optimizer, expert_optimizer = both(spec.master_bytes + spec.optimizer_bytes, 1)
     if optimizer_extra:
         optimizer += split_share(optimizer_extra, dp) if zero >= 1 else optimizer_extra
-    return ModelStateBytes(
+    states = ModelStateBytes(
         weights, gradients, optimizer, expert_weights, expert_gradients, expert_optimizer, buffers
+    )
+    if spec.optimizer_offload == "none":
+        return states
+    sharded = split_share(dense, dp) + (split_share(expert, expert_dp) if expert else 0)
+    return offloaded_states(spec, states, sharded, zero, tp)
+
+
+HOST_GRADIENT_BYTES = 4  # fp32 gradients on the host (DeepSpeed's master dtype; FSDP2's reduce)
+
+
+def offloaded_states(
+    spec: ModelSpec, states: ModelStateBytes, sharded: int, zero: int, tp: int | None = None
+) -> ModelStateBytes:
+    """The model states `states` (per GPU, on the device) with optimizer_offload: cpu (and
+    param_offload: cpu), `sharded` the parameters whose states this GPU owns (its share over
+    dp·cp and the experts' data-parallel group): what stays on the device, and `host`, what
+    the host holds for this GPU (every byte of it pinned but Adam's moments).
+
+    DeepSpeed ZeRO-Offload (deepspeed/runtime/zero/stage_1_and_2.py and stage3.py, v0.19.8;
+    Ren et al. 2021 §4): the fp32 master partition and its fp32 gradient
+    (single_partition_of_fp32_groups and its .grad, pinned; ZeRO-3's grad_partitions_flat_buffer
+    on the offload device) and DeepSpeedCPUAdam's exp_avg and exp_avg_sq move to the host:
+    (master_bytes + optimizer_bytes + 4) per owned parameter; the device keeps no gradient
+    buffer beyond the reduce buckets (each bucket's partition is copied out as it is reduced).
+    ZeRO 1-2 also pin a weight_bytes copy of the partition on the host for the copy back
+    (param_buffer_of_bit16_for_cpu_offload_groups) and two gradient staging buffers of the
+    largest parameter, one on each side (`frameworks.largest_parameter`); the bf16 weights stay
+    on the device. With offload_param (ZeRO-3), the weight_bytes partition lives on the host
+    instead of the device.
+
+    FSDP CPU offload (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, PyTorch v2.13.0,
+    CPUOffloadPolicy): the sharded parameters (weight_bytes, fp32 in torchtitan's recipe, the
+    optimizer's own), their sharded gradients (reduce-scatter output copied to the CPU) and
+    torch's AdamW moments are on the host: (weight_bytes + 4 + master_bytes + optimizer_bytes)
+    per owned parameter; the device holds only the gathered parameters and buckets (`buffers`).
+    """
+    owned = states.optimizer + sharded * HOST_GRADIENT_BYTES
+    weights, expert_weights, buffers = states.weights, states.expert_weights, states.buffers
+    if spec.framework == "deepspeed":
+        staging = frameworks.HALF * frameworks.largest_parameter(spec, tp) if zero < 3 else 0
+        host = owned + staging
+        if zero < 3 or spec.param_offload != "none":
+            host += sharded * spec.weight_bytes  # the partition's copy, or the partition
+        if spec.param_offload != "none":
+            weights = expert_weights = 0
+        buffers += staging
+    else:
+        host = owned + sharded * spec.weight_bytes
+        weights = expert_weights = 0
+    return ModelStateBytes(
+        weights=weights,
+        gradients=0,
+        optimizer=0,
+        expert_weights=expert_weights,
+        expert_gradients=0,
+        expert_optimizer=0,
+        buffers=buffers,
+        host=host,
     )
 
 

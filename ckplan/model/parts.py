@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckplan.errors import InputError
+from ckplan.model.frameworks import OFFLOAD_DEVICES
 from ckplan.model.optimizers import OPTIMIZERS
 from ckplan.quoting import quote
 
@@ -51,6 +52,7 @@ SIZE_RANGES: dict[str, tuple[int, int]] = {
     "zero": (0, 3),
     "virtual_stages": (1, 2**16),
     "microbatches": (1, 2**20),
+    "mlp_tiles": (1, 2**20),
     "weight_bytes": (0, 64),
     "grad_bytes": (0, 64),
     "master_bytes": (0, 64),
@@ -300,6 +302,10 @@ class TrainingState(_Record):
     optimizer_bytes: int = 8
     optimizer: str = "adamw"  # ckplan.model.optimizers.OPTIMIZERS
     optimizer_in_backward: bool = False  # step each parameter in backward, free its gradient
+    # model states in host memory (ckplan.model.frameworks.state_offload_error): the fp32
+    # master weights, optimizer states and gradients, the step on the CPU; and the weights
+    optimizer_offload: str = "none"  # none | cpu
+    param_offload: str = "none"  # none | cpu
 
     __hash__ = _Record.__hash__
 
@@ -308,6 +314,10 @@ class TrainingState(_Record):
         if self.optimizer not in OPTIMIZERS:
             rule = f"must be one of {', '.join(OPTIMIZERS)}"
             raise SpecError(key="optimizer", rule=rule, value=self.optimizer)
+        for key in ("optimizer_offload", "param_offload"):
+            if getattr(self, key) not in OFFLOAD_DEVICES:
+                rule = f"must be one of {', '.join(OFFLOAD_DEVICES)}"
+                raise SpecError(key=key, rule=rule, value=getattr(self, key))
 
 
 TRAININGS = ("full", "frozen", "lora", "qlora")
@@ -444,10 +454,14 @@ class Execution(_Record):
     dp_comm_overlap: bool | None = None  # overlap DP/FSDP traffic with compute; None -> framework's
     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; None -> the framework's launcher's
     expandable_segments: bool | None = None
+    # TiledMLP (Bekman et al. 2025, ALST): the recomputed dense MLP (the `mlp` strategy word)
+    # re-runs its forward and backward in this many tiles of the tokens
+    mlp_tiles: int = 1
 
     __hash__ = _Record.__hash__
 
     def __post_init__(self) -> None:
+        check_ranges(self)
         for key, allowed in (
             ("framework", FRAMEWORKS),
             ("attention_kernel", ATTENTION_KERNELS),

@@ -72,8 +72,9 @@ KEY_ORDER = (
     "moe_imbalance", "ep", "etp", "first_stage_layers", "last_stage_layers",
     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
     "framework", "kernels", "attention_kernel", "precision", "loss", "tp_comm_overlap",
-    "dp_comm_overlap", "expandable_segments", "training", "lora_rank", "lora_alpha",
+    "dp_comm_overlap", "expandable_segments", "mlp_tiles", "training", "lora_rank", "lora_alpha",
     "lora_targets", "lora_dropout", "weight_format", "optimizer", "optimizer_in_backward",
+    "optimizer_offload", "param_offload",
 )  # fmt: skip
 PART_OF: dict[str, str] = {
     field.name: part for part, record in PARTS.items() for field in dataclasses.fields(record)
@@ -265,6 +266,7 @@ _BOOL_FIELDS = {key for key, f in _KEYS.items() if f.type in ("bool", "bool | No
 _STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions", "profile"}
 _STR_FIELDS |= {"framework", "kernels", "attention_kernel", "precision", "loss"}
 _STR_FIELDS |= {"training", "lora_targets", "weight_format", "optimizer"}
+_STR_FIELDS |= {"optimizer_offload", "param_offload"}
 _LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
 _FLOAT_FIELDS = {"dropout", "capacity_factor", "lora_dropout", "lora_alpha"}
 _NULLABLE = {key for key, f in _KEYS.items() if "None" in str(f.type)}
@@ -504,6 +506,10 @@ def _validate(spec: ModelSpec) -> None:
     _validate_moe(spec)
     _validate_finetune(spec)
     _validate_optimizer(spec)
+    if reason := frameworks.state_offload_error(spec):
+        raise SpecError(reason)
+    if spec.mlp_tiles > 1:
+        _validate_mlp_tiles(spec)
 
 
 def _validate_uneven_stages(spec: ModelSpec) -> None:
@@ -729,3 +735,18 @@ def _validate_optimizer(spec: ModelSpec) -> None:
             raise SpecError(
                 "key 'optimizer_in_backward' is not modelled for a mixture of experts (experts: 0)"
             )
+
+
+def _validate_mlp_tiles(spec: ModelSpec) -> None:
+    """TiledMLP tiles a dense transformer MLP over its tokens, at most one token a tile."""
+    if spec.kind != "transformer" or spec.experts:
+        raise SpecError(
+            f"key 'mlp_tiles' ({spec.mlp_tiles}) tiles a dense MLP: it needs kind: transformer "
+            "and experts: 0"
+        )
+    tokens = spec.seq // spec.cp * spec.micro_batch
+    if spec.mlp_tiles > tokens:
+        raise SpecError(
+            f"key 'mlp_tiles' ({spec.mlp_tiles}) must be at most the tokens of a micro-batch "
+            f"per rank ({tokens})"
+        )

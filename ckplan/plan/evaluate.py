@@ -96,6 +96,12 @@ class Plan:
         return self.activation_bytes + self.model_states.total
 
     @property
+    def host_total_bytes(self) -> int:
+        """Host memory per GPU at the peak: offloaded tapes and offloaded model states
+        (`memory.ModelStateBytes.host`)."""
+        return self.host_bytes + self.model_states.host
+
+    @property
     def reserved_bytes(self) -> int:
         """The allocator's reserved peak per GPU (max_memory_reserved) with memory to spare
         (model.allocator)."""

@@ -30,6 +30,9 @@ RANKS = ("time", "flops")  # what "best" minimises: step time on a GPU, or total
 # With a GPU the sweep also stores every tape on host (ckplan.plan.offload) and runs the joint
 # DP (offload_optimal_plan); without one a copy would look free.
 OFFLOAD_CANDIDATES = ("offload", "selective+offload")
+# The sweep re-evaluates its best plan with TiledMLP and with the step in backward; it says so
+# where that makes it fit or shortens the step by at least this share
+LEVER_GAIN = 0.01
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class Candidate:
     def fits(self) -> bool:
         host = self.host_budget_bytes
         return self.plan.budgeted_bytes <= self.budget_bytes and (
-            host is None or self.plan.host_bytes <= host
+            host is None or self.plan.host_total_bytes <= host
         )
 
     @property
@@ -108,7 +111,7 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
         for size in _sizes(1, layers):
             names += [f"moe+block:{size}", f"selective+moe+block:{size}"]
     names += module_candidates(spec)
-    return [parse_strategy(name, spec) for name in dict.fromkeys(names)]
+    return _distinct([parse_strategy(name, spec) for name in dict.fromkeys(names)])
 
 
 def module_candidates(spec: ModelSpec) -> list[str]:
@@ -227,6 +230,13 @@ def sweep(
     fitting = [c for c in candidates if c.fits]
     cost = _cost_key(rank)
     best = min(fitting, key=cost) if fitting else None
+    stored = [c for c in candidates if not c.plan.stage_offloads]  # TiledMLP: tapes on GPU
+    if formula == "derived" and stored:
+        fit = [c for c in stored if c.fits]
+        reference = min(fit, key=cost) if fit else min(stored, key=lambda c: c.plan.reserved_bytes)
+        for lever in (tiled_mlp_note, in_backward_note):
+            if note := lever(reference, usable, gpu, slots):
+                notes.append(note)
     uniform = [c for c in candidates if c.plan.strategy.startswith("uniform:")]
     min_segment = (
         int(min(uniform, key=lambda c: c.plan.activation_bytes).plan.strategy.split(":")[1])
@@ -271,7 +281,7 @@ def _simple_strategies(spec: ModelSpec) -> list[Strategy]:
     names = ["none", "selective", "full", "sqrt"] + [
         f"uniform:{k}" for k in _sizes(1, spec.layers_per_stage)
     ]
-    return [parse_strategy(name, spec) for name in dict.fromkeys(names)]
+    return _distinct([parse_strategy(name, spec) for name in dict.fromkeys(names)])
 
 
 def optimal_plan(
@@ -471,10 +481,10 @@ def fitting_plan(
     plan = evaluate(spec, strategy, formula, budget=budget, slots=slots, gpu=gpu)
     if plan is None or plan.budgeted_bytes > usable_bytes:
         return None
-    if gpu is not None and plan.stage_offloads:
+    if gpu is not None and plan.host_total_bytes:
         from ckplan.hardware.host_link import host_memory_per_gpu
 
-        if plan.host_bytes > host_memory_per_gpu(gpu):
+        if plan.host_total_bytes > host_memory_per_gpu(gpu):
             return None
     return plan
 
@@ -569,3 +579,98 @@ def largest_true(fits, limit: int) -> int:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low
+
+
+def _distinct(strategies: list[Strategy]) -> list[Strategy]:
+    """Each strategy once by name (with mlp_tiles every name gains the mlp word)."""
+    return list({strategy.name: strategy for strategy in strategies}.values())
+
+
+def tiled_mlp_tiles(spec: ModelSpec) -> int | None:
+    """The TiledMLP tile count the sweep tries on a long sequence: DeepSpeed's example,
+    ceil(seqlen / hidden) (deepspeed/runtime/sequence_parallel/ulysses_sp.py `TiledMLP`,
+    v0.19.8), over the tokens of a micro-batch per rank; None where it does not apply (a
+    sequence shorter than twice the hidden size, experts, mlp_tiles already set)."""
+    tokens = (spec.seq // spec.cp) * spec.micro_batch
+    if spec.kind != "transformer" or spec.experts or spec.mlp_tiles > 1:
+        return None
+    if tokens < 2 * spec.hidden:
+        return None
+    return -(-tokens // spec.hidden)
+
+
+def tiled_mlp_note(
+    reference: Candidate, usable: int, gpu: GPU | None, slots: int = DEFAULT_SLOTS
+) -> str | None:
+    """On a long sequence, the sweep's best plan that keeps its tapes on the GPU (or, when none
+    fits, its smallest) evaluated again with TiledMLP (`tiled_mlp_tiles`) under the same
+    budget: one line when it helps (`lever_note`)."""
+    tiles = tiled_mlp_tiles(reference.plan.spec)
+    if tiles is None:
+        return None
+    return lever_note(reference, {"mlp_tiles": tiles}, "TiledMLP", usable, gpu, slots)
+
+
+def in_backward_note(
+    reference: Candidate, usable: int, gpu: GPU | None, slots: int = DEFAULT_SLOTS
+) -> str | None:
+    """The same plan with the optimizer stepping in backward (`optimizer_in_backward`: one
+    layer's gradients held instead of all of them), where the model allows it (one pipeline
+    stage, one micro-batch, no experts, model states on the GPU): one line when it helps."""
+    spec = reference.plan.spec
+    if (
+        spec.optimizer_in_backward
+        or spec.pp > 1
+        or spec.microbatches > 1
+        or spec.experts
+        or spec.optimizer_offload != "none"
+    ):
+        return None
+    changes = {"optimizer_in_backward": True}
+    return lever_note(reference, changes, "Optimizer in backward", usable, gpu, slots)
+
+
+def lever_note(
+    reference: Candidate,
+    changes: dict,
+    label: str,
+    usable: int,
+    gpu: GPU | None,
+    slots: int = DEFAULT_SLOTS,
+) -> str | None:
+    """`reference`'s strategy evaluated again on the model with `changes` under the same
+    budget: one line when it helps (it fits where the plan did not, or, timed on a GPU, its
+    step is at least LEVER_GAIN shorter), None otherwise."""
+    from ckplan.plan.strategies import StrategyError
+
+    try:
+        changed = reference.plan.spec.replace(**changes)
+        strategy = parse_strategy(reference.plan.strategy, changed)
+    except (SpecError, StrategyError):
+        return None
+    budget = activation_budget(changed, usable)
+    plan = evaluate(changed, strategy, "derived", budget=budget, slots=slots, gpu=gpu)
+    if plan is None:
+        return None
+    candidate = _candidate(plan, usable, gpu)
+    before, after = reference.plan.total_bytes, plan.total_bytes
+    if not candidate.fits:
+        return None
+    if reference.fits:  # a shorter step, with a GPU to time it
+        if gpu is None:
+            return None
+        if candidate.time.step_seconds >= (1 - LEVER_GAIN) * reference.time.step_seconds:
+            return None
+    from ckplan.units import format_bytes
+
+    keys = " ".join(f"--set {key}={str(value).lower()}" for key, value in changes.items())
+    text = (
+        f"{label} ({keys}): {plan.strategy} peaks at {format_bytes(after)} "
+        f"(fits; {reference.plan.strategy} without it: {format_bytes(before)})"
+    )
+    if candidate.time is not None and reference.time is not None:
+        text += (
+            f", step {candidate.time.step_seconds:.3f} s instead of "
+            f"{reference.time.step_seconds:.3f} s"
+        )
+    return text + "."

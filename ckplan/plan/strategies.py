@@ -158,6 +158,11 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
         policy = _parse_policy(text, words[0], spec)
         rest = [part for part in parts if not _is_policy_word(part)]
         base = parse_strategy(rest[0], spec) if rest else Strategy("none")
+        if rest and rest[0] == "full":
+            return Strategy(kind="uniform", size=1)  # every layer re-run whole
+        if base.mlp and "mlp" not in rest[0].split("+"):
+            # mlp_tiles' MLP word: the policy decides every op of a layer (no tiles there)
+            base = dataclasses.replace(base, mlp=False)
         if base.groups:
             raise StrategyError(
                 f"strategy {quote(text)}: a per-op policy already decides what "
@@ -226,14 +231,18 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
             "or optimal (offload+optimal), not with " + kind
         )
     group = moe[0] if moe else None
+    # TiledMLP replaces every dense MLP's forward: it is recomputed in every stored layer
+    tiled_mlp = spec.mlp_tiles > 1 and has_dense_layers(spec)
+    mlp = mlp or tiled_mlp
     if kind == "none" and (selective or mlp or group or offload or modules):
         name = "selective" if selective else "none"
         return Strategy(
             name, selective=selective, moe=group, mlp=mlp, offload=offload, modules=modules
         )
     if kind == "full" and (selective or group or mlp or modules):
-        # full recompute already re-runs every op of every layer
-        return Strategy("uniform", 1, selective)
+        # full recompute already re-runs every op of every layer (TiledMLP's MLP runs its
+        # backward tile by tile inside it)
+        return Strategy(kind="uniform", size=1, selective=selective, mlp=tiled_mlp)
     return Strategy(
         kind, size, selective or kind == "selective", group, mlp, offload=offload, modules=modules
     )

@@ -55,7 +55,8 @@ def plan_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
                 "gradients": states.gradients,
                 "optimizer": states.optimizer,
                 "buffers": states.buffers,
-            },
+            }
+            | ({"host": states.host} if states.host else {}),
             "total_bytes": plan.total_bytes,
             "reserved_bytes": plan.reserved_bytes,
             "budgeted_bytes": plan.budgeted_bytes,
@@ -78,6 +79,8 @@ def plan_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
         data["time"] = time.to_dict()
     if plan.stage_offloads:
         data["offload"] = offload_dict(plan, time)
+    if plan.model_states.host:
+        data["state_offload"] = state_offload_dict(plan, time)
     spec = plan.spec
     if spec.kind == "transformer" and spec.vocab:
         data["memory"]["loss"] = loss_terms(spec)
@@ -195,7 +198,8 @@ ARCHITECTURE_FEATURES = {
         "moe_layers",
     ),
 }
-# Keys of the other parts that only MoE models or uneven pipelines use: shown when not default.
+# Keys of the other parts that only MoE models, uneven pipelines or model states on the host
+# use: shown when not default.
 QUIET_KEYS = frozenset(
     {
         "moe_imbalance",
@@ -205,6 +209,9 @@ QUIET_KEYS = frozenset(
         "last_stage_layers",
         "account_for_embedding_in_pipeline_split",
         "account_for_loss_in_pipeline_split",
+        "optimizer_offload",
+        "param_offload",
+        "mlp_tiles",
     }
 )
 PART_TITLES = {
@@ -369,10 +376,13 @@ def plan_summary_table(plan: Plan) -> Table:
         if frozen
         else f"{spec.weight_bytes} B/param",
     )
+    on_host = spec.optimizer_offload != "none"
     table.add_row(
         "  gradients",
         gib(states.gradients),
-        f"{spec.grad_bytes} B/param"
+        "on the host (optimizer_offload)"
+        if on_host
+        else f"{spec.grad_bytes} B/param"
         + (" (trainable parameters only)" if frozen else "")
         + ("; one layer's at a time (optimizer_in_backward)" if spec.optimizer_in_backward else "")
         + (
@@ -387,10 +397,16 @@ def plan_summary_table(plan: Plan) -> Table:
     table.add_row(
         "  optimizer",
         gib(states.optimizer),
-        f"{spec.master_bytes + spec.optimizer_bytes} B/param{per_tensor} ({held})",
+        "on the host (optimizer_offload)"
+        if on_host
+        else f"{spec.master_bytes + spec.optimizer_bytes} B/param{per_tensor} ({held})",
     )
     if states.buffers:
         table.add_row("  buffers", gib(states.buffers), f"{spec.framework}'s (docs/memory.md)")
+    if states.host:
+        table.add_row(
+            "model states on host", both_units(states.host), host_state_note(spec), style="bold"
+        )
     if spec.experts:
         table.add_row(
             "  of which experts",
@@ -460,7 +476,42 @@ def _state_note(spec: ModelSpec) -> str:
         return f"training: {spec.training}: frozen weights, trainable parameters' states{zero}"
     per_param = spec.weight_bytes + spec.grad_bytes + spec.master_bytes + spec.optimizer_bytes
     zero = f", ZeRO-{spec.zero} over dp={spec.dp}" if spec.zero else ""
+    if spec.optimizer_offload != "none":
+        return f"{per_param} B/param{zero}; on the device: what is not on the host"
     return f"{per_param} B/param{zero}"
+
+
+def state_offload_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
+    """The JSON `state_offload` object of a plan with model states on the host
+    (docs/offloading.md, "Model states on the host"): host bytes per GPU, one step's copies
+    each way and the CPU step's bytes (`hardware.host_states.state_traffic`), and with a GPU
+    the CPU step's and the exposed copies' seconds."""
+    from ckplan.hardware.host_states import state_traffic
+
+    traffic = state_traffic(plan.spec)
+    data: dict[str, Any] = {
+        "host_bytes": plan.model_states.host,
+        "gradients_to_host_bytes": traffic.gradients_to_host,
+        "gathers_to_device_bytes": traffic.gathers_to_device,
+        "after_step_to_device_bytes": traffic.after_step_to_device,
+        "cpu_step_bytes": traffic.cpu_bytes,
+    }
+    if time is not None:
+        data["cpu_step_seconds"] = time.optimizer_seconds
+        data["exposed_seconds"] = time.state_copy_seconds
+    return data
+
+
+def host_state_note(spec) -> str:
+    """What the host holds per GPU under optimizer_offload (memory.offloaded_states)."""
+    ds = spec.framework == "deepspeed"
+    parts = ["master + Adam", "fp32 gradients"]
+    if not ds or spec.param_offload != "none":
+        parts.insert(0, "weights")
+    elif spec.zero < 3:
+        parts.append(f"a {spec.weight_bytes} B/param copy and staging")
+    name = "ZeRO-Offload" if ds else "FSDP CPU offload"
+    return f"per GPU, {name}: " + ", ".join(parts)
 
 
 def offload_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
@@ -538,7 +589,13 @@ def estimate_view(
         parts.append(
             Text(
                 f"{verdict}: {gib(plan.total_bytes)} of {gib(candidate.budget_bytes)} usable "
-                f"(budget less reserve), headroom {gib(candidate.headroom_bytes)}{tight}",
+                f"(budget less reserve), headroom {gib(candidate.headroom_bytes)}{tight}"
+                + (
+                    f"; host {gib(plan.host_total_bytes)} of "
+                    f"{gib(candidate.host_budget_bytes)} host memory per GPU"
+                    if plan.model_states.host and candidate.host_budget_bytes is not None
+                    else ""
+                ),
                 style="bold green" if candidate.fits else "bold red",
             )
         )

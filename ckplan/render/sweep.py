@@ -35,7 +35,8 @@ def candidate_dict(candidate: Candidate) -> dict[str, Any]:
         "headroom_bytes": candidate.headroom_bytes,
     } | (
         {"host_budget_bytes": candidate.host_budget_bytes}
-        if candidate.plan.stage_offloads and candidate.host_budget_bytes is not None
+        if (candidate.plan.stage_offloads or candidate.plan.model_states.host)
+        and candidate.host_budget_bytes is not None
         else {}
     )
 
@@ -193,6 +194,8 @@ def sweep_view(
     if offloads:
         parts.append(Text("Offload (tapes in pinned host memory, copies beside compute):"))
         parts += [Text("  " + offload_text(c.plan, c.time, c.host_budget_bytes)) for c in offloads]
+    if result.candidates and result.candidates[0].plan.model_states.host:
+        parts.append(Text(host_states_text(result.best or result.smallest)))
     parts.append(sweep_verdict(result))
     if result.best is not None:  # recompute the busiest stage's FLOPs do not show
         hidden = [note for note in result.best.plan.notes if " recomputes " in note]
@@ -282,6 +285,13 @@ def sweep_verdict(result: SweepResult) -> Text:
             style="bold green",
         )
     smallest = result.smallest
+    host = smallest.host_budget_bytes
+    if smallest.headroom_bytes >= 0 and host is not None and smallest.plan.model_states.host:
+        return Text(
+            f"Nothing fits: {smallest.plan.strategy} fits the GPU, but its "
+            f"{why_not_fitting(smallest)}.",
+            style="bold red",
+        )
     text = (
         f"Nothing fits: the smallest any plan reaches is {gib(smallest.plan.total_bytes)} "
         f"({smallest.plan.strategy}), {gib(-smallest.headroom_bytes)} over the usable budget."
@@ -399,11 +409,36 @@ def candidate_advice(candidate: Candidate | None) -> list[str]:
     return advice_lines(candidate.plan.spec, candidate.budget_bytes)
 
 
+def host_states_text(candidate: Candidate) -> str:
+    """One line on the model states a plan keeps in host memory: bytes per GPU, the host
+    memory they share with offloaded tapes, the CPU step and the copies not hidden."""
+    states = candidate.plan.model_states
+    host = candidate.host_budget_bytes
+    text = f"Model states on the host: {gib(states.host)} per GPU" + (
+        f" (of {gib(host)} host memory per GPU)" if host is not None else ""
+    )
+    time = candidate.time
+    if time is not None:
+        from ckplan.render.time import seconds
+
+        text += (
+            f"; CPU optimizer step {seconds(time.optimizer_seconds)}, state copies exposed "
+            f"{seconds(time.state_copy_seconds)} ({candidate.plan.strategy})"
+        )
+    return text + "."
+
+
 def why_not_fitting(candidate: Candidate) -> str:
     states = candidate.plan.model_states.total
     host = candidate.host_budget_bytes
     fits_device = candidate.plan.budgeted_bytes <= candidate.budget_bytes
-    if fits_device and host is not None and candidate.plan.host_bytes > host:
+    if fits_device and host is not None and candidate.plan.host_total_bytes > host:
+        if candidate.plan.model_states.host:
+            return (
+                f"host memory {format_bytes(candidate.plan.host_total_bytes, GIB)} (model states "
+                f"{format_bytes(candidate.plan.model_states.host, GIB)}) over the "
+                f"{format_bytes(host, GIB)} per GPU"
+            )
         return (
             f"offloaded tapes {format_bytes(candidate.plan.host_bytes, GIB)} over the "
             f"{format_bytes(host, GIB)} of host memory per GPU"

@@ -42,6 +42,12 @@ def step_time_table(plan: Plan, time: StepTime, gpu: GPU | None) -> Table:
         ("pipeline bubble", time.bubble_seconds, f"(p-1)/v = {spec.pp - 1}/{spec.virtual_stages}"),
         ("optimizer", time.optimizer_seconds, f"{_optimizer_name(spec)}, memory-bound"),
     )
+    if spec.optimizer_offload != "none":
+        parts = (
+            *parts[:-1],
+            ("optimizer", time.optimizer_seconds, "CPU Adam on the host, memory-bound"),
+            ("state copies", time.state_copy_seconds, "host copies of model states not hidden"),
+        )
     if time.offload_exposed_seconds:
         parts += (("offload copies", time.offload_exposed_seconds, "host copies not hidden"),)
     for name, value, note in parts:

@@ -28,7 +28,9 @@ from functools import cached_property
 from typing import Any
 
 from ckplan.hardware import communication as comm
+from ckplan.hardware import host_states
 from ckplan.hardware.gpus import GPU
+from ckplan.hardware.host_link import copy_seconds
 from ckplan.hardware.roofline import memory_seconds
 from ckplan.hardware.step_time import embedding_time, layer_time, output_time
 from ckplan.hardware.times import StageTime
@@ -135,6 +137,9 @@ class Bounds:
             "account_for_embedding_in_pipeline_split": False,
             "account_for_loss_in_pipeline_split": False,
             "etp": None,
+            # the parts' specs run any layout (ZeRO 0 among them); `states` offloads
+            "optimizer_offload": "none",
+            "param_offload": "none",
         }
         return self.spec.replace(**(cleared | keys))
 
@@ -290,7 +295,7 @@ class Bounds:
         held = 0 if self.spec.optimizer_in_backward else None
         return memory.states_of(
             self.spec, dense, expert, zero=layout.zero, dp=layout.dp * layout.cp,
-            expert_dp=self._expert_dp(layout), held_gradients=held,
+            expert_dp=self._expert_dp(layout), held_gradients=held, tp=layout.tp,
         )  # fmt: skip
 
     def stage_states(self, layout: Layout) -> tuple[tuple[StageShape, int], ...]:
@@ -445,6 +450,13 @@ class Bounds:
         if layout.zero >= 1:
             dense = split_share(dense, layout.dp * layout.cp)
             experts = split_share(experts, self._expert_dp(layout)) if experts else 0
+        if spec.optimizer_offload != "none":
+            # the CPU step and the copy after it, never hidden (host_states); the copies
+            # beside the compute only add to it
+            traffic = host_states.state_traffic(spec, dense + experts, layout.zero)
+            after = copy_seconds(traffic.after_step_to_device, self.gpu)
+            sharing = min(self.gpu.gpus_per_node, layout.gpus)
+            return host_states.cpu_adam_seconds(traffic, self.gpu, sharing) + after
         per_param = optimizers.step_bytes_per_parameter(
             spec.optimizer,
             spec.grad_bytes,

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckplan.model import frameworks
 from ckplan.model.frameworks import layout_error
 from ckplan.model.spec import ModelSpec
 
@@ -300,8 +301,11 @@ def layouts(space: SearchSpace) -> Iterator[Layout]:
 
 def _optimizer_allows(spec: ModelSpec, zero: int, pp: int, microbatches: int) -> bool:
     """The optimizer's rules on a layout (`spec._validate_optimizer`): Adafactor on zero 0,
-    the step in backward on one pipeline stage and one micro-batch."""
+    the step in backward on one pipeline stage and one micro-batch, model states on the host
+    where the framework runs them (`frameworks.state_offload_error`)."""
     if spec.optimizer == "adafactor" and zero >= 1:
+        return False
+    if frameworks.state_offload_error(spec, zero, pp, microbatches):
         return False
     return not (spec.optimizer_in_backward and (pp > 1 or microbatches > 1))
 
