@@ -91,7 +91,7 @@ def test_sweep_tries_the_step_in_backward():
 
     spec = load_spec("gpt2", {"framework": "deepspeed"})
     plan = evaluate(spec, parse_strategy("uniform:2", spec))
-    usable = plan.reserved_bytes - 1
+    usable = plan.budgeted_bytes - 1
     note = in_backward_note(Candidate(plan, usable), usable, None)
     assert note.startswith("Optimizer in backward (--set optimizer_in_backward=true): uniform:2")
     assert "(fits; uniform:2 without it:" in note
