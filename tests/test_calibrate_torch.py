@@ -5,6 +5,7 @@ layers, and the profile through `ckplan estimate`. Needs torch (tests/needs_torc
 import json
 
 import pytest
+from needs_frameworks import framework_or_skip
 from needs_torch import torch_or_skip
 
 from ckplan.cli import main
@@ -158,7 +159,7 @@ def test_calibrate_unsupported_block_is_one_line(capsys):
 
 def test_hf_llama_layer_is_torch_eager():
     """The real transformers LlamaDecoderLayer (random weights), when transformers is here."""
-    pytest.importorskip("transformers", reason="transformers not installed: --hf not tested")
+    framework_or_skip("transformers", "--hf not tested")
     result = calibrate(load_spec("llama3-8b", {"attention": "standard"}), hf=True)
     spec = load_spec("llama3-8b", {"attention": "standard"})
     measured = profile_from_mapping(result.profile, "hf")
@@ -200,7 +201,7 @@ def test_torch_eager_backward_fields_predict_the_hf_eager_peak(eager_backward):
 def test_hf_layer_from_a_config_json(tmp_path, capsys):
     """--hf with a config.json builds that model type's decoder layer (here Qwen2, with QKV
     biases): the same eager saves as Llama's."""
-    pytest.importorskip("transformers", reason="transformers not installed: --hf not tested")
+    framework_or_skip("transformers", "--hf not tested")
     config = tmp_path / "config.json"
     config.write_text(json.dumps({
         "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,

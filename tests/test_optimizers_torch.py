@@ -5,6 +5,7 @@ CKPLAN_REQUIRE_TORCH=1); transformers' Llama with its Adafactor, and PEFT's LoRA
 those are installed (optional, skipped without them)."""
 
 import pytest
+from needs_frameworks import framework_or_skip
 from needs_torch import torch_or_skip
 
 from ckplan.model.memory import model_state_bytes, trainable_tensors
@@ -51,7 +52,7 @@ def test_torch_optimizers(name, make, training):
 
 
 def llama():
-    transformers = pytest.importorskip("transformers")
+    transformers = framework_or_skip("transformers")
     config = transformers.LlamaConfig(
         hidden_size=64,
         num_attention_heads=4,
@@ -88,7 +89,7 @@ def test_transformers_llama_and_adafactor():
 @pytest.mark.parametrize("targets", ["q_proj,v_proj", "all-linear"])
 def test_peft_lora_adapters(targets):
     """PEFT's adapters are ckplan's trainable tensors; SGD with momentum keeps 4 bytes each."""
-    peft = pytest.importorskip("peft")
+    peft = framework_or_skip("peft")
     _, model = llama()
     target_modules = targets if targets == "all-linear" else targets.split(",")
     config = peft.LoraConfig(r=16, target_modules=target_modules, task_type="CAUSAL_LM")
