@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 import pytest
-from needs_frameworks import framework_or_skip
+from needs_frameworks import installed_or_skip
 
 from ckplan import exports
 from ckplan.plan.evaluate import evaluate
@@ -17,7 +17,7 @@ from ckplan.plan.strategies import parse_strategy
 
 
 def _need(module: str) -> None:
-    framework_or_skip(module, "its parser did not check the export")
+    installed_or_skip(module, "its parser did not check the export")
 
 
 DEEPSPEED_CASES = [
