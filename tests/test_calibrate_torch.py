@@ -326,3 +326,16 @@ def test_hf_layer_with_peft_adapters(tmp_path, attention, settings):
     assert {op: b for op, b in measured.items() if b} == {op: b for op, b in predicted.items() if b}
     lora = settings.get("training") == "lora"
     assert measured.get("qkv_proj", 0) > 0 if lora else measured.get("qkv_proj", 0) == 0
+
+
+def test_calibrate_refuses_dora_and_qlora(capsys):
+    """DoRA and QLoRA are refused in one line (DoRA is checked in tests/test_finetune_torch.py;
+    QLoRA's 4-bit layers need bitsandbytes on CUDA)."""
+    for training in (["training=lora", "use_dora=true"], ["training=qlora"]):
+        argv = ["calibrate", "llama3-8b", "--hf"]
+        for setting in training:
+            argv += ["--set", setting]
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1
+        assert ("DoRA" if "use_dora=true" in training else "bitsandbytes") in err

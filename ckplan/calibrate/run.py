@@ -304,6 +304,10 @@ def finetune_training(spec: ModelSpec, hf: bool, module: str | None) -> str:
             "calibrate measures training: frozen and lora; qlora's 4-bit layers need "
             "bitsandbytes on a CUDA device"
         )
+    if spec.finetune.use_dora:
+        raise CalibrationError(
+            "calibrate does not measure DoRA (use_dora); tests/test_finetune_torch.py checks it"
+        )
     if training == "lora" and importlib.util.find_spec("peft") is None:
         raise CalibrationError("--hf with training: lora needs PEFT: pip install peft")
     return training
