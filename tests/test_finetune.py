@@ -333,3 +333,14 @@ def test_peft_export_writes_use_dora(capsys):
     assert "use_dora=True" in capsys.readouterr().out
     assert main([*argv, "--set", "training=lora"]) == 0
     assert "use_dora" not in capsys.readouterr().out
+
+
+def test_dora_on_llama3_8b_adds_one_magnitude_per_output_row(capsys):
+    """Llama-3-8B, DoRA r 16 on q_proj and v_proj: LoRA's 6,815,744 and the magnitude vectors,
+    32 layers x (4,096 + 1,024) values; estimate names DoRA."""
+    from ckplan.inputs.presets import load_spec
+
+    spec = load_spec("llama3-8b", {"training": "lora", "use_dora": True})
+    assert parameter_count(spec).trainable == 6_815_744 + 32 * (4096 + 1024)
+    assert main(["estimate", "llama3-8b", "--set", "training=lora", "--set", "use_dora=true"]) == 0
+    assert "DoRA r=16 on q_proj,v_proj" in capsys.readouterr().out
