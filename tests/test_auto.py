@@ -240,8 +240,11 @@ def test_plan_seq_auto(cli):
             "--batch 2 and --micro-batch auto disagree",
         ),
         (
-            ["plan", "gpt2", "--gpus", "2", "--gpu", "rtx-4090", "--micro-batch", "auto"],
-            "--micro-batch auto: plan chooses each layout's micro-batch",
+            [
+                *("plan", "gpt2", "--gpus", "2", "--gpu", "rtx-4090"),
+                *("--micro-batch", "auto", "--set", "micro_batch=2"),
+            ],
+            "--micro-batch auto and --set micro_batch=2 disagree",
         ),
         (["check", "gpt2", "--budget", "8GB", "--micro-batch", "max"], "only 'auto' is accepted"),
     ],
@@ -249,6 +252,41 @@ def test_plan_seq_auto(cli):
 def test_auto_bad_input(cli, argv, fragment):
     code, out, err = cli(*argv)
     assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1 and out == ""
+
+
+def test_plan_micro_batch_auto(cli):
+    """The largest micro-batch some layout fits with, and the fastest layouts there (all at
+    that micro-batch)."""
+    argv = ["plan", "llama3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch", "64"]
+    argv += ["--top", "3", "--micro-batch", "auto"]
+    code, out, err = cli(*argv, "--json")
+    data = json.loads(out)
+    assert code == 0, err
+    largest = data["max_micro_batch"]
+    assert 64 % largest == 0 and data["layouts"]
+    assert {layout["micro_batch"] for layout in data["layouts"]} == {largest}
+    code, out, _ = cli(*argv, "-q")
+    assert f"Largest micro-batch that fits with 8 GPUs: {largest:,}" in out
+
+
+@pytest.mark.parametrize(("model", "gpus", "global_batch"), [("gpt2", 2, 12), ("llama3-8b", 8, 16)])
+def test_largest_micro_batch_layouts_by_brute_force(spec_of, model, gpus, global_batch):
+    """Against the ranked search at every divisor of the global batch: the largest at which
+    it finds a layout with that micro-batch."""
+    from ckplan.plan.layout.search import largest_micro_batch_layouts, search_layouts
+    from ckplan.plan.layout.space import divisors
+
+    spec, gpu = spec_of(model, seq=8192), load_gpu("rtx-4090")
+    budget = gpu.memory_bytes
+    found = largest_micro_batch_layouts(spec, gpus, gpu, global_batch, budget)
+    fitting = [
+        n
+        for n in divisors(global_batch)
+        if search_layouts(
+            spec, gpus, gpu, global_batch, budget, top=1, constraints={"micro_batch": n}
+        ).layouts
+    ]
+    assert found == max(fitting, default=0)
 
 
 @pytest.mark.parametrize(("model", "gpus"), [("gpt2", 2), ("llama3-8b", 8)])

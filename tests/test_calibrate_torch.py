@@ -5,6 +5,8 @@ layers, and the profile through `ckplan estimate`. Needs torch (tests/needs_torc
 import json
 
 import pytest
+import yaml
+from needs_frameworks import framework_or_skip
 from needs_torch import torch_or_skip
 
 from ckplan.cli import main
@@ -158,7 +160,7 @@ def test_calibrate_unsupported_block_is_one_line(capsys):
 
 def test_hf_llama_layer_is_torch_eager():
     """The real transformers LlamaDecoderLayer (random weights), when transformers is here."""
-    pytest.importorskip("transformers", reason="transformers not installed: --hf not tested")
+    framework_or_skip("transformers", "--hf not tested")
     result = calibrate(load_spec("llama3-8b", {"attention": "standard"}), hf=True)
     spec = load_spec("llama3-8b", {"attention": "standard"})
     measured = profile_from_mapping(result.profile, "hf")
@@ -200,7 +202,7 @@ def test_torch_eager_backward_fields_predict_the_hf_eager_peak(eager_backward):
 def test_hf_layer_from_a_config_json(tmp_path, capsys):
     """--hf with a config.json builds that model type's decoder layer (here Qwen2, with QKV
     biases): the same eager saves as Llama's."""
-    pytest.importorskip("transformers", reason="transformers not installed: --hf not tested")
+    framework_or_skip("transformers", "--hf not tested")
     config = tmp_path / "config.json"
     config.write_text(json.dumps({
         "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
@@ -273,3 +275,67 @@ def test_calibrate_bad_modules_are_one_line(capsys, monkeypatch, module, fragmen
     code = main(["calibrate", "llama3-8b", "--module", module])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and fragment in err
+
+
+PEFT_CASES = [
+    ("standard", {"training": "lora", "lora_targets": "all-linear", "lora_dropout": 0.05}),
+    ("flash", {"training": "lora", "lora_targets": "q_proj,v_proj,o_proj"}),
+    ("flash", {"training": "frozen"}),
+]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize(("attention", "settings"), PEFT_CASES)
+def test_hf_layer_with_peft_adapters(tmp_path, attention, settings):
+    """--hf with training: lora or frozen checks transformers' layer wrapped by PEFT's own LoRA
+    layers (or frozen) at the held-out shape: every op's saved bytes are what `ckplan estimate`
+    computes (the profile, then ckplan's frozen linears and adapters), each adapter measured
+    with its linear. The frozen norm gains save 4·sbh + 4·sb, the profile's training case."""
+    framework_or_skip("transformers", "--hf not tested")
+    framework_or_skip("peft", "--hf with LoRA not tested")
+    from ckplan.model.memory import activation_bytes_by_op
+
+    spec = load_spec("llama3-8b", {"attention": attention, **settings})
+    result = calibrate(spec, hf=True)
+    assert result.max_residual == 0 and result.check_error == 0
+    frozen_norm = {"!training=full": {"saved": {"sb": 4, "sbh": 4}}}
+    assert result.profile["ops"]["norm1"]["when"] == frozen_norm
+    assert result.profile["ops"]["norm2"]["when"] == frozen_norm
+    # what estimate computes at the check shape with the profile written by --out
+    profile = tmp_path / "calibrated.yaml"
+    profile.write_text(yaml.safe_dump(result.profile))
+    shape = result.check.shape
+    at_check = {
+        "attention": attention, **settings, "profile": str(profile),
+        "seq": shape.seq, "micro_batch": shape.batch, "hidden": shape.hidden,
+        "heads": shape.heads, "kv_heads": shape.kv_heads, "ffn_hidden": shape.ffn, "layers": 1,
+    }  # fmt: skip
+    predicted = activation_bytes_by_op(load_spec("llama3-8b", at_check))
+    for op in [op for op in predicted if op.endswith("_lora")]:
+        predicted[op.removesuffix("_lora")] += predicted.pop(op)
+    measured = dict(result.check.bytes_by_op)
+    # flash attention's output O: saved by the kernel, counted with out_proj by ckplan and with
+    # the attention core by the measurement when o_proj (frozen, no adapter reading O) does not
+    for op in ("out_proj", "attention_core"):
+        measured.setdefault(op, 0)
+    if "attention_core" in predicted:
+        moved = predicted["out_proj"] - measured["out_proj"]
+        assert moved in (0, predicted["out_proj"])
+        measured["attention_core"] -= moved
+        measured["out_proj"] += moved
+    assert {op: b for op, b in measured.items() if b} == {op: b for op, b in predicted.items() if b}
+    lora = settings.get("training") == "lora"
+    assert measured.get("qkv_proj", 0) > 0 if lora else measured.get("qkv_proj", 0) == 0
+
+
+def test_calibrate_refuses_dora_and_qlora(capsys):
+    """DoRA and QLoRA are refused in one line (DoRA is checked in tests/test_finetune_torch.py;
+    QLoRA's 4-bit layers need bitsandbytes on CUDA)."""
+    for training in (["training=lora", "use_dora=true"], ["training=qlora"]):
+        argv = ["calibrate", "llama3-8b", "--hf"]
+        for setting in training:
+            argv += ["--set", setting]
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1
+        assert ("DoRA" if "use_dora=true" in training else "bitsandbytes") in err

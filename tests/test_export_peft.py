@@ -6,6 +6,7 @@ import ast
 import re
 
 import pytest
+from needs_frameworks import framework_or_skip
 
 from ckplan import exports
 from ckplan.exports import ExportError
@@ -140,8 +141,8 @@ def test_cli(cli):
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers v5's new argument names
 def test_objects_construct(spec_of, tmp_path):
     """The snippet runs against the installed libraries (optional: skipped without them)."""
-    pytest.importorskip("peft")
-    pytest.importorskip("transformers")
+    framework_or_skip("peft")
+    framework_or_skip("transformers")
     spec = spec_of("llama3-8b", **LLAMA, training="lora", lora_targets="all-linear")
     text = exports.export(plan_of(spec, "full"), "peft").text
     text = text.replace('output_dir="out"', f"output_dir={str(tmp_path)!r}")
@@ -158,8 +159,8 @@ def test_objects_construct(spec_of, tmp_path):
 def test_qlora_snippet_and_every_optim_construct(spec_of, tmp_path):
     """The QLoRA snippet's BitsAndBytesConfig and TrainingArguments construct, and every optim
     the export writes is one of transformers' OptimizerNames (optional, as above)."""
-    pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
+    framework_or_skip("peft")
+    transformers = framework_or_skip("transformers")
     from ckplan.exports.peft import OPTIM
 
     names = {name.value for name in transformers.training_args.OptimizerNames}

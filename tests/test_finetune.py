@@ -269,3 +269,78 @@ def test_model_flops_of_a_fine_tune_skip_the_frozen_weight_gradients():
     lora = small(training="lora", lora_rank=8)
     adapters = 2 * (2 * s * 8 * (64 + 64) + 2 * s * 8 * (64 + 32))
     assert model_flops_per_iteration(lora, 1) == model_flops_per_iteration(frozen, 1) + 3 * adapters
+
+
+def test_dora_on_q_and_v_by_hand():
+    """DoRA r 8 on q_proj (64 -> 64) and v_proj (64 -> 32), no dropout: beside LoRA's A
+    outputs, each adapter keeps the base output and B's output (B·tokens·out each) and three
+    out-long vectors; forward forms B·A as lora_B(lora_A(eye(64))), with no backward; the
+    magnitude vector (out) trains."""
+    spec = small(training="lora", lora_rank=8, use_dora=True)
+    saved = activation_bytes_by_op(spec)
+    lora = 2 * (2 * TOKENS * 8)
+    q = 2 * 2 * TOKENS * 64 + 3 * 2 * 64
+    v = 2 * 2 * TOKENS * 32 + 3 * 2 * 32
+    assert saved["qkv_proj_lora"] == lora + q + v  # 13,888
+    assert saved["qkv_proj"] == X
+    ops = {op.name: op for op in spec_ops(spec)}
+    adapters = 65_536 + 49_152  # LoRA's, as above
+    weight_norm = (2 * 64 * 64 * 8 + 2 * 64 * 8 * 64) + (2 * 64 * 64 * 8 + 2 * 64 * 8 * 32)
+    assert ops["qkv_proj_lora"].forward_flops == adapters + weight_norm
+    assert ops["qkv_proj_lora"].backward_flops == 2 * adapters
+    # the weight norm's tensors: eye(64), A(eye) 64x8, B·A, its scaled copy and the sum (q's)
+    assert ops["qkv_proj_lora"].grad_workspace_bytes == 2 * (64 * 64 + 64 * 8 + 3 * 64 * 64)
+    assert parameter_count(spec).trainable == 2 * (8 * 128 + 64 + 8 * 96 + 32)
+    states = model_state_bytes(spec)  # the magnitudes have gradients and states as A and B
+    assert states.gradients == 4 * 3_776 and states.optimizer == 12 * 3_776
+
+
+def test_dora_with_dropout_runs_the_base_gemm_again():
+    """With lora_dropout PEFT's DoRA computes the base output again on the dropped input:
+    one more frozen GEMM forward and its input-gradient GEMM backward, per adapter."""
+    plain = {op.name: op for op in spec_ops(small(training="lora", lora_rank=8, use_dora=True))}
+    spec = small(training="lora", lora_rank=8, use_dora=True, lora_dropout=0.1)
+    ops = {op.name: op for op in spec_ops(spec)}
+    again = 2 * TOKENS * 64 * 64 + 2 * TOKENS * 64 * 32
+    assert ops["qkv_proj_lora"].forward_flops - plain["qkv_proj_lora"].forward_flops == again
+    assert ops["qkv_proj_lora"].backward_flops - plain["qkv_proj_lora"].backward_flops == again
+    # the dropout output and its 1-byte mask per adapter, as LoRA's
+    lora_plain = activation_bytes_by_op(small(training="lora", lora_rank=8, lora_dropout=0.1))
+    dora = activation_bytes_by_op(spec)
+    lora = activation_bytes_by_op(small(training="lora", lora_rank=8))
+    assert dora["qkv_proj_lora"] - lora_plain["qkv_proj_lora"] == (
+        activation_bytes_by_op(small(training="lora", lora_rank=8, use_dora=True))["qkv_proj_lora"]
+        - lora["qkv_proj_lora"]
+    )
+
+
+def test_dora_model_flops_count_its_forward_only_work_once():
+    """MFU's model FLOPs: DoRA's weight norm (B·A) runs forward only, so it adds 1 x its
+    forward, not 3 x; per sequence (s 16) and both layers."""
+    from ckplan.model.flops import model_flops_per_iteration
+
+    lora = small(training="lora", lora_rank=8)
+    dora = small(training="lora", lora_rank=8, use_dora=True)
+    weight_norm = (2 * 64 * 64 * 8 + 2 * 64 * 8 * 64) + (2 * 64 * 64 * 8 + 2 * 64 * 8 * 32)
+    assert model_flops_per_iteration(dora, 1) - model_flops_per_iteration(lora, 1) == (
+        2 * weight_norm
+    )
+
+
+def test_peft_export_writes_use_dora(capsys):
+    argv = ["export", "llama3-8b", "--plan", "full", "--to", "peft", "-q"]
+    assert main([*argv, "--set", "training=lora", "--set", "use_dora=true"]) == 0
+    assert "use_dora=True" in capsys.readouterr().out
+    assert main([*argv, "--set", "training=lora"]) == 0
+    assert "use_dora" not in capsys.readouterr().out
+
+
+def test_dora_on_llama3_8b_adds_one_magnitude_per_output_row(capsys):
+    """Llama-3-8B, DoRA r 16 on q_proj and v_proj: LoRA's 6,815,744 and the magnitude vectors,
+    32 layers x (4,096 + 1,024) values; estimate names DoRA."""
+    from ckplan.inputs.presets import load_spec
+
+    spec = load_spec("llama3-8b", {"training": "lora", "use_dora": True})
+    assert parameter_count(spec).trainable == 6_815_744 + 32 * (4096 + 1024)
+    assert main(["estimate", "llama3-8b", "--set", "training=lora", "--set", "use_dora=true"]) == 0
+    assert "DoRA r=16 on q_proj,v_proj" in capsys.readouterr().out

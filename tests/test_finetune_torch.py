@@ -160,3 +160,117 @@ def test_hugging_face_eager_norms_with_frozen_gains(harness, dtype, training, ta
     for op in ("norm1", "norm2", "act"):
         assert measured[op] == predicted[op], op
     assert sum(measured.values()) == sum(predicted.values())
+
+
+class NativeDropout(nn.Module):
+    """nn.Dropout as CUDA runs it (torch.native_dropout: a 1-byte mask)."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        return torch.native_dropout(x, self.p, True)[0]
+
+
+class Holder:
+    """What the pack hook hands autograd: alive while a graph node keeps it."""
+
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def live_saved_bytes(harness, layer, x):
+    """Bytes by op of the storages autograd still holds after the forward, each counted once
+    under the op that saved it first: DoRA forms B·A through lora_A(eye) and detaches it, so
+    that graph (and what it saved) is freed at once. Only the storages are kept here (to keep
+    their addresses unique), not the tensors: a kept tensor would keep its graph alive."""
+    import gc
+    import weakref
+
+    exclude = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    exclude |= {b.untyped_storage().data_ptr() for b in layer.buffers()}
+    tags = harness.SavedTensorRecorder(exclude)  # the layer tags its ops through it
+    saved: dict[int, tuple[str, int, list]] = {}
+    storages = []
+
+    def pack(t):
+        holder = Holder(t)
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in exclude:
+            entry = saved.setdefault(storage.data_ptr(), (tags.current, storage.nbytes(), []))
+            entry[2].append(weakref.ref(holder))
+            storages.append(storage)
+        return holder
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.tensor):
+        out = layer(x, tags)
+    gc.collect()
+    by_op: dict[str, int] = {}
+    for op, nbytes, refs in saved.values():
+        if any(ref() is not None for ref in refs):
+            by_op[op] = by_op.get(op, 0) + nbytes
+    return out, by_op
+
+
+DORA_CASES = [(("q_proj", "v_proj"), 0.0), (TARGET_MODULES, 0.05), (("o_proj", "up_proj"), 0.1)]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("targets", "dropout"), DORA_CASES)
+def test_peft_dora_saved_bytes_match_autograd(harness, dtype, targets, dropout):
+    """PEFT's own DoRA (use_dora=True) on the frozen Llama layer: what autograd holds after
+    the forward, by site (a linear with its adapters), is ckplan's to the byte, and PEFT's
+    trainable parameters (A, B and the magnitude vector) are ckplan's count."""
+    from needs_frameworks import framework_or_skip
+
+    peft = framework_or_skip("peft", "DoRA not checked against PEFT")
+    from ckplan.inputs.presets import spec_from_values
+    from ckplan.model.finetune import lora_layer_parameters
+    from ckplan.model.memory import activation_bytes_by_op
+
+    cfg = harness.Config(
+        f"llama-{dtype}-dora",
+        "llama",
+        dtype,
+        kv_heads=2,
+        ffn_hidden=704,
+        norm_impl="fused",
+        attention="sdpa",
+        swiglu_impl="eager",
+    )
+    torch.manual_seed(0)
+    layer = harness.LlamaLayer(cfg).to(dtype=cfg.torch_dtype).train()
+    layer.requires_grad_(False)
+    config = peft.LoraConfig(r=8, target_modules=list(targets), lora_dropout=dropout, use_dora=True)
+    peft.inject_adapter_in_model(config, layer)
+    layer.to(dtype=cfg.torch_dtype)
+    if dropout:
+        for name in targets:
+            getattr(layer, name).lora_dropout["default"] = NativeDropout(dropout)
+    x = torch.randn(cfg.micro_batch, cfg.seq, cfg.hidden, dtype=cfg.torch_dtype)
+    x.requires_grad_(True)
+    out, measured = live_saved_bytes(harness, layer, x)
+    out.float().sum().backward()
+    magnitudes = [p for n, p in layer.named_parameters() if "lora_magnitude_vector" in n]
+    assert len(magnitudes) == len(targets) and all(p.grad is not None for p in magnitudes)
+
+    mapping = harness.ckplan_mapping_for(cfg) | {"training": "lora", "use_dora": True}
+    mapping |= {"lora_rank": 8, "lora_targets": ",".join(targets), "lora_dropout": dropout}
+    spec = spec_from_values(mapping, origin=cfg.name)
+    predicted = activation_bytes_by_op(spec)
+    sites = {
+        "qkv_proj": ("qkv_proj", "qkv_proj_lora"),
+        "attention_core": ("attention_core", "out_proj", "out_proj_lora"),
+        "fc1": ("fc1", "fc1_lora"),
+        "fc2": ("fc2", "fc2_lora"),
+    }
+    for tag, ops in sites.items():
+        got = measured.get(tag, 0) + (measured.get("out_proj", 0) if tag == "attention_core" else 0)
+        assert got == sum(predicted.get(op, 0) for op in ops), tag
+    assert measured.get("act", 0) == predicted["act"]
+    trainable = sum(p.numel() for p in layer.parameters() if p.requires_grad)
+    assert trainable == lora_layer_parameters(spec)

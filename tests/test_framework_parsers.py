@@ -3,27 +3,21 @@ JSON ckplan writes, torchtitan 0.2's `ConfigManager` the TOML section. The frame
 optional extra (`pip install '.[frameworks]'`, which .ci/run installs with
 CKPLAN_REQUIRE_FRAMEWORKS=1); without them these tests are reported as skipped."""
 
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from needs_frameworks import installed_or_skip
 
 from ckplan import exports
 from ckplan.plan.evaluate import evaluate
 from ckplan.plan.strategies import parse_strategy
 
-REQUIRE = "CKPLAN_REQUIRE_FRAMEWORKS"
-
 
 def _need(module: str) -> None:
-    if importlib.util.find_spec(module) is None:
-        if os.environ.get(REQUIRE) == "1":
-            pytest.fail(f"{REQUIRE}=1 but {module} is not installed", pytrace=False)
-        pytest.skip(f"{module} is not installed: its parser did not check the export")
+    installed_or_skip(module, "its parser did not check the export")
 
 
 DEEPSPEED_CASES = [

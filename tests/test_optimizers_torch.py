@@ -5,6 +5,7 @@ CKPLAN_REQUIRE_TORCH=1); transformers' Llama with its Adafactor, and PEFT's LoRA
 those are installed (optional, skipped without them)."""
 
 import pytest
+from needs_frameworks import framework_or_skip
 from needs_torch import torch_or_skip
 
 from ckplan.model.memory import model_state_bytes, trainable_tensors
@@ -51,7 +52,7 @@ def test_torch_optimizers(name, make, training):
 
 
 def llama():
-    transformers = pytest.importorskip("transformers")
+    transformers = framework_or_skip("transformers")
     config = transformers.LlamaConfig(
         hidden_size=64,
         num_attention_heads=4,
@@ -85,16 +86,21 @@ def test_transformers_llama_and_adafactor():
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
-@pytest.mark.parametrize("targets", ["q_proj,v_proj", "all-linear"])
-def test_peft_lora_adapters(targets):
-    """PEFT's adapters are ckplan's trainable tensors; SGD with momentum keeps 4 bytes each."""
-    peft = pytest.importorskip("peft")
+@pytest.mark.parametrize(
+    ("targets", "dora"), [("q_proj,v_proj", False), ("all-linear", False), ("all-linear", True)]
+)
+def test_peft_lora_adapters(targets, dora):
+    """PEFT's adapters (with DoRA, their magnitude vectors too) are ckplan's trainable
+    tensors; SGD with momentum keeps 4 bytes each."""
+    peft = framework_or_skip("peft")
     _, model = llama()
     target_modules = targets if targets == "all-linear" else targets.split(",")
-    config = peft.LoraConfig(r=16, target_modules=target_modules, task_type="CAUSAL_LM")
+    config = peft.LoraConfig(
+        r=16, target_modules=target_modules, task_type="CAUSAL_LM", use_dora=dora
+    )
     model = peft.get_peft_model(model, config)
     spec = spec_from_mapping(
-        {**SMALL, "training": "lora", "lora_targets": targets, "optimizer": "sgd"}
+        {**SMALL, "training": "lora", "lora_targets": targets, "optimizer": "sgd", "use_dora": dora}
     )
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert sorted(tuple(p.shape) for p in trainable) == sorted(

@@ -8,6 +8,11 @@ attn_implementation "eager" for `attention: standard`, "sdpa" for `attention: fl
 path gets the 4-D additive causal mask and the sdpa path none (is_causal), as transformers'
 mask functions give them for an unpadded batch. RoPE's cos and sin and the mask are computed
 once per model forward and shared by every layer: they are inputs here, not counted.
+
+Fine-tuning (`training` of `hf_block`): "frozen" freezes every weight of the layer, the norms'
+gains too; "lora" freezes them and adds PEFT's own LoRA layers on the spec's `lora_targets` with
+its `lora_rank`, `lora_alpha` and `lora_dropout` (peft.inject_adapter_in_model, peft v0.21.2),
+in the layer's dtype (as under autocast, or with adapters in the model's dtype).
 """
 
 from __future__ import annotations
@@ -38,11 +43,23 @@ def model_type(spec: ModelSpec, config: dict | None) -> str:
 
 
 def hf_block(
-    spec: ModelSpec, shape: Shape, dtype: torch.dtype, device: str, config: dict | None = None
+    spec: ModelSpec,
+    shape: Shape,
+    dtype: torch.dtype,
+    device: str,
+    config: dict | None = None,
+    training: str = "full",
 ) -> Block:
+    """The layer at `shape`; `training`: "full" (every weight trains), "frozen" or "lora"
+    (module docstring)."""
     import transformers
 
     kind = model_type(spec, config)
+    if training != "full" and kind == "gpt2":
+        raise CalibrationError(
+            "--hf measures frozen weights and LoRA on Llama-family layers (PEFT's q_proj, ..., "
+            "down_proj), not GPT-2's Conv1D"
+        )
     keys = {k: v for k, v in (config or {}).items() if k not in ("model_type", "architectures")}
     try:
         hf_config = transformers.AutoConfig.for_model(kind, **keys)
@@ -51,7 +68,9 @@ def hf_block(
         module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
         if kind == "gpt2":
             return _gpt2(module, hf_config, shape, dtype, device)
-        return _llama_like(module, hf_config, shape, dtype, device, kind)
+        block = _llama_like(module, hf_config, shape, dtype, device, kind)
+        finetuned(block.layer, spec, training, dtype)
+        return block
     except CalibrationError:
         raise
     except Exception as error:  # transformers' own errors, whatever their type: one line
@@ -60,6 +79,30 @@ def hf_block(
             f"--hf: transformers could not build a {kind!r} layer ({type(error).__name__}: "
             f"{message})"
         ) from None
+
+
+def finetuned(layer: torch.nn.Module, spec: ModelSpec, training: str, dtype: torch.dtype) -> None:
+    """Freeze the layer's weights and, for "lora", add PEFT's LoRA layers in place (module
+    docstring). PEFT starts B at zero; the bytes saved do not depend on the values."""
+    if training == "full":
+        return
+    layer.requires_grad_(False)
+    if training == "frozen":
+        return
+    import peft
+
+    finetune = spec.finetune
+    alpha = {} if finetune.lora_alpha is None else {"lora_alpha": finetune.lora_alpha}
+    config = peft.LoraConfig(
+        r=finetune.lora_rank,
+        target_modules=list(finetune.adapters),
+        lora_dropout=finetune.lora_dropout,
+        **alpha,
+    )
+    peft.inject_adapter_in_model(config, layer)
+    layer.to(dtype=dtype)
+    if not any(p.requires_grad for p in layer.parameters()):
+        raise CalibrationError("--hf: PEFT added no trainable adapter to the layer")
 
 
 def _resize(hf_config, spec: ModelSpec, shape: Shape) -> None:

@@ -170,10 +170,13 @@ class CallRecorder(TorchFunctionMode):
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
         handles = []
-        for qualified, module in self.root.named_modules():
+        modules = dict(self.root.named_modules())
+        wrappers = [q for q, module in modules.items() if is_adapter_wrapper(module)]
+        for qualified, module in modules.items():
             if module is self.root:
                 continue
-            kind = module_kind(module)
+            inside = any(qualified.startswith(f"{w}.") for w in wrappers)
+            kind = "" if inside else module_kind(module)
             handles.append(module.register_forward_pre_hook(self._enter(qualified, kind)))
             handles.append(module.register_forward_hook(self._leave))
         try:
@@ -193,9 +196,22 @@ class CallRecorder(TorchFunctionMode):
         self._stack.pop()
 
 
+def is_adapter_wrapper(module: nn.Module) -> bool:
+    """A PEFT LoRA layer: the frozen `base_layer` with its `lora_A` and `lora_B` beside it (peft
+    v0.21.2, src/peft/tuners/lora/layer.py `LoraLayer`). It is one projection to the rule
+    (ckplan.calibrate.attribute): the base linear, the adapters' dropout, A and B and the scaled
+    add run in it, and the modules inside it are not projections of their own, so that
+    `q_proj`'s adapter is qkv_proj's and `o_proj`'s out_proj's, as ckplan's sites
+    (ckplan.model.finetune.SITE_OF) have them."""
+    return hasattr(module, "base_layer") and hasattr(module, "lora_A")
+
+
 def module_kind(module: nn.Module) -> str:
     """ "norm" for a norm module (class name with "norm"), "proj" for a module holding a 2-D
-    weight (nn.Linear, Hugging Face's Conv1D; not an embedding), "" otherwise."""
+    weight (nn.Linear, Hugging Face's Conv1D; not an embedding) or a PEFT LoRA layer
+    (`is_adapter_wrapper`), "" otherwise."""
+    if is_adapter_wrapper(module):
+        return "proj"
     if "norm" in type(module).__name__.lower():
         return "norm"
     weight = module._parameters.get("weight")

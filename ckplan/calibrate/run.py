@@ -12,6 +12,7 @@ profile through the same code `ckplan estimate` runs (`profiles.apply_profile` o
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -22,6 +23,7 @@ from ckplan.calibrate.block import Block, CalibrationError
 from ckplan.calibrate.fit import OpFit, Shape, check_shape, fit_op, fit_shapes
 from ckplan.calibrate.layers import Config, GPTLayer, LlamaLayer
 from ckplan.calibrate.record import CallRecorder
+from ckplan.model.finetune import frozen_ops
 from ckplan.model.ops import transformer_layer_ops
 from ckplan.model.profiles import (
     OP_NAMES,
@@ -83,7 +85,17 @@ def block_description(
     if hf:
         from ckplan.calibrate.hf import model_type
 
-        return f"transformers' {model_type(spec, hf_config)} decoder layer ({attention})"
+        layer = f"transformers' {model_type(spec, hf_config)} decoder layer ({attention})"
+        finetune = spec.finetune
+        if finetune.training == "frozen":
+            return f"{layer}; checked with every weight frozen"
+        if finetune.training == "lora":
+            targets = ", ".join(finetune.adapters)
+            return (
+                f"{layer}; checked frozen with PEFT's LoRA r={finetune.lora_rank} on {targets}, "
+                f"dropout {finetune.lora_dropout}"
+            )
+        return layer
     if spec.norm == "layernorm":
         return f"GPT block: nn.LayerNorm, {attention}, F.gelu, dropout {spec.dropout}"
     return f"Llama block: Hugging Face LlamaRMSNorm, {attention}, eager SwiGLU"
@@ -139,9 +151,13 @@ def measure(
     hf_config: dict | None = None,
     seed: int = 0,
     module: str | None = None,
+    training: str = "full",
 ) -> ShapeMeasurement:
     """One forward of one layer at `shape`: elements saved per op and dtype class. `module`:
-    the user's factory, PKG.MOD:FACTORY (`ckplan.calibrate.user`)."""
+    the user's factory, PKG.MOD:FACTORY (`ckplan.calibrate.user`); `training`: the Hugging
+    Face layer with every weight training ("full"), frozen, or frozen with PEFT's LoRA layers
+    as the spec says ("lora"; ckplan.calibrate.hf). A LoRA layer is one projection to the
+    attribution rule: a linear's op holds its adapters' saves too."""
     torch.manual_seed(seed)
     if module:
         from ckplan.calibrate.user import load_factory, user_block
@@ -150,7 +166,7 @@ def measure(
     elif hf:
         from ckplan.calibrate.hf import hf_block
 
-        block = hf_block(spec, shape, dtype, device, hf_config)
+        block = hf_block(spec, shape, dtype, device, hf_config, training)
     else:
         block = own_block(spec, shape, dtype, device)
     x = torch.randn(shape.batch, shape.seq, shape.hidden, dtype=dtype, device=device)
@@ -230,21 +246,27 @@ def calibrate(
         from ckplan.calibrate.user import load_factory
 
         load_factory(module)  # a bad factory is one error before any measurement
+    tuning = finetune_training(spec, hf, module)
     samples = [
         measure(spec, shape, dtype, device, hf, hf_config, module=module)
         for shape in fit_shapes(gqa)
     ]
-    held_out = measure(spec, check_shape(gqa), dtype, device, hf, hf_config, module=module)
-    measured_ops = [op for op in OP_NAMES if any(op in s.elements for s in samples)]
-    fits = {
-        op: fit_op(op, [(s.shape, s.elements.get(op, {})) for s in samples], spec.dtype_bytes)
-        for op in measured_ops
-    }
+    held_out = measure(
+        spec, check_shape(gqa), dtype, device, hf, hf_config, module=module, training=tuning
+    )
+    fits = _fits(samples, spec.dtype_bytes)
+    frozen_fits: dict[str, OpFit] = {}
+    if tuning != "full":
+        frozen = [
+            measure(spec, shape, dtype, device, hf, hf_config, training="frozen")
+            for shape in fit_shapes(gqa)
+        ]
+        frozen_fits = _fits(frozen, spec.dtype_bytes)
     table = [op.name for op in transformer_layer_ops(spec)]
     unmeasured = [op for op in table if op not in fits]
     unmodelled = [op for op in fits if op not in table]
     block = block_description(spec, hf, hf_config, module)
-    profile = _profile_mapping(spec, fits, unmeasured, block, device, name, samples)
+    profile = _profile_mapping(spec, fits, unmeasured, block, device, name, samples, frozen_fits)
     predicted = _predict(spec, profile, held_out.shape)
     profile["calibration"]["check"] = {
         "shape": held_out.shape.text(),
@@ -266,6 +288,39 @@ def calibrate(
     )
 
 
+def finetune_training(spec: ModelSpec, hf: bool, module: str | None) -> str:
+    """How the checked layer trains: "full", or with frozen weights ("frozen", "lora") on the
+    Hugging Face layer only (PEFT wraps transformers' modules; QLoRA's 4-bit layers need
+    bitsandbytes on CUDA)."""
+    training = spec.finetune.training
+    if training == "full":
+        return "full"
+    if not hf or module:
+        raise CalibrationError(
+            f"calibrate measures training: {training} on the Hugging Face layer only (--hf)"
+        )
+    if training == "qlora":
+        raise CalibrationError(
+            "calibrate measures training: frozen and lora; qlora's 4-bit layers need "
+            "bitsandbytes on a CUDA device"
+        )
+    if spec.finetune.use_dora:
+        raise CalibrationError(
+            "calibrate does not measure DoRA (use_dora); tests/test_finetune_torch.py checks it"
+        )
+    if training == "lora" and importlib.util.find_spec("peft") is None:
+        raise CalibrationError("--hf with training: lora needs PEFT: pip install peft")
+    return training
+
+
+def _fits(samples: list[ShapeMeasurement], dtype_bytes: int) -> dict[str, OpFit]:
+    measured_ops = [op for op in OP_NAMES if any(op in s.elements for s in samples)]
+    return {
+        op: fit_op(op, [(s.shape, s.elements.get(op, {})) for s in samples], dtype_bytes)
+        for op in measured_ops
+    }
+
+
 def requires(spec: ModelSpec) -> list[str]:
     """The conditions the measured layer met: a calibrated profile describes that layer only."""
     items = [
@@ -279,10 +334,20 @@ def requires(spec: ModelSpec) -> list[str]:
     return [condition_text(item) for item in items]
 
 
-def _profile_mapping(spec, fits, unmeasured, block, device, name, samples) -> dict:
-    ops = {op: {"saved": fit.mapping()} for op, fit in fits.items()}
+def _profile_mapping(spec, fits, unmeasured, block, device, name, samples, frozen_fits) -> dict:
+    """The profile of the layer as it trains in full; where the layer with every weight frozen
+    saves otherwise in an op other than a linear (Hugging Face's RMSNorm keeps the normalised
+    tensor only for its gain's gradient), that op's `!training=full` case. The frozen linears
+    and the adapters are ckplan's own (ckplan.model.finetune.frozen_ops)."""
+    ops: dict[str, dict] = {op: {"saved": fit.mapping()} for op, fit in fits.items()}
     for op in unmeasured:  # the measured layer has no such op: it saves nothing
         ops[op] = {"saved": {}}
+    for op, entry in ops.items():
+        if op not in ("norm1", "norm2") or not frozen_fits:  # the other ops with weights: linears
+            continue
+        frozen = frozen_fits[op].mapping() if op in frozen_fits else {}
+        if frozen != entry["saved"]:
+            entry["when"] = {"!training=full": {"saved": frozen}}
     ordered = {op: ops[op] for op in OP_NAMES if op in ops}
     return {
         "name": name or f"{spec.name}-calibrated",
@@ -322,7 +387,15 @@ def _predict(spec: ModelSpec, mapping: dict, shape: Shape) -> dict[str, int]:
         ops = apply_profile(transformer_layer_ops(at_shape), at_shape, profile)
     except ProfileError as error:
         raise CalibrationError(f"the fitted profile does not apply: {error}") from None
-    return {op.name: op.saved_bytes for op in ops if op.saved_bytes or op.name in mapping["ops"]}
+    if at_shape.training != "full":
+        ops = frozen_ops(ops, at_shape)
+    predicted: dict[str, int] = {}
+    for op in ops:
+        # a linear's adapters run inside PEFT's LoRA layer: measured with the linear
+        name = op.name.removesuffix("_lora")
+        if op.saved_bytes or name in mapping["ops"]:
+            predicted[name] = predicted.get(name, 0) + op.saved_bytes
+    return predicted
 
 
 def bytes_at(spec: ModelSpec, mapping: dict) -> dict[str, tuple[int, int]]:

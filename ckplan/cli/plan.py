@@ -64,7 +64,9 @@ def plan(
 ) -> None:
     """The fastest layouts (tp, sp, pp and its split, virtual stages, cp, dp, ZeRO,
     micro-batches) of --gpus GPUs, each with its best recomputation plan; --set tp=8 (any
-    layout key) fixes a key; --seq auto: at the longest sequence some layout fits."""
+    layout key) fixes a key; --seq auto: at the longest sequence some layout fits;
+    --micro-batch auto: at the largest micro-batch (a divisor of --global-batch) some layout
+    fits."""
     from ckplan.plan.layout import search as layout_search
     from ckplan.plan.layout.space import constraints_from
     from ckplan.render import layouts as layout_view
@@ -72,11 +74,6 @@ def plan(
     with user_errors():
         fmt, mfu_convention = output_options(fmt, as_json, mfu_convention)
         seq, auto_key = read_auto(seq, micro_batch)
-        if auto_key == "micro_batch":
-            raise UserError(
-                "--micro-batch auto: plan chooses each layout's micro-batch from --global-batch; "
-                "use --seq auto, or --set micro_batch=N to fix one"
-            )
         if not 1 <= gpus <= MAX_GPUS:
             raise UserError(f"--gpus must be in 1..{MAX_GPUS:,}, got {gpus}")
         global_batch = gpus if global_batch is None else global_batch
@@ -106,6 +103,11 @@ def plan(
             if setting.partition("=")[0].strip() not in constraints
         )
         extra += f" --profile {shlex.quote(profile)}" if profile else ""
+        if auto_key == "micro_batch" and "micro_batch" in constraints:
+            raise UserError(
+                f"--micro-batch auto and --set micro_batch={constraints['micro_batch']} "
+                "disagree: give one of them"
+            )
         layout_search.check_search(spec, gpus, device.gpus_per_node, global_batch, constraints)
         longest = None
         if auto_key == "seq":
@@ -114,27 +116,38 @@ def plan(
                     spec, gpus, device, global_batch, total, kept, constraints, slots
                 )
             spec = spec.replace(seq=longest or search.auto_step(spec, "seq"))
+        if auto_key == "micro_batch":
+            with progress(f"plan {spec.name}: the largest micro-batch", quiet):
+                longest = layout_search.largest_micro_batch_layouts(
+                    spec, gpus, device, global_batch, total, kept, constraints, slots
+                )
+            # the layouts at that micro-batch (at 1, the smallest, when none fits)
+            constraints = {**constraints, "micro_batch": longest or 1}
         result = layout_search.search_layouts(
             spec, gpus, device, global_batch, total, kept, top, constraints, slots
         )
         result = layouts_in_convention(result, mfu_convention)
     if fmt == "json":
         data = layout_view.plan_dict(result)
-        if auto_key == "seq":
-            data["max_seq"] = longest
+        if auto_key is not None:
+            data["max_seq" if auto_key == "seq" else "max_micro_batch"] = longest
         print_json(data)
     elif fmt in ("csv", "markdown"):
         print_rows(layout_view.plan_rows(result), fmt)
     else:
         view = layout_view.plan_view(result, budget_text, model, extra)
-        if auto_key == "seq":
+        if auto_key is not None:
             from rich.console import Group
 
             from ckplan import render
 
-            step = search.auto_step(spec, "seq")
-            at = f"global batch {global_batch}, multiples of {step}"
-            line = render.largest_line(spec, "seq", longest, f"{gpus} GPUs", step, at)
+            step = search.auto_step(spec, auto_key)
+            at = (
+                f"global batch {global_batch}, multiples of {step}"
+                if auto_key == "seq"
+                else f"seq {spec.seq:,}, global batch {global_batch}, its divisors"
+            )
+            line = render.largest_line(spec, auto_key, longest, f"{gpus} GPUs", step, at)
             view = Group(line, view)
         print_view(view, soft_wrap=True)
     if not result.layouts:

@@ -13,7 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckplan.errors import InputError
-from ckplan.exports import deepspeed, megatron, peft, torch_snippet, torchtitan, yaml_plan
+from ckplan.exports import (
+    deepspeed,
+    megatron,
+    peft,
+    torch_snippet,
+    torchtitan,
+    torchtune,
+    yaml_plan,
+)
 from ckplan.exports.segments import LayerSegments, layer_segments
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan, evaluate
@@ -22,7 +30,7 @@ from ckplan.units import format_bytes_auto
 
 TARGETS = {
     module.NAME: module
-    for module in (megatron, torch_snippet, deepspeed, torchtitan, yaml_plan, peft)
+    for module in (megatron, torch_snippet, deepspeed, torchtitan, yaml_plan, peft, torchtune)
 }
 
 
@@ -84,7 +92,7 @@ def export(plan: Plan, target: str, recompute_modules: bool = True) -> Export:
     else:
         text = module.render(plan, layers)
     notes = list(module.notes(plan, layers))
-    if plan.spec.training != "full" and module is not peft:
+    if plan.spec.training != "full" and module not in (peft, torchtune):
         notes.append(
             f"training: {plan.spec.training}: the plan's memory assumes frozen base weights"
             + (

@@ -3,7 +3,7 @@ and `TrainingArguments` for the plan (docs/exports.md).
 
 - PEFT's `LoraConfig` (peft v0.17.0, src/peft/tuners/lora/config.py): `r`, `lora_alpha`
   (default 8), `target_modules` (module names, or the shorthand "all-linear"), `lora_dropout`,
-  `task_type="CAUSAL_LM"`.
+  `task_type="CAUSAL_LM"`, and `use_dora=True` for DoRA (peft v0.21.2).
 - transformers' `BitsAndBytesConfig` (v4.56.0, src/transformers/utils/quantization_config.py):
   QLoRA's recipe (Dettmers et al. 2023) is `load_in_4bit=True`, `bnb_4bit_quant_type="nf4"`
   (or "fp4"), `bnb_4bit_use_double_quant=True` (ckplan's 4-bit weight bytes count the
@@ -107,6 +107,8 @@ def values(plan: Plan, layers: LayerSegments) -> dict[str, dict[str, object]]:
             "lora_dropout": spec.lora_dropout,
             "task_type": "CAUSAL_LM",
         }
+        if spec.finetune.use_dora:
+            out["LoraConfig"]["use_dora"] = True
     args: dict[str, object] = {
         "output_dir": "out",
         "per_device_train_batch_size": spec.micro_batch,

@@ -17,6 +17,16 @@ the model states when the base weights do not train (docs/fine-tuning.md).
   (`ctx.tensors = (None, B)`: the packed weight only) and dequantises the weight to the
   activation dtype in forward and again in backward for dX.
 
+- DoRA (Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank Adaptation", §4.3; PEFT's
+  `use_dora`, peft v0.21.2 src/peft/tuners/lora/dora.py `DoraLinearLayer.forward` and
+  variants.py `DoraLinearVariant.forward`) adds a trained magnitude vector m of `out` values
+  per adapter and, each forward, the column norm ‖W + scaling·B·A‖ of the weight (detached):
+  B·A is formed as lora_B(lora_A(eye(in))), whose graph is dropped with the detach. The
+  output adds (m/‖·‖ - 1)·base_result + (m/‖·‖)·lora_B(lora_A(x))·scaling, so autograd keeps
+  the base output and B's output (`out` wide each) and three `out`-long vectors (the norm,
+  m/‖·‖ - 1 and m/‖·‖). With dropout PEFT runs the base GEMM again on the dropped input
+  (base_result = F.linear(dropout(x), W)).
+
 PEFT names the linear layers of a Llama layer q_proj, k_proj, v_proj, o_proj, gate_proj,
 up_proj and down_proj; ckplan's ops are qkv_proj (q, k, v), out_proj (o), fc1 (gate and up, or
 up alone in a GELU MLP) and fc2 (down).
@@ -61,9 +71,11 @@ class Adapter:
     fan_in: int
     fan_out: int
 
-    def parameters(self, rank: int) -> int:
-        """A (r x in) and B (out x r): r·(in + out) (Hu et al. 2021, §4.1)."""
-        return rank * (self.fan_in + self.fan_out)
+    def parameters(self, rank: int, dora: bool = False) -> int:
+        """A (r x in) and B (out x r): r·(in + out) (Hu et al. 2021, §4.1); with DoRA the
+        magnitude vector too, out (peft v0.21.2, dora.py `update_layer`: the weight norm's
+        shape, one value per output row)."""
+        return rank * (self.fan_in + self.fan_out) + (self.fan_out if dora else 0)
 
 
 def linear_shapes(spec: ChainSpec) -> dict[str, tuple[int, int]]:
@@ -98,7 +110,10 @@ def adapters(spec: ChainSpec) -> tuple[Adapter, ...]:
 def lora_layer_parameters(spec: ChainSpec) -> int:
     """Trainable parameters of one layer's adapters: Σ r·(in + out) (PEFT's
     print_trainable_parameters counts the same lora_A and lora_B weights)."""
-    return sum(adapter.parameters(spec.finetune.lora_rank) for adapter in adapters(spec))
+    finetune = spec.finetune
+    return sum(
+        adapter.parameters(finetune.lora_rank, finetune.use_dora) for adapter in adapters(spec)
+    )
 
 
 def quantized_weight_bytes(fan_in: int, fan_out: int, weight_format: str) -> int:
@@ -197,21 +212,34 @@ def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
             )
         )
         if site:
-            out.append(lora_op(op, site, B, tokens, rank, dropout))
+            dora = finetune.use_dora
+            out.append(lora_op(op, site, B, tokens, rank, dropout, dora, quantized))
     return tuple(out)
 
 
-def lora_op(base: Op, site: list[Adapter], B: int, tokens: int, rank: int, dropout: bool) -> Op:
+def lora_op(
+    base: Op,
+    site: list[Adapter],
+    B: int,
+    tokens: int,
+    rank: int,
+    dropout: bool,
+    dora: bool = False,
+    quantized: bool = False,
+) -> Op:
     """The adapters beside one linear op (`frozen_ops`). Moves (derived): per adapter, forward
     reads x and writes the dropout output and mask (with dropout), reads and writes the
     out-wide product for the scaling and adds it to the linear's output (read two, write one);
     backward reads dY and writes the scaled gradient, with dropout reads the mask and the
-    gradient and writes dX, and adds dX to the linear's input gradient (read two, write one)."""
-    saved = flops = forward_moved = backward_moved = workspace = 0
+    gradient and writes dX, and adds dX to the linear's input gradient (read two, write one).
+    With DoRA, `dora_terms` adds its own."""
+    saved = flops = backward_flops = forward_moved = backward_moved = workspace = 0
     for adapter in site:
         fan_in, fan_out = adapter.fan_in, adapter.fan_out
+        adapter_flops = matmul_flops(tokens, rank, fan_in) + matmul_flops(tokens, fan_out, rank)
         saved += B * tokens * rank
-        flops += matmul_flops(tokens, rank, fan_in) + matmul_flops(tokens, fan_out, rank)
+        flops += adapter_flops
+        backward_flops += 2 * adapter_flops
         forward_moved += 5 * B * tokens * fan_out
         backward_moved += 2 * B * tokens * fan_out + 3 * B * tokens * fan_in
         if dropout:
@@ -219,15 +247,79 @@ def lora_op(base: Op, site: list[Adapter], B: int, tokens: int, rank: int, dropo
             forward_moved += (2 * B + MASK_BYTES) * tokens * fan_in
             backward_moved += (2 * B + MASK_BYTES) * tokens * fan_in
         in_grads = (2 if dropout else 1) * fan_in
-        workspace = max(workspace, B * tokens * (fan_out + rank + in_grads))
+        adapter_workspace = B * tokens * (fan_out + rank + in_grads)
+        if dora:
+            terms = dora_terms(adapter, B, tokens, rank, dropout, quantized)
+            saved += terms.saved
+            flops += terms.forward_flops
+            backward_flops += terms.backward_flops
+            forward_moved += terms.forward_bytes
+            backward_moved += terms.backward_bytes
+            adapter_workspace = max(adapter_workspace + terms.backward_workspace, terms.transient)
+        workspace = max(workspace, adapter_workspace)
     return Op(
         f"{base.name}_lora",
         base.component,
         saved,
         flops,
-        2 * flops,
+        backward_flops,
         base.group,
         grad_workspace_bytes=workspace,
         forward_bytes=forward_moved,
         backward_bytes=backward_moved,
+    )
+
+
+@dataclass(frozen=True)
+class DoraTerms:
+    """What DoRA adds to one adapter (`dora_terms`)."""
+
+    saved: int
+    forward_flops: int
+    backward_flops: int
+    forward_bytes: int
+    backward_bytes: int
+    backward_workspace: int  # beside LoRA's, in the adapter's backward
+    transient: int  # the weight norm's tensors, alive in each forward (and recomputation)
+
+
+def dora_terms(
+    adapter: Adapter, B: int, tokens: int, rank: int, dropout: bool, quantized: bool = False
+) -> DoraTerms:
+    """DoRA's additions to one adapter: PEFT's `DoraLinearLayer.forward` (peft v0.21.2,
+    src/peft/tuners/lora/dora.py), checked against autograd in tests/test_finetune_torch.py.
+    derived:
+
+    - saved: the base output and B's output, B·tokens·out each (the multiplies by m/‖·‖ - 1
+      and m/‖·‖ save their tensor operands), and three out-long vectors: the detached norm
+      (the division's divisor, for m's gradient), m/‖·‖ - 1 and m/‖·‖, 3·B·out. The graph of
+      lora_B(lora_A(eye(in))) is dropped by the detach: nothing of it is kept.
+    - FLOPs: forward, B·A as lora_B(lora_A(eye)), 2·in·in·r + 2·in·r·out, and with dropout the
+      base GEMM again on the dropped input, 2·tokens·in·out, whose backward is one input-
+      gradient GEMM (the weight is frozen). The element-wise work is counted as moves.
+    - moves: forward writes eye (in²) and B·A (in·out), reads them back, forms W + s·B·A and
+      its norm (reads W, B·A, the scaled copy and the sum; writes the scaled copy and the sum:
+      6·in·out), and per token four multiplies and one more add over out (read two or one,
+      write one: 2 + 2 + 2 + 3 + 3 = 12 per value against LoRA's 5: 7·out more); backward
+      reads dY twice for the two products' gradients and their saved operands, writes both
+      (6·out per token), and the magnitude's gradient sums over tokens (read 2·out).
+    - backward workspace: the two out-wide products of the magnitude's gradient and the base
+      output's scaled gradient, 2·B·tokens·out.
+    - transient: eye(in), A(eye) (in·r), B·A, its scaled copy and the sum (in·out each), alive
+      together while the norm is taken: B·(in² + in·r + 3·in·out); over a quantised weight
+      (QLoRA) also its dequantised copy (`dequantize_module_weight`), B·in·out more.
+    """
+    fan_in, fan_out = adapter.fan_in, adapter.fan_out
+    lora_weight = matmul_flops(fan_in, rank, fan_in) + matmul_flops(fan_in, fan_out, rank)
+    base_again = matmul_flops(tokens, fan_out, fan_in) if dropout else 0
+    return DoraTerms(
+        saved=2 * B * tokens * fan_out + 3 * B * fan_out,
+        forward_flops=lora_weight + base_again,
+        backward_flops=base_again,
+        forward_bytes=B * (2 * fan_in * fan_in + 2 * fan_in * fan_out + 6 * fan_in * fan_out)
+        + 7 * B * tokens * fan_out,
+        backward_bytes=8 * B * tokens * fan_out,
+        backward_workspace=2 * B * tokens * fan_out,
+        transient=B
+        * (fan_in * fan_in + fan_in * rank + (4 if quantized else 3) * fan_in * fan_out),
     )

@@ -77,7 +77,9 @@ def frozen_weight_gradient_flops(spec: ModelSpec) -> int:
     training: full): one GEMM of its forward's size per frozen linear layer (ckplan.model.
     finetune), and the output layer's when it is frozen. The model FLOPs of a fine-tune are
     3 x forward less these: forward, the input gradients, and the adapters' weight gradients
-    (derived)."""
+    (derived). DoRA's adapters run forward work with no backward of its own (B·A for the
+    weight norm) or with an input-gradient GEMM alone (the base GEMM again, with dropout):
+    their backward is less than twice their forward by as much."""
     if spec.training == "full" or spec.kind != "transformer":
         return 0
     whole = _whole_model(spec)
@@ -86,7 +88,7 @@ def frozen_weight_gradient_flops(spec: ModelSpec) -> int:
         per_layer = sum(
             2 * op.forward_flops - op.backward_flops
             for op in layer_ops(whole, kind)
-            if op.matmul is not None
+            if (op.matmul is not None or op.name.endswith("_lora"))
             and not op.fused_kernel
             and op.backward_flops < 2 * op.forward_flops
         )

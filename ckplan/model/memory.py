@@ -832,7 +832,8 @@ def trainable_tensors(spec: ModelSpec, stage: int = 0) -> Counter:
     training: full, its layers' (`layer_tensors`), on the first stage the word embedding (V, h)
     and the learned positions, on the last the final norm and the output layer (V, h) (or the
     tied copy with pp > 1); with LoRA, each adapter's A (r, in) and B (out, r) (PEFT's
-    lora_A / lora_B nn.Linear weights). Dense transformers at tp 1 (the spec's rules)."""
+    lora_A / lora_B nn.Linear weights) and with DoRA its magnitude (out,). Dense transformers
+    at tp 1 (the spec's rules)."""
     layers_here = sum(stage_kind_counts(spec, stage).values())
     tensors: Counter = Counter()
     if spec.training != "full":
@@ -840,6 +841,8 @@ def trainable_tensors(spec: ModelSpec, stage: int = 0) -> Counter:
         for adapter in finetune.adapters(spec):
             tensors[(rank, adapter.fan_in)] += layers_here
             tensors[(adapter.fan_out, rank)] += layers_here
+            if spec.finetune.use_dora:  # DoRA's magnitude vector (lora_magnitude_vector)
+                tensors[(adapter.fan_out,)] += layers_here
         return tensors
     for shape, count in layer_tensors(spec).items():
         tensors[shape] += count * layers_here

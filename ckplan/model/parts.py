@@ -341,6 +341,7 @@ class FineTuning(_Record):
     lora_alpha: float | None = None  # the scaling alpha/r: no effect on memory or FLOPs
     lora_targets: str = DEFAULT_LORA_TARGETS  # PEFT module names, comma-separated, or all-linear
     lora_dropout: float = 0.0  # PEFT's lora_dropout (nn.Dropout on each adapter's input)
+    use_dora: bool = False  # PEFT's use_dora: DoRA's magnitude vector and weight norm per adapter
     weight_format: str | None = None  # the frozen linear weights; None -> nf4 for qlora, else
     # weight_bytes
 

@@ -73,8 +73,8 @@ KEY_ORDER = (
     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
     "framework", "kernels", "attention_kernel", "precision", "loss", "tp_comm_overlap",
     "dp_comm_overlap", "expandable_segments", "mlp_tiles", "training", "lora_rank", "lora_alpha",
-    "lora_targets", "lora_dropout", "weight_format", "optimizer", "optimizer_in_backward",
-    "optimizer_offload", "param_offload",
+    "lora_targets", "lora_dropout", "use_dora", "weight_format", "optimizer",
+    "optimizer_in_backward", "optimizer_offload", "param_offload",
 )  # fmt: skip
 PART_OF: dict[str, str] = {
     field.name: part for part, record in PARTS.items() for field in dataclasses.fields(record)
@@ -662,7 +662,7 @@ def _validate_finetune(spec: ModelSpec) -> None:
     lora = finetune.training in ("lora", "qlora")
     if not lora:
         defaults = FineTuning()
-        for key in ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout"):
+        for key in ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "use_dora"):
             if getattr(finetune, key) != getattr(defaults, key):
                 raise SpecError(
                     f"key {key!r} needs training: lora or qlora (training is {finetune.training})"

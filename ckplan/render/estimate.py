@@ -433,7 +433,8 @@ def plan_summary_table(plan: Plan) -> Table:
         trained = parameter_count(spec).trained
         share = trained / plan.parameters_total if plan.parameters_total else 0.0
         what = (
-            f"LoRA r={spec.lora_rank} on {spec.lora_targets}, beside the total"
+            f"{'DoRA' if spec.finetune.use_dora else 'LoRA'} r={spec.lora_rank} on "
+            f"{spec.lora_targets}, beside the total"
             if spec.finetune.adapters
             else "every weight frozen"
         )

@@ -34,11 +34,18 @@ from ckplan.model.op_policy import check_policy_model
 from ckplan.model.spec import ModelSpec, SpecError
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate, in_flight_microbatches
 from ckplan.plan.layout.bounds import Bounds, MemoryBound, TimeBound, layout_keys_cleared
-from ckplan.plan.layout.space import Layout, SearchSpace, layouts, tensor_parallel_sizes
+from ckplan.plan.layout.space import (
+    Layout,
+    SearchSpace,
+    divisors,
+    layouts,
+    tensor_parallel_sizes,
+)
 from ckplan.plan.search import (
     DEFAULT_RESERVE,
     Candidate,
     activation_budget,
+    auto_limit,
     best_policy_plan,
     largest_value,
     optimal_plan,
@@ -321,6 +328,32 @@ def longest_seq_layouts(
             candidate, gpus, gpu, global_batch, budget_bytes, reserve_bytes, constraints, slots
         ),
     )
+
+
+def largest_micro_batch_layouts(
+    spec: ModelSpec,
+    gpus: int,
+    gpu: GPU,
+    global_batch: int,
+    budget_bytes: int,
+    reserve_bytes: int = DEFAULT_RESERVE,
+    constraints: dict | None = None,
+    slots: int = DEFAULT_SLOTS,
+) -> int:
+    """The largest micro-batch at which some layout of `gpus` GPUs fits with its micro-batch
+    fixed there (`any_layout_fits`); 0 when none does at any. The candidates are the divisors
+    of `global_batch` (micro_batch·microbatches·dp is the global batch) up to
+    `search.auto_limit`, tried from the largest down. Derived: "some layout fits" is not
+    monotone over them (a layout that fits at micro-batch N with dp ranks has no counterpart at
+    a smaller N' that does not divide global/dp), so no bisection."""
+    limit = auto_limit(spec, "micro_batch")
+    for candidate in sorted((d for d in divisors(global_batch) if d <= limit), reverse=True):
+        fixed = {**(constraints or {}), "micro_batch": candidate}
+        if any_layout_fits(
+            spec, gpus, gpu, global_batch, budget_bytes, reserve_bytes, fixed, slots
+        ):
+            return candidate
+    return 0
 
 
 def any_layout_fits(
