@@ -216,3 +216,68 @@ def test_replay_invariants_over_every_offload_schedule():
                     assert replay.host_peak_bytes == on_host
                     assert replay.bytes_moved == 2 * on_host
                     assert replay.host_trace[-1] == (0, 0)
+
+
+def full_recompute(chain):
+    from ckplan.schedules import segment_schedule
+
+    return segment_schedule(chain, [(i, i + 1, True) for i in range(chain.length)])
+
+
+def test_checkpointed_inputs_offloaded_hand_computed():
+    # Full recomputation of 4 stages, x_i = 2 bytes, tapes 5: the first pass keeps x_0..x_3
+    # (8 bytes). Offloaded, x_i is on device during forward(i + 1) (its copy) and comes back
+    # during the backward before stage i is re-run.
+    from ckplan.schedules.offload import offload_stored, offload_window
+
+    chain = uniform()
+    steps = full_recompute(chain)
+    stages = offload_stored(steps, 4)
+    assert stages == (0, 1, 2)
+    assert offload_window(steps, 4, 1) == (1, 7, False)  # copy out beside step 2, back beside 7
+    plain = simulate(chain, steps)
+    replay = simulate_offload(chain, steps, stages)
+    # forward_keep_input(2): x_1 in flight + x_2 + x_3 (its output) = 6 (two inputs on device
+    # with the copy in flight); after: x_0, x_1 on host, x_2 and x_3 on device = 4
+    assert replay.device_trace[2] == (6, 4)
+    # backward(3): tape_3 + δ_4 (0) + x_2 (prefetched) + δ_3 = 9, plain 13 less x_0 and x_1
+    assert plain.trace[5][1:] == (13, 8) and replay.device_trace[5] == (9, 4)
+    assert replay.device_peak_bytes == 11 < plain.peak_bytes == 13
+    assert replay.host_peak_bytes == 6 and replay.bytes_moved == 12
+    assert replay.offloaded_bytes == (2, 2, 2)
+    assert replay.host_trace[0] == (0, 2) and replay.host_trace[-1] == (0, 0)
+
+
+def test_checkpointed_input_read_again_at_once_is_refused():
+    from ckplan.schedules import FORWARD_DROP, FORWARD_KEEP_INPUT
+
+    chain = uniform(n=3)
+    # two-layer segment [0, 2): x_0 comes back beside backward(2), x_1 is not a checkpoint
+    steps = (
+        Step(FORWARD_KEEP_INPUT, 0),
+        Step(FORWARD_DROP, 1),
+        Step(FORWARD_KEEP_ALL, 2),
+        Step(BACKWARD, 2),
+        Step(FORWARD_KEEP_ALL, 0),
+        Step(FORWARD_KEEP_ALL, 1),
+        Step(BACKWARD, 1),
+        Step(BACKWARD, 0),
+    )
+    replay = simulate_offload(chain, steps, (0,))
+    assert replay.host_trace[3] == (2, 0) and replay.bytes_moved == 4
+    with pytest.raises(ValueError, match="once, on the first pass"):
+        simulate_offload(chain, steps, (1,))
+    # x_0 re-read by the step after its copy's: the copy could not end before
+    steps = (
+        Step(FORWARD_KEEP_INPUT, 0),
+        Step(FORWARD_DROP, 1),
+        Step(FORWARD_KEEP_ALL, 0),
+        Step(FORWARD_KEEP_ALL, 1),
+        Step(FORWARD_KEEP_ALL, 2),
+        Step(BACKWARD, 2),
+        Step(BACKWARD, 1),
+        Step(BACKWARD, 0),
+    )
+    simulate(chain, steps)
+    with pytest.raises(ValueError, match="read again before its copy"):
+        simulate_offload(chain, steps, (0,))

@@ -23,11 +23,56 @@ from ckplan.schedules.offload import offload_all, simulate_offload
         ("selective+offload", "selective+offload", "selective"),
         ("offload+optimal", "offload+optimal", "optimal"),
         ("selective+offload+optimal", "selective+offload+optimal", "optimal"),
+        ("full+offload", "full+offload", "full"),
+        ("offload+full", "full+offload", "full"),
+        ("block:4+offload", "block:4+offload", "block"),
+        ("selective+full+offload", "selective+uniform:1+offload", "uniform"),
     ],
 )
 def test_parse_offload_words(spec_of, text, name, kind):
     strategy = parse_strategy(text, spec_of("gpt2"))
     assert strategy.offload and strategy.name == name and strategy.kind == kind
+
+
+@pytest.mark.parametrize("text", ["uniform:2+offload", "sqrt+offload", "revolve:2+offload"])
+def test_offload_of_longer_segments_is_refused(spec_of, text):
+    with pytest.raises(StrategyError, match="segments of one layer"):
+        parse_strategy(text, spec_of("gpt2"))
+
+
+def test_full_offload_moves_the_checkpointed_inputs(spec_of):
+    # Llama 3 8B at 4k tokens: each layer's input is s*b*h*2 bytes; the embedding's tape moves
+    # too, the output layer's (the last stage) stays.
+    spec = spec_of("llama3-8b", seq=4096, microbatches=2)
+    plan = evaluate(spec, parse_strategy("full+offload", spec))
+    full = evaluate(spec, parse_strategy("full", spec))
+    chain = layer_chain(spec, ())
+    layer_input = 4096 * 4096 * 2
+    assert chain.input_bytes[1:33] == (layer_input,) * 32
+    offloaded = plan.stage_offloads[0][1]
+    assert [i for i, _ in offloaded] == list(range(33))
+    assert offloaded[0][1] == chain.tape_bytes[0] and offloaded[1][1] == layer_input
+    assert plan.host_bytes == chain.tape_bytes[0] + 32 * layer_input
+    assert plan.bytes_moved == 2 * plan.host_bytes * 2
+    assert plan.flops == full.flops
+    # the first pass held every input on device; now at most two (one in flight)
+    assert full.activation_bytes - plan.activation_bytes >= 30 * layer_input
+    assert "32 checkpointed inputs and 1 tape of 34 stages" in plan.notes[0]
+
+
+def test_full_offload_copies_hide_behind_a_layer(spec_of):
+    # A layer input is 1/17 of its tape: its copy hides behind the next layer's forward and
+    # backward on PCIe Gen4 where the tape's copy does not.
+    spec = spec_of("llama3-8b", seq=16384)
+    gpu = load_gpu("rtx-4090")
+    plan = evaluate(spec, parse_strategy("full+offload", spec))
+    forward, backward = chain_compute_seconds(spec, gpu, 0)
+    exposed = exposed_copy_seconds(forward, backward, plan.stage_offloads[0][1], gpu)
+    time = step_time(plan, gpu)
+    plain = step_time(evaluate(spec, parse_strategy("full", spec)), gpu)
+    assert time.offload_exposed_seconds == pytest.approx(exposed)
+    assert time.step_seconds == pytest.approx(plain.step_seconds + exposed)
+    assert exposed < 0.01 * plain.step_seconds
 
 
 def test_offload_plan_is_the_replay(spec_of):
@@ -107,9 +152,10 @@ def test_verify_runs_offload_schedules_on_the_numpy_mlp():
     from ckplan.simple.verify import mlp_spec, verify
 
     spec = mlp_spec(8, 128, 256, 32)
-    report = verify(spec, ["offload", "offload+optimal"], repeats=1, predict_time=False)
+    names = ["offload", "offload+optimal", "full+offload", "block:3+offload"]
+    report = verify(spec, names, repeats=1, predict_time=False)
     runs = {run.strategy: run for run in report.runs}
-    for name in ("offload", "offload+optimal"):
+    for name in names:
         run = runs[name]
         assert run.ok and run.gradients_identical and run.offload_ok
         assert run.predicted.offloaded

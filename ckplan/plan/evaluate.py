@@ -467,13 +467,16 @@ def _plan(
 def _evaluate_offload(spec, strategy, budget, slots, gpu) -> Plan | None:
     """`offload` and `offload+optimal` (ckplan.plan.offload): each pipeline stage's schedule
     with its tapes on host; the GPU that peaks on device is shown, the most host bytes of any."""
-    from ckplan.plan.offload import offload_stage
+    from ckplan.plan.offload import offload_stage, offloaded_input_count, offloaded_words
 
     results, forwards, offloads = [], [], []
     for stage in pipeline_stages(spec):
         chain = layer_chain(spec, strategy.groups, stage=stage)
         in_flight = in_flight_microbatches(spec, stage)
-        found = offload_stage(spec, chain, strategy, stage, in_flight, budget, slots, gpu)
+        steps = None
+        if strategy.kind not in ("none", "selective", "optimal"):
+            steps = segment_schedule(chain, _segments(spec, chain, strategy, stage == 0))
+        found = offload_stage(spec, chain, strategy, stage, in_flight, budget, slots, gpu, steps)
         if found is None:
             return None
         flops = _stage_flops(spec, strategy, chain, found.replay.replay, stage)
@@ -492,8 +495,9 @@ def _evaluate_offload(spec, strategy, budget, slots, gpu) -> Plan | None:
     moved = max(result[0].bytes_moved for result in results) * spec.microbatches
     names = _stage_names(spec, stage)
     kept = [i for i, _ in found.offloaded]
+    what = offloaded_words(len(kept), offloaded_input_count(found.steps, kept))
     notes = (
-        f"{len(kept)} of {len(names)} stored tapes offloaded to host memory"
+        f"{what} of {len(names)} stages offloaded to host memory"
         + (f" ({names[kept[0]]} .. {names[kept[-1]]})" if kept else ""),
     )
     if spec.pp > 1:

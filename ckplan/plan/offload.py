@@ -1,7 +1,9 @@
 """Offload plans: one pipeline stage's chain with stored tapes on host memory.
 
 `offload` stores every tape and offloads every one but the last stage's (its backward follows
-at once); `offload+optimal` runs the joint DP over keep, offload and recompute
+at once); `full+offload` and `block:N+offload` run their segment schedule and offload what its
+first pass stores, the checkpointed layer inputs and the stored stages' tapes;
+`offload+optimal` runs the joint DP over keep, offload and recompute
 (ckplan.schedules.offload, Beaumont et al. 2021) on the stage times of a GPU, with the host
 link's copy times and the GPU's share of its node's host memory as the host budget.
 """
@@ -16,8 +18,19 @@ from ckplan.hardware.gpus import GPU
 from ckplan.hardware.host_link import copy_seconds, host_memory_per_gpu
 from ckplan.model.spec import ModelSpec
 from ckplan.plan.strategies import Strategy, StrategyError
-from ckplan.schedules import Chain, Schedule, held_after_forward_bytes
-from ckplan.schedules.offload import OffloadReplay, offload_all, simulate_offload
+from ckplan.schedules import (
+    BACKWARD,
+    FORWARD_KEEP_INPUT,
+    Chain,
+    Schedule,
+    held_after_forward_bytes,
+)
+from ckplan.schedules.offload import (
+    OffloadReplay,
+    offload_all,
+    offload_stored,
+    simulate_offload,
+)
 
 NANOSECOND = 1e-9  # the DP's integer time unit
 
@@ -45,7 +58,7 @@ def pipelined_offload_bytes(
     waiting micro-batches holds what its forward left, its offloaded tapes on host and the
     rest on device; rounded up to whole bytes.
     """
-    on_host = sum(chain.tape_bytes[i] for i in replay.offloaded)
+    on_host = sum(replay.offloaded_bytes)
     held = held_after_forward_bytes(chain, replay.replay) - on_host
     waiting = in_flight - 1
     return (
@@ -86,9 +99,12 @@ def offload_stage(
     budget: int | None,
     slots: int,
     gpu: GPU | None,
+    steps: Schedule | None = None,
 ) -> OffloadStage | None:
     """The offload schedule of one pipeline stage; None when `offload+optimal` finds none
-    within `budget` activation bytes and the GPU's host memory."""
+    within `budget` activation bytes and the GPU's host memory. `steps`: the segment schedule
+    of `full+offload` or `block:N+offload`, whose stored tapes and checkpointed inputs move
+    (schedules.offload.offload_stored)."""
     if strategy.kind == "optimal":
         if budget is None:
             raise StrategyError(f"strategy {strategy.name!r} needs a memory budget (--budget)")
@@ -122,9 +138,36 @@ def offload_stage(
         if result is None:
             return None
         steps, stages = result.steps, result.offloaded
+    elif steps is not None:
+        stages = offload_stored(steps, chain.length)
     else:
         steps, stages = offload_all(chain)
     replay = simulate_offload(chain, steps, stages)
     peak, host = pipelined_offload_bytes(chain, replay, in_flight)
-    offloaded = tuple((i, chain.tape_bytes[i]) for i in stages)
+    offloaded = tuple(zip(stages, replay.offloaded_bytes, strict=True))
     return OffloadStage(peak, steps, replay, host, replay.bytes_moved, offloaded)
+
+
+def offloaded_input_count(steps: Schedule, stages) -> int:
+    """How many of the offloaded `stages` move their checkpointed input rather than a tape:
+    those whose first forward keeps the input only (schedules.offload.offload_window)."""
+    wanted = set(stages)
+    count, seen = 0, set()
+    for st in steps:
+        if st.stage in wanted and st.stage not in seen and st.kind != BACKWARD:
+            seen.add(st.stage)
+            count += st.kind == FORWARD_KEEP_INPUT
+    return count
+
+
+def offloaded_words(count: int, inputs: int) -> str:
+    """'33 tapes', '32 checkpointed inputs' or '32 checkpointed inputs and 1 tape'."""
+
+    def plural(n: int, word: str) -> str:
+        return f"{n} {word}{'' if n == 1 else 's'}"
+
+    tapes = count - inputs
+    if not inputs:
+        return plural(tapes, "tape")
+    words = plural(inputs, "checkpointed input")
+    return words + (f" and {plural(tapes, 'tape')}" if tapes else "")

@@ -475,11 +475,19 @@ def offload_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
     return data
 
 
+def _offloaded(plan: Plan, peak) -> str:
+    """'33 tapes', or '32 checkpointed inputs and 1 tape' for full+offload."""
+    from ckplan.plan.offload import offloaded_input_count, offloaded_words
+
+    stages = [i for i, _ in peak]
+    return offloaded_words(len(stages), offloaded_input_count(plan.steps, stages))
+
+
 def offload_text(plan: Plan, time: StepTime | None = None, host_budget: int | None = None) -> str:
     """One line on a plan's offloaded tapes: how many, host bytes, bytes moved, exposed copies."""
     peak = dict(plan.stage_offloads).get(plan.peak_stage, ())
     text = (
-        f"{plan.strategy}: {len(peak)} tapes on host, {gib(plan.host_bytes)} pinned per GPU"
+        f"{plan.strategy}: {_offloaded(plan, peak)} on host, {gib(plan.host_bytes)} pinned per GPU"
         + (f" (of {gib(host_budget)} host memory per GPU)" if host_budget is not None else "")
         + f", {gib(plan.bytes_moved)} moved per step"
     )
