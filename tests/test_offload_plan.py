@@ -148,6 +148,17 @@ def test_cli_json_offload_fields(spec_of, capsys):
     assert offload["exposed_seconds"] == data["time"].get("offload_exposed_seconds", 0.0)
 
 
+def test_schedule_json_marks_the_offloaded_checkpointed_inputs(capsys):
+    from ckplan.cli import main
+
+    main(["schedule", "gpt2", "--strategy", "full+offload", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    marked = [(step["kind"], step["name"]) for step in data["steps"] if step.get("offload")]
+    assert marked[0] == ("forward_keep_all", "embedding")
+    assert marked[1:] == [("forward_keep_input", f"layer {i}") for i in range(12)]
+    assert data["offload"]["bytes_moved"] == 2 * data["offload"]["host_bytes"]
+
+
 def test_verify_runs_offload_schedules_on_the_numpy_mlp():
     from ckplan.simple.verify import mlp_spec, verify
 

@@ -421,6 +421,7 @@ STEP_LABELS = {
     "forward_keep_all": "forward, keep all",
     "backward": "backward",
     "forward_keep_all+offload": "forward, keep all, offload",
+    "forward_keep_input+offload": "forward, keep input, offload",
 }
 
 
@@ -429,13 +430,26 @@ def offloaded_stages(plan: Plan) -> frozenset[int]:
     return frozenset(i for i, _ in dict(plan.stage_offloads).get(plan.peak_stage, ()))
 
 
+def offload_steps(plan: Plan) -> list[bool]:
+    """Per step: whether it is the first-pass forward whose tape (or checkpointed input) the
+    plan offloads (the first forward of an offloaded stage, schedules.offload)."""
+    offloaded = offloaded_stages(plan)
+    seen: set[int] = set()
+    marks = []
+    for step in plan.steps:
+        first = step.kind != "backward" and step.stage not in seen
+        if step.kind != "backward":
+            seen.add(step.stage)
+        marks.append(first and step.stage in offloaded)
+    return marks
+
+
 def schedule_rows(plan: Plan) -> list[tuple[str, str, int]]:
     """Consecutive steps of one kind over consecutive stages, merged: (label, stages, count)."""
     rows: list[tuple[str, list[int]]] = []
-    offloaded = offloaded_stages(plan)
-    for step in plan.steps:
+    for step, moved in zip(plan.steps, offload_steps(plan), strict=True):
         kind = step.kind
-        if kind == "forward_keep_all" and step.stage in offloaded:
+        if moved:
             kind += "+offload"
         if rows and rows[-1][0] == kind and abs(rows[-1][1][-1] - step.stage) == 1:
             rows[-1][1].append(step.stage)
@@ -453,19 +467,14 @@ def schedule_rows(plan: Plan) -> list[tuple[str, str, int]]:
 def schedule_dict(
     plan: Plan, activation_budget: int | None, time: StepTime | None = None
 ) -> dict[str, Any]:
-    offloaded = offloaded_stages(plan)
     return {
         **plan_dict(plan, time),
         "activation_budget_bytes": activation_budget,
         "stages": list(plan.stage_names),
         "steps": [
             {"kind": step.kind, "stage": step.stage, "name": plan.stage_names[step.stage]}
-            | (
-                {"offload": True}
-                if step.kind == "forward_keep_all" and step.stage in offloaded
-                else {}
-            )
-            for step in plan.steps
+            | ({"offload": True} if moved else {})
+            for step, moved in zip(plan.steps, offload_steps(plan), strict=True)
         ],
     }
 
