@@ -171,3 +171,34 @@ def offloaded_words(count: int, inputs: int) -> str:
         return plural(tapes, "tape")
     words = plural(inputs, "checkpointed input")
     return words + (f" and {plural(tapes, 'tape')}" if tapes else "")
+
+
+@dataclass(frozen=True)
+class CopyOverlap:
+    """The largest copy of a plan's offloads beside the compute that hides it: one copy's
+    seconds, the forward its copy out overlaps and the backward its copy back overlaps."""
+
+    nbytes: int
+    copy_seconds: float
+    forward_seconds: float
+    backward_seconds: float
+
+
+def largest_copy(plan, gpu: GPU) -> CopyOverlap | None:
+    """The largest offloaded item of the plan's peak pipeline stage with the stage times it
+    overlaps (rules O1, O2 of ckplan.schedules.offload: stage ``i + 1``'s forward and
+    backward); None without offloads.
+
+    derived: `hardware.host_link.copy_seconds` and `hardware.step_time.chain_compute_seconds`,
+    the figures `exposed_copy_seconds` weighs.
+    """
+    offloaded = dict(plan.stage_offloads).get(plan.peak_stage, ())
+    if not offloaded:
+        return None
+    from ckplan.hardware.step_time import chain_compute_seconds
+
+    forward, backward = chain_compute_seconds(
+        plan.spec, gpu, plan.peak_stage, plan.recompute_groups
+    )
+    stage, nbytes = max(offloaded, key=lambda item: (item[1], -item[0]))
+    return CopyOverlap(nbytes, copy_seconds(nbytes, gpu), forward[stage + 1], backward[stage + 1])

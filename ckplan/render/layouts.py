@@ -186,8 +186,26 @@ def layout_dict(e: Evaluated) -> dict[str, Any]:
         },
         "time": None if e.candidate.time is None else e.candidate.time.to_dict(),
         "set": set_arguments(layout, experts),
+        "offload": _offload_dict(e),
     }
     return data
+
+
+def _offload_dict(e: Evaluated) -> dict[str, Any] | None:
+    """The layout's best offload plan beside its best recomputation plan (docs/layouts.md)."""
+    offload = e.candidate if e.plan.stage_offloads else e.offload
+    if offload is None:
+        return None
+    recompute = e.recompute
+    return {
+        "strategy": offload.plan.strategy,
+        "step_seconds": offload.time.step_seconds,
+        "exposed_seconds": offload.time.offload_exposed_seconds,
+        "host_bytes": offload.plan.host_bytes,
+        "bytes_moved": offload.plan.bytes_moved,
+        "recompute_strategy": None if recompute is None else recompute.plan.strategy,
+        "recompute_step_seconds": None if recompute is None else recompute.time.step_seconds,
+    }
 
 
 def _split_dict(layout: Layout) -> dict[str, Any]:
@@ -306,6 +324,42 @@ def _counts_line(result: LayoutResult) -> Text:
     )
 
 
+def offload_line(e: Evaluated, gpu) -> str | None:
+    """How the layout's best offload plan compares with its best recomputation plan (the
+    faster named first), with the copies' exposed time and why; None where no offload plan
+    fits or nothing to compare it with."""
+    from ckplan.plan.offload import largest_copy
+
+    offload, recompute = e.offload, e.recompute
+    if e.plan.stage_offloads:
+        offload = e.candidate
+    if offload is None or recompute is None:
+        return None
+    fast, slow = offload.time.step_seconds, recompute.time.step_seconds
+    gap = abs(slow - fast)
+    if fast <= slow:
+        verdict = (
+            f"{offload.plan.strategy} takes {seconds(fast)}, {seconds(gap)} "
+            f"({gap / slow:.1%}) less than the best recomputation on this layout, "
+            f"{recompute.plan.strategy} ({seconds(slow)})"
+        )
+    else:
+        verdict = (
+            f"{offload.plan.strategy} takes {seconds(fast)}, {seconds(gap)} "
+            f"({gap / slow:.1%}) more than the best recomputation on this layout, "
+            f"{recompute.plan.strategy} ({seconds(slow)})"
+        )
+    copy = largest_copy(offload.plan, gpu)
+    exposed = offload.time.offload_exposed_seconds
+    why = (
+        f"; copies exposed {seconds(exposed)}: a {gib(copy.nbytes)} copy takes "
+        f"{seconds(copy.copy_seconds)} beside a layer's forward {seconds(copy.forward_seconds)} "
+        f"and backward {seconds(copy.backward_seconds)}, "
+        f"{gib(offload.plan.host_bytes)} pinned per GPU"
+    )
+    return verdict + why
+
+
 def _verdict(
     result: LayoutResult, best: Evaluated | None, budget_text: str, model: str, extra: str
 ) -> list[Text]:
@@ -315,11 +369,13 @@ def _verdict(
         return [Text(no_fit_line(result), style="bold red")]
     time = best.candidate.time
     timing = f", step {seconds(time.step_seconds)}, MFU {time.mfu:.1%}" if time else ""
+    offload = offload_line(best, result.gpu)
     return [
         Text(
             f"Fastest: {layout_text(best.layout, best.spec)} with {best.plan.strategy}{timing}.",
             style="bold green",
         ),
+        *([Text(f"Offload: {offload}.")] if offload else []),
         Text(f"Accuracy: {accuracy_note(result.gpu.name, best.spec.framework)}."),
         Text(
             "Check it: " + check_command(result, best, budget_text, model, extra),
