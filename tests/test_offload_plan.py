@@ -133,8 +133,41 @@ def test_sweep_tries_offload(spec_of):
     spec = spec_of("gpt2", micro_batch=8)
     result = sweep(spec, 16 * 2**30, gpu=load_gpu("a100-80gb"))
     names = {c.plan.strategy for c in result.candidates}
-    assert {"offload", "selective+offload"} <= names
+    assert {"offload", "selective+offload", "full+offload"} <= names
     assert any(name.endswith("offload+optimal") for name in names)
+
+
+def test_sweep_says_how_offload_compares_with_recomputation(spec_of, capsys):
+    """Llama 3 8B at 16k tokens on RTX 4090s (ZeRO-3 over 16): the fastest fitting offload
+    plan against the fastest fitting plan without offloading, as the sweep ranks them."""
+    from ckplan.cli import main
+    from ckplan.render.time import seconds
+
+    keys = {"seq": 16384, "dp": 16, "zero": 3, "loss": "chunked:16"}
+    spec = spec_of("llama3-8b", **keys)
+    gpu = load_gpu("rtx-4090")
+    result = sweep(spec, gpu.memory_bytes, gpu=gpu)
+    fitting = [c for c in result.candidates if c.fits]
+    offload = min((c for c in fitting if c.plan.stage_offloads), key=lambda c: c.time.step_seconds)
+    other = min(
+        (c for c in fitting if not c.plan.stage_offloads), key=lambda c: c.time.step_seconds
+    )
+    assert offload.plan.strategy == "offload+optimal" and other.plan.strategy == "optimal"
+    assert offload.time.step_seconds < other.time.step_seconds
+    sets = [arg for key, value in keys.items() for arg in ("--set", f"{key}={value}")]
+    main(["sweep", "llama3-8b", "--gpu", "rtx-4090", *sets, "-q"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        f"Offload against recomputation: offload+optimal takes "
+        f"{seconds(offload.time.step_seconds)}, "
+        f"{seconds(other.time.step_seconds - offload.time.step_seconds)}"
+    ) in out
+    assert (
+        f"less than the best recomputation that fits, optimal ({seconds(other.time.step_seconds)})"
+        in out
+    )
+    exposed = seconds(offload.time.offload_exposed_seconds)
+    assert f"copies exposed {exposed}: a 2.13 GiB copy takes" in out
 
 
 def test_cli_json_offload_fields(spec_of, capsys):

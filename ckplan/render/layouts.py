@@ -325,39 +325,14 @@ def _counts_line(result: LayoutResult) -> Text:
 
 
 def offload_line(e: Evaluated, gpu) -> str | None:
-    """How the layout's best offload plan compares with its best recomputation plan (the
-    faster named first), with the copies' exposed time and why; None where no offload plan
-    fits or nothing to compare it with."""
-    from ckplan.plan.offload import largest_copy
+    """How the layout's best offload plan compares with its best recomputation plan; None
+    where no offload plan fits or nothing to compare it with."""
+    from ckplan.render.estimate import offload_comparison
 
-    offload, recompute = e.offload, e.recompute
-    if e.plan.stage_offloads:
-        offload = e.candidate
-    if offload is None or recompute is None:
+    offload = e.candidate if e.plan.stage_offloads else e.offload
+    if offload is None or e.recompute is None:
         return None
-    fast, slow = offload.time.step_seconds, recompute.time.step_seconds
-    gap = abs(slow - fast)
-    if fast <= slow:
-        verdict = (
-            f"{offload.plan.strategy} takes {seconds(fast)}, {seconds(gap)} "
-            f"({gap / slow:.1%}) less than the best recomputation on this layout, "
-            f"{recompute.plan.strategy} ({seconds(slow)})"
-        )
-    else:
-        verdict = (
-            f"{offload.plan.strategy} takes {seconds(fast)}, {seconds(gap)} "
-            f"({gap / slow:.1%}) more than the best recomputation on this layout, "
-            f"{recompute.plan.strategy} ({seconds(slow)})"
-        )
-    copy = largest_copy(offload.plan, gpu)
-    exposed = offload.time.offload_exposed_seconds
-    why = (
-        f"; copies exposed {seconds(exposed)}: a {gib(copy.nbytes)} copy takes "
-        f"{seconds(copy.copy_seconds)} beside a layer's forward {seconds(copy.forward_seconds)} "
-        f"and backward {seconds(copy.backward_seconds)}, "
-        f"{gib(offload.plan.host_bytes)} pinned per GPU"
-    )
-    return verdict + why
+    return offload_comparison(offload, e.recompute, gpu, "on this layout")
 
 
 def _verdict(

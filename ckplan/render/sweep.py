@@ -10,7 +10,12 @@ from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 from ckplan.plan.search import SEQ_GRANULE, Candidate, SweepResult
 from ckplan.render.common import GIB, gib, memory_bar
-from ckplan.render.estimate import expert_layout_line, offload_text, plan_dict
+from ckplan.render.estimate import (
+    expert_layout_line,
+    offload_comparison,
+    offload_text,
+    plan_dict,
+)
 from ckplan.render.fit import declare
 from ckplan.render.time import seconds
 
@@ -193,6 +198,9 @@ def sweep_view(
     if offloads:
         parts.append(Text("Offload (tapes in pinned host memory, copies beside compute):"))
         parts += [Text("  " + offload_text(c.plan, c.time, c.host_budget_bytes)) for c in offloads]
+    compared = _offload_against_recompute(result)
+    if compared:
+        parts.append(Text(f"Offload against recomputation: {compared}."))
     parts.append(sweep_verdict(result))
     if result.best is not None:  # recompute the busiest stage's FLOPs do not show
         hidden = [note for note in result.best.plan.notes if " recomputes " in note]
@@ -413,6 +421,23 @@ def why_not_fitting(candidate: Candidate) -> str:
     return (
         f"least activations {format_bytes(candidate.plan.activation_bytes, GIB)} on top of states"
     )
+
+
+def _offload_against_recompute(result) -> str | None:
+    """The fastest fitting offload plan against the fastest fitting plan without offloading,
+    with a GPU (render.estimate.offload_comparison); None where either is missing."""
+    if result.gpu is None:
+        return None
+    fitting = [c for c in result.candidates if c.fits and c.time is not None]
+
+    def fastest(candidates):
+        return min(candidates, key=lambda c: c.time.step_seconds, default=None)
+
+    offload = fastest([c for c in fitting if c.plan.stage_offloads])
+    recompute = fastest([c for c in fitting if not c.plan.stage_offloads])
+    if offload is None or recompute is None:
+        return None
+    return offload_comparison(offload, recompute, result.gpu, "that fits")
 
 
 STEP_LABELS = {
