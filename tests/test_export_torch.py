@@ -167,7 +167,9 @@ def test_snippet_runs_the_plan(spec_of, model, name):
         assert "checkpoint_sequential" in export.text
 
 
-@pytest.mark.parametrize("name", ["offload", "selective+offload"])
+@pytest.mark.parametrize(
+    "name", ["offload", "selective+offload", "full+offload", "block:2+offload"]
+)
 def test_offload_snippet_saves_the_offloaded_layers_on_cpu(spec_of, model, name):
     """Every offloaded layer runs under save_on_cpu (counted as its contexts open and its saved
     tensors are packed); the gradients equal the plain step's. On a CPU build save_on_cpu makes
@@ -205,4 +207,14 @@ def test_offload_snippet_saves_the_offloaded_layers_on_cpu(spec_of, model, name)
     assert all(torch.equal(a, b) for a, b in zip(grads, reference, strict=True))
     offloaded = layer_segments(plan).offloaded
     assert offloaded == tuple(range(LAYERS)) and len(opened) == LAYERS
-    assert packed and min(packed) > 0
+    recomputed = {i for start, end, recompute in layer_segments(plan).segments if recompute
+                  for i in range(start, end)}  # fmt: skip
+    layer_input = BATCH * SEQ * HIDDEN * 8
+    # a recomputed layer packs its input alone (and the checkpoint's empty marker), a stored
+    # one its tape, several of its tensors
+    saved = [size for size in packed if size]
+    if len(recomputed) == LAYERS:  # full+offload: exactly the six layer inputs go to host
+        assert saved == [layer_input] * LAYERS
+    else:
+        assert saved.count(layer_input) >= len(recomputed)
+        assert sum(saved) > layer_input * LAYERS

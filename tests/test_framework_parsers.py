@@ -31,6 +31,7 @@ DEEPSPEED_CASES = [
     ("uniform:2", {"zero": 2, "dp": 8, "microbatches": 4}),
     ("block:4", {"zero": 3, "dp": 16, "micro_batch": 2}),
     ("selective", {"zero": 0, "dp": 4}),
+    ("full+offload", {"zero": 3, "dp": 8}),
 ]
 
 
@@ -48,10 +49,14 @@ def test_deepspeed_loads_the_exported_config(spec_of, strategy, layout):
     assert loaded.zero_optimization_stage == spec.zero
     assert loaded.train_micro_batch_size_per_gpu == spec.micro_batch
     assert loaded.gradient_accumulation_steps == spec.microbatches
+    checkpointing = loaded.activation_checkpointing_config
     assert (
-        loaded.activation_checkpointing_config.number_checkpoints
+        checkpointing.number_checkpoints
         == (config["activation_checkpointing"]["number_checkpoints"])
     )
+    # the inputs of checkpointed layers to host: full+offload only
+    assert checkpointing.cpu_checkpointing is (strategy == "full+offload")
+    assert checkpointing.partition_activations is False
 
 
 # torchtitan's package imports its models (and triton) on import; its config modules need only

@@ -271,3 +271,32 @@ def test_offload_json_shapes(capsys):
     assert {plan["strategy"] for plan in offloads} >= {"offload", "selective+offload"}
     assert all(errors(plan["offload"], OFFLOAD) == [] for plan in offloads)
     assert all(isinstance(plan["host_budget_bytes"], int) for plan in offloads)
+
+
+def test_exports_of_offload_plans(spec_of):
+    """full+offload: DeepSpeed's cpu_checkpointing and the torch snippet write it; Megatron-LM
+    and torchtitan refuse it with a reason; DeepSpeed refuses stored tapes on host."""
+    from ckplan import exports
+
+    spec = spec_of("llama3-8b", framework="deepspeed", dp=8, zero=3)
+    full = evaluate(spec, parse_strategy("full+offload", spec))
+    config = json.loads(exports.export(full, "deepspeed").text)
+    assert config["activation_checkpointing"]["cpu_checkpointing"] is True
+    assert config["activation_checkpointing"]["number_checkpoints"] == 32
+    plain = evaluate(spec, parse_strategy("full", spec))
+    assert (
+        json.loads(exports.export(plain, "deepspeed").text)["activation_checkpointing"][
+            "cpu_checkpointing"
+        ]
+        is False
+    )
+    assert "CPU offloading does not work when activation recomputation" in exports.why_not(
+        full, "megatron"
+    )
+    stored = evaluate(spec, parse_strategy("offload", spec))
+    assert "core_v0.15.0 has no flag" in exports.why_not(stored, "megatron")
+    assert "not stored tapes" in exports.why_not(stored, "deepspeed")
+    assert "no offloading key" in exports.why_not(full, "torchtitan")
+    assert exports.why_not(full, "torch") is None
+    text = exports.export(full, "torch").text
+    assert "with save_on_cpu(pin_memory=True):\n                hidden = checkpoint(" in text
