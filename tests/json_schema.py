@@ -172,6 +172,7 @@ LAYOUTS = {
     "layouts": [LAYOUT],
     "rejected": {"counts": {"layouts": int}, "layouts": [REJECTED], "nearest": (REJECTED, None)},
     "advice": [str],
+    "without_offload": (LAYOUT, None),
 }
 
 

@@ -157,7 +157,13 @@ def test_offload_beats_recomputation_where_its_copies_hide(cli):
     argv = ["plan", "llama3-8b", "--gpus", "16", "--gpu", "rtx-4090", "--seq", "16384"]
     code, out, err = cli(*argv, "--json", "--top", "2")
     assert code == 0, err
-    best = json.loads(out)["layouts"][0]
+    data = json.loads(out)
+    assert errors(data, LAYOUTS) == []
+    best = data["layouts"][0]
+    # the fastest layout without offloading, from a search that tries no offload plan
+    without = data["without_offload"]
+    assert without["offload"] is None and "offload" not in without["strategy"]
+    assert without["time"]["step_seconds"] > best["time"]["step_seconds"]
     offload = best["offload"]
     assert best["strategy"] == offload["strategy"] == "offload"  # Megatron-Core, pp 1
     assert offload["recompute_strategy"] is not None
@@ -174,3 +180,4 @@ def test_offload_beats_recomputation_where_its_copies_hide(cli):
     line = next(line for line in out.splitlines() if line.startswith("Offload: "))
     assert "less than the best recomputation on this layout" in line
     assert "copies exposed" in line and "beside a layer's forward" in line
+    assert "; without offloading the fastest is " in line

@@ -110,7 +110,7 @@ STRATEGY_HELP = (
     "none, full, uniform:K, sequential:K, sqrt, selective, block:N, revolve:C, optimal, each "
     "with selective+, mlp+ or layernorm+... (e.g. selective+uniform:4), with experts moe+ or "
     "experts+; per-op policies sac or sac:OP,... (e.g. sac:matmuls%2,attention); offload, "
-    "offload+optimal, full+offload, block:N+offload (docs/strategies.md)"
+    "full+offload, offload+optimal (docs/strategies.md)"
 )
 
 

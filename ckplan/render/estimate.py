@@ -498,6 +498,8 @@ def offload_comparison(offload, recompute, gpu, scope: str) -> str:
         f"{recompute.plan.strategy} ({seconds(slow)})"
     )
     copy = largest_copy(offload.plan, gpu)
+    if copy is None:
+        return text + "; it offloads nothing here"
     return text + (
         f"; copies exposed {seconds(offload.time.offload_exposed_seconds)}: a "
         f"{gib(copy.nbytes)} copy takes {seconds(copy.copy_seconds)} beside a layer's forward "

@@ -261,6 +261,9 @@ def plan_dict(result: LayoutResult) -> dict[str, Any]:
             "nearest": None if least is None else rejected_dict(least, None),
         },
         "advice": list(result.advice),
+        "without_offload": (
+            None if result.without_offload is None else layout_dict(result.without_offload)
+        ),
     }
 
 
@@ -345,6 +348,14 @@ def _verdict(
     time = best.candidate.time
     timing = f", step {seconds(time.step_seconds)}, MFU {time.mfu:.1%}" if time else ""
     offload = offload_line(best, result.gpu)
+    without = result.without_offload
+    if without is not None:
+        gap = without.seconds - best.seconds
+        offload = (offload + "; " if offload else "") + (
+            f"without offloading the fastest is {layout_text(without.layout, without.spec)} "
+            f"with {without.plan.strategy}, {seconds(without.seconds)}, {seconds(gap)} "
+            f"({gap / without.seconds:.1%}) slower"
+        )
     return [
         Text(
             f"Fastest: {layout_text(best.layout, best.spec)} with {best.plan.strategy}{timing}.",

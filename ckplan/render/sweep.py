@@ -433,7 +433,8 @@ def _offload_against_recompute(result) -> str | None:
     def fastest(candidates):
         return min(candidates, key=lambda c: c.time.step_seconds, default=None)
 
-    offload = fastest([c for c in fitting if c.plan.stage_offloads])
+    moves = [c for c in fitting if any(items for _, items in c.plan.stage_offloads)]
+    offload = fastest(moves)
     recompute = fastest([c for c in fitting if not c.plan.stage_offloads])
     if offload is None or recompute is None:
         return None

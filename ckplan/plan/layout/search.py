@@ -133,6 +133,9 @@ class LayoutResult:
     counts: dict[str, int] = field(default_factory=dict)
     least_memory: Rejected | None = None  # when nothing fits: the layout nearest to fitting
     advice: tuple[str, ...] = ()  # when nothing fits: how many GPUs, laid out how, would do
+    # where the fastest layout offloads: the fastest layout and plan without offloading (a
+    # second search that tries no offload plan), None when none fits
+    without_offload: Evaluated | None = None
 
     @property
     def usable_bytes(self) -> int:
@@ -248,6 +251,7 @@ def search_layouts(
     constraints: dict | None = None,
     slots: int = DEFAULT_SLOTS,
     cutoff: float = math.inf,
+    offload: bool = True,
 ) -> LayoutResult:
     """The `top` fastest layouts of `gpus` GPUs that fit, and the best rejected (module
     docstring); with `cutoff`, only layouts faster than `cutoff` seconds (every one of them
@@ -277,6 +281,7 @@ def search_layouts(
     queue.sort(key=lambda item: (item[0], item[1]))
 
     run = _Run(spec, gpu, bounds, usable, budget_bytes, reserve_bytes, slots, top, cutoff)
+    run.offload = offload
     for position, (seconds, layout, time_bound, memory_bound) in enumerate(queue):
         if seconds > run.kth_time():
             counts["pruned"] = len(queue) - position
@@ -292,6 +297,13 @@ def search_layouts(
     rejected = _rejected(run, over, queue, shown, usable)
     least = None if shown else _least_memory(run, over, usable)
     advice = () if least is None else _more_gpus(spec, gpus, gpu, least, usable)
+    without = None
+    if offload and shown and shown[0].plan.stage_offloads:
+        alone = search_layouts(
+            spec, gpus, gpu, global_batch, budget_bytes, reserve_bytes, 1, constraints, slots,
+            offload=False,
+        )  # fmt: skip
+        without = alone.layouts[0] if alone.layouts else None
     return LayoutResult(
         spec,
         gpu,
@@ -304,6 +316,7 @@ def search_layouts(
         dict(counts),
         least,
         advice,
+        without,
     )
 
 
@@ -388,6 +401,7 @@ class _Run:
         self.spec, self.gpu, self.bounds, self.usable = spec, gpu, bounds, usable
         self.budget, self.reserve, self.slots, self.top = budget, reserve, slots, top
         self.cutoff = cutoff
+        self.offload = True  # try the framework's offload plans (frameworks.offload_strategies)
         self.evaluated: list[Evaluated] = []
         self.best: dict[tuple, Evaluated] = {}  # fitting, per layout.without_zero()
         self.evaluations = self.optimal_runs = 0
@@ -484,7 +498,7 @@ class _Run:
                 tried.append(Candidate(best, self.usable, None))
         tried += [
             self._offload_candidate(spec, name)
-            for name in offload_strategies(spec.framework, spec.pp)
+            for name in (offload_strategies(spec.framework, spec.pp) if self.offload else ())
         ]
         smallest = min(tried, key=lambda c: c.plan.total_bytes)
         fitting = [self._timed(c) for c in tried if c.fits]
