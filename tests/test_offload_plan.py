@@ -209,7 +209,9 @@ def test_verify_runs_offload_schedules_on_the_numpy_mlp():
     assert runs["offload"].measured.peak_bytes < runs["none"].measured.peak_bytes
 
 
-@pytest.mark.parametrize("text", ["offload", "selective+offload"])
+@pytest.mark.parametrize(
+    "text", ["offload", "selective+offload", "full+offload", "block:4+offload"]
+)
 def test_timeline_of_an_offload_plan_peaks_at_its_activations(spec_of, text):
     from ckplan.plan.timeline import memory_timeline
 
