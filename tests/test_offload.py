@@ -281,3 +281,59 @@ def test_checkpointed_input_read_again_at_once_is_refused():
     simulate(chain, steps)
     with pytest.raises(ValueError, match="read again before its copy"):
         simulate_offload(chain, steps, (0,))
+
+
+def test_checkpoint_offloads_over_every_persistent_schedule():
+    # Every persistent schedule of chains of up to five stages, every set of stages whose first
+    # forward keeps their input or tape: the device trace is the plain one less each offloaded
+    # item from the end of the step after its first forward to the step before its next use
+    # (counted here from the steps themselves), every item is on host at once at the end of
+    # the first pass, and each crosses the link twice.
+    from itertools import combinations
+
+    from oracles.brute_force import enumerate_persistent_schedules
+
+    from ckplan.schedules import BACKWARD as BWD
+    from ckplan.schedules import FORWARD_KEEP_INPUT
+
+    rng = random.Random(7)
+    checked = 0
+    for n in range(2, 6):
+        chain = random_chain(rng, n)
+        for steps in enumerate_persistent_schedules(n):
+            plain = simulate(chain, steps)
+            uses = {}  # stage -> step indices of its forwards and its backward
+            for t, st in enumerate(steps):
+                uses.setdefault(st.stage, []).append(t)
+            kept = {
+                i: steps[uses[i][0]].kind
+                for i in range(n - 1)
+                if steps[uses[i][0]].kind in (FORWARD_KEEP_INPUT, FORWARD_KEEP_ALL)
+            }
+            for size in range(1, len(kept) + 1):
+                for stages in combinations(sorted(kept), size):
+                    try:
+                        replay = simulate_offload(chain, steps, stages)
+                    except ValueError:
+                        continue
+                    checked += 1
+                    during = [p.during_bytes for p in plain.trace]
+                    after = [p.after_bytes for p in plain.trace]
+                    total = 0
+                    for i in stages:
+                        tape = kept[i] == FORWARD_KEEP_ALL
+                        nbytes = chain.tape_bytes[i] if tape else chain.input_bytes[i]
+                        total += nbytes
+                        start = uses[i][0]
+                        back = (
+                            steps.index(Step(BWD, i)) if tape else uses[i][1]
+                        ) - 1  # the step its copy back overlaps
+                        after[start + 1] -= nbytes
+                        for t in range(start + 2, back):
+                            during[t] -= nbytes
+                            after[t] -= nbytes
+                    assert list(replay.device_trace) == list(zip(during, after, strict=True))
+                    assert replay.host_peak_bytes == total
+                    assert replay.bytes_moved == 2 * total
+                    assert replay.host_trace[-1] == (0, 0)
+    assert checked > 100

@@ -54,6 +54,17 @@ def test_full_offload_moves_the_checkpointed_inputs(spec_of):
     assert offloaded[0][1] == chain.tape_bytes[0] and offloaded[1][1] == layer_input
     assert plan.host_bytes == chain.tape_bytes[0] + 32 * layer_input
     assert plan.bytes_moved == 2 * plan.host_bytes * 2
+    # the plan is the exact replay of full's segment schedule with those items on host
+    from ckplan.schedules import segment_schedule
+    from ckplan.schedules.offload import offload_stored
+
+    steps = segment_schedule(
+        chain, [(0, 1, False)] + [(i, i + 1, True) for i in range(1, 33)] + [(33, 34, False)]
+    )
+    assert tuple(plan.steps) == steps
+    replay = simulate_offload(chain, steps, offload_stored(steps, chain.length))
+    assert plan.activation_bytes == replay.device_peak_bytes
+    assert plan.host_bytes == replay.host_peak_bytes
     assert plan.flops == full.flops
     # the first pass held every input on device; now at most two (one in flight)
     assert full.activation_bytes - plan.activation_bytes >= 30 * layer_input
