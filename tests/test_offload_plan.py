@@ -34,10 +34,29 @@ def test_parse_offload_words(spec_of, text, name, kind):
     assert strategy.offload and strategy.name == name and strategy.kind == kind
 
 
-@pytest.mark.parametrize("text", ["uniform:2+offload", "sqrt+offload", "revolve:2+offload"])
-def test_offload_of_longer_segments_is_refused(spec_of, text):
-    with pytest.raises(StrategyError, match="segments of one layer"):
+@pytest.mark.parametrize("text", ["revolve:2+offload", "offload+revolve:1"])
+def test_offload_of_revolve_is_refused(spec_of, text):
+    with pytest.raises(StrategyError, match="revolve re-reads its checkpoints"):
         parse_strategy(text, spec_of("gpt2"))
+
+
+def test_segment_inputs_come_back_beside_the_backward_after_the_segment(spec_of):
+    """uniform:4+offload: each segment's input leaves beside the next layer's forward and comes
+    back beside the backward of the layer after the segment, which the time model weighs."""
+    spec = spec_of("llama3-8b", seq=16384)
+    gpu = load_gpu("rtx-4090")
+    plan = evaluate(spec, parse_strategy("uniform:4+offload", spec))
+    offloaded = plan.stage_offloads[0][1]
+    prefetch = plan.stage_prefetch[0][1]
+    inputs = [(i, back) for (i, _), back in zip(offloaded, prefetch, strict=True) if i > 0]
+    assert [i for i, _ in inputs] == list(range(1, 33, 4))  # the segments' first layers
+    assert all(back == i + 4 for i, back in inputs)  # the backward after the segment
+    forward, backward = chain_compute_seconds(spec, gpu, 0)
+    exposed = exposed_copy_seconds(forward, backward, offloaded, gpu, prefetch)
+    assert step_time(plan, gpu).offload_exposed_seconds == pytest.approx(exposed)
+    plain = evaluate(spec, parse_strategy("uniform:4", spec))
+    assert plan.flops == plain.flops
+    assert plan.activation_bytes < plain.activation_bytes
 
 
 def test_full_offload_moves_the_checkpointed_inputs(spec_of):
@@ -207,7 +226,8 @@ def test_verify_runs_offload_schedules_on_the_numpy_mlp():
     from ckplan.simple.verify import mlp_spec, verify
 
     spec = mlp_spec(8, 128, 256, 32)
-    names = ["offload", "offload+optimal", "full+offload", "block:3+offload"]
+    names = ["offload", "offload+optimal", "full+offload", "block:3+offload", "uniform:3+offload"]
+    names += ["sequential:2+offload", "sqrt+offload"]
     report = verify(spec, names, repeats=1, predict_time=False)
     runs = {run.strategy: run for run in report.runs}
     for name in names:

@@ -40,13 +40,13 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
 
 def offload_reason(layers: LayerSegments) -> str | None:
     """Why `cpu_checkpointing` cannot run these offloaded layers: it moves the inputs of
-    checkpointed layers only, so every offloaded layer must be recomputed and every recomputed
-    one offloaded (None: `full+offload`)."""
-    recomputed = {i for start, end in layers.recomputed for i in range(start, end)}
-    if set(layers.offloaded) != recomputed or not recomputed:
+    checkpointed segments only, so the offloaded layers must be exactly the first layers of the
+    recomputed segments (None: `full+offload`, `uniform:K+offload`, `sqrt+offload`)."""
+    starts = {start for start, _ in layers.recomputed}
+    if set(layers.offloaded) != starts or not starts:
         return (
             "DeepSpeed's cpu_checkpointing moves the inputs of checkpointed layers only, not "
-            "stored tapes (use full+offload, or --to torch)"
+            "stored tapes (use full+offload or uniform:K+offload, or --to torch)"
         )
     return None
 

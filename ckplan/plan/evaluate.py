@@ -88,6 +88,9 @@ class Plan:
     host_bytes: int = 0
     bytes_moved: int = 0
     stage_offloads: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
+    # per pipeline stage, the chain stage whose backward each offloaded item's copy back
+    # overlaps (aligned with stage_offloads; i + 1 but for a multi-layer segment's input)
+    stage_prefetch: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -437,6 +440,7 @@ def _plan(
     host_bytes=0,
     bytes_moved=0,
     stage_offloads=(),
+    stage_prefetch=(),
 ) -> Plan:
     counts = memory.parameter_count(spec)
     return Plan(
@@ -461,6 +465,7 @@ def _plan(
         host_bytes=host_bytes,
         bytes_moved=bytes_moved,
         stage_offloads=stage_offloads,
+        stage_prefetch=stage_prefetch,
     )
 
 
@@ -469,7 +474,7 @@ def _evaluate_offload(spec, strategy, budget, slots, gpu) -> Plan | None:
     with its tapes on host; the GPU that peaks on device is shown, the most host bytes of any."""
     from ckplan.plan.offload import offload_stage, offloaded_input_count, offloaded_words
 
-    results, forwards, offloads = [], [], []
+    results, forwards, offloads, prefetches = [], [], [], []
     for stage in pipeline_stages(spec):
         chain = layer_chain(spec, strategy.groups, stage=stage)
         in_flight = in_flight_microbatches(spec, stage)
@@ -483,6 +488,7 @@ def _evaluate_offload(spec, strategy, budget, slots, gpu) -> Plan | None:
         results.append((found, flops, stage))
         forwards.append((stage, found.replay.replay.layer_forwards))
         offloads.append((stage, found.offloaded))
+        prefetches.append((stage, found.prefetch))
     states = {stage: memory.model_state_bytes(spec, stage) for *_, stage in results}
     found, _, stage = max(results, key=lambda r: (r[0].peak_bytes + states[r[2]].total, -r[2]))
     if memory.gradients_allocated_in_backward(spec):
@@ -520,6 +526,7 @@ def _evaluate_offload(spec, strategy, budget, slots, gpu) -> Plan | None:
         host_bytes=host,
         bytes_moved=moved,
         stage_offloads=tuple(offloads),
+        stage_prefetch=tuple(prefetches),
     )
 
 

@@ -1,8 +1,9 @@
 """Offload plans: one pipeline stage's chain with stored tapes on host memory.
 
 `offload` stores every tape and offloads every one but the last stage's (its backward follows
-at once); `full+offload` and `block:N+offload` run their segment schedule and offload what its
-first pass stores, the checkpointed layer inputs and the stored stages' tapes;
+at once); `full+offload` and the other segment strategies' `+offload` run their segment
+schedule and offload what its first pass stores, the checkpointed inputs and the stored
+stages' tapes;
 `offload+optimal` runs the joint DP over keep, offload and recompute
 (ckplan.schedules.offload, Beaumont et al. 2021) on the stage times of a GPU, with the host
 link's copy times and the GPU's share of its node's host memory as the host budget.
@@ -29,6 +30,8 @@ from ckplan.schedules.offload import (
     OffloadReplay,
     offload_all,
     offload_stored,
+    offload_window,
+    offload_windows,
     simulate_offload,
 )
 
@@ -47,6 +50,8 @@ class OffloadStage:
     host_bytes: int
     bytes_moved: int
     offloaded: tuple[tuple[int, int], ...]
+    # the chain stage whose backward each offloaded item's copy back overlaps
+    prefetch: tuple[int, ...] = ()
 
 
 def pipelined_offload_bytes(
@@ -103,7 +108,7 @@ def offload_stage(
 ) -> OffloadStage | None:
     """The offload schedule of one pipeline stage; None when `offload+optimal` finds none
     within `budget` activation bytes and the GPU's host memory. `steps`: the segment schedule
-    of `full+offload` or `block:N+offload`, whose stored tapes and checkpointed inputs move
+    of `full+offload` (`uniform:K+offload`, ...), whose stored tapes and checkpointed inputs move
     (schedules.offload.offload_stored)."""
     if strategy.kind == "optimal":
         if budget is None:
@@ -145,7 +150,18 @@ def offload_stage(
     replay = simulate_offload(chain, steps, stages)
     peak, host = pipelined_offload_bytes(chain, replay, in_flight)
     offloaded = tuple(zip(stages, replay.offloaded_bytes, strict=True))
-    return OffloadStage(peak, steps, replay, host, replay.bytes_moved, offloaded)
+    return OffloadStage(
+        peak, steps, replay, host, replay.bytes_moved, offloaded, prefetch_stages(steps, stages)
+    )
+
+
+def prefetch_stages(steps: Schedule, stages) -> tuple[int, ...]:
+    """The chain stage of the step each offloaded stage's copy back overlaps
+    (schedules.offload.offload_window): the backward of stage i + 1 for a tape or a one-layer
+    segment's input, of the stage after the segment for a longer one."""
+    steps = tuple(steps)
+    windows = offload_windows(steps, max(st.stage for st in steps) + 1)
+    return tuple(steps[offload_window(steps, windows.n, i, windows)[1]].stage for i in stages)
 
 
 def offloaded_input_count(steps: Schedule, stages) -> int:
@@ -200,5 +216,7 @@ def largest_copy(plan, gpu: GPU) -> CopyOverlap | None:
     forward, backward = chain_compute_seconds(
         plan.spec, gpu, plan.peak_stage, plan.recompute_groups
     )
-    stage, nbytes = max(offloaded, key=lambda item: (item[1], -item[0]))
-    return CopyOverlap(nbytes, copy_seconds(nbytes, gpu), forward[stage + 1], backward[stage + 1])
+    prefetch = dict(plan.stage_prefetch).get(plan.peak_stage) or [i + 1 for i, _ in offloaded]
+    k = max(range(len(offloaded)), key=lambda k: (offloaded[k][1], -offloaded[k][0]))
+    stage, nbytes = offloaded[k]
+    return CopyOverlap(nbytes, copy_seconds(nbytes, gpu), forward[stage + 1], backward[prefetch[k]])

@@ -8,7 +8,7 @@ modifiers recompute a group of ops inside every stored layer: `selective` the at
 --recompute-modules moe), `experts` the routed expert MLPs only. `moe` and `experts` need a
 model with experts. `offload` moves stored tapes to host memory (Beaumont et al. 2021): alone
 every layer's tape, no recomputation; `offload+optimal` the joint DP over keep, offload and
-recompute; `full+offload` (and `block:N+offload`) the checkpointed layer inputs
+recompute; `full+offload` (and any segment strategy's `+offload`) the checkpointed inputs
 (docs/offloading.md). The MODULE words are Megatron-Core's other
 --recompute-modules: layernorm, moe_act, mla_up_proj, shared_experts (ckplan.model.modules).
 """
@@ -69,7 +69,7 @@ class Strategy:
     mlp: bool = False  # the dense MLP (fc1, activation, fc2) recomputed on top of `kind`
     policy: str | None = None  # a per-op policy (`sac:...`, model.op_policy) in stored layers
     # what the first pass stores (tapes, checkpointed inputs) offloaded to host memory (none,
-    # optimal, full, uniform:1, block:N)
+    # optimal and the segment strategies)
     offload: bool = False
     modules: tuple[str, ...] = ()  # MODULES words recomputed on top of `kind`, in their order
 
@@ -237,13 +237,11 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
         )
     if modules:
         _check_modules(text, modules, group := (moe[0] if moe else None), spec)
-    if offload and not (
-        kind in ("none", "optimal", "full", "block") or (kind == "uniform" and size == 1)
-    ):
+    if offload and kind == "revolve":
         raise StrategyError(
-            f"strategy {quote(text)}: offload combines with none, optimal, full, uniform:1 or "
-            f"block:N (recomputed segments of one layer), not with {body}: the prefetch of a "
-            "longer segment's input is not modelled"
+            f"strategy {quote(text)}: offload combines with none, optimal and the segment "
+            f"strategies (full, uniform:K, sequential:K, sqrt, block:N), not with {body}: "
+            "revolve re-reads its checkpoints from nested segments"
         )
     group = moe[0] if moe else None
     if kind == "none" and (selective or mlp or group or offload or modules):

@@ -29,7 +29,7 @@ Each copy overlaps exactly one compute step, one copy per direction per step (PC
 NVLink-C2C are full duplex); the host peak is the most host bytes allocated at any step; bytes
 moved are ``2 * tape_bytes[i]`` per offloaded stage.
 
-Checkpointed inputs (``full+offload``, ``block:N+offload``) follow the same rules with ``x_i``
+Checkpointed inputs (``full+offload``, ``uniform:K+offload``) follow the same rules with ``x_i``
 in place of ``tape_i``: ``forward_keep_input(i)`` runs once, on the first pass, followed by a
 forward of stage ``i + 1``; ``x_i`` is copied out during that forward (on device through its
 during-figure, ``input_bytes[i]`` host bytes from its start) and copied back during the step
@@ -275,8 +275,8 @@ def offload_stored(steps: Sequence[Step], n: int) -> tuple[int, ...]:
     pass and is followed by the next stage's forward: every stage a ``STRATEGY+offload`` moves
     (``full+offload``: each layer's checkpointed input; the stored stages' tapes too).
 
-    derived: the stages :func:`offload_window` accepts; on a segment schedule of one-layer
-    recomputed segments (full, block:N) that is every stage but the last.
+    derived: the stages :func:`offload_window` accepts; on a segment schedule, every stage but
+    the last whose input or tape the first pass keeps.
     """
     windows = offload_windows(tuple(steps), n)
     out = []
