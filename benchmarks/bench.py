@@ -276,23 +276,31 @@ def layout_search() -> None:
     print("\n7. Layout search (ckplan plan): layouts enumerated per second, whole searches")
     from ckplan.plan.layout.search import search_layouts
 
-    h100 = load_gpu("h100-sxm")
+    h100, rtx = load_gpu("h100-sxm"), load_gpu("rtx-4090")
     cases = [
         ("llama3-70b", 64, 512),
         ("llama3-405b", 16384, 2048),
         ("megatron-1t", 3072, 3072),
     ]
-    for model, gpus, batch in cases:
-        spec = load_spec(model, {"seq": 8192} if model.startswith("llama") else {})
+    # where an offload plan is the fastest (ckplan.plan.offload): a second search without
+    # offload plans names the fastest layout that does not offload
+    offloading = [("llama3-70b", 32, 32, h100, 32768), ("llama3-8b", 16, 16, rtx, 16384)]
+    runs = [(model, gpus, batch, h100, 8192) for model, gpus, batch in cases] + offloading
+    for model, gpus, batch, gpu, seq in runs:
+        spec = load_spec(model, {"seq": seq} if model.startswith("llama") else {})
         best, median, result = timed(
-            search_layouts, spec, gpus, h100, batch, h100.memory_bytes, repeats=2
+            search_layouts, spec, gpus, gpu, batch, gpu.memory_bytes, repeats=2
         )
         counts = result.counts
         label = f"plan {model} --gpus {gpus:,} --global-batch {batch:,}"
+        if gpu is not h100:
+            label += f" --gpu {gpu.name}"
+        if model.startswith("llama") and seq != 8192:
+            label += f" --seq {seq}"
         print(
             f"  {label:<52} {seconds(best, median)}  {counts['layouts']:>7,} layouts, "
             f"{counts['layouts'] / best:>9,.0f} layouts/s, {counts['evaluated']:,} evaluated, "
-            f"{counts['optimal']:,} DPs"
+            f"{counts.get('optimal', 0):,} DPs"
         )
 
 

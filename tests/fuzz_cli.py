@@ -134,6 +134,9 @@ STRATEGIES = [
     "moe+moe+full", "moe+", "experts+selective", "full+selective", "FULL", " full", "full ",
     "uniform:２", "uniform:٢", "uniform: 2", "uniform:2.0", "uniform:1e1", "block:+1",
     "none,full", "", "+", ":", "optimal:3", "revolve:99999999999999999999999",
+    "full+offload", "offload+full", "block:2+offload", "uniform:2+offload", "offload+offload",
+    "full+offload+offload", "selective+full+offload", "offload+", "+offload", "sqrt+offload",
+    "block:99+offload", "revolve:1+offload", "sac+full+offload", "moe+full+offload",
 ]  # fmt: skip
 
 

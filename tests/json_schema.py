@@ -140,6 +140,18 @@ LAYOUT = {
     },
     "time": TIME,
     "set": [str],
+    "offload": (
+        {
+            "strategy": str,
+            "step_seconds": float,
+            "exposed_seconds": float,
+            "host_bytes": int,
+            "bytes_moved": int,
+            "recompute_strategy": (str, None),
+            "recompute_step_seconds": (float, None),
+        },
+        None,
+    ),
 }
 REJECTED = {
     **_LAYOUT_KEYS,
@@ -161,6 +173,7 @@ LAYOUTS = {
     "layouts": [LAYOUT],
     "rejected": {"counts": {"layouts": int}, "layouts": [REJECTED], "nearest": (REJECTED, None)},
     "advice": [str],
+    "without_offload": (LAYOUT, None),
 }
 
 

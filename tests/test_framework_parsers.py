@@ -27,6 +27,7 @@ DEEPSPEED_CASES = [
     ("selective", {"zero": 0, "dp": 4}),
     ("none", {"zero": 2, "dp": 1, "optimizer_offload": "cpu"}),
     ("full", {"zero": 3, "dp": 8, "optimizer_offload": "cpu", "param_offload": "cpu"}),
+    ("full+offload", {"zero": 3, "dp": 8}),
 ]
 
 
@@ -44,8 +45,9 @@ def test_deepspeed_loads_the_exported_config(spec_of, strategy, layout):
     assert loaded.zero_optimization_stage == spec.zero
     assert loaded.train_micro_batch_size_per_gpu == spec.micro_batch
     assert loaded.gradient_accumulation_steps == spec.microbatches
+    checkpointing = loaded.activation_checkpointing_config
     assert (
-        loaded.activation_checkpointing_config.number_checkpoints
+        checkpointing.number_checkpoints
         == (config["activation_checkpointing"]["number_checkpoints"])
     )
     for key, block in (
@@ -57,6 +59,9 @@ def test_deepspeed_loads_the_exported_config(spec_of, strategy, layout):
             assert offload is None
         else:
             assert (str(offload.device), offload.pin_memory) == ("cpu", True)
+    # the inputs of checkpointed layers to host: full+offload only
+    assert checkpointing.cpu_checkpointing is (strategy == "full+offload")
+    assert checkpointing.partition_activations is False
 
 
 # torchtitan's package imports its models (and triton) on import; its config modules need only

@@ -5,9 +5,11 @@ from collections import defaultdict
 
 import pytest
 
+from ckplan.hardware.host_link import host_memory_per_gpu
 from ckplan.hardware.step_time import step_time
 from ckplan.inputs.gpus import load_gpu
 from ckplan.inputs.presets import load_spec
+from ckplan.model.frameworks import offload_strategies
 from ckplan.model.spec import spec_from_mapping
 from ckplan.plan.evaluate import evaluate
 from ckplan.plan.layout.bounds import Bounds, layout_keys_cleared
@@ -144,17 +146,19 @@ def test_memory_bound_holds_for_the_dp_at_its_tightest():
 
 
 def brute_force(spec, gpus, batch, usable):
-    """Every layout of the grid with every layer-level plan: the fastest that fits per layout
-    but for its ZeRO stage, the lower ZeRO stage among equals (as the search keeps them)."""
+    """Every layout of the grid with every layer-level plan and every offload plan its
+    framework runs (within the GPU's host memory): the fastest that fits per layout but for
+    its ZeRO stage, the lower ZeRO stage among equals (as the search keeps them)."""
     best = {}
     for layout in layouts(SearchSpace(spec, gpus, GPU.gpus_per_node, batch, {})):
         model = layout_spec(spec, layout)
         names = ["none", "selective"]
         names += [f"block:{k}" for k in range(1, model.layers_per_stage + 1)]
         names += [f"selective+block:{k}" for k in range(1, model.layers_per_stage + 1)]
+        names += list(offload_strategies(model.framework, model.pp))
         for name in names:
             plan = evaluate(model, parse_strategy(name, model))
-            if plan.total_bytes > usable:
+            if plan.total_bytes > usable or plan.host_bytes > host_memory_per_gpu(GPU):
                 continue
             key = layout.without_zero()
             entry = (step_time(plan, GPU).step_seconds, layout.zero)
@@ -200,6 +204,30 @@ def test_shown_layouts_fit_when_re_evaluated():
         plan = evaluate(spec, parse_strategy(e.plan.strategy, spec))
         assert plan.total_bytes == e.plan.total_bytes <= GIB
         assert step_time(plan, GPU).step_seconds == pytest.approx(e.seconds, rel=1e-12)
+
+
+@pytest.mark.parametrize("framework", ["megatron", "deepspeed", "torchtitan"])
+def test_search_tries_the_offload_plans_its_framework_runs(framework):
+    """At a budget where storing everything does not fit, the search weighs the framework's
+    offload plans against recomputation on each layout: an offload plan is chosen exactly when
+    it is the faster, and the layout keeps the fastest of each kind."""
+    spec = SMALL.replace(framework=framework, seq=4096)
+    result = search_layouts(spec, 4, GPU, 8, 2 * GIB, 0, top=5)
+    assert result.layouts
+    tried = 0
+    for e in result.layouts:
+        allowed = offload_strategies(framework, e.spec.pp)
+        if e.plan.stage_offloads:
+            assert e.plan.strategy in allowed
+            assert e.recompute is None or e.seconds <= e.recompute.time.step_seconds * (1 + 1e-12)
+        if e.offload is not None:
+            tried += 1
+            assert e.offload.plan.strategy in allowed and e.offload.fits
+            assert e.seconds <= e.offload.time.step_seconds * (1 + 1e-12)
+        if e.recompute is not None:
+            assert not e.recompute.plan.stage_offloads
+            assert e.seconds <= e.recompute.time.step_seconds * (1 + 1e-12)
+    assert tried or any(e.plan.stage_offloads for e in result.layouts)
 
 
 def test_nothing_fits_names_the_nearest_layout():

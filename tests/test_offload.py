@@ -216,3 +216,124 @@ def test_replay_invariants_over_every_offload_schedule():
                     assert replay.host_peak_bytes == on_host
                     assert replay.bytes_moved == 2 * on_host
                     assert replay.host_trace[-1] == (0, 0)
+
+
+def full_recompute(chain):
+    from ckplan.schedules import segment_schedule
+
+    return segment_schedule(chain, [(i, i + 1, True) for i in range(chain.length)])
+
+
+def test_checkpointed_inputs_offloaded_hand_computed():
+    # Full recomputation of 4 stages, x_i = 2 bytes, tapes 5: the first pass keeps x_0..x_3
+    # (8 bytes). Offloaded, x_i is on device during forward(i + 1) (its copy) and comes back
+    # during the backward before stage i is re-run.
+    from ckplan.schedules.offload import offload_stored, offload_window
+
+    chain = uniform()
+    steps = full_recompute(chain)
+    stages = offload_stored(steps, 4)
+    assert stages == (0, 1, 2)
+    assert offload_window(steps, 4, 1) == (1, 7, False)  # copy out beside step 2, back beside 7
+    plain = simulate(chain, steps)
+    replay = simulate_offload(chain, steps, stages)
+    # forward_keep_input(2): x_1 in flight + x_2 + x_3 (its output) = 6 (two inputs on device
+    # with the copy in flight); after: x_0, x_1 on host, x_2 and x_3 on device = 4
+    assert replay.device_trace[2] == (6, 4)
+    # backward(3): tape_3 + δ_4 (0) + x_2 (prefetched) + δ_3 = 9, plain 13 less x_0 and x_1
+    assert plain.trace[5][1:] == (13, 8) and replay.device_trace[5] == (9, 4)
+    assert replay.device_peak_bytes == 11 < plain.peak_bytes == 13
+    assert replay.host_peak_bytes == 6 and replay.bytes_moved == 12
+    assert replay.offloaded_bytes == (2, 2, 2)
+    assert replay.host_trace[0] == (0, 2) and replay.host_trace[-1] == (0, 0)
+
+
+def test_checkpointed_input_read_again_at_once_is_refused():
+    from ckplan.schedules import FORWARD_DROP, FORWARD_KEEP_INPUT
+
+    chain = uniform(n=3)
+    # two-layer segment [0, 2): x_0 comes back beside backward(2), x_1 is not a checkpoint
+    steps = (
+        Step(FORWARD_KEEP_INPUT, 0),
+        Step(FORWARD_DROP, 1),
+        Step(FORWARD_KEEP_ALL, 2),
+        Step(BACKWARD, 2),
+        Step(FORWARD_KEEP_ALL, 0),
+        Step(FORWARD_KEEP_ALL, 1),
+        Step(BACKWARD, 1),
+        Step(BACKWARD, 0),
+    )
+    replay = simulate_offload(chain, steps, (0,))
+    assert replay.host_trace[3] == (2, 0) and replay.bytes_moved == 4
+    with pytest.raises(ValueError, match="once, on the first pass"):
+        simulate_offload(chain, steps, (1,))
+    # x_0 re-read by the step after its copy's: the copy could not end before
+    steps = (
+        Step(FORWARD_KEEP_INPUT, 0),
+        Step(FORWARD_DROP, 1),
+        Step(FORWARD_KEEP_ALL, 0),
+        Step(FORWARD_KEEP_ALL, 1),
+        Step(FORWARD_KEEP_ALL, 2),
+        Step(BACKWARD, 2),
+        Step(BACKWARD, 1),
+        Step(BACKWARD, 0),
+    )
+    simulate(chain, steps)
+    with pytest.raises(ValueError, match="read again before its copy"):
+        simulate_offload(chain, steps, (0,))
+
+
+def test_checkpoint_offloads_over_every_persistent_schedule():
+    # Every persistent schedule of chains of up to five stages, every set of stages whose first
+    # forward keeps their input or tape: the device trace is the plain one less each offloaded
+    # item from the end of the step after its first forward to the step before its next use
+    # (counted here from the steps themselves), every item is on host at once at the end of
+    # the first pass, and each crosses the link twice.
+    from itertools import combinations
+
+    from oracles.brute_force import enumerate_persistent_schedules
+
+    from ckplan.schedules import BACKWARD as BWD
+    from ckplan.schedules import FORWARD_KEEP_INPUT
+
+    rng = random.Random(7)
+    checked = 0
+    for n in range(2, 6):
+        chain = random_chain(rng, n)
+        for steps in enumerate_persistent_schedules(n):
+            plain = simulate(chain, steps)
+            uses = {}  # stage -> step indices of its forwards and its backward
+            for t, st in enumerate(steps):
+                uses.setdefault(st.stage, []).append(t)
+            kept = {
+                i: steps[uses[i][0]].kind
+                for i in range(n - 1)
+                if steps[uses[i][0]].kind in (FORWARD_KEEP_INPUT, FORWARD_KEEP_ALL)
+            }
+            for size in range(1, len(kept) + 1):
+                for stages in combinations(sorted(kept), size):
+                    try:
+                        replay = simulate_offload(chain, steps, stages)
+                    except ValueError:
+                        continue
+                    checked += 1
+                    during = [p.during_bytes for p in plain.trace]
+                    after = [p.after_bytes for p in plain.trace]
+                    total = 0
+                    for i in stages:
+                        tape = kept[i] == FORWARD_KEEP_ALL
+                        nbytes = chain.tape_bytes[i] if tape else chain.input_bytes[i]
+                        total += nbytes
+                        start = uses[i][0]
+                        back = (
+                            steps.index(Step(BWD, i)) if tape else uses[i][1]
+                        ) - 1  # the step its copy back overlaps
+                        after[start + 1] -= nbytes
+                        for t in range(start + 2, back):
+                            during[t] -= nbytes
+                            after[t] -= nbytes
+                    assert list(replay.device_trace) == list(zip(during, after, strict=True))
+                    assert replay.host_peak_bytes == total
+                    assert replay.bytes_moved == 2 * total
+                    assert replay.host_trace[-1] == (0, 0)
+    assert checked > 100

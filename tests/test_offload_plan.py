@@ -23,11 +23,86 @@ from ckplan.schedules.offload import offload_all, simulate_offload
         ("selective+offload", "selective+offload", "selective"),
         ("offload+optimal", "offload+optimal", "optimal"),
         ("selective+offload+optimal", "selective+offload+optimal", "optimal"),
+        ("full+offload", "full+offload", "full"),
+        ("offload+full", "full+offload", "full"),
+        ("block:4+offload", "block:4+offload", "block"),
+        ("selective+full+offload", "selective+uniform:1+offload", "uniform"),
     ],
 )
 def test_parse_offload_words(spec_of, text, name, kind):
     strategy = parse_strategy(text, spec_of("gpt2"))
     assert strategy.offload and strategy.name == name and strategy.kind == kind
+
+
+@pytest.mark.parametrize("text", ["revolve:2+offload", "offload+revolve:1"])
+def test_offload_of_revolve_is_refused(spec_of, text):
+    with pytest.raises(StrategyError, match="revolve re-reads its checkpoints"):
+        parse_strategy(text, spec_of("gpt2"))
+
+
+def test_segment_inputs_come_back_beside_the_backward_after_the_segment(spec_of):
+    """uniform:4+offload: each segment's input leaves beside the next layer's forward and comes
+    back beside the backward of the layer after the segment, which the time model weighs."""
+    spec = spec_of("llama3-8b", seq=16384)
+    gpu = load_gpu("rtx-4090")
+    plan = evaluate(spec, parse_strategy("uniform:4+offload", spec))
+    offloaded = plan.stage_offloads[0][1]
+    prefetch = plan.stage_prefetch[0][1]
+    inputs = [(i, back) for (i, _), back in zip(offloaded, prefetch, strict=True) if i > 0]
+    assert [i for i, _ in inputs] == list(range(1, 33, 4))  # the segments' first layers
+    assert all(back == i + 4 for i, back in inputs)  # the backward after the segment
+    forward, backward = chain_compute_seconds(spec, gpu, 0)
+    exposed = exposed_copy_seconds(forward, backward, offloaded, gpu, prefetch)
+    assert step_time(plan, gpu).offload_exposed_seconds == pytest.approx(exposed)
+    plain = evaluate(spec, parse_strategy("uniform:4", spec))
+    assert plan.flops == plain.flops
+    assert plan.activation_bytes < plain.activation_bytes
+
+
+def test_full_offload_moves_the_checkpointed_inputs(spec_of):
+    # Llama 3 8B at 4k tokens: each layer's input is s*b*h*2 bytes; the embedding's tape moves
+    # too, the output layer's (the last stage) stays.
+    spec = spec_of("llama3-8b", seq=4096, microbatches=2)
+    plan = evaluate(spec, parse_strategy("full+offload", spec))
+    full = evaluate(spec, parse_strategy("full", spec))
+    chain = layer_chain(spec, ())
+    layer_input = 4096 * 4096 * 2
+    assert chain.input_bytes[1:33] == (layer_input,) * 32
+    offloaded = plan.stage_offloads[0][1]
+    assert [i for i, _ in offloaded] == list(range(33))
+    assert offloaded[0][1] == chain.tape_bytes[0] and offloaded[1][1] == layer_input
+    assert plan.host_bytes == chain.tape_bytes[0] + 32 * layer_input
+    assert plan.bytes_moved == 2 * plan.host_bytes * 2
+    # the plan is the exact replay of full's segment schedule with those items on host
+    from ckplan.schedules import segment_schedule
+    from ckplan.schedules.offload import offload_stored
+
+    steps = segment_schedule(
+        chain, [(0, 1, False)] + [(i, i + 1, True) for i in range(1, 33)] + [(33, 34, False)]
+    )
+    assert tuple(plan.steps) == steps
+    replay = simulate_offload(chain, steps, offload_stored(steps, chain.length))
+    assert plan.activation_bytes == replay.device_peak_bytes
+    assert plan.host_bytes == replay.host_peak_bytes
+    assert plan.flops == full.flops
+    # the first pass held every input on device; now at most two (one in flight)
+    assert full.activation_bytes - plan.activation_bytes >= 30 * layer_input
+    assert "32 checkpointed inputs and 1 tape of 34 stages" in plan.notes[0]
+
+
+def test_full_offload_copies_hide_behind_a_layer(spec_of):
+    # A layer input is 1/17 of its tape: its copy hides behind the next layer's forward and
+    # backward on PCIe Gen4 where the tape's copy does not.
+    spec = spec_of("llama3-8b", seq=16384)
+    gpu = load_gpu("rtx-4090")
+    plan = evaluate(spec, parse_strategy("full+offload", spec))
+    forward, backward = chain_compute_seconds(spec, gpu, 0)
+    exposed = exposed_copy_seconds(forward, backward, plan.stage_offloads[0][1], gpu)
+    time = step_time(plan, gpu)
+    plain = step_time(evaluate(spec, parse_strategy("full", spec)), gpu)
+    assert time.offload_exposed_seconds == pytest.approx(exposed)
+    assert time.step_seconds == pytest.approx(plain.step_seconds + exposed)
+    assert exposed < 0.01 * plain.step_seconds
 
 
 def test_offload_plan_is_the_replay(spec_of):
@@ -88,8 +163,41 @@ def test_sweep_tries_offload(spec_of):
     spec = spec_of("gpt2", micro_batch=8)
     result = sweep(spec, 16 * 2**30, gpu=load_gpu("a100-80gb"))
     names = {c.plan.strategy for c in result.candidates}
-    assert {"offload", "selective+offload"} <= names
+    assert {"offload", "selective+offload", "full+offload"} <= names
     assert any(name.endswith("offload+optimal") for name in names)
+
+
+def test_sweep_says_how_offload_compares_with_recomputation(spec_of, capsys):
+    """Llama 3 8B at 16k tokens on RTX 4090s (ZeRO-3 over 16): the fastest fitting offload
+    plan against the fastest fitting plan without offloading, as the sweep ranks them."""
+    from ckplan.cli import main
+    from ckplan.render.time import seconds
+
+    keys = {"seq": 16384, "dp": 16, "zero": 3, "loss": "chunked:16"}
+    spec = spec_of("llama3-8b", **keys)
+    gpu = load_gpu("rtx-4090")
+    result = sweep(spec, gpu.memory_bytes, gpu=gpu)
+    fitting = [c for c in result.candidates if c.fits]
+    offload = min((c for c in fitting if c.plan.stage_offloads), key=lambda c: c.time.step_seconds)
+    other = min(
+        (c for c in fitting if not c.plan.stage_offloads), key=lambda c: c.time.step_seconds
+    )
+    assert offload.plan.strategy == "offload+optimal" and other.plan.strategy == "optimal"
+    assert offload.time.step_seconds < other.time.step_seconds
+    sets = [arg for key, value in keys.items() for arg in ("--set", f"{key}={value}")]
+    main(["sweep", "llama3-8b", "--gpu", "rtx-4090", *sets, "-q"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        f"Offload against recomputation: offload+optimal takes "
+        f"{seconds(offload.time.step_seconds)}, "
+        f"{seconds(other.time.step_seconds - offload.time.step_seconds)}"
+    ) in out
+    assert (
+        f"less than the best recomputation that fits, optimal ({seconds(other.time.step_seconds)})"
+        in out
+    )
+    exposed = seconds(offload.time.offload_exposed_seconds)
+    assert f"copies exposed {exposed}: a 2.13 GiB copy takes" in out
 
 
 def test_cli_json_offload_fields(spec_of, capsys):
@@ -103,13 +211,26 @@ def test_cli_json_offload_fields(spec_of, capsys):
     assert offload["exposed_seconds"] == data["time"].get("offload_exposed_seconds", 0.0)
 
 
+def test_schedule_json_marks_the_offloaded_checkpointed_inputs(capsys):
+    from ckplan.cli import main
+
+    main(["schedule", "gpt2", "--strategy", "full+offload", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    marked = [(step["kind"], step["name"]) for step in data["steps"] if step.get("offload")]
+    assert marked[0] == ("forward_keep_all", "embedding")
+    assert marked[1:] == [("forward_keep_input", f"layer {i}") for i in range(12)]
+    assert data["offload"]["bytes_moved"] == 2 * data["offload"]["host_bytes"]
+
+
 def test_verify_runs_offload_schedules_on_the_numpy_mlp():
     from ckplan.simple.verify import mlp_spec, verify
 
     spec = mlp_spec(8, 128, 256, 32)
-    report = verify(spec, ["offload", "offload+optimal"], repeats=1, predict_time=False)
+    names = ["offload", "offload+optimal", "full+offload", "block:3+offload", "uniform:3+offload"]
+    names += ["sequential:2+offload", "sqrt+offload"]
+    report = verify(spec, names, repeats=1, predict_time=False)
     runs = {run.strategy: run for run in report.runs}
-    for name in ("offload", "offload+optimal"):
+    for name in names:
         run = runs[name]
         assert run.ok and run.gradients_identical and run.offload_ok
         assert run.predicted.offloaded
@@ -119,7 +240,9 @@ def test_verify_runs_offload_schedules_on_the_numpy_mlp():
     assert runs["offload"].measured.peak_bytes < runs["none"].measured.peak_bytes
 
 
-@pytest.mark.parametrize("text", ["offload", "selective+offload"])
+@pytest.mark.parametrize(
+    "text", ["offload", "selective+offload", "full+offload", "block:4+offload"]
+)
 def test_timeline_of_an_offload_plan_peaks_at_its_activations(spec_of, text):
     from ckplan.plan.timeline import memory_timeline
 
@@ -181,3 +304,32 @@ def test_offload_json_shapes(capsys):
     assert {plan["strategy"] for plan in offloads} >= {"offload", "selective+offload"}
     assert all(errors(plan["offload"], OFFLOAD) == [] for plan in offloads)
     assert all(isinstance(plan["host_budget_bytes"], int) for plan in offloads)
+
+
+def test_exports_of_offload_plans(spec_of):
+    """full+offload: DeepSpeed's cpu_checkpointing and the torch snippet write it; Megatron-LM
+    and torchtitan refuse it with a reason; DeepSpeed refuses stored tapes on host."""
+    from ckplan import exports
+
+    spec = spec_of("llama3-8b", framework="deepspeed", dp=8, zero=3)
+    full = evaluate(spec, parse_strategy("full+offload", spec))
+    config = json.loads(exports.export(full, "deepspeed").text)
+    assert config["activation_checkpointing"]["cpu_checkpointing"] is True
+    assert config["activation_checkpointing"]["number_checkpoints"] == 32
+    plain = evaluate(spec, parse_strategy("full", spec))
+    assert (
+        json.loads(exports.export(plain, "deepspeed").text)["activation_checkpointing"][
+            "cpu_checkpointing"
+        ]
+        is False
+    )
+    assert "CPU offloading does not work when activation recomputation" in exports.why_not(
+        full, "megatron"
+    )
+    stored = evaluate(spec, parse_strategy("offload", spec))
+    assert "core_v0.15.0 has no flag" in exports.why_not(stored, "megatron")
+    assert "not stored tapes" in exports.why_not(stored, "deepspeed")
+    assert "no offloading key" in exports.why_not(full, "torchtitan")
+    assert exports.why_not(full, "torch") is None
+    text = exports.export(full, "torch").text
+    assert "with save_on_cpu(pin_memory=True):\n                hidden = checkpoint(" in text

@@ -52,11 +52,8 @@ def check_target(target: str) -> str:
 
 def why_not(plan: Plan, target: str) -> str | None:
     """Why `target` cannot express `plan` (None when it can)."""
-    if plan.stage_offloads and target != torch_snippet.NAME:
-        return (
-            f"plan {plan.strategy}: offloading tapes to host memory is exported to PyTorch only "
-            "(--to torch, torch.autograd.graph.save_on_cpu)"
-        )
+    if plan.stage_offloads and target not in (torch_snippet.NAME, deepspeed.NAME):
+        return f"plan {plan.strategy}: {_offload_reason(plan, target)}"
     if target == yaml_plan.NAME:
         return None
     if plan.spec.mlp_tiles > 1:
@@ -68,8 +65,27 @@ def why_not(plan: Plan, target: str) -> str | None:
     layers = layer_segments(plan)
     if isinstance(layers, str):
         return f"plan {plan.strategy}: {layers}"
+    if target == deepspeed.NAME and plan.stage_offloads:
+        because = deepspeed.offload_reason(layers)
+        if because is not None:
+            return f"plan {plan.strategy}: {because}"
     because = TARGETS[target].reason(plan.spec, layers)
     return None if because is None else f"plan {plan.strategy}: {because}"
+
+
+def _offload_reason(plan: Plan, target: str) -> str:
+    """Why `target` cannot write an offload plan (one phrase)."""
+    if target == megatron.NAME:
+        return megatron.offload_reason(plan.flops.recompute > 0)
+    if target == torchtitan.NAME:
+        return (
+            "torchtitan's activation_checkpoint section has no offloading key (--to torch "
+            "writes torch.autograd.graph.save_on_cpu around the layers)"
+        )
+    return (
+        "offloading to host memory is exported to PyTorch (--to torch) and, for the "
+        "checkpointed inputs of full+offload, DeepSpeed (--to deepspeed)"
+    )
 
 
 def export(plan: Plan, target: str, recompute_modules: bool = True) -> Export:

@@ -9,9 +9,14 @@ configure `deepspeed.checkpointing.checkpoint`; which layers it wraps is the mod
 (deepspeed/runtime/pipe/module.py, ckplan's `uniform:K` when the chunks are transformer
 blocks), any other segmentation calls `deepspeed.checkpointing.checkpoint` on its ranges.
 `number_checkpoints` sizes the buffer of `contiguous_memory_optimization`: the recomputed
-segments per stage. ckplan models neither activation partitioning nor CPU checkpointing, so
-both stay false. The pipeline engine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline
-parallelism" (deepspeed/runtime/pipe/engine.py).
+segments per stage. ckplan does not model activation partitioning, which stays false.
+`cpu_checkpointing` moves the inputs `deepspeed.checkpointing.checkpoint` keeps to host memory
+(checkpointing.py, v0.19.8: without partitioning, asynchronously on a side stream, the last
+checkpoint's inputs kept on the GPU, `keep_last_count=1`): ckplan's `full+offload`, whose
+stored tapes are none but the embedding's and the output layer's; it is true for that plan
+only, and other offload plans (stored tapes on host) are refused. The pipeline engine asserts
+"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism" (deepspeed/runtime/pipe/
+engine.py).
 
 Model states on the host (`optimizer_offload: cpu`, `param_offload: cpu`) become
 `zero_optimization.offload_optimizer` and `offload_param`, `{"device": "cpu", "pin_memory":
@@ -58,6 +63,19 @@ def zero_section(spec: ModelSpec) -> dict:
     return section
 
 
+def offload_reason(layers: LayerSegments) -> str | None:
+    """Why `cpu_checkpointing` cannot run these offloaded layers: it moves the inputs of
+    checkpointed segments only, so the offloaded layers must be exactly the first layers of the
+    recomputed segments (None: `full+offload`, `uniform:K+offload`, `sqrt+offload`)."""
+    starts = {start for start, _ in layers.recomputed}
+    if set(layers.offloaded) != starts or not starts:
+        return (
+            "DeepSpeed's cpu_checkpointing moves the inputs of checkpointed layers only, not "
+            "stored tapes (use full+offload or uniform:K+offload, or --to torch)"
+        )
+    return None
+
+
 def config(plan: Plan, layers: LayerSegments) -> dict:
     spec = plan.spec
     return {
@@ -66,7 +84,7 @@ def config(plan: Plan, layers: LayerSegments) -> dict:
         "zero_optimization": zero_section(spec),
         "activation_checkpointing": {
             "partition_activations": False,
-            "cpu_checkpointing": False,
+            "cpu_checkpointing": bool(layers.offloaded),
             "contiguous_memory_optimization": False,
             "number_checkpoints": len(layers.recomputed) or None,
             "synchronize_checkpoint_boundary": False,
@@ -98,6 +116,13 @@ def notes(plan: Plan, layers: LayerSegments) -> list[str]:
         lines.append(
             "selective: wrap each layer's attention core (QKᵀ, softmax, dropout, ·V) in "
             "deepspeed.checkpointing.checkpoint"
+        )
+    if layers.offloaded:
+        lines.append(
+            "cpu_checkpointing: the inputs deepspeed.checkpointing.checkpoint keeps go to host "
+            "memory; DeepSpeed keeps the last layer's on the GPU and the embedding's tape where "
+            "the model keeps it, one layer input and the embedding's tape fewer on host than "
+            "ckplan's full+offload"
         )
     if not lines:
         lines.append("no checkpointing: the plan stores every activation")

@@ -54,6 +54,31 @@ from ckplan.plan.strategies import MODULES
 NAME = "megatron"
 
 
+def offload_reason(recomputes: bool) -> str:
+    """Why no Megatron-LM flags write an offload plan.
+
+    Source: NVIDIA/Megatron-LM at core_v0.15.0 (commit 103851dc, the release of
+    tests/megatron_flags.py): megatron/training/arguments.py adds no argument for
+    `TransformerConfig.cpu_offloading` or `cpu_offloading_num_layers` (from core_v0.16.0 the
+    config's argument factory adds `--cpu-offloading-num-layers` and leaves out
+    `cpu_offloading`, `cpu_offloading_activations` and `cpu_offloading_weights`), and
+    megatron/core/transformer/transformer_config.py raises "CPU offloading does not work when
+    activation recomputation is enabled" and refuses pipeline parallelism, at every release
+    through core_v0.19.0.
+    """
+    if recomputes:
+        return (
+            "Megatron-Core refuses CPU offloading beside activation recomputation "
+            "(transformer_config.py: 'CPU offloading does not work when activation recomputation "
+            "is enabled')"
+        )
+    return (
+        "Megatron-LM core_v0.15.0 has no flag for CPU offloading (set "
+        "TransformerConfig(cpu_offloading=True, cpu_offloading_num_layers=N) in Python, or "
+        "--cpu-offloading-num-layers from core_v0.16.0)"
+    )
+
+
 def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
     """Why Megatron-LM cannot run these layer segments on this layout (None: it can)."""
     if spec.kind != "transformer":

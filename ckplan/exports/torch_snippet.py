@@ -18,10 +18,15 @@
   and its caches stay alive under an enclosing segment checkpoint, so neither `selective` nor
   `selective+uniform:K` would hold what ckplan predicts.
 
-Offloading (`offload`, `offload+optimal`; ckplan.schedules.offload): the layers whose tapes
-go to host run under `torch.autograd.graph.save_on_cpu(pin_memory=True)` (PyTorch 2.x,
-torch/autograd/graph.py), which packs every tensor autograd saves inside it into pinned host
-memory and copies it back when the backward unpacks it. Its copies run on the current stream,
+Offloading (`offload`, `offload+optimal`, `full+offload`, `block:N+offload`;
+ckplan.schedules.offload): the layers whose tapes go to host run under
+`torch.autograd.graph.save_on_cpu(pin_memory=True)` (PyTorch 2.x, torch/autograd/graph.py),
+which packs every tensor autograd saves inside it into pinned host memory and copies it back
+when the backward unpacks it. A recomputed segment whose input goes to host runs its
+non-reentrant `checkpoint` under `save_on_cpu`: the checkpoint saves its inputs with
+`save_for_backward` (`_NoopSaveInputs`, torch/utils/checkpoint.py), so they are packed to host,
+while the tensors saved inside the segment go to the checkpoint's own hooks (innermost), which
+drop them for the recomputation. Its copies run on the current stream,
 not beside the compute, so its step is slower than ckplan's overlapped estimate by up to the
 copies' exposed share; its device memory is at most ckplan's (a tape leaves the GPU as it is
 saved, not after the next layer).
@@ -85,14 +90,15 @@ def forward_layers(layers, hidden):
 
 _OFFLOAD = """\
 # (first, last + 1, recompute): a recomputed segment keeps its input and is re-run in backward;
-# a stored one keeps every activation, on host for the layers in OFFLOADED.
+# a stored one keeps every activation. OFFLOADED: the layers whose saved tensors go to host, a
+# stored layer's whole tape, a recomputed segment's kept input (its first layer listed).
 SEGMENTS = {segments}
 OFFLOADED = frozenset({offloaded})
 
 
-def _layer(layers, index):
+def _layer(layers, index, offload):
     def forward(hidden):
-        if index in OFFLOADED:
+        if offload and index in OFFLOADED:
             with save_on_cpu(pin_memory=True):
                 return layers[index](hidden)
         return layers[index](hidden)
@@ -100,10 +106,10 @@ def _layer(layers, index):
     return forward
 
 
-def _run(layers, start, end):
+def _run(layers, start, end, offload):
     def forward(hidden):
         for index in range(start, end):
-            hidden = _layer(layers, index)(hidden)
+            hidden = _layer(layers, index, offload)(hidden)
         return hidden
 
     return forward
@@ -111,10 +117,14 @@ def _run(layers, start, end):
 
 def forward_layers(layers, hidden):
     for start, end, recompute in SEGMENTS:
-        if recompute:
-            hidden = checkpoint(_run(layers, start, end), hidden, use_reentrant=False)
+        if recompute and start in OFFLOADED:
+            # the checkpoint saves its input under save_on_cpu: the input waits on host
+            with save_on_cpu(pin_memory=True):
+                hidden = checkpoint(_run(layers, start, end, False), hidden, use_reentrant=False)
+        elif recompute:
+            hidden = checkpoint(_run(layers, start, end, False), hidden, use_reentrant=False)
         else:
-            hidden = _run(layers, start, end)(hidden)
+            hidden = _run(layers, start, end, True)(hidden)
     return hidden
 """
 
@@ -336,8 +346,9 @@ def notes(plan: Plan, layers: LayerSegments) -> list[str]:
         lines.append(f"each pipeline stage runs it on its own {layers.layers} layers")
     if layers.offloaded:
         lines.append(
-            f"offload: {len(layers.offloaded)} layers save their tensors in pinned host memory "
-            "(save_on_cpu copies on the compute stream: slower than the overlapped estimate); "
-            "the embedding's and output layer's tapes stay where the model keeps them"
+            f"offload: {len(layers.offloaded)} layers save their tensors (a recomputed layer: "
+            "its input) in pinned host memory (save_on_cpu copies on the compute stream: slower "
+            "than the overlapped estimate); the embedding's and output layer's tapes stay where "
+            "the model keeps them"
         )
     return lines

@@ -54,17 +54,21 @@ def exposed_copy_seconds(
     backward_seconds: Sequence[float],
     offloaded: Sequence[tuple[int, int]],
     gpu: GPU,
+    prefetch: Sequence[int] | None = None,
 ) -> float:
-    """Exposed seconds of one micro-batch's offloads: for each offloaded ``(stage i, tape
-    bytes)``, the copy to host overlaps the forward of stage ``i + 1``, the copy back its
-    backward, each exposing ``max(0, copy - compute)``.
+    """Exposed seconds of one micro-batch's offloads: for each offloaded ``(stage i, bytes)``,
+    the copy to host overlaps the forward of stage ``i + 1``, the copy back the backward of
+    stage ``prefetch[k]`` (default ``i + 1``; a segment's checkpointed input comes back beside
+    the backward of the stage after the segment), each exposing ``max(0, copy - compute)``.
 
-    derived: ckplan.schedules.offload (rules O1, O2 and ``exposed_transfer``), with the copy
-    time of :func:`copy_seconds` and the stage times of the time model.
+    derived: ckplan.schedules.offload (rules O1, O2, their checkpointed-input form and
+    ``exposed_transfer``), with the copy time of :func:`copy_seconds` and the stage times of
+    the time model.
     """
     total = 0.0
-    for stage, nbytes in offloaded:
+    for k, (stage, nbytes) in enumerate(offloaded):
         copy = copy_seconds(nbytes, gpu)
+        back = stage + 1 if prefetch is None else prefetch[k]
         total += max(0.0, copy - forward_seconds[stage + 1])
-        total += max(0.0, copy - backward_seconds[stage + 1])
+        total += max(0.0, copy - backward_seconds[back])
     return total

@@ -619,6 +619,7 @@ def step_time_from_forwards(
     groups: tuple[str, ...] | bool,
     flop_overhead: float = 0.0,
     stage_offloads: tuple = (),
+    stage_prefetch: tuple = (),
 ) -> StepTime:
     """The iteration's time from each pipeline stage's forward counts per chain stage
     ((pipeline stage, layer_forwards) as the schedule replay gives them), `groups` the recompute
@@ -635,10 +636,12 @@ def step_time_from_forwards(
         for stage, forwards in stage_forwards
     ]
     exposed = dict.fromkeys(range(len(times)), 0.0)
-    offloads = dict(stage_offloads)
+    offloads, prefetches = dict(stage_offloads), dict(stage_prefetch)
     for index, (stage, _) in enumerate(stage_forwards):
         if offloads.get(stage):
-            exposed[index] = offload_exposed_seconds(spec, gpu, stage, offloads[stage], groups)
+            exposed[index] = offload_exposed_seconds(
+                spec, gpu, stage, offloads[stage], groups, prefetches.get(stage)
+            )
     index = max(range(len(times)), key=lambda k: times[k].total + exposed[k])
     busiest = times[index]
     m = spec.microbatches
@@ -711,10 +714,12 @@ def offload_exposed_seconds(
     stage: int,
     offloaded: tuple[tuple[int, int], ...],
     groups: tuple[str, ...] = (),
+    prefetch: tuple[int, ...] | None = None,
 ) -> float:
     """One micro-batch's exposed host copies on pipeline stage `stage`: each offloaded (chain
-    stage i, tape bytes) copies out beside the forward of chain stage i + 1 and back beside its
-    backward (hardware.host_link.exposed_copy_seconds), with this model's stage times
+    stage i, bytes) copies out beside the forward of chain stage i + 1 and back beside the
+    backward of chain stage `prefetch[k]` (default i + 1; hardware.host_link.
+    exposed_copy_seconds), with this model's stage times
     (communication included; the backward with the recompute groups' re-forward).
 
     derived: ckplan.schedules.offload (rules O1, O2). The exposure is added to the step (it
@@ -723,7 +728,7 @@ def offload_exposed_seconds(
     from ckplan.hardware.host_link import exposed_copy_seconds
 
     forward, backward = chain_compute_seconds(spec, gpu, stage, groups)
-    return exposed_copy_seconds(forward, backward, offloaded, gpu)
+    return exposed_copy_seconds(forward, backward, offloaded, gpu, prefetch)
 
 
 def chain_compute_seconds(
@@ -775,4 +780,5 @@ def step_time(plan, gpu: GPU) -> StepTime | None:
         plan.recompute_groups,
         plan.flops.overhead,
         getattr(plan, "stage_offloads", ()),
+        getattr(plan, "stage_prefetch", ()),
     )

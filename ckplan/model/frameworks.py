@@ -89,6 +89,31 @@ RULES = {
 TRAINING_KEYS = ("weight_bytes", "grad_bytes", "master_bytes", "optimizer_bytes")
 
 
+def offload_strategies(framework: str, pp: int) -> tuple[str, ...]:
+    """The activation-offload strategies (ckplan.plan.offload) `framework` runs at pipeline
+    size `pp`, as `ckplan plan` tries them.
+
+    - megatron: `offload` without pipeline parallelism. Megatron-Core's
+      `TransformerConfig.cpu_offloading` moves the activations of `cpu_offloading_num_layers`
+      layers to host, and refuses recomputation and pipeline parallelism ("CPU offloading does
+      not work when activation recomputation is enabled", "Currently there is no support for
+      Pipeline parallelism with CPU offloading": NVIDIA/Megatron-LM,
+      megatron/core/transformer/transformer_config.py, core_v0.15.0 through core_v0.19.0).
+    - deepspeed: `full+offload`. `activation_checkpointing.cpu_checkpointing` moves the inputs
+      of the checkpointed layers to host (deepspeedai/DeepSpeed,
+      deepspeed/runtime/activation_checkpointing/checkpointing.py, v0.19.8: asynchronous on a
+      side stream); the layers' stored tapes stay.
+    - torchtitan, hf: `offload`, `selective+offload`, `full+offload` through
+      `torch.autograd.graph.save_on_cpu` around the layers (ckplan's torch snippet export; the
+      same hooks as torchtune's `enable_activation_offloading`).
+    """
+    if framework == "megatron":
+        return ("offload",) if pp == 1 else ()
+    if framework == "deepspeed":
+        return ("full+offload",)
+    return ("offload", "selective+offload", "full+offload")
+
+
 def training_defaults(framework: str, zero: int = 0, optimizer: str = "adamw") -> dict[str, int]:
     """The framework's bytes per parameter, as the TrainingState keys; DeepSpeed's ZeRO-3
     accumulates its gradient partition in fp32; optimizer_bytes the optimizer's own

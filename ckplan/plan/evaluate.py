@@ -88,6 +88,9 @@ class Plan:
     host_bytes: int = 0
     bytes_moved: int = 0
     stage_offloads: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
+    # per pipeline stage, the chain stage whose backward each offloaded item's copy back
+    # overlaps (aligned with stage_offloads; i + 1 but for a multi-layer segment's input)
+    stage_prefetch: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -449,6 +452,7 @@ def _plan(
     host_bytes=0,
     bytes_moved=0,
     stage_offloads=(),
+    stage_prefetch=(),
 ) -> Plan:
     counts = memory.parameter_count(spec)
     return Plan(
@@ -473,25 +477,30 @@ def _plan(
         host_bytes=host_bytes,
         bytes_moved=bytes_moved,
         stage_offloads=stage_offloads,
+        stage_prefetch=stage_prefetch,
     )
 
 
 def _evaluate_offload(spec, strategy, budget, slots, gpu) -> Plan | None:
     """`offload` and `offload+optimal` (ckplan.plan.offload): each pipeline stage's schedule
     with its tapes on host; the GPU that peaks on device is shown, the most host bytes of any."""
-    from ckplan.plan.offload import offload_stage
+    from ckplan.plan.offload import offload_stage, offloaded_input_count, offloaded_words
 
-    results, forwards, offloads = [], [], []
+    results, forwards, offloads, prefetches = [], [], [], []
     for stage in pipeline_stages(spec):
         chain = layer_chain(spec, strategy.groups, stage=stage)
         in_flight = in_flight_microbatches(spec, stage)
-        found = offload_stage(spec, chain, strategy, stage, in_flight, budget, slots, gpu)
+        steps = None
+        if strategy.kind not in ("none", "selective", "optimal"):
+            steps = segment_schedule(chain, _segments(spec, chain, strategy, stage == 0))
+        found = offload_stage(spec, chain, strategy, stage, in_flight, budget, slots, gpu, steps)
         if found is None:
             return None
         flops = _stage_flops(spec, strategy, chain, found.replay.replay, stage)
         results.append((found, flops, stage))
         forwards.append((stage, found.replay.replay.layer_forwards))
         offloads.append((stage, found.offloaded))
+        prefetches.append((stage, found.prefetch))
     states = {stage: memory.model_state_bytes(spec, stage) for *_, stage in results}
     found, _, stage = max(results, key=lambda r: (r[0].peak_bytes + states[r[2]].total, -r[2]))
     if memory.gradients_allocated_in_backward(spec):
@@ -504,8 +513,9 @@ def _evaluate_offload(spec, strategy, budget, slots, gpu) -> Plan | None:
     moved = max(result[0].bytes_moved for result in results) * spec.microbatches
     names = _stage_names(spec, stage)
     kept = [i for i, _ in found.offloaded]
+    what = offloaded_words(len(kept), offloaded_input_count(found.steps, kept))
     notes = (
-        f"{len(kept)} of {len(names)} stored tapes offloaded to host memory"
+        f"{what} of {len(names)} stages offloaded to host memory"
         + (f" ({names[kept[0]]} .. {names[kept[-1]]})" if kept else ""),
     )
     if spec.pp > 1:
@@ -528,6 +538,7 @@ def _evaluate_offload(spec, strategy, budget, slots, gpu) -> Plan | None:
         host_bytes=host,
         bytes_moved=moved,
         stage_offloads=tuple(offloads),
+        stage_prefetch=tuple(prefetches),
     )
 
 

@@ -29,7 +29,7 @@ MICRO_BATCH_LIMIT = 4096  # the largest micro-batch `--micro-batch auto` tries
 RANKS = ("time", "flops")  # what "best" minimises: step time on a GPU, or total FLOPs
 # With a GPU the sweep also stores every tape on host (ckplan.plan.offload) and runs the joint
 # DP (offload_optimal_plan); without one a copy would look free.
-OFFLOAD_CANDIDATES = ("offload", "selective+offload")
+OFFLOAD_CANDIDATES = ("offload", "selective+offload", "full+offload")
 # The sweep re-evaluates its best plan with TiledMLP and with the step in backward; it says so
 # where that makes it fit or shortens the step by at least this share
 LEVER_GAIN = 0.01

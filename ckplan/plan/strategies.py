@@ -8,7 +8,8 @@ modifiers recompute a group of ops inside every stored layer: `selective` the at
 --recompute-modules moe), `experts` the routed expert MLPs only. `moe` and `experts` need a
 model with experts. `offload` moves stored tapes to host memory (Beaumont et al. 2021): alone
 every layer's tape, no recomputation; `offload+optimal` the joint DP over keep, offload and
-recompute (docs/offloading.md). The MODULE words are Megatron-Core's other
+recompute; `full+offload` (and any segment strategy's `+offload`) the checkpointed inputs
+(docs/offloading.md). The MODULE words are Megatron-Core's other
 --recompute-modules: layernorm, moe_act, mla_up_proj, shared_experts (ckplan.model.modules).
 """
 
@@ -67,7 +68,9 @@ class Strategy:
     moe: str | None = None  # "moe" | "experts": that MoE group recomputed on top of `kind`
     mlp: bool = False  # the dense MLP (fc1, activation, fc2) recomputed on top of `kind`
     policy: str | None = None  # a per-op policy (`sac:...`, model.op_policy) in stored layers
-    offload: bool = False  # stored tapes offloaded to host memory (none or optimal only)
+    # what the first pass stores (tapes, checkpointed inputs) offloaded to host memory (none,
+    # optimal and the segment strategies)
+    offload: bool = False
     modules: tuple[str, ...] = ()  # MODULES words recomputed on top of `kind`, in their order
 
     @property
@@ -79,11 +82,12 @@ class Strategy:
             + (["mlp"] if self.mlp else [])
             + ([self.moe] if self.moe else [])
             + list(self.modules)
-            + (["offload"] if self.offload else [])
+            + (["offload"] if self.offload and self.kind in OFFLOAD_FIRST else [])
         )
+        suffix = ["offload"] if self.offload and self.kind not in OFFLOAD_FIRST else []
         if self.kind in ("none", "selective") and prefix:
             return "+".join(prefix)
-        return "+".join([*prefix, base])
+        return "+".join([*prefix, base, *suffix])
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -97,12 +101,16 @@ class Strategy:
 
 
 _SIZED = ("uniform", "sequential", "block", "revolve")
+# `offload` before these kinds' names (offload, offload+optimal: the tapes move), after the
+# others' (full+offload, block:4+offload: what the first pass stores moves, checkpointed inputs
+# included; ckplan.schedules.offload)
+OFFLOAD_FIRST = ("none", "selective", "optimal")
 _PLAIN = ("none", "full", "sqrt", "selective", "optimal")
 STRATEGY_HELP = (
     "none, full, uniform:K, sequential:K, sqrt, selective, block:N, revolve:C, optimal, each "
     "with selective+, mlp+ or layernorm+... (e.g. selective+uniform:4), with experts moe+ or "
     "experts+; per-op policies sac or sac:OP,... (e.g. sac:matmuls%2,attention); offload, "
-    "offload+optimal (docs/strategies.md)"
+    "full+offload, offload+optimal (docs/strategies.md)"
 )
 
 
@@ -122,6 +130,11 @@ def _hint(text: str) -> str:
         fixed.append((close[0] if close else word) + sep + size)
     guess = "+".join(fixed)
     return f" (did you mean {guess!r}?)" if guess != text.strip() else ""
+
+
+def _is_base(part: str) -> bool:
+    """Whether a strategy word names a base (full, uniform:K, ...), not a modifier."""
+    return part.partition(":")[0] in _SIZED + _PLAIN and part != "selective"
 
 
 def _policy_word(policy: str) -> str:
@@ -171,6 +184,10 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
         if base.kind == "full":
             return Strategy("uniform", 1)  # every layer re-run whole: the policy has no say
         return dataclasses.replace(base, policy=policy)
+    if len(parts) > 1 and parts[-1] == "offload":  # full+offload: the base named last
+        bases = [j for j, part in enumerate(parts) if _is_base(part)]
+        if bases:
+            parts = [*parts[: bases[-1]], *parts[bases[-1] + 1 :], parts[bases[-1]]]
     modifiers, body = parts[:-1], parts[-1]
     if (
         body in MOE_GROUPS
@@ -225,10 +242,11 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
         )
     if modules:
         _check_modules(text, modules, group := (moe[0] if moe else None), spec)
-    if offload and kind not in ("none", "optimal"):
+    if offload and kind == "revolve":
         raise StrategyError(
-            f"strategy {quote(text)}: offload combines with none (every stored tape to host) "
-            "or optimal (offload+optimal), not with " + kind
+            f"strategy {quote(text)}: offload combines with none, optimal and the segment "
+            f"strategies (full, uniform:K, sequential:K, sqrt, block:N), not with {body}: "
+            "revolve re-reads its checkpoints from nested segments"
         )
     group = moe[0] if moe else None
     # TiledMLP replaces every dense MLP's forward: it is recomputed in every stored layer
@@ -242,7 +260,7 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
     if kind == "full" and (selective or group or mlp or modules):
         # full recompute already re-runs every op of every layer (TiledMLP's MLP runs its
         # backward tile by tile inside it)
-        return Strategy(kind="uniform", size=1, selective=selective, mlp=tiled_mlp)
+        return Strategy(kind="uniform", size=1, selective=selective, mlp=tiled_mlp, offload=offload)
     return Strategy(
         kind, size, selective or kind == "selective", group, mlp, offload=offload, modules=modules
     )

@@ -528,11 +528,44 @@ def offload_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
     return data
 
 
+def _offloaded(plan: Plan, peak) -> str:
+    """'33 tapes', or '32 checkpointed inputs and 1 tape' for full+offload."""
+    from ckplan.plan.offload import offloaded_input_count, offloaded_words
+
+    stages = [i for i, _ in peak]
+    return offloaded_words(len(stages), offloaded_input_count(plan.steps, stages))
+
+
+def offload_comparison(offload, recompute, gpu, scope: str) -> str:
+    """One sentence: an offload plan's step against the best recomputation `scope` (two timed
+    candidates), how much of it is exposed copies, and why (the largest copy beside the
+    layer compute it overlaps, plan.offload.largest_copy)."""
+    from ckplan.plan.offload import largest_copy
+    from ckplan.render.time import seconds
+
+    fast, slow = offload.time.step_seconds, recompute.time.step_seconds
+    gap = abs(slow - fast)
+    text = (
+        f"{offload.plan.strategy} takes {seconds(fast)}, {seconds(gap)} ({gap / slow:.1%}) "
+        f"{'less' if fast <= slow else 'more'} than the best recomputation {scope}, "
+        f"{recompute.plan.strategy} ({seconds(slow)})"
+    )
+    copy = largest_copy(offload.plan, gpu)
+    if copy is None:
+        return text + "; it offloads nothing here"
+    return text + (
+        f"; copies exposed {seconds(offload.time.offload_exposed_seconds)}: a "
+        f"{gib(copy.nbytes)} copy takes {seconds(copy.copy_seconds)} beside a layer's forward "
+        f"{seconds(copy.forward_seconds)} and backward {seconds(copy.backward_seconds)}, "
+        f"{gib(offload.plan.host_bytes)} pinned per GPU"
+    )
+
+
 def offload_text(plan: Plan, time: StepTime | None = None, host_budget: int | None = None) -> str:
     """One line on a plan's offloaded tapes: how many, host bytes, bytes moved, exposed copies."""
     peak = dict(plan.stage_offloads).get(plan.peak_stage, ())
     text = (
-        f"{plan.strategy}: {len(peak)} tapes on host, {gib(plan.host_bytes)} pinned per GPU"
+        f"{plan.strategy}: {_offloaded(plan, peak)} on host, {gib(plan.host_bytes)} pinned per GPU"
         + (f" (of {gib(host_budget)} host memory per GPU)" if host_budget is not None else "")
         + f", {gib(plan.bytes_moved)} moved per step"
     )

@@ -187,8 +187,26 @@ def layout_dict(e: Evaluated) -> dict[str, Any]:
         },
         "time": None if e.candidate.time is None else e.candidate.time.to_dict(),
         "set": set_arguments(layout, experts),
+        "offload": _offload_dict(e),
     }
     return data
+
+
+def _offload_dict(e: Evaluated) -> dict[str, Any] | None:
+    """The layout's best offload plan beside its best recomputation plan (docs/layouts.md)."""
+    offload = e.candidate if e.plan.stage_offloads else e.offload
+    if offload is None:
+        return None
+    recompute = e.recompute
+    return {
+        "strategy": offload.plan.strategy,
+        "step_seconds": offload.time.step_seconds,
+        "exposed_seconds": offload.time.offload_exposed_seconds,
+        "host_bytes": offload.plan.host_bytes,
+        "bytes_moved": offload.plan.bytes_moved,
+        "recompute_strategy": None if recompute is None else recompute.plan.strategy,
+        "recompute_step_seconds": None if recompute is None else recompute.time.step_seconds,
+    }
 
 
 def _split_dict(layout: Layout) -> dict[str, Any]:
@@ -244,6 +262,9 @@ def plan_dict(result: LayoutResult) -> dict[str, Any]:
             "nearest": None if least is None else rejected_dict(least, None),
         },
         "advice": list(result.advice),
+        "without_offload": (
+            None if result.without_offload is None else layout_dict(result.without_offload)
+        ),
     }
 
 
@@ -307,6 +328,17 @@ def _counts_line(result: LayoutResult) -> Text:
     )
 
 
+def offload_line(e: Evaluated, gpu) -> str | None:
+    """How the layout's best offload plan compares with its best recomputation plan; None
+    where no offload plan fits or nothing to compare it with."""
+    from ckplan.render.estimate import offload_comparison
+
+    offload = e.candidate if e.plan.stage_offloads else e.offload
+    if offload is None or e.recompute is None:
+        return None
+    return offload_comparison(offload, e.recompute, gpu, "on this layout")
+
+
 def _verdict(
     result: LayoutResult, best: Evaluated | None, budget_text: str, model: str, extra: str
 ) -> list[Text]:
@@ -316,11 +348,21 @@ def _verdict(
         return [Text(no_fit_line(result), style="bold red")]
     time = best.candidate.time
     timing = f", step {seconds(time.step_seconds)}, MFU {time.mfu:.1%}" if time else ""
+    offload = offload_line(best, result.gpu)
+    without = result.without_offload
+    if without is not None:
+        gap = without.seconds - best.seconds
+        offload = (offload + "; " if offload else "") + (
+            f"without offloading the fastest is {layout_text(without.layout, without.spec)} "
+            f"with {without.plan.strategy}, {seconds(without.seconds)}, {seconds(gap)} "
+            f"({gap / without.seconds:.1%}) slower"
+        )
     return [
         Text(
             f"Fastest: {layout_text(best.layout, best.spec)} with {best.plan.strategy}{timing}.",
             style="bold green",
         ),
+        *([Text(f"Offload: {offload}.")] if offload else []),
         Text(f"Accuracy: {accuracy_note(result.gpu.name, best.spec.framework)}."),
         Text(
             "Check it: " + check_command(result, best, budget_text, model, extra),

@@ -10,7 +10,12 @@ from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 from ckplan.plan.search import SEQ_GRANULE, Candidate, SweepResult
 from ckplan.render.common import GIB, gib, memory_bar
-from ckplan.render.estimate import expert_layout_line, offload_text, plan_dict
+from ckplan.render.estimate import (
+    expert_layout_line,
+    offload_comparison,
+    offload_text,
+    plan_dict,
+)
 from ckplan.render.fit import declare
 from ckplan.render.time import seconds
 
@@ -196,6 +201,9 @@ def sweep_view(
         parts += [Text("  " + offload_text(c.plan, c.time, c.host_budget_bytes)) for c in offloads]
     if result.candidates and result.candidates[0].plan.model_states.host:
         parts.append(Text(host_states_text(result.best or result.smallest)))
+    compared = _offload_against_recompute(result)
+    if compared:
+        parts.append(Text(f"Offload against recomputation: {compared}."))
     parts.append(sweep_verdict(result))
     if result.best is not None:  # recompute the busiest stage's FLOPs do not show
         hidden = [note for note in result.best.plan.notes if " recomputes " in note]
@@ -450,12 +458,31 @@ def why_not_fitting(candidate: Candidate) -> str:
     )
 
 
+def _offload_against_recompute(result) -> str | None:
+    """The fastest fitting offload plan against the fastest fitting plan without offloading,
+    with a GPU (render.estimate.offload_comparison); None where either is missing."""
+    if result.gpu is None:
+        return None
+    fitting = [c for c in result.candidates if c.fits and c.time is not None]
+
+    def fastest(candidates):
+        return min(candidates, key=lambda c: c.time.step_seconds, default=None)
+
+    moves = [c for c in fitting if any(items for _, items in c.plan.stage_offloads)]
+    offload = fastest(moves)
+    recompute = fastest([c for c in fitting if not c.plan.stage_offloads])
+    if offload is None or recompute is None:
+        return None
+    return offload_comparison(offload, recompute, result.gpu, "that fits")
+
+
 STEP_LABELS = {
     "forward_drop": "forward, save nothing",
     "forward_keep_input": "forward, keep input",
     "forward_keep_all": "forward, keep all",
     "backward": "backward",
     "forward_keep_all+offload": "forward, keep all, offload",
+    "forward_keep_input+offload": "forward, keep input, offload",
 }
 
 
@@ -464,13 +491,26 @@ def offloaded_stages(plan: Plan) -> frozenset[int]:
     return frozenset(i for i, _ in dict(plan.stage_offloads).get(plan.peak_stage, ()))
 
 
+def offload_steps(plan: Plan) -> list[bool]:
+    """Per step: whether it is the first-pass forward whose tape (or checkpointed input) the
+    plan offloads (the first forward of an offloaded stage, schedules.offload)."""
+    offloaded = offloaded_stages(plan)
+    seen: set[int] = set()
+    marks = []
+    for step in plan.steps:
+        first = step.kind != "backward" and step.stage not in seen
+        if step.kind != "backward":
+            seen.add(step.stage)
+        marks.append(first and step.stage in offloaded)
+    return marks
+
+
 def schedule_rows(plan: Plan) -> list[tuple[str, str, int]]:
     """Consecutive steps of one kind over consecutive stages, merged: (label, stages, count)."""
     rows: list[tuple[str, list[int]]] = []
-    offloaded = offloaded_stages(plan)
-    for step in plan.steps:
+    for step, moved in zip(plan.steps, offload_steps(plan), strict=True):
         kind = step.kind
-        if kind == "forward_keep_all" and step.stage in offloaded:
+        if moved:
             kind += "+offload"
         if rows and rows[-1][0] == kind and abs(rows[-1][1][-1] - step.stage) == 1:
             rows[-1][1].append(step.stage)
@@ -488,19 +528,14 @@ def schedule_rows(plan: Plan) -> list[tuple[str, str, int]]:
 def schedule_dict(
     plan: Plan, activation_budget: int | None, time: StepTime | None = None
 ) -> dict[str, Any]:
-    offloaded = offloaded_stages(plan)
     return {
         **plan_dict(plan, time),
         "activation_budget_bytes": activation_budget,
         "stages": list(plan.stage_names),
         "steps": [
             {"kind": step.kind, "stage": step.stage, "name": plan.stage_names[step.stage]}
-            | (
-                {"offload": True}
-                if step.kind == "forward_keep_all" and step.stage in offloaded
-                else {}
-            )
-            for step in plan.steps
+            | ({"offload": True} if moved else {})
+            for step, moved in zip(plan.steps, offload_steps(plan), strict=True)
         ],
     }
 

@@ -29,6 +29,18 @@ Each copy overlaps exactly one compute step, one copy per direction per step (PC
 NVLink-C2C are full duplex); the host peak is the most host bytes allocated at any step; bytes
 moved are ``2 * tape_bytes[i]`` per offloaded stage.
 
+Checkpointed inputs (``full+offload``, ``uniform:K+offload``) follow the same rules with ``x_i``
+in place of ``tape_i``: ``forward_keep_input(i)`` runs once, on the first pass, followed by a
+forward of stage ``i + 1``; ``x_i`` is copied out during that forward (on device through its
+during-figure, ``input_bytes[i]`` host bytes from its start) and copied back during the step
+right before the first re-forward of stage ``i`` (counted on device from that step's start, its
+host bytes freed at its end). While a copy is out, two layer inputs are on device: the one in
+flight and the next layer's own input; Transformer Engine's CPU offload handler (Megatron-Core
+``cpu_offloading``) double-buffers the same way, one group offloading while the next computes,
+and torchtune's ``OffloadActivations(use_streams=True)`` keeps up to ``max_fwd_stash_size``
+offloaded tensors alive until their copies end (pytorch/torchtune,
+``torchtune/training/_activation_offloading.py``). :func:`offload_window` finds both steps.
+
 Time: a copy of ``t`` seconds overlapping a compute step of ``c`` seconds delays the compute
 stream by ``max(0, t - c)`` (:func:`exposed_transfer`): the next step waits for the offload to
 free its buffer, and ``backward(i)`` waits for its tape. Per offloaded stage ``i`` the exposed
@@ -109,6 +121,7 @@ class OffloadReplay:
     bytes_moved: int  # device -> host and back, both directions counted
     device_trace: tuple[tuple[int, int], ...]  # (during, after) per step
     host_trace: tuple[tuple[int, int], ...]  # (during, after) per step
+    offloaded_bytes: tuple[int, ...] = ()  # bytes each offloaded stage moves one way
 
     @property
     def total_flops(self) -> int:
@@ -119,14 +132,101 @@ class OffloadReplay:
         return self.replay.recompute_flops
 
 
+def offload_windows(steps: Sequence[Step], n: int) -> OffloadWindows:
+    """Where each stage's first forward, second forward and backward run in ``steps``: what
+    :func:`offload_window` reads, found in one pass."""
+    first: dict[int, int] = {}
+    again: dict[int, int] = {}
+    keep_all: dict[int, int] = {}
+    backward: dict[int, int] = {}
+    last_forward = len(steps)
+    for t, st in enumerate(steps):
+        i = st.stage
+        if st.kind == BACKWARD:
+            backward.setdefault(i, t)
+            continue
+        if i == n - 1 and last_forward == len(steps):
+            last_forward = t
+        if i not in first:
+            first[i] = t
+        elif i not in again:
+            again[i] = t
+        if st.kind == FORWARD_KEEP_ALL:
+            keep_all[i] = keep_all.get(i, 0) + 1
+    return OffloadWindows(tuple(steps), n, first, again, keep_all, backward, last_forward)
+
+
+@dataclass(frozen=True)
+class OffloadWindows:
+    """Step indices of a schedule per stage (:func:`offload_windows`)."""
+
+    steps: Schedule
+    n: int
+    first: dict
+    again: dict
+    keep_all: dict
+    backward: dict
+    last_forward: int
+
+
+def offload_window(
+    steps: Sequence[Step], n: int, i: int, windows: OffloadWindows | None = None
+) -> tuple[int, int, bool]:
+    """``(start, prefetch, tape)`` of the offloaded stage ``i`` in ``steps``: the index of the
+    first-pass forward that stores it (its copy out overlaps step ``start + 1``), the index of
+    the step its copy back overlaps, and whether the tape moves (``forward_keep_all``) or the
+    checkpointed input ``x_i`` (``forward_keep_input``).
+
+    derived: rules O1-O3 and their checkpointed-input form (module docstring). Raises
+    ``ValueError`` for a stage the rules do not let move.
+    """
+    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n - 1:
+        raise ValueError(f"offloaded stage {i!r}: expected a stage in 0..{n - 2}")
+    w = windows if windows is not None else offload_windows(tuple(steps), n)
+    steps = w.steps
+    start = w.first.get(i)
+    kind = steps[start].kind if start is not None else None
+    if (
+        start is None
+        or start > w.last_forward
+        or kind not in (FORWARD_KEEP_ALL, FORWARD_KEEP_INPUT)
+        or (kind == FORWARD_KEEP_ALL and w.keep_all.get(i) != 1)
+    ):
+        raise ValueError(
+            f"offloaded stage {i}: forward_keep_all({i}) or forward_keep_input({i}) must run "
+            "once, on the first pass, as its first forward"
+        )
+    tape = kind == FORWARD_KEEP_ALL
+    nxt = steps[start + 1]
+    if nxt.kind == BACKWARD or nxt.stage != i + 1:
+        raise ValueError(
+            f"offloaded stage {i}: the step after {steps[start]} must be a forward "
+            f"of stage {i + 1}, got {nxt}"
+        )
+    if tape:
+        end = w.backward[i]
+        if steps[end - 1] != Step(BACKWARD, i + 1):
+            raise ValueError(
+                f"offloaded stage {i}: the step before backward({i}) must be backward({i + 1})"
+            )
+        return start, end - 1, True
+    reuse = w.again.get(i)
+    if reuse is None or reuse - 1 <= start + 1:
+        raise ValueError(
+            f"offloaded stage {i}: x_{i} is read again before its copy to host could end"
+        )
+    return start, reuse - 1, False
+
+
 def simulate_offload(
     chain: Chain, steps: Sequence[Step], offloaded: Iterable[int]
 ) -> OffloadReplay:
-    """Replay ``steps`` with the tapes of ``offloaded`` on host (module docstring, O1-O3).
+    """Replay ``steps`` with the tapes (or checkpointed inputs) of ``offloaded`` on host (module
+    docstring, O1-O3).
 
-    derived: the device figures are :func:`simulate`'s with ``tape_i`` removed strictly between
-    the step its offload overlaps and the step its prefetch overlaps. Raises ``ValueError`` for
-    an invalid schedule or an offload the rules do not allow.
+    derived: the device figures are :func:`simulate`'s with ``tape_i`` (or ``x_i``) removed
+    strictly between the step its offload overlaps and the step its prefetch overlaps. Raises
+    ``ValueError`` for an invalid schedule or an offload the rules do not allow.
     """
     steps = tuple(steps)
     replay = simulate(chain, steps)
@@ -136,48 +236,31 @@ def simulate_offload(
     after = [point.after_bytes for point in replay.trace]
     host_during = [0] * len(steps)
     host_after = [0] * len(steps)
-    last_forward = next(
-        t for t, st in enumerate(steps) if st.kind != BACKWARD and st.stage == n - 1
-    )
+    moved = []
+    windows = offload_windows(steps, n)
     for i in stages:
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n - 1:
-            raise ValueError(f"offloaded stage {i!r}: expected a stage in 0..{n - 2}")
-        kept = [t for t, st in enumerate(steps) if st == Step(FORWARD_KEEP_ALL, i)]
-        if len(kept) != 1 or kept[0] > last_forward:
-            raise ValueError(
-                f"offloaded stage {i}: forward_keep_all({i}) must run once, on the first pass"
-            )
-        start = kept[0]
-        nxt = steps[start + 1]
-        if nxt.kind == BACKWARD or nxt.stage != i + 1:
-            raise ValueError(
-                f"offloaded stage {i}: the step after forward_keep_all({i}) must be a forward "
-                f"of stage {i + 1}, got {nxt}"
-            )
-        end = steps.index(Step(BACKWARD, i))
-        if steps[end - 1] != Step(BACKWARD, i + 1):
-            raise ValueError(
-                f"offloaded stage {i}: the step before backward({i}) must be backward({i + 1})"
-            )
-        tape = chain.tape_bytes[i]
-        after[start + 1] -= tape
-        for t in range(start + 2, end - 1):
-            during[t] -= tape
-            after[t] -= tape
-        host_after[start] += tape
-        for t in range(start + 1, end - 1):
-            host_during[t] += tape
-            host_after[t] += tape
-        host_during[end - 1] += tape
+        start, prefetch, tape = offload_window(steps, n, i, windows)
+        nbytes = chain.tape_bytes[i] if tape else chain.input_bytes[i]
+        moved.append(nbytes)
+        after[start + 1] -= nbytes
+        for t in range(start + 2, prefetch):
+            during[t] -= nbytes
+            after[t] -= nbytes
+        host_after[start] += nbytes
+        for t in range(start + 1, prefetch):
+            host_during[t] += nbytes
+            host_after[t] += nbytes
+        host_during[prefetch] += nbytes
     device_peak = max([replay.initial_bytes, *during, *after])
     return OffloadReplay(
         replay=replay,
         offloaded=tuple(stages),
         device_peak_bytes=device_peak,
         host_peak_bytes=max([0, *host_during, *host_after]),
-        bytes_moved=2 * sum(chain.tape_bytes[i] for i in stages),
+        bytes_moved=2 * sum(moved),
         device_trace=tuple(zip(during, after, strict=True)),
         host_trace=tuple(zip(host_during, host_after, strict=True)),
+        offloaded_bytes=tuple(moved),
     )
 
 
@@ -185,6 +268,25 @@ def offload_all(chain: Chain) -> tuple[Schedule, tuple[int, ...]]:
     """Store every tape, offload every stage's but the last one's (its backward follows at
     once): the ``offload`` strategy, no recomputation."""
     return store_all_schedule(chain), tuple(range(chain.length - 1))
+
+
+def offload_stored(steps: Sequence[Step], n: int) -> tuple[int, ...]:
+    """The stages ``0..n-2`` whose first forward stores their tape or their input on the first
+    pass and is followed by the next stage's forward: every stage a ``STRATEGY+offload`` moves
+    (``full+offload``: each layer's checkpointed input; the stored stages' tapes too).
+
+    derived: the stages :func:`offload_window` accepts; on a segment schedule, every stage but
+    the last whose input or tape the first pass keeps.
+    """
+    windows = offload_windows(tuple(steps), n)
+    out = []
+    for i in range(n - 1):
+        try:
+            offload_window(steps, n, i, windows)
+        except ValueError:
+            continue
+        out.append(i)
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,13 @@ What is measured for one run, and how:
   activation peak that the planner predicts; both are reported separately.
 * **layer forwards and FLOPs**: counted as the executor runs (every matmul adds 2·m·n·k from its
   operands' actual shapes); element-wise ops count 0, as in :mod:`ckplan.ops`.
-* **offload** (``offload``, ``offload+optimal``): an offloaded tape is copied into a host pool
+* **offload** (``offload``, ``offload+optimal``, ``full+offload``): an offloaded tape (or
+  checkpointed input) is copied into a host pool
   (:class:`HostPool`, one buffer allocated before the step is traced, so only device arrays are
   traced) when the forward after it ends, and copied back into a fresh device array when the
-  backward after it starts, as ``schedules.offload`` rules O1-O3 say; the pool counts its bytes
-  in use (host peak, a slot reserved when its copy starts) and the bytes copied both ways.
+  step its prefetch overlaps starts, as ``schedules.offload`` rules O1-O3 say; the pool counts
+  its bytes in use (host peak, a slot reserved when its copy starts) and the bytes copied both
+  ways.
 * **time**: the median of several untraced runs of the step, beside the time model's prediction
   (``hardware.step_time`` on a ``cpu`` profile probed on the spot, ``hardware.cpu``: the
   layer's GEMM rate, the element-wise bandwidth at its array size, and the cost of one NumPy
@@ -66,6 +68,7 @@ from ckplan.schedules import (
     Step,
     simulate,
 )
+from ckplan.schedules.offload import offload_window, offload_windows
 
 PEAK_TOLERANCE = 0.05  # measured peak within ±5 % of the predicted peak
 DEFAULT_REPEATS = 3
@@ -274,55 +277,66 @@ def run_schedule(
     output is kept only when the next step is the forward of the next stage (rule 4), otherwise
     its reference is dropped at once. The schedule must be valid (``simulate`` it first).
 
-    With ``offloaded`` stages and a ``pool`` (``schedules.offload``, rules O1-O3): the tape of an
-    offloaded stage goes to the pool when the step after its ``forward_keep_all`` ends, and comes
-    back when the ``backward`` of the next stage starts.
+    With ``offloaded`` stages and a ``pool`` (``schedules.offload``, rules O1-O3 and their
+    checkpointed-input form): the tape (or checkpointed input) of an offloaded stage goes to the
+    pool when the step after its first-pass ``forward_keep_all`` (``forward_keep_input``) ends,
+    and comes back when the step its prefetch overlaps starts (``schedules.offload.
+    offload_window``).
     """
-    offloaded = set(offloaded)
+    steps = tuple(steps)
+    windows = offload_windows(steps, len(params)) if offloaded else None
+    # per offloaded stage: (step its copy out overlaps, step its copy back overlaps, tape?)
+    moves = {}
+    for stage in offloaded:
+        start, prefetch, tape = offload_window(steps, len(params), stage, windows)
+        moves[stage] = (start + 1, prefetch, tape)
+    outs = {out: stage for stage, (out, _, _) in moves.items()}
+    backs = {back: stage for stage, (_, back, _) in moves.items()}
     shapes: dict[int, tuple[int, ...]] = {}
-    copy_out: int | None = None  # the stage whose tape is copied out during this step
     delta = inputs.pop()
     acts: dict[int, np.ndarray] = {0: inputs.pop()}
     checkpoints = {0}
     tapes: dict[int, np.ndarray] = {}
     counts = _Counts(len(params))
-    steps = tuple(steps)
     for t, step in enumerate(steps):
         i = step.stage
+        back = backs.get(t)
+        if back is not None:  # prefetch: the copy back overlapping this step starts
+            held = tapes if moves[back][2] else acts
+            held[back] = pool.take(back, shapes[back])
         if step.kind == BACKWARD:
-            if i - 1 in offloaded:  # prefetch: the tape of stage i - 1 comes back beside it
-                tapes[i - 1] = pool.take(i - 1, shapes[i - 1])
             gx = layer_backward(tapes[i], delta, *params[i], grads[i], counts)
             del tapes[i]
             acts.pop(i, None)
             checkpoints.discard(i)
             delta = gx  # frees δ_{i+1}
             del gx
-            if i - 1 in offloaded:
-                pool.release(i - 1)
-            continue
-        y = layer_forward(acts[i], *params[i], counts)
-        counts.layer_forwards[i] += 1
-        if step.kind == FORWARD_DROP:
-            if i not in checkpoints:
-                del acts[i]
-        elif step.kind == FORWARD_KEEP_INPUT:
-            checkpoints.add(i)
-        elif step.kind == FORWARD_KEEP_ALL:
-            tapes[i] = acts.pop(i)  # the tape absorbs x_i
-            checkpoints.discard(i)
-        nxt = steps[t + 1] if t + 1 < len(steps) else None
-        if nxt is not None and nxt.kind != BACKWARD and nxt.stage == i + 1:
-            acts[i + 1] = y  # pending: consumed by the next step
-        del y  # otherwise dead, freed now
-        if copy_out is not None:  # the copy overlapping this step ends: the device tape goes
-            pool.put(copy_out, tapes[copy_out])
-            del tapes[copy_out]
-            copy_out = None
-        if step.kind == FORWARD_KEEP_ALL and i in offloaded:
-            shapes[i] = tapes[i].shape
-            pool.reserve(i)
-            copy_out = i
+        else:
+            y = layer_forward(acts[i], *params[i], counts)
+            counts.layer_forwards[i] += 1
+            if step.kind == FORWARD_DROP:
+                if i not in checkpoints:
+                    del acts[i]
+            elif step.kind == FORWARD_KEEP_INPUT:
+                checkpoints.add(i)
+            elif step.kind == FORWARD_KEEP_ALL:
+                tapes[i] = acts.pop(i)  # the tape absorbs x_i
+                checkpoints.discard(i)
+            nxt = steps[t + 1] if t + 1 < len(steps) else None
+            if nxt is not None and nxt.kind != BACKWARD and nxt.stage == i + 1:
+                acts[i + 1] = y  # pending: consumed by the next step
+            del y  # otherwise dead, freed now
+        out = outs.get(t)
+        if out is not None:  # the copy overlapping this step ends: the device array goes
+            held = tapes if moves[out][2] else acts
+            pool.put(out, held[out])
+            del held[out]
+        if back is not None:  # the copy back is done: its host bytes are free
+            pool.release(back)
+        if step.kind != BACKWARD and i in moves and t + 1 == moves[i][0]:
+            held = tapes if moves[i][2] else acts
+            shapes[i] = held[i].shape
+            pool.reserve(i)  # its copy to host starts as the next step does
     return delta, counts
 
 

@@ -21,6 +21,7 @@ not run are reported over memory by their least layer-level plan.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections import Counter
@@ -28,8 +29,10 @@ from dataclasses import dataclass, field
 
 from ckplan.errors import InputError
 from ckplan.hardware.gpus import GPU
+from ckplan.hardware.host_link import host_memory_per_gpu
 from ckplan.hardware.step_time import step_time
 from ckplan.model import allocator
+from ckplan.model.frameworks import offload_strategies
 from ckplan.model.op_policy import check_policy_model
 from ckplan.model.spec import ModelSpec, SpecError
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate, in_flight_microbatches
@@ -74,6 +77,10 @@ class Evaluated:
     fit_bound: float = 0.0
     # no layer-level plan fits and the DP has not run: whether any schedule fits is open
     undecided: bool = False
+    # the fastest fitting plans found without offloading (recomputation, or `none`) and with it
+    # (model.frameworks.offload_strategies), timed; None where none fits or none was tried
+    recompute: Candidate | None = None
+    offload: Candidate | None = None
 
     @property
     def fits(self) -> bool:
@@ -133,6 +140,9 @@ class LayoutResult:
     counts: dict[str, int] = field(default_factory=dict)
     least_memory: Rejected | None = None  # when nothing fits: the layout nearest to fitting
     advice: tuple[str, ...] = ()  # when nothing fits: how many GPUs, laid out how, would do
+    # where the fastest layout offloads: the fastest layout and plan without offloading (a
+    # second search that tries no offload plan), None when none fits
+    without_offload: Evaluated | None = None
 
     @property
     def usable_bytes(self) -> int:
@@ -248,6 +258,7 @@ def search_layouts(
     constraints: dict | None = None,
     slots: int = DEFAULT_SLOTS,
     cutoff: float = math.inf,
+    offload: bool = True,
 ) -> LayoutResult:
     """The `top` fastest layouts of `gpus` GPUs that fit, and the best rejected (module
     docstring); with `cutoff`, only layouts faster than `cutoff` seconds (every one of them
@@ -277,13 +288,14 @@ def search_layouts(
     queue.sort(key=lambda item: (item[0], item[1]))
 
     run = _Run(spec, gpu, bounds, usable, budget_bytes, reserve_bytes, slots, top, cutoff)
+    run.offload = offload
     for position, (seconds, layout, time_bound, memory_bound) in enumerate(queue):
         if seconds > run.kth_time():
             counts["pruned"] = len(queue) - position
             break
         run.add(layout, time_bound, memory_bound)
     run.refine()
-    shown = run.ranked()[:top]
+    shown = [run.compared(e) for e in run.ranked()[:top]]
     counts |= {
         "evaluated": run.evaluations,
         "optimal": run.optimal_runs,
@@ -292,6 +304,13 @@ def search_layouts(
     rejected = _rejected(run, over, queue, shown, usable)
     least = None if shown else _least_memory(run, over, usable)
     advice = () if least is None else _more_gpus(spec, gpus, gpu, least, usable)
+    without = None
+    if offload and shown and shown[0].plan.stage_offloads:
+        alone = search_layouts(
+            spec, gpus, gpu, global_batch, budget_bytes, reserve_bytes, 1, constraints, slots,
+            offload=False,
+        )  # fmt: skip
+        without = alone.layouts[0] if alone.layouts else None
     return LayoutResult(
         spec,
         gpu,
@@ -304,6 +323,7 @@ def search_layouts(
         dict(counts),
         least,
         advice,
+        without,
     )
 
 
@@ -414,6 +434,7 @@ class _Run:
         self.spec, self.gpu, self.bounds, self.usable = spec, gpu, bounds, usable
         self.budget, self.reserve, self.slots, self.top = budget, reserve, slots, top
         self.cutoff = cutoff
+        self.offload = True  # try the framework's offload plans (frameworks.offload_strategies)
         self.evaluated: list[Evaluated] = []
         self.best: dict[tuple, Evaluated] = {}  # fitting, per layout.without_zero()
         self.evaluations = self.optimal_runs = 0
@@ -434,7 +455,7 @@ class _Run:
             spec = self.spec.replace(**layout_keys_cleared(layout, self.spec.experts > 0))
         except SpecError:  # a rule of the spec the enumeration does not know: not a layout
             return
-        candidate, smallest, none = self._layer_level(spec)
+        candidate, smallest, none, recompute, offload = self._layer_level(spec, True)
         undecided = candidate is None  # no layer-level plan fits: the DP decides (`refine`)
         candidate = candidate or smallest
         fit_bound = time_bound.seconds
@@ -448,7 +469,16 @@ class _Run:
                 float(in_flight_microbatches(spec, stage)),
             )
         evaluated = Evaluated(
-            layout, spec, candidate, time_bound, memory_bound, False, fit_bound, undecided
+            layout,
+            spec,
+            candidate,
+            time_bound,
+            memory_bound,
+            False,
+            fit_bound,
+            undecided,
+            recompute,
+            offload,
         )
         self.evaluated.append(evaluated)
         self._keep(evaluated)
@@ -470,15 +500,17 @@ class _Run:
         return Candidate(plan, self.usable, None)
 
     def _timed(self, candidate: Candidate) -> Candidate:
-        return Candidate(candidate.plan, self.usable, step_time(candidate.plan, self.gpu))
+        return dataclasses.replace(candidate, time=step_time(candidate.plan, self.gpu))
 
-    def _layer_level(self, spec: ModelSpec) -> tuple[Candidate | None, Candidate, Candidate]:
+    def _layer_level(self, spec: ModelSpec, split: bool = False) -> tuple:
         """(the fastest fitting layer-level plan or None, the least-memory one evaluated,
-        `none`)."""
+        `none`); with `split` also the fastest fitting without offloading and with it (or
+        None). The offload plans are those the framework runs
+        (`frameworks.offload_strategies`), within the GPU's host memory."""
         none = self._candidate(spec, "none")
         if none.fits:
             timed = self._timed(none)
-            return timed, timed, none
+            return (timed, timed, none, timed, None) if split else (timed, timed, none)
         tried = []
         names = ["selective"]
         if has_dense_layers(spec):
@@ -497,12 +529,31 @@ class _Run:
             best = best_policy_plan(spec, self.usable, self.gpu)
             if best is not None:
                 tried.append(Candidate(best, self.usable, None))
+        tried += [
+            self._offload_candidate(spec, name)
+            for name in (offload_strategies(spec.framework, spec.pp) if self.offload else ())
+        ]
         smallest = min(tried, key=lambda c: c.plan.total_bytes)
         fitting = [self._timed(c) for c in tried if c.fits]
-        if not fitting:
-            return None, self._timed(smallest), none
-        fastest = min(fitting, key=lambda c: (c.time.step_seconds, c.plan.total_bytes))
-        return fastest, smallest, none
+
+        def fastest_of(candidates):
+            return min(
+                candidates, key=lambda c: (c.time.step_seconds, c.plan.total_bytes), default=None
+            )
+
+        fastest = fastest_of(fitting)
+        if fastest is None:
+            smallest = self._timed(smallest)
+        if not split:
+            return fastest, smallest, none
+        recompute = fastest_of([c for c in fitting if not c.plan.stage_offloads])
+        offload = fastest_of([c for c in fitting if c.plan.stage_offloads])
+        return fastest, smallest, none, recompute, offload
+
+    def _offload_candidate(self, spec: ModelSpec, name: str) -> Candidate:
+        """An offload plan, its host bytes checked against the GPU's share of host memory."""
+        plan = evaluate(spec, parse_strategy(name, spec))
+        return Candidate(plan, self.usable, None, host_memory_per_gpu(self.gpu))
 
     def _fewest_blocks(self, spec: ModelSpec, prefix: str) -> Candidate:
         """block:N with the fewest recomputed layers per stage that fits (memory falls as N
@@ -553,14 +604,36 @@ class _Run:
             best = self._optimal(e.spec, screen=True)
             if best is None and e.undecided:  # the coarse DP may miss a tight fit
                 best = self._optimal(e.spec)
-            candidate = e.candidate
+            candidate, recompute = e.candidate, e.recompute
             if best is not None and best.fits and best.time.step_seconds < current:
                 candidate = best
-            refined = Evaluated(
-                e.layout, e.spec, candidate, e.time_bound, e.memory_bound, True, e.fit_bound
+            if (
+                best is not None
+                and best.fits
+                and (recompute is None or best.time.step_seconds < recompute.time.step_seconds)
+            ):
+                recompute = best
+            refined = dataclasses.replace(
+                e, candidate=candidate, optimal=True, undecided=False, recompute=recompute
             )
             self.evaluated[index] = refined
             self._keep(refined)
+
+    def compared(self, e: Evaluated) -> Evaluated:
+        """`e` with the fastest recomputation plan found, the DP's included, where an offload
+        plan is its best and the DP has not run on it: what `plan` weighs the offload plan
+        against."""
+        if not e.plan.stage_offloads or e.optimal:
+            return e
+        best = self._optimal(e.spec)
+        recompute = e.recompute
+        if (
+            best is not None
+            and best.fits
+            and (recompute is None or best.time.step_seconds < recompute.time.step_seconds)
+        ):
+            recompute = best
+        return dataclasses.replace(e, recompute=recompute)
 
     def ranked(self) -> list[Evaluated]:
         return sorted(self.best.values(), key=lambda e: (e.seconds, e.layout.zero, e.layout))
