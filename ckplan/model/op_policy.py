@@ -493,8 +493,8 @@ def skips_rerun(unit: Unit) -> bool:
     is several aten ops in eager code (an upcast, a mean, an rsqrt, a multiply; silu and a
     multiply) whose inner outputs its backward reads: keeping the last one spares their re-run
     nothing (derived from PyTorch's selective checkpointing, which caches op by op). A grouped
-    GEMM and an all-to-all are one op each too."""
-    return unit.matmul or unit.grouped or unit.name in ("attention", "all_to_all")
+    GEMM and a collective (reduce-scatter, all-to-all) are one op each too."""
+    return unit.matmul or unit.grouped or unit.name in ("attention", "reduce_scatter", "all_to_all")
 
 
 def recomputed_ops(

@@ -6,9 +6,10 @@ units, so the choice is a 0/1 knapsack: `policy_frontier` gives every policy tha
 beats on both stored bytes and re-run cost (the Pareto frontier, by dynamic programming over
 the units, Kellerer, Pferschy & Pisinger 2004 §2), `best_policy` the cheapest within a per-layer
 byte budget. The cost is a unit's forward time on a GPU (its roofline time as the step-time
-model runs it), or its forward FLOPs without one. The re-run collectives of tensor parallelism
-are not part of the cost (derived: the same all-gathers re-run whatever the policy keeps, but
-for the reduce-scatters, which this search leaves to `sac`).
+model runs it), or its forward FLOPs without one; a kept collective (the row-parallel
+outputs' reduce-scatters, the expert-parallel all-to-alls) spares its forward time. What every
+policy re-runs (the norms, activations, permutations, the column-parallel all-gathers) is the
+same whatever it keeps, and is left out of the cost (`layer_time` adds it).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from dataclasses import dataclass
 
 from ckplan.hardware.code_path import spec_code_path
 from ckplan.hardware.gpus import GPU
-from ckplan.hardware.step_time import layer_time
+from ckplan.hardware.step_time import layer_time, tensor_parallel_comm
 from ckplan.model.layers import LayerKind
 from ckplan.model.op import LayerShapes
 from ckplan.model.op_policy import POLICY_PREFIX, Unit, skips_rerun, unit_ops
+from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
 
 # A frontier never holds more points than this (the largest unit tables have ~18 units; sizes
@@ -49,9 +51,16 @@ def unit_cost(spec: ModelSpec, unit: Unit, gpu: GPU | None, kind: LayerKind | No
     """What re-running `unit` costs: its forward time on `gpu` (the code path the step-time
     model times it on), else its forward FLOPs. The all-to-alls cost the exposed forward share
     of the layer's expert-parallel collectives, which a re-forward repeats unless the policy
-    keeps them (`step_time.layer_time`); nothing without a GPU."""
+    keeps them (`step_time.layer_time`); the reduce-scatters, the forward time of the
+    row-parallel outputs' collectives (`step_time.tensor_parallel_comm`); nothing without a
+    GPU."""
     if unit.name == "all_to_all":
         return 0.0 if gpu is None else layer_time(spec, gpu, kind).expert_forward_comm
+    if unit.name == "reduce_scatter":
+        if gpu is None:
+            return 0.0
+        rows = tuple(op for op in layer_ops(spec, kind) if op.tp_comm == "row")
+        return tensor_parallel_comm(spec, spec_code_path(spec, gpu).gpu, rows)[0]
     if gpu is None:
         return float(unit.op.forward_flops)
     return spec_code_path(spec, gpu).forward(unit.op, spec.dtype_bytes).total
@@ -59,12 +68,13 @@ def unit_cost(spec: ModelSpec, unit: Unit, gpu: GPU | None, kind: LayerKind | No
 
 def _choosable(spec: ModelSpec, kind: LayerKind | None) -> list[Unit]:
     """The units worth keeping, one entry per name: the matmuls, grouped GEMMs, the attention
-    kernel and the all-to-alls (`op_policy.skips_rerun`; keeping a norm's or an activation's
-    output costs its bytes and spares no re-run), a name that occurs twice (the dispatch and
-    combine all-to-alls) with the bytes of both. Reduce-scatters are left to `sac`."""
+    kernel and the collectives (`op_policy.skips_rerun`; keeping a norm's or an activation's
+    output costs its bytes and spares no re-run), a name that occurs twice (the reduce-scatters
+    of the row-parallel outputs, the dispatch and combine all-to-alls) with the bytes of
+    both."""
     seen: dict[str, Unit] = {}
     for unit in unit_ops(spec, kind):
-        if unit.name == "reduce_scatter" or not skips_rerun(unit):
+        if not skips_rerun(unit):
             continue
         if unit.name in seen:
             first = seen[unit.name]
