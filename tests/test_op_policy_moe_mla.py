@@ -3,7 +3,13 @@ checkpointing keeps on torchtitan-style DeepSeek-V3 and Mixtral blocks with the 
 
 import pytest
 
-from ckplan.model.op_policy import kept_units, parse_policy, policy_tape_bytes, unit_ops
+from ckplan.model.op_policy import (
+    FORCE_RECOMPUTED,
+    kept_units,
+    parse_policy,
+    policy_tape_bytes,
+    unit_ops,
+)
 from ckplan.model.spec import spec_from_mapping
 
 BASE = {
@@ -58,8 +64,10 @@ def test_units_by_hand():
                        "shared_gate_proj", "shared_up_proj", "shared_fc2"]  # fmt: skip
     assert [unit.name for unit in unit_ops(s) if unit.grouped] == [
         "expert_gate", "expert_up", "expert_fc2"]  # fmt: skip
+    # torchtitan force-recomputes the router's gate and leaves it out of the count
     assert kept_units(s, parse_policy("sac")) == (
-        "q_down", "kv_down", "attention", "out_proj", "shared_gate_proj", "shared_fc2")  # fmt: skip
+        "q_down", "kv_down", "attention", "out_proj", "shared_up_proj")  # fmt: skip
+    assert "router" in kept_units(s, parse_policy("sac:router"))
 
 
 def test_all_to_all_kept_by_sac_with_expert_parallelism(spec_of):
@@ -184,7 +192,8 @@ def _torch_block(torch, s):
 
 def _policy_fn(torch, s, policy):
     """torchtitan's `_custom_policy` generalised to an `OpPolicy`: aten.mm outputs by the
-    every-K-th rule or by name in the order the layer calls them, aten._grouped_mm outputs by
+    every-K-th rule (the router's gate re-run and not counted) or by name in the order the
+    layer calls them, aten._grouped_mm outputs by
     name in their order, the SDPA kernels' outputs when the policy keeps the attention."""
     from collections import defaultdict
 
@@ -205,8 +214,13 @@ def _policy_fn(torch, s, policy):
         mode = "recompute" if ctx.is_recompute else "forward"
         save = False
         if func == aten.mm.default:
-            meta[mode] += 1
-            save = policy.keeps(matmuls[meta[mode] - 1], meta[mode])
+            meta[mode + "_all"] += 1
+            unit = matmuls[meta[mode + "_all"] - 1]
+            if unit.name in FORCE_RECOMPUTED:  # torchtitan: re-run, not counted
+                save = unit.name in policy.names
+            else:
+                meta[mode] += 1
+                save = policy.keeps(unit, meta[mode])
         elif func == aten._grouped_mm.default:
             meta[mode + "_grouped"] += 1
             save = grouped[meta[mode + "_grouped"] - 1].name in policy.names

@@ -121,6 +121,10 @@ UNIT_ALIASES = {
     "shared_experts.w2": "shared_fc2",
 }
 MAX_EVERY = 1000
+# Linears torchtitan's op policy re-runs without counting them among the matmuls:
+# `per_op_sac_force_recompute_mm_shapes_by_fqns`, default ["moe.router.gate"]
+# (torchtitan/config/job_config.py at v0.2.2, applied in distributed/activation_checkpoint.py).
+FORCE_RECOMPUTED = ("router",)
 # Frameworks whose layers are PyTorch modules a selective-checkpoint policy can wrap
 # (Megatron-LM's are too, but it offers no hook for a policy: its recompute options are whole
 # layers and --recompute-modules).
@@ -465,11 +469,12 @@ def policy_comm_ops(
 def kept_units(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None) -> tuple[str, ...]:
     """The units whose outputs `policy` keeps in one layer. Under FP8 precision the linear
     layers run scaled FP8 GEMMs (`torch._scaled_mm`, Transformer Engine's kernels), which the
-    matmul rule does not match: torchtitan's list names `aten.mm` only."""
+    matmul rule does not match: torchtitan's list names `aten.mm` only. The router's gate is
+    outside the matmul rule (`FORCE_RECOMPUTED`), kept only when named."""
     counting = spec.precision not in ("fp8", "float8")
     kept, index = [], 0
     for unit in unit_ops(spec, kind):
-        if unit.matmul and counting:
+        if unit.matmul and counting and unit.name not in FORCE_RECOMPUTED:
             index += 1
             if policy.keeps(unit, index):
                 kept.append(unit.name)
