@@ -329,3 +329,61 @@ def test_best_policy_beside_block_recompute(spec_of, model):
         policy = (best.strategy,)
         assert selective_activation_bytes_per_layer(s, policy) == best.tape_bytes <= stored
         assert _rerun_seconds(s, gpu, policy) <= _rerun_seconds(s, gpu, groups), name
+
+
+@pytest.mark.parametrize(
+    ("mla", "strategy"),
+    [
+        (True, "sac"),
+        (True, "sac:q_up,attention,expert_gate,expert_fc2"),
+        (False, "sac:matmuls,expert_up"),
+    ],
+)
+def test_exported_policy_fn_keeps_the_predicted_bytes(mla, strategy):
+    """The torch export's policy_fn (aten.mm and aten._grouped_mm by their count, the SDPA
+    kernels) on the torchtitan-style blocks: what its checkpoints keep is ckplan's tape, and the
+    gradients are the plain step's."""
+    from needs_torch import torch_or_skip
+
+    torch = torch_or_skip()
+    import torch.utils.checkpoint as checkpoint_module
+
+    from ckplan import exports
+    from ckplan.plan.evaluate import evaluate
+    from ckplan.plan.strategies import parse_strategy
+
+    s = spec(mla, vocab=128)
+    plan = evaluate(s, parse_strategy(strategy, s))
+    namespace: dict = {}
+    exec(compile(exports.export(plan, "torch").text, "snippet", "exec"), namespace)
+    modes = []
+
+    def recording(policy_fn):
+        pair = checkpoint_module.create_selective_checkpoint_contexts(policy_fn)
+        modes.append(pair[0])
+        return pair
+
+    namespace["create_selective_checkpoint_contexts"] = recording
+    torch.manual_seed(0)
+    block = _torch_block(torch, s)
+    x = torch.randn(s.micro_batch, s.seq, s.hidden, requires_grad=True)
+    weights = torch.randn(s.micro_batch, s.seq, s.hidden)
+    out = checkpoint_module.checkpoint(
+        block, x, use_reentrant=False, context_fn=namespace["context_fn"]
+    )
+    kept = {
+        tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
+        for entries in modes[0].storage.values()
+        for wrapped in entries.values()
+        for value in (wrapped if isinstance(wrapped, tuple) else (wrapped,))
+        if isinstance(tensor := getattr(value, "val", None), torch.Tensor)
+    }
+    policy = parse_policy(strategy)
+    assert sum(kept.values()) + x.numel() * x.element_size() == policy_tape_bytes(s, policy)
+    (out * weights).sum().backward()
+    grads = [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
+    block.zero_grad()
+    x.grad = None
+    (block(x) * weights).sum().backward()
+    for got, want in zip(grads, [p.grad for p in block.parameters()] + [x.grad], strict=True):
+        torch.testing.assert_close(got, want)
