@@ -221,8 +221,9 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
         )
         if named:
             return (
-                f"the per-op policy {layers.policy}: a policy_fn recognises matmuls, grouped GEMMs, "
-                f"attention kernels and collectives by their aten op, not {', '.join(named)}"
+                f"the per-op policy {layers.policy}: a policy_fn recognises matmuls, grouped "
+                f"GEMMs, attention kernels and collectives by their aten op, not "
+                f"{', '.join(named)}"
             )
         return None
     if why := module_reason(layers, "PyTorch snippet"):
