@@ -39,7 +39,7 @@ def test_reserved_peak_grows_with_seq_on_the_search_grid(spec_of, name, override
     for strategy_name in CLASSIC:
         strategy = parse_strategy(strategy_name, spec)
         peaks = [
-            evaluate(spec.replace(seq=units * step), strategy).reserved_bytes
+            evaluate(spec.replace(seq=units * step), strategy).budgeted_bytes
             for units in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
         ]
         assert peaks == sorted(peaks), (name, overrides, strategy_name, peaks)
@@ -51,7 +51,7 @@ def test_reserved_peak_grows_with_micro_batch(spec_of, name, overrides):
     for strategy_name in CLASSIC:
         strategy = parse_strategy(strategy_name, spec)
         peaks = [
-            evaluate(spec.replace(micro_batch=b), strategy).reserved_bytes
+            evaluate(spec.replace(micro_batch=b), strategy).budgeted_bytes
             for b in (1, 2, 3, 4, 5, 8, 13, 16, 32)
         ]
         assert peaks == sorted(peaks), (name, overrides, strategy_name, peaks)

@@ -131,7 +131,11 @@ def test_estimate_with_budget(cli):
     code, out, _ = cli("estimate", "gpt2", "--batch", "8", "--budget", "16GB", "--json")
     data = json.loads(out)
     assert code == 0 and data["fits"] and data["usable_bytes"] == 16 * 10**9 - 2 * 2**30
-    assert data["headroom_bytes"] == data["usable_bytes"] - data["memory"]["reserved_bytes"]
+    memory = data["memory"]
+    assert data["headroom_bytes"] == data["usable_bytes"] - memory["budgeted_bytes"]
+    # the budget holds the allocated peak's 2 MiB blocks; the slack only while memory is spare
+    assert memory["budgeted_bytes"] == -(-memory["total_bytes"] // 2**21) * 2**21
+    assert memory["reserved_bytes"] > memory["budgeted_bytes"]
     code, out, _ = cli("estimate", "gpt2", "--batch", "8", "--budget", "4GB")
     assert code == 1 and "does not fit" in out
     code, out, _ = cli("estimate", "gpt2", "-s", "optimal", "--batch", "8", "--budget", "8GB")

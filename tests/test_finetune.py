@@ -210,7 +210,7 @@ def spec_ops(spec):
 def test_published_lora_runs_translate_into_fine_tuning_keys():
     """The torchtune and PEFT LoRA/QLoRA runs become specs with their rank, targets (torchtune's
     output_proj, w1, w2, w3 as o_proj, gate_proj, down_proj, up_proj) and weight format; what
-    keeps them unscored is their loss, offload or metric, not the fine-tuning."""
+    keeps PEFT's documentation rows unscored is their metric or offload, not the fine-tuning."""
     from ckplan.published.predict import run_spec, unmodelled
     from ckplan.published.suite import suite_runs
 

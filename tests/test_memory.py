@@ -1,7 +1,11 @@
 """Activation and model-state bytes against hand-computed values from the papers."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
+from ckplan.model import allocator
 from ckplan.model.loss import output_saved_bytes
 from ckplan.model.memory import (
     activation_breakdown,
@@ -182,3 +186,48 @@ def test_the_loss_per_term_in_estimate_json(cli):
     assert terms["fused"]["saved_bytes"] == terms["eager"]["saved_bytes"]
     assert terms["eager"]["backward_peak_bytes"] > terms["fused"]["backward_peak_bytes"]
     assert terms["chunked:8"]["saved_bytes"] < terms["fused"]["saved_bytes"] // 10
+
+
+def _fit_allocator():
+    path = Path(__file__).resolve().parents[1] / "validation" / "fit_allocator.py"
+    spec = importlib.util.spec_from_file_location("fit_allocator", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_allocator_slack_is_the_fit_on_the_gpu_measurements():
+    """The constants are validation/fit_allocator.py's medians of the committed H200 runs."""
+    fit = _fit_allocator()
+    assert fit.fitted_slack(expandable_segments=False) == allocator.ALLOCATOR_SLACK
+    assert fit.fitted_slack(expandable_segments=True) == allocator.EXPANDABLE_SLACK
+    # by hand: the default allocator's six plans, sorted; the median is the mean of the middle two
+    slacks = sorted(fit.measured_slacks(fit.MEASUREMENTS[False]).values())
+    assert len(slacks) == 6 and round((slacks[2] + slacks[3]) / 2, 4) == allocator.ALLOCATOR_SLACK
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_reserved_bytes_add_the_slack_in_2_mib_blocks(expandable):
+    gib = 2**30
+    reserved = allocator.reserved_bytes(10 * gib, expandable)
+    slack = allocator.slack(expandable)
+    assert reserved % allocator.ROUND_LARGE == 0
+    assert 10 * gib * (1 + slack) <= reserved < 10 * gib * (1 + slack) + allocator.ROUND_LARGE
+
+
+def test_the_budget_takes_the_allocated_blocks_and_the_cache_gives_way():
+    """Under pressure the allocator releases its cache: the budget holds the allocated peak's
+    2 MiB blocks, and the reserved peak shrinks to what is available, never below them."""
+    mib = 2**20
+    assert allocator.budgeted_bytes(0) == 0
+    assert allocator.budgeted_bytes(1) == 2 * mib
+    assert allocator.budgeted_bytes(4 * mib) == 4 * mib
+    assert allocator.budgeted_bytes(4 * mib + 1) == 6 * mib
+    assert allocator.allocatable_bytes(7 * mib) == 6 * mib
+    for allocated in (1, 6 * mib, 6 * mib + 1, 10 * 2**30):
+        assert allocator.budgeted_bytes(allocator.allocatable_bytes(allocated)) <= allocated
+    allocated = 10 * 2**30
+    plenty = allocator.reserved_bytes(allocated)
+    assert allocator.reserved_within(allocated, 100 * 2**30) == plenty
+    assert allocator.reserved_within(allocated, allocated + 100 * mib) == allocated + 100 * mib
+    assert allocator.reserved_within(allocated, allocated // 2) == allocated

@@ -261,12 +261,12 @@ def test_sweep_best_fits_and_nothing_that_fits_is_cheaper(mapping, fraction):
     assert (result.best is None) == (not fitting)
     if result.best is None:
         return
-    assert result.best.fits and result.best.plan.reserved_bytes <= result.usable_bytes
+    assert result.best.fits and result.best.plan.budgeted_bytes <= result.usable_bytes
     cheapest = result.best.plan.flops.total
     assert all(c.plan.flops.total >= cheapest for c in fitting)
     for strategy in every_strategy(model):
         plan = evaluate(model, strategy)
-        if plan.reserved_bytes <= result.usable_bytes:  # the budget holds the reserved peak
+        if plan.budgeted_bytes <= result.usable_bytes:  # the budget holds the allocated blocks
             assert plan.flops.total >= cheapest, (strategy.name, result.best.plan.strategy)
 
 
@@ -335,8 +335,8 @@ def test_json_is_deterministic_schema_valid_and_check_agrees_with_sweep(mapping,
         assert memory["total_bytes"] == memory["activation_bytes"] + memory["model_state_bytes"]
         assert flops["total"] == flops["forward"] + flops["backward"] + flops["recompute"]
         assert sum(memory["breakdown"].values()) == memory["per_layer_activation_bytes"]
-        assert memory["reserved_bytes"] >= memory["total_bytes"]
-        assert plan["fits"] == (memory["reserved_bytes"] <= swept["usable_bytes"])
+        assert memory["reserved_bytes"] >= memory["budgeted_bytes"] >= memory["total_bytes"]
+        assert plan["fits"] == (memory["budgeted_bytes"] <= swept["usable_bytes"])
 
 
 def test_verify_json_matches_the_schema():

@@ -180,8 +180,8 @@ def test_longest_seq_fits_and_one_granule_more_does_not(spec_of):
         strategy = parse_strategy(name, spec)
         tokens = longest_seq(spec, strategy, usable)
         assert tokens % SEQ_GRANULE == 0 and tokens > 0
-        fitting = evaluate(spec.replace(seq=tokens), strategy).reserved_bytes
-        over = evaluate(spec.replace(seq=tokens + SEQ_GRANULE), strategy).reserved_bytes
+        fitting = evaluate(spec.replace(seq=tokens), strategy).budgeted_bytes
+        over = evaluate(spec.replace(seq=tokens + SEQ_GRANULE), strategy).budgeted_bytes
         assert fitting <= usable < over
     assert longest_seq(spec, parse_strategy("none", spec), 2**20) == 0
 

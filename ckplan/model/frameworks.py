@@ -35,7 +35,8 @@ parameter (its mixed-precision recipe) and adds buffers of its own:
 - `hf` (Hugging Face Trainer / accelerate, AMP bf16 over fp32 weights): fp32 weights, gradients
   and Adam, 16 bytes per parameter; DDP's reducer keeps its buckets beside the gradients
   (gradient_as_bucket_view off by default: another 4 bytes per parameter); autocast caches a bf16
-  copy of every weight for the forward and backward (2 bytes per parameter). No tensor, pipeline,
+  copy of every fp32 weight for the forward and backward (2 bytes per parameter; none when
+  weight_bytes is 2, weights already in bf16 as in pure-bf16 training). No tensor, pipeline,
   context or expert parallelism; ZeRO-2/3 through accelerate's FSDP or DeepSpeed.
 """
 
@@ -147,6 +148,10 @@ def buffer_bytes(spec, stage_params: int, layer_params: int, root_params: int) -
         return reduce + gather
     if framework == "hf":
         buckets = 4 * stage_params if dp > 1 and zero == 0 else 0  # DDP's reducer buckets
-        autocast = HALF * (stage_params if zero < 3 else 2 * layer_params)  # bf16 weight casts
+        # autocast caches the bf16 cast of an fp32 leaf weight only (PyTorch
+        # aten/src/ATen/autocast_mode.cpp `cached_cast`: `arg.scalar_type() == at::kFloat &&
+        # arg.requires_grad() && arg.is_leaf()`): weights already in bf16 are used as they are
+        fp32_weights = spec.weight_bytes == 4
+        autocast = HALF * (stage_params if zero < 3 else 2 * layer_params) if fp32_weights else 0
         return buckets + autocast
     return 0

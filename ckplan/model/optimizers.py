@@ -50,6 +50,11 @@ SHAPED = (*EIGHT_BIT, "adafactor")  # states that depend on each tensor's shape
 # min_8bit_size (4096, bitsandbytes/optim/adamw.py AdamW8bit) values keep fp32 states.
 BNB_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
+# bitsandbytes 0.45.5, optim/optimizer.py `get_state_buffer`: a paged optimizer allocates a
+# state of 1e5 values or more with functional.get_paged (csrc/pythonInterface.cpp
+# `cget_managed_ptr`: cudaMallocManaged), outside PyTorch's caching allocator; smaller states
+# with torch.zeros_like
+BNB_MIN_PAGED_SIZE = 100_000
 FP32 = 4
 
 Shape = tuple[int, ...]
@@ -82,6 +87,21 @@ def tensor_8bit_state_bytes(numel: int) -> int:
     if numel < BNB_MIN_8BIT_SIZE:
         return (2 * FP32 - 2) * numel
     return 2 * FP32 * -(-numel // BNB_BLOCK)
+
+
+def paged_state_bytes(optimizer: str, tensors: Mapping[Shape, int]) -> int:
+    """The optimizer state of `tensors` (shape -> how many) that a paged bitsandbytes optimizer
+    holds in CUDA unified memory, outside PyTorch's caching allocator (`BNB_MIN_PAGED_SIZE`):
+    state1 and state2 of every tensor of at least 1e5 values, one uint8 each per value with
+    8-bit Adam (`paged-adamw-8bit`); their fp32 absmax blocks stay in the allocator. 0 for the
+    other optimizers. The bytes torch.cuda.memory_stats does not count."""
+    if optimizer != "paged-adamw-8bit":
+        return 0
+    return sum(
+        count * 2 * _numel(shape)
+        for shape, count in tensors.items()
+        if _numel(shape) >= BNB_MIN_PAGED_SIZE  # 8-bit, as 1e5 > min_8bit_size
+    )
 
 
 def tensor_adafactor_state_bytes(shape: Shape) -> int:

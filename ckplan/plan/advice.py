@@ -62,7 +62,7 @@ def _text(value: Any) -> str:
 
 def least_bytes(spec: ModelSpec) -> int:
     """Per-GPU memory of the least-memory plan: every layer recomputed (`full`)."""
-    return evaluate(spec, parse_strategy("full", spec)).reserved_bytes
+    return evaluate(spec, parse_strategy("full", spec)).budgeted_bytes
 
 
 def _gpus(spec: ModelSpec) -> int:

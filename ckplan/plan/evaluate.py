@@ -97,9 +97,15 @@ class Plan:
 
     @property
     def reserved_bytes(self) -> int:
-        """The allocator's reserved peak per GPU (max_memory_reserved), what a budget is checked
-        against (model.allocator)."""
+        """The allocator's reserved peak per GPU (max_memory_reserved) with memory to spare
+        (model.allocator)."""
         return allocator.reserved_bytes(self.total_bytes, self.spec.expandable_segments)
+
+    @property
+    def budgeted_bytes(self) -> int:
+        """What a budget is checked against: the allocated peak in the allocator's 2 MiB blocks,
+        its cache released under pressure (model.allocator)."""
+        return allocator.budgeted_bytes(self.total_bytes)
 
     @property
     def overhead(self) -> float:

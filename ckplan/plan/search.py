@@ -43,13 +43,13 @@ class Candidate:
     @property
     def fits(self) -> bool:
         host = self.host_budget_bytes
-        return self.plan.reserved_bytes <= self.budget_bytes and (
+        return self.plan.budgeted_bytes <= self.budget_bytes and (
             host is None or self.plan.host_bytes <= host
         )
 
     @property
     def headroom_bytes(self) -> int:
-        return self.budget_bytes - self.plan.reserved_bytes
+        return self.budget_bytes - self.plan.budgeted_bytes
 
 
 @dataclass(frozen=True)
@@ -184,8 +184,8 @@ def _sizes(low: int, high: int) -> list[int]:
 
 def activation_budget(spec: ModelSpec, usable_bytes: int) -> int:
     """What is left for activations once model states are placed (may be negative): the
-    allocated bytes whose reserved peak fits `usable_bytes` (model.allocator), less the states."""
-    allocatable = allocator.allocatable_bytes(usable_bytes, spec.expandable_segments)
+    allocated bytes that fit `usable_bytes` (model.allocator), less the states."""
+    allocatable = allocator.allocatable_bytes(usable_bytes)
     return allocatable - model_state_bytes(spec).total
 
 
@@ -336,7 +336,7 @@ def best_policy_plan(spec: ModelSpec, usable: int, gpu: GPU | None = None) -> Pl
     from ckplan.plan.policy_search import policy_frontier
 
     frontier = [point for point in policy_frontier(spec, gpu) if point.kept]
-    allocatable = allocator.allocatable_bytes(usable, spec.expandable_segments)
+    allocatable = allocator.allocatable_bytes(usable)
 
     def plan_of(index: int) -> Plan:
         return evaluate(spec, parse_strategy(frontier[index].strategy, spec))
@@ -484,7 +484,7 @@ def fitting_plan(
         if budget <= 0:
             return None
     plan = evaluate(spec, strategy, formula, budget=budget, slots=slots, gpu=gpu)
-    if plan is None or plan.reserved_bytes > usable_bytes:
+    if plan is None or plan.budgeted_bytes > usable_bytes:
         return None
     if gpu is not None and plan.stage_offloads:
         from ckplan.hardware.host_link import host_memory_per_gpu

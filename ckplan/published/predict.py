@@ -4,7 +4,10 @@ Each run is built as a user would describe it (its model, its published layout, 
 recomputation), planned with `plan.evaluate` and timed with `hardware.step_time`. A throughput
 figure implies a step time, so every time metric is compared as a step time (predicted /
 published - 1, positive when ckplan is slower) and, where the publisher counts FLOPs, as MFU in
-the publisher's own convention and peak (predicted - published, in points).
+the publisher's own convention and peak (predicted - published, in points). A peak from
+PyTorch's allocator statistics (allocated, active or reserved bytes) is compared with ckplan's
+allocated or reserved peak less what lives outside that allocator (`ALLOCATOR_METRICS`,
+`outside_allocator_bytes`).
 """
 
 from __future__ import annotations
@@ -18,12 +21,17 @@ from ckplan.hardware.gpus import GPU
 from ckplan.hardware.step_time import step_time
 from ckplan.inputs.gpus import load_gpu
 from ckplan.inputs.presets import load_mapping, spec_from_values
+from ckplan.model import allocator
 from ckplan.model.flops import iteration_flops
+from ckplan.model.memory import layer_input_bytes, trainable_tensors
+from ckplan.model.optimizers import OPTIMIZERS, paged_state_bytes
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import evaluate, parse_strategy
 from ckplan.plan.evaluate import Plan
 from ckplan.plan.search import DEFAULT_RESERVE
+from ckplan.plan.timeline import memory_timeline
 from ckplan.published.runs import MEMORY_METRICS, PublishedRun
+from ckplan.schedules import BACKWARD, FORWARD_KEEP_ALL, FORWARD_KEEP_INPUT
 
 # What ckplan cannot model yet, by run key and value: such runs are listed, not scored.
 NOT_MODELLED: dict[tuple[str, str], str] = {}
@@ -101,12 +109,16 @@ def run_spec(run: PublishedRun) -> ModelSpec:
         # a fused attention kernel keeps no s x s matrix, whatever the preset's attention says
         execution["attention_kernel"] = run.attention_kernel
         execution["attention"] = "flash"
-    if run.training.get("loss") in MODELLED_TRAINING["loss"]:
-        execution["loss"] = run.training["loss"]
+    loss = run.training.get("loss")
+    if loss == "fused-linear-ce":
+        execution["loss"] = f"chunked:{liger_chunks(run)}"
+    elif _modelled(loss, MODELLED_TRAINING["loss"]):
+        execution["loss"] = loss
     values: dict[str, Any] = {
         **base,
         **execution,
         **finetune_values(run),
+        **optimizer_values(run),
         **run.settings,
         **layout,
         "dp": dp,
@@ -147,6 +159,153 @@ def finetune_values(run: PublishedRun) -> dict[str, Any]:
     return values
 
 
+# Frameworks that train in pure bf16: the model is built in the recipe's dtype, so weights,
+# gradients and optimizer states are bf16 and there is no fp32 master copy. torchtune: "we
+# don't support mixed-precision training" (docs/source/tutorials/memory_optimizations.rst,
+# v0.6.1); the recipes build the model under `training.set_default_dtype(self._dtype)`
+# (recipes/full_finetune_single_device.py `_setup_model`, 1814feb).
+PURE_BF16 = ("torchtune",)
+HALF = 2  # bytes of a bf16 value
+
+
+def optimizer_values(run: PublishedRun) -> dict[str, Any]:
+    """The run's optimizer and bytes per parameter as ckplan's keys (docs/fine-tuning.md,
+    "Optimizers"). Under a pure-bf16 framework (`PURE_BF16`) the weights and gradients are bf16,
+    no master copy is kept, and torch.optim.AdamW keeps exp_avg and exp_avg_sq in the
+    parameters' dtype (`torch.zeros_like(p, memory_format=torch.preserve_format)`,
+    torch/optim/adamw.py, PyTorch v2.5): `adamw` is ckplan's `adamw-bf16`. bitsandbytes' 8-bit
+    states do not depend on the parameters' dtype (`optimizers.tensor_8bit_state_bytes`)."""
+    optimizer = str(run.training.get("optimizer", "adamw"))
+    values: dict[str, Any] = {}
+    pure = run.framework in PURE_BF16 and run.precision == "bf16"
+    if pure:
+        values.update(weight_bytes=HALF, grad_bytes=HALF, master_bytes=0)
+        if optimizer == "adamw":
+            optimizer = "adamw-bf16"
+    if optimizer != "adamw":
+        values["optimizer"] = optimizer
+    return values
+
+
+def _modelled(value: Any, modelled: tuple[str, ...]) -> bool:
+    """Whether `value` is one of `modelled`; `chunked:N` stands for every N."""
+    text = str(value)
+    if text.startswith("chunked:"):
+        return "chunked:N" in modelled and text.removeprefix("chunked:").isdigit()
+    return text in modelled
+
+
+# torchtune's OffloadActivations (torchtune/training/_activation_offloading.py at 1814feb):
+# the default max_fwd_stash_size, the packed tensors the forward keeps on the device until
+# their copy to the host is waited on.
+TORCHTUNE_FORWARD_STASH = 5
+# The tensors each chain stage packs through the saved-tensor hooks in the forward, each taking
+# a tensor id whether it is offloaded or not (`pack_tensor` calls get_tensor_id first): the
+# embedding its token ids; a checkpointed layer its input (non-reentrant checkpointing packs
+# the region's input through the outer hooks and nothing else); the output stage the eager
+# final RMSNorm's six (torchtune/modules/rms_norm.py at 1814feb: the fp32 input for pow and for
+# the product, the rsqrt result twice, the bf16 normalised tensor and the scale, a Parameter
+# that is not offloaded); the output layer runs under NoOpManager. Counted with
+# torch.autograd.graph.saved_tensors_hooks on the CPU (torch 2.13).
+EMBEDDING_PACKED = 1
+LAYER_PACKED = 1
+FINAL_NORM_PACKED = 6
+
+
+def offloads_checkpoints(run: PublishedRun) -> bool:
+    """Whether the run offloads the layer inputs that full recomputation keeps, as torchtune's
+    `enable_activation_offloading` does beside activation checkpointing ("only the
+    checkpointed tensors will be offloaded", docs/source/tutorials/memory_optimizations.rst,
+    v0.6.1; the recipe refuses offloading without checkpointing)."""
+    return (
+        run.training.get("offload", "none") == "activations"
+        and run.framework == "torchtune"
+        and strategy_of(run) == "full"
+    )
+
+
+def checkpoint_offload_activation_bytes(plan: Plan) -> int:
+    """The activation peak of a `full` plan whose checkpointed layer inputs move to the host
+    as torchtune's OffloadActivations moves them (torchtune/training/_activation_offloading.py
+    at 1814feb, streams on): the plan's replayed timeline (`plan.timeline.memory_timeline`)
+    less, at every step, the layer inputs held on the host then (each `layer_input_bytes`).
+
+    derived from that file: in the forward each packed tensor is copied to the host and the
+    device copy stays in `fwd_stash` until a tensor `max_fwd_stash_size` (5) packs later is
+    packed, so the newest 5 packed tensors stay on the device (`EMBEDDING_PACKED`,
+    `LAYER_PACKED`, `FINAL_NORM_PACKED` count them); the stash is emptied once the first
+    backward node has run; in the
+    backward each input comes back when its layer's recomputation unpacks it. A checkpointed
+    layer is taken to pack one tensor, its input. The device copy an unpacked input keeps
+    until the compute stream is done (`record_stream`) is one layer input at most, counted
+    within the layer's recomputation."""
+    timeline = memory_timeline(plan)
+    if timeline is None:
+        raise ValueError("a full plan has a schedule")
+    names = plan.stage_names
+    X = layer_input_bytes(plan.spec)
+    held: set[int] = set()  # checkpointed layer inputs
+    packed = 0
+    stash_alive = True
+    peak = timeline.initial_bytes
+    for t, step in enumerate(plan.steps):
+        is_layer = names[step.stage].startswith("layer ")
+        current = {step.stage}
+        if stash_alive and step.kind != BACKWARD:
+            if is_layer:
+                packed += LAYER_PACKED
+            else:
+                packed += EMBEDDING_PACKED if step.stage == 0 else FINAL_NORM_PACKED
+        waiting = len(held - current)
+        on_host = min(waiting, max(0, packed - TORCHTUNE_FORWARD_STASH)) if stash_alive else waiting
+        peak = max(peak, timeline.during_bytes[t] - on_host * X)
+        if step.kind == FORWARD_KEEP_INPUT and is_layer:
+            held.add(step.stage)
+        elif step.kind in (FORWARD_KEEP_ALL, BACKWARD):
+            held.discard(step.stage)
+        if step.kind == BACKWARD:
+            stash_alive = False
+        waiting = len(held)
+        on_host = min(waiting, max(0, packed - TORCHTUNE_FORWARD_STASH)) if stash_alive else waiting
+        peak = max(peak, timeline.after_bytes[t] - on_host * X)
+    return peak
+
+
+# PyTorch's caching-allocator statistics. `memory_active_bytes` is active_bytes.all.peak:
+# c10/cuda/CUDACachingAllocator.cpp (pytorch/pytorch at 001074d2) raises allocated_bytes and
+# active_bytes by the same block size in `alloc_found_block`; `free` lowers allocated_bytes at
+# once but active_bytes only in `free_block`, which for a block used on another stream
+# (`recordStream`) waits until that stream's events complete (`insert_events`). On one stream
+# the two peaks are equal; ckplan's allocated peak is compared with it, the blocks awaiting
+# another stream (torchtune's offloading stream) being at most one layer input here
+# (`checkpoint_offload_activation_bytes`).
+ALLOCATOR_METRICS = ("memory_allocated_bytes", "memory_active_bytes", "memory_reserved_bytes")
+
+
+def outside_allocator_bytes(spec: ModelSpec) -> int:
+    """Bytes of the plan's model states that PyTorch's caching allocator does not hold, so no
+    torch.cuda.memory_stats figure counts them: a paged bitsandbytes optimizer's states
+    (`optimizers.paged_state_bytes`, ZeRO 0 on one GPU as these runs are)."""
+    if spec.optimizer != "paged-adamw-8bit" or spec.zero or spec.pp > 1:
+        return 0
+    return paged_state_bytes(spec.optimizer, trainable_tensors(spec, 0))
+
+
+def liger_chunks(run: PublishedRun) -> int:
+    """The token chunks of Liger-Kernel's fused linear cross-entropy, ckplan's `chunked:N`
+    (src/liger_kernel/ops/fused_linear_cross_entropy.py at e85611c, `forward`): with BT tokens
+    of a micro-batch, h the hidden size and V the vocabulary, inc_factor = ⌈V/h⌉, chunk_size =
+    next_power_of_2(⌈BT/inc_factor⌉), num_chunks = ⌈BT/chunk_size⌉ (so that a chunk's logits are
+    about the input's size)."""
+    spec_values = run.model if not isinstance(run.model, str) else load_mapping(run.model)[0]
+    hidden, vocab = int(spec_values["hidden"]), int(spec_values["vocab"])
+    tokens = run.micro_batch * run.seq
+    inc_factor = -(-vocab // hidden)
+    per_chunk = -(-tokens // inc_factor)
+    chunk_size = 1 << (per_chunk - 1).bit_length()
+    return -(-tokens // chunk_size)
+
+
 def strategy_of(run: PublishedRun) -> str:
     """ckplan's strategy for the run's recomputation (`full` is Megatron's uniform full
     recomputation of every layer, `selective` the attention core, `selective-op` torchtitan's
@@ -162,9 +321,9 @@ FUSED_MODULES = ("composer",)
 MODELLED_TRAINING = {
     "training": ("full", "frozen", "lora", "qlora"),
     "weight_format": ("bf16", "fp16", "fp32", "nf4", "fp4", "int8"),
-    "optimizer": ("adamw",),
-    "offload": ("none",),
-    "loss": ("fused", "eager"),
+    "optimizer": OPTIMIZERS,
+    "offload": ("none", "activations"),
+    "loss": ("fused", "eager", "chunked:N", "fused-linear-ce"),
 }
 
 
@@ -184,9 +343,15 @@ def unmodelled(run: PublishedRun) -> str | None:
         if getattr(run, key, None) == value:
             return why
     for key, value in run.training.items():
-        if key in MODELLED_TRAINING and value not in MODELLED_TRAINING[key]:
+        if key in MODELLED_TRAINING and not _modelled(value, MODELLED_TRAINING[key]):
             return f"{key} {value} is not modelled"
-    if run.published.metric in ("nvidia_smi_bytes", "memory_active_bytes"):
+    offload = run.training.get("offload", "none")
+    if offload == "activations" and not offloads_checkpoints(run):
+        return (
+            "offload activations is modelled only as torchtune's offload of the checkpointed "
+            "layer inputs (recompute full)"
+        )
+    if run.published.metric == "nvidia_smi_bytes":
         return f"{run.published.metric.removesuffix('_bytes')} memory is not modelled"
     return None
 
@@ -202,10 +367,18 @@ def predict(run: PublishedRun, gpu: GPU | None = None) -> Prediction:
     except InputError as error:
         return Prediction(run, f"not modelled: {error}")
     memory = plan.total_bytes
-    fits = plan.reserved_bytes <= gpu.memory_bytes - DEFAULT_RESERVE
+    if offloads_checkpoints(run):
+        memory = plan.model_states.total + checkpoint_offload_activation_bytes(plan)
+    if run.published.metric in ALLOCATOR_METRICS:
+        memory -= outside_allocator_bytes(spec)
+    fits = plan.budgeted_bytes <= gpu.memory_bytes - DEFAULT_RESERVE
     metric, value = run.published.metric, run.published.value
     if metric in MEMORY_METRICS:
-        predicted = plan.reserved_bytes if metric == "memory_reserved_bytes" else memory
+        if metric == "memory_reserved_bytes":
+            available = gpu.memory_bytes - DEFAULT_RESERVE
+            predicted = allocator.reserved_within(memory, available, spec.expandable_segments)
+        else:
+            predicted = memory
         return Prediction(
             run, "ok", predicted, predicted / value - 1, fits=fits, memory_bytes=memory,
             spec=spec, plan=plan,

@@ -58,6 +58,7 @@ def plan_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
             },
             "total_bytes": plan.total_bytes,
             "reserved_bytes": plan.reserved_bytes,
+            "budgeted_bytes": plan.budgeted_bytes,
         },
         "parameters": {
             "total": plan.parameters_total,
@@ -403,7 +404,7 @@ def plan_summary_table(plan: Plan) -> Table:
     table.add_row(
         "  reserved",
         both_units(plan.reserved_bytes),
-        "the CUDA caching allocator's peak (max_memory_reserved)",
+        "the CUDA caching allocator's peak with memory to spare (max_memory_reserved)",
     )
     table.add_row(
         "parameters",
@@ -527,10 +528,17 @@ def estimate_view(
         )
     if candidate is not None:
         verdict = "fits" if candidate.fits else "does not fit"
+        tight = ""
+        if candidate.fits and plan.reserved_bytes > candidate.budget_bytes:
+            # the allocator releases its cached blocks rather than fail (model.allocator)
+            tight = (
+                f"; the allocator frees its cache to fit (it reserves {gib(plan.reserved_bytes)} "
+                "with memory to spare)"
+            )
         parts.append(
             Text(
                 f"{verdict}: {gib(plan.total_bytes)} of {gib(candidate.budget_bytes)} usable "
-                f"(budget less reserve), headroom {gib(candidate.headroom_bytes)}",
+                f"(budget less reserve), headroom {gib(candidate.headroom_bytes)}{tight}",
                 style="bold green" if candidate.fits else "bold red",
             )
         )

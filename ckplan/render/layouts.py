@@ -179,6 +179,7 @@ def layout_dict(e: Evaluated) -> dict[str, Any]:
         "memory": {
             "total_bytes": plan.total_bytes,
             "reserved_bytes": plan.reserved_bytes,
+            "budgeted_bytes": plan.budgeted_bytes,
             "activation_bytes": plan.activation_bytes,
             "model_state_bytes": plan.model_states.total,
             "headroom_bytes": e.candidate.headroom_bytes,

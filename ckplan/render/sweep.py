@@ -402,7 +402,7 @@ def candidate_advice(candidate: Candidate | None) -> list[str]:
 def why_not_fitting(candidate: Candidate) -> str:
     states = candidate.plan.model_states.total
     host = candidate.host_budget_bytes
-    fits_device = candidate.plan.reserved_bytes <= candidate.budget_bytes
+    fits_device = candidate.plan.budgeted_bytes <= candidate.budget_bytes
     if fits_device and host is not None and candidate.plan.host_bytes > host:
         return (
             f"offloaded tapes {format_bytes(candidate.plan.host_bytes, GIB)} over the "

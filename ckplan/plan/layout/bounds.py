@@ -342,12 +342,11 @@ class Bounds:
         return best
 
     def layout_memory(self, layout: Layout, usable: int) -> MemoryBound:
-        """`memory`, and where it exceeds `usable` bytes (reserved by the allocator), the
+        """`memory`, and where it exceeds `usable` bytes (as the allocator budgets it), the
         bound over the module sets too: the search rejects a layout on that one, and computes
         it only where the cheaper one would reject (derived: more plans only lower the least)."""
         bound = self.memory(layout)
-        expandable = self.spec.expandable_segments
-        if self._module_groups and allocator.reserved_bytes(bound.bytes, expandable) > usable:
+        if self._module_groups and allocator.budgeted_bytes(bound.bytes) > usable:
             bound = self.memory(layout, modules=True)
         return bound
 

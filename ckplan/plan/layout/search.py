@@ -263,7 +263,7 @@ def search_layouts(
             continue
         memory_bound = bounds.layout_memory(layout, usable)
         time_bound = bounds.time(layout)
-        if allocator.reserved_bytes(memory_bound.bytes, spec.expandable_segments) > usable:
+        if allocator.budgeted_bytes(memory_bound.bytes) > usable:
             failed[family] = layout.micro_batch
             reason = "model_states" if memory_bound.states > usable else "memory"
             counts[reason] += 1
@@ -347,7 +347,7 @@ def any_layout_fits(
     under = []
     for layout in layouts(space):
         memory_bound = bounds.layout_memory(layout, usable)
-        if allocator.reserved_bytes(memory_bound.bytes, spec.expandable_segments) <= usable:
+        if allocator.budgeted_bytes(memory_bound.bytes) <= usable:
             under.append((memory_bound.bytes, layout))
     run = _Run(spec, gpu, bounds, usable, budget_bytes, reserve_bytes, slots, 1, math.inf)
     for _, layout in sorted(under):

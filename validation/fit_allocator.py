@@ -1,0 +1,90 @@
+"""Fit the allocator slack (ckplan/model/allocator.py) on the GPU measurements, and report it on
+the published reserved peaks it never saw (docs/memory.md, docs/validation.md).
+
+The calibration set is every plan that validation/device/measure_plans.py ran on an H200 (none,
+full, selective, sac, offload, LoRA; torch 2.11), once with PyTorch's default allocator and once
+with expandable segments: twelve steps whose `max_memory_reserved` and `max_memory_allocated`
+were both measured. The slack of a step is reserved / allocated - 1, measured on both sides, so
+ckplan's own allocated error does not enter the fit. The estimator, chosen before fitting, is the
+median over the six plans of each allocator mode: the offload plan's pinned copies make one
+outlier, and a median is not pulled by it. The published runs that report a reserved peak
+(validation/runs/) are the test set: the fit never reads them.
+
+    python validation/fit_allocator.py             # fit, the residuals, the published errors
+    python validation/fit_allocator.py --check     # exit 1 when allocator.py's constants differ
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+DEVICE = Path(__file__).resolve().parent / "device"
+# Each allocator mode's measurement (docs/validation.md, "Measured on a GPU").
+MEASUREMENTS = {
+    False: DEVICE / "results-h200-torch-2.11.json",
+    True: DEVICE / "results-h200-torch-2.11-expandable.json",
+}
+
+
+def measured_slacks(path: Path) -> dict[str, float]:
+    """reserved / allocated - 1 of every plan in one measurement file."""
+    report = json.loads(path.read_text(encoding="utf-8"))
+    return {
+        plan["plan"]: plan["max_memory_reserved"] / plan["max_memory_allocated"] - 1
+        for plan in report["plans"]
+    }
+
+
+def fitted_slack(expandable_segments: bool) -> float:
+    """The median slack of the calibration plans of one allocator mode, to 4 decimals."""
+    return round(statistics.median(measured_slacks(MEASUREMENTS[expandable_segments]).values()), 4)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="compare with allocator.py")
+    args = parser.parse_args()
+    from ckplan.model import allocator
+
+    status = 0
+    for expandable, constant in (
+        (False, allocator.ALLOCATOR_SLACK),
+        (True, allocator.EXPANDABLE_SLACK),
+    ):
+        slack = fitted_slack(expandable)
+        mode = "expandable segments" if expandable else "default allocator"
+        print(f"{mode}: fitted slack {slack:.4f} (allocator.py has {constant:.4f})")
+        for plan, measured in measured_slacks(MEASUREMENTS[expandable]).items():
+            print(f"  {plan:10s} measured {measured:+.4f}  residual {measured - slack:+.4f}")
+        if slack != constant:
+            status = 1
+    if args.check:
+        return status
+    from ckplan.inputs.runs import run_files
+    from ckplan.published.predict import predict
+    from ckplan.published.runs import runs_from_file
+
+    print("\npublished reserved peaks (never read by the fit):")
+    errors = []
+    for name, data in run_files():
+        for run in runs_from_file(data, name):
+            if run.published.metric != "memory_reserved_bytes":
+                continue
+            prediction = predict(run)
+            if prediction.error is None:
+                continue
+            errors.append(prediction.error)
+            print(f"  {run.name:72s} {run.split:12s} {prediction.error:+.1%}")
+    if errors:
+        mean_abs = sum(abs(error) for error in errors) / len(errors)
+        mean = statistics.mean(errors)
+        print(f"  {len(errors)} runs: mean |error| {mean_abs:.1%}, mean {mean:+.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
