@@ -15,7 +15,7 @@ from ckplan.plan.evaluate import evaluate
 from ckplan.plan.layout.bounds import Bounds, layout_keys_cleared
 from ckplan.plan.layout.search import search_layouts
 from ckplan.plan.layout.space import SearchSpace, Split, divisors, layouts, pipeline_splits
-from ckplan.plan.search import optimal_plan
+from ckplan.plan.search import DEFAULT_RESERVE, Candidate, optimal_plan
 from ckplan.plan.strategies import parse_strategy
 
 GPU = load_gpu("h100-sxm")
@@ -118,6 +118,46 @@ def test_moe_bounds_bound_every_plan():
             for name in ("none", "selective", "full", "moe", "experts")
         )
         assert bounds.memory(layout).bytes <= least
+
+
+def test_memory_bound_with_modules_bounds_the_module_plans():
+    """On Megatron-LM the layer-level plans try Megatron-Core's module sets: the bound that
+    rejects a layout (`layout_memory`, with the module sets where the plain bound is over) is at
+    most each of their memories, and never above the plain bound."""
+    from ckplan.plan.search import layout_module_candidates
+
+    space = SearchSpace(MOE, 8, 8, 16, {})
+    bounds = Bounds(MOE, GPU)
+    names = layout_module_candidates(MOE)
+    assert names == ["layernorm+moe_act", "selective+layernorm+moe_act"]
+    for layout in list(layouts(space))[::5]:
+        spec = layout_spec(MOE, layout)
+        plain, with_modules = bounds.memory(layout), bounds.memory(layout, modules=True)
+        assert with_modules.bytes <= plain.bytes
+        assert bounds.layout_memory(layout, 0).bytes == with_modules.bytes  # over any budget
+        for name in names:
+            assert with_modules.bytes <= evaluate(spec, parse_strategy(name, spec)).total_bytes
+
+
+def test_plan_tries_megatron_modules():
+    """Mixtral-8x7B over 16 H100s at 8,192 tokens: on Megatron-LM a layout whose fastest plan is
+    a set of Megatron-Core's modules is among the five fastest; with torchtitan (no
+    --recompute-modules) no plan names one."""
+    spec = load_spec("mixtral-8x7b", {"seq": 8192})
+    modules = ("layernorm", "moe_act")
+    result = search_layouts(spec, 16, GPU, 64, GPU.memory_bytes, top=5)
+    found = [e for e in result.layouts if any(m in e.plan.strategy for m in modules)]
+    assert found
+    usable = GPU.memory_bytes - DEFAULT_RESERVE
+    for e in found:  # no slower than the plain plans of its layout that fit
+        spec_at = layout_spec(spec, e.layout)
+        for name in ("selective", "moe", "experts", "selective+experts"):
+            plan = evaluate(spec_at, parse_strategy(name, spec_at))
+            if Candidate(plan, usable).fits:
+                assert e.seconds <= step_time(plan, GPU).step_seconds
+    titan = search_layouts(spec.replace(framework="torchtitan", zero=3), 16, GPU, 64,
+                           GPU.memory_bytes, top=5)  # fmt: skip
+    assert not any(m in e.plan.strategy for e in titan.layouts for m in modules)
 
 
 def test_memory_bound_holds_for_the_dp_at_its_tightest():

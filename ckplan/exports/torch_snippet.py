@@ -129,17 +129,19 @@ def forward_layers(layers, hidden):
 """
 
 
-# Units a policy_fn can recognise by their aten op: matmuls by their count, the attention
-# kernels and reduce-scatters by name.
-_RECOGNISED = ("attention", "reduce_scatter")
+# Units a policy_fn can recognise by their aten op: matmuls and grouped GEMMs by their count,
+# the attention kernels and collectives by name.
+_RECOGNISED = ("attention", "reduce_scatter", "all_to_all")
 
 _POLICY = """\
 # Per-op policy {policy}: selective activation checkpointing.
 # Kept outputs: matmuls {numbers}{others}; every other op re-runs in backward.
 {order}
 KEEP_MATMULS = {keep}
+KEEP_GROUPED_MM = {grouped}
 KEEP_ATTENTION = {attention}
 KEEP_REDUCE_SCATTER = {scatter}
+KEEP_ALL_TO_ALL = {all_to_all}
 
 
 def _ops(namespace, *names):
@@ -154,6 +156,8 @@ ATTENTION_OPS = _ops(
     "_scaled_dot_product_flash_attention_for_cpu",
 )
 REDUCE_SCATTER_OPS = _ops(torch.ops._c10d_functional, "reduce_scatter_tensor")
+ALL_TO_ALL_OPS = _ops(torch.ops._c10d_functional, "all_to_all_single")
+GROUPED_MM_OPS = _ops(torch.ops.aten, "_grouped_mm")
 
 
 def _policy(counts):
@@ -162,10 +166,15 @@ def _policy(counts):
         if func == torch.ops.aten.mm.default:
             counts[mode] += 1
             keep = counts[mode] in KEEP_MATMULS
+        elif func in GROUPED_MM_OPS:
+            counts[mode + " grouped"] += 1
+            keep = counts[mode + " grouped"] in KEEP_GROUPED_MM
         elif func in ATTENTION_OPS:
             keep = KEEP_ATTENTION
         elif func in REDUCE_SCATTER_OPS:
             keep = KEEP_REDUCE_SCATTER
+        elif func in ALL_TO_ALL_OPS:
+            keep = KEEP_ALL_TO_ALL
         else:
             keep = False
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
@@ -203,8 +212,8 @@ def forward_layers(layers, hidden):
 
 def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
     """PyTorch wraps any one-level segments; a per-op policy whose kept units a policy_fn can
-    recognise (matmuls, attention kernels, reduce-scatters) is selective activation
-    checkpointing."""
+    recognise (matmuls, grouped GEMMs, attention kernels, reduce-scatters, all-to-alls) is
+    selective activation checkpointing."""
     if layers.policy:
         if layers.offloaded:
             return (
@@ -218,11 +227,13 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
             if name not in _RECOGNISED
             and name in kept_units(spec, policy)
             and not _is_matmul(spec, name)
+            and not _is_grouped(spec, name)
         )
         if named:
             return (
-                f"the per-op policy {layers.policy}: a policy_fn recognises matmuls, attention "
-                f"kernels and reduce-scatters by their aten op, not {', '.join(named)}"
+                f"the per-op policy {layers.policy}: a policy_fn recognises matmuls, grouped "
+                f"GEMMs, attention kernels and collectives by their aten op, not "
+                f"{', '.join(named)}"
             )
         return None
     if why := module_reason(layers, "PyTorch snippet"):
@@ -234,13 +245,20 @@ def _is_matmul(spec: ModelSpec, name: str) -> bool:
     return any(unit.name == name and unit.matmul for unit in unit_ops(spec))
 
 
+def _is_grouped(spec: ModelSpec, name: str) -> bool:
+    return any(unit.name == name and unit.grouped for unit in unit_ops(spec))
+
+
 def _policy_part(spec: ModelSpec, layers: LayerSegments) -> str:
     policy = parse_policy(layers.policy)
     kept = set(kept_units(spec, policy))
     matmuls = [unit.name for unit in unit_ops(spec) if unit.matmul]
     counting = spec.precision not in ("fp8", "float8")
     keep = sorted(i for i, name in enumerate(matmuls, 1) if name in kept) if counting else []
+    grouped = [unit.name for unit in unit_ops(spec) if unit.grouped]
+    grouped_keep = [i for i, name in enumerate(grouped, 1) if name in kept]
     others = [name for name in _RECOGNISED if name in kept]
+    others += [name for name in grouped if name in kept]
     return _POLICY.format(
         policy=layers.policy,
         numbers=", ".join(map(str, keep)) or "none",
@@ -256,8 +274,10 @@ def _policy_part(spec: ModelSpec, layers: LayerSegments) -> str:
         ),
         others="".join(f", {name}" for name in others),
         keep="{" + ", ".join(map(str, keep)) + "}" if keep else "set()",
+        grouped="{" + ", ".join(map(str, grouped_keep)) + "}" if grouped_keep else "set()",
         attention="attention" in kept,
         scatter="reduce_scatter" in kept,
+        all_to_all="all_to_all" in kept,
     )
 
 

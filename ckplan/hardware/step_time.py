@@ -54,7 +54,13 @@ from ckplan.model.op import (
     kv_heads_per_rank,
     split_share,
 )
-from ckplan.model.op_policy import is_policy, parse_policy, policy_comm_ops, recomputed_ops
+from ckplan.model.op_policy import (
+    is_policy,
+    kept_units,
+    parse_policy,
+    policy_comm_ops,
+    recomputed_ops,
+)
 from ckplan.model.ops import layer_ops as model_layer_ops
 from ckplan.model.ops import representative_kind
 from ckplan.model.spec import ModelSpec
@@ -287,6 +293,8 @@ def layer_time(
     core_attention = any(op.name == "attention_core" for op in core)
     core_comm += cp_forward if ATTENTION_CORE in groups or (policy and core_attention) else 0.0
     core_ep = ep_forward if MOE in groups else 0.0
+    if policy is not None and "all_to_all" not in kept_units(spec, policy, kind):
+        core_ep = ep_forward  # the re-forward repeats the dispatcher's collectives
     return StageTime(
         forward=forward,
         backward=backward,

@@ -14,6 +14,10 @@ torchtitan/distributed/activation_checkpoint.py from August 2025) saves the outp
 `reduce_scatter_tensor` and of `aten.max` (float8 scales); the mm counter restarts in every
 layer. Its Llama block runs wq, wk, wv, wo, w1, w3, w2 in that order, so it keeps the outputs of
 wq, wv, w1 and w2 and recomputes wk, wo and w3, the norms, RoPE and the SwiGLU product.
+Its DeepSeek-V3 and Llama 4 lists (torchtitan/models/{deepseek_v3,llama4}/infra/parallelize.py
+at v0.2.2) add `all_to_all_single`, the expert-parallel dispatch and combine; the experts run as
+`torch._grouped_mm`, which neither list names: torchtitan re-runs them, and the mm counter sees
+only the router's gate and the shared experts' linears among the MoE block's GEMMs.
 
 A policy is written `sac:ITEM,ITEM,...` (docs/strategies.md): an item names a unit op of the
 layer (`UNIT_NAMES`), `matmuls` keeps every matmul output, `matmuls%K` every one but each K-th
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 
 from ckplan.errors import InputError
 from ckplan.model.layers import LayerKind
+from ckplan.model.moe import INDEX_BYTES, received_rows, routed_rows, sent_rows
 from ckplan.model.op import FP32_BYTES, LayerShapes, Matmul, Op, kv_heads_per_rank
 from ckplan.model.ops import layer_ops, representative_kind
 from ckplan.model.parts import cached_by_chain
@@ -39,15 +44,22 @@ from ckplan.model.spec import ChainSpec
 from ckplan.quoting import quote
 
 POLICY_PREFIX = "sac:"
-TORCHTITAN_ITEMS = ("matmuls%2", "attention", "reduce_scatter")
+TORCHTITAN_ITEMS = ("matmuls%2", "attention", "reduce_scatter", "all_to_all")
 TORCHTITAN_POLICY = POLICY_PREFIX + ",".join(TORCHTITAN_ITEMS)
-# Unit ops a policy may name, in the order a Llama-style layer runs them (gelu MLPs have fc1
-# where gated ones have gate_proj and up_proj).
+# Unit ops a policy may name, in the order a layer runs them: Llama-style attention or MLA's
+# projections, then a dense MLP (gelu MLPs have fc1 where gated ones have gate_proj and up_proj)
+# or an MoE block (router, routing, permutation, all-to-alls, experts, shared experts).
 UNIT_NAMES = (
     "norm1",
+    "q_down",
+    "q_norm",
+    "q_up",
     "q_proj",
     "k_proj",
     "v_proj",
+    "kv_down",
+    "kv_norm",
+    "kv_up",
     "qk_norm",
     "rope",
     "attention",
@@ -59,6 +71,21 @@ UNIT_NAMES = (
     "up_proj",
     "act",
     "fc2",
+    "router",
+    "router_probs",
+    "permute",
+    "all_to_all",
+    "expert_fc1",
+    "expert_gate",
+    "expert_up",
+    "expert_act",
+    "expert_fc2",
+    "shared_fc1",
+    "shared_gate_proj",
+    "shared_up_proj",
+    "shared_act",
+    "shared_fc2",
+    "unpermute",
 )
 # Other spellings of the same units: torchtitan's Llama modules and Hugging Face's.
 UNIT_ALIASES = {
@@ -73,8 +100,31 @@ UNIT_ALIASES = {
     "down_proj": "fc2",
     "sdpa": "attention",
     "attention_core": "attention",
+    # MLA: torchtitan's DeepSeek-V3 (wq_a, wq_b, wkv_a, wkv_b) and Hugging Face's
+    "wq_a": "q_down",
+    "wq_b": "q_up",
+    "wkv_a": "kv_down",
+    "wkv_b": "kv_up",
+    "q_a_proj": "q_down",
+    "q_a_layernorm": "q_norm",
+    "q_b_proj": "q_up",
+    "kv_a_proj_with_mqa": "kv_down",
+    "kv_a_layernorm": "kv_norm",
+    "kv_b_proj": "kv_up",
+    # MoE: torchtitan's router gate and grouped experts (w1, w3, w2)
+    "gate": "router",
+    "experts.w1": "expert_gate",
+    "experts.w3": "expert_up",
+    "experts.w2": "expert_fc2",
+    "shared_experts.w1": "shared_gate_proj",
+    "shared_experts.w3": "shared_up_proj",
+    "shared_experts.w2": "shared_fc2",
 }
 MAX_EVERY = 1000
+# Linears torchtitan's op policy re-runs without counting them among the matmuls:
+# `per_op_sac_force_recompute_mm_shapes_by_fqns`, default ["moe.router.gate"]
+# (torchtitan/config/job_config.py at v0.2.2, applied in distributed/activation_checkpoint.py).
+FORCE_RECOMPUTED = ("router",)
 # Frameworks whose layers are PyTorch modules a selective-checkpoint policy can wrap
 # (Megatron-LM's are too, but it offers no hook for a policy: its recompute options are whole
 # layers and --recompute-modules).
@@ -87,13 +137,15 @@ class PolicyError(InputError):
 
 @dataclass(frozen=True)
 class Unit:
-    """One op of a layer as eager code runs it: its output, whether it is a matmul (aten.mm),
-    and the table op (`Op`, with only this unit's GEMM or memory traffic) it re-runs as."""
+    """One op of a layer as eager code runs it: its output, whether it is a matmul (aten.mm) or
+    a grouped GEMM, and the table op (`Op`, with only this unit's GEMM or memory traffic) it
+    re-runs as."""
 
     name: str
     output_bytes: int
     op: Op
     matmul: bool = False
+    grouped: bool = False  # a grouped GEMM (aten._grouped_mm: torchtitan's experts), not aten.mm
 
 
 @dataclass(frozen=True)
@@ -159,8 +211,8 @@ def check_policy_model(spec: ChainSpec) -> str | None:
     """Why a per-op policy cannot be evaluated on `spec`'s layers, or None."""
     if spec.kind != "transformer":
         return "per-op policies apply to kind: transformer"
-    if spec.experts or spec.mla:
-        return "per-op policies are modelled for dense layers without latent attention"
+    if spec.shared_expert_gate:
+        return "per-op policies are modelled without a shared-expert gate"
     if spec.attention != "flash":
         return "per-op policies are modelled with attention: flash (the SDPA kernels)"
     if spec.dropout > 0:
@@ -211,10 +263,11 @@ def _elementwise(op: Op, name: str, forward_bytes: int) -> Op:
 
 @cached_by_chain(maxsize=256)
 def unit_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Unit, ...]:
-    """The units of one dense layer of `spec` in forward order (torchtitan's and Hugging Face's
-    Llama blocks): norm1, q/k/v projections, QK-norm, RoPE, attention, out_proj, its
-    reduce-scatter (tensor parallel with sequence parallelism) and residual add, norm2, fc1 (or
-    gate_proj, up_proj), the activation, fc2, its reduce-scatter and residual add.
+    """The units of one layer of `spec` in forward order (torchtitan's and Hugging Face's
+    blocks): norm1, the attention projections (q/k/v, or MLA's, `_mla_units`), QK-norm, RoPE,
+    attention, out_proj, its reduce-scatter (tensor parallel with sequence parallelism) and
+    residual add, norm2, then the dense MLP (fc1, or gate_proj, up_proj; the activation; fc2,
+    its reduce-scatter and residual add) or the MoE block (`_moe_units`).
 
     Output bytes (derived from the shapes of `ops.transformer_layer_ops`): a norm's, a residual
     add's and a reduce-scatter's are the residual stream on this rank; a projection's is its
@@ -227,55 +280,174 @@ def unit_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Unit, ...]
     table = {op.name: op for op in layer_ops(spec, kind)}
     shapes = LayerShapes.of(spec)
     B, tokens, X = shapes.B, shapes.tokens, shapes.X
-    heads_r, kv_r, d = spec.heads // spec.tp, kv_heads_per_rank(spec), spec.head_dim
-    d_q, d_kv = B * tokens * heads_r * d, B * tokens * kv_r * d  # (s, b, a/t, d), (s, b, g/t, d)
-    hidden = B * tokens * shapes.sharded(spec.ffn_hidden)  # (s, b, F/t)
+    heads_r = spec.heads // spec.tp
     row_output = B * tokens * spec.hidden  # (s, b, h) partial sums before the reduce-scatter
     scatter = spec.tp > 1 and spec.sp
 
     def norm(name: str) -> Unit:
         return Unit(name, X, _elementwise(table[name], name, table[name].forward_bytes))
 
-    def projection(name: str, op: Op, width: int, size: int) -> Unit:
-        return Unit(name, size, _split(op, name, dataclasses.replace(op.matmul, n=width)), True)
-
-    def row_parallel(name: str) -> list[Unit]:
+    def row_parallel(name: str, add: bool = True) -> list[Unit]:
         op = table[name]
-        units = [projection(name, op, op.matmul.n, row_output)]
+        units = [_projection(name, op, op.matmul.n, row_output)]
         if scatter:
             units.append(Unit("reduce_scatter", X, _elementwise(op, "reduce_scatter", 0)))
-        return [*units, Unit(f"{name}_add", X, _elementwise(op, f"{name}_add", op.forward_bytes))]
+        if add:
+            units.append(Unit(f"{name}_add", X, _elementwise(op, f"{name}_add", op.forward_bytes)))
+        return units
 
-    qkv, core = table["qkv_proj"], table["attention_core"]
-    units = [
-        norm("norm1"),
-        projection("q_proj", qkv, heads_r * d, d_q),
-        projection("k_proj", qkv, kv_r * d, d_kv),
-        projection("v_proj", qkv, kv_r * d, d_kv),
-    ]
-    if spec.qk_norm:
-        qk = table["qk_norm"]
-        units.append(Unit("qk_norm", d_q + d_kv, _elementwise(qk, "qk_norm", qk.forward_bytes)))
+    units = [norm("norm1")]
+    if spec.mla:
+        units += _mla_units(spec, table, shapes)
+        context = B * tokens * heads_r * spec.v_head_dim
+        rope_output = B * tokens * heads_r * 2 * (spec.qk_nope_head_dim + spec.qk_rope_head_dim)
+        rope_op = table["kv_up"]
+    else:
+        kv_r, d = kv_heads_per_rank(spec), spec.head_dim
+        d_q, d_kv = B * tokens * heads_r * d, B * tokens * kv_r * d  # (s, b, a/t, d), g heads
+        qkv = table["qkv_proj"]
+        units += [
+            _projection("q_proj", qkv, heads_r * d, d_q),
+            _projection("k_proj", qkv, kv_r * d, d_kv),
+            _projection("v_proj", qkv, kv_r * d, d_kv),
+        ]
+        if spec.qk_norm:
+            qk = table["qk_norm"]
+            units.append(Unit("qk_norm", d_q + d_kv, _elementwise(qk, "qk_norm", qk.forward_bytes)))
+        context, rope_output, rope_op = d_q, d_q + d_kv, qkv
     logsumexp = FP32_BYTES * shapes.sharded(tokens * spec.heads)
     units += [
-        Unit("rope", d_q + d_kv, _elementwise(qkv, "rope", 0)),
-        Unit("attention", d_q + logsumexp, dataclasses.replace(core, saved_bytes=0)),
+        Unit("rope", rope_output, _elementwise(rope_op, "rope", 0)),
+        Unit(
+            "attention",
+            context + logsumexp,
+            dataclasses.replace(table["attention_core"], saved_bytes=0),
+        ),
         *row_parallel("out_proj"),
         norm("norm2"),
     ]
-    fc1, act = table["fc1"], table["act"]
+    if kind.moe:
+        units += _moe_units(spec, table, shapes)
+        if spec.shared_ffn_hidden:
+            units += _mlp_units(spec, table, shapes, "shared_")
+            units += row_parallel("shared_fc2", add=False)
+        # the un-permutation's scatter-add, the shared experts' add and the residual add
+        back = table["unpermute"]
+        units.append(Unit("unpermute", X, _elementwise(back, "unpermute", back.forward_bytes)))
+        return tuple(units)
+    units += _mlp_units(spec, table, shapes, "")
+    return (*units, *row_parallel("fc2"))
+
+
+def _projection(name: str, op: Op, width: int, size: int) -> Unit:
+    """One linear layer's GEMM (an aten.mm) of table op `op`, `width` columns of its output."""
+    return Unit(name, size, _split(op, name, dataclasses.replace(op.matmul, n=width)), True)
+
+
+def _mlp_units(spec: ChainSpec, table: dict[str, Op], shapes: LayerShapes, prefix: str):
+    """fc1 (or gate_proj, up_proj) and the activation of the dense MLP (`prefix` ""), or of the
+    shared experts (`prefix` "shared_", over every token of the layer, F_s/t wide)."""
+    ffn = spec.shared_ffn_hidden if prefix else spec.ffn_hidden
+    hidden = shapes.B * shapes.sharded(shapes.tokens * ffn)  # (s, b, F/t)
+    fc1, act = table[f"{prefix}fc1"], table[f"{prefix}act"]
     if spec.mlp == "gelu":
-        units.append(projection("fc1", fc1, fc1.matmul.n, hidden))
+        units = [_projection(f"{prefix}fc1", fc1, fc1.matmul.n, hidden)]
     else:
         # torchtitan w2(silu(w1(x)) * w3(x)), Hugging Face down(act(gate(x)) * up(x)): the
         # gate GEMM runs before the up GEMM (the order an every-K-th rule counts).
         half = fc1.matmul.n // 2
-        units += [
-            projection("gate_proj", fc1, half, hidden),
-            projection("up_proj", fc1, half, hidden),
+        units = [
+            _projection(f"{prefix}gate_proj", fc1, half, hidden),
+            _projection(f"{prefix}up_proj", fc1, half, hidden),
         ]
-    units.append(Unit("act", hidden, _elementwise(act, "act", act.forward_bytes)))
-    return (*units, *row_parallel("fc2"))
+    name = f"{prefix}act"
+    return [*units, Unit(name, hidden, _elementwise(act, name, act.forward_bytes))]
+
+
+def _mla_units(spec: ChainSpec, table: dict[str, Op], shapes: LayerShapes) -> list[Unit]:
+    """MLA's projections (`model.mla`; torchtitan's DeepSeek-V3 Attention at v0.2.2 runs wq_a,
+    q_norm, wq_b, then wkv_a, kv_norm, wkv_b, each linear one aten.mm): q_down (the query
+    latent, s·b/t x q_lora_rank under sequence parallelism), q_norm, q_up (Q, a/t heads of
+    qk_nope + qk_rope), or q_proj without a query latent; kv_down (the KV latent and the shared
+    RoPE key, kv_lora_rank + qk_rope wide), kv_norm (the latent), kv_up (K's no-RoPE part and
+    V, a/t heads of qk_nope + v_head_dim). Output bytes from the op table's shapes (derived)."""
+    B, local, tokens = shapes.B, shapes.stream_tokens, shapes.tokens
+    heads_r = spec.heads // spec.tp
+    nope, rope = spec.qk_nope_head_dim, spec.qk_rope_head_dim
+    d_q = B * tokens * heads_r * (nope + rope)
+    units = []
+    if spec.q_lora_rank:
+        latent = B * local * spec.q_lora_rank
+        q_norm = table["q_norm"]
+        units += [
+            _projection("q_down", table["q_down"], spec.q_lora_rank, latent),
+            Unit("q_norm", latent, _elementwise(q_norm, "q_norm", q_norm.forward_bytes)),
+            _projection("q_up", table["q_up"], table["q_up"].matmul.n, d_q),
+        ]
+    else:
+        units.append(_projection("q_proj", table["q_proj"], table["q_proj"].matmul.n, d_q))
+    kv_latent = B * local * spec.kv_lora_rank
+    kv_norm, kv_up = table["kv_norm"], table["kv_up"]
+    return [
+        *units,
+        _projection(
+            "kv_down", table["kv_down"], spec.kv_lora_rank + rope, kv_latent + B * local * rope
+        ),
+        Unit("kv_norm", kv_latent, _elementwise(kv_norm, "kv_norm", kv_norm.forward_bytes)),
+        _projection(
+            "kv_up", kv_up, kv_up.matmul.n, B * tokens * heads_r * (nope + spec.v_head_dim)
+        ),
+    ]
+
+
+def _moe_units(spec: ChainSpec, table: dict[str, Op], shapes: LayerShapes) -> list[Unit]:
+    """The routed part of an MoE block (`model.moe`), as torchtitan's MoE runs it
+    (torchtitan/models/moe/moe.py at v0.2.2): the router's gate, an nn.Linear (one aten.mm) to
+    the (T, E) logits; the routing (scores, top-k: the fp32 scores and int64 indices of T·k
+    choices); the permutation of the S token copies (T·k dropless, h wide); with expert
+    parallelism the dispatch all-to-all (`all_to_all_single`, R/etp rows received); the experts
+    as `torch._grouped_mm` calls (w1 and w3, then w2 on silu(w1 x) · w3 x: R rows, F_e/etp and
+    h wide), not aten.mm, so a matmul rule does not count them; the combine all-to-all (S rows
+    back). Both all-to-alls are one item, `all_to_all`, as torchtitan's save list names the op.
+    Output bytes from the op table's shapes (derived)."""
+    B, T, h = shapes.B, shapes.stream_tokens, spec.hidden
+    rows, sent = routed_rows(spec, shapes), sent_rows(spec, shapes)
+    F = spec.moe_ffn_hidden // spec.etp
+    router, probs, permute = table["router"], table["router_probs"], table["permute"]
+    fc1, act, fc2 = table["expert_fc1"], table["expert_act"], table["expert_fc2"]
+
+    def grouped(name: str, op: Op, width: int, size: int) -> Unit:
+        matmul = dataclasses.replace(op.matmul, n=width)
+        return Unit(name, size, _split(op, name, matmul), grouped=True)
+
+    def all_to_all(op: Op, size: int) -> list[Unit]:
+        if spec.ep == 1:
+            return []
+        return [Unit("all_to_all", size, _elementwise(op, "all_to_all", 0))]
+
+    units = [
+        Unit("router", B * T * spec.experts, _split(router, "router", router.matmul), True),
+        Unit(
+            "router_probs",
+            (FP32_BYTES + INDEX_BYTES) * T * spec.top_k,
+            _elementwise(probs, "router_probs", probs.forward_bytes),
+        ),
+        Unit("permute", B * sent * h, _elementwise(permute, "permute", permute.forward_bytes)),
+        *all_to_all(permute, B * received_rows(spec, shapes) * h),
+    ]
+    if spec.mlp == "gelu":
+        units.append(grouped("expert_fc1", fc1, F, B * rows * F))
+    else:
+        units += [
+            grouped("expert_gate", fc1, F, B * rows * F),
+            grouped("expert_up", fc1, F, B * rows * F),
+        ]
+    units += [
+        Unit("expert_act", B * rows * F, _elementwise(act, "expert_act", act.forward_bytes)),
+        grouped("expert_fc2", fc2, h, B * rows * h),
+        *all_to_all(table["unpermute"], B * sent * h),
+    ]
+    return units
 
 
 def policy_comm_ops(
@@ -297,11 +469,12 @@ def policy_comm_ops(
 def kept_units(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None) -> tuple[str, ...]:
     """The units whose outputs `policy` keeps in one layer. Under FP8 precision the linear
     layers run scaled FP8 GEMMs (`torch._scaled_mm`, Transformer Engine's kernels), which the
-    matmul rule does not match: torchtitan's list names `aten.mm` only."""
+    matmul rule does not match: torchtitan's list names `aten.mm` only. The router's gate is
+    outside the matmul rule (`FORCE_RECOMPUTED`), kept only when named."""
     counting = spec.precision not in ("fp8", "float8")
     kept, index = [], 0
     for unit in unit_ops(spec, kind):
-        if unit.matmul and counting:
+        if unit.matmul and counting and unit.name not in FORCE_RECOMPUTED:
             index += 1
             if policy.keeps(unit, index):
                 kept.append(unit.name)
@@ -324,8 +497,9 @@ def skips_rerun(unit: Unit) -> bool:
     one op whose output is what the ops after it need. A norm, an activation or a residual add
     is several aten ops in eager code (an upcast, a mean, an rsqrt, a multiply; silu and a
     multiply) whose inner outputs its backward reads: keeping the last one spares their re-run
-    nothing (derived from PyTorch's selective checkpointing, which caches op by op)."""
-    return unit.matmul or unit.name == "attention"
+    nothing (derived from PyTorch's selective checkpointing, which caches op by op). A grouped
+    GEMM and a collective (reduce-scatter, all-to-all) are one op each too."""
+    return unit.matmul or unit.grouped or unit.name in ("attention", "reduce_scatter", "all_to_all")
 
 
 def recomputed_ops(

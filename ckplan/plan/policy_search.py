@@ -6,20 +6,24 @@ units, so the choice is a 0/1 knapsack: `policy_frontier` gives every policy tha
 beats on both stored bytes and re-run cost (the Pareto frontier, by dynamic programming over
 the units, Kellerer, Pferschy & Pisinger 2004 §2), `best_policy` the cheapest within a per-layer
 byte budget. The cost is a unit's forward time on a GPU (its roofline time as the step-time
-model runs it), or its forward FLOPs without one. The re-run collectives of tensor parallelism
-are not part of the cost (derived: the same all-gathers re-run whatever the policy keeps, but
-for the reduce-scatters, which this search leaves to `sac`).
+model runs it), or its forward FLOPs without one; a kept collective (the row-parallel
+outputs' reduce-scatters, the expert-parallel all-to-alls) spares its forward time. What every
+policy re-runs (the norms, activations, permutations, the column-parallel all-gathers) is the
+same whatever it keeps, and is left out of the cost (`layer_time` adds it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ckplan.hardware.code_path import spec_code_path
 from ckplan.hardware.gpus import GPU
+from ckplan.hardware.step_time import layer_time, tensor_parallel_comm
 from ckplan.model.layers import LayerKind
 from ckplan.model.op import LayerShapes
-from ckplan.model.op_policy import POLICY_PREFIX, UNIT_NAMES, Unit, skips_rerun, unit_ops
+from ckplan.model.op_policy import POLICY_PREFIX, Unit, skips_rerun, unit_ops
+from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
 
 # A frontier never holds more points than this (the largest unit tables have ~18 units; sizes
@@ -43,22 +47,39 @@ class PolicyPoint:
         return POLICY_PREFIX + ",".join(self.kept) if self.kept else "full"
 
 
-def unit_cost(spec: ModelSpec, unit: Unit, gpu: GPU | None) -> float:
+def unit_cost(spec: ModelSpec, unit: Unit, gpu: GPU | None, kind: LayerKind | None = None) -> float:
     """What re-running `unit` costs: its forward time on `gpu` (the code path the step-time
-    model times it on), else its forward FLOPs."""
+    model times it on), else its forward FLOPs. The all-to-alls cost the exposed forward share
+    of the layer's expert-parallel collectives, which a re-forward repeats unless the policy
+    keeps them (`step_time.layer_time`); the reduce-scatters, the forward time of the
+    row-parallel outputs' collectives (`step_time.tensor_parallel_comm`); nothing without a
+    GPU."""
+    if unit.name == "all_to_all":
+        return 0.0 if gpu is None else layer_time(spec, gpu, kind).expert_forward_comm
+    if unit.name == "reduce_scatter":
+        if gpu is None:
+            return 0.0
+        rows = tuple(op for op in layer_ops(spec, kind) if op.tp_comm == "row")
+        return tensor_parallel_comm(spec, spec_code_path(spec, gpu).gpu, rows)[0]
     if gpu is None:
         return float(unit.op.forward_flops)
     return spec_code_path(spec, gpu).forward(unit.op, spec.dtype_bytes).total
 
 
 def _choosable(spec: ModelSpec, kind: LayerKind | None) -> list[Unit]:
-    """The units worth keeping, one entry per name: the matmuls and the attention kernel
-    (`op_policy.skips_rerun`; keeping a norm's or an activation's output costs its bytes and
-    spares no re-run). Reduce-scatters are left to `sac`."""
+    """The units worth keeping, one entry per name: the matmuls, grouped GEMMs, the attention
+    kernel and the collectives (`op_policy.skips_rerun`; keeping a norm's or an activation's
+    output costs its bytes and spares no re-run), a name that occurs twice (the reduce-scatters
+    of the row-parallel outputs, the dispatch and combine all-to-alls) with the bytes of
+    both."""
     seen: dict[str, Unit] = {}
     for unit in unit_ops(spec, kind):
-        if unit.name in UNIT_NAMES and skips_rerun(unit) and unit.name not in seen:
-            seen[unit.name] = unit
+        if not skips_rerun(unit):
+            continue
+        if unit.name in seen:
+            first = seen[unit.name]
+            unit = dataclasses.replace(first, output_bytes=first.output_bytes + unit.output_bytes)
+        seen[unit.name] = unit
     return list(seen.values())
 
 
@@ -68,12 +89,12 @@ def policy_frontier(
     """Every policy that no other beats on both the layer's stored bytes and its re-run cost,
     by increasing bytes (ties on both: the one keeping fewer units)."""
     units = _choosable(spec, kind)
-    total = sum(unit_cost(spec, unit, gpu) for unit in units)
+    total = sum(unit_cost(spec, unit, gpu, kind) for unit in units)
     base = LayerShapes.of(spec).X  # the layer input, kept whatever the policy
     # (bytes, saved cost, kept names); the DP adds one unit at a time and keeps the frontier
     points: list[tuple[int, float, tuple[str, ...]]] = [(base, 0.0, ())]
     for unit in units:
-        cost = unit_cost(spec, unit, gpu)
+        cost = unit_cost(spec, unit, gpu, kind)
         grown = points + [(b + unit.output_bytes, c + cost, (*k, unit.name)) for b, c, k in points]
         points = _pareto(grown)
     order = {unit.name: i for i, unit in enumerate(units)}

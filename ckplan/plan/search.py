@@ -114,6 +114,16 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
     return _distinct([parse_strategy(name, spec) for name in dict.fromkeys(names)])
 
 
+def _module_words(spec: ModelSpec) -> list[str]:
+    """The Megatron-Core modules (other than core_attn, mlp, moe) a transformer has."""
+    words = ["layernorm"]
+    if spec.experts:
+        words += ["moe_act"] + (["shared_experts"] if spec.shared_ffn_hidden else [])
+    if spec.mla:
+        words.append("mla_up_proj")
+    return words
+
+
 def module_candidates(spec: ModelSpec) -> list[str]:
     """Megatron-Core's output-discarding and shared-expert modules (layernorm, moe_act,
     mla_up_proj, shared_experts) the model has: each alone and with the attention core, all of
@@ -122,17 +132,22 @@ def module_candidates(spec: ModelSpec) -> list[str]:
     no --recompute-method)."""
     if spec.kind != "transformer":
         return []
-    words = ["layernorm"]
-    if spec.experts:
-        words += ["moe_act"] + (["shared_experts"] if spec.shared_ffn_hidden else [])
-    if spec.mla:
-        words.append("mla_up_proj")
+    words = _module_words(spec)
     names = [name for word in words for name in (word, f"selective+{word}")]
     every = "+".join(words)
     names += [every, f"selective+{every}"]
     if has_dense_layers(spec):
         names.append(f"selective+mlp+{every}")
     return names
+
+
+def layout_module_candidates(spec: ModelSpec) -> list[str]:
+    """The module sets the layout search tries: every module the model has together, with the
+    attention core, and with the core and the dense MLP (the last names of
+    `module_candidates`; each module alone would cost the search's memory bound more than it
+    finds, as a set of them stores less for a few more norms' or activations' re-run)."""
+    names = module_candidates(spec)
+    return names[-3:] if has_dense_layers(spec) else names[-2:]
 
 
 REVOLVE_MAX_STEPS = 100_000  # schedule steps the revolve candidates of one sweep replay at most

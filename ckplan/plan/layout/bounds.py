@@ -15,7 +15,10 @@ composes a layout's bounds by arithmetic:
   the least any schedule holds while one layer runs its backward: that layer's tape, its input
   and output gradients and its backward workspace (the chain's rule for a backward step),
   whatever it recomputes; on the last stage the output layer's backward (fp32 logits and their
-  gradient). No plan of the layout fits if this does not.
+  gradient). No plan of the layout fits if this does not. On Megatron-LM the layer-level plans
+  also try module sets (`search.layout_module_candidates`), which lower what a stored layer
+  keeps but may raise its backward's workspace: the bound that rejects a layout
+  (`Bounds.layout_memory`) takes them too, computed only where the plain one is over.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from ckplan.hardware.host_link import copy_seconds
 from ckplan.hardware.roofline import memory_seconds
 from ckplan.hardware.step_time import embedding_time, layer_time, output_time
 from ckplan.hardware.times import StageTime
-from ckplan.model import loss, memory, optimizers
+from ckplan.model import allocator, loss, memory, optimizers
 from ckplan.model.layers import LayerKind, stage_kinds
 from ckplan.model.modules import LAYERNORM, MLA_UP_PROJ, MOE_ACT
 from ckplan.model.moe import EXPERTS, MOE, SHARED_EXPERTS
@@ -42,6 +45,8 @@ from ckplan.model.op import ATTENTION_CORE, DENSE_MLP, split_share
 from ckplan.model.spec import ModelSpec
 from ckplan.plan.layer_chain import layer_stage_costs
 from ckplan.plan.layout.space import Layout, Split
+from ckplan.plan.search import layout_module_candidates
+from ckplan.plan.strategies import parse_strategy
 
 # Every combination of recompute groups a strategy can run (`Strategy.groups`): the attention
 # core, the dense MLP or an MoE group, then any of Megatron-Core's other modules (MODULES, in
@@ -181,16 +186,18 @@ class Bounds:
             )  # fmt: skip
         return self._layer_specs[key]
 
-    def layer_memory(self, layout: Layout) -> dict[str, Any]:
-        """One layer's least backward memory per kind, the output's, the residual stream."""
-        key = self._layer_key(layout)
+    def layer_memory(self, layout: Layout, modules: bool = False) -> dict[str, Any]:
+        """One layer's least backward memory per kind, the output's, the residual stream; with
+        `modules`, over the module sets of the layer-level plans too (`_module_groups`)."""
+        key = (*self._layer_key(layout), modules)
         if key not in self._memories:
             spec = self._layer_spec(layout)
             stream = memory.layer_input_bytes(spec)
+            extra = self._module_groups if modules else ()
             kinds = {
                 kind: min(
                     tape + workspace + 2 * stream
-                    for groups in self._groups(kind)
+                    for groups in self._groups(kind) + extra
                     for _, _, tape, workspace in (layer_stage_costs(spec, kind, groups),)
                 )
                 for kind in dict.fromkeys(memory.layer_kinds(spec))
@@ -253,13 +260,25 @@ class Bounds:
         return best
 
     def _groups(self, kind: LayerKind) -> tuple[tuple[str, ...], ...]:
-        """The combinations the layout search runs on a layer of `kind`: no dense MLP in a MoE
-        layer, no MoE group in a dense one, and none of Megatron-Core's other modules, which its
-        plans (layout/search.py `_layer_level` and the optimal DP) never use: their cheap
-        re-runs (a norm's forward) would only loosen the bound."""
+        """The combinations the optimal DP runs on a layer of `kind`: no dense MLP in a MoE
+        layer, no MoE group in a dense one, and none of Megatron-Core's other modules, which
+        the DP never uses (the layer-level plans try them on Megatron-LM, `_module_groups`):
+        their cheap re-runs (a norm's forward) would only loosen the time bound that decides
+        where the DP runs."""
         absent = set(_MODULE_GROUPS)
         absent |= {DENSE_MLP} if kind.moe else {MOE, EXPERTS}
         return tuple(groups for groups in _GROUPS if not absent.intersection(groups))
+
+    @cached_property
+    def _module_groups(self) -> tuple[tuple[str, ...], ...]:
+        """The recompute groups of the module sets the layout search tries on Megatron-LM
+        (`search.layout_module_candidates`): they lower what a stored layer keeps and may
+        raise its backward's workspace, so the memory bound takes them too. (A strategy's
+        groups depend on the model's parts, never on its layout.)"""
+        if self.spec.framework != "megatron":
+            return ()
+        names = layout_module_candidates(self.spec)
+        return tuple(parse_strategy(name, self.spec).groups for name in names)
 
     def parameters(self, layout: Layout) -> dict[int, tuple[int, int]]:
         """(dense, expert) parameters per GPU of each distinct stage."""
@@ -311,9 +330,11 @@ class Bounds:
             )
         return self._states[key]
 
-    def memory(self, layout: Layout) -> MemoryBound:
-        """The least per-GPU memory any plan of `layout` needs (module docstring)."""
-        layer = self.layer_memory(layout)
+    def memory(self, layout: Layout, modules: bool = False) -> MemoryBound:
+        """The least per-GPU memory any plan of `layout` needs (module docstring); without
+        `modules`, any plan but the module sets of Megatron-LM's layer-level plans, which may
+        need less (`layout_memory` takes them where that decides)."""
+        layer = self.layer_memory(layout, modules)
         kinds, output = layer["kinds"], layer["output_bytes"]
         best = None
         for shape, states in self.stage_states(layout):
@@ -324,6 +345,15 @@ class Bounds:
                 best = MemoryBound(states + least, shape.index, states, least)
         assert best is not None
         return best
+
+    def layout_memory(self, layout: Layout, usable: int) -> MemoryBound:
+        """`memory`, and where it exceeds `usable` bytes (as the allocator budgets it), the
+        bound over the module sets too: the search rejects a layout on that one, and computes
+        it only where the cheaper one would reject (derived: more plans only lower the least)."""
+        bound = self.memory(layout)
+        if self._module_groups and allocator.budgeted_bytes(bound.bytes) > usable:
+            bound = self.memory(layout, modules=True)
+        return bound
 
     def _stage_seconds(self, layout: Layout, shape: StageShape) -> tuple[float, float]:
         """(plain micro-batch seconds, of which exposed collectives) of one stage."""

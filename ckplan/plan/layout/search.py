@@ -7,7 +7,9 @@ The others are evaluated in order of their time bound (branch and bound): each w
 layer-level plans of the existing search (`none`; `selective`; the dense MLP module, `mlp` and
 `selective+mlp`; the fewest layers of Megatron's
 `block:N`, alone and with selective recomputation, found by bisection since memory falls as N
-grows; with experts `moe`, `experts` and their selective forms), timed by
+grows; with experts `moe`, `experts` and their selective forms; on Megatron-LM the model's
+Megatron-Core modules together, with selective and with `selective+mlp`,
+`search.layout_module_candidates`), timed by
 `hardware.step_time`. The search stops when the next bound exceeds the K-th best time found.
 
 The optimal DP (`plan.search.optimal_plan`: `optimal` and its selective and MoE forms, the
@@ -51,6 +53,7 @@ from ckplan.plan.search import (
     auto_limit,
     best_policy_plan,
     largest_value,
+    layout_module_candidates,
     optimal_plan,
 )
 from ckplan.plan.strategies import has_dense_layers, parse_strategy
@@ -276,7 +279,7 @@ def search_layouts(
         if layout.micro_batch >= failed.get(family, layout.micro_batch + 1):
             counts["memory"] += 1  # activations grow with the micro-batch: over too
             continue
-        memory_bound = bounds.memory(layout)
+        memory_bound = bounds.layout_memory(layout, usable)
         time_bound = bounds.time(layout)
         if allocator.budgeted_bytes(memory_bound.bytes) > usable:
             failed[family] = layout.micro_batch
@@ -396,7 +399,7 @@ def any_layout_fits(
     bounds = Bounds(spec, gpu)
     under = []
     for layout in layouts(space):
-        memory_bound = bounds.memory(layout)
+        memory_bound = bounds.layout_memory(layout, usable)
         if allocator.budgeted_bytes(memory_bound.bytes) <= usable:
             under.append((memory_bound.bytes, layout))
     run = _Run(spec, gpu, bounds, usable, budget_bytes, reserve_bytes, slots, 1, math.inf)
@@ -517,6 +520,10 @@ class _Run:
             names += ["mlp", "selective+mlp"]
         if spec.experts:
             names += ["moe", "experts", "selective+moe", "selective+experts"]
+        if spec.framework == "megatron":
+            # Megatron-Core's other --recompute-modules: each alone, all together, with the
+            # attention core (and the dense MLP)
+            names += layout_module_candidates(spec)
         # PyTorch's selective checkpointing runs where the layers are PyTorch modules
         policies = check_policy_model(spec) is None
         if policies:

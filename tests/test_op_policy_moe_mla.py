@@ -1,0 +1,389 @@
+"""Per-op policies on MoE and MLA layers: the unit table, and what PyTorch's selective
+checkpointing keeps on torchtitan-style DeepSeek-V3 and Mixtral blocks with the same policy."""
+
+import pytest
+
+from ckplan.model.op_policy import (
+    FORCE_RECOMPUTED,
+    kept_units,
+    parse_policy,
+    policy_tape_bytes,
+    unit_ops,
+)
+from ckplan.model.spec import spec_from_mapping
+
+BASE = {
+    "name": "tiny-moe",
+    "layers": 2,
+    "hidden": 64,
+    "heads": 4,
+    "kv_heads": 2,
+    "ffn_hidden": 96,
+    "seq": 16,
+    "micro_batch": 2,
+    "vocab": 0,
+    "dtype_bytes": 4,
+    "norm": "rmsnorm",
+    "mlp": "swiglu",
+    "attention": "flash",
+    "positions": "rope",
+    "dropout": 0,
+    "bias": False,
+    "framework": "torchtitan",
+    "experts": 4,
+    "top_k": 2,
+    "moe_ffn_hidden": 32,
+}
+# DeepSeek-V3's shape, small: query and KV latents, one shared expert. Q/K heads of 8 + 8 dims
+# and V of 16, so that PyTorch's CPU flash kernel runs (it needs equal head dims).
+MLA = {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+       "v_head_dim": 16, "shared_experts": 1, "kv_heads": 4}  # fmt: skip
+
+
+def spec(mla: bool, **changes):
+    return spec_from_mapping({**BASE, **(MLA if mla else {}), **changes})
+
+
+def test_units_by_hand():
+    """The DeepSeek-style block's units and their outputs, bytes by hand (fp32, T = 32 tokens,
+    tp 1): latents 32·32 and 32·(16 + 8), Q 32·4·16, K-nope and V 32·4·(8 + 16), O and the LSE
+    32·4·16 + 32·4, the logits 32·4, the R = T·k = 64 routed rows 32 and 64 wide."""
+    s = spec(True)
+    got = {unit.name: unit.output_bytes for unit in unit_ops(s)}
+    T = 32
+    assert got["q_down"] == 4 * T * 32 and got["q_up"] == 4 * T * 4 * 16
+    assert got["kv_down"] == 4 * T * (16 + 8) and got["kv_up"] == 4 * T * 4 * (8 + 16)
+    assert got["attention"] == 4 * (T * 4 * 16 + T * 4)
+    assert got["router"] == 4 * T * 4
+    assert got["expert_gate"] == got["expert_up"] == 4 * 64 * 32
+    assert got["expert_fc2"] == 4 * 64 * 64
+    assert got["shared_gate_proj"] == 4 * T * 32
+    # the mm counter sees the linears only, in torchtitan's order; the experts are grouped GEMMs
+    matmuls = [unit.name for unit in unit_ops(s) if unit.matmul]
+    assert matmuls == ["q_down", "q_up", "kv_down", "kv_up", "out_proj", "router",
+                       "shared_gate_proj", "shared_up_proj", "shared_fc2"]  # fmt: skip
+    assert [unit.name for unit in unit_ops(s) if unit.grouped] == [
+        "expert_gate", "expert_up", "expert_fc2"]  # fmt: skip
+    # torchtitan force-recomputes the router's gate and leaves it out of the count
+    assert kept_units(s, parse_policy("sac")) == (
+        "q_down", "kv_down", "attention", "out_proj", "shared_up_proj")  # fmt: skip
+    assert "router" in kept_units(s, parse_policy("sac:router"))
+
+
+def test_all_to_all_kept_by_sac_with_expert_parallelism(spec_of):
+    """Mixtral-8x7B with ep 8: torchtitan's list keeps the dispatch and combine all-to-alls'
+    outputs (R/etp and S rows of h), and a policy that keeps them re-runs no collective."""
+    from ckplan.hardware.step_time import layer_time
+    from ckplan.inputs.gpus import load_gpu
+
+    s = spec_of("mixtral-8x7b", tp=2, sp=True, pp=4, microbatches=16, ep=8, dp=8, zero=3,
+                framework="torchtitan")  # fmt: skip
+    units = [unit for unit in unit_ops(s) if unit.name == "all_to_all"]
+    assert len(units) == 2 and all(unit.output_bytes > 0 for unit in units)
+    assert kept_units(s, parse_policy("sac")).count("all_to_all") == 2
+    gpu = load_gpu("h100-sxm")
+    kept = layer_time(s, gpu, None, ("sac:matmuls,attention,all_to_all",))
+    dropped = layer_time(s, gpu, None, ("sac:matmuls,attention",))
+    assert kept.core_comm < dropped.core_comm
+    assert dropped.core_comm - kept.core_comm == pytest.approx(dropped.expert_forward_comm)
+
+
+def test_policy_names_parse_with_torchtitan_and_hugging_face_spellings():
+    assert parse_policy("sac:wq_a,wkv_b,gate,experts.w1") == parse_policy(
+        "sac:q_down,kv_up,router,expert_gate"
+    )
+    assert parse_policy("sac:q_a_proj,kv_a_proj_with_mqa") == parse_policy("sac:q_down,kv_down")
+
+
+def _torch_block(torch, s):
+    """A torchtitan-style block (torchtitan/models/deepseek_v3/model/model.py and
+    torchtitan/models/moe/moe.py at v0.2.2): RMSNorm; MLA (wq_a, q_norm, wq_b; wkv_a, kv_norm,
+    wkv_b; RoPE on the rope parts; SDPA; wo) or Llama attention (wq, wk, wv, RoPE, SDPA with
+    GQA, wo); residual; RMSNorm; the MoE: gate (a linear), softmax in fp32, top-k, tokens sorted
+    by expert, the experts as torch._grouped_mm (silu(x·w1ᵀ) · x·w3ᵀ, then ·w2ᵀ), the shared
+    expert, the outputs un-sorted and weighted by their scores (torch.bmm), residual."""
+    nn, F = torch.nn, torch.nn.functional
+    h, a, E, k, Fe = s.hidden, s.heads, s.experts, s.top_k, s.moe_ffn_hidden
+
+    def rope(x):  # (b, s, heads, d)
+        n, d = x.shape[1], x.shape[-1]
+        angles = torch.arange(n)[:, None] * (10000.0 ** (-torch.arange(d // 2) / (d // 2)))
+        cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention_norm, self.ffn_norm = nn.RMSNorm(h), nn.RMSNorm(h)
+            if s.mla:
+                nope, r, v = s.qk_nope_head_dim, s.qk_rope_head_dim, s.v_head_dim
+                self.wq_a = nn.Linear(h, s.q_lora_rank, bias=False)
+                self.q_norm = nn.RMSNorm(s.q_lora_rank)
+                self.wq_b = nn.Linear(s.q_lora_rank, a * (nope + r), bias=False)
+                self.wkv_a = nn.Linear(h, s.kv_lora_rank + r, bias=False)
+                self.kv_norm = nn.RMSNorm(s.kv_lora_rank)
+                self.wkv_b = nn.Linear(s.kv_lora_rank, a * (nope + v), bias=False)
+                self.wo = nn.Linear(a * v, h, bias=False)
+            else:
+                g, d = s.kv_heads, s.head_dim
+                self.wq, self.wk = nn.Linear(h, a * d, bias=False), nn.Linear(h, g * d, bias=False)
+                self.wv, self.wo = nn.Linear(h, g * d, bias=False), nn.Linear(a * d, h, bias=False)
+            self.gate = nn.Linear(h, E, bias=False)
+            scale = 0.1
+            self.w1 = nn.Parameter(scale * torch.randn(E, Fe, h))
+            self.w3 = nn.Parameter(scale * torch.randn(E, Fe, h))
+            self.w2 = nn.Parameter(scale * torch.randn(E, h, Fe))
+            if s.shared_ffn_hidden:
+                S = s.shared_ffn_hidden
+                self.s1, self.s3 = nn.Linear(h, S, bias=False), nn.Linear(h, S, bias=False)
+                self.s2 = nn.Linear(S, h, bias=False)
+
+        def attention(self, y):
+            b, n, _ = y.shape
+            if s.mla:
+                nope, r = s.qk_nope_head_dim, s.qk_rope_head_dim
+                q = self.wq_b(self.q_norm(self.wq_a(y))).view(b, n, a, nope + r)
+                q_nope, q_pe = torch.split(q, [nope, r], dim=-1)
+                q = torch.cat([q_nope, rope(q_pe)], dim=-1)
+                kv, k_pe = torch.split(self.wkv_a(y), [s.kv_lora_rank, r], dim=-1)
+                k_pe = rope(k_pe.unsqueeze(2))
+                kv = self.wkv_b(self.kv_norm(kv)).view(b, n, a, nope + s.v_head_dim)
+                k_nope, v = torch.split(kv, [nope, s.v_head_dim], dim=-1)
+                k = torch.cat([k_nope, k_pe.expand(-1, -1, a, -1)], dim=-1)
+                gqa = False
+            else:
+                g, d = s.kv_heads, s.head_dim
+                q, k = rope(self.wq(y).view(b, n, a, d)), rope(self.wk(y).view(b, n, g, d))
+                v, gqa = self.wv(y).view(b, n, g, d), True
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                enable_gqa=gqa,
+            )  # fmt: skip
+            return self.wo(out.transpose(1, 2).reshape(b, n, -1))
+
+        def moe(self, z):
+            b, n, _ = z.shape
+            x = z.reshape(-1, h)
+            scores = F.softmax(self.gate(x).to(torch.float32), dim=1)
+            top_scores, chosen = torch.topk(scores, k=k, dim=-1)
+            with torch.no_grad():
+                counts = torch.histc(chosen.view(-1).float(), bins=E, min=0, max=E)
+                order = torch.argsort(chosen.view(-1), stable=True)
+                offsets = torch.cumsum(counts, dim=0).to(torch.int32)
+            routed = x[order // k]
+            hidden = F.silu(torch._grouped_mm(routed, self.w1.transpose(-2, -1), offs=offsets))
+            hidden = hidden * torch._grouped_mm(routed, self.w3.transpose(-2, -1), offs=offsets)
+            routed_out = torch._grouped_mm(hidden, self.w2.transpose(-2, -1), offs=offsets)
+            out = self.s2(F.silu(self.s1(x)) * self.s3(x)) if s.shared_ffn_hidden else None
+            unsorted = torch.zeros_like(routed_out)
+            unsorted[order] = routed_out
+            combined = torch.bmm(top_scores.reshape(-1, 1, k), unsorted.reshape(-1, k, h).float())
+            combined = combined.to(x.dtype).squeeze(1)
+            combined = combined if out is None else combined + out
+            return combined.reshape(b, n, h)
+
+        def forward(self, x):
+            hidden = x + self.attention(self.attention_norm(x))
+            return hidden + self.moe(self.ffn_norm(hidden))
+
+    return Block()
+
+
+def _policy_fn(torch, s, policy):
+    """torchtitan's `_custom_policy` generalised to an `OpPolicy`: aten.mm outputs by the
+    every-K-th rule (the router's gate re-run and not counted) or by name in the order the
+    layer calls them, aten._grouped_mm outputs by
+    name in their order, the SDPA kernels' outputs when the policy keeps the attention."""
+    from collections import defaultdict
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    units = unit_ops(s)
+    matmuls = [unit for unit in units if unit.matmul]
+    grouped = [unit for unit in units if unit.grouped]
+    aten = torch.ops.aten
+    attention_ops = {
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
+    meta = defaultdict(int)
+
+    def policy_fn(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        save = False
+        if func == aten.mm.default:
+            meta[mode + "_all"] += 1
+            unit = matmuls[meta[mode + "_all"] - 1]
+            if unit.name in FORCE_RECOMPUTED:  # torchtitan: re-run, not counted
+                save = unit.name in policy.names
+            else:
+                meta[mode] += 1
+                save = policy.keeps(unit, meta[mode])
+        elif func == aten._grouped_mm.default:
+            meta[mode + "_grouped"] += 1
+            save = grouped[meta[mode + "_grouped"] - 1].name in policy.names
+        elif func in attention_ops:
+            save = "attention" in policy.names
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy_fn
+
+
+@pytest.mark.parametrize(
+    ("mla", "policy_text"),
+    [
+        (True, "sac"),
+        (True, "sac:q_down,q_up,kv_up,attention,expert_gate,expert_fc2"),
+        (True, "sac:matmuls,expert_up,shared_fc2"),
+        (False, "sac"),
+        (False, "sac:attention,router,expert_gate,expert_up,expert_fc2"),
+    ],
+)
+def test_torch_selective_checkpoint_keeps_the_predicted_bytes(mla, policy_text):
+    """What create_selective_checkpoint_contexts caches under the policy is, with the layer
+    input, ckplan's tape (`policy_tape_bytes`), byte for byte; the gradients are the plain
+    step's."""
+    from needs_torch import torch_or_skip
+
+    torch = torch_or_skip()
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    s = spec(mla)
+    policy = parse_policy(policy_text)
+    torch.manual_seed(0)
+    block = _torch_block(torch, s)
+    x = torch.randn(s.micro_batch, s.seq, s.hidden, requires_grad=True)
+    weights = torch.randn(s.micro_batch, s.seq, s.hidden)
+    modes = []
+
+    def context_fn():
+        pair = create_selective_checkpoint_contexts(_policy_fn(torch, s, policy))
+        modes.append(pair[0])
+        return pair
+
+    out = checkpoint(block, x, use_reentrant=False, context_fn=context_fn)
+    storages = {}
+    for entries in modes[0].storage.values():
+        for wrapped in entries.values():
+            for value in wrapped if isinstance(wrapped, tuple) else (wrapped,):
+                tensor = getattr(value, "val", None)
+                if isinstance(tensor, torch.Tensor):
+                    storages[tensor.untyped_storage().data_ptr()] = (
+                        tensor.untyped_storage().nbytes()
+                    )
+    layer_input = x.numel() * x.element_size()
+    assert sum(storages.values()) + layer_input == policy_tape_bytes(s, policy)
+    (out * weights).sum().backward()
+    grads = [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
+    block.zero_grad()
+    x.grad = None
+    (block(x) * weights).sum().backward()
+    for got, want in zip(grads, [p.grad for p in block.parameters()] + [x.grad], strict=True):
+        torch.testing.assert_close(got, want)
+
+
+# ---- the best per-op policy beside Megatron-Core's modules --------------------------------------
+
+LAYOUTS = {
+    "llama3-8b": {"dp": 8, "zero": 3},
+    "mixtral-8x7b": {"tp": 2, "sp": True, "pp": 4, "microbatches": 16, "ep": 8, "dp": 8,
+                     "zero": 3},
+    "deepseek-v3": {"tp": 2, "sp": True, "pp": 16, "first_stage_layers": 1, "microbatches": 32,
+                    "ep": 64, "dp": 64, "zero": 3},
+}  # fmt: skip
+
+
+def _rerun_seconds(s, gpu, groups):
+    """One stored layer's re-run under `groups`: the re-run ops' forward and collectives."""
+    from ckplan.hardware.step_time import layer_time
+
+    time = layer_time(s, gpu, None, groups)
+    return time.core_forward.total + time.core_comm
+
+
+@pytest.mark.parametrize("model", sorted(LAYOUTS))
+def test_best_policy_beside_block_recompute(spec_of, model):
+    """At the usual layouts on H100s (torchtitan's eager code), for every module set that
+    re-runs a whole dense MLP or MoE block (`mlp`, `moe`, with the others): the cheapest per-op
+    policy within the set's stored bytes per layer re-runs no more than the set. (Sets that
+    re-run only norms, an activation, the attention core or MLA's up projections re-run less
+    than any policy can: a policy replays the whole layer forward but its kept outputs,
+    docs/strategies.md.)"""
+    from ckplan.inputs.gpus import load_gpu
+    from ckplan.model.memory import selective_activation_bytes_per_layer
+    from ckplan.plan.policy_search import best_policy
+    from ckplan.plan.strategies import parse_strategy
+
+    gpu = load_gpu("h100-sxm")
+    s = spec_of(model, framework="torchtitan", **LAYOUTS[model])
+    block = "moe" if s.experts else "mlp"
+    words = ["layernorm", "mla_up_proj"] if s.mla else ["layernorm"]
+    names = [block, f"selective+{block}", f"{block}+{'+'.join(words)}"]
+    names += [f"{prefix}{block}+{word}" for word in words for prefix in ("", "selective+")]
+    for name in names:
+        groups = parse_strategy(name, s).groups
+        stored = selective_activation_bytes_per_layer(s, groups)
+        best = best_policy(s, stored, gpu)
+        policy = (best.strategy,)
+        assert selective_activation_bytes_per_layer(s, policy) == best.tape_bytes <= stored
+        assert _rerun_seconds(s, gpu, policy) <= _rerun_seconds(s, gpu, groups), name
+
+
+@pytest.mark.parametrize(
+    ("mla", "strategy"),
+    [
+        (True, "sac"),
+        (True, "sac:q_up,attention,expert_gate,expert_fc2"),
+        (False, "sac:matmuls,expert_up"),
+    ],
+)
+def test_exported_policy_fn_keeps_the_predicted_bytes(mla, strategy):
+    """The torch export's policy_fn (aten.mm and aten._grouped_mm by their count, the SDPA
+    kernels) on the torchtitan-style blocks: what its checkpoints keep is ckplan's tape, and the
+    gradients are the plain step's."""
+    from needs_torch import torch_or_skip
+
+    torch = torch_or_skip()
+    import torch.utils.checkpoint as checkpoint_module
+
+    from ckplan import exports
+    from ckplan.plan.evaluate import evaluate
+    from ckplan.plan.strategies import parse_strategy
+
+    s = spec(mla, vocab=128)
+    plan = evaluate(s, parse_strategy(strategy, s))
+    namespace: dict = {}
+    exec(compile(exports.export(plan, "torch").text, "snippet", "exec"), namespace)
+    modes = []
+
+    def recording(policy_fn):
+        pair = checkpoint_module.create_selective_checkpoint_contexts(policy_fn)
+        modes.append(pair[0])
+        return pair
+
+    namespace["create_selective_checkpoint_contexts"] = recording
+    torch.manual_seed(0)
+    block = _torch_block(torch, s)
+    x = torch.randn(s.micro_batch, s.seq, s.hidden, requires_grad=True)
+    weights = torch.randn(s.micro_batch, s.seq, s.hidden)
+    out = checkpoint_module.checkpoint(
+        block, x, use_reentrant=False, context_fn=namespace["context_fn"]
+    )
+    kept = {
+        tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
+        for entries in modes[0].storage.values()
+        for wrapped in entries.values()
+        for value in (wrapped if isinstance(wrapped, tuple) else (wrapped,))
+        if isinstance(tensor := getattr(value, "val", None), torch.Tensor)
+    }
+    policy = parse_policy(strategy)
+    assert sum(kept.values()) + x.numel() * x.element_size() == policy_tape_bytes(s, policy)
+    (out * weights).sum().backward()
+    grads = [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
+    block.zero_grad()
+    x.grad = None
+    (block(x) * weights).sum().backward()
+    for got, want in zip(grads, [p.grad for p in block.parameters()] + [x.grad], strict=True):
+        torch.testing.assert_close(got, want)
