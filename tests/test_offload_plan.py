@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -333,3 +334,19 @@ def test_exports_of_offload_plans(spec_of):
     assert exports.why_not(full, "torch") is None
     text = exports.export(full, "torch").text
     assert "with save_on_cpu(pin_memory=True):\n                hidden = checkpoint(" in text
+
+
+def test_at_equal_step_time_the_plan_without_offloaded_tapes_wins():
+    """QLoRA Llama-3-8B at 8k on an RTX 4090: `full+offload` takes the step of the recomputation
+    plans that fit (its copies hide), so the sweep's best pins no host memory for tapes."""
+    from ckplan.inputs.presets import load_spec
+
+    gpu = load_gpu("rtx-4090")
+    example = Path(__file__).resolve().parents[1] / "examples/fine-tuning/llama3-8b-qlora.yaml"
+    spec = load_spec(str(example))
+    result = sweep(spec, gpu.memory_bytes, gpu=gpu, rank="time")
+    by_name = {c.plan.strategy: c for c in result.candidates}
+    offload = by_name["full+offload"]
+    assert offload.fits and not result.best.plan.stage_offloads
+    assert offload.time.step_seconds == result.best.time.step_seconds
+    assert offload.plan.total_bytes < result.best.plan.total_bytes

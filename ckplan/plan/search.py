@@ -410,14 +410,21 @@ def _cost(candidate: Candidate, rank: str) -> float:
 
 
 def _cost_key(rank: str = "flops"):
-    """The best plan's order: least cost, then least memory. By FLOPs, plans of equal FLOPs
+    """The best plan's order: least cost, then no offloaded tapes, then least memory. By FLOPs,
+    plans of equal FLOPs
     first by how many recompute groups they re-run: a re-run without FLOPs (a norm's, an
     activation's) still takes time that a FLOP count does not see."""
     if rank == "time":
-        return lambda candidate: (_cost(candidate, rank), candidate.plan.total_bytes)
+        # at equal step time a plan that pins no host memory for its tapes comes first
+        return lambda candidate: (
+            _cost(candidate, rank),
+            bool(candidate.plan.stage_offloads),
+            candidate.plan.total_bytes,
+        )
     return lambda candidate: (
         _cost(candidate, rank),
         len(candidate.plan.recompute_groups),
+        bool(candidate.plan.stage_offloads),
         candidate.plan.total_bytes,
     )
 

@@ -545,11 +545,17 @@ def offload_comparison(offload, recompute, gpu, scope: str) -> str:
 
     fast, slow = offload.time.step_seconds, recompute.time.step_seconds
     gap = abs(slow - fast)
-    text = (
-        f"{offload.plan.strategy} takes {seconds(fast)}, {seconds(gap)} ({gap / slow:.1%}) "
-        f"{'less' if fast <= slow else 'more'} than the best recomputation {scope}, "
-        f"{recompute.plan.strategy} ({seconds(slow)})"
-    )
+    if fast == slow:  # the copies hide and the recomputation it replaces costs nothing here
+        text = (
+            f"{offload.plan.strategy} takes {seconds(fast)}, as long as the best recomputation "
+            f"{scope}, {recompute.plan.strategy}, which needs no host memory"
+        )
+    else:
+        text = (
+            f"{offload.plan.strategy} takes {seconds(fast)}, {seconds(gap)} ({gap / slow:.1%}) "
+            f"{'less' if fast < slow else 'more'} than the best recomputation {scope}, "
+            f"{recompute.plan.strategy} ({seconds(slow)})"
+        )
     copy = largest_copy(offload.plan, gpu)
     if copy is None:
         return text + "; it offloads nothing here"

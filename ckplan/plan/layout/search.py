@@ -544,8 +544,15 @@ class _Run:
         fitting = [self._timed(c) for c in tried if c.fits]
 
         def fastest_of(candidates):
+            # an offload plan only where it is faster: at equal time no host memory is pinned
             return min(
-                candidates, key=lambda c: (c.time.step_seconds, c.plan.total_bytes), default=None
+                candidates,
+                key=lambda c: (
+                    c.time.step_seconds,
+                    bool(c.plan.stage_offloads),
+                    c.plan.total_bytes,
+                ),
+                default=None,
             )
 
         fastest = fastest_of(fitting)
@@ -629,7 +636,7 @@ class _Run:
     def compared(self, e: Evaluated) -> Evaluated:
         """`e` with the fastest recomputation plan found, the DP's included, where an offload
         plan is its best and the DP has not run on it: what `plan` weighs the offload plan
-        against."""
+        against, and its plan instead where that is as fast."""
         if not e.plan.stage_offloads or e.optimal:
             return e
         best = self._optimal(e.spec)
@@ -640,6 +647,9 @@ class _Run:
             and (recompute is None or best.time.step_seconds < recompute.time.step_seconds)
         ):
             recompute = best
+        if recompute is not None and recompute.time.step_seconds <= e.seconds:
+            # as fast without offloading: the plan that pins no host memory for its tapes
+            return dataclasses.replace(e, candidate=recompute, recompute=recompute, optimal=True)
         return dataclasses.replace(e, recompute=recompute)
 
     def ranked(self) -> list[Evaluated]:
