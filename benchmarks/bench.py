@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The reference DP is a test oracle (tests/oracles/), compared with here.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from bench_schedules import transformer_chain
+from bench_schedules import COPY_FLOPS_PER_BYTE, transformer_chain
 from oracles.rotor_reference import optimal_schedule as reference_schedule
 
 from ckplan.hardware.step_time import step_time
@@ -44,6 +44,7 @@ from ckplan.schedules import (
     simulate,
     store_all_schedule,
 )
+from ckplan.schedules.offload import optimal_offload_schedule
 from ckplan.schedules.rotor import optimal_schedule
 
 GB = 10**9
@@ -137,6 +138,23 @@ def dp() -> None:
     in_flight = in_flight_microbatches(spec)
     top = pipeline_peak_bytes(chain, simulate(chain, store_all_schedule(chain)), in_flight)
     _dp_row("llama3-70b pp2 stage, 2 in flight", chain, int(top * 0.3), 1000, in_flight, 3)
+    print("\n   The joint DP over {keep, offload, recompute} (schedules.offload) on the same")
+    print("   transformer chains and budgets, a copy at bench_schedules' PCIe Gen4 rate, against")
+    print("   the optimal DP above (the target: within 2x)")
+    print(f"  {'chain':<34} {'joint':>18} {'optimal':>18} {'ratio':>9}")
+    for layers in (32, 128):
+        chain = transformer_chain(layers)
+        budget = simulate(chain, store_all_schedule(chain)).peak_bytes // 4
+        copy = [int(t * COPY_FLOPS_PER_BYTE) for t in chain.tape_bytes]
+        joint_best, joint_median, _ = timed(
+            optimal_offload_schedule, chain, budget, copy, None, 500, repeats=3
+        )
+        rotor_best, rotor_median, _ = timed(optimal_schedule, chain, budget, 500, 1, repeats=3)
+        print(
+            f"  {f'L = {layers} ({chain.length} stages)':<34} "
+            f"{seconds(joint_best, joint_median)} {seconds(rotor_best, rotor_median)} "
+            f"{joint_best / rotor_best:8.2f}x"
+        )
 
 
 def _dp_row(label, chain, budget, slots, in_flight, repeats) -> None:

@@ -437,6 +437,7 @@ def _solve(chain: Chain, copy: tuple[int, ...], unit: int, mem: int, host_unit, 
     hp = [-(-x // host_unit) for x in chain.tape_bytes] if host_unit else [0] * n
     rows, width = host_mem + 1, mem + 1
     table = [[None, None] for _ in range(n)]  # table[i][flag]: (rows, width) int64
+    later = np.full((n, rows, width), _INF, dtype=np.int64)  # table[k][0], stacked for the leaves
     choice = [[None, None] for _ in range(n)]
     for i in range(n - 1, -1, -1):
         flags = (0, 1) if i > 0 else (0,)
@@ -466,28 +467,38 @@ def _solve(chain: Chain, copy: tuple[int, ...], unit: int, mem: int, host_unit, 
                     best[better] = cand[better]
                     chosen[better] = _OFFLOAD
             bests[flag], choices[flag] = best, chosen
-        # Leaves: keep x_i, advance to x_k, P(k, m - x_i, h, 0), then C(i, k, m).
-        pm = 0
-        for k in range(i + 1, n):
-            if k > i + 1:
-                pm = max(pm, g[k - 1])
-            plus = r.plus[r.left[i][k - i - 1]]
+        # Leaves: keep x_i, advance to x_k, P(k, m - x_i, h, 0), then C(i, k, m), every k at
+        # once: candidates[k - i - 1] over (h, m); the first of equal minima is the smallest k.
+        if i < n - 1:
+            count = n - 1 - i
+            gs = np.array(g[i + 1 : n - 1], dtype=np.int64)
+            # pm[k - i - 1] = max(g_p for i < p < k), 0 for k = i + 1
+            pm = np.concatenate(([0], np.maximum.accumulate(gs))) if count > 1 else np.zeros(1)
+            plus = r.plus[r.left[i][:count]]
             left = np.where(plus < r.inf, plus * r.scale, _INF)
-            for flag in flags:
+            shift = a[i]
+            # every threshold is at least a[i]: the entries under it are set below, per flag
+            leaves = np.empty((count, rows, width), dtype=np.int64)
+            np.add(
+                later[i + 1 : n, :, : width - shift], left[:, None, shift:], out=leaves[..., shift:]
+            )
+            slots_m = np.arange(width)
+            for flag in flags:  # thresholds grow with e: flag 1 masks what flag 0 did and more
                 e = tp[i - 1] if flag else 0
-                thr = a[n] + max(g[i] + e, a[i] + pm)
+                thr = a[n] + np.maximum(g[i] + e, a[i] + pm)
                 if e:
-                    thr = max(thr, bwd[i] + e)
-                if thr > mem:
-                    continue
-                cand = table[k][0][:, thr - a[i] : width - a[i]] + left[None, thr:]
-                np.minimum(cand, _INF, out=cand)
-                sub, subc = bests[flag][:, thr:], choices[flag][:, thr:]
-                better = cand < sub
-                sub[better] = cand[better]
-                subc[better] = k
+                    thr = np.maximum(thr, bwd[i] + e)
+                below = slots_m[None, :] < thr[:, None]  # (count, width): m under the threshold
+                np.copyto(leaves, _INF, where=below[:, None, :])
+                c_best = leaves.min(axis=0)  # sums of two entries <= 2**61 stay below 2**63
+                better = c_best < bests[flag]
+                if better.any():
+                    k_best = leaves.argmin(axis=0)
+                    bests[flag][better] = c_best[better]
+                    choices[flag][better] = (k_best + i + 1)[better]
         for flag in flags:
             table[i][flag], choice[i][flag] = bests[flag], choices[flag]
+        later[i] = bests[0]
     top = int(table[0][0][host_mem, mem])
     if top >= _INF:
         return None
