@@ -43,7 +43,7 @@ from ckplan.published.accuracy import FAMILIES as GPU_FAMILIES
 from ckplan.published.predict import predict, run_spec
 from ckplan.published.runs import MEMORY_METRICS, runs_from_file
 
-# The GPU presets of each family, as the accuracy line groups them (one fitted constant each).
+# The GPU presets of each family, as the accuracy line groups them (one sustained_fraction each).
 FAMILIES: dict[str, tuple[str, ...]] = {}
 for _preset, _family in GPU_FAMILIES.items():
     FAMILIES[_family] = (*FAMILIES.get(_family, ()), _preset)
