@@ -20,7 +20,7 @@ held. Test runs are never read by the fit: the split is a field of each run, fix
 fitting by a hash of the run's name (validation/runs/README.md).
 
     python validation/fit_time_model.py            # fit and report
-    python validation/fit_time_model.py --write    # and write the fitted values into the presets
+    python validation/fit_time_model.py --write    # and write them (presets, code_path.py)
 
 With --write it also writes, from the refitted model, the held-out accuracy that `estimate
 --gpu` and `plan` quote (ckplan/published/accuracy.py).
