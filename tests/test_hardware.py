@@ -6,6 +6,7 @@ from importlib import resources
 
 import pytest
 
+from ckplan.hardware import code_path as code_path_module
 from ckplan.hardware import communication as comm
 from ckplan.hardware.gpus import GPU, GPUError, gpu_from_mapping, gpu_keys
 from ckplan.hardware.roofline import (
@@ -210,6 +211,49 @@ def test_ops_without_time_fields_still_time(a100):
     op = Op("new_op", "mlp", 0, 10**12, 2 * 10**12)
     assert op_forward_time(op, a100).total == pytest.approx(1e12 / (312e12 * 0.869))
     assert op_backward_time(op, a100).total == pytest.approx(2e12 / (312e12 * 0.869))
+
+
+def _path(gpu, kernels):
+    """The code path of a bf16 llama-like run at 4096 tokens, built afresh (not the cache)."""
+    return code_path_module.code_path.__wrapped__(
+        gpu, "flash2", 4096, "bf16", kernels, "rmsnorm", "swiglu", True
+    )
+
+
+def test_code_path_rate_scales_the_gemms_and_attention_only(spec_of, a100, monkeypatch):
+    """KERNEL_RATES scales the sustained rate of the GEMMs and the attention kernel, nothing
+    else. By hand with a rate of 0.5 for compiled: the 8192³ GEMM of
+    `test_roofline_of_a_large_square_matmul` takes 2·8192³ / (312e12 x 0.869 x 0.838 (the A100's
+    sustained_fraction) x 0.5 x 2048/(19·108)) = 9.697 ms instead of 4.849 ms; the flash attention
+    core twice its fused time; an element-wise op's bytes the same time."""
+    monkeypatch.setitem(code_path_module.KERNEL_RATES, "compiled", 0.5)
+    fused, compiled = _path(a100, "fused"), _path(a100, "compiled")
+    gemm = Op("fc", "mlp", 0, 2 * 8192**3, 4 * 8192**3, matmul=Matmul(8192, 8192, 8192))
+    waves = 2048 / (19 * 108)
+    assert compiled.forward(gemm, 2).matmul == pytest.approx(
+        2 * 8192**3 / (312e12 * 0.869 * 0.838 * 0.5 * waves)
+    )
+    assert compiled.forward(gemm, 2).matmul == pytest.approx(9.697e-3, rel=1e-3)
+    assert fused.forward(gemm, 2).matmul == pytest.approx(4.849e-3, rel=1e-3)
+    assert compiled.backward(gemm, 2).matmul == pytest.approx(2 * fused.backward(gemm, 2).matmul)
+    spec = spec_of("llama3-8b")
+    core = next(op for op in layer_ops(spec) if op.name == "attention_core")
+    assert compiled.forward(core, 2).matmul == pytest.approx(2 * fused.forward(core, 2).matmul)
+    norm = next(op for op in layer_ops(spec) if op.name == "norm1")
+    assert norm.matmul is None and norm.forward_bytes > 0
+    assert compiled.forward(norm, 2) == fused.forward(norm, 2)
+    assert compiled.backward(norm, 2) == fused.backward(norm, 2)
+
+
+def test_fused_kernels_are_the_code_paths_reference(a100):
+    """Megatron's fused kernels are the reference the other code paths' rates are fitted
+    against: their path is the GPU's sustained rate alone."""
+    assert code_path_module.KERNEL_RATES["fused"] == 1.0
+    path = _path(a100, "fused")
+    assert path.gpu.matmul_efficiency == pytest.approx(0.869 * 0.838)
+    for kernels, rate in code_path_module.KERNEL_RATES.items():
+        assert 0.5 <= rate <= 1.0
+        assert _path(a100, kernels).gpu.matmul_efficiency == pytest.approx(0.869 * 0.838 * rate)
 
 
 # ---- communication -------------------------------------------------------------------------

@@ -210,17 +210,24 @@ def test_the_accuracy_line_names_its_runs():
 
 
 def test_the_fitted_constants_are_the_fit():
-    """The presets hold what validation/fit_time_model.py fits on the calibration split."""
+    """The presets and the code paths' rates hold what validation/fit_time_model.py fits on the
+    calibration split."""
     import sys
     from pathlib import Path
+
+    from ckplan.hardware import code_path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "validation"))
     import fit_time_model
 
-    calibration = list(fit_time_model.time_runs("calibration"))
+    committed = dict(code_path.KERNEL_RATES)
+    calibration = [run for run in fit_time_model.time_runs("calibration") if predict(run).scored]
+    try:
+        fractions, rates, _ = fit_time_model.fit(calibration)
+    finally:
+        fit_time_model.set_kernel_rates(committed)
     for family, presets in fit_time_model.FAMILIES.items():
-        runs = [run for run in calibration if run.gpu in presets]
-        fitted = fit_time_model.golden_section(
-            lambda x, runs=runs: fit_time_model.loss(runs, x), 0.5, 1.0
-        )
-        assert load_gpu(presets[0]).sustained_fraction == pytest.approx(fitted, abs=0.002), family
+        if family in fractions:
+            fitted = fractions[family]
+            assert load_gpu(presets[0]).sustained_fraction == pytest.approx(fitted, abs=0.002)
+    assert rates == pytest.approx(committed, abs=0.002)

@@ -1,15 +1,26 @@
-"""Fit the time model's one fitted constant per GPU family on the calibration split, and report
-it on the test split it never saw (docs/validation.md, "The time model's fitted constants").
+"""Fit the time model's constants on the calibration split, and report them on the test split
+they never saw (docs/validation.md, "The time model's fitted constants").
 
-The constant is `sustained_fraction`: the share of the kernel benchmarks (MAMF, the attention
-kernels' published throughput) that a training step's GEMMs and attention kernels sustain. One
-value per family of GPUs sharing a chip (A100 40/80 GB; the Hopper H100/H800/H200), fitted by
-golden-section search to minimise the mean |log(predicted step / published step)| of that
-family's calibration runs. Test runs are never read by the fit: the split is a field of each
-run, fixed before any fitting by a hash of the run's name (validation/runs/README.md).
+Two kinds of constant scale the rate a training step's GEMMs and attention kernels sustain
+against the kernel benchmarks (MAMF, the attention kernels' published throughput):
+
+- `sustained_fraction`, one per family of GPUs sharing a chip (A100 40/80 GB; the Hopper
+  H100/H800/H200), written into the GPU presets;
+- the code path's rate (`ckplan.hardware.code_path.KERNEL_RATES`), one per value of the
+  `kernels` key other than `fused` (the reference, 1.0): torch.compile's and eager PyTorch's
+  GEMMs and attention against Megatron's fused kernels. A code path with fewer than
+  MIN_RUNS_PER_CONSTANT calibration runs keeps 1.0.
+
+The procedure is deterministic coordinate descent: starting from every rate at 1.0, ROUNDS
+rounds of (1) for each family, golden-section search of its sustained_fraction in [0.5, 1] on
+that family's calibration runs, (2) for each code path with enough runs, golden-section search
+of its rate in [0.5, 1] on that code path's calibration runs (all families); each search
+minimises the mean |log(predicted step / published step)| of its runs, the other constants
+held. Test runs are never read by the fit: the split is a field of each run, fixed before any
+fitting by a hash of the run's name (validation/runs/README.md).
 
     python validation/fit_time_model.py            # fit and report
-    python validation/fit_time_model.py --write    # and write the fitted values into the presets
+    python validation/fit_time_model.py --write    # and write them (presets, code_path.py)
 
 With --write it also writes, from the refitted model, the held-out accuracy that `estimate
 --gpu` and `plan` quote (ckplan/published/accuracy.py).
@@ -23,30 +34,63 @@ import re
 import sys
 from pathlib import Path
 
+from ckplan.errors import InputError
+from ckplan.hardware import code_path as code_path_module
+from ckplan.hardware import step_time as step_time_module
 from ckplan.inputs.gpus import load_gpu
 from ckplan.inputs.runs import run_files
 from ckplan.published.accuracy import FAMILIES as GPU_FAMILIES
-from ckplan.published.predict import predict
+from ckplan.published.predict import predict, run_spec
 from ckplan.published.runs import MEMORY_METRICS, runs_from_file
 
-# The GPU presets of each family, as the accuracy line groups them (one fitted constant each).
+# The GPU presets of each family, as the accuracy line groups them (one sustained_fraction each).
 FAMILIES: dict[str, tuple[str, ...]] = {}
 for _preset, _family in GPU_FAMILIES.items():
     FAMILIES[_family] = (*FAMILIES.get(_family, ()), _preset)
 PRESETS = Path(__file__).resolve().parents[1] / "presets" / "gpus"
 ACCURACY_MODULE = Path(__file__).resolve().parents[1] / "ckplan" / "published" / "accuracy.py"
+CODE_PATH_MODULE = Path(code_path_module.__file__)
+MIN_RUNS_PER_CONSTANT = 6
+ROUNDS = 3
 
 
 def time_runs(split: str):
+    """The split's time runs (scored or not)."""
     for name, data in run_files():
         for run in runs_from_file(data, name):
             if run.split == split and run.published.metric not in MEMORY_METRICS:
                 yield run
 
 
-def loss(runs, fraction: float) -> float:
+def family_of(run) -> str | None:
+    return GPU_FAMILIES.get(run.gpu)
+
+
+def kernels_of(run) -> str | None:
+    """The run's code path, as `predict` builds its model (the framework's default, Composer's
+    fused modules, `compile`); None where it cannot be built (`predict` does not score it)."""
+    try:
+        return run_spec(run).kernels
+    except InputError:
+        return None
+
+
+def set_kernel_rates(rates: dict[str, float]) -> None:
+    """Set the code paths' rates and drop the step-time caches that hold times computed with
+    the previous ones."""
+    code_path_module.KERNEL_RATES.update(rates)
+    for module in (code_path_module, step_time_module):
+        for value in vars(module).values():
+            if hasattr(value, "cache_clear"):
+                value.cache_clear()
+
+
+def loss(runs, fractions: dict[str, float]) -> float:
+    """Mean |log(predicted / published step)| of the scored runs, each family's GPUs at its
+    sustained_fraction (1 for a family not in `fractions`)."""
     logs = []
     for run in runs:
+        fraction = fractions.get(family_of(run), 1.0)
         gpu = load_gpu(run.gpu, {**run.gpu_settings, "sustained_fraction": fraction})
         prediction = predict(run, gpu)
         if prediction.scored:
@@ -103,29 +147,77 @@ def write_accuracy() -> None:
     ACCURACY_MODULE.write_text(text, encoding="utf-8")
 
 
+def fit(calibration) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:
+    """(sustained_fraction per family, rate per code path, calibration runs per code path) by
+    the coordinate descent of the module docstring."""
+    by_family = {f: [r for r in calibration if r.gpu in p] for f, p in FAMILIES.items()}
+    by_path: dict[str, list] = {}
+    for run in calibration:
+        kernels = kernels_of(run)
+        if kernels is not None:
+            by_path.setdefault(kernels, []).append(run)
+    fitted_paths = [
+        k for k in sorted(by_path) if k != "fused" and len(by_path[k]) >= MIN_RUNS_PER_CONSTANT
+    ]
+    fractions = {family: 1.0 for family, runs in by_family.items() if runs}
+    rates = {kernels: 1.0 for kernels in code_path_module.KERNEL_RATES}
+    set_kernel_rates(rates)
+    for _ in range(ROUNDS):
+        for family in fractions:
+            fractions[family] = golden_section(
+                lambda x, f=family: loss(by_family[f], {**fractions, f: x}), 0.5, 1.0
+            )
+        for kernels in fitted_paths:
+
+            def path_loss(x: float, k: str = kernels) -> float:
+                set_kernel_rates({k: x})
+                return loss(by_path[k], fractions)
+
+            rates[kernels] = golden_section(path_loss, 0.5, 1.0)
+            set_kernel_rates(rates)
+    counts = {kernels: len(by_path.get(kernels, ())) for kernels in rates}
+    return fractions, rates, counts
+
+
+def write_rates(rates: dict[str, float], counts: dict[str, int]) -> None:
+    text = CODE_PATH_MODULE.read_text(encoding="utf-8")
+    runs = ", ".join(f"{k} {n}" for k, n in counts.items())
+    values = ", ".join(f"{k!r}: {v}" for k, v in rates.items()).replace("'", '"')
+    lines = f"# calibration runs: {runs}\nKERNEL_RATES: dict[str, float] = {{{values}}}\n"
+    pattern = re.compile(r"^# calibration runs: .*\nKERNEL_RATES: .*\n", re.M)
+    CODE_PATH_MODULE.write_text(pattern.sub(lambda _: lines, text, count=1), encoding="utf-8")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="write the fitted values")
     args = parser.parse_args()
-    calibration = list(time_runs("calibration"))
+    calibration = [run for run in time_runs("calibration") if predict(run).scored]
+    presets = {family: load_gpu(names[0]).sustained_fraction for family, names in FAMILIES.items()}
+    before = loss(calibration, presets)
+    fractions, rates, counts = fit(calibration)
+    after = loss(calibration, fractions)
     for family, presets in FAMILIES.items():
         runs = [run for run in calibration if run.gpu in presets]
-        if not runs:
+        if family not in fractions:
             print(f"{family}: no calibration runs; sustained_fraction stays 1")
             continue
-        before = loss(runs, 1.0)
-        fraction = golden_section(lambda x, runs=runs: loss(runs, x), 0.5, 1.0)
-        after = loss(runs, fraction)
-        print(
-            f"{family}: sustained_fraction {fraction} on {len(runs)} calibration runs; "
-            f"mean |log error| {before:.3f} at 1.0 -> {after:.3f}"
-        )
+        print(f"{family}: sustained_fraction {fractions[family]} on {len(runs)} calibration runs")
         if args.write:
             for preset in presets:
-                write(preset, fraction, len(runs))
+                write(preset, fractions[family], len(runs))
+    for kernels, rate in rates.items():
+        why = "reference" if kernels == "fused" else (
+            "fitted" if counts[kernels] >= MIN_RUNS_PER_CONSTANT
+            else f"fewer than {MIN_RUNS_PER_CONSTANT} runs, kept"
+        )  # fmt: skip
+        print(f"kernels {kernels}: rate {rate} on {counts[kernels]} calibration runs ({why})")
+    print(f"calibration mean |log error|: {before:.4f} with the committed constants -> {after:.4f}")
     if args.write:
+        write_rates(rates, counts)
         write_accuracy()
-        print(f"wrote the held-out accuracy to {ACCURACY_MODULE.name}")
+        print(f"wrote the rates to {CODE_PATH_MODULE.name}, the held-out accuracy to "
+              f"{ACCURACY_MODULE.name}")  # fmt: skip
     return 0
 
 

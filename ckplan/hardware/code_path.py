@@ -9,8 +9,10 @@ four ways, each a key of the model's `Execution` part:
   GPU to the kernels' published benchmarks (the GPU files cite them), never to training runs.
 - **Sustained rates** (`GPU.sustained_fraction`, `GPU.clock_factor`): kernel benchmarks and MAMF
   are best shapes on an idle, cool GPU; a training step's GEMMs run at power and clocks under
-  full load, beside NCCL, with transposed backward operands. The share they sustain is the one
-  constant fitted to published training runs (docs/validation.md).
+  full load, beside NCCL, with transposed backward operands. The share they sustain is fitted to
+  published training runs per GPU family (docs/validation.md), and scaled per code path
+  (`KERNEL_RATES`): the same GEMM shapes run at a different sustained rate under Megatron's
+  fused kernels than under torch.compile or eager PyTorch.
 - **Kernels for the memory-bound ops** (`kernels`): Megatron's fused CUDA kernels and
   torch.compile's generated ones (Inductor fuses each chain of element-wise ops into one kernel)
   move what the op table says; eager PyTorch runs each step of a norm, an activation and RoPE as
@@ -55,6 +57,15 @@ EAGER_ROPE_EXTRA_BYTES = 20
 # transposed use), 4 bytes per element in the forward; the output gradient likewise in the
 # backward.
 FP8_CAST_BYTES = 4
+# The GEMMs' and attention kernels' sustained rate per code path (`kernels`), relative to
+# Megatron's fused kernels, fitted by validation/fit_time_model.py on the calibration split
+# (docs/validation.md, "The time model's fitted constants"): what a step's GEMMs and attention
+# lose outside Transformer Engine / Megatron's code (PyTorch's cuBLAS calls without fused
+# epilogues, torchao's separate FP8 scaling kernels, the kernel launch gaps between them and
+# FSDP2's per-parameter hooks). A code path with fewer calibration runs than the fit's minimum
+# keeps 1.0; fused is the reference.
+# calibration runs: fused 50, compiled 6, eager 3
+KERNEL_RATES: dict[str, float] = {"fused": 1.0, "compiled": 0.827, "eager": 1.0}
 NORM_OPS = ("norm1", "norm2", "qk_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "kv_norm")
 NOT_FP8 = ("output", "router")  # the output layer and the router stay in BF16
 
@@ -141,8 +152,10 @@ def code_path(
     mlp: str,
     rope: bool,
 ) -> CodePath:
-    """The code path of a run on `gpu` (`seq`: query tokens per context-parallel rank)."""
-    rate = gpu.sustained_fraction * gpu.clock_factor
+    """The code path of a run on `gpu` (`seq`: query tokens per context-parallel rank): the
+    GEMMs and attention at the GPU's sustained fraction, its clock factor and the code path's
+    rate (`KERNEL_RATES`)."""
+    rate = gpu.sustained_fraction * gpu.clock_factor * KERNEL_RATES.get(kernels, 1.0)
     effective = dataclasses.replace(
         gpu,
         matmul_efficiency=gpu.matmul_efficiency * rate,
