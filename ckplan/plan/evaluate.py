@@ -532,9 +532,10 @@ def _evaluate_mixed(spec, strategy, budget, slots, gpu) -> Plan | None:
         _stage_names(spec, 0),
         notes,
         stage_forwards=((0, replay.layer_forwards),),
-        recompute_groups=strategy.groups,
+        # no stage storing the policy's tape: the plan of `optimal`, the policy re-runs nothing
+        recompute_groups=strategy.groups if stored else (),
         model_states=states,
-        stage_policy=((0, found.policy_stages),),
+        stage_policy=((0, found.policy_stages),) if stored else (),
     )
 
 
