@@ -145,3 +145,114 @@ def test_hand_computed_mix_beats_both():
 def test_rejects(args, message):
     with pytest.raises(ValueError, match=message):
         optimal_mixed_schedule(*args)
+
+
+# ---- sac+mixed on models ---------------------------------------------------------------------
+
+
+def _llama(spec_of, **overrides):
+    keys = {"framework": "torchtitan", "seq": 16384, "micro_batch": 2, "dp": 8, "zero": 3}
+    return spec_of("llama3-8b", **{**keys, **overrides})
+
+
+@pytest.mark.parametrize(
+    "text, name",
+    [("sac+mixed", "sac+mixed"), ("mixed+sac", "sac+mixed"), ("sac:attention+mixed", None)],
+)
+def test_parse_mixed(spec_of, text, name):
+    from ckplan.plan.strategies import MIXED, parse_strategy
+
+    strategy = parse_strategy(text, _llama(spec_of))
+    assert strategy.kind == MIXED and strategy.policy
+    assert strategy.name == (name or "sac:attention+mixed")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("mixed", "name the policy"),
+        ("selective+mixed", "name the policy"),
+        ("sac+block:2+mixed", "one layer-level strategy"),
+    ],
+)
+def test_parse_mixed_refused(spec_of, text, message):
+    from ckplan.plan.strategies import StrategyError, parse_strategy
+
+    with pytest.raises(StrategyError, match=message):
+        parse_strategy(text, _llama(spec_of))
+
+
+def test_mixed_plan_is_the_exact_replay_and_its_time_per_stage(spec_of):
+    """The plan's peak is the replay of its schedule on the mixed chain (each layer's tape from
+    the full or the policy's chain), its FLOPs the replay's with the policy's re-runs counted
+    as recompute, and its step time re-runs the policy only in the layers that store its tape."""
+    from ckplan.hardware.step_time import chain_stage_times, micro_batch_time, step_time
+    from ckplan.inputs.gpus import load_gpu
+    from ckplan.plan.evaluate import evaluate
+    from ckplan.plan.layer_chain import layer_chain
+    from ckplan.plan.search import activation_budget
+    from ckplan.plan.strategies import parse_strategy
+
+    spec = _llama(spec_of)
+    gpu = load_gpu("h100-sxm")
+    budget = activation_budget(spec, 75 * 2**30)
+    plan = evaluate(spec, parse_strategy("sac+mixed", spec), budget=budget, gpu=gpu)
+    mask = plan.stage_policy[0][1]
+    layers = [on for on, name in zip(mask, plan.stage_names, strict=True) if "layer" in name]
+    assert any(layers) and not all(layers)  # a real mix at this budget
+    full, policy = layer_chain(spec, ()), layer_chain(spec, plan.recompute_groups)
+    chain = mixed_chain((full, policy), [int(on) for on in mask])
+    replay = simulate(chain, plan.steps)
+    assert plan.activation_bytes == replay.peak_bytes <= budget
+    rerun = sum(
+        policy.backward_flops[i] - full.backward_flops[i] for i in range(len(mask)) if mask[i]
+    )
+    assert plan.flops.recompute == (replay.recompute_flops + rerun) * spec.microbatches
+    assert plan.flops.total == replay.total_flops * spec.microbatches
+    stages = chain_stage_times(spec, gpu, 0, plan.recompute_groups)
+    per_stage = micro_batch_time(stages, replay.layer_forwards, mask)
+    everywhere = micro_batch_time(stages, replay.layer_forwards, True)
+    nowhere = micro_batch_time(stages, replay.layer_forwards, False)
+    assert nowhere.recompute.total < per_stage.recompute.total < everywhere.recompute.total
+    assert step_time(plan, gpu).step_seconds > 0
+
+
+def test_mixed_beats_optimal_and_sac_optimal_on_llama(spec_of):
+    """Llama 3 8B, 16k tokens, micro-batch 2, FSDP over 8 H100s (docs/strategies.md): the mix
+    is at least as fast as both DPs it generalises, in the step time it minimises."""
+    from ckplan.hardware.step_time import step_time
+    from ckplan.inputs.gpus import load_gpu
+    from ckplan.plan.evaluate import evaluate
+    from ckplan.plan.search import activation_budget
+    from ckplan.plan.strategies import parse_strategy
+
+    spec = _llama(spec_of)
+    gpu = load_gpu("h100-sxm")
+    budget = activation_budget(spec, 75 * 2**30)
+    times = {}
+    for name in ("optimal", "sac+optimal", "sac+mixed"):
+        plan = evaluate(spec, parse_strategy(name, spec), budget=budget, gpu=gpu)
+        times[name] = step_time(plan, gpu).step_seconds if plan else float("inf")
+    assert times["sac+mixed"] < min(times["optimal"], times["sac+optimal"])
+
+
+def test_mixed_refused_with_pipeline_stages(spec_of):
+    from ckplan.plan.evaluate import evaluate
+    from ckplan.plan.strategies import StrategyError, parse_strategy
+
+    spec = _llama(spec_of, pp=2)
+    with pytest.raises(StrategyError, match="pp > 1"):
+        evaluate(spec, parse_strategy("sac+mixed", spec), budget=2**36)
+
+
+def test_sweep_with_a_gpu_tries_mixed(spec_of):
+    from ckplan.inputs.gpus import load_gpu
+    from ckplan.plan.search import sweep
+
+    gpu = load_gpu("h100-sxm")
+    result = sweep(_llama(spec_of), gpu.memory_bytes, 2 * 2**30, gpu=gpu)
+    names = {c.plan.strategy for c in result.candidates}
+    assert "sac+mixed" in names
+    assert "sac+mixed" not in {
+        c.plan.strategy for c in sweep(_llama(spec_of), 80 * 2**30).candidates
+    }
