@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from ckplan.hardware.gpus import GPU
 from ckplan.model.spec import ModelSpec
 from ckplan.plan.layer_chain import layer_chain
-from ckplan.plan.strategies import Strategy
+from ckplan.plan.strategies import Strategy, StrategyError
 from ckplan.schedules import Chain, Replay, Schedule, simulate
-from ckplan.schedules.policy_mix import mixed_chain, optimal_mixed_schedule
+from ckplan.schedules.policy_mix import MIX_MAX_STAGES, mixed_chain, optimal_mixed_schedule
 
 NANOSECOND = 1e-9  # the DP's integer time unit with a GPU
 
@@ -70,6 +70,11 @@ def mixed_stage(
     """The cheapest `POLICY+mixed` schedule of pipeline stage `stage` within `budget`
     activation bytes (step time on `gpu`, else FLOPs); None if none fits."""
     full = layer_chain(spec, (), stage=stage)
+    if full.length > MIX_MAX_STAGES:
+        raise StrategyError(
+            f"strategy {strategy.name!r} plans chains of at most {MIX_MAX_STAGES} stages, this "
+            f"one has {full.length}: use sac+optimal, or fewer layers per pipeline stage"
+        )
     policy = layer_chain(spec, strategy.groups, stage=stage)
     variants = (
         timed_variants(spec, gpu, stage, full, policy, strategy.groups)

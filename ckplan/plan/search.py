@@ -348,7 +348,11 @@ def optimal_plan(
 def mixed_plan(spec: ModelSpec, budget: int, gpu: GPU, slots: int = DEFAULT_SLOTS) -> Plan | None:
     """`sac+mixed` within `budget` activation bytes, in step time on `gpu`, where torchtitan's
     per-op policy applies and one micro-batch is in flight (pp = 1); else None."""
+    from ckplan.schedules.policy_mix import MIX_MAX_STAGES
+
     if budget <= 0 or spec.pp > 1 or check_policy_model(spec) is not None:
+        return None
+    if spec.layers_per_stage + 2 > MIX_MAX_STAGES:
         return None
     strategy = Strategy(kind=MIXED, policy=TORCHTITAN_POLICY)
     return evaluate(spec, strategy, budget=budget, slots=slots, gpu=gpu)
