@@ -156,7 +156,8 @@ def optimal_mixed_schedule(
 
 
 class _MixTable:
-    """``C(i, j, m)`` of :func:`optimal_mixed_schedule` as one int64 array (i, j, m)."""
+    """``C(i, j, m)`` of :func:`optimal_mixed_schedule`: one int64 row over ``m`` per class of
+    equal sub-chains."""
 
     def __init__(self, variants: tuple[Chain, ...], unit: int, mem: int) -> None:
         import numpy as np
@@ -185,11 +186,47 @@ class _MixTable:
                     pm = max(pm, self.g[k - 1])
                 row.append(max(self.g[i], a[i] + pm))
             self.h.append(row)
+        # Classes (as rotor.optimal_schedule's table): C(i, j, .) depends only on the stages of
+        # [i, j), in every variant, and on x_j, so equal sub-chains (stretches of identical
+        # layers) share one row; cls[i, j] is the row of [i, j).
+        kinds: dict[tuple, int] = {}
+        stage = [
+            kinds.setdefault(
+                (
+                    self.f[p],
+                    a[p],
+                    fw[p],
+                    *(x for v in range(len(variants)) for x in self._of(v, p)),
+                ),
+                len(kinds),
+            )
+            for p in range(n)
+        ]
+        heads: dict[tuple[int, int], int] = {}
+        classes: dict[tuple[int, int], int] = {}
+        cls = np.zeros((n + 1, n + 1), dtype=np.intp)
+        for i in range(n):
+            head = -1
+            for j in range(i + 1, n + 1):
+                head = heads.setdefault((head, stage[j - 1]), len(heads))
+                cls[i, j] = classes.setdefault((head, a[j]), len(classes))
+        self.cls = cls
         width = mem + 1
-        self.cost = np.full((n + 1, n + 1, width), _INF, dtype=np.int64)
+        self.cost = np.full((len(classes), width), _INF, dtype=np.int64)
+        filled = np.zeros(len(classes), dtype=bool)
         for j in range(1, n + 1):
             for i in range(j - 1, -1, -1):
-                self._fill(i, j)
+                if not filled[cls[i, j]]:
+                    filled[cls[i, j]] = True
+                    self._fill(i, j)
+
+    def _of(self, v: int, p: int) -> tuple[int, int, int]:
+        """(backward cost, tape slots, backward figure) of stage ``p`` stored as variant ``v``."""
+        return self.b[v][p], self.tp[v][p], self.bwd[v][p]
+
+    def row(self, i: int, j: int):
+        """``C(i, j, .)`` over m = 0..mem."""
+        return self.cost[self.cls[i, j]]
 
     def _keep(self, i: int, j: int, v: int):
         """(threshold, candidate row over m >= threshold) of storing ``i`` as variant ``v``."""
@@ -201,13 +238,13 @@ class _MixTable:
         if j == i + 1:
             return thr, cost
         sh = self.tp[v][i]
-        return thr, self.cost[i + 1, j, thr - sh : width - sh] + cost
+        return thr, self.row(i + 1, j)[thr - sh : width - sh] + cost
 
     def _fill(self, i: int, j: int) -> None:
         import numpy as np
 
         width = self.mem + 1
-        best = self.cost[i, j]
+        best = self.row(i, j)
         for v in range(len(self.b)):
             thr, cand = self._keep(i, j, v)
             if cand is not None:
@@ -217,8 +254,8 @@ class _MixTable:
             lo = a[j] + self.h[i][0]
             if lo <= self.mem:
                 ks = range(i + 1, j)
-                right = self.cost[i + 1 : j, j, lo - a[i] : width - a[i]]
-                left = self.cost[i, i + 1 : j, lo:]
+                right = self.cost[self.cls[i + 1 : j, j], lo - a[i] : width - a[i]]
+                left = self.cost[self.cls[i, i + 1 : j], lo:]
                 forward = np.array([self.prefix[k] - self.prefix[i] for k in ks], dtype=np.int64)
                 cand = right + left + forward[:, None]
                 for k in ks:
@@ -238,13 +275,13 @@ class _MixTable:
                 continue
             cost = self.f[i] + self.b[v][i]
             if j > i + 1:
-                cost += int(self.cost[i + 1, j, m - self.tp[v][i]])
+                cost += int(self.row(i + 1, j)[m - self.tp[v][i]])
             if cost < best:
                 best, pick = cost, (v, 0)
         for k in range(i + 1, j):
             if m < self.a[j] + self.h[i][k - i - 1]:
                 continue
-            cand = int(self.cost[k, j, m - self.a[i]]) + int(self.cost[i, k, m])
+            cand = int(self.row(k, j)[m - self.a[i]]) + int(self.row(i, k)[m])
             cand += self.prefix[k] - self.prefix[i]
             if cand < best:
                 best, pick = cand, (-1, k)
@@ -254,7 +291,7 @@ class _MixTable:
 
     def solve(self) -> tuple[Schedule, tuple[int, ...], int] | None:
         n, mem = self.n, self.mem
-        top = int(self.cost[0, n, mem])
+        top = int(self.row(0, n)[mem])
         if top >= _INF:
             return None
         steps: list[Step] = []
