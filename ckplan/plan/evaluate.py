@@ -517,9 +517,10 @@ def _evaluate_mixed(spec, strategy, budget, slots, gpu) -> Plan | None:
         states = dataclasses.replace(states, gradients=live)
     stored = sum(found.policy_stages)
     rerun = sum(1 for count in replay.layer_forwards if count > 1)
+    n = found.chain.length
     notes = (
-        f"{stored} of {found.chain.length} stages store the {_policy_label(strategy)} tape, the "
-        f"others the full tape; {rerun} re-run whole "
+        f"{stored} of {n} stages store the {_policy_label(strategy)} tape and {n - stored} the "
+        f"full tape; {rerun} are re-run whole "
         f"({'step time on ' + gpu.name if gpu is not None else 'FLOPs'} minimised)",
     )
     return _plan(
