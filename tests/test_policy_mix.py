@@ -256,3 +256,25 @@ def test_sweep_with_a_gpu_tries_mixed(spec_of):
     assert "sac+mixed" not in {
         c.plan.strategy for c in sweep(_llama(spec_of), 80 * 2**30).candidates
     }
+
+
+def test_mixed_with_a_policy_of_ones_own_is_never_slower_than_the_policy(spec_of):
+    """`sac:OP,...+mixed` can store the policy's tape in every layer, so within the budget the
+    policy alone fits, its DP (step time) is at most the policy's; its FLOPs-ranked plan without
+    a GPU fits too."""
+    from ckplan.hardware.step_time import step_time
+    from ckplan.inputs.gpus import load_gpu
+    from ckplan.plan.evaluate import evaluate
+    from ckplan.plan.strategies import parse_strategy
+
+    spec = _llama(spec_of)
+    gpu = load_gpu("h100-sxm")
+    alone = evaluate(spec, parse_strategy("sac:k_proj,v_proj", spec))
+    budget = alone.activation_bytes
+    mixed = evaluate(spec, parse_strategy("sac:k_proj,v_proj+mixed", spec), budget=budget, gpu=gpu)
+    assert mixed.activation_bytes <= budget
+    # the DP's time is whole nanoseconds per stage: allow their rounding
+    assert step_time(mixed, gpu).step_seconds <= step_time(alone, gpu).step_seconds + 1e-6
+    by_flops = evaluate(spec, parse_strategy("sac:k_proj,v_proj+mixed", spec), budget=budget)
+    assert by_flops.activation_bytes <= budget
+    assert by_flops.flops.total <= alone.flops.total
