@@ -3,7 +3,8 @@
 
 1. CLI start-up: `ckplan estimate PRESET` against a Typer app with the same options.
 2. The optimal DP at L = 32/64/128/256 layers x 500 slots against its first implementation
-   (`schedules.rotor_reference`), same schedules checked step for step.
+   (`schedules.rotor_reference`), same schedules checked step for step; the mixed DP
+   (`sac+mixed`) beside it.
 3. Revolve against the `checkpoint-schedules` package (installed in the bench venv only).
 4. Sweeps, the pipelined DP and very deep stages.
 
@@ -22,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -155,6 +157,36 @@ def dp() -> None:
             f"{seconds(joint_best, joint_median)} {seconds(rotor_best, rotor_median)} "
             f"{joint_best / rotor_best:8.2f}x"
         )
+
+
+def mixed_dp() -> None:
+    """The mixed DP (`sac+mixed`: full tape, torchtitan's policy's tape or recompute, per layer)
+    beside the rotor DP on the full chain, Llama-3-8B layers at 8k tokens, budget 25% of
+    store-all, 500 slots; and `sweep --gpu` on the docs' layout, which runs it once."""
+    from ckplan.inputs.gpus import load_gpu
+    from ckplan.model.op_policy import TORCHTITAN_POLICY
+    from ckplan.schedules.policy_mix import optimal_mixed_schedule
+
+    print("\n2b. Mixed DP (sac+mixed) against the rotor DP on the full chain, 500 slots")
+    print(f"  {'chain':<34} {'mixed':>18} {'rotor':>18} {'ratio':>9}")
+    for layers in (32, 64, 126):
+        spec = load_spec("llama3-8b", {"framework": "torchtitan", "seq": 8192, "layers": layers})
+        full, policy = layer_chain(spec, ()), layer_chain(spec, (TORCHTITAN_POLICY,))
+        budget = simulate(full, store_all_schedule(full)).peak_bytes // 4
+        repeats = 1 if layers > 64 else 3
+        mixed = timed(optimal_mixed_schedule, (full, policy), budget, 500, repeats=repeats)
+        rotor = timed(optimal_schedule, full, budget, 500, repeats=repeats)
+        print(
+            f"  {f'L = {layers} ({full.length} stages)':<34} {seconds(*mixed[:2])} "
+            f"{seconds(*rotor[:2])} {mixed[0] / rotor[0]:8.1f}x"
+        )
+    spec = load_spec(
+        "llama3-8b",
+        {"framework": "torchtitan", "seq": 16384, "micro_batch": 2, "dp": 8, "zero": 3},
+    )
+    gpu = load_gpu("h100-sxm")
+    best, median, _ = timed(partial(sweep, gpu=gpu), spec, gpu.memory_bytes, DEFAULT_RESERVE)
+    print(f"  {'sweep --gpu h100-sxm, llama3-8b 16k':<44} {seconds(best, median)}")
 
 
 def _dp_row(label, chain, budget, slots, in_flight, repeats) -> None:
@@ -358,6 +390,7 @@ def main() -> None:
     machine()
     startup()
     dp()
+    mixed_dp()
     revolve()
     sweeps()
     time_model()

@@ -24,6 +24,7 @@ from ckplan.cli.options import (
 from ckplan.cli.resolve import check_slots, parse_budget, resolve
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import DEFAULT_SLOTS, STRATEGY_HELP, evaluate, parse_strategy, search
+from ckplan.plan.strategies import MIXED
 from ckplan.quoting import quote, shorten
 
 
@@ -113,7 +114,7 @@ def _export_plan(spec: ModelSpec, plan: str, target: str, budget, reserve, slots
             f"--plan {quote(plan)} weighs host copies against a GPU's stage times and export "
             "takes no --gpu; ckplan schedule --gpu GPU --strategy ... --json lists its steps"
         )
-    if parsed.kind == "optimal":
+    if parsed.kind in ("optimal", MIXED):
         if activation_budget is None:
             raise UserError(f"--plan {quote(plan)} builds the optimal schedule and needs --budget")
         found = (

@@ -159,6 +159,13 @@ def layer_segments(plan: Plan) -> LayerSegments | str:
     names = plan.stage_names
     if not plan.steps:
         return "it has no schedule (the simple formula set)"
+    for _, mask in plan.stage_policy:
+        flags = [on for on, name in zip(mask, names, strict=True) if name.startswith(LAYER_PREFIX)]
+        if not all(flags):
+            return (
+                "it stores the full tape in some layers and the per-op policy's in others; the "
+                "exports apply one policy to every stored layer"
+            )
     if spec.pp > 1 and plan.stage_offloads:
         return (
             "each pipeline stage offloads its own layers and a launcher applies one setting to "

@@ -403,17 +403,21 @@ def chain_stage_times(
 
 
 def micro_batch_time(
-    stages: tuple[StageTime, ...] | list[StageTime], forwards: tuple[int, ...], selective: bool
+    stages: tuple[StageTime, ...] | list[StageTime],
+    forwards: tuple[int, ...],
+    selective: bool | tuple[bool, ...],
 ) -> MicroBatchTime:
     """One micro-batch: stage i's forward `forwards[i]` times (the first is the forward, the
     others recompute), every backward once, and with `selective` each layer's re-forward of
-    its recompute groups (`StageTime.core_forward`)."""
+    its recompute groups (`StageTime.core_forward`); a tuple says it stage by stage (`sac+mixed`:
+    the stages that store the policy's tape)."""
     if len(forwards) != len(stages):
         raise ValueError(f"{len(forwards)} forward counts for a chain of {len(stages)} stages")
+    flags = (selective,) * len(stages) if isinstance(selective, bool) else tuple(selective)
     forward = backward = recompute = ZERO
     forward_comm = backward_comm = recompute_comm = expert_comm = 0.0
     # Runs of equal stages with equal counts (a deep uniform stack is a few runs) are added once.
-    for (stage, count), run in groupby(zip(stages, forwards, strict=True)):
+    for (stage, count, selective), run in groupby(zip(stages, forwards, flags, strict=True)):
         n = sum(1 for _ in run)
         forward = _add(forward, _scale(stage.forward, n))
         backward = _add(backward, _scale(stage.backward, n))
@@ -444,9 +448,16 @@ def _chain_stage_table(spec: ModelSpec, gpu: GPU, stage: int, groups: tuple[str,
 
 @lru_cache(maxsize=8192)
 def _stage_micro_batch(
-    spec: ModelSpec, gpu: GPU, stage: int, forwards: tuple[int, ...], groups: tuple[str, ...]
+    spec: ModelSpec,
+    gpu: GPU,
+    stage: int,
+    forwards: tuple[int, ...],
+    groups: tuple[str, ...],
+    mask: tuple[bool, ...] | None = None,
 ) -> MicroBatchTime:
     chain_groups = groups or (ATTENTION_CORE,)
+    if mask is not None:
+        return micro_batch_time(chain_stage_times(spec, gpu, stage, chain_groups), forwards, mask)
     return _activation_micro_batch(spec.chain, gpu, stage, forwards, chain_groups, bool(groups))
 
 
@@ -628,15 +639,19 @@ def step_time_from_forwards(
     flop_overhead: float = 0.0,
     stage_offloads: tuple = (),
     stage_prefetch: tuple = (),
+    stage_policy: tuple = (),
 ) -> StepTime:
     """The iteration's time from each pipeline stage's forward counts per chain stage
     ((pipeline stage, layer_forwards) as the schedule replay gives them), `groups` the recompute
     groups re-run inside stored layers (True: the attention core); `flop_overhead`
-    (recompute / (forward + backward) FLOPs) turns MFU into HFU."""
+    (recompute / (forward + backward) FLOPs) turns MFU into HFU. `stage_policy`: (pipeline
+    stage, one flag per chain stage), which stages re-run `groups` (`sac+mixed`); without it,
+    every stage does."""
     if isinstance(groups, bool):
         groups = (ATTENTION_CORE,) if groups else ()
+    masks = dict(stage_policy)
     times = [
-        _stage_micro_batch(spec, gpu, stage, tuple(forwards), groups)
+        _stage_micro_batch(spec, gpu, stage, tuple(forwards), groups, masks.get(stage))
         for stage, forwards in stage_forwards
     ]
     plain = [
@@ -789,4 +804,5 @@ def step_time(plan, gpu: GPU) -> StepTime | None:
         plan.flops.overhead,
         getattr(plan, "stage_offloads", ()),
         getattr(plan, "stage_prefetch", ()),
+        getattr(plan, "stage_policy", ()),
     )

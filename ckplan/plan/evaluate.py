@@ -24,7 +24,7 @@ from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import limits
 from ckplan.plan.layer_chain import layer_chain, layer_offset, stage_names
-from ckplan.plan.strategies import Strategy, StrategyError, formula_name
+from ckplan.plan.strategies import MIXED, Strategy, StrategyError, formula_name
 from ckplan.schedules import (
     BACKWARD,
     Chain,
@@ -91,6 +91,9 @@ class Plan:
     # per pipeline stage, the chain stage whose backward each offloaded item's copy back
     # overlaps (aligned with stage_offloads; i + 1 but for a multi-layer segment's input)
     stage_prefetch: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # `sac+mixed`: per pipeline stage, whether each chain stage stores the policy's tape (its
+    # backward re-runs `recompute_groups`) rather than the full tape
+    stage_policy: tuple[tuple[int, tuple[bool, ...]], ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -251,6 +254,8 @@ def evaluate(
         return _evaluate_simple(spec, strategy)
     if strategy.offload:
         return _evaluate_offload(spec, strategy, budget, slots, gpu)
+    if strategy.kind == MIXED:
+        return _evaluate_mixed(spec, strategy, budget, slots, gpu)
     # One chain for p = 1; else the first pipeline stage (embedding, most micro-batches in
     # flight), the last (output layer and fp32 logits, one micro-batch in flight) and, with
     # mixed layers, the middle stages that hold other layers (`pipeline_stages`).
@@ -453,6 +458,7 @@ def _plan(
     bytes_moved=0,
     stage_offloads=(),
     stage_prefetch=(),
+    stage_policy=(),
 ) -> Plan:
     counts = memory.parameter_count(spec)
     return Plan(
@@ -478,7 +484,65 @@ def _plan(
         bytes_moved=bytes_moved,
         stage_offloads=stage_offloads,
         stage_prefetch=stage_prefetch,
+        stage_policy=stage_policy,
     )
+
+
+def _evaluate_mixed(spec, strategy, budget, slots, gpu) -> Plan | None:
+    """`POLICY+mixed` (ckplan.plan.policy_mix): the optimal DP choosing each layer's tape, full
+    or the policy's, or its recomputation; one pipeline stage, one micro-batch in flight."""
+    from ckplan.plan.policy_mix import mixed_stage
+
+    if budget is None:
+        raise StrategyError(f"strategy {strategy.name!r} needs a memory budget (--budget)")
+    if spec.pp > 1:
+        raise StrategyError(
+            f"strategy {strategy.name!r} plans one micro-batch in flight: pipeline parallelism "
+            "(pp > 1) is not supported; use sac+optimal"
+        )
+    found = mixed_stage(spec, strategy, 0, budget, slots, gpu)
+    if found is None:
+        return None
+    replay = found.replay
+    flops = FlopCount(
+        forward=replay.forward_flops - replay.recompute_flops,
+        backward=replay.backward_flops - found.rerun_flops,
+        recompute=replay.recompute_flops + found.rerun_flops,
+    )
+    states = memory.model_state_bytes(spec, 0)
+    peak = replay.peak_bytes
+    if memory.gradients_allocated_in_backward(spec):
+        during = [point.during_bytes for point in replay.trace]
+        live = gradients_at_peak(found.steps, during, peak, memory.chain_gradient_bytes(spec))
+        states = dataclasses.replace(states, gradients=live)
+    stored = sum(found.policy_stages)
+    rerun = sum(1 for count in replay.layer_forwards if count > 1)
+    n = found.chain.length
+    notes = (
+        f"{stored} of {n} stages store the {_policy_label(strategy)} tape and {n - stored} the "
+        f"full tape; {rerun} are re-run whole "
+        f"({'step time on ' + gpu.name if gpu is not None else 'FLOPs'} minimised)",
+    )
+    return _plan(
+        spec,
+        strategy.name,
+        "derived",
+        peak,
+        _per_iteration(spec, flops),
+        found.steps,
+        _stage_names(spec, 0),
+        notes,
+        stage_forwards=((0, replay.layer_forwards),),
+        # no stage storing the policy's tape: the plan of `optimal`, the policy re-runs nothing
+        recompute_groups=strategy.groups if stored else (),
+        model_states=states,
+        stage_policy=((0, found.policy_stages),) if stored else (),
+    )
+
+
+def _policy_label(strategy: Strategy) -> str:
+    """'sac' or the policy's own spelling, as the strategy's name gives it."""
+    return strategy.name.rsplit("+", 1)[0] + " policy's"
 
 
 def _evaluate_offload(spec, strategy, budget, slots, gpu) -> Plan | None:

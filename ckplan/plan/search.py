@@ -16,7 +16,13 @@ from ckplan.model.memory import model_state_bytes
 from ckplan.model.op_policy import TORCHTITAN_POLICY, check_policy_model
 from ckplan.model.spec import SIZE_RANGES, ModelSpec, SpecError
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate
-from ckplan.plan.strategies import Strategy, formula_name, has_dense_layers, parse_strategy
+from ckplan.plan.strategies import (
+    MIXED,
+    Strategy,
+    formula_name,
+    has_dense_layers,
+    parse_strategy,
+)
 
 if TYPE_CHECKING:
     from ckplan.hardware.gpus import GPU
@@ -239,6 +245,9 @@ def sweep(
             joint = offload_optimal_plan(spec, activation_budget(spec, usable), gpu, slots)
             if joint is not None:
                 plans.append(joint)
+            mixed = mixed_plan(spec, activation_budget(spec, usable), gpu, slots)
+            if mixed is not None:
+                plans.append(mixed)
     if progress is not None:
         progress(len(strategies) + 1, len(strategies) + 1)
     candidates = tuple(_candidate(plan, usable, gpu) for plan in plans)
@@ -334,6 +343,19 @@ def optimal_plan(
 
         return min(found, key=lambda p: (step_time(p, gpu).step_seconds, p.activation_bytes))
     return min(found, key=lambda p: (p.flops.total, p.activation_bytes))
+
+
+def mixed_plan(spec: ModelSpec, budget: int, gpu: GPU, slots: int = DEFAULT_SLOTS) -> Plan | None:
+    """`sac+mixed` within `budget` activation bytes, in step time on `gpu`, where torchtitan's
+    per-op policy applies and one micro-batch is in flight (pp = 1); else None."""
+    from ckplan.schedules.policy_mix import MIX_MAX_STAGES
+
+    if budget <= 0 or spec.pp > 1 or check_policy_model(spec) is not None:
+        return None
+    if spec.layers_per_stage + 2 > MIX_MAX_STAGES:
+        return None
+    strategy = Strategy(kind=MIXED, policy=TORCHTITAN_POLICY)
+    return evaluate(spec, strategy, budget=budget, slots=slots, gpu=gpu)
 
 
 def best_policy_plan(spec: ModelSpec, usable: int, gpu: GPU | None = None) -> Plan | None:

@@ -9,8 +9,10 @@ modifiers recompute a group of ops inside every stored layer: `selective` the at
 model with experts. `offload` moves stored tapes to host memory (Beaumont et al. 2021): alone
 every layer's tape, no recomputation; `offload+optimal` the joint DP over keep, offload and
 recompute; `full+offload` (and any segment strategy's `+offload`) the checkpointed inputs
-(docs/offloading.md). The MODULE words are Megatron-Core's other
---recompute-modules: layernorm, moe_act, mla_up_proj, shared_experts (ckplan.model.modules).
+(docs/offloading.md). `sac+mixed` (any per-op policy +mixed): the optimal DP choosing each
+layer's tape, full, the policy's, or re-run whole (ckplan.schedules.policy_mix). The MODULE
+words are Megatron-Core's other --recompute-modules: layernorm, moe_act, mla_up_proj,
+shared_experts (ckplan.model.modules).
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ class StrategyError(InputError):
 class Strategy:
     """A parsed `--strategy`: `kind` with its integer `size` (K, N or C) where it takes one."""
 
-    kind: str  # none | full | uniform | sequential | sqrt | selective | block | revolve | optimal
+    # none | full | uniform | sequential | sqrt | selective | block | revolve | optimal | mixed
+    kind: str
     size: int | None = None
     selective: bool = False  # attention core recomputed on top of `kind`
     moe: str | None = None  # "moe" | "experts": that MoE group recomputed on top of `kind`
@@ -101,6 +104,9 @@ class Strategy:
 
 
 _SIZED = ("uniform", "sequential", "block", "revolve")
+# POLICY+mixed: the optimal DP over, per layer, the full tape, the policy's tape or a re-run
+# (ckplan.schedules.policy_mix)
+MIXED = "mixed"
 # `offload` before these kinds' names (offload, offload+optimal: the tapes move), after the
 # others' (full+offload, block:4+offload: what the first pass stores moves, checkpointed inputs
 # included; ckplan.schedules.offload)
@@ -170,6 +176,9 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
             )
         policy = _parse_policy(text, words[0], spec)
         rest = [part for part in parts if not _is_policy_word(part)]
+        if rest == [MIXED]:
+            # the optimal DP choosing each layer's tape: full, the policy's, or re-run whole
+            return Strategy(kind=MIXED, policy=policy)
         base = parse_strategy(rest[0], spec) if rest else Strategy("none")
         if rest and rest[0] == "full":
             return Strategy(kind="uniform", size=1)  # every layer re-run whole
@@ -184,6 +193,11 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
         if base.kind == "full":
             return Strategy("uniform", 1)  # every layer re-run whole: the policy has no say
         return dataclasses.replace(base, policy=policy)
+    if MIXED in parts:
+        raise StrategyError(
+            f"strategy {quote(text)}: {MIXED} chooses each layer's tape between the full one "
+            "and a per-op policy's: name the policy (sac+mixed or sac:OP,...+mixed)"
+        )
     if len(parts) > 1 and parts[-1] == "offload":  # full+offload: the base named last
         bases = [j for j, part in enumerate(parts) if _is_base(part)]
         if bases:
