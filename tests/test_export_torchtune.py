@@ -22,6 +22,8 @@ CASES = [
     ("full", {"loss": "chunked:8", "optimizer": "paged-adamw-8bit", "optimizer_in_backward": True}),
     ("full", {"loss": "chunked:8", "dp": 8, "zero": 3, "kernels": "compiled"}),
     ("none", {"training": "lora", "loss": "eager", "dp": 4, "zero": 2, "dtype_bytes": 4}),
+    ("full+offload", {"training": "qlora", "loss": "chunked:8"}),
+    ("offload", {"training": "lora", "loss": "chunked:8"}),
 ]
 
 
@@ -102,6 +104,8 @@ REFUSED = [
     ("full", {"training": "lora", "optimizer_in_backward": True}, "optimizer_in_bwd"),
     ("full", {"optimizer": "lion"}, "optimizer: lion"),
     ("full", {"dp": 4, "zero": 1}, "FSDP2"),
+    ("uniform:4+offload", {"training": "lora"}, "every layer"),
+    ("selective+offload", {"training": "lora"}, "selective"),
 ]
 
 
@@ -116,3 +120,16 @@ def test_fused_loss_is_refused_in_one_line(cli):
     code, out, err = cli("export", "llama3-8b", "--plan", "full", "--to", "torchtune")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert "loss=chunked:8" in err
+
+
+@pytest.mark.parametrize(
+    ("strategy", "checkpointing", "offloading"),
+    [("full", True, False), ("full+offload", True, True), ("offload", False, True)],
+)
+def test_offloading_is_torchtunes_over_every_layer(spec_of, strategy, checkpointing, offloading):
+    """torchtune's OffloadActivations over every layer: with checkpointing their inputs
+    (full+offload), without it every saved tensor (offload)."""
+    _, written = export(spec_of, strategy, {"training": "lora", "loss": "chunked:8"})
+    got = yaml.safe_load(written.text)
+    assert got["enable_activation_checkpointing"] is checkpointing
+    assert got["enable_activation_offloading"] is offloading

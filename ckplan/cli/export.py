@@ -43,7 +43,7 @@ def export(
         typer.Option(
             "--to",
             "-t",
-            help="megatron, torch, deepspeed, torchtitan, yaml or peft.",
+            help="megatron, torch, deepspeed, torchtitan, yaml, peft or torchtune.",
             autocompletion=lambda incomplete: [
                 t
                 for t in ("megatron", "torch", "deepspeed", "torchtitan", "yaml")

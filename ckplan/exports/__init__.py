@@ -52,7 +52,7 @@ def check_target(target: str) -> str:
 
 def why_not(plan: Plan, target: str) -> str | None:
     """Why `target` cannot express `plan` (None when it can)."""
-    if plan.stage_offloads and target not in (torch_snippet.NAME, deepspeed.NAME):
+    if plan.stage_offloads and target not in (torch_snippet.NAME, deepspeed.NAME, torchtune.NAME):
         return f"plan {plan.strategy}: {_offload_reason(plan, target)}"
     if target == yaml_plan.NAME:
         return None
@@ -83,8 +83,9 @@ def _offload_reason(plan: Plan, target: str) -> str:
             "writes torch.autograd.graph.save_on_cpu around the layers)"
         )
     return (
-        "offloading to host memory is exported to PyTorch (--to torch) and, for the "
-        "checkpointed inputs of full+offload, DeepSpeed (--to deepspeed)"
+        "offloading to host memory is exported to PyTorch (--to torch), torchtune (offload, "
+        "full+offload) and, for the checkpointed inputs of full+offload, DeepSpeed "
+        "(--to deepspeed)"
     )
 
 

@@ -8,7 +8,9 @@ The keys, as torchtune v0.6.1's recipes/configs and recipes read them:
 - `batch_size` (per device), `gradient_accumulation_steps`, `dtype` (bf16 or fp32), `compile`;
 - `enable_activation_checkpointing` (training.set_activation_checkpointing over every
   TransformerSelfAttentionLayer: every layer or none) and `enable_activation_offloading`
-  (False: ckplan exports offloading to PyTorch only);
+  (training.OffloadActivations, saved-tensor hooks over the whole model but the output layer:
+  every tensor the layers save goes to host, their inputs alone with checkpointing: ckplan's
+  `offload` and `full+offload`, every layer or none);
 - `loss._component_`: torchtune.modules.loss.CEWithChunkedOutputLoss with
   `loss.num_output_chunks` (its constructor argument, default 8) for `loss: chunked:N`, or
   torch.nn.CrossEntropyLoss for `loss: eager`;
@@ -91,6 +93,11 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
             "selective recomputation: torchtune's enable_activation_checkpointing wraps whole "
             "layers"
         )
+    if layers.offloaded and set(layers.offloaded) != set(range(layers.layers)):
+        return (
+            "offloaded layers: torchtune's enable_activation_offloading offloads every layer or "
+            "none (use offload or full+offload, or --to torch)"
+        )
     if layers.stores_all or layers.uniform_size() == 1:
         return None
     return (
@@ -108,7 +115,7 @@ def values(plan: Plan, layers: LayerSegments) -> dict[str, object]:
         "dtype": "fp32" if spec.dtype_bytes == 4 else "bf16",
         "compile": spec.kernels == "compiled",
         "enable_activation_checkpointing": bool(layers.recomputed),
-        "enable_activation_offloading": False,
+        "enable_activation_offloading": bool(layers.offloaded),
         "optimizer": {"_component_": OPTIMIZERS[spec.optimizer]},
     }
     if spec.loss.startswith("chunked:"):
