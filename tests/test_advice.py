@@ -117,3 +117,24 @@ def test_sweep_on_a_pcie_card_advises_the_fine_tune(capsys):
     assert code == 1
     assert data["advice"][0].startswith("--set training=lora: ")
     assert not any("--set tp=" in line for line in data["advice"])
+
+
+def test_model_states_on_the_host_are_a_lever_checked_against_host_memory():
+    """Llama-3-8B full training with DeepSpeed on one RTX 4090: ZeRO-Offload takes the states
+    off the GPU, but 8e9 parameters' fp32 states are more than a GPU's share of the preset's
+    host memory; with a larger host it fits."""
+    gpu = load_gpu("rtx-4090")
+    spec = load_spec("llama3-8b", {"seq": 4096, "framework": "deepspeed"})
+    from ckplan.hardware.host_link import host_memory_per_gpu
+    from ckplan.plan.search import DEFAULT_RESERVE
+
+    usable = gpu.memory_bytes - DEFAULT_RESERVE
+    found = advise(spec, usable, 1, over_pcie(gpu), host_memory_per_gpu(gpu))
+    offload = [a for a in found if a.keys.get("optimizer_offload") == "cpu"]
+    assert offload and all(a.host is not None and not a.fits for a in offload)
+    assert all(a.total_bytes <= usable and a.host[0] > a.host[1] for a in offload)
+    roomy = advise(spec, usable, 1, over_pcie(gpu), 10**12)
+    assert any(a.fits and a.keys.get("optimizer_offload") == "cpu" for a in roomy)
+    # frameworks that cannot offload states get no such lever
+    megatron = advise(load_spec("llama3-8b", {"seq": 4096}), usable, 1, True, 10**12)
+    assert not any("optimizer_offload" in a.keys for a in megatron)

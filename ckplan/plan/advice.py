@@ -8,8 +8,9 @@ takes. A lever that cannot make it fit alone is reported with the least it reach
 
 A fine-tune on one GPU (its `training` not full, or a card whose GPUs only PCIe joins) adds a
 fine-tune's levers (docs/fine-tuning.md): LoRA adapters, then QLoRA's 4-bit frozen weights; an
-8-bit optimizer (bitsandbytes' AdamW8bit); the optimizer step in backward; each with every
-layer recomputed and shown with what it gives alone. On a PCIe card more GPUs come only
+8-bit optimizer (bitsandbytes' AdamW8bit); the optimizer step in backward; the model states in
+host memory (ZeRO-Offload, FSDP's CPU offload); each with every layer recomputed and shown with
+what it gives alone. On a PCIe card more GPUs come only
 through data parallelism with ZeRO-3 (FSDP), never tensor, pipeline or context parallelism
 across cards that PCIe joins.
 """
@@ -42,6 +43,9 @@ class Advice:
     total_bytes: int  # the least-memory plan's per-GPU memory with them
     fits: bool
     gpus_factor: float  # GPUs needed, as a multiple of the current layout's
+    # model states on the host against the host memory per GPU, where the keys put them there
+    # and the GPU is known: (bytes, budget)
+    host: tuple[int, int] | None = None
 
     @property
     def settings(self) -> str:
@@ -50,9 +54,16 @@ class Advice:
     def text(self) -> str:
         gpus = "the same GPUs" if self.gpus_factor == 1 else f"{self.gpus_factor:g}x the GPUs"
         verdict = "fits" if self.fits else "still over"
+        host = ""
+        if self.host is not None:
+            over = " (over)" if self.host[0] > self.host[1] else ""
+            host = (
+                f", {format_bytes_auto(self.host[0])} of {format_bytes_auto(self.host[1])} host "
+                f"memory per GPU{over}"
+            )
         return (
             f"{self.settings}: {format_bytes_auto(self.total_bytes)} per GPU with full "
-            f"recomputation ({verdict}; {gpus})"
+            f"recomputation{host} ({verdict}; {gpus})"
         )
 
 
@@ -155,16 +166,37 @@ def _finetune_levers(spec: ModelSpec) -> list[list[dict[str, Any]]]:
         if not spec.optimizer_in_backward and spec.microbatches == 1
         else []
     )
-    return [training, optimizer, in_backward]
+    return [training, optimizer, in_backward, _state_offload(spec)]
+
+
+def _state_offload(spec: ModelSpec) -> list[dict[str, Any]]:
+    """Model states to the host, as the framework runs it (frameworks.state_offload_error):
+    DeepSpeed's ZeRO-Offload (offload_optimizer), then with ZeRO 3 its parameters too; FSDP's
+    CPU offload (both keys, ZeRO 3). Only for full training with Adam (what it models)."""
+    if spec.training != "full" or spec.optimizer != "adamw" or spec.optimizer_offload != "none":
+        return []
+    if spec.framework == "deepspeed":
+        return [
+            {"zero": max(spec.zero, 1), "optimizer_offload": "cpu"},
+            {"zero": 3, "optimizer_offload": "cpu", "param_offload": "cpu"},
+        ]
+    if spec.framework in ("torchtitan", "hf"):
+        return [{"zero": 3, "optimizer_offload": "cpu", "param_offload": "cpu"}]
+    return []
 
 
 def advise(
-    spec: ModelSpec, usable_bytes: int, gpus_per_node: int = GPUS_PER_NODE, pcie: bool = False
+    spec: ModelSpec,
+    usable_bytes: int,
+    gpus_per_node: int = GPUS_PER_NODE,
+    pcie: bool = False,
+    host_budget: int | None = None,
 ) -> list[Advice]:
     """Per lever, the least change that fits (or the least memory it reaches), fitting ones
     first, fewest GPUs first; only the fitting ones when some fit, but for a fine-tune on one
     GPU, which sees every lever with what it gives. `pcie`: the GPUs are joined by PCIe only
-    (`over_pcie`)."""
+    (`over_pcie`); `host_budget`: host memory per GPU, which model states moved to the host
+    must fit (None: not checked)."""
     current = least_bytes(spec)
     if current <= usable_bytes:
         return []
@@ -176,9 +208,14 @@ def advise(
             changed = _try(spec, keys)
             if changed is None:
                 continue
-            total = least_bytes(changed)
+            plan = evaluate(changed, parse_strategy("full", changed))
+            total = plan.budgeted_bytes
+            host = None
+            if plan.model_states.host and host_budget is not None:
+                host = (plan.host_total_bytes, host_budget)
+            fits = total <= usable_bytes and (host is None or host[0] <= host[1])
             shown = {k: v for k, v in keys.items() if getattr(spec, k) != v}
-            advice = Advice(shown, total, total <= usable_bytes, _gpus(changed) / gpus)
+            advice = Advice(shown, total, fits, _gpus(changed) / gpus, host)
             if advice.fits:
                 best = advice
                 break
@@ -186,7 +223,10 @@ def advise(
                 best = advice
         if best is not None and best.total_bytes < current:
             found.append(best)
-    found.sort(key=lambda a: (not a.fits, a.gpus_factor, a.total_bytes))
+    # model states on the host last among equals: the CPU's optimizer step is slow
+    found.sort(
+        key=lambda a: (not a.fits, a.gpus_factor, "optimizer_offload" in a.keys, a.total_bytes)
+    )
     if _one_gpu_fine_tune(spec, pcie):  # every lever, with what it gives alone
         return found
     fitting = [a for a in found if a.fits]
@@ -195,7 +235,10 @@ def advise(
 
 def advice_lines(spec: ModelSpec, usable_bytes: int, limit: int = 3, gpu=None) -> list[str]:
     """The first `limit` pieces of advice as lines for people; `gpu` (when known) sets the
-    GPUs per node and whether PCIe joins them."""
+    GPUs per node, whether PCIe joins them and the host memory per GPU."""
+    from ckplan.hardware.host_link import host_memory_per_gpu
+
     per_node = gpu.gpus_per_node if gpu is not None else GPUS_PER_NODE
-    found = advise(spec, usable_bytes, per_node, over_pcie(gpu))
+    host = host_memory_per_gpu(gpu) if gpu is not None else None
+    found = advise(spec, usable_bytes, per_node, over_pcie(gpu), host)
     return [a.text() for a in found[:limit]]
