@@ -350,3 +350,20 @@ def test_at_equal_step_time_the_plan_without_offloaded_tapes_wins():
     assert offload.fits and not result.best.plan.stage_offloads
     assert offload.time.step_seconds == result.best.time.step_seconds
     assert offload.plan.total_bytes < result.best.plan.total_bytes
+
+
+def test_plan_tries_the_joint_dp_on_offloading_layouts():
+    """Llama-3-8B at 16k over 16 RTX 4090s with torchtitan: the fastest layouts offload, and the
+    joint keep/offload/recompute DP beats the single offload strategies there; shown layouts
+    stay ranked by step time."""
+    from ckplan.inputs.presets import load_spec
+    from ckplan.plan.layout.search import search_layouts
+
+    gpu = load_gpu("rtx-4090")
+    spec = load_spec("llama3-8b", {"seq": 16384, "framework": "torchtitan"})
+    result = search_layouts(spec, 16, gpu, 16, gpu.memory_bytes, top=3)
+    best = result.layouts[0]
+    assert best.plan.strategy.endswith("offload+optimal") and best.plan.stage_offloads
+    assert best.offload is best.candidate and best.recompute.time.step_seconds > best.seconds
+    seconds = [e.seconds for e in result.layouts]
+    assert seconds == sorted(seconds)

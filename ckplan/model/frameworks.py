@@ -114,6 +114,14 @@ def offload_strategies(framework: str, pp: int) -> tuple[str, ...]:
     return ("offload", "selective+offload", "full+offload")
 
 
+def joint_offload(framework: str) -> bool:
+    """Whether `ckplan plan` tries the joint keep/offload/recompute DP (`offload+optimal`) for
+    `framework`: torchtitan and hf, whose layers take `save_on_cpu` or a checkpoint one by one
+    (ckplan's torch snippet); Megatron-Core offloads the first `cpu_offloading_num_layers`
+    without recomputation, DeepSpeed the inputs of every checkpointed layer, neither a mix."""
+    return framework in ("torchtitan", "hf")
+
+
 def training_defaults(framework: str, zero: int = 0, optimizer: str = "adamw") -> dict[str, int]:
     """The framework's bytes per parameter, as the TrainingState keys; DeepSpeed's ZeRO-3
     accumulates its gradient partition in fp32; optimizer_bytes the optimizer's own

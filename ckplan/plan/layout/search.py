@@ -34,7 +34,7 @@ from ckplan.hardware.gpus import GPU
 from ckplan.hardware.host_link import host_memory_per_gpu
 from ckplan.hardware.step_time import step_time
 from ckplan.model import allocator
-from ckplan.model.frameworks import offload_strategies
+from ckplan.model.frameworks import joint_offload, offload_strategies
 from ckplan.model.op_policy import check_policy_model
 from ckplan.model.spec import ModelSpec, SpecError
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate, in_flight_microbatches
@@ -54,6 +54,7 @@ from ckplan.plan.search import (
     best_policy_plan,
     largest_value,
     layout_module_candidates,
+    offload_optimal_plan,
     optimal_plan,
 )
 from ckplan.plan.strategies import has_dense_layers, parse_strategy
@@ -298,7 +299,11 @@ def search_layouts(
             break
         run.add(layout, time_bound, memory_bound)
     run.refine()
-    shown = [run.compared(e) for e in run.ranked()[:top]]
+    # the joint DP may speed an offloading layout up: ranked again after it
+    shown = sorted(
+        (run.compared(e) for e in run.ranked()[:top]),
+        key=lambda e: (e.seconds, e.layout.zero, e.layout),
+    )
     counts |= {
         "evaluated": run.evaluations,
         "optimal": run.optimal_runs,
@@ -639,6 +644,7 @@ class _Run:
         against, and its plan instead where that is as fast."""
         if not e.plan.stage_offloads or e.optimal:
             return e
+        e = self._joint(e)
         best = self._optimal(e.spec)
         recompute = e.recompute
         if (
@@ -651,6 +657,21 @@ class _Run:
             # as fast without offloading: the plan that pins no host memory for its tapes
             return dataclasses.replace(e, candidate=recompute, recompute=recompute, optimal=True)
         return dataclasses.replace(e, recompute=recompute)
+
+    def _joint(self, e: Evaluated) -> Evaluated:
+        """`e` with the joint keep/offload/recompute DP's plan (`offload+optimal`) where that is
+        faster than its offload plan: on the layouts shown whose best plan offloads, for the
+        frameworks whose save_on_cpu hooks place per layer (frameworks.joint_offload)."""
+        if not joint_offload(e.spec.framework):
+            return e
+        budget = activation_budget(e.spec, self.usable)
+        plan = offload_optimal_plan(e.spec, budget, self.gpu, self.slots)
+        if plan is None:
+            return e
+        joint = self._timed(Candidate(plan, self.usable, None, host_memory_per_gpu(self.gpu)))
+        if not joint.fits or joint.time.step_seconds >= e.seconds:
+            return e
+        return dataclasses.replace(e, candidate=joint, offload=joint)
 
     def ranked(self) -> list[Evaluated]:
         return sorted(self.best.values(), key=lambda e: (e.seconds, e.layout.zero, e.layout))
