@@ -71,9 +71,14 @@ def _text(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def least_plan(spec: ModelSpec):
+    """The least-memory plan: every layer recomputed (`full`)."""
+    return evaluate(spec, parse_strategy("full", spec))
+
+
 def least_bytes(spec: ModelSpec) -> int:
-    """Per-GPU memory of the least-memory plan: every layer recomputed (`full`)."""
-    return evaluate(spec, parse_strategy("full", spec)).budgeted_bytes
+    """Per-GPU memory of the least-memory plan (`least_plan`)."""
+    return least_plan(spec).budgeted_bytes
 
 
 def _gpus(spec: ModelSpec) -> int:
@@ -208,7 +213,7 @@ def advise(
             changed = _try(spec, keys)
             if changed is None:
                 continue
-            plan = evaluate(changed, parse_strategy("full", changed))
+            plan = least_plan(changed)
             total = plan.budgeted_bytes
             host = None
             if plan.model_states.host and host_budget is not None:
