@@ -620,9 +620,10 @@ def finetune_state_bytes(
     in full precision"); the norms, biases, embeddings and output layer at
     weight_bytes (bf16 in torchtune's QLoRA recipes; fp32 after PEFT's
     prepare_model_for_kbit_training, peft v0.17.0 src/peft/utils/other.py, "cast all non INT8
-    parameters to fp32", which hf's weight_bytes 4 gives). ZeRO-3 (torchtitan's FSDP from zero 2,
-    `frameworks.weights_sharded_from`) shards the frozen weights over dp·cp as any weight. The LoRA adapters train with the usual weight, gradient, master
-    and optimizer bytes (hf's 4 + 4 + 0 + 8 are PEFT's fp32 adapters: its
+    parameters to fp32", which hf's weight_bytes 4 gives). ZeRO-3 (torchtitan's FSDP from
+    zero 2, `frameworks.weights_sharded_from`) shards the frozen weights over dp·cp as any
+    weight. The LoRA adapters train with the usual weight, gradient, master and optimizer bytes
+    (hf's 4 + 4 + 0 + 8 are PEFT's fp32 adapters: its
     autocast_adapter_dtype=True upcasts bf16 and fp16 adapter weights, peft v0.17.0
     src/peft/tuners/tuners_utils.py `_cast_adapter_dtype`). The framework's buffers
     (`frameworks.buffer_bytes`) are those of the trainable parameters. `zero` and `dp` (the

@@ -109,7 +109,7 @@ def run_spec(run: PublishedRun) -> ModelSpec:
         # a fused attention kernel keeps no s x s matrix, whatever the preset's attention says
         execution["attention_kernel"] = run.attention_kernel
         execution["attention"] = "flash"
-    loss = run.training.get("loss")
+    loss = run.training.get("loss", FRAMEWORK_LOSS.get(run.framework))
     if loss == "fused-linear-ce":
         execution["loss"] = f"chunked:{liger_chunks(run)}"
     elif _modelled(loss, MODELLED_TRAINING["loss"]):
@@ -157,6 +157,14 @@ def finetune_values(run: PublishedRun) -> dict[str, Any]:
             names = [name.strip() for name in str(lora["targets"]).split(",")]
             values["lora_targets"] = ",".join(TORCHTUNE_TARGETS.get(name, name) for name in names)
     return values
+
+
+# The loss a framework runs when the run does not name one, as ckplan's `loss`: llm-foundry's
+# MPT takes flash-attn's CrossEntropyLoss (`loss_fn` default 'fused_crossentropy',
+# llmfoundry/models/mpt/modeling_mpt.py at b2a43a1477 (2023-10), 5e85bd62d4 and 495218376
+# (2024-04); the benchmark script sets no loss_fn), which saves the bf16 logits themselves
+# (ckplan.model.loss `xentropy`).
+FRAMEWORK_LOSS = {"composer": "xentropy"}
 
 
 # Frameworks that train in pure bf16: the model is built in the recipe's dtype, so weights,
@@ -323,7 +331,7 @@ MODELLED_TRAINING = {
     "weight_format": ("bf16", "fp16", "fp32", "nf4", "fp4", "int8"),
     "optimizer": OPTIMIZERS,
     "offload": ("none", "activations"),
-    "loss": ("fused", "eager", "chunked:N", "fused-linear-ce"),
+    "loss": ("fused", "eager", "xentropy", "chunked:N", "fused-linear-ce"),
 }
 
 
