@@ -99,7 +99,7 @@ def test_a_throughput_implies_a_step_time():
 def test_a_run_becomes_its_model_and_layout():
     run = BY_NAME["llama3-405b-8192xh100-tp8-cp1-pp16-dp64-seq8192"]
     spec = run_spec(run)
-    assert (spec.tp, spec.pp, spec.dp, spec.virtual_stages) == (8, 16, 64, 2)
+    assert (spec.tp, spec.pp, spec.dp, spec.virtual_stages) == (8, 16, 64, 8)
     assert spec.microbatches * spec.micro_batch * spec.dp == run.global_batch
     assert spec.stage_layer_counts[0] == spec.stage_layer_counts[-1] == 7
 
@@ -111,10 +111,7 @@ KNOWN_UNFIT = {
     "llama3-405b-8192xh100-tp8-cp1-pp16-dp64-seq8192",
     "llama3-405b-16384xh100-tp8-cp1-pp16-dp128-seq8192",
     "llama3-405b-16384xh100-tp8-cp16-pp16-dp8-seq131072",
-    "nemo2407-gpt3-175b-512xh100-tp4-pp8-cp1-vp6-fp8",
-    "nemo2407-llama3-8b-8xh100-tp1-pp1-cp2-vp1-fp8",
     "opt-175b-992xa100-fsdp-tp8",
-    "llmfoundry-mpt-3b-8xh100-seq8192-mbs3",
 }
 
 
