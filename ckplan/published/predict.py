@@ -24,6 +24,7 @@ from ckplan.inputs.presets import load_mapping, spec_from_values
 from ckplan.model import allocator
 from ckplan.model.flops import iteration_flops
 from ckplan.model.memory import layer_input_bytes, trainable_tensors
+from ckplan.model.op import split_share
 from ckplan.model.optimizers import OPTIMIZERS, paged_state_bytes
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import evaluate, parse_strategy
@@ -279,6 +280,43 @@ def checkpoint_offload_activation_bytes(plan: Plan) -> int:
     return peak
 
 
+def distributes_checkpoints(run: PublishedRun) -> bool:
+    """Whether the run keeps each checkpointed layer input split over its tensor-parallel
+    ranks, as metaseq's `--distribute-checkpointed-activations` does (and Megatron-LM's
+    `--distribute-saved-activations`), under full recomputation."""
+    return run.training.get("distribute_checkpoints") is True and strategy_of(run) == "full"
+
+
+def distributed_checkpoint_activation_bytes(plan: Plan) -> int:
+    """The activation peak of a `full` plan whose checkpointed layer inputs are kept split over
+    the t tensor-parallel ranks: the plan's replayed timeline (`plan.timeline.memory_timeline`)
+    less, at every step, X - X/t for each layer input held then (X = `layer_input_bytes`).
+
+    derived from metaseq's checkpoint function
+    (metaseq/modules/checkpoint_activation_wrapper/checkpoint_activations.py at f7ffa5f,
+    `CheckpointFunction`): after the checkpointed block's forward it replaces the input's data
+    by this rank's 1-D chunk (`mpu.split_tensor_into_1d_equal_chunks(..., new_buffer=True)`),
+    so the whole input is freed and 1/t of it kept; the backward gathers it whole again
+    (`gather_split_1d_tensor`) before it re-runs the block, so the layer being recomputed holds
+    its input whole, as the timeline has it."""
+    timeline = memory_timeline(plan)
+    if timeline is None:
+        raise ValueError("a full plan has a schedule")
+    names = plan.stage_names
+    whole = layer_input_bytes(plan.spec)
+    spared = whole - split_share(whole, plan.spec.tp)
+    held: set[int] = set()
+    peak = timeline.initial_bytes
+    for t, step in enumerate(plan.steps):
+        peak = max(peak, timeline.during_bytes[t] - len(held - {step.stage}) * spared)
+        if step.kind == FORWARD_KEEP_INPUT and names[step.stage].startswith("layer "):
+            held.add(step.stage)
+        elif step.kind in (FORWARD_KEEP_ALL, BACKWARD):
+            held.discard(step.stage)
+        peak = max(peak, timeline.after_bytes[t] - len(held) * spared)
+    return peak
+
+
 # PyTorch's caching-allocator statistics. `memory_active_bytes` is active_bytes.all.peak:
 # c10/cuda/CUDACachingAllocator.cpp (pytorch/pytorch at 001074d2) raises allocated_bytes and
 # active_bytes by the same block size in `alloc_found_block`; `free` lowers allocated_bytes at
@@ -332,6 +370,7 @@ MODELLED_TRAINING = {
     "optimizer": OPTIMIZERS,
     "offload": ("none", "activations"),
     "loss": ("fused", "eager", "xentropy", "chunked:N", "fused-linear-ce"),
+    "distribute_checkpoints": ("True", "False"),
 }
 
 
@@ -359,6 +398,8 @@ def unmodelled(run: PublishedRun) -> str | None:
             "offload activations is modelled only as torchtune's offload of the checkpointed "
             "layer inputs (recompute full)"
         )
+    if run.training.get("distribute_checkpoints") is True and strategy_of(run) != "full":
+        return "distribute_checkpoints is modelled only with recompute full"
     if run.published.metric == "nvidia_smi_bytes":
         return f"{run.published.metric.removesuffix('_bytes')} memory is not modelled"
     return None
@@ -377,9 +418,11 @@ def predict(run: PublishedRun, gpu: GPU | None = None) -> Prediction:
     memory = plan.total_bytes
     if offloads_checkpoints(run):
         memory = plan.model_states.total + checkpoint_offload_activation_bytes(plan)
+    if distributes_checkpoints(run):
+        memory = plan.model_states.total + distributed_checkpoint_activation_bytes(plan)
+    fits = allocator.budgeted_bytes(memory) <= gpu.memory_bytes - DEFAULT_RESERVE
     if run.published.metric in ALLOCATOR_METRICS:
         memory -= outside_allocator_bytes(spec)
-    fits = plan.budgeted_bytes <= gpu.memory_bytes - DEFAULT_RESERVE
     metric, value = run.published.metric, run.published.value
     if metric in MEMORY_METRICS:
         if metric == "memory_reserved_bytes":
