@@ -374,18 +374,12 @@ MODELLED_TRAINING = {
 }
 
 
-# Per-layer selection without a fixed period is not a strategy ckplan has yet.
-UNMODELLED_RECOMPUTE = {
-    "selective-layer": "per-layer selective recomputation",
-}
 # Run recompute names that are ckplan strategies under another name.
 RECOMPUTE_STRATEGIES = {"selective-op": "sac"}
 
 
 def unmodelled(run: PublishedRun) -> str | None:
     """Why ckplan cannot score `run` yet, or None."""
-    if run.recompute in UNMODELLED_RECOMPUTE:
-        return f"recompute {UNMODELLED_RECOMPUTE[run.recompute]} is not modelled"
     for (key, value), why in NOT_MODELLED.items():
         if getattr(run, key, None) == value:
             return why
