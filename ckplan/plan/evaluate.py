@@ -4,7 +4,7 @@ Every strategy is a schedule over one chain (embedding -> L/p layers -> output a
 stage with its forward/backward cost, input size and full-tape size), replayed step by step by
 `schedules.simulate`: peak memory is what is actually alive, never a closed-form shortcut.
 Strategy names (docs/strategies.md): none, full, uniform:K, sequential:K, sqrt, selective, block:N,
-revolve:C, optimal, and selective+ any of them (the attention core recomputed on top).
+every:K, revolve:C, optimal, and selective+ any of them (the attention core recomputed on top).
 """
 
 from __future__ import annotations
