@@ -25,6 +25,22 @@ def test_torchtitan_under_pipeline_parallelism_accumulates_unsharded_fp32_gradie
     assert model_state_bytes(spec, 0).buffers == 2 * params + 4 * params + 2 * layer
 
 
+def test_torchtitan_zero_2_shards_the_fp32_weights_and_keeps_the_bf16_copy_unsharded(spec_of):
+    # FSDP2 without resharding after forward: the fp32 parameters are the 8 ranks' shards, the
+    # unsharded bf16 parameters of the stage stay from forward to backward
+    spec = spec_of("llama3-8b", framework="torchtitan", dp=8, zero=2)
+    params, layer = _stage_and_layer(spec)
+    states = model_state_bytes(spec)
+    assert states.weights == -(-4 * params // 8)
+    assert states.gradients == -(-4 * params // 8)
+    assert states.buffers == 2 * params + (2 + 4) * layer
+    zero3 = model_state_bytes(spec.replace(zero=3))
+    assert states.weights == zero3.weights
+    # DeepSpeed's ZeRO-2 keeps every bf16 weight on every rank
+    deepspeed = spec_of("llama3-8b", framework="deepspeed", dp=8, zero=2)
+    assert model_state_bytes(deepspeed).weights == 2 * _stage_and_layer(deepspeed)[0]
+
+
 def test_torchtitan_shards_over_context_parallel_ranks_too(spec_of):
     spec = spec_of("llama3-8b", framework="torchtitan", dp=1, cp=8, zero=3, seq=65536)
     stage, layer = _stage_and_layer(spec)

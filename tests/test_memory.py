@@ -6,7 +6,12 @@ from pathlib import Path
 import pytest
 
 from ckplan.model import allocator
-from ckplan.model.loss import output_saved_bytes
+from ckplan.model.loss import (
+    loss_moved_bytes,
+    output_backward_peak_bytes,
+    output_forward_workspace_bytes,
+    output_saved_bytes,
+)
 from ckplan.model.memory import (
     activation_breakdown,
     activation_bytes_by_op,
@@ -114,6 +119,21 @@ def test_output_layer_fp32_logits(spec_of):
     spec = spec_of("megatron-22b", pp=1)
     s, b, h, V, t = spec.seq, spec.micro_batch, spec.hidden, spec.vocab, spec.tp
     assert output_saved_bytes(spec) == 4 * s * b * h // t + 4 * s * b * V // t
+
+
+def test_xentropy_loss_saves_the_bf16_logits_and_the_fp32_lse(spec_of):
+    """flash-attn's CrossEntropyLoss (v2.5.0): saves (logits, lse, labels), returns fp32 losses
+    and z-losses, backward allocates the logits' gradient with empty_like."""
+    spec = spec_of("gpt2", seq=1024, micro_batch=2, loss="xentropy")
+    s, b, h, V = spec.seq, spec.micro_batch, spec.hidden, spec.vocab
+    T, X, L = s * b, 2 * s * b * h, s * b * V
+    saved = 2 * X + 2 * L + 4 * T
+    assert output_saved_bytes(spec) == saved == 4 * s * b * h + 2 * 2048 * 50257 + 4 * 2048
+    assert output_forward_workspace_bytes(spec) == saved - X + 8 * T
+    assert output_backward_peak_bytes(spec) == saved + 2 * L
+    assert loss_moved_bytes(spec) == (2 * L, 4 * L)
+    # Megatron's fused loss saves the fp32 softmax instead: 2L more
+    assert output_saved_bytes(spec.replace(loss="fused")) - saved == 2 * L - 4 * T
 
 
 @pytest.mark.parametrize(

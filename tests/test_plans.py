@@ -101,6 +101,48 @@ def test_block_recomputes_first_layers(small):
     assert plan(small, "block:0").activation_bytes == plan(small, "none").activation_bytes
 
 
+@pytest.mark.parametrize("K", [2, 4])
+def test_every_kth_layer_recomputed(small, K):
+    """torchtitan's per-layer selective checkpointing: layers K, 2K, ... (1-based) keep only
+    their input, the others their tape. The peak is the last layer's re-run: its rebuilt tape
+    beside the L - L/K stored tapes and the other L/K - 1 inputs, + 2X + W."""
+    T, X, W = activation_bytes_per_layer(small), layer_input_bytes(small), workspace(small)
+    L = small.layers
+    result = plan(small, f"every:{K}")
+    assert result.activation_bytes == (L - L // K + 1) * T + (L // K - 1) * X + 2 * X + W
+    assert result.flops.recompute == (L // K) * layer_forward_flops(small)
+
+
+def test_every_layer_is_full_and_a_remainder_is_stored(small):
+    full = plan(small, "full")
+    every = plan(small, "every:1")
+    assert (every.activation_bytes, every.flops) == (full.activation_bytes, full.flops)
+    # 8 layers, K = 3: layers 3 and 6 re-run, 7 and 8 stored
+    assert plan(small, "every:3").flops.recompute == 2 * layer_forward_flops(small)
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "gpt2"])
+@pytest.mark.parametrize("K", [1, 2, 3, 5, 7])
+def test_every_kth_layer_runs_replay_as_the_simulated_schedule(spec_of, name, K):
+    """The closed-form replay of every:K's runs peaks where the step-by-step simulation of its
+    segments does (the embedding and the output stage included)."""
+    import importlib
+
+    from ckplan.plan.layer_chain import layer_chain
+    from ckplan.schedules import segment_schedule, simulate
+
+    evaluation = importlib.import_module("ckplan.plan.evaluate")
+    spec = spec_of(name)
+    strategy = parse_strategy(f"every:{K}", spec)
+    chain = layer_chain(spec, False)
+    segments = evaluation._segments(spec, chain, strategy, True)
+    runs = evaluation._segment_runs(spec, chain, strategy, True)
+    flat = [(s + i * n, s + (i + 1) * n, r) for s, n, count, r in runs for i in range(count)]
+    assert flat == segments
+    simulated = simulate(chain, segment_schedule(chain, segments))
+    assert evaluation._replay_runs(chain, runs).peak_bytes == simulated.peak_bytes
+
+
 def test_selective(small):
     S = selective_activation_bytes_per_layer(small, ATTENTION_CORE)
     X, W = layer_input_bytes(small), workspace(small)
@@ -151,6 +193,8 @@ def test_few_microbatches_hold_fewer(spec_of):
         "none:3",
         "selective+selective",
         "uniform:two",
+        "every:0",
+        "every:9",
     ],
 )
 def test_bad_strategies(small, text):
@@ -171,6 +215,8 @@ def test_strategy_names_round_trip(small):
         "optimal",
         "selective+uniform:2",
         "selective+block:1",
+        "every:2",
+        "selective+every:2",
     ]:
         assert parse_strategy(text, small).name == text
 

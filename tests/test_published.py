@@ -3,6 +3,7 @@ and `ckplan validate`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -14,8 +15,14 @@ from ckplan.inputs.gpus import gpu_names, load_gpu
 from ckplan.inputs.presets import load_spec, preset_names
 from ckplan.inputs.runs import run_files
 from ckplan.model.flops import FLOP_CONVENTIONS, iteration_flops
+from ckplan.model.memory import layer_input_bytes
 from ckplan.published.accuracy import ACCURACY, accuracy_note
-from ckplan.published.predict import predict, run_spec
+from ckplan.published.predict import (
+    distributed_checkpoint_activation_bytes,
+    distributes_checkpoints,
+    predict,
+    run_spec,
+)
 from ckplan.published.runs import METRICS, RunError, run_from_mapping, runs_from_file
 from ckplan.published.suite import accuracy, run_suite, suite_runs
 
@@ -99,7 +106,7 @@ def test_a_throughput_implies_a_step_time():
 def test_a_run_becomes_its_model_and_layout():
     run = BY_NAME["llama3-405b-8192xh100-tp8-cp1-pp16-dp64-seq8192"]
     spec = run_spec(run)
-    assert (spec.tp, spec.pp, spec.dp, spec.virtual_stages) == (8, 16, 64, 2)
+    assert (spec.tp, spec.pp, spec.dp, spec.virtual_stages) == (8, 16, 64, 8)
     assert spec.microbatches * spec.micro_batch * spec.dp == run.global_batch
     assert spec.stage_layer_counts[0] == spec.stage_layer_counts[-1] == 7
 
@@ -111,10 +118,6 @@ KNOWN_UNFIT = {
     "llama3-405b-8192xh100-tp8-cp1-pp16-dp64-seq8192",
     "llama3-405b-16384xh100-tp8-cp1-pp16-dp128-seq8192",
     "llama3-405b-16384xh100-tp8-cp16-pp16-dp8-seq131072",
-    "nemo2407-gpt3-175b-512xh100-tp4-pp8-cp1-vp6-fp8",
-    "nemo2407-llama3-8b-8xh100-tp1-pp1-cp2-vp1-fp8",
-    "opt-175b-992xa100-fsdp-tp8",
-    "llmfoundry-mpt-3b-8xh100-seq8192-mbs3",
 }
 
 
@@ -231,3 +234,22 @@ def test_the_fitted_constants_are_the_fit():
             fitted = fractions[family]
             assert load_gpu(presets[0]).sustained_fraction == pytest.approx(fitted, abs=0.002)
     assert rates == pytest.approx(committed, abs=0.002)
+
+
+def test_distributed_checkpoints_keep_one_tensor_parallel_chunk_of_each_held_input():
+    """metaseq's --distribute-checkpointed-activations: each held layer input is this rank's
+    1/8 chunk; OPT-175B's peak is the last layer's re-run, its input gathered whole while the
+    other 95 are held split: 95 · (X - X/8) below full recomputation's peak."""
+    run = BY_NAME["opt-175b-992xa100-fsdp-tp8"]
+    prediction = predict(run)
+    plan = prediction.plan
+    X = 2048 * 8 * 12288 * 2  # s·b·h fp16, replicated over the TP ranks (no SP)
+    assert layer_input_bytes(plan.spec) == X
+    spared = X - X // 8
+    assert distributed_checkpoint_activation_bytes(plan) == plan.activation_bytes - 95 * spared
+    assert prediction.memory_bytes == plan.model_states.total + plan.activation_bytes - 95 * spared
+    assert prediction.fits and plan.budgeted_bytes > load_gpu("a100-80gb").memory_bytes
+    # without the flag the run is plain full recomputation
+    assert not distributes_checkpoints(
+        dataclasses.replace(run, training={"distribute_checkpoints": False})
+    )

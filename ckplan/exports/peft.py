@@ -177,7 +177,7 @@ def notes(plan: Plan, layers: LayerSegments) -> list[str]:
         )
     if spec.training == "frozen":
         lines.append("training: frozen: freeze the base model's parameters in the training code")
-    if spec.loss.startswith("chunked") or spec.loss == "fused":
+    if spec.loss.startswith("chunked") or spec.loss in ("fused", "xentropy"):
         lines.append(
             f"loss: {spec.loss}: the Trainer materialises the logits; "
             "use_liger_kernel=True gives a fused linear cross-entropy"

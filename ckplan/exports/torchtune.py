@@ -83,9 +83,9 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
         return "optimizer_in_backward: torchtune's optimizer_in_bwd is in its full recipes only"
     if spec.precision != "bf16" and spec.dtype_bytes != 4:
         return f"precision {spec.precision}: torchtune's dtype is bf16 or fp32"
-    if spec.loss == "fused":
+    if spec.loss in ("fused", "xentropy"):
         return (
-            "loss: fused: torchtune v0.6.1's losses are CEWithChunkedOutputLoss (--set "
+            f"loss: {spec.loss}: torchtune v0.6.1's losses are CEWithChunkedOutputLoss (--set "
             "loss=chunked:8, its configs') or torch's cross-entropy (loss=eager)"
         )
     if layers.selective:

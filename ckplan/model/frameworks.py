@@ -23,7 +23,8 @@ parameter (its mixed-precision recipe) and adds buffers of its own:
   the last (torch/distributed/pipelining/stage.py `backward_maybe_with_nosync`, PyTorch
   v2.13.0), so FSDP2 accumulates the stage's unsharded gradients in its reduce dtype, fp32
   (_fsdp_param.py `to_accumulated_grad_if_needed`): 4 bytes per parameter of the stage.
-  zero 0 is its replicate (DDP/HSDP), 2 FSDP without resharding after forward, 3 FSDP.
+  zero 0 is its replicate (DDP/HSDP), 2 FSDP without resharding after forward, 3 FSDP; both
+  shard the fp32 parameters (`weights_sharded_from`).
 - `deepspeed` (ZeRO, bf16): bf16 weights and gradients, fp32 master weights and Adam, 16 bytes
   per parameter (Rajbhandari et al. 2020, K = 12); ZeRO-3 accumulates its gradient partition in
   fp32 (stage3.py `grad_partitions_flat_buffer`, gradient_accumulation_dtype fp32). Buffers
@@ -135,6 +136,18 @@ def training_defaults(framework: str, zero: int = 0, optimizer: str = "adamw") -
             optimizer, defaults["optimizer_bytes"]
         )
     return defaults
+
+
+def weights_sharded_from(framework: str) -> int:
+    """The lowest ZeRO stage at which `framework` shards the weights it keeps (`weight_bytes`)
+    over the data-parallel ranks: 3 (ZeRO-3, Rajbhandari et al. 2020 §5), but 2 for
+    torchtitan, whose zero 2 is FSDP2 with reshard_after_forward=False: `fully_shard` shards
+    every parameter whatever that flag, which keeps only the unsharded copy in param_dtype
+    alive from forward to backward (torch/distributed/fsdp/_fully_shard/_fully_shard.py,
+    `reshard_after_forward` "If False, then this keeps the unsharded parameters in memory
+    after forward"; _fsdp_param.py: the sharded fp32 data `_sharded_param_data`, the unsharded
+    parameter in `param_dtype`, PyTorch v2.13.0); that bf16 copy is `buffer_bytes`'."""
+    return 2 if framework == "torchtitan" else 3
 
 
 def layout_error(framework: str, zero: int, tp: int, pp: int, cp: int, ep: int) -> str | None:

@@ -18,6 +18,14 @@ input (X) and what the loss saves.
   the targets. Forward transient: the B-byte logits, the fp32 copy and the log-probabilities
   together (B + 8)L; backward: the log-probabilities' gradient and the logits' (8L) beside the
   saved 4L.
+- `xentropy` — a fused cross-entropy kernel that reads the B-byte logits as they are
+  (flash-attn's CrossEntropyLoss, flash_attn/ops/triton/cross_entropy.py at v2.5.0, which
+  llm-foundry's MPT uses by default, `loss_fn: fused_crossentropy`, modeling_mpt.py at
+  495218376; the xentropy extension of flash-attn v1 and apex before it): the forward saves the
+  logits themselves and the fp32 log-sum-exp of each token (`ctx.save_for_backward(logits,
+  lse, labels)`, 4T), and returns fp32 losses and z-losses (8T, transient); the backward writes
+  the logits' gradient into a new B-byte tensor (`torch.empty_like(logits)`,
+  inplace_backward False). Saved B·L + 4T; backward: + B·L.
 - `chunked:N` — the output layer and the loss N tokens-chunks at a time, each chunk's backward
   run in the forward (torchtitan's ChunkedLossWrapper, Liger-Kernel's fused linear
   cross-entropy): nothing of size L is saved; the hidden states' gradient is accumulated in fp32
@@ -30,7 +38,7 @@ from __future__ import annotations
 from ckplan.model.op import FP32_BYTES, split_share
 from ckplan.model.spec import ChainSpec
 
-LOSSES = ("fused", "eager", "chunked:N")
+LOSSES = ("fused", "eager", "xentropy", "chunked:N")
 
 
 def chunks(loss: str) -> int:
@@ -40,8 +48,7 @@ def chunks(loss: str) -> int:
 
 def logits_elements(spec: ChainSpec) -> int:
     """L: the logits on this rank, T·V/t (the largest share of the vocabulary split)."""
-    tokens = (spec.seq // spec.cp) * spec.micro_batch
-    return split_share(tokens * spec.vocab, spec.tp)
+    return split_share(tokens(spec) * spec.vocab, spec.tp)
 
 
 def stream_bytes(spec: ChainSpec) -> int:
@@ -57,6 +64,11 @@ def hidden_grad_accumulator_bytes(spec: ChainSpec) -> int:
     return FP32_BYTES * tokens * spec.hidden
 
 
+def tokens(spec: ChainSpec) -> int:
+    """T: the tokens on this rank, s·b/cp."""
+    return (spec.seq // spec.cp) * spec.micro_batch
+
+
 def output_saved_bytes(spec: ChainSpec) -> int:
     """The output stage's tape: the final norm's input and the output layer's input (2X; 4sbh/t
     for B = 2 under SP; X when the output layer is frozen) and what the loss keeps: 4L (fused,
@@ -68,6 +80,8 @@ def output_saved_bytes(spec: ChainSpec) -> int:
     inputs = 2 * X if spec.training == "full" else X
     if spec.loss.startswith("chunked:"):
         return inputs + hidden_grad_accumulator_bytes(spec)
+    if spec.loss == "xentropy":  # the B-byte logits and the fp32 log-sum-exp per token
+        return inputs + spec.dtype_bytes * logits_elements(spec) + FP32_BYTES * tokens(spec)
     return inputs + FP32_BYTES * logits_elements(spec)
 
 
@@ -75,13 +89,15 @@ def output_forward_workspace_bytes(spec: ChainSpec) -> int:
     """What the output stage's forward holds beyond its input while it runs (the chain's
     forward workspace): its tape less the input, and the loss's transients (module docstring):
     B·L (fused), (B + 4)·L (eager: the B-byte logits and the fp32 copy beside the saved
-    log-probabilities), (B + 16)·L/N (a chunk)."""
+    log-probabilities), 8T (xentropy: its fp32 losses and z-losses), (B + 16)·L/N (a chunk)."""
     X, L, B = stream_bytes(spec), logits_elements(spec), spec.dtype_bytes
     beyond_input = output_saved_bytes(spec) - X
     if spec.loss == "fused":
         return beyond_input + B * L
     if spec.loss == "eager":
         return beyond_input + (B + FP32_BYTES) * L
+    if spec.loss == "xentropy":  # the fp32 losses and z-losses it returns
+        return beyond_input + 2 * FP32_BYTES * tokens(spec)
     return beyond_input + -(-(B + 4 * FP32_BYTES) * L // chunks(spec.loss))
 
 
@@ -95,7 +111,8 @@ def output_backward_peak_bytes(spec: ChainSpec) -> int:
     the final norm's input saved, the final norm's output gradient X) and the final norm's
     (adding δ_in, X) hold less. eager: nll_loss's backward writes the log-probabilities'
     gradient (4L), log_softmax's the fp32 logits' (4L) beside the saved 4L: tape + 8L; the cast
-    back to B bytes follows once the log-probabilities are freed. chunked: the gradient is
+    back to B bytes follows once the log-probabilities are freed. xentropy: the new B-byte
+    gradient beside the saved logits: tape + B·L. chunked: the gradient is
     already accumulated; the output layer's input gradient is that buffer: tape + X (δ_in).
     The loss is a scalar: no δ_out."""
     L, B = logits_elements(spec), spec.dtype_bytes
@@ -104,6 +121,8 @@ def output_backward_peak_bytes(spec: ChainSpec) -> int:
         return tape + B * L
     if spec.loss == "eager":
         return tape + 2 * FP32_BYTES * L
+    if spec.loss == "xentropy":
+        return tape + B * L
     return tape + stream_bytes(spec)
 
 
@@ -120,11 +139,15 @@ def loss_moved_bytes(spec: ChainSpec) -> tuple[int, int]:
     to sum the exponentials and normalise, (B + 12)·L forward, (12 + B)·L backward (the
     in-place gradient and the cast back); eager, the cast (B + 4), log_softmax (4 + 4 and its
     two reductions, 8) and nll_loss's gather, (B + 16)·L forward, nll_loss's and log_softmax's
-    backward (4 + 12) and the cast back (4 + B), (20 + B)·L; chunked, the eager kernels on
-    every chunk, forward and backward in the forward pass."""
+    backward (4 + 12) and the cast back (4 + B), (20 + B)·L; xentropy, one read of the logits
+    forward (B·L, the row's maximum and sum in one block), a read and the gradient's write
+    backward (2B·L); chunked, the eager kernels on every chunk, forward and backward in the
+    forward pass."""
     L, B = logits_elements(spec), spec.dtype_bytes
     if spec.loss == "fused":
         return (B + 12) * L, (12 + B) * L
     if spec.loss == "eager":
         return (B + 16) * L, (20 + B) * L
+    if spec.loss == "xentropy":
+        return B * L, 2 * B * L
     return (B + 16) * L + (20 + B) * L, 0

@@ -586,7 +586,8 @@ def model_state_bytes(spec: ModelSpec, stage: int | None = None) -> ModelStateBy
     docs/source/distrib_optimizer.md); each part is a spec key. ZeRO (Rajbhandari et al. 2020,
     §5): stage 1 shards master weights and optimizer over the dp·cp ranks that hold the same
     parameters (Megatron's data-parallel group with context parallelism; torchtitan's dp_shard·cp
-    FSDP mesh), stage 2 also gradients, stage 3 also weights. Megatron's distributed optimizer,
+    FSDP mesh), stage 2 also gradients, stage 3 also weights (torchtitan's FSDP2 from stage 2,
+    `frameworks.weights_sharded_from`). Megatron's distributed optimizer,
     6 + 12/d, is zero: 1 here. Routed
     experts' states are sharded over their own data-parallel group, tp·cp·dp/(ep·etp)
     (Megatron-LM's expert_data_parallel_size; `ModelSpec.expert_data_parallel`).
@@ -619,9 +620,10 @@ def finetune_state_bytes(
     in full precision"); the norms, biases, embeddings and output layer at
     weight_bytes (bf16 in torchtune's QLoRA recipes; fp32 after PEFT's
     prepare_model_for_kbit_training, peft v0.17.0 src/peft/utils/other.py, "cast all non INT8
-    parameters to fp32", which hf's weight_bytes 4 gives). ZeRO-3 shards the frozen weights
-    over dp·cp as any weight. The LoRA adapters train with the usual weight, gradient, master
-    and optimizer bytes (hf's 4 + 4 + 0 + 8 are PEFT's fp32 adapters: its
+    parameters to fp32", which hf's weight_bytes 4 gives). ZeRO-3 (torchtitan's FSDP from
+    zero 2, `frameworks.weights_sharded_from`) shards the frozen weights over dp·cp as any
+    weight. The LoRA adapters train with the usual weight, gradient, master and optimizer bytes
+    (hf's 4 + 4 + 0 + 8 are PEFT's fp32 adapters: its
     autocast_adapter_dtype=True upcasts bf16 and fp16 adapter weights, peft v0.17.0
     src/peft/tuners/tuners_utils.py `_cast_adapter_dtype`). The framework's buffers
     (`frameworks.buffer_bytes`) are those of the trainable parameters. `zero` and `dp` (the
@@ -642,7 +644,7 @@ def finetune_state_bytes(
         per_value = spec.weight_bytes if fmt is None else {"fp32": 4}.get(fmt, 2)
         linear_bytes = linear_values * per_value
     base = (dense - linear_values) * spec.weight_bytes + linear_bytes
-    if zero >= 3:
+    if zero >= frameworks.weights_sharded_from(spec.framework):
         base = split_share(base, dp)
     adapter_layer = finetune.lora_layer_parameters(spec)
     trainable = layers_here * adapter_layer
@@ -721,7 +723,9 @@ def states_of(
         experts = shard(expert, expert_dp, bytes_per_param, from_stage)
         return shard(dense, dp, bytes_per_param, from_stage) + experts, experts
 
-    weights, expert_weights = both(spec.weight_bytes, 3)
+    weights, expert_weights = both(
+        spec.weight_bytes, frameworks.weights_sharded_from(spec.framework)
+    )
     gradients, expert_gradients = both(spec.grad_bytes, 2)
     if held_gradients is not None:
         gradients = shard(min(held_gradients, dense), dp, spec.grad_bytes, 2)

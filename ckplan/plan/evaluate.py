@@ -4,7 +4,7 @@ Every strategy is a schedule over one chain (embedding -> L/p layers -> output a
 stage with its forward/backward cost, input size and full-tape size), replayed step by step by
 `schedules.simulate`: peak memory is what is actually alive, never a closed-form shortcut.
 Strategy names (docs/strategies.md): none, full, uniform:K, sequential:K, sqrt, selective, block:N,
-revolve:C, optimal, and selective+ any of them (the attention core recomputed on top).
+every:K, revolve:C, optimal, and selective+ any of them (the attention core recomputed on top).
 """
 
 from __future__ import annotations
@@ -134,6 +134,12 @@ def _segments(spec: ModelSpec, chain: Chain, strategy: Strategy, first_stage: bo
         segments += [(offset + i, offset + i + 1, True) for i in range(recomputed)]
         if recomputed < n_layers:
             segments.append((offset + recomputed, offset + n_layers, False))
+    elif strategy.kind == "every":
+        segments += [
+            (start, end, recompute)
+            for start, size, count, recompute in _every_runs(strategy.size, offset, n_layers)
+            for start, end in [(start, start + size)]
+        ]
     else:
         size = min(_segment_size(spec, strategy), n_layers)
         starts = range(0, n_layers, size)
@@ -156,6 +162,8 @@ def _segment_runs(spec: ModelSpec, chain: Chain, strategy: Strategy, first_stage
         recomputed = min(strategy.size, n_layers)  # uneven stages: at most this stage's
         runs.append((offset, 1, recomputed, True))
         runs.append((offset + recomputed, n_layers - recomputed, 1, False))
+    elif strategy.kind == "every":
+        runs += _every_runs(strategy.size, offset, n_layers)
     else:
         size = min(_segment_size(spec, strategy), n_layers)
         full, rest = divmod(n_layers, size)
@@ -168,6 +176,24 @@ def _segment_runs(spec: ModelSpec, chain: Chain, strategy: Strategy, first_stage
             runs.append((offset + (full - 1) * size, size, 1, not keep_last))
     runs.append((offset + n_layers, chain.length - offset - n_layers, 1, False))
     return [run for run in runs if run[1] > 0 and run[2] > 0]
+
+
+def _every_runs(period: int, offset: int, n_layers: int) -> list[tuple[int, int, int, bool]]:
+    """`every:K` as runs (start, size, 1, recompute): of each K layers from the stage's first,
+    the K - 1 before the K-th stored as one segment, the K-th re-run from its input; the layers
+    after the last K-th stored. torchtitan's per-layer selective checkpointing
+    (torchtitan/parallelisms/parallelize_llama.py at 4d88a8a, `_apply_ac_to_transformer_block`:
+    a layer is wrapped in checkpoint_wrapper when its 1-based count on the rank
+    `ptd_checkpoint_wrapper._count % ac_freq == 0`, ac_freq = int(selective_ac_option))."""
+    runs = []
+    for start in range(offset, offset + n_layers - period + 1, period):
+        if period > 1:
+            runs.append((start, period - 1, 1, False))
+        runs.append((start + period - 1, 1, 1, True))
+    rest = n_layers % period
+    if rest:
+        runs.append((offset + n_layers - rest, rest, 1, False))
+    return runs
 
 
 def _has_output(spec: ModelSpec, chain: Chain, offset: int) -> bool:

@@ -2,7 +2,9 @@
 
     [selective+][moe+|experts+][MODULE+...]BASE   or a modifier alone (selective, moe, ...)
 
-BASE is none, full, uniform:K, sequential:K, sqrt, block:N, revolve:C or optimal. The
+BASE is none, full, uniform:K, sequential:K, sqrt, block:N, revolve:C, optimal or every:K
+(every K-th layer of a stage re-run whole from its input, the others stored: torchtitan's
+per-layer selective_ac_option = "K"). The
 modifiers recompute a group of ops inside every stored layer: `selective` the attention core
 (Korthikanti §5), `moe` the whole MoE block (Megatron-LM --moe-layer-recompute, or
 --recompute-modules moe), `experts` the routed expert MLPs only. `moe` and `experts` need a
@@ -103,7 +105,7 @@ class Strategy:
         return groups + tuple(MODULES[word] for word in self.modules)
 
 
-_SIZED = ("uniform", "sequential", "block", "revolve")
+_SIZED = ("uniform", "sequential", "block", "revolve", "every")
 # POLICY+mixed: the optimal DP over, per layer, the full tape, the policy's tape or a re-run
 # (ckplan.schedules.policy_mix)
 MIXED = "mixed"
@@ -113,7 +115,8 @@ MIXED = "mixed"
 OFFLOAD_FIRST = ("none", "selective", "optimal")
 _PLAIN = ("none", "full", "sqrt", "selective", "optimal")
 STRATEGY_HELP = (
-    "none, full, uniform:K, sequential:K, sqrt, selective, block:N, revolve:C, optimal, each "
+    "none, full, uniform:K, sequential:K, sqrt, selective, block:N, revolve:C, optimal, every:K, "
+    "each "
     "with selective+, mlp+ or layernorm+... (e.g. selective+uniform:4), with experts moe+ or "
     "experts+; per-op policies sac or sac:OP,... (e.g. sac:matmuls%2,attention); offload, "
     "full+offload, offload+optimal (docs/strategies.md)"
@@ -244,7 +247,7 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
             "(experts: 0)"
         )
     layers = spec.layers_per_stage
-    if kind in ("uniform", "sequential") and not 1 <= size <= layers:
+    if kind in ("uniform", "sequential", "every") and not 1 <= size <= layers:
         raise StrategyError(f"strategy {quote(text)}: K must be in 1..{layers} (layers per stage)")
     if kind == "block" and not 0 <= size <= layers:
         raise StrategyError(f"strategy {quote(text)}: N must be in 0..{layers} (layers per stage)")

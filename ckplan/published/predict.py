@@ -24,6 +24,7 @@ from ckplan.inputs.presets import load_mapping, spec_from_values
 from ckplan.model import allocator
 from ckplan.model.flops import iteration_flops
 from ckplan.model.memory import layer_input_bytes, trainable_tensors
+from ckplan.model.op import split_share
 from ckplan.model.optimizers import OPTIMIZERS, paged_state_bytes
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import evaluate, parse_strategy
@@ -109,7 +110,7 @@ def run_spec(run: PublishedRun) -> ModelSpec:
         # a fused attention kernel keeps no s x s matrix, whatever the preset's attention says
         execution["attention_kernel"] = run.attention_kernel
         execution["attention"] = "flash"
-    loss = run.training.get("loss")
+    loss = run.training.get("loss", FRAMEWORK_LOSS.get(run.framework))
     if loss == "fused-linear-ce":
         execution["loss"] = f"chunked:{liger_chunks(run)}"
     elif _modelled(loss, MODELLED_TRAINING["loss"]):
@@ -157,6 +158,14 @@ def finetune_values(run: PublishedRun) -> dict[str, Any]:
             names = [name.strip() for name in str(lora["targets"]).split(",")]
             values["lora_targets"] = ",".join(TORCHTUNE_TARGETS.get(name, name) for name in names)
     return values
+
+
+# The loss a framework runs when the run does not name one, as ckplan's `loss`: llm-foundry's
+# MPT takes flash-attn's CrossEntropyLoss (`loss_fn` default 'fused_crossentropy',
+# llmfoundry/models/mpt/modeling_mpt.py at b2a43a1477 (2023-10), 5e85bd62d4 and 495218376
+# (2024-04); the benchmark script sets no loss_fn), which saves the bf16 logits themselves
+# (ckplan.model.loss `xentropy`).
+FRAMEWORK_LOSS = {"composer": "xentropy"}
 
 
 # Frameworks that train in pure bf16: the model is built in the recipe's dtype, so weights,
@@ -271,6 +280,43 @@ def checkpoint_offload_activation_bytes(plan: Plan) -> int:
     return peak
 
 
+def distributes_checkpoints(run: PublishedRun) -> bool:
+    """Whether the run keeps each checkpointed layer input split over its tensor-parallel
+    ranks, as metaseq's `--distribute-checkpointed-activations` does (and Megatron-LM's
+    `--distribute-saved-activations`), under full recomputation."""
+    return run.training.get("distribute_checkpoints") is True and strategy_of(run) == "full"
+
+
+def distributed_checkpoint_activation_bytes(plan: Plan) -> int:
+    """The activation peak of a `full` plan whose checkpointed layer inputs are kept split over
+    the t tensor-parallel ranks: the plan's replayed timeline (`plan.timeline.memory_timeline`)
+    less, at every step, X - X/t for each layer input held then (X = `layer_input_bytes`).
+
+    derived from metaseq's checkpoint function
+    (metaseq/modules/checkpoint_activation_wrapper/checkpoint_activations.py at f7ffa5f,
+    `CheckpointFunction`): after the checkpointed block's forward it replaces the input's data
+    by this rank's 1-D chunk (`mpu.split_tensor_into_1d_equal_chunks(..., new_buffer=True)`),
+    so the whole input is freed and 1/t of it kept; the backward gathers it whole again
+    (`gather_split_1d_tensor`) before it re-runs the block, so the layer being recomputed holds
+    its input whole, as the timeline has it."""
+    timeline = memory_timeline(plan)
+    if timeline is None:
+        raise ValueError("a full plan has a schedule")
+    names = plan.stage_names
+    whole = layer_input_bytes(plan.spec)
+    spared = whole - split_share(whole, plan.spec.tp)
+    held: set[int] = set()
+    peak = timeline.initial_bytes
+    for t, step in enumerate(plan.steps):
+        peak = max(peak, timeline.during_bytes[t] - len(held - {step.stage}) * spared)
+        if step.kind == FORWARD_KEEP_INPUT and names[step.stage].startswith("layer "):
+            held.add(step.stage)
+        elif step.kind in (FORWARD_KEEP_ALL, BACKWARD):
+            held.discard(step.stage)
+        peak = max(peak, timeline.after_bytes[t] - len(held) * spared)
+    return peak
+
+
 # PyTorch's caching-allocator statistics. `memory_active_bytes` is active_bytes.all.peak:
 # c10/cuda/CUDACachingAllocator.cpp (pytorch/pytorch at 001074d2) raises allocated_bytes and
 # active_bytes by the same block size in `alloc_found_block`; `free` lowers allocated_bytes at
@@ -323,22 +369,17 @@ MODELLED_TRAINING = {
     "weight_format": ("bf16", "fp16", "fp32", "nf4", "fp4", "int8"),
     "optimizer": OPTIMIZERS,
     "offload": ("none", "activations"),
-    "loss": ("fused", "eager", "chunked:N", "fused-linear-ce"),
+    "loss": ("fused", "eager", "xentropy", "chunked:N", "fused-linear-ce"),
+    "distribute_checkpoints": ("True", "False"),
 }
 
 
-# Per-layer selection without a fixed period is not a strategy ckplan has yet.
-UNMODELLED_RECOMPUTE = {
-    "selective-layer": "per-layer selective recomputation",
-}
 # Run recompute names that are ckplan strategies under another name.
 RECOMPUTE_STRATEGIES = {"selective-op": "sac"}
 
 
 def unmodelled(run: PublishedRun) -> str | None:
     """Why ckplan cannot score `run` yet, or None."""
-    if run.recompute in UNMODELLED_RECOMPUTE:
-        return f"recompute {UNMODELLED_RECOMPUTE[run.recompute]} is not modelled"
     for (key, value), why in NOT_MODELLED.items():
         if getattr(run, key, None) == value:
             return why
@@ -351,6 +392,8 @@ def unmodelled(run: PublishedRun) -> str | None:
             "offload activations is modelled only as torchtune's offload of the checkpointed "
             "layer inputs (recompute full)"
         )
+    if run.training.get("distribute_checkpoints") is True and strategy_of(run) != "full":
+        return "distribute_checkpoints is modelled only with recompute full"
     if run.published.metric == "nvidia_smi_bytes":
         return f"{run.published.metric.removesuffix('_bytes')} memory is not modelled"
     return None
@@ -369,9 +412,11 @@ def predict(run: PublishedRun, gpu: GPU | None = None) -> Prediction:
     memory = plan.total_bytes
     if offloads_checkpoints(run):
         memory = plan.model_states.total + checkpoint_offload_activation_bytes(plan)
+    if distributes_checkpoints(run):
+        memory = plan.model_states.total + distributed_checkpoint_activation_bytes(plan)
+    fits = allocator.budgeted_bytes(memory) <= gpu.memory_bytes - DEFAULT_RESERVE
     if run.published.metric in ALLOCATOR_METRICS:
         memory -= outside_allocator_bytes(spec)
-    fits = plan.budgeted_bytes <= gpu.memory_bytes - DEFAULT_RESERVE
     metric, value = run.published.metric, run.published.value
     if metric in MEMORY_METRICS:
         if metric == "memory_reserved_bytes":

@@ -95,7 +95,7 @@ class PublishedRun:
     settings: Mapping[str, Any] = field(default_factory=dict)  # other model keys the run sets
     gpu_settings: Mapping[str, Any] = field(default_factory=dict)  # GPU keys that differ
     # how it was trained beyond the layout (training, lora, weight_format, optimizer, loss,
-    # offload), as published; ckplan scores a run only where it models these
+    # offload, distribute_checkpoints), as published; ckplan scores a run only where it models these
     training: Mapping[str, Any] = field(default_factory=dict)
     assumptions: tuple[str, ...] = ()
     file: str = ""
@@ -105,7 +105,15 @@ class PublishedRun:
         return self.published.metric in MEMORY_METRICS
 
 
-TRAINING_KEYS = ("training", "lora", "weight_format", "optimizer", "loss", "offload")
+TRAINING_KEYS = (
+    "training",
+    "lora",
+    "weight_format",
+    "optimizer",
+    "loss",
+    "offload",
+    "distribute_checkpoints",
+)
 _RUN_KEYS = {
     "name",
     "where",
@@ -134,6 +142,7 @@ _RUN_KEYS = {
     "optimizer",
     "loss",
     "offload",
+    "distribute_checkpoints",
 }
 
 
