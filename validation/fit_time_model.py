@@ -29,6 +29,7 @@ With --write it also writes, from the refitted model, the held-out accuracy that
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import sys
@@ -135,14 +136,21 @@ def write_accuracy() -> None:
 
     code = (
         "from ckplan.published.suite import accuracy, run_suite; "
-        "print(repr(accuracy(run_suite(split='test'))))"
+        "import json; print(json.dumps(accuracy(run_suite(split='test'))))"
     )
-    figures = subprocess.run(
-        [sys.executable, "-c", code], check=True, capture_output=True, text=True
-    ).stdout.strip()
+    figures = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", code], check=True, capture_output=True, text=True
+        ).stdout
+    )
     text = ACCURACY_MODULE.read_text(encoding="utf-8")
-    dictionary = r"^ACCURACY: [^\n]*\{(?:[^{}]|\{[^{}]*\})*\}"
-    line = f"ACCURACY: dict[str, dict[str, float]] = {figures}"
+    dictionary = r"^ACCURACY: [^\n{]*\{(?:[^{}]|\{[^{}]*\})*\}"
+    # One entry a line, as `ruff format` writes the dictionary.
+    entries = "".join(
+        f'    "{key}": {{"runs": {value["runs"]}, "mean_abs_error": {value["mean_abs_error"]}}},\n'
+        for key, value in figures.items()
+    )
+    line = f"ACCURACY: dict[str, dict[str, float]] = {{\n{entries}}}"
     text = re.sub(dictionary, lambda _: line, text, count=1, flags=re.M)
     ACCURACY_MODULE.write_text(text, encoding="utf-8")
 
