@@ -178,7 +178,7 @@ def test_the_loss_per_term_in_estimate_json(cli):
     import json
 
     terms = {}
-    for kind in ("fused", "eager", "chunked:8"):
+    for kind in ("fused", "eager", "compiled", "chunked:8"):
         code, out, _ = cli("estimate", "llama3-8b", "--set", f"loss={kind}", "--json")
         assert code == 0
         terms[kind] = json.loads(out)["memory"]["loss"]
@@ -186,6 +186,9 @@ def test_the_loss_per_term_in_estimate_json(cli):
     assert terms["fused"]["saved_bytes"] == terms["eager"]["saved_bytes"]
     assert terms["eager"]["backward_peak_bytes"] > terms["fused"]["backward_peak_bytes"]
     assert terms["chunked:8"]["saved_bytes"] < terms["fused"]["saved_bytes"] // 10
+    # compiled: bf16 logits where eager keeps fp32 log-probabilities
+    assert terms["compiled"]["saved_bytes"] < terms["eager"]["saved_bytes"]
+    assert terms["compiled"]["backward_peak_bytes"] < terms["fused"]["backward_peak_bytes"]
 
 
 def _fit_allocator():
@@ -231,3 +234,19 @@ def test_the_budget_takes_the_allocated_blocks_and_the_cache_gives_way():
     assert allocator.reserved_within(allocated, 100 * 2**30) == plenty
     assert allocator.reserved_within(allocated, allocated + 100 * mib) == allocated + 100 * mib
     assert allocator.reserved_within(allocated, allocated // 2) == allocated
+
+
+def test_compiled_loss_by_hand(spec_of):
+    """torch.compile's cross-entropy on upcast logits keeps the bf16 logits and two fp32
+    statistics per token (validation/torch_float8_sac.py) and writes a bf16 gradient."""
+    from ckplan.model.loss import loss_moved_bytes, output_backward_peak_bytes
+
+    spec = spec_of("llama3-8b", seq=8192, micro_batch=1, loss="compiled")
+    T, V, h = 8192, 128256, 4096
+    X, L = 2 * T * h, T * V
+    assert output_saved_bytes(spec) == 2 * X + 2 * L + 8 * T == 2_235_629_568
+    assert output_backward_peak_bytes(spec) == 2 * X + 4 * L + 8 * T == 4_336_975_872
+    eager = spec_of("llama3-8b", seq=8192, micro_batch=1, loss="eager")
+    # eager holds the fp32 log-probabilities and, in backward, two fp32 gradients: 12L
+    assert output_backward_peak_bytes(eager) - output_backward_peak_bytes(spec) == 8 * L - 8 * T
+    assert loss_moved_bytes(spec) == (4 * L, 4 * L)

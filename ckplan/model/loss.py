@@ -18,6 +18,14 @@ input (X) and what the loss saves.
   the targets. Forward transient: the B-byte logits, the fp32 copy and the log-probabilities
   together (B + 8)L; backward: the log-probabilities' gradient and the logits' (8L) beside the
   saved 4L.
+- `compiled` — the same cross-entropy under torch.compile, as torchtitan compiles its loss with
+  the model since bbb1b616e (April 2025; `build_cross_entropy_loss`, torchtitan/components/
+  loss.py at 6fc499f). Inductor's decompositions turn log_softmax into a max, a sum of
+  exponentials and a log per token; the partitioner saves the B-byte logits (the graph's input)
+  and those two fp32 statistics per token (8T), and no fp32 copy of the logits
+  (validation/torch_float8_sac.py, torch 2.13): tape B·L + 8T. The forward's reductions and the
+  backward's pointwise gradient run fused, holding nothing of size L but the B-byte gradient the
+  backward writes: backward peak tape + B·L.
 - `chunked:N` — the output layer and the loss N tokens-chunks at a time, each chunk's backward
   run in the forward (torchtitan's ChunkedLossWrapper, Liger-Kernel's fused linear
   cross-entropy): nothing of size L is saved; the hidden states' gradient is accumulated in fp32
@@ -30,7 +38,7 @@ from __future__ import annotations
 from ckplan.model.op import FP32_BYTES, split_share
 from ckplan.model.spec import ChainSpec
 
-LOSSES = ("fused", "eager", "chunked:N")
+LOSSES = ("fused", "eager", "compiled", "chunked:N")
 
 
 def chunks(loss: str) -> int:
@@ -57,17 +65,27 @@ def hidden_grad_accumulator_bytes(spec: ChainSpec) -> int:
     return FP32_BYTES * tokens * spec.hidden
 
 
+def loss_statistics_bytes(spec: ChainSpec) -> int:
+    """The compiled loss's per-token fp32 statistics: the max and the log of the sum of
+    exponentials, 2·4·T on this rank (module docstring, `compiled`)."""
+    tokens = (spec.seq // spec.cp) * spec.micro_batch
+    return 2 * FP32_BYTES * tokens
+
+
 def output_saved_bytes(spec: ChainSpec) -> int:
     """The output stage's tape: the final norm's input and the output layer's input (2X; 4sbh/t
     for B = 2 under SP; X when the output layer is frozen) and what the loss keeps: 4L (fused,
-    eager: the fp32 softmax or log-probabilities, Korthikanti §4.3's 4sbV/t) or the fp32
-    hidden-gradient accumulator (chunked)."""
+    eager: the fp32 softmax or log-probabilities, Korthikanti §4.3's 4sbV/t), B·L + 8T
+    (compiled: the logits and two statistics per token) or the fp32 hidden-gradient accumulator
+    (chunked)."""
     X = stream_bytes(spec)
     # a frozen output layer (training: frozen, lora, qlora) keeps no input for its weight's
     # gradient (docs/fine-tuning.md); the final norm keeps its own
     inputs = 2 * X if spec.training == "full" else X
     if spec.loss.startswith("chunked:"):
         return inputs + hidden_grad_accumulator_bytes(spec)
+    if spec.loss == "compiled":
+        return inputs + spec.dtype_bytes * logits_elements(spec) + loss_statistics_bytes(spec)
     return inputs + FP32_BYTES * logits_elements(spec)
 
 
@@ -75,11 +93,13 @@ def output_forward_workspace_bytes(spec: ChainSpec) -> int:
     """What the output stage's forward holds beyond its input while it runs (the chain's
     forward workspace): its tape less the input, and the loss's transients (module docstring):
     B·L (fused), (B + 4)·L (eager: the B-byte logits and the fp32 copy beside the saved
-    log-probabilities), (B + 16)·L/N (a chunk)."""
+    log-probabilities), nothing (compiled: the logits are the tape), (B + 16)·L/N (a chunk)."""
     X, L, B = stream_bytes(spec), logits_elements(spec), spec.dtype_bytes
     beyond_input = output_saved_bytes(spec) - X
     if spec.loss == "fused":
         return beyond_input + B * L
+    if spec.loss == "compiled":
+        return beyond_input
     if spec.loss == "eager":
         return beyond_input + (B + FP32_BYTES) * L
     return beyond_input + -(-(B + 4 * FP32_BYTES) * L // chunks(spec.loss))
@@ -95,12 +115,13 @@ def output_backward_peak_bytes(spec: ChainSpec) -> int:
     the final norm's input saved, the final norm's output gradient X) and the final norm's
     (adding δ_in, X) hold less. eager: nll_loss's backward writes the log-probabilities'
     gradient (4L), log_softmax's the fp32 logits' (4L) beside the saved 4L: tape + 8L; the cast
-    back to B bytes follows once the log-probabilities are freed. chunked: the gradient is
+    back to B bytes follows once the log-probabilities are freed. compiled: one fused kernel
+    writes the B-byte gradient beside the saved logits: tape + B·L. chunked: the gradient is
     already accumulated; the output layer's input gradient is that buffer: tape + X (δ_in).
     The loss is a scalar: no δ_out."""
     L, B = logits_elements(spec), spec.dtype_bytes
     tape = output_saved_bytes(spec)
-    if spec.loss == "fused":
+    if spec.loss in ("fused", "compiled"):
         return tape + B * L
     if spec.loss == "eager":
         return tape + 2 * FP32_BYTES * L
@@ -120,11 +141,15 @@ def loss_moved_bytes(spec: ChainSpec) -> tuple[int, int]:
     to sum the exponentials and normalise, (B + 12)·L forward, (12 + B)·L backward (the
     in-place gradient and the cast back); eager, the cast (B + 4), log_softmax (4 + 4 and its
     two reductions, 8) and nll_loss's gather, (B + 16)·L forward, nll_loss's and log_softmax's
-    backward (4 + 12) and the cast back (4 + B), (20 + B)·L; chunked, the eager kernels on
-    every chunk, forward and backward in the forward pass."""
+    backward (4 + 12) and the cast back (4 + B), (20 + B)·L; compiled, the B-byte logits read
+    by the max and by the sum of exponentials, 2B·L forward, read and the gradient written,
+    2B·L backward; chunked, the eager kernels on every chunk, forward and backward in the
+    forward pass."""
     L, B = logits_elements(spec), spec.dtype_bytes
     if spec.loss == "fused":
         return (B + 12) * L, (12 + B) * L
+    if spec.loss == "compiled":
+        return 2 * B * L, 2 * B * L
     if spec.loss == "eager":
         return (B + 16) * L, (20 + B) * L
     return (B + 16) * L + (20 + B) * L, 0

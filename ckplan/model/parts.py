@@ -450,7 +450,8 @@ class Execution(_Record):
     # the linear layers' GEMMs: bf16 | fp16 | fp8 (Transformer Engine: saves FP8 copies of their
     # inputs) | float8 (torchao's float8 training: saves them in bf16)
     precision: str = "bf16"
-    loss: str | None = None  # fused | eager | chunked:N (ckplan.model.loss); None -> framework's
+    # fused | eager | compiled | chunked:N (ckplan.model.loss); None -> the framework's
+    loss: str | None = None
     tp_comm_overlap: bool = False  # Megatron/TE --tp-comm-overlap, torchtitan async TP
     dp_comm_overlap: bool | None = None  # overlap DP/FSDP traffic with compute; None -> framework's
     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; None -> the framework's launcher's
@@ -476,9 +477,10 @@ class Execution(_Record):
         for key in ("kernels", "dp_comm_overlap", "loss", "expandable_segments"):
             if getattr(self, key) is None:
                 self._derive(key, defaults[key])
-        if self.loss not in ("fused", "eager") and not _is_chunked(self.loss):
+        if self.loss not in ("fused", "eager", "compiled") and not _is_chunked(self.loss):
             raise SpecError(
-                f"key 'loss' must be fused, eager or chunked:N (N in 2..{MAX_LOSS_CHUNKS:,}), "
+                "key 'loss' must be fused, eager, compiled or chunked:N "
+                f"(N in 2..{MAX_LOSS_CHUNKS:,}), "
                 f"got {quote(self.loss)}"
             )
         if self.kernels not in KERNELS:

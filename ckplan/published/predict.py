@@ -323,7 +323,7 @@ MODELLED_TRAINING = {
     "weight_format": ("bf16", "fp16", "fp32", "nf4", "fp4", "int8"),
     "optimizer": OPTIMIZERS,
     "offload": ("none", "activations"),
-    "loss": ("fused", "eager", "chunked:N", "fused-linear-ce"),
+    "loss": ("fused", "eager", "compiled", "chunked:N", "fused-linear-ce"),
 }
 
 
