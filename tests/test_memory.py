@@ -250,3 +250,18 @@ def test_compiled_loss_by_hand(spec_of):
     # eager holds the fp32 log-probabilities and, in backward, two fp32 gradients: 12L
     assert output_backward_peak_bytes(eager) - output_backward_peak_bytes(spec) == 8 * L - 8 * T
     assert loss_moved_bytes(spec) == (4 * L, 4 * L)
+
+
+def test_loss_parallel_backward_holds_one_more_fp32_logit_tensor(spec_of):
+    """torchtitan's loss parallel (eager loss over vocabulary-split logits) holds exp(x) and a
+    sum beside the scattered gradient: 12L beside the saved 4L where the plain path holds 8L
+    (validation/torch_loss_parallel.py: 14.06 vs 10.02 bytes per logit above the start)."""
+    from ckplan.model.loss import output_backward_peak_bytes
+
+    spec = spec_of("llama3-70b", framework="torchtitan", tp=8, sp=True, loss="eager")
+    T, V, h = spec.seq * spec.micro_batch, 128256, 8192
+    X, L = 2 * T * h // 8, T * V // 8
+    assert output_backward_peak_bytes(spec) == 2 * X + 4 * L + 12 * L
+    plain = spec_of("llama3-70b", framework="torchtitan", loss="eager")
+    L1 = T * V
+    assert output_backward_peak_bytes(plain) == 2 * (2 * T * h) + 4 * L1 + 8 * L1

@@ -17,7 +17,11 @@ input (X) and what the loss saves.
   run it: the fp32 copy feeds log_softmax, which saves its fp32 output (4L); nll_loss saves only
   the targets. Forward transient: the B-byte logits, the fp32 copy and the log-probabilities
   together (B + 8)L; backward: the log-probabilities' gradient and the logits' (8L) beside the
-  saved 4L.
+  saved 4L. torchtitan over vocabulary-split logits (t > 1) runs its loss parallel, the
+  DTensor handlers of torch/distributed/tensor/parallel/loss.py (PyTorch 2.13), whose
+  `_nll_loss_backward` folds log_softmax's backward in as `(grad_input + torch.exp(x)) *
+  grad_output`: the scattered gradient, exp(x) and their sum alive together, 12L beside the
+  saved 4L (validation/torch_loss_parallel.py measures 4L more than the plain path).
 - `compiled` — the same cross-entropy under torch.compile, as torchtitan compiles its loss with
   the model since bbb1b616e (April 2025; `build_cross_entropy_loss`, torchtitan/components/
   loss.py at 6fc499f). Inductor's decompositions turn log_softmax into a max, a sum of
@@ -115,7 +119,8 @@ def output_backward_peak_bytes(spec: ChainSpec) -> int:
     the final norm's input saved, the final norm's output gradient X) and the final norm's
     (adding δ_in, X) hold less. eager: nll_loss's backward writes the log-probabilities'
     gradient (4L), log_softmax's the fp32 logits' (4L) beside the saved 4L: tape + 8L; the cast
-    back to B bytes follows once the log-probabilities are freed. compiled: one fused kernel
+    back to B bytes follows once the log-probabilities are freed; under torchtitan's loss
+    parallel (t > 1, module docstring) tape + 12L. compiled: one fused kernel
     writes the B-byte gradient beside the saved logits: tape + B·L. chunked: the gradient is
     already accumulated; the output layer's input gradient is that buffer: tape + X (δ_in).
     The loss is a scalar: no δ_out."""
@@ -124,8 +129,16 @@ def output_backward_peak_bytes(spec: ChainSpec) -> int:
     if spec.loss in ("fused", "compiled"):
         return tape + B * L
     if spec.loss == "eager":
-        return tape + 2 * FP32_BYTES * L
+        return tape + eager_backward_gradients(spec) * FP32_BYTES * L
     return tape + stream_bytes(spec)
+
+
+def eager_backward_gradients(spec: ChainSpec) -> int:
+    """The fp32 logit-sized tensors the eager loss's backward holds beside its tape: 2 (the
+    log-probabilities' and the logits' gradients), 3 under torchtitan's loss parallel (its
+    vocabulary-split logits, t > 1: the scattered gradient, exp(x) and their sum; module
+    docstring)."""
+    return 3 if spec.framework == "torchtitan" and spec.tp > 1 else 2
 
 
 def output_backward_workspace_bytes(spec: ChainSpec) -> int:
