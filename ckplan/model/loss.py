@@ -76,16 +76,32 @@ def loss_statistics_bytes(spec: ChainSpec) -> int:
     return 2 * FP32_BYTES * tokens
 
 
+def output_layer_input_bytes(spec: ChainSpec) -> int:
+    """What the output layer saves of its input for its weight's gradient: the final norm's
+    output, X; under torchtitan's sequence parallelism the whole sequence, t·X (B·T·h). Its
+    output layer is `ColwiseParallel(input_layouts=Shard(1))` (torchtitan/parallelisms/
+    parallelize_llama.py `apply_tp` at 9dec370; models/llama3/infra/parallelize.py since): the
+    input DTensor is redistributed to Replicate, an all-gather, before F.linear, which saves
+    the gathered local tensor. Megatron-LM's ColumnParallelLinear saves its sequence shard and
+    gathers it again in backward (tensor_parallel/layers.py,
+    LinearWithGradAccumulationAndAsyncCommunication)."""
+    if spec.framework == "torchtitan" and spec.tp > 1 and spec.sp:
+        tokens = (spec.seq // spec.cp) * spec.micro_batch
+        return spec.dtype_bytes * tokens * spec.hidden
+    return stream_bytes(spec)
+
+
 def output_saved_bytes(spec: ChainSpec) -> int:
     """The output stage's tape: the final norm's input and the output layer's input (2X; 4sbh/t
-    for B = 2 under SP; X when the output layer is frozen) and what the loss keeps: 4L (fused,
+    for B = 2 under SP, X + t·X under torchtitan's, `output_layer_input_bytes`; X when the
+    output layer is frozen) and what the loss keeps: 4L (fused,
     eager: the fp32 softmax or log-probabilities, Korthikanti §4.3's 4sbV/t), B·L + 8T
     (compiled: the logits and two statistics per token) or the fp32 hidden-gradient accumulator
     (chunked)."""
     X = stream_bytes(spec)
     # a frozen output layer (training: frozen, lora, qlora) keeps no input for its weight's
     # gradient (docs/fine-tuning.md); the final norm keeps its own
-    inputs = 2 * X if spec.training == "full" else X
+    inputs = X + output_layer_input_bytes(spec) if spec.training == "full" else X
     if spec.loss.startswith("chunked:"):
         return inputs + hidden_grad_accumulator_bytes(spec)
     if spec.loss == "compiled":
