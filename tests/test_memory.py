@@ -266,3 +266,24 @@ def test_torchtitan_tensor_parallel_output_stage_by_hand(spec_of):
     plain = spec_of("llama3-70b", framework="torchtitan", loss="eager")
     L1 = T * V
     assert output_backward_peak_bytes(plain) == 2 * (2 * T * h) + 4 * L1 + 8 * L1
+
+
+def test_the_policy_per_term_in_estimate_json(cli):
+    """estimate --json names a per-op policy's kept units and its stored layer; compiled, w2's
+    output (s·b·h·2 = 8192·4096·2 bytes) is not saved."""
+    import json
+
+    terms = {}
+    for kernels in ("eager", "compiled"):
+        code, out, _ = cli(
+            "estimate", "llama3-8b", "--set", "framework=torchtitan", "--set",
+            f"kernels={kernels}", "--strategy", "sac", "--json",
+        )  # fmt: skip
+        assert code == 0
+        terms[kernels] = json.loads(out)["memory"]["policy"]
+    assert terms["eager"]["kept"] == ["q_proj", "v_proj", "attention", "gate_proj", "fc2"]
+    assert terms["eager"]["compile_unread_bytes"] == 0
+    assert terms["compiled"]["compile_unread_bytes"] == 8192 * 4096 * 2
+    assert terms["eager"]["tape_bytes"] - terms["compiled"]["tape_bytes"] == 8192 * 4096 * 2
+    code, out, _ = cli("estimate", "llama3-8b", "--strategy", "full", "--json")
+    assert "policy" not in json.loads(out)["memory"]
