@@ -144,6 +144,7 @@ def eager_cache(recipe: str, save_list) -> dict[str, int]:
 
 def compiled_saved(fn, *inputs) -> list[tuple[str, str, tuple, str, int]]:
     """The tensors the partitioned forward graph of `fn` saves for backward."""
+    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
@@ -152,11 +153,11 @@ def compiled_saved(fn, *inputs) -> list[tuple[str, str, tuple, str, int]]:
 
     def forward(gm, _):
         graphs["forward"] = gm
-        return gm.forward
+        return make_boxed_func(gm.forward)
 
     backend = aot_autograd(
         fw_compiler=forward,
-        bw_compiler=lambda gm, _: gm.forward,
+        bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
         partition_fn=min_cut_rematerialization_partition,
         decompositions=select_decomp_table(),
     )
