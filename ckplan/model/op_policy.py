@@ -483,7 +483,9 @@ def counts_matmuls(precision: str) -> bool:
     PyTorch calls an active dispatch mode, here the selective checkpoint's
     `_CachingTorchDispatchMode` (torch/utils/checkpoint.py), before a tensor subclass's
     `__torch_dispatch__`, which runs `aten._scaled_mm`; under torch.compile the nodes that
-    subclass call traces are tagged with the policy given to `aten.mm`. Checked on the CPU with
+    subclass call traces are tagged with the policy given to `aten.mm`. torchao's `MXLinear`
+    (torchao/prototype/mx_formats/mx_linear.py at e4e681be6, `mx_mm`) calls `torch.mm` on its
+    `MXTensor` arguments the same way. Checked on the CPU with
     torchao 0.18 and torch 2.13 (validation/torch_float8_sac.py): the cache holds each kept
     GEMM's bf16 output. Transformer Engine's `fp8`: no, its linear layers call their own GEMM
     (`tex.generic_gemm`), which no `aten.mm` rule matches."""
