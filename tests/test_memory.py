@@ -198,7 +198,7 @@ def test_the_loss_per_term_in_estimate_json(cli):
     import json
 
     terms = {}
-    for kind in ("fused", "eager", "chunked:8"):
+    for kind in ("fused", "eager", "compiled", "chunked:8"):
         code, out, _ = cli("estimate", "llama3-8b", "--set", f"loss={kind}", "--json")
         assert code == 0
         terms[kind] = json.loads(out)["memory"]["loss"]
@@ -206,6 +206,9 @@ def test_the_loss_per_term_in_estimate_json(cli):
     assert terms["fused"]["saved_bytes"] == terms["eager"]["saved_bytes"]
     assert terms["eager"]["backward_peak_bytes"] > terms["fused"]["backward_peak_bytes"]
     assert terms["chunked:8"]["saved_bytes"] < terms["fused"]["saved_bytes"] // 10
+    # compiled: bf16 logits where eager keeps fp32 log-probabilities
+    assert terms["compiled"]["saved_bytes"] < terms["eager"]["saved_bytes"]
+    assert terms["compiled"]["backward_peak_bytes"] < terms["fused"]["backward_peak_bytes"]
 
 
 def _fit_allocator():
@@ -251,3 +254,56 @@ def test_the_budget_takes_the_allocated_blocks_and_the_cache_gives_way():
     assert allocator.reserved_within(allocated, 100 * 2**30) == plenty
     assert allocator.reserved_within(allocated, allocated + 100 * mib) == allocated + 100 * mib
     assert allocator.reserved_within(allocated, allocated // 2) == allocated
+
+
+def test_compiled_loss_by_hand(spec_of):
+    """torch.compile's cross-entropy on upcast logits keeps the bf16 logits and two fp32
+    statistics per token (validation/torch_float8_sac.py) and writes a bf16 gradient."""
+    from ckplan.model.loss import loss_moved_bytes, output_backward_peak_bytes
+
+    spec = spec_of("llama3-8b", seq=8192, micro_batch=1, loss="compiled")
+    T, V, h = 8192, 128256, 4096
+    X, L = 2 * T * h, T * V
+    assert output_saved_bytes(spec) == 2 * X + 2 * L + 8 * T == 2_235_629_568
+    assert output_backward_peak_bytes(spec) == 2 * X + 4 * L + 8 * T == 4_336_975_872
+    eager = spec_of("llama3-8b", seq=8192, micro_batch=1, loss="eager")
+    # eager holds the fp32 log-probabilities and, in backward, two fp32 gradients: 12L
+    assert output_backward_peak_bytes(eager) - output_backward_peak_bytes(spec) == 8 * L - 8 * T
+    assert loss_moved_bytes(spec) == (4 * L, 4 * L)
+
+
+def test_torchtitan_tensor_parallel_output_stage_by_hand(spec_of):
+    """torchtitan's loss parallel (eager loss over vocabulary-split logits) holds exp(x) and a
+    sum beside the scattered gradient: 12L beside the saved 4L where the plain path holds 8L
+    (validation/torch_loss_parallel.py: 14.06 vs 10.02 bytes per logit above the start)."""
+    from ckplan.model.loss import output_backward_peak_bytes
+
+    spec = spec_of("llama3-70b", framework="torchtitan", tp=8, sp=True, loss="eager")
+    T, V, h = spec.seq * spec.micro_batch, 128256, 8192
+    X, L = 2 * T * h // 8, T * V // 8
+    # the output layer saves its all-gathered input (T·h·2), the final norm its shard (X)
+    assert output_backward_peak_bytes(spec) == X + 2 * T * h + 4 * L + 12 * L
+    plain = spec_of("llama3-70b", framework="torchtitan", loss="eager")
+    L1 = T * V
+    assert output_backward_peak_bytes(plain) == 2 * (2 * T * h) + 4 * L1 + 8 * L1
+
+
+def test_the_policy_per_term_in_estimate_json(cli):
+    """estimate --json names a per-op policy's kept units and its stored layer; compiled, w2's
+    output (s·b·h·2 = 8192·4096·2 bytes) is not saved."""
+    import json
+
+    terms = {}
+    for kernels in ("eager", "compiled"):
+        code, out, _ = cli(
+            "estimate", "llama3-8b", "--set", "framework=torchtitan", "--set",
+            f"kernels={kernels}", "--strategy", "sac", "--json",
+        )  # fmt: skip
+        assert code == 0
+        terms[kernels] = json.loads(out)["memory"]["policy"]
+    assert terms["eager"]["kept"] == ["q_proj", "v_proj", "attention", "gate_proj", "fc2"]
+    assert terms["eager"]["compile_unread_bytes"] == 0
+    assert terms["compiled"]["compile_unread_bytes"] == 8192 * 4096 * 2
+    assert terms["eager"]["tape_bytes"] - terms["compiled"]["tape_bytes"] == 8192 * 4096 * 2
+    code, out, _ = cli("estimate", "llama3-8b", "--strategy", "full", "--json")
+    assert "policy" not in json.loads(out)["memory"]

@@ -75,8 +75,16 @@ def test_tensor_parallel_sequence_parallel_keeps_the_reduce_scatters():
     assert policy_tape_bytes(spec, parse_policy("sac")) == expected
 
 
-def test_float8_matmuls_are_not_aten_mm():
+def test_torchao_float8_matmuls_are_counted_transformer_engine_fp8_ones_are_not():
+    # torchao's Float8Linear reaches the policy as aten.mm (validation/torch_float8_sac.py):
+    # torchtitan's rule keeps wq, wv, w1, w2 as in bf16, the same bytes (bf16 GEMM outputs)
     spec = small(precision="float8")
+    assert kept_units(spec, parse_policy("sac")) == (
+        "q_proj", "v_proj", "attention", "gate_proj", "fc2"
+    )  # fmt: skip
+    assert policy_tape_bytes(spec, parse_policy("sac")) == 49_664
+    # Transformer Engine's GEMMs are not aten.mm: only what is named is kept
+    spec = small(precision="fp8")
     assert kept_units(spec, parse_policy("sac")) == ("attention",)
     assert kept_units(spec, parse_policy("sac:q_proj,attention")) == ("q_proj", "attention")
 
@@ -432,3 +440,20 @@ def test_plan_tries_policies_where_the_framework_runs_pytorch_modules(cli):
     code, out, _ = cli(*argv)
     assert code == 0
     assert not any(layout["strategy"].startswith("sac") for layout in json.loads(out)["layouts"])
+
+
+def test_compiled_layer_does_not_save_what_no_backward_reads():
+    # eager: 49,664 bytes (test_torchtitan_tape_by_hand); compiled, w2's output (32·64·4) is
+    # not saved: it feeds only the closing residual add (validation/torch_float8_sac.py)
+    policy = parse_policy("sac")
+    assert policy_tape_bytes(small(kernels="compiled"), policy) == 49_664 - 32 * 64 * 4 == 41_472
+    # tp 2 with SP: w2's partial sums (32·64·4) and its reduce-scattered output (16·64·4) too;
+    # the attention's reduce-scatter is read (norm2's input is rebuilt from it)
+    spec = small(tp=2, sp=True)
+    eager = policy_tape_bytes(spec, policy)
+    compiled = policy_tape_bytes(small(tp=2, sp=True, kernels="compiled"), policy)
+    assert eager - compiled == 4 * (32 * 64 + 16 * 64) == 12_288
+    # a policy that does not keep w2 saves the same bytes either way
+    q_only = parse_policy("sac:q_proj")
+    compiled = small(kernels="compiled")
+    assert policy_tape_bytes(compiled, q_only) == policy_tape_bytes(small(), q_only)

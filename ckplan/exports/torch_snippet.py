@@ -42,7 +42,7 @@ from __future__ import annotations
 import textwrap
 
 from ckplan.exports.segments import LayerSegments, module_reason
-from ckplan.model.op_policy import kept_units, parse_policy, unit_ops
+from ckplan.model.op_policy import counts_matmuls, kept_units, parse_policy, unit_ops
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 
@@ -253,7 +253,7 @@ def _policy_part(spec: ModelSpec, layers: LayerSegments) -> str:
     policy = parse_policy(layers.policy)
     kept = set(kept_units(spec, policy))
     matmuls = [unit.name for unit in unit_ops(spec) if unit.matmul]
-    counting = spec.precision not in ("fp8", "float8")
+    counting = counts_matmuls(spec.precision)
     keep = sorted(i for i, name in enumerate(matmuls, 1) if name in kept) if counting else []
     grouped = [unit.name for unit in unit_ops(spec) if unit.grouped]
     grouped_keep = [i for i, name in enumerate(grouped, 1) if name in kept]

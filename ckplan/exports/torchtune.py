@@ -88,6 +88,11 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
             f"loss: {spec.loss}: torchtune v0.6.1's losses are CEWithChunkedOutputLoss (--set "
             "loss=chunked:8, its configs') or torch's cross-entropy (loss=eager)"
         )
+    if spec.loss == "compiled" and spec.kernels != "compiled":
+        return (
+            "loss: compiled: torchtune's compile flag compiles the model and the loss together "
+            "(--set kernels=compiled)"
+        )
     if layers.selective:
         return (
             "selective recomputation: torchtune's enable_activation_checkpointing wraps whole "

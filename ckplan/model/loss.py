@@ -17,7 +17,19 @@ input (X) and what the loss saves.
   run it: the fp32 copy feeds log_softmax, which saves its fp32 output (4L); nll_loss saves only
   the targets. Forward transient: the B-byte logits, the fp32 copy and the log-probabilities
   together (B + 8)L; backward: the log-probabilities' gradient and the logits' (8L) beside the
-  saved 4L.
+  saved 4L. torchtitan over vocabulary-split logits (t > 1) runs its loss parallel, the
+  DTensor handlers of torch/distributed/tensor/parallel/loss.py (PyTorch 2.13), whose
+  `_nll_loss_backward` folds log_softmax's backward in as `(grad_input + torch.exp(x)) *
+  grad_output`: the scattered gradient, exp(x) and their sum alive together, 12L beside the
+  saved 4L (validation/torch_loss_parallel.py measures 4L more than the plain path).
+- `compiled` — the same cross-entropy under torch.compile, as torchtitan compiles its loss with
+  the model since bbb1b616e (April 2025; `build_cross_entropy_loss`, torchtitan/components/
+  loss.py at 6fc499f). Inductor's decompositions turn log_softmax into a max, a sum of
+  exponentials and a log per token; the partitioner saves the B-byte logits (the graph's input)
+  and those two fp32 statistics per token (8T), and no fp32 copy of the logits
+  (validation/torch_float8_sac.py, torch 2.13): tape B·L + 8T. The forward's reductions and the
+  backward's pointwise gradient run fused, holding nothing of size L but the B-byte gradient the
+  backward writes: backward peak tape + B·L.
 - `xentropy` — a fused cross-entropy kernel that reads the B-byte logits as they are
   (flash-attn's CrossEntropyLoss, flash_attn/ops/triton/cross_entropy.py at v2.5.0, which
   llm-foundry's MPT uses by default, `loss_fn: fused_crossentropy`, modeling_mpt.py at
@@ -38,7 +50,7 @@ from __future__ import annotations
 from ckplan.model.op import FP32_BYTES, split_share
 from ckplan.model.spec import ChainSpec
 
-LOSSES = ("fused", "eager", "xentropy", "chunked:N")
+LOSSES = ("fused", "eager", "xentropy", "compiled", "chunked:N")
 
 
 def chunks(loss: str) -> int:
@@ -60,8 +72,7 @@ def stream_bytes(spec: ChainSpec) -> int:
 
 def hidden_grad_accumulator_bytes(spec: ChainSpec) -> int:
     """The fp32 gradient of the output layer's input a chunked loss accumulates: 4·T·h."""
-    tokens = (spec.seq // spec.cp) * spec.micro_batch
-    return FP32_BYTES * tokens * spec.hidden
+    return FP32_BYTES * tokens(spec) * spec.hidden
 
 
 def tokens(spec: ChainSpec) -> int:
@@ -69,19 +80,43 @@ def tokens(spec: ChainSpec) -> int:
     return (spec.seq // spec.cp) * spec.micro_batch
 
 
+def loss_statistics_bytes(spec: ChainSpec) -> int:
+    """The compiled loss's per-token fp32 statistics: the max and the log of the sum of
+    exponentials, 2·4·T on this rank (module docstring, `compiled`)."""
+    return 2 * FP32_BYTES * tokens(spec)
+
+
+def output_layer_input_bytes(spec: ChainSpec) -> int:
+    """What the output layer saves of its input for its weight's gradient: the final norm's
+    output, X; under torchtitan's sequence parallelism the whole sequence, t·X (B·T·h). Its
+    output layer is `ColwiseParallel(input_layouts=Shard(1))` (torchtitan/parallelisms/
+    parallelize_llama.py `apply_tp` at 9dec370; models/llama3/infra/parallelize.py since): the
+    input DTensor is redistributed to Replicate, an all-gather, before F.linear, which saves
+    the gathered local tensor. Megatron-LM's ColumnParallelLinear saves its sequence shard and
+    gathers it again in backward (tensor_parallel/layers.py,
+    LinearWithGradAccumulationAndAsyncCommunication)."""
+    if spec.framework == "torchtitan" and spec.tp > 1 and spec.sp:
+        return spec.dtype_bytes * tokens(spec) * spec.hidden
+    return stream_bytes(spec)
+
+
 def output_saved_bytes(spec: ChainSpec) -> int:
     """The output stage's tape: the final norm's input and the output layer's input (2X; 4sbh/t
-    for B = 2 under SP; X when the output layer is frozen) and what the loss keeps: 4L (fused,
-    eager: the fp32 softmax or log-probabilities, Korthikanti §4.3's 4sbV/t) or the fp32
-    hidden-gradient accumulator (chunked)."""
+    for B = 2 under SP, X + t·X under torchtitan's, `output_layer_input_bytes`; X when the
+    output layer is frozen) and what the loss keeps: 4L (fused,
+    eager: the fp32 softmax or log-probabilities, Korthikanti §4.3's 4sbV/t), B·L + 8T
+    (compiled: the logits and two statistics per token) or the fp32 hidden-gradient accumulator
+    (chunked)."""
     X = stream_bytes(spec)
     # a frozen output layer (training: frozen, lora, qlora) keeps no input for its weight's
     # gradient (docs/fine-tuning.md); the final norm keeps its own
-    inputs = 2 * X if spec.training == "full" else X
+    inputs = X + output_layer_input_bytes(spec) if spec.training == "full" else X
     if spec.loss.startswith("chunked:"):
         return inputs + hidden_grad_accumulator_bytes(spec)
     if spec.loss == "xentropy":  # the B-byte logits and the fp32 log-sum-exp per token
         return inputs + spec.dtype_bytes * logits_elements(spec) + FP32_BYTES * tokens(spec)
+    if spec.loss == "compiled":
+        return inputs + spec.dtype_bytes * logits_elements(spec) + loss_statistics_bytes(spec)
     return inputs + FP32_BYTES * logits_elements(spec)
 
 
@@ -89,11 +124,14 @@ def output_forward_workspace_bytes(spec: ChainSpec) -> int:
     """What the output stage's forward holds beyond its input while it runs (the chain's
     forward workspace): its tape less the input, and the loss's transients (module docstring):
     B·L (fused), (B + 4)·L (eager: the B-byte logits and the fp32 copy beside the saved
-    log-probabilities), 8T (xentropy: its fp32 losses and z-losses), (B + 16)·L/N (a chunk)."""
+    log-probabilities), 8T (xentropy: its fp32 losses and z-losses), nothing (compiled: the
+    logits are the tape), (B + 16)·L/N (a chunk)."""
     X, L, B = stream_bytes(spec), logits_elements(spec), spec.dtype_bytes
     beyond_input = output_saved_bytes(spec) - X
     if spec.loss == "fused":
         return beyond_input + B * L
+    if spec.loss == "compiled":
+        return beyond_input
     if spec.loss == "eager":
         return beyond_input + (B + FP32_BYTES) * L
     if spec.loss == "xentropy":  # the fp32 losses and z-losses it returns
@@ -111,19 +149,29 @@ def output_backward_peak_bytes(spec: ChainSpec) -> int:
     the final norm's input saved, the final norm's output gradient X) and the final norm's
     (adding δ_in, X) hold less. eager: nll_loss's backward writes the log-probabilities'
     gradient (4L), log_softmax's the fp32 logits' (4L) beside the saved 4L: tape + 8L; the cast
-    back to B bytes follows once the log-probabilities are freed. xentropy: the new B-byte
-    gradient beside the saved logits: tape + B·L. chunked: the gradient is
+    back to B bytes follows once the log-probabilities are freed; under torchtitan's loss
+    parallel (t > 1, module docstring) tape + 12L. xentropy: the new B-byte gradient beside the
+    saved logits: tape + B·L. compiled: one fused kernel writes the B-byte gradient beside the
+    saved logits: tape + B·L. chunked: the gradient is
     already accumulated; the output layer's input gradient is that buffer: tape + X (δ_in).
     The loss is a scalar: no δ_out."""
     L, B = logits_elements(spec), spec.dtype_bytes
     tape = output_saved_bytes(spec)
-    if spec.loss == "fused":
+    if spec.loss in ("fused", "compiled"):
         return tape + B * L
     if spec.loss == "eager":
-        return tape + 2 * FP32_BYTES * L
+        return tape + eager_backward_gradients(spec) * FP32_BYTES * L
     if spec.loss == "xentropy":
         return tape + B * L
     return tape + stream_bytes(spec)
+
+
+def eager_backward_gradients(spec: ChainSpec) -> int:
+    """The fp32 logit-sized tensors the eager loss's backward holds beside its tape: 2 (the
+    log-probabilities' and the logits' gradients), 3 under torchtitan's loss parallel (its
+    vocabulary-split logits, t > 1: the scattered gradient, exp(x) and their sum; module
+    docstring)."""
+    return 3 if spec.framework == "torchtitan" and spec.tp > 1 else 2
 
 
 def output_backward_workspace_bytes(spec: ChainSpec) -> int:
@@ -141,11 +189,15 @@ def loss_moved_bytes(spec: ChainSpec) -> tuple[int, int]:
     two reductions, 8) and nll_loss's gather, (B + 16)·L forward, nll_loss's and log_softmax's
     backward (4 + 12) and the cast back (4 + B), (20 + B)·L; xentropy, one read of the logits
     forward (B·L, the row's maximum and sum in one block), a read and the gradient's write
-    backward (2B·L); chunked, the eager kernels on every chunk, forward and backward in the
+    backward (2B·L); compiled, the B-byte logits read by the max and by the sum of
+    exponentials, 2B·L forward, read and the gradient written, 2B·L backward; chunked, the
+    eager kernels on every chunk, forward and backward in the
     forward pass."""
     L, B = logits_elements(spec), spec.dtype_bytes
     if spec.loss == "fused":
         return (B + 12) * L, (12 + B) * L
+    if spec.loss == "compiled":
+        return 2 * B * L, 2 * B * L
     if spec.loss == "eager":
         return (B + 16) * L, (20 + B) * L
     if spec.loss == "xentropy":

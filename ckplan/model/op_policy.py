@@ -12,8 +12,18 @@ v0.1.0, `_save_list` and `_custom_policy`; the same rule in
 torchtitan/distributed/activation_checkpoint.py from August 2025) saves the outputs of
 `aten.mm` but every second one, of the flash and memory-efficient SDPA kernels, of
 `reduce_scatter_tensor` and of `aten.max` (float8 scales); the mm counter restarts in every
-layer. Its Llama block runs wq, wk, wv, wo, w1, w3, w2 in that order, so it keeps the outputs of
-wq, wv, w1 and w2 and recomputes wk, wo and w3, the norms, RoPE and the SwiGLU product.
+layer. Its Llama block runs wq, wk, wv, wo, w1, w3, w2 in that order, so it keeps the outputs
+of wq, wv, w1 and w2 and recomputes wk, wo and w3, the norms, RoPE and the SwiGLU product.
+torchao's float8 linears (`Float8Linear`, torchao/float8/float8_linear.py at eab345c and since)
+call `torch.mm` on their float8 tensor subclass: the selective-checkpoint dispatch mode sees
+that `aten.mm` before the subclass turns it into `aten._scaled_mm`, so the policy counts and
+keeps those GEMMs' bf16 outputs as it keeps bf16 ones (`counts_matmuls`). Under torch.compile
+a kept output that no backward reads is not saved (`compile_unread_bytes`). The list of
+December 2024 (torchtitan/parallelisms/parallelize_llama.py at 9dec370) also named `aten.abs`,
+whose full-size outputs (|x| of every float8 linear's input and weight) the eager cache holds;
+compiled with tensorwise scaling they are not saved (`aten.max` is), with rowwise scaling
+(`aten.amax`, not listed) they are, which torchtitan removed in 88247277c (February 2025).
+ckplan's `sac` is the list without `aten.abs`.
 Its DeepSeek-V3 and Llama 4 lists (torchtitan/models/{deepseek_v3,llama4}/infra/parallelize.py
 at v0.2.2) add `all_to_all_single`, the expert-parallel dispatch and combine; the experts run as
 `torch._grouped_mm`, which neither list names: torchtitan re-runs them, and the mm counter sees
@@ -465,13 +475,29 @@ def policy_comm_ops(
     )
 
 
+def counts_matmuls(precision: str) -> bool:
+    """Whether a policy's matmul rule sees the linear layers' GEMMs as `aten.mm` under
+    `precision`. bf16, fp16 and torchao's `float8`: yes. `Float8Linear.forward` calls
+    `torch.mm` on `Float8Tensor` arguments (torchao/float8/float8_linear.py at eab345c,
+    `manual_float8_matmul_with_args_in_float8`; `matmul_with_hp_or_float8_args` since), and
+    PyTorch calls an active dispatch mode, here the selective checkpoint's
+    `_CachingTorchDispatchMode` (torch/utils/checkpoint.py), before a tensor subclass's
+    `__torch_dispatch__`, which runs `aten._scaled_mm`; under torch.compile the nodes that
+    subclass call traces are tagged with the policy given to `aten.mm`. torchao's `MXLinear`
+    (torchao/prototype/mx_formats/mx_linear.py at e4e681be6, `mx_mm`) calls `torch.mm` on its
+    `MXTensor` arguments the same way. Checked on the CPU with
+    torchao 0.18 and torch 2.13 (validation/torch_float8_sac.py): the cache holds each kept
+    GEMM's bf16 output. Transformer Engine's `fp8`: no, its linear layers call their own GEMM
+    (`tex.generic_gemm`), which no `aten.mm` rule matches."""
+    return precision != "fp8"
+
+
 @cached_by_chain(maxsize=256)
 def kept_units(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None) -> tuple[str, ...]:
-    """The units whose outputs `policy` keeps in one layer. Under FP8 precision the linear
-    layers run scaled FP8 GEMMs (`torch._scaled_mm`, Transformer Engine's kernels), which the
-    matmul rule does not match: torchtitan's list names `aten.mm` only. The router's gate is
-    outside the matmul rule (`FORCE_RECOMPUTED`), kept only when named."""
-    counting = spec.precision not in ("fp8", "float8")
+    """The units whose outputs `policy` keeps in one layer: the matmul rule counts the GEMMs
+    that reach the policy as `aten.mm` (`counts_matmuls`). The router's gate is outside the
+    matmul rule (`FORCE_RECOMPUTED`), kept only when named."""
+    counting = counts_matmuls(spec.precision)
     kept, index = [], 0
     for unit in unit_ops(spec, kind):
         if unit.matmul and counting and unit.name not in FORCE_RECOMPUTED:
@@ -486,10 +512,46 @@ def kept_units(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None)
 def policy_tape_bytes(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None) -> int:
     """What a layer under `policy` holds from its forward to its backward: its input (the
     checkpoint's argument, the residual stream) and the kept outputs (derived: the
-    selective-checkpoint cache holds one storage per kept output)."""
+    selective-checkpoint cache holds one storage per kept output), less under torch.compile
+    the kept outputs no backward reads (`compile_unread_bytes`)."""
     kept = set(kept_units(spec, policy, kind))
     units = unit_ops(spec, kind)
-    return LayerShapes.of(spec).X + sum(unit.output_bytes for unit in units if unit.name in kept)
+    kept_bytes = sum(unit.output_bytes for unit in units if unit.name in kept)
+    return LayerShapes.of(spec).X + kept_bytes - compile_unread_bytes(spec, policy, kind)
+
+
+# The units that close a dense layer's MLP branch, last first: what feeds only the residual add.
+CLOSING_UNITS = ("reduce_scatter", "fc2")
+
+
+def compile_unread_bytes(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None) -> int:
+    """Bytes of kept outputs that a compiled layer does not save: the ones its backward never
+    reads. Eager selective checkpointing caches every MUST_SAVE output
+    (`_CachingTorchDispatchMode`, torch/utils/checkpoint.py); under torch.compile the policy
+    only tags the graph's nodes, and AOTAutograd's min-cut partitioner
+    (torch/_functorch/partitioners.py, `solve_min_cut`) bans a MUST_SAVE node from
+    recomputation but saves it only when the backward needs it, directly or to re-run a
+    recomputed op. In a pre-norm dense layer the MLP's down projection (w2) and, under sequence
+    parallelism, its reduce-scatter feed only the closing residual add, whose backward reads
+    neither: torchtitan's `sac` keeps w2's output eagerly but not compiled. Checked on the CPU
+    with torch 2.13 (validation/torch_float8_sac.py: the compiled block saves 5.53X where the
+    eager cache holds 6.53X, X the block input, the difference w2's output). Not applied to MoE
+    layers (the experts' outputs are read by the routing weights' gradient), post-norms or a
+    parallel residual."""
+    kind = representative_kind(spec) if kind is None else kind
+    if spec.kernels != "compiled" or kind.moe or spec.post_norms or spec.parallel_residual:
+        return 0
+    kept = set(kept_units(spec, policy, kind))
+    units = [unit for unit in unit_ops(spec, kind) if not unit.name.endswith("_add")]
+    unread = 0
+    for unit in reversed(units):
+        if unit.name not in CLOSING_UNITS:
+            break
+        if unit.name in kept:
+            unread += unit.output_bytes
+        if unit.name == "fc2":
+            break
+    return unread
 
 
 def skips_rerun(unit: Unit) -> bool:

@@ -450,7 +450,7 @@ class Execution(_Record):
     # the linear layers' GEMMs: bf16 | fp16 | fp8 (Transformer Engine: saves FP8 copies of their
     # inputs) | float8 (torchao's float8 training: saves them in bf16)
     precision: str = "bf16"
-    # fused | eager | xentropy | chunked:N (ckplan.model.loss); None -> the framework's
+    # fused | eager | xentropy | compiled | chunked:N (ckplan.model.loss); None -> the framework's
     loss: str | None = None
     tp_comm_overlap: bool = False  # Megatron/TE --tp-comm-overlap, torchtitan async TP
     dp_comm_overlap: bool | None = None  # overlap DP/FSDP traffic with compute; None -> framework's
@@ -477,9 +477,10 @@ class Execution(_Record):
         for key in ("kernels", "dp_comm_overlap", "loss", "expandable_segments"):
             if getattr(self, key) is None:
                 self._derive(key, defaults[key])
-        if self.loss not in ("fused", "eager", "xentropy") and not _is_chunked(self.loss):
+        whole_losses = ("fused", "eager", "xentropy", "compiled")
+        if self.loss not in whole_losses and not _is_chunked(self.loss):
             raise SpecError(
-                "key 'loss' must be fused, eager, xentropy or chunked:N "
+                "key 'loss' must be fused, eager, xentropy, compiled or chunked:N "
                 f"(N in 2..{MAX_LOSS_CHUNKS:,}), got {quote(self.loss)}"
             )
         if self.kernels not in KERNELS:

@@ -369,7 +369,7 @@ MODELLED_TRAINING = {
     "weight_format": ("bf16", "fp16", "fp32", "nf4", "fp4", "int8"),
     "optimizer": OPTIMIZERS,
     "offload": ("none", "activations"),
-    "loss": ("fused", "eager", "xentropy", "chunked:N", "fused-linear-ce"),
+    "loss": ("fused", "eager", "xentropy", "compiled", "chunked:N", "fused-linear-ce"),
     "distribute_checkpoints": ("True", "False"),
 }
 

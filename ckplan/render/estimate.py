@@ -84,6 +84,9 @@ def plan_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
     spec = plan.spec
     if spec.kind == "transformer" and spec.vocab:
         data["memory"]["loss"] = loss_terms(spec)
+    policy = policy_terms(plan)
+    if policy is not None:
+        data["memory"]["policy"] = policy
     if len(distinct_kinds(spec)) > 1:
         data["memory"]["layer_kinds"] = layer_kinds_list(spec)
     layout = expert_layout(spec)
@@ -357,6 +360,13 @@ def plan_summary_table(plan: Plan) -> Table:
     for component, value in plan.breakdown.items():
         table.add_row(f"  {component}", gib(value), "")
     table.add_row("activations, step peak", both_units(plan.activation_bytes), _peak_note(spec))
+    policy = policy_terms(plan)
+    if policy is not None:
+        unread = policy["compile_unread_bytes"]
+        note = f"its input and the kept outputs of {', '.join(policy['kept']) or 'none'}"
+        if unread:
+            note += f"; compiled, {gib(unread)} of them no backward reads is not saved"
+        table.add_row("  stored layer (policy)", gib(policy["tape_bytes"]), note)
     if spec.kind == "transformer" and spec.vocab:
         terms = loss_terms(spec)
         table.add_row(
@@ -449,6 +459,25 @@ def plan_summary_table(plan: Plan) -> Table:
     for note in plan.notes:
         table.add_row("note", "", note)
     return table
+
+
+def policy_terms(plan) -> dict[str, Any] | None:
+    """A per-op policy's stored layer (the representative kind), per term: the policy, the
+    units whose outputs it keeps, the layer's tape (its input and those outputs) and, under
+    torch.compile, the kept outputs not saved because no backward reads them (already out of
+    the tape); None when the plan runs no policy."""
+    from ckplan.model import op_policy
+
+    policies = [group for group in plan.recompute_groups if op_policy.is_policy(group)]
+    if not policies:
+        return None
+    chain, policy = plan.spec.chain, op_policy.parse_policy(policies[0])
+    return {
+        "policy": policies[0],
+        "kept": list(op_policy.kept_units(chain, policy)),
+        "tape_bytes": op_policy.policy_tape_bytes(chain, policy),
+        "compile_unread_bytes": op_policy.compile_unread_bytes(chain, policy),
+    }
 
 
 def loss_terms(spec: ModelSpec) -> dict[str, Any]:
