@@ -99,6 +99,7 @@ _TORCHTITAN_03_PARSE = textwrap.dedent(
 )
 
 LLAMA = ("llama3", "llama3_8b")
+OFFLOAD = {"zero": 3, "optimizer_offload": "cpu", "param_offload": "cpu"}
 TORCHTITAN_03_CASES = [
     ("none", "llama3-8b", {"dp": 8, "zero": 3}, LLAMA),
     ("full", "llama3-8b", {"dp": 8, "zero": 3}, LLAMA),
@@ -109,7 +110,7 @@ TORCHTITAN_03_CASES = [
     ("full", "llama3-8b", {"pp": 2, "microbatches": 4, "micro_batch": 2, "dp": 4}, LLAMA),
     ("none", "llama3-8b", {"pp": 4, "virtual_stages": 2, "microbatches": 8, "zero": 2}, LLAMA),
     ("full", "llama3-8b", {"dp": 8, "zero": 0, "microbatches": 4}, LLAMA),
-    ("full", "llama3-8b", {"dp": 8, "optimizer_offload": "cpu", "param_offload": "cpu"}, LLAMA),
+    ("full", "llama3-8b", {"dp": 8, **OFFLOAD}, LLAMA),
     # float8 is the config function's converter (llama3_8b_float8-style functions build
     # torchao's Float8Linear, which checks for an SM89+ GPU): the options are the same
     ("full", "llama3-8b", {"dp": 8, "zero": 3, "precision": "float8"}, LLAMA),
