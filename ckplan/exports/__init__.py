@@ -99,7 +99,7 @@ def _offload_reason(plan: Plan, target: str) -> str:
         return megatron.offload_reason(plan.flops.recompute > 0)
     if target == torchtitan.NAME:
         return (
-            "torchtitan (0.2.x and 0.3.0) has no activation offloading option (--to torch "
+            "torchtitan's activation_checkpoint section has no offloading key (--to torch "
             "writes torch.autograd.graph.save_on_cpu around the layers)"
         )
     return (
@@ -118,8 +118,7 @@ def export(
     version = check_version(target, version)
     because = why_not(plan, target, version)
     if because is not None:
-        named = f"{target} {version}" if version else target
-        raise ExportError(f"{named} cannot express {because}; {_offer(plan, target, version)}")
+        raise ExportError(f"{target} cannot express {because}; {_offer(plan, target, version)}")
     layers = layer_segments(plan)
     if module is yaml_plan:
         return Export(yaml_plan.render(plan, None if isinstance(layers, str) else layers))
