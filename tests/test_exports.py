@@ -1,9 +1,12 @@
 """`ckplan export`: each launcher's own rules, flags read back into the same plan, refusals that
 name the part and offer the nearest expressible plan."""
 
+import ast
+import itertools
 import json
 
 import pytest
+import tomllib
 import yaml
 from megatron_args import MegatronArgError, parse, validate
 
@@ -150,7 +153,7 @@ def test_megatron_refuses_layouts_it_has_no_flag_for(spec_of):
         ("megatron", "revolve:3", "more than once"),
         ("torch", "revolve:3", "more than once"),
         ("torchtitan", "selective", "attention core"),
-        ("torchtitan", "uniform:4", "every N-th block"),
+        ("torchtitan", "uniform:4", "wraps every block alike"),
     ],
 )
 def test_refusal_names_the_part_and_the_nearest_plan(spec_of, target, name, part):
@@ -273,17 +276,137 @@ def test_layer_segments_of_named_strategies(spec_of):
 
 
 def test_torchtitan_sections(spec_of):
+    """0.2.x: the [activation_checkpoint] section; 0.3.0: the subcommand after the options.
+    Each reads back as a strategy with the same activation bytes."""
     spec = spec_of("llama3-8b")
     for name, expected in (("none", "none"), ("full", "full"), ("block:32", "full")):
-        text = exports.export(plan_of(spec, name), "torchtitan").text
+        text = exports.export(plan_of(spec, name), "torchtitan", version="0.2").text
         assert "[activation_checkpoint]" in text
-        back = torchtitan.strategy_from_toml(text)
-        assert back == expected
-        assert plan_of(spec, back).activation_bytes == plan_of(spec, name).activation_bytes
+        arguments = exports.export(plan_of(spec, name), "torchtitan").text
+        assert arguments.split()[-1] == f"activation-checkpoint:{expected}"
+        for back in (
+            torchtitan.strategy_from_toml(text),
+            torchtitan.strategy_from_arguments(arguments),
+        ):
+            assert back == expected
+            assert plan_of(spec, back).activation_bytes == plan_of(spec, name).activation_bytes
     every_fourth = LayerSegments(
         8, ((0, 3, False), (3, 4, True), (4, 7, False), (7, 8, True)), False
     )
     assert torchtitan.section(every_fourth) == {"mode": "selective", "selective_ac_option": "4"}
+    assert torchtitan.reason(spec, every_fourth, "0.2") is None
+    assert "0.2.x's selective_ac_option = N" in torchtitan.reason(spec, every_fourth, "0.3")
+    # 0.3.0's default subcommand, none given, is SelectiveAC
+    assert torchtitan.strategy_from_arguments("--training.seq-len 8192") == "sac"
+
+
+def _annotation_accepts(annotation: str, value) -> bool:
+    """Whether a value TOML gives is of a torchtitan 0.2.x field's type (its annotation as
+    written in job_config.py): a Literal's choices, str, int, bool, float, list[str]."""
+    node = ast.parse(annotation, mode="eval").body
+    if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "Literal":
+        elements = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        return value in [ast.literal_eval(element) for element in elements]
+    kinds = {"str": str, "int": int, "bool": bool, "float": (int, float), "list[str]": list}
+    return isinstance(value, kinds[annotation]) and (annotation != "int" or value is not True)
+
+
+def test_torchtitan_02_toml_has_only_the_release_keys(spec_of):
+    """The 0.2.x TOML, read as TOML, against torchtitan v0.2.2's JobConfig sections and keys
+    (tests/torchtitan_02_keys.py, from its job_config.py by tests/torchtitan_mirror.py): every
+    section and key exists there and every value is of the key's type. selective_ac_option is
+    "op" or a number (torchtitan/distributed/activation_checkpoint.py at v0.2.2: `== "op"`,
+    `.isdigit()`, else ValueError)."""
+    from torchtitan_02_keys import RELEASE, SECTIONS
+
+    assert RELEASE == "v0.2.2"
+    spec = spec_of("llama3-8b", framework="torchtitan", dp=8, zero=3)
+    tables = [
+        tomllib.loads(exports.export(plan_of(spec, name), "torchtitan", version="0.2").text)
+        for name in ("none", "full", "sac", "block:32")
+    ]
+    every_fourth = LayerSegments(
+        8, ((0, 3, False), (3, 4, True), (4, 7, False), (7, 8, True)), False
+    )
+    tables.append({"activation_checkpoint": torchtitan.section(every_fourth)})
+    modes = set()
+    for table in tables:
+        for section, keys in table.items():
+            assert section in SECTIONS, section
+            for key, value in keys.items():
+                assert key in SECTIONS[section], (section, key)
+                assert _annotation_accepts(SECTIONS[section][key][0], value), (key, value)
+        option = table["activation_checkpoint"].get("selective_ac_option", "op")
+        assert option == "op" or option.isdigit()
+        modes.add(table["activation_checkpoint"]["mode"])
+    assert modes == {"none", "full", "selective"}
+    # the mirror's check bites: a key or a value that release does not take
+    assert "offload" not in SECTIONS["activation_checkpoint"]
+    assert not _annotation_accepts(SECTIONS["activation_checkpoint"]["mode"][0], "op")
+
+
+@pytest.mark.parametrize(
+    ("layout", "strategy", "fragment"),
+    [
+        ({"bias": True, "attention": "flash", "dropout": 0}, "sac", "aten.addmm"),
+        ({"precision": "float8"}, "sac", "aten._scaled_mm"),
+        ({"precision": "fp16"}, "full", "precision fp16"),
+        ({"pp": 3, "microbatches": 3, "first_stage_layers": 10}, "full", "uneven pipeline"),
+    ],
+)
+def test_torchtitan_03_refuses_what_its_options_cannot_say(spec_of, layout, strategy, fragment):
+    spec = spec_of("llama3-8b", framework="torchtitan", **layout)
+    plan = plan_of(spec, strategy)
+    assert fragment in exports.why_not(plan, "torchtitan")
+    # a policy has a nearest plan; a layout or precision none on 0.3.0
+    offer = "nearest expressible plan" if strategy == "sac" else "no plan of this model"
+    with pytest.raises(exports.ExportError, match=offer):
+        exports.export(plan, "torchtitan")
+    if strategy == "sac":  # 0.2.x's op SAC is ckplan's sac
+        assert exports.why_not(plan, "torchtitan", "0.2") is None
+
+
+def test_torchtitan_03_refuses_sac_on_moe_and_experts_beside_tp(spec_of):
+    moe = spec_of("mixtral-8x7b", framework="torchtitan", dp=8, zero=3)
+    assert "aten.topk" in exports.why_not(plan_of(moe, "sac"), "torchtitan")
+    assert exports.why_not(plan_of(moe, "sac"), "torchtitan", "0.2") is None
+    assert exports.why_not(plan_of(moe, "full"), "torchtitan") is None
+    beside = spec_of("mixtral-8x7b", framework="torchtitan", tp=2, sp=True, dp=4, zero=3)
+    assert "expert tensor-parallel" in exports.why_not(plan_of(beside, "full"), "torchtitan")
+
+
+def test_torchtitan_03_options_follow_the_layout(spec_of):
+    """The batch, the even pipeline split and the schedule, by hand for Llama 3 8B on pp 4 x
+    2 virtual stages, 8 micro-batches of 2, dp 2: 32 layers / (4·2) = 4 per stage; the local
+    batch 2·8 = 16 (one optimizer step per rank), the global 16·2 = 32."""
+    spec = spec_of(
+        "llama3-8b", framework="torchtitan", pp=4, virtual_stages=2, microbatches=8,
+        micro_batch=2, dp=2, zero=3,
+    )  # fmt: skip
+    words = exports.export(plan_of(spec, "full"), "torchtitan").text.split()
+    given = dict(itertools.pairwise(words))
+    assert given["--parallelism.pipeline-parallel-layers-per-stage"] == "4"
+    assert given["--parallelism.pipeline-parallel-schedule"] == "Interleaved1F1B"
+    assert given["--training.local-batch-size"] == "16"
+    assert given["--training.global-batch-size"] == "32"
+    assert given["--parallelism.data-parallel-shard-degree"] == "2"
+    assert "--training.disable-cuda-graphs" in words
+    assert words[-1] == "activation-checkpoint:full"
+    flat = spec_of("llama3-8b", framework="torchtitan", microbatches=4, dp=8, zero=0)
+    words = exports.export(plan_of(flat, "none"), "torchtitan").text.split()
+    given = dict(itertools.pairwise(words))
+    assert given["--training.local-batch-size"] == "1"  # accumulated 4 times
+    assert given["--training.global-batch-size"] == "32"
+    assert given["--parallelism.data-parallel-replicate-degree"] == "8"
+    assert given["--parallelism.data-parallel-shard-degree"] == "1"
+
+
+def test_torchtitan_version_is_checked(spec_of):
+    plan = plan_of(spec_of("gpt2"), "full")
+    with pytest.raises(exports.ExportError, match=r"expected 0\.3 or 0\.2"):
+        exports.export(plan, "torchtitan", version="0.3.0")
+    with pytest.raises(exports.ExportError, match="applies to --to torchtitan"):
+        exports.export(plan, "megatron", version="0.3")
 
 
 def test_deepspeed_block_has_exactly_its_documented_keys(spec_of):

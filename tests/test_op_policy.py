@@ -262,13 +262,17 @@ def test_torch_selective_checkpoint_keeps_the_predicted_bytes(policy_text_):
 
 def test_torchtitan_exports_sac_as_op_level_ac_and_reads_it_back():
     from ckplan import exports
-    from ckplan.exports.torchtitan import strategy_from_toml
+    from ckplan.exports.torchtitan import strategy_from_arguments, strategy_from_toml
 
     spec = spec_from_mapping({**SMALL, "layers": 4, "vocab": 128})
     plan = evaluate(spec, parse_strategy("sac", spec))
-    text = exports.export(plan, "torchtitan").text
+    text = exports.export(plan, "torchtitan", version="0.2").text
     assert 'mode = "selective"' in text and 'selective_ac_option = "op"' in text
     assert strategy_from_toml(text) == "sac"
+    plan = evaluate(unbiased := spec.replace(bias=False), parse_strategy("sac", unbiased))
+    arguments = exports.export(plan, "torchtitan").text  # 0.3.0: SelectiveAC, no addmm
+    assert arguments.split()[-1] == "activation-checkpoint:selective"
+    assert strategy_from_arguments(arguments) == "sac"
 
 
 @pytest.mark.parametrize(

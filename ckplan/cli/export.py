@@ -65,6 +65,14 @@ def export(
             "Megatron-LM versions without that flag.",
         ),
     ] = True,
+    torchtitan_version: Annotated[
+        str | None,
+        typer.Option(
+            "--torchtitan-version",
+            help="torchtitan: 0.3 (torchtitan 0.3.0's command-line overrides, the default) or "
+            "0.2 (the [activation_checkpoint] TOML section of torchtitan 0.2.x).",
+        ),
+    ] = None,
     settings: ModelSetOpt = None,
     seq: SeqOpt = None,
     batch: BatchOpt = None,
@@ -72,25 +80,28 @@ def export(
     quiet: QuietOpt = False,
 ) -> None:
     """Write a plan for a launcher: Megatron-LM flags, a PyTorch snippet, a DeepSpeed config
-    block, torchtitan's [activation_checkpoint] TOML, Hugging Face Trainer and PEFT arguments,
-    or the model and plan as YAML. A plan the target cannot express is an error that names the
-    nearest one it can."""
+    block, torchtitan's command-line overrides (0.3) or [activation_checkpoint] TOML (0.2),
+    Hugging Face Trainer and PEFT arguments, or the model and plan as YAML. A plan the target
+    cannot express is an error that names the nearest one it can."""
     from ckplan import exports
 
     with user_errors():
         exports.check_target(to)
+        version = exports.check_version(to, torchtitan_version)
         spec = resolve(
             model, settings=settings, seq=seq, batch=batch, layers=layers, gpu_keys="export"
         ).spec
-        chosen = _export_plan(spec, plan, to, budget, reserve, check_slots(slots))
-        result = exports.export(chosen, to, recompute_modules)
+        chosen = _export_plan(spec, plan, to, budget, reserve, check_slots(slots), version)
+        result = exports.export(chosen, to, recompute_modules, version)
     sys.stdout.write(result.text)
     if not quiet:
         for note in result.notes:
             output.stderr.print(render.note_text(note), highlight=False)
 
 
-def _export_plan(spec: ModelSpec, plan: str, target: str, budget, reserve, slots: int):
+def _export_plan(
+    spec: ModelSpec, plan: str, target: str, budget, reserve, slots: int, version=None
+):
     """The plan to export: `auto` picks the cheapest fitting plan that `target` can express."""
     from ckplan import exports
 
@@ -102,7 +113,7 @@ def _export_plan(spec: ModelSpec, plan: str, target: str, budget, reserve, slots
         if budget is None:
             raise UserError("--plan auto picks the cheapest plan that fits: it needs --budget")
         result = search.sweep(spec, total, kept, slots=slots)
-        best = exports.best_expressible(spec, result.candidates, target)
+        best = exports.best_expressible(spec, result.candidates, target, version)
         if best is None:
             message = f"no plan that {target} can express fits {shorten(budget)}"
             output.stderr.print(render.error_text(message), highlight=False)

@@ -50,8 +50,25 @@ def check_target(target: str) -> str:
     return target
 
 
-def why_not(plan: Plan, target: str) -> str | None:
-    """Why `target` cannot express `plan` (None when it can)."""
+def check_version(target: str, version: str | None) -> str | None:
+    """The release to write for: torchtitan's `version` (default torchtitan.DEFAULT_VERSION);
+    None for the other targets, which take no version."""
+    if target != torchtitan.NAME:
+        if version is not None:
+            raise ExportError(f"--torchtitan-version {quote(version)} applies to --to torchtitan")
+        return None
+    if version is None:
+        return torchtitan.DEFAULT_VERSION
+    if version not in torchtitan.VERSIONS:
+        raise ExportError(
+            f"--torchtitan-version {quote(version)}: expected " + " or ".join(torchtitan.VERSIONS)
+        )
+    return version
+
+
+def why_not(plan: Plan, target: str, version: str | None = None) -> str | None:
+    """Why `target` cannot express `plan` (None when it can); `version`: the target's release
+    where it has several (torchtitan: `torchtitan.VERSIONS`), None for its default."""
     if plan.stage_offloads and target not in (torch_snippet.NAME, deepspeed.NAME, torchtune.NAME):
         return f"plan {plan.strategy}: {_offload_reason(plan, target)}"
     if target == yaml_plan.NAME:
@@ -69,7 +86,10 @@ def why_not(plan: Plan, target: str) -> str | None:
         because = deepspeed.offload_reason(layers)
         if because is not None:
             return f"plan {plan.strategy}: {because}"
-    because = TARGETS[target].reason(plan.spec, layers)
+    if target == torchtitan.NAME:
+        because = torchtitan.reason(plan.spec, layers, version or torchtitan.DEFAULT_VERSION)
+    else:
+        because = TARGETS[target].reason(plan.spec, layers)
     return None if because is None else f"plan {plan.strategy}: {because}"
 
 
@@ -89,12 +109,16 @@ def _offload_reason(plan: Plan, target: str) -> str:
     )
 
 
-def export(plan: Plan, target: str, recompute_modules: bool = True) -> Export:
-    """The plan written for `target`, or ExportError with the nearest expressible plan."""
+def export(
+    plan: Plan, target: str, recompute_modules: bool = True, version: str | None = None
+) -> Export:
+    """The plan written for `target` (at `version`, see why_not), or ExportError with the
+    nearest expressible plan."""
     module = TARGETS[check_target(target)]
-    because = why_not(plan, target)
+    version = check_version(target, version)
+    because = why_not(plan, target, version)
     if because is not None:
-        raise ExportError(f"{target} cannot express {because}; {_offer(plan, target)}")
+        raise ExportError(f"{target} cannot express {because}; {_offer(plan, target, version)}")
     layers = layer_segments(plan)
     if module is yaml_plan:
         return Export(yaml_plan.render(plan, None if isinstance(layers, str) else layers))
@@ -106,9 +130,14 @@ def export(plan: Plan, target: str, recompute_modules: bool = True) -> Export:
                 f"Megatron-Core's {layers.extra[0]} module is named only by that flag"
             )
         text = megatron.render(plan, layers, recompute_modules)
+    elif module is torchtitan:
+        text = torchtitan.render(plan, layers, version)
     else:
         text = module.render(plan, layers)
-    notes = list(module.notes(plan, layers))
+    if module is torchtitan:
+        notes = torchtitan.notes(plan, layers, version)
+    else:
+        notes = list(module.notes(plan, layers))
     if plan.spec.training != "full" and module not in (peft, torchtune):
         notes.append(
             f"training: {plan.spec.training}: the plan's memory assumes frozen base weights"
@@ -122,7 +151,7 @@ def export(plan: Plan, target: str, recompute_modules: bool = True) -> Export:
     return Export(text, tuple(notes))
 
 
-def nearest(plan: Plan, target: str) -> Plan | None:
+def nearest(plan: Plan, target: str, version: str | None = None) -> Plan | None:
     """The target's nearest plan to `plan` among the sweep's strategies: the cheapest whose
     peak is no higher than `plan`'s, else the one with the smallest peak; None if none."""
     from ckplan.plan.search import candidate_strategies  # the sweep's candidates
@@ -131,7 +160,7 @@ def nearest(plan: Plan, target: str) -> Plan | None:
     expressible = []
     for strategy in candidate_strategies(spec):
         candidate = evaluate(spec, strategy)
-        if candidate is not None and why_not(candidate, target) is None:
+        if candidate is not None and why_not(candidate, target, version) is None:
             expressible.append(candidate)
     if not expressible:
         return None
@@ -141,8 +170,8 @@ def nearest(plan: Plan, target: str) -> Plan | None:
     return min(expressible, key=lambda c: (c.activation_bytes, c.flops.total))
 
 
-def _offer(plan: Plan, target: str) -> str:
-    near = nearest(plan, target)
+def _offer(plan: Plan, target: str, version: str | None = None) -> str:
+    near = nearest(plan, target, version)
     if near is None:
         return f"no plan of this model is expressible for {target}"
     return (
@@ -153,10 +182,10 @@ def _offer(plan: Plan, target: str) -> str:
     )
 
 
-def best_expressible(spec: ModelSpec, candidates, target: str):
+def best_expressible(spec: ModelSpec, candidates, target: str, version: str | None = None):
     """For `--plan auto`: the cheapest fitting candidate (search.Candidate) the target can
-    express, else None."""
-    fitting = [c for c in candidates if c.fits and why_not(c.plan, target) is None]
+    express (at `version`), else None."""
+    fitting = [c for c in candidates if c.fits and why_not(c.plan, target, version) is None]
     return min(fitting, key=lambda c: (c.plan.flops.total, c.plan.total_bytes), default=None)
 
 
@@ -166,6 +195,7 @@ __all__ = [
     "ExportError",
     "best_expressible",
     "check_target",
+    "check_version",
     "export",
     "nearest",
     "why_not",

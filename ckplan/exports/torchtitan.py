@@ -1,15 +1,31 @@
-"""torchtitan's `[activation_checkpoint]` job-config section for a plan, and read back.
+"""torchtitan's activation checkpointing and layout for a plan, for the release the user runs:
+0.3 (the default, torchtitan 0.3.0) or 0.2 (torchtitan 0.2.x).
 
-torchtitan (torchtitan/config/job_config.py, torchtitan/distributed/activation_checkpoint.py):
-`mode` is "none", "full" or "selective"; `full` wraps every transformer block in
-`checkpoint_wrapper`; `selective` with `selective_ac_option = "N"` (a positive integer) wraps
-every N-th block, counting from 1 (`_layer_sac_count % ac_freq == 0`), and stores the others;
-`selective_ac_option = "op"` is op-level SAC that saves the outputs of matmuls (all but every
-second one), attention (SDPA) and reduce-scatters and recomputes the rest of each block:
-ckplan's `sac` (ckplan.model.op_policy), not its selective, which recomputes the attention core
-and saves the rest. The section reads
-the same in the TOML files of torchtitan releases and in the `ActivationCheckpoint` dataclass of
-newer Python configs.
+torchtitan 0.2.x (torchtitan/config/job_config.py, torchtitan/distributed/
+activation_checkpoint.py at v0.2.2) reads a TOML job file; ckplan writes its
+`[activation_checkpoint]` section: `mode` is "none", "full" or "selective"; `full` wraps every
+transformer block in `checkpoint_wrapper`; `selective` with `selective_ac_option = "N"` (a
+positive integer) wraps every N-th block, counting from 1 (`_layer_sac_count % ac_freq == 0`),
+and stores the others; `selective_ac_option = "op"` is op-level SAC that saves the outputs of
+matmuls (all but every second one), attention (SDPA) and reduce-scatters and recomputes the rest
+of each block: ckplan's `sac` (ckplan.model.op_policy), not its selective, which recomputes the
+attention core and saves the rest.
+
+torchtitan 0.3.0 (the wheel torchtitan-0.3.0-py3-none-any.whl: torchtitan/config/manager.py,
+config/configs.py, trainer.py, distributed/activation_checkpoint.py,
+distributed/pipeline_parallel.py) has no job file: `--module M --config C` names a Python
+`config_registry` function and tyro reads the rest of the command line as overrides
+(`--parallelism.tensor-parallel-degree 2`). `Trainer.Config.activation_checkpoint` is a union
+chosen by a subcommand, `activation-checkpoint:selective` (the default), `:full`,
+`:memory-budget` or `:none`, which comes after every other option. `FullAC` and `SelectiveAC`
+wrap every block alike: no every-N-th-block option. `SelectiveAC` saves, besides `aten.mm`
+(every second one, the router gate's shape excluded as in 0.2.2), SDPA, `aten.max` and
+reduce-scatters, every op of PyTorch's `compute_intensive_ops` (torch 2.13: also `aten.addmm`,
+`aten.bmm` and `aten._scaled_mm`) outside the every-second rule, `aten.topk` and
+`all_to_all_single`: on a dense block without linear biases in bf16 it keeps what 0.2.2's op
+SAC keeps (ckplan's `sac`); with biases (`addmm`), torchao float8 (`_scaled_mm`) or MoE routing
+(`topk`) it keeps more, which ckplan's `sac` does not model. Float8 is a converter in the
+config function's model spec, not an option of the command line.
 """
 
 from __future__ import annotations
@@ -22,19 +38,27 @@ from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 
 NAME = "torchtitan"
+VERSIONS = ("0.3", "0.2")  # torchtitan 0.3.0 (command line), 0.2.x (TOML job file)
+DEFAULT_VERSION = "0.3"
+SUBCOMMAND = "activation-checkpoint:"  # 0.3.0's tyro subcommand for the AC policy
+# torch.distributed.pipelining's schedules that ckplan's pipeline memory follows: 1F1B
+# (Narayanan et al. 2021, PipeDream-Flush) and its interleaved form over virtual stages.
+SCHEDULES = {False: "1F1B", True: "Interleaved1F1B"}
 
 
-def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
+def reason(spec: ModelSpec, layers: LayerSegments, version: str = DEFAULT_VERSION) -> str | None:
+    if version == "0.3" and (why := _layout_reason_03(spec)):
+        return why
     if layers.policy == TORCHTITAN_POLICY:
-        if layers.stores_all:
-            return None
-        return (
-            "its per-op policy beside fully recomputed layers: torchtitan applies one "
-            "activation-checkpoint mode to every block"
-        )
+        if not layers.stores_all:
+            return (
+                "its per-op policy beside fully recomputed layers: torchtitan applies one "
+                "activation-checkpoint mode to every block"
+            )
+        return _sac_reason_03(spec) if version == "0.3" else None
     if layers.policy:
         return (
-            f'the per-op policy {layers.policy}: torchtitan\'s selective_ac_option = "op" '
+            f"the per-op policy {layers.policy}: torchtitan's op-level selective AC "
             "is the policy sac only"
         )
     if why := module_reason(layers, "torchtitan"):
@@ -46,12 +70,63 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
             "selective recomputation of the attention core: torchtitan's op-level selective "
             "AC saves attention and recomputes the rest, the opposite"
         )
-    if layers.stores_all or _option(layers) is not None:
+    option = _option(layers)
+    if layers.stores_all or option == "full":
+        return None
+    if version == "0.3":
+        return (
+            "these layer segments: torchtitan 0.3.0 wraps every block alike (FullAC, "
+            "SelectiveAC); every N-th block is 0.2.x's selective_ac_option = N "
+            "(--torchtitan-version 0.2)"
+            if option is not None
+            else "these layer segments: torchtitan 0.3.0 wraps every block alike (FullAC)"
+        )
+    if option is not None:
         return None
     return (
         "these layer segments: torchtitan wraps every block (full) or every N-th block "
         "(selective_ac_option = N), one block per checkpoint"
     )
+
+
+def _layout_reason_03(spec: ModelSpec) -> str | None:
+    """Why torchtitan 0.3.0's command line cannot run this layout and precision, or None."""
+    if spec.precision in ("fp16", "fp8"):
+        return (
+            f"precision {spec.precision}: torchtitan 0.3.0 trains in bfloat16 mixed precision "
+            "(training.mixed_precision_param) or torchao float8 (precision float8)"
+        )
+    if len(set(spec.stage_layer_counts)) > 1:
+        return (
+            f"uneven pipeline stages {spec.stage_layer_counts}: the export writes torchtitan "
+            "0.3.0's even split (pipeline_parallel_layers_per_stage)"
+        )
+    if spec.experts and spec.tp > 1:
+        return (
+            "experts beside tensor parallelism: torchtitan 0.3.0 has no expert tensor-parallel "
+            "degree (its expert parallelism borrows the FSDP and TP ranks)"
+        )
+    return None
+
+
+def _sac_reason_03(spec: ModelSpec) -> str | None:
+    """Why torchtitan 0.3.0's SelectiveAC keeps other outputs than ckplan's `sac`, or None."""
+    if spec.bias or spec.qkv_bias:
+        return (
+            "the policy sac with linear biases: torchtitan 0.3.0's SelectiveAC saves every "
+            "aten.addmm outside its every-second-matmul rule (--torchtitan-version 0.2)"
+        )
+    if spec.precision == "float8":
+        return (
+            "the policy sac under float8: torchtitan 0.3.0's SelectiveAC saves every "
+            "aten._scaled_mm (--torchtitan-version 0.2)"
+        )
+    if spec.experts:
+        return (
+            "the policy sac on MoE layers: torchtitan 0.3.0's SelectiveAC also saves the "
+            "routing's aten.topk (--torchtitan-version 0.2)"
+        )
+    return None
 
 
 def _option(layers: LayerSegments) -> str | None:
@@ -63,6 +138,7 @@ def _option(layers: LayerSegments) -> str | None:
 
 
 def section(layers: LayerSegments) -> dict[str, str]:
+    """torchtitan 0.2.x's `[activation_checkpoint]` keys."""
     if layers.policy == TORCHTITAN_POLICY:
         return {"mode": "selective", "selective_ac_option": "op"}
     if layers.stores_all:
@@ -73,16 +149,96 @@ def section(layers: LayerSegments) -> dict[str, str]:
     return {"mode": "selective", "selective_ac_option": option}
 
 
-def render(plan: Plan, layers: LayerSegments) -> str:
+def subcommand(layers: LayerSegments) -> str:
+    """torchtitan 0.3.0's activation-checkpoint subcommand: none, full or selective."""
+    if layers.policy == TORCHTITAN_POLICY:
+        return SUBCOMMAND + "selective"
+    return SUBCOMMAND + ("none" if layers.stores_all else "full")
+
+
+def options(spec: ModelSpec) -> list[tuple[str, str | None]]:
+    """torchtitan 0.3.0's overrides for the batch and layout, (option, value or None for a
+    flag), from its TrainingConfig and ParallelismConfig (config/configs.py): the local batch
+    is one data-parallel rank's per optimizer step under pipeline parallelism (split into
+    micro-batches of pipeline_parallel_microbatch_size), else per accumulation step; ZeRO 3 is
+    FSDP (`fsdp_reshard_after_forward` default: reshard unless pipelined), 2 FSDP without
+    resharding after forward, 0 replication (DDP); the pipeline split is even, with the
+    embedding and output counted as no layers. CUDA graphs are off: 0.3.0 captures the step in
+    one by default, with a memory pool of its own that ckplan's eager-execution memory does not
+    model, and its Trainer.Config refuses them with pipeline parallelism and with expert
+    parallelism over the all-to-all token dispatcher."""
+    global_batch = spec.micro_batch * spec.microbatches * spec.dp
+    local = spec.micro_batch * (spec.microbatches if spec.pp > 1 else 1)
+    shard, replicate = (spec.dp, 1) if spec.zero >= 2 else (1, spec.dp)
+    out: list[tuple[str, str | None]] = [
+        ("--training.local-batch-size", str(local)),
+        ("--training.global-batch-size", str(global_batch)),
+        ("--training.seq-len", str(spec.seq)),
+        ("--parallelism.data-parallel-replicate-degree", str(replicate)),
+        ("--parallelism.data-parallel-shard-degree", str(shard)),
+        ("--parallelism.fsdp-reshard-after-forward", "never" if spec.zero == 2 else "default"),
+        ("--parallelism.tensor-parallel-degree", str(spec.tp)),
+    ]
+    if spec.tp > 1:
+        sp = "enable-sequence-parallel" if spec.sp else "no-enable-sequence-parallel"
+        out.append((f"--parallelism.{sp}", None))
+    out += [
+        ("--parallelism.context-parallel-degree", str(spec.cp)),
+        ("--parallelism.pipeline-parallel-degree", str(spec.pp)),
+    ]
+    if spec.pp > 1:
+        out += [
+            ("--parallelism.pipeline-parallel-schedule", SCHEDULES[spec.virtual_stages > 1]),
+            ("--parallelism.pipeline-parallel-microbatch-size", str(spec.micro_batch)),
+            ("--parallelism.pipeline-parallel-layers-per-stage",
+             str(spec.layers // (spec.pp * spec.virtual_stages))),
+            ("--parallelism.pipeline-parallel-first-stage-less-layers", "0"),
+            ("--parallelism.pipeline-parallel-last-stage-less-layers", "0"),
+        ]  # fmt: skip
+    if spec.experts:
+        out.append(("--parallelism.expert-parallel-degree", str(spec.ep)))
+    if spec.optimizer_offload != "none":
+        out.append(("--training.enable-cpu-offload", None))
+    out.append(("--training.disable-cuda-graphs", None))
+    return out
+
+
+def arguments(plan: Plan, layers: LayerSegments) -> list[str]:
+    """torchtitan 0.3.0's command-line overrides, the activation-checkpoint subcommand last."""
+    words = []
+    for option, value in options(plan.spec):
+        words += [option] if value is None else [option, value]
+    return [*words, subcommand(layers)]
+
+
+def render(plan: Plan, layers: LayerSegments, version: str = DEFAULT_VERSION) -> str:
+    if version == "0.3":
+        lines = [
+            f"{option} {value}" if value is not None else option
+            for option, value in options(plan.spec)
+        ]
+        return "\n".join([*lines, subcommand(layers)]) + "\n"
     lines = [f"# ckplan: plan {plan.strategy} for {plan.spec.name}", "[activation_checkpoint]"]
     lines += [f'{key} = "{value}"' for key, value in section(layers).items()]
     return "\n".join(lines) + "\n"
 
 
-def notes(plan: Plan, layers: LayerSegments) -> list[str]:
+def notes(plan: Plan, layers: LayerSegments, version: str = DEFAULT_VERSION) -> list[str]:
     spec = plan.spec
+    if version == "0.3":
+        said = [
+            "torchtitan 0.3.0: append to `--module MODULE --config CONFIG` (the model's "
+            "config_registry function, e.g. --module llama3 --config llama3_8b); the "
+            "activation-checkpoint subcommand stays last"
+        ]
+        if spec.precision == "float8":
+            said.append(
+                "precision float8: pick a config function whose model spec has "
+                "Float8LinearConverter (e.g. llama3_debugmodel_float8); no option sets it"
+            )
+        return said
     return [
-        "merge into the job's TOML (or ActivationCheckpoint(...) in a Python config); set "
+        "merge into the job's TOML (torchtitan 0.2.x); set "
         f"[parallelism] to tp={spec.tp} pp={spec.pp} cp={spec.cp} and the batch to "
         f"{spec.micro_batch} x seq {spec.seq}"
     ]
@@ -102,3 +258,14 @@ def strategy_from_toml(text: str) -> str:
         return "sac"
     option = values.get("selective_ac_option")
     raise ValueError(f"selective_ac_option {option!r} has no ckplan strategy name")
+
+
+def strategy_from_arguments(text: str) -> str:
+    """The ckplan strategy that torchtitan 0.3.0's arguments select: none, full or sac; the
+    default subcommand (none given) is SelectiveAC, sac."""
+    chosen = [word for word in text.split() if word.startswith(SUBCOMMAND)]
+    name = chosen[-1].removeprefix(SUBCOMMAND) if chosen else "selective"
+    strategies = {"none": "none", "full": "full", "selective": "sac"}
+    if name not in strategies:
+        raise ValueError(f"{SUBCOMMAND}{name} has no ckplan strategy name")
+    return strategies[name]
