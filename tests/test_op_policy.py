@@ -189,6 +189,19 @@ def _policy_fn(torch, spec, policy):
         aten._scaled_dot_product_efficient_attention.default,
         aten._scaled_dot_product_flash_attention_for_cpu.default,
     }
+    # The element-wise units' outputs in `_torch_block`, by aten op and its count in a layer
+    # (traced on torch 2.13 CPU, fp32: nn.RMSNorm runs pow, mean, add_, rsqrt, mul, mul; each
+    # RoPE three muls for its angles and the halves, sub, add, cat; F.silu(w1 x) * w3 x runs
+    # silu and mul; the residual adds are the third and fourth aten.add.Tensor, after RoPE's).
+    elementwise = {
+        (aten.mul.Tensor, 2): "norm1",
+        (aten.cat.default, 1): "rope",
+        (aten.cat.default, 2): "rope",
+        (aten.add.Tensor, 3): "out_proj_add",
+        (aten.mul.Tensor, 14): "norm2",
+        (aten.mul.Tensor, 15): "act",
+        (aten.add.Tensor, 4): "fc2_add",
+    }
     meta = defaultdict(int)
 
     def policy_fn(ctx, func, *args, **kwargs):
@@ -201,13 +214,27 @@ def _policy_fn(torch, spec, policy):
             save = policy.keeps(unit, index)
         elif func in attention_ops:
             save = "attention" in policy.names
+        elif func in (aten.mul.Tensor, aten.cat.default, aten.add.Tensor):
+            meta[mode, func] += 1
+            save = elementwise.get((func, meta[mode, func])) in policy.names
         return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy_fn
 
 
 @pytest.mark.parametrize(
-    "policy_text_", [TORCHTITAN_POLICY, "sac:matmuls", "sac:attention", "sac:wq,wo,w2,attention"]
+    "policy_text_",
+    [
+        TORCHTITAN_POLICY,
+        "sac:matmuls",
+        "sac:attention",
+        "sac:wq,wo,w2,attention",
+        # the element-wise units: norms, RoPE, residual adds, the SwiGLU product
+        "sac:norm1,rope,v_proj,attention,out_proj_add,norm2,gate_proj,up_proj,act",
+        "sac:v_proj,rope,attention,out_proj_add,gate_proj,up_proj,act",
+        "sac:norm1,norm2,fc2_add",
+        "sac:matmuls,act,out_proj_add",
+    ],
 )
 def test_torch_selective_checkpoint_keeps_the_predicted_bytes(policy_text_):
     from needs_torch import torch_or_skip
@@ -347,32 +374,42 @@ def plan_segments(plan):
 # ---- the best per-op policy ---------------------------------------------------------------------
 
 
-def test_frontier_is_the_brute_force_pareto_set():
-    """Every subset of units enumerated: the frontier holds exactly the non-dominated ones."""
+def _strictly_better(points):
+    """The (tape, cost) points, by tape, each cheaper than the last kept by more than 1e-12."""
+    kept = []
+    for tape, cost in points:
+        if not kept or cost < kept[-1][1] - 1e-12 * max(1.0, abs(kept[-1][1])):
+            kept.append((tape, cost))
+    return kept
+
+
+@pytest.mark.parametrize("changes", [{}, {"tp": 2, "sp": True}])
+def test_frontier_is_the_brute_force_pareto_set(changes):
+    """Every subset of unit names kept, its tape and its re-run (`rerun_mask`) by brute force:
+    the frontier holds exactly the non-dominated ones."""
     from itertools import combinations
 
     from ckplan.inputs.gpus import load_gpu
-    from ckplan.plan.policy_search import _choosable, policy_frontier, unit_cost
+    from ckplan.model.op_policy import rerun_mask, unit_ops
+    from ckplan.plan.policy_search import policy_frontier, unit_cost
 
     for gpu in (None, load_gpu("h100-sxm")):
-        spec = small()
-        units = _choosable(spec, None)
-        X = 4 * 32 * 64
-        total = sum(unit_cost(spec, u, gpu) for u in units)
-        every = []
-        for size in range(len(units) + 1):
-            for chosen in combinations(units, size):
-                tape = X + sum(u.output_bytes for u in chosen)
-                cost = total - sum(unit_cost(spec, u, gpu) for u in chosen)
-                every.append((tape, cost))
+        spec = small(**changes)
+        units = unit_ops(spec)
+        names = list(dict.fromkeys(u.name for u in units))
+        costs = [unit_cost(spec, u, gpu) for u in units]
+        X = 4 * 32 * 64 // (2 if changes else 1)
         best = {}
-        for tape, cost in every:
-            best[tape] = min(best.get(tape, cost), cost)
-        brute = []
-        for tape in sorted(best):
-            if not brute or best[tape] < brute[-1][1] - 1e-12 * max(1.0, abs(brute[-1][1])):
-                brute.append((tape, best[tape]))
-        frontier = [(p.tape_bytes, p.cost) for p in policy_frontier(spec, gpu)]
+        for size in range(len(names) + 1):
+            for chosen in combinations(names, size):
+                kept = tuple(u.name in chosen for u in units)
+                tape = X + sum(u.kept_bytes for u, k in zip(units, kept, strict=True) if k)
+                again = rerun_mask(units, kept)
+                cost = sum(c for c, a in zip(costs, again, strict=True) if a)
+                best[tape] = min(best.get(tape, cost), cost)
+        brute = _strictly_better(sorted(best.items()))
+        # sums in another order differ in the last bits: ties within 1e-12 are ties
+        frontier = _strictly_better([(p.tape_bytes, p.cost) for p in policy_frontier(spec, gpu)])
         assert [t for t, _ in frontier] == [t for t, _ in brute]
         for (_, got), (_, want) in zip(frontier, brute, strict=True):
             assert got == pytest.approx(want, rel=1e-9, abs=1e-12)

@@ -78,9 +78,9 @@ def test_all_to_all_kept_by_sac_with_expert_parallelism(spec_of):
 
     s = spec_of("mixtral-8x7b", tp=2, sp=True, pp=4, microbatches=16, ep=8, dp=8, zero=3,
                 framework="torchtitan")  # fmt: skip
-    units = [unit for unit in unit_ops(s) if unit.name == "all_to_all"]
+    units = [unit for unit in unit_ops(s) if unit.name in ("dispatch", "combine")]
     assert len(units) == 2 and all(unit.output_bytes > 0 for unit in units)
-    assert kept_units(s, parse_policy("sac")).count("all_to_all") == 2
+    assert {"dispatch", "combine"} <= set(kept_units(s, parse_policy("sac")))
     gpu = load_gpu("h100-sxm")
     kept = layer_time(s, gpu, None, ("sac:matmuls,attention,all_to_all",))
     dropped = layer_time(s, gpu, None, ("sac:matmuls,attention",))
@@ -295,40 +295,53 @@ LAYOUTS = {
 }  # fmt: skip
 
 
-def _rerun_seconds(s, gpu, groups):
+def _rerun_seconds(s, gpu, groups, kind=None):
     """One stored layer's re-run under `groups`: the re-run ops' forward and collectives."""
     from ckplan.hardware.step_time import layer_time
 
-    time = layer_time(s, gpu, None, groups)
+    time = layer_time(s, gpu, kind, groups)
     return time.core_forward.total + time.core_comm
 
 
+MODULE_WORDS = ("selective", "layernorm", "mlp", "moe", "moe_act", "shared_experts", "mla_up_proj")
+
+
 @pytest.mark.parametrize("model", sorted(LAYOUTS))
-def test_best_policy_beside_block_recompute(spec_of, model):
-    """At the usual layouts on H100s (torchtitan's eager code), for every module set that
-    re-runs a whole dense MLP or MoE block (`mlp`, `moe`, with the others): the cheapest per-op
-    policy within the set's stored bytes per layer re-runs no more than the set. (Sets that
-    re-run only norms, an activation, the attention core or MLA's up projections re-run less
-    than any policy can: a policy replays the whole layer forward but its kept outputs,
-    docs/strategies.md.)"""
+def test_best_policy_dominates_every_module_set(spec_of, model):
+    """At the usual layouts on H100s (torchtitan's eager code), for every combination of
+    Megatron-Core's recompute modules the model accepts and every kind of layer it has (DeepSeek-V3:
+    its dense first layers and its MoE layers): the cheapest per-op policy whose stored bytes per
+    layer are at most the set's re-runs no longer than the set. Sets that recompute nothing in a
+    kind of layer (the dense MLP in an MoE layer) are the plain tape there and are skipped."""
+    from itertools import combinations
+
     from ckplan.inputs.gpus import load_gpu
+    from ckplan.model.layers import distinct_kinds
     from ckplan.model.memory import selective_activation_bytes_per_layer
     from ckplan.plan.policy_search import best_policy
-    from ckplan.plan.strategies import parse_strategy
+    from ckplan.plan.strategies import StrategyError, parse_strategy
 
     gpu = load_gpu("h100-sxm")
     s = spec_of(model, framework="torchtitan", **LAYOUTS[model])
-    block = "moe" if s.experts else "mlp"
-    words = ["layernorm", "mla_up_proj"] if s.mla else ["layernorm"]
-    names = [block, f"selective+{block}", f"{block}+{'+'.join(words)}"]
-    names += [f"{prefix}{block}+{word}" for word in words for prefix in ("", "selective+")]
-    for name in names:
-        groups = parse_strategy(name, s).groups
-        stored = selective_activation_bytes_per_layer(s, groups)
-        best = best_policy(s, stored, gpu)
-        policy = (best.strategy,)
-        assert selective_activation_bytes_per_layer(s, policy) == best.tape_bytes <= stored
-        assert _rerun_seconds(s, gpu, policy) <= _rerun_seconds(s, gpu, groups), name
+    checked = 0
+    for kind in distinct_kinds(s):
+        for size in range(1, len(MODULE_WORDS) + 1):
+            for words in combinations(MODULE_WORDS, size):
+                try:
+                    groups = parse_strategy("+".join(words), s).groups
+                except StrategyError:
+                    continue
+                seconds = _rerun_seconds(s, gpu, groups, kind)
+                if seconds == 0:
+                    continue
+                stored = selective_activation_bytes_per_layer(s, groups, kind)
+                best = best_policy(s, stored, gpu, kind)
+                assert best.kept and best.tape_bytes <= stored, words
+                policy = (best.strategy,)
+                assert selective_activation_bytes_per_layer(s, policy, kind) == best.tape_bytes
+                assert _rerun_seconds(s, gpu, policy, kind) <= seconds, (kind, words)
+                checked += 1
+    assert checked >= {"llama3-8b": 7, "mixtral-8x7b": 11, "deepseek-v3": 79}[model]
 
 
 @pytest.mark.parametrize(

@@ -131,7 +131,7 @@ def forward_layers(layers, hidden):
 
 # Units a policy_fn can recognise by their aten op: matmuls and grouped GEMMs by their count,
 # the attention kernels and collectives by name.
-_RECOGNISED = ("attention", "reduce_scatter", "all_to_all")
+_RECOGNISED = ("attention", "reduce_scatter", "dispatch", "combine")
 
 _POLICY = """\
 # Per-op policy {policy}: selective activation checkpointing.
@@ -174,7 +174,9 @@ def _policy(counts):
         elif func in REDUCE_SCATTER_OPS:
             keep = KEEP_REDUCE_SCATTER
         elif func in ALL_TO_ALL_OPS:
-            keep = KEEP_ALL_TO_ALL
+            # the expert-parallel dispatch, then the combine
+            counts[mode + " all_to_all"] += 1
+            keep = counts[mode + " all_to_all"] in KEEP_ALL_TO_ALL
         else:
             keep = False
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
@@ -277,7 +279,11 @@ def _policy_part(spec: ModelSpec, layers: LayerSegments) -> str:
         grouped="{" + ", ".join(map(str, grouped_keep)) + "}" if grouped_keep else "set()",
         attention="attention" in kept,
         scatter="reduce_scatter" in kept,
-        all_to_all="all_to_all" in kept,
+        all_to_all="{"
+        + ", ".join(str(i) for i, n in enumerate(("dispatch", "combine"), 1) if n in kept)
+        + "}"
+        if {"dispatch", "combine"} & kept
+        else "set()",
     )
 
 
