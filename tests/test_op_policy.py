@@ -469,3 +469,90 @@ def test_plan_tries_policies_where_the_framework_runs_pytorch_modules(cli):
     code, out, _ = cli(*argv)
     assert code == 0
     assert not any(layout["strategy"].startswith("sac") for layout in json.loads(out)["layouts"])
+
+
+def _mixed_plan():
+    """A `sac+mixed` plan of six small layers that stores the full tape in some layers and
+    torchtitan's policy's in others (the FLOPs DP, the smallest budget that gives one)."""
+    from ckplan.exports.segments import LayerSegments, layer_segments
+
+    spec = spec_from_mapping({**SMALL, "layers": 6, "vocab": 128})
+    full = evaluate(spec, parse_strategy("none", spec)).activation_bytes
+    for step in range(1, 41):
+        plan = evaluate(spec, parse_strategy("sac+mixed", spec), budget=full * step // 40)
+        if plan is None:
+            continue
+        layers = layer_segments(plan)
+        if isinstance(layers, LayerSegments) and layers.policy_layers:
+            stored = [i for s, e, again in layers.segments if not again for i in range(s, e)]
+            if set(layers.policy_layers) < set(stored):
+                return spec, plan, layers
+    raise AssertionError("no budget mixes the two tapes")
+
+
+def test_mixed_plan_exports_a_wrapper_per_layer():
+    """The torch export of a `sac+mixed` plan, run on ckplan's torch blocks: the layers the plan
+    stores under the policy run under selective checkpointing and keep its tape (beside their
+    input), the other stored layers run plain, the recomputed segments keep only their input;
+    the gradients are the plain step's."""
+    from needs_torch import torch_or_skip
+
+    torch = torch_or_skip()
+    import torch.utils.checkpoint as checkpoint_module
+
+    from ckplan import exports
+
+    spec, plan, layers = _mixed_plan()
+    snippet = exports.export(plan, "torch").text
+    namespace: dict = {}
+    exec(compile(snippet, "snippet", "exec"), namespace)
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([_torch_block(torch, spec) for _ in range(spec.layers)])
+    wrapped, modes = [], []
+
+    def recording(policy_fn):
+        pair = checkpoint_module.create_selective_checkpoint_contexts(policy_fn)
+        modes.append(pair[0])
+        return pair
+
+    def checkpoint(fn, *args, **kwargs):
+        if "context_fn" in kwargs:
+            wrapped.append(next(i for i, block in enumerate(blocks) if block is fn))
+        return checkpoint_module.checkpoint(fn, *args, **kwargs)
+
+    namespace["create_selective_checkpoint_contexts"] = recording
+    namespace["checkpoint"] = checkpoint
+    x = torch.randn(spec.micro_batch, spec.seq, spec.hidden, requires_grad=True)
+    out = namespace["forward_layers"](blocks, x)
+    forward_modes = list(modes)
+    assert wrapped == list(layers.policy_layers)
+    X = x.numel() * x.element_size()
+    policy = parse_policy(plan.recompute_groups[0])
+    for mode in forward_modes:
+        kept = {
+            tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
+            for entries in mode.storage.values()
+            for wrapped_value in entries.values()
+            for value in (wrapped_value if isinstance(wrapped_value, tuple) else (wrapped_value,))
+            if isinstance(tensor := getattr(value, "val", None), torch.Tensor)
+        }
+        assert sum(kept.values()) + X == policy_tape_bytes(spec, policy)
+    out.sum().backward()
+    grads = [p.grad.clone() for p in blocks.parameters()] + [x.grad.clone()]
+    blocks.zero_grad()
+    x.grad = None
+    hidden = x
+    for block in blocks:
+        hidden = block(hidden)
+    hidden.sum().backward()
+    for got, want in zip(grads, [p.grad for p in blocks.parameters()] + [x.grad], strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("target", ["torchtitan", "megatron", "deepspeed"])
+def test_mixed_plan_other_targets_say_why(target):
+    from ckplan import exports
+
+    _, plan, _ = _mixed_plan()
+    because = exports.why_not(plan, target)
+    assert because is not None and "full tape in some layers" in because

@@ -212,6 +212,36 @@ def forward_layers(layers, hidden):
 """
 
 
+_POLICY_MIXED = """\
+# (first, last + 1, recompute): a recomputed segment keeps its input and is re-run whole in
+# backward, each of its layers storing its full tape then; of the stored layers, those in
+# POLICY_LAYERS run under the per-op policy, the others store their full tape.
+SEGMENTS = {segments}
+POLICY_LAYERS = frozenset({policy_layers})
+
+
+def forward_layers(layers, hidden):
+    for start, end, recompute in SEGMENTS:
+        if recompute:
+
+            def forward(hidden, start=start, end=end):
+                for layer in layers[start:end]:
+                    hidden = layer(hidden)
+                return hidden
+
+            hidden = checkpoint(forward, hidden, use_reentrant=False)
+            continue
+        for index in range(start, end):
+            if index in POLICY_LAYERS:
+                hidden = checkpoint(
+                    layers[index], hidden, use_reentrant=False, context_fn=context_fn
+                )
+            else:
+                hidden = layers[index](hidden)
+    return hidden
+"""
+
+
 def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
     """PyTorch wraps any one-level segments; a per-op policy whose kept units a policy_fn can
     recognise (matmuls, grouped GEMMs, attention kernels, reduce-scatters, all-to-alls) is
@@ -304,11 +334,15 @@ def render(plan: Plan, layers: LayerSegments) -> str:
             "    create_selective_checkpoint_contexts,",
             ")",
         ]
-        parts = [
-            "\n".join(header),
-            _policy_part(spec, layers),
-            _POLICY_SEGMENTS.format(segments=list(layers.segments)),
-        ]
+        tail = (
+            _POLICY_SEGMENTS.format(segments=list(layers.segments))
+            if layers.policy_layers is None
+            else _POLICY_MIXED.format(
+                segments=list(layers.segments),
+                policy_layers=_indices(layers.policy_layers) if layers.policy_layers else "",
+            )
+        )
+        parts = ["\n".join(header), _policy_part(spec, layers), tail]
         return "\n\n\n".join(part.rstrip("\n") for part in parts) + "\n"
     chunks = None if layers.offloaded else sequential_chunks(layers)
     names = set()
