@@ -25,7 +25,19 @@ layer (`UNIT_NAMES`), `matmuls` keeps every matmul output, `matmuls%K` every one
 
 ckplan's op table fuses what eager code runs as several modules (one QKV projection, one fc1 for
 gate and up); `unit_ops` splits them into the units a policy sees, each a table `Op` with its own
-GEMM, so times and FLOPs of what is recomputed follow from the same roofline as the rest.
+GEMM or memory traffic, so times and FLOPs of what is recomputed follow from the same roofline as
+the rest. The element-wise units (norms, RoPE, the residual adds, the activation and, in eager
+gated MLPs, the silu before the product) can be kept too: every Megatron-Core recompute module
+set is then a policy (keep every unit a backward reads but the module's).
+
+What a layer's backward re-runs (`rerun_mask`): the units whose outputs a backward reads (each
+table op saves its inputs: `Unit.saves`) or whose backward reads tensors of their own
+(`Unit.internal`), not kept, and what those read that is not kept, back to the layer input.
+PyTorch's eager checkpoint replays the layer's code up to the last tensor the backward reads
+(torch/utils/checkpoint.py at v2.13.0, `early_stop`), so it also re-runs the not-kept ops whose
+outputs feed only kept ones (q and k before a kept RoPE, out_proj before a kept residual add):
+ckplan does not time those. The bytes a policy keeps are exact against PyTorch's selective
+checkpoint (tests/test_op_policy.py).
 """
 
 from __future__ import annotations
