@@ -306,6 +306,11 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
                 f"GEMMs, attention kernels and collectives by their aten op, and the "
                 f"element-wise units of Hugging Face's Llama layers (framework: hf), not "
                 f"{', '.join(named)}"
+                + (
+                    " (a norm kept with its eager statistics, which no one aten op writes)"
+                    if spec.framework == "hf" and set(named) & {"norm1", "norm2"}
+                    else ""
+                )
             )
         return None
     if why := module_reason(layers, "PyTorch snippet"):
