@@ -208,12 +208,30 @@ def _policy_fn(torch, s, policy):
         aten._scaled_dot_product_efficient_attention.default,
         aten._scaled_dot_product_flash_attention_for_cpu.default,
     }
+    # The element-wise units' outputs in `_torch_block`, by aten op and its count in a layer
+    # (traced on torch 2.13 CPU, fp32): nn.RMSNorm's last mul; RoPE's cat (MLA: the cats that
+    # join the no-RoPE and RoPE parts of Q and of K); the residual adds. The routing, the
+    # permutation and the experts' activation keep tensors of their own (`Unit.internal`) in
+    # ckplan's table that this block does not: left out.
+    if s.mla:
+        elementwise = {(aten.mul.Tensor, 2): "norm1", (aten.mul.Tensor, 4): "q_norm",
+                       (aten.cat.default, 2): "rope", (aten.cat.default, 4): "rope",
+                       (aten.mul.Tensor, 16): "kv_norm", (aten.add.Tensor, 3): "out_proj_add",
+                       (aten.mul.Tensor, 18): "norm2"}  # fmt: skip
+    else:
+        elementwise = {(aten.mul.Tensor, 2): "norm1", (aten.cat.default, 1): "rope",
+                       (aten.cat.default, 2): "rope", (aten.add.Tensor, 3): "out_proj_add",
+                       (aten.mul.Tensor, 14): "norm2",
+                       (aten.add.Tensor, 4): "unpermute"}  # fmt: skip
     meta = defaultdict(int)
 
     def policy_fn(ctx, func, *args, **kwargs):
         mode = "recompute" if ctx.is_recompute else "forward"
         save = False
-        if func == aten.mm.default:
+        if func in (aten.mul.Tensor, aten.cat.default, aten.add.Tensor):
+            meta[mode, func] += 1
+            save = elementwise.get((func, meta[mode, func])) in policy.names
+        elif func == aten.mm.default:
             meta[mode + "_all"] += 1
             unit = matmuls[meta[mode + "_all"] - 1]
             if unit.name in FORCE_RECOMPUTED:  # torchtitan: re-run, not counted
@@ -239,6 +257,10 @@ def _policy_fn(torch, s, policy):
         (True, "sac:matmuls,expert_up,shared_fc2"),
         (False, "sac"),
         (False, "sac:attention,router,expert_gate,expert_up,expert_fc2"),
+        # the element-wise units
+        (True, "sac:norm1,q_norm,kv_norm,rope,attention,out_proj_add,norm2,expert_gate"),
+        (True, "sac:q_down,kv_down,rope,kv_up,attention,out_proj_add,expert_up"),
+        (False, "sac:norm1,rope,v_proj,attention,out_proj_add,norm2,expert_gate,unpermute"),
     ],
 )
 def test_torch_selective_checkpoint_keeps_the_predicted_bytes(mla, policy_text):
