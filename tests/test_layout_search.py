@@ -308,3 +308,58 @@ def test_korthikanti_table3_layouts_fit(preset, gpus, batch, keys):
     assert result.layouts, result.least_memory
     best = result.layouts[0]
     assert best.fits and best.layout.dp == 1 and best.plan.strategy == "selective"
+
+
+def _every_plan(spec, usable):
+    """Every layer-level plan, its framework's offload plans, the DP's, the best per-op policy
+    and `sac+mixed` (one pipeline stage) on one layout: name -> step seconds where it fits."""
+    from ckplan.plan.layout.search import activation_budget
+    from ckplan.plan.search import best_policy_plan
+
+    n = spec.layers_per_stage
+    names = ["none", "selective", "mlp", "selective+mlp", "sac"]
+    names += [f"{p}block:{k}" for p in ("", "selective+", "sac+") for k in range(1, n + 1)]
+    names += list(offload_strategies(spec.framework, spec.pp))
+    plans = [evaluate(spec, parse_strategy(name, spec)) for name in names]
+    budget = activation_budget(spec, usable)
+    plans += [optimal_plan(spec, budget, gpu=GPU), best_policy_plan(spec, usable, GPU)]
+    if spec.pp == 1:
+        plans.append(evaluate(spec, parse_strategy("sac+mixed", spec), budget=budget, gpu=GPU))
+    return {
+        plan.strategy: step_time(plan, GPU).step_seconds
+        for plan in plans
+        if plan is not None
+        and plan.total_bytes <= usable
+        and plan.host_bytes <= host_memory_per_gpu(GPU)
+    }
+
+
+def test_plan_keeps_sac_mixed_only_where_it_is_faster():
+    """Llama-3-8B cut to 8 layers, 32,768 tokens, 4 H100s with 24 GiB each, torchtitan: on
+    every layout shown, the plan is the fastest of brute force over every layer-level plan, the
+    offload plans, the DP's, the best per-op policy and `sac+mixed`; `sac+mixed` is shown on
+    a layout exactly where it is that fastest (here one layout)."""
+    spec = load_spec("llama3-8b", {"layers": 8, "seq": 32768, "framework": "torchtitan"})
+    usable = 24 * GIB
+    result = search_layouts(spec, 4, GPU, 8, usable, 0, top=5)
+    assert result.counts["mixed"] >= 1
+    mixed = 0
+    for e in result.layouts:
+        times = _every_plan(e.spec, usable)
+        name, seconds = min(times.items(), key=lambda item: item[1])
+        assert e.seconds == pytest.approx(seconds, rel=1e-9), (e.layout, name)
+        assert e.plan.strategy.endswith("+mixed") == name.endswith("+mixed")
+        mixed += e.plan.strategy.endswith("+mixed")
+    assert mixed == 1
+
+
+def test_plan_tries_mixed_only_with_one_pipeline_stage_on_pytorch_frameworks():
+    """Megatron-LM has no per-op policies and a pipeline keeps several micro-batches in flight
+    (the mixed DP plans one): `plan` runs no mixed DP there."""
+    spec = load_spec("llama3-8b", {"layers": 8, "seq": 32768})
+    result = search_layouts(spec, 4, GPU, 8, 24 * GIB, 0, top=5)
+    assert result.counts.get("mixed", 0) == 0
+    piped = load_spec("llama3-8b", {"layers": 8, "seq": 16384, "framework": "torchtitan"})
+    result = search_layouts(piped, 4, GPU, 8, 24 * GIB, 0, top=5, constraints={"pp": 2})
+    assert result.counts["optimal"] >= 1 and result.counts.get("mixed", 0) == 0
+    assert result.layouts and all(e.layout.pp == 2 for e in result.layouts)

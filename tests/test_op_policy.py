@@ -197,6 +197,19 @@ def _policy_fn(torch, spec, policy):
         aten._scaled_dot_product_efficient_attention.default,
         aten._scaled_dot_product_flash_attention_for_cpu.default,
     }
+    # The element-wise units' outputs in `_torch_block`, by aten op and its count in a layer
+    # (traced on torch 2.13 CPU, fp32: nn.RMSNorm runs pow, mean, add_, rsqrt, mul, mul; each
+    # RoPE three muls for its angles and the halves, sub, add, cat; F.silu(w1 x) * w3 x runs
+    # silu and mul; the residual adds are the third and fourth aten.add.Tensor, after RoPE's).
+    elementwise = {
+        (aten.mul.Tensor, 2): "norm1",
+        (aten.cat.default, 1): "rope",
+        (aten.cat.default, 2): "rope",
+        (aten.add.Tensor, 3): "out_proj_add",
+        (aten.mul.Tensor, 14): "norm2",
+        (aten.mul.Tensor, 15): "act",
+        (aten.add.Tensor, 4): "fc2_add",
+    }
     meta = defaultdict(int)
 
     def policy_fn(ctx, func, *args, **kwargs):
@@ -209,13 +222,27 @@ def _policy_fn(torch, spec, policy):
             save = policy.keeps(unit, index)
         elif func in attention_ops:
             save = "attention" in policy.names
+        elif func in (aten.mul.Tensor, aten.cat.default, aten.add.Tensor):
+            meta[mode, func] += 1
+            save = elementwise.get((func, meta[mode, func])) in policy.names
         return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy_fn
 
 
 @pytest.mark.parametrize(
-    "policy_text_", [TORCHTITAN_POLICY, "sac:matmuls", "sac:attention", "sac:wq,wo,w2,attention"]
+    "policy_text_",
+    [
+        TORCHTITAN_POLICY,
+        "sac:matmuls",
+        "sac:attention",
+        "sac:wq,wo,w2,attention",
+        # the element-wise units: norms, RoPE, residual adds, the SwiGLU product
+        "sac:norm1,rope,v_proj,attention,out_proj_add,norm2,gate_proj,up_proj,act",
+        "sac:v_proj,rope,attention,out_proj_add,gate_proj,up_proj,act",
+        "sac:norm1,norm2,fc2_add",
+        "sac:matmuls,act,out_proj_add",
+    ],
 )
 def test_torch_selective_checkpoint_keeps_the_predicted_bytes(policy_text_):
     from needs_torch import torch_or_skip
@@ -359,32 +386,43 @@ def plan_segments(plan):
 # ---- the best per-op policy ---------------------------------------------------------------------
 
 
-def test_frontier_is_the_brute_force_pareto_set():
-    """Every subset of units enumerated: the frontier holds exactly the non-dominated ones."""
+def _strictly_better(points):
+    """The (tape, cost) points, by tape, each cheaper than the last kept by more than 1e-12."""
+    kept = []
+    for tape, cost in points:
+        if not kept or cost < kept[-1][1] - 1e-12 * max(1.0, abs(kept[-1][1])):
+            kept.append((tape, cost))
+    return kept
+
+
+@pytest.mark.parametrize("kernels", ["eager", "compiled"])
+@pytest.mark.parametrize("changes", [{}, {"tp": 2, "sp": True}])
+def test_frontier_is_the_brute_force_pareto_set(changes, kernels):
+    """Every subset of unit names kept, its tape and its re-run (`rerun_mask`, eager replay or
+    the compiled graph's) by brute force: the frontier holds exactly the non-dominated ones."""
     from itertools import combinations
 
     from ckplan.inputs.gpus import load_gpu
-    from ckplan.plan.policy_search import _choosable, policy_frontier, unit_cost
+    from ckplan.model.op_policy import replays, rerun_mask, unit_ops
+    from ckplan.plan.policy_search import policy_frontier, unit_cost
 
     for gpu in (None, load_gpu("h100-sxm")):
-        spec = small()
-        units = _choosable(spec, None)
-        X = 4 * 32 * 64
-        total = sum(unit_cost(spec, u, gpu) for u in units)
-        every = []
-        for size in range(len(units) + 1):
-            for chosen in combinations(units, size):
-                tape = X + sum(u.output_bytes for u in chosen)
-                cost = total - sum(unit_cost(spec, u, gpu) for u in chosen)
-                every.append((tape, cost))
+        spec = small(**changes, kernels=kernels)
+        units = unit_ops(spec)
+        names = list(dict.fromkeys(u.name for u in units))
+        costs = [unit_cost(spec, u, gpu) for u in units]
+        X = 4 * 32 * 64 // (2 if changes else 1)
         best = {}
-        for tape, cost in every:
-            best[tape] = min(best.get(tape, cost), cost)
-        brute = []
-        for tape in sorted(best):
-            if not brute or best[tape] < brute[-1][1] - 1e-12 * max(1.0, abs(brute[-1][1])):
-                brute.append((tape, best[tape]))
-        frontier = [(p.tape_bytes, p.cost) for p in policy_frontier(spec, gpu)]
+        for size in range(len(names) + 1):
+            for chosen in combinations(names, size):
+                kept = tuple(u.name in chosen for u in units)
+                tape = X + sum(u.kept_bytes for u, k in zip(units, kept, strict=True) if k)
+                again = rerun_mask(units, kept, replays(spec))
+                cost = sum(c for c, a in zip(costs, again, strict=True) if a)
+                best[tape] = min(best.get(tape, cost), cost)
+        brute = _strictly_better(sorted(best.items()))
+        # sums in another order differ in the last bits: ties within 1e-12 are ties
+        frontier = _strictly_better([(p.tape_bytes, p.cost) for p in policy_frontier(spec, gpu)])
         assert [t for t, _ in frontier] == [t for t, _ in brute]
         for (_, got), (_, want) in zip(frontier, brute, strict=True):
             assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
@@ -461,3 +499,90 @@ def test_compiled_layer_does_not_save_what_no_backward_reads():
     q_only = parse_policy("sac:q_proj")
     compiled = small(kernels="compiled")
     assert policy_tape_bytes(compiled, q_only) == policy_tape_bytes(small(), q_only)
+
+
+def _mixed_plan():
+    """A `sac+mixed` plan of six small layers that stores the full tape in some layers and
+    torchtitan's policy's in others (the FLOPs DP, the smallest budget that gives one)."""
+    from ckplan.exports.segments import LayerSegments, layer_segments
+
+    spec = spec_from_mapping({**SMALL, "layers": 6, "vocab": 128})
+    full = evaluate(spec, parse_strategy("none", spec)).activation_bytes
+    for step in range(1, 41):
+        plan = evaluate(spec, parse_strategy("sac+mixed", spec), budget=full * step // 40)
+        if plan is None:
+            continue
+        layers = layer_segments(plan)
+        if isinstance(layers, LayerSegments) and layers.policy_layers:
+            stored = [i for s, e, again in layers.segments if not again for i in range(s, e)]
+            if set(layers.policy_layers) < set(stored):
+                return spec, plan, layers
+    raise AssertionError("no budget mixes the two tapes")
+
+
+def test_mixed_plan_exports_a_wrapper_per_layer():
+    """The torch export of a `sac+mixed` plan, run on ckplan's torch blocks: the layers the plan
+    stores under the policy run under selective checkpointing and keep its tape (beside their
+    input), the other stored layers run plain, the recomputed segments keep only their input;
+    the gradients are the plain step's."""
+    from needs_torch import torch_or_skip
+
+    torch = torch_or_skip()
+    import torch.utils.checkpoint as checkpoint_module
+
+    from ckplan import exports
+
+    spec, plan, layers = _mixed_plan()
+    snippet = exports.export(plan, "torch").text
+    namespace: dict = {}
+    exec(compile(snippet, "snippet", "exec"), namespace)
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([_torch_block(torch, spec) for _ in range(spec.layers)])
+    wrapped, modes = [], []
+
+    def recording(policy_fn):
+        pair = checkpoint_module.create_selective_checkpoint_contexts(policy_fn)
+        modes.append(pair[0])
+        return pair
+
+    def checkpoint(fn, *args, **kwargs):
+        if "context_fn" in kwargs:
+            wrapped.append(next(i for i, block in enumerate(blocks) if block is fn))
+        return checkpoint_module.checkpoint(fn, *args, **kwargs)
+
+    namespace["create_selective_checkpoint_contexts"] = recording
+    namespace["checkpoint"] = checkpoint
+    x = torch.randn(spec.micro_batch, spec.seq, spec.hidden, requires_grad=True)
+    out = namespace["forward_layers"](blocks, x)
+    forward_modes = list(modes)
+    assert wrapped == list(layers.policy_layers)
+    X = x.numel() * x.element_size()
+    policy = parse_policy(plan.recompute_groups[0])
+    for mode in forward_modes:
+        kept = {
+            tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
+            for entries in mode.storage.values()
+            for wrapped_value in entries.values()
+            for value in (wrapped_value if isinstance(wrapped_value, tuple) else (wrapped_value,))
+            if isinstance(tensor := getattr(value, "val", None), torch.Tensor)
+        }
+        assert sum(kept.values()) + X == policy_tape_bytes(spec, policy)
+    out.sum().backward()
+    grads = [p.grad.clone() for p in blocks.parameters()] + [x.grad.clone()]
+    blocks.zero_grad()
+    x.grad = None
+    hidden = x
+    for block in blocks:
+        hidden = block(hidden)
+    hidden.sum().backward()
+    for got, want in zip(grads, [p.grad for p in blocks.parameters()] + [x.grad], strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("target", ["torchtitan", "megatron", "deepspeed"])
+def test_mixed_plan_other_targets_say_why(target):
+    from ckplan import exports
+
+    _, plan, _ = _mixed_plan()
+    because = exports.why_not(plan, target)
+    assert because is not None and "full tape in some layers" in because

@@ -75,18 +75,39 @@ def _kept_by_op(torch, mode):
 def _predicted_by_op(spec, policy):
     """ckplan's kept units as the aten ops that produce them: linear layers are `mm` (in
     layer order), the attention kernel the CPU flash kernel (O and the fp32 logsumexp)."""
+    from ckplan.exports.torch_snippet import elementwise_ops
+
     kept = set(kept_units(spec, policy))
+    elementwise = elementwise_ops(spec)
     by_op = {}
     for unit in unit_ops(spec):
         if unit.name not in kept:
             continue
+        if unit.name in elementwise:  # one output per (op, count): RoPE's Q, then K
+            sizes = {u.name: u.output_bytes for u in unit_ops(spec)}
+            parts = (
+                [sizes["q_proj"], sizes["k_proj"]] if unit.name == "rope" else [unit.output_bytes]
+            )
+            for (op, _), size in zip(elementwise[unit.name], parts, strict=True):
+                by_op.setdefault(op, []).append(size)
+            continue
         name = "mm" if unit.matmul else "_scaled_dot_product_flash_attention_for_cpu"
         by_op.setdefault(name, []).append(unit.output_bytes)
-    return by_op
+    return {op: sorted(sizes) for op, sizes in by_op.items()}
 
 
 @pytest.mark.parametrize(
-    "strategy", ["sac", "sac:matmuls", "sac:q_proj,o_proj,down_proj,attention", "sac:attention"]
+    "strategy",
+    [
+        "sac",
+        "sac:matmuls",
+        "sac:q_proj,o_proj,down_proj,attention",
+        "sac:attention",
+        # the element-wise units: norms, RoPE, the residual adds, the SwiGLU product
+        "sac:norm1,rope,v_proj,attention,out_proj_add,norm2,gate_proj,up_proj,act",
+        "sac:v_proj,rope,attention,out_proj_add,gate_proj,up_proj,act,fc2_add",
+        "sac:norm1,norm2",
+    ],
 )
 def test_exported_policy_fn_on_hugging_face_llama_layers(strategy):
     from needs_torch import torch_or_skip
@@ -132,7 +153,7 @@ def test_exported_policy_fn_on_hugging_face_llama_layers(strategy):
     predicted = _predicted_by_op(spec, policy)
     layer_input = x.numel() * x.element_size()
     for mode in forward_modes:
-        got = _kept_by_op(torch, mode)
+        got = {op: sorted(sizes) for op, sizes in _kept_by_op(torch, mode).items()}
         assert got == predicted
         assert sum(map(sum, got.values())) + layer_input == policy_tape_bytes(spec, policy)
     (hidden * weights).sum().backward()

@@ -82,6 +82,8 @@ def why_not(plan: Plan, target: str, version: str | None = None) -> str | None:
     layers = layer_segments(plan)
     if isinstance(layers, str):
         return f"plan {plan.strategy}: {layers}"
+    if layers.policy_layers is not None and target != torch_snippet.NAME:
+        return f"plan {plan.strategy}: {_mixed_reason(target)}"
     if target == deepspeed.NAME and plan.stage_offloads:
         because = deepspeed.offload_reason(layers)
         if because is not None:
@@ -91,6 +93,21 @@ def why_not(plan: Plan, target: str, version: str | None = None) -> str | None:
     else:
         because = TARGETS[target].reason(plan.spec, layers)
     return None if because is None else f"plan {plan.strategy}: {because}"
+
+
+def _mixed_reason(target: str) -> str:
+    """Why `target` cannot run a plan storing the full tape in some layers and a per-op
+    policy's in others (one phrase)."""
+    if target == torchtitan.NAME:
+        return (
+            "it stores the full tape in some layers and the per-op policy's in others, and "
+            "torchtitan's activation_checkpoint section applies one mode to every layer "
+            "(--to torch wraps each layer)"
+        )
+    return (
+        f"it stores the full tape in some layers and the per-op policy's in others, and {target} "
+        "has no per-op policies (--to torch wraps each layer)"
+    )
 
 
 def _offload_reason(plan: Plan, target: str) -> str:

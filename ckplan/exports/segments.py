@@ -47,6 +47,9 @@ class LayerSegments:
     # Megatron-Core's other --recompute-modules (layernorm, moe_act, mla_up_proj,
     # shared_experts: strategies.MODULES), in its order
     extra: tuple[str, ...] = ()
+    # `POLICY+mixed` (plan.policy_mix): the stored layers that store the policy's tape, the
+    # others their full tape; None: the policy in every stored layer
+    policy_layers: tuple[int, ...] | None = None
 
     @property
     def modules(self) -> bool:
@@ -159,13 +162,9 @@ def layer_segments(plan: Plan) -> LayerSegments | str:
     names = plan.stage_names
     if not plan.steps:
         return "it has no schedule (the simple formula set)"
+    flags = None  # per layer of the stage: whether it stores the policy's tape (sac+mixed)
     for _, mask in plan.stage_policy:
         flags = [on for on, name in zip(mask, names, strict=True) if name.startswith(LAYER_PREFIX)]
-        if not all(flags):
-            return (
-                "it stores the full tape in some layers and the per-op policy's in others; the "
-                "exports apply one policy to every stored layer"
-            )
     if spec.pp > 1 and plan.stage_offloads:
         return (
             "each pipeline stage offloads its own layers and a launcher applies one setting to "
@@ -196,6 +195,17 @@ def layer_segments(plan: Plan) -> LayerSegments | str:
         else:
             merged.append((start, end, recompute))
     policy = next((group for group in plan.recompute_groups if is_policy(group)), None)
+    policy_layers = None
+    if flags is not None and not all(flags):
+        if any(flags[i] for start, end, again in merged if again for i in range(start, end)):
+            # measured on torch 2.13 (tests/test_export_torch.py): the caches of a selective
+            # checkpoint inside an enclosing checkpoint stay alive through the forward
+            return (
+                "a recomputed layer stores the per-op policy's tape when it re-runs, and a "
+                "selective checkpoint inside an enclosing checkpoint keeps its caches alive "
+                "through the forward"
+            )
+        policy_layers = tuple(i for i, on in enumerate(flags) if on)
     offloaded = dict(plan.stage_offloads).get(plan.peak_stage, ())
     return LayerSegments(
         layers,
@@ -206,4 +216,5 @@ def layer_segments(plan: Plan) -> LayerSegments | str:
         policy,
         tuple(i - first_layer for i, _ in offloaded if names[i].startswith(LAYER_PREFIX)),
         tuple(word for word, group in MODULES.items() if group in plan.recompute_groups),
+        policy_layers,
     )

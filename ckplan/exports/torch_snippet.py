@@ -131,7 +131,34 @@ def forward_layers(layers, hidden):
 
 # Units a policy_fn can recognise by their aten op: matmuls and grouped GEMMs by their count,
 # the attention kernels and collectives by name.
-_RECOGNISED = ("attention", "reduce_scatter", "all_to_all")
+_RECOGNISED = ("attention", "reduce_scatter", "dispatch", "combine")
+# The element-wise units of Hugging Face transformers' LlamaDecoderLayer (modeling_llama.py,
+# transformers 5.x) by the aten op that writes their output and its count in a layer, as torch
+# 2.13 runs it (traced on CPU; the bf16 casts are aten._to_copy, not counted): LlamaRMSNorm
+# runs pow, mean, add (+ eps), rsqrt, mul, mul; apply_rotary_pos_emb q·cos + rotate_half(q)·sin
+# (mul, neg, cat, mul, add) for q, then k; the residual adds are adds; LlamaMLP runs silu and
+# the product mul. A norm whose backward reads tensors of its own (`Unit.internal`) is not
+# among them: its output alone spares nothing.
+_HF_ELEMENTWISE = {
+    "norm1": (("mul", 2),),
+    "rope": (("add", 2), ("add", 3)),
+    "out_proj_add": (("add", 4),),
+    "norm2": (("mul", 8),),
+    "gate_act": (("silu", 1),),
+    "act": (("mul", 9),),
+    "fc2_add": (("add", 6),),
+}
+
+
+def elementwise_ops(spec: ModelSpec) -> dict[str, tuple[tuple[str, int], ...]]:
+    """The element-wise units a policy_fn can name on `spec`'s layers, with their (aten op,
+    count in the layer): Hugging Face's dense Llama layers (no QK-norm, a gated MLP), units
+    without internal tensors; none elsewhere."""
+    if spec.framework != "hf" or spec.mla or spec.experts or spec.qk_norm or spec.mlp == "gelu":
+        return {}
+    internal = {unit.name for unit in unit_ops(spec) if unit.internal}
+    return {name: ops for name, ops in _HF_ELEMENTWISE.items() if name not in internal}
+
 
 _POLICY = """\
 # Per-op policy {policy}: selective activation checkpointing.
@@ -142,6 +169,8 @@ KEEP_GROUPED_MM = {grouped}
 KEEP_ATTENTION = {attention}
 KEEP_REDUCE_SCATTER = {scatter}
 KEEP_ALL_TO_ALL = {all_to_all}
+# element-wise outputs: (aten op, its count in the layer)
+KEEP_ELEMENTWISE = {elementwise}
 
 
 def _ops(namespace, *names):
@@ -158,6 +187,11 @@ ATTENTION_OPS = _ops(
 REDUCE_SCATTER_OPS = _ops(torch.ops._c10d_functional, "reduce_scatter_tensor")
 ALL_TO_ALL_OPS = _ops(torch.ops._c10d_functional, "all_to_all_single")
 GROUPED_MM_OPS = _ops(torch.ops.aten, "_grouped_mm")
+ELEMENTWISE_OPS = {{
+    torch.ops.aten.mul.Tensor: "mul",
+    torch.ops.aten.add.Tensor: "add",
+    torch.ops.aten.silu.default: "silu",
+}}
 
 
 def _policy(counts):
@@ -174,7 +208,13 @@ def _policy(counts):
         elif func in REDUCE_SCATTER_OPS:
             keep = KEEP_REDUCE_SCATTER
         elif func in ALL_TO_ALL_OPS:
-            keep = KEEP_ALL_TO_ALL
+            # the expert-parallel dispatch, then the combine
+            counts[mode + " all_to_all"] += 1
+            keep = counts[mode + " all_to_all"] in KEEP_ALL_TO_ALL
+        elif func in ELEMENTWISE_OPS:
+            name = ELEMENTWISE_OPS[func]
+            counts[mode + " " + name] += 1
+            keep = (name, counts[mode + " " + name]) in KEEP_ELEMENTWISE
         else:
             keep = False
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
@@ -210,6 +250,36 @@ def forward_layers(layers, hidden):
 """
 
 
+_POLICY_MIXED = """\
+# (first, last + 1, recompute): a recomputed segment keeps its input and is re-run whole in
+# backward, each of its layers storing its full tape then; of the stored layers, those in
+# POLICY_LAYERS run under the per-op policy, the others store their full tape.
+SEGMENTS = {segments}
+POLICY_LAYERS = frozenset({policy_layers})
+
+
+def forward_layers(layers, hidden):
+    for start, end, recompute in SEGMENTS:
+        if recompute:
+
+            def forward(hidden, start=start, end=end):
+                for layer in layers[start:end]:
+                    hidden = layer(hidden)
+                return hidden
+
+            hidden = checkpoint(forward, hidden, use_reentrant=False)
+            continue
+        for index in range(start, end):
+            if index in POLICY_LAYERS:
+                hidden = checkpoint(
+                    layers[index], hidden, use_reentrant=False, context_fn=context_fn
+                )
+            else:
+                hidden = layers[index](hidden)
+    return hidden
+"""
+
+
 def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
     """PyTorch wraps any one-level segments; a per-op policy whose kept units a policy_fn can
     recognise (matmuls, grouped GEMMs, attention kernels, reduce-scatters, all-to-alls) is
@@ -225,6 +295,7 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
             name
             for name in policy.names
             if name not in _RECOGNISED
+            and name not in elementwise_ops(spec)
             and name in kept_units(spec, policy)
             and not _is_matmul(spec, name)
             and not _is_grouped(spec, name)
@@ -232,8 +303,14 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
         if named:
             return (
                 f"the per-op policy {layers.policy}: a policy_fn recognises matmuls, grouped "
-                f"GEMMs, attention kernels and collectives by their aten op, not "
+                f"GEMMs, attention kernels and collectives by their aten op, and the "
+                f"element-wise units of Hugging Face's Llama layers (framework: hf), not "
                 f"{', '.join(named)}"
+                + (
+                    " (a norm kept with its eager statistics, which no one aten op writes)"
+                    if spec.framework == "hf" and set(named) & {"norm1", "norm2"}
+                    else ""
+                )
             )
         return None
     if why := module_reason(layers, "PyTorch snippet"):
@@ -259,6 +336,9 @@ def _policy_part(spec: ModelSpec, layers: LayerSegments) -> str:
     grouped_keep = [i for i, name in enumerate(grouped, 1) if name in kept]
     others = [name for name in _RECOGNISED if name in kept]
     others += [name for name in grouped if name in kept]
+    elementwise = elementwise_ops(spec)
+    others += [name for name in elementwise if name in kept]
+    pairs = sorted(pair for name in elementwise if name in kept for pair in elementwise[name])
     return _POLICY.format(
         policy=layers.policy,
         numbers=", ".join(map(str, keep)) or "none",
@@ -277,7 +357,14 @@ def _policy_part(spec: ModelSpec, layers: LayerSegments) -> str:
         grouped="{" + ", ".join(map(str, grouped_keep)) + "}" if grouped_keep else "set()",
         attention="attention" in kept,
         scatter="reduce_scatter" in kept,
-        all_to_all="all_to_all" in kept,
+        elementwise="{" + ", ".join(f"({op!r}, {count})" for op, count in pairs) + "}"
+        if pairs
+        else "set()",
+        all_to_all="{"
+        + ", ".join(str(i) for i, n in enumerate(("dispatch", "combine"), 1) if n in kept)
+        + "}"
+        if {"dispatch", "combine"} & kept
+        else "set()",
     )
 
 
@@ -298,11 +385,15 @@ def render(plan: Plan, layers: LayerSegments) -> str:
             "    create_selective_checkpoint_contexts,",
             ")",
         ]
-        parts = [
-            "\n".join(header),
-            _policy_part(spec, layers),
-            _POLICY_SEGMENTS.format(segments=list(layers.segments)),
-        ]
+        tail = (
+            _POLICY_SEGMENTS.format(segments=list(layers.segments))
+            if layers.policy_layers is None
+            else _POLICY_MIXED.format(
+                segments=list(layers.segments),
+                policy_layers=_indices(layers.policy_layers) if layers.policy_layers else "",
+            )
+        )
+        parts = ["\n".join(header), _policy_part(spec, layers), tail]
         return "\n\n\n".join(part.rstrip("\n") for part in parts) + "\n"
     chunks = None if layers.offloaded else sequential_chunks(layers)
     names = set()

@@ -56,10 +56,10 @@ from ckplan.model.op import (
 )
 from ckplan.model.op_policy import (
     is_policy,
-    kept_units,
     parse_policy,
     policy_comm_ops,
     recomputed_ops,
+    rerun_units,
 )
 from ckplan.model.ops import layer_ops as model_layer_ops
 from ckplan.model.ops import representative_kind
@@ -273,7 +273,7 @@ def layer_time(
     path = spec_code_path(spec, gpu)
     gpu = path.gpu  # compute at the sustained rates; links as they are
     policy = parse_policy(groups[0]) if groups and is_policy(groups[0]) else None
-    # a per-op policy re-runs every op it does not keep
+    # a per-op policy re-runs what the backward reads and it does not keep
     core = list(recomputed_ops(spec, policy, kind)) if policy else module_ops(ops, groups)
     forward = _sum_ops(ops, path.forward, dtype)
     backward = _sum_ops(ops, path.backward, dtype)
@@ -293,7 +293,7 @@ def layer_time(
     core_attention = any(op.name == "attention_core" for op in core)
     core_comm += cp_forward if ATTENTION_CORE in groups or (policy and core_attention) else 0.0
     core_ep = ep_forward if MOE in groups else 0.0
-    if policy is not None and "all_to_all" not in kept_units(spec, policy, kind):
+    if policy is not None and any(u.name == "dispatch" for u in rerun_units(spec, policy, kind)):
         core_ep = ep_forward  # the re-forward repeats the dispatcher's collectives
     return StageTime(
         forward=forward,

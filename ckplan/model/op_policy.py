@@ -35,7 +35,20 @@ layer (`UNIT_NAMES`), `matmuls` keeps every matmul output, `matmuls%K` every one
 
 ckplan's op table fuses what eager code runs as several modules (one QKV projection, one fc1 for
 gate and up); `unit_ops` splits them into the units a policy sees, each a table `Op` with its own
-GEMM, so times and FLOPs of what is recomputed follow from the same roofline as the rest.
+GEMM or memory traffic, so times and FLOPs of what is recomputed follow from the same roofline as
+the rest. The element-wise units (norms, RoPE, the residual adds, the activation and, in eager
+gated MLPs, the silu before the product) can be kept too: every Megatron-Core recompute module
+set is then a policy (keep every unit a backward reads but the module's).
+
+What a layer's backward re-runs (`rerun_mask`) depends on how the framework runs it. Eager
+PyTorch's checkpoint replays the layer's code up to the last tensor the backward reads
+(torch/utils/checkpoint.py at v2.13.0, `early_stop`): every op a policy does not keep runs again,
+also those whose outputs feed only kept ones (q and k before a kept RoPE, out_proj before a kept
+residual add). Under torch.compile (`kernels: compiled`) the partitioned backward re-runs only
+the units whose outputs a backward reads (each table op saves its inputs: `Unit.saves`) or whose
+backward reads tensors of their own (`Unit.internal`), not kept, and what those read that is not
+kept, back to the layer input. The bytes a policy keeps are exact against PyTorch's selective
+checkpoint (tests/test_op_policy.py).
 """
 
 from __future__ import annotations
@@ -75,24 +88,29 @@ UNIT_NAMES = (
     "attention",
     "out_proj",
     "reduce_scatter",
+    "out_proj_add",
     "norm2",
     "fc1",
     "gate_proj",
     "up_proj",
+    "gate_act",
     "act",
     "fc2",
+    "fc2_add",
     "router",
     "router_probs",
     "permute",
-    "all_to_all",
+    "dispatch",
     "expert_fc1",
     "expert_gate",
     "expert_up",
     "expert_act",
     "expert_fc2",
+    "combine",
     "shared_fc1",
     "shared_gate_proj",
     "shared_up_proj",
+    "shared_gate_act",
     "shared_act",
     "shared_fc2",
     "unpermute",
@@ -130,6 +148,9 @@ UNIT_ALIASES = {
     "shared_experts.w3": "shared_up_proj",
     "shared_experts.w2": "shared_fc2",
 }
+# Items that name several units: torchtitan's save list names `all_to_all_single`, the
+# expert-parallel dispatch and combine both.
+GROUP_ITEMS = {"all_to_all": ("dispatch", "combine")}
 MAX_EVERY = 1000
 # Linears torchtitan's op policy re-runs without counting them among the matmuls:
 # `per_op_sac_force_recompute_mm_shapes_by_fqns`, default ["moe.router.gate"]
@@ -149,13 +170,26 @@ class PolicyError(InputError):
 class Unit:
     """One op of a layer as eager code runs it: its output, whether it is a matmul (aten.mm) or
     a grouped GEMM, and the table op (`Op`, with only this unit's GEMM or memory traffic) it
-    re-runs as."""
+    re-runs as.
+
+    `reads` and `saves` are the units (indices into the layer's unit list) whose outputs it
+    reads and whose outputs its backward reads (none: only the layer input); `internal` the
+    bytes its backward reads that only its own forward produces (a norm's statistics and
+    normalised input in eager code, the routing's scores), kept with its output."""
 
     name: str
     output_bytes: int
     op: Op
     matmul: bool = False
     grouped: bool = False  # a grouped GEMM (aten._grouped_mm: torchtitan's experts), not aten.mm
+    reads: tuple[int, ...] = ()
+    saves: tuple[int, ...] = ()
+    internal: int = 0
+
+    @property
+    def kept_bytes(self) -> int:
+        """What keeping the unit adds to the tape: its output and its internal tensors."""
+        return self.output_bytes + self.internal
 
 
 @dataclass(frozen=True)
@@ -193,11 +227,14 @@ def parse_policy(text: str) -> OpPolicy:
                 )
             every = size
             continue
+        if item in GROUP_ITEMS:
+            names.update(GROUP_ITEMS[item])
+            continue
         name = UNIT_ALIASES.get(item, item)
         if name not in UNIT_NAMES:
             raise PolicyError(
                 f"policy {quote(text)}: unknown op {quote(item)}; expected matmuls, matmuls%K "
-                f"or one of {', '.join(UNIT_NAMES)}"
+                f"or one of {', '.join((*UNIT_NAMES, *GROUP_ITEMS))}"
             )
         names.add(name)
     return OpPolicy(frozenset(names), every)
@@ -208,7 +245,14 @@ def policy_text(policy: OpPolicy) -> str:
     items = (
         [] if policy.every == 0 else ["matmuls" if policy.every == 1 else f"matmuls%{policy.every}"]
     )
-    items += [name for name in UNIT_NAMES if name in policy.names]
+    names = set(policy.names)
+    for item, members in GROUP_ITEMS.items():
+        if names.issuperset(members):
+            names -= set(members)
+            names.add(item)
+    order = {name: i for i, name in enumerate(UNIT_NAMES)}
+    order |= {item: order[members[0]] for item, members in GROUP_ITEMS.items()}
+    items += sorted(names, key=order.__getitem__)
     return POLICY_PREFIX + ",".join(items)
 
 
@@ -344,9 +388,98 @@ def unit_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Unit, ...]
         # the un-permutation's scatter-add, the shared experts' add and the residual add
         back = table["unpermute"]
         units.append(Unit("unpermute", X, _elementwise(back, "unpermute", back.forward_bytes)))
-        return tuple(units)
+        return _wired(spec, table, tuple(units))
     units += _mlp_units(spec, table, shapes, "")
-    return (*units, *row_parallel("fc2"))
+    return _wired(spec, table, (*units, *row_parallel("fc2")))
+
+
+_NORMS = ("norm1", "norm2")
+_FIRST_AFTER_NORM1 = ("q_proj", "k_proj", "v_proj", "q_down", "kv_down")
+_AFTER_NORM2 = ("fc1", "gate_proj", "up_proj", "router", "shared_fc1", "shared_gate_proj",
+                "shared_up_proj")  # fmt: skip
+
+
+def _wired(spec: ChainSpec, table: dict[str, Op], units: tuple[Unit, ...]) -> tuple[Unit, ...]:
+    """`units` with what each reads, what its backward reads and its internal bytes (derived:
+    each op of `ops.transformer_layer_ops` saves its inputs, as the op table's saved bytes
+    count them; a projection saves its input, the attention kernel Q, K, V and its output, an
+    activation its inputs, a norm its input and, in eager code, its statistics and normalised
+    input (the table norm's saved bytes beyond its input), the routing its scores and indices,
+    the permutation its sorted indices). Reading the layer input is reading no unit."""
+    X = LayerShapes.of(spec).X
+    last: dict[str, int] = {}
+    wired: list[Unit] = []
+
+    def at(*names: str) -> tuple[int, ...]:
+        return tuple(last[name] for name in names if name in last)
+
+    def out(indices: tuple[int, ...]) -> int:
+        return sum(units[i].output_bytes for i in indices)
+
+    for i, unit in enumerate(units):
+        name, reads, saves, internal = unit.name, (), (), 0
+        bare = name.removeprefix("shared_")
+        if name in _NORMS:
+            reads = saves = at("out_proj_add") if name == "norm2" else ()
+            internal = max(0, table[name].saved_bytes - X)
+        elif name in _FIRST_AFTER_NORM1 and "norm2" not in last:
+            reads = saves = at("norm1")
+        elif name in ("q_norm", "kv_norm"):
+            reads = saves = at(name.replace("norm", "down"))
+            internal = max(0, table[name].saved_bytes - out(saves))
+        elif name in ("q_up", "kv_up"):
+            reads = saves = at(name.replace("up", "norm"))
+        elif name == "qk_norm":
+            reads = saves = at("q_proj", "k_proj")
+            internal = max(0, table[name].saved_bytes - out(saves))
+        elif name == "rope":
+            if spec.mla:
+                reads = at("q_up", "kv_down") if "q_up" in last else at("q_proj", "kv_down")
+            else:
+                reads = at("qk_norm") or at("q_proj", "k_proj")
+        elif name == "attention":
+            reads = at("rope", "kv_up" if spec.mla else "v_proj")
+            saves = (*reads, i)  # Q, K, V and its own output O and logsumexp
+        elif name == "out_proj":
+            reads = saves = at("attention")
+        elif name in ("reduce_scatter", "dispatch", "combine", "out_proj_add"):
+            reads = (i - 1,)
+        elif name in _AFTER_NORM2:
+            reads = saves = at("norm2")
+        elif bare == "gate_act" or name == "expert_gate_act":
+            reads = saves = (i - 1 - (not name.startswith("expert")),)  # the gate projection
+        elif bare == "act":
+            gated = at(f"{name[:-3]}gate_act") or at(f"{name[:-3]}gate_proj")
+            reads = saves = (
+                at(f"{name[:-3]}fc1")
+                if spec.mlp == "gelu"
+                else (*gated, *at(f"{name[:-3]}up_proj"))
+            )
+            # the table's activation also saves what its silu read (the gate)
+            inner = at(f"{name[:-3]}gate_proj") if at(f"{name[:-3]}gate_act") else ()
+            internal = max(0, table[name].saved_bytes - out(saves) - out(inner))
+        elif name in ("fc2", "shared_fc2", "expert_fc2"):
+            reads = saves = (i - 1,)
+        elif name == "fc2_add":
+            reads = (i - 1, *at("out_proj_add"))
+        elif name == "router_probs":
+            # its output (top-k scores and indices) is part of what the table's routing saves
+            reads = at("router")
+            internal = max(0, table[name].saved_bytes - unit.output_bytes)
+        elif name == "permute":
+            reads, internal = at("norm2", "router_probs"), table[name].saved_bytes
+        elif name in ("expert_fc1", "expert_gate", "expert_up"):
+            reads = saves = at("dispatch") if spec.ep > 1 else at("permute")
+        elif name == "expert_act":
+            reads = saves = (
+                at("expert_fc1") if spec.mlp == "gelu" else at("expert_gate", "expert_up")
+            )
+            internal = max(0, table[name].saved_bytes - out(saves))
+        elif name == "unpermute":
+            reads = (i - 1, *at("router_probs", "out_proj_add"))
+        last[name] = i
+        wired.append(dataclasses.replace(unit, reads=reads, saves=saves, internal=internal))
+    return tuple(wired)
 
 
 def _projection(name: str, op: Op, width: int, size: int) -> Unit:
@@ -371,6 +504,12 @@ def _mlp_units(spec: ChainSpec, table: dict[str, Op], shapes: LayerShapes, prefi
             _projection(f"{prefix}up_proj", fc1, half, hidden),
         ]
     name = f"{prefix}act"
+    if spec.mlp != "gelu" and act.saved_bytes >= 3 * hidden:
+        # eager silu(gate) * up (torch's SiLU, then aten.mul): the product's backward reads
+        # silu(gate), a tensor of its own; the silu reads the gate and writes it (2F bytes)
+        gate = f"{prefix}gate_act"
+        units.append(Unit(gate, hidden, _elementwise(act, gate, 2 * hidden)))
+        return [*units, Unit(name, hidden, _elementwise(act, name, act.forward_bytes - 2 * hidden))]
     return [*units, Unit(name, hidden, _elementwise(act, name, act.forward_bytes))]
 
 
@@ -412,14 +551,15 @@ def _mla_units(spec: ChainSpec, table: dict[str, Op], shapes: LayerShapes) -> li
 
 def _moe_units(spec: ChainSpec, table: dict[str, Op], shapes: LayerShapes) -> list[Unit]:
     """The routed part of an MoE block (`model.moe`), as torchtitan's MoE runs it
-    (torchtitan/models/moe/moe.py at v0.2.2): the router's gate, an nn.Linear (one aten.mm) to
-    the (T, E) logits; the routing (scores, top-k: the fp32 scores and int64 indices of T·k
-    choices); the permutation of the S token copies (T·k dropless, h wide); with expert
-    parallelism the dispatch all-to-all (`all_to_all_single`, R/etp rows received); the experts
-    as `torch._grouped_mm` calls (w1 and w3, then w2 on silu(w1 x) · w3 x: R rows, F_e/etp and
-    h wide), not aten.mm, so a matmul rule does not count them; the combine all-to-all (S rows
-    back). Both all-to-alls are one item, `all_to_all`, as torchtitan's save list names the op.
-    Output bytes from the op table's shapes (derived)."""
+        (torchtitan/models/moe/moe.py at v0.2.2): the router's gate, an nn.Linear (one aten.mm) to
+        the (T, E) logits; the routing (scores, top-k: the fp32 scores and int64 indices of T·k
+        choices); the permutation of the S token copies (T·k dropless, h wide); with expert
+        parallelism the dispatch all-to-all (`all_to_all_single`, R/etp rows received); the experts
+        as `torch._grouped_mm` calls (w1 and w3, then w2 on silu(w1 x) · w3 x: R rows, F_e/etp and
+        h wide), not aten.mm, so a matmul rule does not count them; the combine all-to-all (S rows
+        back). The two all-to-alls are units `dispatch` and `combine`; the item `all_to_all` names
+    both, as torchtitan's save list names the op.
+        Output bytes from the op table's shapes (derived)."""
     B, T, h = shapes.B, shapes.stream_tokens, spec.hidden
     rows, sent = routed_rows(spec, shapes), sent_rows(spec, shapes)
     F = spec.moe_ffn_hidden // spec.etp
@@ -430,10 +570,10 @@ def _moe_units(spec: ChainSpec, table: dict[str, Op], shapes: LayerShapes) -> li
         matmul = dataclasses.replace(op.matmul, n=width)
         return Unit(name, size, _split(op, name, matmul), grouped=True)
 
-    def all_to_all(op: Op, size: int) -> list[Unit]:
+    def all_to_all(name: str, op: Op, size: int) -> list[Unit]:
         if spec.ep == 1:
             return []
-        return [Unit("all_to_all", size, _elementwise(op, "all_to_all", 0))]
+        return [Unit(name, size, _elementwise(op, name, 0))]
 
     units = [
         Unit("router", B * T * spec.experts, _split(router, "router", router.matmul), True),
@@ -443,7 +583,7 @@ def _moe_units(spec: ChainSpec, table: dict[str, Op], shapes: LayerShapes) -> li
             _elementwise(probs, "router_probs", probs.forward_bytes),
         ),
         Unit("permute", B * sent * h, _elementwise(permute, "permute", permute.forward_bytes)),
-        *all_to_all(permute, B * received_rows(spec, shapes) * h),
+        *all_to_all("dispatch", permute, B * received_rows(spec, shapes) * h),
     ]
     if spec.mlp == "gelu":
         units.append(grouped("expert_fc1", fc1, F, B * rows * F))
@@ -455,24 +595,105 @@ def _moe_units(spec: ChainSpec, table: dict[str, Op], shapes: LayerShapes) -> li
     units += [
         Unit("expert_act", B * rows * F, _elementwise(act, "expert_act", act.forward_bytes)),
         grouped("expert_fc2", fc2, h, B * rows * h),
-        *all_to_all(table["unpermute"], B * sent * h),
+        *all_to_all("combine", table["unpermute"], B * sent * h),
     ]
     return units
+
+
+@cached_by_chain(maxsize=256)
+def kept_mask(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None) -> tuple[bool, ...]:
+    """Whether `policy` keeps each unit of `unit_ops` (by name, or a matmul by the every-K-th
+    rule). The matmul rule counts the GEMMs that reach the policy as `aten.mm`
+    (`counts_matmuls`): Transformer Engine's FP8 kernels do not, torchao's float8 ones do. The
+    router's gate is outside the matmul rule (`FORCE_RECOMPUTED`),
+    kept only when named."""
+    counting = counts_matmuls(spec.precision)
+    mask, index = [], 0
+    for unit in unit_ops(spec, kind):
+        if unit.matmul and counting and unit.name not in FORCE_RECOMPUTED:
+            index += 1
+            mask.append(policy.keeps(unit, index))
+        else:
+            mask.append(unit.name in policy.names)
+    return tuple(mask)
+
+
+def kept_units(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None) -> tuple[str, ...]:
+    """The units whose outputs `policy` keeps in one layer, in forward order."""
+    units = unit_ops(spec, kind)
+    return tuple(
+        u.name for u, kept in zip(units, kept_mask(spec, policy, kind), strict=True) if kept
+    )
+
+
+def rerun_mask(
+    units: tuple[Unit, ...], kept: tuple[bool, ...], replay: bool = False
+) -> tuple[bool, ...]:
+    """Which units a layer's backward re-runs when it keeps the outputs `kept`.
+
+    Compiled (`replay` False): those whose output a backward reads (`Unit.saves`) or whose
+    backward reads their internal tensors, not kept, and, from the last unit back, the units a
+    re-run unit reads that are not kept (derived: AOTAutograd's partitioner rebuilds the tensors
+    the backward reads from the layer input and the kept outputs, nothing else;
+    torch/_functorch/partitioners.py at v2.13.0, `solve_min_cut`).
+
+    Eager (`replay` True): every unit not kept up to the last one the backward needs. PyTorch's
+    non-reentrant checkpoint re-runs the layer's code op by op; a selective checkpoint answers a
+    kept op from its cache and runs every other op, whether or not a backward reads its output,
+    and stops after the last tensor the backward reads (torch/utils/checkpoint.py at v2.13.0,
+    `_CachingTorchDispatchMode`, `early_stop`)."""
+    demand = [unit.internal > 0 for unit in units]
+    for unit in units:
+        for j in unit.saves:
+            demand[j] = True
+    if replay:
+        last = max((i for i, wanted in enumerate(demand) if wanted), default=-1)
+        return tuple(not kept[i] and i <= last for i in range(len(units)))
+    rerun = [False] * len(units)
+    for i in range(len(units) - 1, -1, -1):
+        if demand[i] and not kept[i]:
+            rerun[i] = True
+            for j in units[i].reads:
+                demand[j] = True
+    return tuple(rerun)
+
+
+def replays(spec: ChainSpec) -> bool:
+    """Whether a policy's re-forward replays the layer's code op by op (eager PyTorch) rather
+    than running the partitioned backward graph torch.compile builds (`rerun_mask`)."""
+    return spec.kernels != "compiled"
+
+
+@cached_by_chain(maxsize=256)
+def rerun_units(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None):
+    """The units the backward of a layer under `policy` re-runs (`rerun_mask`)."""
+    units = unit_ops(spec, kind)
+    mask = rerun_mask(units, kept_mask(spec, policy, kind), replays(spec))
+    return tuple(unit for unit, again in zip(units, mask, strict=True) if again)
 
 
 def policy_comm_ops(
     spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None
 ) -> tuple[Op, ...]:
     """The table ops whose forward tensor-parallel collectives a re-forward under `policy`
-    repeats: the input all-gathers of the column-parallel projections (never kept), and the
-    row-parallel outputs' reduce-scatters unless the policy keeps them (an all-reduce, without
-    sequence parallelism, always)."""
-    scatter_kept = "reduce_scatter" in kept_units(spec, policy, kind)
-    return tuple(
-        op
-        for op in layer_ops(spec, representative_kind(spec) if kind is None else kind)
-        if op.tp_comm == "column" or (op.tp_comm == "row" and not (scatter_kept and spec.sp))
-    )
+    repeats: the input all-gather of a column-parallel projection one of whose units re-runs,
+    the output reduce-scatter of a row-parallel one when that reduce-scatter re-runs (its
+    all-reduce, without sequence parallelism, when the projection re-runs)."""
+    again = rerun_units(spec, policy, kind)
+    names = {unit.name for unit in again}
+    ops = layer_ops(spec, representative_kind(spec) if kind is None else kind)
+    found = []
+    scattered = spec.tp > 1 and spec.sp
+    for op in ops:
+        if op.tp_comm == "column":
+            again_here = any(part_of(unit, op) for unit in again)
+        elif op.tp_comm == "row" and scattered:
+            again_here = "reduce_scatter" in names and op.name == "out_proj"
+        else:
+            again_here = op.tp_comm == "row" and op.name in names
+        if again_here:
+            found.append(op)
+    return tuple(found)
 
 
 def counts_matmuls(precision: str) -> bool:
@@ -492,32 +713,25 @@ def counts_matmuls(precision: str) -> bool:
     return precision != "fp8"
 
 
-@cached_by_chain(maxsize=256)
-def kept_units(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None) -> tuple[str, ...]:
-    """The units whose outputs `policy` keeps in one layer: the matmul rule counts the GEMMs
-    that reach the policy as `aten.mm` (`counts_matmuls`). The router's gate is outside the
-    matmul rule (`FORCE_RECOMPUTED`), kept only when named."""
-    counting = counts_matmuls(spec.precision)
-    kept, index = [], 0
-    for unit in unit_ops(spec, kind):
-        if unit.matmul and counting and unit.name not in FORCE_RECOMPUTED:
-            index += 1
-            if policy.keeps(unit, index):
-                kept.append(unit.name)
-        elif unit.name in policy.names:
-            kept.append(unit.name)
-    return tuple(kept)
+def part_of(unit: Unit, op: Op) -> bool:
+    """Whether `unit` is one of the GEMMs split from table op `op` (`unit_ops`)."""
+    parts = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "fc1": ("fc1", "gate_proj", "up_proj"),
+        "shared_fc1": ("shared_fc1", "shared_gate_proj", "shared_up_proj"),
+    }
+    return unit.name in parts.get(op.name, (op.name,))
 
 
 def policy_tape_bytes(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None) -> int:
     """What a layer under `policy` holds from its forward to its backward: its input (the
-    checkpoint's argument, the residual stream) and the kept outputs (derived: the
-    selective-checkpoint cache holds one storage per kept output), less under torch.compile
-    the kept outputs no backward reads (`compile_unread_bytes`)."""
-    kept = set(kept_units(spec, policy, kind))
+    checkpoint's argument, the residual stream) and the kept units' outputs and internal
+    tensors (derived: the selective-checkpoint cache holds one storage per kept output), less
+    under torch.compile the kept outputs no backward reads (`compile_unread_bytes`)."""
     units = unit_ops(spec, kind)
-    kept_bytes = sum(unit.output_bytes for unit in units if unit.name in kept)
-    return LayerShapes.of(spec).X + kept_bytes - compile_unread_bytes(spec, policy, kind)
+    kept = kept_mask(spec, policy, kind)
+    stored = sum(u.kept_bytes for u, k in zip(units, kept, strict=True) if k)
+    return LayerShapes.of(spec).X + stored - compile_unread_bytes(spec, policy, kind)
 
 
 # The units that close a dense layer's MLP branch, last first: what feeds only the residual add.
@@ -554,25 +768,13 @@ def compile_unread_bytes(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | No
     return unread
 
 
-def skips_rerun(unit: Unit) -> bool:
-    """Whether keeping `unit`'s output spares its re-run: a matmul or the attention kernel,
-    one op whose output is what the ops after it need. A norm, an activation or a residual add
-    is several aten ops in eager code (an upcast, a mean, an rsqrt, a multiply; silu and a
-    multiply) whose inner outputs its backward reads: keeping the last one spares their re-run
-    nothing (derived from PyTorch's selective checkpointing, which caches op by op). A grouped
-    GEMM and a collective (reduce-scatter, all-to-all) are one op each too."""
-    return unit.matmul or unit.grouped or unit.name in ("attention", "reduce_scatter", "all_to_all")
-
 
 def recomputed_ops(
     spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None
 ) -> tuple[Op, ...]:
-    """The ops the backward re-runs under `policy`: every unit but the kept matmuls and
-    attention kernel (`skips_rerun`)."""
-    kept = set(kept_units(spec, policy, kind))
-    return tuple(
-        unit.op for unit in unit_ops(spec, kind) if unit.name not in kept or not skips_rerun(unit)
-    )
+    """The ops the backward re-runs under `policy` (`rerun_units`), as the time model times
+    them."""
+    return tuple(unit.op for unit in rerun_units(spec, policy, kind))
 
 
 def recomputed_forward_flops(

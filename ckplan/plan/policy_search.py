@@ -1,20 +1,23 @@
 """The best per-op policy: which unit outputs a layer should keep for the least re-run cost.
 
 A per-op policy (`ckplan.model.op_policy`) keeps a set of unit outputs; the layer's stored tape
-is its input plus their bytes, and its backward re-runs every other unit. Both sums are over
-units, so the choice is a 0/1 knapsack: `policy_frontier` gives every policy that no other
-beats on both stored bytes and re-run cost (the Pareto frontier, by dynamic programming over
-the units, Kellerer, Pferschy & Pisinger 2004 §2), `best_policy` the cheapest within a per-layer
-byte budget. The cost is a unit's forward time on a GPU (its roofline time as the step-time
-model runs it), or its forward FLOPs without one; a kept collective (the row-parallel
-outputs' reduce-scatters, the expert-parallel all-to-alls) spares its forward time. What every
-policy re-runs (the norms, activations, permutations, the column-parallel all-gathers) is the
-same whatever it keeps, and is left out of the cost (`layer_time` adds it).
+is its input plus their bytes (and internal tensors), and its backward re-runs the units whose
+outputs (or internal tensors) a backward reads and that it does not keep, with whatever not kept
+those read (`op_policy.rerun_mask`). A unit whose output no backward reads (a projection before
+RoPE or a residual add, a reduce-scatter, a permutation before its all-to-all) matters only
+through the units that read it: it joins their group, and the units split into groups whose
+re-runs do not depend on each other (every unit a group's re-run reads outside the group is one
+a backward reads, rebuilt or kept whatever the group does). So the choice is a multiple-choice
+knapsack: each group's subsets are evaluated exactly (`rerun_mask`), and `policy_frontier` gives
+every policy that no other beats on both stored bytes and re-run cost (the Pareto frontier, by
+dynamic programming over the groups, Kellerer, Pferschy & Pisinger 2004 §11), `best_policy`
+the cheapest within a per-layer byte budget. The cost is a unit's forward time on a GPU (its
+roofline time as the step-time model runs it, with the forward collective a re-run repeats), or
+its forward FLOPs without one.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from ckplan.hardware.code_path import spec_code_path
@@ -22,13 +25,22 @@ from ckplan.hardware.gpus import GPU
 from ckplan.hardware.step_time import layer_time, tensor_parallel_comm
 from ckplan.model.layers import LayerKind
 from ckplan.model.op import LayerShapes
-from ckplan.model.op_policy import POLICY_PREFIX, Unit, skips_rerun, unit_ops
+from ckplan.model.op_policy import (
+    POLICY_PREFIX,
+    UNIT_NAMES,
+    Unit,
+    part_of,
+    replays,
+    rerun_mask,
+    unit_ops,
+)
 from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
 
-# A frontier never holds more points than this (the largest unit tables have ~18 units; sizes
-# and costs are distinct enough that real frontiers hold a few dozen).
+# A frontier never holds more points than this (real frontiers hold a few dozen to a few hundred).
 MAX_FRONTIER = 4096
+# The most units one group may hold (its subsets are enumerated: 2**MAX_GROUP).
+MAX_GROUP = 12
 
 
 @dataclass(frozen=True)
@@ -49,38 +61,78 @@ class PolicyPoint:
 
 def unit_cost(spec: ModelSpec, unit: Unit, gpu: GPU | None, kind: LayerKind | None = None) -> float:
     """What re-running `unit` costs: its forward time on `gpu` (the code path the step-time
-    model times it on), else its forward FLOPs. The all-to-alls cost the exposed forward share
-    of the layer's expert-parallel collectives, which a re-forward repeats unless the policy
-    keeps them (`step_time.layer_time`); the reduce-scatters, the forward time of the
-    row-parallel outputs' collectives (`step_time.tensor_parallel_comm`); nothing without a
-    GPU."""
-    if unit.name == "all_to_all":
-        return 0.0 if gpu is None else layer_time(spec, gpu, kind).expert_forward_comm
-    if unit.name == "reduce_scatter":
-        if gpu is None:
-            return 0.0
-        rows = tuple(op for op in layer_ops(spec, kind) if op.tp_comm == "row")
-        return tensor_parallel_comm(spec, spec_code_path(spec, gpu).gpu, rows)[0]
+    model times it on), else its forward FLOPs. On a GPU an all-to-all costs the exposed forward
+    share of the layer's expert-parallel collectives (`step_time.layer_time`), a reduce-scatter
+    the forward time of the row-parallel output's collective, a column-parallel projection its
+    input all-gather (`step_time.tensor_parallel_comm`; charged to each projection of a fused
+    table op, one all-gather in `layer_time`: an upper bound where several re-run)."""
     if gpu is None:
         return float(unit.op.forward_flops)
-    return spec_code_path(spec, gpu).forward(unit.op, spec.dtype_bytes).total
+    if unit.name in ("dispatch", "combine"):
+        return layer_time(spec, gpu, kind).expert_forward_comm
+    ops = layer_ops(spec, kind)
+    comm = 0.0
+    if unit.name == "reduce_scatter" or (
+        unit.op.matmul is not None and not (spec.tp > 1 and spec.sp)
+    ):
+        rows = tuple(op for op in ops if op.tp_comm == "row" and op.name == _row_table(unit))
+        comm = tensor_parallel_comm(spec, spec_code_path(spec, gpu).gpu, rows)[0] if rows else 0.0
+    columns = tuple(op for op in ops if op.tp_comm == "column" and part_of(unit, op))
+    if columns:
+        comm += tensor_parallel_comm(spec, spec_code_path(spec, gpu).gpu, columns)[0]
+    if unit.name == "reduce_scatter":
+        return comm
+    return spec_code_path(spec, gpu).forward(unit.op, spec.dtype_bytes).total + comm
 
 
-def _choosable(spec: ModelSpec, kind: LayerKind | None) -> list[Unit]:
-    """The units worth keeping, one entry per name: the matmuls, grouped GEMMs, the attention
-    kernel and the collectives (`op_policy.skips_rerun`; keeping a norm's or an activation's
-    output costs its bytes and spares no re-run), a name that occurs twice (the reduce-scatters
-    of the row-parallel outputs, the dispatch and combine all-to-alls) with the bytes of
-    both."""
-    seen: dict[str, Unit] = {}
-    for unit in unit_ops(spec, kind):
-        if not skips_rerun(unit):
-            continue
-        if unit.name in seen:
-            first = seen[unit.name]
-            unit = dataclasses.replace(first, output_bytes=first.output_bytes + unit.output_bytes)
-        seen[unit.name] = unit
-    return list(seen.values())
+def _row_table(unit: Unit) -> str:
+    """The row-parallel table op whose collective `unit` runs (its reduce-scatter: out_proj's,
+    the one the backward can need; a projection: itself)."""
+    return "out_proj" if unit.name == "reduce_scatter" else unit.name
+
+
+def policy_groups(spec: ModelSpec, kind: LayerKind | None = None) -> tuple[tuple[str, ...], ...]:
+    """The unit names in groups whose re-runs are independent (module docstring): a name whose
+    output no backward reads joins the names that read it; in forward order."""
+    units = unit_ops(spec, kind)
+    names = list(dict.fromkeys(unit.name for unit in units))
+    parent = {name: name for name in names}
+
+    def root(name: str) -> str:
+        while parent[name] != name:
+            name = parent[name]
+        return name
+
+    read_by_backward = {units[j].name for unit in units for j in unit.saves}
+    read_by_backward |= {unit.name for unit in units if unit.internal}
+    for unit in units:
+        for j in unit.reads:
+            if units[j].name not in read_by_backward:
+                parent[root(units[j].name)] = root(unit.name)
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(root(name), []).append(name)
+    return tuple(tuple(group) for group in groups.values())
+
+
+def _options(
+    spec: ModelSpec, group: tuple[str, ...], gpu: GPU | None, kind: LayerKind | None
+) -> list[tuple[int, float, tuple[str, ...]]]:
+    """Every subset of `group` kept, with the bytes it adds and its re-run cost (the rest of
+    the layer kept: the group's re-runs do not depend on it)."""
+    if len(group) > MAX_GROUP:
+        raise ValueError(f"a policy group of {len(group)} units: {', '.join(group)}")
+    units = unit_ops(spec, kind)
+    members = [i for i, unit in enumerate(units) if unit.name in group]
+    costs = {i: unit_cost(spec, units[i], gpu, kind) for i in members}
+    found = []
+    for bits in range(1 << len(group)):
+        chosen = {name for b, name in enumerate(group) if bits >> b & 1}
+        kept = tuple(unit.name not in group or unit.name in chosen for unit in units)
+        again = rerun_mask(units, kept, replays(spec))
+        size = sum(units[i].kept_bytes for i in members if kept[i])
+        found.append((size, sum(costs[i] for i in members if again[i]), tuple(sorted(chosen))))
+    return found
 
 
 def policy_frontier(
@@ -88,24 +140,22 @@ def policy_frontier(
 ) -> tuple[PolicyPoint, ...]:
     """Every policy that no other beats on both the layer's stored bytes and its re-run cost,
     by increasing bytes (ties on both: the one keeping fewer units)."""
-    units = _choosable(spec, kind)
-    total = sum(unit_cost(spec, unit, gpu, kind) for unit in units)
     base = LayerShapes.of(spec).X  # the layer input, kept whatever the policy
-    # (bytes, saved cost, kept names); the DP adds one unit at a time and keeps the frontier
     points: list[tuple[int, float, tuple[str, ...]]] = [(base, 0.0, ())]
-    for unit in units:
-        cost = unit_cost(spec, unit, gpu, kind)
-        grown = points + [(b + unit.output_bytes, c + cost, (*k, unit.name)) for b, c, k in points]
+    for group in policy_groups(spec, kind):
+        options = _pareto([(b, -c, k) for b, c, k in _options(spec, group, gpu, kind)])
+        grown = [(b + ob, c + oc, (*k, *ok)) for b, c, k in points for ob, oc, ok in options]
         points = _pareto(grown)
-    order = {unit.name: i for i, unit in enumerate(units)}
+    order = {name: i for i, name in enumerate(UNIT_NAMES)}
     return tuple(
-        PolicyPoint(tuple(sorted(kept, key=order.__getitem__)), size, total - saved)
+        PolicyPoint(tuple(sorted(kept, key=order.__getitem__)), size, -saved)
         for size, saved, kept in points
     )
 
 
 def _pareto(points: list[tuple[int, float, tuple[str, ...]]]):
-    """The points no other has fewer-or-equal bytes and more-or-equal saved cost than."""
+    """The points no other has fewer-or-equal bytes and more-or-equal score (minus the cost)
+    than."""
     points = sorted(points, key=lambda p: (p[0], -p[1], len(p[2])))
     frontier: list[tuple[int, float, tuple[str, ...]]] = []
     for point in points:

@@ -114,8 +114,10 @@ def optimal_mixed_schedule(
 
     Sizes are rounded up to slots of ``ceil(budget / slots)`` bytes (``slots >= budget_bytes``
     is exact); storing every stage as its cheapest-backward variant, the cheapest schedule
-    there is, is returned whenever it fits at exact sizes. Ties: variants in their order, then
-    the smallest ``k`` (a leaf only when strictly cheaper). The result's peak is the replay's.
+    there is, is returned whenever it fits at exact sizes, and storing every stage as one
+    variant, at exact sizes, whenever it fits and is cheaper than the DP's schedule. Ties:
+    variants in their order, then the smallest ``k`` (a leaf only when strictly cheaper). The
+    result's peak is the replay's.
     """
     variants = check_variants(variants)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
@@ -143,6 +145,13 @@ def optimal_mixed_schedule(
         found = (plain, cheapest, sum(f) + sum(backs[v][i] for i, v in enumerate(cheapest)))
     else:
         found = _MixTable(variants, unit, mem).solve()
+        # every stage stored as one variant, at exact sizes: the slots' rounding may miss it
+        for v in range(len(variants)):
+            uniform = (v,) * n
+            if simulate(mixed_chain(variants, uniform), plain).peak_bytes <= budget_bytes:
+                cost = sum(f) + sum(backs[v])
+                if found is None or cost < found[2]:
+                    found = (plain, uniform, cost)
     if found is None:
         return None
     steps, choice, cost = found

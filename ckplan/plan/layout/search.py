@@ -35,7 +35,7 @@ from ckplan.hardware.host_link import host_memory_per_gpu
 from ckplan.hardware.step_time import step_time
 from ckplan.model import allocator
 from ckplan.model.frameworks import joint_offload, offload_strategies
-from ckplan.model.op_policy import check_policy_model
+from ckplan.model.op_policy import POLICY_PREFIX, check_policy_model
 from ckplan.model.spec import ModelSpec, SpecError
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate, in_flight_microbatches
 from ckplan.plan.layout.bounds import Bounds, MemoryBound, TimeBound, layout_keys_cleared
@@ -57,13 +57,16 @@ from ckplan.plan.search import (
     offload_optimal_plan,
     optimal_plan,
 )
-from ckplan.plan.strategies import has_dense_layers, parse_strategy
+from ckplan.plan.strategies import StrategyError, has_dense_layers, parse_strategy
 from ckplan.quoting import shorten
 from ckplan.units import format_bytes_auto
 
 DEFAULT_TOP = 10
 SCREEN_SLOTS = 25  # the fewest memory slots of a screening DP
 MAX_REJECTED = 3  # rejected layouts explained, per kind of reason
+# Frameworks whose layers `plan` tries `sac+mixed` on: the torch export wraps each layer
+# (DeepSpeed's and Megatron-LM's exports refuse a mixed plan)
+MIXED_FRAMEWORKS = ("torchtitan", "hf")
 
 
 @dataclass(frozen=True)
@@ -307,6 +310,7 @@ def search_layouts(
     counts |= {
         "evaluated": run.evaluations,
         "optimal": run.optimal_runs,
+        "mixed": run.mixed_runs,
         "over_memory_evaluated": sum(not e.fits for e in run.evaluated),
     }
     rejected = _rejected(run, over, queue, shown, usable)
@@ -445,7 +449,7 @@ class _Run:
         self.offload = True  # try the framework's offload plans (frameworks.offload_strategies)
         self.evaluated: list[Evaluated] = []
         self.best: dict[tuple, Evaluated] = {}  # fitting, per layout.without_zero()
-        self.evaluations = self.optimal_runs = 0
+        self.evaluations = self.optimal_runs = self.mixed_runs = 0
         self._kth: float | None = None  # kth_time, until `best` changes
 
     def kth_time(self) -> float:
@@ -604,6 +608,40 @@ class _Run:
         plan = optimal_plan(spec, budget, slots, self.gpu)
         return None if plan is None else self._timed(Candidate(plan, self.usable))
 
+    def _mixed(self, spec: ModelSpec, current: str | None = None) -> Candidate | None:
+        """The faster of `sac+mixed` and, where the layout's plan is a per-op policy of its
+        own (`sac:...`, the frontier's best), `POLICY+mixed` (plan.policy_mix: each layer's full
+        tape, the policy's tape or its recomputation) within the activation budget, on the
+        layouts of the frameworks whose layers the torch export wraps one by one
+        (`MIXED_FRAMEWORKS`) where the policy applies; None elsewhere, with a pipeline (the
+        mixed DP plans one micro-batch in flight) or when none fits."""
+        if (
+            spec.framework not in MIXED_FRAMEWORKS
+            or spec.pp > 1
+            or check_policy_model(spec) is not None
+        ):
+            return None
+        names = ["sac+mixed"]
+        if current is not None and current.startswith(POLICY_PREFIX) and "+" not in current:
+            names.append(f"{current}+mixed")
+        found = []
+        for name in names:
+            self.mixed_runs += 1
+            try:
+                plan = evaluate(
+                    spec,
+                    parse_strategy(name, spec),
+                    budget=activation_budget(spec, self.usable),
+                    slots=self.slots,
+                    gpu=self.gpu,
+                )
+            except StrategyError:  # a chain beyond the mixed DP's stages
+                return None
+            if plan is not None:
+                found.append(self._timed(Candidate(plan, self.usable)))
+        fitting = [c for c in found if c.fits]
+        return min(fitting, key=lambda c: c.time.step_seconds, default=None)
+
     def refine(self) -> None:
         """Run the DP, in order of their fit bound (the least time of any plan that fits), on
         the layouts where no layer-level plan fits and on those whose layer-level plan
@@ -623,6 +661,17 @@ class _Run:
             best = self._optimal(e.spec, screen=True)
             if best is None and e.undecided:  # the coarse DP may miss a tight fit
                 best = self._optimal(e.spec)
+            mixed = self._mixed(e.spec, e.candidate.plan.strategy if not e.undecided else None)
+            if (
+                mixed is not None
+                and mixed.fits
+                and (
+                    best is None
+                    or not best.fits
+                    or mixed.time.step_seconds < best.time.step_seconds
+                )
+            ):
+                best = mixed  # kept only where faster than the DP's plan
             candidate, recompute = e.candidate, e.recompute
             if best is not None and best.fits and best.time.step_seconds < current:
                 candidate = best
