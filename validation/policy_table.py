@@ -20,7 +20,8 @@ from ckplan.plan.policy_search import policy_frontier
 from ckplan.plan.strategies import parse_strategy
 from ckplan.render.common import gib
 
-# The layouts of tests/test_op_policy_moe_mla.py (torchtitan's FSDP is ZeRO 3).
+# The usual layouts (torchtitan's FSDP is ZeRO 3); tests/test_op_policy_moe_mla.py checks the
+# best policy against every module set at them.
 LAYOUTS = {
     "llama3-8b": {"dp": 8, "zero": 3},
     "mixtral-8x7b": {"tp": 2, "sp": True, "pp": 4, "microbatches": 16, "ep": 8, "dp": 8,

@@ -135,14 +135,7 @@ _RUN_KEYS = {
     "split",
     "settings",
     "gpu_settings",
-    # fine-tuning and memory runs: recorded, modelled where ckplan has the key
-    "training",
-    "lora",
-    "weight_format",
-    "optimizer",
-    "loss",
-    "offload",
-    "distribute_checkpoints",
+    *TRAINING_KEYS,  # fine-tuning and memory runs: recorded, modelled where ckplan has the key
 }
 
 
