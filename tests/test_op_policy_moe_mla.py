@@ -308,6 +308,7 @@ def test_torch_selective_checkpoint_keeps_the_predicted_bytes(mla, policy_text):
 
 # ---- the best per-op policy beside Megatron-Core's modules --------------------------------------
 
+
 def _usual_layouts():
     """The usual layouts, as validation/policy_table.py prints the docs' table at them."""
     import importlib.util

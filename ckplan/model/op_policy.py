@@ -768,7 +768,6 @@ def compile_unread_bytes(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | No
     return unread
 
 
-
 def recomputed_ops(
     spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None
 ) -> tuple[Op, ...]:
