@@ -57,25 +57,36 @@ NAME = "megatron"
 def offload_reason(recomputes: bool) -> str:
     """Why no Megatron-LM flags write an offload plan.
 
-    Source: NVIDIA/Megatron-LM at core_v0.15.0 (commit 103851dc, the release of
-    tests/megatron_flags.py): megatron/training/arguments.py adds no argument for
-    `TransformerConfig.cpu_offloading` or `cpu_offloading_num_layers` (from core_v0.16.0 the
-    config's argument factory adds `--cpu-offloading-num-layers` and leaves out
-    `cpu_offloading`, `cpu_offloading_activations` and `cpu_offloading_weights`), and
-    megatron/core/transformer/transformer_config.py raises "CPU offloading does not work when
-    activation recomputation is enabled" and refuses pipeline parallelism, at every release
-    through core_v0.19.0.
+    Source: NVIDIA/Megatron-LM at core_v0.19.0 (commit 5be96267, the release of
+    tests/megatron_flags.py). Megatron-LM has two activation offloads, and neither moves what
+    ckplan's offload plans move:
+
+    - `--cpu-offloading-num-layers N` (validate_args in megatron/training/arguments.py sets
+      `cpu_offloading` when N > 0): TransformerBlock (megatron/core/transformer/
+      transformer_block.py) wraps its layers in Transformer Engine's `get_cpu_offload_context(
+      enabled, N, num_layers, ...)`, which offloads the tensors marked `activation_offloading`
+      (the inputs of the tensor-parallel linears, megatron/core/tensor_parallel/layers.py, and
+      of the fused SwiGLU, megatron/core/fusions/fused_bias_swiglu.py) in N of the block's
+      layers; TransformerConfig.__post_init__ (megatron/core/transformer/transformer_config.py)
+      requires N < num_layers and refuses pipeline parallelism and recomputation ("CPU
+      offloading does not work when activation recomputation is enabled"). ckplan's `offload`
+      moves the whole tape of every stage but the last: the embedding's and every layer's.
+    - `--fine-grained-activation-offloading --offload-modules ...` (same file): the inputs of
+      named submodules (attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1,
+      moe_act, fused_group_mlp), not whole tapes nor the inputs a full recomputation keeps.
     """
     if recomputes:
         return (
-            "Megatron-Core refuses CPU offloading beside activation recomputation "
-            "(transformer_config.py: 'CPU offloading does not work when activation recomputation "
-            "is enabled')"
+            "Megatron-LM core_v0.19.0 offloads beside recomputation only the inputs of the "
+            "--offload-modules submodules, not whole tapes or checkpointed layer inputs "
+            "(--cpu-offloading-num-layers refuses recomputation, transformer_config.py: 'CPU "
+            "offloading does not work when activation recomputation is enabled')"
         )
     return (
-        "Megatron-LM core_v0.15.0 has no flag for CPU offloading (set "
-        "TransformerConfig(cpu_offloading=True, cpu_offloading_num_layers=N) in Python, or "
-        "--cpu-offloading-num-layers from core_v0.16.0)"
+        "Megatron-LM core_v0.19.0 offloads the tensors marked for offloading in at most "
+        "num_layers - 1 layers (--cpu-offloading-num-layers, transformer_config.py) or the "
+        "inputs of the --offload-modules submodules, not the whole tape of the embedding and of "
+        "every layer"
     )
 
 
