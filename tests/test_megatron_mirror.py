@@ -1,0 +1,137 @@
+"""tests/megatron_mirror.py: ArgumentGroupFactory's rules (megatron/training/argument_utils.py,
+NVIDIA/Megatron-LM core_v0.19.0) read from a small source tree, and the generated mirror."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import megatron_flags
+import megatron_mirror
+
+CONFIG = """
+import enum
+from dataclasses import dataclass, field
+from typing import List, Literal, Optional
+
+from .base import BaseConfig
+
+
+class Backend(enum.Enum):
+    flash = 1
+    auto = 5
+
+
+@dataclass
+class Config(BaseConfig):
+    num_layers: int = field(default=0, metadata={"argparse_meta": {"default": None}})
+    granularity: Optional[Literal["full", "selective"]] = None
+    modules: Optional[List[str]] = None
+    offload: list[str] = field(default_factory=list)
+    size: int = 1024 * 1024
+    backend: Backend = Backend.auto
+    use_bias: bool = field(default=True, metadata={"argparse_meta": {"arg_names": ["--no-bias"]}})
+    fused: bool = True
+    hidden: int | None = None
+    internal: int = field(default=0, init=False)
+    skipped: int = 3
+"""
+BASE = """
+from dataclasses import dataclass
+
+
+@dataclass
+class BaseConfig:
+    offloading: bool = False
+"""
+ARGUMENTS = """
+def _add_args(parser):
+    from pkg.config import Config
+    exclude = ["skipped"]
+    ArgumentGroupFactory(Config, exclude=exclude).build_group(parser, "config")
+"""
+
+
+def test_factory_rules_on_a_source_tree(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "config.py").write_text(CONFIG)
+    (package / "base.py").write_text(BASE)
+    (package / "arguments.py").write_text(ARGUMENTS)
+    calls = megatron_mirror.all_factory_calls(megatron_mirror.Sources(tmp_path), "pkg.arguments")
+    flags = {tuple(names): keywords for names, keywords in calls}
+    assert flags == {
+        ("--offloading",): {"dest": "offloading", "default": False, "action": "store_true"},
+        ("--num-layers",): {"dest": "num_layers", "default": None, "type": "int"},
+        ("--granularity",): {
+            "dest": "granularity",
+            "default": None,
+            "type": "str",
+            "choices": ("full", "selective"),
+        },
+        ("--modules",): {"dest": "modules", "default": None, "type": "str", "nargs": "+"},
+        ("--offload",): {"dest": "offload", "default": [], "type": "str", "nargs": "+"},
+        ("--size",): {"dest": "size", "default": 1048576, "type": "int"},
+        ("--backend",): {
+            "dest": "backend",
+            "default": "auto",
+            "type": "str",
+            "choices": ["flash", "auto"],
+        },
+        ("--no-bias",): {"dest": "use_bias", "default": True, "action": "store_false"},
+        ("--no-fused", "--disable-fused"): {
+            "dest": "fused",
+            "default": True,
+            "action": "store_false",
+        },
+        ("--hidden",): {"dest": "hidden", "default": None, "type": "int"},
+    }
+
+
+def test_a_union_without_metadata_fails_as_in_megatron(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "base.py").write_text(BASE)
+    (package / "config.py").write_text(
+        "from dataclasses import dataclass\nfrom typing import Union\n\n\n@dataclass\n"
+        "class Config:\n    value: Union[int, str] = 1\n"
+    )
+    (package / "arguments.py").write_text(ARGUMENTS)
+    with pytest.raises(megatron_mirror.FactoryError, match=r"Config\.value"):
+        megatron_mirror.all_factory_calls(megatron_mirror.Sources(tmp_path), "pkg.arguments")
+
+
+def test_the_mirror_has_the_config_flags_of_core_v0_19_0():
+    """Flags that exist at core_v0.19.0 only through the factory parse with their types."""
+    assert megatron_flags.RELEASE == "core_v0.19.0"
+    args = megatron_flags.parser().parse_args(
+        [
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "block",
+            "--recompute-num-layers",
+            "2",
+            "--cpu-offloading-num-layers",
+            "3",
+            "--fine-grained-activation-offloading",
+            "--offload-modules",
+            "core_attn",
+            "attn_proj",
+            "--disable-bias-linear",
+        ]
+    )
+    assert args.recompute_granularity == "full" and args.recompute_num_layers == 2
+    assert args.cpu_offloading_num_layers == 3
+    assert args.fine_grained_activation_offloading
+    assert args.offload_modules == ["core_attn", "attn_proj"]
+    assert args.add_bias_linear is False
+    with pytest.raises(argparse.ArgumentError, match="invalid choice"):
+        megatron_flags.parser().parse_args(["--recompute-granularity", "partial"])
