@@ -135,3 +135,72 @@ def test_the_mirror_has_the_config_flags_of_core_v0_19_0():
     assert args.add_bias_linear is False
     with pytest.raises(argparse.ArgumentError, match="invalid choice"):
         megatron_flags.parser().parse_args(["--recompute-granularity", "partial"])
+
+
+# ---- activation offload at core_v0.19.0 --------------------------------------------------
+
+
+def _exported(model: str, name: str, **overrides) -> str:
+    from ckplan import exports
+    from ckplan.inputs.presets import load_spec
+    from ckplan.plan import evaluate
+    from ckplan.plan.strategies import parse_strategy
+
+    spec = load_spec(model, overrides)
+    return exports.export(evaluate(spec, parse_strategy(name, spec)), "megatron").text
+
+
+def test_cpu_offloading_stops_one_layer_short_of_every_layer():
+    """gpt2 has 12 layers: Megatron-Core offloads at most 11 of them, so ckplan's `offload`
+    (every layer's tape and the embedding's on host) has no flag."""
+    from megatron_args import MegatronArgError, parse, validate
+
+    text = _exported("gpt2", "none")
+    assert validate(parse(text + " --cpu-offloading-num-layers 11", 1)).cpu_offloading
+    with pytest.raises(MegatronArgError, match="only for layers less than 12"):
+        validate(parse(text + " --cpu-offloading-num-layers 12", 1))
+
+
+def test_cpu_offloading_refuses_recomputation_and_pipeline_stages():
+    from megatron_args import MegatronArgError, parse, validate
+
+    with pytest.raises(MegatronArgError, match="activation recomputation is enabled"):
+        validate(parse(_exported("gpt2", "full") + " --cpu-offloading-num-layers 1", 1))
+    with pytest.raises(MegatronArgError, match="activation recomputation is enabled"):
+        validate(parse(_exported("gpt2", "selective") + " --cpu-offloading-num-layers 1", 1))
+    staged = _exported("gpt2", "none", pp=2, microbatches=4)
+    with pytest.raises(MegatronArgError, match="Pipeline parallelism"):
+        validate(parse(staged + " --cpu-offloading-num-layers 1", 8))
+
+
+def test_fine_grained_offloading_takes_submodule_inputs():
+    """--offload-modules names submodules whose inputs go to host, beside recomputation too."""
+    from megatron_args import MegatronArgError, parse, validate
+
+    text = _exported("gpt2", "selective") + " --fine-grained-activation-offloading"
+    args = validate(parse(text + " --offload-modules attn_norm core_attn attn_proj", 1))
+    assert args.offload_modules == ["attn_norm", "core_attn", "attn_proj"]
+    with pytest.raises(MegatronArgError, match="without core_attn"):
+        validate(parse(text + " --offload-modules attn_proj", 1))
+    with pytest.raises(MegatronArgError, match="Invalid choices"):
+        validate(parse(text + " --offload-modules layer", 1))
+
+
+@pytest.mark.parametrize(
+    ("name", "because"),
+    [
+        ("offload", "at most num_layers - 1 layers"),
+        ("selective+offload", "beside recomputation only the inputs of the --offload-modules"),
+        ("full+offload", "beside recomputation only the inputs of the --offload-modules"),
+        ("block:4+offload", "beside recomputation only the inputs of the --offload-modules"),
+    ],
+)
+def test_offload_plans_are_refused_naming_the_release(name, because):
+    from ckplan import exports
+    from ckplan.inputs.presets import load_spec
+    from ckplan.plan import evaluate
+    from ckplan.plan.strategies import parse_strategy
+
+    spec = load_spec("gpt2")
+    why = exports.why_not(evaluate(spec, parse_strategy(name, spec)), "megatron")
+    assert "Megatron-LM core_v0.19.0" in why and because in why
