@@ -204,3 +204,15 @@ def test_offload_plans_are_refused_naming_the_release(name, because):
     spec = load_spec("gpt2")
     why = exports.why_not(evaluate(spec, parse_strategy(name, spec)), "megatron")
     assert "Megatron-LM core_v0.19.0" in why and because in why
+
+
+def test_the_shared_expert_gate_is_a_flag_from_core_v0_16_0():
+    """Qwen2-MoE's sigmoid gate on the shared experts: `--moe-shared-expert-gate` (absent from
+    core_v0.15.0's flags), which the core_v0.19.0 mirror parses into the config field."""
+    from megatron_args import parse, validate
+
+    text = _exported("qwen3-30b-a3b", "full", shared_experts=1, shared_expert_gate=True)
+    args = validate(parse(text, 1))
+    assert args.moe_shared_expert_gate and args.moe_shared_expert_intermediate_size == 768
+    plain = _exported("qwen3-30b-a3b", "full", shared_experts=1)
+    assert not validate(parse(plain, 1)).moe_shared_expert_gate
