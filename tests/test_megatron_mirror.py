@@ -190,9 +190,9 @@ def test_fine_grained_offloading_takes_submodule_inputs():
     ("name", "because"),
     [
         ("offload", "at most num_layers - 1 layers"),
-        ("selective+offload", "beside recomputation only the inputs of the --offload-modules"),
-        ("full+offload", "beside recomputation only the inputs of the --offload-modules"),
-        ("block:4+offload", "beside recomputation only the inputs of the --offload-modules"),
+        ("selective+offload", "refuses CPU offloading beside recomputation"),
+        ("full+offload", "refuses CPU offloading beside recomputation"),
+        ("block:4+offload", "refuses CPU offloading beside recomputation"),
     ],
 )
 def test_offload_plans_are_refused_naming_the_release(name, because):

@@ -83,16 +83,14 @@ def offload_reason(recomputes: bool) -> str:
     """
     if recomputes:
         return (
-            "Megatron-LM core_v0.19.0 offloads beside recomputation only the inputs of the "
-            "--offload-modules submodules, not whole tapes or checkpointed layer inputs "
-            "(--cpu-offloading-num-layers refuses recomputation, transformer_config.py: 'CPU "
-            "offloading does not work when activation recomputation is enabled')"
+            "Megatron-LM core_v0.19.0 refuses CPU offloading beside recomputation "
+            "(transformer_config.py) and --offload-modules moves submodule inputs, not "
+            "checkpointed layer inputs or tapes"
         )
     return (
-        "Megatron-LM core_v0.19.0 offloads the tensors marked for offloading in at most "
-        "num_layers - 1 layers (--cpu-offloading-num-layers, transformer_config.py) or the "
-        "inputs of the --offload-modules submodules, not the whole tape of the embedding and of "
-        "every layer"
+        "Megatron-LM core_v0.19.0 offloads marked tensors of at most num_layers - 1 layers "
+        "(--cpu-offloading-num-layers) or submodule inputs (--offload-modules), not every "
+        "layer's and the embedding's tape"
     )
 
 
