@@ -81,6 +81,8 @@ class FactoryError(ValueError):
 
 _BUILTIN_TYPES = {"int", "float", "str", "bool"}
 _ENUM_BASES = {"Enum", "IntEnum", "StrEnum", "Flag", "IntFlag"}
+# typing names that are no type argparse can call (typing.get_origin gives a generic, or Any)
+_TYPING_SPECIALS = {"Any", "Callable", "ContextManager", "Dict", "List", "Sequence", "Tuple"}
 
 
 class Sources:
@@ -215,6 +217,8 @@ def extract_type(sources: Sources, module: str, node: ast.AST) -> dict[str, obje
     if isinstance(node, ast.Name):
         if node.id in _BUILTIN_TYPES:
             return {"type": node.id}
+        if node.id in _TYPING_SPECIALS:
+            raise FactoryError(f"Unsupported type: {node.id}")
         found = sources.find_class(module, node.id)
         if found and _is_enum(sources, *found):
             return {"type": "str", "choices": _enum_members(found[1])}

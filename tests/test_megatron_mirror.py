@@ -94,14 +94,18 @@ def test_factory_rules_on_a_source_tree(tmp_path):
     }
 
 
-def test_a_union_without_metadata_fails_as_in_megatron(tmp_path):
+@pytest.mark.parametrize(
+    "annotation", ["Union[int, str] = 1", "int | str = 1", "Callable = None", "tuple[int] = ()"]
+)
+def test_a_type_argparse_cannot_take_fails_as_in_megatron(tmp_path, annotation):
+    """_extract_type raises on these, and build_group with it (no argparse_meta to defer to)."""
     package = tmp_path / "pkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "base.py").write_text(BASE)
     (package / "config.py").write_text(
-        "from dataclasses import dataclass\nfrom typing import Union\n\n\n@dataclass\n"
-        "class Config:\n    value: Union[int, str] = 1\n"
+        "from dataclasses import dataclass\nfrom typing import Callable, Union\n\n\n"
+        f"@dataclass\nclass Config:\n    value: {annotation}\n"
     )
     (package / "arguments.py").write_text(ARGUMENTS)
     with pytest.raises(megatron_mirror.FactoryError, match=r"Config\.value"):
