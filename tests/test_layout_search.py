@@ -271,8 +271,8 @@ def test_search_tries_the_offload_plans_its_framework_runs(framework):
 
 
 def test_search_tries_no_offload_plan_for_megatron():
-    """Megatron-LM core_v0.19.0 offloads marked tensors of at most num_layers - 1 layers, not
-    the tapes of ckplan's `offload`: the search weighs recomputation alone (the budget where
+    """Megatron-LM core_v0.19.0 offloads at most num_layers - 1 layers and not the embedding,
+    not the tapes of ckplan's `offload`: the search weighs recomputation alone (the budget where
     the other frameworks' search above offloads)."""
     assert offload_strategies("megatron", 1) == offload_strategies("megatron", 4) == ()
     spec = SMALL.replace(framework="megatron", seq=4096)

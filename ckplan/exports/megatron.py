@@ -70,10 +70,12 @@ def offload_reason(recomputes: bool) -> str:
     - `--cpu-offloading-num-layers N` (validate_args in megatron/training/arguments.py sets
       `cpu_offloading` when N > 0): TransformerBlock (megatron/core/transformer/
       transformer_block.py) wraps its layers in Transformer Engine's `get_cpu_offload_context(
-      enabled, N, num_layers, ...)`, which offloads the tensors marked `activation_offloading`
-      (the inputs of the tensor-parallel linears, megatron/core/tensor_parallel/layers.py, and
-      of the fused SwiGLU, megatron/core/fusions/fused_bias_swiglu.py) in N of the block's
-      layers; TransformerConfig.__post_init__ (megatron/core/transformer/transformer_config.py)
+      enabled, N, num_layers, ...)`, which offloads saved tensors of N of the block's layers
+      (Megatron-Core marks the inputs of its tensor-parallel linears, megatron/core/
+      tensor_parallel/layers.py, and of the fused SwiGLU, megatron/core/fusions/
+      fused_bias_swiglu.py, `activation_offloading` for it; which saved tensors move is
+      Transformer Engine's, by its release); the embedding is outside the block.
+      TransformerConfig.__post_init__ (megatron/core/transformer/transformer_config.py)
       requires N < num_layers and refuses pipeline parallelism and recomputation ("CPU
       offloading does not work when activation recomputation is enabled"). ckplan's `offload`
       moves the whole tape of every stage but the last: the embedding's and every layer's.
@@ -88,8 +90,8 @@ def offload_reason(recomputes: bool) -> str:
             "checkpointed layer inputs or tapes"
         )
     return (
-        "Megatron-LM core_v0.19.0 offloads marked tensors of at most num_layers - 1 layers "
-        "(--cpu-offloading-num-layers) or submodule inputs (--offload-modules), not every "
+        "Megatron-LM core_v0.19.0 offloads at most num_layers - 1 layers, never the embedding "
+        "(--cpu-offloading-num-layers), or submodule inputs (--offload-modules): not every "
         "layer's and the embedding's tape"
     )
 

@@ -96,9 +96,8 @@ def offload_strategies(framework: str, pp: int) -> tuple[str, ...]:
 
     - megatron: none. At NVIDIA/Megatron-LM core_v0.19.0, `--cpu-offloading-num-layers N`
       has Transformer Engine's `get_cpu_offload_context` (megatron/core/transformer/
-      transformer_block.py) offload only the tensors marked `activation_offloading` (the inputs
-      of the tensor-parallel linears, megatron/core/tensor_parallel/layers.py, and of the fused
-      SwiGLU) in N < num_layers layers ("CPU offloading can be done only for layers less than
+      transformer_block.py) offload saved tensors of N < num_layers layers of the transformer
+      block ("CPU offloading can be done only for layers less than
       num_layers", megatron/core/transformer/transformer_config.py), never the embedding's,
       and refuses recomputation and pipeline parallelism; `--offload-modules` moves submodule
       inputs. Neither stores ckplan's `offload` (every tape on host but the last stage's).
@@ -120,8 +119,8 @@ def offload_strategies(framework: str, pp: int) -> tuple[str, ...]:
 def joint_offload(framework: str) -> bool:
     """Whether `ckplan plan` tries the joint keep/offload/recompute DP (`offload+optimal`) for
     `framework`: torchtitan and hf, whose layers take `save_on_cpu` or a checkpoint one by one
-    (ckplan's torch snippet); Megatron-Core offloads marked tensors of at most num_layers - 1
-    layers without recomputation, DeepSpeed the inputs of every checkpointed layer, neither a
+    (ckplan's torch snippet); Megatron-Core offloads at most num_layers - 1 layers
+    without recomputation, DeepSpeed the inputs of every checkpointed layer, neither a
     mix."""
     return framework in ("torchtitan", "hf")
 
