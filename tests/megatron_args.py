@@ -1,10 +1,12 @@
 """Megatron-LM's own argument rules, mirrored for the export tests (not used by ckplan).
 
-The flag definitions are Megatron-LM's own, generated from megatron/training/arguments.py at a
-named release (tests/megatron_flags.py, by tests/megatron_mirror.py); the checks copy
-`validate_args` and `TransformerConfig.__post_init__` (megatron/core/transformer/
-transformer_config.py) at the same release, core_v0.15.0. Parsing uses argparse
-with `allow_abbrev=False` as Megatron does, so an unknown flag fails like it would there.
+The flag definitions are Megatron-LM's own, generated from megatron/training/arguments.py and the
+config dataclasses its ArgumentGroupFactory reads, at a named release (tests/megatron_flags.py, by
+tests/megatron_mirror.py: core_v0.19.0); the checks copy `validate_args` and
+`TransformerConfig.__post_init__` (megatron/core/transformer/transformer_config.py): those of
+pipeline stages, recomputation and recompute modules as core_v0.15.0 states them and as
+core_v0.19.0 still does, and the activation offload checks of core_v0.19.0. Parsing uses
+argparse with `allow_abbrev=False` as Megatron does, so an unknown flag fails like it would there.
 """
 
 import argparse
@@ -30,6 +32,18 @@ RECOMPUTE_MODULES = (
     "mlp",
     "moe",
     "shared_experts",
+    "gdn_norm_out",
+)
+# TransformerConfig.__post_init__, core_v0.19.0: the allowed offload_modules
+OFFLOAD_MODULES = (
+    "core_attn",
+    "attn_proj",
+    "expert_fc1",
+    "fused_group_mlp",
+    "moe_act",
+    "attn_norm",
+    "mlp_norm",
+    "qkv_linear",
 )
 
 
@@ -164,7 +178,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
             all(module in RECOMPUTE_MODULES for module in args.recompute_modules),
             "unknown recompute module",
         )
-        # TransformerConfig.__post_init__ (core_v0.15.0 transformer_config.py)
+        # TransformerConfig.__post_init__ (transformer_config.py, core_v0.15.0 and core_v0.19.0)
         modules = set(args.recompute_modules)
         check(
             "moe_act" not in modules or bool(getattr(args, "moe_grouped_gemm", False)),
@@ -186,4 +200,51 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
             or not getattr(args, "moe_shared_expert_overlap", False),
             "shared_experts recompute cannot work with --moe-shared-expert-overlap.",
         )
+    _validate_offload(args)
     return args
+
+
+def _validate_offload(args: argparse.Namespace) -> None:
+    """The activation offload checks of core_v0.19.0: validate_args sets `cpu_offloading` when
+    --cpu-offloading-num-layers > 0 (megatron/training/arguments.py), then
+    TransformerConfig.__post_init__ (megatron/core/transformer/transformer_config.py)."""
+    args.cpu_offloading = args.cpu_offloading_num_layers > 0
+    if args.cpu_offloading:
+        check(
+            0 <= args.cpu_offloading_num_layers < args.num_layers,
+            f"CPU offloading can be done only for layers less than {args.num_layers}",
+        )
+        check(
+            args.pipeline_model_parallel_size == 1,
+            "Currently there is no support for Pipeline parallelism with CPU offloading",
+        )
+        check(
+            args.recompute_granularity is None,
+            "CPU offloading does not work when activation recomputation is enabled",
+        )
+    if args.fine_grained_activation_offloading:
+        modules = set(args.offload_modules or ())
+        check(
+            not args.cpu_offloading,
+            "fine_grained_activation_offloading cannot be enabled with cpu_offloading.",
+        )
+        check(bool(modules), "fine_grained_activation_offloading needs offload_modules")
+        check(modules <= set(OFFLOAD_MODULES), "Invalid choices for offload_modules")
+        check(
+            "attn_proj" not in modules or "core_attn" in modules,
+            "attn_proj cannot be set to offload_modules alone without core_attn",
+        )
+        if args.recompute_granularity == "selective" and "moe" in (args.recompute_modules or ()):
+            check(
+                not modules & {"moe_act", "expert_fc1", "fused_group_mlp"},
+                "Cannot offload inside a MoE layer while recomputing the entire MoE layer",
+            )
+        if "fused_group_mlp" in modules:
+            check(
+                bool(args.use_transformer_engine_op_fuser),
+                "fused_group_mlp requires use_transformer_engine_op_fuser.",
+            )
+            check(
+                not modules & {"expert_fc1", "moe_act"},
+                "fused_group_mlp cannot be combined with expert_fc1 or moe_act",
+            )

@@ -498,7 +498,7 @@ MEGATRON_MODELS = [
 
 @pytest.mark.parametrize(("name", "layout"), MEGATRON_MODELS, ids=[m for m, _ in MEGATRON_MODELS])
 def test_megatron_flags_describe_the_whole_model(spec_of, name, layout):
-    """Every flag is Megatron-LM's own (core_v0.15.0's parser), validate_args accepts them, and
+    """Every flag is Megatron-LM's own (core_v0.19.0's parser), validate_args accepts them, and
     they read back into the same model, layout and precision."""
     spec = spec_of(name, **layout)
     plan = plan_of(spec, "selective")
@@ -534,7 +534,7 @@ def test_megatron_flags_describe_the_whole_model(spec_of, name, layout):
 
 def test_megatron_recompute_modules_mlp_round_trip(spec_of):
     """selective+mlp is Megatron-Core's --recompute-modules core_attn mlp, accepted by
-    core_v0.15.0's rules and read back; the other targets refuse it with the reason."""
+    core_v0.19.0's rules and read back; the other targets refuse it with the reason."""
     spec = spec_of("llama3-8b", tp=2, sp=True, dp=4)
     plan = plan_of(spec, "selective+mlp")
     text = exports.export(plan, "megatron").text

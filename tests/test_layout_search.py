@@ -246,7 +246,7 @@ def test_shown_layouts_fit_when_re_evaluated():
         assert step_time(plan, GPU).step_seconds == pytest.approx(e.seconds, rel=1e-12)
 
 
-@pytest.mark.parametrize("framework", ["megatron", "deepspeed", "torchtitan"])
+@pytest.mark.parametrize("framework", ["deepspeed", "torchtitan"])
 def test_search_tries_the_offload_plans_its_framework_runs(framework):
     """At a budget where storing everything does not fit, the search weighs the framework's
     offload plans against recomputation on each layout: an offload plan is chosen exactly when
@@ -268,6 +268,17 @@ def test_search_tries_the_offload_plans_its_framework_runs(framework):
             assert not e.recompute.plan.stage_offloads
             assert e.seconds <= e.recompute.time.step_seconds * (1 + 1e-12)
     assert tried or any(e.plan.stage_offloads for e in result.layouts)
+
+
+def test_search_tries_no_offload_plan_for_megatron():
+    """Megatron-LM core_v0.19.0 offloads at most num_layers - 1 layers and not the embedding,
+    not the tapes of ckplan's `offload`: the search weighs recomputation alone (the budget where
+    the other frameworks' search above offloads)."""
+    assert offload_strategies("megatron", 1) == offload_strategies("megatron", 4) == ()
+    spec = SMALL.replace(framework="megatron", seq=4096)
+    result = search_layouts(spec, 4, GPU, 8, 2 * GIB, 0, top=5)
+    assert result.layouts
+    assert all(not e.plan.stage_offloads and e.offload is None for e in result.layouts)
 
 
 def test_nothing_fits_names_the_nearest_layout():

@@ -290,7 +290,7 @@ def test_megatron_flags_read_back():
     ],
 )
 def test_megatron_export_passes_the_mirror_and_reads_back(model, name, expected):
-    """--recompute-modules as Megatron-Core core_v0.15.0's parser, validate_args and
+    """--recompute-modules as Megatron-Core core_v0.19.0's parser, validate_args and
     TransformerConfig's checks accept them (tests/megatron_args.py), read back to the plan."""
     from megatron_args import parse, validate
 

@@ -151,10 +151,12 @@ def test_the_check_command_printed_reproduces_the_fastest(cli):
 
 
 def test_offload_beats_recomputation_where_its_copies_hide(cli):
-    """Llama 3 8B at 16k tokens on RTX 4090s (PCIe Gen4): a layer's tape copies in about the
-    time its forward takes, so storing every tape on host beats recomputing; plan says by how
-    much against the layout's best recomputation, and what the copies expose."""
+    """Llama 3 8B at 16k tokens on RTX 4090s (PCIe Gen4) under torchtitan (`save_on_cpu`
+    around the layers): a layer's tape copies in about the time its forward takes, so tapes on
+    host beat recomputing; plan says by how much against the layout's best recomputation, and
+    what the copies expose. (Megatron-LM tries no offload plan: frameworks.offload_strategies.)"""
     argv = ["plan", "llama3-8b", "--gpus", "16", "--gpu", "rtx-4090", "--seq", "16384"]
+    argv += ["--set", "framework=torchtitan"]
     code, out, err = cli(*argv, "--json", "--top", "2")
     assert code == 0, err
     data = json.loads(out)
@@ -165,19 +167,19 @@ def test_offload_beats_recomputation_where_its_copies_hide(cli):
     assert without["offload"] is None and "offload" not in without["strategy"]
     assert without["time"]["step_seconds"] > best["time"]["step_seconds"]
     offload = best["offload"]
-    assert best["strategy"] == offload["strategy"] == "offload"  # Megatron-Core, pp 1
+    assert best["strategy"] == offload["strategy"] and "offload" in best["strategy"]
     assert offload["recompute_strategy"] is not None
     assert offload["step_seconds"] < offload["recompute_step_seconds"]
     assert offload["step_seconds"] == best["time"]["step_seconds"]
     assert offload["exposed_seconds"] == best["time"]["offload_exposed_seconds"] > 0
-    code, plan, err = cli(
-        "estimate", "llama3-8b", "--gpu", "rtx-4090", "--seq", "16384", "--strategy",
-        "offload", "--json", *[f"--set={arg}" for arg in best["set"]],
-    )  # fmt: skip
-    assert code == 0, err
-    assert json.loads(plan)["time"]["step_seconds"] == pytest.approx(offload["step_seconds"])
     code, out, _ = cli(*argv, "--top", "2")
     line = next(line for line in out.splitlines() if line.startswith("Offload: "))
     assert "less than the best recomputation on this layout" in line
     assert "copies exposed" in line and "beside a layer's forward" in line
     assert "; without offloading the fastest is " in line
+    check = next(x for x in out.splitlines() if x.startswith("Check it: "))
+    command = shlex.split(check.removeprefix("Check it: "))
+    code, plan, err = cli(*command[1:], "--json")
+    assert code == 0, err
+    assert json.loads(plan)["strategy"] == best["strategy"]
+    assert json.loads(plan)["time"]["step_seconds"] == pytest.approx(offload["step_seconds"])

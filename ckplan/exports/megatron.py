@@ -1,7 +1,9 @@
 """Megatron-LM command-line flags for a plan, and the flags read back into a strategy.
 
 The rules, as Megatron-LM states them (megatron/training/arguments.py and
-megatron/core/transformer/transformer_config.py, NVIDIA/Megatron-LM main):
+megatron/core/transformer/transformer_config.py, NVIDIA/Megatron-LM core_v0.19.0, the release of
+tests/megatron_flags.py; from core_v0.16.0 many of these flags are built by ArgumentGroupFactory
+from the TransformerConfig fields, megatron/training/argument_utils.py, under the same names):
 
 - `--recompute-granularity` is `full` or `selective`; `--recompute-method` is `uniform` or
   `block` (argparse choices).
@@ -21,15 +23,17 @@ megatron/core/transformer/transformer_config.py, NVIDIA/Megatron-LM main):
   seq-length a multiple of 2·cp; `--num-layers-per-virtual-pipeline-stage` must divide the layers
   per pipeline stage and needs pp > 1 (pp > 2 with `--no-overlap-p2p-communication`).
 - `--use-distributed-optimizer` shards fp32 master weights and Adam states over data parallel,
-  6 + 12/dp bytes per parameter (docs/source/distrib_optimizer.md): ckplan's `zero: 1`; zero 2
-  and 3 are Megatron-FSDP (`--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads`
-  or `optim_grads_params`). The data-parallel size is world size / (tp·pp·cp): no flag.
+  6 + 12/dp bytes per parameter (docs/user-guide/features/dist_optimizer.md): ckplan's `zero:
+  1`; zero 2 and 3 are Megatron-FSDP (`--use-megatron-fsdp --data-parallel-sharding-strategy
+  optim_grads` or `optim_grads_params`). The data-parallel size is world size / (tp·pp·cp): no flag.
 - The model: `--hidden-size`, `--ffn-hidden-size`, `--num-attention-heads`,
   `--group-query-attention --num-query-groups`, `--kv-channels` (a·d ≠ h), `--normalization`,
   `--swiglu`, `--position-embedding-type`, `--disable-bias-linear`, `--add-qkv-bias`,
   `--qk-layernorm`, `--untie-embeddings-and-output-weights`, dropouts, `--window-size`; MoE
   (`--num-experts`, `--moe-router-topk`, `--moe-ffn-hidden-size`, `--moe-layer-freq` as a
-  pattern such as `[0]*3+[1]*58`, shared experts, expert bias, capacity,
+  pattern such as `[0]*3+[1]*58`, shared experts and their sigmoid gate
+  (`--moe-shared-expert-gate`, from core_v0.16.0: sigmoid(x·w_g) with w_g of shape 1×h scales the
+  shared experts' output, megatron/core/transformer/moe/shared_experts.py), expert bias, capacity,
   `--expert-model-parallel-size`, `--expert-tensor-parallel-size`), MLA
   (`--multi-latent-attention` and its ranks and head dims); uneven stages
   (`--decoder-first/last-pipeline-num-layers`, with `--num-virtual-stages-per-pipeline-rank`
@@ -37,6 +41,8 @@ megatron/core/transformer/transformer_config.py, NVIDIA/Megatron-LM main):
   embedding or loss counted as a layer; `--bf16`/`--fp16`, `--fp8-format hybrid`; the
   attention backend; `--overlap-grad-reduce`/`--overlap-param-gather`, `--tp-comm-overlap`.
   The vocabulary comes from the tokenizer, so it is a note, not a flag.
+- Activation offload is refused (`offload_reason`): `--cpu-offloading-num-layers` and
+  `--offload-modules` move less than ckplan's offload plans do.
 """
 
 from __future__ import annotations
@@ -57,25 +63,36 @@ NAME = "megatron"
 def offload_reason(recomputes: bool) -> str:
     """Why no Megatron-LM flags write an offload plan.
 
-    Source: NVIDIA/Megatron-LM at core_v0.15.0 (commit 103851dc, the release of
-    tests/megatron_flags.py): megatron/training/arguments.py adds no argument for
-    `TransformerConfig.cpu_offloading` or `cpu_offloading_num_layers` (from core_v0.16.0 the
-    config's argument factory adds `--cpu-offloading-num-layers` and leaves out
-    `cpu_offloading`, `cpu_offloading_activations` and `cpu_offloading_weights`), and
-    megatron/core/transformer/transformer_config.py raises "CPU offloading does not work when
-    activation recomputation is enabled" and refuses pipeline parallelism, at every release
-    through core_v0.19.0.
+    Source: NVIDIA/Megatron-LM at core_v0.19.0 (commit 5be96267, the release of
+    tests/megatron_flags.py). Megatron-LM has two activation offloads, and neither moves what
+    ckplan's offload plans move:
+
+    - `--cpu-offloading-num-layers N` (validate_args in megatron/training/arguments.py sets
+      `cpu_offloading` when N > 0): TransformerBlock (megatron/core/transformer/
+      transformer_block.py) wraps its layers in Transformer Engine's `get_cpu_offload_context(
+      enabled, N, num_layers, ...)`, which offloads saved tensors of N of the block's layers
+      (Megatron-Core marks the inputs of its tensor-parallel linears, megatron/core/
+      tensor_parallel/layers.py, and of the fused SwiGLU, megatron/core/fusions/
+      fused_bias_swiglu.py, `activation_offloading` for it; which saved tensors move is
+      Transformer Engine's, by its release); the embedding is outside the block.
+      TransformerConfig.__post_init__ (megatron/core/transformer/transformer_config.py)
+      requires N < num_layers and refuses pipeline parallelism and recomputation ("CPU
+      offloading does not work when activation recomputation is enabled"). ckplan's `offload`
+      moves the whole tape of every stage but the last: the embedding's and every layer's.
+    - `--fine-grained-activation-offloading --offload-modules ...` (same file): the inputs of
+      named submodules (attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1,
+      moe_act, fused_group_mlp), not whole tapes nor the inputs a full recomputation keeps.
     """
     if recomputes:
         return (
-            "Megatron-Core refuses CPU offloading beside activation recomputation "
-            "(transformer_config.py: 'CPU offloading does not work when activation recomputation "
-            "is enabled')"
+            "Megatron-LM core_v0.19.0 refuses CPU offloading beside recomputation "
+            "(transformer_config.py) and --offload-modules moves submodule inputs, not "
+            "checkpointed layer inputs or tapes"
         )
     return (
-        "Megatron-LM core_v0.15.0 has no flag for CPU offloading (set "
-        "TransformerConfig(cpu_offloading=True, cpu_offloading_num_layers=N) in Python, or "
-        "--cpu-offloading-num-layers from core_v0.16.0)"
+        "Megatron-LM core_v0.19.0 offloads at most num_layers - 1 layers, never the embedding "
+        "(--cpu-offloading-num-layers), or submodule inputs (--offload-modules): not every "
+        "layer's and the embedding's tape"
     )
 
 
@@ -108,7 +125,7 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
     if discarding and spec.precision == "fp8":
         return (
             f"{discarding[0]} with FP8: Megatron-Core refuses it under delayed scaling, the "
-            "recipe the export leaves as Megatron's default (transformer_config.py core_v0.15.0)"
+            "recipe the export leaves as Megatron's default (transformer_config.py core_v0.19.0)"
         )
     if (layers.moe or layers.mlp or layers.extra) and layers.recomputed:
         return (
@@ -154,15 +171,13 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
 
 
 def _architecture_reason(spec: ModelSpec) -> str | None:
-    """What of the model's architecture no Megatron-LM flag (core_v0.15.0) expresses."""
+    """What of the model's architecture no Megatron-LM flag (core_v0.19.0) expresses."""
     if spec.mlp == "geglu":
         return "mlp geglu: Megatron-LM's gated MLP is SwiGLU (--swiglu); it has no GeGLU flag"
     if spec.post_norms:
         return "post_norms: Megatron-LM's GPT layer has no norms after attention and the MLP"
     if spec.parallel_residual:
         return "parallel_residual: Megatron-LM's GPT layer runs attention and the MLP in sequence"
-    if spec.shared_expert_gate:
-        return "shared_expert_gate: Megatron-LM's shared experts have no gate flag"
     if spec.sliding_window and spec.sliding_window_layers != "all":
         return (
             "sliding windows on some layers: --window-size applies to every layer (its "
@@ -318,6 +333,8 @@ def _moe_flags(spec: ModelSpec) -> list[list[str]]:
     ]
     if spec.shared_experts:
         out.append(["--moe-shared-expert-intermediate-size", str(spec.shared_ffn_hidden)])
+        if spec.shared_expert_gate:
+            out.append(["--moe-shared-expert-gate"])
     if spec.expert_bias:
         out.append(["--moe-router-enable-expert-bias"])
     if spec.capacity_factor:

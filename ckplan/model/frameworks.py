@@ -94,12 +94,13 @@ def offload_strategies(framework: str, pp: int) -> tuple[str, ...]:
     """The activation-offload strategies (ckplan.plan.offload) `framework` runs at pipeline
     size `pp`, as `ckplan plan` tries them.
 
-    - megatron: `offload` without pipeline parallelism. Megatron-Core's
-      `TransformerConfig.cpu_offloading` moves the activations of `cpu_offloading_num_layers`
-      layers to host, and refuses recomputation and pipeline parallelism ("CPU offloading does
-      not work when activation recomputation is enabled", "Currently there is no support for
-      Pipeline parallelism with CPU offloading": NVIDIA/Megatron-LM,
-      megatron/core/transformer/transformer_config.py, core_v0.15.0 through core_v0.19.0).
+    - megatron: none. At NVIDIA/Megatron-LM core_v0.19.0, `--cpu-offloading-num-layers N`
+      has Transformer Engine's `get_cpu_offload_context` (megatron/core/transformer/
+      transformer_block.py) offload saved tensors of N < num_layers layers of the transformer
+      block ("CPU offloading can be done only for layers less than
+      num_layers", megatron/core/transformer/transformer_config.py), never the embedding's,
+      and refuses recomputation and pipeline parallelism; `--offload-modules` moves submodule
+      inputs. Neither stores ckplan's `offload` (every tape on host but the last stage's).
     - deepspeed: `full+offload`. `activation_checkpointing.cpu_checkpointing` moves the inputs
       of the checkpointed layers to host (deepspeedai/DeepSpeed,
       deepspeed/runtime/activation_checkpointing/checkpointing.py, v0.19.8: asynchronous on a
@@ -109,7 +110,7 @@ def offload_strategies(framework: str, pp: int) -> tuple[str, ...]:
       same hooks as torchtune's `enable_activation_offloading`).
     """
     if framework == "megatron":
-        return ("offload",) if pp == 1 else ()
+        return ()
     if framework == "deepspeed":
         return ("full+offload",)
     return ("offload", "selective+offload", "full+offload")
@@ -118,8 +119,9 @@ def offload_strategies(framework: str, pp: int) -> tuple[str, ...]:
 def joint_offload(framework: str) -> bool:
     """Whether `ckplan plan` tries the joint keep/offload/recompute DP (`offload+optimal`) for
     `framework`: torchtitan and hf, whose layers take `save_on_cpu` or a checkpoint one by one
-    (ckplan's torch snippet); Megatron-Core offloads the first `cpu_offloading_num_layers`
-    without recomputation, DeepSpeed the inputs of every checkpointed layer, neither a mix."""
+    (ckplan's torch snippet); Megatron-Core offloads at most num_layers - 1 layers
+    without recomputation, DeepSpeed the inputs of every checkpointed layer, neither a
+    mix."""
     return framework in ("torchtitan", "hf")
 
 
