@@ -1,0 +1,165 @@
+"""torchtitan 0.3.0's own Llama 3 block under its own `SelectiveAC` (torchtitan/distributed/
+activation_checkpoint.py and torchtitan/models/llama3/__init__.py in the wheel
+torchtitan-0.3.0-py3-none-any.whl), run on the CPU: the bytes the selective checkpoint keeps,
+against ckplan's per-op policies, and the gradients of the block without checkpointing.
+
+0.3.0 builds every Llama 3 flavour with `fuse_qkv=True` (`_build_llama3_layers`): one `wqkv`
+GEMM (`FusedQKVLinear`, torchtitan/models/common/attention.py) instead of 0.2.2's wq, wk, wv.
+The every-second-mm rule then counts wqkv, wo, w1, w3, w2 and keeps wqkv (Q, K and V in one
+storage), w1 and w2: ckplan's `sac` (0.2.2's wq, wk, wv, wo, w1, w3, w2: keeps Q and V) plus the
+K projection. The language models' attention is FlexAttention, compiled, whose backward has no
+CPU kernel ("FlexAttention does not support backward on CPU", torch 2.13), so the block runs
+torchtitan's own `ScaledDotProductAttention` here: on the CPU that is
+`aten._scaled_dot_product_flash_attention_for_cpu`, which SelectiveAC does not save, so the
+measured tape is the matmul rule's alone, compared with ckplan's policy without `attention`.
+"""
+
+from needs_frameworks import framework_or_skip
+from needs_torch import torch_or_skip
+
+from ckplan.model.op import LayerShapes
+from ckplan.model.op_policy import parse_policy, policy_tape_bytes
+from ckplan.model.spec import spec_from_mapping
+
+SMALL = {
+    "name": "small",
+    "layers": 1,
+    "hidden": 64,
+    "heads": 4,
+    "kv_heads": 2,
+    "ffn_hidden": 96,
+    "seq": 16,
+    "micro_batch": 2,
+    "vocab": 0,
+    "dtype_bytes": 4,
+    "norm": "rmsnorm",
+    "mlp": "swiglu",
+    "attention": "flash",
+    "positions": "rope",
+    "dropout": 0,
+    "framework": "torchtitan",
+}
+# torchtitan 0.3.0's mm rule on its fused-QKV Llama 3 block, attention not saved (CPU SDPA)
+FUSED_QKV_MATMULS = "sac:matmuls%2,k_proj"
+# torchtitan 0.2.2's mm rule (ckplan's `sac` without the attention kernel and collectives)
+SEPARATE_QKV_MATMULS = "sac:matmuls%2"
+
+
+def _block(torch, spec):
+    """torchtitan 0.3.0's Llama 3 block for `spec`, its inner attention torchtitan's SDPA."""
+    framework_or_skip("torchtitan", "torchtitan 0.3.0's SelectiveAC not measured")
+    from torchtitan.models.common import ComplexRoPE
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import _build_llama3_layers
+
+    (config,) = _build_llama3_layers(
+        n_layers=1,
+        dim=spec.hidden,
+        n_heads=spec.heads,
+        n_kv_heads=spec.kv_heads,
+        hidden_dim=spec.ffn_hidden,
+        rope=ComplexRoPE.Config(
+            dim=spec.hidden // spec.heads, max_seq_len=spec.seq, theta=500000, scaling="none"
+        ),
+        attn_backend="flex",
+    )
+    config.attention.inner_attention = ScaledDotProductAttention.Config()
+    torch.manual_seed(0)
+    block = config.build()
+    for parameter in block.parameters():
+        torch.nn.init.normal_(parameter, std=0.05)
+    return block
+
+
+def _checkpointed(torch, block, policy_class, monkeypatch):
+    """`block` wrapped by torchtitan's `policy_class` (its `apply`, as parallelize_llama calls
+    it), and the selective-checkpoint caching modes it creates, in order."""
+    import torchtitan.distributed.activation_checkpoint as ac
+
+    modes = []
+    create = ac.create_selective_checkpoint_contexts
+
+    def recording(policy_fn, *args, **kwargs):
+        pair = create(policy_fn, *args, **kwargs)
+        modes.append(pair[0])
+        return pair
+
+    monkeypatch.setattr(ac, "create_selective_checkpoint_contexts", recording)
+
+    class Model(torch.nn.Module):  # what `apply` reads: the blocks under `layers`
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleDict({"0": block})
+
+    model = Model()
+    policy_class(policy_class.Config()).apply(model)
+    return model.layers["0"], modes
+
+
+def _cached_bytes(torch, mode) -> int:
+    """Bytes of the distinct storages a selective checkpoint's cache holds."""
+    storages = {}
+    for entries in mode.storage.values():
+        for wrapped in entries.values():
+            for value in wrapped if isinstance(wrapped, tuple) else (wrapped,):
+                tensor = getattr(value, "val", None)
+                if isinstance(tensor, torch.Tensor):
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _assert_plain_gradients(torch, block, wrapped, x, out):
+    out.sum().backward()
+    got = [p.grad.clone() for p in wrapped.parameters()] + [x.grad.clone()]
+    plain_x = x.detach().clone().requires_grad_(True)
+    block.zero_grad()
+    block(plain_x, None, None).sum().backward()
+    want = [p.grad for p in block.parameters()] + [plain_x.grad]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_selective_ac_keeps_the_fused_qkv_output_w1_and_w2(monkeypatch):
+    torch = torch_or_skip()
+    spec = spec_from_mapping(SMALL)
+    block = _block(torch, spec)
+    import copy
+
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    wrapped, modes = _checkpointed(torch, copy.deepcopy(block), SelectiveAC, monkeypatch)
+    x = torch.randn(spec.micro_batch, spec.seq, spec.hidden, requires_grad=True)
+    out = wrapped(x, None, None)
+    (mode,) = modes
+    measured = x.numel() * x.element_size() + _cached_bytes(torch, mode)
+    # x 32·64·4, wqkv 32·(64+32+32)·4, w1 32·96·4, w2 32·64·4
+    assert measured == policy_tape_bytes(spec, parse_policy(FUSED_QKV_MATMULS)) == 45_056
+    # 0.2.2's rule (wq, wv, w1, w2) keeps 4096 bytes less: K's 32·32·4
+    assert measured - policy_tape_bytes(spec, parse_policy(SEPARATE_QKV_MATMULS)) == 4096
+    _assert_plain_gradients(torch, block, wrapped, x, out)
+
+
+def test_full_ac_keeps_the_input_and_gives_the_plain_gradients(monkeypatch):
+    torch = torch_or_skip()
+    spec = spec_from_mapping(SMALL)
+    block = _block(torch, spec)
+    import copy
+
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    wrapped, modes = _checkpointed(torch, copy.deepcopy(block), FullAC, monkeypatch)
+    x = torch.randn(spec.micro_batch, spec.seq, spec.hidden, requires_grad=True)
+    packed = []
+
+    def pack(tensor):
+        packed.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = wrapped(x, None, None)
+    # checkpoint_wrapper (non-reentrant) saves the block's input and nothing else, and creates
+    # no selective cache: ckplan's `full` layer holds the residual stream X
+    assert modes == [] and [t.untyped_storage().data_ptr() for t in packed] == [x.data_ptr()]
+    assert packed[0].untyped_storage().nbytes() == LayerShapes.of(spec).X == 8192
+    _assert_plain_gradients(torch, block, wrapped, x, out)
