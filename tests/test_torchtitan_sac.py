@@ -7,16 +7,15 @@ against ckplan's per-op policies, and the gradients of the block without checkpo
 GEMM (`FusedQKVLinear`, torchtitan/models/common/attention.py) instead of 0.2.2's wq, wk, wv.
 The every-second-mm rule then counts wqkv, wo, w1, w3, w2 and keeps wqkv (Q, K and V in one
 storage), w1 and w2: ckplan's `sac` (0.2.2's wq, wk, wv, wo, w1, w3, w2: keeps Q and V) plus the
-K projection. The language models' attention is FlexAttention, compiled, whose backward has no
-CPU kernel ("FlexAttention does not support backward on CPU", torch 2.13), so the block runs
-torchtitan's own `ScaledDotProductAttention` here: on the CPU that is
-`aten._scaled_dot_product_flash_attention_for_cpu`, which SelectiveAC does not save, so the
-measured tape is the matmul rule's alone, compared with ckplan's policy without `attention`.
+K projection. The language models attend with FlexAttention, compiled, which has no CPU
+backward ("FlexAttention does not support backward on CPU", torch 2.13; inductor's CPU lowering
+fails on its training graph). The first test runs torchtitan's own `ScaledDotProductAttention`
+in its place: on the CPU that is `aten._scaled_dot_product_flash_attention_for_cpu`, which
+SelectiveAC does not save, so the measured tape is the matmul rule's alone, compared with
+ckplan's policy without `attention`.
 
-FlexAttention itself runs where the CPU lacks its compiled training kernels ("FlexAttention does
-not support backward on CPU"; inductor's CPU lowering fails on the training graph): torch.compile
-with AOTAutograd's min-cut partition (the partition inductor uses,
-torch/_functorch/partitioners.py), its forward graph run eagerly inside the
+The second runs FlexAttention, compiled with AOTAutograd's min-cut partition (the partition
+inductor uses, torch/_functorch/partitioners.py), its forward graph run eagerly inside the
 `inductor_compiled_code` operator as inductor wraps compiled code under a dispatch mode when
 `wrap_inductor_compiled_regions` is set (torch/_inductor/output_code.py, `post_compile`), which
 FlexAttention's `inductor_configs` set. The forward graph returns the attention output, its
@@ -24,6 +23,7 @@ logsumexp and the inputs its backward reads, the rotated Q and K and V (a contig
 of wqkv's output); SelectiveAC saves all of them.
 """
 
+import pytest
 from needs_frameworks import framework_or_skip
 from needs_torch import torch_or_skip
 
@@ -152,7 +152,7 @@ def test_selective_ac_keeps_the_fused_qkv_output_w1_and_w2(monkeypatch):
     _assert_plain_gradients(torch, block, wrapped, x, out)
 
 
-def _flex_block(torch, spec, monkeypatch):
+def _flex_block(torch, spec, monkeypatch, dtype):
     """torchtitan 0.3.0's Llama 3 block with its FlexAttention, compiled as described above,
     and the block mask and positions of `spec`'s micro-batch (one document per sequence)."""
     framework_or_skip("torchtitan", "torchtitan 0.3.0's SelectiveAC not measured")
@@ -212,20 +212,26 @@ def _flex_block(torch, spec, monkeypatch):
     model = config.build()
     for parameter in model.parameters():
         torch.nn.init.normal_(parameter, std=0.05)
+    model = model.to(dtype)
     positions = torch.arange(spec.seq).repeat(spec.micro_batch, 1)
     return model.layers["0"], model.get_attention_masks(positions), positions
 
 
-def test_selective_ac_saves_flex_attention_with_its_inputs(monkeypatch):
+@pytest.mark.parametrize(
+    ("dtype", "size", "hand", "more"),
+    [("float32", 4, 70_144, 20_480), ("bfloat16", 2, 35_328, 10_240)],
+)
+def test_selective_ac_saves_flex_attention_with_its_inputs(monkeypatch, dtype, size, hand, more):
     torch = torch_or_skip()
-    spec = spec_from_mapping(SMALL)
-    block, masks, positions = _flex_block(torch, spec, monkeypatch)
+    spec = spec_from_mapping({**SMALL, "dtype_bytes": size})
+    block, masks, positions = _flex_block(torch, spec, monkeypatch, getattr(torch, dtype))
     import copy
 
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
     wrapped, modes = _checkpointed(torch, copy.deepcopy(block), SelectiveAC, monkeypatch)
-    x = torch.randn(spec.micro_batch, spec.seq, spec.hidden, requires_grad=True)
+    x = torch.randn(spec.micro_batch, spec.seq, spec.hidden, dtype=getattr(torch, dtype))
+    x.requires_grad_(True)
     out = wrapped(x, masks, positions)
     (mode,) = modes
     # the block mask's tensors and the document ends its mask function captured are the
@@ -236,13 +242,14 @@ def test_selective_ac_saves_flex_attention_with_its_inputs(monkeypatch):
     kept = _cached_bytes(torch, mode, leave_out=shared)
     measured = x.numel() * x.element_size() + kept
     # ckplan's units: wqkv (q, k, v), the rotated Q and K (`rope`), the attention output and
-    # its fp32 logsumexp, w1, w2, and V's copy, which no ckplan unit names (32·32·4)
+    # its fp32 logsumexp, w1, w2, and V's copy, which no ckplan unit names (32·32·size)
     head_dim = spec.hidden // spec.heads
     v_copy = spec.dtype_bytes * spec.micro_batch * spec.seq * spec.kv_heads * head_dim
     modelled = policy_tape_bytes(spec, parse_policy(FUSED_QKV_MATMULS + ",rope,attention"))
-    assert measured == modelled + v_copy == 70_144
-    # ckplan's sac (0.2.2's op SAC: wq, wv, attention, w1, w2) keeps 20,480 bytes less
-    assert measured - policy_tape_bytes(spec, parse_policy("sac")) == 20_480
+    assert measured == modelled + v_copy == hand
+    # ckplan's sac (0.2.2's op SAC: wq, wv, attention, w1, w2) keeps less: K, the rotated Q
+    # and K, V's copy (32·(32 + 64 + 32 + 32)·size)
+    assert measured - policy_tape_bytes(spec, parse_policy("sac")) == more
     _assert_plain_gradients(torch, block, wrapped, x, out, masks, positions)
     torch._dynamo.reset()
 
