@@ -283,8 +283,9 @@ def strategy_from_toml(text: str) -> str:
 
 
 def strategy_from_arguments(text: str) -> str:
-    """The ckplan strategy that torchtitan 0.3.0's arguments select: none, full or sac; the
-    default subcommand (none given) is SelectiveAC, sac."""
+    """The ckplan strategy nearest what torchtitan 0.3.0's arguments select: none, full or sac;
+    the default subcommand (none given) is SelectiveAC, read as sac, which keeps less than
+    0.3.0's SelectiveAC (`_sac_reason_03`)."""
     chosen = [word for word in text.split() if word.startswith(SUBCOMMAND)]
     name = chosen[-1].removeprefix(SUBCOMMAND) if chosen else "selective"
     strategies = {"none": "none", "full": "full", "selective": "sac"}
