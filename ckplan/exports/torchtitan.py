@@ -22,10 +22,12 @@ wrap every block alike: no every-N-th-block option. `SelectiveAC` saves, besides
 (every second one, the router gate's shape excluded as in 0.2.2), SDPA, `aten.max` and
 reduce-scatters, every op of PyTorch's `compute_intensive_ops` (torch 2.13: also `aten.addmm`,
 `aten.bmm` and `aten._scaled_mm`) outside the every-second rule, `aten.topk` and
-`all_to_all_single`: on a dense block without linear biases in bf16 it keeps what 0.2.2's op
-SAC keeps (ckplan's `sac`); with biases (`addmm`), torchao float8 (`_scaled_mm`) or MoE routing
-(`topk`) it keeps more, which ckplan's `sac` does not model. Float8 is a converter in the
-config function's model spec, not an option of the command line.
+`all_to_all_single`; with biases (`addmm`), torchao float8 (`_scaled_mm`) or MoE routing
+(`topk`) it keeps more than ckplan's `sac` (0.2.2's op SAC) models, and on a dense block without
+biases too: 0.3.0's Llama 3 fuses wqkv (Q, K and V kept where 0.2.2 keeps Q and V) and saves
+compiled FlexAttention's region with its inputs (`_sac_reason_03`), so the export refuses `sac`
+for 0.3 and writes it for 0.2.x. Float8 is a converter in the config function's model spec, not
+an option of the command line.
 """
 
 from __future__ import annotations
@@ -109,8 +111,24 @@ def _layout_reason_03(spec: ModelSpec) -> str | None:
     return None
 
 
-def _sac_reason_03(spec: ModelSpec) -> str | None:
-    """Why torchtitan 0.3.0's SelectiveAC keeps other outputs than ckplan's `sac`, or None."""
+def _sac_reason_03(spec: ModelSpec) -> str:
+    """Why torchtitan 0.3.0's SelectiveAC keeps other outputs than ckplan's `sac` (0.2.2's op
+    SAC), the most specific reason first.
+
+    Every Llama 3 flavour of 0.3.0 is built with `fuse_qkv=True` (torchtitan/models/llama3/
+    __init__.py, `_build_llama3_layers`): one `wqkv` GEMM (`FusedQKVLinear`, torchtitan/models/
+    common/attention.py), so the every-second-mm rule counts wqkv, wo, w1, w3, w2 and keeps
+    wqkv's output (Q, K and V), w1's and w2's (measured: tests/test_torchtitan_sac.py). Its
+    language models attend with FlexAttention or varlen attention, never SDPA
+    (models/common/config_utils.py, `get_attention_config`); FlexAttention runs compiled with
+    `wrap_inductor_compiled_regions` (attention.py, `FlexAttention.inductor_configs`), so the
+    selective checkpoint sees one `inductor_compiled_code` op, which SelectiveAC saves, and
+    caches every output of the compiled forward: the attention output, its logsumexp and, as
+    the backward reads them, its inputs, the rotated Q and K and V's contiguous copy. On a
+    small block (tests/test_torchtitan_sac.py: FlexAttention has no CPU backward, so it runs
+    AOTAutograd's min-cut partition inside `inductor_compiled_code`, as inductor wraps it) that
+    is ckplan's `sac:matmuls%2,k_proj,rope,attention` plus V's copy, 70,144 bytes where `sac`
+    keeps 49,664."""
     if spec.bias or spec.qkv_bias:
         return (
             "the policy sac with linear biases: torchtitan 0.3.0's SelectiveAC saves every "
@@ -126,7 +144,11 @@ def _sac_reason_03(spec: ModelSpec) -> str | None:
             "the policy sac on MoE layers: torchtitan 0.3.0's SelectiveAC also saves the "
             "routing's aten.topk (--torchtitan-version 0.2)"
         )
-    return None
+    return (
+        "the policy sac: torchtitan 0.3.0's Llama 3 runs one fused wqkv GEMM, so SelectiveAC "
+        "keeps K's projection too, and saves compiled FlexAttention's whole region, whose "
+        "outputs include the rotated Q and K and a copy of V (--torchtitan-version 0.2)"
+    )
 
 
 def _option(layers: LayerSegments) -> str | None:
@@ -261,8 +283,9 @@ def strategy_from_toml(text: str) -> str:
 
 
 def strategy_from_arguments(text: str) -> str:
-    """The ckplan strategy that torchtitan 0.3.0's arguments select: none, full or sac; the
-    default subcommand (none given) is SelectiveAC, sac."""
+    """The ckplan strategy nearest what torchtitan 0.3.0's arguments select: none, full or sac;
+    the default subcommand (none given) is SelectiveAC, read as sac, which keeps less than
+    0.3.0's SelectiveAC (`_sac_reason_03`)."""
     chosen = [word for word in text.split() if word.startswith(SUBCOMMAND)]
     name = chosen[-1].removeprefix(SUBCOMMAND) if chosen else "selective"
     strategies = {"none": "none", "full": "full", "selective": "sac"}

@@ -1,0 +1,293 @@
+"""torchtitan 0.3.0's own Llama 3 block under its own `SelectiveAC` (torchtitan/distributed/
+activation_checkpoint.py and torchtitan/models/llama3/__init__.py in the wheel
+torchtitan-0.3.0-py3-none-any.whl), run on the CPU: the bytes the selective checkpoint keeps,
+against ckplan's per-op policies, and the gradients of the block without checkpointing.
+
+0.3.0 builds every Llama 3 flavour with `fuse_qkv=True` (`_build_llama3_layers`): one `wqkv`
+GEMM (`FusedQKVLinear`, torchtitan/models/common/attention.py) instead of 0.2.2's wq, wk, wv.
+The every-second-mm rule then counts wqkv, wo, w1, w3, w2 and keeps wqkv (Q, K and V in one
+storage), w1 and w2: ckplan's `sac` (0.2.2's wq, wk, wv, wo, w1, w3, w2: keeps Q and V) plus the
+K projection. The language models attend with FlexAttention, compiled, which has no CPU
+backward ("FlexAttention does not support backward on CPU", torch 2.13; inductor's CPU lowering
+fails on its training graph). The first test runs torchtitan's own `ScaledDotProductAttention`
+in its place: on the CPU that is `aten._scaled_dot_product_flash_attention_for_cpu`, which
+SelectiveAC does not save, so the measured tape is the matmul rule's alone, compared with
+ckplan's policy without `attention`.
+
+The second runs FlexAttention, compiled with AOTAutograd's min-cut partition (the partition
+inductor uses, torch/_functorch/partitioners.py), its forward graph run eagerly inside the
+`inductor_compiled_code` operator as inductor wraps compiled code under a dispatch mode when
+`wrap_inductor_compiled_regions` is set (torch/_inductor/output_code.py, `post_compile`), which
+FlexAttention's `inductor_configs` set. The forward graph returns the attention output, its
+logsumexp and the inputs its backward reads, the rotated Q and K and V (a contiguous copy out
+of wqkv's output); SelectiveAC saves all of them.
+"""
+
+import pytest
+from needs_frameworks import framework_or_skip
+from needs_torch import torch_or_skip
+
+from ckplan.model.op import LayerShapes
+from ckplan.model.op_policy import parse_policy, policy_tape_bytes
+from ckplan.model.spec import spec_from_mapping
+
+SMALL = {
+    "name": "small",
+    "layers": 1,
+    "hidden": 64,
+    "heads": 4,
+    "kv_heads": 2,
+    "ffn_hidden": 96,
+    "seq": 16,
+    "micro_batch": 2,
+    "vocab": 0,
+    "dtype_bytes": 4,
+    "norm": "rmsnorm",
+    "mlp": "swiglu",
+    "attention": "flash",
+    "positions": "rope",
+    "dropout": 0,
+    "framework": "torchtitan",
+}
+# torchtitan 0.3.0's mm rule on its fused-QKV Llama 3 block, attention not saved (CPU SDPA)
+FUSED_QKV_MATMULS = "sac:matmuls%2,k_proj"
+# torchtitan 0.2.2's mm rule (ckplan's `sac` without the attention kernel and collectives)
+SEPARATE_QKV_MATMULS = "sac:matmuls%2"
+
+
+def _block(torch, spec):
+    """torchtitan 0.3.0's Llama 3 block for `spec`, its inner attention torchtitan's SDPA."""
+    framework_or_skip("torchtitan", "torchtitan 0.3.0's SelectiveAC not measured")
+    from torchtitan.models.common import ComplexRoPE
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import _build_llama3_layers
+
+    (config,) = _build_llama3_layers(
+        n_layers=1,
+        dim=spec.hidden,
+        n_heads=spec.heads,
+        n_kv_heads=spec.kv_heads,
+        hidden_dim=spec.ffn_hidden,
+        rope=ComplexRoPE.Config(
+            dim=spec.hidden // spec.heads, max_seq_len=spec.seq, theta=500000, scaling="none"
+        ),
+        attn_backend="flex",
+    )
+    config.attention.inner_attention = ScaledDotProductAttention.Config()
+    torch.manual_seed(0)
+    block = config.build()
+    for parameter in block.parameters():
+        torch.nn.init.normal_(parameter, std=0.05)
+    return block
+
+
+def _checkpointed(torch, block, policy_class, monkeypatch):
+    """`block` wrapped by torchtitan's `policy_class` (its `apply`, as parallelize_llama calls
+    it), and the selective-checkpoint caching modes it creates, in order."""
+    import torchtitan.distributed.activation_checkpoint as ac
+
+    modes = []
+    create = ac.create_selective_checkpoint_contexts
+
+    def recording(policy_fn, *args, **kwargs):
+        pair = create(policy_fn, *args, **kwargs)
+        modes.append(pair[0])
+        return pair
+
+    monkeypatch.setattr(ac, "create_selective_checkpoint_contexts", recording)
+
+    class Model(torch.nn.Module):  # what `apply` reads: the blocks under `layers`
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleDict({"0": block})
+
+    model = Model()
+    policy_class(policy_class.Config()).apply(model)
+    return model.layers["0"], modes
+
+
+def _cached_bytes(torch, mode, leave_out=frozenset()) -> int:
+    """Bytes of the distinct storages a selective checkpoint's cache holds, but those whose
+    data pointers are in `leave_out`."""
+    storages = {}
+    for entries in mode.storage.values():
+        for wrapped in entries.values():
+            for value in wrapped if isinstance(wrapped, tuple) else (wrapped,):
+                tensor = getattr(value, "val", None)
+                if isinstance(tensor, torch.Tensor):
+                    storage = tensor.untyped_storage()
+                    if storage.data_ptr() not in leave_out:
+                        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _assert_plain_gradients(torch, block, wrapped, x, out, masks=None, positions=None):
+    out.sum().backward()
+    got = [p.grad.clone() for p in wrapped.parameters()] + [x.grad.clone()]
+    plain_x = x.detach().clone().requires_grad_(True)
+    block.zero_grad()
+    block(plain_x, masks, positions).sum().backward()
+    want = [p.grad for p in block.parameters()] + [plain_x.grad]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_selective_ac_keeps_the_fused_qkv_output_w1_and_w2(monkeypatch):
+    torch = torch_or_skip()
+    spec = spec_from_mapping(SMALL)
+    block = _block(torch, spec)
+    import copy
+
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    wrapped, modes = _checkpointed(torch, copy.deepcopy(block), SelectiveAC, monkeypatch)
+    x = torch.randn(spec.micro_batch, spec.seq, spec.hidden, requires_grad=True)
+    out = wrapped(x, None, None)
+    (mode,) = modes
+    measured = x.numel() * x.element_size() + _cached_bytes(torch, mode)
+    # x 32·64·4, wqkv 32·(64+32+32)·4, w1 32·96·4, w2 32·64·4
+    assert measured == policy_tape_bytes(spec, parse_policy(FUSED_QKV_MATMULS)) == 45_056
+    # 0.2.2's rule (wq, wv, w1, w2) keeps 4096 bytes less: K's 32·32·4
+    assert measured - policy_tape_bytes(spec, parse_policy(SEPARATE_QKV_MATMULS)) == 4096
+    _assert_plain_gradients(torch, block, wrapped, x, out)
+
+
+def _flex_block(torch, spec, monkeypatch, dtype):
+    """torchtitan 0.3.0's Llama 3 block with its FlexAttention, compiled as described above,
+    and the block mask and positions of `spec`'s micro-batch (one document per sequence)."""
+    framework_or_skip("torchtitan", "torchtitan 0.3.0's SelectiveAC not measured")
+    import torch.nn.attention.flex_attention as flex
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._higher_order_ops.wrap import InductorCompiledCallable, inductor_compiled_code
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import FlexAttention
+    from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
+
+    def forward_compiler(graph, inputs):
+        boxed = make_boxed_func(graph)
+        region = InductorCompiledCallable(boxed, graph)
+
+        def call(args):
+            if is_in_torch_dispatch_mode():
+                return inductor_compiled_code(region, args)
+            return boxed(args)
+
+        call._boxed_call = True
+        return call
+
+    backend = aot_autograd(
+        fw_compiler=forward_compiler,
+        bw_compiler=lambda graph, inputs: make_boxed_func(graph),
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    monkeypatch.setattr(flex, "_validate_device", lambda *args, **kwargs: None)
+    torch._dynamo.reset()
+    monkeypatch.setattr(
+        FlexAttention, "_compiled_flex_attn", torch.compile(flex.flex_attention, backend=backend)
+    )
+    layers = _build_llama3_layers(
+        n_layers=1,
+        dim=spec.hidden,
+        n_heads=spec.heads,
+        n_kv_heads=spec.kv_heads,
+        hidden_dim=spec.ffn_hidden,
+        rope=ComplexRoPE.Config(
+            dim=spec.hidden // spec.heads, max_seq_len=spec.seq, theta=500000, scaling="none"
+        ),
+        attn_backend="flex",
+    )
+    vocab = 128
+    config = Llama3Model.Config(
+        dim=spec.hidden,
+        vocab_size=vocab,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=spec.hidden),
+        norm=RMSNorm.Config(normalized_shape=spec.hidden),
+        lm_head=Linear.Config(in_features=spec.hidden, out_features=vocab),
+        layers=layers,
+    )
+    torch.manual_seed(0)
+    model = config.build()
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter, std=0.05)
+    model = model.to(dtype)
+    positions = torch.arange(spec.seq).repeat(spec.micro_batch, 1)
+    return model.layers["0"], model.get_attention_masks(positions), positions
+
+
+@pytest.mark.parametrize(
+    ("dtype", "size", "hand", "more"),
+    [("float32", 4, 70_144, 20_480), ("bfloat16", 2, 35_328, 10_240)],
+)
+def test_selective_ac_saves_flex_attention_with_its_inputs(monkeypatch, dtype, size, hand, more):
+    torch = torch_or_skip()
+    spec = spec_from_mapping({**SMALL, "dtype_bytes": size})
+    block, masks, positions = _flex_block(torch, spec, monkeypatch, getattr(torch, dtype))
+    import copy
+
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    wrapped, modes = _checkpointed(torch, copy.deepcopy(block), SelectiveAC, monkeypatch)
+    x = torch.randn(spec.micro_batch, spec.seq, spec.hidden, dtype=getattr(torch, dtype))
+    x.requires_grad_(True)
+    out = wrapped(x, masks, positions)
+    (mode,) = modes
+    # the block mask's tensors and the document ends its mask function captured are the
+    # step's, one set for every layer: not the layer's tape
+    shared = {
+        t.untyped_storage().data_ptr() for t in _tensors(torch, [masks.as_tuple(), masks.mask_mod])
+    }
+    kept = _cached_bytes(torch, mode, leave_out=shared)
+    measured = x.numel() * x.element_size() + kept
+    # ckplan's units: wqkv (q, k, v), the rotated Q and K (`rope`), the attention output and
+    # its fp32 logsumexp, w1, w2, and V's copy, which no ckplan unit names (32·32·size)
+    head_dim = spec.hidden // spec.heads
+    v_copy = spec.dtype_bytes * spec.micro_batch * spec.seq * spec.kv_heads * head_dim
+    modelled = policy_tape_bytes(spec, parse_policy(FUSED_QKV_MATMULS + ",rope,attention"))
+    assert measured == modelled + v_copy == hand
+    # ckplan's sac (0.2.2's op SAC: wq, wv, attention, w1, w2) keeps less: K, the rotated Q
+    # and K, V's copy (32·(32 + 64 + 32 + 32)·size)
+    assert measured - policy_tape_bytes(spec, parse_policy("sac")) == more
+    _assert_plain_gradients(torch, block, wrapped, x, out, masks, positions)
+    torch._dynamo.reset()
+
+
+def _tensors(torch, values):
+    """The tensors among `values` and inside the tuples, lists and closures of the callables
+    among them (a mask function's captured document ends)."""
+    found = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (tuple, list)):
+            found += _tensors(torch, value)
+        elif callable(value) and getattr(value, "__closure__", None):
+            found += _tensors(torch, [cell.cell_contents for cell in value.__closure__])
+    return found
+
+
+def test_full_ac_keeps_the_input_and_gives_the_plain_gradients(monkeypatch):
+    torch = torch_or_skip()
+    spec = spec_from_mapping(SMALL)
+    block = _block(torch, spec)
+    import copy
+
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    wrapped, modes = _checkpointed(torch, copy.deepcopy(block), FullAC, monkeypatch)
+    x = torch.randn(spec.micro_batch, spec.seq, spec.hidden, requires_grad=True)
+    packed = []
+
+    def pack(tensor):
+        packed.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = wrapped(x, None, None)
+    # checkpoint_wrapper (non-reentrant) saves the block's input and nothing else, and creates
+    # no selective cache: ckplan's `full` layer holds the residual stream X
+    assert modes == [] and [t.untyped_storage().data_ptr() for t in packed] == [x.data_ptr()]
+    assert packed[0].untyped_storage().nbytes() == LayerShapes.of(spec).X == 8192
+    _assert_plain_gradients(torch, block, wrapped, x, out)
