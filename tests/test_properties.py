@@ -220,11 +220,13 @@ def test_selective_peaks_at_most_the_kept_core_input_above_none(mapping):
     they are share those storages. So `selective` can peak above `none`, by at most the kept
     input, where the attention core's backward is a layer's peak (small h, flash attention's
     fp32 statistics): e.g. h = 8, one head, s = 8, 1-byte values, flash: 1,280 vs 1,088 bytes,
-    192 = the QKV output. Conservative for a capacity check: it never says "fits" wrongly."""
+    192 = the QKV output. Conservative for a capacity check: it never says "fits" wrongly.
+    Megatron-Core's other modules (`layernorm`, ...) rebuild their outputs beside these tapes and
+    have no such bound: with them the peak may rise by what they rebuild (a norm's output)."""
     model = spec(mapping)
     none = evaluate(model, parse_strategy("none", model)).total_bytes
     for strategy in every_strategy(model):
-        if strategy.selective or strategy.mlp:
+        if (strategy.selective or strategy.mlp) and not strategy.modules:
             # each module keeps its input beside the tapes it rebuilds (the MLP: fc1's input)
             kept = sum(group_input_bytes(model.chain, group) for group in strategy.groups)
             assert evaluate(model, strategy).total_bytes <= none + kept, (
