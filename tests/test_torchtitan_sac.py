@@ -28,7 +28,7 @@ from needs_frameworks import framework_or_skip
 from needs_torch import torch_or_skip
 
 from ckplan.model.op import LayerShapes
-from ckplan.model.op_policy import parse_policy, policy_tape_bytes
+from ckplan.model.op_policy import flex_region_copy_bytes, parse_policy, policy_tape_bytes
 from ckplan.model.spec import spec_from_mapping
 
 SMALL = {
@@ -147,6 +147,8 @@ def test_selective_ac_keeps_the_fused_qkv_output_w1_and_w2(monkeypatch):
     measured = x.numel() * x.element_size() + _cached_bytes(torch, mode)
     # x 32·64·4, wqkv 32·(64+32+32)·4, w1 32·96·4, w2 32·64·4
     assert measured == policy_tape_bytes(spec, parse_policy(FUSED_QKV_MATMULS)) == 45_056
+    # the fused count, written as sac-fused's item: wqkv counted once, kept whole
+    assert measured == policy_tape_bytes(spec, parse_policy("sac:fused_qkv,matmuls%2"))
     # 0.2.2's rule (wq, wv, w1, w2) keeps 4096 bytes less: K's 32·32·4
     assert measured - policy_tape_bytes(spec, parse_policy(SEPARATE_QKV_MATMULS)) == 4096
     _assert_plain_gradients(torch, block, wrapped, x, out)
@@ -247,6 +249,10 @@ def test_selective_ac_saves_flex_attention_with_its_inputs(monkeypatch, dtype, s
     v_copy = spec.dtype_bytes * spec.micro_batch * spec.seq * spec.kv_heads * head_dim
     modelled = policy_tape_bytes(spec, parse_policy(FUSED_QKV_MATMULS + ",rope,attention"))
     assert measured == modelled + v_copy == hand
+    # ckplan's sac-fused, torchtitan 0.3.0's SelectiveAC: the same units and V's copy
+    fused = parse_policy("sac-fused")
+    assert flex_region_copy_bytes(spec, fused) == v_copy
+    assert policy_tape_bytes(spec, fused) == measured
     # ckplan's sac (0.2.2's op SAC: wq, wv, attention, w1, w2) keeps less: K, the rotated Q
     # and K, V's copy (32·(32 + 64 + 32 + 32)·size)
     assert measured - policy_tape_bytes(spec, parse_policy("sac")) == more

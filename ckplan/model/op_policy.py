@@ -69,6 +69,18 @@ from ckplan.quoting import quote
 POLICY_PREFIX = "sac:"
 TORCHTITAN_ITEMS = ("matmuls%2", "attention", "reduce_scatter", "all_to_all")
 TORCHTITAN_POLICY = POLICY_PREFIX + ",".join(TORCHTITAN_ITEMS)
+# The policy word of torchtitan 0.3.0's SelectiveAC on its Llama 3 block (`FUSED_QKV`,
+# `FLEX_ATTENTION`): one fused wqkv GEMM counted by the every-second-mm rule, and FlexAttention's
+# compiled region kept whole.
+FUSED_QKV = "fused_qkv"
+FLEX_ATTENTION = "flex_attention"
+TORCHTITAN_03_WORD = "sac-fused"
+TORCHTITAN_03_ITEMS = (FUSED_QKV, "matmuls%2", FLEX_ATTENTION, "reduce_scatter", "all_to_all")
+TORCHTITAN_03_POLICY = POLICY_PREFIX + ",".join(TORCHTITAN_03_ITEMS)
+# Policy words that stand for a whole policy.
+POLICY_WORDS = {"sac": TORCHTITAN_POLICY, TORCHTITAN_03_WORD: TORCHTITAN_03_POLICY}
+# The units FlexAttention's compiled region returns (`flex_region_copy_bytes` adds V's copy).
+FLEX_UNITS = ("rope", "attention")
 # Unit ops a policy may name, in the order a layer runs them: Llama-style attention or MLA's
 # projections, then a dense MLP (gelu MLPs have fc1 where gated ones have gate_proj and up_proj)
 # or an MoE block (router, routing, permutation, all-to-alls, experts, shared experts).
@@ -195,10 +207,18 @@ class Unit:
 @dataclass(frozen=True)
 class OpPolicy:
     """Which unit outputs a checkpointed layer keeps: `names`, every matmul (`every` 0: none,
-    1: all) or all matmuls but each `every`-th (torchtitan's rule with `every` 2)."""
+    1: all) or all matmuls but each `every`-th (torchtitan's rule with `every` 2).
+
+    `fused_qkv`: the layer runs q, k and v as one GEMM (torchtitan 0.3.0's `FusedQKVLinear`),
+    which the matmul rule counts once and keeps or re-runs whole. `flex`: the attention kernel is
+    FlexAttention compiled as its own region and kept whole: the rotated Q and K, the output
+    with its logsumexp, and a contiguous copy of V (`flex_region_copy_bytes`); `names` then
+    holds `FLEX_UNITS`."""
 
     names: frozenset[str] = frozenset()
     every: int = 0  # 0: no matmul rule; 1: every matmul; K: all but each K-th
+    fused_qkv: bool = False
+    flex: bool = False
 
     def keeps(self, unit: Unit, matmul_index: int) -> bool:
         """Whether the policy keeps `unit`, the `matmul_index`-th matmul (from 1) if one."""
@@ -210,14 +230,22 @@ class OpPolicy:
 
 
 def parse_policy(text: str) -> OpPolicy:
-    """`sac:ITEM,...` (`sac` alone: torchtitan's) into an `OpPolicy`; a one-line error
-    otherwise."""
-    body = TORCHTITAN_POLICY if text == "sac" else text
+    """`sac:ITEM,...` (`sac` alone: torchtitan 0.2's, `sac-fused`: torchtitan 0.3.0's) into an
+    `OpPolicy`; a one-line error otherwise."""
+    body = POLICY_WORDS.get(text, text)
     items = body.removeprefix(POLICY_PREFIX).split(",")
     names: set[str] = set()
     every = 0
+    fused = flex = False
     for raw in items:
         item = raw.strip()
+        if item == FUSED_QKV:
+            fused = True
+            continue
+        if item == FLEX_ATTENTION:
+            flex = True
+            names.update(FLEX_UNITS)
+            continue
         match = re.fullmatch(r"matmuls(?:%([0-9]{1,6}))?", item)
         if match:
             size = int(match.group(1)) if match.group(1) else 1
@@ -233,25 +261,29 @@ def parse_policy(text: str) -> OpPolicy:
         name = UNIT_ALIASES.get(item, item)
         if name not in UNIT_NAMES:
             raise PolicyError(
-                f"policy {quote(text)}: unknown op {quote(item)}; expected matmuls, matmuls%K "
-                f"or one of {', '.join((*UNIT_NAMES, *GROUP_ITEMS))}"
+                f"policy {quote(text)}: unknown op {quote(item)}; expected matmuls, matmuls%K, "
+                f"{FUSED_QKV}, {FLEX_ATTENTION} or one of {', '.join((*UNIT_NAMES, *GROUP_ITEMS))}"
             )
         names.add(name)
-    return OpPolicy(frozenset(names), every)
+    return OpPolicy(frozenset(names), every, fused_qkv=fused, flex=flex)
 
 
 def policy_text(policy: OpPolicy) -> str:
     """The canonical `sac:...` spelling of `policy` (units in layer order)."""
-    items = (
+    items = [FUSED_QKV] if policy.fused_qkv else []
+    items += (
         [] if policy.every == 0 else ["matmuls" if policy.every == 1 else f"matmuls%{policy.every}"]
     )
     names = set(policy.names)
-    for item, members in GROUP_ITEMS.items():
+    groups = dict(GROUP_ITEMS)
+    if policy.flex:
+        groups[FLEX_ATTENTION] = FLEX_UNITS
+    for item, members in groups.items():
         if names.issuperset(members):
             names -= set(members)
             names.add(item)
     order = {name: i for i, name in enumerate(UNIT_NAMES)}
-    order |= {item: order[members[0]] for item, members in GROUP_ITEMS.items()}
+    order |= {item: order[members[0]] for item, members in groups.items()}
     items += sorted(names, key=order.__getitem__)
     return POLICY_PREFIX + ",".join(items)
 
@@ -600,17 +632,24 @@ def _moe_units(spec: ChainSpec, table: dict[str, Op], shapes: LayerShapes) -> li
     return units
 
 
+# The projections a fused wqkv computes with q_proj, right after it in `unit_ops`.
+FUSED_LATER = ("k_proj", "v_proj")
+
+
 @cached_by_chain(maxsize=256)
 def kept_mask(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None) -> tuple[bool, ...]:
     """Whether `policy` keeps each unit of `unit_ops` (by name, or a matmul by the every-K-th
     rule). The matmul rule counts the GEMMs that reach the policy as `aten.mm`
     (`counts_matmuls`): Transformer Engine's FP8 kernels do not, torchao's float8 ones do. The
     router's gate is outside the matmul rule (`FORCE_RECOMPUTED`),
-    kept only when named."""
+    kept only when named. With `policy.fused_qkv` the rule counts q, k and v as the one GEMM
+    they are (torchtitan 0.3.0's `FusedQKVLinear`: `wqkv`), kept or re-run together."""
     counting = counts_matmuls(spec.precision)
     mask, index = [], 0
     for unit in unit_ops(spec, kind):
-        if unit.matmul and counting and unit.name not in FORCE_RECOMPUTED:
+        if policy.fused_qkv and unit.name in FUSED_LATER and mask:
+            mask.append(mask[-1])  # wqkv's decision, taken at q_proj
+        elif unit.matmul and counting and unit.name not in FORCE_RECOMPUTED:
             index += 1
             mask.append(policy.keeps(unit, index))
         else:
@@ -731,7 +770,41 @@ def policy_tape_bytes(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None 
     units = unit_ops(spec, kind)
     kept = kept_mask(spec, policy, kind)
     stored = sum(u.kept_bytes for u, k in zip(units, kept, strict=True) if k)
+    stored += flex_region_copy_bytes(spec, policy, kind)
     return LayerShapes.of(spec).X + stored - compile_unread_bytes(spec, policy, kind)
+
+
+def flex_region_copy_bytes(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None) -> int:
+    """V's contiguous copy that a kept FlexAttention region holds besides its output, its
+    logsumexp and the rotated Q and K (`policy.flex`): the size of v_proj's output.
+
+    torchtitan 0.3.0 (torchtitan/models/common/attention.py in the wheel
+    torchtitan-0.3.0-py3-none-any.whl) splits V out of the fused wqkv output as a strided
+    view; FlexAttention runs compiled with `wrap_inductor_compiled_regions`
+    (`FlexAttention.inductor_configs`), so the selective checkpoint sees one
+    `inductor_compiled_code` op, which SelectiveAC saves
+    (torchtitan/distributed/activation_checkpoint.py, `_get_default_save_ops`), and caches all
+    its outputs: those its backward reads, among them V made contiguous. Measured on the CPU
+    (tests/test_torchtitan_sac.py: 4,096 bytes of 70,144 in fp32, 2,048 of 35,328 in bf16)."""
+    if not policy.flex:
+        return 0
+    return sum(unit.output_bytes for unit in unit_ops(spec, kind) if unit.name == "v_proj")
+
+
+def policy_fit_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
+    """Why `policy`'s fused-QKV or FlexAttention items do not fit `spec`, or None: both are
+    torchtitan 0.3.0's Llama 3 block (separate q, k and v heads, eager layers; under
+    torch.compile the region is no longer one cached op, which is not modelled)."""
+    if not (policy.fused_qkv or policy.flex):
+        return None
+    if spec.mla:
+        return f"{FUSED_QKV} and {FLEX_ATTENTION} are modelled for q, k and v heads, not MLA"
+    if policy.flex and spec.kernels == "compiled":
+        return (
+            f"{FLEX_ATTENTION} is modelled for eager layers (kernels: eager): a compiled layer "
+            "does not cache FlexAttention's region as one op"
+        )
+    return None
 
 
 # The units that close a dense layer's MLP branch, last first: what feeds only the residual add.

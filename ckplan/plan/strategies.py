@@ -29,10 +29,11 @@ from ckplan.model.moe import SHARED_EXPERTS
 from ckplan.model.op import ATTENTION_CORE, DENSE_MLP
 from ckplan.model.op_policy import (
     POLICY_PREFIX,
-    TORCHTITAN_POLICY,
+    POLICY_WORDS,
     PolicyError,
     check_policy_model,
     parse_policy,
+    policy_fit_reason,
     policy_text,
 )
 from ckplan.model.spec import ModelSpec
@@ -147,21 +148,25 @@ def _is_base(part: str) -> bool:
 
 
 def _policy_word(policy: str) -> str:
-    """How a strategy name spells a per-op policy: `sac` for torchtitan's."""
-    return "sac" if policy == TORCHTITAN_POLICY else policy
+    """How a strategy name spells a per-op policy: `sac` for torchtitan 0.2's, `sac-fused` for
+    torchtitan 0.3.0's (`POLICY_WORDS`)."""
+    words = {body: word for word, body in POLICY_WORDS.items()}
+    return words.get(policy, policy)
 
 
 def _is_policy_word(part: str) -> bool:
-    return part == "sac" or part.startswith(POLICY_PREFIX)
+    return part in POLICY_WORDS or part.startswith(POLICY_PREFIX)
 
 
 def _parse_policy(text: str, word: str, spec: ModelSpec) -> str:
-    """The canonical policy of `word` (`sac` or `sac:ITEM,...`), checked against the model."""
+    """The canonical policy of `word` (`sac`, `sac-fused` or `sac:ITEM,...`), checked against
+    the model."""
     try:
-        policy = TORCHTITAN_POLICY if word == "sac" else policy_text(parse_policy(word))
+        parsed = parse_policy(word)
+        policy = POLICY_WORDS.get(word) or policy_text(parsed)
     except PolicyError as error:
         raise StrategyError(f"strategy {quote(text)}: {error}") from None
-    why = check_policy_model(spec)
+    why = check_policy_model(spec) or policy_fit_reason(spec, parsed)
     if why:
         raise StrategyError(f"strategy {quote(text)}: {why}")
     return policy
