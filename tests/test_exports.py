@@ -297,7 +297,7 @@ def test_torchtitan_sections(spec_of):
     assert torchtitan.reason(spec, every_fourth, "0.2") is None
     assert "0.2.x's selective_ac_option = N" in torchtitan.reason(spec, every_fourth, "0.3")
     # 0.3.0's default subcommand, none given, is SelectiveAC
-    assert torchtitan.strategy_from_arguments("--training.seq-len 8192") == "sac"
+    assert torchtitan.strategy_from_arguments("--training.seq-len 8192") == "sac-fused"
 
 
 def _annotation_accepts(annotation: str, value) -> bool:

@@ -14,6 +14,7 @@ import pytest
 from needs_frameworks import installed_or_skip
 
 from ckplan import exports
+from ckplan.exports import torchtitan
 from ckplan.plan.evaluate import evaluate
 from ckplan.plan.strategies import parse_strategy
 
@@ -103,7 +104,10 @@ OFFLOAD = {"zero": 3, "optimizer_offload": "cpu", "param_offload": "cpu"}
 TORCHTITAN_03_CASES = [
     ("none", "llama3-8b", {"dp": 8, "zero": 3}, LLAMA),
     ("full", "llama3-8b", {"dp": 8, "zero": 3}, LLAMA),
-    # sac is refused on 0.3.0 (ckplan.exports.torchtitan._sac_reason_03)
+    # sac is refused on 0.3.0 (ckplan.exports.torchtitan._sac_reason_03); sac-fused is its
+    # SelectiveAC
+    ("sac-fused", "llama3-8b", {"dp": 8, "zero": 3}, LLAMA),
+    ("sac-fused", "llama3-8b", {"tp": 2, "sp": True, "dp": 4, "zero": 3}, LLAMA),
     ("full", "llama3-8b", {"tp": 2, "sp": True, "dp": 4, "zero": 3}, LLAMA),
     ("full", "llama3-8b", {"tp": 4, "sp": False, "dp": 2, "zero": 3}, LLAMA),
     ("full", "llama3-8b", {"cp": 2, "dp": 4, "zero": 3, "seq": 16384}, LLAMA),
@@ -116,7 +120,7 @@ TORCHTITAN_03_CASES = [
     ("full", "llama3-8b", {"dp": 8, "zero": 3, "precision": "float8"}, LLAMA),
     ("full", "qwen3-30b-a3b", {"dp": 8, "zero": 3, "ep": 8}, ("qwen3", "qwen3_30b_a3b")),
 ]  # fmt: skip
-AC_CLASSES = {"none": None, "full": "FullAC.Config"}
+AC_CLASSES = {"none": None, "full": "FullAC.Config", "sac-fused": "SelectiveAC.Config"}
 
 
 def _torchtitan_03_cases(spec_of):
@@ -157,6 +161,7 @@ def test_torchtitan_03_parses_every_exported_case(torchtitan_03):
     for spec, strategy, args, parsed in cases:
         assert "error" not in parsed, (args, parsed)
         assert parsed["ac"] == AC_CLASSES[strategy]
+        assert torchtitan.strategy_from_arguments(" ".join(args)) == strategy
         values = parsed["values"]
         # every option written reads back as written (a flag: True, its no- form: False)
         for index, word in enumerate(args):

@@ -299,7 +299,42 @@ def test_torchtitan_exports_sac_as_op_level_ac_and_reads_it_back():
     # 0.3.0's SelectiveAC keeps more on its fused-wqkv, FlexAttention Llama 3 block
     plan = evaluate(unbiased := spec.replace(bias=False), parse_strategy("sac", unbiased))
     assert "fused wqkv" in exports.why_not(plan, "torchtitan")
-    assert strategy_from_arguments("--x 1 activation-checkpoint:selective") == "sac"
+    assert strategy_from_arguments("--x 1 activation-checkpoint:selective") == "sac-fused"
+    # sac-fused is 0.3.0's SelectiveAC: written as its subcommand, refused for 0.2.x
+    plan = evaluate(unbiased, parse_strategy("sac-fused", unbiased))
+    assert plan.strategy == "sac-fused"
+    text = exports.export(plan, "torchtitan").text
+    assert text.split()[-1] == "activation-checkpoint:selective"
+    assert strategy_from_arguments(text) == "sac-fused"
+    assert "--torchtitan-version 0.3" in exports.why_not(plan, "torchtitan", version="0.2")
+    biased = evaluate(spec, parse_strategy("sac-fused", spec))
+    assert "aten.addmm" in exports.why_not(biased, "torchtitan")
+
+
+def test_sac_fused_counts_the_fused_qkv_once_and_keeps_flex_attention_whole():
+    from ckplan.model.op import LayerShapes
+    from ckplan.model.op_policy import (
+        TORCHTITAN_03_POLICY,
+        flex_region_copy_bytes,
+        policy_fit_reason,
+    )
+
+    spec = spec_from_mapping({**SMALL, "bias": False})
+    fused = parse_policy("sac-fused")
+    assert policy_text(fused) == TORCHTITAN_03_POLICY
+    assert parse_policy(TORCHTITAN_03_POLICY) == fused
+    # wqkv (1st mm) kept whole, wo (2nd) re-run, w1 kept, w3 re-run, w2 kept
+    assert kept_units(spec, fused) == (
+        "q_proj", "k_proj", "v_proj", "rope", "attention", "gate_proj", "fc2"
+    )  # fmt: skip
+    # without the fused count the same rule keeps wq and wv (1st, 3rd) and re-runs wk
+    assert "k_proj" not in kept_units(spec, parse_policy("sac:matmuls%2,flex_attention"))
+    shapes = LayerShapes.of(spec)
+    v_bytes = shapes.B * shapes.tokens * spec.kv_heads * spec.head_dim
+    assert flex_region_copy_bytes(spec, fused) == v_bytes
+    assert flex_region_copy_bytes(spec, parse_policy("sac")) == 0
+    assert policy_fit_reason(spec, parse_policy("sac")) is None
+    assert "kernels: eager" in policy_fit_reason(spec.replace(kernels="compiled"), fused)
 
 
 @pytest.mark.parametrize(
@@ -307,7 +342,7 @@ def test_torchtitan_exports_sac_as_op_level_ac_and_reads_it_back():
     [
         ("sac", "megatron", "not ops chosen by a policy"),
         ("sac", "deepspeed", "no DeepSpeed option"),
-        ("sac:attention", "torchtitan", "is the policy sac only"),
+        ("sac:attention", "torchtitan", "is the policy sac (0.2.x) or sac-fused (0.3.0) only"),
         ("sac+block:1", "torchtitan", "one activation-checkpoint mode"),
     ],
 )

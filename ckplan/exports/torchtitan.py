@@ -26,8 +26,10 @@ reduce-scatters, every op of PyTorch's `compute_intensive_ops` (torch 2.13: also
 (`topk`) it keeps more than ckplan's `sac` (0.2.2's op SAC) models, and on a dense block without
 biases too: 0.3.0's Llama 3 fuses wqkv (Q, K and V kept where 0.2.2 keeps Q and V) and saves
 compiled FlexAttention's region with its inputs (`_sac_reason_03`), so the export refuses `sac`
-for 0.3 and writes it for 0.2.x. Float8 is a converter in the config function's model spec, not
-an option of the command line.
+for 0.3 and writes it for 0.2.x. ckplan's `sac-fused` is 0.3.0's SelectiveAC on a dense block
+without biases in bfloat16 (`_fused_reason_03` refuses the rest): the 0.3 export writes it as
+`activation-checkpoint:selective` and reads that back as `sac-fused`; 0.2.x has no such policy.
+Float8 is a converter in the config function's model spec, not an option of the command line.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from __future__ import annotations
 import re
 
 from ckplan.exports.segments import LayerSegments, module_reason
-from ckplan.model.op_policy import TORCHTITAN_POLICY
+from ckplan.model.op_policy import TORCHTITAN_03_POLICY, TORCHTITAN_03_WORD, TORCHTITAN_POLICY
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 
@@ -51,17 +53,26 @@ SCHEDULES = {False: "1F1B", True: "Interleaved1F1B"}
 def reason(spec: ModelSpec, layers: LayerSegments, version: str = DEFAULT_VERSION) -> str | None:
     if version == "0.3" and (why := _layout_reason_03(spec)):
         return why
-    if layers.policy == TORCHTITAN_POLICY:
+    if layers.policy in (TORCHTITAN_POLICY, TORCHTITAN_03_POLICY):
         if not layers.stores_all:
             return (
                 "its per-op policy beside fully recomputed layers: torchtitan applies one "
                 "activation-checkpoint mode to every block"
             )
+        if layers.policy == TORCHTITAN_03_POLICY:
+            return (
+                _fused_reason_03(spec)
+                if version == "0.3"
+                else (
+                    f"the policy {TORCHTITAN_03_WORD}: torchtitan 0.3.0's SelectiveAC; 0.2.x's "
+                    "op-level selective AC is the policy sac (--torchtitan-version 0.3)"
+                )
+            )
         return _sac_reason_03(spec) if version == "0.3" else None
     if layers.policy:
         return (
             f"the per-op policy {layers.policy}: torchtitan's op-level selective AC "
-            "is the policy sac only"
+            f"is the policy sac (0.2.x) or {TORCHTITAN_03_WORD} (0.3.0) only"
         )
     if why := module_reason(layers, "torchtitan"):
         return why
@@ -147,8 +158,34 @@ def _sac_reason_03(spec: ModelSpec) -> str:
     return (
         "the policy sac: torchtitan 0.3.0's Llama 3 runs one fused wqkv GEMM, so SelectiveAC "
         "keeps K's projection too, and saves compiled FlexAttention's whole region, whose "
-        "outputs include the rotated Q and K and a copy of V (--torchtitan-version 0.2)"
+        f"outputs include the rotated Q and K and a copy of V: that is the policy "
+        f"{TORCHTITAN_03_WORD} (or --torchtitan-version 0.2)"
     )
+
+
+def _fused_reason_03(spec: ModelSpec) -> str | None:
+    """Why torchtitan 0.3.0's SelectiveAC keeps other outputs than ckplan's `sac-fused` on
+    `spec`, or None. `sac-fused` models the every-second-mm rule over wqkv, wo, w1, w3, w2 and
+    FlexAttention's region (ckplan.model.op_policy, `flex_region_copy_bytes`), measured on
+    0.3.0's dense Llama 3 block (tests/test_torchtitan_sac.py); the rest of 0.3.0's save list
+    (torchtitan/distributed/activation_checkpoint.py, `_get_default_save_ops`: PyTorch's
+    `compute_intensive_ops`, `aten.topk`) saves outputs it does not model."""
+    if spec.bias or spec.qkv_bias:
+        return (
+            f"the policy {TORCHTITAN_03_WORD} with linear biases: torchtitan 0.3.0's "
+            "SelectiveAC saves every aten.addmm outside its every-second-matmul rule"
+        )
+    if spec.precision == "float8":
+        return (
+            f"the policy {TORCHTITAN_03_WORD} under float8: torchtitan 0.3.0's SelectiveAC "
+            "saves every aten._scaled_mm outside its every-second-matmul rule"
+        )
+    if spec.experts:
+        return (
+            f"the policy {TORCHTITAN_03_WORD} on MoE layers: torchtitan 0.3.0's SelectiveAC "
+            "also saves the routing's aten.topk and runs experts ckplan's units do not measure"
+        )
+    return None
 
 
 def _option(layers: LayerSegments) -> str | None:
@@ -173,7 +210,7 @@ def section(layers: LayerSegments) -> dict[str, str]:
 
 def subcommand(layers: LayerSegments) -> str:
     """torchtitan 0.3.0's activation-checkpoint subcommand: none, full or selective."""
-    if layers.policy == TORCHTITAN_POLICY:
+    if layers.policy in (TORCHTITAN_POLICY, TORCHTITAN_03_POLICY):
         return SUBCOMMAND + "selective"
     return SUBCOMMAND + ("none" if layers.stores_all else "full")
 
@@ -283,12 +320,12 @@ def strategy_from_toml(text: str) -> str:
 
 
 def strategy_from_arguments(text: str) -> str:
-    """The ckplan strategy nearest what torchtitan 0.3.0's arguments select: none, full or sac;
-    the default subcommand (none given) is SelectiveAC, read as sac, which keeps less than
-    0.3.0's SelectiveAC (`_sac_reason_03`)."""
+    """The ckplan strategy torchtitan 0.3.0's arguments select: none, full or sac-fused
+    (SelectiveAC, also the default subcommand when none is given; exact on a dense block
+    without biases, `_fused_reason_03`)."""
     chosen = [word for word in text.split() if word.startswith(SUBCOMMAND)]
     name = chosen[-1].removeprefix(SUBCOMMAND) if chosen else "selective"
-    strategies = {"none": "none", "full": "full", "selective": "sac"}
+    strategies = {"none": "none", "full": "full", "selective": TORCHTITAN_03_WORD}
     if name not in strategies:
         raise ValueError(f"{SUBCOMMAND}{name} has no ckplan strategy name")
     return strategies[name]
