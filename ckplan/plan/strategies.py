@@ -119,8 +119,8 @@ STRATEGY_HELP = (
     "none, full, uniform:K, sequential:K, sqrt, selective, block:N, revolve:C, optimal, every:K, "
     "each "
     "with selective+, mlp+ or layernorm+... (e.g. selective+uniform:4), with experts moe+ or "
-    "experts+; per-op policies sac, sac-fused or sac:OP,... (e.g. sac:matmuls%2,attention); "
-    "offload, full+offload, offload+optimal (docs/strategies.md)"
+    "experts+; per-op policies sac or sac:OP,... (e.g. sac:matmuls%2,attention); offload, "
+    "full+offload, offload+optimal (docs/strategies.md)"
 )
 
 
