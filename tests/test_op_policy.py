@@ -344,6 +344,8 @@ def test_sac_fused_counts_the_fused_qkv_once_and_keeps_flex_attention_whole():
         ("sac", "deepspeed", "no DeepSpeed option"),
         ("sac:attention", "torchtitan", "is the policy sac (0.2.x) or sac-fused (0.3.0) only"),
         ("sac+block:1", "torchtitan", "one activation-checkpoint mode"),
+        ("sac-fused+block:1", "torchtitan", "one activation-checkpoint mode"),
+        ("sac-fused", "torch", "not torchtitan 0.3.0's fused wqkv"),
     ],
 )
 def test_targets_that_cannot_run_a_policy_say_why(strategy, target, fragment):

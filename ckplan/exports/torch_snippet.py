@@ -291,6 +291,12 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
                 "or the other"
             )
         policy = parse_policy(layers.policy)
+        if policy.fused_qkv or policy.flex:
+            return (
+                f"the per-op policy {layers.policy}: the snippet's layer runs q, k and v as "
+                "three linears and attention as SDPA, not torchtitan 0.3.0's fused wqkv and "
+                "compiled FlexAttention"
+            )
         named = sorted(
             name
             for name in policy.names
