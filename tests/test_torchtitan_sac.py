@@ -20,7 +20,8 @@ inductor uses, torch/_functorch/partitioners.py), its forward graph run eagerly 
 `wrap_inductor_compiled_regions` is set (torch/_inductor/output_code.py, `post_compile`), which
 FlexAttention's `inductor_configs` set. The forward graph returns the attention output, its
 logsumexp and the inputs its backward reads, the rotated Q and K and V (a contiguous copy out
-of wqkv's output); SelectiveAC saves all of them.
+of wqkv's output); SelectiveAC saves all of them. ckplan's `sac-fused` models both (the
+wqkv counted once, FlexAttention's region with V's copy): its tape is the measured bytes.
 """
 
 import pytest
