@@ -27,29 +27,14 @@ wqkv counted once, FlexAttention's region with V's copy): its tape is the measur
 import pytest
 from needs_frameworks import framework_or_skip
 from needs_torch import torch_or_skip
+from test_op_policy import SMALL as OP_POLICY_SMALL
 
 from ckplan.model.op import LayerShapes
 from ckplan.model.op_policy import flex_region_copy_bytes, parse_policy, policy_tape_bytes
 from ckplan.model.spec import spec_from_mapping
 
-SMALL = {
-    "name": "small",
-    "layers": 1,
-    "hidden": 64,
-    "heads": 4,
-    "kv_heads": 2,
-    "ffn_hidden": 96,
-    "seq": 16,
-    "micro_batch": 2,
-    "vocab": 0,
-    "dtype_bytes": 4,
-    "norm": "rmsnorm",
-    "mlp": "swiglu",
-    "attention": "flash",
-    "positions": "rope",
-    "dropout": 0,
-    "framework": "torchtitan",
-}
+# ckplan's small torchtitan-style block (tests/test_op_policy.py), one layer
+SMALL = {**OP_POLICY_SMALL, "layers": 1}
 # torchtitan 0.3.0's mm rule on its fused-QKV Llama 3 block, attention not saved (CPU SDPA)
 FUSED_QKV_MATMULS = "sac:matmuls%2,k_proj"
 # torchtitan 0.2.2's mm rule (ckplan's `sac` without the attention kernel and collectives)
