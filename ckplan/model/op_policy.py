@@ -40,15 +40,16 @@ the rest. The element-wise units (norms, RoPE, the residual adds, the activation
 gated MLPs, the silu before the product) can be kept too: every Megatron-Core recompute module
 set is then a policy (keep every unit a backward reads but the module's).
 
-What a layer's backward re-runs (`rerun_mask`) depends on how the framework runs it. Eager
-PyTorch's checkpoint replays the layer's code up to the last tensor the backward reads
-(torch/utils/checkpoint.py at v2.13.0, `early_stop`): every op a policy does not keep runs again,
-also those whose outputs feed only kept ones (q and k before a kept RoPE, out_proj before a kept
-residual add). Under torch.compile (`kernels: compiled`) the partitioned backward re-runs only
-the units whose outputs a backward reads (each table op saves its inputs: `Unit.saves`) or whose
-backward reads tensors of their own (`Unit.internal`), not kept, and what those read that is not
-kept, back to the layer input. The bytes a policy keeps are exact against PyTorch's selective
-checkpoint (tests/test_op_policy.py).
+What a layer's backward re-runs (`rerun_mask`, `replays`) depends on how the framework runs it.
+Eager PyTorch's checkpoint replays the layer's code up to the last tensor the backward reads
+(torch/utils/checkpoint.py at v2.13.0, `early_stop`; torchtitan turns early stop off and replays
+to the end of the layer): every op a policy does not keep runs again, also those whose outputs
+feed only kept ones (q and k before a kept RoPE, out_proj before a kept residual add). Under
+torch.compile (`kernels: compiled`) the partitioned backward re-runs only the units whose
+outputs a backward reads (each table op saves its inputs: `Unit.saves`) or whose backward reads
+tensors of their own (`Unit.internal`), not kept, and what those read that is not kept, back to
+the layer input. The bytes a policy keeps are exact against PyTorch's selective checkpoint
+(tests/test_op_policy.py).
 """
 
 from __future__ import annotations
@@ -666,26 +667,29 @@ def kept_units(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None)
 
 
 def rerun_mask(
-    units: tuple[Unit, ...], kept: tuple[bool, ...], replay: bool = False
+    units: tuple[Unit, ...], kept: tuple[bool, ...], replay: str = "graph"
 ) -> tuple[bool, ...]:
     """Which units a layer's backward re-runs when it keeps the outputs `kept`.
 
-    Compiled (`replay` False): those whose output a backward reads (`Unit.saves`) or whose
+    Compiled (`replay` "graph"): those whose output a backward reads (`Unit.saves`) or whose
     backward reads their internal tensors, not kept, and, from the last unit back, the units a
     re-run unit reads that are not kept (derived: AOTAutograd's partitioner rebuilds the tensors
     the backward reads from the layer input and the kept outputs, nothing else;
     torch/_functorch/partitioners.py at v2.13.0, `solve_min_cut`).
 
-    Eager (`replay` True): every unit not kept up to the last one the backward needs. PyTorch's
-    non-reentrant checkpoint re-runs the layer's code op by op; a selective checkpoint answers a
-    kept op from its cache and runs every other op, whether or not a backward reads its output,
-    and stops after the last tensor the backward reads (torch/utils/checkpoint.py at v2.13.0,
-    `_CachingTorchDispatchMode`, `early_stop`)."""
+    Eager (`replay` "early_stop"): every unit not kept up to the last one the backward needs.
+    PyTorch's non-reentrant checkpoint re-runs the layer's code op by op; a selective checkpoint
+    answers a kept op from its cache and runs every other op, whether or not a backward reads
+    its output, and stops after the last tensor the backward reads (torch/utils/checkpoint.py at
+    v2.13.0, `_CachingTorchDispatchMode`, `early_stop`, on by default). Eager without early stop
+    (`replay` "whole"): every unit not kept, to the end of the layer."""
     demand = [unit.internal > 0 for unit in units]
     for unit in units:
         for j in unit.saves:
             demand[j] = True
-    if replay:
+    if replay == "whole":
+        return tuple(not k for k in kept)
+    if replay == "early_stop":
         last = max((i for i, wanted in enumerate(demand) if wanted), default=-1)
         return tuple(not kept[i] and i <= last for i in range(len(units)))
     rerun = [False] * len(units)
@@ -697,10 +701,16 @@ def rerun_mask(
     return tuple(rerun)
 
 
-def replays(spec: ChainSpec) -> bool:
-    """Whether a policy's re-forward replays the layer's code op by op (eager PyTorch) rather
-    than running the partitioned backward graph torch.compile builds (`rerun_mask`)."""
-    return spec.kernels != "compiled"
+def replays(spec: ChainSpec) -> str:
+    """How a policy's re-forward runs (`rerun_mask`): "graph", the partitioned backward graph
+    torch.compile builds; "whole", eager replay without early stop, as torchtitan wraps its
+    blocks (`ptd_checkpoint_wrapper(..., early_stop=False)`, torchtitan/distributed/
+    activation_checkpoint.py at 0.3.0, `FullAC` and `SelectiveAC`; 0.2.2's `early_stop` option
+    defaults to false); "early_stop", eager replay with PyTorch's default (Hugging Face's
+    gradient checkpointing)."""
+    if spec.kernels == "compiled":
+        return "graph"
+    return "whole" if spec.framework == "torchtitan" else "early_stop"
 
 
 @cached_by_chain(maxsize=256)
