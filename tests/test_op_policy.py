@@ -2,6 +2,7 @@
 chain, and what PyTorch's selective checkpointing keeps with the same policy."""
 
 import pytest
+from export_snippet import recording_snippet
 
 from ckplan.model.op_policy import (
     TORCHTITAN_POLICY,
@@ -363,24 +364,12 @@ def test_exported_policy_fn_keeps_the_predicted_bytes(strategy):
     from needs_torch import torch_or_skip
 
     torch = torch_or_skip()
-    import torch.utils.checkpoint as checkpoint_module
 
-    from ckplan import exports
     from ckplan.model import memory
 
     spec = small()
     plan = evaluate(spec, parse_strategy(strategy, spec))
-    snippet = exports.export(plan, "torch").text
-    namespace: dict = {}
-    exec(compile(snippet, "snippet", "exec"), namespace)
-    modes = []
-
-    def recording(policy_fn):
-        pair = checkpoint_module.create_selective_checkpoint_contexts(policy_fn)
-        modes.append(pair[0])
-        return pair
-
-    namespace["create_selective_checkpoint_contexts"] = recording
+    namespace, modes = recording_snippet(plan)
     torch.manual_seed(0)
     layers = torch.nn.ModuleList([_torch_block(torch, spec) for _ in range(spec.layers)])
     x = torch.randn(spec.micro_batch, spec.seq, spec.hidden, requires_grad=True)
@@ -567,27 +556,17 @@ def test_mixed_plan_exports_a_wrapper_per_layer():
     torch = torch_or_skip()
     import torch.utils.checkpoint as checkpoint_module
 
-    from ckplan import exports
-
     spec, plan, layers = _mixed_plan()
-    snippet = exports.export(plan, "torch").text
-    namespace: dict = {}
-    exec(compile(snippet, "snippet", "exec"), namespace)
+    namespace, modes = recording_snippet(plan)
     torch.manual_seed(0)
     blocks = torch.nn.ModuleList([_torch_block(torch, spec) for _ in range(spec.layers)])
-    wrapped, modes = [], []
-
-    def recording(policy_fn):
-        pair = checkpoint_module.create_selective_checkpoint_contexts(policy_fn)
-        modes.append(pair[0])
-        return pair
+    wrapped = []
 
     def checkpoint(fn, *args, **kwargs):
         if "context_fn" in kwargs:
             wrapped.append(next(i for i, block in enumerate(blocks) if block is fn))
         return checkpoint_module.checkpoint(fn, *args, **kwargs)
 
-    namespace["create_selective_checkpoint_contexts"] = recording
     namespace["checkpoint"] = checkpoint
     x = torch.randn(spec.micro_batch, spec.seq, spec.hidden, requires_grad=True)
     out = namespace["forward_layers"](blocks, x)

@@ -3,6 +3,7 @@ a tiny config): what selective checkpointing keeps is ckplan's tape op by op, an
 are the plain step's. Skipped without torch and transformers (the `frameworks` extra)."""
 
 import pytest
+from export_snippet import recording_snippet
 
 from ckplan.model.op_policy import kept_units, parse_policy, policy_tape_bytes, unit_ops
 from ckplan.model.spec import spec_from_mapping
@@ -116,24 +117,13 @@ def test_exported_policy_fn_on_hugging_face_llama_layers(strategy):
     transformers = pytest.importorskip("transformers")
     import torch.utils.checkpoint as checkpoint_module
 
-    from ckplan import exports
     from ckplan.plan.evaluate import evaluate
     from ckplan.plan.strategies import parse_strategy
 
     spec = spec_from_mapping(TINY)
     plan = evaluate(spec, parse_strategy(strategy, spec))
     policy = parse_policy(strategy)
-    snippet = exports.export(plan, "torch").text
-    namespace: dict = {}
-    exec(compile(snippet, "snippet", "exec"), namespace)
-    modes = []
-
-    def recording(policy_fn):
-        pair = checkpoint_module.create_selective_checkpoint_contexts(policy_fn)
-        modes.append(pair[0])
-        return pair
-
-    namespace["create_selective_checkpoint_contexts"] = recording
+    namespace, modes = recording_snippet(plan)
     layers, rotary = _layers(torch, transformers, spec)
     x = torch.randn(spec.micro_batch, spec.seq, spec.hidden, requires_grad=True)
     positions = torch.arange(spec.seq)[None].expand(spec.micro_batch, -1)

@@ -2,6 +2,7 @@
 checkpointing keeps on torchtitan-style DeepSeek-V3 and Mixtral blocks with the same policy."""
 
 import pytest
+from export_snippet import recording_snippet
 
 from ckplan.model.op_policy import (
     FORCE_RECOMPUTED,
@@ -402,22 +403,12 @@ def test_exported_policy_fn_keeps_the_predicted_bytes(mla, strategy):
     torch = torch_or_skip()
     import torch.utils.checkpoint as checkpoint_module
 
-    from ckplan import exports
     from ckplan.plan.evaluate import evaluate
     from ckplan.plan.strategies import parse_strategy
 
     s = spec(mla, vocab=128)
     plan = evaluate(s, parse_strategy(strategy, s))
-    namespace: dict = {}
-    exec(compile(exports.export(plan, "torch").text, "snippet", "exec"), namespace)
-    modes = []
-
-    def recording(policy_fn):
-        pair = checkpoint_module.create_selective_checkpoint_contexts(policy_fn)
-        modes.append(pair[0])
-        return pair
-
-    namespace["create_selective_checkpoint_contexts"] = recording
+    namespace, modes = recording_snippet(plan)
     torch.manual_seed(0)
     block = _torch_block(torch, s)
     x = torch.randn(s.micro_batch, s.seq, s.hidden, requires_grad=True)

@@ -1,0 +1,24 @@
+"""The torch export of a plan, run as a user would run it, with the selective-checkpoint
+contexts it creates recorded (what each checkpoint caches is read from them)."""
+
+from __future__ import annotations
+
+
+def recording_snippet(plan) -> tuple[dict, list]:
+    """The namespace of `export --to torch`'s snippet for `plan`, whose
+    `create_selective_checkpoint_contexts` records each forward context into the returned list."""
+    import torch.utils.checkpoint as checkpoint_module
+
+    from ckplan import exports
+
+    namespace: dict = {}
+    exec(compile(exports.export(plan, "torch").text, "snippet", "exec"), namespace)
+    modes: list = []
+
+    def recording(policy_fn):
+        pair = checkpoint_module.create_selective_checkpoint_contexts(policy_fn)
+        modes.append(pair[0])
+        return pair
+
+    namespace["create_selective_checkpoint_contexts"] = recording
+    return namespace, modes
