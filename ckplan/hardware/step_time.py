@@ -41,7 +41,7 @@ from ckplan.hardware.roofline import (
     memory_seconds,
 )
 from ckplan.hardware.times import ZERO, MicroBatchTime, StageTime
-from ckplan.model import loss, memory, optimizers
+from ckplan.model import frameworks, loss, memory, optimizers
 from ckplan.model.flops import MFU_CONVENTION, iteration_flops, model_flops_per_iteration
 from ckplan.model.layers import LayerKind, stage_kinds
 from ckplan.model.modules import module_ops
@@ -501,9 +501,9 @@ def pipeline_p2p_seconds(spec: ModelSpec, gpu: GPU) -> float:
 @dataclass(frozen=True)
 class DataParallelComm:
     """The data-parallel collectives of one iteration, before overlap, in seconds: once per
-    iteration (the gradients' reduction, the updated weights' gather) and, under ZeRO-3/FSDP,
-    per micro-batch (the weights gathered for its forward, and for its backward with the
-    gradients reduce-scattered)."""
+    iteration (the gradients' reduction after the last micro-batch, the updated weights'
+    gather) and per micro-batch (the weights gathered for its forward, for its backward, and
+    the gradients reduced beside it where the framework does: `frameworks.gradient_sync`)."""
 
     reduce: float = 0.0
     gather: float = 0.0
@@ -522,26 +522,35 @@ class DataParallelComm:
         return self.reduce + self.gather + microbatches * (self.forward + self.backward)
 
 
-def _gradient_reduction(
-    spec: ModelSpec, params: int, ranks: int, bandwidth: float
+def gradient_reduction(
+    spec: ModelSpec, zero: int, pp: int, params: int, ranks: int, bandwidth: float
 ) -> DataParallelComm:
-    """One group's share of the data-parallel communication: ZeRO 0 a ring all-reduce of the
-    gradients (grad_bytes per parameter); ZeRO 1-2 (Megatron's distributed optimizer) a
-    reduce-scatter of the gradients and an all-gather of the updated weights (weight_bytes);
-    ZeRO 3 (Rajbhandari et al. 2020 §5.3) per micro-batch the weights all-gathered for the
-    forward and again for the backward, the gradients reduce-scattered."""
+    """One group's share of the data-parallel communication at ZeRO `zero` and pipeline size
+    `pp` (a layout's; spec gives the framework and bytes): ZeRO 0 a ring all-reduce of the
+    gradients (grad_bytes per parameter); ZeRO 1-3 a reduce-scatter of the gradients and an
+    all-gather of the weights (weight_bytes): ZeRO 1-2's updated weights once per step (Megatron's
+    distributed optimizer), ZeRO 3's (Rajbhandari et al. 2020 §5.3) for every micro-batch's
+    forward and again for its backward. The gradients are reduced once per step or every
+    micro-batch, beside its backward, and the weights gathered per micro-batch as the framework
+    runs gradient accumulation (`frameworks.gradient_sync`)."""
     if ranks == 1 or params == 0:
         return DataParallelComm()
+    sync = frameworks.gradient_sync(spec.framework, zero, pp, spec.grad_sync)
     # FSDP gathers the weights in the compute dtype (MixedPrecisionPolicy.param_dtype), whatever
     # the sharded copy's (fp32 under torchtitan and Hugging Face's AMP)
     grads, weights = params * spec.grad_bytes, params * min(spec.weight_bytes, spec.dtype_bytes)
-    if spec.zero == 0:
-        return DataParallelComm(reduce=comm.all_reduce_seconds(grads, ranks, bandwidth))
-    gather = comm.all_gather_seconds(weights, ranks, bandwidth)
-    scatter = comm.reduce_scatter_seconds(grads, ranks, bandwidth)
-    if spec.zero < 3:
-        return DataParallelComm(reduce=scatter, gather=gather)
-    return DataParallelComm(forward=gather, backward=gather + scatter)
+    if zero == 0:
+        reduce = comm.all_reduce_seconds(grads, ranks, bandwidth)
+        gather = 0.0
+    else:
+        reduce = comm.reduce_scatter_seconds(grads, ranks, bandwidth)
+        gather = comm.all_gather_seconds(weights, ranks, bandwidth)
+    forward = gather if sync.gather_forward else 0.0
+    backward = gather if sync.gather_backward else 0.0
+    once_gather = 0.0 if sync.gather_forward or sync.gather_backward else gather
+    if sync.each_micro_batch:
+        return DataParallelComm(gather=once_gather, forward=forward, backward=backward + reduce)
+    return DataParallelComm(reduce=reduce, gather=once_gather, forward=forward, backward=backward)
 
 
 @lru_cache(maxsize=256)
@@ -551,15 +560,21 @@ def data_parallel_comm(spec: ModelSpec, gpu: GPU) -> DataParallelComm:
     parameters (Megatron-LM reduces over both), and its routed experts' over their
     expert-data-parallel group, tp·cp·dp/(ep·etp) ranks ep·etp apart (Megatron's
     expert_data_parallel group, `ModelSpec.expert_data_parallel`), one after the other
-    (`_gradient_reduction` for each); only the trainable parameters' gradients
+    (`gradient_reduction` for each); only the trainable parameters' gradients
     (`memory.trainable_stage_parameters`)."""
     dense, experts = memory.trainable_stage_parameters(spec, memory.busiest_stage(spec))
     ranks = spec.dp * spec.cp
-    parts = _gradient_reduction(spec, dense, ranks, comm.group_bandwidth(gpu, ranks, spec.tp))
+    bandwidth = comm.group_bandwidth(gpu, ranks, spec.tp)
+    parts = gradient_reduction(spec, spec.zero, spec.pp, dense, ranks, bandwidth)
     if experts:
         expert_ranks, stride = spec.expert_data_parallel, spec.ep * spec.etp
-        parts += _gradient_reduction(
-            spec, experts, expert_ranks, comm.group_bandwidth(gpu, expert_ranks, stride)
+        parts += gradient_reduction(
+            spec,
+            spec.zero,
+            spec.pp,
+            experts,
+            expert_ranks,
+            comm.group_bandwidth(gpu, expert_ranks, stride),
         )
     return parts
 
@@ -576,8 +591,9 @@ def data_parallel_exposed(spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime) ->
     collective runs beside the compute it can hide behind, as Megatron-LM
     (--overlap-grad-reduce, --overlap-param-gather), DDP's buckets, DeepSpeed's overlap_comm and
     FSDP's prefetch run it: the gradients' reduction beside the backward of the last
-    micro-batch, the weights' gather beside the next forward, ZeRO-3's per-micro-batch gathers
-    and reduce-scatters beside that micro-batch's forward and backward. Each adds what it does
+    micro-batch, the weights' gather beside the next forward, the per-micro-batch gathers and
+    reductions (ZeRO 3; ZeRO 2 where the framework reduce-scatters every micro-batch) beside
+    that micro-batch's forward and backward. Each adds what it does
     not hide and the slowdown of the GEMMs whose SMs its NCCL blocks hold
     (`comm.overlapped`), and never less than one layer's chunk, which waits for the last
     layer's compute (NeMo's communication-overlap docs: "exposes only one DP communication

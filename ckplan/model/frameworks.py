@@ -70,6 +70,7 @@ DEEPSPEED_PREFETCH_BUCKET = 50_000_000  # elements (stage3_prefetch_bucket_size)
 DEEPSPEED_MAX_LIVE = 1_000_000_000  # parameters (stage3_max_live_parameters)
 HALF = 2  # bytes of a bf16 value
 OFFLOAD_DEVICES = ("none", "cpu")  # optimizer_offload, param_offload
+GRAD_SYNCS = ("micro_batch", "step")  # grad_sync (`gradient_sync`)
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,119 @@ def training_defaults(framework: str, zero: int = 0, optimizer: str = "adamw") -
             optimizer, defaults["optimizer_bytes"]
         )
     return defaults
+
+
+@dataclass(frozen=True)
+class GradientSync:
+    """When a framework moves the gradients and weights over its data-parallel ranks in a step
+    of several micro-batches (`gradient_sync`). Weights gathered for no micro-batch are
+    gathered once per step (ZeRO 1-2's updated weights, or a stage that stays unsharded)."""
+
+    each_micro_batch: bool  # every micro-batch's gradients reduced (else once, after the last)
+    gather_forward: bool = False  # the weights all-gathered for every micro-batch's forward
+    gather_backward: bool = False  # and again for its backward
+
+
+def gradient_sync(framework: str, zero: int, pp: int, grad_sync: str | None = None) -> GradientSync:
+    """What `framework` does with the gradients under gradient accumulation at ZeRO `zero` and
+    pipeline size `pp`: reduce (all-reduce under ZeRO 0, else reduce-scatter) every
+    micro-batch's gradients into the accumulated (shard of the) gradient, or accumulate them
+    unsharded and reduce once after the last micro-batch's backward; and whether it gathers
+    the weights per micro-batch.
+
+    - megatron, Megatron-LM core_v0.19.0. ZeRO 0-1 (DDP, distributed optimizer): the schedules
+      run every micro-batch but the last under `no_sync` (megatron/core/pipeline_parallel/
+      schedules.py:787-788, `forward_backward_no_pipelining`; the pipelined schedules'
+      `disable_grad_sync`), which sets the bucket groups' is_last_microbatch False
+      (megatron/core/distributed/distributed_data_parallel.py:504-514): the fp32 main
+      gradients accumulate in the full buffer and are reduced once. ZeRO 2-3 (Megatron-FSDP
+      optim_grads, optim_grads_params): "With gradient-sharding strategies, gradient reduction
+      occurs on every backward propagation" (megatron/core/distributed/fsdp/src/megatron_fsdp/
+      megatron_fsdp.py:755-772, `grad_reduce_every_bprop`; its `no_sync`, :1150-1161, "For
+      grads shard mode there will actually always be gradient sync happening"); optim_grads
+      keeps the model weights unsharded (param_and_grad_buffer.py:2331-2334,
+      is_model_weight_buffer_distributed False) and gathers the updated ones once;
+      optim_grads_params gathers them before each module's forward and backward.
+    - deepspeed, v0.19.8. ZeRO 0-1 communicate "only at gradient accumulation boundaries"
+      (deepspeed/runtime/engine.py:3088-3095, `allreduce_gradients`; stage_1_and_2.py:2293-2294
+      reduces a ZeRO-1 bucket only at the boundary), the bf16 gradients accumulated whole in
+      between; ZeRO 2 "communicates during non gradient accumulation boundaries as well"
+      (engine.py:3084-3086): each micro-batch's buckets are reduced to the ranks owning their
+      partitions (stage_1_and_2.py `average_tensor`) and added to the partition
+      (`independent_gradient_partition_epilogue`, :1016-1055); ZeRO 3 reduces every backward
+      (stage3.py:2160-2164) into grad_partitions_flat_buffer (:2006-2043) and gathers the
+      parameters for each forward and backward.
+    - torchtitan 0.3.0: its train_step runs the micro-batches with gradient sync on
+      (torchtitan/trainer.py:885-935: no `set_requires_gradient_sync`), so FSDP2 reduces every
+      backward (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py:216 reduce_grads
+      True, `post_backward` :588-640) and adds the result to the sharded gradient
+      (_fsdp_collectives.py:710, :744, PyTorch v2.13.0), zero 0 (FSDP2 over dp_replicate) an
+      all-reduce every micro-batch; FSDP2 reshards after backward by default
+      (_fsdp_param_group.py:223), so zero 2 (reshard_after_forward False) gathers for each
+      forward, zero 3 for each forward and backward. Under pipeline parallelism the stage
+      runs every backward but the last without gradient sync nor resharding
+      (torch/distributed/pipelining/stage.py:844-848) and reduces once after the last
+      (`perform_reduce_grad`, :1164-1177); torchtitan does not reshard after forward there
+      (torchtitan/distributed/fsdp.py `get_fsdp_reshard_after_forward_policy`), so the stage
+      is gathered once (the runtime schedules' UNSHARD/RESHARD actions, schedules.py
+      `_add_unshard_reshard`, may gather a virtual stage again: not counted).
+    - hf, transformers 5.25.0 with accelerate 1.16.0: the Trainer runs every micro-batch but the
+      last under `accelerator.no_sync` unless DeepSpeed runs it (transformers/trainer.py:
+      1941-1953), which is FSDP's no_sync (fsdp_version 1 by default, accelerate/utils/
+      dataclasses.py) or FSDP2's set_requires_gradient_sync(False) (accelerate/
+      accelerator.py:1126-1131): the unsharded gradients accumulate and are reduced once
+      (torch/distributed/fsdp/_runtime_utils.py:1192-1197, "`.grad` remains the unsharded
+      gradient from prior `no_sync()` iterations"). Under no_sync FSDP frees the unsharded
+      parameters after backward only for strategies that reshard after forward
+      (_runtime_utils.py:811-826): SHARD_GRAD_OP (zero 2) keeps them and gathers once,
+      FULL_SHARD (zero 3) gathers for each forward and backward. Other loops over PyTorch
+      FSDP sync every micro-batch (`grad_sync: micro_batch`, as torchtitan at pp 1): Composer
+      (mosaicml/composer v0.16.4, composer/trainer/trainer.py:2377-2378, no sync context
+      unless the model is DDP; composer/trainer/dist_strategy.py:71-73) and torchtune
+      (recipes/full_finetune_distributed.py:818-821, v0.6.1: backward every micro-batch,
+      no no_sync); FSDP then reshards after each backward.
+
+    `grad_sync` (hf only, `grad_sync_error`): micro_batch or step, None the framework's.
+    """
+    if framework == "torchtitan":
+        if pp > 1:
+            return GradientSync(each_micro_batch=False)
+        return GradientSync(
+            each_micro_batch=True, gather_forward=zero >= 2, gather_backward=zero == 3
+        )
+    full = zero == 3
+    if framework == "hf" and grad_sync == "micro_batch":
+        return GradientSync(each_micro_batch=True, gather_forward=zero >= 2, gather_backward=full)
+    if framework == "hf":
+        return GradientSync(each_micro_batch=False, gather_forward=full, gather_backward=full)
+    return GradientSync(each_micro_batch=zero >= 2, gather_forward=full, gather_backward=full)
+
+
+def gradients_sharded(
+    framework: str, zero: int, microbatches: int, grad_sync: str | None = None
+) -> bool:
+    """Whether the gradients a GPU holds through the step are its 1/d shard (ZeRO 2-3): one
+    micro-batch (the backward reduce-scatters and frees each layer's gradients), or a framework
+    that reduce-scatters every micro-batch's (`gradient_sync`; ZeRO 2-3 run beside pipeline
+    parallelism in torchtitan only). Otherwise the accumulated gradients are unsharded until
+    the last micro-batch: the full gradient (hf's FSDP under no_sync). torchtitan's pipelined
+    stage, which accumulates unsharded fp32 gradients too, holds them in `buffer_bytes` beside
+    its shard."""
+    if zero < 2:
+        return False
+    return microbatches == 1 or gradient_sync(framework, zero, 1, grad_sync).each_micro_batch
+
+
+def grad_sync_error(framework: str, grad_sync: str | None) -> str | None:
+    """Why `grad_sync` cannot be set for `framework` (one line naming the key), or None: the
+    loops over PyTorch FSDP/DDP that `hf` stands for differ (`gradient_sync`), the other
+    frameworks run one way each."""
+    if grad_sync is None or framework == "hf":
+        return None
+    return (
+        f"key 'grad_sync' ({grad_sync}): {framework} reduces the gradients its own way "
+        "(docs/layouts.md); the key is for framework hf"
+    )
 
 
 def weights_sharded_from(framework: str) -> int:

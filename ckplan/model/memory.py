@@ -701,6 +701,7 @@ def states_of(
     optimizer_extra: int = 0,
     held_gradients: int | None = None,
     tp: int | None = None,
+    microbatches: int | None = None,
 ) -> ModelStateBytes:
     """The model states of `dense` and `expert` parameters under spec's bytes per parameter
     and its ZeRO stage, its data-parallel ranks `dp` (default dp·cp: the ranks that hold the
@@ -710,7 +711,9 @@ def states_of(
     (`optimizer_tensor_bytes`), sharded with the rest of it; `held_gradients`: the dense
     parameters whose gradients are held at once when they are not all
     (`in_backward_gradient_parameters`); `tp` a layout's (the offloaded states' staging
-    buffers), default the spec's."""
+    buffers), default the spec's. The gradients are sharded from ZeRO 2 where the framework
+    holds a shard through gradient accumulation (`frameworks.gradients_sharded`, over
+    `microbatches`, default the spec's), else whole."""
     zero = spec.zero if zero is None else zero
     dp = spec.dp * spec.cp if dp is None else dp
     expert_dp = spec.expert_data_parallel if expert_dp is None else expert_dp
@@ -726,9 +729,12 @@ def states_of(
     weights, expert_weights = both(
         spec.weight_bytes, frameworks.weights_sharded_from(spec.framework)
     )
-    gradients, expert_gradients = both(spec.grad_bytes, 2)
+    microbatches = spec.microbatches if microbatches is None else microbatches
+    sharded_grads = frameworks.gradients_sharded(spec.framework, zero, microbatches, spec.grad_sync)
+    grads_from = 2 if sharded_grads else 4  # 4: no ZeRO stage shards them
+    gradients, expert_gradients = both(spec.grad_bytes, grads_from)
     if held_gradients is not None:
-        gradients = shard(min(held_gradients, dense), dp, spec.grad_bytes, 2)
+        gradients = shard(min(held_gradients, dense), dp, spec.grad_bytes, grads_from)
     optimizer, expert_optimizer = both(spec.master_bytes + spec.optimizer_bytes, 1)
     if optimizer_extra:
         optimizer += split_share(optimizer_extra, dp) if zero >= 1 else optimizer_extra

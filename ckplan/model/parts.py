@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckplan.errors import InputError
-from ckplan.model.frameworks import OFFLOAD_DEVICES
+from ckplan.model.frameworks import GRAD_SYNCS, OFFLOAD_DEVICES
 from ckplan.model.optimizers import OPTIMIZERS
 from ckplan.quoting import quote
 
@@ -284,11 +284,17 @@ class DataParallel(_Record):
     dp: int = 1
     zero: int = 0
     microbatches: int = 1  # per iteration per pipeline
+    # when the gradients are reduced under gradient accumulation (framework hf):
+    # micro_batch | step; None -> the framework's (ckplan.model.frameworks.gradient_sync)
+    grad_sync: str | None = None
 
     __hash__ = _Record.__hash__
 
     def __post_init__(self) -> None:
         check_ranges(self)
+        if self.grad_sync is not None and self.grad_sync not in GRAD_SYNCS:
+            rule = f"must be one of {', '.join(GRAD_SYNCS)}"
+            raise SpecError(key="grad_sync", rule=rule, value=self.grad_sync)
 
 
 @dataclass(frozen=True, eq=True)

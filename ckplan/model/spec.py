@@ -64,7 +64,7 @@ KEY_ORDER = (
     "name", "layers", "hidden", "seq", "micro_batch", "heads", "kv_heads", "ffn_hidden", "vocab",
     "dtype_bytes", "kind", "source", "norm", "mlp", "attention", "positions", "bias", "dropout",
     "tied_embeddings", "fused_swiglu", "profile", "tp", "pp", "sp", "cp", "dp", "zero",
-    "virtual_stages", "microbatches", "weight_bytes", "grad_bytes", "master_bytes",
+    "virtual_stages", "microbatches", "grad_sync", "weight_bytes", "grad_bytes", "master_bytes",
     "optimizer_bytes", "head_dim", "qkv_bias", "qk_norm", "post_norms", "parallel_residual",
     "sliding_window", "sliding_window_layers", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
     "qk_rope_head_dim", "v_head_dim", "experts", "top_k", "moe_ffn_hidden", "shared_experts",
@@ -266,7 +266,7 @@ _BOOL_FIELDS = {key for key, f in _KEYS.items() if f.type in ("bool", "bool | No
 _STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions", "profile"}
 _STR_FIELDS |= {"framework", "kernels", "attention_kernel", "precision", "loss"}
 _STR_FIELDS |= {"training", "lora_targets", "weight_format", "optimizer"}
-_STR_FIELDS |= {"optimizer_offload", "param_offload"}
+_STR_FIELDS |= {"optimizer_offload", "param_offload", "grad_sync"}
 _LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
 _FLOAT_FIELDS = {"dropout", "capacity_factor", "lora_dropout", "lora_alpha"}
 _NULLABLE = {key for key, f in _KEYS.items() if "None" in str(f.type)}
@@ -507,6 +507,8 @@ def _validate(spec: ModelSpec) -> None:
     _validate_finetune(spec)
     _validate_optimizer(spec)
     if reason := frameworks.state_offload_error(spec):
+        raise SpecError(reason)
+    if reason := frameworks.grad_sync_error(spec.framework, spec.grad_sync):
         raise SpecError(reason)
     if spec.mlp_tiles > 1:
         _validate_mlp_tiles(spec)

@@ -104,6 +104,8 @@ def run_spec(run: PublishedRun) -> ModelSpec:
     }
     if run.framework in FUSED_MODULES:
         execution["kernels"] = "fused"
+    if run.framework in GRAD_SYNC_EACH_MICRO_BATCH:
+        execution["grad_sync"] = "micro_batch"
     if run.compile:
         execution["kernels"] = "compiled"
     if run.attention_kernel in ("flash2", "flash3", "cudnn", "triton", "sdpa"):
@@ -130,6 +132,12 @@ def run_spec(run: PublishedRun) -> ModelSpec:
     values.pop("zero", None)
     zero = int(layout.get("zero", 0))
     return spec_from_values({**values, "zero": zero}, origin)
+
+
+# Publishers ckplan runs as `hf` whose loops reduce the gradients of every micro-batch (the
+# Hugging Face Trainer's no_sync reduces once per step): Composer and torchtune
+# (ckplan.model.frameworks.gradient_sync).
+GRAD_SYNC_EACH_MICRO_BATCH = ("composer", "torchtune")
 
 
 # torchtune's module names (torchtune/modules/peft/lora.py users: the attention's q_proj, k_proj,

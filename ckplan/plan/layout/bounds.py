@@ -35,7 +35,7 @@ from ckplan.hardware import host_states
 from ckplan.hardware.gpus import GPU
 from ckplan.hardware.host_link import copy_seconds
 from ckplan.hardware.roofline import memory_seconds
-from ckplan.hardware.step_time import embedding_time, layer_time, output_time
+from ckplan.hardware.step_time import embedding_time, gradient_reduction, layer_time, output_time
 from ckplan.hardware.times import StageTime
 from ckplan.model import allocator, loss, memory, optimizers
 from ckplan.model.layers import LayerKind, stage_kinds
@@ -315,13 +315,14 @@ class Bounds:
         return memory.states_of(
             self.spec, dense, expert, zero=layout.zero, dp=layout.dp * layout.cp,
             expert_dp=self._expert_dp(layout), held_gradients=held, tp=layout.tp,
+            microbatches=layout.microbatches,
         )  # fmt: skip
 
     def stage_states(self, layout: Layout) -> tuple[tuple[StageShape, int], ...]:
         """Each distinct stage with its model states' total bytes."""
         key = (
             layout.tp, layout.pp, layout.split, layout.virtual_stages, layout.cp, layout.dp,
-            layout.ep, layout.etp, layout.zero,
+            layout.ep, layout.etp, layout.zero, min(layout.microbatches, 2),
         )  # fmt: skip
         if key not in self._states:
             shapes = self.stages(layout.pp, layout.split, layout.virtual_stages)
@@ -459,19 +460,10 @@ class Bounds:
         return seconds
 
     def _reduction(self, layout: Layout, params: int, ranks: int, stride: int) -> float:
-        """`step_time._gradient_reduction` under the layout's ZeRO stage, all of it."""
-        if ranks == 1 or params == 0:
-            return 0.0
+        """`step_time.gradient_reduction` under the layout's ZeRO stage, all of it."""
         bandwidth = comm.group_bandwidth(self.gpu, ranks, stride)
-        spec = self.spec
-        grads, weights = params * spec.grad_bytes, params * min(spec.weight_bytes, spec.dtype_bytes)
-        if layout.zero == 0:
-            return comm.all_reduce_seconds(grads, ranks, bandwidth)
-        gather = comm.all_gather_seconds(weights, ranks, bandwidth)
-        scatter = comm.reduce_scatter_seconds(grads, ranks, bandwidth)
-        if layout.zero < 3:
-            return scatter + gather
-        return layout.microbatches * (2 * gather + scatter)
+        parts = gradient_reduction(self.spec, layout.zero, layout.pp, params, ranks, bandwidth)
+        return parts.total(layout.microbatches)
 
     def _optimizer(self, layout: Layout) -> float:
         """`step_time.optimizer_seconds`: Adam's memory-bound step over this GPU's share."""
