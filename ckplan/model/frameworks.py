@@ -250,7 +250,7 @@ def grad_sync_error(framework: str, grad_sync: str | None) -> str | None:
         return None
     return (
         f"key 'grad_sync' ({grad_sync}): {framework} reduces the gradients its own way "
-        "(docs/layouts.md); the key is for framework hf"
+        "(docs/memory.md); the key is for framework hf"
     )
 
 
