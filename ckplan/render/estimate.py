@@ -201,8 +201,8 @@ ARCHITECTURE_FEATURES = {
         "moe_layers",
     ),
 }
-# Keys of the other parts that only MoE models, uneven pipelines or model states on the host
-# use: shown when not default.
+# Keys of the other parts that only MoE models, uneven pipelines, model states on the host or
+# hf's gradient sync use: shown when not default.
 QUIET_KEYS = frozenset(
     {
         "moe_imbalance",
@@ -215,6 +215,7 @@ QUIET_KEYS = frozenset(
         "optimizer_offload",
         "param_offload",
         "mlp_tiles",
+        "grad_sync",
     }
 )
 PART_TITLES = {
