@@ -166,3 +166,31 @@ def test_rerun_at_a_small_shape():
         layer, kept=True
     )
     assert peak["Sharded Param"] == 4 * total // 8
+
+
+def test_stream_pools_by_hand():
+    # the 8 ranks' sharded fp32 gradients (4 · 8,030,261,248 / 8) and the root module's bf16
+    # all-gather output, larger than two blocks'
+    spec = _spec()
+    gradients = 4_015_130_624
+    assert memory.model_state_bytes(spec).gradients == gradients
+    assert frameworks.fsdp2_stream_pool_bytes(gradients, ROOT_PARAMS, LAYER) == (
+        gradients + 2 * ROOT_PARAMS
+    )
+    assert memory.stream_pool_bytes(spec) == gradients + 2 * ROOT_PARAMS
+    assert frameworks.fsdp2_stream_pool_bytes(0, 10, 6) == 2 * 12
+    assert memory.stream_pool_bytes(spec.replace(framework="hf")) == 0
+
+
+def test_reserved_adds_the_stream_pools_in_whole_blocks():
+    from ckplan.model import allocator
+
+    spec = _spec()
+    plan = evaluate(spec, parse_strategy("sac", spec))
+    pools = memory.stream_pool_bytes(spec)
+    without = allocator.reserved_bytes(plan.total_bytes, True)
+    block = allocator.ROUND_LARGE
+    assert plan.reserved_bytes == without + -(-pools // block) * block
+    assert allocator.reserved_bytes(0, True, 1) == block
+    # under pressure the pools give way first, never below the allocated blocks
+    assert allocator.reserved_within(3 * block, 4 * block, True, 10 * block) == 4 * block

@@ -288,6 +288,30 @@ def fsdp2_layer_backward_bytes(
     return running + prefetched + HALF * layer_params + previous_reduce + HALF * output_params
 
 
+def fsdp2_stream_pool_bytes(
+    sharded_gradient_bytes: int, root_params: int, layer_params: int
+) -> int:
+    """What the CUDA caching allocator keeps reserved for FSDP2's side streams beside the
+    default stream's blocks: it reuses a cached block only on the stream that allocated it
+    (c10/cuda/CUDACachingAllocator.cpp, `get_free_block`: the pool is searched by
+    (stream, size); with expandable segments one segment per stream, "Note [Expandable
+    Segments]"), and FSDP2 allocates two kinds of buffers off the default stream
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, PyTorch v2.13.0):
+
+    - the sharded gradients, views of the reduce-scatter output allocated on the
+      reduce-scatter stream ("the GPU sharded gradient is allocated in the RS stream"), in
+      reduce_dtype fp32: all of them live from the end of the backward to zero_grad, so that
+      stream's pool holds `sharded_gradient_bytes` for the whole step;
+    - the all-gather outputs, allocated on the all-gather copy-in stream (`foreach_all_gather`),
+      bf16: the root module's at the first forward, two blocks' at once when one is prefetched;
+      the pool holds the larger.
+
+    derived: the pools' high-water marks; they are reserved, not allocated, at the allocated
+    peak (the loss's backward), which the tracker measured without them
+    (validation/torch_fsdp2_memory.py)."""
+    return sharded_gradient_bytes + HALF * max(root_params, 2 * layer_params)
+
+
 def state_offload_error(
     spec, zero: int | None = None, pp: int | None = None, microbatches: int | None = None
 ) -> str | None:

@@ -682,6 +682,26 @@ def output_layer_parameters(spec: ModelSpec) -> int:
     return -(-spec.vocab * spec.hidden // spec.tp) + spec.hidden
 
 
+def stream_pool_bytes(spec: ModelSpec) -> int:
+    """Bytes the caching allocator holds reserved for FSDP2's side streams under torchtitan's
+    resharding FSDP (`frameworks.fsdp2_stream_pool_bytes`: the sharded fp32 gradients and the
+    all-gather outputs), 0 otherwise."""
+    if spec.kind != "transformer" or not frameworks.fsdp2_resharding(spec):
+        return 0
+    dense, expert = stage_parameters(spec, 0)
+    layer = largest_layer_parameters(spec, 0)
+    in_layers = sum(
+        count
+        * (
+            layer_parameter_parts(spec, kind).dense_per_rank(spec)
+            + layer_parameter_parts(spec, kind).experts_per_rank(spec)
+        )
+        for kind, count in stage_kind_counts(spec, 0).items()
+    )
+    gradients = model_state_bytes(spec, 0).gradients
+    return frameworks.fsdp2_stream_pool_bytes(gradients, dense + expert - in_layers, layer)
+
+
 def stage_buffer_bytes(spec: ModelSpec, stage: int) -> int:
     """The framework's buffers on one GPU of pipeline stage `stage` (frameworks.buffer_bytes):
     over its parameters, its largest layer's and those outside the layers."""
