@@ -179,7 +179,24 @@ def test_stream_pools_by_hand():
     )
     assert memory.stream_pool_bytes(spec) == gradients + 2 * ROOT_PARAMS
     assert frameworks.fsdp2_stream_pool_bytes(0, 10, 6) == 2 * 12
+    # gathered once, in forward, one block at a time (zero 2, or pipeline parallelism)
+    assert frameworks.fsdp2_stream_pool_bytes(0, 10, 6, prefetch=False) == 2 * 10
+    assert frameworks.fsdp2_stream_pool_bytes(0, 4, 6, prefetch=False) == 2 * 6
+    zero2 = spec.replace(zero=2)
+    assert memory.stream_pool_bytes(zero2) == gradients + 2 * ROOT_PARAMS
     assert memory.stream_pool_bytes(spec.replace(framework="hf")) == 0
+    assert memory.stream_pool_bytes(spec.replace(dp=1)) == 0
+
+
+def test_stream_pools_of_a_pipeline_stage():
+    # pp 4: the busiest stage is the first or the last, 8 layers and the embedding or output
+    spec = _spec(pp=4)
+    stage = memory.busiest_stage(spec)
+    dense, expert = memory.stage_parameters(spec, stage)
+    gradients = memory.model_state_bytes(spec, stage).gradients
+    root = dense + expert - 8 * LAYER
+    assert root in (128_256 * 4096, 128_256 * 4096 + 4096)
+    assert memory.stream_pool_bytes(spec) == gradients + 2 * root
 
 
 def test_reserved_adds_the_stream_pools_in_whole_blocks():

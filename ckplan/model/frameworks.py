@@ -288,8 +288,20 @@ def fsdp2_layer_backward_bytes(
     return running + prefetched + HALF * layer_params + previous_reduce + HALF * output_params
 
 
+def fsdp2_sharded(spec) -> bool:
+    """Whether torchtitan's FSDP2 shards this full-training spec's gradients over more than one
+    rank (zero 2 or 3, dp·cp > 1): its reduce-scatter and all-gather streams then keep pools of
+    their own (`fsdp2_stream_pool_bytes`)."""
+    return (
+        spec.framework == "torchtitan"
+        and spec.zero >= 2
+        and spec.dp * spec.cp > 1
+        and spec.training == "full"
+    )
+
+
 def fsdp2_stream_pool_bytes(
-    sharded_gradient_bytes: int, root_params: int, layer_params: int
+    sharded_gradient_bytes: int, root_params: int, layer_params: int, prefetch: bool = True
 ) -> int:
     """What the CUDA caching allocator keeps reserved for FSDP2's side streams beside the
     default stream's blocks: it reuses a cached block only on the stream that allocated it
@@ -303,13 +315,16 @@ def fsdp2_stream_pool_bytes(
       reduce_dtype fp32: all of them live from the end of the backward to zero_grad, so that
       stream's pool holds `sharded_gradient_bytes` for the whole step;
     - the all-gather outputs, allocated on the all-gather copy-in stream (`foreach_all_gather`),
-      bf16: the root module's at the first forward, two blocks' at once when one is prefetched;
-      the pool holds the larger.
+      bf16: the root module's at the first forward, and a block's, two at once when the
+      backward prefetches one (`prefetch`: resharding after forward; without it, under zero 2
+      or pipeline parallelism, the blocks are gathered once, in forward, one at a time, the
+      previous output freed before the next is made: `unshard` drops `all_gather_state`
+      first); the pool holds the larger.
 
     derived: the pools' high-water marks; they are reserved, not allocated, at the allocated
     peak (the loss's backward), which the tracker measured without them
     (validation/torch_fsdp2_memory.py)."""
-    return sharded_gradient_bytes + HALF * max(root_params, 2 * layer_params)
+    return sharded_gradient_bytes + HALF * max(root_params, (2 if prefetch else 1) * layer_params)
 
 
 def state_offload_error(

@@ -682,24 +682,28 @@ def output_layer_parameters(spec: ModelSpec) -> int:
     return -(-spec.vocab * spec.hidden // spec.tp) + spec.hidden
 
 
-def stream_pool_bytes(spec: ModelSpec) -> int:
-    """Bytes the caching allocator holds reserved for FSDP2's side streams under torchtitan's
-    resharding FSDP (`frameworks.fsdp2_stream_pool_bytes`: the sharded fp32 gradients and the
-    all-gather outputs), 0 otherwise."""
-    if spec.kind != "transformer" or not frameworks.fsdp2_resharding(spec):
+def stream_pool_bytes(spec: ModelSpec, stage: int | None = None) -> int:
+    """Bytes the caching allocator holds reserved for FSDP2's side streams on one GPU of
+    pipeline stage `stage` (default the busiest) under torchtitan's FSDP
+    (`frameworks.fsdp2_stream_pool_bytes`: the stage's sharded fp32 gradients and its largest
+    all-gather output), 0 otherwise."""
+    if spec.kind != "transformer" or not frameworks.fsdp2_sharded(spec):
         return 0
-    dense, expert = stage_parameters(spec, 0)
-    layer = largest_layer_parameters(spec, 0)
+    stage = busiest_stage(spec) if stage is None else stage
+    dense, expert = stage_parameters(spec, stage)
+    layer = largest_layer_parameters(spec, stage)
     in_layers = sum(
         count
         * (
             layer_parameter_parts(spec, kind).dense_per_rank(spec)
             + layer_parameter_parts(spec, kind).experts_per_rank(spec)
         )
-        for kind, count in stage_kind_counts(spec, 0).items()
+        for kind, count in stage_kind_counts(spec, stage).items()
     )
-    gradients = model_state_bytes(spec, 0).gradients
-    return frameworks.fsdp2_stream_pool_bytes(gradients, dense + expert - in_layers, layer)
+    gradients = model_state_bytes(spec, stage).gradients
+    return frameworks.fsdp2_stream_pool_bytes(
+        gradients, dense + expert - in_layers, layer, prefetch=frameworks.fsdp2_resharding(spec)
+    )
 
 
 def stage_buffer_bytes(spec: ModelSpec, stage: int) -> int:

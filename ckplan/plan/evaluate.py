@@ -112,7 +112,9 @@ class Plan:
         """The allocator's reserved peak per GPU (max_memory_reserved) with memory to spare
         (model.allocator)."""
         return allocator.reserved_bytes(
-            self.total_bytes, self.spec.expandable_segments, memory.stream_pool_bytes(self.spec)
+            self.total_bytes,
+            self.spec.expandable_segments,
+            memory.stream_pool_bytes(self.spec, self.peak_stage),
         )
 
     @property

@@ -422,7 +422,10 @@ def predict(run: PublishedRun, gpu: GPU | None = None) -> Prediction:
         if metric == "memory_reserved_bytes":
             available = gpu.memory_bytes - DEFAULT_RESERVE
             predicted = allocator.reserved_within(
-                memory, available, spec.expandable_segments, stream_pool_bytes(spec)
+                memory,
+                available,
+                spec.expandable_segments,
+                stream_pool_bytes(spec, plan.peak_stage),
             )
         else:
             predicted = memory
