@@ -14,10 +14,16 @@ parameter (its mixed-precision recipe) and adds buffers of its own:
 - `torchtitan` (FSDP2, `fully_shard` with MixedPrecisionPolicy(param bf16, reduce fp32)): the
   sharded parameters stay fp32 and are the optimizer's ("does not require any extra memory to
   keep a high-precision copy", torch/distributed/fsdp/_fully_shard/_fsdp_api.py), fp32 sharded
-  gradients, Adam: 16 bytes per parameter over d. Buffers: the bf16 unsharded parameters of
-  the layer running and of the one prefetched; the layer's unsharded bf16 gradients and the
-  fp32 reduce-scatter input while it reduces; the root module (embedding, final norm, output)
-  not resharded after forward. Under pipeline parallelism it does not reshard after forward
+  gradients, Adam: 16 bytes per parameter over d. Buffers with zero 3 on one pipeline stage
+  (`fsdp2_resharding`): the root module (embedding, final norm, output) and the last layer
+  unsharded in bf16 all step (`fsdp2_kept_unsharded_bytes`); while a layer runs, its unsharded
+  parameters, the prefetched layer's all-gather output, its bf16 gradients, the previous
+  layer's fp32 reduce-scatter input and the output layer's bf16 gradients, as that layer's
+  chain workspace (`fsdp2_layer_forward_bytes`, `fsdp2_layer_backward_bytes`; measured with
+  PyTorch's FSDPMemTracker: validation/torch_fsdp2_memory.py). Reserved beside the allocated
+  peak: the side streams' pools, the sharded gradients and the all-gather outputs
+  (`fsdp2_stream_pool_bytes`). With zero 2: the bf16 unsharded parameters of the whole stage,
+  the layer's bf16 gradients and fp32 reduce-scatter input. Under pipeline parallelism it does not reshard after forward
   (torchtitan's parallelize apply_fsdp): the whole stage stays unsharded; and the pipeline
   stage runs every micro-batch's backward without gradient sync, reduce-scattering once after
   the last (torch/distributed/pipelining/stage.py `backward_maybe_with_nosync`, PyTorch
