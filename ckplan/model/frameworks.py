@@ -23,12 +23,13 @@ parameter (its mixed-precision recipe) and adds buffers of its own:
   PyTorch's FSDPMemTracker: validation/torch_fsdp2_memory.py). Reserved beside the allocated
   peak: the side streams' pools, the sharded gradients and the all-gather outputs
   (`fsdp2_stream_pool_bytes`). With zero 2: the bf16 unsharded parameters of the whole stage,
-  the layer's bf16 gradients and fp32 reduce-scatter input. Under pipeline parallelism it does not reshard after forward
-  (torchtitan's parallelize apply_fsdp): the whole stage stays unsharded; and the pipeline
-  stage runs every micro-batch's backward without gradient sync, reduce-scattering once after
-  the last (torch/distributed/pipelining/stage.py `backward_maybe_with_nosync`, PyTorch
-  v2.13.0), so FSDP2 accumulates the stage's unsharded gradients in its reduce dtype, fp32
-  (_fsdp_param.py `to_accumulated_grad_if_needed`): 4 bytes per parameter of the stage.
+  the layer's bf16 gradients and fp32 reduce-scatter input. Under pipeline parallelism it does
+  not reshard after forward (torchtitan's parallelize apply_fsdp): the whole stage stays
+  unsharded; and the pipeline stage runs every micro-batch's backward without gradient sync,
+  reduce-scattering once after the last (torch/distributed/pipelining/stage.py
+  `backward_maybe_with_nosync`, PyTorch v2.13.0), so FSDP2 accumulates the stage's unsharded
+  gradients in its reduce dtype, fp32 (_fsdp_param.py `to_accumulated_grad_if_needed`): 4 bytes
+  per parameter of the stage.
   zero 0 is its replicate (DDP/HSDP), 2 FSDP without resharding after forward, 3 FSDP; both
   shard the fp32 parameters (`weights_sharded_from`).
 - `deepspeed` (ZeRO, bf16): bf16 weights and gradients, fp32 master weights and Adam, 16 bytes
