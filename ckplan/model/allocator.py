@@ -44,12 +44,16 @@ def slack(expandable_segments: bool) -> float:
     return EXPANDABLE_SLACK if expandable_segments else ALLOCATOR_SLACK
 
 
-def reserved_bytes(allocated: int, expandable_segments: bool = False) -> int:
-    """The reserved peak of an allocated peak: allocated · (1 + slack), rounded up to 2 MiB."""
+def reserved_bytes(allocated: int, expandable_segments: bool = False, side_streams: int = 0) -> int:
+    """The reserved peak of an allocated peak: allocated · (1 + slack), rounded up to 2 MiB;
+    plus `side_streams`, the blocks other streams' pools hold (a cached block serves only the
+    stream that allocated it: ckplan.model.frameworks `fsdp2_stream_pool_bytes`), rounded up
+    to 2 MiB."""
+    side = -(-max(side_streams, 0) // ROUND_LARGE) * ROUND_LARGE
     if allocated <= 0:
-        return 0
+        return side
     grown = math.ceil(allocated * (1 + slack(expandable_segments)))
-    return -(-grown // ROUND_LARGE) * ROUND_LARGE
+    return -(-grown // ROUND_LARGE) * ROUND_LARGE + side
 
 
 def budgeted_bytes(allocated: int) -> int:
@@ -67,9 +71,12 @@ def allocatable_bytes(usable: int) -> int:
     return (usable // ROUND_LARGE) * ROUND_LARGE
 
 
-def reserved_within(allocated: int, available: int, expandable_segments: bool = False) -> int:
+def reserved_within(
+    allocated: int, available: int, expandable_segments: bool = False, side_streams: int = 0
+) -> int:
     """The reserved peak of an allocated peak when the allocator may hold at most `available`
-    bytes: its slack shrinks to what is left, as it releases its cache rather than fail (module
-    docstring); never below the allocated peak's own blocks."""
+    bytes: its slack and the side streams' pools shrink to what is left, as it releases its
+    cache rather than fail (module docstring); never below the allocated peak's own blocks."""
     budgeted = budgeted_bytes(allocated)
-    return max(budgeted, min(reserved_bytes(allocated, expandable_segments), available))
+    reserved = reserved_bytes(allocated, expandable_segments, side_streams)
+    return max(budgeted, min(reserved, available))

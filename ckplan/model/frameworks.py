@@ -14,15 +14,22 @@ parameter (its mixed-precision recipe) and adds buffers of its own:
 - `torchtitan` (FSDP2, `fully_shard` with MixedPrecisionPolicy(param bf16, reduce fp32)): the
   sharded parameters stay fp32 and are the optimizer's ("does not require any extra memory to
   keep a high-precision copy", torch/distributed/fsdp/_fully_shard/_fsdp_api.py), fp32 sharded
-  gradients, Adam: 16 bytes per parameter over d. Buffers: the bf16 unsharded parameters of
-  the layer running and of the one prefetched; the layer's unsharded bf16 gradients and the
-  fp32 reduce-scatter input while it reduces; the root module (embedding, final norm, output)
-  not resharded after forward. Under pipeline parallelism it does not reshard after forward
-  (torchtitan's parallelize apply_fsdp): the whole stage stays unsharded; and the pipeline
-  stage runs every micro-batch's backward without gradient sync, reduce-scattering once after
-  the last (torch/distributed/pipelining/stage.py `backward_maybe_with_nosync`, PyTorch
-  v2.13.0), so FSDP2 accumulates the stage's unsharded gradients in its reduce dtype, fp32
-  (_fsdp_param.py `to_accumulated_grad_if_needed`): 4 bytes per parameter of the stage.
+  gradients, Adam: 16 bytes per parameter over d. Buffers with zero 3 on one pipeline stage
+  (`fsdp2_resharding`): the root module (embedding, final norm, output) and the last layer
+  unsharded in bf16 all step (`fsdp2_kept_unsharded_bytes`); while a layer runs, its unsharded
+  parameters, the prefetched layer's all-gather output, its bf16 gradients, the previous
+  layer's fp32 reduce-scatter input and the output layer's bf16 gradients, as that layer's
+  chain workspace (`fsdp2_layer_forward_bytes`, `fsdp2_layer_backward_bytes`; measured with
+  PyTorch's FSDPMemTracker: validation/torch_fsdp2_memory.py). Reserved beside the allocated
+  peak: the side streams' pools, the sharded gradients and the all-gather outputs
+  (`fsdp2_stream_pool_bytes`). With zero 2: the bf16 unsharded parameters of the whole stage,
+  the layer's bf16 gradients and fp32 reduce-scatter input. Under pipeline parallelism it does
+  not reshard after forward (torchtitan's parallelize apply_fsdp): the whole stage stays
+  unsharded; and the pipeline stage runs every micro-batch's backward without gradient sync,
+  reduce-scattering once after the last (torch/distributed/pipelining/stage.py
+  `backward_maybe_with_nosync`, PyTorch v2.13.0), so FSDP2 accumulates the stage's unsharded
+  gradients in its reduce dtype, fp32 (_fsdp_param.py `to_accumulated_grad_if_needed`): 4 bytes
+  per parameter of the stage.
   zero 0 is its replicate (DDP/HSDP), 2 FSDP without resharding after forward, 3 FSDP; both
   shard the fp32 parameters (`weights_sharded_from`).
 - `deepspeed` (ZeRO, bf16): bf16 weights and gradients, fp32 master weights and Adam, 16 bytes
@@ -309,6 +316,8 @@ def buffer_bytes(spec, stage_params: int, layer_params: int, root_params: int) -
     parameters this GPU's pipeline stage holds, `layer_params` one layer's (the largest),
     `root_params` those outside the layers (embedding, final norm, output) on this stage."""
     framework, zero, dp = spec.framework, spec.zero, spec.dp
+    if fsdp2_resharding(spec):  # the layers' copies are their chain stages' (fsdp2_layer_*)
+        return fsdp2_kept_unsharded_bytes(root_params, layer_params)
     # torchtitan's FSDP mesh is dp_shard·cp (context-parallel ranks hold the same parameters)
     if framework == "torchtitan" and dp * spec.cp > 1 and zero >= 2:
         if zero == 2 or spec.pp > 1:
@@ -336,6 +345,107 @@ def buffer_bytes(spec, stage_params: int, layer_params: int, root_params: int) -
         autocast = HALF * (stage_params if zero < 3 else 2 * layer_params) if fp32_weights else 0
         return buckets + autocast
     return 0
+
+
+def fsdp2_resharding(spec) -> bool:
+    """Whether the spec runs torchtitan's FSDP2 resharding after forward (zero 3, one pipeline
+    stage, more than one rank in the FSDP mesh dp·cp, full training): its blocks' unsharded
+    copies, gradients and reduce-scatter buffers then live only while a block runs, and ckplan
+    holds them as the layers' chain workspaces (`fsdp2_layer_forward_bytes`,
+    `fsdp2_layer_backward_bytes`) beside the copies kept all step
+    (`fsdp2_kept_unsharded_bytes`)."""
+    return (
+        spec.framework == "torchtitan"
+        and spec.zero == 3
+        and spec.pp == 1
+        and spec.dp * spec.cp > 1
+        and spec.training == "full"
+    )
+
+
+def fsdp2_kept_unsharded_bytes(root_params: int, layer_params: int) -> int:
+    """The bf16 unsharded parameters FSDP2 keeps from the forward to the backward under
+    torchtitan's apply_fsdp (pytorch/torchtitan 9dec370, torchtitan/parallelisms/
+    parallelize_llama.py): the root module (embedding, final norm, output), which FSDP2 never
+    reshards after forward when its reshard_after_forward is left to the default, as torchtitan
+    leaves it (torch/distributed/fsdp/_fully_shard/_fsdp_state.py `_lazy_init`, PyTorch
+    v2.13.0: "For the root, do not reshard after forward"), and the last block
+    (`reshard_after_forward=int(layer_id) < len(model.layers) - 1`). Measured:
+    validation/torch_fsdp2_memory.py, Llama 3 8B on 8 ranks, 2,537,578,496 bytes of
+    "Unsharded Param" at the peak = 2 · (1,050,677,248 + 218,112,000)."""
+    return HALF * (root_params + layer_params)
+
+
+def fsdp2_layer_forward_bytes(layer_params: int, kept: bool = False) -> int:
+    """What a block's forward holds of FSDP2's buffers beyond the kept copies: its bf16
+    unsharded parameters and the flat all-gather output they were copied out of, which FSDP2
+    frees only at the next all-gather's copy-in (_fsdp_param_group.py `wait_for_unshard`:
+    `AllGatherState` in forward, PyTorch v2.13.0); for the last block (`kept`) its output
+    alone. Measured (validation/torch_fsdp2_memory.py): "All Gather" 436,224,000 bytes =
+    2 · 218,112,000 beside the block's unsharded copy."""
+    return HALF * layer_params * (1 if kept else 2)
+
+
+def fsdp2_layer_backward_bytes(
+    layer_params: int, output_params: int, first: bool = False, last: bool = False
+) -> int:
+    """What a block's backward holds of FSDP2's buffers beyond the kept copies (PyTorch
+    v2.13.0, torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py):
+
+    - its bf16 unsharded parameters (the last block's are kept: `fsdp2_kept_unsharded_bytes`);
+    - the next block's all-gather output, prefetched at its pre-backward (`_prefetch_unshard`;
+      none before the first block, whose successor is the already unsharded root);
+    - its unsharded gradients, in param_dtype bf16 until its post-backward;
+    - the previous block's fp32 reduce-scatter input (reduce_dtype float32), which
+      `reduce_scatter_states` holds until this block's post-backward frees it before its own
+      (`reduce_scatter_max_input_buffers` 1; none behind the last block, the first to run);
+    - the root module's bf16 output-layer and final-norm gradients (`output_params`), which
+      wait for the root's post-backward at the end of the backward.
+
+    derived: the sum of the above at the block's backward compute."""
+    running = 0 if last else HALF * layer_params
+    prefetched = 0 if first else HALF * layer_params
+    previous_reduce = 0 if last else 4 * layer_params
+    return running + prefetched + HALF * layer_params + previous_reduce + HALF * output_params
+
+
+def fsdp2_sharded(spec) -> bool:
+    """Whether torchtitan's FSDP2 shards this full-training spec's gradients over more than one
+    rank (zero 2 or 3, dp·cp > 1): its reduce-scatter and all-gather streams then keep pools of
+    their own (`fsdp2_stream_pool_bytes`)."""
+    return (
+        spec.framework == "torchtitan"
+        and spec.zero >= 2
+        and spec.dp * spec.cp > 1
+        and spec.training == "full"
+    )
+
+
+def fsdp2_stream_pool_bytes(
+    sharded_gradient_bytes: int, root_params: int, layer_params: int, prefetch: bool = True
+) -> int:
+    """What the CUDA caching allocator keeps reserved for FSDP2's side streams beside the
+    default stream's blocks: it reuses a cached block only on the stream that allocated it
+    (c10/cuda/CUDACachingAllocator.cpp, `get_free_block`: the pool is searched by
+    (stream, size); with expandable segments one segment per stream, "Note [Expandable
+    Segments]"), and FSDP2 allocates two kinds of buffers off the default stream
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, PyTorch v2.13.0):
+
+    - the sharded gradients, views of the reduce-scatter output allocated on the
+      reduce-scatter stream ("the GPU sharded gradient is allocated in the RS stream"), in
+      reduce_dtype fp32: all of them live from the end of the backward to zero_grad, so that
+      stream's pool holds `sharded_gradient_bytes` for the whole step;
+    - the all-gather outputs, allocated on the all-gather copy-in stream (`foreach_all_gather`),
+      bf16: the root module's at the first forward, and a block's, two at once when the
+      backward prefetches one (`prefetch`: resharding after forward; without it, under zero 2
+      or pipeline parallelism, the blocks are gathered once, in forward, one at a time, the
+      previous output freed before the next is made: `unshard` drops `all_gather_state`
+      first); the pool holds the larger.
+
+    derived: the pools' high-water marks; they are reserved, not allocated, at the allocated
+    peak (the loss's backward), which the tracker measured without them
+    (validation/torch_fsdp2_memory.py)."""
+    return sharded_gradient_bytes + HALF * max(root_params, (2 if prefetch else 1) * layer_params)
 
 
 def state_offload_error(

@@ -663,17 +663,56 @@ def finetune_state_bytes(
     )
 
 
+def largest_layer_parameters(spec: ModelSpec, stage: int = 0) -> int:
+    """Parameters on one GPU of the largest layer pipeline stage `stage` holds (its dense
+    parameters over tp, its experts over ep·etp)."""
+    return max(
+        layer_parameter_parts(spec, kind).dense_per_rank(spec)
+        + layer_parameter_parts(spec, kind).experts_per_rank(spec)
+        for kind in stage_kind_counts(spec, stage)
+    )
+
+
+def output_layer_parameters(spec: ModelSpec) -> int:
+    """Parameters on one GPU of the output layer (V/t rows of h, the vocab-parallel split
+    rounded up) and the final norm's weight (h): the root module's part whose gradients the
+    output stage's backward makes."""
+    if not spec.vocab:
+        return 0
+    return -(-spec.vocab * spec.hidden // spec.tp) + spec.hidden
+
+
+def stream_pool_bytes(spec: ModelSpec, stage: int | None = None) -> int:
+    """Bytes the caching allocator holds reserved for FSDP2's side streams on one GPU of
+    pipeline stage `stage` (default the busiest) under torchtitan's FSDP
+    (`frameworks.fsdp2_stream_pool_bytes`: the stage's sharded fp32 gradients and its largest
+    all-gather output), 0 otherwise."""
+    if spec.kind != "transformer" or not frameworks.fsdp2_sharded(spec):
+        return 0
+    stage = busiest_stage(spec) if stage is None else stage
+    dense, expert = stage_parameters(spec, stage)
+    layer = largest_layer_parameters(spec, stage)
+    in_layers = sum(
+        count
+        * (
+            layer_parameter_parts(spec, kind).dense_per_rank(spec)
+            + layer_parameter_parts(spec, kind).experts_per_rank(spec)
+        )
+        for kind, count in stage_kind_counts(spec, stage).items()
+    )
+    gradients = model_state_bytes(spec, stage).gradients
+    return frameworks.fsdp2_stream_pool_bytes(
+        gradients, dense + expert - in_layers, layer, prefetch=frameworks.fsdp2_resharding(spec)
+    )
+
+
 def stage_buffer_bytes(spec: ModelSpec, stage: int) -> int:
     """The framework's buffers on one GPU of pipeline stage `stage` (frameworks.buffer_bytes):
     over its parameters, its largest layer's and those outside the layers."""
     if spec.kind != "transformer":
         return 0
     dense, expert = stage_parameters(spec, stage)
-    layer = max(
-        layer_parameter_parts(spec, kind).dense_per_rank(spec)
-        + layer_parameter_parts(spec, kind).experts_per_rank(spec)
-        for kind in stage_kind_counts(spec, stage)
-    )
+    layer = largest_layer_parameters(spec, stage)
     in_layers = sum(
         count
         * (

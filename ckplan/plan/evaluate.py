@@ -111,7 +111,11 @@ class Plan:
     def reserved_bytes(self) -> int:
         """The allocator's reserved peak per GPU (max_memory_reserved) with memory to spare
         (model.allocator)."""
-        return allocator.reserved_bytes(self.total_bytes, self.spec.expandable_segments)
+        return allocator.reserved_bytes(
+            self.total_bytes,
+            self.spec.expandable_segments,
+            memory.stream_pool_bytes(self.spec, self.peak_stage),
+        )
 
     @property
     def budgeted_bytes(self) -> int:

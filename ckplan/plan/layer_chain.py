@@ -5,11 +5,12 @@ own op table (`ckplan.model.layers`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 
 from ckplan.cache import BoundedCache
 from ckplan.model import flops as flops_model
-from ckplan.model import loss, memory
+from ckplan.model import frameworks, loss, memory
 from ckplan.model.layers import LayerKind, stage_kinds, stage_layer_indices
 from ckplan.model.op import ATTENTION_CORE
 from ckplan.model.spec import ModelSpec
@@ -61,9 +62,41 @@ def layer_chain(
     its stage holds, then output layer and loss (last stage). With `selective`, each layer's
     tape drops the attention core (or the named recompute groups) and its backward re-runs the
     core's forward (Korthikanti §5)."""
-    return _layer_chain(
-        spec.chain, recompute_groups(selective), stage_index(spec, first_stage, stage)
+    stage = stage_index(spec, first_stage, stage)
+    chain = _layer_chain(spec.chain, recompute_groups(selective), stage)
+    if isinstance(spec, ModelSpec) and frameworks.fsdp2_resharding(spec):
+        return _with_fsdp2_buffers(spec, chain, stage)
+    return chain
+
+
+_FSDP2_CHAINS = BoundedCache(max_entries=4096, max_weight=1_000_000)
+
+
+def _with_fsdp2_buffers(spec: ModelSpec, chain: Chain, stage: int) -> Chain:
+    """`chain` with FSDP2's per-block buffers in its layers' workspaces
+    (`frameworks.fsdp2_layer_forward_bytes`, `frameworks.fsdp2_layer_backward_bytes`): they live
+    only while a block runs, so the loss's peak does not hold them. Remembered by chain
+    (identity: the replays are cached by it) and the sizes."""
+    layer = memory.largest_layer_parameters(spec, stage)
+    output = memory.output_layer_parameters(spec)
+    key = (id(chain), layer, output)
+    entry = _FSDP2_CHAINS.get(key)
+    if entry is not None and entry[0] is chain:
+        return entry[1]
+    first = layer_offset(spec, stage == 0)
+    last = chain.length - 1 - (1 if spec.kind == "transformer" and spec.vocab > 0 else 0)
+    forward = list(chain.forward_workspace_bytes)
+    backward = list(chain.backward_workspace_bytes)
+    for i in range(first, last + 1):
+        forward[i] += frameworks.fsdp2_layer_forward_bytes(layer, kept=i == last)
+        backward[i] += frameworks.fsdp2_layer_backward_bytes(
+            layer, output, first=i == first, last=i == last
+        )
+    with_buffers = dataclasses.replace(
+        chain, forward_workspace_bytes=tuple(forward), backward_workspace_bytes=tuple(backward)
     )
+    _FSDP2_CHAINS.put(key, (chain, with_buffers), chain.length)
+    return with_buffers
 
 
 _CHAINS = BoundedCache(max_entries=4096, max_weight=1_000_000)  # weighed in chain stages

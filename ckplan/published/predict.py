@@ -23,7 +23,7 @@ from ckplan.inputs.gpus import load_gpu
 from ckplan.inputs.presets import load_mapping, spec_from_values
 from ckplan.model import allocator
 from ckplan.model.flops import iteration_flops
-from ckplan.model.memory import layer_input_bytes, trainable_tensors
+from ckplan.model.memory import layer_input_bytes, stream_pool_bytes, trainable_tensors
 from ckplan.model.op import split_share
 from ckplan.model.optimizers import OPTIMIZERS, paged_state_bytes
 from ckplan.model.spec import ModelSpec
@@ -429,7 +429,12 @@ def predict(run: PublishedRun, gpu: GPU | None = None) -> Prediction:
     if metric in MEMORY_METRICS:
         if metric == "memory_reserved_bytes":
             available = gpu.memory_bytes - DEFAULT_RESERVE
-            predicted = allocator.reserved_within(memory, available, spec.expandable_segments)
+            predicted = allocator.reserved_within(
+                memory,
+                available,
+                spec.expandable_segments,
+                stream_pool_bytes(spec, plan.peak_stage),
+            )
         else:
             predicted = memory
         return Prediction(

@@ -1,0 +1,213 @@
+"""torchtitan's FSDP2 buffers (ckplan.model.frameworks `fsdp2_*`) by hand, against what PyTorch's
+FSDPMemTracker measured of torchtitan's own Llama 3 8B on 8 fake ranks
+(validation/torch_fsdp2_memory.py; validation/results-fsdp2-memory-torch-2.13.0.json), and
+against a rerun of the same measurement at a small shape where torch and torchtitan install.
+
+Llama 3 8B on one GPU of 8 (tp 1): a block holds 4096·(4096 + 2·1024) + 4096² + 3·4096·14336 +
+2·4096 = 218,112,000 parameters; the root module the embedding and output (128,256·4096 each)
+and the final norm (4096): 1,050,677,248; the output layer and final norm 525,340,672.
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from needs_frameworks import framework_or_skip
+from needs_torch import torch_or_skip
+
+from ckplan.inputs.presets import load_mapping, spec_from_values
+from ckplan.model import frameworks, memory
+from ckplan.plan import evaluate, parse_strategy
+from ckplan.plan.layer_chain import layer_chain
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = json.loads((ROOT / "validation" / "results-fsdp2-memory-torch-2.13.0.json").read_text())
+LAYER, ROOT_PARAMS, OUTPUT = 218_112_000, 1_050_677_248, 525_340_672
+
+
+def _spec(case=None, **changes):
+    base, origin = load_mapping("llama3-8b")
+    values = {
+        **base,
+        "framework": "torchtitan",
+        "zero": 3,
+        "dp": 8,
+        "seq": 8192,
+        "micro_batch": 2,
+        "optimizer": "adamw",
+        "loss": "eager",
+    }
+    if case:
+        values.update(seq=case["seq"], micro_batch=case["micro_batch"])
+    return spec_from_values({**values, **changes}, origin)
+
+
+def test_llama3_8b_parameter_counts():
+    spec = _spec()
+    assert memory.largest_layer_parameters(spec) == LAYER
+    assert memory.output_layer_parameters(spec) == OUTPUT
+    dense, expert = memory.stage_parameters(spec, 0)
+    assert dense + expert - spec.layers * LAYER == ROOT_PARAMS
+
+
+def test_kept_unsharded_by_hand():
+    # bf16 root module and last block: 2 · (1,050,677,248 + 218,112,000)
+    assert frameworks.fsdp2_kept_unsharded_bytes(ROOT_PARAMS, LAYER) == 2_537_578_496
+
+
+def test_block_buffers_by_hand():
+    # forward: unsharded copy + all-gather output, 2 + 2 bytes a parameter; the kept last block
+    # its all-gather output alone
+    assert frameworks.fsdp2_layer_forward_bytes(LAYER) == 872_448_000
+    assert frameworks.fsdp2_layer_forward_bytes(LAYER, kept=True) == 436_224_000
+    # backward, a middle block: running 2 + prefetched 2 + bf16 gradients 2 + the previous
+    # block's fp32 reduce-scatter input 4 = 10 bytes a parameter, + the root's bf16 output grads
+    assert frameworks.fsdp2_layer_backward_bytes(LAYER, OUTPUT) == (
+        10 * 218_112_000 + 2 * 525_340_672
+    )
+    # the last block (first to run): kept, no reduce-scatter before it: 2 + 2
+    assert frameworks.fsdp2_layer_backward_bytes(LAYER, OUTPUT, last=True) == (
+        4 * 218_112_000 + 2 * 525_340_672
+    )
+    # the first block: nothing to prefetch (the root is unsharded): 2 + 2 + 4
+    assert frameworks.fsdp2_layer_backward_bytes(LAYER, OUTPUT, first=True) == (
+        8 * 218_112_000 + 2 * 525_340_672
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "resharding"),
+    [
+        ({}, True),
+        ({"zero": 2}, False),
+        ({"dp": 1}, False),
+        ({"dp": 1, "cp": 8}, True),
+        ({"framework": "deepspeed"}, False),
+    ],
+)
+def test_which_layouts_reshard(changes, resharding):
+    assert frameworks.fsdp2_resharding(_spec(**changes)) is resharding
+
+
+def test_chain_holds_the_block_buffers_in_its_layer_stages():
+    spec = _spec()
+    plain = layer_chain(spec.replace(framework="hf", zero=3), ())
+    chain = layer_chain(spec, ())
+    added_forward = [
+        a - b
+        for a, b in zip(chain.forward_workspace_bytes, plain.forward_workspace_bytes, strict=True)
+    ]
+    added_backward = [
+        a - b
+        for a, b in zip(chain.backward_workspace_bytes, plain.backward_workspace_bytes, strict=True)
+    ]
+    # embedding, 32 blocks, output layer and loss
+    assert added_forward == [0, *[872_448_000] * 31, 436_224_000, 0]
+    middle = 10 * LAYER + 2 * OUTPUT
+    assert added_backward == [0, 8 * LAYER + 2 * OUTPUT, *[middle] * 30, 4 * LAYER + 2 * OUTPUT, 0]
+    assert layer_chain(spec, ()) is chain  # the replays are cached by chain identity
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c for c in RESULTS["cases"] if c["layout"] == "202412"],
+    ids=lambda c: f"{c['ac']}-{c['seq']}",
+)
+def test_recorded_measurement_matches_the_model_states(case):
+    """The sharded fp32 parameters and AdamW states, the kept bf16 copies at the peak (after
+    the forward, with no all-gather or reduce-scatter buffer live) and the last block's
+    all-gather output at the forward's peak are ckplan's to the byte."""
+    spec = _spec(case)
+    states = memory.model_state_bytes(spec)
+    phases = case["phases"]
+    assert case["peak_phase"] == "backward"
+    peak = phases["backward"]
+    assert peak["Sharded Param"] == states.weights
+    # beside AdamW's moments, its fp32 step scalar per parameter tensor: 7 a block, and the
+    # embedding, final norm and output
+    assert peak["OptState"] - 4 * (spec.layers * 7 + 3) == states.optimizer
+    assert peak["Unsharded Param"] == states.buffers == 2_537_578_496
+    assert peak["All Gather"] == peak["Reduce Scatter"] == 0
+    assert phases["forward"]["All Gather"] == frameworks.fsdp2_layer_forward_bytes(LAYER, kept=True)
+    assert phases["forward"]["Unsharded Param"] == states.buffers
+
+
+def test_plan_states_at_the_loss_peak():
+    spec = _spec()
+    plan = evaluate(spec, parse_strategy("sac", spec))
+    assert plan.model_states.buffers == 2_537_578_496
+
+
+SMALL = {"dim": 256, "heads": 4, "kv_heads": 2, "ffn": 768, "layers": 4, "vocab": 1024}
+
+
+def test_rerun_at_a_small_shape():
+    """The measurement itself, at a small shape of the same structure: the kept copies, the
+    last block's all-gather output and the sharded states, by hand."""
+    torch_or_skip()
+    framework_or_skip("torchtitan", "FSDP2 buffers not remeasured")
+    path = ROOT / "validation" / "torch_fsdp2_memory.py"
+    module_spec = importlib.util.spec_from_file_location("torch_fsdp2_memory", path)
+    harness = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = harness
+    module_spec.loader.exec_module(harness)
+    case = {"layout": "202412", "ac": "op", "micro_batch": 2, "seq": 128}
+    result = harness.measure(case, SMALL)
+    dim, kv_dim = 256, 2 * 64
+    layer = dim * (dim + 2 * kv_dim) + dim * dim + 3 * dim * 768 + 2 * dim  # 884,224
+    root = 2 * 1024 * dim + dim  # 524,544
+    total = 4 * layer + root
+    peak = result["phases"][result["peak_phase"]]
+    assert result["peak_phase"] == "backward"
+    assert peak["Unsharded Param"] == frameworks.fsdp2_kept_unsharded_bytes(root, layer)
+    assert result["phases"]["forward"]["All Gather"] == frameworks.fsdp2_layer_forward_bytes(
+        layer, kept=True
+    )
+    assert peak["Sharded Param"] == 4 * total // 8
+
+
+def test_stream_pools_by_hand():
+    # the 8 ranks' sharded fp32 gradients (4 · 8,030,261,248 / 8) and the root module's bf16
+    # all-gather output, larger than two blocks'
+    spec = _spec()
+    gradients = 4_015_130_624
+    assert memory.model_state_bytes(spec).gradients == gradients
+    assert frameworks.fsdp2_stream_pool_bytes(gradients, ROOT_PARAMS, LAYER) == (
+        gradients + 2 * ROOT_PARAMS
+    )
+    assert memory.stream_pool_bytes(spec) == gradients + 2 * ROOT_PARAMS
+    assert frameworks.fsdp2_stream_pool_bytes(0, 10, 6) == 2 * 12
+    # gathered once, in forward, one block at a time (zero 2, or pipeline parallelism)
+    assert frameworks.fsdp2_stream_pool_bytes(0, 10, 6, prefetch=False) == 2 * 10
+    assert frameworks.fsdp2_stream_pool_bytes(0, 4, 6, prefetch=False) == 2 * 6
+    zero2 = spec.replace(zero=2)
+    assert memory.stream_pool_bytes(zero2) == gradients + 2 * ROOT_PARAMS
+    assert memory.stream_pool_bytes(spec.replace(framework="hf")) == 0
+    assert memory.stream_pool_bytes(spec.replace(dp=1)) == 0
+
+
+def test_stream_pools_of_a_pipeline_stage():
+    # pp 4: the busiest stage is the first or the last, 8 layers and the embedding or output
+    spec = _spec(pp=4)
+    stage = memory.busiest_stage(spec)
+    dense, expert = memory.stage_parameters(spec, stage)
+    gradients = memory.model_state_bytes(spec, stage).gradients
+    root = dense + expert - 8 * LAYER
+    assert root in (128_256 * 4096, 128_256 * 4096 + 4096)
+    assert memory.stream_pool_bytes(spec) == gradients + 2 * root
+
+
+def test_reserved_adds_the_stream_pools_in_whole_blocks():
+    from ckplan.model import allocator
+
+    spec = _spec()
+    plan = evaluate(spec, parse_strategy("sac", spec))
+    pools = memory.stream_pool_bytes(spec)
+    without = allocator.reserved_bytes(plan.total_bytes, True)
+    block = allocator.ROUND_LARGE
+    assert plan.reserved_bytes == without + -(-pools // block) * block
+    assert allocator.reserved_bytes(0, True, 1) == block
+    # under pressure the pools give way first, never below the allocated blocks
+    assert allocator.reserved_within(3 * block, 4 * block, True, 10 * block) == 4 * block
