@@ -323,19 +323,21 @@ def test_korthikanti_table3_layouts_fit(preset, gpus, batch, keys):
 
 def _every_plan(spec, usable):
     """Every layer-level plan, its framework's offload plans, the DP's, the best per-op policy
-    and `sac+mixed` (one pipeline stage) on one layout: name -> step seconds where it fits."""
+    and POLICY+mixed (one pipeline stage) on one layout, the framework's policy (`sac`, under
+    torchtitan 0.3.0's `sac-fused`): name -> step seconds where it fits."""
     from ckplan.plan.layout.search import activation_budget
     from ckplan.plan.search import best_policy_plan
 
     n = spec.layers_per_stage
-    names = ["none", "selective", "mlp", "selective+mlp", "sac"]
-    names += [f"{p}block:{k}" for p in ("", "selective+", "sac+") for k in range(1, n + 1)]
+    word = "sac-fused" if spec.framework == "torchtitan" else "sac"
+    names = ["none", "selective", "mlp", "selective+mlp", word]
+    names += [f"{p}block:{k}" for p in ("", "selective+", f"{word}+") for k in range(1, n + 1)]
     names += list(offload_strategies(spec.framework, spec.pp))
     plans = [evaluate(spec, parse_strategy(name, spec)) for name in names]
     budget = activation_budget(spec, usable)
     plans += [optimal_plan(spec, budget, gpu=GPU), best_policy_plan(spec, usable, GPU)]
     if spec.pp == 1:
-        plans.append(evaluate(spec, parse_strategy("sac+mixed", spec), budget=budget, gpu=GPU))
+        plans.append(evaluate(spec, parse_strategy(f"{word}+mixed", spec), budget=budget, gpu=GPU))
     return {
         plan.strategy: step_time(plan, GPU).step_seconds
         for plan in plans

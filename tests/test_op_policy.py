@@ -479,12 +479,14 @@ def test_best_policy_within_a_budget():
 
 
 def test_sweep_offers_the_best_policy_that_fits(spec_of):
-    """Llama-3-8B, two 8,192-token sequences per H100, FSDP over 8: the frontier's best fitting
-    policy is in the sweep, fits, and is no slower than torchtitan's sac."""
+    """Llama-3-8B, two 8,192-token sequences per H100, ZeRO-3 over 8 under DeepSpeed (its
+    layers take any policy, through the torch export): the frontier's best fitting policy is in
+    the sweep, fits, and is no slower than torchtitan 0.2's sac. Under torchtitan the sweep
+    offers only the policy its 0.3.0 release runs, sac-fused: no frontier policy, no sac."""
     from ckplan.inputs.gpus import load_gpu
     from ckplan.plan.search import sweep
 
-    spec = spec_of("llama3-8b", micro_batch=2, dp=8, zero=3, framework="torchtitan")
+    spec = spec_of("llama3-8b", micro_batch=2, dp=8, zero=3, framework="deepspeed")
     gpu = load_gpu("h100-sxm")
     result = sweep(spec, gpu.memory_bytes, gpu=gpu)
     by_name = {c.plan.strategy: c for c in result.candidates}
@@ -492,6 +494,10 @@ def test_sweep_offers_the_best_policy_that_fits(spec_of):
     assert len(policies) == 1 and policies[0].fits
     assert policies[0].time.step_seconds <= by_name["sac"].time.step_seconds
     assert result.best.time.step_seconds <= policies[0].time.step_seconds
+    titan = sweep(spec.replace(framework="torchtitan"), gpu.memory_bytes, gpu=gpu)
+    names = {c.plan.strategy for c in titan.candidates}
+    assert {"sac-fused", "sac-fused+block:1", "sac-fused+mixed"} <= names
+    assert not any(name == "sac" or name.startswith(("sac+", "sac:")) for name in names)
 
 
 def test_plan_tries_policies_where_the_framework_runs_pytorch_modules(cli):
