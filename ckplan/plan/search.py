@@ -11,9 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ckplan.model import allocator
+from ckplan.model import allocator, torchtitan_ac
 from ckplan.model.memory import model_state_bytes
-from ckplan.model import torchtitan_ac
 from ckplan.model.op_policy import POLICY_WORDS, TORCHTITAN_POLICY, check_policy_model
 from ckplan.model.spec import SIZE_RANGES, ModelSpec, SpecError
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate
