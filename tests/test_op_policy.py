@@ -608,3 +608,47 @@ def test_mixed_plan_other_targets_say_why(target):
     _, plan, _ = _mixed_plan()
     because = exports.why_not(plan, target)
     assert because is not None and "full tape in some layers" in because
+
+
+def test_rope_unit_moves_q_and_k_twice_and_eager_code_more():
+    """RoPE's re-run is timed by its bytes (`rope_moved_bytes`): it reads Q and K and writes
+    them rotated; eager code adds code_path's EAGER_ROPE_EXTRA_BYTES per element of Q and K."""
+    from ckplan.hardware.code_path import EAGER_ROPE_EXTRA_BYTES, spec_code_path
+    from ckplan.hardware.roofline import memory_seconds
+    from ckplan.inputs.gpus import load_gpu
+    from ckplan.model.op import LayerShapes
+    from ckplan.model.op_policy import rope_moved_bytes, unit_ops
+
+    gpu = load_gpu("h100-sxm")
+    for kernels in ("eager", "compiled"):
+        spec = small(kernels=kernels)
+        (rope,) = [unit for unit in unit_ops(spec) if unit.name == "rope"]
+        # 32 tokens, Q 4 heads and K 2 of 16 dims, 4 bytes: read 32·6·16·4, written as much
+        assert rope.op.forward_bytes == rope_moved_bytes(spec, LayerShapes.of(spec)) == 24_576
+        assert rope.op.forward_flops == 0 and rope.op.matmul is None
+        elements = 32 * 6 * 16
+        moved = 24_576 + (EAGER_ROPE_EXTRA_BYTES * elements if kernels == "eager" else 0)
+        timed = spec_code_path(spec, gpu).forward(rope.op, spec.dtype_bytes)
+        assert timed.total == pytest.approx(memory_seconds(gpu, moved), rel=1e-12)
+    # tensor parallel: a rank rotates its own heads (2 of Q's, 1 of K's)
+    spec = small(tp=2, sp=True)
+    assert rope_moved_bytes(spec, LayerShapes.of(spec)) == 2 * 4 * 32 * 3 * 16
+
+
+def test_a_policy_that_reruns_rope_costs_its_time():
+    """On a GPU a policy re-running RoPE costs that unit's forward time more than one keeping
+    it (the rest of the layer alike)."""
+    from ckplan.hardware.code_path import spec_code_path
+    from ckplan.inputs.gpus import load_gpu
+    from ckplan.model.op_policy import rerun_units, unit_ops
+    from ckplan.plan.policy_search import unit_cost
+
+    gpu = load_gpu("h100-sxm")
+    spec = small(kernels="compiled")
+    (rope,) = [unit for unit in unit_ops(spec) if unit.name == "rope"]
+    cost = unit_cost(spec, rope, gpu)
+    assert cost == spec_code_path(spec, gpu).forward(rope.op, spec.dtype_bytes).total > 0
+    kept = parse_policy("sac:q_proj,k_proj,v_proj,rope,attention")
+    again = parse_policy("sac:q_proj,k_proj,v_proj,attention")
+    assert "rope" in {u.name for u in rerun_units(spec, again)}
+    assert "rope" not in {u.name for u in rerun_units(spec, kept)}

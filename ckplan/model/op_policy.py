@@ -360,8 +360,9 @@ def unit_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Unit, ...]
     add's and a reduce-scatter's are the residual stream on this rank; a projection's is its
     (s·b/cp, width) result before any reduce-scatter (a row-parallel GEMM produces partial sums
     over all tokens); the attention kernel's its output O and the fp32 logsumexp (a·s·b
-    values). RoPE has no table op: its re-run is not timed. Units carry no tensor-parallel
-    collective (`policy_comm_ops` says which collectives a re-forward repeats).
+    values). RoPE has no table op: its unit is timed by the bytes it moves
+    (`rope_moved_bytes`). Units carry no tensor-parallel collective (`policy_comm_ops` says
+    which collectives a re-forward repeats).
     """
     kind = representative_kind(spec) if kind is None else kind
     table = {op.name: op for op in layer_ops(spec, kind)}
@@ -388,7 +389,7 @@ def unit_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Unit, ...]
         units += _mla_units(spec, table, shapes)
         context = B * tokens * heads_r * spec.v_head_dim
         rope_output = B * tokens * heads_r * 2 * (spec.qk_nope_head_dim + spec.qk_rope_head_dim)
-        rope_op = table["kv_up"]
+        rope_op = _elementwise(table["kv_up"], MLA_ROPE, rope_moved_bytes(spec, shapes))
     else:
         kv_r, d = kv_heads_per_rank(spec), spec.head_dim
         d_q, d_kv = B * tokens * heads_r * d, B * tokens * kv_r * d  # (s, b, a/t, d), g heads
@@ -401,10 +402,11 @@ def unit_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Unit, ...]
         if spec.qk_norm:
             qk = table["qk_norm"]
             units.append(Unit("qk_norm", d_q + d_kv, _elementwise(qk, "qk_norm", qk.forward_bytes)))
-        context, rope_output, rope_op = d_q, d_q + d_kv, qkv
+        context, rope_output = d_q, d_q + d_kv
+        rope_op = _elementwise(qkv, "rope", rope_moved_bytes(spec, shapes))
     logsumexp = FP32_BYTES * shapes.sharded(tokens * spec.heads)
     units += [
-        Unit("rope", rope_output, _elementwise(rope_op, "rope", 0)),
+        Unit("rope", rope_output, rope_op),
         Unit(
             "attention",
             context + logsumexp,
@@ -424,6 +426,36 @@ def unit_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Unit, ...]
         return _wired(spec, table, tuple(units))
     units += _mlp_units(spec, table, shapes, "")
     return _wired(spec, table, (*units, *row_parallel("fc2")))
+
+
+# The table op name of MLA's RoPE unit: the rotation and the assembly of Q and K
+# (`rope_moved_bytes`), which eager code does not run as Llama's RoPE kernels.
+MLA_ROPE = "mla_rope"
+
+
+def rope_moved_bytes(spec: ChainSpec, shapes: LayerShapes) -> int:
+    """Bytes the forward of the `rope` unit reads and writes on this rank, memory-bound as the
+    other element-wise units (the roofline times them by these bytes).
+
+    Q and K heads (derived): RoPE reads Q and K and writes them rotated, 2·(Q + K) bytes, one
+    fused kernel's traffic, as `hardware.code_path` counts RoPE (its 4 bytes per bf16 element;
+    eager code adds `EAGER_ROPE_EXTRA_BYTES` per element there). The cos/sin table (s·d/2
+    values, shared by every head and sequence) is left out, as there.
+
+    MLA (derived from torchtitan's DeepSeek-V3 Attention at v0.2.2,
+    models/deepseek_v3/model/model.py, the assembly as `model.mla` counts it): RoPE reads and
+    writes q_pe (a/t heads) and the shared k_pe, 2·(a/t + 1)·d_rope per token; `cat([q_nope,
+    q_pe])` reads and writes Q (2·Q); `cat([k_nope, k_pe expanded])` reads K's no-RoPE part and
+    the shared key and writes K."""
+    B, tokens = shapes.B, shapes.tokens
+    heads_r = spec.heads // spec.tp
+    if spec.mla:
+        nope, rope = spec.qk_nope_head_dim, spec.qk_rope_head_dim
+        qk = B * tokens * heads_r * (nope + rope)  # Q, and K at a/t heads
+        rotated = 2 * B * tokens * (heads_r + 1) * rope
+        return rotated + 2 * qk + B * tokens * heads_r * nope + B * tokens * rope + qk
+    d = spec.head_dim
+    return 2 * B * tokens * (heads_r + kv_heads_per_rank(spec)) * d
 
 
 _NORMS = ("norm1", "norm2")
