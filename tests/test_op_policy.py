@@ -318,6 +318,7 @@ def test_sac_fused_counts_the_fused_qkv_once_and_keeps_flex_attention_whole():
         TORCHTITAN_03_POLICY,
         flex_region_copy_bytes,
         policy_fit_reason,
+        rerun_units,
     )
 
     spec = spec_from_mapping({**SMALL, "bias": False})
@@ -335,7 +336,18 @@ def test_sac_fused_counts_the_fused_qkv_once_and_keeps_flex_attention_whole():
     assert flex_region_copy_bytes(spec, fused) == v_bytes
     assert flex_region_copy_bytes(spec, parse_policy("sac")) == 0
     assert policy_fit_reason(spec, parse_policy("sac")) is None
-    assert "kernels: eager" in policy_fit_reason(spec.replace(kernels="compiled"), fused)
+    # compiled (tests/test_torchtitan_sac.py): the flex_attention operator's outputs kept, the
+    # rotated Q and K re-run, no copy of V
+    compiled = spec.replace(kernels="compiled")
+    assert policy_fit_reason(compiled, fused) is None
+    assert kept_units(compiled, fused) == (
+        "q_proj", "k_proj", "v_proj", "attention", "gate_proj", "fc2"
+    )  # fmt: skip
+    assert flex_region_copy_bytes(compiled, fused) == 0
+    assert "rope" in {unit.name for unit in rerun_units(compiled, fused)}
+    mla = {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+           "qk_rope_head_dim": 8, "v_head_dim": 16, "kv_heads": 4}  # fmt: skip
+    assert "not MLA" in policy_fit_reason(small(**mla, bias=False), fused)
 
 
 @pytest.mark.parametrize(

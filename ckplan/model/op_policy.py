@@ -80,8 +80,11 @@ TORCHTITAN_03_ITEMS = (FUSED_QKV, "matmuls%2", FLEX_ATTENTION, "reduce_scatter",
 TORCHTITAN_03_POLICY = POLICY_PREFIX + ",".join(TORCHTITAN_03_ITEMS)
 # Policy words that stand for a whole policy.
 POLICY_WORDS = {"sac": TORCHTITAN_POLICY, TORCHTITAN_03_WORD: TORCHTITAN_03_POLICY}
-# The units FlexAttention's compiled region returns (`flex_region_copy_bytes` adds V's copy).
+# The units FlexAttention's compiled region returns in an eager layer (`flex_region_copy_bytes`
+# adds V's copy); in a compiled one (`kernels: compiled`) the block's graph holds the
+# flex_attention operator, whose outputs are the attention's alone (`flex_units`).
 FLEX_UNITS = ("rope", "attention")
+FLEX_COMPILED_UNITS = ("attention",)
 # Unit ops a policy may name, in the order a layer runs them: Llama-style attention or MLA's
 # projections, then a dense MLP (gelu MLPs have fc1 where gated ones have gate_proj and up_proj)
 # or an MoE block (router, routing, permutation, all-to-alls, experts, shared experts).
@@ -212,9 +215,10 @@ class OpPolicy:
 
     `fused_qkv`: the layer runs q, k and v as one GEMM (torchtitan 0.3.0's `FusedQKVLinear`),
     which the matmul rule counts once and keeps or re-runs whole. `flex`: the attention kernel is
-    FlexAttention compiled as its own region and kept whole: the rotated Q and K, the output
-    with its logsumexp, and a contiguous copy of V (`flex_region_copy_bytes`); `names` then
-    holds `FLEX_UNITS`."""
+    FlexAttention, kept as torchtitan 0.3.0's SelectiveAC keeps it (`flex_units`): in an eager
+    layer its compiled region whole, the rotated Q and K, the output with its logsumexp and a
+    contiguous copy of V (`flex_region_copy_bytes`); in a compiled layer the output and its
+    logsumexp. `names` holds `attention` with it."""
 
     names: frozenset[str] = frozenset()
     every: int = 0  # 0: no matmul rule; 1: every matmul; K: all but each K-th
@@ -245,7 +249,7 @@ def parse_policy(text: str) -> OpPolicy:
             continue
         if item == FLEX_ATTENTION:
             flex = True
-            names.update(FLEX_UNITS)
+            names.update(FLEX_COMPILED_UNITS)  # the rest by the layer's kernels (`flex_units`)
             continue
         match = re.fullmatch(r"matmuls(?:%([0-9]{1,6}))?", item)
         if match:
@@ -278,7 +282,7 @@ def policy_text(policy: OpPolicy) -> str:
     names = set(policy.names)
     groups = dict(GROUP_ITEMS)
     if policy.flex:
-        groups[FLEX_ATTENTION] = FLEX_UNITS
+        groups[FLEX_ATTENTION] = FLEX_COMPILED_UNITS
     for item, members in groups.items():
         if names.issuperset(members):
             names -= set(members)
@@ -287,6 +291,31 @@ def policy_text(policy: OpPolicy) -> str:
     order |= {item: order[members[0]] for item, members in groups.items()}
     items += sorted(names, key=order.__getitem__)
     return POLICY_PREFIX + ",".join(items)
+
+
+def flex_units(spec: ChainSpec) -> tuple[str, ...]:
+    """The units the `flex_attention` item keeps on `spec`'s layers.
+
+    Eager layers (`FLEX_UNITS`): torchtitan 0.3.0 runs FlexAttention compiled as a region of
+    its own, which the selective checkpoint sees as one `inductor_compiled_code` op and caches
+    whole, the rotated Q and K among its outputs (tests/test_torchtitan_sac.py).
+    Compiled layers (`FLEX_COMPILED_UNITS`): torchtitan compiles each block after wrapping it
+    (torchtitan/models/llama3/parallelize.py, `apply_compile` after `ac_config.build().apply`,
+    in the wheel torchtitan-0.3.0-py3-none-any.whl), so the block's graph holds the
+    `flex_attention` operator, which SelectiveAC's save list names
+    (`torch._higher_order_ops.flex_attention`); the policy tags it MUST_SAVE and RoPE's ops
+    PREFER_RECOMPUTE, and the min-cut partitioner saves the operator's output and logsumexp
+    and rebuilds the rotated Q and K from wqkv's kept output; V is a view of it. Measured on the
+    CPU with torch 2.13 (tests/test_torchtitan_sac.py: the partitioned forward graph saves
+    45,568 bytes in fp32, 23,040 in bf16)."""
+    return FLEX_COMPILED_UNITS if spec.kernels == "compiled" else FLEX_UNITS
+
+
+def effective_policy(spec: ChainSpec, policy: OpPolicy) -> OpPolicy:
+    """`policy` with the units its `flex_attention` item keeps on `spec` (`flex_units`)."""
+    if not policy.flex:
+        return policy
+    return dataclasses.replace(policy, names=policy.names | set(flex_units(spec)))
 
 
 def is_policy(group: str) -> bool:
@@ -678,6 +707,7 @@ def kept_mask(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None) 
     kept only when named. With `policy.fused_qkv` the rule counts q, k and v as the one GEMM
     they are (torchtitan 0.3.0's `FusedQKVLinear`: `wqkv`), kept or re-run together."""
     counting = counts_matmuls(spec.precision)
+    policy = effective_policy(spec, policy)
     mask, index = [], 0
     for unit in unit_ops(spec, kind):
         if policy.fused_qkv and unit.name in FUSED_LATER and mask:
@@ -827,25 +857,21 @@ def flex_region_copy_bytes(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | 
     `inductor_compiled_code` op, which SelectiveAC saves
     (torchtitan/distributed/activation_checkpoint.py, `_get_default_save_ops`), and caches all
     its outputs: those its backward reads, among them V made contiguous. Measured on the CPU
-    (tests/test_torchtitan_sac.py: 4,096 bytes of 70,144 in fp32, 2,048 of 35,328 in bf16)."""
-    if not policy.flex:
+    (tests/test_torchtitan_sac.py: 4,096 bytes of 70,144 in fp32, 2,048 of 35,328 in bf16).
+    None in a compiled layer, whose graph reads V as a view of wqkv's output (`flex_units`)."""
+    if not policy.flex or spec.kernels == "compiled":
         return 0
     return sum(unit.output_bytes for unit in unit_ops(spec, kind) if unit.name == "v_proj")
 
 
 def policy_fit_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
     """Why `policy`'s fused-QKV or FlexAttention items do not fit `spec`, or None: both are
-    torchtitan 0.3.0's Llama 3 block (separate q, k and v heads, eager layers; under
-    torch.compile the region is no longer one cached op, which is not modelled)."""
+    torchtitan 0.3.0's Llama 3 block (separate q, k and v heads), measured on one rank's
+    block, eager and compiled (tests/test_torchtitan_sac.py)."""
     if not (policy.fused_qkv or policy.flex):
         return None
     if spec.mla:
         return f"{FUSED_QKV} and {FLEX_ATTENTION} are modelled for q, k and v heads, not MLA"
-    if policy.flex and spec.kernels == "compiled":
-        return (
-            f"{FLEX_ATTENTION} is modelled for eager layers (kernels: eager): a compiled layer "
-            "does not cache FlexAttention's region as one op"
-        )
     return None
 
 

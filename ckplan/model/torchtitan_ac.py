@@ -7,8 +7,9 @@ torchtitan/distributed/activation_checkpoint.py at v0.2.2) is ckplan's `sac`
 torchtitan-0.3.0-py3-none-any.whl: torchtitan/distributed/activation_checkpoint.py,
 `_get_default_save_ops`; torchtitan/models/llama3/__init__.py, `_build_llama3_layers`) is
 ckplan's `sac-fused` on a dense Llama 3 block without biases: one fused wqkv GEMM counted by
-the every-second-mm rule, FlexAttention's compiled region kept whole (measured:
-tests/test_torchtitan_sac.py). Its save list also holds PyTorch's `compute_intensive_ops`
+the every-second-mm rule, FlexAttention's compiled region kept whole in eager blocks, its
+output and logsumexp in blocks torch.compile'd after wrapping (`op_policy.flex_units`;
+measured: tests/test_torchtitan_sac.py). Its save list also holds PyTorch's `compute_intensive_ops`
 (torch 2.13: `aten.addmm`, `aten.bmm`, `aten._scaled_mm`) outside the every-second rule and
 `aten.topk`, so it keeps more than either policy with biases, torchao float8 or MoE routing.
 No release runs a hand-picked op list (`sac:OP,...`).
