@@ -349,7 +349,8 @@ def test_compiled_selective_ac_saves_flex_attention_outputs_not_its_inputs(
     backward reads it). The gradients are those of the block compiled without checkpointing."""
     torch = torch_or_skip()
     spec = spec_from_mapping({**SMALL, "dtype_bytes": size, "bias": False, "kernels": "compiled"})
-    block, masks, positions = _compiled_llama3_block(torch, spec, monkeypatch, getattr(torch, dtype))
+    kind = getattr(torch, dtype)
+    block, masks, positions = _compiled_llama3_block(torch, spec, monkeypatch, kind)
     import copy
 
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
