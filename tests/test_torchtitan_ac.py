@@ -24,6 +24,7 @@ GRID = {
     "kernels": ["eager", "compiled"],
     "attention": ["flash", "standard"],
     "shape": ["dense", "moe", "mla"],
+    "tp": [1, 2],
 }
 
 
@@ -31,6 +32,7 @@ def _specs():
     for values in itertools.product(*GRID.values()):
         keys = dict(zip(GRID, values, strict=True))
         shape = keys.pop("shape")
+        keys["sp"] = keys["tp"] > 1
         base = {
             "dense": {**SMALL, "layers": 4, "vocab": 128},
             "moe": {**MOE, "layers": 4, "vocab": 128},
@@ -79,8 +81,24 @@ def test_the_swept_policy_is_the_one_the_default_release_exports():
         ({"precision": "float8"}, None),  # and every aten._scaled_mm
         ({"framework": "hf"}, "sac"),  # the torch export runs 0.2's list on HF layers
         ({"framework": "megatron"}, None),  # no per-op policies
+        ({"tp": 2, "sp": True}, None),  # sac-fused measured at tp 1 only
+        ({"tp": 2, "sp": True, "framework": "hf"}, None),  # HF runs no tensor parallelism
+        ({"kernels": "compiled"}, "sac-fused"),
     ],
 )
 def test_policy_word_by_framework(changes, word):
-    spec = spec_from_mapping({**SMALL, "layers": 4, "bias": False, **changes})
+    try:
+        spec = spec_from_mapping({**SMALL, "layers": 4, "bias": False, **changes})
+    except SpecError:
+        assert changes.get("framework") == "hf"  # the model refuses the layout itself
+        return
     assert policy_word(spec) == word
+
+
+def test_sac_fused_beside_tensor_parallelism_is_refused_in_one_line():
+    spec = spec_from_mapping({**SMALL, "layers": 4, "bias": False, "tp": 2, "sp": True})
+    with pytest.raises(StrategyError, match=r"one rank's block \(tp: 1\)") as error:
+        parse_strategy("sac-fused", spec)
+    assert "\n" not in str(error.value)
+    assert torchtitan_ac.release_policy(spec) is None
+    assert torchtitan_ac.release_policy(spec, "0.2") == TORCHTITAN_POLICY

@@ -867,11 +867,23 @@ def flex_region_copy_bytes(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | 
 def policy_fit_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
     """Why `policy`'s fused-QKV or FlexAttention items do not fit `spec`, or None: both are
     torchtitan 0.3.0's Llama 3 block (separate q, k and v heads), measured on one rank's
-    block, eager and compiled (tests/test_torchtitan_sac.py)."""
+    block, eager and compiled (tests/test_torchtitan_sac.py). Under tensor parallelism
+    0.3.0's default `parallelism.spmd_backend = "spmd_types"` (torchtitan/config/configs.py)
+    reduce-scatters through spmd_types' `_ReduceScatterShard` (spmd_types/_collectives.py:
+    `x.new_empty`, then `torch.distributed.reduce_scatter_tensor`), which SelectiveAC's save
+    list (`torch.ops._c10d_functional.reduce_scatter_tensor`) does not name, and its
+    DTensor backends reduce-scatter through the functional op, which it does: what a rank
+    keeps depends on the backend and is not measured, so tp > 1 is refused."""
     if not (policy.fused_qkv or policy.flex):
         return None
     if spec.mla:
         return f"{FUSED_QKV} and {FLEX_ATTENTION} are modelled for q, k and v heads, not MLA"
+    if spec.tp > 1:
+        return (
+            f"{FUSED_QKV} and {FLEX_ATTENTION} are measured on one rank's block (tp: 1): "
+            "torchtitan 0.3.0's default spmd_types backend reduce-scatters with "
+            "torch.distributed.reduce_scatter_tensor, not the functional op its save list names"
+        )
     return None
 
 
