@@ -31,7 +31,8 @@ only the router's gate and the shared experts' linears among the MoE block's GEM
 
 A policy is written `sac:ITEM,ITEM,...` (docs/strategies.md): an item names a unit op of the
 layer (`UNIT_NAMES`), `matmuls` keeps every matmul output, `matmuls%K` every one but each K-th
-(torchtitan: `matmuls%2`). `sac` alone is torchtitan's policy, `TORCHTITAN_POLICY`.
+(torchtitan: `matmuls%2`). `sac` alone is torchtitan 0.2's policy, `TORCHTITAN_POLICY`;
+`sac-fused` 0.3.0's, `TORCHTITAN_03_POLICY`.
 
 ckplan's op table fuses what eager code runs as several modules (one QKV projection, one fc1 for
 gate and up); `unit_ops` splits them into the units a policy sees, each a table `Op` with its own

@@ -65,8 +65,8 @@ from ckplan.units import format_bytes_auto
 DEFAULT_TOP = 10
 SCREEN_SLOTS = 25  # the fewest memory slots of a screening DP
 MAX_REJECTED = 3  # rejected layouts explained, per kind of reason
-# Frameworks whose layers `plan` tries `sac+mixed` on: the torch export wraps each layer
-# (DeepSpeed's and Megatron-LM's exports refuse a mixed plan)
+# Frameworks whose layers `plan` tries POLICY+mixed on (`plan.search.policy_word`): the torch
+# export wraps each layer (DeepSpeed's and Megatron-LM's exports refuse a mixed plan)
 MIXED_FRAMEWORKS = ("torchtitan", "hf")
 
 
