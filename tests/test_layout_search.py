@@ -323,19 +323,22 @@ def test_korthikanti_table3_layouts_fit(preset, gpus, batch, keys):
 
 def _every_plan(spec, usable):
     """Every layer-level plan, its framework's offload plans, the DP's, the best per-op policy
-    and `sac+mixed` (one pipeline stage) on one layout: name -> step seconds where it fits."""
+    and POLICY+mixed (one pipeline stage) on one layout, the framework's policy (`sac`, under
+    torchtitan 0.3.0's `sac-fused`): name -> step seconds where it fits."""
     from ckplan.plan.layout.search import activation_budget
-    from ckplan.plan.search import best_policy_plan
+    from ckplan.plan.search import best_policy_plan, policy_word
 
     n = spec.layers_per_stage
-    names = ["none", "selective", "mlp", "selective+mlp", "sac"]
-    names += [f"{p}block:{k}" for p in ("", "selective+", "sac+") for k in range(1, n + 1)]
+    word = policy_word(spec)  # none where the framework's policy does not apply (tp > 1)
+    names = ["none", "selective", "mlp", "selective+mlp", *([word] if word else [])]
+    prefixes = ("", "selective+", *([f"{word}+"] if word else []))
+    names += [f"{p}block:{k}" for p in prefixes for k in range(1, n + 1)]
     names += list(offload_strategies(spec.framework, spec.pp))
     plans = [evaluate(spec, parse_strategy(name, spec)) for name in names]
     budget = activation_budget(spec, usable)
     plans += [optimal_plan(spec, budget, gpu=GPU), best_policy_plan(spec, usable, GPU)]
-    if spec.pp == 1:
-        plans.append(evaluate(spec, parse_strategy("sac+mixed", spec), budget=budget, gpu=GPU))
+    if spec.pp == 1 and word:
+        plans.append(evaluate(spec, parse_strategy(f"{word}+mixed", spec), budget=budget, gpu=GPU))
     return {
         plan.strategy: step_time(plan, GPU).step_seconds
         for plan in plans
@@ -346,11 +349,12 @@ def _every_plan(spec, usable):
 
 
 def test_plan_keeps_sac_mixed_only_where_it_is_faster():
-    """Llama-3-8B cut to 8 layers, 32,768 tokens, 4 H100s with 28 GiB each, torchtitan: on
+    """Llama-3-8B cut to 8 layers, 16,384 tokens, 4 H100s with 28 GiB each, torchtitan: on
     every layout shown, the plan is the fastest of brute force over every layer-level plan, the
-    offload plans, the DP's, the best per-op policy and `sac+mixed`; `sac+mixed` is shown on
-    a layout exactly where it is that fastest (here one layout)."""
-    spec = load_spec("llama3-8b", {"layers": 8, "seq": 32768, "framework": "torchtitan"})
+    offload plans, the DP's, the best per-op policy and `sac-fused+mixed` (torchtitan 0.3.0's
+    policy, one rank's block: tp 1 layouts); `sac-fused+mixed` is shown on a layout exactly
+    where it is that fastest (here one layout)."""
+    spec = load_spec("llama3-8b", {"layers": 8, "seq": 16384, "framework": "torchtitan"})
     usable = 28 * GIB
     result = search_layouts(spec, 4, GPU, 8, usable, 0, top=5)
     assert result.counts["mixed"] >= 1

@@ -318,6 +318,7 @@ def test_sac_fused_counts_the_fused_qkv_once_and_keeps_flex_attention_whole():
         TORCHTITAN_03_POLICY,
         flex_region_copy_bytes,
         policy_fit_reason,
+        rerun_units,
     )
 
     spec = spec_from_mapping({**SMALL, "bias": False})
@@ -335,7 +336,18 @@ def test_sac_fused_counts_the_fused_qkv_once_and_keeps_flex_attention_whole():
     assert flex_region_copy_bytes(spec, fused) == v_bytes
     assert flex_region_copy_bytes(spec, parse_policy("sac")) == 0
     assert policy_fit_reason(spec, parse_policy("sac")) is None
-    assert "kernels: eager" in policy_fit_reason(spec.replace(kernels="compiled"), fused)
+    # compiled (tests/test_torchtitan_sac.py): the flex_attention operator's outputs kept, the
+    # rotated Q and K re-run, no copy of V
+    compiled = spec.replace(kernels="compiled")
+    assert policy_fit_reason(compiled, fused) is None
+    assert kept_units(compiled, fused) == (
+        "q_proj", "k_proj", "v_proj", "attention", "gate_proj", "fc2"
+    )  # fmt: skip
+    assert flex_region_copy_bytes(compiled, fused) == 0
+    assert "rope" in {unit.name for unit in rerun_units(compiled, fused)}
+    mla = {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+           "qk_rope_head_dim": 8, "v_head_dim": 16, "kv_heads": 4}  # fmt: skip
+    assert "not MLA" in policy_fit_reason(small(**mla, bias=False), fused)
 
 
 @pytest.mark.parametrize(
@@ -479,12 +491,14 @@ def test_best_policy_within_a_budget():
 
 
 def test_sweep_offers_the_best_policy_that_fits(spec_of):
-    """Llama-3-8B, two 8,192-token sequences per H100, FSDP over 8: the frontier's best fitting
-    policy is in the sweep, fits, and is no slower than torchtitan's sac."""
+    """Llama-3-8B, two 8,192-token sequences per H100, ZeRO-3 over 8 under DeepSpeed (its
+    layers take any policy, through the torch export): the frontier's best fitting policy is in
+    the sweep, fits, and is no slower than torchtitan 0.2's sac. Under torchtitan the sweep
+    offers only the policy its 0.3.0 release runs, sac-fused: no frontier policy, no sac."""
     from ckplan.inputs.gpus import load_gpu
     from ckplan.plan.search import sweep
 
-    spec = spec_of("llama3-8b", micro_batch=2, dp=8, zero=3, framework="torchtitan")
+    spec = spec_of("llama3-8b", micro_batch=2, dp=8, zero=3, framework="deepspeed")
     gpu = load_gpu("h100-sxm")
     result = sweep(spec, gpu.memory_bytes, gpu=gpu)
     by_name = {c.plan.strategy: c for c in result.candidates}
@@ -492,6 +506,10 @@ def test_sweep_offers_the_best_policy_that_fits(spec_of):
     assert len(policies) == 1 and policies[0].fits
     assert policies[0].time.step_seconds <= by_name["sac"].time.step_seconds
     assert result.best.time.step_seconds <= policies[0].time.step_seconds
+    titan = sweep(spec.replace(framework="torchtitan"), gpu.memory_bytes, gpu=gpu)
+    names = {c.plan.strategy for c in titan.candidates}
+    assert {"sac-fused", "sac-fused+block:1", "sac-fused+mixed"} <= names
+    assert not any(name == "sac" or name.startswith(("sac+", "sac:")) for name in names)
 
 
 def test_plan_tries_policies_where_the_framework_runs_pytorch_modules(cli):
@@ -602,3 +620,47 @@ def test_mixed_plan_other_targets_say_why(target):
     _, plan, _ = _mixed_plan()
     because = exports.why_not(plan, target)
     assert because is not None and "full tape in some layers" in because
+
+
+def test_rope_unit_moves_q_and_k_twice_and_eager_code_more():
+    """RoPE's re-run is timed by its bytes (`rope_moved_bytes`): it reads Q and K and writes
+    them rotated; eager code adds code_path's EAGER_ROPE_EXTRA_BYTES per element of Q and K."""
+    from ckplan.hardware.code_path import EAGER_ROPE_EXTRA_BYTES, spec_code_path
+    from ckplan.hardware.roofline import memory_seconds
+    from ckplan.inputs.gpus import load_gpu
+    from ckplan.model.op import LayerShapes
+    from ckplan.model.op_policy import rope_moved_bytes, unit_ops
+
+    gpu = load_gpu("h100-sxm")
+    for kernels in ("eager", "compiled"):
+        spec = small(kernels=kernels)
+        (rope,) = [unit for unit in unit_ops(spec) if unit.name == "rope"]
+        # 32 tokens, Q 4 heads and K 2 of 16 dims, 4 bytes: read 32·6·16·4, written as much
+        assert rope.op.forward_bytes == rope_moved_bytes(spec, LayerShapes.of(spec)) == 24_576
+        assert rope.op.forward_flops == 0 and rope.op.matmul is None
+        elements = 32 * 6 * 16
+        moved = 24_576 + (EAGER_ROPE_EXTRA_BYTES * elements if kernels == "eager" else 0)
+        timed = spec_code_path(spec, gpu).forward(rope.op, spec.dtype_bytes)
+        assert timed.total == pytest.approx(memory_seconds(gpu, moved), rel=1e-12)
+    # tensor parallel: a rank rotates its own heads (2 of Q's, 1 of K's)
+    spec = small(tp=2, sp=True)
+    assert rope_moved_bytes(spec, LayerShapes.of(spec)) == 2 * 4 * 32 * 3 * 16
+
+
+def test_a_policy_that_reruns_rope_costs_its_time():
+    """On a GPU a policy re-running RoPE costs that unit's forward time more than one keeping
+    it (the rest of the layer alike)."""
+    from ckplan.hardware.code_path import spec_code_path
+    from ckplan.inputs.gpus import load_gpu
+    from ckplan.model.op_policy import rerun_units, unit_ops
+    from ckplan.plan.policy_search import unit_cost
+
+    gpu = load_gpu("h100-sxm")
+    spec = small(kernels="compiled")
+    (rope,) = [unit for unit in unit_ops(spec) if unit.name == "rope"]
+    cost = unit_cost(spec, rope, gpu)
+    assert cost == spec_code_path(spec, gpu).forward(rope.op, spec.dtype_bytes).total > 0
+    kept = parse_policy("sac:q_proj,k_proj,v_proj,rope,attention")
+    again = parse_policy("sac:q_proj,k_proj,v_proj,attention")
+    assert "rope" in {u.name for u in rerun_units(spec, again)}
+    assert "rope" not in {u.name for u in rerun_units(spec, kept)}

@@ -260,6 +260,118 @@ def _tensors(torch, values):
     return found
 
 
+def _compiled_llama3_block(torch, spec, monkeypatch, dtype):
+    """torchtitan 0.3.0's Llama 3 block with its FlexAttention as the model builds it (no
+    region of its own: the whole block is compiled), its block mask and positions."""
+    framework_or_skip("torchtitan", "torchtitan 0.3.0's SelectiveAC not measured")
+    import torch.nn.attention.flex_attention as flex
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
+
+    monkeypatch.setattr(flex, "_validate_device", lambda *args, **kwargs: None)
+    layers = _build_llama3_layers(
+        n_layers=1,
+        dim=spec.hidden,
+        n_heads=spec.heads,
+        n_kv_heads=spec.kv_heads,
+        hidden_dim=spec.ffn_hidden,
+        rope=ComplexRoPE.Config(
+            dim=spec.hidden // spec.heads, max_seq_len=spec.seq, theta=500000, scaling="none"
+        ),
+        attn_backend="flex",
+    )
+    vocab = 128
+    config = Llama3Model.Config(
+        dim=spec.hidden,
+        vocab_size=vocab,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=spec.hidden),
+        norm=RMSNorm.Config(normalized_shape=spec.hidden),
+        lm_head=Linear.Config(in_features=spec.hidden, out_features=vocab),
+        layers=layers,
+    )
+    torch.manual_seed(0)
+    model = config.build()
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter, std=0.05)
+    model = model.to(dtype)
+    positions = torch.arange(spec.seq).repeat(spec.micro_batch, 1)
+    return model.layers["0"], model.get_attention_masks(positions), positions
+
+
+def _compile_saved(torch, module, x, masks, positions):
+    """`module` compiled as torchtitan's `apply_compile` compiles a block (fullgraph), with
+    AOTAutograd's min-cut partition and Inductor's decompositions (the graphs Inductor would
+    lower; its CPU lowering of FlexAttention's backward fails): the output, the gradients of
+    the parameters and of `x` after `out.sum().backward()`, and (node, bytes) of the
+    activations the partitioned forward graph saves for backward (its inputs left out)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    graphs = {}
+
+    def forward(gm, _):
+        graphs["forward"] = gm
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(
+        fw_compiler=forward,
+        bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+        partition_fn=min_cut_rematerialization_partition,
+        decompositions=select_decomp_table(),
+    )
+    torch._dynamo.reset()
+    out = torch.compile(module, backend=backend, fullgraph=True)(x, masks, positions)
+    out.sum().backward()
+    grads = [p.grad.clone() for p in module.parameters()] + [x.grad.clone()]
+    (output,) = [node for node in graphs["forward"].graph.nodes if node.op == "output"]
+    saved = []
+    for node in output.args[0][1:]:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and node.op != "placeholder":
+            saved.append((str(node.target), value.numel() * value.element_size()))
+    torch._dynamo.reset()
+    return grads, saved
+
+
+@pytest.mark.parametrize(
+    ("dtype", "size", "hand"), [("float32", 4, 45_568), ("bfloat16", 2, 23_040)]
+)
+def test_compiled_selective_ac_saves_flex_attention_outputs_not_its_inputs(
+    monkeypatch, dtype, size, hand
+):
+    """`kernels: compiled`: torchtitan compiles each block after SelectiveAC wraps it
+    (`apply_compile`), so the policy tags the block graph's ops, FlexAttention among them as
+    the `flex_attention` operator. The partitioned forward saves the block input, wqkv's output
+    (Q, K and V), FlexAttention's output and fp32 logsumexp and w1's output: not the rotated Q
+    and K (RoPE re-runs from wqkv's output), not V's copy (a view of it), not w2's output (no
+    backward reads it). The gradients are those of the block compiled without checkpointing."""
+    torch = torch_or_skip()
+    spec = spec_from_mapping({**SMALL, "dtype_bytes": size, "bias": False, "kernels": "compiled"})
+    kind = getattr(torch, dtype)
+    block, masks, positions = _compiled_llama3_block(torch, spec, monkeypatch, kind)
+    import copy
+
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    wrapped, _ = _checkpointed(torch, copy.deepcopy(block), SelectiveAC, monkeypatch)
+    x = torch.randn(spec.micro_batch, spec.seq, spec.hidden, dtype=getattr(torch, dtype))
+    got, saved = _compile_saved(torch, wrapped, x.clone().requires_grad_(True), masks, positions)
+    X = x.numel() * x.element_size()
+    # x 32·64, wqkv 32·128, the output 32·64 and logsumexp 4·32 (fp32), w1 32·96
+    assert X + sum(nbytes for _, nbytes in saved) == hand
+    assert sorted(nbytes for _, nbytes in saved) == sorted(
+        [32 * 128 * size, 32 * 64 * size, 4 * 32 * 4, 32 * 96 * size]
+    )
+    fused = parse_policy("sac-fused")
+    assert policy_tape_bytes(spec, fused) == hand
+    assert flex_region_copy_bytes(spec, fused) == 0
+    want, _ = _compile_saved(torch, block, x.clone().requires_grad_(True), masks, positions)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
 def test_full_ac_keeps_the_input_and_gives_the_plain_gradients(monkeypatch):
     torch = torch_or_skip()
     spec = spec_from_mapping(SMALL)

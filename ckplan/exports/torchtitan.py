@@ -25,10 +25,11 @@ reduce-scatters, every op of PyTorch's `compute_intensive_ops` (torch 2.13: also
 `all_to_all_single`; with biases (`addmm`), torchao float8 (`_scaled_mm`) or MoE routing
 (`topk`) it keeps more than ckplan's `sac` (0.2.2's op SAC) models, and on a dense block without
 biases too: 0.3.0's Llama 3 fuses wqkv (Q, K and V kept where 0.2.2 keeps Q and V) and saves
-compiled FlexAttention's region with its inputs (`_sac_reason_03`), so the export refuses `sac`
-for 0.3 and writes it for 0.2.x. ckplan's `sac-fused` is 0.3.0's SelectiveAC on a dense block
-without biases in bfloat16 (`_fused_reason_03` refuses the rest): the 0.3 export writes it as
-`activation-checkpoint:selective` and reads that back as `sac-fused`; 0.2.x has no such policy.
+compiled FlexAttention's region with its inputs, so the export refuses `sac` for 0.3 and
+writes it for 0.2.x. ckplan's `sac-fused` is 0.3.0's SelectiveAC on a dense block without
+biases in bfloat16: the 0.3 export writes it as `activation-checkpoint:selective` and reads
+that back as `sac-fused`; 0.2.x has no such policy. Which policy each release runs is
+ckplan.model.torchtitan_ac's answer (`policy_reason`), which the plan search reads too.
 Float8 is a converter in the config function's model spec, not an option of the command line.
 """
 
@@ -39,11 +40,12 @@ import re
 from ckplan.exports.segments import LayerSegments, module_reason
 from ckplan.model.op_policy import TORCHTITAN_03_POLICY, TORCHTITAN_03_WORD, TORCHTITAN_POLICY
 from ckplan.model.spec import ModelSpec
+from ckplan.model.torchtitan_ac import DEFAULT_RELEASE, RELEASES, policy_reason
 from ckplan.plan import Plan
 
 NAME = "torchtitan"
-VERSIONS = ("0.3", "0.2")  # torchtitan 0.3.0 (command line), 0.2.x (TOML job file)
-DEFAULT_VERSION = "0.3"
+VERSIONS = RELEASES  # torchtitan 0.3.0 (command line), 0.2.x (TOML job file)
+DEFAULT_VERSION = DEFAULT_RELEASE
 SUBCOMMAND = "activation-checkpoint:"  # 0.3.0's tyro subcommand for the AC policy
 # torch.distributed.pipelining's schedules that ckplan's pipeline memory follows: 1F1B
 # (Narayanan et al. 2021, PipeDream-Flush) and its interleaved form over virtual stages.
@@ -53,27 +55,13 @@ SCHEDULES = {False: "1F1B", True: "Interleaved1F1B"}
 def reason(spec: ModelSpec, layers: LayerSegments, version: str = DEFAULT_VERSION) -> str | None:
     if version == "0.3" and (why := _layout_reason_03(spec)):
         return why
-    if layers.policy in (TORCHTITAN_POLICY, TORCHTITAN_03_POLICY):
-        if not layers.stores_all:
+    if layers.policy:
+        if layers.policy in (TORCHTITAN_POLICY, TORCHTITAN_03_POLICY) and not layers.stores_all:
             return (
                 "its per-op policy beside fully recomputed layers: torchtitan applies one "
                 "activation-checkpoint mode to every block"
             )
-        if layers.policy == TORCHTITAN_03_POLICY:
-            return (
-                _fused_reason_03(spec)
-                if version == "0.3"
-                else (
-                    f"the policy {TORCHTITAN_03_WORD}: torchtitan 0.3.0's SelectiveAC; 0.2.x's "
-                    "op-level selective AC is the policy sac (--torchtitan-version 0.3)"
-                )
-            )
-        return _sac_reason_03(spec) if version == "0.3" else None
-    if layers.policy:
-        return (
-            f"the per-op policy {layers.policy}: torchtitan's op-level selective AC "
-            f"is the policy sac (0.2.x) or {TORCHTITAN_03_WORD} (0.3.0) only"
-        )
+        return policy_reason(spec, layers.policy, version)
     if why := module_reason(layers, "torchtitan"):
         return why
     if spec.kind != "transformer":
@@ -118,72 +106,6 @@ def _layout_reason_03(spec: ModelSpec) -> str | None:
         return (
             "experts beside tensor parallelism: torchtitan 0.3.0 has no expert tensor-parallel "
             "degree (its expert parallelism borrows the FSDP and TP ranks)"
-        )
-    return None
-
-
-def _sac_reason_03(spec: ModelSpec) -> str:
-    """Why torchtitan 0.3.0's SelectiveAC keeps other outputs than ckplan's `sac` (0.2.2's op
-    SAC), the most specific reason first.
-
-    Every Llama 3 flavour of 0.3.0 is built with `fuse_qkv=True` (torchtitan/models/llama3/
-    __init__.py, `_build_llama3_layers`): one `wqkv` GEMM (`FusedQKVLinear`, torchtitan/models/
-    common/attention.py), so the every-second-mm rule counts wqkv, wo, w1, w3, w2 and keeps
-    wqkv's output (Q, K and V), w1's and w2's (measured: tests/test_torchtitan_sac.py). Its
-    language models attend with FlexAttention or varlen attention, never SDPA
-    (models/common/config_utils.py, `get_attention_config`); FlexAttention runs compiled with
-    `wrap_inductor_compiled_regions` (attention.py, `FlexAttention.inductor_configs`), so the
-    selective checkpoint sees one `inductor_compiled_code` op, which SelectiveAC saves, and
-    caches every output of the compiled forward: the attention output, its logsumexp and, as
-    the backward reads them, its inputs, the rotated Q and K and V's contiguous copy. On a
-    small block (tests/test_torchtitan_sac.py: FlexAttention has no CPU backward, so it runs
-    AOTAutograd's min-cut partition inside `inductor_compiled_code`, as inductor wraps it) that
-    is ckplan's `sac:matmuls%2,k_proj,rope,attention` plus V's copy, 70,144 bytes where `sac`
-    keeps 49,664."""
-    if spec.bias or spec.qkv_bias:
-        return (
-            "the policy sac with linear biases: torchtitan 0.3.0's SelectiveAC saves every "
-            "aten.addmm outside its every-second-matmul rule (--torchtitan-version 0.2)"
-        )
-    if spec.precision == "float8":
-        return (
-            "the policy sac under float8: torchtitan 0.3.0's SelectiveAC saves every "
-            "aten._scaled_mm (--torchtitan-version 0.2)"
-        )
-    if spec.experts:
-        return (
-            "the policy sac on MoE layers: torchtitan 0.3.0's SelectiveAC also saves the "
-            "routing's aten.topk (--torchtitan-version 0.2)"
-        )
-    return (
-        "the policy sac: torchtitan 0.3.0's Llama 3 runs one fused wqkv GEMM, so SelectiveAC "
-        "keeps K's projection too, and saves compiled FlexAttention's whole region, whose "
-        f"outputs include the rotated Q and K and a copy of V: that is the policy "
-        f"{TORCHTITAN_03_WORD} (or --torchtitan-version 0.2)"
-    )
-
-
-def _fused_reason_03(spec: ModelSpec) -> str | None:
-    """Why torchtitan 0.3.0's SelectiveAC keeps other outputs than ckplan's `sac-fused` on
-    `spec`, or None. `sac-fused` models the every-second-mm rule over wqkv, wo, w1, w3, w2 and
-    FlexAttention's region (ckplan.model.op_policy, `flex_region_copy_bytes`), measured on
-    0.3.0's dense Llama 3 block (tests/test_torchtitan_sac.py); the rest of 0.3.0's save list
-    (torchtitan/distributed/activation_checkpoint.py, `_get_default_save_ops`: PyTorch's
-    `compute_intensive_ops`, `aten.topk`) saves outputs it does not model."""
-    if spec.bias or spec.qkv_bias:
-        return (
-            f"the policy {TORCHTITAN_03_WORD} with linear biases: torchtitan 0.3.0's "
-            "SelectiveAC saves every aten.addmm outside its every-second-matmul rule"
-        )
-    if spec.precision == "float8":
-        return (
-            f"the policy {TORCHTITAN_03_WORD} under float8: torchtitan 0.3.0's SelectiveAC "
-            "saves every aten._scaled_mm outside its every-second-matmul rule"
-        )
-    if spec.experts:
-        return (
-            f"the policy {TORCHTITAN_03_WORD} on MoE layers: torchtitan 0.3.0's SelectiveAC "
-            "also saves the routing's aten.topk and runs experts ckplan's units do not measure"
         )
     return None
 
@@ -322,7 +244,7 @@ def strategy_from_toml(text: str) -> str:
 def strategy_from_arguments(text: str) -> str:
     """The ckplan strategy torchtitan 0.3.0's arguments select: none, full or sac-fused
     (SelectiveAC, also the default subcommand when none is given; exact on a dense block
-    without biases, `_fused_reason_03`)."""
+    without biases, ckplan.model.torchtitan_ac.fused_reason_03)."""
     chosen = [word for word in text.split() if word.startswith(SUBCOMMAND)]
     name = chosen[-1].removeprefix(SUBCOMMAND) if chosen else "selective"
     strategies = {"none": "none", "full": "full", "selective": TORCHTITAN_03_WORD}

@@ -31,7 +31,8 @@ only the router's gate and the shared experts' linears among the MoE block's GEM
 
 A policy is written `sac:ITEM,ITEM,...` (docs/strategies.md): an item names a unit op of the
 layer (`UNIT_NAMES`), `matmuls` keeps every matmul output, `matmuls%K` every one but each K-th
-(torchtitan: `matmuls%2`). `sac` alone is torchtitan's policy, `TORCHTITAN_POLICY`.
+(torchtitan: `matmuls%2`). `sac` alone is torchtitan 0.2's policy, `TORCHTITAN_POLICY`;
+`sac-fused` 0.3.0's, `TORCHTITAN_03_POLICY`.
 
 ckplan's op table fuses what eager code runs as several modules (one QKV projection, one fc1 for
 gate and up); `unit_ops` splits them into the units a policy sees, each a table `Op` with its own
@@ -80,8 +81,11 @@ TORCHTITAN_03_ITEMS = (FUSED_QKV, "matmuls%2", FLEX_ATTENTION, "reduce_scatter",
 TORCHTITAN_03_POLICY = POLICY_PREFIX + ",".join(TORCHTITAN_03_ITEMS)
 # Policy words that stand for a whole policy.
 POLICY_WORDS = {"sac": TORCHTITAN_POLICY, TORCHTITAN_03_WORD: TORCHTITAN_03_POLICY}
-# The units FlexAttention's compiled region returns (`flex_region_copy_bytes` adds V's copy).
+# The units FlexAttention's compiled region returns in an eager layer (`flex_region_copy_bytes`
+# adds V's copy); in a compiled one (`kernels: compiled`) the block's graph holds the
+# flex_attention operator, whose outputs are the attention's alone (`flex_units`).
 FLEX_UNITS = ("rope", "attention")
+FLEX_COMPILED_UNITS = ("attention",)
 # Unit ops a policy may name, in the order a layer runs them: Llama-style attention or MLA's
 # projections, then a dense MLP (gelu MLPs have fc1 where gated ones have gate_proj and up_proj)
 # or an MoE block (router, routing, permutation, all-to-alls, experts, shared experts).
@@ -212,9 +216,10 @@ class OpPolicy:
 
     `fused_qkv`: the layer runs q, k and v as one GEMM (torchtitan 0.3.0's `FusedQKVLinear`),
     which the matmul rule counts once and keeps or re-runs whole. `flex`: the attention kernel is
-    FlexAttention compiled as its own region and kept whole: the rotated Q and K, the output
-    with its logsumexp, and a contiguous copy of V (`flex_region_copy_bytes`); `names` then
-    holds `FLEX_UNITS`."""
+    FlexAttention, kept as torchtitan 0.3.0's SelectiveAC keeps it (`flex_units`): in an eager
+    layer its compiled region whole, the rotated Q and K, the output with its logsumexp and a
+    contiguous copy of V (`flex_region_copy_bytes`); in a compiled layer the output and its
+    logsumexp. `names` holds `attention` with it."""
 
     names: frozenset[str] = frozenset()
     every: int = 0  # 0: no matmul rule; 1: every matmul; K: all but each K-th
@@ -245,7 +250,7 @@ def parse_policy(text: str) -> OpPolicy:
             continue
         if item == FLEX_ATTENTION:
             flex = True
-            names.update(FLEX_UNITS)
+            names.update(FLEX_COMPILED_UNITS)  # the rest by the layer's kernels (`flex_units`)
             continue
         match = re.fullmatch(r"matmuls(?:%([0-9]{1,6}))?", item)
         if match:
@@ -278,7 +283,7 @@ def policy_text(policy: OpPolicy) -> str:
     names = set(policy.names)
     groups = dict(GROUP_ITEMS)
     if policy.flex:
-        groups[FLEX_ATTENTION] = FLEX_UNITS
+        groups[FLEX_ATTENTION] = FLEX_COMPILED_UNITS
     for item, members in groups.items():
         if names.issuperset(members):
             names -= set(members)
@@ -287,6 +292,31 @@ def policy_text(policy: OpPolicy) -> str:
     order |= {item: order[members[0]] for item, members in groups.items()}
     items += sorted(names, key=order.__getitem__)
     return POLICY_PREFIX + ",".join(items)
+
+
+def flex_units(spec: ChainSpec) -> tuple[str, ...]:
+    """The units the `flex_attention` item keeps on `spec`'s layers.
+
+    Eager layers (`FLEX_UNITS`): torchtitan 0.3.0 runs FlexAttention compiled as a region of
+    its own, which the selective checkpoint sees as one `inductor_compiled_code` op and caches
+    whole, the rotated Q and K among its outputs (tests/test_torchtitan_sac.py).
+    Compiled layers (`FLEX_COMPILED_UNITS`): torchtitan compiles each block after wrapping it
+    (torchtitan/models/llama3/parallelize.py, `apply_compile` after `ac_config.build().apply`,
+    in the wheel torchtitan-0.3.0-py3-none-any.whl), so the block's graph holds the
+    `flex_attention` operator, which SelectiveAC's save list names
+    (`torch._higher_order_ops.flex_attention`); the policy tags it MUST_SAVE and RoPE's ops
+    PREFER_RECOMPUTE, and the min-cut partitioner saves the operator's output and logsumexp
+    and rebuilds the rotated Q and K from wqkv's kept output; V is a view of it. Measured on the
+    CPU with torch 2.13 (tests/test_torchtitan_sac.py: the partitioned forward graph saves
+    45,568 bytes in fp32, 23,040 in bf16)."""
+    return FLEX_COMPILED_UNITS if spec.kernels == "compiled" else FLEX_UNITS
+
+
+def effective_policy(spec: ChainSpec, policy: OpPolicy) -> OpPolicy:
+    """`policy` with the units its `flex_attention` item keeps on `spec` (`flex_units`)."""
+    if not policy.flex:
+        return policy
+    return dataclasses.replace(policy, names=policy.names | set(flex_units(spec)))
 
 
 def is_policy(group: str) -> bool:
@@ -360,8 +390,9 @@ def unit_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Unit, ...]
     add's and a reduce-scatter's are the residual stream on this rank; a projection's is its
     (s·b/cp, width) result before any reduce-scatter (a row-parallel GEMM produces partial sums
     over all tokens); the attention kernel's its output O and the fp32 logsumexp (a·s·b
-    values). RoPE has no table op: its re-run is not timed. Units carry no tensor-parallel
-    collective (`policy_comm_ops` says which collectives a re-forward repeats).
+    values). RoPE has no table op: its unit is timed by the bytes it moves
+    (`rope_moved_bytes`). Units carry no tensor-parallel collective (`policy_comm_ops` says
+    which collectives a re-forward repeats).
     """
     kind = representative_kind(spec) if kind is None else kind
     table = {op.name: op for op in layer_ops(spec, kind)}
@@ -388,7 +419,7 @@ def unit_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Unit, ...]
         units += _mla_units(spec, table, shapes)
         context = B * tokens * heads_r * spec.v_head_dim
         rope_output = B * tokens * heads_r * 2 * (spec.qk_nope_head_dim + spec.qk_rope_head_dim)
-        rope_op = table["kv_up"]
+        rope_op = _elementwise(table["kv_up"], MLA_ROPE, rope_moved_bytes(spec, shapes))
     else:
         kv_r, d = kv_heads_per_rank(spec), spec.head_dim
         d_q, d_kv = B * tokens * heads_r * d, B * tokens * kv_r * d  # (s, b, a/t, d), g heads
@@ -401,10 +432,11 @@ def unit_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Unit, ...]
         if spec.qk_norm:
             qk = table["qk_norm"]
             units.append(Unit("qk_norm", d_q + d_kv, _elementwise(qk, "qk_norm", qk.forward_bytes)))
-        context, rope_output, rope_op = d_q, d_q + d_kv, qkv
+        context, rope_output = d_q, d_q + d_kv
+        rope_op = _elementwise(qkv, "rope", rope_moved_bytes(spec, shapes))
     logsumexp = FP32_BYTES * shapes.sharded(tokens * spec.heads)
     units += [
-        Unit("rope", rope_output, _elementwise(rope_op, "rope", 0)),
+        Unit("rope", rope_output, rope_op),
         Unit(
             "attention",
             context + logsumexp,
@@ -424,6 +456,36 @@ def unit_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Unit, ...]
         return _wired(spec, table, tuple(units))
     units += _mlp_units(spec, table, shapes, "")
     return _wired(spec, table, (*units, *row_parallel("fc2")))
+
+
+# The table op name of MLA's RoPE unit: the rotation and the assembly of Q and K
+# (`rope_moved_bytes`), which eager code does not run as Llama's RoPE kernels.
+MLA_ROPE = "mla_rope"
+
+
+def rope_moved_bytes(spec: ChainSpec, shapes: LayerShapes) -> int:
+    """Bytes the forward of the `rope` unit reads and writes on this rank, memory-bound as the
+    other element-wise units (the roofline times them by these bytes).
+
+    Q and K heads (derived): RoPE reads Q and K and writes them rotated, 2·(Q + K) bytes, one
+    fused kernel's traffic, as `hardware.code_path` counts RoPE (its 4 bytes per bf16 element;
+    eager code adds `EAGER_ROPE_EXTRA_BYTES` per element there). The cos/sin table (s·d/2
+    values, shared by every head and sequence) is left out, as there.
+
+    MLA (derived from torchtitan's DeepSeek-V3 Attention at v0.2.2,
+    models/deepseek_v3/model/model.py, the assembly as `model.mla` counts it): RoPE reads and
+    writes q_pe (a/t heads) and the shared k_pe, 2·(a/t + 1)·d_rope per token; `cat([q_nope,
+    q_pe])` reads and writes Q (2·Q); `cat([k_nope, k_pe expanded])` reads K's no-RoPE part and
+    the shared key and writes K."""
+    B, tokens = shapes.B, shapes.tokens
+    heads_r = spec.heads // spec.tp
+    if spec.mla:
+        nope, rope = spec.qk_nope_head_dim, spec.qk_rope_head_dim
+        qk = B * tokens * heads_r * (nope + rope)  # Q, and K at a/t heads
+        rotated = 2 * B * tokens * (heads_r + 1) * rope
+        return rotated + 2 * qk + B * tokens * heads_r * nope + B * tokens * rope + qk
+    d = spec.head_dim
+    return 2 * B * tokens * (heads_r + kv_heads_per_rank(spec)) * d
 
 
 _NORMS = ("norm1", "norm2")
@@ -646,6 +708,7 @@ def kept_mask(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None) 
     kept only when named. With `policy.fused_qkv` the rule counts q, k and v as the one GEMM
     they are (torchtitan 0.3.0's `FusedQKVLinear`: `wqkv`), kept or re-run together."""
     counting = counts_matmuls(spec.precision)
+    policy = effective_policy(spec, policy)
     mask, index = [], 0
     for unit in unit_ops(spec, kind):
         if policy.fused_qkv and unit.name in FUSED_LATER and mask:
@@ -795,24 +858,32 @@ def flex_region_copy_bytes(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | 
     `inductor_compiled_code` op, which SelectiveAC saves
     (torchtitan/distributed/activation_checkpoint.py, `_get_default_save_ops`), and caches all
     its outputs: those its backward reads, among them V made contiguous. Measured on the CPU
-    (tests/test_torchtitan_sac.py: 4,096 bytes of 70,144 in fp32, 2,048 of 35,328 in bf16)."""
-    if not policy.flex:
+    (tests/test_torchtitan_sac.py: 4,096 bytes of 70,144 in fp32, 2,048 of 35,328 in bf16).
+    None in a compiled layer, whose graph reads V as a view of wqkv's output (`flex_units`)."""
+    if not policy.flex or spec.kernels == "compiled":
         return 0
     return sum(unit.output_bytes for unit in unit_ops(spec, kind) if unit.name == "v_proj")
 
 
 def policy_fit_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
     """Why `policy`'s fused-QKV or FlexAttention items do not fit `spec`, or None: both are
-    torchtitan 0.3.0's Llama 3 block (separate q, k and v heads, eager layers; under
-    torch.compile the region is no longer one cached op, which is not modelled)."""
+    torchtitan 0.3.0's Llama 3 block (separate q, k and v heads), measured on one rank's
+    block, eager and compiled (tests/test_torchtitan_sac.py). Under tensor parallelism
+    0.3.0's default `parallelism.spmd_backend = "spmd_types"` (torchtitan/config/configs.py)
+    reduce-scatters through spmd_types' `_ReduceScatterShard` (spmd_types/_collectives.py:
+    `x.new_empty`, then `torch.distributed.reduce_scatter_tensor`), which SelectiveAC's save
+    list (`torch.ops._c10d_functional.reduce_scatter_tensor`) does not name, and its
+    DTensor backends reduce-scatter through the functional op, which it does: what a rank
+    keeps depends on the backend and is not measured, so tp > 1 is refused."""
     if not (policy.fused_qkv or policy.flex):
         return None
     if spec.mla:
         return f"{FUSED_QKV} and {FLEX_ATTENTION} are modelled for q, k and v heads, not MLA"
-    if policy.flex and spec.kernels == "compiled":
+    if spec.tp > 1:
         return (
-            f"{FLEX_ATTENTION} is modelled for eager layers (kernels: eager): a compiled layer "
-            "does not cache FlexAttention's region as one op"
+            f"{FUSED_QKV} and {FLEX_ATTENTION} are measured on one rank's block (tp: 1): "
+            "torchtitan 0.3.0's default spmd_types backend reduce-scatters with "
+            "torch.distributed.reduce_scatter_tensor, not the functional op its save list names"
         )
     return None
 

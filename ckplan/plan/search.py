@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ckplan.model import allocator
+from ckplan.model import allocator, torchtitan_ac
 from ckplan.model.memory import model_state_bytes
-from ckplan.model.op_policy import TORCHTITAN_POLICY, check_policy_model
+from ckplan.model.op_policy import POLICY_WORDS, TORCHTITAN_POLICY, check_policy_model
 from ckplan.model.spec import SIZE_RANGES, ModelSpec, SpecError
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate
 from ckplan.plan.strategies import (
@@ -92,8 +92,8 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
     binomial schedules reach below one stored input per segment (Griewank & Walther 2000);
     the dense MLP module (`mlp`, `selective+mlp`) where the model has dense layers;
     Megatron-Core's other modules the model has (`module_candidates`);
-    torchtitan's per-op policy (`sac`, `sac+block:N`) where its layers are dense with flash
-    attention.
+    the framework's per-op policy (`sweep_policy`: `sac`, or `sac-fused` under torchtitan),
+    alone and as `POLICY+block:N`.
     """
     layers = spec.layers_per_stage
     names = ["none", "selective", "full", "sqrt"]
@@ -106,10 +106,10 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
     if spec.kind == "transformer" and has_dense_layers(spec):
         # Megatron-Core's --recompute-modules mlp: the dense MLP re-run, alone and with the core
         names += ["mlp", "selective+mlp"]
-    if check_policy_model(spec) is None:
-        # torchtitan's per-op policy in every stored layer, alone and beside fully recomputed
-        # layers
-        names += ["sac"] + [f"sac+block:{size}" for size in _sizes(1, layers)]
+    if (word := policy_word(spec)) is not None:
+        # the framework's per-op policy in every stored layer, alone and beside fully
+        # recomputed layers
+        names += [word] + [f"{word}+block:{size}" for size in _sizes(1, layers)]
     if spec.experts:
         # Recomputing the MoE block or only its expert MLPs, alone, with the attention core,
         # and on top of Megatron's block recompute.
@@ -118,6 +118,27 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
             names += [f"moe+block:{size}", f"selective+moe+block:{size}"]
     names += module_candidates(spec)
     return _distinct([parse_strategy(name, spec) for name in dict.fromkeys(names)])
+
+
+def sweep_policy(spec: ModelSpec) -> str | None:
+    """The per-op policy (canonical `sac:...` text) the sweep and `plan` try, or None where
+    none applies (`check_policy_model`). Under torchtitan the one its default release runs
+    (`torchtitan_ac.release_policy`: `sac-fused` for 0.3.0, where ckplan models what its
+    SelectiveAC keeps; None elsewhere, so that nothing offered is a policy torchtitan 0.3.0
+    cannot run); under the other frameworks whose layers take a selective-checkpoint policy
+    (Hugging Face, DeepSpeed: the exported torch snippet) torchtitan 0.2.x's `sac`."""
+    if check_policy_model(spec) is not None:
+        return None
+    if spec.framework == "torchtitan":
+        return torchtitan_ac.release_policy(spec, torchtitan_ac.DEFAULT_RELEASE)
+    return TORCHTITAN_POLICY
+
+
+def policy_word(spec: ModelSpec) -> str | None:
+    """`sweep_policy` as a strategy word (`sac`, `sac-fused`), or None."""
+    policy = sweep_policy(spec)
+    words = {body: word for word, body in POLICY_WORDS.items()}
+    return None if policy is None else words[policy]
 
 
 def _module_words(spec: ModelSpec) -> list[str]:
@@ -312,7 +333,8 @@ def optimal_plan(
     spec: ModelSpec, budget: int, slots: int = DEFAULT_SLOTS, gpu: GPU | None = None
 ) -> Plan | None:
     """The cheaper of `optimal` and `selective+optimal` (with dense flash-attention layers also
-    `sac+optimal`; with experts, also `moe+optimal` and `selective+moe+optimal`) within
+    `POLICY+optimal` of `sweep_policy`; with experts, also `moe+optimal` and
+    `selective+moe+optimal`) within
     `budget` activation bytes (in FLOPs, or in step time on `gpu`; ties go to the smaller
     peak); None when none fits. The DP itself minimises recompute FLOPs (rotor's costs are the
     chain's FLOPs)."""
@@ -320,8 +342,8 @@ def optimal_plan(
         return None
     found = []
     strategies = [Strategy("optimal"), Strategy("optimal", selective=True)]
-    if check_policy_model(spec) is None:
-        strategies.append(Strategy("optimal", policy=TORCHTITAN_POLICY))
+    if (policy := sweep_policy(spec)) is not None:
+        strategies.append(Strategy("optimal", policy=policy))
     if spec.experts:
         strategies += [Strategy("optimal", moe="moe"), Strategy("optimal", None, True, "moe")]
     for strategy in strategies:
@@ -346,15 +368,16 @@ def optimal_plan(
 
 
 def mixed_plan(spec: ModelSpec, budget: int, gpu: GPU, slots: int = DEFAULT_SLOTS) -> Plan | None:
-    """`sac+mixed` within `budget` activation bytes, in step time on `gpu`, where torchtitan's
-    per-op policy applies and one micro-batch is in flight (pp = 1); else None."""
+    """`POLICY+mixed` of `sweep_policy` within `budget` activation bytes, in step time on
+    `gpu`, where a policy applies and one micro-batch is in flight (pp = 1); else None."""
     from ckplan.schedules.policy_mix import MIX_MAX_STAGES
 
-    if budget <= 0 or spec.pp > 1 or check_policy_model(spec) is not None:
+    policy = sweep_policy(spec)
+    if budget <= 0 or spec.pp > 1 or policy is None:
         return None
     if spec.layers_per_stage + 2 > MIX_MAX_STAGES:
         return None
-    strategy = Strategy(kind=MIXED, policy=TORCHTITAN_POLICY)
+    strategy = Strategy(kind=MIXED, policy=policy)
     return evaluate(spec, strategy, budget=budget, slots=slots, gpu=gpu)
 
 
@@ -362,8 +385,11 @@ def best_policy_plan(spec: ModelSpec, usable: int, gpu: GPU | None = None) -> Pl
     """The plan of the cheapest per-op policy (`policy_search.policy_frontier`: re-run time on
     `gpu`, FLOPs without) whose plan fits `usable` bytes; None when the model has no policies
     or none fits. A plan's peak grows with its policy's stored bytes, so a binary search over
-    the frontier (by bytes) finds the last that fits."""
+    the frontier (by bytes) finds the last that fits. Not under torchtitan, whose releases run
+    their own op lists only (`torchtitan_ac.policy_reason`), never one the frontier picks."""
     if spec.kind != "transformer" or check_policy_model(spec) is not None:
+        return None
+    if spec.framework == "torchtitan":
         return None
     from ckplan.plan.policy_search import policy_frontier
 

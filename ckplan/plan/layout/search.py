@@ -56,6 +56,7 @@ from ckplan.plan.search import (
     layout_module_candidates,
     offload_optimal_plan,
     optimal_plan,
+    policy_word,
 )
 from ckplan.plan.strategies import StrategyError, has_dense_layers, parse_strategy
 from ckplan.quoting import shorten
@@ -64,8 +65,8 @@ from ckplan.units import format_bytes_auto
 DEFAULT_TOP = 10
 SCREEN_SLOTS = 25  # the fewest memory slots of a screening DP
 MAX_REJECTED = 3  # rejected layouts explained, per kind of reason
-# Frameworks whose layers `plan` tries `sac+mixed` on: the torch export wraps each layer
-# (DeepSpeed's and Megatron-LM's exports refuse a mixed plan)
+# Frameworks whose layers `plan` tries POLICY+mixed on (`plan.search.policy_word`): the torch
+# export wraps each layer (DeepSpeed's and Megatron-LM's exports refuse a mixed plan)
 MIXED_FRAMEWORKS = ("torchtitan", "hf")
 
 
@@ -533,15 +534,16 @@ class _Run:
             # Megatron-Core's other --recompute-modules: each alone, all together, with the
             # attention core (and the dense MLP)
             names += layout_module_candidates(spec)
-        # PyTorch's selective checkpointing runs where the layers are PyTorch modules
-        policies = check_policy_model(spec) is None
-        if policies:
-            names.append("sac")
+        # PyTorch's selective checkpointing runs where the layers are PyTorch modules: the
+        # framework's policy (`sac`, or `sac-fused` under torchtitan 0.3.0)
+        word = policy_word(spec)
+        if word is not None:
+            names.append(word)
         tried += [self._candidate(spec, name) for name in names]
-        prefixes = ("block:", "selective+block:") + (("sac+block:",) if policies else ())
+        prefixes = ("block:", "selective+block:") + ((f"{word}+block:",) if word else ())
         for prefix in prefixes:
             tried.append(self._fewest_blocks(spec, prefix))
-        if policies:  # the cheapest per-op policy that fits (plan.policy_search)
+        if check_policy_model(spec) is None:  # the cheapest per-op policy that fits
             best = best_policy_plan(spec, self.usable, self.gpu)
             if best is not None:
                 tried.append(Candidate(best, self.usable, None))
@@ -609,19 +611,17 @@ class _Run:
         return None if plan is None else self._timed(Candidate(plan, self.usable))
 
     def _mixed(self, spec: ModelSpec, current: str | None = None) -> Candidate | None:
-        """The faster of `sac+mixed` and, where the layout's plan is a per-op policy of its
+        """The faster of `POLICY+mixed` of the framework's policy (`plan.search.policy_word`)
+        and, where the layout's plan is a per-op policy of its
         own (`sac:...`, the frontier's best), `POLICY+mixed` (plan.policy_mix: each layer's full
         tape, the policy's tape or its recomputation) within the activation budget, on the
         layouts of the frameworks whose layers the torch export wraps one by one
         (`MIXED_FRAMEWORKS`) where the policy applies; None elsewhere, with a pipeline (the
         mixed DP plans one micro-batch in flight) or when none fits."""
-        if (
-            spec.framework not in MIXED_FRAMEWORKS
-            or spec.pp > 1
-            or check_policy_model(spec) is not None
-        ):
+        word = policy_word(spec)
+        if spec.framework not in MIXED_FRAMEWORKS or spec.pp > 1 or word is None:
             return None
-        names = ["sac+mixed"]
+        names = [f"{word}+mixed"]
         if current is not None and current.startswith(POLICY_PREFIX) and "+" not in current:
             names.append(f"{current}+mixed")
         found = []
