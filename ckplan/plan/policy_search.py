@@ -189,35 +189,45 @@ def scoped_frontier(
     (`op_policy.rerun_mask`: to the region's end, or to the last tensor its backward reads),
     and keeping a unit adds its output (unless held already) and its internal tensors. Empty
     under torch.compile, where scoped policies are not modelled."""
-    mode = replays(spec)
-    if mode == "graph":
+    if replays(spec) == "graph":
         return ()
+    points = []
+    for layout in region_layouts(spec, kind):
+        points += [
+            (p.tape_bytes, -p.cost, p.scopes) for p in layout_frontier(spec, layout, gpu, kind)
+        ]
+    return tuple(PolicyPoint((), size, -score, scopes) for size, score, scopes in _pareto(points))
+
+
+def layout_frontier(
+    spec: ModelSpec,
+    layout: tuple[tuple[str, tuple[int, int]], ...],
+    gpu: GPU | None = None,
+    kind: LayerKind | None = None,
+) -> tuple[PolicyPoint, ...]:
+    """The frontier of the scoped policies whose regions are `layout` (`scoped_frontier`)."""
+    mode = replays(spec)
     units = unit_ops(spec, kind)
     X = LayerShapes.of(spec).X
-    costs: dict[int, float] = {}
     order = {name: i for i, name in enumerate(UNIT_NAMES)}
-    points: list[tuple[int, float, tuple]] = []
-    for layout in region_layouts(spec, kind):
-        spans = tuple(span for _, span in layout)
-        nothing = (False,) * len(units)
-        held, internal = stored_tensors(units, spans, nothing)
-        base = internal + sum(X if j == LAYER_INPUT else units[j].output_bytes for j in held)
-        again = rerun_mask(units, nothing, mode, spans)
-        frontier = [(base, 0.0, ())]
-        for name, (start, end) in layout:
-            for i in range(start, end):
-                if not again[i]:
-                    continue  # not re-run when not kept: keeping it only adds bytes
-                if i not in costs:
-                    costs[i] = unit_cost(spec, units[i], gpu, kind)
-                size = units[i].internal + (0 if i in held else units[i].output_bytes)
-                frontier = _pareto(
-                    [(b, c - costs[i], k) for b, c, k in frontier]
-                    + [(b + size, c, (*k, (name, units[i].name))) for b, c, k in frontier]
-                )
-        points += [(b, c, (layout, k)) for b, c, k in frontier]
+    spans = tuple(span for _, span in layout)
+    nothing = (False,) * len(units)
+    held, internal = stored_tensors(units, spans, nothing)
+    base = internal + sum(X if j == LAYER_INPUT else units[j].output_bytes for j in held)
+    again = rerun_mask(units, nothing, mode, spans)
+    frontier: list[tuple[int, float, tuple]] = [(base, 0.0, ())]
+    for name, (start, end) in layout:
+        for i in range(start, end):
+            if not again[i]:
+                continue  # not re-run when not kept: keeping it only adds bytes
+            cost = unit_cost(spec, units[i], gpu, kind)
+            size = units[i].internal + (0 if i in held else units[i].output_bytes)
+            frontier = _pareto(
+                [(b, c - cost, k) for b, c, k in frontier]
+                + [(b + size, c, (*k, (name, units[i].name))) for b, c, k in frontier]
+            )
     found = []
-    for size, score, (layout, kept) in _pareto(points):
+    for size, score, kept in frontier:
         scopes = tuple(
             (name, tuple(sorted({u for r, u in kept if r == name}, key=order.__getitem__)))
             for name, _ in layout

@@ -1,0 +1,156 @@
+"""Scoped per-op policies (`sac@REGION=UNIT,...`): checkpointed regions at module boundaries,
+their tape by brute force and against PyTorch's checkpoint, and the frontier over region layouts
+and kept units against brute force."""
+
+from itertools import combinations
+
+import pytest
+from test_op_policy import SMALL, _strictly_better, _torch_block, small
+
+from ckplan.model.memory import activation_bytes_per_layer
+from ckplan.model.op_policy import (
+    PolicyError,
+    kept_mask,
+    parse_policy,
+    policy_spans,
+    policy_tape_bytes,
+    policy_text,
+    region_spans,
+    replays,
+    rerun_mask,
+    scoped_tape_bytes,
+    unit_ops,
+)
+from ckplan.model.spec import spec_from_mapping
+from ckplan.plan.strategies import StrategyError, parse_strategy
+
+MOE = {**SMALL, "experts": 4, "top_k": 2, "moe_ffn_hidden": 32, "bias": False}
+# DeepSeek-V3's shape, small (tests/test_op_policy_moe_mla.py): latents, one shared expert
+MLA = {**MOE, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+       "qk_rope_head_dim": 8, "v_head_dim": 16, "shared_experts": 1, "kv_heads": 4}  # fmt: skip
+
+
+def test_scoped_grammar_round_trips():
+    policy = parse_policy("sac@mlp=w3/attention=wv,sdpa")
+    assert policy.scopes == (
+        ("attention", frozenset({"v_proj", "attention"})),
+        ("mlp", frozenset({"up_proj"})),
+    )
+    assert policy_text(policy) == "sac@attention=v_proj,attention/mlp=up_proj"
+    assert parse_policy(policy_text(policy)) == policy
+    assert policy_text(parse_policy("sac@norm1/mlp_act")) == "sac@norm1/mlp_act"
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("sac@", "name at least one region"),
+        ("sac@ffn", "unknown region 'ffn'"),
+        ("sac@mlp/mlp", "region 'mlp' named twice"),
+        ("sac@mlp=wq7", "unknown op 'wq7'"),
+    ],
+)
+def test_bad_scoped_policies_are_one_line_errors(text, fragment):
+    with pytest.raises(PolicyError, match=fragment):
+        parse_policy(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "changes", "fragment"),
+    [
+        ("sac@attention/core_attn", {}, "regions attention and core_attn overlap"),
+        ("sac@mlp=q_proj", {}, "region mlp does not hold q_proj"),
+        ("sac@experts", {}, "the model's layers have no region experts"),
+        ("sac@mlp", {"kernels": "compiled"}, "modelled for eager layers"),
+    ],
+)
+def test_scoped_policies_that_do_not_fit_say_why(text, changes, fragment):
+    with pytest.raises(StrategyError, match=fragment):
+        parse_strategy(text, small(**changes))
+
+
+@pytest.mark.parametrize("changes", [{}, {"tp": 2, "sp": True}])
+def test_no_region_is_the_plain_tape_and_one_region_the_layer_policy(changes):
+    """Un-checkpointed, the units hold what the op table saves (a dense Llama layer); the whole
+    layer as one region holds the input and the kept outputs, as a layer-level policy."""
+    spec = small(**changes)
+    units = unit_ops(spec)
+    nothing = (False,) * len(units)
+    assert scoped_tape_bytes(spec, units, (), nothing) == activation_bytes_per_layer(spec)
+    policy = parse_policy("sac:wq,wo,w2,attention,norm2")
+    whole = ((0, len(units)),)
+    kept = kept_mask(spec, policy)
+    assert scoped_tape_bytes(spec, units, whole, kept) == policy_tape_bytes(spec, policy)
+
+
+def test_scoped_tape_by_hand():
+    """sac@attention=v_proj,attention/mlp_act on the small layer (fp32, s·b = 32 tokens,
+    nn.RMSNorm saving only its input in fp32): the attention region holds its input (norm1's
+    output, 32·64·4 bytes), v (32·32·4), the attention output and fp32 logsumexp
+    (32·64·4 + 4·32·4); un-checkpointed: the layer input (norm1's), norm2's input and output
+    (read by gate and up), the gate and up outputs (the activation region's input, 32·96·4
+    each), the activation's output (the region's, read by fc2)."""
+    spec = small()
+    assert {u.internal for u in unit_ops(spec)} == {0}
+    policy = parse_policy("sac@attention=v_proj,attention/mlp_act")
+    X, F = 32 * 64 * 4, 32 * 96 * 4
+    expected = X  # the layer input
+    expected += X + 32 * 32 * 4 + X + 4 * 32 * 4  # region input, v, attention output
+    expected += 2 * X  # norm2's input and output
+    expected += 2 * F + F  # gate, up, the activation's output
+    assert policy_tape_bytes(spec, policy) == expected
+
+
+def _brute_frontier(spec, layout, gpu):
+    """Every subset of `layout`'s region units kept, by `kept_mask` and `policy_tape_bytes`
+    on the parsed policy, and `rerun_mask` per region."""
+    from ckplan.plan.policy_search import unit_cost
+
+    units = unit_ops(spec)
+    costs = [unit_cost(spec, u, gpu) for u in units]
+    members = [(name, units[i].name) for name, (a, b) in layout for i in range(a, b)]
+    best = {}
+    for size in range(len(members) + 1):
+        for chosen in combinations(members, size):
+            scopes = "/".join(
+                name + "=" + ",".join(u for r, u in chosen if r == name) for name, _ in layout
+            )
+            policy = parse_policy("sac@" + scopes)
+            tape = policy_tape_bytes(spec, policy)
+            spans = policy_spans(spec, policy)
+            again = rerun_mask(units, kept_mask(spec, policy), replays(spec), spans)
+            cost = sum(c for c, a in zip(costs, again, strict=True) if a)
+            best[tape] = min(best.get(tape, cost), cost)
+    return _strictly_better(sorted(best.items()))
+
+
+@pytest.mark.parametrize("framework", ["torchtitan", "hf"])
+@pytest.mark.parametrize("base", [SMALL, MOE, MLA], ids=["dense", "moe", "mla"])
+def test_layout_frontier_is_the_brute_force_pareto_set(base, framework):
+    """Per layout of regions holding at most 10 units (13: every layout of the dense layer), the
+    knapsack's frontier is the brute-force one; and the frontier over all layouts is the Pareto
+    set of theirs, each point a policy with its tape."""
+    from ckplan.plan.policy_search import layout_frontier, region_layouts, scoped_frontier
+
+    spec = spec_from_mapping({**base, "framework": framework})
+    assert replays(spec) == ("whole" if framework == "torchtitan" else "early_stop")
+    layouts = region_layouts(spec)
+    checked = 0
+    union = []
+    for layout in layouts:
+        points = layout_frontier(spec, layout)
+        union += [(p.tape_bytes, p.cost) for p in points]
+        if sum(b - a for _, (a, b) in layout) > (13 if base is SMALL else 10):
+            continue
+        frontier = _strictly_better([(p.tape_bytes, p.cost) for p in points])
+        brute = _brute_frontier(spec, layout, None)
+        assert [t for t, _ in frontier] == [t for t, _ in brute], layout
+        for (_, got), (_, want) in zip(frontier, brute, strict=True):
+            assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
+        checked += 1
+    assert checked >= (len(layouts) if base is SMALL else 20)
+    points = scoped_frontier(spec)
+    for point in points:
+        assert policy_tape_bytes(spec, parse_policy(point.strategy)) == point.tape_bytes
+    best = _strictly_better(sorted(union, key=lambda p: (p[0], p[1])))
+    assert _strictly_better([(p.tape_bytes, p.cost) for p in points]) == best
