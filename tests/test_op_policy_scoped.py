@@ -154,3 +154,153 @@ def test_layout_frontier_is_the_brute_force_pareto_set(base, framework):
         assert policy_tape_bytes(spec, parse_policy(point.strategy)) == point.tape_bytes
     best = _strictly_better(sorted(union, key=lambda p: (p[0], p[1])))
     assert _strictly_better([(p.tape_bytes, p.cost) for p in points]) == best
+
+
+# ---- against PyTorch: each region its own checkpoint ---------------------------------------------
+
+
+def _scoped_block(torch, spec):
+    """`test_op_policy._torch_block`'s layer with its forward split at the regions' module
+    boundaries; `run(region, fn, *args)` checkpoints `fn` when the policy names `region`.
+    RoPE's angles are buffers (a real model computes them once for all layers)."""
+    F = torch.nn.functional
+    base = _torch_block(torch, spec)
+    a, g, d = spec.heads, spec.kv_heads, spec.head_dim
+    angles = torch.arange(spec.seq)[:, None] * (10000.0 ** (-torch.arange(d // 2) / (d // 2)))
+    base.register_buffer("cos", angles.cos()[None, :, None, :])
+    base.register_buffer("sin", angles.sin()[None, :, None, :])
+
+    def rope(x):
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+        return torch.cat([x1 * base.cos - x2 * base.sin, x1 * base.sin + x2 * base.cos], dim=-1)
+
+    def forward(x, run):
+        b, s, _ = x.shape
+
+        def core(q, k, v):
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                enable_gqa=True,
+            )  # fmt: skip
+            return out.transpose(1, 2).reshape(b, s, a * d)
+
+        def attention(y):
+            q = rope(base.wq(y).view(b, s, a, d))
+            k = rope(base.wk(y).view(b, s, g, d))
+            v = base.wv(y).view(b, s, g, d)
+            return base.wo(run("core_attn", core, q, k, v))
+
+        def act(gate, up):
+            return F.silu(gate) * up
+
+        def mlp(z):
+            return base.w2(run("mlp_act", act, base.w1(z), base.w3(z)))
+
+        def first(x):
+            return run("attention", attention, run("norm1", base.attention_norm, x))
+
+        def second(hidden):
+            return run("mlp", mlp, run("norm2", base.ffn_norm, hidden))
+
+        hidden = x + run("norm1_attention", first, x)
+        return hidden + run("norm2_mlp", second, hidden)
+
+    return base, forward
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "sac@attention=v_proj,attention/mlp=up_proj",
+        "sac@norm1_attention=q_proj,k_proj,v_proj,attention/mlp_act",
+        "sac@core_attn/norm2_mlp=gate_proj,fc2",
+        "sac@norm1/attention/norm2/mlp",
+        "sac@norm1_attention=out_proj/norm2_mlp=gate_proj,up_proj",
+    ],
+)
+def test_torch_regions_hold_the_predicted_bytes(text):
+    """Each region of the policy its own `torch.utils.checkpoint` with a selective policy
+    keeping its named matmuls (by their count in the region) and the SDPA kernel: the storages
+    alive between forward and backward (the checkpoints' inputs, their caches, what autograd
+    saves outside them, the layer input; parameters and RoPE's angles apart) are ckplan's tape,
+    and the gradients are the plain step's."""
+    from needs_torch import torch_or_skip
+
+    torch = torch_or_skip()
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    from ckplan.inputs.presets import spec_from_values
+
+    # eager nn.RMSNorm (its fp32 rstd and normalised input) and SwiGLU (silu(gate) kept)
+    spec = spec_from_values({**SMALL, "profile": "torch-sdpa"})
+    assert {u.name for u in unit_ops(spec) if u.internal} == {"norm1", "norm2"}
+    policy = parse_policy(text)
+    units = unit_ops(spec)
+    spans = region_spans(spec)
+    scopes = dict(policy.scopes)
+    aten = torch.ops.aten
+    attention_ops = {
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
+    torch.manual_seed(0)
+    block, forward = _scoped_block(torch, spec)
+    held, modes = {}, []
+
+    def note(tensor):
+        if isinstance(tensor, torch.Tensor):
+            storage = tensor.untyped_storage()
+            held[storage.data_ptr()] = storage.nbytes()
+
+    def run(region, fn, *args):
+        if region not in scopes:
+            return fn(*args)
+        matmuls = [u.name for u in units[slice(*spans[region])] if u.matmul]
+        kept = scopes[region]
+
+        def context_fn():
+            counts = {}
+
+            def policy_fn(ctx, func, *a, **k):
+                mode = "recompute" if ctx.is_recompute else "forward"
+                save = False
+                if func == aten.mm.default:
+                    counts[mode] = counts.get(mode, 0) + 1
+                    save = matmuls[counts[mode] - 1] in kept
+                elif func in attention_ops:
+                    save = "attention" in kept
+                return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+            pair = create_selective_checkpoint_contexts(policy_fn)
+            modes.append(pair[0])
+            return pair
+
+        for arg in args:
+            note(arg)  # the checkpoint holds its inputs
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
+
+    x = torch.randn(spec.micro_batch, spec.seq, spec.hidden, requires_grad=True)
+    weights = torch.randn(spec.micro_batch, spec.seq, spec.hidden)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (note(t), t)[1], lambda t: t):
+        out = forward(x, run)
+    for mode in modes:
+        for entries in mode.storage.values():
+            for wrapped in entries.values():
+                for value in wrapped if isinstance(wrapped, tuple) else (wrapped,):
+                    note(getattr(value, "val", None))
+    note(x)
+    for tensor in (*block.parameters(), *block.buffers()):
+        held.pop(tensor.untyped_storage().data_ptr(), None)
+    assert sum(held.values()) == policy_tape_bytes(spec, policy)
+    (out * weights).sum().backward()
+    grads = [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
+    block.zero_grad()
+    x.grad = None
+    (forward(x, lambda region, fn, *args: fn(*args)) * weights).sum().backward()
+    for got, want in zip(grads, [p.grad for p in block.parameters()] + [x.grad], strict=True):
+        torch.testing.assert_close(got, want)

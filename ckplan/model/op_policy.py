@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from itertools import pairwise
 
 from ckplan.errors import InputError
 from ckplan.model.layers import LayerKind, distinct_kinds
@@ -223,6 +224,9 @@ class Unit:
     reads: tuple[int, ...] = ()
     saves: tuple[int, ...] = ()
     internal: int = 0
+    # bytes of its output that only its own backward reads (the attention kernel's logsumexp):
+    # held where the unit is kept or runs un-checkpointed, not where a reader holds its output
+    private: int = 0
 
     @property
     def kept_bytes(self) -> int:
@@ -486,6 +490,7 @@ def unit_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Unit, ...]
             "attention",
             context + logsumexp,
             dataclasses.replace(table["attention_core"], saved_bytes=0),
+            private=logsumexp,
         ),
         *row_parallel("out_proj"),
         norm("norm2"),
@@ -885,34 +890,43 @@ def unit_inputs(units: tuple[Unit, ...]) -> tuple[tuple[int, ...], ...]:
 
 def stored_tensors(
     units: tuple[Unit, ...], spans: tuple[tuple[int, int], ...], kept: tuple[bool, ...]
-) -> tuple[frozenset[int], int]:
+) -> tuple[dict[int, bool], int]:
     """What a layer whose checkpointed regions are `spans` holds from its forward to its
     backward: the unit outputs (indices, `LAYER_INPUT` for the layer input), each storage once,
-    and the internal bytes. A region holds the tensors its units read from outside it (its
-    checkpoint's inputs) and its kept units' outputs and internal tensors (the selective
-    checkpoint's cache); a unit outside every region what its backward reads (`Unit.saves`; the
-    first norm its input) and its internal tensors, as autograd saves them (derived:
-    torch/utils/checkpoint.py at v2.13.0, `_checkpoint_without_reentrant_generator` holds the
-    function's inputs, `_CachingTorchDispatchMode` the MUST_SAVE outputs; a tensor several of
-    them hold is one storage)."""
-    region_of = [None] * len(units)
+    each marked True where the unit's private tensors are held too (`Unit.private`: the unit
+    kept, or un-checkpointed and saving its own output), and the internal bytes. A region holds
+    the tensors its units read from outside it (its checkpoint's inputs) and its kept units'
+    outputs and internal tensors (the selective checkpoint's cache); a unit outside every region
+    what its backward reads (`Unit.saves`; the first norm its input) and its internal tensors,
+    as autograd saves them (derived: torch/utils/checkpoint.py at v2.13.0,
+    `_checkpoint_without_reentrant_generator` holds the function's inputs,
+    `_CachingTorchDispatchMode` the MUST_SAVE outputs; a tensor several of them hold is one
+    storage)."""
+    region_of: list[int | None] = [None] * len(units)
     for r, (start, end) in enumerate(spans):
         for i in range(start, end):
             region_of[i] = r
     inputs = unit_inputs(units)
-    held: set[int] = set()
+    held: dict[int, bool] = {}
+
+    def hold(j: int, whole: bool) -> None:
+        held[j] = held.get(j, False) or whole
+
     internal = 0
     for i, unit in enumerate(units):
         r = region_of[i]
         if r is None:
-            held.update((LAYER_INPUT,) if unit.name == "norm1" else unit.saves)
+            for j in (LAYER_INPUT,) if unit.name == "norm1" else unit.saves:
+                hold(j, j == i)
             internal += unit.internal
             continue
-        held.update(j for j in inputs[i] if j == LAYER_INPUT or region_of[j] != r)
+        for j in inputs[i]:
+            if j == LAYER_INPUT or region_of[j] != r:
+                hold(j, False)
         if kept[i]:
-            held.add(i)
+            hold(i, True)
             internal += unit.internal
-    return frozenset(held), internal
+    return held, internal
 
 
 def replays(spec: ChainSpec) -> str:
@@ -1012,7 +1026,10 @@ def scoped_tape_bytes(
     tensors."""
     held, internal = stored_tensors(units, spans, kept)
     X = LayerShapes.of(spec).X
-    return internal + sum(X if j == LAYER_INPUT else units[j].output_bytes for j in held)
+    return internal + sum(
+        X if j == LAYER_INPUT else units[j].output_bytes - (0 if whole else units[j].private)
+        for j, whole in held.items()
+    )
 
 
 def flex_region_copy_bytes(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None) -> int:
@@ -1069,7 +1086,7 @@ def scope_fit_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
     for kind in kinds:
         units, spans = unit_ops(spec, kind), region_spans(spec, kind)
         present = sorted((spans[name], name) for name, _ in policy.scopes if name in spans)
-        for ((_, end), first), ((start, _), second) in zip(present, present[1:], strict=False):
+        for ((_, end), first), ((start, _), second) in pairwise(present):
             if start < end:
                 return f"regions {first} and {second} overlap"
         for name, kept in policy.scopes:

@@ -26,7 +26,6 @@ from ckplan.hardware.step_time import layer_time, tensor_parallel_comm
 from ckplan.model.layers import LayerKind
 from ckplan.model.op import LayerShapes
 from ckplan.model.op_policy import (
-    LAYER_INPUT,
     POLICY_PREFIX,
     UNIT_NAMES,
     OpPolicy,
@@ -36,7 +35,7 @@ from ckplan.model.op_policy import (
     region_spans,
     replays,
     rerun_mask,
-    stored_tensors,
+    scoped_tape_bytes,
     unit_ops,
 )
 from ckplan.model.ops import layer_ops
@@ -208,12 +207,10 @@ def layout_frontier(
     """The frontier of the scoped policies whose regions are `layout` (`scoped_frontier`)."""
     mode = replays(spec)
     units = unit_ops(spec, kind)
-    X = LayerShapes.of(spec).X
     order = {name: i for i, name in enumerate(UNIT_NAMES)}
     spans = tuple(span for _, span in layout)
     nothing = (False,) * len(units)
-    held, internal = stored_tensors(units, spans, nothing)
-    base = internal + sum(X if j == LAYER_INPUT else units[j].output_bytes for j in held)
+    base = scoped_tape_bytes(spec, units, spans, nothing)
     again = rerun_mask(units, nothing, mode, spans)
     frontier: list[tuple[int, float, tuple]] = [(base, 0.0, ())]
     for name, (start, end) in layout:
@@ -221,7 +218,10 @@ def layout_frontier(
             if not again[i]:
                 continue  # not re-run when not kept: keeping it only adds bytes
             cost = unit_cost(spec, units[i], gpu, kind)
-            size = units[i].internal + (0 if i in held else units[i].output_bytes)
+            # what keeping it adds, whatever else is kept: its private tensors, its output
+            # unless held already, its internal tensors
+            alone = tuple(j == i for j in range(len(units)))
+            size = scoped_tape_bytes(spec, units, spans, alone) - base
             frontier = _pareto(
                 [(b, c - cost, k) for b, c, k in frontier]
                 + [(b + size, c, (*k, (name, units[i].name))) for b, c, k in frontier]

@@ -29,8 +29,8 @@ from ckplan.model.moe import SHARED_EXPERTS
 from ckplan.model.op import ATTENTION_CORE, DENSE_MLP
 from ckplan.model.op_policy import (
     POLICY_PREFIX,
-    SCOPED_PREFIX,
     POLICY_WORDS,
+    SCOPED_PREFIX,
     PolicyError,
     check_policy_model,
     parse_policy,
