@@ -304,3 +304,205 @@ def test_torch_regions_hold_the_predicted_bytes(text):
     (forward(x, lambda region, fn, *args: fn(*args)) * weights).sum().backward()
     for got, want in zip(grads, [p.grad for p in block.parameters()] + [x.grad], strict=True):
         torch.testing.assert_close(got, want)
+
+
+# ---- the torch export: a checkpoint around each region's submodule ------------------------------
+
+
+def _held(torch, run, namespace, modes, constants):
+    """The storages alive between `run()`'s forward and its backward: what autograd saves,
+    the inputs of the snippet's checkpoints (saved for backward, or, passed by keyword, held
+    by the re-forward's closure), what the selective-checkpoint contexts cache; the
+    `constants` (parameters, RoPE's angles) apart. Returns (output, bytes)."""
+    held = {}
+
+    def note(tensor):
+        if isinstance(tensor, torch.Tensor):
+            storage = tensor.untyped_storage()
+            held[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    checkpoint = namespace["checkpoint"]
+
+    def recording(function, *args, **kwargs):
+        for value in (*args, *kwargs.values()):
+            note(value)
+        return checkpoint(function, *args, **kwargs)
+
+    namespace["checkpoint"] = recording
+    with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+        out = run()
+    for mode in modes:
+        for entries in mode.storage.values():
+            for wrapped in entries.values():
+                for value in wrapped if isinstance(wrapped, tuple) else (wrapped,):
+                    note(getattr(value, "val", None))
+    for tensor in constants:
+        held.pop(tensor.untyped_storage().data_ptr(), None)
+    return out, sum(held.values())
+
+
+def _modular_block(torch, spec):
+    """`test_op_policy._torch_block` as torchtitan's modules (torchtitan/models/llama3/model/
+    model.py at v0.2.2): `attention_norm`, `attention` (wq, wk, wv, RoPE, SDPA, wo),
+    `ffn_norm`, `feed_forward` (w2(silu(w1 x) · w3 x)); RoPE's angles are buffers."""
+    nn, F = torch.nn, torch.nn.functional
+    h, a, g, d, ffn = spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.ffn_hidden
+    angles = torch.arange(spec.seq)[:, None] * (10000.0 ** (-torch.arange(d // 2) / (d // 2)))
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wq, self.wk = nn.Linear(h, a * d, bias=False), nn.Linear(h, g * d, bias=False)
+            self.wv, self.wo = nn.Linear(h, g * d, bias=False), nn.Linear(a * d, h, bias=False)
+            self.register_buffer("cos", angles.cos()[None, :, None, :])
+            self.register_buffer("sin", angles.sin()[None, :, None, :])
+
+        def rope(self, x):
+            x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+            return torch.cat([x1 * self.cos - x2 * self.sin, x1 * self.sin + x2 * self.cos], dim=-1)
+
+        def forward(self, y):
+            b, s, _ = y.shape
+            q = self.rope(self.wq(y).view(b, s, a, d))
+            k = self.rope(self.wk(y).view(b, s, g, d))
+            v = self.wv(y).view(b, s, g, d)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                enable_gqa=True,
+            )  # fmt: skip
+            return self.wo(out.transpose(1, 2).reshape(b, s, a * d))
+
+    class FeedForward(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w3 = nn.Linear(h, ffn, bias=False), nn.Linear(h, ffn, bias=False)
+            self.w2 = nn.Linear(ffn, h, bias=False)
+
+        def forward(self, z):
+            return self.w2(F.silu(self.w1(z)) * self.w3(z))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention_norm, self.ffn_norm = nn.RMSNorm(h), nn.RMSNorm(h)
+            self.attention, self.feed_forward = Attention(), FeedForward()
+
+        def forward(self, x):
+            hidden = x + self.attention(self.attention_norm(x))
+            return hidden + self.feed_forward(self.ffn_norm(hidden))
+
+    return Block()
+
+
+EXPORTED = [
+    "sac@attention=v_proj,attention/mlp=up_proj",
+    "sac@norm1/attention/norm2/mlp",
+    "sac@attention=q_proj,k_proj,v_proj,out_proj/mlp=gate_proj,up_proj,fc2",
+    "sac@mlp",
+    "sac@attention=attention",
+]
+
+
+@pytest.mark.parametrize("text", EXPORTED)
+def test_exported_regions_on_torchtitan_style_blocks(text):
+    """`export --to torch` of a scoped policy on two torchtitan-style blocks: `forward_layers`
+    wraps each region's submodule; what is alive between forward and backward is ckplan's tape
+    per layer, and the gradients are the plain step's."""
+    import copy
+
+    from export_snippet import recording_snippet
+    from needs_torch import torch_or_skip
+
+    torch = torch_or_skip()
+    from ckplan.inputs.presets import spec_from_values
+    from ckplan.plan.evaluate import evaluate
+
+    spec = spec_from_values({**SMALL, "profile": "torch-sdpa"})
+    plan = evaluate(spec, parse_strategy(text, spec))
+    namespace, modes = recording_snippet(plan)
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(_modular_block(torch, spec) for _ in range(spec.layers))
+    plain = copy.deepcopy(layers)
+    x = torch.randn(spec.micro_batch, spec.seq, spec.hidden, requires_grad=True)
+    weights = torch.randn(spec.micro_batch, spec.seq, spec.hidden)
+    constants = (*layers.parameters(), *layers.buffers())
+    out, held = _held(
+        torch, lambda: namespace["forward_layers"](layers, x), namespace, modes, constants
+    )
+    assert held == spec.layers * policy_tape_bytes(spec, parse_policy(text))
+    (out * weights).sum().backward()
+    hidden = x.detach().requires_grad_()
+    want = hidden
+    for layer in plain:
+        want = layer(want)
+    (want * weights).sum().backward()
+    for got, expected in zip([*layers.parameters(), x], [*plain.parameters(), hidden], strict=True):
+        torch.testing.assert_close(got.grad, expected.grad)
+
+
+@pytest.mark.parametrize("text", EXPORTED)
+def test_exported_regions_on_hugging_face_llama_layers(text):
+    """The same on Hugging Face transformers' LlamaDecoderLayer (`scope_layer` on each layer,
+    the layers called as the model calls them, with RoPE's cos and sin)."""
+    import copy
+
+    from export_snippet import recording_snippet
+    from needs_torch import torch_or_skip
+    from test_op_policy_hf import TINY, _layers
+
+    torch = torch_or_skip()
+    transformers = pytest.importorskip("transformers")
+    from ckplan.inputs.presets import spec_from_values
+    from ckplan.plan.evaluate import evaluate
+
+    spec = spec_from_values(TINY)  # framework hf: the torch-sdpa profile (eager norms, SwiGLU)
+    assert spec.profile.name == "torch-sdpa"
+    plan = evaluate(spec, parse_strategy(text, spec))
+    namespace, modes = recording_snippet(plan)
+    layers, rotary = _layers(torch, transformers, spec)
+    plain = copy.deepcopy(layers)
+    x = torch.randn(spec.micro_batch, spec.seq, spec.hidden, requires_grad=True)
+    positions = torch.arange(spec.seq)[None].expand(spec.micro_batch, -1)
+    cos_sin = rotary(x, positions)
+    weights = torch.randn(spec.micro_batch, spec.seq, spec.hidden)
+
+    def run(layers, hidden, scope):
+        for layer in layers:
+            hidden = (scope(layer) if scope else layer)(hidden, position_embeddings=cos_sin)
+        return hidden
+
+    constants = (*layers.parameters(), *layers.buffers(), *cos_sin)
+    out, held = _held(
+        torch, lambda: run(layers, x, namespace["scope_layer"]), namespace, modes, constants
+    )
+    assert held == spec.layers * policy_tape_bytes(spec, parse_policy(text))
+    (out * weights).sum().backward()
+    hidden = x.detach().requires_grad_()
+    (run(plain, hidden, None) * weights).sum().backward()
+    for got, expected in zip([*layers.parameters(), x], [*plain.parameters(), hidden], strict=True):
+        torch.testing.assert_close(got.grad, expected.grad)
+
+
+@pytest.mark.parametrize(
+    ("text", "target", "fragment"),
+    [
+        ("sac@mlp_act", "torch", "mlp_act is code inside one"),
+        ("sac@attention=rope", "torch", "not rope"),
+        ("sac@mlp+uniform:1", "torch", "beside recomputed or offloaded layers"),
+        ("sac@mlp", "torchtitan", "torchtitan's op-level selective AC"),
+        ("sac@mlp", "megatron", "export the strategy mlp (--recompute-modules)"),
+        ("sac@mlp=fc2", "megatron", "not ops chosen by a policy"),
+        ("sac@mlp", "deepspeed", "sac@mlp"),
+    ],
+)
+def test_targets_that_cannot_run_a_scoped_policy_say_why(text, target, fragment):
+    from ckplan import exports
+    from ckplan.plan.evaluate import evaluate
+
+    spec = small()
+    plan = evaluate(spec, parse_strategy(text, spec))
+    why = exports.why_not(plan, target)
+    assert fragment in why and "\n" not in why
+    with pytest.raises(exports.ExportError):
+        exports.export(plan, target)
