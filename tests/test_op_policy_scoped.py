@@ -83,6 +83,31 @@ def test_no_region_is_the_plain_tape_and_one_region_the_layer_policy(changes):
     assert scoped_tape_bytes(spec, units, whole, kept) == policy_tape_bytes(spec, policy)
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"tp": 2, "sp": True, "ep": 2, "dp": 2}, {"moe_imbalance": "worst"}],
+)
+@pytest.mark.parametrize("base", [MOE, MLA], ids=["moe", "mla"])
+def test_no_region_in_moe_and_mla_layers(base, changes):
+    """MoE layers un-checkpointed hold the op table's tape (the experts' input all-gathered over
+    etp, or on the worst-case rows: `EXPERT_INPUT`); MLA layers more by the storages views keep
+    whole: V splits wkv_b's output, which SDPA's saved V holds with K's no-RoPE part
+    (T·a/t·nope values), and kv_norm's input splits wkv_a's, held with the RoPE key
+    (T/t·rope under sequence parallelism), as the torch block of
+    tests/test_op_policy_moe_mla.py holds them; the op table counts V and the latent."""
+    spec = spec_from_mapping({**base, **changes})
+    units = unit_ops(spec)
+    nothing = (False,) * len(units)
+    views = 0
+    if spec.mla:
+        tp = spec.tp
+        tokens = spec.seq * spec.micro_batch
+        views = 4 * tokens * (spec.heads // tp) * spec.qk_nope_head_dim
+        views += 4 * tokens // (tp if spec.sp else 1) * spec.qk_rope_head_dim
+    plain = activation_bytes_per_layer(spec)
+    assert scoped_tape_bytes(spec, units, (), nothing) == plain + views
+
+
 def test_scoped_tape_by_hand():
     """sac@attention=v_proj,attention/mlp_act on the small layer (fp32, s·b = 32 tokens,
     nn.RMSNorm saving only its input in fp32): the attention region holds its input (norm1's

@@ -227,6 +227,9 @@ class Unit:
     # bytes of its output that only its own backward reads (the attention kernel's logsumexp):
     # held where the unit is kept or runs un-checkpointed, not where a reader holds its output
     private: int = 0
+    # an expert GEMM's input as the op table saves it, the R routed rows (`moe.routed_rows`):
+    # the received rows all-gathered over etp, or the permuted copies on the worst-case rows
+    expert_input: int = 0
 
     @property
     def kept_bytes(self) -> int:
@@ -683,7 +686,10 @@ def _moe_units(spec: ChainSpec, table: dict[str, Op], shapes: LayerShapes) -> li
 
     def grouped(name: str, op: Op, width: int, size: int) -> Unit:
         matmul = dataclasses.replace(op.matmul, n=width)
-        return Unit(name, size, _split(op, name, matmul), grouped=True)
+        first = name != "expert_fc2"
+        return Unit(
+            name, size, _split(op, name, matmul), grouped=True, expert_input=first * B * rows * h
+        )
 
     def all_to_all(name: str, op: Op, size: int) -> list[Unit]:
         if spec.ep == 1:
@@ -868,12 +874,23 @@ def policy_spans(
 # the first residual add.
 _READ_INPUT = ("norm1", "out_proj_add")
 LAYER_INPUT = -1  # the layer input among the tensors a tape holds (`stored_tensors`)
+# The experts' input (`Unit.expert_input`) where it is not the output of the unit before them.
+EXPERT_INPUT = -2
+
+
+def _gathered(units: tuple[Unit, ...], unit: Unit) -> bool:
+    """Whether expert GEMM `unit` reads a tensor of its own (`EXPERT_INPUT`): the routed rows
+    differ from what the unit before them writes."""
+    return bool(unit.expert_input) and all(
+        units[j].output_bytes != unit.expert_input for j in unit.reads
+    )
 
 
 def unit_inputs(units: tuple[Unit, ...]) -> tuple[tuple[int, ...], ...]:
-    """The tensors each unit reads: `Unit.reads`, with `LAYER_INPUT` for the layer input, and
-    for the un-permutation also the routed experts' output (its unit lists the shared experts'
-    output, the one before it)."""
+    """The tensors each unit reads: `Unit.reads`, with `LAYER_INPUT` for the layer input,
+    `EXPERT_INPUT` for the experts' gathered input (`_gathered`), and for the un-permutation
+    also the routed experts' output (its unit lists the shared experts' output, the one before
+    it)."""
     found = []
     expert_out = max(
         (i for i, u in enumerate(units) if u.name in ("expert_fc2", "combine")), default=None
@@ -882,6 +899,8 @@ def unit_inputs(units: tuple[Unit, ...]) -> tuple[tuple[int, ...], ...]:
         reads = unit.reads
         if unit.name in _READ_INPUT:
             reads = (*reads, LAYER_INPUT)
+        if _gathered(units, unit):
+            reads = (EXPERT_INPUT,)
         if unit.name == "unpermute" and expert_out is not None and expert_out not in reads:
             reads = (expert_out, *reads)
         found.append(reads)
@@ -913,15 +932,27 @@ def stored_tensors(
         held[j] = held.get(j, False) or whole
 
     internal = 0
+    gather_region = next(
+        (region_of[j] for i, u in enumerate(units) if _gathered(units, u) for j in u.reads), None
+    )  # the all-gather runs where the unit before the experts does
     for i, unit in enumerate(units):
         r = region_of[i]
         if r is None:
-            for j in (LAYER_INPUT,) if unit.name == "norm1" else unit.saves:
+            if unit.name == "norm1":
+                saved = (LAYER_INPUT,)
+            elif unit.name == "unpermute":
+                saved = tuple(j for j in unit.reads if units[j].name == "router_probs")
+            elif _gathered(units, unit):
+                saved = (EXPERT_INPUT,)
+            else:
+                saved = unit.saves
+            for j in saved:
                 hold(j, j == i)
             internal += unit.internal
             continue
         for j in inputs[i]:
-            if j == LAYER_INPUT or region_of[j] != r:
+            outside = region_of[j] != r if j >= 0 else j == LAYER_INPUT or gather_region != r
+            if outside:
                 hold(j, False)
         if kept[i]:
             hold(i, True)
@@ -1025,9 +1056,12 @@ def scoped_tape_bytes(
     """The bytes `stored_tensors` holds: each held output once, the layer input, the internal
     tensors."""
     held, internal = stored_tensors(units, spans, kept)
-    X = LayerShapes.of(spec).X
+    sizes = {
+        LAYER_INPUT: LayerShapes.of(spec).X,
+        EXPERT_INPUT: max((u.expert_input for u in units), default=0),
+    }
     return internal + sum(
-        X if j == LAYER_INPUT else units[j].output_bytes - (0 if whole else units[j].private)
+        sizes[j] if j < 0 else units[j].output_bytes - (0 if whole else units[j].private)
         for j, whole in held.items()
     )
 
