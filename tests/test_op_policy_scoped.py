@@ -531,3 +531,16 @@ def test_targets_that_cannot_run_a_scoped_policy_say_why(text, target, fragment)
     assert fragment in why and "\n" not in why
     with pytest.raises(exports.ExportError):
         exports.export(plan, target)
+
+
+@pytest.mark.parametrize(
+    "changes", [{"kernels": "compiled"}, {"post_norms": True}, {"parallel_residual": True}]
+)
+def test_no_scoped_frontier_where_scoped_policies_are_not_modelled(changes):
+    from ckplan.plan.policy_search import policy_frontier, scoped_frontier
+
+    spec = small(**changes)
+    assert scoped_frontier(spec) == ()
+    assert policy_frontier(spec)  # the layer-level frontier stays
+    with pytest.raises(StrategyError):
+        parse_strategy("sac@mlp", spec)

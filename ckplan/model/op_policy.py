@@ -1101,11 +1101,11 @@ def policy_fit_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
     return None
 
 
-def scope_fit_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
-    """Why scoped `policy` does not fit `spec`, or None: scoped policies are modelled for eager
-    layers (under torch.compile the partitioner re-runs only what a backward reads whatever the
-    scope), pre-norm and sequential; in every kind of layer its regions must not overlap, and
-    each kept unit must lie in its region where the layer has that region."""
+def scope_model_reason(spec: ChainSpec) -> str | None:
+    """Why scoped policies are not modelled on `spec`'s layers, or None: they are for eager,
+    pre-norm, sequential layers a per-op policy fits (`check_policy_model`)."""
+    if why := check_policy_model(spec):
+        return why
     if spec.kernels == "compiled":
         return (
             "scoped policies (sac@...) are modelled for eager layers (kernels: eager); compiled, "
@@ -1113,6 +1113,16 @@ def scope_fit_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
         )
     if spec.post_norms or spec.parallel_residual:
         return "scoped policies are modelled for pre-norm layers without a parallel residual"
+    return None
+
+
+def scope_fit_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
+    """Why scoped `policy` does not fit `spec`, or None: scoped policies are modelled for eager
+    layers (under torch.compile the partitioner re-runs only what a backward reads whatever the
+    scope), pre-norm and sequential; in every kind of layer its regions must not overlap, and
+    each kept unit must lie in its region where the layer has that region."""
+    if why := scope_model_reason(spec):
+        return why
     kinds = distinct_kinds(spec)
     for name, _ in policy.scopes:
         if not any(name in region_spans(spec, kind) for kind in kinds):

@@ -35,6 +35,7 @@ from ckplan.model.op_policy import (
     region_spans,
     replays,
     rerun_mask,
+    scope_model_reason,
     scoped_tape_bytes,
     unit_ops,
 )
@@ -187,8 +188,9 @@ def scoped_frontier(
     re-runs a unit it does not keep by a rule that does not depend on what else it keeps
     (`op_policy.rerun_mask`: to the region's end, or to the last tensor its backward reads),
     and keeping a unit adds its output (unless held already) and its internal tensors. Empty
-    under torch.compile, where scoped policies are not modelled."""
-    if replays(spec) == "graph":
+    where scoped policies are not modelled (`op_policy.scope_model_reason`: under
+    torch.compile, post-norm or parallel-residual layers)."""
+    if scope_model_reason(spec):
         return ()
     points = []
     for layout in region_layouts(spec, kind):
