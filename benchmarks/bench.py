@@ -386,6 +386,23 @@ def auto() -> None:
         print(f"  {f'plan {model} --gpus {gpus} --seq auto':<52} {seconds(best, median)}")
 
 
+def policy_search() -> None:
+    print("\n9. Best per-op policy: layer-level and scoped frontiers (ckplan.plan.policy_search)")
+    from ckplan.model.layers import distinct_kinds
+    from ckplan.plan.policy_search import policy_frontier, scoped_frontier
+
+    h100 = load_gpu("h100-sxm")
+    layout = {"framework": "torchtitan", "kernels": "eager", "tp": 2, "sp": True, "pp": 16,
+              "first_stage_layers": 1, "microbatches": 32, "ep": 64, "dp": 64,
+              "zero": 3}  # fmt: skip
+    spec = load_spec("deepseek-v3", layout)
+    kind = next(k for k in distinct_kinds(spec) if k.moe)
+    for label, search in (("layer-level", policy_frontier), ("scoped", scoped_frontier)):
+        best, median, points = timed(lambda s=search: s(spec, h100, kind), repeats=1)
+        name = f"deepseek-v3 MoE layer, {label} ({len(points)} points)"
+        print(f"  {name:<44} {seconds(best, median)}")
+
+
 def main() -> None:
     machine()
     startup()
@@ -397,6 +414,7 @@ def main() -> None:
     profiles()
     layout_search()
     auto()
+    policy_search()
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""The table of docs/strategies.md, "Per-op policies beside Megatron-Core's modules": for
+"""The tables of docs/strategies.md, "Per-op policies beside Megatron-Core's modules": for
 Llama-3-8B, Mixtral-8x7B and DeepSeek-V3 at their usual layouts on H100s, run as torchtitan runs
-them (eager, or compiled with --compiled), the peak activations and step-time overhead of full
-and per-op recomputation, of each Megatron-Core module set, and of the fastest policy on the
-frontier (`policy_search.policy_frontier`) whose plan peaks no higher than the set's.
+them (eager, or compiled with --compiled) or, with --early-stop, as DeepSpeed runs PyTorch's
+checkpoint (eager, early stop on; ZeRO 1 beside pipeline parallelism), the peak activations and
+step-time overhead of full and per-op recomputation, of each Megatron-Core module set, and of the
+fastest policy on the frontiers (`policy_search.policy_frontier`, and eagerly
+`policy_search.scoped_frontier`'s scoped policies) whose plan peaks no higher than the set's.
 
-    python validation/policy_table.py [--compiled]
+    python validation/policy_table.py [--compiled | --early-stop]
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from ckplan.inputs.gpus import load_gpu
 from ckplan.inputs.presets import load_spec
 from ckplan.model.layers import distinct_kinds
 from ckplan.plan.evaluate import evaluate
-from ckplan.plan.policy_search import policy_frontier
+from ckplan.plan.policy_search import policy_frontier, scoped_frontier
 from ckplan.plan.strategies import parse_strategy
 from ckplan.render.common import gib
 
@@ -54,17 +56,19 @@ def _policies(spec, gpu):
     several: the frontier of each kind, applied to every layer)."""
     seen = {}
     for kind in distinct_kinds(spec):
-        for point in policy_frontier(spec, gpu, kind):
-            if point.kept:
+        for point in (*policy_frontier(spec, gpu, kind), *scoped_frontier(spec, gpu, kind)):
+            if point.kept or point.scopes:
                 seen.setdefault(point.strategy, None)
     return list(seen)
 
 
-def table(kernels: str) -> list[str]:
+def table(kernels: str, framework: str = "torchtitan") -> list[str]:
     gpu = load_gpu("h100-sxm")
     lines = ["| model | strategy | activations | time ovh |", "|---|---|---:|---:|"]
     for model, layout in LAYOUTS.items():
-        spec = load_spec(model, {"framework": "torchtitan", "kernels": kernels, **layout})
+        if framework == "deepspeed" and layout.get("pp", 1) > 1:
+            layout = {**layout, "zero": 1}  # DeepSpeed's pipeline engine shards up to ZeRO 1
+        spec = load_spec(model, {"framework": framework, "kernels": kernels, **layout})
         policies = []
         for text in _policies(spec, gpu):
             try:
@@ -91,9 +95,15 @@ def table(kernels: str) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compiled", action="store_true", help="kernels: compiled")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--compiled", action="store_true", help="kernels: compiled")
+    mode.add_argument(
+        "--early-stop", action="store_true", help="eager, as DeepSpeed runs the checkpoint"
+    )
     arguments = parser.parse_args()
-    print("\n".join(table("compiled" if arguments.compiled else "eager")))
+    kernels = "compiled" if arguments.compiled else "eager"
+    framework = "deepspeed" if arguments.early_stop else "torchtitan"
+    print("\n".join(table(kernels, framework)))
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ from itertools import groupby
 
 from ckplan.exports.segments import LayerSegments
 from ckplan.model.layers import parse_layer_set
+from ckplan.model.op_policy import parse_policy
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 from ckplan.plan.strategies import MODULES
@@ -96,11 +97,35 @@ def offload_reason(recomputes: bool) -> str:
     )
 
 
+# A scoped policy's regions that are Megatron-Core recompute modules when they keep nothing,
+# as ckplan's strategy words: the `recompute_modules` docstring in
+# megatron/core/transformer/transformer_config.py (core_v0.19.0) says "core_attn", "mlp", "moe"
+# and "shared_experts" use normal checkpointing (a torch checkpoint region); "moe_act",
+# "layernorm" and "mla_up_proj" output-discarding checkpointing, which no region is.
+SCOPED_MODULES = {"core_attn": "selective", "mlp": "mlp", "moe": "moe",
+                  "shared_experts": "shared_experts"}  # fmt: skip
+
+
+def module_strategy(policy_word: str) -> str | None:
+    """The module strategy a scoped policy is exactly (every region a Megatron-Core module,
+    nothing kept), or None."""
+    policy = parse_policy(policy_word)
+    if not policy.scopes or any(kept or name not in SCOPED_MODULES for name, kept in policy.scopes):
+        return None
+    return "+".join(SCOPED_MODULES[name] for name, _ in policy.scopes)
+
+
 def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
     """Why Megatron-LM cannot run these layer segments on this layout (None: it can)."""
     if spec.kind != "transformer":
         return f"Megatron-LM trains transformers, not model kind {spec.kind!r}"
     if layers.policy:
+        same = module_strategy(layers.policy)
+        if same:
+            return (
+                f"the scoped policy {layers.policy} keeps nothing inside its regions, which are "
+                f"Megatron-LM's modules: export the strategy {same} (--recompute-modules)"
+            )
         return (
             f"the per-op policy {layers.policy}: Megatron-LM recomputes whole layers or the "
             "modules of --recompute-modules, not ops chosen by a policy"

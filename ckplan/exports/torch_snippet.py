@@ -42,7 +42,14 @@ from __future__ import annotations
 import textwrap
 
 from ckplan.exports.segments import LayerSegments, module_reason
-from ckplan.model.op_policy import counts_matmuls, kept_units, parse_policy, unit_ops
+from ckplan.model.op_policy import (
+    counts_matmuls,
+    kept_mask,
+    kept_units,
+    parse_policy,
+    region_spans,
+    unit_ops,
+)
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 
@@ -280,10 +287,63 @@ def forward_layers(layers, hidden):
 """
 
 
+# A scoped policy's regions that are submodules of a layer: their names in torchtitan's blocks
+# (torchtitan/models/llama3/model/model.py, models/moe/moe.py at v0.2.2) and Hugging Face's
+# (modeling_llama.py, modeling_mixtral.py, modeling_deepseek_v3.py, transformers 5.x), tried in
+# that order. The others (core_attn, mlp_act, moe_act, a norm with its block) are code inside a
+# module's forward, which the snippet does not rewrite.
+REGION_MODULES = {
+    "norm1": ("attention_norm", "input_layernorm"),
+    "attention": ("attention", "self_attn"),
+    "norm2": ("ffn_norm", "post_attention_layernorm"),
+    "mlp": ("feed_forward", "mlp"),
+    "moe": ("moe", "mlp"),
+    "router": ("moe.router", "mlp.gate"),
+    "experts": ("moe.experts", "mlp.experts"),
+    "shared_experts": ("moe.shared_experts", "mlp.shared_experts"),
+}
+
+
+def _scoped_reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
+    """Why the snippet cannot run scoped policy `layers.policy`, or None."""
+    policy = parse_policy(layers.policy)
+    if (
+        layers.offloaded
+        or layers.policy_layers is not None
+        or any(recompute for *_, recompute in layers.segments)
+    ):
+        return (
+            f"the scoped policy {layers.policy} beside recomputed or offloaded layers: the "
+            "snippet wraps the regions of every layer and nothing else"
+        )
+    other = [name for name, _ in policy.scopes if name not in REGION_MODULES]
+    if other:
+        return (
+            f"the scoped policy {layers.policy}: the snippet checkpoints submodules "
+            f"({', '.join(REGION_MODULES)}), and {', '.join(other)} is code inside one"
+        )
+    named = sorted(
+        name
+        for _, kept in policy.scopes
+        for name in kept
+        if name not in _RECOGNISED and not _is_matmul(spec, name) and not _is_grouped(spec, name)
+    )
+    if named:
+        return (
+            f"the scoped policy {layers.policy}: a region's policy_fn recognises matmuls, "
+            f"grouped GEMMs, attention kernels and collectives by their aten op, not "
+            f"{', '.join(named)}"
+        )
+    return None
+
+
 def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
     """PyTorch wraps any one-level segments; a per-op policy whose kept units a policy_fn can
     recognise (matmuls, grouped GEMMs, attention kernels, reduce-scatters, all-to-alls) is
-    selective activation checkpointing."""
+    selective activation checkpointing; a scoped one, a checkpoint around each region's
+    submodule (`REGION_MODULES`)."""
+    if layers.policy and parse_policy(layers.policy).scopes:
+        return _scoped_reason(spec, layers)
     if layers.policy:
         if layers.offloaded:
             return (
@@ -374,8 +434,157 @@ def _policy_part(spec: ModelSpec, layers: LayerSegments) -> str:
     )
 
 
+_SCOPED = """\
+# Scoped per-op policy {policy}
+# Each region is its own checkpoint around a submodule of the layer (torchtitan's name, else
+# Hugging Face's), re-run in backward under a selective policy
+# that keeps the outputs listed; the rest of the layer runs without checkpoint, its tensors
+# saved as autograd saves them. Matmuls (aten.mm) and grouped GEMMs are counted from 1 within
+# each region, in the order the comment gives.
+{order}
+# (submodule names, kept matmuls, kept grouped GEMMs, attention kept, reduce-scatter kept,
+#  kept all-to-alls: 1 the dispatch, 2 the combine)
+REGIONS = [
+{regions}
+]
+
+
+def _ops(namespace, *names):
+    return {{getattr(namespace, name).default for name in names if hasattr(namespace, name)}}
+
+
+ATTENTION_OPS = _ops(
+    torch.ops.aten,
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+REDUCE_SCATTER_OPS = _ops(torch.ops._c10d_functional, "reduce_scatter_tensor")
+ALL_TO_ALL_OPS = _ops(torch.ops._c10d_functional, "all_to_all_single")
+GROUPED_MM_OPS = _ops(torch.ops.aten, "_grouped_mm")
+
+
+def _policy(counts, keep):
+    matmuls, grouped, attention, scatter, all_to_all = keep
+
+    def policy_fn(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func == torch.ops.aten.mm.default:
+            counts[mode] += 1
+            kept = counts[mode] in matmuls
+        elif func in GROUPED_MM_OPS:
+            counts[mode + " grouped"] += 1
+            kept = counts[mode + " grouped"] in grouped
+        elif func in ATTENTION_OPS:
+            kept = attention
+        elif func in REDUCE_SCATTER_OPS:
+            kept = scatter
+        elif func in ALL_TO_ALL_OPS:
+            counts[mode + " all_to_all"] += 1
+            kept = counts[mode + " all_to_all"] in all_to_all
+        else:
+            kept = False
+        return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy_fn
+
+
+def _checkpointed(forward, keep):
+    def context_fn():
+        # a new count for every call of the region (and its re-forward)
+        return create_selective_checkpoint_contexts(_policy(defaultdict(int), keep))
+
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    return run
+
+
+def _submodule(layer, names):
+    for name in names:
+        try:
+            return layer.get_submodule(name)
+        except AttributeError:
+            continue
+    raise LookupError(f"the layer has none of the submodules {{names}}")
+
+
+def scope_layer(layer):
+    \"\"\"Wrap each region's submodule of `layer` in its checkpoint (once); returns `layer`.\"\"\"
+    if not getattr(layer, "_ckplan_scoped", False):
+        for names, *keep in REGIONS:
+            module = _submodule(layer, names)
+            module.forward = _checkpointed(module.forward, keep)
+        layer._ckplan_scoped = True
+    return layer
+
+
+def forward_layers(layers, hidden):
+    for layer in layers:
+        hidden = scope_layer(layer)(hidden)
+    return hidden
+"""
+
+
+def _numbers(indices) -> str:
+    return "{" + ", ".join(map(str, indices)) + "}" if indices else "set()"
+
+
+def _scoped_render(plan: Plan, layers: LayerSegments) -> str:
+    """The snippet of a scoped policy: `scope_layer` wraps each region's submodule."""
+    spec = plan.spec
+    policy = parse_policy(layers.policy)
+    units = unit_ops(spec)
+    spans = region_spans(spec)
+    kept = kept_mask(spec, policy)
+    counting = counts_matmuls(spec.precision)
+    rows, order = [], []
+    for name, _ in policy.scopes:
+        start, end = spans[name]
+        inside = range(start, end)
+        matmuls = [i for i in inside if units[i].matmul]
+        grouped = [i for i in inside if units[i].grouped]
+        if matmuls or grouped:
+            order.append(f"{name}: " + ", ".join(units[i].name for i in (*matmuls, *grouped)))
+        keep_mm = [n for n, i in enumerate(matmuls, 1) if kept[i]] if counting else []
+        keep_grouped = [n for n, i in enumerate(grouped, 1) if kept[i]]
+        names = {units[i].name for i in inside if kept[i]}
+        all_to_all = [n for n, unit in enumerate(("dispatch", "combine"), 1) if unit in names]
+        rows.append(
+            f"    ({REGION_MODULES[name]!r}, {_numbers(keep_mm)}, {_numbers(keep_grouped)}, "
+            f"{'attention' in names}, {'reduce_scatter' in names}, {_numbers(all_to_all)}),"
+        )
+    header = [
+        f"# ckplan: plan {plan.strategy} for {spec.name}, {layers.layers} layers per pipeline "
+        "stage.",
+        "# forward_layers(layers, hidden) replaces `for layer in layers: hidden = layer(hidden)`;",
+        "# or call scope_layer(layer) on each layer once and run the model as it is.",
+        "from collections import defaultdict",
+        "",
+        "import torch",
+        "from torch.utils.checkpoint import (",
+        "    CheckpointPolicy,",
+        "    checkpoint,",
+        "    create_selective_checkpoint_contexts,",
+        ")",
+    ]
+    comment = "\n".join(
+        textwrap.wrap(
+            "Matmuls and grouped GEMMs per region: " + "; ".join(order) + "." if order else "",
+            width=98,
+            initial_indent="# ",
+            subsequent_indent="# ",
+        )
+    )
+    body = _SCOPED.format(policy=layers.policy, order=comment, regions="\n".join(rows))
+    return "\n".join(header) + "\n\n\n" + body
+
+
 def render(plan: Plan, layers: LayerSegments) -> str:
     spec = plan.spec
+    if layers.policy and parse_policy(layers.policy).scopes:
+        return _scoped_render(plan, layers)
     if layers.policy:
         header = [
             f"# ckplan: plan {plan.strategy} for {spec.name}, {layers.layers} layers per pipeline "

@@ -58,9 +58,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from itertools import pairwise
 
 from ckplan.errors import InputError
-from ckplan.model.layers import LayerKind
+from ckplan.model.layers import LayerKind, distinct_kinds
 from ckplan.model.moe import INDEX_BYTES, received_rows, routed_rows, sent_rows
 from ckplan.model.op import FP32_BYTES, LayerShapes, Matmul, Op, kv_heads_per_rank
 from ckplan.model.ops import layer_ops, representative_kind
@@ -177,6 +178,31 @@ FORCE_RECOMPUTED = ("router",)
 # (Megatron-LM's are too, but it offers no hook for a policy: its recompute options are whole
 # layers and --recompute-modules).
 POLICY_FRAMEWORKS = ("torchtitan", "hf", "deepspeed")
+# A scoped policy: `sac@` then checkpointed regions separated by `/`, each `REGION` (keeping
+# nothing) or `REGION=ITEM,ITEM` (keeping those units' outputs).
+SCOPED_PREFIX = "sac@"
+# The regions a scoped policy may checkpoint, each a run of a layer's units that starts and ends
+# at a module boundary of torchtitan's and Hugging Face's blocks (`region_spans`), in layer
+# order: the first norm, the attention module (its projections to out_proj and the
+# reduce-scatter), the attention kernel, the two together; the second norm; the dense MLP, its
+# activation, the norm with the MLP; the MoE block (the router to the un-permutation), the norm
+# with it, the router, the routed experts, their activation, the shared experts.
+REGION_NAMES = (
+    "norm1",
+    "attention",
+    "core_attn",
+    "norm1_attention",
+    "norm2",
+    "mlp",
+    "mlp_act",
+    "norm2_mlp",
+    "moe",
+    "norm2_moe",
+    "router",
+    "experts",
+    "moe_act",
+    "shared_experts",
+)
 
 
 class PolicyError(InputError):
@@ -202,6 +228,12 @@ class Unit:
     reads: tuple[int, ...] = ()
     saves: tuple[int, ...] = ()
     internal: int = 0
+    # bytes of its output that only its own backward reads (the attention kernel's logsumexp):
+    # held where the unit is kept or runs un-checkpointed, not where a reader holds its output
+    private: int = 0
+    # an expert GEMM's input as the op table saves it, the R routed rows (`moe.routed_rows`):
+    # the received rows all-gathered over etp, or the permuted copies on the worst-case rows
+    expert_input: int = 0
 
     @property
     def kept_bytes(self) -> int:
@@ -225,6 +257,10 @@ class OpPolicy:
     every: int = 0  # 0: no matmul rule; 1: every matmul; K: all but each K-th
     fused_qkv: bool = False
     flex: bool = False
+    # A scoped policy (`sac@REGION=ITEM,.../REGION`): the checkpointed regions (`REGION_NAMES`)
+    # and the units each keeps; the layer's other units run un-checkpointed. Empty: the whole
+    # layer is one region keeping `names` (and the matmul rule).
+    scopes: tuple[tuple[str, frozenset[str]], ...] = ()
 
     def keeps(self, unit: Unit, matmul_index: int) -> bool:
         """Whether the policy keeps `unit`, the `matmul_index`-th matmul (from 1) if one."""
@@ -236,8 +272,10 @@ class OpPolicy:
 
 
 def parse_policy(text: str) -> OpPolicy:
-    """`sac:ITEM,...` (`sac` alone: torchtitan 0.2's, `sac-fused`: torchtitan 0.3.0's) into an
-    `OpPolicy`; a one-line error otherwise."""
+    """`sac:ITEM,...` (`sac` alone: torchtitan 0.2's, `sac-fused`: torchtitan 0.3.0's) or a
+    scoped `sac@REGION=ITEM,.../REGION` into an `OpPolicy`; a one-line error otherwise."""
+    if text.startswith(SCOPED_PREFIX):
+        return _parse_scoped(text)
     body = POLICY_WORDS.get(text, text)
     items = body.removeprefix(POLICY_PREFIX).split(",")
     names: set[str] = set()
@@ -274,8 +312,54 @@ def parse_policy(text: str) -> OpPolicy:
     return OpPolicy(frozenset(names), every, fused_qkv=fused, flex=flex)
 
 
+def _unit_name(text: str, item: str) -> str:
+    """The unit `item` names (an alias resolved), or a one-line error."""
+    name = UNIT_ALIASES.get(item, item)
+    if name not in UNIT_NAMES:
+        raise PolicyError(
+            f"policy {quote(text)}: unknown op {quote(item)}; expected one of "
+            f"{', '.join((*UNIT_NAMES, *GROUP_ITEMS))}"
+        )
+    return name
+
+
+def _parse_scoped(text: str) -> OpPolicy:
+    """`sac@REGION=ITEM,.../REGION` into an `OpPolicy` with `scopes`: region names from
+    `REGION_NAMES`, each once; items unit names (or `all_to_all`)."""
+    body = text.removeprefix(SCOPED_PREFIX)
+    if not body.strip():
+        raise PolicyError(
+            f"policy {quote(text)}: name at least one region ({', '.join(REGION_NAMES)})"
+        )
+    scopes: dict[str, frozenset[str]] = {}
+    for part in body.split("/"):
+        region, _, items = part.strip().partition("=")
+        region = region.strip()
+        if region not in REGION_NAMES:
+            raise PolicyError(
+                f"policy {quote(text)}: unknown region {quote(region)}; expected one of "
+                f"{', '.join(REGION_NAMES)}"
+            )
+        if region in scopes:
+            raise PolicyError(f"policy {quote(text)}: region {quote(region)} named twice")
+        names: set[str] = set()
+        for raw in items.split(",") if items.strip() else ():
+            item = raw.strip()
+            names.update(GROUP_ITEMS.get(item, (_unit_name(text, item),)))
+        scopes[region] = frozenset(names)
+    order = {name: i for i, name in enumerate(REGION_NAMES)}
+    return OpPolicy(scopes=tuple(sorted(scopes.items(), key=lambda kv: order[kv[0]])))
+
+
 def policy_text(policy: OpPolicy) -> str:
-    """The canonical `sac:...` spelling of `policy` (units in layer order)."""
+    """The canonical `sac:...` (or `sac@...`) spelling of `policy` (units in layer order)."""
+    if policy.scopes:
+        order = {name: i for i, name in enumerate(UNIT_NAMES)}
+        parts = []
+        for region, names in policy.scopes:
+            items = ",".join(sorted(names, key=order.__getitem__))
+            parts.append(f"{region}={items}" if items else region)
+        return SCOPED_PREFIX + "/".join(parts)
     items = [FUSED_QKV] if policy.fused_qkv else []
     items += (
         [] if policy.every == 0 else ["matmuls" if policy.every == 1 else f"matmuls%{policy.every}"]
@@ -320,8 +404,8 @@ def effective_policy(spec: ChainSpec, policy: OpPolicy) -> OpPolicy:
 
 
 def is_policy(group: str) -> bool:
-    """Whether a recompute group name is a per-op policy (`sac:...`)."""
-    return group.startswith(POLICY_PREFIX)
+    """Whether a recompute group name is a per-op policy (`sac:...` or scoped `sac@...`)."""
+    return group.startswith((POLICY_PREFIX, SCOPED_PREFIX))
 
 
 def check_policy_model(spec: ChainSpec) -> str | None:
@@ -441,6 +525,7 @@ def unit_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Unit, ...]
             "attention",
             context + logsumexp,
             dataclasses.replace(table["attention_core"], saved_bytes=0),
+            private=logsumexp,
         ),
         *row_parallel("out_proj"),
         norm("norm2"),
@@ -663,7 +748,10 @@ def _moe_units(spec: ChainSpec, table: dict[str, Op], shapes: LayerShapes) -> li
 
     def grouped(name: str, op: Op, width: int, size: int) -> Unit:
         matmul = dataclasses.replace(op.matmul, n=width)
-        return Unit(name, size, _split(op, name, matmul), grouped=True)
+        first = name != "expert_fc2"
+        return Unit(
+            name, size, _split(op, name, matmul), grouped=True, expert_input=first * B * rows * h
+        )
 
     def all_to_all(name: str, op: Op, size: int) -> list[Unit]:
         if spec.ep == 1:
@@ -707,6 +795,15 @@ def kept_mask(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None) 
     router's gate is outside the matmul rule (`FORCE_RECOMPUTED`),
     kept only when named. With `policy.fused_qkv` the rule counts q, k and v as the one GEMM
     they are (torchtitan 0.3.0's `FusedQKVLinear`: `wqkv`), kept or re-run together."""
+    if policy.scopes:
+        units = unit_ops(spec, kind)
+        spans = region_spans(spec, kind)
+        mask = [False] * len(units)
+        for region, names in policy.scopes:
+            start, end = spans.get(region, (0, 0))
+            for i in range(start, end):
+                mask[i] = units[i].name in names
+        return tuple(mask)
     counting = counts_matmuls(spec.precision)
     policy = effective_policy(spec, policy)
     mask, index = [], 0
@@ -730,7 +827,10 @@ def kept_units(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None)
 
 
 def rerun_mask(
-    units: tuple[Unit, ...], kept: tuple[bool, ...], replay: str = "graph"
+    units: tuple[Unit, ...],
+    kept: tuple[bool, ...],
+    replay: str = "graph",
+    spans: tuple[tuple[int, int], ...] | None = None,
 ) -> tuple[bool, ...]:
     """Which units a layer's backward re-runs when it keeps the outputs `kept`.
 
@@ -745,23 +845,182 @@ def rerun_mask(
     answers a kept op from its cache and runs every other op, whether or not a backward reads
     its output, and stops after the last tensor the backward reads (torch/utils/checkpoint.py at
     v2.13.0, `_CachingTorchDispatchMode`, `early_stop`, on by default). Eager without early stop
-    (`replay` "whole"): every unit not kept, to the end of the layer."""
-    demand = [unit.internal > 0 for unit in units]
-    for unit in units:
-        for j in unit.saves:
-            demand[j] = True
-    if replay == "whole":
-        return tuple(not k for k in kept)
-    if replay == "early_stop":
-        last = max((i for i, wanted in enumerate(demand) if wanted), default=-1)
-        return tuple(not kept[i] and i <= last for i in range(len(units)))
+    (`replay` "whole"): every unit not kept, to the end of the layer.
+
+    `spans`: the checkpointed regions of a scoped policy (`policy_spans`, [start, end) unit
+    indices); each replays on its own by the same rule, to the end of the region or to the last
+    tensor its own units' backwards read, and the tensors it reads from outside are its
+    checkpoint's inputs, held (derived: each region is its own `torch.utils.checkpoint` call).
+    Units outside every region never re-run. None: the whole layer is one region."""
     rerun = [False] * len(units)
-    for i in range(len(units) - 1, -1, -1):
-        if demand[i] and not kept[i]:
-            rerun[i] = True
-            for j in units[i].reads:
-                demand[j] = True
+    for start, end in ((0, len(units)),) if spans is None else spans:
+        demand = {i: units[i].internal > 0 for i in range(start, end)}
+        for i in range(start, end):
+            for j in units[i].saves:
+                if start <= j < end:
+                    demand[j] = True
+        if replay == "whole":
+            for i in range(start, end):
+                rerun[i] = not kept[i]
+            continue
+        if replay == "early_stop":
+            last = max((i for i, wanted in demand.items() if wanted), default=-1)
+            for i in range(start, end):
+                rerun[i] = not kept[i] and i <= last
+            continue
+        for i in range(end - 1, start - 1, -1):
+            if demand[i] and not kept[i]:
+                rerun[i] = True
+                for j in units[i].reads:
+                    if start <= j < end:
+                        demand[j] = True
     return tuple(rerun)
+
+
+@cached_by_chain(maxsize=256)
+def region_spans(spec: ChainSpec, kind: LayerKind | None = None) -> dict[str, tuple[int, int]]:
+    """The regions (`REGION_NAMES`) a layer of `kind` has, each its [start, end) in `unit_ops`
+    (derived from the module boundaries of torchtitan's blocks, torchtitan/models/llama3/model/
+    model.py and models/moe/moe.py at v0.2.2, and Hugging Face's LlamaDecoderLayer: the norms,
+    `attention` (HF `self_attn`: the projections to out_proj, its reduce-scatter under sequence
+    parallelism), the SDPA call, `feed_forward`/`mlp` (to fc2 and its reduce-scatter), the
+    activation (silu and the product), `moe` (the router to the un-permutation, whose unit holds
+    the residual add), `router`, `experts`, their activation, `shared_experts`)."""
+    units = unit_ops(spec, kind)
+    at = {}
+    for i, unit in enumerate(units):
+        at.setdefault(unit.name, i)
+    add, norm2 = at["out_proj_add"], at["norm2"]
+    spans = {
+        "norm1": (0, 1),
+        "attention": (1, add),
+        "core_attn": (at["attention"], at["attention"] + 1),
+        "norm1_attention": (0, add),
+        "norm2": (norm2, norm2 + 1),
+    }
+    if "fc2_add" in at:
+        last = at["fc2_add"]
+        first_act = at.get("gate_act", at["act"])
+        spans |= {
+            "mlp": (norm2 + 1, last),
+            "mlp_act": (first_act, at["act"] + 1),
+            "norm2_mlp": (norm2, last),
+        }
+        return spans
+    end = at["unpermute"] + 1
+    first_expert = at.get("expert_fc1", at.get("expert_gate"))
+    spans |= {
+        "moe": (norm2 + 1, end),
+        "norm2_moe": (norm2, end),
+        "router": (at["router"], at["router_probs"] + 1),
+        "experts": (first_expert, at["expert_fc2"] + 1),
+        "moe_act": (at["expert_act"], at["expert_act"] + 1),
+    }
+    shared = [i for i, unit in enumerate(units) if unit.name.startswith("shared_")]
+    if shared:
+        spans["shared_experts"] = (shared[0], end - 1)
+    return spans
+
+
+def policy_spans(
+    spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None
+) -> tuple[tuple[int, int], ...]:
+    """The checkpointed regions of `policy` in a layer of `kind`, in layer order: the whole layer
+    for a layer-level policy; a scoped policy's regions the layer has."""
+    if not policy.scopes:
+        return ((0, len(unit_ops(spec, kind))),)
+    spans = region_spans(spec, kind)
+    return tuple(sorted(spans[name] for name, _ in policy.scopes if name in spans))
+
+
+# Units that read the layer input (the residual stream entering the layer): the first norm and
+# the first residual add.
+_READ_INPUT = ("norm1", "out_proj_add")
+LAYER_INPUT = -1  # the layer input among the tensors a tape holds (`stored_tensors`)
+# The experts' input (`Unit.expert_input`) where it is not the output of the unit before them.
+EXPERT_INPUT = -2
+
+
+def _gathered(units: tuple[Unit, ...], unit: Unit) -> bool:
+    """Whether expert GEMM `unit` reads a tensor of its own (`EXPERT_INPUT`): the routed rows
+    differ from what the unit before them writes."""
+    return bool(unit.expert_input) and all(
+        units[j].output_bytes != unit.expert_input for j in unit.reads
+    )
+
+
+def unit_inputs(units: tuple[Unit, ...]) -> tuple[tuple[int, ...], ...]:
+    """The tensors each unit reads: `Unit.reads`, with `LAYER_INPUT` for the layer input,
+    `EXPERT_INPUT` for the experts' gathered input (`_gathered`), and for the un-permutation
+    also the routed experts' output (its unit lists the shared experts' output, the one before
+    it)."""
+    found = []
+    expert_out = max(
+        (i for i, u in enumerate(units) if u.name in ("expert_fc2", "combine")), default=None
+    )
+    for unit in units:
+        reads = unit.reads
+        if unit.name in _READ_INPUT:
+            reads = (*reads, LAYER_INPUT)
+        if _gathered(units, unit):
+            reads = (EXPERT_INPUT,)
+        if unit.name == "unpermute" and expert_out is not None and expert_out not in reads:
+            reads = (expert_out, *reads)
+        found.append(reads)
+    return tuple(found)
+
+
+def stored_tensors(
+    units: tuple[Unit, ...], spans: tuple[tuple[int, int], ...], kept: tuple[bool, ...]
+) -> tuple[dict[int, bool], int]:
+    """What a layer whose checkpointed regions are `spans` holds from its forward to its
+    backward: the unit outputs (indices, `LAYER_INPUT` for the layer input), each storage once,
+    each marked True where the unit's private tensors are held too (`Unit.private`: the unit
+    kept, or un-checkpointed and saving its own output), and the internal bytes. A region holds
+    the tensors its units read from outside it (its checkpoint's inputs) and its kept units'
+    outputs and internal tensors (the selective checkpoint's cache); a unit outside every region
+    what its backward reads (`Unit.saves`; the first norm its input) and its internal tensors,
+    as autograd saves them (derived: torch/utils/checkpoint.py at v2.13.0,
+    `_checkpoint_without_reentrant_generator` holds the function's inputs,
+    `_CachingTorchDispatchMode` the MUST_SAVE outputs; a tensor several of them hold is one
+    storage)."""
+    region_of: list[int | None] = [None] * len(units)
+    for r, (start, end) in enumerate(spans):
+        for i in range(start, end):
+            region_of[i] = r
+    inputs = unit_inputs(units)
+    held: dict[int, bool] = {}
+
+    def hold(j: int, whole: bool) -> None:
+        held[j] = held.get(j, False) or whole
+
+    internal = 0
+    gather_region = next(
+        (region_of[j] for i, u in enumerate(units) if _gathered(units, u) for j in u.reads), None
+    )  # the all-gather runs where the unit before the experts does
+    for i, unit in enumerate(units):
+        r = region_of[i]
+        if r is None:
+            if unit.name == "norm1":
+                saved = (LAYER_INPUT,)
+            elif unit.name == "unpermute":
+                saved = tuple(j for j in unit.reads if units[j].name == "router_probs")
+            elif _gathered(units, unit):
+                saved = (EXPERT_INPUT,)
+            else:
+                saved = unit.saves
+            for j in saved:
+                hold(j, j == i)
+            internal += unit.internal
+            continue
+        for j in inputs[i]:
+            outside = region_of[j] != r if j >= 0 else j == LAYER_INPUT or gather_region != r
+            if outside:
+                hold(j, False)
+        if kept[i]:
+            hold(i, True)
+            internal += unit.internal
+    return held, internal
 
 
 def replays(spec: ChainSpec) -> str:
@@ -780,7 +1039,8 @@ def replays(spec: ChainSpec) -> str:
 def rerun_units(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None):
     """The units the backward of a layer under `policy` re-runs (`rerun_mask`)."""
     units = unit_ops(spec, kind)
-    mask = rerun_mask(units, kept_mask(spec, policy, kind), replays(spec))
+    spans = policy_spans(spec, policy, kind) if policy.scopes else None
+    mask = rerun_mask(units, kept_mask(spec, policy, kind), replays(spec), spans)
     return tuple(unit for unit, again in zip(units, mask, strict=True) if again)
 
 
@@ -839,12 +1099,34 @@ def policy_tape_bytes(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None 
     """What a layer under `policy` holds from its forward to its backward: its input (the
     checkpoint's argument, the residual stream) and the kept units' outputs and internal
     tensors (derived: the selective-checkpoint cache holds one storage per kept output), less
-    under torch.compile the kept outputs no backward reads (`compile_unread_bytes`)."""
+    under torch.compile the kept outputs no backward reads (`compile_unread_bytes`). A scoped
+    policy: what its regions and the un-checkpointed units hold (`scoped_tape_bytes`)."""
     units = unit_ops(spec, kind)
     kept = kept_mask(spec, policy, kind)
+    if policy.scopes:
+        return scoped_tape_bytes(spec, units, policy_spans(spec, policy, kind), kept)
     stored = sum(u.kept_bytes for u, k in zip(units, kept, strict=True) if k)
     stored += flex_region_copy_bytes(spec, policy, kind)
     return LayerShapes.of(spec).X + stored - compile_unread_bytes(spec, policy, kind)
+
+
+def scoped_tape_bytes(
+    spec: ChainSpec,
+    units: tuple[Unit, ...],
+    spans: tuple[tuple[int, int], ...],
+    kept: tuple[bool, ...],
+) -> int:
+    """The bytes `stored_tensors` holds: each held output once, the layer input, the internal
+    tensors."""
+    held, internal = stored_tensors(units, spans, kept)
+    sizes = {
+        LAYER_INPUT: LayerShapes.of(spec).X,
+        EXPERT_INPUT: max((u.expert_input for u in units), default=0),
+    }
+    return internal + sum(
+        sizes[j] if j < 0 else units[j].output_bytes - (0 if whole else units[j].private)
+        for j, whole in held.items()
+    )
 
 
 def flex_region_copy_bytes(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None) -> int:
@@ -875,6 +1157,8 @@ def policy_fit_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
     list (`torch.ops._c10d_functional.reduce_scatter_tensor`) does not name, and its
     DTensor backends reduce-scatter through the functional op, which it does: what a rank
     keeps depends on the backend and is not measured, so tp > 1 is refused."""
+    if policy.scopes:
+        return scope_fit_reason(spec, policy)
     if not (policy.fused_qkv or policy.flex):
         return None
     if spec.mla:
@@ -885,6 +1169,48 @@ def policy_fit_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
             "torchtitan 0.3.0's default spmd_types backend reduce-scatters with "
             "torch.distributed.reduce_scatter_tensor, not the functional op its save list names"
         )
+    return None
+
+
+def scope_model_reason(spec: ChainSpec) -> str | None:
+    """Why scoped policies are not modelled on `spec`'s layers, or None: they are for eager,
+    pre-norm, sequential layers a per-op policy fits (`check_policy_model`)."""
+    if why := check_policy_model(spec):
+        return why
+    if spec.kernels == "compiled":
+        return (
+            "scoped policies (sac@...) are modelled for eager layers (kernels: eager); compiled, "
+            "a layer-level policy re-runs only what the backward reads"
+        )
+    if spec.post_norms or spec.parallel_residual:
+        return "scoped policies are modelled for pre-norm layers without a parallel residual"
+    return None
+
+
+def scope_fit_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
+    """Why scoped `policy` does not fit `spec`, or None: scoped policies are modelled for eager
+    layers (under torch.compile the partitioner re-runs only what a backward reads whatever the
+    scope), pre-norm and sequential; in every kind of layer its regions must not overlap, and
+    each kept unit must lie in its region where the layer has that region."""
+    if why := scope_model_reason(spec):
+        return why
+    kinds = distinct_kinds(spec)
+    for name, _ in policy.scopes:
+        if not any(name in region_spans(spec, kind) for kind in kinds):
+            return f"the model's layers have no region {name}"
+    for kind in kinds:
+        units, spans = unit_ops(spec, kind), region_spans(spec, kind)
+        present = sorted((spans[name], name) for name, _ in policy.scopes if name in spans)
+        for ((_, end), first), ((start, _), second) in pairwise(present):
+            if start < end:
+                return f"regions {first} and {second} overlap"
+        for name, kept in policy.scopes:
+            if name not in spans:
+                continue
+            inside = {units[i].name for i in range(*spans[name])}
+            outside = sorted(kept - inside)
+            if outside:
+                return f"region {name} does not hold {', '.join(outside)}"
     return None
 
 

@@ -28,10 +28,15 @@ from ckplan.model.op import LayerShapes
 from ckplan.model.op_policy import (
     POLICY_PREFIX,
     UNIT_NAMES,
+    OpPolicy,
     Unit,
     part_of,
+    policy_text,
+    region_spans,
     replays,
     rerun_mask,
+    scope_model_reason,
+    scoped_tape_bytes,
     unit_ops,
 )
 from ckplan.model.ops import layer_ops
@@ -51,11 +56,17 @@ class PolicyPoint:
     kept: tuple[str, ...]
     tape_bytes: int
     cost: float
+    # a scoped policy's regions, each with the units it keeps; empty: the whole layer
+    scopes: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def strategy(self) -> str:
-        """The policy as a strategy word: `sac:UNIT,...`, or `full` when it keeps nothing but
-        the layer input."""
+        """The policy as a strategy word: `sac:UNIT,...`, a scoped `sac@REGION=UNIT,...`, or
+        `full` when it keeps nothing but the layer input."""
+        if self.scopes:
+            return policy_text(
+                OpPolicy(scopes=tuple((name, frozenset(kept)) for name, kept in self.scopes))
+            )
         return POLICY_PREFIX + ",".join(self.kept) if self.kept else "full"
 
 
@@ -153,6 +164,80 @@ def policy_frontier(
     )
 
 
+def region_layouts(spec: ModelSpec, kind: LayerKind | None = None):
+    """Every non-empty set of pairwise disjoint regions a layer of `kind` has
+    (`op_policy.region_spans`), each as (name, (start, end)) pairs in layer order."""
+    spans = sorted(region_spans(spec, kind).items(), key=lambda item: item[1])
+    layouts: list[tuple[tuple[str, tuple[int, int]], ...]] = [()]
+    for name, span in spans:
+        layouts += [
+            (*layout, (name, span))
+            for layout in layouts
+            if all(span[0] >= end or span[1] <= start for _, (start, end) in layout)
+        ]
+    return [tuple(sorted(layout, key=lambda item: item[1])) for layout in layouts if layout]
+
+
+def scoped_frontier(
+    spec: ModelSpec, gpu: GPU | None = None, kind: LayerKind | None = None
+) -> tuple[PolicyPoint, ...]:
+    """The frontier of scoped policies (`op_policy.OpPolicy.scopes`): for every layout of
+    regions (`region_layouts`), what the regions and the un-checkpointed units hold whatever
+    they keep (`op_policy.stored_tensors`), then each unit of a region that its replay re-runs
+    when not kept, kept or not: a knapsack over independent choices, since an eager region
+    re-runs a unit it does not keep by a rule that does not depend on what else it keeps
+    (`op_policy.rerun_mask`: to the region's end, or to the last tensor its backward reads),
+    and keeping a unit adds its output (unless held already) and its internal tensors. Empty
+    where scoped policies are not modelled (`op_policy.scope_model_reason`: under
+    torch.compile, post-norm or parallel-residual layers)."""
+    if scope_model_reason(spec):
+        return ()
+    points = []
+    for layout in region_layouts(spec, kind):
+        points += [
+            (p.tape_bytes, -p.cost, p.scopes) for p in layout_frontier(spec, layout, gpu, kind)
+        ]
+    return tuple(PolicyPoint((), size, -score, scopes) for size, score, scopes in _pareto(points))
+
+
+def layout_frontier(
+    spec: ModelSpec,
+    layout: tuple[tuple[str, tuple[int, int]], ...],
+    gpu: GPU | None = None,
+    kind: LayerKind | None = None,
+) -> tuple[PolicyPoint, ...]:
+    """The frontier of the scoped policies whose regions are `layout` (`scoped_frontier`)."""
+    mode = replays(spec)
+    units = unit_ops(spec, kind)
+    order = {name: i for i, name in enumerate(UNIT_NAMES)}
+    spans = tuple(span for _, span in layout)
+    nothing = (False,) * len(units)
+    base = scoped_tape_bytes(spec, units, spans, nothing)
+    again = rerun_mask(units, nothing, mode, spans)
+    frontier: list[tuple[int, float, tuple]] = [(base, 0.0, ())]
+    for name, (start, end) in layout:
+        for i in range(start, end):
+            if not again[i]:
+                continue  # not re-run when not kept: keeping it only adds bytes
+            cost = unit_cost(spec, units[i], gpu, kind)
+            # what keeping it adds, whatever else is kept: its private tensors, its output
+            # unless held already, its internal tensors
+            alone = tuple(j == i for j in range(len(units)))
+            size = scoped_tape_bytes(spec, units, spans, alone) - base
+            frontier = _pareto(
+                [(b, c - cost, k) for b, c, k in frontier]
+                + [(b + size, c, (*k, (name, units[i].name))) for b, c, k in frontier]
+            )
+    found = []
+    for size, score, kept in frontier:
+        scopes = tuple(
+            (name, tuple(sorted({u for r, u in kept if r == name}, key=order.__getitem__)))
+            for name, _ in layout
+        )
+        found.append(PolicyPoint((), size, -score, scopes))
+    return tuple(found)
+
+
 def _pareto(points: list[tuple[int, float, tuple[str, ...]]]):
     """The points no other has fewer-or-equal bytes and more-or-equal score (minus the cost)
     than."""
@@ -168,8 +253,16 @@ def _pareto(points: list[tuple[int, float, tuple[str, ...]]]):
 
 
 def best_policy(
-    spec: ModelSpec, tape_budget: int, gpu: GPU | None = None, kind: LayerKind | None = None
+    spec: ModelSpec,
+    tape_budget: int,
+    gpu: GPU | None = None,
+    kind: LayerKind | None = None,
+    scoped: bool = False,
 ) -> PolicyPoint | None:
-    """The cheapest policy whose stored tape fits `tape_budget` bytes per layer, or None."""
-    fitting = [p for p in policy_frontier(spec, gpu, kind) if p.tape_bytes <= tape_budget]
+    """The cheapest policy whose stored tape fits `tape_budget` bytes per layer, or None; with
+    `scoped`, among scoped policies too (`scoped_frontier`)."""
+    points = policy_frontier(spec, gpu, kind)
+    if scoped:
+        points = (*points, *scoped_frontier(spec, gpu, kind))
+    fitting = [p for p in points if p.tape_bytes <= tape_budget]
     return min(fitting, key=lambda p: (p.cost, p.tape_bytes)) if fitting else None

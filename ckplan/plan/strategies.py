@@ -30,6 +30,7 @@ from ckplan.model.op import ATTENTION_CORE, DENSE_MLP
 from ckplan.model.op_policy import (
     POLICY_PREFIX,
     POLICY_WORDS,
+    SCOPED_PREFIX,
     PolicyError,
     check_policy_model,
     parse_policy,
@@ -155,7 +156,7 @@ def _policy_word(policy: str) -> str:
 
 
 def _is_policy_word(part: str) -> bool:
-    return part in POLICY_WORDS or part.startswith(POLICY_PREFIX)
+    return part in POLICY_WORDS or part.startswith((POLICY_PREFIX, SCOPED_PREFIX))
 
 
 def _parse_policy(text: str, word: str, spec: ModelSpec) -> str:

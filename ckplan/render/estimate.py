@@ -365,6 +365,11 @@ def plan_summary_table(plan: Plan) -> Table:
     if policy is not None:
         unread = policy["compile_unread_bytes"]
         note = f"its input and the kept outputs of {', '.join(policy['kept']) or 'none'}"
+        if policy["regions"]:
+            note = (
+                f"checkpointed {', '.join(policy['regions'])}: their inputs and the kept "
+                f"outputs of {', '.join(policy['kept']) or 'none'}; the rest as autograd saves it"
+            )
         if unread:
             note += f"; compiled, {gib(unread)} of them no backward reads is not saved"
         table.add_row("  stored layer (policy)", gib(policy["tape_bytes"]), note)
@@ -476,6 +481,7 @@ def policy_terms(plan) -> dict[str, Any] | None:
     return {
         "policy": policies[0],
         "kept": list(op_policy.kept_units(chain, policy)),
+        "regions": [name for name, _ in policy.scopes],
         "tape_bytes": op_policy.policy_tape_bytes(chain, policy),
         "compile_unread_bytes": op_policy.compile_unread_bytes(chain, policy),
     }
