@@ -11,13 +11,15 @@ against the kernel benchmarks (MAMF, the attention kernels' published throughput
   GEMMs and attention against Megatron's fused kernels. A code path with fewer than
   MIN_RUNS_PER_CONSTANT calibration runs keeps 1.0.
 
-The procedure is deterministic coordinate descent: starting from every rate at 1.0, ROUNDS
-rounds of (1) for each family, golden-section search of its sustained_fraction in [0.5, 1] on
-that family's calibration runs, (2) for each code path with enough runs, golden-section search
-of its rate in [0.5, 1] on that code path's calibration runs (all families); each search
-minimises the mean |log(predicted step / published step)| of its runs, the other constants
-held. Test runs are never read by the fit: the split is a field of each run, fixed before any
-fitting by a hash of the run's name (validation/runs/README.md).
+The procedure is a deterministic profile search of the mean |log(predicted step / published
+step)| over the calibration runs: starting from every constant at 1.0, ROUNDS rounds in which,
+for each family, a golden-section search in [0.5, 1] picks its sustained_fraction, every
+candidate fraction scored with the code paths' rates re-fitted to it (for each code path with
+enough runs, a golden-section search of its rate in [0.5, 1] on that code path's runs). A code
+path's runs scale with the product of their family's fraction and the path's rate, and a plain
+coordinate descent, one constant at a time, stalls on that product's kinks. Test runs are
+never read by the fit: the split is a field of each run, fixed before any fitting by a hash of
+the run's name (validation/runs/README.md).
 
     python validation/fit_time_model.py            # fit and report
     python validation/fit_time_model.py --write    # and write them (presets, code_path.py)
@@ -52,7 +54,7 @@ PRESETS = Path(__file__).resolve().parents[1] / "presets" / "gpus"
 ACCURACY_MODULE = Path(__file__).resolve().parents[1] / "ckplan" / "published" / "accuracy.py"
 CODE_PATH_MODULE = Path(code_path_module.__file__)
 MIN_RUNS_PER_CONSTANT = 6
-ROUNDS = 3
+ROUNDS = 2
 
 
 def time_runs(split: str):
@@ -157,7 +159,7 @@ def write_accuracy() -> None:
 
 def fit(calibration) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:
     """(sustained_fraction per family, rate per code path, calibration runs per code path) by
-    the coordinate descent of the module docstring."""
+    the profile search of the module docstring."""
     by_family = {f: [r for r in calibration if r.gpu in p] for f, p in FAMILIES.items()}
     by_path: dict[str, list] = {}
     for run in calibration:
@@ -170,19 +172,32 @@ def fit(calibration) -> tuple[dict[str, float], dict[str, float], dict[str, int]
     fractions = {family: 1.0 for family, runs in by_family.items() if runs}
     rates = {kernels: 1.0 for kernels in code_path_module.KERNEL_RATES}
     set_kernel_rates(rates)
-    for _ in range(ROUNDS):
-        for family in fractions:
-            fractions[family] = golden_section(
-                lambda x, f=family: loss(by_family[f], {**fractions, f: x}), 0.5, 1.0
-            )
+
+    def fit_rates(candidate: dict[str, float]) -> dict[str, float]:
+        # Each calibration run has one code path, so the rates are fitted one by one.
+        fitted = dict(rates)
         for kernels in fitted_paths:
 
             def path_loss(x: float, k: str = kernels) -> float:
                 set_kernel_rates({k: x})
-                return loss(by_path[k], fractions)
+                return loss(by_path[k], candidate)
 
-            rates[kernels] = golden_section(path_loss, 0.5, 1.0)
-            set_kernel_rates(rates)
+            fitted[kernels] = golden_section(path_loss, 0.5, 1.0)
+            set_kernel_rates(fitted)
+        return fitted
+
+    def profile_loss(family: str, x: float) -> float:
+        # A code path's runs scale with the product of their family's fraction and the path's
+        # rate: the rates are re-fitted at each candidate fraction, so the search moves along
+        # that product instead of stalling where the mean |log error| has a kink.
+        candidate = {**fractions, family: x}
+        fit_rates(candidate)
+        return loss(calibration, candidate)
+
+    for _ in range(ROUNDS):
+        for family in fractions:
+            fractions[family] = golden_section(lambda x, f=family: profile_loss(f, x), 0.5, 1.0)
+        rates = fit_rates(fractions)
     counts = {kernels: len(by_path.get(kernels, ())) for kernels in rates}
     return fractions, rates, counts
 
