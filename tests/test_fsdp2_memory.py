@@ -72,8 +72,8 @@ def test_embedding_parameters():
 
 
 def test_groupings_by_release():
-    assert DEC_2024 == frameworks.FSDP2Grouping(embedding_own_unit=False, last_block_kept=True)
-    assert V0_3 == frameworks.FSDP2Grouping(embedding_own_unit=True, last_block_kept=False)
+    assert frameworks.FSDP2Grouping(embedding_own_unit=False, last_block_kept=True) == DEC_2024
+    assert frameworks.FSDP2Grouping(embedding_own_unit=True, last_block_kept=False) == V0_3
     # 0.3.0 with weight tying: [tok_embeddings, norm, lm_head] one kept unit
     tied = frameworks.fsdp2_grouping("0.3", tied_embeddings=True)
     assert tied == frameworks.FSDP2Grouping(embedding_own_unit=False, last_block_kept=False)
