@@ -20,8 +20,9 @@ parameter (its mixed-precision recipe) and adds buffers of its own:
   embedding and the last layer too (`fsdp2_kept_unsharded_bytes`); while a layer runs, its
   unsharded parameters, the prefetched unit's all-gather output, its bf16 gradients, the
   previous unit's fp32 reduce-scatter input and, under "2024.12", the output layer's bf16
-  gradients, as that layer's chain workspace (`fsdp2_layer_forward_bytes`, `fsdp2_layer_backward_bytes`; measured with
-  PyTorch's FSDPMemTracker: validation/torch_fsdp2_memory.py). Reserved beside the allocated
+  gradients, as that layer's chain workspace (`fsdp2_layer_forward_bytes`,
+  `fsdp2_layer_backward_bytes`; measured with PyTorch's FSDPMemTracker:
+  validation/torch_fsdp2_memory.py). Reserved beside the allocated
   peak: the side streams' pools, the sharded gradients and the all-gather outputs
   (`fsdp2_stream_pool_bytes`). With zero 2: the bf16 unsharded parameters of the whole stage,
   the layer's bf16 gradients and fp32 reduce-scatter input. Under pipeline parallelism it does
