@@ -9,13 +9,26 @@ def _stage_and_layer(spec, stage=0):
     return dense + expert, layer
 
 
-def test_torchtitan_fsdp_keeps_the_root_and_the_last_layer_unsharded(spec_of):
+def test_torchtitan_2024_12_fsdp_keeps_the_root_and_the_last_layer_unsharded(spec_of):
     # the running and prefetched layers' copies, gradients and reduce-scatter inputs are the
     # layers' chain workspaces (tests/test_fsdp2_memory.py)
-    spec = spec_of("llama3-8b", framework="torchtitan", dp=8, zero=3)
+    spec = spec_of("llama3-8b", framework="torchtitan", dp=8, zero=3, framework_version="2024.12")
     stage, layer = _stage_and_layer(spec)
     root = stage - spec.layers * layer
     assert model_state_bytes(spec).buffers == 2 * (root + layer)
+
+
+def test_torchtitan_0_3_fsdp_keeps_the_final_norm_and_output_unsharded(spec_of):
+    # the embedding and every block reshard after forward (torchtitan 83e6941 onwards)
+    spec = spec_of("llama3-8b", framework="torchtitan", dp=8, zero=3)
+    stage, layer = _stage_and_layer(spec)
+    root = stage - spec.layers * layer
+    embedding = spec.vocab * spec.hidden
+    assert model_state_bytes(spec).buffers == 2 * (root - embedding)
+    # with tied embeddings the embedding, final norm and output are one kept unit
+    tied = spec.replace(tied_embeddings=True)
+    stage, layer = _stage_and_layer(tied)
+    assert model_state_bytes(tied).buffers == 2 * (stage - tied.layers * layer)
 
 
 def test_torchtitan_under_pipeline_parallelism_accumulates_unsharded_fp32_gradients(spec_of):
@@ -46,7 +59,7 @@ def test_torchtitan_shards_over_context_parallel_ranks_too(spec_of):
     spec = spec_of("llama3-8b", framework="torchtitan", dp=1, cp=8, zero=3, seq=65536)
     stage, layer = _stage_and_layer(spec)
     root = stage - spec.layers * layer
-    assert model_state_bytes(spec).buffers == 2 * (root + layer)
+    assert model_state_bytes(spec).buffers == 2 * (root - spec.vocab * spec.hidden)
     assert model_state_bytes(spec_of("llama3-8b", framework="torchtitan", zero=3)).buffers == 0
 
 

@@ -5,7 +5,10 @@ against a rerun of the same measurement at a small shape where torch and torchti
 
 Llama 3 8B on one GPU of 8 (tp 1): a block holds 4096·(4096 + 2·1024) + 4096² + 3·4096·14336 +
 2·4096 = 218,112,000 parameters; the root module the embedding and output (128,256·4096 each)
-and the final norm (4096): 1,050,677,248; the output layer and final norm 525,340,672.
+and the final norm (4096): 1,050,677,248; the output layer and final norm 525,340,672; the
+embedding 525,336,576. torchtitan's two FSDP2 groupings (`frameworks.fsdp2_grouping`):
+"2024.12" (9dec370's apply_fsdp; the measurement's layout `202412`) and "0.3" (from 83e6941,
+torchtitan 0.3.0's apply_fsdp_to_decoder; the measurement's layout `0.3.0`).
 """
 
 import importlib.util
@@ -25,6 +28,10 @@ from ckplan.plan.layer_chain import layer_chain
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = json.loads((ROOT / "validation" / "results-fsdp2-memory-torch-2.13.0.json").read_text())
 LAYER, ROOT_PARAMS, OUTPUT = 218_112_000, 1_050_677_248, 525_340_672
+EMBEDDING = 128_256 * 4096
+VERSION_OF_LAYOUT = {"202412": "2024.12", "0.3.0": "0.3"}
+DEC_2024 = frameworks.fsdp2_grouping("2024.12")
+V0_3 = frameworks.fsdp2_grouping("0.3")
 
 
 def _spec(case=None, **changes):
@@ -39,8 +46,14 @@ def _spec(case=None, **changes):
         "optimizer": "adamw",
         "loss": "eager",
     }
+    if changes.get("framework", "torchtitan") == "torchtitan":
+        values["framework_version"] = "2024.12"
     if case:
-        values.update(seq=case["seq"], micro_batch=case["micro_batch"])
+        values.update(
+            seq=case["seq"],
+            micro_batch=case["micro_batch"],
+            framework_version=VERSION_OF_LAYOUT[case["layout"]],
+        )
     return spec_from_values({**values, **changes}, origin)
 
 
@@ -52,9 +65,32 @@ def test_llama3_8b_parameter_counts():
     assert dense + expert - spec.layers * LAYER == ROOT_PARAMS
 
 
+def test_embedding_parameters():
+    spec = _spec()
+    assert memory.embedding_parameters(spec) == EMBEDDING == ROOT_PARAMS - OUTPUT
+    assert memory.embedding_parameters(spec, 1) == 0
+
+
+def test_groupings_by_release():
+    assert frameworks.FSDP2Grouping(embedding_own_unit=False, last_block_kept=True) == DEC_2024
+    assert frameworks.FSDP2Grouping(embedding_own_unit=True, last_block_kept=False) == V0_3
+    # 0.3.0 with weight tying: [tok_embeddings, norm, lm_head] one kept unit
+    tied = frameworks.fsdp2_grouping("0.3", tied_embeddings=True)
+    assert tied == frameworks.FSDP2Grouping(embedding_own_unit=False, last_block_kept=False)
+    assert frameworks.fsdp2_grouping(None) == V0_3  # the newest release modelled
+    assert frameworks.fsdp2_outer_units(ROOT_PARAMS, EMBEDDING, DEC_2024) == (0, ROOT_PARAMS)
+    assert frameworks.fsdp2_outer_units(ROOT_PARAMS, EMBEDDING, V0_3) == (EMBEDDING, OUTPUT)
+    assert frameworks.framework_version(_spec()) == "2024.12"
+    assert frameworks.framework_version(_spec(framework_version=None)) == "0.3"
+    assert frameworks.framework_version(_spec(framework="hf", framework_version=None)) is None
+
+
 def test_kept_unsharded_by_hand():
-    # bf16 root module and last block: 2 · (1,050,677,248 + 218,112,000)
-    assert frameworks.fsdp2_kept_unsharded_bytes(ROOT_PARAMS, LAYER) == 2_537_578_496
+    # 2024.12: bf16 root module and last block: 2 · (1,050,677,248 + 218,112,000)
+    assert frameworks.fsdp2_kept_unsharded_bytes(ROOT_PARAMS, LAYER, True) == 2_537_578_496
+    # 0.3: the final norm and output alone: 2 · 525,340,672
+    assert frameworks.fsdp2_kept_unsharded_bytes(OUTPUT, LAYER, False) == 1_050_681_344
+    assert memory.model_state_bytes(_spec(framework_version="0.3")).buffers == 1_050_681_344
 
 
 def test_block_buffers_by_hand():
@@ -77,6 +113,28 @@ def test_block_buffers_by_hand():
     )
 
 
+def test_block_buffers_by_hand_0_3():
+    def backward(**where):
+        return frameworks.fsdp2_layer_backward_bytes(
+            LAYER, OUTPUT, grouping=V0_3, embedding_params=EMBEDDING, **where
+        )
+
+    # a middle block: 2 + 2 + 2 + 4 = 10 bytes a parameter; the output's gradients were
+    # reduce-scattered by their own unit before the blocks' backward
+    assert backward() == 10 * 218_112_000
+    # the last block (first to run), resharded: running 2 + prefetched 2 + gradients 2, and
+    # the final norm and output unit's fp32 reduce-scatter input, 4 · 525,340,672
+    assert backward(last=True) == 6 * 218_112_000 + 4 * 525_340_672
+    # the first block: it prefetches the embedding's all-gather output, 2 · 525,336,576
+    assert backward(first=True) == 8 * 218_112_000 + 2 * 525_336_576
+    # the embedding's own backward: unsharded 2 + gradient 2, the first block's fp32 input 4
+    assert frameworks.fsdp2_embedding_backward_bytes(EMBEDDING, LAYER) == (
+        4 * 525_336_576 + 4 * 218_112_000
+    )
+    # every block's forward: unsharded copy and all-gather output; the embedding's too
+    assert frameworks.fsdp2_layer_forward_bytes(EMBEDDING) == 4 * 525_336_576
+
+
 @pytest.mark.parametrize(
     ("changes", "resharding"),
     [
@@ -93,7 +151,7 @@ def test_which_layouts_reshard(changes, resharding):
 
 def test_chain_holds_the_block_buffers_in_its_layer_stages():
     spec = _spec()
-    plain = layer_chain(spec.replace(framework="hf", zero=3), ())
+    plain = layer_chain(spec.replace(framework="hf", zero=3, framework_version=None), ())
     chain = layer_chain(spec, ())
     added_forward = [
         a - b
@@ -110,10 +168,33 @@ def test_chain_holds_the_block_buffers_in_its_layer_stages():
     assert layer_chain(spec, ()) is chain  # the replays are cached by chain identity
 
 
+def test_chain_holds_the_0_3_unit_buffers():
+    spec = _spec(framework_version="0.3")
+    plain = layer_chain(spec.replace(framework="hf", zero=3, framework_version=None), ())
+    chain = layer_chain(spec, ())
+    added_forward = [
+        a - b
+        for a, b in zip(chain.forward_workspace_bytes, plain.forward_workspace_bytes, strict=True)
+    ]
+    added_backward = [
+        a - b
+        for a, b in zip(chain.backward_workspace_bytes, plain.backward_workspace_bytes, strict=True)
+    ]
+    # embedding (its own unit), 32 blocks all resharded, output layer and loss
+    assert added_forward == [4 * EMBEDDING, *[872_448_000] * 32, 0]
+    assert added_backward == [
+        4 * EMBEDDING + 4 * LAYER,
+        8 * LAYER + 2 * EMBEDDING,
+        *[10 * LAYER] * 30,
+        6 * LAYER + 4 * OUTPUT,
+        0,
+    ]
+
+
 @pytest.mark.parametrize(
     "case",
-    [c for c in RESULTS["cases"] if c["layout"] == "202412"],
-    ids=lambda c: f"{c['ac']}-{c['seq']}",
+    RESULTS["cases"],
+    ids=lambda c: f"{c['layout']}-{c['ac']}-{c['seq']}",
 )
 def test_recorded_measurement_matches_the_model_states(case):
     """The sharded fp32 parameters and AdamW states, the kept bf16 copies at the peak (after
@@ -128,9 +209,15 @@ def test_recorded_measurement_matches_the_model_states(case):
     # beside AdamW's moments, its fp32 step scalar per parameter tensor: 7 a block, and the
     # embedding, final norm and output
     assert peak["OptState"] - 4 * (spec.layers * 7 + 3) == states.optimizer
-    assert peak["Unsharded Param"] == states.buffers == 2_537_578_496
+    kept = {"202412": 2_537_578_496, "0.3.0": 1_050_681_344}[case["layout"]]
+    assert peak["Unsharded Param"] == states.buffers == kept
     assert peak["All Gather"] == peak["Reduce Scatter"] == 0
-    assert phases["forward"]["All Gather"] == frameworks.fsdp2_layer_forward_bytes(LAYER, kept=True)
+    # the forward's peak: the last unit gathered, its all-gather output still held (freed at
+    # the next copy-in): 2024.12's kept last block, 0.3's final norm and output unit
+    last_gathered = {"202412": LAYER, "0.3.0": OUTPUT}[case["layout"]]
+    assert phases["forward"]["All Gather"] == frameworks.fsdp2_layer_forward_bytes(
+        last_gathered, kept=True
+    )
     assert phases["forward"]["Unsharded Param"] == states.buffers
 
 
@@ -161,7 +248,7 @@ def test_rerun_at_a_small_shape():
     total = 4 * layer + root
     peak = result["phases"][result["peak_phase"]]
     assert result["peak_phase"] == "backward"
-    assert peak["Unsharded Param"] == frameworks.fsdp2_kept_unsharded_bytes(root, layer)
+    assert peak["Unsharded Param"] == frameworks.fsdp2_kept_unsharded_bytes(root, layer, True)
     assert result["phases"]["forward"]["All Gather"] == frameworks.fsdp2_layer_forward_bytes(
         layer, kept=True
     )
@@ -178,13 +265,21 @@ def test_stream_pools_by_hand():
         gradients + 2 * ROOT_PARAMS
     )
     assert memory.stream_pool_bytes(spec) == gradients + 2 * ROOT_PARAMS
+    # 0.3: the largest unit outside the blocks is the final norm and output, 2 · 525,340,672,
+    # larger than two blocks' (2 · 436,224,000)
+    assert memory.stream_pool_bytes(spec.replace(framework_version="0.3")) == (
+        gradients + 2 * OUTPUT
+    )
+    assert memory.stream_pool_bytes(spec.replace(framework_version="0.3", zero=2)) == (
+        gradients + 2 * OUTPUT
+    )
     assert frameworks.fsdp2_stream_pool_bytes(0, 10, 6) == 2 * 12
     # gathered once, in forward, one block at a time (zero 2, or pipeline parallelism)
     assert frameworks.fsdp2_stream_pool_bytes(0, 10, 6, prefetch=False) == 2 * 10
     assert frameworks.fsdp2_stream_pool_bytes(0, 4, 6, prefetch=False) == 2 * 6
     zero2 = spec.replace(zero=2)
     assert memory.stream_pool_bytes(zero2) == gradients + 2 * ROOT_PARAMS
-    assert memory.stream_pool_bytes(spec.replace(framework="hf")) == 0
+    assert memory.stream_pool_bytes(spec.replace(framework="hf", framework_version=None)) == 0
     assert memory.stream_pool_bytes(spec.replace(dp=1)) == 0
 
 

@@ -155,7 +155,7 @@ def test_offload_beats_recomputation_where_its_copies_hide(cli):
     around the layers): a layer's tape copies in about the time its forward takes, so tapes on
     host beat recomputing; plan says by how much against the layout's best recomputation, and
     what the copies expose. (Megatron-LM tries no offload plan: frameworks.offload_strategies.)"""
-    argv = ["plan", "llama3-8b", "--gpus", "16", "--gpu", "rtx-4090", "--seq", "16384"]
+    argv = ["plan", "llama3-8b", "--gpus", "32", "--gpu", "rtx-4090", "--seq", "16384"]
     argv += ["--set", "framework=torchtitan"]
     code, out, err = cli(*argv, "--json", "--top", "2")
     assert code == 0, err

@@ -15,12 +15,14 @@ parameter (its mixed-precision recipe) and adds buffers of its own:
   sharded parameters stay fp32 and are the optimizer's ("does not require any extra memory to
   keep a high-precision copy", torch/distributed/fsdp/_fully_shard/_fsdp_api.py), fp32 sharded
   gradients, Adam: 16 bytes per parameter over d. Buffers with zero 3 on one pipeline stage
-  (`fsdp2_resharding`): the root module (embedding, final norm, output) and the last layer
-  unsharded in bf16 all step (`fsdp2_kept_unsharded_bytes`); while a layer runs, its unsharded
-  parameters, the prefetched layer's all-gather output, its bf16 gradients, the previous
-  layer's fp32 reduce-scatter input and the output layer's bf16 gradients, as that layer's
-  chain workspace (`fsdp2_layer_forward_bytes`, `fsdp2_layer_backward_bytes`; measured with
-  PyTorch's FSDPMemTracker: validation/torch_fsdp2_memory.py). Reserved beside the allocated
+  (`fsdp2_resharding`), by torchtitan release (`framework_version`, `fsdp2_grouping`): the
+  final norm and output layer unsharded in bf16 all step, and under torchtitan "2024.12" the
+  embedding and the last layer too (`fsdp2_kept_unsharded_bytes`); while a layer runs, its
+  unsharded parameters, the prefetched unit's all-gather output, its bf16 gradients, the
+  previous unit's fp32 reduce-scatter input and, under "2024.12", the output layer's bf16
+  gradients, as that layer's chain workspace (`fsdp2_layer_forward_bytes`,
+  `fsdp2_layer_backward_bytes`; measured with PyTorch's FSDPMemTracker:
+  validation/torch_fsdp2_memory.py). Reserved beside the allocated
   peak: the side streams' pools, the sharded gradients and the all-gather outputs
   (`fsdp2_stream_pool_bytes`). With zero 2: the bf16 unsharded parameters of the whole stage,
   the layer's bf16 gradients and fp32 reduce-scatter input. Under pipeline parallelism it does
@@ -78,6 +80,9 @@ DEEPSPEED_MAX_LIVE = 1_000_000_000  # parameters (stage3_max_live_parameters)
 HALF = 2  # bytes of a bf16 value
 OFFLOAD_DEVICES = ("none", "cpu")  # optimizer_offload, param_offload
 GRAD_SYNCS = ("micro_batch", "step")  # grad_sync (`gradient_sync`)
+# framework_version: the releases whose semantics ckplan models apart, oldest first; the last
+# is the default (`framework_version`)
+FRAMEWORK_VERSIONS = {"torchtitan": ("2024.12", "0.3")}
 
 
 @dataclass(frozen=True)
@@ -310,14 +315,19 @@ def largest_weight(spec, tp: int | None = None) -> int:
     return spec.hidden * max(widths) // (spec.tp if tp is None else tp)
 
 
-def buffer_bytes(spec, stage_params: int, layer_params: int, root_params: int) -> int:
+def buffer_bytes(
+    spec, stage_params: int, layer_params: int, root_params: int, embedding_params: int = 0
+) -> int:
     """Bytes a framework holds beside the model states at its peak on one GPU: its
     communication buckets and unsharded copies (module docstring). `stage_params` are the
     parameters this GPU's pipeline stage holds, `layer_params` one layer's (the largest),
-    `root_params` those outside the layers (embedding, final norm, output) on this stage."""
+    `root_params` those outside the layers (embedding, final norm, output) on this stage,
+    `embedding_params` the token embedding's among them."""
     framework, zero, dp = spec.framework, spec.zero, spec.dp
     if fsdp2_resharding(spec):  # the layers' copies are their chain stages' (fsdp2_layer_*)
-        return fsdp2_kept_unsharded_bytes(root_params, layer_params)
+        grouping = fsdp2_grouping(framework_version(spec), spec.tied_embeddings)
+        kept = fsdp2_outer_units(root_params, embedding_params, grouping)[1]
+        return fsdp2_kept_unsharded_bytes(kept, layer_params, grouping.last_block_kept)
     # torchtitan's FSDP mesh is dp_shard·cp (context-parallel ranks hold the same parameters)
     if framework == "torchtitan" and dp * spec.cp > 1 and zero >= 2:
         if zero == 2 or spec.pp > 1:
@@ -363,50 +373,156 @@ def fsdp2_resharding(spec) -> bool:
     )
 
 
-def fsdp2_kept_unsharded_bytes(root_params: int, layer_params: int) -> int:
-    """The bf16 unsharded parameters FSDP2 keeps from the forward to the backward under
-    torchtitan's apply_fsdp (pytorch/torchtitan 9dec370, torchtitan/parallelisms/
-    parallelize_llama.py): the root module (embedding, final norm, output), which FSDP2 never
-    reshards after forward when its reshard_after_forward is left to the default, as torchtitan
-    leaves it (torch/distributed/fsdp/_fully_shard/_fsdp_state.py `_lazy_init`, PyTorch
-    v2.13.0: "For the root, do not reshard after forward"), and the last block
-    (`reshard_after_forward=int(layer_id) < len(model.layers) - 1`). Measured:
-    validation/torch_fsdp2_memory.py, Llama 3 8B on 8 ranks, 2,537,578,496 bytes of
-    "Unsharded Param" at the peak = 2 · (1,050,677,248 + 218,112,000)."""
-    return HALF * (root_params + layer_params)
+def framework_version_error(framework: str, version: str | None) -> str | None:
+    """Why `version` cannot be set for `framework` (one line naming the key), or None:
+    `FRAMEWORK_VERSIONS` names the releases each framework is modelled at; for the others the
+    key has no meaning."""
+    if version is None:
+        return None
+    versions = FRAMEWORK_VERSIONS.get(framework)
+    if versions is None:
+        return (
+            f"key 'framework_version' ({version}): {framework} is modelled at one release; "
+            "the key is for framework torchtitan"
+        )
+    if version not in versions:
+        return (
+            f"key 'framework_version' must be one of {', '.join(versions)} for {framework}, "
+            f"got {version!r}"
+        )
+    return None
+
+
+def framework_version(spec) -> str | None:
+    """The framework release the spec runs: its `framework_version`, else the newest
+    modelled (`FRAMEWORK_VERSIONS`); None for a framework modelled at one release."""
+    versions = FRAMEWORK_VERSIONS.get(spec.framework)
+    if versions is None:
+        return None
+    return spec.framework_version or versions[-1]
+
+
+@dataclass(frozen=True)
+class FSDP2Grouping:
+    """Which of a torchtitan model's modules are FSDP2 units of their own and which stay
+    unsharded from the forward to the backward when the blocks reshard after forward (zero 3,
+    one pipeline stage: `fsdp2_resharding`); the final norm and output layer are always kept.
+
+    - `embedding_own_unit`: the token embedding is an FSDP unit of its own, resharded after
+      forward, and the final norm and output layer another, whose gradients are reduce-scattered
+      as soon as the output stage's backward ends; else the embedding, final norm and output
+      are one unit (the root, or a tied embedding's group), kept unsharded and reduced after
+      the embedding's backward.
+    - `last_block_kept`: the last block is not resharded after forward."""
+
+    embedding_own_unit: bool
+    last_block_kept: bool
+
+
+def fsdp2_grouping(version: str | None, tied_embeddings: bool = False) -> FSDP2Grouping:
+    """torchtitan's FSDP2 units by release (`FRAMEWORK_VERSIONS`):
+
+    - "2024.12", apply_fsdp before pytorch/torchtitan 83e6941 (Jul 28 2025), e.g. 9dec370
+      torchtitan/parallelisms/parallelize_llama.py: every block `fully_shard`ed with
+      `reshard_after_forward=int(layer_id) < len(model.layers) - 1`, then `fully_shard(model,
+      reshard_after_forward=not pp_enabled)`: the root module holds the embedding, final norm
+      and output, and FSDP2 never reshards the root after forward (torch/distributed/fsdp/
+      _fully_shard/_fsdp_state.py `_lazy_init`, PyTorch v2.13.0: "For the root, do not reshard
+      after forward");
+    - "0.3", from 83e6941 ("Improve reshard_after_forward logic") through torchtitan 0.3.0
+      (torchtitan/distributed/fsdp.py `apply_fsdp_to_decoder`): `tok_embeddings` its own unit
+      and every block with `reshard_after_forward` True (policy "default", no pipeline
+      parallelism), `[norm, output]` one unit with `reshard_after_forward_policy == "always"`,
+      False by default, and the root holding no parameters of its own. With tied embeddings
+      (0.3.0's `enable_weight_tying`) `[tok_embeddings, norm, lm_head]` are one unit, kept.
+
+    Under pipeline parallelism or zero 2 (policy "never") no unit reshards after forward in
+    either release, and the grouping changes only the all-gather outputs
+    (`fsdp2_outer_units`)."""
+    if version == "2024.12":
+        return FSDP2Grouping(embedding_own_unit=False, last_block_kept=True)
+    return FSDP2Grouping(embedding_own_unit=not tied_embeddings, last_block_kept=False)
+
+
+def fsdp2_outer_units(
+    root_params: int, embedding_params: int, grouping: FSDP2Grouping
+) -> tuple[int, int]:
+    """(embedding unit, kept unit): the parameters on one GPU of the FSDP2 units outside the
+    blocks (`fsdp2_grouping`), `root_params` all those outside the blocks on the stage,
+    `embedding_params` the token embedding's there (0 off the first stage): the embedding's
+    own unit (0 when it is the kept unit's), and the unit kept unsharded after forward.
+
+    derived: the partition `fsdp2_grouping` names."""
+    if grouping.embedding_own_unit:
+        return embedding_params, root_params - embedding_params
+    return 0, root_params
+
+
+def fsdp2_kept_unsharded_bytes(kept_params: int, layer_params: int, last_block_kept: bool) -> int:
+    """The bf16 unsharded parameters FSDP2 keeps from the forward to the backward
+    (`fsdp2_grouping`): the kept unit outside the blocks (`fsdp2_outer_units`), and under
+    torchtitan "2024.12" the last block. Measured (validation/torch_fsdp2_memory.py, Llama 3 8B
+    on 8 ranks, "Unsharded Param" at the peak): "2024.12" 2,537,578,496 bytes = 2 ·
+    (1,050,677,248 + 218,112,000), the root module and the last block; "0.3" 1,050,681,344 =
+    2 · 525,340,672, the final norm and output layer."""
+    return HALF * (kept_params + (layer_params if last_block_kept else 0))
 
 
 def fsdp2_layer_forward_bytes(layer_params: int, kept: bool = False) -> int:
     """What a block's forward holds of FSDP2's buffers beyond the kept copies: its bf16
     unsharded parameters and the flat all-gather output they were copied out of, which FSDP2
     frees only at the next all-gather's copy-in (_fsdp_param_group.py `wait_for_unshard`:
-    `AllGatherState` in forward, PyTorch v2.13.0); for the last block (`kept`) its output
-    alone. Measured (validation/torch_fsdp2_memory.py): "All Gather" 436,224,000 bytes =
+    `AllGatherState` in forward, PyTorch v2.13.0); for a block kept unsharded its output
+    alone. The same for torchtitan 0.3's resharded embedding (`fsdp2_embedding_forward_bytes`).
+    Measured (validation/torch_fsdp2_memory.py): "All Gather" 436,224,000 bytes =
     2 · 218,112,000 beside the block's unsharded copy."""
     return HALF * layer_params * (1 if kept else 2)
 
 
 def fsdp2_layer_backward_bytes(
-    layer_params: int, output_params: int, first: bool = False, last: bool = False
+    layer_params: int,
+    output_params: int,
+    first: bool = False,
+    last: bool = False,
+    grouping: FSDP2Grouping = FSDP2Grouping(embedding_own_unit=False, last_block_kept=True),
+    embedding_params: int = 0,
 ) -> int:
     """What a block's backward holds of FSDP2's buffers beyond the kept copies (PyTorch
-    v2.13.0, torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py):
+    v2.13.0, torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py) under torchtitan's
+    `grouping` (default "2024.12"'s):
 
-    - its bf16 unsharded parameters (the last block's are kept: `fsdp2_kept_unsharded_bytes`);
-    - the next block's all-gather output, prefetched at its pre-backward (`_prefetch_unshard`;
-      none before the first block, whose successor is the already unsharded root);
+    - its bf16 unsharded parameters (none for a kept last block: `fsdp2_kept_unsharded_bytes`);
+    - the next unit's all-gather output, prefetched at its pre-backward (`_prefetch_unshard`);
+      before the first block that is the embedding's own unit (`embedding_params`), else
+      nothing: the kept unit is already unsharded;
     - its unsharded gradients, in param_dtype bf16 until its post-backward;
-    - the previous block's fp32 reduce-scatter input (reduce_dtype float32), which
+    - the previous unit's fp32 reduce-scatter input (reduce_dtype float32), which
       `reduce_scatter_states` holds until this block's post-backward frees it before its own
-      (`reduce_scatter_max_input_buffers` 1; none behind the last block, the first to run);
-    - the root module's bf16 output-layer and final-norm gradients (`output_params`), which
-      wait for the root's post-backward at the end of the backward.
+      (`reduce_scatter_max_input_buffers` 1): behind the last block (the first to run), the
+      final norm and output's own unit (`output_params`), else none;
+    - when the final norm and output share the kept unit with the embedding, their bf16
+      gradients (`output_params`), which wait for that unit's post-backward at the end of the
+      backward.
 
     derived: the sum of the above at the block's backward compute."""
-    running = 0 if last else HALF * layer_params
-    prefetched = 0 if first else HALF * layer_params
-    previous_reduce = 0 if last else 4 * layer_params
-    return running + prefetched + HALF * layer_params + previous_reduce + HALF * output_params
+    running = 0 if last and grouping.last_block_kept else HALF * layer_params
+    next_unit = embedding_params if grouping.embedding_own_unit else 0
+    prefetched = HALF * (next_unit if first else layer_params)
+    behind = output_params if grouping.embedding_own_unit else 0
+    previous_reduce = 4 * (behind if last else layer_params)
+    waiting = 0 if grouping.embedding_own_unit else HALF * output_params
+    return running + prefetched + HALF * layer_params + previous_reduce + waiting
+
+
+def fsdp2_embedding_backward_bytes(embedding_params: int, layer_params: int) -> int:
+    """What the embedding's backward holds of FSDP2's buffers when it is a unit of its own
+    (torchtitan "0.3", `fsdp2_grouping`): its bf16 unsharded parameters (gathered again,
+    prefetched by the first block), its bf16 unsharded gradient (the embedding's backward
+    makes a dense one), and the first block's fp32 reduce-scatter input, freed at the
+    embedding's post-backward.
+
+    derived: as `fsdp2_layer_backward_bytes`, with nothing left to prefetch."""
+    return HALF * embedding_params + HALF * embedding_params + 4 * layer_params
 
 
 def fsdp2_sharded(spec) -> bool:
@@ -422,7 +538,7 @@ def fsdp2_sharded(spec) -> bool:
 
 
 def fsdp2_stream_pool_bytes(
-    sharded_gradient_bytes: int, root_params: int, layer_params: int, prefetch: bool = True
+    sharded_gradient_bytes: int, outer_params: int, layer_params: int, prefetch: bool = True
 ) -> int:
     """What the CUDA caching allocator keeps reserved for FSDP2's side streams beside the
     default stream's blocks: it reuses a cached block only on the stream that allocated it
@@ -436,7 +552,9 @@ def fsdp2_stream_pool_bytes(
       reduce_dtype fp32: all of them live from the end of the backward to zero_grad, so that
       stream's pool holds `sharded_gradient_bytes` for the whole step;
     - the all-gather outputs, allocated on the all-gather copy-in stream (`foreach_all_gather`),
-      bf16: the root module's at the first forward, and a block's, two at once when the
+      bf16: each unit's outside the blocks, the largest `outer_params` (`fsdp2_outer_units`:
+      torchtitan "2024.12"'s root module, "0.3"'s embedding or final norm and output), and a
+      block's, two at once when the
       backward prefetches one (`prefetch`: resharding after forward; without it, under zero 2
       or pipeline parallelism, the blocks are gathered once, in forward, one at a time, the
       previous output freed before the next is made: `unshard` drops `all_gather_state`
@@ -445,7 +563,7 @@ def fsdp2_stream_pool_bytes(
     derived: the pools' high-water marks; they are reserved, not allocated, at the allocated
     peak (the loss's backward), which the tracker measured without them
     (validation/torch_fsdp2_memory.py)."""
-    return sharded_gradient_bytes + HALF * max(root_params, (2 if prefetch else 1) * layer_params)
+    return sharded_gradient_bytes + HALF * max(outer_params, (2 if prefetch else 1) * layer_params)
 
 
 def state_offload_error(

@@ -682,6 +682,16 @@ def output_layer_parameters(spec: ModelSpec) -> int:
     return -(-spec.vocab * spec.hidden // spec.tp) + spec.hidden
 
 
+def embedding_parameters(spec: ModelSpec, stage: int = 0) -> int:
+    """Parameters on one GPU of pipeline stage `stage` of the token embedding (V/t rows of h,
+    the vocab-parallel split) and a learned position embedding: the first stage's, else 0."""
+    if not spec.vocab or stage != 0:
+        return 0
+    return split_share(spec.vocab * spec.hidden, spec.tp) + (
+        parameter_count(spec).embedding - spec.vocab * spec.hidden
+    )
+
+
 def stream_pool_bytes(spec: ModelSpec, stage: int | None = None) -> int:
     """Bytes the caching allocator holds reserved for FSDP2's side streams on one GPU of
     pipeline stage `stage` (default the busiest) under torchtitan's FSDP
@@ -701,8 +711,12 @@ def stream_pool_bytes(spec: ModelSpec, stage: int | None = None) -> int:
         for kind, count in stage_kind_counts(spec, stage).items()
     )
     gradients = model_state_bytes(spec, stage).gradients
+    grouping = frameworks.fsdp2_grouping(frameworks.framework_version(spec), spec.tied_embeddings)
+    outer = frameworks.fsdp2_outer_units(
+        dense + expert - in_layers, embedding_parameters(spec, stage), grouping
+    )
     return frameworks.fsdp2_stream_pool_bytes(
-        gradients, dense + expert - in_layers, layer, prefetch=frameworks.fsdp2_resharding(spec)
+        gradients, max(outer), layer, prefetch=frameworks.fsdp2_resharding(spec)
     )
 
 
@@ -721,7 +735,9 @@ def stage_buffer_bytes(spec: ModelSpec, stage: int) -> int:
         )
         for kind, count in stage_kind_counts(spec, stage).items()
     )
-    buffers = frameworks.buffer_bytes(spec, dense + expert, layer, dense + expert - in_layers)
+    buffers = frameworks.buffer_bytes(
+        spec, dense + expert, layer, dense + expert - in_layers, embedding_parameters(spec, stage)
+    )
     if spec.precision == "fp8" and spec.zero < 3:
         # Transformer Engine caches each weight's FP8 copy, row-wise and column-wise, for the
         # iteration (module `_fp8_workspaces`): 2 bytes per parameter

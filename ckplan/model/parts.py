@@ -451,6 +451,9 @@ class Execution(_Record):
     precision, and which communication it overlaps with compute."""
 
     framework: str = "megatron"  # megatron | torchtitan | deepspeed | hf
+    # the framework's release whose semantics apply (torchtitan: 2024.12 | 0.3;
+    # ckplan.model.frameworks FRAMEWORK_VERSIONS); None -> the newest modelled
+    framework_version: str | None = None
     kernels: str | None = None  # fused | eager | compiled; None -> the framework's
     attention_kernel: str = "flash2"  # flash2 | flash3 | cudnn | triton | sdpa (flash2 backend)
     # the linear layers' GEMMs: bf16 | fp16 | fp8 (Transformer Engine: saves FP8 copies of their

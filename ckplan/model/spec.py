@@ -71,7 +71,8 @@ KEY_ORDER = (
     "shared_ffn_hidden", "shared_expert_gate", "expert_bias", "capacity_factor", "moe_layers",
     "moe_imbalance", "ep", "etp", "first_stage_layers", "last_stage_layers",
     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
-    "framework", "kernels", "attention_kernel", "precision", "loss", "tp_comm_overlap",
+    "framework", "framework_version", "kernels", "attention_kernel", "precision", "loss",
+    "tp_comm_overlap",
     "dp_comm_overlap", "expandable_segments", "mlp_tiles", "training", "lora_rank", "lora_alpha",
     "lora_targets", "lora_dropout", "use_dora", "weight_format", "optimizer",
     "optimizer_in_backward", "optimizer_offload", "param_offload",
@@ -266,7 +267,7 @@ _BOOL_FIELDS = {key for key, f in _KEYS.items() if f.type in ("bool", "bool | No
 _STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions", "profile"}
 _STR_FIELDS |= {"framework", "kernels", "attention_kernel", "precision", "loss"}
 _STR_FIELDS |= {"training", "lora_targets", "weight_format", "optimizer"}
-_STR_FIELDS |= {"optimizer_offload", "param_offload", "grad_sync"}
+_STR_FIELDS |= {"optimizer_offload", "param_offload", "grad_sync", "framework_version"}
 _LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
 _FLOAT_FIELDS = {"dropout", "capacity_factor", "lora_dropout", "lora_alpha"}
 _NULLABLE = {key for key, f in _KEYS.items() if "None" in str(f.type)}
@@ -382,6 +383,8 @@ def coerce_value(origin: str, key: str, value: Any) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
         raise SpecError(key=key, rule="expects true or false", value=value, origin=origin)
+    if key == "framework_version" and type(value) in (int, float):  # YAML reads 0.3 a number
+        value = repr(value)
     if key in _STR_FIELDS:
         if not isinstance(value, str):
             raise SpecError(key=key, rule="expects a string", value=value, origin=origin)
@@ -509,6 +512,8 @@ def _validate(spec: ModelSpec) -> None:
     if reason := frameworks.state_offload_error(spec):
         raise SpecError(reason)
     if reason := frameworks.grad_sync_error(spec.framework, spec.grad_sync):
+        raise SpecError(reason)
+    if reason := frameworks.framework_version_error(spec.framework, spec.framework_version):
         raise SpecError(reason)
     if spec.mlp_tiles > 1:
         _validate_mlp_tiles(spec)

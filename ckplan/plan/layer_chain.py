@@ -73,13 +73,17 @@ _FSDP2_CHAINS = BoundedCache(max_entries=4096, max_weight=1_000_000)
 
 
 def _with_fsdp2_buffers(spec: ModelSpec, chain: Chain, stage: int) -> Chain:
-    """`chain` with FSDP2's per-block buffers in its layers' workspaces
-    (`frameworks.fsdp2_layer_forward_bytes`, `frameworks.fsdp2_layer_backward_bytes`): they live
-    only while a block runs, so the loss's peak does not hold them. Remembered by chain
-    (identity: the replays are cached by it) and the sizes."""
+    """`chain` with FSDP2's per-block buffers in its layers' workspaces, by torchtitan release
+    (`frameworks.fsdp2_grouping`, `frameworks.fsdp2_layer_forward_bytes`,
+    `frameworks.fsdp2_layer_backward_bytes`), and with torchtitan 0.3's resharded embedding in
+    the embedding stage's (`frameworks.fsdp2_embedding_backward_bytes`): they live only while a
+    unit runs, so the loss's peak does not hold them. Remembered by chain (identity: the
+    replays are cached by it), the sizes and the grouping."""
     layer = memory.largest_layer_parameters(spec, stage)
     output = memory.output_layer_parameters(spec)
-    key = (id(chain), layer, output)
+    embedding = memory.embedding_parameters(spec, stage)
+    grouping = frameworks.fsdp2_grouping(frameworks.framework_version(spec), spec.tied_embeddings)
+    key = (id(chain), layer, output, embedding, grouping)
     entry = _FSDP2_CHAINS.get(key)
     if entry is not None and entry[0] is chain:
         return entry[1]
@@ -88,10 +92,19 @@ def _with_fsdp2_buffers(spec: ModelSpec, chain: Chain, stage: int) -> Chain:
     forward = list(chain.forward_workspace_bytes)
     backward = list(chain.backward_workspace_bytes)
     for i in range(first, last + 1):
-        forward[i] += frameworks.fsdp2_layer_forward_bytes(layer, kept=i == last)
+        kept = grouping.last_block_kept and i == last
+        forward[i] += frameworks.fsdp2_layer_forward_bytes(layer, kept=kept)
         backward[i] += frameworks.fsdp2_layer_backward_bytes(
-            layer, output, first=i == first, last=i == last
+            layer,
+            output,
+            first=i == first,
+            last=i == last,
+            grouping=grouping,
+            embedding_params=embedding,
         )
+    if first and grouping.embedding_own_unit:  # the embedding stage, a unit of its own
+        forward[0] += frameworks.fsdp2_layer_forward_bytes(embedding)
+        backward[0] += frameworks.fsdp2_embedding_backward_bytes(embedding, layer)
     with_buffers = dataclasses.replace(
         chain, forward_workspace_bytes=tuple(forward), backward_workspace_bytes=tuple(backward)
     )

@@ -202,7 +202,7 @@ ARCHITECTURE_FEATURES = {
     ),
 }
 # Keys of the other parts that only MoE models, uneven pipelines, model states on the host or
-# hf's gradient sync use: shown when not default.
+# hf's gradient sync or a torchtitan release use: shown when not default.
 QUIET_KEYS = frozenset(
     {
         "moe_imbalance",
@@ -216,6 +216,7 @@ QUIET_KEYS = frozenset(
         "param_offload",
         "mlp_tiles",
         "grad_sync",
+        "framework_version",
     }
 )
 PART_TITLES = {
