@@ -43,11 +43,13 @@ import textwrap
 
 from ckplan.exports.segments import LayerSegments, module_reason
 from ckplan.model.op_policy import (
+    OP_RECOGNISED,
     counts_matmuls,
     kept_mask,
     kept_units,
     parse_policy,
     region_spans,
+    scope_wrap_reason,
     unit_ops,
 )
 from ckplan.model.spec import ModelSpec
@@ -138,7 +140,7 @@ def forward_layers(layers, hidden):
 
 # Units a policy_fn can recognise by their aten op: matmuls and grouped GEMMs by their count,
 # the attention kernels and collectives by name.
-_RECOGNISED = ("attention", "reduce_scatter", "dispatch", "combine")
+_RECOGNISED = OP_RECOGNISED
 # The element-wise units of Hugging Face transformers' LlamaDecoderLayer (modeling_llama.py,
 # transformers 5.x) by the aten op that writes their output and its count in a layer, as torch
 # 2.13 runs it (traced on CPU; the bf16 casts are aten._to_copy, not counted): LlamaRMSNorm
@@ -287,11 +289,10 @@ def forward_layers(layers, hidden):
 """
 
 
-# A scoped policy's regions that are submodules of a layer: their names in torchtitan's blocks
-# (torchtitan/models/llama3/model/model.py, models/moe/moe.py at v0.2.2) and Hugging Face's
-# (modeling_llama.py, modeling_mixtral.py, modeling_deepseek_v3.py, transformers 5.x), tried in
-# that order. The others (core_attn, mlp_act, moe_act, a norm with its block) are code inside a
-# module's forward, which the snippet does not rewrite.
+# A scoped policy's regions that are submodules of a layer (`op_policy.SUBMODULE_REGIONS`):
+# their names in torchtitan's blocks (torchtitan/models/llama3/model/model.py, models/moe/moe.py
+# at v0.2.2) and Hugging Face's (modeling_llama.py, modeling_mixtral.py,
+# modeling_deepseek_v3.py, transformers 5.x), tried in that order.
 REGION_MODULES = {
     "norm1": ("attention_norm", "input_layernorm"),
     "attention": ("attention", "self_attn"),
@@ -316,24 +317,8 @@ def _scoped_reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
             f"the scoped policy {layers.policy} beside recomputed or offloaded layers: the "
             "snippet wraps the regions of every layer and nothing else"
         )
-    other = [name for name, _ in policy.scopes if name not in REGION_MODULES]
-    if other:
-        return (
-            f"the scoped policy {layers.policy}: the snippet checkpoints submodules "
-            f"({', '.join(REGION_MODULES)}), and {', '.join(other)} is code inside one"
-        )
-    named = sorted(
-        name
-        for _, kept in policy.scopes
-        for name in kept
-        if name not in _RECOGNISED and not _is_matmul(spec, name) and not _is_grouped(spec, name)
-    )
-    if named:
-        return (
-            f"the scoped policy {layers.policy}: a region's policy_fn recognises matmuls, "
-            f"grouped GEMMs, attention kernels and collectives by their aten op, not "
-            f"{', '.join(named)}"
-        )
+    if why := scope_wrap_reason(spec, policy):
+        return f"the scoped policy {layers.policy}: {why}"
     return None
 
 

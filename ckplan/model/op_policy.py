@@ -1261,3 +1261,53 @@ def recomputed_forward_flops(
 ) -> int:
     """Forward FLOPs of the re-run ops (matmuls and the attention core only, as everywhere)."""
     return sum(op.forward_flops for op in recomputed_ops(spec, policy, kind))
+
+
+# The regions that are submodules of a layer, in torchtitan's blocks (torchtitan/models/llama3/
+# model/model.py, models/moe/moe.py at v0.2.2) and Hugging Face's (modeling_llama.py,
+# modeling_mixtral.py, modeling_deepseek_v3.py, transformers 5.x): a checkpoint can wrap them as
+# they are. The others (core_attn, mlp_act, moe_act, a norm with its block) are code inside a
+# module's forward.
+SUBMODULE_REGIONS = (
+    "norm1",
+    "attention",
+    "norm2",
+    "mlp",
+    "moe",
+    "router",
+    "experts",
+    "shared_experts",
+)
+# The units a selective-checkpoint policy_fn recognises by their aten op besides matmuls and
+# grouped GEMMs: the attention kernels, the reduce-scatter, the all-to-alls.
+OP_RECOGNISED = ("attention", "reduce_scatter", "dispatch", "combine")
+
+
+def op_recognised(spec: ChainSpec, name: str) -> bool:
+    """Whether a policy_fn can tell unit `name`'s op by its aten op alone: a matmul, a grouped
+    GEMM or one of `OP_RECOGNISED`."""
+    if name in OP_RECOGNISED:
+        return True
+    return any(unit.name == name and (unit.matmul or unit.grouped) for unit in unit_ops(spec))
+
+
+def scope_wrap_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
+    """Why scoped `policy` cannot run as a checkpoint around each region's submodule with a
+    policy_fn per region, or None: every region must be one of `SUBMODULE_REGIONS` and every
+    kept unit one `op_recognised` names. What `sweep` and `plan` offer and the torch export
+    accepts."""
+    other = [name for name, _ in policy.scopes if name not in SUBMODULE_REGIONS]
+    if other:
+        return (
+            f"the snippet checkpoints submodules ({', '.join(SUBMODULE_REGIONS)}), and "
+            f"{', '.join(other)} is code inside one"
+        )
+    named = sorted(
+        name for _, kept in policy.scopes for name in kept if not op_recognised(spec, name)
+    )
+    if named:
+        return (
+            "a region's policy_fn recognises matmuls, grouped GEMMs, attention kernels and "
+            f"collectives by their aten op, not {', '.join(named)}"
+        )
+    return None

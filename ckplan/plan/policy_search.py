@@ -27,9 +27,11 @@ from ckplan.model.layers import LayerKind
 from ckplan.model.op import LayerShapes
 from ckplan.model.op_policy import (
     POLICY_PREFIX,
+    SUBMODULE_REGIONS,
     UNIT_NAMES,
     OpPolicy,
     Unit,
+    op_recognised,
     part_of,
     policy_text,
     region_spans,
@@ -179,7 +181,7 @@ def region_layouts(spec: ModelSpec, kind: LayerKind | None = None):
 
 
 def scoped_frontier(
-    spec: ModelSpec, gpu: GPU | None = None, kind: LayerKind | None = None
+    spec: ModelSpec, gpu: GPU | None = None, kind: LayerKind | None = None, wrapped: bool = False
 ) -> tuple[PolicyPoint, ...]:
     """The frontier of scoped policies (`op_policy.OpPolicy.scopes`): for every layout of
     regions (`region_layouts`), what the regions and the un-checkpointed units hold whatever
@@ -189,13 +191,21 @@ def scoped_frontier(
     (`op_policy.rerun_mask`: to the region's end, or to the last tensor its backward reads),
     and keeping a unit adds its output (unless held already) and its internal tensors. Empty
     where scoped policies are not modelled (`op_policy.scope_model_reason`: under
-    torch.compile, post-norm or parallel-residual layers)."""
+    torch.compile, post-norm or parallel-residual layers). With `wrapped`, among the policies a
+    checkpoint around each region's submodule runs (`op_policy.scope_wrap_reason`): regions
+    that are submodules, kept units a policy_fn recognises."""
     if scope_model_reason(spec):
         return ()
+    layouts = region_layouts(spec, kind)
+    keep = None
+    if wrapped:
+        layouts = [layout for layout in layouts if all(n in SUBMODULE_REGIONS for n, _ in layout)]
+        keep = frozenset(u.name for u in unit_ops(spec, kind) if op_recognised(spec, u.name))
     points = []
-    for layout in region_layouts(spec, kind):
+    for layout in layouts:
         points += [
-            (p.tape_bytes, -p.cost, p.scopes) for p in layout_frontier(spec, layout, gpu, kind)
+            (p.tape_bytes, -p.cost, p.scopes)
+            for p in layout_frontier(spec, layout, gpu, kind, keep)
         ]
     return tuple(PolicyPoint((), size, -score, scopes) for size, score, scopes in _pareto(points))
 
@@ -205,8 +215,10 @@ def layout_frontier(
     layout: tuple[tuple[str, tuple[int, int]], ...],
     gpu: GPU | None = None,
     kind: LayerKind | None = None,
+    keep: frozenset[str] | None = None,
 ) -> tuple[PolicyPoint, ...]:
-    """The frontier of the scoped policies whose regions are `layout` (`scoped_frontier`)."""
+    """The frontier of the scoped policies whose regions are `layout` (`scoped_frontier`);
+    with `keep`, keeping only units of those names."""
     mode = replays(spec)
     units = unit_ops(spec, kind)
     order = {name: i for i, name in enumerate(UNIT_NAMES)}
@@ -220,6 +232,9 @@ def layout_frontier(
             if not again[i]:
                 continue  # not re-run when not kept: keeping it only adds bytes
             cost = unit_cost(spec, units[i], gpu, kind)
+            if keep is not None and units[i].name not in keep:  # re-run, never kept
+                frontier = [(b, c - cost, k) for b, c, k in frontier]
+                continue
             # what keeping it adds, whatever else is kept: its private tensors, its output
             # unless held already, its internal tensors
             alone = tuple(j == i for j in range(len(units)))

@@ -6,6 +6,7 @@ buffers, allocator slack); what remains holds model states plus the step's peak 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -381,19 +382,27 @@ def mixed_plan(spec: ModelSpec, budget: int, gpu: GPU, slots: int = DEFAULT_SLOT
     return evaluate(spec, strategy, budget=budget, slots=slots, gpu=gpu)
 
 
-def best_policy_plan(spec: ModelSpec, usable: int, gpu: GPU | None = None) -> Plan | None:
+# Frameworks whose layers `sweep` and `plan` try scoped policies (`sac@REGION=UNIT,...`) on:
+# those per-op policies are offered on (`best_policy_plan`), whose per-op plans the torch export
+# runs (DeepSpeed's config has no option for a per-op policy, the torch snippet wraps the
+# layers). Not torchtitan, whose releases run their own op lists only.
+SCOPED_FRAMEWORKS = ("hf", "deepspeed")
+
+
+def best_policy_plan(
+    spec: ModelSpec, usable: int, gpu: GPU | None = None, scoped: bool = True
+) -> Plan | None:
     """The plan of the cheapest per-op policy (`policy_search.policy_frontier`: re-run time on
     `gpu`, FLOPs without) whose plan fits `usable` bytes; None when the model has no policies
-    or none fits. A plan's peak grows with its policy's stored bytes, so a binary search over
-    the frontier (by bytes) finds the last that fits. Not under torchtitan, whose releases run
-    their own op lists only (`torchtitan_ac.policy_reason`), never one the frontier picks."""
+    or none fits. With `scoped`, among the scoped policies the torch export runs too
+    (`policy_points`). A plan's peak grows with its policy's stored bytes, so a binary search
+    over the frontier (by bytes) finds the last that fits. Not under torchtitan, whose releases
+    run their own op lists only (`torchtitan_ac.policy_reason`), never one the frontier picks."""
     if spec.kind != "transformer" or check_policy_model(spec) is not None:
         return None
     if spec.framework == "torchtitan":
         return None
-    from ckplan.plan.policy_search import policy_frontier
-
-    frontier = [point for point in policy_frontier(spec, gpu) if point.kept]
+    frontier = policy_points(spec, gpu, scoped)
     allocatable = allocator.allocatable_bytes(usable)
 
     def plan_of(index: int) -> Plan:
@@ -408,6 +417,27 @@ def best_policy_plan(spec: ModelSpec, usable: int, gpu: GPU | None = None) -> Pl
         else:
             high = middle - 1
     return found
+
+
+@functools.lru_cache(maxsize=64)
+def policy_points(spec: ModelSpec, gpu: GPU | None = None, scoped: bool = True) -> tuple:
+    """The per-op policies `best_policy_plan` searches, by stored bytes, each cheaper than all
+    before it: the layer-level frontier's points that keep something and, with `scoped`, on
+    eager layers of `SCOPED_FRAMEWORKS` (`op_policy.scope_model_reason`), the scoped frontier
+    of the policies a checkpoint around each region's submodule runs
+    (`policy_search.scoped_frontier(wrapped=True)`). Cached per model and GPU: the scoped
+    frontier takes about a second on an MoE layer."""
+    from ckplan.plan.policy_search import policy_frontier, scoped_frontier
+
+    points = [point for point in policy_frontier(spec, gpu) if point.kept]
+    if scoped and spec.framework in SCOPED_FRAMEWORKS:
+        points += scoped_frontier(spec, gpu, wrapped=True)
+    points.sort(key=lambda p: (p.tape_bytes, p.cost, bool(p.scopes)))
+    merged: list = []
+    for point in points:
+        if not merged or point.cost < merged[-1].cost:
+            merged.append(point)
+    return tuple(merged)
 
 
 def offload_optimal_plan(
