@@ -235,20 +235,40 @@ def _schedule(
 # ---- evaluation --------------------------------------------------------------------------
 
 
+def megatron_in_flight_forwards(
+    pp: int, virtual_stages: int, microbatches: int, rank: int, group: int | None = None
+) -> int:
+    """Model-chunk forwards whose activations pipeline rank `rank` holds at its peak.
+
+    Megatron-LM, megatron/core/pipeline_parallel/schedules.py `get_pp_rank_microbatches`
+    (core_v0.14.0 and main at 6e091e1b68): of the m·v chunk forwards of an iteration a rank
+    runs `warmup` before its first backward, 1F1B: p - r - 1; interleaved:
+    2·(p - r - 1) + (v - 1)·g, g = microbatch_group_size_per_vp_stage (default p,
+    model_parallel_config.py); capped at m·v (then all forwards come first). Its steady phase
+    runs one forward, then one backward, so it peaks holding min(warmup + 1, m·v). With
+    interleaving even the last rank holds (v - 1)·g + 1 of them: it finishes the forwards of
+    its first v - 1 chunks for g micro-batches before the last chunk's first backward.
+    """
+    g = pp if group is None else group
+    if virtual_stages == 1:
+        warmup, total = pp - rank - 1, microbatches
+    else:
+        warmup = 2 * (pp - rank - 1) + (virtual_stages - 1) * g
+        total = microbatches * virtual_stages
+    return min(warmup + 1, total)
+
+
 def in_flight_microbatches(spec: ModelSpec, stage: int = 0) -> Fraction:
     """Micro-batches whose activations pipeline stage `stage` holds at its peak.
 
     1F1B: stage k holds p - k micro-batches (Narayanan et al. 2021 §2.2; Korthikanti §4.2.3),
-    the first p, fewer when the iteration has fewer; interleaving with v virtual stages
-    multiplies by 1 + (p - 1)/(p·v) (Korthikanti §4.2.3). The last stage is counted with one
-    (its micro-batch's backward follows its forward at once).
+    the first p, fewer when the iteration has fewer; the last stage one (its micro-batch's
+    backward follows its forward at once). Interleaved over v virtual stages: the chunk
+    forwards of `megatron_in_flight_forwards`, v to a micro-batch; the first stage's
+    p + (p - 1)/v is Korthikanti §4.2.3's p·(1 + (p - 1)/(p·v)).
     """
-    if stage == spec.pp - 1 and stage > 0:
-        return Fraction(1)
-    held = Fraction(min(spec.pp - stage, spec.microbatches))
-    if spec.virtual_stages > 1:
-        held *= 1 + Fraction(spec.pp - 1, spec.pp * spec.virtual_stages)
-    return held
+    v = spec.virtual_stages
+    return Fraction(megatron_in_flight_forwards(spec.pp, v, spec.microbatches, stage), v)
 
 
 @lru_cache(maxsize=128)
@@ -294,7 +314,10 @@ def evaluate(
         first_stage = stage == 0
         chain = layer_chain(spec, strategy.groups, stage=stage)
         in_flight = in_flight_microbatches(spec, stage)
-        found = _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight)
+        last_stage = stage == spec.pp - 1 and stage > 0
+        found = _stage_schedule(
+            spec, chain, strategy, budget, slots, first_stage, in_flight, last_stage
+        )
         if found is None:
             return None
         peak, steps, replay, group = found
@@ -427,7 +450,7 @@ def _replay_runs(chain: Chain, runs: list) -> SegmentReplay:
     return replay
 
 
-def _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight):
+def _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight, last_stage=False):
     """(peak, steps, replay, largest stage group of the optimal DP) of one pipeline stage with
     `in_flight` micro-batches, or None when `optimal` finds no schedule within `budget`.
 
@@ -437,8 +460,11 @@ def _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight
     are multiplied by ceil(in_flight): every stored size is rounded up to a slot and the waiting
     micro-batches multiply that rounding, while the first-pass table's cost only grows with
     (slots / in_flight)², so the finer grid costs little on the short chains of a pipeline.
+    On the last stage the waiting micro-batches hold no output-layer tape (interleaving:
+    `schedules.held_after_forward_bytes`, output_held=False); `optimal` still counts it.
     """
     slots *= math.ceil(in_flight)
+    output_held = not last_stage
     if strategy.kind not in ("revolve", "optimal"):
         # Segment plans (store-all is one stored segment): their replay in closed form, O(1)
         # per run of equal segments, and their steps built only if something reads them.
@@ -448,7 +474,8 @@ def _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight
             else _segment_runs(spec, chain, strategy, first_stage)
         )
         replay = _replay_runs(chain, runs)
-        peak = replay.peak_bytes + math.ceil((in_flight - 1) * replay.held_bytes)
+        held = replay.held_bytes - (0 if output_held else chain.tape_bytes[-1])
+        peak = replay.peak_bytes + math.ceil((in_flight - 1) * held)
         return peak, SegmentSteps(chain, runs), replay, 1
     if strategy.kind == "optimal":
         if budget is None:
@@ -461,7 +488,7 @@ def _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight
         return result.pipeline_peak_bytes, result.steps, result.replay, result.stage_group
     steps = _schedule(spec, chain, strategy, budget, slots, first_stage, in_flight)
     replay = simulate(chain, steps)
-    return pipeline_peak_bytes(chain, replay, in_flight), steps, replay, 1
+    return pipeline_peak_bytes(chain, replay, in_flight, output_held), steps, replay, 1
 
 
 def _per_iteration(spec: ModelSpec, flops: FlopCount) -> FlopCount:

@@ -363,29 +363,41 @@ def in_flight_fraction(value: int | Fraction) -> Fraction:
     return m
 
 
-def held_after_forward_bytes(chain: Chain, replay: Replay) -> int:
+def held_after_forward_bytes(chain: Chain, replay: Replay, output_held: bool = True) -> int:
     """What one micro-batch leaves alive between its forward pass and its backward pass (its
     checkpoints and tapes): the after-figure of the first forward of the last stage, less δ_n,
-    which the replay counts from the start but which arrives only with the backward pass."""
+    which the replay counts from the start but which arrives only with the backward pass.
+
+    ``output_held=False``: less the last stage's tape too (its input included), for waiting
+    micro-batches that never ran the last stage. derived: on the last rank of Megatron-LM's
+    interleaved schedule the waiting chunk forwards are those of its first v - 1 model chunks,
+    which hold no output layer, and each chunk's output is freed once sent
+    (megatron/core/pipeline_parallel/schedules.py `deallocate_output_tensor`).
+    """
     last = chain.length - 1
     end_of_forward = next(
         index
         for index, point in enumerate(replay.trace)
         if point.step.stage == last and point.step.kind != BACKWARD
     )
-    return replay.trace[end_of_forward].after_bytes - chain.input_bytes[-1]
+    held = replay.trace[end_of_forward].after_bytes - chain.input_bytes[-1]
+    return held if output_held else held - chain.tape_bytes[-1]
 
 
-def pipeline_peak_bytes(chain: Chain, replay: Replay, in_flight: int | Fraction = 1) -> int:
+def pipeline_peak_bytes(
+    chain: Chain, replay: Replay, in_flight: int | Fraction = 1, output_held: bool = True
+) -> int:
     """Peak of a pipeline stage running ``replay``'s schedule with ``in_flight`` micro-batches.
 
     derived (1F1B): while one micro-batch runs the schedule, ``in_flight - 1`` others wait for
     their backward, each holding :func:`held_after_forward_bytes`, so the stage peaks at
     ``replay.peak_bytes + (in_flight - 1) * held``. A fractional product is rounded up to a
     whole byte, so ``pipeline_peak_bytes(...) <= budget`` exactly when the exact (Fraction)
-    peak fits ``budget``. ``in_flight = 1`` gives ``replay.peak_bytes``.
+    peak fits ``budget``. ``in_flight = 1`` gives ``replay.peak_bytes``. ``output_held``: see
+    :func:`held_after_forward_bytes`.
     """
     m = in_flight_fraction(in_flight)
     if m == 1:
         return replay.peak_bytes
-    return replay.peak_bytes + math.ceil((m - 1) * held_after_forward_bytes(chain, replay))
+    held = held_after_forward_bytes(chain, replay, output_held)
+    return replay.peak_bytes + math.ceil((m - 1) * held)
