@@ -234,6 +234,10 @@ class Unit:
     # an expert GEMM's input as the op table saves it, the R routed rows (`moe.routed_rows`):
     # the received rows all-gathered over etp, or the permuted copies on the worst-case rows
     expert_input: int = 0
+    # bytes its backward reads that its own forward produces and a kept output does not hold
+    # (the combine's product of the experts' outputs and their scores, `moe.
+    # combine_weighting_saved`): held only where the unit runs outside every checkpoint region
+    unchecked: int = 0
 
     @property
     def kept_bytes(self) -> int:
@@ -597,7 +601,7 @@ def _wired(spec: ChainSpec, table: dict[str, Op], units: tuple[Unit, ...]) -> tu
         return sum(units[i].output_bytes for i in indices)
 
     for i, unit in enumerate(units):
-        name, reads, saves, internal = unit.name, (), (), 0
+        name, reads, saves, internal, unchecked = unit.name, (), (), 0, 0
         bare = name.removeprefix("shared_")
         if name in _NORMS:
             reads = saves = at("out_proj_add") if name == "norm2" else ()
@@ -657,8 +661,16 @@ def _wired(spec: ChainSpec, table: dict[str, Op], units: tuple[Unit, ...]) -> tu
             internal = max(0, table[name].saved_bytes - out(saves))
         elif name == "unpermute":
             reads = (i - 1, *at("router_probs", "out_proj_add"))
+            # weighting the outputs by their scores (`moe.combine_weighting_saved`): Hugging
+            # Face's product saves expert_fc2's output itself, torchtitan's an fp32 copy
+            saves = (i - 1,) if spec.framework == "hf" else ()
+            unchecked = max(0, table[name].saved_bytes - out(saves))
         last[name] = i
-        wired.append(dataclasses.replace(unit, reads=reads, saves=saves, internal=internal))
+        wired.append(
+            dataclasses.replace(
+                unit, reads=reads, saves=saves, internal=internal, unchecked=unchecked
+            )
+        )
     return tuple(wired)
 
 
@@ -1011,7 +1023,7 @@ def stored_tensors(
                 saved = unit.saves
             for j in saved:
                 hold(j, j == i)
-            internal += unit.internal
+            internal += unit.internal + unit.unchecked
             continue
         for j in inputs[i]:
             outside = region_of[j] != r if j >= 0 else j == LAYER_INPUT or gather_region != r
