@@ -234,10 +234,6 @@ class Unit:
     # an expert GEMM's input as the op table saves it, the R routed rows (`moe.routed_rows`):
     # the received rows all-gathered over etp, or the permuted copies on the worst-case rows
     expert_input: int = 0
-    # bytes its backward reads that its own forward produces and a kept output does not hold
-    # (the combine's product of the experts' outputs and their scores, `moe.
-    # combine_weighting_saved`): held only where the unit runs outside every checkpoint region
-    unchecked: int = 0
 
     @property
     def kept_bytes(self) -> int:
@@ -601,7 +597,7 @@ def _wired(spec: ChainSpec, table: dict[str, Op], units: tuple[Unit, ...]) -> tu
         return sum(units[i].output_bytes for i in indices)
 
     for i, unit in enumerate(units):
-        name, reads, saves, internal, unchecked = unit.name, (), (), 0, 0
+        name, reads, saves, internal = unit.name, (), (), 0
         bare = name.removeprefix("shared_")
         if name in _NORMS:
             reads = saves = at("out_proj_add") if name == "norm2" else ()
@@ -664,13 +660,9 @@ def _wired(spec: ChainSpec, table: dict[str, Op], units: tuple[Unit, ...]) -> tu
             # weighting the outputs by their scores (`moe.combine_weighting_saved`): Hugging
             # Face's product saves expert_fc2's output itself, torchtitan's an fp32 copy
             saves = (i - 1,) if spec.framework == "hf" else ()
-            unchecked = max(0, table[name].saved_bytes - out(saves))
+            internal = max(0, table[name].saved_bytes - out(saves))
         last[name] = i
-        wired.append(
-            dataclasses.replace(
-                unit, reads=reads, saves=saves, internal=internal, unchecked=unchecked
-            )
-        )
+        wired.append(dataclasses.replace(unit, reads=reads, saves=saves, internal=internal))
     return tuple(wired)
 
 
@@ -1023,7 +1015,7 @@ def stored_tensors(
                 saved = unit.saves
             for j in saved:
                 hold(j, j == i)
-            internal += unit.internal + unit.unchecked
+            internal += unit.internal
             continue
         for j in inputs[i]:
             outside = region_of[j] != r if j >= 0 else j == LAYER_INPUT or gather_region != r
