@@ -54,8 +54,8 @@ def value_view_bytes(spec: ModelSpec, shapes: LayerShapes) -> int:
     kernel V as a view of wkv_b's (kv_b_proj's) output; autograd saves the view, which keeps
     the whole output alive, K's no-RoPE columns included (K itself is a new tensor, a cat).
     Megatron-Core core_v0.19.0 (megatron/core/transformer/multi_latent_attention.py,
-    `value = value.contiguous()` before the core attention) and DeepSpeed (run here as
-    Megatron's modules) save V alone: 0."""
+    `value = value.contiguous()` before the core attention) saves V alone, as DeepSpeed is taken to
+    (its model code is the user's): 0."""
     if spec.framework not in ("torchtitan", "hf"):
         return 0
     return shapes.B * shapes.tokens * (spec.heads // spec.tp) * spec.qk_nope_head_dim

@@ -212,9 +212,9 @@ def probabilities_in_activation(spec: ModelSpec) -> bool:
     """Whether the routing probabilities weight the experts' activation (saved there) rather
     than their outputs after fc2. Megatron-Core core_v0.19.0: the all-to-all dispatcher's
     combine calls `unpermute` without probs (token_dispatcher.py combine_postprocess) and
-    TEGroupedMLP applies them in bias_act_func (experts.py, weighted_bias_swiglu_impl); DeepSpeed
-    is run here as Megatron's modules. torchtitan 0.3.0 and Hugging Face transformers 5.25.0
-    weight the outputs (`combine_weighting_saved`)."""
+    TEGroupedMLP applies them in bias_act_func (experts.py, weighted_bias_swiglu_impl);
+    DeepSpeed, whose model code is the user's, keeps this Megatron default. torchtitan 0.3.0
+    and Hugging Face transformers 5.25.0 weight the outputs (`combine_weighting_saved`)."""
     return spec.framework not in ("torchtitan", "hf")
 
 
