@@ -212,8 +212,9 @@ def _policy_fn(torch, s, policy):
     # The element-wise units' outputs in `_torch_block`, by aten op and its count in a layer
     # (traced on torch 2.13 CPU, fp32): nn.RMSNorm's last mul; RoPE's cat (MLA: the cats that
     # join the no-RoPE and RoPE parts of Q and of K); the residual adds. The routing, the
-    # permutation and the experts' activation keep tensors of their own (`Unit.internal`) in
-    # ckplan's table that this block does not: left out.
+    # permutation, the experts' activation and the combine (torchtitan 0.3.0's product of the
+    # fp32 outputs and scores) keep tensors of their own (`Unit.internal`) in ckplan's table
+    # that this block does not: left out.
     if s.mla:
         elementwise = {(aten.mul.Tensor, 2): "norm1", (aten.mul.Tensor, 4): "q_norm",
                        (aten.cat.default, 2): "rope", (aten.cat.default, 4): "rope",
@@ -222,8 +223,7 @@ def _policy_fn(torch, s, policy):
     else:
         elementwise = {(aten.mul.Tensor, 2): "norm1", (aten.cat.default, 1): "rope",
                        (aten.cat.default, 2): "rope", (aten.add.Tensor, 3): "out_proj_add",
-                       (aten.mul.Tensor, 14): "norm2",
-                       (aten.add.Tensor, 4): "unpermute"}  # fmt: skip
+                       (aten.mul.Tensor, 14): "norm2"}  # fmt: skip
     meta = defaultdict(int)
 
     def policy_fn(ctx, func, *args, **kwargs):
@@ -261,7 +261,7 @@ def _policy_fn(torch, s, policy):
         # the element-wise units
         (True, "sac:norm1,q_norm,kv_norm,rope,attention,out_proj_add,norm2,expert_gate"),
         (True, "sac:q_down,kv_down,rope,kv_up,attention,out_proj_add,expert_up"),
-        (False, "sac:norm1,rope,v_proj,attention,out_proj_add,norm2,expert_gate,unpermute"),
+        (False, "sac:norm1,rope,v_proj,attention,out_proj_add,norm2,expert_gate"),
     ],
 )
 def test_torch_selective_checkpoint_keeps_the_predicted_bytes(mla, policy_text):
@@ -359,7 +359,10 @@ def test_best_policy_dominates_every_module_set(spec_of, model, kernels, framewo
     region that frees an output must also hold what its reader computes, kept or re-run
     (docs/strategies.md). On MLA layers within one RoPE re-run (`rope_moved_bytes`): to give
     the attention V the policy keeps kv_up's whole output where the module's core keeps V alone,
-    and the op table's module times charge no RoPE rotation."""
+    and the op table's module times charge no RoPE rotation. On torchtitan's MoE layers a set
+    may hold the combine's product of the experts' fp32 outputs and scores without the
+    combine's output, which a policy keeps only together (`Unit.internal`): losses where the
+    best policy keeps the combine are left out."""
     from itertools import combinations
 
     from ckplan.inputs.gpus import load_gpu
@@ -400,10 +403,13 @@ def test_best_policy_dominates_every_module_set(spec_of, model, kernels, framewo
                 got = _rerun_seconds(s, gpu, policy, kind)
                 checked += 1
                 if got > seconds * (1 + 1e-12) + slack:
-                    lost.append((kind.moe, words))
+                    lost.append((kind.moe, words, "unpermute" in best.strategy))
     assert checked >= {"llama3-8b": 7, "mixtral-8x7b": 11, "deepseek-v3": 153}[model]
+    # torchtitan weights the experts' outputs in the combine (`moe.combine_weighting_saved`): a
+    # set holds the product's saved tensors without the combine's output, a policy only both
+    lost = [entry for entry in lost if not (entry[0] and entry[2] and framework == "torchtitan")]
     if mode == "whole":
-        assert all(moe and set(words) & set(DISCARDING) for moe, words in lost), lost
+        assert all(moe and set(words) & set(DISCARDING) for moe, words, _ in lost), lost
     else:
         assert lost == []
 

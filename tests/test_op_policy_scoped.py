@@ -8,6 +8,8 @@ import pytest
 from test_op_policy import SMALL, _strictly_better, _torch_block, small
 
 from ckplan.model.memory import activation_bytes_per_layer
+from ckplan.model.mla import latent_view_bytes, value_view_bytes
+from ckplan.model.op import LayerShapes
 from ckplan.model.op_policy import (
     PolicyError,
     kept_mask,
@@ -89,23 +91,24 @@ def test_no_region_is_the_plain_tape_and_one_region_the_layer_policy(changes):
 )
 @pytest.mark.parametrize("base", [MOE, MLA], ids=["moe", "mla"])
 def test_no_region_in_moe_and_mla_layers(base, changes):
-    """MoE layers un-checkpointed hold the op table's tape (the experts' input all-gathered over
-    etp, or on the worst-case rows: `EXPERT_INPUT`); MLA layers more by the storages views keep
-    whole: V splits wkv_b's output, which SDPA's saved V holds with K's no-RoPE part
-    (T·a/t·nope values), and kv_norm's input splits wkv_a's, held with the RoPE key
-    (T/t·rope under sequence parallelism), as the torch block of
-    tests/test_op_policy_moe_mla.py holds them; the op table counts V and the latent."""
+    """MoE and MLA layers un-checkpointed hold the op table's tape (the experts' input
+    all-gathered over etp, or on the worst-case rows: `EXPERT_INPUT`). With MLA that includes
+    the storages views keep whole in torchtitan: V splits wkv_b's output, which SDPA's saved V
+    holds with K's no-RoPE part (T·a/t·nope values), and kv_norm's input splits wkv_a's, held
+    with the RoPE key (T/t·rope under sequence parallelism), as the torch block of
+    tests/test_op_policy_moe_mla.py holds them (`mla.value_view_bytes`,
+    `mla.latent_view_bytes`, by hand here)."""
     spec = spec_from_mapping({**base, **changes})
     units = unit_ops(spec)
     nothing = (False,) * len(units)
-    views = 0
     if spec.mla:
         tp = spec.tp
         tokens = spec.seq * spec.micro_batch
-        views = 4 * tokens * (spec.heads // tp) * spec.qk_nope_head_dim
-        views += 4 * tokens // (tp if spec.sp else 1) * spec.qk_rope_head_dim
+        shapes = LayerShapes.of(spec.chain)
+        assert value_view_bytes(spec, shapes) == 4 * tokens * (spec.heads // tp) * 8
+        assert latent_view_bytes(spec, shapes) == 4 * tokens // (tp if spec.sp else 1) * 8
     plain = activation_bytes_per_layer(spec)
-    assert scoped_tape_bytes(spec, units, (), nothing) == plain + views
+    assert scoped_tape_bytes(spec, units, (), nothing) == plain
 
 
 def test_scoped_tape_by_hand():

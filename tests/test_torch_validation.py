@@ -196,9 +196,20 @@ def test_blas_workspace_replay(backward_harness):
 # ---- MoE and MLA (validation/torch_moe_mla.py) ----------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["moe-bf16", "mla-bf16"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "moe-bf16",
+        "mla-bf16",
+        "moe-bf16-torchtitan",
+        "mla-bf16-torchtitan",
+        "moe-bf16-hf",
+        "mla-bf16-hf",
+    ],
+)
 def test_moe_and_mla_layers_match_op_by_op(harness, name):
-    """A Megatron-Core MoE layer and a DeepSeek-V3-style MLA layer: every op as predicted but
+    """A Megatron-Core MoE layer and a DeepSeek-V3-style MLA layer, and the same with
+    torchtitan's and Hugging Face's experts' combine and MLA views: every op as predicted but
     the fused RMSNorms' fp32 rstd (4 bytes per token, the latent norms included), the router's
     int64 tokens-per-expert (8·E) and scalar aux loss (4 bytes) that its aux loss keeps, and the
     attention output, one storage saved by the core and by out_proj (compared as a sum)."""

@@ -16,6 +16,24 @@ modules save (docs/validation.md, "MoE and MLA"):
   (cos/sin tables are buffers); Q and K concatenated, V made contiguous, the core attention,
   o_proj; then a dense MLP with Megatron's fused SwiGLU.
 
+With `framework: torchtitan` the two layers follow torchtitan 0.3.0 where its code saves
+other tensors (the router and the permutation stay Megatron's):
+
+* MoE: the experts' SwiGLU is not weighted (models/common/moe.py GroupedExperts.forward); the
+  combine weights the experts' outputs by their fp32 scores and scatter-adds them
+  (models/common/token_dispatcher.py LocalTokenDispatcher.combine: `routed_output_RD.to(
+  torch.float32) * topk_scores_experts_sorted_N.reshape(-1, 1)`, then `.to(dtype)`).
+* MLA: kv_norm normalises the latent as a view of wkv_a's output, and V is handed to the core
+  attention as a view of wkv_b's output (models/deepseek_v3/model.py Attention.forward: no
+  `.contiguous()`).
+
+With `framework: hf` they follow Hugging Face transformers 5.25.0 likewise: the experts'
+SwiGLU unweighted, the outputs multiplied by the fp32 routing weights (models/mixtral/
+modeling_mixtral.py MixtralExperts.forward: `current_hidden_states * top_k_weights[token_idx,
+top_k_pos, None]`, bf16 times fp32); V a view of kv_b_proj's output (models/deepseek_v3/
+modeling_deepseek_v3.py DeepseekV3Attention.expand_kv), the KV latent normalised as a copy
+(DeepseekV3RMSNorm's fp32 cast; the fused norm here takes a contiguous copy).
+
 The core attention of MLA has head dims 192 / 128 (Q, K / V); PyTorch's CPU SDPA has no flash
 kernel for unequal head dims (it falls back to the fp32 math path), so `FlashAttention` below
 implements a flash kernel's autograd contract (FlashAttention-2: saves Q, K, V, O and the fp32
@@ -145,6 +163,7 @@ class MoELayer(nn.Module):
         cfg = self.cfg
         b, s, h = x.shape
         E, k = cfg.experts, cfg.top_k
+        titan = cfg.framework in ("torchtitan", "hf")  # outputs weighted after the experts
         y = _attention_gqa(self, x, rec)
         with base.tag_tensor(rec, "out_proj"):
             y = self.o_proj(y)
@@ -178,11 +197,19 @@ class MoELayer(nn.Module):
             with base.tag_tensor(rec, "expert_fc1"):
                 z = self.fc1[e](permuted[rows])
             with base.tag_tensor(rec, "expert_act"):
-                z = _WeightedSwiGLU.apply(z, permuted_probs[rows].unsqueeze(-1))
+                if titan:
+                    z = base.FusedSwiGLU.apply(z)
+                else:
+                    z = _WeightedSwiGLU.apply(z, permuted_probs[rows].unsqueeze(-1))
             with base.tag_tensor(rec, "expert_fc2"):
                 outs.append(self.fc2[e](z))
         with base.tag_tensor(rec, "unpermute"):
             expert_out = torch.cat(outs)
+            scores = permuted_probs.float().unsqueeze(-1)
+            if cfg.framework == "torchtitan":  # the product saves fp32 outputs and scores
+                expert_out = (expert_out.to(torch.float32) * scores).to(x.dtype)
+            elif cfg.framework == "hf":  # the B-byte outputs and the fp32 weights
+                expert_out = (expert_out * scores).to(x.dtype)
             index = sorted_ids.unsqueeze(1).expand(-1, h)
             y = torch.zeros(tokens, h, dtype=x.dtype).scatter_add(0, index, expert_out)
         if cfg.shared_ffn_hidden:
@@ -247,8 +274,9 @@ class MLALayer(nn.Module):
         with base.tag_tensor(rec, "kv_down"):
             kv = self.kv_down(y)
         kv_latent, k_rope = torch.split(kv, [cfg.kv_lora_rank, rope], dim=-1)
+        titan = cfg.framework == "torchtitan"
         with base.tag_tensor(rec, "kv_norm"):
-            kv_latent = self.kv_norm(kv_latent.contiguous())
+            kv_latent = self.kv_norm(kv_latent if titan else kv_latent.contiguous())
         with base.tag_tensor(rec, "kv_up"):
             kv = self.kv_up(kv_latent).view(b, s, a, nope + v_dim)
         with base.tag_tensor(rec, "attention_core"):
@@ -257,7 +285,7 @@ class MLALayer(nn.Module):
             k_nope, v = torch.split(kv, [nope, v_dim], dim=-1)
             k_rope = self.rope(k_rope.unsqueeze(2)).expand(b, s, a, rope)
             k = torch.cat([k_nope, k_rope], -1)
-            v = v.contiguous()
+            v = v if cfg.framework in ("torchtitan", "hf") else v.contiguous()
             out = FlashAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         y = out.transpose(1, 2).contiguous().view(b, s, a * v_dim)
         with base.tag_tensor(rec, "out_proj"):

@@ -123,6 +123,24 @@ def default_configs() -> list[Config]:
                attention="sdpa",
                description="DeepSeek-V3-style MLA layer (Megatron's MLASelfAttention), flash "
                            "kernel contract, dense fused SwiGLU MLP"),
+        Config("moe-bf16-torchtitan", "moe", "bfloat16", kv_heads=2, experts=8, top_k=2,
+               moe_ffn_hidden=128, shared_ffn_hidden=256, attention="sdpa",
+               framework="torchtitan",
+               description="as moe-bf16, torchtitan 0.3.0's experts and combine: unweighted "
+                           "SwiGLU, outputs weighted by their fp32 scores"),
+        Config("mla-bf16-torchtitan", "mla", "bfloat16", heads=4, ffn_hidden=704,
+               q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+               v_head_dim=32, attention="sdpa", framework="torchtitan",
+               description="as mla-bf16, torchtitan 0.3.0's views: the KV latent and V "
+                           "un-copied"),
+        Config("moe-bf16-hf", "moe", "bfloat16", kv_heads=2, experts=8, top_k=2,
+               moe_ffn_hidden=128, shared_ffn_hidden=256, attention="sdpa", framework="hf",
+               description="as moe-bf16, Hugging Face's experts and combine: unweighted "
+                           "SwiGLU, bf16 outputs times fp32 weights"),
+        Config("mla-bf16-hf", "mla", "bfloat16", heads=4, ffn_hidden=704, q_lora_rank=96,
+               kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+               attention="sdpa", framework="hf",
+               description="as mla-bf16, Hugging Face's V: a view of kv_b_proj's output"),
     ]  # fmt: skip
 
 
@@ -217,6 +235,9 @@ def ckplan_mapping_for(cfg: Config) -> dict:
     if cfg.arch in ("moe", "mla"):
         mapping |= {"norm": "rmsnorm", "mlp": "swiglu", "positions": "rope", "bias": False}
         mapping["fused_swiglu"] = True
+        if "framework" in fields:
+            # the blocks run fused norms and SwiGLU, as Megatron's kernels, in either framework
+            mapping |= {"framework": cfg.framework, "kernels": "fused"}
     if cfg.arch == "moe":
         mapping |= {
             "experts": cfg.experts,

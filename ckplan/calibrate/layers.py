@@ -320,6 +320,8 @@ class Config:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # moe / mla: whose code the layer follows (validation/torch_moe_mla.py): megatron | torchtitan
+    framework: str = "megatron"
 
     def __post_init__(self) -> None:
         if self.kv_heads is None:

@@ -18,6 +18,12 @@ its cos/sin tables (Megatron's fused kernels). The norm of the KV latent is take
 latent alone (a contiguous input, as TE's norm kernels need); normalising a view of the down
 projection's output would keep the RoPE key's qk_rope columns alive with it.
 
+Which storages the saved views keep depends on the framework's code (`latent_view_bytes`,
+`value_view_bytes`): Megatron-Core copies V (`value.contiguous()`), so the attention kernel's
+saved V is V alone; torchtitan and Hugging Face pass V on as a view of kv_up's output, and
+torchtitan normalises the KV latent as a view of kv_down's output, so those outputs stay alive
+whole (the qk_nope columns of K beside V, the RoPE key beside the latent).
+
 What the time model reads (`ckplan.hardware`), from the same Megatron code: the down
 projections are GEMMs over the rank's own tokens with no collective (duplicated linears), the up
 projections (and q_proj) column-parallel GEMMs whose input is all-gathered under sequence
@@ -36,6 +42,37 @@ from __future__ import annotations
 
 from ckplan.model.op import LayerShapes, Op, make_op, matmul_flops
 from ckplan.model.spec import ModelSpec
+
+
+def value_view_bytes(spec: ModelSpec, shapes: LayerShapes) -> int:
+    """Bytes the attention kernel's saved V keeps beyond V itself: B·tokens·(a/t)·qk_nope.
+
+    torchtitan 0.3.0 (torchtitan/models/deepseek_v3/model.py, Attention.forward: `k_nope, v =
+    torch.split(kv, [qk_nope_head_dim, v_head_dim], dim=-1)`, v passed to inner_attention) and
+    Hugging Face transformers 5.25.0 (models/deepseek_v3/modeling_deepseek_v3.py,
+    DeepseekV3Attention.expand_kv: `k_nope, value_states = torch.split(kv_nope, ...)`) hand the
+    kernel V as a view of wkv_b's (kv_b_proj's) output; autograd saves the view, which keeps
+    the whole output alive, K's no-RoPE columns included (K itself is a new tensor, a cat).
+    Megatron-Core core_v0.19.0 (megatron/core/transformer/multi_latent_attention.py,
+    `value = value.contiguous()` before the core attention) saves V alone, as DeepSpeed is taken to
+    (its model code is the user's): 0."""
+    if spec.framework not in ("torchtitan", "hf"):
+        return 0
+    return shapes.B * shapes.tokens * (spec.heads // spec.tp) * spec.qk_nope_head_dim
+
+
+def latent_view_bytes(spec: ModelSpec, shapes: LayerShapes) -> int:
+    """Bytes the KV latent norm's saved input keeps beyond the latent: B·(s·b/t)·qk_rope.
+
+    torchtitan 0.3.0 (torchtitan/models/deepseek_v3/model.py: `kv, k_pe = torch.split(
+    self.wkv_a(x), [kv_lora_rank, qk_rope_head_dim], dim=-1)`, then `self.kv_norm(kv)`): the
+    RMSNorm saves its input, a view of wkv_a's output, which keeps the RoPE key's columns
+    alive with it. Megatron-Core core_v0.19.0 (multi_latent_attention.py, kv_layernorm on the
+    split latent) runs Transformer Engine's norm, which saves a contiguous copy; Hugging Face's
+    DeepseekV3RMSNorm casts its input to fp32 first (a new tensor in 16-bit training): 0."""
+    if spec.framework != "torchtitan":
+        return 0
+    return shapes.B * shapes.stream_tokens * spec.qk_rope_head_dim
 
 
 def mla_projection_ops(
@@ -138,7 +175,7 @@ def mla_projection_ops(
         make_op(
             "kv_norm",
             "attention",
-            kv_latent,
+            kv_latent + latent_view_bytes(spec, shapes),
             grads=(kv_latent, kv_latent),
             # the contiguous copy of the latent view (read and write), then the norm
             moved=(2 * kv_latent + 2 * kv_latent, 5 * kv_latent),

@@ -208,6 +208,37 @@ def shared_gate_moved(shapes: LayerShapes) -> tuple[int, int]:
     return 2 * BT + 2 * X + BT, (2 * X + BT) + (2 * X + BT) + 3 * BT
 
 
+def probabilities_in_activation(spec: ModelSpec) -> bool:
+    """Whether the routing probabilities weight the experts' activation (saved there) rather
+    than their outputs after fc2. Megatron-Core core_v0.19.0: the all-to-all dispatcher's
+    combine calls `unpermute` without probs (token_dispatcher.py combine_postprocess) and
+    TEGroupedMLP applies them in bias_act_func (experts.py, weighted_bias_swiglu_impl);
+    DeepSpeed, whose model code is the user's, keeps this Megatron default. torchtitan 0.3.0
+    and Hugging Face transformers 5.25.0 weight the outputs (`combine_weighting_saved`)."""
+    return spec.framework not in ("torchtitan", "hf")
+
+
+def combine_weighting_saved(spec: ModelSpec, shapes: LayerShapes) -> int:
+    """Bytes the product of the experts' outputs and their routing scores saves, over the S
+    rows sent back (T·k dropless): the outputs for the scores' gradient, the scores for the
+    outputs'.
+
+    torchtitan 0.3.0 (torchtitan/models/common/token_dispatcher.py, LocalTokenDispatcher and
+    the all-to-all dispatcher's combine: `routed_output_RD.to(torch.float32) *
+    topk_scores_experts_sorted_N.reshape(-1, 1)`, the router's scores in fp32,
+    models/common/moe.py): an fp32 copy of the outputs and the fp32 scores, 4·S·(h + 1).
+    Hugging Face transformers 5.25.0 (models/mixtral/modeling_mixtral.py MixtralExperts.forward,
+    `current_hidden_states * top_k_weights[token_idx, top_k_pos, None]`, the weights the fp32
+    softmax of MixtralTopKRouter): the B-byte outputs and the fp32 weights, (B·h + 4)·S.
+    Megatron-Core weights the activation instead (`probabilities_in_activation`): 0."""
+    sent = sent_rows(spec, shapes)
+    if spec.framework == "torchtitan":
+        return FP32_BYTES * sent * (spec.hidden + 1)
+    if spec.framework == "hf":
+        return (shapes.B * spec.hidden + FP32_BYTES) * sent
+    return 0
+
+
 def experts_input_bytes(spec: ModelSpec, shapes: LayerShapes) -> int:
     """What recomputing the expert MLPs keeps: their dispatched tokens and probabilities."""
     rows = routed_rows(spec, shapes)
@@ -224,7 +255,9 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
     the boolean routing map and the transposed (E, T) probabilities masked_select keeps (its
     backward needs its input's shape: autograd saves the input itself); expert_fc1: its input,
     the R dispatched rows; expert_act: its input (fc1's output, 2F_e/etp gated) and the R
-    routing probabilities it weights by; expert_fc2: its input; unpermute: nothing new (its
+    routing probabilities it weights by (Megatron; torchtitan and Hugging Face weight the outputs
+    instead: no probabilities there); expert_fc2: its input; unpermute: what weighting the
+    outputs by their scores saves (`combine_weighting_saved`; nothing in Megatron, whose
     scatter-add reuses permute's indices). All-to-all and all-gather save nothing.
     `out_grad` is the gradient of the block's output the last op reads (0: the residual
     stream's, which the walk counts).
@@ -237,6 +270,7 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
     ffn_r = spec.moe_ffn_hidden // spec.etp  # each expert's width on this rank
     fc1_width = (2 if gated else 1) * ffn_r
     act_saved = (2 if spec.fused_swiglu else 3) * ffn_r if gated else ffn_r
+    weighted = probabilities_in_activation(spec)  # else the combine weights the outputs
     shared = spec.shared_ffn_hidden > 0
     logits = B * tokens * E
     # x's gradient: allocated by the first of its readers to be backpropagated (the shared
@@ -288,7 +322,7 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
         make_op(
             "expert_act",
             "mlp",
-            B * rows * (act_saved + 1),
+            B * rows * (act_saved + weighted),
             0,
             EXPERTS,
             grads=(B * rows * ffn_r, B * rows * (fc1_width + 1)),
@@ -306,7 +340,7 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
         make_op(
             "unpermute",
             "mlp",
-            0,
+            combine_weighting_saved(spec, shapes),
             0,
             MOE,
             grads=(out_grad, B * rows * h),

@@ -657,6 +657,10 @@ def _wired(spec: ChainSpec, table: dict[str, Op], units: tuple[Unit, ...]) -> tu
             internal = max(0, table[name].saved_bytes - out(saves))
         elif name == "unpermute":
             reads = (i - 1, *at("router_probs", "out_proj_add"))
+            # weighting the outputs by their scores (`moe.combine_weighting_saved`): Hugging
+            # Face's product saves expert_fc2's output itself, torchtitan's an fp32 copy
+            saves = (i - 1,) if spec.framework == "hf" else ()
+            internal = max(0, table[name].saved_bytes - out(saves))
         last[name] = i
         wired.append(dataclasses.replace(unit, reads=reads, saves=saves, internal=internal))
     return tuple(wired)

@@ -19,7 +19,7 @@ import dataclasses
 
 from ckplan.model.finetune import frozen_ops
 from ckplan.model.layers import DENSE, LayerKind, layer_kinds
-from ckplan.model.mla import mla_projection_ops
+from ckplan.model.mla import mla_projection_ops, value_view_bytes
 from ckplan.model.mlp_block import dense_mlp_ops
 from ckplan.model.moe import EXPERTS, MOE, experts_input_bytes, moe_ops
 from ckplan.model.op import (
@@ -224,7 +224,7 @@ def _attention_ops(spec: ChainSpec, kind: LayerKind, shapes: LayerShapes) -> lis
             make_op(
                 "attn_values",
                 "attention",
-                probs + context,
+                probs + context + (value_view_bytes(spec, shapes) if spec.mla else 0),
                 values_flops,
                 ATTENTION_CORE,
                 grads=(context, B * scores + context),
@@ -256,7 +256,8 @@ def _attention_ops(spec: ChainSpec, kind: LayerKind, shapes: LayerShapes) -> lis
             Op(
                 "attention_core",
                 "attention",
-                qkv + logsumexp,
+                # MLA: V may be a view keeping kv_up's whole output (`mla.value_view_bytes`)
+                qkv + logsumexp + (value_view_bytes(spec, shapes) if spec.mla else 0),
                 core_flops,
                 2 * core_flops + score_flops,
                 ATTENTION_CORE,
