@@ -118,10 +118,6 @@ KNOWN_UNFIT = {
     "llama3-405b-8192xh100-tp8-cp1-pp16-dp64-seq8192",
     "llama3-405b-16384xh100-tp8-cp1-pp16-dp128-seq8192",
     "llama3-405b-16384xh100-tp8-cp16-pp16-dp8-seq131072",
-    # VP 24 over PP 2: the last rank holds 47 one-layer chunk forwards (1.96 micro-batches,
-    # Megatron-LM's get_pp_rank_microbatches) beside the loss of a 151,936-word vocabulary;
-    # the recipe's cross-entropy is counted as the unfused default loss
-    "mbridge2511-qwen3-30b-a3b-16xh100-tp1-pp2-cp1-ep8-fp8",
 }
 
 
