@@ -140,42 +140,12 @@ def test_selective_ac_keeps_the_fused_qkv_output_w1_and_w2(monkeypatch):
     _assert_plain_gradients(torch, block, wrapped, x, out)
 
 
-def _flex_block(torch, spec, monkeypatch, dtype):
-    """torchtitan 0.3.0's Llama 3 block with its FlexAttention, compiled as described above,
-    and the block mask and positions of `spec`'s micro-batch (one document per sequence)."""
-    framework_or_skip("torchtitan", "torchtitan 0.3.0's SelectiveAC not measured")
-    import torch.nn.attention.flex_attention as flex
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_func
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch._higher_order_ops.wrap import InductorCompiledCallable, inductor_compiled_code
-    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+def _llama3_block(torch, spec, dtype):
+    """torchtitan 0.3.0's Llama 3 model of one block with FlexAttention, built by its own
+    config classes at `spec`'s shape in `dtype`: (the block, its block mask, the positions)."""
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.common.attention import FlexAttention
     from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
 
-    def forward_compiler(graph, inputs):
-        boxed = make_boxed_func(graph)
-        region = InductorCompiledCallable(boxed, graph)
-
-        def call(args):
-            if is_in_torch_dispatch_mode():
-                return inductor_compiled_code(region, args)
-            return boxed(args)
-
-        call._boxed_call = True
-        return call
-
-    backend = aot_autograd(
-        fw_compiler=forward_compiler,
-        bw_compiler=lambda graph, inputs: make_boxed_func(graph),
-        partition_fn=min_cut_rematerialization_partition,
-    )
-    monkeypatch.setattr(flex, "_validate_device", lambda *args, **kwargs: None)
-    torch._dynamo.reset()
-    monkeypatch.setattr(
-        FlexAttention, "_compiled_flex_attn", torch.compile(flex.flex_attention, backend=backend)
-    )
     layers = _build_llama3_layers(
         n_layers=1,
         dim=spec.hidden,
@@ -203,6 +173,43 @@ def _flex_block(torch, spec, monkeypatch, dtype):
     model = model.to(dtype)
     positions = torch.arange(spec.seq).repeat(spec.micro_batch, 1)
     return model.layers["0"], model.get_attention_masks(positions), positions
+
+
+def _flex_block(torch, spec, monkeypatch, dtype):
+    """torchtitan 0.3.0's Llama 3 block with its FlexAttention, compiled as described above,
+    and the block mask and positions of `spec`'s micro-batch (one document per sequence)."""
+    framework_or_skip("torchtitan", "torchtitan 0.3.0's SelectiveAC not measured")
+    import torch.nn.attention.flex_attention as flex
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._higher_order_ops.wrap import InductorCompiledCallable, inductor_compiled_code
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+    from torchtitan.models.common.attention import FlexAttention
+
+    def forward_compiler(graph, inputs):
+        boxed = make_boxed_func(graph)
+        region = InductorCompiledCallable(boxed, graph)
+
+        def call(args):
+            if is_in_torch_dispatch_mode():
+                return inductor_compiled_code(region, args)
+            return boxed(args)
+
+        call._boxed_call = True
+        return call
+
+    backend = aot_autograd(
+        fw_compiler=forward_compiler,
+        bw_compiler=lambda graph, inputs: make_boxed_func(graph),
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    monkeypatch.setattr(flex, "_validate_device", lambda *args, **kwargs: None)
+    torch._dynamo.reset()
+    monkeypatch.setattr(
+        FlexAttention, "_compiled_flex_attn", torch.compile(flex.flex_attention, backend=backend)
+    )
+    return _llama3_block(torch, spec, dtype)
 
 
 @pytest.mark.parametrize(
@@ -265,37 +272,9 @@ def _compiled_llama3_block(torch, spec, monkeypatch, dtype):
     region of its own: the whole block is compiled), its block mask and positions."""
     framework_or_skip("torchtitan", "torchtitan 0.3.0's SelectiveAC not measured")
     import torch.nn.attention.flex_attention as flex
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
 
     monkeypatch.setattr(flex, "_validate_device", lambda *args, **kwargs: None)
-    layers = _build_llama3_layers(
-        n_layers=1,
-        dim=spec.hidden,
-        n_heads=spec.heads,
-        n_kv_heads=spec.kv_heads,
-        hidden_dim=spec.ffn_hidden,
-        rope=ComplexRoPE.Config(
-            dim=spec.hidden // spec.heads, max_seq_len=spec.seq, theta=500000, scaling="none"
-        ),
-        attn_backend="flex",
-    )
-    vocab = 128
-    config = Llama3Model.Config(
-        dim=spec.hidden,
-        vocab_size=vocab,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=spec.hidden),
-        norm=RMSNorm.Config(normalized_shape=spec.hidden),
-        lm_head=Linear.Config(in_features=spec.hidden, out_features=vocab),
-        layers=layers,
-    )
-    torch.manual_seed(0)
-    model = config.build()
-    for parameter in model.parameters():
-        torch.nn.init.normal_(parameter, std=0.05)
-    model = model.to(dtype)
-    positions = torch.arange(spec.seq).repeat(spec.micro_batch, 1)
-    return model.layers["0"], model.get_attention_masks(positions), positions
+    return _llama3_block(torch, spec, dtype)
 
 
 def _compile_saved(torch, module, x, masks, positions):

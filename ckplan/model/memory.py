@@ -692,16 +692,10 @@ def embedding_parameters(spec: ModelSpec, stage: int = 0) -> int:
     )
 
 
-def stream_pool_bytes(spec: ModelSpec, stage: int | None = None) -> int:
-    """Bytes the caching allocator holds reserved for FSDP2's side streams on one GPU of
-    pipeline stage `stage` (default the busiest) under torchtitan's FSDP
-    (`frameworks.fsdp2_stream_pool_bytes`: the stage's sharded fp32 gradients and its largest
-    all-gather output), 0 otherwise."""
-    if spec.kind != "transformer" or not frameworks.fsdp2_sharded(spec):
-        return 0
-    stage = busiest_stage(spec) if stage is None else stage
+def outside_layer_parameters(spec: ModelSpec, stage: int) -> int:
+    """The parameters one GPU of pipeline stage `stage` holds outside its transformer layers
+    (embedding, final norm, output layer): the stage's less its layers' (derived)."""
     dense, expert = stage_parameters(spec, stage)
-    layer = largest_layer_parameters(spec, stage)
     in_layers = sum(
         count
         * (
@@ -710,11 +704,22 @@ def stream_pool_bytes(spec: ModelSpec, stage: int | None = None) -> int:
         )
         for kind, count in stage_kind_counts(spec, stage).items()
     )
+    return dense + expert - in_layers
+
+
+def stream_pool_bytes(spec: ModelSpec, stage: int | None = None) -> int:
+    """Bytes the caching allocator holds reserved for FSDP2's side streams on one GPU of
+    pipeline stage `stage` (default the busiest) under torchtitan's FSDP
+    (`frameworks.fsdp2_stream_pool_bytes`: the stage's sharded fp32 gradients and its largest
+    all-gather output), 0 otherwise."""
+    if spec.kind != "transformer" or not frameworks.fsdp2_sharded(spec):
+        return 0
+    stage = busiest_stage(spec) if stage is None else stage
+    layer = largest_layer_parameters(spec, stage)
+    outside = outside_layer_parameters(spec, stage)
     gradients = model_state_bytes(spec, stage).gradients
     grouping = frameworks.fsdp2_grouping(frameworks.framework_version(spec), spec.tied_embeddings)
-    outer = frameworks.fsdp2_outer_units(
-        dense + expert - in_layers, embedding_parameters(spec, stage), grouping
-    )
+    outer = frameworks.fsdp2_outer_units(outside, embedding_parameters(spec, stage), grouping)
     return frameworks.fsdp2_stream_pool_bytes(
         gradients, max(outer), layer, prefetch=frameworks.fsdp2_resharding(spec)
     )
@@ -727,16 +732,9 @@ def stage_buffer_bytes(spec: ModelSpec, stage: int) -> int:
         return 0
     dense, expert = stage_parameters(spec, stage)
     layer = largest_layer_parameters(spec, stage)
-    in_layers = sum(
-        count
-        * (
-            layer_parameter_parts(spec, kind).dense_per_rank(spec)
-            + layer_parameter_parts(spec, kind).experts_per_rank(spec)
-        )
-        for kind, count in stage_kind_counts(spec, stage).items()
-    )
+    outside = outside_layer_parameters(spec, stage)
     buffers = frameworks.buffer_bytes(
-        spec, dense + expert, layer, dense + expert - in_layers, embedding_parameters(spec, stage)
+        spec, dense + expert, layer, outside, embedding_parameters(spec, stage)
     )
     if spec.precision == "fp8" and spec.zero < 3:
         # Transformer Engine caches each weight's FP8 copy, row-wise and column-wise, for the
