@@ -9,7 +9,10 @@ from ckplan.cli import complete_model, main
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_show_completion_prints_a_script(capsys):
+def test_show_completion_prints_a_script(capsys, monkeypatch):
+    # Typer guesses the shell from the parent processes unless told not to; with detection off,
+    # `--show-completion` takes the shell by name, so the test holds however pytest was started.
+    monkeypatch.setenv("_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION", "1")
     with pytest.raises(SystemExit) as done:  # Typer's completion options exit by themselves
         main(["--show-completion", "bash"])
     out, _ = capsys.readouterr()
