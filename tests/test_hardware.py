@@ -37,6 +37,7 @@ REQUIRED_GPUS = {
     "h100-pcie",
     "h200",
     "b200",
+    "gb200",
     "mi300x",
     "l40s",
     "rtx-4090",
