@@ -588,8 +588,9 @@ def torch_pipeline_buffer_bytes(
     both stay in `args_recv_info` / `grad_recv_info` for the whole step and the next. The
     in-flight micro-batches' receive buffers are their stages' inputs, which the first layer's
     tape already holds; the others are `microbatches - in_flight` more. `forward_one_chunk`
-    keeps each micro-batch's output in `fwd_cache` until `backward_one_chunk` pops it (Megatron
-    frees a sent output, `deallocate_output_tensor`; this does not): `in_flight` outputs, on
+    keeps each micro-batch's output in `fwd_cache` until `backward_one_chunk` pops it (Megatron-LM
+    frees a sent output's data, `deallocate_output_tensor`, deallocate_pipeline_outputs being
+    set by megatron/training/argument_utils.py at 6e091e1b68; this does not): `in_flight` outputs, on
     the last stage its logits, which torchtitan's train step otherwise drops before backward
     (`del pred`). The input gradients the backward leaves on the receive buffers (`.grad`,
     cleared by `clear_runtime_states` at the next step) each come with a finished backward that
