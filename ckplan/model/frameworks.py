@@ -588,13 +588,14 @@ def torch_pipeline_buffer_bytes(
     both stay in `args_recv_info` / `grad_recv_info` for the whole step and the next. The
     in-flight micro-batches' receive buffers are their stages' inputs, which the first layer's
     tape already holds; the others are `microbatches - in_flight` more. `forward_one_chunk`
-    keeps each micro-batch's output in `fwd_cache` until `backward_one_chunk` pops it (Megatron-LM
-    frees a sent output's data, `deallocate_output_tensor`, deallocate_pipeline_outputs being
-    set by megatron/training/argument_utils.py at 6e091e1b68; this does not): `in_flight` outputs, on
-    the last stage its logits, which torchtitan's train step otherwise drops before backward
-    (`del pred`). The input gradients the backward leaves on the receive buffers (`.grad`,
-    cleared by `clear_runtime_states` at the next step) each come with a finished backward that
-    freed its micro-batch's tape, so they do not raise the peak, the first backward's. Checked
+    keeps each micro-batch's output in `fwd_cache` until `backward_one_chunk` pops it
+    (Megatron-LM frees a sent output's data, `deallocate_output_tensor`, as
+    megatron/training/argument_utils.py sets deallocate_pipeline_outputs at 6e091e1b68; this
+    does not): `in_flight` outputs, on the last stage its logits, which torchtitan's train step
+    otherwise drops before backward (`del pred`). The input gradients the backward leaves on
+    the receive buffers (`.grad`, cleared by `clear_runtime_states` at the next step) each come
+    with a finished backward that freed its micro-batch's tape, so they do not raise the peak,
+    the first backward's. Checked
     on the CPU with PyTorch 2.13 (three gloo ranks, Schedule1F1B, six micro-batches: at each
     stage's first backward rank 0 held 6 gradient buffers and 3 outputs, rank 1 6 receive and
     6 gradient buffers and 2 outputs, rank 2 6 receive buffers and 1 output)."""
