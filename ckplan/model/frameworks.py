@@ -566,6 +566,44 @@ def fsdp2_stream_pool_bytes(
     return sharded_gradient_bytes + HALF * max(outer_params, (2 if prefetch else 1) * layer_params)
 
 
+def torch_pipeline_buffer_bytes(
+    microbatches: int,
+    in_flight: int,
+    boundary_bytes: int,
+    output_bytes: int,
+    first: bool,
+    last: bool,
+) -> int:
+    """Bytes one stage of torch.distributed.pipelining (torchtitan's pipeline parallelism, one
+    stage per rank) holds at its peak beside its in-flight micro-batches' layer tapes, with
+    `microbatches` micro-batches per step, `in_flight` of them waiting for their backward,
+    `boundary_bytes` the activation passed between stages (the residual stream) and
+    `output_bytes` one micro-batch's output of this stage (the boundary, or the logits on the
+    last stage).
+
+    derived from torch/distributed/pipelining/stage.py (PyTorch v2.13.0; `PipelineStage` has
+    made the same buffers since v2.4): `_prepare_forward_infra` makes one receive buffer per
+    micro-batch for a non-first stage (`_make_tensor_from_meta` for each chunk_id) and
+    `_prepare_backward_infra` one gradient receive buffer per micro-batch for a non-last stage;
+    both stay in `args_recv_info` / `grad_recv_info` for the whole step and the next. The
+    in-flight micro-batches' receive buffers are their stages' inputs, which the first layer's
+    tape already holds; the others are `microbatches - in_flight` more. `forward_one_chunk`
+    keeps each micro-batch's output in `fwd_cache` until `backward_one_chunk` pops it
+    (Megatron-LM frees a sent output's data, `deallocate_output_tensor`, as
+    megatron/training/argument_utils.py sets deallocate_pipeline_outputs at 6e091e1b68; this
+    does not): `in_flight` outputs, on the last stage its logits, which torchtitan's train step
+    otherwise drops before backward (`del pred`). The input gradients the backward leaves on
+    the receive buffers (`.grad`, cleared by `clear_runtime_states` at the next step) each come
+    with a finished backward that freed its micro-batch's tape, so they do not raise the peak,
+    the first backward's. Checked
+    on the CPU with PyTorch 2.13 (three gloo ranks, Schedule1F1B, six micro-batches: at each
+    stage's first backward rank 0 held 6 gradient buffers and 3 outputs, rank 1 6 receive and
+    6 gradient buffers and 2 outputs, rank 2 6 receive buffers and 1 output)."""
+    received = 0 if first else (microbatches - in_flight) * boundary_bytes
+    gradients = 0 if last else microbatches * boundary_bytes
+    return received + gradients + in_flight * output_bytes
+
+
 def state_offload_error(
     spec, zero: int | None = None, pp: int | None = None, microbatches: int | None = None
 ) -> str | None:

@@ -14,6 +14,7 @@ from ckplan.model.layers import (
     stage_kinds,
     stage_layer_indices,
 )
+from ckplan.model.loss import logits_elements
 from ckplan.model.mla import mla_parameters
 from ckplan.model.modules import Discard, is_discarding, layer_discards
 from ckplan.model.moe import moe_layer_parameters
@@ -705,6 +706,26 @@ def outside_layer_parameters(spec: ModelSpec, stage: int) -> int:
         for kind, count in stage_kind_counts(spec, stage).items()
     )
     return dense + expert - in_layers
+
+
+def pipeline_buffer_bytes(spec: ModelSpec, stage: int, in_flight: int) -> int:
+    """The pipeline runtime's buffers on one GPU of pipeline stage `stage` with `in_flight`
+    micro-batches waiting for their backward: torch.distributed.pipelining's under torchtitan
+    (`frameworks.torch_pipeline_buffer_bytes`; the boundary is the residual stream entering a
+    layer, `layer_input_bytes`, and the last stage's output its B-byte logits); 0 without
+    pipeline parallelism or under another framework (Megatron-LM frees what it sends). With
+    interleaving (v > 1) a rank runs v stages whose in-flight forwards ckplan does not split
+    between them: not counted."""
+    if spec.framework != "torchtitan" or spec.pp == 1 or spec.virtual_stages > 1:
+        return 0
+    if spec.kind != "transformer":
+        return 0
+    boundary = layer_input_bytes(spec)
+    last = stage == spec.pp - 1
+    logits = spec.dtype_bytes * logits_elements(spec.chain)
+    return frameworks.torch_pipeline_buffer_bytes(
+        spec.microbatches, in_flight, boundary, logits if last else boundary, stage == 0, last
+    )
 
 
 def stream_pool_bytes(spec: ModelSpec, stage: int | None = None) -> int:

@@ -94,6 +94,9 @@ class Plan:
     # `sac+mixed`: per pipeline stage, whether each chain stage stores the policy's tape (its
     # backward re-runs `recompute_groups`) rather than the full tape
     stage_policy: tuple[tuple[int, tuple[bool, ...]], ...] = ()
+    # the pipeline runtime's receive buffers and kept outputs on the peak stage, included in
+    # activation_bytes (memory.pipeline_buffer_bytes)
+    pipeline_buffer_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -309,7 +312,7 @@ def evaluate(
     # One chain for p = 1; else the first pipeline stage (embedding, most micro-batches in
     # flight), the last (output layer and fp32 logits, one micro-batch in flight) and, with
     # mixed layers, the middle stages that hold other layers (`pipeline_stages`).
-    results, forwards = [], []
+    results, forwards, buffers = [], [], {}
     for stage in pipeline_stages(spec):
         first_stage = stage == 0
         chain = layer_chain(spec, strategy.groups, stage=stage)
@@ -322,7 +325,10 @@ def evaluate(
             return None
         peak, steps, replay, group = found
         flops = _stage_flops(spec, strategy, chain, replay, stage)
-        results.append((peak, steps, flops, stage, group))
+        # the pipeline runtime's buffers, held all step beside the schedule's peak (v = 1:
+        # in_flight is whole)
+        buffers[stage] = memory.pipeline_buffer_bytes(spec, stage, math.ceil(in_flight))
+        results.append((peak + buffers[stage], steps, flops, stage, group))
         counts = (
             run_forwards(chain.length, steps.runs)
             if isinstance(steps, SegmentSteps)
@@ -337,7 +343,7 @@ def evaluate(
         trace = simulate(layer_chain(spec, strategy.groups, stage=0), tuple(steps)).trace
         during = [point.during_bytes for point in trace]
         grads = memory.chain_gradient_bytes(spec)
-        live = gradients_at_peak(tuple(steps), during, peak, grads)
+        live = gradients_at_peak(tuple(steps), during, peak - buffers[stage], grads)
         states[stage] = dataclasses.replace(states[stage], gradients=live)
     busiest = max(results, key=lambda result: result[2].total)
     flops = busiest[2]
@@ -374,6 +380,7 @@ def evaluate(
         recompute_groups=strategy.groups,
         peak_stage=stage,
         model_states=states[stage],
+        pipeline_buffer_bytes=buffers[stage],
     )
 
 
@@ -516,6 +523,7 @@ def _plan(
     stage_offloads=(),
     stage_prefetch=(),
     stage_policy=(),
+    pipeline_buffer_bytes=0,
 ) -> Plan:
     counts = memory.parameter_count(spec)
     return Plan(
@@ -542,6 +550,7 @@ def _plan(
         stage_offloads=stage_offloads,
         stage_prefetch=stage_prefetch,
         stage_policy=stage_policy,
+        pipeline_buffer_bytes=pipeline_buffer_bytes,
     )
 
 

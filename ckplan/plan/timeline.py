@@ -3,7 +3,8 @@ its replayed schedule, for `ckplan estimate --plot`.
 
 The replay is `schedules.simulate` on the chain the plan was evaluated on (the fuller pipeline
 stage); with micro-batches in flight, the others waiting for their backward hold what their
-forward left (`schedules.pipeline_peak_bytes`), a constant added to every point. So the
+forward left (`schedules.pipeline_peak_bytes`), a constant added to every point, as are the
+pipeline runtime's buffers (`Plan.pipeline_buffer_bytes`). So the
 timeline's maximum is exactly the plan's `activation_bytes`. An offload plan's timeline is the
 device side of `schedules.offload.simulate_offload` (its tapes on host between their copies).
 """
@@ -25,6 +26,7 @@ class Timeline:
     after_bytes: tuple[int, ...]  # live once it has finished
     initial_bytes: int
     waiting_bytes: int  # held by the other micro-batches in flight, included above
+    buffer_bytes: int = 0  # the pipeline runtime's buffers, all step, included above
 
     @property
     def peak_bytes(self) -> int:
@@ -66,10 +68,12 @@ def memory_timeline(plan: Plan) -> Timeline | None:
         held = held_after_forward_bytes(chain, replay) - on_host
         waiting = math.ceil((in_flight - 1) * held)
     labels = tuple(f"{STEP_VERBS[step.kind]} {plan.stage_names[step.stage]}" for step in plan.steps)
+    constant = waiting + plan.pipeline_buffer_bytes
     return Timeline(
         labels,
-        tuple(during + waiting for during, _ in trace),
-        tuple(after + waiting for _, after in trace),
-        replay.initial_bytes + waiting,
+        tuple(during + constant for during, _ in trace),
+        tuple(after + constant for _, after in trace),
+        replay.initial_bytes + constant,
         waiting,
+        plan.pipeline_buffer_bytes,
     )

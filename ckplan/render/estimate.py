@@ -87,6 +87,8 @@ def plan_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
     policy = policy_terms(plan)
     if policy is not None:
         data["memory"]["policy"] = policy
+    if plan.pipeline_buffer_bytes:
+        data["memory"]["pipeline_buffer_bytes"] = plan.pipeline_buffer_bytes
     if len(distinct_kinds(spec)) > 1:
         data["memory"]["layer_kinds"] = layer_kinds_list(spec)
     layout = expert_layout(spec)
@@ -380,6 +382,12 @@ def plan_summary_table(plan: Plan) -> Table:
             f"  output + loss ({spec.loss})",
             gib(terms["saved_bytes"]),
             f"saved; its backward peaks at {gib(terms['backward_peak_bytes'])}",
+        )
+    if plan.pipeline_buffer_bytes:
+        table.add_row(
+            "  pipeline buffers",
+            gib(plan.pipeline_buffer_bytes),
+            "torch.distributed.pipelining: receive buffers of every micro-batch, kept outputs",
         )
     states = plan.model_states
     table.add_row("model states", both_units(states.total), _state_note(spec))

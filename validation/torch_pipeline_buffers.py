@@ -1,0 +1,121 @@
+"""What torch.distributed.pipelining's PipelineStage holds on each rank of a 1F1B pipeline at the
+rank's first backward, counted on the CPU (gloo, one process per stage): the check behind
+`frameworks.torch_pipeline_buffer_bytes` (torchtitan's pipeline parallelism).
+
+Each rank runs one `PipelineStage` (two linear layers, the activation between stages a (tokens,
+h) fp32 tensor X) under `Schedule1F1B` with M micro-batches. Just before its first
+`backward_one_chunk` it counts, in units of X: the forward receive buffers
+(`args_recv_info`), the gradient receive buffers (`grad_recv_info`), and the stage outputs
+`fwd_cache` keeps, with the number of micro-batches in flight (`len(fwd_cache)`). ckplan's term
+is, per stage, (M - in flight) receive buffers on a non-first stage (the in-flight ones are the
+layers' inputs, counted with their tapes), M gradient buffers on a non-last stage, and one kept
+output per micro-batch in flight: `--check` compares the two.
+
+PyTorch 2.13, three ranks, six micro-batches:
+    rank 0: in flight 3, receive 0, gradient 6, outputs 3
+    rank 1: in flight 2, receive 6, gradient 6, outputs 2
+    rank 2: in flight 1, receive 6, gradient 0, outputs 1
+
+Usage: python validation/torch_pipeline_buffers.py [--check | --json] (--json: the counts as
+JSON, by rank)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+STAGES, MICROBATCHES, TOKENS, HIDDEN = 3, 6, 32, 64
+
+
+def buffer_units(infos: dict, unit: int) -> float:
+    held = [
+        info.buffer
+        for recv in infos.values()
+        for info in recv
+        if getattr(info, "buffer", None) is not None
+    ]
+    return sum(t.numel() * t.element_size() for t in held) / unit
+
+
+def count(rank: int, world: int, microbatches: int, port: str, results) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", port
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Linear(HIDDEN, HIDDEN))
+    stage = PipelineStage(layers, rank, world, torch.device("cpu"))
+    X = TOKENS * HIDDEN * 4
+    seen: dict[str, float] = {}
+    backward_one_chunk = stage.backward_one_chunk
+
+    def first_backward(*args, **kwargs):
+        if not seen:
+            outputs = sum(
+                o.numel() * o.element_size() for out, _ in stage.fwd_cache.values() for o in out
+            )
+            seen.update(
+                in_flight=len(stage.fwd_cache),
+                receive=buffer_units(stage.args_recv_info, X),
+                gradient=buffer_units(stage.grad_recv_info, X),
+                outputs=outputs / X,
+            )
+        return backward_one_chunk(*args, **kwargs)
+
+    stage.backward_one_chunk = first_backward
+    schedule = Schedule1F1B(
+        stage, n_microbatches=microbatches, loss_fn=lambda out, target: out.pow(2).mean()
+    )
+    batch = torch.randn(microbatches * TOKENS, HIDDEN)
+    if rank == 0:
+        schedule.step(batch)
+    elif rank == world - 1:
+        schedule.step(target=torch.zeros_like(batch), losses=[])
+    else:
+        schedule.step()
+    results[rank] = dict(seen)
+    dist.destroy_process_group()
+
+
+def measure(stages: int = STAGES, microbatches: int = MICROBATCHES) -> dict[int, dict[str, float]]:
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(count, args=(stages, microbatches, "29617", results), nprocs=stages)
+        return {rank: dict(results[rank]) for rank in range(stages)}
+
+
+def ckplan_units(rank: int, stages: int, microbatches: int, in_flight: int) -> int:
+    from ckplan.model.frameworks import torch_pipeline_buffer_bytes
+
+    return torch_pipeline_buffer_bytes(microbatches, in_flight, 1, 1, rank == 0, rank == stages - 1)
+
+
+def main(check: bool) -> int:
+    measured = measure()
+    failures = 0
+    for rank, seen in sorted(measured.items()):
+        in_flight = int(seen["in_flight"])
+        held = seen["gradient"] + seen["outputs"] + max(0.0, seen["receive"] - in_flight)
+        predicted = ckplan_units(rank, STAGES, MICROBATCHES, in_flight)
+        print(
+            f"rank {rank}: in flight {in_flight}, receive {seen['receive']:g}, gradient "
+            f"{seen['gradient']:g}, outputs {seen['outputs']:g}; beyond the in-flight inputs "
+            f"{held:g} X, ckplan {predicted} X"
+        )
+        failures += held != predicted
+    return 1 if check and failures else 0
+
+
+if __name__ == "__main__":
+    if "--json" in sys.argv[1:]:
+        import json
+
+        print(json.dumps(measure()))
+        sys.exit(0)
+    sys.exit(main("--check" in sys.argv[1:]))
