@@ -66,7 +66,7 @@ def test_each_row_s_flags_become_keys():
     for name, run in runs.items():
         spec = run_spec(run)
         assert (spec.kernels == "compiled") == ("compile" in name or "lora" in name), name
-        assert spec.loss == ("chunked:8" if "chunkedce" in name else "eager"), name
+        assert spec.loss == ("chunked-output:8" if "chunkedce" in name else "eager"), name
         assert spec.optimizer_in_backward == ("optinbwd" in name), name
         assert offloads_checkpoints(run) == ("actoffload" in name), name
     lora = run_spec(runs["lora-a100-packed-compile-chunkedce-ac-actoffload"])
@@ -133,9 +133,10 @@ def test_the_8bit_row_leaves_its_paged_states_out():
 
 def test_offloaded_checkpoints_by_hand():
     """Full recomputation of Llama 3.2 3B's 28 layers: the plan peaks in the chunked loss's
-    forward, every layer input held. torchtune's forward stash keeps the newest 5 packed
-    tensors, and the eager final RMSNorm packs 6 after the last layer's input, so all 28
-    inputs (48 MiB each) are on the host there: the README's -1.3 GiB."""
+    backward, every layer input held. torchtune's forward stash keeps the newest 5 packed
+    tensors, and the eager final RMSNorm packs 6 after the last layer's input, and the stash is
+    emptied once the backward starts, so all 28 inputs (48 MiB each) are on the host there: the
+    README's -1.3 GiB."""
     run = torchtune_runs()["full-a100-packed-compile-chunkedce-ac-optinbwd-actoffload"]
     spec = run_spec(run)
     plan = evaluate(spec, parse_strategy("full", spec))
