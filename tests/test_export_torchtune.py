@@ -21,6 +21,7 @@ CASES = [
     ("full", {"training": "lora", "use_dora": True, "lora_alpha": 32, "loss": "chunked:4"}),
     ("full", {"loss": "chunked:8", "optimizer": "paged-adamw-8bit", "optimizer_in_backward": True}),
     ("full", {"loss": "chunked:8", "dp": 8, "zero": 3, "kernels": "compiled"}),
+    ("full", {"loss": "chunked-output:8", "kernels": "compiled", "optimizer_in_backward": True}),
     ("none", {"training": "lora", "loss": "eager", "dp": 4, "zero": 2, "dtype_bytes": 4}),
     ("full+offload", {"training": "qlora", "loss": "chunked:8"}),
     ("offload", {"training": "lora", "loss": "chunked:8"}),
@@ -114,6 +115,18 @@ def test_what_torchtune_cannot_run_is_refused(spec_of, strategy, settings, fragm
     spec = spec_of("llama3-8b", seq=1024, loss="chunked:8", **settings)
     with pytest.raises(ExportError, match=fragment):
         exports.export(plan_of(spec, strategy), "torchtune")
+
+
+def test_chunked_output_loss_is_torchtunes_chunked_loss_compiled(spec_of):
+    """`chunked-output:N` is CEWithChunkedOutputLoss with N chunks under compile; without
+    compiled kernels torchtune would run its cross-entropy eagerly, which it is not."""
+    spec = spec_of("llama3-8b", seq=1024, loss="chunked-output:4", kernels="compiled")
+    overrides = yaml.safe_load(exports.export(plan_of(spec, "full"), "torchtune").text)
+    assert overrides["loss"]["_component_"].endswith("CEWithChunkedOutputLoss")
+    assert overrides["loss"]["num_output_chunks"] == 4 and overrides["compile"] is True
+    eager = spec_of("llama3-8b", seq=1024, loss="chunked-output:4", kernels="eager")
+    with pytest.raises(ExportError, match="kernels=compiled"):
+        exports.export(plan_of(eager, "full"), "torchtune")
 
 
 def test_fused_loss_is_refused_in_one_line(cli):

@@ -272,6 +272,32 @@ def test_compiled_loss_by_hand(spec_of):
     assert loss_moved_bytes(spec) == (4 * L, 4 * L)
 
 
+def test_chunked_output_loss_by_hand(spec_of):
+    """torchtune's CEWithChunkedOutputLoss under compile (`chunked-output:N`): the compiled
+    loss's tape; in backward one chunk's gradient beyond it, or, when the output layer trains,
+    two more weight-sized gradients less two chunks' (validation/torch_chunked_output_loss.py)."""
+    from ckplan.model.loss import (
+        chunk_output_backward_bytes,
+        loss_moved_bytes,
+        output_backward_peak_bytes,
+        output_forward_workspace_bytes,
+    )
+
+    spec = spec_of("llama3-8b", seq=8192, micro_batch=1, loss="chunked-output:8")
+    T, V, h = 8192, 128256, 4096
+    X, L, W = 2 * T * h, T * V, 2 * V * h
+    compiled = spec_of("llama3-8b", seq=8192, micro_batch=1, loss="compiled")
+    assert output_saved_bytes(spec) == output_saved_bytes(compiled) == 2 * X + 2 * L + 8 * T
+    assert output_forward_workspace_bytes(spec) == output_saved_bytes(spec) - X
+    # summing the weight's gradients outweighs a chunk: 2W - 2·(2L/8) > 2L/8
+    assert chunk_output_backward_bytes(spec) == 2 * W - 2 * (2 * L // 8)
+    assert output_backward_peak_bytes(spec) == output_saved_bytes(spec) + 2 * W - L // 2
+    assert loss_moved_bytes(spec) == (4 * L, 4 * L + 7 * 3 * W)
+    lora = spec_of("llama3-8b", seq=8192, micro_batch=1, loss="chunked-output:8", training="lora")
+    assert chunk_output_backward_bytes(lora) == 2 * L // 8
+    assert loss_moved_bytes(lora) == (4 * L, 4 * L)
+
+
 def test_torchtitan_tensor_parallel_output_stage_by_hand(spec_of):
     """torchtitan's loss parallel (eager loss over vocabulary-split logits) holds exp(x) and a
     sum beside the scattered gradient: 12L beside the saved 4L where the plain path holds 8L

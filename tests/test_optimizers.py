@@ -133,6 +133,27 @@ def test_optimizer_in_backward_holds_one_layer():
     assert model_state_bytes(lora).gradients == 4 * (16 * 64 + 64 * 16 + 16 * 64 + 32 * 16)
 
 
+def test_tied_embedding_gradient_is_held_across_the_backward():
+    """A tied word embedding's gradient comes from the output layer's backward, the first, and
+    its hook fires only after the embedding's, the last: with the step in backward it is held
+    beside each layer's gradients, 36,992 + 16,384 parameters, not the larger of the two."""
+    tied = small(tied_embeddings=True, optimizer_in_backward=True)
+    assert model_state_bytes(tied).gradients == 4 * (36_992 + 16_384)
+
+
+def test_tied_embedding_gradient_is_written_by_the_output_stage():
+    """Without the step in backward the chain's stages write their gradients in backward
+    order: the tied (V x h) block with the output stage's final norm, nothing left to the
+    embedding (RoPE: no position table); untied, each end keeps its own."""
+    from ckplan.model.memory import chain_gradient_bytes
+
+    tied = chain_gradient_bytes(small(tied_embeddings=True))
+    assert (tied[0], tied[-1]) == (0, 4 * (16_384 + 64))
+    untied = chain_gradient_bytes(small())
+    assert (untied[0], untied[-1]) == (4 * 16_384, 4 * (16_384 + 64))
+    assert sum(tied) == sum(untied) - 4 * 16_384
+
+
 @pytest.mark.parametrize(
     ("changes", "fragment"),
     [

@@ -275,3 +275,19 @@ def test_mlp_module_recompute_saves_what_ckplan_predicts(harness, monkeypatch):
     members = [op for op in layer_ops(spec) if in_group(op, DENSE_MLP)]
     dropped = sum(op.saved_bytes for op in members) - group_input_bytes(spec.chain, DENSE_MLP)
     assert plain - recomputed == dropped > 0
+
+
+def test_chunked_output_loss_matches_ckplan():
+    """torchtune's chunked output and compiled per-chunk cross-entropy hold what
+    `chunked-output:N` says, forward, through the loss's backward and while the output
+    weight's gradients are summed (validation/torch_chunked_output_loss.py), each within the
+    chunks' input gradients and per-token statistics."""
+    path = SCRIPT.parent / "torch_chunked_output_loss.py"
+    spec = importlib.util.spec_from_file_location("torch_chunked_output_loss", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for trains in (True, False):
+        row = module.measure(512, 384, 4096, 4, trains=trains)
+        for name in ("forward", "loss_backward", "weight_sum"):
+            measured, predicted = row[f"{name}_peak_bytes"], row[f"ckplan_{name}_bytes"]
+            assert abs(measured - predicted) <= row["slack_bytes"], (name, trains, row)

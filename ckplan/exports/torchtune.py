@@ -29,6 +29,7 @@ from __future__ import annotations
 import yaml
 
 from ckplan.exports.segments import LayerSegments, module_reason
+from ckplan.model.loss import chunks
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 
@@ -88,6 +89,11 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
             f"loss: {spec.loss}: torchtune v0.6.1's losses are CEWithChunkedOutputLoss (--set "
             "loss=chunked:8, its configs') or torch's cross-entropy (loss=eager)"
         )
+    if spec.loss.startswith("chunked-output:") and spec.kernels != "compiled":
+        return (
+            f"loss: {spec.loss}: torchtune compiles CEWithChunkedOutputLoss's cross-entropy "
+            "with the model (--set kernels=compiled)"
+        )
     if spec.loss == "compiled" and spec.kernels != "compiled":
         return (
             "loss: compiled: torchtune's compile flag compiles the model and the loss together "
@@ -123,8 +129,8 @@ def values(plan: Plan, layers: LayerSegments) -> dict[str, object]:
         "enable_activation_offloading": bool(layers.offloaded),
         "optimizer": {"_component_": OPTIMIZERS[spec.optimizer]},
     }
-    if spec.loss.startswith("chunked:"):
-        out["loss"] = {"_component_": CHUNKED_LOSS, "num_output_chunks": int(spec.loss[8:])}
+    if spec.loss.startswith(("chunked:", "chunked-output:")):
+        out["loss"] = {"_component_": CHUNKED_LOSS, "num_output_chunks": chunks(spec.loss)}
     else:
         out["loss"] = {"_component_": EAGER_LOSS}
     if not spec.finetune.adapters:

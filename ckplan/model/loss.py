@@ -43,6 +43,20 @@ input (X) and what the loss saves.
   cross-entropy): nothing of size L is saved; the hidden states' gradient is accumulated in fp32
   (4·T·h per rank) and kept for the backward; a chunk holds its logits, their fp32 copy,
   log-probabilities and two fp32 gradients, (B + 16)·L/N.
+- `chunked-output:N` — the output layer run on N token chunks whose B-byte logits are all kept,
+  each fed to the compiled cross-entropy of `compiled`, as torchtune's CEWithChunkedOutputLoss
+  with compile (torchtune/modules/loss/ce_chunked_output_loss.py and
+  training/_compile.py `compile_loss` at 1814feb: `compute_cross_entropy`, the upcast and
+  F.cross_entropy, compiled alone; TransformerDecoder.chunked_output returns
+  `[self.output(chunk) for chunk in last_hidden_state.chunk(N, dim=1)]`). Tape: B·L + 8T, as
+  `compiled`, and nothing of size L in the forward beyond it. The backward first runs every
+  chunk's compiled backward (their autograd nodes are the newest), each writing its chunk's
+  B-byte gradient before its saved chunk is freed: tape + B·L/N. Then each chunk's output GEMM
+  writes a (V/t x h) weight gradient in the GEMM's dtype, which the engine sums in the weight's
+  input buffer; the first sum is out of place, so at the second chunk, with N - 2 chunks'
+  gradients left, three weight-sized tensors are alive, one of them the gradient the model
+  states count: tape - 2·B·L/N + 2·B·V·h/t. Measured with torch 2.13 on the CPU
+  (validation/torch_chunked_output_loss.py): both peaks to the tensor.
 """
 
 from __future__ import annotations
@@ -50,12 +64,19 @@ from __future__ import annotations
 from ckplan.model.op import FP32_BYTES, split_share
 from ckplan.model.spec import ChainSpec
 
-LOSSES = ("fused", "eager", "xentropy", "compiled", "chunked:N")
+LOSSES = ("fused", "eager", "xentropy", "compiled", "chunked:N", "chunked-output:N")
+CHUNKED_KINDS = ("chunked", "chunked-output")
 
 
 def chunks(loss: str) -> int:
-    """N of `chunked:N` (1 for the others)."""
-    return int(loss.split(":", 1)[1]) if loss.startswith("chunked:") else 1
+    """N of `chunked:N` and `chunked-output:N` (1 for the others)."""
+    kind, _, count = loss.partition(":")
+    return int(count) if kind in CHUNKED_KINDS and count else 1
+
+
+def keeps_chunk_logits(spec: ChainSpec) -> bool:
+    """Whether the loss is `chunked-output:N` (the chunks' logits kept for the backward)."""
+    return spec.loss.startswith("chunked-output:")
 
 
 def logits_elements(spec: ChainSpec) -> int:
@@ -115,7 +136,7 @@ def output_saved_bytes(spec: ChainSpec) -> int:
         return inputs + hidden_grad_accumulator_bytes(spec)
     if spec.loss == "xentropy":  # the B-byte logits and the fp32 log-sum-exp per token
         return inputs + spec.dtype_bytes * logits_elements(spec) + FP32_BYTES * tokens(spec)
-    if spec.loss == "compiled":
+    if spec.loss == "compiled" or keeps_chunk_logits(spec):
         return inputs + spec.dtype_bytes * logits_elements(spec) + loss_statistics_bytes(spec)
     return inputs + FP32_BYTES * logits_elements(spec)
 
@@ -130,7 +151,7 @@ def output_forward_workspace_bytes(spec: ChainSpec) -> int:
     beyond_input = output_saved_bytes(spec) - X
     if spec.loss == "fused":
         return beyond_input + B * L
-    if spec.loss == "compiled":
+    if spec.loss == "compiled" or keeps_chunk_logits(spec):
         return beyond_input
     if spec.loss == "eager":
         return beyond_input + (B + FP32_BYTES) * L
@@ -163,7 +184,22 @@ def output_backward_peak_bytes(spec: ChainSpec) -> int:
         return tape + eager_backward_gradients(spec) * FP32_BYTES * L
     if spec.loss == "xentropy":
         return tape + B * L
+    if keeps_chunk_logits(spec):
+        return tape + chunk_output_backward_bytes(spec)
     return tape + stream_bytes(spec)
+
+
+def chunk_output_backward_bytes(spec: ChainSpec) -> int:
+    """`chunked-output:N`'s backward beyond its tape (module docstring): the larger of one
+    chunk's B-byte gradient while the chunks' compiled backwards run (B·L/N) and, when the
+    output layer trains, two more weight-sized gradients less two chunks' gradients while the
+    chunks' weight gradients are summed (2·B·V·h/t - 2·B·L/N)."""
+    L, B, N = logits_elements(spec), spec.dtype_bytes, chunks(spec.loss)
+    chunk = -(-B * L // N)
+    if spec.training != "full":
+        return chunk
+    weight = B * split_share(spec.vocab * spec.hidden, spec.tp)
+    return max(chunk, 2 * weight - 2 * chunk)
 
 
 def eager_backward_gradients(spec: ChainSpec) -> int:
@@ -190,7 +226,9 @@ def loss_moved_bytes(spec: ChainSpec) -> tuple[int, int]:
     backward (4 + 12) and the cast back (4 + B), (20 + B)·L; xentropy, one read of the logits
     forward (B·L, the row's maximum and sum in one block), a read and the gradient's write
     backward (2B·L); compiled, the B-byte logits read by the max and by the sum of
-    exponentials, 2B·L forward, read and the gradient written, 2B·L backward; chunked, the
+    exponentials, 2B·L forward, read and the gradient written, 2B·L backward; chunked-output,
+    the compiled loss's on every chunk and, where the output layer trains, the N - 1 sums of
+    its weight's gradients (two read, one written: 3·B·V·h/t each) in the backward; chunked, the
     eager kernels on every chunk, forward and backward in the
     forward pass."""
     L, B = logits_elements(spec), spec.dtype_bytes
@@ -198,6 +236,10 @@ def loss_moved_bytes(spec: ChainSpec) -> tuple[int, int]:
         return (B + 12) * L, (12 + B) * L
     if spec.loss == "compiled":
         return 2 * B * L, 2 * B * L
+    if keeps_chunk_logits(spec):
+        sums = chunks(spec.loss) - 1 if spec.training == "full" else 0
+        weight = B * split_share(spec.vocab * spec.hidden, spec.tp)
+        return 2 * B * L, 2 * B * L + sums * 3 * weight
     if spec.loss == "eager":
         return (B + 16) * L, (20 + B) * L
     if spec.loss == "xentropy":

@@ -950,7 +950,9 @@ def in_backward_gradient_parameters(spec: ModelSpec, stage: int) -> int | None:
     it is accumulated (PyTorch's `_apply_optimizer_in_backward` registers a post-accumulate-
     grad hook per parameter), so at most one layer's gradients are alive while its backward
     runs, or the largest tensor outside the layers (the output layer's or the embedding's).
-    derived: the larger of the two. None without it (all gradients are held)."""
+    derived: the larger of the two; with a tied word embedding on the chain their sum, as its
+    gradient is held from the output layer's backward to the embedding's, when its hook fires
+    (`tied_gradient_from_output`). None without it (all gradients are held)."""
     if not spec.optimizer_in_backward:
         return None
     if spec.training != "full":
@@ -971,7 +973,10 @@ def in_backward_gradient_parameters(spec: ModelSpec, stage: int) -> int | None:
     )
     outside = dense + expert - layers_total
     vocab_block = split_share(spec.vocab * spec.hidden, spec.tp) if outside else 0
-    return max(layer, min(vocab_block, outside) if outside else 0)
+    largest_outside = min(vocab_block, outside) if outside else 0
+    if tied_gradient_from_output(spec):
+        return layer + largest_outside
+    return max(layer, largest_outside)
 
 
 # Frameworks whose training loop frees the gradients every step (`optimizer.zero_grad()`,
@@ -997,11 +1002,26 @@ def gradients_allocated_in_backward(spec: ModelSpec) -> bool:
     )
 
 
+def tied_gradient_from_output(spec: ModelSpec) -> bool:
+    """Whether one chain holds a word embedding tied to the output layer whose gradient the
+    output layer's backward, the first of the step, brings into being: tied embeddings on one
+    pipeline stage, trained (training: full).
+
+    derived from PyTorch's autograd engine (torch/csrc/autograd/engine.cpp and
+    input_buffer.cpp, v2.5): the shared leaf has one AccumulateGrad node with an edge from each
+    use; the engine sums the gradients arriving on those edges in the node's InputBuffer and
+    runs the node (which then holds the sum as `.grad`) only when every edge has delivered, so
+    the output layer's (V x h) gradient is alive from the output layer's backward to the
+    embedding's, across every layer's backward."""
+    return spec.tied_embeddings and spec.pp == 1 and spec.training == "full" and spec.vocab > 0
+
+
 def chain_gradient_bytes(spec: ModelSpec) -> tuple[int, ...]:
     """The gradient bytes each stage of the one-GPU chain (embedding, layers, output and loss)
     writes in its backward, as `states_of` counts them (grad_bytes per trainable parameter,
     sharded over dp·cp from ZeRO 2): derived from `stage_parameters` split by chain stage.
-    With frozen base weights only the layers' adapters have gradients."""
+    With frozen base weights only the layers' adapters have gradients. A tied word embedding's
+    gradient is written by the output stage (`tied_gradient_from_output`)."""
     from ckplan.model import finetune
 
     kinds = stage_kinds(spec, 0)
@@ -1025,6 +1045,8 @@ def chain_gradient_bytes(spec: ModelSpec) -> tuple[int, ...]:
         embedding = words + (counts.embedding - spec.vocab * spec.hidden)
         outside = dense + expert - in_layers
         output = outside - embedding  # final norm and output layer (a tied one: its copy)
+        if tied_gradient_from_output(spec):
+            embedding, output = embedding - words, output + words
         first = states_of(spec, embedding, 0).gradients
         last = states_of(spec, output, 0).gradients
     else:

@@ -437,7 +437,7 @@ MAX_LOSS_CHUNKS = 2**16
 def _is_chunked(loss: str) -> bool:
     kind, _, count = loss.partition(":")
     return (
-        kind == "chunked"
+        kind in ("chunked", "chunked-output")
         and count.isascii()
         and count.isdigit()
         and (2 <= int(count[:8]) <= MAX_LOSS_CHUNKS)
@@ -459,7 +459,8 @@ class Execution(_Record):
     # the linear layers' GEMMs: bf16 | fp16 | fp8 (Transformer Engine: saves FP8 copies of their
     # inputs) | float8 (torchao's float8 training: saves them in bf16)
     precision: str = "bf16"
-    # fused | eager | xentropy | compiled | chunked:N (ckplan.model.loss); None -> the framework's
+    # fused | eager | xentropy | compiled | chunked:N | chunked-output:N (ckplan.model.loss);
+    # None -> the framework's
     loss: str | None = None
     tp_comm_overlap: bool = False  # Megatron/TE --tp-comm-overlap, torchtitan async TP
     dp_comm_overlap: bool | None = None  # overlap DP/FSDP traffic with compute; None -> framework's
@@ -489,7 +490,8 @@ class Execution(_Record):
         whole_losses = ("fused", "eager", "xentropy", "compiled")
         if self.loss not in whole_losses and not _is_chunked(self.loss):
             raise SpecError(
-                "key 'loss' must be fused, eager, xentropy, compiled or chunked:N "
+                "key 'loss' must be fused, eager, xentropy, compiled, chunked:N or "
+                "chunked-output:N "
                 f"(N in 2..{MAX_LOSS_CHUNKS:,}), got {quote(self.loss)}"
             )
         if self.kernels not in KERNELS:

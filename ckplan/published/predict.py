@@ -205,10 +205,12 @@ def optimizer_values(run: PublishedRun) -> dict[str, Any]:
 
 
 def _modelled(value: Any, modelled: tuple[str, ...]) -> bool:
-    """Whether `value` is one of `modelled`; `chunked:N` stands for every N."""
+    """Whether `value` is one of `modelled`; `chunked:N` (`chunked-output:N`) stands for every
+    N."""
     text = str(value)
-    if text.startswith("chunked:"):
-        return "chunked:N" in modelled and text.removeprefix("chunked:").isdigit()
+    kind, _, count = text.partition(":")
+    if kind in ("chunked", "chunked-output") and count:
+        return f"{kind}:N" in modelled and count.isdigit()
     return text in modelled
 
 
@@ -377,7 +379,15 @@ MODELLED_TRAINING = {
     "weight_format": ("bf16", "fp16", "fp32", "nf4", "fp4", "int8"),
     "optimizer": OPTIMIZERS,
     "offload": ("none", "activations"),
-    "loss": ("fused", "eager", "xentropy", "compiled", "chunked:N", "fused-linear-ce"),
+    "loss": (
+        "fused",
+        "eager",
+        "xentropy",
+        "compiled",
+        "chunked:N",
+        "chunked-output:N",
+        "fused-linear-ce",
+    ),
     "distribute_checkpoints": ("True", "False"),
 }
 
