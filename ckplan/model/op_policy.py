@@ -62,7 +62,14 @@ from itertools import pairwise
 
 from ckplan.errors import InputError
 from ckplan.model.layers import LayerKind, distinct_kinds
-from ckplan.model.moe import INDEX_BYTES, received_rows, routed_rows, sent_rows
+from ckplan.model.moe import (
+    INDEX_BYTES,
+    combine_weighting_saved,
+    received_rows,
+    routed_rows,
+    sent_rows,
+    weighting_inputs_moved,
+)
 from ckplan.model.op import FP32_BYTES, LayerShapes, Matmul, Op, kv_heads_per_rank
 from ckplan.model.ops import layer_ops, representative_kind
 from ckplan.model.parts import cached_by_chain
@@ -125,6 +132,7 @@ UNIT_NAMES = (
     "expert_act",
     "expert_fc2",
     "combine",
+    "weighting_inputs",
     "shared_fc1",
     "shared_gate_proj",
     "shared_up_proj",
@@ -537,7 +545,8 @@ def unit_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Unit, ...]
             units += row_parallel("shared_fc2", add=False)
         # the un-permutation's scatter-add, the shared experts' add and the residual add
         back = table["unpermute"]
-        units.append(Unit("unpermute", X, _elementwise(back, "unpermute", back.forward_bytes)))
+        rest = back.forward_bytes - weighting_inputs_moved(spec, shapes)
+        units.append(Unit("unpermute", X, _elementwise(back, "unpermute", rest)))
         return _wired(spec, table, tuple(units))
     units += _mlp_units(spec, table, shapes, "")
     return _wired(spec, table, (*units, *row_parallel("fc2")))
@@ -624,6 +633,8 @@ def _wired(spec: ChainSpec, table: dict[str, Op], units: tuple[Unit, ...]) -> tu
             reads = saves = at("attention")
         elif name in ("reduce_scatter", "dispatch", "combine", "out_proj_add"):
             reads = (i - 1,)
+        elif name == "weighting_inputs":
+            reads = (i - 1, *at("router_probs"))
         elif name in _AFTER_NORM2:
             reads = saves = at("norm2")
         elif bare == "gate_act" or name == "expert_gate_act":
@@ -655,10 +666,15 @@ def _wired(spec: ChainSpec, table: dict[str, Op], units: tuple[Unit, ...]) -> tu
                 at("expert_fc1") if spec.mlp == "gelu" else at("expert_gate", "expert_up")
             )
             internal = max(0, table[name].saved_bytes - out(saves))
+        elif name == "unpermute" and "weighting_inputs" in last:
+            # torchtitan's product of the experts' outputs and their scores in fp32 saves its
+            # two inputs, the `weighting_inputs` unit's output (`moe.combine_weighting_saved`)
+            saves = at("weighting_inputs")
+            reads = tuple(dict.fromkeys((i - 1, *saves, *at("router_probs", "out_proj_add"))))
         elif name == "unpermute":
             reads = (i - 1, *at("router_probs", "out_proj_add"))
             # weighting the outputs by their scores (`moe.combine_weighting_saved`): Hugging
-            # Face's product saves expert_fc2's output itself, torchtitan's an fp32 copy
+            # Face's product saves expert_fc2's output itself
             saves = (i - 1,) if spec.framework == "hf" else ()
             internal = max(0, table[name].saved_bytes - out(saves))
         last[name] = i
@@ -784,6 +800,16 @@ def _moe_units(spec: ChainSpec, table: dict[str, Op], shapes: LayerShapes) -> li
         grouped("expert_fc2", fc2, h, B * rows * h),
         *all_to_all("combine", table["unpermute"], B * sent * h),
     ]
+    if spec.framework == "torchtitan":
+        # the two tensors the combine's fp32 product saves, a unit of their own so that a
+        # policy can keep them without the combine's output (`weighting_inputs_moved`)
+        moved = weighting_inputs_moved(spec, shapes)
+        weights = Unit(
+            "weighting_inputs",
+            combine_weighting_saved(spec, shapes),
+            _elementwise(table["unpermute"], "weighting_inputs", moved),
+        )
+        units.append(weights)
     return units
 
 
@@ -960,7 +986,8 @@ def unit_inputs(units: tuple[Unit, ...]) -> tuple[tuple[int, ...], ...]:
     it)."""
     found = []
     expert_out = max(
-        (i for i, u in enumerate(units) if u.name in ("expert_fc2", "combine")), default=None
+        (i for i, u in enumerate(units) if u.name in ("expert_fc2", "combine", "weighting_inputs")),
+        default=None,
     )
     for unit in units:
         reads = unit.reads
@@ -1008,7 +1035,9 @@ def stored_tensors(
             if unit.name == "norm1":
                 saved = (LAYER_INPUT,)
             elif unit.name == "unpermute":
-                saved = tuple(j for j in unit.reads if units[j].name == "router_probs")
+                weights = tuple(j for j in unit.saves if units[j].name == "weighting_inputs")
+                routing = tuple(j for j in unit.reads if units[j].name == "router_probs")
+                saved = (*weights, *routing)
             elif _gathered(units, unit):
                 saved = (EXPERT_INPUT,)
             else:
