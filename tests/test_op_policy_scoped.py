@@ -146,7 +146,7 @@ def _brute_frontier(spec, layout, gpu):
             policy = parse_policy("sac@" + scopes)
             tape = policy_tape_bytes(spec, policy)
             spans = policy_spans(spec, policy)
-            again = rerun_mask(units, kept_mask(spec, policy), replays(spec), spans)
+            again = rerun_mask(units, kept_mask(spec, policy), replays(spec, True), spans)
             cost = sum(c for c, a in zip(costs, again, strict=True) if a)
             best[tape] = min(best.get(tape, cost), cost)
     return _strictly_better(sorted(best.items()))

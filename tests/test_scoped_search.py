@@ -134,7 +134,7 @@ def _wrapped_policies(spec):
 def _cost(spec, policy, gpu):
     units = unit_ops(spec)
     spans = policy_spans(spec, policy)
-    again = rerun_mask(units, kept_mask(spec, policy), replays(spec), spans)
+    again = rerun_mask(units, kept_mask(spec, policy), replays(spec, bool(policy.scopes)), spans)
     return sum(unit_cost(spec, u, gpu) for u, a in zip(units, again, strict=True) if a)
 
 

@@ -1056,15 +1056,22 @@ def stored_tensors(
     return held, internal
 
 
-def replays(spec: ChainSpec) -> str:
+def replays(spec: ChainSpec, scoped: bool = False) -> str:
     """How a policy's re-forward runs (`rerun_mask`): "graph", the partitioned backward graph
     torch.compile builds; "whole", eager replay without early stop, as torchtitan wraps its
     blocks (`ptd_checkpoint_wrapper(..., early_stop=False)`, torchtitan/distributed/
     activation_checkpoint.py at 0.3.0, `FullAC` and `SelectiveAC`; 0.2.2's `early_stop` option
     defaults to false); "early_stop", eager replay with PyTorch's default (Hugging Face's
-    gradient checkpointing)."""
+    gradient checkpointing). A `scoped` policy's regions are the torch export's checkpoints
+    (`scope_layer`: `torch.utils.checkpoint.checkpoint` with PyTorch's default early stop,
+    torch/utils/checkpoint.py at v2.13.0, `_checkpoint_early_stop` None, `early_stop` True),
+    whatever the framework: torchtitan's configuration has no place for a region, so its
+    blocks run a scoped policy only through that snippet, with torchtitan's own checkpointing
+    off."""
     if spec.kernels == "compiled":
         return "graph"
+    if scoped:
+        return "early_stop"
     return "whole" if spec.framework == "torchtitan" else "early_stop"
 
 
@@ -1073,7 +1080,8 @@ def rerun_units(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None
     """The units the backward of a layer under `policy` re-runs (`rerun_mask`)."""
     units = unit_ops(spec, kind)
     spans = policy_spans(spec, policy, kind) if policy.scopes else None
-    mask = rerun_mask(units, kept_mask(spec, policy, kind), replays(spec), spans)
+    mode = replays(spec, scoped=bool(policy.scopes))
+    mask = rerun_mask(units, kept_mask(spec, policy, kind), mode, spans)
     return tuple(unit for unit, again in zip(units, mask, strict=True) if again)
 
 

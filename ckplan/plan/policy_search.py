@@ -219,7 +219,7 @@ def layout_frontier(
 ) -> tuple[PolicyPoint, ...]:
     """The frontier of the scoped policies whose regions are `layout` (`scoped_frontier`);
     with `keep`, keeping only units of those names."""
-    mode = replays(spec)
+    mode = replays(spec, scoped=True)
     units = unit_ops(spec, kind)
     order = {name: i for i, name in enumerate(UNIT_NAMES)}
     spans = tuple(span for _, span in layout)
