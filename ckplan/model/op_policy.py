@@ -1332,6 +1332,22 @@ def op_recognised(spec: ChainSpec, name: str) -> bool:
     return any(unit.name == name and (unit.matmul or unit.grouped) for unit in unit_ops(spec))
 
 
+# The attention GEMMs of torchtitan 0.3.0's Llama-family blocks: one fused wqkv GEMM and wo
+# (`FusedQKVLinear`, torchtitan/models/common/attention.py; every Llama 3 flavour is built with
+# fuse_qkv=True, models/llama3/__init__.py), where ckplan's units count q, k, v and out_proj.
+FUSED_ATTENTION_GEMMS = ("q_proj", "k_proj", "v_proj", "out_proj")
+
+
+def region_keepable(spec: ChainSpec, name: str) -> bool:
+    """Whether a region's policy_fn can keep unit `name` by counting its aten op within the
+    region (`op_recognised`): not the attention's GEMMs of torchtitan 0.3's blocks without MLA,
+    which run q, k and v as one GEMM, so that the count within the region names other GEMMs."""
+    from ckplan.model.frameworks import framework_version
+
+    fused = spec.framework == "torchtitan" and framework_version(spec) == "0.3" and not spec.mla
+    return op_recognised(spec, name) and not (fused and name in FUSED_ATTENTION_GEMMS)
+
+
 def scope_wrap_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
     """Why scoped `policy` cannot run as a checkpoint around each region's submodule with a
     policy_fn per region, or None: every region must be one of `SUBMODULE_REGIONS` and every
@@ -1342,6 +1358,17 @@ def scope_wrap_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
         return (
             f"the snippet checkpoints submodules ({', '.join(SUBMODULE_REGIONS)}), and "
             f"{', '.join(other)} is code inside one"
+        )
+    fused = sorted(
+        name
+        for _, kept in policy.scopes
+        for name in kept
+        if op_recognised(spec, name) and not region_keepable(spec, name)
+    )
+    if fused:
+        return (
+            "torchtitan 0.3.0's attention runs q, k and v as one fused wqkv GEMM, which a "
+            f"region's policy_fn cannot count as {', '.join(fused)}"
         )
     named = sorted(
         name for _, kept in policy.scopes for name in kept if not op_recognised(spec, name)

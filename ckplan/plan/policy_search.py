@@ -31,9 +31,9 @@ from ckplan.model.op_policy import (
     UNIT_NAMES,
     OpPolicy,
     Unit,
-    op_recognised,
     part_of,
     policy_text,
+    region_keepable,
     region_spans,
     replays,
     rerun_mask,
@@ -200,7 +200,7 @@ def scoped_frontier(
     keep = None
     if wrapped:
         layouts = [layout for layout in layouts if all(n in SUBMODULE_REGIONS for n, _ in layout)]
-        keep = frozenset(u.name for u in unit_ops(spec, kind) if op_recognised(spec, u.name))
+        keep = frozenset(u.name for u in unit_ops(spec, kind) if region_keepable(spec, u.name))
     points = []
     for layout in layouts:
         points += [

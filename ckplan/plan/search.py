@@ -384,9 +384,10 @@ def mixed_plan(spec: ModelSpec, budget: int, gpu: GPU, slots: int = DEFAULT_SLOT
 
 # Frameworks whose layers `sweep` and `plan` try scoped policies (`sac@REGION=UNIT,...`) on:
 # those per-op policies are offered on (`best_policy_plan`), whose per-op plans the torch export
-# runs (DeepSpeed's config has no option for a per-op policy, the torch snippet wraps the
-# layers). Not torchtitan, whose releases run their own op lists only.
-SCOPED_FRAMEWORKS = ("hf", "deepspeed")
+# runs (DeepSpeed's config and torchtitan's have no place for a region; the torch snippet wraps
+# the layers' submodules, on torchtitan's blocks with its own activation checkpointing off:
+# tests/test_torchtitan_scoped.py).
+SCOPED_FRAMEWORKS = ("hf", "deepspeed", "torchtitan")
 
 
 def best_policy_plan(
