@@ -397,11 +397,10 @@ def best_policy_plan(
     `gpu`, FLOPs without) whose plan fits `usable` bytes; None when the model has no policies
     or none fits. With `scoped`, among the scoped policies the torch export runs too
     (`policy_points`). A plan's peak grows with its policy's stored bytes, so a binary search
-    over the frontier (by bytes) finds the last that fits. Not under torchtitan, whose releases
-    run their own op lists only (`torchtitan_ac.policy_reason`), never one the frontier picks."""
+    over the frontier (by bytes) finds the last that fits. Under torchtitan only scoped ones
+    (`policy_points`): its releases run their own op lists only (`torchtitan_ac.policy_reason`),
+    never one the layer-level frontier picks."""
     if spec.kind != "transformer" or check_policy_model(spec) is not None:
-        return None
-    if spec.framework == "torchtitan":
         return None
     frontier = policy_points(spec, gpu, scoped)
     allocatable = allocator.allocatable_bytes(usable)
@@ -427,10 +426,14 @@ def policy_points(spec: ModelSpec, gpu: GPU | None = None, scoped: bool = True) 
     eager layers of `SCOPED_FRAMEWORKS` (`op_policy.scope_model_reason`), the scoped frontier
     of the policies a checkpoint around each region's submodule runs
     (`policy_search.scoped_frontier(wrapped=True)`). Cached per model and GPU: the scoped
-    frontier takes about a second on an MoE layer."""
+    frontier takes about a second on an MoE layer. Under torchtitan the scoped ones alone, which
+    the torch snippet runs with torchtitan's checkpointing off; its configuration runs its own
+    layer-level op lists only."""
     from ckplan.plan.policy_search import policy_frontier, scoped_frontier
 
-    points = [point for point in policy_frontier(spec, gpu) if point.kept]
+    points = []
+    if spec.framework != "torchtitan":
+        points = [point for point in policy_frontier(spec, gpu) if point.kept]
     if scoped and spec.framework in SCOPED_FRAMEWORKS:
         points += scoped_frontier(spec, gpu, wrapped=True)
     points.sort(key=lambda p: (p.tape_bytes, p.cost, bool(p.scopes)))
