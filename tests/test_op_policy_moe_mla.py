@@ -72,6 +72,15 @@ def test_units_by_hand():
     (table,) = [op for op in layer_ops(s, representative_kind(s)) if op.name == "unpermute"]
     split = units["weighting_inputs"].op.forward_bytes + units["unpermute"].op.forward_bytes
     assert split == table.forward_bytes
+    # the weighting's whole traffic (B = 4): forward the gather and the cast, the product
+    # (4·S·h and 4·S read, 4·S·h written), the cast back (4·S·h read, B·S·h written);
+    # backward the cast back's, the two gradients of the product, the cast's and the gather's
+    from ckplan.model.moe import combine_weighting_moved
+    from ckplan.model.op import LayerShapes
+
+    forward = 16 * S + 8 * S * h + (8 * S * h + 4 * S) + (4 * S * h + 4 * S * h)
+    backward = 8 * S * h + (8 * S * h + 4 * S) + (8 * S * h + 4 * S) + 8 * S * h + 16 * S
+    assert combine_weighting_moved(s, LayerShapes.of(s)) == (forward, backward) == (99_584, 132_608)
     # the mm counter sees the linears only, in torchtitan's order; the experts are grouped GEMMs
     matmuls = [unit.name for unit in unit_ops(s) if unit.matmul]
     assert matmuls == ["q_down", "q_up", "kv_down", "kv_up", "out_proj", "router",
