@@ -427,14 +427,17 @@ def policy_points(spec: ModelSpec, gpu: GPU | None = None, scoped: bool = True) 
     of the policies a checkpoint around each region's submodule runs
     (`policy_search.scoped_frontier(wrapped=True)`). Cached per model and GPU: the scoped
     frontier takes about a second on an MoE layer. Under torchtitan the scoped ones alone, which
-    the torch snippet runs with torchtitan's checkpointing off; its configuration runs its own
-    layer-level op lists only."""
+    the torch snippet runs with torchtitan's checkpointing off (its configuration runs its own
+    layer-level op lists only), on layouts without tensor parallelism."""
     from ckplan.plan.policy_search import policy_frontier, scoped_frontier
 
     points = []
     if spec.framework != "torchtitan":
         points = [point for point in policy_frontier(spec, gpu) if point.kept]
-    if scoped and spec.framework in SCOPED_FRAMEWORKS:
+    # on torchtitan's blocks the snippet is checked on one rank's block (tp 1,
+    # tests/test_torchtitan_scoped.py); with tensor parallelism the regions run on DTensors
+    checked = spec.framework != "torchtitan" or spec.tp == 1
+    if scoped and spec.framework in SCOPED_FRAMEWORKS and checked:
         points += scoped_frontier(spec, gpu, wrapped=True)
     points.sort(key=lambda p: (p.tape_bytes, p.cost, bool(p.scopes)))
     merged: list = []
