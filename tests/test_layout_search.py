@@ -353,7 +353,8 @@ def test_plan_keeps_sac_mixed_only_where_it_is_faster():
     every layout shown, the plan is the fastest of brute force over every layer-level plan, the
     offload plans, the DP's, the best per-op policy and `sac-fused+mixed` (torchtitan 0.3.0's
     policy, one rank's block: tp 1 layouts); `sac-fused+mixed` is shown on a layout exactly
-    where it is that fastest (here one layout)."""
+    where it is that fastest: here on none, where a scoped policy, which the torch export runs
+    on torchtitan's blocks, is faster (`search.policy_points`)."""
     spec = load_spec("llama3-8b", {"layers": 8, "seq": 16384, "framework": "torchtitan"})
     usable = 28 * GIB
     result = search_layouts(spec, 4, GPU, 8, usable, 0, top=5)
@@ -365,7 +366,7 @@ def test_plan_keeps_sac_mixed_only_where_it_is_faster():
         assert e.seconds == pytest.approx(seconds, rel=1e-9), (e.layout, name)
         assert e.plan.strategy.endswith("+mixed") == name.endswith("+mixed")
         mixed += e.plan.strategy.endswith("+mixed")
-    assert mixed == 1
+    assert mixed == 0 and any(e.plan.strategy.startswith("sac@") for e in result.layouts)
 
 
 def test_plan_tries_mixed_only_with_one_pipeline_stage_on_pytorch_frameworks():

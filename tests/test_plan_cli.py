@@ -183,3 +183,30 @@ def test_offload_beats_recomputation_where_its_copies_hide(cli):
     assert code == 0, err
     assert json.loads(plan)["strategy"] == best["strategy"]
     assert json.loads(plan)["time"]["step_seconds"] == pytest.approx(offload["step_seconds"])
+
+
+def test_under_torchtitan_the_plan_names_the_export_that_writes_it():
+    """Under torchtitan `plan` offers plans its configuration cannot express (offloading,
+    `optimal`, scoped policies) when they are faster: the verdict names the target that writes
+    the plan and, when that is the torch snippet, why torchtitan's configuration cannot."""
+    from ckplan import exports
+    from ckplan.inputs.presets import load_spec
+    from ckplan.plan.evaluate import evaluate
+    from ckplan.plan.strategies import parse_strategy
+    from ckplan.render.layouts import export_target
+
+    spec = load_spec("llama3-8b", {"framework": "torchtitan", "dp": 8, "zero": 3})
+    native = evaluate(spec, parse_strategy("full", spec))
+    assert exports.why_not(native, "torchtitan") is None
+    assert export_target(native).startswith("--to torchtitan writes it")
+    blocks = evaluate(spec, parse_strategy("block:4", spec))
+    because = exports.why_not(blocks, "torchtitan")
+    assert because is not None and exports.why_not(blocks, "torch") is None
+    assert export_target(blocks) == (
+        "--to torch writes it, to run with torchtitan's activation checkpointing off; "
+        f"torchtitan 0.3's configuration cannot express {because}"
+    )
+    old = evaluate(spec.replace(framework_version="2024.12"), parse_strategy("full", spec))
+    assert "--torchtitan-version 0.2" in export_target(old)
+    deepspeed = spec.replace(framework="deepspeed")
+    assert export_target(evaluate(deepspeed, parse_strategy("full", deepspeed))) is None

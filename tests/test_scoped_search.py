@@ -74,9 +74,11 @@ def test_plan_offers_the_scoped_policy_and_the_export_runs_it(cli):
 
 
 @pytest.mark.parametrize(
-    "changes", [{"kernels": "compiled"}, {"framework": "torchtitan"}, {"framework": "megatron"}]
-)
-def test_never_offered_compiled_under_torchtitan_or_megatron(changes):
+    "changes",
+    [{"kernels": "compiled"}, {"framework": "torchtitan", "kernels": "compiled"},
+     {"framework": "megatron"}],
+)  # fmt: skip
+def test_never_offered_compiled_or_under_megatron(changes):
     gpu = load_gpu("h100-sxm")
     spec = _llama(**changes)
     result = sweep(spec, parse_bytes(BUDGET), gpu=gpu)
@@ -134,7 +136,7 @@ def _wrapped_policies(spec):
 def _cost(spec, policy, gpu):
     units = unit_ops(spec)
     spans = policy_spans(spec, policy)
-    again = rerun_mask(units, kept_mask(spec, policy), replays(spec), spans)
+    again = rerun_mask(units, kept_mask(spec, policy), replays(spec, bool(policy.scopes)), spans)
     return sum(unit_cost(spec, u, gpu) for u, a in zip(units, again, strict=True) if a)
 
 
@@ -178,3 +180,25 @@ def test_the_export_names_a_module_for_every_submodule_region():
     from ckplan.exports.torch_snippet import REGION_MODULES
 
     assert tuple(REGION_MODULES) == SUBMODULE_REGIONS
+
+
+def test_offered_under_torchtitan_eager_through_the_torch_export():
+    """Under torchtitan (eager) the search offers scoped policies, which the torch snippet runs
+    on its blocks with torchtitan's own checkpointing off; torchtitan's configuration has no
+    place for a region and refuses them. On torchtitan 0.3's Llama block no region keeps an
+    attention GEMM: q, k and v run as one fused wqkv GEMM there (`op_policy.region_keepable`)."""
+    from ckplan.exports import ExportError
+
+    gpu = load_gpu("h100-sxm")
+    spec = _llama(framework="torchtitan")
+    scoped = [p for p in policy_points(spec, gpu) if p.scopes]
+    assert scoped
+    fused = {"q_proj", "k_proj", "v_proj", "out_proj"}
+    assert not [p for p in scoped if fused & {u for _, kept in p.scopes for u in kept}]
+    plan = evaluate(spec, parse_strategy(scoped[0].strategy, spec))
+    assert "scope_layer" in exports.export(plan, "torch").text
+    with pytest.raises(ExportError):
+        exports.export(plan, "torchtitan")
+    refused = evaluate(spec, parse_strategy("sac@attention=v_proj", spec))
+    with pytest.raises(ExportError, match="fused wqkv"):
+        exports.export(refused, "torch")

@@ -1,6 +1,7 @@
 """The tables of docs/strategies.md, "Per-op policies beside Megatron-Core's modules": for
 Llama-3-8B, Mixtral-8x7B and DeepSeek-V3 at their usual layouts on H100s, run as torchtitan runs
-them (eager, or compiled with --compiled) or, with --early-stop, as DeepSpeed runs PyTorch's
+them (eager: layer-level policies without early stop, scoped ones by the torch export's
+checkpoints with it; or compiled with --compiled) or, with --early-stop, as DeepSpeed runs PyTorch's
 checkpoint (eager, early stop on; ZeRO 1 beside pipeline parallelism), the peak activations and
 step-time overhead of full and per-op recomputation, of each Megatron-Core module set, and of the
 fastest policy on the frontiers (`policy_search.policy_frontier`, and eagerly

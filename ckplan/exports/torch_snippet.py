@@ -291,8 +291,10 @@ def forward_layers(layers, hidden):
 
 # A scoped policy's regions that are submodules of a layer (`op_policy.SUBMODULE_REGIONS`):
 # their names in torchtitan's blocks (torchtitan/models/llama3/model/model.py, models/moe/moe.py
-# at v0.2.2) and Hugging Face's (modeling_llama.py, modeling_mixtral.py,
-# modeling_deepseek_v3.py, transformers 5.x), tried in that order.
+# at v0.2.2; 0.3.0 runs the grouped experts as `moe.routed_experts.inner_experts`, its
+# `routed_experts` also holding the token dispatcher, models/common/moe.py) and Hugging Face's
+# (modeling_llama.py, modeling_mixtral.py, modeling_deepseek_v3.py, transformers 5.x), tried in
+# that order.
 REGION_MODULES = {
     "norm1": ("attention_norm", "input_layernorm"),
     "attention": ("attention", "self_attn"),
@@ -300,7 +302,7 @@ REGION_MODULES = {
     "mlp": ("feed_forward", "mlp"),
     "moe": ("moe", "mlp"),
     "router": ("moe.router", "mlp.gate"),
-    "experts": ("moe.experts", "mlp.experts"),
+    "experts": ("moe.experts", "moe.routed_experts.inner_experts", "mlp.experts"),
     "shared_experts": ("moe.shared_experts", "mlp.shared_experts"),
 }
 

@@ -163,7 +163,9 @@ def unpermute_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
     scatter_add of the S returned rows into zeros (B·T·h written, S indices and B·S·h read,
     B·S·h accumulated); the shared experts' output added (3X) and the residual add (3X, unless
     the block's bias-dropout-add does it, `mlp_dropout`). backward: scatter_add's backward, a
-    gather of the S rows' gradients (S indices, B·S·h each way), and the un-sort's inverse."""
+    gather of the S rows' gradients (S indices, B·S·h each way), and the un-sort's inverse.
+    torchtitan weights the outputs here instead: its weighting's traffic is added
+    (`combine_weighting_moved`)."""
     tokens, h, B = shapes.stream_tokens, spec.hidden, shapes.B
     sent, rows = sent_rows(spec, shapes), routed_rows(spec, shapes)
     forward = B * tokens * h + INDEX_BYTES * sent + 2 * B * sent * h
@@ -175,6 +177,47 @@ def unpermute_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
         forward += shapes.residual_add
     if spec.dropout == 0:
         forward += shapes.residual_add
+    weighting = combine_weighting_moved(spec, shapes)
+    return forward + weighting[0], backward + weighting[1]
+
+
+def weighting_inputs_moved(spec: ModelSpec, shapes: LayerShapes) -> int:
+    """Bytes the forward moves to make the two tensors torchtitan's combine weights with, per
+    rank, over the S rows sent back (torchtitan 0.3.0, models/common/token_dispatcher.py:
+    `_local_reorder` gathers `topk_scores_TK.view(-1)[token_indices_experts_sorted_N]`, S int64
+    indices and S fp32 scores read, S fp32 written; `combine` casts the experts' outputs with
+    `routed_output_RD.to(torch.float32)`, B·S·h read and 4·S·h written). 0 where the combine
+    does not weight in fp32 (`combine_weighting_saved`)."""
+    if spec.framework != "torchtitan":
+        return 0
+    sent, h, B = sent_rows(spec, shapes), spec.hidden, shapes.B
+    return (INDEX_BYTES + 2 * FP32_BYTES) * sent + (B + FP32_BYTES) * sent * h
+
+
+def combine_weighting_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
+    """Bytes torchtitan's weighting of the experts' outputs moves, (forward, backward), per rank
+    over the S rows sent back (torchtitan 0.3.0, models/common/token_dispatcher.py `combine`:
+    `(routed_output_RD.to(torch.float32) * topk_scores_experts_sorted_N.reshape(-1, 1)).to(
+    routed_output_RD.dtype)`; derived, each aten op reading its inputs and writing its output
+    once).
+
+    forward: the scores' gather and the fp32 cast (`weighting_inputs_moved`); the product, 4·S·h
+    and 4·S read, 4·S·h written; the cast back, 4·S·h read, B·S·h written. backward: the cast
+    back's, B·S·h read, 4·S·h written; the product's two gradients, the copy's (4·S·h and 4·S
+    read, 4·S·h written) and the scores' (a row sum of the gradient times the copy, 2·4·S·h
+    read, 4·S written); the cast's, 4·S·h read, B·S·h written; the gather's, a scatter of S
+    scores (S indices and 4·S read, 4·S written). 0 outside torchtitan."""
+    if spec.framework != "torchtitan":
+        return 0, 0
+    sent, h, B = sent_rows(spec, shapes), spec.hidden, shapes.B
+    rows_fp32 = FP32_BYTES * sent * h
+    forward = weighting_inputs_moved(spec, shapes)
+    forward += 2 * rows_fp32 + FP32_BYTES * sent + rows_fp32 + B * sent * h
+    backward = B * sent * h + rows_fp32
+    backward += 2 * rows_fp32 + FP32_BYTES * sent
+    backward += 2 * rows_fp32 + FP32_BYTES * sent
+    backward += rows_fp32 + B * sent * h
+    backward += (INDEX_BYTES + 2 * FP32_BYTES) * sent
     return forward, backward
 
 

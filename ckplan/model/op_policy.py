@@ -62,7 +62,14 @@ from itertools import pairwise
 
 from ckplan.errors import InputError
 from ckplan.model.layers import LayerKind, distinct_kinds
-from ckplan.model.moe import INDEX_BYTES, received_rows, routed_rows, sent_rows
+from ckplan.model.moe import (
+    INDEX_BYTES,
+    combine_weighting_saved,
+    received_rows,
+    routed_rows,
+    sent_rows,
+    weighting_inputs_moved,
+)
 from ckplan.model.op import FP32_BYTES, LayerShapes, Matmul, Op, kv_heads_per_rank
 from ckplan.model.ops import layer_ops, representative_kind
 from ckplan.model.parts import cached_by_chain
@@ -125,6 +132,7 @@ UNIT_NAMES = (
     "expert_act",
     "expert_fc2",
     "combine",
+    "weighting_inputs",
     "shared_fc1",
     "shared_gate_proj",
     "shared_up_proj",
@@ -537,7 +545,8 @@ def unit_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Unit, ...]
             units += row_parallel("shared_fc2", add=False)
         # the un-permutation's scatter-add, the shared experts' add and the residual add
         back = table["unpermute"]
-        units.append(Unit("unpermute", X, _elementwise(back, "unpermute", back.forward_bytes)))
+        rest = back.forward_bytes - weighting_inputs_moved(spec, shapes)
+        units.append(Unit("unpermute", X, _elementwise(back, "unpermute", rest)))
         return _wired(spec, table, tuple(units))
     units += _mlp_units(spec, table, shapes, "")
     return _wired(spec, table, (*units, *row_parallel("fc2")))
@@ -624,6 +633,8 @@ def _wired(spec: ChainSpec, table: dict[str, Op], units: tuple[Unit, ...]) -> tu
             reads = saves = at("attention")
         elif name in ("reduce_scatter", "dispatch", "combine", "out_proj_add"):
             reads = (i - 1,)
+        elif name == "weighting_inputs":
+            reads = (i - 1, *at("router_probs"))
         elif name in _AFTER_NORM2:
             reads = saves = at("norm2")
         elif bare == "gate_act" or name == "expert_gate_act":
@@ -655,10 +666,15 @@ def _wired(spec: ChainSpec, table: dict[str, Op], units: tuple[Unit, ...]) -> tu
                 at("expert_fc1") if spec.mlp == "gelu" else at("expert_gate", "expert_up")
             )
             internal = max(0, table[name].saved_bytes - out(saves))
+        elif name == "unpermute" and "weighting_inputs" in last:
+            # torchtitan's product of the experts' outputs and their scores in fp32 saves its
+            # two inputs, the `weighting_inputs` unit's output (`moe.combine_weighting_saved`)
+            saves = at("weighting_inputs")
+            reads = tuple(dict.fromkeys((i - 1, *saves, *at("router_probs", "out_proj_add"))))
         elif name == "unpermute":
             reads = (i - 1, *at("router_probs", "out_proj_add"))
             # weighting the outputs by their scores (`moe.combine_weighting_saved`): Hugging
-            # Face's product saves expert_fc2's output itself, torchtitan's an fp32 copy
+            # Face's product saves expert_fc2's output itself
             saves = (i - 1,) if spec.framework == "hf" else ()
             internal = max(0, table[name].saved_bytes - out(saves))
         last[name] = i
@@ -784,6 +800,16 @@ def _moe_units(spec: ChainSpec, table: dict[str, Op], shapes: LayerShapes) -> li
         grouped("expert_fc2", fc2, h, B * rows * h),
         *all_to_all("combine", table["unpermute"], B * sent * h),
     ]
+    if spec.framework == "torchtitan":
+        # the two tensors the combine's fp32 product saves, a unit of their own so that a
+        # policy can keep them without the combine's output (`weighting_inputs_moved`)
+        moved = weighting_inputs_moved(spec, shapes)
+        weights = Unit(
+            "weighting_inputs",
+            combine_weighting_saved(spec, shapes),
+            _elementwise(table["unpermute"], "weighting_inputs", moved),
+        )
+        units.append(weights)
     return units
 
 
@@ -960,7 +986,8 @@ def unit_inputs(units: tuple[Unit, ...]) -> tuple[tuple[int, ...], ...]:
     it)."""
     found = []
     expert_out = max(
-        (i for i, u in enumerate(units) if u.name in ("expert_fc2", "combine")), default=None
+        (i for i, u in enumerate(units) if u.name in ("expert_fc2", "combine", "weighting_inputs")),
+        default=None,
     )
     for unit in units:
         reads = unit.reads
@@ -1008,7 +1035,9 @@ def stored_tensors(
             if unit.name == "norm1":
                 saved = (LAYER_INPUT,)
             elif unit.name == "unpermute":
-                saved = tuple(j for j in unit.reads if units[j].name == "router_probs")
+                weights = tuple(j for j in unit.saves if units[j].name == "weighting_inputs")
+                routing = tuple(j for j in unit.reads if units[j].name == "router_probs")
+                saved = (*weights, *routing)
             elif _gathered(units, unit):
                 saved = (EXPERT_INPUT,)
             else:
@@ -1027,15 +1056,22 @@ def stored_tensors(
     return held, internal
 
 
-def replays(spec: ChainSpec) -> str:
+def replays(spec: ChainSpec, scoped: bool = False) -> str:
     """How a policy's re-forward runs (`rerun_mask`): "graph", the partitioned backward graph
     torch.compile builds; "whole", eager replay without early stop, as torchtitan wraps its
     blocks (`ptd_checkpoint_wrapper(..., early_stop=False)`, torchtitan/distributed/
     activation_checkpoint.py at 0.3.0, `FullAC` and `SelectiveAC`; 0.2.2's `early_stop` option
     defaults to false); "early_stop", eager replay with PyTorch's default (Hugging Face's
-    gradient checkpointing)."""
+    gradient checkpointing). A `scoped` policy's regions are the torch export's checkpoints
+    (`scope_layer`: `torch.utils.checkpoint.checkpoint` with PyTorch's default early stop,
+    torch/utils/checkpoint.py at v2.13.0, `_checkpoint_early_stop` None, `early_stop` True),
+    whatever the framework: torchtitan's configuration has no place for a region, so its
+    blocks run a scoped policy only through that snippet, with torchtitan's own checkpointing
+    off."""
     if spec.kernels == "compiled":
         return "graph"
+    if scoped:
+        return "early_stop"
     return "whole" if spec.framework == "torchtitan" else "early_stop"
 
 
@@ -1044,7 +1080,8 @@ def rerun_units(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | None = None
     """The units the backward of a layer under `policy` re-runs (`rerun_mask`)."""
     units = unit_ops(spec, kind)
     spans = policy_spans(spec, policy, kind) if policy.scopes else None
-    mask = rerun_mask(units, kept_mask(spec, policy, kind), replays(spec), spans)
+    mode = replays(spec, scoped=bool(policy.scopes))
+    mask = rerun_mask(units, kept_mask(spec, policy, kind), mode, spans)
     return tuple(unit for unit, again in zip(units, mask, strict=True) if again)
 
 
@@ -1295,6 +1332,22 @@ def op_recognised(spec: ChainSpec, name: str) -> bool:
     return any(unit.name == name and (unit.matmul or unit.grouped) for unit in unit_ops(spec))
 
 
+# The attention GEMMs of torchtitan 0.3.0's Llama-family blocks: one fused wqkv GEMM and wo
+# (`FusedQKVLinear`, torchtitan/models/common/attention.py; every Llama 3 flavour is built with
+# fuse_qkv=True, models/llama3/__init__.py), where ckplan's units count q, k, v and out_proj.
+FUSED_ATTENTION_GEMMS = ("q_proj", "k_proj", "v_proj", "out_proj")
+
+
+def region_keepable(spec: ChainSpec, name: str) -> bool:
+    """Whether a region's policy_fn can keep unit `name` by counting its aten op within the
+    region (`op_recognised`): not the attention's GEMMs of torchtitan 0.3's blocks without MLA,
+    which run q, k and v as one GEMM, so that the count within the region names other GEMMs."""
+    from ckplan.model.frameworks import framework_version
+
+    fused = spec.framework == "torchtitan" and framework_version(spec) == "0.3" and not spec.mla
+    return op_recognised(spec, name) and not (fused and name in FUSED_ATTENTION_GEMMS)
+
+
 def scope_wrap_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
     """Why scoped `policy` cannot run as a checkpoint around each region's submodule with a
     policy_fn per region, or None: every region must be one of `SUBMODULE_REGIONS` and every
@@ -1305,6 +1358,17 @@ def scope_wrap_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
         return (
             f"the snippet checkpoints submodules ({', '.join(SUBMODULE_REGIONS)}), and "
             f"{', '.join(other)} is code inside one"
+        )
+    fused = sorted(
+        name
+        for _, kept in policy.scopes
+        for name in kept
+        if op_recognised(spec, name) and not region_keepable(spec, name)
+    )
+    if fused:
+        return (
+            "torchtitan 0.3.0's attention runs q, k and v as one fused wqkv GEMM, which a "
+            f"region's policy_fn cannot count as {', '.join(fused)}"
         )
     named = sorted(
         name for _, kept in policy.scopes for name in kept if not op_recognised(spec, name)

@@ -31,9 +31,9 @@ from ckplan.model.op_policy import (
     UNIT_NAMES,
     OpPolicy,
     Unit,
-    op_recognised,
     part_of,
     policy_text,
+    region_keepable,
     region_spans,
     replays,
     rerun_mask,
@@ -200,7 +200,7 @@ def scoped_frontier(
     keep = None
     if wrapped:
         layouts = [layout for layout in layouts if all(n in SUBMODULE_REGIONS for n, _ in layout)]
-        keep = frozenset(u.name for u in unit_ops(spec, kind) if op_recognised(spec, u.name))
+        keep = frozenset(u.name for u in unit_ops(spec, kind) if region_keepable(spec, u.name))
     points = []
     for layout in layouts:
         points += [
@@ -219,7 +219,7 @@ def layout_frontier(
 ) -> tuple[PolicyPoint, ...]:
     """The frontier of the scoped policies whose regions are `layout` (`scoped_frontier`);
     with `keep`, keeping only units of those names."""
-    mode = replays(spec)
+    mode = replays(spec, scoped=True)
     units = unit_ops(spec, kind)
     order = {name: i for i, name in enumerate(UNIT_NAMES)}
     spans = tuple(span for _, span in layout)

@@ -384,9 +384,10 @@ def mixed_plan(spec: ModelSpec, budget: int, gpu: GPU, slots: int = DEFAULT_SLOT
 
 # Frameworks whose layers `sweep` and `plan` try scoped policies (`sac@REGION=UNIT,...`) on:
 # those per-op policies are offered on (`best_policy_plan`), whose per-op plans the torch export
-# runs (DeepSpeed's config has no option for a per-op policy, the torch snippet wraps the
-# layers). Not torchtitan, whose releases run their own op lists only.
-SCOPED_FRAMEWORKS = ("hf", "deepspeed")
+# runs (DeepSpeed's config and torchtitan's have no place for a region; the torch snippet wraps
+# the layers' submodules, on torchtitan's blocks with its own activation checkpointing off:
+# tests/test_torchtitan_scoped.py).
+SCOPED_FRAMEWORKS = ("hf", "deepspeed", "torchtitan")
 
 
 def best_policy_plan(
@@ -396,11 +397,10 @@ def best_policy_plan(
     `gpu`, FLOPs without) whose plan fits `usable` bytes; None when the model has no policies
     or none fits. With `scoped`, among the scoped policies the torch export runs too
     (`policy_points`). A plan's peak grows with its policy's stored bytes, so a binary search
-    over the frontier (by bytes) finds the last that fits. Not under torchtitan, whose releases
-    run their own op lists only (`torchtitan_ac.policy_reason`), never one the frontier picks."""
+    over the frontier (by bytes) finds the last that fits. Under torchtitan only scoped ones
+    (`policy_points`): its releases run their own op lists only (`torchtitan_ac.policy_reason`),
+    never one the layer-level frontier picks."""
     if spec.kind != "transformer" or check_policy_model(spec) is not None:
-        return None
-    if spec.framework == "torchtitan":
         return None
     frontier = policy_points(spec, gpu, scoped)
     allocatable = allocator.allocatable_bytes(usable)
@@ -426,11 +426,18 @@ def policy_points(spec: ModelSpec, gpu: GPU | None = None, scoped: bool = True) 
     eager layers of `SCOPED_FRAMEWORKS` (`op_policy.scope_model_reason`), the scoped frontier
     of the policies a checkpoint around each region's submodule runs
     (`policy_search.scoped_frontier(wrapped=True)`). Cached per model and GPU: the scoped
-    frontier takes about a second on an MoE layer."""
+    frontier takes about a second on an MoE layer. Under torchtitan the scoped ones alone, which
+    the torch snippet runs with torchtitan's checkpointing off (its configuration runs its own
+    layer-level op lists only), on layouts without tensor parallelism."""
     from ckplan.plan.policy_search import policy_frontier, scoped_frontier
 
-    points = [point for point in policy_frontier(spec, gpu) if point.kept]
-    if scoped and spec.framework in SCOPED_FRAMEWORKS:
+    points = []
+    if spec.framework != "torchtitan":
+        points = [point for point in policy_frontier(spec, gpu) if point.kept]
+    # on torchtitan's blocks the snippet is checked on one rank's block (tp 1,
+    # tests/test_torchtitan_scoped.py); with tensor parallelism the regions run on DTensors
+    checked = spec.framework != "torchtitan" or spec.tp == 1
+    if scoped and spec.framework in SCOPED_FRAMEWORKS and checked:
         points += scoped_frontier(spec, gpu, wrapped=True)
     points.sort(key=lambda p: (p.tape_bytes, p.cost, bool(p.scopes)))
     merged: list = []

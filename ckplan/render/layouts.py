@@ -363,6 +363,7 @@ def _verdict(
             style="bold green",
         ),
         *([Text(f"Offload: {offload}.")] if offload else []),
+        *([Text(f"Export: {target}.")] if (target := export_target(best.plan)) else []),
         Text(f"Accuracy: {accuracy_note(result.gpu.name, best.spec.framework)}."),
         Text(
             "Check it: " + check_command(result, best, budget_text, model, extra),
@@ -370,6 +371,29 @@ def _verdict(
             overflow="ignore",
         ),
     ]
+
+
+def export_target(plan) -> str | None:
+    """Under torchtitan, which `ckplan export --to` target writes `plan`: torchtitan's own
+    configuration (at the release the model runs, `framework_version`), else the torch snippet,
+    run with torchtitan's activation checkpointing off, and why the configuration cannot; None
+    under other frameworks, whose plans the search keeps to what their configuration runs."""
+    from ckplan import exports
+    from ckplan.model.frameworks import framework_version
+
+    if plan.spec.framework != "torchtitan":
+        return None
+    release = "0.3" if framework_version(plan.spec) == "0.3" else "0.2"
+    flag = "" if release == "0.3" else " --torchtitan-version 0.2"
+    because = exports.why_not(plan, "torchtitan", release)
+    if because is None:
+        return f"--to torchtitan{flag} writes it (torchtitan {release}'s configuration)"
+    if exports.why_not(plan, "torch") is None:
+        return (
+            f"--to torch writes it, to run with torchtitan's activation checkpointing off; "
+            f"torchtitan {release}'s configuration cannot express {because}"
+        )
+    return f"no export writes it; torchtitan {release}'s configuration cannot express {because}"
 
 
 def check_command(
