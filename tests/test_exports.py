@@ -544,3 +544,27 @@ def test_megatron_recompute_modules_mlp_round_trip(spec_of):
     assert megatron.strategy_from_flags(megatron.parse_flags(text)) == "selective+mlp"
     for target in ("torch", "deepspeed", "torchtitan"):
         assert "dense MLP" in exports.why_not(plan_of(spec, "mlp"), target)
+
+
+@pytest.mark.parametrize("group", [None, 4, 8, 16])
+def test_megatron_microbatch_group_round_trips(spec_of, group):
+    spec = spec_of("llama3-8b", pp=4, virtual_stages=2, microbatches=16)
+    if group is not None:
+        spec = spec.replace(microbatch_group_size=group)
+    text, args = megatron_args(plan_of(spec, "none"))
+    flag = "--microbatch-group-size-per-virtual-pipeline-stage"
+    assert (flag in text) == (group is not None)
+    assert args.microbatch_group_size_per_vp_stage == spec.microbatch_group == (group or 4)
+
+
+def test_megatron_refuses_the_groups_ckplan_refuses(spec_of):
+    """Megatron's interleaved schedule (core_v0.19.0) refuses N outside [p, m] and a last
+    group shorter than p; ckplan's spec refuses the same with one line naming the key."""
+    spec = spec_of("llama3-8b", pp=4, virtual_stages=2, microbatches=16)
+    text = exports.export(plan_of(spec, "none"), "megatron").text
+    flag = "--microbatch-group-size-per-virtual-pipeline-stage"
+    for group in (3, 5, 17):
+        with pytest.raises(MegatronArgError):
+            validate(parse(f"{text} {flag} {group}", world_size(spec)))
+        with pytest.raises(ValueError, match="microbatch_group_size"):
+            spec.replace(microbatch_group_size=group)
