@@ -568,3 +568,18 @@ def test_megatron_refuses_the_groups_ckplan_refuses(spec_of):
             validate(parse(f"{text} {flag} {group}", world_size(spec)))
         with pytest.raises(ValueError, match="microbatch_group_size"):
             spec.replace(microbatch_group_size=group)
+
+
+def test_torchtitan_refuses_a_group_torch_does_not_run(spec_of):
+    """PyTorch's Interleaved1F1B groups m // max(1, m // pp) micro-batches (16 of 16 over pp 4:
+    4; 6 over pp 4: one round of 6); another microbatch_group_size is not expressible."""
+    assert torchtitan.torch_interleaved_group(4, 16) == 4
+    assert torchtitan.torch_interleaved_group(4, 6) == 6
+    assert torchtitan.torch_interleaved_group(16, 32) == 16  # Llama 3 405B's N = 16
+    spec = spec_of("llama3-8b", framework="torchtitan", pp=4, virtual_stages=2, microbatches=16)
+    assert (
+        exports.why_not(plan_of(spec.replace(microbatch_group_size=4), "none"), "torchtitan")
+        is None
+    )
+    why = exports.why_not(plan_of(spec.replace(microbatch_group_size=8), "none"), "torchtitan")
+    assert "microbatch_group_size 8" in why and "= 4" in why
