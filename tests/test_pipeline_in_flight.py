@@ -1,5 +1,6 @@
 """Micro-batches in flight per pipeline rank, against Megatron-LM's interleaved schedule."""
 
+import json
 from fractions import Fraction
 
 import pytest
@@ -239,3 +240,25 @@ def test_group_sets_the_last_stage_memory(spec_of, group):
     plan = evaluate(spec, strategy)
     assert plan.peak_stage == last
     assert plan.activation_bytes == expected
+
+
+def test_estimate_reports_the_group_and_its_memory(cli, spec_of):
+    layout = ["--set", "pp=2", "--set", "virtual_stages=3", "--set", "microbatches=8"]
+    answers = {}
+    for group in (2, 8):
+        code, out, err = cli(
+            "estimate", "gpt2", "--set", "layers=6", *layout,
+            "--set", f"microbatch_group_size={group}", "--json",
+        )  # fmt: skip
+        assert code == 0, err
+        answer = json.loads(out)
+        assert answer["model"]["microbatch_group_size"] == group
+        answers[group] = answer["memory"]["activation_bytes"]
+    for group, answer in answers.items():  # test_group_sets_the_last_stage_memory's plans
+        spec = spec_of(
+            "gpt2", layers=6, pp=2, virtual_stages=3, microbatches=8, microbatch_group_size=group
+        )
+        assert answer == evaluate(spec, parse_strategy("none", spec)).activation_bytes
+    assert answers[8] > answers[2]
+    code, out, _ = cli("estimate", "gpt2", "--set", "layers=6", *layout, "--json")
+    assert json.loads(out)["memory"]["activation_bytes"] == answers[2]
