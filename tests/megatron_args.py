@@ -5,7 +5,8 @@ config dataclasses its ArgumentGroupFactory reads, at a named release (tests/meg
 tests/megatron_mirror.py: core_v0.19.0); the checks copy `validate_args` and
 `TransformerConfig.__post_init__` (megatron/core/transformer/transformer_config.py): those of
 pipeline stages, recomputation and recompute modules as core_v0.15.0 states them and as
-core_v0.19.0 still does, and the activation offload checks of core_v0.19.0. Parsing uses
+core_v0.19.0 still does, and the activation offload checks and the interleaved schedule's
+micro-batch group checks of core_v0.19.0. Parsing uses
 argparse with `allow_abbrev=False` as Megatron does, so an unknown flag fails like it would there.
 """
 
@@ -134,6 +135,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
             check(pp > 1, "interleaved schedule needs pipeline-model-parallel size > 1")
         else:
             check(pp > 2, "interleaved schedule without p2p overlap needs pp > 2")
+        _validate_microbatch_group(args)
     if cp > 1:
         check(args.seq_length % (cp * 2) == 0, "seq-length must be a multiple of 2·cp")
     if args.recompute_activations:
@@ -202,6 +204,29 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         )
     _validate_offload(args)
     return args
+
+
+def _validate_microbatch_group(args: argparse.Namespace) -> None:
+    """core_v0.19.0: ModelParallelConfig.__post_init__ defaults the group to pp
+    (megatron/core/model_parallel_config.py); forward_backward_pipelining_with_interleaving
+    (megatron/core/pipeline_parallel/schedules.py) wants it in [pp, m] and m mod N to be 0 or
+    at least pp."""
+    pp = args.pipeline_model_parallel_size
+    if args.microbatch_group_size_per_vp_stage is None:
+        args.microbatch_group_size_per_vp_stage = pp
+    group = args.microbatch_group_size_per_vp_stage
+    m = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    check(
+        pp <= group <= m,
+        "The number of contiguous micro-batches in a virtual pipeline stage should range in "
+        f"[PP={pp} , M={m}]",
+    )
+    check(
+        not 0 < m % group < pp,
+        "The remainder of M (the total micro-batches) divided by N (number of contiguous "
+        "micro-batches in a virtual pipeline stage) should be 0, or larger than or equal to "
+        "the pipeline-parallel size",
+    )
 
 
 def _validate_offload(args: argparse.Namespace) -> None:

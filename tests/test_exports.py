@@ -544,3 +544,42 @@ def test_megatron_recompute_modules_mlp_round_trip(spec_of):
     assert megatron.strategy_from_flags(megatron.parse_flags(text)) == "selective+mlp"
     for target in ("torch", "deepspeed", "torchtitan"):
         assert "dense MLP" in exports.why_not(plan_of(spec, "mlp"), target)
+
+
+@pytest.mark.parametrize("group", [None, 4, 8, 16])
+def test_megatron_microbatch_group_round_trips(spec_of, group):
+    spec = spec_of("llama3-8b", pp=4, virtual_stages=2, microbatches=16)
+    if group is not None:
+        spec = spec.replace(microbatch_group_size=group)
+    text, args = megatron_args(plan_of(spec, "none"))
+    flag = "--microbatch-group-size-per-virtual-pipeline-stage"
+    assert (flag in text) == (group is not None)
+    assert args.microbatch_group_size_per_vp_stage == spec.microbatch_group == (group or 4)
+
+
+def test_megatron_refuses_the_groups_ckplan_refuses(spec_of):
+    """Megatron's interleaved schedule (core_v0.19.0) refuses N outside [p, m] and a last
+    group shorter than p; ckplan's spec refuses the same with one line naming the key."""
+    spec = spec_of("llama3-8b", pp=4, virtual_stages=2, microbatches=16)
+    text = exports.export(plan_of(spec, "none"), "megatron").text
+    flag = "--microbatch-group-size-per-virtual-pipeline-stage"
+    for group in (3, 5, 17):
+        with pytest.raises(MegatronArgError):
+            validate(parse(f"{text} {flag} {group}", world_size(spec)))
+        with pytest.raises(ValueError, match="microbatch_group_size"):
+            spec.replace(microbatch_group_size=group)
+
+
+def test_torchtitan_refuses_a_group_torch_does_not_run(spec_of):
+    """PyTorch's Interleaved1F1B groups m // max(1, m // pp) micro-batches (16 of 16 over pp 4:
+    4; 6 over pp 4: one round of 6); another microbatch_group_size is not expressible."""
+    assert torchtitan.torch_interleaved_group(4, 16) == 4
+    assert torchtitan.torch_interleaved_group(4, 6) == 6
+    assert torchtitan.torch_interleaved_group(16, 32) == 16  # Llama 3 405B's N = 16
+    spec = spec_of("llama3-8b", framework="torchtitan", pp=4, virtual_stages=2, microbatches=16)
+    assert (
+        exports.why_not(plan_of(spec.replace(microbatch_group_size=4), "none"), "torchtitan")
+        is None
+    )
+    why = exports.why_not(plan_of(spec.replace(microbatch_group_size=8), "none"), "torchtitan")
+    assert "microbatch_group_size 8" in why and "= 4" in why

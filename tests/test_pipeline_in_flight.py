@@ -1,5 +1,6 @@
 """Micro-batches in flight per pipeline rank, against Megatron-LM's interleaved schedule."""
 
+import json
 from fractions import Fraction
 
 import pytest
@@ -110,3 +111,154 @@ def test_interleaved_last_stage_waits_with_layers_only(spec_of):
     plan = evaluate(spec, strategy)
     assert plan.peak_stage == last  # GPT-2's 50257-row output layer and fp32 logits
     assert plan.activation_bytes == expected
+
+
+# ---- the micro-batch group size (microbatch_group_size) ------------------------------------
+
+
+def schedule_table(m, v, group):
+    """get_schedule_table (megatron/core/pipeline_parallel/schedules.py, core_v0.19.0): the
+    (micro-batch, chunk) order of a rank's forwards, groups of `group` micro-batches per chunk,
+    the last group the rest."""
+    table = []
+    for low in range(0, m, group):
+        high = m if low + group >= m else low + group
+        table += [(mb, chunk) for chunk in range(v) for mb in range(low, high)]
+    return table
+
+
+def rank_order(p, v, m, rank, group):
+    """forward_backward_pipelining_with_interleaving (core_v0.19.0) on rank `rank`: the warm-up
+    forwards, then per step one forward and one backward, then the cool-down backwards; the
+    k-th backward runs the table's k-th entry on the chunk counted from the end
+    (get_model_chunk_id with forward=False). Items: (kind, micro-batch, virtual stage)."""
+    warmup, remaining = megatron_warmup(p, v, m, rank, group)
+    table = schedule_table(m, v, group)
+    forwards = [("F", mb, chunk * p + rank) for mb, chunk in table]
+    backwards = [("B", mb, (v - 1 - chunk) * p + rank) for mb, chunk in table]
+    order = forwards[:warmup]
+    for k in range(remaining):
+        order += [forwards[warmup + k], backwards[k]]
+    return order + backwards[remaining:]
+
+
+def replay(p, v, m, group, forward=1, backward=2):
+    """Brute force: run every rank's order with its dependencies (a virtual stage's forward
+    after the previous stage's, its backward after the next stage's backward and its own
+    forward), each rank one item at a time, a forward `forward` and a backward `backward`
+    time units. Returns (makespan or None on a deadlock, chunk forwards each rank held at most)."""
+    orders = [rank_order(p, v, m, rank, group) for rank in range(p)]
+    last = p * v - 1
+    finished, free, at, live, peaks = {}, [0] * p, [0] * p, [0] * p, [0] * p
+    progress = True
+    while progress:
+        progress = False
+        for rank in range(p):
+            while at[rank] < len(orders[rank]):
+                kind, mb, stage = orders[rank][at[rank]]
+                if kind == "F":
+                    needs = [("F", mb, stage - 1)] if stage else []
+                else:
+                    needs = [("F", mb, stage)] + ([("B", mb, stage + 1)] if stage < last else [])
+                if any(need not in finished for need in needs):
+                    break
+                start = max([free[rank]] + [finished[need] for need in needs])
+                free[rank] = start + (forward if kind == "F" else backward)
+                finished[(kind, mb, stage)] = free[rank]
+                live[rank] += 1 if kind == "F" else -1
+                peaks[rank] = max(peaks[rank], live[rank])
+                at[rank] += 1
+                progress = True
+    done = all(at[rank] == len(orders[rank]) for rank in range(p))
+    return (max(free) if done else None), peaks
+
+
+def megatron_accepts(p, m, group):
+    """The interleaved schedule's checks (core_v0.19.0): N in [p, m], m mod N 0 or >= p."""
+    return p <= group <= m and not 0 < m % group < p
+
+
+REPLAYED = [(2, 2, 4), (2, 2, 5), (3, 2, 9), (4, 2, 8), (4, 2, 10), (4, 3, 12), (4, 4, 16)]
+
+
+@pytest.mark.parametrize(("p", "v", "m"), REPLAYED)
+def test_group_in_flight_matches_the_replayed_schedule(p, v, m):
+    for group in range(p, m + 1):
+        if not megatron_accepts(p, m, group):
+            continue
+        _, peaks = replay(p, v, m, group)
+        assert peaks == [megatron_in_flight_forwards(p, v, m, r, group) for r in range(p)]
+
+
+@pytest.mark.parametrize(("p", "v", "m"), REPLAYED)
+def test_group_leaves_the_bubble_at_p_minus_1_chunk_steps(p, v, m):
+    """Derived by the replay: with a forward f and a backward b per chunk, every group Megatron
+    accepts ends the iteration at (m·v + p - 1)·(f + b), the m·v chunk steps plus the
+    (p - 1)/v micro-batches of bubble of `ckplan.hardware.step_time`; a group it refuses stalls
+    (a later end) or deadlocks. The step time does not depend on the group."""
+    for group in range(1, m + 1):
+        span, _ = replay(p, v, m, group)
+        if megatron_accepts(p, m, group):
+            assert span == (m * v + p - 1) * 3
+        else:
+            assert span is None or span > (m * v + p - 1) * 3
+
+
+def test_first_stage_holds_v_minus_1_chunk_forwards_more_per_group_micro_batch():
+    """2·(p - 1) + (v - 1)·N + 1: the Llama 3 405B layout (p 16, v 8, m 32) holds 143 chunk
+    forwards at N = 16 and 255 = all 256 - 1 at N = 32 (one backward is already due)."""
+    assert megatron_in_flight_forwards(16, 8, 32, 0, 16) == 2 * 15 + 7 * 16 + 1 == 143
+    assert megatron_in_flight_forwards(16, 8, 32, 0, 32) == 2 * 15 + 7 * 32 + 1 == 255
+    assert megatron_in_flight_forwards(16, 8, 16, 0, 16) == 16 * 8  # all forwards first
+
+
+def test_spec_group_enters_the_in_flight_count(spec_of):
+    spec = spec_of("llama3-8b", pp=4, virtual_stages=2, microbatches=16)
+    grouped = spec.replace(microbatch_group_size=8)
+    assert spec.microbatch_group == 4 and grouped.microbatch_group == 8
+    assert in_flight_microbatches(spec, 0) == Fraction(2 * 3 + 4 + 1, 2)
+    assert in_flight_microbatches(grouped, 0) == Fraction(2 * 3 + 8 + 1, 2)
+    assert spec.replace(microbatch_group_size=4).microbatch_group == spec.microbatch_group
+
+
+@pytest.mark.parametrize("group", [None, 2, 4, 8])
+def test_group_sets_the_last_stage_memory(spec_of, group):
+    """As test_interleaved_last_stage_waits_with_layers_only, with the last rank's
+    (v - 1)·N + 1 chunk forwards (p 2, v 3, m 8): N = 2 (the default, p) holds 5, N = 4 holds
+    9, N = 8 holds 17; GPT-2's output layer keeps the peak on the last stage."""
+    spec = spec_of("gpt2", pp=2, virtual_stages=3, microbatches=8, layers=6)
+    if group is not None:
+        spec = spec.replace(microbatch_group_size=group)
+    last, n = spec.pp - 1, group or 2
+    strategy = parse_strategy("none", spec)
+    chain = layer_chain(spec, strategy.groups, stage=last)
+    replay_ = simulate(chain, store_all_schedule(chain))
+    # what each waiting chunk forward holds: the stage's layers without the output layer
+    layers_held = held_after_forward_bytes(chain, replay_, output_held=False)
+    waiting = Fraction((3 - 1) * n + 1 - 3, 3)
+    expected = replay_.peak_bytes + -(-waiting.numerator * layers_held // waiting.denominator)
+    plan = evaluate(spec, strategy)
+    assert plan.peak_stage == last
+    assert plan.activation_bytes == expected
+
+
+def test_estimate_reports_the_group_and_its_memory(cli, spec_of):
+    layout = ["--set", "pp=2", "--set", "virtual_stages=3", "--set", "microbatches=8"]
+    answers = {}
+    for group in (2, 8):
+        code, out, err = cli(
+            "estimate", "gpt2", "--set", "layers=6", *layout,
+            "--set", f"microbatch_group_size={group}", "--json",
+        )  # fmt: skip
+        assert code == 0, err
+        answer = json.loads(out)
+        assert answer["model"]["microbatch_group_size"] == group
+        answers[group] = answer["memory"]["activation_bytes"]
+    for group, answer in answers.items():  # test_group_sets_the_last_stage_memory's plans
+        spec = spec_of(
+            "gpt2", layers=6, pp=2, virtual_stages=3, microbatches=8, microbatch_group_size=group
+        )
+        assert answer == evaluate(spec, parse_strategy("none", spec)).activation_bytes
+    assert answers[8] > answers[2]
+    code, out, _ = cli("estimate", "gpt2", "--set", "layers=6", *layout, "--json")
+    assert json.loads(out)["memory"]["activation_bytes"] == answers[2]

@@ -87,6 +87,11 @@ def plan(
         if top < 1:
             raise UserError(f"--top must be at least 1, got {top}")
         overrides = parse_overrides(settings, seq, None, None, None, profile)
+        if "microbatch_group_size" in overrides:
+            raise UserError(
+                "key 'microbatch_group_size': plan lays out every pipeline with Megatron's "
+                "default, pp (the fewest forwards in flight it allows); set it on estimate"
+            )
         constraints = constraints_from(overrides)
         # the search sets the layout keys; the model is read without them (with model states
         # on the host, at a ZeRO stage that offloads them: every layout sets its own)

@@ -249,6 +249,9 @@ def flags(plan: Plan, layers: LayerSegments, recompute_modules: bool = True) -> 
         else:
             chunk = spec.layers_per_stage // spec.virtual_stages
             out.append(["--num-layers-per-virtual-pipeline-stage", str(chunk)])
+        if spec.microbatch_group_size is not None:  # Megatron's default is pp, as ckplan's
+            group = str(spec.microbatch_group_size)
+            out.append(["--microbatch-group-size-per-virtual-pipeline-stage", group])
     if spec.sp:
         out.append(["--sequence-parallel"])
     if spec.zero == 1:

@@ -52,9 +52,23 @@ SUBCOMMAND = "activation-checkpoint:"  # 0.3.0's tyro subcommand for the AC poli
 SCHEDULES = {False: "1F1B", True: "Interleaved1F1B"}
 
 
+def torch_interleaved_group(pp: int, microbatches: int) -> int:
+    """Micro-batches per round of PyTorch's ScheduleInterleaved1F1B, the group each local stage
+    runs back to back: m // max(1, m // pp) (torch/distributed/pipelining/schedules.py,
+    `number_of_rounds`, `microbatches_per_round`, torch 2.13); no torchtitan option sets it."""
+    return microbatches // max(1, microbatches // pp)
+
+
 def reason(spec: ModelSpec, layers: LayerSegments, version: str = DEFAULT_VERSION) -> str | None:
     if version == "0.3" and (why := _layout_reason_03(spec)):
         return why
+    group = torch_interleaved_group(spec.pp, spec.microbatches)
+    if spec.microbatch_group_size not in (None, group) and spec.virtual_stages > 1:
+        return (
+            f"microbatch_group_size {spec.microbatch_group_size}: PyTorch's Interleaved1F1B "
+            f"runs rounds of microbatches // max(1, microbatches // pp) = {group}, which no "
+            "torchtitan option changes"
+        )
     if layers.policy:
         if layers.policy in (TORCHTITAN_POLICY, TORCHTITAN_03_POLICY) and not layers.stores_all:
             return (

@@ -52,6 +52,7 @@ SIZE_RANGES: dict[str, tuple[int, int]] = {
     "zero": (0, 3),
     "virtual_stages": (1, 2**16),
     "microbatches": (1, 2**20),
+    "microbatch_group_size": (1, 2**20),
     "mlp_tiles": (1, 2**20),
     "weight_bytes": (0, 64),
     "grad_bytes": (0, 64),
@@ -284,6 +285,10 @@ class DataParallel(_Record):
     dp: int = 1
     zero: int = 0
     microbatches: int = 1  # per iteration per pipeline
+    # interleaved pipelines: micro-batches each virtual stage runs back to back (Megatron's
+    # --microbatch-group-size-per-virtual-pipeline-stage, the Llama 3 paper's N);
+    # None -> pp, Megatron's default (ckplan.model.spec.ModelSpec.microbatch_group)
+    microbatch_group_size: int | None = None
     # when the gradients are reduced under gradient accumulation (framework hf):
     # micro_batch | step; None -> the framework's (ckplan.model.frameworks.gradient_sync)
     grad_sync: str | None = None

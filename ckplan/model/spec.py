@@ -64,18 +64,18 @@ KEY_ORDER = (
     "name", "layers", "hidden", "seq", "micro_batch", "heads", "kv_heads", "ffn_hidden", "vocab",
     "dtype_bytes", "kind", "source", "norm", "mlp", "attention", "positions", "bias", "dropout",
     "tied_embeddings", "fused_swiglu", "profile", "tp", "pp", "sp", "cp", "dp", "zero",
-    "virtual_stages", "microbatches", "grad_sync", "weight_bytes", "grad_bytes", "master_bytes",
-    "optimizer_bytes", "head_dim", "qkv_bias", "qk_norm", "post_norms", "parallel_residual",
-    "sliding_window", "sliding_window_layers", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim", "experts", "top_k", "moe_ffn_hidden", "shared_experts",
-    "shared_ffn_hidden", "shared_expert_gate", "expert_bias", "capacity_factor", "moe_layers",
-    "moe_imbalance", "ep", "etp", "first_stage_layers", "last_stage_layers",
-    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
-    "framework", "framework_version", "kernels", "attention_kernel", "precision", "loss",
-    "tp_comm_overlap",
-    "dp_comm_overlap", "expandable_segments", "mlp_tiles", "training", "lora_rank", "lora_alpha",
-    "lora_targets", "lora_dropout", "use_dora", "weight_format", "optimizer",
-    "optimizer_in_backward", "optimizer_offload", "param_offload",
+    "virtual_stages", "microbatches", "microbatch_group_size", "grad_sync", "weight_bytes",
+    "grad_bytes", "master_bytes", "optimizer_bytes", "head_dim", "qkv_bias", "qk_norm",
+    "post_norms", "parallel_residual", "sliding_window", "sliding_window_layers", "q_lora_rank",
+    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "experts", "top_k",
+    "moe_ffn_hidden", "shared_experts", "shared_ffn_hidden", "shared_expert_gate", "expert_bias",
+    "capacity_factor", "moe_layers", "moe_imbalance", "ep", "etp", "first_stage_layers",
+    "last_stage_layers", "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split", "framework", "framework_version", "kernels",
+    "attention_kernel", "precision", "loss", "tp_comm_overlap", "dp_comm_overlap",
+    "expandable_segments", "mlp_tiles", "training", "lora_rank", "lora_alpha", "lora_targets",
+    "lora_dropout", "use_dora", "weight_format", "optimizer", "optimizer_in_backward",
+    "optimizer_offload", "param_offload",
 )  # fmt: skip
 PART_OF: dict[str, str] = {
     field.name: part for part, record in PARTS.items() for field in dataclasses.fields(record)
@@ -193,6 +193,14 @@ class ModelSpec(_Layers):
         expert_data_parallel_size = world / (etp·ep·pp) with world = tp·cp·dp·pp
         (megatron/core/parallel_state.py; MoE README, "MoE Parallel Folding")."""
         return self.tp * self.cp * self.dp // (self.ep * self.etp)
+
+    @property
+    def microbatch_group(self) -> int:
+        """Micro-batches each virtual stage runs back to back in the interleaved schedule:
+        microbatch_group_size, else p. Megatron-LM core_v0.19.0,
+        megatron/core/model_parallel_config.py: microbatch_group_size_per_vp_stage defaults to
+        pipeline_model_parallel_size (the depth-first schedule)."""
+        return self.pp if self.microbatch_group_size is None else self.microbatch_group_size
 
     def replace(self, **changes: Any) -> ModelSpec:
         """A copy with flat `changes`, validated again. Keys whose value is still the default
@@ -517,6 +525,32 @@ def _validate(spec: ModelSpec) -> None:
         raise SpecError(reason)
     if spec.mlp_tiles > 1:
         _validate_mlp_tiles(spec)
+    if spec.microbatch_group_size is not None:
+        _validate_microbatch_group(spec)
+
+
+def _validate_microbatch_group(spec: ModelSpec) -> None:
+    """Megatron-LM core_v0.19.0, megatron/core/pipeline_parallel/schedules.py
+    `forward_backward_pipelining_with_interleaving`: the group N of contiguous micro-batches
+    per virtual stage must lie in [p, m] (ValueError), and m mod N must be 0 or at least p
+    (RuntimeError: a shorter last group stalls on its dependencies). Only the interleaved
+    schedule reads it."""
+    n, p, m = spec.microbatch_group_size, spec.pp, spec.microbatches
+    if spec.virtual_stages == 1:
+        raise SpecError(
+            f"key 'microbatch_group_size' ({n}) is the interleaved schedule's: it needs "
+            "virtual_stages > 1"
+        )
+    if not p <= n <= m:
+        raise SpecError(
+            f"key 'microbatch_group_size' ({n}) must be in pp..microbatches ({p}..{m}), as "
+            "Megatron-LM's interleaved schedule requires"
+        )
+    if 0 < m % n < p:
+        raise SpecError(
+            f"key 'microbatch_group_size' ({n}): microbatches ({m}) leave a last group of "
+            f"{m % n}, which must be 0 or at least pp ({p}), as Megatron-LM requires"
+        )
 
 
 def _validate_uneven_stages(spec: ModelSpec) -> None:

@@ -244,8 +244,8 @@ def megatron_in_flight_forwards(
     """Model-chunk forwards whose activations pipeline rank `rank` holds at its peak.
 
     Megatron-LM, megatron/core/pipeline_parallel/schedules.py `get_pp_rank_microbatches`
-    (core_v0.14.0 and main at 6e091e1b68): of the m·v chunk forwards of an iteration a rank
-    runs `warmup` before its first backward, 1F1B: p - r - 1; interleaved:
+    (core_v0.14.0, core_v0.19.0 and main at 6e091e1b68): of the m·v chunk forwards of an
+    iteration a rank runs `warmup` before its first backward, 1F1B: p - r - 1; interleaved:
     2·(p - r - 1) + (v - 1)·g, g = microbatch_group_size_per_vp_stage (default p,
     model_parallel_config.py); capped at m·v (then all forwards come first). Its steady phase
     runs one forward, then one backward, so it peaks holding min(warmup + 1, m·v). With
@@ -268,10 +268,14 @@ def in_flight_microbatches(spec: ModelSpec, stage: int = 0) -> Fraction:
     the first p, fewer when the iteration has fewer; the last stage one (its micro-batch's
     backward follows its forward at once). Interleaved over v virtual stages: the chunk
     forwards of `megatron_in_flight_forwards`, v to a micro-batch; the first stage's
-    p + (p - 1)/v is Korthikanti §4.2.3's p·(1 + (p - 1)/(p·v)).
+    p + (p - 1)/v is Korthikanti §4.2.3's p·(1 + (p - 1)/(p·v)) at the default group
+    g = p; each micro-batch more in a group (microbatch_group_size) adds (v - 1)/v of one.
     """
     v = spec.virtual_stages
-    return Fraction(megatron_in_flight_forwards(spec.pp, v, spec.microbatches, stage), v)
+    forwards = megatron_in_flight_forwards(
+        spec.pp, v, spec.microbatches, stage, spec.microbatch_group
+    )
+    return Fraction(forwards, v)
 
 
 @lru_cache(maxsize=128)

@@ -50,6 +50,7 @@ LAYOUT_KEYS = (
     "dp",
     "sp",
     "virtual_stages",
+    "microbatch_group_size",
     "ep",
     "etp",
     "zero",

@@ -203,8 +203,8 @@ ARCHITECTURE_FEATURES = {
         "moe_layers",
     ),
 }
-# Keys of the other parts that only MoE models, uneven pipelines, model states on the host or
-# hf's gradient sync or a torchtitan release use: shown when not default.
+# Keys of the other parts that only MoE models, uneven or interleaved pipelines, model states on
+# the host or hf's gradient sync or a torchtitan release use: shown when not default.
 QUIET_KEYS = frozenset(
     {
         "moe_imbalance",
@@ -214,6 +214,7 @@ QUIET_KEYS = frozenset(
         "last_stage_layers",
         "account_for_embedding_in_pipeline_split",
         "account_for_loss_in_pipeline_split",
+        "microbatch_group_size",
         "optimizer_offload",
         "param_offload",
         "mlp_tiles",

@@ -142,6 +142,7 @@ class Bounds:
             "account_for_embedding_in_pipeline_split": False,
             "account_for_loss_in_pipeline_split": False,
             "etp": None,
+            "microbatch_group_size": None,  # Megatron's default, pp, for every layout
             # the parts' specs run any layout (ZeRO 0 among them); `states` offloads
             "optimizer_offload": "none",
             "param_offload": "none",
@@ -504,6 +505,7 @@ def layout_keys_cleared(layout: Layout, experts: bool) -> dict[str, Any]:
         "last_stage_layers": None,
         "account_for_embedding_in_pipeline_split": False,
         "account_for_loss_in_pipeline_split": False,
+        "microbatch_group_size": None,  # Megatron's default, pp: the search's layouts use it
     }
     if not experts:
         keys["etp"] = None
