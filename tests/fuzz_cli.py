@@ -741,9 +741,89 @@ def generate(seed: int, index: int) -> dict:
     return case
 
 
+# Per-op policies: valid layouts (which the mutations above rarely leave standing) under which a
+# policy, mostly well-formed and now and then with one character of noise, reaches the models of
+# regions and units, the searches that try them (sweep, plan) and the exports that refuse them
+POLICY_PRESETS = ["llama3-8b", "mistral-7b", "mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"]
+POLICY_LAYOUTS = [
+    ["framework=torchtitan"],
+    ["framework=hf"],
+    ["framework=deepspeed"],
+    ["framework=hf", "dropout=0"],
+    ["framework=torchtitan", "tp=2", "sp=true"],
+    ["framework=torchtitan", "kernels=compiled"],
+    ["framework=torchtitan", "cp=2"],
+    ["framework=torchtitan", "zero=3", "dp=8"],
+    ["framework=torchtitan", "zero=3", "dp=8", "ep=8"],
+    ["framework=torchtitan", "zero=3", "dp=8", "framework_version=2024.12"],
+    ["framework=torchtitan", "zero=2", "dp=8", "microbatches=4"],
+    ["framework=torchtitan", "pp=2", "microbatches=4"],
+    ["framework=hf", "zero=3", "dp=8", "microbatches=4", "grad_sync=step"],
+    ["framework=hf", "zero=3", "dp=8", "microbatches=4", "grad_sync=micro_batch"],
+    ["framework=megatron"],
+]
+POLICY_NOISE = ["", "=", ",", "/", " ", "\uff4d", "%2", "@", "+", ":", "\u00e9"]
+
+
+def policy_text(rng: random.Random) -> str:
+    """A per-op policy: torchtitan's words, an op list, or a scoped policy of one to three
+    regions, each keeping up to three units; one in ten parts with a character of noise."""
+    from ckplan.model.op_policy import GROUP_ITEMS, REGION_NAMES, UNIT_NAMES
+
+    if rng.random() < 0.15:
+        return pick(rng, ["sac", "sac-fused", "sac:matmuls%2,attention", "sac:fused_qkv,matmuls%2"])
+    parts = []
+    for _ in range(rng.randint(1, 3)):
+        part = pick(rng, list(REGION_NAMES))
+        if rng.random() < 0.6:
+            units = [*UNIT_NAMES, *GROUP_ITEMS]
+            part += "=" + ",".join(pick(rng, units) for _ in range(rng.randint(1, 3)))
+        if rng.random() < 0.1:
+            at = rng.randrange(len(part) + 1)
+            part = part[:at] + pick(rng, POLICY_NOISE) + part[at:]
+        parts.append(part)
+    text = "sac@" + "/".join(parts)
+    if rng.random() < 0.25:
+        text += pick(rng, ["+block:2", "+mixed", "+offload", "+full", "+every:2", "+selective"])
+    return text
+
+
+def policy_case(rng: random.Random) -> dict:
+    command = pick(rng, ["estimate", "estimate", "export", "export", "check", "schedule"])
+    command = pick(rng, [command, command, command, "sweep", "plan"])
+    argv = [command, pick(rng, POLICY_PRESETS)]
+    strategy = policy_text(rng)
+    if command in ("estimate", "check", "schedule"):
+        argv += ["--strategy", strategy]
+    if command == "export":
+        targets = ["torch", "torch", "torchtitan", "megatron", "deepspeed", "yaml", "peft"]
+        argv += ["--plan", strategy, "--to", pick(rng, targets)]
+        if rng.random() < 0.15:
+            argv += ["--torchtitan-version", pick(rng, ["0.2", "0.3"])]
+    if command == "plan":
+        argv += ["--gpus", pick(rng, ["8", "16", "72"]), "--gpu", pick(rng, ["gb200", "h100-sxm"])]
+    elif command in ("check", "schedule", "sweep") or "mixed" in strategy or rng.random() < 0.3:
+        if command != "export" and rng.random() < 0.5:
+            argv += ["--gpu", pick(rng, ["gb200", "h100-sxm", "a100-80gb"])]
+        else:
+            argv += ["--budget", pick(rng, ["20GB", "40GB", "80GB"])]
+    layout = list(pick(rng, POLICY_LAYOUTS))
+    if rng.random() < 0.6:
+        layout.append("layers=4")
+    if rng.random() < 0.1:  # one key of the layout hostile
+        key = pick(rng, ["grad_sync", "framework_version", "kernels", "dp", "zero"])
+        layout.append(f"{key}={hostile_value(rng, key)}")
+    argv += [arg for value in layout for arg in ("--set", value)]
+    if command != "export" and rng.random() < 0.3:
+        argv.append("--json")
+    return {"argv": argv, "files": {}, "family": f"policy/{command}"}
+
+
 def _generate(seed: int, index: int) -> dict:
     rng = random.Random(f"{seed}:{index}")
     files: dict[str, str] = {}
+    if rng.random() < 0.15:
+        return policy_case(rng)
     command = pick(rng, [*MODEL_COMMANDS, *MODEL_COMMANDS, "gpus", "verify", "calibrate"])
     argv: list[str] = [command]
     if command == "gpus":
