@@ -152,9 +152,9 @@ def _brute_frontier(spec, layout, gpu):
     best = {}
     for size in range(len(members) + 1):
         for chosen in combinations(members, size):
-            scopes = "/".join(
-                name + "=" + ",".join(u for r, u in chosen if r == name) for name, _ in layout
-            )
+            kept = {name: ",".join(u for r, u in chosen if r == name) for name, _ in layout}
+            # a region keeping nothing is written alone (`REGION=` is refused)
+            scopes = "/".join(f"{name}={kept[name]}" if kept[name] else name for name in kept)
             policy = parse_policy("sac@" + scopes)
             tape = policy_tape_bytes(spec, policy)
             spans = policy_spans(spec, policy)
