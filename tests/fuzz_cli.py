@@ -138,6 +138,22 @@ STRATEGIES = [
     "full+offload", "offload+full", "block:2+offload", "uniform:2+offload", "offload+offload",
     "full+offload+offload", "selective+full+offload", "offload+", "+offload", "sqrt+offload",
     "block:99+offload", "revolve:1+offload", "sac+full+offload", "moe+full+offload",
+    "every:2", "every:0", "every:-1", "every:", "every:99999", "every:٢", "selective+every:2",
+    # per-op policies: torchtitan's words, the op list and the scoped grammar
+    "sac", "sac-fused", "SAC", "sac-fused+mixed", "sac+mixed", "sac-fused+block:2",
+    "sac+block:2", "sac-fused+offload", "sac-fused+sac", "sac-fusedd", "sac-fused:x", "sac:",
+    "sac:matmuls", "sac:matmuls%2", "sac:matmuls%0", "sac:matmuls%", "sac:matmuls%nan",
+    "sac:matmuls%-1", "sac:matmuls%１", "sac:fused_qkv,matmuls%2", "sac:flex_attention",
+    "sac:all_to_all", "sac:q_proj,,k_proj", "sac:ａttention", "sac:attention,rope",
+    "sac@", "sac@=", "sac@mlp", "sac@attention", "sac@attention=", "sac@attention=/mlp",
+    "sac@nosuch=x", "sac@attention=nosuch", "sac@mlp/mlp", "sac@mlp/mlp=gate_proj",
+    "sac@mlp=gate_proj,up_proj", "sac@mlp=gate_proj,,up_proj", "sac@mlp=,", "sac@/mlp",
+    "sac@mlp/", "sac@mlp=gate_proj=up_proj", "sac@MLP", "SAC@mlp", "sac@ｍlp",
+    "sac@attention/core_attn", "sac@norm1/attention=v_proj,attention/mlp_act",
+    "sac@moe=all_to_all", "sac@experts/moe", "sac@router/experts=up_proj",
+    "sac@shared_experts", "sac@norm2_moe=router", "sac@mlp+block:2", "sac@mlp+mixed",
+    "sac@mlp+offload", "sac@mlp+selective", "sac@mlp+sac", "sac@mlp=matmuls%2",
+    "sac@mlp=fused_qkv", "sac@core_attn=attention",
 ]  # fmt: skip
 
 
@@ -168,6 +184,19 @@ _ENUM_VALUES = {
     "moe_imbalance": ["average", "worst", "1.5", "8"],
     "dropout": ["0.0", "0.1", "0.5"],
     "capacity_factor": ["1.0", "1.25", "2", "0.5"],
+    "framework": ["megatron", "torchtitan", "deepspeed", "hf"],
+    "framework_version": ["2024.12", "0.3", "0.2", "0.30", "2024.10", "", "v0.3", "nan"],
+    "grad_sync": ["micro_batch", "step", "STEP", "micro-batch", "", "never"],
+    "kernels": ["fused", "eager", "compiled"],
+    "attention_kernel": ["flash2", "flash3", "cudnn", "triton", "sdpa"],
+    "precision": ["bf16", "fp16", "fp8"],
+    "loss": ["fused", "eager", "xentropy", "compiled", "chunked:4", "chunked:1", "chunked:"],
+    "training": ["full", "lora"],
+}
+# keys that only one framework takes: the framework set beside them most of the time
+_FRAMEWORK_KEYS = {
+    "framework_version": ["torchtitan", "torchtitan", "hf", "megatron"],
+    "grad_sync": ["hf", "hf", "torchtitan", "deepspeed"],
 }
 PLAUSIBLE = ["1", "2", "3", "4", "8", "16", "32", "64", "0", "5", "6", "7", "12", "128"]
 
@@ -536,6 +565,8 @@ def set_args(rng: random.Random, moe: bool = False) -> list[str]:
                     ],
                 )
             out.append(f"{key}={hostile_value(rng, key)}")
+            if key in _FRAMEWORK_KEYS and rng.random() < 0.7:
+                out.append(f"framework={pick(rng, _FRAMEWORK_KEYS[key])}")
         elif r < 0.75:
             key = pick(rng, list(GPU_FIELDS))
             out.append(f"gpu.{key}={hostile_value(rng, key)}")
@@ -564,6 +595,14 @@ def set_args(rng: random.Random, moe: bool = False) -> list[str]:
                 )
             )
     return [arg for value in out for arg in ("--set", value)]
+
+
+def policy_framework(rng: random.Random, strategy: str) -> list[str]:
+    """A framework whose layers a per-op policy runs on, most of the time beside one (megatron,
+    the default, refuses them all before anything else is checked)."""
+    if not strategy.lower().startswith("sac") or rng.random() < 0.3:
+        return []
+    return ["--set", f"framework={pick(rng, ['torchtitan', 'torchtitan', 'hf', 'deepspeed'])}"]
 
 
 def budget_arg(rng: random.Random) -> list[str]:
@@ -702,9 +741,89 @@ def generate(seed: int, index: int) -> dict:
     return case
 
 
+# Per-op policies: valid layouts (which the mutations above rarely leave standing) under which a
+# policy, mostly well-formed and now and then with one character of noise, reaches the models of
+# regions and units, the searches that try them (sweep, plan) and the exports that refuse them
+POLICY_PRESETS = ["llama3-8b", "mistral-7b", "mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"]
+POLICY_LAYOUTS = [
+    ["framework=torchtitan"],
+    ["framework=hf"],
+    ["framework=deepspeed"],
+    ["framework=hf", "dropout=0"],
+    ["framework=torchtitan", "tp=2", "sp=true"],
+    ["framework=torchtitan", "kernels=compiled"],
+    ["framework=torchtitan", "cp=2"],
+    ["framework=torchtitan", "zero=3", "dp=8"],
+    ["framework=torchtitan", "zero=3", "dp=8", "ep=8"],
+    ["framework=torchtitan", "zero=3", "dp=8", "framework_version=2024.12"],
+    ["framework=torchtitan", "zero=2", "dp=8", "microbatches=4"],
+    ["framework=torchtitan", "pp=2", "microbatches=4"],
+    ["framework=hf", "zero=3", "dp=8", "microbatches=4", "grad_sync=step"],
+    ["framework=hf", "zero=3", "dp=8", "microbatches=4", "grad_sync=micro_batch"],
+    ["framework=megatron"],
+]
+POLICY_NOISE = ["", "=", ",", "/", " ", "\uff4d", "%2", "@", "+", ":", "\u00e9"]
+
+
+def policy_text(rng: random.Random) -> str:
+    """A per-op policy: torchtitan's words, an op list, or a scoped policy of one to three
+    regions, each keeping up to three units; one in ten parts with a character of noise."""
+    from ckplan.model.op_policy import GROUP_ITEMS, REGION_NAMES, UNIT_NAMES
+
+    if rng.random() < 0.15:
+        return pick(rng, ["sac", "sac-fused", "sac:matmuls%2,attention", "sac:fused_qkv,matmuls%2"])
+    parts = []
+    for _ in range(rng.randint(1, 3)):
+        part = pick(rng, list(REGION_NAMES))
+        if rng.random() < 0.6:
+            units = [*UNIT_NAMES, *GROUP_ITEMS]
+            part += "=" + ",".join(pick(rng, units) for _ in range(rng.randint(1, 3)))
+        if rng.random() < 0.1:
+            at = rng.randrange(len(part) + 1)
+            part = part[:at] + pick(rng, POLICY_NOISE) + part[at:]
+        parts.append(part)
+    text = "sac@" + "/".join(parts)
+    if rng.random() < 0.25:
+        text += pick(rng, ["+block:2", "+mixed", "+offload", "+full", "+every:2", "+selective"])
+    return text
+
+
+def policy_case(rng: random.Random) -> dict:
+    command = pick(rng, ["estimate", "estimate", "export", "export", "check", "schedule"])
+    command = pick(rng, [command, command, command, "sweep", "plan"])
+    argv = [command, pick(rng, POLICY_PRESETS)]
+    strategy = policy_text(rng)
+    if command in ("estimate", "check", "schedule"):
+        argv += ["--strategy", strategy]
+    if command == "export":
+        targets = ["torch", "torch", "torchtitan", "megatron", "deepspeed", "yaml", "peft"]
+        argv += ["--plan", strategy, "--to", pick(rng, targets)]
+        if rng.random() < 0.15:
+            argv += ["--torchtitan-version", pick(rng, ["0.2", "0.3"])]
+    if command == "plan":
+        argv += ["--gpus", pick(rng, ["8", "16", "72"]), "--gpu", pick(rng, ["gb200", "h100-sxm"])]
+    elif command in ("check", "schedule", "sweep") or "mixed" in strategy or rng.random() < 0.3:
+        if command != "export" and rng.random() < 0.5:
+            argv += ["--gpu", pick(rng, ["gb200", "h100-sxm", "a100-80gb"])]
+        else:
+            argv += ["--budget", pick(rng, ["20GB", "40GB", "80GB"])]
+    layout = list(pick(rng, POLICY_LAYOUTS))
+    if rng.random() < 0.6:
+        layout.append("layers=4")
+    if rng.random() < 0.1:  # one key of the layout hostile
+        key = pick(rng, ["grad_sync", "framework_version", "kernels", "dp", "zero"])
+        layout.append(f"{key}={hostile_value(rng, key)}")
+    argv += [arg for value in layout for arg in ("--set", value)]
+    if command != "export" and rng.random() < 0.3:
+        argv.append("--json")
+    return {"argv": argv, "files": {}, "family": f"policy/{command}"}
+
+
 def _generate(seed: int, index: int) -> dict:
     rng = random.Random(f"{seed}:{index}")
     files: dict[str, str] = {}
+    if rng.random() < 0.15:
+        return policy_case(rng)
     command = pick(rng, [*MODEL_COMMANDS, *MODEL_COMMANDS, "gpus", "verify", "calibrate"])
     argv: list[str] = [command]
     if command == "gpus":
@@ -786,6 +905,7 @@ def _generate(seed: int, index: int) -> dict:
         argv += gpu_arg(rng, files)
     if command in ("estimate", "check", "schedule") and rng.random() < 0.5:
         argv += ["--strategy", pick(rng, STRATEGIES)]
+        argv += policy_framework(rng, argv[-1])
     if command in ("estimate", "sweep") and rng.random() < 0.1:
         argv += ["--formula", pick(rng, ["derived", "seed", "", "exact"])]
     if command == "sweep":
@@ -848,12 +968,18 @@ def _generate(seed: int, index: int) -> dict:
                         "tp=-1",
                         "dp=0",
                         "sp=maybe",
+                        "framework=torchtitan",
+                        "framework=hf",
+                        "framework=deepspeed",
+                        "framework_version=2024.12",
+                        "grad_sync=step",
                     ],
                 ),
             ]
     if command == "export":
         if rng.random() < 0.92:
             argv += ["--plan", pick(rng, STRATEGIES)]
+            argv += policy_framework(rng, argv[-1])
         if rng.random() < 0.92:
             argv += [
                 "--to",
@@ -875,6 +1001,9 @@ def _generate(seed: int, index: int) -> dict:
             ]
         if rng.random() < 0.15:
             argv.append(pick(rng, ["--recompute-modules", "--no-recompute-modules"]))
+        if rng.random() < 0.2:
+            versions = ["0.3", "0.2", "0.3.0", "", "0.4", "nan", "０.３", " 0.3", "-1"]
+            argv += ["--torchtitan-version", pick(rng, versions)]
     if command in ("estimate", "sweep") and rng.random() < 0.06:
         argv += ["--plot", pick(rng, OUTPUT_NAMES)]
     argv += common_model_options(rng, files, command)

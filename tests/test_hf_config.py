@@ -10,7 +10,7 @@ from ckplan.inputs.hf_config import SUPPORTED, hf_config_mapping
 from ckplan.inputs.presets import load_spec
 from ckplan.model.layers import layer_kinds
 from ckplan.model.memory import parameter_count
-from ckplan.model.spec import SpecError
+from ckplan.model.spec import SpecError, spec_from_mapping
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
@@ -158,3 +158,26 @@ def test_a_config_json_runs_at_the_default_sequence_length_and_says_so():
     assert "up to 131,072 tokens" in spec.source
     chosen = load_spec(path, {"seq": 8192})
     assert chosen.seq == 8192 and "default for a config.json" not in chosen.source
+
+
+@pytest.mark.parametrize(
+    "name", ["Mistral-7B-v0.1", "Mixtral-8x7B-v0.1", "Qwen3-30B-A3B", "DeepSeek-V3", "gemma-2-9b"]
+)
+@pytest.mark.parametrize("layers", [2.5, -2.5, float("nan")])
+def test_a_layer_count_that_is_no_integer_is_refused_by_its_key(name, layers):
+    """The families with per-layer rules (windows, MoE layers) loop over the layer count: one
+    that is not an integer is refused by the spec, as in the other families."""
+    config = json.loads((FIXTURES / name / "config.json").read_text())
+    with pytest.raises(SpecError, match="key 'layers' expects an integer"):
+        load_spec_of({**config, "num_hidden_layers": layers}, name)
+
+
+def test_a_whole_float_layer_count_keeps_the_per_layer_rules():
+    """JSON's 32.0 counts as 32 layers, the sliding window on every one of them."""
+    config = json.loads((FIXTURES / "Mistral-7B-v0.1" / "config.json").read_text())
+    spec = load_spec_of({**config, "num_hidden_layers": 32.0}, "Mistral-7B-v0.1")
+    assert (spec.layers, spec.sliding_window, spec.sliding_window_layers) == (32, 4096, "all")
+
+
+def load_spec_of(config, name):
+    return spec_from_mapping(hf_config_mapping(config, f"{name}/config.json"))

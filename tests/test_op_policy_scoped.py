@@ -43,6 +43,13 @@ def test_scoped_grammar_round_trips():
     assert policy_text(parse_policy("sac@norm1/mlp_act")) == "sac@norm1/mlp_act"
 
 
+def test_scoped_all_to_all_names_dispatch_and_combine():
+    """`all_to_all` is a group as in `sac:`: the expert-parallel dispatch and combine both."""
+    policy = parse_policy("sac@moe=all_to_all,router")
+    assert policy.scopes == (("moe", frozenset({"dispatch", "combine", "router"})),)
+    assert parse_policy(policy_text(policy)) == policy
+
+
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [
@@ -50,6 +57,11 @@ def test_scoped_grammar_round_trips():
         ("sac@ffn", "unknown region 'ffn'"),
         ("sac@mlp/mlp", "region 'mlp' named twice"),
         ("sac@mlp=wq7", "unknown op 'wq7'"),
+        ("sac@attention=", "region 'attention' has '=' and no op after it"),
+        ("sac@attention=/mlp", "region 'attention' has '=' and no op after it"),
+        ("sac@mlp=gate_proj,,up_proj", "unknown op ''"),
+        ("sac@=", "unknown region ''"),
+        ("sac@mlp/", "unknown region ''"),
     ],
 )
 def test_bad_scoped_policies_are_one_line_errors(text, fragment):
@@ -140,9 +152,9 @@ def _brute_frontier(spec, layout, gpu):
     best = {}
     for size in range(len(members) + 1):
         for chosen in combinations(members, size):
-            scopes = "/".join(
-                name + "=" + ",".join(u for r, u in chosen if r == name) for name, _ in layout
-            )
+            kept = {name: ",".join(u for r, u in chosen if r == name) for name, _ in layout}
+            # a region keeping nothing is written alone (`REGION=` is refused)
+            scopes = "/".join(f"{name}={kept[name]}" if kept[name] else name for name in kept)
             policy = parse_policy("sac@" + scopes)
             tape = policy_tape_bytes(spec, policy)
             spans = policy_spans(spec, policy)

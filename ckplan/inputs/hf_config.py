@@ -234,7 +234,14 @@ def _llama_biases(c: _Config) -> dict[str, Any]:
 
 def _capped(layers: int) -> int:
     """A layer count to loop over: at most one past the most ckplan accepts, which the spec then
-    refuses with its range (a config of 10**30 layers was looped over layer by layer first)."""
+    refuses with its range (a config of 10**30 layers was looped over layer by layer first).
+    JSON's 32.0 counts as 32, as the spec reads it; any other count that is not an integer
+    (2.5, NaN) gives no layer to loop over: the spec refuses it by its key in one line, as in
+    every family without per-layer rules."""
+    if isinstance(layers, float) and layers.is_integer():
+        layers = int(layers)
+    if isinstance(layers, bool) or not isinstance(layers, int):
+        return 0
     return min(layers, SIZE_RANGES["layers"][1] + 1)
 
 

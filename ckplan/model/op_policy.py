@@ -341,7 +341,7 @@ def _parse_scoped(text: str) -> OpPolicy:
         )
     scopes: dict[str, frozenset[str]] = {}
     for part in body.split("/"):
-        region, _, items = part.strip().partition("=")
+        region, sep, items = part.strip().partition("=")
         region = region.strip()
         if region not in REGION_NAMES:
             raise PolicyError(
@@ -350,10 +350,16 @@ def _parse_scoped(text: str) -> OpPolicy:
             )
         if region in scopes:
             raise PolicyError(f"policy {quote(text)}: region {quote(region)} named twice")
+        if sep and not items.strip():
+            raise PolicyError(
+                f"policy {quote(text)}: region {quote(region)} has '=' and no op after it; "
+                f"expected {region}=OP,... or {region} alone (keeping nothing)"
+            )
         names: set[str] = set()
         for raw in items.split(",") if items.strip() else ():
             item = raw.strip()
-            names.update(GROUP_ITEMS.get(item, (_unit_name(text, item),)))
+            # a group (all_to_all) names its units; looked up first, as no unit bears its name
+            names.update(GROUP_ITEMS[item] if item in GROUP_ITEMS else (_unit_name(text, item),))
         scopes[region] = frozenset(names)
     order = {name: i for i, name in enumerate(REGION_NAMES)}
     return OpPolicy(scopes=tuple(sorted(scopes.items(), key=lambda kv: order[kv[0]])))

@@ -120,8 +120,17 @@ STRATEGY_HELP = (
     "none, full, uniform:K, sequential:K, sqrt, selective, block:N, revolve:C, optimal, every:K, "
     "each "
     "with selective+, mlp+ or layernorm+... (e.g. selective+uniform:4), with experts moe+ or "
-    "experts+; per-op policies sac or sac:OP,... (e.g. sac:matmuls%2,attention); offload, "
-    "full+offload, offload+optimal (docs/strategies.md)"
+    "experts+; per-op policies sac, sac-fused, sac:OP,... (e.g. sac:matmuls%2,attention) or "
+    "scoped sac@REGION=OP,.../REGION (e.g. sac@mlp=gate_proj/attention), each with +mixed; "
+    "offload, full+offload, offload+optimal (docs/strategies.md)"
+)
+# The same list without the examples, for the error that names it: the whole of it fits the
+# one error line (`ckplan.quoting.LINE_LIMIT`) after a misspelt word and its hint
+STRATEGY_EXPECTED = (
+    "none, full, uniform:K, sequential:K, sqrt, selective, block:N, revolve:C, optimal, every:K, "
+    "each with selective+, mlp+ or layernorm+..., with experts moe+ or experts+; per-op "
+    "policies sac, sac-fused, sac:OP,... or sac@REGION=OP,.../REGION; offload, full+offload, "
+    "offload+optimal (docs/strategies.md)"
 )
 
 
@@ -236,14 +245,14 @@ def parse_strategy(text: str, spec: ModelSpec) -> Strategy:
             twice = next(m for m in modifiers if modifiers.count(m) > 1)
             raise StrategyError(f"strategy {quote(text)}: {twice} cannot combine with itself")
         raise StrategyError(
-            f"unknown strategy {quote(text)}{_hint(text)}: expected one of {STRATEGY_HELP}"
+            f"unknown strategy {quote(text)}{_hint(text)}: expected one of {STRATEGY_EXPECTED}"
         )
     match = re.fullmatch(r"([a-z]+)(?::(-?[0-9]{1,18}))?", body)
     kind = match.group(1) if match else ""
     size = int(match.group(2)) if match and match.group(2) is not None else None
     if not match or kind not in _SIZED + _PLAIN or (kind in _PLAIN) != (size is None):
         raise StrategyError(
-            f"unknown strategy {quote(text)}{_hint(text)}: expected one of {STRATEGY_HELP}"
+            f"unknown strategy {quote(text)}{_hint(text)}: expected one of {STRATEGY_EXPECTED}"
         )
     if selective and kind == "selective":
         raise StrategyError(f"strategy {quote(text)}: selective cannot combine with itself")
