@@ -1222,7 +1222,8 @@ def policy_fit_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
 
 def layerwise_export_reason(policy: OpPolicy, beside: str) -> str | None:
     """Why no export writes `policy` in some layers beside layers of another kind (`beside`:
-    `mixed`, some storing the full tape; `block:N`, N fully recomputed), or None.
+    `mixed`, some storing the full tape; `block:N` or `optimal`, some fully recomputed), or
+    None.
     torchtitan's `activation_checkpoint` section applies one mode to every block
     (torchtitan/config/job_config.py at v0.2.2, `ActivationCheckpoint`; the same at 0.3.0), so
     only the torch snippet wraps each layer on its own, and its layer runs q, k and v as three

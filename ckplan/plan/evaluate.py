@@ -361,9 +361,9 @@ def evaluate(
                 f"stage {hidden[3]} recomputes {format_flops(per_iteration)} per iteration, "
                 f"within the slack of the busiest stage ({busiest[3]}), whose FLOPs are shown",
             )
-    beside = f"block:{strategy.size}"
+    beside = strategy.kind if strategy.size is None else f"{strategy.kind}:{strategy.size}"
     policy = parse_policy(strategy.policy) if strategy.policy else None
-    if strategy.kind == "block" and strategy.size and policy:
+    if strategy.kind in ("block", "optimal") and strategy.size != 0 and policy:
         notes += tuple(filter(None, [layerwise_export_reason(policy, beside)]))
     grouped = max(result[4] for result in results)
     if grouped > 1:

@@ -343,7 +343,8 @@ def optimal_plan(
     spec: ModelSpec, budget: int, slots: int = DEFAULT_SLOTS, gpu: GPU | None = None
 ) -> Plan | None:
     """The cheaper of `optimal` and `selective+optimal` (with dense flash-attention layers also
-    `POLICY+optimal` of `sweep_policy`; with experts, also `moe+optimal` and
+    `POLICY+optimal` of `sweep_policy` where an export writes it, not `sac-fused`,
+    `op_policy.layerwise_export_reason`; with experts, also `moe+optimal` and
     `selective+moe+optimal`) within
     `budget` activation bytes (in FLOPs, or in step time on `gpu`; ties go to the smaller
     peak); None when none fits. The DP itself minimises recompute FLOPs (rotor's costs are the
@@ -352,7 +353,8 @@ def optimal_plan(
         return None
     found = []
     strategies = [Strategy("optimal"), Strategy("optimal", selective=True)]
-    if (policy := sweep_policy(spec)) is not None:
+    policy = sweep_policy(spec)
+    if policy is not None and layerwise_export_reason(parse_policy(policy), "optimal") is None:
         strategies.append(Strategy("optimal", policy=policy))
     if spec.experts:
         strategies += [Strategy("optimal", moe="moe"), Strategy("optimal", None, True, "moe")]
