@@ -116,9 +116,13 @@ def policy_groups(spec: ModelSpec, kind: LayerKind | None = None) -> tuple[tuple
         for j in unit.reads:
             if units[j].name not in read_by_backward:
                 join(units[j].name, unit.name)
-    # the GEMMs split from one table op share its tensor-parallel collectives, which a
-    # re-forward repeats once whichever of them re-run (`step_time.rerun_time`)
+    # the GEMMs split from one column-parallel table op share its forward all-gather (sequence
+    # parallelism), which a re-forward repeats once whichever of them re-run
+    # (`step_time.rerun_time`)
+    gathered = spec.tp > 1 and spec.sp
     for op in layer_ops(spec, kind):
+        if not (gathered and op.tp_comm == "column"):
+            continue
         parts = [unit.name for unit in units if part_of(unit, op)]
         for first, second in pairwise(parts):
             join(first, second)
