@@ -7,7 +7,7 @@ import json
 import shlex
 
 import pytest
-from json_schema import LAYOUTS, errors
+from json_schema import LAYOUTS, SWEEP, errors
 
 SMALL = ["plan", "gpt2", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch", "16"]
 
@@ -229,6 +229,7 @@ def test_plan_and_sweep_json_carry_the_export_line(cli):
     code, out, err = cli(*argv, *torchtitan, "--top", "1", "--json")
     assert code == 0, err
     data = json.loads(out)
+    assert errors(data, LAYOUTS) == []
     export = data["export"]
     assert set(export) == {"target", "options", "reason"}
     assert export["target"] in ("torchtitan", "torch")
@@ -243,6 +244,7 @@ def test_plan_and_sweep_json_carry_the_export_line(cli):
     code, out, err = cli(*sweep, *torchtitan, "--json")
     assert code == 0, err
     data = json.loads(out)
+    assert errors(data, SWEEP) == []
     spec = load_spec("llama3-8b", {"framework": "torchtitan", "dp": 8, "zero": 3})
     best = evaluate(spec, parse_strategy(data["best"]["strategy"], spec))
     assert data["export"] == export_choice(best).to_dict()
