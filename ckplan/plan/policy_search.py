@@ -193,9 +193,11 @@ def scoped_frontier(
     """The frontier of scoped policies (`op_policy.OpPolicy.scopes`): for every layout of
     regions (`region_layouts`), what the regions and the un-checkpointed units hold whatever
     they keep (`op_policy.stored_tensors`), then each unit of a region that its replay re-runs
-    when not kept, kept or not: a knapsack over independent choices, since an eager region
-    re-runs a unit it does not keep by a rule that does not depend on what else it keeps
-    (`op_policy.rerun_mask`: to the region's end, or to the last tensor its backward reads),
+    when not kept, kept or not (the GEMMs of one column-parallel projection together under
+    sequence parallelism, which share its all-gather): a knapsack over independent choices,
+    since an eager region re-runs a unit it does not keep by a rule that does not depend on
+    what else it keeps (`op_policy.rerun_mask`: to the region's end, or to the last tensor its
+    backward reads),
     and keeping a unit adds its output (unless held already) and its internal tensors. Empty
     where scoped policies are not modelled (`op_policy.scope_model_reason`: under
     torch.compile, post-norm or parallel-residual layers). With `wrapped`, among the policies a
@@ -235,20 +237,20 @@ def layout_frontier(
     again = rerun_mask(units, nothing, mode, spans)
     frontier: list[tuple[int, float, tuple]] = [(base, 0.0, ())]
     for name, (start, end) in layout:
-        for i in range(start, end):
-            if not again[i]:
-                continue  # not re-run when not kept: keeping it only adds bytes
-            cost = unit_cost(spec, units[i], gpu, kind)
-            if keep is not None and units[i].name not in keep:  # re-run, never kept
-                frontier = [(b, c - cost, k) for b, c, k in frontier]
-                continue
-            # what keeping it adds, whatever else is kept: its private tensors, its output
-            # unless held already, its internal tensors
-            alone = tuple(j == i for j in range(len(units)))
-            size = scoped_tape_bytes(spec, units, spans, alone) - base
+        for members in _decisions(spec, units, [i for i in range(start, end) if again[i]], kind):
+            # units not re-run when not kept are left out: keeping them only adds bytes
+            keepable = [i for i in members if keep is None or units[i].name in keep]
+            options = []
+            for bits in range(1 << len(keepable)):
+                kept = [i for b, i in enumerate(keepable) if bits >> b & 1]
+                rerun = tuple(units[i] for i in members if i not in kept)
+                # what keeping a unit adds, whatever else is kept: its private tensors, its
+                # output unless held already, its internal tensors
+                size = sum(_alone_bytes(spec, units, spans, i) - base for i in kept)
+                names = tuple((name, units[i].name) for i in kept)
+                options.append((size, rerun_cost(spec, rerun, gpu, kind), names))
             frontier = _pareto(
-                [(b, c - cost, k) for b, c, k in frontier]
-                + [(b + size, c, (*k, (name, units[i].name))) for b, c, k in frontier]
+                [(b + ob, c - oc, (*k, *ok)) for b, c, k in frontier for ob, oc, ok in options]
             )
     found = []
     for size, _, kept in frontier:
@@ -257,11 +259,30 @@ def layout_frontier(
             for name, _ in layout
         )
         policy = OpPolicy(scopes=tuple((name, frozenset(names)) for name, names in scopes))
-        # the sum above charges a table op's collective to each of its GEMMs that re-runs (an
-        # upper bound); the point's cost is its re-run as the step-time model charges it
+        # the point's cost is its re-run as the step-time model charges it (the sum above
+        # equals it but where two units of one name share a collective: an upper bound there)
         cost = rerun_cost(spec, rerun_units(spec, policy, kind), gpu, kind)
         found.append((size, -cost, scopes))
     return tuple(PolicyPoint((), size, -score, scopes) for size, score, scopes in _pareto(found))
+
+
+def _decisions(spec: ModelSpec, units: tuple[Unit, ...], indices: list[int], kind):
+    """`indices` in the groups whose re-runs a scoped policy decides together: the GEMMs of one
+    column-parallel table op under sequence parallelism (they share its forward all-gather,
+    `step_time.rerun_time`), every other unit alone."""
+    gathered = spec.tp > 1 and spec.sp
+    columns = [op for op in layer_ops(spec, kind) if op.tp_comm == "column"] if gathered else []
+    groups: dict[object, list[int]] = {}
+    for i in indices:
+        op = next((op.name for op in columns if part_of(units[i], op)), None)
+        groups.setdefault(op or i, []).append(i)
+    return list(groups.values())
+
+
+def _alone_bytes(spec: ModelSpec, units: tuple[Unit, ...], spans, i: int) -> int:
+    """What a scoped policy whose regions are `spans` holds keeping unit `i` alone."""
+    alone = tuple(j == i for j in range(len(units)))
+    return scoped_tape_bytes(spec, units, spans, alone)
 
 
 def _pareto(points: list[tuple[int, float, tuple[str, ...]]]):
