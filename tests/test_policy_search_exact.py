@@ -147,3 +147,25 @@ def test_real_layer_kinds(model, mode):
     gpu = load_gpu("h100-sxm")
     for kind in distinct_kinds(spec):
         assert check_against_enumeration(spec, gpu, kind, seed=len(model)) > 0
+
+
+@pytest.mark.parametrize("model", ["small", "mixtral-8x7b"])
+def test_scoped_frontier_costs_are_evaluated_times(model):
+    """Every point of the scoped frontier (eager, early stop within each region) costs what a
+    stored layer under it re-runs as a plan is timed, with tensor and sequence parallelism
+    (the attention's q, k and v share one all-gather)."""
+    from ckplan.plan.policy_search import scoped_frontier
+
+    if model == "small":
+        spec = small(framework="deepspeed", tp=2, sp=True)
+    else:
+        spec = load_spec(model, {"framework": "deepspeed", **LAYOUTS[model], "zero": 1})
+    gpu = load_gpu("h100-sxm")
+    for kind in distinct_kinds(spec):
+        points = scoped_frontier(spec, gpu, kind)
+        assert points
+        for point in points:
+            time = layer_time(spec, gpu, kind, (point.strategy,))
+            assert point.cost == pytest.approx(
+                time.core_forward.total + time.core_comm, rel=1e-12, abs=1e-15
+            )
