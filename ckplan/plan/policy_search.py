@@ -250,7 +250,7 @@ def layout_frontier(
                 names = tuple((name, units[i].name) for i in kept)
                 options.append((size, rerun_cost(spec, rerun, gpu, kind), names))
             frontier = _pareto(
-                [(b + ob, c - oc, (*k, *ok)) for b, c, k in frontier for ob, oc, ok in options]
+                [(b + ob, c - oc, (*k, *ok)) for ob, oc, ok in options for b, c, k in frontier]
             )
     found = []
     for size, _, kept in frontier:
