@@ -47,11 +47,15 @@ SWEEP_PLAN = {**PLAN, "fits": bool}
 # An offload plan's `offload` object (docs/offloading.md); `exposed_seconds` with a GPU.
 OFFLOAD = {"host_bytes": int, "bytes_moved": int, "offloaded_stages": [str]}
 ESTIMATE = {"ckplan_version": str, "model": MODEL, **PLAN}
+# Under torchtitan, which `ckplan export` writes the chosen plan (the `Export:` line); null under
+# the other frameworks and without a chosen plan.
+EXPORT = ({"target": (str, None), "options": (str, None), "reason": str}, None)
 SWEEP = {
     "budget_bytes": int,
     "plans": [SWEEP_PLAN],
     "pareto": [SWEEP_PLAN],
     "best": (SWEEP_PLAN, None),
+    "export": EXPORT,
 }
 CHECK = {
     "budget_bytes": int,
@@ -174,6 +178,7 @@ LAYOUTS = {
     "rejected": {"counts": {"layouts": int}, "layouts": [REJECTED], "nearest": (REJECTED, None)},
     "advice": [str],
     "without_offload": (LAYOUT, None),
+    "export": EXPORT,
 }
 
 

@@ -7,7 +7,7 @@ import json
 import shlex
 
 import pytest
-from json_schema import LAYOUTS, errors
+from json_schema import LAYOUTS, SWEEP, errors
 
 SMALL = ["plan", "gpt2", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch", "16"]
 
@@ -210,3 +210,49 @@ def test_under_torchtitan_the_plan_names_the_export_that_writes_it():
     assert "--torchtitan-version 0.2" in export_target(old)
     deepspeed = spec.replace(framework="deepspeed")
     assert export_target(evaluate(deepspeed, parse_strategy("full", deepspeed))) is None
+
+
+def test_plan_and_sweep_json_carry_the_export_line(cli):
+    """`plan --json` says which export writes the fastest layout's plan as the `Export:` line
+    does (target, options, reason), and `sweep --json` the same for its best plan; null under
+    another framework."""
+    from ckplan.inputs.presets import load_spec
+    from ckplan.plan.evaluate import evaluate
+    from ckplan.plan.strategies import parse_strategy
+    from ckplan.render.export_target import export_choice
+
+    torchtitan = ["--set", "framework=torchtitan"]
+    argv = ["plan", "llama3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch", "8"]
+    code, out, err = cli(*argv, *torchtitan, "--top", "1", "-q")
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("Export: "))
+    code, out, err = cli(*argv, *torchtitan, "--top", "1", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert errors(data, LAYOUTS) == []
+    export = data["export"]
+    assert set(export) == {"target", "options", "reason"}
+    assert export["target"] in ("torchtitan", "torch")
+    assert line.startswith(f"Export: {export['options']} writes it")
+    assert export["reason"] in line
+    assert export["options"].startswith(f"--to {export['target']}")
+    code, out, err = cli(*argv, "--set", "framework=deepspeed", "--top", "1", "--json")
+    assert code == 0, err
+    assert json.loads(out)["export"] is None
+
+    sweep = ["sweep", "llama3-8b", "--gpu", "h100-sxm", "--set", "dp=8", "--set", "zero=3"]
+    code, out, err = cli(*sweep, *torchtitan, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert errors(data, SWEEP) == []
+    spec = load_spec("llama3-8b", {"framework": "torchtitan", "dp": 8, "zero": 3})
+    best = evaluate(spec, parse_strategy(data["best"]["strategy"], spec))
+    assert data["export"] == export_choice(best).to_dict()
+    # no export writes a plan: target and options null, the reason says why
+    mixed = evaluate(spec, parse_strategy("sac-fused+block:2", spec))
+    assert export_choice(mixed).to_dict() == {
+        "target": None,
+        "options": None,
+        "reason": export_choice(mixed).reason,
+    }
+    assert "cannot express" in export_choice(mixed).reason

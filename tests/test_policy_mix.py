@@ -250,15 +250,39 @@ def test_sweep_with_a_gpu_tries_mixed(spec_of):
     from ckplan.plan.search import sweep
 
     gpu = load_gpu("h100-sxm")
+    # torchtitan 0.3.0's policy, sac-fused, beside full-tape layers: no export writes it
     result = sweep(_llama(spec_of), gpu.memory_bytes, 2 * 2**30, gpu=gpu)
     names = {c.plan.strategy for c in result.candidates}
-    # torchtitan's policy is its 0.3.0 release's, sac-fused; under DeepSpeed's sac
-    assert "sac-fused+mixed" in names and "sac+mixed" not in names
-    assert "sac-fused+mixed" not in {
-        c.plan.strategy for c in sweep(_llama(spec_of), 80 * 2**30).candidates
-    }
+    assert "sac-fused" in names and not names & {"sac-fused+mixed", "sac+mixed"}
+    # the release of December 2024 runs sac, which --to torch writes beside full-tape layers
+    old = _llama(spec_of, framework_version="2024.12")
+    names = {c.plan.strategy for c in sweep(old, gpu.memory_bytes, 2 * 2**30, gpu=gpu).candidates}
+    assert "sac+mixed" in names and not any(name.startswith("sac-fused") for name in names)
+    assert "sac+mixed" not in {c.plan.strategy for c in sweep(old, 80 * 2**30).candidates}
     speed = sweep(_llama(spec_of, framework="deepspeed"), gpu.memory_bytes, 2 * 2**30, gpu=gpu)
     assert "sac+mixed" in {c.plan.strategy for c in speed.candidates}
+
+
+def test_sac_fused_mixed_says_no_export_writes_it(spec_of):
+    """Asked for by name, `sac-fused+mixed` (and `+block:N`, `+optimal`) is evaluated, and its
+    notes say that no export writes it; every target refuses it when it mixes layers."""
+    from ckplan import exports
+    from ckplan.inputs.gpus import load_gpu
+    from ckplan.plan.evaluate import evaluate
+    from ckplan.plan.strategies import parse_strategy
+
+    spec = _llama(spec_of)
+    gpu = load_gpu("h100-sxm")
+    for name in ("sac-fused+mixed", "sac-fused+block:4", "sac-fused+optimal"):
+        plan = evaluate(spec, parse_strategy(name, spec), budget=48 * 2**30, gpu=gpu)
+        assert any(note.startswith(f"no export writes {name}:") for note in plan.notes), name
+        mixes = name.endswith("block:4") or 0 < sum(dict(plan.stage_policy).get(0, ())) < 34
+        mixes = mixes or (name.endswith("optimal") and plan.flops.recompute > 0)
+        if mixes:
+            for target in ("torchtitan", "torch"):
+                assert exports.why_not(plan, target) is not None, (name, target)
+    plain = evaluate(spec, parse_strategy("sac+mixed", spec), budget=48 * 2**30, gpu=gpu)
+    assert not any("no export writes" in note for note in plain.notes)
 
 
 def test_mixed_with_a_policy_of_ones_own_is_never_slower_than_the_policy(spec_of):

@@ -55,10 +55,10 @@ from ckplan.model.op import (
     split_share,
 )
 from ckplan.model.op_policy import (
+    Unit,
     is_policy,
     parse_policy,
-    policy_comm_ops,
-    recomputed_ops,
+    rerun_comm_ops,
     rerun_units,
 )
 from ckplan.model.ops import layer_ops as model_layer_ops
@@ -255,6 +255,66 @@ def mla_comm(spec: ModelSpec, gpu: GPU) -> tuple[float, float]:
     )
 
 
+def expert_comm_exposed(spec: ModelSpec, gpu: GPU, kind: LayerKind) -> tuple[float, float]:
+    """Exposed seconds of an MoE layer's expert-parallel collectives, (forward, backward): the
+    share `exposed_fraction` leaves of them beside the layer's forward and backward compute. 0
+    in a dense layer. `gpu`: at the sustained rates (`spec_code_path`)."""
+    if not kind.moe:
+        return 0.0, 0.0
+    ops = model_layer_ops(spec, kind)
+    path = spec_code_path(spec, gpu)
+    gpu = path.gpu  # compute at the sustained rates; links as they are
+    ep = expert_parallel_comm(spec, gpu)
+    compute = _sum_ops(ops, path.forward, spec.dtype_bytes).total
+    compute += _sum_ops(ops, path.backward, spec.dtype_bytes).total
+    left = exposed_fraction(ep.forward + ep.backward, compute, gpu.ep_overlap)
+    return left * ep.forward, left * ep.backward
+
+
+def attention_cp_comm(spec: ModelSpec, gpu: GPU, kind: LayerKind) -> tuple[float, float]:
+    """Exposed seconds of the context-parallel K/V ring, (forward, backward), beside the
+    attention core it feeds (`context_parallel_comm`)."""
+    path = spec_code_path(spec, gpu)
+    core = module_ops(model_layer_ops(spec, kind), (ATTENTION_CORE,))
+    return context_parallel_comm(
+        spec,
+        path.gpu,
+        _sum_ops(core, path.forward, spec.dtype_bytes),
+        _sum_ops(core, path.backward, spec.dtype_bytes),
+    )
+
+
+def rerun_time(
+    spec: ModelSpec, gpu: GPU, kind: LayerKind | None, again: tuple[Unit, ...]
+) -> tuple[OpTime, float, float]:
+    """A per-op policy's re-forward of the units `again` (`op_policy.rerun_units`) in a layer
+    of `kind`: (the units' forward time, the collectives it repeats in seconds, of which
+    expert-parallel). Collectives (derived): the tensor-parallel ones of the table ops
+    `op_policy.rerun_comm_ops` names, once per table op; the K/V ring when the attention
+    kernel re-runs (`attention_cp_comm`); the exposed share of the dispatch all-to-all (and
+    the etp all-gather) when `dispatch` re-runs, of the combine all-to-all (and the etp
+    reduce-scatter) when `combine` does. A sum over the units with one term per table op and
+    per collective: what the policy search adds up group by group
+    (`plan.policy_search.rerun_cost`)."""
+    kind = representative_kind(spec) if kind is None else kind
+    path = spec_code_path(spec, gpu)
+    forward = _sum_ops([unit.op for unit in again], path.forward, spec.dtype_bytes)
+    collectives = tensor_parallel_comm(spec, path.gpu, rerun_comm_ops(spec, again, kind))[0]
+    names = {unit.name for unit in again}
+    if "attention" in names:
+        collectives += attention_cp_comm(spec, gpu, kind)[0]
+    expert = 0.0
+    if kind.moe and names & {"dispatch", "combine"}:
+        ep = expert_parallel_comm(spec, path.gpu)
+        left_forward = expert_comm_exposed(spec, gpu, kind)[0]
+        share = left_forward / ep.forward if ep.forward > 0 else 0.0
+        if "dispatch" in names:
+            expert += share * (ep.dispatch + ep.gather)
+        if "combine" in names:
+            expert += share * (ep.combine + ep.scatter)
+    return forward, collectives + expert, expert
+
+
 @lru_cache(maxsize=256)
 def layer_time(
     spec: ModelSpec,
@@ -270,38 +330,38 @@ def layer_time(
     kind = representative_kind(spec) if kind is None else kind
     ops = model_layer_ops(spec, kind)
     dtype = spec.dtype_bytes
+    given = gpu
     path = spec_code_path(spec, gpu)
     gpu = path.gpu  # compute at the sustained rates; links as they are
     policy = parse_policy(groups[0]) if groups and is_policy(groups[0]) else None
-    # a per-op policy re-runs what the backward reads and it does not keep
-    core = list(recomputed_ops(spec, policy, kind)) if policy else module_ops(ops, groups)
     forward = _sum_ops(ops, path.forward, dtype)
     backward = _sum_ops(ops, path.backward, dtype)
-    core_forward = _sum_ops(core, path.forward, dtype)
-    core_backward = _sum_ops(core, path.backward, dtype)
     tp_forward, tp_backward = tensor_parallel_comm(spec, gpu, ops)
-    cp_forward, cp_backward = context_parallel_comm(spec, gpu, core_forward, core_backward)
     mla_forward, mla_backward = mla_comm(spec, gpu)
-    ep_forward = ep_backward = 0.0
-    if kind.moe:
-        ep = expert_parallel_comm(spec, gpu)
-        compute = forward.total + backward.total
-        left = exposed_fraction(ep.forward + ep.backward, compute, gpu.ep_overlap)
-        ep_forward, ep_backward = left * ep.forward, left * ep.backward
-    comm_ops = policy_comm_ops(spec, policy, kind) if policy else tuple(core)
-    core_comm = tensor_parallel_comm(spec, gpu, comm_ops)[0]
-    core_attention = any(op.name == "attention_core" for op in core)
-    core_comm += cp_forward if ATTENTION_CORE in groups or (policy and core_attention) else 0.0
-    core_ep = ep_forward if MOE in groups else 0.0
-    if policy is not None and any(u.name == "dispatch" for u in rerun_units(spec, policy, kind)):
-        core_ep = ep_forward  # the re-forward repeats the dispatcher's collectives
+    ep_forward, ep_backward = expert_comm_exposed(spec, given, kind)
+    if policy is not None:
+        # a per-op policy re-runs what the backward reads and it does not keep; the K/V ring
+        # of the forward hides behind the attention core, whatever the policy re-runs
+        cp_forward, cp_backward = attention_cp_comm(spec, given, kind)
+        core_forward, core_comm, core_ep = rerun_time(
+            spec, given, kind, rerun_units(spec, policy, kind)
+        )
+    else:
+        core = module_ops(ops, groups)
+        core_forward = _sum_ops(core, path.forward, dtype)
+        core_backward = _sum_ops(core, path.backward, dtype)
+        cp_forward, cp_backward = context_parallel_comm(spec, gpu, core_forward, core_backward)
+        core_comm = tensor_parallel_comm(spec, gpu, tuple(core))[0]
+        core_comm += cp_forward if ATTENTION_CORE in groups else 0.0
+        core_ep = ep_forward if MOE in groups else 0.0
+        core_comm += core_ep
     return StageTime(
         forward=forward,
         backward=backward,
         forward_comm=tp_forward + cp_forward + mla_forward + ep_forward,
         backward_comm=tp_backward + cp_backward + mla_backward + ep_backward,
         core_forward=core_forward,
-        core_comm=core_comm + core_ep,
+        core_comm=core_comm,
         expert_forward_comm=ep_forward,
         expert_backward_comm=ep_backward,
         core_expert_comm=core_ep,

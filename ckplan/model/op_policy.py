@@ -1098,7 +1098,14 @@ def policy_comm_ops(
     repeats: the input all-gather of a column-parallel projection one of whose units re-runs,
     the output reduce-scatter of a row-parallel one when that reduce-scatter re-runs (its
     all-reduce, without sequence parallelism, when the projection re-runs)."""
-    again = rerun_units(spec, policy, kind)
+    return rerun_comm_ops(spec, rerun_units(spec, policy, kind), kind)
+
+
+def rerun_comm_ops(
+    spec: ChainSpec, again: tuple[Unit, ...], kind: LayerKind | None = None
+) -> tuple[Op, ...]:
+    """The table ops whose forward collectives a re-forward of the units `again` repeats
+    (`policy_comm_ops`)."""
     names = {unit.name for unit in again}
     ops = layer_ops(spec, representative_kind(spec) if kind is None else kind)
     found = []
@@ -1217,6 +1224,28 @@ def policy_fit_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
             "torch.distributed.reduce_scatter_tensor, not the functional op its save list names"
         )
     return None
+
+
+def layerwise_export_reason(policy: OpPolicy, beside: str) -> str | None:
+    """Why no export writes `policy` in some layers beside layers of another kind (`beside`:
+    `mixed`, some storing the full tape; `block:N` or `optimal`, some fully recomputed), or
+    None.
+    torchtitan's `activation_checkpoint` section applies one mode to every block
+    (torchtitan/config/job_config.py at v0.2.2, `ActivationCheckpoint`; the same at 0.3.0), so
+    only the torch snippet wraps each layer on its own, and its layer runs q, k and v as three
+    linears and attention as SDPA, not torchtitan 0.3.0's fused wqkv and compiled FlexAttention
+    that `fused_qkv` and `flex_attention` name (`exports.torch_snippet.reason`). Such a plan is
+    never needed: where it stores the policy's tape in every layer it is the policy's own plan."""
+    if not (policy.fused_qkv or policy.flex):
+        return None
+    text = policy_text(policy)
+    word = next((word for word, body in POLICY_WORDS.items() if body == text), text)
+    return (
+        f"no export writes {word}+{beside}: torchtitan's activation_checkpoint section applies "
+        "one mode to every layer, and the torch snippet that wraps each layer runs q, k and v "
+        "as three linears and attention as SDPA, not torchtitan 0.3.0's fused wqkv and "
+        f"FlexAttention ({word} alone is written by --to torchtitan)"
+    )
 
 
 def scope_model_reason(spec: ChainSpec) -> str | None:

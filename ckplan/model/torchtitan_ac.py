@@ -31,6 +31,14 @@ RELEASES = ("0.3", "0.2")  # torchtitan 0.3.0 (command line), 0.2.x (TOML job fi
 DEFAULT_RELEASE = "0.3"
 
 
+def spec_release(spec: ModelSpec) -> str:
+    """The release (`RELEASES`) `spec`'s torchtitan runs: 0.3 at `framework_version` 0.3 (the
+    default), 0.2 at the release of December 2024, whose op-level selective AC is 0.2.x's."""
+    from ckplan.model.frameworks import framework_version
+
+    return "0.3" if framework_version(spec) == "0.3" else "0.2"
+
+
 def policy_reason(spec: ModelSpec, policy: str, release: str = DEFAULT_RELEASE) -> str | None:
     """Why torchtitan `release` does not run the per-op policy `policy` (canonical `sac:...`
     text) on `spec`'s layers, or None."""

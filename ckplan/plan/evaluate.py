@@ -20,6 +20,7 @@ from ckplan.cache import BoundedCache
 from ckplan.model import allocator, memory
 from ckplan.model import flops as flops_model
 from ckplan.model.layers import stage_kinds
+from ckplan.model.op_policy import layerwise_export_reason, parse_policy
 from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import limits
@@ -364,6 +365,10 @@ def evaluate(
                 f"stage {hidden[3]} recomputes {format_flops(per_iteration)} per iteration, "
                 f"within the slack of the busiest stage ({busiest[3]}), whose FLOPs are shown",
             )
+    beside = strategy.kind if strategy.size is None else f"{strategy.kind}:{strategy.size}"
+    policy = parse_policy(strategy.policy) if strategy.policy else None
+    if strategy.kind in ("block", "optimal") and strategy.size != 0 and policy:
+        notes += tuple(filter(None, [layerwise_export_reason(policy, beside)]))
     grouped = max(result[4] for result in results)
     if grouped > 1:
         notes += (
@@ -593,6 +598,8 @@ def _evaluate_mixed(spec, strategy, budget, slots, gpu) -> Plan | None:
         f"full tape; {rerun} are re-run whole "
         f"({'step time on ' + gpu.name if gpu is not None else 'FLOPs'} minimised)",
     )
+    if unexported := layerwise_export_reason(parse_policy(strategy.policy), "mixed"):
+        notes += (unexported,)
     return _plan(
         spec,
         strategy.name,

@@ -11,20 +11,22 @@ a backward reads, rebuilt or kept whatever the group does). So the choice is a m
 knapsack: each group's subsets are evaluated exactly (`rerun_mask`), and `policy_frontier` gives
 every policy that no other beats on both stored bytes and re-run cost (the Pareto frontier, by
 dynamic programming over the groups, Kellerer, Pferschy & Pisinger 2004 §11), `best_policy`
-the cheapest within a per-layer byte budget. The cost is a unit's forward time on a GPU (its
-roofline time as the step-time model runs it, with the forward collective a re-run repeats), or
-its forward FLOPs without one.
+the cheapest within a per-layer byte budget. The cost is the re-forward's time on a GPU exactly
+as the step-time model charges a stored layer under the policy (`step_time.rerun_time`: the
+re-run units' roofline times and the collectives they repeat), or its forward FLOPs without
+one. That time is a sum of one term per unit and one per shared collective; the GEMMs split from
+one table op, which share its tensor-parallel collectives, are put in one group, so the sum over
+groups is the policy's time and the bytes the sum of its kept units' (`policy_tape_bytes`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
-from ckplan.hardware.code_path import spec_code_path
 from ckplan.hardware.gpus import GPU
-from ckplan.hardware.step_time import layer_time, tensor_parallel_comm
+from ckplan.hardware.step_time import rerun_time
 from ckplan.model.layers import LayerKind
-from ckplan.model.op import LayerShapes
 from ckplan.model.op_policy import (
     POLICY_PREFIX,
     SUBMODULE_REGIONS,
@@ -32,11 +34,13 @@ from ckplan.model.op_policy import (
     OpPolicy,
     Unit,
     part_of,
+    policy_tape_bytes,
     policy_text,
     region_keepable,
     region_spans,
     replays,
     rerun_mask,
+    rerun_units,
     scope_model_reason,
     scoped_tape_bytes,
     unit_ops,
@@ -72,36 +76,22 @@ class PolicyPoint:
         return POLICY_PREFIX + ",".join(self.kept) if self.kept else "full"
 
 
-def unit_cost(spec: ModelSpec, unit: Unit, gpu: GPU | None, kind: LayerKind | None = None) -> float:
-    """What re-running `unit` costs: its forward time on `gpu` (the code path the step-time
-    model times it on), else its forward FLOPs. On a GPU an all-to-all costs the exposed forward
-    share of the layer's expert-parallel collectives (`step_time.layer_time`), a reduce-scatter
-    the forward time of the row-parallel output's collective, a column-parallel projection its
-    input all-gather (`step_time.tensor_parallel_comm`; charged to each projection of a fused
-    table op, one all-gather in `layer_time`: an upper bound where several re-run)."""
+def rerun_cost(
+    spec: ModelSpec, again: tuple[Unit, ...], gpu: GPU | None, kind: LayerKind | None = None
+) -> float:
+    """What re-running the units `again` of one layer costs: on a GPU the seconds the step-time
+    model charges the re-forward (`step_time.rerun_time`: the units' forward time and the
+    collectives it repeats, each table op's and each all-to-all's once), else their forward
+    FLOPs."""
     if gpu is None:
-        return float(unit.op.forward_flops)
-    if unit.name in ("dispatch", "combine"):
-        return layer_time(spec, gpu, kind).expert_forward_comm
-    ops = layer_ops(spec, kind)
-    comm = 0.0
-    if unit.name == "reduce_scatter" or (
-        unit.op.matmul is not None and not (spec.tp > 1 and spec.sp)
-    ):
-        rows = tuple(op for op in ops if op.tp_comm == "row" and op.name == _row_table(unit))
-        comm = tensor_parallel_comm(spec, spec_code_path(spec, gpu).gpu, rows)[0] if rows else 0.0
-    columns = tuple(op for op in ops if op.tp_comm == "column" and part_of(unit, op))
-    if columns:
-        comm += tensor_parallel_comm(spec, spec_code_path(spec, gpu).gpu, columns)[0]
-    if unit.name == "reduce_scatter":
-        return comm
-    return spec_code_path(spec, gpu).forward(unit.op, spec.dtype_bytes).total + comm
+        return float(sum(unit.op.forward_flops for unit in again))
+    forward, collectives, _ = rerun_time(spec, gpu, kind, again)
+    return forward.total + collectives
 
 
-def _row_table(unit: Unit) -> str:
-    """The row-parallel table op whose collective `unit` runs (its reduce-scatter: out_proj's,
-    the one the backward can need; a projection: itself)."""
-    return "out_proj" if unit.name == "reduce_scatter" else unit.name
+def unit_cost(spec: ModelSpec, unit: Unit, gpu: GPU | None, kind: LayerKind | None = None) -> float:
+    """What re-running `unit` alone costs (`rerun_cost`)."""
+    return rerun_cost(spec, (unit,), gpu, kind)
 
 
 def policy_groups(spec: ModelSpec, kind: LayerKind | None = None) -> tuple[tuple[str, ...], ...]:
@@ -116,12 +106,26 @@ def policy_groups(spec: ModelSpec, kind: LayerKind | None = None) -> tuple[tuple
             name = parent[name]
         return name
 
+    def join(first: str, second: str) -> None:
+        if root(first) != root(second):
+            parent[root(first)] = root(second)
+
     read_by_backward = {units[j].name for unit in units for j in unit.saves}
     read_by_backward |= {unit.name for unit in units if unit.internal}
     for unit in units:
         for j in unit.reads:
             if units[j].name not in read_by_backward:
-                parent[root(units[j].name)] = root(unit.name)
+                join(units[j].name, unit.name)
+    # the GEMMs split from one column-parallel table op share its forward all-gather (sequence
+    # parallelism), which a re-forward repeats once whichever of them re-run
+    # (`step_time.rerun_time`)
+    gathered = spec.tp > 1 and spec.sp
+    for op in layer_ops(spec, kind):
+        if not (gathered and op.tp_comm == "column"):
+            continue
+        parts = [unit.name for unit in units if part_of(unit, op)]
+        for first, second in pairwise(parts):
+            join(first, second)
     groups: dict[str, list[str]] = {}
     for name in names:
         groups.setdefault(root(name), []).append(name)
@@ -131,20 +135,23 @@ def policy_groups(spec: ModelSpec, kind: LayerKind | None = None) -> tuple[tuple
 def _options(
     spec: ModelSpec, group: tuple[str, ...], gpu: GPU | None, kind: LayerKind | None
 ) -> list[tuple[int, float, tuple[str, ...]]]:
-    """Every subset of `group` kept, with the bytes it adds and its re-run cost (the rest of
-    the layer kept: the group's re-runs do not depend on it)."""
+    """Every subset of `group` kept, with the bytes it adds to the layer's stored tape
+    (`policy_tape_bytes`, the rest of the layer kept nothing) and the cost of the group's
+    re-runs (`rerun_cost`, the rest of the layer kept: the group's re-runs do not depend on it,
+    and the cost is a sum over groups, `policy_groups`)."""
     if len(group) > MAX_GROUP:
         raise ValueError(f"a policy group of {len(group)} units: {', '.join(group)}")
     units = unit_ops(spec, kind)
     members = [i for i, unit in enumerate(units) if unit.name in group]
-    costs = {i: unit_cost(spec, units[i], gpu, kind) for i in members}
+    base = policy_tape_bytes(spec, OpPolicy(), kind)
     found = []
     for bits in range(1 << len(group)):
-        chosen = {name for b, name in enumerate(group) if bits >> b & 1}
+        chosen = frozenset(name for b, name in enumerate(group) if bits >> b & 1)
         kept = tuple(unit.name not in group or unit.name in chosen for unit in units)
         again = rerun_mask(units, kept, replays(spec))
-        size = sum(units[i].kept_bytes for i in members if kept[i])
-        found.append((size, sum(costs[i] for i in members if again[i]), tuple(sorted(chosen))))
+        size = policy_tape_bytes(spec, OpPolicy(chosen), kind) - base
+        cost = rerun_cost(spec, tuple(units[i] for i in members if again[i]), gpu, kind)
+        found.append((size, cost, tuple(sorted(chosen))))
     return found
 
 
@@ -153,7 +160,7 @@ def policy_frontier(
 ) -> tuple[PolicyPoint, ...]:
     """Every policy that no other beats on both the layer's stored bytes and its re-run cost,
     by increasing bytes (ties on both: the one keeping fewer units)."""
-    base = LayerShapes.of(spec).X  # the layer input, kept whatever the policy
+    base = policy_tape_bytes(spec, OpPolicy(), kind)  # the layer input
     points: list[tuple[int, float, tuple[str, ...]]] = [(base, 0.0, ())]
     for group in policy_groups(spec, kind):
         options = _pareto([(b, -c, k) for b, c, k in _options(spec, group, gpu, kind)])
@@ -186,9 +193,11 @@ def scoped_frontier(
     """The frontier of scoped policies (`op_policy.OpPolicy.scopes`): for every layout of
     regions (`region_layouts`), what the regions and the un-checkpointed units hold whatever
     they keep (`op_policy.stored_tensors`), then each unit of a region that its replay re-runs
-    when not kept, kept or not: a knapsack over independent choices, since an eager region
-    re-runs a unit it does not keep by a rule that does not depend on what else it keeps
-    (`op_policy.rerun_mask`: to the region's end, or to the last tensor its backward reads),
+    when not kept, kept or not (the GEMMs of one column-parallel projection together under
+    sequence parallelism, which share its all-gather): a knapsack over independent choices,
+    since an eager region re-runs a unit it does not keep by a rule that does not depend on
+    what else it keeps (`op_policy.rerun_mask`: to the region's end, or to the last tensor its
+    backward reads),
     and keeping a unit adds its output (unless held already) and its internal tensors. Empty
     where scoped policies are not modelled (`op_policy.scope_model_reason`: under
     torch.compile, post-norm or parallel-residual layers). With `wrapped`, among the policies a
@@ -228,29 +237,52 @@ def layout_frontier(
     again = rerun_mask(units, nothing, mode, spans)
     frontier: list[tuple[int, float, tuple]] = [(base, 0.0, ())]
     for name, (start, end) in layout:
-        for i in range(start, end):
-            if not again[i]:
-                continue  # not re-run when not kept: keeping it only adds bytes
-            cost = unit_cost(spec, units[i], gpu, kind)
-            if keep is not None and units[i].name not in keep:  # re-run, never kept
-                frontier = [(b, c - cost, k) for b, c, k in frontier]
-                continue
-            # what keeping it adds, whatever else is kept: its private tensors, its output
-            # unless held already, its internal tensors
-            alone = tuple(j == i for j in range(len(units)))
-            size = scoped_tape_bytes(spec, units, spans, alone) - base
+        for members in _decisions(spec, units, [i for i in range(start, end) if again[i]], kind):
+            # units not re-run when not kept are left out: keeping them only adds bytes
+            keepable = [i for i in members if keep is None or units[i].name in keep]
+            options = []
+            for bits in range(1 << len(keepable)):
+                kept = [i for b, i in enumerate(keepable) if bits >> b & 1]
+                rerun = tuple(units[i] for i in members if i not in kept)
+                # what keeping a unit adds, whatever else is kept: its private tensors, its
+                # output unless held already, its internal tensors
+                size = sum(_alone_bytes(spec, units, spans, i) - base for i in kept)
+                names = tuple((name, units[i].name) for i in kept)
+                options.append((size, rerun_cost(spec, rerun, gpu, kind), names))
             frontier = _pareto(
-                [(b, c - cost, k) for b, c, k in frontier]
-                + [(b + size, c, (*k, (name, units[i].name))) for b, c, k in frontier]
+                [(b + ob, c - oc, (*k, *ok)) for ob, oc, ok in options for b, c, k in frontier]
             )
     found = []
-    for size, score, kept in frontier:
+    for size, _, kept in frontier:
         scopes = tuple(
             (name, tuple(sorted({u for r, u in kept if r == name}, key=order.__getitem__)))
             for name, _ in layout
         )
-        found.append(PolicyPoint((), size, -score, scopes))
-    return tuple(found)
+        policy = OpPolicy(scopes=tuple((name, frozenset(names)) for name, names in scopes))
+        # the point's cost is its re-run as the step-time model charges it (the sum above
+        # equals it but where two units of one name share a collective: an upper bound there)
+        cost = rerun_cost(spec, rerun_units(spec, policy, kind), gpu, kind)
+        found.append((size, -cost, scopes))
+    return tuple(PolicyPoint((), size, -score, scopes) for size, score, scopes in _pareto(found))
+
+
+def _decisions(spec: ModelSpec, units: tuple[Unit, ...], indices: list[int], kind):
+    """`indices` in the groups whose re-runs a scoped policy decides together: the GEMMs of one
+    column-parallel table op under sequence parallelism (they share its forward all-gather,
+    `step_time.rerun_time`), every other unit alone."""
+    gathered = spec.tp > 1 and spec.sp
+    columns = [op for op in layer_ops(spec, kind) if op.tp_comm == "column"] if gathered else []
+    groups: dict[object, list[int]] = {}
+    for i in indices:
+        op = next((op.name for op in columns if part_of(units[i], op)), None)
+        groups.setdefault(op or i, []).append(i)
+    return list(groups.values())
+
+
+def _alone_bytes(spec: ModelSpec, units: tuple[Unit, ...], spans, i: int) -> int:
+    """What a scoped policy whose regions are `spans` holds keeping unit `i` alone."""
+    alone = tuple(j == i for j in range(len(units)))
+    return scoped_tape_bytes(spec, units, spans, alone)
 
 
 def _pareto(points: list[tuple[int, float, tuple[str, ...]]]):

@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING
 
 from ckplan.model import allocator, torchtitan_ac
 from ckplan.model.memory import model_state_bytes
-from ckplan.model.op_policy import POLICY_WORDS, TORCHTITAN_POLICY, check_policy_model
+from ckplan.model.op_policy import (
+    POLICY_WORDS,
+    TORCHTITAN_POLICY,
+    check_policy_model,
+    layerwise_export_reason,
+    parse_policy,
+)
 from ckplan.model.spec import SIZE_RANGES, ModelSpec, SpecError
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate
 from ckplan.plan.strategies import (
@@ -94,7 +100,7 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
     the dense MLP module (`mlp`, `selective+mlp`) where the model has dense layers;
     Megatron-Core's other modules the model has (`module_candidates`);
     the framework's per-op policy (`sweep_policy`: `sac`, or `sac-fused` under torchtitan),
-    alone and as `POLICY+block:N`.
+    alone and, where an export writes it (not `sac-fused`), as `POLICY+block:N`.
     """
     layers = spec.layers_per_stage
     names = ["none", "selective", "full", "sqrt"]
@@ -109,8 +115,10 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
         names += ["mlp", "selective+mlp"]
     if (word := policy_word(spec)) is not None:
         # the framework's per-op policy in every stored layer, alone and beside fully
-        # recomputed layers
-        names += [word] + [f"{word}+block:{size}" for size in _sizes(1, layers)]
+        # recomputed layers where an export writes that (`op_policy.layerwise_export_reason`)
+        names += [word]
+        if layerwise_export_reason(parse_policy(sweep_policy(spec)), "block:N") is None:
+            names += [f"{word}+block:{size}" for size in _sizes(1, layers)]
     if spec.experts:
         # Recomputing the MoE block or only its expert MLPs, alone, with the attention core,
         # and on top of Megatron's block recompute.
@@ -125,13 +133,14 @@ def sweep_policy(spec: ModelSpec) -> str | None:
     """The per-op policy (canonical `sac:...` text) the sweep and `plan` try, or None where
     none applies (`check_policy_model`). Under torchtitan the one its default release runs
     (`torchtitan_ac.release_policy`: `sac-fused` for 0.3.0, where ckplan models what its
-    SelectiveAC keeps; None elsewhere, so that nothing offered is a policy torchtitan 0.3.0
-    cannot run); under the other frameworks whose layers take a selective-checkpoint policy
-    (Hugging Face, DeepSpeed: the exported torch snippet) torchtitan 0.2.x's `sac`."""
+    SelectiveAC keeps, `sac` for the release of December 2024; None elsewhere, so that nothing
+    offered is a policy that release cannot run); under the other frameworks whose layers take
+    a selective-checkpoint policy (Hugging Face, DeepSpeed: the exported torch snippet)
+    torchtitan 0.2.x's `sac`."""
     if check_policy_model(spec) is not None:
         return None
     if spec.framework == "torchtitan":
-        return torchtitan_ac.release_policy(spec, torchtitan_ac.DEFAULT_RELEASE)
+        return torchtitan_ac.release_policy(spec, torchtitan_ac.spec_release(spec))
     return TORCHTITAN_POLICY
 
 
@@ -334,7 +343,8 @@ def optimal_plan(
     spec: ModelSpec, budget: int, slots: int = DEFAULT_SLOTS, gpu: GPU | None = None
 ) -> Plan | None:
     """The cheaper of `optimal` and `selective+optimal` (with dense flash-attention layers also
-    `POLICY+optimal` of `sweep_policy`; with experts, also `moe+optimal` and
+    `POLICY+optimal` of `sweep_policy` where an export writes it, not `sac-fused`,
+    `op_policy.layerwise_export_reason`; with experts, also `moe+optimal` and
     `selective+moe+optimal`) within
     `budget` activation bytes (in FLOPs, or in step time on `gpu`; ties go to the smaller
     peak); None when none fits. The DP itself minimises recompute FLOPs (rotor's costs are the
@@ -343,7 +353,8 @@ def optimal_plan(
         return None
     found = []
     strategies = [Strategy("optimal"), Strategy("optimal", selective=True)]
-    if (policy := sweep_policy(spec)) is not None:
+    policy = sweep_policy(spec)
+    if policy is not None and layerwise_export_reason(parse_policy(policy), "optimal") is None:
         strategies.append(Strategy("optimal", policy=policy))
     if spec.experts:
         strategies += [Strategy("optimal", moe="moe"), Strategy("optimal", None, True, "moe")]
@@ -370,12 +381,15 @@ def optimal_plan(
 
 def mixed_plan(spec: ModelSpec, budget: int, gpu: GPU, slots: int = DEFAULT_SLOTS) -> Plan | None:
     """`POLICY+mixed` of `sweep_policy` within `budget` activation bytes, in step time on
-    `gpu`, where a policy applies and one micro-batch is in flight (pp = 1); else None."""
+    `gpu`, where a policy applies, one micro-batch is in flight (pp = 1) and an export writes
+    it (`op_policy.layerwise_export_reason`: not torchtitan 0.3.0's `sac-fused`); else None."""
     from ckplan.schedules.policy_mix import MIX_MAX_STAGES
 
     policy = sweep_policy(spec)
     if budget <= 0 or spec.pp > 1 or policy is None:
         return None
+    if layerwise_export_reason(parse_policy(policy), "mixed") is not None:
+        return None  # offered only where an export writes it
     if spec.layers_per_stage + 2 > MIX_MAX_STAGES:
         return None
     strategy = Strategy(kind=MIXED, policy=policy)

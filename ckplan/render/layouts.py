@@ -15,6 +15,7 @@ from ckplan.plan.layout.space import Layout
 from ckplan.plan.search import DEFAULT_RESERVE
 from ckplan.published.accuracy import accuracy_note
 from ckplan.render.common import gib, memory_bar
+from ckplan.render.export_target import export_dict, export_target
 from ckplan.render.fit import declare
 from ckplan.render.rows import Column, RowTable
 from ckplan.render.sweep import budget_line
@@ -265,6 +266,7 @@ def plan_dict(result: LayoutResult) -> dict[str, Any]:
         "without_offload": (
             None if result.without_offload is None else layout_dict(result.without_offload)
         ),
+        "export": None if best is None else export_dict(best.plan),
     }
 
 
@@ -371,29 +373,6 @@ def _verdict(
             overflow="ignore",
         ),
     ]
-
-
-def export_target(plan) -> str | None:
-    """Under torchtitan, which `ckplan export --to` target writes `plan`: torchtitan's own
-    configuration (at the release the model runs, `framework_version`), else the torch snippet,
-    run with torchtitan's activation checkpointing off, and why the configuration cannot; None
-    under other frameworks, whose plans the search keeps to what their configuration runs."""
-    from ckplan import exports
-    from ckplan.model.frameworks import framework_version
-
-    if plan.spec.framework != "torchtitan":
-        return None
-    release = "0.3" if framework_version(plan.spec) == "0.3" else "0.2"
-    flag = "" if release == "0.3" else " --torchtitan-version 0.2"
-    because = exports.why_not(plan, "torchtitan", release)
-    if because is None:
-        return f"--to torchtitan{flag} writes it (torchtitan {release}'s configuration)"
-    if exports.why_not(plan, "torch") is None:
-        return (
-            f"--to torch writes it, to run with torchtitan's activation checkpointing off; "
-            f"torchtitan {release}'s configuration cannot express {because}"
-        )
-    return f"no export writes it; torchtitan {release}'s configuration cannot express {because}"
 
 
 def check_command(

@@ -16,6 +16,7 @@ from ckplan.render.estimate import (
     offload_text,
     plan_dict,
 )
+from ckplan.render.export_target import export_dict
 from ckplan.render.fit import declare
 from ckplan.render.time import seconds
 
@@ -65,6 +66,7 @@ def sweep_dict(
         "notes": list(result.notes),
         "rank": result.rank,
         "gpu": None if result.gpu is None else result.gpu.name,
+        "export": export_dict(result.best.plan) if result.best else None,
     }
     if micro_batches is not None:
         data["max_micro_batch"] = micro_batches

@@ -35,7 +35,12 @@ from ckplan.hardware.host_link import host_memory_per_gpu
 from ckplan.hardware.step_time import step_time
 from ckplan.model import allocator
 from ckplan.model.frameworks import joint_offload, offload_strategies
-from ckplan.model.op_policy import POLICY_PREFIX, check_policy_model
+from ckplan.model.op_policy import (
+    POLICY_PREFIX,
+    check_policy_model,
+    layerwise_export_reason,
+    parse_policy,
+)
 from ckplan.model.spec import ModelSpec, SpecError
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate, in_flight_microbatches
 from ckplan.plan.layout.bounds import Bounds, MemoryBound, TimeBound, layout_keys_cleared
@@ -57,6 +62,7 @@ from ckplan.plan.search import (
     offload_optimal_plan,
     optimal_plan,
     policy_word,
+    sweep_policy,
 )
 from ckplan.plan.strategies import StrategyError, has_dense_layers, parse_strategy
 from ckplan.quoting import shorten
@@ -621,7 +627,9 @@ class _Run:
         word = policy_word(spec)
         if spec.framework not in MIXED_FRAMEWORKS or spec.pp > 1 or word is None:
             return None
-        names = [f"{word}+mixed"]
+        # where an export writes it (not torchtitan 0.3.0's sac-fused beside full-tape layers)
+        policy = parse_policy(sweep_policy(spec))
+        names = [] if layerwise_export_reason(policy, "mixed") else [f"{word}+mixed"]
         if current is not None and current.startswith(POLICY_PREFIX) and "+" not in current:
             names.append(f"{current}+mixed")
         found = []
