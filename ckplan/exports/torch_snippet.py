@@ -169,6 +169,25 @@ def elementwise_ops(spec: ModelSpec) -> dict[str, tuple[tuple[str, int], ...]]:
     return {name: ops for name, ops in _HF_ELEMENTWISE.items() if name not in internal}
 
 
+# What both per-op snippets match ops by: the attention kernels, the collectives and grouped
+# GEMMs, each set holding only the ops this PyTorch build has (a format argument: single braces).
+_OP_SETS = """\
+def _ops(namespace, *names):
+    return {getattr(namespace, name).default for name in names if hasattr(namespace, name)}
+
+
+ATTENTION_OPS = _ops(
+    torch.ops.aten,
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+REDUCE_SCATTER_OPS = _ops(torch.ops._c10d_functional, "reduce_scatter_tensor")
+ALL_TO_ALL_OPS = _ops(torch.ops._c10d_functional, "all_to_all_single")
+GROUPED_MM_OPS = _ops(torch.ops.aten, "_grouped_mm")"""
+
+
 _POLICY = """\
 # Per-op policy {policy}: selective activation checkpointing.
 # Kept outputs: matmuls {numbers}{others}; every other op re-runs in backward.
@@ -182,20 +201,7 @@ KEEP_ALL_TO_ALL = {all_to_all}
 KEEP_ELEMENTWISE = {elementwise}
 
 
-def _ops(namespace, *names):
-    return {{getattr(namespace, name).default for name in names if hasattr(namespace, name)}}
-
-
-ATTENTION_OPS = _ops(
-    torch.ops.aten,
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-)
-REDUCE_SCATTER_OPS = _ops(torch.ops._c10d_functional, "reduce_scatter_tensor")
-ALL_TO_ALL_OPS = _ops(torch.ops._c10d_functional, "all_to_all_single")
-GROUPED_MM_OPS = _ops(torch.ops.aten, "_grouped_mm")
+{op_sets}
 ELEMENTWISE_OPS = {{
     torch.ops.aten.mul.Tensor: "mul",
     torch.ops.aten.add.Tensor: "add",
@@ -393,6 +399,7 @@ def _policy_part(spec: ModelSpec, layers: LayerSegments) -> str:
     others += [name for name in elementwise if name in kept]
     pairs = sorted(pair for name in elementwise if name in kept for pair in elementwise[name])
     return _POLICY.format(
+        op_sets=_OP_SETS,
         policy=layers.policy,
         numbers=", ".join(map(str, keep)) or "none",
         order="\n".join(
@@ -436,20 +443,7 @@ REGIONS = [
 ]
 
 
-def _ops(namespace, *names):
-    return {{getattr(namespace, name).default for name in names if hasattr(namespace, name)}}
-
-
-ATTENTION_OPS = _ops(
-    torch.ops.aten,
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-)
-REDUCE_SCATTER_OPS = _ops(torch.ops._c10d_functional, "reduce_scatter_tensor")
-ALL_TO_ALL_OPS = _ops(torch.ops._c10d_functional, "all_to_all_single")
-GROUPED_MM_OPS = _ops(torch.ops.aten, "_grouped_mm")
+{op_sets}
 
 
 def _policy(counts, keep):
@@ -564,7 +558,9 @@ def _scoped_render(plan: Plan, layers: LayerSegments) -> str:
             subsequent_indent="# ",
         )
     )
-    body = _SCOPED.format(policy=layers.policy, order=comment, regions="\n".join(rows))
+    body = _SCOPED.format(
+        op_sets=_OP_SETS, policy=layers.policy, order=comment, regions="\n".join(rows)
+    )
     return "\n".join(header) + "\n\n\n" + body
 
 
