@@ -149,18 +149,31 @@ def test_which_layouts_reshard(changes, resharding):
     assert frameworks.fsdp2_resharding(_spec(**changes)) is resharding
 
 
-def test_chain_holds_the_block_buffers_in_its_layer_stages():
-    spec = _spec()
+def _added_workspaces(spec):
+    """Per stage, the forward and backward workspace bytes torchtitan's FSDP2 adds to the same
+    chain under plain ZeRO-3 (Hugging Face's)."""
     plain = layer_chain(spec.replace(framework="hf", zero=3, framework_version=None), ())
     chain = layer_chain(spec, ())
-    added_forward = [
-        a - b
-        for a, b in zip(chain.forward_workspace_bytes, plain.forward_workspace_bytes, strict=True)
-    ]
-    added_backward = [
-        a - b
-        for a, b in zip(chain.backward_workspace_bytes, plain.backward_workspace_bytes, strict=True)
-    ]
+    return (
+        [
+            a - b
+            for a, b in zip(
+                chain.forward_workspace_bytes, plain.forward_workspace_bytes, strict=True
+            )
+        ],
+        [
+            a - b
+            for a, b in zip(
+                chain.backward_workspace_bytes, plain.backward_workspace_bytes, strict=True
+            )
+        ],
+    )
+
+
+def test_chain_holds_the_block_buffers_in_its_layer_stages():
+    spec = _spec()
+    chain = layer_chain(spec, ())
+    added_forward, added_backward = _added_workspaces(spec)
     # embedding, 32 blocks, output layer and loss
     assert added_forward == [0, *[872_448_000] * 31, 436_224_000, 0]
     middle = 10 * LAYER + 2 * OUTPUT
@@ -170,16 +183,7 @@ def test_chain_holds_the_block_buffers_in_its_layer_stages():
 
 def test_chain_holds_the_0_3_unit_buffers():
     spec = _spec(framework_version="0.3")
-    plain = layer_chain(spec.replace(framework="hf", zero=3, framework_version=None), ())
-    chain = layer_chain(spec, ())
-    added_forward = [
-        a - b
-        for a, b in zip(chain.forward_workspace_bytes, plain.forward_workspace_bytes, strict=True)
-    ]
-    added_backward = [
-        a - b
-        for a, b in zip(chain.backward_workspace_bytes, plain.backward_workspace_bytes, strict=True)
-    ]
+    added_forward, added_backward = _added_workspaces(spec)
     # embedding (its own unit), 32 blocks all resharded, output layer and loss
     assert added_forward == [4 * EMBEDDING, *[872_448_000] * 32, 0]
     assert added_backward == [

@@ -41,14 +41,12 @@ FUSED_QKV_MATMULS = "sac:matmuls%2,k_proj"
 SEPARATE_QKV_MATMULS = "sac:matmuls%2"
 
 
-def _block(torch, spec):
-    """torchtitan 0.3.0's Llama 3 block for `spec`, its inner attention torchtitan's SDPA."""
-    framework_or_skip("torchtitan", "torchtitan 0.3.0's SelectiveAC not measured")
+def _one_layer_configs(spec):
+    """torchtitan 0.3.0's layer configs of a one-block Llama 3 at `spec`'s shape, FlexAttention."""
     from torchtitan.models.common import ComplexRoPE
-    from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import _build_llama3_layers
 
-    (config,) = _build_llama3_layers(
+    return _build_llama3_layers(
         n_layers=1,
         dim=spec.hidden,
         n_heads=spec.heads,
@@ -59,6 +57,14 @@ def _block(torch, spec):
         ),
         attn_backend="flex",
     )
+
+
+def _block(torch, spec):
+    """torchtitan 0.3.0's Llama 3 block for `spec`, its inner attention torchtitan's SDPA."""
+    framework_or_skip("torchtitan", "torchtitan 0.3.0's SelectiveAC not measured")
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    (config,) = _one_layer_configs(spec)
     config.attention.inner_attention = ScaledDotProductAttention.Config()
     torch.manual_seed(0)
     block = config.build()
@@ -143,20 +149,10 @@ def test_selective_ac_keeps_the_fused_qkv_output_w1_and_w2(monkeypatch):
 def _llama3_block(torch, spec, dtype):
     """torchtitan 0.3.0's Llama 3 model of one block with FlexAttention, built by its own
     config classes at `spec`'s shape in `dtype`: (the block, its block mask, the positions)."""
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+    from torchtitan.models.llama3 import Llama3Model
 
-    layers = _build_llama3_layers(
-        n_layers=1,
-        dim=spec.hidden,
-        n_heads=spec.heads,
-        n_kv_heads=spec.kv_heads,
-        hidden_dim=spec.ffn_hidden,
-        rope=ComplexRoPE.Config(
-            dim=spec.hidden // spec.heads, max_seq_len=spec.seq, theta=500000, scaling="none"
-        ),
-        attn_backend="flex",
-    )
+    layers = _one_layer_configs(spec)
     vocab = 128
     config = Llama3Model.Config(
         dim=spec.hidden,
