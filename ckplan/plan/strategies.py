@@ -354,18 +354,17 @@ def module_words(strategy: Strategy) -> tuple[str, ...]:
 
 
 def scoped_equivalent(strategy: Strategy) -> str | None:
-    """The scoped policy that checkpoints the same regions as `strategy` in every stored layer
-    (`sac@core_attn/mlp` for `selective+mlp`), or None: the output-discarding modules
-    (layernorm, moe_act, mla_up_proj) are no region, and a scoped policy beside recomputed
-    layers is exported by no target (exports.torch_snippet `_scoped_reason`)."""
+    """The scoped policy the torch snippet writes that checkpoints the same region as
+    `strategy` in every stored layer (`sac@mlp` for `mlp`), or None: the output-discarding
+    modules (layernorm, moe_act, mla_up_proj) are no region, the attention core is code inside a
+    submodule, which the snippet does not wrap as a region, and a scoped policy beside
+    recomputed layers is exported by no target (exports.torch_snippet `_scoped_reason`)."""
     words = module_words(strategy)
-    stored = strategy.kind in ("none", "selective") and not strategy.offload
-    if not stored or strategy.policy or not words:
+    if strategy.kind != "none" or strategy.selective or strategy.offload or strategy.policy:
         return None
-    if any(word not in MODULE_REGIONS for word in words):
+    if not words or any(word not in MODULE_REGIONS for word in words):
         return None
-    regions = (["core_attn"] if strategy.selective else []) + [MODULE_REGIONS[w] for w in words]
-    return "sac@" + "/".join(regions)
+    return "sac@" + "/".join(MODULE_REGIONS[word] for word in words)
 
 
 def module_framework_reason(spec: ModelSpec, strategy: Strategy) -> str | None:
