@@ -5,6 +5,8 @@ scoped policy that checkpoints the same regions. A nested revolve:C says no expo
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ckplan import exports
@@ -107,3 +109,25 @@ def test_revolve_note_iff_no_export_writes_it(framework):
         noted = any("no export writes" in note for note in plan.notes)
         assert noted == isinstance(layer_segments(plan), str), slots
         assert noted, "every offered revolve:C of 32 layers re-runs some layers twice"
+
+
+def test_check_says_in_one_line_why_the_framework_cannot_run_the_plan(cli):
+    argv = ["check", "llama3-8b", "--strategy", "mlp", "--budget", "80GB"]
+    argv += ["--set", "zero=3", "--set", "dp=8"]
+    code, out, _ = cli(*argv, "--set", "framework=hf")
+    assert code == 0
+    said = [line for line in out.splitlines() if line.startswith("llama3-8b: framework hf")]
+    assert len(said) == 1 and "cannot run mlp" in said[0]
+    code, out, _ = cli(*argv, "--set", "framework=megatron", "--set", "zero=1")
+    assert code in (0, 1) and "cannot run" not in out
+
+
+def test_sweep_json_says_no_export_writes_revolve(cli):
+    code, out, _ = cli("sweep", "gpt2", "--budget", "8GB", "--json")
+    assert code in (0, 1)
+    plans = json.loads(out)["plans"]
+    revolve = [p for p in plans if p["strategy"].startswith("revolve:")]
+    assert revolve
+    for plan in revolve:
+        nested = any("no export writes" in note for note in plan["notes"])
+        assert nested, plan["strategy"]

@@ -20,7 +20,7 @@ from ckplan.cache import BoundedCache
 from ckplan.model import allocator, memory
 from ckplan.model import flops as flops_model
 from ckplan.model.layers import stage_kinds
-from ckplan.model.op_policy import layerwise_export_reason, parse_policy
+from ckplan.model.op_policy import NO_EXPORT, layerwise_export_reason, parse_policy
 from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import limits
@@ -770,6 +770,6 @@ def _revolve_note(strategy: Strategy, forwards) -> str | None:
     if strategy.kind != "revolve" or all(max(c, default=0) <= 2 for _, c in forwards):
         return None
     return (
-        f"{strategy.name}: a reference schedule no export writes (it re-runs some layers more "
+        f"{strategy.name}: a reference schedule {NO_EXPORT} (it re-runs some layers more "
         "than once, nested recomputation; launchers checkpoint one level of segments)"
     )

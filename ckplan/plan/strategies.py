@@ -28,6 +28,7 @@ from ckplan.model.modules import LAYERNORM, MLA_UP_PROJ, MOE_ACT
 from ckplan.model.moe import SHARED_EXPERTS
 from ckplan.model.op import ATTENTION_CORE, DENSE_MLP
 from ckplan.model.op_policy import (
+    NO_EXPORT,
     POLICY_PREFIX,
     POLICY_WORDS,
     SCOPED_PREFIX,
@@ -376,7 +377,7 @@ def module_framework_reason(spec: ModelSpec, strategy: Strategy) -> str | None:
         return None
     reason = (
         f"framework {spec.framework} cannot run {'+'.join(words)}: Megatron-Core's "
-        "--recompute-modules has no counterpart there and no export writes it"
+        f"--recompute-modules has no counterpart there and {NO_EXPORT} it"
     )
     same = scoped_equivalent(strategy)
     if same is None:
