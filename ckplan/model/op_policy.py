@@ -1226,6 +1226,10 @@ def policy_fit_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
     return None
 
 
+# The words every note of a plan that no export writes carries (`ckplan check` lists them)
+NO_EXPORT = "no export writes"
+
+
 def layerwise_export_reason(policy: OpPolicy, beside: str) -> str | None:
     """Why no export writes `policy` in some layers beside layers of another kind (`beside`:
     `mixed`, some storing the full tape; `block:N` or `optimal`, some fully recomputed), or
@@ -1241,7 +1245,7 @@ def layerwise_export_reason(policy: OpPolicy, beside: str) -> str | None:
     text = policy_text(policy)
     word = next((word for word, body in POLICY_WORDS.items() if body == text), text)
     return (
-        f"no export writes {word}+{beside}: torchtitan's activation_checkpoint section applies "
+        f"{NO_EXPORT} {word}+{beside}: torchtitan's activation_checkpoint section applies "
         "one mode to every layer, and the torch snippet that wraps each layer runs q, k and v "
         "as three linears and attention as SDPA, not torchtitan 0.3.0's fused wqkv and "
         f"FlexAttention ({word} alone is written by --to torchtitan)"

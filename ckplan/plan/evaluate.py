@@ -20,12 +20,18 @@ from ckplan.cache import BoundedCache
 from ckplan.model import allocator, memory
 from ckplan.model import flops as flops_model
 from ckplan.model.layers import stage_kinds
-from ckplan.model.op_policy import layerwise_export_reason, parse_policy
+from ckplan.model.op_policy import NO_EXPORT, layerwise_export_reason, parse_policy
 from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import limits
 from ckplan.plan.layer_chain import layer_chain, layer_offset, stage_names
-from ckplan.plan.strategies import MIXED, Strategy, StrategyError, formula_name
+from ckplan.plan.strategies import (
+    MIXED,
+    Strategy,
+    StrategyError,
+    formula_name,
+    module_framework_reason,
+)
 from ckplan.schedules import (
     BACKWARD,
     Chain,
@@ -369,6 +375,8 @@ def evaluate(
     policy = parse_policy(strategy.policy) if strategy.policy else None
     if strategy.kind in ("block", "optimal") and strategy.size != 0 and policy:
         notes += tuple(filter(None, [layerwise_export_reason(policy, beside)]))
+    unrunnable = (module_framework_reason(spec, strategy), _revolve_note(strategy, forwards))
+    notes += tuple(filter(None, unrunnable))
     grouped = max(result[4] for result in results)
     if grouped > 1:
         notes += (
@@ -749,4 +757,19 @@ def _evaluate_simple(spec: ModelSpec, strategy: Strategy) -> Plan:
         _per_iteration(spec, flops),
         notes=notes,
         per_layer=round(simple.activation_memory_mb(1, **shape) * simple.MB),
+    )
+
+
+def _revolve_note(strategy: Strategy, forwards) -> str | None:
+    """Why no export writes this `revolve:C` plan (a note), None for other strategies and for a
+    revolve schedule that runs no layer more than twice: a binomial schedule that re-runs some
+    layers more than once from checkpoints written during a re-run (Griewank & Walther 2000)
+    has no one-level segments, and every launcher ckplan exports to checkpoints one level of
+    segments (exports.segments `layer_segments`). The sweep lists it as a reference for the
+    least memory C slots reach. `forwards`: (pipeline stage, forwards per chain stage)."""
+    if strategy.kind != "revolve" or all(max(c, default=0) <= 2 for _, c in forwards):
+        return None
+    return (
+        f"{strategy.name}: a reference schedule {NO_EXPORT} (it re-runs some layers more "
+        "than once, nested recomputation; launchers checkpoint one level of segments)"
     )

@@ -25,9 +25,11 @@ from ckplan.model.spec import SIZE_RANGES, ModelSpec, SpecError
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate
 from ckplan.plan.strategies import (
     MIXED,
+    MODULE_FRAMEWORKS,
     Strategy,
     formula_name,
     has_dense_layers,
+    module_framework_reason,
     parse_strategy,
 )
 
@@ -98,7 +100,9 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
     recomputation, sqrt, and revolve:C for C up to ceil(sqrt(L)) + 1 checkpoint slots: the
     binomial schedules reach below one stored input per segment (Griewank & Walther 2000);
     the dense MLP module (`mlp`, `selective+mlp`) where the model has dense layers;
-    Megatron-Core's other modules the model has (`module_candidates`);
+    Megatron-Core's other modules the model has (`module_candidates`); the module strategies
+    (`mlp`, `moe`, `experts` and the others) under Megatron-LM only, the one framework that runs
+    them (`strategies.module_framework_reason`: elsewhere the scoped `sac@REGION` is offered);
     the framework's per-op policy (`sweep_policy`: `sac`, or `sac-fused` under torchtitan),
     alone and, where an export writes it (not `sac-fused`), as `POLICY+block:N`.
     """
@@ -126,7 +130,9 @@ def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
         for size in _sizes(1, layers):
             names += [f"moe+block:{size}", f"selective+moe+block:{size}"]
     names += module_candidates(spec)
-    return _distinct([parse_strategy(name, spec) for name in dict.fromkeys(names)])
+    strategies = [parse_strategy(name, spec) for name in dict.fromkeys(names)]
+    # Megatron-Core's modules only where the framework runs them (`module_framework_reason`)
+    return _distinct([s for s in strategies if module_framework_reason(spec, s) is None])
 
 
 def sweep_policy(spec: ModelSpec) -> str | None:
@@ -344,8 +350,8 @@ def optimal_plan(
 ) -> Plan | None:
     """The cheaper of `optimal` and `selective+optimal` (with dense flash-attention layers also
     `POLICY+optimal` of `sweep_policy` where an export writes it, not `sac-fused`,
-    `op_policy.layerwise_export_reason`; with experts, also `moe+optimal` and
-    `selective+moe+optimal`) within
+    `op_policy.layerwise_export_reason`; with experts under Megatron-LM, which runs the moe
+    module, also `moe+optimal` and `selective+moe+optimal`) within
     `budget` activation bytes (in FLOPs, or in step time on `gpu`; ties go to the smaller
     peak); None when none fits. The DP itself minimises recompute FLOPs (rotor's costs are the
     chain's FLOPs)."""
@@ -356,7 +362,7 @@ def optimal_plan(
     policy = sweep_policy(spec)
     if policy is not None and layerwise_export_reason(parse_policy(policy), "optimal") is None:
         strategies.append(Strategy("optimal", policy=policy))
-    if spec.experts:
+    if spec.experts and spec.framework in MODULE_FRAMEWORKS:
         strategies += [Strategy("optimal", moe="moe"), Strategy("optimal", None, True, "moe")]
     for strategy in strategies:
         if (

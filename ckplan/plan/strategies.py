@@ -28,6 +28,7 @@ from ckplan.model.modules import LAYERNORM, MLA_UP_PROJ, MOE_ACT
 from ckplan.model.moe import SHARED_EXPERTS
 from ckplan.model.op import ATTENTION_CORE, DENSE_MLP
 from ckplan.model.op_policy import (
+    NO_EXPORT,
     POLICY_PREFIX,
     POLICY_WORDS,
     SCOPED_PREFIX,
@@ -331,3 +332,54 @@ def has_dense_layers(spec: ModelSpec) -> bool:
     from ckplan.model.layers import parse_layer_set
 
     return len(parse_layer_set(spec.moe_layers, spec.layers)) < spec.layers
+
+
+# The frameworks that run Megatron-Core's module recomputation (`mlp`, `moe`, `experts` and the
+# MODULES words): Megatron-LM's --recompute-modules (megatron/core/transformer/
+# transformer_config.py, core_v0.19.0). No other framework's configuration has such a key, and
+# the torch snippet wraps whole layers, the attention core or a scoped policy's regions.
+MODULE_FRAMEWORKS = ("megatron",)
+# A module that is a plain checkpoint of one region (exports.megatron.SCOPED_MODULES, its
+# inverse): the scoped policy `sac@REGION` keeps nothing inside the same region.
+MODULE_REGIONS = {"mlp": "mlp", "moe": "moe", "experts": "experts",
+                  "shared_experts": "shared_experts"}  # fmt: skip
+
+
+def module_words(strategy: Strategy) -> tuple[str, ...]:
+    """The Megatron-Core module words `strategy` recomputes, in its name's order."""
+    return (
+        (("mlp",) if strategy.mlp else ())
+        + ((strategy.moe,) if strategy.moe else ())
+        + (strategy.modules)
+    )
+
+
+def scoped_equivalent(strategy: Strategy) -> str | None:
+    """The scoped policy the torch snippet writes that checkpoints the same region as
+    `strategy` in every stored layer (`sac@mlp` for `mlp`), or None: the output-discarding
+    modules (layernorm, moe_act, mla_up_proj) are no region, the attention core is code inside a
+    submodule, which the snippet does not wrap as a region, and a scoped policy beside
+    recomputed layers is exported by no target (exports.torch_snippet `_scoped_reason`)."""
+    words = module_words(strategy)
+    if strategy.kind != "none" or strategy.selective or strategy.offload or strategy.policy:
+        return None
+    if not words or any(word not in MODULE_REGIONS for word in words):
+        return None
+    return "sac@" + "/".join(MODULE_REGIONS[word] for word in words)
+
+
+def module_framework_reason(spec: ModelSpec, strategy: Strategy) -> str | None:
+    """Why `spec.framework` cannot run `strategy`'s Megatron-Core module recomputation (one
+    line, naming the scoped policy that checkpoints the same regions where there is one), or
+    None: under Megatron-LM, or when `strategy` recomputes no module."""
+    words = module_words(strategy)
+    if spec.framework in MODULE_FRAMEWORKS or not words:
+        return None
+    reason = (
+        f"framework {spec.framework} cannot run {'+'.join(words)}: Megatron-Core's "
+        f"--recompute-modules has no counterpart there and {NO_EXPORT} it"
+    )
+    same = scoped_equivalent(strategy)
+    if same is None:
+        return reason
+    return f"{reason}; the scoped policy {same} checkpoints the same regions (--to torch)"

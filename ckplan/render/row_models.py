@@ -10,7 +10,7 @@ from ckplan.plan import Plan
 from ckplan.plan.search import Candidate, SweepResult
 from ckplan.render.common import gib, memory_bar
 from ckplan.render.rows import Column, RowTable
-from ckplan.render.sweep import budget_line, sweep_verdict, why_not_fitting
+from ckplan.render.sweep import budget_line, sweep_verdict, unrunnable_lines, why_not_fitting
 from ckplan.units import format_flops
 
 
@@ -175,6 +175,7 @@ def check_rows(
         budget_line(budget_text, budget, reserve).plain,
         f"{fitting} of {len(rows)} fit.",
     ]
+    notes += unrunnable_lines(rows)
     return RowTable(columns, rows, title="Capacity check", notes=notes)
 
 

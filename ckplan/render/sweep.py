@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckplan.model.expert_layout import expert_layout
+from ckplan.model.op_policy import NO_EXPORT
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 from ckplan.plan.search import SEQ_GRANULE, Candidate, SweepResult
@@ -401,7 +402,25 @@ def check_table(
         for model, candidate in rows
         if (lines := candidate_advice(candidate))
     ]
-    return Group(budget_line(budget_text, budget, reserve), table, summary, *advice)
+    return Group(
+        budget_line(budget_text, budget, reserve),
+        table,
+        summary,
+        *advice,
+        *[Text(line, style="yellow") for line in unrunnable_lines(rows)],
+    )
+
+
+def unrunnable_lines(rows: list[tuple[str, Candidate | None]]) -> list[str]:
+    """One line per model whose plan no export writes (a module strategy outside Megatron-LM, a
+    nested revolve:C, a fused policy beside other layers): the note that says why."""
+    return [
+        f"{model}: {note}"
+        for model, candidate in rows
+        if candidate is not None
+        for note in candidate.plan.notes
+        if NO_EXPORT in note
+    ]
 
 
 def _largest_cell(value: int) -> str | Text:

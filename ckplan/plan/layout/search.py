@@ -64,7 +64,12 @@ from ckplan.plan.search import (
     policy_word,
     sweep_policy,
 )
-from ckplan.plan.strategies import StrategyError, has_dense_layers, parse_strategy
+from ckplan.plan.strategies import (
+    MODULE_FRAMEWORKS,
+    StrategyError,
+    has_dense_layers,
+    parse_strategy,
+)
 from ckplan.quoting import shorten
 from ckplan.units import format_bytes_auto
 
@@ -532,13 +537,15 @@ class _Run:
             return (timed, timed, none, timed, None) if split else (timed, timed, none)
         tried = []
         names = ["selective"]
-        if has_dense_layers(spec):
-            names += ["mlp", "selective+mlp"]
-        if spec.experts:
-            names += ["moe", "experts", "selective+moe", "selective+experts"]
-        if spec.framework == "megatron":
-            # Megatron-Core's other --recompute-modules: each alone, all together, with the
-            # attention core (and the dense MLP)
+        if spec.framework in MODULE_FRAMEWORKS:
+            # Megatron-Core's --recompute-modules, which only Megatron-LM runs
+            # (strategies.module_framework_reason; elsewhere the scoped policies cover them):
+            # the dense MLP, the MoE block or its experts, the others all together, each
+            # with the attention core (and the dense MLP)
+            if has_dense_layers(spec):
+                names += ["mlp", "selective+mlp"]
+            if spec.experts:
+                names += ["moe", "experts", "selective+moe", "selective+experts"]
             names += layout_module_candidates(spec)
         # PyTorch's selective checkpointing runs where the layers are PyTorch modules: the
         # framework's policy (`sac`, or `sac-fused` under torchtitan 0.3.0)
