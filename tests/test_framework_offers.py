@@ -1,4 +1,4 @@
-"""What sweep and plan offer per framework: Megatron-Core's module strategies (mlp, moe,
+"""What sweep and plan offer per framework: the module strategies (mlp, moe,
 experts, layernorm, moe_act, mla_up_proj, shared_experts) only under Megatron-LM, the one
 framework that runs them; asked for elsewhere they are evaluated with a note naming why and the
 scoped policy that checkpoints the same regions. A nested revolve:C says no export writes it."""
@@ -77,6 +77,22 @@ def test_no_scoped_form_the_snippet_writes(name):
     plan = evaluate(spec, strategy)
     assert reason in plan.notes
     assert exports.why_not(plan, "torch") is not None
+
+
+@pytest.mark.parametrize("name", ["experts", "selective+experts", "experts+block:4"])
+def test_megatron_has_no_experts_only_module(name):
+    """Megatron-Core's --recompute-modules has moe and moe_act, no experts-only module: the
+    Megatron export refuses `experts`, so neither sweep nor plan offers it there, and asked for
+    it is evaluated with the reason."""
+    spec = load_spec("mixtral-8x7b", {"framework": "megatron"})
+    assert not any("experts" in module_words(s) for s in candidate_strategies(spec))
+    assert "moe" in _module_names(spec)
+    strategy = parse_strategy(name, spec)
+    reason = module_framework_reason(spec, strategy)
+    assert reason is not None and "no experts-only module" in reason
+    plan = evaluate(spec, strategy)
+    assert reason in plan.notes
+    assert exports.why_not(plan, "megatron") is not None
 
 
 def test_megatron_module_plans_carry_no_note():

@@ -371,8 +371,16 @@ def scoped_equivalent(strategy: Strategy) -> str | None:
 def module_framework_reason(spec: ModelSpec, strategy: Strategy) -> str | None:
     """Why `spec.framework` cannot run `strategy`'s Megatron-Core module recomputation (one
     line, naming the scoped policy that checkpoints the same regions where there is one), or
-    None: under Megatron-LM, or when `strategy` recomputes no module."""
+    None: under Megatron-LM (but for `experts`, which is no Megatron-Core module), or when
+    `strategy` recomputes no module."""
     words = module_words(strategy)
+    if spec.framework in MODULE_FRAMEWORKS and "experts" in words:
+        # exports.megatron: its --recompute-modules (core_v0.19.0, transformer_config.py) has moe
+        # (the whole MoE layer) and moe_act (the activation), no experts-only module
+        return (
+            f"framework {spec.framework} cannot run {'+'.join(words)}: Megatron-Core's "
+            f"--recompute-modules has moe and moe_act, no experts-only module, and {NO_EXPORT} it"
+        )
     if spec.framework in MODULE_FRAMEWORKS or not words:
         return None
     reason = (

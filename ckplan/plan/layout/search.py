@@ -540,12 +540,12 @@ class _Run:
         if spec.framework in MODULE_FRAMEWORKS:
             # Megatron-Core's --recompute-modules, which only Megatron-LM runs
             # (strategies.module_framework_reason; elsewhere the scoped policies cover them):
-            # the dense MLP, the MoE block or its experts, the others all together, each
+            # the dense MLP, the MoE block, the others all together, each
             # with the attention core (and the dense MLP)
             if has_dense_layers(spec):
                 names += ["mlp", "selective+mlp"]
-            if spec.experts:
-                names += ["moe", "experts", "selective+moe", "selective+experts"]
+            if spec.experts:  # no experts-only module (strategies.module_framework_reason)
+                names += ["moe", "selective+moe"]
             names += layout_module_candidates(spec)
         # PyTorch's selective checkpointing runs where the layers are PyTorch modules: the
         # framework's policy (`sac`, or `sac-fused` under torchtitan 0.3.0)
