@@ -22,3 +22,18 @@ def recording_snippet(plan) -> tuple[dict, list]:
 
     namespace["create_selective_checkpoint_contexts"] = recording
     return namespace, modes
+
+
+def cached_storages(torch, modes) -> dict[int, int]:
+    """The distinct storages the selective checkpoints' caches of `modes` hold: data pointer to
+    bytes (a tensor kept twice, or two views of one storage, count once)."""
+    storages: dict[int, int] = {}
+    for mode in modes:
+        for entries in mode.storage.values():
+            for wrapped in entries.values():
+                for value in wrapped if isinstance(wrapped, tuple) else (wrapped,):
+                    tensor = getattr(value, "val", None)
+                    if isinstance(tensor, torch.Tensor):
+                        storage = tensor.untyped_storage()
+                        storages[storage.data_ptr()] = storage.nbytes()
+    return storages

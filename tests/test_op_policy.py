@@ -2,7 +2,7 @@
 chain, and what PyTorch's selective checkpointing keeps with the same policy."""
 
 import pytest
-from export_snippet import recording_snippet
+from export_snippet import cached_storages, recording_snippet
 
 from ckplan.model.op_policy import (
     TORCHTITAN_POLICY,
@@ -596,13 +596,7 @@ def test_mixed_plan_exports_a_wrapper_per_layer():
     X = x.numel() * x.element_size()
     policy = parse_policy(plan.recompute_groups[0])
     for mode in forward_modes:
-        kept = {
-            tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
-            for entries in mode.storage.values()
-            for wrapped_value in entries.values()
-            for value in (wrapped_value if isinstance(wrapped_value, tuple) else (wrapped_value,))
-            if isinstance(tensor := getattr(value, "val", None), torch.Tensor)
-        }
+        kept = cached_storages(torch, [mode])
         assert sum(kept.values()) + X == policy_tape_bytes(spec, policy)
     out.sum().backward()
     grads = [p.grad.clone() for p in blocks.parameters()] + [x.grad.clone()]

@@ -25,6 +25,7 @@ wqkv counted once, FlexAttention's region with V's copy): its tape is the measur
 """
 
 import pytest
+from export_snippet import cached_storages
 from needs_frameworks import framework_or_skip
 from needs_torch import torch_or_skip
 from test_op_policy import SMALL as OP_POLICY_SMALL
@@ -101,16 +102,8 @@ def _checkpointed(torch, block, policy_class, monkeypatch):
 def _cached_bytes(torch, mode, leave_out=frozenset()) -> int:
     """Bytes of the distinct storages a selective checkpoint's cache holds, but those whose
     data pointers are in `leave_out`."""
-    storages = {}
-    for entries in mode.storage.values():
-        for wrapped in entries.values():
-            for value in wrapped if isinstance(wrapped, tuple) else (wrapped,):
-                tensor = getattr(value, "val", None)
-                if isinstance(tensor, torch.Tensor):
-                    storage = tensor.untyped_storage()
-                    if storage.data_ptr() not in leave_out:
-                        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    storages = cached_storages(torch, [mode])
+    return sum(size for pointer, size in storages.items() if pointer not in leave_out)
 
 
 def _assert_plain_gradients(torch, block, wrapped, x, out, masks=None, positions=None):

@@ -17,7 +17,7 @@ tensors than on a GPU, the layout ckplan models.
 import copy
 
 import pytest
-from export_snippet import recording_snippet
+from export_snippet import cached_storages, recording_snippet
 from needs_frameworks import framework_or_skip
 from needs_torch import torch_or_skip
 from test_op_policy_moe_mla import BASE, MLA
@@ -123,15 +123,7 @@ def test_exported_regions_replay_with_early_stop_on_torchtitans_block(text):
     weights = torch.randn_like(x)
     x.requires_grad_()
     out = layer(x, None)
-    cached = {}
-    for mode in modes:
-        for entries in mode.storage.values():
-            for wrapped in entries.values():
-                for value in wrapped if isinstance(wrapped, tuple) else (wrapped,):
-                    tensor = getattr(value, "val", None)
-                    if isinstance(tensor, torch.Tensor):
-                        storage = tensor.untyped_storage()
-                        cached[storage.data_ptr()] = storage.nbytes()
+    cached = cached_storages(torch, modes)
     policy = parse_policy(text)
     units = unit_ops(spec)
     kept = kept_mask(spec, policy)
