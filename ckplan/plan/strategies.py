@@ -334,10 +334,11 @@ def has_dense_layers(spec: ModelSpec) -> bool:
     return len(parse_layer_set(spec.moe_layers, spec.layers)) < spec.layers
 
 
-# The frameworks that run Megatron-Core's module recomputation (`mlp`, `moe`, `experts` and the
-# MODULES words): Megatron-LM's --recompute-modules (megatron/core/transformer/
-# transformer_config.py, core_v0.19.0). No other framework's configuration has such a key, and
-# the torch snippet wraps whole layers, the attention core or a scoped policy's regions.
+# The frameworks that run Megatron-Core's module recomputation (`mlp`, `moe` and the MODULES
+# words; `experts`, the routed experts alone, is no module there): Megatron-LM's
+# --recompute-modules (megatron/core/transformer/transformer_config.py, core_v0.19.0). No other
+# framework's configuration has such a key, and the torch snippet wraps whole layers, the
+# attention core or a scoped policy's regions.
 MODULE_FRAMEWORKS = ("megatron",)
 # A module that is a plain checkpoint of one region (exports.megatron.SCOPED_MODULES, its
 # inverse): the scoped policy `sac@REGION` keeps nothing inside the same region.
