@@ -32,6 +32,7 @@ MEMORY = {
     "model_state_bytes": int,
     "total_bytes": int,
     "reserved_bytes": int,
+    "device_bytes": (int, None),  # with --gpu: the peak as nvidia-smi shows it
     "budgeted_bytes": int,
 }
 FLOPS = {"forward": int, "backward": int, "recompute": int, "total": int}

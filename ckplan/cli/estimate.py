@@ -105,7 +105,7 @@ def estimate(
         if plot is not None:
             _estimate_plot(plan, candidate, plot)
     if fmt == "json":
-        data = render.estimate_dict(plan, candidate, time)
+        data = render.estimate_dict(plan, candidate, time, device)
         if auto_key is not None:
             data[f"max_{auto_key}"] = largest
         print_json(data)

@@ -49,7 +49,15 @@ default for a file without them; the shipped files cite their figures):
                               all-reduce over n GPUs costs base + 2(n-1) steps, an all-gather or
                               reduce-scatter base + (n-1) (communication.ring_latency_seconds)
   nccl_channels               CUDA blocks a collective runs, one per channel, each holding an
-                              SM a large-tile GEMM cannot share (communication.overlapped)
+                              SM a large-tile GEMM cannot share (communication.overlapped);
+                              also the channels whose buffers a communicator holds
+                              (hardware.device_memory)
+  nccl_nvls_channels          NVLink SHARP channels NCCL sets up on an NVSwitch system of
+                              compute capability 9.0+ (NCCL_NVLS_NCHANNELS, 16); 0 = none
+
+Device-memory keys (what nvidia-smi shows beside the caching allocator, hardware.device_memory):
+  cuda_context_bytes          the CUDA context of a training process: driver state and the
+                              kernel modules it loads (0 = not modelled)
 
 Precision and attention-kernel keys (hardware.code_path):
   fp8_flops, fp8_matmul_efficiency   dense FP8 tensor-core FLOP/s and its best-shape share
@@ -105,6 +113,13 @@ class GPU:
     collective_latency_s: float = 0.0
     collective_step_latency_s: float = 0.0
     nccl_channels: int = 0
+    nccl_nvls_channels: int = 0
+    # the CUDA context under lazy module loading (CUDA_MODULE_LOADING=LAZY, PyTorch's default
+    # since v1.13, pytorch/pytorch PR #86509): "around 400MB if CUDA >= 11.7 is used and lazy
+    # module loading enabled" (pytorch/pytorch issue #109888, 2023-09, GPU not named), taken as
+    # 400 MiB. No published figure for an A100 or H100 training process was found; the kernels
+    # a step loads lazily beyond the first tensor are not counted (hardware.device_memory)
+    cuda_context_bytes: int = 400 * 2**20
     # FP8 tensor cores (0: none) and the share of them a best-shape FP8 GEMM reaches (MAMF)
     fp8_flops: float = 0.0
     fp8_matmul_efficiency: float = 0.7
@@ -147,7 +162,8 @@ _REQUIRED = [name for name, f in _FIELDS.items() if f.default is dataclasses.MIS
 _STRINGS = {"name", "source"}
 _INTEGERS = {"memory_bytes", "gpus_per_node", "sm_count", "tile_m", "tile_n"}
 _INTEGERS |= {"gpus_per_host_link", "host_memory_bytes"}
-_COUNTS = {"nccl_channels"}  # integers >= 0 (0: not modelled)
+_COUNTS = {"nccl_channels", "nccl_nvls_channels"}  # integers >= 0 (0: not modelled)
+_SIZES = {"cuda_context_bytes"}  # integers in [0, memory_bytes) (0: not modelled)
 _LATENCIES = {"collective_latency_s", "collective_step_latency_s"}  # [0, MAX_LATENCY_S]
 # 1 ms: twenty times the largest of NCCL's latencies (tuning.cc, 50 us a step on the network)
 MAX_LATENCY_S = 1e-3
@@ -200,11 +216,17 @@ def gpu_from_mapping(mapping: Mapping[str, Any], origin: str = "gpu") -> GPU:
             f"{origin}: key 'gpus_per_host_link' must be at most gpus_per_node "
             f"({gpu.gpus_per_node}), got {gpu.gpus_per_host_link}"
         )
-    if gpu.nccl_channels >= gpu.sm_count:
+    if gpu.cuda_context_bytes >= gpu.memory_bytes:
         raise GPUError(
-            f"{origin}: key 'nccl_channels' must be below sm_count ({gpu.sm_count}), "
-            f"got {gpu.nccl_channels}"
+            f"{origin}: key 'cuda_context_bytes' must be below memory_bytes "
+            f"({gpu.memory_bytes:,}), got {gpu.cuda_context_bytes:,}"
         )
+    for key in ("nccl_channels", "nccl_nvls_channels"):
+        if getattr(gpu, key) >= gpu.sm_count:
+            raise GPUError(
+                f"{origin}: key {key!r} must be below sm_count ({gpu.sm_count}), "
+                f"got {getattr(gpu, key)}"
+            )
     return gpu
 
 
@@ -244,6 +266,13 @@ def _coerce(origin: str, key: str, value: Any) -> Any:
     if key in _COUNTS:
         if not number.is_integer() or number < 0:
             raise GPUError(f"{origin}: key {key!r} must be an integer >= 0, got {quote(value)}")
+        return int(number)
+    if key in _SIZES:
+        if not number.is_integer() or not 0 <= number <= MEMORY_RANGE[1]:
+            raise GPUError(
+                f"{origin}: key {key!r} must be an integer number of bytes in "
+                f"0..{MEMORY_RANGE[1]:,}, got {quote(value)}"
+            )
         return int(number)
     if key in _LATENCIES:
         if not 0.0 <= number <= MAX_LATENCY_S:

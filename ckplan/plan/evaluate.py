@@ -17,6 +17,8 @@ from fractions import Fraction
 from functools import lru_cache
 
 from ckplan.cache import BoundedCache
+from ckplan.hardware.device_memory import DeviceMemory, device_memory
+from ckplan.hardware.gpus import GPU
 from ckplan.model import allocator, memory
 from ckplan.model import flops as flops_model
 from ckplan.model.layers import stage_kinds
@@ -124,6 +126,17 @@ class Plan:
         return allocator.reserved_bytes(
             self.total_bytes,
             self.spec.expandable_segments,
+            memory.stream_pool_bytes(self.spec, self.peak_stage),
+        )
+
+    def device_memory(self, gpu: GPU) -> DeviceMemory:
+        """The peak as nvidia-smi shows it on `gpu`: the reserved peak within what the GPU
+        leaves the allocator, the CUDA context, NCCL's buffers and paged optimizer states
+        (hardware.device_memory)."""
+        return device_memory(
+            self.total_bytes,
+            self.spec,
+            gpu,
             memory.stream_pool_bytes(self.spec, self.peak_stage),
         )
 

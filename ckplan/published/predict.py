@@ -7,7 +7,8 @@ published - 1, positive when ckplan is slower) and, where the publisher counts F
 the publisher's own convention and peak (predicted - published, in points). A peak from
 PyTorch's allocator statistics (allocated, active or reserved bytes) is compared with ckplan's
 allocated or reserved peak less what lives outside that allocator (`ALLOCATOR_METRICS`,
-`outside_allocator_bytes`).
+`outside_allocator_bytes`); a peak nvidia-smi or NVML shows (`nvidia_smi_bytes`) with the
+reserved peak plus what lives outside it (`hardware.device_memory`).
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckplan.errors import InputError
+from ckplan.hardware.device_memory import device_memory, paged_optimizer_bytes
 from ckplan.hardware.gpus import GPU
 from ckplan.hardware.step_time import step_time
 from ckplan.inputs.gpus import load_gpu
 from ckplan.inputs.presets import load_mapping, spec_from_values
 from ckplan.model import allocator
 from ckplan.model.flops import iteration_flops
-from ckplan.model.memory import layer_input_bytes, stream_pool_bytes, trainable_tensors
+from ckplan.model.memory import layer_input_bytes, stream_pool_bytes
 from ckplan.model.op import split_share
-from ckplan.model.optimizers import OPTIMIZERS, paged_state_bytes
+from ckplan.model.optimizers import OPTIMIZERS
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import evaluate, parse_strategy
 from ckplan.plan.evaluate import Plan
@@ -122,6 +124,7 @@ def run_spec(run: PublishedRun) -> ModelSpec:
         **execution,
         **finetune_values(run),
         **optimizer_values(run),
+        **state_offload_values(run),
         **run.settings,
         **layout,
         "dp": dp,
@@ -132,6 +135,19 @@ def run_spec(run: PublishedRun) -> ModelSpec:
     values.pop("zero", None)
     zero = int(layout.get("zero", 0))
     return spec_from_values({**values, "zero": zero}, origin)
+
+
+def state_offload_values(run: PublishedRun) -> dict[str, Any]:
+    """The run's `offload: params` as ckplan's model states on the host: accelerate's
+    `fsdp_offload_params: true` builds FSDP with CPUOffload(offload_params=True)
+    (accelerate/utils/dataclasses.py, FullyShardedDataParallelPlugin), whose parameters stay on
+    the CPU when not computing and "this offloads gradients to CPU as well, meaning that the
+    optimizer step runs on CPU" (torch/distributed/fsdp/api.py, `CPUOffload`, PyTorch
+    v2.13.0): ckplan's FSDP CPU offload, param_offload and optimizer_offload both cpu
+    (ckplan.model.frameworks)."""
+    if run.training.get("offload") != "params":
+        return {}
+    return {"optimizer_offload": "cpu", "param_offload": "cpu"}
 
 
 # Publishers ckplan runs as `hf` whose loops reduce the gradients of every micro-batch (the
@@ -341,10 +357,8 @@ ALLOCATOR_METRICS = ("memory_allocated_bytes", "memory_active_bytes", "memory_re
 def outside_allocator_bytes(spec: ModelSpec) -> int:
     """Bytes of the plan's model states that PyTorch's caching allocator does not hold, so no
     torch.cuda.memory_stats figure counts them: a paged bitsandbytes optimizer's states
-    (`optimizers.paged_state_bytes`, ZeRO 0 on one GPU as these runs are)."""
-    if spec.optimizer != "paged-adamw-8bit" or spec.zero or spec.pp > 1:
-        return 0
-    return paged_state_bytes(spec.optimizer, trainable_tensors(spec, 0))
+    (`device_memory.paged_optimizer_bytes`)."""
+    return paged_optimizer_bytes(spec)
 
 
 def liger_chunks(run: PublishedRun) -> int:
@@ -378,7 +392,7 @@ MODELLED_TRAINING = {
     "training": ("full", "frozen", "lora", "qlora"),
     "weight_format": ("bf16", "fp16", "fp32", "nf4", "fp4", "int8"),
     "optimizer": OPTIMIZERS,
-    "offload": ("none", "activations"),
+    "offload": ("none", "activations", "params"),
     "loss": (
         "fused",
         "eager",
@@ -412,8 +426,6 @@ def unmodelled(run: PublishedRun) -> str | None:
         )
     if run.training.get("distribute_checkpoints") is True and strategy_of(run) != "full":
         return "distribute_checkpoints is modelled only with recompute full"
-    if run.published.metric == "nvidia_smi_bytes":
-        return f"{run.published.metric.removesuffix('_bytes')} memory is not modelled"
     return None
 
 
@@ -436,6 +448,13 @@ def predict(run: PublishedRun, gpu: GPU | None = None) -> Prediction:
     if run.published.metric in ALLOCATOR_METRICS:
         memory -= outside_allocator_bytes(spec)
     metric, value = run.published.metric, run.published.value
+    if metric == "nvidia_smi_bytes":
+        device = device_memory(memory, spec, gpu, stream_pool_bytes(spec, plan.peak_stage))
+        predicted = device.total
+        return Prediction(
+            run, "ok", predicted, predicted / value - 1, fits=fits, memory_bytes=memory,
+            spec=spec, plan=plan,
+        )  # fmt: skip
     if metric in MEMORY_METRICS:
         if metric == "memory_reserved_bytes":
             available = gpu.memory_bytes - DEFAULT_RESERVE

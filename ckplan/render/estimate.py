@@ -37,9 +37,10 @@ if TYPE_CHECKING:  # Rich is imported where a table is built: --json needs none
 # ---- JSON --------------------------------------------------------------------------------
 
 
-def plan_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
+def plan_dict(plan: Plan, time: StepTime | None = None, gpu: GPU | None = None) -> dict[str, Any]:
     """A plan in `estimate --json`'s shape (tests/json_schema.py), with `per_op` and
-    `model_states`, and its `time` object when a GPU was given."""
+    `model_states`, its `time` object when a GPU was given, and with a GPU its peak as
+    nvidia-smi shows it (`device_bytes`, null without one; `device`, by term)."""
     states = plan.model_states
     data = {
         "strategy": plan.strategy,
@@ -59,6 +60,7 @@ def plan_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
             | ({"host": states.host} if states.host else {}),
             "total_bytes": plan.total_bytes,
             "reserved_bytes": plan.reserved_bytes,
+            "device_bytes": None,
             "budgeted_bytes": plan.budgeted_bytes,
         },
         "parameters": {
@@ -77,6 +79,15 @@ def plan_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
     }
     if time is not None:
         data["time"] = time.to_dict()
+    if gpu is not None:
+        device = plan.device_memory(gpu)
+        data["memory"]["device_bytes"] = device.total
+        data["memory"]["device"] = {
+            "reserved_bytes": device.reserved,
+            "cuda_context_bytes": device.cuda_context,
+            "nccl_bytes": device.nccl,
+            "paged_optimizer_bytes": device.paged_optimizer,
+        }
     if plan.stage_offloads:
         data["offload"] = offload_dict(plan, time)
     if plan.model_states.host:
@@ -102,6 +113,17 @@ def plan_dict(plan: Plan, time: StepTime | None = None) -> dict[str, Any]:
         data["memory"]["expert_parallel"] = expert_layout_dict(layout)
         data["parameters"]["active"] = parameter_count(spec).active
     return data
+
+
+def device_note(plan: Plan, gpu: GPU) -> str:
+    """What the "on the device" row adds to the reserved peak (hardware.device_memory)."""
+    device = plan.device_memory(gpu)
+    terms = [f"CUDA context {gib(device.cuda_context)}"]
+    if device.nccl:
+        terms.append(f"NCCL buffers {gib(device.nccl)} (dp {plan.spec.dp})")
+    if device.paged_optimizer:
+        terms.append(f"paged optimizer {gib(device.paged_optimizer)}")
+    return "as nvidia-smi shows it: reserved + " + " + ".join(terms)
 
 
 def layer_kinds_list(spec: ModelSpec) -> list[dict[str, Any]]:
@@ -167,9 +189,16 @@ def expert_layout_line(layout: ExpertLayout, states_total: int, expert_states: i
 
 
 def estimate_dict(
-    plan: Plan, candidate: Candidate | None = None, time: StepTime | None = None
+    plan: Plan,
+    candidate: Candidate | None = None,
+    time: StepTime | None = None,
+    gpu: GPU | None = None,
 ) -> dict[str, Any]:
-    data = {"ckplan_version": __version__, "model": plan.spec.to_dict(), **plan_dict(plan, time)}
+    data = {
+        "ckplan_version": __version__,
+        "model": plan.spec.to_dict(),
+        **plan_dict(plan, time, gpu),
+    }
     if candidate is not None:
         data |= {
             "usable_bytes": candidate.budget_bytes,
@@ -345,7 +374,7 @@ def per_op_table(spec: ModelSpec, kind=None, title: str | None = None) -> Table:
     return table
 
 
-def plan_summary_table(plan: Plan) -> Table:
+def plan_summary_table(plan: Plan, gpu: GPU | None = None) -> Table:
     from rich.table import Table
 
     spec = plan.spec
@@ -448,6 +477,10 @@ def plan_summary_table(plan: Plan) -> Table:
         both_units(plan.reserved_bytes),
         "the CUDA caching allocator's peak with memory to spare (max_memory_reserved)",
     )
+    if gpu is not None:
+        table.add_row(
+            "  on the device", both_units(plan.device_memory(gpu).total), device_note(plan, gpu)
+        )
     table.add_row(
         "parameters",
         f"{plan.parameters_total:,}",
@@ -637,7 +670,11 @@ def estimate_view(
     from rich.console import Group
     from rich.text import Text
 
-    parts: list[Any] = [model_table(plan.spec), *per_op_tables(plan.spec), plan_summary_table(plan)]
+    parts: list[Any] = [
+        model_table(plan.spec),
+        *per_op_tables(plan.spec),
+        plan_summary_table(plan, gpu),
+    ]
     layout = expert_layout(plan.spec)
     if layout is not None:
         states = plan.model_states
