@@ -9,12 +9,14 @@ step_time        one training iteration composed from the op table (StepTime, st
 stage_table      a long chain's stage times as NumPy arrays (bit-identical to step_time)
 host_link        the GPU-to-host link and host memory (activation offloading)
 cpu              the `cpu` device profile `ckplan verify` measures on the spot
+device_memory    the peak as nvidia-smi shows it: reserved + CUDA context, NCCL, paged states
 """
 
 __all__ = [
     "code_path",
     "communication",
     "cpu",
+    "device_memory",
     "expert_parallel",
     "gpus",
     "host_link",
