@@ -106,7 +106,14 @@ def nccl_communicator_bytes(ranks: int, gpu: GPU) -> int:
     """Device bytes NCCL holds on one GPU for a communicator over `ranks` GPUs: every channel's
     ring and tree connections (`nccl_connections_per_channel` · `nccl_p2p_connection_bytes`,
     `gpu.nccl_channels` channels) and, on an NVSwitch system, the NVLS buffers over the ranks on
-    this GPU's node. 0 where the GPU file gives no channel count (not modelled)."""
+    this GPU's node. 0 where the GPU file gives no channel count (not modelled).
+
+    NCCL v2.19.3-1 sets all of it up when the communicator is created. From v2.22.3-1 NCCL
+    connects at run time only what the collectives run use (src/init.cc, NCCL_RUNTIME_CONNECT
+    default 1, with cuMem): the tree's connections and the NVLS buffers then come only with
+    the algorithms that need them, and this figure is an upper bound. Across nodes the network
+    transport's buffers are taken as the P2P ones.
+    """
     if ranks <= 1 or gpu.nccl_channels <= 0:
         return 0
     p2p = gpu.nccl_channels * nccl_connections_per_channel(ranks) * nccl_p2p_connection_bytes()
