@@ -76,10 +76,11 @@ def nccl_connections_per_channel(ranks: int) -> int:
     (src/init.cc, `initTransportsRank`: "Connect with prev/next for each ring", "Connect
     Trees"), skipping a peer already connected on that channel (src/transport.cc,
     `ncclTransportP2pSetup`). The ring receives from the previous rank and sends to the next:
-    one pair. derived: the tree within a node is a chain (src/graph/connect.cc), whose middle
-    ranks receive from and send to both neighbours: one pair more than the ring when it runs
-    the other way, none with two ranks (both neighbours are the one peer). Taken as two pairs
-    beyond two ranks.
+    one pair. Within a node the tree is a chain (src/graph/connect.cc, `ncclTopoPreset`:
+    tree.up = treeIntra[i-1], tree.down[0] = treeIntra[i+1]), connected both ways, so a middle
+    rank also receives from its next and sends to its previous neighbour. derived: one pair
+    more than the ring on the busiest GPU beyond two ranks; none with two (the one peer is
+    connected both ways by the ring already).
     """
     if ranks <= 1:
         return 0
