@@ -23,6 +23,7 @@ from ckplan.inputs.gpus import load_gpu
 from ckplan.inputs.presets import load_mapping, spec_from_values
 from ckplan.model import allocator
 from ckplan.model.flops import iteration_flops
+from ckplan.model.loss import loss_cached_bytes
 from ckplan.model.memory import layer_input_bytes, stream_pool_bytes, trainable_tensors
 from ckplan.model.op import split_share
 from ckplan.model.optimizers import OPTIMIZERS, paged_state_bytes
@@ -444,6 +445,7 @@ def predict(run: PublishedRun, gpu: GPU | None = None) -> Prediction:
                 available,
                 spec.expandable_segments,
                 stream_pool_bytes(spec, plan.peak_stage),
+                loss_cached_bytes(spec, plan.peak_stage),
             )
         else:
             predicted = memory
