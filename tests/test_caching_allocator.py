@@ -124,13 +124,14 @@ def test_the_eager_loss_by_hand_through_the_rules():
 
 def test_eager_loss_cached_bytes_by_hand():
     """2L's segment; with the shifted copy one more 4L segment when the copy's segments fall
-    short of 4L; none for fp32 logits."""
+    short of 4L; for fp32 logits only that one."""
     L = 8 * 1024 * 128256
     shifted = 8 * 1023 * 128256
     seg = allocator.segment_bytes
     assert allocator.eager_loss_cached_bytes(L, 2) == seg(2 * L)
     assert allocator.eager_loss_cached_bytes(L, 2, shifted) == seg(2 * L) + seg(4 * L)
     assert allocator.eager_loss_cached_bytes(L, 4) == 0
+    assert allocator.eager_loss_cached_bytes(L, 4, shifted) == seg(4 * L)
     assert allocator.eager_loss_cached_bytes(0, 2) == 0
     # one sequence of 8192: 4·V = 513,024 bytes short, which the 2 MiB rounding covers
     single = 8192 * 128256
@@ -165,6 +166,22 @@ def test_the_recorded_loss_replayed_agrees_with_the_closed_form(batch, seq, hidd
         assert 0 <= beyond - closed < 8 * MIB, form
         # and the loss's own allocated peak is 12L (the tape's 4L and the backward's 8L)
         assert abs(cache.peak_allocated - replay.REST - 12 * L) < 0.01 * L
+
+
+def test_fp32_logits_replayed_agree_with_the_closed_form():
+    """fp32 logits: `.float()` copies nothing; only the shifted copy's 4L segment remains."""
+    from needs_torch import torch_or_skip
+
+    torch = torch_or_skip()
+    import loss_allocator_replay as replay
+
+    batch, seq, vocab = 8, 1024, 128256
+    L = batch * seq * vocab
+    for form in replay.FORMS:
+        cache = replay.replayed(form, batch, seq, 64, vocab, torch.float32)
+        shifted = batch * (seq - 1) * vocab if form == "transformers-4.44" else 0
+        closed = allocator.eager_loss_cached_bytes(L, 4, shifted)
+        assert 0 <= cache.peak_reserved - cache.peak_allocated - closed < 8 * MIB, form
 
 
 def test_loss_cached_bytes_by_spec(spec_of):

@@ -28,7 +28,7 @@ backward asks for the hidden states' gradient. It prints, in units of L = b·s·
 the allocated peak, beside ckplan.model.allocator.eager_loss_cached_bytes.
 
 Usage: python validation/loss_allocator_replay.py [--batch 8 --seq 1024 --hidden 4096
-       --vocab 128256]
+       --vocab 128256] [--fp32]
 """
 
 from __future__ import annotations
@@ -93,10 +93,10 @@ def _loss(form: str, states, weight, labels, vocab: int) -> torch.Tensor:
     return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
-def loss_trace(form: str, batch: int, seq: int, hidden: int, vocab: int):
-    """The loss's allocation trace at these shapes (bf16 activations), on the meta device."""
-    states = torch.empty(batch, seq, hidden, dtype=torch.bfloat16, device="meta")
-    weight = torch.empty(vocab, hidden, dtype=torch.bfloat16, device="meta")
+def loss_trace(form: str, batch: int, seq: int, hidden: int, vocab: int, dtype=torch.bfloat16):
+    """The loss's allocation trace at these shapes, on the meta device."""
+    states = torch.empty(batch, seq, hidden, dtype=dtype, device="meta")
+    weight = torch.empty(vocab, hidden, dtype=dtype, device="meta")
     labels = torch.empty(batch, seq, dtype=torch.long, device="meta")
     states.requires_grad_(True)
     with AllocationTrace([states, weight, labels]) as trace:
@@ -105,11 +105,13 @@ def loss_trace(form: str, batch: int, seq: int, hidden: int, vocab: int):
     return trace.events
 
 
-def replayed(form: str, batch: int, seq: int, hidden: int, vocab: int) -> CachingAllocator:
+def replayed(
+    form: str, batch: int, seq: int, hidden: int, vocab: int, dtype=torch.bfloat16
+) -> CachingAllocator:
     """The allocator after the step's other live bytes (one block) and the loss's trace."""
     allocator = CachingAllocator()
     allocator.malloc(REST)
-    return replay(loss_trace(form, batch, seq, hidden, vocab), allocator)
+    return replay(loss_trace(form, batch, seq, hidden, vocab, dtype), allocator)
 
 
 def main() -> None:
@@ -118,15 +120,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("batch", 8), ("seq", 1024), ("hidden", 4096), ("vocab", 128256)):
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--fp32", action="store_true", help="fp32 activations and logits")
     args = parser.parse_args()
     b, s, h, V = args.batch, args.seq, args.hidden, args.vocab
+    dtype, size = (torch.float32, 4) if args.fp32 else (torch.bfloat16, 2)
     L = b * s * V
-    print(f"b {b}, s {s}, h {h}, V {V}: L = {L:,} logits (torch {torch.__version__})")
+    print(f"b {b}, s {s}, h {h}, V {V}, {dtype}: L = {L:,} logits (torch {torch.__version__})")
     for form in FORMS:
-        allocator = replayed(form, b, s, h, V)
+        allocator = replayed(form, b, s, h, V, dtype)
         beyond = allocator.peak_reserved - allocator.peak_allocated
         shifted = b * (s - 1) * V if form == "transformers-4.44" else 0
-        closed = eager_loss_cached_bytes(L, 2, shifted)
+        closed = eager_loss_cached_bytes(L, size, shifted)
         print(
             f"{form:18s} allocated peak {(allocator.peak_allocated - REST) / L:6.3f}·L, "
             f"reserved peak {(allocator.peak_reserved - REST) / L:6.3f}·L, "

@@ -133,27 +133,28 @@ def eager_loss_cached_bytes(logits: int, logits_bytes: int, shifted: int = 0) ->
 
     `logits` elements in `logits_bytes`-byte values; `shifted` the elements of a shifted fp32
     copy (`logits[..., :-1, :].contiguous()`, transformers v4.44.0's LlamaForCausalLM), 0
-    where the labels are shifted instead (transformers' ForCausalLMLoss since, torchtitan).
+    where there is none (transformers 5.25's ForCausalLMLoss shifts the labels; torchtitan).
 
     Every block is a segment of its own, since nothing cached before the loss is as large
-    (`get_free_block` takes the smallest cached block at least the request's size; none here).
-    The forward reserves the B-byte logits, their fp32 copy and the log-probabilities (and the
-    shifted copy); all but the log-probabilities are freed before the backward. The backward's
-    log-probability gradient takes the fp32 copy's segment (the shifted copy's where there is
-    one), the logits' gradient needs a second 4L block while the log-probabilities are alive,
-    and no cached block fits it but the fp32 copy's: without a shifted copy a new segment.
-    The B-byte logits' segment is too small for any 4L request, so it stays idle through the
-    backward's peak (the cast back to B bytes reuses it afterwards): B·L beyond the allocated
-    peak. With the shifted copy, the logits' gradient takes the fp32 copy's segment (split,
-    `should_split`); the slice's backward then asks for a zero-filled 4L gradient of the
-    unshifted logits while that gradient is alive, and the segments of the two shifted
-    4L' tensors are 4·b·V bytes short of it unless rounding to 2 MiB covers that: a new 4L
-    segment, idle at the peak too. With fp32 logits `.float()` copies nothing: no idle
-    segment. A device with memory to spare: under pressure the allocator frees these segments
-    before it fails (module docstring)."""
-    if logits <= 0 or logits_bytes >= FP32_BYTES:
+    (`get_free_block` takes the smallest cached block at least the request's size; none here),
+    and no segment is released (memory to spare), so the reserved peak is all of them. The
+    forward reserves the B-byte logits (B·L), their fp32 upcast (4L) and the log-probabilities
+    (4L), and frees all but the log-probabilities before the backward. There the
+    log-probabilities' gradient takes the upcast's segment, and the logits' gradient, made
+    while both are alive, fits no cached block (the B-byte logits' is too small): a new 4L
+    segment. The allocated peak is those three 4L blocks, the reserved peak one B·L segment
+    more. With fp32 logits `.float()` copies nothing: nothing more.
+
+    With the shifted copy the copy and the log-probabilities are 4L' each; the backward's two
+    4L' gradients take the copy's segment and the upcast's (split, `should_split`), and the
+    slice's backward then asks for a zero-filled 4L gradient of the whole logits, which the
+    4L' segments miss by 4·b·V bytes unless the 2 MiB rounding covers that: one more 4L
+    segment (validation/loss_allocator_replay.py: 6.01·L for bf16 logits at b = 8, 4.01·L for
+    fp32). Under pressure the allocator frees these segments before it fails (module
+    docstring)."""
+    if logits <= 0:
         return 0
-    idle = segment_bytes(logits_bytes * logits)
+    idle = segment_bytes(logits_bytes * logits) if logits_bytes < FP32_BYTES else 0
     if shifted and segment_bytes(FP32_BYTES * shifted) < segment_bytes(FP32_BYTES * logits):
         idle += segment_bytes(FP32_BYTES * logits)
     return idle
