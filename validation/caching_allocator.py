@@ -1,9 +1,9 @@
 """PyTorch's CUDA caching allocator, its default mode, replayed in pure Python.
 
-The rules are c10/cuda/CUDACachingAllocator.cpp (pytorch/pytorch; read at 001074d2, whose rules
-below are those of the v2.4.0 release of August 2024 as well: the constants, `round_size`,
-`get_allocation_size`, `get_free_block`, `should_split`, `alloc_found_block`, `free_block` and
-`try_merge_blocks`):
+The rules are c10/cuda/CUDACachingAllocator.cpp's (pytorch/pytorch, read at 001074d2 and at
+the older eb42ad6e, whose constants, `round_size`, `get_allocation_size`, `get_free_block`,
+`should_split`, `alloc_found_block`, `free_block` and `try_merge_blocks` are the same; the
+v2.4.0 tag of August 2024 itself was not read):
 
 - a request is rounded up to a multiple of 512 bytes (`round_size`, kMinBlockSize; the
   `roundup_power2_divisions` option unset);

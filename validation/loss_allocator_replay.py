@@ -6,7 +6,7 @@ backward, at the real shapes on the meta device (no memory is used: a TorchDispa
 every storage an op returns and a finalizer on each storage its free, as
 validation/hf_llama_loss_bytes.py counts them), and replays them through
 validation/caching_allocator.py, the default allocator's rules (c10/cuda/
-CUDACachingAllocator.cpp, v2.4.0). The rest of the step's live memory comes first as one block:
+CUDACachingAllocator.cpp). The rest of the step's live memory comes first as one block:
 nothing the layers cache before the loss is as large as the loss's blocks, so none of them
 serves a loss request (`get_free_block` takes the smallest cached block at least the request).
 

@@ -116,7 +116,7 @@ def segment_bytes(request: int) -> int:
     """The segment cudaMalloc reserves for a request no cached block fits: the request rounded
     up to 512 bytes (`round_size`), then `get_allocation_size` (2 MiB for a small request,
     kLargeBuffer below kMinLargeAlloc, else a multiple of kRoundLarge); c10/cuda/
-    CUDACachingAllocator.cpp (pytorch/pytorch, v2.4.0's rules, read at 001074d2)."""
+    CUDACachingAllocator.cpp (pytorch/pytorch at 001074d2 and at eb42ad6e, the same rules)."""
     size = max(MIN_BLOCK_SIZE, -(-request // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE)
     if size <= SMALL_SIZE:
         return 2 * SMALL_SIZE
@@ -128,7 +128,7 @@ def segment_bytes(request: int) -> int:
 def eager_loss_cached_bytes(logits: int, logits_bytes: int, shifted: int = 0) -> int:
     """The reserved bytes beyond the allocated peak that PyTorch's eager cross-entropy on
     upcast logits leaves in the default allocator's cache (derived: the loss's blocks replayed
-    through c10/cuda/CUDACachingAllocator.cpp's rules, v2.4.0; validation/
+    through c10/cuda/CUDACachingAllocator.cpp's rules, `segment_bytes`; validation/
     loss_allocator_replay.py replays the recorded allocations and frees and agrees).
 
     `logits` elements in `logits_bytes`-byte values; `shifted` the elements of a shifted fp32
