@@ -13,12 +13,13 @@ instead ("Note [Expandable Segments]"), and the gaps mostly go.
 
 ckplan models the reserved peak as the allocated peak times (1 + slack), rounded up to 2 MiB,
 plus what one pattern leaves that a share cannot follow: the segments the eager loss's blocks
-leave idle at the peak (`eager_loss_cached_bytes`). Each of the loss's logit-sized requests
-(gigabytes) gets a segment of its own, and at the backward's peak the B-byte logits' segment
-(and, under transformers v4.44.0's shifted copy of the logits, one more 4L segment) is cached
-but too small for any request then made: 2·L bytes beyond the allocated peak, 6·L with the
-copy, L the logits on the GPU (validation/loss_allocator_replay.py replays the recorded
-allocations through validation/caching_allocator.py, the allocator's rules in Python). Later
+reserve beyond its allocated peak (`eager_loss_cached_bytes`). Each of the loss's logit-sized
+requests (gigabytes) gets a segment of its own; at the backward's peak the B-byte logits'
+segment is cached but too small for any request then made, and under transformers v4.44.0's
+shifted copy of the logits the slice's backward needs one more 4L segment: 2·L bytes beyond the
+allocated peak, 6·L with the copy, L the logits on the GPU
+(validation/loss_allocator_replay.py replays the recorded allocations through
+validation/caching_allocator.py, the allocator's rules in Python). Later
 requests are smaller than those segments and take them split (`get_free_block` takes the
 smallest cached block that fits, `should_split` splits any block with more than 1 MiB left while
 `max_split_size` is unlimited, its default), so the recomputed layers' backward reserves
