@@ -82,7 +82,9 @@ def test_groupings_by_release():
     assert frameworks.fsdp2_outer_units(ROOT_PARAMS, EMBEDDING, V0_3) == (EMBEDDING, OUTPUT)
     assert frameworks.framework_version(_spec()) == "2024.12"
     assert frameworks.framework_version(_spec(framework_version=None)) == "0.3"
-    assert frameworks.framework_version(_spec(framework="hf", framework_version=None)) is None
+    # hf: transformers' causal-LM loss by release (ckplan.model.loss `shifted_logits`)
+    assert frameworks.framework_version(_spec(framework="hf", framework_version=None)) == "5.25"
+    assert frameworks.framework_version(_spec(framework="megatron", framework_version=None)) is None
 
 
 def test_kept_unsharded_by_hand():

@@ -15,7 +15,9 @@ storage dies (a TorchDispatchMode with a finalizer on each storage), the Trainer
 outputs (the fp32 logits) before the backward included; the backward asks for the hidden
 states' gradient only. The peaks are printed in units of L = b·s·V (bytes per logit element),
 to set beside ckplan's `eager` loss (ckplan.model.loss: forward peak (B + 8)·L with the saved
-4L, backward tape + 8L = 12L).
+4L, 4·(L + L') + 4L' at `framework_version: "4.44"`, L' = b·(s - 1)·V; backward tape + 8L =
+12L). What these blocks leave reserved in PyTorch's caching allocator:
+validation/loss_allocator_replay.py.
 
 Usage: python validation/hf_llama_loss_bytes.py [--batch 2 --seq 64 --hidden 32 --vocab 1024]
 """

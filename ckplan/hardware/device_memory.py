@@ -158,16 +158,19 @@ class DeviceMemory:
         return self.reserved + self.outside_allocator
 
 
-def device_memory(allocated: int, spec: ModelSpec, gpu: GPU, side_streams: int = 0) -> DeviceMemory:
+def device_memory(
+    allocated: int, spec: ModelSpec, gpu: GPU, side_streams: int = 0, loss_cache: int = 0
+) -> DeviceMemory:
     """nvidia-smi's used memory of one GPU whose allocated peak is `allocated` (paged optimizer
     states included, as ckplan's model states count them): the reserved peak of what the
-    allocator holds (`allocator.reserved_within`, capped by what the GPU leaves beside the
-    terms outside it) plus those terms (module docstring)."""
+    allocator holds (`allocator.reserved_within` with the side streams' pools and the loss's
+    idle segments, capped by what the GPU leaves beside the terms outside it) plus those terms
+    (module docstring)."""
     context = gpu.cuda_context_bytes
     nccl = data_parallel_nccl_bytes(spec, gpu)
     paged = paged_optimizer_bytes(spec)
     available = gpu.memory_bytes - context - nccl - paged
     reserved = allocator.reserved_within(
-        allocated - paged, available, spec.expandable_segments, side_streams
+        allocated - paged, available, spec.expandable_segments, side_streams, loss_cache
     )
     return DeviceMemory(reserved, context, nccl, paged)

@@ -81,8 +81,10 @@ HALF = 2  # bytes of a bf16 value
 OFFLOAD_DEVICES = ("none", "cpu")  # optimizer_offload, param_offload
 GRAD_SYNCS = ("micro_batch", "step")  # grad_sync (`gradient_sync`)
 # framework_version: the releases whose semantics ckplan models apart, oldest first; the last
-# is the default (`framework_version`)
-FRAMEWORK_VERSIONS = {"torchtitan": ("2024.12", "0.3")}
+# is the default (`framework_version`). torchtitan: its FSDP2 grouping (`fsdp2_grouping`); hf:
+# transformers' causal-LM loss (ckplan.model.loss `shifted_logits_elements`: 4.44 copies the
+# shifted fp32 logits, 5.25 shifts the labels)
+FRAMEWORK_VERSIONS = {"hf": ("4.44", "5.25"), "torchtitan": ("2024.12", "0.3")}
 
 
 @dataclass(frozen=True)
@@ -383,7 +385,7 @@ def framework_version_error(framework: str, version: str | None) -> str | None:
     if versions is None:
         return (
             f"key 'framework_version' ({version}): {framework} is modelled at one release; "
-            "the key is for framework torchtitan"
+            f"the key is for frameworks {', '.join(sorted(FRAMEWORK_VERSIONS))}"
         )
     if version not in versions:
         return (

@@ -22,6 +22,15 @@ input (X) and what the loss saves.
   `_nll_loss_backward` folds log_softmax's backward in as `(grad_input + torch.exp(x)) *
   grad_output`: the scattered gradient, exp(x) and their sum alive together, 12L beside the
   saved 4L (validation/torch_loss_parallel.py measures 4L more than the plain path).
+  Hugging Face's older form (`framework_version: "4.44"`, transformers v4.44.0's
+  LlamaForCausalLM.forward: `logits = logits.float()`, `shift_logits = logits[..., :-1,
+  :].contiguous()`, then `CrossEntropyLoss`) also copies the shifted fp32 logits (4L', L' =
+  b·(s-1)·V): the B-byte logits die at the upcast, and the fp32 logits, their shifted copy and
+  the log-probabilities are alive together, 12L in the forward
+  (validation/hf_llama_loss_bytes.py); the backward is as above. In PyTorch's caching
+  allocator the eager loss leaves segments idle at its backward's peak, 2L (6L with the
+  shifted copy) reserved beyond the allocated peak (ckplan.model.allocator
+  `eager_loss_cached_bytes`, `loss_cached_bytes` here).
 - `compiled` — the same cross-entropy under torch.compile, as torchtitan compiles its loss with
   the model since bbb1b616e (April 2025; `build_cross_entropy_loss`, torchtitan/components/
   loss.py at 6fc499f). Inductor's decompositions turn log_softmax into a max, a sum of
@@ -61,6 +70,8 @@ input (X) and what the loss saves.
 
 from __future__ import annotations
 
+from ckplan.model import allocator
+from ckplan.model.frameworks import framework_version
 from ckplan.model.op import FP32_BYTES, split_share
 from ckplan.model.spec import ChainSpec
 
@@ -153,8 +164,9 @@ def output_forward_workspace_bytes(spec: ChainSpec) -> int:
         return beyond_input + B * L
     if spec.loss == "compiled" or keeps_chunk_logits(spec):
         return beyond_input
-    if spec.loss == "eager":
-        return beyond_input + (B + FP32_BYTES) * L
+    if spec.loss == "eager":  # the copy's forward: fp32 logits and their shifted copy
+        shifted = FP32_BYTES * (L + shifted_logits_elements(spec)) if shifted_logits(spec) else 0
+        return beyond_input + max((B + FP32_BYTES) * L, shifted)
     if spec.loss == "xentropy":  # the fp32 losses and z-losses it returns
         return beyond_input + 2 * FP32_BYTES * tokens(spec)
     return beyond_input + -(-(B + 4 * FP32_BYTES) * L // chunks(spec.loss))
@@ -245,3 +257,33 @@ def loss_moved_bytes(spec: ChainSpec) -> tuple[int, int]:
     if spec.loss == "xentropy":
         return B * L, 2 * B * L
     return (B + 16) * L + (20 + B) * L, 0
+
+
+def shifted_logits(spec: ChainSpec) -> bool:
+    """Whether the eager loss copies the shifted fp32 logits: Hugging Face transformers at
+    `framework_version: "4.44"` (LlamaForCausalLM.forward at v4.44.0: `shift_logits =
+    logits[..., :-1, :].contiguous()` after `logits = logits.float()`); transformers 5.25's
+    ForCausalLMLoss pads and shifts the labels instead (`nn.functional.pad(labels, (0, 1),
+    value=ignore_index)`, loss/loss_utils.py), as torchtitan never shifts."""
+    return spec.loss == "eager" and spec.framework == "hf" and framework_version(spec) == "4.44"
+
+
+def shifted_logits_elements(spec: ChainSpec) -> int:
+    """L': the shifted copy's elements, b·(s - 1)·V (hf runs no tensor or context parallelism)."""
+    return spec.micro_batch * (spec.seq - 1) * spec.vocab
+
+
+def loss_cached_bytes(spec: ChainSpec, stage: int | None = None) -> int:
+    """The bytes the loss's blocks leave reserved beyond the allocated peak on a GPU of pipeline
+    stage `stage` (default the last, which runs the loss): the eager loss's idle segments
+    (ckplan.model.allocator `eager_loss_cached_bytes`) with the default allocator; 0 with
+    expandable segments (allocator module docstring), under torchtitan's loss parallel (t > 1,
+    its DTensor ops not replayed), for the other losses and on the other stages."""
+    if stage is not None and stage != spec.pp - 1:
+        return 0
+    if spec.loss != "eager" or spec.expandable_segments:
+        return 0
+    if spec.framework == "torchtitan" and spec.tp > 1:
+        return 0
+    shifted = shifted_logits_elements(spec) if shifted_logits(spec) else 0
+    return allocator.eager_loss_cached_bytes(logits_elements(spec), spec.dtype_bytes, shifted)

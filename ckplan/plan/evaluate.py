@@ -22,6 +22,7 @@ from ckplan.hardware.gpus import GPU
 from ckplan.model import allocator, memory
 from ckplan.model import flops as flops_model
 from ckplan.model.layers import stage_kinds
+from ckplan.model.loss import loss_cached_bytes
 from ckplan.model.op_policy import NO_EXPORT, layerwise_export_reason, parse_policy
 from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
@@ -122,11 +123,13 @@ class Plan:
     @property
     def reserved_bytes(self) -> int:
         """The allocator's reserved peak per GPU (max_memory_reserved) with memory to spare
-        (model.allocator)."""
+        (model.allocator), the loss's idle segments included where the peak stage runs the
+        loss (model.loss `loss_cached_bytes`)."""
         return allocator.reserved_bytes(
             self.total_bytes,
             self.spec.expandable_segments,
             memory.stream_pool_bytes(self.spec, self.peak_stage),
+            loss_cached_bytes(self.spec, self.peak_stage),
         )
 
     def device_memory(self, gpu: GPU) -> DeviceMemory:
@@ -138,6 +141,7 @@ class Plan:
             self.spec,
             gpu,
             memory.stream_pool_bytes(self.spec, self.peak_stage),
+            loss_cached_bytes(self.spec, self.peak_stage),
         )
 
     @property

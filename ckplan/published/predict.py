@@ -25,6 +25,7 @@ from ckplan.inputs.gpus import load_gpu
 from ckplan.inputs.presets import load_mapping, spec_from_values
 from ckplan.model import allocator
 from ckplan.model.flops import iteration_flops
+from ckplan.model.loss import loss_cached_bytes
 from ckplan.model.memory import layer_input_bytes, stream_pool_bytes
 from ckplan.model.op import split_share
 from ckplan.model.optimizers import OPTIMIZERS
@@ -449,7 +450,13 @@ def predict(run: PublishedRun, gpu: GPU | None = None) -> Prediction:
         memory -= outside_allocator_bytes(spec)
     metric, value = run.published.metric, run.published.value
     if metric == "nvidia_smi_bytes":
-        device = device_memory(memory, spec, gpu, stream_pool_bytes(spec, plan.peak_stage))
+        device = device_memory(
+            memory,
+            spec,
+            gpu,
+            stream_pool_bytes(spec, plan.peak_stage),
+            loss_cached_bytes(spec, plan.peak_stage),
+        )
         predicted = device.total
         return Prediction(
             run, "ok", predicted, predicted / value - 1, fits=fits, memory_bytes=memory,
@@ -463,6 +470,7 @@ def predict(run: PublishedRun, gpu: GPU | None = None) -> Prediction:
                 available,
                 spec.expandable_segments,
                 stream_pool_bytes(spec, plan.peak_stage),
+                loss_cached_bytes(spec, plan.peak_stage),
             )
         else:
             predicted = memory

@@ -1,0 +1,187 @@
+"""PyTorch's CUDA caching allocator, its default mode, replayed in pure Python.
+
+The rules are c10/cuda/CUDACachingAllocator.cpp's (pytorch/pytorch, read at 001074d2 and at
+the older eb42ad6e, whose constants, `round_size`, `get_allocation_size`, `get_free_block`,
+`should_split`, `alloc_found_block`, `free_block` and `try_merge_blocks` are the same; the
+v2.4.0 tag of August 2024 itself was not read):
+
+- a request is rounded up to a multiple of 512 bytes (`round_size`, kMinBlockSize; the
+  `roundup_power2_divisions` option unset);
+- requests of at most 1 MiB (kSmallSize) come from the small pool, others from the large pool;
+  each pool keeps its free blocks ordered by size, then address (`BlockComparatorSize`);
+- a request takes the smallest free block of its pool at least its size (`get_free_block`:
+  `pool.blocks.lower_bound`); with `max_split_size` set, a request under it takes no block of
+  that size or more, and a request of it or more takes no block kLargeBuffer larger than itself;
+- when no free block fits, the allocator reserves a new segment (`alloc_block`: cudaMalloc of
+  `get_allocation_size`): 2 MiB (kSmallBuffer) for a small request, 20 MiB (kLargeBuffer) for
+  one under 10 MiB (kMinLargeAlloc), else the request rounded up to 2 MiB (kRoundLarge);
+- the block found is split when the remainder is worth keeping (`should_split`): in the small
+  pool a remainder of 512 bytes or more, in the large pool one over 1 MiB when the request is
+  under `max_split_size` (unlimited by default, `CUDAAllocatorConfig`); the request takes the
+  block's start and the remainder stays free in the pool;
+- a freed block merges with free neighbours of its own segment (`free_block`,
+  `try_merge_blocks`); segments never merge with each other;
+- the allocated statistic counts each block's size, the reserved one each segment's; a segment
+  goes back to CUDA only under pressure (`release_available_cached_blocks`,
+  `release_cached_blocks` after a failed cudaMalloc) or on `empty_cache`, which this replay
+  never meets: it models a device with memory to spare, where reserved only grows.
+
+One stream (blocks are kept per stream), no CUDA graphs, no expandable segments.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+MIN_BLOCK_SIZE = 512  # kMinBlockSize
+SMALL_SIZE = 1 << 20  # kSmallSize: the largest small request
+SMALL_BUFFER = 2 << 20  # kSmallBuffer: a small pool's segment
+LARGE_BUFFER = 20 << 20  # kLargeBuffer: the segment of a 1-10 MiB request
+MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc: requests below it share kLargeBuffer segments
+ROUND_LARGE = 2 << 20  # kRoundLarge: a large segment is a multiple of 2 MiB
+UNLIMITED = 2**64 - 1  # max_split_size's default: std::numeric_limits<size_t>::max()
+
+
+def round_size(size: int) -> int:
+    """`round_size`: at least 512 bytes, a multiple of 512."""
+    return max(MIN_BLOCK_SIZE, -(-size // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE)
+
+
+def allocation_size(size: int) -> int:
+    """`get_allocation_size`: the segment cudaMalloc reserves for a rounded request no free block
+    fits."""
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+@dataclass(eq=False)
+class Block:
+    address: int
+    size: int
+    small: bool
+    allocated: bool = False
+    prev: Block | None = None
+    next: Block | None = None
+
+    def key(self) -> tuple[int, int]:
+        return (self.size, self.address)
+
+
+@dataclass
+class CachingAllocator:
+    """The device allocator's state: free blocks per pool, live blocks, the two statistics."""
+
+    max_split_size: int = UNLIMITED
+    free_blocks: dict[bool, list[tuple[int, int, Block]]] = field(
+        default_factory=lambda: {True: [], False: []}
+    )
+    allocated: int = 0
+    reserved: int = 0
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+    segments: int = 0
+    next_address: int = 0
+
+    def _insert(self, block: Block) -> None:
+        bisect.insort(self.free_blocks[block.small], (block.size, block.address, block))
+
+    def _remove(self, block: Block) -> None:
+        pool = self.free_blocks[block.small]
+        index = bisect.bisect_left(pool, (block.size, block.address))
+        assert pool[index][2] is block
+        del pool[index]
+
+    def _free_block_for(self, size: int, small: bool) -> Block | None:
+        """`get_free_block`: the smallest free block of at least `size` (then lowest address),
+        with the oversize rules of `max_split_size`."""
+        pool = self.free_blocks[small]
+        index = bisect.bisect_left(pool, (size, -1))
+        if index == len(pool):
+            return None
+        block = pool[index][2]
+        if size < self.max_split_size <= block.size:
+            return None
+        if size >= self.max_split_size and block.size >= size + LARGE_BUFFER:
+            return None
+        self._remove(block)
+        return block
+
+    def _new_segment(self, size: int, small: bool) -> Block:
+        """`alloc_block`: cudaMalloc of `allocation_size`; the segment is one free block."""
+        segment = allocation_size(size)
+        block = Block(self.next_address, segment, small)
+        self.next_address += segment
+        self.reserved += segment
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self.segments += 1
+        return block
+
+    def _should_split(self, block: Block, size: int) -> bool:
+        """`should_split`."""
+        remaining = block.size - size
+        if block.small:
+            return remaining >= MIN_BLOCK_SIZE
+        return size < self.max_split_size and remaining > SMALL_SIZE
+
+    def malloc(self, requested: int) -> Block:
+        """`malloc`: a block for `requested` bytes (its size is what `allocated` counts)."""
+        size = round_size(requested)
+        small = size <= SMALL_SIZE
+        block = self._free_block_for(size, small) or self._new_segment(size, small)
+        if self._should_split(block, size):  # `alloc_found_block`: the request takes the start
+            remaining = Block(block.address + size, block.size - size, small, prev=block)
+            remaining.next = block.next
+            if block.next:
+                block.next.prev = remaining
+            block.next = remaining
+            block.size = size
+            self._insert(remaining)
+        block.allocated = True
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return block
+
+    def free(self, block: Block) -> None:
+        """`free_block`: merge with free neighbours in the segment (`try_merge_blocks`), cache."""
+        assert block.allocated
+        block.allocated = False
+        self.allocated -= block.size
+        for neighbour in (block.prev, block.next):
+            if neighbour is None or neighbour.allocated:
+                continue
+            self._remove(neighbour)
+            if neighbour is block.prev:
+                block.address = neighbour.address
+                block.prev = neighbour.prev
+                if block.prev:
+                    block.prev.next = block
+            else:
+                block.next = neighbour.next
+                if block.next:
+                    block.next.prev = block
+            block.size += neighbour.size
+        self._insert(block)
+
+    def reset_peaks(self) -> None:
+        """`resetPeakStats`: the peaks restart from the current values."""
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+    def cached(self) -> list[int]:
+        """The free blocks' sizes, large pool, smallest first."""
+        return [size for size, _, _ in self.free_blocks[False]]
+
+
+def replay(events: list[tuple[str, int, int]], allocator: CachingAllocator | None = None):
+    """Run a trace of ("alloc", key, bytes) and ("free", key, 0) events; returns the allocator."""
+    allocator = allocator or CachingAllocator()
+    live: dict[int, Block] = {}
+    for kind, key, size in events:
+        if kind == "alloc":
+            live[key] = allocator.malloc(size)
+        else:
+            allocator.free(live.pop(key))
+    return allocator
