@@ -43,7 +43,7 @@ from ckplan.hardware.roofline import (
 from ckplan.hardware.times import ZERO, MicroBatchTime, StageTime
 from ckplan.model import frameworks, loss, memory, optimizers
 from ckplan.model.flops import MFU_CONVENTION, iteration_flops, model_flops_per_iteration
-from ckplan.model.layers import LayerKind, stage_kinds
+from ckplan.model.layers import LayerKind, stage_chunk_layers, stage_kinds
 from ckplan.model.modules import module_ops
 from ckplan.model.moe import MOE
 from ckplan.model.op import (
@@ -699,11 +699,25 @@ def optimizer_seconds(spec: ModelSpec, gpu: GPU) -> float:
     return memory_seconds(gpu, (dense + experts) * per_param)
 
 
-def _pipeline(spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime) -> tuple[float, float, float]:
-    """(compute and stage communication, bubble, p2p) seconds of the iteration."""
+def bubble_steps(spec: ModelSpec, stage: int) -> float:
+    """The pipeline bubble in micro-batches of stage `stage`: (p - 1)/v (Narayanan et al. 2021
+    §2.2: p - 1 steps of one chunk, 1/v of a micro-batch). Under a pipeline_layout each step
+    is the stage's largest chunk's share of its layers (derived: each step of the fill and the
+    drain waits for a whole chunk, the largest the longest); an even layout gives (p - 1)/v."""
+    chunks = stage_chunk_layers(spec, stage)
+    if spec.parsed_layout is None or not sum(chunks):
+        return (spec.pp - 1) / spec.virtual_stages
+    return (spec.pp - 1) * max(chunks) / sum(chunks)
+
+
+def _pipeline(
+    spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime, stage: int = 0
+) -> tuple[float, float, float]:
+    """(compute and stage communication, bubble, p2p) seconds of the iteration, `busiest` the
+    micro-batch time of pipeline stage `stage`."""
     p2p = pipeline_p2p_seconds(spec, gpu)
     per_micro_batch = busiest.total + p2p
-    bubble = (spec.pp - 1) / spec.virtual_stages * per_micro_batch
+    bubble = bubble_steps(spec, stage) * per_micro_batch
     return spec.microbatches * per_micro_batch, bubble, spec.microbatches * p2p
 
 
@@ -744,14 +758,17 @@ def step_time_from_forwards(
     index = max(range(len(times)), key=lambda k: times[k].total + exposed[k])
     busiest = times[index]
     m = spec.microbatches
-    compute, bubble, p2p = _pipeline(spec, gpu, busiest)
+    compute, bubble, p2p = _pipeline(spec, gpu, busiest, stage_forwards[index][0])
     dp = data_parallel_exposed(spec, gpu, busiest)
     optimizer = optimizer_seconds(spec, gpu)
     offload = m * exposed[index]
     states = state_copy_seconds(spec, gpu, busiest)
     step = compute + bubble + dp + optimizer + offload + states
-    plain_busiest = max(plain, key=lambda t: t.total)
-    plain_compute, plain_bubble, _ = _pipeline(spec, gpu, plain_busiest)
+    plain_index = max(range(len(plain)), key=lambda k: plain[k].total)
+    plain_busiest = plain[plain_index]
+    plain_compute, plain_bubble, _ = _pipeline(
+        spec, gpu, plain_busiest, stage_forwards[plain_index][0]
+    )
     step_without = (
         plain_compute + plain_bubble + dp + optimizer + state_copy_seconds(spec, gpu, plain_busiest)
     )

@@ -24,6 +24,7 @@ from typing import Any
 from ckplan.errors import InputError
 from ckplan.model.frameworks import GRAD_SYNCS, OFFLOAD_DEVICES
 from ckplan.model.optimizers import OPTIMIZERS
+from ckplan.model.pipeline_layout import LayoutError, PipelineLayout, parse_layout
 from ckplan.quoting import quote
 
 
@@ -241,6 +242,9 @@ class Parallelism(_Record):
     # (Llama 3's 126 layers over p 16: 7, 8 x 14, 7).
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
+    # Megatron-Core's --pipeline-model-parallel-layout (ckplan.model.pipeline_layout): the
+    # items of every (pipeline stage, virtual chunk); it sets virtual_stages (chunks / pp).
+    pipeline_layout: str | None = None
 
     __hash__ = _Record.__hash__
 
@@ -248,6 +252,28 @@ class Parallelism(_Record):
         if self.etp is None:
             self._derive("etp", self.tp)
         check_ranges(self)
+        if self.pipeline_layout is not None:
+            detected = self.parsed_layout.virtual_stages
+            if self.virtual_stages not in (1, detected):
+                raise SpecError(
+                    f"key 'virtual_stages' ({self.virtual_stages}) conflicts with "
+                    f"pipeline_layout, whose {detected * self.pp} chunks over pp ({self.pp}) "
+                    f"give {detected} virtual stages"
+                )
+            self._derive("virtual_stages", detected)
+
+    @property
+    def parsed_layout(self) -> PipelineLayout | None:
+        """The parsed pipeline_layout (None without one); SpecError naming the key when
+        Megatron-Core would refuse its syntax or its chunk count."""
+        if self.pipeline_layout is None:
+            return None
+        try:
+            return parse_layout(self.pipeline_layout, self.pp)
+        except LayoutError as error:
+            raise SpecError(
+                f"key 'pipeline_layout' ({quote(self.pipeline_layout)}) {error}"
+            ) from None
 
     @property
     def pipeline_split_extras(self) -> tuple[int, int]:
@@ -259,8 +285,11 @@ class Parallelism(_Record):
 
     def stage_layer_counts(self, layers: int) -> tuple[int, ...]:
         """Layers of each pipeline stage: L/p each, or first_stage_layers, last_stage_layers
-        and the rest split evenly over the stages between (Megatron-LM's uneven split)."""
+        and the rest split evenly over the stages between (Megatron-LM's uneven split), or the
+        decoder layers (t) pipeline_layout places on each stage."""
         p = self.pp
+        if self.parsed_layout is not None:
+            return tuple(sum(self.parsed_layout.chunk_counts(stage)) for stage in range(p))
         if self.first_stage_layers is None and self.last_stage_layers is None:
             embedding, loss = self.pipeline_split_extras
             each = (layers + embedding + loss) // p

@@ -214,6 +214,7 @@ QUIET_KEYS = frozenset(
         "last_stage_layers",
         "account_for_embedding_in_pipeline_split",
         "account_for_loss_in_pipeline_split",
+        "pipeline_layout",
         "microbatch_group_size",
         "optimizer_offload",
         "param_offload",
