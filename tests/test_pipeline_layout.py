@@ -215,3 +215,100 @@ def test_layout_errors(spec_of, changes, message):
     changes = {"pp": 2, **changes}
     with pytest.raises(SpecError, match=f"key '(pipeline_layout|virtual_stages)'.*{message}"):
         spec_of("gpt2", **changes)
+
+
+# ---- export --to megatron -------------------------------------------------------------------
+
+UNEVEN_LAYOUT = "Ettt|(tttt|)*6tttttL"  # llama3-8b on p 4, v 2: 3 + 6·4 + 5 = 32 layers
+
+
+def test_export_writes_the_layout_and_megatron_reads_it(spec_of):
+    from megatron_args import parse, validate
+
+    from ckplan import exports
+    from ckplan.exports import megatron
+
+    spec = spec_of("llama3-8b", pipeline_layout=UNEVEN_LAYOUT, **EVEN)
+    for name in ("none", "full", "selective"):
+        plan = evaluate(spec, parse_strategy(name, spec))
+        text = exports.export(plan, "megatron").text
+        args = validate(parse(text, spec.pp))
+        assert args.pipeline_model_parallel_layout == UNEVEN_LAYOUT
+        assert args.virtual_pipeline_model_parallel_size == spec.virtual_stages == 2
+        for flag in (
+            "--num-virtual-stages-per-pipeline-rank",
+            "--num-layers-per-virtual-pipeline-stage",
+            "--decoder-first-pipeline-num-layers",
+            "--account-for-embedding-in-pipeline-split",
+        ):
+            assert flag not in text
+        back = megatron.strategy_from_flags(megatron.parse_flags(text))
+        again = evaluate(spec, parse_strategy(back, spec))
+        assert (again.activation_bytes, again.flops) == (plan.activation_bytes, plan.flops)
+
+
+def test_export_refuses_uniform_segments_a_chunk_does_not_hold(spec_of):
+    from ckplan import exports
+
+    spec = spec_of("llama3-8b", pipeline_layout=UNEVEN_LAYOUT, **EVEN)
+    why = exports.why_not(evaluate(spec, parse_strategy("uniform:2", spec)), "megatron")
+    assert "each model chunk of the pipeline layout (3, 4, 5 layers)" in why
+    assert exports.why_not(evaluate(spec, parse_strategy("uniform:1", spec)), "megatron") is None
+    assert "pipeline_layout" in exports.why_not(
+        evaluate(spec, parse_strategy("full", spec)), "torchtitan"
+    )
+
+
+LAYOUT_CASES = [
+    UNEVEN_LAYOUT,
+    EVEN_LAYOUT,
+    "Ettt|(tttt|)*6ttttL",  # 31 layers
+    "Ettt|(tttt|)*6tttttLL",
+    "tEtt|(tttt|)*6tttttL",
+    "Ettt|(tttt|)*5tttttL",  # 7 chunks
+    "Ettt|(tttt|)*6tttttmL",  # an MTP layer the model lacks
+    "Ettt|(tttt|)*6ttt t tL",
+    "E(ttt|)*2(tttt|)*5ttttttL",
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUT_CASES)
+def test_ckplan_accepts_what_megatron_accepts(spec_of, layout):
+    """Megatron's own rules (tests/megatron_args.py, copied from core_v0.19.0) and ckplan's agree
+    on each layout."""
+    from megatron_args import MegatronArgError, parse, validate
+
+    flags = (
+        "--num-layers 32 --seq-length 8 --max-position-embeddings 8 --micro-batch-size 1 "
+        "--global-batch-size 8 "
+        f"--pipeline-model-parallel-size 4 --pipeline-model-parallel-layout '{layout}'"
+    )
+    try:
+        validate(parse(flags, 4))
+        megatron_accepts = True
+    except MegatronArgError:
+        megatron_accepts = False
+    try:
+        spec_of("llama3-8b", pipeline_layout=layout, **EVEN)
+        ckplan_accepts = True
+    except SpecError:
+        ckplan_accepts = False
+    assert ckplan_accepts == megatron_accepts
+
+
+def test_megatron_refuses_a_layout_beside_virtual_stage_flags():
+    from megatron_args import MegatronArgError, parse, validate
+
+    base = (
+        "--num-layers 32 --seq-length 8 --max-position-embeddings 8 --micro-batch-size 1 "
+        "--global-batch-size 8 "
+        f"--pipeline-model-parallel-size 4 --pipeline-model-parallel-layout '{EVEN_LAYOUT}'"
+    )
+    assert validate(parse(base, 4)).virtual_pipeline_model_parallel_size == 2
+    for extra in (
+        "--num-virtual-stages-per-pipeline-rank 2",
+        "--decoder-first-pipeline-num-layers 4",
+        "--account-for-loss-in-pipeline-split",
+    ):
+        with pytest.raises(MegatronArgError):
+            validate(parse(f"{base} {extra}", 4))
