@@ -168,6 +168,16 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
         return None
     chunk = spec.layers_per_stage // spec.virtual_stages
     size = layers.uniform_size()
+    if spec.mtp_layers and size not in (None, 1):
+        return (
+            f"uniform segments of {size} layers with MTP layers: Megatron-Core recomputes an MTP "
+            "layer only with --recompute-num-layers 1 (multi_token_prediction.py, core_v0.14.0)"
+        )
+    if spec.mtp_layers and size is None and layers.block_count() is not None:
+        return (
+            "block recomputation with MTP layers: Megatron-Core skips recomputing the MTP layers "
+            "under the block method (multi_token_prediction.py, core_v0.14.0)"
+        )
     if size is not None and spec.parsed_layout is not None and spec.virtual_stages > 1:
         chunks = sorted({n for k in range(spec.pp) for n in stage_chunk_layers(spec, k) if n})
         if any(n % size for n in chunks):
@@ -236,6 +246,7 @@ def flags(plan: Plan, layers: LayerSegments, recompute_modules: bool = True) -> 
     spec = plan.spec
     out = [
         ["--num-layers", str(spec.layers)],
+        *([["--mtp-num-layers", str(spec.mtp_layers)]] if spec.mtp_layers else []),
         ["--seq-length", str(spec.seq)],
         ["--micro-batch-size", str(spec.micro_batch)],
         ["--global-batch-size", str(spec.micro_batch * spec.microbatches * spec.dp)],

@@ -41,7 +41,7 @@ from ckplan.hardware.roofline import (
     memory_seconds,
 )
 from ckplan.hardware.times import ZERO, MicroBatchTime, StageTime
-from ckplan.model import frameworks, loss, memory, optimizers
+from ckplan.model import frameworks, loss, memory, mtp, optimizers
 from ckplan.model.flops import MFU_CONVENTION, iteration_flops, model_flops_per_iteration
 from ckplan.model.layers import LayerKind, stage_chunk_layers, stage_kinds
 from ckplan.model.modules import module_ops
@@ -455,8 +455,74 @@ def chain_stage_times(
     if has_vocab and stage == 0:
         stages = [embedding_time(spec, gpu), *stages]
     if has_vocab and stage == spec.pp - 1:
-        stages = [*stages, output_time(spec, gpu)]
+        depth = mtp_time(spec, gpu, groups)
+        heads = 1 + spec.mtp_layers  # the main loss and each MTP depth's, one after another
+        stages = [*stages, *(depth,) * spec.mtp_layers, _scaled(output_time(spec, gpu), heads)]
     return tuple(stages)
+
+
+def _scaled(stage: StageTime, factor: int) -> StageTime:
+    """`stage` run `factor` times over."""
+    if factor == 1:
+        return stage
+    return StageTime(
+        forward=_scale(stage.forward, factor),
+        backward=_scale(stage.backward, factor),
+        forward_comm=stage.forward_comm * factor,
+        backward_comm=stage.backward_comm * factor,
+        core_forward=_scale(stage.core_forward, factor),
+        core_comm=stage.core_comm * factor,
+        expert_forward_comm=stage.expert_forward_comm * factor,
+        expert_backward_comm=stage.expert_backward_comm * factor,
+        core_expert_comm=stage.core_expert_comm * factor,
+    )
+
+
+def _plus(a: StageTime, b: StageTime) -> StageTime:
+    """Two parts of one chain stage run one after the other."""
+    return StageTime(
+        forward=_add(a.forward, b.forward),
+        backward=_add(a.backward, b.backward),
+        forward_comm=a.forward_comm + b.forward_comm,
+        backward_comm=a.backward_comm + b.backward_comm,
+        core_forward=_add(a.core_forward, b.core_forward),
+        core_comm=a.core_comm + b.core_comm,
+        expert_forward_comm=a.expert_forward_comm + b.expert_forward_comm,
+        expert_backward_comm=a.expert_backward_comm + b.expert_backward_comm,
+        core_expert_comm=a.core_expert_comm + b.core_expert_comm,
+    )
+
+
+@lru_cache(maxsize=256)
+def mtp_time(spec: ModelSpec, gpu: GPU, groups: tuple[str, ...]) -> StageTime:
+    """One MTP depth (ckplan.model.mtp), one micro-batch: the embedding lookup of the shifted
+    tokens (`embedding_time`), enorm and hnorm (each reads and writes a stream), eh_proj (a
+    column-parallel GEMM (s·b, 2h) @ (2h, h/t), its TP collectives as any column-parallel
+    linear's; its output gathered over TP and scattered back, counted with them),
+    final_layernorm, and the transformer block timed as a layer of the decoder's last kind."""
+    tokens, B = _tokens(spec), spec.dtype_bytes
+    stream = memory.layer_input_bytes(spec)
+    projection = Op(
+        "mtp_projection",
+        "mtp",
+        0,
+        mtp.projection_forward_flops(spec),
+        mtp.projection_backward_flops(spec),
+        matmul=Matmul(tokens, split_share(spec.hidden, spec.tp), 2 * spec.hidden, 1, B),
+        forward_bytes=3 * 2 * stream,  # three norms, each reads and writes a stream
+        backward_bytes=3 * 3 * stream,
+        tp_comm="column",
+    )
+    path = spec_code_path(spec, gpu)
+    forward_comm, backward_comm = tensor_parallel_comm(spec, path.gpu, (projection,))
+    prologue = StageTime(
+        forward=path.forward(projection, B),
+        backward=path.backward(projection, B),
+        forward_comm=forward_comm,
+        backward_comm=backward_comm,
+    )
+    block = layer_time(spec, gpu, mtp.mtp_kind(spec), groups)
+    return _plus(_plus(embedding_time(spec, gpu), prologue), block)
 
 
 # ---- one micro-batch through one pipeline stage ------------------------------------------

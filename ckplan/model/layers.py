@@ -181,10 +181,10 @@ def stage_layer_indices(spec, stage: int) -> tuple[int, ...]:
 
 def stage_chunk_layers(spec, stage: int) -> tuple[int, ...]:
     """The layers each virtual chunk of pipeline stage `stage` holds, in chunk order: the
-    pipeline_layout's decoder layers per chunk (Megatron-Core's get_num_layers_to_build), else
-    the stage's layers in v equal chunks (the even split)."""
+    pipeline_layout's decoder and MTP layers per chunk (Megatron-Core's
+    get_num_layers_to_build), else the stage's layers in v equal chunks (the even split)."""
     if spec.parsed_layout is not None:
-        return spec.parsed_layout.chunk_counts(stage)
+        return spec.parsed_layout.chunk_layers(stage)
     v = spec.virtual_stages
     return (len(stage_layer_indices(spec, stage)) // v,) * v
 

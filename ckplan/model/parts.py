@@ -74,6 +74,7 @@ SIZE_RANGES: dict[str, tuple[int, int]] = {
     "qk_nope_head_dim": (0, 2**16),
     "qk_rope_head_dim": (0, 2**16),
     "v_head_dim": (0, 2**16),
+    "mtp_layers": (0, 64),
     "first_stage_layers": (1, 99_999),  # the other stages hold at least one layer
     "last_stage_layers": (1, 99_999),
     "lora_rank": (1, 2**20),
@@ -166,6 +167,9 @@ class Architecture(_Record):
     expert_bias: bool = False  # per-expert routing bias (DeepSeek-V3 aux-loss-free balancing)
     capacity_factor: float = 0.0  # --moe-expert-capacity-factor, padded; 0 = dropless
     moe_layers: str = "all"  # a layer set; --moe-layer-freq N is 0-:N
+    # multi-token prediction depths (DeepSeek-V3 §2.2; Megatron's --mtp-num-layers), each a
+    # transformer block and a 2h-to-h projection on the stage with the loss (ckplan.model.mtp)
+    mtp_layers: int = 0
 
     __hash__ = _Record.__hash__
 

@@ -59,6 +59,10 @@ class PipelineLayout:
     def count(self, item: str) -> int:
         return sum(chunk.count(item) for chunk in self.flat)
 
+    def chunk_layers(self, stage: int) -> tuple[int, ...]:
+        """The layers each virtual chunk of rank `stage` runs: its decoder and MTP layers."""
+        return tuple(chunk.count(DECODER) + chunk.count(MTP) for chunk in self.chunks[stage])
+
     def chunk_counts(self, stage: int, item: str = DECODER) -> tuple[int, ...]:
         """How many `item`s each virtual chunk of pipeline rank `stage` holds (Megatron's
         get_num_layers_to_build)."""
@@ -157,6 +161,12 @@ def layout_errors(layout: PipelineLayout, layers: int, mtp_layers: int) -> str |
             )
         if MTP in chunks[-1] and chunks[-1].count(MTP) != mtp_layers:
             return "must place all MTP layers (m) in one virtual chunk"
+        if MTP in chunks[-1] and LOSS not in chunks[-1]:
+            return (
+                "must place the MTP layers (m) in the chunk of the loss (L), as Megatron-Core "
+                "core_v0.15.0 requires (ckplan does not model core_v0.16.0's standalone MTP "
+                "stage)"
+            )
     for stage, chunks in enumerate(layout.chunks):
         if not any(DECODER in chunk for chunk in chunks):
             return f"leaves pipeline rank {stage} without a decoder layer (t)"

@@ -70,8 +70,8 @@ KEY_ORDER = (
     "post_norms", "parallel_residual", "sliding_window", "sliding_window_layers", "q_lora_rank",
     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "experts", "top_k",
     "moe_ffn_hidden", "shared_experts", "shared_ffn_hidden", "shared_expert_gate", "expert_bias",
-    "capacity_factor", "moe_layers", "moe_imbalance", "ep", "etp", "first_stage_layers",
-    "last_stage_layers", "account_for_embedding_in_pipeline_split",
+    "capacity_factor", "moe_layers", "moe_imbalance", "mtp_layers", "ep", "etp",
+    "first_stage_layers", "last_stage_layers", "account_for_embedding_in_pipeline_split",
     "account_for_loss_in_pipeline_split", "pipeline_layout", "framework", "framework_version",
     "kernels", "attention_kernel", "precision", "loss", "tp_comm_overlap", "dp_comm_overlap",
     "expandable_segments", "mlp_tiles", "training", "lora_rank", "lora_alpha", "lora_targets",
@@ -534,6 +534,11 @@ def _validate(spec: ModelSpec) -> None:
         raise SpecError(reason)
     if spec.mlp_tiles > 1:
         _validate_mlp_tiles(spec)
+    if spec.mtp_layers and (spec.kind != "transformer" or spec.vocab == 0):
+        raise SpecError(
+            "key 'mtp_layers' needs a transformer with a vocabulary (vocab > 0): each MTP depth "
+            "reads the shared embedding and feeds the shared output head"
+        )
     if spec.microbatch_group_size is not None:
         _validate_microbatch_group(spec)
 
@@ -581,7 +586,7 @@ def _validate_layout(spec: ModelSpec) -> None:
             f"key 'pipeline_layout' places every layer itself: drop {' and '.join(others)}, "
             "as Megatron-Core requires"
         )
-    reason = layout_errors(spec.parsed_layout, spec.layers, 0)
+    reason = layout_errors(spec.parsed_layout, spec.layers, spec.mtp_layers)
     if reason:
         raise SpecError(f"key 'pipeline_layout' ({quote(spec.pipeline_layout)}) {reason}")
 
