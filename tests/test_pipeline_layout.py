@@ -312,3 +312,24 @@ def test_megatron_refuses_a_layout_beside_virtual_stage_flags():
     ):
         with pytest.raises(MegatronArgError):
             validate(parse(f"{base} {extra}", 4))
+
+
+def test_plan_drops_a_model_files_layout_and_its_check_command_runs(cli, tmp_path, monkeypatch):
+    """plan lays out its own splits: the model file's pipeline_layout is dropped, and the
+    command that checks the best layout drops it too (pipeline_layout=null)."""
+    import shlex
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "g.yaml").write_text(
+        "name: g\nlayers: 12\nhidden: 768\nheads: 12\nvocab: 50257\nseq: 1024\n"
+        f"micro_batch: 1\npp: 2\npipeline_layout: '{HAND}'\n"
+    )
+    code, out, err = cli(
+        "plan", "g.yaml", "--gpus", "4", "--gpu", "h100-sxm", "--global-batch", "16"
+    )
+    assert code == 0, err
+    check = next(line for line in out.splitlines() if line.startswith("Check it: "))
+    argv = shlex.split(check.removeprefix("Check it: "))
+    assert argv[:2] == ["ckplan", "estimate"] and "pipeline_layout=null" in argv
+    code, _, err = cli(*argv[1:])
+    assert code == 0, err

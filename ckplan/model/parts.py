@@ -258,6 +258,12 @@ class Parallelism(_Record):
         check_ranges(self)
         if self.pipeline_layout is not None:
             detected = self.parsed_layout.virtual_stages
+            high = SIZE_RANGES["virtual_stages"][1]
+            if detected > high:
+                raise SpecError(
+                    f"key 'pipeline_layout' gives {detected:,} virtual stages per pipeline "
+                    f"stage; at most {high:,} are accepted (virtual_stages' range)"
+                )
             if self.virtual_stages not in (1, detected):
                 raise SpecError(
                     f"key 'virtual_stages' ({self.virtual_stages}) conflicts with "

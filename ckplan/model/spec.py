@@ -294,6 +294,9 @@ ENUMS = {
     "positions": POSITIONS,
 }
 MAX_TEXT_CHARS = 1000  # name and source
+# A pipeline_layout's in-flight count walks each rank's m·v chunk forwards (ckplan.plan.
+# evaluate.megatron_in_flight_weight): under half a second per rank at this many.
+MAX_LAYOUT_FORWARDS = 2**21
 
 
 def spec_from_mapping(mapping: Mapping[str, Any], origin: str = "model") -> ModelSpec:
@@ -589,6 +592,13 @@ def _validate_layout(spec: ModelSpec) -> None:
     reason = layout_errors(spec.parsed_layout, spec.layers, spec.mtp_layers)
     if reason:
         raise SpecError(f"key 'pipeline_layout' ({quote(spec.pipeline_layout)}) {reason}")
+    forwards = spec.microbatches * spec.virtual_stages
+    if forwards > MAX_LAYOUT_FORWARDS:
+        raise SpecError(
+            f"key 'pipeline_layout': microbatches x virtual stages ({forwards:,}) is over "
+            f"{MAX_LAYOUT_FORWARDS:,}, the chunk forwards ckplan walks per rank to weigh a "
+            "layout's chunks"
+        )
 
 
 def _validate_uneven_stages(spec: ModelSpec) -> None:
