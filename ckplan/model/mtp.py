@@ -21,8 +21,6 @@ from __future__ import annotations
 from ckplan.model.layers import LayerKind, layer_kinds
 from ckplan.model.op import split_share
 
-FP32_BYTES = 4
-
 
 def mtp_kind(spec) -> LayerKind:
     """The kind of an MTP depth's transformer block: the decoder's last layer's (Megatron's
@@ -54,12 +52,12 @@ def projection_backward_flops(spec) -> int:
     return (2 if spec.training == "full" else 1) * projection_forward_flops(spec)
 
 
-def projection_saved_bytes(spec, stream: int, token_ids: int) -> int:
+def projection_saved_bytes(stream: int, token_ids: int) -> int:
     """What an MTP depth keeps beside its transformer block's tape, for the backward (derived
     from MultiTokenPredictionLayer at core_v0.14.0, `stream` the residual stream s·b·h·B of one
-    rank): the shifted token ids its embedding lookup keeps; enorm's and hnorm's inputs (a
-    stream each) and their fp32 1/rms per token; eh_proj's input, the concatenation (two
-    streams; under sequence parallelism the rank's shard, gathered again in the backward);
-    final_layernorm's input and 1/rms."""
-    tokens_here = stream // (spec.hidden * spec.dtype_bytes)
-    return token_ids + 5 * stream + 3 * FP32_BYTES * tokens_here
+    rank): the shifted token ids its embedding lookup keeps; enorm's and hnorm's inputs, a
+    stream each; eh_proj's input, the concatenation (two streams; under sequence parallelism
+    the rank's shard, gathered again in the backward); final_layernorm's input. A norm keeps
+    its input as the layers' norms do in ckplan's fused op table (`ckplan.model.ops`, norm1;
+    Korthikanti et al. 2022 §4.1), its per-token statistics not counted."""
+    return token_ids + 5 * stream

@@ -53,9 +53,7 @@ def mtp_stage_costs(spec: ModelSpec, groups: tuple[str, ...]) -> tuple[int, int,
     norms and projection input it keeps (`mtp.projection_saved_bytes`). Its re-run under full
     recomputation is the whole depth, as Megatron checkpoints it (`_checkpointed_forward`)."""
     forward, backward, tape, workspace = layer_stage_costs(spec, mtp.mtp_kind(spec), groups)
-    saved = mtp.projection_saved_bytes(
-        spec, memory.layer_input_bytes(spec), memory.token_id_bytes(spec)
-    )
+    saved = mtp.projection_saved_bytes(memory.layer_input_bytes(spec), memory.token_id_bytes(spec))
     return (
         forward + mtp.projection_forward_flops(spec),
         backward + mtp.projection_backward_flops(spec),
