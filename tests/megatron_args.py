@@ -5,12 +5,15 @@ config dataclasses its ArgumentGroupFactory reads, at a named release (tests/meg
 tests/megatron_mirror.py: core_v0.19.0); the checks copy `validate_args` and
 `TransformerConfig.__post_init__` (megatron/core/transformer/transformer_config.py): those of
 pipeline stages, recomputation and recompute modules as core_v0.15.0 states them and as
-core_v0.19.0 still does, and the activation offload checks and the interleaved schedule's
-micro-batch group checks of core_v0.19.0. Parsing uses
+core_v0.19.0 still does, and the activation offload checks, the interleaved schedule's
+micro-batch group checks and the custom pipeline layout's (--pipeline-model-parallel-layout:
+validate_args, TransformerConfig.__post_init__ and megatron/core/transformer/
+pipeline_parallel_layer_layout.py) of core_v0.19.0. Parsing uses
 argparse with `allow_abbrev=False` as Megatron does, so an unknown flag fails like it would there.
 """
 
 import argparse
+import re
 import shlex
 
 import megatron_flags
@@ -90,7 +93,18 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         or args.decoder_last_pipeline_num_layers is not None
     )
     args.virtual_pipeline_model_parallel_size = None
-    if args.num_virtual_stages_per_pipeline_rank is not None:
+    check(
+        (args.num_layers_per_virtual_pipeline_stage is not None)
+        + (args.num_virtual_stages_per_pipeline_rank is not None)
+        + (args.pipeline_model_parallel_layout is not None)
+        <= 1,
+        "No more than one of the following arguments can be set at the same time: "
+        "--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank,"
+        "--pipeline-model-parallel-layout.",
+    )
+    if args.pipeline_model_parallel_layout is not None:
+        _validate_layout(args)
+    elif args.num_virtual_stages_per_pipeline_rank is not None:
         vpp = args.num_virtual_stages_per_pipeline_rank
         args.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
     elif args.num_layers_per_virtual_pipeline_stage is not None:
@@ -204,6 +218,76 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         )
     _validate_offload(args)
     return args
+
+
+LAYER_CHARS = {"E": "embedding", "L": "loss", "t": "decoder", "m": "mtp"}
+
+
+def parse_layout_str(layout_str: str) -> list[list[str]]:
+    """PipelineParallelLayerLayout.parse_str_to_list
+    (megatron/core/transformer/pipeline_parallel_layer_layout.py, core_v0.19.0), as written
+    there; its LayerType members by name."""
+    layout_str = layout_str.replace(",", "")
+    patterns = [r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"]
+    for pattern in patterns:
+        layout_str = re.sub(pattern, lambda x: x.group(1) * int(x.group(2)), layout_str)
+    layout_list = []
+    for stage in layout_str.split("|"):
+        layout_list.append([])
+        for layer_char in stage:
+            check(layer_char in LAYER_CHARS, f"Invalid layer character: {layer_char}")
+            layout_list[-1].append(LAYER_CHARS[layer_char])
+    return layout_list
+
+
+def _validate_layout(args: argparse.Namespace) -> None:
+    """validate_args (the vpp size from the layout) and TransformerConfig.__post_init__ (no
+    other pipeline split argument beside it; PipelineParallelLayerLayout.__init__ and
+    validate_layer_layout), core_v0.19.0."""
+    layout = parse_layout_str(args.pipeline_model_parallel_layout)
+    pp = args.pipeline_model_parallel_size
+    check(
+        len(layout) % pp == 0,
+        "The length of pipeline_model_parallel_layout must be divisible by "
+        "pipeline_model_parallel_size",
+    )
+    vpp = len(layout) // pp
+    args.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
+    check(
+        args.decoder_first_pipeline_num_layers is None
+        and args.decoder_last_pipeline_num_layers is None
+        and not args.account_for_embedding_in_pipeline_split
+        and not args.account_for_loss_in_pipeline_split,
+        "pipeline_model_parallel_layout cannot be set with other pipeline layout arguments.",
+    )
+    grid = [[layout[v * pp + k] for v in range(vpp)] for k in range(pp)]
+    flat = [item for v in range(vpp) for row in grid for item in row[v]]
+    check(bool(flat) and flat[0] == "embedding", "The first layer must be embedding")
+    check(flat[-1] == "loss", "The last layer must be loss")
+    check(flat.count("embedding") == 1, "Embedding must be specified exactly once")
+    check(flat.count("loss") == 1, "Loss must be specified exactly once")
+    check(
+        flat.count("decoder") == args.num_layers,
+        "Number of decoder layers must match num_layers",
+    )
+    mtp = args.mtp_num_layers
+    check(
+        flat.count("mtp") == mtp or (mtp is None and flat.count("mtp") == 0),
+        "Number of mtp layers in layout must match mtp_num_layers",
+    )
+    if "mtp" in flat:
+        check(
+            "decoder" not in flat[flat.index("mtp") :],
+            "decoder layers must be placed before MTP layers",
+        )
+    for row in grid:
+        for chunk in row[:-1]:
+            check("mtp" not in chunk, "the MTP should be always in the last virtual stage")
+        if "mtp" in row[-1]:
+            check(
+                row[-1].count("mtp") == mtp,
+                "All of the MTP layers must be in the same one virtual pipeline stage",
+            )
 
 
 def _validate_microbatch_group(args: argparse.Namespace) -> None:

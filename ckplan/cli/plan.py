@@ -87,6 +87,11 @@ def plan(
         if top < 1:
             raise UserError(f"--top must be at least 1, got {top}")
         overrides = parse_overrides(settings, seq, None, None, None, profile)
+        if overrides.get("pipeline_layout") is not None:
+            raise UserError(
+                "key 'pipeline_layout': plan lays out its own pipeline splits (even, the "
+                "embedding and loss counted, or first/last stage layers); set it on estimate"
+            )
         if "microbatch_group_size" in overrides:
             raise UserError(
                 "key 'microbatch_group_size': plan lays out every pipeline with Megatron's "

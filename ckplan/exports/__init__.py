@@ -79,6 +79,11 @@ def why_not(plan: Plan, target: str, version: str | None = None) -> str | None:
             "replaces the MLP's forward in the model's code (DeepSpeed's "
             "deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP); no config key runs it"
         )
+    if plan.spec.mtp_layers and target != megatron.NAME:
+        return (
+            f"plan {plan.strategy}: mtp_layers ({plan.spec.mtp_layers}) are Megatron-Core's "
+            "multi-token prediction layers (--mtp-num-layers); no other target runs them"
+        )
     layers = layer_segments(plan)
     if isinstance(layers, str):
         return f"plan {plan.strategy}: {layers}"

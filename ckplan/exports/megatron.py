@@ -52,7 +52,7 @@ import shlex
 from itertools import groupby
 
 from ckplan.exports.segments import LayerSegments
-from ckplan.model.layers import parse_layer_set
+from ckplan.model.layers import parse_layer_set, stage_chunk_layers
 from ckplan.model.op_policy import parse_policy
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
@@ -168,6 +168,25 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
         return None
     chunk = spec.layers_per_stage // spec.virtual_stages
     size = layers.uniform_size()
+    if spec.mtp_layers and size not in (None, 1):
+        return (
+            f"uniform segments of {size} layers with MTP layers: Megatron-Core recomputes an MTP "
+            "layer only with --recompute-num-layers 1 (multi_token_prediction.py, core_v0.14.0)"
+        )
+    if spec.mtp_layers and size is None and layers.block_count() is not None:
+        return (
+            "block recomputation with MTP layers: Megatron-Core skips recomputing the MTP layers "
+            "under the block method (multi_token_prediction.py, core_v0.14.0)"
+        )
+    if size is not None and spec.parsed_layout is not None and spec.virtual_stages > 1:
+        chunks = sorted({n for k in range(spec.pp) for n in stage_chunk_layers(spec, k) if n})
+        if any(n % size for n in chunks):
+            return (
+                f"uniform segments of {size} layers: Megatron-LM segments each model chunk of "
+                f"the pipeline layout ({', '.join(map(str, chunks))} layers), so {size} must "
+                "divide each"
+            )
+        return None
     if size is not None:
         if spec.virtual_stages > 1 and chunk % size:
             return (
@@ -227,6 +246,7 @@ def flags(plan: Plan, layers: LayerSegments, recompute_modules: bool = True) -> 
     spec = plan.spec
     out = [
         ["--num-layers", str(spec.layers)],
+        *([["--mtp-num-layers", str(spec.mtp_layers)]] if spec.mtp_layers else []),
         ["--seq-length", str(spec.seq)],
         ["--micro-batch-size", str(spec.micro_batch)],
         ["--global-batch-size", str(spec.micro_batch * spec.microbatches * spec.dp)],
@@ -243,7 +263,16 @@ def flags(plan: Plan, layers: LayerSegments, recompute_modules: bool = True) -> 
         out.append(["--account-for-embedding-in-pipeline-split"])
     if spec.account_for_loss_in_pipeline_split:
         out.append(["--account-for-loss-in-pipeline-split"])
-    if spec.virtual_stages > 1:
+    if spec.pipeline_layout is not None:
+        # it fixes the virtual stages and every stage's layers: Megatron-Core takes no
+        # --num-virtual-stages-per-pipeline-rank, --num-layers-per-virtual-pipeline-stage,
+        # --decoder-first/last-pipeline-num-layers or --account-for-*-in-pipeline-split
+        # beside it (validate_args and TransformerConfig.__post_init__, core_v0.19.0)
+        out.append(["--pipeline-model-parallel-layout", spec.pipeline_layout])
+        if spec.microbatch_group_size is not None:
+            group = str(spec.microbatch_group_size)
+            out.append(["--microbatch-group-size-per-virtual-pipeline-stage", group])
+    elif spec.virtual_stages > 1:
         if uneven or _accounted(spec):
             out.append(["--num-virtual-stages-per-pipeline-rank", str(spec.virtual_stages)])
         else:
@@ -422,6 +451,12 @@ def notes(plan: Plan, layers: LayerSegments) -> list[str]:
     if spec.framework != "megatron":
         lines.append(
             f"the model names framework {spec.framework}; these are Megatron-LM's flags for it"
+        )
+    if spec.pipeline_layout is not None:
+        lines.append(
+            "--pipeline-model-parallel-layout is quoted for a script (its | and parentheses are "
+            "shell operators); Megatron-Core reads it from core_v0.13.0, MTP layers (m) in it "
+            "from core_v0.14.0"
         )
     return lines
 

@@ -27,6 +27,13 @@ from ckplan.schedules import (
 )
 
 LAYER_PREFIX = "layer "
+# A multi-token prediction depth: a transformer block that Megatron-Core recomputes with the
+# layers (multi_token_prediction.py `_checkpointed_forward`, core_v0.14.0), so it counts as one.
+MTP_PREFIX = "mtp "
+
+
+def _is_layer(name: str) -> bool:
+    return name.startswith((LAYER_PREFIX, MTP_PREFIX))
 
 
 @dataclass(frozen=True)
@@ -164,7 +171,7 @@ def layer_segments(plan: Plan) -> LayerSegments | str:
         return "it has no schedule (the simple formula set)"
     flags = None  # per layer of the stage: whether it stores the policy's tape (sac+mixed)
     for _, mask in plan.stage_policy:
-        flags = [on for on, name in zip(mask, names, strict=True) if name.startswith(LAYER_PREFIX)]
+        flags = [on for on, name in zip(mask, names, strict=True) if _is_layer(name)]
     if spec.pp > 1 and plan.stage_offloads:
         return (
             "each pipeline stage offloads its own layers and a launcher applies one setting to "
@@ -178,11 +185,11 @@ def layer_segments(plan: Plan) -> LayerSegments | str:
     segments = schedule_segments(plan.steps, len(names))
     if segments is None:
         return "its schedule re-runs some layers more than once (nested recomputation)"
-    first_layer = next(i for i, name in enumerate(names) if name.startswith(LAYER_PREFIX))
-    layers = sum(1 for name in names if name.startswith(LAYER_PREFIX))
+    first_layer = next(i for i, name in enumerate(names) if _is_layer(name))
+    layers = sum(1 for name in names if _is_layer(name))
     result = []
     for start, end, recompute in segments:
-        inside = [i for i in range(start, end) if names[i].startswith(LAYER_PREFIX)]
+        inside = [i for i in range(start, end) if _is_layer(names[i])]
         if recompute and len(inside) != end - start:
             extra = next(names[i] for i in range(start, end) if i not in inside)
             return f"it recomputes the {extra} stage together with layers"
@@ -214,7 +221,7 @@ def layer_segments(plan: Plan) -> LayerSegments | str:
         moe_group,
         DENSE_MLP in plan.recompute_groups,
         policy,
-        tuple(i - first_layer for i, _ in offloaded if names[i].startswith(LAYER_PREFIX)),
+        tuple(i - first_layer for i, _ in offloaded if _is_layer(names[i])),
         tuple(word for word, group in MODULES.items() if group in plan.recompute_groups),
         policy_layers,
     )

@@ -111,6 +111,11 @@ def _layout_reason_03(spec: ModelSpec) -> str | None:
             f"precision {spec.precision}: torchtitan 0.3.0 trains in bfloat16 mixed precision "
             "(training.mixed_precision_param) or torchao float8 (precision float8)"
         )
+    if spec.pipeline_layout is not None:
+        return (
+            "pipeline_layout: Megatron-Core's --pipeline-model-parallel-layout; the export "
+            "writes torchtitan 0.3.0's even split (pipeline_parallel_layers_per_stage)"
+        )
     if len(set(spec.stage_layer_counts)) > 1:
         return (
             f"uneven pipeline stages {spec.stage_layer_counts}: the export writes torchtitan "

@@ -41,9 +41,9 @@ from ckplan.hardware.roofline import (
     memory_seconds,
 )
 from ckplan.hardware.times import ZERO, MicroBatchTime, StageTime
-from ckplan.model import frameworks, loss, memory, optimizers
+from ckplan.model import frameworks, loss, memory, mtp, optimizers
 from ckplan.model.flops import MFU_CONVENTION, iteration_flops, model_flops_per_iteration
-from ckplan.model.layers import LayerKind, stage_kinds
+from ckplan.model.layers import LayerKind, stage_chunk_layers, stage_kinds
 from ckplan.model.modules import module_ops
 from ckplan.model.moe import MOE
 from ckplan.model.op import (
@@ -455,8 +455,74 @@ def chain_stage_times(
     if has_vocab and stage == 0:
         stages = [embedding_time(spec, gpu), *stages]
     if has_vocab and stage == spec.pp - 1:
-        stages = [*stages, output_time(spec, gpu)]
+        depth = mtp_time(spec, gpu, groups)
+        heads = 1 + spec.mtp_layers  # the main loss and each MTP depth's, one after another
+        stages = [*stages, *(depth,) * spec.mtp_layers, _scaled(output_time(spec, gpu), heads)]
     return tuple(stages)
+
+
+def _scaled(stage: StageTime, factor: int) -> StageTime:
+    """`stage` run `factor` times over."""
+    if factor == 1:
+        return stage
+    return StageTime(
+        forward=_scale(stage.forward, factor),
+        backward=_scale(stage.backward, factor),
+        forward_comm=stage.forward_comm * factor,
+        backward_comm=stage.backward_comm * factor,
+        core_forward=_scale(stage.core_forward, factor),
+        core_comm=stage.core_comm * factor,
+        expert_forward_comm=stage.expert_forward_comm * factor,
+        expert_backward_comm=stage.expert_backward_comm * factor,
+        core_expert_comm=stage.core_expert_comm * factor,
+    )
+
+
+def _plus(a: StageTime, b: StageTime) -> StageTime:
+    """Two parts of one chain stage run one after the other."""
+    return StageTime(
+        forward=_add(a.forward, b.forward),
+        backward=_add(a.backward, b.backward),
+        forward_comm=a.forward_comm + b.forward_comm,
+        backward_comm=a.backward_comm + b.backward_comm,
+        core_forward=_add(a.core_forward, b.core_forward),
+        core_comm=a.core_comm + b.core_comm,
+        expert_forward_comm=a.expert_forward_comm + b.expert_forward_comm,
+        expert_backward_comm=a.expert_backward_comm + b.expert_backward_comm,
+        core_expert_comm=a.core_expert_comm + b.core_expert_comm,
+    )
+
+
+@lru_cache(maxsize=256)
+def mtp_time(spec: ModelSpec, gpu: GPU, groups: tuple[str, ...]) -> StageTime:
+    """One MTP depth (ckplan.model.mtp), one micro-batch: the embedding lookup of the shifted
+    tokens (`embedding_time`), enorm and hnorm (each reads and writes a stream), eh_proj (a
+    column-parallel GEMM (s·b, 2h) @ (2h, h/t), its TP collectives as any column-parallel
+    linear's; its output gathered over TP and scattered back, counted with them),
+    final_layernorm, and the transformer block timed as a layer of the decoder's last kind."""
+    tokens, B = _tokens(spec), spec.dtype_bytes
+    stream = memory.layer_input_bytes(spec)
+    projection = Op(
+        "mtp_projection",
+        "mtp",
+        0,
+        mtp.projection_forward_flops(spec),
+        mtp.projection_backward_flops(spec),
+        matmul=Matmul(tokens, split_share(spec.hidden, spec.tp), 2 * spec.hidden, 1, B),
+        forward_bytes=3 * 2 * stream,  # three norms, each reads and writes a stream
+        backward_bytes=3 * 3 * stream,
+        tp_comm="column",
+    )
+    path = spec_code_path(spec, gpu)
+    forward_comm, backward_comm = tensor_parallel_comm(spec, path.gpu, (projection,))
+    prologue = StageTime(
+        forward=path.forward(projection, B),
+        backward=path.backward(projection, B),
+        forward_comm=forward_comm,
+        backward_comm=backward_comm,
+    )
+    block = layer_time(spec, gpu, mtp.mtp_kind(spec), groups)
+    return _plus(_plus(embedding_time(spec, gpu), prologue), block)
 
 
 # ---- one micro-batch through one pipeline stage ------------------------------------------
@@ -699,11 +765,25 @@ def optimizer_seconds(spec: ModelSpec, gpu: GPU) -> float:
     return memory_seconds(gpu, (dense + experts) * per_param)
 
 
-def _pipeline(spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime) -> tuple[float, float, float]:
-    """(compute and stage communication, bubble, p2p) seconds of the iteration."""
+def bubble_steps(spec: ModelSpec, stage: int) -> float:
+    """The pipeline bubble in micro-batches of stage `stage`: (p - 1)/v (Narayanan et al. 2021
+    §2.2: p - 1 steps of one chunk, 1/v of a micro-batch). Under a pipeline_layout each step
+    is the stage's largest chunk's share of its layers (derived: each step of the fill and the
+    drain waits for a whole chunk, the largest the longest); an even layout gives (p - 1)/v."""
+    chunks = stage_chunk_layers(spec, stage)
+    if spec.parsed_layout is None or not sum(chunks):
+        return (spec.pp - 1) / spec.virtual_stages
+    return (spec.pp - 1) * max(chunks) / sum(chunks)
+
+
+def _pipeline(
+    spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime, stage: int = 0
+) -> tuple[float, float, float]:
+    """(compute and stage communication, bubble, p2p) seconds of the iteration, `busiest` the
+    micro-batch time of pipeline stage `stage`."""
     p2p = pipeline_p2p_seconds(spec, gpu)
     per_micro_batch = busiest.total + p2p
-    bubble = (spec.pp - 1) / spec.virtual_stages * per_micro_batch
+    bubble = bubble_steps(spec, stage) * per_micro_batch
     return spec.microbatches * per_micro_batch, bubble, spec.microbatches * p2p
 
 
@@ -744,14 +824,17 @@ def step_time_from_forwards(
     index = max(range(len(times)), key=lambda k: times[k].total + exposed[k])
     busiest = times[index]
     m = spec.microbatches
-    compute, bubble, p2p = _pipeline(spec, gpu, busiest)
+    compute, bubble, p2p = _pipeline(spec, gpu, busiest, stage_forwards[index][0])
     dp = data_parallel_exposed(spec, gpu, busiest)
     optimizer = optimizer_seconds(spec, gpu)
     offload = m * exposed[index]
     states = state_copy_seconds(spec, gpu, busiest)
     step = compute + bubble + dp + optimizer + offload + states
-    plain_busiest = max(plain, key=lambda t: t.total)
-    plain_compute, plain_bubble, _ = _pipeline(spec, gpu, plain_busiest)
+    plain_index = max(range(len(plain)), key=lambda k: plain[k].total)
+    plain_busiest = plain[plain_index]
+    plain_compute, plain_bubble, _ = _pipeline(
+        spec, gpu, plain_busiest, stage_forwards[plain_index][0]
+    )
     step_without = (
         plain_compute + plain_bubble + dp + optimizer + state_copy_seconds(spec, gpu, plain_busiest)
     )

@@ -451,7 +451,12 @@ def _deepseek(c: _Config) -> dict[str, Any]:
         }
     mtp = c.get("num_nextn_predict_layers", 0)
     if mtp:
-        notes.append(f"its {mtp} multi-token-prediction layer(s) not modelled")
+        # the checkpoint holds them; whether a run trains them is the run's choice
+        # (Hugging Face transformers' DeepseekV3 does not load them; Megatron's --mtp-num-layers)
+        notes.append(
+            f"its {mtp} multi-token-prediction layer(s) (num_nextn_predict_layers) not trained "
+            f"here: set mtp_layers={mtp} for a run that trains them"
+        )
     return mapping | {"_notes": notes}
 
 

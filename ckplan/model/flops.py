@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ckplan.model import mtp
 from ckplan.model.layers import LayerKind, kind_layer_indices
 from ckplan.model.memory import parameter_count
 from ckplan.model.modules import module_ops
@@ -97,14 +98,20 @@ def frozen_weight_gradient_flops(spec: ModelSpec) -> int:
 
 
 def _per_sequence(spec: ModelSpec) -> tuple[int, int, int]:
-    """Forward FLOPs of one sequence: (all layers, their attention cores, the logits)."""
+    """Forward FLOPs of one sequence: (all layers, their attention cores, the logits); MTP
+    depths add their block and eh_proj to the layers and their head to the logits."""
     whole = _whole_model(spec)
     indices = kind_layer_indices(whole)
     layers = sum(layer_forward_flops(whole, kind) * len(at) for kind, at in indices.items())
     core = sum(
         group_forward_flops(whole, ATTENTION_CORE, kind) * len(at) for kind, at in indices.items()
     )
-    return layers, core, logits_forward_flops(whole)
+    depths = whole.mtp_layers  # Megatron-LM counts them too (training.py at core_v0.14.0)
+    if depths:
+        kind = mtp.mtp_kind(whole)
+        layers += depths * (layer_forward_flops(whole, kind) + mtp.projection_forward_flops(whole))
+        core += depths * group_forward_flops(whole, ATTENTION_CORE, kind)
+    return layers, core, (1 + depths) * logits_forward_flops(whole)
 
 
 def model_flops_per_iteration(spec: ModelSpec, global_batch: int) -> int:

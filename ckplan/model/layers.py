@@ -158,8 +158,11 @@ def stage_layer_indices(spec, stage: int) -> tuple[int, ...]:
     last_stage_layers) hold consecutive layers. With the embedding and/or loss counted in the
     split (Megatron's get_num_layers_to_build and get_transformer_layer_offset), the chunks cut
     the sequence [embedding, layer 0 .. layer L-1, loss]: the first chunk of the first stage
-    holds one layer fewer, the last chunk of the last stage too.
+    holds one layer fewer, the last chunk of the last stage too. A pipeline_layout places each
+    chunk's layers itself (Megatron-Core's PipelineParallelLayerLayout.get_layer_id_list).
     """
+    if spec.parsed_layout is not None:
+        return spec.parsed_layout.stage_items(stage)
     counts = spec.stage_layer_counts
     if spec.first_stage_layers is not None or spec.last_stage_layers is not None:
         start = sum(counts[:stage])
@@ -174,6 +177,16 @@ def stage_layer_indices(spec, stage: int) -> tuple[int, ...]:
         for item in range(c * chunk, (c + 1) * chunk)
         if embedding <= item < spec.layers + embedding
     )
+
+
+def stage_chunk_layers(spec, stage: int) -> tuple[int, ...]:
+    """The layers each virtual chunk of pipeline stage `stage` holds, in chunk order: the
+    pipeline_layout's decoder and MTP layers per chunk (Megatron-Core's
+    get_num_layers_to_build), else the stage's layers in v equal chunks (the even split)."""
+    if spec.parsed_layout is not None:
+        return spec.parsed_layout.chunk_layers(stage)
+    v = spec.virtual_stages
+    return (len(stage_layer_indices(spec, stage)) // v,) * v
 
 
 @cached_by_chain(maxsize=512)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from ckplan.model import finetune, frameworks, optimizers
+from ckplan.model import finetune, frameworks, mtp, optimizers
 from ckplan.model.layers import (
     LayerKind,
     layer_kinds,
@@ -351,11 +351,12 @@ class ParameterCount:
     # parameters that train, besides the total: None when all of them do (training: full);
     # LoRA's adapters are not in the total
     trainable: int | None = None
+    mtp: int = 0  # the multi-token prediction depths' own weights (`mtp_parameters`)
 
     @property
     def total(self) -> int:
         layers = self.per_layer * self.layers if self.all_layers is None else self.all_layers
-        return self.embedding + layers + self.final_norm + self.output
+        return self.embedding + layers + self.final_norm + self.output + self.mtp
 
     @property
     def active(self) -> int:
@@ -473,6 +474,8 @@ def parameter_count(spec: ModelSpec) -> ParameterCount:
     counts = Counter(layer_kinds(spec))
     parts = [(layer_parameter_parts(spec, kind), count) for kind, count in counts.items()]
     all_layers = sum(part.total * count for part, count in parts) if len(counts) > 1 else None
+    if spec.mtp_layers:  # the MTP blocks' experts count and route as the layers'
+        parts.append((layer_parameter_parts(spec, mtp.mtp_kind(spec)), spec.mtp_layers))
     return ParameterCount(
         embedding,
         layer_parameters(spec),
@@ -483,7 +486,21 @@ def parameter_count(spec: ModelSpec) -> ParameterCount:
         sum(part.experts * count for part, count in parts),
         sum(part.inactive * count for part, count in parts),
         None if spec.training == "full" else spec.layers * finetune.lora_layer_parameters(spec),
+        mtp_parameters(spec),
     )
+
+
+def mtp_parameters(spec: ModelSpec) -> int:
+    """The MTP depths' own weights (ckplan.model.mtp; the embedding and output head are shared):
+    per depth a transformer block of the decoder's last kind, eh_proj's 2h x h and three
+    norms. DeepSeek-V3's one depth: 11,610,068,224 (its block 11,507,286,272, eh_proj
+    102,760,448 and three norms), where deepseek-ai/DeepSeek-V3's README_WEIGHTS.md states
+    "11.5B unique parameters (excluding the shared 0.9B Embedding and 0.9B output Head)"."""
+    if not spec.mtp_layers:
+        return 0
+    block = layer_parameter_parts(spec, mtp.mtp_kind(spec)).total
+    projection = 2 * spec.hidden * spec.hidden + 3 * mtp.norm_parameters(spec)
+    return spec.mtp_layers * (block + projection)
 
 
 @cached_by_chain(maxsize=256)
@@ -496,7 +513,8 @@ def stage_parameters(spec: ModelSpec, stage: int = 0) -> tuple[int, int]:
     column-parallel output layer (V/t rows), which with tied embeddings and p > 1 is a copy of
     the word embedding kept on the last stage (LanguageModule.
     setup_embeddings_and_output_layer: "maintain duplicated embedding weights in post
-    processing stage"). The NumPy MLP: its stage's layers."""
+    processing stage"), and the MTP depths with their copy of the word embedding
+    (ckplan.model.mtp). The NumPy MLP: its stage's layers."""
     counts = parameter_count(spec)
     if spec.kind == "mlp":
         return counts.per_layer * len(stage_layer_indices(spec, stage)), 0
@@ -511,6 +529,16 @@ def stage_parameters(spec: ModelSpec, stage: int = 0) -> tuple[int, int]:
     if stage == spec.pp - 1:
         tied_copy = spec.tied_embeddings and spec.pp > 1
         dense += counts.final_norm + (words if counts.output or tied_copy else 0)
+        if spec.mtp_layers:
+            # the MTP depths, and the word embedding they look up (GPTModel builds it where
+            # pre_process or mtp_process; tied, the output layer's copy is that one)
+            block = layer_parameter_parts(spec, mtp.mtp_kind(spec))
+            dense += spec.mtp_layers * (
+                block.dense_per_rank(spec) + mtp.projection_parameters_per_rank(spec)
+            )
+            expert += spec.mtp_layers * block.experts_per_rank(spec)
+            if stage > 0 and not spec.tied_embeddings:
+                dense += words
     return dense, expert
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from ckplan.errors import InputError
 from ckplan.model.frameworks import GRAD_SYNCS, OFFLOAD_DEVICES
 from ckplan.model.optimizers import OPTIMIZERS
+from ckplan.model.pipeline_layout import LayoutError, PipelineLayout, parse_layout
 from ckplan.quoting import quote
 
 
@@ -73,6 +74,7 @@ SIZE_RANGES: dict[str, tuple[int, int]] = {
     "qk_nope_head_dim": (0, 2**16),
     "qk_rope_head_dim": (0, 2**16),
     "v_head_dim": (0, 2**16),
+    "mtp_layers": (0, 64),
     "first_stage_layers": (1, 99_999),  # the other stages hold at least one layer
     "last_stage_layers": (1, 99_999),
     "lora_rank": (1, 2**20),
@@ -165,6 +167,9 @@ class Architecture(_Record):
     expert_bias: bool = False  # per-expert routing bias (DeepSeek-V3 aux-loss-free balancing)
     capacity_factor: float = 0.0  # --moe-expert-capacity-factor, padded; 0 = dropless
     moe_layers: str = "all"  # a layer set; --moe-layer-freq N is 0-:N
+    # multi-token prediction depths (DeepSeek-V3 §2.2; Megatron's --mtp-num-layers), each a
+    # transformer block and a 2h-to-h projection on the stage with the loss (ckplan.model.mtp)
+    mtp_layers: int = 0
 
     __hash__ = _Record.__hash__
 
@@ -241,6 +246,9 @@ class Parallelism(_Record):
     # (Llama 3's 126 layers over p 16: 7, 8 x 14, 7).
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
+    # Megatron-Core's --pipeline-model-parallel-layout (ckplan.model.pipeline_layout): the
+    # items of every (pipeline stage, virtual chunk); it sets virtual_stages (chunks / pp).
+    pipeline_layout: str | None = None
 
     __hash__ = _Record.__hash__
 
@@ -248,6 +256,34 @@ class Parallelism(_Record):
         if self.etp is None:
             self._derive("etp", self.tp)
         check_ranges(self)
+        if self.pipeline_layout is not None:
+            detected = self.parsed_layout.virtual_stages
+            high = SIZE_RANGES["virtual_stages"][1]
+            if detected > high:
+                raise SpecError(
+                    f"key 'pipeline_layout' gives {detected:,} virtual stages per pipeline "
+                    f"stage; at most {high:,} are accepted (virtual_stages' range)"
+                )
+            if self.virtual_stages not in (1, detected):
+                raise SpecError(
+                    f"key 'virtual_stages' ({self.virtual_stages}) conflicts with "
+                    f"pipeline_layout, whose {detected * self.pp} chunks over pp ({self.pp}) "
+                    f"give {detected} virtual stages"
+                )
+            self._derive("virtual_stages", detected)
+
+    @property
+    def parsed_layout(self) -> PipelineLayout | None:
+        """The parsed pipeline_layout (None without one); SpecError naming the key when
+        Megatron-Core would refuse its syntax or its chunk count."""
+        if self.pipeline_layout is None:
+            return None
+        try:
+            return parse_layout(self.pipeline_layout, self.pp)
+        except LayoutError as error:
+            raise SpecError(
+                f"key 'pipeline_layout' ({quote(self.pipeline_layout)}) {error}"
+            ) from None
 
     @property
     def pipeline_split_extras(self) -> tuple[int, int]:
@@ -259,8 +295,11 @@ class Parallelism(_Record):
 
     def stage_layer_counts(self, layers: int) -> tuple[int, ...]:
         """Layers of each pipeline stage: L/p each, or first_stage_layers, last_stage_layers
-        and the rest split evenly over the stages between (Megatron-LM's uneven split)."""
+        and the rest split evenly over the stages between (Megatron-LM's uneven split), or the
+        decoder layers (t) pipeline_layout places on each stage."""
         p = self.pp
+        if self.parsed_layout is not None:
+            return tuple(sum(self.parsed_layout.chunk_counts(stage)) for stage in range(p))
         if self.first_stage_layers is None and self.last_stage_layers is None:
             embedding, loss = self.pipeline_split_extras
             each = (layers + embedding + loss) // p

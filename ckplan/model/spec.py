@@ -40,6 +40,7 @@ from ckplan.model.parts import (
     cached_hash,
     range_error,
 )
+from ckplan.model.pipeline_layout import PipelineLayout, layout_errors
 from ckplan.quoting import quote
 
 __all__ = [
@@ -69,10 +70,10 @@ KEY_ORDER = (
     "post_norms", "parallel_residual", "sliding_window", "sliding_window_layers", "q_lora_rank",
     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "experts", "top_k",
     "moe_ffn_hidden", "shared_experts", "shared_ffn_hidden", "shared_expert_gate", "expert_bias",
-    "capacity_factor", "moe_layers", "moe_imbalance", "ep", "etp", "first_stage_layers",
-    "last_stage_layers", "account_for_embedding_in_pipeline_split",
-    "account_for_loss_in_pipeline_split", "framework", "framework_version", "kernels",
-    "attention_kernel", "precision", "loss", "tp_comm_overlap", "dp_comm_overlap",
+    "capacity_factor", "moe_layers", "moe_imbalance", "mtp_layers", "ep", "etp",
+    "first_stage_layers", "last_stage_layers", "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split", "pipeline_layout", "framework", "framework_version",
+    "kernels", "attention_kernel", "precision", "loss", "tp_comm_overlap", "dp_comm_overlap",
     "expandable_segments", "mlp_tiles", "training", "lora_rank", "lora_alpha", "lora_targets",
     "lora_dropout", "use_dora", "weight_format", "optimizer", "optimizer_in_backward",
     "optimizer_offload", "param_offload",
@@ -125,6 +126,11 @@ class _Layers:
     def pipeline_split_extras(self) -> tuple[int, int]:
         """(embedding, loss): 1 where Megatron counts it as a layer of the pipeline split."""
         return self.parallel.pipeline_split_extras
+
+    @property
+    def parsed_layout(self) -> PipelineLayout | None:
+        """The parsed pipeline_layout (`Parallelism.parsed_layout`), None without one."""
+        return self.parallel.parsed_layout
 
 
 @dataclass(frozen=True, eq=True)
@@ -276,6 +282,7 @@ _STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions"
 _STR_FIELDS |= {"framework", "kernels", "attention_kernel", "precision", "loss"}
 _STR_FIELDS |= {"training", "lora_targets", "weight_format", "optimizer"}
 _STR_FIELDS |= {"optimizer_offload", "param_offload", "grad_sync", "framework_version"}
+_STR_FIELDS |= {"pipeline_layout"}
 _LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
 _FLOAT_FIELDS = {"dropout", "capacity_factor", "lora_dropout", "lora_alpha"}
 _NULLABLE = {key for key, f in _KEYS.items() if "None" in str(f.type)}
@@ -287,6 +294,9 @@ ENUMS = {
     "positions": POSITIONS,
 }
 MAX_TEXT_CHARS = 1000  # name and source
+# A pipeline_layout's in-flight count walks each rank's m·v chunk forwards (ckplan.plan.
+# evaluate.megatron_in_flight_weight): under half a second per rank at this many.
+MAX_LAYOUT_FORWARDS = 2**21
 
 
 def spec_from_mapping(mapping: Mapping[str, Any], origin: str = "model") -> ModelSpec:
@@ -488,7 +498,9 @@ def _validate(spec: ModelSpec) -> None:
             f"key 'tp' ({spec.tp}) and kv_heads ({spec.kv_heads}) must divide one another "
             "(kv heads are split over tp ranks, or replicated when tp exceeds them)"
         )
-    if spec.first_stage_layers is not None or spec.last_stage_layers is not None:
+    if spec.pipeline_layout is not None:
+        _validate_layout(spec)
+    elif spec.first_stage_layers is not None or spec.last_stage_layers is not None:
         _validate_uneven_stages(spec)
     elif any(spec.pipeline_split_extras):
         _validate_split_extras(spec)
@@ -525,6 +537,11 @@ def _validate(spec: ModelSpec) -> None:
         raise SpecError(reason)
     if spec.mlp_tiles > 1:
         _validate_mlp_tiles(spec)
+    if spec.mtp_layers and (spec.kind != "transformer" or spec.vocab == 0):
+        raise SpecError(
+            "key 'mtp_layers' needs a transformer with a vocabulary (vocab > 0): each MTP depth "
+            "reads the shared embedding and feeds the shared output head"
+        )
     if spec.microbatch_group_size is not None:
         _validate_microbatch_group(spec)
 
@@ -550,6 +567,37 @@ def _validate_microbatch_group(spec: ModelSpec) -> None:
         raise SpecError(
             f"key 'microbatch_group_size' ({n}): microbatches ({m}) leave a last group of "
             f"{m % n}, which must be 0 or at least pp ({p}), as Megatron-LM requires"
+        )
+
+
+def _validate_layout(spec: ModelSpec) -> None:
+    """Megatron-Core's rules for --pipeline-model-parallel-layout
+    (`ckplan.model.pipeline_layout.layout_errors`), and TransformerConfig.__post_init__'s
+    (core_v0.19.0): no other pipeline split argument beside it."""
+    others = [
+        key
+        for key in (
+            "first_stage_layers",
+            "last_stage_layers",
+            "account_for_embedding_in_pipeline_split",
+            "account_for_loss_in_pipeline_split",
+        )
+        if getattr(spec, key) not in (None, False)
+    ]
+    if others:
+        raise SpecError(
+            f"key 'pipeline_layout' places every layer itself: drop {' and '.join(others)}, "
+            "as Megatron-Core requires"
+        )
+    reason = layout_errors(spec.parsed_layout, spec.layers, spec.mtp_layers)
+    if reason:
+        raise SpecError(f"key 'pipeline_layout' ({quote(spec.pipeline_layout)}) {reason}")
+    forwards = spec.microbatches * spec.virtual_stages
+    if forwards > MAX_LAYOUT_FORWARDS:
+        raise SpecError(
+            f"key 'pipeline_layout': microbatches x virtual stages ({forwards:,}) is over "
+            f"{MAX_LAYOUT_FORWARDS:,}, the chunk forwards ckplan walks per rank to weigh a "
+            "layout's chunks"
         )
 
 

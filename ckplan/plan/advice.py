@@ -106,6 +106,7 @@ def _pipeline_keys(spec: ModelSpec, pp: int) -> dict[str, Any] | None:
         "last_stage_layers": None,
         "account_for_embedding_in_pipeline_split": False,
         "account_for_loss_in_pipeline_split": False,
+        "pipeline_layout": None,
     }
     return keys | splits[0].keys()
 

@@ -21,7 +21,7 @@ from ckplan.hardware.device_memory import DeviceMemory, device_memory
 from ckplan.hardware.gpus import GPU
 from ckplan.model import allocator, memory
 from ckplan.model import flops as flops_model
-from ckplan.model.layers import stage_kinds
+from ckplan.model.layers import stage_chunk_layers, stage_kinds
 from ckplan.model.loss import loss_cached_bytes
 from ckplan.model.op_policy import NO_EXPORT, layerwise_export_reason, parse_policy
 from ckplan.model.ops import layer_ops
@@ -296,28 +296,80 @@ def in_flight_microbatches(spec: ModelSpec, stage: int = 0) -> Fraction:
     g = p; each micro-batch more in a group (microbatch_group_size) adds (v - 1)/v of one.
     """
     v = spec.virtual_stages
+    if spec.parsed_layout is not None:  # each chunk forward holds its chunk's layers
+        weights = stage_chunk_layers(spec, stage)
+        if len(set(weights)) > 1:
+            held = megatron_in_flight_weight(
+                weights, spec.pp, spec.microbatches, stage, spec.microbatch_group
+            )
+            return Fraction(held, sum(weights))
     forwards = megatron_in_flight_forwards(
         spec.pp, v, spec.microbatches, stage, spec.microbatch_group
     )
     return Fraction(forwards, v)
 
 
+@lru_cache(maxsize=256)
+def megatron_in_flight_weight(
+    weights: tuple[int, ...], pp: int, microbatches: int, rank: int, group: int | None = None
+) -> int:
+    """The most chunk layers pipeline rank `rank` holds, its chunks weighing `weights`.
+
+    Walks the rank's order in Megatron-LM's interleaved schedule
+    (megatron/core/pipeline_parallel/schedules.py, core_v0.19.0:
+    `forward_backward_pipelining_with_interleaving`, `get_schedule_table`,
+    `get_pp_rank_microbatches`): the forwards follow the schedule table, groups of g
+    micro-batches per chunk, chunks in order; the k-th backward is the table's k-th entry on
+    the chunk counted from the end; `warmup` forwards, then one forward and one backward per
+    step, then the cool-down backwards. The peak is taken after each forward. Equal weights w
+    give w · `megatron_in_flight_forwards`, so an even layout is the plain count (derived).
+    """
+    v = len(weights)
+    g = pp if group is None else group
+    total = microbatches * v
+    warmup = pp - rank - 1 if v == 1 else 2 * (pp - rank - 1) + (v - 1) * g
+    warmup = min(warmup, total)
+    table = [
+        chunk
+        for low in range(0, microbatches, g)
+        for chunk in range(v)
+        for _ in range(low, microbatches if low + g >= microbatches else low + g)
+    ]
+    live = peak = 0
+    for chunk in table[:warmup]:
+        live += weights[chunk]
+        peak = max(peak, live)
+    for step in range(total - warmup):
+        live += weights[table[warmup + step]]
+        peak = max(peak, live)
+        live -= weights[v - 1 - table[step]]
+    return peak
+
+
 @lru_cache(maxsize=128)
 def pipeline_stages(spec: ModelSpec) -> tuple[int, ...]:
     """The pipeline stages whose peak can be the fullest: the first (embedding, most
     micro-batches in flight) and the last (output layer and fp32 logits); with mixed layers
-    also each middle stage whose layer kinds no earlier stage holds (an earlier stage with the
-    same layers holds more micro-batches)."""
+    also each middle stage whose layer kinds (under a pipeline_layout: and chunk split) no
+    earlier stage holds (an earlier stage with the same layers holds more micro-batches)."""
     if spec.pp == 1:
         return (0,)
-    seen = {stage_kinds(spec, 0)}
+    seen = {_stage_shape(spec, 0)}
     stages = [0]
     for stage in range(1, spec.pp - 1):
-        kinds = stage_kinds(spec, stage)
+        kinds = _stage_shape(spec, stage)
         if kinds not in seen:
             seen.add(kinds)
             stages.append(stage)
     return (*stages, spec.pp - 1)
+
+
+def _stage_shape(spec: ModelSpec, stage: int) -> tuple:
+    """What sets a stage's peak beside its in-flight count: its layers' kinds, and under a
+    pipeline_layout also how its chunks split them (they weigh its in-flight micro-batches)."""
+    if spec.parsed_layout is None:
+        return stage_kinds(spec, stage)
+    return stage_kinds(spec, stage), stage_chunk_layers(spec, stage)
 
 
 def evaluate(

@@ -10,7 +10,7 @@ from functools import lru_cache
 
 from ckplan.cache import BoundedCache
 from ckplan.model import flops as flops_model
-from ckplan.model import frameworks, loss, memory
+from ckplan.model import frameworks, loss, memory, mtp
 from ckplan.model.layers import LayerKind, stage_kinds, stage_layer_indices
 from ckplan.model.op import ATTENTION_CORE
 from ckplan.model.spec import ModelSpec
@@ -43,6 +43,23 @@ def layer_stage_costs(
     recomputed = groups if groups and spec.kind == "transformer" else None
     workspace = memory.layer_backward_workspace_bytes(spec, recomputed, kind)
     return forward, backward, tape, workspace
+
+
+@lru_cache(maxsize=512)
+def mtp_stage_costs(spec: ModelSpec, groups: tuple[str, ...]) -> tuple[int, int, int, int]:
+    """(forward FLOPs, backward FLOPs, tape bytes, backward workspace bytes) of one MTP depth
+    as a chain stage (ckplan.model.mtp): its transformer block as a layer of the decoder's last
+    kind with `groups` recomputed inside it, plus eh_proj's GEMMs and the embedding lookup,
+    norms and projection input it keeps (`mtp.projection_saved_bytes`). Its re-run under full
+    recomputation is the whole depth, as Megatron checkpoints it (`_checkpointed_forward`)."""
+    forward, backward, tape, workspace = layer_stage_costs(spec, mtp.mtp_kind(spec), groups)
+    saved = mtp.projection_saved_bytes(memory.layer_input_bytes(spec), memory.token_id_bytes(spec))
+    return (
+        forward + mtp.projection_forward_flops(spec),
+        backward + mtp.projection_backward_flops(spec),
+        tape + saved,
+        workspace,
+    )
 
 
 def stage_index(spec: ModelSpec, first_stage: bool = True, stage: int | None = None) -> int:
@@ -145,12 +162,21 @@ def _build_layer_chain(spec: ModelSpec, groups: tuple[str, ...], stage: int) -> 
             [memory.token_id_bytes(spec), *inputs],
             [memory.embedding_saved_bytes(spec), *tapes],
         )
+    depths = spec.mtp_layers if has_output else 0
+    for depth in range(depths):  # each carries the main and earlier depths' hidden states on
+        mtp_forward, mtp_backward, mtp_tape, mtp_workspace = mtp_stage_costs(spec, groups)
+        forward, backwards = [*forward, mtp_forward], [*backwards, mtp_backward]
+        inputs, tapes = [*inputs, (1 + depth) * stream], [*tapes, mtp_tape]
+        backward_workspace = [*backward_workspace, mtp_workspace]
     if has_output:
+        # the main head and each MTP depth's: the shared output layer and a loss apiece
+        heads = 1 + depths
         logits = flops_model.logits_forward_flops(spec)
         # a frozen output layer (docs/fine-tuning.md): no weight-gradient GEMM
         output_backward = 2 * logits if spec.training == "full" else logits
-        forward, backwards = [*forward, logits], [*backwards, output_backward]
-        inputs, tapes = [*inputs, stream], [*tapes, loss.output_saved_bytes(spec)]
+        forward, backwards = [*forward, heads * logits], [*backwards, heads * output_backward]
+        inputs = [*inputs, heads * stream]
+        tapes = [*tapes, heads * loss.output_saved_bytes(spec)]
     final_output = 0 if has_output else stream  # a scalar loss, or the activation sent onward
     # Transients beyond tape + δ_out + δ_in. Forward: exact for the NumPy MLP as ckplan verify
     # runs it, not modelled for transformers (zeros). Backward: the NumPy MLP's exact workspace;
@@ -159,7 +185,7 @@ def _build_layer_chain(spec: ModelSpec, groups: tuple[str, ...], stage: int) -> 
     # (loss.output_backward_peak_bytes); nothing for the embedding.
     if has_embedding:
         backward_workspace = [0, *backward_workspace]
-    if has_output:
+    if has_output:  # the heads' losses run one after another: one head's transients at a time
         backward_workspace = [*backward_workspace, loss.output_backward_workspace_bytes(spec)]
     stages = len(forward)
     # Forward transients: the NumPy MLP's exact workspace; a transformer's output stage holds
@@ -185,6 +211,7 @@ def stage_names(spec: ModelSpec, first_stage: bool = True, stage: int | None = N
     names = ["embedding"] * layer_offset(spec, stage == 0)
     names += [f"layer {index}" for index in stage_layer_indices(spec, stage)]
     if spec.kind == "transformer" and spec.vocab > 0 and stage == spec.pp - 1:
+        names += [f"mtp {depth}" for depth in range(spec.mtp_layers)]
         names.append("output+loss")
     return names
 

@@ -58,6 +58,7 @@ LAYOUT_KEYS = (
     "last_stage_layers",
     "account_for_embedding_in_pipeline_split",
     "account_for_loss_in_pipeline_split",
+    "pipeline_layout",
 )
 
 

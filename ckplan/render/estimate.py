@@ -231,6 +231,7 @@ ARCHITECTURE_FEATURES = {
         "capacity_factor",
         "moe_layers",
     ),
+    "mtp": ("mtp_layers",),
 }
 # Keys of the other parts that only MoE models, uneven or interleaved pipelines, model states on
 # the host or hf's gradient sync or a torchtitan release use: shown when not default.
@@ -243,6 +244,7 @@ QUIET_KEYS = frozenset(
         "last_stage_layers",
         "account_for_embedding_in_pipeline_split",
         "account_for_loss_in_pipeline_split",
+        "pipeline_layout",
         "microbatch_group_size",
         "optimizer_offload",
         "param_offload",
@@ -281,6 +283,7 @@ def model_rows(spec: ModelSpec) -> list[tuple[str, list[str]]]:
             or bool(spec.sliding_window),
             "mla": spec.mla,
             "moe": bool(spec.experts),
+            "mtp": bool(spec.mtp_layers),
         }
         rows += [(name, list(keys)) for name, keys in ARCHITECTURE_FEATURES.items() if used[name]]
     for name, title in PART_TITLES.items():

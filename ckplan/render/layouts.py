@@ -379,7 +379,10 @@ def check_command(
     result: LayoutResult, e: Evaluated, budget_text: str, model: str, extra: str = ""
 ) -> str:
     """The `ckplan estimate` command that evaluates layout `e` again."""
-    sets = " ".join(f"--set {arg}" for arg in set_arguments(e.layout, e.spec.experts > 0))
+    arguments = set_arguments(e.layout, e.spec.experts > 0)
+    if result.spec.pipeline_layout is not None:  # the model's own layout, which the search drops
+        arguments = [*arguments, "pipeline_layout=null"]
+    sets = " ".join(f"--set {arg}" for arg in arguments)
     reserve = (
         "" if result.reserve_bytes == DEFAULT_RESERVE else f" --reserve {result.reserve_bytes}"
     )

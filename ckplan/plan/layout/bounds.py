@@ -137,7 +137,9 @@ class Bounds:
 
     def _spec(self, **keys: Any) -> ModelSpec:
         """The model with layout keys changed; the split keys not given are cleared."""
-        cleared = {key: None for key in ("first_stage_layers", "last_stage_layers")}
+        cleared = {
+            key: None for key in ("first_stage_layers", "last_stage_layers", "pipeline_layout")
+        }
         cleared |= {
             "account_for_embedding_in_pipeline_split": False,
             "account_for_loss_in_pipeline_split": False,
@@ -503,6 +505,7 @@ def layout_keys_cleared(layout: Layout, experts: bool) -> dict[str, Any]:
     keys: dict[str, Any] = {
         "first_stage_layers": None,
         "last_stage_layers": None,
+        "pipeline_layout": None,
         "account_for_embedding_in_pipeline_split": False,
         "account_for_loss_in_pipeline_split": False,
         "microbatch_group_size": None,  # Megatron's default, pp: the search's layouts use it
