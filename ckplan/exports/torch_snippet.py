@@ -256,33 +256,11 @@ def context_fn():
     return create_selective_checkpoint_contexts(_policy(defaultdict(int), keep))
 """
 
-_POLICY_SEGMENTS = """\
-# (first, last + 1, recompute): a recomputed segment keeps its input and is re-run whole in
-# backward; each layer of a stored one runs under the per-op policy.
-SEGMENTS = {segments}
-
-
-def forward_layers(layers, hidden):
-    for start, end, recompute in SEGMENTS:
-        if recompute:
-
-            def forward(hidden, start=start, end=end):
-                for layer in layers[start:end]:
-                    hidden = layer(hidden)
-                return hidden
-
-            hidden = checkpoint(forward, hidden, use_reentrant=False)
-        else:
-            for layer in layers[start:end]:
-                hidden = checkpoint(layer, hidden, use_reentrant=False, context_fn=context_fn)
-    return hidden
-"""
-
-
-_POLICY_MIXED = """\
+# The layers of a per-op snippet: every stored layer under the policy, or (`POLICY+mixed`) some.
+_POLICY_LAYERS = """\
 # (first, last + 1, recompute): a recomputed segment keeps its input and is re-run whole in
 # backward, each of its layers storing its full tape then; of the stored layers, those in
-# POLICY_LAYERS run under the per-op policy, the others store their full tape.
+# POLICY_LAYERS run under the per-op policy, any others store their full tape.
 SEGMENTS = {segments}
 POLICY_LAYERS = frozenset({policy_layers})
 
@@ -566,13 +544,17 @@ def render(plan: Plan, layers: LayerSegments) -> str:
     if layers.policy and parse_policy(layers.policy).scopes:
         return _scoped_render(plan, layers)
     if layers.policy:
-        tail = (
-            _POLICY_SEGMENTS.format(segments=list(layers.segments))
-            if layers.policy_layers is None
-            else _POLICY_MIXED.format(
-                segments=list(layers.segments),
-                policy_layers=_indices(layers.policy_layers) if layers.policy_layers else "",
+        policy_layers = layers.policy_layers
+        if policy_layers is None:
+            policy_layers = tuple(
+                i
+                for start, end, recompute in layers.segments
+                if not recompute
+                for i in range(start, end)
             )
+        tail = _POLICY_LAYERS.format(
+            segments=list(layers.segments),
+            policy_layers=_indices(policy_layers) if policy_layers else "",
         )
         parts = [_policy_header(plan, layers), _policy_part(spec, layers), tail]
         return "\n\n\n".join(part.rstrip("\n") for part in parts) + "\n"
