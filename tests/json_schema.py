@@ -60,7 +60,9 @@ SWEEP = {
 }
 CHECK = {
     "budget_bytes": int,
-    "results": [{"model": str, "fits": bool, "plan": (SWEEP_PLAN, None)}],
+    "results": [
+        {"model": str, "fits": bool, "plan": (SWEEP_PLAN, None), "reference": (SWEEP_PLAN, None)}
+    ],
 }
 # --seq auto / --micro-batch auto (docs/strategies.md): the same objects with the largest value.
 ESTIMATE_MAX_SEQ = {**ESTIMATE, "max_seq": int}
@@ -71,7 +73,15 @@ SWEEP_MAX_SEQ = {
 }
 CHECK_MAX_MICRO_BATCH = {
     "budget_bytes": int,
-    "results": [{"model": str, "fits": bool, "plan": (SWEEP_PLAN, None), "max_micro_batch": int}],
+    "results": [
+        {
+            "model": str,
+            "fits": bool,
+            "plan": (SWEEP_PLAN, None),
+            "reference": (SWEEP_PLAN, None),
+            "max_micro_batch": int,
+        }
+    ],
 }
 COUNTS = {"peak_bytes": int, "layer_forwards": int, "flops": int}
 VERIFY = {

@@ -202,6 +202,24 @@ def test_check_seq_auto(cli):
     assert code == 0 and "max seq" in out
 
 
+def test_check_seq_auto_reaches_as_far_as_a_plan_an_export_writes(cli):
+    """GPT-2 in 8 GB: revolve:1, a reference no export writes, fits the longest sequence of any
+    plan; check's --seq auto stops where a plan an export writes still fits."""
+    from ckplan.inputs.presets import load_spec
+
+    spec = load_spec("gpt2", {})
+    total, kept = 8 * 10**9, search.DEFAULT_RESERVE
+    reach = largest_fitting_any(spec, total, kept, "seq")
+    written = largest_fitting_any(spec, total, kept, "seq", written=True)
+    assert 0 < written < reach
+    assert not search.sweep(spec.replace(seq=reach), total, kept).best.exported
+    code, out, err = cli("check", "gpt2", "--budget", "8GB", "--seq", "auto", "--json")
+    result = json.loads(out)["results"][0]
+    assert code == 0, err
+    assert result["max_seq"] == written and result["fits"] and result["reference"] is None
+    assert not any("no export writes" in note for note in result["plan"]["notes"])
+
+
 def test_check_micro_batch_auto_exit_codes(cli):
     argv = ["check", "gpt2", "llama3-70b", "--budget", "24GB", "--micro-batch", "auto"]
     code, out, _ = cli(*argv, "--json")

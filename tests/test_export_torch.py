@@ -220,3 +220,46 @@ def test_offload_snippet_saves_the_offloaded_layers_on_cpu(spec_of, model, name)
     else:
         assert saved.count(layer_input) >= len(starts)
         assert sum(saved) > layer_input * len(offloaded)
+
+
+def test_layer_and_scoped_policies_run_one_policy_fn():
+    """The layer-level and the scoped per-op snippets define one `_policy`; run on a stream of
+    aten ops, it keeps the numbered matmuls, the attention kernel and the numbered element-wise
+    outputs that `keep` names, counting the forward and the re-forward apart."""
+    from collections import defaultdict
+
+    from test_op_policy_hf import TINY
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from ckplan.model.spec import spec_from_mapping
+
+    spec = spec_from_mapping(TINY)
+
+    def snippet(strategy):
+        return exports.export(evaluate(spec, parse_strategy(strategy, spec)), "torch").text
+
+    def policy_source(text):
+        start = text.index("def _ops(")
+        return text[start : text.index("return policy_fn", start)]
+
+    layer, scoped = snippet("sac"), snippet("sac@mlp")
+    assert "scope_layer" in scoped and "scope_layer" not in layer
+    assert policy_source(layer) == policy_source(scoped)
+    namespace: dict = {}
+    exec(compile(layer, "snippet", "exec"), namespace)
+    keep = ({2}, set(), True, False, set(), {("mul", 2)})
+    policy_fn = namespace["_policy"](defaultdict(int), keep)
+    aten = torch.ops.aten
+    ops = [
+        aten.mm.default,
+        aten.mm.default,
+        aten.mul.Tensor,
+        aten.mul.Tensor,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten.add.Tensor,
+    ]
+    save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    expected = [recompute, save, recompute, save, save, recompute]
+    for is_recompute in (False, True):
+        ctx = type("Context", (), {"is_recompute": is_recompute})()
+        assert [policy_fn(ctx, op) for op in ops] == expected

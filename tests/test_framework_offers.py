@@ -1,7 +1,8 @@
 """What sweep and plan offer per framework: the module strategies (mlp, moe,
 experts, layernorm, moe_act, mla_up_proj, shared_experts) only under Megatron-LM, the one
 framework that runs them; asked for elsewhere they are evaluated with a note naming why and the
-scoped policy that checkpoints the same regions. A nested revolve:C says no export writes it."""
+scoped policy that checkpoints the same regions. A nested revolve:C says no export writes it.
+The fused-QKV policy items (`sac-fused`) are refused outside torchtitan 0.3.0."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from ckplan.inputs.presets import load_spec
 from ckplan.plan.evaluate import evaluate
 from ckplan.plan.search import candidate_strategies, revolve_slots
 from ckplan.plan.strategies import (
+    StrategyError,
     module_framework_reason,
     module_words,
     parse_strategy,
@@ -147,3 +149,54 @@ def test_sweep_json_says_no_export_writes_revolve(cli):
     for plan in revolve:
         nested = any("no export writes" in note for note in plan["notes"])
         assert nested, plan["strategy"]
+
+
+# Where the attention runs q, k and v as three GEMMs and SDPA: Hugging Face transformers 5.25
+# (LlamaAttention), DeepSpeed (its checkpoint takes no policy: the torch snippet runs it), and
+# torchtitan's release of December 2024 (wq, wk, wv); fused_qkv and flex_attention model
+# torchtitan 0.3.0's block (op_policy.fused_framework_reason).
+UNFUSED = (
+    {"framework": "hf"},
+    {"framework": "deepspeed"},
+    {"framework": "torchtitan", "framework_version": "2024.12"},
+)
+
+
+@pytest.mark.parametrize("changes", UNFUSED)
+@pytest.mark.parametrize(
+    "name", ["sac-fused", "sac-fused+block:2", "sac:fused_qkv,matmuls%2", "sac:flex_attention"]
+)
+def test_fused_qkv_policies_are_refused_where_the_attention_is_not_fused(changes, name):
+    spec = load_spec("llama3-8b", changes)
+    key = "framework_version" if "framework_version" in changes else "framework"
+    with pytest.raises(StrategyError) as refused:
+        parse_strategy(name, spec)
+    said = str(refused.value)
+    assert "\n" not in said
+    assert f"not key '{key}' ({changes[key]})" in said
+    assert "expected framework: torchtitan at framework_version 0.3" in said
+    # never offered there either: the framework's own policy is sac
+    names = {s.name for s in candidate_strategies(spec)}
+    assert "sac" in names and not any("fused" in n or "flex" in n for n in names)
+
+
+def test_sac_fused_stays_torchtitan_03s():
+    spec = load_spec("llama3-8b", {"framework": "torchtitan"})
+    assert parse_strategy("sac-fused", spec).name == "sac-fused"
+    assert "sac-fused" in {s.name for s in candidate_strategies(spec)}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["estimate", "llama3-8b", "--strategy", "sac-fused"],
+        ["check", "llama3-8b", "--strategy", "sac-fused", "--budget", "80GB"],
+        ["export", "llama3-8b", "--plan", "sac-fused", "--to", "torch"],
+    ],
+)
+@pytest.mark.parametrize("framework", ["hf", "deepspeed"])
+def test_cli_refuses_sac_fused_in_one_line(cli, argv, framework):
+    code, out, err = cli(*argv, "--set", f"framework={framework}")
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert "strategy 'sac-fused'" in err and f"not key 'framework' ({framework})" in err

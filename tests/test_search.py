@@ -138,6 +138,51 @@ def test_check_cli(cli, tmp_path):
     assert code == 0 and json.loads(out)["results"][0]["plan"]["strategy"] == "full"
 
 
+def test_check_names_a_plan_an_export_writes_and_the_reference_beside_it(cli):
+    """At a budget that revolve:1 alone fits (Llama-3-8B, ZeRO-3 over 8 GPUs), the sweep's best
+    is that reference schedule, which no export writes: check names the smallest plan an export
+    writes, which does not fit (exit 1), and reports revolve:1 beside it. With nothing fitting
+    (no ZeRO) it names the smallest plan an export writes and reports the least memory of all."""
+    from ckplan.inputs.presets import load_spec
+    from ckplan.plan.search import check_plan
+
+    spec = load_spec("llama3-8b", {"dp": 8, "zero": 3})
+    least = sweep(spec, 10**13).smallest
+    assert least.plan.strategy == "revolve:1" and not least.exported
+    budget = DEFAULT_RESERVE + least.plan.budgeted_bytes
+    assert sweep(spec, budget).best.plan.strategy == "revolve:1"
+    checked = check_plan(spec, budget)
+    assert checked.candidate.exported and not checked.candidate.fits
+    assert checked.candidate.plan.strategy == sweep(spec, budget).smallest_written.plan.strategy
+    assert checked.reference.plan.strategy == "revolve:1" and checked.reference.fits
+    argv = ["check", "llama3-8b", "--budget", str(budget), "--set", "dp=8", "--set", "zero=3"]
+    code, out, _ = cli(*argv, "-q")
+    assert code == 1 and "(smallest: revolve:1)" not in out
+    assert "revolve:1 fits (" in out and "where no plan an export writes does" in out
+    code, out, _ = cli(*argv, "--json")
+    result = json.loads(out)["results"][0]
+    assert code == 1 and not result["fits"]
+    assert result["plan"]["strategy"] == checked.candidate.plan.strategy
+    assert result["reference"]["strategy"] == "revolve:1" and result["reference"]["fits"]
+    code, out, _ = cli(*argv, "-f", "markdown")
+    assert code == 1 and "revolve:1 fits (" in out
+
+    code, out, _ = cli("check", "llama3-8b", "--budget", "40GB", "--json")
+    result = json.loads(out)["results"][0]
+    nothing = sweep(load_spec("llama3-8b", {}), 40 * GB)
+    assert code == 1 and nothing.best is None and nothing.smallest.plan.strategy == "revolve:1"
+    assert result["plan"]["strategy"] == nothing.smallest_written.plan.strategy != "revolve:1"
+    assert result["reference"]["strategy"] == "revolve:1"
+    less = result["plan"]["memory"]["total_bytes"] - result["reference"]["memory"]["total_bytes"]
+    assert less > 0
+    code, out, _ = cli("check", "llama3-8b", "--budget", "40GB", "-q")
+    assert "the least memory of any plan is revolve:1's" in out
+    # a plan an export writes fits: nothing is reported beside it
+    code, out, _ = cli("check", "llama3-8b", "--budget", "80GB", *argv[4:], "--json")
+    result = json.loads(out)["results"][0]
+    assert code == 0 and result["fits"] and result["reference"] is None
+
+
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [

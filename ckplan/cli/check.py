@@ -88,7 +88,7 @@ def check(
         first = runs[0][1]
         device, budget_text = first.gpu, first.budget_text
         total, kept = first.budget_bytes, first.reserve_bytes
-        rows, values = [], []
+        rows, values, references = [], [], []
         slots = check_slots(slots)
         with progress("check: models", quiet) as report:
             for done, (name, spec) in enumerate(specs):
@@ -97,25 +97,27 @@ def check(
                     value = _largest(spec, strategy, total, kept, auto_key, device, slots)
                     spec = spec.replace(**{auto_key: value or search.auto_step(spec, auto_key)})
                     values.append(value)
-                best = search.best_plan(spec, total, strategy, kept, slots, device)
-                rows.append((name, candidate_in_convention(best, mfu_convention)))
+                checked = search.check_plan(spec, total, strategy, kept, slots, device)
+                rows.append((name, candidate_in_convention(checked.candidate, mfu_convention)))
+                references.append(candidate_in_convention(checked.reference, mfu_convention))
             report(len(specs), len(specs))
         largest = None if auto_key is None else (auto_key, values)
     if fmt == "json":
-        print_json(render.check_dict(total, rows, largest))
+        print_json(render.check_dict(total, rows, largest, references))
     elif fmt in ("csv", "markdown"):
         from ckplan.render.row_models import check_rows
 
-        print_rows(check_rows(budget_text, total, kept, rows), fmt)
+        print_rows(check_rows(budget_text, total, kept, rows, references), fmt)
     else:
-        print_view(render.check_table(budget_text, total, kept, rows, largest))
+        print_view(render.check_table(budget_text, total, kept, rows, largest, references))
     raise typer.Exit(EXIT_OK if all(c and c.fits for _, c in rows) else EXIT_DOES_NOT_FIT)
 
 
 def _largest(spec, strategy: str, total: int, kept: int, key: str, device, slots: int) -> int:
-    """The largest `key` at which `strategy` fits (`auto`: any plan `best_plan` weighs)."""
+    """The largest `key` at which `strategy` fits (`auto`: any plan an export writes that
+    `check_plan` weighs)."""
     if strategy == "auto":
-        return search.largest_fitting_any(spec, total, kept, key, device, slots)
+        return search.largest_fitting_any(spec, total, kept, key, device, slots, written=True)
     parsed = parse_strategy(strategy, spec)
     return search.largest_fitting(spec, parsed, total - kept, key, device, slots=slots)
 

@@ -169,9 +169,11 @@ def elementwise_ops(spec: ModelSpec) -> dict[str, tuple[tuple[str, int], ...]]:
     return {name: ops for name, ops in _HF_ELEMENTWISE.items() if name not in internal}
 
 
-# What both per-op snippets match ops by: the attention kernels, the collectives and grouped
-# GEMMs, each set holding only the ops this PyTorch build has (a format argument: single braces).
-_OP_SETS = """\
+# The policy_fn both per-op snippets run (a format argument: single braces): the attention
+# kernels, the collectives and grouped GEMMs matched by sets holding only the ops this PyTorch
+# build has; matmuls, grouped GEMMs, all-to-alls and element-wise ops counted from 1 in each
+# checkpoint's forward and, apart, in its re-forward.
+_POLICY_FN = """\
 def _ops(namespace, *names):
     return {getattr(namespace, name).default for name in names if hasattr(namespace, name)}
 
@@ -185,7 +187,44 @@ ATTENTION_OPS = _ops(
 )
 REDUCE_SCATTER_OPS = _ops(torch.ops._c10d_functional, "reduce_scatter_tensor")
 ALL_TO_ALL_OPS = _ops(torch.ops._c10d_functional, "all_to_all_single")
-GROUPED_MM_OPS = _ops(torch.ops.aten, "_grouped_mm")"""
+GROUPED_MM_OPS = _ops(torch.ops.aten, "_grouped_mm")
+ELEMENTWISE_OPS = {
+    torch.ops.aten.mul.Tensor: "mul",
+    torch.ops.aten.add.Tensor: "add",
+    torch.ops.aten.silu.default: "silu",
+}
+
+
+def _policy(counts, keep):
+    \"\"\"A policy_fn keeping the outputs `keep` names: (matmul numbers, grouped GEMM numbers,
+    attention kept, reduce-scatter kept, all-to-all numbers, element-wise (aten op, number)).\"\"\"
+    matmuls, grouped, attention, scatter, all_to_all, elementwise = keep
+
+    def policy_fn(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func == torch.ops.aten.mm.default:
+            counts[mode] += 1
+            kept = counts[mode] in matmuls
+        elif func in GROUPED_MM_OPS:
+            counts[mode + " grouped"] += 1
+            kept = counts[mode + " grouped"] in grouped
+        elif func in ATTENTION_OPS:
+            kept = attention
+        elif func in REDUCE_SCATTER_OPS:
+            kept = scatter
+        elif func in ALL_TO_ALL_OPS:
+            # the expert-parallel dispatch, then the combine
+            counts[mode + " all_to_all"] += 1
+            kept = counts[mode + " all_to_all"] in all_to_all
+        elif func in ELEMENTWISE_OPS:
+            name = ELEMENTWISE_OPS[func]
+            counts[mode + " " + name] += 1
+            kept = (name, counts[mode + " " + name]) in elementwise
+        else:
+            kept = False
+        return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy_fn"""
 
 
 _POLICY = """\
@@ -201,74 +240,27 @@ KEEP_ALL_TO_ALL = {all_to_all}
 KEEP_ELEMENTWISE = {elementwise}
 
 
-{op_sets}
-ELEMENTWISE_OPS = {{
-    torch.ops.aten.mul.Tensor: "mul",
-    torch.ops.aten.add.Tensor: "add",
-    torch.ops.aten.silu.default: "silu",
-}}
-
-
-def _policy(counts):
-    def policy_fn(ctx, func, *args, **kwargs):
-        mode = "recompute" if ctx.is_recompute else "forward"
-        if func == torch.ops.aten.mm.default:
-            counts[mode] += 1
-            keep = counts[mode] in KEEP_MATMULS
-        elif func in GROUPED_MM_OPS:
-            counts[mode + " grouped"] += 1
-            keep = counts[mode + " grouped"] in KEEP_GROUPED_MM
-        elif func in ATTENTION_OPS:
-            keep = KEEP_ATTENTION
-        elif func in REDUCE_SCATTER_OPS:
-            keep = KEEP_REDUCE_SCATTER
-        elif func in ALL_TO_ALL_OPS:
-            # the expert-parallel dispatch, then the combine
-            counts[mode + " all_to_all"] += 1
-            keep = counts[mode + " all_to_all"] in KEEP_ALL_TO_ALL
-        elif func in ELEMENTWISE_OPS:
-            name = ELEMENTWISE_OPS[func]
-            counts[mode + " " + name] += 1
-            keep = (name, counts[mode + " " + name]) in KEEP_ELEMENTWISE
-        else:
-            keep = False
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy_fn
+{policy_fn}
 
 
 def context_fn():
     # a new count for every layer's checkpoint (and its re-forward)
-    return create_selective_checkpoint_contexts(_policy(defaultdict(int)))
+    keep = (
+        KEEP_MATMULS,
+        KEEP_GROUPED_MM,
+        KEEP_ATTENTION,
+        KEEP_REDUCE_SCATTER,
+        KEEP_ALL_TO_ALL,
+        KEEP_ELEMENTWISE,
+    )
+    return create_selective_checkpoint_contexts(_policy(defaultdict(int), keep))
 """
 
-_POLICY_SEGMENTS = """\
-# (first, last + 1, recompute): a recomputed segment keeps its input and is re-run whole in
-# backward; each layer of a stored one runs under the per-op policy.
-SEGMENTS = {segments}
-
-
-def forward_layers(layers, hidden):
-    for start, end, recompute in SEGMENTS:
-        if recompute:
-
-            def forward(hidden, start=start, end=end):
-                for layer in layers[start:end]:
-                    hidden = layer(hidden)
-                return hidden
-
-            hidden = checkpoint(forward, hidden, use_reentrant=False)
-        else:
-            for layer in layers[start:end]:
-                hidden = checkpoint(layer, hidden, use_reentrant=False, context_fn=context_fn)
-    return hidden
-"""
-
-
-_POLICY_MIXED = """\
+# The layers of a per-op snippet: every stored layer under the policy, or (`POLICY+mixed`) some.
+_POLICY_LAYERS = """\
 # (first, last + 1, recompute): a recomputed segment keeps its input and is re-run whole in
 # backward, each of its layers storing its full tape then; of the stored layers, those in
-# POLICY_LAYERS run under the per-op policy, the others store their full tape.
+# POLICY_LAYERS run under the per-op policy, any others store their full tape.
 SEGMENTS = {segments}
 POLICY_LAYERS = frozenset({policy_layers})
 
@@ -399,7 +391,7 @@ def _policy_part(spec: ModelSpec, layers: LayerSegments) -> str:
     others += [name for name in elementwise if name in kept]
     pairs = sorted(pair for name in elementwise if name in kept for pair in elementwise[name])
     return _POLICY.format(
-        op_sets=_OP_SETS,
+        policy_fn=_POLICY_FN,
         policy=layers.policy,
         numbers=", ".join(map(str, keep)) or "none",
         order="\n".join(
@@ -437,38 +429,13 @@ _SCOPED = """\
 # each region, in the order the comment gives.
 {order}
 # (submodule names, kept matmuls, kept grouped GEMMs, attention kept, reduce-scatter kept,
-#  kept all-to-alls: 1 the dispatch, 2 the combine)
+#  kept all-to-alls: 1 the dispatch, 2 the combine, kept element-wise outputs: none)
 REGIONS = [
 {regions}
 ]
 
 
-{op_sets}
-
-
-def _policy(counts, keep):
-    matmuls, grouped, attention, scatter, all_to_all = keep
-
-    def policy_fn(ctx, func, *args, **kwargs):
-        mode = "recompute" if ctx.is_recompute else "forward"
-        if func == torch.ops.aten.mm.default:
-            counts[mode] += 1
-            kept = counts[mode] in matmuls
-        elif func in GROUPED_MM_OPS:
-            counts[mode + " grouped"] += 1
-            kept = counts[mode + " grouped"] in grouped
-        elif func in ATTENTION_OPS:
-            kept = attention
-        elif func in REDUCE_SCATTER_OPS:
-            kept = scatter
-        elif func in ALL_TO_ALL_OPS:
-            counts[mode + " all_to_all"] += 1
-            kept = counts[mode + " all_to_all"] in all_to_all
-        else:
-            kept = False
-        return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy_fn
+{policy_fn}
 
 
 def _checkpointed(forward, keep):
@@ -512,6 +479,27 @@ def _numbers(indices) -> str:
     return "{" + ", ".join(map(str, indices)) + "}" if indices else "set()"
 
 
+def _policy_header(plan: Plan, layers: LayerSegments, usage: str | None = None) -> str:
+    """The opening of a per-op snippet: what the plan is, how to call it (`usage`, a further
+    comment line, after the `forward_layers` one), and the imports its policy_fn needs."""
+    lines = [
+        f"# ckplan: plan {plan.strategy} for {plan.spec.name}, {layers.layers} layers per "
+        "pipeline stage.",
+        "# forward_layers(layers, hidden) replaces `for layer in layers: hidden = layer(hidden)`"
+        + (";" if usage else "."),
+        *([usage] if usage else []),
+        "from collections import defaultdict",
+        "",
+        "import torch",
+        "from torch.utils.checkpoint import (",
+        "    CheckpointPolicy,",
+        "    checkpoint,",
+        "    create_selective_checkpoint_contexts,",
+        ")",
+    ]
+    return "\n".join(lines)
+
+
 def _scoped_render(plan: Plan, layers: LayerSegments) -> str:
     """The snippet of a scoped policy: `scope_layer` wraps each region's submodule."""
     spec = plan.spec
@@ -534,22 +522,8 @@ def _scoped_render(plan: Plan, layers: LayerSegments) -> str:
         all_to_all = [n for n, unit in enumerate(("dispatch", "combine"), 1) if unit in names]
         rows.append(
             f"    ({REGION_MODULES[name]!r}, {_numbers(keep_mm)}, {_numbers(keep_grouped)}, "
-            f"{'attention' in names}, {'reduce_scatter' in names}, {_numbers(all_to_all)}),"
+            f"{'attention' in names}, {'reduce_scatter' in names}, {_numbers(all_to_all)}, set()),"
         )
-    header = [
-        f"# ckplan: plan {plan.strategy} for {spec.name}, {layers.layers} layers per pipeline "
-        "stage.",
-        "# forward_layers(layers, hidden) replaces `for layer in layers: hidden = layer(hidden)`;",
-        "# or call scope_layer(layer) on each layer once and run the model as it is.",
-        "from collections import defaultdict",
-        "",
-        "import torch",
-        "from torch.utils.checkpoint import (",
-        "    CheckpointPolicy,",
-        "    checkpoint,",
-        "    create_selective_checkpoint_contexts,",
-        ")",
-    ]
     comment = "\n".join(
         textwrap.wrap(
             "Matmuls and grouped GEMMs per region: " + "; ".join(order) + "." if order else "",
@@ -559,9 +533,10 @@ def _scoped_render(plan: Plan, layers: LayerSegments) -> str:
         )
     )
     body = _SCOPED.format(
-        op_sets=_OP_SETS, policy=layers.policy, order=comment, regions="\n".join(rows)
+        policy_fn=_POLICY_FN, policy=layers.policy, order=comment, regions="\n".join(rows)
     )
-    return "\n".join(header) + "\n\n\n" + body
+    usage = "# or call scope_layer(layer) on each layer once and run the model as it is."
+    return _policy_header(plan, layers, usage) + "\n\n\n" + body
 
 
 def render(plan: Plan, layers: LayerSegments) -> str:
@@ -569,29 +544,19 @@ def render(plan: Plan, layers: LayerSegments) -> str:
     if layers.policy and parse_policy(layers.policy).scopes:
         return _scoped_render(plan, layers)
     if layers.policy:
-        header = [
-            f"# ckplan: plan {plan.strategy} for {spec.name}, {layers.layers} layers per pipeline "
-            "stage.",
-            "# forward_layers(layers, hidden) replaces `for layer in layers: hidden = "
-            "layer(hidden)`.",
-            "from collections import defaultdict",
-            "",
-            "import torch",
-            "from torch.utils.checkpoint import (",
-            "    CheckpointPolicy,",
-            "    checkpoint,",
-            "    create_selective_checkpoint_contexts,",
-            ")",
-        ]
-        tail = (
-            _POLICY_SEGMENTS.format(segments=list(layers.segments))
-            if layers.policy_layers is None
-            else _POLICY_MIXED.format(
-                segments=list(layers.segments),
-                policy_layers=_indices(layers.policy_layers) if layers.policy_layers else "",
+        policy_layers = layers.policy_layers
+        if policy_layers is None:
+            policy_layers = tuple(
+                i
+                for start, end, recompute in layers.segments
+                if not recompute
+                for i in range(start, end)
             )
+        tail = _POLICY_LAYERS.format(
+            segments=list(layers.segments),
+            policy_layers=_indices(policy_layers) if policy_layers else "",
         )
-        parts = ["\n".join(header), _policy_part(spec, layers), tail]
+        parts = [_policy_header(plan, layers), _policy_part(spec, layers), tail]
         return "\n\n\n".join(part.rstrip("\n") for part in parts) + "\n"
     chunks = None if layers.offloaded else sequential_chunks(layers)
     names = set()

@@ -692,14 +692,17 @@ def finetune_state_bytes(
     )
 
 
+def layer_parameters_per_rank(spec: ModelSpec, kind: LayerKind | None = None) -> int:
+    """Parameters on one GPU of one layer of `kind`: its dense parameters over tp, its experts
+    over ep·etp (`layer_parameter_parts`)."""
+    parts = layer_parameter_parts(spec, kind)
+    return parts.dense_per_rank(spec) + parts.experts_per_rank(spec)
+
+
 def largest_layer_parameters(spec: ModelSpec, stage: int = 0) -> int:
     """Parameters on one GPU of the largest layer pipeline stage `stage` holds (its dense
     parameters over tp, its experts over ep·etp)."""
-    return max(
-        layer_parameter_parts(spec, kind).dense_per_rank(spec)
-        + layer_parameter_parts(spec, kind).experts_per_rank(spec)
-        for kind in stage_kind_counts(spec, stage)
-    )
+    return max(layer_parameters_per_rank(spec, kind) for kind in stage_kind_counts(spec, stage))
 
 
 def output_layer_parameters(spec: ModelSpec) -> int:
@@ -726,11 +729,7 @@ def outside_layer_parameters(spec: ModelSpec, stage: int) -> int:
     (embedding, final norm, output layer): the stage's less its layers' (derived)."""
     dense, expert = stage_parameters(spec, stage)
     in_layers = sum(
-        count
-        * (
-            layer_parameter_parts(spec, kind).dense_per_rank(spec)
-            + layer_parameter_parts(spec, kind).experts_per_rank(spec)
-        )
+        count * layer_parameters_per_rank(spec, kind)
         for kind, count in stage_kind_counts(spec, stage).items()
     )
     return dense + expert - in_layers
@@ -985,21 +984,8 @@ def in_backward_gradient_parameters(spec: ModelSpec, stage: int) -> int | None:
         return None
     if spec.training != "full":
         return finetune.lora_layer_parameters(spec)
-    layer = max(
-        layer_parameter_parts(spec, kind).dense_per_rank(spec)
-        + layer_parameter_parts(spec, kind).experts_per_rank(spec)
-        for kind in stage_kind_counts(spec, stage)
-    )
-    dense, expert = stage_parameters(spec, stage)
-    layers_total = sum(
-        count
-        * (
-            layer_parameter_parts(spec, kind).dense_per_rank(spec)
-            + layer_parameter_parts(spec, kind).experts_per_rank(spec)
-        )
-        for kind, count in stage_kind_counts(spec, stage).items()
-    )
-    outside = dense + expert - layers_total
+    layer = largest_layer_parameters(spec, stage)
+    outside = outside_layer_parameters(spec, stage)
     vocab_block = split_share(spec.vocab * spec.hidden, spec.tp) if outside else 0
     largest_outside = min(vocab_block, outside) if outside else 0
     if tied_gradient_from_output(spec):
@@ -1063,11 +1049,7 @@ def chain_gradient_bytes(spec: ModelSpec) -> tuple[int, ...]:
             for kind in kinds
         ]
         dense, expert = stage_parameters(spec, 0)
-        in_layers = sum(
-            layer_parameter_parts(spec, kind).dense_per_rank(spec)
-            + layer_parameter_parts(spec, kind).experts_per_rank(spec)
-            for kind in kinds
-        )
+        in_layers = sum(layer_parameters_per_rank(spec, kind) for kind in kinds)
         counts = parameter_count(spec)
         words = split_share(spec.vocab * spec.hidden, spec.tp)
         embedding = words + (counts.embedding - spec.vocab * spec.hidden)

@@ -1201,6 +1201,54 @@ def flex_region_copy_bytes(spec: ChainSpec, policy: OpPolicy, kind: LayerKind | 
     return sum(unit.output_bytes for unit in unit_ops(spec, kind) if unit.name == "v_proj")
 
 
+def torchtitan_03(spec: ChainSpec) -> bool:
+    """Whether `spec`'s layers run under torchtitan 0.3.0, whose Llama-family attention runs q, k
+    and v as one wqkv GEMM (`FusedQKVLinear`, torchtitan/models/common/attention.py; every
+    Llama 3 flavour is built with fuse_qkv=True, models/llama3/__init__.py) and attends with
+    FlexAttention compiled as a region of its own or varlen attention, never SDPA
+    (models/common/config_utils.py, `get_attention_config`)."""
+    from ckplan.model.frameworks import framework_version
+
+    return spec.framework == "torchtitan" and framework_version(spec) == "0.3"
+
+
+# How the attention runs where `fused_qkv` and `flex_attention` do not apply (`torchtitan_03`
+# false): torchtitan's release of December 2024 (pytorch/torchtitan 9dec370,
+# torchtitan/models/llama/model.py: wq, wk, wv, then F.scaled_dot_product_attention); Hugging
+# Face transformers 5.25.0 (models/llama/modeling_llama.py, `LlamaAttention`: q_proj, k_proj,
+# v_proj, then the configured attention function, SDPA by default); DeepSpeed 0.19.8, whose
+# `deepspeed.checkpointing.checkpoint` runs `CheckpointFunction.apply(function, ...)` with no
+# policy (runtime/activation_checkpointing/checkpointing.py), so a per-op policy runs through
+# the torch snippet, whose layer runs three linears and SDPA (`exports.torch_snippet.reason`).
+UNFUSED_ATTENTION = {
+    "torchtitan": "torchtitan's release of December 2024 runs wq, wk and wv as three linears "
+    "and attends through SDPA",
+    "hf": "transformers 5.25's LlamaAttention runs q_proj, k_proj and v_proj as three linears "
+    "and attends through SDPA",
+    "deepspeed": "DeepSpeed's checkpoint takes no per-op policy, and the torch snippet that runs "
+    "one runs q, k and v as three linears and SDPA",
+}
+
+
+def fused_framework_reason(spec: ChainSpec) -> str | None:
+    """Why `fused_qkv` and `flex_attention` (`sac-fused`) do not apply under `spec`'s framework,
+    one line naming the key, or None under torchtitan 0.3.0 (`torchtitan_03`), whose block they
+    model: elsewhere the attention runs separate q, k and v GEMMs and SDPA (`UNFUSED_ATTENTION`),
+    so the every-second rule would count other GEMMs and no region is kept whole."""
+    if torchtitan_03(spec):
+        return None
+    if spec.framework == "torchtitan":
+        key = f"key 'framework_version' ({spec.framework_version})"
+    else:
+        key = f"key 'framework' ({spec.framework})"
+    runs = UNFUSED_ATTENTION.get(spec.framework, f"{spec.framework} runs no such block")
+    return (
+        f"{FUSED_QKV} and {FLEX_ATTENTION} model torchtitan 0.3.0's block (one wqkv GEMM, "
+        f"FlexAttention kept whole), not {key}: {runs}; expected framework: torchtitan at "
+        "framework_version 0.3, or sac or sac:OP,... without them"
+    )
+
+
 def policy_fit_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
     """Why `policy`'s fused-QKV or FlexAttention items do not fit `spec`, or None: both are
     torchtitan 0.3.0's Llama 3 block (separate q, k and v heads), measured on one rank's
@@ -1215,6 +1263,8 @@ def policy_fit_reason(spec: ChainSpec, policy: OpPolicy) -> str | None:
         return scope_fit_reason(spec, policy)
     if not (policy.fused_qkv or policy.flex):
         return None
+    if why := fused_framework_reason(spec):
+        return why
     if spec.mla:
         return f"{FUSED_QKV} and {FLEX_ATTENTION} are modelled for q, k and v heads, not MLA"
     if spec.tp > 1:
@@ -1381,9 +1431,7 @@ def region_keepable(spec: ChainSpec, name: str) -> bool:
     """Whether a region's policy_fn can keep unit `name` by counting its aten op within the
     region (`op_recognised`): not the attention's GEMMs of torchtitan 0.3's blocks without MLA,
     which run q, k and v as one GEMM, so that the count within the region names other GEMMs."""
-    from ckplan.model.frameworks import framework_version
-
-    fused = spec.framework == "torchtitan" and framework_version(spec) == "0.3" and not spec.mla
+    fused = torchtitan_03(spec) and not spec.mla
     return op_recognised(spec, name) and not (fused and name in FUSED_ATTENTION_GEMMS)
 
 

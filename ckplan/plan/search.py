@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from ckplan.model import allocator, torchtitan_ac
 from ckplan.model.memory import model_state_bytes
 from ckplan.model.op_policy import (
+    NO_EXPORT,
     POLICY_WORDS,
     TORCHTITAN_POLICY,
     check_policy_model,
@@ -69,6 +70,13 @@ class Candidate:
     def headroom_bytes(self) -> int:
         return self.budget_bytes - self.plan.budgeted_bytes
 
+    @property
+    def exported(self) -> bool:
+        """Whether an export writes the plan: its notes say none does for the sweep's
+        reference `revolve:C` schedules that re-run layers more than once, a Megatron-Core
+        module outside Megatron-LM and a fused policy beside other layers (`NO_EXPORT`)."""
+        return not any(NO_EXPORT in note for note in self.plan.notes)
+
 
 @dataclass(frozen=True)
 class SweepResult:
@@ -90,6 +98,22 @@ class SweepResult:
     @property
     def smallest(self) -> Candidate:
         return min(self.candidates, key=lambda c: c.plan.total_bytes)
+
+    @property
+    def written(self) -> tuple[Candidate, ...]:
+        """The candidates an export writes (`Candidate.exported`): all but the references."""
+        return tuple(c for c in self.candidates if c.exported) or self.candidates
+
+    @property
+    def best_written(self) -> Candidate | None:
+        """The best plan an export writes: `best` by the same rank, among `written`."""
+        fitting = [c for c in self.written if c.fits]
+        return min(fitting, key=_cost_key(self.rank)) if fitting else None
+
+    @property
+    def smallest_written(self) -> Candidate:
+        """The plan of least memory an export writes: `smallest` among `written`."""
+        return min(self.written, key=lambda c: c.plan.total_bytes)
 
 
 def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
@@ -546,7 +570,18 @@ def pareto_frontier(
     return tuple(frontier)
 
 
-def best_plan(
+@dataclass(frozen=True)
+class Checked:
+    """What `ckplan check` names for one model: `candidate`, the plan it checks (None when
+    `optimal` finds no schedule within the budget), and `reference`, a plan no export writes
+    that goes further than `candidate` (it fits where `candidate` does not, or nothing fits and
+    it has less memory), reported beside it; None otherwise."""
+
+    candidate: Candidate | None
+    reference: Candidate | None = None
+
+
+def check_plan(
     spec: ModelSpec,
     budget_bytes: int,
     strategy: str = "auto",
@@ -554,19 +589,25 @@ def best_plan(
     slots: int = DEFAULT_SLOTS,
     gpu: GPU | None = None,
     rank: str | None = None,
-) -> Candidate | None:
-    """For `ckplan check`: the cheapest fitting plan (`auto`; the fastest with a GPU), or the
-    named strategy's plan (None when `optimal` finds no schedule within the budget)."""
+) -> Checked:
+    """For `ckplan check`: with `auto`, the cheapest fitting plan an export writes (the fastest
+    with a GPU), else the smallest such plan, beside the sweep's own best or smallest where that
+    is a reference no export writes (a `revolve:C` that re-runs layers more than once) and it
+    goes further: a CI job needs a plan it can export and run. Else the named strategy's plan."""
     usable = budget_bytes - reserve_bytes
     if strategy == "auto":
         result = sweep(spec, budget_bytes, reserve_bytes, slots=slots, gpu=gpu, rank=rank)
-        return result.best or result.smallest
+        chosen = result.best_written or result.smallest_written
+        further = result.best or result.smallest
+        beyond = further.fits or further.plan.total_bytes < chosen.plan.total_bytes
+        beyond = beyond and not chosen.fits
+        return Checked(chosen, further if beyond and not further.exported else None)
     parsed = parse_strategy(strategy, spec)
     budget = activation_budget(spec, usable) if parsed.kind == "optimal" else None
     if budget is not None and budget <= 0:
-        return None
+        return Checked(None)
     plan = evaluate(spec, parsed, budget=budget, slots=slots, gpu=gpu)
-    return None if plan is None else _candidate(plan, usable, gpu)
+    return Checked(None if plan is None else _candidate(plan, usable, gpu))
 
 
 SEQ_GRANULE = 256  # `--seq auto` answers in whole multiples of this many tokens
@@ -599,7 +640,7 @@ def fitting_plan(
 ) -> Plan | None:
     """`strategy`'s plan on `spec` when its reserved peak fits `usable_bytes` (and, with a
     GPU, its offloaded tapes the host memory), else None. An `optimal` strategy is solved for
-    the activation budget those bytes leave (`activation_budget`), as `best_plan` does."""
+    the activation budget those bytes leave (`activation_budget`), as `check_plan` does."""
     budget = None
     if strategy.kind == "optimal":
         budget = activation_budget(spec, usable_bytes)
@@ -648,18 +689,18 @@ def largest_fitting_any(
     gpu: GPU | None = None,
     slots: int = DEFAULT_SLOTS,
     formula: str = "derived",
+    written: bool = False,
 ) -> int:
-    """The largest `key` (as `largest_fitting`) at which some plan of the sweep fits (the best
-    of `best_plan`'s `auto`); 0 when none does at the smallest value. Derived: each plan's
-    fitting is true up to its own edge, so "some plan fits" is true up to the largest edge, and
-    the same doubling and bisection finds it."""
-    return largest_value(
-        spec,
-        key,
-        lambda candidate: (
-            sweep(candidate, budget_bytes, reserve_bytes, formula, slots, gpu).best is not None
-        ),
-    )
+    """The largest `key` (as `largest_fitting`) at which some plan of the sweep fits (with
+    `written`, some plan an export writes: the best of `check_plan`'s `auto`); 0 when none does
+    at the smallest value. Derived: each plan's fitting is true up to its own edge, so "some
+    plan fits" is true up to the largest edge, and the same doubling and bisection finds it."""
+
+    def fits(candidate: ModelSpec) -> bool:
+        result = sweep(candidate, budget_bytes, reserve_bytes, formula, slots, gpu)
+        return (result.best_written if written else result.best) is not None
+
+    return largest_value(spec, key, fits)
 
 
 def longest_seq(spec: ModelSpec, strategy: Strategy, usable_bytes: int) -> int:

@@ -4,7 +4,7 @@ The only package that knows how things look. Byte and FLOP counts stay exact int
 tables print binary units and say so, with decimal units beside totals.
 """
 
-from importlib import import_module
+from ckplan.lazy_names import lazy_getattr
 
 # Every view is imported on first use (start-up time: a command imports only its own).
 _LAZY = {
@@ -36,12 +36,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = [

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from ckplan.units import format_bytes_auto
 
 if TYPE_CHECKING:  # Rich is imported where a table is built: --json needs none
+    from rich.table import Table
     from rich.text import Text
 
 GIB = "GiB"
@@ -19,6 +20,18 @@ def gib(value: int) -> str:
 
 def both_units(value: int) -> str:
     return f"{format_bytes_auto(value)}  ({format_bytes_auto(value, binary=False)})"
+
+
+def facts_table(title: str) -> Table:
+    """A table of facts under `title`, without a header: what (bold), its value (right-aligned)
+    and a note (dim)."""
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value", justify="right")
+    table.add_column("note", style="dim")
+    return table
 
 
 def error_text(message: str) -> Text:

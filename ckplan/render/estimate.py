@@ -23,7 +23,7 @@ from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 from ckplan.plan.search import Candidate
 from ckplan.published.accuracy import accuracy_note
-from ckplan.render.common import both_units, gib
+from ckplan.render.common import both_units, facts_table, gib
 from ckplan.render.fit import declare
 from ckplan.units import format_flops
 
@@ -378,17 +378,8 @@ def per_op_table(spec: ModelSpec, kind=None, title: str | None = None) -> Table:
 
 
 def plan_summary_table(plan: Plan, gpu: GPU | None = None) -> Table:
-    from rich.table import Table
-
     spec = plan.spec
-    table = Table(
-        title=f"Plan: strategy {plan.strategy}, formula {plan.formula}",
-        show_header=False,
-        title_justify="left",
-    )
-    table.add_column("what", style="bold")
-    table.add_column("value", justify="right")
-    table.add_column("note", style="dim")
+    table = facts_table(f"Plan: strategy {plan.strategy}, formula {plan.formula}")
     table.add_row(
         "activations, one layer",
         gib(plan.per_layer_activation_bytes),

@@ -26,6 +26,21 @@ class PlotError(InputError):
     """A plot that cannot be made: matplotlib missing, or an unsupported file name."""
 
 
+def _budget_line(axes, budget_bytes: int, label: str) -> None:
+    """A budget as a dashed horizontal line at its GiB, `label` above its right end."""
+    axes.axhline(budget_bytes / GIB, color="#c0392b", linestyle="--", linewidth=1.2)
+    axes.annotate(
+        label,
+        xy=(1.0, budget_bytes / GIB),
+        xycoords=("axes fraction", "data"),
+        xytext=(-4, 4),
+        textcoords="offset points",
+        ha="right",
+        color="#c0392b",
+        fontsize=9,
+    )
+
+
 def check_plot(path: str) -> Path:
     """Fail before any work (nothing written) when the plot cannot be made."""
     if Path(path).suffix.lower() not in FORMATS:
@@ -77,17 +92,11 @@ def sweep_plot(result: SweepResult, budget_text: str, path: str) -> None:
         markersize=4,
         label="Pareto frontier",
     )
-    axes.axhline(usable / GIB, color="#c0392b", linestyle="--", linewidth=1.2)
-    axes.annotate(
+    _budget_line(
+        axes,
+        usable,
         f"usable budget {format_bytes_auto(usable)} ({budget_text} less "
         f"{format_bytes_auto(result.reserve_bytes)} reserve)",
-        xy=(1.0, usable / GIB),
-        xycoords=("axes fraction", "data"),
-        xytext=(-4, 4),
-        textcoords="offset points",
-        ha="right",
-        color="#c0392b",
-        fontsize=9,
     )
     chosen = result.best or result.smallest
     x, y = point(chosen)
@@ -148,16 +157,8 @@ def timeline_plot(
             label="held by the other micro-batches in flight",
         )
     if activation_budget is not None and activation_budget > 0:
-        axes.axhline(activation_budget / GIB, color="#c0392b", linestyle="--", linewidth=1.2)
-        axes.annotate(
-            f"activation budget {format_bytes_auto(activation_budget)}",
-            xy=(1.0, activation_budget / GIB),
-            xycoords=("axes fraction", "data"),
-            xytext=(-4, 4),
-            textcoords="offset points",
-            ha="right",
-            color="#c0392b",
-            fontsize=9,
+        _budget_line(
+            axes, activation_budget, f"activation budget {format_bytes_auto(activation_budget)}"
         )
     index = timeline.peak_step
     peak_x = index + 1 if index >= 0 else 0.5

@@ -6,11 +6,19 @@ model's step seconds, say) is one more Column there and appears in every view an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ckplan.plan import Plan
 from ckplan.plan.search import Candidate, SweepResult
 from ckplan.render.common import gib, memory_bar
 from ckplan.render.rows import Column, RowTable
-from ckplan.render.sweep import budget_line, sweep_verdict, unrunnable_lines, why_not_fitting
+from ckplan.render.sweep import (
+    budget_line,
+    reference_lines,
+    sweep_verdict,
+    unrunnable_lines,
+    why_not_fitting,
+)
 from ckplan.units import format_flops
 
 
@@ -147,10 +155,14 @@ def sweep_rows(result: SweepResult, budget_text: str, show_all: bool) -> RowTabl
 
 
 def check_rows(
-    budget_text: str, budget: int, reserve: int, rows: list[tuple[str, Candidate | None]]
+    budget_text: str,
+    budget: int,
+    reserve: int,
+    rows: list[tuple[str, Candidate | None]],
+    references: Sequence[Candidate | None] | None = None,
 ) -> RowTable:
     """One row per model: fits, the plan (the smallest when none fits), why not; the step
-    time's columns when the plans were timed (--gpu)."""
+    time's columns when the plans were timed (--gpu); `references` as `check_table`'s."""
     timed = any(c is not None and c.time is not None for _, c in rows)
     columns = [
         Column("model", "model", lambda r: r[0], right=False),
@@ -175,7 +187,7 @@ def check_rows(
         budget_line(budget_text, budget, reserve).plain,
         f"{fitting} of {len(rows)} fit.",
     ]
-    notes += unrunnable_lines(rows)
+    notes += unrunnable_lines(rows) + reference_lines(rows, references)
     return RowTable(columns, rows, title="Capacity check", notes=notes)
 
 

@@ -330,16 +330,20 @@ def check_dict(
     budget: int,
     rows: list[tuple[str, Candidate | None]],
     largest: tuple[str, list[int]] | None = None,
+    references: Sequence[Candidate | None] | None = None,
 ) -> dict[str, Any]:
-    """`largest`: (key, the largest value per model) for `--seq auto` / `--micro-batch auto`."""
+    """`largest`: (key, the largest value per model) for `--seq auto` / `--micro-batch auto`;
+    `references`: per model, the plan no export writes that goes further (`Checked`), or None."""
+    references = references or [None] * len(rows)
     results = [
         {
             "model": model,
             "fits": bool(c and c.fits),
             "plan": candidate_dict(c) if c else None,
             "advice": candidate_advice(c),
+            "reference": candidate_dict(reference) if reference else None,
         }
-        for model, c in rows
+        for (model, c), reference in zip(rows, references, strict=True)
     ]
     if largest is not None:
         key, values = largest
@@ -354,6 +358,7 @@ def check_table(
     reserve: int,
     rows: list[tuple[str, Candidate | None]],
     largest: tuple[str, list[int]] | None = None,
+    references: Sequence[Candidate | None] | None = None,
 ) -> Group:
     from rich.console import Group
     from rich.table import Table
@@ -408,7 +413,32 @@ def check_table(
         summary,
         *advice,
         *[Text(line, style="yellow") for line in unrunnable_lines(rows)],
+        *[Text(line, style="yellow") for line in reference_lines(rows, references)],
     )
+
+
+def reference_lines(
+    rows: list[tuple[str, Candidate | None]], references: Sequence[Candidate | None] | None
+) -> list[str]:
+    """One line per model whose checked plan, the least an export writes, does not fit while a
+    plan no export writes goes further (`Checked.reference`): what that plan reaches, and the
+    note that says why no export writes it."""
+    lines = []
+    for (model, candidate), reference in zip(rows, references or [None] * len(rows), strict=True):
+        if reference is None or candidate is None:
+            continue
+        name, total = reference.plan.strategy, gib(reference.plan.total_bytes)
+        if reference.fits:
+            reach = f"{name} fits ({total}) where no plan an export writes does"
+        else:
+            less = gib(candidate.plan.total_bytes - reference.plan.total_bytes)
+            reach = (
+                f"the least memory of any plan is {name}'s {total}, {less} below "
+                f"{candidate.plan.strategy}"
+            )
+        why = [note for note in reference.plan.notes if NO_EXPORT in note]
+        lines.append(f"{model}: {reach}; " + "; ".join(why or [f"{NO_EXPORT} it"]))
+    return lines
 
 
 def unrunnable_lines(rows: list[tuple[str, Candidate | None]]) -> list[str]:

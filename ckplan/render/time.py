@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ckplan.render.common import facts_table
+
 if TYPE_CHECKING:  # Rich is imported where a table is built: --json needs none
     from rich.console import Group
     from rich.table import Table
@@ -20,17 +22,8 @@ def seconds(value: float) -> str:
 
 def step_time_table(plan: Plan, time: StepTime, gpu: GPU | None) -> Table:
     """Step time, its parts, MFU/HFU, throughput and the time overhead beside the FLOP one."""
-    from rich.table import Table
-
     where = f" on {gpu.name}" if gpu is not None else ""
-    table = Table(
-        title=f"Step time{where} (one iteration, busiest GPU)",
-        show_header=False,
-        title_justify="left",
-    )
-    table.add_column("what", style="bold")
-    table.add_column("value", justify="right")
-    table.add_column("note", style="dim")
+    table = facts_table(f"Step time{where} (one iteration, busiest GPU)")
     step = time.step_seconds
     spec = plan.spec
     table.add_row("step", seconds(step), f"{spec.microbatches} micro-batches", style="bold")

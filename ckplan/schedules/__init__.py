@@ -6,8 +6,7 @@ offload (tapes on host memory: their replay and the joint DP with recomputation)
 The oracles the DP is tested against live with the tests (tests/oracles/).
 """
 
-from importlib import import_module
-
+from ckplan.lazy_names import lazy_getattr
 from ckplan.schedules.chain import (
     BACKWARD,
     FORWARD_DROP,
@@ -45,12 +44,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = [

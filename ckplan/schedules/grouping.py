@@ -29,6 +29,22 @@ FIRST_PASS_MAX_WORK = 4 * 10**9  # first-pass entries before pruning, n^2 / 2 * 
 COUNTED_STAGES = 600  # chains are first grouped down to this many stages, then classes counted
 
 
+def stage_kinds(chain: Chain) -> list[tuple[int, ...]]:
+    """What makes two stages of ``chain`` equal to the DP, stage by stage: their forward and
+    backward FLOPs, input, tape and workspace bytes."""
+    return list(
+        zip(
+            chain.forward_flops,
+            chain.backward_flops,
+            chain.input_bytes[: chain.length],
+            chain.tape_bytes,
+            chain.forward_workspace_bytes,
+            chain.backward_workspace_bytes,
+            strict=True,
+        )
+    )
+
+
 def stage_groups(chain: Chain, size: int, periodic: bool = True) -> list[tuple[int, int]]:
     """Groups ``[p, q)`` covering the chain in order: each run of equal stages cut into groups
     of ``size`` (its last group shorter); stages unlike their neighbours (embedding, output)
@@ -38,17 +54,7 @@ def stage_groups(chain: Chain, size: int, periodic: bool = True) -> list[tuple[i
     n = chain.length
     if size == 1:
         return [(p, p + 1) for p in range(n)]
-    kinds = list(
-        zip(
-            chain.forward_flops,
-            chain.backward_flops,
-            chain.input_bytes[:n],
-            chain.tape_bytes,
-            chain.forward_workspace_bytes,
-            chain.backward_workspace_bytes,
-            strict=True,
-        )
-    )
+    kinds = stage_kinds(chain)
     ids = intern(kinds)
     period = bulk_period(ids) if periodic else 1
     if period > 1:
@@ -87,19 +93,7 @@ def dp_work(chain: Chain, width: int, in_flight) -> tuple[int, int, int]:
     memory slots: the counts its limits above are about. Classes of equal sub-chains are
     counted as the DP forms them (bytes here, so that the count bounds the DP's, in slots)."""
     n = chain.length
-    kinds: dict[tuple, int] = {}
-    stage = [
-        kinds.setdefault(kind, len(kinds))
-        for kind in zip(
-            chain.forward_flops,
-            chain.backward_flops,
-            chain.input_bytes[:n],
-            chain.tape_bytes,
-            chain.forward_workspace_bytes,
-            chain.backward_workspace_bytes,
-            strict=True,
-        )
-    ]
+    stage = intern(stage_kinds(chain))
     heads: dict[tuple[int, int], int] = {}
     classes: dict[tuple[int, int], int] = {}
     work = 0
