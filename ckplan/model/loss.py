@@ -122,7 +122,9 @@ def final_norm_saved_bytes(spec: ChainSpec) -> int:
     and the torch-eager profile's norm1 term; with a frozen weight the cast product is not
     saved, 4·n + 4·T_r. The bf16 input itself is freed (the upcast saves nothing). Measured on
     the CPU at Llama 3 70B's shapes under FSDP2 x TP 8 (validation/torch_fsdp2_tp_memory.py):
-    3X + 4·T_r at B = 2, 2X + 4·T_r beyond the input."""
+    3X + 4·T_r at B = 2, 2X + 4·T_r beyond the input. torchtitan's 3b39d7ab0 (March 2025)
+    made the norm `nn.RMSNorm`, whose saved tensors depend on the PyTorch release; the key
+    cannot tell those `2024.12` runs apart, which are counted the same."""
     X = stream_bytes(spec)
     if spec.framework != "torchtitan" or frameworks.framework_version(spec) != "2024.12":
         return X
