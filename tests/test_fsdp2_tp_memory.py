@@ -21,6 +21,8 @@ from needs_torch import torch_or_skip
 
 from ckplan.inputs.presets import load_mapping, spec_from_values
 from ckplan.model import loss, memory
+from ckplan.model.op import LayerShapes, column_parallel_saved_input_bytes
+from ckplan.model.ops import layer_ops
 from ckplan.plan import evaluate, parse_strategy
 from ckplan.published.predict import run_spec
 from ckplan.published.suite import suite_runs
@@ -147,11 +149,7 @@ def test_rerun_at_a_small_shape(layers):
     torch_or_skip()
     framework_or_skip("torchtitan", "the 2-D step was not remeasured")
     framework_or_skip("transformers", "the 2-D step was not remeasured")
-    path = ROOT / "validation" / "torch_fsdp2_tp_memory.py"
-    module_spec = importlib.util.spec_from_file_location("torch_fsdp2_tp_memory", path)
-    harness = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_spec.name] = harness
-    module_spec.loader.exec_module(harness)
+    harness = _harness()
     batch, seq = 2, 128
     case = {"layers": layers, "micro_batch": batch, "seq": seq}
     result = harness.measure(case, SMALL, dp_shard=2, tp=2)
@@ -165,3 +163,91 @@ def test_rerun_at_a_small_shape(layers):
     positions = 8 * tokens
     assert 0 <= peak["Activation"] - tape - positions < 64
     assert peak["Temp"] - 12 * logits == 33 * tokens
+
+
+def test_column_parallel_saved_input_by_hand():
+    """torchtitan's sequence-parallel blocks save the all-gathered sequence before the QKV
+    projection and fc1: in bf16 t·X = 2,147,483,648 bytes at the 70B run's shapes, in
+    December 2024's float8 (the run's precision) one byte an element, 1,073,741,824;
+    Megatron-LM's the shard, X; torchtitan's without sequence parallelism the replicated
+    stream it already holds."""
+    spec = _run_spec()
+    assert spec.precision == "float8"
+    gathered = 131_072 * 8192
+    bf16 = spec.replace(precision="bf16")
+    for each, saved in ((spec, gathered), (bf16, 2 * gathered)):
+        by_name = {op.name: op.saved_bytes for op in layer_ops(each.chain)}
+        assert by_name["qkv_proj"] == by_name["fc1"] == saved
+        shapes = LayerShapes.of(each.chain)
+        assert column_parallel_saved_input_bytes(each.chain, shapes) == saved
+    # torchtitan 0.3's float8 is taken to keep bf16 inputs, as ckplan's float8 elsewhere
+    newer = spec.chain.replace(framework_version="0.3")
+    assert column_parallel_saved_input_bytes(newer, LayerShapes.of(newer)) == 2 * gathered
+    megatron = bf16.chain.replace(framework="megatron", framework_version=None)
+    by_name = {op.name: op.saved_bytes for op in layer_ops(megatron)}
+    assert by_name["qkv_proj"] == by_name["fc1"] == X
+    no_sp = bf16.chain.replace(sp=False)
+    assert column_parallel_saved_input_bytes(no_sp, LayerShapes.of(no_sp)) == 2 * gathered
+
+
+def test_full_recomputation_adds_the_gathered_inputs_in_the_recomputed_block():
+    """Under full recomputation the stored tape is the layer inputs, as before; the recomputed
+    block holds the two gathered inputs: in bf16 2·(t - 1)·X beyond Megatron's shards, in
+    December 2024's float8 2·(t/2 - 1)·X."""
+    spec = _run_spec()
+    assert memory.layer_input_bytes(spec) == X
+    for each, extra in ((spec, 2 * 3 * X), (spec.replace(precision="bf16"), 2 * 7 * X)):
+        megatron = each.replace(framework="megatron", framework_version=None)
+        torchtitan_layer = sum(op.saved_bytes for op in layer_ops(each.chain))
+        megatron_layer = sum(op.saved_bytes for op in layer_ops(megatron.chain))
+        assert torchtitan_layer - megatron_layer == extra
+
+
+def test_blocks_save_the_gathered_sequence_on_fake_ranks():
+    """The measurement's model without recomputation, at a small shape on 2 x 2 fake ranks:
+    autograd saves two storages of the whole sequence (b, s, h) per block, the attention's and
+    the MLP's gathered inputs, and one more for the output layer."""
+    torch = torch_or_skip()
+    framework_or_skip("torchtitan", "the gathered inputs were not remeasured")
+    framework_or_skip("transformers", "the gathered inputs were not remeasured")
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    harness = _harness()
+    batch, seq, layers = 2, 96, 3  # b·s = 192: no weight has a dimension of that size
+    shape = {**SMALL, "layers": layers, "seq": seq}
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    whole = set()
+
+    def pack(tensor):
+        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        # F.linear on a DTensor saves the (b·s, h) view of the gathered (b, s, h) tensor
+        if tuple(local.shape) in ((batch * seq, 256), (batch, seq, 256)):
+            whole.add(local.untyped_storage()._cdata)
+        return tensor
+
+    try:
+        with harness.fake_dtensor_workarounds(FakeTensorMode()):
+            model = harness.build(torch, shape, mesh, ac="none")
+            tokens = torch.randint(0, SMALL["vocab"], (batch, seq))
+            positions = torch.arange(seq).repeat(batch, 1)
+            with loss_parallel(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                model(tokens, positions)
+    finally:
+        dist.destroy_process_group()
+    assert len(whole) == 2 * layers + 1
+
+
+def _harness():
+    path = ROOT / "validation" / "torch_fsdp2_tp_memory.py"
+    module_spec = importlib.util.spec_from_file_location("torch_fsdp2_tp_memory", path)
+    harness = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = harness
+    module_spec.loader.exec_module(harness)
+    return harness

@@ -110,9 +110,9 @@ def _eager_rmsnorm(dim: int):
     return LlamaRMSNorm(dim, eps=1e-5)  # torchtitan 9dec370 ModelArgs.norm_eps
 
 
-def build(torch, shape: dict, mesh):
+def build(torch, shape: dict, mesh, ac: str = "full"):
     """torchtitan's Llama 3 at `shape` under FakeTensorMode (active), tensor-parallel,
-    checkpointed and sharded as at 9dec370 (module docstring)."""
+    checkpointed (`ac` "full", or "none") and sharded as at 9dec370 (module docstring)."""
     from torch import nn
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -194,7 +194,9 @@ def build(torch, shape: dict, mesh):
             },
         )
     for name, block in list(model.layers.named_children()):
-        model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
+        if ac == "full":
+            block = checkpoint_wrapper(block, preserve_rng_state=False)
+        model.layers.register_module(name, block)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     dp_mesh = mesh["dp_shard"]
     blocks = list(model.layers.values())
