@@ -176,8 +176,10 @@ def test_chain_holds_the_block_buffers_in_its_layer_stages():
     spec = _spec()
     chain = layer_chain(spec, ())
     added_forward, added_backward = _added_workspaces(spec)
-    # embedding, 32 blocks, output layer and loss
-    assert added_forward == [0, *[872_448_000] * 31, 436_224_000, 0]
+    # embedding, 32 blocks, output layer and loss; the output stage's is no FSDP2 buffer but
+    # torchtitan 2024.12's eager final norm, its fp32 input and bf16 product beside the input
+    # hf's fused one keeps, 2·(2·16,384·4096) + 4·16,384 (`loss.final_norm_saved_bytes`)
+    assert added_forward == [0, *[872_448_000] * 31, 436_224_000, 268_500_992]
     middle = 10 * LAYER + 2 * OUTPUT
     assert added_backward == [0, 8 * LAYER + 2 * OUTPUT, *[middle] * 30, 4 * LAYER + 2 * OUTPUT, 0]
     assert layer_chain(spec, ()) is chain  # the replays are cached by chain identity

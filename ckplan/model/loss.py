@@ -70,8 +70,7 @@ input (X) and what the loss saves.
 
 from __future__ import annotations
 
-from ckplan.model import allocator
-from ckplan.model.frameworks import framework_version
+from ckplan.model import allocator, frameworks
 from ckplan.model.op import FP32_BYTES, split_share
 from ckplan.model.spec import ChainSpec
 
@@ -118,6 +117,32 @@ def loss_statistics_bytes(spec: ChainSpec) -> int:
     return 2 * FP32_BYTES * tokens(spec)
 
 
+def final_norm_saved_bytes(spec: ChainSpec) -> int:
+    """What the final norm saves for its backward: its input, X, as a fused or compiled RMSNorm
+    or LayerNorm keeps it (its per-token statistics left out, as for the layers' norms), except
+    under torchtitan's RMSNorm of December 2024 (`framework_version` 2024.12), which runs
+    eagerly in fp32 whether or not the model is compiled: torchtitan/models/norms.py at 9dec370,
+    `self._norm(x.float()).type_as(x) * self.weight` with `_norm(x) = x * torch.rsqrt(
+    x.pow(2).mean(-1, keepdim=True) + eps)`, and `training.compile` compiles each
+    TransformerBlock alone (parallelize_llama.apply_compile at 9dec370), never the final norm.
+    Those ops save the fp32 copy of the input, the fp32 rstd of each token and the normalized
+    tensor cast back, which `* self.weight` keeps: (4 + B)·n + 4·T_r for n input elements and
+    T_r tokens on this rank (/t under sequence parallelism), transformers' LlamaRMSNorm's ops
+    and the torch-eager profile's norm1 term; with a frozen weight the cast product is not
+    saved, 4·n + 4·T_r. The bf16 input itself is freed (the upcast saves nothing). Measured on
+    the CPU at Llama 3 70B's shapes under FSDP2 x TP 8 (validation/torch_fsdp2_tp_memory.py):
+    3X + 4·T_r at B = 2, 2X + 4·T_r beyond the input. torchtitan's 3b39d7ab0 (March 2025)
+    made the norm `nn.RMSNorm`, whose saved tensors depend on the PyTorch release; the key
+    cannot tell those `2024.12` runs apart, which are counted the same."""
+    X = stream_bytes(spec)
+    if spec.framework != "torchtitan" or frameworks.framework_version(spec) != "2024.12":
+        return X
+    elements = X // spec.dtype_bytes
+    rank_tokens = split_share(tokens(spec), spec.tp if spec.sp else 1)
+    product = spec.dtype_bytes * elements if spec.training == "full" else 0
+    return FP32_BYTES * elements + product + FP32_BYTES * rank_tokens
+
+
 def output_layer_input_bytes(spec: ChainSpec) -> int:
     """What the output layer saves of its input for its weight's gradient: the final norm's
     output, X; under torchtitan's sequence parallelism the whole sequence, t·X (B·T·h). Its
@@ -133,16 +158,17 @@ def output_layer_input_bytes(spec: ChainSpec) -> int:
 
 
 def output_saved_bytes(spec: ChainSpec) -> int:
-    """The output stage's tape: the final norm's input and the output layer's input (2X; 4sbh/t
-    for B = 2 under SP, X + t·X under torchtitan's, `output_layer_input_bytes`; X when the
-    output layer is frozen) and what the loss keeps: 4L (fused,
+    """The output stage's tape: what the final norm saves (its input, X, or torchtitan 2024.12's
+    eager fp32 copies, `final_norm_saved_bytes`) and the output layer's input (2X; 4sbh/t for
+    B = 2 under SP, X + t·X under torchtitan's, `output_layer_input_bytes`; the final norm's
+    alone when the output layer is frozen) and what the loss keeps: 4L (fused,
     eager: the fp32 softmax or log-probabilities, Korthikanti §4.3's 4sbV/t), B·L + 8T
     (compiled: the logits and two statistics per token) or the fp32 hidden-gradient accumulator
     (chunked)."""
-    X = stream_bytes(spec)
     # a frozen output layer (training: frozen, lora, qlora) keeps no input for its weight's
     # gradient (docs/fine-tuning.md); the final norm keeps its own
-    inputs = X + output_layer_input_bytes(spec) if spec.training == "full" else X
+    norm = final_norm_saved_bytes(spec)
+    inputs = norm + output_layer_input_bytes(spec) if spec.training == "full" else norm
     if spec.loss.startswith("chunked:"):
         return inputs + hidden_grad_accumulator_bytes(spec)
     if spec.loss == "xentropy":  # the B-byte logits and the fp32 log-sum-exp per token
@@ -265,7 +291,7 @@ def shifted_logits(spec: ChainSpec) -> bool:
     logits[..., :-1, :].contiguous()` after `logits = logits.float()`); transformers 5.25's
     ForCausalLMLoss pads and shifts the labels instead (`nn.functional.pad(labels, (0, 1),
     value=ignore_index)`, loss/loss_utils.py), as torchtitan never shifts."""
-    return spec.loss == "eager" and spec.framework == "hf" and framework_version(spec) == "4.44"
+    return spec.loss == "eager" and spec.framework == "hf" and frameworks.framework_version(spec) == "4.44"
 
 
 def shifted_logits_elements(spec: ChainSpec) -> int:

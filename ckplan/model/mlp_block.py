@@ -3,7 +3,14 @@
 
 from __future__ import annotations
 
-from ckplan.model.op import DENSE_MLP, LayerShapes, Op, make_op, matmul_flops
+from ckplan.model.op import (
+    DENSE_MLP,
+    LayerShapes,
+    Op,
+    column_parallel_saved_input_bytes,
+    make_op,
+    matmul_flops,
+)
 from ckplan.model.spec import ChainSpec
 
 
@@ -33,7 +40,7 @@ def mlp_block_ops(
     B, X, tokens = shapes.B, shapes.X, shapes.tokens
     sharded = shapes.sharded
     ffn_elems = sharded(tokens * ffn)  # (s, b, F) elements per rank
-    fc1_in = B * shapes.stream if input_saved else 0
+    fc1_in = column_parallel_saved_input_bytes(spec, shapes) if input_saved else 0
     in_grads = (X, 0) if input_grad else (0, X)  # (input grad, workspace)
     # The dense MLP's fc2 output meets the residual stream: its add, unless the bias-dropout-add
     # of mlp_dropout does it; biases' gradients sum the output gradients.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ckplan.model.frameworks import framework_version
 from ckplan.model.spec import ChainSpec
 
 ATTENTION_CORE = "attention_core"
@@ -180,6 +181,30 @@ def in_group(op: Op, group: str) -> bool:
     """Whether `op` belongs to recompute group `group`; groups nest with "/" (the expert MLPs,
     EXPERTS = "moe/experts", are part of the whole MoE block, MOE = "moe")."""
     return op.group is not None and (op.group == group or op.group.startswith(group + "/"))
+
+
+def column_parallel_saved_input_bytes(spec: ChainSpec, shapes: LayerShapes) -> int:
+    """Bytes a layer's column-parallel linear (the QKV projection, a dense MLP's fc1) saves of
+    its input: the residual stream's share on this rank, except under torchtitan's sequence
+    parallelism, where it is the whole sequence, s·b·h/cp. Megatron-LM's
+    LinearWithGradAccumulationAndAsyncCommunication saves the sequence shard and all-gathers it
+    again in its backward (megatron/core/tensor_parallel/layers.py); torchtitan's blocks gather
+    the norm's output before the projections, `PrepareModuleInput(input_layouts=(Shard(1),),
+    desired_input_layouts=(Replicate(),))` on `attention` and `feed_forward`
+    (torchtitan/parallelisms/parallelize_llama.py `apply_tp` at 9dec370; the same contracts in
+    0.3.0's models/common/decoder_sharding.py), and F.linear saves the gathered local tensor,
+    one storage for wq, wk, wv and one for w1, w3 (counted on fake ranks,
+    validation/torch_fsdp2_tp_memory.py). With torchao's float8 at that commit (`precision:
+    float8`, `framework_version: "2024.12"`) `PrepareFloat8ModuleInput` casts to float8 before
+    the all-gather (torchao/float8/float8_tensor_parallel.py at eab345c) and
+    `manual_float8_matmul_with_args_in_float8` saves that float8 input (float8_linear.py at
+    eab345c): one byte an element."""
+    if not (spec.framework == "torchtitan" and spec.sp and spec.tp > 1):
+        return shapes.B * shapes.stream
+    gathered = shapes.tokens * spec.hidden
+    if spec.precision == "float8" and framework_version(spec) == "2024.12":
+        return gathered
+    return shapes.B * gathered
 
 
 def kv_heads_per_rank(spec: ChainSpec) -> int:

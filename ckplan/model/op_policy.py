@@ -242,6 +242,11 @@ class Unit:
     # an expert GEMM's input as the op table saves it, the R routed rows (`moe.routed_rows`):
     # the received rows all-gathered over etp, or the permuted copies on the worst-case rows
     expert_input: int = 0
+    # under torchtitan's sequence parallelism, what the all-gathered norm output this
+    # projection saves adds to that output (`op.column_parallel_saved_input_bytes` less X): held
+    # once per norm where the projections run un-checkpointed; a checkpointed region re-runs
+    # the all-gather, so neither a kept unit nor a region's input holds it
+    gathered: int = 0
 
     @property
     def kept_bytes(self) -> int:
@@ -612,13 +617,14 @@ def _wired(spec: ChainSpec, table: dict[str, Op], units: tuple[Unit, ...]) -> tu
         return sum(units[i].output_bytes for i in indices)
 
     for i, unit in enumerate(units):
-        name, reads, saves, internal = unit.name, (), (), 0
+        name, reads, saves, internal, gathered = unit.name, (), (), 0, 0
         bare = name.removeprefix("shared_")
         if name in _NORMS:
             reads = saves = at("out_proj_add") if name == "norm2" else ()
             internal = max(0, table[name].saved_bytes - X)
         elif name in _FIRST_AFTER_NORM1 and "norm2" not in last:
             reads = saves = at("norm1")
+            gathered = _gathered_beyond(spec, table, name, "qkv_proj", X)
         elif name in ("q_norm", "kv_norm"):
             reads = saves = at(name.replace("norm", "down"))
             internal = max(0, table[name].saved_bytes - out(saves))
@@ -643,6 +649,7 @@ def _wired(spec: ChainSpec, table: dict[str, Op], units: tuple[Unit, ...]) -> tu
             reads = (i - 1, *at("router_probs"))
         elif name in _AFTER_NORM2:
             reads = saves = at("norm2")
+            gathered = _gathered_beyond(spec, table, name, "fc1", X)
         elif bare == "gate_act" or name == "expert_gate_act":
             reads = saves = (i - 1 - (not name.startswith("expert")),)  # the gate projection
         elif bare == "act":
@@ -684,8 +691,21 @@ def _wired(spec: ChainSpec, table: dict[str, Op], units: tuple[Unit, ...]) -> tu
             saves = (i - 1,) if spec.framework == "hf" else ()
             internal = max(0, table[name].saved_bytes - out(saves))
         last[name] = i
-        wired.append(dataclasses.replace(unit, reads=reads, saves=saves, internal=internal))
+        wired.append(
+            dataclasses.replace(
+                unit, reads=reads, saves=saves, internal=internal, gathered=gathered
+            )
+        )
     return tuple(wired)
+
+
+def _gathered_beyond(spec: ChainSpec, table: dict[str, Op], name: str, op: str, X: int) -> int:
+    """What the table's `op` (qkv_proj or fc1) saves of its input beyond the norm's output X
+    when `name` is one of its projections: torchtitan's all-gathered sequence under sequence
+    parallelism (`op.column_parallel_saved_input_bytes`), else 0."""
+    if name not in ("q_proj", "k_proj", "v_proj", "fc1", "gate_proj", "up_proj") or op not in table:
+        return 0
+    return max(0, table[op].saved_bytes - X)
 
 
 def _projection(name: str, op: Op, width: int, size: int) -> Unit:
@@ -1032,6 +1052,7 @@ def stored_tensors(
         held[j] = held.get(j, False) or whole
 
     internal = 0
+    gathered_from: set[tuple[int, ...]] = set()  # the norm outputs whose gathered copy is held
     gather_region = next(
         (region_of[j] for i, u in enumerate(units) if _gathered(units, u) for j in u.reads), None
     )  # the all-gather runs where the unit before the experts does
@@ -1051,6 +1072,9 @@ def stored_tensors(
             for j in saved:
                 hold(j, j == i)
             internal += unit.internal
+            if unit.gathered and unit.reads not in gathered_from:
+                gathered_from.add(unit.reads)
+                internal += unit.gathered
             continue
         for j in inputs[i]:
             outside = region_of[j] != r if j >= 0 else j == LAYER_INPUT or gather_region != r

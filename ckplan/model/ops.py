@@ -30,6 +30,7 @@ from ckplan.model.op import (
     LayerShapes,
     Matmul,
     Op,
+    column_parallel_saved_input_bytes,
     kv_heads_per_rank,
     make_op,
     matmul_flops,
@@ -138,7 +139,7 @@ def _attention_ops(spec: ChainSpec, kind: LayerKind, shapes: LayerShapes) -> lis
             make_op(
                 "qkv_proj",
                 "attention",
-                B * shapes.stream,
+                column_parallel_saved_input_bytes(spec, shapes),
                 matmul_flops(tokens, q_width, spec.hidden),
                 grads=(out_grad, X),
                 workspace=qkv,
