@@ -291,7 +291,11 @@ def shifted_logits(spec: ChainSpec) -> bool:
     logits[..., :-1, :].contiguous()` after `logits = logits.float()`); transformers 5.25's
     ForCausalLMLoss pads and shifts the labels instead (`nn.functional.pad(labels, (0, 1),
     value=ignore_index)`, loss/loss_utils.py), as torchtitan never shifts."""
-    return spec.loss == "eager" and spec.framework == "hf" and frameworks.framework_version(spec) == "4.44"
+    return (
+        spec.loss == "eager"
+        and spec.framework == "hf"
+        and frameworks.framework_version(spec) == "4.44"
+    )
 
 
 def shifted_logits_elements(spec: ChainSpec) -> int:
