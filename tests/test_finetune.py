@@ -6,7 +6,7 @@ import json
 import pytest
 
 from ckplan.cli import main
-from ckplan.model.finetune import quantized_weight_bytes
+from ckplan.model.finetune import quantization_statistics_bytes, quantized_weight_bytes
 from ckplan.model.flops import layer_backward_flops
 from ckplan.model.memory import (
     activation_bytes_by_op,
@@ -178,6 +178,25 @@ def test_zero3_shards_the_frozen_weights():
     one = model_state_bytes(small(training="lora", framework="torchtitan"))
     four = model_state_bytes(small(training="lora", framework="torchtitan", dp=4, zero=3))
     assert four.weights < one.weights and four.gradients == -(-one.gradients // 4)
+
+
+def test_nf4_statistics_are_what_the_weight_holds_beyond_its_packed_values():
+    """Llama-2-70B's gate_proj, 8192 x 28672 = 234,881,024 values: 3,670,016 8-bit block
+    absmax, 14,336 fp32 second-level absmax, an fp32 offset and the 16 fp32 code values."""
+    assert quantization_statistics_bytes(8192, 28672, "nf4") == 3_670_016 + 4 * 14_336 + 4 + 64
+    assert quantization_statistics_bytes(64, 64, "fp4") == 64 + 4 + 4 + 64
+    assert quantization_statistics_bytes(64, 64, "bf16") == 0
+    assert quantization_statistics_bytes(64, 64, "int8") == 0
+
+
+def test_zero3_keeps_the_nf4_statistics_whole_on_every_rank():
+    """QLoRA under DeepSpeed ZeRO-3 over 4 ranks: the packed nf4 values (18,432 bytes a layer),
+    the embedding, output and norms (33,088 values in bf16) are split; each layer's 1,080
+    bytes of statistics (136 + 104 + 104 + 136 + 200 + 200 + 200, `quantization_statistics_
+    bytes`) stay whole; the adapters (3,584 values in bf16) are split."""
+    spec = small(training="qlora", lora_rank=8, framework="deepspeed", dp=4, zero=3)
+    packed, statistics, rest, adapters = 2 * 18_432, 2 * 1_080, 2 * 33_088, 2 * 3_584
+    assert model_state_bytes(spec).weights == (packed + rest) // 4 + statistics + adapters // 4
 
 
 def test_estimate_shows_the_trainable_parameters(capsys):

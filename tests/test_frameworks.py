@@ -1,5 +1,6 @@
 """The frameworks' buffers beside the model states, by hand from the parameters they cover."""
 
+from ckplan.model import frameworks
 from ckplan.model.memory import layer_parameter_parts, model_state_bytes, stage_parameters
 
 
@@ -117,3 +118,19 @@ def test_gradients_written_by_the_peak_replace_all_of_them(spec_of):
     assert evaluate(megatron, parse_strategy("none", megatron)).model_states.gradients == (
         model_state_bytes(megatron).gradients
     )
+
+
+def test_deepspeed_zero3_allocates_its_reduce_bucket_whole():
+    # the IPG bucket, 5e8 bf16 elements whatever trains, and reduce_scatter's flat copy of at
+    # most one bucket of the trainable parameters' gradients
+    assert frameworks.deepspeed_zero3_reduce_bytes(103_546_880) == 1_000_000_000 + 207_093_760
+    assert frameworks.deepspeed_zero3_reduce_bytes(7_000_000_000) == 2_000_000_000
+    assert frameworks.deepspeed_zero3_reduce_bytes(10, bucket=100) == 200 + 20
+
+
+def test_deepspeed_zero3_buffers_of_a_few_trainable_parameters(spec_of):
+    # 1,000 trainable parameters on Llama 3 8B: the reduce buffers (1e9 + 2,000 bytes), the
+    # prefetch bucket (2,000) and the largest weight gathered, 4,096 x 14,336 in bf16
+    spec = spec_of("llama3-8b", framework="deepspeed", dp=8, zero=3)
+    expected = 1_000_000_000 + 2_000 + 2_000 + 2 * 4096 * 14336
+    assert frameworks.buffer_bytes(spec, 1000, 100, 0) == expected

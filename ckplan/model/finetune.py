@@ -139,6 +139,31 @@ def quantized_weight_bytes(fan_in: int, fan_out: int, weight_format: str) -> int
     return n * {"bf16": 2, "fp16": 2, "fp32": 4}[weight_format]
 
 
+def quantization_statistics_bytes(fan_in: int, fan_out: int, weight_format: str) -> int:
+    """Bytes of one frozen nf4 / fp4 weight beyond its packed values (`quantized_weight_bytes`
+    less ⌈n/2⌉): the blocks' absmax, the second level's and the code, which bitsandbytes keeps
+    in the weight's QuantState, an attribute of the Params4bit, not in the parameter's data
+    (bitsandbytes 0.43.0, nn/modules.py `Params4bit.__new__`: `self.quant_state =
+    quant_state`; functional.py `quantize_4bit`: the data is the packed `out` alone). ZeRO-3
+    and FSDP shard a module's parameters' data only, so every rank keeps these whole. 0 for the
+    other formats."""
+    if weight_format not in ("nf4", "fp4"):
+        return 0
+    n = fan_in * fan_out
+    return quantized_weight_bytes(fan_in, fan_out, weight_format) - -(-n // 2)
+
+
+def layer_quantization_statistics_bytes(spec: ChainSpec) -> int:
+    """One layer's `quantization_statistics_bytes` over its frozen linear weights."""
+    fmt = spec.finetune.weight_format
+    if fmt is None:
+        return 0
+    return sum(
+        quantization_statistics_bytes(fan_in, fan_out, fmt)
+        for fan_in, fan_out in linear_shapes(spec).values()
+    )
+
+
 def frozen_linear_bytes(spec: ChainSpec, weight_bytes: int) -> int:
     """Bytes of one layer's frozen linear weights (the biases excluded): each weight in the
     weight_format, or at `weight_bytes` per value when none is given."""

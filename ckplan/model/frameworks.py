@@ -37,8 +37,11 @@ parameter (its mixed-precision recipe) and adds buffers of its own:
 - `deepspeed` (ZeRO, bf16): bf16 weights and gradients, fp32 master weights and Adam, 16 bytes
   per parameter (Rajbhandari et al. 2020, K = 12); ZeRO-3 accumulates its gradient partition in
   fp32 (stage3.py `grad_partitions_flat_buffer`, gradient_accumulation_dtype fp32). Buffers
-  (deepspeed/runtime/zero/config.py defaults, v0.16.4): the reduce bucket, 5e8 elements in bf16,
-  doubled with overlap_comm (default on for ZeRO-3 only), the all-gather bucket (5e8, ZeRO-1/2),
+  (deepspeed/runtime/zero/config.py defaults, v0.16.4): the reduce bucket, 5e8 elements in bf16
+  (ZeRO-1/2: at most the parameters'; ZeRO-3: its IPG bucket allocated whole, beside
+  reduce_scatter's flat copy of one bucket, `deepspeed_zero3_reduce_bytes`; Hugging Face's
+  `auto` values, hidden² and the like, apply only where a DeepSpeed config file says "auto":
+  accelerate's own config sets none of these keys), the all-gather bucket (5e8, ZeRO-1/2),
   ZeRO-3's prefetch bucket (5e7) and the parameters it keeps gathered, at most
   stage3_max_live_parameters (1e9) unless a single weight is larger. Pipeline parallelism only
   with ZeRO 0-1.
@@ -342,10 +345,10 @@ def buffer_bytes(
         return unsharded + reducing
     if framework == "deepspeed" and dp > 1 and zero >= 1:
         reduce = min(DEEPSPEED_REDUCE_BUCKET, stage_params) * HALF
-        if zero == 3:  # overlap_comm on: two buckets; the prefetch bucket; the live parameters
+        if zero == 3:  # the reduce buffers; the prefetch bucket; the live parameters
             prefetch = min(DEEPSPEED_PREFETCH_BUCKET, stage_params) * HALF
             live = max(min(2 * layer_params, DEEPSPEED_MAX_LIVE), largest_weight(spec))
-            return 2 * reduce + prefetch + HALF * live
+            return deepspeed_zero3_reduce_bytes(stage_params) + prefetch + HALF * live
         gather = min(DEEPSPEED_ALLGATHER_BUCKET, stage_params) * HALF
         return reduce + gather
     if framework == "hf":
@@ -357,6 +360,22 @@ def buffer_bytes(
         autocast = HALF * (stage_params if zero < 3 else 2 * layer_params) if fp32_weights else 0
         return buckets + autocast
     return 0
+
+
+def deepspeed_zero3_reduce_bytes(
+    trainable_params: int, bucket: int = DEEPSPEED_REDUCE_BUCKET
+) -> int:
+    """ZeRO-3's gradient-reduction buffers on one GPU for `trainable_params` parameters that
+    train (the optimizer's): the IPG bucket, which DeepSpeedZeroOptimizer_Stage3 allocates
+    whole at init, `bucket` (reduce_bucket_size) elements in the bf16 dtype, whatever the
+    parameters number (contiguous_gradients True by default: `torch.empty(
+    self.reduce_bucket_size, ...)`, deepspeed/runtime/zero/stage3.py at v0.14.0 lines 489-492,
+    v0.16.4 lines 537-540), and the flat padded copy of one bucket's gradients that
+    reduce_scatter_coalesced makes on the reduce stream (deepspeed/runtime/comm/
+    coalesced_collectives.py at v0.14.0, `torch.cat(tensor_partitions_lst_with_padding)`),
+    at most min(bucket, trainable_params) elements. With few trainable parameters (LoRA) the
+    first stays a whole bucket: 1e9 bytes at the default 5e8 elements."""
+    return HALF * bucket + HALF * min(bucket, trainable_params)
 
 
 def fsdp2_resharding(spec) -> bool:
