@@ -86,8 +86,15 @@ GRAD_SYNCS = ("micro_batch", "step")  # grad_sync (`gradient_sync`)
 # framework_version: the releases whose semantics ckplan models apart, oldest first; the last
 # is the default (`framework_version`). torchtitan: its FSDP2 grouping (`fsdp2_grouping`); hf:
 # transformers' causal-LM loss (ckplan.model.loss `shifted_logits_elements`: 4.44 copies the
-# shifted fp32 logits, 5.25 shifts the labels)
-FRAMEWORK_VERSIONS = {"hf": ("4.44", "5.25"), "torchtitan": ("2024.12", "0.3")}
+# shifted fp32 logits, 5.25 shifts the labels); deepspeed: the same transformers releases, for
+# a transformers model that the Hugging Face Trainer or accelerate runs under DeepSpeed (the
+# model code is transformers' whoever drives the step)
+TRANSFORMERS_VERSIONS = ("4.44", "5.25")
+FRAMEWORK_VERSIONS = {
+    "hf": TRANSFORMERS_VERSIONS,
+    "deepspeed": TRANSFORMERS_VERSIONS,
+    "torchtitan": ("2024.12", "0.3"),
+}
 
 
 @dataclass(frozen=True)
