@@ -6,7 +6,12 @@ import json
 import pytest
 
 from ckplan.cli import main
-from ckplan.model.finetune import quantization_statistics_bytes, quantized_weight_bytes
+from ckplan.model.finetune import (
+    gathered_layer_bytes,
+    gathered_weight_bytes,
+    quantization_statistics_bytes,
+    quantized_weight_bytes,
+)
 from ckplan.model.flops import layer_backward_flops
 from ckplan.model.memory import (
     activation_bytes_by_op,
@@ -197,6 +202,19 @@ def test_zero3_keeps_the_nf4_statistics_whole_on_every_rank():
     spec = small(training="qlora", lora_rank=8, framework="deepspeed", dp=4, zero=3)
     packed, statistics, rest, adapters = 2 * 18_432, 2 * 1_080, 2 * 33_088, 2 * 3_584
     assert model_state_bytes(spec).weights == (packed + rest) // 4 + statistics + adapters // 4
+
+
+def test_zero3_gathers_a_4bit_weight_as_its_packed_storage():
+    """Llama-2-70B's gate_proj (234,881,024 values): 117,440,512 packed bytes, int8 one byte
+    a value, bf16 two, fp32 four; the small model's QLoRA layer: 18,432 packed bytes and its
+    adapters' 1,792 values in bf16, the largest weight 128 x 64 packed."""
+    assert gathered_weight_bytes(8192, 28672, "nf4", 2) == 117_440_512
+    assert gathered_weight_bytes(8192, 28672, "int8", 2) == 234_881_024
+    assert gathered_weight_bytes(8192, 28672, "bf16", 4) == 469_762_048
+    assert gathered_weight_bytes(8192, 28672, None, 2) == 469_762_048
+    assert gathered_weight_bytes(3, 5, "fp32", 2) == 60
+    spec = small(training="qlora", lora_rank=8, framework="deepspeed", dp=4, zero=3)
+    assert gathered_layer_bytes(spec, 2) == (18_432 + 2 * 1_792, 4_096)
 
 
 def test_estimate_shows_the_trainable_parameters(capsys):

@@ -134,3 +134,12 @@ def test_deepspeed_zero3_buffers_of_a_few_trainable_parameters(spec_of):
     spec = spec_of("llama3-8b", framework="deepspeed", dp=8, zero=3)
     expected = 1_000_000_000 + 2_000 + 2_000 + 2 * 4096 * 14336
     assert frameworks.buffer_bytes(spec, 1000, 100, 0) == expected
+
+
+def test_deepspeed_zero3_keeps_two_layers_gathered_under_the_live_cap():
+    # Llama-2-70B's bf16 layer with LoRA (1,713,817,600 bytes): two exceed 1e9 bf16 elements
+    assert frameworks.deepspeed_zero3_live_bytes(1_713_817_600, 469_762_048) == 2_000_000_000
+    # its nf4 layer packed (427,819,008 bytes a layer): the running one and the prefetched one
+    assert frameworks.deepspeed_zero3_live_bytes(427_819_008, 117_440_512) == 855_638_016
+    # a single weight larger than the cap is gathered whole
+    assert frameworks.deepspeed_zero3_live_bytes(10, 3_000_000_000) == 3_000_000_000

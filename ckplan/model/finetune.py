@@ -164,6 +164,37 @@ def layer_quantization_statistics_bytes(spec: ChainSpec) -> int:
     )
 
 
+def gathered_weight_bytes(
+    fan_in: int, fan_out: int, weight_format: str | None, weight_bytes: int
+) -> int:
+    """Bytes of one frozen linear weight as ZeRO-3 or FSDP gathers it, its parameter's data:
+    the packed values of a 4-bit weight, ⌈n/2⌉ (its statistics are not the parameter's data,
+    `quantization_statistics_bytes`), int8's n bytes, else n values at their bytes
+    (`weight_bytes` where no format is given)."""
+    n = fan_in * fan_out
+    if weight_format in ("nf4", "fp4"):
+        return -(-n // 2)
+    if weight_format == "int8":
+        return n
+    per_value = weight_bytes if weight_format is None else {"fp32": 4}.get(weight_format, 2)
+    return n * per_value
+
+
+def gathered_layer_bytes(spec: ChainSpec, weight_bytes: int) -> tuple[int, int]:
+    """(one layer, its largest weight): the bytes ZeRO-3 gathers of one layer's frozen linear
+    weights and adapters (`gathered_weight_bytes`; the adapters at `weight_bytes` per value;
+    the norms, below the persistence threshold, stay whole and are not counted)."""
+    fmt = spec.finetune.weight_format
+    weights = [
+        gathered_weight_bytes(i, o, fmt, weight_bytes) for i, o in linear_shapes(spec).values()
+    ]
+    adapter_values = sum(
+        adapter.parameters(spec.finetune.lora_rank, spec.finetune.use_dora)
+        for adapter in adapters(spec)
+    )
+    return sum(weights) + weight_bytes * adapter_values, max(weights)
+
+
 def frozen_linear_bytes(spec: ChainSpec, weight_bytes: int) -> int:
     """Bytes of one layer's frozen linear weights (the biases excluded): each weight in the
     weight_format, or at `weight_bytes` per value when none is given."""

@@ -328,13 +328,21 @@ def largest_weight(spec, tp: int | None = None) -> int:
 
 
 def buffer_bytes(
-    spec, stage_params: int, layer_params: int, root_params: int, embedding_params: int = 0
+    spec,
+    stage_params: int,
+    layer_params: int,
+    root_params: int,
+    embedding_params: int = 0,
+    gathered: tuple[int, int] | None = None,
 ) -> int:
     """Bytes a framework holds beside the model states at its peak on one GPU: its
     communication buckets and unsharded copies (module docstring). `stage_params` are the
     parameters this GPU's pipeline stage holds, `layer_params` one layer's (the largest),
     `root_params` those outside the layers (embedding, final norm, output) on this stage,
-    `embedding_params` the token embedding's among them."""
+    `embedding_params` the token embedding's among them. `gathered`: (one layer's, its
+    largest weight's) bytes as ZeRO-3 gathers them where frozen weights beside the trainable
+    ones are gathered too (ckplan.model.finetune `gathered_layer_bytes`); None: the
+    trainable parameters' in bf16."""
     framework, zero, dp = spec.framework, spec.zero, spec.dp
     if fsdp2_resharding(spec):  # the layers' copies are their chain stages' (fsdp2_layer_*)
         grouping = fsdp2_grouping(framework_version(spec), spec.tied_embeddings)
@@ -354,8 +362,9 @@ def buffer_bytes(
         reduce = min(DEEPSPEED_REDUCE_BUCKET, stage_params) * HALF
         if zero == 3:  # the reduce buffers; the prefetch bucket; the live parameters
             prefetch = min(DEEPSPEED_PREFETCH_BUCKET, stage_params) * HALF
-            live = max(min(2 * layer_params, DEEPSPEED_MAX_LIVE), largest_weight(spec))
-            return deepspeed_zero3_reduce_bytes(stage_params) + prefetch + HALF * live
+            layer, largest = gathered or (HALF * layer_params, HALF * largest_weight(spec))
+            live = deepspeed_zero3_live_bytes(layer, largest)
+            return deepspeed_zero3_reduce_bytes(stage_params) + prefetch + live
         gather = min(DEEPSPEED_ALLGATHER_BUCKET, stage_params) * HALF
         return reduce + gather
     if framework == "hf":
@@ -383,6 +392,22 @@ def deepspeed_zero3_reduce_bytes(
     at most min(bucket, trainable_params) elements. With few trainable parameters (LoRA) the
     first stays a whole bucket: 1e9 bytes at the default 5e8 elements."""
     return HALF * bucket + HALF * min(bucket, trainable_params)
+
+
+def deepspeed_zero3_live_bytes(layer_bytes: int, largest_weight_bytes: int) -> int:
+    """The parameters ZeRO-3 keeps gathered on one GPU: the running layer's and, prefetched,
+    the next one's (`layer_bytes` each, as gathered), at most stage3_max_live_parameters (1e9
+    bf16 elements: 2e9 bytes) unless a single weight (`largest_weight_bytes`) is larger.
+    Frozen weights are gathered as any: the coordinator fetches every parameter of the module
+    about to run whatever its requires_grad (deepspeed/runtime/zero/
+    partitioned_param_coordinator.py `fetch_sub_module`, v0.14.0), and releases none that the
+    trace uses again within stage3_max_reuse_distance (1e9 elements, `__params_to_release`):
+    a layer's recomputation and backward keep it whole. A 4-bit weight is gathered as its
+    packed storage (bf16 elements holding four values each under bnb_4bit_quant_storage
+    bfloat16).
+
+    derived: the running and the prefetched layer under the live-parameter cap."""
+    return max(min(2 * layer_bytes, HALF * DEEPSPEED_MAX_LIVE), largest_weight_bytes)
 
 
 def fsdp2_resharding(spec) -> bool:

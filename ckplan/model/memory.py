@@ -680,7 +680,15 @@ def finetune_state_bytes(
         base = sharded_frozen_bytes(base, statistics, dp)
     adapter_layer = finetune.lora_layer_parameters(spec)
     trainable = layers_here * adapter_layer
-    buffers = frameworks.buffer_bytes(spec, trainable, adapter_layer, 0) if trainable else 0
+    gathered = tuple(
+        split_share(part, spec.tp)
+        for part in finetune.gathered_layer_bytes(spec, spec.weight_bytes)
+    )
+    buffers = (
+        frameworks.buffer_bytes(spec, trainable, adapter_layer, 0, gathered=gathered)
+        if trainable
+        else 0
+    )
     adapters = states_of(
         spec,
         trainable,
