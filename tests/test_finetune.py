@@ -7,6 +7,7 @@ import pytest
 
 from ckplan.cli import main
 from ckplan.model.finetune import (
+    adapter_tensor_elements,
     gathered_layer_bytes,
     gathered_weight_bytes,
     quantization_statistics_bytes,
@@ -215,6 +216,14 @@ def test_zero3_gathers_a_4bit_weight_as_its_packed_storage():
     assert gathered_weight_bytes(3, 5, "fp32", 2) == 60
     spec = small(training="qlora", lora_rank=8, framework="deepspeed", dp=4, zero=3)
     assert gathered_layer_bytes(spec, 2) == (18_432 + 2 * 1_792, 4_096)
+
+
+def test_adapter_tensors_of_a_layer():
+    """The small model's q_proj (64 -> 64) and v_proj (64 -> 32) at r 8: A 8 x 64 each, B 64 x 8
+    and 32 x 8; DoRA adds the magnitudes, 64 and 32."""
+    assert adapter_tensor_elements(small(training="lora", lora_rank=8)) == (512, 512, 512, 256)
+    dora = small(training="lora", lora_rank=8, use_dora=True)
+    assert adapter_tensor_elements(dora) == (512, 512, 64, 512, 256, 32)
 
 
 def test_estimate_shows_the_trainable_parameters(capsys):

@@ -143,3 +143,11 @@ def test_deepspeed_zero3_keeps_two_layers_gathered_under_the_live_cap():
     assert frameworks.deepspeed_zero3_live_bytes(427_819_008, 117_440_512) == 855_638_016
     # a single weight larger than the cap is gathered whole
     assert frameworks.deepspeed_zero3_live_bytes(10, 3_000_000_000) == 3_000_000_000
+
+
+def test_deepspeed_zero3_keeps_the_small_tensors_whole():
+    # Llama-2-70B's adapters at r 8: lora_A of q (8 x 8192) and lora_B of k (1024 x 8) are at
+    # most 1e5 elements, lora_B of gate (28672 x 8) is not
+    assert frameworks.deepspeed_persistent_bytes((65_536, 8_192, 229_376)) == 2 * 73_728
+    assert frameworks.deepspeed_persistent_bytes((100_000, 100_001)) == 200_000
+    assert frameworks.deepspeed_persistent_bytes((10, 20), threshold=15) == 20

@@ -107,6 +107,18 @@ def adapters(spec: ChainSpec) -> tuple[Adapter, ...]:
     )
 
 
+def adapter_tensor_elements(spec: ChainSpec) -> tuple[int, ...]:
+    """The elements of each of one layer's adapter tensors: per adapter lora_A (r x in) and
+    lora_B (out x r) (Hu et al. 2021, §4.1), and with DoRA the magnitude vector (out)."""
+    rank, dora = spec.finetune.lora_rank, spec.finetune.use_dora
+    tensors: list[int] = []
+    for adapter in adapters(spec):
+        tensors += [rank * adapter.fan_in, adapter.fan_out * rank]
+        if dora:
+            tensors.append(adapter.fan_out)
+    return tuple(tensors)
+
+
 def lora_layer_parameters(spec: ChainSpec) -> int:
     """Trainable parameters of one layer's adapters: Σ r·(in + out) (PEFT's
     print_trainable_parameters counts the same lora_A and lora_B weights)."""

@@ -80,6 +80,7 @@ DEEPSPEED_REDUCE_BUCKET = 500_000_000  # elements (reduce_bucket_size)
 DEEPSPEED_ALLGATHER_BUCKET = 500_000_000  # elements (allgather_bucket_size)
 DEEPSPEED_PREFETCH_BUCKET = 50_000_000  # elements (stage3_prefetch_bucket_size)
 DEEPSPEED_MAX_LIVE = 1_000_000_000  # parameters (stage3_max_live_parameters)
+DEEPSPEED_PERSISTENCE = 100_000  # elements (stage3_param_persistence_threshold)
 HALF = 2  # bytes of a bf16 value
 OFFLOAD_DEVICES = ("none", "cpu")  # optimizer_offload, param_offload
 GRAD_SYNCS = ("micro_batch", "step")  # grad_sync (`gradient_sync`)
@@ -408,6 +409,20 @@ def deepspeed_zero3_live_bytes(layer_bytes: int, largest_weight_bytes: int) -> i
 
     derived: the running and the prefetched layer under the live-parameter cap."""
     return max(min(2 * layer_bytes, HALF * DEEPSPEED_MAX_LIVE), largest_weight_bytes)
+
+
+def deepspeed_persistent_bytes(
+    tensor_elements: tuple[int, ...], threshold: int = DEEPSPEED_PERSISTENCE
+) -> int:
+    """The whole bf16 copies ZeRO-3 keeps of its persistent parameters, those of at most
+    `threshold` elements (stage3_param_persistence_threshold, default 1e5, with
+    stage3_model_persistence_threshold unbounded): "the parameters are replicated throughout
+    training and only partitioned before the step" (deepspeed/runtime/zero/
+    partition_parameters.py at v0.14.0, `_convert_to_deepspeed_param`: ds_persist), and the
+    coordinator never releases them (partitioned_param_coordinator.py `__params_to_release`:
+    `if not p.ds_persist`). Their partitions are counted with the model states; this is the
+    replicated copy beside them. `tensor_elements`: the elements of each parameter tensor."""
+    return HALF * sum(elements for elements in tensor_elements if elements <= threshold)
 
 
 def fsdp2_resharding(spec) -> bool:

@@ -657,8 +657,11 @@ def finetune_state_bytes(
     (hf's 4 + 4 + 0 + 8 are PEFT's fp32 adapters: its
     autocast_adapter_dtype=True upcasts bf16 and fp16 adapter weights, peft v0.17.0
     src/peft/tuners/tuners_utils.py `_cast_adapter_dtype`). The framework's buffers
-    (`frameworks.buffer_bytes`) are those of the trainable parameters. `zero` and `dp` (the
-    ranks sharing the states, default spec's zero and dp·cp) as `states_of` takes them.
+    (`frameworks.buffer_bytes`) are those of the trainable parameters, beside DeepSpeed
+    ZeRO-3's whole copies of the adapter matrices below its persistence threshold
+    (`frameworks.deepspeed_persistent_bytes`; the norms' copies, some MB, are not counted).
+    `zero` and `dp` (the ranks sharing the states, default spec's zero and dp·cp) as
+    `states_of` takes them.
     """
     zero = spec.zero if zero is None else zero
     dp = spec.dp * spec.cp if dp is None else dp
@@ -689,6 +692,9 @@ def finetune_state_bytes(
         if trainable
         else 0
     )
+    if spec.framework == "deepspeed" and zero == 3 and dp > 1:  # the adapters kept whole
+        persistent = frameworks.deepspeed_persistent_bytes(finetune.adapter_tensor_elements(spec))
+        buffers += layers_here * split_share(persistent, spec.tp)
     adapters = states_of(
         spec,
         trainable,
