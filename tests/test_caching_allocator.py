@@ -226,6 +226,13 @@ def test_the_shifted_copy_in_the_forward(spec_of):
     X = 2 * 8 * 1024 * 4096
     assert output_forward_workspace_bytes(new) == output_saved_bytes(new) - X + 6 * L
     assert output_forward_workspace_bytes(old) == output_saved_bytes(old) - X + 4 * (L + shifted)
+    # a transformers model that the Trainer hands to DeepSpeed runs the same loss
+    for version, hf in (("4.44", old), ("5.25", new)):
+        deepspeed = spec_of(
+            "llama3-8b", framework="deepspeed", framework_version=version, loss="eager",
+            seq=1024, micro_batch=8,
+        )  # fmt: skip
+        assert output_forward_workspace_bytes(deepspeed) == output_forward_workspace_bytes(hf)
 
 
 def test_the_reserved_peak_adds_the_loss_cache():

@@ -6,7 +6,13 @@ import json
 import pytest
 
 from ckplan.cli import main
-from ckplan.model.finetune import quantized_weight_bytes
+from ckplan.model.finetune import (
+    adapter_tensor_elements,
+    gathered_layer_bytes,
+    gathered_weight_bytes,
+    quantization_statistics_bytes,
+    quantized_weight_bytes,
+)
 from ckplan.model.flops import layer_backward_flops
 from ckplan.model.memory import (
     activation_bytes_by_op,
@@ -178,6 +184,46 @@ def test_zero3_shards_the_frozen_weights():
     one = model_state_bytes(small(training="lora", framework="torchtitan"))
     four = model_state_bytes(small(training="lora", framework="torchtitan", dp=4, zero=3))
     assert four.weights < one.weights and four.gradients == -(-one.gradients // 4)
+
+
+def test_nf4_statistics_are_what_the_weight_holds_beyond_its_packed_values():
+    """Llama-2-70B's gate_proj, 8192 x 28672 = 234,881,024 values: 3,670,016 8-bit block
+    absmax, 14,336 fp32 second-level absmax, an fp32 offset and the 16 fp32 code values."""
+    assert quantization_statistics_bytes(8192, 28672, "nf4") == 3_670_016 + 4 * 14_336 + 4 + 64
+    assert quantization_statistics_bytes(64, 64, "fp4") == 64 + 4 + 4 + 64
+    assert quantization_statistics_bytes(64, 64, "bf16") == 0
+    assert quantization_statistics_bytes(64, 64, "int8") == 0
+
+
+def test_zero3_keeps_the_nf4_statistics_whole_on_every_rank():
+    """QLoRA under DeepSpeed ZeRO-3 over 4 ranks: the packed nf4 values (18,432 bytes a layer),
+    the embedding, output and norms (33,088 values in bf16) are split; each layer's 1,080
+    bytes of statistics (136 + 104 + 104 + 136 + 200 + 200 + 200, `quantization_statistics_
+    bytes`) stay whole; the adapters (3,584 values in bf16) are split."""
+    spec = small(training="qlora", lora_rank=8, framework="deepspeed", dp=4, zero=3)
+    packed, statistics, rest, adapters = 2 * 18_432, 2 * 1_080, 2 * 33_088, 2 * 3_584
+    assert model_state_bytes(spec).weights == (packed + rest) // 4 + statistics + adapters // 4
+
+
+def test_zero3_gathers_a_4bit_weight_as_its_packed_storage():
+    """Llama-2-70B's gate_proj (234,881,024 values): 117,440,512 packed bytes, int8 one byte
+    a value, bf16 two, fp32 four; the small model's QLoRA layer: 18,432 packed bytes and its
+    adapters' 1,792 values in bf16, the largest weight 128 x 64 packed."""
+    assert gathered_weight_bytes(8192, 28672, "nf4", 2) == 117_440_512
+    assert gathered_weight_bytes(8192, 28672, "int8", 2) == 234_881_024
+    assert gathered_weight_bytes(8192, 28672, "bf16", 4) == 469_762_048
+    assert gathered_weight_bytes(8192, 28672, None, 2) == 469_762_048
+    assert gathered_weight_bytes(3, 5, "fp32", 2) == 60
+    spec = small(training="qlora", lora_rank=8, framework="deepspeed", dp=4, zero=3)
+    assert gathered_layer_bytes(spec, 2) == (18_432 + 2 * 1_792, 4_096)
+
+
+def test_adapter_tensors_of_a_layer():
+    """The small model's q_proj (64 -> 64) and v_proj (64 -> 32) at r 8: A 8 x 64 each, B 64 x 8
+    and 32 x 8; DoRA adds the magnitudes, 64 and 32."""
+    assert adapter_tensor_elements(small(training="lora", lora_rank=8)) == (512, 512, 512, 256)
+    dora = small(training="lora", lora_rank=8, use_dora=True)
+    assert adapter_tensor_elements(dora) == (512, 512, 64, 512, 256, 32)
 
 
 def test_estimate_shows_the_trainable_parameters(capsys):

@@ -1,5 +1,6 @@
 """The frameworks' buffers beside the model states, by hand from the parameters they cover."""
 
+from ckplan.model import frameworks
 from ckplan.model.memory import layer_parameter_parts, model_state_bytes, stage_parameters
 
 
@@ -117,3 +118,36 @@ def test_gradients_written_by_the_peak_replace_all_of_them(spec_of):
     assert evaluate(megatron, parse_strategy("none", megatron)).model_states.gradients == (
         model_state_bytes(megatron).gradients
     )
+
+
+def test_deepspeed_zero3_allocates_its_reduce_bucket_whole():
+    # the IPG bucket, 5e8 bf16 elements whatever trains, and reduce_scatter's flat copy of at
+    # most one bucket of the trainable parameters' gradients
+    assert frameworks.deepspeed_zero3_reduce_bytes(103_546_880) == 1_000_000_000 + 207_093_760
+    assert frameworks.deepspeed_zero3_reduce_bytes(7_000_000_000) == 2_000_000_000
+    assert frameworks.deepspeed_zero3_reduce_bytes(10, bucket=100) == 200 + 20
+
+
+def test_deepspeed_zero3_buffers_of_a_few_trainable_parameters(spec_of):
+    # 1,000 trainable parameters on Llama 3 8B: the reduce buffers (1e9 + 2,000 bytes), the
+    # prefetch bucket (2,000) and the largest weight gathered, 4,096 x 14,336 in bf16
+    spec = spec_of("llama3-8b", framework="deepspeed", dp=8, zero=3)
+    expected = 1_000_000_000 + 2_000 + 2_000 + 2 * 4096 * 14336
+    assert frameworks.buffer_bytes(spec, 1000, 100, 0) == expected
+
+
+def test_deepspeed_zero3_keeps_two_layers_gathered_under_the_live_cap():
+    # Llama-2-70B's bf16 layer with LoRA (1,713,817,600 bytes): two exceed 1e9 bf16 elements
+    assert frameworks.deepspeed_zero3_live_bytes(1_713_817_600, 469_762_048) == 2_000_000_000
+    # its nf4 layer packed (427,819,008 bytes a layer): the running one and the prefetched one
+    assert frameworks.deepspeed_zero3_live_bytes(427_819_008, 117_440_512) == 855_638_016
+    # a single weight larger than the cap is gathered whole
+    assert frameworks.deepspeed_zero3_live_bytes(10, 3_000_000_000) == 3_000_000_000
+
+
+def test_deepspeed_zero3_keeps_the_small_tensors_whole():
+    # Llama-2-70B's adapters at r 8: lora_A of q (8 x 8192) and lora_B of k (1024 x 8) are at
+    # most 1e5 elements, lora_B of gate (28672 x 8) is not
+    assert frameworks.deepspeed_persistent_bytes((65_536, 8_192, 229_376)) == 2 * 73_728
+    assert frameworks.deepspeed_persistent_bytes((100_000, 100_001)) == 200_000
+    assert frameworks.deepspeed_persistent_bytes((10, 20), threshold=15) == 20

@@ -84,6 +84,9 @@ def test_groupings_by_release():
     assert frameworks.framework_version(_spec(framework_version=None)) == "0.3"
     # hf: transformers' causal-LM loss by release (ckplan.model.loss `shifted_logits`)
     assert frameworks.framework_version(_spec(framework="hf", framework_version=None)) == "5.25"
+    # deepspeed: the transformers release of a model the Trainer or accelerate hands to it
+    deepspeed = _spec(framework="deepspeed", framework_version=None)
+    assert frameworks.framework_version(deepspeed) == "5.25"
     assert frameworks.framework_version(_spec(framework="megatron", framework_version=None)) is None
 
 

@@ -107,6 +107,18 @@ def adapters(spec: ChainSpec) -> tuple[Adapter, ...]:
     )
 
 
+def adapter_tensor_elements(spec: ChainSpec) -> tuple[int, ...]:
+    """The elements of each of one layer's adapter tensors: per adapter lora_A (r x in) and
+    lora_B (out x r) (Hu et al. 2021, §4.1), and with DoRA the magnitude vector (out)."""
+    rank, dora = spec.finetune.lora_rank, spec.finetune.use_dora
+    tensors: list[int] = []
+    for adapter in adapters(spec):
+        tensors += [rank * adapter.fan_in, adapter.fan_out * rank]
+        if dora:
+            tensors.append(adapter.fan_out)
+    return tuple(tensors)
+
+
 def lora_layer_parameters(spec: ChainSpec) -> int:
     """Trainable parameters of one layer's adapters: Σ r·(in + out) (PEFT's
     print_trainable_parameters counts the same lora_A and lora_B weights)."""
@@ -137,6 +149,62 @@ def quantized_weight_bytes(fan_in: int, fan_out: int, weight_format: str) -> int
     if weight_format == "int8":
         return n + FP32_BYTES * fan_out
     return n * {"bf16": 2, "fp16": 2, "fp32": 4}[weight_format]
+
+
+def quantization_statistics_bytes(fan_in: int, fan_out: int, weight_format: str) -> int:
+    """Bytes of one frozen nf4 / fp4 weight beyond its packed values (`quantized_weight_bytes`
+    less ⌈n/2⌉): the blocks' absmax, the second level's and the code, which bitsandbytes keeps
+    in the weight's QuantState, an attribute of the Params4bit, not in the parameter's data
+    (bitsandbytes 0.43.0, nn/modules.py `Params4bit.__new__`: `self.quant_state =
+    quant_state`; functional.py `quantize_4bit`: the data is the packed `out` alone). ZeRO-3
+    and FSDP shard a module's parameters' data only, so every rank keeps these whole. 0 for the
+    other formats."""
+    if weight_format not in ("nf4", "fp4"):
+        return 0
+    n = fan_in * fan_out
+    return quantized_weight_bytes(fan_in, fan_out, weight_format) - -(-n // 2)
+
+
+def layer_quantization_statistics_bytes(spec: ChainSpec) -> int:
+    """One layer's `quantization_statistics_bytes` over its frozen linear weights."""
+    fmt = spec.finetune.weight_format
+    if fmt is None:
+        return 0
+    return sum(
+        quantization_statistics_bytes(fan_in, fan_out, fmt)
+        for fan_in, fan_out in linear_shapes(spec).values()
+    )
+
+
+def gathered_weight_bytes(
+    fan_in: int, fan_out: int, weight_format: str | None, weight_bytes: int
+) -> int:
+    """Bytes of one frozen linear weight as ZeRO-3 or FSDP gathers it, its parameter's data:
+    the packed values of a 4-bit weight, ⌈n/2⌉ (its statistics are not the parameter's data,
+    `quantization_statistics_bytes`), int8's n bytes, else n values at their bytes
+    (`weight_bytes` where no format is given)."""
+    n = fan_in * fan_out
+    if weight_format in ("nf4", "fp4"):
+        return -(-n // 2)
+    if weight_format == "int8":
+        return n
+    per_value = weight_bytes if weight_format is None else {"fp32": 4}.get(weight_format, 2)
+    return n * per_value
+
+
+def gathered_layer_bytes(spec: ChainSpec, weight_bytes: int) -> tuple[int, int]:
+    """(one layer, its largest weight): the bytes ZeRO-3 gathers of one layer's frozen linear
+    weights and adapters (`gathered_weight_bytes`; the adapters at `weight_bytes` per value;
+    the norms, below the persistence threshold, stay whole and are not counted)."""
+    fmt = spec.finetune.weight_format
+    weights = [
+        gathered_weight_bytes(i, o, fmt, weight_bytes) for i, o in linear_shapes(spec).values()
+    ]
+    adapter_values = sum(
+        adapter.parameters(spec.finetune.lora_rank, spec.finetune.use_dora)
+        for adapter in adapters(spec)
+    )
+    return sum(weights) + weight_bytes * adapter_values, max(weights)
 
 
 def frozen_linear_bytes(spec: ChainSpec, weight_bytes: int) -> int:

@@ -37,8 +37,11 @@ parameter (its mixed-precision recipe) and adds buffers of its own:
 - `deepspeed` (ZeRO, bf16): bf16 weights and gradients, fp32 master weights and Adam, 16 bytes
   per parameter (Rajbhandari et al. 2020, K = 12); ZeRO-3 accumulates its gradient partition in
   fp32 (stage3.py `grad_partitions_flat_buffer`, gradient_accumulation_dtype fp32). Buffers
-  (deepspeed/runtime/zero/config.py defaults, v0.16.4): the reduce bucket, 5e8 elements in bf16,
-  doubled with overlap_comm (default on for ZeRO-3 only), the all-gather bucket (5e8, ZeRO-1/2),
+  (deepspeed/runtime/zero/config.py defaults, v0.16.4): the reduce bucket, 5e8 elements in bf16
+  (ZeRO-1/2: at most the parameters'; ZeRO-3: its IPG bucket allocated whole, beside
+  reduce_scatter's flat copy of one bucket, `deepspeed_zero3_reduce_bytes`; Hugging Face's
+  `auto` values, hidden² and the like, apply only where a DeepSpeed config file says "auto":
+  accelerate's own config sets none of these keys), the all-gather bucket (5e8, ZeRO-1/2),
   ZeRO-3's prefetch bucket (5e7) and the parameters it keeps gathered, at most
   stage3_max_live_parameters (1e9) unless a single weight is larger. Pipeline parallelism only
   with ZeRO 0-1.
@@ -77,14 +80,22 @@ DEEPSPEED_REDUCE_BUCKET = 500_000_000  # elements (reduce_bucket_size)
 DEEPSPEED_ALLGATHER_BUCKET = 500_000_000  # elements (allgather_bucket_size)
 DEEPSPEED_PREFETCH_BUCKET = 50_000_000  # elements (stage3_prefetch_bucket_size)
 DEEPSPEED_MAX_LIVE = 1_000_000_000  # parameters (stage3_max_live_parameters)
+DEEPSPEED_PERSISTENCE = 100_000  # elements (stage3_param_persistence_threshold)
 HALF = 2  # bytes of a bf16 value
 OFFLOAD_DEVICES = ("none", "cpu")  # optimizer_offload, param_offload
 GRAD_SYNCS = ("micro_batch", "step")  # grad_sync (`gradient_sync`)
 # framework_version: the releases whose semantics ckplan models apart, oldest first; the last
 # is the default (`framework_version`). torchtitan: its FSDP2 grouping (`fsdp2_grouping`); hf:
 # transformers' causal-LM loss (ckplan.model.loss `shifted_logits_elements`: 4.44 copies the
-# shifted fp32 logits, 5.25 shifts the labels)
-FRAMEWORK_VERSIONS = {"hf": ("4.44", "5.25"), "torchtitan": ("2024.12", "0.3")}
+# shifted fp32 logits, 5.25 shifts the labels); deepspeed: the same transformers releases, for
+# a transformers model that the Hugging Face Trainer or accelerate runs under DeepSpeed (the
+# model code is transformers' whoever drives the step)
+TRANSFORMERS_VERSIONS = ("4.44", "5.25")
+FRAMEWORK_VERSIONS = {
+    "hf": TRANSFORMERS_VERSIONS,
+    "deepspeed": TRANSFORMERS_VERSIONS,
+    "torchtitan": ("2024.12", "0.3"),
+}
 
 
 @dataclass(frozen=True)
@@ -318,13 +329,21 @@ def largest_weight(spec, tp: int | None = None) -> int:
 
 
 def buffer_bytes(
-    spec, stage_params: int, layer_params: int, root_params: int, embedding_params: int = 0
+    spec,
+    stage_params: int,
+    layer_params: int,
+    root_params: int,
+    embedding_params: int = 0,
+    gathered: tuple[int, int] | None = None,
 ) -> int:
     """Bytes a framework holds beside the model states at its peak on one GPU: its
     communication buckets and unsharded copies (module docstring). `stage_params` are the
     parameters this GPU's pipeline stage holds, `layer_params` one layer's (the largest),
     `root_params` those outside the layers (embedding, final norm, output) on this stage,
-    `embedding_params` the token embedding's among them."""
+    `embedding_params` the token embedding's among them. `gathered`: (one layer's, its
+    largest weight's) bytes as ZeRO-3 gathers them where frozen weights beside the trainable
+    ones are gathered too (ckplan.model.finetune `gathered_layer_bytes`); None: the
+    trainable parameters' in bf16."""
     framework, zero, dp = spec.framework, spec.zero, spec.dp
     if fsdp2_resharding(spec):  # the layers' copies are their chain stages' (fsdp2_layer_*)
         grouping = fsdp2_grouping(framework_version(spec), spec.tied_embeddings)
@@ -342,10 +361,11 @@ def buffer_bytes(
         return unsharded + reducing
     if framework == "deepspeed" and dp > 1 and zero >= 1:
         reduce = min(DEEPSPEED_REDUCE_BUCKET, stage_params) * HALF
-        if zero == 3:  # overlap_comm on: two buckets; the prefetch bucket; the live parameters
+        if zero == 3:  # the reduce buffers; the prefetch bucket; the live parameters
             prefetch = min(DEEPSPEED_PREFETCH_BUCKET, stage_params) * HALF
-            live = max(min(2 * layer_params, DEEPSPEED_MAX_LIVE), largest_weight(spec))
-            return 2 * reduce + prefetch + HALF * live
+            layer, largest = gathered or (HALF * layer_params, HALF * largest_weight(spec))
+            live = deepspeed_zero3_live_bytes(layer, largest)
+            return deepspeed_zero3_reduce_bytes(stage_params) + prefetch + live
         gather = min(DEEPSPEED_ALLGATHER_BUCKET, stage_params) * HALF
         return reduce + gather
     if framework == "hf":
@@ -357,6 +377,52 @@ def buffer_bytes(
         autocast = HALF * (stage_params if zero < 3 else 2 * layer_params) if fp32_weights else 0
         return buckets + autocast
     return 0
+
+
+def deepspeed_zero3_reduce_bytes(
+    trainable_params: int, bucket: int = DEEPSPEED_REDUCE_BUCKET
+) -> int:
+    """ZeRO-3's gradient-reduction buffers on one GPU for `trainable_params` parameters that
+    train (the optimizer's): the IPG bucket, which DeepSpeedZeroOptimizer_Stage3 allocates
+    whole at init, `bucket` (reduce_bucket_size) elements in the bf16 dtype, whatever the
+    parameters number (contiguous_gradients True by default: `torch.empty(
+    self.reduce_bucket_size, ...)`, deepspeed/runtime/zero/stage3.py at v0.14.0 lines 489-492,
+    v0.16.4 lines 537-540), and the flat padded copy of one bucket's gradients that
+    reduce_scatter_coalesced makes on the reduce stream (deepspeed/runtime/comm/
+    coalesced_collectives.py at v0.14.0, `torch.cat(tensor_partitions_lst_with_padding)`),
+    at most min(bucket, trainable_params) elements. With few trainable parameters (LoRA) the
+    first stays a whole bucket: 1e9 bytes at the default 5e8 elements."""
+    return HALF * bucket + HALF * min(bucket, trainable_params)
+
+
+def deepspeed_zero3_live_bytes(layer_bytes: int, largest_weight_bytes: int) -> int:
+    """The parameters ZeRO-3 keeps gathered on one GPU: the running layer's and, prefetched,
+    the next one's (`layer_bytes` each, as gathered), at most stage3_max_live_parameters (1e9
+    bf16 elements: 2e9 bytes) unless a single weight (`largest_weight_bytes`) is larger.
+    Frozen weights are gathered as any: the coordinator fetches every parameter of the module
+    about to run whatever its requires_grad (deepspeed/runtime/zero/
+    partitioned_param_coordinator.py `fetch_sub_module`, v0.14.0), and releases none that the
+    trace uses again within stage3_max_reuse_distance (1e9 elements, `__params_to_release`):
+    a layer's recomputation and backward keep it whole. A 4-bit weight is gathered as its
+    packed storage (bf16 elements holding four values each under bnb_4bit_quant_storage
+    bfloat16).
+
+    derived: the running and the prefetched layer under the live-parameter cap."""
+    return max(min(2 * layer_bytes, HALF * DEEPSPEED_MAX_LIVE), largest_weight_bytes)
+
+
+def deepspeed_persistent_bytes(
+    tensor_elements: tuple[int, ...], threshold: int = DEEPSPEED_PERSISTENCE
+) -> int:
+    """The whole bf16 copies ZeRO-3 keeps of its persistent parameters, those of at most
+    `threshold` elements (stage3_param_persistence_threshold, default 1e5, with
+    stage3_model_persistence_threshold unbounded): "the parameters are replicated throughout
+    training and only partitioned before the step" (deepspeed/runtime/zero/
+    partition_parameters.py at v0.14.0, `_convert_to_deepspeed_param`: ds_persist), and the
+    coordinator never releases them (partitioned_param_coordinator.py `__params_to_release`:
+    `if not p.ds_persist`). Their partitions are counted with the model states; this is the
+    replicated copy beside them. `tensor_elements`: the elements of each parameter tensor."""
+    return HALF * sum(elements for elements in tensor_elements if elements <= threshold)
 
 
 def fsdp2_resharding(spec) -> bool:

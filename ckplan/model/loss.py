@@ -288,13 +288,14 @@ def loss_moved_bytes(spec: ChainSpec) -> tuple[int, int]:
 def shifted_logits(spec: ChainSpec) -> bool:
     """Whether the eager loss copies the shifted fp32 logits: Hugging Face transformers at
     `framework_version: "4.44"` (LlamaForCausalLM.forward at v4.44.0: `shift_logits =
-    logits[..., :-1, :].contiguous()` after `logits = logits.float()`); transformers 5.25's
-    ForCausalLMLoss pads and shifts the labels instead (`nn.functional.pad(labels, (0, 1),
+    logits[..., :-1, :].contiguous()` after `logits = logits.float()`; the same lines at
+    v4.38.2 and v4.39.0), under the Trainer (hf) or under DeepSpeed (a transformers model
+    that the Trainer or accelerate hands to DeepSpeed); transformers 5.25's ForCausalLMLoss
+    pads and shifts the labels instead (`nn.functional.pad(labels, (0, 1),
     value=ignore_index)`, loss/loss_utils.py), as torchtitan never shifts."""
+    transformers_model = spec.framework in ("hf", "deepspeed")
     return (
-        spec.loss == "eager"
-        and spec.framework == "hf"
-        and frameworks.framework_version(spec) == "4.44"
+        spec.loss == "eager" and transformers_model and frameworks.framework_version(spec) == "4.44"
     )
 
 

@@ -651,12 +651,17 @@ def finetune_state_bytes(
     prepare_model_for_kbit_training, peft v0.17.0 src/peft/utils/other.py, "cast all non INT8
     parameters to fp32", which hf's weight_bytes 4 gives). ZeRO-3 (torchtitan's FSDP from
     zero 2, `frameworks.weights_sharded_from`) shards the frozen weights over dp·cp as any
-    weight. The LoRA adapters train with the usual weight, gradient, master and optimizer bytes
+    weight, but for the 4-bit weights' quantisation statistics, which are no parameter's data
+    and stay whole on every rank (`sharded_frozen_bytes`). The LoRA adapters train with the
+    usual weight, gradient, master and optimizer bytes
     (hf's 4 + 4 + 0 + 8 are PEFT's fp32 adapters: its
     autocast_adapter_dtype=True upcasts bf16 and fp16 adapter weights, peft v0.17.0
     src/peft/tuners/tuners_utils.py `_cast_adapter_dtype`). The framework's buffers
-    (`frameworks.buffer_bytes`) are those of the trainable parameters. `zero` and `dp` (the
-    ranks sharing the states, default spec's zero and dp·cp) as `states_of` takes them.
+    (`frameworks.buffer_bytes`) are those of the trainable parameters, beside DeepSpeed
+    ZeRO-3's whole copies of the adapter matrices below its persistence threshold
+    (`frameworks.deepspeed_persistent_bytes`; the norms' copies, some MB, are not counted).
+    `zero` and `dp` (the ranks sharing the states, default spec's zero and dp·cp) as
+    `states_of` takes them.
     """
     zero = spec.zero if zero is None else zero
     dp = spec.dp * spec.cp if dp is None else dp
@@ -674,10 +679,22 @@ def finetune_state_bytes(
         linear_bytes = linear_values * per_value
     base = (dense - linear_values) * spec.weight_bytes + linear_bytes
     if zero >= frameworks.weights_sharded_from(spec.framework):
-        base = split_share(base, dp)
+        statistics = layers_here * finetune.layer_quantization_statistics_bytes(spec)
+        base = sharded_frozen_bytes(base, statistics, dp)
     adapter_layer = finetune.lora_layer_parameters(spec)
     trainable = layers_here * adapter_layer
-    buffers = frameworks.buffer_bytes(spec, trainable, adapter_layer, 0) if trainable else 0
+    gathered = tuple(
+        split_share(part, spec.tp)
+        for part in finetune.gathered_layer_bytes(spec, spec.weight_bytes)
+    )
+    buffers = (
+        frameworks.buffer_bytes(spec, trainable, adapter_layer, 0, gathered=gathered)
+        if trainable
+        else 0
+    )
+    if spec.framework == "deepspeed" and zero == 3 and dp > 1:  # the adapters kept whole
+        persistent = frameworks.deepspeed_persistent_bytes(finetune.adapter_tensor_elements(spec))
+        buffers += layers_here * split_share(persistent, spec.tp)
     adapters = states_of(
         spec,
         trainable,
@@ -690,6 +707,15 @@ def finetune_state_bytes(
     return ModelStateBytes(
         base + adapters.weights, adapters.gradients, adapters.optimizer, buffers=buffers
     )
+
+
+def sharded_frozen_bytes(frozen_bytes: int, unsharded_bytes: int, dp: int) -> int:
+    """One rank's share of `frozen_bytes` of frozen weights under ZeRO-3 / FSDP over `dp`
+    ranks, of which `unsharded_bytes` are not parameter data and stay whole on every rank
+    (4-bit weights' quantisation statistics, `finetune.quantization_statistics_bytes`).
+
+    derived: the parameters' data split over the ranks, the rest kept."""
+    return split_share(frozen_bytes - unsharded_bytes, dp) + unsharded_bytes
 
 
 def layer_parameters_per_rank(spec: ModelSpec, kind: LayerKind | None = None) -> int:
