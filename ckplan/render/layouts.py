@@ -18,7 +18,7 @@ from ckplan.render.common import gib, memory_bar
 from ckplan.render.export_target import export_dict, export_target
 from ckplan.render.fit import declare
 from ckplan.render.rows import Column, RowTable
-from ckplan.render.sweep import budget_line
+from ckplan.render.sweep import budget_line, candidate_dict, reference_text
 from ckplan.render.time import seconds
 
 if TYPE_CHECKING:  # Rich is imported where a table is built: --json needs none
@@ -189,6 +189,8 @@ def layout_dict(e: Evaluated) -> dict[str, Any]:
         "time": None if e.candidate.time is None else e.candidate.time.to_dict(),
         "set": set_arguments(layout, experts),
         "offload": _offload_dict(e),
+        # a plan no export writes that does better on this layout (`search.choose`), or null
+        "reference": candidate_dict(e.reference_beside) if e.reference_beside else None,
     }
     return data
 
@@ -303,6 +305,7 @@ def plan_view(
         )
     if result.layouts:
         parts.append(table)
+    parts += [Text(line, style="yellow") for line in reference_lines(result.layouts)]
     best = result.layouts[0] if result.layouts else None
     if result.rejected:
         rejected = Table(title="The best rejected layouts", title_justify="left")
@@ -315,6 +318,16 @@ def plan_view(
     parts += _verdict(result, best, budget_text, model or result.spec.name, extra)
     parts += [Text(f"Advice: {line}", style="yellow") for line in result.advice]
     return Group(*parts)
+
+
+def reference_lines(layouts: tuple[Evaluated, ...] | list[Evaluated]) -> list[str]:
+    """One line per layout shown whose plan, one an export writes, a plan no export writes
+    does better than (`Evaluated.reference_beside`): `render.sweep.reference_text`."""
+    return [
+        f"#{rank} {layout_text(e.layout, e.spec)}: {reference_text(e.candidate, reference)}"
+        for rank, e in enumerate(layouts, 1)
+        if (reference := e.reference_beside) is not None
+    ]
 
 
 def _counts_line(result: LayoutResult) -> Text:
@@ -441,5 +454,6 @@ def plan_rows(result: LayoutResult) -> RowTable:
         f"rejected ({REASONS[r.reason]}): {layout_text(r.layout)}: {why(r, best)}"
         for r in result.rejected
     ]
+    notes += reference_lines(result.layouts)
     title = f"{result.spec.name} on {result.gpus} x {result.gpu.name}: the fastest layouts"
     return RowTable(columns, list(result.layouts), title, notes)
