@@ -300,9 +300,11 @@ def sweep_verdict(result: SweepResult) -> Text:
         )
     smallest = result.smallest_written
     # with a reference beside it (`reference_text`), what is named is what an export writes
-    nothing, least = "Nothing fits", "the smallest any plan reaches"
-    if result.reference is not None:
-        nothing, least = "No plan an export writes fits", "the smallest such plan reaches"
+    reference = result.reference
+    nothing = "No plan an export writes fits" if reference and reference.fits else "Nothing fits"
+    least = "the smallest any plan reaches"
+    if reference is not None:
+        least = "the smallest plan an export writes reaches"
     host = smallest.host_budget_bytes
     if smallest.headroom_bytes >= 0 and host is not None and smallest.plan.model_states.host:
         return Text(
@@ -473,7 +475,7 @@ def sweep_reference_line(result: SweepResult) -> str | None:
     writes, or None where it has none."""
     if result.reference is None:
         return None
-    return reference_text(result.best or result.smallest_written, result.reference)
+    return "Reference: " + reference_text(result.best or result.smallest_written, result.reference)
 
 
 def unrunnable_lines(rows: list[tuple[str, Candidate | None]]) -> list[str]:
