@@ -179,6 +179,7 @@ REJECTED = {
     "over_bytes": (int, None),
     "step_seconds": float,
     "evaluated": bool,
+    "reference": (SWEEP_PLAN, None),
 }
 LAYOUTS = {
     "gpus": int,

@@ -301,3 +301,29 @@ def test_sweep_seq_auto_when_nothing_fits(cli):
     data = json.loads(out)
     assert code == 1 and data["best"] is None
     assert set(data["max_seq"].values()) == {0}
+
+
+def test_optimal_note_iff_its_schedule_nests():
+    """Under a tight budget the rotor DP's optimal schedule nests (Llama-3-8B, ZeRO-3 over 8
+    GPUs, 256 MiB above the budget revolve:1 alone fits): no export writes it, its notes say so
+    and the sweep reports it as the reference, never as its best; with more memory it is one
+    level of segments again, noted iff the exports find it nested."""
+    from ckplan.exports.segments import layer_segments
+    from ckplan.plan.search import activation_budget
+
+    spec, budget = _revolve_only_budget()
+    noted = []
+    for extra in range(0, 2**32 + 1, 2**28):
+        usable = budget + extra - DEFAULT_RESERVE
+        plan = evaluate(
+            spec, parse_strategy("optimal", spec), budget=activation_budget(spec, usable)
+        )
+        if plan is None:
+            continue
+        unwritten = any("no export writes" in note for note in plan.notes)
+        assert unwritten == ("nested recomputation" in str(layer_segments(plan))), extra
+        noted.append(unwritten)
+    assert True in noted and False in noted
+    nested = sweep(spec, budget + 2**28)
+    assert nested.reference.plan.strategy == "optimal" and nested.reference.fits
+    assert nested.best is None or nested.best.exported

@@ -90,7 +90,10 @@ def why(rejected: Rejected, best: Evaluated | None) -> str:
         e = rejected.evaluated
         if e is not None:
             plan = e.plan
-            least = "no schedule fits (the DP ran); least plan" if e.optimal else "least plan"
+            ran = "no schedule fits (the DP ran); least plan"
+            if e.reference_beside is not None:  # the DP's schedule nests: no export writes it
+                ran = "no schedule an export writes fits (the DP ran); least plan"
+            least = ran if e.optimal else "least plan"
             return (
                 f"{least} {plan.strategy} {gib(plan.total_bytes)} on "
                 f"{stage_label(plan.spec, plan.peak_stage)}, {gib(rejected.over_bytes)} over"
@@ -241,7 +244,14 @@ def rejected_dict(r: Rejected, best: Evaluated | None) -> dict[str, Any]:
         "over_bytes": r.over_bytes,
         "step_seconds": r.seconds,
         "evaluated": r.evaluated is not None,
+        # a plan no export writes that does better on the layout (docs/layouts.md), or null
+        "reference": candidate_dict(reference) if (reference := _reference_of(r)) else None,
     }
+
+
+def _reference_of(r: Rejected):
+    """A rejected layout's reference (`Evaluated.reference_beside`) where it was evaluated."""
+    return None if r.evaluated is None else r.evaluated.reference_beside
 
 
 def plan_dict(result: LayoutResult) -> dict[str, Any]:
@@ -360,7 +370,12 @@ def _verdict(
     from rich.text import Text
 
     if best is None:
-        return [Text(no_fit_line(result), style="bold red")]
+        lines = [Text(no_fit_line(result), style="bold red")]
+        least = result.least_memory
+        if least is not None and (reference := _reference_of(least)) is not None:
+            text = reference_text(least.evaluated.candidate, reference)
+            lines.append(Text(f"nearest {layout_text(least.layout)}: {text}", style="yellow"))
+        return lines
     time = best.candidate.time
     timing = f", step {seconds(time.step_seconds)}, MFU {time.mfu:.1%}" if time else ""
     offload = offload_line(best, result.gpu)

@@ -483,6 +483,7 @@ class _Run:
         self.evaluated: list[Evaluated] = []
         self.best: dict[tuple, Evaluated] = {}  # fitting, per layout.without_zero()
         self.evaluations = self.optimal_runs = self.mixed_runs = 0
+        self.unwritten: Candidate | None = None  # the last DP schedule no export writes
         self._kth: float | None = None  # kth_time, until `best` changes
 
     def kth_time(self) -> float:
@@ -645,9 +646,12 @@ class _Run:
         if screen:
             slots = max(SCREEN_SLOTS, slots // math.ceil(in_flight_microbatches(spec, 0)) // 4)
         plan = optimal_plan(spec, budget, slots, self.gpu)
-        # a schedule no export writes is no layout's plan (`search.choose`)
+        # a schedule no export writes (one that nests) is no layout's plan (`search.choose`):
+        # kept as the reference `refine` reports beside it
         found = None if plan is None else self._timed(Candidate(plan, self.usable))
-        return found if found is not None and found.exported else None
+        if found is not None and not found.exported:
+            self.unwritten, found = found, None
+        return found
 
     def _mixed(self, spec: ModelSpec, current: str | None = None) -> Candidate | None:
         """The faster of `POLICY+mixed` of the framework's policy (`plan.search.policy_word`)
@@ -699,6 +703,7 @@ class _Run:
             current = math.inf if e.undecided else e.seconds  # an undecided plan does not fit
             if seconds >= min(self.kth_time(), current):
                 continue
+            self.unwritten = None
             best = self._optimal(e.spec, screen=True)
             if best is None and e.undecided:  # the coarse DP may miss a tight fit
                 best = self._optimal(e.spec)
@@ -723,7 +728,12 @@ class _Run:
             ):
                 recompute = best
             refined = dataclasses.replace(
-                e, candidate=candidate, optimal=True, undecided=False, recompute=recompute
+                e,
+                candidate=candidate,
+                optimal=True,
+                undecided=False,
+                recompute=recompute,
+                reference=_nearer(e.reference, self.unwritten),
             )
             self.evaluated[index] = refined
             self._keep(refined)
@@ -765,6 +775,16 @@ class _Run:
 
     def ranked(self) -> list[Evaluated]:
         return sorted(self.best.values(), key=lambda e: (e.seconds, e.layout.zero, e.layout))
+
+
+def _nearer(*references: Candidate | None) -> Candidate | None:
+    """Of a layout's plans no export writes, the one that goes furthest: the fastest that
+    fits, else the least memory (`search.Choice.reference`); None where there are none."""
+    found = [c for c in references if c is not None]
+    fitting = [c for c in found if c.fits]
+    if fitting:
+        return min(fitting, key=_time_key)
+    return min(found, key=lambda c: c.plan.total_bytes, default=None)
 
 
 def _rejected(
