@@ -228,7 +228,7 @@ def test_choose_names_a_plan_an_export_writes_and_a_reference_that_comes_first()
     revolve:1 comes first but no export writes it, so the best is the plan an export writes of
     least memory, and revolve:1 is the reference; by FLOPs (the sweep's order) nothing comes
     before the best and there is no reference."""
-    from ckplan.plan.search import _cost_key, choose
+    from ckplan.plan.search import choose, cost_key
 
     spec, _ = _revolve_only_budget()
     result = sweep(spec, 10**13)
@@ -237,7 +237,7 @@ def test_choose_names_a_plan_an_export_writes_and_a_reference_that_comes_first()
     assert chosen.best.exported and chosen.best is chosen.least
     assert chosen.best.plan.total_bytes == result.smallest_written.plan.total_bytes
     assert chosen.reference.plan.strategy == "revolve:1"
-    by_flops = choose(result.candidates, _cost_key("flops"))
+    by_flops = choose(result.candidates, cost_key("flops"))
     assert by_flops.reference is None and by_flops.best is result.best
 
 

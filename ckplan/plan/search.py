@@ -138,7 +138,7 @@ class SweepResult:
     def smallest_written(self) -> Candidate:
         """The plan of least memory an export writes (`Choice.least`): what a command names
         when nothing fits."""
-        return choose(self.candidates, _cost_key(self.rank)).least
+        return choose(self.candidates, cost_key(self.rank)).least
 
 
 def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
@@ -338,7 +338,7 @@ def sweep(
     if progress is not None:
         progress(len(strategies) + 1, len(strategies) + 1)
     candidates = tuple(_candidate(plan, usable, gpu) for plan in plans)
-    cost = _cost_key(rank)
+    cost = cost_key(rank)
     chosen = choose(candidates, cost)
     stored = [c for c in candidates if not c.plan.stage_offloads]  # TiledMLP: tapes on GPU
     if formula == "derived" and stored:
@@ -566,7 +566,7 @@ def _cost(candidate: Candidate, rank: str) -> float:
     return candidate.plan.flops.total
 
 
-def _cost_key(rank: str = "flops"):
+def cost_key(rank: str = "flops"):
     """The best plan's order: least cost, then no offloaded tapes, then least memory. By FLOPs,
     plans of equal FLOPs
     first by how many recompute groups they re-run: a re-run without FLOPs (a norm's, an
