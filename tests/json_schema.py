@@ -57,6 +57,8 @@ SWEEP = {
     "pareto": [SWEEP_PLAN],
     "best": (SWEEP_PLAN, None),
     "export": EXPORT,
+    # a plan no export writes that does better than `best` (docs/output.md), or null
+    "reference": (SWEEP_PLAN, None),
 }
 CHECK = {
     "budget_bytes": int,
@@ -167,6 +169,8 @@ LAYOUT = {
         },
         None,
     ),
+    # a plan no export writes that does better on the layout (docs/layouts.md), or null
+    "reference": (SWEEP_PLAN, None),
 }
 REJECTED = {
     **_LAYOUT_KEYS,
@@ -175,6 +179,7 @@ REJECTED = {
     "over_bytes": (int, None),
     "step_seconds": float,
     "evaluated": bool,
+    "reference": (SWEEP_PLAN, None),
 }
 LAYOUTS = {
     "gpus": int,

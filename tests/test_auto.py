@@ -180,7 +180,7 @@ def test_sweep_auto_reports_optimal_and_the_best_at_the_largest(cli):
     assert seqs["optimal"] >= seqs["full"] > seqs["none"] > 0
     assert reach["seq"] >= max(seqs.values()) and reach["best"]["fits"]
     code, out, _ = cli("sweep", "gpt2", "--budget", "8GB", "--seq", "auto", "-q")
-    assert f"Longest sequence any plan fits: {reach['seq']:,} tokens" in out
+    assert f"Longest sequence a plan an export writes fits: {reach['seq']:,} tokens" in out
 
 
 def test_sweep_micro_batch_auto_with_a_gpu(cli):
@@ -203,21 +203,30 @@ def test_check_seq_auto(cli):
 
 
 def test_check_seq_auto_reaches_as_far_as_a_plan_an_export_writes(cli):
-    """GPT-2 in 8 GB: revolve:1, a reference no export writes, fits the longest sequence of any
-    plan; check's --seq auto stops where a plan an export writes still fits."""
+    """GPT-2 in 8 GB: revolve:1, a reference no export writes, fits a longer sequence than any
+    plan an export writes; check's and sweep's --seq auto stop where one of those still fits,
+    and one sequence further the sweep names no plan but reports revolve:1 beside it."""
     from ckplan.inputs.presets import load_spec
 
     spec = load_spec("gpt2", {})
     total, kept = 8 * 10**9, search.DEFAULT_RESERVE
-    reach = largest_fitting_any(spec, total, kept, "seq")
-    written = largest_fitting_any(spec, total, kept, "seq", written=True)
+    written = largest_fitting_any(spec, total, kept, "seq")
+    revolve = parse_strategy("revolve:1", spec)
+    reach = search.largest_fitting(spec, revolve, total - kept, "seq")
     assert 0 < written < reach
-    assert not search.sweep(spec.replace(seq=reach), total, kept).best.exported
+    assert not search.Candidate(evaluate(spec.replace(seq=reach), revolve), 0).exported
+    beyond = search.sweep(spec.replace(seq=written + SEQ_GRANULE), total, kept)
+    assert beyond.best is None and beyond.reference.fits
+    assert beyond.reference.plan.strategy.startswith("revolve:")
     code, out, err = cli("check", "gpt2", "--budget", "8GB", "--seq", "auto", "--json")
     result = json.loads(out)["results"][0]
     assert code == 0, err
     assert result["max_seq"] == written and result["fits"] and result["reference"] is None
     assert not any("no export writes" in note for note in result["plan"]["notes"])
+    code, out, err = cli("sweep", "gpt2", "--budget", "8GB", "--seq", "auto", "--json")
+    at = json.loads(out)["best_at_max_seq"]
+    assert code == 0, err
+    assert at["seq"] == written and not any("no export writes" in n for n in at["best"]["notes"])
 
 
 def test_check_micro_batch_auto_exit_codes(cli):

@@ -230,6 +230,31 @@ def test_auto_picks_the_cheapest_the_target_can_express(cli, spec_of):
     assert code == 1 and "no plan" in err
 
 
+@pytest.mark.parametrize(
+    ("name", "overrides", "budget"),
+    [
+        ("gpt2", {"micro_batch": 8}, 7 * 10**9),
+        ("gpt2", {"micro_batch": 8}, 14 * 10**9),
+        ("llama3-8b", {"dp": 8, "zero": 3}, 40 * 10**9),
+        ("llama3-8b", {"dp": 8, "zero": 3}, 80 * 10**9),
+    ],
+)
+def test_auto_is_the_sweeps_best_wherever_the_target_writes_it(spec_of, name, overrides, budget):
+    """--plan auto picks by the sweep's rule (`search.choose`): the sweep's best plan wherever
+    the target writes it, so that sweep, check and export name one plan."""
+    from ckplan.plan.search import sweep
+
+    spec = spec_of(name, **overrides)
+    result = sweep(spec, budget)
+    assert result.best is not None
+    written = 0
+    for target in ("torch", "megatron", "deepspeed"):
+        if exports.why_not(result.best.plan, target) is None:
+            written += 1
+            assert exports.best_expressible(spec, result.candidates, target) is result.best
+    assert written
+
+
 # ---- segments recovered from the replayed schedule ----------------------------------------
 
 

@@ -256,3 +256,43 @@ def test_plan_and_sweep_json_carry_the_export_line(cli):
         "reason": export_choice(mixed).reason,
     }
     assert "cannot express" in export_choice(mixed).reason
+
+
+def test_plan_names_no_schedule_no_export_writes_and_reports_it_as_sweep_does(cli):
+    """Llama-3-8B on 8 H100s laid out tp 1, dp 8, ZeRO-3, 256 MiB above the budget that
+    revolve:1 alone fits: the one schedule that fits is the DP's optimal, which nests there and
+    no export writes. plan names no layout (exit 1, as sweep and check) and reports that
+    schedule on a line of its own and as the nearest layout's `reference`, the plan sweep and
+    check report; at 80 GB the layout's plan is one an export writes and nothing is beside it."""
+    from ckplan.inputs.presets import load_spec
+    from ckplan.plan.search import DEFAULT_RESERVE, sweep
+
+    layout = ["--set", "tp=1", "--set", "pp=1", "--set", "cp=1", "--set", "dp=8"]
+    layout += ["--set", "zero=3"]
+    spec = load_spec("llama3-8b", {"dp": 8, "zero": 3})
+    budget = DEFAULT_RESERVE + sweep(spec, 10**13).smallest.plan.budgeted_bytes + 2**28
+    argv = ["plan", "llama3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch", "8"]
+    argv += ["--budget", str(budget), *layout]
+    code, out, _ = cli(*argv, "--json")
+    data = json.loads(out)
+    assert code == 1 and errors(data, LAYOUTS) == [] and data["layouts"] == []
+    reference = data["rejected"]["nearest"]["reference"]
+    assert reference["strategy"] == "optimal" and reference["fits"]
+    assert any("no export writes" in note for note in reference["notes"])
+    code, out, _ = cli("sweep", "llama3-8b", "--budget", str(budget), *layout, "--json")
+    swept = json.loads(out)
+    assert code == 1 and swept["best"] is None
+    assert swept["reference"]["strategy"] == "optimal"
+    assert swept["reference"]["memory"] == reference["memory"]
+    code, out, _ = cli("check", "llama3-8b", "--budget", str(budget), *layout, "--json")
+    assert code == 1 and json.loads(out)["results"][0]["reference"]["strategy"] == "optimal"
+    code, out, _ = cli(*argv, "-q")
+    out = " ".join(out.split())  # the console wraps its lines
+    assert code == 1 and "no schedule an export writes fits (the DP ran)" in out
+    assert "optimal fits (" in out and "where no plan an export writes does" in out
+    code, out, _ = cli(*argv[:-12], "--budget", "80GB", *layout, "--json")
+    data = json.loads(out)
+    assert code == 0 and data["layouts"]
+    for shown in data["layouts"]:
+        assert shown["reference"] is None and shown["fits"]
+        assert errors(shown, LAYOUTS["layouts"][0]) == []

@@ -110,6 +110,7 @@ def test_sweep_cli_json_and_exit(cli):
 
 def test_sweep_cli_nothing_fits(cli):
     code, out, _ = cli("sweep", "llama3-70b", "--budget", "80GB")
+    out = " ".join(out.split())  # the console wraps its lines
     assert code == 1
     assert "Nothing fits" in out and "Model states alone" in out
 
@@ -138,24 +139,36 @@ def test_check_cli(cli, tmp_path):
     assert code == 0 and json.loads(out)["results"][0]["plan"]["strategy"] == "full"
 
 
-def test_check_names_a_plan_an_export_writes_and_the_reference_beside_it(cli):
-    """At a budget that revolve:1 alone fits (Llama-3-8B, ZeRO-3 over 8 GPUs), the sweep's best
-    is that reference schedule, which no export writes: check names the smallest plan an export
-    writes, which does not fit (exit 1), and reports revolve:1 beside it. With nothing fitting
-    (no ZeRO) it names the smallest plan an export writes and reports the least memory of all."""
+def _revolve_only_budget():
+    """Llama-3-8B, ZeRO-3 over 8 GPUs, and the budget that revolve:1, the reference schedule
+    of least memory, alone fits: (spec, budget)."""
     from ckplan.inputs.presets import load_spec
-    from ckplan.plan.search import check_plan
 
     spec = load_spec("llama3-8b", {"dp": 8, "zero": 3})
     least = sweep(spec, 10**13).smallest
     assert least.plan.strategy == "revolve:1" and not least.exported
-    budget = DEFAULT_RESERVE + least.plan.budgeted_bytes
-    assert sweep(spec, budget).best.plan.strategy == "revolve:1"
+    return spec, DEFAULT_RESERVE + least.plan.budgeted_bytes
+
+
+REVOLVE_ONLY = ["llama3-8b", "--set", "dp=8", "--set", "zero=3"]
+
+
+def test_check_names_a_plan_an_export_writes_and_the_reference_beside_it(cli):
+    """At a budget that revolve:1 alone fits (Llama-3-8B, ZeRO-3 over 8 GPUs) no plan an
+    export writes fits: check names the smallest of them, which does not fit (exit 1), and
+    reports revolve:1 beside it. With nothing fitting (no ZeRO) it names the smallest plan an
+    export writes and reports the least memory of all."""
+    from ckplan.inputs.presets import load_spec
+    from ckplan.plan.search import check_plan
+
+    spec, budget = _revolve_only_budget()
+    result = sweep(spec, budget)
+    assert result.best is None and result.reference.plan.strategy == "revolve:1"
     checked = check_plan(spec, budget)
     assert checked.candidate.exported and not checked.candidate.fits
-    assert checked.candidate.plan.strategy == sweep(spec, budget).smallest_written.plan.strategy
+    assert checked.candidate.plan.strategy == result.smallest_written.plan.strategy
     assert checked.reference.plan.strategy == "revolve:1" and checked.reference.fits
-    argv = ["check", "llama3-8b", "--budget", str(budget), "--set", "dp=8", "--set", "zero=3"]
+    argv = ["check", *REVOLVE_ONLY, "--budget", str(budget)]
     code, out, _ = cli(*argv, "-q")
     assert code == 1 and "(smallest: revolve:1)" not in out
     assert "revolve:1 fits (" in out and "where no plan an export writes does" in out
@@ -178,9 +191,54 @@ def test_check_names_a_plan_an_export_writes_and_the_reference_beside_it(cli):
     code, out, _ = cli("check", "llama3-8b", "--budget", "40GB", "-q")
     assert "the least memory of any plan is revolve:1's" in out
     # a plan an export writes fits: nothing is reported beside it
-    code, out, _ = cli("check", "llama3-8b", "--budget", "80GB", *argv[4:], "--json")
+    code, out, _ = cli("check", *REVOLVE_ONLY, "--budget", "80GB", "--json")
     result = json.loads(out)["results"][0]
     assert code == 0 and result["fits"] and result["reference"] is None
+
+
+def test_sweep_names_no_reference_as_its_best_plan(cli):
+    """Where revolve:1 alone fits, sweep has no best plan (exit 1, as check): it names the
+    smallest plan an export writes in its verdict and revolve:1 on a line of its own and as
+    `reference` in its JSON, the same plan check reports."""
+    spec, budget = _revolve_only_budget()
+    least = sweep(spec, budget).smallest_written
+    argv = ["sweep", *REVOLVE_ONLY, "--budget", str(budget)]
+    code, out, _ = cli(*argv, "-q")
+    assert code == 1 and "Best plan that fits" not in out
+    assert "No plan an export writes fits: the smallest plan an export writes reaches is" in out
+    assert f"({least.plan.strategy})" in out
+    assert "revolve:1 fits (" in out and "where no plan an export writes does" in out
+    assert "revolve:1: a reference schedule no export writes" in out
+    code, out, _ = cli(*argv, "--json")
+    data = json.loads(out)
+    assert code == 1 and data["best"] is None and data["export"] is None
+    assert data["reference"]["strategy"] == "revolve:1" and data["reference"]["fits"]
+    code, out, _ = cli("check", *REVOLVE_ONLY, "--budget", str(budget), "--json")
+    assert json.loads(out)["results"][0]["reference"] == data["reference"]
+    code, out, _ = cli(*argv, "-f", "markdown")
+    assert code == 1 and "revolve:1 fits (" in out
+    # a plan an export writes fits: no reference
+    code, out, _ = cli("sweep", *REVOLVE_ONLY, "--budget", "80GB", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["best"] is not None and data["reference"] is None
+
+
+def test_choose_names_a_plan_an_export_writes_and_a_reference_that_comes_first():
+    """`choose` by an order that puts the least memory first, at a budget every plan fits:
+    revolve:1 comes first but no export writes it, so the best is the plan an export writes of
+    least memory, and revolve:1 is the reference; by FLOPs (the sweep's order) nothing comes
+    before the best and there is no reference."""
+    from ckplan.plan.search import choose, cost_key
+
+    spec, _ = _revolve_only_budget()
+    result = sweep(spec, 10**13)
+    assert all(c.fits for c in result.candidates)
+    chosen = choose(result.candidates, lambda c: c.plan.total_bytes)
+    assert chosen.best.exported and chosen.best is chosen.least
+    assert chosen.best.plan.total_bytes == result.smallest_written.plan.total_bytes
+    assert chosen.reference.plan.strategy == "revolve:1"
+    by_flops = choose(result.candidates, cost_key("flops"))
+    assert by_flops.reference is None and by_flops.best is result.best
 
 
 @pytest.mark.parametrize(
@@ -243,3 +301,29 @@ def test_sweep_seq_auto_when_nothing_fits(cli):
     data = json.loads(out)
     assert code == 1 and data["best"] is None
     assert set(data["max_seq"].values()) == {0}
+
+
+def test_optimal_note_iff_its_schedule_nests():
+    """Under a tight budget the rotor DP's optimal schedule nests (Llama-3-8B, ZeRO-3 over 8
+    GPUs, 256 MiB above the budget revolve:1 alone fits): no export writes it, its notes say so
+    and the sweep reports it as the reference, never as its best; with more memory it is one
+    level of segments again, noted iff the exports find it nested."""
+    from ckplan.exports.segments import layer_segments
+    from ckplan.plan.search import activation_budget
+
+    spec, budget = _revolve_only_budget()
+    noted = []
+    for extra in range(0, 2**32 + 1, 2**28):
+        usable = budget + extra - DEFAULT_RESERVE
+        plan = evaluate(
+            spec, parse_strategy("optimal", spec), budget=activation_budget(spec, usable)
+        )
+        if plan is None:
+            continue
+        unwritten = any("no export writes" in note for note in plan.notes)
+        assert unwritten == ("nested recomputation" in str(layer_segments(plan))), extra
+        noted.append(unwritten)
+    assert True in noted and False in noted
+    nested = sweep(spec, budget + 2**28)
+    assert nested.reference.plan.strategy == "optimal" and nested.reference.fits
+    assert nested.best is None or nested.best.exported

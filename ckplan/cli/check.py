@@ -117,7 +117,7 @@ def _largest(spec, strategy: str, total: int, kept: int, key: str, device, slots
     """The largest `key` at which `strategy` fits (`auto`: any plan an export writes that
     `check_plan` weighs)."""
     if strategy == "auto":
-        return search.largest_fitting_any(spec, total, kept, key, device, slots, written=True)
+        return search.largest_fitting_any(spec, total, kept, key, device, slots)
     parsed = parse_strategy(strategy, spec)
     return search.largest_fitting(spec, parsed, total - kept, key, device, slots=slots)
 

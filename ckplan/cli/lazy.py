@@ -35,6 +35,7 @@ def sweep_in_convention(result, mfu_convention: str):
         candidates=tuple(convert),
         pareto=tuple(candidate_in_convention(c, mfu_convention) for c in result.pareto),
         best=candidate_in_convention(result.best, mfu_convention),
+        reference=candidate_in_convention(result.reference, mfu_convention),
     )
 
 

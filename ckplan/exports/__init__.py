@@ -206,9 +206,13 @@ def _offer(plan: Plan, target: str, version: str | None = None) -> str:
 
 def best_expressible(spec: ModelSpec, candidates, target: str, version: str | None = None):
     """For `--plan auto`: the cheapest fitting candidate (search.Candidate) the target can
-    express (at `version`), else None."""
-    fitting = [c for c in candidates if c.fits and why_not(c.plan, target, version) is None]
-    return min(fitting, key=lambda c: (c.plan.flops.total, c.plan.total_bytes), default=None)
+    express (at `version`), else None: the sweep's rule (`search.choose` in FLOPs order) among
+    the plans the target writes, so that it is the sweep's best wherever the target writes
+    that."""
+    from ckplan.plan.search import choose, cost_key
+
+    written = [c for c in candidates if why_not(c.plan, target, version) is None]
+    return choose(written, cost_key("flops")).best if written else None
 
 
 __all__ = [

@@ -830,15 +830,21 @@ def _evaluate_simple(spec: ModelSpec, strategy: Strategy) -> Plan:
 
 
 def _revolve_note(strategy: Strategy, forwards) -> str | None:
-    """Why no export writes this `revolve:C` plan (a note), None for other strategies and for a
-    revolve schedule that runs no layer more than twice: a binomial schedule that re-runs some
-    layers more than once from checkpoints written during a re-run (Griewank & Walther 2000)
-    has no one-level segments, and every launcher ckplan exports to checkpoints one level of
-    segments (exports.segments `layer_segments`). The sweep lists it as a reference for the
-    least memory C slots reach. `forwards`: (pipeline stage, forwards per chain stage)."""
-    if strategy.kind != "revolve" or all(max(c, default=0) <= 2 for _, c in forwards):
+    """Why no export writes this `revolve:C` or `optimal` plan (a note), None for other
+    strategies and for a schedule that runs no layer more than twice: a binomial schedule,
+    or an optimal one under a tight budget (the rotor DP, Beaumont et al. 2019, chooses
+    nested segments where they cost less), that re-runs some layers more than once from
+    checkpoints written during a re-run (Griewank & Walther 2000) has no one-level segments,
+    and every launcher ckplan exports to checkpoints one level of segments
+    (exports.segments `layer_segments`). The sweep lists such a revolve schedule as a
+    reference for the least memory C slots reach. `forwards`: (pipeline stage, forwards per
+    chain stage)."""
+    if strategy.kind not in ("revolve", "optimal"):
         return None
+    if all(max(c, default=0) <= 2 for _, c in forwards):
+        return None
+    what = "a reference schedule" if strategy.kind == "revolve" else "at this budget a schedule"
     return (
-        f"{strategy.name}: a reference schedule {NO_EXPORT} (it re-runs some layers more "
+        f"{strategy.name}: {what} {NO_EXPORT} (it re-runs some layers more "
         "than once, nested recomputation; launchers checkpoint one level of segments)"
     )

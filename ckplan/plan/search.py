@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckplan.model import allocator, torchtitan_ac
 from ckplan.model.memory import model_state_bytes
@@ -79,17 +79,51 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """The one rule every command picks a plan by (`choose`): `best`, the first fitting plan an
+    export writes by the command's order (None when none fits); `least`, the plan of least
+    memory an export writes; `reference`, a plan no export writes (the sweep's nested
+    `revolve:C`) that does better than what the command names: it fits where no plan an export
+    writes does, or it comes before `best` in the order (a shorter step, fewer FLOPs, or as
+    many and less memory), or nothing fits and it has less memory than `least`; else None.
+    A command names `best` (or `least`) and reports `reference` beside it, never in its
+    place: a plan no launcher runs is no answer for a job."""
+
+    best: Candidate | None
+    least: Candidate
+    reference: Candidate | None = None
+
+
+def choose(candidates: Sequence[Candidate], key: Callable[[Candidate], Any]) -> Choice:
+    """`Choice` among `candidates` (at least one) by `key` (least first). Derived: the rule
+    `ckplan check` has kept since it names only a plan an export writes; the candidates an
+    export writes (`Candidate.exported`); `least` among all of them where none is."""
+    written = [c for c in candidates if c.exported]
+    best = min((c for c in written if c.fits), key=key, default=None)
+    least = min(written or candidates, key=lambda c: c.plan.total_bytes)
+    fastest = min((c for c in candidates if c.fits), key=key, default=None)
+    if fastest is not None:
+        ahead = best is None or key(fastest) < key(best)
+        return Choice(best, least, fastest if ahead and not fastest.exported else None)
+    smallest = min(candidates, key=lambda c: c.plan.total_bytes)
+    below = smallest.plan.total_bytes < least.plan.total_bytes and not smallest.exported
+    return Choice(best, least, smallest if below else None)
+
+
+@dataclass(frozen=True)
 class SweepResult:
     spec: ModelSpec
     budget_bytes: int
     reserve_bytes: int
     candidates: tuple[Candidate, ...]
     pareto: tuple[Candidate, ...]
-    best: Candidate | None
+    best: Candidate | None  # the best fitting plan an export writes (`choose`)
     min_memory_segment: int | None  # the uniform K with the least peak memory
     notes: tuple[str, ...] = ()
     gpu: GPU | None = None
     rank: str = "flops"  # the best plan has the least step time ("time") or FLOPs ("flops")
+    # a plan no export writes that does better than `best` (or `smallest_written`): `choose`
+    reference: Candidate | None = None
 
     @property
     def usable_bytes(self) -> int:
@@ -97,23 +131,14 @@ class SweepResult:
 
     @property
     def smallest(self) -> Candidate:
+        """The plan of least memory of all, a reference no export writes among them."""
         return min(self.candidates, key=lambda c: c.plan.total_bytes)
 
     @property
-    def written(self) -> tuple[Candidate, ...]:
-        """The candidates an export writes (`Candidate.exported`): all but the references."""
-        return tuple(c for c in self.candidates if c.exported) or self.candidates
-
-    @property
-    def best_written(self) -> Candidate | None:
-        """The best plan an export writes: `best` by the same rank, among `written`."""
-        fitting = [c for c in self.written if c.fits]
-        return min(fitting, key=_cost_key(self.rank)) if fitting else None
-
-    @property
     def smallest_written(self) -> Candidate:
-        """The plan of least memory an export writes: `smallest` among `written`."""
-        return min(self.written, key=lambda c: c.plan.total_bytes)
+        """The plan of least memory an export writes (`Choice.least`): what a command names
+        when nothing fits."""
+        return choose(self.candidates, cost_key(self.rank)).least
 
 
 def candidate_strategies(spec: ModelSpec) -> list[Strategy]:
@@ -270,10 +295,11 @@ def sweep(
     progress: Callable[[int, int], None] | None = None,
 ) -> SweepResult:
     """Evaluate every candidate against `budget_bytes - reserve_bytes` and pick the cheapest
-    plan that fits: the least step time on `gpu` (rank "time", the default with a GPU) or the
-    least total FLOPs (rank "flops"); ties go to the smaller peak. With a GPU every plan is
-    timed (`hardware.step_time`). `progress(done, total)` is told after each candidate (the
-    optimal schedule counts as the last one)."""
+    plan an export writes that fits: the least step time on `gpu` (rank "time", the default
+    with a GPU) or the least total FLOPs (rank "flops"); ties go to the smaller peak; a
+    reference no export writes that does better is kept beside it (`choose`). With a GPU
+    every plan is timed (`hardware.step_time`). `progress(done, total)` is told after each
+    candidate (the optimal schedule counts as the last one)."""
     rank = _rank(gpu, rank)
     usable = budget_bytes - reserve_bytes
     formula = formula_name(formula)
@@ -312,15 +338,16 @@ def sweep(
     if progress is not None:
         progress(len(strategies) + 1, len(strategies) + 1)
     candidates = tuple(_candidate(plan, usable, gpu) for plan in plans)
-    fitting = [c for c in candidates if c.fits]
-    cost = _cost_key(rank)
-    best = min(fitting, key=cost) if fitting else None
+    cost = cost_key(rank)
+    chosen = choose(candidates, cost)
     stored = [c for c in candidates if not c.plan.stage_offloads]  # TiledMLP: tapes on GPU
     if formula == "derived" and stored:
-        fit = [c for c in stored if c.fits]
-        reference = min(fit, key=cost) if fit else min(stored, key=lambda c: c.plan.reserved_bytes)
+        kept = choose(stored, cost)  # the plan the levers re-evaluate: one an export writes
+        lever_plan = kept.best or min(
+            [c for c in stored if c.exported] or stored, key=lambda c: c.plan.reserved_bytes
+        )
         for lever in (tiled_mlp_note, in_backward_note):
-            if note := lever(reference, usable, gpu, slots):
+            if note := lever(lever_plan, usable, gpu, slots):
                 notes.append(note)
     uniform = [c for c in candidates if c.plan.strategy.startswith("uniform:")]
     min_segment = (
@@ -334,11 +361,12 @@ def sweep(
         reserve_bytes,
         candidates,
         pareto_frontier(candidates, rank),
-        best,
+        chosen.best,
         min_segment,
         tuple(notes),
         gpu,
         rank,
+        chosen.reference,
     )
 
 
@@ -538,7 +566,7 @@ def _cost(candidate: Candidate, rank: str) -> float:
     return candidate.plan.flops.total
 
 
-def _cost_key(rank: str = "flops"):
+def cost_key(rank: str = "flops"):
     """The best plan's order: least cost, then no offloaded tapes, then least memory. By FLOPs,
     plans of equal FLOPs
     first by how many recompute groups they re-run: a re-run without FLOPs (a norm's, an
@@ -574,8 +602,7 @@ def pareto_frontier(
 class Checked:
     """What `ckplan check` names for one model: `candidate`, the plan it checks (None when
     `optimal` finds no schedule within the budget), and `reference`, a plan no export writes
-    that goes further than `candidate` (it fits where `candidate` does not, or nothing fits and
-    it has less memory), reported beside it; None otherwise."""
+    that does better (`Choice.reference`), reported beside it; None otherwise."""
 
     candidate: Candidate | None
     reference: Candidate | None = None
@@ -590,18 +617,14 @@ def check_plan(
     gpu: GPU | None = None,
     rank: str | None = None,
 ) -> Checked:
-    """For `ckplan check`: with `auto`, the cheapest fitting plan an export writes (the fastest
-    with a GPU), else the smallest such plan, beside the sweep's own best or smallest where that
-    is a reference no export writes (a `revolve:C` that re-runs layers more than once) and it
-    goes further: a CI job needs a plan it can export and run. Else the named strategy's plan."""
+    """For `ckplan check`: with `auto`, the sweep's best plan (the cheapest fitting plan an
+    export writes, the fastest with a GPU), else the smallest such plan, with the sweep's
+    reference beside it (`choose`): a CI job needs a plan it can export and run. Else the
+    named strategy's plan."""
     usable = budget_bytes - reserve_bytes
     if strategy == "auto":
         result = sweep(spec, budget_bytes, reserve_bytes, slots=slots, gpu=gpu, rank=rank)
-        chosen = result.best_written or result.smallest_written
-        further = result.best or result.smallest
-        beyond = further.fits or further.plan.total_bytes < chosen.plan.total_bytes
-        beyond = beyond and not chosen.fits
-        return Checked(chosen, further if beyond and not further.exported else None)
+        return Checked(result.best or result.smallest_written, result.reference)
     parsed = parse_strategy(strategy, spec)
     budget = activation_budget(spec, usable) if parsed.kind == "optimal" else None
     if budget is not None and budget <= 0:
@@ -689,16 +712,14 @@ def largest_fitting_any(
     gpu: GPU | None = None,
     slots: int = DEFAULT_SLOTS,
     formula: str = "derived",
-    written: bool = False,
 ) -> int:
-    """The largest `key` (as `largest_fitting`) at which some plan of the sweep fits (with
-    `written`, some plan an export writes: the best of `check_plan`'s `auto`); 0 when none does
-    at the smallest value. Derived: each plan's fitting is true up to its own edge, so "some
-    plan fits" is true up to the largest edge, and the same doubling and bisection finds it."""
+    """The largest `key` (as `largest_fitting`) at which some plan an export writes fits (the
+    sweep's `best`, `choose`); 0 when none does at the smallest value. Derived: each plan's
+    fitting is true up to its own edge, so "some plan fits" is true up to the largest edge, and
+    the same doubling and bisection finds it."""
 
     def fits(candidate: ModelSpec) -> bool:
-        result = sweep(candidate, budget_bytes, reserve_bytes, formula, slots, gpu)
-        return (result.best_written if written else result.best) is not None
+        return sweep(candidate, budget_bytes, reserve_bytes, formula, slots, gpu).best is not None
 
     return largest_value(spec, key, fits)
 

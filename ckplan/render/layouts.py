@@ -18,7 +18,7 @@ from ckplan.render.common import gib, memory_bar
 from ckplan.render.export_target import export_dict, export_target
 from ckplan.render.fit import declare
 from ckplan.render.rows import Column, RowTable
-from ckplan.render.sweep import budget_line
+from ckplan.render.sweep import budget_line, candidate_dict, reference_text
 from ckplan.render.time import seconds
 
 if TYPE_CHECKING:  # Rich is imported where a table is built: --json needs none
@@ -90,7 +90,10 @@ def why(rejected: Rejected, best: Evaluated | None) -> str:
         e = rejected.evaluated
         if e is not None:
             plan = e.plan
-            least = "no schedule fits (the DP ran); least plan" if e.optimal else "least plan"
+            ran = "no schedule fits (the DP ran); least plan"
+            if e.reference_beside is not None:  # the DP's schedule nests: no export writes it
+                ran = "no schedule an export writes fits (the DP ran); least plan"
+            least = ran if e.optimal else "least plan"
             return (
                 f"{least} {plan.strategy} {gib(plan.total_bytes)} on "
                 f"{stage_label(plan.spec, plan.peak_stage)}, {gib(rejected.over_bytes)} over"
@@ -189,6 +192,8 @@ def layout_dict(e: Evaluated) -> dict[str, Any]:
         "time": None if e.candidate.time is None else e.candidate.time.to_dict(),
         "set": set_arguments(layout, experts),
         "offload": _offload_dict(e),
+        # a plan no export writes that does better on this layout (`search.choose`), or null
+        "reference": candidate_dict(e.reference_beside) if e.reference_beside else None,
     }
     return data
 
@@ -239,7 +244,14 @@ def rejected_dict(r: Rejected, best: Evaluated | None) -> dict[str, Any]:
         "over_bytes": r.over_bytes,
         "step_seconds": r.seconds,
         "evaluated": r.evaluated is not None,
+        # a plan no export writes that does better on the layout (docs/layouts.md), or null
+        "reference": candidate_dict(reference) if (reference := _reference_of(r)) else None,
     }
+
+
+def _reference_of(r: Rejected):
+    """A rejected layout's reference (`Evaluated.reference_beside`) where it was evaluated."""
+    return None if r.evaluated is None else r.evaluated.reference_beside
 
 
 def plan_dict(result: LayoutResult) -> dict[str, Any]:
@@ -303,6 +315,7 @@ def plan_view(
         )
     if result.layouts:
         parts.append(table)
+    parts += [Text(line, style="yellow") for line in reference_lines(result.layouts)]
     best = result.layouts[0] if result.layouts else None
     if result.rejected:
         rejected = Table(title="The best rejected layouts", title_justify="left")
@@ -315,6 +328,16 @@ def plan_view(
     parts += _verdict(result, best, budget_text, model or result.spec.name, extra)
     parts += [Text(f"Advice: {line}", style="yellow") for line in result.advice]
     return Group(*parts)
+
+
+def reference_lines(layouts: tuple[Evaluated, ...] | list[Evaluated]) -> list[str]:
+    """One line per layout shown whose plan, one an export writes, a plan no export writes
+    does better than (`Evaluated.reference_beside`): `render.sweep.reference_text`."""
+    return [
+        f"#{rank} {layout_text(e.layout, e.spec)}: {reference_text(e.candidate, reference)}"
+        for rank, e in enumerate(layouts, 1)
+        if (reference := e.reference_beside) is not None
+    ]
 
 
 def _counts_line(result: LayoutResult) -> Text:
@@ -347,7 +370,12 @@ def _verdict(
     from rich.text import Text
 
     if best is None:
-        return [Text(no_fit_line(result), style="bold red")]
+        lines = [Text(no_fit_line(result), style="bold red")]
+        least = result.least_memory
+        if least is not None and (reference := _reference_of(least)) is not None:
+            text = reference_text(least.evaluated.candidate, reference)
+            lines.append(Text(f"nearest {layout_text(least.layout)}: {text}", style="yellow"))
+        return lines
     time = best.candidate.time
     timing = f", step {seconds(time.step_seconds)}, MFU {time.mfu:.1%}" if time else ""
     offload = offload_line(best, result.gpu)
@@ -441,5 +469,6 @@ def plan_rows(result: LayoutResult) -> RowTable:
         f"rejected ({REASONS[r.reason]}): {layout_text(r.layout)}: {why(r, best)}"
         for r in result.rejected
     ]
+    notes += reference_lines(result.layouts)
     title = f"{result.spec.name} on {result.gpus} x {result.gpu.name}: the fastest layouts"
     return RowTable(columns, list(result.layouts), title, notes)

@@ -98,7 +98,7 @@ def sweep_plot(result: SweepResult, budget_text: str, path: str) -> None:
         f"usable budget {format_bytes_auto(usable)} ({budget_text} less "
         f"{format_bytes_auto(result.reserve_bytes)} reserve)",
     )
-    chosen = result.best or result.smallest
+    chosen = result.best or result.smallest_written
     x, y = point(chosen)
     what = "best" if result.best else "nothing fits; smallest"
     axes.scatter([x], [y], s=140, marker="*", color="#d35400", zorder=5, label=what)

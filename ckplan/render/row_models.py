@@ -15,6 +15,7 @@ from ckplan.render.rows import Column, RowTable
 from ckplan.render.sweep import (
     budget_line,
     reference_lines,
+    sweep_reference_line,
     sweep_verdict,
     unrunnable_lines,
     why_not_fitting,
@@ -150,7 +151,9 @@ def sweep_rows(result: SweepResult, budget_text: str, show_all: bool) -> RowTabl
     ]
     which = "every plan" if show_all else "Pareto frontier"
     notes = [budget_line(budget_text, result.budget_bytes, result.reserve_bytes).plain]
-    notes += [sweep_verdict(result).plain, *result.notes]
+    notes += [sweep_verdict(result).plain]
+    notes += [line for line in [sweep_reference_line(result)] if line]
+    notes += list(result.notes)
     return RowTable(columns, rows, title=f"{result.spec.name}: {which}", notes=notes)
 
 

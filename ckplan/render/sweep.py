@@ -9,7 +9,7 @@ from ckplan.model.expert_layout import expert_layout
 from ckplan.model.op_policy import NO_EXPORT
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
-from ckplan.plan.search import SEQ_GRANULE, Candidate, SweepResult
+from ckplan.plan.search import SEQ_GRANULE, Candidate, SweepResult, choose
 from ckplan.render.common import GIB, gib, memory_bar
 from ckplan.render.estimate import (
     expert_layout_line,
@@ -68,6 +68,7 @@ def sweep_dict(
         "rank": result.rank,
         "gpu": None if result.gpu is None else result.gpu.name,
         "export": export_dict(result.best.plan) if result.best else None,
+        "reference": candidate_dict(result.reference) if result.reference else None,
     }
     if micro_batches is not None:
         data["max_micro_batch"] = micro_batches
@@ -203,11 +204,13 @@ def sweep_view(
         parts.append(Text("Offload (tapes in pinned host memory, copies beside compute):"))
         parts += [Text("  " + offload_text(c.plan, c.time, c.host_budget_bytes)) for c in offloads]
     if result.candidates and result.candidates[0].plan.model_states.host:
-        parts.append(Text(host_states_text(result.best or result.smallest)))
+        parts.append(Text(host_states_text(result.best or result.smallest_written)))
     compared = _offload_against_recompute(result)
     if compared:
         parts.append(Text(f"Offload against recomputation: {compared}."))
     parts.append(sweep_verdict(result))
+    if line := sweep_reference_line(result):
+        parts.append(Text(line, style="yellow"))
     if result.best is not None:  # recompute the busiest stage's FLOPs do not show
         hidden = [note for note in result.best.plan.notes if " recomputes " in note]
         parts += [Text(f"({note})", style="dim") for note in hidden]
@@ -240,17 +243,17 @@ def sweep_view(
 
 
 def reach_line(key: str, value: int, best: Candidate | None) -> Text:
-    """The largest value any plan of the sweep fits (`--seq auto`, `--micro-batch auto`) and
-    the best plan there."""
+    """The largest value a plan an export writes fits (`--seq auto`, `--micro-batch auto`;
+    `search.largest_fitting_any`) and the best plan there."""
     from rich.text import Text
 
     noun = "sequence" if key == "seq" else "micro-batch"
     if not value or best is None:
-        return Text(f"No plan fits any {noun}.", style="red")
+        return Text(f"No plan an export writes fits any {noun}.", style="red")
     timing = f", step {seconds(best.time.step_seconds)}" if best.time is not None else ""
     plan = best.plan
     return Text(
-        f"{'Longest' if key == 'seq' else 'Largest'} {noun} any plan fits: {value:,}"
+        f"{'Longest' if key == 'seq' else 'Largest'} {noun} a plan an export writes fits: {value:,}"
         f"{' tokens' if key == 'seq' else ''}, best there {plan.strategy} (total "
         f"{gib(plan.total_bytes)}, headroom {gib(best.headroom_bytes)}, recompute overhead "
         f"{plan.overhead:.2%}{timing}).",
@@ -295,16 +298,22 @@ def sweep_verdict(result: SweepResult) -> Text:
             f"{timing}.",
             style="bold green",
         )
-    smallest = result.smallest
+    smallest = result.smallest_written
+    # with a reference beside it (`reference_text`), what is named is what an export writes
+    reference = result.reference
+    nothing = "No plan an export writes fits" if reference and reference.fits else "Nothing fits"
+    least = "the smallest any plan reaches"
+    if reference is not None:
+        least = "the smallest plan an export writes reaches"
     host = smallest.host_budget_bytes
     if smallest.headroom_bytes >= 0 and host is not None and smallest.plan.model_states.host:
         return Text(
-            f"Nothing fits: {smallest.plan.strategy} fits the GPU, but its "
+            f"{nothing}: {smallest.plan.strategy} fits the GPU, but its "
             f"{why_not_fitting(smallest)}.",
             style="bold red",
         )
     text = (
-        f"Nothing fits: the smallest any plan reaches is {gib(smallest.plan.total_bytes)} "
+        f"{nothing}: {least} is {gib(smallest.plan.total_bytes)} "
         f"({smallest.plan.strategy}), {gib(-smallest.headroom_bytes)} over the usable budget."
     )
     states = smallest.plan.model_states.total
@@ -420,25 +429,53 @@ def check_table(
 def reference_lines(
     rows: list[tuple[str, Candidate | None]], references: Sequence[Candidate | None] | None
 ) -> list[str]:
-    """One line per model whose checked plan, the least an export writes, does not fit while a
-    plan no export writes goes further (`Checked.reference`): what that plan reaches, and the
-    note that says why no export writes it."""
-    lines = []
-    for (model, candidate), reference in zip(rows, references or [None] * len(rows), strict=True):
-        if reference is None or candidate is None:
-            continue
-        name, total = reference.plan.strategy, gib(reference.plan.total_bytes)
-        if reference.fits:
-            reach = f"{name} fits ({total}) where no plan an export writes does"
-        else:
-            less = gib(candidate.plan.total_bytes - reference.plan.total_bytes)
-            reach = (
-                f"the least memory of any plan is {name}'s {total}, {less} below "
-                f"{candidate.plan.strategy}"
+    """One line per model whose checked plan, one an export writes, a plan no export writes
+    does better than (`Checked.reference`): `reference_text`."""
+    return [
+        f"{model}: {reference_text(candidate, reference)}"
+        for (model, candidate), reference in zip(
+            rows, references or [None] * len(rows), strict=True
+        )
+        if reference is not None and candidate is not None
+    ]
+
+
+def reference_text(chosen: Candidate, reference: Candidate) -> str:
+    """How a plan no export writes (`search.Choice.reference`, the sweep's nested
+    `revolve:C`) does better than `chosen`, the plan named, one an export writes: it fits where
+    `chosen` does not, or has a shorter step (fewer FLOPs; as many and less memory), or, with
+    nothing fitting, less memory; then the note that says why no export writes it. The same
+    line under `check`, `sweep` and `plan`."""
+    name, total = reference.plan.strategy, gib(reference.plan.total_bytes)
+    if reference.fits and not chosen.fits:
+        reach = f"{name} fits ({total}) where no plan an export writes does"
+    elif reference.fits:
+        old, new = chosen.time, reference.time
+        if old is not None and new is not None and new.step_seconds < old.step_seconds:
+            gain = f"a step of {seconds(new.step_seconds)} against {seconds(old.step_seconds)}"
+        elif reference.plan.flops.total < chosen.plan.flops.total:
+            gain = (
+                f"{format_flops(reference.plan.flops.total)} against "
+                f"{format_flops(chosen.plan.flops.total)}"
             )
-        why = [note for note in reference.plan.notes if NO_EXPORT in note]
-        lines.append(f"{model}: {reach}; " + "; ".join(why or [f"{NO_EXPORT} it"]))
-    return lines
+        else:
+            gain = f"{total} against {gib(chosen.plan.total_bytes)}"
+        reach = f"{name} does better than {chosen.plan.strategy}, {gain}"
+    else:
+        less = gib(chosen.plan.total_bytes - reference.plan.total_bytes)
+        reach = (
+            f"the least memory of any plan is {name}'s {total}, {less} below {chosen.plan.strategy}"
+        )
+    why = [note for note in reference.plan.notes if NO_EXPORT in note]
+    return f"{reach}; " + "; ".join(why or [f"{NO_EXPORT} it"])
+
+
+def sweep_reference_line(result: SweepResult) -> str | None:
+    """`reference_text` for a sweep's reference beside its best (else least) plan an export
+    writes, or None where it has none."""
+    if result.reference is None:
+        return None
+    return "Reference: " + reference_text(result.best or result.smallest_written, result.reference)
 
 
 def unrunnable_lines(rows: list[tuple[str, Candidate | None]]) -> list[str]:
@@ -516,8 +553,8 @@ def _offload_against_recompute(result) -> str | None:
         return None
     fitting = [c for c in result.candidates if c.fits and c.time is not None]
 
-    def fastest(candidates):
-        return min(candidates, key=lambda c: c.time.step_seconds, default=None)
+    def fastest(candidates):  # of the plans an export writes (`search.choose`)
+        return choose(candidates, lambda c: c.time.step_seconds).best if candidates else None
 
     moves = [c for c in fitting if any(items for _, items in c.plan.stage_offloads)]
     offload = fastest(moves)

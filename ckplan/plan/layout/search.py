@@ -57,6 +57,7 @@ from ckplan.plan.search import (
     activation_budget,
     auto_limit,
     best_policy_plan,
+    choose,
     largest_value,
     layout_module_candidates,
     offload_optimal_plan,
@@ -74,6 +75,15 @@ from ckplan.quoting import shorten
 from ckplan.units import format_bytes_auto
 
 DEFAULT_TOP = 10
+
+
+def _time_key(candidate: Candidate) -> tuple:
+    """A layout's order of its timed plans: the shortest step; at equal time the plan that pins
+    no host memory for its tapes, then the least memory."""
+    plan = candidate.plan
+    return (candidate.time.step_seconds, bool(plan.stage_offloads), plan.total_bytes)
+
+
 SCREEN_SLOTS = 25  # the fewest memory slots of a screening DP
 MAX_REJECTED = 3  # rejected layouts explained, per kind of reason
 # Frameworks whose layers `plan` tries POLICY+mixed on (`plan.search.policy_word`): the torch
@@ -100,10 +110,21 @@ class Evaluated:
     # (model.frameworks.offload_strategies), timed; None where none fits or none was tried
     recompute: Candidate | None = None
     offload: Candidate | None = None
+    # a plan no export writes, tried on the layout, that does better than `candidate`
+    # (`search.choose`); reported beside it, never as the layout's plan
+    reference: Candidate | None = None
 
     @property
     def fits(self) -> bool:
         return self.candidate.fits
+
+    @property
+    def reference_beside(self) -> Candidate | None:
+        """`reference` where it still does better than the layout's plan (`search.choose`),
+        which the DP, the mixed DP or the joint offload DP may have replaced; else None."""
+        if self.reference is None:
+            return None
+        return choose((self.candidate, self.reference), _time_key).reference
 
     @property
     def seconds(self) -> float:
@@ -462,6 +483,7 @@ class _Run:
         self.evaluated: list[Evaluated] = []
         self.best: dict[tuple, Evaluated] = {}  # fitting, per layout.without_zero()
         self.evaluations = self.optimal_runs = self.mixed_runs = 0
+        self.unwritten: Candidate | None = None  # the last DP schedule no export writes
         self._kth: float | None = None  # kth_time, until `best` changes
 
     def kth_time(self) -> float:
@@ -480,6 +502,7 @@ class _Run:
         except SpecError:  # a rule of the spec the enumeration does not know: not a layout
             return
         candidate, smallest, none, recompute, offload = self._layer_level(spec, True)
+        reference = self._reference
         undecided = candidate is None  # no layer-level plan fits: the DP decides (`refine`)
         candidate = candidate or smallest
         fit_bound = time_bound.seconds
@@ -503,6 +526,7 @@ class _Run:
             undecided,
             recompute,
             offload,
+            reference,
         )
         self.evaluated.append(evaluated)
         self._keep(evaluated)
@@ -532,6 +556,7 @@ class _Run:
         None). The offload plans are those the framework runs
         (`frameworks.offload_strategies`), within the GPU's host memory."""
         none = self._candidate(spec, "none")
+        self._reference: Candidate | None = None
         if none.fits:
             timed = self._timed(none)
             return (timed, timed, none, timed, None) if split else (timed, timed, none)
@@ -553,7 +578,11 @@ class _Run:
         if word is not None:
             names.append(word)
         tried += [self._candidate(spec, name) for name in names]
-        prefixes = ("block:", "selective+block:") + ((f"{word}+block:",) if word else ())
+        prefixes = ("block:", "selective+block:")
+        # the policy beside fully recomputed layers where an export writes that, as the sweep
+        # offers it (`search.candidate_strategies`): not torchtitan 0.3.0's sac-fused
+        if word and not layerwise_export_reason(parse_policy(sweep_policy(spec)), "block:N"):
+            prefixes += (f"{word}+block:",)
         for prefix in prefixes:
             tried.append(self._fewest_blocks(spec, prefix))
         if check_policy_model(spec) is None:  # the cheapest per-op policy that fits
@@ -564,22 +593,18 @@ class _Run:
             self._offload_candidate(spec, name)
             for name in (offload_strategies(spec.framework, spec.pp) if self.offload else ())
         ]
-        smallest = min(tried, key=lambda c: c.plan.total_bytes)
-        fitting = [self._timed(c) for c in tried if c.fits]
+        tried = [self._timed(c) if c.fits else c for c in tried]
+        fitting = [c for c in tried if c.fits]
 
         def fastest_of(candidates):
-            # an offload plan only where it is faster: at equal time no host memory is pinned
-            return min(
-                candidates,
-                key=lambda c: (
-                    c.time.step_seconds,
-                    bool(c.plan.stage_offloads),
-                    c.plan.total_bytes,
-                ),
-                default=None,
-            )
+            # the fastest an export writes (`search.choose`); an offload plan only where it is
+            # faster: at equal time no host memory is pinned
+            return choose(candidates, _time_key).best if candidates else None
 
-        fastest = fastest_of(fitting)
+        chosen = choose(tried, _time_key)
+        fastest, smallest = chosen.best, chosen.least
+        # a plan no export writes that does better, timed where it fits
+        self._reference = chosen.reference
         if fastest is None:
             smallest = self._timed(smallest)
         if not split:
@@ -621,7 +646,12 @@ class _Run:
         if screen:
             slots = max(SCREEN_SLOTS, slots // math.ceil(in_flight_microbatches(spec, 0)) // 4)
         plan = optimal_plan(spec, budget, slots, self.gpu)
-        return None if plan is None else self._timed(Candidate(plan, self.usable))
+        # a schedule no export writes (one that nests) is no layout's plan (`search.choose`):
+        # kept as the reference `refine` reports beside it
+        found = None if plan is None else self._timed(Candidate(plan, self.usable))
+        if found is not None and not found.exported:
+            self.unwritten, found = found, None
+        return found
 
     def _mixed(self, spec: ModelSpec, current: str | None = None) -> Candidate | None:
         """The faster of `POLICY+mixed` of the framework's policy (`plan.search.policy_word`)
@@ -655,7 +685,7 @@ class _Run:
             if plan is not None:
                 found.append(self._timed(Candidate(plan, self.usable)))
         fitting = [c for c in found if c.fits]
-        return min(fitting, key=lambda c: c.time.step_seconds, default=None)
+        return choose(fitting, _time_key).best if fitting else None
 
     def refine(self) -> None:
         """Run the DP, in order of their fit bound (the least time of any plan that fits), on
@@ -673,6 +703,7 @@ class _Run:
             current = math.inf if e.undecided else e.seconds  # an undecided plan does not fit
             if seconds >= min(self.kth_time(), current):
                 continue
+            self.unwritten = None
             best = self._optimal(e.spec, screen=True)
             if best is None and e.undecided:  # the coarse DP may miss a tight fit
                 best = self._optimal(e.spec)
@@ -697,7 +728,12 @@ class _Run:
             ):
                 recompute = best
             refined = dataclasses.replace(
-                e, candidate=candidate, optimal=True, undecided=False, recompute=recompute
+                e,
+                candidate=candidate,
+                optimal=True,
+                undecided=False,
+                recompute=recompute,
+                reference=_nearer(e.reference, self.unwritten),
             )
             self.evaluated[index] = refined
             self._keep(refined)
@@ -733,12 +769,22 @@ class _Run:
         if plan is None:
             return e
         joint = self._timed(Candidate(plan, self.usable, None, host_memory_per_gpu(self.gpu)))
-        if not joint.fits or joint.time.step_seconds >= e.seconds:
+        if not joint.exported or not joint.fits or joint.time.step_seconds >= e.seconds:
             return e
         return dataclasses.replace(e, candidate=joint, offload=joint)
 
     def ranked(self) -> list[Evaluated]:
         return sorted(self.best.values(), key=lambda e: (e.seconds, e.layout.zero, e.layout))
+
+
+def _nearer(*references: Candidate | None) -> Candidate | None:
+    """Of a layout's plans no export writes, the one that goes furthest: the fastest that
+    fits, else the least memory (`search.Choice.reference`); None where there are none."""
+    found = [c for c in references if c is not None]
+    fitting = [c for c in found if c.fits]
+    if fitting:
+        return min(fitting, key=_time_key)
+    return min(found, key=lambda c: c.plan.total_bytes, default=None)
 
 
 def _rejected(
