@@ -188,6 +188,10 @@ def test_column_parallel_saved_input_by_hand():
     assert by_name["qkv_proj"] == by_name["fc1"] == X
     no_sp = bf16.chain.replace(sp=False)
     assert column_parallel_saved_input_bytes(no_sp, LayerShapes.of(no_sp)) == 2 * gathered
+    # Megatron-like fused kernels under torchtitan's state layout (a private stack, as the
+    # Llama 3 paper's runs are described) save the shard, as Megatron-LM does
+    fused = bf16.chain.replace(kernels="fused")
+    assert column_parallel_saved_input_bytes(fused, LayerShapes.of(fused)) == X
 
 
 def test_full_recomputation_adds_the_gathered_inputs_in_the_recomputed_block():

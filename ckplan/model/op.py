@@ -198,8 +198,12 @@ def column_parallel_saved_input_bytes(spec: ChainSpec, shapes: LayerShapes) -> i
     float8`, `framework_version: "2024.12"`) `PrepareFloat8ModuleInput` casts to float8 before
     the all-gather (torchao/float8/float8_tensor_parallel.py at eab345c) and
     `manual_float8_matmul_with_args_in_float8` saves that float8 input (float8_linear.py at
-    eab345c): one byte an element."""
-    if not (spec.framework == "torchtitan" and spec.sp and spec.tp > 1):
+    eab345c): one byte an element. `kernels: fused` stands for Megatron-LM's fused modules
+    (hardware.code_path), whose linear saves the shard: a private stack described as
+    torchtitan's state layout with Megatron-like kernels (the Llama 3 paper's, which cites
+    Korthikanti et al. for its tensor parallelism) keeps the shard."""
+    torchtitan_tp = spec.framework == "torchtitan" and spec.kernels != "fused"
+    if not (torchtitan_tp and spec.sp and spec.tp > 1):
         return shapes.B * shapes.stream
     gathered = shapes.tokens * spec.hidden
     if spec.precision == "float8" and framework_version(spec) == "2024.12":
