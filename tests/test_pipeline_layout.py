@@ -3,10 +3,10 @@ parsed as megatron/core/transformer/pipeline_parallel_layer_layout.py parses it,
 the stages in Megatron's order, and memory and step time from each chunk's layers."""
 
 import json
-import re
 from fractions import Fraction
 
 import pytest
+from megatron_args import LAYER_CHARS, MegatronArgError, parse_layout_str
 from test_pipeline_in_flight import live_peak, rank_order
 
 from ckplan.model.layers import stage_chunk_layers, stage_layer_indices
@@ -14,23 +14,6 @@ from ckplan.model.pipeline_layout import LayoutError, parse_layout, parse_layout
 from ckplan.model.spec import SpecError
 from ckplan.plan import evaluate, in_flight_microbatches, parse_strategy
 from ckplan.plan.evaluate import megatron_in_flight_forwards, megatron_in_flight_weight
-
-
-def megatron_parse_str_to_list(layout_str):
-    """PipelineParallelLayerLayout.parse_str_to_list, core_v0.19.0, as written there (the
-    LayerType members replaced by their characters)."""
-    layout_str = layout_str.replace(",", "")
-    patterns = [r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"]
-    for pattern in patterns:
-        layout_str = re.sub(pattern, lambda x: x.group(1) * int(x.group(2)), layout_str)
-    layout_list = []
-    for stage in layout_str.split("|"):
-        layout_list.append([])
-        for layer_char in stage:
-            assert layer_char in "ELtm", layer_char
-            layout_list[-1].append(layer_char)
-    return layout_list
-
 
 PARSED = [
     "Ettt|(tt|)*29,m|L",
@@ -46,9 +29,10 @@ PARSED = [
 
 @pytest.mark.parametrize("text", PARSED)
 def test_parse_is_megatrons(text):
+    by_name = {name: char for char, name in LAYER_CHARS.items()}
     try:
-        expected = ["".join(chunk) for chunk in megatron_parse_str_to_list(text)]
-    except AssertionError:
+        expected = ["".join(by_name[layer] for layer in chunk) for chunk in parse_layout_str(text)]
+    except MegatronArgError:
         with pytest.raises(LayoutError, match="invalid layer character"):
             parse_layout_list(text)
         return
