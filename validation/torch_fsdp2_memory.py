@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 RESULTS = "validation/results-fsdp2-memory-torch-2.13.0.json"
 WORLD = 8
@@ -162,26 +163,33 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--write", action="store_true", help=f"write {RESULTS}")
     args = parser.parse_args(argv)
+    cases = report([measure(case) for case in CASES], RESULTS, args)
+    if not args.json:
+        for case in cases:
+            print(case["layout"], case["ac"], case["micro_batch"], case["seq"], case["peak_phase"])
+            for phase, categories in case["phases"].items():
+                print(f"  {phase:9s}", {k: round(v / 2**20) for k, v in categories.items() if v})
+    return 0
+
+
+def report(cases: list[dict], results: str | Path, args: argparse.Namespace) -> list[dict]:
+    """The measured cases with the torch and torchtitan releases: written to `results` with
+    --write, printed as JSON with --json."""
     import torch
     import torchtitan
 
     out = {
         "torch": torch.__version__.split("+")[0],
         "torchtitan": getattr(torchtitan, "__version__", "0.3.0"),
-        "cases": [measure(case) for case in CASES],
+        "cases": cases,
     }
     text = json.dumps(out, indent=1)
     if args.write:
-        with open(RESULTS, "w") as handle:
+        with open(results, "w") as handle:
             handle.write(text + "\n")
     if args.json:
         print(text)
-    else:
-        for case in out["cases"]:
-            print(case["layout"], case["ac"], case["micro_batch"], case["seq"], case["peak_phase"])
-            for phase, categories in case["phases"].items():
-                print(f"  {phase:9s}", {k: round(v / 2**20) for k, v in categories.items() if v})
-    return 0
+    return cases
 
 
 if __name__ == "__main__":

@@ -63,12 +63,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from torch_fsdp2_memory import _reset_peak, _total
+from torch_fsdp2_memory import _reset_peak, _total, report
 
 RESULTS = "validation/results-fsdp2-tp-memory-torch-2.13.0.json"
 DP_SHARD, TP = 32, 8
@@ -276,23 +275,10 @@ def main(argv=None) -> int:
         "--layers", type=int, nargs="*", help="only these block counts (default 2, 3, 80)"
     )
     args = parser.parse_args(argv)
-    import torch
-    import torchtitan
-
-    cases = [c for c in CASES if not args.layers or c["layers"] in args.layers]
-    out = {
-        "torch": torch.__version__.split("+")[0],
-        "torchtitan": getattr(torchtitan, "__version__", "0.3.0"),
-        "cases": [measure(case) for case in cases],
-    }
-    text = json.dumps(out, indent=1)
-    if args.write:
-        with open(RESULTS, "w") as handle:
-            handle.write(text + "\n")
-    if args.json:
-        print(text)
-    else:
-        for case in out["cases"]:
+    chosen = [c for c in CASES if not args.layers or c["layers"] in args.layers]
+    cases = report([measure(case) for case in chosen], RESULTS, args)
+    if not args.json:
+        for case in cases:
             print(case["layers"], "blocks", case["micro_batch"], case["seq"], case["peak_phase"])
             for phase, categories in case["phases"].items():
                 print(f"  {phase:13s}", {k: v for k, v in categories.items() if v})
