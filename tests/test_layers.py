@@ -20,6 +20,7 @@ RANKS = {
     "quoting": 0,
     "units": 0,
     "cache": 0,
+    "lazy_names": 0,
     "model": 1,
     "schedules": 2,
     "hardware": 3,
