@@ -196,7 +196,11 @@ def gradient_sync(framework: str, zero: int, pp: int, grad_sync: str | None = No
       grads shard mode there will actually always be gradient sync happening"); optim_grads
       keeps the model weights unsharded (param_and_grad_buffer.py:2331-2334,
       is_model_weight_buffer_distributed False) and gathers the updated ones once;
-      optim_grads_params gathers them before each module's forward and backward.
+      optim_grads_params gathers them before each module's forward and backward. The same at
+      core_r0.8.0 for ZeRO 0-1: `forward_backward_no_pipelining` runs all but the last
+      micro-batch under no_sync (megatron/core/pipeline_parallel/schedules.py:437) and
+      ParamAndGradBuffer.register_grad_ready readies a bucket only when is_last_microbatch
+      (megatron/core/distributed/param_and_grad_buffer.py:537-549).
     - deepspeed, v0.19.8. ZeRO 0-1 communicate "only at gradient accumulation boundaries"
       (deepspeed/runtime/engine.py:3088-3095, `allreduce_gradients`; stage_1_and_2.py:2293-2294
       reduces a ZeRO-1 bucket only at the boundary), the bf16 gradients accumulated whole in
