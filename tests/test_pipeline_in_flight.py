@@ -270,8 +270,9 @@ def test_interleaved_gradients_of_one_chunk_at_a_time_when_groups_are_whole():
     frees its gradients, so the first backward holds 128 tapes and one chunk's gradients."""
     excess = interleaved_gradient_excess
     assert excess(16, 8, 16, 1, 16, 1, 1) == 1
-    # gradients 100 times a tape: chunk 6's first backward holds 112 tapes, its own gradients
-    # and chunk 7's reduce-scatter input, 2·100 + 112 - 128 beyond the activation peak
+    # gradients 100 times a tape: chunk 7's reduce, after its 16th backward, holds 112 tapes
+    # and its gradients twice (accumulated, and copied into the reduce-scatter input):
+    # 2·100 + 112 - 128 beyond the activation peak
     assert excess(16, 8, 16, 1, 16, 1, 100) == 184
 
 

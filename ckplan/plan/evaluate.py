@@ -369,10 +369,13 @@ def interleaved_gradient_excess(
     first backward on, and schedules.py `_add_reduce_grad` puts a REDUCE_GRAD right after the
     chunk's last backward ("reduce_grad frees memory"), whose `post_backward` copies them into
     the fp32 reduce-scatter input and drops them (_fsdp_param_group.py
-    `unsharded_accumulated_grad = None`); that input lives until the next chunk's reduce
-    (`reduce_scatter_max_input_buffers` 1). One model chunk (v = 1) holds its gradients from
-    its first backward, when the peak's forwards are all held, to the end: the full stage.
-    derived: the walk over those events.
+    `unsharded_accumulated_grad = None`); that input is released in the same REDUCE_GRAD
+    (stage.py `perform_reduce_grad` calls `_root_post_backward_final_callback`, which clears
+    `reduce_scatter_states` on the last backward, _fsdp_state.py). One model chunk (v = 1)
+    holds its gradients from its first backward, when the peak's forwards are all held, to the
+    end: the full stage.
+    derived: the walk over those events; the lifetimes checked on the CPU with four gloo ranks
+    (validation/torch_pipeline_reduce_grad.py).
     """
     v = virtual_stages
     if v == 1:
@@ -387,27 +390,22 @@ def interleaved_gradient_excess(
         for _ in range(low, microbatches if low + g >= microbatches else low + g)
     ]
     held = most_held = 0
-    accumulating = reducing = 0  # chunks with gradients; the last reduce-scatter input's bytes
+    accumulating = 0  # chunks with gradients
     backwards = [0] * v
     fullest = 0
 
     def backward(index: int) -> None:
-        nonlocal held, accumulating, reducing, fullest
+        nonlocal held, accumulating, fullest
         chunk = v - 1 - table[index]
         if backwards[chunk] == 0:
             accumulating += 1
-        grads = accumulating * chunk_gradient_bytes + reducing
-        fullest = max(fullest, held * chunk_tape_bytes + grads)
+        fullest = max(fullest, held * chunk_tape_bytes + accumulating * chunk_gradient_bytes)
         backwards[chunk] += 1
         held -= 1
         if backwards[chunk] == microbatches:  # REDUCE_GRAD: copy-in beside the accumulated
-            reducing = 0
-            fullest = max(
-                fullest,
-                held * chunk_tape_bytes + (accumulating + 1) * chunk_gradient_bytes,
-            )
+            copied = (accumulating + 1) * chunk_gradient_bytes
+            fullest = max(fullest, held * chunk_tape_bytes + copied)
             accumulating -= 1
-            reducing = chunk_gradient_bytes
 
     for _ in range(warmup):
         held += 1
