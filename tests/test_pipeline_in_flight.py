@@ -6,7 +6,7 @@ from fractions import Fraction
 import pytest
 
 from ckplan.plan import evaluate, in_flight_microbatches, parse_strategy
-from ckplan.plan.evaluate import megatron_in_flight_forwards
+from ckplan.plan.evaluate import interleaved_gradient_excess, megatron_in_flight_forwards
 from ckplan.plan.layer_chain import layer_chain
 from ckplan.schedules import held_after_forward_bytes, simulate, store_all_schedule
 
@@ -262,3 +262,25 @@ def test_estimate_reports_the_group_and_its_memory(cli, spec_of):
     assert answers[8] > answers[2]
     code, out, _ = cli("estimate", "gpt2", "--set", "layers=6", *layout, "--json")
     assert json.loads(out)["memory"]["activation_bytes"] == answers[2]
+
+
+def test_interleaved_gradients_of_one_chunk_at_a_time_when_groups_are_whole():
+    """N = M = 16, p = 16, v = 8, rank 1 (the Llama 3 405B layouts at 16,384 GPUs): all 128
+    chunk forwards come first; each chunk's backwards run back to back and its REDUCE_GRAD
+    frees its gradients, so the first backward holds 128 tapes and one chunk's gradients."""
+    excess = interleaved_gradient_excess
+    assert excess(16, 8, 16, 1, 16, 1, 1) == 1
+    # gradients 100 times a tape: chunk 7's reduce, after its 16th backward, holds 112 tapes
+    # and its gradients twice (accumulated, and copied into the reduce-scatter input):
+    # 2·100 + 112 - 128 beyond the activation peak
+    assert excess(16, 8, 16, 1, 16, 1, 100) == 184
+
+
+def test_interleaved_gradients_of_every_chunk_when_the_steady_phase_reaches_them():
+    """M = 32, N = 16 (the 8,192-GPU layout): 140 warm-up forwards, then 116 forward-backward
+    steps; the 113th backward is chunk 0's first, with all 8 chunks accumulating and 141
+    tapes held: the whole stage's gradients beside the activation peak. One chunk (v = 1)
+    holds its gradients from its first backward to the end."""
+    excess = interleaved_gradient_excess
+    assert excess(16, 8, 32, 1, 16, 1, 1) == 8
+    assert excess(4, 1, 8, 0, None, 5, 7) == 7

@@ -597,6 +597,21 @@ def fsdp2_embedding_backward_bytes(embedding_params: int, layer_params: int) -> 
     return HALF * embedding_params + HALF * embedding_params + 4 * layer_params
 
 
+def fsdp2_pipeline_accumulates(spec) -> bool:
+    """Whether `buffer_bytes` holds a pipeline stage's unsharded fp32 gradients, accumulated
+    over the micro-batches (torchtitan's FSDP under pipeline parallelism, zero 2 or 3, dp·cp >
+    1, full training): torch.distributed.pipelining reduces and frees them per model chunk
+    (ckplan.plan.evaluate `interleaved_gradient_excess`).
+    derived: `buffer_bytes`' torchtitan branch with pp > 1."""
+    return (
+        spec.framework == "torchtitan"
+        and spec.pp > 1
+        and spec.zero >= 2
+        and spec.dp * spec.cp > 1
+        and spec.training == "full"
+    )
+
+
 def fsdp2_sharded(spec) -> bool:
     """Whether torchtitan's FSDP2 shards this full-training spec's gradients over more than one
     rank (zero 2 or 3, dp·cp > 1): its reduce-scatter and all-gather streams then keep pools of

@@ -19,7 +19,7 @@ from functools import lru_cache
 from ckplan.cache import BoundedCache
 from ckplan.hardware.device_memory import DeviceMemory, device_memory
 from ckplan.hardware.gpus import GPU
-from ckplan.model import allocator, memory
+from ckplan.model import allocator, frameworks, memory
 from ckplan.model import flops as flops_model
 from ckplan.model.layers import stage_chunk_layers, stage_kinds
 from ckplan.model.loss import loss_cached_bytes
@@ -41,6 +41,7 @@ from ckplan.schedules import (
     Replay,
     SegmentReplay,
     SegmentSteps,
+    held_after_forward_bytes,
     pipeline_peak_bytes,
     replay_runs,
     run_forwards,
@@ -346,6 +347,79 @@ def megatron_in_flight_weight(
     return peak
 
 
+def interleaved_gradient_excess(
+    pp: int,
+    virtual_stages: int,
+    microbatches: int,
+    rank: int,
+    group: int | None,
+    chunk_tape_bytes: int,
+    chunk_gradient_bytes: int,
+) -> int:
+    """The bytes of unsharded fp32 gradients, accumulated over micro-batches per model chunk,
+    that pipeline rank `rank` holds beyond its activation peak: max over its schedule of (chunk
+    forwards held · `chunk_tape_bytes` + live gradient bytes) less the most chunk forwards held
+    · `chunk_tape_bytes`, each of its chunks `chunk_gradient_bytes` of gradients.
+
+    The order is `megatron_in_flight_weight`'s (Megatron-LM core_v0.19.0 interleaved
+    schedule); the gradients' lifetimes are torch.distributed.pipelining's under FSDP2 (PyTorch
+    v2.13.0): `backward_one_chunk` runs every backward with `set_requires_gradient_sync(False)`,
+    so FSDP2 accumulates each chunk's unsharded gradients in reduce_dtype
+    (_fsdp_param.py `to_accumulated_grad_if_needed`: `unsharded_accumulated_grad`) from its
+    first backward on, and schedules.py `_add_reduce_grad` puts a REDUCE_GRAD right after the
+    chunk's last backward ("reduce_grad frees memory"), whose `post_backward` copies them into
+    the fp32 reduce-scatter input and drops them (_fsdp_param_group.py
+    `unsharded_accumulated_grad = None`); that input is released in the same REDUCE_GRAD
+    (stage.py `perform_reduce_grad` calls `_root_post_backward_final_callback`, which clears
+    `reduce_scatter_states` on the last backward, _fsdp_state.py). One model chunk (v = 1)
+    holds its gradients from its first backward, when the peak's forwards are all held, to the
+    end: the full stage.
+    derived: the walk over those events; the lifetimes checked on the CPU with four gloo ranks
+    (validation/torch_pipeline_reduce_grad.py).
+    """
+    v = virtual_stages
+    if v == 1:
+        return chunk_gradient_bytes
+    g = pp if group is None else group
+    total = microbatches * v
+    warmup = min(2 * (pp - rank - 1) + (v - 1) * g, total)
+    table = [
+        chunk
+        for low in range(0, microbatches, g)
+        for chunk in range(v)
+        for _ in range(low, microbatches if low + g >= microbatches else low + g)
+    ]
+    held = most_held = 0
+    accumulating = 0  # chunks with gradients
+    backwards = [0] * v
+    fullest = 0
+
+    def backward(index: int) -> None:
+        nonlocal held, accumulating, fullest
+        chunk = v - 1 - table[index]
+        if backwards[chunk] == 0:
+            accumulating += 1
+        fullest = max(fullest, held * chunk_tape_bytes + accumulating * chunk_gradient_bytes)
+        backwards[chunk] += 1
+        held -= 1
+        if backwards[chunk] == microbatches:  # REDUCE_GRAD: copy-in beside the accumulated
+            copied = (accumulating + 1) * chunk_gradient_bytes
+            fullest = max(fullest, held * chunk_tape_bytes + copied)
+            accumulating -= 1
+
+    for _ in range(warmup):
+        held += 1
+        most_held = max(most_held, held)
+    for step in range(total - warmup):
+        held += 1
+        most_held = max(most_held, held)
+        fullest = max(fullest, held * chunk_tape_bytes + accumulating * chunk_gradient_bytes)
+        backward(step)
+    for step in range(total - warmup, total):
+        backward(step)
+    return max(0, fullest - most_held * chunk_tape_bytes)
+
+
 @lru_cache(maxsize=128)
 def pipeline_stages(spec: ModelSpec) -> tuple[int, ...]:
     """The pipeline stages whose peak can be the fullest: the first (embedding, most
@@ -392,7 +466,7 @@ def evaluate(
     # One chain for p = 1; else the first pipeline stage (embedding, most micro-batches in
     # flight), the last (output layer and fp32 logits, one micro-batch in flight) and, with
     # mixed layers, the middle stages that hold other layers (`pipeline_stages`).
-    results, forwards, buffers = [], [], {}
+    results, forwards, buffers, tapes = [], [], {}, {}
     for stage in pipeline_stages(spec):
         first_stage = stage == 0
         chain = layer_chain(spec, strategy.groups, stage=stage)
@@ -404,6 +478,11 @@ def evaluate(
         if found is None:
             return None
         peak, steps, replay, group = found
+        tapes[stage] = (
+            replay.held_bytes
+            if isinstance(replay, SegmentReplay)
+            else held_after_forward_bytes(chain, replay)
+        )
         flops = _stage_flops(spec, strategy, chain, replay, stage)
         # the pipeline runtime's buffers, held all step beside the schedule's peak (v = 1:
         # in_flight is whole)
@@ -418,6 +497,9 @@ def evaluate(
     # Memory: the GPU whose model states and activations together are the most (each stage
     # holds its own parameters). FLOPs: the busiest stage, which paces the pipeline.
     states = {stage: memory.model_state_bytes(spec, stage) for *_, stage, _ in results}
+    if spec.virtual_stages > 1 and frameworks.fsdp2_pipeline_accumulates(spec):
+        for stage, held in tapes.items():
+            states[stage] = _accumulated_gradients_at_peak(spec, stage, states[stage], held)
     peak, steps, _, stage, _ = max(results, key=lambda r: (r[0] + states[r[3]].total, -r[3]))
     if memory.gradients_allocated_in_backward(spec):
         trace = simulate(layer_chain(spec, strategy.groups, stage=0), tuple(steps)).trace
@@ -484,6 +566,27 @@ def gradients_at_peak(
             written += gradients[step.stage]
         best = max(best, live + written)
     return best - activation_peak
+
+
+def _accumulated_gradients_at_peak(
+    spec: ModelSpec, stage: int, states: memory.ModelStateBytes, held: int
+) -> memory.ModelStateBytes:
+    """`states` with the stage's fp32 unsharded gradients (`frameworks.buffer_bytes`, held all
+    step there) replaced by those its model chunks hold at the schedule's fullest point
+    (`interleaved_gradient_excess`); `held` one micro-batch's tape through the whole stage.
+    derived: the stage's tape and gradients split evenly over its v chunks."""
+    v = spec.virtual_stages
+    gradients = 4 * sum(memory.stage_parameters(spec, stage))
+    excess = interleaved_gradient_excess(
+        spec.pp,
+        v,
+        spec.microbatches,
+        stage,
+        spec.microbatch_group,
+        -(-held // v),
+        -(-gradients // v),
+    )
+    return dataclasses.replace(states, buffers=states.buffers - gradients + excess)
 
 
 def stage_label(spec: ModelSpec, stage: int) -> str:
