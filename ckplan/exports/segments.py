@@ -20,9 +20,6 @@ from ckplan.model.op_policy import is_policy
 from ckplan.plan import Plan
 from ckplan.plan.export_limits import is_layer, layer_ranges, pipeline_reason
 from ckplan.plan.strategies import MODULES
-from ckplan.schedules import schedule_segments
-
-__all__ = ["LayerSegments", "layer_segments", "module_reason", "schedule_segments"]
 
 
 @dataclass(frozen=True)
