@@ -346,7 +346,7 @@ def test_sweep_names_no_optimal_that_recomputes_the_embedding_with_layers():
     assert reference.strategy == "optimal" and result.reference.fits
     assert reference.flops.total < result.best.plan.flops.total
     phrase = "it recomputes the embedding stage together with layers"
-    assert f"optimal: no export writes it ({phrase})" in reference.notes
+    assert f"optimal: no export writes it; {phrase}" in reference.notes
     for target in set(exports.TARGETS) - {"yaml"}:
         assert phrase in exports.why_not(reference, target), target
 

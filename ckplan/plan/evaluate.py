@@ -840,7 +840,7 @@ def _unwritten_note(spec, name, steps, names, notes, stage_offloads) -> str | No
     if any(NO_EXPORT in note for note in notes):
         return None
     why = unwritten_reason(spec.pp, name, steps, names, bool(stage_offloads))
-    return None if why is None else f"{name}: {NO_EXPORT} it ({why})"
+    return None if why is None else f"{name}: {NO_EXPORT} it; {why}"
 
 
 def _revolve_note(strategy: Strategy, forwards) -> str | None:
