@@ -30,10 +30,12 @@ def pipeline_reason(pp: int, strategy: str, offloads: bool) -> str | None:
     schedule is its own (an offload schedule, or the optimal DP run per stage), and every
     target applies one setting to every stage: Megatron-LM's --recompute-method and
     --recompute-num-layers are one value for every model chunk (megatron/training/arguments.py
-    at core_v0.19.0, tests/megatron_flags.py), torchtitan's activation_checkpoint section one
-    mode for every block (torchtitan/config/job_config.py at v0.3.0), DeepSpeed's
-    activation_checkpoint_interval one interval for the PipelineModule, and the torch snippet
-    runs one stage's ranges on each stage (exports.torch_snippet)."""
+    at core_v0.19.0, mirrored in tests/megatron_flags.py), torchtitan's activation_checkpoint
+    section one mode for every block (torchtitan/config/job_config.py at v0.2.2; at 0.3.0 one
+    policy applied to the whole model, torchtitan/distributed/activation_checkpoint.py),
+    DeepSpeed's activation_checkpoint_interval one interval for the whole PipelineModule
+    (deepspeed/runtime/pipe/module.py at v0.19.8), and the torch snippet runs one stage's ranges
+    on each stage (exports.torch_snippet)."""
     if pp <= 1:
         return None
     if offloads:
