@@ -12,12 +12,12 @@ from megatron_args import MegatronArgError, parse, validate
 
 from ckplan import exports
 from ckplan.exports import deepspeed, megatron, torchtitan
-from ckplan.exports.segments import LayerSegments, layer_segments, schedule_segments
+from ckplan.exports.segments import LayerSegments, layer_segments
 from ckplan.model.layers import parse_layer_set
 from ckplan.model.spec import spec_from_mapping
 from ckplan.plan import evaluate, parse_strategy
 from ckplan.plan.search import activation_budget, candidate_strategies
-from ckplan.schedules import revolve_schedule, segment_schedule
+from ckplan.schedules import revolve_schedule, schedule_segments, segment_schedule
 from ckplan.schedules.chain import Chain
 
 

@@ -296,3 +296,39 @@ def test_plan_names_no_schedule_no_export_writes_and_reports_it_as_sweep_does(cl
     for shown in data["layouts"]:
         assert shown["reference"] is None and shown["fits"]
         assert errors(shown, LAYOUTS["layouts"][0]) == []
+
+
+def test_plan_names_no_per_stage_optimal_schedule_under_a_pipeline(cli):
+    """Llama-3-70B on 64 H100s at 8k tokens: under a pipeline each stage has its own optimal
+    schedule and every launcher applies one setting to every stage, so the DP's plan on
+    tp 2 · pp 8 · cp 2 · dp 2 (the fastest step of all) carries the no-export note in the
+    exports' own words and is only a reference; the fastest layouts `plan` names are plans
+    `export --to megatron` writes."""
+    from ckplan import exports
+    from ckplan.inputs.presets import load_spec
+    from ckplan.plan.evaluate import evaluate
+    from ckplan.plan.search import Candidate, activation_budget
+    from ckplan.plan.strategies import parse_strategy
+
+    argv = ["plan", "llama3-70b", "--gpus", "64", "--gpu", "h100-sxm", "--seq", "8192"]
+    argv += ["--global-batch", "512", "--top", "3", "--json"]
+    code, out, err = cli(*argv)
+    assert code == 0, err
+    data = json.loads(out)
+    for layout in data["layouts"]:
+        assert layout["pp"] == 1 or not layout["strategy"].endswith("optimal"), layout
+        sets = [arg for key in layout["set"] for arg in ("--set", key)]
+        code, _, err = cli(
+            "export", "llama3-70b", "--plan", layout["strategy"], "--to", "megatron",
+            "--seq", "8192", "--budget", str(data["budget_bytes"]), *sets,
+        )  # fmt: skip
+        assert code == 0, (layout["strategy"], err)
+    keys = {"tp": 2, "sp": True, "pp": 8, "cp": 2, "dp": 2, "zero": 1, "seq": 8192}
+    spec = load_spec("llama3-70b", {**keys, "micro_batch": 1, "microbatches": 256})
+    budget = activation_budget(spec, data["usable_bytes"])
+    plan = evaluate(spec, parse_strategy("optimal", spec), budget=budget)
+    phrase = "each pipeline stage has its own optimal schedule"
+    assert any(phrase in note and "no export writes" in note for note in plan.notes)
+    assert not Candidate(plan, data["usable_bytes"]).exported
+    for target in set(exports.TARGETS) - {"yaml"}:
+        assert phrase in exports.why_not(plan, target), target

@@ -4,7 +4,9 @@ A launcher cannot run a schedule step by step; it wraps ranges of transformer la
 checkpoint. So each export starts from the plan's own replayed schedule (`Plan.steps`) and
 recovers the layer segments it is made of: ranges whose input is kept and that are re-run once
 in backward, and ranges stored whole. Recovery is exact or refused: the segments are accepted
-only when `schedules.segment_schedule` rebuilds the very same steps from them, so an export can
+only when `schedules.segment_schedule` rebuilds the very same steps from them
+(`schedules.schedule_segments`, through `plan.export_limits.layer_ranges`, which also gives the
+plan its note when an export refuses it), so an export can
 never describe a schedule other than the one ckplan measured (a binomial or optimal schedule
 that re-runs a range more than once has no segments, and says so).
 """
@@ -16,24 +18,8 @@ from dataclasses import dataclass
 from ckplan.model.op import DENSE_MLP
 from ckplan.model.op_policy import is_policy
 from ckplan.plan import Plan
+from ckplan.plan.export_limits import is_layer, layer_ranges, pipeline_reason
 from ckplan.plan.strategies import MODULES
-from ckplan.schedules import (
-    BACKWARD,
-    FORWARD_DROP,
-    FORWARD_KEEP_ALL,
-    FORWARD_KEEP_INPUT,
-    Chain,
-    segment_schedule,
-)
-
-LAYER_PREFIX = "layer "
-# A multi-token prediction depth: a transformer block that Megatron-Core recomputes with the
-# layers (multi_token_prediction.py `_checkpointed_forward`, core_v0.14.0), so it counts as one.
-MTP_PREFIX = "mtp "
-
-
-def _is_layer(name: str) -> bool:
-    return name.startswith((LAYER_PREFIX, MTP_PREFIX))
 
 
 @dataclass(frozen=True)
@@ -110,39 +96,6 @@ class LayerSegments:
         return step if recomputed == set(range(step - 1, self.layers, step)) else None
 
 
-def schedule_segments(steps, stages: int) -> list[tuple[int, int, bool]] | None:
-    """The segments whose `segment_schedule` is exactly `steps`, or None when `steps` is not a
-    one-level segment schedule (some range re-run twice, or steps in another order)."""
-    forward = []  # the first forward pass: stages 0..n-1, each once
-    for step in steps:
-        if step.kind == BACKWARD or (forward and step.stage != forward[-1].stage + 1):
-            break
-        forward.append(step)
-    segments: list[tuple[int, int, bool]] = []
-    for step in forward:
-        if step.kind == FORWARD_KEEP_ALL:
-            segments.append((step.stage, step.stage + 1, False))
-        elif step.kind == FORWARD_KEEP_INPUT:
-            segments.append((step.stage, step.stage + 1, True))
-        elif step.kind == FORWARD_DROP and segments and segments[-1][2]:
-            start, _, _ = segments[-1]
-            segments[-1] = (start, step.stage + 1, True)
-        else:
-            return None
-    merged: list[tuple[int, int, bool]] = []
-    for start, end, recompute in segments:  # consecutive stored stages form one segment
-        if merged and not recompute and not merged[-1][2] and merged[-1][1] == start:
-            merged[-1] = (merged[-1][0], end, False)
-        else:
-            merged.append((start, end, recompute))
-    chain = Chain.uniform(stages, forward_flops=0, backward_flops=0, input_bytes=0, tape_bytes=0)
-    try:
-        rebuilt = segment_schedule(chain, merged)
-    except ValueError:
-        return None
-    return merged if tuple(rebuilt) == tuple(steps) else None
-
-
 def module_reason(layers: LayerSegments, target: str) -> str | None:
     """Why a target without module recomputation (everything but Megatron-LM) cannot run a
     plan that recomputes an MoE group or the dense MLP alone, or None."""
@@ -171,30 +124,14 @@ def layer_segments(plan: Plan) -> LayerSegments | str:
         return "it has no schedule (the simple formula set)"
     flags = None  # per layer of the stage: whether it stores the policy's tape (sac+mixed)
     for _, mask in plan.stage_policy:
-        flags = [on for on, name in zip(mask, names, strict=True) if _is_layer(name)]
-    if spec.pp > 1 and plan.stage_offloads:
-        return (
-            "each pipeline stage offloads its own layers and a launcher applies one setting to "
-            "every stage"
-        )
-    if spec.pp > 1 and plan.strategy.endswith("optimal"):
-        return (
-            "each pipeline stage has its own optimal schedule and a launcher applies one "
-            "recompute setting to every stage"
-        )
-    segments = schedule_segments(plan.steps, len(names))
-    if segments is None:
-        return "its schedule re-runs some layers more than once (nested recomputation)"
-    first_layer = next(i for i, name in enumerate(names) if _is_layer(name))
-    layers = sum(1 for name in names if _is_layer(name))
-    result = []
-    for start, end, recompute in segments:
-        inside = [i for i in range(start, end) if _is_layer(names[i])]
-        if recompute and len(inside) != end - start:
-            extra = next(names[i] for i in range(start, end) if i not in inside)
-            return f"it recomputes the {extra} stage together with layers"
-        if inside:
-            result.append((inside[0] - first_layer, inside[-1] + 1 - first_layer, recompute))
+        flags = [on for on, name in zip(mask, names, strict=True) if is_layer(name)]
+    if why := pipeline_reason(spec.pp, plan.strategy, bool(plan.stage_offloads)):
+        return why
+    result = layer_ranges(plan.steps, names)
+    if isinstance(result, str):
+        return result
+    layers = sum(1 for name in names if is_layer(name))
+    first_layer = next(i for i, name in enumerate(names) if is_layer(name))
     merged: list[tuple[int, int, bool]] = []
     for start, end, recompute in result:
         if merged and not recompute and not merged[-1][2]:
@@ -221,7 +158,7 @@ def layer_segments(plan: Plan) -> LayerSegments | str:
         moe_group,
         DENSE_MLP in plan.recompute_groups,
         policy,
-        tuple(i - first_layer for i, _ in offloaded if _is_layer(names[i])),
+        tuple(i - first_layer for i, _ in offloaded if is_layer(names[i])),
         tuple(word for word, group in MODULES.items() if group in plan.recompute_groups),
         policy_layers,
     )

@@ -27,6 +27,7 @@ from ckplan.model.op_policy import NO_EXPORT, layerwise_export_reason, parse_pol
 from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import limits
+from ckplan.plan.export_limits import unwritten_reason
 from ckplan.plan.layer_chain import layer_chain, layer_offset, stage_names
 from ckplan.plan.strategies import (
     MIXED,
@@ -715,6 +716,9 @@ def _plan(
     pipeline_buffer_bytes=0,
 ) -> Plan:
     counts = memory.parameter_count(spec)
+    notes = tuple(notes) + tuple(
+        filter(None, [_unwritten_note(spec, name, steps, names, notes, stage_offloads)])
+    )
     return Plan(
         spec=spec,
         strategy=name,
@@ -930,6 +934,16 @@ def _evaluate_simple(spec: ModelSpec, strategy: Strategy) -> Plan:
         notes=notes,
         per_layer=round(simple.activation_memory_mb(1, **shape) * simple.MB),
     )
+
+
+def _unwritten_note(spec, name, steps, names, notes, stage_offloads) -> str | None:
+    """The note of a plan whose schedule every launcher export refuses
+    (`export_limits.unwritten_reason`, the very check the exports make), unless a note already
+    says that no export writes it; None when an export writes it."""
+    if any(NO_EXPORT in note for note in notes):
+        return None
+    why = unwritten_reason(spec.pp, name, steps, names, bool(stage_offloads))
+    return None if why is None else f"{name}: {NO_EXPORT} it; {why}"
 
 
 def _revolve_note(strategy: Strategy, forwards) -> str | None:

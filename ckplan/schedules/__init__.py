@@ -31,7 +31,12 @@ from ckplan.schedules.segment_replay import (
     segment_replay,
     segment_runs,
 )
-from ckplan.schedules.segments import SegmentSteps, segment_schedule, store_all_schedule
+from ckplan.schedules.segments import (
+    SegmentSteps,
+    schedule_segments,
+    segment_schedule,
+    store_all_schedule,
+)
 
 # Imported on first use, so that a command that never builds them starts faster.
 _LAZY = {
@@ -72,6 +77,7 @@ __all__ = [
     "revolve_min_forwards",
     "revolve_schedule",
     "run_forwards",
+    "schedule_segments",
     "segment_replay",
     "segment_runs",
     "segment_schedule",

@@ -137,3 +137,38 @@ class SegmentSteps(Sequence):
 
     def __repr__(self) -> str:
         return f"SegmentSteps({len(self)} steps)"
+
+
+def schedule_segments(steps, stages: int) -> list[tuple[int, int, bool]] | None:
+    """The segments whose `segment_schedule` is exactly `steps`, or None when `steps` is not a
+    one-level segment schedule (some range re-run twice, or steps in another order). Derived:
+    the inverse of `segment_schedule`, checked by rebuilding; what every launcher export is
+    written from (ckplan.plan.export_limits, ckplan.exports.segments)."""
+    forward = []  # the first forward pass: stages 0..n-1, each once
+    for step in steps:
+        if step.kind == BACKWARD or (forward and step.stage != forward[-1].stage + 1):
+            break
+        forward.append(step)
+    segments: list[tuple[int, int, bool]] = []
+    for step in forward:
+        if step.kind == FORWARD_KEEP_ALL:
+            segments.append((step.stage, step.stage + 1, False))
+        elif step.kind == FORWARD_KEEP_INPUT:
+            segments.append((step.stage, step.stage + 1, True))
+        elif step.kind == FORWARD_DROP and segments and segments[-1][2]:
+            start, _, _ = segments[-1]
+            segments[-1] = (start, step.stage + 1, True)
+        else:
+            return None
+    merged: list[tuple[int, int, bool]] = []
+    for start, end, recompute in segments:  # consecutive stored stages form one segment
+        if merged and not recompute and not merged[-1][2] and merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], end, False)
+        else:
+            merged.append((start, end, recompute))
+    chain = Chain.uniform(stages, forward_flops=0, backward_flops=0, input_bytes=0, tape_bytes=0)
+    try:
+        rebuilt = segment_schedule(chain, merged)
+    except ValueError:
+        return None
+    return merged if tuple(rebuilt) == tuple(steps) else None
