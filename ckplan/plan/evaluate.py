@@ -312,6 +312,19 @@ def in_flight_microbatches(spec: ModelSpec, stage: int = 0) -> Fraction:
 
 
 @lru_cache(maxsize=256)
+def _chunk_order(microbatches: int, virtual_stages: int, group: int) -> list[int]:
+    """The model chunk of each forward of one rank in Megatron-LM's interleaved order
+    (core_v0.19.0's interleaved schedule with a micro-batch group of `group`, as
+    `megatron_in_flight_weight` walks it): `group` micro-batches through chunk 0, the same
+    through chunk 1, ..., then the next group; the last group may be shorter."""
+    return [
+        chunk
+        for low in range(0, microbatches, group)
+        for chunk in range(virtual_stages)
+        for _ in range(low, min(low + group, microbatches))
+    ]
+
+
 def megatron_in_flight_weight(
     weights: tuple[int, ...], pp: int, microbatches: int, rank: int, group: int | None = None
 ) -> int:
@@ -331,12 +344,7 @@ def megatron_in_flight_weight(
     total = microbatches * v
     warmup = pp - rank - 1 if v == 1 else 2 * (pp - rank - 1) + (v - 1) * g
     warmup = min(warmup, total)
-    table = [
-        chunk
-        for low in range(0, microbatches, g)
-        for chunk in range(v)
-        for _ in range(low, microbatches if low + g >= microbatches else low + g)
-    ]
+    table = _chunk_order(microbatches, v, g)
     live = peak = 0
     for chunk in table[:warmup]:
         live += weights[chunk]
@@ -384,12 +392,7 @@ def interleaved_gradient_excess(
     g = pp if group is None else group
     total = microbatches * v
     warmup = min(2 * (pp - rank - 1) + (v - 1) * g, total)
-    table = [
-        chunk
-        for low in range(0, microbatches, g)
-        for chunk in range(v)
-        for _ in range(low, microbatches if low + g >= microbatches else low + g)
-    ]
+    table = _chunk_order(microbatches, v, g)
     held = most_held = 0
     accumulating = 0  # chunks with gradients
     backwards = [0] * v
