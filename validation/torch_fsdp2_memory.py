@@ -54,10 +54,9 @@ CASES = (
 )
 
 
-def build(torch, shape, ac, layout, mesh):
-    """torchtitan's Llama 3 at `shape` under FakeTensorMode (active), checkpointed and sharded."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+def build_llama3(shape: dict, **layer_options):
+    """torchtitan 0.3.0's Llama 3 at `shape` (`_build_llama3_layers` with `layer_options`), its
+    attention torchtitan's ScaledDotProductAttention (FlexAttention has no CPU backward)."""
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
@@ -73,10 +72,11 @@ def build(torch, shape, ac, layout, mesh):
             dim=dim // heads, max_seq_len=shape["seq"], theta=500000, scaling="none"
         ),
         attn_backend="flex",
+        **layer_options,
     )
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    model = Llama3Model.Config(
+    return Llama3Model.Config(
         dim=dim,
         vocab_size=vocab,
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim),
@@ -84,6 +84,14 @@ def build(torch, shape, ac, layout, mesh):
         lm_head=Linear.Config(in_features=dim, out_features=vocab),
         layers=layers,
     ).build()
+
+
+def build(torch, shape, ac, layout, mesh):
+    """torchtitan's Llama 3 at `shape` under FakeTensorMode (active), checkpointed and sharded."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    model = build_llama3(shape)
     policy = {"full": FullAC, "op": SelectiveAC}[ac]
     policy(policy.Config()).apply(model)
     mp = MixedPrecisionPolicy(

@@ -67,7 +67,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from torch_fsdp2_memory import _reset_peak, _total, report
+from torch_fsdp2_memory import _reset_peak, _total, build_llama3, report
 
 RESULTS = "validation/results-fsdp2-tp-memory-torch-2.13.0.json"
 DP_SHARD, TP = 32, 8
@@ -123,33 +123,9 @@ def build(torch, shape: dict, mesh, ac: str = "full"):
         SequenceParallel,
         parallelize_module,
     )
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
 
-    dim, heads, vocab = shape["dim"], shape["heads"], shape["vocab"]
-    layers = _build_llama3_layers(
-        n_layers=shape["layers"],
-        dim=dim,
-        n_heads=heads,
-        n_kv_heads=shape["kv_heads"],
-        hidden_dim=shape["ffn"],
-        rope=ComplexRoPE.Config(
-            dim=dim // heads, max_seq_len=shape["seq"], theta=500000, scaling="none"
-        ),
-        fuse_qkv=False,
-        attn_backend="flex",
-    )
-    for layer in layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    model = Llama3Model.Config(
-        dim=dim,
-        vocab_size=vocab,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim),
-        norm=RMSNorm.Config(normalized_shape=dim),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab),
-        layers=layers,
-    ).build()
+    dim, vocab = shape["dim"], shape["vocab"]
+    model = build_llama3(shape, fuse_qkv=False)
     model.tok_embeddings = nn.Embedding(vocab, dim)
     model.norm = _eager_rmsnorm(dim)
     for block in model.layers.values():
