@@ -433,7 +433,8 @@ def any_layout_fits(
 ) -> bool:
     """Whether `search_layouts` would find a layout that fits, without ranking them: the
     layouts whose memory lower bound fits, least bound first, each with its layer-level plans
-    and then the DP (as `search_layouts` evaluates and refines them), until one fits. Derived:
+    and then the DP, coarse and fine (as `search_layouts` evaluates and refines them), until one
+    fits. Derived:
     the search keeps every layout that fits until it holds `top` of them, so it finds one
     exactly when one of these does."""
     usable = budget_bytes - reserve_bytes
@@ -452,9 +453,12 @@ def any_layout_fits(
             continue
         if run._layer_level(model)[0] is not None:
             return True
-        optimal = run._optimal(model)
-        if optimal is not None and optimal.fits:
-            return True
+        # the coarse DP first and then the fine one, as `refine` runs them: either may find a
+        # schedule an export writes where the other's nests
+        for screen in (True, False):
+            optimal = run._optimal(model, screen=screen)
+            if optimal is not None and optimal.fits:
+                return True
     return False
 
 
