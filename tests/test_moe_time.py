@@ -1,6 +1,8 @@
 """The time model for MoE and MLA layers: GEMM shapes, bytes moved, expert-parallel
 communication, expert-data-parallel reduction, the optimizer over held parameters, MoE MFU."""
 
+import dataclasses
+
 import pytest
 
 from ckplan.hardware import communication as comm
@@ -30,7 +32,12 @@ from ckplan.inputs.gpus import load_gpu
 from ckplan.model import memory
 from ckplan.model.flops import model_flops_per_iteration
 from ckplan.model.layers import LayerKind
-from ckplan.model.moe import expert_matmul, routed_rows
+from ckplan.model.moe import (
+    expert_matmul,
+    fp8_padded_rows,
+    fp8_pads_expert_rows,
+    routed_rows,
+)
 from ckplan.model.op import LayerShapes
 from ckplan.model.ops import layer_ops
 from ckplan.model.spec import spec_from_mapping
@@ -165,6 +172,58 @@ def test_eager_and_gelu_expert_activations():
     assert (eager.forward_bytes, eager.backward_bytes) == (2 * 128 * 225, 2 * 128 * 386)
     gelu = moe_ops(small(mlp="gelu"))["expert_act"]
     assert (gelu.forward_bytes, gelu.backward_bytes) == (2 * 128 * 129, 2 * 128 * 226)
+
+
+def test_fp8_row_padding_by_hand():
+    """Megatron under FP8 copies the grouped GEMMs' rows to 16-row alignment (Transformer
+    Engine Fp8Padding / Fp8Unpadding). Dropless: R = 128 rows, 4 local experts of 32 rows
+    (R' = 128): fc1 pads the input and probabilities, B·(R + R')·(h + 1) = 2·256·65 each way;
+    fc2 un-pads the output, 2·256·64 each way; BF16 moves neither."""
+    bf16, fp8 = moe_ops(small()), moe_ops(small(precision="fp8"))
+    for name, row in (("expert_fc1", 65), ("expert_fc2", 64)):
+        assert bf16[name].forward_bytes == bf16[name].backward_bytes == 0
+        assert fp8[name].forward_bytes == fp8[name].backward_bytes == 2 * 256 * row
+
+
+def test_fp8_row_padding_with_a_capacity_factor():
+    """With a capacity factor every local expert holds its capacity: ceil(1.0·64·2/4) = 32 rows
+    from the one rank, already a multiple of 16, so nothing is copied; at 1.25, 40 rows pad to
+    48: R = 160, R' = 192, fc2 moves B·(R + R')·h = 2·352·64."""
+    aligned = small(precision="fp8", capacity_factor=1.0)
+    shapes = LayerShapes.of(aligned)
+    assert not fp8_pads_expert_rows(aligned, shapes)
+    assert moe_ops(aligned)["expert_fc2"].forward_bytes == 0
+    padded = small(precision="fp8", capacity_factor=1.25)
+    shapes = LayerShapes.of(padded)
+    assert (routed_rows(padded, shapes), fp8_padded_rows(padded, shapes)) == (160, 192)
+    assert moe_ops(padded)["expert_fc2"].forward_bytes == 2 * 352 * 64
+
+
+def test_fp8_row_padding_is_megatrons_alone():
+    """torchtitan's and Hugging Face's experts run no TEGroupedMLP: no copy under FP8 either;
+    a dense model has no experts to pad."""
+    for framework in ("torchtitan", "hf"):
+        spec = small(precision="fp8", framework=framework)
+        assert not fp8_pads_expert_rows(spec, LayerShapes.of(spec))
+    dense = spec_from_mapping(
+        {k: v for k, v in SMALL.items() if k not in ("experts", "top_k", "moe_ffn_hidden")}
+        | {"precision": "fp8"}
+    )
+    assert not fp8_pads_expert_rows(dense, LayerShapes.of(dense))
+
+
+def test_fp8_row_padding_is_timed_as_memory_bound(h100):
+    """The copies are memory-bound bytes of the expert GEMMs' ops: under FP8 the fc2 forward
+    takes their bytes at the sustained bandwidth more than the same op without them."""
+    from ckplan.hardware.code_path import spec_code_path
+    from ckplan.hardware.roofline import memory_seconds
+
+    spec = small(precision="fp8")
+    path = spec_code_path(spec, h100)
+    fc2 = moe_ops(spec)["expert_fc2"]
+    bare = dataclasses.replace(fc2, forward_bytes=0)
+    extra = path.forward(fc2, 2).memory - path.forward(bare, 2).memory
+    assert extra == pytest.approx(memory_seconds(path.gpu, 2 * 256 * 64))
 
 
 def test_grouped_gemm_rows_follow_imbalance_and_capacity():

@@ -27,7 +27,8 @@ expert (TEGroupedMLP: Transformer Engine's GroupedLinear, `gg.ops.gmm` in the ol
 GroupedMLP), no tensor-parallel collective of their own (the dispatcher's all-gather and
 reduce-scatter over etp are expert-parallel communication, `hardware.expert_parallel`); the
 bytes the unfused router, permutation and weighted-activation kernels move (`*_moved` below,
-Megatron's defaults: no --moe-permute-fusion, no --moe-router-fusion).
+Megatron's defaults: no --moe-permute-fusion, no --moe-router-fusion), and under FP8 the copies
+that align the grouped GEMMs' rows to 16 (`fp8_padding_moved`).
 """
 
 from __future__ import annotations
@@ -241,6 +242,60 @@ def expert_act_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
     return B * rows * (act[0] + weighted[0]), B * rows * (act[1] + weighted[1])
 
 
+FP8_ROW_ALIGN = 16  # Transformer Engine v2.9 Fp8Padding: 16 rows (32 under MXFP8)
+
+
+def fp8_pads_expert_rows(spec: ModelSpec, shapes: LayerShapes) -> bool:
+    """Whether the grouped GEMMs' input rows are copied into an FP8-aligned buffer.
+
+    Megatron-Core's TEGroupedMLP under FP8 (core_v0.15.0 line, commit 0d8e0714 that
+    Megatron-Bridge v0.2.0 pins: megatron/core/transformer/moe/experts.py, `forward`) passes
+    its input and probabilities through `Fp8Padding(num_local_experts)` and its output through
+    `Fp8Unpadding`; Transformer Engine v2.9 (transformer_engine/pytorch/module/fp8_padding.py)
+    returns the input untouched only when every local expert's row count is already a multiple
+    of 16 (`if m_splits == padded_m_splits: return inp, m_splits`), else copies every row
+    (`tex.fused_multi_row_padding`). Dropless, the counts are the routing's: a copy (derived:
+    all E/ep counts multiples of 16 is the exception, about 16^-(E/ep) for random routing); with
+    a capacity factor every local expert holds R/(E/ep) rows, a copy when that is not a
+    multiple of 16. Megatron's FP8 ("fp8", Transformer Engine) only: torchtitan, Hugging Face
+    and DeepSpeed run no TEGroupedMLP."""
+    if not spec.experts or spec.precision != "fp8" or spec.framework != "megatron":
+        return False
+    if not spec.capacity_factor:
+        return True
+    return (routed_rows(spec, shapes) // local_experts(spec)) % FP8_ROW_ALIGN != 0
+
+
+def fp8_padded_rows(spec: ModelSpec, shapes: LayerShapes) -> int:
+    """Rows of the padded buffer: each local expert's R/(E/ep) rows rounded up to 16 (TE v2.9
+    Fp8Padding, `(m + align_size - 1) // align_size * align_size`). Exact with a capacity
+    factor; dropless, the counts vary around that mean and the up to 15 zero rows per expert
+    they add are not counted."""
+    rows, experts = routed_rows(spec, shapes), local_experts(spec)
+    return experts * -(-(rows // experts) // FP8_ROW_ALIGN) * FP8_ROW_ALIGN
+
+
+def fp8_padding_moved(
+    spec: ModelSpec, shapes: LayerShapes
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Bytes the FP8 row padding of the expert GEMMs moves, ((fc1 forward, fc1 backward), (fc2
+    forward, fc2 backward)) over the R routed rows, R' padded (`fp8_padded_rows`), B-byte values
+    (the probabilities have the logits' dtype); zeros where nothing is padded
+    (`fp8_pads_expert_rows`). TE v2.9 fp8_padding.py / fp8_unpadding.py, each a row copy that
+    reads its rows and writes the others:
+
+    fc1 side: the input padded, B·(R + R')·h, and the probabilities, B·(R + R'); backward,
+    `_Fp8Padding.backward` un-pads the input's gradient and the probabilities', the same bytes.
+    fc2 side: the output un-padded, B·(R' + R)·h; backward, `_Fp8Unpadding.backward` pads the
+    output's gradient, the same."""
+    if not fp8_pads_expert_rows(spec, shapes):
+        return (0, 0), (0, 0)
+    rows = routed_rows(spec, shapes) + fp8_padded_rows(spec, shapes)
+    fc1 = shapes.B * rows * (spec.hidden + 1)
+    fc2 = shapes.B * rows * spec.hidden
+    return (fc1, fc1), (fc2, fc2)
+
+
 def shared_gate_moved(shapes: LayerShapes) -> tuple[int, int]:
     """Qwen2-MoE's sigmoid(x·w_g) · shared output over T tokens, (forward, backward): the
     sigmoid (B·T each way) and the product (X + B·T read, X written); backward the shared
@@ -314,6 +369,7 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
     fc1_width = (2 if gated else 1) * ffn_r
     act_saved = (2 if spec.fused_swiglu else 3) * ffn_r if gated else ffn_r
     weighted = probabilities_in_activation(spec)  # else the combine weights the outputs
+    padding = fp8_padding_moved(spec, shapes)  # FP8: the rows copied to 16-row alignment
     shared = spec.shared_ffn_hidden > 0
     logits = B * tokens * E
     # x's gradient: allocated by the first of its readers to be backpropagated (the shared
@@ -361,6 +417,7 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
             EXPERTS,
             grads=(B * rows * fc1_width, B * rows * h),
             matmul=expert_matmul(spec, shapes, fc1_width, h),
+            moved=padding[0],
         ),
         make_op(
             "expert_act",
@@ -379,6 +436,7 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
             EXPERTS,
             grads=(B * rows * h, B * rows * ffn_r),
             matmul=expert_matmul(spec, shapes, h, ffn_r),
+            moved=padding[1],
         ),
         make_op(
             "unpermute",
