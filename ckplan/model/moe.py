@@ -258,7 +258,9 @@ def fp8_pads_expert_rows(spec: ModelSpec, shapes: LayerShapes) -> bool:
     all E/ep counts multiples of 16 is the exception, about 16^-(E/ep) for random routing); with
     a capacity factor every local expert holds R/(E/ep) rows, a copy when that is not a
     multiple of 16. Megatron's FP8 ("fp8", Transformer Engine) only: torchtitan, Hugging Face
-    and DeepSpeed run no TEGroupedMLP."""
+    and DeepSpeed run no TEGroupedMLP. core_v0.14.0 pads the same way (its `fp8_padding`).
+    Megatron's --moe-router-padding-for-fp8, off by default, would pad the routing map instead
+    and skip the copy; ckplan has no key for it."""
     if not spec.experts or spec.precision != "fp8" or spec.framework != "megatron":
         return False
     if not spec.capacity_factor:
