@@ -127,12 +127,13 @@ def data_parallel_communicators(framework: str, zero: int, dp: int, tp: int, pp:
     """How many NCCL communicators a step runs over the same data-parallel ranks.
 
     One, but two under DeepSpeed ZeRO-3 without model parallelism, as a transformers model
-    runs it under the Trainer or accelerate (no `mpu`): deepspeedai/DeepSpeed v0.14.0,
+    runs it under the Trainer or accelerate (no `mpu`): deepspeedai/DeepSpeed v0.14.0 (the
+    same lines at v0.13.1 and v0.16.4),
     deepspeed/runtime/zero/partition_parameters.py `Init.__init__` gives every parameter
     `ds_process_group = dist.get_world_group()` (torch.distributed.group.WORLD) when no
     data_parallel_group is passed, as transformers' model construction under ZeRO-3
     (src/transformers/modeling_utils.py, `deepspeed.zero.Init(config_dict_or_path=
-    deepspeed_config())`, the same call in the 4.x releases and v5.25) and
+    deepspeed_config())`, the same call in the 4.4x releases and v5.25) and
     parameter_offload.py `_convert_to_zero_parameters` (mpu None: group None) call it, so the
     parameters' all-gathers run on WORLD; the engine's ZeRO-3 optimizer reduce-scatters the
     gradients on `dp_process_group = groups._get_sequence_data_parallel_group()` (engine.py),
