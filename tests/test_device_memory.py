@@ -8,6 +8,8 @@ import pytest
 
 from ckplan.hardware.device_memory import (
     DeviceMemory,
+    data_parallel_communicators,
+    data_parallel_nccl_bytes,
     device_memory,
     nccl_communicator_bytes,
     nccl_connections_per_channel,
@@ -154,7 +156,8 @@ def test_nvidia_smi_runs_are_scored_as_device_memory():
     gpu = load_gpu(run.gpu)
     device = prediction.plan.device_memory(gpu)
     assert prediction.predicted == device.total
-    assert device.nccl == 24 * 12 * MIB  # two ranks: one connection pair a channel
+    # two ranks: one connection pair a channel, in each of ZeRO-3's two communicators
+    assert device.nccl == 2 * 24 * 12 * MIB
 
 
 def test_fsdp_param_offload_maps_to_both_state_offload_keys():
@@ -163,3 +166,22 @@ def test_fsdp_param_offload_maps_to_both_state_offload_keys():
     assert state_offload_values(run) == {"optimizer_offload": "cpu", "param_offload": "cpu"}
     # ckplan models model states on the host for full training only: listed, not scored
     assert "model states on the host" in predict(run).status
+
+
+def test_deepspeed_zero3_holds_two_data_parallel_communicators():
+    # ZeRO-3 without an mpu: the parameters gather on WORLD, the gradients reduce-scatter on
+    # DeepSpeed's clone of it (groups._clone_world_group): two communicators over the dp ranks
+    assert data_parallel_communicators("deepspeed", 3, 8, 1, 1) == 2
+    assert data_parallel_communicators("deepspeed", 2, 8, 1, 1) == 1
+    assert data_parallel_communicators("deepspeed", 3, 8, 2, 1) == 1  # Megatron-DeepSpeed's mpu
+    assert data_parallel_communicators("hf", 3, 8, 1, 1) == 1
+    assert data_parallel_communicators("deepspeed", 3, 1, 1, 1) == 0
+
+
+def test_zero3_nccl_bytes_are_two_communicators_by_hand():
+    a100 = load_gpu("a100-40gb")
+    spec = load_spec("llama2-7b", {"framework": "deepspeed", "zero": 3, "dp": 2})
+    # two communicators of 2 ranks: 2 x 24 channels x 1 connection pair x 12 MiB = 576 MiB
+    assert data_parallel_nccl_bytes(spec, a100) == 2 * 24 * 1 * 12 * MIB
+    ddp = load_spec("llama2-7b", {"framework": "deepspeed", "zero": 2, "dp": 2})
+    assert data_parallel_nccl_bytes(ddp, a100) == 24 * 1 * 12 * MIB

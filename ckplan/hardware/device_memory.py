@@ -13,7 +13,8 @@ driver has handed to the process, whoever asked for it. PyTorch's statistics
   PyTorch since v1.13: pytorch/pytorch PR #86509 measured 287,047,680 bytes lazy against
   666,632,192 eager after one small tensor);
 - NCCL's communicator buffers (`nccl_communicator_bytes`), which NCCL allocates itself with
-  cudaMalloc/cuMem, not through PyTorch;
+  cudaMalloc/cuMem, not through PyTorch, once per communicator over the data-parallel ranks
+  (two under DeepSpeed ZeRO-3: `data_parallel_communicators`);
 - a paged bitsandbytes optimizer's states (`paged_optimizer_bytes`), CUDA unified memory that
   bitsandbytes allocates with cudaMallocManaged, resident on the device while it fits.
 
@@ -122,11 +123,42 @@ def nccl_communicator_bytes(ranks: int, gpu: GPU) -> int:
     return p2p + nccl_nvls_bytes(gpu.nccl_nvls_channels, local)
 
 
+def data_parallel_communicators(framework: str, zero: int, dp: int, tp: int, pp: int) -> int:
+    """How many NCCL communicators a step runs over the same data-parallel ranks.
+
+    One, but two under DeepSpeed ZeRO-3 without model parallelism, as a transformers model
+    runs it under the Trainer or accelerate (no `mpu`): deepspeedai/DeepSpeed v0.14.0 (the
+    same lines at v0.13.1 and v0.16.4),
+    deepspeed/runtime/zero/partition_parameters.py `Init.__init__` gives every parameter
+    `ds_process_group = dist.get_world_group()` (torch.distributed.group.WORLD) when no
+    data_parallel_group is passed, as transformers' model construction under ZeRO-3
+    (src/transformers/modeling_utils.py, `deepspeed.zero.Init(config_dict_or_path=
+    deepspeed_config())`, the same call in the 4.4x releases and v5.25) and
+    parameter_offload.py `_convert_to_zero_parameters` (mpu None: group None) call it, so the
+    parameters' all-gathers run on WORLD; the engine's ZeRO-3 optimizer reduce-scatters the
+    gradients on `dp_process_group = groups._get_sequence_data_parallel_group()` (engine.py),
+    which without an mpu is `_clone_world_group()` (deepspeed/utils/groups.py:
+    `dist.new_group(ranks=range(dist.get_world_size()))`), a second process group over the same
+    ranks with its own NCCL communicator (PyTorch's ProcessGroupNCCL creates one per group; a
+    split one shares no buffers unless NCCL_COMM_SPLIT_SHARE_RESOURCES=1). Both run every
+    step, so both hold their buffers at the peak. Megatron-DeepSpeed passes its mpu's
+    data-parallel group to both; with tp or pp > 1 ckplan takes that case: one."""
+    if dp <= 1:
+        return 0
+    if framework == "deepspeed" and zero == 3 and tp == 1 and pp == 1:
+        return 2
+    return 1
+
+
 def data_parallel_nccl_bytes(spec: ModelSpec, gpu: GPU) -> int:
-    """NCCL's buffers for the data-parallel communicator (gradient all-reduce, or ZeRO/FSDP's
-    all-gather and reduce-scatter) over spec.dp GPUs. The tensor-, pipeline-, context- and
-    expert-parallel groups' communicators are not counted."""
-    return nccl_communicator_bytes(spec.dp, gpu)
+    """NCCL's buffers for the data-parallel communicators (gradient all-reduce, or ZeRO/FSDP's
+    all-gather and reduce-scatter) over spec.dp GPUs, `data_parallel_communicators` of them.
+    The tensor-, pipeline-, context- and expert-parallel groups' communicators are not
+    counted."""
+    communicators = data_parallel_communicators(
+        spec.framework, spec.zero, spec.dp, spec.tp, spec.pp
+    )
+    return communicators * nccl_communicator_bytes(spec.dp, gpu)
 
 
 def paged_optimizer_bytes(spec: ModelSpec) -> int:
