@@ -49,8 +49,15 @@ parameter (its mixed-precision recipe) and adds buffers of its own:
   and Adam, 16 bytes per parameter; DDP's reducer keeps its buckets beside the gradients
   (gradient_as_bucket_view off by default: another 4 bytes per parameter); autocast caches a bf16
   copy of every fp32 weight for the forward and backward (2 bytes per parameter; none when
-  weight_bytes is 2, weights already in bf16 as in pure-bf16 training). No tensor, pipeline,
-  context or expert parallelism; ZeRO-2/3 through accelerate's FSDP or DeepSpeed.
+  weight_bytes is 2, weights already in bf16 as in pure-bf16 training). With zero 3 over more
+  than one rank (FSDP1 FULL_SHARD with bf16 mixed precision, `fsdp1_resharding`) the weights
+  autocast sees are FSDP's bf16 unsharded copies, so it caches none: FSDP1 keeps the root unit's
+  copy (embedding, final norm, output layer) from the forward to the end of the backward
+  (`fsdp1_kept_unsharded_bytes`) and, while a layer runs, its copy, its bf16 gradients and the
+  output layer's waiting gradient, as that layer's chain workspace (`fsdp1_layer_forward_bytes`,
+  `fsdp1_layer_backward_bytes`, `fsdp1_embedding_backward_bytes`; measured on the CPU:
+  validation/torch_fsdp1_memory.py). No tensor, pipeline, context or expert parallelism;
+  ZeRO-2/3 through accelerate's FSDP or DeepSpeed.
 
 Model states in host memory (`optimizer_offload: cpu`, `param_offload: cpu`;
 `state_offload_error` says what each framework runs, ckplan.model.memory `offloaded_states`
@@ -439,7 +446,10 @@ def fsdp1_resharding(spec) -> bool:
     layer) the root unit, bf16 mixed precision. Its layers' unsharded copies and gradients
     then live only while a layer runs, and ckplan holds them as the layers' chain workspaces
     (`fsdp1_layer_forward_bytes`, `fsdp1_layer_backward_bytes`) beside the root's copy kept
-    from the forward to the end of the backward (`fsdp1_kept_unsharded_bytes`)."""
+    from the forward to the end of the backward (`fsdp1_kept_unsharded_bytes`). The published
+    runs ckplan reads as `hf` include torchtune's (FSDP2 since its 0.3) and Composer's (FSDP1
+    with its own prefetch settings): at zero 3 over several ranks they are counted the
+    Trainer's way."""
     return (
         spec.framework == "hf"
         and spec.zero == 3
