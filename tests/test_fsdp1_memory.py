@@ -115,3 +115,34 @@ def test_root_gradient_shard_after_the_backward():
     grads = memory.chain_gradient_bytes(_small_spec())
     assert grads[0] == grads[-1] == 0
     assert grads[1:-1] == (4 * LAYER // 8,) * 4
+
+
+def _full_plan():
+    from ckplan.plan import evaluate, parse_strategy
+
+    spec = _small_spec(framework_version="4.44")  # transformers v4.43.0's loss, as 4.44.0's
+    return evaluate(spec, parse_strategy("full", spec))
+
+
+def test_plan_peak_against_the_measured_loss_peak():
+    # beyond the fp32 weight shards and AdamW's states (alive before the step), ckplan's peak
+    # (the eager loss with the shifted copy, the root's copy kept) is the measured one to 1 %:
+    # 44,585,472 against 44,973,800 bytes
+    plan = _full_plan()
+    states = plan.model_states
+    beyond = plan.total_bytes - states.weights - states.optimizer
+    measured = RESULTS["peaks"]["loss"]["bytes"]
+    assert states.gradients == 0 and states.buffers == 6_144_512
+    assert abs(beyond / measured - 1) < 0.01
+
+
+def test_plan_embedding_backward_against_the_measurement():
+    # the embedding's backward, the chain's last step: its workspace, the root's kept copy and
+    # every layer's fp32 gradient shard, to 2 % of the measured 19,672,296 bytes
+    from ckplan.plan.timeline import memory_timeline
+
+    plan = _full_plan()
+    during = memory_timeline(plan).during_bytes[-1]
+    shards = sum(memory.chain_gradient_bytes(plan.spec))
+    measured = RESULTS["peaks"]["embedding_backward"]["bytes"]
+    assert abs((during + plan.model_states.buffers + shards) / measured - 1) < 0.02
