@@ -156,8 +156,9 @@ def test_which_layouts_reshard(changes, resharding):
 
 def _added_workspaces(spec):
     """Per stage, the forward and backward workspace bytes torchtitan's FSDP2 adds to the same
-    chain under plain ZeRO-3 (Hugging Face's)."""
-    plain = layer_chain(spec.replace(framework="hf", zero=3, framework_version=None), ())
+    chain under Hugging Face's ZeRO-2 (FSDP1 SHARD_GRAD_OP, whose chain holds no buffers)."""
+    # hf at zero 2 (FSDP1 SHARD_GRAD_OP): no buffers in its chain (zero 3 has FSDP1's, fsdp1_*)
+    plain = layer_chain(spec.replace(framework="hf", zero=2, framework_version=None), ())
     chain = layer_chain(spec, ())
     return (
         [

@@ -49,8 +49,15 @@ parameter (its mixed-precision recipe) and adds buffers of its own:
   and Adam, 16 bytes per parameter; DDP's reducer keeps its buckets beside the gradients
   (gradient_as_bucket_view off by default: another 4 bytes per parameter); autocast caches a bf16
   copy of every fp32 weight for the forward and backward (2 bytes per parameter; none when
-  weight_bytes is 2, weights already in bf16 as in pure-bf16 training). No tensor, pipeline,
-  context or expert parallelism; ZeRO-2/3 through accelerate's FSDP or DeepSpeed.
+  weight_bytes is 2, weights already in bf16 as in pure-bf16 training). With zero 3 over more
+  than one rank (FSDP1 FULL_SHARD with bf16 mixed precision, `fsdp1_resharding`) the weights
+  autocast sees are FSDP's bf16 unsharded copies, so it caches none: FSDP1 keeps the root unit's
+  copy (embedding, final norm, output layer) from the forward to the end of the backward
+  (`fsdp1_kept_unsharded_bytes`) and, while a layer runs, its copy, its bf16 gradients and the
+  output layer's waiting gradient, as that layer's chain workspace (`fsdp1_layer_forward_bytes`,
+  `fsdp1_layer_backward_bytes`, `fsdp1_embedding_backward_bytes`; measured on the CPU:
+  validation/torch_fsdp1_memory.py). No tensor, pipeline, context or expert parallelism;
+  ZeRO-2/3 through accelerate's FSDP or DeepSpeed.
 
 Model states in host memory (`optimizer_offload: cpu`, `param_offload: cpu`;
 `state_offload_error` says what each framework runs, ckplan.model.memory `offloaded_states`
@@ -372,6 +379,8 @@ def buffer_bytes(
             return deepspeed_zero3_reduce_bytes(stage_params) + prefetch + live
         gather = min(DEEPSPEED_ALLGATHER_BUCKET, stage_params) * HALF
         return reduce + gather
+    if fsdp1_resharding(spec):  # the layers' copies are their chain stages' (fsdp1_layer_*)
+        return fsdp1_kept_unsharded_bytes(root_params)
     if framework == "hf":
         buckets = 4 * stage_params if dp > 1 and zero == 0 else 0  # DDP's reducer buckets
         # autocast caches the bf16 cast of an fp32 leaf weight only (PyTorch
@@ -427,6 +436,90 @@ def deepspeed_persistent_bytes(
     `if not p.ds_persist`). Their partitions are counted with the model states; this is the
     replicated copy beside them. `tensor_elements`: the elements of each parameter tensor."""
     return HALF * sum(elements for elements in tensor_elements if elements <= threshold)
+
+
+def fsdp1_resharding(spec) -> bool:
+    """Whether the spec runs PyTorch FSDP (FSDP1, FullyShardedDataParallel) with FULL_SHARD as
+    the Hugging Face Trainer builds it through accelerate (hf, zero 3, more than one
+    data-parallel rank, full training): each decoder layer an FSDP unit
+    (`transformer_auto_wrap_policy`), the rest of the model (embedding, final norm, output
+    layer) the root unit, bf16 mixed precision. Its layers' unsharded copies and gradients
+    then live only while a layer runs, and ckplan holds them as the layers' chain workspaces
+    (`fsdp1_layer_forward_bytes`, `fsdp1_layer_backward_bytes`) beside the root's copy kept
+    from the forward to the end of the backward (`fsdp1_kept_unsharded_bytes`). The published
+    runs ckplan reads as `hf` include torchtune's (FSDP2 since its 0.3) and Composer's (FSDP1
+    with its own prefetch settings): at zero 3 over several ranks they are counted the
+    Trainer's way."""
+    return (
+        spec.framework == "hf"
+        and spec.zero == 3
+        and spec.pp == 1
+        and spec.dp * spec.cp > 1
+        and spec.training == "full"
+    )
+
+
+def fsdp1_kept_unsharded_bytes(root_params: int) -> int:
+    """The bf16 unsharded parameters FSDP1 keeps from the forward to the end of the backward:
+    the root unit's, every parameter outside the decoder layers (`root_params`: embedding,
+    final norm, output layer). FSDP1 never frees the root's unsharded flat parameter after
+    forward ("Do not free the root's parameters in the post-forward for `FULL_SHARD` with the
+    intention that they are immediately used for backward computation",
+    torch/distributed/fsdp/_runtime_utils.py `_post_forward_reshard`, PyTorch v2.13.0); it is
+    freed at the root's post-backward, after the embedding's backward. Measured on the CPU
+    (validation/torch_fsdp1_memory.py, a transformers LlamaForCausalLM under FSDP1 on 8 fake
+    ranks): the root's 6,144,512-byte flat parameter (2 · 3,072,256) alive at the loss's and at
+    every layer's backward peak."""
+    return HALF * root_params
+
+
+def fsdp1_layer_forward_bytes(layer_params: int) -> int:
+    """What a decoder layer's forward (and its recomputation) holds of FSDP1's buffers: its
+    bf16 unsharded flat parameter, freed at its post-forward. No other layer's: the Hugging
+    Face Trainer leaves forward_prefetch off (transformers v4.43.0 training_args.py
+    `fsdp_config.get("forward_prefetch", "false")`), and FSDP1's `limit_all_gathers` only
+    throttles the CPU thread. derived from torch/distributed/fsdp/_runtime_utils.py
+    (`_pre_forward_unshard`, `_post_forward_reshard`, PyTorch v2.13.0)."""
+    return HALF * layer_params
+
+
+def fsdp1_layer_backward_bytes(layer_params: int, output_params: int) -> int:
+    """What a decoder layer's backward holds of FSDP1's buffers beyond the root's kept copy
+    (`fsdp1_kept_unsharded_bytes`), under the Hugging Face Trainer's FSDP settings:
+
+    - its bf16 unsharded parameters, gathered again at its pre-backward;
+    - no prefetched layer: the Trainer's `backward_prefetch` defaults to "NO_PREFETCH"
+      (transformers v4.43.0 training_args.py `fsdp_config.get("backward_prefetch",
+      "NO_PREFETCH")`), which accelerate maps to FSDP's backward_prefetch None (accelerate
+      v0.33.0 utils/dataclasses.py `FullyShardedDataParallelPlugin.__post_init__`);
+    - its bf16 unsharded gradient (param_dtype bf16; reduce_dtype bf16, so no fp32 copy),
+      reduce-scattered at its post-backward;
+    - the output layer's bf16 gradient (`output_params`): the root unit's parameters are views
+      of one flat parameter, whose gradient autograd forms only when the embedding's has
+      arrived, so the output layer's waits from its backward (or, under Liger-Kernel's fused
+      linear cross-entropy, from the loss's forward) to the end of the backward.
+
+    derived: the sum of the above at the layer's backward compute; measured
+    (validation/torch_fsdp1_memory.py, at the layers' backward peak): the root's copy, the
+    output layer's 3,072,000-byte gradient (2 · 6000 · 256), one layer's 1,180,672-byte
+    parameters and its weights' gradients as they are written."""
+    return HALF * layer_params + HALF * layer_params + HALF * output_params
+
+
+def fsdp1_embedding_backward_bytes(
+    root_params: int, embedding_params: int, output_params: int
+) -> int:
+    """What the embedding's backward holds of FSDP1's buffers beyond the root's kept copy: the
+    embedding's dense bf16 gradient, the output layer's, which has waited since its backward
+    (`fsdp1_layer_backward_bytes`), and the root unit's whole bf16 flat gradient, which
+    autograd forms from them (the views' split backward) before the root's post-backward
+    reduce-scatters it; the root's fp32 gradient shard comes only then, when the pieces are
+    freed (torch/distributed/fsdp/_runtime_utils.py `_post_backward_hook`, `_reduce_grad`,
+    PyTorch v2.13.0), so ckplan counts the root's gradient shard after the backward, not in it
+    (ckplan.model.memory `chain_gradient_bytes`). Measured (validation/torch_fsdp1_memory.py,
+    the embedding's backward peak): 2 · 6,144,512 (the kept copy and the flat gradient) +
+    2 · 3,072,000 (the two V x h gradients)."""
+    return HALF * (root_params + embedding_params + output_params)
 
 
 def fsdp2_resharding(spec) -> bool:

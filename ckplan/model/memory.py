@@ -1085,6 +1085,12 @@ def chain_gradient_bytes(spec: ModelSpec) -> tuple[int, ...]:
             embedding, output = embedding - words, output + words
         first = states_of(spec, embedding, 0).gradients
         last = states_of(spec, output, 0).gradients
+        if frameworks.fsdp1_resharding(spec):
+            # FSDP1's root unit (embedding, final norm, output) reduces its flat gradient after
+            # the embedding's backward: its shard comes after the chain's last step, and
+            # its bf16 pieces are the chain's workspaces (frameworks.fsdp1_layer_backward_bytes,
+            # fsdp1_embedding_backward_bytes)
+            first = last = 0
     else:
         adapters = finetune.lora_layer_parameters(spec)
         per_layer = [states_of(spec, adapters, 0).gradients for _ in kinds]

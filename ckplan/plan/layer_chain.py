@@ -83,7 +83,42 @@ def layer_chain(
     chain = _layer_chain(spec.chain, recompute_groups(selective), stage)
     if isinstance(spec, ModelSpec) and frameworks.fsdp2_resharding(spec):
         return _with_fsdp2_buffers(spec, chain, stage)
+    if isinstance(spec, ModelSpec) and frameworks.fsdp1_resharding(spec):
+        return _with_fsdp1_buffers(spec, chain)
     return chain
+
+
+_FSDP1_CHAINS = BoundedCache(max_entries=4096, max_weight=1_000_000)
+
+
+def _with_fsdp1_buffers(spec: ModelSpec, chain: Chain) -> Chain:
+    """`chain` with FSDP1's per-layer buffers in its layers' workspaces
+    (`frameworks.fsdp1_layer_forward_bytes`, `frameworks.fsdp1_layer_backward_bytes`) and the
+    root unit's gradient in the embedding stage's backward
+    (`frameworks.fsdp1_embedding_backward_bytes`): they live only while a unit runs, so the
+    loss's peak does not hold them. Remembered by chain (identity) and the sizes."""
+    layer = memory.largest_layer_parameters(spec, 0)
+    output = memory.output_layer_parameters(spec)
+    embedding = memory.embedding_parameters(spec, 0)
+    root = memory.outside_layer_parameters(spec, 0)
+    key = (id(chain), layer, output, embedding, root)
+    entry = _FSDP1_CHAINS.get(key)
+    if entry is not None and entry[0] is chain:
+        return entry[1]
+    first = layer_offset(spec, True)
+    last = chain.length - 1 - (1 if spec.kind == "transformer" and spec.vocab > 0 else 0)
+    forward = list(chain.forward_workspace_bytes)
+    backward = list(chain.backward_workspace_bytes)
+    for i in range(first, last + 1):
+        forward[i] += frameworks.fsdp1_layer_forward_bytes(layer)
+        backward[i] += frameworks.fsdp1_layer_backward_bytes(layer, output)
+    if first:  # the embedding stage: the root's flat gradient is formed in its backward
+        backward[0] += frameworks.fsdp1_embedding_backward_bytes(root, embedding, output)
+    with_buffers = dataclasses.replace(
+        chain, forward_workspace_bytes=tuple(forward), backward_workspace_bytes=tuple(backward)
+    )
+    _FSDP1_CHAINS.put(key, (chain, with_buffers), chain.length)
+    return with_buffers
 
 
 _FSDP2_CHAINS = BoundedCache(max_entries=4096, max_weight=1_000_000)
