@@ -91,6 +91,13 @@ def test_a100_datasheet_figures(a100):
     assert a100.memory_bytes == 81158 * 2**20 and isinstance(a100.memory_bytes, int)
 
 
+def test_mi300x_memory_is_what_hip_reports():
+    """hipGetDeviceProperties' totalGlobalMem of an MI300X, 196,592 MiB (torch's total_memory),
+    not the datasheet's 192 GB read as 192e9 bytes."""
+    gpu = load_gpu("mi300x")
+    assert gpu.memory_bytes == 196592 * 2**20 and isinstance(gpu.memory_bytes, int)
+
+
 @pytest.mark.parametrize(
     ("change", "fragment"),
     [
