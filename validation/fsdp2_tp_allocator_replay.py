@@ -31,9 +31,10 @@ with the default allocator and -82 to +440 MiB with expandable segments
 Replayed with torch 2.13.0 and torchtitan 0.3.0, expandable segments
 (validation/results-fsdp2-allocator-replay-torch-2.13.0.json): the 70B 2-D step's allocated
 peak 57.46 GiB (FSDPMemTracker's less the unsharded parameters, to 1 MiB), reserved 64.46 GiB,
-7.0 GiB beyond, 4.75 GiB of it one free block of the last blocks' whole-sequence all-gather
-outputs; the 8B step 63.45 and 71.76 GiB, 8.3 GiB beyond, 3.91 GiB of it the bf16 logits'
-block. ckplan's slack adds 4.1 and 4.9 GiB to its allocated peaks of those runs.
+7.0 GiB beyond, 4.75 GiB of it one free block: the output layer's bf16 logits (3.91 GiB,
+idle while every later request of the loss is fp32 and twice their size) and the final norm's
+freed temporaries beside them; the 8B step 63.45 and 71.76 GiB, 8.3 GiB beyond, 3.91 GiB of
+it the bf16 logits' block. ckplan's slack adds 4.1 and 4.9 GiB to its allocated peaks of those runs.
 
 Usage: python validation/fsdp2_tp_allocator_replay.py [--write] [--h200] [--layers N --kind
 tp|fsdp --ac full|op --batch B --seq S]
