@@ -26,7 +26,8 @@ v2.4.0 tag of August 2024 itself was not read):
   `release_cached_blocks` after a failed cudaMalloc) or on `empty_cache`, which this replay
   never meets: it models a device with memory to spare, where reserved only grows.
 
-One stream (blocks are kept per stream), no CUDA graphs, no expandable segments.
+One stream (blocks are kept per stream), no CUDA graphs; `ExpandableAllocator` below replays
+the same rules with expandable segments.
 """
 
 from __future__ import annotations
@@ -185,3 +186,110 @@ def replay(events: list[tuple[str, int, int]], allocator: CachingAllocator | Non
         else:
             allocator.free(live.pop(key))
     return allocator
+
+
+@dataclass
+class ExpandableAllocator:
+    """The allocator with `expandable_segments:True` (PYTORCH_CUDA_ALLOC_CONF; torchtitan's
+    run_llama_train.sh sets it), one stream, its rules from c10/cuda/CUDACachingAllocator.cpp
+    ("Note [Expandable Segments]", `get_free_block`, `should_split`,
+    `find_expandable_block`, `map_block`, `try_allocate_expandable_block`):
+
+    - each pool (small, large) is one virtual address range that grows by mapping pages at its
+      end: 2 MiB (kSmallBuffer) pages for the small pool, 20 MiB (kLargeBuffer) for the large;
+    - a request first takes the smallest free mapped block at least its size
+      (`get_free_block`, as without expandable segments);
+    - when none fits, the allocator maps pages after the pool's mapped end, fusing a free block
+      that ends there into the new block (`try_allocate_expandable_block`: the chain "free ->
+      unmapped" at the lowest address with room; with nothing ever unmapped that is the end);
+    - a block splits whenever 512 bytes or more remain (`should_split`: `is_small ||
+      expandable_segments()` -> `remaining >= kMinBlockSize`); freed blocks merge with free
+      neighbours;
+    - mapped pages stay mapped (reserved) until `empty_cache` or an allocation failure, which
+      this replay, with memory to spare, never meets: the reserved peak is the pools' mapped
+      ends."""
+
+    free_blocks: dict[bool, list[tuple[int, int, Block]]] = field(
+        default_factory=lambda: {True: [], False: []}
+    )
+    last: dict[bool, Block | None] = field(default_factory=lambda: {True: None, False: None})
+    mapped_end: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    allocated: int = 0
+    reserved: int = 0
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+
+    _insert = CachingAllocator._insert
+    _remove = CachingAllocator._remove
+    cached = CachingAllocator.cached
+
+    def _free_block_for(self, size: int, small: bool) -> Block | None:
+        pool = self.free_blocks[small]
+        index = bisect.bisect_left(pool, (size, -1))
+        if index == len(pool):
+            return None
+        block = pool[index][2]
+        self._remove(block)
+        return block
+
+    def _grow(self, size: int, small: bool) -> Block:
+        """Map pages at the pool's end for `size` bytes, taking a free block that ends there."""
+        tail = self.last[small]
+        if tail is not None and not tail.allocated:
+            self._remove(tail)
+        else:
+            tail = Block(self.mapped_end[small], 0, small, prev=tail)
+            if tail.prev is not None:
+                tail.prev.next = tail
+            self.last[small] = tail
+        page = SMALL_BUFFER if small else LARGE_BUFFER
+        grow = -(-(size - tail.size) // page) * page
+        tail.size += grow
+        self.mapped_end[small] += grow
+        self.reserved += grow
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        return tail
+
+    def malloc(self, requested: int) -> Block:
+        size = round_size(requested)
+        small = size <= SMALL_SIZE
+        block = self._free_block_for(size, small) or self._grow(size, small)
+        if block.size - size >= MIN_BLOCK_SIZE:
+            remaining = Block(block.address + size, block.size - size, small, prev=block)
+            remaining.next = block.next
+            if block.next:
+                block.next.prev = remaining
+            else:
+                self.last[small] = remaining
+            block.next = remaining
+            block.size = size
+            self._insert(remaining)
+        block.allocated = True
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return block
+
+    def free(self, block: Block) -> None:
+        assert block.allocated
+        block.allocated = False
+        self.allocated -= block.size
+        for neighbour in (block.prev, block.next):
+            if neighbour is None or neighbour.allocated:
+                continue
+            self._remove(neighbour)
+            if neighbour is block.prev:
+                block.address = neighbour.address
+                block.prev = neighbour.prev
+                if block.prev:
+                    block.prev.next = block
+            else:
+                block.next = neighbour.next
+                if block.next:
+                    block.next.prev = block
+            if self.last[block.small] is neighbour:
+                self.last[block.small] = block
+            block.size += neighbour.size
+        self._insert(block)
+
+    def reset_peaks(self) -> None:
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
