@@ -212,7 +212,8 @@ def best_expressible(spec: ModelSpec, candidates, target: str, version: str | No
     from ckplan.plan.search import choose, cost_key
 
     written = [c for c in candidates if why_not(c.plan, target, version) is None]
-    return choose(written, cost_key("flops")).best if written else None
+    # the target writes each of them, whether or not it is one of the job's framework's
+    return choose(written, cost_key("flops"), lambda c: True).best if written else None
 
 
 __all__ = [
