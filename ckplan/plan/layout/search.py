@@ -536,13 +536,16 @@ class _Run:
         self._keep(evaluated)
 
     def _keep(self, evaluated: Evaluated) -> None:
+        """Hold `evaluated` where it is the fastest of its layout-but-for-ZeRO, or the same
+        layout evaluated again (`refine`: as fast, with the DP's reference beside it)."""
         if not evaluated.fits:
             return
         key = evaluated.layout.without_zero()
         held = self.best.get(key)
-        if held is None or (evaluated.seconds, evaluated.layout.zero) < (
-            held.seconds,
-            held.layout.zero,
+        if (
+            held is None
+            or (evaluated.seconds, evaluated.layout.zero) < (held.seconds, held.layout.zero)
+            or (evaluated.layout == held.layout and evaluated.seconds <= held.seconds)
         ):
             self.best[key] = evaluated
             self._kth = None
