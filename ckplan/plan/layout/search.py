@@ -536,19 +536,21 @@ class _Run:
         self._keep(evaluated)
 
     def _keep(self, evaluated: Evaluated) -> None:
-        """Hold `evaluated` where it is the fastest of its layout-but-for-ZeRO, or the same
-        layout evaluated again (`refine`: as fast, with the DP's reference beside it)."""
+        """Hold `evaluated` where it is the fastest of its layout-but-for-ZeRO; where it is the
+        held layout evaluated again and no faster (`refine`), the held one with its reference
+        (the DP's schedule that no export of the framework writes, reported beside it)."""
         if not evaluated.fits:
             return
         key = evaluated.layout.without_zero()
         held = self.best.get(key)
-        if (
-            held is None
-            or (evaluated.seconds, evaluated.layout.zero) < (held.seconds, held.layout.zero)
-            or (evaluated.layout == held.layout and evaluated.seconds <= held.seconds)
+        if held is None or (evaluated.seconds, evaluated.layout.zero) < (
+            held.seconds,
+            held.layout.zero,
         ):
             self.best[key] = evaluated
             self._kth = None
+        elif evaluated.layout == held.layout and evaluated.reference is not held.reference:
+            self.best[key] = dataclasses.replace(held, reference=evaluated.reference)
 
     def _candidate(self, spec: ModelSpec, name: str) -> Candidate:
         plan = evaluate(spec, parse_strategy(name, spec))
