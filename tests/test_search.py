@@ -351,7 +351,7 @@ def test_sweep_names_no_optimal_that_recomputes_the_embedding_with_layers():
         assert phrase in exports.why_not(reference, target), target
 
 
-# The launcher targets of `ckplan export` for each framework's jobs (docs/export.md): its own
+# The launcher targets of `ckplan export` for each framework's jobs (docs/exports.md): its own
 # configuration, and the torch snippet where the job's code wraps its layers itself.
 FRAMEWORK_TARGETS = {
     "megatron": ("megatron",),

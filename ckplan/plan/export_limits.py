@@ -266,7 +266,7 @@ def elementwise_ops(spec: ModelSpec) -> dict[str, tuple[tuple[str, int], ...]]:
     return {name: ops for name, ops in _HF_ELEMENTWISE.items() if name not in internal}
 
 
-# The launcher targets of `ckplan export` that run each framework's jobs (docs/export.md): its
+# The launcher targets of `ckplan export` that run each framework's jobs (docs/exports.md): its
 # own configuration, and the torch snippet where the job's code wraps its layers itself
 # (torchtitan's blocks, DeepSpeed's engine, Hugging Face's Trainer and torchtune's recipes).
 FRAMEWORK_TARGETS = {

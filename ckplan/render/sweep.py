@@ -201,9 +201,11 @@ def sweep_view(
             )
         parts.append(candidates_table(shown, title, result.best))
     offloads = [c for c in (result.candidates if show_all else shown) if c.plan.stage_offloads]
-    best = result.best
-    if best is not None and best.plan.stage_offloads and best not in offloads:
-        offloads.append(best)  # a plan within the host memory, beaten only by plans beyond it
+    for named in (result.best, result.reference):
+        # a plan within the host memory, beaten only by plans beyond it; the reference beside
+        # the best, which an export of another framework writes
+        if named is not None and named.plan.stage_offloads and named not in offloads:
+            offloads.append(named)
     if offloads:
         parts.append(Text("Offload (tapes in pinned host memory, copies beside compute):"))
         parts += [Text("  " + offload_text(c.plan, c.time, c.host_budget_bytes)) for c in offloads]
