@@ -205,7 +205,8 @@ def test_sweep_names_no_reference_as_its_best_plan(cli):
     argv = ["sweep", *REVOLVE_ONLY, "--budget", str(budget)]
     code, out, _ = cli(*argv, "-q")
     assert code == 1 and "Best plan that fits" not in out
-    assert "No plan an export writes fits: the smallest plan an export writes reaches is" in out
+    written = "plan a megatron export writes"
+    assert f"No {written} fits: the smallest {written} reaches" in " ".join(out.split())
     assert f"({least.plan.strategy})" in out
     assert "revolve:1 fits (" in out and "where no plan a megatron export writes does" in out
     assert "revolve:1: a reference schedule no export writes" in out

@@ -305,12 +305,14 @@ def sweep_verdict(result: SweepResult) -> Text:
             style="bold green",
         )
     smallest = result.smallest_written
-    # with a reference beside it (`reference_text`), what is named is what an export writes
+    # with a reference beside it (`reference_text`), what is named is what an export of the
+    # model's framework writes
     reference = result.reference
-    nothing = "No plan an export writes fits" if reference and reference.fits else "Nothing fits"
+    written = f"plan a {result.spec.framework} export writes"  # `search.Candidate.exported`
+    nothing = f"No {written} fits" if reference and reference.fits else "Nothing fits"
     least = "the smallest any plan reaches"
     if reference is not None:
-        least = "the smallest plan an export writes reaches"
+        least = f"the smallest {written} reaches"
     host = smallest.host_budget_bytes
     if smallest.headroom_bytes >= 0 and host is not None and smallest.plan.model_states.host:
         return Text(
