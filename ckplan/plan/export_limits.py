@@ -279,8 +279,13 @@ FRAMEWORK_TARGETS = {
 # writes any plan), in the order a note names one that writes a plan: the torch snippet first,
 # which refuses no layout.
 LAUNCHERS = ("torch", "deepspeed", "torchtitan", "torchtune", "peft", "megatron")
-# Targets that write offloaded tapes (exports.why_not)
+# Targets that write offloaded tapes (exports.why_not), and how a note names the others
 OFFLOAD_TARGETS = ("torch", "deepspeed", "torchtune")
+NO_OFFLOAD = {
+    "megatron": "no Megatron-LM flag",  # exports.megatron.offload_reason
+    "torchtitan": "no torchtitan option",
+    "peft": "no Trainer argument",
+}
 
 
 def target_reason(
@@ -320,7 +325,7 @@ def _common_reason(
     mixed plan outside the torch snippet, DeepSpeed's cpu_checkpointing
     (exports.deepspeed.offload_reason)."""
     if offloads and target not in OFFLOAD_TARGETS:
-        return f"{target} writes no offloaded tapes"
+        return f"{NO_OFFLOAD[target]} offloads these tapes to host"
     if spec.mlp_tiles > 1:
         return "TiledMLP replaces the MLP's forward in the model's code; no config key runs it"
     if spec.mtp_layers and target != "megatron":
