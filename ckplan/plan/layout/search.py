@@ -592,8 +592,12 @@ class _Run:
         # offers it (`search.candidate_strategies`): not torchtitan 0.3.0's sac-fused
         if word and not layerwise_export_reason(parse_policy(sweep_policy(spec)), "block:N"):
             prefixes += (f"{word}+block:",)
-        for prefix in prefixes:
-            tried.append(self._fewest_blocks(spec, prefix))
+        blocks = [self._fewest_blocks(spec, prefix) for prefix in prefixes]
+        tried += blocks
+        if not any(c.exported for c in blocks):
+            # Megatron-LM's block method with virtual stages or MTP layers is not ckplan's
+            # block:N (exports.megatron.reason): its flags write full recomputation
+            tried.append(self._candidate(spec, "full"))
         if check_policy_model(spec) is None:  # the cheapest per-op policy that fits
             best = best_policy_plan(spec, self.usable, self.gpu)
             if best is not None:
