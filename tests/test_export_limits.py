@@ -117,3 +117,13 @@ def test_a_plan_of_the_framework_is_one_a_target_of_the_framework_writes(model, 
             writer = note.rsplit("--to ", 1)[1].split()[0]
             assert writer not in targets
             assert plan_target_reason(plan, writer) is None
+
+
+def test_the_plan_layer_judges_every_launcher_of_every_framework():
+    """`LAUNCHERS` are the export targets but `yaml` (which writes any plan), and every
+    framework a model may name has its targets among them."""
+    from ckplan.model.parts import FRAMEWORKS
+
+    assert set(LAUNCHERS) == set(exports.TARGETS) - {"yaml"}
+    assert set(FRAMEWORK_TARGETS) == set(FRAMEWORKS)
+    assert all(set(targets) <= set(LAUNCHERS) for targets in FRAMEWORK_TARGETS.values())
