@@ -515,13 +515,19 @@ def framework_reason(plan: Plan) -> str | None:
 
 
 def framework_note(plan: Plan) -> str | None:
-    """The note of a plan that no target of its framework writes: why, and which other export
-    (`LAUNCHERS`, in order) writes it; None where one of its framework's targets does."""
-    why = framework_reason(plan)
-    if why is None:
+    """The note of a plan that no target of its framework writes (`framework_reason`): why,
+    and which other export (`LAUNCHERS`, in order) writes it; None where one of its
+    framework's targets does, or the plan has no steps."""
+    if not plan.steps:
         return None
     framework = plan.spec.framework
-    targets = ", ".join(f"--to {t}" for t in FRAMEWORK_TARGETS[framework])
-    other = [t for t, why in zip(LAUNCHERS, _reasons(plan, LAUNCHERS), strict=True) if not why]
+    reasons = dict(zip(LAUNCHERS, _reasons(plan, LAUNCHERS), strict=True))
+    own = FRAMEWORK_TARGETS[framework]
+    if any(reasons[target] is None for target in own):
+        return None
+    targets = ", ".join(f"--to {t}" for t in own)
+    other = [t for t in LAUNCHERS if reasons[t] is None]
     writes = f"--to {other[0]} writes it" if other else "no other export writes it"
-    return f"{plan.strategy}: no {framework} export ({targets}) writes it; {why}; {writes}"
+    return (
+        f"{plan.strategy}: no {framework} export ({targets}) writes it; {reasons[own[0]]}; {writes}"
+    )
