@@ -169,21 +169,22 @@ def test_sweep_tries_offload(spec_of):
 
 
 def test_sweep_says_how_offload_compares_with_recomputation(spec_of, capsys):
-    """Llama 3 8B at 16k tokens on RTX 4090s (ZeRO-3 over 16): the fastest fitting offload
-    plan against the fastest fitting plan without offloading, as the sweep ranks them."""
+    """Llama 3 8B at 16k tokens on RTX 4090s (ZeRO-3 over 16) under torchtitan, whose jobs
+    run the torch snippet's offloading: the fastest fitting offload plan against the fastest
+    fitting plan without offloading, as the sweep ranks them."""
     from ckplan.cli import main
     from ckplan.render.time import seconds
 
-    keys = {"seq": 16384, "dp": 16, "zero": 3, "loss": "chunked:16"}
+    keys = {"seq": 16384, "dp": 16, "zero": 3, "loss": "chunked:16", "framework": "torchtitan"}
     spec = spec_of("llama3-8b", **keys)
     gpu = load_gpu("rtx-4090")
     result = sweep(spec, gpu.memory_bytes, gpu=gpu)
-    fitting = [c for c in result.candidates if c.fits]
+    fitting = [c for c in result.candidates if c.fits and c.exported]
     offload = min((c for c in fitting if c.plan.stage_offloads), key=lambda c: c.time.step_seconds)
     other = min(
         (c for c in fitting if not c.plan.stage_offloads), key=lambda c: c.time.step_seconds
     )
-    assert offload.plan.strategy == "offload+optimal" and other.plan.strategy == "optimal"
+    assert offload.plan.strategy == "offload+optimal"
     assert offload.time.step_seconds < other.time.step_seconds
     sets = [arg for key, value in keys.items() for arg in ("--set", f"{key}={value}")]
     main(["sweep", "llama3-8b", "--gpu", "rtx-4090", *sets, "-q"])
@@ -194,11 +195,11 @@ def test_sweep_says_how_offload_compares_with_recomputation(spec_of, capsys):
         f"{seconds(other.time.step_seconds - offload.time.step_seconds)}"
     ) in out
     assert (
-        f"less than the best recomputation that fits, optimal ({seconds(other.time.step_seconds)})"
-        in out
-    )
+        f"less than the best recomputation that fits, {other.plan.strategy} "
+        f"({seconds(other.time.step_seconds)})"
+    ) in out
     exposed = seconds(offload.time.offload_exposed_seconds)
-    assert f"copies exposed {exposed}: a 2.13 GiB copy takes" in out
+    assert f"copies exposed {exposed}: a " in out and " GiB copy takes " in out
 
 
 def test_cli_json_offload_fields(spec_of, capsys):
@@ -275,7 +276,7 @@ def test_sweep_auto_shapes_skip_a_best_offload_optimal(capsys):
 
     argv = ["sweep", "llama3-8b", "--gpu", "rtx-4090", "--seq", "16384", "--set", "dp=16"]
     argv += ["--set", "zero=3", "--set", "loss=chunked:16", "--micro-batch", "auto", "--json"]
-    code = main(argv)
+    code = main([*argv, "--set", "framework=torchtitan"])  # its jobs run the torch snippet's
     data = json.loads(capsys.readouterr().out)
     assert code in (0, None)
     assert data["best"]["strategy"] == "offload+optimal"

@@ -289,7 +289,7 @@ def test_plan_names_no_schedule_no_export_writes_and_reports_it_as_sweep_does(cl
     code, out, _ = cli(*argv, "-q")
     out = " ".join(out.split())  # the console wraps its lines
     assert code == 1 and "no schedule an export writes fits (the DP ran)" in out
-    assert "optimal fits (" in out and "where no plan an export writes does" in out
+    assert "optimal fits (" in out and "where no plan a megatron export writes does" in out
     code, out, _ = cli(*argv[:-12], "--budget", "80GB", *layout, "--json")
     data = json.loads(out)
     assert code == 0 and data["layouts"]
@@ -332,3 +332,31 @@ def test_plan_names_no_per_stage_optimal_schedule_under_a_pipeline(cli):
     assert not Candidate(plan, data["usable_bytes"]).exported
     for target in set(exports.TARGETS) - {"yaml"}:
         assert phrase in exports.why_not(plan, target), target
+
+
+def test_plan_names_a_plan_megatrons_flags_write_and_reports_the_dp_schedule_beside_it(cli):
+    """Llama-3-8B on 8 H100s laid out tp 1, dp 8, ZeRO-3 at 30 GB: the DP's optimal schedule
+    is the fastest that fits, but its recomputed segments are neither Megatron-LM's uniform nor
+    block method, so under framework megatron `plan` names the fastest plan `export --to
+    megatron` writes, as `sweep` does (`search.choose`), and reports the schedule beside it
+    with the export that writes it (--to torch)."""
+    from ckplan import exports
+    from ckplan.inputs.presets import load_spec
+    from ckplan.plan import evaluate, parse_strategy
+
+    layout = ["--set", "tp=1", "--set", "pp=1", "--set", "cp=1", "--set", "dp=8"]
+    layout += ["--set", "zero=3"]
+    argv = ["plan", "llama3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch", "8"]
+    code, out, err = cli(*argv, "--budget", "30GB", *layout, "--json")
+    assert code == 0, err
+    (shown,) = json.loads(out)["layouts"]
+    reference = shown["reference"]
+    assert reference["strategy"] == "optimal" and reference["fits"]
+    assert reference["time"]["step_seconds"] < shown["time"]["step_seconds"]
+    assert any("--to torch writes it" in note for note in reference["notes"])
+    spec = load_spec("llama3-8b", {"seq": 8192, "dp": 8, "zero": 3})
+    plan = evaluate(spec, parse_strategy(shown["strategy"], spec))
+    assert exports.why_not(plan, "megatron") is None
+    code, out, _ = cli(*argv, "--budget", "30GB", *layout, "-q")
+    out = " ".join(out.split())  # the console wraps its lines
+    assert f"optimal does better than {shown['strategy']}" in out

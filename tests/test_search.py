@@ -171,7 +171,7 @@ def test_check_names_a_plan_an_export_writes_and_the_reference_beside_it(cli):
     argv = ["check", *REVOLVE_ONLY, "--budget", str(budget)]
     code, out, _ = cli(*argv, "-q")
     assert code == 1 and "(smallest: revolve:1)" not in out
-    assert "revolve:1 fits (" in out and "where no plan an export writes does" in out
+    assert "revolve:1 fits (" in out and "where no plan a megatron export writes does" in out
     code, out, _ = cli(*argv, "--json")
     result = json.loads(out)["results"][0]
     assert code == 1 and not result["fits"]
@@ -205,9 +205,10 @@ def test_sweep_names_no_reference_as_its_best_plan(cli):
     argv = ["sweep", *REVOLVE_ONLY, "--budget", str(budget)]
     code, out, _ = cli(*argv, "-q")
     assert code == 1 and "Best plan that fits" not in out
-    assert "No plan an export writes fits: the smallest plan an export writes reaches is" in out
+    written = "plan a megatron export writes"
+    assert f"No {written} fits: the smallest {written} reaches" in " ".join(out.split())
     assert f"({least.plan.strategy})" in out
-    assert "revolve:1 fits (" in out and "where no plan an export writes does" in out
+    assert "revolve:1 fits (" in out and "where no plan a megatron export writes does" in out
     assert "revolve:1: a reference schedule no export writes" in out
     code, out, _ = cli(*argv, "--json")
     data = json.loads(out)
@@ -351,7 +352,7 @@ def test_sweep_names_no_optimal_that_recomputes_the_embedding_with_layers():
         assert phrase in exports.why_not(reference, target), target
 
 
-# The launcher targets of `ckplan export` for each framework's jobs (docs/export.md): its own
+# The launcher targets of `ckplan export` for each framework's jobs (docs/exports.md): its own
 # configuration, and the torch snippet where the job's code wraps its layers itself.
 FRAMEWORK_TARGETS = {
     "megatron": ("megatron",),
@@ -359,13 +360,6 @@ FRAMEWORK_TARGETS = {
     "deepspeed": ("deepspeed", "torch"),
     "hf": ("torch", "peft", "torchtune"),
 }
-# Under Megatron-LM the sweep still names plans that only the torch snippet and DeepSpeed
-# write (an optimal schedule or sequential:K, whose recomputed ranges are neither
-# --recompute-method uniform nor block; selective+uniform:1 where nothing fits): `choose` asks
-# whether any export writes a plan, not one of the framework's.
-MEGATRON_ONLY_TORCH = pytest.mark.xfail(
-    strict=True, reason="under megatron the sweep names a plan only --to torch writes"
-)
 
 
 @pytest.mark.parametrize(
@@ -374,8 +368,7 @@ MEGATRON_ONLY_TORCH = pytest.mark.xfail(
         ("gpt2", {}, "megatron", 8),
         ("gpt2", {}, "hf", 8),
         ("llama3-8b", {"dp": 8, "zero": 3}, "megatron", 28.265414656),
-        pytest.param("llama3-8b", {"dp": 8, "zero": 3}, "megatron", 40,
-                     marks=MEGATRON_ONLY_TORCH),
+        ("llama3-8b", {"dp": 8, "zero": 3}, "megatron", 40),
         ("llama3-8b", {"dp": 8, "zero": 3}, "megatron", 80),
         ("llama3-8b", {"dp": 8, "zero": 3}, "torchtitan", 40),
         ("llama3-8b", {"dp": 8, "zero": 3}, "torchtitan", 80),
@@ -384,10 +377,9 @@ MEGATRON_ONLY_TORCH = pytest.mark.xfail(
         ("llama3-8b", {"dp": 8, "zero": 3}, "hf", 40),
         ("llama3-8b", {"dp": 8, "zero": 3}, "hf", 80),
         ("mixtral-8x7b", {"dp": 8, "zero": 1, "ep": 8, "tp": 2, "sp": True}, "megatron", 80),
-        pytest.param("mixtral-8x7b", {"dp": 8, "zero": 1, "ep": 8, "pp": 4, "microbatches": 8},
-                     "megatron", 40, marks=MEGATRON_ONLY_TORCH),
-        pytest.param("mixtral-8x7b", {"dp": 8, "zero": 1, "ep": 8}, "megatron", 80,
-                     marks=MEGATRON_ONLY_TORCH),
+        ("mixtral-8x7b", {"dp": 8, "zero": 1, "ep": 8, "pp": 4, "microbatches": 8}, "megatron",
+         40),
+        ("mixtral-8x7b", {"dp": 8, "zero": 1, "ep": 8}, "megatron", 80),
     ],
 )  # fmt: skip
 def test_every_plan_the_sweep_names_is_one_an_export_of_its_framework_writes(

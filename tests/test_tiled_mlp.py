@@ -8,7 +8,7 @@ from ckplan.inputs.gpus import load_gpu
 from ckplan.inputs.presets import load_spec
 from ckplan.model.memory import layer_backward_walk, selective_activation_bytes_per_layer
 from ckplan.model.spec import SpecError
-from ckplan.plan.search import sweep, tiled_mlp_tiles
+from ckplan.plan.search import sweep, tiled_mlp_note, tiled_mlp_tiles
 from ckplan.plan.strategies import parse_strategy
 
 MIB = 2**20
@@ -72,15 +72,18 @@ def test_refusals(changes, message):
 
 def test_sweep_tries_tiles_on_long_sequences():
     """DeepSpeed's example tile count, ceil(seqlen / hidden); none below twice the hidden size.
-    On an H100 with ZeRO-3 over 8 GPUs at 64k tokens, the tiled MLP lets the optimal schedule
-    recompute less under the same budget: a shorter step."""
+    On an H100 with ZeRO-3 over 8 GPUs at 64k tokens, the tiled MLP lets the sweep's optimal
+    schedule recompute less under the same budget: a shorter step (the lever the sweep applies
+    to its best plan, `search.tiled_mlp_note`)."""
     assert tiled_mlp_tiles(llama()) == 16
     assert tiled_mlp_tiles(llama(seq=4096)) is None
     gpu = load_gpu("h100-sxm")
     spec = llama(loss="chunked:16", dp=8, zero=3)
     result = sweep(spec, gpu.memory_bytes, gpu=gpu)
-    note = next(n for n in result.notes if n.startswith("TiledMLP"))
+    optimal = next(c for c in result.candidates if c.plan.strategy == "optimal")
+    note = tiled_mlp_note(optimal, result.usable_bytes, gpu)
     assert "--set mlp_tiles=16" in note and "mlp+optimal" in note
+    assert "fits; optimal without it" in note and "s instead of " in note
 
 
 def test_sweep_tries_the_step_in_backward():

@@ -207,12 +207,17 @@ def _offer(plan: Plan, target: str, version: str | None = None) -> str:
 def best_expressible(spec: ModelSpec, candidates, target: str, version: str | None = None):
     """For `--plan auto`: the cheapest fitting candidate (search.Candidate) the target can
     express (at `version`), else None: the sweep's rule (`search.choose` in FLOPs order) among
-    the plans the target writes, so that it is the sweep's best wherever the target writes
-    that."""
+    the plans the target writes, first those an export of the job's framework writes too
+    (`Candidate.exported`), so that it is the sweep's best wherever the target writes that;
+    then any the target writes (a target outside the job's framework, such as --to torch for a
+    Megatron-LM job, may write a plan where the framework's own targets write none that fits)."""
     from ckplan.plan.search import choose, cost_key
 
     written = [c for c in candidates if why_not(c.plan, target, version) is None]
-    return choose(written, cost_key("flops")).best if written else None
+    if not written:
+        return None
+    best = choose(written, cost_key("flops")).best
+    return best or choose(written, cost_key("flops"), lambda c: True).best
 
 
 __all__ = [

@@ -54,6 +54,7 @@ from ckplan.model.op_policy import (
 )
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
+from ckplan.plan.export_limits import elementwise_ops
 
 NAME = "torch"
 
@@ -141,34 +142,6 @@ def forward_layers(layers, hidden):
 # Units a policy_fn can recognise by their aten op: matmuls and grouped GEMMs by their count,
 # the attention kernels and collectives by name.
 _RECOGNISED = OP_RECOGNISED
-# The element-wise units of Hugging Face transformers' LlamaDecoderLayer (modeling_llama.py,
-# transformers 5.x) by the aten op that writes their output and its count in a layer, as torch
-# 2.13 runs it (traced on CPU; the bf16 casts are aten._to_copy, not counted): LlamaRMSNorm
-# runs pow, mean, add (+ eps), rsqrt, mul, mul; apply_rotary_pos_emb q·cos + rotate_half(q)·sin
-# (mul, neg, cat, mul, add) for q, then k; the residual adds are adds; LlamaMLP runs silu and
-# the product mul. A norm whose backward reads tensors of its own (`Unit.internal`) is not
-# among them: its output alone spares nothing.
-_HF_ELEMENTWISE = {
-    "norm1": (("mul", 2),),
-    "rope": (("add", 2), ("add", 3)),
-    "out_proj_add": (("add", 4),),
-    "norm2": (("mul", 8),),
-    "gate_act": (("silu", 1),),
-    "act": (("mul", 9),),
-    "fc2_add": (("add", 6),),
-}
-
-
-def elementwise_ops(spec: ModelSpec) -> dict[str, tuple[tuple[str, int], ...]]:
-    """The element-wise units a policy_fn can name on `spec`'s layers, with their (aten op,
-    count in the layer): Hugging Face's dense Llama layers (no QK-norm, a gated MLP), units
-    without internal tensors; none elsewhere."""
-    if spec.framework != "hf" or spec.mla or spec.experts or spec.qk_norm or spec.mlp == "gelu":
-        return {}
-    internal = {unit.name for unit in unit_ops(spec) if unit.internal}
-    return {name: ops for name, ops in _HF_ELEMENTWISE.items() if name not in internal}
-
-
 # The policy_fn both per-op snippets run (a format argument: single braces): the attention
 # kernels, the collectives and grouped GEMMs matched by sets holding only the ops this PyTorch
 # build has; matmuls, grouped GEMMs, all-to-alls and element-wise ops counted from 1 in each

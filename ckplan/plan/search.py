@@ -10,6 +10,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from ckplan.model import allocator, torchtitan_ac
@@ -24,6 +25,7 @@ from ckplan.model.op_policy import (
 )
 from ckplan.model.spec import SIZE_RANGES, ModelSpec, SpecError
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate
+from ckplan.plan.export_limits import framework_note
 from ckplan.plan.strategies import (
     MIXED,
     MODULE_FRAMEWORKS,
@@ -70,43 +72,64 @@ class Candidate:
     def headroom_bytes(self) -> int:
         return self.budget_bytes - self.plan.budgeted_bytes
 
+    @cached_property
+    def unwritten(self) -> tuple[str, ...]:
+        """Why no export of the plan's framework writes it, as notes; empty where one does. The
+        plan's own notes say no export at all does (`NO_EXPORT`: the sweep's reference
+        `revolve:C` schedules that re-run layers more than once, a Megatron-Core module outside
+        Megatron-LM, a fused policy beside other layers); else `export_limits.framework_note`
+        says that none of its framework's targets does (under Megatron-LM an optimal schedule
+        or sequential:K, whose segments are neither --recompute-method uniform nor block), and
+        which other export would."""
+        notes = tuple(note for note in self.plan.notes if NO_EXPORT in note)
+        if notes:
+            return notes
+        note = framework_note(self.plan)
+        return () if note is None else (note,)
+
     @property
     def exported(self) -> bool:
-        """Whether an export writes the plan: its notes say none does for the sweep's
-        reference `revolve:C` schedules that re-run layers more than once, a Megatron-Core
-        module outside Megatron-LM and a fused policy beside other layers (`NO_EXPORT`)."""
-        return not any(NO_EXPORT in note for note in self.plan.notes)
+        """Whether an export of the plan's framework writes it (`unwritten`): what a command
+        names as a job's plan."""
+        return not self.unwritten
 
 
 @dataclass(frozen=True)
 class Choice:
     """The one rule every command picks a plan by (`choose`): `best`, the first fitting plan an
-    export writes by the command's order (None when none fits); `least`, the plan of least
-    memory an export writes; `reference`, a plan no export writes (the sweep's nested
-    `revolve:C`) that does better than what the command names: it fits where no plan an export
-    writes does, or it comes before `best` in the order (a shorter step, fewer FLOPs, or as
-    many and less memory), or nothing fits and it has less memory than `least`; else None.
-    A command names `best` (or `least`) and reports `reference` beside it, never in its
-    place: a plan no launcher runs is no answer for a job."""
+    export of the job's framework writes (`Candidate.exported`) by the command's order (None
+    when none fits); `least`, the plan of least memory such an export writes; `reference`, a
+    plan none of them writes (the sweep's nested `revolve:C`; under Megatron-LM an optimal
+    schedule only --to torch writes) that does better than what the command names: it fits
+    where no written plan does, or it comes before `best` in the order (a shorter step, fewer
+    FLOPs, or as many and less memory), or nothing fits and it has less memory than `least`;
+    else None. A command names `best` (or `least`) and reports `reference` beside it, never in
+    its place: a plan the job's launcher does not run is no answer for that job."""
 
     best: Candidate | None
     least: Candidate
     reference: Candidate | None = None
 
 
-def choose(candidates: Sequence[Candidate], key: Callable[[Candidate], Any]) -> Choice:
+def choose(
+    candidates: Sequence[Candidate],
+    key: Callable[[Candidate], Any],
+    written: Callable[[Candidate], bool] | None = None,
+) -> Choice:
     """`Choice` among `candidates` (at least one) by `key` (least first). Derived: the rule
-    `ckplan check` has kept since it names only a plan an export writes; the candidates an
-    export writes (`Candidate.exported`); `least` among all of them where none is."""
-    written = [c for c in candidates if c.exported]
-    best = min((c for c in written if c.fits), key=key, default=None)
-    least = min(written or candidates, key=lambda c: c.plan.total_bytes)
+    `ckplan check` has kept since it names only a plan an export writes; the candidates
+    `written` holds for (default `Candidate.exported`: an export of the job's framework writes
+    it); `least` among all of them where none is."""
+    is_written = written or (lambda c: c.exported)
+    kept = [c for c in candidates if is_written(c)]
+    best = min((c for c in kept if c.fits), key=key, default=None)
+    least = min(kept or candidates, key=lambda c: c.plan.total_bytes)
     fastest = min((c for c in candidates if c.fits), key=key, default=None)
     if fastest is not None:
         ahead = best is None or key(fastest) < key(best)
-        return Choice(best, least, fastest if ahead and not fastest.exported else None)
+        return Choice(best, least, fastest if ahead and not is_written(fastest) else None)
     smallest = min(candidates, key=lambda c: c.plan.total_bytes)
-    below = smallest.plan.total_bytes < least.plan.total_bytes and not smallest.exported
+    below = smallest.plan.total_bytes < least.plan.total_bytes and not is_written(smallest)
     return Choice(best, least, smallest if below else None)
 
 

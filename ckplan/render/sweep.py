@@ -36,8 +36,12 @@ SCHEDULE_ROWS = 400  # and at most this many schedule rows, half from each end
 
 
 def candidate_dict(candidate: Candidate) -> dict[str, Any]:
+    """A candidate as JSON: its plan, whether it fits, and among its notes the one that says no
+    export of its framework writes it (`Candidate.unwritten`) where its plan's own do not."""
+    data = plan_dict(candidate.plan, candidate.time)
+    data["notes"] += [note for note in candidate.unwritten if note not in data["notes"]]
     return {
-        **plan_dict(candidate.plan, candidate.time),
+        **data,
         "fits": candidate.fits,
         "headroom_bytes": candidate.headroom_bytes,
     } | (
@@ -197,9 +201,11 @@ def sweep_view(
             )
         parts.append(candidates_table(shown, title, result.best))
     offloads = [c for c in (result.candidates if show_all else shown) if c.plan.stage_offloads]
-    best = result.best
-    if best is not None and best.plan.stage_offloads and best not in offloads:
-        offloads.append(best)  # a plan within the host memory, beaten only by plans beyond it
+    for named in (result.best, result.reference):
+        # a plan within the host memory, beaten only by plans beyond it; the reference beside
+        # the best, which an export of another framework writes
+        if named is not None and named.plan.stage_offloads and named not in offloads:
+            offloads.append(named)
     if offloads:
         parts.append(Text("Offload (tapes in pinned host memory, copies beside compute):"))
         parts += [Text("  " + offload_text(c.plan, c.time, c.host_budget_bytes)) for c in offloads]
@@ -299,12 +305,14 @@ def sweep_verdict(result: SweepResult) -> Text:
             style="bold green",
         )
     smallest = result.smallest_written
-    # with a reference beside it (`reference_text`), what is named is what an export writes
+    # with a reference beside it (`reference_text`), what is named is what an export of the
+    # model's framework writes
     reference = result.reference
-    nothing = "No plan an export writes fits" if reference and reference.fits else "Nothing fits"
+    written = f"plan a {result.spec.framework} export writes"  # `search.Candidate.exported`
+    nothing = f"No {written} fits" if reference and reference.fits else "Nothing fits"
     least = "the smallest any plan reaches"
     if reference is not None:
-        least = "the smallest plan an export writes reaches"
+        least = f"the smallest {written} reaches"
     host = smallest.host_budget_bytes
     if smallest.headroom_bytes >= 0 and host is not None and smallest.plan.model_states.host:
         return Text(
@@ -441,14 +449,16 @@ def reference_lines(
 
 
 def reference_text(chosen: Candidate, reference: Candidate) -> str:
-    """How a plan no export writes (`search.Choice.reference`, the sweep's nested
-    `revolve:C`) does better than `chosen`, the plan named, one an export writes: it fits where
-    `chosen` does not, or has a shorter step (fewer FLOPs; as many and less memory), or, with
-    nothing fitting, less memory; then the note that says why no export writes it. The same
+    """How a plan no export of the job's framework writes (`search.Choice.reference`: the
+    sweep's nested `revolve:C`, under Megatron-LM an optimal schedule) does better than
+    `chosen`, the plan named, one such an export writes: it fits where `chosen` does not, or
+    has a shorter step (fewer FLOPs; as many and less memory), or, with nothing fitting, less
+    memory; then the notes that say why none writes it (`search.Candidate.unwritten`). The same
     line under `check`, `sweep` and `plan`."""
     name, total = reference.plan.strategy, gib(reference.plan.total_bytes)
     if reference.fits and not chosen.fits:
-        reach = f"{name} fits ({total}) where no plan an export writes does"
+        framework = chosen.plan.spec.framework
+        reach = f"{name} fits ({total}) where no plan a {framework} export writes does"
     elif reference.fits:
         old, new = chosen.time, reference.time
         if old is not None and new is not None and new.step_seconds < old.step_seconds:
@@ -466,8 +476,7 @@ def reference_text(chosen: Candidate, reference: Candidate) -> str:
         reach = (
             f"the least memory of any plan is {name}'s {total}, {less} below {chosen.plan.strategy}"
         )
-    why = [note for note in reference.plan.notes if NO_EXPORT in note]
-    return f"{reach}; " + "; ".join(why or [f"{NO_EXPORT} it"])
+    return f"{reach}; " + "; ".join(reference.unwritten or (f"{NO_EXPORT} it",))
 
 
 def sweep_reference_line(result: SweepResult) -> str | None:
@@ -479,14 +488,14 @@ def sweep_reference_line(result: SweepResult) -> str | None:
 
 
 def unrunnable_lines(rows: list[tuple[str, Candidate | None]]) -> list[str]:
-    """One line per model whose plan no export writes (a module strategy outside Megatron-LM, a
-    nested revolve:C, a fused policy beside other layers): the note that says why."""
+    """One line per model whose plan no export of its framework writes (a module strategy
+    outside Megatron-LM, a nested revolve:C, a fused policy beside other layers, under
+    Megatron-LM an optimal schedule): the note that says why (`search.Candidate.unwritten`)."""
     return [
         f"{model}: {note}"
         for model, candidate in rows
         if candidate is not None
-        for note in candidate.plan.notes
-        if NO_EXPORT in note
+        for note in candidate.unwritten
     ]
 
 

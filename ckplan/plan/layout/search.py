@@ -536,6 +536,9 @@ class _Run:
         self._keep(evaluated)
 
     def _keep(self, evaluated: Evaluated) -> None:
+        """Hold `evaluated` where it is the fastest of its layout-but-for-ZeRO; where it is the
+        held layout evaluated again and no faster (`refine`), the held one with its reference
+        (the DP's schedule that no export of the framework writes, reported beside it)."""
         if not evaluated.fits:
             return
         key = evaluated.layout.without_zero()
@@ -546,6 +549,8 @@ class _Run:
         ):
             self.best[key] = evaluated
             self._kth = None
+        elif evaluated.layout == held.layout and evaluated.reference is not held.reference:
+            self.best[key] = dataclasses.replace(held, reference=evaluated.reference)
 
     def _candidate(self, spec: ModelSpec, name: str) -> Candidate:
         plan = evaluate(spec, parse_strategy(name, spec))
@@ -587,8 +592,12 @@ class _Run:
         # offers it (`search.candidate_strategies`): not torchtitan 0.3.0's sac-fused
         if word and not layerwise_export_reason(parse_policy(sweep_policy(spec)), "block:N"):
             prefixes += (f"{word}+block:",)
-        for prefix in prefixes:
-            tried.append(self._fewest_blocks(spec, prefix))
+        blocks = [self._fewest_blocks(spec, prefix) for prefix in prefixes]
+        tried += blocks
+        if not any(c.exported for c in blocks):
+            # Megatron-LM's block method with virtual stages or MTP layers is not ckplan's
+            # block:N (exports.megatron.reason): its flags write full recomputation
+            tried.append(self._candidate(spec, "full"))
         if check_policy_model(spec) is None:  # the cheapest per-op policy that fits
             best = best_policy_plan(spec, self.usable, self.gpu)
             if best is not None:
