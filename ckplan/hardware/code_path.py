@@ -57,6 +57,11 @@ EAGER_ROPE_EXTRA_BYTES = 20
 # transposed use), 4 bytes per element in the forward; the output gradient likewise in the
 # backward.
 FP8_CAST_BYTES = 4
+# Transformer Engine all-gathers the sequence-parallel shards of an FP8 GEMM's operands after
+# casting them, one byte per element: a column-parallel layer's input (the forward's gather and
+# the backward's re-gather for the weight gradient) and a row-parallel layer's output gradient;
+# the reduce-scatters stay in BF16 (`fp8_gather_bytes`).
+FP8_GATHER_BYTES = 1
 # The GEMMs' and attention kernels' sustained rate per code path (`kernels`), relative to
 # Megatron's fused kernels, fitted by validation/fit_time_model.py on the calibration split
 # (docs/validation.md, "The time model's fitted constants"): what a step's GEMMs and attention
@@ -90,7 +95,7 @@ class CodePath:
     def _time(self, op: Op, dtype_bytes: int, backward: bool) -> OpTime:
         op = self._eager(op, dtype_bytes) if self.eager else op
         timer = op_backward_time if backward else op_forward_time
-        if self.fp8_gpu is None or not _fp8_gemm(op):
+        if self.fp8_gpu is None or not fp8_gemm(op):
             return timer(op, self.gpu, dtype_bytes)
         # the GEMMs at the FP8 rate (1-byte operands), the element-wise kernels as they are
         gemm = timer(dataclasses.replace(op, forward_bytes=0, backward_bytes=0), self.fp8_gpu, 1)
@@ -120,8 +125,27 @@ class CodePath:
         )
 
 
-def _fp8_gemm(op: Op) -> bool:
+def fp8_gemm(op: Op) -> bool:
+    """Whether `op`'s GEMM runs in FP8 under `precision` fp8 or float8."""
     return op.matmul is not None and op.name not in NOT_FP8 and not in_group(op, ATTENTION_CORE)
+
+
+def sequence_parallel_gather_bytes(precision: str, framework: str, op: Op) -> int:
+    """Bytes per element of the tensor-parallel all-gathers of `op` under sequence parallelism
+    (its input for a column-parallel layer, its output gradient for a row-parallel one).
+
+    Transformer Engine (Megatron's `precision` fp8) gathers them in FP8 (`FP8_GATHER_BYTES`):
+    NVIDIA/TransformerEngine v1.8 transformer_engine/pytorch/module/layernorm_linear.py (the
+    norm writes FP8, `gather_along_first_dim(ln_out, ...)` in the forward and the backward),
+    module/base.py `grad_output_preprocess` ("FP8 case with gather: unfused bgrad, cast,
+    transpose for efficient gather") and `initialize_ub` ("AllGather buffers use fp8 when using
+    fp8 recipe", the userbuffers of tp_comm_overlap); v2.9 transformer_engine/pytorch/
+    distributed.py `gather_along_first_dim` (`_all_gather_fp8` for delayed and current
+    scaling). Other frameworks' gathers and the BF16 GEMMs' keep the GEMM's dtype."""
+    assert op.matmul is not None
+    if precision == "fp8" and framework == "megatron" and fp8_gemm(op):
+        return FP8_GATHER_BYTES
+    return op.matmul.dtype_bytes
 
 
 def attention_plateau(gpu: GPU, kernel: str) -> float:

@@ -30,7 +30,7 @@ from itertools import groupby
 
 from ckplan.hardware import communication as comm
 from ckplan.hardware import host_states
-from ckplan.hardware.code_path import spec_code_path
+from ckplan.hardware.code_path import sequence_parallel_gather_bytes, spec_code_path
 from ckplan.hardware.expert_parallel import expert_parallel_comm, exposed_fraction
 from ckplan.hardware.gpus import GPU
 from ckplan.hardware.roofline import (
@@ -164,7 +164,9 @@ def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tupl
     With `tp_comm_overlap` the exposed ones are pipelined with their GEMM (`pipelined`).
 
     Each collective moves the whole (s·b, h) tensor of B-byte values on the TP link, plus NCCL's
-    ring latency (`comm.all_reduce_latency`, `all_gather_latency`). An overlapped one adds what
+    ring latency (`comm.all_reduce_latency`, `all_gather_latency`); under Transformer Engine's
+    FP8 the SP all-gathers of an FP8 GEMM move one byte per value
+    (`code_path.sequence_parallel_gather_bytes`). An overlapped one adds what
     it does not hide and the slowdown of the GEMM whose SMs its blocks hold (`comm.overlapped`).
     """
     t = spec.tp
@@ -192,10 +194,12 @@ def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tupl
             continue
         mm = op.matmul
         input_grad, weight_grad = backward_matmuls(mm)
+        gathered = sequence_parallel_gather_bytes(spec.precision, spec.framework, op)
         if op.tp_comm == "column":
             size = mm.batch * mm.m * mm.k * mm.dtype_bytes
             if spec.sp:
-                gather = comm.all_gather_seconds(size, t, bandwidth) + gather_latency
+                gather_size = mm.batch * mm.m * mm.k * gathered
+                gather = comm.all_gather_seconds(gather_size, t, bandwidth) + gather_latency
                 forward += pipelined(gather, mm)
                 backward += beside(gather, input_grad)
                 scatter = comm.reduce_scatter_seconds(size, t, bandwidth) + gather_latency
@@ -208,7 +212,8 @@ def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tupl
             if spec.sp:
                 scatter = comm.reduce_scatter_seconds(size, t, bandwidth) + gather_latency
                 forward += pipelined(scatter, mm)
-                gather = comm.all_gather_seconds(size, t, bandwidth) + gather_latency
+                gather_size = mm.batch * mm.m * mm.n * gathered
+                gather = comm.all_gather_seconds(gather_size, t, bandwidth) + gather_latency
                 backward += pipelined(gather, input_grad)
             else:
                 forward += pipelined(
