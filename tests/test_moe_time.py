@@ -663,3 +663,21 @@ def test_router_gemm_is_timed_on_its_shape(h100):
     assert op_forward_time(router, h100).matmul == pytest.approx(
         matmul_seconds(h100, router.matmul)
     )
+
+
+def test_qwen3_token_dropping_layout_pads_to_capacity(spec_of):
+    """NVIDIA's 25.09 Qwen3-30B-A3B token-dropping row (capacity 1.0, padded; MBS 2, seq 4096,
+    TP 1, EP 8): T = 8,192 tokens per micro-batch, ceil(8,192·8·1.0/128) = 512 rows per expert
+    from each rank, E·512 = 65,536 = T·k rows sent and, every expert full, received; each of the
+    16 local experts holds 4,096 rows, a multiple of 16, so FP8 copies nothing, where the
+    dropless layout copies every row."""
+    from ckplan.model.moe import expert_capacity, sent_rows
+
+    layout = dict(seq=4096, micro_batch=2, tp=1, pp=2, dp=8, ep=8, precision="fp8")
+    padded = spec_of("qwen3-30b-a3b", **layout, capacity_factor=1.0)
+    shapes = LayerShapes.of(padded)
+    assert expert_capacity(padded, shapes.stream_tokens) == 512
+    assert sent_rows(padded, shapes) == routed_rows(padded, shapes) == 65536
+    assert not fp8_pads_expert_rows(padded, shapes)
+    dropless = spec_of("qwen3-30b-a3b", **layout)
+    assert fp8_pads_expert_rows(dropless, LayerShapes.of(dropless))
