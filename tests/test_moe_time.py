@@ -681,3 +681,72 @@ def test_qwen3_token_dropping_layout_pads_to_capacity(spec_of):
     assert not fp8_pads_expert_rows(padded, shapes)
     dropless = spec_of("qwen3-30b-a3b", **layout)
     assert fp8_pads_expert_rows(dropless, LayerShapes.of(dropless))
+
+
+def test_padded_permutation_matches_torch_ops():
+    """Megatron-Core's `permute(..., drop_and_pad=True)` (core_v0.14.0 moe_utils.py), run on CPU
+    in bf16 on the small layer padded to capacity 1.0 (every expert's column holds C = 32
+    tokens): the aten ops it dispatches add up to `padded_permute_moved` less the reorder by
+    local expert, forward and backward, and what they keep is the two int64 index tensors.
+    Each op reads its tensor inputs and writes its outputs, views move nothing, arange and
+    new_zeros write only, an index_select reads as many values as it writes, an index_add reads
+    its source and writes as many values."""
+    torch = torch_or_skip()
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ckplan.model.moe import expert_capacity, padded_permute_moved, permute_saved
+
+    spec = small(capacity_factor=1.0)
+    shapes = LayerShapes.of(spec)
+    tokens, E, h, B = shapes.stream_tokens, spec.experts, spec.hidden, shapes.B
+    C = expert_capacity(spec, tokens)
+    aten = torch.ops.aten
+    views = {aten.permute.default, aten.slice.Tensor, aten.view.default, aten.unsqueeze.default}
+    writes_only = {aten.arange.default, aten.new_zeros.default}
+
+    def size(value):
+        return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+    class Tally(TorchDispatchMode):
+        moved = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outputs = out if isinstance(out, tuple) else (out,)
+            written = sum(size(value) for value in outputs)
+            if func in views:
+                return out
+            if func is aten.index_select.default:
+                Tally.moved += size(args[2]) + 2 * written
+            elif func is aten.index_add.default:
+                Tally.moved += size(args[2]) + 2 * size(args[3])
+            elif func in writes_only:
+                Tally.moved += written
+            else:
+                Tally.moved += written + sum(size(value) for value in args)
+            return out
+
+    torch.manual_seed(0)
+    hidden = torch.randn(tokens, h, dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(tokens, E, dtype=torch.bfloat16, requires_grad=True)
+    _, chosen = torch.topk(probs.detach(), k=C, dim=0)
+    routing_map = torch.zeros(tokens, E, dtype=torch.bool).scatter(0, chosen, True)
+    with Tally():  # moe_utils.permute, the drop_and_pad branch, as written there
+        routing_map = routing_map.to(dtype=torch.int8).T.contiguous()
+        sorted_indices = routing_map.argsort(dim=-1, descending=True, stable=True)[:, :C]
+        sorted_indices = sorted_indices.contiguous().view(-1)
+        probs_T_1D = probs.T.contiguous().view(-1)
+        indices_dim0 = torch.arange(E).unsqueeze(-1)
+        indices_dim1 = sorted_indices.view(E, C)
+        indices_1D = (indices_dim0 * tokens + indices_dim1).view(-1)
+        permuted_probs = probs_T_1D.index_select(0, indices_1D)
+        permuted_input = hidden.index_select(0, sorted_indices)
+    forward, Tally.moved = Tally.moved, 0
+    grads = (torch.ones_like(permuted_input), torch.ones_like(permuted_probs))
+    with Tally():
+        torch.autograd.grad((permuted_input, permuted_probs), (hidden, probs), grads)
+    rows = routed_rows(spec, shapes)
+    reorder = 2 * B * rows * (h + 1)  # four local experts: the transposed copy after the a2a
+    assert (forward + reorder, Tally.moved + reorder) == padded_permute_moved(spec, shapes)
+    assert permute_saved(spec, shapes) == size(sorted_indices) + size(indices_1D)
+    assert moe_ops(spec)["permute"].forward_bytes == forward + reorder

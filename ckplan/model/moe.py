@@ -266,13 +266,47 @@ def fused_permute_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]
     return forward, backward
 
 
+def padded_permute_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
+    """Bytes the unfused permutation moves padded to capacity, (forward, backward), per rank
+    (Megatron-Core core_v0.14.0 moe_utils.py `permute(..., drop_and_pad=True)`, the same at
+    0d8e0714: every expert's column of the routing map holds its capacity C, S = E·C; derived,
+    each aten op reading its inputs and writing its outputs once, views free):
+
+    forward: the map cast to int8 (T·E each way) and transposed into a copy (T·E each way);
+    argsort of each expert's row, a sort that writes the int8 values and the int64 indices
+    (T·E read, 9·T·E written); the first C of each row copied (8S each way); the probabilities
+    transposed into a copy (B·T·E each way); the flat indices arange(E)·T + index (8E written,
+    8E each way, 8E and 8S read, 8S written); the probabilities' index_select (8S indices, B·S
+    values read, B·S written) and the tokens' (8S indices, B·S·h read and written). With more
+    than one local expert, the received rows are reordered by a transposed copy, B·R·(h + 1)
+    each way. backward: each index_select's, an index_add into zeros: B·T·h written, then 8S
+    indices and B·S·h read and B·S·h written; B·T·E written, then 8S, B·S and B·S (the
+    transposed copy's backward is a view); the reorder's inverse, B·R·(h + 1) each way."""
+    tokens, E, h, B = shapes.stream_tokens, spec.experts, spec.hidden, shapes.B
+    sent, rows = sent_rows(spec, shapes), routed_rows(spec, shapes)
+    te, i = tokens * E, INDEX_BYTES
+    forward = 2 * te + 2 * te + (te + te + i * te) + 2 * i * sent + 2 * B * te
+    forward += i * E + 2 * i * E + (i * E + 2 * i * sent)
+    forward += (i + 2 * B) * sent + (i * sent + 2 * B * sent * h)
+    backward = B * tokens * h + i * sent + 2 * B * sent * h
+    backward += B * te + i * sent + 2 * B * sent
+    if local_experts(spec) > 1:
+        forward += 2 * B * rows * (h + 1)
+        backward += 2 * B * rows * (h + 1)
+    return forward, backward
+
+
 def permute_saved(spec: ModelSpec, shapes: LayerShapes) -> int:
     """Bytes the permutation keeps for backward, per rank. Unfused: the sorted token indices
     (int64, one per row sent), and the boolean routing map and the transposed (E, T)
-    probabilities masked_select keeps. Fused (TE v2.9 permutation.py): _moe_permute_mask_map
+    probabilities masked_select keeps; padded to capacity, the int64 indices of the tokens' and
+    of the probabilities' index_select. Fused (TE v2.9 permutation.py): _moe_permute_mask_map
     saves its int32 (T, 2E + 1) row map, which the dispatcher keeps for the unpermutation too;
     dropless with more than one local expert, _moe_chunk_sort its int32 map of the R rows."""
     tokens, E, B = shapes.stream_tokens, spec.experts, shapes.B
+    if not spec.moe_permute_fusion and spec.capacity_factor:
+        # padded (`padded_permute_moved`): the two index_selects keep their int64 indices
+        return 2 * INDEX_BYTES * sent_rows(spec, shapes)
     if not spec.moe_permute_fusion:
         return INDEX_BYTES * sent_rows(spec, shapes) + MASK_BYTES * tokens * E + B * tokens * E
     saved = ROW_ID_BYTES * tokens * (2 * E + 1)
@@ -294,7 +328,10 @@ def unfused_permute_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, in
     backward: index_select's backward, an index_add of the S row gradients into zeros (B·T·h
     written, S indices and B·S·h read, B·S·h accumulated); masked_select's backward into zeros
     (B·T·E, the T·E map, B·S read and B·S written) and the transposed copy back (B·T·E each
-    way); the sort's inverse, B·R·(h + 1) each way."""
+    way); the sort's inverse, B·R·(h + 1) each way. Padded to capacity the indices come another
+    way (`padded_permute_moved`)."""
+    if spec.capacity_factor:
+        return padded_permute_moved(spec, shapes)
     tokens, E, h, B = shapes.stream_tokens, spec.experts, spec.hidden, shapes.B
     sent, rows = sent_rows(spec, shapes), routed_rows(spec, shapes)
     te = tokens * E
