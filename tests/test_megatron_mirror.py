@@ -220,3 +220,19 @@ def test_the_shared_expert_gate_is_a_flag_from_core_v0_16_0():
     assert args.moe_shared_expert_gate and args.moe_shared_expert_intermediate_size == 768
     plain = _exported("qwen3-30b-a3b", "full", shared_experts=1)
     assert not validate(parse(plain, 1)).moe_shared_expert_gate
+
+
+def test_the_fused_moe_kernels_and_padded_capacity_are_flags_the_mirror_parses():
+    """`moe_permute_fusion` and `moe_router_fusion` export as `--moe-permute-fusion` and
+    `--moe-router-fusion` (store_true, default False in the core_v0.19.0 mirror), a capacity
+    factor as `--moe-expert-capacity-factor` with `--moe-pad-expert-input-to-capacity`; the
+    defaults export none of them."""
+    from megatron_args import parse, validate
+
+    fused = dict(moe_permute_fusion=True, moe_router_fusion=True, capacity_factor=1.0)
+    args = validate(parse(_exported("qwen3-30b-a3b", "full", **fused), 1))
+    assert args.moe_permute_fusion and args.moe_router_fusion
+    assert args.moe_expert_capacity_factor == 1.0 and args.moe_pad_expert_input_to_capacity
+    plain = validate(parse(_exported("qwen3-30b-a3b", "full"), 1))
+    assert not plain.moe_permute_fusion and not plain.moe_router_fusion
+    assert plain.moe_expert_capacity_factor is None and not plain.moe_pad_expert_input_to_capacity

@@ -4,6 +4,7 @@ communication, expert-data-parallel reduction, the optimizer over held parameter
 import dataclasses
 
 import pytest
+from needs_torch import torch_or_skip
 
 from ckplan.hardware import communication as comm
 from ckplan.hardware.expert_parallel import (
@@ -163,6 +164,118 @@ def test_moe_bytes_moved_by_hand():
     # With one local expert (ep = E) nothing is sorted: 2B·R·(h + 1) less.
     ep4 = small(ep=4, dp=4, tp=1)
     assert moe_ops(ep4)["permute"].forward_bytes == permute - 4 * 128 * 65
+
+
+def test_fused_permutation_bytes_by_hand():
+    """--moe-permute-fusion on the small layer (T = 64, E = 4, k = 2, S = R = 128, h = 64,
+    B = 2, four local experts: the fused sort by expert runs), Transformer Engine v2.9's kernels
+    tensor by tensor. make_row_id_map: the bool map read (256) and the int32 (T, 2E + 1) map's
+    first E columns written (1,024), read and rewritten (2,048), read (1,024), and per token its
+    k rows and k experts (1,024) and its count (256). _permute_kernel: the 64 input rows
+    (8,192), the counts (256), per row sent its row and expert (8), its probability read and
+    written (4) and the row written (128). The sort: a 128-row int32 map written and read
+    (1,024), the rows and probabilities copied (4·128·65). backward: the (T, E) probability
+    gradient zeroed (512), counts (256), per row 140 again, B·T·h written (8,192), the sort's
+    inverse (33,280 + 512)."""
+    ops = moe_ops(small(moe_permute_fusion=True))
+    row_map = 256 + 1024 + 2048 + 1024 + 1024 + 256
+    forward = row_map + 8192 + 256 + 140 * 128 + 1024 + 4 * 128 * 65
+    assert ops["permute"].forward_bytes == forward == 66304
+    assert ops["permute"].backward_bytes == 512 + 256 + 140 * 128 + 8192 + 4 * 128 * 65 + 512
+    assert ops["permute"].saved_bytes == 4 * 64 * 9 + 4 * 128  # row map, sort map
+    # Unpermute: the un-sort (map 1,024, rows 4·128·64), counts, per row its source and row
+    # (132), the sum written (8,192) and the residual add (3X); backward the transposed.
+    X = 2 * 64 * 64
+    unpermute = 1024 + 4 * 128 * 64 + 256 + 132 * 128 + 8192 + 3 * X
+    assert ops["unpermute"].forward_bytes == unpermute
+    assert ops["unpermute"].backward_bytes == 512 + 4 * 128 * 64 + 8192 + 256 + 132 * 128
+    assert ops["unpermute"].saved_bytes == 4 * 128
+    unfused = moe_ops(small())
+    for name in ("permute", "unpermute"):
+        assert ops[name].forward_bytes < unfused[name].forward_bytes
+    assert unfused["unpermute"].saved_bytes == 0
+
+
+def test_fused_router_bytes_by_hand():
+    """--moe-router-fusion: per (token, expert), B = 2: top-k with its score function reads the
+    logits and writes probabilities, map and intermediate (3B + 1), the aux-loss scores the
+    same, the map's per-expert sum (1), the aux loss reads the scores (B): 17; backward the aux
+    loss's gradient (B), the two score backwards (3B, 3B + 1), their sum (3B): 21. It keeps the
+    map and two intermediates, (1 + 2B) per (token, expert); nothing per choice."""
+    fused = moe_ops(small(moe_router_fusion=True))["router_probs"]
+    assert (fused.forward_bytes, fused.backward_bytes) == (17 * 256, 21 * 256)
+    assert fused.saved_bytes == 5 * 256
+    assert moe_ops(small())["router_probs"].saved_bytes == 12 * 128 + 4 * 256
+
+
+def test_fused_kernels_leave_the_other_ops_alone():
+    """Only the routing, permutation and unpermutation ops change; the experts' GEMMs, their
+    activation and the FLOPs do not."""
+    plain, fused = moe_ops(small()), moe_ops(small(moe_permute_fusion=True, moe_router_fusion=True))
+    for name in ("router", "expert_fc1", "expert_act", "expert_fc2"):
+        assert plain[name] == fused[name]
+    for attribute in ("forward_flops", "backward_flops"):
+        flops = [sum(getattr(op, attribute) for op in ops.values()) for ops in (plain, fused)]
+        assert flops[0] == flops[1]
+
+
+def test_token_dropping_bytes_by_hand():
+    """Capacity 1.0: C = ceil(64·2·1.0/4) = 32 per expert, E·C = 128 slots. Forward per (token,
+    expert): top-k's read (B), zeros_like (B), the out-of-place scatter's copy (2B), .bool()
+    (B + 1), the product (2B + 1): 16; per slot top-k's values and int64 indices (10) and the
+    scatter's indices and ones (10). Backward: the product's (2B + 1) = 5. The router keeps the
+    mask (1 per (token, expert)) beside its own tensors; dropless moves none of it."""
+    dropless = moe_ops(small())["router_probs"]
+    padded = moe_ops(small(capacity_factor=1.0))["router_probs"]
+    assert padded.forward_bytes - dropless.forward_bytes == 16 * 256 + 20 * 128
+    assert padded.backward_bytes - dropless.backward_bytes == 5 * 256
+    assert padded.saved_bytes - dropless.saved_bytes == 256
+
+
+def test_token_dropping_matches_torch_ops():
+    """Megatron-Core's apply_router_token_dropping (core_v0.14.0 moe_utils.py, drop policy
+    "probs", pad_to_capacity) run on CPU in bf16: the aten ops it dispatches, each reading its
+    tensor inputs and writing its outputs (zeros_like writes only; the out-of-place scatter also
+    writes its E·C values after the copy), add up to `token_dropping_moved`, forward and
+    backward."""
+    torch = torch_or_skip()
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ckplan.model.moe import expert_capacity, token_dropping_moved
+
+    spec = small(capacity_factor=1.0)
+    shapes = LayerShapes.of(spec)
+    tokens, E = shapes.stream_tokens, spec.experts
+    C = expert_capacity(spec, tokens)
+
+    def size(value):
+        return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+    class Tally(TorchDispatchMode):
+        moved = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outputs = out if isinstance(out, tuple) else (out,)
+            Tally.moved += sum(size(value) for value in outputs)
+            if func is not torch.ops.aten.zeros_like.default:
+                Tally.moved += sum(size(value) for value in args)
+            if func is torch.ops.aten.scatter.value:
+                Tally.moved += E * C * shapes.B
+            return out
+
+    torch.manual_seed(0)
+    probs = torch.rand(tokens, E, dtype=torch.bfloat16, requires_grad=True)
+    with Tally():
+        _, indices = torch.topk(probs, k=C, dim=0, sorted=False)
+        mask = torch.zeros_like(probs).scatter(0, indices, 1).bool()
+        final = probs * mask
+    forward, Tally.moved = Tally.moved, 0
+    grad = torch.ones_like(final)
+    with Tally():
+        torch.autograd.grad(final, probs, grad)  # the gradient handed on, not accumulated
+    assert (forward, Tally.moved) == token_dropping_moved(spec, shapes)
+    assert int(mask.sum()) == E * C  # padded: every expert holds its capacity
 
 
 def test_eager_and_gelu_expert_activations():
@@ -550,3 +663,90 @@ def test_router_gemm_is_timed_on_its_shape(h100):
     assert op_forward_time(router, h100).matmul == pytest.approx(
         matmul_seconds(h100, router.matmul)
     )
+
+
+def test_qwen3_token_dropping_layout_pads_to_capacity(spec_of):
+    """NVIDIA's 25.09 Qwen3-30B-A3B token-dropping row (capacity 1.0, padded; MBS 2, seq 4096,
+    TP 1, EP 8): T = 8,192 tokens per micro-batch, ceil(8,192·8·1.0/128) = 512 rows per expert
+    from each rank, E·512 = 65,536 = T·k rows sent and, every expert full, received; each of the
+    16 local experts holds 4,096 rows, a multiple of 16, so FP8 copies nothing, where the
+    dropless layout copies every row."""
+    from ckplan.model.moe import expert_capacity, sent_rows
+
+    layout = dict(seq=4096, micro_batch=2, tp=1, pp=2, dp=8, ep=8, precision="fp8")
+    padded = spec_of("qwen3-30b-a3b", **layout, capacity_factor=1.0)
+    shapes = LayerShapes.of(padded)
+    assert expert_capacity(padded, shapes.stream_tokens) == 512
+    assert sent_rows(padded, shapes) == routed_rows(padded, shapes) == 65536
+    assert not fp8_pads_expert_rows(padded, shapes)
+    dropless = spec_of("qwen3-30b-a3b", **layout)
+    assert fp8_pads_expert_rows(dropless, LayerShapes.of(dropless))
+
+
+def test_padded_permutation_matches_torch_ops():
+    """Megatron-Core's `permute(..., drop_and_pad=True)` (core_v0.14.0 moe_utils.py), run on CPU
+    in bf16 on the small layer padded to capacity 1.0 (every expert's column holds C = 32
+    tokens): the aten ops it dispatches add up to `padded_permute_moved` less the reorder by
+    local expert, forward and backward, and what they keep is the two int64 index tensors.
+    Each op reads its tensor inputs and writes its outputs, views move nothing, arange and
+    new_zeros write only, an index_select reads as many values as it writes, an index_add reads
+    its source and writes as many values."""
+    torch = torch_or_skip()
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ckplan.model.moe import expert_capacity, padded_permute_moved, permute_saved
+
+    spec = small(capacity_factor=1.0)
+    shapes = LayerShapes.of(spec)
+    tokens, E, h, B = shapes.stream_tokens, spec.experts, spec.hidden, shapes.B
+    C = expert_capacity(spec, tokens)
+    aten = torch.ops.aten
+    views = {aten.permute.default, aten.slice.Tensor, aten.view.default, aten.unsqueeze.default}
+    writes_only = {aten.arange.default, aten.new_zeros.default}
+
+    def size(value):
+        return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+    class Tally(TorchDispatchMode):
+        moved = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outputs = out if isinstance(out, tuple) else (out,)
+            written = sum(size(value) for value in outputs)
+            if func in views:
+                return out
+            if func is aten.index_select.default:
+                Tally.moved += size(args[2]) + 2 * written
+            elif func is aten.index_add.default:
+                Tally.moved += size(args[2]) + 2 * size(args[3])
+            elif func in writes_only:
+                Tally.moved += written
+            else:
+                Tally.moved += written + sum(size(value) for value in args)
+            return out
+
+    torch.manual_seed(0)
+    hidden = torch.randn(tokens, h, dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(tokens, E, dtype=torch.bfloat16, requires_grad=True)
+    _, chosen = torch.topk(probs.detach(), k=C, dim=0)
+    routing_map = torch.zeros(tokens, E, dtype=torch.bool).scatter(0, chosen, True)
+    with Tally():  # moe_utils.permute, the drop_and_pad branch, as written there
+        routing_map = routing_map.to(dtype=torch.int8).T.contiguous()
+        sorted_indices = routing_map.argsort(dim=-1, descending=True, stable=True)[:, :C]
+        sorted_indices = sorted_indices.contiguous().view(-1)
+        probs_T_1D = probs.T.contiguous().view(-1)
+        indices_dim0 = torch.arange(E).unsqueeze(-1)
+        indices_dim1 = sorted_indices.view(E, C)
+        indices_1D = (indices_dim0 * tokens + indices_dim1).view(-1)
+        permuted_probs = probs_T_1D.index_select(0, indices_1D)
+        permuted_input = hidden.index_select(0, sorted_indices)
+    forward, Tally.moved = Tally.moved, 0
+    grads = (torch.ones_like(permuted_input), torch.ones_like(permuted_probs))
+    with Tally():
+        torch.autograd.grad((permuted_input, permuted_probs), (hidden, probs), grads)
+    rows = routed_rows(spec, shapes)
+    reorder = 2 * B * rows * (h + 1)  # four local experts: the transposed copy after the a2a
+    assert (forward + reorder, Tally.moved + reorder) == padded_permute_moved(spec, shapes)
+    assert permute_saved(spec, shapes) == size(sorted_indices) + size(indices_1D)
+    assert moe_ops(spec)["permute"].forward_bytes == forward + reorder

@@ -33,7 +33,10 @@ from the TransformerConfig fields, megatron/training/argument_utils.py, under th
   (`--num-experts`, `--moe-router-topk`, `--moe-ffn-hidden-size`, `--moe-layer-freq` as a
   pattern such as `[0]*3+[1]*58`, shared experts and their sigmoid gate
   (`--moe-shared-expert-gate`, from core_v0.16.0: sigmoid(x·w_g) with w_g of shape 1×h scales the
-  shared experts' output, megatron/core/transformer/moe/shared_experts.py), expert bias, capacity,
+  shared experts' output, megatron/core/transformer/moe/shared_experts.py), expert bias, capacity
+  (`--moe-expert-capacity-factor` with `--moe-pad-expert-input-to-capacity`, ckplan's padded
+  buffers), Transformer Engine's fused permutation and routing kernels (`--moe-permute-fusion`,
+  `--moe-router-fusion`, store_true, off by default),
   `--expert-model-parallel-size`, `--expert-tensor-parallel-size`), MLA
   (`--multi-latent-attention` and its ranks and head dims); uneven stages
   (`--decoder-first/last-pipeline-num-layers`, with `--num-virtual-stages-per-pipeline-rank`
@@ -399,6 +402,10 @@ def _moe_flags(spec: ModelSpec) -> list[list[str]]:
             ["--moe-expert-capacity-factor", f"{spec.capacity_factor:g}"],
             ["--moe-pad-expert-input-to-capacity"],
         ]
+    if spec.moe_permute_fusion:
+        out.append(["--moe-permute-fusion"])
+    if spec.moe_router_fusion:
+        out.append(["--moe-router-fusion"])
     return out
 
 

@@ -26,9 +26,11 @@ every rank; the expert MLPs as grouped GEMMs over the R rows of this rank, one g
 expert (TEGroupedMLP: Transformer Engine's GroupedLinear, `gg.ops.gmm` in the older
 GroupedMLP), no tensor-parallel collective of their own (the dispatcher's all-gather and
 reduce-scatter over etp are expert-parallel communication, `hardware.expert_parallel`); the
-bytes the unfused router, permutation and weighted-activation kernels move (`*_moved` below,
-Megatron's defaults: no --moe-permute-fusion, no --moe-router-fusion), and under FP8 the copies
-that align the grouped GEMMs' rows to 16 (`fp8_padding_moved`).
+bytes the router, permutation and weighted-activation kernels move (`*_moved` below): unfused
+by default (Megatron's defaults), or Transformer Engine's fused kernels with the keys
+`moe_router_fusion` (--moe-router-fusion) and `moe_permute_fusion` (--moe-permute-fusion);
+with a capacity factor the router's token dropping (`token_dropping_moved`); and under FP8 the
+copies that align the grouped GEMMs' rows to 16 (`fp8_padding_moved`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ EXPERTS = "moe/experts"  # recompute group: the routed expert MLPs only
 SHARED_EXPERTS = "moe/shared_experts"
 INDEX_BYTES = 8  # int64 token indices (torch.topk, index_select)
 MASK_BYTES = 1  # the boolean routing map
+ROW_ID_BYTES = 4  # int32 row maps of Transformer Engine's fused permutation
 
 
 def sent_rows(spec: ModelSpec, shapes: LayerShapes) -> int:
@@ -103,6 +106,79 @@ def expert_matmul(spec: ModelSpec, shapes: LayerShapes, n: int, k: int) -> Matmu
 
 
 def router_probs_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
+    """Bytes the routing kernels move, (forward, backward), per rank: the fused or unfused
+    top-k and aux loss (`moe_router_fusion`), and with a capacity factor the token dropping."""
+    if spec.moe_router_fusion:
+        forward, backward = fused_router_moved(spec, shapes)
+    else:
+        forward, backward = unfused_router_moved(spec, shapes)
+    dropping = token_dropping_moved(spec, shapes)
+    return forward + dropping[0], backward + dropping[1]
+
+
+def router_probs_saved(spec: ModelSpec, shapes: LayerShapes) -> int:
+    """Bytes the routing keeps for backward, per rank. Unfused (moe_utils.py): the top-k indices
+    (int64, T·k), the fp32 softmax of the k selected scores (T·k) and the fp32 aux-loss softmax
+    over all E (T·E). Fused (Transformer Engine v2.9 transformer_engine/pytorch/router.py):
+    FusedTopkScoreFunction saves the routing map (T·E bool) and its intermediate output (B·T·E),
+    FusedComputeScoresForMoEAuxLoss its intermediate output (B·T·E), FusedAuxLoss a scalar and
+    the E counts (not counted). With a capacity factor the dropping's product keeps its mask
+    (T·E bool, `token_dropping_moved`)."""
+    tokens, E, k, B = shapes.stream_tokens, spec.experts, spec.top_k, shapes.B
+    if spec.moe_router_fusion:
+        saved = (MASK_BYTES + 2 * B) * tokens * E
+    else:
+        saved = (INDEX_BYTES + FP32_BYTES) * tokens * k + FP32_BYTES * tokens * E
+    if spec.capacity_factor:
+        saved += MASK_BYTES * tokens * E
+    return saved
+
+
+def fused_router_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
+    """Bytes Megatron's fused routing moves, (forward, backward), per rank, T tokens, E experts,
+    B-byte logits (--moe-router-fusion: Megatron-Core core_v0.14.0 .. 0d8e0714 router.py
+    TopKRouter.routing and moe_utils.py, `fused=self.config.moe_router_fusion`, calling
+    Transformer Engine's transformer_engine/pytorch/router.py, the same at v2.7 and v2.9, whose
+    CUDA kernels are transformer_engine/common/fused_router/*.cu; each kernel reads and writes
+    whole (T, E) rows of the logits' dtype):
+
+    forward: fused_topk_with_score_function reads the logits (B·T·E) and writes the dense
+    probabilities (B·T·E), the routing map (T·E) and its intermediate output (B·T·E);
+    fused_score_for_moe_aux_loss the same for the aux loss's scores; the per-expert token
+    counts, routing_map.sum(0) (T·E read); fused_moe_aux_loss reads the scores (B·T·E):
+    (7B + 3)·T·E. backward: fused_moe_aux_loss_bwd writes the scores' gradient (B·T·E);
+    fused_score_for_moe_aux_loss_bwd reads it and its intermediate and writes a logits
+    gradient (3B·T·E); fused_topk_with_score_function_bwd reads the probabilities' gradient,
+    the intermediate and the map and writes the other (3B + 1); autograd adds the two (3B):
+    (10B + 1)·T·E."""
+    te, B = shapes.stream_tokens * spec.experts, shapes.B
+    forward = (3 * B + MASK_BYTES) * 2 + MASK_BYTES + B
+    backward = B + 3 * B + (3 * B + MASK_BYTES) + 3 * B
+    return forward * te, backward * te
+
+
+def token_dropping_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
+    """Bytes the router's token dropping moves with a capacity factor, (forward, backward), per
+    rank; 0 dropless (Megatron-Core core_v0.14.0 moe_utils.py apply_router_token_dropping, the
+    same at 0d8e0714, drop policy "probs" and pad_to_capacity, C = capacity per expert,
+    `expert_capacity`; derived, each aten op reading its inputs and writing its output once):
+
+    forward: torch.topk(probs, C, dim=0) reads B·T·E and writes E·C values and int64 indices;
+    zeros_like(probs) writes B·T·E; .scatter(0, indices, 1), out of place, copies them (B·T·E
+    each way) and writes E·C ones from E·C indices; .bool() reads B·T·E and writes T·E;
+    probs * mask reads B·T·E and T·E and writes B·T·E. backward: the product's gradient for the
+    probabilities, the output's gradient times the mask (B·T·E and T·E read, B·T·E written)."""
+    if not spec.capacity_factor:
+        return 0, 0
+    tokens, E, B = shapes.stream_tokens, spec.experts, shapes.B
+    te, slots = tokens * E, E * expert_capacity(spec, tokens)
+    forward = (B + B + 2 * B + (B + MASK_BYTES) + (2 * B + MASK_BYTES)) * te
+    forward += (B + INDEX_BYTES) * slots + (INDEX_BYTES + B) * slots
+    backward = (2 * B + MASK_BYTES) * te
+    return forward, backward
+
+
+def unfused_router_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
     """Bytes the unfused top-k routing and aux-loss kernels move, (forward, backward), per rank
     (moe_utils.py: topk_routing_with_score_function with the default softmax after top-k,
     compute_routing_scores_for_aux_loss; T tokens, E experts, k, B-byte logits, int64 indices):
@@ -127,7 +203,119 @@ def router_probs_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
     return forward_te * te + forward_tk * tk, backward_te * te + backward_tk * tk
 
 
+def sorts_by_local_expert(spec: ModelSpec) -> bool:
+    """Whether the dispatcher re-sorts the received rows by local expert with
+    `sort_chunks_by_idxs` (the fused kernel under --moe-permute-fusion): more than one local
+    expert, dropless. Padded to capacity it reorders them with a transpose and a contiguous copy
+    instead, fused or not (token_dispatcher.py at 0d8e0714, dispatch_postprocess and
+    combine_preprocess, `if self.drop_and_pad`), the same bytes as the unfused split and cat."""
+    return local_experts(spec) > 1 and not spec.capacity_factor
+
+
 def permute_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
+    """Bytes the token permutation moves, (forward, backward), per rank: Transformer Engine's
+    fused kernels with `moe_permute_fusion` (`fused_permute_moved`), else the unfused ops."""
+    if spec.moe_permute_fusion:
+        return fused_permute_moved(spec, shapes)
+    return unfused_permute_moved(spec, shapes)
+
+
+def row_id_map_moved(spec: ModelSpec, shapes: LayerShapes) -> int:
+    """Bytes Transformer Engine's make_row_id_map moves (v2.9 transformer_engine/pytorch/triton/
+    permutation.py; the same three passes at v2.7): pass 1 reads the (T, E) boolean routing map
+    and writes a per-block cumulative sum into the int32 (T, 2E + 1) map (1 + 4 per T·E); pass 2
+    reads and rewrites it with the blocks' offsets (8); pass 3 reads each token's E entries (4)
+    and writes its k destination rows and k expert indices (int32, 8 per row sent) and its count
+    (4 per token)."""
+    tokens, E = shapes.stream_tokens, spec.experts
+    te = tokens * E
+    written = 2 * ROW_ID_BYTES * sent_rows(spec, shapes) + ROW_ID_BYTES * tokens
+    return (MASK_BYTES + ROW_ID_BYTES) * te + 2 * ROW_ID_BYTES * te + ROW_ID_BYTES * te + written
+
+
+def fused_permute_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
+    """Bytes Megatron's fused token permutation moves, (forward, backward), per rank
+    (--moe-permute-fusion: Megatron-Core 0d8e0714 moe_utils.py `permute(..., fused=True)` calls
+    Transformer Engine's moe_permute_with_probs, mask map; TE v2.9 transformer_engine/pytorch/
+    permutation.py _moe_permute_mask_map and triton/permutation.py). S the rows sent (T·k, or
+    E·capacity padded: the padded slots hold probability 0 and are written as zero rows), R the
+    rows received, B-byte values and probabilities, int32 maps:
+
+    forward: the row map (`row_id_map_moved`); _permute_kernel reads each token's row once
+    (B·T·h) and its count (4·T), and per row sent its destination and expert (8), the
+    probability (B read, B written) and the row (B·h written); dropless with more than one local
+    expert, the received rows sorted by expert (make_chunk_sort_map writes an int32 map of R,
+    _sort_chunks_by_map_kernel reads it and copies the R rows and probabilities: 2B·R·(h + 1)
+    + 8R; `sorts_by_local_expert`, else the transposed copy, 2B·R·(h + 1)). backward:
+    unpermute_with_mask_map zeroes the (T, E) probability gradient (B·T·E written), reads the
+    counts (4·T), per row its source and expert (8), the row's gradient (B·h) and the
+    probability's (B read, B written), and writes B·T·h; the sort's inverse, 2B·R·(h + 1) + 4R
+    (the map read)."""
+    tokens, E, h, B = shapes.stream_tokens, spec.experts, spec.hidden, shapes.B
+    sent, rows = sent_rows(spec, shapes), routed_rows(spec, shapes)
+    per_row = 2 * ROW_ID_BYTES + 2 * B + B * h
+    forward = row_id_map_moved(spec, shapes) + B * tokens * h + ROW_ID_BYTES * tokens
+    forward += per_row * sent
+    backward = B * tokens * E + ROW_ID_BYTES * tokens + per_row * sent + B * tokens * h
+    if local_experts(spec) > 1:
+        forward += 2 * B * rows * (h + 1)
+        backward += 2 * B * rows * (h + 1)
+    if sorts_by_local_expert(spec):
+        forward += 2 * ROW_ID_BYTES * rows
+        backward += ROW_ID_BYTES * rows
+    return forward, backward
+
+
+def padded_permute_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
+    """Bytes the unfused permutation moves padded to capacity, (forward, backward), per rank
+    (Megatron-Core core_v0.14.0 moe_utils.py `permute(..., drop_and_pad=True)`, the same at
+    0d8e0714: every expert's column of the routing map holds its capacity C, S = E·C; derived,
+    each aten op reading its inputs and writing its outputs once, views free):
+
+    forward: the map cast to int8 (T·E each way) and transposed into a copy (T·E each way);
+    argsort of each expert's row, a sort that writes the int8 values and the int64 indices
+    (T·E read, 9·T·E written); the first C of each row copied (8S each way); the probabilities
+    transposed into a copy (B·T·E each way); the flat indices arange(E)·T + index (8E written,
+    8E each way, 8E and 8S read, 8S written); the probabilities' index_select (8S indices, B·S
+    values read, B·S written) and the tokens' (8S indices, B·S·h read and written). With more
+    than one local expert, the received rows are reordered by a transposed copy, B·R·(h + 1)
+    each way. backward: each index_select's, an index_add into zeros: B·T·h written, then 8S
+    indices and B·S·h read and B·S·h written; B·T·E written, then 8S, B·S and B·S (the
+    transposed copy's backward is a view); the reorder's inverse, B·R·(h + 1) each way."""
+    tokens, E, h, B = shapes.stream_tokens, spec.experts, spec.hidden, shapes.B
+    sent, rows = sent_rows(spec, shapes), routed_rows(spec, shapes)
+    te, i = tokens * E, INDEX_BYTES
+    forward = 2 * te + 2 * te + (te + te + i * te) + 2 * i * sent + 2 * B * te
+    forward += i * E + 2 * i * E + (i * E + 2 * i * sent)
+    forward += (i + 2 * B) * sent + (i * sent + 2 * B * sent * h)
+    backward = B * tokens * h + i * sent + 2 * B * sent * h
+    backward += B * te + i * sent + 2 * B * sent
+    if local_experts(spec) > 1:
+        forward += 2 * B * rows * (h + 1)
+        backward += 2 * B * rows * (h + 1)
+    return forward, backward
+
+
+def permute_saved(spec: ModelSpec, shapes: LayerShapes) -> int:
+    """Bytes the permutation keeps for backward, per rank. Unfused: the sorted token indices
+    (int64, one per row sent), and the boolean routing map and the transposed (E, T)
+    probabilities masked_select keeps; padded to capacity, the int64 indices of the tokens' and
+    of the probabilities' index_select. Fused (TE v2.9 permutation.py): _moe_permute_mask_map
+    saves its int32 (T, 2E + 1) row map, which the dispatcher keeps for the unpermutation too;
+    dropless with more than one local expert, _moe_chunk_sort its int32 map of the R rows."""
+    tokens, E, B = shapes.stream_tokens, spec.experts, shapes.B
+    if not spec.moe_permute_fusion and spec.capacity_factor:
+        # padded (`padded_permute_moved`): the two index_selects keep their int64 indices
+        return 2 * INDEX_BYTES * sent_rows(spec, shapes)
+    if not spec.moe_permute_fusion:
+        return INDEX_BYTES * sent_rows(spec, shapes) + MASK_BYTES * tokens * E + B * tokens * E
+    saved = ROW_ID_BYTES * tokens * (2 * E + 1)
+    if sorts_by_local_expert(spec):
+        saved += ROW_ID_BYTES * routed_rows(spec, shapes)
+    return saved
+
+
+def unfused_permute_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
     """Bytes the unfused token permutation moves, (forward, backward), per rank (moe_utils.py
     `permute`; token_dispatcher.py MoEAlltoAllTokenDispatcher `sort_chunks_by_idxs`):
 
@@ -140,7 +328,10 @@ def permute_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
     backward: index_select's backward, an index_add of the S row gradients into zeros (B·T·h
     written, S indices and B·S·h read, B·S·h accumulated); masked_select's backward into zeros
     (B·T·E, the T·E map, B·S read and B·S written) and the transposed copy back (B·T·E each
-    way); the sort's inverse, B·R·(h + 1) each way."""
+    way); the sort's inverse, B·R·(h + 1) each way. Padded to capacity the indices come another
+    way (`padded_permute_moved`)."""
+    if spec.capacity_factor:
+        return padded_permute_moved(spec, shapes)
     tokens, E, h, B = shapes.stream_tokens, spec.experts, spec.hidden, shapes.B
     sent, rows = sent_rows(spec, shapes), routed_rows(spec, shapes)
     te = tokens * E
@@ -166,11 +357,27 @@ def unpermute_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
     the block's bias-dropout-add does it, `mlp_dropout`). backward: scatter_add's backward, a
     gather of the S rows' gradients (S indices, B·S·h each way), and the un-sort's inverse.
     torchtitan weights the outputs here instead: its weighting's traffic is added
-    (`combine_weighting_moved`)."""
+    (`combine_weighting_moved`).
+
+    With `moe_permute_fusion` (moe_utils.py `unpermute(..., fused=True)`, TE v2.9
+    _moe_unpermute_mask_map without merging probabilities and _moe_chunk_sort): the un-sort as
+    in `fused_permute_moved` without probabilities (2B·R·h, + 8R forward and 4R backward for its
+    map when `sorts_by_local_expert`); _unpermute_kernel reads each token's count (4·T), per row
+    returned its source (4) and the row (B·h), and writes the sum, B·T·h; its backward is
+    permute_with_mask_map without probabilities: B·T·h and 4·T read, per row 4 read and B·h
+    written."""
     tokens, h, B = shapes.stream_tokens, spec.hidden, shapes.B
     sent, rows = sent_rows(spec, shapes), routed_rows(spec, shapes)
-    forward = B * tokens * h + INDEX_BYTES * sent + 2 * B * sent * h
-    backward = INDEX_BYTES * sent + 2 * B * sent * h
+    if spec.moe_permute_fusion:
+        per_row = ROW_ID_BYTES + B * h
+        forward = ROW_ID_BYTES * tokens + per_row * sent + B * tokens * h
+        backward = B * tokens * h + ROW_ID_BYTES * tokens + per_row * sent
+        if sorts_by_local_expert(spec):
+            forward += 2 * ROW_ID_BYTES * rows
+            backward += ROW_ID_BYTES * rows
+    else:
+        forward = B * tokens * h + INDEX_BYTES * sent + 2 * B * sent * h
+        backward = INDEX_BYTES * sent + 2 * B * sent * h
     if local_experts(spec) > 1:
         forward += 2 * B * rows * h
         backward += 2 * B * rows * h
@@ -339,6 +546,15 @@ def combine_weighting_saved(spec: ModelSpec, shapes: LayerShapes) -> int:
     return 0
 
 
+def unsort_map_saved(spec: ModelSpec, shapes: LayerShapes) -> int:
+    """The int32 map of the R rows the fused un-sort by local expert keeps for backward (TE v2.9
+    permutation.py _moe_chunk_sort, `ctx.save_for_backward(row_id_map)`): with
+    `moe_permute_fusion` when `sorts_by_local_expert`, else 0."""
+    if spec.moe_permute_fusion and sorts_by_local_expert(spec):
+        return ROW_ID_BYTES * routed_rows(spec, shapes)
+    return 0
+
+
 def experts_input_bytes(spec: ModelSpec, shapes: LayerShapes) -> int:
     """What recomputing the expert MLPs keeps: their dispatched tokens and probabilities."""
     rows = routed_rows(spec, shapes)
@@ -351,19 +567,22 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
     Saved bytes per op (derived from each op's backward in the Megatron code named above):
     router: its input x (T·h; the shared experts read the same storage); router_probs: the
     top-k indices (int64), the fp32 softmax of the k selected scores, the fp32 aux-loss softmax
-    over all E experts; permute: the sorted token indices (int64, one per dispatched copy), and
-    the boolean routing map and the transposed (E, T) probabilities masked_select keeps (its
-    backward needs its input's shape: autograd saves the input itself); expert_fc1: its input,
+    over all E experts, or the fused kernels' maps (`router_probs_saved`); permute: the sorted
+    token indices (int64, one per dispatched copy), and the boolean routing map and the
+    transposed (E, T) probabilities masked_select keeps (its backward needs its input's shape:
+    autograd saves the input itself), or the fused kernels' int32 row maps (`permute_saved`);
+    expert_fc1: its input,
     the R dispatched rows; expert_act: its input (fc1's output, 2F_e/etp gated) and the R
     routing probabilities it weights by (Megatron; torchtitan and Hugging Face weight the outputs
     instead: no probabilities there); expert_fc2: its input; unpermute: what weighting the
     outputs by their scores saves (`combine_weighting_saved`; nothing in Megatron, whose
-    scatter-add reuses permute's indices). All-to-all and all-gather save nothing.
+    scatter-add reuses permute's indices, but the fused un-sort's map, `unsort_map_saved`).
+    All-to-all and all-gather save nothing.
     `out_grad` is the gradient of the block's output the last op reads (0: the residual
     stream's, which the walk counts).
     """
     B, X = shapes.B, shapes.X
-    tokens, h, E, k = shapes.stream_tokens, spec.hidden, spec.experts, spec.top_k
+    tokens, h, E = shapes.stream_tokens, spec.hidden, spec.experts
     rows = routed_rows(spec, shapes)
     sent = sent_rows(spec, shapes)
     gated = spec.mlp != "gelu"
@@ -394,7 +613,7 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
         make_op(
             "router_probs",
             "mlp",
-            INDEX_BYTES * tokens * k + FP32_BYTES * tokens * k + FP32_BYTES * tokens * E,
+            router_probs_saved(spec, shapes),
             0,
             MOE,
             grads=(logits, logits),
@@ -404,7 +623,7 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
         make_op(
             "permute",
             "mlp",
-            INDEX_BYTES * sent + MASK_BYTES * tokens * E + B * tokens * E,
+            permute_saved(spec, shapes),
             0,
             MOE,
             grads=(B * rows * (h + 1), logits + (0 if shared else X)),
@@ -443,7 +662,7 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
         make_op(
             "unpermute",
             "mlp",
-            combine_weighting_saved(spec, shapes),
+            combine_weighting_saved(spec, shapes) + unsort_map_saved(spec, shapes),
             0,
             MOE,
             grads=(out_grad, B * rows * h),

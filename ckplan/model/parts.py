@@ -513,6 +513,14 @@ class Execution(_Record):
     # TiledMLP (Bekman et al. 2025, ALST): the recomputed dense MLP (the `mlp` strategy word)
     # re-runs its forward and backward in this many tiles of the tokens
     mlp_tiles: int = 1
+    # Megatron-Core's fused MoE kernels (Transformer Engine's): --moe-permute-fusion, the token
+    # permutation, its inverse and the sort by local expert as Triton kernels over a row map;
+    # --moe-router-fusion, top-k with its score function and the aux-loss scores and loss as
+    # CUDA kernels. Off by default in Megatron-LM (arguments.py core_v0.14.0 .. core_v0.19.0:
+    # store_true; transformer_config.py `moe_permute_fusion: bool = False`,
+    # `moe_router_fusion: bool = False`). ckplan.model.moe times both ways.
+    moe_permute_fusion: bool = False
+    moe_router_fusion: bool = False
 
     __hash__ = _Record.__hash__
 

@@ -70,13 +70,13 @@ KEY_ORDER = (
     "post_norms", "parallel_residual", "sliding_window", "sliding_window_layers", "q_lora_rank",
     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "experts", "top_k",
     "moe_ffn_hidden", "shared_experts", "shared_ffn_hidden", "shared_expert_gate", "expert_bias",
-    "capacity_factor", "moe_layers", "moe_imbalance", "mtp_layers", "ep", "etp",
-    "first_stage_layers", "last_stage_layers", "account_for_embedding_in_pipeline_split",
-    "account_for_loss_in_pipeline_split", "pipeline_layout", "framework", "framework_version",
-    "kernels", "attention_kernel", "precision", "loss", "tp_comm_overlap", "dp_comm_overlap",
-    "expandable_segments", "mlp_tiles", "training", "lora_rank", "lora_alpha", "lora_targets",
-    "lora_dropout", "use_dora", "weight_format", "optimizer", "optimizer_in_backward",
-    "optimizer_offload", "param_offload",
+    "capacity_factor", "moe_permute_fusion", "moe_router_fusion", "moe_layers", "moe_imbalance",
+    "mtp_layers", "ep", "etp", "first_stage_layers", "last_stage_layers",
+    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+    "pipeline_layout", "framework", "framework_version", "kernels", "attention_kernel", "precision",
+    "loss", "tp_comm_overlap", "dp_comm_overlap", "expandable_segments", "mlp_tiles", "training",
+    "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "use_dora", "weight_format",
+    "optimizer", "optimizer_in_backward", "optimizer_offload", "param_offload",
 )  # fmt: skip
 PART_OF: dict[str, str] = {
     field.name: part for part, record in PARTS.items() for field in dataclasses.fields(record)
@@ -700,6 +700,10 @@ def _validate_mla(spec: ModelSpec) -> None:
         raise SpecError("key 'kv_lora_rank' needs kind: transformer")
 
 
+# Megatron-Core's fused MoE kernels (ckplan.model.parts.Execution)
+MOE_FUSIONS = ("moe_permute_fusion", "moe_router_fusion")
+
+
 def _validate_moe(spec: ModelSpec) -> None:
     if not spec.experts:
         for key, default in (("ep", 1), ("shared_experts", 0), ("shared_ffn_hidden", 0)):
@@ -709,12 +713,21 @@ def _validate_moe(spec: ModelSpec) -> None:
             raise SpecError(
                 "keys capacity_factor, shared_expert_gate, expert_bias need experts > 0"
             )
+        for key in MOE_FUSIONS:
+            if getattr(spec, key):
+                raise SpecError(f"key {key!r} needs a mixture of experts (experts > 0)")
         for key, default in (("moe_layers", "all"), ("moe_imbalance", "average"), ("top_k", 2)):
             if getattr(spec, key) != default:
                 raise SpecError(f"key {key!r} needs a mixture of experts (experts > 0)")
         return
     if spec.kind != "transformer":
         raise SpecError("key 'experts' needs kind: transformer")
+    for key in MOE_FUSIONS:
+        if getattr(spec, key) and spec.framework != "megatron":
+            raise SpecError(
+                f"key {key!r} is Megatron-Core's (Transformer Engine's fused MoE kernels): it "
+                f"needs framework megatron, got {spec.framework!r}"
+            )
     if not 1 <= spec.top_k <= spec.experts:
         raise SpecError(f"key 'top_k' ({spec.top_k}) must be in 1..experts ({spec.experts})")
     if spec.experts % spec.ep:

@@ -234,7 +234,8 @@ ARCHITECTURE_FEATURES = {
     "mtp": ("mtp_layers",),
 }
 # Keys of the other parts that only MoE models, uneven or interleaved pipelines, model states on
-# the host or hf's gradient sync or a torchtitan release use: shown when not default.
+# the host, hf's gradient sync, a torchtitan release or Megatron's fused MoE kernels use: shown
+# when not default.
 QUIET_KEYS = frozenset(
     {
         "moe_imbalance",
@@ -249,6 +250,8 @@ QUIET_KEYS = frozenset(
         "optimizer_offload",
         "param_offload",
         "mlp_tiles",
+        "moe_permute_fusion",
+        "moe_router_fusion",
         "grad_sync",
         "framework_version",
     }
