@@ -20,7 +20,11 @@ four ways, each a key of the model's `Execution` part:
   Llama code).
 - **GEMM precision** (`precision`): FP8 linear layers (Transformer Engine, torchao float8) run at
   the FP8 tensor-core rate and pay for casting their inputs and gradients to FP8; the attention
-  core and the output layer stay in BF16 (Megatron-LM and torchao's defaults).
+  core and the output layer stay in BF16 (Megatron-LM and torchao's defaults). Under
+  Transformer Engine the scaling recipe (`fp8_recipe`) changes what each cast and each
+  sequence-parallel gather moves (`fp8_quantize_bytes`, `fp8_amax_pass_bytes`,
+  `fp8_gathered_bytes`) and, under current scaling, adds an amax all-reduce before each FP8
+  gather (`current_scaling_amax_reductions`, timed in ckplan.hardware.step_time).
 """
 
 from __future__ import annotations
@@ -62,6 +66,21 @@ FP8_CAST_BYTES = 4
 # the backward's re-gather for the weight gradient) and a row-parallel layer's output gradient;
 # the reduce-scatters stay in BF16 (`fp8_gather_bytes`).
 FP8_GATHER_BYTES = 1
+# MXFP8 (OCP Microscaling Formats v1.0, Transformer Engine's MXFP8BlockScaling): one E8M0 scale
+# byte per block of 32 consecutive values, along the rows for the row-wise copy and along the
+# columns for the column-wise one (TE v2.9 transformer_engine/pytorch/tensor/mxfp8_tensor.py,
+# `MXFP8_BLOCK_SCALING_SIZE = 32`).
+MXFP8_BLOCK = 32
+# The amax each current-scaling cast all-reduces (max) over the tensor-parallel group before a
+# sequence-parallel gather: one fp32 value (TE v2.9 csrc/quantizer.cpp,
+# `Float8CurrentScalingQuantizer::quantize_impl`, `amax_reduction_group->allreduce`).
+AMAX_BYTES = 4
+# The FP8 linear layers whose input comes from a norm fused into them: Megatron-Core's layer
+# spec builds linear_qkv, a dense layer's linear_fc1 and, with q/kv norms, MLA's linear_q_up_proj
+# and linear_kv_up_proj as TELayerNormColumnParallelLinear (megatron/core/models/gpt/
+# gpt_layer_specs.py, core_v0.15.3); an MoE layer's pre_mlp_layernorm is a separate TENorm, so
+# its experts' and shared experts' fc1 and MLA's down projections cast a BF16 input.
+NORM_FUSED_LINEARS = ("qkv_proj", "fc1", "q_up", "kv_up")
 # The GEMMs' and attention kernels' sustained rate per code path (`kernels`), relative to
 # Megatron's fused kernels, fitted by validation/fit_time_model.py on the calibration split
 # (docs/validation.md, "The time model's fitted constants"): what a step's GEMMs and attention
@@ -85,6 +104,8 @@ class CodePath:
     norm: str
     mlp: str
     rope: bool
+    fp8_recipe: str | None = None  # Transformer Engine's scaling recipe (precision fp8)
+    norm_fused: bool = False  # the norms are fused into the linear layers after them (Megatron)
 
     def forward(self, op: Op, dtype_bytes: int) -> OpTime:
         return self._time(op, dtype_bytes, backward=False)
@@ -102,7 +123,12 @@ class CodePath:
         rest = timer(dataclasses.replace(op, matmul=None, forward_flops=0, backward_flops=0),
                      self.gpu, dtype_bytes)  # fmt: skip
         mm = op.matmul
-        cast = FP8_CAST_BYTES * mm.batch * (mm.m * mm.n if backward else mm.m * mm.k)
+        cols = mm.n if backward else mm.k  # the output gradient's width, or the input's
+        rows = mm.batch * mm.m
+        cast = fp8_quantize_bytes(self.fp8_recipe, rows, cols)
+        # a norm fused into the layer finds its output's amax as it writes it
+        if backward or not (self.norm_fused and op.name in NORM_FUSED_LINEARS):
+            cast += fp8_amax_pass_bytes(self.fp8_recipe, rows * cols, dtype_bytes)
         return OpTime(gemm.matmul, rest.memory + memory_seconds(self.gpu, cast))
 
     def _eager(self, op: Op, dtype_bytes: int) -> Op:
@@ -130,6 +156,56 @@ def fp8_gemm(op: Op) -> bool:
     return op.matmul is not None and op.name not in NOT_FP8 and not in_group(op, ATTENTION_CORE)
 
 
+def fp8_quantize_bytes(recipe: str | None, rows: int, cols: int) -> int:
+    """Bytes one FP8 cast of a (rows, cols) BF16 tensor moves: it reads the tensor and writes
+    the row-wise and the column-wise (transposed) FP8 copy, `FP8_CAST_BYTES` per element
+    (torchao's float8 scaling and delayed and current scaling alike, `recipe` None or either);
+    MXFP8 writes each copy's E8M0 scales too, one byte per `MXFP8_BLOCK` values along its
+    rows for the row-wise copy and along its columns for the column-wise one (TE v2.9
+    mxfp8_tensor.py `MXFP8Quantizer.make_empty`: rowwise scale_inv (rows, cols/32),
+    columnwise (rows/32, cols); their padding to 128x4 tiles left out). Derived."""
+    cast = FP8_CAST_BYTES * rows * cols
+    if recipe == "mxfp8":
+        blocks = -(-cols // MXFP8_BLOCK) * rows + -(-rows // MXFP8_BLOCK) * cols
+        cast += blocks
+    return cast
+
+
+def fp8_amax_pass_bytes(recipe: str | None, elements: int, dtype_bytes: int) -> int:
+    """Bytes a cast reads before it casts, to find the tensor's amax: current scaling's
+    `Float8CurrentScalingQuantizer::quantize_impl` runs `nvte_compute_amax` over the input, then
+    the cast (TE v2.9 transformer_engine/pytorch/csrc/quantizer.cpp), one more read of the
+    B-byte input; a norm fused into the linear layer computes the amax as it writes its output
+    (v2.9 csrc/extensions/normalization.cpp, `Impl::FUSED_NORM_AMAX_FP8`, then
+    `quantize_with_amax`), so the caller skips those. Delayed scaling casts with the scale of
+    the amax history and records the amax in the same kernel (TE v1.8 and v2.9
+    `cast_transpose` with the scale and amax pointers); MXFP8 finds each block's scale in the
+    cast kernel. 0 for both."""
+    return dtype_bytes * elements if recipe == "current" else 0
+
+
+def fp8_gathered_bytes(recipe: str | None, elements: int) -> int:
+    """Bytes of one FP8 sequence-parallel all-gather of `elements` values in all: one byte each
+    (`FP8_GATHER_BYTES`), and under MXFP8 one E8M0 scale byte per `MXFP8_BLOCK` of them (TE
+    v2.9 transformer_engine/pytorch/distributed.py `_all_gather_mxfp8` gathers the data and its
+    scale_inv of the copy the GEMM uses). Derived."""
+    gathered = FP8_GATHER_BYTES * elements
+    if recipe == "mxfp8":
+        gathered += -(-elements // MXFP8_BLOCK)
+    return gathered
+
+
+def current_scaling_amax_reductions(recipe: str | None, sp: bool, tp: int) -> int:
+    """All-reduces of an `AMAX_BYTES` amax over the tensor-parallel group before each FP8
+    sequence-parallel gather (a column-parallel layer's input in the forward, a row-parallel
+    layer's output gradient in the backward): 1 under current scaling with sp and tp > 1
+    (TE v2.9 module/linear.py and layernorm_linear.py `_customize_quantizers_float8_current_
+    scaling`: `with_amax_reduction = True`, `amax_reduction_group = self.tp_group` when
+    `sequence_parallel`; `quantize_impl` waits on it before the cast). Delayed scaling reduces
+    its amaxes once per micro-batch, not per gather; MXFP8's block scales need none. 0 else."""
+    return 1 if recipe == "current" and sp and tp > 1 else 0
+
+
 def sequence_parallel_gather_bytes(precision: str, framework: str, op: Op) -> int:
     """Bytes per element of the tensor-parallel all-gathers of `op` under sequence parallelism
     (its input for a column-parallel layer, its output gradient for a row-parallel one).
@@ -146,6 +222,16 @@ def sequence_parallel_gather_bytes(precision: str, framework: str, op: Op) -> in
     if precision == "fp8" and framework == "megatron" and fp8_gemm(op):
         return FP8_GATHER_BYTES
     return op.matmul.dtype_bytes
+
+
+def sequence_parallel_gather_size(spec, op: Op, elements: int) -> int:
+    """Bytes of one sequence-parallel all-gather of `elements` values of `op` (a ModelSpec or
+    ChainSpec's run): `sequence_parallel_gather_bytes` each, with MXFP8's scales
+    (`fp8_gathered_bytes`) where the gather is in FP8."""
+    per_element = sequence_parallel_gather_bytes(spec.precision, spec.framework, op)
+    if per_element == FP8_GATHER_BYTES and spec.precision == "fp8":
+        return fp8_gathered_bytes(spec.fp8_recipe, elements)
+    return per_element * elements
 
 
 def attention_plateau(gpu: GPU, kernel: str) -> float:
@@ -179,6 +265,8 @@ def code_path(
     norm: str,
     mlp: str,
     rope: bool,
+    fp8_recipe: str | None = None,
+    norm_fused: bool = False,
 ) -> CodePath:
     """The code path of a run on `gpu` (`seq`: query tokens per context-parallel rank): the
     GEMMs and attention at the GPU's sustained fraction, its clock factor and the code path's
@@ -198,7 +286,7 @@ def code_path(
             bf16_flops=gpu.fp8_flops,
             matmul_efficiency=gpu.fp8_matmul_efficiency * rate,
         )
-    return CodePath(effective, fp8, kernels == "eager", norm, mlp, rope)
+    return CodePath(effective, fp8, kernels == "eager", norm, mlp, rope, fp8_recipe, norm_fused)
 
 
 def spec_code_path(spec, gpu: GPU) -> CodePath:
@@ -212,4 +300,6 @@ def spec_code_path(spec, gpu: GPU) -> CodePath:
         spec.norm,
         spec.mlp,
         spec.positions == "rope",
+        spec.fp8_recipe,
+        spec.framework == "megatron",
     )

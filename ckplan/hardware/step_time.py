@@ -30,7 +30,13 @@ from itertools import groupby
 
 from ckplan.hardware import communication as comm
 from ckplan.hardware import host_states
-from ckplan.hardware.code_path import sequence_parallel_gather_bytes, spec_code_path
+from ckplan.hardware.code_path import (
+    AMAX_BYTES,
+    current_scaling_amax_reductions,
+    fp8_gemm,
+    sequence_parallel_gather_size,
+    spec_code_path,
+)
 from ckplan.hardware.expert_parallel import expert_parallel_comm, exposed_fraction
 from ckplan.hardware.gpus import GPU
 from ckplan.hardware.roofline import (
@@ -166,8 +172,11 @@ def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tupl
     Each collective moves the whole (s·b, h) tensor of B-byte values on the TP link, plus NCCL's
     ring latency (`comm.all_reduce_latency`, `all_gather_latency`); under Transformer Engine's
     FP8 the SP all-gathers of an FP8 GEMM move one byte per value
-    (`code_path.sequence_parallel_gather_bytes`). An overlapped one adds what
-    it does not hide and the slowdown of the GEMM whose SMs its blocks hold (`comm.overlapped`).
+    (`code_path.sequence_parallel_gather_bytes`, MXFP8's scales beside them), and under
+    current scaling each FP8 gather waits for an all-reduce of its amax over the group first
+    (`code_path.current_scaling_amax_reductions`), exposed: the host waits on it before the
+    cast. An overlapped one adds what it does not hide and the slowdown of the GEMM whose SMs
+    its blocks hold (`comm.overlapped`).
     """
     t = spec.tp
     if t == 1:
@@ -175,6 +184,9 @@ def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tupl
     bandwidth = comm.group_bandwidth(gpu, t, 1)
     reduce_latency = comm.all_reduce_latency(gpu, t)
     gather_latency = comm.all_gather_latency(gpu, t)
+    amax_reduce = current_scaling_amax_reductions(
+        spec.fp8_recipe if spec.precision == "fp8" else None, spec.sp, t
+    ) * (comm.all_reduce_seconds(AMAX_BYTES, t, bandwidth) + reduce_latency)
 
     def beside(seconds: float, gemm: Matmul) -> float:
         alone = matmul_seconds(gpu, gemm)
@@ -194,13 +206,13 @@ def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tupl
             continue
         mm = op.matmul
         input_grad, weight_grad = backward_matmuls(mm)
-        gathered = sequence_parallel_gather_bytes(spec.precision, spec.framework, op)
+        amax = amax_reduce if fp8_gemm(op) and spec.framework == "megatron" else 0.0
         if op.tp_comm == "column":
             size = mm.batch * mm.m * mm.k * mm.dtype_bytes
             if spec.sp:
-                gather_size = mm.batch * mm.m * mm.k * gathered
+                gather_size = sequence_parallel_gather_size(spec, op, mm.batch * mm.m * mm.k)
                 gather = comm.all_gather_seconds(gather_size, t, bandwidth) + gather_latency
-                forward += pipelined(gather, mm)
+                forward += amax + pipelined(gather, mm)
                 backward += beside(gather, input_grad)
                 scatter = comm.reduce_scatter_seconds(size, t, bandwidth) + gather_latency
                 backward += beside(scatter, weight_grad)
@@ -212,9 +224,9 @@ def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tupl
             if spec.sp:
                 scatter = comm.reduce_scatter_seconds(size, t, bandwidth) + gather_latency
                 forward += pipelined(scatter, mm)
-                gather_size = mm.batch * mm.m * mm.n * gathered
+                gather_size = sequence_parallel_gather_size(spec, op, mm.batch * mm.m * mm.n)
                 gather = comm.all_gather_seconds(gather_size, t, bandwidth) + gather_latency
-                backward += pipelined(gather, input_grad)
+                backward += amax + pipelined(gather, input_grad)
             else:
                 forward += pipelined(
                     comm.all_reduce_seconds(size, t, bandwidth) + reduce_latency, mm

@@ -443,6 +443,17 @@ FRAMEWORKS = ("megatron", "torchtitan", "deepspeed", "hf")
 KERNELS = ("fused", "eager", "compiled")
 ATTENTION_KERNELS = ("flash2", "flash3", "cudnn", "triton", "sdpa")
 PRECISIONS = ("bf16", "fp16", "fp8", "float8")
+# Transformer Engine's FP8 scaling recipes that ckplan models (`fp8_recipe`, precision fp8 only;
+# ckplan.hardware.code_path): DelayedScaling, Float8CurrentScaling and MXFP8BlockScaling
+# (NVIDIA/TransformerEngine v2.9 transformer_engine/common/recipe/__init__.py), as Megatron-LM's
+# --fp8-recipe names them delayed, tensorwise and mxfp8. Float8BlockScaling (`blockwise`) and
+# NVFP4BlockScaling are not modelled.
+FP8_RECIPES = ("delayed", "current", "mxfp8")
+# Megatron-LM's --fp8-recipe default (megatron/training/arguments.py, core_v0.15.3 and
+# core_v0.19.0: default='delayed'); Transformer Engine itself picks DelayedScaling on Hopper
+# when no recipe is passed (v2.9 transformer_engine/pytorch/quantization.py,
+# `get_default_fp8_recipe`), MXFP8BlockScaling on Blackwell.
+DEFAULT_FP8_RECIPE = "delayed"
 # What each framework does when the model file does not say (docs/frameworks.md): Megatron-LM's
 # fused CUDA kernels and TE/flash attention, no DP overlap unless asked (--overlap-grad-reduce is
 # off by default); torchtitan's eager PyTorch (torch.compile off by default), FSDP2's prefetch;
@@ -503,6 +514,9 @@ class Execution(_Record):
     # the linear layers' GEMMs: bf16 | fp16 | fp8 (Transformer Engine: saves FP8 copies of their
     # inputs) | float8 (torchao's float8 training: saves them in bf16)
     precision: str = "bf16"
+    # Transformer Engine's FP8 scaling recipe under precision fp8: delayed | current | mxfp8
+    # (FP8_RECIPES); None -> DEFAULT_FP8_RECIPE with precision fp8, else none
+    fp8_recipe: str | None = None
     # fused | eager | xentropy | compiled | chunked:N | chunked-output:N (ckplan.model.loss);
     # None -> the framework's
     loss: str | None = None
@@ -539,6 +553,7 @@ class Execution(_Record):
         for key in ("kernels", "dp_comm_overlap", "loss", "expandable_segments"):
             if getattr(self, key) is None:
                 self._derive(key, defaults[key])
+        self._check_fp8_recipe()
         whole_losses = ("fused", "eager", "xentropy", "compiled")
         if self.loss not in whole_losses and not _is_chunked(self.loss):
             raise SpecError(
@@ -551,8 +566,30 @@ class Execution(_Record):
                 f"key 'kernels' must be one of {', '.join(KERNELS)}, got {quote(self.kernels)}"
             )
 
+    def _check_fp8_recipe(self) -> None:
+        """`fp8_recipe` is Transformer Engine's (precision fp8): torchao's float8 and the
+        16-bit precisions have none."""
+        if self.fp8_recipe is None:
+            if self.precision == "fp8":
+                self._derive("fp8_recipe", DEFAULT_FP8_RECIPE)
+            return
+        if self.precision != "fp8":
+            raise SpecError(
+                "key 'fp8_recipe' is Transformer Engine's FP8 scaling recipe: it needs precision "
+                f"fp8, got {quote(self.precision)}"
+            )
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise SpecError(
+                key="fp8_recipe",
+                rule=f"must be one of {', '.join(FP8_RECIPES)}",
+                value=self.fp8_recipe,
+            )
+
     def derived_defaults(self) -> dict[str, Any]:
-        return dict(FRAMEWORK_DEFAULTS[self.framework])
+        defaults = dict(FRAMEWORK_DEFAULTS[self.framework])
+        if self.precision == "fp8":
+            defaults["fp8_recipe"] = DEFAULT_FP8_RECIPE
+        return defaults
 
 
 PARTS: dict[str, type] = {

@@ -74,9 +74,9 @@ KEY_ORDER = (
     "mtp_layers", "ep", "etp", "first_stage_layers", "last_stage_layers",
     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
     "pipeline_layout", "framework", "framework_version", "kernels", "attention_kernel", "precision",
-    "loss", "tp_comm_overlap", "dp_comm_overlap", "expandable_segments", "mlp_tiles", "training",
-    "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "use_dora", "weight_format",
-    "optimizer", "optimizer_in_backward", "optimizer_offload", "param_offload",
+    "fp8_recipe", "loss", "tp_comm_overlap", "dp_comm_overlap", "expandable_segments", "mlp_tiles",
+    "training", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "use_dora",
+    "weight_format", "optimizer", "optimizer_in_backward", "optimizer_offload", "param_offload",
 )  # fmt: skip
 PART_OF: dict[str, str] = {
     field.name: part for part, record in PARTS.items() for field in dataclasses.fields(record)
@@ -279,7 +279,7 @@ _REQUIRED = [
 ]
 _BOOL_FIELDS = {key for key, f in _KEYS.items() if f.type in ("bool", "bool | None")}
 _STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions", "profile"}
-_STR_FIELDS |= {"framework", "kernels", "attention_kernel", "precision", "loss"}
+_STR_FIELDS |= {"framework", "kernels", "attention_kernel", "precision", "fp8_recipe", "loss"}
 _STR_FIELDS |= {"training", "lora_targets", "weight_format", "optimizer"}
 _STR_FIELDS |= {"optimizer_offload", "param_offload", "grad_sync", "framework_version"}
 _STR_FIELDS |= {"pipeline_layout"}

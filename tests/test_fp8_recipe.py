@@ -1,0 +1,143 @@
+"""Transformer Engine's FP8 scaling recipes (`fp8_recipe`): what each cast, gather and amax
+reduction moves, by hand, and the key's rules."""
+
+import pytest
+
+from ckplan.errors import InputError
+from ckplan.hardware import communication as comm
+from ckplan.hardware.code_path import (
+    current_scaling_amax_reductions,
+    fp8_amax_pass_bytes,
+    fp8_gathered_bytes,
+    fp8_quantize_bytes,
+    spec_code_path,
+)
+from ckplan.hardware.roofline import memory_seconds
+from ckplan.hardware.step_time import tensor_parallel_comm
+from ckplan.inputs.gpus import load_gpu
+from ckplan.model.ops import layer_ops
+from ckplan.model.spec import spec_from_mapping
+
+# As tests/test_fp8_time.py: h 64, a 4, s 32, b 2 (T = 64 tokens), SwiGLU of 128, B = 2; tp 2
+# with sequence parallelism, no communication overlap.
+SMALL = {
+    "name": "small-dense",
+    "layers": 2,
+    "hidden": 64,
+    "heads": 4,
+    "ffn_hidden": 128,
+    "seq": 32,
+    "micro_batch": 2,
+    "vocab": 0,
+    "norm": "rmsnorm",
+    "mlp": "swiglu",
+    "attention": "flash",
+    "bias": False,
+    "tp": 2,
+    "sp": True,
+    "tp_comm_overlap": False,
+    "precision": "fp8",
+}
+BANDWIDTH = 450e9 * 0.7  # h100-sxm NVLink at link_efficiency 0.7
+GATHER_LATENCY = 8.4e-6 + 3.4e-6  # NCCL ring, 2 ranks: one step
+REDUCE_LATENCY = 8.4e-6 + 2 * 3.4e-6  # an all-reduce: two steps
+
+
+def small(**changes):
+    return spec_from_mapping({**SMALL, **changes})
+
+
+def ops_of(spec):
+    return {op.name: op for op in layer_ops(spec)}
+
+
+@pytest.fixture
+def h100():
+    return load_gpu("h100-sxm")
+
+
+def test_quantize_bytes_by_hand():
+    # (64, 96): read 2, write the row-wise and column-wise copies, 1 + 1 -> 4 · 6144
+    assert fp8_quantize_bytes("delayed", 64, 96) == fp8_quantize_bytes("current", 64, 96) == 24576
+    assert fp8_quantize_bytes(None, 64, 96) == 24576  # torchao's float8
+    # MXFP8 adds the scales: row-wise 64 · ceil(96/32) = 192, column-wise ceil(64/32) · 96 = 192
+    assert fp8_quantize_bytes("mxfp8", 64, 96) == 24576 + 192 + 192
+    # a width that is no multiple of 32 still has a scale for its last, short block
+    assert fp8_quantize_bytes("mxfp8", 33, 40) == 4 * 33 * 40 + 33 * 2 + 2 * 40
+
+
+def test_amax_pass_reads_the_input_once_more_under_current_scaling_alone():
+    assert fp8_amax_pass_bytes("current", 6144, 2) == 12288
+    assert fp8_amax_pass_bytes("delayed", 6144, 2) == 0
+    assert fp8_amax_pass_bytes("mxfp8", 6144, 2) == 0
+
+
+def test_gathered_bytes_by_hand():
+    assert fp8_gathered_bytes("delayed", 4096) == fp8_gathered_bytes("current", 4096) == 4096
+    assert fp8_gathered_bytes("mxfp8", 4096) == 4096 + 128
+    assert fp8_gathered_bytes("mxfp8", 4097) == 4097 + 129
+
+
+def test_amax_reductions_only_under_current_scaling_with_sequence_parallelism():
+    assert current_scaling_amax_reductions("current", True, 2) == 1
+    assert current_scaling_amax_reductions("current", False, 2) == 0
+    assert current_scaling_amax_reductions("current", True, 1) == 0
+    assert current_scaling_amax_reductions("delayed", True, 8) == 0
+    assert current_scaling_amax_reductions("mxfp8", True, 8) == 0
+
+
+def test_default_is_delayed_and_the_key_needs_transformer_engine_fp8():
+    assert small().fp8_recipe == "delayed"
+    assert small(precision="bf16").fp8_recipe is None
+    with pytest.raises(InputError, match=r"key 'fp8_recipe'.*needs precision fp8, got 'float8'"):
+        small(precision="float8", fp8_recipe="current")
+    with pytest.raises(InputError, match="key 'fp8_recipe' must be one of delayed, current"):
+        small(fp8_recipe="blockwise")
+
+
+def test_cast_time_per_recipe_by_hand(h100):
+    """The forward and backward memory time of out_proj (64 tokens, 64 -> 64 on each of 2
+    ranks: input (64, 32), output gradient (64, 64)) and of qkv (norm-fused input)."""
+    per_recipe = {r: ops_of(small(fp8_recipe=r)) for r in ("delayed", "current", "mxfp8")}
+    paths = {r: spec_code_path(small(fp8_recipe=r), h100) for r in per_recipe}
+    out = per_recipe["delayed"]["out_proj"]
+    mm = out.matmul
+    rows, k, n = mm.batch * mm.m, mm.k, mm.n
+    delayed_f = paths["delayed"].forward(out, 2).memory
+    delayed_b = paths["delayed"].backward(out, 2).memory
+    # current: + 2 bytes per element of the input (no norm before it) and of the gradient
+    assert paths["current"].forward(out, 2).memory - delayed_f == pytest.approx(
+        memory_seconds(h100, 2 * rows * k)
+    )
+    assert paths["current"].backward(out, 2).memory - delayed_b == pytest.approx(
+        memory_seconds(h100, 2 * rows * n)
+    )
+    # mxfp8: + the scales, one byte per 32 values per copy
+    scales_f = rows * -(-k // 32) + -(-rows // 32) * k
+    assert paths["mxfp8"].forward(out, 2).memory - delayed_f == pytest.approx(
+        memory_seconds(h100, scales_f)
+    )
+    # qkv's input comes from the fused norm, which finds the amax: no extra read forward
+    qkv = per_recipe["delayed"]["qkv_proj"]
+    assert paths["current"].forward(qkv, 2).memory == pytest.approx(
+        paths["delayed"].forward(qkv, 2).memory
+    )
+    assert paths["current"].backward(qkv, 2).memory > paths["delayed"].backward(qkv, 2).memory
+
+
+def test_sequence_parallel_collectives_per_recipe_by_hand(h100):
+    amax = 0.5 * 2 * 4 / BANDWIDTH + REDUCE_LATENCY  # all-reduce of 4 bytes over 2 ranks
+    assert comm.all_reduce_latency(h100, 2) == pytest.approx(REDUCE_LATENCY)
+    gather = 0.5 * 4096 / BANDWIDTH + GATHER_LATENCY  # (64, 64) in FP8
+    for recipe, extra_f in (("delayed", 0.0), ("current", amax)):
+        spec = small(fp8_recipe=recipe)
+        qkv = ops_of(spec)["qkv_proj"]
+        assert tensor_parallel_comm(spec, h100, (qkv,))[0] == pytest.approx(gather + extra_f)
+        out = ops_of(spec)["out_proj"]
+        assert tensor_parallel_comm(spec, h100, (out,))[1] == pytest.approx(gather + extra_f)
+    # mxfp8 gathers the scales too: 4096 / 32 = 128 bytes more
+    spec = small(fp8_recipe="mxfp8")
+    qkv = ops_of(spec)["qkv_proj"]
+    assert tensor_parallel_comm(spec, h100, (qkv,))[0] == pytest.approx(
+        0.5 * (4096 + 128) / BANDWIDTH + GATHER_LATENCY
+    )
