@@ -53,7 +53,15 @@ def ops_of(spec):
 
 @pytest.fixture
 def h100():
-    return load_gpu("h100-sxm")
+    """The H100's rates, its MXFP8 flag set so that one GPU times all three recipes."""
+    return load_gpu("h100-sxm").replace(mxfp8=True)
+
+
+def test_mxfp8_needs_a_gpu_with_mxfp8_tensor_cores():
+    with pytest.raises(InputError, match="fp8_recipe mxfp8 needs MXFP8 tensor cores"):
+        spec_code_path(small(fp8_recipe="mxfp8"), load_gpu("h100-sxm"))
+    assert load_gpu("b200").mxfp8 and load_gpu("gb200").mxfp8
+    assert not load_gpu("rtx-5090").mxfp8  # compute capability 12.0: not yet (TE v2.9)
 
 
 def test_quantize_bytes_by_hand():

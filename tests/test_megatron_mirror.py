@@ -236,3 +236,24 @@ def test_the_fused_moe_kernels_and_padded_capacity_are_flags_the_mirror_parses()
     plain = validate(parse(_exported("qwen3-30b-a3b", "full"), 1))
     assert not plain.moe_permute_fusion and not plain.moe_router_fusion
     assert plain.moe_expert_capacity_factor is None and not plain.moe_pad_expert_input_to_capacity
+
+
+def test_the_fp8_recipe_is_a_flag_the_mirror_parses():
+    """`fp8_recipe` current exports as `--fp8-recipe tensorwise` (Megatron-LM's name for
+    Transformer Engine's Float8CurrentScaling), mxfp8 as `--fp8-recipe mxfp8`; delayed is
+    Megatron-LM's default and exports no flag. Under current scaling the layernorm module's
+    recomputation, which Megatron-Core refuses under delayed scaling, parses and validates."""
+    from megatron_args import parse, validate
+
+    current = validate(
+        parse(_exported("llama3-8b", "full", precision="fp8", fp8_recipe="current"), 1)
+    )
+    assert current.fp8 == "hybrid" and current.fp8_recipe == "tensorwise"
+    mxfp8 = _exported("llama3-8b", "full", precision="fp8", fp8_recipe="mxfp8")
+    assert validate(parse(mxfp8, 1)).fp8_recipe == "mxfp8"
+    delayed = _exported("llama3-8b", "full", precision="fp8")
+    assert "--fp8-recipe" not in delayed
+    assert validate(parse(delayed, 1)).fp8_recipe == "delayed"
+    text = _exported("llama3-8b", "layernorm+selective", precision="fp8", fp8_recipe="current")
+    args = validate(parse(text, 1))
+    assert "layernorm" in args.recompute_modules and args.fp8_recipe == "tensorwise"

@@ -150,10 +150,10 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
             "(the whole MoE layer) and moe_act (the activation), no experts-only module"
         )
     discarding = [word for word in layers.extra if word in ("layernorm", "moe_act")]
-    if discarding and spec.precision == "fp8":
+    if discarding and spec.precision == "fp8" and spec.fp8_recipe == "delayed":
         return (
-            f"{discarding[0]} with FP8: Megatron-Core refuses it under delayed scaling, the "
-            "recipe the export leaves as Megatron's default (transformer_config.py core_v0.19.0)"
+            f"{discarding[0]} with FP8: Megatron-Core refuses it under delayed scaling "
+            "(transformer_config.py core_v0.19.0); fp8_recipe current or mxfp8 allows it"
         )
     if (layers.moe or layers.mlp or layers.extra) and layers.recomputed:
         return (
@@ -423,8 +423,17 @@ def _precision_flags(spec: ModelSpec) -> list[list[str]]:
     if spec.precision == "fp16":
         return [["--fp16"]]
     if spec.precision == "fp8":
-        return [["--bf16"], ["--fp8-format", "hybrid"]]
+        flags = [["--bf16"], ["--fp8-format", "hybrid"]]
+        if spec.fp8_recipe != "delayed":  # Megatron-LM's default (arguments.py core_v0.19.0)
+            flags.append(["--fp8-recipe", MEGATRON_FP8_RECIPES[spec.fp8_recipe]])
+        return flags
     return [["--bf16"]]
+
+
+# ckplan's fp8_recipe as Megatron-LM's --fp8-recipe names it (megatron/training/arguments.py,
+# core_v0.19.0: choices tensorwise, delayed, mxfp8, blockwise, custom; `tensorwise` builds
+# Transformer Engine's Float8CurrentScaling, megatron/core/fp8_utils.py)
+MEGATRON_FP8_RECIPES = {"delayed": "delayed", "current": "tensorwise", "mxfp8": "mxfp8"}
 
 
 def render(plan: Plan, layers: LayerSegments, recompute_modules: bool = True) -> str:

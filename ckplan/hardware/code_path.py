@@ -286,6 +286,11 @@ def code_path(
             bf16_flops=gpu.fp8_flops,
             matmul_efficiency=gpu.fp8_matmul_efficiency * rate,
         )
+        if fp8_recipe == "mxfp8" and not gpu.mxfp8:
+            raise GPUError(
+                f"fp8_recipe mxfp8 needs MXFP8 tensor cores (compute capability 10.x, e.g. "
+                f"b200); GPU {gpu.name!r} has none (gpu.mxfp8)"
+            )
     return CodePath(effective, fp8, kernels == "eager", norm, mlp, rope, fp8_recipe, norm_fused)
 
 

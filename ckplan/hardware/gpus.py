@@ -61,6 +61,7 @@ Device-memory keys (what nvidia-smi shows beside the caching allocator, hardware
 
 Precision and attention-kernel keys (hardware.code_path):
   fp8_flops, fp8_matmul_efficiency   dense FP8 tensor-core FLOP/s and its best-shape share
+  mxfp8                       true where Transformer Engine runs MXFP8 (compute capability 10.x)
   flash3_efficiency, cudnn_attention_efficiency, triton_attention_efficiency
                               each kernel's forward + backward plateau (flash_attention_efficiency
                               is FlashAttention-2's), from the kernels' published benchmarks
@@ -123,6 +124,11 @@ class GPU:
     # FP8 tensor cores (0: none) and the share of them a best-shape FP8 GEMM reaches (MAMF)
     fp8_flops: float = 0.0
     fp8_matmul_efficiency: float = 0.7
+    # MXFP8 block-scaled tensor cores (fp8_recipe mxfp8): Transformer Engine runs MXFP8 on
+    # compute capability 10.x alone (v2.9 transformer_engine/pytorch/quantization.py,
+    # `check_mxfp8_support`: "Device compute capability 10.0 or higher required", 12.0+ not
+    # yet), i.e. B200 and GB200
+    mxfp8: bool = False
     # attention kernels other than FlashAttention-2 (flash_attention_efficiency): their plateau
     # as a share of bf16_flops, 0 where the kernel does not run on this GPU
     flash3_efficiency: float = 0.0
@@ -160,6 +166,7 @@ class GPU:
 _FIELDS = {f.name: f for f in dataclasses.fields(GPU)}
 _REQUIRED = [name for name, f in _FIELDS.items() if f.default is dataclasses.MISSING]
 _STRINGS = {"name", "source"}
+_BOOLS = {"mxfp8"}
 _INTEGERS = {"memory_bytes", "gpus_per_node", "sm_count", "tile_m", "tile_n"}
 _INTEGERS |= {"gpus_per_host_link", "host_memory_bytes"}
 _COUNTS = {"nccl_channels", "nccl_nvls_channels"}  # integers >= 0 (0: not modelled)
@@ -253,6 +260,12 @@ def _number(origin: str, key: str, value: Any) -> float:
 
 
 def _coerce(origin: str, key: str, value: Any) -> Any:
+    if key in _BOOLS:
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if not isinstance(value, bool):
+            raise GPUError(f"{origin}: key {key!r} expects true or false, got {quote(value)}")
+        return value
     if key in _STRINGS:
         if not isinstance(value, str):
             raise GPUError(f"{origin}: key {key!r} expects a string, got {quote(value)}")

@@ -361,7 +361,7 @@ def _megatron_reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
     if layers.moe == "experts":
         return "Megatron-LM's --recompute-modules has no experts-only module"
     discarding = [word for word in layers.extra if word in ("layernorm", "moe_act")]
-    if discarding and spec.precision == "fp8":
+    if discarding and spec.precision == "fp8" and spec.fp8_recipe == "delayed":
         return f"Megatron-Core refuses {discarding[0]} recomputation under FP8 delayed scaling"
     if (layers.moe or layers.mlp or layers.extra or layers.selective) and layers.recomputed:
         return (
