@@ -234,8 +234,8 @@ ARCHITECTURE_FEATURES = {
     "mtp": ("mtp_layers",),
 }
 # Keys of the other parts that only MoE models, uneven or interleaved pipelines, model states on
-# the host, hf's gradient sync, a torchtitan release or Megatron's fused MoE kernels use: shown
-# when not default.
+# the host, hf's gradient sync, a torchtitan release, Megatron's fused MoE kernels or Transformer
+# Engine's FP8 use: shown when not default.
 QUIET_KEYS = frozenset(
     {
         "moe_imbalance",
@@ -252,6 +252,7 @@ QUIET_KEYS = frozenset(
         "mlp_tiles",
         "moe_permute_fusion",
         "moe_router_fusion",
+        "fp8_recipe",
         "grad_sync",
         "framework_version",
     }
