@@ -323,3 +323,56 @@ class ExpandableAllocator:
 
     def reset_peaks(self) -> None:
         self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+
+@dataclass
+class StreamsExpandableAllocator:
+    """Expandable segments on several streams: each stream's pools are a segment of their own
+    ("Note [Expandable Segments]": one expandable segment per stream and pool, a block serving
+    only its stream as without them, `get_free_block`), so the streams replay as independent
+    `ExpandableAllocator`s whose statistics add up."""
+
+    streams: dict[int, ExpandableAllocator] = field(default_factory=dict)
+    owners: dict[int, int] = field(default_factory=dict)  # a live block's id -> its stream
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+
+    def _of(self, stream: int) -> ExpandableAllocator:
+        return self.streams.setdefault(stream, ExpandableAllocator())
+
+    @property
+    def allocated(self) -> int:
+        return sum(pools.allocated for pools in self.streams.values())
+
+    @property
+    def reserved(self) -> int:
+        return sum(pools.reserved for pools in self.streams.values())
+
+    @property
+    def reserved_by_stream(self) -> dict[int, int]:
+        return {stream: pools.reserved for stream, pools in self.streams.items()}
+
+    @property
+    def allocated_by_stream(self) -> dict[int, int]:
+        return {stream: pools.allocated for stream, pools in self.streams.items()}
+
+    def malloc(self, requested: int, stream: int = 0) -> Block:
+        block = self._of(stream).malloc(requested)
+        self.owners[id(block)] = stream
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        return block
+
+    def free(self, block: Block) -> None:
+        self._of(self.owners.pop(id(block))).free(block)
+
+    def cached(self, stream: int | None = None) -> list[int]:
+        return sorted(
+            size
+            for owner, pools in self.streams.items()
+            if stream in (None, owner)
+            for size in pools.cached()
+        )
+
+    def reset_peaks(self) -> None:
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved

@@ -48,7 +48,7 @@ import weakref
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from caching_allocator import CachingAllocator, ExpandableAllocator
+from caching_allocator import CachingAllocator, ExpandableAllocator, StreamsExpandableAllocator
 
 RESULTS = "validation/results-fsdp2-allocator-replay-torch-2.13.0.json"
 STREAMS_RESULTS = "validation/results-fsdp2-default-allocator-streams-torch-2.13.0.json"
@@ -164,6 +164,33 @@ def name_streams(trace, model) -> dict[int, str]:
     }
 
 
+def compiled_cross_entropy():
+    """A stand-in for torchtitan's cross-entropy under torch.compile (the upcast and
+    `F.cross_entropy` compiled with the model, torchtitan/components/loss.py at 6fc499f), with
+    the storages ckplan.model.loss's `compiled` loss says Inductor's graph makes (measured there
+    with validation/torch_float8_sac.py, torch 2.13): the forward saves the B-byte logits (its
+    input) and two fp32 statistics per token, and makes no fp32 copy of the logits; the
+    backward writes the logits' B-byte gradient in one fused kernel. Inductor itself does not
+    run under the fake mode, so its allocations are these, not traced."""
+    import torch
+
+    class CompiledCrossEntropy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, logits, labels):
+            tokens = logits.shape[0]
+            maximum = logits.new_empty(tokens, dtype=torch.float32)
+            sum_exp = logits.new_empty(tokens, dtype=torch.float32)
+            ctx.save_for_backward(logits, maximum, sum_exp)
+            return logits.new_zeros((), dtype=torch.float32)
+
+        @staticmethod
+        def backward(ctx, grad):
+            logits, _, _ = ctx.saved_tensors
+            return torch.empty_like(logits), None
+
+    return CompiledCrossEntropy.apply
+
+
 def fsdp_resized_storages(model) -> set[int]:
     """The storages FSDP2 frees and remakes in place (`free_storage` / `alloc_storage`,
     `untyped_storage().resize_`, which no dispatched op shows): each parameter's unsharded
@@ -211,10 +238,15 @@ def trace_step(
     shape=None,
     world: int = 8,
     layout: str = "202412",
+    loss: str = "eager",
+    steps: int = 2,
 ):
     """The recorded events of two steps and the bytes alive before them; `shape` overrides the
     harness's model shape (dim, heads, kv_heads, ffn, vocab); `world` the FSDP degree and
-    `layout` torchtitan's FSDP units (torch_fsdp2_memory.py `build`) of the FSDP-only step.
+    `layout` torchtitan's FSDP units (torch_fsdp2_memory.py `build`) of the FSDP-only step;
+    `loss` "eager" (the upcast and F.cross_entropy) or "compiled" (`compiled_cross_entropy`);
+    `steps` the steps traced, the last marked "forward", "backward", "step", the others
+    "warmup[ N]" (-backward, -step).
     Each storage's stream (not the default) is in `trace_step.streams`, numbered, and their
     names in `trace_step.stream_names`."""
     import torch
@@ -234,6 +266,7 @@ def trace_step(
         shape = {**harness.SHAPE, **(shape or {}), "layers": layers, "seq": seq}
         dims, names, batch = (world,), None, batch or 2
     vocab = shape["vocab"]
+    loss_kind = loss
     world = 1
     for d in dims:
         world *= d
@@ -263,16 +296,21 @@ def trace_step(
         positions = torch.arange(seq).repeat(batch, 1)
         before = trace.existing([*model.parameters(), tokens, labels, positions])
         trace.recording = True
-        for iteration in range(2):
-            trace.mark("forward" if iteration else "warmup")
+        for iteration in range(steps):
+            last = iteration == steps - 1
+            warmup = "warmup" + (f" {iteration}" if iteration else "")
+            trace.mark("forward" if last else warmup)
             with loss_parallel():
                 pred = model(tokens, positions)
-                loss = F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+                if loss_kind == "compiled":
+                    loss = compiled_cross_entropy()(pred.flatten(0, 1), labels.flatten(0, 1))
+                else:
+                    loss = F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
                 del pred
-                trace.mark("backward" if iteration else "warmup-backward")
+                trace.mark("backward" if last else f"{warmup}-backward")
                 loss.backward()
             del loss
-            trace.mark("step" if iteration else "warmup-step")
+            trace.mark("step" if last else f"{warmup}-step")
             optimizer.step()
             optimizer.zero_grad()
         trace.mark("end")
@@ -353,32 +391,40 @@ def measure(case: dict) -> dict:
 
 
 # The default allocator's published torchtitan FSDP runs (the calibration ones), as far as the
-# trace can run them: bf16 (no torchao here, so no float8), eager (no torch.compile, so the eager
-# loss); torchao's MI300X bf16 row (FSDP 8, local batch 1, torchtitan 0.3's units) and Trainy's
-# 32-GPU H200 row (FSDP 32, local batch 2, the December 2024 units)
-STREAM_CASES = (
+# trace can run them: bf16 (no torchao here, so no float8), the blocks eager (no torch.compile
+# under the fake mode), the loss compiled as the runs compile it (`compiled_cross_entropy`) and,
+# for contrast, eager; torchao's MI300X bf16 row (FSDP 8, local batch 1, torchtitan 0.3's units)
+# and Trainy's 32-GPU H200 row (FSDP 32, local batch 2, the December 2024 units)
+STREAM_RUNS = (
     {"kind": "fsdp", "layers": 32, "ac": "op", "batch": 1, "seq": 8192, "world": 8,
-     "layout": "0.3.0", "run": "torchao-mi300x-llama3-8b-fsdp8-bf16-compile"},
+     "layout": "0.3.0", "steps": 3, "run": "torchao-mi300x-llama3-8b-fsdp8-bf16-compile"},
     {"kind": "fsdp", "layers": 32, "ac": "op", "batch": 2, "seq": 8192, "world": 32,
-     "layout": "202412", "run": "torchtitan-trainy-llama3-8b-h200-32gpu-fsdp-float8"},
+     "layout": "202412", "steps": 3,
+     "run": "torchtitan-trainy-llama3-8b-h200-32gpu-fsdp-float8"},
 )  # fmt: skip
+STREAM_CASES = tuple({**run, "loss": loss} for run in STREAM_RUNS for loss in ("compiled", "eager"))
 
 
 def measure_streams(case: dict) -> dict:
     """One FSDP case replayed through the default allocator on one stream and on FSDP2's
-    streams (`stream_context`): iteration 2's allocated peak, the reserved bytes then, and each
-    stream's reserved, allocated and idle bytes at that peak."""
+    streams (`stream_context`) and with expandable segments on them: the last step's allocated
+    peak (step 3: the reserved bytes no longer grow from step 2 on), the reserved bytes then,
+    and each stream's reserved, allocated and idle bytes at that peak."""
     events, before = trace_step(
         case["kind"], case["layers"], case["ac"], case["batch"], case["seq"],
-        world=case["world"], layout=case["layout"],
+        world=case["world"], layout=case["layout"], loss=case["loss"], steps=case["steps"],
     )  # fmt: skip
     streams, names = trace_step.streams, trace_step.stream_names
     on_streams = at_allocated_peak(events, CachingAllocator(), before, streams)
-    on_streams["stream_names"] = {"0": "default", **{str(k): v for k, v in names.items()}}
+    stream_names = {"0": "default", **{str(k): v for k, v in names.items()}}
+    on_streams["stream_names"] = stream_names
+    expandable = at_allocated_peak(events, StreamsExpandableAllocator(), before, streams)
+    expandable["stream_names"] = stream_names
     return {
         **case,
         "one_stream": at_allocated_peak(events, CachingAllocator(), before),
         "streams": on_streams,
+        "expandable_streams": expandable,
     }
 
 
@@ -482,10 +528,13 @@ def main(argv=None) -> int:
         for row in rows:
             one, on = row["one_stream"], row["streams"]
             print(
-                f"{row['run']}: allocated {on['allocated_peak'] / gib:.3f} GiB, reserved "
+                f"{row['run']} ({row['loss']} loss): allocated "
+                f"{on['allocated_peak'] / gib:.3f} GiB, reserved "
                 f"{one['reserved_at_peak'] / gib:.3f} (one stream) / "
                 f"{on['reserved_at_peak'] / gib:.3f} GiB (streams)"
             )
+            grown = row["expandable_streams"]
+            print(f"  expandable segments: reserved {grown['reserved_at_peak'] / gib:.3f} GiB")
             for number, part in on["by_stream_at_peak"].items():
                 print(
                     f"  {on['stream_names'][number]:26s} reserved {part['reserved'] / gib:.3f}"
