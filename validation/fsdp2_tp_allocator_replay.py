@@ -19,8 +19,8 @@ What the replay leaves out: FSDP2 resizes the unsharded parameters' storages in 
 (`storage.resize_`, no op the fake mode sees), so those storages are taken out of the trace
 (`fsdp_resized_storages`): the gathered bf16 parameters in use (0.69 GiB at the 70B shapes) are
 missing; the side streams (FSDP2's all-gather and reduce-scatter pools,
-`fsdp2_stream_pool_bytes`); CUDA kernels (the CPU's SDPA, eager blocks where the benchmark
-compiles them); torchao's float8 and asynchronous TP.
+`fsdp2_stream_pool_bytes`) but with `--streams`; CUDA kernels (the CPU's SDPA, eager blocks
+where the benchmark compiles them); torchao's float8 and asynchronous TP.
 
 The replay's fidelity (`--h200`): validation/device/measure_plans.py's five one-GPU plans,
 traced the same way and replayed as measured, against the H200 measurement with torch 2.11:
@@ -35,6 +35,15 @@ peak 57.46 GiB (FSDPMemTracker's less the unsharded parameters, to 1 MiB), reser
 idle while every later request of the loss is fp32 and twice their size) and the final norm's
 freed temporaries beside them; the 8B step 63.45 and 71.76 GiB, 8.3 GiB beyond, 3.91 GiB of
 it the bf16 logits' block. ckplan's slack adds 4.1 and 4.9 GiB to its allocated peaks of those runs.
+
+With `--streams` (`STREAM_CASES`, validation/results-fsdp2-default-allocator-streams-torch-
+2.13.0.json) the trace records the stream each storage is made on (`stream_context`) and the
+default allocator replays a pool per stream, as do expandable segments
+(`StreamsExpandableAllocator`): torchao's MI300X row and Trainy's 32-GPU H200 row, both with the default allocator, bf16, the
+loss compiled (`compiled_cross_entropy`) or eager. Compiled: allocated peaks 29.73 and 39.39
+GiB, reserved 38.71 and 46.05 GiB (34.65 and 43.67 on one stream); the copy-in stream's pool
+is ckplan.model.frameworks `fsdp2_all_gather_pool_bytes` to the byte, and the default stream
+holds the bf16 logits' freed segment beside the output layer's backward (docs/memory.md).
 
 Usage: python validation/fsdp2_tp_allocator_replay.py [--write] [--h200 | --streams] [--layers N
 --kind tp|fsdp --ac full|op --batch B --seq S]
