@@ -39,11 +39,12 @@ it the bf16 logits' block. ckplan's slack adds 4.1 and 4.9 GiB to its allocated 
 With `--streams` (`STREAM_CASES`, validation/results-fsdp2-default-allocator-streams-torch-
 2.13.0.json) the trace records the stream each storage is made on (`stream_context`) and the
 default allocator replays a pool per stream, as do expandable segments
-(`StreamsExpandableAllocator`): torchao's MI300X row and Trainy's 32-GPU H200 row, both with the default allocator, bf16, the
-loss compiled (`compiled_cross_entropy`) or eager. Compiled: allocated peaks 29.73 and 39.39
-GiB, reserved 38.71 and 46.05 GiB (34.65 and 43.67 on one stream); the copy-in stream's pool
-is ckplan.model.frameworks `fsdp2_all_gather_pool_bytes` to the byte, and the default stream
-holds the bf16 logits' freed segment beside the output layer's backward (docs/memory.md).
+(`StreamsExpandableAllocator`): torchao's MI300X row and Trainy's 32-GPU H200 row, both with
+the default allocator, bf16, the loss compiled (`compiled_cross_entropy`) or eager. Compiled:
+allocated peaks 29.73 and 39.39 GiB, reserved 38.71 and 46.05 GiB (34.65 and 43.67 on one
+stream); the copy-in stream's pool is ckplan.model.frameworks `fsdp2_all_gather_pool_bytes` to
+the byte, and the default stream holds the bf16 logits' freed segment beside the output layer's
+backward (docs/memory.md).
 
 Usage: python validation/fsdp2_tp_allocator_replay.py [--write] [--h200 | --streams] [--layers N
 --kind tp|fsdp --ac full|op --batch B --seq S]
