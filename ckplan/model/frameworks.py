@@ -22,9 +22,9 @@ parameter (its mixed-precision recipe) and adds buffers of its own:
   previous unit's fp32 reduce-scatter input and, under "2024.12", the output layer's bf16
   gradients, as that layer's chain workspace (`fsdp2_layer_forward_bytes`,
   `fsdp2_layer_backward_bytes`; measured with PyTorch's FSDPMemTracker:
-  validation/torch_fsdp2_memory.py). Reserved beside the allocated
-  peak: the side streams' pools, the sharded gradients and the all-gather outputs
-  (`fsdp2_stream_pool_bytes`). With zero 2: the bf16 unsharded parameters of the whole stage,
+  validation/torch_fsdp2_memory.py). Reserved beside the allocated peak: the side streams'
+  pools, the sharded gradients and the all-gather buffers (`fsdp2_stream_pool_bytes`,
+  `fsdp2_all_gather_pool_bytes`). With zero 2: the bf16 unsharded parameters of the whole stage,
   the layer's bf16 gradients and fp32 reduce-scatter input. Under pipeline parallelism it does
   not reshard after forward (torchtitan's parallelize apply_fsdp): the whole stage stays
   unsharded; and the pipeline stage runs every micro-batch's backward without gradient sync,
