@@ -240,3 +240,20 @@ def test_the_reserved_peak_adds_the_loss_cache():
     base = allocator.reserved_bytes(10 * gib)
     assert allocator.reserved_bytes(10 * gib, loss_cache=4 * gib) == base + 4 * gib
     assert allocator.reserved_within(10 * gib, 12 * gib, loss_cache=4 * gib) == 12 * gib
+
+
+def test_a_block_freed_on_one_stream_serves_only_that_stream():
+    """`get_free_block` searches the pool by (stream, size) and fails on another stream's block:
+    a side stream's freed segment stays reserved beside the default stream's new one, and serves
+    the side stream's next request."""
+    cache = CachingAllocator()
+    side = cache.malloc(100 * MIB, stream=1)
+    cache.free(side)
+    default = cache.malloc(100 * MIB)
+    assert default.stream == 0 and cache.segments == 2 and cache.reserved == 200 * MIB
+    assert cache.reserved_by_stream == {1: 100 * MIB, 0: 100 * MIB}
+    assert cache.cached(1) == [100 * MIB] and cache.cached(0) == []
+    again = cache.malloc(60 * MIB, stream=1)  # the side stream's own block, split
+    assert again.address == side.address and cache.segments == 2
+    assert cache.cached(1) == [40 * MIB]
+    assert cache.allocated_by_stream == {1: 60 * MIB, 0: 100 * MIB}

@@ -124,3 +124,54 @@ def test_the_trace_is_deterministic_at_a_small_shape():
     assert outputs[0] == outputs[1]
     _, before, allocs, frees = outputs[0]
     assert int(before) > 0 and int(allocs) >= int(frees) > 0
+
+
+STREAM_CASES = json.loads(
+    (VALIDATION / "results-fsdp2-default-allocator-streams-torch-2.13.0.json").read_text()
+)["cases"]
+
+
+def _stream_part(replay: dict, name: str) -> dict:
+    return next(
+        part
+        for number, part in replay["by_stream_at_peak"].items()
+        if replay.get("stream_names", {}).get(number, name) == name
+    )
+
+
+def test_fsdp2_side_streams_hold_their_own_segments_with_the_default_allocator():
+    """Replayed on FSDP2's streams, the default allocator holds the sharded fp32 gradients'
+    segments on the reduce-scatter stream and the all-gather buffers' on the copy-in stream
+    beside the default stream's blocks, and reserves more than on one stream. Under torchtitan
+    0.3's units (MI300X row) the copy-in stream keeps the embedding's and the [norm, output]
+    unit's all-gather outputs in two segments: the second asks for h more bf16 elements than
+    the first's V·h, a whole number of 2 MiB blocks, so it cannot reuse it."""
+    v, h = 128256, 4096
+    for case in STREAM_CASES:
+        streams = case["streams"]
+        assert streams["reserved_at_peak"] > case["one_stream"]["reserved_at_peak"]
+        gradients = 4 * 8_030_261_248 // case["world"]  # fp32 sharded gradients, Llama 3 8B
+        rs = _stream_part(streams, "reduce_scatter_stream")
+        assert gradients <= rs["reserved"] <= gradients * 1.1
+    mi300x = STREAM_CASES[0]
+    assert mi300x["layout"] == "0.3.0" and mi300x["loss"] == "compiled"
+    copy_in = _stream_part(mi300x["streams"], "all_gather_copy_in_stream")
+    embedding = allocator.segment_bytes(2 * v * h)
+    assert embedding == 2 * v * h and allocator.segment_bytes(2 * (v * h + h)) > embedding
+    assert copy_in["holes"][:2] == [embedding + 2 * MIB, embedding]
+
+
+def test_the_all_gather_pool_is_the_replayed_copy_in_stream():
+    """ckplan.model.frameworks `fsdp2_all_gather_pool_bytes` against the replayed copy-in
+    stream, default allocator and expandable segments: within 64 MiB."""
+    from ckplan.model import frameworks
+
+    outer = {"0.3.0": (128_256 * 4096, 128_256 * 4096 + 4096), "202412": (1_050_677_248, 0)}
+    for case in STREAM_CASES:
+        before, after = outer[case["layout"]]
+        for key, expandable in (("streams", False), ("expandable_streams", True)):
+            replayed = _stream_part(case[key], "all_gather_copy_in_stream")["reserved"]
+            modelled = frameworks.fsdp2_all_gather_pool_bytes(
+                before, 218_112_000, after, case["layers"], case["world"], expandable
+            )
+            assert abs(replayed - modelled) <= 64 * MIB, (case["run"], key, replayed, modelled)

@@ -268,31 +268,65 @@ def test_rerun_at_a_small_shape():
 
 
 def test_stream_pools_by_hand():
-    # the 8 ranks' sharded fp32 gradients (4 · 8,030,261,248 / 8) and the root module's bf16
-    # all-gather output, larger than two blocks'
+    # the 8 ranks' sharded fp32 gradients (4 · 8,030,261,248 / 8) and the all-gather pool
     spec = _spec()
     gradients = 4_015_130_624
     assert memory.model_state_bytes(spec).gradients == gradients
-    assert frameworks.fsdp2_stream_pool_bytes(gradients, ROOT_PARAMS, LAYER) == (
-        gradients + 2 * ROOT_PARAMS
-    )
-    assert memory.stream_pool_bytes(spec) == gradients + 2 * ROOT_PARAMS
-    # 0.3: the largest unit outside the blocks is the final norm and output, 2 · 525,340,672,
-    # larger than two blocks' (2 · 436,224,000)
-    assert memory.stream_pool_bytes(spec.replace(framework_version="0.3")) == (
-        gradients + 2 * OUTPUT
-    )
-    assert memory.stream_pool_bytes(spec.replace(framework_version="0.3", zero=2)) == (
-        gradients + 2 * OUTPUT
-    )
-    assert frameworks.fsdp2_stream_pool_bytes(0, 10, 6) == 2 * 12
-    # gathered once, in forward, one block at a time (zero 2, or pipeline parallelism)
-    assert frameworks.fsdp2_stream_pool_bytes(0, 10, 6, prefetch=False) == 2 * 10
-    assert frameworks.fsdp2_stream_pool_bytes(0, 4, 6, prefetch=False) == 2 * 6
+    assert frameworks.fsdp2_stream_pool_bytes(gradients, 7) == gradients + 7
+    for version, before, after in (("2024.12", ROOT_PARAMS, 0), ("0.3", EMBEDDING, OUTPUT)):
+        for expandable in (True, False):
+            changed = spec.replace(framework_version=version, expandable_segments=expandable)
+            pool = frameworks.fsdp2_all_gather_pool_bytes(before, LAYER, after, 32, 8, expandable)
+            assert memory.stream_pool_bytes(changed) == gradients + pool
+    # zero 2 gathers in forward alone, in the same order
     zero2 = spec.replace(zero=2)
-    assert memory.stream_pool_bytes(zero2) == gradients + 2 * ROOT_PARAMS
+    assert memory.stream_pool_bytes(zero2) == memory.stream_pool_bytes(spec)
     assert memory.stream_pool_bytes(spec.replace(framework="hf", framework_version=None)) == 0
     assert memory.stream_pool_bytes(spec.replace(dp=1)) == 0
+
+
+def test_all_gather_pool_with_expandable_segments():
+    # the root's shard cast below its output, then the root's and the first block's outputs
+    # alive together (AllGatherState): 2 · (1,050,677,248 / 8 + 1,050,677,248 + 218,112,000)
+    assert frameworks.fsdp2_all_gather_pool_bytes(ROOT_PARAMS, LAYER, 0, 32, 8) == 2 * (
+        131_334_656 + ROOT_PARAMS + LAYER
+    )
+    # 0.3: the embedding and the first block, or the last block and the [norm, output] unit
+    assert frameworks.fsdp2_all_gather_pool_bytes(EMBEDDING, LAYER, OUTPUT, 32, 8) == 2 * (
+        65_667_072 + OUTPUT + LAYER
+    )
+    # no unit outside the blocks: two blocks
+    assert frameworks.fsdp2_all_gather_pool_bytes(0, 10, 0, 4, 2) == 2 * (5 + 20)
+    assert frameworks.fsdp2_all_gather_pool_bytes(0, 10, 0, 1, 2) == 2 * (5 + 10)
+    assert frameworks.fsdp2_all_gather_pool_bytes(0, 0, 0, 0, 8) == 0
+
+
+def test_all_gather_pool_with_the_default_allocator():
+    from ckplan.model.allocator import segment_bytes
+
+    def pool(before, layer, after, blocks):
+        return frameworks.fsdp2_all_gather_pool_bytes(before, layer, after, blocks, 8, False)
+
+    # 2024.12: the root's cast, the root's output, the first block's: a segment each
+    assert pool(ROOT_PARAMS, LAYER, 0, 32) == (
+        segment_bytes(2 * 131_334_656) + segment_bytes(2 * ROOT_PARAMS) + segment_bytes(2 * LAYER)
+    )
+    # 0.3: the embedding's V·h bf16 output is a whole number of 2 MiB blocks, and the [norm,
+    # output] unit asks for 2·h bytes more: a segment of its own whatever the block count
+    assert segment_bytes(2 * EMBEDDING) == 2 * EMBEDDING < segment_bytes(2 * OUTPUT)
+    base = segment_bytes(2 * 65_667_072) + 2 * EMBEDDING + segment_bytes(2 * LAYER)
+    assert pool(EMBEDDING, LAYER, OUTPUT, 32) == base + segment_bytes(2 * OUTPUT)
+    assert pool(EMBEDDING, LAYER, OUTPUT, 31) == base + segment_bytes(2 * OUTPUT)
+    # a unit after the blocks that fits the first unit's segment takes it when the last block
+    # sits in the block segment (odd count), not when it sits in the first unit's (even)
+    mib = 2**20
+    first, block, last = 50 * mib, 20 * mib, 40 * mib  # parameters: 100, 40, 80 MiB in bf16
+    cast = segment_bytes(2 * first // 8)
+    assert pool(first, block, last, 3) == cast + 100 * mib + 40 * mib
+    assert pool(first, block, last, 4) == cast + 100 * mib + 40 * mib + 80 * mib
+    # a pipeline stage past the first: two block segments, then the last unit's
+    assert pool(0, block, last, 8) == segment_bytes(2 * block // 8) + 80 * mib + 80 * mib
+    assert pool(0, block, 15 * mib, 8) == segment_bytes(2 * block // 8) + 80 * mib
 
 
 def test_stream_pools_of_a_pipeline_stage():
@@ -303,7 +337,8 @@ def test_stream_pools_of_a_pipeline_stage():
     gradients = memory.model_state_bytes(spec, stage).gradients
     root = dense + expert - 8 * LAYER
     assert root in (128_256 * 4096, 128_256 * 4096 + 4096)
-    assert memory.stream_pool_bytes(spec) == gradients + 2 * root
+    pool = frameworks.fsdp2_all_gather_pool_bytes(root, LAYER, 0, 8, 8)
+    assert memory.stream_pool_bytes(spec) == gradients + pool
 
 
 def test_reserved_adds_the_stream_pools_in_whole_blocks():

@@ -26,8 +26,15 @@ v2.4.0 tag of August 2024 itself was not read):
   `release_cached_blocks` after a failed cudaMalloc) or on `empty_cache`, which this replay
   never meets: it models a device with memory to spare, where reserved only grows.
 
-One stream (blocks are kept per stream), no CUDA graphs; `ExpandableAllocator` below replays
-the same rules with expandable segments.
+Streams: every block belongs to the stream whose request made its segment (`Block::stream`,
+`alloc_block`), and a request takes only a free block of its own stream: the pools are ordered
+by (stream, size, address) (`BlockComparatorSize` compares `stream_uid` first) and
+`get_free_block` fails when the block `lower_bound` finds belongs to another stream (`(*it)->stream
+!= p.stream()`); a freed block goes back to its own stream's pool whichever stream frees it, and
+merges only within its segment, so a segment never serves two streams. `malloc` takes the
+stream (0, the default stream, unless told). No CUDA graphs, no `record_stream` (FSDP2 keeps its
+buffers alive instead: torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py);
+`ExpandableAllocator` below replays the rules with expandable segments, one stream.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ class Block:
     size: int
     small: bool
     allocated: bool = False
+    stream: int = 0
     prev: Block | None = None
     next: Block | None = None
 
@@ -77,29 +85,33 @@ class CachingAllocator:
     """The device allocator's state: free blocks per pool, live blocks, the two statistics."""
 
     max_split_size: int = UNLIMITED
-    free_blocks: dict[bool, list[tuple[int, int, Block]]] = field(
-        default_factory=lambda: {True: [], False: []}
-    )
+    # (stream, small) -> the free blocks, by (size, address)
+    free_blocks: dict[tuple[int, bool], list[tuple[int, int, Block]]] = field(default_factory=dict)
     allocated: int = 0
     reserved: int = 0
     peak_allocated: int = 0
     peak_reserved: int = 0
     segments: int = 0
     next_address: int = 0
+    reserved_by_stream: dict[int, int] = field(default_factory=dict)
+    allocated_by_stream: dict[int, int] = field(default_factory=dict)
+
+    def _pool(self, stream: int, small: bool) -> list[tuple[int, int, Block]]:
+        return self.free_blocks.setdefault((stream, small), [])
 
     def _insert(self, block: Block) -> None:
-        bisect.insort(self.free_blocks[block.small], (block.size, block.address, block))
+        bisect.insort(self._pool(block.stream, block.small), (block.size, block.address, block))
 
     def _remove(self, block: Block) -> None:
-        pool = self.free_blocks[block.small]
+        pool = self._pool(block.stream, block.small)
         index = bisect.bisect_left(pool, (block.size, block.address))
         assert pool[index][2] is block
         del pool[index]
 
-    def _free_block_for(self, size: int, small: bool) -> Block | None:
-        """`get_free_block`: the smallest free block of at least `size` (then lowest address),
-        with the oversize rules of `max_split_size`."""
-        pool = self.free_blocks[small]
+    def _free_block_for(self, size: int, small: bool, stream: int = 0) -> Block | None:
+        """`get_free_block`: the smallest free block of the stream's pool of at least `size`
+        (then lowest address), with the oversize rules of `max_split_size`."""
+        pool = self._pool(stream, small)
         index = bisect.bisect_left(pool, (size, -1))
         if index == len(pool):
             return None
@@ -111,12 +123,14 @@ class CachingAllocator:
         self._remove(block)
         return block
 
-    def _new_segment(self, size: int, small: bool) -> Block:
-        """`alloc_block`: cudaMalloc of `allocation_size`; the segment is one free block."""
+    def _new_segment(self, size: int, small: bool, stream: int = 0) -> Block:
+        """`alloc_block`: cudaMalloc of `allocation_size`; the segment is one free block of the
+        requesting stream."""
         segment = allocation_size(size)
-        block = Block(self.next_address, segment, small)
+        block = Block(self.next_address, segment, small, stream=stream)
         self.next_address += segment
         self.reserved += segment
+        self.reserved_by_stream[stream] = self.reserved_by_stream.get(stream, 0) + segment
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         self.segments += 1
         return block
@@ -128,13 +142,16 @@ class CachingAllocator:
             return remaining >= MIN_BLOCK_SIZE
         return size < self.max_split_size and remaining > SMALL_SIZE
 
-    def malloc(self, requested: int) -> Block:
-        """`malloc`: a block for `requested` bytes (its size is what `allocated` counts)."""
+    def malloc(self, requested: int, stream: int = 0) -> Block:
+        """`malloc`: a block for `requested` bytes on `stream` (its size is what `allocated`
+        counts)."""
         size = round_size(requested)
         small = size <= SMALL_SIZE
-        block = self._free_block_for(size, small) or self._new_segment(size, small)
+        block = self._free_block_for(size, small, stream) or self._new_segment(size, small, stream)
         if self._should_split(block, size):  # `alloc_found_block`: the request takes the start
-            remaining = Block(block.address + size, block.size - size, small, prev=block)
+            remaining = Block(
+                block.address + size, block.size - size, small, prev=block, stream=block.stream
+            )
             remaining.next = block.next
             if block.next:
                 block.next.prev = remaining
@@ -143,14 +160,19 @@ class CachingAllocator:
             self._insert(remaining)
         block.allocated = True
         self.allocated += block.size
+        self.allocated_by_stream[block.stream] = (
+            self.allocated_by_stream.get(block.stream, 0) + block.size
+        )
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         return block
 
     def free(self, block: Block) -> None:
-        """`free_block`: merge with free neighbours in the segment (`try_merge_blocks`), cache."""
+        """`free_block`: merge with free neighbours in the segment (`try_merge_blocks`), cache
+        in the block's own stream's pool."""
         assert block.allocated
         block.allocated = False
         self.allocated -= block.size
+        self.allocated_by_stream[block.stream] -= block.size
         for neighbour in (block.prev, block.next):
             if neighbour is None or neighbour.allocated:
                 continue
@@ -171,9 +193,15 @@ class CachingAllocator:
         """`resetPeakStats`: the peaks restart from the current values."""
         self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
 
-    def cached(self) -> list[int]:
-        """The free blocks' sizes, large pool, smallest first."""
-        return [size for size, _, _ in self.free_blocks[False]]
+    def cached(self, stream: int | None = None) -> list[int]:
+        """The free blocks' sizes in the large pools (of `stream`, or of every stream), smallest
+        first."""
+        return sorted(
+            size
+            for (owner, small), pool in self.free_blocks.items()
+            if not small and stream in (None, owner)
+            for size, _, _ in pool
+        )
 
 
 def replay(events: list[tuple[str, int, int]], allocator: CachingAllocator | None = None):
@@ -209,9 +237,7 @@ class ExpandableAllocator:
       this replay, with memory to spare, never meets: the reserved peak is the pools' mapped
       ends."""
 
-    free_blocks: dict[bool, list[tuple[int, int, Block]]] = field(
-        default_factory=lambda: {True: [], False: []}
-    )
+    free_blocks: dict[tuple[int, bool], list[tuple[int, int, Block]]] = field(default_factory=dict)
     last: dict[bool, Block | None] = field(default_factory=lambda: {True: None, False: None})
     mapped_end: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     allocated: int = 0
@@ -219,12 +245,13 @@ class ExpandableAllocator:
     peak_allocated: int = 0
     peak_reserved: int = 0
 
+    _pool = CachingAllocator._pool
     _insert = CachingAllocator._insert
     _remove = CachingAllocator._remove
     cached = CachingAllocator.cached
 
     def _free_block_for(self, size: int, small: bool) -> Block | None:
-        pool = self.free_blocks[small]
+        pool = self._pool(0, small)
         index = bisect.bisect_left(pool, (size, -1))
         if index == len(pool):
             return None
@@ -250,7 +277,10 @@ class ExpandableAllocator:
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         return tail
 
-    def malloc(self, requested: int) -> Block:
+    def malloc(self, requested: int, stream: int = 0) -> Block:
+        """One stream: `stream` is accepted for the default allocator's interface and must be
+        0."""
+        assert stream == 0, "ExpandableAllocator replays one stream"
         size = round_size(requested)
         small = size <= SMALL_SIZE
         block = self._free_block_for(size, small) or self._grow(size, small)
@@ -290,6 +320,59 @@ class ExpandableAllocator:
                 self.last[block.small] = block
             block.size += neighbour.size
         self._insert(block)
+
+    def reset_peaks(self) -> None:
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+
+@dataclass
+class StreamsExpandableAllocator:
+    """Expandable segments on several streams: each stream's pools are a segment of their own
+    ("Note [Expandable Segments]": one expandable segment per stream and pool, a block serving
+    only its stream as without them, `get_free_block`), so the streams replay as independent
+    `ExpandableAllocator`s whose statistics add up."""
+
+    streams: dict[int, ExpandableAllocator] = field(default_factory=dict)
+    owners: dict[int, int] = field(default_factory=dict)  # a live block's id -> its stream
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+
+    def _of(self, stream: int) -> ExpandableAllocator:
+        return self.streams.setdefault(stream, ExpandableAllocator())
+
+    @property
+    def allocated(self) -> int:
+        return sum(pools.allocated for pools in self.streams.values())
+
+    @property
+    def reserved(self) -> int:
+        return sum(pools.reserved for pools in self.streams.values())
+
+    @property
+    def reserved_by_stream(self) -> dict[int, int]:
+        return {stream: pools.reserved for stream, pools in self.streams.items()}
+
+    @property
+    def allocated_by_stream(self) -> dict[int, int]:
+        return {stream: pools.allocated for stream, pools in self.streams.items()}
+
+    def malloc(self, requested: int, stream: int = 0) -> Block:
+        block = self._of(stream).malloc(requested)
+        self.owners[id(block)] = stream
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        return block
+
+    def free(self, block: Block) -> None:
+        self._of(self.owners.pop(id(block))).free(block)
+
+    def cached(self, stream: int | None = None) -> list[int]:
+        return sorted(
+            size
+            for owner, pools in self.streams.items()
+            if stream in (None, owner)
+            for size in pools.cached()
+        )
 
     def reset_peaks(self) -> None:
         self.peak_allocated, self.peak_reserved = self.allocated, self.reserved

@@ -19,8 +19,8 @@ What the replay leaves out: FSDP2 resizes the unsharded parameters' storages in 
 (`storage.resize_`, no op the fake mode sees), so those storages are taken out of the trace
 (`fsdp_resized_storages`): the gathered bf16 parameters in use (0.69 GiB at the 70B shapes) are
 missing; the side streams (FSDP2's all-gather and reduce-scatter pools,
-`fsdp2_stream_pool_bytes`); CUDA kernels (the CPU's SDPA, eager blocks where the benchmark
-compiles them); torchao's float8 and asynchronous TP.
+`fsdp2_stream_pool_bytes`) but with `--streams`; CUDA kernels (the CPU's SDPA, eager blocks
+where the benchmark compiles them); torchao's float8 and asynchronous TP.
 
 The replay's fidelity (`--h200`): validation/device/measure_plans.py's five one-GPU plans,
 traced the same way and replayed as measured, against the H200 measurement with torch 2.11:
@@ -36,8 +36,18 @@ idle while every later request of the loss is fp32 and twice their size) and the
 freed temporaries beside them; the 8B step 63.45 and 71.76 GiB, 8.3 GiB beyond, 3.91 GiB of
 it the bf16 logits' block. ckplan's slack adds 4.1 and 4.9 GiB to its allocated peaks of those runs.
 
-Usage: python validation/fsdp2_tp_allocator_replay.py [--write] [--h200] [--layers N --kind
-tp|fsdp --ac full|op --batch B --seq S]
+With `--streams` (`STREAM_CASES`, validation/results-fsdp2-default-allocator-streams-torch-
+2.13.0.json) the trace records the stream each storage is made on (`stream_context`) and the
+default allocator replays a pool per stream, as do expandable segments
+(`StreamsExpandableAllocator`): torchao's MI300X row and Trainy's 32-GPU H200 row, both with
+the default allocator, bf16, the loss compiled (`compiled_cross_entropy`) or eager. Compiled:
+allocated peaks 29.73 and 39.39 GiB, reserved 38.71 and 46.05 GiB (34.65 and 43.67 on one
+stream); the copy-in stream's pool is ckplan.model.frameworks `fsdp2_all_gather_pool_bytes` to
+the byte, and the default stream holds the bf16 logits' freed segment beside the output layer's
+backward (docs/memory.md).
+
+Usage: python validation/fsdp2_tp_allocator_replay.py [--write] [--h200 | --streams] [--layers N
+--kind tp|fsdp --ac full|op --batch B --seq S]
 """
 
 from __future__ import annotations
@@ -48,9 +58,10 @@ import weakref
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from caching_allocator import CachingAllocator, ExpandableAllocator
+from caching_allocator import CachingAllocator, ExpandableAllocator, StreamsExpandableAllocator
 
 RESULTS = "validation/results-fsdp2-allocator-replay-torch-2.13.0.json"
+STREAMS_RESULTS = "validation/results-fsdp2-default-allocator-streams-torch-2.13.0.json"
 H200_RESULTS = "validation/results-allocator-replay-h200-plans-torch-2.13.0.json"
 
 
@@ -69,6 +80,8 @@ def recording_fake_mode():
             self.events: list[tuple[str, object, int]] = []
             self.live: set[int] = set()
             self.ops: dict[int, str] = {}  # the op that made each recorded storage
+            self.streams: dict[int, int] = {}  # the stream each storage was made on, not 0
+            self.stream = 0  # the stream now current (`stream_context`)
             self.recording = False
 
         def _freed(self, key: int) -> None:
@@ -108,10 +121,84 @@ def recording_fake_mode():
                         self.live.add(key)
                         self.events.append(("alloc", key, storage.nbytes()))
                         self.ops[key] = str(func)
+                        if self.stream:
+                            self.streams[key] = self.stream
                         weakref.finalize(storage, self._freed, key)
             return out
 
     return RecordingFakeMode()
+
+
+# FSDP2's streams (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py `FSDPCommContext`),
+# numbered for the replay; 0 is the default stream
+FSDP_STREAMS = (
+    "all_gather_copy_in_stream",
+    "all_gather_stream",
+    "reduce_scatter_stream",
+    "all_reduce_stream",
+)
+
+
+def stream_context(trace):
+    """A stand-in for `torch.cpu.stream` (the device handle FSDP2 uses on CPU ranks,
+    `_get_device_handle`) that makes the trace record the stream each storage is made on:
+    FSDP2 allocates its all-gather output on the copy-in stream and its reduce-scatter output,
+    the sharded gradients, on the reduce-scatter stream (`foreach_all_gather`, `foreach_reduce`,
+    torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py). Streams are numbered from 1 in
+    the order first entered; `name_streams` names them."""
+    import contextlib
+
+    numbers: dict[int, int] = {}
+
+    @contextlib.contextmanager
+    def stream(value):
+        previous = trace.stream
+        trace.stream = numbers.setdefault(id(value), len(numbers) + 1) if value else 0
+        trace.stream_objects = {**getattr(trace, "stream_objects", {}), trace.stream: value}
+        try:
+            yield
+        finally:
+            trace.stream = previous
+
+    return stream
+
+
+def name_streams(trace, model) -> dict[int, str]:
+    """The FSDP2 stream name of each number `stream_context` gave."""
+    comm = model._get_fsdp_state()._comm_ctx
+    named = {id(getattr(comm, name, None)): name for name in FSDP_STREAMS}
+    return {
+        number: named.get(id(value), f"stream {number}")
+        for number, value in getattr(trace, "stream_objects", {}).items()
+        if number
+    }
+
+
+def compiled_cross_entropy():
+    """A stand-in for torchtitan's cross-entropy under torch.compile (the upcast and
+    `F.cross_entropy` compiled with the model, torchtitan/components/loss.py at 6fc499f), with
+    the storages ckplan.model.loss's `compiled` loss says Inductor's graph makes (measured there
+    with validation/torch_float8_sac.py, torch 2.13): the forward saves the B-byte logits (its
+    input) and two fp32 statistics per token, and makes no fp32 copy of the logits; the
+    backward writes the logits' B-byte gradient in one fused kernel. Inductor itself does not
+    run under the fake mode, so its allocations are these, not traced."""
+    import torch
+
+    class CompiledCrossEntropy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, logits, labels):
+            tokens = logits.shape[0]
+            maximum = logits.new_empty(tokens, dtype=torch.float32)
+            sum_exp = logits.new_empty(tokens, dtype=torch.float32)
+            ctx.save_for_backward(logits, maximum, sum_exp)
+            return logits.new_zeros((), dtype=torch.float32)
+
+        @staticmethod
+        def backward(ctx, grad):
+            logits, _, _ = ctx.saved_tensors
+            return torch.empty_like(logits), None
+
+    return CompiledCrossEntropy.apply
 
 
 def fsdp_resized_storages(model) -> set[int]:
@@ -153,10 +240,25 @@ def replay_marked(events, allocator, before: int):
 
 
 def trace_step(
-    kind: str, layers: int, ac: str = "full", batch: int = 0, seq: int = 8192, shape=None
+    kind: str,
+    layers: int,
+    ac: str = "full",
+    batch: int = 0,
+    seq: int = 8192,
+    shape=None,
+    world: int = 8,
+    layout: str = "202412",
+    loss: str = "eager",
+    steps: int = 2,
 ):
     """The recorded events of two steps and the bytes alive before them; `shape` overrides the
-    harness's model shape (dim, heads, kv_heads, ffn, vocab)."""
+    harness's model shape (dim, heads, kv_heads, ffn, vocab); `world` the FSDP degree and
+    `layout` torchtitan's FSDP units (torch_fsdp2_memory.py `build`) of the FSDP-only step;
+    `loss` "eager" (the upcast and F.cross_entropy) or "compiled" (`compiled_cross_entropy`);
+    `steps` the steps traced, the last marked "forward", "backward", "step", the others
+    "warmup[ N]" (-backward, -step).
+    Each storage's stream (not the default) is in `trace_step.streams`, numbered, and their
+    names in `trace_step.stream_names`."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -172,8 +274,9 @@ def trace_step(
         import torch_fsdp2_memory as harness
 
         shape = {**harness.SHAPE, **(shape or {}), "layers": layers, "seq": seq}
-        dims, names, batch = (8,), None, batch or 2
+        dims, names, batch = (world,), None, batch or 2
     vocab = shape["vocab"]
+    loss_kind = loss
     world = 1
     for d in dims:
         world *= d
@@ -190,41 +293,53 @@ def trace_step(
         trace = recording_fake_mode()
         context = trace
         loss_parallel = contextlib.nullcontext
-    with context:
+    from unittest import mock
+
+    with context, mock.patch.object(torch.cpu, "stream", stream_context(trace)):
         if kind == "tp":
             model = harness.build(torch, shape, mesh)
         else:
-            model = harness.build(torch, shape, ac, "202412", mesh)
+            model = harness.build(torch, shape, ac, layout, mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
         tokens = torch.randint(0, vocab, (batch, seq))
         labels = torch.randint(0, vocab, (batch, seq))
         positions = torch.arange(seq).repeat(batch, 1)
         before = trace.existing([*model.parameters(), tokens, labels, positions])
         trace.recording = True
-        for iteration in range(2):
-            trace.mark("forward" if iteration else "warmup")
+        for iteration in range(steps):
+            last = iteration == steps - 1
+            warmup = "warmup" + (f" {iteration}" if iteration else "")
+            trace.mark("forward" if last else warmup)
             with loss_parallel():
                 pred = model(tokens, positions)
-                loss = F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+                if loss_kind == "compiled":
+                    loss = compiled_cross_entropy()(pred.flatten(0, 1), labels.flatten(0, 1))
+                else:
+                    loss = F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
                 del pred
-                trace.mark("backward" if iteration else "warmup-backward")
+                trace.mark("backward" if last else f"{warmup}-backward")
                 loss.backward()
             del loss
-            trace.mark("step" if iteration else "warmup-step")
+            trace.mark("step" if last else f"{warmup}-step")
             optimizer.step()
             optimizer.zero_grad()
         trace.mark("end")
         trace.recording = False
         resized = fsdp_resized_storages(model)
+        trace_step.streams = dict(trace.streams)
+        trace_step.stream_names = name_streams(trace, model)
     events = [event for event in trace.events if event[0] == "mark" or event[1] not in resized]
     dist.destroy_process_group()
     return events, before
 
 
-def at_allocated_peak(events, allocator, before: int) -> dict:
+def at_allocated_peak(events, allocator, before: int, streams: dict | None = None) -> dict:
     """Replay `events` (after the `before` block) and report iteration 2's allocated peak, the
     reserved bytes then and at the end, and the free mapped blocks (the holes) at that peak,
-    largest first."""
+    largest first; with `streams` (storage -> stream number, the default allocator only) each
+    storage is allocated on its stream, and the reserved bytes and holes of each stream are
+    reported too."""
+    streams = streams or {}
 
     def replay_to(stop):
         allocator_now = type(allocator)()
@@ -235,7 +350,10 @@ def at_allocated_peak(events, allocator, before: int) -> dict:
                 inside = key in ("forward", "backward", "step")
                 continue
             if kind == "alloc":
-                live[key] = allocator_now.malloc(size)
+                stream = streams.get(key, 0)
+                live[key] = (
+                    allocator_now.malloc(size, stream) if stream else allocator_now.malloc(size)
+                )
             elif key in live:
                 allocator_now.free(live.pop(key))
             if inside and allocator_now.allocated > best[0]:
@@ -246,12 +364,22 @@ def at_allocated_peak(events, allocator, before: int) -> dict:
 
     finished, (_, peak_index) = replay_to(None)
     at_peak, _ = replay_to(peak_index)
-    return {
+    result = {
         "allocated_peak": at_peak.allocated,
         "reserved_at_peak": at_peak.reserved,
         "reserved_peak": finished.peak_reserved,
         "holes_at_peak": sorted(at_peak.cached(), reverse=True)[:8],
     }
+    if streams:
+        result["by_stream_at_peak"] = {
+            str(stream): {
+                "reserved": at_peak.reserved_by_stream.get(stream, 0),
+                "allocated": at_peak.allocated_by_stream.get(stream, 0),
+                "holes": sorted(at_peak.cached(stream), reverse=True)[:8],
+            }
+            for stream in sorted({0, *streams.values()})
+        }
+    return result
 
 
 # The cases: the benchmark's 70B 2-D run (Table 4 row 1) and 8B FSDP run (Table 1 row 1)
@@ -269,6 +397,44 @@ def measure(case: dict) -> dict:
         **case,
         "expandable_segments": at_allocated_peak(events, ExpandableAllocator(), before),
         "default": at_allocated_peak(events, CachingAllocator(), before),
+    }
+
+
+# The default allocator's published torchtitan FSDP runs (the calibration ones), as far as the
+# trace can run them: bf16 (no torchao here, so no float8), the blocks eager (no torch.compile
+# under the fake mode), the loss compiled as the runs compile it (`compiled_cross_entropy`) and,
+# for contrast, eager; torchao's MI300X bf16 row (FSDP 8, local batch 1, torchtitan 0.3's units)
+# and Trainy's 32-GPU H200 row (FSDP 32, local batch 2, the December 2024 units)
+STREAM_RUNS = (
+    {"kind": "fsdp", "layers": 32, "ac": "op", "batch": 1, "seq": 8192, "world": 8,
+     "layout": "0.3.0", "steps": 3, "run": "torchao-mi300x-llama3-8b-fsdp8-bf16-compile"},
+    {"kind": "fsdp", "layers": 32, "ac": "op", "batch": 2, "seq": 8192, "world": 32,
+     "layout": "202412", "steps": 3,
+     "run": "torchtitan-trainy-llama3-8b-h200-32gpu-fsdp-float8"},
+)  # fmt: skip
+STREAM_CASES = tuple({**run, "loss": loss} for run in STREAM_RUNS for loss in ("compiled", "eager"))
+
+
+def measure_streams(case: dict) -> dict:
+    """One FSDP case replayed through the default allocator on one stream and on FSDP2's
+    streams (`stream_context`) and with expandable segments on them: the last step's allocated
+    peak (step 3: the reserved bytes no longer grow from step 2 on), the reserved bytes then,
+    and each stream's reserved, allocated and idle bytes at that peak."""
+    events, before = trace_step(
+        case["kind"], case["layers"], case["ac"], case["batch"], case["seq"],
+        world=case["world"], layout=case["layout"], loss=case["loss"], steps=case["steps"],
+    )  # fmt: skip
+    streams, names = trace_step.streams, trace_step.stream_names
+    on_streams = at_allocated_peak(events, CachingAllocator(), before, streams)
+    stream_names = {"0": "default", **{str(k): v for k, v in names.items()}}
+    on_streams["stream_names"] = stream_names
+    expandable = at_allocated_peak(events, StreamsExpandableAllocator(), before, streams)
+    expandable["stream_names"] = stream_names
+    return {
+        **case,
+        "one_stream": at_allocated_peak(events, CachingAllocator(), before),
+        "streams": on_streams,
+        "expandable_streams": expandable,
     }
 
 
@@ -351,6 +517,11 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=0, help="default 16 (tp), 2 (fsdp)")
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--streams",
+        action="store_true",
+        help="the default allocator with FSDP2's streams on STREAM_CASES",
+    )
     parser.add_argument("--h200", action="store_true", help="replay measure_plans.py's steps")
     parser.add_argument(
         "--write", action="store_true", help=f"write {RESULTS} (the CASES) or {H200_RESULTS}"
@@ -361,6 +532,26 @@ def main(argv=None) -> int:
         batch = args.batch or (16 if args.kind == "tp" else 2)
         cases = ({"kind": args.kind, "layers": args.layers, "ac": args.ac, "batch": batch,
                   "seq": args.seq},)  # fmt: skip
+    if args.streams:
+        rows = report([measure_streams(case) for case in STREAM_CASES], STREAMS_RESULTS, args)
+        gib = 2**30
+        for row in rows:
+            one, on = row["one_stream"], row["streams"]
+            print(
+                f"{row['run']} ({row['loss']} loss): allocated "
+                f"{on['allocated_peak'] / gib:.3f} GiB, reserved "
+                f"{one['reserved_at_peak'] / gib:.3f} (one stream) / "
+                f"{on['reserved_at_peak'] / gib:.3f} GiB (streams)"
+            )
+            grown = row["expandable_streams"]
+            print(f"  expandable segments: reserved {grown['reserved_at_peak'] / gib:.3f} GiB")
+            for number, part in on["by_stream_at_peak"].items():
+                print(
+                    f"  {on['stream_names'][number]:26s} reserved {part['reserved'] / gib:.3f}"
+                    f" allocated {part['allocated'] / gib:.3f} idle "
+                    + ", ".join(f"{hole / gib:.3f}" for hole in part["holes"])
+                )
+        return 0
     if args.h200:
         rows = report(replay_measure_plans(), H200_RESULTS, args)
         mib = 2**20

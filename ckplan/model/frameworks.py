@@ -22,9 +22,9 @@ parameter (its mixed-precision recipe) and adds buffers of its own:
   previous unit's fp32 reduce-scatter input and, under "2024.12", the output layer's bf16
   gradients, as that layer's chain workspace (`fsdp2_layer_forward_bytes`,
   `fsdp2_layer_backward_bytes`; measured with PyTorch's FSDPMemTracker:
-  validation/torch_fsdp2_memory.py). Reserved beside the allocated
-  peak: the side streams' pools, the sharded gradients and the all-gather outputs
-  (`fsdp2_stream_pool_bytes`). With zero 2: the bf16 unsharded parameters of the whole stage,
+  validation/torch_fsdp2_memory.py). Reserved beside the allocated peak: the side streams'
+  pools, the sharded gradients and the all-gather buffers (`fsdp2_stream_pool_bytes`,
+  `fsdp2_all_gather_pool_bytes`). With zero 2: the bf16 unsharded parameters of the whole stage,
   the layer's bf16 gradients and fp32 reduce-scatter input. Under pipeline parallelism it does
   not reshard after forward (torchtitan's parallelize apply_fsdp): the whole stage stays
   unsharded; and the pipeline stage runs every micro-batch's backward without gradient sync,
@@ -79,6 +79,7 @@ what stays on the GPU, ckplan.hardware.host_states the copies and the CPU step):
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from ckplan.model import optimizers
@@ -717,9 +718,7 @@ def fsdp2_sharded(spec) -> bool:
     )
 
 
-def fsdp2_stream_pool_bytes(
-    sharded_gradient_bytes: int, outer_params: int, layer_params: int, prefetch: bool = True
-) -> int:
+def fsdp2_stream_pool_bytes(sharded_gradient_bytes: int, all_gather_pool_bytes: int) -> int:
     """What the CUDA caching allocator keeps reserved for FSDP2's side streams beside the
     default stream's blocks: it reuses a cached block only on the stream that allocated it
     (c10/cuda/CUDACachingAllocator.cpp, `get_free_block`: the pool is searched by
@@ -731,19 +730,74 @@ def fsdp2_stream_pool_bytes(
       reduce-scatter stream ("the GPU sharded gradient is allocated in the RS stream"), in
       reduce_dtype fp32: all of them live from the end of the backward to zero_grad, so that
       stream's pool holds `sharded_gradient_bytes` for the whole step;
-    - the all-gather outputs, allocated on the all-gather copy-in stream (`foreach_all_gather`),
-      bf16: each unit's outside the blocks, the largest `outer_params` (`fsdp2_outer_units`:
-      torchtitan "2024.12"'s root module, "0.3"'s embedding or final norm and output), and a
-      block's, two at once when the
-      backward prefetches one (`prefetch`: resharding after forward; without it, under zero 2
-      or pipeline parallelism, the blocks are gathered once, in forward, one at a time, the
-      previous output freed before the next is made: `unshard` drops `all_gather_state`
-      first); the pool holds the larger.
+    - the all-gather inputs and outputs, allocated on the all-gather copy-in stream
+      (`foreach_all_gather`), bf16: `all_gather_pool_bytes` (`fsdp2_all_gather_pool_bytes`).
 
     derived: the pools' high-water marks; they are reserved, not allocated, at the allocated
     peak (the loss's backward), which the tracker measured without them
     (validation/torch_fsdp2_memory.py)."""
-    return sharded_gradient_bytes + HALF * max(outer_params, (2 if prefetch else 1) * layer_params)
+    return sharded_gradient_bytes + all_gather_pool_bytes
+
+
+def fsdp2_all_gather_pool_bytes(
+    before: int,
+    layer: int,
+    after: int,
+    blocks: int,
+    shards: int,
+    expandable_segments: bool = True,
+) -> int:
+    """The bytes the all-gather copy-in stream's pool reserves on one GPU: FSDP2 gathers the
+    units in forward order, the unit before the blocks (`before` parameters: torchtitan
+    "2024.12"'s root module, "0.3"'s token embedding; 0 where none is on the stage), `blocks`
+    blocks of `layer` parameters, and the unit after them (`after`: "0.3"'s final norm and
+    output; 0 where none), over `shards` ranks. Each gather allocates on that stream the bf16
+    cast of the rank's shard (`_get_param_all_gather_inputs`' flat copy, freed after the
+    copy-in) and the bf16 all-gather output (`foreach_all_gather`); in forward the output is
+    kept until the next unit's `wait_for_unshard` (`AllGatherState`, "Defer free to allow for
+    overlap of this copy-out with next all-gather collective"), after the next unit's output
+    is allocated, so two consecutive units' outputs are alive at once
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, PyTorch v2.13.0). The backward
+    gathers the blocks again, two at once when it prefetches, in the room the forward left.
+
+    With expandable segments the stream's segment grows at its end
+    (ckplan.model.allocator module docstring): the first unit's shard cast, freed, stays below
+    its output, the later casts fit in it, and the segment reaches the first cast and the
+    largest pair of consecutive outputs.
+
+    With the default allocator every output that no free block of the stream fits gets a
+    segment of its own (`get_free_block` takes the smallest free block at least the request,
+    ckplan.model.allocator `segment_bytes`): the first unit's cast and output, and the second
+    unit's output, made while the first's is alive. The blocks then alternate between the
+    second unit's segment and the first's (the smallest free block that fits is the one the
+    block before last freed), so the unit after the blocks finds free only the segment the
+    last block does not hold, the first unit's when `blocks` is odd, the block segment when it
+    is even; when its output is larger than that segment it takes a segment of its own
+    (Llama 3's [norm, output] unit asks for 2·h bytes more than the token embedding's V·h
+    bf16, a whole number of 2 MiB blocks). The first and second unit are two blocks where
+    nothing precedes the blocks (a pipeline stage past the first).
+
+    derived; validation/fsdp2_tp_allocator_replay.py `--streams` replays torchtitan's 8B steps
+    on the streams and agrees within 60 MiB (results-fsdp2-default-allocator-streams-torch-2.13.0
+    .json)."""
+    from ckplan.model.allocator import segment_bytes
+
+    units = ((before,) if before else ()) + (layer,) * blocks + ((after,) if after else ())
+    if not units:
+        return 0
+    first_cast = HALF * -(-units[0] // max(shards, 1))
+    if expandable_segments:
+        pairs = [a + b for a, b in itertools.pairwise(units)] or [units[0]]
+        return first_cast + HALF * max(pairs)
+    pool = segment_bytes(first_cast) + segment_bytes(HALF * units[0])
+    if len(units) > 1:
+        pool += segment_bytes(HALF * units[1])
+    if after and len(units) > 2:
+        first_free = before and blocks % 2 == 1
+        free = segment_bytes(HALF * (before if first_free else layer))
+        if segment_bytes(HALF * after) > free:
+            pool += segment_bytes(HALF * after)
+    return pool
 
 
 def torch_pipeline_buffer_bytes(

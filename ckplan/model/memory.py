@@ -784,8 +784,9 @@ def pipeline_buffer_bytes(spec: ModelSpec, stage: int, in_flight: int) -> int:
 def stream_pool_bytes(spec: ModelSpec, stage: int | None = None) -> int:
     """Bytes the caching allocator holds reserved for FSDP2's side streams on one GPU of
     pipeline stage `stage` (default the busiest) under torchtitan's FSDP
-    (`frameworks.fsdp2_stream_pool_bytes`: the stage's sharded fp32 gradients and its largest
-    all-gather output), 0 otherwise."""
+    (`frameworks.fsdp2_stream_pool_bytes`: the stage's sharded fp32 gradients and its
+    all-gather pool, `frameworks.fsdp2_all_gather_pool_bytes`, the units in forward order),
+    0 otherwise."""
     if spec.kind != "transformer" or not frameworks.fsdp2_sharded(spec):
         return 0
     stage = busiest_stage(spec) if stage is None else stage
@@ -793,10 +794,21 @@ def stream_pool_bytes(spec: ModelSpec, stage: int | None = None) -> int:
     outside = outside_layer_parameters(spec, stage)
     gradients = model_state_bytes(spec, stage).gradients
     grouping = frameworks.fsdp2_grouping(frameworks.framework_version(spec), spec.tied_embeddings)
-    outer = frameworks.fsdp2_outer_units(outside, embedding_parameters(spec, stage), grouping)
-    return frameworks.fsdp2_stream_pool_bytes(
-        gradients, max(outer), layer, prefetch=frameworks.fsdp2_resharding(spec)
+    embedding, kept = frameworks.fsdp2_outer_units(
+        outside, embedding_parameters(spec, stage), grouping
     )
+    # the embedding's own unit is gathered before the blocks and the kept one after them;
+    # a kept unit holding the embedding (the root module, tied weights) before them
+    before, after = (embedding, kept) if grouping.embedding_own_unit else (kept, 0)
+    pool = frameworks.fsdp2_all_gather_pool_bytes(
+        before,
+        layer,
+        after,
+        len(stage_layer_indices(spec, stage)),
+        spec.dp * spec.cp,
+        spec.expandable_segments,
+    )
+    return frameworks.fsdp2_stream_pool_bytes(gradients, pool)
 
 
 def stage_buffer_bytes(spec: ModelSpec, stage: int) -> int:
