@@ -2,6 +2,12 @@
 reduction moves, by hand, and the key's rules."""
 
 import pytest
+from small_specs import (
+    H100_ALL_REDUCE_LATENCY_2_RANKS,
+    H100_GATHER_LATENCY_2_RANKS,
+    H100_NVLINK_BANDWIDTH,
+    SMALL_DENSE_TP2,
+)
 
 from ckplan.errors import InputError
 from ckplan.hardware import communication as comm
@@ -18,29 +24,10 @@ from ckplan.inputs.gpus import load_gpu
 from ckplan.model.ops import layer_ops
 from ckplan.model.spec import spec_from_mapping
 
-# As tests/test_fp8_time.py: h 64, a 4, s 32, b 2 (T = 64 tokens), SwiGLU of 128, B = 2; tp 2
-# with sequence parallelism, no communication overlap.
-SMALL = {
-    "name": "small-dense",
-    "layers": 2,
-    "hidden": 64,
-    "heads": 4,
-    "ffn_hidden": 128,
-    "seq": 32,
-    "micro_batch": 2,
-    "vocab": 0,
-    "norm": "rmsnorm",
-    "mlp": "swiglu",
-    "attention": "flash",
-    "bias": False,
-    "tp": 2,
-    "sp": True,
-    "tp_comm_overlap": False,
-    "precision": "fp8",
-}
-BANDWIDTH = 450e9 * 0.7  # h100-sxm NVLink at link_efficiency 0.7
-GATHER_LATENCY = 8.4e-6 + 3.4e-6  # NCCL ring, 2 ranks: one step
-REDUCE_LATENCY = 8.4e-6 + 2 * 3.4e-6  # an all-reduce: two steps
+SMALL = {**SMALL_DENSE_TP2, "precision": "fp8"}
+BANDWIDTH = H100_NVLINK_BANDWIDTH
+GATHER_LATENCY = H100_GATHER_LATENCY_2_RANKS
+REDUCE_LATENCY = H100_ALL_REDUCE_LATENCY_2_RANKS
 
 
 def small(**changes):

@@ -1,6 +1,7 @@
 """FP8 under Transformer Engine: the sequence-parallel all-gathers of FP8 GEMMs in one byte."""
 
 import pytest
+from small_specs import H100_GATHER_LATENCY_2_RANKS, H100_NVLINK_BANDWIDTH, SMALL_DENSE_TP2
 
 from ckplan.hardware import communication as comm
 from ckplan.hardware.code_path import FP8_GATHER_BYTES, sequence_parallel_gather_bytes
@@ -9,29 +10,9 @@ from ckplan.inputs.gpus import load_gpu
 from ckplan.model.ops import layer_ops
 from ckplan.model.spec import spec_from_mapping
 
-# h 64, a 4, s 32, b 2 (T = 64 tokens), SwiGLU of 128, B = 2; tp 2 with sequence parallelism,
-# no communication overlap (every gather exposed).
-SMALL = {
-    "name": "small-dense",
-    "layers": 2,
-    "hidden": 64,
-    "heads": 4,
-    "ffn_hidden": 128,
-    "seq": 32,
-    "micro_batch": 2,
-    "vocab": 0,
-    "norm": "rmsnorm",
-    "mlp": "swiglu",
-    "attention": "flash",
-    "bias": False,
-    "tp": 2,
-    "sp": True,
-    "tp_comm_overlap": False,
-}
-# NVLink 450e9 B/s at link_efficiency 0.7; NCCL ring latency of one step for 2 ranks
-# (h100-sxm.yaml: 8.4 us + 3.4 us).
-BANDWIDTH = 450e9 * 0.7
-LATENCY = 8.4e-6 + 3.4e-6
+SMALL = SMALL_DENSE_TP2
+BANDWIDTH = H100_NVLINK_BANDWIDTH
+LATENCY = H100_GATHER_LATENCY_2_RANKS
 
 
 def small(**changes):

@@ -1,6 +1,7 @@
 """The mixture-of-experts MLP: per-op bytes and FLOPs by hand, routing, parameters, states."""
 
 import pytest
+from small_specs import SMALL_MOE
 
 from ckplan.model import flops, memory
 from ckplan.model.expert_layout import expert_layout
@@ -13,23 +14,7 @@ from ckplan.plan import evaluate, parse_strategy
 
 MOE_LAYER = LayerKind(moe=True)
 
-# h 64, s 32, b 2 (T = 64 tokens), 4 experts of F_e 32, top-2, fused SwiGLU, B = 2.
-SMALL = {
-    "name": "small-moe",
-    "layers": 4,
-    "hidden": 64,
-    "heads": 4,
-    "seq": 32,
-    "micro_batch": 2,
-    "vocab": 0,
-    "norm": "rmsnorm",
-    "mlp": "swiglu",
-    "attention": "flash",
-    "bias": False,
-    "experts": 4,
-    "top_k": 2,
-    "moe_ffn_hidden": 32,
-}
+SMALL = SMALL_MOE
 
 
 def small(**changes):

@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 from needs_torch import torch_or_skip
+from small_specs import SMALL_MOE
 
 from ckplan.hardware import communication as comm
 from ckplan.hardware.expert_parallel import (
@@ -47,23 +48,7 @@ from ckplan.plan import evaluate, parse_strategy
 MOE_LAYER = LayerKind(moe=True)
 DENSE_LAYER = LayerKind()
 
-# h 64, s 32, b 2 (T = 64 tokens), 4 experts of F_e 32, top-2, fused SwiGLU, B = 2.
-SMALL = {
-    "name": "small-moe",
-    "layers": 4,
-    "hidden": 64,
-    "heads": 4,
-    "seq": 32,
-    "micro_batch": 2,
-    "vocab": 0,
-    "norm": "rmsnorm",
-    "mlp": "swiglu",
-    "attention": "flash",
-    "bias": False,
-    "experts": 4,
-    "top_k": 2,
-    "moe_ffn_hidden": 32,
-}
+SMALL = SMALL_MOE
 # h 64, a 4, q_lora 16, kv_lora 8, nope 8, rope 4, v 8; s 16, b 1 (T = 16), B = 2.
 MLA = {
     "name": "small-mla",
