@@ -80,6 +80,21 @@ class Block:
         return (self.size, self.address)
 
 
+def absorb(block: Block, neighbour: Block) -> None:
+    """`merge_blocks`: a freed block takes in its free neighbour in the segment (the one before
+    or after it), its address, its link and its size."""
+    if neighbour is block.prev:
+        block.address = neighbour.address
+        block.prev = neighbour.prev
+        if block.prev:
+            block.prev.next = block
+    else:
+        block.next = neighbour.next
+        if block.next:
+            block.next.prev = block
+    block.size += neighbour.size
+
+
 @dataclass
 class CachingAllocator:
     """The device allocator's state: free blocks per pool, live blocks, the two statistics."""
@@ -177,16 +192,7 @@ class CachingAllocator:
             if neighbour is None or neighbour.allocated:
                 continue
             self._remove(neighbour)
-            if neighbour is block.prev:
-                block.address = neighbour.address
-                block.prev = neighbour.prev
-                if block.prev:
-                    block.prev.next = block
-            else:
-                block.next = neighbour.next
-                if block.next:
-                    block.next.prev = block
-            block.size += neighbour.size
+            absorb(block, neighbour)
         self._insert(block)
 
     def reset_peaks(self) -> None:
@@ -307,18 +313,9 @@ class ExpandableAllocator:
             if neighbour is None or neighbour.allocated:
                 continue
             self._remove(neighbour)
-            if neighbour is block.prev:
-                block.address = neighbour.address
-                block.prev = neighbour.prev
-                if block.prev:
-                    block.prev.next = block
-            else:
-                block.next = neighbour.next
-                if block.next:
-                    block.next.prev = block
+            absorb(block, neighbour)
             if self.last[block.small] is neighbour:
                 self.last[block.small] = block
-            block.size += neighbour.size
         self._insert(block)
 
     def reset_peaks(self) -> None:
