@@ -288,7 +288,7 @@ def test_plan_names_no_schedule_no_export_writes_and_reports_it_as_sweep_does(cl
     assert code == 1 and json.loads(out)["results"][0]["reference"]["strategy"] == "optimal"
     code, out, _ = cli(*argv, "-q")
     out = " ".join(out.split())  # the console wraps its lines
-    assert code == 1 and "no schedule an export writes fits (the DP ran)" in out
+    assert code == 1 and "no schedule a megatron export writes fits (the DP ran)" in out
     assert "optimal fits (" in out and "where no plan a megatron export writes does" in out
     code, out, _ = cli(*argv[:-12], "--budget", "80GB", *layout, "--json")
     data = json.loads(out)

@@ -92,7 +92,10 @@ def why(rejected: Rejected, best: Evaluated | None) -> str:
             plan = e.plan
             ran = "no schedule fits (the DP ran); least plan"
             if e.reference_beside is not None:  # the DP's schedule nests: no export writes it
-                ran = "no schedule an export writes fits (the DP ran); least plan"
+                ran = (
+                    f"no schedule a {plan.spec.framework} export writes fits (the DP ran); "
+                    "least plan"
+                )
             least = ran if e.optimal else "least plan"
             return (
                 f"{least} {plan.strategy} {gib(plan.total_bytes)} on "
