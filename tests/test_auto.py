@@ -180,7 +180,7 @@ def test_sweep_auto_reports_optimal_and_the_best_at_the_largest(cli):
     assert seqs["optimal"] >= seqs["full"] > seqs["none"] > 0
     assert reach["seq"] >= max(seqs.values()) and reach["best"]["fits"]
     code, out, _ = cli("sweep", "gpt2", "--budget", "8GB", "--seq", "auto", "-q")
-    assert f"Longest sequence a plan an export writes fits: {reach['seq']:,} tokens" in out
+    assert f"Longest sequence a plan a megatron export writes fits: {reach['seq']:,} tokens" in out
 
 
 def test_sweep_micro_batch_auto_with_a_gpu(cli):

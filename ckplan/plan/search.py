@@ -736,10 +736,10 @@ def largest_fitting_any(
     slots: int = DEFAULT_SLOTS,
     formula: str = "derived",
 ) -> int:
-    """The largest `key` (as `largest_fitting`) at which some plan an export writes fits (the
-    sweep's `best`, `choose`); 0 when none does at the smallest value. Derived: each plan's
-    fitting is true up to its own edge, so "some plan fits" is true up to the largest edge, and
-    the same doubling and bisection finds it."""
+    """The largest `key` (as `largest_fitting`) at which some plan its framework's exports write
+    fits (the sweep's `best`, `choose`); 0 when none does at the smallest value. Derived: each
+    plan's fitting is true up to its own edge, so "some plan fits" is true up to the largest
+    edge, and the same doubling and bisection finds it."""
 
     def fits(candidate: ModelSpec) -> bool:
         return sweep(candidate, budget_bytes, reserve_bytes, formula, slots, gpu).best is not None

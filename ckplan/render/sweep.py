@@ -244,22 +244,23 @@ def sweep_view(
             )
         )
     if reach is not None:
-        parts.append(reach_line(*reach))
+        parts.append(reach_line(*reach, framework=spec.framework))
     return Group(*parts)
 
 
-def reach_line(key: str, value: int, best: Candidate | None) -> Text:
-    """The largest value a plan an export writes fits (`--seq auto`, `--micro-batch auto`;
-    `search.largest_fitting_any`) and the best plan there."""
+def reach_line(key: str, value: int, best: Candidate | None, framework: str) -> Text:
+    """The largest value a plan the framework's exports write fits (`--seq auto`,
+    `--micro-batch auto`; `search.largest_fitting_any`) and the best plan there."""
     from rich.text import Text
 
     noun = "sequence" if key == "seq" else "micro-batch"
+    written = f"a plan a {framework} export writes"
     if not value or best is None:
-        return Text(f"No plan an export writes fits any {noun}.", style="red")
+        return Text(f"No plan a {framework} export writes fits any {noun}.", style="red")
     timing = f", step {seconds(best.time.step_seconds)}" if best.time is not None else ""
     plan = best.plan
     return Text(
-        f"{'Longest' if key == 'seq' else 'Largest'} {noun} a plan an export writes fits: {value:,}"
+        f"{'Longest' if key == 'seq' else 'Largest'} {noun} {written} fits: {value:,}"
         f"{' tokens' if key == 'seq' else ''}, best there {plan.strategy} (total "
         f"{gib(plan.total_bytes)}, headroom {gib(best.headroom_bytes)}, recompute overhead "
         f"{plan.overhead:.2%}{timing}).",
