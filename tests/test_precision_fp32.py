@@ -118,3 +118,21 @@ def test_fp32_flash_attention_runs_through_sdpa():
     fp32 = spec(precision="fp32", attention="flash")
     assert fp32.attention_kernel == "sdpa"
     assert spec(attention="flash").attention_kernel == "flash2"
+
+
+def test_the_trainer_caches_no_autocast_copies_in_fp32():
+    """The Trainer's autocast (--bf16/--fp16) caches a bf16 copy of each fp32 weight; fp32
+    training runs no autocast, so its weights are the only copy."""
+    mixed, full = spec(framework="hf"), spec(framework="hf", precision="fp32")
+    assert mixed.weight_bytes == full.weight_bytes == 4
+    mixed_plan = evaluate(mixed, parse_strategy("none", mixed))
+    full_plan = evaluate(full, parse_strategy("none", full))
+    assert mixed_plan.model_states.buffers == 2 * mixed_plan.parameters_per_gpu
+    assert full_plan.model_states.buffers == 0
+
+
+@pytest.mark.parametrize("framework", ["deepspeed", "torchtitan", "hf"])
+def test_sharded_data_parallelism_counted_in_bf16_is_refused(framework):
+    with pytest.raises(SpecError, match=f"precision fp32 with {framework}'s sharded data"):
+        spec(framework=framework, precision="fp32", zero=3, dp=4)
+    assert spec(framework=framework, precision="fp32", dp=4).zero == 0

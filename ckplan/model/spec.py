@@ -569,6 +569,12 @@ def _validate(spec: ModelSpec) -> None:
 HALF_ONLY_ATTENTION_KERNELS = ("flash2", "flash3", "cudnn")
 
 
+# Frameworks whose sharded data parallelism ckplan counts in bf16 elements: DeepSpeed's reduce
+# and all-gather buckets, FSDP1's and FSDP2's unsharded copies and gradients
+# (ckplan.model.frameworks `buffer_bytes` and the fsdp*_ functions).
+BF16_SHARDING_BUFFERS = ("deepspeed", "torchtitan", "hf")
+
+
 def _validate_fp32(spec: ModelSpec) -> None:
     """precision fp32 is one dtype throughout: fp32 activations and weights, no master copy
     (`parts.FP32_DEFAULTS`), and an attention kernel that takes fp32."""
@@ -578,6 +584,13 @@ def _validate_fp32(spec: ModelSpec) -> None:
                 f"key {key!r} must be {value} with precision fp32 (fp32 weights, gradients and "
                 f"activations, no master copy), got {getattr(spec, key)}"
             )
+    sharded = spec.zero >= 1 and spec.dp * spec.cp > 1
+    if sharded and spec.framework in BF16_SHARDING_BUFFERS:
+        raise SpecError(
+            f"key 'zero' ({spec.zero}): precision fp32 with {spec.framework}'s sharded data "
+            "parallelism is not modelled yet (its buckets and gathered copies are counted in "
+            "bf16); use zero: 0, dp: 1 or precision bf16"
+        )
     if spec.attention == "flash" and spec.attention_kernel in HALF_ONLY_ATTENTION_KERNELS:
         raise SpecError(
             f"key 'attention_kernel' ({spec.attention_kernel}) runs fp16 and bf16 only: with "
