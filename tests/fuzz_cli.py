@@ -189,7 +189,7 @@ _ENUM_VALUES = {
     "grad_sync": ["micro_batch", "step", "STEP", "micro-batch", "", "never"],
     "kernels": ["fused", "eager", "compiled"],
     "attention_kernel": ["flash2", "flash3", "cudnn", "triton", "sdpa"],
-    "precision": ["bf16", "fp16", "fp8"],
+    "precision": ["bf16", "fp16", "fp8", "fp32"],
     "fp8_recipe": ["delayed", "current", "mxfp8", "tensorwise", ""],
     "loss": ["fused", "eager", "xentropy", "compiled", "chunked:4", "chunked:1", "chunked:"],
     "training": ["full", "lora"],

@@ -35,7 +35,14 @@ def _config(harness, name):
 
 
 @pytest.mark.parametrize(
-    "name", ["gpt-bf16-dropout-native", "gpt-bf16-nodrop", "gpt-bf16-sdpa", "llama-bf16-fused"]
+    "name",
+    [
+        "gpt-bf16-dropout-native",
+        "gpt-bf16-nodrop",
+        "gpt-bf16-sdpa",
+        "llama-bf16-fused",
+        "gpt-fp32-dropout-native",  # precision fp32: 4-byte activations, 1-byte dropout masks
+    ],
 )
 def test_every_op_matches_but_norm_statistics(harness, name):
     config = _config(harness, name)

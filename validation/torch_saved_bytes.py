@@ -84,6 +84,8 @@ def default_configs() -> list[Config]:
     return [
         Config("gpt-fp32-dropout", "gpt", "float32", dropout=0.1,
                description="GPT, fp32, dropout 0.1 (F.dropout), standard attention"),
+        Config("gpt-fp32-dropout-native", "gpt", "float32", dropout=0.1, dropout_impl="native",
+               description="GPT, fp32 (precision fp32), dropout 0.1 via torch.native_dropout"),
         Config("gpt-bf16-dropout", "gpt", "bfloat16", dropout=0.1,
                description="GPT, bf16, dropout 0.1 (F.dropout), standard attention"),
         Config("gpt-bf16-dropout-native", "gpt", "bfloat16", dropout=0.1, dropout_impl="native",
@@ -226,6 +228,10 @@ def ckplan_mapping_for(cfg: Config) -> dict:
     from ckplan.model.spec import field_names
 
     fields = set(field_names())
+    from ckplan.model.parts import PRECISIONS
+
+    if cfg.dtype_bytes == 4 and "fp32" in PRECISIONS:
+        mapping["precision"] = "fp32"  # full-fp32 training: the same 4-byte activations
     if "fused_swiglu" in fields and cfg.arch == "llama":
         mapping["fused_swiglu"] = cfg.swiglu_impl == "fused"
     if "bias" in fields:

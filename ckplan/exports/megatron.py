@@ -420,6 +420,10 @@ def moe_layer_pattern(spec: ModelSpec) -> str:
 
 
 def _precision_flags(spec: ModelSpec) -> list[list[str]]:
+    """--fp16, --bf16 (with FP8's flags), or none: without either flag Megatron-LM trains in
+    fp32 (megatron/training/arguments.py, core_v0.19.0: params_dtype stays torch.float)."""
+    if spec.precision == "fp32":
+        return []
     if spec.precision == "fp16":
         return [["--fp16"]]
     if spec.precision == "fp8":

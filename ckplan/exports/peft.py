@@ -41,6 +41,9 @@ OPTIM = {
 }
 # Trainer parses optim_args "k=v,k=v" into AnyPrecisionAdamW's dtypes (use_kahan_summation off)
 ANYPRECISION_ARGS = "momentum_dtype=bfloat16,variance_dtype=bfloat16"
+# bitsandbytes' compute dtype of the 4-bit layers, the run's precision (BitsAndBytesConfig
+# `bnb_4bit_compute_dtype`, transformers utils/quantization_config.py)
+COMPUTE_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
 PEFT_LORA_ALPHA = 8  # LoraConfig's default lora_alpha (peft v0.17.0)
 FSDP = {2: "shard_grad_op", 3: "full_shard"}
 
@@ -66,8 +69,11 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
             "optimizer_in_backward: the Trainer steps after backward (torchtune's "
             "optimizer_in_bwd runs it)"
         )
-    if spec.precision not in ("bf16", "fp16"):
-        return f"precision {spec.precision}: the Trainer's mixed precision is bf16 or fp16"
+    if spec.precision not in ("bf16", "fp16", "fp32"):
+        return (
+            f"precision {spec.precision}: the Trainer trains in fp32 or in bf16 or fp16 mixed "
+            "precision"
+        )
     if layers.selective:
         return (
             "selective recomputation of the attention core: the Trainer's gradient "
@@ -91,9 +97,7 @@ def values(plan: Plan, layers: LayerSegments) -> dict[str, dict[str, object]]:
             "load_in_4bit": True,
             "bnb_4bit_quant_type": fmt,
             "bnb_4bit_use_double_quant": True,
-            "bnb_4bit_compute_dtype": "torch.bfloat16"
-            if spec.precision == "bf16"
-            else "torch.float16",
+            "bnb_4bit_compute_dtype": COMPUTE_DTYPES[spec.precision],
         }
     elif fmt == "int8":
         out["BitsAndBytesConfig"] = {"load_in_8bit": True}
@@ -120,7 +124,8 @@ def values(plan: Plan, layers: LayerSegments) -> dict[str, dict[str, object]]:
     args["optim"] = OPTIM[spec.optimizer]
     if spec.optimizer == "adamw-bf16":
         args["optim_args"] = ANYPRECISION_ARGS
-    args["bf16" if spec.precision == "bf16" else "fp16"] = True
+    if spec.precision in ("bf16", "fp16"):  # neither flag: the Trainer trains in fp32
+        args[spec.precision] = True
     if spec.dp > 1 and spec.zero in FSDP:
         args["fsdp"] = FSDP[spec.zero]
     out["TrainingArguments"] = args

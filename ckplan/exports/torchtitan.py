@@ -60,6 +60,11 @@ def torch_interleaved_group(pp: int, microbatches: int) -> int:
 
 
 def reason(spec: ModelSpec, layers: LayerSegments, version: str = DEFAULT_VERSION) -> str | None:
+    if spec.precision == "fp32":
+        return (
+            "precision fp32: the export leaves torchtitan's training.mixed_precision_param at "
+            "its bfloat16 default"
+        )
     if version == "0.3" and (why := _layout_reason_03(spec)):
         return why
     group = torch_interleaved_group(spec.pp, spec.microbatches)

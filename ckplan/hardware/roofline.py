@@ -74,7 +74,15 @@ def shape_efficiency(gpu: GPU, m: int, n: int, batch: int = 1) -> float:
 
 
 def peak_flops(gpu: GPU, dtype_bytes: int) -> float:
-    """Tensor-core BF16/FP16 peak for 2-byte operands, the FP32 (non-tensor) peak for 4 or 8."""
+    """Tensor-core BF16/FP16 peak for 2-byte operands, the FP32 (non-tensor) peak for 4 or 8.
+
+    4-byte GEMMs (precision fp32) take no TF32 tensor cores: PyTorch's
+    `torch.backends.cuda.matmul.allow_tf32` "defaults to False in PyTorch 1.12 and later"
+    (pytorch/pytorch docs/source/notes/cuda.rst, "TensorFloat-32 (TF32) on Ampere (and later)
+    devices"), and the Hugging Face Trainer's `tf32` argument leaves it to PyTorch unless set
+    (transformers training_args.py at v5.25, `tf32: bool | None`, default None; torch 2.13 on
+    the CPU prints allow_tf32 False). A run that turns TF32 on runs its GEMMs faster than
+    ckplan times them."""
     return gpu.bf16_flops if dtype_bytes <= 2 else gpu.fp32_flops
 
 

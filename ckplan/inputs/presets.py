@@ -19,6 +19,7 @@ import yaml
 from ckplan.inputs import safe_yaml
 from ckplan.inputs.files import LongInteger, read_text_file
 from ckplan.model.ops import layer_ops
+from ckplan.model.parts import FP32_DEFAULTS
 from ckplan.model.spec import (
     DEFAULT_PROFILE,
     ModelSpec,
@@ -87,7 +88,19 @@ def load_spec(model: str, overrides: Mapping[str, Any] | None = None) -> ModelSp
         longest = mapping.pop("_max_seq")
         if "seq" not in overrides and isinstance(longest, int):
             mapping["source"] = f"{mapping['source']}; {seq_note({**mapping, '_max_seq': longest})}"
+    if overrides.get("precision") == "fp32":
+        mapping = _without_precision_keys(mapping, overrides)
     return spec_from_values({**_profile_beside(mapping, model), **overrides}, origin)
+
+
+def _without_precision_keys(mapping: dict[str, Any], overrides: Mapping[str, Any]) -> dict:
+    """The model file's keys that `--set precision=fp32` decides, removed unless `--set` names
+    them too: a preset or config.json gives the checkpoint's dtype (dtype_bytes: 2 for bf16
+    weights), while an fp32 run computes and keeps its activations in fp32
+    (`ckplan.model.parts.FP32_DEFAULTS`)."""
+    return {
+        key: value for key, value in mapping.items() if key not in FP32_DEFAULTS or key in overrides
+    }
 
 
 def spec_from_values(values: Mapping[str, Any], origin: str = "model") -> ModelSpec:

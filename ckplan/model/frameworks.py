@@ -49,7 +49,8 @@ parameter (its mixed-precision recipe) and adds buffers of its own:
   and Adam, 16 bytes per parameter; DDP's reducer keeps its buckets beside the gradients
   (gradient_as_bucket_view off by default: another 4 bytes per parameter); autocast caches a bf16
   copy of every fp32 weight for the forward and backward (2 bytes per parameter; none when
-  weight_bytes is 2, weights already in bf16 as in pure-bf16 training). With zero 3 over more
+  weight_bytes is 2, weights already in bf16 as in pure-bf16 training, and none under precision
+  fp32, which runs no autocast). With zero 3 over more
   than one rank (FSDP1 FULL_SHARD with bf16 mixed precision, `fsdp1_resharding`) the weights
   autocast sees are FSDP's bf16 unsharded copies, so it caches none: FSDP1 keeps the root unit's
   copy (embedding, final norm, output layer) from the forward to the end of the backward
@@ -386,8 +387,9 @@ def buffer_bytes(
         buckets = 4 * stage_params if dp > 1 and zero == 0 else 0  # DDP's reducer buckets
         # autocast caches the bf16 cast of an fp32 leaf weight only (PyTorch
         # aten/src/ATen/autocast_mode.cpp `cached_cast`: `arg.scalar_type() == at::kFloat &&
-        # arg.requires_grad() && arg.is_leaf()`): weights already in bf16 are used as they are
-        fp32_weights = spec.weight_bytes == 4
+        # arg.requires_grad() && arg.is_leaf()`): weights already in bf16 are used as they are,
+        # and precision fp32 runs no autocast (the Trainer enables it for --bf16/--fp16 only)
+        fp32_weights = spec.weight_bytes == 4 and spec.precision != "fp32"
         autocast = HALF * (stage_params if zero < 3 else 2 * layer_params) if fp32_weights else 0
         return buckets + autocast
     return 0

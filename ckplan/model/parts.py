@@ -442,7 +442,19 @@ def _targets(text: str) -> str:
 FRAMEWORKS = ("megatron", "torchtitan", "deepspeed", "hf")
 KERNELS = ("fused", "eager", "compiled")
 ATTENTION_KERNELS = ("flash2", "flash3", "cudnn", "triton", "sdpa")
-PRECISIONS = ("bf16", "fp16", "fp8", "float8")
+PRECISIONS = ("bf16", "fp16", "fp8", "float8", "fp32")
+# Full-fp32 training (`precision: fp32`): weights, gradients and activations are fp32 and no
+# master copy is kept, since the weights the optimizer updates are already fp32 (PyTorch trains
+# in the parameters' dtype unless autocast or a framework's mixed-precision flag says otherwise:
+# the Hugging Face Trainer without --fp16/--bf16, Megatron-LM without --fp16/--bf16, whose
+# params_dtype stays torch.float). The optimizer keeps its own states (AdamW's 8 bytes).
+FP32_BYTES_PER_VALUE = 4
+FP32_DEFAULTS: dict[str, int] = {
+    "dtype_bytes": FP32_BYTES_PER_VALUE,
+    "weight_bytes": FP32_BYTES_PER_VALUE,
+    "grad_bytes": FP32_BYTES_PER_VALUE,
+    "master_bytes": 0,
+}
 # Transformer Engine's FP8 scaling recipes that ckplan models (`fp8_recipe`, precision fp8 only;
 # ckplan.hardware.code_path): DelayedScaling, Float8CurrentScaling and MXFP8BlockScaling
 # (NVIDIA/TransformerEngine v2.9 transformer_engine/common/recipe/__init__.py), as Megatron-LM's
@@ -499,6 +511,13 @@ def _is_chunked(loss: str) -> bool:
     )
 
 
+def default_attention_kernel(precision: str) -> str:
+    """The fused attention kernel when the model names none: FlashAttention-2, which takes
+    fp16 and bf16 only; under fp32 PyTorch's SDPA, which runs fp32 through its memory-efficient
+    backend (`ckplan.model.spec.HALF_ONLY_ATTENTION_KERNELS`)."""
+    return "sdpa" if precision == "fp32" else "flash2"
+
+
 @dataclass(frozen=True, eq=True)
 class Execution(_Record):
     """How the framework runs the step: which framework, its kernels for the memory-bound ops
@@ -510,9 +529,12 @@ class Execution(_Record):
     # ckplan.model.frameworks FRAMEWORK_VERSIONS); None -> the newest modelled
     framework_version: str | None = None
     kernels: str | None = None  # fused | eager | compiled; None -> the framework's
-    attention_kernel: str = "flash2"  # flash2 | flash3 | cudnn | triton | sdpa (flash2 backend)
+    # flash2 | flash3 | cudnn | triton | sdpa (flash2 backend; under fp32 its memory-efficient
+    # one); None -> default_attention_kernel(precision)
+    attention_kernel: str | None = None
     # the linear layers' GEMMs: bf16 | fp16 | fp8 (Transformer Engine: saves FP8 copies of their
-    # inputs) | float8 (torchao's float8 training: saves them in bf16)
+    # inputs) | float8 (torchao's float8 training: saves them in bf16) | fp32 (no mixed
+    # precision: fp32 weights, gradients and activations, FP32_DEFAULTS)
     precision: str = "bf16"
     # Transformer Engine's FP8 scaling recipe under precision fp8: delayed | current | mxfp8
     # (FP8_RECIPES); None -> DEFAULT_FP8_RECIPE with precision fp8, else none
@@ -540,6 +562,8 @@ class Execution(_Record):
 
     def __post_init__(self) -> None:
         check_ranges(self)
+        if self.attention_kernel is None:
+            self._derive("attention_kernel", default_attention_kernel(self.precision))
         for key, allowed in (
             ("framework", FRAMEWORKS),
             ("attention_kernel", ATTENTION_KERNELS),
@@ -587,6 +611,7 @@ class Execution(_Record):
 
     def derived_defaults(self) -> dict[str, Any]:
         defaults = dict(FRAMEWORK_DEFAULTS[self.framework])
+        defaults["attention_kernel"] = default_attention_kernel(self.precision)
         if self.precision == "fp8":
             defaults["fp8_recipe"] = DEFAULT_FP8_RECIPE
         return defaults

@@ -27,6 +27,7 @@ from ckplan.model import frameworks
 from ckplan.model.kernel_profile import FUSED, FUSED_NAME, Profile
 from ckplan.model.layers import LayerSetError, parse_layer_set
 from ckplan.model.parts import (
+    FP32_DEFAULTS,
     PARTS,
     SIZE_RANGES,
     Architecture,
@@ -220,6 +221,7 @@ class ModelSpec(_Layers):
             **self.execution.derived_defaults(),
             **self.finetune.derived_defaults(),
             **frameworks.training_defaults(self.framework, self.zero, self.optimizer),
+            **precision_defaults(self.precision),
         }
         for key, default in derived.items():
             if key not in changes and values[key] == default:
@@ -334,6 +336,7 @@ def _build(values: dict[str, Any]) -> ModelSpec:
         defaults = frameworks.training_defaults(
             framework, values.get("zero") or 0, values.get("optimizer") or "adamw"
         )
+        defaults |= precision_defaults(values.get("precision"))
         values = {
             **defaults,
             **{k: v for k, v in values.items() if v is not None or k not in defaults},
@@ -348,6 +351,15 @@ def _build(values: dict[str, Any]) -> ModelSpec:
         profile=_profile_value(values.get("profile", FUSED)),
         **{part: record(**parts[part]) for part, record in PARTS.items()},
     )
+
+
+def precision_defaults(precision: Any) -> dict[str, int]:
+    """The keys `precision` sets unless the model says otherwise: under fp32 the activations,
+    weights and gradients take 4 bytes and there is no master copy (`parts.FP32_DEFAULTS`);
+    otherwise 2-byte activations (RunShape's default)."""
+    if precision == "fp32":
+        return dict(FP32_DEFAULTS)
+    return {"dtype_bytes": RunShape.__dataclass_fields__["dtype_bytes"].default}
 
 
 def _profile_value(value: Any) -> Profile:
@@ -524,6 +536,8 @@ def _validate(spec: ModelSpec) -> None:
         raise SpecError(f"key 'cp' ({spec.cp}) must divide seq ({spec.seq})")
     if not 0.0 <= spec.capacity_factor <= 1e6:
         raise SpecError(f"key 'capacity_factor' must be >= 0, got {spec.capacity_factor}")
+    if spec.precision == "fp32":
+        _validate_fp32(spec)
     _validate_layer_sets(spec)
     _validate_mla(spec)
     _validate_moe(spec)
@@ -544,6 +558,44 @@ def _validate(spec: ModelSpec) -> None:
         )
     if spec.microbatch_group_size is not None:
         _validate_microbatch_group(spec)
+
+
+# Attention kernels without an fp32 path: FlashAttention-2 refuses any other dtype
+# (Dao-AILab/flash-attention csrc/flash_attn/flash_api.cpp, `mha_fwd`: TORCH_CHECK(q_dtype ==
+# torch::kFloat16 || q_dtype == torch::kBFloat16, "FlashAttention only supports fp16 and bf16
+# data type")), FlashAttention-3 takes fp16, bf16 and FP8 (hopper/flash_api.cpp), cuDNN's fused
+# attention fp16, bf16 and FP8 (NVIDIA cuDNN frontend, "Scaled Dot Product Attention"). PyTorch's
+# SDPA runs fp32 through its memory-efficient or math backend.
+HALF_ONLY_ATTENTION_KERNELS = ("flash2", "flash3", "cudnn")
+
+
+# Frameworks whose sharded data parallelism ckplan counts in bf16 elements: DeepSpeed's reduce
+# and all-gather buckets, FSDP1's and FSDP2's unsharded copies and gradients
+# (ckplan.model.frameworks `buffer_bytes` and the fsdp*_ functions).
+BF16_SHARDING_BUFFERS = ("deepspeed", "torchtitan", "hf")
+
+
+def _validate_fp32(spec: ModelSpec) -> None:
+    """precision fp32 is one dtype throughout: fp32 activations and weights, no master copy
+    (`parts.FP32_DEFAULTS`), and an attention kernel that takes fp32."""
+    for key, value in FP32_DEFAULTS.items():
+        if getattr(spec, key) != value:
+            raise SpecError(
+                f"key {key!r} must be {value} with precision fp32 (fp32 weights, gradients and "
+                f"activations, no master copy), got {getattr(spec, key)}"
+            )
+    sharded = spec.zero >= 1 and spec.dp * spec.cp > 1
+    if sharded and spec.framework in BF16_SHARDING_BUFFERS:
+        raise SpecError(
+            f"key 'zero' ({spec.zero}): precision fp32 with {spec.framework}'s sharded data "
+            "parallelism is not modelled yet (its buckets and gathered copies are counted in "
+            "bf16); use zero: 0, dp: 1 or precision bf16"
+        )
+    if spec.attention == "flash" and spec.attention_kernel in HALF_ONLY_ATTENTION_KERNELS:
+        raise SpecError(
+            f"key 'attention_kernel' ({spec.attention_kernel}) runs fp16 and bf16 only: with "
+            "precision fp32 use attention_kernel: sdpa or attention: standard"
+        )
 
 
 def _validate_microbatch_group(spec: ModelSpec) -> None:
@@ -793,7 +845,9 @@ def _validate_finetune(spec: ModelSpec) -> None:
             f"key 'kv_lora_rank': {what} is not modelled with multi-head latent attention yet"
         )
     if spec.precision in ("fp8", "float8"):
-        raise SpecError(f"key 'precision' must be bf16 or fp16 with {what}, got {spec.precision}")
+        raise SpecError(
+            f"key 'precision' must be bf16, fp16 or fp32 with {what}, got {spec.precision}"
+        )
     if finetune.weight_format in ("nf4", "fp4", "int8") and spec.tp > 1:
         raise SpecError(
             f"key 'tp' must be 1 with weight_format: {finetune.weight_format} (quantised "
