@@ -133,3 +133,40 @@ def test_torch_zero_grad_keeps_the_gradients(optimizer, set_to_none):
     assert seen == {"forward": held, "backward": held}
     if not set_to_none:
         assert all(p.grad is not None and not p.grad.any() for p in parameters)
+
+
+def test_advice_sets_the_gradients_to_none():
+    """GPT-2 under the Trainer, over the budget by one byte with its gradients kept zeroed:
+    setting them to None is advised, and the step in backward comes with it (its hooks free
+    each gradient); with them set to None already, neither key is touched."""
+    from ckplan.inputs.presets import load_spec
+    from ckplan.plan.advice import advise, least_bytes
+
+    freed_spec = load_spec("gpt2", {"framework": "hf"})
+    spec = freed_spec.replace(zero_grad="zeros")
+    found = advise(spec, least_bytes(spec) - 1)
+    freed = [a for a in found if a.keys == {"zero_grad": "none"}]
+    assert freed and freed[0].fits
+    assert freed[0].total_bytes == least_bytes(freed_spec) < least_bytes(spec)
+    for a in found:
+        if a.keys.get("optimizer_in_backward"):
+            assert a.keys.get("zero_grad") == "none"
+    unchanged = advise(freed_spec, least_bytes(freed_spec) - 1)
+    assert not any("zero_grad" in a.keys for a in unchanged)
+
+
+def test_sweep_notes_the_gradients_set_to_none(capsys):
+    """A sweep that does not fit with the gradients kept zeroed names the two levers that free
+    them: zero_grad none, and the step in backward with it."""
+    import json
+
+    from ckplan.cli import main
+
+    argv = ["sweep", "gpt2", "--budget", "6.8GB", "--json"]
+    argv += ["--set", "framework=hf", "--set", "zero_grad=zeros", "--set", "micro_batch=4"]
+    assert main(argv) in (0, 1)
+    notes = [note for note in json.loads(capsys.readouterr().out)["notes"] if "zero_grad" in note]
+    assert notes[0].startswith("Gradients set to None (--set zero_grad=none):")
+    assert notes[1].startswith(
+        "Optimizer in backward (--set optimizer_in_backward=true --set zero_grad=none):"
+    )
