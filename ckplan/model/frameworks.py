@@ -93,6 +93,10 @@ DEEPSPEED_PERSISTENCE = 100_000  # elements (stage3_param_persistence_threshold)
 HALF = 2  # bytes of a bf16 value
 OFFLOAD_DEVICES = ("none", "cpu")  # optimizer_offload, param_offload
 GRAD_SYNCS = ("micro_batch", "step")  # grad_sync (`gradient_sync`)
+# zero_grad: what the training loop's zero_grad leaves between steps (ckplan.model.memory
+# `gradients_allocated_in_backward`): `none`, the gradients set to None (PyTorch's default
+# since 2.0), or `zeros`, kept allocated and zeroed (the default before 2.0)
+ZERO_GRADS = ("none", "zeros")
 # framework_version: the releases whose semantics ckplan models apart, oldest first; the last
 # is the default (`framework_version`). torchtitan: its FSDP2 grouping (`fsdp2_grouping`); hf:
 # transformers' causal-LM loss (ckplan.model.loss `shifted_logits_elements`: 4.44 copies the

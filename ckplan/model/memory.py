@@ -1039,19 +1039,51 @@ def in_backward_gradient_parameters(spec: ModelSpec, stage: int) -> int | None:
 GRADIENTS_FREED_EACH_STEP = ("torchtitan", "hf")
 
 
+def gradients_kept_between_steps(spec: ModelSpec) -> bool:
+    """Whether the training loop's zero_grad keeps every gradient allocated, zeroed, from one
+    step to the next (`zero_grad: zeros`), so that from the second step on every trained
+    parameter's gradient is alive through the whole step: its forward, its backward and its
+    optimizer step, as `states_of` counts them (grad_bytes per trained parameter, sharded as
+    the layout shards gradients).
+
+    Source: PyTorch before 2.0, torch/nn/modules/module.py `Module.zero_grad(self, set_to_none:
+    bool = False)` and torch/optim/optimizer.py `Optimizer.zero_grad(self, set_to_none: bool =
+    False)` (v1.7 to v1.13; zero_() on each existing .grad unless set_to_none); pytorch/pytorch
+    pull request 92731 made set_to_none=True the default for 2.0. transformers' Trainer called
+    `model.zero_grad()` (the default) until pull request 22136 (March 2023) passed
+    set_to_none=True for every PyTorch release."""
+    return spec.zero_grad == "zeros"
+
+
 def gradients_allocated_in_backward(spec: ModelSpec) -> bool:
     """Whether the step's gradients come into being during its backward pass, stage by stage:
-    a framework that frees them every step (`GRADIENTS_FREED_EACH_STEP`), one micro-batch per
-    step (with gradient accumulation they persist from the first micro-batch on) and no pipeline
+    a framework that frees them every step (`GRADIENTS_FREED_EACH_STEP`) with zero_grad
+    setting them to None (not `gradients_kept_between_steps`), one micro-batch per step (with
+    gradient accumulation they persist from the first micro-batch on) and no pipeline
     parallelism (ckplan replays one chain per GPU then). Not with optimizer_in_backward, whose
     held gradients `in_backward_gradient_parameters` counts."""
     return (
         not spec.optimizer_in_backward
+        and not gradients_kept_between_steps(spec)
         and spec.kind == "transformer"
         and spec.framework in GRADIENTS_FREED_EACH_STEP
         and spec.microbatches == 1
         and spec.pp == 1
     )
+
+
+def gradient_lifetime(spec: ModelSpec) -> str:
+    """When the gradients the model states count are alive, as `estimate` reports it: `step`
+    (every trained parameter's, all step: a framework's persistent buffer, gradient
+    accumulation, pipeline parallelism, or `gradients_kept_between_steps`), `backward` (each
+    from the backward that writes it: `gradients_allocated_in_backward`, those written by the
+    peak counted), `one_layer` (optimizer_in_backward: `in_backward_gradient_parameters`) or
+    `host` (optimizer_offload: none on the device)."""
+    if spec.optimizer_offload != "none":
+        return "host"
+    if spec.optimizer_in_backward:
+        return "one_layer"
+    return "backward" if gradients_allocated_in_backward(spec) else "step"
 
 
 def tied_gradient_from_output(spec: ModelSpec) -> bool:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckplan.errors import InputError
-from ckplan.model.frameworks import GRAD_SYNCS, OFFLOAD_DEVICES
+from ckplan.model.frameworks import GRAD_SYNCS, OFFLOAD_DEVICES, ZERO_GRADS
 from ckplan.model.optimizers import OPTIMIZERS
 from ckplan.model.pipeline_layout import LayoutError, PipelineLayout, parse_layout
 from ckplan.quoting import quote
@@ -352,6 +352,9 @@ class TrainingState(_Record):
     optimizer_bytes: int = 8
     optimizer: str = "adamw"  # ckplan.model.optimizers.OPTIMIZERS
     optimizer_in_backward: bool = False  # step each parameter in backward, free its gradient
+    # what zero_grad leaves between steps: none (set_to_none=True, PyTorch's default since 2.0)
+    # | zeros (set_to_none=False, the default before 2.0: every gradient held all step)
+    zero_grad: str = "none"
     # model states in host memory (ckplan.model.frameworks.state_offload_error): the fp32
     # master weights, optimizer states and gradients, the step on the CPU; and the weights
     optimizer_offload: str = "none"  # none | cpu
@@ -364,6 +367,14 @@ class TrainingState(_Record):
         if self.optimizer not in OPTIMIZERS:
             rule = f"must be one of {', '.join(OPTIMIZERS)}"
             raise SpecError(key="optimizer", rule=rule, value=self.optimizer)
+        if self.zero_grad not in ZERO_GRADS:
+            rule = f"must be one of {', '.join(ZERO_GRADS)}"
+            raise SpecError(key="zero_grad", rule=rule, value=self.zero_grad)
+        if self.zero_grad == "zeros" and self.optimizer_in_backward:
+            raise SpecError(
+                "key 'zero_grad' (zeros) conflicts with optimizer_in_backward, whose hooks free "
+                "each gradient after its step; use zero_grad: none"
+            )
         for key in ("optimizer_offload", "param_offload"):
             if getattr(self, key) not in OFFLOAD_DEVICES:
                 rule = f"must be one of {', '.join(OFFLOAD_DEVICES)}"

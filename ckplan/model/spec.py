@@ -77,7 +77,8 @@ KEY_ORDER = (
     "pipeline_layout", "framework", "framework_version", "kernels", "attention_kernel", "precision",
     "fp8_recipe", "loss", "tp_comm_overlap", "dp_comm_overlap", "expandable_segments", "mlp_tiles",
     "training", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "use_dora",
-    "weight_format", "optimizer", "optimizer_in_backward", "optimizer_offload", "param_offload",
+    "weight_format", "optimizer", "optimizer_in_backward", "zero_grad", "optimizer_offload",
+    "param_offload",
 )  # fmt: skip
 PART_OF: dict[str, str] = {
     field.name: part for part, record in PARTS.items() for field in dataclasses.fields(record)
@@ -284,7 +285,7 @@ _STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions"
 _STR_FIELDS |= {"framework", "kernels", "attention_kernel", "precision", "fp8_recipe", "loss"}
 _STR_FIELDS |= {"training", "lora_targets", "weight_format", "optimizer"}
 _STR_FIELDS |= {"optimizer_offload", "param_offload", "grad_sync", "framework_version"}
-_STR_FIELDS |= {"pipeline_layout"}
+_STR_FIELDS |= {"pipeline_layout", "zero_grad"}
 _LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
 _FLOAT_FIELDS = {"dropout", "capacity_factor", "lora_dropout", "lora_alpha"}
 _NULLABLE = {key for key, f in _KEYS.items() if "None" in str(f.type)}

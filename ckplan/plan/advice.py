@@ -150,11 +150,14 @@ def _levers(spec: ModelSpec, gpus_per_node: int, pcie: bool = False):
         for b in sorted({spec.micro_batch // 2**k for k in range(1, MAX_STEPS)}, reverse=True)
         if b >= 1 and spec.micro_batch % b == 0
     ]
+    # gradients kept zeroed between steps set to None instead (PyTorch 2's zero_grad): the
+    # smallest change, first
+    freed = [{"zero_grad": "none"}] if spec.zero_grad != "none" else []
     if _one_gpu_fine_tune(spec, pcie):
         if pcie:  # no tensor, pipeline or context parallelism over PCIe
-            return [*_finetune_levers(spec), loss, micro_batch, dp]
-        return [*_finetune_levers(spec), zero, loss, tp, pp, dp, cp, micro_batch]
-    return [zero, loss, tp, pp, dp, cp, micro_batch]
+            return [freed, *_finetune_levers(spec), loss, micro_batch, dp]
+        return [freed, *_finetune_levers(spec), zero, loss, tp, pp, dp, cp, micro_batch]
+    return [freed, zero, loss, tp, pp, dp, cp, micro_batch]
 
 
 def _finetune_levers(spec: ModelSpec) -> list[list[dict[str, Any]]]:
@@ -167,8 +170,10 @@ def _finetune_levers(spec: ModelSpec) -> list[list[dict[str, Any]]]:
     if spec.training in ("full", "lora", "frozen"):
         training.append({"training": "qlora"})
     optimizer = [{"optimizer": "adamw-8bit"}] if spec.optimizer in ("adamw", "adamw-bf16") else []
+    # its hooks free each gradient after its step: gradients kept zeroed cannot stay
+    freed = {"zero_grad": "none"} if spec.zero_grad != "none" else {}
     in_backward = (
-        [{"optimizer_in_backward": True}]
+        [{"optimizer_in_backward": True, **freed}]
         if not spec.optimizer_in_backward and spec.microbatches == 1
         else []
     )

@@ -369,7 +369,7 @@ def sweep(
         lever_plan = kept.best or min(
             [c for c in stored if c.exported] or stored, key=lambda c: c.plan.reserved_bytes
         )
-        for lever in (tiled_mlp_note, in_backward_note):
+        for lever in (tiled_mlp_note, zero_grad_note, in_backward_note):
             if note := lever(lever_plan, usable, gpu, slots):
                 notes.append(note)
     uniform = [c for c in candidates if c.plan.strategy.startswith("uniform:")]
@@ -839,7 +839,20 @@ def in_backward_note(
     ):
         return None
     changes = {"optimizer_in_backward": True}
+    if spec.zero_grad != "none":  # its hooks free each gradient after its step
+        changes["zero_grad"] = "none"
     return lever_note(reference, changes, "Optimizer in backward", usable, gpu, slots)
+
+
+def zero_grad_note(
+    reference: Candidate, usable: int, gpu: GPU | None, slots: int = DEFAULT_SLOTS
+) -> str | None:
+    """The same plan with the gradients set to None between steps (`zero_grad: none`, PyTorch's
+    default since 2.0) where the model keeps them zeroed: one line when it helps."""
+    if reference.plan.spec.zero_grad == "none":
+        return None
+    changes = {"zero_grad": "none"}
+    return lever_note(reference, changes, "Gradients set to None", usable, gpu, slots)
 
 
 def lever_note(

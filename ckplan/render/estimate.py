@@ -14,7 +14,9 @@ from ckplan.model.layers import distinct_kinds, format_layer_set, kind_layer_ind
 from ckplan.model.memory import (
     activation_breakdown,
     activation_bytes_per_layer,
+    gradient_lifetime,
     gradients_allocated_in_backward,
+    gradients_kept_between_steps,
     optimizer_tensor_bytes,
     parameter_count,
 )
@@ -56,6 +58,7 @@ def plan_dict(plan: Plan, time: StepTime | None = None, gpu: GPU | None = None) 
                 "gradients": states.gradients,
                 "optimizer": states.optimizer,
                 "buffers": states.buffers,
+                "gradient_lifetime": gradient_lifetime(plan.spec),
             }
             | ({"host": states.host} if states.host else {}),
             "total_bytes": plan.total_bytes,
@@ -441,6 +444,11 @@ def plan_summary_table(plan: Plan, gpu: GPU | None = None) -> Table:
         + (
             "; those the backward has written by the peak"
             if gradients_allocated_in_backward(spec)
+            else ""
+        )
+        + (
+            "; all of them all step, kept zeroed between steps (zero_grad: zeros)"
+            if gradients_kept_between_steps(spec)
             else ""
         ),
     )
