@@ -27,7 +27,7 @@ from ckplan.model.op_policy import NO_EXPORT, layerwise_export_reason, parse_pol
 from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import limits
-from ckplan.plan.export_limits import unwritten_reason
+from ckplan.plan.launcher_ranges import unwritten_reason
 from ckplan.plan.layer_chain import layer_chain, layer_offset, stage_names
 from ckplan.plan.strategies import (
     MIXED,
@@ -941,7 +941,7 @@ def _evaluate_simple(spec: ModelSpec, strategy: Strategy) -> Plan:
 
 def _unwritten_note(spec, name, steps, names, notes, stage_offloads) -> str | None:
     """The note of a plan whose schedule every launcher export refuses
-    (`export_limits.unwritten_reason`, the very check the exports make), unless a note already
+    (`launcher_ranges.unwritten_reason`, the very check the exports make), unless a note already
     says that no export writes it; None when an export writes it."""
     if any(NO_EXPORT in note for note in notes):
         return None
