@@ -445,6 +445,19 @@ def deepspeed_persistent_bytes(
     return HALF * sum(elements for elements in tensor_elements if elements <= threshold)
 
 
+def _reshards_unit_by_unit(spec, framework: str) -> bool:
+    """Whether `framework` runs this spec fully sharded, unit by unit: zero 3, one pipeline
+    stage, more than one rank in the FSDP mesh dp·cp, full training. The layout both FSDP1
+    (`fsdp1_resharding`) and FSDP2 (`fsdp2_resharding`) reshard after forward."""
+    return (
+        spec.framework == framework
+        and spec.zero == 3
+        and spec.pp == 1
+        and spec.dp * spec.cp > 1
+        and spec.training == "full"
+    )
+
+
 def fsdp1_resharding(spec) -> bool:
     """Whether the spec runs PyTorch FSDP (FSDP1, FullyShardedDataParallel) with FULL_SHARD as
     the Hugging Face Trainer builds it through accelerate (hf, zero 3, more than one
@@ -457,13 +470,7 @@ def fsdp1_resharding(spec) -> bool:
     runs ckplan reads as `hf` include torchtune's (FSDP2 since its 0.3) and Composer's (FSDP1
     with its own prefetch settings): at zero 3 over several ranks they are counted the
     Trainer's way."""
-    return (
-        spec.framework == "hf"
-        and spec.zero == 3
-        and spec.pp == 1
-        and spec.dp * spec.cp > 1
-        and spec.training == "full"
-    )
+    return _reshards_unit_by_unit(spec, "hf")
 
 
 def fsdp1_kept_unsharded_bytes(root_params: int) -> int:
@@ -536,13 +543,7 @@ def fsdp2_resharding(spec) -> bool:
     holds them as the layers' chain workspaces (`fsdp2_layer_forward_bytes`,
     `fsdp2_layer_backward_bytes`) beside the copies kept all step
     (`fsdp2_kept_unsharded_bytes`)."""
-    return (
-        spec.framework == "torchtitan"
-        and spec.zero == 3
-        and spec.pp == 1
-        and spec.dp * spec.cp > 1
-        and spec.training == "full"
-    )
+    return _reshards_unit_by_unit(spec, "torchtitan")
 
 
 def framework_version_error(framework: str, version: str | None) -> str | None:
