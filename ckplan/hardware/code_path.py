@@ -227,7 +227,10 @@ def sequence_parallel_gather_bytes(precision: str, framework: str, op: Op) -> in
 def sequence_parallel_gather_size(spec, op: Op, elements: int) -> int:
     """Bytes of one sequence-parallel all-gather of `elements` values of `op` (a ModelSpec or
     ChainSpec's run): `sequence_parallel_gather_bytes` each, with MXFP8's scales
-    (`fp8_gathered_bytes`) where the gather is in FP8."""
+    (`fp8_gathered_bytes`) where the gather is in FP8.
+
+    derived: the per-element bytes times the elements, MXFP8's scale bytes added by
+    `fp8_gathered_bytes` (sources there)."""
     per_element = sequence_parallel_gather_bytes(spec.precision, spec.framework, op)
     if per_element == FP8_GATHER_BYTES and spec.precision == "fp8":
         return fp8_gathered_bytes(spec.fp8_recipe, elements)

@@ -126,9 +126,10 @@ def nccl_communicator_bytes(ranks: int, gpu: GPU) -> int:
 def data_parallel_communicators(framework: str, zero: int, dp: int, tp: int, pp: int) -> int:
     """How many NCCL communicators a step runs over the same data-parallel ranks.
 
-    One, but two under DeepSpeed ZeRO-3 without model parallelism, as a transformers model
-    runs it under the Trainer or accelerate (no `mpu`): deepspeedai/DeepSpeed v0.14.0 (the
-    same lines at v0.13.1 and v0.16.4),
+    None with one data-parallel rank (no data-parallel collective). Otherwise one, but two
+    under DeepSpeed ZeRO-3 without model parallelism, as a transformers model runs it under
+    the Trainer or accelerate (no `mpu`): deepspeedai/DeepSpeed v0.14.0 (the same lines at
+    v0.13.1 and v0.16.4),
     deepspeed/runtime/zero/partition_parameters.py `Init.__init__` gives every parameter
     `ds_process_group = dist.get_world_group()` (torch.distributed.group.WORLD) when no
     data_parallel_group is passed, as transformers' model construction under ZeRO-3
