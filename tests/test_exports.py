@@ -142,6 +142,18 @@ def test_megatron_refuses_layouts_it_has_no_flag_for(spec_of):
     assert "2·cp" in exports.why_not(plan_of(odd, "none"), "megatron")
 
 
+@pytest.mark.parametrize("training", ["lora", "qlora"])
+def test_megatron_refuses_adapters_which_its_arguments_do_not_have(spec_of, training):
+    """Megatron-LM's arguments (core_v0.19.0) have no adapter: a LoRA plan is refused for it,
+    with the targets that write it, rather than written as full training."""
+    plan = plan_of(spec_of("llama3-8b", training=training), "full")
+    why = exports.why_not(plan, "megatron")
+    assert f"training {training}" in why and "no adapters" in why
+    assert exports.why_not(plan, "peft") is None
+    with pytest.raises(exports.ExportError):
+        exports.export(plan, "megatron")
+
+
 # ---- refusals: which part, and the nearest expressible plan ------------------------------
 
 

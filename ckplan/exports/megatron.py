@@ -122,6 +122,14 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
     """Why Megatron-LM cannot run these layer segments on this layout (None: it can)."""
     if spec.kind != "transformer":
         return f"Megatron-LM trains transformers, not model kind {spec.kind!r}"
+    if spec.training in ("lora", "qlora"):
+        # megatron/training/arguments.py at core_v0.19.0 has no adapter argument (its
+        # --q-lora-rank and --kv-lora-rank are MLA's projections); NeMo and Megatron-Bridge add
+        # LoRA in their own recipes, outside these flags
+        return (
+            f"training {spec.training}: Megatron-LM's arguments have no adapters (NeMo and "
+            "Megatron-Bridge add LoRA in their recipes); --to peft, torchtune or torch write it"
+        )
     if layers.policy:
         same = module_strategy(layers.policy)
         if same:
