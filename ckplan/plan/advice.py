@@ -164,11 +164,13 @@ def _finetune_levers(spec: ModelSpec) -> list[list[dict[str, Any]]]:
     """One GPU's fine-tuning levers, least change first: train LoRA adapters (PEFT's default
     targets) instead of every weight, then QLoRA over 4-bit weights; an 8-bit AdamW; the step
     in backward (one layer's gradients held, needs one micro-batch per step)."""
+    # Megatron-LM's arguments have no adapters (exports.megatron): adapters under the Trainer
+    trainer = {"framework": "hf"} if spec.framework == "megatron" else {}
     training = []
     if spec.training == "full":
-        training.append({"training": "lora"})
+        training.append({"training": "lora", **trainer})
     if spec.training in ("full", "lora", "frozen"):
-        training.append({"training": "qlora"})
+        training.append({"training": "qlora", **trainer})
     optimizer = [{"optimizer": "adamw-8bit"}] if spec.optimizer in ("adamw", "adamw-bf16") else []
     # its hooks free each gradient after its step: gradients kept zeroed cannot stay
     freed = {"zero_grad": "none"} if spec.zero_grad != "none" else {}
