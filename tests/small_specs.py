@@ -43,3 +43,17 @@ SMALL_MOE = {
 H100_NVLINK_BANDWIDTH = 450e9 * 0.7
 H100_GATHER_LATENCY_2_RANKS = 8.4e-6 + 3.4e-6
 H100_ALL_REDUCE_LATENCY_2_RANKS = 8.4e-6 + 2 * 3.4e-6
+
+
+def spec_from(base: dict, **changes):
+    """`base` with `changes`, as a model description."""
+    from ckplan.model.spec import spec_from_mapping
+
+    return spec_from_mapping({**base, **changes})
+
+
+def ops_by_name(spec) -> dict:
+    """A dense layer's ops by name."""
+    from ckplan.model.ops import layer_ops
+
+    return {op.name: op for op in layer_ops(spec)}

@@ -7,6 +7,8 @@ from small_specs import (
     H100_GATHER_LATENCY_2_RANKS,
     H100_NVLINK_BANDWIDTH,
     SMALL_DENSE_TP2,
+    ops_by_name,
+    spec_from,
 )
 
 from ckplan.errors import InputError
@@ -21,8 +23,6 @@ from ckplan.hardware.code_path import (
 from ckplan.hardware.roofline import memory_seconds
 from ckplan.hardware.step_time import tensor_parallel_comm
 from ckplan.inputs.gpus import load_gpu
-from ckplan.model.ops import layer_ops
-from ckplan.model.spec import spec_from_mapping
 
 SMALL = {**SMALL_DENSE_TP2, "precision": "fp8"}
 BANDWIDTH = H100_NVLINK_BANDWIDTH
@@ -31,11 +31,10 @@ REDUCE_LATENCY = H100_ALL_REDUCE_LATENCY_2_RANKS
 
 
 def small(**changes):
-    return spec_from_mapping({**SMALL, **changes})
+    return spec_from(SMALL, **changes)
 
 
-def ops_of(spec):
-    return {op.name: op for op in layer_ops(spec)}
+ops_of = ops_by_name
 
 
 @pytest.fixture

@@ -1,14 +1,18 @@
 """FP8 under Transformer Engine: the sequence-parallel all-gathers of FP8 GEMMs in one byte."""
 
 import pytest
-from small_specs import H100_GATHER_LATENCY_2_RANKS, H100_NVLINK_BANDWIDTH, SMALL_DENSE_TP2
+from small_specs import (
+    H100_GATHER_LATENCY_2_RANKS,
+    H100_NVLINK_BANDWIDTH,
+    SMALL_DENSE_TP2,
+    ops_by_name,
+    spec_from,
+)
 
 from ckplan.hardware import communication as comm
 from ckplan.hardware.code_path import FP8_GATHER_BYTES, sequence_parallel_gather_bytes
 from ckplan.hardware.step_time import tensor_parallel_comm
 from ckplan.inputs.gpus import load_gpu
-from ckplan.model.ops import layer_ops
-from ckplan.model.spec import spec_from_mapping
 
 SMALL = SMALL_DENSE_TP2
 BANDWIDTH = H100_NVLINK_BANDWIDTH
@@ -16,11 +20,10 @@ LATENCY = H100_GATHER_LATENCY_2_RANKS
 
 
 def small(**changes):
-    return spec_from_mapping({**SMALL, **changes})
+    return spec_from(SMALL, **changes)
 
 
-def ops_of(spec):
-    return {op.name: op for op in layer_ops(spec)}
+ops_of = ops_by_name
 
 
 @pytest.fixture
