@@ -219,9 +219,13 @@ def sequence_parallel_gather_bytes(precision: str, framework: str, op: Op) -> in
     distributed.py `gather_along_first_dim` (`_all_gather_fp8` for delayed and current
     scaling). Other frameworks' gathers and the BF16 GEMMs' keep the GEMM's dtype."""
     assert op.matmul is not None
-    if precision == "fp8" and framework == "megatron" and fp8_gemm(op):
-        return FP8_GATHER_BYTES
-    return op.matmul.dtype_bytes
+    return FP8_GATHER_BYTES if _gathers_in_fp8(precision, framework, op) else op.matmul.dtype_bytes
+
+
+def _gathers_in_fp8(precision: str, framework: str, op: Op) -> bool:
+    """Whether Transformer Engine casts `op`'s sequence-parallel gather to FP8 (sources in
+    `sequence_parallel_gather_bytes`): an FP8 GEMM under Megatron's precision fp8."""
+    return precision == "fp8" and framework == "megatron" and fp8_gemm(op)
 
 
 def sequence_parallel_gather_size(spec, op: Op, elements: int) -> int:
@@ -231,10 +235,9 @@ def sequence_parallel_gather_size(spec, op: Op, elements: int) -> int:
 
     derived: the per-element bytes times the elements, MXFP8's scale bytes added by
     `fp8_gathered_bytes` (sources there)."""
-    per_element = sequence_parallel_gather_bytes(spec.precision, spec.framework, op)
-    if per_element == FP8_GATHER_BYTES and spec.precision == "fp8":
+    if _gathers_in_fp8(spec.precision, spec.framework, op):
         return fp8_gathered_bytes(spec.fp8_recipe, elements)
-    return per_element * elements
+    return sequence_parallel_gather_bytes(spec.precision, spec.framework, op) * elements
 
 
 def attention_plateau(gpu: GPU, kernel: str) -> float:
