@@ -38,6 +38,7 @@ from ckplan.model.moe import (
     expert_matmul,
     fp8_padded_rows,
     fp8_pads_expert_rows,
+    fp8_row_align,
     routed_rows,
 )
 from ckplan.model.op import LayerShapes
@@ -295,6 +296,18 @@ def test_fp8_row_padding_with_a_capacity_factor():
     shapes = LayerShapes.of(padded)
     assert (routed_rows(padded, shapes), fp8_padded_rows(padded, shapes)) == (160, 192)
     assert moe_ops(padded)["expert_fc2"].forward_bytes == 2 * 352 * 64
+
+
+def test_fp8_row_padding_aligns_to_32_rows_under_mxfp8():
+    """Transformer Engine's Fp8Padding aligns to 32 rows under MXFP8: at capacity 1.25 the 40
+    rows of each of the 4 experts pad to 64 (R' = 256, where 16-row alignment gives 48 each);
+    at capacity 1.0 the 32 rows are already aligned, so nothing is copied."""
+    padded = small(precision="fp8", fp8_recipe="mxfp8", capacity_factor=1.25)
+    shapes = LayerShapes.of(padded)
+    assert fp8_row_align(padded) == 32
+    assert (routed_rows(padded, shapes), fp8_padded_rows(padded, shapes)) == (160, 256)
+    aligned = small(precision="fp8", fp8_recipe="mxfp8", capacity_factor=1.0)
+    assert not fp8_pads_expert_rows(aligned, LayerShapes.of(aligned))
 
 
 def test_fp8_row_padding_is_megatrons_alone():

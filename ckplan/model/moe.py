@@ -449,7 +449,14 @@ def expert_act_moved(spec: ModelSpec, shapes: LayerShapes) -> tuple[int, int]:
     return B * rows * (act[0] + weighted[0]), B * rows * (act[1] + weighted[1])
 
 
-FP8_ROW_ALIGN = 16  # Transformer Engine v2.9 Fp8Padding: 16 rows (32 under MXFP8)
+FP8_ROW_ALIGN = 16  # Transformer Engine v2.9 Fp8Padding: 16 rows
+MXFP8_ROW_ALIGN = 32  # ... and 32 under MXFP8 (`32 if ...get_fp8_recipe().mxfp8() else 16`)
+
+
+def fp8_row_align(spec: ModelSpec) -> int:
+    """The rows Fp8Padding aligns each expert's input to: 32 under the MXFP8 recipe, else 16
+    (Transformer Engine v2.9 transformer_engine/pytorch/module/fp8_padding.py, `align_size`)."""
+    return MXFP8_ROW_ALIGN if spec.fp8_recipe == "mxfp8" else FP8_ROW_ALIGN
 
 
 def fp8_pads_expert_rows(spec: ModelSpec, shapes: LayerShapes) -> bool:
@@ -460,28 +467,30 @@ def fp8_pads_expert_rows(spec: ModelSpec, shapes: LayerShapes) -> bool:
     its input and probabilities through `Fp8Padding(num_local_experts)` and its output through
     `Fp8Unpadding`; Transformer Engine v2.9 (transformer_engine/pytorch/module/fp8_padding.py)
     returns the input untouched only when every local expert's row count is already a multiple
-    of 16 (`if m_splits == padded_m_splits: return inp, m_splits`), else copies every row
-    (`tex.fused_multi_row_padding`). Dropless, the counts are the routing's: a copy (derived:
-    all E/ep counts multiples of 16 is the exception, about 16^-(E/ep) for random routing); with
-    a capacity factor every local expert holds R/(E/ep) rows, a copy when that is not a
-    multiple of 16. Megatron's FP8 ("fp8", Transformer Engine) only: torchtitan, Hugging Face
-    and DeepSpeed run no TEGroupedMLP. core_v0.14.0 pads the same way (its `fp8_padding`).
-    Megatron's --moe-router-padding-for-fp8, off by default, would pad the routing map instead
-    and skip the copy; ckplan has no key for it."""
+    of its alignment (`fp8_row_align`: 16, 32 under MXFP8; `if m_splits == padded_m_splits:
+    return inp, m_splits`), else copies every row (`tex.fused_multi_row_padding`). Dropless,
+    the counts are the routing's: a copy (derived: all E/ep counts multiples of 16 is the
+    exception, about 16^-(E/ep) for random routing); with a capacity factor every local expert
+    holds R/(E/ep) rows, a copy when that is not a multiple of the alignment. Megatron's FP8
+    ("fp8", Transformer Engine) only: torchtitan, Hugging Face and DeepSpeed run no
+    TEGroupedMLP. core_v0.14.0 pads the same way (its `fp8_padding`). Megatron's
+    --moe-router-padding-for-fp8, off by default, would pad the routing map instead and skip
+    the copy; ckplan has no key for it."""
     if not spec.experts or spec.precision != "fp8" or spec.framework != "megatron":
         return False
     if not spec.capacity_factor:
         return True
-    return (routed_rows(spec, shapes) // local_experts(spec)) % FP8_ROW_ALIGN != 0
+    return (routed_rows(spec, shapes) // local_experts(spec)) % fp8_row_align(spec) != 0
 
 
 def fp8_padded_rows(spec: ModelSpec, shapes: LayerShapes) -> int:
-    """Rows of the padded buffer: each local expert's R/(E/ep) rows rounded up to 16 (TE v2.9
-    Fp8Padding, `(m + align_size - 1) // align_size * align_size`). Exact with a capacity
-    factor; dropless, the counts vary around that mean and the up to 15 zero rows per expert
-    they add are not counted."""
+    """Rows of the padded buffer: each local expert's R/(E/ep) rows rounded up to its alignment
+    (`fp8_row_align`; TE v2.9 Fp8Padding, `(m + align_size - 1) // align_size * align_size`).
+    Exact with a capacity factor; dropless, the counts vary around that mean and the up to 15
+    (31 under MXFP8) zero rows per expert they add are not counted."""
     rows, experts = routed_rows(spec, shapes), local_experts(spec)
-    return experts * -(-(rows // experts) // FP8_ROW_ALIGN) * FP8_ROW_ALIGN
+    align = fp8_row_align(spec)
+    return experts * -(-(rows // experts) // align) * align
 
 
 def fp8_padding_moved(
