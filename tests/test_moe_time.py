@@ -75,6 +75,29 @@ def small(**changes):
     return spec_from_mapping({**SMALL, **changes})
 
 
+def tensor_bytes(value) -> int:
+    """The bytes of a tensor argument or output of an aten op; 0 for anything else."""
+    import torch
+
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def byte_tally(moved_by):
+    """A TorchDispatchMode class whose `moved` adds up `moved_by(func, args, outputs)` over every
+    aten op dispatched inside it: the bytes a block of PyTorch code moves, by the caller's rule."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Tally(TorchDispatchMode):
+        moved = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            Tally.moved += moved_by(func, args, out if isinstance(out, tuple) else (out,))
+            return out
+
+    return Tally
+
+
 def moe_ops(spec):
     return {op.name: op for op in layer_ops(spec, MOE_LAYER)}
 
@@ -225,30 +248,23 @@ def test_token_dropping_matches_torch_ops():
     writes its E·C values after the copy), add up to `token_dropping_moved`, forward and
     backward."""
     torch = torch_or_skip()
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from ckplan.model.moe import expert_capacity, token_dropping_moved
 
     spec = small(capacity_factor=1.0)
     shapes = LayerShapes.of(spec)
     tokens, E = shapes.stream_tokens, spec.experts
     C = expert_capacity(spec, tokens)
+    size = tensor_bytes
 
-    def size(value):
-        return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+    def moved_by(func, args, outputs):
+        moved = sum(size(value) for value in outputs)
+        if func is not torch.ops.aten.zeros_like.default:
+            moved += sum(size(value) for value in args)
+        if func is torch.ops.aten.scatter.value:
+            moved += E * C * shapes.B
+        return moved
 
-    class Tally(TorchDispatchMode):
-        moved = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            outputs = out if isinstance(out, tuple) else (out,)
-            Tally.moved += sum(size(value) for value in outputs)
-            if func is not torch.ops.aten.zeros_like.default:
-                Tally.moved += sum(size(value) for value in args)
-            if func is torch.ops.aten.scatter.value:
-                Tally.moved += E * C * shapes.B
-            return out
+    Tally = byte_tally(moved_by)
 
     torch.manual_seed(0)
     probs = torch.rand(tokens, E, dtype=torch.bfloat16, requires_grad=True)
@@ -690,8 +706,6 @@ def test_padded_permutation_matches_torch_ops():
     new_zeros write only, an index_select reads as many values as it writes, an index_add reads
     its source and writes as many values."""
     torch = torch_or_skip()
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from ckplan.model.moe import expert_capacity, padded_permute_moved, permute_saved
 
     spec = small(capacity_factor=1.0)
@@ -702,27 +716,21 @@ def test_padded_permutation_matches_torch_ops():
     views = {aten.permute.default, aten.slice.Tensor, aten.view.default, aten.unsqueeze.default}
     writes_only = {aten.arange.default, aten.new_zeros.default}
 
-    def size(value):
-        return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+    size = tensor_bytes
 
-    class Tally(TorchDispatchMode):
-        moved = 0
+    def moved_by(func, args, outputs):
+        written = sum(size(value) for value in outputs)
+        if func in views:
+            return 0
+        if func is aten.index_select.default:
+            return size(args[2]) + 2 * written
+        if func is aten.index_add.default:
+            return size(args[2]) + 2 * size(args[3])
+        if func in writes_only:
+            return written
+        return written + sum(size(value) for value in args)
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            outputs = out if isinstance(out, tuple) else (out,)
-            written = sum(size(value) for value in outputs)
-            if func in views:
-                return out
-            if func is aten.index_select.default:
-                Tally.moved += size(args[2]) + 2 * written
-            elif func is aten.index_add.default:
-                Tally.moved += size(args[2]) + 2 * size(args[3])
-            elif func in writes_only:
-                Tally.moved += written
-            else:
-                Tally.moved += written + sum(size(value) for value in args)
-            return out
+    Tally = byte_tally(moved_by)
 
     torch.manual_seed(0)
     hidden = torch.randn(tokens, h, dtype=torch.bfloat16, requires_grad=True)
