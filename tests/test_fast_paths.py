@@ -12,8 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckplan.inputs.presets import load_spec
+from ckplan.model.layers import stage_chunk_layers
+from ckplan.model.spec import spec_from_mapping
 from ckplan.plan import evaluate, layer_chain, parse_strategy
-from ckplan.plan.evaluate import _segment_runs, _segments
+from ckplan.plan.evaluate import _segment_runs, pipeline_stages, run_segments
+from ckplan.plan.layer_chain import layer_offset
 from ckplan.plan.search import REVOLVE_MAX_STEPS, candidate_strategies, revolve_slots, sweep
 from ckplan.schedules import (
     Chain,
@@ -27,6 +30,7 @@ from ckplan.schedules import (
     simulate,
 )
 from ckplan.schedules.revolve import _best_advance, _revolve_cost
+from ckplan.simple.formulas import optimal_segment
 
 GB = 10**9
 
@@ -188,26 +192,107 @@ def test_runs_reject_bad_input():
             replay_runs(chain, runs)
 
 
+def reference_segments(spec, chain, strategy, stage):
+    """The segments evaluate's runs stand for, one by one: the embedding, then for each model
+    chunk of the stage (the whole stage without interleaving) `block:K` re-runs its first K
+    layers one by one, `every:K` every K-th layer alone, the others equal segments of the
+    strategy's size; the output layer stored (Megatron-LM's --recompute-method semantics)."""
+    offset = layer_offset(spec, stage == 0)
+    output = 1 if spec.vocab and chain.input_bytes[-1] == 0 else 0
+    n_layers = chain.length - offset - output
+    chunks = [n for n in stage_chunk_layers(spec, stage) if n] if spec.virtual_stages > 1 else []
+    if strategy.kind in ("block", "every", "sequential") or sum(chunks) != n_layers:
+        chunks = [n_layers]
+    size = {"full": 1, "sqrt": max(1, optimal_segment(spec.layers_per_stage))}.get(
+        strategy.kind, strategy.size
+    )
+    segments = [(0, offset, False)]
+    start = offset
+    for span in chunks:
+        if strategy.kind == "block":
+            for i in range(min(size, span)):
+                segments.append((start + i, start + i + 1, True))
+            segments.append((start + min(size, span), start + span, False))
+        elif strategy.kind == "every":
+            for i in range(span):
+                segments.append((start + i, start + i + 1, (i + 1) % size == 0))
+        else:
+            for first in range(0, span, size):
+                last = first + size >= span
+                keep = strategy.kind == "sequential" and last
+                segments.append((start + first, start + min(first + size, span), not keep))
+        start += span
+    segments.append((start, chain.length, False))
+    return [segment for segment in segments if segment[1] > segment[0]]
+
+
+def merged(segments):
+    """Consecutive stored segments as one (stored layers need no boundary between them)."""
+    out = []
+    for start, end, recompute in segments:
+        if out and not recompute and not out[-1][2] and out[-1][1] == start:
+            out[-1] = (out[-1][0], end, False)
+        else:
+            out.append((start, end, recompute))
+    return out
+
+
 @pytest.mark.parametrize(
     "preset, overrides",
     [
         ("gpt2", {}),
         ("llama3-8b", {"layers": 13, "pp": 1}),
         ("llama3-8b", {"pp": 4, "microbatches": 4}),
+        ("llama3-8b", {"pp": 4, "virtual_stages": 2, "microbatches": 8}),
+        ("llama3-8b", {"layers": 24, "pp": 2, "virtual_stages": 4, "microbatches": 4}),
     ],
 )
 def test_planner_runs_are_the_planner_segments(preset, overrides):
-    """evaluate's runs expand to exactly its segment lists, for every candidate strategy."""
+    """evaluate's runs expand to exactly the reference segments, for every candidate strategy
+    on every pipeline stage, model chunks included."""
     spec = load_spec(preset, overrides)
     for strategy in candidate_strategies(spec):
-        if strategy.kind in ("none", "selective", "revolve"):
+        if strategy.kind in ("none", "selective", "revolve", "optimal", "mixed"):
             continue
-        for first_stage in (True, False) if spec.pp > 1 else (True,):
-            chain = layer_chain(spec, strategy.selective, first_stage)
-            runs = _segment_runs(spec, chain, strategy, first_stage)
-            expanded = [
-                (start + k * size, start + (k + 1) * size, recompute)
-                for start, size, count, recompute in runs
-                for k in range(count)
-            ]
-            assert expanded == _segments(spec, chain, strategy, first_stage), strategy.name
+        if strategy.offload or strategy.policy:
+            continue
+        for stage in pipeline_stages(spec):
+            chain = layer_chain(spec, strategy.groups, stage=stage)
+            expanded = run_segments(_segment_runs(spec, chain, strategy, stage))
+            expected = reference_segments(spec, chain, strategy, stage)
+            assert merged(expanded) == merged(expected), (strategy.name, stage)
+
+
+def test_uniform_segments_restart_at_each_model_chunk():
+    """Interleaving, two chunks of three layers on a stage: `uniform:2` checkpoints each
+    chunk from its first layer (segments of 2 and 1, twice), never across the chunk boundary
+    (Megatron-LM's TransformerBlock per chunk)."""
+    spec = load_spec("llama3-8b", {"layers": 24, "pp": 4, "virtual_stages": 2, "microbatches": 8})
+    strategy = parse_strategy("uniform:2", spec)
+    chain = layer_chain(spec, strategy.groups, stage=1)
+    recomputed = [
+        (start, end)
+        for start, end, again in run_segments(_segment_runs(spec, chain, strategy, 1))
+        if again
+    ]
+    assert recomputed == [(0, 2), (2, 3), (3, 5), (5, 6)]
+
+
+def test_uniform_segments_wider_than_a_chunk_cost_no_more_than_storing_all():
+    """A segment cannot outlive its chunk: `uniform:2` over one-layer chunks is `uniform:1`,
+    and holds no more than `none` where FSDP2's accumulated gradients (torchtitan, ZeRO-2,
+    interleaved) sit beside the schedule's fullest point (a case found by
+    test_properties.py)."""
+    mapping = {
+        "name": "tiny", "layers": 4, "hidden": 8, "heads": 1, "kv_heads": 1, "vocab": 0,
+        "seq": 8, "micro_batch": 1, "dtype_bytes": 1, "norm": "layernorm", "mlp": "gelu",
+        "attention": "standard", "positions": "learned", "bias": False, "dropout": 0.0,
+        "tied_embeddings": False, "pp": 2, "cp": 2, "dp": 1, "framework": "torchtitan",
+        "zero": 2, "virtual_stages": 2, "microbatches": 1,
+    }  # fmt: skip
+    spec = spec_from_mapping(mapping)
+    total = {
+        name: evaluate(spec, parse_strategy(name, spec)).total_bytes
+        for name in ("none", "uniform:1", "uniform:2")
+    }
+    assert total["uniform:2"] == total["uniform:1"] <= total["none"]

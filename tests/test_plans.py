@@ -135,10 +135,11 @@ def test_every_kth_layer_runs_replay_as_the_simulated_schedule(spec_of, name, K)
     spec = spec_of(name)
     strategy = parse_strategy(f"every:{K}", spec)
     chain = layer_chain(spec, False)
-    segments = evaluation._segments(spec, chain, strategy, True)
-    runs = evaluation._segment_runs(spec, chain, strategy, True)
-    flat = [(s + i * n, s + (i + 1) * n, r) for s, n, count, r in runs for i in range(count)]
-    assert flat == segments
+    runs = evaluation._segment_runs(spec, chain, strategy, 0)
+    segments = evaluation.run_segments(runs)
+    # the embedding is stage 0: the K-th, 2K-th, ... layers re-run alone
+    again = [(start, end) for start, end, recompute in segments if recompute]
+    assert again == [(k, k + 1) for k in range(K, spec.layers + 1, K)]
     simulated = simulate(chain, segment_schedule(chain, segments))
     assert evaluation._replay_runs(chain, runs).peak_bytes == simulated.peak_bytes
 

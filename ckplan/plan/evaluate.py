@@ -48,7 +48,6 @@ from ckplan.schedules import (
     run_forwards,
     segment_schedule,
     simulate,
-    store_all_schedule,
 )
 from ckplan.simple import formulas as simple
 from ckplan.units import format_flops
@@ -157,38 +156,12 @@ class Plan:
         return self.flops.overhead
 
 
-def _segments(spec: ModelSpec, chain: Chain, strategy: Strategy, first_stage: bool):
-    """(start, end, recompute) segments over the chain for the segment-style strategies."""
-    offset = layer_offset(spec, first_stage)
-    n_layers = chain.length - offset - (1 if _has_output(spec, chain, offset) else 0)
-    segments = [(0, offset, False)] if offset else []
-    if strategy.kind == "block":
-        recomputed = min(strategy.size, n_layers)  # uneven stages: at most this stage's
-        segments += [(offset + i, offset + i + 1, True) for i in range(recomputed)]
-        if recomputed < n_layers:
-            segments.append((offset + recomputed, offset + n_layers, False))
-    elif strategy.kind == "every":
-        segments += [
-            (start, end, recompute)
-            for start, size, count, recompute in _every_runs(strategy.size, offset, n_layers)
-            for start, end in [(start, start + size)]
-        ]
-    else:
-        size = min(_segment_size(spec, strategy), n_layers)
-        starts = range(0, n_layers, size)
-        for index, start in enumerate(starts):
-            last = index == len(starts) - 1
-            keep = strategy.kind == "sequential" and last
-            segments.append((offset + start, offset + min(start + size, n_layers), not keep))
-    if offset + n_layers < chain.length:
-        segments.append((offset + n_layers, chain.length, False))
-    return [(start, end, recompute) for start, end, recompute in segments if end > start]
-
-
-def _segment_runs(spec: ModelSpec, chain: Chain, strategy: Strategy, first_stage: bool):
-    """`_segments` as runs (start, size, count, recompute) of equal consecutive segments
-    (`schedules.segment_replay`): O(1) entries for any number of layers."""
-    offset = layer_offset(spec, first_stage)
+def _segment_runs(spec: ModelSpec, chain: Chain, strategy: Strategy, stage: int):
+    """The segment-style strategies' segments over pipeline stage `stage`'s chain, as runs
+    (start, size, count, recompute) of equal consecutive segments
+    (`schedules.segment_replay`): O(1) entries for any number of layers. Uniform segments
+    restart at each model chunk (`_segment_spans`)."""
+    offset = layer_offset(spec, stage == 0)
     n_layers = chain.length - offset - (1 if _has_output(spec, chain, offset) else 0)
     runs = [(0, offset, 1, False)]
     if strategy.kind == "block":
@@ -198,17 +171,45 @@ def _segment_runs(spec: ModelSpec, chain: Chain, strategy: Strategy, first_stage
     elif strategy.kind == "every":
         runs += _every_runs(strategy.size, offset, n_layers)
     else:
-        size = min(_segment_size(spec, strategy), n_layers)
-        full, rest = divmod(n_layers, size)
         keep_last = strategy.kind == "sequential"  # its last segment is stored
-        if rest:
-            runs.append((offset, size, full, True))
-            runs.append((offset + full * size, rest, 1, not keep_last))
-        else:
-            runs.append((offset, size, full - 1, True))
-            runs.append((offset + (full - 1) * size, size, 1, not keep_last))
+        start = offset
+        for span in _segment_spans(spec, strategy, stage, n_layers):
+            runs += _uniform_runs(start, span, _segment_size(spec, strategy), keep_last)
+            start += span
     runs.append((offset + n_layers, chain.length - offset - n_layers, 1, False))
     return [run for run in runs if run[1] > 0 and run[2] > 0]
+
+
+def run_segments(runs) -> list[tuple[int, int, bool]]:
+    """Runs (start, size, count, recompute) as their (start, end, recompute) segments."""
+    return [
+        (start + k * size, start + (k + 1) * size, recompute)
+        for start, size, count, recompute in runs
+        for k in range(count)
+    ]
+
+
+def _segment_spans(spec: ModelSpec, strategy: Strategy, stage: int, n_layers: int):
+    """The spans of layers equal segments are laid over: each model chunk of an interleaved
+    stage for `uniform`, `full` and `sqrt` (Megatron-LM's uniform method checkpoints each
+    chunk's TransformerBlock from its first layer, megatron/core/transformer/
+    transformer_block.py `_checkpointed_forward` at core_v0.19.0, and a segment cannot
+    outlive its chunk's forward in any schedule), else the whole stage (derived)."""
+    if spec.virtual_stages > 1 and strategy.kind != "sequential":
+        chunks = tuple(n for n in stage_chunk_layers(spec, stage) if n)
+        if sum(chunks) == n_layers:
+            return chunks
+    return (n_layers,)
+
+
+def _uniform_runs(start: int, n_layers: int, size: int, keep_last: bool):
+    """Segments of `size` layers (the last one shorter) over `n_layers` layers from `start`,
+    as runs, all recomputed but, with `keep_last`, the last (derived)."""
+    size = min(size, n_layers)
+    full, rest = divmod(n_layers, size)
+    if rest:
+        return [(start, size, full, True), (start + full * size, rest, 1, not keep_last)]
+    return [(start, size, full - 1, True), (start + (full - 1) * size, size, 1, not keep_last)]
 
 
 def _every_runs(period: int, offset: int, n_layers: int) -> list[tuple[int, int, int, bool]]:
@@ -242,23 +243,13 @@ def _segment_size(spec: ModelSpec, strategy: Strategy) -> int:
     return strategy.size
 
 
-def _schedule(
-    spec: ModelSpec,
-    chain: Chain,
-    strategy: Strategy,
-    budget: int | None,
-    slots: int,
-    first_stage: bool,
-    in_flight: Fraction = Fraction(1),
-):
-    if strategy.kind in ("none", "selective"):
-        return store_all_schedule(chain)
-    if strategy.kind == "revolve":
-        from ckplan.schedules.revolve import revolve_schedule  # only where it is used
+def _revolve_schedule(chain: Chain, strategy: Strategy):
+    """`revolve:C`'s binomial schedule over the chain (the other kinds are replayed in closed
+    form, `_stage_schedule`)."""
+    from ckplan.schedules.revolve import revolve_schedule  # only where it is used
 
-        limits.check_revolve(chain.length, strategy.size, strategy.name)
-        return revolve_schedule(chain, strategy.size)
-    return segment_schedule(chain, _segments(spec, chain, strategy, first_stage))
+    limits.check_revolve(chain.length, strategy.size, strategy.name)
+    return revolve_schedule(chain, strategy.size)
 
 
 # ---- evaluation --------------------------------------------------------------------------
@@ -472,13 +463,10 @@ def evaluate(
     # mixed layers, the middle stages that hold other layers (`pipeline_stages`).
     results, forwards, buffers, tapes = [], [], {}, {}
     for stage in pipeline_stages(spec):
-        first_stage = stage == 0
         chain = layer_chain(spec, strategy.groups, stage=stage)
         in_flight = in_flight_microbatches(spec, stage)
         last_stage = stage == spec.pp - 1 and stage > 0
-        found = _stage_schedule(
-            spec, chain, strategy, budget, slots, first_stage, in_flight, last_stage
-        )
+        found = _stage_schedule(spec, chain, strategy, budget, slots, stage, in_flight, last_stage)
         if found is None:
             return None
         peak, steps, replay, group = found
@@ -650,7 +638,7 @@ def _replay_runs(chain: Chain, runs: list) -> SegmentReplay:
     return replay
 
 
-def _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight, last_stage=False):
+def _stage_schedule(spec, chain, strategy, budget, slots, stage, in_flight, last_stage=False):
     """(peak, steps, replay, largest stage group of the optimal DP) of one pipeline stage with
     `in_flight` micro-batches, or None when `optimal` finds no schedule within `budget`.
 
@@ -671,7 +659,7 @@ def _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight
         runs = (
             [(0, chain.length, 1, False)]
             if strategy.kind in ("none", "selective")
-            else _segment_runs(spec, chain, strategy, first_stage)
+            else _segment_runs(spec, chain, strategy, stage)
         )
         replay = _replay_runs(chain, runs)
         held = replay.held_bytes - (0 if output_held else chain.tape_bytes[-1])
@@ -686,7 +674,7 @@ def _stage_schedule(spec, chain, strategy, budget, slots, first_stage, in_flight
         if result is None:
             return None
         return result.pipeline_peak_bytes, result.steps, result.replay, result.stage_group
-    steps = _schedule(spec, chain, strategy, budget, slots, first_stage, in_flight)
+    steps = _revolve_schedule(chain, strategy)
     replay = simulate(chain, steps)
     return pipeline_peak_bytes(chain, replay, in_flight, output_held), steps, replay, 1
 
@@ -820,7 +808,8 @@ def _evaluate_offload(spec, strategy, budget, slots, gpu) -> Plan | None:
         in_flight = in_flight_microbatches(spec, stage)
         steps = None
         if strategy.kind not in ("none", "selective", "optimal"):
-            steps = segment_schedule(chain, _segments(spec, chain, strategy, stage == 0))
+            segments = run_segments(_segment_runs(spec, chain, strategy, stage))
+            steps = segment_schedule(chain, segments)
         found = offload_stage(spec, chain, strategy, stage, in_flight, budget, slots, gpu, steps)
         if found is None:
             return None

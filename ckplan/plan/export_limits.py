@@ -65,6 +65,8 @@ class LayerSegments:
     # `POLICY+mixed` (plan.policy_mix): the stored layers that store the policy's tape, the
     # others their full tape; None: the policy in every stored layer
     policy_layers: tuple[int, ...] | None = None
+    # the layers of each model chunk of an interleaved stage, in order (empty: one chunk)
+    chunks: tuple[int, ...] = ()
 
     @property
     def modules(self) -> bool:
@@ -87,13 +89,25 @@ class LayerSegments:
         return not self.recomputed
 
     def uniform_size(self) -> int | None:
-        """K when every layer is recomputed in segments of K from the stage's first layer, the
-        last one possibly shorter (Megatron `uniform`, Chen et al.'s segments)."""
-        sizes = [end - start for start, end, recompute in self.segments]
+        """K when every layer is recomputed in segments of K from the first layer of each
+        model chunk (the stage's, without interleaving), the last of each possibly shorter
+        (Megatron `uniform`, Chen et al.'s segments)."""
         if not self.segments or not all(recompute for *_, recompute in self.segments):
             return None
-        size = sizes[0]
-        return size if all(s == size for s in sizes[:-1]) and sizes[-1] <= size else None
+        size = max(end - start for start, end, _ in self.segments)
+        chunks = self.chunks if sum(self.chunks) == self.layers else (self.layers,)
+        segments, chunk_end = iter(self.segments), 0
+        for chunk in chunks:
+            chunk_end += chunk
+            end, sizes = None, []
+            while end != chunk_end:
+                start, end, _ = next(segments, (0, chunk_end + 1, True))
+                if end > chunk_end:  # a segment across the chunk's end
+                    return None
+                sizes.append(end - start)
+            if any(n != size for n in sizes[:-1]):
+                return None
+        return size
 
     def block_count(self) -> int | None:
         """N when the first N layers are each recomputed alone and the rest stored (Megatron
@@ -166,7 +180,17 @@ def layer_segments(plan: Plan) -> LayerSegments | str:
         tuple(i - first_layer for i, _ in offloaded if is_layer(names[i])),
         tuple(word for word, group in MODULES.items() if group in plan.recompute_groups),
         policy_layers,
+        _chunks(spec, plan.peak_stage),
     )
+
+
+def _chunks(spec: ModelSpec, stage: int) -> tuple[int, ...]:
+    """The layers of each model chunk of pipeline stage `stage`; () without interleaving."""
+    from ckplan.model.layers import stage_chunk_layers
+
+    if spec.virtual_stages <= 1:
+        return ()
+    return tuple(n for n in stage_chunk_layers(spec, stage) if n)
 
 
 # The element-wise units of Hugging Face transformers' LlamaDecoderLayer (modeling_llama.py,
