@@ -16,7 +16,9 @@ driver has handed to the process, whoever asked for it. PyTorch's statistics
   cudaMalloc/cuMem, not through PyTorch, once per communicator over the data-parallel ranks
   (two under DeepSpeed ZeRO-3: `data_parallel_communicators`);
 - a paged bitsandbytes optimizer's states (`paged_optimizer_bytes`), CUDA unified memory that
-  bitsandbytes allocates with cudaMallocManaged, resident on the device while it fits.
+  bitsandbytes allocates with cudaMallocManaged, resident on the device while it fits;
+- torchtitan's asynchronous TP workspace (`model.async_tp.async_tp_workspace_bytes`), symmetric
+  memory that PyTorch maps with cuMemCreate beside its caching allocator.
 
 The cuBLAS workspaces are inside the caching allocator: PyTorch gives each (cuBLAS handle,
 stream) pair a workspace from `c10::cuda::CUDACachingAllocator` (aten/src/ATen/cuda/
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 
 from ckplan.hardware.gpus import GPU
 from ckplan.model import allocator
+from ckplan.model.async_tp import async_tp_workspace_bytes
 from ckplan.model.memory import trainable_tensors
 from ckplan.model.optimizers import paged_state_bytes
 from ckplan.model.spec import ModelSpec
@@ -181,10 +184,11 @@ class DeviceMemory:
     cuda_context: int
     nccl: int
     paged_optimizer: int
+    symmetric_memory: int = 0  # torchtitan's async TP workspace
 
     @property
     def outside_allocator(self) -> int:
-        return self.cuda_context + self.nccl + self.paged_optimizer
+        return self.cuda_context + self.nccl + self.paged_optimizer + self.symmetric_memory
 
     @property
     def total(self) -> int:
@@ -202,8 +206,9 @@ def device_memory(
     context = gpu.cuda_context_bytes
     nccl = data_parallel_nccl_bytes(spec, gpu)
     paged = paged_optimizer_bytes(spec)
-    available = gpu.memory_bytes - context - nccl - paged
+    symmetric = async_tp_workspace_bytes(spec)
+    available = gpu.memory_bytes - context - nccl - paged - symmetric
     reserved = allocator.reserved_within(
         allocated - paged, available, spec.expandable_segments, side_streams, loss_cache
     )
-    return DeviceMemory(reserved, context, nccl, paged)
+    return DeviceMemory(reserved, context, nccl, paged, symmetric)

@@ -91,6 +91,8 @@ def plan_dict(plan: Plan, time: StepTime | None = None, gpu: GPU | None = None) 
             "nccl_bytes": device.nccl,
             "paged_optimizer_bytes": device.paged_optimizer,
         }
+        if device.symmetric_memory:
+            data["memory"]["device"]["symmetric_memory_bytes"] = device.symmetric_memory
     if plan.stage_offloads:
         data["offload"] = offload_dict(plan, time)
     if plan.model_states.host:
@@ -126,6 +128,8 @@ def device_note(plan: Plan, gpu: GPU) -> str:
         terms.append(f"NCCL buffers {gib(device.nccl)} (dp {plan.spec.dp})")
     if device.paged_optimizer:
         terms.append(f"paged optimizer {gib(device.paged_optimizer)}")
+    if device.symmetric_memory:
+        terms.append(f"async TP workspace {gib(device.symmetric_memory)}")
     return "as nvidia-smi shows it: reserved + " + " + ".join(terms)
 
 
