@@ -193,15 +193,15 @@ def test_runs_reject_bad_input():
 
 
 def reference_segments(spec, chain, strategy, stage):
-    """The segments evaluate's runs stand for, one by one: the embedding, then for each model
-    chunk of the stage (the whole stage without interleaving) `block:K` re-runs its first K
-    layers one by one, `every:K` every K-th layer alone, the others equal segments of the
-    strategy's size; the output layer stored (Megatron-LM's --recompute-method semantics)."""
+    """The segments evaluate's runs stand for, one by one: the embedding; over the stage,
+    `block:K` re-runs its first K layers one by one, `every:K` every K-th layer alone; the
+    others equal segments of the strategy's size over each model chunk (the whole stage
+    without interleaving), `sequential` storing each chunk's last; the output layer stored."""
     offset = layer_offset(spec, stage == 0)
     output = 1 if spec.vocab and chain.input_bytes[-1] == 0 else 0
     n_layers = chain.length - offset - output
     chunks = [n for n in stage_chunk_layers(spec, stage) if n] if spec.virtual_stages > 1 else []
-    if strategy.kind in ("block", "every", "sequential") or sum(chunks) != n_layers:
+    if strategy.kind in ("block", "every") or sum(chunks) != n_layers:
         chunks = [n_layers]
     size = {"full": 1, "sqrt": max(1, optimal_segment(spec.layers_per_stage))}.get(
         strategy.kind, strategy.size

@@ -208,11 +208,13 @@ def test_sequential_is_not_monotone_in_layers_one_at_a_time(spec_of):
 @given(st.one_of(transformers(), seed_mlps()))
 def test_no_strategy_without_selective_peaks_above_none(mapping):
     """Recomputation never holds more than storing everything: segments, block, Revolve (per
-    GPU, the peak stage's states + activations)."""
+    GPU, the peak stage's states + activations). Module recomputation is the property below:
+    a rebuilt module output (Megatron-Core's `layernorm`) sits beside the tapes, e.g. one
+    layer, h = 8, s = 32, 1-byte values: 256 bytes, the norm's output, above `none`."""
     model = spec(mapping)
     none = evaluate(model, parse_strategy("none", model)).total_bytes
     for strategy in every_strategy(model):
-        if not (strategy.selective or strategy.mlp):
+        if not (strategy.selective or strategy.mlp or strategy.modules):
             assert evaluate(model, strategy).total_bytes <= none, (strategy.name, mapping)
 
 

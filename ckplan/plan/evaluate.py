@@ -191,11 +191,13 @@ def run_segments(runs) -> list[tuple[int, int, bool]]:
 
 def _segment_spans(spec: ModelSpec, strategy: Strategy, stage: int, n_layers: int):
     """The spans of layers equal segments are laid over: each model chunk of an interleaved
-    stage for `uniform`, `full` and `sqrt` (Megatron-LM's uniform method checkpoints each
-    chunk's TransformerBlock from its first layer, megatron/core/transformer/
-    transformer_block.py `_checkpointed_forward` at core_v0.19.0, and a segment cannot
-    outlive its chunk's forward in any schedule), else the whole stage (derived)."""
-    if spec.virtual_stages > 1 and strategy.kind != "sequential":
+    stage, else the whole stage. A model chunk is a module of its own that runs its forward
+    and backward apart from the others, so no segment outlives it: Megatron-LM's uniform
+    method checkpoints each chunk's block from its first layer, the last segment clipped to
+    the chunk (megatron/core/recompute.py at core_v0.19.0; transformer_block.py
+    `_checkpointed_forward` at core_v0.14.0), and torch.utils.checkpoint_sequential applies
+    to one module's layers, its last segment stored in each (derived)."""
+    if spec.virtual_stages > 1:
         chunks = tuple(n for n in stage_chunk_layers(spec, stage) if n)
         if sum(chunks) == n_layers:
             return chunks
