@@ -88,6 +88,24 @@ def test_segments_never_merge_but_blocks_in_one_do():
     assert cache.reserved == 200 * MIB
 
 
+def test_empty_cache_releases_whole_free_segments_only():
+    """A 100 MiB segment freed whole goes back; one whose first 40 MiB is still allocated
+    stays reserved with its free 60 MiB (`release_blocks` frees non-split blocks)."""
+    cache = CachingAllocator()
+    whole = cache.malloc(100 * MIB)
+    split = cache.malloc(100 * MIB)
+    cache.free(split)
+    kept = cache.malloc(40 * MIB)  # best fit: the second segment's start, 60 MiB left free
+    cache.free(whole)
+    assert cache.reserved == 200 * MIB and cache.allocated == 40 * MIB
+    cache.empty_cache()
+    assert cache.reserved == 100 * MIB and cache.segments == 1
+    assert cache.cached() == [60 * MIB]
+    cache.free(kept)
+    cache.empty_cache()
+    assert cache.reserved == 0 and cache.cached() == []
+
+
 def test_max_split_size_keeps_oversize_blocks_whole():
     """With max_split_size set, a request under it takes no oversize block, and a request over
     it takes no block kLargeBuffer larger than itself."""

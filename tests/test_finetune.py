@@ -6,10 +6,12 @@ import json
 import pytest
 
 from ckplan.cli import main
+from ckplan.errors import InputError
 from ckplan.model.finetune import (
     adapter_tensor_elements,
     gathered_layer_bytes,
     gathered_weight_bytes,
+    matmul_4bit_keeps_input,
     quantization_statistics_bytes,
     quantized_weight_bytes,
 )
@@ -88,6 +90,33 @@ def test_lora_dropout_saves_a_copy_and_a_mask_per_adapter():
     saved = activation_bytes_by_op(spec)
     assert saved["qkv_proj"] == 0  # the adapters save their dropout outputs instead
     assert saved["qkv_proj_lora"] == 2 * (2 * TOKENS * 8 + (2 + 1) * TOKENS * 64)
+
+
+def test_bitsandbytes_keeps_the_4bit_matmul_input_before_0_43_2():
+    """MatMul4Bit's `ctx.tensors = (A, B)` in 0.43.0 and 0.43.1, `(None, B)` from 0.43.2."""
+    assert matmul_4bit_keeps_input("0.43.0") and matmul_4bit_keeps_input("0.43.1")
+    assert matmul_4bit_keeps_input("0.42.0")
+    assert not matmul_4bit_keeps_input("0.43.2") and not matmul_4bit_keeps_input("0.45.5")
+    assert not matmul_4bit_keeps_input("1.0") and not matmul_4bit_keeps_input(None)
+
+
+def test_qlora_under_bitsandbytes_0_43_0_keeps_each_4bit_linear_input():
+    """QLoRA on every linear with dropout: the adapters save their dropout outputs, so a current
+    bitsandbytes keeps no linear input; 0.43.0 keeps qkv_proj's and fc1's normed x (X each) and
+    fc2's F-wide input (2 bytes · 32 tokens · 128); out_proj's input, the flash kernel's saved
+    output, is counted once either way."""
+    keys = {"training": "qlora", "lora_rank": 8, "lora_dropout": 0.1, "lora_targets": "all-linear"}
+    current = activation_bytes_by_op(small(**keys))
+    old = activation_bytes_by_op(small(**keys, bitsandbytes_version="0.43.0"))
+    assert current["qkv_proj"] == current["fc1"] == current["fc2"] == 0
+    assert old["qkv_proj"] == old["fc1"] == X and old["fc2"] == 2 * TOKENS * 128
+    assert old["out_proj"] == current["out_proj"] == 2 * TOKENS * 64
+    assert sum(old.values()) - sum(current.values()) == 2 * X + 2 * TOKENS * 128
+    # the same release under a bf16 LoRA runs no 4-bit matmul: the key needs 4-bit weights
+    with pytest.raises(InputError, match="bitsandbytes_version"):
+        small(training="lora", bitsandbytes_version="0.43.0")
+    with pytest.raises(InputError, match="bitsandbytes_version"):
+        small(training="qlora", bitsandbytes_version="latest")
 
 
 def test_all_linear_targets_every_linear_of_the_layer():

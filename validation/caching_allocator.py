@@ -23,8 +23,9 @@ v2.4.0 tag of August 2024 itself was not read):
   `try_merge_blocks`); segments never merge with each other;
 - the allocated statistic counts each block's size, the reserved one each segment's; a segment
   goes back to CUDA only under pressure (`release_available_cached_blocks`,
-  `release_cached_blocks` after a failed cudaMalloc) or on `empty_cache`, which this replay
-  never meets: it models a device with memory to spare, where reserved only grows.
+  `release_cached_blocks` after a failed cudaMalloc) or on `empty_cache`; the replay models a
+  device with memory to spare, where reserved only grows, but where a trace calls
+  torch.cuda.empty_cache `CachingAllocator.empty_cache` gives its rule.
 
 Streams: every block belongs to the stream whose request made its segment (`Block::stream`,
 `alloc_block`), and a request takes only a free block of its own stream: the pools are ordered
@@ -198,6 +199,19 @@ class CachingAllocator:
     def reset_peaks(self) -> None:
         """`resetPeakStats`: the peaks restart from the current values."""
         self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+    def empty_cache(self) -> None:
+        """`emptyCache` -> `release_cached_blocks` -> `release_blocks` on every pool: a free
+        block that is a whole segment (no neighbour before or after it, "non-split") goes back
+        to CUDA (`release_block`); a segment holding any allocated block stays reserved, its
+        free parts with it."""
+        for pool in self.free_blocks.values():
+            for size, _address, block in list(pool):
+                if block.prev is None and block.next is None:
+                    self._remove(block)
+                    self.reserved -= size
+                    self.reserved_by_stream[block.stream] -= size
+                    self.segments -= 1
 
     def cached(self, stream: int | None = None) -> list[int]:
         """The free blocks' sizes in the large pools (of `stream`, or of every stream), smallest

@@ -15,7 +15,8 @@ the model states when the base weights do not train (docs/fine-tuning.md).
   double-quantised block statistics (`quantized_weight_bytes`); bitsandbytes' MatMul4Bit
   (bitsandbytes 0.45.5, bitsandbytes/autograd/_functions.py) saves no activation
   (`ctx.tensors = (None, B)`: the packed weight only) and dequantises the weight to the
-  activation dtype in forward and again in backward for dX.
+  activation dtype in forward and again in backward for dX. Releases before 0.43.2 keep the
+  input too (`matmul_4bit_keeps_input`).
 
 - DoRA (Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank Adaptation", §4.3; PEFT's
   `use_dora`, peft v0.21.2 src/peft/tuners/lora/dora.py `DoraLinearLayer.forward` and
@@ -76,6 +77,25 @@ class Adapter:
         magnitude vector too, out (peft v0.21.2, dora.py `update_layer`: the weight norm's
         shape, one value per output row)."""
         return rank * (self.fan_in + self.fan_out) + (self.fan_out if dora else 0)
+
+
+# bitsandbytes' first release whose MatMul4Bit no longer keeps its input
+MATMUL_4BIT_DROPS_INPUT_FROM = (0, 43, 2)
+
+
+def matmul_4bit_keeps_input(bitsandbytes_version: str | None) -> bool:
+    """Whether bitsandbytes' 4-bit matmul keeps its input A alive until its backward.
+
+    bitsandbytes 0.43.0 and 0.43.1, bitsandbytes/autograd/_functions.py `MatMul4Bit.forward`:
+    `if any(ctx.needs_input_grad[:2]): ctx.tensors = (A, B)`, a reference on the autograd
+    node that its backward never reads (it computes dX = dY·dequantize(B) only); commit
+    9e75374 ("fix QLoRA mem bug: delete useless buffered activation", bitsandbytes PR #1270,
+    2024-07-16), first released in 0.43.2, keeps `(None, B)`. `bitsandbytes_version` None
+    is a current release: False."""
+    if bitsandbytes_version is None:
+        return False
+    release = tuple(int(part) for part in bitsandbytes_version.split("."))
+    return release < MATMUL_4BIT_DROPS_INPUT_FROM
 
 
 def linear_shapes(spec: ChainSpec) -> dict[str, tuple[int, int]]:
@@ -235,7 +255,10 @@ def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
       Its backward is the input-gradient GEMM alone (backward FLOPs = forward FLOPs) and it
       has no bias gradient to sum.
     - QLoRA: its backward dequantises the (largest) weight of the op to the activation dtype,
-      a temporary beside its gradients.
+      a temporary beside its gradients. Under bitsandbytes before 0.43.2 a 4-bit linear keeps
+      its input until its backward (`matmul_4bit_keeps_input`), whoever else saves it: one
+      input per op, since the projections an op holds read the same tensor (q, k and v the
+      normed x, gate and up the normed x).
     - `{site}_lora`, one op per adapted linear: per adapter A's r-wide output (B's input); with
       lora_dropout, per adapter the dropout output A saves and its 1-byte mask (CUDA's
       native_dropout); FLOPs 2·tokens·r·(in + out) forward, twice that backward (both
@@ -260,14 +283,19 @@ def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
         site = SITE_OF[name]
         site_weights[site] = max(site_weights.get(site, 0), fan_in * fan_out)
     quantized = finetune.weight_format in ("nf4", "fp4", "int8")
+    four_bit_keeps_input = finetune.weight_format in ("nf4", "fp4") and matmul_4bit_keeps_input(
+        finetune.bitsandbytes_version
+    )
     out: list[Op] = []
     for op in ops:
         if op.name not in FROZEN_LINEARS or op.matmul is None:
             out.append(op)
             continue
         site = by_site.get(op.name, [])
-        keeps_input = (bool(site) and not dropout) or (
-            op.name == "out_proj" and op.saved_until is not None
+        keeps_input = (
+            (bool(site) and not dropout)
+            or (op.name == "out_proj" and op.saved_until is not None)
+            or four_bit_keeps_input
         )
         dequantized = HALF_BYTES * site_weights[op.name] if quantized else 0
         out.append(

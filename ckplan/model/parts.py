@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -382,6 +383,7 @@ class TrainingState(_Record):
 
 
 TRAININGS = ("full", "frozen", "lora", "qlora")
+RELEASE = re.compile(r"[0-9]{1,4}(\.[0-9]{1,4}){1,3}")  # bitsandbytes_version: 0.43.0
 WEIGHT_FORMATS = ("bf16", "fp16", "fp32", "nf4", "fp4", "int8")
 # PEFT's module names of a Llama-style layer, in layer order (peft/utils/constants.py at v0.17.0)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -405,6 +407,9 @@ class FineTuning(_Record):
     use_dora: bool = False  # PEFT's use_dora: DoRA's magnitude vector and weight norm per adapter
     weight_format: str | None = None  # the frozen linear weights; None -> nf4 for qlora, else
     # weight_bytes
+    # the bitsandbytes release running the 4-bit layers (its autograd function's saved input);
+    # None: a current one (ckplan.model.finetune `matmul_4bit_keeps_input`)
+    bitsandbytes_version: str | None = None
 
     __hash__ = _Record.__hash__
 
@@ -416,6 +421,11 @@ class FineTuning(_Record):
                 raise SpecError(key=key, rule=f"must be one of {', '.join(allowed)}", value=value)
         if not 0.0 <= self.lora_dropout < 1.0:
             raise SpecError(key="lora_dropout", rule="must be in [0, 1)", value=self.lora_dropout)
+        version = self.bitsandbytes_version
+        if version is not None and not RELEASE.fullmatch(version):
+            raise SpecError(
+                key="bitsandbytes_version", rule="expects a release such as 0.43.0", value=version
+            )
         if self.lora_alpha is not None and not 0.0 < self.lora_alpha <= 1e9:
             raise SpecError(key="lora_alpha", rule="must be > 0", value=self.lora_alpha)
         self._derive("lora_targets", _targets(self.lora_targets))

@@ -77,8 +77,8 @@ KEY_ORDER = (
     "pipeline_layout", "framework", "framework_version", "kernels", "attention_kernel", "precision",
     "fp8_recipe", "loss", "tp_comm_overlap", "dp_comm_overlap", "expandable_segments", "mlp_tiles",
     "training", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "use_dora",
-    "weight_format", "optimizer", "optimizer_in_backward", "zero_grad", "optimizer_offload",
-    "param_offload",
+    "weight_format", "bitsandbytes_version", "optimizer", "optimizer_in_backward", "zero_grad",
+    "optimizer_offload", "param_offload",
 )  # fmt: skip
 PART_OF: dict[str, str] = {
     field.name: part for part, record in PARTS.items() for field in dataclasses.fields(record)
@@ -283,7 +283,8 @@ _REQUIRED = [
 _BOOL_FIELDS = {key for key, f in _KEYS.items() if f.type in ("bool", "bool | None")}
 _STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions", "profile"}
 _STR_FIELDS |= {"framework", "kernels", "attention_kernel", "precision", "fp8_recipe", "loss"}
-_STR_FIELDS |= {"training", "lora_targets", "weight_format", "optimizer"}
+_STR_FIELDS |= {"training", "lora_targets", "weight_format", "bitsandbytes_version"}
+_STR_FIELDS |= {"optimizer"}
 _STR_FIELDS |= {"optimizer_offload", "param_offload", "grad_sync", "framework_version"}
 _STR_FIELDS |= {"pipeline_layout", "zero_grad"}
 _LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
@@ -414,7 +415,8 @@ def coerce_value(origin: str, key: str, value: Any) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
         raise SpecError(key=key, rule="expects true or false", value=value, origin=origin)
-    if key == "framework_version" and type(value) in (int, float):  # YAML reads 0.3 a number
+    if key in ("framework_version", "bitsandbytes_version") and type(value) in (int, float):
+        # YAML reads 0.3 or 0.43 a number
         value = repr(value)
     if key in _STR_FIELDS:
         if not isinstance(value, str):
@@ -814,6 +816,11 @@ def _validate_finetune(spec: ModelSpec) -> None:
     """The fine-tuning keys (docs/fine-tuning.md): LoRA keys need LoRA, QLoRA 4-bit weights,
     and the layers and layouts ckplan models with frozen weights."""
     finetune = spec.finetune
+    if finetune.bitsandbytes_version is not None and finetune.weight_format not in ("nf4", "fp4"):
+        raise SpecError(
+            "key 'bitsandbytes_version' sets how bitsandbytes runs 4-bit weights: it needs "
+            f"weight_format nf4 or fp4 (weight_format is {finetune.weight_format or 'not set'})"
+        )
     lora = finetune.training in ("lora", "qlora")
     if not lora:
         defaults = FineTuning()

@@ -241,8 +241,8 @@ ARCHITECTURE_FEATURES = {
     "mtp": ("mtp_layers",),
 }
 # Keys of the other parts that only MoE models, uneven or interleaved pipelines, model states on
-# the host, hf's gradient sync, a torchtitan release, Megatron's fused MoE kernels or Transformer
-# Engine's FP8 use: shown when not default.
+# the host, hf's gradient sync, a torchtitan release, Megatron's fused MoE kernels, Transformer
+# Engine's FP8 or an older bitsandbytes use: shown when not default.
 QUIET_KEYS = frozenset(
     {
         "moe_imbalance",
@@ -262,6 +262,7 @@ QUIET_KEYS = frozenset(
         "fp8_recipe",
         "grad_sync",
         "framework_version",
+        "bitsandbytes_version",
     }
 )
 PART_TITLES = {
