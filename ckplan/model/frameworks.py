@@ -89,6 +89,7 @@ DEEPSPEED_REDUCE_BUCKET = 500_000_000  # elements (reduce_bucket_size)
 DEEPSPEED_ALLGATHER_BUCKET = 500_000_000  # elements (allgather_bucket_size)
 DEEPSPEED_PREFETCH_BUCKET = 50_000_000  # elements (stage3_prefetch_bucket_size)
 DEEPSPEED_MAX_LIVE = 1_000_000_000  # parameters (stage3_max_live_parameters)
+DEEPSPEED_MAX_REUSE = 1_000_000_000  # elements (stage3_max_reuse_distance)
 DEEPSPEED_PERSISTENCE = 100_000  # elements (stage3_param_persistence_threshold)
 HALF = 2  # bytes of a bf16 value
 OFFLOAD_DEVICES = ("none", "cpu")  # optimizer_offload, param_offload
@@ -413,6 +414,46 @@ def deepspeed_zero3_reduce_bytes(
     at most min(bucket, trainable_params) elements. With few trainable parameters (LoRA) the
     first stays a whole bucket: 1e9 bytes at the default 5e8 elements."""
     return HALF * bucket + HALF * min(bucket, trainable_params)
+
+
+def reduce_bytes_per_parameter(framework: str, zero: int, grad_bytes: int, dtype_bytes: int) -> int:
+    """Bytes per parameter the data-parallel gradient reduction moves. DeepSpeed's ZeRO-3
+    reduce-scatters each gradient in its half-precision dtype and only then adds the
+    partition to its fp32 accumulation buffer (`grad_bytes` 4): at v0.5.4,
+    deepspeed/runtime/zero/partition_parameters.py `_reduce_scatter_gradient` reduce-scatters
+    `param.grad` in `param.dtype`; at v0.19.8, stage3.py `__avg_scatter_grads` reduces in
+    `communication_data_type`, which engine.py `communication_data_type` sets to fp16 or bf16
+    as the precision is, unless configured. Every other framework reduces its gradients in
+    the dtype it keeps them in."""
+    if framework == "deepspeed" and zero == 3:
+        return dtype_bytes
+    return grad_bytes
+
+
+def deepspeed_zero3_regathered(
+    module_weights: tuple[int, ...], max_reuse: int = DEEPSPEED_MAX_REUSE
+) -> int:
+    """Elements ZeRO-3 gathers again for the backward of a layer whose forward it has just
+    re-run (activation checkpointing), `module_weights` the layer's sub-modules' weights in
+    forward order, as its hooks fetch them.
+
+    The re-run forward fetches every sub-module's weights (its forward pre-hooks fire again)
+    and, after each sub-module, releases them unless the trace uses them again before
+    `max_reuse` elements of other sub-modules have been fetched (stage3_max_reuse_distance:
+    deepspeed/runtime/zero/stage3.py at v0.5.4, `_keep_for_later`, "reuse_distance_in_numel <
+    self.max_reuse_distance_in_numel"; partitioned_param_coordinator.py at v0.19.8,
+    `__params_to_release`). Between sub-module i's re-run forward and its backward come the
+    re-run forwards of the sub-modules after it and then their backwards, so its weights stay
+    iff 2·Σ_{j>i} module_weights[j] < max_reuse; the others are gathered again for the
+    backward. GPT-3 175B (h 12288): the fc2 weight stays, QKV, out-proj and fc1 (8h², 1.2e9
+    elements between fc1 and its backward) are gathered again.
+
+    derived: the trace of one checkpointed layer, re-run forward then backward."""
+    return sum(
+        weights
+        for i, weights in enumerate(module_weights)
+        if 2 * sum(module_weights[i + 1 :]) >= max_reuse
+    )
 
 
 def deepspeed_zero3_live_bytes(layer_bytes: int, largest_weight_bytes: int) -> int:
