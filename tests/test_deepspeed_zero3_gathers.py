@@ -9,12 +9,19 @@ GPT-3 175B (megatron-175b, h = 12288, FFN 4h, biases, LayerNorm): one layer's su
 import pytest
 
 from ckplan.hardware import communication as comm
-from ckplan.hardware.step_time import data_parallel_comm, regathered_elements
+from ckplan.hardware.step_time import (
+    data_parallel_comm,
+    deepspeed_zero3_layer_exposed,
+    layer_time,
+    regathered_elements,
+)
 from ckplan.inputs.gpus import load_gpu
 from ckplan.model import memory
 from ckplan.model.frameworks import (
     DEEPSPEED_MAX_REUSE,
+    deepspeed_zero3_prefetch_windows,
     deepspeed_zero3_regathered,
+    deepspeed_zero3_released,
     reduce_bytes_per_parameter,
 )
 
@@ -97,3 +104,79 @@ def test_backward_gathers_the_regathered_weights(spec_of):
         + comm.reduce_scatter_seconds(2 * params, 8, bandwidth)
     )
     assert parts.backward == pytest.approx(7 / 8 * (2 * (params + extra) + 2 * params) / bandwidth)
+
+
+def test_released_sub_modules():
+    assert deepspeed_zero3_released((10, 30, 10, 10, 40, 40), 100) == (
+        True, True, True, True, False, False,
+    )  # fmt: skip
+    assert deepspeed_zero3_released(GPT3_MODULES) == (True, True, True, True, True, False)
+
+
+def test_prefetch_windows_by_hand():
+    # (compute, gather): norm, QKV, out-proj, norm, fc1, fc2; the norms stay gathered
+    uses = ((1.0, 0.0), (3.0, 3.0), (1.0, 1.0), (0.0, 0.0), (4.0, 4.0), (4.0, 4.5))
+    assert deepspeed_zero3_prefetch_windows(uses) == (
+        (3.0, 4.0 + 1.0),  # QKV's gather starts with the previous layer's fc2: fc2, norm
+        (1.0, 3.0),  # out-proj's with QKV
+        (4.0, 1.0 + 0.0),  # fc1's with out-proj: out-proj, norm
+        (4.5, 4.0),  # fc2's with fc1
+    )
+    # one gathered use: its gather hides behind the whole cycle
+    assert deepspeed_zero3_prefetch_windows(((5.0, 2.0), (1.0, 0.0))) == ((2.0, 6.0),)
+    assert deepspeed_zero3_prefetch_windows(((5.0, 0.0),)) == ()
+
+
+def _gpt3_zero3(spec_of, **overrides):
+    return spec_of(
+        "megatron-175b", framework="deepspeed", tp=1, pp=1, sp=False, dp=8, zero=3, **overrides
+    )
+
+
+def test_layer_exposure_only_where_one_weight_is_prefetched(spec_of):
+    a100 = load_gpu("a100-80gb")
+    spec = _gpt3_zero3(spec_of)
+    plain = (1, *(1,) * spec.layers, 1)
+    assert deepspeed_zero3_layer_exposed(spec, a100, plain) is not None
+    # weights within stage3_prefetch_bucket_size: the prefetch runs deeper
+    small = spec_of("llama3-8b", framework="deepspeed", tp=1, pp=1, sp=False, dp=8, zero=3)
+    assert deepspeed_zero3_layer_exposed(small, a100, (1, *(1,) * small.layers, 1)) is None
+    assert deepspeed_zero3_layer_exposed(spec.replace(zero=1), a100, plain) is None
+    assert deepspeed_zero3_layer_exposed(spec.replace(framework="hf"), a100, plain) is None
+    assert deepspeed_zero3_layer_exposed(spec.replace(dp_comm_overlap=False), a100, plain) is None
+    thrice = (1, 3, *(1,) * (spec.layers - 1), 1)
+    assert deepspeed_zero3_layer_exposed(spec, a100, thrice) is None
+
+
+def test_forward_exposure_by_hand(spec_of):
+    """Each weight's gather beside the compute since the previous gathered sub-module
+    started: QKV beside fc2 and the first norm, out-proj beside QKV, fc1 beside out-proj and
+    the second norm, fc2 beside fc1; compute split by the sub-modules' weights."""
+    a100 = load_gpu("a100-80gb")
+    spec = _gpt3_zero3(spec_of)
+    layer = layer_time(spec, a100)
+    compute = layer.forward.total
+    share = layer.forward.matmul / compute
+    slowdown = a100.sm_count / (a100.sm_count - a100.nccl_channels)
+    bandwidth = comm.group_bandwidth(a100, 8, 1)
+    norm, qkv, out_proj, _, fc1, fc2 = GPT3_MODULES
+    total = sum(GPT3_MODULES)
+
+    def gather(weights):
+        return comm.all_gather_seconds(2 * weights, 8, bandwidth)
+
+    def beside(weights, window_weights):
+        window = compute * window_weights / total
+        return comm.overlapped(gather(weights), window, window * (share * slowdown + 1 - share))
+
+    by_hand = (
+        beside(qkv, fc2 + norm)
+        + beside(out_proj, qkv)
+        + beside(fc1, out_proj + norm)
+        + beside(fc2, fc1)
+    )
+    forward, _ = deepspeed_zero3_layer_exposed(spec, a100, (1, *(1,) * spec.layers, 1))
+    assert forward == pytest.approx(spec.layers * by_hand)
+    # the re-run forward changes the backward pass, not the forward
+    full = (1, *(2,) * spec.layers, 1)
+    assert deepspeed_zero3_layer_exposed(spec, a100, full)[0] == pytest.approx(forward)

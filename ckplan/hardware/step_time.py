@@ -763,13 +763,105 @@ def data_parallel_comm(spec: ModelSpec, gpu: GPU, regathered: int = 0) -> DataPa
     return parts
 
 
+def _layer_uses(
+    modules: tuple[int, ...], seconds: OpTime, gathers: tuple[float, ...], order: range
+) -> list[tuple[OpTime, float]]:
+    """A pass over one layer's sub-modules in `order`: each one's share of the pass's
+    `seconds`, by its weights (derived: a linear's GEMM FLOPs are 2·tokens·weights; the ops
+    without weights counted with them pro rata), and the gather it waits for."""
+    total = sum(modules)
+    return [(_scale(seconds, modules[i] / total), gathers[i]) for i in order]
+
+
+@lru_cache(maxsize=256)
+def deepspeed_zero3_layer_exposed(
+    spec: ModelSpec, gpu: GPU, forwards: tuple[int, ...]
+) -> tuple[float, float] | None:
+    """DeepSpeed ZeRO-3's weight gathers of the layers of one micro-batch, each beside the
+    compute its prefetch leaves it (`frameworks.deepspeed_zero3_prefetch_windows`: one weight
+    ahead when every gathered weight holds more than stage3_prefetch_bucket_size elements):
+    (forward exposed, backward exposed) in seconds, the
+    backward with the re-run forwards (`forwards`, as `regathered_elements` reads them). A
+    gather beside compute adds what it does not hide and the slowdown of the GEMMs whose SMs
+    NCCL holds (`comm.overlapped`). None where the rule does not hold (a weight within the
+    bucket, which prefetches deeper; a layer ckplan does not lay out by sub-module; a layer
+    run more than twice; pipeline stages), left to `data_parallel_exposed`'s whole-pass
+    overlap. Weights of at most stage3_param_persistence_threshold elements stay gathered
+    (`frameworks.deepspeed_persistent_bytes`). Only for DeepSpeed's zero 3 with
+    dp_comm_overlap (its overlap_comm)."""
+    if (
+        spec.framework != "deepspeed"
+        or spec.zero != 3
+        or not spec.dp_comm_overlap
+        or spec.pp != 1
+        or spec.dp * spec.cp == 1
+    ):
+        return None
+    kinds = stage_kinds(spec, 0)
+    first = 1 if spec.kind == "transformer" and spec.vocab > 0 else 0
+    counts = forwards[first : first + len(kinds)]
+    if len(counts) != len(kinds) or any(count > 2 for count in counts):
+        return None
+    ranks = spec.dp * spec.cp
+    bandwidth = comm.group_bandwidth(gpu, ranks, spec.tp)
+    weight_bytes = min(spec.weight_bytes, spec.dtype_bytes)
+    slowdown = gpu.sm_count / (gpu.sm_count - gpu.nccl_channels)
+    totals = [0.0, 0.0]
+    for (kind, count), run in groupby(zip(kinds, counts, strict=True)):
+        layers = sum(1 for _ in run)
+        modules = memory.layer_module_parameters(spec, kind)
+        if modules is None:
+            return None
+        gathered = [w > frameworks.DEEPSPEED_PERSISTENCE for w in modules]
+        if any(
+            frameworks.DEEPSPEED_PERSISTENCE < w < frameworks.DEEPSPEED_PREFETCH_BUCKET
+            for w in modules
+        ):
+            return None
+        gathers = tuple(
+            comm.all_gather_seconds(w * weight_bytes, ranks, bandwidth) if g else 0.0
+            for g, w in zip(gathered, modules, strict=True)
+        )
+        layer = layer_time(spec, gpu, kind)
+        forward = _add(layer.forward, OpTime(0.0, layer.forward_comm))
+        backward = _add(layer.backward, OpTime(0.0, layer.backward_comm))
+        n = len(modules)
+        passes = [_layer_uses(modules, forward, gathers, range(n))]
+        if count == 2:
+            # the re-run forward gathers every weight; the backward those released in between
+            released = frameworks.deepspeed_zero3_released(modules)
+            again = tuple(g if r else 0.0 for g, r in zip(gathers, released, strict=True))
+            passes.append(
+                _layer_uses(modules, forward, gathers, range(n))
+                + _layer_uses(modules, backward, again, range(n - 1, -1, -1))
+            )
+        else:
+            passes.append(_layer_uses(modules, backward, gathers, range(n - 1, -1, -1)))
+        for phase, uses in enumerate(passes):
+            windows = frameworks.deepspeed_zero3_prefetch_windows(
+                tuple((time.total, gather) for time, gather in uses)
+            )
+            # the window's GEMMs slowed by the SMs NCCL holds (`data_parallel_exposed`)
+            matmul_share = forward.matmul / forward.total if forward.total else 0.0
+            exposed = 0.0
+            for gather, window in windows:
+                contended = window * (matmul_share * slowdown + 1 - matmul_share)
+                exposed += comm.overlapped(gather, window, contended)
+            totals[phase] += layers * exposed
+    return totals[0], totals[1]
+
+
 def data_parallel_seconds(spec: ModelSpec, gpu: GPU) -> float:
     """All the data-parallel communication of one iteration, before overlap."""
     return data_parallel_comm(spec, gpu).total(spec.microbatches)
 
 
 def data_parallel_exposed(
-    spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime, regathered: int = 0
+    spec: ModelSpec,
+    gpu: GPU,
+    busiest: MicroBatchTime,
+    regathered: int = 0,
+    forwards: tuple[int, ...] = (),
 ) -> float:
     """What the data-parallel communication adds to the step.
 
@@ -783,7 +875,10 @@ def data_parallel_exposed(
     not hide and the slowdown of the GEMMs whose SMs its NCCL blocks hold
     (`comm.overlapped`), and never less than one layer's chunk, which waits for the last
     layer's compute (NeMo's communication-overlap docs: "exposes only one DP communication
-    chunk"). `regathered`: as `data_parallel_comm` takes it."""
+    chunk"). `regathered`: as `data_parallel_comm` takes it. Under DeepSpeed's ZeRO-3 the
+    layers' weight gathers instead hide sub-module by sub-module behind what the prefetch
+    leaves them (`deepspeed_zero3_layer_exposed`, from the chain's `forwards`), and the rest
+    (the gradients' reduce-scatter, the embedding's and output layer's gathers) as above."""
     parts = data_parallel_comm(spec, gpu, regathered)
     if not spec.dp_comm_overlap:
         return (1 - gpu.dp_overlap) * parts.total(spec.microbatches)
@@ -798,7 +893,15 @@ def data_parallel_exposed(
 
     backward = _add(busiest.backward, busiest.recompute)
     once = hidden(parts.reduce, backward) + hidden(parts.gather, busiest.forward)
-    each = hidden(parts.forward, busiest.forward) + hidden(parts.backward, backward)
+    layered = deepspeed_zero3_layer_exposed(spec, gpu, forwards) if forwards else None
+    if layered is None:
+        each = hidden(parts.forward, busiest.forward) + hidden(parts.backward, backward)
+        return once + spec.microbatches * each
+    # one link carries the gathers, the embedding's and the gradients' reduce-scatter: a pass
+    # takes at least its bytes' time (derived), beyond what the prefetch leaves exposed
+    forward_exposed, backward_exposed = layered
+    each = max(forward_exposed, parts.forward - busiest.forward.total)
+    each += max(backward_exposed, parts.backward - backward.total)
     return once + spec.microbatches * each
 
 
@@ -886,7 +989,7 @@ def step_time_from_forwards(
     m = spec.microbatches
     compute, bubble, p2p = _pipeline(spec, gpu, busiest, stage_forwards[index][0])
     regathered = regathered_elements(spec, stage_forwards[index][0], stage_forwards[index][1])
-    dp = data_parallel_exposed(spec, gpu, busiest, regathered)
+    dp = data_parallel_exposed(spec, gpu, busiest, regathered, stage_forwards[index][1])
     optimizer = optimizer_seconds(spec, gpu)
     offload = m * exposed[index]
     states = state_copy_seconds(spec, gpu, busiest)
