@@ -666,7 +666,13 @@ class DataParallelComm:
 
 
 def gradient_reduction(
-    spec: ModelSpec, zero: int, pp: int, params: int, ranks: int, bandwidth: float
+    spec: ModelSpec,
+    zero: int,
+    pp: int,
+    params: int,
+    ranks: int,
+    bandwidth: float,
+    regathered: int = 0,
 ) -> DataParallelComm:
     """One group's share of the data-parallel communication at ZeRO `zero` and pipeline size
     `pp` (a layout's; spec gives the framework and bytes): ZeRO 0 a ring all-reduce of the
@@ -675,13 +681,20 @@ def gradient_reduction(
     distributed optimizer), ZeRO 3's (Rajbhandari et al. 2020 §5.3) for every micro-batch's
     forward and again for its backward. The gradients are reduced once per step or every
     micro-batch, beside its backward, and the weights gathered per micro-batch as the framework
-    runs gradient accumulation (`frameworks.gradient_sync`)."""
+    runs gradient accumulation (`frameworks.gradient_sync`), in the bytes it reduces them in
+    (`frameworks.reduce_bytes_per_parameter`). `regathered`: the elements a ZeRO-3 backward
+    gathers beyond `params` once per micro-batch, the weights of the layers it re-runs forward
+    (`regathered_elements`)."""
     if ranks == 1 or params == 0:
         return DataParallelComm()
     sync = frameworks.gradient_sync(spec.framework, zero, pp, spec.grad_sync)
+    reduce_bytes = frameworks.reduce_bytes_per_parameter(
+        spec.framework, zero, spec.grad_bytes, spec.dtype_bytes
+    )
     # FSDP gathers the weights in the compute dtype (MixedPrecisionPolicy.param_dtype), whatever
     # the sharded copy's (fp32 under torchtitan and Hugging Face's AMP)
-    grads, weights = params * spec.grad_bytes, params * min(spec.weight_bytes, spec.dtype_bytes)
+    gather_bytes = min(spec.weight_bytes, spec.dtype_bytes)
+    grads, weights = params * reduce_bytes, params * gather_bytes
     if zero == 0:
         reduce = comm.all_reduce_seconds(grads, ranks, bandwidth)
         gather = 0.0
@@ -689,26 +702,54 @@ def gradient_reduction(
         reduce = comm.reduce_scatter_seconds(grads, ranks, bandwidth)
         gather = comm.all_gather_seconds(weights, ranks, bandwidth)
     forward = gather if sync.gather_forward else 0.0
-    backward = gather if sync.gather_backward else 0.0
+    backward = 0.0
+    if sync.gather_backward:
+        backward = comm.all_gather_seconds((params + regathered) * gather_bytes, ranks, bandwidth)
     once_gather = 0.0 if sync.gather_forward or sync.gather_backward else gather
     if sync.each_micro_batch:
         return DataParallelComm(gather=once_gather, forward=forward, backward=backward + reduce)
     return DataParallelComm(reduce=reduce, gather=once_gather, forward=forward, backward=backward)
 
 
+def regathered_elements(spec: ModelSpec, stage: int, forwards: tuple[int, ...]) -> int:
+    """The weights DeepSpeed ZeRO-3 gathers per micro-batch beyond one forward's and one
+    backward's gather, on pipeline stage `stage` whose chain runs `forwards` forwards per
+    chain stage: each re-run forward of a layer gathers its weights again (its sub-modules'
+    forward pre-hooks fetch them as in the first), and the backward after the last re-run
+    gathers only the sub-modules released in between (`frameworks.deepspeed_zero3_regathered`)
+    instead of the whole layer. A layer re-run c - 1 times adds (c - 2) layers and the
+    re-gathered part. 0 for other frameworks and ZeRO stages, and for layers whose
+    sub-modules ckplan does not lay out (`memory.layer_module_parameters`: MoE, MLA).
+
+    derived: each re-run forward taken just before the layer's backward, as per-layer
+    activation checkpointing runs it."""
+    if spec.framework != "deepspeed" or spec.zero != 3 or spec.dp * spec.cp == 1:
+        return 0
+    kinds = stage_kinds(spec, stage)
+    first = 1 if stage == 0 and spec.kind == "transformer" and spec.vocab > 0 else 0
+    extra = 0
+    for kind, count in zip(kinds, forwards[first : first + len(kinds)], strict=False):
+        modules = memory.layer_module_parameters(spec, kind)
+        if count < 2 or modules is None:
+            continue
+        extra += (count - 2) * sum(modules) + frameworks.deepspeed_zero3_regathered(modules)
+    return extra
+
+
 @lru_cache(maxsize=256)
-def data_parallel_comm(spec: ModelSpec, gpu: GPU) -> DataParallelComm:
+def data_parallel_comm(spec: ModelSpec, gpu: GPU, regathered: int = 0) -> DataParallelComm:
     """Data-parallel communication of one iteration, before overlap, on the busiest stage's
     GPU: its dense parameters' gradients reduced over the dp·cp ranks that hold the same
     parameters (Megatron-LM reduces over both), and its routed experts' over their
     expert-data-parallel group, tp·cp·dp/(ep·etp) ranks ep·etp apart (Megatron's
     expert_data_parallel group, `ModelSpec.expert_data_parallel`), one after the other
     (`gradient_reduction` for each); only the trainable parameters' gradients
-    (`memory.trainable_stage_parameters`)."""
+    (`memory.trainable_stage_parameters`). `regathered`: the dense weights ZeRO-3 gathers
+    again for re-run forwards (`regathered_elements`)."""
     dense, experts = memory.trainable_stage_parameters(spec, memory.busiest_stage(spec))
     ranks = spec.dp * spec.cp
     bandwidth = comm.group_bandwidth(gpu, ranks, spec.tp)
-    parts = gradient_reduction(spec, spec.zero, spec.pp, dense, ranks, bandwidth)
+    parts = gradient_reduction(spec, spec.zero, spec.pp, dense, ranks, bandwidth, regathered)
     if experts:
         expert_ranks, stride = spec.expert_data_parallel, spec.ep * spec.etp
         parts += gradient_reduction(
@@ -722,12 +763,106 @@ def data_parallel_comm(spec: ModelSpec, gpu: GPU) -> DataParallelComm:
     return parts
 
 
+def _layer_uses(
+    modules: tuple[int, ...], seconds: OpTime, gathers: tuple[float, ...], order: range
+) -> list[tuple[OpTime, float]]:
+    """A pass over one layer's sub-modules in `order`: each one's share of the pass's
+    `seconds`, by its weights (derived: a linear's GEMM FLOPs are 2·tokens·weights; the ops
+    without weights counted with them pro rata), and the gather it waits for."""
+    total = sum(modules)
+    return [(_scale(seconds, modules[i] / total), gathers[i]) for i in order]
+
+
+@lru_cache(maxsize=256)
+def deepspeed_zero3_layer_exposed(
+    spec: ModelSpec, gpu: GPU, forwards: tuple[int, ...]
+) -> tuple[float, float] | None:
+    """DeepSpeed ZeRO-3's weight gathers of the layers of one micro-batch, each beside the
+    compute its prefetch leaves it (`frameworks.deepspeed_zero3_prefetch_windows`: one weight
+    ahead when every gathered weight holds more than stage3_prefetch_bucket_size elements):
+    (forward exposed, backward exposed) in seconds, the
+    backward with the re-run forwards (`forwards`, as `regathered_elements` reads them). A
+    gather beside compute adds what it does not hide and the slowdown of the GEMMs whose SMs
+    NCCL holds (`comm.overlapped`). None where the rule does not hold (a weight within the
+    bucket, which prefetches deeper; a layer ckplan does not lay out by sub-module; a layer
+    run more than twice; pipeline stages), left to `data_parallel_exposed`'s whole-pass
+    overlap. Weights of at most stage3_param_persistence_threshold elements stay gathered
+    (`frameworks.deepspeed_persistent_bytes`). Only for DeepSpeed's zero 3 with
+    dp_comm_overlap (its overlap_comm)."""
+    if (
+        spec.framework != "deepspeed"
+        or spec.zero != 3
+        or not spec.dp_comm_overlap
+        or spec.pp != 1
+        or spec.dp * spec.cp == 1
+    ):
+        return None
+    kinds = stage_kinds(spec, 0)
+    first = 1 if spec.kind == "transformer" and spec.vocab > 0 else 0
+    counts = forwards[first : first + len(kinds)]
+    if len(counts) != len(kinds) or any(count > 2 for count in counts):
+        return None
+    ranks = spec.dp * spec.cp
+    bandwidth = comm.group_bandwidth(gpu, ranks, spec.tp)
+    weight_bytes = min(spec.weight_bytes, spec.dtype_bytes)
+    slowdown = gpu.sm_count / (gpu.sm_count - gpu.nccl_channels)
+    totals = [0.0, 0.0]
+    for (kind, count), run in groupby(zip(kinds, counts, strict=True)):
+        layers = sum(1 for _ in run)
+        modules = memory.layer_module_parameters(spec, kind)
+        if modules is None:
+            return None
+        gathered = [w > frameworks.DEEPSPEED_PERSISTENCE for w in modules]
+        if any(
+            frameworks.DEEPSPEED_PERSISTENCE < w < frameworks.DEEPSPEED_PREFETCH_BUCKET
+            for w in modules
+        ):
+            return None
+        gathers = tuple(
+            comm.all_gather_seconds(w * weight_bytes, ranks, bandwidth) if g else 0.0
+            for g, w in zip(gathered, modules, strict=True)
+        )
+        layer = layer_time(spec, gpu, kind)
+        forward = _add(layer.forward, OpTime(0.0, layer.forward_comm))
+        backward = _add(layer.backward, OpTime(0.0, layer.backward_comm))
+        n = len(modules)
+        passes = [_layer_uses(modules, forward, gathers, range(n))]
+        if count == 2:
+            # the re-run forward gathers every weight; the backward those released in between
+            released = frameworks.deepspeed_zero3_released(modules)
+            again = tuple(g if r else 0.0 for g, r in zip(gathers, released, strict=True))
+            passes.append(
+                _layer_uses(modules, forward, gathers, range(n))
+                + _layer_uses(modules, backward, again, range(n - 1, -1, -1))
+            )
+        else:
+            passes.append(_layer_uses(modules, backward, gathers, range(n - 1, -1, -1)))
+        for phase, uses in enumerate(passes):
+            windows = frameworks.deepspeed_zero3_prefetch_windows(
+                tuple((time.total, gather) for time, gather in uses)
+            )
+            # the window's GEMMs slowed by the SMs NCCL holds (`data_parallel_exposed`)
+            matmul_share = forward.matmul / forward.total if forward.total else 0.0
+            exposed = 0.0
+            for gather, window in windows:
+                contended = window * (matmul_share * slowdown + 1 - matmul_share)
+                exposed += comm.overlapped(gather, window, contended)
+            totals[phase] += layers * exposed
+    return totals[0], totals[1]
+
+
 def data_parallel_seconds(spec: ModelSpec, gpu: GPU) -> float:
     """All the data-parallel communication of one iteration, before overlap."""
     return data_parallel_comm(spec, gpu).total(spec.microbatches)
 
 
-def data_parallel_exposed(spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime) -> float:
+def data_parallel_exposed(
+    spec: ModelSpec,
+    gpu: GPU,
+    busiest: MicroBatchTime,
+    regathered: int = 0,
+    forwards: tuple[int, ...] = (),
+) -> float:
     """What the data-parallel communication adds to the step.
 
     Without `dp_comm_overlap`, all of it but the GPU file's dp_overlap share. With it, each
@@ -740,8 +875,11 @@ def data_parallel_exposed(spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime) ->
     not hide and the slowdown of the GEMMs whose SMs its NCCL blocks hold
     (`comm.overlapped`), and never less than one layer's chunk, which waits for the last
     layer's compute (NeMo's communication-overlap docs: "exposes only one DP communication
-    chunk")."""
-    parts = data_parallel_comm(spec, gpu)
+    chunk"). `regathered`: as `data_parallel_comm` takes it. Under DeepSpeed's ZeRO-3 the
+    layers' weight gathers instead hide sub-module by sub-module behind what the prefetch
+    leaves them (`deepspeed_zero3_layer_exposed`, from the chain's `forwards`), and the rest
+    (the gradients' reduce-scatter, the embedding's and output layer's gathers) as above."""
+    parts = data_parallel_comm(spec, gpu, regathered)
     if not spec.dp_comm_overlap:
         return (1 - gpu.dp_overlap) * parts.total(spec.microbatches)
     chunks = max(1, spec.layers_per_stage // spec.virtual_stages)
@@ -755,7 +893,15 @@ def data_parallel_exposed(spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime) ->
 
     backward = _add(busiest.backward, busiest.recompute)
     once = hidden(parts.reduce, backward) + hidden(parts.gather, busiest.forward)
-    each = hidden(parts.forward, busiest.forward) + hidden(parts.backward, backward)
+    layered = deepspeed_zero3_layer_exposed(spec, gpu, forwards) if forwards else None
+    if layered is None:
+        each = hidden(parts.forward, busiest.forward) + hidden(parts.backward, backward)
+        return once + spec.microbatches * each
+    # one link carries the gathers, the embedding's and the gradients' reduce-scatter: a pass
+    # takes at least its bytes' time (derived), beyond what the prefetch leaves exposed
+    forward_exposed, backward_exposed = layered
+    each = max(forward_exposed, parts.forward - busiest.forward.total)
+    each += max(backward_exposed, parts.backward - backward.total)
     return once + spec.microbatches * each
 
 
@@ -842,7 +988,8 @@ def step_time_from_forwards(
     busiest = times[index]
     m = spec.microbatches
     compute, bubble, p2p = _pipeline(spec, gpu, busiest, stage_forwards[index][0])
-    dp = data_parallel_exposed(spec, gpu, busiest)
+    regathered = regathered_elements(spec, stage_forwards[index][0], stage_forwards[index][1])
+    dp = data_parallel_exposed(spec, gpu, busiest, regathered, stage_forwards[index][1])
     optimizer = optimizer_seconds(spec, gpu)
     offload = m * exposed[index]
     states = state_copy_seconds(spec, gpu, busiest)
@@ -853,7 +1000,12 @@ def step_time_from_forwards(
         spec, gpu, plain_busiest, stage_forwards[plain_index][0]
     )
     step_without = (
-        plain_compute + plain_bubble + dp + optimizer + state_copy_seconds(spec, gpu, plain_busiest)
+        plain_compute
+        + plain_bubble
+        # the weights ZeRO-3 gathers again for the re-run forwards are recomputation's cost
+        + data_parallel_exposed(spec, gpu, busiest)
+        + optimizer
+        + state_copy_seconds(spec, gpu, plain_busiest)
     )
 
     gpus = spec.tp * spec.pp * spec.cp * spec.dp

@@ -89,6 +89,7 @@ DEEPSPEED_REDUCE_BUCKET = 500_000_000  # elements (reduce_bucket_size)
 DEEPSPEED_ALLGATHER_BUCKET = 500_000_000  # elements (allgather_bucket_size)
 DEEPSPEED_PREFETCH_BUCKET = 50_000_000  # elements (stage3_prefetch_bucket_size)
 DEEPSPEED_MAX_LIVE = 1_000_000_000  # parameters (stage3_max_live_parameters)
+DEEPSPEED_MAX_REUSE = 1_000_000_000  # elements (stage3_max_reuse_distance)
 DEEPSPEED_PERSISTENCE = 100_000  # elements (stage3_param_persistence_threshold)
 HALF = 2  # bytes of a bf16 value
 OFFLOAD_DEVICES = ("none", "cpu")  # optimizer_offload, param_offload
@@ -413,6 +414,88 @@ def deepspeed_zero3_reduce_bytes(
     at most min(bucket, trainable_params) elements. With few trainable parameters (LoRA) the
     first stays a whole bucket: 1e9 bytes at the default 5e8 elements."""
     return HALF * bucket + HALF * min(bucket, trainable_params)
+
+
+def reduce_bytes_per_parameter(framework: str, zero: int, grad_bytes: int, dtype_bytes: int) -> int:
+    """Bytes per parameter the data-parallel gradient reduction moves. DeepSpeed's ZeRO-3
+    reduce-scatters each gradient in its half-precision dtype and only then adds the
+    partition to its fp32 accumulation buffer (`grad_bytes` 4): at v0.3.16 and v0.5.4,
+    deepspeed/runtime/zero/partition_parameters.py `_reduce_scatter_gradient` reduce-scatters
+    `param.grad` in `param.dtype`; at v0.19.8, stage3.py `__avg_scatter_grads` reduces in
+    `communication_data_type`, which engine.py `communication_data_type` sets to fp16 or bf16
+    as the precision is, unless configured. Every other framework reduces its gradients in
+    the dtype it keeps them in."""
+    if framework == "deepspeed" and zero == 3:
+        return dtype_bytes
+    return grad_bytes
+
+
+def deepspeed_zero3_regathered(
+    module_weights: tuple[int, ...], max_reuse: int = DEEPSPEED_MAX_REUSE
+) -> int:
+    """Elements ZeRO-3 gathers again for the backward of a layer whose forward it has just
+    re-run (activation checkpointing), `module_weights` the layer's sub-modules' weights in
+    forward order, as its hooks fetch them.
+
+    The re-run forward fetches every sub-module's weights (its forward pre-hooks fire again)
+    and, after each sub-module, releases them unless the trace uses them again before
+    `max_reuse` elements of other sub-modules have been fetched (stage3_max_reuse_distance:
+    deepspeed/runtime/zero/stage3.py at v0.3.16 and v0.5.4, `_keep_for_later`,
+    "reuse_distance_in_numel < self.max_reuse_distance_in_numel";
+    partitioned_param_coordinator.py at v0.19.8,
+    `__params_to_release`). Between sub-module i's re-run forward and its backward come the
+    re-run forwards of the sub-modules after it and then their backwards, so its weights stay
+    iff 2·Σ_{j>i} module_weights[j] < max_reuse; the others are gathered again for the
+    backward. GPT-3 175B (h 12288): the fc2 weight stays, QKV, out-proj and fc1 (8h², 1.2e9
+    elements between fc1 and its backward) are gathered again.
+
+    derived: the trace of one checkpointed layer, re-run forward then backward."""
+    released = deepspeed_zero3_released(module_weights, max_reuse)
+    return sum(weights for weights, again in zip(module_weights, released, strict=True) if again)
+
+
+def deepspeed_zero3_released(
+    module_weights: tuple[int, ...], max_reuse: int = DEEPSPEED_MAX_REUSE
+) -> tuple[bool, ...]:
+    """Which sub-modules of a layer whose forward was just re-run ZeRO-3 releases before their
+    backward (`deepspeed_zero3_regathered`): 2·Σ_{j>i} module_weights[j] >= max_reuse."""
+    return tuple(2 * sum(module_weights[i + 1 :]) >= max_reuse for i in range(len(module_weights)))
+
+
+def deepspeed_zero3_prefetch_windows(
+    uses: tuple[tuple[float, float], ...],
+) -> tuple[tuple[float, float], ...]:
+    """The compute each of ZeRO-3's all-gathers runs beside when no bucket of its prefetch
+    holds more than one weight. `uses`: one layer's sub-module uses in trace order, repeated
+    layer after layer, each (its compute seconds, its gather seconds, 0 when its weights are
+    still gathered); for each gathered use, (its gather, the compute from the previous gathered
+    use up to it, cyclically).
+
+    The coordinator fetches a sub-module's weights, waits for them, and only then prefetches
+    the next weights of the trace that are not gathered, while fewer than
+    stage3_prefetch_bucket_size elements (5e7) are on their way: one weight when each holds
+    more (deepspeed/runtime/zero/partitioned_param_coordinator.py at v0.19.8,
+    `fetch_sub_module`: "kick off all gather for params in the next few submodules", `while
+    self.__param_queue and numel_prefetching < max_params_to_prefetch`; at v0.3.16 and v0.5.4,
+    stage3.py `prefetch_next_sub_modules`, "prefetch if there is no current prefetching in
+    flight", and `fetch_sub_module`, which waits and synchronizes the device). So a weight's
+    gather starts when the previous gathered sub-module starts and hides behind the compute
+    until its own sub-module runs.
+
+    derived: the trace of one layer under that rule."""
+    count = len(uses)
+    gathered = [index for index, (_, gather) in enumerate(uses) if gather > 0]
+    windows = []
+    for position, index in enumerate(gathered):
+        issued = gathered[position - 1]  # the previous gathered use, cyclically
+        window, step = 0.0, issued
+        while True:
+            window += uses[step][0]
+            step = (step + 1) % count
+            if step == index:
+                break
+        windows.append((uses[index][1], window))
+    return tuple(windows)
 
 
 def deepspeed_zero3_live_bytes(layer_bytes: int, largest_weight_bytes: int) -> int:

@@ -453,6 +453,42 @@ def layer_parameter_parts(spec: ModelSpec, kind: LayerKind | None = None) -> Lay
     return LayerParameters(split, replicated, kv=kv)
 
 
+def layer_module_parameters(
+    spec: ModelSpec, kind: LayerKind | None = None
+) -> tuple[int, ...] | None:
+    """One dense layer's weights sub-module by sub-module, in the order its forward runs them,
+    on one tensor-parallel rank: the input norm, the QKV projection, the out-projection, the
+    second norm, fc1 (with the gate, one module in Megatron-LM's ParallelMLP) and fc2, each
+    with its biases, split as `layer_parameter_parts` splits them (QK-norms with the QKV
+    projection; post-norms, where the layer has them, with the module before). What a
+    framework that fetches weights module by module (DeepSpeed ZeRO-3's hooks) sees. None
+    for the layers laid out otherwise (MoE, MLA, the NumPy MLP).
+
+    derived: `layer_parameter_parts`, split at Megatron-LM's module boundaries
+    (megatron/model/transformer.py ParallelTransformerLayer: input_layernorm, self_attention
+    .query_key_value, self_attention.dense, post_attention_layernorm, mlp.dense_h_to_4h,
+    mlp.dense_4h_to_h)."""
+    kind = representative_kind(spec) if kind is None else kind
+    if spec.kind != "transformer" or spec.mla or kind.moe:
+        return None
+    h, F, d, t = spec.hidden, spec.ffn_hidden, spec.head_dim, spec.tp
+    norm = norm_parameters(spec)
+    post = norm if spec.post_norms else 0
+    row_bias = h if spec.bias else 0
+    q_out, kv_out = spec.heads * d, 2 * spec.kv_heads * d
+    q = split_share(h * q_out + (q_out if spec.qkv_bias else 0), t)
+    kv_per_head = (h * kv_out + (kv_out if spec.qkv_bias else 0)) // spec.kv_heads
+    kv = kv_per_head * -(-spec.kv_heads // t)
+    qkv = q + kv + (2 * d if spec.qk_norm else 0)
+    out_proj = split_share(spec.heads * d * h, t) + row_bias + post
+    gated = spec.mlp != "gelu"
+    fc1 = split_share(
+        (2 if gated else 1) * h * F + ((2 * F if gated else F) if spec.bias else 0), t
+    )
+    fc2 = split_share(F * h, t) + row_bias + post
+    return (norm, qkv, out_proj, norm, fc1, fc2)
+
+
 def layer_parameters(spec: ModelSpec, kind: LayerKind | None = None) -> int:
     """Weights of one layer (`layer_parameter_parts`); the NumPy MLP's w1, b1, w2, b2."""
     if spec.kind == "mlp":
