@@ -331,7 +331,7 @@ def test_torchao_8bit_step_transient_in_triton_code():
     pytest.importorskip("triton")
     module = _torchao_step_script()
     numel = 512 * 768
-    peak = module.triton_wrapper_peak(512, 768)
+    peak, _ = module.triton_wrapper_peaks(512, 768)
     assert peak == module.triton_step_transient_bytes(numel) == 2 * numel + 8 * numel // 256
 
 
@@ -348,3 +348,29 @@ def test_wrapper_peak_counts_allocations_and_frees_in_order():
         "    del buf1, buf2\n"
     )
     assert module.wrapper_peak_bytes(source) == 4 * 8 * 4 + 16
+
+
+def test_wrapper_autotune_peak_clones_each_stored_argument():
+    """At a Triton kernel's first launch the autotuner clones every argument the kernel stores
+    into, one clone per argument even where one tensor is passed twice (torch 2.5.1
+    `CachingAutotuner.clone_args`), on top of the wrapper's live buffers."""
+    module = _torchao_step_script()
+    source = (
+        "k0 = async_compile.triton('triton_', '''\n"
+        "@triton_heuristics.reduction(\n"
+        "    inductor_meta={'mutated_arg_names': ['in_ptr1', 'out_ptr0']},\n"
+        ")\n"
+        "@triton.jit\n"
+        "def triton_(in_ptr0, in_ptr1, out_ptr0, out_ptr1, xnumel, XBLOCK : tl.constexpr):\n"
+        "    pass\n"
+        "''', device_str='cuda')\n"
+        "def call(args):\n"
+        "    buf0 = empty_strided_cuda((100, ), (1, ), torch.float32)\n"
+        "    k0.run(arg0_1, arg1_1, arg1_1, buf0, 100, grid=grid(100), stream=stream0)\n"
+        "    del buf0\n"
+        "def benchmark_compiled_module(times=10, repeat=10):\n"
+        "    arg0_1 = rand_strided((100, ), (1, ), device='cuda', dtype=torch.bfloat16)\n"
+        "    arg1_1 = rand_strided((100, ), (1, ), device='cuda', dtype=torch.uint8)\n"
+    )
+    assert module.wrapper_peak_bytes(source) == 400
+    assert module.wrapper_autotune_peak_bytes(source) == 400 + 2 * 100
