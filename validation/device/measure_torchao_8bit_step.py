@@ -25,7 +25,7 @@ import tempfile
 
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")  # a first run
 
-import torch  # noqa: E402  (after the cache directory is set)
+import torch  # after the cache directory is set
 
 
 def step_transient(optimizer, parameter) -> dict:
