@@ -298,3 +298,79 @@ def test_chunked_output_loss_matches_ckplan():
         for name in ("forward", "loss_backward", "weight_sum"):
             measured, predicted = row[f"{name}_peak_bytes"], row[f"ckplan_{name}_bytes"]
             assert abs(measured - predicted) <= row["slack_bytes"], (name, trains, row)
+
+
+def _torchao_step_script():
+    path = SCRIPT.parent / "torchao_8bit_step_transient.py"
+    spec = importlib.util.spec_from_file_location("torchao_8bit_step_transient", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_torchao_8bit_step_transient_on_the_cpu():
+    """One compiled step of torchao's AdamW8bit over a bf16 parameter allocates, on the CPU,
+    its two block-scaled fp32 moments and their new scales beyond the parameter, gradient and
+    states: PyTorch's memory profiler against the closed form, to the byte, for two sizes (so
+    the form's slope and intercept both hold; validation/torchao_8bit_step_transient.py).
+    Skipped without torchao, which ckplan does not depend on."""
+    pytest.importorskip("torchao.prototype.low_bit_optim")
+    module = _torchao_step_script()
+    for rows in (512, 1024):
+        numel = rows * 768
+        measured = module.measure_executed(rows, 768)
+        assert measured == module.cpp_step_transient_bytes(numel) > 8 * numel
+
+
+def test_torchao_8bit_step_transient_in_triton_code():
+    """The same step as Inductor writes it for Triton, the GPU's code, keeps the scaled moments
+    in registers: the wrapper allocates the two moments' new uint8 codes and their new scales,
+    2 bytes a value and 8 a block (validation/torchao_8bit_step_transient.py). Skipped without
+    torchao or triton."""
+    pytest.importorskip("torchao.prototype.low_bit_optim")
+    pytest.importorskip("triton")
+    module = _torchao_step_script()
+    numel = 512 * 768
+    peak, _ = module.triton_wrapper_peaks(512, 768)
+    assert peak == module.triton_step_transient_bytes(numel) == 2 * numel + 8 * numel // 256
+
+
+def test_wrapper_peak_counts_allocations_and_frees_in_order():
+    """The wrapper reader used for the Triton code: live buffers summed line by line, a `del`
+    freeing every name it lists."""
+    module = _torchao_step_script()
+    source = (
+        "def call(self, args):\n"
+        "    buf0 = empty_strided_cpu((4, 8), (8, 1), torch.float32)\n"
+        "    buf1 = empty_strided_cuda((16, ), (1, ), torch.uint8)\n"
+        "    del buf0\n"
+        "    buf2 = empty_strided_cuda((10, ), (1, ), torch.bfloat16)\n"
+        "    del buf1, buf2\n"
+    )
+    assert module.wrapper_peak_bytes(source) == 4 * 8 * 4 + 16
+
+
+def test_wrapper_autotune_peak_clones_each_stored_argument():
+    """At a Triton kernel's first launch the autotuner clones every argument the kernel stores
+    into, one clone per argument even where one tensor is passed twice (torch 2.5.1
+    `CachingAutotuner.clone_args`), on top of the wrapper's live buffers."""
+    module = _torchao_step_script()
+    source = (
+        "k0 = async_compile.triton('triton_', '''\n"
+        "@triton_heuristics.reduction(\n"
+        "    inductor_meta={'mutated_arg_names': ['in_ptr1', 'out_ptr0']},\n"
+        ")\n"
+        "@triton.jit\n"
+        "def triton_(in_ptr0, in_ptr1, out_ptr0, out_ptr1, xnumel, XBLOCK : tl.constexpr):\n"
+        "    pass\n"
+        "''', device_str='cuda')\n"
+        "def call(args):\n"
+        "    buf0 = empty_strided_cuda((100, ), (1, ), torch.float32)\n"
+        "    k0.run(arg0_1, arg1_1, arg1_1, buf0, 100, grid=grid(100), stream=stream0)\n"
+        "    del buf0\n"
+        "def benchmark_compiled_module(times=10, repeat=10):\n"
+        "    arg0_1 = rand_strided((100, ), (1, ), device='cuda', dtype=torch.bfloat16)\n"
+        "    arg1_1 = rand_strided((100, ), (1, ), device='cuda', dtype=torch.uint8)\n"
+    )
+    assert module.wrapper_peak_bytes(source) == 400
+    assert module.wrapper_autotune_peak_bytes(source) == 400 + 2 * 100
