@@ -1,6 +1,7 @@
 """PyTorch's caching allocator replayed (validation/caching_allocator.py) on hand cases, the eager
 loss's allocations through it (validation/loss_allocator_replay.py) against ckplan's
-`eager_loss_cached_bytes`, and the loss cache in the reserved peak."""
+`eager_loss_cached_bytes` and, with expandable segments, `expandable_eager_loss_idle_bytes`, and
+the loss cache in the reserved peak."""
 
 from __future__ import annotations
 
@@ -202,6 +203,38 @@ def test_fp32_logits_replayed_agree_with_the_closed_form():
         assert 0 <= cache.peak_reserved - cache.peak_allocated - closed < 8 * MIB, form
 
 
+def test_expandable_eager_loss_idle_bytes_by_hand():
+    """With expandable segments: the B-byte logits' block, B·L to 512 bytes; none for fp32."""
+    L = 8 * 1024 * 128256
+    assert allocator.expandable_eager_loss_idle_bytes(L, 2) == 2 * L  # a multiple of 512
+    assert allocator.expandable_eager_loss_idle_bytes(1001, 2) == 2048
+    assert allocator.expandable_eager_loss_idle_bytes(L, 4) == 0
+    assert allocator.expandable_eager_loss_idle_bytes(0, 2) == 0
+
+
+@pytest.mark.parametrize(
+    ("batch", "seq", "hidden", "vocab"),
+    [(1, 8192, 4096, 128256), (2, 4096, 2048, 32000), (8, 1024, 64, 128256)],
+)
+def test_the_recorded_loss_replayed_with_expandable_segments_agrees(batch, seq, hidden, vocab):
+    """The three eager forms through the rules with expandable segments: the reserved bytes
+    beyond the allocated peak are the bf16 logits' block, plus at most a 20 MiB large-pool
+    page and the small pool's 2 MiB one, the shifted copy's form included; for fp32 logits
+    only the pages."""
+    from needs_torch import torch_or_skip
+
+    torch = torch_or_skip()
+    import loss_allocator_replay as replay
+
+    L = batch * seq * vocab
+    for dtype, size in ((torch.bfloat16, 2), (torch.float32, 4)):
+        for form in replay.FORMS:
+            grown = replay.replayed(form, batch, seq, hidden, vocab, dtype, True)
+            beyond = grown.peak_reserved - grown.peak_allocated
+            closed = allocator.expandable_eager_loss_idle_bytes(L, size)
+            assert 0 <= beyond - closed < 24 * MIB, (form, size)
+
+
 def test_loss_cached_bytes_by_spec(spec_of):
     """The loss cache by framework release, allocator mode, tensor parallelism and stage."""
     seg = allocator.segment_bytes
@@ -215,7 +248,21 @@ def test_loss_cached_bytes_by_spec(spec_of):
     )  # fmt: skip
     assert loss_cached_bytes(old) == seg(2 * L) + seg(4 * L)
     titan = spec_of("llama3-8b", framework="torchtitan", loss="eager", seq=1024, micro_batch=8)
-    assert titan.expandable_segments and loss_cached_bytes(titan) == 0
+    # expandable segments: the bf16 logits' block alone
+    assert titan.expandable_segments and loss_cached_bytes(titan) == 2 * L
+    expandable_old = spec_of(
+        "llama3-8b", framework="hf", framework_version="4.44", loss="eager", seq=1024,
+        micro_batch=8, expandable_segments=True,
+    )  # fmt: skip
+    assert loss_cached_bytes(expandable_old) == 2 * L  # the shifted copy merges: nothing more
+    titan_parallel = spec_of("llama3-8b", framework="torchtitan", loss="eager", tp=8, sp=True)
+    assert titan_parallel.expandable_segments
+    assert loss_cached_bytes(titan_parallel) == 2 * logits_elements(titan_parallel)
+    assert logits_elements(titan_parallel) * 8 == logits_elements(
+        spec_of("llama3-8b", framework="torchtitan", loss="eager")
+    )
+    compiled = spec_of("llama3-8b", framework="torchtitan", loss="compiled")
+    assert compiled.expandable_segments and loss_cached_bytes(compiled) == 0
     default = spec_of(
         "llama3-8b", framework="torchtitan", loss="eager", seq=1024, micro_batch=8,
         expandable_segments=False,

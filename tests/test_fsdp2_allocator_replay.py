@@ -175,3 +175,30 @@ def test_the_all_gather_pool_is_the_replayed_copy_in_stream():
                 before, 218_112_000, after, case["layers"], case["world"], expandable
             )
             assert abs(replayed - modelled) <= 64 * MIB, (case["run"], key, replayed, modelled)
+
+
+def test_expandable_default_stream_holds_the_eager_loss_logits_block_and_little_more():
+    """With expandable segments, at Llama 3 8B's allocated peak under FSDP 8 at batch 1 (torchao's
+    rows: torchtitan 0.3's units, those of the B200 rows, and the December 2024 units, those of
+    the H100 rows), the default stream's largest free block with the eager loss is the bf16
+    logits' block, 2·b·s·V bytes (ckplan.model.allocator `expandable_eager_loss_idle_bytes`),
+    and the rest beyond its allocated bytes is under 0.5 GiB; with the loss compiled no free
+    block is logit-sized and the whole is under 0.5 GiB."""
+    gib = 2**30
+    seen = set()
+    for case in STREAM_CASES:
+        if case["world"] != 8 or case["batch"] != 1:
+            continue
+        seen.add((case["layout"], case["loss"]))
+        default = _stream_part(case["expandable_streams"], "default")
+        beyond = default["reserved"] - default["allocated"]
+        logits = 1 * case["seq"] * 128_256
+        block = allocator.expandable_eager_loss_idle_bytes(logits, 2)
+        if case["loss"] == "eager":
+            assert abs(default["holes"][0] - block) < 2 * MIB, case["run"]
+            assert 0 <= beyond - block < gib / 2, case["run"]
+        else:
+            assert default["holes"][0] < block / 4 and 0 <= beyond < gib / 2, case["run"]
+    assert seen == {
+        (layout, loss) for layout in ("0.3.0", "202412") for loss in ("eager", "compiled")
+    }

@@ -349,7 +349,9 @@ def test_reserved_adds_the_stream_pools_in_whole_blocks():
     pools = memory.stream_pool_bytes(spec)
     without = allocator.reserved_bytes(plan.total_bytes, True)
     block = allocator.ROUND_LARGE
-    assert plan.reserved_bytes == without + -(-pools // block) * block
+    # the eager loss's bf16 logits' idle block besides (expandable segments), 2·b·s·V
+    idle = 2 * 2 * 8192 * 128256
+    assert plan.reserved_bytes == without + -(-pools // block) * block + idle
     assert allocator.reserved_bytes(0, True, 1) == block
     # under pressure the pools give way first, never below the allocated blocks
     assert allocator.reserved_within(3 * block, 4 * block, True, 10 * block) == 4 * block

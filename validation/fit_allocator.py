@@ -8,11 +8,12 @@ were both measured. The slack of a step is (reserved - loss cache) / allocated -
 allocated measured, so ckplan's own allocated error does not enter the fit; the loss cache is
 what ckplan adds apart from the slack, the segments the model's eager loss (the fp32 upcast and
 `F.cross_entropy`, measure_plans.py) leaves idle at its backward's peak with the default
-allocator (ckplan.model.allocator `eager_loss_cached_bytes`, 2·b·s·V bytes: 500 MiB here; none
-with expandable segments, as ckplan adds none there). The estimator, chosen before fitting, is the
-median over the six plans of each allocator mode: the offload plan's pinned copies make one
-outlier, and a median is not pulled by it. The published runs that report a reserved peak
-(validation/runs/) are the test set: the fit never reads them.
+allocator (ckplan.model.allocator `eager_loss_cached_bytes`, 2·b·s·V bytes: 500 MiB here) and
+the bf16 logits' idle block with expandable segments (`expandable_eager_loss_idle_bytes`, the
+same 500 MiB), as ckplan adds them (ckplan.model.loss `loss_cached_bytes`). The estimator,
+chosen before fitting, is the median over the six plans of each allocator mode: the offload
+plan's pinned copies make one outlier, and a median is not pulled by it. The published runs
+that report a reserved peak (validation/runs/) are the test set: the fit never reads them.
 
     python validation/fit_allocator.py             # fit, the residuals, the published errors
     python validation/fit_allocator.py --check     # exit 1 when allocator.py's constants differ
@@ -35,14 +36,15 @@ MEASUREMENTS = {
 
 
 def loss_cache_bytes(report: dict, expandable_segments: bool) -> int:
-    """The loss's idle segments in one measurement file's steps: measure_plans.py's model ends
-    in bf16 logits upcast to fp32 and `F.cross_entropy` (no shifted copy), b·s·V logits."""
-    from ckplan.model.allocator import eager_loss_cached_bytes
+    """The loss's idle segments (default allocator) or idle block (expandable segments) in one
+    measurement file's steps: measure_plans.py's model ends in bf16 logits upcast to fp32 and
+    `F.cross_entropy` (no shifted copy), b·s·V logits."""
+    from ckplan.model.allocator import eager_loss_cached_bytes, expandable_eager_loss_idle_bytes
 
-    if expandable_segments:
-        return 0
     shape = report["shape"]
     logits = shape["batch"] * shape["seq"] * shape["vocab"]
+    if expandable_segments:
+        return expandable_eager_loss_idle_bytes(logits, 2)
     return eager_loss_cached_bytes(logits, 2)
 
 

@@ -44,7 +44,12 @@ the default allocator, bf16, the loss compiled (`compiled_cross_entropy`) or eag
 allocated peaks 29.73 and 39.39 GiB, reserved 38.71 and 46.05 GiB (34.65 and 43.67 on one
 stream); the copy-in stream's pool is ckplan.model.frameworks `fsdp2_all_gather_pool_bytes` to
 the byte, and the default stream holds the bf16 logits' freed segment beside the output layer's
-backward (docs/memory.md).
+backward (docs/memory.md). With expandable segments (`expandable_streams`) the default stream
+holds, at the allocated peak under FSDP 8 at batch 1, 2.03 GiB beyond its allocated bytes with
+the eager loss, 1.96 GiB of it one free block, the bf16 logits' (torchao's H100 row, the
+December 2024 units, and the MI300X row's torchtitan 0.3 units, those of torchao's B200 rows),
+and 0.07 and 0.46 GiB with the loss compiled; under FSDP 32 at batch 2 (Trainy's) 10.08 GiB with
+the eager loss, a 5.97 GiB free block beside the logits' 3.91, and 0.21 GiB compiled.
 
 Usage: python validation/fsdp2_tp_allocator_replay.py [--write] [--h200 | --streams] [--layers N
 --kind tp|fsdp --ac full|op --batch B --seq S]
@@ -403,14 +408,18 @@ def measure(case: dict) -> dict:
 # The default allocator's published torchtitan FSDP runs (the calibration ones), as far as the
 # trace can run them: bf16 (no torchao here, so no float8), the blocks eager (no torch.compile
 # under the fake mode), the loss compiled as the runs compile it (`compiled_cross_entropy`) and,
-# for contrast, eager; torchao's MI300X bf16 row (FSDP 8, local batch 1, torchtitan 0.3's units)
-# and Trainy's 32-GPU H200 row (FSDP 32, local batch 2, the December 2024 units)
+# for contrast, eager; torchao's MI300X bf16 row (FSDP 8, local batch 1, torchtitan 0.3's units,
+# the units and shape of its B200 rows too) and Trainy's 32-GPU H200 row (FSDP 32, local batch
+# 2, the December 2024 units); and torchao's H100 bf16 row, with expandable segments (FSDP 8,
+# local batch 1, the December 2024 units, the loss eager as that run's)
 STREAM_RUNS = (
     {"kind": "fsdp", "layers": 32, "ac": "op", "batch": 1, "seq": 8192, "world": 8,
      "layout": "0.3.0", "steps": 3, "run": "torchao-mi300x-llama3-8b-fsdp8-bf16-compile"},
     {"kind": "fsdp", "layers": 32, "ac": "op", "batch": 2, "seq": 8192, "world": 32,
      "layout": "202412", "steps": 3,
      "run": "torchtitan-trainy-llama3-8b-h200-32gpu-fsdp-float8"},
+    {"kind": "fsdp", "layers": 32, "ac": "op", "batch": 1, "seq": 8192, "world": 8,
+     "layout": "202412", "steps": 3, "run": "torchao-h100-llama3-8b-fsdp8-bf16-compile"},
 )  # fmt: skip
 STREAM_CASES = tuple({**run, "loss": loss} for run in STREAM_RUNS for loss in ("compiled", "eager"))
 

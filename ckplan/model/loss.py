@@ -307,13 +307,18 @@ def shifted_logits_elements(spec: ChainSpec) -> int:
 def loss_cached_bytes(spec: ChainSpec, stage: int | None = None) -> int:
     """The bytes the loss's blocks leave reserved beyond the allocated peak on a GPU of pipeline
     stage `stage` (default the last, which runs the loss): the eager loss's idle segments
-    (ckplan.model.allocator `eager_loss_cached_bytes`) with the default allocator; 0 with
-    expandable segments (allocator module docstring), under torchtitan's loss parallel (t > 1,
-    its DTensor ops not replayed), for the other losses and on the other stages."""
+    (ckplan.model.allocator `eager_loss_cached_bytes`) with the default allocator, but under
+    torchtitan's loss parallel (t > 1, its DTensor ops not replayed there); with expandable
+    segments the logits' idle block (`expandable_eager_loss_idle_bytes`), loss parallel's
+    local logits included (validation/fsdp2_tp_allocator_replay.py: at the 70B 2-D step's
+    allocated peak the local bf16 logits' 3.91 GiB are idle, within a 4.75 GiB free block);
+    0 for the other losses and on the other stages."""
     if stage is not None and stage != spec.pp - 1:
         return 0
-    if spec.loss != "eager" or spec.expandable_segments:
+    if spec.loss != "eager":
         return 0
+    if spec.expandable_segments:
+        return allocator.expandable_eager_loss_idle_bytes(logits_elements(spec), spec.dtype_bytes)
     if spec.framework == "torchtitan" and spec.tp > 1:
         return 0
     shifted = shifted_logits_elements(spec) if shifted_logits(spec) else 0
