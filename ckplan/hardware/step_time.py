@@ -773,6 +773,105 @@ def _layer_uses(
     return [(_scale(seconds, modules[i] / total), gathers[i]) for i in order]
 
 
+def _zero3_gather_seconds(
+    spec: ModelSpec, gpu: GPU, elements: int, ranks: int, bandwidth: float
+) -> float:
+    """One ZeRO-3 weight gather: the all-gather, and under DeepSpeed's path of 2021 the copies
+    on the communication streams that the next fetch's synchronisation waits for
+    (`frameworks.deepspeed_zero3_gather_copy_bytes`, at HBM rate: `roofline.memory_seconds`)."""
+    weight_bytes = min(spec.weight_bytes, spec.dtype_bytes)
+    seconds = comm.all_gather_seconds(elements * weight_bytes, ranks, bandwidth)
+    if frameworks.deepspeed_list_collectives(spec):
+        copies = frameworks.deepspeed_zero3_gather_copy_bytes(elements, ranks, weight_bytes)
+        seconds += memory_seconds(gpu, copies.stream)
+    return seconds
+
+
+@dataclass(frozen=True)
+class Zero3Copies:
+    """The HBM copies of DeepSpeed ZeRO-3's path of 2021 around one micro-batch's collectives,
+    in seconds: `serial` where nothing else runs or on the compute stream (the gather buffers'
+    zero fill before each sub-module's compute, the gradients' copies into the reduction
+    bucket), `forward` and `backward` on the communication streams, in the collectives' time."""
+
+    serial: float = 0.0
+    forward: float = 0.0
+    backward: float = 0.0
+
+
+def deepspeed_2021_copies(
+    spec: ModelSpec, gpu: GPU, forwards: tuple[int, ...]
+) -> Zero3Copies | None:
+    """`Zero3Copies` of one micro-batch on the first stage under `framework_version` 0.3.16
+    (`frameworks.deepspeed_list_collectives`), else None. The gathered weights are each
+    layer's sub-modules above stage3_param_persistence_threshold
+    (`memory.layer_module_parameters`), once for the forward and, for the backward, once per
+    re-run forward plus those released before the backward (`frameworks.deepspeed_zero3_released`),
+    or once where the layer is not re-run; the rest of the stage's weights (embedding, final
+    norm, output layer) as one tensor, once each way. The gradients reach the reduction bucket
+    in the backward's order: the rest first, then the layers' sub-modules last to first.
+
+    derived: `frameworks.deepspeed_zero3_gather_copy_bytes` per gather and
+    `frameworks.deepspeed_zero3_reduce_copy_bytes` over the backward, at HBM rate
+    (`roofline.memory_seconds`); a module's weight and bias counted as one tensor, as
+    `memory.layer_module_parameters` lays them out."""
+    if not frameworks.deepspeed_list_collectives(spec) or spec.zero != 3 or spec.dp * spec.cp == 1:
+        return None
+    ranks = spec.dp * spec.cp
+    weight_bytes = min(spec.weight_bytes, spec.dtype_bytes)
+    reduce_bytes = frameworks.reduce_bytes_per_parameter(
+        spec.framework, spec.zero, spec.grad_bytes, spec.dtype_bytes
+    )
+    kinds = stage_kinds(spec, 0)
+    first = 1 if spec.kind == "transformer" and spec.vocab > 0 else 0
+    counts = list(forwards[first : first + len(kinds)]) or [1] * len(kinds)
+    counts += [1] * (len(kinds) - len(counts))
+    dense, _ = memory.trainable_stage_parameters(spec, 0)
+    forward_gathers: list[int] = []
+    backward_gathers: list[int] = []
+    gradients: list[int] = []
+    layered = 0
+    for kind, count in zip(kinds, counts, strict=True):
+        modules = memory.layer_module_parameters(spec, kind)
+        if modules is None:
+            return None
+        layered += sum(modules)
+        gradients.extend(reversed(modules))
+        kept = [w for w in modules if w > frameworks.DEEPSPEED_PERSISTENCE]
+        forward_gathers.extend(kept)
+        if count < 2:
+            backward_gathers.extend(kept)
+            continue
+        released = frameworks.deepspeed_zero3_released(modules)
+        backward_gathers.extend(kept * (count - 1))
+        backward_gathers.extend(
+            w
+            for w, again in zip(modules, released, strict=True)
+            if again and w > frameworks.DEEPSPEED_PERSISTENCE
+        )
+    rest = max(0, dense - layered)
+    if rest:
+        gradients.insert(0, rest)
+        if rest > frameworks.DEEPSPEED_PERSISTENCE:
+            forward_gathers.append(rest)
+            backward_gathers.append(rest)
+
+    def gathers(weights: list[int]) -> tuple[int, int]:
+        copies = [
+            frameworks.deepspeed_zero3_gather_copy_bytes(w, ranks, weight_bytes) for w in weights
+        ]
+        return sum(c.serial for c in copies), sum(c.stream for c in copies)
+
+    forward_serial, forward_stream = gathers(forward_gathers)
+    backward_serial, backward_stream = gathers(backward_gathers)
+    reduce = frameworks.deepspeed_zero3_reduce_copy_bytes(tuple(gradients), ranks, reduce_bytes)
+    return Zero3Copies(
+        serial=memory_seconds(gpu, forward_serial + backward_serial + reduce.serial),
+        forward=memory_seconds(gpu, forward_stream),
+        backward=memory_seconds(gpu, backward_stream + reduce.stream),
+    )
+
+
 @lru_cache(maxsize=256)
 def deepspeed_zero3_layer_exposed(
     spec: ModelSpec, gpu: GPU, forwards: tuple[int, ...]
@@ -804,7 +903,6 @@ def deepspeed_zero3_layer_exposed(
         return None
     ranks = spec.dp * spec.cp
     bandwidth = comm.group_bandwidth(gpu, ranks, spec.tp)
-    weight_bytes = min(spec.weight_bytes, spec.dtype_bytes)
     slowdown = gpu.sm_count / (gpu.sm_count - gpu.nccl_channels)
     totals = [0.0, 0.0]
     for (kind, count), run in groupby(zip(kinds, counts, strict=True)):
@@ -819,7 +917,7 @@ def deepspeed_zero3_layer_exposed(
         ):
             return None
         gathers = tuple(
-            comm.all_gather_seconds(w * weight_bytes, ranks, bandwidth) if g else 0.0
+            _zero3_gather_seconds(spec, gpu, w, ranks, bandwidth) if g else 0.0
             for g, w in zip(gathered, modules, strict=True)
         )
         layer = layer_time(spec, gpu, kind)
@@ -880,8 +978,12 @@ def data_parallel_exposed(
     leaves them (`deepspeed_zero3_layer_exposed`, from the chain's `forwards`), and the rest
     (the gradients' reduce-scatter, the embedding's and output layer's gathers) as above."""
     parts = data_parallel_comm(spec, gpu, regathered)
+    # DeepSpeed's path of 2021: its copies lengthen the collectives, its zero fills and
+    # bucket copies run alone or on the compute stream (`deepspeed_2021_copies`)
+    copies = deepspeed_2021_copies(spec, gpu, forwards) or Zero3Copies()
     if not spec.dp_comm_overlap:
-        return (1 - gpu.dp_overlap) * parts.total(spec.microbatches)
+        added = copies.serial + copies.forward + copies.backward
+        return (1 - gpu.dp_overlap) * parts.total(spec.microbatches) + spec.microbatches * added
     chunks = max(1, spec.layers_per_stage // spec.virtual_stages)
     slowdown = gpu.sm_count / (gpu.sm_count - gpu.nccl_channels)
 
@@ -893,16 +995,17 @@ def data_parallel_exposed(
 
     backward = _add(busiest.backward, busiest.recompute)
     once = hidden(parts.reduce, backward) + hidden(parts.gather, busiest.forward)
+    forward_comm, backward_comm = parts.forward + copies.forward, parts.backward + copies.backward
     layered = deepspeed_zero3_layer_exposed(spec, gpu, forwards) if forwards else None
     if layered is None:
-        each = hidden(parts.forward, busiest.forward) + hidden(parts.backward, backward)
-        return once + spec.microbatches * each
+        each = hidden(forward_comm, busiest.forward) + hidden(backward_comm, backward)
+        return once + spec.microbatches * (each + copies.serial)
     # one link carries the gathers, the embedding's and the gradients' reduce-scatter: a pass
     # takes at least its bytes' time (derived), beyond what the prefetch leaves exposed
     forward_exposed, backward_exposed = layered
-    each = max(forward_exposed, parts.forward - busiest.forward.total)
-    each += max(backward_exposed, parts.backward - backward.total)
-    return once + spec.microbatches * each
+    each = max(forward_exposed, forward_comm - busiest.forward.total)
+    each += max(backward_exposed, backward_comm - backward.total)
+    return once + spec.microbatches * (each + copies.serial)
 
 
 @lru_cache(maxsize=256)

@@ -103,11 +103,14 @@ ZERO_GRADS = ("none", "zeros")
 # transformers' causal-LM loss (ckplan.model.loss `shifted_logits_elements`: 4.44 copies the
 # shifted fp32 logits, 5.25 shifts the labels); deepspeed: the same transformers releases, for
 # a transformers model that the Hugging Face Trainer or accelerate runs under DeepSpeed (the
-# model code is transformers' whoever drives the step)
+# model code is transformers' whoever drives the step), and before them 0.3.16, DeepSpeed's own
+# ZeRO-3 fetch and reduction path of 2021 (`deepspeed_list_collectives`; a transformers model
+# there runs the newest transformers' loss)
 TRANSFORMERS_VERSIONS = ("4.44", "5.25")
+DEEPSPEED_2021 = "0.3.16"
 FRAMEWORK_VERSIONS = {
     "hf": TRANSFORMERS_VERSIONS,
-    "deepspeed": TRANSFORMERS_VERSIONS,
+    "deepspeed": (DEEPSPEED_2021, *TRANSFORMERS_VERSIONS),
     "torchtitan": ("2024.12", "0.3"),
 }
 
@@ -460,6 +463,118 @@ def deepspeed_zero3_released(
     """Which sub-modules of a layer whose forward was just re-run ZeRO-3 releases before their
     backward (`deepspeed_zero3_regathered`): 2·Σ_{j>i} module_weights[j] >= max_reuse."""
     return tuple(2 * sum(module_weights[i + 1 :]) >= max_reuse for i in range(len(module_weights)))
+
+
+def deepspeed_list_collectives(spec) -> bool:
+    """Whether `spec` runs DeepSpeed ZeRO-3's fetch and reduction path of 2021
+    (`framework_version` 0.3.16): per weight, a zero-filled gather buffer and a device-wide
+    synchronisation, and list collectives that PyTorch's ProcessGroupNCCL copies through a
+    flat buffer (`deepspeed_zero3_gather_copy_bytes`, `deepspeed_zero3_reduce_copy_bytes`).
+    The path is the same from ZeRO-3's first release, v0.3.12 (2021-03-12), to v0.5.4
+    (2021-10-06): deepspeed/runtime/zero/partition_parameters.py `_allgather_param`,
+    `_reduce_scatter_gradient` and stage3.py `fetch_sub_module`, `average_tensor`,
+    `reduce_independent_p_g_buckets_and_remove_grads` differ between them in log messages
+    only."""
+    return spec.framework == "deepspeed" and spec.framework_version == DEEPSPEED_2021
+
+
+@dataclass(frozen=True)
+class GatherCopies:
+    """HBM bytes (read plus written) one rank moves around one ZeRO-3 weight gather beside the
+    collective itself: `serial` before the sub-module's compute may start, `stream` on the
+    communication streams, in the gather's time."""
+
+    serial: int
+    stream: int
+
+
+def deepspeed_aligned_elements(elements: int, ranks: int) -> int:
+    """A ZeRO-3 weight's elements padded to a multiple of the ranks
+    (partition_parameters.py at v0.3.16, `_aligned_size`: ds_numel + `_padding_size`)."""
+    return -(-elements // ranks) * ranks
+
+
+def deepspeed_zero3_gather_copy_bytes(elements: int, ranks: int, dtype_bytes: int) -> GatherCopies:
+    """What one rank copies to gather one weight of `elements` elements under DeepSpeed's
+    ZeRO-3 of 2021 (deepspeed/runtime/zero/partition_parameters.py at v0.3.16,
+    `_allgather_param`, the path of the coordinator's asynchronous fetch and prefetch):
+
+    - `flat_tensor = torch.zeros(aligned_param_size)` fills the whole padded weight with zeros
+      (written once), then `torch.cuda.synchronize()`; the coordinator (stage3.py,
+      `fetch_sub_module` then `prefetch_next_sub_modules`, in the sub-module's pre-forward and
+      pre-backward hooks) has synchronised the device just before, so nothing else runs while
+      the zeros are written and the sub-module's kernels are launched only after: `serial`.
+    - the rank's own partition is copied into its slice (read and written), then
+      `torch.distributed.all_gather(partitions, ...)` with a list of `ranks` outputs:
+      ProcessGroupNCCL gathers into a flat buffer of its own and copies it into the outputs one
+      tensor per rank (torch/lib/c10d/ProcessGroupNCCL.cpp at 00f5dfd, `allgather`: "Copy the
+      flattened output tensors to the outputs"), the whole padded weight read and written on
+      the NCCL stream, which the next fetch's synchronisation waits for: `stream`."""
+    aligned = deepspeed_aligned_elements(elements, ranks)
+    partition = aligned // ranks
+    return GatherCopies(
+        serial=aligned * dtype_bytes, stream=(2 * partition + 2 * aligned) * dtype_bytes
+    )
+
+
+def deepspeed_zero3_reduce_calls(
+    gradients: tuple[int, ...], bucket: int = DEEPSPEED_REDUCE_BUCKET
+) -> tuple[tuple[int, ...], ...]:
+    """The gradients (elements each, in the order the backward's hooks deliver them) each
+    bucket reduction of DeepSpeed's ZeRO-3 of 2021 takes, in order (stage3.py at v0.3.16,
+    `reduce_independent_p_g_buckets_and_remove_grads`: a gradient that would take the bucket
+    past reduce_bucket_size (`bucket`) elements first reduces what the bucket holds
+    (`reduce_ipg_grads`), a gradient of more than `bucket` elements stays where it is and
+    counts towards the bucket all the same; `independent_gradient_partition_epilogue` reduces
+    the rest).
+
+    derived: that rule run over `gradients`."""
+    calls: list[tuple[int, ...]] = []
+    held: list[int] = []
+    for elements in gradients:
+        if held and sum(held) + elements > bucket:
+            calls.append(tuple(held))
+            held = []
+        held.append(elements)
+    if held:
+        calls.append(tuple(held))
+    return tuple(calls)
+
+
+def deepspeed_zero3_reduce_copy_bytes(
+    gradients: tuple[int, ...],
+    ranks: int,
+    dtype_bytes: int,
+    bucket: int = DEEPSPEED_REDUCE_BUCKET,
+) -> GatherCopies:
+    """What one rank copies to reduce-scatter one backward's `gradients` (elements each, in
+    hook order) under DeepSpeed's ZeRO-3 of 2021 with contiguous_gradients and overlap_comm
+    (their defaults), first micro-batch of a step (stage3.py and partition_parameters.py at
+    v0.3.16), besides the reduce-scatters themselves:
+
+    - `reduce_independent_p_g_buckets_and_remove_grads` copies each gradient of at most
+      `bucket` elements into the contiguous reduction bucket (`new_grad_tensor.copy_`, read and
+      written) from its hook, on the backward's stream: `serial`.
+    - each reduction (`deepspeed_zero3_reduce_calls`) runs `average_tensor` on the reduction
+      stream over `[self.ipg_buffer[self.ipg_index]]`, the whole bucket of `bucket` elements
+      however much of it is filled (`backward` allocates it at reduce_bucket_size), plus the
+      gradient above `bucket` it holds, if any: `tensor.div_` reads and writes each;
+      `_reduce_scatter_gradient` reduce-scatters each gradient as a list of `ranks` slices,
+      which ProcessGroupNCCL first copies into a flat buffer (torch/lib/c10d/
+      ProcessGroupNCCL.cpp at 00f5dfd, `reduce_scatter`), the padded gradient read and written;
+      `_partition_gradient` copies the rank's reduced partition into the gradient partition
+      (`dest_tensor.copy_`): `stream`, which the reduce-scatters wait for. Later micro-batches
+      add the partition instead (`add_`, a third partition's bytes), not counted here."""
+    serial = stream = 0
+    for call in deepspeed_zero3_reduce_calls(gradients, bucket):
+        large = sum(elements for elements in call if elements > bucket)
+        stream += 2 * (bucket + large) * dtype_bytes
+        for elements in call:
+            aligned = deepspeed_aligned_elements(elements, ranks)
+            stream += 2 * (aligned + aligned // ranks) * dtype_bytes
+            if elements <= bucket:
+                serial += 2 * elements * dtype_bytes
+    return GatherCopies(serial=serial, stream=stream)
 
 
 def deepspeed_zero3_prefetch_windows(
