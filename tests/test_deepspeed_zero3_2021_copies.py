@@ -10,9 +10,11 @@ GPT-3 175B (megatron-175b, h = 12288): one layer's sub-modules hold 2h, 3h² + 3
 
 import pytest
 
+from ckplan.hardware import communication as comm
 from ckplan.hardware.roofline import memory_seconds
 from ckplan.hardware.step_time import (
     Zero3Copies,
+    deepspeed_2021_reduce_seconds,
     data_parallel_exposed,
     deepspeed_2021_copies,
     deepspeed_zero3_layer_exposed,
@@ -25,8 +27,11 @@ from ckplan.model.frameworks import (
     deepspeed_aligned_elements,
     deepspeed_list_collectives,
     deepspeed_zero3_gather_copy_bytes,
+    deepspeed_zero3_prefetch_windows,
+    deepspeed_zero3_reduce_call_bytes,
     deepspeed_zero3_reduce_calls,
     deepspeed_zero3_reduce_copy_bytes,
+    deepspeed_zero3_reduce_triggers,
     deepspeed_zero3_released,
 )
 
@@ -155,3 +160,50 @@ def test_without_overlap_the_copies_add_whole(spec_of):
     )
     assert added == pytest.approx(3 * (copies.serial + copies.forward + copies.backward))
     assert isinstance(copies, Zero3Copies) and copies.serial > 0
+
+
+def test_reduce_triggers_by_hand():
+    # bucket 500: the hook of the second 604 reduces the first, the norm's the second, QKV's
+    # the norm with out-proj; QKV and the last norm are left for the epilogue
+    assert deepspeed_zero3_reduce_triggers((604, 604, 24, 151, 453, 24), 500) == (
+        ((), (604,), (604,), (), (24, 151), ()),
+        (453, 24),
+    )
+    call = deepspeed_zero3_reduce_call_bytes((24, 151), 4, 2, 500)
+    assert call.serial == 2 * (24 + 151) * 2
+    assert call.stream == 2 * 500 * 2 + 2 * (24 + 6) * 2 + 2 * (152 + 38) * 2
+
+
+def test_windows_take_the_collectives_issued_before_the_next_fetch():
+    uses = ((1.0, 0.0), (3.0, 3.0), (1.0, 1.0), (0.0, 0.0), (4.0, 4.0), (4.0, 4.5))
+    issued = (0.5, 0.0, 0.25, 0.125, 0.0, 1.0)
+    assert deepspeed_zero3_prefetch_windows(uses, issued) == (
+        (3.0 + 1.0 + 0.5, 4.0 + 1.0),  # issued by the previous layer's fc2 and the norm
+        (1.0 + 0.0, 3.0),
+        (4.0 + 0.25 + 0.125, 1.0 + 0.0),
+        (4.5 + 0.0, 4.0),
+    )
+    assert deepspeed_zero3_prefetch_windows(uses, ()) == deepspeed_zero3_prefetch_windows(uses)
+
+
+def test_gpt3_reduce_scatters_per_backward_hook(spec_of):
+    """GPT-3's backward delivers fc2, fc1, the second norm, out-proj, QKV, the first norm:
+    fc2's hook reduces the previous layer's QKV and norm, fc1's fc2, the norm's fc1, QKV's the
+    norm with out-proj."""
+    a100 = load_gpu("a100-80gb")
+    spec = _gpt3(spec_of, framework_version="0.3.16")
+    bandwidth = comm.group_bandwidth(a100, 8, 1)
+    norm1, qkv, out_proj, norm2, fc1, fc2 = GPT3_MODULES
+
+    def reduction(*call):
+        rs = comm.reduce_scatter_seconds(2 * sum(call), 8, bandwidth)
+        return rs + memory_seconds(a100, deepspeed_zero3_reduce_call_bytes(call, 8, 2).stream)
+
+    by_hand = (reduction(qkv, norm1), reduction(fc2), reduction(fc1), 0.0)
+    by_hand += (reduction(norm2, out_proj), 0.0)
+    seconds = deepspeed_2021_reduce_seconds(spec, a100, GPT3_MODULES, 8, bandwidth)
+    assert seconds == pytest.approx(by_hand)
+    # the later releases: reduce-scatters behind the whole backward, none per hook
+    assert deepspeed_2021_reduce_seconds(_gpt3(spec_of), a100, GPT3_MODULES, 8, bandwidth) == (
+        (0.0,) * 6
+    )

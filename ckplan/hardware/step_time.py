@@ -787,6 +787,38 @@ def _zero3_gather_seconds(
     return seconds
 
 
+def deepspeed_2021_reduce_seconds(
+    spec: ModelSpec, gpu: GPU, modules: tuple[int, ...], ranks: int, bandwidth: float
+) -> tuple[float, ...]:
+    """Under DeepSpeed's path of 2021 (`frameworks.deepspeed_list_collectives`), the seconds of
+    the bucket reductions each of a layer's sub-modules issues from its gradient's hook in the
+    backward (sub-modules last to first): the reduce-scatters of the gradients the hook sends
+    (`frameworks.deepspeed_zero3_reduce_triggers`, in the dtype
+    `frameworks.reduce_bytes_per_parameter` gives) and their copies on the reduction and NCCL
+    streams (`frameworks.deepspeed_zero3_reduce_call_bytes`, at HBM rate). All zeros on other
+    paths, whose reduce-scatters hide behind the whole backward (`data_parallel_exposed`).
+
+    derived: the bucket rule run over three layers' gradients, the middle layer's hooks taken
+    as every layer's; a module's weight and bias one gradient, as
+    `memory.layer_module_parameters` lays them out."""
+    n = len(modules)
+    if not frameworks.deepspeed_list_collectives(spec):
+        return (0.0,) * n
+    reduce_bytes = frameworks.reduce_bytes_per_parameter(
+        spec.framework, spec.zero, spec.grad_bytes, spec.dtype_bytes
+    )
+    triggered, _ = frameworks.deepspeed_zero3_reduce_triggers(tuple(reversed(modules)) * 3)
+    seconds = []
+    for call in triggered[n : 2 * n]:
+        if not call:
+            seconds.append(0.0)
+            continue
+        copies = frameworks.deepspeed_zero3_reduce_call_bytes(call, ranks, reduce_bytes)
+        rs = comm.reduce_scatter_seconds(sum(call) * reduce_bytes, ranks, bandwidth)
+        seconds.append(rs + memory_seconds(gpu, copies.stream))
+    return tuple(seconds)
+
+
 @dataclass(frozen=True)
 class Zero3Copies:
     """The HBM copies of DeepSpeed ZeRO-3's path of 2021 around one micro-batch's collectives,
@@ -925,6 +957,8 @@ def deepspeed_zero3_layer_exposed(
         backward = _add(layer.backward, OpTime(0.0, layer.backward_comm))
         n = len(modules)
         passes = [_layer_uses(modules, forward, gathers, range(n))]
+        reduces = deepspeed_2021_reduce_seconds(spec, gpu, modules, ranks, bandwidth)
+        issued: list[tuple[float, ...]] = [(0.0,) * n]
         if count == 2:
             # the re-run forward gathers every weight; the backward those released in between
             released = frameworks.deepspeed_zero3_released(modules)
@@ -933,11 +967,13 @@ def deepspeed_zero3_layer_exposed(
                 _layer_uses(modules, forward, gathers, range(n))
                 + _layer_uses(modules, backward, again, range(n - 1, -1, -1))
             )
+            issued.append((0.0,) * n + reduces)
         else:
             passes.append(_layer_uses(modules, backward, gathers, range(n - 1, -1, -1)))
+            issued.append(reduces)
         for phase, uses in enumerate(passes):
             windows = frameworks.deepspeed_zero3_prefetch_windows(
-                tuple((time.total, gather) for time, gather in uses)
+                tuple((time.total, gather) for time, gather in uses), issued[phase]
             )
             # the window's GEMMs slowed by the SMs NCCL holds (`data_parallel_exposed`)
             matmul_share = forward.matmul / forward.total if forward.total else 0.0

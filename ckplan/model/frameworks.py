@@ -517,28 +517,72 @@ def deepspeed_zero3_gather_copy_bytes(elements: int, ranks: int, dtype_bytes: in
     )
 
 
-def deepspeed_zero3_reduce_calls(
+def deepspeed_zero3_reduce_triggers(
     gradients: tuple[int, ...], bucket: int = DEEPSPEED_REDUCE_BUCKET
-) -> tuple[tuple[int, ...], ...]:
-    """The gradients (elements each, in the order the backward's hooks deliver them) each
-    bucket reduction of DeepSpeed's ZeRO-3 of 2021 takes, in order (stage3.py at v0.3.16,
-    `reduce_independent_p_g_buckets_and_remove_grads`: a gradient that would take the bucket
-    past reduce_bucket_size (`bucket`) elements first reduces what the bucket holds
-    (`reduce_ipg_grads`), a gradient of more than `bucket` elements stays where it is and
-    counts towards the bucket all the same; `independent_gradient_partition_epilogue` reduces
-    the rest).
+) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """Which gradients each gradient's hook reduces under DeepSpeed's ZeRO-3 of 2021, and what
+    is left for the end of the backward. `gradients`: elements each, in the order the
+    backward's hooks deliver them; per gradient, the gradients its hook sends to a bucket
+    reduction first (empty when none); then the gradients still held after the last hook.
+
+    stage3.py at v0.3.16, `reduce_independent_p_g_buckets_and_remove_grads`: a gradient that
+    would take the bucket past reduce_bucket_size (`bucket`) elements first reduces what the
+    bucket holds (`reduce_ipg_grads`), and a gradient of more than `bucket` elements stays
+    where it is but counts towards the bucket all the same; `independent_gradient_partition_
+    epilogue` reduces the rest after the backward.
 
     derived: that rule run over `gradients`."""
-    calls: list[tuple[int, ...]] = []
+    triggered: list[tuple[int, ...]] = []
     held: list[int] = []
     for elements in gradients:
         if held and sum(held) + elements > bucket:
-            calls.append(tuple(held))
+            triggered.append(tuple(held))
             held = []
+        else:
+            triggered.append(())
         held.append(elements)
-    if held:
-        calls.append(tuple(held))
-    return tuple(calls)
+    return tuple(triggered), tuple(held)
+
+
+def deepspeed_zero3_reduce_calls(
+    gradients: tuple[int, ...], bucket: int = DEEPSPEED_REDUCE_BUCKET
+) -> tuple[tuple[int, ...], ...]:
+    """The gradients each bucket reduction of DeepSpeed's ZeRO-3 of 2021 takes, in order: those
+    the hooks trigger, then the epilogue's (`deepspeed_zero3_reduce_triggers`)."""
+    triggered, rest = deepspeed_zero3_reduce_triggers(gradients, bucket)
+    return tuple(call for call in (*triggered, rest) if call)
+
+
+def deepspeed_zero3_reduce_call_bytes(
+    call: tuple[int, ...], ranks: int, dtype_bytes: int, bucket: int = DEEPSPEED_REDUCE_BUCKET
+) -> GatherCopies:
+    """What one rank copies around one bucket reduction of `call`'s gradients (elements each)
+    under DeepSpeed's ZeRO-3 of 2021 with contiguous_gradients and overlap_comm (their
+    defaults), first micro-batch of a step (stage3.py and partition_parameters.py at v0.3.16),
+    besides the reduce-scatters themselves:
+
+    - `reduce_independent_p_g_buckets_and_remove_grads` copies each gradient of at most
+      `bucket` elements into the contiguous reduction bucket (`new_grad_tensor.copy_`, read and
+      written) from its hook, on the backward's stream: `serial`.
+    - `reduce_ipg_grads` runs `average_tensor` on the reduction stream over
+      `[self.ipg_buffer[self.ipg_index]]`, the whole bucket of `bucket` elements however much of
+      it is filled (`backward` allocates it at reduce_bucket_size), plus the gradient above
+      `bucket` it holds, if any: `tensor.div_` reads and writes each; `_reduce_scatter_gradient`
+      reduce-scatters each gradient as a list of `ranks` slices, which ProcessGroupNCCL first
+      copies into a flat buffer (torch/lib/c10d/ProcessGroupNCCL.cpp at 00f5dfd,
+      `reduce_scatter`), the padded gradient read and written; `_partition_gradient` copies the
+      rank's reduced partition into the gradient partition (`dest_tensor.copy_`): `stream`,
+      which the reduce-scatters wait for. Later micro-batches add the partition instead
+      (`add_`, a third partition's bytes), not counted here."""
+    large = sum(elements for elements in call if elements > bucket)
+    stream = 2 * (bucket + large) * dtype_bytes
+    serial = 0
+    for elements in call:
+        aligned = deepspeed_aligned_elements(elements, ranks)
+        stream += 2 * (aligned + aligned // ranks) * dtype_bytes
+        if elements <= bucket:
+            serial += 2 * elements * dtype_bytes
+    return GatherCopies(serial=serial, stream=stream)
 
 
 def deepspeed_zero3_reduce_copy_bytes(
@@ -547,38 +591,18 @@ def deepspeed_zero3_reduce_copy_bytes(
     dtype_bytes: int,
     bucket: int = DEEPSPEED_REDUCE_BUCKET,
 ) -> GatherCopies:
-    """What one rank copies to reduce-scatter one backward's `gradients` (elements each, in
-    hook order) under DeepSpeed's ZeRO-3 of 2021 with contiguous_gradients and overlap_comm
-    (their defaults), first micro-batch of a step (stage3.py and partition_parameters.py at
-    v0.3.16), besides the reduce-scatters themselves:
-
-    - `reduce_independent_p_g_buckets_and_remove_grads` copies each gradient of at most
-      `bucket` elements into the contiguous reduction bucket (`new_grad_tensor.copy_`, read and
-      written) from its hook, on the backward's stream: `serial`.
-    - each reduction (`deepspeed_zero3_reduce_calls`) runs `average_tensor` on the reduction
-      stream over `[self.ipg_buffer[self.ipg_index]]`, the whole bucket of `bucket` elements
-      however much of it is filled (`backward` allocates it at reduce_bucket_size), plus the
-      gradient above `bucket` it holds, if any: `tensor.div_` reads and writes each;
-      `_reduce_scatter_gradient` reduce-scatters each gradient as a list of `ranks` slices,
-      which ProcessGroupNCCL first copies into a flat buffer (torch/lib/c10d/
-      ProcessGroupNCCL.cpp at 00f5dfd, `reduce_scatter`), the padded gradient read and written;
-      `_partition_gradient` copies the rank's reduced partition into the gradient partition
-      (`dest_tensor.copy_`): `stream`, which the reduce-scatters wait for. Later micro-batches
-      add the partition instead (`add_`, a third partition's bytes), not counted here."""
-    serial = stream = 0
-    for call in deepspeed_zero3_reduce_calls(gradients, bucket):
-        large = sum(elements for elements in call if elements > bucket)
-        stream += 2 * (bucket + large) * dtype_bytes
-        for elements in call:
-            aligned = deepspeed_aligned_elements(elements, ranks)
-            stream += 2 * (aligned + aligned // ranks) * dtype_bytes
-            if elements <= bucket:
-                serial += 2 * elements * dtype_bytes
-    return GatherCopies(serial=serial, stream=stream)
+    """`deepspeed_zero3_reduce_call_bytes` over every bucket reduction of one backward's
+    `gradients` (elements each, in hook order: `deepspeed_zero3_reduce_calls`)."""
+    calls = [
+        deepspeed_zero3_reduce_call_bytes(call, ranks, dtype_bytes, bucket)
+        for call in deepspeed_zero3_reduce_calls(gradients, bucket)
+    ]
+    return GatherCopies(serial=sum(c.serial for c in calls), stream=sum(c.stream for c in calls))
 
 
 def deepspeed_zero3_prefetch_windows(
     uses: tuple[tuple[float, float], ...],
+    issued: tuple[float, ...] = (),
 ) -> tuple[tuple[float, float], ...]:
     """The compute each of ZeRO-3's all-gathers runs beside when no bucket of its prefetch
     holds more than one weight. `uses`: one layer's sub-module uses in trace order, repeated
@@ -597,19 +621,26 @@ def deepspeed_zero3_prefetch_windows(
     gather starts when the previous gathered sub-module starts and hides behind the compute
     until its own sub-module runs.
 
+    `issued`: per use, the seconds of other collectives it issues on the same NCCL stream (the
+    gradients' reduce-scatters of DeepSpeed's path of 2021), which the next fetch's device
+    synchronisation waits for: they join the next gathered use's gather (at v0.3.16, stage3.py
+    `_synchronize_communication`, `torch.cuda.synchronize()`; one process group, one NCCL
+    stream: torch/lib/c10d/ProcessGroupNCCL.cpp at 00f5dfd, `ncclStreams_` per device).
+
     derived: the trace of one layer under that rule."""
     count = len(uses)
     gathered = [index for index, (_, gather) in enumerate(uses) if gather > 0]
     windows = []
     for position, index in enumerate(gathered):
-        issued = gathered[position - 1]  # the previous gathered use, cyclically
-        window, step = 0.0, issued
+        start = gathered[position - 1]  # the previous gathered use, cyclically
+        window, work, step = 0.0, uses[index][1], start
         while True:
             window += uses[step][0]
+            work += issued[step] if issued else 0.0
             step = (step + 1) % count
             if step == index:
                 break
-        windows.append((uses[index][1], window))
+        windows.append((work, window))
     return tuple(windows)
 
 
