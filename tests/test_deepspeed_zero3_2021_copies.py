@@ -14,9 +14,9 @@ from ckplan.hardware import communication as comm
 from ckplan.hardware.roofline import memory_seconds
 from ckplan.hardware.step_time import (
     Zero3Copies,
-    deepspeed_2021_reduce_seconds,
     data_parallel_exposed,
     deepspeed_2021_copies,
+    deepspeed_2021_reduce_seconds,
     deepspeed_zero3_layer_exposed,
 )
 from ckplan.inputs.gpus import load_gpu
