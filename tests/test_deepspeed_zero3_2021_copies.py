@@ -1,6 +1,7 @@
-"""DeepSpeed ZeRO-3's path of 2021 (framework_version 0.3.16: v0.3.12 to v0.5.4), by hand: the
-zero-filled gather buffer and the list collectives' copies through PyTorch's flat buffers
-(`frameworks.deepspeed_zero3_gather_copy_bytes`), the reduction bucket's copies and its
+"""DeepSpeed ZeRO-3's path of 2021 (framework_version 0.5.4: the fetch of v0.3.12 to v0.5.4),
+by hand: the zero-filled gather buffer and the list collectives' copies through PyTorch's
+flat buffers (`frameworks.deepspeed_zero3_gather_copy_bytes`), the reduction bucket's copies
+and its
 whole-bucket division (`frameworks.deepspeed_zero3_reduce_calls`,
 `deepspeed_zero3_reduce_copy_bytes`), and what they add to a step (`step_time`).
 
@@ -86,11 +87,11 @@ def test_reduce_copies_by_hand():
 def test_only_the_2021_release_takes_the_path(spec_of):
     spec = _gpt3(spec_of)
     assert not deepspeed_list_collectives(spec)
-    assert deepspeed_list_collectives(spec.replace(framework_version="0.3.16"))
+    assert deepspeed_list_collectives(spec.replace(framework_version="0.5.4"))
     assert deepspeed_2021_copies(spec, load_gpu("a100-80gb"), ()) is None
     assert (
         deepspeed_2021_copies(
-            spec.replace(framework_version="0.3.16", zero=2), load_gpu("a100-80gb"), ()
+            spec.replace(framework_version="0.5.4", zero=2), load_gpu("a100-80gb"), ()
         )
         is None
     )
@@ -98,7 +99,7 @@ def test_only_the_2021_release_takes_the_path(spec_of):
 
 def test_copies_of_one_micro_batch_by_hand(spec_of):
     a100 = load_gpu("a100-80gb")
-    spec = _gpt3(spec_of, framework_version="0.3.16")
+    spec = _gpt3(spec_of, framework_version="0.5.4")
     layers = spec.layers
     full = (1, *(2,) * layers, 1)
     kept = [w for w in GPT3_MODULES if w > DEEPSPEED_PERSISTENCE]
@@ -139,7 +140,7 @@ def test_copies_of_one_micro_batch_by_hand(spec_of):
 def test_copies_lengthen_each_layer_gather(spec_of):
     a100 = load_gpu("a100-80gb")
     spec = _gpt3(spec_of)
-    old = spec.replace(framework_version="0.3.16")
+    old = spec.replace(framework_version="0.5.4")
     plain = (1, *(1,) * spec.layers, 1)
     now = deepspeed_zero3_layer_exposed(spec, a100, plain)
     then = deepspeed_zero3_layer_exposed(old, a100, plain)
@@ -152,7 +153,7 @@ def test_without_overlap_the_copies_add_whole(spec_of):
     copies of each micro-batch are added whole."""
     a100 = load_gpu("a100-80gb")
     spec = _gpt3(spec_of, dp_comm_overlap=False, microbatches=3)
-    old = spec.replace(framework_version="0.3.16")
+    old = spec.replace(framework_version="0.5.4")
     plain = (1, *(1,) * spec.layers, 1)
     copies = deepspeed_2021_copies(old, a100, plain)
     added = data_parallel_exposed(old, a100, None, 0, plain) - data_parallel_exposed(
@@ -191,7 +192,7 @@ def test_gpt3_reduce_scatters_per_backward_hook(spec_of):
     fc2's hook reduces the previous layer's QKV and norm, fc1's fc2, the norm's fc1, QKV's the
     norm with out-proj."""
     a100 = load_gpu("a100-80gb")
-    spec = _gpt3(spec_of, framework_version="0.3.16")
+    spec = _gpt3(spec_of, framework_version="0.5.4")
     bandwidth = comm.group_bandwidth(a100, 8, 1)
     norm1, qkv, out_proj, norm2, fc1, fc2 = GPT3_MODULES
 

@@ -834,7 +834,7 @@ class Zero3Copies:
 def deepspeed_2021_copies(
     spec: ModelSpec, gpu: GPU, forwards: tuple[int, ...]
 ) -> Zero3Copies | None:
-    """`Zero3Copies` of one micro-batch on the first stage under `framework_version` 0.3.16
+    """`Zero3Copies` of one micro-batch on the first stage under `framework_version` 0.5.4
     (`frameworks.deepspeed_list_collectives`), else None. The gathered weights are each
     layer's sub-modules above stage3_param_persistence_threshold
     (`memory.layer_module_parameters`), once for the forward and, for the backward, once per

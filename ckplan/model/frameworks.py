@@ -103,11 +103,11 @@ ZERO_GRADS = ("none", "zeros")
 # transformers' causal-LM loss (ckplan.model.loss `shifted_logits_elements`: 4.44 copies the
 # shifted fp32 logits, 5.25 shifts the labels); deepspeed: the same transformers releases, for
 # a transformers model that the Hugging Face Trainer or accelerate runs under DeepSpeed (the
-# model code is transformers' whoever drives the step), and before them 0.3.16, DeepSpeed's own
+# model code is transformers' whoever drives the step), and before them 0.5.4, DeepSpeed's own
 # ZeRO-3 fetch and reduction path of 2021 (`deepspeed_list_collectives`; a transformers model
 # there runs the newest transformers' loss)
 TRANSFORMERS_VERSIONS = ("4.44", "5.25")
-DEEPSPEED_2021 = "0.3.16"
+DEEPSPEED_2021 = "0.5.4"
 FRAMEWORK_VERSIONS = {
     "hf": TRANSFORMERS_VERSIONS,
     "deepspeed": (DEEPSPEED_2021, *TRANSFORMERS_VERSIONS),
@@ -467,14 +467,18 @@ def deepspeed_zero3_released(
 
 def deepspeed_list_collectives(spec) -> bool:
     """Whether `spec` runs DeepSpeed ZeRO-3's fetch and reduction path of 2021
-    (`framework_version` 0.3.16): per weight, a zero-filled gather buffer and a device-wide
+    (`framework_version` 0.5.4): per weight, a zero-filled gather buffer and a device-wide
     synchronisation, and list collectives that PyTorch's ProcessGroupNCCL copies through a
-    flat buffer (`deepspeed_zero3_gather_copy_bytes`, `deepspeed_zero3_reduce_copy_bytes`).
-    The path is the same from ZeRO-3's first release, v0.3.12 (2021-03-12), to v0.5.4
+    flat buffer (`deepspeed_zero3_gather_copy_bytes`, `deepspeed_zero3_reduce_call_bytes`).
+
+    The fetch is the same code from ZeRO-3's first release, v0.3.12 (2021-03-12), to v0.5.4
     (2021-10-06): deepspeed/runtime/zero/partition_parameters.py `_allgather_param`,
-    `_reduce_scatter_gradient` and stage3.py `fetch_sub_module`, `average_tensor`,
-    `reduce_independent_p_g_buckets_and_remove_grads` differ between them in log messages
-    only."""
+    `_reduce_scatter_gradient` and stage3.py `fetch_sub_module`, `reduce_ipg_grads`,
+    `average_tensor`, `reduce_independent_p_g_buckets_and_remove_grads` differ between them in
+    log messages only. The gradients are reduce-scattered through the contiguous bucket as
+    v0.5.4's defaults run them (constants.py: contiguous_gradients and reduce_scatter true);
+    before v0.4.5 ZeRO-3 defaulted to contiguous_gradients false, which all-reduces each
+    bucket instead (stage3.py `buffered_reduce_fallback`), not modelled."""
     return spec.framework == "deepspeed" and spec.framework_version == DEEPSPEED_2021
 
 
@@ -490,13 +494,13 @@ class GatherCopies:
 
 def deepspeed_aligned_elements(elements: int, ranks: int) -> int:
     """A ZeRO-3 weight's elements padded to a multiple of the ranks
-    (partition_parameters.py at v0.3.16, `_aligned_size`: ds_numel + `_padding_size`)."""
+    (partition_parameters.py at v0.3.16 and v0.5.4, `_aligned_size`: ds_numel + `_padding_size`)."""
     return -(-elements // ranks) * ranks
 
 
 def deepspeed_zero3_gather_copy_bytes(elements: int, ranks: int, dtype_bytes: int) -> GatherCopies:
     """What one rank copies to gather one weight of `elements` elements under DeepSpeed's
-    ZeRO-3 of 2021 (deepspeed/runtime/zero/partition_parameters.py at v0.3.16,
+    ZeRO-3 of 2021 (deepspeed/runtime/zero/partition_parameters.py at v0.3.16 and v0.5.4,
     `_allgather_param`, the path of the coordinator's asynchronous fetch and prefetch):
 
     - `flat_tensor = torch.zeros(aligned_param_size)` fills the whole padded weight with zeros
@@ -525,11 +529,11 @@ def deepspeed_zero3_reduce_triggers(
     backward's hooks deliver them; per gradient, the gradients its hook sends to a bucket
     reduction first (empty when none); then the gradients still held after the last hook.
 
-    stage3.py at v0.3.16, `reduce_independent_p_g_buckets_and_remove_grads`: a gradient that
-    would take the bucket past reduce_bucket_size (`bucket`) elements first reduces what the
-    bucket holds (`reduce_ipg_grads`), and a gradient of more than `bucket` elements stays
-    where it is but counts towards the bucket all the same; `independent_gradient_partition_
-    epilogue` reduces the rest after the backward.
+    stage3.py at v0.3.16 and v0.5.4, `reduce_independent_p_g_buckets_and_remove_grads`: a
+    gradient that would take the bucket past reduce_bucket_size (`bucket`) elements first
+    reduces what the bucket holds (`reduce_ipg_grads`), and a gradient of more than `bucket`
+    elements stays where it is but counts towards the bucket all the same;
+    `independent_gradient_partition_epilogue` reduces the rest after the backward.
 
     derived: that rule run over `gradients`."""
     triggered: list[tuple[int, ...]] = []
@@ -558,8 +562,8 @@ def deepspeed_zero3_reduce_call_bytes(
 ) -> GatherCopies:
     """What one rank copies around one bucket reduction of `call`'s gradients (elements each)
     under DeepSpeed's ZeRO-3 of 2021 with contiguous_gradients and overlap_comm (their
-    defaults), first micro-batch of a step (stage3.py and partition_parameters.py at v0.3.16),
-    besides the reduce-scatters themselves:
+    defaults at v0.5.4), first micro-batch of a step (stage3.py and partition_parameters.py at
+    v0.3.16 and v0.5.4), besides the reduce-scatters themselves:
 
     - `reduce_independent_p_g_buckets_and_remove_grads` copies each gradient of at most
       `bucket` elements into the contiguous reduction bucket (`new_grad_tensor.copy_`, read and
@@ -623,9 +627,9 @@ def deepspeed_zero3_prefetch_windows(
 
     `issued`: per use, the seconds of other collectives it issues on the same NCCL stream (the
     gradients' reduce-scatters of DeepSpeed's path of 2021), which the next fetch's device
-    synchronisation waits for: they join the next gathered use's gather (at v0.3.16, stage3.py
-    `_synchronize_communication`, `torch.cuda.synchronize()`; one process group, one NCCL
-    stream: torch/lib/c10d/ProcessGroupNCCL.cpp at 00f5dfd, `ncclStreams_` per device).
+    synchronisation waits for: they join the next gathered use's gather (at v0.3.16 and v0.5.4,
+    stage3.py `_synchronize_communication`, `torch.cuda.synchronize()`; one process group, one
+    NCCL stream: torch/lib/c10d/ProcessGroupNCCL.cpp at 00f5dfd, `ncclStreams_` per device).
 
     derived: the trace of one layer under that rule."""
     count = len(uses)
