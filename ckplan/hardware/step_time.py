@@ -773,6 +773,137 @@ def _layer_uses(
     return [(_scale(seconds, modules[i] / total), gathers[i]) for i in order]
 
 
+def _zero3_gather_seconds(
+    spec: ModelSpec, gpu: GPU, elements: int, ranks: int, bandwidth: float
+) -> float:
+    """One ZeRO-3 weight gather: the all-gather, and under DeepSpeed's path of 2021 the copies
+    on the communication streams that the next fetch's synchronisation waits for
+    (`frameworks.deepspeed_zero3_gather_copy_bytes`, at HBM rate: `roofline.memory_seconds`)."""
+    weight_bytes = min(spec.weight_bytes, spec.dtype_bytes)
+    seconds = comm.all_gather_seconds(elements * weight_bytes, ranks, bandwidth)
+    if frameworks.deepspeed_list_collectives(spec):
+        copies = frameworks.deepspeed_zero3_gather_copy_bytes(elements, ranks, weight_bytes)
+        seconds += memory_seconds(gpu, copies.stream)
+    return seconds
+
+
+def deepspeed_2021_reduce_seconds(
+    spec: ModelSpec, gpu: GPU, modules: tuple[int, ...], ranks: int, bandwidth: float
+) -> tuple[float, ...]:
+    """Under DeepSpeed's path of 2021 (`frameworks.deepspeed_list_collectives`), the seconds of
+    the bucket reductions each of a layer's sub-modules issues from its gradient's hook in the
+    backward (sub-modules last to first): the reduce-scatters of the gradients the hook sends
+    (`frameworks.deepspeed_zero3_reduce_triggers`, in the dtype
+    `frameworks.reduce_bytes_per_parameter` gives) and their copies on the reduction and NCCL
+    streams (`frameworks.deepspeed_zero3_reduce_call_bytes`, at HBM rate). All zeros on other
+    paths, whose reduce-scatters hide behind the whole backward (`data_parallel_exposed`).
+
+    derived: the bucket rule run over three layers' gradients, the middle layer's hooks taken
+    as every layer's; a module's weight and bias one gradient, as
+    `memory.layer_module_parameters` lays them out."""
+    n = len(modules)
+    if not frameworks.deepspeed_list_collectives(spec):
+        return (0.0,) * n
+    reduce_bytes = frameworks.reduce_bytes_per_parameter(
+        spec.framework, spec.zero, spec.grad_bytes, spec.dtype_bytes
+    )
+    triggered, _ = frameworks.deepspeed_zero3_reduce_triggers(tuple(reversed(modules)) * 3)
+    seconds = []
+    for call in triggered[n : 2 * n]:
+        if not call:
+            seconds.append(0.0)
+            continue
+        copies = frameworks.deepspeed_zero3_reduce_call_bytes(call, ranks, reduce_bytes)
+        rs = comm.reduce_scatter_seconds(sum(call) * reduce_bytes, ranks, bandwidth)
+        seconds.append(rs + memory_seconds(gpu, copies.stream))
+    return tuple(seconds)
+
+
+@dataclass(frozen=True)
+class Zero3Copies:
+    """The HBM copies of DeepSpeed ZeRO-3's path of 2021 around one micro-batch's collectives,
+    in seconds: `serial` where nothing else runs or on the compute stream (the gather buffers'
+    zero fill before each sub-module's compute, the gradients' copies into the reduction
+    bucket), `forward` and `backward` on the communication streams, in the collectives' time."""
+
+    serial: float = 0.0
+    forward: float = 0.0
+    backward: float = 0.0
+
+
+def deepspeed_2021_copies(
+    spec: ModelSpec, gpu: GPU, forwards: tuple[int, ...]
+) -> Zero3Copies | None:
+    """`Zero3Copies` of one micro-batch on the first stage under `framework_version` 0.5.4
+    (`frameworks.deepspeed_list_collectives`), else None. The gathered weights are each
+    layer's sub-modules above stage3_param_persistence_threshold
+    (`memory.layer_module_parameters`), once for the forward and, for the backward, once per
+    re-run forward plus those released before the backward (`frameworks.deepspeed_zero3_released`),
+    or once where the layer is not re-run; the rest of the stage's weights (embedding, final
+    norm, output layer) as one tensor, once each way. The gradients reach the reduction bucket
+    in the backward's order: the rest first, then the layers' sub-modules last to first.
+
+    derived: `frameworks.deepspeed_zero3_gather_copy_bytes` per gather and
+    `frameworks.deepspeed_zero3_reduce_copy_bytes` over the backward, at HBM rate
+    (`roofline.memory_seconds`); a module's weight and bias counted as one tensor, as
+    `memory.layer_module_parameters` lays them out."""
+    if not frameworks.deepspeed_list_collectives(spec) or spec.zero != 3 or spec.dp * spec.cp == 1:
+        return None
+    ranks = spec.dp * spec.cp
+    weight_bytes = min(spec.weight_bytes, spec.dtype_bytes)
+    reduce_bytes = frameworks.reduce_bytes_per_parameter(
+        spec.framework, spec.zero, spec.grad_bytes, spec.dtype_bytes
+    )
+    kinds = stage_kinds(spec, 0)
+    first = 1 if spec.kind == "transformer" and spec.vocab > 0 else 0
+    counts = list(forwards[first : first + len(kinds)]) or [1] * len(kinds)
+    counts += [1] * (len(kinds) - len(counts))
+    dense, _ = memory.trainable_stage_parameters(spec, 0)
+    forward_gathers: list[int] = []
+    backward_gathers: list[int] = []
+    gradients: list[int] = []
+    layered = 0
+    for kind, count in zip(kinds, counts, strict=True):
+        modules = memory.layer_module_parameters(spec, kind)
+        if modules is None:
+            return None
+        layered += sum(modules)
+        gradients.extend(reversed(modules))
+        kept = [w for w in modules if w > frameworks.DEEPSPEED_PERSISTENCE]
+        forward_gathers.extend(kept)
+        if count < 2:
+            backward_gathers.extend(kept)
+            continue
+        released = frameworks.deepspeed_zero3_released(modules)
+        backward_gathers.extend(kept * (count - 1))
+        backward_gathers.extend(
+            w
+            for w, again in zip(modules, released, strict=True)
+            if again and w > frameworks.DEEPSPEED_PERSISTENCE
+        )
+    rest = max(0, dense - layered)
+    if rest:
+        gradients.insert(0, rest)
+        if rest > frameworks.DEEPSPEED_PERSISTENCE:
+            forward_gathers.append(rest)
+            backward_gathers.append(rest)
+
+    def gathers(weights: list[int]) -> tuple[int, int]:
+        copies = [
+            frameworks.deepspeed_zero3_gather_copy_bytes(w, ranks, weight_bytes) for w in weights
+        ]
+        return sum(c.serial for c in copies), sum(c.stream for c in copies)
+
+    forward_serial, forward_stream = gathers(forward_gathers)
+    backward_serial, backward_stream = gathers(backward_gathers)
+    reduce = frameworks.deepspeed_zero3_reduce_copy_bytes(tuple(gradients), ranks, reduce_bytes)
+    return Zero3Copies(
+        serial=memory_seconds(gpu, forward_serial + backward_serial + reduce.serial),
+        forward=memory_seconds(gpu, forward_stream),
+        backward=memory_seconds(gpu, backward_stream + reduce.stream),
+    )
+
+
 @lru_cache(maxsize=256)
 def deepspeed_zero3_layer_exposed(
     spec: ModelSpec, gpu: GPU, forwards: tuple[int, ...]
@@ -804,7 +935,6 @@ def deepspeed_zero3_layer_exposed(
         return None
     ranks = spec.dp * spec.cp
     bandwidth = comm.group_bandwidth(gpu, ranks, spec.tp)
-    weight_bytes = min(spec.weight_bytes, spec.dtype_bytes)
     slowdown = gpu.sm_count / (gpu.sm_count - gpu.nccl_channels)
     totals = [0.0, 0.0]
     for (kind, count), run in groupby(zip(kinds, counts, strict=True)):
@@ -819,7 +949,7 @@ def deepspeed_zero3_layer_exposed(
         ):
             return None
         gathers = tuple(
-            comm.all_gather_seconds(w * weight_bytes, ranks, bandwidth) if g else 0.0
+            _zero3_gather_seconds(spec, gpu, w, ranks, bandwidth) if g else 0.0
             for g, w in zip(gathered, modules, strict=True)
         )
         layer = layer_time(spec, gpu, kind)
@@ -827,6 +957,8 @@ def deepspeed_zero3_layer_exposed(
         backward = _add(layer.backward, OpTime(0.0, layer.backward_comm))
         n = len(modules)
         passes = [_layer_uses(modules, forward, gathers, range(n))]
+        reduces = deepspeed_2021_reduce_seconds(spec, gpu, modules, ranks, bandwidth)
+        issued: list[tuple[float, ...]] = [(0.0,) * n]
         if count == 2:
             # the re-run forward gathers every weight; the backward those released in between
             released = frameworks.deepspeed_zero3_released(modules)
@@ -835,11 +967,13 @@ def deepspeed_zero3_layer_exposed(
                 _layer_uses(modules, forward, gathers, range(n))
                 + _layer_uses(modules, backward, again, range(n - 1, -1, -1))
             )
+            issued.append((0.0,) * n + reduces)
         else:
             passes.append(_layer_uses(modules, backward, gathers, range(n - 1, -1, -1)))
+            issued.append(reduces)
         for phase, uses in enumerate(passes):
             windows = frameworks.deepspeed_zero3_prefetch_windows(
-                tuple((time.total, gather) for time, gather in uses)
+                tuple((time.total, gather) for time, gather in uses), issued[phase]
             )
             # the window's GEMMs slowed by the SMs NCCL holds (`data_parallel_exposed`)
             matmul_share = forward.matmul / forward.total if forward.total else 0.0
@@ -880,8 +1014,12 @@ def data_parallel_exposed(
     leaves them (`deepspeed_zero3_layer_exposed`, from the chain's `forwards`), and the rest
     (the gradients' reduce-scatter, the embedding's and output layer's gathers) as above."""
     parts = data_parallel_comm(spec, gpu, regathered)
+    # DeepSpeed's path of 2021: its copies lengthen the collectives, its zero fills and
+    # bucket copies run alone or on the compute stream (`deepspeed_2021_copies`)
+    copies = deepspeed_2021_copies(spec, gpu, forwards) or Zero3Copies()
     if not spec.dp_comm_overlap:
-        return (1 - gpu.dp_overlap) * parts.total(spec.microbatches)
+        added = copies.serial + copies.forward + copies.backward
+        return (1 - gpu.dp_overlap) * parts.total(spec.microbatches) + spec.microbatches * added
     chunks = max(1, spec.layers_per_stage // spec.virtual_stages)
     slowdown = gpu.sm_count / (gpu.sm_count - gpu.nccl_channels)
 
@@ -893,16 +1031,17 @@ def data_parallel_exposed(
 
     backward = _add(busiest.backward, busiest.recompute)
     once = hidden(parts.reduce, backward) + hidden(parts.gather, busiest.forward)
+    forward_comm, backward_comm = parts.forward + copies.forward, parts.backward + copies.backward
     layered = deepspeed_zero3_layer_exposed(spec, gpu, forwards) if forwards else None
     if layered is None:
-        each = hidden(parts.forward, busiest.forward) + hidden(parts.backward, backward)
-        return once + spec.microbatches * each
+        each = hidden(forward_comm, busiest.forward) + hidden(backward_comm, backward)
+        return once + spec.microbatches * (each + copies.serial)
     # one link carries the gathers, the embedding's and the gradients' reduce-scatter: a pass
     # takes at least its bytes' time (derived), beyond what the prefetch leaves exposed
     forward_exposed, backward_exposed = layered
-    each = max(forward_exposed, parts.forward - busiest.forward.total)
-    each += max(backward_exposed, parts.backward - backward.total)
-    return once + spec.microbatches * each
+    each = max(forward_exposed, forward_comm - busiest.forward.total)
+    each += max(backward_exposed, backward_comm - backward.total)
+    return once + spec.microbatches * (each + copies.serial)
 
 
 @lru_cache(maxsize=256)

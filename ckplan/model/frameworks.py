@@ -103,11 +103,14 @@ ZERO_GRADS = ("none", "zeros")
 # transformers' causal-LM loss (ckplan.model.loss `shifted_logits_elements`: 4.44 copies the
 # shifted fp32 logits, 5.25 shifts the labels); deepspeed: the same transformers releases, for
 # a transformers model that the Hugging Face Trainer or accelerate runs under DeepSpeed (the
-# model code is transformers' whoever drives the step)
+# model code is transformers' whoever drives the step), and before them 0.5.4, DeepSpeed's own
+# ZeRO-3 fetch and reduction path of 2021 (`deepspeed_list_collectives`; a transformers model
+# there runs the newest transformers' loss)
 TRANSFORMERS_VERSIONS = ("4.44", "5.25")
+DEEPSPEED_2021 = "0.5.4"
 FRAMEWORK_VERSIONS = {
     "hf": TRANSFORMERS_VERSIONS,
-    "deepspeed": TRANSFORMERS_VERSIONS,
+    "deepspeed": (DEEPSPEED_2021, *TRANSFORMERS_VERSIONS),
     "torchtitan": ("2024.12", "0.3"),
 }
 
@@ -462,8 +465,148 @@ def deepspeed_zero3_released(
     return tuple(2 * sum(module_weights[i + 1 :]) >= max_reuse for i in range(len(module_weights)))
 
 
+def deepspeed_list_collectives(spec) -> bool:
+    """Whether `spec` runs DeepSpeed ZeRO-3's fetch and reduction path of 2021
+    (`framework_version` 0.5.4): per weight, a zero-filled gather buffer and a device-wide
+    synchronisation, and list collectives that PyTorch's ProcessGroupNCCL copies through a
+    flat buffer (`deepspeed_zero3_gather_copy_bytes`, `deepspeed_zero3_reduce_call_bytes`).
+
+    The fetch is the same code from ZeRO-3's first release, v0.3.12 (2021-03-12), to v0.5.4
+    (2021-10-06): deepspeed/runtime/zero/partition_parameters.py `_allgather_param`,
+    `_reduce_scatter_gradient` and stage3.py `fetch_sub_module`, `reduce_ipg_grads`,
+    `average_tensor`, `reduce_independent_p_g_buckets_and_remove_grads` differ between them in
+    log messages only. The gradients are reduce-scattered through the contiguous bucket as
+    v0.5.4's defaults run them (constants.py: contiguous_gradients and reduce_scatter true);
+    before v0.4.5 ZeRO-3 defaulted to contiguous_gradients false, which all-reduces each
+    bucket instead (stage3.py `buffered_reduce_fallback`), not modelled."""
+    return spec.framework == "deepspeed" and spec.framework_version == DEEPSPEED_2021
+
+
+@dataclass(frozen=True)
+class GatherCopies:
+    """HBM bytes (read plus written) one rank moves around one ZeRO-3 weight gather beside the
+    collective itself: `serial` before the sub-module's compute may start, `stream` on the
+    communication streams, in the gather's time."""
+
+    serial: int
+    stream: int
+
+
+def deepspeed_aligned_elements(elements: int, ranks: int) -> int:
+    """A ZeRO-3 weight's elements padded to a multiple of the ranks
+    (partition_parameters.py at v0.3.16 and v0.5.4, `_aligned_size`: ds_numel + `_padding_size`)."""
+    return -(-elements // ranks) * ranks
+
+
+def deepspeed_zero3_gather_copy_bytes(elements: int, ranks: int, dtype_bytes: int) -> GatherCopies:
+    """What one rank copies to gather one weight of `elements` elements under DeepSpeed's
+    ZeRO-3 of 2021 (deepspeed/runtime/zero/partition_parameters.py at v0.3.16 and v0.5.4,
+    `_allgather_param`, the path of the coordinator's asynchronous fetch and prefetch):
+
+    - `flat_tensor = torch.zeros(aligned_param_size)` fills the whole padded weight with zeros
+      (written once), then `torch.cuda.synchronize()`; the coordinator (stage3.py,
+      `fetch_sub_module` then `prefetch_next_sub_modules`, in the sub-module's pre-forward and
+      pre-backward hooks) has synchronised the device just before, so nothing else runs while
+      the zeros are written and the sub-module's kernels are launched only after: `serial`.
+    - the rank's own partition is copied into its slice (read and written), then
+      `torch.distributed.all_gather(partitions, ...)` with a list of `ranks` outputs:
+      ProcessGroupNCCL gathers into a flat buffer of its own and copies it into the outputs one
+      tensor per rank (torch/lib/c10d/ProcessGroupNCCL.cpp at 00f5dfd, `allgather`: "Copy the
+      flattened output tensors to the outputs"), the whole padded weight read and written on
+      the NCCL stream, which the next fetch's synchronisation waits for: `stream`."""
+    aligned = deepspeed_aligned_elements(elements, ranks)
+    partition = aligned // ranks
+    return GatherCopies(
+        serial=aligned * dtype_bytes, stream=(2 * partition + 2 * aligned) * dtype_bytes
+    )
+
+
+def deepspeed_zero3_reduce_triggers(
+    gradients: tuple[int, ...], bucket: int = DEEPSPEED_REDUCE_BUCKET
+) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """Which gradients each gradient's hook reduces under DeepSpeed's ZeRO-3 of 2021, and what
+    is left for the end of the backward. `gradients`: elements each, in the order the
+    backward's hooks deliver them; per gradient, the gradients its hook sends to a bucket
+    reduction first (empty when none); then the gradients still held after the last hook.
+
+    stage3.py at v0.3.16 and v0.5.4, `reduce_independent_p_g_buckets_and_remove_grads`: a
+    gradient that would take the bucket past reduce_bucket_size (`bucket`) elements first
+    reduces what the bucket holds (`reduce_ipg_grads`), and a gradient of more than `bucket`
+    elements stays where it is but counts towards the bucket all the same;
+    `independent_gradient_partition_epilogue` reduces the rest after the backward.
+
+    derived: that rule run over `gradients`."""
+    triggered: list[tuple[int, ...]] = []
+    held: list[int] = []
+    for elements in gradients:
+        if held and sum(held) + elements > bucket:
+            triggered.append(tuple(held))
+            held = []
+        else:
+            triggered.append(())
+        held.append(elements)
+    return tuple(triggered), tuple(held)
+
+
+def deepspeed_zero3_reduce_calls(
+    gradients: tuple[int, ...], bucket: int = DEEPSPEED_REDUCE_BUCKET
+) -> tuple[tuple[int, ...], ...]:
+    """The gradients each bucket reduction of DeepSpeed's ZeRO-3 of 2021 takes, in order: those
+    the hooks trigger, then the epilogue's (`deepspeed_zero3_reduce_triggers`)."""
+    triggered, rest = deepspeed_zero3_reduce_triggers(gradients, bucket)
+    return tuple(call for call in (*triggered, rest) if call)
+
+
+def deepspeed_zero3_reduce_call_bytes(
+    call: tuple[int, ...], ranks: int, dtype_bytes: int, bucket: int = DEEPSPEED_REDUCE_BUCKET
+) -> GatherCopies:
+    """What one rank copies around one bucket reduction of `call`'s gradients (elements each)
+    under DeepSpeed's ZeRO-3 of 2021 with contiguous_gradients and overlap_comm (their
+    defaults at v0.5.4), first micro-batch of a step (stage3.py and partition_parameters.py at
+    v0.3.16 and v0.5.4), besides the reduce-scatters themselves:
+
+    - `reduce_independent_p_g_buckets_and_remove_grads` copies each gradient of at most
+      `bucket` elements into the contiguous reduction bucket (`new_grad_tensor.copy_`, read and
+      written) from its hook, on the backward's stream: `serial`.
+    - `reduce_ipg_grads` runs `average_tensor` on the reduction stream over
+      `[self.ipg_buffer[self.ipg_index]]`, the whole bucket of `bucket` elements however much of
+      it is filled (`backward` allocates it at reduce_bucket_size), plus the gradient above
+      `bucket` it holds, if any: `tensor.div_` reads and writes each; `_reduce_scatter_gradient`
+      reduce-scatters each gradient as a list of `ranks` slices, which ProcessGroupNCCL first
+      copies into a flat buffer (torch/lib/c10d/ProcessGroupNCCL.cpp at 00f5dfd,
+      `reduce_scatter`), the padded gradient read and written; `_partition_gradient` copies the
+      rank's reduced partition into the gradient partition (`dest_tensor.copy_`): `stream`,
+      which the reduce-scatters wait for. Later micro-batches add the partition instead
+      (`add_`, a third partition's bytes), not counted here."""
+    large = sum(elements for elements in call if elements > bucket)
+    stream = 2 * (bucket + large) * dtype_bytes
+    serial = 0
+    for elements in call:
+        aligned = deepspeed_aligned_elements(elements, ranks)
+        stream += 2 * (aligned + aligned // ranks) * dtype_bytes
+        if elements <= bucket:
+            serial += 2 * elements * dtype_bytes
+    return GatherCopies(serial=serial, stream=stream)
+
+
+def deepspeed_zero3_reduce_copy_bytes(
+    gradients: tuple[int, ...],
+    ranks: int,
+    dtype_bytes: int,
+    bucket: int = DEEPSPEED_REDUCE_BUCKET,
+) -> GatherCopies:
+    """`deepspeed_zero3_reduce_call_bytes` over every bucket reduction of one backward's
+    `gradients` (elements each, in hook order: `deepspeed_zero3_reduce_calls`)."""
+    calls = [
+        deepspeed_zero3_reduce_call_bytes(call, ranks, dtype_bytes, bucket)
+        for call in deepspeed_zero3_reduce_calls(gradients, bucket)
+    ]
+    return GatherCopies(serial=sum(c.serial for c in calls), stream=sum(c.stream for c in calls))
+
+
 def deepspeed_zero3_prefetch_windows(
     uses: tuple[tuple[float, float], ...],
+    issued: tuple[float, ...] = (),
 ) -> tuple[tuple[float, float], ...]:
     """The compute each of ZeRO-3's all-gathers runs beside when no bucket of its prefetch
     holds more than one weight. `uses`: one layer's sub-module uses in trace order, repeated
@@ -482,19 +625,26 @@ def deepspeed_zero3_prefetch_windows(
     gather starts when the previous gathered sub-module starts and hides behind the compute
     until its own sub-module runs.
 
+    `issued`: per use, the seconds of other collectives it issues on the same NCCL stream (the
+    gradients' reduce-scatters of DeepSpeed's path of 2021), which the next fetch's device
+    synchronisation waits for: they join the next gathered use's gather (at v0.3.16 and v0.5.4,
+    stage3.py `_synchronize_communication`, `torch.cuda.synchronize()`; one process group, one
+    NCCL stream: torch/lib/c10d/ProcessGroupNCCL.cpp at 00f5dfd, `ncclStreams_` per device).
+
     derived: the trace of one layer under that rule."""
     count = len(uses)
     gathered = [index for index, (_, gather) in enumerate(uses) if gather > 0]
     windows = []
     for position, index in enumerate(gathered):
-        issued = gathered[position - 1]  # the previous gathered use, cyclically
-        window, step = 0.0, issued
+        start = gathered[position - 1]  # the previous gathered use, cyclically
+        window, work, step = 0.0, uses[index][1], start
         while True:
             window += uses[step][0]
+            work += issued[step] if issued else 0.0
             step = (step + 1) % count
             if step == index:
                 break
-        windows.append((uses[index][1], window))
+        windows.append((work, window))
     return tuple(windows)
 
 
