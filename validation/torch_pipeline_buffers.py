@@ -146,6 +146,18 @@ def main(check: bool) -> int:
             f"{held:g} X, ckplan {predicted} X"
         )
         failures += held != predicted
+        # PyTorch 2.13 keeps the last stage's finished outputs only (the output part of the
+        # late-2024 term, frameworks.torch_pipeline_finished_bytes)
+        from ckplan.model.frameworks import torch_pipeline_finished_bytes
+
+        last = rank == STAGES - 1
+        kept = torch_pipeline_finished_bytes(MICROBATCHES, in_flight, 0, 1, True) if last else 0
+        print(
+            f"  at the backward of micro-batch {MICROBATCHES - in_flight}: finished outputs "
+            f"{seen['finished_outputs']:g} X (ckplan {kept} X), input gradients "
+            f"{seen['input_gradients']:g} X"
+        )
+        failures += seen["finished_outputs"] != kept
     return 1 if check and failures else 0
 
 
