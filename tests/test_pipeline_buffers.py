@@ -12,7 +12,7 @@ import pytest
 from needs_torch import torch_or_skip
 
 from ckplan.model import memory
-from ckplan.model.frameworks import torch_pipeline_buffer_bytes
+from ckplan.model.frameworks import torch_pipeline_buffer_bytes, torch_pipeline_finished_bytes
 from ckplan.plan import evaluate, in_flight_microbatches, parse_strategy
 from ckplan.plan.evaluate import megatron_in_flight_forwards
 from ckplan.plan.timeline import memory_timeline
@@ -101,3 +101,52 @@ def test_last_stage_keeps_its_logits(spec_of):
     logits = memory.pipeline_buffer_bytes(spec, last, 1) - idle_receive
     tokens = spec.seq * spec.micro_batch
     assert logits == spec.dtype_bytes * tokens * spec.vocab // spec.tp
+
+
+def test_finished_micro_batches_leave_outputs_and_input_gradients():
+    X, logits = 10, 7
+    # first stage: its finished outputs only (token ids take no gradient)
+    assert torch_pipeline_finished_bytes(8, 5, X, X, True) == 3 * X
+    # middle stage: each finished micro-batch's output and its receive buffer's gradient
+    assert torch_pipeline_finished_bytes(8, 3, X, X, False) == 5 * (X + X)
+    # last stage (one in flight): seven kept logits blocks and seven input gradients
+    assert torch_pipeline_finished_bytes(8, 1, X, logits, False) == 7 * (logits + X)
+    # every micro-batch in flight: none finished
+    assert torch_pipeline_finished_bytes(4, 4, X, X, False) == 0
+
+
+def test_only_the_late_2024_release_keeps_them(spec_of):
+    old = torchtitan_pipeline(spec_of, framework_version="2024.12")
+    new = torchtitan_pipeline(spec_of, framework_version="0.3")
+    X = memory.layer_input_bytes(old)
+    for stage in range(old.pp):
+        in_flight = math.ceil(in_flight_microbatches(old, stage))
+        extra = memory.pipeline_buffer_bytes(old, stage, in_flight) - (
+            memory.pipeline_buffer_bytes(new, stage, in_flight)
+        )
+        finished = old.microbatches - in_flight
+        if stage == old.pp - 1:
+            logits = memory.pipeline_buffer_bytes(new, stage, 1) - finished * X
+            assert extra == finished * (logits + X)
+        else:
+            assert extra == finished * (X if stage == 0 else 2 * X)
+
+
+def test_last_stage_keeps_finished_outputs_on_the_cpu():
+    torch_or_skip()
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--json"], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    measured = json.loads(run.stdout.strip().splitlines()[-1])
+    stages, microbatches = 3, 6
+    for rank_text, seen in measured.items():
+        rank, in_flight = int(rank_text), int(seen["in_flight"])
+        # the latest backward with the first one's micro-batches in flight
+        assert seen["latest_in_flight"] == in_flight
+        last = rank == stages - 1
+        # PyTorch 2.13 keeps the last stage's outputs (return_outputs left True, as torchtitan
+        # 9dec370 leaves it) and no input gradient: the output part of the late-2024 term
+        kept = torch_pipeline_finished_bytes(microbatches, in_flight, 0, 1, True) if last else 0
+        assert seen["finished_outputs"] == kept
+        assert seen["input_gradients"] == 0

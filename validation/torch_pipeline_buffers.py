@@ -16,6 +16,14 @@ PyTorch 2.13, three ranks, six micro-batches:
     rank 1: in flight 2, receive 6, gradient 6, outputs 2
     rank 2: in flight 1, receive 6, gradient 0, outputs 1
 
+At the backward of micro-batch M - in flight (the latest with as many in flight) it also counts
+what the finished micro-batches left: the last stage's `output_chunks` beyond `fwd_cache` (the
+schedule is stepped as torchtitan 9dec370 steps it, without return_outputs=False) and the
+receive buffers' `.grad`. PyTorch 2.13: rank 2 keeps 5 finished outputs (M - 1), ranks 0 and 1
+none, and no rank an input gradient (2.13 keeps `output_chunks` on the last stage only and
+clears the inputs' `.grad` in `stage_backward`; the late-2024 release kept both on every stage,
+`frameworks.torch_pipeline_finished_bytes`).
+
 Usage: python validation/torch_pipeline_buffers.py [--check | --json] (--json: the counts as
 JSON, by rank)
 """
@@ -66,7 +74,35 @@ def count(rank: int, world: int, microbatches: int, port: str, results) -> None:
             )
         return backward_one_chunk(*args, **kwargs)
 
-    stage.backward_one_chunk = first_backward
+    backwards = [0]
+
+    def counted_backward(*args, **kwargs):
+        # at the last backward with the first one's micro-batches in flight (that of
+        # micro-batch M - in flight): what the finished micro-batches left behind (the last
+        # stage's `output_chunks` beyond `fwd_cache`, the receive buffers' `.grad`)
+        backwards[0] += 1
+        if seen and backwards[0] == microbatches - seen["in_flight"] + 1:
+            cached = {id(o) for out, _ in stage.fwd_cache.values() for o in out}
+            kept = [
+                o
+                for out in stage.output_chunks
+                for o in (out if isinstance(out, tuple) else (out,))
+                if id(o) not in cached
+            ]
+            grads = [
+                info.buffer.grad
+                for recv in stage.args_recv_info.values()
+                for info in recv
+                if getattr(info, "buffer", None) is not None and info.buffer.grad is not None
+            ]
+            seen.update(
+                latest_in_flight=len(stage.fwd_cache),
+                finished_outputs=sum(o.numel() * o.element_size() for o in kept) / X,
+                input_gradients=sum(g.numel() * g.element_size() for g in grads) / X,
+            )
+        return first_backward(*args, **kwargs)
+
+    stage.backward_one_chunk = counted_backward
     schedule = Schedule1F1B(
         stage, n_microbatches=microbatches, loss_fn=lambda out, target: out.pow(2).mean()
     )
@@ -74,6 +110,7 @@ def count(rank: int, world: int, microbatches: int, port: str, results) -> None:
     if rank == 0:
         schedule.step(batch)
     elif rank == world - 1:
+        # torchtitan 9dec370's call: no return_outputs=False, so the last stage keeps its outputs
         schedule.step(target=torch.zeros_like(batch), losses=[])
     else:
         schedule.step()
@@ -109,6 +146,18 @@ def main(check: bool) -> int:
             f"{held:g} X, ckplan {predicted} X"
         )
         failures += held != predicted
+        # PyTorch 2.13 keeps the last stage's finished outputs only (the output part of the
+        # late-2024 term, frameworks.torch_pipeline_finished_bytes)
+        from ckplan.model.frameworks import torch_pipeline_finished_bytes
+
+        last = rank == STAGES - 1
+        kept = torch_pipeline_finished_bytes(MICROBATCHES, in_flight, 0, 1, True) if last else 0
+        print(
+            f"  at the backward of micro-batch {MICROBATCHES - in_flight}: finished outputs "
+            f"{seen['finished_outputs']:g} X (ckplan {kept} X), input gradients "
+            f"{seen['input_gradients']:g} X"
+        )
+        failures += seen["finished_outputs"] != kept
     return 1 if check and failures else 0
 
 

@@ -1078,6 +1078,45 @@ def torch_pipeline_buffer_bytes(
     return received + gradients + in_flight * output_bytes
 
 
+def torch_pipeline_finished_bytes(
+    microbatches: int,
+    in_flight: int,
+    boundary_bytes: int,
+    output_bytes: int,
+    first: bool,
+) -> int:
+    """Bytes one stage of torch.distributed.pipelining of late 2024 (the PyTorch torchtitan
+    9dec370, 2024-12-26, trained with) still holds for the micro-batches whose backward has
+    finished, at its last 1F1B backward that runs with `in_flight` micro-batches in flight (the
+    backward of micro-batch `microbatches - in_flight`; its tapes are those of the first
+    backward's peak): each finished micro-batch's output, `output_bytes` (the boundary, or the
+    logits on the last stage), and on a non-first stage the gradient its backward left on its
+    receive buffer, `boundary_bytes`. Both live to the next step's `clear_runtime_states`.
+
+    derived from torch/distributed/pipelining/stage.py and _backward.py before two later
+    changes: `forward_one_chunk` appended every stage's output to `output_chunks` (kept for
+    `_merge_outputs`) until pytorch/pytorch#153383 (2025-05, 'Optimize memory usage by releasing
+    output memory earlier') kept the last stage's only, and torchtitan's train step at 9dec370
+    calls `pp_schedule.step` without `return_outputs=False` (torchtitan 0.3's trainer passes
+    it, so the last stage keeps none); `stage_backward` ran `torch.autograd.backward` into the
+    receive buffers and returned their `.grad` without clearing it until pytorch/pytorch#164329
+    (2025-10, 'Optimize memory by early releasing stage inputs' gradients') set `val.grad =
+    None`. The first stage's inputs are token ids, with no gradient. With `in_flight` equal to
+    the micro-batches (the first stage of a short pipeline) nothing has finished."""
+    finished = max(microbatches - in_flight, 0)
+    input_gradient = 0 if first else boundary_bytes
+    return finished * (output_bytes + input_gradient)
+
+
+def torch_pipeline_keeps_finished(spec) -> bool:
+    """Whether the spec's torchtitan release runs the late-2024 torch.distributed.pipelining
+    that keeps finished micro-batches' outputs and input gradients to the end of the step
+    (`torch_pipeline_finished_bytes`): torchtitan 2024.12, not 0.3 (whose PyTorch 2.13 keeps
+    neither: `output_chunks` on the last stage only and torchtitan passes return_outputs=False;
+    `stage_backward` clears the inputs' `.grad`)."""
+    return spec.framework == "torchtitan" and framework_version(spec) == "2024.12"
+
+
 def state_offload_error(
     spec, zero: int | None = None, pp: int | None = None, microbatches: int | None = None
 ) -> str | None:

@@ -801,10 +801,11 @@ def pipeline_buffer_bytes(spec: ModelSpec, stage: int, in_flight: int) -> int:
     """The pipeline runtime's buffers on one GPU of pipeline stage `stage` with `in_flight`
     micro-batches waiting for their backward: torch.distributed.pipelining's under torchtitan
     (`frameworks.torch_pipeline_buffer_bytes`; the boundary is the residual stream entering a
-    layer, `layer_input_bytes`, and the last stage's output its B-byte logits); 0 without
-    pipeline parallelism or under another framework (Megatron-LM frees what it sends). With
-    interleaving (v > 1) a rank runs v stages whose in-flight forwards ckplan does not split
-    between them: not counted."""
+    layer, `layer_input_bytes`, and the last stage's output its B-byte logits), and under
+    torchtitan 2024.12 the finished micro-batches' outputs and input gradients
+    (`frameworks.torch_pipeline_finished_bytes`); 0 without pipeline parallelism or under
+    another framework (Megatron-LM frees what it sends). With interleaving (v > 1) a rank runs
+    v stages whose in-flight forwards ckplan does not split between them: not counted."""
     if spec.framework != "torchtitan" or spec.pp == 1 or spec.virtual_stages > 1:
         return 0
     if spec.kind != "transformer":
@@ -812,9 +813,15 @@ def pipeline_buffer_bytes(spec: ModelSpec, stage: int, in_flight: int) -> int:
     boundary = layer_input_bytes(spec)
     last = stage == spec.pp - 1
     logits = spec.dtype_bytes * logits_elements(spec.chain)
-    return frameworks.torch_pipeline_buffer_bytes(
-        spec.microbatches, in_flight, boundary, logits if last else boundary, stage == 0, last
+    output = logits if last else boundary
+    held = frameworks.torch_pipeline_buffer_bytes(
+        spec.microbatches, in_flight, boundary, output, stage == 0, last
     )
+    if frameworks.torch_pipeline_keeps_finished(spec):
+        held += frameworks.torch_pipeline_finished_bytes(
+            spec.microbatches, in_flight, boundary, output, stage == 0
+        )
+    return held
 
 
 def stream_pool_bytes(spec: ModelSpec, stage: int | None = None) -> int:
