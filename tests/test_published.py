@@ -56,6 +56,29 @@ def test_every_run_is_cited_and_complete(run):
         assert run.published.convention in FLOP_CONVENTIONS
 
 
+def test_torchao_float8_runs_are_scored_as_float8():
+    """A run whose precision note names torchao's float8 is `precision: float8`, whose GEMMs
+    torchtitan's per-op policy counts as aten.mm, never Transformer Engine's `fp8`."""
+    torchao = [
+        run
+        for run in RUNS
+        if any(note.startswith("precision") and "torchao" in note for note in run.assumptions)
+    ]
+    assert len(torchao) >= 20
+    assert {run.precision for run in torchao} == {"float8"}
+
+
+def test_a_float8_op_policy_run_re_runs_fewer_gemms_than_as_fp8():
+    """torchtitan's 8B compiled Float8 row under its per-op policy: as torchao's float8 the
+    policy keeps every other GEMM's output, as Transformer Engine's fp8 it keeps none, so
+    the float8 step re-runs less."""
+    run = BY_NAME["torchtitan-llama3-8b-128xh100-t3-fsdp-compile-fp8"]
+    as_float8 = predict(run)
+    as_fp8 = predict(dataclasses.replace(run, precision="fp8"))
+    assert as_float8.plan.flops.overhead < as_fp8.plan.flops.overhead
+    assert as_float8.predicted_step < as_fp8.predicted_step
+
+
 def test_the_split_is_a_hash_of_the_name():
     """Fixed before any fitting: a run's split follows from its name alone."""
     import hashlib

@@ -59,7 +59,10 @@ EAGER_ROPE_EXTRA_BYTES = 20
 # FP8 casts (Transformer Engine's cast-transpose, torchao's float8 scaling): each linear GEMM's
 # input is read in BF16 and written in FP8 twice (row-wise and column-wise for the backward's
 # transposed use), 4 bytes per element in the forward; the output gradient likewise in the
-# backward.
+# backward. torchao's own roofline counts the same for its dynamic scaling under torch.compile,
+# the amax reduction fused into the op before (torchao/float8/roofline_utils.py at eab345c,
+# `get_tensor_memory_traffic_bytes` with fuse_with_prev); its weight casts, 6 bytes per weight
+# element each forward there, are not counted (docs/time-model.md, "Not modelled").
 FP8_CAST_BYTES = 4
 # Transformer Engine all-gathers the sequence-parallel shards of an FP8 GEMM's operands after
 # casting them, one byte per element: a column-parallel layer's input (the forward's gather and
