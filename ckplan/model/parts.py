@@ -250,6 +250,10 @@ class Parallelism(_Record):
     # Megatron-Core's --pipeline-model-parallel-layout (ckplan.model.pipeline_layout): the
     # items of every (pipeline stage, virtual chunk); it sets virtual_stages (chunks / pp).
     pipeline_layout: str | None = None
+    # the pipeline schedule: 1f1b (Megatron's 1F1B, interleaved with virtual_stages > 1) or
+    # dualpipe (DeepSeek-V3 §3.2.1: each rank holds stage r and stage p - 1 - r and runs
+    # micro-batches from both ends; ckplan.model.memory.rank_stages)
+    pipeline_schedule: str = "1f1b"
 
     __hash__ = _Record.__hash__
 
