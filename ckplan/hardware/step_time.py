@@ -431,10 +431,24 @@ def output_time(spec: ModelSpec, gpu: GPU) -> StageTime:
     cross-entropy, PyTorch's on upcast logits, or chunks of either)."""
     if spec.kind != "transformer" or spec.vocab == 0:
         return StageTime()
+    head = _output_op(spec)
+    B = spec.dtype_bytes
+    path = spec_code_path(spec, gpu)
+    forward_comm, backward_comm = tensor_parallel_comm(spec, path.gpu, (head,))
+    return StageTime(
+        forward=path.forward(head, B),
+        backward=path.backward(head, B),
+        forward_comm=forward_comm,
+        backward_comm=backward_comm,
+    )
+
+
+def _output_op(spec: ModelSpec) -> Op:
+    """The output layer with the final norm's and the loss's memory-bound kernels, one op."""
     tokens, B = _tokens(spec), spec.dtype_bytes
     stream = memory.layer_input_bytes(spec)
     loss_forward, loss_backward = loss.loss_moved_bytes(spec)
-    head = Op(
+    return Op(
         "output",
         "output",
         0,
@@ -448,14 +462,6 @@ def output_time(spec: ModelSpec, gpu: GPU) -> StageTime:
         forward_bytes=2 * stream + loss_forward,
         backward_bytes=3 * stream + loss_backward,
         tp_comm="column",
-    )
-    path = spec_code_path(spec, gpu)
-    forward_comm, backward_comm = tensor_parallel_comm(spec, path.gpu, (head,))
-    return StageTime(
-        forward=path.forward(head, B),
-        backward=path.backward(head, B),
-        forward_comm=forward_comm,
-        backward_comm=backward_comm,
     )
 
 
@@ -517,19 +523,8 @@ def mtp_time(spec: ModelSpec, gpu: GPU, groups: tuple[str, ...]) -> StageTime:
     column-parallel GEMM (s·b, 2h) @ (2h, h/t), its TP collectives as any column-parallel
     linear's; its output gathered over TP and scattered back, counted with them),
     final_layernorm, and the transformer block timed as a layer of the decoder's last kind."""
-    tokens, B = _tokens(spec), spec.dtype_bytes
-    stream = memory.layer_input_bytes(spec)
-    projection = Op(
-        "mtp_projection",
-        "mtp",
-        0,
-        mtp.projection_forward_flops(spec),
-        mtp.projection_backward_flops(spec),
-        matmul=Matmul(tokens, split_share(spec.hidden, spec.tp), 2 * spec.hidden, 1, B),
-        forward_bytes=3 * 2 * stream,  # three norms, each reads and writes a stream
-        backward_bytes=3 * 3 * stream,
-        tp_comm="column",
-    )
+    projection = _mtp_projection_op(spec)
+    B = spec.dtype_bytes
     path = spec_code_path(spec, gpu)
     forward_comm, backward_comm = tensor_parallel_comm(spec, path.gpu, (projection,))
     prologue = StageTime(
@@ -540,6 +535,23 @@ def mtp_time(spec: ModelSpec, gpu: GPU, groups: tuple[str, ...]) -> StageTime:
     )
     block = layer_time(spec, gpu, mtp.mtp_kind(spec), groups)
     return _plus(_plus(embedding_time(spec, gpu), prologue), block)
+
+
+def _mtp_projection_op(spec: ModelSpec) -> Op:
+    """An MTP depth's eh_proj with its three norms' memory-bound kernels, one op."""
+    tokens, B = _tokens(spec), spec.dtype_bytes
+    stream = memory.layer_input_bytes(spec)
+    return Op(
+        "mtp_projection",
+        "mtp",
+        0,
+        mtp.projection_forward_flops(spec),
+        mtp.projection_backward_flops(spec),
+        matmul=Matmul(tokens, split_share(spec.hidden, spec.tp), 2 * spec.hidden, 1, B),
+        forward_bytes=3 * 2 * stream,  # three norms, each reads and writes a stream
+        backward_bytes=3 * 3 * stream,
+        tp_comm="column",
+    )
 
 
 # ---- one micro-batch through one pipeline stage ------------------------------------------
@@ -928,6 +940,58 @@ def optimizer_seconds(spec: ModelSpec, gpu: GPU) -> float:
     return memory_seconds(gpu, (dense + experts) * per_param)
 
 
+def carries_weight_gradient(op: Op) -> bool:
+    """Whether the op's backward computes a weight gradient: a GEMM with a weight operand (a
+    linear, an expert's grouped GEMM, the router) whose weight trains (its backward has both
+    products, `roofline.op_backward_time`). The attention core's products (fused, or the
+    standard scores and values GEMMs, group attention_core) multiply activations only."""
+    return (
+        op.matmul is not None
+        and not op.fused_kernel
+        and op.group != ATTENTION_CORE
+        and op.backward_flops >= 2 * op.forward_flops
+    )
+
+
+def _weight_gradient_seconds(spec: ModelSpec, gpu: GPU, ops) -> float:
+    """The weight-gradient GEMMs' seconds of `ops`' backward: half of each weighted GEMM's
+    two backward products (derived: dW = Xᵀ·dY and dX = dY·Wᵀ have the forward's FLOPs each,
+    `roofline.backward_matmuls`), timed on the run's code path; the re-run forwards some ops
+    add to their backward (`op_backward_time`) are not the weight's."""
+    path = spec_code_path(spec, gpu)
+    seconds = 0.0
+    for op in ops:
+        if carries_weight_gradient(op):
+            plain = dataclasses.replace(
+                op, backward_flops=2 * op.forward_flops, forward_bytes=0, backward_bytes=0
+            )
+            seconds += path.backward(plain, spec.dtype_bytes).matmul / 2
+    return seconds
+
+
+@lru_cache(maxsize=256)
+def stage_weight_gradient_seconds(spec: ModelSpec, gpu: GPU, stage: int) -> float:
+    """W of one micro-batch through model stage `stage` (DeepSeek-V3 Technical Report, arXiv
+    2412.19437, Table 2: 'the execution time of a "backward for weights" chunk'): the weight
+    gradients of its layers, and on the last stage of the MTP depths' blocks and projections
+    and of the output layer. The embedding's gradient (a scatter-add of rows) is no GEMM and
+    counts with the input gradients' part."""
+    weighted = [op for kind in stage_kinds(spec, stage) for op in model_layer_ops(spec, kind)]
+    if spec.kind == "transformer" and spec.vocab > 0 and stage == spec.pp - 1:
+        depth = [*model_layer_ops(spec, mtp.mtp_kind(spec)), _mtp_projection_op(spec)]
+        weighted += depth * spec.mtp_layers
+        weighted.append(_output_op(spec))
+    return _weight_gradient_seconds(spec, gpu, weighted)
+
+
+def dualpipe_bubble_seconds(pp: int, overlapped: float, backward: float, weight: float) -> float:
+    """DualPipe's bubble, DeepSeek-V3 Technical Report (arXiv 2412.19437) Table 2:
+    (PP/2 - 1)(F&B + B - 3W), against 1F1B's (PP - 1)(F + B) and ZB1P's (PP - 1)(F + B - 2W);
+    `overlapped` F&B, the time of a forward chunk and a backward chunk run overlapped,
+    `backward` B, a full backward chunk, `weight` W, its weight-gradient part."""
+    return (pp // 2 - 1) * (overlapped + backward - 3 * weight)
+
+
 def bubble_steps(spec: ModelSpec, stage: int) -> float:
     """The pipeline bubble in micro-batches of stage `stage`: (p - 1)/v (Narayanan et al. 2021
     §2.2: p - 1 steps of one chunk, 1/v of a micro-batch). Under a pipeline_layout each step
@@ -940,14 +1004,56 @@ def bubble_steps(spec: ModelSpec, stage: int) -> float:
 
 
 def _pipeline(
-    spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime, stage: int = 0
+    spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime, stage: int = 0, weight: float = 0.0
 ) -> tuple[float, float, float]:
     """(compute and stage communication, bubble, p2p) seconds of the iteration, `busiest` the
-    micro-batch time of pipeline stage `stage`."""
+    micro-batch time of pipeline stage `stage` (under DualPipe: of rank `stage`, and `weight`
+    its weight-gradient seconds, `dualpipe_bubble`)."""
     p2p = pipeline_p2p_seconds(spec, gpu)
     per_micro_batch = busiest.total + p2p
-    bubble = bubble_steps(spec, stage) * per_micro_batch
+    if spec.pipeline_schedule == "dualpipe":
+        bubble = dualpipe_bubble(spec, busiest, p2p, weight)
+    else:
+        bubble = bubble_steps(spec, stage) * per_micro_batch
     return spec.microbatches * per_micro_batch, bubble, spec.microbatches * p2p
+
+
+def dualpipe_bubble(spec: ModelSpec, busiest: MicroBatchTime, p2p: float, weight: float) -> float:
+    """`dualpipe_bubble_seconds` of a rank's micro-batch time `busiest` (the mean of its two
+    stages'). What ckplan assumes of F&B, conservatively: the forward and backward chunks'
+    compute runs one after the other (overlapping two chunks hides communication, not
+    compute), and their communication is exposed as the 1F1B time counts it (the expert-parallel
+    all-to-alls by `expert_parallel.exposed_fraction`, the pipeline sends whole), although the
+    report (§3.2.1, Figure 4) hides the all-to-all and pipeline communication behind the other
+    chunk's compute: F&B = F + B + p2p, one micro-batch's whole time as under 1F1B. B: its
+    backward, recomputation and their communication; W: `stage_weight_gradient_seconds`."""
+    backward = busiest.total - busiest.forward.total - busiest.forward_comm
+    return dualpipe_bubble_seconds(spec.pp, busiest.total + p2p, backward, weight)
+
+
+def _mean_micro_batch(a: MicroBatchTime, b: MicroBatchTime) -> MicroBatchTime:
+    """One micro-batch of a DualPipe rank: half its micro-batches run each of its two stages
+    (deepseek-ai/DualPipe at 3da1bbe, `half_num_chunks` from each end)."""
+    return MicroBatchTime(
+        _scale(_add(a.forward, b.forward), 0.5),
+        _scale(_add(a.backward, b.backward), 0.5),
+        _scale(_add(a.recompute, b.recompute), 0.5),
+        (a.forward_comm + b.forward_comm) / 2,
+        (a.backward_comm + b.backward_comm) / 2,
+        (a.recompute_comm + b.recompute_comm) / 2,
+        (a.expert_comm + b.expert_comm) / 2,
+    )
+
+
+def _dualpipe_ranks(spec: ModelSpec, stages: list[int], times: list[MicroBatchTime]):
+    """(rank, its micro-batch time) for each DualPipe rank both of whose stages are timed."""
+    by_stage = dict(zip(stages, times, strict=True))
+    ranks = sorted({min(stage, spec.pp - 1 - stage) for stage in stages})
+    return [
+        (rank, _mean_micro_batch(by_stage[rank], by_stage[spec.pp - 1 - rank]))
+        for rank in ranks
+        if rank in by_stage and spec.pp - 1 - rank in by_stage
+    ]
 
 
 def step_time_from_forwards(
@@ -987,18 +1093,30 @@ def step_time_from_forwards(
     index = max(range(len(times)), key=lambda k: times[k].total + exposed[k])
     busiest = times[index]
     m = spec.microbatches
-    compute, bubble, p2p = _pipeline(spec, gpu, busiest, stage_forwards[index][0])
+    stages = [stage for stage, _ in stage_forwards]
+    if spec.pipeline_schedule == "dualpipe":  # a rank runs two stages (no offload here)
+        weights = {rank: _rank_weight_seconds(spec, gpu, rank) for rank in stages}
+        rank, busiest = max(_dualpipe_ranks(spec, stages, times), key=lambda r: r[1].total)
+        compute, bubble, p2p = _pipeline(spec, gpu, busiest, rank, weights[rank])
+        plain_rank, plain_busiest = max(
+            _dualpipe_ranks(spec, stages, plain), key=lambda r: r[1].total
+        )
+        plain_compute, plain_bubble, _ = _pipeline(
+            spec, gpu, plain_busiest, plain_rank, weights[plain_rank]
+        )
+    else:
+        compute, bubble, p2p = _pipeline(spec, gpu, busiest, stage_forwards[index][0])
+        plain_index = max(range(len(plain)), key=lambda k: plain[k].total)
+        plain_busiest = plain[plain_index]
+        plain_compute, plain_bubble, _ = _pipeline(
+            spec, gpu, plain_busiest, stage_forwards[plain_index][0]
+        )
     regathered = regathered_elements(spec, stage_forwards[index][0], stage_forwards[index][1])
     dp = data_parallel_exposed(spec, gpu, busiest, regathered, stage_forwards[index][1])
     optimizer = optimizer_seconds(spec, gpu)
     offload = m * exposed[index]
     states = state_copy_seconds(spec, gpu, busiest)
     step = compute + bubble + dp + optimizer + offload + states
-    plain_index = max(range(len(plain)), key=lambda k: plain[k].total)
-    plain_busiest = plain[plain_index]
-    plain_compute, plain_bubble, _ = _pipeline(
-        spec, gpu, plain_busiest, stage_forwards[plain_index][0]
-    )
     step_without = (
         plain_compute
         + plain_bubble
@@ -1040,6 +1158,15 @@ def step_time_from_forwards(
         offload_exposed_seconds=offload,
         state_copy_seconds=states,
     )
+
+
+def _rank_weight_seconds(spec: ModelSpec, gpu: GPU, rank: int) -> float:
+    """W of a DualPipe rank's micro-batch: the mean of its two stages' (`_mean_micro_batch`)."""
+    mirror = spec.pp - 1 - rank
+    return (
+        stage_weight_gradient_seconds(spec, gpu, rank)
+        + stage_weight_gradient_seconds(spec, gpu, mirror)
+    ) / 2
 
 
 def state_copy_seconds(spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime) -> float:
