@@ -376,3 +376,19 @@ def test_step_time_bubble_is_table_2(spec_of):
     assert w[1] == w[2] == pytest.approx(len(stage_kinds(spec, 1)) * per_layer)
     assert w[0] == pytest.approx(w[1])  # the embedding's gradient is no GEMM
     assert w[3] > w[1]  # the output layer's weight gradient
+
+
+def test_mtp_word_embedding_is_shared_on_the_first_rank(spec_of):
+    """DeepSeek-V3 §3.2.3: DualPipe puts the embedding and the MTP module on one rank, which
+    shares their word embedding; the middle ranks hold two plain stages."""
+    spec = spec_of(
+        "gpt2", pp=4, microbatches=8, layers=12, mtp_layers=1, tied_embeddings=False,
+        pipeline_schedule="dualpipe",
+    )  # fmt: skip
+    plain = spec.replace(pipeline_schedule="1f1b")
+    words = spec.vocab * spec.hidden
+    first = memory.stage_parameters(plain, 0)
+    last = memory.stage_parameters(plain, 3)
+    assert memory.stage_parameters(spec, 0) == (first[0] + last[0] - words, first[1] + last[1])
+    middle = [memory.stage_parameters(plain, stage) for stage in (1, 2)]
+    assert memory.stage_parameters(spec, 1)[0] == middle[0][0] + middle[1][0]

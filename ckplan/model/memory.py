@@ -554,8 +554,16 @@ def rank_stages(spec: ModelSpec, rank: int) -> tuple[int, ...]:
 def stage_parameters(spec: ModelSpec, stage: int = 0) -> tuple[int, int]:
     """(dense, expert) parameters on one GPU of pipeline stage `stage`: those of the model
     stages it holds (`rank_stages`: under DualPipe two, `model_stage_parameters` each)."""
-    held = [model_stage_parameters(spec, each) for each in rank_stages(spec, stage)]
-    return sum(dense for dense, _ in held), sum(expert for _, expert in held)
+    stages = rank_stages(spec, stage)
+    held = [model_stage_parameters(spec, each) for each in stages]
+    dense, expert = sum(d for d, _ in held), sum(e for _, e in held)
+    if spec.mtp_layers and not spec.tied_embeddings and {0, spec.pp - 1} <= set(stages):
+        # the MTP depths' word embedding is the first stage's on the same rank: DeepSeek-V3
+        # Technical Report (arXiv 2412.19437) §3.2.3, "Shared Embedding and Output Head for
+        # Multi-Token Prediction": with DualPipe the shallowest and deepest layers share a
+        # rank, which "enables the physical sharing of parameters and gradients"
+        dense -= split_share(spec.vocab * spec.hidden, spec.tp)
+    return dense, expert
 
 
 def model_stage_parameters(spec: ModelSpec, stage: int = 0) -> tuple[int, int]:
