@@ -392,3 +392,35 @@ def test_mtp_word_embedding_is_shared_on_the_first_rank(spec_of):
     assert memory.stage_parameters(spec, 0) == (first[0] + last[0] - words, first[1] + last[1])
     middle = [memory.stage_parameters(plain, stage) for stage in (1, 2)]
     assert memory.stage_parameters(spec, 1)[0] == middle[0][0] + middle[1][0]
+
+
+def test_timeline_waits_with_both_stages(spec_of):
+    """The timeline of a DualPipe plan: the running stage's replay with its own other in-flight
+    micro-batches and the other stage's waiting beside it, computed from the chains."""
+    from ckplan.plan.timeline import memory_timeline
+
+    spec = spec_of("gpt2", pp=4, microbatches=8, layers=12, pipeline_schedule="dualpipe")
+    plan = evaluate(spec, parse_strategy("none", spec))
+    rank = plan.peak_stage
+    counts = dict(zip((rank, 3 - rank), dualpipe_in_flight(4, rank), strict=True))
+    held = {}
+    for stage in counts:
+        chain = layer_chain(spec, (), stage=stage)
+        replay = simulate(chain, store_all_schedule(chain))
+        held[stage] = (replay, chain)
+    side = next(s for s in counts if _names(spec, s) == tuple(plan.stage_names))
+    other = 3 - side
+    replay, chain = held[side]
+    other_replay, other_chain = held[other]
+    own_waiting = held_after_forward_bytes(chain, replay, output_held=side != 3)
+    other_waiting = held_after_forward_bytes(other_chain, other_replay)
+    expected = (counts[side] - 1) * own_waiting + counts[other] * other_waiting
+    timeline = memory_timeline(plan)
+    assert timeline.waiting_bytes == expected
+    assert timeline.peak_bytes == plan.activation_bytes
+
+
+def _names(spec, stage):
+    from ckplan.plan.layer_chain import stage_names
+
+    return tuple(stage_names(spec, stage=stage))
