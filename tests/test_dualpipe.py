@@ -7,6 +7,7 @@ from collections import defaultdict
 import pytest
 
 from ckplan.hardware.code_path import spec_code_path
+from ckplan.hardware.dualpipe import Chunk, exposed_beside, forward_backward_seconds, paired_chunks
 from ckplan.hardware.step_time import (
     carries_weight_gradient,
     dualpipe_bubble_seconds,
@@ -424,3 +425,115 @@ def _names(spec, stage):
     from ckplan.plan.layer_chain import stage_names
 
     return tuple(stage_names(spec, stage=stage))
+
+
+# ---- the overlapped pairs (DeepSeek-V3 §3.2.1-§3.2.2) ----------------------------------------
+
+
+@pytest.mark.parametrize("pp", EVEN_PP)
+def test_paired_chunks_count_the_reference_pairs(pp):
+    """`paired_chunks` is the number of `_forward_backward_chunk` calls of each rank."""
+    for m in micro_batch_counts(pp):
+        for rank in range(pp):
+            pairs = sum(1 for op in reference_program(pp, m, rank) if op[0] == "FB")
+            assert paired_chunks(pp, m, rank) == pairs, (pp, m, rank)
+
+
+def test_paired_chunks_by_hand():
+    # p 16, m 120 (the DeepSeek-V3 run): rank 0 runs 2·(60 - 16 + 1) + 7 = 97 pairs, a middle
+    # rank 2·(60 - 16 + 8) - 1 + 0 = 103; the rest of its 120 forwards and backwards alone
+    assert paired_chunks(16, 120, 0) == paired_chunks(16, 120, 15) == 97
+    assert paired_chunks(16, 120, 7) == paired_chunks(16, 120, 8) == 103
+    assert paired_chunks(4, 8, 0) == 2 * (4 - 4 + 1) + 1 == 3
+
+
+def test_exposed_beside_by_hand():
+    """20 of 132 SMs held by the communication (§3.2.2): the compute beside it takes 132/112
+    of its time while both run."""
+    contended = 2.0 * 132 / 112
+    # the compute outlasts the communication: it adds the compute's slowdown, 1 · 20/132
+    assert exposed_beside(1.0, 2.0, 132, 20) == pytest.approx(1.0 * (1 - 2.0 / contended))
+    assert exposed_beside(1.0, 2.0, 132, 20) == pytest.approx(20 / 132)
+    # it outlasts the slowed compute: what it does not hide, 3 - 2
+    assert exposed_beside(3.0, 2.0, 132, 20) == pytest.approx(1.0)
+    assert exposed_beside(0.0, 2.0, 132, 20) == 0.0
+    assert exposed_beside(1.0, 0.0, 132, 20) == 1.0  # nothing beside it: exposed
+    assert exposed_beside(1.0, 2.0, 8, 20) == 0.0  # no SMs to spare: no slowdown counted
+
+
+def test_forward_backward_pair_by_hand():
+    forward = Chunk(compute=1.0, expert=0.5, pipeline=0.1, other=0.2)
+    backward = Chunk(compute=2.0, expert=0.5, pipeline=0.1)
+    # the forward's 0.6 beside the backward's 2 and the backward's 0.6 beside the forward's 1:
+    # both under the slowed compute (2·132/112, 1·132/112), each adds 0.6 · 20/132
+    assert forward_backward_seconds(forward, backward, 132) == pytest.approx(
+        1.0 + 2.0 + 0.2 + 2 * 0.6 * 20 / 132
+    )
+    # all-to-alls longer than the other chunk's compute show their excess
+    heavy = Chunk(compute=1.0, expert=4.0)
+    assert forward_backward_seconds(heavy, Chunk(compute=2.0, expert=0.5), 132) == pytest.approx(
+        1.0 + 2.0 + (4.0 - 2.0) + 0.5 * 20 / 132
+    )
+
+
+@pytest.mark.parametrize(
+    "compute_f, compute_b, comm_f, comm_b",
+    [(1.0, 2.0, 0.0, 0.0), (1.0, 2.0, 3.0, 3.0), (0.5, 1.1, 0.4, 2.0), (2.0, 4.0, 0.3, 0.1)],
+)
+def test_a_pair_is_bounded_by_its_compute_and_its_chunks_alone(
+    compute_f, compute_b, comm_f, comm_b
+):
+    forward, backward = Chunk(compute_f, comm_f), Chunk(compute_b, comm_b)
+    pair = forward_backward_seconds(forward, backward, 132)
+    assert max(compute_f + compute_b, compute_f + comm_b, compute_b + comm_f) <= pair + 1e-12
+    assert pair <= forward.alone + backward.alone + 1e-12
+
+
+@pytest.mark.parametrize("pp", (4, 8, 16))
+@pytest.mark.parametrize("fb", [2.2, 2.6, 3.1])
+def test_paired_busy_time_and_table_2_against_the_replay(pp, fb):
+    """With F&B under F + B, the busiest rank's busy time is its pairs at F&B and the rest alone
+    (what `dualpipe_rank_time` charges), and Table 2's bubble bounds the replay's idle time on
+    transformer-like chunks (B - W > F)."""
+    f, b, w = 1.0, 2.1, 0.85
+    m = 4 * pp
+    span, busy = replay_span(pp, m, f, b, w, fb)
+    charged = [
+        paired_chunks(pp, m, rank) * fb + (m - paired_chunks(pp, m, rank)) * (f + b)
+        for rank in range(pp)
+    ]
+    assert busy == pytest.approx(max(charged))
+    assert span <= max(charged) + dualpipe_bubble_seconds(pp, fb, b, w) + 1e-9
+
+
+def test_deepseek_v3_pairs_hide_expert_parallel_communication(monkeypatch):
+    """The DeepSeek-V3 run: the GPU file leaves the all-to-alls exposed (ep_overlap 0), so the
+    hiding comes from the pairs alone (none paired: all of it exposed, the step longer by what
+    the pairs hide); the step's parts still sum to it."""
+    from ckplan.hardware import step_time as step_time_module
+    from ckplan.published.suite import run_suite
+
+    prediction = run_suite("deepseek-v3-2048xh800")[0]
+    plan, gpu = prediction.plan, load_gpu("h800")
+    assert gpu.ep_overlap == 0.0
+    time = step_time(plan, gpu)
+    monkeypatch.setattr(step_time_module, "paired_chunks", lambda pp, m, rank: 0)
+    alone = step_time(plan, gpu)
+    assert time.expert_parallel_seconds < alone.expert_parallel_seconds
+    hidden = alone.communication_seconds - time.communication_seconds
+    assert hidden > 0
+    # the pairs shorten the chunks by what they hide; the bubble by a shorter F&B
+    assert alone.step_seconds - time.step_seconds == pytest.approx(
+        hidden + alone.bubble_seconds - time.bubble_seconds
+    )
+    assert time.forward_seconds == alone.forward_seconds
+    parts = (
+        time.forward_seconds
+        + time.backward_seconds
+        + time.recompute_seconds
+        + time.communication_seconds
+        + time.bubble_seconds
+        + time.optimizer_seconds
+    )
+    assert parts == pytest.approx(time.step_seconds)
+    assert 0 < time.expert_parallel_seconds < time.communication_seconds

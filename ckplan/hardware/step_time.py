@@ -37,6 +37,7 @@ from ckplan.hardware.code_path import (
     sequence_parallel_gather_size,
     spec_code_path,
 )
+from ckplan.hardware.dualpipe import Chunk, forward_backward_seconds, paired_chunks
 from ckplan.hardware.expert_parallel import expert_parallel_comm, exposed_fraction
 from ckplan.hardware.gpus import GPU
 from ckplan.hardware.roofline import (
@@ -570,7 +571,7 @@ def micro_batch_time(
         raise ValueError(f"{len(forwards)} forward counts for a chain of {len(stages)} stages")
     flags = (selective,) * len(stages) if isinstance(selective, bool) else tuple(selective)
     forward = backward = recompute = ZERO
-    forward_comm = backward_comm = recompute_comm = expert_comm = 0.0
+    forward_comm = backward_comm = recompute_comm = expert_comm = expert_forward = 0.0
     # Runs of equal stages with equal counts (a deep uniform stack is a few runs) are added once.
     for (stage, count, selective), run in groupby(zip(stages, forwards, flags, strict=True)):
         n = sum(1 for _ in run)
@@ -581,12 +582,20 @@ def micro_batch_time(
         backward_comm += n * stage.backward_comm
         recompute_comm += n * (count - 1) * stage.forward_comm
         expert_comm += n * (count * stage.expert_forward_comm + stage.expert_backward_comm)
+        expert_forward += n * stage.expert_forward_comm
         if selective:
             recompute = _add(recompute, _scale(stage.core_forward, n))
             recompute_comm += n * stage.core_comm
             expert_comm += n * stage.core_expert_comm
     return MicroBatchTime(
-        forward, backward, recompute, forward_comm, backward_comm, recompute_comm, expert_comm
+        forward,
+        backward,
+        recompute,
+        forward_comm,
+        backward_comm,
+        recompute_comm,
+        expert_comm,
+        expert_forward,
     )
 
 
@@ -1004,31 +1013,103 @@ def bubble_steps(spec: ModelSpec, stage: int) -> float:
 
 
 def _pipeline(
-    spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime, stage: int = 0, weight: float = 0.0
+    spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime, stage: int = 0
 ) -> tuple[float, float, float]:
-    """(compute and stage communication, bubble, p2p) seconds of the iteration, `busiest` the
-    micro-batch time of pipeline stage `stage` (under DualPipe: of rank `stage`, and `weight`
-    its weight-gradient seconds, `dualpipe_bubble`)."""
+    """(compute and stage communication, bubble, p2p) seconds of the iteration under 1F1B,
+    `busiest` the micro-batch time of pipeline stage `stage`."""
     p2p = pipeline_p2p_seconds(spec, gpu)
     per_micro_batch = busiest.total + p2p
-    if spec.pipeline_schedule == "dualpipe":
-        bubble = dualpipe_bubble(spec, busiest, p2p, weight)
-    else:
-        bubble = bubble_steps(spec, stage) * per_micro_batch
+    bubble = bubble_steps(spec, stage) * per_micro_batch
     return spec.microbatches * per_micro_batch, bubble, spec.microbatches * p2p
 
 
-def dualpipe_bubble(spec: ModelSpec, busiest: MicroBatchTime, p2p: float, weight: float) -> float:
-    """`dualpipe_bubble_seconds` of a rank's micro-batch time `busiest` (the mean of its two
-    stages'). What ckplan assumes of F&B, conservatively: the forward and backward chunks'
-    compute runs one after the other (overlapping two chunks hides communication, not
-    compute), and their communication is exposed as the 1F1B time counts it (the expert-parallel
-    all-to-alls by `expert_parallel.exposed_fraction`, the pipeline sends whole), although the
-    report (§3.2.1, Figure 4) hides the all-to-all and pipeline communication behind the other
-    chunk's compute: F&B = F + B + p2p, one micro-batch's whole time as under 1F1B. B: its
-    backward, recomputation and their communication; W: `stage_weight_gradient_seconds`."""
-    backward = busiest.total - busiest.forward.total - busiest.forward_comm
-    return dualpipe_bubble_seconds(spec.pp, busiest.total + p2p, backward, weight)
+def dualpipe_chunks(busiest: MicroBatchTime, p2p: float) -> tuple[Chunk, Chunk]:
+    """A micro-batch's forward and backward chunk (`dualpipe.Chunk`): the forward's compute,
+    its first forward's expert-parallel collectives and half the pipeline sends (its
+    activation) hideable; the backward's compute with the re-forwards', the rest of the
+    expert-parallel collectives and the other half (its input gradient) hideable. The other
+    collectives of each (tensor and context parallel, MLA's) stay exposed."""
+    forward = Chunk(
+        busiest.forward.total,
+        busiest.expert_forward_comm,
+        p2p / 2,
+        busiest.forward_comm - busiest.expert_forward_comm,
+    )
+    backward_expert = busiest.expert_comm - busiest.expert_forward_comm
+    backward = Chunk(
+        busiest.backward.total + busiest.recompute.total,
+        backward_expert,
+        p2p / 2,
+        busiest.backward_comm + busiest.recompute_comm - backward_expert,
+    )
+    return forward, backward
+
+
+@dataclass(frozen=True)
+class DualPipeRank:
+    """A DualPipe rank's iteration, seconds: `compute` its chunks (the paired ones overlapped),
+    `bubble` Table 2's, `p2p` its pipeline sends before overlap, `hidden` the communication
+    its pairs hide (`expert` of it expert-parallel), `mean` its mean micro-batch."""
+
+    compute: float
+    bubble: float
+    p2p: float
+    hidden: float
+    expert: float
+    mean: MicroBatchTime
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.bubble
+
+
+def _hidden_in_pair(forward: Chunk, backward: Chunk, sm_count: int) -> tuple[float, float]:
+    """(communication, expert-parallel communication) one pair hides against its two chunks
+    run alone: the pair's saving, split over each chunk's expert-parallel and pipeline share
+    in proportion (derived: both wait on the same compute)."""
+    saved = forward.alone + backward.alone - forward_backward_seconds(forward, backward, sm_count)
+    hideable = forward.hideable + backward.hideable
+    expert = forward.expert + backward.expert
+    return saved, saved * expert / hideable if hideable > 0 else 0.0
+
+
+def dualpipe_rank_time(
+    spec: ModelSpec,
+    gpu: GPU,
+    rank: int,
+    own: MicroBatchTime,
+    mirror: MicroBatchTime,
+    weight: float,
+) -> DualPipeRank:
+    """One iteration of DualPipe rank `rank`, its own stage's micro-batch time `own` and its
+    mirror's `mirror`, `weight` its W (`_rank_weight_seconds`). Its `paired_chunks` run as
+    F&B pairs (`forward_backward_seconds`), half a forward of its own stage beside a backward
+    of its mirror's and half the other way round (deepseek-ai/DualPipe at 3da1bbe,
+    `DualPipe.step` step 4: `_forward_backward_chunk(0, 1)` then `(1, 0)`; taken half and
+    half); the others alone, communication exposed. Bubble: DeepSeek-V3 report Table 2,
+    (PP/2 - 1)(F&B + B - 3W), F&B the mean pair, B a backward chunk alone."""
+    p2p = pipeline_p2p_seconds(spec, gpu)
+    m = spec.microbatches
+    mean = _mean_micro_batch(own, mirror)
+    sms = gpu.sm_count
+    own_f, own_b = dualpipe_chunks(own, p2p)
+    mirror_f, mirror_b = dualpipe_chunks(mirror, p2p)
+    pairs = ((own_f, mirror_b), (mirror_f, own_b))
+    overlapped = sum(forward_backward_seconds(f, b, sms) for f, b in pairs) / 2
+    saved = [_hidden_in_pair(f, b, sms) for f, b in pairs]
+    hidden = sum(s[0] for s in saved) / 2
+    expert = sum(s[1] for s in saved) / 2
+    count = paired_chunks(spec.pp, m, rank)
+    alone = mean.total + p2p
+    backward = dualpipe_chunks(mean, p2p)[1].alone
+    return DualPipeRank(
+        compute=m * alone - count * hidden,
+        bubble=dualpipe_bubble_seconds(spec.pp, overlapped, backward, weight),
+        p2p=m * p2p,
+        hidden=count * hidden,
+        expert=count * expert,
+        mean=mean,
+    )
 
 
 def _mean_micro_batch(a: MicroBatchTime, b: MicroBatchTime) -> MicroBatchTime:
@@ -1042,18 +1123,33 @@ def _mean_micro_batch(a: MicroBatchTime, b: MicroBatchTime) -> MicroBatchTime:
         (a.backward_comm + b.backward_comm) / 2,
         (a.recompute_comm + b.recompute_comm) / 2,
         (a.expert_comm + b.expert_comm) / 2,
+        (a.expert_forward_comm + b.expert_forward_comm) / 2,
     )
 
 
-def _dualpipe_ranks(spec: ModelSpec, stages: list[int], times: list[MicroBatchTime]):
-    """(rank, its micro-batch time) for each DualPipe rank both of whose stages are timed."""
+def _busiest_dualpipe_rank(
+    spec: ModelSpec, gpu: GPU, stages: list[int], times: list[MicroBatchTime]
+) -> tuple[int, DualPipeRank]:
+    """The DualPipe rank (of those both of whose stages are timed) whose iteration, chunks and
+    bubble (`dualpipe_rank_time`), takes longest; rank r and p - 1 - r run the same."""
     by_stage = dict(zip(stages, times, strict=True))
     ranks = sorted({min(stage, spec.pp - 1 - stage) for stage in stages})
-    return [
-        (rank, _mean_micro_batch(by_stage[rank], by_stage[spec.pp - 1 - rank]))
+    timed = [
+        (
+            rank,
+            dualpipe_rank_time(
+                spec,
+                gpu,
+                rank,
+                by_stage[rank],
+                by_stage[spec.pp - 1 - rank],
+                _rank_weight_seconds(spec, gpu, rank),
+            ),
+        )
         for rank in ranks
         if rank in by_stage and spec.pp - 1 - rank in by_stage
     ]
+    return max(timed, key=lambda r: r[1].total)
 
 
 def step_time_from_forwards(
@@ -1094,16 +1190,14 @@ def step_time_from_forwards(
     busiest = times[index]
     m = spec.microbatches
     stages = [stage for stage, _ in stage_forwards]
+    hidden = hidden_expert = 0.0  # communication DualPipe's pairs hide
     if spec.pipeline_schedule == "dualpipe":  # a rank runs two stages (no offload here)
-        weights = {rank: _rank_weight_seconds(spec, gpu, rank) for rank in stages}
-        rank, busiest = max(_dualpipe_ranks(spec, stages, times), key=lambda r: r[1].total)
-        compute, bubble, p2p = _pipeline(spec, gpu, busiest, rank, weights[rank])
-        plain_rank, plain_busiest = max(
-            _dualpipe_ranks(spec, stages, plain), key=lambda r: r[1].total
-        )
-        plain_compute, plain_bubble, _ = _pipeline(
-            spec, gpu, plain_busiest, plain_rank, weights[plain_rank]
-        )
+        _, timed = _busiest_dualpipe_rank(spec, gpu, stages, times)
+        busiest, compute, bubble, p2p = timed.mean, timed.compute, timed.bubble, timed.p2p
+        hidden, hidden_expert = timed.hidden, timed.expert
+        _, plain_timed = _busiest_dualpipe_rank(spec, gpu, stages, plain)
+        plain_busiest = plain_timed.mean
+        plain_compute, plain_bubble = plain_timed.compute, plain_timed.bubble
     else:
         compute, bubble, p2p = _pipeline(spec, gpu, busiest, stage_forwards[index][0])
         plain_index = max(range(len(plain)), key=lambda k: plain[k].total)
@@ -1130,8 +1224,8 @@ def step_time_from_forwards(
     global_batch = spec.micro_batch * m * spec.dp
     mfu = _model_flops(spec, global_batch) / (step * gpus * gpu.bf16_flops)
     tokens = global_batch * spec.seq
-    communication = m * (busiest.forward_comm + busiest.backward_comm) + p2p + dp
-    expert_parallel = m * busiest.expert_comm
+    communication = m * (busiest.forward_comm + busiest.backward_comm) + p2p + dp - hidden
+    expert_parallel = m * busiest.expert_comm - hidden_expert
     breakdown = {
         "matmul_seconds": m
         * (busiest.forward.matmul + busiest.backward.matmul + busiest.recompute.matmul),
