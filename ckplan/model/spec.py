@@ -73,7 +73,8 @@ KEY_ORDER = (
     "post_norms", "parallel_residual", "sliding_window", "sliding_window_layers", "q_lora_rank",
     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "experts", "top_k",
     "moe_ffn_hidden", "shared_experts", "shared_ffn_hidden", "shared_expert_gate", "expert_bias",
-    "capacity_factor", "moe_permute_fusion", "moe_router_fusion", "moe_layers", "moe_imbalance",
+    "capacity_factor", "moe_permute_fusion", "moe_router_fusion", "moe_act_input_fp8",
+    "moe_layers", "moe_imbalance",
     "mtp_layers", "ep", "etp", "first_stage_layers", "last_stage_layers",
     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
     "pipeline_layout", "framework", "framework_version", "kernels", "attention_kernel", "precision",
@@ -802,7 +803,7 @@ def _validate_moe(spec: ModelSpec) -> None:
             raise SpecError(
                 "keys capacity_factor, shared_expert_gate, expert_bias need experts > 0"
             )
-        for key in MOE_FUSIONS:
+        for key in (*MOE_FUSIONS, "moe_act_input_fp8"):
             if getattr(spec, key):
                 raise SpecError(f"key {key!r} needs a mixture of experts (experts > 0)")
         for key, default in (("moe_layers", "all"), ("moe_imbalance", "average"), ("top_k", 2)):
@@ -817,6 +818,11 @@ def _validate_moe(spec: ModelSpec) -> None:
                 f"key {key!r} is Megatron-Core's (Transformer Engine's fused MoE kernels): it "
                 f"needs framework megatron, got {spec.framework!r}"
             )
+    if spec.moe_act_input_fp8 and spec.precision != "fp8":
+        raise SpecError(
+            "key 'moe_act_input_fp8' caches the experts' activation input in FP8: it needs "
+            f"precision fp8, got {spec.precision!r}"
+        )
     if not 1 <= spec.top_k <= spec.experts:
         raise SpecError(f"key 'top_k' ({spec.top_k}) must be in 1..experts ({spec.experts})")
     if spec.experts % spec.ep:

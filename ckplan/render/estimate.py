@@ -260,6 +260,7 @@ QUIET_KEYS = frozenset(
         "mlp_tiles",
         "moe_permute_fusion",
         "moe_router_fusion",
+        "moe_act_input_fp8",
         "fp8_recipe",
         "grad_sync",
         "framework_version",
