@@ -104,6 +104,11 @@ def plan(
         if any(base.get(key, "none") != "none" for key in ("optimizer_offload", "param_offload")):
             base["zero"] = 3
         spec = load_spec(model, base)
+        if spec.pipeline_schedule == "dualpipe":
+            raise UserError(
+                "key 'pipeline_schedule' (dualpipe): plan lays out 1F1B and interleaved "
+                "pipelines only; evaluate a DualPipe layout with estimate"
+            )
         device = resolve_gpu(gpu, settings)
         budget_text, total, kept = require_budget(budget, reserve, device)
         slots = check_slots(slots)

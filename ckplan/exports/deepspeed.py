@@ -42,6 +42,11 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
         return why
     if spec.pp > 1 and spec.zero > 1:
         return f"zero={spec.zero} with pp={spec.pp}: DeepSpeed's pipeline engine allows ZeRO 0-1"
+    if spec.moe_act_input_fp8:
+        return "moe_act_input_fp8: DeepSpeed keeps the experts' activation input in BF16"
+    if spec.pipeline_schedule == "dualpipe":
+        # deepspeed/runtime/pipe/schedule.py: TrainSchedule, a 1F1B
+        return "pipeline_schedule dualpipe: DeepSpeed's pipeline engine runs 1F1B (TrainSchedule)"
     if spec.param_offload != "none" and spec.zero != 3:
         return (
             f"param_offload with zero={spec.zero}: DeepSpeed's offload_param runs with ZeRO 3 only"

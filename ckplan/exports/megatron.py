@@ -122,6 +122,14 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
     """Why Megatron-LM cannot run these layer segments on this layout (None: it can)."""
     if spec.kind != "transformer":
         return f"Megatron-LM trains transformers, not model kind {spec.kind!r}"
+    if spec.pipeline_schedule == "dualpipe":
+        # megatron/core/pipeline_parallel/schedules.py `get_forward_backward_func` at
+        # core_v0.19.0 returns the no-pipelining, 1F1B or interleaved 1F1B schedule
+        return "pipeline_schedule dualpipe: Megatron-LM runs 1F1B or interleaved 1F1B, no DualPipe"
+    if spec.moe_act_input_fp8:
+        # moe/experts.py at core_v0.19.0: the moe_act checkpoint keeps the fc1 output as the
+        # GEMM returned it (BF16)
+        return "moe_act_input_fp8: Megatron-LM keeps the experts' activation input in BF16"
     if spec.training in ("lora", "qlora"):
         # megatron/training/arguments.py at core_v0.19.0 has no adapter argument (its
         # --q-lora-rank and --kv-lora-rank are MLA's projections); NeMo and Megatron-Bridge add

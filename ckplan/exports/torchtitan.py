@@ -67,6 +67,14 @@ def reason(spec: ModelSpec, layers: LayerSegments, version: str = DEFAULT_VERSIO
         )
     if version == "0.3" and (why := _layout_reason_03(spec)):
         return why
+    if spec.pipeline_schedule == "dualpipe":
+        # --parallelism.pipeline-parallel-schedule names PyTorch's schedules
+        # (torchtitan/distributed/pipeline_parallel.py): DualPipeV is the V-shaped variant on
+        # p/2 ranks, not DualPipe's two directions over p ranks
+        return (
+            "pipeline_schedule dualpipe: torchtitan runs PyTorch's schedules (1F1B, "
+            "Interleaved1F1B, DualPipeV on p/2 ranks), not DualPipe"
+        )
     group = torch_interleaved_group(spec.pp, spec.microbatches)
     if spec.microbatch_group_size not in (None, group) and spec.virtual_stages > 1:
         return (

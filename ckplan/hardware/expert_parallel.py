@@ -31,9 +31,10 @@ network.
 Overlap: Megatron's default alltoall dispatcher runs these collectives on the compute stream,
 between the layer's kernels, so nothing hides them: `ep_overlap` 0 (the GPU file's default).
 `--overlap-moe-expert-parallel-comm` (MCore v0.14, batch-level overlap of one micro-batch's
-all-to-all with another's compute) and DeepSeek-V3's DualPipe (DeepSeek-V3 report §3.2.1: "both
-all-to-all and PP communication can be fully hidden") are `ep_overlap` 1: the communication is
-hidden up to the compute of the layer it runs beside (`exposed_fraction`).
+all-to-all with another's compute) is `ep_overlap` 1: the communication is hidden up to the
+compute of the layer it runs beside (`exposed_fraction`). DeepSeek-V3's DualPipe (report §3.2.1:
+"both all-to-all and PP communication can be fully hidden") hides what is left exposed here
+behind the paired chunk's compute: `pipeline_schedule: dualpipe` (`hardware.dualpipe`).
 """
 
 from __future__ import annotations

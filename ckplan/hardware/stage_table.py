@@ -109,4 +109,5 @@ def table_micro_batch_time(
         _sequential_sum(n * table.bc[run]),
         recompute_comm,
         expert_comm,
+        _sequential_sum(n * table.efc[run]),
     )

@@ -37,6 +37,7 @@ from ckplan.hardware.code_path import (
     sequence_parallel_gather_size,
     spec_code_path,
 )
+from ckplan.hardware.dualpipe import Chunk, forward_backward_seconds, paired_chunks
 from ckplan.hardware.expert_parallel import expert_parallel_comm, exposed_fraction
 from ckplan.hardware.gpus import GPU
 from ckplan.hardware.roofline import (
@@ -431,10 +432,24 @@ def output_time(spec: ModelSpec, gpu: GPU) -> StageTime:
     cross-entropy, PyTorch's on upcast logits, or chunks of either)."""
     if spec.kind != "transformer" or spec.vocab == 0:
         return StageTime()
+    head = _output_op(spec)
+    B = spec.dtype_bytes
+    path = spec_code_path(spec, gpu)
+    forward_comm, backward_comm = tensor_parallel_comm(spec, path.gpu, (head,))
+    return StageTime(
+        forward=path.forward(head, B),
+        backward=path.backward(head, B),
+        forward_comm=forward_comm,
+        backward_comm=backward_comm,
+    )
+
+
+def _output_op(spec: ModelSpec) -> Op:
+    """The output layer with the final norm's and the loss's memory-bound kernels, one op."""
     tokens, B = _tokens(spec), spec.dtype_bytes
     stream = memory.layer_input_bytes(spec)
     loss_forward, loss_backward = loss.loss_moved_bytes(spec)
-    head = Op(
+    return Op(
         "output",
         "output",
         0,
@@ -448,14 +463,6 @@ def output_time(spec: ModelSpec, gpu: GPU) -> StageTime:
         forward_bytes=2 * stream + loss_forward,
         backward_bytes=3 * stream + loss_backward,
         tp_comm="column",
-    )
-    path = spec_code_path(spec, gpu)
-    forward_comm, backward_comm = tensor_parallel_comm(spec, path.gpu, (head,))
-    return StageTime(
-        forward=path.forward(head, B),
-        backward=path.backward(head, B),
-        forward_comm=forward_comm,
-        backward_comm=backward_comm,
     )
 
 
@@ -517,19 +524,8 @@ def mtp_time(spec: ModelSpec, gpu: GPU, groups: tuple[str, ...]) -> StageTime:
     column-parallel GEMM (s·b, 2h) @ (2h, h/t), its TP collectives as any column-parallel
     linear's; its output gathered over TP and scattered back, counted with them),
     final_layernorm, and the transformer block timed as a layer of the decoder's last kind."""
-    tokens, B = _tokens(spec), spec.dtype_bytes
-    stream = memory.layer_input_bytes(spec)
-    projection = Op(
-        "mtp_projection",
-        "mtp",
-        0,
-        mtp.projection_forward_flops(spec),
-        mtp.projection_backward_flops(spec),
-        matmul=Matmul(tokens, split_share(spec.hidden, spec.tp), 2 * spec.hidden, 1, B),
-        forward_bytes=3 * 2 * stream,  # three norms, each reads and writes a stream
-        backward_bytes=3 * 3 * stream,
-        tp_comm="column",
-    )
+    projection = _mtp_projection_op(spec)
+    B = spec.dtype_bytes
     path = spec_code_path(spec, gpu)
     forward_comm, backward_comm = tensor_parallel_comm(spec, path.gpu, (projection,))
     prologue = StageTime(
@@ -540,6 +536,23 @@ def mtp_time(spec: ModelSpec, gpu: GPU, groups: tuple[str, ...]) -> StageTime:
     )
     block = layer_time(spec, gpu, mtp.mtp_kind(spec), groups)
     return _plus(_plus(embedding_time(spec, gpu), prologue), block)
+
+
+def _mtp_projection_op(spec: ModelSpec) -> Op:
+    """An MTP depth's eh_proj with its three norms' memory-bound kernels, one op."""
+    tokens, B = _tokens(spec), spec.dtype_bytes
+    stream = memory.layer_input_bytes(spec)
+    return Op(
+        "mtp_projection",
+        "mtp",
+        0,
+        mtp.projection_forward_flops(spec),
+        mtp.projection_backward_flops(spec),
+        matmul=Matmul(tokens, split_share(spec.hidden, spec.tp), 2 * spec.hidden, 1, B),
+        forward_bytes=3 * 2 * stream,  # three norms, each reads and writes a stream
+        backward_bytes=3 * 3 * stream,
+        tp_comm="column",
+    )
 
 
 # ---- one micro-batch through one pipeline stage ------------------------------------------
@@ -558,7 +571,7 @@ def micro_batch_time(
         raise ValueError(f"{len(forwards)} forward counts for a chain of {len(stages)} stages")
     flags = (selective,) * len(stages) if isinstance(selective, bool) else tuple(selective)
     forward = backward = recompute = ZERO
-    forward_comm = backward_comm = recompute_comm = expert_comm = 0.0
+    forward_comm = backward_comm = recompute_comm = expert_comm = expert_forward = 0.0
     # Runs of equal stages with equal counts (a deep uniform stack is a few runs) are added once.
     for (stage, count, selective), run in groupby(zip(stages, forwards, flags, strict=True)):
         n = sum(1 for _ in run)
@@ -569,12 +582,20 @@ def micro_batch_time(
         backward_comm += n * stage.backward_comm
         recompute_comm += n * (count - 1) * stage.forward_comm
         expert_comm += n * (count * stage.expert_forward_comm + stage.expert_backward_comm)
+        expert_forward += n * stage.expert_forward_comm
         if selective:
             recompute = _add(recompute, _scale(stage.core_forward, n))
             recompute_comm += n * stage.core_comm
             expert_comm += n * stage.core_expert_comm
     return MicroBatchTime(
-        forward, backward, recompute, forward_comm, backward_comm, recompute_comm, expert_comm
+        forward,
+        backward,
+        recompute,
+        forward_comm,
+        backward_comm,
+        recompute_comm,
+        expert_comm,
+        expert_forward,
     )
 
 
@@ -1067,6 +1088,58 @@ def optimizer_seconds(spec: ModelSpec, gpu: GPU) -> float:
     return memory_seconds(gpu, (dense + experts) * per_param)
 
 
+def carries_weight_gradient(op: Op) -> bool:
+    """Whether the op's backward computes a weight gradient: a GEMM with a weight operand (a
+    linear, an expert's grouped GEMM, the router) whose weight trains (its backward has both
+    products, `roofline.op_backward_time`). The attention core's products (fused, or the
+    standard scores and values GEMMs, group attention_core) multiply activations only."""
+    return (
+        op.matmul is not None
+        and not op.fused_kernel
+        and op.group != ATTENTION_CORE
+        and op.backward_flops >= 2 * op.forward_flops
+    )
+
+
+def _weight_gradient_seconds(spec: ModelSpec, gpu: GPU, ops) -> float:
+    """The weight-gradient GEMMs' seconds of `ops`' backward: half of each weighted GEMM's
+    two backward products (derived: dW = Xᵀ·dY and dX = dY·Wᵀ have the forward's FLOPs each,
+    `roofline.backward_matmuls`), timed on the run's code path; the re-run forwards some ops
+    add to their backward (`op_backward_time`) are not the weight's."""
+    path = spec_code_path(spec, gpu)
+    seconds = 0.0
+    for op in ops:
+        if carries_weight_gradient(op):
+            plain = dataclasses.replace(
+                op, backward_flops=2 * op.forward_flops, forward_bytes=0, backward_bytes=0
+            )
+            seconds += path.backward(plain, spec.dtype_bytes).matmul / 2
+    return seconds
+
+
+@lru_cache(maxsize=256)
+def stage_weight_gradient_seconds(spec: ModelSpec, gpu: GPU, stage: int) -> float:
+    """W of one micro-batch through model stage `stage` (DeepSeek-V3 Technical Report, arXiv
+    2412.19437, Table 2: 'the execution time of a "backward for weights" chunk'): the weight
+    gradients of its layers, and on the last stage of the MTP depths' blocks and projections
+    and of the output layer. The embedding's gradient (a scatter-add of rows) is no GEMM and
+    counts with the input gradients' part."""
+    weighted = [op for kind in stage_kinds(spec, stage) for op in model_layer_ops(spec, kind)]
+    if spec.kind == "transformer" and spec.vocab > 0 and stage == spec.pp - 1:
+        depth = [*model_layer_ops(spec, mtp.mtp_kind(spec)), _mtp_projection_op(spec)]
+        weighted += depth * spec.mtp_layers
+        weighted.append(_output_op(spec))
+    return _weight_gradient_seconds(spec, gpu, weighted)
+
+
+def dualpipe_bubble_seconds(pp: int, overlapped: float, backward: float, weight: float) -> float:
+    """DualPipe's bubble, DeepSeek-V3 Technical Report (arXiv 2412.19437) Table 2:
+    (PP/2 - 1)(F&B + B - 3W), against 1F1B's (PP - 1)(F + B) and ZB1P's (PP - 1)(F + B - 2W);
+    `overlapped` F&B, the time of a forward chunk and a backward chunk run overlapped,
+    `backward` B, a full backward chunk, `weight` W, its weight-gradient part."""
+    return (pp // 2 - 1) * (overlapped + backward - 3 * weight)
+
+
 def bubble_steps(spec: ModelSpec, stage: int) -> float:
     """The pipeline bubble in micro-batches of stage `stage`: (p - 1)/v (Narayanan et al. 2021
     §2.2: p - 1 steps of one chunk, 1/v of a micro-batch). Under a pipeline_layout each step
@@ -1081,12 +1154,141 @@ def bubble_steps(spec: ModelSpec, stage: int) -> float:
 def _pipeline(
     spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime, stage: int = 0
 ) -> tuple[float, float, float]:
-    """(compute and stage communication, bubble, p2p) seconds of the iteration, `busiest` the
-    micro-batch time of pipeline stage `stage`."""
+    """(compute and stage communication, bubble, p2p) seconds of the iteration under 1F1B,
+    `busiest` the micro-batch time of pipeline stage `stage`."""
     p2p = pipeline_p2p_seconds(spec, gpu)
     per_micro_batch = busiest.total + p2p
     bubble = bubble_steps(spec, stage) * per_micro_batch
     return spec.microbatches * per_micro_batch, bubble, spec.microbatches * p2p
+
+
+def dualpipe_chunks(busiest: MicroBatchTime, p2p: float) -> tuple[Chunk, Chunk]:
+    """A micro-batch's forward and backward chunk (`dualpipe.Chunk`): the forward's compute,
+    its first forward's expert-parallel collectives and half the pipeline sends (its
+    activation) hideable; the backward's compute with the re-forwards', the rest of the
+    expert-parallel collectives and the other half (its input gradient) hideable. The other
+    collectives of each (tensor and context parallel, MLA's) stay exposed."""
+    forward = Chunk(
+        busiest.forward.total,
+        busiest.expert_forward_comm,
+        p2p / 2,
+        busiest.forward_comm - busiest.expert_forward_comm,
+    )
+    backward_expert = busiest.expert_comm - busiest.expert_forward_comm
+    backward = Chunk(
+        busiest.backward.total + busiest.recompute.total,
+        backward_expert,
+        p2p / 2,
+        busiest.backward_comm + busiest.recompute_comm - backward_expert,
+    )
+    return forward, backward
+
+
+@dataclass(frozen=True)
+class DualPipeRank:
+    """A DualPipe rank's iteration, seconds: `compute` its chunks (the paired ones overlapped),
+    `bubble` Table 2's, `p2p` its pipeline sends before overlap, `hidden` the communication
+    its pairs hide (`expert` of it expert-parallel), `mean` its mean micro-batch."""
+
+    compute: float
+    bubble: float
+    p2p: float
+    hidden: float
+    expert: float
+    mean: MicroBatchTime
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.bubble
+
+
+def _hidden_in_pair(forward: Chunk, backward: Chunk, sm_count: int) -> tuple[float, float]:
+    """(communication, expert-parallel communication) one pair hides against its two chunks
+    run alone: the pair's saving, split over each chunk's expert-parallel and pipeline share
+    in proportion (derived: both wait on the same compute)."""
+    saved = forward.alone + backward.alone - forward_backward_seconds(forward, backward, sm_count)
+    hideable = forward.hideable + backward.hideable
+    expert = forward.expert + backward.expert
+    return saved, saved * expert / hideable if hideable > 0 else 0.0
+
+
+def dualpipe_rank_time(
+    spec: ModelSpec,
+    gpu: GPU,
+    rank: int,
+    own: MicroBatchTime,
+    mirror: MicroBatchTime,
+    weight: float,
+) -> DualPipeRank:
+    """One iteration of DualPipe rank `rank`, its own stage's micro-batch time `own` and its
+    mirror's `mirror`, `weight` its W (`_rank_weight_seconds`). Its `paired_chunks` run as
+    F&B pairs (`forward_backward_seconds`), half a forward of its own stage beside a backward
+    of its mirror's and half the other way round (deepseek-ai/DualPipe at 3da1bbe,
+    `DualPipe.step` step 4: `_forward_backward_chunk(0, 1)` then `(1, 0)`; taken half and
+    half); the others alone, communication exposed. Bubble: DeepSeek-V3 report Table 2,
+    (PP/2 - 1)(F&B + B - 3W), F&B the mean pair, B a backward chunk alone."""
+    p2p = pipeline_p2p_seconds(spec, gpu)
+    m = spec.microbatches
+    mean = _mean_micro_batch(own, mirror)
+    sms = gpu.sm_count
+    own_f, own_b = dualpipe_chunks(own, p2p)
+    mirror_f, mirror_b = dualpipe_chunks(mirror, p2p)
+    pairs = ((own_f, mirror_b), (mirror_f, own_b))
+    overlapped = sum(forward_backward_seconds(f, b, sms) for f, b in pairs) / 2
+    saved = [_hidden_in_pair(f, b, sms) for f, b in pairs]
+    hidden = sum(s[0] for s in saved) / 2
+    expert = sum(s[1] for s in saved) / 2
+    count = paired_chunks(spec.pp, m, rank)
+    alone = mean.total + p2p
+    backward = dualpipe_chunks(mean, p2p)[1].alone
+    return DualPipeRank(
+        compute=m * alone - count * hidden,
+        bubble=dualpipe_bubble_seconds(spec.pp, overlapped, backward, weight),
+        p2p=m * p2p,
+        hidden=count * hidden,
+        expert=count * expert,
+        mean=mean,
+    )
+
+
+def _mean_micro_batch(a: MicroBatchTime, b: MicroBatchTime) -> MicroBatchTime:
+    """One micro-batch of a DualPipe rank: half its micro-batches run each of its two stages
+    (deepseek-ai/DualPipe at 3da1bbe, `half_num_chunks` from each end)."""
+    return MicroBatchTime(
+        _scale(_add(a.forward, b.forward), 0.5),
+        _scale(_add(a.backward, b.backward), 0.5),
+        _scale(_add(a.recompute, b.recompute), 0.5),
+        (a.forward_comm + b.forward_comm) / 2,
+        (a.backward_comm + b.backward_comm) / 2,
+        (a.recompute_comm + b.recompute_comm) / 2,
+        (a.expert_comm + b.expert_comm) / 2,
+        (a.expert_forward_comm + b.expert_forward_comm) / 2,
+    )
+
+
+def _busiest_dualpipe_rank(
+    spec: ModelSpec, gpu: GPU, stages: list[int], times: list[MicroBatchTime]
+) -> tuple[int, DualPipeRank]:
+    """The DualPipe rank (of those both of whose stages are timed) whose iteration, chunks and
+    bubble (`dualpipe_rank_time`), takes longest; rank r and p - 1 - r run the same."""
+    by_stage = dict(zip(stages, times, strict=True))
+    ranks = sorted({min(stage, spec.pp - 1 - stage) for stage in stages})
+    timed = [
+        (
+            rank,
+            dualpipe_rank_time(
+                spec,
+                gpu,
+                rank,
+                by_stage[rank],
+                by_stage[spec.pp - 1 - rank],
+                _rank_weight_seconds(spec, gpu, rank),
+            ),
+        )
+        for rank in ranks
+        if rank in by_stage and spec.pp - 1 - rank in by_stage
+    ]
+    return max(timed, key=lambda r: r[1].total)
 
 
 def step_time_from_forwards(
@@ -1126,18 +1328,28 @@ def step_time_from_forwards(
     index = max(range(len(times)), key=lambda k: times[k].total + exposed[k])
     busiest = times[index]
     m = spec.microbatches
-    compute, bubble, p2p = _pipeline(spec, gpu, busiest, stage_forwards[index][0])
+    stages = [stage for stage, _ in stage_forwards]
+    hidden = hidden_expert = 0.0  # communication DualPipe's pairs hide
+    if spec.pipeline_schedule == "dualpipe":  # a rank runs two stages (no offload here)
+        _, timed = _busiest_dualpipe_rank(spec, gpu, stages, times)
+        busiest, compute, bubble, p2p = timed.mean, timed.compute, timed.bubble, timed.p2p
+        hidden, hidden_expert = timed.hidden, timed.expert
+        _, plain_timed = _busiest_dualpipe_rank(spec, gpu, stages, plain)
+        plain_busiest = plain_timed.mean
+        plain_compute, plain_bubble = plain_timed.compute, plain_timed.bubble
+    else:
+        compute, bubble, p2p = _pipeline(spec, gpu, busiest, stage_forwards[index][0])
+        plain_index = max(range(len(plain)), key=lambda k: plain[k].total)
+        plain_busiest = plain[plain_index]
+        plain_compute, plain_bubble, _ = _pipeline(
+            spec, gpu, plain_busiest, stage_forwards[plain_index][0]
+        )
     regathered = regathered_elements(spec, stage_forwards[index][0], stage_forwards[index][1])
     dp = data_parallel_exposed(spec, gpu, busiest, regathered, stage_forwards[index][1])
     optimizer = optimizer_seconds(spec, gpu)
     offload = m * exposed[index]
     states = state_copy_seconds(spec, gpu, busiest)
     step = compute + bubble + dp + optimizer + offload + states
-    plain_index = max(range(len(plain)), key=lambda k: plain[k].total)
-    plain_busiest = plain[plain_index]
-    plain_compute, plain_bubble, _ = _pipeline(
-        spec, gpu, plain_busiest, stage_forwards[plain_index][0]
-    )
     step_without = (
         plain_compute
         + plain_bubble
@@ -1151,8 +1363,8 @@ def step_time_from_forwards(
     global_batch = spec.micro_batch * m * spec.dp
     mfu = _model_flops(spec, global_batch) / (step * gpus * gpu.bf16_flops)
     tokens = global_batch * spec.seq
-    communication = m * (busiest.forward_comm + busiest.backward_comm) + p2p + dp
-    expert_parallel = m * busiest.expert_comm
+    communication = m * (busiest.forward_comm + busiest.backward_comm) + p2p + dp - hidden
+    expert_parallel = m * busiest.expert_comm - hidden_expert
     breakdown = {
         "matmul_seconds": m
         * (busiest.forward.matmul + busiest.backward.matmul + busiest.recompute.matmul),
@@ -1179,6 +1391,15 @@ def step_time_from_forwards(
         offload_exposed_seconds=offload,
         state_copy_seconds=states,
     )
+
+
+def _rank_weight_seconds(spec: ModelSpec, gpu: GPU, rank: int) -> float:
+    """W of a DualPipe rank's micro-batch: the mean of its two stages' (`_mean_micro_batch`)."""
+    mirror = spec.pp - 1 - rank
+    return (
+        stage_weight_gradient_seconds(spec, gpu, rank)
+        + stage_weight_gradient_seconds(spec, gpu, mirror)
+    ) / 2
 
 
 def state_copy_seconds(spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime) -> float:

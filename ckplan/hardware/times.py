@@ -36,6 +36,9 @@ class MicroBatchTime:
     backward_comm: float
     recompute_comm: float
     expert_comm: float = 0.0  # the expert-parallel share of the three above
+    # of expert_comm, the first forward's (the rest runs in the backward: its own collectives
+    # and the re-forwards'); what a DualPipe forward chunk sends (hardware.dualpipe)
+    expert_forward_comm: float = 0.0
 
     @property
     def total(self) -> float:

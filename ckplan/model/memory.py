@@ -539,9 +539,35 @@ def mtp_parameters(spec: ModelSpec) -> int:
     return spec.mtp_layers * (block + projection)
 
 
+def rank_stages(spec: ModelSpec, rank: int) -> tuple[int, ...]:
+    """The model stages pipeline rank `rank` holds: its own, or under DualPipe its own and its
+    mirror p - 1 - rank, one per direction. deepseek-ai/DualPipe at 3da1bbe,
+    examples/example_dualpipe.py: `local_full_modules = nn.Sequential(full_modules[rank],
+    full_modules[pp_size - 1 - rank])`; the DeepSeek-V3 Technical Report (arXiv 2412.19437)
+    §3.2.1 and Table 2: 'keeping two copies of the model parameters', 2x parameters."""
+    if spec.pipeline_schedule != "dualpipe":
+        return (rank,)
+    return (rank, spec.pp - 1 - rank)
+
+
 @cached_by_chain(maxsize=256)
 def stage_parameters(spec: ModelSpec, stage: int = 0) -> tuple[int, int]:
-    """(dense, expert) parameters on one GPU of pipeline stage `stage`, as Megatron-LM lays
+    """(dense, expert) parameters on one GPU of pipeline stage `stage`: those of the model
+    stages it holds (`rank_stages`: under DualPipe two, `model_stage_parameters` each)."""
+    stages = rank_stages(spec, stage)
+    held = [model_stage_parameters(spec, each) for each in stages]
+    dense, expert = sum(d for d, _ in held), sum(e for _, e in held)
+    if spec.mtp_layers and not spec.tied_embeddings and {0, spec.pp - 1} <= set(stages):
+        # the MTP depths' word embedding is the first stage's on the same rank: DeepSeek-V3
+        # Technical Report (arXiv 2412.19437) §3.2.3, "Shared Embedding and Output Head for
+        # Multi-Token Prediction": with DualPipe the shallowest and deepest layers share a
+        # rank, which "enables the physical sharing of parameters and gradients"
+        dense -= split_share(spec.vocab * spec.hidden, spec.tp)
+    return dense, expert
+
+
+def model_stage_parameters(spec: ModelSpec, stage: int = 0) -> tuple[int, int]:
+    """(dense, expert) parameters of model stage `stage` on one GPU, as Megatron-LM lays
     them out (`layer_parameter_parts`): its layers; on the first stage the vocab-parallel word
     embedding (V/t rows) and the learned position embedding, a plain torch.nn.Embedding whole
     on every TP rank (megatron/core/models/common/embeddings/language_model_embedding.py,
@@ -805,8 +831,12 @@ def pipeline_buffer_bytes(spec: ModelSpec, stage: int, in_flight: int) -> int:
     torchtitan 2024.12 the finished micro-batches' outputs and input gradients
     (`frameworks.torch_pipeline_finished_bytes`); 0 without pipeline parallelism or under
     another framework (Megatron-LM frees what it sends). With interleaving (v > 1) a rank runs
-    v stages whose in-flight forwards ckplan does not split between them: not counted."""
+    v stages whose in-flight forwards ckplan does not split between them: not counted. Under
+    DualPipe none: its runtime empties what it sent (deepseek-ai/DualPipe at 3da1bbe,
+    dualpipe.py `_free_tensors`)."""
     if spec.framework != "torchtitan" or spec.pp == 1 or spec.virtual_stages > 1:
+        return 0
+    if spec.pipeline_schedule == "dualpipe":  # DualPipe's own runtime: _free_tensors (3da1bbe)
         return 0
     if spec.kind != "transformer":
         return 0

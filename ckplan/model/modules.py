@@ -115,7 +115,7 @@ def layer_discards(spec: ChainSpec, ops: tuple[Op, ...], name: str) -> tuple[Dis
         if "expert_act" not in by_name:
             return ()
         act = by_name["expert_act"]
-        kept = act_inputs_bytes(act)
+        kept = act_inputs_bytes(act, spec)
         return (
             Discard(
                 ("expert_act",),
@@ -147,11 +147,15 @@ def _stream(spec: ChainSpec) -> int:
     return LayerShapes.of(spec).stream
 
 
-def act_inputs_bytes(act: Op) -> int:
+def act_inputs_bytes(act: Op, spec: ChainSpec) -> int:
     """What the experts' activation checkpoint keeps: its inputs, the fc1 output (2F_e/etp wide
     gated) and the R routing probabilities (moe/experts.py `bias_act_func(intermediate_parallel,
     bias_parallel, permuted_probs)`, core_v0.15.0), the bytes of the activation's input
-    gradient (`expert_act`'s input_grad_bytes: the same two tensors' gradients)."""
+    gradient (`expert_act`'s input_grad_bytes: the same two tensors' gradients). With
+    `moe_act_input_fp8` the activation saves exactly those inputs, the fc1 output in FP8
+    (DeepSeek-V3 report §3.3.3, `moe.expert_act_saved_bytes`): what it saves."""
+    if spec.moe_act_input_fp8:
+        return act.saved_bytes
     return act.input_grad_bytes
 
 

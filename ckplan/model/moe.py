@@ -524,6 +524,22 @@ def shared_gate_moved(shapes: LayerShapes) -> tuple[int, int]:
     return 2 * BT + 2 * X + BT, (2 * X + BT) + (2 * X + BT) + 3 * BT
 
 
+def expert_act_saved_bytes(
+    spec: ModelSpec, B: int, rows: int, act_saved: int, fc1_width: int, weighted: int
+) -> int:
+    """What the experts' activation saves for its backward over `rows` routed rows: its saved
+    tensors, `act_saved` values wide, and the routing probabilities where it weights by them
+    (`weighted`), B bytes each. With `moe_act_input_fp8` (DeepSeek-V3 Technical Report, arXiv
+    2412.19437, §3.3.3 "Low-Precision Activation" (2): "we cache the inputs of the SwiGLU
+    operator and recompute its output in the backward pass. These activations are also stored
+    in FP8"): its input only, the fc1 output `fc1_width` wide, at 1 byte a value; the
+    probabilities stay B bytes (the report does not say otherwise). The 1x128 tiles' scaling
+    factors are not counted, as for every FP8 cache (`ops.fp8_saved`)."""
+    if spec.moe_act_input_fp8:
+        return rows * fc1_width + B * rows * weighted
+    return B * rows * (act_saved + weighted)
+
+
 def probabilities_in_activation(spec: ModelSpec) -> bool:
     """Whether the routing probabilities weight the experts' activation (saved there) rather
     than their outputs after fc2. Megatron-Core core_v0.19.0: the all-to-all dispatcher's
@@ -652,7 +668,7 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
         make_op(
             "expert_act",
             "mlp",
-            B * rows * (act_saved + weighted),
+            expert_act_saved_bytes(spec, B, rows, act_saved, fc1_width, weighted),
             0,
             EXPERTS,
             grads=(B * rows * ffn_r, B * rows * (fc1_width + 1)),

@@ -250,6 +250,10 @@ class Parallelism(_Record):
     # Megatron-Core's --pipeline-model-parallel-layout (ckplan.model.pipeline_layout): the
     # items of every (pipeline stage, virtual chunk); it sets virtual_stages (chunks / pp).
     pipeline_layout: str | None = None
+    # the pipeline schedule: 1f1b (Megatron's 1F1B, interleaved with virtual_stages > 1) or
+    # dualpipe (DeepSeek-V3 §3.2.1: each rank holds stage r and stage p - 1 - r and runs
+    # micro-batches from both ends; ckplan.model.memory.rank_stages)
+    pipeline_schedule: str = "1f1b"
 
     __hash__ = _Record.__hash__
 
@@ -578,6 +582,12 @@ class Execution(_Record):
     # `moe_router_fusion: bool = False`). ckplan.model.moe times both ways.
     moe_permute_fusion: bool = False
     moe_router_fusion: bool = False
+    # DeepSeek-V3 Technical Report (arXiv 2412.19437) §3.3.3, "Low-Precision Activation" (2):
+    # "we cache the inputs of the SwiGLU operator and recompute its output in the backward
+    # pass. These activations are also stored in FP8": the routed experts' activation saves
+    # its input, the fc1 output, at 1 byte a value (ckplan.model.moe `expert_act_saved_bytes`);
+    # the recompute of its output is the `moe_act` module. Precision fp8 only.
+    moe_act_input_fp8: bool = False
 
     __hash__ = _Record.__hash__
 

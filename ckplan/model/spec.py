@@ -59,6 +59,7 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu", "geglu")  # geglu: gated like swiglu (Gemma), the same shapes
 ATTENTIONS = ("standard", "flash")
 POSITIONS = ("learned", "rope")
+PIPELINE_SCHEDULES = ("1f1b", "dualpipe")
 DEFAULT_PROFILE = FUSED_NAME  # the op table itself (ckplan.model.ops)
 
 # The flat keys users write, in the order the output lists them, each with the part it lives in.
@@ -66,12 +67,14 @@ KEY_ORDER = (
     "name", "layers", "hidden", "seq", "micro_batch", "heads", "kv_heads", "ffn_hidden", "vocab",
     "dtype_bytes", "kind", "source", "norm", "mlp", "attention", "positions", "bias", "dropout",
     "tied_embeddings", "fused_swiglu", "profile", "tp", "pp", "sp", "cp", "dp", "zero",
-    "virtual_stages", "microbatches", "microbatch_group_size", "grad_sync", "weight_bytes",
+    "virtual_stages", "microbatches", "microbatch_group_size", "pipeline_schedule", "grad_sync",
+    "weight_bytes",
     "grad_bytes", "master_bytes", "optimizer_bytes", "head_dim", "qkv_bias", "qk_norm",
     "post_norms", "parallel_residual", "sliding_window", "sliding_window_layers", "q_lora_rank",
     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "experts", "top_k",
     "moe_ffn_hidden", "shared_experts", "shared_ffn_hidden", "shared_expert_gate", "expert_bias",
-    "capacity_factor", "moe_permute_fusion", "moe_router_fusion", "moe_layers", "moe_imbalance",
+    "capacity_factor", "moe_permute_fusion", "moe_router_fusion", "moe_act_input_fp8",
+    "moe_layers", "moe_imbalance",
     "mtp_layers", "ep", "etp", "first_stage_layers", "last_stage_layers",
     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
     "pipeline_layout", "framework", "framework_version", "kernels", "attention_kernel", "precision",
@@ -286,7 +289,7 @@ _STR_FIELDS |= {"framework", "kernels", "attention_kernel", "precision", "fp8_re
 _STR_FIELDS |= {"training", "lora_targets", "weight_format", "bitsandbytes_version"}
 _STR_FIELDS |= {"optimizer"}
 _STR_FIELDS |= {"optimizer_offload", "param_offload", "grad_sync", "framework_version"}
-_STR_FIELDS |= {"pipeline_layout", "zero_grad"}
+_STR_FIELDS |= {"pipeline_layout", "zero_grad", "pipeline_schedule"}
 _LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
 _FLOAT_FIELDS = {"dropout", "capacity_factor", "lora_dropout", "lora_alpha"}
 _NULLABLE = {key for key, f in _KEYS.items() if "None" in str(f.type)}
@@ -296,6 +299,7 @@ ENUMS = {
     "mlp": MLPS,
     "attention": ATTENTIONS,
     "positions": POSITIONS,
+    "pipeline_schedule": PIPELINE_SCHEDULES,
 }
 MAX_TEXT_CHARS = 1000  # name and source
 # A pipeline_layout's in-flight count walks each rank's m·v chunk forwards (ckplan.plan.
@@ -561,6 +565,8 @@ def _validate(spec: ModelSpec) -> None:
         )
     if spec.microbatch_group_size is not None:
         _validate_microbatch_group(spec)
+    if spec.pipeline_schedule == "dualpipe":
+        _validate_dualpipe(spec)
 
 
 # Attention kernels without an fp32 path: FlashAttention-2 refuses any other dtype
@@ -622,6 +628,35 @@ def _validate_microbatch_group(spec: ModelSpec) -> None:
         raise SpecError(
             f"key 'microbatch_group_size' ({n}): microbatches ({m}) leave a last group of "
             f"{m % n}, which must be 0 or at least pp ({p}), as Megatron-LM requires"
+        )
+
+
+def _validate_dualpipe(spec: ModelSpec) -> None:
+    """DualPipe's own requirements, deepseek-ai/DualPipe dualpipe/dualpipe.py at 3da1bbe
+    (`DualPipe.step`): `assert num_ranks % 2 == 0` and `assert num_chunks > 0 and num_chunks
+    % 2 == 0 and num_chunks >= num_ranks * 2` (num_chunks, the micro-batches of both
+    directions, is `microbatches`); each rank holds two whole stages, one per direction
+    (`modules: Tuple[nn.Module, nn.Module]`), so no virtual stages, and Megatron-Core's
+    pipeline_layout, a split for its own schedules, does not apply."""
+    p, m = spec.pp, spec.microbatches
+    if p < 2 or p % 2:
+        raise SpecError(
+            f"key 'pipeline_schedule' (dualpipe) needs an even pp of at least 2, got pp {p}"
+        )
+    if m % 2 or m < 2 * p:
+        raise SpecError(
+            f"key 'pipeline_schedule' (dualpipe) needs an even microbatches of at least 2·pp "
+            f"({2 * p}), half from each end of the pipeline, got {m}"
+        )
+    if spec.virtual_stages != 1:
+        raise SpecError(
+            f"key 'pipeline_schedule' (dualpipe) needs virtual_stages: 1 (each rank holds "
+            f"one stage of each direction), got {spec.virtual_stages}"
+        )
+    if spec.pipeline_layout is not None:
+        raise SpecError(
+            "key 'pipeline_schedule' (dualpipe): drop pipeline_layout, Megatron-Core's split "
+            "for its own schedules; use first_stage_layers / last_stage_layers"
         )
 
 
@@ -768,7 +803,7 @@ def _validate_moe(spec: ModelSpec) -> None:
             raise SpecError(
                 "keys capacity_factor, shared_expert_gate, expert_bias need experts > 0"
             )
-        for key in MOE_FUSIONS:
+        for key in (*MOE_FUSIONS, "moe_act_input_fp8"):
             if getattr(spec, key):
                 raise SpecError(f"key {key!r} needs a mixture of experts (experts > 0)")
         for key, default in (("moe_layers", "all"), ("moe_imbalance", "average"), ("top_k", 2)):
@@ -783,6 +818,11 @@ def _validate_moe(spec: ModelSpec) -> None:
                 f"key {key!r} is Megatron-Core's (Transformer Engine's fused MoE kernels): it "
                 f"needs framework megatron, got {spec.framework!r}"
             )
+    if spec.moe_act_input_fp8 and spec.precision != "fp8":
+        raise SpecError(
+            "key 'moe_act_input_fp8' caches the experts' activation input in FP8: it needs "
+            f"precision fp8, got {spec.precision!r}"
+        )
     if not 1 <= spec.top_k <= spec.experts:
         raise SpecError(f"key 'top_k' ({spec.top_k}) must be in 1..experts ({spec.experts})")
     if spec.experts % spec.ep:

@@ -289,6 +289,8 @@ def in_flight_microbatches(spec: ModelSpec, stage: int = 0) -> Fraction:
     forwards of `megatron_in_flight_forwards`, v to a micro-batch; the first stage's
     p + (p - 1)/v is Korthikanti §4.2.3's p·(1 + (p - 1)/(p·v)) at the default group
     g = p; each micro-batch more in a group (microbatch_group_size) adds (v - 1)/v of one.
+    DualPipe: stage s still holds p - s (`dualpipe_in_flight`); its rank also holds its
+    mirror stage's (`dualpipe_rank_peaks`).
     """
     v = spec.virtual_stages
     if spec.parsed_layout is not None:  # each chunk forward holds its chunk's layers
@@ -302,6 +304,22 @@ def in_flight_microbatches(spec: ModelSpec, stage: int = 0) -> Fraction:
         spec.pp, v, spec.microbatches, stage, spec.microbatch_group
     )
     return Fraction(forwards, v)
+
+
+def dualpipe_in_flight(pp: int, rank: int) -> tuple[int, int]:
+    """(micro-batches of model stage `rank`, of its mirror p - 1 - rank) whose activations
+    DualPipe's pipeline rank `rank` holds at its peak: p - rank and rank + 1, p + 1 in all.
+
+    deepseek-ai/DualPipe at 3da1bbe, dualpipe/dualpipe.py `DualPipe.step`, with h = min(rank,
+    p - 1 - rank): step 1 runs (p/2 - h - 1)·2 forwards of the rank's first direction, step 2
+    h + 1 forwards of each direction, step 3 (p/2 - h - 1) times a backward of the second
+    direction, a weight pass and a forward of it; then steps 4-5 pair a forward of one
+    direction with a backward of the other. Its peak, after step 2 or 3's forwards, holds
+    p - h forwards of the stage it runs first (stage h) and h + 1 of the other (p - 1 - h)
+    (derived: the order replayed in tests/test_dualpipe.py for every rank of p = 2..16), the
+    DeepSeek-V3 Technical Report's (arXiv 2412.19437) Table 2 'PP + 1' micro-batches. Stage s
+    thus holds p - s, the count it holds under 1F1B (`megatron_in_flight_forwards`)."""
+    return pp - rank, rank + 1
 
 
 @lru_cache(maxsize=256)
@@ -422,7 +440,9 @@ def pipeline_stages(spec: ModelSpec) -> tuple[int, ...]:
     """The pipeline stages whose peak can be the fullest: the first (embedding, most
     micro-batches in flight) and the last (output layer and fp32 logits); with mixed layers
     also each middle stage whose layer kinds (under a pipeline_layout: and chunk split) no
-    earlier stage holds (an earlier stage with the same layers holds more micro-batches)."""
+    earlier stage holds (an earlier stage with the same layers holds more micro-batches).
+    Under DualPipe also the mirror p - 1 - k of each, which the same rank holds: a later rank
+    whose two stages have the layers of an earlier one's holds as many micro-batches, p + 1."""
     if spec.pp == 1:
         return (0,)
     seen = {_stage_shape(spec, 0)}
@@ -432,6 +452,8 @@ def pipeline_stages(spec: ModelSpec) -> tuple[int, ...]:
         if kinds not in seen:
             seen.add(kinds)
             stages.append(stage)
+    if spec.pipeline_schedule == "dualpipe":  # each rank's mirror stage beside it
+        return tuple(sorted({*stages, spec.pp - 1, *(spec.pp - 1 - stage for stage in stages)}))
     return (*stages, spec.pp - 1)
 
 
@@ -488,6 +510,8 @@ def evaluate(
             else replay.layer_forwards
         )
         forwards.append((stage, counts))
+    if spec.pipeline_schedule == "dualpipe":
+        return _dualpipe_plan(spec, strategy, budget, results, tapes, tuple(forwards))
     # Memory: the GPU whose model states and activations together are the most (each stage
     # holds its own parameters). FLOPs: the busiest stage, which paces the pipeline.
     states = {stage: memory.model_state_bytes(spec, stage) for *_, stage, _ in results}
@@ -543,6 +567,96 @@ def evaluate(
         peak_stage=stage,
         model_states=states[stage],
         pipeline_buffer_bytes=buffers[stage],
+    )
+
+
+def dualpipe_rank_peaks(
+    pp: int, peaks: dict[int, int], held: dict[int, int]
+) -> dict[int, tuple[int, int]]:
+    """Each DualPipe rank's activation peak: rank -> (bytes, the stage whose schedule runs at
+    it), from each model stage's peak with its own in-flight micro-batches (`peaks`, p - s on
+    stage s) and what one waiting micro-batch of it holds (`held`), for every rank r < p/2
+    whose two stages, r and p - 1 - r, are both given (rank p - 1 - r holds the same two).
+
+    derived: one backward runs at a time, so the rank peaks while one of its stages runs its
+    schedule's peak and the other's micro-batches wait, `dualpipe_in_flight` of each: the
+    larger of peak(r) + (r + 1)·held(p - 1 - r) and peak(p - 1 - r) + (p - r)·held(r). Both
+    directions are taken at their most at once, as at the step-2/3 peak of the replayed order.
+    """
+    ranks: dict[int, tuple[int, int]] = {}
+    for stage in sorted(peaks):
+        rank, mirror = min(stage, pp - 1 - stage), max(stage, pp - 1 - stage)
+        if rank in ranks or rank not in peaks or mirror not in peaks:
+            continue
+        own, other = dualpipe_in_flight(pp, rank)
+        if rank == mirror:  # pp 1 has no DualPipe; kept total for safety
+            ranks[rank] = (peaks[rank], rank)
+            continue
+        running_own = peaks[rank] + other * held[mirror]
+        running_mirror = peaks[mirror] + own * held[rank]
+        ranks[rank] = (
+            (running_own, rank) if running_own >= running_mirror else (running_mirror, mirror)
+        )
+    return ranks
+
+
+def _dualpipe_plan(spec, strategy, budget, results, tapes, forwards) -> Plan | None:
+    """The plan under DualPipe from each model stage's result ((peak, steps, FLOPs, stage,
+    group) with its own in-flight micro-batches): each rank holds its two stages' activations
+    (`dualpipe_rank_peaks`) and model states (`memory.rank_stages`), and runs half the
+    micro-batches through each (deepseek-ai/DualPipe at 3da1bbe: `half_num_chunks` from each
+    end), so its FLOPs per iteration are m/2 of each stage's. `optimal` plans each stage under
+    the budget alone; a rank whose two stages together pass it has no plan (None)."""
+    p, m = spec.pp, spec.microbatches
+    by_stage = {result[3]: result for result in results}
+    peaks = {stage: result[0] for stage, result in by_stage.items()}
+    ranks = dualpipe_rank_peaks(p, peaks, tapes)
+    states = {rank: memory.model_state_bytes(spec, rank) for rank in ranks}
+    rank = max(ranks, key=lambda r: (ranks[r][0] + states[r].total, -r))
+    peak, side = ranks[rank]
+    if strategy.kind == "optimal" and budget is not None and peak > budget:
+        return None
+    steps = by_stage[side][1]
+
+    def pair_flops(r: int) -> FlopCount:
+        a, b = by_stage[r][2], by_stage[p - 1 - r][2]
+        return FlopCount(a.forward + b.forward, a.backward + b.backward, a.recompute + b.recompute)
+
+    busiest = max(ranks, key=lambda r: pair_flops(r).total)
+    both = pair_flops(busiest)
+    flops = FlopCount(both.forward * m // 2, both.backward * m // 2, both.recompute * m // 2)
+    own, other = dualpipe_in_flight(p, rank)
+    notes = (
+        f"peak on pipeline rank {rank} (DualPipe: stages {rank} and {p - 1 - rank}), "
+        f"{own + other} micro-batches in flight ({own} of stage {rank}, {other} of stage "
+        f"{p - 1 - rank})",
+    )
+    beside = strategy.kind if strategy.size is None else f"{strategy.kind}:{strategy.size}"
+    policy = parse_policy(strategy.policy) if strategy.policy else None
+    if strategy.kind in ("block", "optimal") and strategy.size != 0 and policy:
+        notes += tuple(filter(None, [layerwise_export_reason(policy, beside)]))
+    unrunnable = (module_framework_reason(spec, strategy), _revolve_note(strategy, forwards))
+    notes += tuple(filter(None, unrunnable))
+    grouped = max(result[4] for result in results)
+    if grouped > 1:
+        notes += (
+            f"optimal over groups of up to {grouped} consecutive layers (the exact DP would "
+            "take more than seconds here): the schedule fits; the exact optimum may recompute "
+            "less",
+        )
+    return _plan(
+        spec,
+        strategy.name,
+        "derived",
+        peak,
+        flops,
+        steps,
+        _stage_names(spec, side),
+        notes,
+        stage_forwards=forwards,
+        recompute_groups=strategy.groups,
+        peak_stage=rank,
+        model_states=states[rank],
     )
 
 
@@ -804,6 +918,12 @@ def _evaluate_offload(spec, strategy, budget, slots, gpu) -> Plan | None:
     with its tapes on host; the GPU that peaks on device is shown, the most host bytes of any."""
     from ckplan.plan.offload import offload_stage, offloaded_input_count, offloaded_words
 
+    if spec.pipeline_schedule == "dualpipe":
+        raise StrategyError(
+            f"strategy {strategy.name!r}: offloading under pipeline_schedule dualpipe is not "
+            "modelled (each rank's two stages share its host copies); use a strategy without "
+            "offload"
+        )
     results, forwards, offloads, prefetches = [], [], [], []
     for stage in pipeline_stages(spec):
         chain = layer_chain(spec, strategy.groups, stage=stage)

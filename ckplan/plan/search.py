@@ -328,8 +328,9 @@ def sweep(
     formula = formula_name(formula)
     strategies = candidate_strategies(spec) if formula == "derived" else _simple_strategies(spec)
     plans = []
-    if formula == "derived" and gpu is not None:
-        # Tapes on host cost copy time only a GPU's host link and stage times can price.
+    if formula == "derived" and gpu is not None and spec.pipeline_schedule != "dualpipe":
+        # Tapes on host cost copy time only a GPU's host link and stage times can price (not
+        # modelled under DualPipe: `evaluate._evaluate_offload`).
         strategies += [parse_strategy(name, spec) for name in OFFLOAD_CANDIDATES]
     for done, strategy in enumerate(strategies, 1):
         plans.append(evaluate(spec, strategy, formula))

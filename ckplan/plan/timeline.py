@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from ckplan.plan.evaluate import Plan, in_flight_microbatches
-from ckplan.plan.layer_chain import layer_chain
+from ckplan.plan.layer_chain import layer_chain, stage_names
 from ckplan.schedules import held_after_forward_bytes, simulate
 
 
@@ -51,6 +51,8 @@ def memory_timeline(plan: Plan) -> Timeline | None:
     if not plan.steps:
         return None
     spec = plan.spec
+    if spec.pipeline_schedule == "dualpipe":
+        return _dualpipe_timeline(plan)
     first_stage = spec.pp == 1 or "layer 0" in plan.stage_names  # which stage the steps run
     chain = layer_chain(spec, plan.strategy.startswith("selective"), first_stage)
     replay = simulate(chain, plan.steps)
@@ -76,4 +78,27 @@ def memory_timeline(plan: Plan) -> Timeline | None:
         replay.initial_bytes + constant,
         waiting,
         plan.pipeline_buffer_bytes,
+    )
+
+
+def _dualpipe_timeline(plan: Plan) -> Timeline:
+    """The timeline of a DualPipe rank (`plan.peak_stage`): the steps of the stage whose schedule
+    runs at the rank's peak (`evaluate.dualpipe_rank_peaks`), with its own other micro-batches
+    and the other stage's (`evaluate.dualpipe_in_flight`) waiting beside it: a constant over the
+    running micro-batch's steps, the plan's peak less the replay's."""
+    spec = plan.spec
+    rank, mirror = plan.peak_stage, spec.pp - 1 - plan.peak_stage
+    side = rank if tuple(stage_names(spec, stage=rank)) == tuple(plan.stage_names) else mirror
+    chain = layer_chain(spec, plan.recompute_groups, stage=side)
+    replay = simulate(chain, plan.steps)
+    waiting = plan.activation_bytes - replay.peak_bytes
+    trace = [(point.during_bytes, point.after_bytes) for point in replay.trace]
+    labels = tuple(f"{STEP_VERBS[step.kind]} {plan.stage_names[step.stage]}" for step in plan.steps)
+    return Timeline(
+        labels,
+        tuple(during + waiting for during, _ in trace),
+        tuple(after + waiting for _, after in trace),
+        replay.initial_bytes + waiting,
+        waiting,
+        0,
     )

@@ -51,6 +51,7 @@ LAYOUT_KEYS = (
     "sp",
     "virtual_stages",
     "microbatch_group_size",
+    "pipeline_schedule",
     "ep",
     "etp",
     "zero",

@@ -240,9 +240,9 @@ ARCHITECTURE_FEATURES = {
     ),
     "mtp": ("mtp_layers",),
 }
-# Keys of the other parts that only MoE models, uneven or interleaved pipelines, model states on
-# the host, hf's gradient sync, a torchtitan release, Megatron's fused MoE kernels, Transformer
-# Engine's FP8 or an older bitsandbytes use: shown when not default.
+# Keys of the other parts that only MoE models, uneven, interleaved or DualPipe pipelines, model
+# states on the host, hf's gradient sync, a torchtitan release, Megatron's fused MoE kernels,
+# Transformer Engine's FP8 or an older bitsandbytes use: shown when not default.
 QUIET_KEYS = frozenset(
     {
         "moe_imbalance",
@@ -254,11 +254,13 @@ QUIET_KEYS = frozenset(
         "account_for_loss_in_pipeline_split",
         "pipeline_layout",
         "microbatch_group_size",
+        "pipeline_schedule",
         "optimizer_offload",
         "param_offload",
         "mlp_tiles",
         "moe_permute_fusion",
         "moe_router_fusion",
+        "moe_act_input_fp8",
         "fp8_recipe",
         "grad_sync",
         "framework_version",

@@ -20,6 +20,13 @@ def seconds(value: float) -> str:
     return f"{value * 1e3:.2f} ms" if value < 1 else f"{value:.3f} s"
 
 
+def _bubble_formula(spec) -> str:
+    """The bubble's formula as the time model applies it (`step_time._pipeline`)."""
+    if spec.pipeline_schedule == "dualpipe":
+        return f"DualPipe (p/2-1)(F&B+B-3W), p/2-1 = {spec.pp // 2 - 1}"
+    return f"(p-1)/v = {spec.pp - 1}/{spec.virtual_stages}"
+
+
 def step_time_table(plan: Plan, time: StepTime, gpu: GPU | None) -> Table:
     """Step time, its parts, MFU/HFU, throughput and the time overhead beside the FLOP one."""
     where = f" on {gpu.name}" if gpu is not None else ""
@@ -32,7 +39,7 @@ def step_time_table(plan: Plan, time: StepTime, gpu: GPU | None) -> Table:
         ("backward", time.backward_seconds, "compute"),
         ("recompute", time.recompute_seconds, "re-run ops and their collectives"),
         ("communication", time.communication_seconds, "exposed TP/CP/EP/PP/DP"),
-        ("pipeline bubble", time.bubble_seconds, f"(p-1)/v = {spec.pp - 1}/{spec.virtual_stages}"),
+        ("pipeline bubble", time.bubble_seconds, _bubble_formula(spec)),
         ("optimizer", time.optimizer_seconds, f"{_optimizer_name(spec)}, memory-bound"),
     )
     if spec.optimizer_offload != "none":
