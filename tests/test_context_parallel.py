@@ -3,7 +3,12 @@ backward transient by hand, and where the attention core counts it."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
+from needs_torch import torch_or_skip
 
 from ckplan.inputs.presets import load_spec
 from ckplan.model.context_parallel import (
@@ -103,3 +108,23 @@ def test_0_3_gathers_k_and_v_at_the_key_value_heads():
         - core(four_oh_five_b(1, framework_version="0.3")).grad_workspace_bytes
     )
     assert extra == ring_backward_workspace_bytes(8, q, kv, 2)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_pytorchs_own_ring_backward_holds_what_is_counted(cp):
+    """PyTorch's `_templated_ring_attention_backward` on a fake process group (the CPU check,
+    validation/torch_cp_ring_memory.py): the live set at its kernel calls is ckplan's (the most
+    of any rank; the `i > rank` branch adds a half-length fp32 logsumexp copy, 1/32 E here)."""
+    torch_or_skip()
+    path = Path(__file__).resolve().parent.parent / "validation" / "torch_cp_ring_memory.py"
+    module_spec = importlib.util.spec_from_file_location("torch_cp_ring_memory", path)
+    harness = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = harness
+    module_spec.loader.exec_module(harness)
+    values = 1 * 4 * 16 * 32  # the script's (b, a, s, d)
+    unit = 2 * values
+    counted = ring_backward_live_at_call_bytes(cp, values, values, 2) / unit
+    seen = [harness.measure(cp, rank) for rank in range(cp)]
+    assert counted == 2 * cp + 19
+    assert seen[-1]["at_calls"] == counted  # the last rank takes the `i <= rank` branch only
+    assert max(r["at_calls"] for r in seen) == counted + 1 / 32
