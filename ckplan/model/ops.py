@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ckplan.model.context_parallel import torchtitan_ring_workspace_bytes
 from ckplan.model.finetune import frozen_ops
 from ckplan.model.layers import DENSE, LayerKind, layer_kinds
 from ckplan.model.mla import mla_projection_ops, value_view_bytes
@@ -253,6 +254,10 @@ def _attention_ops(spec: ChainSpec, kind: LayerKind, shapes: LayerShapes) -> lis
         # heads than Q heads on the rank, dK and dV at a heads before summing them to g.
         expanded = B * tokens * heads_r * (qk_dim + v_dim) if kv_heads_r < heads_r else 0
         workspace = FP32_BYTES * (tokens * heads_r * qk_dim + sharded(tokens * spec.heads))
+        # torchtitan's context parallelism: PyTorch's ring attention all-gathers K‖V and keeps
+        # fp32 dQ, dK, dV accumulators and the dK‖dV ring buffers (ckplan.model.context_parallel)
+        if not spec.mla:
+            workspace += torchtitan_ring_workspace_bytes(spec, tokens, heads_r, kv_heads_r)
         ops.append(
             Op(
                 "attention_core",

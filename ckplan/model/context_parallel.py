@@ -1,0 +1,112 @@
+"""torchtitan's context parallelism: what PyTorch's ring attention keeps alive in the attention
+backward beside a plain flash-attention backward.
+
+torchtitan runs context parallelism (cp > 1) through PyTorch's experimental
+`torch.distributed.tensor.experimental.context_parallel`: its SDPA calls become
+`_scaled_dot_product_ring_flash_attention(_backward)` (or the efficient-attention pair), which
+loop `_templated_ring_attention(_backward)` over the cp ranks with round-robin load balancing
+on (`_cp_options.enable_load_balance`). The K/V exchange is `_cp_options.rotate_method`:
+
+- torchtitan 9dec370 (2024-12-26, `framework_version` "2024.12"): the job option
+  `experimental.context_parallel_rotate_method`, default "allgather" (torchtitan/
+  config_manager.py), passed to `set_rotate_method` in `utils.create_context_parallel_ctx`;
+- torchtitan 0.3.0: no option and no call to `set_rotate_method`
+  (torchtitan/distributed/context_parallel/api.py), so PyTorch's default, ALL_GATHER
+  (`_ContextParallelOptions.rotate_method`, torch/distributed/tensor/experimental/
+  _context_parallel/_attention.py at v2.13.0).
+
+So both all-gather K and V once per call (`_AllGatherRotater`): one buffer of cp x the local
+K‖V, from which each step reads the chunk it needs. The backward keeps fp32 accumulators for
+dQ, dK and dV (`convert_to_f32`, on by default) and passes the dK‖dV accumulator round the ring
+with an all-to-all (`dkv_rotater`, ALL_TO_ALL whatever the rotate method). The loops read the
+same in PyTorch's late-2024 text (with the PRE_ALL_GATHER method, typing.List) and at v2.13.0;
+the CPU check is validation/torch_cp_ring_memory.py.
+
+The K and V the kernel sees: torchtitan 9dec370's Attention repeats them to the rank's query
+heads (`repeat_kv`, torchtitan/models/llama/model.py) before SDPA; torchtitan 0.3.0 passes
+`enable_gqa` (torchtitan/models/common/attention.py) and so keeps them at the rank's K/V heads.
+"""
+
+from __future__ import annotations
+
+from ckplan.model.frameworks import framework_version
+
+FP32_BYTES = 4
+
+
+def uses_ring_attention(framework: str, cp: int, attention: str) -> bool:
+    """Whether the attention core runs PyTorch's ring attention: torchtitan with cp > 1 and a
+    fused SDPA kernel (torchtitan's train context allows only the flash and efficient backends
+    under context parallelism, `get_train_context` in torchtitan/utils.py at 9dec370; the ring
+    handles only those, `_sdpa_handler`)."""
+    return framework == "torchtitan" and cp > 1 and attention != "standard"
+
+
+def ring_kv_heads(version: str | None, heads_r: int, kv_heads_r: int) -> int:
+    """The K/V heads per rank the ring all-gathers: torchtitan "2024.12" repeats K and V to the
+    rank's query heads before SDPA (`repeat_kv`, torchtitan/models/llama/model.py at 9dec370);
+    "0.3" keeps the rank's K/V heads (`enable_gqa`, torchtitan/models/common/attention.py at
+    0.3.0)."""
+    return heads_r if version == "2024.12" else kv_heads_r
+
+
+def ring_backward_live_at_call_bytes(
+    cp: int, q_elements: int, kv_elements: int, dtype_bytes: int
+) -> int:
+    """What `_templated_ring_attention_backward` (torch/distributed/tensor/experimental/
+    _context_parallel/_attention.py at v2.13.0; the same loop in the late-2024 text) holds when
+    it calls the kernel at step 1, the most of any step, beyond its inputs (the saved Q, K, V, O,
+    logsumexp and the output gradient): `q_elements` the local Q (b·a·s/cp·d at the heads the
+    kernel sees), `kv_elements` one of the local K and V, `dtype_bytes` their element size,
+    cp >= 2.
+
+    - the fp32 accumulators `grad_query`, `grad_key`, `grad_value` (`torch.zeros_like(...,
+      dtype=accum_dtype)`, `convert_to_f32`): 4·(q + 2kv);
+    - the all-gathered K‖V (`_AllGatherRotater._aggregated_buffer`, `all_gather_single` of
+      `torch.cat([key.flatten(), value.flatten()])`): cp·B·2kv;
+    - step 0's kernel gradients, still bound to `grad_query_`, `grad_key_`, `grad_value_` while
+      step 1's call runs: B·(q + 2kv);
+    - one K‖V concatenation (`next_kv`: step 1's, or with cp = 2 step 0's, never rebound):
+      B·2kv;
+    - the fp32 dK‖dV concatenation sent round the ring (`next_grad_kv = torch.cat(...)`) and the
+      one received (`dkv_rotater.next_buffer()`, the all-to-all output): 2·4·2kv.
+    """
+    accumulators = FP32_BYTES * (q_elements + 2 * kv_elements)
+    gathered_kv = cp * dtype_bytes * 2 * kv_elements
+    previous_step_grads = dtype_bytes * (q_elements + 2 * kv_elements)
+    kv_concat = dtype_bytes * 2 * kv_elements
+    grad_kv_sent_and_received = 2 * FP32_BYTES * 2 * kv_elements
+    return accumulators + gathered_kv + previous_step_grads + kv_concat + grad_kv_sent_and_received
+
+
+def ring_backward_workspace_bytes(
+    cp: int, q_elements: int, kv_elements: int, dtype_bytes: int
+) -> int:
+    """The ring's transient beyond a plain flash backward's, which ckplan counts as the core's
+    input gradients B·(q + 2kv) and the kernel's own workspace (its fp32 dQ accumulator and
+    softmax_d). At step 1 a rank of cp rank >= 1 runs the kernel on all its queries and the first
+    half of the received keys (`key.chunk(2, dim=seq_dim)[0]`, the `i <= rank` branch): the
+    kernel's dK and dV cover half the keys, B·kv less than the plain backward's, its dQ
+    accumulator the whole of Q as at cp = 1. So the layer's attention backward holds
+    `ring_backward_live_at_call_bytes` - B·kv more than without context parallelism.
+
+    The other steps hold no more: the `i > rank` branch runs half the queries (B·q/2 fewer
+    gradients, half the dQ accumulator). Outside the calls the largest set, with cp >= 3, is at
+    step 1's K‖V concatenation: step 0's contiguous K and V copies (still bound to `k`, `v`) and
+    step 0's concatenation (still bound to `next_kv`) beside the call's live set, B·4kv, where
+    the call adds B·(q + kv) gradients and the 4·q dQ accumulator: no more when Q has at least
+    the K/V heads, equal when the heads match (validation/torch_cp_ring_memory.py)."""
+    live = ring_backward_live_at_call_bytes(cp, q_elements, kv_elements, dtype_bytes)
+    return live - dtype_bytes * kv_elements
+
+
+def torchtitan_ring_workspace_bytes(spec, tokens: int, heads_r: int, kv_heads_r: int) -> int:
+    """The attention backward's ring transient of `spec` (0 where it does not run PyTorch's
+    ring attention, `uses_ring_attention`): `tokens` the rank's b·s/cp, `heads_r` and
+    `kv_heads_r` its query and K/V heads, head_dim for Q, K and V."""
+    if not uses_ring_attention(spec.framework, spec.cp, spec.attention):
+        return 0
+    kv_heads = ring_kv_heads(framework_version(spec), heads_r, kv_heads_r)
+    q_elements = tokens * heads_r * spec.head_dim
+    kv_elements = tokens * kv_heads * spec.head_dim
+    return ring_backward_workspace_bytes(spec.cp, q_elements, kv_elements, spec.dtype_bytes)
