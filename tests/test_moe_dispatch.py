@@ -4,8 +4,10 @@
 `expert_parallel.node_limited_all_to_all_seconds`."""
 
 import itertools
+import json
 import math
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -17,10 +19,12 @@ from ckplan.hardware.expert_parallel import (
     node_limited_all_to_all_seconds,
 )
 from ckplan.inputs.gpus import load_gpu
+from ckplan.inputs.presets import load_spec
 from ckplan.model.moe import dispatch_row_bytes, expected_nodes_reached, node_reach_probability
 from ckplan.model.op import LayerShapes
 from ckplan.model.spec import SpecError
 
+HF_FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 H800_RUN = {
     "precision": "fp8",
     "pp": 16,
@@ -165,3 +169,19 @@ def test_dense_model_refuses_the_moe_dispatch_keys(spec_of):
     ):
         with pytest.raises(SpecError, match="needs a mixture of experts"):
             spec_of("llama3-8b", **changes)
+
+
+def test_config_json_routing_groups(tmp_path):
+    """DeepSeek-V3's config.json: n_group 8, topk_group 4 (HF deepseek-ai/DeepSeek-V3, the
+    preset's); V2-Lite routes greedily (topk_method greedy): no groups; V2's
+    group_limited_greedy keeps its groups (n_group 8, topk_group 3)."""
+    v3 = load_spec(str(HF_FIXTURES / "DeepSeek-V3" / "config.json"))
+    assert (v3.moe_router_num_groups, v3.moe_router_group_topk) == (8, 4)
+    lite = load_spec(str(HF_FIXTURES / "DeepSeek-V2-Lite" / "config.json"))
+    assert (lite.moe_router_num_groups, lite.moe_router_group_topk) == (0, 0)
+    config = json.loads((HF_FIXTURES / "DeepSeek-V2-Lite" / "config.json").read_text())
+    config |= {"topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    grouped = load_spec(str(path))
+    assert (grouped.moe_router_num_groups, grouped.moe_router_group_topk) == (8, 3)

@@ -75,7 +75,9 @@ class ExpertParallelComm:
 
     @property
     def backward(self) -> float:
-        """The transposed collectives move the same bytes (derived)."""
+        """The transposed collectives move the same bytes (derived). Under `moe_dispatch_fp8`
+        the FP8 one is the combine's transpose and the BF16 one the dispatch's (DeepSeek-V3
+        report §3.3.3; `moe.dispatch_row_bytes`): the same sum, the probabilities aside."""
         return self.forward
 
 

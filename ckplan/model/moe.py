@@ -97,8 +97,12 @@ def dispatch_row_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
     """Bytes of one token row the dispatch sends, its routing probability aside: h values at
     the activation's B bytes; with `moe_dispatch_fp8`, h FP8 values and one FP32 scale per
     1x128 tile, h + 4·ceil(h/128). DeepSeek-V3 Technical Report (arXiv 2412.19437) §3.3.3,
-    "Low-Precision Communication": the activation before the MoE up-projections is quantized to
-    FP8 before the dispatch, the combine kept in BF16 (`combine_bytes` stays B bytes a value);
+    "Low-Precision Communication": "we quantize the activation before MoE up-projections into
+    FP8 and then apply dispatch components"; "A similar strategy is applied to the activation
+    gradient before MoE down-projections. For both the forward and backward combine components,
+    we retain them in BF16" (`combine_bytes` stays B bytes a value). The backward's two
+    all-to-alls are then one FP8 (the combine's transpose, carrying that gradient) and one BF16
+    (the dispatch's): the forward's bytes, as `ExpertParallelComm.backward` counts them;
     §3.3.2, "Fine-Grained Quantization": activations scaled per 1x128 tile. The scale's width:
     deepseek-ai/DeepEP v1.2.1 (9af0e0d), deep_ep/buffer.py `Buffer.dispatch`, an FP8 `x` is
     "[num_tokens, hidden]" float8_e4m3fn with scales "[num_tokens, hidden // 128]" torch.float;
