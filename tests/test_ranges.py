@@ -33,6 +33,11 @@ def corner(key: str, value: int) -> dict:
             spec |= {"moe_ffn_hidden": max(256, value)}
         if key in ("ep", "etp"):
             spec |= {"dp": value}  # expert groups are carved from the data-parallel GPUs
+    if key in ("moe_router_num_groups", "moe_router_group_topk") and value > 0:
+        groups = max(8, value)  # one expert a group; top_k 1 fits any group_topk
+        chosen = value if key == "moe_router_group_topk" else 1
+        spec |= {"experts": groups, "top_k": 1, "moe_router_num_groups": groups}
+        spec |= {"moe_router_group_topk": chosen}
     mla_keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
     if key in mla_keys and value > 0:
         spec = {"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8}

@@ -44,6 +44,11 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
         return f"zero={spec.zero} with pp={spec.pp}: DeepSpeed's pipeline engine allows ZeRO 0-1"
     if spec.moe_act_input_fp8:
         return "moe_act_input_fp8: DeepSpeed keeps the experts' activation input in BF16"
+    if spec.moe_dispatch_fp8 or spec.moe_token_dispatcher_type == "flex":
+        # deepspeed/moe/sharded_moe.py: MOELayer's _AllToAll sends every expert's capacity
+        # buffer in the activation dtype
+        key = "moe_dispatch_fp8" if spec.moe_dispatch_fp8 else "moe_token_dispatcher_type flex"
+        return f"{key}: DeepSpeed's MoE dispatches with its own all-to-all in the activation dtype"
     if spec.pipeline_schedule == "dualpipe":
         # deepspeed/runtime/pipe/schedule.py: TrainSchedule, a 1F1B
         return "pipeline_schedule dualpipe: DeepSpeed's pipeline engine runs 1F1B (TrainSchedule)"

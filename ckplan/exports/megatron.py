@@ -130,6 +130,10 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
         # moe/experts.py at core_v0.19.0: the moe_act checkpoint keeps the fc1 output as the
         # GEMM returned it (BF16)
         return "moe_act_input_fp8: Megatron-LM keeps the experts' activation input in BF16"
+    if spec.moe_dispatch_fp8:
+        # moe/fused_a2a.py at core_v0.19.0: the DeepEP dispatch gets the BF16 hidden states,
+        # HybridEP asserts "HybridEP dispatcher does not support fp8 dispatch now"
+        return "moe_dispatch_fp8: Megatron-LM dispatches the tokens in BF16"
     if spec.training in ("lora", "qlora"):
         # megatron/training/arguments.py at core_v0.19.0 has no adapter argument (its
         # --q-lora-rank and --kv-lora-rank are MLA's projections); NeMo and Megatron-Bridge add
@@ -418,6 +422,15 @@ def _moe_flags(spec: ModelSpec) -> list[list[str]]:
             ["--moe-expert-capacity-factor", f"{spec.capacity_factor:g}"],
             ["--moe-pad-expert-input-to-capacity"],
         ]
+    if spec.moe_router_num_groups:
+        # transformer_config.py at core_v0.19.0: moe_router_num_groups, moe_router_group_topk
+        out += [
+            ["--moe-router-num-groups", str(spec.moe_router_num_groups)],
+            ["--moe-router-group-topk", str(spec.moe_router_group_topk)],
+        ]
+    if spec.moe_token_dispatcher_type == "flex":
+        # moe_token_dispatcher_type 'flex', its backend DeepEP by default (core_v0.19.0)
+        out.append(["--moe-token-dispatcher-type", "flex"])
     if spec.moe_permute_fusion:
         out.append(["--moe-permute-fusion"])
     if spec.moe_router_fusion:

@@ -28,6 +28,12 @@ etp apart (Megatron's expert rank generator, order "tp-cp-ep-dp-pp" with tp = et
 node it uses the intra-node link, across nodes the share bound for other nodes goes over the
 network.
 
+Dispatcher: `moe_token_dispatcher_type: flex` (DeepEP; DeepSeek-V3's own kernels, report
+§3.2.2) sends each token over the network once per destination node and forwards it over
+NVLink there (`node_limited_all_to_all_seconds`); with group-limited routing
+(`moe_router_num_groups`, `moe_router_group_topk`) a token reaches at most group_topk nodes.
+`moe_dispatch_fp8` sends the dispatched rows in FP8 with their scales (report §3.3.3).
+
 Overlap: Megatron's default alltoall dispatcher runs these collectives on the compute stream,
 between the layer's kernels, so nothing hides them: `ep_overlap` 0 (the GPU file's default).
 `--overlap-moe-expert-parallel-comm` (MCore v0.14, batch-level overlap of one micro-batch's
@@ -43,7 +49,13 @@ from dataclasses import dataclass
 
 from ckplan.hardware import communication as comm
 from ckplan.hardware.gpus import GPU
-from ckplan.model.moe import received_rows, routed_rows, sent_rows
+from ckplan.model.moe import (
+    dispatch_row_bytes,
+    node_reach_probability,
+    received_rows,
+    routed_rows,
+    sent_rows,
+)
 from ckplan.model.op import LayerShapes
 from ckplan.model.spec import ModelSpec
 
@@ -63,21 +75,70 @@ class ExpertParallelComm:
 
     @property
     def backward(self) -> float:
-        """The transposed collectives move the same bytes (derived)."""
+        """The transposed collectives move the same bytes (derived). Under `moe_dispatch_fp8`
+        the FP8 one is the combine's transpose and the BF16 one the dispatch's (DeepSeek-V3
+        report §3.3.3; `moe.dispatch_row_bytes`): the same sum, the probabilities aside."""
         return self.forward
 
 
 def dispatch_bytes(spec: ModelSpec, shapes: LayerShapes) -> int:
     """Bytes the dispatch all-to-all moves on the busiest rank: max(S, R/etp) rows of h values
+    (`moe.dispatch_row_bytes`: B bytes each, or FP8 with its scales under `moe_dispatch_fp8`)
     and one probability each, B bytes (the probabilities have the logits' dtype)."""
     rows = max(sent_rows(spec, shapes), received_rows(spec, shapes))
-    return shapes.B * rows * (spec.hidden + 1)
+    return rows * (dispatch_row_bytes(spec, shapes.B) + shapes.B)
 
 
 def combine_bytes(spec: ModelSpec, shapes: LayerShapes) -> int:
     """Bytes the combine all-to-all moves on the busiest rank: max(S, R/etp) rows of h values."""
     rows = max(sent_rows(spec, shapes), received_rows(spec, shapes))
     return shapes.B * rows * spec.hidden
+
+
+def node_limited_all_to_all_seconds(size_bytes: float, spec: ModelSpec, gpu: GPU) -> float:
+    """A dispatch or combine of `size_bytes` (S per-expert copies of token rows) by a dispatcher
+    that sends each token once per destination node (`moe_token_dispatcher_type: flex`).
+
+    DeepSeek-V3 report (arXiv 2412.19437) §3.2.2: tokens are dispatched to at most 4 nodes to
+    cut InfiniBand traffic, each crossing IB once to a node and forwarded there over NVLink to
+    its experts' GPUs ("(1) IB sending, (2) IB-to-NVLink forwarding, and (3) NVLink receiving";
+    the combine the reverse, "NVLink-to-IB forwarding and accumulation"). deepseek-ai/DeepEP
+    v1.2.1 (9af0e0d) implements it, "kernels optimized for asymmetric-domain bandwidth
+    forwarding, such as forwarding data from NVLink domain to RDMA domain" aligned with
+    DeepSeek-V3's group-limited gating (README), "the ranks with the same GPU index ... visible
+    via RDMA" (deep_ep/buffer.py `Buffer.dispatch`); Megatron-Core runs it as its flex
+    dispatcher (--moe-token-dispatcher-type flex, core_v0.19.0 transformer_config.py).
+
+    Derived, per token (S/k bytes each of its k copies): (N - 1)·p rows over the network,
+    p = `moe.node_reach_probability` on the N nodes of the ep group, its own node excluded;
+    over NVLink, each copy whose expert is on another GPU of its node than the one it enters by
+    (the same GPU index), k·(g - 1)/g of them with g ep ranks a node under uniform routing: a
+    copy per expert, so two experts on one GPU count twice (DeepEP sends a token once per
+    rank: an upper bound). Both links at once, as in
+    `communication.hierarchical_all_to_all_seconds`: the slower. The combine moves the same
+    counts the reverse way."""
+    if spec.ep <= 1:
+        return 0.0
+    local = comm.ranks_per_node(gpu, spec.ep, spec.etp)
+    nodes = max(1, spec.ep // local)
+    reach = node_reach_probability(
+        spec.experts, spec.top_k, nodes, spec.moe_router_num_groups, spec.moe_router_group_topk
+    )
+    per_copy = size_bytes / spec.top_k
+    link = gpu.link_bytes_per_s * gpu.link_efficiency
+    network = gpu.network_bytes_per_s * gpu.network_efficiency
+    inter = float((nodes - 1) * reach) * per_copy / network
+    intra = spec.top_k * (local - 1) / local * per_copy / link
+    return max(intra, inter)
+
+
+def token_all_to_all_seconds(size_bytes: float, spec: ModelSpec, gpu: GPU) -> float:
+    """One dispatch or combine all-to-all over the ep group, by the dispatcher `spec` names:
+    alltoall, every copy to its expert's rank (`communication.hierarchical_all_to_all_seconds`),
+    or flex, once per node (`node_limited_all_to_all_seconds`)."""
+    if spec.moe_token_dispatcher_type == "flex":
+        return node_limited_all_to_all_seconds(size_bytes, spec, gpu)
+    return comm.hierarchical_all_to_all_seconds(size_bytes, spec.ep, spec.etp, gpu)
 
 
 def expert_parallel_comm(spec: ModelSpec, gpu: GPU) -> ExpertParallelComm:
@@ -87,12 +148,8 @@ def expert_parallel_comm(spec: ModelSpec, gpu: GPU) -> ExpertParallelComm:
     if not spec.experts or (spec.ep == 1 and spec.etp == 1):
         return ExpertParallelComm()
     shapes = LayerShapes.of(spec)
-    dispatch = comm.hierarchical_all_to_all_seconds(
-        dispatch_bytes(spec, shapes), spec.ep, spec.etp, gpu
-    )
-    combine = comm.hierarchical_all_to_all_seconds(
-        combine_bytes(spec, shapes), spec.ep, spec.etp, gpu
-    )
+    dispatch = token_all_to_all_seconds(dispatch_bytes(spec, shapes), spec, gpu)
+    combine = token_all_to_all_seconds(combine_bytes(spec, shapes), spec, gpu)
     gather = scatter = 0.0
     if spec.etp > 1:
         rows = routed_rows(spec, shapes)

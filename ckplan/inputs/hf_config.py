@@ -33,7 +33,8 @@ _INTEGER_KEYS = (
     "n_head", "n_inner", "n_positions", "sliding_window", "num_local_experts",
     "num_experts_per_tok", "num_experts", "moe_intermediate_size",
     "shared_expert_intermediate_size", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts",
+    "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts", "n_group",
+    "topk_group",
 )  # fmt: skip
 # Integer keys that pick layers: whole numbers, the divisors at least 1.
 _LAYER_RULE_KEYS = {
@@ -449,6 +450,7 @@ def _deepseek(c: _Config) -> dict[str, Any]:
             "shared_experts": shared,
             "expert_bias": c.get("topk_method") == "noaux_tc",
         }
+        mapping |= _deepseek_router_groups(c)
     mtp = c.get("num_nextn_predict_layers", 0)
     if mtp:
         # the checkpoint holds them; whether a run trains them is the run's choice
@@ -458,6 +460,23 @@ def _deepseek(c: _Config) -> dict[str, Any]:
             f"here: set mtp_layers={mtp} for a run that trains them"
         )
     return mapping | {"_notes": notes}
+
+
+def _deepseek_router_groups(c: _Config) -> dict[str, Any]:
+    """Group-limited routing (ckplan's moe_router_num_groups, moe_router_group_topk), as
+    Megatron-Bridge maps n_group and topk_group (src/megatron/bridge/models/deepseek/common.py
+    at bf71eba). Hugging Face transformers 5.25: DeepseekV3TopkRouter always routes within
+    topk_group of n_group groups (DeepseekV3Config defaults 8 and 4); DeepseekV2 only with
+    topk_method group_limited_greedy (its defaults None). One group is no limit."""
+    if c.model_type == "deepseek_v3":
+        groups, chosen = c.get("n_group", 8), c.get("topk_group", 4)
+    elif c.get("topk_method") == "group_limited_greedy":
+        groups, chosen = c.need("n_group"), c.need("topk_group")
+    else:
+        return {}
+    if groups <= 1:
+        return {}
+    return {"moe_router_num_groups": groups, "moe_router_group_topk": chosen}
 
 
 _FAMILIES: dict[str, Callable[[_Config], dict[str, Any]]] = {

@@ -90,6 +90,80 @@ def received_rows(spec: ModelSpec, shapes: LayerShapes) -> int:
     return routed_rows(spec, shapes) // spec.etp
 
 
+FP8_DISPATCH_TILE = 128  # values per FP8 scale in the dispatch (1x128 activation tiles)
+
+
+def dispatch_row_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
+    """Bytes of one token row the dispatch sends, its routing probability aside: h values at
+    the activation's B bytes; with `moe_dispatch_fp8`, h FP8 values and one FP32 scale per
+    1x128 tile, h + 4·ceil(h/128). DeepSeek-V3 Technical Report (arXiv 2412.19437) §3.3.3,
+    "Low-Precision Communication": "we quantize the activation before MoE up-projections into
+    FP8 and then apply dispatch components"; "A similar strategy is applied to the activation
+    gradient before MoE down-projections. For both the forward and backward combine components,
+    we retain them in BF16" (`combine_bytes` stays B bytes a value). The backward's two
+    all-to-alls are then one FP8 (the combine's transpose, carrying that gradient) and one BF16
+    (the dispatch's): the forward's bytes, as `ExpertParallelComm.backward` counts them;
+    §3.3.2, "Fine-Grained Quantization": activations scaled per 1x128 tile. The scale's width:
+    deepseek-ai/DeepEP v1.2.1 (9af0e0d), deep_ep/buffer.py `Buffer.dispatch`, an FP8 `x` is
+    "[num_tokens, hidden]" float8_e4m3fn with scales "[num_tokens, hidden // 128]" torch.float;
+    its README benchmarks "the DeepSeek-V3/R1 pretraining setting (... FP8 dispatching and BF16
+    combining)"."""
+    if spec.moe_dispatch_fp8:
+        return spec.hidden + FP32_BYTES * math.ceil(spec.hidden / FP8_DISPATCH_TILE)
+    return dtype_bytes * spec.hidden
+
+
+def node_reach_probability(
+    experts: int, top_k: int, nodes: int, groups: int = 0, group_topk: int = 0
+) -> Fraction:
+    """Probability that one token has at least one of its top_k experts on a given node, its
+    E experts spread evenly over `nodes` nodes in order (Megatron's expert placement: rank r
+    holds experts r·E/ep onwards, the ep group's ranks fill its nodes in order).
+
+    Derived, assuming uniform routing: without groups the k experts are k of E drawn without
+    replacement, so the node (E/N experts) is missed with probability C(E - E/N, k) / C(E, k).
+    With group-limited routing (Megatron-Core moe_utils.group_limited_topk core_v0.19.0: G
+    equal groups in expert order, each token keeps its best M = group_topk of them, then its
+    top_k experts among those M·E/G), each group inside one node when N divides G (c = G/N
+    groups a node): the M groups are M of G drawn without replacement, j of them on the node
+    with hypergeometric probability C(c, j)·C(G - c, M - j) / C(G, M), and the k experts k of
+    the M·E/G, missing the node with probability C((M - j)·E/G, k) / C(M·E/G, k). The node
+    limit is DeepSeek-V3's (report §2.1.2, "each token will be sent to at most M nodes"; its
+    HF config n_group 8 = the 8 nodes of its EP 64, topk_group 4). When N does not divide G a
+    group spans nodes and the limit is not counted (the unlimited figure: more nodes). Real
+    routing picks groups by their best scores, not uniformly; the uniform figure is the
+    expectation under balanced routing, the regime the auxiliary-loss-free balancing aims at
+    (§2.1.2). It is below what the group selection gives: Megatron's group_limited_topk run in
+    PyTorch on independent uniform scores (DeepSeek-V3's shape, 20,000 tokens) reaches 3.95
+    nodes of 4 against this 3.63, groups chosen for their best scores each keeping some of the
+    k."""
+    if nodes <= 1:
+        return Fraction(1)
+    per_node = experts // nodes
+    if not groups or groups % nodes:
+        return 1 - Fraction(math.comb(experts - per_node, top_k), math.comb(experts, top_k))
+    per_group, per_node_groups = experts // groups, groups // nodes
+    pool = group_topk * per_group
+    missed = Fraction(0)
+    for j in range(min(per_node_groups, group_topk) + 1):
+        chosen = Fraction(
+            math.comb(per_node_groups, j) * math.comb(groups - per_node_groups, group_topk - j),
+            math.comb(groups, group_topk),
+        )
+        missed += chosen * Fraction(math.comb(pool - j * per_group, top_k), math.comb(pool, top_k))
+    return 1 - missed
+
+
+def expected_nodes_reached(
+    experts: int, top_k: int, nodes: int, groups: int = 0, group_topk: int = 0
+) -> Fraction:
+    """Expected number of distinct nodes a token's top_k experts sit on (derived: by linearity
+    of expectation, N times `node_reach_probability`). At most group_topk when the groups lie
+    inside nodes; DeepSeek-V3 (E 256, k 8, 8 nodes, 8 groups, 4 chosen): 4·(1 - C(96,8)/C(128,8))
+    ≈ 3.62."""
+    return nodes * node_reach_probability(experts, top_k, nodes, groups, group_topk)
+
+
 def local_experts(spec: ModelSpec) -> int:
     """Experts held by one rank: E / ep (Megatron's num_local_experts)."""
     return spec.experts // spec.ep

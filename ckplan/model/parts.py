@@ -79,6 +79,8 @@ SIZE_RANGES: dict[str, tuple[int, int]] = {
     "first_stage_layers": (1, 99_999),  # the other stages hold at least one layer
     "last_stage_layers": (1, 99_999),
     "lora_rank": (1, 2**20),
+    "moe_router_num_groups": (0, 2**20),
+    "moe_router_group_topk": (0, 2**20),
 }
 
 
@@ -167,6 +169,12 @@ class Architecture(_Record):
     shared_expert_gate: bool = False  # sigmoid gate on the shared experts (Qwen2-MoE)
     expert_bias: bool = False  # per-expert routing bias (DeepSeek-V3 aux-loss-free balancing)
     capacity_factor: float = 0.0  # --moe-expert-capacity-factor, padded; 0 = dropless
+    # group-limited routing (Megatron-Core transformer_config.py core_v0.19.0,
+    # `moe_router_num_groups`, `moe_router_group_topk`): the experts in this many equal groups,
+    # each token choosing its top_k experts inside its best group_topk groups; 0: no limit.
+    # DeepSeek-V3's node-limited routing (report §2.1.2, HF config n_group 8, topk_group 4)
+    moe_router_num_groups: int = 0
+    moe_router_group_topk: int = 0
     moe_layers: str = "all"  # a layer set; --moe-layer-freq N is 0-:N
     # multi-token prediction depths (DeepSeek-V3 §2.2; Megatron's --mtp-num-layers), each a
     # transformer block and a 2h-to-h projection on the stage with the loss (ckplan.model.mtp)
@@ -588,6 +596,14 @@ class Execution(_Record):
     # its input, the fc1 output, at 1 byte a value (ckplan.model.moe `expert_act_saved_bytes`);
     # the recompute of its output is the `moe_act` module. Precision fp8 only.
     moe_act_input_fp8: bool = False
+    # the MoE token dispatcher (Megatron-Core --moe-token-dispatcher-type): alltoall (each
+    # token copy sent to its expert's rank) | flex (DeepEP: each token crosses the network once
+    # per destination node, then NVLink to the experts there; hardware.expert_parallel)
+    moe_token_dispatcher_type: str = "alltoall"
+    # DeepSeek-V3 report §3.3.3, "Low-Precision Communication": the activation before the MoE
+    # up-projections quantized to FP8 before the dispatch (1x128 tiles, one FP32 scale each);
+    # the combine stays BF16 (ckplan.model.moe `dispatch_row_bytes`). Precision fp8 only.
+    moe_dispatch_fp8: bool = False
 
     __hash__ = _Record.__hash__
 

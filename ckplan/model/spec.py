@@ -60,6 +60,7 @@ MLPS = ("gelu", "swiglu", "geglu")  # geglu: gated like swiglu (Gemma), the same
 ATTENTIONS = ("standard", "flash")
 POSITIONS = ("learned", "rope")
 PIPELINE_SCHEDULES = ("1f1b", "dualpipe")
+MOE_TOKEN_DISPATCHERS = ("alltoall", "flex")
 DEFAULT_PROFILE = FUSED_NAME  # the op table itself (ckplan.model.ops)
 
 # The flat keys users write, in the order the output lists them, each with the part it lives in.
@@ -74,7 +75,8 @@ KEY_ORDER = (
     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "experts", "top_k",
     "moe_ffn_hidden", "shared_experts", "shared_ffn_hidden", "shared_expert_gate", "expert_bias",
     "capacity_factor", "moe_permute_fusion", "moe_router_fusion", "moe_act_input_fp8",
-    "moe_layers", "moe_imbalance",
+    "moe_layers", "moe_imbalance", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_token_dispatcher_type", "moe_dispatch_fp8",
     "mtp_layers", "ep", "etp", "first_stage_layers", "last_stage_layers",
     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
     "pipeline_layout", "framework", "framework_version", "kernels", "attention_kernel", "precision",
@@ -289,7 +291,7 @@ _STR_FIELDS |= {"framework", "kernels", "attention_kernel", "precision", "fp8_re
 _STR_FIELDS |= {"training", "lora_targets", "weight_format", "bitsandbytes_version"}
 _STR_FIELDS |= {"optimizer"}
 _STR_FIELDS |= {"optimizer_offload", "param_offload", "grad_sync", "framework_version"}
-_STR_FIELDS |= {"pipeline_layout", "zero_grad", "pipeline_schedule"}
+_STR_FIELDS |= {"pipeline_layout", "zero_grad", "pipeline_schedule", "moe_token_dispatcher_type"}
 _LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
 _FLOAT_FIELDS = {"dropout", "capacity_factor", "lora_dropout", "lora_alpha"}
 _NULLABLE = {key for key, f in _KEYS.items() if "None" in str(f.type)}
@@ -300,6 +302,7 @@ ENUMS = {
     "attention": ATTENTIONS,
     "positions": POSITIONS,
     "pipeline_schedule": PIPELINE_SCHEDULES,
+    "moe_token_dispatcher_type": MOE_TOKEN_DISPATCHERS,
 }
 MAX_TEXT_CHARS = 1000  # name and source
 # A pipeline_layout's in-flight count walks each rank's m·v chunk forwards (ckplan.plan.
@@ -803,10 +806,17 @@ def _validate_moe(spec: ModelSpec) -> None:
             raise SpecError(
                 "keys capacity_factor, shared_expert_gate, expert_bias need experts > 0"
             )
-        for key in (*MOE_FUSIONS, "moe_act_input_fp8"):
+        for key in (*MOE_FUSIONS, "moe_act_input_fp8", "moe_dispatch_fp8"):
             if getattr(spec, key):
                 raise SpecError(f"key {key!r} needs a mixture of experts (experts > 0)")
-        for key, default in (("moe_layers", "all"), ("moe_imbalance", "average"), ("top_k", 2)):
+        for key, default in (
+            ("moe_layers", "all"),
+            ("moe_imbalance", "average"),
+            ("top_k", 2),
+            ("moe_router_num_groups", 0),
+            ("moe_router_group_topk", 0),
+            ("moe_token_dispatcher_type", "alltoall"),
+        ):
             if getattr(spec, key) != default:
                 raise SpecError(f"key {key!r} needs a mixture of experts (experts > 0)")
         return
@@ -823,8 +833,14 @@ def _validate_moe(spec: ModelSpec) -> None:
             "key 'moe_act_input_fp8' caches the experts' activation input in FP8: it needs "
             f"precision fp8, got {spec.precision!r}"
         )
+    if spec.moe_dispatch_fp8 and spec.precision != "fp8":
+        raise SpecError(
+            "key 'moe_dispatch_fp8' sends the dispatched tokens in FP8: it needs precision fp8, "
+            f"got {spec.precision!r}"
+        )
     if not 1 <= spec.top_k <= spec.experts:
         raise SpecError(f"key 'top_k' ({spec.top_k}) must be in 1..experts ({spec.experts})")
+    _validate_router_groups(spec)
     if spec.experts % spec.ep:
         raise SpecError(f"key 'ep' ({spec.ep}) must divide experts ({spec.experts})")
     if spec.moe_ffn_hidden % spec.etp:
@@ -850,6 +866,35 @@ def _validate_moe(spec: ModelSpec) -> None:
         raise SpecError("key 'shared_expert_gate' needs shared experts (shared_ffn_hidden > 0)")
     if not parse_layer_set(spec.moe_layers, spec.layers):
         raise SpecError("key 'moe_layers' selects no layer (use experts: 0 for a dense model)")
+
+
+def _validate_router_groups(spec: ModelSpec) -> None:
+    """Group-limited routing as Megatron-Core checks it (transformer_config.py core_v0.19.0,
+    __post_init__: both keys together, experts divisible by the groups, group_topk <= groups),
+    and enough experts in the chosen groups for top_k (moe_utils.group_limited_topk takes the
+    top_k of the group_topk·E/G experts left)."""
+    groups, chosen = spec.moe_router_num_groups, spec.moe_router_group_topk
+    if not groups and not chosen:
+        return
+    if not groups or not chosen:
+        raise SpecError(
+            "keys 'moe_router_num_groups' and 'moe_router_group_topk' go together: set both "
+            f"(got {groups} and {chosen})"
+        )
+    if spec.experts % groups:
+        raise SpecError(
+            f"key 'moe_router_num_groups' ({groups}) must divide experts ({spec.experts})"
+        )
+    if chosen > groups:
+        raise SpecError(
+            f"key 'moe_router_group_topk' ({chosen}) must be at most moe_router_num_groups "
+            f"({groups})"
+        )
+    if chosen * (spec.experts // groups) < spec.top_k:
+        raise SpecError(
+            f"key 'moe_router_group_topk' ({chosen}): {chosen} groups of "
+            f"{spec.experts // groups} experts hold fewer than top_k ({spec.top_k})"
+        )
 
 
 def _validate_finetune(spec: ModelSpec) -> None:

@@ -238,6 +238,7 @@ ARCHITECTURE_FEATURES = {
         "capacity_factor",
         "moe_layers",
     ),
+    "moe routing": ("moe_router_num_groups", "moe_router_group_topk"),
     "mtp": ("mtp_layers",),
 }
 # Keys of the other parts that only MoE models, uneven, interleaved or DualPipe pipelines, model
@@ -261,6 +262,8 @@ QUIET_KEYS = frozenset(
         "moe_permute_fusion",
         "moe_router_fusion",
         "moe_act_input_fp8",
+        "moe_token_dispatcher_type",
+        "moe_dispatch_fp8",
         "fp8_recipe",
         "grad_sync",
         "framework_version",
@@ -297,6 +300,7 @@ def model_rows(spec: ModelSpec) -> list[tuple[str, list[str]]]:
             or bool(spec.sliding_window),
             "mla": spec.mla,
             "moe": bool(spec.experts),
+            "moe routing": bool(spec.moe_router_num_groups),
             "mtp": bool(spec.mtp_layers),
         }
         rows += [(name, list(keys)) for name, keys in ARCHITECTURE_FEATURES.items() if used[name]]
