@@ -840,7 +840,6 @@ def _validate_moe(spec: ModelSpec) -> None:
         )
     if not 1 <= spec.top_k <= spec.experts:
         raise SpecError(f"key 'top_k' ({spec.top_k}) must be in 1..experts ({spec.experts})")
-    _validate_router_groups(spec)
     if spec.experts % spec.ep:
         raise SpecError(f"key 'ep' ({spec.ep}) must divide experts ({spec.experts})")
     if spec.moe_ffn_hidden % spec.etp:
@@ -866,6 +865,7 @@ def _validate_moe(spec: ModelSpec) -> None:
         raise SpecError("key 'shared_expert_gate' needs shared experts (shared_ffn_hidden > 0)")
     if not parse_layer_set(spec.moe_layers, spec.layers):
         raise SpecError("key 'moe_layers' selects no layer (use experts: 0 for a dense model)")
+    _validate_router_groups(spec)
 
 
 def _validate_router_groups(spec: ModelSpec) -> None:
@@ -890,10 +890,11 @@ def _validate_router_groups(spec: ModelSpec) -> None:
             f"key 'moe_router_group_topk' ({chosen}) must be at most moe_router_num_groups "
             f"({groups})"
         )
-    if chosen * (spec.experts // groups) < spec.top_k:
+    per_group = spec.experts // groups
+    if chosen * per_group < spec.top_k:
         raise SpecError(
-            f"key 'moe_router_group_topk' ({chosen}): {chosen} groups of "
-            f"{spec.experts // groups} experts hold fewer than top_k ({spec.top_k})"
+            f"key 'moe_router_group_topk' ({chosen}): {chosen} groups of {per_group} "
+            f"expert{'s' if per_group != 1 else ''} hold fewer than top_k ({spec.top_k})"
         )
 
 
