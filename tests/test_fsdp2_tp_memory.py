@@ -197,14 +197,17 @@ def test_column_parallel_saved_input_by_hand():
 def test_full_recomputation_adds_the_gathered_inputs_in_the_recomputed_block():
     """Under full recomputation the stored tape is the layer inputs, as before; the recomputed
     block holds the two gathered inputs: in bf16 2·(t - 1)·X beyond Megatron's shards, in
-    December 2024's float8 2·(t/2 - 1)·X."""
+    December 2024's float8 2·(t/2 - 1)·X. Besides, December 2024's attention kernel saves K and
+    V repeated to the rank's 8 query heads from its 1 K/V head (ckplan.model.repeat_kv):
+    2·2·(s·b)·(8 - 1)·128 bytes more."""
     spec = _run_spec()
     assert memory.layer_input_bytes(spec) == X
+    repeated = 2 * 2 * (8192 * 16) * (8 - 1) * 128
     for each, extra in ((spec, 2 * 3 * X), (spec.replace(precision="bf16"), 2 * 7 * X)):
         megatron = each.replace(framework="megatron", framework_version=None)
         torchtitan_layer = sum(op.saved_bytes for op in layer_ops(each.chain))
         megatron_layer = sum(op.saved_bytes for op in layer_ops(megatron.chain))
-        assert torchtitan_layer - megatron_layer == extra
+        assert torchtitan_layer - megatron_layer == extra + repeated
 
 
 def test_blocks_save_the_gathered_sequence_on_fake_ranks():

@@ -30,6 +30,7 @@ heads (`repeat_kv`, torchtitan/models/llama/model.py) before SDPA; torchtitan 0.
 from __future__ import annotations
 
 from ckplan.model.frameworks import framework_version
+from ckplan.model.repeat_kv import kernel_kv_heads, repeats_kv
 
 FP32_BYTES = 4
 
@@ -46,8 +47,8 @@ def ring_kv_heads(version: str | None, heads_r: int, kv_heads_r: int) -> int:
     """The K/V heads per rank the ring all-gathers: torchtitan "2024.12" repeats K and V to the
     rank's query heads before SDPA (`repeat_kv`, torchtitan/models/llama/model.py at 9dec370);
     "0.3" keeps the rank's K/V heads (`enable_gqa`, torchtitan/models/common/attention.py at
-    0.3.0)."""
-    return heads_r if version == "2024.12" else kv_heads_r
+    0.3.0): `ckplan.model.repeat_kv`'s rule."""
+    return kernel_kv_heads(repeats_kv("torchtitan", version), heads_r, kv_heads_r)
 
 
 def ring_backward_live_at_call_bytes(

@@ -19,6 +19,7 @@ import dataclasses
 
 from ckplan.model.context_parallel import torchtitan_ring_workspace_bytes
 from ckplan.model.finetune import frozen_ops
+from ckplan.model.frameworks import framework_version
 from ckplan.model.layers import DENSE, LayerKind, layer_kinds
 from ckplan.model.mla import mla_projection_ops, value_view_bytes
 from ckplan.model.mlp_block import dense_mlp_ops
@@ -37,6 +38,7 @@ from ckplan.model.op import (
     matmul_flops,
 )
 from ckplan.model.parts import cached_by_chain
+from ckplan.model.repeat_kv import kernel_kv_heads, repeat_kv_copy_bytes, repeats_kv
 from ckplan.model.spec import ChainSpec
 from ckplan.simple import mlp as numpy_mlp
 
@@ -136,6 +138,12 @@ def _attention_ops(spec: ChainSpec, kind: LayerKind, shapes: LayerShapes) -> lis
         # input-gradient matmul.
         # With qk_norm, dQ and dK come through the norms, K's at g heads.
         out_grad = d_q + d_k + core_grads[2] if spec.qk_norm else sum(core_grads)
+        # torchtitan "2024.12": the repeat of K and V to the query heads (one copy kernel each)
+        # and, in backward, the sum of their gradients back to the K/V heads, with the
+        # projection as the eager RoPE kernels are (ckplan.hardware.code_path)
+        repeat_copy = 0
+        if spec.attention != "standard" and repeats_kv(spec.framework, framework_version(spec)):
+            repeat_copy = repeat_kv_copy_bytes(tokens, heads_r, kv_heads_r, 2 * spec.head_dim, B)
         ops.append(
             make_op(
                 "qkv_proj",
@@ -145,7 +153,8 @@ def _attention_ops(spec: ChainSpec, kind: LayerKind, shapes: LayerShapes) -> lis
                 grads=(out_grad, X),
                 workspace=qkv,
                 matmul=shapes.linear(tokens, q_width, spec.hidden),  # input all-gathered under SP
-                moved=(0, B * tokens * q_width if spec.qkv_bias else 0),  # the bias gradient
+                # the bias gradient; the repeat copies and their gradients' sum
+                moved=(repeat_copy, (B * tokens * q_width if spec.qkv_bias else 0) + repeat_copy),
                 tp_comm="column",
             )
         )
@@ -258,12 +267,20 @@ def _attention_ops(spec: ChainSpec, kind: LayerKind, shapes: LayerShapes) -> lis
         # fp32 dQ, dK, dV accumulators and the dK‖dV ring buffers (ckplan.model.context_parallel)
         if not spec.mla:
             workspace += torchtitan_ring_workspace_bytes(spec, tokens, heads_r, kv_heads_r)
+        # Q, K, V as the kernel reads and saves them: torchtitan "2024.12" repeats K and V to
+        # the rank's query heads before SDPA (ckplan.model.repeat_kv), and its copies are what
+        # the kernel saves; the K/V-head tensors are freed. Its backward's dK, dV at the query
+        # heads, summed back to the K/V heads, are the `expanded` transient above.
+        seen = qkv
+        if not spec.mla and repeats_kv(spec.framework, framework_version(spec)):
+            kv_seen = kernel_kv_heads(True, heads_r, kv_heads_r)
+            seen = d_q + B * tokens * kv_seen * (qk_dim + v_dim)
         ops.append(
             Op(
                 "attention_core",
                 "attention",
                 # MLA: V may be a view keeping kv_up's whole output (`mla.value_view_bytes`)
-                qkv + logsumexp + (value_view_bytes(spec, shapes) if spec.mla else 0),
+                seen + logsumexp + (value_view_bytes(spec, shapes) if spec.mla else 0),
                 core_flops,
                 2 * core_flops + score_flops,
                 ATTENTION_CORE,
@@ -273,8 +290,8 @@ def _attention_ops(spec: ChainSpec, kind: LayerKind, shapes: LayerShapes) -> lis
                 # One fused kernel: reads Q, K, V, writes O and the logsumexp; backward reads
                 # Q, K, V, O, dO and the logsumexp, writes dQ, dK, dV (and its fp32 dQ
                 # accumulator, read back once).
-                forward_bytes=qkv + context + logsumexp,
-                backward_bytes=2 * qkv
+                forward_bytes=seen + context + logsumexp,
+                backward_bytes=2 * seen
                 + 2 * context
                 + logsumexp
                 + 2 * FP32_BYTES * tokens * heads_r * qk_dim,
