@@ -42,7 +42,8 @@ between the layer's kernels, so nothing hides them: `ep_overlap` 0 (the GPU file
 all-to-all with another's compute) is the key `overlap_moe_expert_parallel_comm`
 (`hardware.combined_1f1b`), and DeepSeek-V3's DualPipe (report §3.2.1: "both all-to-all and PP
 communication can be fully hidden") `pipeline_schedule: dualpipe` (`hardware.dualpipe`): both
-hide what is left exposed here behind a paired chunk's compute (`hardware.chunk_pairs`).
+hide what is left exposed here behind a paired chunk's compute (`hardware.chunk_pairs`); under
+the former the layer leaves all of it (ep_overlap not applied).
 """
 
 from __future__ import annotations
