@@ -26,7 +26,11 @@ and the phases below (its layer split names the compute pre_dispatch and mlp):
   without pipelining "Phases 0: 1st microbatch forward / Phases 1: 1st microbatch backward +
   2nd microbatch forward / ... / Phases 4: 4th microbatch backward": m - 1 pairs.
 
-The pair itself is `hardware.chunk_pairs`'s.
+The pair itself is `hardware.chunk_pairs`'s. Memory is left as interleaved 1F1B's
+(derived): the extra warm-up forward takes a rank to warm-up + 1 chunk forwards held, the
+peak 1F1B reaches after each steady forward (`plan.evaluate.megatron_in_flight_forwards`), and
+a merged step frees the backward's layers as the forward's fill (layer i beside layer n - 1 - i),
+so the count stays there, give or take a layer.
 """
 
 from __future__ import annotations
