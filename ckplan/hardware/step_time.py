@@ -11,7 +11,9 @@ gather; the expert-parallel all-to-alls and etp gathers of every MoE layer
 parameters over dp·cp, routed experts over their expert-data-parallel group) and ZeRO-3's
 parameter gathers. Then the pipeline: m micro-batches, and the 1F1B bubble of (p - 1)/v
 micro-batch times (Narayanan et al. 2021 §2.2: a bubble fraction of (p - 1)/(m·v) of the ideal
-time), then the optimizer step.
+time), then the optimizer step. Under DualPipe (`hardware.dualpipe`) and Megatron-Core's
+combined 1F1B (`overlap_moe_expert_parallel_comm`, `hardware.combined_1f1b`) paired forward and
+backward chunks hide each other's all-to-alls (`hardware.chunk_pairs`).
 
 MFU and HFU follow Korthikanti §6.3 (Chowdhery et al. 2022): model FLOPs per iteration
 (`flops.model_flops_per_iteration`, no recompute) over step time, GPUs and peak; hardware FLOPs
