@@ -36,6 +36,11 @@ from ckplan.quoting import quote
 from ckplan.render.progress import progress
 
 MAX_GPUS = 1_048_576  # --gpus: the documented range of `ckplan plan`
+# the layout search does not keep to the combined 1F1B's rules (ep > 1, interleaving when pp > 1)
+A2A_OVERLAP_IN_PLAN = (
+    "key 'overlap_moe_expert_parallel_comm': plan's layout search does not lay out Megatron-Core's "
+    "combined 1F1B; evaluate such a layout with estimate"
+)
 MAX_GLOBAL_BATCH = 2**24  # --global-batch: sequences per step (the search factors it)
 
 
@@ -97,6 +102,8 @@ def plan(
                 "key 'microbatch_group_size': plan lays out every pipeline with Megatron's "
                 "default, pp (the fewest forwards in flight it allows); set it on estimate"
             )
+        if overrides.get("overlap_moe_expert_parallel_comm") is True:
+            raise UserError(A2A_OVERLAP_IN_PLAN)
         constraints = constraints_from(overrides)
         # the search sets the layout keys; the model is read without them (with model states
         # on the host, at a ZeRO stage that offloads them: every layout sets its own)
@@ -109,6 +116,8 @@ def plan(
                 "key 'pipeline_schedule' (dualpipe): plan lays out 1F1B and interleaved "
                 "pipelines only; evaluate a DualPipe layout with estimate"
             )
+        if spec.overlap_moe_expert_parallel_comm:
+            raise UserError(A2A_OVERLAP_IN_PLAN)
         device = resolve_gpu(gpu, settings)
         budget_text, total, kept = require_budget(budget, reserve, device)
         slots = check_slots(slots)

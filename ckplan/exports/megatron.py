@@ -134,6 +134,18 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
         # moe/fused_a2a.py at core_v0.19.0: the DeepEP dispatch gets the BF16 hidden states,
         # HybridEP asserts "HybridEP dispatcher does not support fp8 dispatch now"
         return "moe_dispatch_fp8: Megatron-LM dispatches the tokens in BF16"
+    if spec.overlap_moe_expert_parallel_comm and not layers.modules and not layers.stores_all:
+        # transformer_config.py __post_init__ at core_v0.14.0 and core_v0.19.0
+        return (
+            "overlap_moe_expert_parallel_comm: Megatron-Core asserts 'disable full "
+            "recomputation when enabling overlap_moe_expert_parallel_comm'"
+        )
+    if spec.overlap_moe_expert_parallel_comm and layers.modules and layers.moe == "moe":
+        # transformer_config.py __post_init__ at core_v0.19.0
+        return (
+            "overlap_moe_expert_parallel_comm: Megatron-Core asserts 'disable moe in "
+            "recompute_modules when enabling overlap_moe_expert_parallel_comm'"
+        )
     if spec.training in ("lora", "qlora"):
         # megatron/training/arguments.py at core_v0.19.0 has no adapter argument (its
         # --q-lora-rank and --kv-lora-rank are MLA's projections); NeMo and Megatron-Bridge add
@@ -431,6 +443,10 @@ def _moe_flags(spec: ModelSpec) -> list[list[str]]:
     if spec.moe_token_dispatcher_type == "flex":
         # moe_token_dispatcher_type 'flex', its backend DeepEP by default (core_v0.19.0)
         out.append(["--moe-token-dispatcher-type", "flex"])
+    if spec.overlap_moe_expert_parallel_comm:
+        # megatron/training/arguments.py at core_v0.14.0 and core_v0.19.0: the combined 1F1B
+        # (pipeline_parallel/combined_1f1b.py)
+        out.append(["--overlap-moe-expert-parallel-comm"])
     if spec.moe_permute_fusion:
         out.append(["--moe-permute-fusion"])
     if spec.moe_router_fusion:

@@ -19,44 +19,26 @@ their communication exposed. The reference itself posts a chunk's pipeline sends
 at the next chunk's start and waits for them (`_commit_and_wait_comm`); ckplan follows the
 report, whose Figure 4 runs them beside the paired chunk's compute.
 
-ckplan's pair (derived, physically bounded): each chunk's hideable communication (its
-expert-parallel all-to-alls and etp collectives as the layer model leaves them exposed, and its
-pipeline send) runs beside the other chunk's compute only, and adds what
-`communication.overlapped` charges: its excess over that compute, or, when the compute outlasts
-it, the compute's slowdown on the SMs the communication holds. Other collectives (tensor and
-context parallel) stay on the chunk's critical path, as under 1F1B.
+The pair itself, what its chunks hide of each other, is `hardware.chunk_pairs`'s; the
+communication holds the 20 SMs of §3.2.2 here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from ckplan.hardware import chunk_pairs
+from ckplan.hardware.chunk_pairs import Chunk, exposed_beside
 
-from ckplan.hardware import communication as comm
+__all__ = [
+    "COMMUNICATION_SMS",
+    "Chunk",
+    "exposed_beside",
+    "forward_backward_seconds",
+    "paired_chunks",
+]
 
 # DeepSeek-V3 report §3.2.2: "we employ the warp specialization technique ... and partition
 # 20 SMs into 10 communication channels"; of the H800's 132 SMs.
 COMMUNICATION_SMS = 20
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One micro-batch's forward or backward chunk on one stage, in seconds: its compute, the
-    communication a paired chunk can hide (`expert`: expert-parallel, `pipeline`: its pipeline
-    send) and the rest (`other`)."""
-
-    compute: float
-    expert: float = 0.0
-    pipeline: float = 0.0
-    other: float = 0.0
-
-    @property
-    def hideable(self) -> float:
-        return self.expert + self.pipeline
-
-    @property
-    def alone(self) -> float:
-        """The chunk run by itself: everything exposed (as under 1F1B)."""
-        return self.compute + self.hideable + self.other
 
 
 def paired_chunks(pp: int, microbatches: int, rank: int) -> int:
@@ -74,31 +56,9 @@ def paired_chunks(pp: int, microbatches: int, rank: int) -> int:
     return step_4 + step_5
 
 
-def exposed_beside(seconds: float, compute: float, sm_count: int, taken: int) -> float:
-    """Seconds a chunk's hideable communication adds beside the other chunk's `compute`:
-    `communication.overlapped`, with the compute slowed to sm_count / (sm_count - taken) of its
-    time while the communication holds `taken` SMs (derived: the rate is per SM); no slowdown
-    where the GPU has no SMs to spare (sm_count <= taken). max(0, seconds - compute) at the
-    least, never more than `seconds`."""
-    if seconds <= 0:
-        return 0.0
-    contended = compute * sm_count / (sm_count - taken) if sm_count > taken else compute
-    if compute <= 0:
-        return seconds
-    return comm.overlapped(seconds, compute, contended)
-
-
 def forward_backward_seconds(
     forward: Chunk, backward: Chunk, sm_count: int, taken: int = COMMUNICATION_SMS
 ) -> float:
-    """F&B, Table 2's "execution time of two mutually overlapped forward and backward chunks"
-    (module docstring): both chunks' compute and unhidden collectives, and each chunk's
-    hideable communication as it shows beside the other chunk's compute (`exposed_beside`)."""
-    return (
-        forward.compute
-        + backward.compute
-        + forward.other
-        + backward.other
-        + exposed_beside(forward.hideable, backward.compute, sm_count, taken)
-        + exposed_beside(backward.hideable, forward.compute, sm_count, taken)
-    )
+    """F&B, Table 2's "execution time of two mutually overlapped forward and backward chunks":
+    `chunk_pairs.forward_backward_seconds` with the communication on §3.2.2's 20 SMs."""
+    return chunk_pairs.forward_backward_seconds(forward, backward, sm_count, taken)

@@ -36,11 +36,14 @@ NVLink there (`node_limited_all_to_all_seconds`); with group-limited routing
 
 Overlap: Megatron's default alltoall dispatcher runs these collectives on the compute stream,
 between the layer's kernels, so nothing hides them: `ep_overlap` 0 (the GPU file's default).
-`--overlap-moe-expert-parallel-comm` (MCore v0.14, batch-level overlap of one micro-batch's
-all-to-all with another's compute) is `ep_overlap` 1: the communication is hidden up to the
-compute of the layer it runs beside (`exposed_fraction`). DeepSeek-V3's DualPipe (report §3.2.1:
-"both all-to-all and PP communication can be fully hidden") hides what is left exposed here
-behind the paired chunk's compute: `pipeline_schedule: dualpipe` (`hardware.dualpipe`).
+`ep_overlap` 1 hides the communication up to the compute of the layer it runs beside
+(`exposed_fraction`), at no SM cost: a bound, no framework's mechanism. Megatron-Core's
+`--overlap-moe-expert-parallel-comm` (core_v0.14.0, batch-level overlap of one micro-batch's
+all-to-all with another's compute) is the key `overlap_moe_expert_parallel_comm`
+(`hardware.combined_1f1b`), and DeepSeek-V3's DualPipe (report §3.2.1: "both all-to-all and PP
+communication can be fully hidden") `pipeline_schedule: dualpipe` (`hardware.dualpipe`): both
+hide what is left exposed here behind a paired chunk's compute (`hardware.chunk_pairs`); under
+the former the layer leaves all of it (ep_overlap not applied).
 """
 
 from __future__ import annotations

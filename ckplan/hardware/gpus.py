@@ -38,9 +38,10 @@ the shipped files and README "Step time"):
   ep_overlap                  share of expert-parallel all-to-all (and etp) communication hidden
                               behind the same layer's compute; 0 = Megatron-LM's default
                               alltoall dispatcher, which runs it on the compute stream; 1 =
-                              fully hidden where the compute allows (Megatron's
-                              --overlap-moe-expert-parallel-comm); DualPipe's pairs hide
-                              what it leaves (pipeline_schedule: dualpipe)
+                              fully hidden where the compute allows, at no SM cost;
+                              the paired chunks of pipeline_schedule: dualpipe hide what
+                              it leaves; overlap_moe_expert_parallel_comm (Megatron's
+                              combined 1F1B) replaces it
   sm_count, tile_m, tile_n    the wave-quantisation term of the shape curve (roofline.py)
 
 Collective keys (NCCL's own cost model and its footprint on the GPU; 0 = not modelled, the

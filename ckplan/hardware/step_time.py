@@ -11,7 +11,9 @@ gather; the expert-parallel all-to-alls and etp gathers of every MoE layer
 parameters over dp·cp, routed experts over their expert-data-parallel group) and ZeRO-3's
 parameter gathers. Then the pipeline: m micro-batches, and the 1F1B bubble of (p - 1)/v
 micro-batch times (Narayanan et al. 2021 §2.2: a bubble fraction of (p - 1)/(m·v) of the ideal
-time), then the optimizer step.
+time), then the optimizer step. Under DualPipe (`hardware.dualpipe`) and Megatron-Core's
+combined 1F1B (`overlap_moe_expert_parallel_comm`, `hardware.combined_1f1b`) paired forward and
+backward chunks hide each other's all-to-alls (`hardware.chunk_pairs`).
 
 MFU and HFU follow Korthikanti §6.3 (Chowdhery et al. 2022): model FLOPs per iteration
 (`flops.model_flops_per_iteration`, no recompute) over step time, GPUs and peak; hardware FLOPs
@@ -28,8 +30,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import groupby
 
+from ckplan.hardware import combined_1f1b, host_states
 from ckplan.hardware import communication as comm
-from ckplan.hardware import host_states
+from ckplan.hardware.chunk_pairs import Chunk, hidden_in_pair
 from ckplan.hardware.code_path import (
     AMAX_BYTES,
     current_scaling_amax_reductions,
@@ -37,7 +40,7 @@ from ckplan.hardware.code_path import (
     sequence_parallel_gather_size,
     spec_code_path,
 )
-from ckplan.hardware.dualpipe import Chunk, forward_backward_seconds, paired_chunks
+from ckplan.hardware.dualpipe import COMMUNICATION_SMS, forward_backward_seconds, paired_chunks
 from ckplan.hardware.expert_parallel import expert_parallel_comm, exposed_fraction
 from ckplan.hardware.gpus import GPU
 from ckplan.hardware.roofline import (
@@ -285,7 +288,9 @@ def expert_comm_exposed(spec: ModelSpec, gpu: GPU, kind: LayerKind) -> tuple[flo
     ep = expert_parallel_comm(spec, gpu)
     compute = _sum_ops(ops, path.forward, spec.dtype_bytes).total
     compute += _sum_ops(ops, path.backward, spec.dtype_bytes).total
-    left = exposed_fraction(ep.forward + ep.backward, compute, gpu.ep_overlap)
+    # under the combined 1F1B the merged chunks hide it (`combined_1f1b_hidden`), not a share
+    overlap = 0.0 if spec.overlap_moe_expert_parallel_comm else gpu.ep_overlap
+    left = exposed_fraction(ep.forward + ep.backward, compute, overlap)
     return left * ep.forward, left * ep.backward
 
 
@@ -1202,16 +1207,6 @@ class DualPipeRank:
         return self.compute + self.bubble
 
 
-def _hidden_in_pair(forward: Chunk, backward: Chunk, sm_count: int) -> tuple[float, float]:
-    """(communication, expert-parallel communication) one pair hides against its two chunks
-    run alone: the pair's saving, split over each chunk's expert-parallel and pipeline share
-    in proportion (derived: both wait on the same compute)."""
-    saved = forward.alone + backward.alone - forward_backward_seconds(forward, backward, sm_count)
-    hideable = forward.hideable + backward.hideable
-    expert = forward.expert + backward.expert
-    return saved, saved * expert / hideable if hideable > 0 else 0.0
-
-
 def dualpipe_rank_time(
     spec: ModelSpec,
     gpu: GPU,
@@ -1235,7 +1230,7 @@ def dualpipe_rank_time(
     mirror_f, mirror_b = dualpipe_chunks(mirror, p2p)
     pairs = ((own_f, mirror_b), (mirror_f, own_b))
     overlapped = sum(forward_backward_seconds(f, b, sms) for f, b in pairs) / 2
-    saved = [_hidden_in_pair(f, b, sms) for f, b in pairs]
+    saved = [hidden_in_pair(f, b, sms, COMMUNICATION_SMS) for f, b in pairs]
     hidden = sum(s[0] for s in saved) / 2
     expert = sum(s[1] for s in saved) / 2
     count = paired_chunks(spec.pp, m, rank)
@@ -1249,6 +1244,40 @@ def dualpipe_rank_time(
         expert=count * expert,
         mean=mean,
     )
+
+
+def combined_1f1b_chunks(busiest: MicroBatchTime, p2p: float) -> tuple[Chunk, Chunk]:
+    """A micro-batch's forward and backward chunk under Megatron-Core's combined 1F1B
+    (`hardware.combined_1f1b`): `dualpipe_chunks`, but the backward's pipeline send stays
+    exposed (core_v0.14.0 model_chunk_schedule_plan.py: `post_backward` runs on the compute
+    stream; the forward's `post_forward` on the communication stream)."""
+    forward, backward = dualpipe_chunks(busiest, p2p)
+    return forward, dataclasses.replace(
+        backward, pipeline=0.0, other=backward.other + backward.pipeline
+    )
+
+
+def combined_1f1b_hidden(
+    spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime, stage: int
+) -> tuple[float, float]:
+    """(communication, expert-parallel communication) seconds the combined 1F1B hides in one
+    iteration of pipeline stage `stage`, `busiest` its micro-batch: each of its
+    `combined_1f1b.paired_chunks` merged steps pairs a forward and a backward chunk of 1/v of
+    a micro-batch (derived: each virtual stage a v-th of the stage) and hides what
+    `chunk_pairs.hidden_in_pair` finds, the communication holding
+    `combined_1f1b.communication_sms`; warm-up and cool-down chunks keep theirs exposed.
+    (0, 0) without overlap_moe_expert_parallel_comm."""
+    if not spec.overlap_moe_expert_parallel_comm:
+        return 0.0, 0.0
+    forward, backward = combined_1f1b_chunks(busiest, pipeline_p2p_seconds(spec, gpu))
+    v = spec.virtual_stages
+    taken = combined_1f1b.communication_sms(spec.moe_token_dispatcher_type, gpu.nccl_channels)
+    share = 1 / v
+    saved, expert = hidden_in_pair(
+        forward.scaled(share), backward.scaled(share), gpu.sm_count, taken
+    )
+    count = combined_1f1b.paired_chunks(spec.pp, v, spec.microbatches, spec.microbatch_group, stage)
+    return count * saved, count * expert
 
 
 def _mean_micro_batch(a: MicroBatchTime, b: MicroBatchTime) -> MicroBatchTime:
@@ -1329,7 +1358,7 @@ def step_time_from_forwards(
     busiest = times[index]
     m = spec.microbatches
     stages = [stage for stage, _ in stage_forwards]
-    hidden = hidden_expert = 0.0  # communication DualPipe's pairs hide
+    hidden = hidden_expert = 0.0  # communication paired chunks hide (DualPipe, combined 1F1B)
     if spec.pipeline_schedule == "dualpipe":  # a rank runs two stages (no offload here)
         _, timed = _busiest_dualpipe_rank(spec, gpu, stages, times)
         busiest, compute, bubble, p2p = timed.mean, timed.compute, timed.bubble, timed.p2p
@@ -1339,11 +1368,16 @@ def step_time_from_forwards(
         plain_compute, plain_bubble = plain_timed.compute, plain_timed.bubble
     else:
         compute, bubble, p2p = _pipeline(spec, gpu, busiest, stage_forwards[index][0])
+        hidden, hidden_expert = combined_1f1b_hidden(spec, gpu, busiest, stage_forwards[index][0])
+        compute -= hidden
         plain_index = max(range(len(plain)), key=lambda k: plain[k].total)
         plain_busiest = plain[plain_index]
         plain_compute, plain_bubble, _ = _pipeline(
             spec, gpu, plain_busiest, stage_forwards[plain_index][0]
         )
+        plain_compute -= combined_1f1b_hidden(
+            spec, gpu, plain_busiest, stage_forwards[plain_index][0]
+        )[0]
     regathered = regathered_elements(spec, stage_forwards[index][0], stage_forwards[index][1])
     dp = data_parallel_exposed(spec, gpu, busiest, regathered, stage_forwards[index][1])
     optimizer = optimizer_seconds(spec, gpu)

@@ -604,6 +604,12 @@ class Execution(_Record):
     # up-projections quantized to FP8 before the dispatch (1x128 tiles, one FP32 scale each);
     # the combine stays BF16 (ckplan.model.moe `dispatch_row_bytes`). Precision fp8 only.
     moe_dispatch_fp8: bool = False
+    # Megatron-Core's --overlap-moe-expert-parallel-comm (core_v0.14.0 model_parallel_config.py
+    # `overlap_moe_expert_parallel_comm`, "Overlap EP A2A communications with independent
+    # computations of different micro-batches in 1f1b phase"): the steady phase's forward and
+    # backward chunks merged, each one's all-to-alls beside the other's compute
+    # (ckplan.hardware.combined_1f1b)
+    overlap_moe_expert_parallel_comm: bool = False
 
     __hash__ = _Record.__hash__
 

@@ -76,7 +76,7 @@ KEY_ORDER = (
     "moe_ffn_hidden", "shared_experts", "shared_ffn_hidden", "shared_expert_gate", "expert_bias",
     "capacity_factor", "moe_permute_fusion", "moe_router_fusion", "moe_act_input_fp8",
     "moe_layers", "moe_imbalance", "moe_router_num_groups", "moe_router_group_topk",
-    "moe_token_dispatcher_type", "moe_dispatch_fp8",
+    "moe_token_dispatcher_type", "moe_dispatch_fp8", "overlap_moe_expert_parallel_comm",
     "mtp_layers", "ep", "etp", "first_stage_layers", "last_stage_layers",
     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
     "pipeline_layout", "framework", "framework_version", "kernels", "attention_kernel", "precision",
@@ -806,7 +806,12 @@ def _validate_moe(spec: ModelSpec) -> None:
             raise SpecError(
                 "keys capacity_factor, shared_expert_gate, expert_bias need experts > 0"
             )
-        for key in (*MOE_FUSIONS, "moe_act_input_fp8", "moe_dispatch_fp8"):
+        for key in (
+            *MOE_FUSIONS,
+            "moe_act_input_fp8",
+            "moe_dispatch_fp8",
+            "overlap_moe_expert_parallel_comm",
+        ):
             if getattr(spec, key):
                 raise SpecError(f"key {key!r} needs a mixture of experts (experts > 0)")
         for key, default in (
@@ -866,6 +871,32 @@ def _validate_moe(spec: ModelSpec) -> None:
     if not parse_layer_set(spec.moe_layers, spec.layers):
         raise SpecError("key 'moe_layers' selects no layer (use experts: 0 for a dense model)")
     _validate_router_groups(spec)
+    if spec.overlap_moe_expert_parallel_comm:
+        _validate_a2a_overlap(spec)
+
+
+def _validate_a2a_overlap(spec: ModelSpec) -> None:
+    """overlap_moe_expert_parallel_comm as Megatron-Core asserts it (transformer_config.py
+    core_v0.14.0 and core_v0.19.0, __post_init__): expert parallelism, an interleaved pipeline
+    when pp > 1 (arguments.py turns a virtual size of 1 into None), at most one MTP layer, a
+    half-precision model; and the combined 1F1B of Megatron-Core's 1F1B schedules, not
+    DualPipe. Its bans on full recomputation apply to the plan, not the model."""
+    key = "key 'overlap_moe_expert_parallel_comm'"
+    if spec.framework != "megatron":
+        raise SpecError(f"{key} is Megatron-Core's: it needs framework megatron")
+    if spec.ep < 2:
+        raise SpecError(f"{key} overlaps the expert-parallel all-to-alls: it needs ep > 1")
+    if spec.pipeline_schedule != "1f1b":
+        raise SpecError(f"{key} merges 1F1B's chunks: it needs pipeline_schedule 1f1b")
+    if spec.pp > 1 and spec.virtual_stages < 2:
+        raise SpecError(
+            f"{key} with pp {spec.pp} needs an interleaved pipeline (virtual_stages > 1), "
+            "as Megatron-Core asserts"
+        )
+    if spec.mtp_layers > 1:
+        raise SpecError(f"{key} supports at most one MTP layer, got mtp_layers {spec.mtp_layers}")
+    if spec.precision == "fp32":
+        raise SpecError(f"{key} needs a bf16 or fp16 model, got precision fp32")
 
 
 def _validate_router_groups(spec: ModelSpec) -> None:

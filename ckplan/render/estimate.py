@@ -264,6 +264,7 @@ QUIET_KEYS = frozenset(
         "moe_act_input_fp8",
         "moe_token_dispatcher_type",
         "moe_dispatch_fp8",
+        "overlap_moe_expert_parallel_comm",
         "fp8_recipe",
         "grad_sync",
         "framework_version",
