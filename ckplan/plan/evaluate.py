@@ -540,19 +540,7 @@ def evaluate(
                 f"stage {hidden[3]} recomputes {format_flops(per_iteration)} per iteration, "
                 f"within the slack of the busiest stage ({busiest[3]}), whose FLOPs are shown",
             )
-    beside = strategy.kind if strategy.size is None else f"{strategy.kind}:{strategy.size}"
-    policy = parse_policy(strategy.policy) if strategy.policy else None
-    if strategy.kind in ("block", "optimal") and strategy.size != 0 and policy:
-        notes += tuple(filter(None, [layerwise_export_reason(policy, beside)]))
-    unrunnable = (module_framework_reason(spec, strategy), _revolve_note(strategy, forwards))
-    notes += tuple(filter(None, unrunnable))
-    grouped = max(result[4] for result in results)
-    if grouped > 1:
-        notes += (
-            f"optimal over groups of up to {grouped} consecutive layers (the exact DP would "
-            "take more than seconds here): the schedule fits; the exact optimum may recompute "
-            "less",
-        )
+    notes += _strategy_notes(spec, strategy, forwards, results)
     return _plan(
         spec,
         strategy.name,
@@ -600,6 +588,27 @@ def dualpipe_rank_peaks(
     return ranks
 
 
+def _strategy_notes(spec: ModelSpec, strategy: Strategy, forwards, results) -> tuple[str, ...]:
+    """The notes every pipelined plan carries about its strategy: what no launcher's per-layer
+    export writes, what its framework cannot run, and the optimal DP's grouping of layers
+    (`results`: each stage's (peak, steps, FLOPs, stage, group))."""
+    notes: tuple[str, ...] = ()
+    beside = strategy.kind if strategy.size is None else f"{strategy.kind}:{strategy.size}"
+    policy = parse_policy(strategy.policy) if strategy.policy else None
+    if strategy.kind in ("block", "optimal") and strategy.size != 0 and policy:
+        notes += tuple(filter(None, [layerwise_export_reason(policy, beside)]))
+    unrunnable = (module_framework_reason(spec, strategy), _revolve_note(strategy, forwards))
+    notes += tuple(filter(None, unrunnable))
+    grouped = max(result[4] for result in results)
+    if grouped > 1:
+        notes += (
+            f"optimal over groups of up to {grouped} consecutive layers (the exact DP would "
+            "take more than seconds here): the schedule fits; the exact optimum may recompute "
+            "less",
+        )
+    return notes
+
+
 def _dualpipe_plan(spec, strategy, budget, results, tapes, forwards) -> Plan | None:
     """The plan under DualPipe from each model stage's result ((peak, steps, FLOPs, stage,
     group) with its own in-flight micro-batches): each rank holds its two stages' activations
@@ -631,19 +640,7 @@ def _dualpipe_plan(spec, strategy, budget, results, tapes, forwards) -> Plan | N
         f"{own + other} micro-batches in flight ({own} of stage {rank}, {other} of stage "
         f"{p - 1 - rank})",
     )
-    beside = strategy.kind if strategy.size is None else f"{strategy.kind}:{strategy.size}"
-    policy = parse_policy(strategy.policy) if strategy.policy else None
-    if strategy.kind in ("block", "optimal") and strategy.size != 0 and policy:
-        notes += tuple(filter(None, [layerwise_export_reason(policy, beside)]))
-    unrunnable = (module_framework_reason(spec, strategy), _revolve_note(strategy, forwards))
-    notes += tuple(filter(None, unrunnable))
-    grouped = max(result[4] for result in results)
-    if grouped > 1:
-        notes += (
-            f"optimal over groups of up to {grouped} consecutive layers (the exact DP would "
-            "take more than seconds here): the schedule fits; the exact optimum may recompute "
-            "less",
-        )
+    notes += _strategy_notes(spec, strategy, forwards, results)
     return _plan(
         spec,
         strategy.name,
