@@ -69,15 +69,21 @@ def memory_timeline(plan: Plan) -> Timeline | None:
         in_flight = in_flight_microbatches(spec)
         held = held_after_forward_bytes(chain, replay) - on_host
         waiting = math.ceil((in_flight - 1) * held)
+    return _shifted(plan, trace, replay.initial_bytes, waiting, plan.pipeline_buffer_bytes)
+
+
+def _shifted(plan: Plan, trace, initial: int, waiting: int, buffers: int) -> Timeline:
+    """The running micro-batch's trace (during, after each step) with what waits beside it all
+    step, the other micro-batches' tapes and the pipeline's buffers, added at every point."""
     labels = tuple(f"{STEP_VERBS[step.kind]} {plan.stage_names[step.stage]}" for step in plan.steps)
-    constant = waiting + plan.pipeline_buffer_bytes
+    constant = waiting + buffers
     return Timeline(
         labels,
         tuple(during + constant for during, _ in trace),
         tuple(after + constant for _, after in trace),
-        replay.initial_bytes + constant,
+        initial + constant,
         waiting,
-        plan.pipeline_buffer_bytes,
+        buffers,
     )
 
 
@@ -93,12 +99,4 @@ def _dualpipe_timeline(plan: Plan) -> Timeline:
     replay = simulate(chain, plan.steps)
     waiting = plan.activation_bytes - replay.peak_bytes
     trace = [(point.during_bytes, point.after_bytes) for point in replay.trace]
-    labels = tuple(f"{STEP_VERBS[step.kind]} {plan.stage_names[step.stage]}" for step in plan.steps)
-    return Timeline(
-        labels,
-        tuple(during + waiting for during, _ in trace),
-        tuple(after + waiting for _, after in trace),
-        replay.initial_bytes + waiting,
-        waiting,
-        0,
-    )
+    return _shifted(plan, trace, replay.initial_bytes, waiting, 0)
