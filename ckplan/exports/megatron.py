@@ -404,9 +404,11 @@ def model_flags(spec: ModelSpec) -> list[list[str]]:
         out.append(["--attention-backend", "unfused"])
     else:
         out.append(["--attention-backend", ATTENTION_BACKENDS.get(spec.attention_kernel, "auto")])
-    if spec.dp_comm_overlap and spec.dp > 1:
+    # Megatron-LM's arguments.py (core_v0.14.0) asserts --overlap-param-gather "with
+    # --overlap-grad-reduce": a gather overlapped beside an exposed reduction has no flags
+    if spec.overlap_grad_reduce and spec.dp > 1:
         out.append(["--overlap-grad-reduce"])
-        if spec.zero == 1:
+        if spec.zero == 1 and spec.overlap_param_gather:
             out.append(["--overlap-param-gather"])
     if spec.tp_comm_overlap and spec.sp:
         out.append(["--tp-comm-overlap"])

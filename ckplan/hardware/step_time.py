@@ -1029,7 +1029,10 @@ def data_parallel_exposed(
     collective runs beside the compute it can hide behind, as Megatron-LM
     (--overlap-grad-reduce, --overlap-param-gather), DDP's buckets, DeepSpeed's overlap_comm and
     FSDP's prefetch run it: the gradients' reduction beside the backward of the last
-    micro-batch, the weights' gather beside the next forward, the per-micro-batch gathers and
+    micro-batch, the weights' gather beside the next forward (each of these two hidden or not
+    by its own key, `overlap_grad_reduce` and `overlap_param_gather`, as Megatron-Core's
+    DistributedDataParallelConfig sets them apart; by default both as dp_comm_overlap), the
+    per-micro-batch gathers and
     reductions (ZeRO 3; ZeRO 2 where the framework reduce-scatters every micro-batch) beside
     that micro-batch's forward and backward. Each adds what it does
     not hide and the slowdown of the GEMMs whose SMs its NCCL blocks hold
@@ -1043,9 +1046,7 @@ def data_parallel_exposed(
     # DeepSpeed's path of 2021: its copies lengthen the collectives, its zero fills and
     # bucket copies run alone or on the compute stream (`deepspeed_2021_copies`)
     copies = deepspeed_2021_copies(spec, gpu, forwards) or Zero3Copies()
-    if not spec.dp_comm_overlap:
-        added = copies.serial + copies.forward + copies.backward
-        return (1 - gpu.dp_overlap) * parts.total(spec.microbatches) + spec.microbatches * added
+    serial = 1 - gpu.dp_overlap  # the share of a collective no overlap hides
     chunks = max(1, spec.layers_per_stage // spec.virtual_stages)
     slowdown = gpu.sm_count / (gpu.sm_count - gpu.nccl_channels)
 
@@ -1056,7 +1057,17 @@ def data_parallel_exposed(
         return max(seconds / chunks, comm.overlapped(seconds, behind.total, contended))
 
     backward = _add(busiest.backward, busiest.recompute)
-    once = hidden(parts.reduce, backward) + hidden(parts.gather, busiest.forward)
+    once = (
+        hidden(parts.reduce, backward) if spec.overlap_grad_reduce else serial * parts.reduce
+    ) + (
+        hidden(parts.gather, busiest.forward)
+        if spec.overlap_param_gather
+        else serial * parts.gather
+    )
+    if not spec.dp_comm_overlap:
+        added = copies.serial + copies.forward + copies.backward
+        each = serial * (parts.forward + parts.backward) + added
+        return once + spec.microbatches * each
     forward_comm, backward_comm = parts.forward + copies.forward, parts.backward + copies.backward
     layered = deepspeed_zero3_layer_exposed(spec, gpu, forwards) if forwards else None
     if layered is None:

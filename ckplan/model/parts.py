@@ -577,6 +577,14 @@ class Execution(_Record):
     loss: str | None = None
     tp_comm_overlap: bool = False  # Megatron/TE --tp-comm-overlap, torchtitan async TP
     dp_comm_overlap: bool | None = None  # overlap DP/FSDP traffic with compute; None -> framework's
+    # the once-per-step data-parallel collectives one by one (Megatron-Core core_v0.14.0
+    # distributed_data_parallel_config.py `overlap_grad_reduce`, `overlap_param_gather`): the
+    # gradients' reduction beside the last backward, the updated weights' gather beside the next
+    # forward; None -> dp_comm_overlap. Megatron-Core takes them apart, Megatron-LM's arguments do
+    # not (--overlap-param-gather needs --overlap-grad-reduce): Megatron-Bridge v0.1.0rc3's
+    # DeepSeek-V3 H100 script turns the reduction's off and leaves the gather's on
+    overlap_grad_reduce: bool | None = None
+    overlap_param_gather: bool | None = None
     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; None -> the framework's launcher's
     expandable_segments: bool | None = None
     # TiledMLP (Bekman et al. 2025, ALST): the recomputed dense MLP (the `mlp` strategy word)
@@ -630,6 +638,9 @@ class Execution(_Record):
         for key in ("kernels", "dp_comm_overlap", "loss", "expandable_segments"):
             if getattr(self, key) is None:
                 self._derive(key, defaults[key])
+        for key in ("overlap_grad_reduce", "overlap_param_gather"):
+            if getattr(self, key) is None:
+                self._derive(key, self.dp_comm_overlap)
         self._check_fp8_recipe()
         whole_losses = ("fused", "eager", "xentropy", "compiled")
         if self.loss not in whole_losses and not _is_chunked(self.loss):
@@ -665,6 +676,8 @@ class Execution(_Record):
     def derived_defaults(self) -> dict[str, Any]:
         defaults = dict(FRAMEWORK_DEFAULTS[self.framework])
         defaults["attention_kernel"] = default_attention_kernel(self.precision)
+        defaults["overlap_grad_reduce"] = self.dp_comm_overlap
+        defaults["overlap_param_gather"] = self.dp_comm_overlap
         if self.precision == "fp8":
             defaults["fp8_recipe"] = DEFAULT_FP8_RECIPE
         return defaults

@@ -243,7 +243,8 @@ ARCHITECTURE_FEATURES = {
 }
 # Keys of the other parts that only MoE models, uneven, interleaved or DualPipe pipelines, model
 # states on the host, hf's gradient sync, a torchtitan release, Megatron's fused MoE kernels,
-# Transformer Engine's FP8 or an older bitsandbytes use: shown when not default.
+# Transformer Engine's FP8 or an older bitsandbytes use: shown when not default (the two
+# once-a-step data-parallel overlaps when they differ from dp_comm_overlap).
 QUIET_KEYS = frozenset(
     {
         "moe_imbalance",
@@ -265,6 +266,8 @@ QUIET_KEYS = frozenset(
         "moe_token_dispatcher_type",
         "moe_dispatch_fp8",
         "overlap_moe_expert_parallel_comm",
+        "overlap_grad_reduce",
+        "overlap_param_gather",
         "fp8_recipe",
         "grad_sync",
         "framework_version",
@@ -323,6 +326,8 @@ def model_rows(spec: ModelSpec) -> list[tuple[str, list[str]]]:
 def _shown(spec: ModelSpec, key: str, value: Any, default: Any) -> bool:
     if spec.experts and key in ("moe_imbalance", "ep", "etp"):
         return True
+    if key in ("overlap_grad_reduce", "overlap_param_gather"):
+        return value != spec.dp_comm_overlap
     return value != (spec.tp if key == "etp" else default)
 
 
