@@ -119,3 +119,16 @@ def test_measured_small_block_matches_the_pure_functions(harness):
     assert regions[("backward", "rope")] == eager_rope_bytes(2)[1] * qk + 2 * table + 4 * table
     sums = split_projection_sum_bytes(3, 2) + split_projection_sum_bytes(2, 2)
     assert regions[("backward", "other")] == sums * h
+
+
+def test_unfused_swiglu_table_keeps_its_eager_forward(spec_of):
+    """A table built with `fused_swiglu: false` already counts eager's silu and product forward
+    (5 bytes x B per element); the eager path raises only its backward, 8 -> 9 x B."""
+    spec, ops, tokens = _ckplan_bytes_per_token(spec_of, fused_swiglu=False)
+    table = next(op for op in layer_ops(spec) if op.name == "act")
+    elements = tokens * spec.ffn_hidden
+    assert ops["act"].forward_bytes == table.forward_bytes == 10 * elements
+    assert ops["act"].backward_bytes == 18 * elements
+    _, fused, _ = _ckplan_bytes_per_token(spec_of)
+    assert fused["act"].forward_bytes == 10 * elements
+    assert fused["act"].backward_bytes == 18 * elements

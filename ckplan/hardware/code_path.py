@@ -48,6 +48,7 @@ from ckplan.model.op import ATTENTION_CORE, Op, in_group
 # adds, dropout and GEMMs are the same kernels either way.
 FUSED_NORM_BYTES = (2, 8)  # x B: reads x, writes y; backward two passes, dx and the residual add
 FUSED_GATED_ACT_BYTES = (3, 5)  # x B: reads gate and up, writes y; backward reads 3, writes 2
+UNFUSED_GATED_ACT_BACKWARD_BYTES = 8  # x B: the `fused_swiglu: false` table's backward
 EAGER_GATED_ACTS = ("swiglu", "geglu")
 # torchtitan's Llama projects Q, K and V with three nn.Linear and the gated MLP's gate and up
 # with two (torchtitan/models/llama/model.py at 9dec370, `Attention.wq`/`wk`/`wv`,
@@ -113,6 +114,7 @@ class CodePath:
     qk_share: tuple[int, int] = (2, 3)
     # eager only: Q, K, V and gate, up projected by separate linears (torchtitan's Llama)
     split_projections: bool = False
+    fused_act: bool = True  # the op table counts the gated activation's fused kernel
 
     def forward(self, op: Op, dtype_bytes: int) -> OpTime:
         return self._time(op, dtype_bytes, backward=False)
@@ -149,9 +151,13 @@ class CodePath:
             backward = backward * eager_backward // (fused_backward * B)
         if op.name == "act" and self.mlp in EAGER_GATED_ACTS:
             eager_forward, eager_backward = eager_gated_act_bytes(B)
-            fused_forward, fused_backward = FUSED_GATED_ACT_BYTES
-            forward = forward * eager_forward // (fused_forward * B)
-            backward = backward * eager_backward // (fused_backward * B)
+            if self.fused_act:
+                forward = forward * eager_forward // (FUSED_GATED_ACT_BYTES[0] * B)
+                backward = backward * eager_backward // (FUSED_GATED_ACT_BYTES[1] * B)
+            else:
+                # a table built with `fused_swiglu: false` counts eager's forward already (its
+                # per-op units split silu and the product), not all of its backward
+                backward = backward * eager_backward // (UNFUSED_GATED_ACT_BACKWARD_BYTES * B)
         if op.name == "output" and self.norm == "rmsnorm":
             # the final norm's share of the output op: 2 and 3 bytes per element of the stream
             # (step_time._output_op), read x and write y, read x and dy and write dx; eagerly
@@ -375,6 +381,7 @@ def code_path(
     norm_fused: bool = False,
     qk_share: tuple[int, int] = (2, 3),
     split_projections: bool = False,
+    fused_act: bool = True,
 ) -> CodePath:
     """The code path of a run on `gpu` (`seq`: query tokens per context-parallel rank): the
     GEMMs and attention at the GPU's sustained fraction, its clock factor and the code path's
@@ -410,6 +417,7 @@ def code_path(
         norm_fused,
         qk_share,
         split_projections,
+        fused_act,
     )
 
 
@@ -428,4 +436,5 @@ def spec_code_path(spec, gpu: GPU) -> CodePath:
         spec.framework == "megatron",
         (spec.heads + spec.kv_heads, spec.heads + 2 * spec.kv_heads),
         spec.framework == "torchtitan",
+        spec.fused_swiglu,
     )
