@@ -621,8 +621,8 @@ def test_mixed_plan_other_targets_say_why(target):
 
 def test_rope_unit_moves_q_and_k_twice_and_eager_code_more():
     """RoPE's re-run is timed by its bytes (`rope_moved_bytes`): it reads Q and K and writes
-    them rotated; eager code adds code_path's EAGER_ROPE_EXTRA_BYTES per element of Q and K."""
-    from ckplan.hardware.code_path import EAGER_ROPE_EXTRA_BYTES, spec_code_path
+    them rotated; eager code moves code_path's eager_rope_bytes per element of Q and K instead."""
+    from ckplan.hardware.code_path import eager_rope_bytes, spec_code_path
     from ckplan.hardware.roofline import memory_seconds
     from ckplan.inputs.gpus import load_gpu
     from ckplan.model.op import LayerShapes
@@ -636,7 +636,8 @@ def test_rope_unit_moves_q_and_k_twice_and_eager_code_more():
         assert rope.op.forward_bytes == rope_moved_bytes(spec, LayerShapes.of(spec)) == 24_576
         assert rope.op.forward_flops == 0 and rope.op.matmul is None
         elements = 32 * 6 * 16
-        moved = 24_576 + (EAGER_ROPE_EXTRA_BYTES * elements if kernels == "eager" else 0)
+        eager = eager_rope_bytes(spec.dtype_bytes)[0] * elements
+        moved = eager if kernels == "eager" else 24_576
         timed = spec_code_path(spec, gpu).forward(rope.op, spec.dtype_bytes)
         assert timed.total == pytest.approx(memory_seconds(gpu, moved), rel=1e-12)
     # tensor parallel: a rank rotates its own heads (2 of Q's, 1 of K's)

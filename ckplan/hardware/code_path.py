@@ -16,8 +16,9 @@ four ways, each a key of the model's `Execution` part:
 - **Kernels for the memory-bound ops** (`kernels`): Megatron's fused CUDA kernels and
   torch.compile's generated ones (Inductor fuses each chain of element-wise ops into one kernel)
   move what the op table says; eager PyTorch runs each step of a norm, an activation and RoPE as
-  its own kernel and moves more (`EAGER_BYTES`, derived below from the Hugging Face / torchtitan
-  Llama code).
+  its own kernel and moves more (`eager_rmsnorm_bytes`, `eager_gated_act_bytes`,
+  `eager_rope_bytes`, `split_projection_sum_bytes`: torchtitan's Llama code, measured by
+  validation/torchtitan_eager_bytes.py).
 - **GEMM precision** (`precision`): FP8 linear layers (Transformer Engine, torchao float8) run at
   the FP8 tensor-core rate and pay for casting their inputs and gradients to FP8; the attention
   core and the output layer stay in BF16 (Megatron-LM and torchao's defaults). Under
@@ -37,25 +38,25 @@ from ckplan.hardware.gpus import GPU, GPUError
 from ckplan.hardware.roofline import OpTime, memory_seconds, op_backward_time, op_forward_time
 from ckplan.model.op import ATTENTION_CORE, Op, in_group
 
-# Eager PyTorch against the fused kernel, bytes moved per op (forward, backward), derived from
-# the Hugging Face / torchtitan Llama modules element by element, with B = 2:
-# - RMSNorm (LlamaRMSNorm.forward): x.to(fp32) (read 2, write 4), pow(2) (4, 4), mean (4),
-#   x * rsqrt(var) (4, 4), .to(dtype) (4, 2), weight * x (2, 2): 36 bytes per element against
-#   the fused kernel's 4 (read x, write y), 9x; its autograd backward runs each step's gradient
-#   (about 30 bytes per element against the fused backward's 16 in `LayerShapes.norm_moved`),
-#   1.9x. LayerNorm's eager module is one ATen kernel (torch.nn.functional.layer_norm): 1x.
-# - SwiGLU (act_fn(gate) * up): silu (2, 2) then the product (4, 2), 10 bytes per element against
-#   the fused bias_swiglu's 6, 1.7x; backward 16 against 10, 1.6x.
-# Residual adds, dropout and GEMMs are the same kernels either way.
-EAGER_BYTES: dict[tuple[str, str], tuple[float, float]] = {
-    ("norm", "rmsnorm"): (9.0, 1.9),
-    ("act", "swiglu"): (1.7, 1.6),
-    ("act", "geglu"): (1.7, 1.6),
-}
-# RoPE applied eagerly (apply_rotary_pos_emb: rotate_half's slices, negation and cat, q·cos,
-# rotate_half(q)·sin, the sum) moves about 24 bytes per element of Q and of K, the fused kernel
-# 4: 20 bytes more per element, forward and backward alike (derived from the code as above).
-EAGER_ROPE_EXTRA_BYTES = 20
+# Eager PyTorch's norms, gated activations and RoPE run each step as its own ATen kernel; the
+# bytes they move per element are `eager_rmsnorm_bytes`, `eager_gated_act_bytes` and
+# `eager_rope_bytes` (torchtitan 9dec370's modules, measured on the CPU by
+# validation/torchtitan_eager_bytes.py; Hugging Face's LlamaRMSNorm and LlamaMLP run the same
+# ops). The op table's fused kernels move `FUSED_NORM_BYTES` and `FUSED_GATED_ACT_BYTES`
+# per element (ckplan.model.op.LayerShapes.norm_moved, ckplan.model.mlp_block's swiglu_moved).
+# LayerNorm's eager module is one ATen kernel (torch.nn.functional.layer_norm): 1x. Residual
+# adds, dropout and GEMMs are the same kernels either way.
+FUSED_NORM_BYTES = (2, 8)  # x B: reads x, writes y; backward two passes, dx and the residual add
+FUSED_GATED_ACT_BYTES = (3, 5)  # x B: reads gate and up, writes y; backward reads 3, writes 2
+UNFUSED_GATED_ACT_BACKWARD_BYTES = 8  # x B: the `fused_swiglu: false` table's backward
+EAGER_GATED_ACTS = ("swiglu", "geglu")
+# torchtitan's Llama projects Q, K and V with three nn.Linear and the gated MLP's gate and up
+# with two (torchtitan/models/llama/model.py at 9dec370, `Attention.wq`/`wk`/`wv`,
+# `FeedForward.w1`/`w3`): autograd sums their input gradients, one add per projection beyond the
+# first (`split_projection_sum_bytes`), where Megatron's fused linear_qkv and linear_fc1 write
+# one gradient.
+TORCHTITAN_QKV_PROJECTIONS = 3
+TORCHTITAN_GATED_FC1_PROJECTIONS = 2
 # FP8 casts (Transformer Engine's cast-transpose, torchao's float8 scaling): each linear GEMM's
 # input is read in BF16 and written in FP8 twice (row-wise and column-wise for the backward's
 # transposed use), 4 bytes per element in the forward; the output gradient likewise in the
@@ -109,6 +110,11 @@ class CodePath:
     rope: bool
     fp8_recipe: str | None = None  # Transformer Engine's scaling recipe (precision fp8)
     norm_fused: bool = False  # the norms are fused into the linear layers after them (Megatron)
+    # Q and K's share of the QKV projection's width, (a + g, a + 2g): RoPE rotates those
+    qk_share: tuple[int, int] = (2, 3)
+    # eager only: Q, K, V and gate, up projected by separate linears (torchtitan's Llama)
+    split_projections: bool = False
+    fused_act: bool = True  # the op table counts the gated activation's fused kernel
 
     def forward(self, op: Op, dtype_bytes: int) -> OpTime:
         return self._time(op, dtype_bytes, backward=False)
@@ -135,23 +141,120 @@ class CodePath:
         return OpTime(gemm.matmul, rest.memory + memory_seconds(self.gpu, cast))
 
     def _eager(self, op: Op, dtype_bytes: int) -> Op:
-        kind = ("norm", self.norm) if op.name in NORM_OPS else (op.name, self.mlp)
-        forward, backward = EAGER_BYTES.get(kind, (1.0, 1.0))
-        extra = 0
+        B = dtype_bytes
+        forward, backward = op.forward_bytes, op.backward_bytes
+        if op.name in NORM_OPS and self.norm == "rmsnorm":
+            # per element of the normalised tensor, the fused op's bytes over FUSED_NORM_BYTES
+            eager_forward, eager_backward = eager_rmsnorm_bytes(B)
+            fused_forward, fused_backward = FUSED_NORM_BYTES
+            forward = forward * eager_forward // (fused_forward * B)
+            backward = backward * eager_backward // (fused_backward * B)
+        if op.name == "act" and self.mlp in EAGER_GATED_ACTS:
+            eager_forward, eager_backward = eager_gated_act_bytes(B)
+            if self.fused_act:
+                forward = forward * eager_forward // (FUSED_GATED_ACT_BYTES[0] * B)
+                backward = backward * eager_backward // (FUSED_GATED_ACT_BYTES[1] * B)
+            else:
+                # a table built with `fused_swiglu: false` counts eager's forward already (its
+                # per-op units split silu and the product), not all of its backward
+                backward = backward * eager_backward // (UNFUSED_GATED_ACT_BACKWARD_BYTES * B)
+        if op.name == "output" and self.norm == "rmsnorm":
+            # the final norm's share of the output op: 2 and 3 bytes per element of the stream
+            # (step_time._output_op), read x and write y, read x and dy and write dx; eagerly
+            # the whole module, whose input gradient meets no residual add
+            elements = op.matmul.m * op.matmul.k if op.matmul is not None else 0
+            eager_forward, eager_backward = eager_rmsnorm_bytes(B)
+            forward += (eager_forward - 2 * B) * elements
+            backward += (eager_backward - 3 * B - 3 * B) * elements
         if self.rope and op.name == "qkv_proj" and op.matmul is not None:
-            mm = op.matmul  # (tokens x (q + k + v) width); Q and K are all but V's share
-            extra = EAGER_ROPE_EXTRA_BYTES * mm.batch * mm.m * mm.n * 2 // 3
+            mm = op.matmul  # (tokens x (q + k + v) width); RoPE rotates Q and K
+            qk, qkv = self.qk_share
+            elements = mm.batch * mm.m * mm.n * qk // qkv
+            rope_forward, rope_backward = eager_rope_bytes(B)
+            forward += rope_forward * elements
+            backward += rope_backward * elements
         if self.rope and op.name == "rope":
-            # a per-op policy's RoPE unit (model.op_policy.rope_moved_bytes): reads and writes
-            # each element of Q and K once in the fused kernel
-            extra = EAGER_ROPE_EXTRA_BYTES * (op.forward_bytes // (2 * dtype_bytes))
-        if (forward, backward, extra) == (1.0, 1.0, 0):
+            # a per-op policy's RoPE unit, re-run forward only (model.op_policy.rope_moved_bytes):
+            # the fused kernel's read and write of each element of Q and K, eagerly the whole
+            # eager RoPE
+            elements = op.forward_bytes // (2 * B)
+            forward += (eager_rope_bytes(B)[0] - 2 * B) * elements
+        if self.split_projections and op.matmul is not None:
+            projections = {"qkv_proj": TORCHTITAN_QKV_PROJECTIONS}.get(op.name, 0)
+            if op.name == "fc1" and self.mlp in EAGER_GATED_ACTS:
+                projections = TORCHTITAN_GATED_FC1_PROJECTIONS
+            if projections:
+                mm = op.matmul  # the input: tokens x k
+                backward += split_projection_sum_bytes(projections, B) * mm.batch * mm.m * mm.k
+        if (forward, backward) == (op.forward_bytes, op.backward_bytes):
             return op
-        return dataclasses.replace(
-            op,
-            forward_bytes=round(op.forward_bytes * forward) + extra,
-            backward_bytes=round(op.backward_bytes * backward) + extra,
-        )
+        return dataclasses.replace(op, forward_bytes=forward, backward_bytes=backward)
+
+
+def _cast_bytes(dtype_bytes: int) -> int:
+    """Bytes per element of an eager cast between the activation dtype and fp32 (`x.float()`,
+    `type_as`, `.to(dtype)`): read B, write 4, or the reverse; none in fp32, where PyTorch
+    returns the tensor itself. Derived (aten._to_copy)."""
+    return 0 if dtype_bytes == 4 else dtype_bytes + 4
+
+
+def eager_rmsnorm_bytes(dtype_bytes: int) -> tuple[int, int]:
+    """Bytes per element that eager RMSNorm's kernels read and write, (forward, backward), the
+    backward with the add of its input gradient to the residual-stream gradient (3B), as the
+    op table's norms count it.
+
+    Source: torchtitan 9dec370 torchtitan/models/norms.py `RMSNorm.forward`,
+    `self._norm(x.float()).type_as(x) * self.weight` with `_norm` = `x * torch.rsqrt(
+    x.pow(2).mean(-1, keepdim=True) + self.eps)` (the llama3 configs' norm_type "rmsnorm";
+    transformers' LlamaRMSNorm runs the same ops). Forward: the cast to fp32 (C = B + 4), pow
+    (8), mean (4), x · rsqrt (8), the cast back (C), the weight's product (2B). Backward, as
+    autograd runs it: the weight's product's two gradients (2B, 3B) and the weight gradient's
+    sum (B), the cast's (C), x · rsqrt's two gradients (8, 12) and rsqrt's sum (4), mean's
+    expand-divide (4), pow's (x^1: 8, then 8 and 12), the sum of x's two fp32 gradients (12),
+    the first cast's (C), the residual add (3B). In bf16, 36 and 98 bytes, measured by
+    validation/torchtitan_eager_bytes.py (per token, h = 4096: 72.0 forward and 196.0 backward
+    for the block's two norms)."""
+    B, C = dtype_bytes, _cast_bytes(dtype_bytes)
+    forward = C + 8 + 4 + 8 + C + 2 * B
+    backward = (2 * B + 3 * B + B) + C + (8 + 12 + 4) + 4 + (8 + 8 + 12) + 12 + C + 3 * B
+    return forward, backward
+
+
+def eager_gated_act_bytes(dtype_bytes: int) -> tuple[int, int]:
+    """Bytes per element of the gated MLP's hidden width that eager `act(gate) * up` moves,
+    (forward, backward).
+
+    Source: torchtitan 9dec370 torchtitan/models/llama/model.py `FeedForward.forward`,
+    `F.silu(self.w1(x)) * self.w3(x)` (transformers' LlamaMLP `act_fn(gate_proj(x)) *
+    up_proj(x)` alike; GeGLU's gelu the same kernels): silu reads and writes (2B), the product
+    reads two and writes one (3B); backward the product's two gradients (3B each) and
+    silu_backward (reads dy and gate, writes d gate, 3B). In bf16 10 and 18 bytes, measured by
+    validation/torchtitan_eager_bytes.py (35.0 and 63.0 per token with F = 3.5h)."""
+    B = dtype_bytes
+    return 2 * B + 3 * B, 3 * B + 3 * B + 3 * B
+
+
+def eager_rope_bytes(dtype_bytes: int) -> tuple[int, int]:
+    """Bytes per element of Q and K that eager RoPE moves, (forward, backward).
+
+    Source: torchtitan 9dec370 torchtitan/models/llama/model.py `apply_rotary_emb`:
+    `view_as_complex(xq.float()...)` (the cast, C = B + 4), the complex64 product with
+    `freqs_cis` (read 4, write 4 per real element), `view_as_real(...).type_as(xq)` (C); the
+    backward runs the casts' gradients and the product with the conjugate `freqs_cis` (C + 8 +
+    C). In bf16 20 bytes each way, measured by validation/torchtitan_eager_bytes.py (25.25 and
+    25.75 per token for Q and K's 1.25h; the rest is the table's broadcast). Transformers'
+    `apply_rotary_pos_emb` (rotate_half's slices, negation and cat, q·cos, rotate_half(q)·sin,
+    their sum) moves about as much, derived the same way."""
+    C = _cast_bytes(dtype_bytes)
+    return C + 8 + C, C + 8 + C
+
+
+def split_projection_sum_bytes(projections: int, dtype_bytes: int) -> int:
+    """Bytes per element of a layer input that autograd's sums of the input gradients of
+    `projections` separate linear layers on it move: one add (read two, write one, 3B) per
+    projection beyond the first. Measured by validation/torchtitan_eager_bytes.py (18.0 per
+    token and h: two adds under Q, K, V and one under the MLP's gate and up). Derived."""
+    return (projections - 1) * 3 * dtype_bytes
 
 
 def fp8_gemm(op: Op) -> bool:
@@ -276,6 +379,9 @@ def code_path(
     rope: bool,
     fp8_recipe: str | None = None,
     norm_fused: bool = False,
+    qk_share: tuple[int, int] = (2, 3),
+    split_projections: bool = False,
+    fused_act: bool = True,
 ) -> CodePath:
     """The code path of a run on `gpu` (`seq`: query tokens per context-parallel rank): the
     GEMMs and attention at the GPU's sustained fraction, its clock factor and the code path's
@@ -300,7 +406,19 @@ def code_path(
                 f"fp8_recipe mxfp8 needs MXFP8 tensor cores (compute capability 10.x, e.g. "
                 f"b200); GPU {gpu.name!r} has none (gpu.mxfp8)"
             )
-    return CodePath(effective, fp8, kernels == "eager", norm, mlp, rope, fp8_recipe, norm_fused)
+    return CodePath(
+        effective,
+        fp8,
+        kernels == "eager",
+        norm,
+        mlp,
+        rope,
+        fp8_recipe,
+        norm_fused,
+        qk_share,
+        split_projections,
+        fused_act,
+    )
 
 
 def spec_code_path(spec, gpu: GPU) -> CodePath:
@@ -316,4 +434,7 @@ def spec_code_path(spec, gpu: GPU) -> CodePath:
         spec.positions == "rope",
         spec.fp8_recipe,
         spec.framework == "megatron",
+        (spec.heads + spec.kv_heads, spec.heads + 2 * spec.kv_heads),
+        spec.framework == "torchtitan",
+        spec.fused_swiglu,
     )

@@ -573,8 +573,8 @@ def rope_moved_bytes(spec: ChainSpec, shapes: LayerShapes) -> int:
     other element-wise units (the roofline times them by these bytes).
 
     Q and K heads (derived): RoPE reads Q and K and writes them rotated, 2·(Q + K) bytes, one
-    fused kernel's traffic, as `hardware.code_path` counts RoPE (its 4 bytes per bf16 element;
-    eager code adds `EAGER_ROPE_EXTRA_BYTES` per element there). The cos/sin table (s·d/2
+    fused kernel's traffic (4 bytes per bf16 element; eager code moves
+    `hardware.code_path.eager_rope_bytes` per element instead). The cos/sin table (s·d/2
     values, shared by every head and sequence) is left out, as there.
 
     MLA (derived from torchtitan's DeepSeek-V3 Attention at v0.2.2,
