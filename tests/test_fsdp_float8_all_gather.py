@@ -99,3 +99,26 @@ def test_key_refused_outside_fsdp2_float8(spec_of, keys, fragment):
     with pytest.raises(SpecError, match="fsdp_float8_all_gather") as error:
         llama8b(spec_of, fsdp_float8_all_gather=True, **keys)
     assert fragment in str(error.value)
+
+
+def test_measured_unsharded_bytes_match_the_formula():
+    """validation/torch_fsdp2_float8_all_gather.py (torch 2.13, torchao 0.18, a fake process
+    group of 8): the converted weights' unsharded copies are `Float8TrainingTensor`s of
+    float8_e4m3fn, views of FSDP2's all-gather outputs, 1 byte an element; the norms bf16. Its
+    block: hidden 256, wk and wv 256 -> 64, ffn 768, two RMSNorms."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "validation"
+    name = "results-fsdp2-float8-all-gather-torch-2.13.0-torchao-0.18.0.json"
+    measured = json.loads((path / name).read_text())
+    linears = 2 * 256 * 256 + 2 * 256 * 64 + 3 * 256 * 768  # 753,664
+    params = linears + 2 * 256
+    assert measured["bf16_total_unsharded_bytes"] == frameworks.fsdp2_gathered_bytes(params)
+    on = measured["float8_all_gather_total_unsharded_bytes"]
+    assert on == frameworks.fsdp2_gathered_bytes(params, linears) == 754_688
+    for name, param in measured["float8_all_gather"]["params"].items():
+        assert param["views_the_all_gather_output"]
+        assert param["unsharded_bytes"] == param["all_gather_output_bytes"]
+        float8 = param["dtype"] == "torch.float8_e4m3fn"
+        assert float8 == ("norm" not in name)
