@@ -91,8 +91,9 @@ def test_all_gather_moves_one_byte_a_converted_weight(spec_of):
     [
         ({"precision": "bf16"}, "needs precision float8"),
         ({"framework": "megatron", "zero": 1}, "needs framework torchtitan"),
-        ({"zero": 0}, "zero 2 or 3 over dp·cp > 1"),
-        ({"dp": 1}, "zero 2 or 3 over dp·cp > 1"),
+        ({"zero": 0}, "zero 2 or 3 with dp > 1"),
+        ({"dp": 1}, "zero 2 or 3 with dp > 1"),
+        ({"dp": 1, "cp": 2}, "zero 2 or 3 with dp > 1"),  # torchtitan's dp_shard, not cp
     ],
 )
 def test_key_refused_outside_fsdp2_float8(spec_of, keys, fragment):

@@ -625,7 +625,7 @@ class Execution(_Record):
     # and the unsharded weight are 1 byte a parameter (ckplan.model.frameworks
     # `fsdp2_gathered_bytes`) and no forward casts the weight again
     # (ckplan.hardware.code_path `float8_weight_cast_bytes`). Precision float8, torchtitan,
-    # zero 2 or 3 over dp·cp > 1 (ckplan.model.spec `_validate_fsdp_float8_all_gather`).
+    # zero 2 or 3 with dp > 1 (ckplan.model.spec `_validate_fsdp_float8_all_gather`).
     fsdp_float8_all_gather: bool = False
 
     __hash__ = _Record.__hash__

@@ -579,18 +579,18 @@ def _validate_fsdp_float8_all_gather(spec: ModelSpec) -> None:
     """torchao's float8 all-gather is an FSDP2 extension of its float8 linears' weights
     (torchao/float8/fsdp_utils.py at eab345c, `WeightWithDynamicFloat8CastTensor`; torchtitan
     enables it only where FSDP shards, torchtitan/float8.py at 9dec370: `dp_shard_enabled and
-    enable_fsdp_float8_all_gather`): precision float8, torchtitan's FSDP (zero 2 or 3) over
-    more than one rank, full training. ckplan counts the converted weights of dense blocks
+    enable_fsdp_float8_all_gather`; the same at v0.2.2, components/quantization/float8.py):
+    precision float8, torchtitan's FSDP (zero 2 or 3) with dp > 1, full training. ckplan counts the converted weights of dense blocks
     (`memory.float8_gathered_layer_weights`): not MoE or MLA layers."""
     what = "key 'fsdp_float8_all_gather' (torchao's float8 all-gather under FSDP2)"
     if spec.precision != "float8":
         raise SpecError(f"{what} needs precision float8, got {quote(spec.precision)}")
     if spec.framework != "torchtitan":
         raise SpecError(f"{what} needs framework torchtitan, got {quote(spec.framework)}")
-    if spec.zero < 2 or spec.dp * spec.cp == 1:
+    if spec.zero < 2 or spec.dp == 1:
         raise SpecError(
-            f"{what} needs FSDP's sharding: zero 2 or 3 over dp·cp > 1, got zero {spec.zero} "
-            f"over {spec.dp * spec.cp} rank(s)"
+            f"{what} needs FSDP's data-parallel sharding: zero 2 or 3 with dp > 1 (torchtitan "
+            f"keeps it only where dp_shard > 1), got zero {spec.zero}, dp {spec.dp}"
         )
     if spec.training != "full":
         raise SpecError(f"{what} needs training: full, got {quote(spec.training)}")
