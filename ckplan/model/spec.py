@@ -580,8 +580,9 @@ def _validate_fsdp_float8_all_gather(spec: ModelSpec) -> None:
     (torchao/float8/fsdp_utils.py at eab345c, `WeightWithDynamicFloat8CastTensor`; torchtitan
     enables it only where FSDP shards, torchtitan/float8.py at 9dec370: `dp_shard_enabled and
     enable_fsdp_float8_all_gather`; the same at v0.2.2, components/quantization/float8.py):
-    precision float8, torchtitan's FSDP (zero 2 or 3) with dp > 1, full training. ckplan counts the converted weights of dense blocks
-    (`memory.float8_gathered_layer_weights`): not MoE or MLA layers."""
+    precision float8, torchtitan's FSDP (zero 2 or 3) with dp > 1, full training. ckplan
+    counts the converted weights of dense blocks (`memory.float8_gathered_layer_weights`): not
+    MoE or MLA layers."""
     what = "key 'fsdp_float8_all_gather' (torchao's float8 all-gather under FSDP2)"
     if spec.precision != "float8":
         raise SpecError(f"{what} needs precision float8, got {quote(spec.precision)}")
