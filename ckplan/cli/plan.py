@@ -41,7 +41,7 @@ A2A_OVERLAP_IN_PLAN = (
     "key 'overlap_moe_expert_parallel_comm': plan's layout search does not lay out Megatron-Core's "
     "combined 1F1B; evaluate such a layout with estimate"
 )
-# torchao's float8 all-gather holds only where FSDP shards (zero 2-3, dp > 1), which the search varies
+# torchao's float8 all-gather holds where FSDP shards (zero 2-3, dp > 1): the search varies both
 FLOAT8_ALL_GATHER_IN_PLAN = (
     "key 'fsdp_float8_all_gather': plan's layout search varies ZeRO and dp, where the float8 "
     "all-gather needs FSDP's sharding (zero 2 or 3, dp > 1); evaluate such a layout with estimate"
