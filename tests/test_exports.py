@@ -348,13 +348,26 @@ def _annotation_accepts(annotation: str, value) -> bool:
     return isinstance(value, kinds[annotation]) and (annotation != "int" or value is not True)
 
 
+def _check_table(fields: dict, keys: dict, classes: dict) -> None:
+    """Every key of a TOML table is a field of its torchtitan 0.2.x dataclass, every value of
+    the field's type; a nested table is checked against the field's own dataclass."""
+    for key, value in keys.items():
+        assert key in fields, key
+        annotation = fields[key][0]
+        if isinstance(value, dict):
+            assert annotation in classes, (key, annotation)
+            _check_table(classes[annotation], value, classes)
+        else:
+            assert _annotation_accepts(annotation, value), (key, value)
+
+
 def test_torchtitan_02_toml_has_only_the_release_keys(spec_of):
     """The 0.2.x TOML, read as TOML, against torchtitan v0.2.2's JobConfig sections and keys
     (tests/torchtitan_02_keys.py, from its job_config.py by tests/torchtitan_mirror.py): every
     section and key exists there and every value is of the key's type. selective_ac_option is
     "op" or a number (torchtitan/distributed/activation_checkpoint.py at v0.2.2: `== "op"`,
     `.isdigit()`, else ValueError)."""
-    from torchtitan_02_keys import RELEASE, SECTIONS
+    from torchtitan_02_keys import CLASSES, RELEASE, SECTIONS
 
     assert RELEASE == "v0.2.2"
     spec = spec_of("llama3-8b", framework="torchtitan", dp=8, zero=3)
@@ -362,6 +375,15 @@ def test_torchtitan_02_toml_has_only_the_release_keys(spec_of):
         tomllib.loads(exports.export(plan_of(spec, name), "torchtitan", version="0.2").text)
         for name in ("none", "full", "sac", "block:32")
     ]
+    for gather in (False, True):  # torchao float8, with and without its FSDP all-gather
+        float8 = spec.replace(precision="float8", fsdp_float8_all_gather=gather)
+        text = exports.export(plan_of(float8, "full"), "torchtitan", version="0.2").text
+        tables.append(tomllib.loads(text))
+        float8_keys = tables[-1]["quantize"]["linear"]["float8"]
+        assert float8_keys["enable_fsdp_float8_all_gather"] is gather
+        assert float8_keys["precompute_float8_dynamic_scale_for_fsdp"] is gather
+        assert float8_keys["filter_fqns"] == ["output"]
+        assert tables[-1]["model"]["converters"] == ["quantize.linear.float8"]
     every_fourth = LayerSegments(
         8, ((0, 3, False), (3, 4, True), (4, 7, False), (7, 8, True)), False
     )
@@ -370,15 +392,15 @@ def test_torchtitan_02_toml_has_only_the_release_keys(spec_of):
     for table in tables:
         for section, keys in table.items():
             assert section in SECTIONS, section
-            for key, value in keys.items():
-                assert key in SECTIONS[section], (section, key)
-                assert _annotation_accepts(SECTIONS[section][key][0], value), (key, value)
+            _check_table(SECTIONS[section], keys, CLASSES)
         option = table["activation_checkpoint"].get("selective_ac_option", "op")
         assert option == "op" or option.isdigit()
         modes.add(table["activation_checkpoint"]["mode"])
     assert modes == {"none", "full", "selective"}
     # the mirror's check bites: a key or a value that release does not take
     assert "offload" not in SECTIONS["activation_checkpoint"]
+    with pytest.raises(AssertionError):
+        _check_table(SECTIONS["quantize"], {"linear": {"float8": {"scaling": 1}}}, CLASSES)
     assert not _annotation_accepts(SECTIONS["activation_checkpoint"]["mode"][0], "op")
 
 
@@ -389,6 +411,11 @@ def test_torchtitan_02_toml_has_only_the_release_keys(spec_of):
         ({"precision": "float8"}, "sac", "aten._scaled_mm"),
         ({"precision": "fp16"}, "full", "precision fp16"),
         ({"pp": 3, "microbatches": 3, "first_stage_layers": 10}, "full", "uneven pipeline"),
+        (
+            {"precision": "float8", "dp": 8, "zero": 3, "fsdp_float8_all_gather": True},
+            "full",
+            "no float8 all-gather",
+        ),
     ],
 )
 def test_torchtitan_03_refuses_what_its_options_cannot_say(spec_of, layout, strategy, fragment):

@@ -176,3 +176,38 @@ SECTIONS = {
         "moe_force_load_balance": ("bool", False),
     },
 }
+CLASSES = {
+    "DataLoader": {
+        "num_workers": ("int", 0),
+        "persistent_workers": ("bool", False),
+        "pin_memory": ("bool", False),
+        "prefetch_factor": ("int | None", None),
+    },
+    "Float8GroupedMM": {
+        "fqns": ("list[str] | str", None),
+    },
+    "Float8Linear": {
+        "enable_fsdp_float8_all_gather": ("bool", False),
+        "precompute_float8_dynamic_scale_for_fsdp": ("bool", False),
+        "recipe_name": ("Literal['tensorwise', 'rowwise', 'rowwise_with_gw_hp'] | None", None),
+        "filter_fqns": ("list[str]", None),
+        "emulate": ("bool", False),
+    },
+    "MXGroupedMM": {
+        "recipe_name": ("Literal['mxfp8']", "mxfp8"),
+        "fqns": ("list[str] | str", None),
+    },
+    "MXLinear": {
+        "mxfp8_dim1_cast_kernel_choice": ("Literal['triton', 'cuda', 'torch']", "triton"),
+        "recipe_name": ("str", "mxfp8_cublas"),
+        "filter_fqns": ("list[str]", None),
+    },
+    "QuantizedGroupedMM": {
+        "float8": ("Float8GroupedMM", None),
+        "mx": ("MXGroupedMM", None),
+    },
+    "QuantizedLinear": {
+        "float8": ("Float8Linear", None),
+        "mx": ("MXLinear", None),
+    },
+}

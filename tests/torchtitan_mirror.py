@@ -57,6 +57,20 @@ def sections(source: str) -> dict[str, dict[str, tuple[str, object]]]:
     }
 
 
+def nested_classes(source: str) -> dict[str, dict[str, tuple[str, object]]]:
+    """{class: {key: (annotation, default)}} of the dataclasses the sections' keys are typed by,
+    and theirs, to any depth: a TOML table inside a section (`[quantize.linear.float8]`)."""
+    classes = dataclass_fields(source)
+    found: dict[str, dict[str, tuple[str, object]]] = {}
+    pending = [ann for keys in sections(source).values() for ann, _ in keys.values()]
+    while pending:
+        annotation = pending.pop()
+        if annotation in classes and annotation not in found:
+            found[annotation] = classes[annotation]
+            pending += [ann for ann, _ in classes[annotation].values()]
+    return dict(sorted(found.items()))
+
+
 def write(source: str, release: str, commit: str) -> str:
     lines = [
         f'"""torchtitan {release}\'s job-file sections and keys: (type annotation, literal',
@@ -69,6 +83,12 @@ def write(source: str, release: str, commit: str) -> str:
     ]
     for section, keys in sections(source).items():
         lines.append(f"    {section!r}: {{")
+        lines += [f"        {key!r}: {value!r}," for key, value in keys.items()]
+        lines.append("    },")
+    lines.append("}")
+    lines.append("CLASSES = {")
+    for name, keys in nested_classes(source).items():
+        lines.append(f"    {name!r}: {{")
         lines += [f"        {key!r}: {value!r}," for key, value in keys.items()]
         lines.append("    },")
     lines.append("}")

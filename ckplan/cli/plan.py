@@ -41,6 +41,11 @@ A2A_OVERLAP_IN_PLAN = (
     "key 'overlap_moe_expert_parallel_comm': plan's layout search does not lay out Megatron-Core's "
     "combined 1F1B; evaluate such a layout with estimate"
 )
+# torchao's float8 all-gather holds where FSDP shards (zero 2-3, dp > 1): the search varies both
+FLOAT8_ALL_GATHER_IN_PLAN = (
+    "key 'fsdp_float8_all_gather': plan's layout search varies ZeRO and dp, where the float8 "
+    "all-gather needs FSDP's sharding (zero 2 or 3, dp > 1); evaluate such a layout with estimate"
+)
 MAX_GLOBAL_BATCH = 2**24  # --global-batch: sequences per step (the search factors it)
 
 
@@ -104,6 +109,8 @@ def plan(
             )
         if overrides.get("overlap_moe_expert_parallel_comm") is True:
             raise UserError(A2A_OVERLAP_IN_PLAN)
+        if overrides.get("fsdp_float8_all_gather") is True:
+            raise UserError(FLOAT8_ALL_GATHER_IN_PLAN)
         constraints = constraints_from(overrides)
         # the search sets the layout keys; the model is read without them (with model states
         # on the host, at a ZeRO stage that offloads them: every layout sets its own)
@@ -118,6 +125,8 @@ def plan(
             )
         if spec.overlap_moe_expert_parallel_comm:
             raise UserError(A2A_OVERLAP_IN_PLAN)
+        if spec.fsdp_float8_all_gather:
+            raise UserError(FLOAT8_ALL_GATHER_IN_PLAN)
         device = resolve_gpu(gpu, settings)
         budget_text, total, kept = require_budget(budget, reserve, device)
         slots = check_slots(slots)

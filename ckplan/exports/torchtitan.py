@@ -31,6 +31,13 @@ biases in bfloat16: the 0.3 export writes it as `activation-checkpoint:selective
 that back as `sac-fused`; 0.2.x has no such policy. Which policy each release runs is
 ckplan.model.torchtitan_ac's answer (`policy_reason`), which the plan search reads too.
 Float8 is a converter in the config function's model spec, not an option of the command line.
+torchao's float8 all-gather (`fsdp_float8_all_gather`) is 0.2.x's `[quantize.linear.float8]`
+`enable_fsdp_float8_all_gather` with `precompute_float8_dynamic_scale_for_fsdp` (tensorwise
+scaling, `recipe_name` unset: torchtitan/config/job_config.py and components/quantization/
+float8.py at v0.2.2), which the 0.2.x export writes with `filter_fqns = ["output"]`, the output
+layer in bf16 as ckplan models it; 0.3.0's `Float8LinearConverter` has the rowwise recipes only
+(`recipe_name` rowwise or rowwise_with_gw_hp) and no float8 all-gather, so the 0.3 export
+refuses the key.
 """
 
 from __future__ import annotations
@@ -119,6 +126,12 @@ def reason(spec: ModelSpec, layers: LayerSegments, version: str = DEFAULT_VERSIO
 
 def _layout_reason_03(spec: ModelSpec) -> str | None:
     """Why torchtitan 0.3.0's command line cannot run this layout and precision, or None."""
+    if spec.fsdp_float8_all_gather:
+        return (
+            "fsdp_float8_all_gather: torchtitan 0.3.0's Float8LinearConverter has the rowwise "
+            "recipes only, no float8 all-gather; 0.2.x's [quantize.linear.float8] sets it "
+            "(--torchtitan-version 0.2)"
+        )
     if spec.precision in ("fp16", "fp8"):
         return (
             f"precision {spec.precision}: torchtitan 0.3.0 trains in bfloat16 mixed precision "
@@ -160,6 +173,49 @@ def section(layers: LayerSegments) -> dict[str, str]:
     if option == "full":
         return {"mode": "full"}
     return {"mode": "selective", "selective_ac_option": option}
+
+
+def float8_tables(spec: ModelSpec) -> dict[str, dict]:
+    """torchtitan 0.2.x's float8 keys for precision float8, as TOML tables: the converter
+    (`[model] converters`) and `[quantize.linear.float8]` with the float8 all-gather and its
+    precomputed scales as `fsdp_float8_all_gather` says, the output layer filtered (module
+    docstring); none for the other precisions."""
+    if spec.precision != "float8":
+        return {}
+    gather = spec.fsdp_float8_all_gather
+    return {
+        "model": {"converters": ["quantize.linear.float8"]},
+        "quantize": {
+            "linear": {
+                "float8": {
+                    "enable_fsdp_float8_all_gather": gather,
+                    "precompute_float8_dynamic_scale_for_fsdp": gather,
+                    "filter_fqns": ["output"],
+                }
+            }
+        },
+    }
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    return f'"{value}"'
+
+
+def _toml_lines(tables: dict[str, dict], prefix: str = "") -> list[str]:
+    """Nested tables as TOML `[a.b.c]` sections of plain keys."""
+    lines: list[str] = []
+    for name, table in tables.items():
+        plain = {key: value for key, value in table.items() if not isinstance(value, dict)}
+        nested = {key: value for key, value in table.items() if isinstance(value, dict)}
+        if plain:
+            lines.append(f"[{prefix}{name}]")
+            lines += [f"{key} = {_toml_value(value)}" for key, value in plain.items()]
+        lines += _toml_lines(nested, f"{prefix}{name}.")
+    return lines
 
 
 def subcommand(layers: LayerSegments) -> str:
@@ -233,6 +289,7 @@ def render(plan: Plan, layers: LayerSegments, version: str = DEFAULT_VERSION) ->
         return "\n".join([*lines, subcommand(layers)]) + "\n"
     lines = [f"# ckplan: plan {plan.strategy} for {plan.spec.name}", "[activation_checkpoint]"]
     lines += [f'{key} = "{value}"' for key, value in section(layers).items()]
+    lines += _toml_lines(float8_tables(plan.spec))
     return "\n".join(lines) + "\n"
 
 

@@ -115,6 +115,9 @@ class CodePath:
     # eager only: Q, K, V and gate, up projected by separate linears (torchtitan's Llama)
     split_projections: bool = False
     fused_act: bool = True  # the op table counts the gated activation's fused kernel
+    # torchao float8's weights (precision float8): "cast" from bf16 on every forward, or
+    # "gathered" in float8 by FSDP2 (fsdp_float8_all_gather): `float8_weight_cast_bytes`
+    float8_weights: str | None = None
 
     def forward(self, op: Op, dtype_bytes: int) -> OpTime:
         return self._time(op, dtype_bytes, backward=False)
@@ -138,6 +141,9 @@ class CodePath:
         # a norm fused into the layer finds its output's amax as it writes it
         if backward or not (self.norm_fused and op.name in NORM_FUSED_LINEARS):
             cast += fp8_amax_pass_bytes(self.fp8_recipe, rows * cols, dtype_bytes)
+        if self.float8_weights is not None:
+            both = float8_weight_cast_bytes(mm.batch * mm.k * mm.n, self.float8_weights)
+            cast += both[1] if backward else both[0]
         return OpTime(gemm.matmul, rest.memory + memory_seconds(self.gpu, cast))
 
     def _eager(self, op: Op, dtype_bytes: int) -> Op:
@@ -277,6 +283,46 @@ def fp8_quantize_bytes(recipe: str | None, rows: int, cols: int) -> int:
     return cast
 
 
+FLOAT8_WEIGHT_CASTS = ("cast", "gathered")
+
+
+def float8_weight_cast_bytes(weights: int, how: str) -> tuple[int, int]:
+    """(forward, backward) HBM bytes of torchao float8's handling of one linear's `weights`
+    (elements on this GPU) beyond the GEMM, tensorwise dynamic scaling:
+
+    - "cast": `Float8Linear.forward` finds the bf16 weight's amax and casts it on every
+      forward, re-runs included (torchao/float8/float8_linear.py at eab345c); torchao's
+      roofline counts 6 bytes an element (torchao/float8/roofline_utils.py at eab345c,
+      `get_float8_mem_sympy`: the amax reads 2, the cast reads 2 and writes the row- and
+      column-major float8 copies, 1 each; the backward's is "already casted", 0);
+    - "gathered" (`fsdp_float8_all_gather`): the weight arrives from FSDP2's all-gather as a
+      row-major `Float8Tensor` and no forward casts it (its shard's cast is the all-gather's,
+      `float8_shard_cast_bytes`); the backward's grad_input GEMM takes it as `_scaled_mm`'s
+      second operand, which `preprocess_addmm` makes column-major, `b_data.t().contiguous()
+      .t()` (torchao/float8/float8_ops.py at eab345c): reads and writes 1 byte an element."""
+    if how == "cast":
+        return 6 * weights, 0
+    return 0, 2 * weights
+
+
+def float8_shard_cast_bytes(shard: int) -> int:
+    """HBM bytes of casting one weight's fp32 shard (`shard` elements) to float8 before each
+    FSDP2 all-gather under `fsdp_float8_all_gather`: `fsdp_pre_all_gather` with the scale
+    precomputed (`hp_tensor_and_scale_to_float8`, torchao/float8/fsdp_utils.py at eab345c;
+    FSDP2 hands the extension the sharded parameter itself, fp32 under torchtitan's
+    MixedPrecisionPolicy, torch/distributed/fsdp/_fully_shard/_fsdp_param.py, PyTorch
+    v2.13.0) reads 4 bytes an element and writes 1."""
+    return (4 + 1) * shard
+
+
+def float8_precompute_amax_bytes(shard: int) -> int:
+    """HBM bytes of `precompute_float8_dynamic_scale_for_fsdp` once a step, after the
+    optimizer: `torch._foreach_norm(weights, ord=math.inf)` over the fp32 shards reads 4 bytes
+    an element, then one all-reduce of the stacked amaxes, a few bytes a weight, not counted
+    (torchao/float8/fsdp_utils.py at eab345c)."""
+    return 4 * shard
+
+
 def fp8_amax_pass_bytes(recipe: str | None, elements: int, dtype_bytes: int) -> int:
     """Bytes a cast reads before it casts, to find the tensor's amax: current scaling's
     `Float8CurrentScalingQuantizer::quantize_impl` runs `nvte_compute_amax` over the input, then
@@ -382,6 +428,7 @@ def code_path(
     qk_share: tuple[int, int] = (2, 3),
     split_projections: bool = False,
     fused_act: bool = True,
+    float8_all_gather: bool = False,
 ) -> CodePath:
     """The code path of a run on `gpu` (`seq`: query tokens per context-parallel rank): the
     GEMMs and attention at the GPU's sustained fraction, its clock factor and the code path's
@@ -406,6 +453,9 @@ def code_path(
                 f"fp8_recipe mxfp8 needs MXFP8 tensor cores (compute capability 10.x, e.g. "
                 f"b200); GPU {gpu.name!r} has none (gpu.mxfp8)"
             )
+    float8_weights = None
+    if precision == "float8":
+        float8_weights = FLOAT8_WEIGHT_CASTS[1 if float8_all_gather else 0]
     return CodePath(
         effective,
         fp8,
@@ -418,6 +468,7 @@ def code_path(
         qk_share,
         split_projections,
         fused_act,
+        float8_weights,
     )
 
 
@@ -437,4 +488,5 @@ def spec_code_path(spec, gpu: GPU) -> CodePath:
         (spec.heads + spec.kv_heads, spec.heads + 2 * spec.kv_heads),
         spec.framework == "torchtitan",
         spec.fused_swiglu,
+        spec.fsdp_float8_all_gather,
     )

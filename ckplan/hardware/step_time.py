@@ -36,6 +36,8 @@ from ckplan.hardware.chunk_pairs import Chunk, hidden_in_pair
 from ckplan.hardware.code_path import (
     AMAX_BYTES,
     current_scaling_amax_reductions,
+    float8_precompute_amax_bytes,
+    float8_shard_cast_bytes,
     fp8_gemm,
     sequence_parallel_gather_size,
     spec_code_path,
@@ -699,6 +701,8 @@ def gradient_reduction(
     ranks: int,
     bandwidth: float,
     regathered: int = 0,
+    float8: int = 0,
+    float8_cast_seconds: float = 0.0,
 ) -> DataParallelComm:
     """One group's share of the data-parallel communication at ZeRO `zero` and pipeline size
     `pp` (a layout's; spec gives the framework and bytes): ZeRO 0 a ring all-reduce of the
@@ -710,7 +714,10 @@ def gradient_reduction(
     runs gradient accumulation (`frameworks.gradient_sync`), in the bytes it reduces them in
     (`frameworks.reduce_bytes_per_parameter`). `regathered`: the elements a ZeRO-3 backward
     gathers beyond `params` once per micro-batch, the weights of the layers it re-runs forward
-    (`regathered_elements`)."""
+    (`regathered_elements`). `float8`: the weights among `params` that torchao's float8
+    all-gather gathers in 1 byte each (`frameworks.fsdp2_gathered_bytes`), whose shards are
+    cast first, `float8_cast_seconds` before each gather (`float8_shard_cast_bytes`, on the
+    all-gather's copy-in stream, counted with it)."""
     if ranks == 1 or params == 0:
         return DataParallelComm()
     sync = frameworks.gradient_sync(spec.framework, zero, pp, spec.grad_sync)
@@ -720,17 +727,19 @@ def gradient_reduction(
     # FSDP gathers the weights in the compute dtype (MixedPrecisionPolicy.param_dtype), whatever
     # the sharded copy's (fp32 under torchtitan and Hugging Face's AMP)
     gather_bytes = min(spec.weight_bytes, spec.dtype_bytes)
-    grads, weights = params * reduce_bytes, params * gather_bytes
+    grads = params * reduce_bytes
+    weights = params * gather_bytes - (gather_bytes - frameworks.FLOAT8) * float8
     if zero == 0:
         reduce = comm.all_reduce_seconds(grads, ranks, bandwidth)
         gather = 0.0
     else:
         reduce = comm.reduce_scatter_seconds(grads, ranks, bandwidth)
-        gather = comm.all_gather_seconds(weights, ranks, bandwidth)
+        gather = comm.all_gather_seconds(weights, ranks, bandwidth) + float8_cast_seconds
     forward = gather if sync.gather_forward else 0.0
     backward = 0.0
     if sync.gather_backward:
-        backward = comm.all_gather_seconds((params + regathered) * gather_bytes, ranks, bandwidth)
+        again = weights + regathered * gather_bytes
+        backward = comm.all_gather_seconds(again, ranks, bandwidth) + float8_cast_seconds
     once_gather = 0.0 if sync.gather_forward or sync.gather_backward else gather
     if sync.each_micro_batch:
         return DataParallelComm(gather=once_gather, forward=forward, backward=backward + reduce)
@@ -772,10 +781,17 @@ def data_parallel_comm(spec: ModelSpec, gpu: GPU, regathered: int = 0) -> DataPa
     (`gradient_reduction` for each); only the trainable parameters' gradients
     (`memory.trainable_stage_parameters`). `regathered`: the dense weights ZeRO-3 gathers
     again for re-run forwards (`regathered_elements`)."""
-    dense, experts = memory.trainable_stage_parameters(spec, memory.busiest_stage(spec))
+    stage = memory.busiest_stage(spec)
+    dense, experts = memory.trainable_stage_parameters(spec, stage)
     ranks = spec.dp * spec.cp
     bandwidth = comm.group_bandwidth(gpu, ranks, spec.tp)
-    parts = gradient_reduction(spec, spec.zero, spec.pp, dense, ranks, bandwidth, regathered)
+    float8 = memory.float8_gathered_stage_weights(spec, stage)
+    cast = (
+        memory_seconds(gpu, float8_shard_cast_bytes(split_share(float8, ranks))) if float8 else 0.0
+    )
+    parts = gradient_reduction(
+        spec, spec.zero, spec.pp, dense, ranks, bandwidth, regathered, float8, cast
+    )
     if experts:
         expert_ranks, stride = spec.expert_data_parallel, spec.ep * spec.etp
         parts += gradient_reduction(
@@ -1101,7 +1117,10 @@ def optimizer_seconds(spec: ModelSpec, gpu: GPU) -> float:
     per_param = optimizers.step_bytes_per_parameter(
         spec.optimizer, spec.grad_bytes, spec.master_bytes, spec.weight_bytes, spec.optimizer_bytes
     )
-    return memory_seconds(gpu, (dense + experts) * per_param)
+    # torchao's precomputed float8 scales, after the step (`float8_precompute_amax_bytes`)
+    float8 = memory.float8_gathered_stage_weights(spec, memory.busiest_stage(spec))
+    amax = float8_precompute_amax_bytes(split_share(float8, spec.dp * spec.cp))
+    return memory_seconds(gpu, (dense + experts) * per_param + amax)
 
 
 def carries_weight_gradient(op: Op) -> bool:

@@ -92,6 +92,7 @@ DEEPSPEED_MAX_LIVE = 1_000_000_000  # parameters (stage3_max_live_parameters)
 DEEPSPEED_MAX_REUSE = 1_000_000_000  # elements (stage3_max_reuse_distance)
 DEEPSPEED_PERSISTENCE = 100_000  # elements (stage3_param_persistence_threshold)
 HALF = 2  # bytes of a bf16 value
+FLOAT8 = 1  # bytes of a float8 value (torch.float8_e4m3fn)
 OFFLOAD_DEVICES = ("none", "cpu")  # optimizer_offload, param_offload
 GRAD_SYNCS = ("micro_batch", "step")  # grad_sync (`gradient_sync`)
 # zero_grad: what the training loop's zero_grad leaves between steps (ckplan.model.memory
@@ -356,6 +357,7 @@ def buffer_bytes(
     root_params: int,
     embedding_params: int = 0,
     gathered: tuple[int, int] | None = None,
+    float8: tuple[int, int] = (0, 0),
 ) -> int:
     """Bytes a framework holds beside the model states at its peak on one GPU: its
     communication buckets and unsharded copies (module docstring). `stage_params` are the
@@ -364,18 +366,22 @@ def buffer_bytes(
     `embedding_params` the token embedding's among them. `gathered`: (one layer's, its
     largest weight's) bytes as ZeRO-3 gathers them where frozen weights beside the trainable
     ones are gathered too (ckplan.model.finetune `gathered_layer_bytes`); None: the
-    trainable parameters' in bf16."""
+    trainable parameters' in bf16. `float8`: (the stage's, one layer's) weights torchtitan's
+    FSDP2 gathers in float8 (`fsdp2_gathered_bytes`)."""
     framework, zero, dp = spec.framework, spec.zero, spec.dp
     if fsdp2_resharding(spec):  # the layers' copies are their chain stages' (fsdp2_layer_*)
         grouping = fsdp2_grouping(framework_version(spec), spec.tied_embeddings)
         kept = fsdp2_outer_units(root_params, embedding_params, grouping)[1]
-        return fsdp2_kept_unsharded_bytes(kept, layer_params, grouping.last_block_kept)
+        return fsdp2_kept_unsharded_bytes(
+            kept, layer_params, grouping.last_block_kept, layer_float8=float8[1]
+        )
     # torchtitan's FSDP mesh is dp_shard·cp (context-parallel ranks hold the same parameters)
     if framework == "torchtitan" and dp * spec.cp > 1 and zero >= 2:
-        if zero == 2 or spec.pp > 1:
-            unsharded = HALF * stage_params  # no reshard after forward
+        stage_float8, layer_float8 = float8
+        if zero == 2 or spec.pp > 1:  # no reshard after forward
+            unsharded = fsdp2_gathered_bytes(stage_params, stage_float8)
         else:  # the running layer, the prefetched one, and the root module
-            unsharded = HALF * (2 * layer_params + root_params)
+            unsharded = 2 * fsdp2_gathered_bytes(layer_params, layer_float8) + HALF * root_params
         if spec.pp > 1:  # fp32 unsharded gradients of the stage, the running layer's in bf16
             return unsharded + 4 * stage_params + HALF * layer_params
         reducing = (HALF + 4) * layer_params  # bf16 gradients, fp32 reduce-scatter input
@@ -864,25 +870,42 @@ def fsdp2_outer_units(
     return 0, root_params
 
 
-def fsdp2_kept_unsharded_bytes(kept_params: int, layer_params: int, last_block_kept: bool) -> int:
+def fsdp2_gathered_bytes(params: int, float8_params: int = 0) -> int:
+    """The bytes FSDP2 gathers and holds unsharded for `params` parameters of which
+    `float8_params` are torchao float8 linears' weights under its float8 all-gather
+    (`fsdp_float8_all_gather`): those 1 byte each, the rest in param_dtype bf16.
+    `WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather` casts the fp32 shard to float8 and
+    hands FSDP2 its data alone (the tensorwise scale, already all-reduced, rides as metadata),
+    and `fsdp_post_all_gather` wraps the gathered bytes in a `Float8Tensor`, the unsharded
+    weight (torchao/float8/fsdp_utils.py at eab345c): no bf16 copy of the weight is made. The
+    scales (a 0-dim fp32 tensor a weight) are not counted."""
+    return HALF * (params - float8_params) + FLOAT8 * float8_params
+
+
+def fsdp2_kept_unsharded_bytes(
+    kept_params: int, layer_params: int, last_block_kept: bool, layer_float8: int = 0
+) -> int:
     """The bf16 unsharded parameters FSDP2 keeps from the forward to the backward
     (`fsdp2_grouping`): the kept unit outside the blocks (`fsdp2_outer_units`), and under
     torchtitan "2024.12" the last block. Measured (validation/torch_fsdp2_memory.py, Llama 3 8B
     on 8 ranks, "Unsharded Param" at the peak): "2024.12" 2,537,578,496 bytes = 2 ·
     (1,050,677,248 + 218,112,000), the root module and the last block; "0.3" 1,050,681,344 =
-    2 · 525,340,672, the final norm and output layer."""
-    return HALF * (kept_params + (layer_params if last_block_kept else 0))
+    2 · 525,340,672, the final norm and output layer. `layer_float8`: the block's weights
+    gathered in float8 (`fsdp2_gathered_bytes`; the output layer is not converted)."""
+    block = fsdp2_gathered_bytes(layer_params, layer_float8) if last_block_kept else 0
+    return HALF * kept_params + block
 
 
-def fsdp2_layer_forward_bytes(layer_params: int, kept: bool = False) -> int:
+def fsdp2_layer_forward_bytes(layer_params: int, kept: bool = False, float8: int = 0) -> int:
     """What a block's forward holds of FSDP2's buffers beyond the kept copies: its bf16
     unsharded parameters and the flat all-gather output they were copied out of, which FSDP2
     frees only at the next all-gather's copy-in (_fsdp_param_group.py `wait_for_unshard`:
     `AllGatherState` in forward, PyTorch v2.13.0); for a block kept unsharded its output
     alone. The same for torchtitan 0.3's resharded embedding (`fsdp2_embedding_forward_bytes`).
     Measured (validation/torch_fsdp2_memory.py): "All Gather" 436,224,000 bytes =
-    2 · 218,112,000 beside the block's unsharded copy."""
-    return HALF * layer_params * (1 if kept else 2)
+    2 · 218,112,000 beside the block's unsharded copy. `float8`: its weights gathered in
+    float8, 1 byte each in both (`fsdp2_gathered_bytes`)."""
+    return fsdp2_gathered_bytes(layer_params, float8) * (1 if kept else 2)
 
 
 def fsdp2_layer_backward_bytes(
@@ -892,6 +915,7 @@ def fsdp2_layer_backward_bytes(
     last: bool = False,
     grouping: FSDP2Grouping = FSDP2Grouping(embedding_own_unit=False, last_block_kept=True),
     embedding_params: int = 0,
+    float8: int = 0,
 ) -> int:
     """What a block's backward holds of FSDP2's buffers beyond the kept copies (PyTorch
     v2.13.0, torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py) under torchtitan's
@@ -910,10 +934,15 @@ def fsdp2_layer_backward_bytes(
       gradients (`output_params`), which wait for that unit's post-backward at the end of the
       backward.
 
+    Under the float8 all-gather the unsharded and prefetched blocks hold their `float8`
+    converted weights in 1 byte each (`fsdp2_gathered_bytes`); the gradients stay bf16 (the
+    `Float8Tensor` weight's dtype is bf16).
+
     derived: the sum of the above at the block's backward compute."""
-    running = 0 if last and grouping.last_block_kept else HALF * layer_params
+    block = fsdp2_gathered_bytes(layer_params, float8)
+    running = 0 if last and grouping.last_block_kept else block
     next_unit = embedding_params if grouping.embedding_own_unit else 0
-    prefetched = HALF * (next_unit if first else layer_params)
+    prefetched = HALF * next_unit if first else block
     behind = output_params if grouping.embedding_own_unit else 0
     previous_reduce = 4 * (behind if last else layer_params)
     waiting = 0 if grouping.embedding_own_unit else HALF * output_params
@@ -986,6 +1015,7 @@ def fsdp2_all_gather_pool_bytes(
     blocks: int,
     shards: int,
     expandable_segments: bool = True,
+    layer_float8: int = 0,
 ) -> int:
     """The bytes the all-gather copy-in stream's pool reserves on one GPU: FSDP2 gathers the
     units in forward order, the unit before the blocks (`before` parameters: torchtitan
@@ -1017,24 +1047,31 @@ def fsdp2_all_gather_pool_bytes(
     bf16, a whole number of 2 MiB blocks). The first and second unit are two blocks where
     nothing precedes the blocks (a pipeline stage past the first).
 
+    Under the float8 all-gather a block's input and output are `fsdp2_gathered_bytes` of its
+    parameters, `layer_float8` of them 1 byte each (its shard cast to float8 by
+    `fsdp_pre_all_gather` on the same stream).
+
     derived; validation/fsdp2_tp_allocator_replay.py `--streams` replays torchtitan's 8B steps
     on the streams and agrees within 60 MiB (results-fsdp2-default-allocator-streams-torch-2.13.0
     .json)."""
     from ckplan.model.allocator import segment_bytes
 
-    units = ((before,) if before else ()) + (layer,) * blocks + ((after,) if after else ())
-    if not units:
+    block = fsdp2_gathered_bytes(layer, layer_float8)
+    gathered = ((before, 0),) if before else ()
+    gathered += ((layer, layer_float8),) * blocks + (((after, 0),) if after else ())
+    if not gathered:
         return 0
-    first_cast = HALF * -(-units[0] // max(shards, 1))
+    units = [fsdp2_gathered_bytes(*unit) for unit in gathered]
+    first_cast = fsdp2_gathered_bytes(*(-(-n // max(shards, 1)) for n in gathered[0]))
     if expandable_segments:
         pairs = [a + b for a, b in itertools.pairwise(units)] or [units[0]]
-        return first_cast + HALF * max(pairs)
-    pool = segment_bytes(first_cast) + segment_bytes(HALF * units[0])
+        return first_cast + max(pairs)
+    pool = segment_bytes(first_cast) + segment_bytes(units[0])
     if len(units) > 1:
-        pool += segment_bytes(HALF * units[1])
+        pool += segment_bytes(units[1])
     if after and len(units) > 2:
         first_free = before and blocks % 2 == 1
-        free = segment_bytes(HALF * (before if first_free else layer))
+        free = segment_bytes(HALF * before if first_free else block)
         if segment_bytes(HALF * after) > free:
             pool += segment_bytes(HALF * after)
     return pool

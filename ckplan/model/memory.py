@@ -489,6 +489,40 @@ def layer_module_parameters(
     return (norm, qkv, out_proj, norm, fc1, fc2)
 
 
+def float8_linear_weights(spec: ModelSpec) -> int:
+    """The weights of one dense block's linear layers on one tensor-parallel rank, without
+    their biases: what torchao's `convert_to_float8_training` swaps for `Float8Linear`
+    (torchtitan/float8.py at 9dec370 converts every `nn.Linear` but `output`; later releases'
+    `filter_fqns = ["output"]`, train_configs llama3_8b.toml and llama3_405b.toml at 6fc499f):
+    Q, K and V (the K and V heads split as `layer_module_parameters` splits them), the
+    out-projection, fc1 (with the gate) and fc2. The norms, QK-norms and biases stay in the
+    model's dtype; the embedding and output layer are not block linears.
+
+    derived: `layer_module_parameters` without the norms and biases."""
+    h, F, d, t = spec.hidden, spec.ffn_hidden, spec.head_dim, spec.tp
+    q = split_share(h * spec.heads * d, t)
+    kv = (2 * h * d) * -(-spec.kv_heads // t)
+    fc1 = split_share((1 if spec.mlp == "gelu" else 2) * h * F, t)
+    return q + kv + split_share(spec.heads * d * h, t) + fc1 + split_share(F * h, t)
+
+
+def float8_gathered_layer_weights(spec: ModelSpec) -> int:
+    """The weights of one block on one GPU that FSDP2 gathers and holds unsharded in float8,
+    1 byte each, under `fsdp_float8_all_gather` (`float8_linear_weights`; the key is refused
+    for MoE and MLA layers); 0 without the key (ckplan.model.frameworks
+    `fsdp2_gathered_bytes`)."""
+    if not spec.fsdp_float8_all_gather:
+        return 0
+    return float8_linear_weights(spec)
+
+
+def float8_gathered_stage_weights(spec: ModelSpec, stage: int) -> int:
+    """`float8_gathered_layer_weights` over the blocks of pipeline stage `stage`."""
+    if not spec.fsdp_float8_all_gather:
+        return 0
+    return len(stage_layer_indices(spec, stage)) * float8_linear_weights(spec)
+
+
 def layer_parameters(spec: ModelSpec, kind: LayerKind | None = None) -> int:
     """Weights of one layer (`layer_parameter_parts`); the NumPy MLP's w1, b1, w2, b2."""
     if spec.kind == "mlp":
@@ -880,6 +914,7 @@ def stream_pool_bytes(spec: ModelSpec, stage: int | None = None) -> int:
         len(stage_layer_indices(spec, stage)),
         spec.dp * spec.cp,
         spec.expandable_segments,
+        layer_float8=float8_gathered_layer_weights(spec),
     )
     return frameworks.fsdp2_stream_pool_bytes(gradients, pool)
 
@@ -892,8 +927,9 @@ def stage_buffer_bytes(spec: ModelSpec, stage: int) -> int:
     dense, expert = stage_parameters(spec, stage)
     layer = largest_layer_parameters(spec, stage)
     outside = outside_layer_parameters(spec, stage)
+    float8 = (float8_gathered_stage_weights(spec, stage), float8_gathered_layer_weights(spec))
     buffers = frameworks.buffer_bytes(
-        spec, dense + expert, layer, outside, embedding_parameters(spec, stage)
+        spec, dense + expert, layer, outside, embedding_parameters(spec, stage), float8=float8
     )
     if spec.precision == "fp8" and spec.zero < 3:
         # Transformer Engine caches each weight's FP8 copy, row-wise and column-wise, for the

@@ -618,6 +618,15 @@ class Execution(_Record):
     # backward chunks merged, each one's all-to-alls beside the other's compute
     # (ckplan.hardware.combined_1f1b)
     overlap_moe_expert_parallel_comm: bool = False
+    # torchao's float8 all-gather under torchtitan's FSDP2 (`enable_fsdp_float8_all_gather`, with
+    # `precompute_float8_dynamic_scale_for_fsdp`; tensorwise scaling): each converted linear's
+    # weight is cast to float8 on its shard before the all-gather (torchao/float8/fsdp_utils.py
+    # at eab345c, `WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`), so the all-gather
+    # and the unsharded weight are 1 byte a parameter (ckplan.model.frameworks
+    # `fsdp2_gathered_bytes`) and no forward casts the weight again
+    # (ckplan.hardware.code_path `float8_weight_cast_bytes`). Precision float8, torchtitan,
+    # zero 2 or 3 with dp > 1 (ckplan.model.spec `_validate_fsdp_float8_all_gather`).
+    fsdp_float8_all_gather: bool = False
 
     __hash__ = _Record.__hash__
 

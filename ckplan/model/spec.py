@@ -84,7 +84,7 @@ KEY_ORDER = (
     "overlap_param_gather", "expandable_segments", "mlp_tiles",
     "training", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "use_dora",
     "weight_format", "bitsandbytes_version", "optimizer", "optimizer_in_backward", "zero_grad",
-    "optimizer_offload", "param_offload",
+    "optimizer_offload", "param_offload", "fsdp_float8_all_gather",
 )  # fmt: skip
 PART_OF: dict[str, str] = {
     field.name: part for part, record in PARTS.items() for field in dataclasses.fields(record)
@@ -571,6 +571,32 @@ def _validate(spec: ModelSpec) -> None:
         _validate_microbatch_group(spec)
     if spec.pipeline_schedule == "dualpipe":
         _validate_dualpipe(spec)
+    if spec.fsdp_float8_all_gather:
+        _validate_fsdp_float8_all_gather(spec)
+
+
+def _validate_fsdp_float8_all_gather(spec: ModelSpec) -> None:
+    """torchao's float8 all-gather is an FSDP2 extension of its float8 linears' weights
+    (torchao/float8/fsdp_utils.py at eab345c, `WeightWithDynamicFloat8CastTensor`; torchtitan
+    enables it only where FSDP shards, torchtitan/float8.py at 9dec370: `dp_shard_enabled and
+    enable_fsdp_float8_all_gather`; the same at v0.2.2, components/quantization/float8.py):
+    precision float8, torchtitan's FSDP (zero 2 or 3) with dp > 1, full training. ckplan
+    counts the converted weights of dense blocks (`memory.float8_gathered_layer_weights`): not
+    MoE or MLA layers."""
+    what = "key 'fsdp_float8_all_gather' (torchao's float8 all-gather under FSDP2)"
+    if spec.precision != "float8":
+        raise SpecError(f"{what} needs precision float8, got {quote(spec.precision)}")
+    if spec.framework != "torchtitan":
+        raise SpecError(f"{what} needs framework torchtitan, got {quote(spec.framework)}")
+    if spec.zero < 2 or spec.dp == 1:
+        raise SpecError(
+            f"{what} needs FSDP's data-parallel sharding: zero 2 or 3 with dp > 1 (torchtitan "
+            f"keeps it only where dp_shard > 1), got zero {spec.zero}, dp {spec.dp}"
+        )
+    if spec.training != "full":
+        raise SpecError(f"{what} needs training: full, got {quote(spec.training)}")
+    if spec.experts or spec.mla:
+        raise SpecError(f"{what} is modelled for dense layers without MLA (experts: 0)")
 
 
 # Attention kernels without an fp32 path: FlashAttention-2 refuses any other dtype

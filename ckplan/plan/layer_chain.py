@@ -129,13 +129,15 @@ def _with_fsdp2_buffers(spec: ModelSpec, chain: Chain, stage: int) -> Chain:
     (`frameworks.fsdp2_grouping`, `frameworks.fsdp2_layer_forward_bytes`,
     `frameworks.fsdp2_layer_backward_bytes`), and with torchtitan 0.3's resharded embedding in
     the embedding stage's (`frameworks.fsdp2_embedding_backward_bytes`): they live only while a
-    unit runs, so the loss's peak does not hold them. Remembered by chain (identity: the
-    replays are cached by it), the sizes and the grouping."""
+    unit runs, so the loss's peak does not hold them; under the float8 all-gather the blocks'
+    converted weights 1 byte each (`memory.float8_gathered_layer_weights`). Remembered by
+    chain (identity: the replays are cached by it), the sizes and the grouping."""
     layer = memory.largest_layer_parameters(spec, stage)
     output = memory.output_layer_parameters(spec)
     embedding = memory.embedding_parameters(spec, stage)
     grouping = frameworks.fsdp2_grouping(frameworks.framework_version(spec), spec.tied_embeddings)
-    key = (id(chain), layer, output, embedding, grouping)
+    float8 = memory.float8_gathered_layer_weights(spec)
+    key = (id(chain), layer, output, embedding, grouping, float8)
     entry = _FSDP2_CHAINS.get(key)
     if entry is not None and entry[0] is chain:
         return entry[1]
@@ -145,7 +147,7 @@ def _with_fsdp2_buffers(spec: ModelSpec, chain: Chain, stage: int) -> Chain:
     backward = list(chain.backward_workspace_bytes)
     for i in range(first, last + 1):
         kept = grouping.last_block_kept and i == last
-        forward[i] += frameworks.fsdp2_layer_forward_bytes(layer, kept=kept)
+        forward[i] += frameworks.fsdp2_layer_forward_bytes(layer, kept=kept, float8=float8)
         backward[i] += frameworks.fsdp2_layer_backward_bytes(
             layer,
             output,
@@ -153,6 +155,7 @@ def _with_fsdp2_buffers(spec: ModelSpec, chain: Chain, stage: int) -> Chain:
             last=i == last,
             grouping=grouping,
             embedding_params=embedding,
+            float8=float8,
         )
     if first and grouping.embedding_own_unit:  # the embedding stage, a unit of its own
         forward[0] += frameworks.fsdp2_layer_forward_bytes(embedding)

@@ -243,8 +243,8 @@ ARCHITECTURE_FEATURES = {
 }
 # Keys of the other parts that only MoE models, uneven, interleaved or DualPipe pipelines, model
 # states on the host, hf's gradient sync, a torchtitan release, Megatron's fused MoE kernels,
-# Transformer Engine's FP8 or an older bitsandbytes use: shown when not default (the two
-# once-a-step data-parallel overlaps when they differ from dp_comm_overlap).
+# Transformer Engine's FP8, torchao's float8 all-gather or an older bitsandbytes use: shown when
+# not default (the two once-a-step data-parallel overlaps when they differ from dp_comm_overlap).
 QUIET_KEYS = frozenset(
     {
         "moe_imbalance",
@@ -272,6 +272,7 @@ QUIET_KEYS = frozenset(
         "grad_sync",
         "framework_version",
         "bitsandbytes_version",
+        "fsdp_float8_all_gather",
     }
 )
 PART_TITLES = {

@@ -463,9 +463,14 @@ class Bounds:
         return seconds
 
     def _reduction(self, layout: Layout, params: int, ranks: int, stride: int) -> float:
-        """`step_time.gradient_reduction` under the layout's ZeRO stage, all of it."""
+        """`step_time.gradient_reduction` under the layout's ZeRO stage, all of it; under
+        torchao's float8 all-gather every weight taken as gathered in 1 byte and its shard's
+        cast left out, a bound from below."""
         bandwidth = comm.group_bandwidth(self.gpu, ranks, stride)
-        parts = gradient_reduction(self.spec, layout.zero, layout.pp, params, ranks, bandwidth)
+        float8 = params if self.spec.fsdp_float8_all_gather else 0
+        parts = gradient_reduction(
+            self.spec, layout.zero, layout.pp, params, ranks, bandwidth, float8=float8
+        )
         return parts.total(layout.microbatches)
 
     def _optimizer(self, layout: Layout) -> float:
