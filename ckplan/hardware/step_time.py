@@ -699,6 +699,7 @@ def gradient_reduction(
     ranks: int,
     bandwidth: float,
     regathered: int = 0,
+    fp8_params: int = 0,
 ) -> DataParallelComm:
     """One group's share of the data-parallel communication at ZeRO `zero` and pipeline size
     `pp` (a layout's; spec gives the framework and bytes): ZeRO 0 a ring all-reduce of the
@@ -710,7 +711,10 @@ def gradient_reduction(
     runs gradient accumulation (`frameworks.gradient_sync`), in the bytes it reduces them in
     (`frameworks.reduce_bytes_per_parameter`). `regathered`: the elements a ZeRO-3 backward
     gathers beyond `params` once per micro-batch, the weights of the layers it re-runs forward
-    (`regathered_elements`)."""
+    (`regathered_elements`). `fp8_params`: of `params`, the FP8 primary weights, which the
+    distributed optimizer's once-per-step gather moves in one byte each (Megatron-LM
+    --fp8-param-gather: "perform the param all-gather in fp8"; its parameter buffer is uint8,
+    `frameworks.fp8_primary_weight_bytes`)."""
     if ranks == 1 or params == 0:
         return DataParallelComm()
     sync = frameworks.gradient_sync(spec.framework, zero, pp, spec.grad_sync)
@@ -720,7 +724,9 @@ def gradient_reduction(
     # FSDP gathers the weights in the compute dtype (MixedPrecisionPolicy.param_dtype), whatever
     # the sharded copy's (fp32 under torchtitan and Hugging Face's AMP)
     gather_bytes = min(spec.weight_bytes, spec.dtype_bytes)
-    grads, weights = params * reduce_bytes, params * gather_bytes
+    fp8_bytes = frameworks.fp8_primary_weight_bytes(True, spec.weight_bytes)
+    grads = params * reduce_bytes
+    weights = (params - fp8_params) * gather_bytes + fp8_params * fp8_bytes
     if zero == 0:
         reduce = comm.all_reduce_seconds(grads, ranks, bandwidth)
         gather = 0.0
@@ -772,10 +778,14 @@ def data_parallel_comm(spec: ModelSpec, gpu: GPU, regathered: int = 0) -> DataPa
     (`gradient_reduction` for each); only the trainable parameters' gradients
     (`memory.trainable_stage_parameters`). `regathered`: the dense weights ZeRO-3 gathers
     again for re-run forwards (`regathered_elements`)."""
-    dense, experts = memory.trainable_stage_parameters(spec, memory.busiest_stage(spec))
+    stage = memory.busiest_stage(spec)
+    dense, experts = memory.trainable_stage_parameters(spec, stage)
+    fp8_dense, fp8_experts = memory.fp8_primary_weights(spec, stage)
     ranks = spec.dp * spec.cp
     bandwidth = comm.group_bandwidth(gpu, ranks, spec.tp)
-    parts = gradient_reduction(spec, spec.zero, spec.pp, dense, ranks, bandwidth, regathered)
+    parts = gradient_reduction(
+        spec, spec.zero, spec.pp, dense, ranks, bandwidth, regathered, fp8_dense
+    )
     if experts:
         expert_ranks, stride = spec.expert_data_parallel, spec.ep * spec.etp
         parts += gradient_reduction(
@@ -785,6 +795,7 @@ def data_parallel_comm(spec: ModelSpec, gpu: GPU, regathered: int = 0) -> DataPa
             experts,
             expert_ranks,
             comm.group_bandwidth(gpu, expert_ranks, stride),
+            fp8_params=fp8_experts,
         )
     return parts
 
@@ -1090,18 +1101,66 @@ def optimizer_seconds(spec: ModelSpec, gpu: GPU) -> float:
     its dense parameters' share over dp·cp and its routed experts' share over their
     expert-data-parallel group (as `memory.model_state_bytes` shards them); only the trainable
     ones when the base weights are frozen (`memory.trainable_stage_parameters`). With
-    optimizer_offload the host's CPU steps instead (`host_states.cpu_adam_seconds`)."""
+    optimizer_offload the host's CPU steps instead (`host_states.cpu_adam_seconds`). With FP8
+    primary weights (`fp8_param_gather`) the shard's FP8 weights are cast from their master
+    weights instead of written in BF16 (`frameworks.fp8_master_cast_bytes`), and their amaxes
+    all-reduced (`fp8_amax_reduction_seconds`)."""
     if spec.optimizer_offload != "none":
         traffic = host_states.state_traffic(spec)
         return host_states.cpu_adam_seconds(traffic, gpu, host_states.gpus_stepping(spec, gpu))
-    dense, experts = memory.trainable_stage_parameters(spec, memory.busiest_stage(spec))
+    stage = memory.busiest_stage(spec)
+    dense, experts = memory.trainable_stage_parameters(spec, stage)
+    fp8_dense, fp8_experts = memory.fp8_primary_weights(spec, stage)
     if spec.zero >= 1:
-        dense = split_share(dense, spec.dp * spec.cp)
-        experts = split_share(experts, spec.expert_data_parallel) if experts else 0
+        dense, fp8_dense = (split_share(n, spec.dp * spec.cp) for n in (dense, fp8_dense))
+        expert_dp = spec.expert_data_parallel
+        experts, fp8_experts = (
+            split_share(n, expert_dp) if n else 0 for n in (experts, fp8_experts)
+        )
     per_param = optimizers.step_bytes_per_parameter(
         spec.optimizer, spec.grad_bytes, spec.master_bytes, spec.weight_bytes, spec.optimizer_bytes
     )
-    return memory_seconds(gpu, (dense + experts) * per_param)
+    step = (dense + experts) * per_param
+    cast = fp8_master_cast_extra_bytes(spec, fp8_dense + fp8_experts)
+    return memory_seconds(gpu, step + cast) + fp8_amax_reduction_seconds(spec, gpu)
+
+
+def fp8_master_cast_extra_bytes(spec: ModelSpec, fp8_shard: int) -> int:
+    """What casting `fp8_shard` master weights to FP8 moves beyond the BF16 write the step
+    counts for them (`frameworks.fp8_master_cast_bytes` less `weight_bytes`); 0 without FP8
+    primary weights."""
+    if not spec.fp8_param_gather:
+        return 0
+    return fp8_shard * (frameworks.fp8_master_cast_bytes(spec.fp8_recipe) - spec.weight_bytes)
+
+
+def fp8_amax_reduction_seconds(spec: ModelSpec, gpu: GPU) -> float:
+    """The all-reduces (max) of the FP8 primary weights' amaxes after the master weights' cast,
+    one fp32 per FP8 weight tensor of the GPU packed into one all-reduce over each
+    distributed optimizer's data-parallel group (Transformer Engine v2.9 tensor/utils.py,
+    `packed_amaxes`, `torch.distributed.all_reduce(..., group=group)`, under delayed and
+    current scaling; Megatron-Core core_v0.14.0 builds one distributed optimizer over the
+    dense parameters' dp·cp ranks and one over the experts' expert-data-parallel group):
+    bytes and ring latency (`comm.all_reduce_latency`), exposed, before the weights' gather.
+    0 without `fp8_param_gather`."""
+    if not spec.fp8_param_gather:
+        return 0.0
+    dense, experts = memory.fp8_linear_tensors(spec, memory.busiest_stage(spec))
+    groups = (
+        (dense, spec.dp * spec.cp, spec.tp),
+        (experts, spec.expert_data_parallel, spec.ep * spec.etp),
+    )
+    return sum(amax_all_reduce_seconds(gpu, *group) for group in groups)
+
+
+def amax_all_reduce_seconds(gpu: GPU, tensors: int, ranks: int, stride: int) -> float:
+    """One packed all-reduce of `tensors` fp32 amaxes over `ranks` GPUs `stride` apart: its
+    bytes and ring latency; 0 for no tensors or one rank."""
+    if not tensors or ranks <= 1:
+        return 0.0
+    size = tensors * frameworks.FP8_AMAX_BYTES
+    bandwidth = comm.group_bandwidth(gpu, ranks, stride)
+    return comm.all_reduce_seconds(size, ranks, bandwidth) + comm.all_reduce_latency(gpu, ranks)
 
 
 def carries_weight_gradient(op: Op) -> bool:
