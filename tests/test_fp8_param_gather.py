@@ -163,3 +163,15 @@ def test_search_bounds_with_fp8_primary_weights():
             step_time(none, H100).step_seconds, rel=1e-9
         )
         assert bounds.memory(layout).bytes <= none.total_bytes
+
+
+def test_advice_keeps_the_distributed_optimizer():
+    """With FP8 primary weights the advice raises dp (and tp, pp, cp) at zero 1 only: Megatron
+    runs the key with the distributed optimizer."""
+    from ckplan.plan.advice import advise
+
+    spec = load_spec("llama3-70b", {"precision": "fp8", "tp": 8, "sp": True, "dp": 2, "zero": 1})
+    spec = spec.replace(fp8_param_gather=True, microbatches=8)
+    found = advise(spec, 64 * 2**30)
+    assert {"dp": 8} in [advice.keys for advice in found]  # at zero 1, the spec's
+    assert all(advice.keys.get("zero", 1) == 1 for advice in found)
