@@ -76,6 +76,13 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     check(args.world_size % model_size == 0, "world size is not divisible by tp·pp·cp")
     args.data_parallel_size = args.world_size // model_size
     check(args.micro_batch_size is not None and args.micro_batch_size > 0, "micro batch size")
+    # validate_args, core_v0.19.0 (the same at core_v0.14.0): FP8 primary weights need a
+    # sharded optimizer (training mode)
+    check(
+        not args.fp8_param_gather or args.use_distributed_optimizer or args.use_megatron_fsdp,
+        "--fp8-param-gather only supported with distributed optimizer, torch fsdp2, megatron "
+        "fsdp, or inference mode",
+    )
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     check(args.global_batch_size > 0, "global batch size")

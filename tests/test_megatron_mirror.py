@@ -257,3 +257,19 @@ def test_the_fp8_recipe_is_a_flag_the_mirror_parses():
     text = _exported("llama3-8b", "layernorm+selective", precision="fp8", fp8_recipe="current")
     args = validate(parse(text, 1))
     assert "layernorm" in args.recompute_modules and args.fp8_recipe == "tensorwise"
+
+
+def test_fp8_primary_weights_are_a_flag_the_mirror_parses():
+    """`fp8_param_gather` exports as `--fp8-param-gather` beside `--use-distributed-optimizer`
+    (zero 1), which validate_args requires of it; without the key no flag."""
+    from megatron_args import MegatronArgError, parse, validate
+
+    keys = dict(precision="fp8", fp8_recipe="current", dp=8, zero=1)
+    text = _exported("llama3-8b", "full", fp8_param_gather=True, **keys)
+    args = validate(parse(text, 8))
+    assert args.fp8_param_gather and args.use_distributed_optimizer
+    assert args.fp8_recipe == "tensorwise"
+    assert not validate(parse(_exported("llama3-8b", "full", **keys), 8)).fp8_param_gather
+    alone = text.replace("--use-distributed-optimizer\n", "")
+    with pytest.raises(MegatronArgError, match="fp8-param-gather"):
+        validate(parse(alone, 8))

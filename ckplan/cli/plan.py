@@ -113,10 +113,13 @@ def plan(
             raise UserError(FLOAT8_ALL_GATHER_IN_PLAN)
         constraints = constraints_from(overrides)
         # the search sets the layout keys; the model is read without them (with model states
-        # on the host, at a ZeRO stage that offloads them: every layout sets its own)
+        # on the host, at a ZeRO stage that offloads them; with FP8 primary weights at zero 1:
+        # every layout sets its own)
         base = {k: v for k, v in overrides.items() if k not in constraints}
         if any(base.get(key, "none") != "none" for key in ("optimizer_offload", "param_offload")):
             base["zero"] = 3
+        elif base.get("fp8_param_gather") is True:  # the distributed optimizer's, every layout's
+            base["zero"] = 1
         spec = load_spec(model, base)
         if spec.pipeline_schedule == "dualpipe":
             raise UserError(

@@ -41,7 +41,8 @@ from the TransformerConfig fields, megatron/training/argument_utils.py, under th
   (`--multi-latent-attention` and its ranks and head dims); uneven stages
   (`--decoder-first/last-pipeline-num-layers`, with `--num-virtual-stages-per-pipeline-rank`
   when interleaved, which validate_args requires), the
-  embedding or loss counted as a layer; `--bf16`/`--fp16`, `--fp8-format hybrid`; the
+  embedding or loss counted as a layer; `--bf16`/`--fp16`, `--fp8-format hybrid`,
+  `--fp8-recipe`, `--fp8-param-gather` (FP8 primary weights, with the distributed optimizer); the
   attention backend; `--overlap-grad-reduce`/`--overlap-param-gather`, `--tp-comm-overlap`.
   The vocabulary comes from the tokenizer, so it is a note, not a flag.
 - Activation offload is refused (`offload_reason`): `--cpu-offloading-num-layers` and
@@ -477,6 +478,8 @@ def _precision_flags(spec: ModelSpec) -> list[list[str]]:
         flags = [["--bf16"], ["--fp8-format", "hybrid"]]
         if spec.fp8_recipe != "delayed":  # Megatron-LM's default (arguments.py core_v0.19.0)
             flags.append(["--fp8-recipe", MEGATRON_FP8_RECIPES[spec.fp8_recipe]])
+        if spec.fp8_param_gather:  # beside --use-distributed-optimizer (zero 1)
+            flags.append(["--fp8-param-gather"])
         return flags
     return [["--bf16"]]
 

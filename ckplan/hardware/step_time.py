@@ -703,6 +703,7 @@ def gradient_reduction(
     regathered: int = 0,
     float8: int = 0,
     float8_cast_seconds: float = 0.0,
+    fp8_params: int = 0,
 ) -> DataParallelComm:
     """One group's share of the data-parallel communication at ZeRO `zero` and pipeline size
     `pp` (a layout's; spec gives the framework and bytes): ZeRO 0 a ring all-reduce of the
@@ -717,7 +718,10 @@ def gradient_reduction(
     (`regathered_elements`). `float8`: the weights among `params` that torchao's float8
     all-gather gathers in 1 byte each (`frameworks.fsdp2_gathered_bytes`), whose shards are
     cast first, `float8_cast_seconds` before each gather (`float8_shard_cast_bytes`, on the
-    all-gather's copy-in stream, counted with it)."""
+    all-gather's copy-in stream, counted with it). `fp8_params`: of `params`, the FP8 primary
+    weights, which the distributed optimizer's once-per-step gather moves in one byte each
+    (Megatron-LM --fp8-param-gather: "perform the param all-gather in fp8"; its parameter
+    buffer is uint8, `frameworks.fp8_primary_weight_bytes`)."""
     if ranks == 1 or params == 0:
         return DataParallelComm()
     sync = frameworks.gradient_sync(spec.framework, zero, pp, spec.grad_sync)
@@ -727,8 +731,10 @@ def gradient_reduction(
     # FSDP gathers the weights in the compute dtype (MixedPrecisionPolicy.param_dtype), whatever
     # the sharded copy's (fp32 under torchtitan and Hugging Face's AMP)
     gather_bytes = min(spec.weight_bytes, spec.dtype_bytes)
+    fp8_bytes = frameworks.fp8_primary_weight_bytes(True, spec.weight_bytes)
     grads = params * reduce_bytes
-    weights = params * gather_bytes - (gather_bytes - frameworks.FLOAT8) * float8
+    weights = (params - fp8_params) * gather_bytes + fp8_params * fp8_bytes
+    weights -= (gather_bytes - frameworks.FLOAT8) * float8
     if zero == 0:
         reduce = comm.all_reduce_seconds(grads, ranks, bandwidth)
         gather = 0.0
@@ -783,6 +789,7 @@ def data_parallel_comm(spec: ModelSpec, gpu: GPU, regathered: int = 0) -> DataPa
     again for re-run forwards (`regathered_elements`)."""
     stage = memory.busiest_stage(spec)
     dense, experts = memory.trainable_stage_parameters(spec, stage)
+    fp8_dense, fp8_experts = memory.fp8_primary_weights(spec, stage)
     ranks = spec.dp * spec.cp
     bandwidth = comm.group_bandwidth(gpu, ranks, spec.tp)
     float8 = memory.float8_gathered_stage_weights(spec, stage)
@@ -790,7 +797,7 @@ def data_parallel_comm(spec: ModelSpec, gpu: GPU, regathered: int = 0) -> DataPa
         memory_seconds(gpu, float8_shard_cast_bytes(split_share(float8, ranks))) if float8 else 0.0
     )
     parts = gradient_reduction(
-        spec, spec.zero, spec.pp, dense, ranks, bandwidth, regathered, float8, cast
+        spec, spec.zero, spec.pp, dense, ranks, bandwidth, regathered, float8, cast, fp8_dense
     )
     if experts:
         expert_ranks, stride = spec.expert_data_parallel, spec.ep * spec.etp
@@ -801,6 +808,7 @@ def data_parallel_comm(spec: ModelSpec, gpu: GPU, regathered: int = 0) -> DataPa
             experts,
             expert_ranks,
             comm.group_bandwidth(gpu, expert_ranks, stride),
+            fp8_params=fp8_experts,
         )
     return parts
 
@@ -1106,21 +1114,69 @@ def optimizer_seconds(spec: ModelSpec, gpu: GPU) -> float:
     its dense parameters' share over dp·cp and its routed experts' share over their
     expert-data-parallel group (as `memory.model_state_bytes` shards them); only the trainable
     ones when the base weights are frozen (`memory.trainable_stage_parameters`). With
-    optimizer_offload the host's CPU steps instead (`host_states.cpu_adam_seconds`)."""
+    optimizer_offload the host's CPU steps instead (`host_states.cpu_adam_seconds`). With FP8
+    primary weights (`fp8_param_gather`) the shard's FP8 weights are cast from their master
+    weights instead of written in BF16 (`frameworks.fp8_master_cast_bytes`), and their amaxes
+    all-reduced (`fp8_amax_reduction_seconds`)."""
     if spec.optimizer_offload != "none":
         traffic = host_states.state_traffic(spec)
         return host_states.cpu_adam_seconds(traffic, gpu, host_states.gpus_stepping(spec, gpu))
-    dense, experts = memory.trainable_stage_parameters(spec, memory.busiest_stage(spec))
+    stage = memory.busiest_stage(spec)
+    dense, experts = memory.trainable_stage_parameters(spec, stage)
+    fp8_dense, fp8_experts = memory.fp8_primary_weights(spec, stage)
     if spec.zero >= 1:
-        dense = split_share(dense, spec.dp * spec.cp)
-        experts = split_share(experts, spec.expert_data_parallel) if experts else 0
+        dense, fp8_dense = (split_share(n, spec.dp * spec.cp) for n in (dense, fp8_dense))
+        expert_dp = spec.expert_data_parallel
+        experts, fp8_experts = (
+            split_share(n, expert_dp) if n else 0 for n in (experts, fp8_experts)
+        )
     per_param = optimizers.step_bytes_per_parameter(
         spec.optimizer, spec.grad_bytes, spec.master_bytes, spec.weight_bytes, spec.optimizer_bytes
     )
+    step = (dense + experts) * per_param
+    cast = fp8_master_cast_extra_bytes(spec, fp8_dense + fp8_experts)
     # torchao's precomputed float8 scales, after the step (`float8_precompute_amax_bytes`)
-    float8 = memory.float8_gathered_stage_weights(spec, memory.busiest_stage(spec))
+    float8 = memory.float8_gathered_stage_weights(spec, stage)
     amax = float8_precompute_amax_bytes(split_share(float8, spec.dp * spec.cp))
-    return memory_seconds(gpu, (dense + experts) * per_param + amax)
+    return memory_seconds(gpu, step + cast + amax) + fp8_amax_reduction_seconds(spec, gpu)
+
+
+def fp8_master_cast_extra_bytes(spec: ModelSpec, fp8_shard: int) -> int:
+    """What casting `fp8_shard` master weights to FP8 moves beyond the BF16 write the step
+    counts for them (`frameworks.fp8_master_cast_bytes` less `weight_bytes`); 0 without FP8
+    primary weights."""
+    if not spec.fp8_param_gather:
+        return 0
+    return fp8_shard * (frameworks.fp8_master_cast_bytes(spec.fp8_recipe) - spec.weight_bytes)
+
+
+def fp8_amax_reduction_seconds(spec: ModelSpec, gpu: GPU) -> float:
+    """The all-reduces (max) of the FP8 primary weights' amaxes after the master weights' cast,
+    one fp32 per FP8 weight tensor of the GPU packed into one all-reduce over each
+    distributed optimizer's data-parallel group (Transformer Engine v2.9 tensor/utils.py,
+    `packed_amaxes`, `torch.distributed.all_reduce(..., group=group)`, under delayed and
+    current scaling; Megatron-Core core_v0.14.0 builds one distributed optimizer over the
+    dense parameters' dp·cp ranks and one over the experts' expert-data-parallel group):
+    bytes and ring latency (`comm.all_reduce_latency`), exposed, before the weights' gather.
+    0 without `fp8_param_gather`."""
+    if not spec.fp8_param_gather:
+        return 0.0
+    dense, experts = memory.fp8_linear_tensors(spec, memory.busiest_stage(spec))
+    groups = (
+        (dense, spec.dp * spec.cp, spec.tp),
+        (experts, spec.expert_data_parallel, spec.ep * spec.etp),
+    )
+    return sum(amax_all_reduce_seconds(gpu, *group) for group in groups)
+
+
+def amax_all_reduce_seconds(gpu: GPU, tensors: int, ranks: int, stride: int) -> float:
+    """One packed all-reduce of `tensors` fp32 amaxes over `ranks` GPUs `stride` apart: its
+    bytes and ring latency; 0 for no tensors or one rank."""
+    if not tensors or ranks <= 1:
+        return 0.0
+    size = tensors * frameworks.FP8_AMAX_BYTES
+    bandwidth = comm.group_bandwidth(gpu, ranks, stride)
+    return comm.all_reduce_seconds(size, ranks, bandwidth) + comm.all_reduce_latency(gpu, ranks)
 
 
 def carries_weight_gradient(op: Op) -> bool:

@@ -350,6 +350,58 @@ def largest_weight(spec, tp: int | None = None) -> int:
     return spec.hidden * max(widths) // (spec.tp if tp is None else tp)
 
 
+def te_fp8_weight_copy_bytes(fp8_param_gather: bool) -> int:
+    """Bytes per weight of an FP8 linear layer that Transformer Engine keeps beside the
+    parameter all step under `precision` fp8 (on a GPU without FP8 GEMMs in non-TN layouts,
+    Hopper: `is_non_tn_fp8_gemm_supported` false).
+
+    - BF16 weights: the module's cached FP8 workspace (module/base.py `get_weight_workspace`,
+      `_fp8_workspaces["weight"]`, NVIDIA/TransformerEngine v2.9), row-wise data and its
+      transpose for the backward's GEMMs, one byte each: 2, refreshed on the first micro-batch
+      of each step (`is_first_microbatch`) and kept between steps.
+    - FP8 primary weights (`fp8_param_gather`; Transformer Engine's fp8_model_init): the
+      parameter is the row-wise FP8 data, so `get_weight_workspace` returns it as it is and
+      caches nothing ("Handle case where weights are already quantized"); `update_usage`
+      (tensor/storage/float8_tensor_storage.py, v2.9) creates its transpose, `_transpose`,
+      for the backward, one byte: 1. `_reset_caches` after each master-weight cast marks it
+      stale and the next forward rewrites it (tensor/utils.py `cast_master_weights_to_fp8`).
+    The per-tensor fp32 scale_inv and amax (a few bytes a tensor) are not counted."""
+    return 1 if fp8_param_gather else 2
+
+
+def fp8_primary_weight_bytes(fp8_param_gather: bool, weight_bytes: int) -> int:
+    """Bytes per weight of an FP8 linear layer as the model keeps it: `weight_bytes` (BF16),
+    or with FP8 primary weights (Megatron-LM --fp8-param-gather) one byte: a Float8Tensor's
+    `_data` is uint8, and Megatron-Core allocates the distributed optimizer's parameter
+    buffer of these weights in torch.uint8 and points the tensor's data into it
+    (megatron/core/distributed/distributed_data_parallel.py, "it is necessary to use
+    torch.uint8, not the 'fake' dtype"; param_and_grad_buffer.py `modify_underlying_storage`,
+    core_v0.14.0), so that buffer is the weights themselves. The layers' biases and norms, the
+    embedding, the output layer and the router stay in `weight_bytes` (Transformer Engine
+    quantizes the linear weights only; distrib_optimizer.py: "weights(in fp8 dtype) and
+    biases(in bf16/fp16)")."""
+    return 1 if fp8_param_gather else weight_bytes
+
+
+def fp8_master_cast_bytes(fp8_recipe: str | None) -> int:
+    """Bytes the optimizer step moves per FP8 primary weight of its shard to cast the fp32
+    master weight into it (Megatron-Core core_v0.14.0 distrib_optimizer.py
+    `_copy_main_params_to_model_params` -> fp8_utils.py `quantize_param_shard` ->
+    Transformer Engine v2.9 transformer_engine/pytorch/tensor/utils.py
+    `cast_master_weights_to_fp8`): the master weight is first cast to the BF16 dtype "to keep
+    numerical consistency" (`master_weight.to(model_weight.dtype)`: read 4, write 2), then
+    quantized into the FP8 shard (`update_quantized`: read 2, write 1), the amax found in the
+    same kernel under delayed scaling (`_cast_master_weights_to_fp8_delayed_scaling`): 9;
+    current scaling reads the BF16 copy once more for its amax first (`tex.compute_amax`,
+    `_cast_master_weights_to_fp8_current_scaling`): 11. In place of the BF16 weight's write
+    (`weight_bytes`) that `optimizers.step_bytes_per_parameter` counts."""
+    amax_read = 2 if fp8_recipe == "current" else 0
+    return 4 + 2 + amax_read + 2 + 1
+
+
+FP8_AMAX_BYTES = 4  # one fp32 amax per FP8 weight tensor, packed into one all-reduce
+
+
 def buffer_bytes(
     spec,
     stage_params: int,

@@ -728,6 +728,7 @@ def model_state_bytes(spec: ModelSpec, stage: int | None = None) -> ModelStateBy
         buffers=stage_buffer_bytes(spec, stage),
         optimizer_extra=optimizer_tensor_bytes(spec, stage),
         held_gradients=in_backward_gradient_parameters(spec, stage),
+        fp8_weights=fp8_primary_weights(spec, stage),
     )
 
 
@@ -799,6 +800,7 @@ def finetune_state_bytes(
         dp=dp,
         optimizer_extra=optimizer_tensor_bytes(spec, stage),
         held_gradients=in_backward_gradient_parameters(spec, stage),
+        fp8_weights=fp8_primary_weights(spec, stage),
     )
     return ModelStateBytes(
         base + adapters.weights, adapters.gradients, adapters.optimizer, buffers=buffers
@@ -932,10 +934,126 @@ def stage_buffer_bytes(spec: ModelSpec, stage: int) -> int:
         spec, dense + expert, layer, outside, embedding_parameters(spec, stage), float8=float8
     )
     if spec.precision == "fp8" and spec.zero < 3:
-        # Transformer Engine caches each weight's FP8 copy, row-wise and column-wise, for the
-        # iteration (module `_fp8_workspaces`): 2 bytes per parameter
-        buffers += 2 * (dense + expert)
+        # Transformer Engine's FP8 copies of the FP8 linear layers' weights: the module's
+        # cached workspace, or with FP8 primary weights the parameter's own transpose
+        copy = frameworks.te_fp8_weight_copy_bytes(spec.fp8_param_gather)
+        buffers += copy * sum(fp8_linear_parameters(spec, stage))
     return buffers
+
+
+def _bias_parameters_per_rank(spec: ModelSpec, kind: LayerKind) -> tuple[int, int]:
+    """(dense, routed-expert) bias elements of one layer on one rank, as
+    `layer_parameter_parts` lays them out: column-parallel biases split over t, row-parallel
+    ones whole; the experts' fc1 biases over ep·etp, their fc2 biases over ep."""
+    h, t = spec.hidden, spec.tp
+    gated = spec.mlp != "gelu"
+    dense = expert = 0
+    if not spec.mla:
+        d = spec.head_dim
+        if spec.qkv_bias:
+            kv_heads_here = -(-spec.kv_heads // t)
+            dense += split_share(spec.heads * d, t) + 2 * d * kv_heads_here
+        dense += h if spec.bias else 0  # the out-projection's, whole
+    if not spec.bias:
+        return dense, expert
+    if kind.moe:
+        if spec.shared_ffn_hidden:
+            shared_fc1 = (2 if gated else 1) * spec.shared_ffn_hidden
+            dense += split_share(shared_fc1, t) + h
+        fc1 = (2 if gated else 1) * spec.moe_ffn_hidden
+        expert += split_share(spec.experts * fc1, spec.ep * spec.etp)
+        expert += split_share(spec.experts * h, spec.ep)
+        return dense, expert
+    fc1 = (2 if gated else 1) * spec.ffn_hidden
+    return dense + split_share(fc1, t) + h, expert
+
+
+def fp8_linear_layer_parameters(spec: ModelSpec, kind: LayerKind) -> tuple[int, int]:
+    """(dense, routed-expert) weights of one layer's FP8 linear layers on one rank: the
+    weights that Transformer Engine's linear modules (TELayerNormColumnParallelLinear,
+    TERowParallelLinear, TEGroupedLinear; megatron/core/models/gpt/gpt_layer_specs.py,
+    core_v0.14.0) hold, MLA's down and up projections among them: the layer's parameters
+    less its norms (and QK-norms, MLA's latent norms), its biases and the MoE router with its
+    expert bias and the shared experts' gate, which are plain parameters. derived:
+    `layer_parameter_parts` with those tensors taken out."""
+    parts = layer_parameter_parts(spec, kind)
+    plain = (4 if spec.post_norms else 2) * norm_parameters(spec)
+    if spec.mla:
+        plain += spec.kv_lora_rank + (spec.q_lora_rank or 0)
+    elif spec.qk_norm:
+        plain += 2 * spec.head_dim
+    if kind.moe:
+        plain += spec.experts * spec.hidden + (spec.experts if spec.expert_bias else 0)
+        plain += spec.hidden if spec.shared_ffn_hidden and spec.shared_expert_gate else 0
+    dense_bias, expert_bias = _bias_parameters_per_rank(spec, kind)
+    dense = parts.dense_per_rank(spec) - plain - dense_bias
+    return dense, parts.experts_per_rank(spec) - expert_bias
+
+
+def fp8_linear_parameters(spec: ModelSpec, stage: int) -> tuple[int, int]:
+    """(dense, routed-expert) weights of the FP8 linear layers on one GPU of pipeline stage
+    `stage` under precision fp8: those of its layers (`fp8_linear_layer_parameters`) and of
+    the MTP depths on the last stage (their blocks' and eh_proj's, a column-parallel TE
+    linear: multi_token_prediction.py core_v0.14.0). The embedding, the output layer and the
+    final norm stay in BF16 (Megatron-LM's VocabParallelEmbedding and ColumnParallelLinear,
+    not Transformer Engine's). (0, 0) under any other precision."""
+    if spec.precision != "fp8" or spec.kind != "transformer":
+        return 0, 0
+    dense = expert = 0
+    for model_stage in rank_stages(spec, stage):
+        for kind, count in stage_kind_counts(spec, model_stage).items():
+            layer_dense, layer_expert = fp8_linear_layer_parameters(spec, kind)
+            dense += count * layer_dense
+            expert += count * layer_expert
+        if spec.mtp_layers and model_stage == spec.pp - 1:
+            block_dense, block_expert = fp8_linear_layer_parameters(spec, mtp.mtp_kind(spec))
+            eh_proj = split_share(2 * spec.hidden * spec.hidden, spec.tp)
+            dense += spec.mtp_layers * (block_dense + eh_proj)
+            expert += spec.mtp_layers * block_expert
+    return dense, expert
+
+
+def fp8_linear_layer_tensors(spec: ModelSpec, kind: LayerKind) -> tuple[int, int]:
+    """(dense, routed-expert) weight tensors of one layer's FP8 linear layers on one rank, as
+    Megatron-Core's layer spec builds them (gpt_layer_specs.py core_v0.14.0): attention's
+    linear_qkv and linear_proj, or MLA's linear_q_down_proj and linear_q_up_proj (one
+    linear_q_proj without q_lora_rank), linear_kv_down_proj, linear_kv_up_proj and
+    linear_proj; a dense MLP's linear_fc1 (gate and up fused) and linear_fc2; an MoE layer's
+    shared experts' fc1 and fc2, and its routed experts' TEGroupedLinear fc1 and fc2, each
+    one weight tensor per local expert (`weight{i}`, Transformer Engine v2.9
+    module/grouped_linear.py): 2·E/ep."""
+    attention = ((2 if spec.q_lora_rank else 1) + 3) if spec.mla else 2
+    if not kind.moe:
+        return attention + 2, 0
+    shared = 2 if spec.shared_ffn_hidden else 0
+    return attention + shared, 2 * (spec.experts // spec.ep)
+
+
+def fp8_linear_tensors(spec: ModelSpec, stage: int) -> tuple[int, int]:
+    """(dense, routed-expert) FP8 weight tensors on one GPU of pipeline stage `stage`: its
+    layers' (`fp8_linear_layer_tensors`) and on the last stage each MTP depth's block and
+    eh_proj; (0, 0) under any other precision. The amaxes the master weights' cast
+    all-reduces, one each (`frameworks.FP8_AMAX_BYTES`)."""
+    if spec.precision != "fp8" or spec.kind != "transformer":
+        return 0, 0
+    dense = expert = 0
+    for model_stage in rank_stages(spec, stage):
+        for kind, count in stage_kind_counts(spec, model_stage).items():
+            layer_dense, layer_expert = fp8_linear_layer_tensors(spec, kind)
+            dense += count * layer_dense
+            expert += count * layer_expert
+        if spec.mtp_layers and model_stage == spec.pp - 1:
+            block_dense, block_expert = fp8_linear_layer_tensors(spec, mtp.mtp_kind(spec))
+            dense += spec.mtp_layers * (block_dense + 1)
+            expert += spec.mtp_layers * block_expert
+    return dense, expert
+
+
+def fp8_primary_weights(spec: ModelSpec, stage: int) -> tuple[int, int]:
+    """(dense, routed-expert) weights kept in FP8 on one GPU of pipeline stage `stage`: the
+    FP8 linear layers' with `fp8_param_gather` (`frameworks.fp8_primary_weight_bytes`), else
+    none."""
+    return fp8_linear_parameters(spec, stage) if spec.fp8_param_gather else (0, 0)
 
 
 def states_of(
@@ -950,6 +1068,7 @@ def states_of(
     held_gradients: int | None = None,
     tp: int | None = None,
     microbatches: int | None = None,
+    fp8_weights: tuple[int, int] = (0, 0),
 ) -> ModelStateBytes:
     """The model states of `dense` and `expert` parameters under spec's bytes per parameter
     and its ZeRO stage, its data-parallel ranks `dp` (default dp·cp: the ranks that hold the
@@ -961,7 +1080,9 @@ def states_of(
     (`in_backward_gradient_parameters`); `tp` a layout's (the offloaded states' staging
     buffers), default the spec's. The gradients are sharded from ZeRO 2 where the framework
     holds a shard through gradient accumulation (`frameworks.gradients_sharded`, over
-    `microbatches`, default the spec's), else whole."""
+    `microbatches`, default the spec's), else whole. `fp8_weights`: of `dense` and `expert`,
+    the (dense, expert) weights kept in FP8 (`fp8_primary_weights`), one byte each
+    (`frameworks.fp8_primary_weight_bytes`; unsharded: Megatron's zero 1)."""
     zero = spec.zero if zero is None else zero
     dp = spec.dp * spec.cp if dp is None else dp
     expert_dp = spec.expert_data_parallel if expert_dp is None else expert_dp
@@ -977,6 +1098,11 @@ def states_of(
     weights, expert_weights = both(
         spec.weight_bytes, frameworks.weights_sharded_from(spec.framework)
     )
+    if any(fp8_weights):
+        fp8_bytes = frameworks.fp8_primary_weight_bytes(True, spec.weight_bytes)
+        dense_fp8, expert_fp8 = fp8_weights
+        weights -= (spec.weight_bytes - fp8_bytes) * (dense_fp8 + expert_fp8)
+        expert_weights -= (spec.weight_bytes - fp8_bytes) * expert_fp8
     microbatches = spec.microbatches if microbatches is None else microbatches
     sharded_grads = frameworks.gradients_sharded(spec.framework, zero, microbatches, spec.grad_sync)
     grads_from = 2 if sharded_grads else 4  # 4: no ZeRO stage shards them

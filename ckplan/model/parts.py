@@ -572,6 +572,14 @@ class Execution(_Record):
     # Transformer Engine's FP8 scaling recipe under precision fp8: delayed | current | mxfp8
     # (FP8_RECIPES); None -> DEFAULT_FP8_RECIPE with precision fp8, else none
     fp8_recipe: str | None = None
+    # FP8 primary weights (Megatron-LM --fp8-param-gather, megatron/training/arguments.py
+    # core_v0.14.0: "Keep the compute param in fp8 (do not use any other intermediate dtype) and
+    # perform the param all-gather in fp8"; Transformer Engine's fp8_model_init): the FP8 linear
+    # layers' weights are FP8 tensors, the distributed optimizer's fp32 master shard is cast to
+    # them each step and they are all-gathered in FP8 (ckplan.model.frameworks
+    # `fp8_primary_weight_bytes`, ckplan.hardware.step_time). precision fp8 (delayed or
+    # current), framework megatron, zero 1 only (ckplan.model.spec `_validate_fp8_param_gather`)
+    fp8_param_gather: bool = False
     # fused | eager | xentropy | compiled | chunked:N | chunked-output:N (ckplan.model.loss);
     # None -> the framework's
     loss: str | None = None

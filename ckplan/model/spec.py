@@ -80,8 +80,8 @@ KEY_ORDER = (
     "mtp_layers", "ep", "etp", "first_stage_layers", "last_stage_layers",
     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
     "pipeline_layout", "framework", "framework_version", "kernels", "attention_kernel", "precision",
-    "fp8_recipe", "loss", "tp_comm_overlap", "dp_comm_overlap", "overlap_grad_reduce",
-    "overlap_param_gather", "expandable_segments", "mlp_tiles",
+    "fp8_recipe", "fp8_param_gather", "loss", "tp_comm_overlap", "dp_comm_overlap",
+    "overlap_grad_reduce", "overlap_param_gather", "expandable_segments", "mlp_tiles",
     "training", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "use_dora",
     "weight_format", "bitsandbytes_version", "optimizer", "optimizer_in_backward", "zero_grad",
     "optimizer_offload", "param_offload", "fsdp_float8_all_gather",
@@ -573,6 +573,8 @@ def _validate(spec: ModelSpec) -> None:
         _validate_dualpipe(spec)
     if spec.fsdp_float8_all_gather:
         _validate_fsdp_float8_all_gather(spec)
+    if spec.fp8_param_gather:
+        _validate_fp8_param_gather(spec)
 
 
 def _validate_fsdp_float8_all_gather(spec: ModelSpec) -> None:
@@ -597,6 +599,38 @@ def _validate_fsdp_float8_all_gather(spec: ModelSpec) -> None:
         raise SpecError(f"{what} needs training: full, got {quote(spec.training)}")
     if spec.experts or spec.mla:
         raise SpecError(f"{what} is modelled for dense layers without MLA (experts: 0)")
+
+
+def _validate_fp8_param_gather(spec: ModelSpec) -> None:
+    """FP8 primary weights as ckplan models them: Megatron-LM's --fp8-param-gather under
+    Transformer Engine's FP8 (precision fp8) with the distributed optimizer (zero 1), whose
+    fp32 master shards Transformer Engine casts to the FP8 weights
+    (transformer_engine/pytorch/tensor/utils.py `cast_master_weights_to_fp8`, v2.9: delayed
+    and current scaling; "cast_master_weights_to_fp8 for MXFP8BlockScaling is not supported
+    yet"). Megatron-LM also runs it under its FSDPs (arguments.py core_v0.14.0: "only
+    supported with distributed optimizer, torch fsdp2, megatron fsdp"), and gathers MXFP8
+    weights in BF16 through the gradient buffer (param_and_grad_buffer.py
+    `reuse_grad_buf_for_mxfp8_param_ag`): neither is modelled."""
+    if spec.precision != "fp8":
+        raise SpecError(
+            "key 'fp8_param_gather' keeps Transformer Engine's FP8 weights: it needs precision "
+            f"fp8, got {quote(spec.precision)}"
+        )
+    if spec.fp8_recipe == "mxfp8":
+        raise SpecError(
+            "key 'fp8_param_gather' is modelled for fp8_recipe delayed or current (Megatron-Core "
+            "gathers MXFP8 weights in BF16), got fp8_recipe mxfp8"
+        )
+    if spec.framework != "megatron":
+        raise SpecError(
+            "key 'fp8_param_gather' is Megatron-LM's --fp8-param-gather: it needs framework "
+            f"megatron, got {quote(spec.framework)}"
+        )
+    if spec.zero != 1:
+        raise SpecError(
+            "key 'fp8_param_gather' is modelled with Megatron's distributed optimizer: it needs "
+            f"zero 1, got {quote(spec.zero)}"
+        )
 
 
 # Attention kernels without an fp32 path: FlashAttention-2 refuses any other dtype

@@ -122,6 +122,7 @@ def _levers(spec: ModelSpec, gpus_per_node: int, pcie: bool = False):
         z
         for z in range(4)
         if layout_error(spec.framework, z, spec.tp, spec.pp, spec.cp, spec.ep) is None
+        and (z == 1 or not spec.fp8_param_gather)  # FP8 primary weights: zero 1 (spec)
     ]
     zero = [{"zero": z} for z in runnable if z > spec.zero] if spec.dp > 1 else []
     tp = [

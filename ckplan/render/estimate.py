@@ -269,6 +269,7 @@ QUIET_KEYS = frozenset(
         "overlap_grad_reduce",
         "overlap_param_gather",
         "fp8_recipe",
+        "fp8_param_gather",
         "grad_sync",
         "framework_version",
         "bitsandbytes_version",
@@ -448,7 +449,7 @@ def plan_summary_table(plan: Plan, gpu: GPU | None = None) -> Table:
         f"frozen linears {base}, the rest {spec.weight_bytes} B/param"
         + (f"; adapters {spec.weight_bytes} B/param" if spec.finetune.adapters else "")
         if frozen
-        else f"{spec.weight_bytes} B/param",
+        else _weights_note(spec),
     )
     on_host = spec.optimizer_offload != "none"
     table.add_row(
@@ -572,6 +573,12 @@ def _peak_note(spec: ModelSpec) -> str:
     if spec.pp > 1:
         return f"busiest pipeline stage, {spec.layers_per_stage} layers, micro-batches in flight"
     return "live at the peak of one training step"
+
+
+def _weights_note(spec: ModelSpec) -> str:
+    if spec.fp8_param_gather:
+        return f"FP8 linear weights 1 B/param, the rest {spec.weight_bytes} B/param"
+    return f"{spec.weight_bytes} B/param"
 
 
 def _state_note(spec: ModelSpec) -> str:

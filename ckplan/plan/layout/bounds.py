@@ -35,7 +35,14 @@ from ckplan.hardware import host_states
 from ckplan.hardware.gpus import GPU
 from ckplan.hardware.host_link import copy_seconds
 from ckplan.hardware.roofline import memory_seconds
-from ckplan.hardware.step_time import embedding_time, gradient_reduction, layer_time, output_time
+from ckplan.hardware.step_time import (
+    amax_all_reduce_seconds,
+    embedding_time,
+    fp8_master_cast_extra_bytes,
+    gradient_reduction,
+    layer_time,
+    output_time,
+)
 from ckplan.hardware.times import StageTime
 from ckplan.model import allocator, loss, memory, optimizers
 from ckplan.model.layers import LayerKind, stage_kinds
@@ -127,6 +134,7 @@ class Bounds:
         self._memories: dict[tuple, dict[str, Any]] = {}
         self._ratios: dict[tuple, dict[Any, float]] = {}
         self._params: dict[tuple, dict[int, tuple[int, int]]] = {}
+        self._fp8: dict[tuple, dict[int, tuple[int, int, int, int]]] = {}
         self._states: dict[tuple, tuple[tuple[StageShape, int], ...]] = {}
 
     @cached_property
@@ -148,6 +156,7 @@ class Bounds:
             # the parts' specs run any layout (ZeRO 0 among them); `states` offloads
             "optimizer_offload": "none",
             "param_offload": "none",
+            "fp8_param_gather": False,  # zero 1 only; `fp8` counts its weights apart
         }
         return self.spec.replace(**(cleared | keys))
 
@@ -301,6 +310,32 @@ class Bounds:
             }
         return self._params[key]
 
+    def fp8(self, layout: Layout) -> dict[int, tuple[int, int, int, int]]:
+        """Per distinct stage, its FP8 primary weights and their tensors on one GPU, (dense,
+        expert) each (`memory.fp8_linear_parameters`, `memory.fp8_linear_tensors`); zeros
+        without `fp8_param_gather`."""
+        key = (layout.tp, layout.pp, layout.split, layout.virtual_stages, layout.ep, layout.etp)
+        if key not in self._fp8:
+            keys = {}
+            if self.experts:
+                keys = {"ep": layout.ep, "etp": layout.etp, "dp": layout.ep * layout.etp}
+            spec = self._spec(
+                tp=layout.tp, sp=layout.tp > 1, cp=1, zero=0, pp=layout.pp,
+                virtual_stages=layout.virtual_stages, microbatches=1,
+                **{"dp": 1, **keys}, **layout.split.keys(),
+            )  # fmt: skip
+            on = self.spec.fp8_param_gather
+            self._fp8[key] = {
+                shape.index: (
+                    *memory.fp8_linear_parameters(spec, shape.index),
+                    *memory.fp8_linear_tensors(spec, shape.index),
+                )
+                if on
+                else (0, 0, 0, 0)
+                for shape in self.stages(layout.pp, layout.split, layout.virtual_stages)
+            }
+        return self._fp8[key]
+
     # ---- bounds ------------------------------------------------------------------------
 
     def states(self, layout: Layout, stage: int) -> memory.ModelStateBytes:
@@ -440,12 +475,14 @@ class Bounds:
         bandwidth = comm.group_bandwidth(self.gpu, 2, stride)
         return 2 * layout.virtual_stages * comm.p2p_seconds(size, bandwidth)
 
-    def _busiest_parameters(self, layout: Layout) -> tuple[int, int]:
-        """`memory.busiest_stage`'s (dense, expert) parameters: the stage with the most (the
-        first of equals)."""
+    def _busiest_stage(self, layout: Layout) -> int:
+        """`memory.busiest_stage`: the stage with the most parameters (the first of equals)."""
         params = self.parameters(layout)
-        stage = max(params, key=lambda stage: (sum(params[stage]), -stage))
-        return params[stage]
+        return max(params, key=lambda stage: (sum(params[stage]), -stage))
+
+    def _busiest_parameters(self, layout: Layout) -> tuple[int, int]:
+        """`memory.busiest_stage`'s (dense, expert) parameters."""
+        return self.parameters(layout)[self._busiest_stage(layout)]
 
     def _expert_dp(self, layout: Layout) -> int:
         return layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp)
@@ -454,22 +491,32 @@ class Bounds:
         """`step_time.data_parallel_seconds`, before overlap: the dense parameters reduced over
         dp·cp ranks tp apart, the experts' over their expert-data-parallel group."""
         dense, experts = self._busiest_parameters(layout)
+        fp8_dense, fp8_experts = self.fp8(layout)[self._busiest_stage(layout)][:2]
         ranks = layout.dp * layout.cp
-        seconds = self._reduction(layout, dense, ranks, layout.tp)
+        seconds = self._reduction(layout, dense, ranks, layout.tp, fp8_dense)
         if experts:
             seconds += self._reduction(
-                layout, experts, self._expert_dp(layout), layout.ep * layout.etp
+                layout, experts, self._expert_dp(layout), layout.ep * layout.etp, fp8_experts
             )
         return seconds
 
-    def _reduction(self, layout: Layout, params: int, ranks: int, stride: int) -> float:
+    def _reduction(
+        self, layout: Layout, params: int, ranks: int, stride: int, fp8_params: int = 0
+    ) -> float:
         """`step_time.gradient_reduction` under the layout's ZeRO stage, all of it; under
         torchao's float8 all-gather every weight taken as gathered in 1 byte and its shard's
         cast left out, a bound from below."""
         bandwidth = comm.group_bandwidth(self.gpu, ranks, stride)
         float8 = params if self.spec.fsdp_float8_all_gather else 0
         parts = gradient_reduction(
-            self.spec, layout.zero, layout.pp, params, ranks, bandwidth, float8=float8
+            self.spec,
+            layout.zero,
+            layout.pp,
+            params,
+            ranks,
+            bandwidth,
+            float8=float8,
+            fp8_params=fp8_params,
         )
         return parts.total(layout.microbatches)
 
@@ -477,9 +524,15 @@ class Bounds:
         """`step_time.optimizer_seconds`: Adam's memory-bound step over this GPU's share."""
         spec = self.spec
         dense, experts = self._busiest_parameters(layout)
+        fp8_dense, fp8_experts, dense_tensors, expert_tensors = self.fp8(layout)[
+            self._busiest_stage(layout)
+        ]
         if layout.zero >= 1:
-            dense = split_share(dense, layout.dp * layout.cp)
-            experts = split_share(experts, self._expert_dp(layout)) if experts else 0
+            dense, fp8_dense = (split_share(n, layout.dp * layout.cp) for n in (dense, fp8_dense))
+            expert_dp = self._expert_dp(layout)
+            experts, fp8_experts = (
+                split_share(n, expert_dp) if n else 0 for n in (experts, fp8_experts)
+            )
         if spec.optimizer_offload != "none":
             # the CPU step and the copy after it, never hidden (host_states); the copies
             # beside the compute only add to it
@@ -494,7 +547,12 @@ class Bounds:
             spec.weight_bytes,
             spec.optimizer_bytes,
         )
-        return memory_seconds(self.gpu, (dense + experts) * per_param)
+        cast = fp8_master_cast_extra_bytes(spec, fp8_dense + fp8_experts)
+        amax = amax_all_reduce_seconds(self.gpu, dense_tensors, layout.dp * layout.cp, layout.tp)
+        amax += amax_all_reduce_seconds(
+            self.gpu, expert_tensors, self._expert_dp(layout), layout.ep * layout.etp
+        )
+        return memory_seconds(self.gpu, (dense + experts) * per_param + cast) + amax
 
 
 def _least_dp(layout: Layout) -> int:

@@ -265,6 +265,8 @@ def layouts(space: SearchSpace) -> Iterator[Layout]:
                         for zero in (
                             (0, 1, 2, 3)
                             if dp > 1 or (experts and tp * cp * dp > ep * etp)
+                            else (0, 1)
+                            if spec.fp8_param_gather
                             else (0,)
                         )
                         if layout_error(spec.framework, zero, tp, pp, cp, ep) is None
@@ -301,9 +303,12 @@ def layouts(space: SearchSpace) -> Iterator[Layout]:
 
 def _optimizer_allows(spec: ModelSpec, zero: int, pp: int, microbatches: int) -> bool:
     """The optimizer's rules on a layout (`spec._validate_optimizer`): Adafactor on zero 0,
+    FP8 primary weights on zero 1 (`spec._validate_fp8_param_gather`),
     the step in backward on one pipeline stage and one micro-batch, model states on the host
     where the framework runs them (`frameworks.state_offload_error`)."""
     if spec.optimizer == "adafactor" and zero >= 1:
+        return False
+    if spec.fp8_param_gather and zero != 1:  # the distributed optimizer's (spec)
         return False
     if frameworks.state_offload_error(spec, zero, pp, microbatches):
         return False
