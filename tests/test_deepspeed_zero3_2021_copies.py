@@ -20,6 +20,7 @@ from ckplan.hardware.step_time import (
     deepspeed_2021_reduce_seconds,
     deepspeed_zero3_layer_exposed,
 )
+from ckplan.hardware.times import ZERO, MicroBatchTime
 from ckplan.inputs.gpus import load_gpu
 from ckplan.model import memory
 from ckplan.model.frameworks import (
@@ -36,6 +37,8 @@ from ckplan.model.frameworks import (
     deepspeed_zero3_released,
 )
 
+# a micro-batch of no compute: without overlap the data-parallel time does not depend on it
+IDLE = MicroBatchTime(ZERO, ZERO, ZERO, 0.0, 0.0, 0.0)
 H = 12288
 GPT3_MODULES = (2 * H, 3 * H * H + 3 * H, H * H + H, 2 * H, 4 * H * H + 4 * H, 4 * H * H + H)
 
@@ -156,8 +159,8 @@ def test_without_overlap_the_copies_add_whole(spec_of):
     old = spec.replace(framework_version="0.5.4")
     plain = (1, *(1,) * spec.layers, 1)
     copies = deepspeed_2021_copies(old, a100, plain)
-    added = data_parallel_exposed(old, a100, None, 0, plain) - data_parallel_exposed(
-        spec, a100, None, 0, plain
+    added = data_parallel_exposed(old, a100, IDLE, 0, plain) - data_parallel_exposed(
+        spec, a100, IDLE, 0, plain
     )
     assert added == pytest.approx(3 * (copies.serial + copies.forward + copies.backward))
     assert isinstance(copies, Zero3Copies) and copies.serial > 0
