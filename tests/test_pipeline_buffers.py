@@ -190,9 +190,15 @@ def test_interleaved_counts_against_the_schedule_on_the_cpu():
     measured = json.loads(run.stdout.strip().splitlines()[-1])
     assert set(measured) == {"3", "4", "6"}
     for microbatches, by_rank in measured.items():
-        for rank, counts in by_rank.items():
-            walked = torch_interleaved_chunk_counts(2, 2, int(microbatches), int(rank))
-            assert [tuple(c) for c in counts] == list(walked)
+        m = int(microbatches)
+        for rank, seen in by_rank.items():
+            walked = torch_interleaved_chunk_counts(2, 2, m, int(rank))
+            assert [tuple(c) for c in seen["counts"]] == list(walked)
+            # every local stage keeps its own buffers, as one stage per rank does
+            stages = (int(rank), int(rank) + 2)
+            for stage, (receive, gradient) in zip(stages, seen["buffers"], strict=True):
+                assert receive == (0 if stage == 0 else m)
+                assert gradient == (0 if stage == 3 else m)
 
 
 def test_kept_bytes_are_the_finished_term():

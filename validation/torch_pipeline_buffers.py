@@ -28,7 +28,9 @@ With --interleaved it runs ScheduleInterleaved1F1B instead, two ranks of two loc
 (torchtitan's 'loop' placement: rank r holds stages r and r + 2), for 3, 4 and 6 micro-batches,
 and records before each backward, per local stage, the micro-batches in flight (`fwd_cache`) and
 those whose backward has run, keeping the latest point where the rank holds the most forwards:
-the counts `frameworks.torch_interleaved_chunk_counts` walks. PyTorch 2.13:
+the counts `frameworks.torch_interleaved_chunk_counts` walks, and each local stage's receive and
+gradient buffers (one per micro-batch, as one stage per rank keeps them). PyTorch 2.13, (in
+flight, finished) per local stage:
     3 micro-batches: rank 0 ((3, 0), (3, 0)), rank 1 ((3, 0), (1, 2))
     4 micro-batches: rank 0 ((3, 1), (2, 2)), rank 1 ((2, 2), (1, 3))
     6 micro-batches: rank 0 ((3, 3), (2, 4)), rank 1 ((2, 4), (1, 5))
@@ -166,19 +168,24 @@ def count_interleaved(rank: int, world: int, microbatches: int, port: str, resul
         schedule.step(target=torch.zeros_like(batch), losses=[])
     else:
         schedule.step()
-    results[rank] = {"counts": best["counts"]}
+    X = TOKENS * HIDDEN * 4
+    buffers = [
+        [buffer_units(stage.args_recv_info, X), buffer_units(stage.grad_recv_info, X)]
+        for stage in stages
+    ]
+    results[rank] = {"counts": best["counts"], "buffers": buffers}
     dist.destroy_process_group()
 
 
-def measure_interleaved(ranks: int = 2) -> dict[int, dict[int, list]]:
+def measure_interleaved(ranks: int = 2) -> dict[int, dict[int, dict]]:
     import torch.multiprocessing as mp
 
-    measured: dict[int, dict[int, list]] = {}
+    measured: dict[int, dict[int, dict]] = {}
     for microbatches in (3, 4, 6):
         with mp.Manager() as manager:
             results = manager.dict()
             mp.spawn(count_interleaved, args=(ranks, microbatches, "29619", results), nprocs=ranks)
-            measured[microbatches] = {r: results[r]["counts"] for r in range(ranks)}
+            measured[microbatches] = {r: dict(results[r]) for r in range(ranks)}
     return measured
 
 
@@ -187,10 +194,20 @@ def main_interleaved(check: bool) -> int:
 
     failures = 0
     for microbatches, by_rank in measure_interleaved().items():
-        for rank, counts in sorted(by_rank.items()):
+        for rank, seen in sorted(by_rank.items()):
+            counts = seen["counts"]
             walked = [list(c) for c in torch_interleaved_chunk_counts(2, 2, microbatches, rank)]
-            print(f"{microbatches} micro-batches, rank {rank}: {counts}, ckplan {walked}")
-            failures += counts != walked
+            # each local stage's own receive and gradient buffers, one per micro-batch
+            expected = [
+                [0 if stage == 0 else microbatches, 0 if stage == 3 else microbatches]
+                for stage in (rank, rank + 2)
+            ]
+            print(
+                f"{microbatches} micro-batches, rank {rank}: (in flight, finished) {counts}, "
+                f"ckplan {walked}; (receive, gradient) buffers {seen['buffers']}, ckplan "
+                f"{expected}"
+            )
+            failures += counts != walked or seen["buffers"] != expected
     return 1 if check and failures else 0
 
 
