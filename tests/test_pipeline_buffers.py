@@ -12,7 +12,13 @@ import pytest
 from needs_torch import torch_or_skip
 
 from ckplan.model import memory
-from ckplan.model.frameworks import torch_pipeline_buffer_bytes, torch_pipeline_finished_bytes
+from ckplan.model.frameworks import (
+    torch_interleaved_chunk_counts,
+    torch_microbatches_per_round,
+    torch_pipeline_buffer_bytes,
+    torch_pipeline_finished_bytes,
+    torch_pipeline_kept_bytes,
+)
 from ckplan.plan import evaluate, in_flight_microbatches, parse_strategy
 from ckplan.plan.evaluate import megatron_in_flight_forwards
 from ckplan.plan.timeline import memory_timeline
@@ -84,7 +90,6 @@ def test_timeline_peak_is_still_the_plan_peak(spec_of):
     [
         {"framework": "megatron", "zero": 1},  # Megatron-LM frees what it sends
         {"pp": 1},
-        {"virtual_stages": 2},  # interleaving: not split between a rank's stages
     ],
 )
 def test_no_buffers_outside_torchtitan_one_stage_pipelines(spec_of, overrides):
@@ -150,3 +155,81 @@ def test_last_stage_keeps_finished_outputs_on_the_cpu():
         kept = torch_pipeline_finished_bytes(microbatches, in_flight, 0, 1, True) if last else 0
         assert seen["finished_outputs"] == kept
         assert seen["input_gradients"] == 0
+
+
+def test_interleaved_rounds_follow_the_schedule():
+    # ScheduleInterleaved1F1B: number_of_rounds = max(1, m // p), m // rounds per round
+    assert torch_microbatches_per_round(8, 8) == 8
+    assert torch_microbatches_per_round(16, 8) == 8
+    assert torch_microbatches_per_round(12, 8) == 12  # one round of all twelve
+    assert torch_microbatches_per_round(4, 8) == 4
+
+
+def test_interleaved_counts_by_hand():
+    # p 8, v 2, m 8: rank 0 runs all 16 forwards before its first backward (warmup
+    # min(8 + 14, 16)); rank 7 warms up with the 8 forwards of stage 7, then pairs each forward
+    # of stage 15 with its backward: at the last such pair 8 of stage 7 and 1 of stage 15 are
+    # in flight and 7 of stage 15 finished
+    assert torch_interleaved_chunk_counts(8, 2, 8, 0) == ((8, 0), (8, 0))
+    assert torch_interleaved_chunk_counts(8, 2, 8, 7) == ((8, 0), (1, 7))
+    for rank in range(8):
+        counts = torch_interleaved_chunk_counts(8, 2, 8, rank)
+        # no local stage has more than its micro-batches started
+        assert all(0 <= held + done <= 8 for held, done in counts)
+
+
+def test_interleaved_counts_against_the_schedule_on_the_cpu():
+    torch_or_skip()
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--interleaved", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    measured = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(measured) == {"3", "4", "6"}
+    for microbatches, by_rank in measured.items():
+        m = int(microbatches)
+        for rank, seen in by_rank.items():
+            walked = torch_interleaved_chunk_counts(2, 2, m, int(rank))
+            assert [tuple(c) for c in seen["counts"]] == list(walked)
+            # every local stage keeps its own buffers, as one stage per rank does
+            stages = (int(rank), int(rank) + 2)
+            for stage, (receive, gradient) in zip(stages, seen["buffers"], strict=True):
+                assert receive == (0 if stage == 0 else m)
+                assert gradient == (0 if stage == 3 else m)
+
+
+def test_kept_bytes_are_the_finished_term():
+    X, logits = 10, 7
+    finished = torch_pipeline_finished_bytes(8, 5, X, X, True)
+    assert torch_pipeline_kept_bytes(3, X, X, True) == finished
+    assert torch_pipeline_kept_bytes(7, X, logits, False) == 7 * (logits + X)
+
+
+def test_interleaved_rank_holds_its_local_stages_buffers(spec_of):
+    spec = torchtitan_pipeline(spec_of, virtual_stages=2, framework_version="2024.12")
+    p, m = spec.pp, spec.microbatches
+    X = memory.layer_input_bytes(spec)
+    logits = spec.dtype_bytes * spec.seq * spec.micro_batch * spec.vocab // spec.tp
+    for rank in range(p):
+        expected = 0
+        for chunk, (held, done) in enumerate(torch_interleaved_chunk_counts(p, 2, m, rank)):
+            stage = chunk * p + rank
+            first, last = stage == 0, stage == 2 * p - 1
+            output = logits if last else X
+            expected += torch_pipeline_buffer_bytes(m, held, X, output, first, last)
+            expected += torch_pipeline_kept_bytes(done, X, output, first)
+        assert memory.pipeline_buffer_bytes(spec, rank, 1) == expected
+    # only the last rank's second local stage makes logits
+    newer = torchtitan_pipeline(spec_of, virtual_stages=2, framework_version="0.3")
+    assert memory.pipeline_buffer_bytes(newer, p - 1, 1) > memory.pipeline_buffer_bytes(newer, 0, 1)
+
+
+def test_interleaved_plan_counts_them_on_its_peak_stage(spec_of):
+    spec = torchtitan_pipeline(spec_of, virtual_stages=2)
+    plan = evaluate(spec, parse_strategy("full", spec))
+    expected = memory.pipeline_buffer_bytes(spec, plan.peak_stage, 1)
+    assert expected > 0
+    assert plan.pipeline_buffer_bytes == expected

@@ -24,8 +24,19 @@ none, and no rank an input gradient (2.13 keeps `output_chunks` on the last stag
 clears the inputs' `.grad` in `stage_backward`; the late-2024 release kept both on every stage,
 `frameworks.torch_pipeline_finished_bytes`).
 
-Usage: python validation/torch_pipeline_buffers.py [--check | --json] (--json: the counts as
-JSON, by rank)
+With --interleaved it runs ScheduleInterleaved1F1B instead, two ranks of two local stages each
+(torchtitan's 'loop' placement: rank r holds stages r and r + 2), for 3, 4 and 6 micro-batches,
+and records before each backward, per local stage, the micro-batches in flight (`fwd_cache`) and
+those whose backward has run, keeping the latest point where the rank holds the most forwards:
+the counts `frameworks.torch_interleaved_chunk_counts` walks, and each local stage's receive and
+gradient buffers (one per micro-batch, as one stage per rank keeps them). PyTorch 2.13, (in
+flight, finished) per local stage:
+    3 micro-batches: rank 0 ((3, 0), (3, 0)), rank 1 ((3, 0), (1, 2))
+    4 micro-batches: rank 0 ((3, 1), (2, 2)), rank 1 ((2, 2), (1, 3))
+    6 micro-batches: rank 0 ((3, 3), (2, 4)), rank 1 ((2, 4), (1, 5))
+
+Usage: python validation/torch_pipeline_buffers.py [--interleaved] [--check | --json] (--json:
+the counts as JSON, by rank)
 """
 
 from __future__ import annotations
@@ -118,6 +129,88 @@ def count(rank: int, world: int, microbatches: int, port: str, results) -> None:
     dist.destroy_process_group()
 
 
+def count_interleaved(rank: int, world: int, microbatches: int, port: str, results) -> None:
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", port
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    local = 2
+    stages = []
+    for chunk in range(local):
+        layers = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN))
+        stages.append(
+            PipelineStage(layers, chunk * world + rank, world * local, torch.device("cpu"))
+        )
+    finished = [0] * local
+    best: dict[str, object] = {"held": -1, "counts": None}
+
+    def counted(chunk: int, backward_one_chunk):
+        def wrapped(*args, **kwargs):
+            in_flight = [len(stage.fwd_cache) for stage in stages]
+            if sum(in_flight) >= best["held"]:
+                best["held"] = sum(in_flight)
+                best["counts"] = [[in_flight[c], finished[c]] for c in range(local)]
+            finished[chunk] += 1
+            return backward_one_chunk(*args, **kwargs)
+
+        return wrapped
+
+    for chunk, stage in enumerate(stages):
+        stage.backward_one_chunk = counted(chunk, stage.backward_one_chunk)
+    schedule = ScheduleInterleaved1F1B(
+        stages, n_microbatches=microbatches, loss_fn=lambda out, target: out.pow(2).mean()
+    )
+    batch = torch.randn(microbatches * TOKENS, HIDDEN)
+    if rank == 0:
+        schedule.step(batch)
+    elif rank == world - 1:
+        schedule.step(target=torch.zeros_like(batch), losses=[])
+    else:
+        schedule.step()
+    X = TOKENS * HIDDEN * 4
+    buffers = [
+        [buffer_units(stage.args_recv_info, X), buffer_units(stage.grad_recv_info, X)]
+        for stage in stages
+    ]
+    results[rank] = {"counts": best["counts"], "buffers": buffers}
+    dist.destroy_process_group()
+
+
+def measure_interleaved(ranks: int = 2) -> dict[int, dict[int, dict]]:
+    import torch.multiprocessing as mp
+
+    measured: dict[int, dict[int, dict]] = {}
+    for microbatches in (3, 4, 6):
+        with mp.Manager() as manager:
+            results = manager.dict()
+            mp.spawn(count_interleaved, args=(ranks, microbatches, "29619", results), nprocs=ranks)
+            measured[microbatches] = {r: dict(results[r]) for r in range(ranks)}
+    return measured
+
+
+def main_interleaved(check: bool) -> int:
+    from ckplan.model.frameworks import torch_interleaved_chunk_counts
+
+    failures = 0
+    for microbatches, by_rank in measure_interleaved().items():
+        for rank, seen in sorted(by_rank.items()):
+            counts = seen["counts"]
+            walked = [list(c) for c in torch_interleaved_chunk_counts(2, 2, microbatches, rank)]
+            # each local stage's own receive and gradient buffers, one per micro-batch
+            expected = [
+                [0 if stage == 0 else microbatches, 0 if stage == 3 else microbatches]
+                for stage in (rank, rank + 2)
+            ]
+            print(
+                f"{microbatches} micro-batches, rank {rank}: (in flight, finished) {counts}, "
+                f"ckplan {walked}; (receive, gradient) buffers {seen['buffers']}, ckplan "
+                f"{expected}"
+            )
+            failures += counts != walked or seen["buffers"] != expected
+    return 1 if check and failures else 0
+
+
 def measure(stages: int = STAGES, microbatches: int = MICROBATCHES) -> dict[int, dict[str, float]]:
     import torch.multiprocessing as mp
 
@@ -162,6 +255,13 @@ def main(check: bool) -> int:
 
 
 if __name__ == "__main__":
+    if "--interleaved" in sys.argv[1:]:
+        if "--json" in sys.argv[1:]:
+            import json
+
+            print(json.dumps(measure_interleaved()))
+            sys.exit(0)
+        sys.exit(main_interleaved("--check" in sys.argv[1:]))
     if "--json" in sys.argv[1:]:
         import json
 

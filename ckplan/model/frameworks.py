@@ -1193,8 +1193,72 @@ def torch_pipeline_finished_bytes(
     None`. The first stage's inputs are token ids, with no gradient. With `in_flight` equal to
     the micro-batches (the first stage of a short pipeline) nothing has finished."""
     finished = max(microbatches - in_flight, 0)
+    return torch_pipeline_kept_bytes(finished, boundary_bytes, output_bytes, first)
+
+
+def torch_pipeline_kept_bytes(
+    finished: int, boundary_bytes: int, output_bytes: int, first: bool
+) -> int:
+    """Bytes one stage of the late-2024 torch.distributed.pipelining keeps for `finished`
+    micro-batches whose backward has run: each one's output (`output_chunks`) and, on a
+    non-first stage, the input gradient its backward left on the receive buffer
+    (`torch_pipeline_finished_bytes`, whose sources these are)."""
     input_gradient = 0 if first else boundary_bytes
     return finished * (output_bytes + input_gradient)
+
+
+def torch_microbatches_per_round(microbatches: int, pp: int) -> int:
+    """The micro-batches ScheduleInterleaved1F1B sends through one local stage before moving to
+    the next: `microbatches_per_round = n_microbatches // number_of_rounds`, `number_of_rounds =
+    max(1, n_microbatches // pp_group_size)` (torch/distributed/pipelining/schedules.py,
+    PyTorch v2.13.0; p when the micro-batches are a multiple of p, as Megatron-LM's default
+    microbatch_group_size_per_vp_stage)."""
+    return microbatches // max(1, microbatches // pp)
+
+
+def torch_interleaved_chunk_counts(
+    pp: int, virtual_stages: int, microbatches: int, rank: int
+) -> tuple[tuple[int, int], ...]:
+    """Per local stage of pipeline rank `rank` under torch.distributed.pipelining's
+    ScheduleInterleaved1F1B (local stage c is model stage c·p + rank, torchtitan's 'loop'
+    placement), (micro-batches in flight, micro-batches whose backward has run) at the latest
+    point of the rank's order where it holds the most forwards: there its tapes peak, and the
+    late-2024 runtime has kept the most finished outputs beside them (the rule
+    `torch_pipeline_finished_bytes` takes for one stage per rank).
+
+    The order (torch/distributed/pipelining/schedules.py, PyTorch v2.13.0:
+    `ScheduleInterleaved1F1B._calculate_single_rank_operations`, `_get_warmup_ops`,
+    `_get_1f1b_rank_ops`): warmup (v - 1)·g + 2·(p - 1 - rank) forwards, at most m·v, with g
+    `torch_microbatches_per_round`; then a forward and a backward per step; then the remaining
+    backwards. Forward op k runs local stage (k // g) mod v, backward op k local stage
+    v - 1 - ((k - warmup) // g) mod v, each on its stage's next micro-batch.
+    derived: the walk over that order; checked against the schedule itself on the CPU with two
+    gloo ranks (validation/torch_pipeline_buffers.py --interleaved)."""
+    v, m = virtual_stages, microbatches
+    g = torch_microbatches_per_round(m, pp)
+    total = m * v
+    warmup = min((v - 1) * g + 2 * (pp - 1 - rank), total)
+    in_flight, finished = [0] * v, [0] * v
+    best, snapshot = -1, ()
+
+    def forward(op: int) -> None:
+        nonlocal best, snapshot
+        in_flight[(op // g) % v] += 1
+        if sum(in_flight) >= best:
+            best = sum(in_flight)
+            snapshot = tuple(zip(in_flight, finished, strict=True))
+
+    def backward(op: int) -> None:
+        chunk = v - 1 - ((op - warmup) // g) % v
+        in_flight[chunk] -= 1
+        finished[chunk] += 1
+
+    for op in range(warmup):
+        forward(op)
+    for op in range(warmup, total):
+        forward(op)
+        backward(op)
+    return snapshot
 
 
 def torch_pipeline_keeps_finished(spec) -> bool:

@@ -866,19 +866,22 @@ def pipeline_buffer_bytes(spec: ModelSpec, stage: int, in_flight: int) -> int:
     layer, `layer_input_bytes`, and the last stage's output its B-byte logits), and under
     torchtitan 2024.12 the finished micro-batches' outputs and input gradients
     (`frameworks.torch_pipeline_finished_bytes`); 0 without pipeline parallelism or under
-    another framework (Megatron-LM frees what it sends). With interleaving (v > 1) a rank runs
-    v stages whose in-flight forwards ckplan does not split between them: not counted. Under
-    DualPipe none: its runtime empties what it sent (deepseek-ai/DualPipe at 3da1bbe,
-    dualpipe.py `_free_tensors`)."""
-    if spec.framework != "torchtitan" or spec.pp == 1 or spec.virtual_stages > 1:
+    another framework (Megatron-LM frees what it sends). With interleaving (v > 1) the rank's
+    v local stages' buffers, each at its own in-flight and finished micro-batches
+    (`interleaved_pipeline_buffer_bytes`; `in_flight` is then not read). Under DualPipe none:
+    its runtime empties what it sent (deepseek-ai/DualPipe at 3da1bbe, dualpipe.py
+    `_free_tensors`)."""
+    if spec.framework != "torchtitan" or spec.pp == 1:
         return 0
     if spec.pipeline_schedule == "dualpipe":  # DualPipe's own runtime: _free_tensors (3da1bbe)
         return 0
     if spec.kind != "transformer":
         return 0
     boundary = layer_input_bytes(spec)
-    last = stage == spec.pp - 1
     logits = spec.dtype_bytes * logits_elements(spec.chain)
+    if spec.virtual_stages > 1:
+        return interleaved_pipeline_buffer_bytes(spec, stage, boundary, logits)
+    last = stage == spec.pp - 1
     output = logits if last else boundary
     held = frameworks.torch_pipeline_buffer_bytes(
         spec.microbatches, in_flight, boundary, output, stage == 0, last
@@ -887,6 +890,36 @@ def pipeline_buffer_bytes(spec: ModelSpec, stage: int, in_flight: int) -> int:
         held += frameworks.torch_pipeline_finished_bytes(
             spec.microbatches, in_flight, boundary, output, stage == 0
         )
+    return held
+
+
+def interleaved_pipeline_buffer_bytes(
+    spec: ModelSpec, rank: int, boundary_bytes: int, logits_bytes: int
+) -> int:
+    """torch.distributed.pipelining's buffers on one GPU of pipeline rank `rank` under
+    ScheduleInterleaved1F1B: torchtitan builds one `PipelineStage` per local stage, model stage
+    c·p + rank for c < v (torchtitan 9dec370, pipeline_llama.py with pipelining_utils.py
+    `stage_ids_this_rank`, style 'loop'), each with its own receive and gradient buffers and
+    kept outputs (`frameworks.torch_pipeline_buffer_bytes`), at the in-flight and finished
+    micro-batches of each local stage where the rank holds the most forwards
+    (`frameworks.torch_interleaved_chunk_counts`), and under torchtitan 2024.12 each local
+    stage's finished outputs and input gradients (`frameworks.torch_pipeline_kept_bytes`). The
+    model's last stage (the rank p - 1's last local stage) outputs the B-byte logits, every
+    other the residual stream `boundary_bytes`; the first (rank 0's first) receives token ids.
+    derived: the per-stage terms summed over the rank's local stages."""
+    p, v, m = spec.pp, spec.virtual_stages, spec.microbatches
+    counts = frameworks.torch_interleaved_chunk_counts(p, v, m, rank)
+    keeps_finished = frameworks.torch_pipeline_keeps_finished(spec)
+    held = 0
+    for chunk, (in_flight, finished) in enumerate(counts):
+        model_stage = chunk * p + rank
+        first, last = model_stage == 0, model_stage == p * v - 1
+        output = logits_bytes if last else boundary_bytes
+        held += frameworks.torch_pipeline_buffer_bytes(
+            m, in_flight, boundary_bytes, output, first, last
+        )
+        if keeps_finished:
+            held += frameworks.torch_pipeline_kept_bytes(finished, boundary_bytes, output, first)
     return held
 
 
