@@ -233,3 +233,14 @@ def test_interleaved_plan_counts_them_on_its_peak_stage(spec_of):
     expected = memory.pipeline_buffer_bytes(spec, plan.peak_stage, 1)
     assert expected > 0
     assert plan.pipeline_buffer_bytes == expected
+
+
+def test_a_runtime_that_frees_what_it_sends_keeps_no_buffers(spec_of):
+    """`deallocate_pipeline_outputs` (Llama 3's runtime, §3.3.2): torchtitan's receive, gradient
+    and kept-output buffers are not counted on any stage, interleaved or not."""
+    for virtual_stages in (1, 2):
+        kept = torchtitan_pipeline(spec_of, virtual_stages=virtual_stages)
+        freed = kept.replace(deallocate_pipeline_outputs=True)
+        stages = range(kept.pp)
+        assert all(memory.pipeline_buffer_bytes(kept, stage, 2) > 0 for stage in stages)
+        assert [memory.pipeline_buffer_bytes(freed, stage, 2) for stage in stages] == [0] * kept.pp

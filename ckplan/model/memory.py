@@ -870,8 +870,9 @@ def pipeline_buffer_bytes(spec: ModelSpec, stage: int, in_flight: int) -> int:
     v local stages' buffers, each at its own in-flight and finished micro-batches
     (`interleaved_pipeline_buffer_bytes`; `in_flight` is then not read). Under DualPipe none:
     its runtime empties what it sent (deepseek-ai/DualPipe at 3da1bbe, dualpipe.py
-    `_free_tensors`)."""
-    if spec.framework != "torchtitan" or spec.pp == 1:
+    `_free_tensors`), nor where the runtime frees each stage's inputs and outputs once used
+    (`deallocate_pipeline_outputs`, Llama 3's, §3.3.2)."""
+    if spec.framework != "torchtitan" or spec.pp == 1 or spec.deallocate_pipeline_outputs:
         return 0
     if spec.pipeline_schedule == "dualpipe":  # DualPipe's own runtime: _free_tensors (3da1bbe)
         return 0

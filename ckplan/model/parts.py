@@ -635,6 +635,13 @@ class Execution(_Record):
     # (ckplan.hardware.code_path `float8_weight_cast_bytes`). Precision float8, torchtitan,
     # zero 2 or 3 with dp > 1 (ckplan.model.spec `_validate_fsdp_float8_all_gather`).
     fsdp_float8_all_gather: bool = False
+    # The pipeline runtime frees each stage's sent outputs and received inputs once they are used
+    # (Dubey et al. 2024, "The Llama 3 Herd of Models" §3.3.2: "we proactively deallocate
+    # tensors that will not be used for future computation, including the input and output
+    # tensors of each pipeline stage"; Megatron-LM frees what it sends, --deallocate-pipeline-
+    # outputs). Under torchtitan ckplan otherwise counts torch.distributed.pipelining's buffers
+    # (ckplan.model.memory `pipeline_buffer_bytes`); under Megatron-LM there are none either way.
+    deallocate_pipeline_outputs: bool = False
 
     __hash__ = _Record.__hash__
 

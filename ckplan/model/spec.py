@@ -84,7 +84,7 @@ KEY_ORDER = (
     "overlap_grad_reduce", "overlap_param_gather", "expandable_segments", "mlp_tiles",
     "training", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "use_dora",
     "weight_format", "bitsandbytes_version", "optimizer", "optimizer_in_backward", "zero_grad",
-    "optimizer_offload", "param_offload", "fsdp_float8_all_gather",
+    "optimizer_offload", "param_offload", "fsdp_float8_all_gather", "deallocate_pipeline_outputs",
 )  # fmt: skip
 PART_OF: dict[str, str] = {
     field.name: part for part, record in PARTS.items() for field in dataclasses.fields(record)

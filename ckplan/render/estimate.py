@@ -274,6 +274,7 @@ QUIET_KEYS = frozenset(
         "framework_version",
         "bitsandbytes_version",
         "fsdp_float8_all_gather",
+        "deallocate_pipeline_outputs",
     }
 )
 PART_TITLES = {
