@@ -1031,17 +1031,24 @@ def fp8_linear_parameters(spec: ModelSpec, stage: int) -> tuple[int, int]:
     linear: multi_token_prediction.py core_v0.14.0). The embedding, the output layer and the
     final norm stay in BF16 (Megatron-LM's VocabParallelEmbedding and ColumnParallelLinear,
     not Transformer Engine's). (0, 0) under any other precision."""
+    eh_proj = split_share(2 * spec.hidden * spec.hidden, spec.tp)
+    return _fp8_linear_sum(spec, stage, fp8_linear_layer_parameters, eh_proj)
+
+
+def _fp8_linear_sum(spec: ModelSpec, stage: int, per_layer, eh_proj: int) -> tuple[int, int]:
+    """(dense, routed-expert) sums of `per_layer(spec, kind)` over the layers of one GPU of
+    pipeline stage `stage` and, on the last stage, each MTP depth's block plus `eh_proj`;
+    (0, 0) but under precision fp8."""
     if spec.precision != "fp8" or spec.kind != "transformer":
         return 0, 0
     dense = expert = 0
     for model_stage in rank_stages(spec, stage):
         for kind, count in stage_kind_counts(spec, model_stage).items():
-            layer_dense, layer_expert = fp8_linear_layer_parameters(spec, kind)
+            layer_dense, layer_expert = per_layer(spec, kind)
             dense += count * layer_dense
             expert += count * layer_expert
         if spec.mtp_layers and model_stage == spec.pp - 1:
-            block_dense, block_expert = fp8_linear_layer_parameters(spec, mtp.mtp_kind(spec))
-            eh_proj = split_share(2 * spec.hidden * spec.hidden, spec.tp)
+            block_dense, block_expert = per_layer(spec, mtp.mtp_kind(spec))
             dense += spec.mtp_layers * (block_dense + eh_proj)
             expert += spec.mtp_layers * block_expert
     return dense, expert
@@ -1068,19 +1075,7 @@ def fp8_linear_tensors(spec: ModelSpec, stage: int) -> tuple[int, int]:
     layers' (`fp8_linear_layer_tensors`) and on the last stage each MTP depth's block and
     eh_proj; (0, 0) under any other precision. The amaxes the master weights' cast
     all-reduces, one each (`frameworks.FP8_AMAX_BYTES`)."""
-    if spec.precision != "fp8" or spec.kind != "transformer":
-        return 0, 0
-    dense = expert = 0
-    for model_stage in rank_stages(spec, stage):
-        for kind, count in stage_kind_counts(spec, model_stage).items():
-            layer_dense, layer_expert = fp8_linear_layer_tensors(spec, kind)
-            dense += count * layer_dense
-            expert += count * layer_expert
-        if spec.mtp_layers and model_stage == spec.pp - 1:
-            block_dense, block_expert = fp8_linear_layer_tensors(spec, mtp.mtp_kind(spec))
-            dense += spec.mtp_layers * (block_dense + 1)
-            expert += spec.mtp_layers * block_expert
-    return dense, expert
+    return _fp8_linear_sum(spec, stage, fp8_linear_layer_tensors, 1)
 
 
 def fp8_primary_weights(spec: ModelSpec, stage: int) -> tuple[int, int]:

@@ -292,18 +292,23 @@ class Bounds:
         names = layout_module_candidates(self.spec)
         return tuple(parse_strategy(name, self.spec).groups for name in names)
 
+    def _weights_spec(self, layout: Layout) -> ModelSpec:
+        """The model laid out as `layout` splits its weights (tp, pp and its split, virtual
+        stages, ep, etp), one micro-batch and no data parallelism: what its stages hold."""
+        keys = {}
+        if self.experts:
+            keys = {"ep": layout.ep, "etp": layout.etp, "dp": layout.ep * layout.etp}
+        return self._spec(
+            tp=layout.tp, sp=layout.tp > 1, cp=1, zero=0, pp=layout.pp,
+            virtual_stages=layout.virtual_stages, microbatches=1,
+            **{"dp": 1, **keys}, **layout.split.keys(),
+        )  # fmt: skip
+
     def parameters(self, layout: Layout) -> dict[int, tuple[int, int]]:
         """(dense, expert) parameters per GPU of each distinct stage."""
         key = (layout.tp, layout.pp, layout.split, layout.virtual_stages, layout.ep, layout.etp)
         if key not in self._params:
-            keys = {}
-            if self.experts:
-                keys = {"ep": layout.ep, "etp": layout.etp, "dp": layout.ep * layout.etp}
-            spec = self._spec(
-                tp=layout.tp, sp=layout.tp > 1, cp=1, zero=0, pp=layout.pp,
-                virtual_stages=layout.virtual_stages, microbatches=1,
-                **{"dp": 1, **keys}, **layout.split.keys(),
-            )  # fmt: skip
+            spec = self._weights_spec(layout)
             self._params[key] = {
                 shape.index: memory.stage_parameters(spec, shape.index)
                 for shape in self.stages(layout.pp, layout.split, layout.virtual_stages)
@@ -316,14 +321,7 @@ class Bounds:
         without `fp8_param_gather`."""
         key = (layout.tp, layout.pp, layout.split, layout.virtual_stages, layout.ep, layout.etp)
         if key not in self._fp8:
-            keys = {}
-            if self.experts:
-                keys = {"ep": layout.ep, "etp": layout.etp, "dp": layout.ep * layout.etp}
-            spec = self._spec(
-                tp=layout.tp, sp=layout.tp > 1, cp=1, zero=0, pp=layout.pp,
-                virtual_stages=layout.virtual_stages, microbatches=1,
-                **{"dp": 1, **keys}, **layout.split.keys(),
-            )  # fmt: skip
+            spec = self._weights_spec(layout)
             on = self.spec.fp8_param_gather
             self._fp8[key] = {
                 shape.index: (
