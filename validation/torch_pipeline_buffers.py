@@ -60,6 +60,19 @@ def buffer_units(infos: dict, unit: int) -> float:
     return sum(t.numel() * t.element_size() for t in held) / unit
 
 
+def step(schedule, rank: int, world: int, microbatches: int) -> None:
+    """One training step of `schedule` on pipeline rank `rank`: the first rank feeds the batch,
+    the last computes the loss, the others relay."""
+    batch = torch.randn(microbatches * TOKENS, HIDDEN)
+    if rank == 0:
+        schedule.step(batch)
+    elif rank == world - 1:
+        # torchtitan 9dec370's call: no return_outputs=False, so the last stage keeps its outputs
+        schedule.step(target=torch.zeros_like(batch), losses=[])
+    else:
+        schedule.step()
+
+
 def count(rank: int, world: int, microbatches: int, port: str, results) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -117,14 +130,7 @@ def count(rank: int, world: int, microbatches: int, port: str, results) -> None:
     schedule = Schedule1F1B(
         stage, n_microbatches=microbatches, loss_fn=lambda out, target: out.pow(2).mean()
     )
-    batch = torch.randn(microbatches * TOKENS, HIDDEN)
-    if rank == 0:
-        schedule.step(batch)
-    elif rank == world - 1:
-        # torchtitan 9dec370's call: no return_outputs=False, so the last stage keeps its outputs
-        schedule.step(target=torch.zeros_like(batch), losses=[])
-    else:
-        schedule.step()
+    step(schedule, rank, world, microbatches)
     results[rank] = dict(seen)
     dist.destroy_process_group()
 
@@ -161,13 +167,7 @@ def count_interleaved(rank: int, world: int, microbatches: int, port: str, resul
     schedule = ScheduleInterleaved1F1B(
         stages, n_microbatches=microbatches, loss_fn=lambda out, target: out.pow(2).mean()
     )
-    batch = torch.randn(microbatches * TOKENS, HIDDEN)
-    if rank == 0:
-        schedule.step(batch)
-    elif rank == world - 1:
-        schedule.step(target=torch.zeros_like(batch), losses=[])
-    else:
-        schedule.step()
+    step(schedule, rank, world, microbatches)
     X = TOKENS * HIDDEN * 4
     buffers = [
         [buffer_units(stage.args_recv_info, X), buffer_units(stage.grad_recv_info, X)]
