@@ -7,6 +7,7 @@ from small_specs import (
     H100_GATHER_LATENCY_2_RANKS,
     H100_NVLINK_BANDWIDTH,
     SMALL_DENSE_TP2,
+    SMALL_MOE,
     ops_by_name,
     spec_from,
 )
@@ -200,6 +201,23 @@ def test_blockwise_saves_the_column_wise_copy_with_its_scales():
     # without sequence parallelism the column-parallel inputs are GEMM-ready: (1, 64) too
     plain = ops_of(small(fp8_recipe="blockwise", sp=False))
     assert plain["qkv_proj"].saved_bytes == ops_of(small(sp=False))["qkv_proj"].saved_bytes + 256
+
+
+def test_blockwise_experts_scale_each_experts_rows():
+    """SMALL_MOE: 4 local experts, 64 tokens x top-2 = 128 routed rows, 32 an expert; each
+    expert's input is its own block-scaled tensor (TE's GroupedLinear), so fc1's (32, 64)
+    inputs keep 4 x (ceil(32/128), 64) scales and fc2's (32, 32) ones 4 x (1, 32), 4 bytes
+    each."""
+    from ckplan.model.ops import layer_ops
+
+    def experts(recipe):
+        spec = spec_from(SMALL_MOE, precision="fp8", fp8_recipe=recipe)
+        return {op.name: op for op in layer_ops(spec)}
+
+    delayed, blockwise = experts("delayed"), experts("blockwise")
+    assert delayed["expert_fc1"].saved_bytes == 128 * 64
+    assert blockwise["expert_fc1"].saved_bytes == 128 * 64 + 4 * 4 * 64
+    assert blockwise["expert_fc2"].saved_bytes == 128 * 32 + 4 * 4 * 32
 
 
 def test_blockwise_time_by_hand(h100):
