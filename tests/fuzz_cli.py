@@ -190,7 +190,7 @@ _ENUM_VALUES = {
     "kernels": ["fused", "eager", "compiled"],
     "attention_kernel": ["flash2", "flash3", "cudnn", "triton", "sdpa"],
     "precision": ["bf16", "fp16", "fp8", "fp32"],
-    "fp8_recipe": ["delayed", "current", "mxfp8", "tensorwise", ""],
+    "fp8_recipe": ["delayed", "current", "mxfp8", "blockwise", "tensorwise", ""],
     "loss": ["fused", "eager", "xentropy", "compiled", "chunked:4", "chunked:1", "chunked:"],
     "training": ["full", "lora"],
 }

@@ -40,6 +40,8 @@ def test_per_parameter_bytes():
     assert frameworks.fp8_primary_weight_bytes(False, 2) == 2
     assert frameworks.fp8_master_cast_bytes("delayed") == 4 + 2 + 2 + 1 == 9
     assert frameworks.fp8_master_cast_bytes("current") == 4 + 2 + 2 + 2 + 1 == 11
+    # block scaling: the fp32 master read for the blocks' amaxes, read again, cast to FP8
+    assert frameworks.fp8_master_cast_bytes("blockwise") == 4 + 4 + 1 == 9
 
 
 def test_llama3_8b_fp8_linear_weights():
@@ -125,6 +127,26 @@ def test_the_step_casts_its_master_shard_and_reduces_amaxes(recipe):
     assert optimizer_seconds(spec, H100) == pytest.approx(
         optimizer_seconds(plain, H100) + memory_seconds(H100, extra) + amax
     )
+
+
+def test_blockwise_reduces_one_amax_per_128x128_block():
+    """Block scaling's master-weight cast all-reduces one fp32 amax per 128x128 block of every
+    FP8 weight on the GPU: Llama-3-8B's 32 x 218,103,808 weights / 16,384 = 425,984 amaxes,
+    over the 8 data-parallel ranks; the weights' FP8 copies are those of per-tensor scaling."""
+    plain = LLAMA3_8B.replace(fp8_recipe="blockwise")
+    spec = plain.replace(fp8_param_gather=True)
+    assert memory.fp8_weight_amaxes(spec, 0) == (32 * 218_103_808 // 16_384, 0) == (425_984, 0)
+    assert memory.fp8_weight_amaxes(FP8_PARAMS, 0) == (32 * 4, 0)
+    bandwidth = comm.group_bandwidth(H100, 8, 1)
+    amax = comm.all_reduce_seconds(425_984 * 4, 8, bandwidth) + comm.all_reduce_latency(H100, 8)
+    assert fp8_amax_reduction_seconds(spec, H100) == pytest.approx(amax)
+    fp8, _ = memory.fp8_linear_parameters(spec, 0)
+    extra = split_share(fp8, 8) * (9 - 2)
+    assert optimizer_seconds(spec, H100) == pytest.approx(
+        optimizer_seconds(plain, H100) + memory_seconds(H100, extra) + amax
+    )
+    copies = memory.stage_buffer_bytes(spec, 0) - memory.stage_buffer_bytes(FP8_PARAMS, 0)
+    assert copies == 0
 
 
 @pytest.mark.parametrize(

@@ -240,7 +240,8 @@ def test_the_fused_moe_kernels_and_padded_capacity_are_flags_the_mirror_parses()
 
 def test_the_fp8_recipe_is_a_flag_the_mirror_parses():
     """`fp8_recipe` current exports as `--fp8-recipe tensorwise` (Megatron-LM's name for
-    Transformer Engine's Float8CurrentScaling), mxfp8 as `--fp8-recipe mxfp8`; delayed is
+    Transformer Engine's Float8CurrentScaling), mxfp8 as `--fp8-recipe mxfp8`, blockwise as
+    `--fp8-recipe blockwise` (Float8BlockScaling); delayed is
     Megatron-LM's default and exports no flag. Under current scaling the layernorm module's
     recomputation, which Megatron-Core refuses under delayed scaling, parses and validates."""
     from megatron_args import parse, validate
@@ -257,6 +258,12 @@ def test_the_fp8_recipe_is_a_flag_the_mirror_parses():
     text = _exported("llama3-8b", "layernorm+selective", precision="fp8", fp8_recipe="current")
     args = validate(parse(text, 1))
     assert "layernorm" in args.recompute_modules and args.fp8_recipe == "tensorwise"
+    # blockwise: Transformer Engine's Float8BlockScaling, `--fp8-recipe blockwise`, which also
+    # allows the layernorm module's recomputation
+    text = _exported("llama3-8b", "layernorm+selective", precision="fp8", fp8_recipe="blockwise")
+    assert "--fp8-recipe blockwise" in text
+    args = validate(parse(text, 1))
+    assert "layernorm" in args.recompute_modules and args.fp8_recipe == "blockwise"
 
 
 def test_fp8_primary_weights_are_a_flag_the_mirror_parses():

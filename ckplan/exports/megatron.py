@@ -186,7 +186,8 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
     if discarding and spec.precision == "fp8" and spec.fp8_recipe == "delayed":
         return (
             f"{discarding[0]} with FP8: Megatron-Core refuses it under delayed scaling "
-            "(transformer_config.py core_v0.19.0); fp8_recipe current or mxfp8 allows it"
+            "(transformer_config.py core_v0.19.0); fp8_recipe current, mxfp8 or blockwise "
+            "allows it"
         )
     if (layers.moe or layers.mlp or layers.extra) and layers.recomputed:
         return (
@@ -486,8 +487,15 @@ def _precision_flags(spec: ModelSpec) -> list[list[str]]:
 
 # ckplan's fp8_recipe as Megatron-LM's --fp8-recipe names it (megatron/training/arguments.py,
 # core_v0.19.0: choices tensorwise, delayed, mxfp8, blockwise, custom; `tensorwise` builds
-# Transformer Engine's Float8CurrentScaling, megatron/core/fp8_utils.py)
-MEGATRON_FP8_RECIPES = {"delayed": "delayed", "current": "tensorwise", "mxfp8": "mxfp8"}
+# Transformer Engine's Float8CurrentScaling, `blockwise` its Float8BlockScaling with TE 2.3+,
+# megatron/core/fp8_utils.py core_v0.15.3; Megatron-Bridge v0.6.0 mixed_precision.py
+# `bf16_with_fp8_subchannel_scaling_mixed`: fp8 "hybrid", fp8_recipe "blockwise")
+MEGATRON_FP8_RECIPES = {
+    "delayed": "delayed",
+    "current": "tensorwise",
+    "mxfp8": "mxfp8",
+    "blockwise": "blockwise",
+}
 
 
 def render(plan: Plan, layers: LayerSegments, recompute_modules: bool = True) -> str:

@@ -24,8 +24,10 @@ four ways, each a key of the model's `Execution` part:
   core and the output layer stay in BF16 (Megatron-LM and torchao's defaults). Under
   Transformer Engine the scaling recipe (`fp8_recipe`) changes what each cast and each
   sequence-parallel gather moves (`fp8_quantize_bytes`, `fp8_amax_pass_bytes`,
-  `fp8_gathered_bytes`) and, under current scaling, adds an amax all-reduce before each FP8
-  gather (`current_scaling_amax_reductions`, timed in ckplan.hardware.step_time).
+  `fp8_gathered_bytes`, `fp8_block_gathered_bytes`) and, under current scaling, adds an amax
+  all-reduce before each FP8 gather (`current_scaling_amax_reductions`, timed in
+  ckplan.hardware.step_time); under block scaling the GEMMs run at the GPU's block-scaled
+  rate (`GPU.fp8_block_gemm_rate`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from functools import lru_cache
 
 from ckplan.hardware.gpus import GPU, GPUError
 from ckplan.hardware.roofline import OpTime, memory_seconds, op_backward_time, op_forward_time
+from ckplan.model.fp8_blocks import block_scale_bytes_1d
 from ckplan.model.op import ATTENTION_CORE, Op, in_group
 
 # Eager PyTorch's norms, gated activations and RoPE run each step as its own ATen kernel; the
@@ -93,7 +96,7 @@ NORM_FUSED_LINEARS = ("qkv_proj", "fc1", "q_up", "kv_up")
 # FSDP2's per-parameter hooks). A code path with fewer calibration runs than the fit's minimum
 # keeps 1.0; fused is the reference.
 # calibration runs: fused 53, compiled 6, eager 4
-KERNEL_RATES: dict[str, float] = {"fused": 1.0, "compiled": 0.837, "eager": 1.0}
+KERNEL_RATES: dict[str, float] = {"fused": 1.0, "compiled": 0.834, "eager": 1.0}
 NORM_OPS = ("norm1", "norm2", "qk_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "kv_norm")
 NOT_FP8 = ("output", "router")  # the output layer and the router stay in BF16
 
@@ -137,7 +140,7 @@ class CodePath:
         mm = op.matmul
         cols = mm.n if backward else mm.k  # the output gradient's width, or the input's
         rows = mm.batch * mm.m
-        cast = fp8_quantize_bytes(self.fp8_recipe, rows, cols)
+        cast = fp8_quantize_bytes(self.fp8_recipe, rows, cols, mm.batch)
         # a norm fused into the layer finds its output's amax as it writes it
         if backward or not (self.norm_fused and op.name in NORM_FUSED_LINEARS):
             cast += fp8_amax_pass_bytes(self.fp8_recipe, rows * cols, dtype_bytes)
@@ -268,18 +271,27 @@ def fp8_gemm(op: Op) -> bool:
     return op.matmul is not None and op.name not in NOT_FP8 and not in_group(op, ATTENTION_CORE)
 
 
-def fp8_quantize_bytes(recipe: str | None, rows: int, cols: int) -> int:
+def fp8_quantize_bytes(recipe: str | None, rows: int, cols: int, groups: int = 1) -> int:
     """Bytes one FP8 cast of a (rows, cols) BF16 tensor moves: it reads the tensor and writes
     the row-wise and the column-wise (transposed) FP8 copy, `FP8_CAST_BYTES` per element
     (torchao's float8 scaling and delayed and current scaling alike, `recipe` None or either);
     MXFP8 writes each copy's E8M0 scales too, one byte per `MXFP8_BLOCK` values along its
     rows for the row-wise copy and along its columns for the column-wise one (TE v2.9
     mxfp8_tensor.py `MXFP8Quantizer.make_empty`: rowwise scale_inv (rows, cols/32),
-    columnwise (rows/32, cols); their padding to 128x4 tiles left out). Derived."""
+    columnwise (rows/32, cols); their padding to 128x4 tiles left out). Block scaling
+    ("blockwise") writes both copies' fp32 scales, one per 128 values, in the GEMM-ready
+    shapes (`fp8_blocks.block_scale_bytes_1d`; TE v2.9 float8_blockwise_tensor.py
+    `Float8BlockQuantizer.make_empty`), for each of `groups` equal row groups cast on their
+    own (a grouped GEMM's per-expert inputs). Derived."""
     cast = FP8_CAST_BYTES * rows * cols
     if recipe == "mxfp8":
         blocks = -(-cols // MXFP8_BLOCK) * rows + -(-rows // MXFP8_BLOCK) * cols
         cast += blocks
+    if recipe == "blockwise":
+        per_group = rows // groups
+        scales = block_scale_bytes_1d(per_group, cols, "rowwise")
+        scales += block_scale_bytes_1d(per_group, cols, "columnwise")
+        cast += groups * scales
     return cast
 
 
@@ -331,8 +343,10 @@ def fp8_amax_pass_bytes(recipe: str | None, elements: int, dtype_bytes: int) -> 
     (v2.9 csrc/extensions/normalization.cpp, `Impl::FUSED_NORM_AMAX_FP8`, then
     `quantize_with_amax`), so the caller skips those. Delayed scaling casts with the scale of
     the amax history and records the amax in the same kernel (TE v1.8 and v2.9
-    `cast_transpose` with the scale and amax pointers); MXFP8 finds each block's scale in the
-    cast kernel. 0 for both."""
+    `cast_transpose` with the scale and amax pointers); MXFP8 and block scaling find each
+    block's scale in the cast kernel (TE v2.9 common/transpose/
+    quantize_transpose_vector_blockwise.cu and quantize_transpose_square_blockwise.cu: the
+    block's amax, then its scale and cast, in one kernel). 0 for all three."""
     return dtype_bytes * elements if recipe == "current" else 0
 
 
@@ -340,10 +354,36 @@ def fp8_gathered_bytes(recipe: str | None, elements: int) -> int:
     """Bytes of one FP8 sequence-parallel all-gather of `elements` values in all: one byte each
     (`FP8_GATHER_BYTES`), and under MXFP8 one E8M0 scale byte per `MXFP8_BLOCK` of them (TE
     v2.9 transformer_engine/pytorch/distributed.py `_all_gather_mxfp8` gathers the data and its
-    scale_inv of the copy the GEMM uses). Derived."""
+    scale_inv of the copy the GEMM uses). Block scaling: `fp8_block_gathered_bytes`. Derived."""
     gathered = FP8_GATHER_BYTES * elements
     if recipe == "mxfp8":
         gathered += -(-elements // MXFP8_BLOCK)
+    return gathered
+
+
+FP8_BLOCK_GATHER_USAGES = ("rowwise", "columnwise", "both")
+
+
+def fp8_block_gathered_bytes(rows: int, cols: int, tp: int, usage: str) -> int:
+    """Bytes of one sequence-parallel all-gather under block scaling of a (rows, cols) tensor
+    whose `rows` are split over `tp` ranks: the FP8 data of each copy `usage` names, one byte
+    a value, and its fp32 scales in the compact all-gather format (each rank's shard's,
+    `fp8_blocks.block_scale_bytes_1d` with compact). TE v2.9 transformer_engine/pytorch/
+    distributed.py `_all_gather_fp8_blockwise` all-gathers `_rowwise_data` and
+    `_rowwise_scale_inv` where the quantizer has row-wise usage and `_columnwise_data` and
+    `_columnwise_scale_inv` where it has column-wise usage, in one coalesced group. Which
+    usages (module/linear.py, layernorm_linear.py, base.py `grad_output_preprocess`): a
+    column-parallel layer's forward gathers its input row-wise ("rowwise"), its backward
+    re-gathers the saved column-wise copy for the weight gradient ("columnwise"); a
+    row-parallel layer's backward gathers the output gradient with both usages set
+    (`quantizer.set_usage(rowwise=True, columnwise=True)`, "dgrad GEMM requires row-wise
+    usage, wgrad GEMM requires column-wise usage"), both copies: "both". Derived."""
+    local = rows // tp
+    copies = ("rowwise", "columnwise") if usage == "both" else (usage,)
+    gathered = 0
+    for copy in copies:
+        gathered += FP8_GATHER_BYTES * rows * cols
+        gathered += tp * block_scale_bytes_1d(local, cols, copy, compact=True)
     return gathered
 
 
@@ -354,7 +394,9 @@ def current_scaling_amax_reductions(recipe: str | None, sp: bool, tp: int) -> in
     (TE v2.9 module/linear.py and layernorm_linear.py `_customize_quantizers_float8_current_
     scaling`: `with_amax_reduction = True`, `amax_reduction_group = self.tp_group` when
     `sequence_parallel`; `quantize_impl` waits on it before the cast). Delayed scaling reduces
-    its amaxes once per micro-batch, not per gather; MXFP8's block scales need none. 0 else."""
+    its amaxes once per micro-batch, not per gather; MXFP8's and block scaling's block scales
+    need none (`_customize_quantizers_float8_blockwise_scaling` sets `all_gather_usage`, no
+    amax reduction). 0 else."""
     return 1 if recipe == "current" and sp and tp > 1 else 0
 
 
@@ -380,16 +422,20 @@ def _gathers_in_fp8(precision: str, framework: str, op: Op) -> bool:
     return precision == "fp8" and framework == "megatron" and fp8_gemm(op)
 
 
-def sequence_parallel_gather_size(spec, op: Op, elements: int) -> int:
-    """Bytes of one sequence-parallel all-gather of `elements` values of `op` (a ModelSpec or
-    ChainSpec's run): `sequence_parallel_gather_bytes` each, with MXFP8's scales
-    (`fp8_gathered_bytes`) where the gather is in FP8.
+def sequence_parallel_gather_size(spec, op: Op, rows: int, cols: int, usage: str) -> int:
+    """Bytes of one sequence-parallel all-gather of a (rows, cols) tensor of `op` (a ModelSpec
+    or ChainSpec's run; `rows` gathered over its tp ranks): `sequence_parallel_gather_bytes`
+    each, with MXFP8's scales (`fp8_gathered_bytes`) where the gather is in FP8, and under block
+    scaling the copies `usage` names with their scales (`fp8_block_gathered_bytes`).
 
-    derived: the per-element bytes times the elements, MXFP8's scale bytes added by
-    `fp8_gathered_bytes` (sources there)."""
-    if _gathers_in_fp8(spec.precision, spec.framework, op):
-        return fp8_gathered_bytes(spec.fp8_recipe, elements)
-    return sequence_parallel_gather_bytes(spec.precision, spec.framework, op) * elements
+    derived: the per-element bytes times the elements, the scale bytes added by
+    `fp8_gathered_bytes` and `fp8_block_gathered_bytes` (sources there)."""
+    elements = rows * cols
+    if not _gathers_in_fp8(spec.precision, spec.framework, op):
+        return sequence_parallel_gather_bytes(spec.precision, spec.framework, op) * elements
+    if spec.fp8_recipe == "blockwise":
+        return fp8_block_gathered_bytes(rows, cols, spec.tp, usage)
+    return fp8_gathered_bytes(spec.fp8_recipe, elements)
 
 
 def attention_plateau(gpu: GPU, kernel: str) -> float:
@@ -452,6 +498,15 @@ def code_path(
             raise GPUError(
                 f"fp8_recipe mxfp8 needs MXFP8 tensor cores (compute capability 10.x, e.g. "
                 f"b200); GPU {gpu.name!r} has none (gpu.mxfp8)"
+            )
+        if fp8_recipe == "blockwise":
+            if not gpu.fp8_block_gemm_rate:
+                raise GPUError(
+                    f"fp8_recipe blockwise needs block-scaled FP8 GEMMs (compute capability "
+                    f"9.x, e.g. h100-sxm); GPU {gpu.name!r} has none (gpu.fp8_block_gemm_rate)"
+                )
+            fp8 = dataclasses.replace(
+                fp8, matmul_efficiency=fp8.matmul_efficiency * gpu.fp8_block_gemm_rate
             )
     float8_weights = None
     if precision == "float8":

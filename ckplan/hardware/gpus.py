@@ -64,6 +64,9 @@ Device-memory keys (what nvidia-smi shows beside the caching allocator, hardware
 Precision and attention-kernel keys (hardware.code_path):
   fp8_flops, fp8_matmul_efficiency   dense FP8 tensor-core FLOP/s and its best-shape share
   mxfp8                       true where Transformer Engine runs MXFP8 (compute capability 10.x)
+  fp8_block_gemm_rate         the block-scaled FP8 GEMM's rate (fp8_recipe blockwise) as a share
+                              of the per-tensor-scaled one's; 0 where Transformer Engine has no
+                              native one (all but compute capability 9.x)
   flash3_efficiency, cudnn_attention_efficiency, triton_attention_efficiency
                               each kernel's forward + backward plateau (flash_attention_efficiency
                               is FlashAttention-2's), from the kernels' published benchmarks
@@ -131,6 +134,14 @@ class GPU:
     # `check_mxfp8_support`: "Device compute capability 10.0 or higher required", 12.0+ not
     # yet), i.e. B200 and GB200
     mxfp8: bool = False
+    # Block-scaled FP8 GEMMs (fp8_recipe blockwise, Transformer Engine's Float8BlockScaling):
+    # cuBLASLt's 1x128 / 128x128 fp32-scaled FP8 GEMM runs on Hopper alone; TE v2.9 accepts
+    # compute capability 9.0 and above (quantization.py `check_fp8_block_scaling_support`, CUDA
+    # 12.9+; v2.3-v2.7: Hopper only) but emulates it with MXFP8 on 10.0 and above (csrc/
+    # extensions/gemm.cpp, "Emulate the FP8 block scaling recipe with MXFP8 on Blackwell and
+    # newer"), which is not modelled. The rate is the GEMM's as a share of the per-tensor FP8
+    # GEMM's (fp8_matmul_efficiency); 0: not modelled on this GPU
+    fp8_block_gemm_rate: float = 0.0
     # attention kernels other than FlashAttention-2 (flash_attention_efficiency): their plateau
     # as a share of bf16_flops, 0 where the kernel does not run on this GPU
     flash3_efficiency: float = 0.0
@@ -183,7 +194,7 @@ MEMORY_RANGE = (2**20, 10**21)  # memory_bytes: 1 MiB .. 1 ZB, as --budget accep
 _OVERLAPS = {"dp_overlap", "ep_overlap"}  # [0, 1]
 # [0, 1]: 0 = the GPU has no such unit or kernel
 _OPTIONAL_FRACTIONS = {"flash3_efficiency", "cudnn_attention_efficiency"}
-_OPTIONAL_FRACTIONS |= {"triton_attention_efficiency"}
+_OPTIONAL_FRACTIONS |= {"triton_attention_efficiency", "fp8_block_gemm_rate"}
 _NON_NEGATIVE = {"fp8_flops", "attention_half_seq"}  # [0, MAX_RATE]
 _FRACTIONS = {  # (0, 1]
     "matmul_efficiency",

@@ -178,7 +178,8 @@ def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tupl
     Each collective moves the whole (s·b, h) tensor of B-byte values on the TP link, plus NCCL's
     ring latency (`comm.all_reduce_latency`, `all_gather_latency`); under Transformer Engine's
     FP8 the SP all-gathers of an FP8 GEMM move one byte per value
-    (`code_path.sequence_parallel_gather_bytes`, MXFP8's scales beside them), and under
+    (`code_path.sequence_parallel_gather_bytes`, MXFP8's scales beside them; block scaling's
+    copies and scales, `code_path.fp8_block_gathered_bytes`), and under
     current scaling each FP8 gather waits for an all-reduce of its amax over the group first
     (`code_path.current_scaling_amax_reductions`), exposed: the host waits on it before the
     cast. An overlapped one adds what it does not hide and the slowdown of the GEMM whose SMs
@@ -216,10 +217,14 @@ def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tupl
         if op.tp_comm == "column":
             size = mm.batch * mm.m * mm.k * mm.dtype_bytes
             if spec.sp:
-                gather_size = sequence_parallel_gather_size(spec, op, mm.batch * mm.m * mm.k)
+                rows = mm.batch * mm.m
+                gather_size = sequence_parallel_gather_size(spec, op, rows, mm.k, "rowwise")
                 gather = comm.all_gather_seconds(gather_size, t, bandwidth) + gather_latency
                 forward += amax + pipelined(gather, mm)
-                backward += beside(gather, input_grad)
+                # the backward re-gathers the saved copy, the column-wise one
+                regather_size = sequence_parallel_gather_size(spec, op, rows, mm.k, "columnwise")
+                regather = comm.all_gather_seconds(regather_size, t, bandwidth) + gather_latency
+                backward += beside(regather, input_grad)
                 scatter = comm.reduce_scatter_seconds(size, t, bandwidth) + gather_latency
                 backward += beside(scatter, weight_grad)
             else:
@@ -230,7 +235,8 @@ def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tupl
             if spec.sp:
                 scatter = comm.reduce_scatter_seconds(size, t, bandwidth) + gather_latency
                 forward += pipelined(scatter, mm)
-                gather_size = sequence_parallel_gather_size(spec, op, mm.batch * mm.m * mm.n)
+                # the output gradient, with both copies where the recipe gathers them
+                gather_size = sequence_parallel_gather_size(spec, op, mm.batch * mm.m, mm.n, "both")
                 gather = comm.all_gather_seconds(gather_size, t, bandwidth) + gather_latency
                 backward += amax + pipelined(gather, input_grad)
             else:
@@ -1152,16 +1158,18 @@ def fp8_master_cast_extra_bytes(spec: ModelSpec, fp8_shard: int) -> int:
 
 def fp8_amax_reduction_seconds(spec: ModelSpec, gpu: GPU) -> float:
     """The all-reduces (max) of the FP8 primary weights' amaxes after the master weights' cast,
-    one fp32 per FP8 weight tensor of the GPU packed into one all-reduce over each
+    one fp32 per FP8 weight tensor of the GPU (per 128x128 block under block scaling,
+    `memory.fp8_weight_amaxes`) packed into one all-reduce over each
     distributed optimizer's data-parallel group (Transformer Engine v2.9 tensor/utils.py,
     `packed_amaxes`, `torch.distributed.all_reduce(..., group=group)`, under delayed and
-    current scaling; Megatron-Core core_v0.14.0 builds one distributed optimizer over the
+    current scaling, `_cast_master_weights_to_fp8_blockwise_scaling` under block scaling;
+    Megatron-Core core_v0.14.0 builds one distributed optimizer over the
     dense parameters' dp·cp ranks and one over the experts' expert-data-parallel group):
     bytes and ring latency (`comm.all_reduce_latency`), exposed, before the weights' gather.
     0 without `fp8_param_gather`."""
     if not spec.fp8_param_gather:
         return 0.0
-    dense, experts = memory.fp8_linear_tensors(spec, memory.busiest_stage(spec))
+    dense, experts = memory.fp8_weight_amaxes(spec, memory.busiest_stage(spec))
     groups = (
         (dense, spec.dp * spec.cp, spec.tp),
         (experts, spec.expert_data_parallel, spec.ep * spec.etp),
@@ -1170,8 +1178,8 @@ def fp8_amax_reduction_seconds(spec: ModelSpec, gpu: GPU) -> float:
 
 
 def amax_all_reduce_seconds(gpu: GPU, tensors: int, ranks: int, stride: int) -> float:
-    """One packed all-reduce of `tensors` fp32 amaxes over `ranks` GPUs `stride` apart: its
-    bytes and ring latency; 0 for no tensors or one rank."""
+    """One packed all-reduce of `tensors` fp32 amaxes (weight tensors, or blocks) over `ranks`
+    GPUs `stride` apart: its bytes and ring latency; 0 for no tensors or one rank."""
     if not tensors or ranks <= 1:
         return 0.0
     size = tensors * frameworks.FP8_AMAX_BYTES

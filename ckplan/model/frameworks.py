@@ -365,7 +365,15 @@ def te_fp8_weight_copy_bytes(fp8_param_gather: bool) -> int:
       (tensor/storage/float8_tensor_storage.py, v2.9) creates its transpose, `_transpose`,
       for the backward, one byte: 1. `_reset_caches` after each master-weight cast marks it
       stale and the next forward rewrites it (tensor/utils.py `cast_master_weights_to_fp8`).
-    The per-tensor fp32 scale_inv and amax (a few bytes a tensor) are not counted."""
+    Block scaling (`fp8_recipe` blockwise) keeps the same copies: the workspace's row-wise and
+    column-wise data (`Float8BlockQuantizer.make_empty`, tensor/float8_blockwise_tensor.py,
+    v2.9), or the FP8 parameter's row-wise data and the column-wise copy the forward's
+    `update_usage` makes from it (storage/float8_blockwise_tensor_storage.py: "For 2D
+    scaling, if columnwise data/scale_inv is None, we can create them from rowwise"), which
+    the master-weight cast drops again (`update_usage(rowwise_usage=True,
+    columnwise_usage=False)`). The per-tensor fp32 scale_inv and amax (a few bytes a tensor)
+    and block scaling's fp32 scale per 128x128 block (4 bytes per 16,384 weights a copy) are
+    not counted."""
     return 1 if fp8_param_gather else 2
 
 
@@ -393,13 +401,21 @@ def fp8_master_cast_bytes(fp8_recipe: str | None) -> int:
     quantized into the FP8 shard (`update_quantized`: read 2, write 1), the amax found in the
     same kernel under delayed scaling (`_cast_master_weights_to_fp8_delayed_scaling`): 9;
     current scaling reads the BF16 copy once more for its amax first (`tex.compute_amax`,
-    `_cast_master_weights_to_fp8_current_scaling`): 11. In place of the BF16 weight's write
-    (`weight_bytes`) that `optimizers.step_bytes_per_parameter` counts."""
+    `_cast_master_weights_to_fp8_current_scaling`): 11. Block scaling casts from the fp32
+    master weight itself, no BF16 copy: `tex.fp8_block_scaling_compute_partial_amax` reads it
+    for each 128x128 block's amax, `tex.fp8_block_scaling_partial_cast` reads it again and
+    writes the FP8 shard (`_cast_master_weights_to_fp8_blockwise_scaling`): 4 + 4 + 1 = 9.
+    In place of the BF16 weight's write (`weight_bytes`) that
+    `optimizers.step_bytes_per_parameter` counts."""
+    if fp8_recipe == "blockwise":
+        return 4 + 4 + 1
     amax_read = 2 if fp8_recipe == "current" else 0
     return 4 + 2 + amax_read + 2 + 1
 
 
-FP8_AMAX_BYTES = 4  # one fp32 amax per FP8 weight tensor, packed into one all-reduce
+# one fp32 amax per FP8 weight tensor (block scaling: per 128x128 block), packed into one
+# all-reduce
+FP8_AMAX_BYTES = 4
 
 
 def buffer_bytes(

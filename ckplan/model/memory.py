@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from ckplan.model import finetune, frameworks, mtp, optimizers
+from ckplan.model.fp8_blocks import FP8_BLOCK
 from ckplan.model.layers import (
     LayerKind,
     layer_kinds,
@@ -1076,6 +1077,21 @@ def fp8_linear_tensors(spec: ModelSpec, stage: int) -> tuple[int, int]:
     eh_proj; (0, 0) under any other precision. The amaxes the master weights' cast
     all-reduces, one each (`frameworks.FP8_AMAX_BYTES`)."""
     return _fp8_linear_sum(spec, stage, fp8_linear_layer_tensors, 1)
+
+
+def fp8_weight_amaxes(spec: ModelSpec, stage: int) -> tuple[int, int]:
+    """(dense, routed-expert) amaxes the FP8 primary weights' cast all-reduces on one GPU of
+    pipeline stage `stage` (`frameworks.FP8_AMAX_BYTES` each): one per FP8 weight tensor under
+    delayed and current scaling (`fp8_linear_tensors`); under block scaling one per 128x128
+    block of every FP8 weight (Transformer Engine v2.9 tensor/utils.py
+    `_cast_master_weights_to_fp8_blockwise_scaling`: `packed_amaxes` holds each weight's
+    row-wise scale shape, `num_amaxes = scale_shape[0] * scale_shape[1]`). derived: the weights
+    over 128² (`fp8_blocks.FP8_BLOCK`), rounded up; each tensor's partial edge blocks and the
+    scale shape's padding to 4 columns are left out."""
+    if spec.fp8_recipe != "blockwise":
+        return fp8_linear_tensors(spec, stage)
+    block = FP8_BLOCK * FP8_BLOCK
+    return tuple(-(-weights // block) for weights in fp8_linear_parameters(spec, stage))
 
 
 def fp8_primary_weights(spec: ModelSpec, stage: int) -> tuple[int, int]:

@@ -19,6 +19,7 @@ import dataclasses
 
 from ckplan.model.context_parallel import torchtitan_ring_workspace_bytes
 from ckplan.model.finetune import frozen_ops
+from ckplan.model.fp8_blocks import saved_input_scale_bytes
 from ckplan.model.frameworks import framework_version
 from ckplan.model.layers import DENSE, LayerKind, layer_kinds
 from ckplan.model.mla import mla_projection_ops, value_view_bytes
@@ -331,7 +332,7 @@ def layer_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Op, ...]:
         return numpy_mlp.layer_ops(spec)
     ops = transformer_layer_ops(spec, representative_kind(spec) if kind is None else kind)
     if spec.precision == "fp8":
-        ops = fp8_saved(ops, spec.dtype_bytes)
+        ops = fp8_saved(ops, spec)
     if not spec.profile.is_fused:
         from ckplan.model.profiles import apply_profile  # only with a profile (start-up time)
 
@@ -347,17 +348,31 @@ FP8_LINEARS = frozenset(
 )
 
 
-def fp8_saved(ops: tuple[Op, ...], dtype_bytes: int) -> tuple[Op, ...]:
+def fp8_saved(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
     """Transformer Engine's FP8 linear layers save the FP8 (1-byte), column-wise copy of their
     input for the backward instead of the B-byte input (transformer_engine/pytorch/module/
     linear.py: `inputmat.update_usage(rowwise_usage=False, columnwise_usage=True)`, "Discard
-    row-wise data since it is not needed in backward pass")."""
-    return tuple(
-        dataclasses.replace(op, saved_bytes=-(-op.saved_bytes // dtype_bytes))
-        if op.name in FP8_LINEARS and op.matmul is not None
-        else op
-        for op in ops
-    )
+    row-wise data since it is not needed in backward pass"); under blockwise scaling with that
+    copy's fp32 scales, one per 128 values (`fp8_blocks.saved_input_scale_bytes`). The
+    per-tensor scale of delayed and current scaling is a few bytes a layer, and MXFP8's
+    E8M0 scales are not counted."""
+    B = spec.dtype_bytes
+    blockwise = spec.fp8_recipe == "blockwise"
+    # a sequence-parallel column-parallel layer quantizes its input in the all-gather format
+    gathered = spec.sp and spec.tp > 1
+    saved_ops = []
+    for op in ops:
+        if op.name not in FP8_LINEARS or op.matmul is None:
+            saved_ops.append(op)
+            continue
+        values = -(-op.saved_bytes // B)
+        saved = values
+        if blockwise and values:
+            cols, groups = op.matmul.k, op.matmul.batch
+            compact = gathered and op.tp_comm == "column"
+            saved += saved_input_scale_bytes(values // cols, cols, groups, compact)
+        saved_ops.append(dataclasses.replace(op, saved_bytes=saved))
+    return tuple(saved_ops)
 
 
 @cached_by_chain(maxsize=128)

@@ -489,11 +489,11 @@ FP32_DEFAULTS: dict[str, int] = {
     "master_bytes": 0,
 }
 # Transformer Engine's FP8 scaling recipes that ckplan models (`fp8_recipe`, precision fp8 only;
-# ckplan.hardware.code_path): DelayedScaling, Float8CurrentScaling and MXFP8BlockScaling
-# (NVIDIA/TransformerEngine v2.9 transformer_engine/common/recipe/__init__.py), as Megatron-LM's
-# --fp8-recipe names them delayed, tensorwise and mxfp8. Float8BlockScaling (`blockwise`) and
-# NVFP4BlockScaling are not modelled.
-FP8_RECIPES = ("delayed", "current", "mxfp8")
+# ckplan.hardware.code_path): DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling and
+# Float8BlockScaling (NVIDIA/TransformerEngine v2.9 transformer_engine/common/recipe/
+# __init__.py), as Megatron-LM's --fp8-recipe names them delayed, tensorwise, mxfp8 and
+# blockwise (megatron/training/arguments.py, core_v0.15.3). NVFP4BlockScaling is not modelled.
+FP8_RECIPES = ("delayed", "current", "mxfp8", "blockwise")
 # Megatron-LM's --fp8-recipe default (megatron/training/arguments.py, core_v0.15.3 and
 # core_v0.19.0: default='delayed'); Transformer Engine itself picks DelayedScaling on Hopper
 # when no recipe is passed (v2.9 transformer_engine/pytorch/quantization.py,
@@ -569,8 +569,8 @@ class Execution(_Record):
     # inputs) | float8 (torchao's float8 training: saves them in bf16) | fp32 (no mixed
     # precision: fp32 weights, gradients and activations, FP32_DEFAULTS)
     precision: str = "bf16"
-    # Transformer Engine's FP8 scaling recipe under precision fp8: delayed | current | mxfp8
-    # (FP8_RECIPES); None -> DEFAULT_FP8_RECIPE with precision fp8, else none
+    # Transformer Engine's FP8 scaling recipe under precision fp8: delayed | current | mxfp8 |
+    # blockwise (FP8_RECIPES); None -> DEFAULT_FP8_RECIPE with precision fp8, else none
     fp8_recipe: str | None = None
     # FP8 primary weights (Megatron-LM --fp8-param-gather, megatron/training/arguments.py
     # core_v0.14.0: "Keep the compute param in fp8 (do not use any other intermediate dtype) and

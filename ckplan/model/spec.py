@@ -605,12 +605,14 @@ def _validate_fp8_param_gather(spec: ModelSpec) -> None:
     """FP8 primary weights as ckplan models them: Megatron-LM's --fp8-param-gather under
     Transformer Engine's FP8 (precision fp8) with the distributed optimizer (zero 1), whose
     fp32 master shards Transformer Engine casts to the FP8 weights
-    (transformer_engine/pytorch/tensor/utils.py `cast_master_weights_to_fp8`, v2.9: delayed
-    and current scaling; "cast_master_weights_to_fp8 for MXFP8BlockScaling is not supported
-    yet"). Megatron-LM also runs it under its FSDPs (arguments.py core_v0.14.0: "only
-    supported with distributed optimizer, torch fsdp2, megatron fsdp"), and gathers MXFP8
-    weights in BF16 through the gradient buffer (param_and_grad_buffer.py
-    `reuse_grad_buf_for_mxfp8_param_ag`): neither is modelled."""
+    (transformer_engine/pytorch/tensor/utils.py `cast_master_weights_to_fp8`, v2.9: delayed,
+    current and block scaling; "cast_master_weights_to_fp8 for MXFP8BlockScaling is not
+    supported yet"; Megatron-LM core_v0.15.3 arguments.py refuses --fp8-param-gather with a
+    recipe other than delayed only under --optimizer-cpu-offload). Megatron-LM also runs it
+    under its FSDPs (arguments.py core_v0.14.0: "only supported with distributed optimizer,
+    torch fsdp2, megatron fsdp"), and gathers MXFP8 weights in BF16 through the gradient
+    buffer (param_and_grad_buffer.py `reuse_grad_buf_for_mxfp8_param_ag`): neither is
+    modelled."""
     if spec.precision != "fp8":
         raise SpecError(
             "key 'fp8_param_gather' keeps Transformer Engine's FP8 weights: it needs precision "
@@ -618,8 +620,8 @@ def _validate_fp8_param_gather(spec: ModelSpec) -> None:
         )
     if spec.fp8_recipe == "mxfp8":
         raise SpecError(
-            "key 'fp8_param_gather' is modelled for fp8_recipe delayed or current (Megatron-Core "
-            "gathers MXFP8 weights in BF16), got fp8_recipe mxfp8"
+            "key 'fp8_param_gather' is modelled for fp8_recipe delayed, current or blockwise "
+            "(Megatron-Core gathers MXFP8 weights in BF16), got fp8_recipe mxfp8"
         )
     if spec.framework != "megatron":
         raise SpecError(

@@ -317,7 +317,7 @@ class Bounds:
 
     def fp8(self, layout: Layout) -> dict[int, tuple[int, int, int, int]]:
         """Per distinct stage, its FP8 primary weights and their tensors on one GPU, (dense,
-        expert) each (`memory.fp8_linear_parameters`, `memory.fp8_linear_tensors`); zeros
+        expert) each (`memory.fp8_linear_parameters`, `memory.fp8_weight_amaxes`); zeros
         without `fp8_param_gather`."""
         key = (layout.tp, layout.pp, layout.split, layout.virtual_stages, layout.ep, layout.etp)
         if key not in self._fp8:
@@ -326,7 +326,7 @@ class Bounds:
             self._fp8[key] = {
                 shape.index: (
                     *memory.fp8_linear_parameters(spec, shape.index),
-                    *memory.fp8_linear_tensors(spec, shape.index),
+                    *memory.fp8_weight_amaxes(spec, shape.index),
                 )
                 if on
                 else (0, 0, 0, 0)
