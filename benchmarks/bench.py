@@ -278,6 +278,8 @@ def sweeps() -> None:
     ]
     deepseek = {"ep": 64, "dp": 128, "pp": 16, "first_stage_layers": 1, "zero": 1}
     cases.append(("deepseek-v3 pp16 ep64 (mixed layers), 80GB", "deepseek-v3", deepseek, 80))
+    # every plan's launcher ranges and offload replays over one deep stage (Megatron-LM's preset)
+    cases.append(("megatron-22b x 4,096 layers, 80GB", "megatron-22b", {"layers": 4096}, 80))
     for label, preset, overrides, budget in cases:
         best, median, _ = timed(sweep, load_spec(preset, overrides), budget * GB)
         print(f"  {'sweep ' + label:<44} {seconds(best, median)}")

@@ -24,6 +24,7 @@ from ckplan.schedules import (
     held_after_forward_bytes,
     replay_runs,
     revolve_min_forwards,
+    schedule_segments,
     segment_replay,
     segment_runs,
     segment_schedule,
@@ -100,6 +101,26 @@ def test_segment_steps_are_the_schedule():
     assert steps == schedule and schedule == steps
     assert tuple(steps) == schedule and steps[3] == schedule[3]
     assert simulate(chain, steps).peak_bytes == simulate(chain, schedule).peak_bytes
+
+
+@settings(max_examples=300, deadline=None)
+@given(chains_and_segments())
+def test_segment_steps_read_their_segments_from_the_runs(case):
+    """`schedule_segments` of lazily built steps, read from their runs, equals its reading of
+    the same steps built out, for every segmentation (stored segments merged)."""
+    chain, segments = case
+    lazy = SegmentSteps(chain, segment_runs(segments))
+    built = tuple(segment_schedule(chain, segments))
+    assert schedule_segments(lazy, chain.length) == schedule_segments(built, chain.length)
+    assert schedule_segments(lazy, chain.length + 1) is None  # not a cover of that chain
+
+
+def test_segment_steps_segments_by_hand():
+    """Two stored segments side by side read as one; recomputed ones stay apart."""
+    chain = Chain.uniform(6, forward_flops=1, backward_flops=2, input_bytes=1, tape_bytes=2)
+    segments = [(0, 1, False), (1, 2, False), (2, 4, True), (4, 6, True)]
+    lazy = SegmentSteps(chain, segment_runs(segments))
+    assert schedule_segments(lazy, 6) == [(0, 2, False), (2, 4, True), (4, 6, True)]
 
 
 def test_plan_steps_replay_to_the_plan():

@@ -36,7 +36,7 @@ from ckplan.model.op_policy import (
     unit_ops,
 )
 from ckplan.model.torchtitan_ac import policy_reason, spec_release
-from ckplan.plan.launcher_ranges import is_layer, layer_ranges, pipeline_reason
+from ckplan.plan.launcher_ranges import is_layer, layer_positions, layer_ranges, pipeline_reason
 from ckplan.plan.strategies import MODULES
 
 if TYPE_CHECKING:
@@ -149,8 +149,8 @@ def layer_segments(plan: Plan) -> LayerSegments | str:
     result = layer_ranges(plan.steps, names)
     if isinstance(result, str):
         return result
-    layers = sum(1 for name in names if is_layer(name))
-    first_layer = next(i for i, name in enumerate(names) if is_layer(name))
+    positions, _ = layer_positions(tuple(names))
+    layers, first_layer = len(positions), positions[0] if positions else 0
     merged: list[tuple[int, int, bool]] = []
     for start, end, recompute in result:
         if merged and not recompute and not merged[-1][2]:

@@ -7,6 +7,7 @@ these ranges."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 from ckplan.schedules import schedule_segments
 
@@ -19,6 +20,20 @@ MTP_PREFIX = "mtp "
 def is_layer(name: str) -> bool:
     """Whether chain stage `name` (`layer_chain.stage_names`) is a transformer layer."""
     return name.startswith((LAYER_PREFIX, MTP_PREFIX))
+
+
+@lru_cache(maxsize=64)
+def layer_positions(names: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the chain stages of `names` that are transformer layers, in order; for each i in
+    0..len(names), how many of them come before stage i): built once per chain and read per
+    plan, as a sweep asks it of a thousand plans over one stage of thousands of layers."""
+    positions, before, count = [], [0], 0
+    for i, name in enumerate(names):
+        if is_layer(name):
+            positions.append(i)
+            count += 1
+        before.append(count)
+    return tuple(positions), tuple(before)
 
 
 def pipeline_reason(pp: int, strategy: str, offloads: bool) -> str | None:
@@ -57,15 +72,17 @@ def layer_ranges(steps, names: Sequence[str]) -> tuple[tuple[int, int, bool], ..
     segments = schedule_segments(steps, len(names))
     if segments is None:
         return "its schedule re-runs some layers more than once (nested recomputation)"
-    first_layer = next(i for i, name in enumerate(names) if is_layer(name))
+    positions, before = layer_positions(tuple(names))
+    first_layer = positions[0] if positions else 0
     ranges = []
     for start, end, recompute in segments:
-        inside = [i for i in range(start, end) if is_layer(names[i])]
-        if recompute and len(inside) != end - start:
-            extra = next(names[i] for i in range(start, end) if i not in inside)
+        inside = before[end] - before[start]  # the layers among stages start..end-1
+        if recompute and inside != end - start:
+            extra = next(names[i] for i in range(start, end) if not is_layer(names[i]))
             return f"it recomputes the {extra} stage together with layers"
         if inside:
-            ranges.append((inside[0] - first_layer, inside[-1] + 1 - first_layer, recompute))
+            first, last = positions[before[start]], positions[before[end] - 1]
+            ranges.append((first - first_layer, last + 1 - first_layer, recompute))
     return tuple(ranges)
 
 

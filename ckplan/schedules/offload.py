@@ -236,6 +236,11 @@ def simulate_offload(
     after = [point.after_bytes for point in replay.trace]
     host_during = [0] * len(steps)
     host_after = [0] * len(steps)
+    # each offload's bytes leave the device (and sit on the host) over a run of steps: added
+    # as differences at the run's ends and summed once, not step by step (a deep chain's
+    # windows are as long as the chain)
+    device_off = [0] * (len(steps) + 1)
+    host_on = [0] * (len(steps) + 1)
     moved = []
     windows = offload_windows(steps, n)
     for i in stages:
@@ -243,14 +248,22 @@ def simulate_offload(
         nbytes = chain.tape_bytes[i] if tape else chain.input_bytes[i]
         moved.append(nbytes)
         after[start + 1] -= nbytes
-        for t in range(start + 2, prefetch):
-            during[t] -= nbytes
-            after[t] -= nbytes
+        if start + 2 < prefetch:  # off the device from step start + 2 to prefetch - 1
+            device_off[start + 2] += nbytes
+            device_off[prefetch] -= nbytes
         host_after[start] += nbytes
-        for t in range(start + 1, prefetch):
-            host_during[t] += nbytes
-            host_after[t] += nbytes
+        if start + 1 < prefetch:  # on the host from step start + 1 to prefetch - 1
+            host_on[start + 1] += nbytes
+            host_on[prefetch] -= nbytes
         host_during[prefetch] += nbytes
+    off = on = 0
+    for t in range(len(steps)):
+        off += device_off[t]
+        on += host_on[t]
+        during[t] -= off
+        after[t] -= off
+        host_during[t] += on
+        host_after[t] += on
     device_peak = max([replay.initial_bytes, *during, *after])
     return OffloadReplay(
         replay=replay,

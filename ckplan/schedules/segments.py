@@ -143,7 +143,11 @@ def schedule_segments(steps, stages: int) -> list[tuple[int, int, bool]] | None:
     """The segments whose `segment_schedule` is exactly `steps`, or None when `steps` is not a
     one-level segment schedule (some range re-run twice, or steps in another order). Derived:
     the inverse of `segment_schedule`, checked by rebuilding; what every launcher export is
-    written from (ckplan.plan.export_limits, ckplan.exports.segments)."""
+    written from (ckplan.plan.export_limits, ckplan.exports.segments). Steps built from runs
+    of segments (`SegmentSteps`) are read from their runs without building them: they are the
+    runs' `segment_schedule` by construction, so only the stored segments' merge is left."""
+    if isinstance(steps, SegmentSteps):
+        return _runs_segments(steps.runs, stages)
     forward = []  # the first forward pass: stages 0..n-1, each once
     for step in steps:
         if step.kind == BACKWARD or (forward and step.stage != forward[-1].stage + 1):
@@ -160,15 +164,38 @@ def schedule_segments(steps, stages: int) -> list[tuple[int, int, bool]] | None:
             segments[-1] = (start, step.stage + 1, True)
         else:
             return None
-    merged: list[tuple[int, int, bool]] = []
-    for start, end, recompute in segments:  # consecutive stored stages form one segment
-        if merged and not recompute and not merged[-1][2] and merged[-1][1] == start:
-            merged[-1] = (merged[-1][0], end, False)
-        else:
-            merged.append((start, end, recompute))
+    merged = _merge_stored(segments)
     chain = Chain.uniform(stages, forward_flops=0, backward_flops=0, input_bytes=0, tape_bytes=0)
     try:
         rebuilt = segment_schedule(chain, merged)
     except ValueError:
         return None
     return merged if tuple(rebuilt) == tuple(steps) else None
+
+
+def _merge_stored(segments) -> list[tuple[int, int, bool]]:
+    """`segments` with consecutive stored ones merged into one (a stored stage's steps are the
+    same in a segment of its own or in a longer stored one)."""
+    merged: list[tuple[int, int, bool]] = []
+    for start, end, recompute in segments:
+        if merged and not recompute and not merged[-1][2] and merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], end, False)
+        else:
+            merged.append((start, end, recompute))
+    return merged
+
+
+def _runs_segments(runs, stages: int) -> list[tuple[int, int, bool]] | None:
+    """`schedule_segments` of a `SegmentSteps` of `runs` (start, size, count, recompute) over
+    `stages` chain stages: the runs' segments, stored ones merged; None where they do not
+    cover the chain in order (their steps would not build)."""
+    segments = [
+        (start + k * size, start + (k + 1) * size, bool(recompute))
+        for start, size, count, recompute in runs
+        for k in range(count)
+    ]
+    try:
+        check_segments(stages, segments)
+    except ValueError:
+        return None
+    return _merge_stored(segments)
