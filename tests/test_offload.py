@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -216,6 +217,57 @@ def test_replay_invariants_over_every_offload_schedule():
                     assert replay.host_peak_bytes == on_host
                     assert replay.bytes_moved == 2 * on_host
                     assert replay.host_trace[-1] == (0, 0)
+
+
+def _traces_step_by_step(chain, steps, stages):
+    """The definition, one step at a time: each offloaded tape (or checkpointed input) leaves
+    the device after the step its copy overlaps and is back at its prefetch's step; on the host
+    from its copy's step to its prefetch's."""
+    from ckplan.schedules.offload import offload_window, offload_windows
+
+    replay = simulate(chain, steps)
+    during = [point.during_bytes for point in replay.trace]
+    after = [point.after_bytes for point in replay.trace]
+    host_during, host_after = [0] * len(steps), [0] * len(steps)
+    windows = offload_windows(tuple(steps), chain.length)
+    for i in stages:
+        start, prefetch, tape = offload_window(steps, chain.length, i, windows)
+        nbytes = chain.tape_bytes[i] if tape else chain.input_bytes[i]
+        after[start + 1] -= nbytes
+        for t in range(start + 2, prefetch):
+            during[t] -= nbytes
+            after[t] -= nbytes
+        host_after[start] += nbytes
+        for t in range(start + 1, prefetch):
+            host_during[t] += nbytes
+            host_after[t] += nbytes
+        host_during[prefetch] += nbytes
+    return tuple(zip(during, after, strict=True)), tuple(zip(host_during, host_after, strict=True))
+
+
+def test_offload_traces_equal_the_step_by_step_definition():
+    """`simulate_offload` sums each copy's window by differences; the traces equal adding it
+    step by step, over random segment schedules and random sets of the stages they offload."""
+    from ckplan.schedules import segment_schedule
+    from ckplan.schedules.offload import offload_stored
+
+    rng = random.Random(11)
+    checked = 0
+    for _ in range(300):
+        n = rng.randint(2, 10)
+        chain = random_chain(rng, n)
+        cuts = sorted({0, n, *rng.sample(range(1, n), rng.randint(0, n - 1))})
+        segments = [(a, b, rng.random() < 0.5) for a, b in itertools.pairwise(cuts)]
+        steps = segment_schedule(chain, segments)
+        stored = offload_stored(steps, n)
+        if not stored:
+            continue
+        stages = sorted(rng.sample(stored, rng.randint(1, len(stored))))
+        replay = simulate_offload(chain, steps, stages)
+        device, host = _traces_step_by_step(chain, steps, stages)
+        assert replay.device_trace == device and replay.host_trace == host
+        checked += 1
+    assert checked > 200
 
 
 def full_recompute(chain):
