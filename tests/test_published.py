@@ -152,10 +152,10 @@ def test_interleaved_fsdp_buffers_hold_the_live_chunks_gradients():
 KNOWN_UNFIT = {
     "llama3-405b-8192xh100-tp8-cp1-pp16-dp64-seq8192",
     # scored from DualPipe on; with §3.3.3's FP8 caches (linear inputs, the MoE SwiGLU inputs)
-    # rank 0 still holds 78.5 GiB (block scaling's saved fp32 scales included): its model
-    # states count Transformer Engine's FP8 weight copies of the FP8 linears (ckplan's
-    # Megatron-Core stand-in for DeepSeek's framework), and the split of its 61 layers is
-    # assumed (Megatron-Bridge's)
+    # rank 0 still holds 78.5 GiB (block scaling's fp32 scales of the saved inputs and of the
+    # weight copies included): its model states count Transformer Engine's FP8 weight copies
+    # of the FP8 linears (ckplan's Megatron-Core stand-in for DeepSeek's framework), and the
+    # split of its 61 layers is assumed (Megatron-Bridge's)
     "deepseek-v3-2048xh800-pp16-ep64-fp8",
 }
 

@@ -75,3 +75,28 @@ def saved_input_scale_bytes(rows: int, cols: int, groups: int = 1, compact: bool
     column-parallel layer, whose input quantizer writes the all-gather format
     (`_customize_quantizers_float8_blockwise_scaling`: `all_gather_usage = True`)."""
     return groups * block_scale_bytes_1d(rows // groups, cols, "columnwise", compact)
+
+
+def weight_block_scale_bytes(out_features: int, in_features: int) -> int:
+    """Bytes of the fp32 scales that one FP8 weight of shape (out_features, in_features)
+    carries under block scaling, row-wise and column-wise copy together: TE v2.9
+    `Float8BlockQuantizer.make_empty` (tensor/float8_blockwise_tensor.py) allocates
+    `scale_inv` of `get_scale_shape(shape, columnwise=False)` with the row-wise data and
+    `columnwise_scale_inv` of `get_scale_shape(shape, columnwise=True)` with the column-wise
+    data, both fp32, the weight quantizer's `block_scaling_dim` 2 (`block_scale_bytes_2d`).
+    The 2-D block count rounds up per matrix and the inner dimension to 4 blocks: a
+    (4096, 14336) weight has 32 x 112 blocks, row-wise scales (32, 112) and column-wise
+    (112, 32), 28,672 bytes; a (576, 7168) one 5 x 56, row-wise (5, 56) and column-wise
+    (56, roundup4(5) = 8), 2,912 bytes."""
+    rowwise = block_scale_bytes_2d(out_features, in_features, "rowwise")
+    return rowwise + block_scale_bytes_2d(out_features, in_features, "columnwise")
+
+
+def weight_block_amaxes(out_features: int, in_features: int) -> int:
+    """Amaxes that the FP8 primary weights' cast computes and all-reduces for one (out_features,
+    in_features) weight under block scaling: TE v2.9 tensor/utils.py
+    `_cast_master_weights_to_fp8_blockwise_scaling`, `scale_shape = model_weight.
+    _get_quantizer().get_scale_shape(model_weight.shape, False)`, `num_amaxes =
+    scale_shape[0] * scale_shape[1]`: the row-wise 2-D scale shape's elements, its padding to
+    4 blocks included (`block_scale_bytes_2d` over its 4 bytes a scale)."""
+    return block_scale_bytes_2d(out_features, in_features, "rowwise") // FP8_BLOCK_SCALE_BYTES

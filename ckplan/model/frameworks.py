@@ -372,8 +372,8 @@ def te_fp8_weight_copy_bytes(fp8_param_gather: bool) -> int:
     scaling, if columnwise data/scale_inv is None, we can create them from rowwise"), which
     the master-weight cast drops again (`update_usage(rowwise_usage=True,
     columnwise_usage=False)`). The per-tensor fp32 scale_inv and amax (a few bytes a tensor)
-    and block scaling's fp32 scale per 128x128 block (4 bytes per 16,384 weights a copy) are
-    not counted."""
+    are not counted; block scaling's fp32 scales, one per 128x128 block of each matrix in
+    each copy, are counted beside these bytes (`memory.fp8_weight_block_scale_bytes`)."""
     return 1 if fp8_param_gather else 2
 
 

@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from ckplan.model import finetune, frameworks, mtp, optimizers
-from ckplan.model.fp8_blocks import FP8_BLOCK
+from ckplan.model.fp8_blocks import weight_block_amaxes, weight_block_scale_bytes
 from ckplan.model.layers import (
     LayerKind,
     layer_kinds,
@@ -973,6 +973,8 @@ def stage_buffer_bytes(spec: ModelSpec, stage: int) -> int:
         # cached workspace, or with FP8 primary weights the parameter's own transpose
         copy = frameworks.te_fp8_weight_copy_bytes(spec.fp8_param_gather)
         buffers += copy * sum(fp8_linear_parameters(spec, stage))
+        # block scaling: both copies' fp32 scales, one per 128x128 block of each matrix
+        buffers += sum(fp8_weight_block_scale_bytes(spec, stage))
     return buffers
 
 
@@ -1071,6 +1073,102 @@ def fp8_linear_layer_tensors(spec: ModelSpec, kind: LayerKind) -> tuple[int, int
     return attention + shared, 2 * (spec.experts // spec.ep)
 
 
+# a weight matrix as Transformer Engine holds it on one rank: (out_features, in_features, how
+# many such tensors)
+Matrix = tuple[int, int, int]
+
+
+def fp8_linear_layer_matrices(
+    spec: ModelSpec, kind: LayerKind
+) -> tuple[tuple[Matrix, ...], tuple[Matrix, ...]]:
+    """(dense, routed-expert) weight matrices of one layer's FP8 linear layers on one rank,
+    each (out_features, in_features, count), the tensors `fp8_linear_layer_tensors` counts
+    with the shapes Megatron-Core gives them (a TE linear's weight is (out_features,
+    in_features); column-parallel linears split out_features over t, row-parallel ones
+    in_features; gpt_layer_specs.py, attention.py, multi_latent_attention.py, mlp.py,
+    core_v0.14.0):
+
+    - linear_qkv (a·d/t + 2d·ceil(g/t), h) and linear_proj (h, a·d/t);
+    - MLA: linear_q_down_proj (q_lora_rank, h) and linear_q_up_proj (a·(d_nope + d_rope)/t,
+      q_lora_rank), or linear_q_proj (a·(d_nope + d_rope)/t, h) without q_lora_rank;
+      linear_kv_down_proj (kv_lora_rank + d_rope, h), whole on every rank;
+      linear_kv_up_proj (a·(d_nope + d_v)/t, kv_lora_rank); linear_proj (h, a·d_v/t);
+    - a dense MLP's linear_fc1 (gate and up fused: 2F/t, or F/t for GELU, by h) and
+      linear_fc2 (h, F/t); an MoE layer's shared experts alike over shared_ffn_hidden, and
+      E/ep routed experts each with its own fc1 (2F_e/etp, h) and fc2 (h, F_e/etp)
+      (TEGroupedLinear's `weight{i}`).
+
+    derived: the matrices `layer_parameter_parts` sums; their elements add up to
+    `fp8_linear_layer_parameters` where t divides the split dimensions."""
+    h, t = spec.hidden, spec.tp
+    gated = spec.mlp != "gelu"
+    dense: list[Matrix] = []
+    if spec.mla:
+        a, rope = spec.heads, spec.qk_rope_head_dim
+        q_out = split_share(a * (spec.qk_nope_head_dim + rope), t)
+        if spec.q_lora_rank:
+            dense += [(spec.q_lora_rank, h, 1), (q_out, spec.q_lora_rank, 1)]
+        else:
+            dense.append((q_out, h, 1))
+        kv_up = split_share(a * (spec.qk_nope_head_dim + spec.v_head_dim), t)
+        dense += [(spec.kv_lora_rank + rope, h, 1), (kv_up, spec.kv_lora_rank, 1)]
+        dense.append((h, split_share(a * spec.v_head_dim, t), 1))
+    else:
+        d = spec.head_dim
+        q_out = split_share(spec.heads * d, t)
+        dense += [(q_out + 2 * d * -(-spec.kv_heads // t), h, 1), (h, q_out, 1)]
+    up = 2 if gated else 1
+    if not kind.moe:
+        F = spec.ffn_hidden
+        dense += [(split_share(up * F, t), h, 1), (h, split_share(F, t), 1)]
+        return tuple(dense), ()
+    if spec.shared_ffn_hidden:
+        S = spec.shared_ffn_hidden
+        dense += [(split_share(up * S, t), h, 1), (h, split_share(S, t), 1)]
+    F_e, local = spec.moe_ffn_hidden, spec.experts // spec.ep
+    experts = ((split_share(up * F_e, spec.etp), h, local), (h, split_share(F_e, spec.etp), local))
+    return tuple(dense), experts
+
+
+def mtp_eh_proj_matrix(spec: ModelSpec) -> Matrix:
+    """An MTP depth's eh_proj on one rank: a column-parallel TE linear from the concatenated
+    hidden states and embeddings, 2h, to h (multi_token_prediction.py core_v0.14.0):
+    (h/t, 2h), one tensor."""
+    return split_share(spec.hidden, spec.tp), 2 * spec.hidden, 1
+
+
+def _over_matrices(matrices: tuple[Matrix, ...], per_matrix) -> int:
+    """`per_matrix(out_features, in_features)` summed over `matrices`, each `count` times."""
+    return sum(count * per_matrix(rows, cols) for rows, cols, count in matrices)
+
+
+def _fp8_block_sum(spec: ModelSpec, stage: int, per_matrix) -> tuple[int, int]:
+    """(dense, routed-expert) sums of `per_matrix` over the FP8 weight matrices on one GPU of
+    pipeline stage `stage` (`fp8_linear_layer_matrices`, each MTP depth's eh_proj) under
+    `fp8_recipe` blockwise; (0, 0) under any other recipe or precision."""
+    if spec.fp8_recipe != "blockwise":
+        return 0, 0
+
+    def per_layer(spec: ModelSpec, kind: LayerKind) -> tuple[int, int]:
+        dense, expert = fp8_linear_layer_matrices(spec, kind)
+        return _over_matrices(dense, per_matrix), _over_matrices(expert, per_matrix)
+
+    eh_proj = _over_matrices((mtp_eh_proj_matrix(spec),), per_matrix)
+    return _fp8_linear_sum(spec, stage, per_layer, eh_proj)
+
+
+def fp8_weight_block_scale_bytes(spec: ModelSpec, stage: int) -> tuple[int, int]:
+    """(dense, routed-expert) bytes of the fp32 block scales of the FP8 weights on one GPU of
+    pipeline stage `stage` under `fp8_recipe` blockwise: each matrix's row-wise and
+    column-wise scales (`fp8_blocks.weight_block_scale_bytes`), beside the two FP8 copies
+    that `frameworks.te_fp8_weight_copy_bytes` counts: the cached workspace's (module/base.py
+    `get_weight_workspace` quantizes into a `Float8BlockwiseQTensor` with both usages,
+    Transformer Engine v2.9), or with `fp8_param_gather` the FP8 parameter's row-wise scales
+    and the column-wise ones its `update_usage` makes for the backward. (0, 0) under any
+    other recipe."""
+    return _fp8_block_sum(spec, stage, weight_block_scale_bytes)
+
+
 def fp8_linear_tensors(spec: ModelSpec, stage: int) -> tuple[int, int]:
     """(dense, routed-expert) FP8 weight tensors on one GPU of pipeline stage `stage`: its
     layers' (`fp8_linear_layer_tensors`) and on the last stage each MTP depth's block and
@@ -1085,13 +1183,12 @@ def fp8_weight_amaxes(spec: ModelSpec, stage: int) -> tuple[int, int]:
     delayed and current scaling (`fp8_linear_tensors`); under block scaling one per 128x128
     block of every FP8 weight (Transformer Engine v2.9 tensor/utils.py
     `_cast_master_weights_to_fp8_blockwise_scaling`: `packed_amaxes` holds each weight's
-    row-wise scale shape, `num_amaxes = scale_shape[0] * scale_shape[1]`). derived: the weights
-    over 128² (`fp8_blocks.FP8_BLOCK`), rounded up; each tensor's partial edge blocks and the
-    scale shape's padding to 4 columns are left out."""
+    row-wise scale shape, `num_amaxes = scale_shape[0] * scale_shape[1]`), counted matrix by
+    matrix with each one's partial edge blocks and its scale shape's padding to 4 columns
+    (`fp8_blocks.weight_block_amaxes`)."""
     if spec.fp8_recipe != "blockwise":
         return fp8_linear_tensors(spec, stage)
-    block = FP8_BLOCK * FP8_BLOCK
-    return tuple(-(-weights // block) for weights in fp8_linear_parameters(spec, stage))
+    return _fp8_block_sum(spec, stage, weight_block_amaxes)
 
 
 def fp8_primary_weights(spec: ModelSpec, stage: int) -> tuple[int, int]:
