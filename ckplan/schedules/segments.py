@@ -95,6 +95,15 @@ def segment_schedule(chain: Chain, segments: Sequence[tuple[int, int, bool]]) ->
     return tuple(steps)
 
 
+def runs_segments(runs: Sequence[tuple[int, int, int, bool]]) -> list[tuple[int, int, bool]]:
+    """The segments of runs of equal segments (start, size, count, recompute), in order."""
+    return [
+        (start + k * size, start + (k + 1) * size, recompute)
+        for start, size, count, recompute in runs
+        for k in range(count)
+    ]
+
+
 class SegmentSteps(Sequence):
     """The steps of :func:`segment_schedule` for runs of equal segments
     (:mod:`ckplan.schedules.segment_replay`), built on first use: a sweep evaluates hundreds of
@@ -111,12 +120,7 @@ class SegmentSteps(Sequence):
 
     def steps(self) -> Schedule:
         if self._steps is None:
-            segments = [
-                (start + k * size, start + (k + 1) * size, recompute)
-                for start, size, count, recompute in self._runs
-                for k in range(count)
-            ]
-            self._steps = segment_schedule(self._chain, segments)
+            self._steps = segment_schedule(self._chain, runs_segments(self._runs))
         return self._steps
 
     def __len__(self) -> int:
@@ -147,7 +151,7 @@ def schedule_segments(steps, stages: int) -> list[tuple[int, int, bool]] | None:
     of segments (`SegmentSteps`) are read from their runs without building them: they are the
     runs' `segment_schedule` by construction, so only the stored segments' merge is left."""
     if isinstance(steps, SegmentSteps):
-        return _runs_segments(steps.runs, stages)
+        return _segments_of_runs(steps.runs, stages)
     forward = []  # the first forward pass: stages 0..n-1, each once
     for step in steps:
         if step.kind == BACKWARD or (forward and step.stage != forward[-1].stage + 1):
@@ -185,17 +189,12 @@ def _merge_stored(segments) -> list[tuple[int, int, bool]]:
     return merged
 
 
-def _runs_segments(runs, stages: int) -> list[tuple[int, int, bool]] | None:
+def _segments_of_runs(runs, stages: int) -> list[tuple[int, int, bool]] | None:
     """`schedule_segments` of a `SegmentSteps` of `runs` (start, size, count, recompute) over
     `stages` chain stages: the runs' segments, stored ones merged; None where they do not
     cover the chain in order (their steps would not build)."""
-    segments = [
-        (start + k * size, start + (k + 1) * size, bool(recompute))
-        for start, size, count, recompute in runs
-        for k in range(count)
-    ]
     try:
-        check_segments(stages, segments)
+        segments = check_segments(stages, runs_segments(runs))
     except ValueError:
         return None
     return _merge_stored(segments)
