@@ -15,6 +15,7 @@ from ckplan.model.context_parallel import (
     ring_backward_live_at_call_bytes,
     ring_backward_workspace_bytes,
     ring_kv_heads,
+    ring_moved_bytes,
     uses_ring_attention,
 )
 from ckplan.model.ops import layer_ops
@@ -128,3 +129,57 @@ def test_pytorchs_own_ring_backward_holds_what_is_counted(cp):
     assert counted == 2 * cp + 19
     assert seen[-1]["at_calls"] == counted  # the last rank takes the `i <= rank` branch only
     assert max(r["at_calls"] for r in seen) == counted + 1 / 32
+
+
+def test_ring_moved_bytes_by_hand():
+    """cp 2, one value each of Q, K/V and the logsumexp alone: forward (65·2 - 41)/2 = 44.5 -> 45
+    bytes a Q value, 8·2 = 16 a K/V value, 49 a logsumexp value; backward (23·2 + 21)/2 = 33.5
+    -> 34, 47·2 + 37 = 131, 2."""
+    assert ring_moved_bytes(2, 1, 0, 0) == (45, 34)
+    assert ring_moved_bytes(2, 0, 1, 0) == (16, 131)
+    assert ring_moved_bytes(2, 0, 0, 1) == (49, 2)
+    # Llama 3 8B on 4 ranks of 32,768 tokens, K and V repeated to the 32 query heads (torchtitan
+    # 9dec370): 4,294,967,296 values of Q and of K, 1,048,576 of the logsumexp
+    q = 32768 * 32 * 128
+    forward, backward = ring_moved_bytes(4, q, q, 32768 * 32)
+    assert forward == 219 * q // 2 + 32 * q + 147 * 32768 * 32
+    assert backward == 113 * q // 2 + 225 * q + 6 * 32768 * 32
+
+
+def test_the_attention_core_runs_the_ring_beside_its_kernel():
+    """The ring's bytes are separate kernels beside the flash call (`Op.side_bytes`), only where
+    torchtitan runs PyTorch's ring: not at cp 1, not under cp_attention allgather."""
+    ring = core(four_oh_five_b(4))
+    assert ring.side_bytes == ring_moved_bytes(
+        4, 32768 * HEADS_R * HEAD_DIM, 32768 * HEADS_R * HEAD_DIM, 32768 * HEADS_R
+    )
+    assert core(four_oh_five_b(1)).side_bytes == (0, 0)
+    gathered = core(four_oh_five_b(4, cp_attention="allgather"))
+    assert gathered.side_bytes == (0, 0)
+    assert gathered.grad_workspace_bytes == core(four_oh_five_b(1)).grad_workspace_bytes
+
+
+def test_cp_attention_is_torchtitans():
+    from ckplan.model.parts import SpecError
+
+    with pytest.raises(SpecError, match="key 'cp_attention' must be one of ring, allgather"):
+        four_oh_five_b(4, cp_attention="p2p")
+    with pytest.raises(SpecError, match="the key is for framework torchtitan"):
+        load_spec("llama3-8b").replace(cp=2, cp_attention="ring")
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_pytorchs_own_ring_moves_what_is_counted(cp):
+    """PyTorch's ring loops on a fake process group (validation/torch_cp_ring_traffic.py): the
+    mean over the ranks of the bytes their own ops move is `ring_moved_bytes`, exactly."""
+    torch_or_skip()
+    path = Path(__file__).resolve().parent.parent / "validation" / "torch_cp_ring_traffic.py"
+    module_spec = importlib.util.spec_from_file_location("torch_cp_ring_traffic", path)
+    harness = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = harness
+    module_spec.loader.exec_module(harness)
+    shape = {"b": 1, "a": 4, "s": 8, "d": 16}
+    for kv_heads in (4, 2):
+        seen = [harness.measure(cp, rank, shape, kv_heads) for rank in range(cp)]
+        mean = (sum(f for f, _ in seen) / cp, sum(g for _, g in seen) / cp)
+        assert mean == ring_moved_bytes(cp, 8 * 4 * 16, 8 * kv_heads * 16, 8 * 4)

@@ -11,7 +11,8 @@ attainable bandwidth). Attainable = datasheet x efficiency (the GPU file's keys)
 - Element-wise and reduction kernels (`Op.forward_bytes`, `backward_bytes`): memory-bound, bytes
   at hbm_bytes_per_s x memory_efficiency. Standard attention's softmax, mask and dropout are here.
 - A fused kernel (`Op.fused_kernel`, flash attention): one kernel, its FLOPs at bf16_flops x
-  flash_attention_efficiency, or its bytes, whichever is slower. Causal masking skips the blocks
+  flash_attention_efficiency, or its bytes, whichever is slower; the separate kernels around it
+  (`Op.side_bytes`) are memory-bound. Causal masking skips the blocks
   above the diagonal (Dao 2023, FlashAttention-2 §3.1), so it executes half the FLOPs the op
   table counts (the table counts the full s², as Korthikanti's model FLOPs do).
 - An op with FLOPs but no shape (an op table entry without `matmul`) is timed at
@@ -135,7 +136,8 @@ def op_forward_time(op: Op, gpu: GPU, dtype_bytes: int = 2) -> OpTime:
         compute = _flops_seconds(
             gpu, CAUSAL_FRACTION * op.forward_flops, dtype_bytes, gpu.flash_attention_efficiency
         )
-        return OpTime(max(compute, memory_seconds(gpu, op.forward_bytes)), 0.0)
+        side = memory_seconds(gpu, op.side_bytes[0])
+        return OpTime(max(compute, memory_seconds(gpu, op.forward_bytes)), side)
     if op.matmul is not None:
         gemm = matmul_seconds(gpu, op.matmul)
     else:
@@ -152,7 +154,8 @@ def op_backward_time(op: Op, gpu: GPU, dtype_bytes: int = 2) -> OpTime:
         compute = _flops_seconds(
             gpu, CAUSAL_FRACTION * op.backward_flops, dtype_bytes, gpu.flash_attention_efficiency
         )
-        return OpTime(max(compute, memory_seconds(gpu, op.backward_bytes)), 0.0)
+        side = memory_seconds(gpu, op.side_bytes[1])
+        return OpTime(max(compute, memory_seconds(gpu, op.backward_bytes)), side)
     if op.matmul is not None:
         products = backward_matmuls(op.matmul)
         if op.backward_flops < 2 * op.forward_flops:  # a frozen weight: no weight gradient

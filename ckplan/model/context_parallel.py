@@ -33,14 +33,31 @@ from ckplan.model.frameworks import framework_version
 from ckplan.model.repeat_kv import kernel_kv_heads, repeats_kv
 
 FP32_BYTES = 4
+# cp_attention: PyTorch's ring attention (torchtitan's), or K and V all-gathered and one kernel
+# call over them (the Llama 3 paper's context parallelism, Dubey et al. 2024 §3.3.2)
+CP_ATTENTIONS = ("ring", "allgather")
 
 
-def uses_ring_attention(framework: str, cp: int, attention: str) -> bool:
+def uses_ring_attention(
+    framework: str, cp: int, attention: str, cp_attention: str | None = None
+) -> bool:
     """Whether the attention core runs PyTorch's ring attention: torchtitan with cp > 1 and a
     fused SDPA kernel (torchtitan's train context allows only the flash and efficient backends
     under context parallelism, `get_train_context` in torchtitan/utils.py at 9dec370; the ring
-    handles only those, `_sdpa_handler`)."""
-    return framework == "torchtitan" and cp > 1 and attention != "standard"
+    handles only those, `_sdpa_handler`), unless `cp_attention` says allgather."""
+    ring = cp_attention in (None, "ring")
+    return framework == "torchtitan" and cp > 1 and attention != "standard" and ring
+
+
+def cp_attention_error(framework: str, cp_attention: str | None) -> str | None:
+    """Why `cp_attention` cannot be set for `framework` (one line naming the key), or None:
+    only torchtitan's context parallelism has the choice modelled."""
+    if cp_attention is None or framework == "torchtitan":
+        return None
+    return (
+        f"key 'cp_attention' ({cp_attention}): {framework} runs its own context parallelism; "
+        "the key is for framework torchtitan"
+    )
 
 
 def ring_kv_heads(version: str | None, heads_r: int, kv_heads_r: int) -> int:
@@ -105,9 +122,44 @@ def torchtitan_ring_workspace_bytes(spec, tokens: int, heads_r: int, kv_heads_r:
     """The attention backward's ring transient of `spec` (0 where it does not run PyTorch's
     ring attention, `uses_ring_attention`): `tokens` the rank's b·s/cp, `heads_r` and
     `kv_heads_r` its query and K/V heads, head_dim for Q, K and V."""
-    if not uses_ring_attention(spec.framework, spec.cp, spec.attention):
+    if not uses_ring_attention(spec.framework, spec.cp, spec.attention, spec.cp_attention):
         return 0
     kv_heads = ring_kv_heads(framework_version(spec), heads_r, kv_heads_r)
     q_elements = tokens * heads_r * spec.head_dim
     kv_elements = tokens * kv_heads * spec.head_dim
     return ring_backward_workspace_bytes(spec.cp, q_elements, kv_elements, spec.dtype_bytes)
+
+
+def ring_moved_bytes(cp: int, q_values: int, kv_values: int, lse_values: int) -> tuple[int, int]:
+    """Bytes the ring's own ops move beside its kernel calls in one attention forward and one
+    backward, (forward, backward), the mean over the cp ranks (derived: counted on the CPU by
+    validation/torch_cp_ring_traffic.py, every op's inputs and outputs but views, the kernel
+    calls and the collectives, in PyTorch's `_templated_ring_attention(_backward)` at v2.13.0,
+    whose loops read the same in the late-2024 text; bf16 Q, K and V as torchtitan's mixed
+    precision hands them over). `q_values` the rank's Q (b·a·s/cp·d at the heads the kernel
+    sees), `kv_values` one of its K and V, `lse_values` its fp32 logsumexp (b·a·s/cp); cp >= 2.
+
+    Forward: the K‖V concatenation and the all-gathered buffer's chunks (`cat`, `clone`), the
+    kernel's bf16 output cast to fp32 and merged into the running output and logsumexp
+    (`_SDPAMerger.step`: `sub`, `sigmoid`, `mul`, `log_sigmoid`), the last cast back:
+    (65·cp - 41)·q/2 + 8·cp·kv + 49·(cp - 1)·lse bytes. Backward: the fp32 accumulators'
+    zeroing and adds (`zeros_like`, `add_`), the K‖V and dK‖dV concatenations and their
+    copies, the casts back to bf16: (23·cp + 21)·q/2 + (47·cp + 37)·kv + 2·(cp - 1)·lse bytes.
+    A plain flash call moves none of it; the forward's sum of all ranks grows with cp, the
+    backward's mostly with the K‖V side."""
+    forward = -(-(65 * cp - 41) * q_values // 2) + 8 * cp * kv_values + 49 * (cp - 1) * lse_values
+    backward = -(-(23 * cp + 21) * q_values // 2) + (47 * cp + 37) * kv_values
+    return forward, backward + 2 * (cp - 1) * lse_values
+
+
+def torchtitan_ring_moved_bytes(spec, heads_r: int, kv_heads_r: int) -> tuple[int, int]:
+    """`ring_moved_bytes` of one attention call of `spec`, (forward, backward); (0, 0) where
+    it does not run PyTorch's ring attention (`uses_ring_attention`). `heads_r` and
+    `kv_heads_r`: the rank's query and K/V heads."""
+    if not uses_ring_attention(spec.framework, spec.cp, spec.attention, spec.cp_attention):
+        return 0, 0
+    tokens = spec.micro_batch * (spec.seq // spec.cp)
+    kv_heads = ring_kv_heads(framework_version(spec), heads_r, kv_heads_r)
+    q_values = tokens * heads_r * spec.head_dim
+    kv_values = tokens * kv_heads * spec.head_dim
+    return ring_moved_bytes(spec.cp, q_values, kv_values, tokens * heads_r)

@@ -74,6 +74,10 @@ class Op:
     # reduce-scattered under SP).
     tp_comm: str | None = None
     fused_kernel: bool = False  # one compute-bound kernel timed on its FLOPs (flash attention)
+    # HBM bytes of the separate memory-bound kernels a fused kernel runs beside, (forward,
+    # backward): PyTorch's ring attention's merges and accumulators around its flash calls
+    # (ckplan.model.context_parallel.ring_moved_bytes)
+    side_bytes: tuple[int, int] = (0, 0)
 
 
 def split_share(value: int, parts: int) -> int:

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ckplan.model.context_parallel import torchtitan_ring_workspace_bytes
+from ckplan.model.context_parallel import (
+    torchtitan_ring_moved_bytes,
+    torchtitan_ring_workspace_bytes,
+)
 from ckplan.model.finetune import frozen_ops
 from ckplan.model.fp8_blocks import saved_input_scale_bytes
 from ckplan.model.frameworks import framework_version
@@ -266,8 +269,10 @@ def _attention_ops(spec: ChainSpec, kind: LayerKind, shapes: LayerShapes) -> lis
         workspace = FP32_BYTES * (tokens * heads_r * qk_dim + sharded(tokens * spec.heads))
         # torchtitan's context parallelism: PyTorch's ring attention all-gathers K‖V and keeps
         # fp32 dQ, dK, dV accumulators and the dK‖dV ring buffers (ckplan.model.context_parallel)
+        ring_moved = (0, 0)
         if not spec.mla:
             workspace += torchtitan_ring_workspace_bytes(spec, tokens, heads_r, kv_heads_r)
+            ring_moved = torchtitan_ring_moved_bytes(spec, heads_r, kv_heads_r)
         # Q, K, V as the kernel reads and saves them: torchtitan "2024.12" repeats K and V to
         # the rank's query heads before SDPA (ckplan.model.repeat_kv), and its copies are what
         # the kernel saves; the K/V-head tensors are freed. Its backward's dK, dV at the query
@@ -297,6 +302,7 @@ def _attention_ops(spec: ChainSpec, kind: LayerKind, shapes: LayerShapes) -> lis
                 + logsumexp
                 + 2 * FP32_BYTES * tokens * heads_r * qk_dim,
                 fused_kernel=True,
+                side_bytes=ring_moved,
             )
         )
     # Saves its input, the attention context; its output gradient is the residual-stream

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckplan.errors import InputError
+from ckplan.model.context_parallel import CP_ATTENTIONS
 from ckplan.model.frameworks import GRAD_SYNCS, OFFLOAD_DEVICES, ZERO_GRADS
 from ckplan.model.optimizers import OPTIMIZERS
 from ckplan.model.pipeline_layout import LayoutError, PipelineLayout, parse_layout
@@ -262,6 +263,10 @@ class Parallelism(_Record):
     # dualpipe (DeepSeek-V3 §3.2.1: each rank holds stage r and stage p - 1 - r and runs
     # micro-batches from both ends; ckplan.model.memory.rank_stages)
     pipeline_schedule: str = "1f1b"
+    # how the attention runs under cp > 1 (framework torchtitan): ring (PyTorch's ring
+    # attention) or allgather (K and V all-gathered, one kernel call); None -> ring
+    # (ckplan.model.context_parallel)
+    cp_attention: str | None = None
 
     __hash__ = _Record.__hash__
 
@@ -269,6 +274,9 @@ class Parallelism(_Record):
         if self.etp is None:
             self._derive("etp", self.tp)
         check_ranges(self)
+        if self.cp_attention is not None and self.cp_attention not in CP_ATTENTIONS:
+            rule = f"must be one of {', '.join(CP_ATTENTIONS)}"
+            raise SpecError(key="cp_attention", rule=rule, value=self.cp_attention)
         if self.pipeline_layout is not None:
             detected = self.parsed_layout.virtual_stages
             high = SIZE_RANGES["virtual_stages"][1]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from ckplan.model import frameworks
+from ckplan.model import context_parallel, frameworks
 from ckplan.model.kernel_profile import FUSED, FUSED_NAME, Profile
 from ckplan.model.layers import LayerSetError, parse_layer_set
 from ckplan.model.parts import (
@@ -69,7 +69,7 @@ KEY_ORDER = (
     "dtype_bytes", "kind", "source", "norm", "mlp", "attention", "positions", "bias", "dropout",
     "tied_embeddings", "fused_swiglu", "profile", "tp", "pp", "sp", "cp", "dp", "zero",
     "virtual_stages", "microbatches", "microbatch_group_size", "pipeline_schedule", "grad_sync",
-    "weight_bytes",
+    "cp_attention", "weight_bytes",
     "grad_bytes", "master_bytes", "optimizer_bytes", "head_dim", "qkv_bias", "qk_norm",
     "post_norms", "parallel_residual", "sliding_window", "sliding_window_layers", "q_lora_rank",
     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "experts", "top_k",
@@ -292,6 +292,7 @@ _STR_FIELDS |= {"framework", "kernels", "attention_kernel", "precision", "fp8_re
 _STR_FIELDS |= {"training", "lora_targets", "weight_format", "bitsandbytes_version"}
 _STR_FIELDS |= {"optimizer"}
 _STR_FIELDS |= {"optimizer_offload", "param_offload", "grad_sync", "framework_version"}
+_STR_FIELDS |= {"cp_attention"}
 _STR_FIELDS |= {"pipeline_layout", "zero_grad", "pipeline_schedule", "moe_token_dispatcher_type"}
 _LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
 _FLOAT_FIELDS = {"dropout", "capacity_factor", "lora_dropout", "lora_alpha"}
@@ -557,6 +558,8 @@ def _validate(spec: ModelSpec) -> None:
     if reason := frameworks.state_offload_error(spec):
         raise SpecError(reason)
     if reason := frameworks.grad_sync_error(spec.framework, spec.grad_sync):
+        raise SpecError(reason)
+    if reason := context_parallel.cp_attention_error(spec.framework, spec.cp_attention):
         raise SpecError(reason)
     if reason := frameworks.framework_version_error(spec.framework, spec.framework_version):
         raise SpecError(reason)
