@@ -271,6 +271,7 @@ QUIET_KEYS = frozenset(
         "fp8_recipe",
         "fp8_param_gather",
         "grad_sync",
+        "cp_attention",
         "framework_version",
         "bitsandbytes_version",
         "fsdp_float8_all_gather",
