@@ -111,17 +111,23 @@ def test_0_3_gathers_k_and_v_at_the_key_value_heads():
     assert extra == ring_backward_workspace_bytes(8, q, kv, 2)
 
 
+def validation_script(name: str):
+    """validation/NAME.py, imported as a module."""
+    path = Path(__file__).resolve().parent.parent / "validation" / f"{name}.py"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module
+    module_spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 def test_pytorchs_own_ring_backward_holds_what_is_counted(cp):
     """PyTorch's `_templated_ring_attention_backward` on a fake process group (the CPU check,
     validation/torch_cp_ring_memory.py): the live set at its kernel calls is ckplan's (the most
     of any rank; the `i > rank` branch adds a half-length fp32 logsumexp copy, 1/32 E here)."""
     torch_or_skip()
-    path = Path(__file__).resolve().parent.parent / "validation" / "torch_cp_ring_memory.py"
-    module_spec = importlib.util.spec_from_file_location("torch_cp_ring_memory", path)
-    harness = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_spec.name] = harness
-    module_spec.loader.exec_module(harness)
+    harness = validation_script("torch_cp_ring_memory")
     values = 1 * 4 * 16 * 32  # the script's (b, a, s, d)
     unit = 2 * values
     counted = ring_backward_live_at_call_bytes(cp, values, values, 2) / unit
@@ -173,11 +179,7 @@ def test_pytorchs_own_ring_moves_what_is_counted(cp):
     """PyTorch's ring loops on a fake process group (validation/torch_cp_ring_traffic.py): the
     mean over the ranks of the bytes their own ops move is `ring_moved_bytes`, exactly."""
     torch_or_skip()
-    path = Path(__file__).resolve().parent.parent / "validation" / "torch_cp_ring_traffic.py"
-    module_spec = importlib.util.spec_from_file_location("torch_cp_ring_traffic", path)
-    harness = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_spec.name] = harness
-    module_spec.loader.exec_module(harness)
+    harness = validation_script("torch_cp_ring_traffic")
     shape = {"b": 1, "a": 4, "s": 8, "d": 16}
     for kv_heads in (4, 2):
         seen = [harness.measure(cp, rank, shape, kv_heads) for rank in range(cp)]
