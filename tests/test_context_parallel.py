@@ -16,6 +16,7 @@ from ckplan.model.context_parallel import (
     ring_backward_workspace_bytes,
     ring_kv_heads,
     ring_moved_bytes,
+    torchtitan_ring_exchange_bytes,
     uses_ring_attention,
 )
 from ckplan.model.ops import layer_ops
@@ -185,3 +186,52 @@ def test_pytorchs_own_ring_moves_what_is_counted(cp):
         seen = [harness.measure(cp, rank, shape, kv_heads) for rank in range(cp)]
         mean = (sum(f for f, _ in seen) / cp, sum(g for _, g in seen) / cp)
         assert mean == ring_moved_bytes(cp, 8 * 4 * 16, 8 * kv_heads * 16, 8 * 4)
+
+
+def test_ring_exchange_by_hand():
+    """The 405B at cp 4 (16 query heads a rank, K and V repeated to them under 2024.12): the
+    gathered K‖V is 4 x 2 x 32,768·16·128 bf16 values, the dK‖dV shifted 2 x that in fp32."""
+    kv = 32768 * HEADS_R * HEAD_DIM
+    assert torchtitan_ring_exchange_bytes(four_oh_five_b(4), HEADS_R, KV_HEADS_R) == (
+        4 * 2 * kv * 2,
+        2 * kv * 4,
+    )
+    # torchtitan 0.3 gathers the one K/V head a rank holds
+    kv = 32768 * KV_HEADS_R * HEAD_DIM
+    spec = four_oh_five_b(4, framework_version="0.3")
+    assert torchtitan_ring_exchange_bytes(spec, HEADS_R, KV_HEADS_R) == (16 * kv, 8 * kv)
+    assert torchtitan_ring_exchange_bytes(four_oh_five_b(1), HEADS_R, KV_HEADS_R) == (0, 0)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_pytorchs_own_ring_exchanges_what_is_timed(cp):
+    """PyTorch's ring loops on a fake process group: one K‖V all-gather in the forward, the
+    same and cp shifts of the fp32 dK‖dV in the backward (`torchtitan_ring_exchange_bytes`)."""
+    torch_or_skip()
+    harness = validation_script("torch_cp_ring_traffic")
+    shape = {"b": 1, "a": 4, "s": 8, "d": 16}
+    forward, backward = harness.exchanged(cp, 1, shape, 2)
+    kv = 8 * 2 * 16  # the rank's K values at 2 heads
+    gathered, shifted = cp * 2 * kv * 2, 2 * kv * 4
+    assert forward == [("all_gather_into_tensor", gathered)]
+    assert (
+        backward == [("all_gather_into_tensor", gathered)] + [("all_to_all_single", shifted)] * cp
+    )
+
+
+def test_ring_exchange_time_hides_behind_one_step_each():
+    """With no compute to hide behind, the forward pays the gather and the backward the gather
+    and cp shifts; with a long core only the last shift, which nothing follows."""
+    from ckplan.hardware import communication as comm
+    from ckplan.hardware.step_time import torchtitan_ring_comm
+    from ckplan.inputs.gpus import load_gpu
+
+    gpu, spec = load_gpu("h100-sxm"), four_oh_five_b(4)
+    gathered, shifted = torchtitan_ring_exchange_bytes(spec, HEADS_R, KV_HEADS_R)
+    bandwidth = comm.group_bandwidth(gpu, 4, 8)  # cp 4 at stride tp 8: across nodes
+    gather = comm.all_gather_seconds(gathered, 4, bandwidth) + comm.all_gather_latency(gpu, 4)
+    shift = shifted / bandwidth
+    forward, backward = torchtitan_ring_comm(spec, gpu, 0.0, 0.0)
+    assert forward == pytest.approx(gather)
+    assert backward == pytest.approx(gather + 4 * shift)
+    assert torchtitan_ring_comm(spec, gpu, 1e3, 1e3) == pytest.approx((0.0, shift))

@@ -31,6 +31,19 @@ NOT_COUNTED = {
 
 def measure(cp: int, rank: int, shape: dict[str, int], kv_heads: int) -> tuple[int, int]:
     """Bytes the ring's ops move on rank `rank` of `cp`, (forward, backward)."""
+    moved = _run(cp, rank, shape, kv_heads)
+    return moved[0].bytes, moved[1].bytes
+
+
+def exchanged(cp: int, rank: int, shape: dict[str, int], kv_heads: int) -> tuple[list, list]:
+    """The collectives of the forward and of the backward on rank `rank` of `cp`: (name,
+    bytes), an all-gather's whole gathered buffer, an all-to-all's input."""
+    moved = _run(cp, rank, shape, kv_heads)
+    return moved[0].sent, moved[1].sent
+
+
+def _run(cp: int, rank: int, shape: dict[str, int], kv_heads: int) -> list:
+    """The ring's forward and backward under one counting mode each."""
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor.experimental._context_parallel import _attention as ring
@@ -41,11 +54,14 @@ def measure(cp: int, rank: int, shape: dict[str, int], kv_heads: int) -> tuple[i
     class Moved(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.bytes, self.paused = 0, False
+            self.bytes, self.paused, self.sent = 0, False, []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             name = func.overloadpacket.__name__
+            if name in ("all_gather_into_tensor", "all_to_all_single"):
+                sent = args[0].numel() * args[0].element_size()
+                self.sent.append((name, sent * cp if name == "all_gather_into_tensor" else sent))
             if self.paused or name in NOT_COUNTED or func.namespace in ("_c10d_functional", "c10d"):
                 return out
             tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
@@ -84,7 +100,7 @@ def measure(cp: int, rank: int, shape: dict[str, int], kv_heads: int) -> tuple[i
             )
     finally:
         dist.destroy_process_group()
-    return modes[0].bytes, modes[1].bytes
+    return modes
 
 
 def main(check: bool) -> int:

@@ -54,6 +54,7 @@ from ckplan.hardware.roofline import (
 )
 from ckplan.hardware.times import ZERO, MicroBatchTime, StageTime
 from ckplan.model import frameworks, loss, memory, mtp, optimizers
+from ckplan.model.context_parallel import torchtitan_ring_exchange_bytes, uses_ring_attention
 from ckplan.model.flops import MFU_CONVENTION, iteration_flops, model_flops_per_iteration
 from ckplan.model.layers import LayerKind, stage_chunk_layers, stage_kinds
 from ckplan.model.modules import module_ops
@@ -255,15 +256,40 @@ def context_parallel_comm(
     context_parallel docs): each of the cp - 1 steps sends this rank's K and V chunk, 2·(s/cp)·b
     ·(g·d/t)·B bytes, to the next rank while the attention of the current chunk is computed; the
     backward sends K, V and their gradients, twice that. Overlapped with the attention core.
+    torchtitan's PyTorch ring attention exchanges otherwise (`torchtitan_ring_comm`).
     """
     cp = spec.cp
     if cp == 1 or spec.kind != "transformer":
         return 0.0, 0.0
+    if not spec.mla and uses_ring_attention(spec.framework, cp, spec.attention, spec.cp_attention):
+        return torchtitan_ring_comm(spec, gpu, core_forward.total, core_backward.total)
     tokens = (spec.seq // cp) * spec.micro_batch
     kv = 2 * tokens * kv_heads_per_rank(spec) * spec.head_dim * spec.dtype_bytes
     bandwidth = comm.group_bandwidth(gpu, cp, spec.tp)
     send = (cp - 1) * comm.p2p_seconds(kv, bandwidth)
     return comm.exposed(send, core_forward.total), comm.exposed(2 * send, core_backward.total)
+
+
+def torchtitan_ring_comm(
+    spec: ModelSpec, gpu: GPU, core_forward: float, core_backward: float
+) -> tuple[float, float]:
+    """Exposed seconds of PyTorch's ring attention's exchange under torchtitan, (forward,
+    backward) (`context_parallel.torchtitan_ring_exchange_bytes`; torch/distributed/tensor/
+    experimental/_context_parallel/_attention.py at v2.13.0). The K‖V all-gather is issued
+    before step 0 and waited for at step 1: it hides behind step 0's kernel, 1/cp of the core
+    (load balancing evens the steps). In the backward the gather again, then each step's fp32
+    dK‖dV goes to the next rank while the next step computes; the last shift, after the last
+    step, is waited for at once."""
+    cp = spec.cp
+    heads_r = max(1, spec.heads // spec.tp)
+    gathered, rotated = torchtitan_ring_exchange_bytes(spec, heads_r, kv_heads_per_rank(spec))
+    bandwidth = comm.group_bandwidth(gpu, cp, spec.tp)
+    gather = comm.all_gather_seconds(gathered, cp, bandwidth) + comm.all_gather_latency(gpu, cp)
+    shift = comm.p2p_seconds(rotated, bandwidth)
+    forward = comm.exposed(gather, core_forward / cp)
+    step = core_backward / cp
+    backward = comm.exposed(gather, step) + (cp - 1) * comm.exposed(shift, step) + shift
+    return forward, backward
 
 
 def mla_comm(spec: ModelSpec, gpu: GPU) -> tuple[float, float]:

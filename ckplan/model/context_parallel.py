@@ -163,3 +163,18 @@ def torchtitan_ring_moved_bytes(spec, heads_r: int, kv_heads_r: int) -> tuple[in
     q_values = tokens * heads_r * spec.head_dim
     kv_values = tokens * kv_heads * spec.head_dim
     return ring_moved_bytes(spec.cp, q_values, kv_values, tokens * heads_r)
+
+
+def torchtitan_ring_exchange_bytes(spec, heads_r: int, kv_heads_r: int) -> tuple[int, int]:
+    """What PyTorch's ring attention sends per attention call of `spec`: (the all-gathered K‖V
+    buffer, cp x the rank's bf16 K and V, gathered once in the forward and once in the
+    backward; one fp32 dK‖dV accumulator, shifted to the next rank cp times in the backward by
+    `all_to_all_single`), counted on the fake process group by validation/
+    torch_cp_ring_traffic.py's loops (PyTorch v2.13.0). (0, 0) where it does not run the ring
+    (`uses_ring_attention`). `heads_r`, `kv_heads_r`: the rank's query and K/V heads."""
+    if not uses_ring_attention(spec.framework, spec.cp, spec.attention, spec.cp_attention):
+        return 0, 0
+    tokens = spec.micro_batch * (spec.seq // spec.cp)
+    kv_heads = ring_kv_heads(framework_version(spec), heads_r, kv_heads_r)
+    kv_values = tokens * kv_heads * spec.head_dim
+    return spec.cp * 2 * kv_values * spec.dtype_bytes, 2 * kv_values * FP32_BYTES
