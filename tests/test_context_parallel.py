@@ -231,7 +231,9 @@ def test_ring_exchange_time_hides_behind_one_step_each():
     bandwidth = comm.group_bandwidth(gpu, 4, 8)  # cp 4 at stride tp 8: across nodes
     gather = comm.all_gather_seconds(gathered, 4, bandwidth) + comm.all_gather_latency(gpu, 4)
     shift = shifted / bandwidth
-    forward, backward = torchtitan_ring_comm(spec, gpu, 0.0, 0.0)
+    forward, backward = torchtitan_ring_comm(spec, gpu, (gathered, shifted), 0.0, 0.0)
     assert forward == pytest.approx(gather)
     assert backward == pytest.approx(gather + 4 * shift)
-    assert torchtitan_ring_comm(spec, gpu, 1e3, 1e3) == pytest.approx((0.0, shift))
+    assert torchtitan_ring_comm(spec, gpu, (gathered, shifted), 1e3, 1e3) == pytest.approx(
+        (0.0, shift)
+    )

@@ -54,7 +54,7 @@ from ckplan.hardware.roofline import (
 )
 from ckplan.hardware.times import ZERO, MicroBatchTime, StageTime
 from ckplan.model import frameworks, loss, memory, mtp, optimizers
-from ckplan.model.context_parallel import torchtitan_ring_exchange_bytes, uses_ring_attention
+from ckplan.model.context_parallel import torchtitan_ring_exchange_bytes
 from ckplan.model.flops import MFU_CONVENTION, iteration_flops, model_flops_per_iteration
 from ckplan.model.layers import LayerKind, stage_chunk_layers, stage_kinds
 from ckplan.model.modules import module_ops
@@ -261,8 +261,10 @@ def context_parallel_comm(
     cp = spec.cp
     if cp == 1 or spec.kind != "transformer":
         return 0.0, 0.0
-    if not spec.mla and uses_ring_attention(spec.framework, cp, spec.attention, spec.cp_attention):
-        return torchtitan_ring_comm(spec, gpu, core_forward.total, core_backward.total)
+    heads_r = max(1, spec.heads // spec.tp)
+    ring = torchtitan_ring_exchange_bytes(spec, heads_r, kv_heads_per_rank(spec))
+    if ring != (0, 0):
+        return torchtitan_ring_comm(spec, gpu, ring, core_forward.total, core_backward.total)
     tokens = (spec.seq // cp) * spec.micro_batch
     kv = 2 * tokens * kv_heads_per_rank(spec) * spec.head_dim * spec.dtype_bytes
     bandwidth = comm.group_bandwidth(gpu, cp, spec.tp)
@@ -271,7 +273,11 @@ def context_parallel_comm(
 
 
 def torchtitan_ring_comm(
-    spec: ModelSpec, gpu: GPU, core_forward: float, core_backward: float
+    spec: ModelSpec,
+    gpu: GPU,
+    exchange: tuple[int, int],
+    core_forward: float,
+    core_backward: float,
 ) -> tuple[float, float]:
     """Exposed seconds of PyTorch's ring attention's exchange under torchtitan, (forward,
     backward) (`context_parallel.torchtitan_ring_exchange_bytes`; torch/distributed/tensor/
@@ -279,10 +285,9 @@ def torchtitan_ring_comm(
     before step 0 and waited for at step 1: it hides behind step 0's kernel, 1/cp of the core
     (load balancing evens the steps). In the backward the gather again, then each step's fp32
     dK‖dV goes to the next rank while the next step computes; the last shift, after the last
-    step, is waited for at once."""
+    step, is waited for at once. `exchange`: the gathered and the shifted bytes."""
     cp = spec.cp
-    heads_r = max(1, spec.heads // spec.tp)
-    gathered, rotated = torchtitan_ring_exchange_bytes(spec, heads_r, kv_heads_per_rank(spec))
+    gathered, rotated = exchange
     bandwidth = comm.group_bandwidth(gpu, cp, spec.tp)
     gather = comm.all_gather_seconds(gathered, cp, bandwidth) + comm.all_gather_latency(gpu, cp)
     shift = comm.p2p_seconds(rotated, bandwidth)

@@ -122,12 +122,27 @@ def torchtitan_ring_workspace_bytes(spec, tokens: int, heads_r: int, kv_heads_r:
     """The attention backward's ring transient of `spec` (0 where it does not run PyTorch's
     ring attention, `uses_ring_attention`): `tokens` the rank's b·s/cp, `heads_r` and
     `kv_heads_r` its query and K/V heads, head_dim for Q, K and V."""
-    if not uses_ring_attention(spec.framework, spec.cp, spec.attention, spec.cp_attention):
+    values = ring_values(spec, tokens, heads_r, kv_heads_r)
+    if values is None:
         return 0
+    return ring_backward_workspace_bytes(spec.cp, *values, spec.dtype_bytes)
+
+
+def ring_values(spec, tokens: int, heads_r: int, kv_heads_r: int) -> tuple[int, int] | None:
+    """(the rank's Q values, its values of one of K and V at the heads the ring gathers,
+    `ring_kv_heads`) where `spec` runs PyTorch's ring attention (`uses_ring_attention`; MLA's
+    attention is not torchtitan's), else None. `tokens`: the rank's b·s/cp."""
+    if spec.mla or not uses_ring_attention(
+        spec.framework, spec.cp, spec.attention, spec.cp_attention
+    ):
+        return None
     kv_heads = ring_kv_heads(framework_version(spec), heads_r, kv_heads_r)
-    q_elements = tokens * heads_r * spec.head_dim
-    kv_elements = tokens * kv_heads * spec.head_dim
-    return ring_backward_workspace_bytes(spec.cp, q_elements, kv_elements, spec.dtype_bytes)
+    return tokens * heads_r * spec.head_dim, tokens * kv_heads * spec.head_dim
+
+
+def _rank_tokens(spec) -> int:
+    """The tokens one context-parallel rank attends for: b·s/cp."""
+    return spec.micro_batch * (spec.seq // spec.cp)
 
 
 def ring_moved_bytes(cp: int, q_values: int, kv_values: int, lse_values: int) -> tuple[int, int]:
@@ -156,13 +171,11 @@ def torchtitan_ring_moved_bytes(spec, heads_r: int, kv_heads_r: int) -> tuple[in
     """`ring_moved_bytes` of one attention call of `spec`, (forward, backward); (0, 0) where
     it does not run PyTorch's ring attention (`uses_ring_attention`). `heads_r` and
     `kv_heads_r`: the rank's query and K/V heads."""
-    if not uses_ring_attention(spec.framework, spec.cp, spec.attention, spec.cp_attention):
+    tokens = _rank_tokens(spec)
+    values = ring_values(spec, tokens, heads_r, kv_heads_r)
+    if values is None:
         return 0, 0
-    tokens = spec.micro_batch * (spec.seq // spec.cp)
-    kv_heads = ring_kv_heads(framework_version(spec), heads_r, kv_heads_r)
-    q_values = tokens * heads_r * spec.head_dim
-    kv_values = tokens * kv_heads * spec.head_dim
-    return ring_moved_bytes(spec.cp, q_values, kv_values, tokens * heads_r)
+    return ring_moved_bytes(spec.cp, *values, tokens * heads_r)
 
 
 def torchtitan_ring_exchange_bytes(spec, heads_r: int, kv_heads_r: int) -> tuple[int, int]:
@@ -172,9 +185,8 @@ def torchtitan_ring_exchange_bytes(spec, heads_r: int, kv_heads_r: int) -> tuple
     `all_to_all_single`), counted on the fake process group by validation/
     torch_cp_ring_traffic.py's loops (PyTorch v2.13.0). (0, 0) where it does not run the ring
     (`uses_ring_attention`). `heads_r`, `kv_heads_r`: the rank's query and K/V heads."""
-    if not uses_ring_attention(spec.framework, spec.cp, spec.attention, spec.cp_attention):
+    values = ring_values(spec, _rank_tokens(spec), heads_r, kv_heads_r)
+    if values is None:
         return 0, 0
-    tokens = spec.micro_batch * (spec.seq // spec.cp)
-    kv_heads = ring_kv_heads(framework_version(spec), heads_r, kv_heads_r)
-    kv_values = tokens * kv_heads * spec.head_dim
+    kv_values = values[1]
     return spec.cp * 2 * kv_values * spec.dtype_bytes, 2 * kv_values * FP32_BYTES

@@ -242,9 +242,10 @@ ARCHITECTURE_FEATURES = {
     "mtp": ("mtp_layers",),
 }
 # Keys of the other parts that only MoE models, uneven, interleaved or DualPipe pipelines, model
-# states on the host, hf's gradient sync, a torchtitan release, Megatron's fused MoE kernels,
-# Transformer Engine's FP8, torchao's float8 all-gather or an older bitsandbytes use: shown when
-# not default (the two once-a-step data-parallel overlaps when they differ from dp_comm_overlap).
+# states on the host, hf's gradient sync, a torchtitan release or its context-parallel
+# attention, Megatron's fused MoE kernels, Transformer Engine's FP8, torchao's float8 all-gather
+# or an older bitsandbytes use: shown when not default (the two once-a-step data-parallel
+# overlaps when they differ from dp_comm_overlap).
 QUIET_KEYS = frozenset(
     {
         "moe_imbalance",
