@@ -87,7 +87,9 @@ def test_groupings_by_release():
     # deepspeed: the transformers release of a model the Trainer or accelerate hands to it
     deepspeed = _spec(framework="deepspeed", framework_version=None)
     assert frameworks.framework_version(deepspeed) == "5.25"
-    assert frameworks.framework_version(_spec(framework="megatron", framework_version=None)) is None
+    # megatron: the Transformer Engine release (ckplan.model.context_parallel `TE_CP_MOVED`)
+    megatron = _spec(framework="megatron", framework_version=None)
+    assert frameworks.framework_version(megatron) == "te2.16"
 
 
 def test_kept_unsharded_by_hand():

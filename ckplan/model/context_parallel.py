@@ -29,7 +29,10 @@ heads (`repeat_kv`, torchtitan/models/llama/model.py) before SDPA; torchtitan 0.
 
 from __future__ import annotations
 
-from ckplan.model.frameworks import framework_version
+import math
+from fractions import Fraction
+
+from ckplan.model.frameworks import TRANSFORMER_ENGINE_RELEASES, framework_version
 from ckplan.model.repeat_kv import kernel_kv_heads, repeats_kv
 
 FP32_BYTES = 4
@@ -190,3 +193,79 @@ def torchtitan_ring_exchange_bytes(spec, heads_r: int, kv_heads_r: int) -> tuple
         return 0, 0
     kv_values = values[1]
     return spec.cp * 2 * kv_values * spec.dtype_bytes, 2 * kv_values * FP32_BYTES
+
+
+# Transformer Engine's point-to-point context parallelism (Megatron-Core's default
+# `cp_comm_type` p2p: `AttnFuncWithCP`, later `AttnFuncWithCPAndKVP2P`): the bytes its own ops
+# move around the kernel calls of one attention forward and one backward, the mean over the cp
+# ranks, by release, counted on the CPU by validation/te_cp_p2p_traffic.py on each release's
+# own text (bf16 sbhd Q, K, V, causal, cuDNN fused attention): the K‖V concatenation and the
+# halves of K‖V, Q and O the load-balanced steps copy, the output and logsumexp corrections
+# (torch.compile'd, one kernel each), the dQ and dK‖dV accumulation into the ring buffers.
+# Each entry: for Q's, one of K and V's and the fp32 logsumexp's bytes, forward then backward,
+# the coefficient (per cp, constant, per 1/cp) in quarters: bytes = (a·cp + b + e/cp)/4 ·
+# the tensor's bytes. Releases with the same loops share an entry.
+# v1.8-v1.9: the K‖V halves copied with `.contiguous()`, dK and dV concatenated each step
+_TE_1_8 = (((9, 7, 0), (4, 12, 0), (22, 18, 0)), ((9, -1, 0), (34, 14, 0), (0, 4, 0)))
+# v1.10-v1.13: K and V sent as they lie (qkv_layout sbhd_sb2hd), no halves copied
+_TE_1_10 = (((9, 11, 0), (0, 16, 0), (22, 18, 0)), ((9, -1, 0), (30, 18, 0), (0, 4, 0)))
+# v2.0-v2.1: the backward's second-half logsumexp copied on the ranks that need it only
+_TE_2_0 = (_TE_1_10[0], ((9, -1, 0), (30, 18, 0), (0, 4, -4)))
+# v2.2: the output corrected step by step in fp32 (`flash_attn_fwd_out_correction_init`)
+_TE_2_2 = (((11, -3, 0), (0, 16, 0), (26, 14, 0)), _TE_2_0[1])
+# v2.3: dK and dV taken as the kernel writes them side by side (`combine_tensors`)
+_TE_2_3 = (_TE_2_2[0], ((9, -1, 0), (18, 14, 0), (0, 4, -4)))
+# v2.4 on: the logsumexp corrections fused per half
+_TE_2_4 = (((11, -3, 0), (0, 16, 0), (18, -2, 0)), _TE_2_3[1])
+TE_CP_MOVED: dict[str, tuple] = {
+    **dict.fromkeys(TRANSFORMER_ENGINE_RELEASES[:2], _TE_1_8),
+    **dict.fromkeys(TRANSFORMER_ENGINE_RELEASES[2:6], _TE_1_10),
+    **dict.fromkeys(TRANSFORMER_ENGINE_RELEASES[6:8], _TE_2_0),
+    TRANSFORMER_ENGINE_RELEASES[8]: _TE_2_2,
+    TRANSFORMER_ENGINE_RELEASES[9]: _TE_2_3,
+    **dict.fromkeys(TRANSFORMER_ENGINE_RELEASES[10:], _TE_2_4),
+}
+
+
+def te_p2p_moved_bytes(
+    release: str, cp: int, q_values: int, kv_values: int, lse_values: int
+) -> tuple[int, int]:
+    """Bytes Transformer Engine `release`'s point-to-point context-parallel attention moves
+    beside its kernel calls in one attention forward and one backward, (forward, backward),
+    the mean over the cp ranks (derived: `TE_CP_MOVED`, counted by validation/
+    te_cp_p2p_traffic.py). `q_values` the rank's Q (b·a·s/cp·d), `kv_values` one of its K and
+    V at the K/V heads (TE takes grouped K and V as they are), `lse_values` its fp32
+    logsumexp (b·a·s/cp); bf16 Q, K, V; cp >= 2."""
+    sizes = (2 * q_values, 2 * kv_values, FP32_BYTES * lse_values)
+    moved = []
+    for coefficients in TE_CP_MOVED[release]:
+        quarters = sum(
+            Fraction(a * cp + b) * size + Fraction(e * size, cp)
+            for (a, b, e), size in zip(coefficients, sizes, strict=True)
+        )
+        moved.append(math.ceil(quarters / 4))
+    return moved[0], moved[1]
+
+
+def cp_moved_bytes(spec, heads_r: int, kv_heads_r: int) -> tuple[int, int]:
+    """What the context-parallel attention's own ops move beside the kernel calls of one
+    attention call of `spec`, (forward, backward): PyTorch's ring under torchtitan
+    (`torchtitan_ring_moved_bytes`), Transformer Engine's point-to-point loops under
+    Megatron-Core (`megatron_cp_moved_bytes`); (0, 0) elsewhere."""
+    if spec.framework == "megatron":
+        return megatron_cp_moved_bytes(spec, framework_version(spec), heads_r, kv_heads_r)
+    return torchtitan_ring_moved_bytes(spec, heads_r, kv_heads_r)
+
+
+def megatron_cp_moved_bytes(spec, release: str, heads_r: int, kv_heads_r: int) -> tuple[int, int]:
+    """`te_p2p_moved_bytes` of one attention call of `spec` under Megatron-Core with Transformer
+    Engine `release` (its `framework_version`); (0, 0) without context parallelism, without a
+    fused attention kernel (Megatron's unfused attention has no context parallelism) and
+    for MLA, whose split head sizes the count does not cover. `heads_r`, `kv_heads_r`: the
+    rank's query and K/V heads."""
+    if spec.framework != "megatron" or spec.cp < 2 or spec.attention == "standard" or spec.mla:
+        return 0, 0
+    tokens = _rank_tokens(spec)
+    q_values = tokens * heads_r * spec.head_dim
+    kv_values = tokens * kv_heads_r * spec.head_dim
+    return te_p2p_moved_bytes(release, spec.cp, q_values, kv_values, tokens * heads_r)

@@ -106,10 +106,20 @@ ZERO_GRADS = ("none", "zeros")
 # a transformers model that the Hugging Face Trainer or accelerate runs under DeepSpeed (the
 # model code is transformers' whoever drives the step), and before them 0.5.4, DeepSpeed's own
 # ZeRO-3 fetch and reduction path of 2021 (`deepspeed_list_collectives`; a transformers model
-# there runs the newest transformers' loss)
+# there runs the newest transformers' loss); megatron: the Transformer Engine release its
+# attention runs, whose context-parallel loops move different bytes
+# (ckplan.model.context_parallel `TE_CP_MOVED`)
 TRANSFORMERS_VERSIONS = ("4.44", "5.25")
 DEEPSPEED_2021 = "0.5.4"
+TRANSFORMER_ENGINE_RELEASES = tuple(
+    f"te{release}"
+    for release in (
+        "1.8", "1.9", "1.10", "1.11", "1.12", "1.13", "2.0", "2.1", "2.2", "2.3", "2.4", "2.5",
+        "2.6", "2.7", "2.8", "2.9", "2.10", "2.11", "2.12", "2.13", "2.14", "2.15", "2.16",
+    )
+)  # fmt: skip
 FRAMEWORK_VERSIONS = {
+    "megatron": TRANSFORMER_ENGINE_RELEASES,
     "hf": TRANSFORMERS_VERSIONS,
     "deepspeed": (DEEPSPEED_2021, *TRANSFORMERS_VERSIONS),
     "torchtitan": ("2024.12", "0.3"),

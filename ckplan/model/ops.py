@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from ckplan.model.context_parallel import (
-    torchtitan_ring_moved_bytes,
+    cp_moved_bytes,
     torchtitan_ring_workspace_bytes,
 )
 from ckplan.model.finetune import frozen_ops
@@ -270,7 +270,8 @@ def _attention_ops(spec: ChainSpec, kind: LayerKind, shapes: LayerShapes) -> lis
         # torchtitan's context parallelism: PyTorch's ring attention all-gathers K‖V and keeps
         # fp32 dQ, dK, dV accumulators and the dK‖dV ring buffers (ckplan.model.context_parallel)
         workspace += torchtitan_ring_workspace_bytes(spec, tokens, heads_r, kv_heads_r)
-        ring_moved = torchtitan_ring_moved_bytes(spec, heads_r, kv_heads_r)
+        # the context-parallel loops' own copies and corrections around the kernel calls
+        ring_moved = cp_moved_bytes(spec, heads_r, kv_heads_r)
         # Q, K, V as the kernel reads and saves them: torchtitan "2024.12" repeats K and V to
         # the rank's query heads before SDPA (ckplan.model.repeat_kv), and its copies are what
         # the kernel saves; the K/V-head tensors are freed. Its backward's dK, dV at the query

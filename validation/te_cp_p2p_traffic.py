@@ -1,0 +1,422 @@
+"""The bytes Transformer Engine's point-to-point context parallelism moves beside its kernel
+calls, counted on the CPU: the count behind ckplan's `context_parallel.TE_CP_MOVED`
+(docs/time-model.md), release by release.
+
+Megatron-Core and NeMo run context parallelism (cp > 1, `cp_comm_type` p2p, the default)
+through Transformer Engine's `AttnFuncWithCP` (TE v1.8, transformer_engine/pytorch/
+attention.py), later `AttnFuncWithCPAndKVP2P`. The class needs CUDA to import, so this script
+takes the class's own text from a TE source file, runs it on CPU tensors with the counting of
+validation/torch_cp_ring_traffic.py: a stand-in for the fused-attention kernel that makes its
+outputs with the counting off, no-op streams and events, the K/V point-to-point exchange not
+counted (it is the network's), and a TorchDispatchMode adding up the bytes of every op's
+tensor inputs and outputs but views. The functions TE compiles (`@jit_fuser`, torch.compile
+from PyTorch 2 on: the output and logsumexp corrections) are counted as the one kernel each
+compiles to: the arguments they read and the ones they write, nothing in between.
+
+Q, K, V and the output gradient are bf16 (s, b, a, d) tensors (Megatron's sbhd layout),
+causal, the cuDNN fused-attention path (`use_fused_attention`), no bias, no dropout; K and V at
+the query heads and at half of them, and two head sizes, separate the Q-, K/V- and
+logsumexp-sized terms (the rank's chunk: s tokens). Printed per cp: the mean over the ranks
+beside ckplan's. The stand-ins are the kernels' and the exchange's; every other name TE's text
+uses but does not define must have one, or the run stops (`STUBBED` lists the few left as
+inert stubs), so that no path runs on a stub unnoticed.
+
+Usage (the source from the TransformerEngine repository at the release: up to v2.2
+transformer_engine/pytorch/attention.py, from v2.3 on transformer_engine/pytorch/attention/
+dot_product_attention/context_parallel.py; the release as ckplan's `framework_version`):
+    git -C TransformerEngine show v1.8:transformer_engine/pytorch/attention.py > te.py
+    python validation/te_cp_p2p_traffic.py te.py te1.8 [--check]
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import inspect
+import sys
+import types
+
+SHAPES = ({"b": 1, "a": 8, "s": 16, "d": 32}, {"b": 1, "a": 8, "s": 16, "d": 64})
+CPS = (2, 3, 4, 8)
+CLASS_NAMES = ("AttnFuncWithCP", "AttnFuncWithCPAndKVP2P")
+NOT_COUNTED = {
+    "view", "_unsafe_view", "transpose", "t", "permute", "unsqueeze", "squeeze", "expand",
+    "slice", "select", "chunk", "split", "split_with_sizes", "unbind", "alias", "as_strided",
+    "detach", "movedim", "unsqueeze_", "squeeze_", "_reshape_alias", "reshape",
+}  # fmt: skip
+# ops that write their first argument without reading it
+OVERWRITES = {"copy_", "fill_", "zero_"}
+# allocations: no kernel touches the memory
+ALLOCATES = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+
+
+class _Counter:
+    """Bytes moved by the counted ops, and whether counting is paused (kernels, compiled
+    functions, the exchange)."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.paused = False
+
+    @contextlib.contextmanager
+    def pause(self):
+        paused, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = paused
+
+
+def _nbytes(tensor) -> int:
+    """A tensor's bytes; none for integer tensors (the cumulative sequence lengths and the
+    random-number state, a few bytes each)."""
+    if not tensor.is_floating_point():
+        return 0
+    return tensor.numel() * tensor.element_size()
+
+
+def load(source: str, names: dict) -> type:
+    """TE's context-parallel autograd function and the functions beside it, from the text of
+    the module that defines it, with `names` (CPU stand-ins) for what it imports."""
+    tree = ast.parse(source)
+    keep = [
+        node
+        for node in tree.body
+        if (isinstance(node, ast.ClassDef) and node.name in CLASS_NAMES)
+        or (isinstance(node, ast.FunctionDef) and node.name not in names)
+        or (isinstance(node, ast.Assign) and _literal(node.value))
+    ]
+    module = ast.Module(body=keep, type_ignores=[])
+    namespace = _Namespace(names)
+    exec(compile(module, "<te>", "exec"), namespace)  # TE's own text
+    name = next(n.name for n in keep if isinstance(n, ast.ClassDef))
+    return namespace[name]
+
+
+def _combined(counter: _Counter):
+    """TE's `combine_tensors` (transformer_engine/pytorch/utils.py): dK and dV as one tensor,
+    a view of the buffer the kernel wrote them into side by side; the stand-in kernel makes
+    them apart, so they are stacked with the counting off."""
+    import torch
+
+    def combine_tensors(tensors, dim):
+        # TE inserts the new dimension as list.insert(dim, ...) does on the shape
+        where = dim if dim >= 0 else tensors[0].dim() + dim
+        with counter.pause():
+            return torch.stack(tensors, where)
+
+    return combine_tensors
+
+
+def _no_quantizers(source: str):
+    """TE 2.x's `get_attention_quantizers` without FP8: as many Nones as the line calling it
+    unpacks (the forward and the backward unpack different sets)."""
+    counts = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            called = ast.unparse(node.value.func)
+            if called.endswith("get_attention_quantizers") and isinstance(
+                node.targets[0], ast.Tuple
+            ):
+                for line in range(node.lineno, node.end_lineno + 1):
+                    counts[line] = len(node.targets[0].elts)
+
+    def quantizers(*args, **kwargs):
+        return (None,) * counts[sys._getframe(1).f_lineno]
+
+    return quantizers
+
+
+def _restore_from_saved(objects, saved, return_saved_tensors=False):
+    """TE 2.x's `restore_from_saved` for plain tensors: the saved tensors back, in order."""
+    restored, rest = list(saved[: len(objects)]), saved[len(objects) :]
+    return (restored, rest) if return_saved_tensors else restored
+
+
+def _literal(node) -> bool:
+    """Whether a module-level value is a plain constant or an empty container (TE's caches)."""
+    try:
+        ast.literal_eval(node)
+    except ValueError:
+        return False
+    return True
+
+
+class _Stub:
+    """Anything TE's text names that the run does not need: attribute access and calls give
+    more stubs."""
+
+    def __init__(self, name, **attributes):
+        self._name = name
+        self.__dict__.update(attributes)
+
+    def __getattr__(self, attr):
+        return _Stub(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        return _Stub(f"{self._name}()")
+
+    def __getitem__(self, key):
+        return _Stub(f"{self._name}[{key!r}]")
+
+    def __repr__(self):
+        return f"<stub {self._name}>"
+
+
+# what TE's text names that no bf16, sbhd, fused-attention run reaches but for an enum or a
+# recipe object: stubs; any other name it does not define must be given a stand-in
+STUBBED = {"tex", "FusedAttnBackend", "FP8GlobalStateManager"}
+
+
+class _Namespace(dict):
+    """exec globals: names TE's text imports, as CPU stand-ins; `STUBBED` names `_Stub`s; any
+    other unknown name an error, so that no code path runs on a stub unnoticed."""
+
+    def __missing__(self, key):
+        import builtins
+
+        if hasattr(builtins, key):
+            return getattr(builtins, key)
+        if key.startswith("_flash_attn_"):  # flash-attn version flags: the kernel is a stand-in
+            return True
+        if key[0].isupper() and "Tensor" in key:  # FP8 tensor classes: no tensor here is one
+            self[key] = type(key, (), {})
+            return self[key]
+        if key in STUBBED:
+            return _Stub(key)
+        raise KeyError(key)
+
+
+def _fused_kernel(counter: _Counter):
+    """`jit_fuser`: a compiled function runs as one kernel, reading its tensor arguments and
+    writing those it mutates (its intermediates stay in registers)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    def decorate(function):
+        def run(*args, **kwargs):
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            read = {id(t): False for t in tensors}
+            before = [t._version for t in tensors]
+
+            class Reads(TorchDispatchMode):
+                def __torch_dispatch__(self, func, types, op_args=(), op_kwargs=None):
+                    name = func.overloadpacket.__name__
+                    inputs = tree_leaves((op_args, op_kwargs))
+                    if name in OVERWRITES:
+                        inputs = inputs[1:]
+                    for t in inputs:
+                        base = getattr(t, "_base", None)
+                        for candidate in (t, base):
+                            if id(candidate) in read:
+                                read[id(candidate)] = True
+                    return func(*op_args, **(op_kwargs or {}))
+
+            with counter.pause(), Reads():
+                out = function(*args, **kwargs)
+            written = [t for t, v in zip(tensors, before, strict=True) if t._version != v]
+            returned = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            counter.bytes += sum(_nbytes(t) for t in tensors if read[id(t)])
+            counter.bytes += sum(_nbytes(t) for t in written + returned)
+            return out
+
+        return run
+
+    return decorate
+
+
+class _NoStream:
+    """A CUDA stream or event that orders nothing: the CPU runs one op after another."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args):
+        pass
+
+    def wait_event(self, *args):
+        pass
+
+    def record_event(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def _cpu_cuda():
+    """torch.cuda's streams and events as no-ops, so TE's overlap code runs on the CPU."""
+    import torch
+
+    saved = {n: getattr(torch.cuda, n) for n in ("stream", "current_stream", "Event", "Stream")}
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.cuda.current_stream = lambda *a: _NoStream()
+    torch.cuda.Event = _NoStream
+    torch.cuda.Stream = _NoStream
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(torch.cuda, name, value)
+
+
+def measure(source: str, cp: int, rank: int, shape: dict[str, int], kv_heads: int) -> tuple:
+    """Bytes TE's context-parallel attention moves on rank `rank` of `cp` beside its kernels,
+    (forward, backward)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    counter = _Counter()
+    b, a, s, d = (shape[k] for k in "basd")
+
+    class Moved(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if counter.paused or name in NOT_COUNTED or name in ALLOCATES:
+                return out
+            inputs = tree_leaves((args, kwargs))[1 if name in OVERWRITES else 0 :]
+            tensors = [t for t in inputs + tree_leaves(out) if isinstance(t, torch.Tensor)]
+            counter.bytes += sum(_nbytes(t) for t in tensors)
+            return out
+
+    def big(values):
+        return [t for t in values if isinstance(t, torch.Tensor) and t.dim() >= 3]
+
+    def fused_attn_fwd(*args, **kwargs):
+        q, _, v = big(args)[:3]
+        with counter.pause():
+            out = torch.randn(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+            lse = torch.randn(q.shape[1], q.shape[2], q.shape[0], 1, dtype=torch.float32)
+            rng = torch.zeros(2, dtype=torch.int64)
+        return out, [lse, rng]
+
+    def fused_attn_bwd(*args, **kwargs):
+        q, k, v = big(args)[:3]
+        with counter.pause():
+            grads = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
+        return (*grads, None)
+
+    def exchange(rank_, send, send_dst, recv, recv_src, group, batch):
+        return []
+
+    names = dict(
+        torch=torch,
+        os=__import__("os"),
+        jit_fuser=_fused_kernel(counter),
+        get_distributed_world_size=lambda group: cp,
+        get_distributed_rank=lambda group: rank,
+        fused_attn_fwd=fused_attn_fwd,
+        fused_attn_bwd=fused_attn_bwd,
+        flash_attn_p2p_communicate=exchange,
+        TE_DType={torch.bfloat16: "bf16"},
+        # TE 2.x: no FP8 here, so every quantizer is None; tensors saved as they are
+        get_attention_quantizers=_no_quantizers(source),
+        dpa_utils=_Stub("dpa_utils", get_attention_quantizers=_no_quantizers(source)),
+        prepare_for_saving=lambda *tensors: (list(tensors), [None] * len(tensors)),
+        restore_from_saved=_restore_from_saved,
+        restore_from_func_ctx=lambda ctx, return_saved_tensors=False: _restore_from_saved(
+            ctx.tensor_objects, ctx.saved_tensors, return_saved_tensors
+        ),
+        functools=__import__("functools"),
+        is_graph_capturing=lambda: False,
+        _dpa_fp8_cs_o_in_f16=True,  # FP8 only; TE's default (NVTE_DPA_FP8CS_O_in_F16=1)
+        combine_tensors=_combined(counter),
+        get_device_compute_capability=lambda: (9, 0),  # H100
+        get_cudnn_version=lambda: (9, 10, 0),  # only the thd layout's logsumexp asks
+        nvtx_range_push=lambda *args: None,
+        nvtx_range_pop=lambda *args: None,
+    )
+    attn = load(source, names)
+    # from TE v1.13 the forward takes the whole sequence's lengths and divides them by cp
+    whole = cp if "max_seqlen_q // cp_size" in source else 1
+    padded = torch.tensor([0, s * whole], dtype=torch.int32) if whole > 1 else None
+    values = {
+        "is_training": True,
+        "cu_seqlens_q": torch.tensor([0, s * whole], dtype=torch.int32),
+        "cu_seqlens_k": torch.tensor([0, s * whole], dtype=torch.int32),
+        "cu_seqlens_kv": torch.tensor([0, s * whole], dtype=torch.int32),
+        "max_seqlen_q": s * whole,
+        "max_seqlen_k": s * whole,
+        "max_seqlen_kv": s * whole,
+        "cu_seqlens_q_padded": padded,
+        "cu_seqlens_kv_padded": padded,
+        "dropout_p": 0.0,
+        "cp_group": None,
+        "cp_global_ranks": list(range(cp)),
+        "cp_stream": _NoStream(),
+        "softmax_scale": None,
+        "qkv_format": "sbhd",
+        "attn_mask_type": "causal",
+        "attn_bias_type": "no_bias",
+        "attn_bias": None,
+        "deterministic": False,
+        "use_fused_attention": True,
+        "fp8": False,
+        "fp8_meta": None,
+        "quantizers": None,
+        "return_max_logit": False,
+        "pad_between_seqs": False,
+        "use_flash_attn_3": False,
+        "fp8_output": False,
+        "layer_number": 1,
+    }
+
+    def sbhd(heads):
+        return torch.randn(s, b, heads, d, dtype=torch.bfloat16)
+
+    q, k, v, grad_out = sbhd(a), sbhd(kv_heads), sbhd(kv_heads), sbhd(a)
+    values.update(q=q, k=k, v=v)
+    params = list(inspect.signature(attn.forward).parameters)[1:]
+    unknown = [p for p in params if p not in values]
+    if unknown:
+        raise SystemExit(f"TE's forward takes arguments this script does not set: {unknown}")
+    ctx = types.SimpleNamespace()
+
+    def save_for_backward(*tensors):
+        ctx.saved_tensors = tensors
+
+    ctx.save_for_backward = save_for_backward
+    moved = []
+    with _cpu_cuda():
+        counter.bytes = 0
+        with Moved():
+            out = attn.forward(ctx, *(values[p] for p in params))
+        moved.append(counter.bytes)
+        counter.bytes = 0
+        with Moved():
+            attn.backward(ctx, grad_out.view(out.shape))
+        moved.append(counter.bytes)
+    return tuple(moved)
+
+
+def main(path: str, release: str, check: bool) -> int:
+    from ckplan.model.context_parallel import te_p2p_moved_bytes
+
+    with open(path, encoding="utf-8") as handle:
+        source = handle.read()
+    failures = 0
+    for shape in SHAPES:
+        b, a, s, d = (shape[k] for k in "basd")
+        for kv_heads in (a, a // 2):
+            for cp in CPS:
+                seen = [measure(source, cp, rank, shape, kv_heads) for rank in range(cp)]
+                forward = sum(f for f, _ in seen) / cp
+                backward = sum(g for _, g in seen) / cp
+                tokens = b * s
+                ours = te_p2p_moved_bytes(
+                    release, cp, tokens * a * d, tokens * kv_heads * d, tokens * a
+                )
+                print(
+                    f"d {d}, K/V heads {kv_heads}/{a}, cp {cp}: forward {forward:,.2f} B "
+                    f"(ckplan {ours[0]:,}), backward {backward:,.2f} B (ckplan {ours[1]:,})"
+                )
+                failures += abs(forward - ours[0]) >= 1 or abs(backward - ours[1]) >= 1
+    return 1 if check and failures else 0
+
+
+if __name__ == "__main__":
+    arguments = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if len(arguments) != 2:
+        sys.exit(__doc__)
+    sys.exit(main(arguments[0], arguments[1], "--check" in sys.argv[1:]))
