@@ -211,11 +211,12 @@ _TE_1_8 = (((9, 7, 0), (4, 12, 0), (22, 18, 0)), ((9, -1, 0), (34, 14, 0), (0, 4
 _TE_1_10 = (((9, 11, 0), (0, 16, 0), (22, 18, 0)), ((9, -1, 0), (30, 18, 0), (0, 4, 0)))
 # v2.0-v2.1: the backward's second-half logsumexp copied on the ranks that need it only
 _TE_2_0 = (_TE_1_10[0], ((9, -1, 0), (30, 18, 0), (0, 4, -4)))
-# v2.2: the output corrected step by step in fp32 (`flash_attn_fwd_out_correction_init`)
+# v2.2: the output corrections of the halves apart (`flash_attn_fwd_out_correction_init`,
+# `flash_attn_fwd_second_half_out_correction`)
 _TE_2_2 = (((11, -3, 0), (0, 16, 0), (26, 14, 0)), _TE_2_0[1])
 # v2.3: dK and dV taken as the kernel writes them side by side (`combine_tensors`)
 _TE_2_3 = (_TE_2_2[0], ((9, -1, 0), (18, 14, 0), (0, 4, -4)))
-# v2.4 on: the logsumexp corrections fused per half
+# v2.4 on: the running logsumexp kept in fp32 (no float64 copy and cast back)
 _TE_2_4 = (((11, -3, 0), (0, 16, 0), (18, -2, 0)), _TE_2_3[1])
 TE_CP_MOVED: dict[str, tuple] = {
     **dict.fromkeys(TRANSFORMER_ENGINE_RELEASES[:2], _TE_1_8),

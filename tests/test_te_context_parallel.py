@@ -1,0 +1,163 @@
+"""Transformer Engine's point-to-point context parallelism under Megatron-Core
+(ckplan.model.context_parallel `TE_CP_MOVED`): its own ops' bytes by hand and as counted on
+TE's own text, and where the attention core times them."""
+
+from __future__ import annotations
+
+import pytest
+from needs_torch import torch_or_skip
+from test_context_parallel import validation_script
+
+from ckplan.inputs.presets import load_spec
+from ckplan.model.context_parallel import (
+    TE_CP_MOVED,
+    cp_moved_bytes,
+    te_p2p_moved_bytes,
+    torchtitan_ring_moved_bytes,
+)
+from ckplan.model.frameworks import TRANSFORMER_ENGINE_RELEASES
+from ckplan.model.ops import layer_ops
+
+
+def test_every_release_has_a_count():
+    assert set(TE_CP_MOVED) == set(TRANSFORMER_ENGINE_RELEASES)
+    assert TRANSFORMER_ENGINE_RELEASES[0] == "te1.8"
+
+
+def test_te_1_8_at_cp_2_by_hand():
+    """TE v1.8's `AttnFuncWithCP` (transformer_engine/pytorch/attention.py), causal sbhd, cuDNN
+    fused attention, the mean of ranks 0 and 1, in bytes of Q (bf16), of one of K and V, and of
+    the fp32 logsumexp L. Forward: cat(K, V) reads and writes 2 each (4 KV); rank 1's step 1
+    takes the first half of the received K‖V with `.contiguous()` (2 KV, mean 1), rank 0's
+    `q[1].contiguous()` is already contiguous (nothing); `empty_like(q).zero_()` writes Q; the
+    logsumexp cloned (2 L) and cast to float64 (4 L read as 1 + 2 written); the compiled
+    logsumexp correction reads the float64 sum (2 L) and the step's L and writes the sum back
+    (2 L): 5 L on rank 1, half on rank 0 (mean 3.75 L); the cast back to fp32 (3 L); the
+    compiled output correction reads O and the step's output and writes O (3 Q) and reads both
+    logsumexps (2 L) for step 0 on both ranks and step 1 on rank 1, on rank 0 half of it but
+    the float64 half-view of the sum (1.5 Q + L + L/2), mean 2.25 Q + 1.75 L.
+    Forward: 6.25 Q + 5 KV + 15.5 L."""
+    forward = {"Q": 1 + 3 + 2.25, "KV": 4 + 1, "L": 5 + 3.75 + 3 + 2 + 1.75}
+    assert forward == {"Q": 6.25, "KV": 5, "L": 15.5}
+    # one value of each alone: bf16 Q and K/V, fp32 logsumexp
+    assert te_p2p_moved_bytes("te1.8", 2, 4, 0, 0)[0] == 6.25 * 2 * 4
+    assert te_p2p_moved_bytes("te1.8", 2, 0, 4, 0)[0] == 5 * 2 * 4
+    assert te_p2p_moved_bytes("te1.8", 2, 0, 0, 1)[0] == 15.5 * 4
+
+
+def test_te_1_8_backward_at_cp_2_by_hand():
+    """The backward, the mean of ranks 0 and 1 (D = 2 KV, the dK‖dV ring buffer): the saved
+    K‖V copied into the first ring buffer (4 KV); rank 1's step 0 takes the first half of K‖V
+    with `.contiguous()` (2 KV, mean 1), rank 0's `q[1]`, `out[1]`, `dout[1]` are already
+    contiguous; the second half of the logsumexp copied (L).
+    dQ: rank 0 copies step 0's half-length dQ into the second half (Q), then copies the first
+    half of step 1's and adds its second half (Q + 1.5 Q); rank 1 copies step 0's whole
+    (2 Q) and adds step 1's (3 Q): mean 4.25 Q.
+    dK‖dV concatenated each step (4 KV whole, 2 KV for rank 1's half step 0): mean 7 KV; and
+    accumulated into the ring buffer: rank 0 copies step 0's (2 D) and at the last step adds
+    the first half and copies the second (1.5 D + D); rank 1 copies its half step (D) and adds
+    the last whole (3 D): mean 4.25 D = 8.5 KV.
+    Backward: 4.25 Q + 20.5 KV + L."""
+    backward = {"Q": ((1 + 2.5) + (2 + 3)) / 2, "KV": 4 + 1 + 7 + 8.5, "L": 1}
+    assert backward == {"Q": 4.25, "KV": 20.5, "L": 1}
+    assert te_p2p_moved_bytes("te1.8", 2, 4, 0, 0)[1] == 4.25 * 2 * 4
+    assert te_p2p_moved_bytes("te1.8", 2, 0, 4, 0)[1] == 20.5 * 2 * 4
+    assert te_p2p_moved_bytes("te1.8", 2, 0, 0, 4)[1] == 1 * 4 * 4
+
+
+# Counted by validation/te_cp_p2p_traffic.py on each release's own text (the --check runs,
+# one line of each): d 32, 8 query heads, 4 K/V heads, 16 tokens a rank, cp 3, the mean over
+# the ranks (forward, backward); where the mean is not whole, ckplan rounds up.
+COUNTED = {
+    "te1.8": (104_960, 172_544),
+    "te2.2": (89_600, 164_181 + 1 / 3),
+    "te2.3": (89_600, 123_221 + 1 / 3),
+    "te2.9": (84_480, 123_221 + 1 / 3),
+    "te2.16": (84_480, 123_221 + 1 / 3),
+}
+
+
+@pytest.mark.parametrize("release", sorted(COUNTED))
+def test_releases_move_what_their_text_was_counted_moving(release):
+    forward, backward = te_p2p_moved_bytes(release, 3, 16 * 8 * 32, 16 * 4 * 32, 16 * 8)
+    assert forward == COUNTED[release][0]
+    assert 0 <= backward - COUNTED[release][1] < 1
+
+
+# A stand-in for TE's class: the counting rules of validation/te_cp_p2p_traffic.py on known ops
+FAKE_TE = """
+@jit_fuser
+def flash_attn_fwd_softmax_lse_correction(softmax_lse, softmax_lse_per_step):
+    softmax_lse.copy_(torch.max(softmax_lse, softmax_lse_per_step))
+
+
+class AttnFuncWithCP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, is_training, q, k, v, cp_group, cp_global_ranks, cp_stream):
+        kv = torch.cat((k.unsqueeze(0), v.unsqueeze(0)), dim=0)
+        flash_attn_p2p_communicate(0, kv, 1, torch.empty_like(kv), 1, cp_group, True)
+        out, (lse, rng) = fused_attn_fwd(is_training, q, kv[0], kv[1])
+        total = torch.empty_like(q).zero_()
+        running = lse.clone()
+        flash_attn_fwd_softmax_lse_correction(running, lse)
+        ctx.save_for_backward(q, kv)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv = ctx.saved_tensors
+        dq_, dk_, dv_, _ = fused_attn_bwd(q, kv[0], kv[1], dout, dout)
+        dq = torch.empty_like(q)
+        dq.copy_(dq_)
+        dq.add_(dq_)
+        return dq
+"""
+
+
+def test_the_counting_rules_on_known_ops():
+    """Forward: cat 4 KV; the exchange, the kernel and `empty_like` nothing; `zero_` writes Q;
+    `clone` 2 L; the compiled correction reads both logsumexps and writes one (3 L).
+    Backward: the kernel nothing, `copy_` 2 Q (not the destination's old values), `add_` 3 Q."""
+    torch_or_skip()
+    harness = validation_script("te_cp_p2p_traffic")
+    shape = {"b": 1, "a": 8, "s": 16, "d": 32}
+    q_bytes, kv_bytes, lse_bytes = 2 * 16 * 8 * 32, 2 * 16 * 4 * 32, 4 * 16 * 8
+    forward, backward = harness.measure(FAKE_TE, 2, 0, shape, 4)
+    assert forward == 4 * kv_bytes + q_bytes + 2 * lse_bytes + 3 * lse_bytes
+    assert backward == 2 * q_bytes + 3 * q_bytes
+
+
+def megatron_8b(**changes):
+    """Llama 3 8B under Megatron-Core at CP 2, 8,192 tokens, one sequence a micro-batch."""
+    values = {"cp": 2, "dp": 4, "seq": 8192, "micro_batch": 1, "attention": "flash", **changes}
+    return load_spec("llama3-8b").replace(**values)
+
+
+def core(spec):
+    return next(op for op in layer_ops(spec.chain) if op.name == "attention_core")
+
+
+@pytest.mark.parametrize("release", ["te1.8", "te1.13", "te2.1", "te2.9"])
+def test_the_attention_core_runs_te_loops_beside_its_kernel(release):
+    spec = megatron_8b(framework_version=release)
+    # 4,096 tokens a rank, 32 query heads and 8 K/V heads of 128
+    tokens = 4096
+    expected = te_p2p_moved_bytes(release, 2, tokens * 32 * 128, tokens * 8 * 128, tokens * 32)
+    assert core(spec).side_bytes == cp_moved_bytes(spec, 32, 8) == expected
+    assert core(megatron_8b(cp=1, dp=8, framework_version=release)).side_bytes == (0, 0)
+
+
+def test_the_newest_release_is_the_default():
+    assert (
+        core(megatron_8b()).side_bytes == core(megatron_8b(framework_version="te2.16")).side_bytes
+    )
+    # and the releases differ: v1.8 copies halves of K‖V that later releases do not
+    assert (
+        core(megatron_8b(framework_version="te1.8")).side_bytes[1]
+        > (core(megatron_8b()).side_bytes[1])
+    )
+
+
+def test_torchtitan_keeps_pytorchs_ring():
+    spec = megatron_8b(framework="torchtitan", framework_version="0.3", zero=3)
+    assert cp_moved_bytes(spec, 32, 8) == torchtitan_ring_moved_bytes(spec, 32, 8)
