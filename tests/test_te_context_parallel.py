@@ -4,6 +4,9 @@ TE's own text, and where the attention core times them."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 from needs_torch import torch_or_skip
 from test_context_parallel import validation_script
@@ -125,6 +128,36 @@ def test_the_counting_rules_on_known_ops():
     forward, backward = harness.measure(FAKE_TE, 2, 0, shape, 4)
     assert forward == 4 * kv_bytes + q_bytes + 2 * lse_bytes + 3 * lse_bytes
     assert backward == 2 * q_bytes + 3 * q_bytes
+
+
+# PyPI's pure-Python transformer_engine wheels (v1.10 on; v1.9's holds no PyTorch code), which
+# .ci/run downloads into CKPLAN_TE_WHEELS: one release of each set of loops but v1.8-1.9's
+WHEELS = os.environ.get("CKPLAN_TE_WHEELS")
+WHEEL_RELEASES = ("1.10.0", "1.13.0", "2.1.0", "2.2.0", "2.3.0", "2.4.0", "2.9.0", "2.16.0")
+
+
+@pytest.mark.parametrize("release", WHEEL_RELEASES)
+def test_transformer_engines_own_loops_move_what_is_counted(release):
+    """TE's own `AttnFuncWithCP(AndKVP2P)` text from the release's wheel, run by
+    validation/te_cp_p2p_traffic.py: the mean over the ranks is `te_p2p_moved_bytes` of
+    the release at cp 2 and 3 (a whole byte's rounding), K/V at the query heads and at half."""
+    torch_or_skip()
+    wheel = Path(WHEELS or "") / f"transformer_engine-{release}-py3-none-any.whl"
+    if not WHEELS or not wheel.is_file():
+        if os.environ.get("CKPLAN_REQUIRE_FRAMEWORKS") == "1":
+            pytest.fail(f"CKPLAN_REQUIRE_FRAMEWORKS=1 but {wheel} is missing", pytrace=False)
+        pytest.skip("no transformer_engine wheel (CKPLAN_TE_WHEELS, set by .ci/run)")
+    harness = validation_script("te_cp_p2p_traffic")
+    source = harness.source_from_wheel(str(wheel))
+    ours = "te" + release.rsplit(".", 1)[0]
+    shape = {"b": 1, "a": 4, "s": 8, "d": 16}
+    for cp in (2, 3):
+        for kv_heads in (4, 2):
+            seen = [harness.measure(source, cp, rank, shape, kv_heads) for rank in range(cp)]
+            mean = (sum(f for f, _ in seen) / cp, sum(g for _, g in seen) / cp)
+            counted = te_p2p_moved_bytes(ours, cp, 8 * 4 * 16, 8 * kv_heads * 16, 8 * 4)
+            assert 0 <= counted[0] - mean[0] < 1
+            assert 0 <= counted[1] - mean[1] < 1
 
 
 def megatron_8b(**changes):

@@ -21,24 +21,31 @@ beside ckplan's. The stand-ins are the kernels' and the exchange's; every other 
 uses but does not define must have one, or the run stops (`STUBBED` lists the few left as
 inert stubs), so that no path runs on a stub unnoticed.
 
-Usage (the source from the TransformerEngine repository at the release: up to v2.2
-transformer_engine/pytorch/attention.py, from v2.3 on transformer_engine/pytorch/attention/
-dot_product_attention/context_parallel.py; the release as ckplan's `framework_version`):
+Usage (the release's source file, or PyPI's pure-Python `transformer_engine` wheel of it,
+v1.10 on; the release as ckplan's `framework_version`):
     git -C TransformerEngine show v1.8:transformer_engine/pytorch/attention.py > te.py
     python validation/te_cp_p2p_traffic.py te.py te1.8 [--check]
+    pip download --no-deps -d wheels transformer_engine==2.9.0
+    python validation/te_cp_p2p_traffic.py wheels/transformer_engine-2.9.0-py3-none-any.whl te2.9
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import inspect
 import sys
 import types
+import zipfile
 
 SHAPES = ({"b": 1, "a": 8, "s": 16, "d": 32}, {"b": 1, "a": 8, "s": 16, "d": 64})
 CPS = (2, 3, 4, 8)
 CLASS_NAMES = ("AttnFuncWithCP", "AttnFuncWithCPAndKVP2P")
+MODULE_PATHS = (
+    "transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py",
+    "transformer_engine/pytorch/attention.py",
+)
 NOT_COUNTED = {
     "view", "_unsafe_view", "transpose", "t", "permute", "unsqueeze", "squeeze", "expand",
     "slice", "select", "chunk", "split", "split_with_sizes", "unbind", "alias", "as_strided",
@@ -78,19 +85,38 @@ def _nbytes(tensor) -> int:
 def load(source: str, names: dict) -> type:
     """TE's context-parallel autograd function and the functions beside it, from the text of
     the module that defines it, with `names` (CPU stand-ins) for what it imports."""
+    code, name = _compiled(source, frozenset(names))
+    namespace = _Namespace(names)
+    exec(code, namespace)  # TE's own text
+    return namespace[name]
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(source: str, stand_ins: frozenset) -> tuple:
+    """The class, the module's functions but those `stand_ins` replace, and its plain
+    constants, compiled; and the class's name."""
     tree = ast.parse(source)
     keep = [
         node
         for node in tree.body
         if (isinstance(node, ast.ClassDef) and node.name in CLASS_NAMES)
-        or (isinstance(node, ast.FunctionDef) and node.name not in names)
+        or (isinstance(node, ast.FunctionDef) and node.name not in stand_ins)
         or (isinstance(node, ast.Assign) and _literal(node.value))
     ]
-    module = ast.Module(body=keep, type_ignores=[])
-    namespace = _Namespace(names)
-    exec(compile(module, "<te>", "exec"), namespace)  # TE's own text
     name = next(n.name for n in keep if isinstance(n, ast.ClassDef))
-    return namespace[name]
+    return compile(ast.Module(body=keep, type_ignores=[]), "<te>", "exec"), name
+
+
+def source_from_wheel(path: str) -> str:
+    """The text of TE's context-parallel module from a `transformer_engine` wheel (PyPI's
+    pure-Python package, from v1.10; v1.9's holds no PyTorch code): transformer_engine/pytorch/
+    attention.py up to v2.2, attention/dot_product_attention/context_parallel.py from v2.3."""
+    with zipfile.ZipFile(path) as wheel:
+        names = set(wheel.namelist())
+        for inside in MODULE_PATHS:
+            if inside in names:
+                return wheel.read(inside).decode("utf-8")
+    raise SystemExit(f"{path}: no Transformer Engine PyTorch attention module in the wheel")
 
 
 def _combined(counter: _Counter):
@@ -393,8 +419,11 @@ def measure(source: str, cp: int, rank: int, shape: dict[str, int], kv_heads: in
 def main(path: str, release: str, check: bool) -> int:
     from ckplan.model.context_parallel import te_p2p_moved_bytes
 
-    with open(path, encoding="utf-8") as handle:
-        source = handle.read()
+    if path.endswith(".whl"):
+        source = source_from_wheel(path)
+    else:
+        with open(path, encoding="utf-8") as handle:
+            source = handle.read()
     failures = 0
     for shape in SHAPES:
         b, a, s, d = (shape[k] for k in "basd")
