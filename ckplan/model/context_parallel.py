@@ -1,5 +1,7 @@
-"""torchtitan's context parallelism: what PyTorch's ring attention keeps alive in the attention
-backward beside a plain flash-attention backward.
+"""Context parallelism as the frameworks run it: what PyTorch's ring attention keeps alive in
+the attention backward beside a plain flash-attention backward under torchtitan, and what the
+ring loops' own ops move beside the kernel calls, PyTorch's under torchtitan and Transformer
+Engine's under Megatron-Core (`TE_CP_MOVED`, at the end).
 
 torchtitan runs context parallelism (cp > 1) through PyTorch's experimental
 `torch.distributed.tensor.experimental.context_parallel`: its SDPA calls become
@@ -205,9 +207,10 @@ def torchtitan_ring_exchange_bytes(spec, heads_r: int, kv_heads_r: int) -> tuple
 # Each entry: for Q's, one of K and V's and the fp32 logsumexp's bytes, forward then backward,
 # the coefficient (per cp, constant, per 1/cp) in quarters: bytes = (a·cp + b + e/cp)/4 ·
 # the tensor's bytes. Releases with the same loops share an entry.
-# v1.8-v1.9: the K‖V halves copied with `.contiguous()`, dK and dV concatenated each step
+# v1.8-v1.9: K and V apart (qkv_layout sbhd_sbhd_sbhd), the halves of K‖V a step needs
+# copied with `.contiguous()`
 _TE_1_8 = (((9, 7, 0), (4, 12, 0), (22, 18, 0)), ((9, -1, 0), (34, 14, 0), (0, 4, 0)))
-# v1.10-v1.13: K and V sent as they lie (qkv_layout sbhd_sb2hd), no halves copied
+# v1.10-v1.13: K and V in one buffer (qkv_layout sbhd_sb2hd), its halves read as they lie
 _TE_1_10 = (((9, 11, 0), (0, 16, 0), (22, 18, 0)), ((9, -1, 0), (30, 18, 0), (0, 4, 0)))
 # v2.0-v2.1: the backward's second-half logsumexp copied on the ranks that need it only
 _TE_2_0 = (_TE_1_10[0], ((9, -1, 0), (30, 18, 0), (0, 4, -4)))
