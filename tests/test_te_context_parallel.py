@@ -33,7 +33,7 @@ def test_te_1_8_at_cp_2_by_hand():
     the fp32 logsumexp L. Forward: cat(K, V) reads and writes 2 each (4 KV); rank 1's step 1
     takes the first half of the received K‖V with `.contiguous()` (2 KV, mean 1), rank 0's
     `q[1].contiguous()` is already contiguous (nothing); `empty_like(q).zero_()` writes Q; the
-    logsumexp cloned (2 L) and cast to float64 (4 L read as 1 + 2 written); the compiled
+    logsumexp cloned (2 L) and cast to float64 (L read, 2 L written); the compiled
     logsumexp correction reads the float64 sum (2 L) and the step's L and writes the sum back
     (2 L): 5 L on rank 1, half on rank 0 (mean 3.75 L); the cast back to fp32 (3 L); the
     compiled output correction reads O and the step's output and writes O (3 Q) and reads both
