@@ -137,6 +137,17 @@ def _combined(counter: _Counter):
 def _no_quantizers(source: str):
     """TE 2.x's `get_attention_quantizers` without FP8: as many Nones as the line calling it
     unpacks (the forward and the backward unpack different sets)."""
+    counts = _unpacked_quantizers(source)
+
+    def quantizers(*args, **kwargs):
+        return (None,) * counts[sys._getframe(1).f_lineno]
+
+    return quantizers
+
+
+@functools.lru_cache(maxsize=8)
+def _unpacked_quantizers(source: str) -> dict[int, int]:
+    """How many names each line assigning `get_attention_quantizers(...)` unpacks, by line."""
     counts = {}
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
@@ -146,11 +157,7 @@ def _no_quantizers(source: str):
             ):
                 for line in range(node.lineno, node.end_lineno + 1):
                     counts[line] = len(node.targets[0].elts)
-
-    def quantizers(*args, **kwargs):
-        return (None,) * counts[sys._getframe(1).f_lineno]
-
-    return quantizers
+    return counts
 
 
 def _restore_from_saved(objects, saved, return_saved_tensors=False):
@@ -326,6 +333,7 @@ def measure(source: str, cp: int, rank: int, shape: dict[str, int], kv_heads: in
     def exchange(rank_, send, send_dst, recv, recv_src, group, batch):
         return []
 
+    no_quantizers = _no_quantizers(source)
     names = dict(
         torch=torch,
         os=__import__("os"),
@@ -337,8 +345,8 @@ def measure(source: str, cp: int, rank: int, shape: dict[str, int], kv_heads: in
         flash_attn_p2p_communicate=exchange,
         TE_DType={torch.bfloat16: "bf16"},
         # TE 2.x: no FP8 here, so every quantizer is None; tensors saved as they are
-        get_attention_quantizers=_no_quantizers(source),
-        dpa_utils=_Stub("dpa_utils", get_attention_quantizers=_no_quantizers(source)),
+        get_attention_quantizers=no_quantizers,
+        dpa_utils=_Stub("dpa_utils", get_attention_quantizers=no_quantizers),
         prepare_for_saving=lambda *tensors: (list(tensors), [None] * len(tensors)),
         restore_from_saved=_restore_from_saved,
         restore_from_func_ctx=lambda ctx, return_saved_tensors=False: _restore_from_saved(

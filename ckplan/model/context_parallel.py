@@ -222,12 +222,14 @@ _TE_2_3 = (_TE_2_2[0], ((9, -1, 0), (18, 14, 0), (0, 4, -4)))
 # v2.4 on: the running logsumexp kept in fp32 (no float64 copy and cast back)
 _TE_2_4 = (((11, -3, 0), (0, 16, 0), (18, -2, 0)), _TE_2_3[1])
 TE_CP_MOVED: dict[str, tuple] = {
-    **dict.fromkeys(TRANSFORMER_ENGINE_RELEASES[:2], _TE_1_8),
-    **dict.fromkeys(TRANSFORMER_ENGINE_RELEASES[2:6], _TE_1_10),
-    **dict.fromkeys(TRANSFORMER_ENGINE_RELEASES[6:8], _TE_2_0),
-    TRANSFORMER_ENGINE_RELEASES[8]: _TE_2_2,
-    TRANSFORMER_ENGINE_RELEASES[9]: _TE_2_3,
-    **dict.fromkeys(TRANSFORMER_ENGINE_RELEASES[10:], _TE_2_4),
+    **dict.fromkeys(("te1.8", "te1.9"), _TE_1_8),
+    **dict.fromkeys(("te1.10", "te1.11", "te1.12", "te1.13"), _TE_1_10),
+    **dict.fromkeys(("te2.0", "te2.1"), _TE_2_0),
+    "te2.2": _TE_2_2,
+    "te2.3": _TE_2_3,
+    **dict.fromkeys(
+        TRANSFORMER_ENGINE_RELEASES[TRANSFORMER_ENGINE_RELEASES.index("te2.4") :], _TE_2_4
+    ),
 }
 
 
