@@ -166,13 +166,20 @@ def test_the_attention_core_runs_the_ring_beside_its_kernel():
     assert gathered.grad_workspace_bytes == core(four_oh_five_b(1)).grad_workspace_bytes
 
 
-def test_cp_attention_is_torchtitans():
+def test_cp_attention_is_torchtitans_and_megatrons():
     from ckplan.model.parts import SpecError
 
-    with pytest.raises(SpecError, match="key 'cp_attention' must be one of ring, allgather"):
+    with pytest.raises(SpecError, match="key 'cp_attention' must be one of ring, allgather, a2a"):
         four_oh_five_b(4, cp_attention="p2p")
-    with pytest.raises(SpecError, match="the key is for framework torchtitan"):
-        load_spec("llama3-8b").replace(cp=2, cp_attention="ring")
+    with pytest.raises(SpecError, match="under framework torchtitan one of ring, allgather"):
+        four_oh_five_b(4, cp_attention="a2a")
+    with pytest.raises(SpecError, match="under framework megatron one of ring, a2a"):
+        load_spec("llama3-8b", {"cp": 2, "dp": 4, "cp_attention": "allgather"})
+    with pytest.raises(SpecError, match="the key is for frameworks torchtitan and megatron"):
+        load_spec("llama3-8b", {"framework": "deepspeed", "cp_attention": "ring"})
+    # Megatron's ring is its default
+    ring = load_spec("llama3-8b", {"cp": 2, "dp": 4, "cp_attention": "ring"})
+    assert core(ring).side_bytes == core(load_spec("llama3-8b", {"cp": 2, "dp": 4})).side_bytes
 
 
 @pytest.mark.parametrize("cp", [2, 3])

@@ -21,12 +21,20 @@ beside ckplan's. The stand-ins are the kernels' and the exchange's; every other 
 uses but does not define must have one, or the run stops (`STUBBED` lists the few left as
 inert stubs), so that no path runs on a stub unnoticed.
 
+With --comm=a2a the same for the all-to-all context parallelism (`cp_comm_type` a2a,
+`AttnFuncWithCPAndQKVOA2A`, v1.11 on; the all-to-alls are the network's, uncounted), beside
+`context_parallel.te_a2a_moved_bytes`; with --memory, the most bytes its backward holds at
+once beyond what it is handed and saved (`backward_live`), beside
+`te_a2a_backward_workspace_bytes` plus the kernel's dQ, dK, dV. The all-to-alls split the heads,
+so those runs skip the cp that does not divide them.
+
 Usage (the release's source file, or PyPI's pure-Python `transformer_engine` wheel of it,
 v1.10 on; the release as ckplan's `framework_version`):
     git -C TransformerEngine show v1.8:transformer_engine/pytorch/attention.py > te.py
     python validation/te_cp_p2p_traffic.py te.py te1.8 [--check]
     pip download --no-deps -d wheels transformer_engine==2.9.0
     python validation/te_cp_p2p_traffic.py wheels/transformer_engine-2.9.0-py3-none-any.whl te2.9
+    python validation/te_cp_p2p_traffic.py te.py te2.9 --comm=a2a [--memory] [--check]
 """
 
 from __future__ import annotations
@@ -41,7 +49,11 @@ import zipfile
 
 SHAPES = ({"b": 1, "a": 8, "s": 16, "d": 32}, {"b": 1, "a": 8, "s": 16, "d": 64})
 CPS = (2, 3, 4, 8)
-CLASS_NAMES = ("AttnFuncWithCP", "AttnFuncWithCPAndKVP2P")
+# the autograd function of each `cp_comm_type`: p2p (`AttnFuncWithCP` in v1.8-1.9), a2a (v1.11 on)
+CLASS_NAMES = {
+    "p2p": ("AttnFuncWithCP", "AttnFuncWithCPAndKVP2P"),
+    "a2a": ("AttnFuncWithCPAndQKVOA2A",),
+}
 MODULE_PATHS = (
     "transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py",
     "transformer_engine/pytorch/attention.py",
@@ -82,28 +94,30 @@ def _nbytes(tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def load(source: str, names: dict) -> type:
-    """TE's context-parallel autograd function and the functions beside it, from the text of
-    the module that defines it, with `names` (CPU stand-ins) for what it imports."""
-    code, name = _compiled(source, frozenset(names))
+def load(source: str, names: dict, comm: str = "p2p") -> type:
+    """TE's context-parallel autograd function for `comm` and the functions beside it, from
+    the text of the module that defines it, with `names` (CPU stand-ins) for what it imports."""
+    code, name = _compiled(source, frozenset(names), CLASS_NAMES[comm])
     namespace = _Namespace(names)
     exec(code, namespace)  # TE's own text
     return namespace[name]
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled(source: str, stand_ins: frozenset) -> tuple:
-    """The class, the module's functions but those `stand_ins` replace, and its plain
-    constants, compiled; and the class's name."""
+def _compiled(source: str, stand_ins: frozenset, classes: tuple) -> tuple:
+    """The class (the one of `classes` the text defines), the module's functions but those
+    `stand_ins` replace, and its plain constants, compiled; and the class's name."""
     tree = ast.parse(source)
     keep = [
         node
         for node in tree.body
-        if (isinstance(node, ast.ClassDef) and node.name in CLASS_NAMES)
+        if (isinstance(node, ast.ClassDef) and node.name in classes)
         or (isinstance(node, ast.FunctionDef) and node.name not in stand_ins)
         or (isinstance(node, ast.Assign) and _literal(node.value))
     ]
-    name = next(n.name for n in keep if isinstance(n, ast.ClassDef))
+    name = next((n.name for n in keep if isinstance(n, ast.ClassDef)), None)
+    if name is None:
+        raise SystemExit(f"the source defines none of {', '.join(classes)}")
     return compile(ast.Module(body=keep, type_ignores=[]), "<te>", "exec"), name
 
 
@@ -292,9 +306,30 @@ def _cpu_cuda():
             setattr(torch.cuda, name, value)
 
 
-def measure(source: str, cp: int, rank: int, shape: dict[str, int], kv_heads: int) -> tuple:
-    """Bytes TE's context-parallel attention moves on rank `rank` of `cp` beside its kernels,
-    (forward, backward)."""
+@contextlib.contextmanager
+def _patched(module, **attributes):
+    """`module`'s attributes replaced while the block runs."""
+    saved = {name: getattr(module, name) for name in attributes}
+    for name, value in attributes.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def measure(
+    source: str,
+    cp: int,
+    rank: int,
+    shape: dict[str, int],
+    kv_heads: int,
+    comm: str = "p2p",
+    loader=load,
+) -> tuple:
+    """Bytes TE's context-parallel attention (`cp_comm_type` `comm`) moves on rank `rank` of
+    `cp` beside its kernels, (forward, backward); `loader` loads the class (`load`)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -333,6 +368,16 @@ def measure(source: str, cp: int, rank: int, shape: dict[str, int], kv_heads: in
     def exchange(rank_, send, send_dst, recv, recv_src, group, batch):
         return []
 
+    class _Done:
+        def wait(self):
+            pass
+
+    def all_to_all_single(output, input, group=None, async_op=False):
+        # the network's: the received chunks land in `output`, uncounted
+        with counter.pause():
+            output.copy_(input)
+        return _Done()
+
     no_quantizers = _no_quantizers(source)
     names = dict(
         torch=torch,
@@ -361,7 +406,7 @@ def measure(source: str, cp: int, rank: int, shape: dict[str, int], kv_heads: in
         nvtx_range_push=lambda *args: None,
         nvtx_range_pop=lambda *args: None,
     )
-    attn = load(source, names)
+    attn = loader(source, names, comm)
     # from TE v1.13 the forward takes the whole sequence's lengths and divides them by cp
     whole = cp if "max_seqlen_q // cp_size" in source else 1
     padded = torch.tensor([0, s * whole], dtype=torch.int32) if whole > 1 else None
@@ -394,6 +439,9 @@ def measure(source: str, cp: int, rank: int, shape: dict[str, int], kv_heads: in
         "use_flash_attn_3": False,
         "fp8_output": False,
         "layer_number": 1,
+        "window_size": (-1, 0),
+        "softmax_type": "vanilla",
+        "softmax_offset": None,
     }
 
     def sbhd(heads):
@@ -412,7 +460,7 @@ def measure(source: str, cp: int, rank: int, shape: dict[str, int], kv_heads: in
 
     ctx.save_for_backward = save_for_backward
     moved = []
-    with _cpu_cuda():
+    with _cpu_cuda(), _patched(torch.distributed, all_to_all_single=all_to_all_single):
         counter.bytes = 0
         with Moved():
             out = attn.forward(ctx, *(values[p] for p in params))
@@ -424,8 +472,78 @@ def measure(source: str, cp: int, rank: int, shape: dict[str, int], kv_heads: in
     return tuple(moved)
 
 
-def main(path: str, release: str, check: bool) -> int:
-    from ckplan.model.context_parallel import te_p2p_moved_bytes
+def _a2a_tensors(shape: dict[str, int], kv_heads: int) -> tuple[int, int, int, int]:
+    """The rank's bf16 Q, K, V and output bytes of `shape` at `kv_heads` K/V heads."""
+    b, a, s, d = (shape[k] for k in "basd")
+    return 2 * b * s * a * d, 2 * b * s * kv_heads * d, 2 * b * s * kv_heads * d, 2 * b * s * a * d
+
+
+def _sibling(name: str):
+    """Another script of this folder, as a module (however this one was loaded)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def backward_live(source: str, cp: int, shape: dict[str, int], kv_heads: int) -> int:
+    """The most bytes TE's all-to-all attention backward holds at once on rank 0 of `cp`
+    beyond what autograd hands it (dO) and what the forward saved: the storages its ops and
+    the stand-in kernel allocate, alive while any tensor on them is (validation/
+    torch_cp_ring_memory.py's tracker), each compiled function one kernel (its output alone)."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+    live_bytes = _sibling("torch_cp_ring_memory")._live_tracker()
+    seen = {}
+
+    def load_tracked(text, names, comm="p2p"):
+        fused = names["jit_fuser"]
+
+        def one_kernel(function):
+            run = fused(function)
+
+            def tracked(*args, **kwargs):
+                tracker = seen.get("tracker")
+                if tracker is None:
+                    return run(*args, **kwargs)
+                with _disable_current_modes():
+                    out = run(*args, **kwargs)
+                tracker.track(out)
+                tracker.peak = max(tracker.peak, tracker.live)
+                return out
+
+            return tracked
+
+        names["jit_fuser"] = one_kernel
+        attn = load(text, names, comm)
+        backward = attn.backward
+
+        def tracked_backward(ctx, dout, *rest):
+            given = [t for t in (*ctx.saved_tensors, dout) if isinstance(t, torch.Tensor)]
+            tracker = live_bytes({t.untyped_storage().data_ptr() for t in given})
+            seen["tracker"] = tracker
+            with tracker:
+                grads = backward(ctx, dout, *rest)
+            seen["peak"] = tracker.peak
+            return grads
+
+        attn.backward = staticmethod(tracked_backward)
+        return attn
+
+    measure(source, cp, 0, shape, kv_heads, "a2a", load_tracked)
+    return seen["peak"]
+
+
+def main(path: str, release: str, check: bool, comm: str = "p2p", memory: bool = False) -> int:
+    from ckplan.model.context_parallel import (
+        te_a2a_backward_workspace_bytes,
+        te_a2a_moved_bytes,
+        te_p2p_moved_bytes,
+    )
 
     if path.endswith(".whl"):
         source = source_from_wheel(path)
@@ -437,13 +555,30 @@ def main(path: str, release: str, check: bool) -> int:
         b, a, s, d = (shape[k] for k in "basd")
         for kv_heads in (a, a // 2):
             for cp in CPS:
-                seen = [measure(source, cp, rank, shape, kv_heads) for rank in range(cp)]
+                if comm == "a2a" and (a % cp or kv_heads % cp):
+                    continue  # the all-to-alls split the heads over cp
+                tensors = _a2a_tensors(shape, kv_heads)
+                if memory:
+                    peak = backward_live(source, cp, shape, kv_heads)
+                    # the stand-in kernel's dQ, dK, dV are the op's gradients, not its transient
+                    ours = te_a2a_backward_workspace_bytes(release, *tensors, 0) + sum(tensors[:3])
+                    print(
+                        f"d {d}, K/V heads {kv_heads}/{a}, cp {cp}: backward peak {peak:,} B "
+                        f"(ckplan {ours:,})"
+                    )
+                    # and the reorders' int32 chunk ids, 2·cp each, before and after the kernel
+                    failures += not 0 <= peak - ours <= 2 * 4 * 2 * cp
+                    continue
+                seen = [measure(source, cp, rank, shape, kv_heads, comm) for rank in range(cp)]
                 forward = sum(f for f, _ in seen) / cp
                 backward = sum(g for _, g in seen) / cp
                 tokens = b * s
-                ours = te_p2p_moved_bytes(
-                    release, cp, tokens * a * d, tokens * kv_heads * d, tokens * a
-                )
+                if comm == "a2a":
+                    ours = te_a2a_moved_bytes(release, *tensors)
+                else:
+                    ours = te_p2p_moved_bytes(
+                        release, cp, tokens * a * d, tokens * kv_heads * d, tokens * a
+                    )
                 print(
                     f"d {d}, K/V heads {kv_heads}/{a}, cp {cp}: forward {forward:,.2f} B "
                     f"(ckplan {ours[0]:,}), backward {backward:,.2f} B (ckplan {ours[1]:,})"
@@ -453,7 +588,9 @@ def main(path: str, release: str, check: bool) -> int:
 
 
 if __name__ == "__main__":
+    flags = [a for a in sys.argv[1:] if a.startswith("--")]
     arguments = [a for a in sys.argv[1:] if not a.startswith("--")]
-    if len(arguments) != 2:
+    if len(arguments) != 2 or not set(flags) <= {"--check", "--comm=a2a", "--memory"}:
         sys.exit(__doc__)
-    sys.exit(main(arguments[0], arguments[1], "--check" in sys.argv[1:]))
+    comm = "a2a" if "--comm=a2a" in flags or "--memory" in flags else "p2p"
+    sys.exit(main(*arguments, "--check" in flags, comm, "--memory" in flags))

@@ -291,6 +291,9 @@ def flags(plan: Plan, layers: LayerSegments, recompute_modules: bool = True) -> 
         ["--pipeline-model-parallel-size", str(spec.pp)],
         ["--context-parallel-size", str(spec.cp)],
     ]
+    if spec.cp > 1 and spec.cp_attention == "a2a":
+        # Megatron-LM's default is p2p (arguments.py, core_v0.19.0), ckplan's ring
+        out.append(["--cp-comm-type", "a2a"])
     uneven = spec.first_stage_layers is not None or spec.last_stage_layers is not None
     if spec.first_stage_layers is not None:
         out.append(["--decoder-first-pipeline-num-layers", str(spec.first_stage_layers)])

@@ -54,7 +54,12 @@ from ckplan.hardware.roofline import (
 )
 from ckplan.hardware.times import ZERO, MicroBatchTime, StageTime
 from ckplan.model import frameworks, loss, memory, mtp, optimizers
-from ckplan.model.context_parallel import torchtitan_ring_exchange_bytes
+from ckplan.model.context_parallel import (
+    a2a_tensor_bytes,
+    te_a2a_sent_bytes,
+    torchtitan_ring_exchange_bytes,
+    uses_a2a,
+)
 from ckplan.model.flops import MFU_CONVENTION, iteration_flops, model_flops_per_iteration
 from ckplan.model.layers import LayerKind, stage_chunk_layers, stage_kinds
 from ckplan.model.modules import module_ops
@@ -262,6 +267,8 @@ def context_parallel_comm(
     if cp == 1 or spec.kind != "transformer":
         return 0.0, 0.0
     heads_r = max(1, spec.heads // spec.tp)
+    if uses_a2a(spec):
+        return a2a_context_parallel_comm(spec, gpu, heads_r)
     ring = torchtitan_ring_exchange_bytes(spec, heads_r, kv_heads_per_rank(spec))
     if ring != (0, 0):
         return torchtitan_ring_comm(spec, gpu, ring, core_forward.total, core_backward.total)
@@ -270,6 +277,26 @@ def context_parallel_comm(
     bandwidth = comm.group_bandwidth(gpu, cp, spec.tp)
     send = (cp - 1) * comm.p2p_seconds(kv, bandwidth)
     return comm.exposed(send, core_forward.total), comm.exposed(2 * send, core_backward.total)
+
+
+def a2a_context_parallel_comm(spec: ModelSpec, gpu: GPU, heads_r: int) -> tuple[float, float]:
+    """Seconds of Transformer Engine's all-to-all context parallelism, (forward, backward):
+    one all-to-all over the cp group per tensor it sends (`context_parallel.te_a2a_sent_bytes`),
+    each (cp - 1)/cp of the rank's tensor out over the links the group spans
+    (`communication.hierarchical_all_to_all_seconds`, cp ranks tp apart). None hides behind
+    the kernel: the kernel needs what they bring, and the output's and gradients' all-to-alls
+    start after it (`flash_attn_a2a_communicate` overlaps one tensor's all-to-all with
+    another's reordering copy only)."""
+    release = frameworks.framework_version(spec)
+    tensors = a2a_tensor_bytes(spec, heads_r, kv_heads_per_rank(spec))
+    forward, backward = te_a2a_sent_bytes(release, *tensors)
+
+    def seconds(sent: tuple[int, ...]) -> float:
+        return sum(
+            comm.hierarchical_all_to_all_seconds(size, spec.cp, spec.tp, gpu) for size in sent
+        )
+
+    return seconds(forward), seconds(backward)
 
 
 def torchtitan_ring_comm(

@@ -38,9 +38,22 @@ from ckplan.model.frameworks import TRANSFORMER_ENGINE_RELEASES, framework_versi
 from ckplan.model.repeat_kv import kernel_kv_heads, repeats_kv
 
 FP32_BYTES = 4
-# cp_attention: PyTorch's ring attention (torchtitan's), or K and V all-gathered and one kernel
-# call over them (the Llama 3 paper's context parallelism, Dubey et al. 2024 §3.3.2)
-CP_ATTENTIONS = ("ring", "allgather")
+# cp_attention: the ring (PyTorch's ring attention under torchtitan, Transformer Engine's
+# point-to-point loops under Megatron-Core, its `cp_comm_type` p2p), K and V all-gathered and
+# one kernel call over them (the Llama 3 paper's context parallelism, Dubey et al. 2024
+# §3.3.2), or all-to-alls of Q, K, V and the output that trade the sequence split for a head
+# split (DeepSpeed-Ulysses, Jacobs et al. 2023; Megatron-Core's `cp_comm_type` a2a)
+CP_ATTENTIONS = ("ring", "allgather", "a2a")
+# what each framework's context parallelism is modelled with
+FRAMEWORK_CP_ATTENTIONS = {"torchtitan": ("ring", "allgather"), "megatron": ("ring", "a2a")}
+# Transformer Engine's first release with `AttnFuncWithCPAndQKVOA2A` (transformer_engine/
+# pytorch/attention.py at v1.11; v1.10 has the point-to-point and all-gather ones only)
+TE_FIRST_A2A = "te1.11"
+# the first release whose a2a forward saves the kernel's output before its all-to-all (the
+# `out_part` of AttnFuncWithCPAndQKVOA2A, context_parallel.py at v2.8) and whose backward
+# sends dO alone; v1.11-v2.7 save the output after it, the tensor returned, and send it back
+# with dO (`out, dout = flash_attn_a2a_communicate([out, dout], ...)`)
+TE_A2A_SAVES_KERNEL_OUTPUT = "te2.8"
 
 
 def uses_ring_attention(
@@ -54,15 +67,52 @@ def uses_ring_attention(
     return framework == "torchtitan" and cp > 1 and attention != "standard" and ring
 
 
-def cp_attention_error(framework: str, cp_attention: str | None) -> str | None:
+def cp_attention_error(
+    framework: str, cp_attention: str | None, release: str | None = None
+) -> str | None:
     """Why `cp_attention` cannot be set for `framework` (one line naming the key), or None:
-    only torchtitan's context parallelism has the choice modelled."""
-    if cp_attention is None or framework == "torchtitan":
+    torchtitan's context parallelism is modelled as the ring or all-gathered K and V,
+    Megatron-Core's as Transformer Engine's ring or all-to-alls (`release`, its
+    `framework_version`, from v1.11 for a2a); the other frameworks' not at all."""
+    if cp_attention is None:
+        return None
+    modelled = FRAMEWORK_CP_ATTENTIONS.get(framework)
+    if modelled is None:
+        return (
+            f"key 'cp_attention' ({cp_attention}): {framework} runs its own context "
+            "parallelism; the key is for frameworks torchtitan and megatron"
+        )
+    if cp_attention not in modelled:
+        return (
+            f"key 'cp_attention' ({cp_attention}): under framework {framework} one of "
+            f"{', '.join(modelled)}"
+        )
+    releases = TRANSFORMER_ENGINE_RELEASES
+    if cp_attention == "a2a" and release and releases.index(release) < releases.index(TE_FIRST_A2A):
+        return (
+            f"key 'cp_attention' (a2a): Transformer Engine {release} has no all-to-all context "
+            f"parallelism (from {TE_FIRST_A2A}); set framework_version or cp_attention ring"
+        )
+    return None
+
+
+def a2a_heads_error(cp: int, heads_r: int, kv_heads_r: int) -> str | None:
+    """Why the all-to-all context parallelism cannot split this rank's heads over `cp` (one
+    line naming the key), or None: each all-to-all hands every context-parallel rank 1/cp of
+    the rank's query and K/V heads (`AttnFuncWithCPAndQKVOA2A`: "The number of attention heads
+    needs to be divisible by CP size!", context_parallel.py at TE v2.9)."""
+    if heads_r % cp == 0 and kv_heads_r % cp == 0:
         return None
     return (
-        f"key 'cp_attention' ({cp_attention}): {framework} runs its own context parallelism; "
-        "the key is for framework torchtitan"
+        f"key 'cp_attention' (a2a): cp ({cp}) must divide the query heads ({heads_r}) and "
+        f"K/V heads ({kv_heads_r}) on each tensor-parallel rank"
     )
+
+
+def uses_a2a(spec) -> bool:
+    """Whether `spec`'s attention runs Transformer Engine's all-to-all context parallelism:
+    Megatron-Core, cp > 1, `cp_attention` a2a."""
+    return spec.framework == "megatron" and spec.cp > 1 and spec.cp_attention == "a2a"
 
 
 def ring_kv_heads(version: str | None, heads_r: int, kv_heads_r: int) -> int:
@@ -265,13 +315,119 @@ def cp_moved_bytes(spec, heads_r: int, kv_heads_r: int) -> tuple[int, int]:
 
 def megatron_cp_moved_bytes(spec, release: str, heads_r: int, kv_heads_r: int) -> tuple[int, int]:
     """`te_p2p_moved_bytes` of one attention call of `spec` under Megatron-Core with Transformer
-    Engine `release` (its `framework_version`); (0, 0) without context parallelism, without a
-    fused attention kernel (Megatron's unfused attention has no context parallelism) and
-    for MLA, whose split head sizes the count does not cover. `heads_r`, `kv_heads_r`: the
+    Engine `release` (its `framework_version`), or `te_a2a_moved_bytes` under `cp_attention`
+    a2a; (0, 0) without context parallelism, without a fused attention kernel (Megatron's
+    unfused attention has no context parallelism) and for MLA on the ring, whose split head
+    sizes the count does not cover. `heads_r`, `kv_heads_r`: the
     rank's query and K/V heads."""
-    if spec.framework != "megatron" or spec.cp < 2 or spec.attention == "standard" or spec.mla:
+    if spec.framework != "megatron" or spec.cp < 2 or spec.attention == "standard":
+        return 0, 0
+    if uses_a2a(spec):
+        return te_a2a_moved_bytes(release, *a2a_tensor_bytes(spec, heads_r, kv_heads_r))
+    if spec.mla:
         return 0, 0
     tokens = _rank_tokens(spec)
     q_values = tokens * heads_r * spec.head_dim
     kv_values = tokens * kv_heads_r * spec.head_dim
     return te_p2p_moved_bytes(release, spec.cp, q_values, kv_values, tokens * heads_r)
+
+
+# Transformer Engine's all-to-all context parallelism (Megatron-Core's `cp_comm_type` a2a,
+# `AttnFuncWithCPAndQKVOA2A`, TE v1.11 on): before the kernel Q, K and V each go through an
+# all-to-all that gives every rank the whole sequence at 1/cp of the heads, after it the output
+# comes back the same way; the backward sends dO (with O up to v2.7) before its kernel and dQ,
+# dK, dV after. Around each all-to-all `flash_attn_a2a_communicate` copies the tensor once
+# (`movedim(...).contiguous()`) and reorders its sequence chunks once (`index_select`, compiled
+# with the moves, one kernel): each reads and writes the tensor, four times its bytes.
+A2A_MOVES_PER_BYTE = 4
+
+
+def _release_at_least(release: str, first: str) -> bool:
+    """Whether Transformer Engine `release` is `first` or later (both ckplan's names)."""
+    releases = TRANSFORMER_ENGINE_RELEASES
+    return releases.index(release) >= releases.index(first)
+
+
+def a2a_tensor_bytes(spec, heads_r: int, kv_heads_r: int) -> tuple[int, int, int, int]:
+    """The rank's Q, K, V and attention output bytes the all-to-alls carry (b·s/cp tokens
+    before them, at the rank's heads; MLA's split head sizes, every head with its K and V),
+    in the spec's activation dtype."""
+    tokens = _rank_tokens(spec)
+    if spec.mla:
+        qk_dim, v_dim, kv_heads_r = (
+            spec.qk_nope_head_dim + spec.qk_rope_head_dim,
+            spec.v_head_dim,
+            heads_r,
+        )
+    else:
+        qk_dim = v_dim = spec.head_dim
+    width = tokens * spec.dtype_bytes
+    return (
+        width * heads_r * qk_dim,
+        width * kv_heads_r * qk_dim,
+        width * kv_heads_r * v_dim,
+        width * heads_r * v_dim,
+    )
+
+
+def te_a2a_sent_bytes(
+    release: str, q: int, k: int, v: int, out: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The tensors Transformer Engine `release`'s all-to-all context parallelism sends through
+    one all-to-all each, (forward, backward), each the rank's whole tensor of that many bytes
+    ((cp - 1)/cp of it leaves the rank): forward Q, K, V and the output; backward dO (and the
+    saved output, up to v2.7: `TE_A2A_SAVES_KERNEL_OUTPUT`), then dQ, dK, dV
+    (`AttnFuncWithCPAndQKVOA2A`, context_parallel.py at v2.3 and v2.9)."""
+    resent = () if _release_at_least(release, TE_A2A_SAVES_KERNEL_OUTPUT) else (out,)
+    return (q, k, v, out), (*resent, out, q, k, v)
+
+
+def te_a2a_moved_bytes(release: str, q: int, k: int, v: int, out: int) -> tuple[int, int]:
+    """Bytes Transformer Engine `release`'s all-to-all context parallelism moves beside its
+    kernel calls in one attention forward and one backward (derived: `A2A_MOVES_PER_BYTE`
+    times each tensor it sends, `te_a2a_sent_bytes`; counted on the CPU by validation/
+    te_cp_p2p_traffic.py --comm a2a on each release's text, the same on every rank and cp)."""
+    forward, backward = te_a2a_sent_bytes(release, q, k, v, out)
+    return A2A_MOVES_PER_BYTE * sum(forward), A2A_MOVES_PER_BYTE * sum(backward)
+
+
+def a2a_saved_output_bytes(spec, heads_r: int, kv_heads_r: int) -> int:
+    """What the all-to-all context parallelism saves for the backward beyond the ring: from
+    v2.8 (`TE_A2A_SAVES_KERNEL_OUTPUT`) the kernel's output before its all-to-all, while the
+    output projection saves the tensor after it, two storages; earlier releases save the one
+    returned (0). 0 where `spec` does not run it (`uses_a2a`)."""
+    release = framework_version(spec)
+    if not uses_a2a(spec) or not _release_at_least(release, TE_A2A_SAVES_KERNEL_OUTPUT):
+        return 0
+    return a2a_tensor_bytes(spec, heads_r, kv_heads_r)[3]
+
+
+def te_a2a_backward_workspace_bytes(
+    release: str, q: int, k: int, v: int, out: int, kernel_workspace: int
+) -> int:
+    """What Transformer Engine `release`'s all-to-all attention backward holds beyond the
+    kernel's dQ, dK, dV and what autograd hands it and saved (derived from
+    `AttnFuncWithCPAndQKVOA2A.backward` and `flash_attn_a2a_communicate`, v2.3 and v2.9;
+    checked on the CPU by validation/te_cp_p2p_traffic.py --comm a2a --memory). dO after its
+    all-to-all (and, up to v2.7, O after its own) stays until the backward returns: beside the
+    kernel and its `kernel_workspace`. After the kernel the gradients go out one after the
+    other, each reordered (R), received (A) and copied back into place (F): the reordered
+    ones stay in the list until the call returns, a received buffer until its copy, so the
+    most at once is R of all three, F and A of the one being copied and F of those before:
+    max(3q + 2k + v, 2q + 3k + 2v, 2q + 2k + 3v) for Q's, K's and V's bytes."""
+    resent = len(te_a2a_sent_bytes(release, q, k, v, out)[1]) - 3
+    kept = resent * out  # dO, and O up to v2.7, at the kernel's layout
+    sent = max(3 * q + 2 * k + v, 2 * q + 3 * k + 2 * v, 2 * q + 2 * k + 3 * v)
+    return kept + max(kernel_workspace, sent)
+
+
+def attention_backward_workspace_bytes(
+    spec, heads_r: int, kv_heads_r: int, kernel_workspace: int
+) -> int:
+    """The attention core's backward transient: `kernel_workspace` (the kernel's own, ckplan.
+    model.ops), or under the all-to-all context parallelism `te_a2a_backward_workspace_bytes`
+    around it."""
+    if not uses_a2a(spec):
+        return kernel_workspace
+    tensors = a2a_tensor_bytes(spec, heads_r, kv_heads_r)
+    return te_a2a_backward_workspace_bytes(framework_version(spec), *tensors, kernel_workspace)

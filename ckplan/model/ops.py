@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 
 from ckplan.model.context_parallel import (
+    a2a_saved_output_bytes,
+    attention_backward_workspace_bytes,
     cp_moved_bytes,
     torchtitan_ring_workspace_bytes,
 )
@@ -284,14 +286,20 @@ def _attention_ops(spec: ChainSpec, kind: LayerKind, shapes: LayerShapes) -> lis
             Op(
                 "attention_core",
                 "attention",
-                # MLA: V may be a view keeping kv_up's whole output (`mla.value_view_bytes`)
-                seen + logsumexp + (value_view_bytes(spec, shapes) if spec.mla else 0),
+                # MLA: V may be a view keeping kv_up's whole output (`mla.value_view_bytes`);
+                # TE's all-to-all context parallelism keeps its own O (`a2a_saved_output_bytes`)
+                seen
+                + logsumexp
+                + (value_view_bytes(spec, shapes) if spec.mla else 0)
+                + a2a_saved_output_bytes(spec, heads_r, kv_heads_r),
                 core_flops,
                 2 * core_flops + score_flops,
                 ATTENTION_CORE,
                 output_grad_bytes=context,
                 input_grad_bytes=sum(core_grads),
-                grad_workspace_bytes=workspace + expanded,
+                grad_workspace_bytes=attention_backward_workspace_bytes(
+                    spec, heads_r, kv_heads_r, workspace + expanded
+                ),
                 # One fused kernel: reads Q, K, V, writes O and the logsumexp; backward reads
                 # Q, K, V, O, dO and the logsumexp, writes dQ, dK, dV (and its fp32 dQ
                 # accumulator, read back once).

@@ -1,0 +1,181 @@
+"""Transformer Engine's all-to-all context parallelism under Megatron-Core (`cp_attention: a2a`,
+Megatron's `--cp-comm-type a2a`): the tensors its all-to-alls carry, its own ops' bytes and its
+backward's transient by hand and as counted on TE's own text, what the attention core saves,
+the step's exposed all-to-alls, the key's rules and the export."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from megatron_args import parse, validate
+from needs_torch import torch_or_skip
+from test_context_parallel import validation_script
+from test_te_context_parallel import WHEELS
+
+from ckplan import exports
+from ckplan.hardware import communication as comm
+from ckplan.hardware.step_time import context_parallel_comm, step_time
+from ckplan.inputs.gpus import load_gpu
+from ckplan.inputs.presets import load_spec
+from ckplan.model.context_parallel import (
+    a2a_tensor_bytes,
+    cp_moved_bytes,
+    te_a2a_backward_workspace_bytes,
+    te_a2a_moved_bytes,
+    te_a2a_sent_bytes,
+)
+from ckplan.model.ops import layer_ops
+from ckplan.model.spec import SpecError
+from ckplan.plan import evaluate, parse_strategy
+
+
+def a2a_values(**changes):
+    """Llama 3 8B under Megatron-Core at CP 4 on TP 2 (16 query, 4 K/V heads a rank), 32,768
+    tokens, the all-to-all context parallelism."""
+    return {
+        "framework": "megatron",
+        "tp": 2,
+        "sp": True,
+        "cp": 4,
+        "dp": 1,
+        "seq": 32768,
+        "micro_batch": 1,
+        "attention": "flash",
+        "cp_attention": "a2a",
+        **changes,
+    }
+
+
+def megatron_8b(**changes):
+    return load_spec("llama3-8b", a2a_values(**changes))
+
+
+def plan_of(spec):
+    return evaluate(spec, parse_strategy("none", spec))
+
+
+def core(spec):
+    return next(op for op in layer_ops(spec.chain) if op.name == "attention_core")
+
+
+# 8,192 tokens a rank before the all-to-alls, bf16, head size 128
+Q = O = 8192 * 16 * 128 * 2
+KV = 8192 * 4 * 128 * 2
+
+
+def test_the_tensors_it_sends():
+    assert a2a_tensor_bytes(megatron_8b(), 16, 4) == (Q, KV, KV, O)
+    # forward Q, K, V then O; the backward dO (and O again up to v2.7), then dQ, dK, dV
+    assert te_a2a_sent_bytes("te2.9", Q, KV, KV, O) == ((Q, KV, KV, O), (O, Q, KV, KV))
+    assert te_a2a_sent_bytes("te2.8", Q, KV, KV, O)[1] == (O, Q, KV, KV)
+    assert te_a2a_sent_bytes("te2.7", Q, KV, KV, O)[1] == (O, O, Q, KV, KV)
+    assert te_a2a_sent_bytes("te1.11", Q, KV, KV, O)[1] == (O, O, Q, KV, KV)
+
+
+def test_its_own_ops_by_hand():
+    """Each tensor is copied once (`.contiguous()`) and reordered once (`index_select`), each
+    reading and writing it: 4 x its bytes, whatever cp."""
+    assert te_a2a_moved_bytes("te2.9", Q, KV, KV, O) == (4 * (2 * Q + 2 * KV),) * 2
+    assert te_a2a_moved_bytes("te2.3", Q, KV, KV, O) == (4 * (2 * Q + 2 * KV), 4 * (3 * Q + 2 * KV))
+    assert cp_moved_bytes(megatron_8b(), 16, 4) == te_a2a_moved_bytes("te2.16", Q, KV, KV, O)
+    assert core(megatron_8b()).side_bytes == te_a2a_moved_bytes("te2.16", Q, KV, KV, O)
+
+
+def test_the_backward_transient_by_hand():
+    """dO after its all-to-all beside the kernel; after it, the three gradients reordered,
+    the one being received and copied, and the copies made: at Q = K = V = 1, 3 + 1 + 1 + 2 = 7
+    at the second or third, 1 more for dO (2 up to v2.7, O's own all-to-all)."""
+    assert te_a2a_backward_workspace_bytes("te2.9", 1, 1, 1, 1, 0) == 1 + 7
+    assert te_a2a_backward_workspace_bytes("te2.3", 1, 1, 1, 1, 0) == 2 + 7
+    # K, V at half: max(3 + 1 + 0.5, 2 + 1.5 + 1, 2 + 1 + 1.5) = 4.5
+    assert te_a2a_backward_workspace_bytes("te2.9", 2, 1, 1, 2, 0) == 2 + 9
+    # the kernel's own workspace counts where it is the larger
+    assert te_a2a_backward_workspace_bytes("te2.9", 1, 1, 1, 1, 20) == 1 + 20
+
+
+def test_the_attention_core_saves_the_kernels_output_from_v2_8():
+    ring, a2a = core(megatron_8b(cp_attention="ring")), core(megatron_8b())
+    assert a2a.saved_bytes - ring.saved_bytes == O
+    assert core(megatron_8b(framework_version="te2.7")).saved_bytes == ring.saved_bytes
+    assert a2a.grad_workspace_bytes > ring.grad_workspace_bytes
+
+
+def test_the_step_exposes_its_all_to_alls():
+    """Four all-to-alls each way over the cp group (cp 4 ranks tp 2 apart: one node), none
+    hidden behind the kernel."""
+    spec, gpu = megatron_8b(), load_gpu("h100-sxm")
+    each = [comm.hierarchical_all_to_all_seconds(size, 4, 2, gpu) for size in (Q, KV, KV, O)]
+    forward, backward = context_parallel_comm(spec, gpu, None, None)
+    assert forward == pytest.approx(sum(each))
+    assert backward == pytest.approx(sum(each))
+    assert comm.hierarchical_all_to_all_seconds(Q, 4, 2, gpu) == pytest.approx(
+        3 / 4 * Q / (gpu.link_bytes_per_s * gpu.link_efficiency)
+    )
+    # the step: the ring hides its exchange behind the kernel, the all-to-alls add theirs
+    ring = step_time(plan_of(megatron_8b(cp_attention="ring")), gpu)
+    a2a = step_time(plan_of(spec), gpu)
+    assert a2a.communication_seconds > ring.communication_seconds
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"tp": 8, "cp": 2, "sp": True},
+            "cp (2) must divide the query heads (4) and K/V heads (1)",
+        ),
+        ({"framework_version": "te1.10"}, "te1.10 has no all-to-all context parallelism"),
+        ({"framework": "torchtitan", "zero": 3, "sp": False, "tp": 1}, "one of ring, allgather"),
+        (
+            {"framework": "deepspeed", "tp": 1, "sp": False, "cp": 1, "dp": 8},
+            "the key is for frameworks",
+        ),
+    ],
+)
+def test_what_it_cannot_run(changes, message):
+    with pytest.raises(SpecError, match="cp_attention") as error:
+        megatron_8b(**changes)
+    assert message in str(error.value)
+
+
+def test_the_export_says_a2a_and_megatron_takes_it():
+    plan = plan_of(megatron_8b())
+    text = exports.export(plan, "megatron").text
+    args = validate(parse(text, 8))
+    assert args.cp_comm_type == ["a2a"]
+    ring = exports.export(plan_of(megatron_8b(cp_attention=None)), "megatron")
+    assert "--cp-comm-type" not in ring.text
+
+
+A2A_WHEELS = ("1.13.0", "2.4.0", "2.9.0", "2.16.0")
+
+
+@pytest.mark.parametrize("release", A2A_WHEELS)
+def test_transformer_engines_own_all_to_alls_move_and_hold_what_is_counted(release):
+    """TE's own `AttnFuncWithCPAndQKVOA2A` from the release's wheel, run by validation/
+    te_cp_p2p_traffic.py: every rank moves `te_a2a_moved_bytes`, and its backward holds at most
+    `te_a2a_backward_workspace_bytes` beyond the kernel's gradients (and the reorders'
+    int32 chunk ids), at cp 2 and 4, K/V at the query heads and at half."""
+    torch_or_skip()
+    wheel = Path(WHEELS or "") / f"transformer_engine-{release}-py3-none-any.whl"
+    if not WHEELS or not wheel.is_file():
+        if os.environ.get("CKPLAN_REQUIRE_FRAMEWORKS") == "1":
+            pytest.fail(f"CKPLAN_REQUIRE_FRAMEWORKS=1 but {wheel} is missing", pytrace=False)
+        pytest.skip("no transformer_engine wheel (CKPLAN_TE_WHEELS, set by .ci/run)")
+    harness = validation_script("te_cp_p2p_traffic")
+    source = harness.source_from_wheel(str(wheel))
+    ours = "te" + release.rsplit(".", 1)[0]
+    shape = {"b": 1, "a": 4, "s": 8, "d": 16}
+    for cp in (2, 4):
+        for kv_heads in (4, 2):
+            if kv_heads % cp:
+                continue
+            tensors = (2 * 8 * 4 * 16, 2 * 8 * kv_heads * 16, 2 * 8 * kv_heads * 16, 2 * 8 * 4 * 16)
+            for rank in range(cp):
+                moved = harness.measure(source, cp, rank, shape, kv_heads, "a2a")
+                assert moved == te_a2a_moved_bytes(ours, *tensors)
+            peak = harness.backward_live(source, cp, shape, kv_heads)
+            held = te_a2a_backward_workspace_bytes(ours, *tensors, 0) + sum(tensors[:3])
+            assert 0 <= peak - held <= 2 * 4 * 2 * cp
