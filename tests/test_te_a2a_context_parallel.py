@@ -179,3 +179,19 @@ def test_transformer_engines_own_all_to_alls_move_and_hold_what_is_counted(relea
             peak = harness.backward_live(source, cp, shape, kv_heads)
             held = te_a2a_backward_workspace_bytes(ours, *tensors, 0) + sum(tensors[:3])
             assert 0 <= peak - held <= 2 * 4 * 2 * cp
+
+
+def test_plan_offers_only_the_cp_its_all_to_alls_can_split():
+    """Llama 3 8B's 32 query and 8 K/V heads: under a2a cp divides 8/tp, so no cp 16 and, at
+    tp 8 (one K/V head a rank), no cp at all; on the ring every cp the GPUs allow."""
+    from ckplan.plan.layout.space import SearchSpace, layouts
+
+    def shapes(cp_attention):
+        spec = megatron_8b(tp=1, sp=False, cp=1, dp=16, cp_attention=cp_attention)
+        return {(lay.tp, lay.cp) for lay in layouts(SearchSpace(spec, 16, 8, 64, {}))}
+
+    a2a, ring = shapes("a2a"), shapes(None)
+    assert (1, 16) in ring and (1, 16) not in a2a
+    assert (8, 2) in ring and (8, 2) not in a2a
+    assert (2, 4) in a2a and (1, 8) in a2a
+    assert a2a == {(tp, cp) for tp, cp in ring if (8 // tp) % cp == 0 and tp <= 8}

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckplan.model import frameworks
+from ckplan.model.context_parallel import a2a_heads_error
 from ckplan.model.frameworks import layout_error
 from ckplan.model.spec import ModelSpec
 
@@ -241,6 +242,17 @@ def tensor_parallel_sizes(space: SearchSpace) -> list[int]:
     return sizes
 
 
+def _a2a_splits_heads(spec, tp: int, cp: int) -> bool:
+    """Whether `cp_attention` a2a (Megatron-Core's all-to-all context parallelism) can split
+    the heads a tensor-parallel rank holds over cp (`context_parallel.a2a_heads_error`); True
+    for the other ways of running context parallelism."""
+    if cp == 1 or spec.framework != "megatron" or spec.cp_attention != "a2a":
+        return True
+    heads_r = spec.heads // tp
+    kv_heads_r = heads_r if spec.mla else -(-spec.kv_heads // tp)
+    return a2a_heads_error(cp, heads_r, kv_heads_r) is None
+
+
 def layouts(space: SearchSpace) -> Iterator[Layout]:
     """Every layout of the search space (module docstring)."""
     spec = space.spec
@@ -255,6 +267,8 @@ def layouts(space: SearchSpace) -> Iterator[Layout]:
             splits = pipeline_splits(spec.layers, pp)
             for cp in divisors(n // (tp * pp)):
                 if spec.seq % cp or not space.allowed("cp", cp):
+                    continue
+                if not _a2a_splits_heads(spec, tp, cp):
                     continue
                 dp = n // (tp * pp * cp)
                 if batch % dp or not space.allowed("dp", dp):
