@@ -61,32 +61,35 @@ def core(spec):
 
 
 # 8,192 tokens a rank before the all-to-alls, bf16, head size 128
-Q = O = 8192 * 16 * 128 * 2
+Q = OUT = 8192 * 16 * 128 * 2
 KV = 8192 * 4 * 128 * 2
 
 
 def test_the_tensors_it_sends():
-    assert a2a_tensor_bytes(megatron_8b(), 16, 4) == (Q, KV, KV, O)
-    # forward Q, K, V then O; the backward dO (and O again up to v2.7), then dQ, dK, dV
-    assert te_a2a_sent_bytes("te2.9", Q, KV, KV, O) == ((Q, KV, KV, O), (O, Q, KV, KV))
-    assert te_a2a_sent_bytes("te2.8", Q, KV, KV, O)[1] == (O, Q, KV, KV)
-    assert te_a2a_sent_bytes("te2.7", Q, KV, KV, O)[1] == (O, O, Q, KV, KV)
-    assert te_a2a_sent_bytes("te1.11", Q, KV, KV, O)[1] == (O, O, Q, KV, KV)
+    assert a2a_tensor_bytes(megatron_8b(), 16, 4) == (Q, KV, KV, OUT)
+    # forward Q, K, V, then the output; backward dO (and the output again up to v2.7), dQ, dK, dV
+    assert te_a2a_sent_bytes("te2.9", Q, KV, KV, OUT) == ((Q, KV, KV, OUT), (OUT, Q, KV, KV))
+    assert te_a2a_sent_bytes("te2.8", Q, KV, KV, OUT)[1] == (OUT, Q, KV, KV)
+    assert te_a2a_sent_bytes("te2.7", Q, KV, KV, OUT)[1] == (OUT, OUT, Q, KV, KV)
+    assert te_a2a_sent_bytes("te1.11", Q, KV, KV, OUT)[1] == (OUT, OUT, Q, KV, KV)
 
 
 def test_its_own_ops_by_hand():
     """Each tensor is copied once (`.contiguous()`) and reordered once (`index_select`), each
     reading and writing it: 4 x its bytes, whatever cp."""
-    assert te_a2a_moved_bytes("te2.9", Q, KV, KV, O) == (4 * (2 * Q + 2 * KV),) * 2
-    assert te_a2a_moved_bytes("te2.3", Q, KV, KV, O) == (4 * (2 * Q + 2 * KV), 4 * (3 * Q + 2 * KV))
-    assert cp_moved_bytes(megatron_8b(), 16, 4) == te_a2a_moved_bytes("te2.16", Q, KV, KV, O)
-    assert core(megatron_8b()).side_bytes == te_a2a_moved_bytes("te2.16", Q, KV, KV, O)
+    assert te_a2a_moved_bytes("te2.9", Q, KV, KV, OUT) == (4 * (2 * Q + 2 * KV),) * 2
+    assert te_a2a_moved_bytes("te2.3", Q, KV, KV, OUT) == (
+        4 * (2 * Q + 2 * KV),
+        4 * (3 * Q + 2 * KV),
+    )
+    assert cp_moved_bytes(megatron_8b(), 16, 4) == te_a2a_moved_bytes("te2.16", Q, KV, KV, OUT)
+    assert core(megatron_8b()).side_bytes == te_a2a_moved_bytes("te2.16", Q, KV, KV, OUT)
 
 
 def test_the_backward_transient_by_hand():
     """dO after its all-to-all beside the kernel; after it, the three gradients reordered,
     the one being received and copied, and the copies made: at Q = K = V = 1, 3 + 1 + 1 + 2 = 7
-    at the second or third, 1 more for dO (2 up to v2.7, O's own all-to-all)."""
+    at the second or third, 1 more for dO (2 up to v2.7, the output's own all-to-all)."""
     assert te_a2a_backward_workspace_bytes("te2.9", 1, 1, 1, 1, 0) == 1 + 7
     assert te_a2a_backward_workspace_bytes("te2.3", 1, 1, 1, 1, 0) == 2 + 7
     # K, V at half: max(3 + 1 + 0.5, 2 + 1.5 + 1, 2 + 1 + 1.5) = 4.5
@@ -97,7 +100,7 @@ def test_the_backward_transient_by_hand():
 
 def test_the_attention_core_saves_the_kernels_output_from_v2_8():
     ring, a2a = core(megatron_8b(cp_attention="ring")), core(megatron_8b())
-    assert a2a.saved_bytes - ring.saved_bytes == O
+    assert a2a.saved_bytes - ring.saved_bytes == OUT
     assert core(megatron_8b(framework_version="te2.7")).saved_bytes == ring.saved_bytes
     assert a2a.grad_workspace_bytes > ring.grad_workspace_bytes
 
@@ -106,7 +109,7 @@ def test_the_step_exposes_its_all_to_alls():
     """Four all-to-alls each way over the cp group (cp 4 ranks tp 2 apart: one node), none
     hidden behind the kernel."""
     spec, gpu = megatron_8b(), load_gpu("h100-sxm")
-    each = [comm.hierarchical_all_to_all_seconds(size, 4, 2, gpu) for size in (Q, KV, KV, O)]
+    each = [comm.hierarchical_all_to_all_seconds(size, 4, 2, gpu) for size in (Q, KV, KV, OUT)]
     forward, backward = context_parallel_comm(spec, gpu, None, None)
     assert forward == pytest.approx(sum(each))
     assert backward == pytest.approx(sum(each))
