@@ -9,7 +9,8 @@ takes the class's own text from a TE source file, runs it on CPU tensors with th
 validation/torch_cp_ring_traffic.py: a stand-in for the fused-attention kernel that makes its
 outputs with the counting off, no-op streams and events, the K/V point-to-point exchange not
 counted (it is the network's), and a TorchDispatchMode adding up the bytes of every op's
-tensor inputs and outputs but views. The functions TE compiles (`@jit_fuser`, torch.compile
+tensor inputs and outputs but views and allocations (`empty_like`), a copy's or fill's
+destination written and not read, `zeros_like` writing its output and reading nothing. The functions TE compiles (`@jit_fuser`, torch.compile
 from PyTorch 2 on: the output and logsumexp corrections) are counted as the one kernel each
 compiles to: the arguments they read and the ones they write, nothing in between.
 
@@ -53,6 +54,7 @@ CPS = (2, 3, 4, 8)
 CLASS_NAMES = {
     "p2p": ("AttnFuncWithCP", "AttnFuncWithCPAndKVP2P"),
     "a2a": ("AttnFuncWithCPAndQKVOA2A",),
+    "allgather": ("AttnFuncWithCPAndKVAllGather",),
 }
 MODULE_PATHS = (
     "transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py",
@@ -67,6 +69,8 @@ NOT_COUNTED = {
 OVERWRITES = {"copy_", "fill_", "zero_"}
 # allocations: no kernel touches the memory
 ALLOCATES = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+# factories shaped like their argument: a fill kernel writes the output, reading nothing
+FILLS_LIKE = {"zeros_like", "ones_like", "full_like"}
 
 
 class _Counter:
@@ -344,6 +348,8 @@ def measure(
             if counter.paused or name in NOT_COUNTED or name in ALLOCATES:
                 return out
             inputs = tree_leaves((args, kwargs))[1 if name in OVERWRITES else 0 :]
+            if name in FILLS_LIKE:
+                inputs = []
             tensors = [t for t in inputs + tree_leaves(out) if isinstance(t, torch.Tensor)]
             counter.bytes += sum(_nbytes(t) for t in tensors)
             return out
@@ -372,6 +378,15 @@ def measure(
         def wait(self):
             pass
 
+    def gather_along_first_dim(tensor, group, *args, **kwargs):
+        # the network's: cp copies of the rank's tensor, as the gather's output, uncounted
+        with counter.pause():
+            return torch.cat([tensor] * cp), None
+
+    def reduce_scatter_along_first_dim(tensor, group, *args, **kwargs):
+        with counter.pause():
+            return tensor[: tensor.shape[0] // cp].clone(), None
+
     def all_to_all_single(output, input, group=None, async_op=False):
         # the network's: the received chunks land in `output`, uncounted
         with counter.pause():
@@ -391,7 +406,15 @@ def measure(
         TE_DType={torch.bfloat16: "bf16"},
         # TE 2.x: no FP8 here, so every quantizer is None; tensors saved as they are
         get_attention_quantizers=no_quantizers,
-        dpa_utils=_Stub("dpa_utils", get_attention_quantizers=no_quantizers),
+        dpa_utils=_Stub(
+            "dpa_utils",
+            get_attention_quantizers=no_quantizers,
+            get_full_cu_seqlens=lambda batch, length, device: torch.arange(
+                0, (batch + 1) * length, length, dtype=torch.int32
+            ),
+        ),
+        gather_along_first_dim=gather_along_first_dim,
+        reduce_scatter_along_first_dim=reduce_scatter_along_first_dim,
         prepare_for_saving=lambda *tensors: (list(tensors), [None] * len(tensors)),
         restore_from_saved=_restore_from_saved,
         restore_from_func_ctx=lambda ctx, return_saved_tensors=False: _restore_from_saved(
@@ -497,6 +520,7 @@ def backward_live(source: str, cp: int, shape: dict[str, int], kv_heads: int) ->
     torch_cp_ring_memory.py's tracker), each compiled function one kernel (its output alone)."""
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
+
     live_bytes = _sibling("torch_cp_ring_memory")._live_tracker()
     seen = {}
 

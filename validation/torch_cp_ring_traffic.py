@@ -7,8 +7,10 @@ loops read the same in the late-2024 text torchtitan 9dec370 ran) with their def
 ALL_GATHER rotate method, load balancing, fp32 accumulation) on PyTorch's fake process group,
 one process playing each rank in turn. The kernel is a stand-in that makes its outputs with
 the counting off, so only the ring's own ops are counted. A TorchDispatchMode adds up the
-bytes of every op's tensor inputs and outputs, except views and collectives (a collective's
-bytes are the network's, timed apart). Q, K, V and the output gradient are bf16 (b, s, a, d)
+bytes of every op's tensor inputs and outputs, except views, collectives (a collective's
+bytes are the network's, timed apart) and allocations, with the rules of validation/
+te_cp_p2p_traffic.py: a copy's or fill's destination is written, not read, and `zeros_like`
+reads nothing of its argument. Q, K, V and the output gradient are bf16 (b, s, a, d)
 tensors transposed to (b, a, s, d), as torchtitan hands them to SDPA; K and V at the query
 heads and at half of them, and two head sizes, separate the Q-, K/V- and logsumexp-sized
 terms. Printed per cp: the mean over the ranks beside ckplan's.
@@ -27,6 +29,12 @@ NOT_COUNTED = {
     "slice", "select", "chunk", "split", "split_with_sizes", "unbind", "alias", "as_strided",
     "detach", "wait_tensor", "_wrap_tensor_autograd",
 }  # fmt: skip
+# ops that write their first argument without reading it
+OVERWRITES = {"copy_", "fill_", "zero_"}
+# allocations: no kernel touches the memory
+ALLOCATES = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+# factories shaped like their argument: a fill kernel writes the output, reading nothing
+FILLS_LIKE = {"zeros_like", "ones_like", "full_like"}
 
 
 def measure(cp: int, rank: int, shape: dict[str, int], kv_heads: int) -> tuple[int, int]:
@@ -62,9 +70,14 @@ def _run(cp: int, rank: int, shape: dict[str, int], kv_heads: int) -> list:
             if name in ("all_gather_into_tensor", "all_to_all_single"):
                 sent = args[0].numel() * args[0].element_size()
                 self.sent.append((name, sent * cp if name == "all_gather_into_tensor" else sent))
-            if self.paused or name in NOT_COUNTED or func.namespace in ("_c10d_functional", "c10d"):
+            if self.paused or name in NOT_COUNTED or name in ALLOCATES:
                 return out
-            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            if func.namespace in ("_c10d_functional", "c10d"):
+                return out
+            inputs = tree_leaves((args, kwargs))[1 if name in OVERWRITES else 0 :]
+            if name in FILLS_LIKE:
+                inputs = []
+            tensors = [t for t in inputs + tree_leaves(out) if isinstance(t, torch.Tensor)]
             self.bytes += sum(t.numel() * t.element_size() for t in tensors)
             return out
 

@@ -204,7 +204,8 @@ def ring_moved_bytes(cp: int, q_values: int, kv_values: int, lse_values: int) ->
     """Bytes the ring's own ops move beside its kernel calls in one attention forward and one
     backward, (forward, backward), the mean over the cp ranks (derived: counted on the CPU by
     validation/torch_cp_ring_traffic.py, every op's inputs and outputs but views, the kernel
-    calls and the collectives, in PyTorch's `_templated_ring_attention(_backward)` at v2.13.0,
+    calls, the collectives and allocations, a copy's destination and `zeros_like`'s argument
+    not read, in PyTorch's `_templated_ring_attention(_backward)` at v2.13.0,
     whose loops read the same in the late-2024 text; bf16 Q, K and V as torchtitan's mixed
     precision hands them over). `q_values` the rank's Q (b·a·s/cp·d at the heads the kernel
     sees), `kv_values` one of its K and V, `lse_values` its fp32 logsumexp (b·a·s/cp); cp >= 2.
@@ -214,11 +215,11 @@ def ring_moved_bytes(cp: int, q_values: int, kv_values: int, lse_values: int) ->
     (`_SDPAMerger.step`: `sub`, `sigmoid`, `mul`, `log_sigmoid`), the last cast back:
     (65·cp - 41)·q/2 + 8·cp·kv + 49·(cp - 1)·lse bytes. Backward: the fp32 accumulators'
     zeroing and adds (`zeros_like`, `add_`), the K‖V and dK‖dV concatenations and their
-    copies, the casts back to bf16: (23·cp + 21)·q/2 + (47·cp + 37)·kv + 2·(cp - 1)·lse bytes.
+    copies, the casts back to bf16: (23·cp + 17)·q/2 + (47·cp + 33)·kv + 2·(cp - 1)·lse bytes.
     A plain flash call moves none of it; the forward's sum of all ranks grows with cp, the
     backward's mostly with the K‖V side."""
     forward = -(-(65 * cp - 41) * q_values // 2) + 8 * cp * kv_values + 49 * (cp - 1) * lse_values
-    backward = -(-(23 * cp + 21) * q_values // 2) + (47 * cp + 37) * kv_values
+    backward = -(-(23 * cp + 17) * q_values // 2) + (47 * cp + 33) * kv_values
     return forward, backward + 2 * (cp - 1) * lse_values
 
 
@@ -261,7 +262,7 @@ def torchtitan_ring_exchange_bytes(spec, heads_r: int, kv_heads_r: int) -> tuple
 # copied with `.contiguous()`
 _TE_1_8 = (((9, 7, 0), (4, 12, 0), (22, 18, 0)), ((9, -1, 0), (34, 14, 0), (0, 4, 0)))
 # v1.10-v1.13: K and V in one buffer (qkv_layout sbhd_sb2hd), its halves read as they lie
-_TE_1_10 = (((9, 11, 0), (0, 16, 0), (22, 18, 0)), ((9, -1, 0), (30, 18, 0), (0, 4, 0)))
+_TE_1_10 = (((9, 7, 0), (0, 16, 0), (22, 18, 0)), ((9, -1, 0), (30, 18, 0), (0, 4, 0)))
 # v2.0-v2.1: the backward's second-half logsumexp copied on the ranks that need it only
 _TE_2_0 = (_TE_1_10[0], ((9, -1, 0), (30, 18, 0), (0, 4, -4)))
 # v2.2: the output corrections of the halves apart (`flash_attn_fwd_out_correction_init`,
