@@ -10,9 +10,10 @@ validation/torch_cp_ring_traffic.py: a stand-in for the fused-attention kernel t
 outputs with the counting off, no-op streams and events, the K/V point-to-point exchange not
 counted (it is the network's), and a TorchDispatchMode adding up the bytes of every op's
 tensor inputs and outputs but views and allocations (`empty_like`), a copy's or fill's
-destination written and not read, `zeros_like` writing its output and reading nothing. The functions TE compiles (`@jit_fuser`, torch.compile
-from PyTorch 2 on: the output and logsumexp corrections) are counted as the one kernel each
-compiles to: the arguments they read and the ones they write, nothing in between.
+destination written and not read, `zeros_like` writing its output and reading nothing. The
+functions TE compiles (`@jit_fuser`, torch.compile from PyTorch 2 on: the output and logsumexp
+corrections) are counted as the one kernel each compiles to: the arguments they read and the
+ones they write, nothing in between.
 
 Q, K, V and the output gradient are bf16 (s, b, a, d) tensors (Megatron's sbhd layout),
 causal, the cuDNN fused-attention path (`use_fused_attention`), no bias, no dropout; K and V at
@@ -27,7 +28,11 @@ With --comm=a2a the same for the all-to-all context parallelism (`cp_comm_type` 
 `context_parallel.te_a2a_moved_bytes`; with --memory, the most bytes its backward holds at
 once beyond what it is handed and saved (`backward_live`), beside
 `te_a2a_backward_workspace_bytes` plus the kernel's dQ, dK, dV. The all-to-alls split the heads,
-so those runs skip the cp that does not divide them.
+so those runs skip the cp that does not divide them. With --comm=allgather the all-gather
+context parallelism (`cp_comm_type` all_gather, `AttnFuncWithCPAndKVAllGather`, v1.10 on; the
+gathers and reduce-scatters uncounted), beside `te_allgather_moved_bytes`, and with --memory
+its backward's most live bytes, at a kernel call and at all, on its busiest rank, beside
+`te_allgather_backward_live_bytes`.
 
 Usage (the release's source file, or PyPI's pure-Python `transformer_engine` wheel of it,
 v1.10 on; the release as ckplan's `framework_version`):
@@ -36,6 +41,7 @@ v1.10 on; the release as ckplan's `framework_version`):
     pip download --no-deps -d wheels transformer_engine==2.9.0
     python validation/te_cp_p2p_traffic.py wheels/transformer_engine-2.9.0-py3-none-any.whl te2.9
     python validation/te_cp_p2p_traffic.py te.py te2.9 --comm=a2a [--memory] [--check]
+    python validation/te_cp_p2p_traffic.py te.py te2.9 --comm=allgather [--memory] [--check]
 """
 
 from __future__ import annotations
@@ -513,11 +519,14 @@ def _sibling(name: str):
     return module
 
 
-def backward_live(source: str, cp: int, shape: dict[str, int], kv_heads: int) -> int:
-    """The most bytes TE's all-to-all attention backward holds at once on rank 0 of `cp`
-    beyond what autograd hands it (dO) and what the forward saved: the storages its ops and
-    the stand-in kernel allocate, alive while any tensor on them is (validation/
-    torch_cp_ring_memory.py's tracker), each compiled function one kernel (its output alone)."""
+def backward_live(
+    source: str, cp: int, shape: dict[str, int], kv_heads: int, comm: str = "a2a", rank: int = 0
+) -> int:
+    """(The most bytes TE's context-parallel attention backward (`comm`) holds at once on rank
+    `rank` of `cp`, the most when a kernel is called) beyond what autograd hands it (dO) and
+    what the forward saved: the storages its ops and the stand-in kernel allocate, alive while
+    any tensor on them is (validation/torch_cp_ring_memory.py's tracker), each compiled
+    function one kernel (its output alone)."""
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -543,6 +552,15 @@ def backward_live(source: str, cp: int, shape: dict[str, int], kv_heads: int) ->
             return tracked
 
         names["jit_fuser"] = one_kernel
+        kernel = names["fused_attn_bwd"]
+
+        def kernel_seen(*args, **kwargs):
+            tracker = seen.get("tracker")
+            if tracker is not None:
+                seen["at_kernel"] = max(seen.get("at_kernel", 0), tracker.live)
+            return kernel(*args, **kwargs)
+
+        names["fused_attn_bwd"] = kernel_seen
         attn = load(text, names, comm)
         backward = attn.backward
 
@@ -558,16 +576,12 @@ def backward_live(source: str, cp: int, shape: dict[str, int], kv_heads: int) ->
         attn.backward = staticmethod(tracked_backward)
         return attn
 
-    measure(source, cp, 0, shape, kv_heads, "a2a", load_tracked)
-    return seen["peak"]
+    measure(source, cp, rank, shape, kv_heads, comm, load_tracked)
+    return seen["peak"], seen["at_kernel"]
 
 
 def main(path: str, release: str, check: bool, comm: str = "p2p", memory: bool = False) -> int:
-    from ckplan.model.context_parallel import (
-        te_a2a_backward_workspace_bytes,
-        te_a2a_moved_bytes,
-        te_p2p_moved_bytes,
-    )
+    from ckplan.model import context_parallel as ours_module
 
     if path.endswith(".whl"):
         source = source_from_wheel(path)
@@ -583,24 +597,18 @@ def main(path: str, release: str, check: bool, comm: str = "p2p", memory: bool =
                     continue  # the all-to-alls split the heads over cp
                 tensors = _a2a_tensors(shape, kv_heads)
                 if memory:
-                    peak = backward_live(source, cp, shape, kv_heads)
-                    # the stand-in kernel's dQ, dK, dV are the op's gradients, not its transient
-                    ours = te_a2a_backward_workspace_bytes(release, *tensors, 0) + sum(tensors[:3])
-                    print(
-                        f"d {d}, K/V heads {kv_heads}/{a}, cp {cp}: backward peak {peak:,} B "
-                        f"(ckplan {ours:,})"
-                    )
-                    # and the reorders' int32 chunk ids, 2·cp each, before and after the kernel
-                    failures += not 0 <= peak - ours <= 2 * 4 * 2 * cp
+                    failures += _check_memory(source, release, comm, cp, shape, kv_heads)
                     continue
                 seen = [measure(source, cp, rank, shape, kv_heads, comm) for rank in range(cp)]
                 forward = sum(f for f, _ in seen) / cp
                 backward = sum(g for _, g in seen) / cp
                 tokens = b * s
                 if comm == "a2a":
-                    ours = te_a2a_moved_bytes(release, *tensors)
+                    ours = ours_module.te_a2a_moved_bytes(release, *tensors)
+                elif comm == "allgather":
+                    ours = ours_module.te_allgather_moved_bytes(release, cp, *tensors[:2])
                 else:
-                    ours = te_p2p_moved_bytes(
+                    ours = ours_module.te_p2p_moved_bytes(
                         release, cp, tokens * a * d, tokens * kv_heads * d, tokens * a
                     )
                 print(
@@ -611,10 +619,36 @@ def main(path: str, release: str, check: bool, comm: str = "p2p", memory: bool =
     return 1 if check and failures else 0
 
 
+def _check_memory(source: str, release: str, comm: str, cp: int, shape: dict, kv_heads: int):
+    """One --memory line: the backward's live bytes beside ckplan's; whether they differ by
+    more than the reorders' int32 chunk ids (2·cp each, before and after the kernels)."""
+    from ckplan.model import context_parallel as ours_module
+
+    tensors = _a2a_tensors(shape, kv_heads)
+    where = f"d {shape['d']}, K/V heads {kv_heads}/{shape['a']}, cp {cp}"
+    slack = 2 * 4 * 2 * cp
+    if comm == "a2a":
+        peak, _ = backward_live(source, cp, shape, kv_heads)
+        # the stand-in kernel's dQ, dK, dV are the op's gradients, not its transient
+        ours = ours_module.te_a2a_backward_workspace_bytes(release, *tensors, 0) + sum(tensors[:3])
+        print(f"{where}: backward peak {peak:,} B (ckplan {ours:,})")
+        return not 0 <= peak - ours <= slack
+    seen = [backward_live(source, cp, shape, kv_heads, comm, rank) for rank in range(cp)]
+    peak, at_call = max(p for p, _ in seen), max(c for _, c in seen)
+    ours = ours_module.te_allgather_backward_live_bytes(release, cp, *tensors[:2])
+    print(
+        f"{where}: backward peak {peak:,} B (ckplan {ours[1]:,}), at a kernel call {at_call:,} B "
+        f"(ckplan {ours[0]:,})"
+    )
+    return not (0 <= peak - ours[1] <= slack and 0 <= at_call - ours[0] <= slack)
+
+
+COMMS = {"--comm=a2a": "a2a", "--comm=allgather": "allgather"}
+
 if __name__ == "__main__":
     flags = [a for a in sys.argv[1:] if a.startswith("--")]
     arguments = [a for a in sys.argv[1:] if not a.startswith("--")]
-    if len(arguments) != 2 or not set(flags) <= {"--check", "--comm=a2a", "--memory"}:
+    if len(arguments) != 2 or not set(flags) <= {"--check", "--memory", *COMMS}:
         sys.exit(__doc__)
-    comm = "a2a" if "--comm=a2a" in flags or "--memory" in flags else "p2p"
+    comm = next((COMMS[f] for f in flags if f in COMMS), "a2a" if "--memory" in flags else "p2p")
     sys.exit(main(*arguments, "--check" in flags, comm, "--memory" in flags))

@@ -56,6 +56,7 @@ import shlex
 from itertools import groupby
 
 from ckplan.exports.segments import LayerSegments
+from ckplan.model.context_parallel import MEGATRON_CP_COMM_TYPES
 from ckplan.model.layers import parse_layer_set, stage_chunk_layers
 from ckplan.model.op_policy import parse_policy
 from ckplan.model.spec import ModelSpec
@@ -291,9 +292,9 @@ def flags(plan: Plan, layers: LayerSegments, recompute_modules: bool = True) -> 
         ["--pipeline-model-parallel-size", str(spec.pp)],
         ["--context-parallel-size", str(spec.cp)],
     ]
-    if spec.cp > 1 and spec.cp_attention == "a2a":
+    if spec.cp > 1 and spec.cp_attention not in (None, "ring"):
         # Megatron-LM's default is p2p (arguments.py, core_v0.19.0), ckplan's ring
-        out.append(["--cp-comm-type", "a2a"])
+        out.append(["--cp-comm-type", MEGATRON_CP_COMM_TYPES[spec.cp_attention]])
     uneven = spec.first_stage_layers is not None or spec.last_stage_layers is not None
     if spec.first_stage_layers is not None:
         out.append(["--decoder-first-pipeline-num-layers", str(spec.first_stage_layers)])

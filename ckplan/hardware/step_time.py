@@ -59,6 +59,7 @@ from ckplan.model.context_parallel import (
     te_a2a_sent_bytes,
     torchtitan_ring_exchange_bytes,
     uses_a2a,
+    uses_te_allgather,
 )
 from ckplan.model.flops import MFU_CONVENTION, iteration_flops, model_flops_per_iteration
 from ckplan.model.layers import LayerKind, stage_chunk_layers, stage_kinds
@@ -269,6 +270,8 @@ def context_parallel_comm(
     heads_r = max(1, spec.heads // spec.tp)
     if uses_a2a(spec):
         return a2a_context_parallel_comm(spec, gpu, heads_r)
+    if uses_te_allgather(spec):
+        return allgather_context_parallel_comm(spec, gpu)
     ring = torchtitan_ring_exchange_bytes(spec, heads_r, kv_heads_per_rank(spec))
     if ring != (0, 0):
         return torchtitan_ring_comm(spec, gpu, ring, core_forward.total, core_backward.total)
@@ -297,6 +300,21 @@ def a2a_context_parallel_comm(spec: ModelSpec, gpu: GPU, heads_r: int) -> tuple[
         )
 
     return seconds(forward), seconds(backward)
+
+
+def allgather_context_parallel_comm(spec: ModelSpec, gpu: GPU) -> tuple[float, float]:
+    """Seconds of Transformer Engine's all-gather context parallelism, (forward, backward)
+    (`AttnFuncWithCPAndKVAllGather`: "KV all-gather between CP ranks is exposed"): the
+    forward all-gathers K and V over the cp group before its kernels; the backward gathers
+    them again and reduce-scatters dK and dV after its kernels, each the whole sequence's
+    bf16 tensor (cp x the rank's), none hidden."""
+    tokens = (spec.seq // spec.cp) * spec.micro_batch
+    gathered = spec.cp * tokens * kv_heads_per_rank(spec) * spec.head_dim * spec.dtype_bytes
+    bandwidth = comm.group_bandwidth(gpu, spec.cp, spec.tp)
+    latency = comm.all_gather_latency(gpu, spec.cp)
+    gather = comm.all_gather_seconds(gathered, spec.cp, bandwidth) + latency
+    scatter = comm.reduce_scatter_seconds(gathered, spec.cp, bandwidth) + latency
+    return 2 * gather, 2 * gather + 2 * scatter
 
 
 def torchtitan_ring_comm(

@@ -45,10 +45,16 @@ FP32_BYTES = 4
 # split (DeepSpeed-Ulysses, Jacobs et al. 2023; Megatron-Core's `cp_comm_type` a2a)
 CP_ATTENTIONS = ("ring", "allgather", "a2a")
 # what each framework's context parallelism is modelled with
-FRAMEWORK_CP_ATTENTIONS = {"torchtitan": ("ring", "allgather"), "megatron": ("ring", "a2a")}
-# Transformer Engine's first release with `AttnFuncWithCPAndQKVOA2A` (transformer_engine/
-# pytorch/attention.py at v1.11; v1.10 has the point-to-point and all-gather ones only)
-TE_FIRST_A2A = "te1.11"
+FRAMEWORK_CP_ATTENTIONS = {
+    "torchtitan": ("ring", "allgather"),
+    "megatron": ("ring", "allgather", "a2a"),
+}
+# Transformer Engine's first release with each of Megatron-Core's `cp_comm_type`s beside p2p
+# (transformer_engine/pytorch/attention.py: `AttnFuncWithCPAndKVAllGather` from v1.10,
+# `AttnFuncWithCPAndQKVOA2A` from v1.11)
+TE_FIRST_RELEASE = {"allgather": "te1.10", "a2a": "te1.11"}
+# Megatron's --cp-comm-type for each cp_attention (megatron/training/arguments.py)
+MEGATRON_CP_COMM_TYPES = {"ring": "p2p", "allgather": "all_gather", "a2a": "a2a"}
 # the first release whose a2a forward saves the kernel's output before its all-to-all (the
 # `out_part` of AttnFuncWithCPAndQKVOA2A, context_parallel.py at v2.8) and whose backward
 # sends dO alone; v1.11-v2.7 save the output after it, the tensor returned, and send it back
@@ -87,13 +93,42 @@ def cp_attention_error(
             f"key 'cp_attention' ({cp_attention}): under framework {framework} one of "
             f"{', '.join(modelled)}"
         )
-    releases = TRANSFORMER_ENGINE_RELEASES
-    if cp_attention == "a2a" and release and releases.index(release) < releases.index(TE_FIRST_A2A):
+    first = TE_FIRST_RELEASE.get(cp_attention) if framework == "megatron" else None
+    if first and release and not _release_at_least(release, first):
         return (
-            f"key 'cp_attention' (a2a): Transformer Engine {release} has no all-to-all context "
-            f"parallelism (from {TE_FIRST_A2A}); set framework_version or cp_attention ring"
+            f"key 'cp_attention' ({cp_attention}): Transformer Engine {release} has no "
+            f"{MEGATRON_CP_COMM_TYPES[cp_attention]} context parallelism (from {first}); set "
+            "framework_version or cp_attention ring"
         )
     return None
+
+
+def te_cp_mla_error(cp_attention: str | None, mla: bool) -> str | None:
+    """Why Transformer Engine cannot run MLA's attention (K and V of different head sizes)
+    under `cp_attention` (one line naming the key), or None: "Context parallelism does not
+    support MLA" but with p2p and a2a+p2p (`attn_forward_func_with_cp`, context_parallel.py at
+    TE v2.9)."""
+    if not mla or cp_attention in (None, "ring"):
+        return None
+    return (
+        f"key 'cp_attention' ({cp_attention}): Transformer Engine runs MLA under context "
+        "parallelism on the ring only"
+    )
+
+
+def te_cp_window_error(cp_attention: str | None, sliding_window: int) -> str | None:
+    """Why Megatron-Core cannot run sliding-window attention under context parallelism with
+    `cp_attention` (one line naming the key), or None: Transformer Engine runs it with a2a
+    and all_gather only ("Context parallelism does not support sliding window attention with
+    cp_comm_type=p2p", `attn_forward_func_with_cp`, context_parallel.py at v2.9; v1.11
+    "cannot support sliding window attention" but with a2a or all_gather; v1.8-v1.9 pick no
+    kernel for a window under context parallelism)."""
+    if not sliding_window or cp_attention not in (None, "ring"):
+        return None
+    return (
+        f"key 'cp_attention' ({cp_attention or 'ring'}): Transformer Engine runs sliding-window "
+        "attention under context parallelism with a2a or allgather only"
+    )
 
 
 def a2a_heads_error(cp: int, heads_r: int, kv_heads_r: int) -> str | None:
@@ -113,6 +148,12 @@ def uses_a2a(spec) -> bool:
     """Whether `spec`'s attention runs Transformer Engine's all-to-all context parallelism:
     Megatron-Core, cp > 1, `cp_attention` a2a."""
     return spec.framework == "megatron" and spec.cp > 1 and spec.cp_attention == "a2a"
+
+
+def uses_te_allgather(spec) -> bool:
+    """Whether `spec`'s attention runs Transformer Engine's all-gather context parallelism:
+    Megatron-Core, cp > 1, `cp_attention` allgather."""
+    return spec.framework == "megatron" and spec.cp > 1 and spec.cp_attention == "allgather"
 
 
 def ring_kv_heads(version: str | None, heads_r: int, kv_heads_r: int) -> int:
@@ -325,6 +366,9 @@ def megatron_cp_moved_bytes(spec, release: str, heads_r: int, kv_heads_r: int) -
         return 0, 0
     if uses_a2a(spec):
         return te_a2a_moved_bytes(release, *a2a_tensor_bytes(spec, heads_r, kv_heads_r))
+    if uses_te_allgather(spec):
+        q, k, _, _ = a2a_tensor_bytes(spec, heads_r, kv_heads_r)
+        return te_allgather_moved_bytes(release, spec.cp, q, k)
     if spec.mla:
         return 0, 0
     tokens = _rank_tokens(spec)
@@ -392,15 +436,19 @@ def te_a2a_moved_bytes(release: str, q: int, k: int, v: int, out: int) -> tuple[
     return A2A_MOVES_PER_BYTE * sum(forward), A2A_MOVES_PER_BYTE * sum(backward)
 
 
-def a2a_saved_output_bytes(spec, heads_r: int, kv_heads_r: int) -> int:
-    """What the all-to-all context parallelism saves for the backward beyond the ring: from
-    v2.8 (`TE_A2A_SAVES_KERNEL_OUTPUT`) the kernel's output before its all-to-all, while the
-    output projection saves the tensor after it, two storages; earlier releases save the one
-    returned (0). 0 where `spec` does not run it (`uses_a2a`)."""
+def te_saved_output_bytes(spec, heads_r: int, kv_heads_r: int) -> int:
+    """What Transformer Engine's context parallelism saves for the backward beyond the ring's:
+    a second attention output, the kernel's own, while the output projection saves the tensor
+    returned. The all-to-all from v2.8 (`TE_A2A_SAVES_KERNEL_OUTPUT`) saves the output before
+    its all-to-all (earlier releases the one returned: 0); the all-gather saves each chunk's
+    output (`out_per_step`) and returns a copy of both (`AttnFuncWithCPAndKVAllGather`, v1.10
+    on). 0 elsewhere."""
     release = framework_version(spec)
-    if not uses_a2a(spec) or not _release_at_least(release, TE_A2A_SAVES_KERNEL_OUTPUT):
-        return 0
-    return a2a_tensor_bytes(spec, heads_r, kv_heads_r)[3]
+    if uses_te_allgather(spec) or (
+        uses_a2a(spec) and _release_at_least(release, TE_A2A_SAVES_KERNEL_OUTPUT)
+    ):
+        return a2a_tensor_bytes(spec, heads_r, kv_heads_r)[3]
+    return 0
 
 
 def te_a2a_backward_workspace_bytes(
@@ -426,9 +474,81 @@ def attention_backward_workspace_bytes(
     spec, heads_r: int, kv_heads_r: int, kernel_workspace: int
 ) -> int:
     """The attention core's backward transient: `kernel_workspace` (the kernel's own, ckplan.
-    model.ops), or under the all-to-all context parallelism `te_a2a_backward_workspace_bytes`
-    around it."""
-    if not uses_a2a(spec):
-        return kernel_workspace
-    tensors = a2a_tensor_bytes(spec, heads_r, kv_heads_r)
-    return te_a2a_backward_workspace_bytes(framework_version(spec), *tensors, kernel_workspace)
+    model.ops), or under Transformer Engine's all-to-all or all-gather context parallelism
+    `te_a2a_backward_workspace_bytes` or `te_allgather_backward_workspace_bytes` around it."""
+    release = framework_version(spec)
+    if uses_a2a(spec):
+        tensors = a2a_tensor_bytes(spec, heads_r, kv_heads_r)
+        return te_a2a_backward_workspace_bytes(release, *tensors, kernel_workspace)
+    if uses_te_allgather(spec):
+        q, k, _, _ = a2a_tensor_bytes(spec, heads_r, kv_heads_r)
+        return te_allgather_backward_workspace_bytes(release, spec.cp, q, k, kernel_workspace)
+    return kernel_workspace
+
+
+# Transformer Engine's all-gather context parallelism (Megatron-Core's `cp_comm_type`
+# all_gather, `AttnFuncWithCPAndKVAllGather`, TE v1.10 on; the Llama 3 paper's §3.3.2): K and
+# V all-gathered over the cp group and put in sequence order (`index_select`), then one kernel
+# call for each of the rank's two load-balanced query chunks over the keys before it, on two
+# streams, each chunk's output copied into the one returned; the backward gathers K and V
+# again, adds each call's dK, dV into zeroed whole-sequence buffers, reorders them and
+# reduce-scatters them. The bytes its own ops move beside the kernel calls, (forward,
+# backward), counted on the CPU by validation/te_cp_p2p_traffic.py --comm=allgather, the same
+# on every rank, for Q's bytes and one of K's and V's, each entry (Q's, K/V's per cp, K/V's
+# constant): v1.10 picks each call's keys out of the gathered K and V (`index_select` per
+# call), v1.11 on reorders them once and slices each call's prefix (no copy in sbhd).
+TE_ALLGATHER_MOVED = {
+    "te1.10": ((2, 6, 1), (2, 18, 2)),
+    "te1.11": ((2, 4, 0), (2, 16, 3)),
+}
+# the backward's most live bytes beside what it is handed and saved, in halves of Q's and of
+# one of K's and V's bytes (Q's, K/V's per cp, K/V's constant), counted by the same script's
+# --memory on its busiest rank: (the most at a kernel call, the most at all)
+TE_ALLGATHER_LIVE = {
+    "te1.10": ((4, 16, 2), (5, 20, 2)),
+    "te1.11": ((3, 10, 0), (4, 14, 2)),
+}
+
+
+def _allgather_family(release: str) -> str:
+    """The release whose all-gather loops `release` runs (`TE_ALLGATHER_MOVED`)."""
+    return "te1.11" if _release_at_least(release, "te1.11") else "te1.10"
+
+
+def te_allgather_moved_bytes(release: str, cp: int, q: int, kv: int) -> tuple[int, int]:
+    """Bytes Transformer Engine `release`'s all-gather context parallelism moves beside its
+    kernel calls in one attention forward and one backward (derived: `TE_ALLGATHER_MOVED`).
+    From v1.11, forward: the reorder of the gathered K and V (4·cp·kv) and the two chunks'
+    outputs copied into place (2·q); backward: the reorder again (4·cp·kv), the zeroed dK, dV
+    buffers (2·cp·kv), the adds of each call's dK, dV into them, each reading the buffer's part
+    and the call's and writing the part, over the 2·cp + 1 half-chunks of keys the two calls
+    see ((6·cp + 3)·kv), the reorder of dK, dV (4·cp·kv) and the dQ chunks' copies (2·q).
+    `q` the rank's Q bytes, `kv` one of its K and V; bf16, causal, no window."""
+    moved = []
+    for q_coefficient, per_cp, constant in TE_ALLGATHER_MOVED[_allgather_family(release)]:
+        moved.append(q_coefficient * q + (per_cp * cp + constant) * kv)
+    return moved[0], moved[1]
+
+
+def te_allgather_backward_workspace_bytes(
+    release: str, cp: int, q: int, kv: int, kernel_workspace: int
+) -> int:
+    """What Transformer Engine `release`'s all-gather attention backward holds beyond the dQ,
+    dK, dV it returns (q + 2·kv) and what it is handed and saved (derived: `TE_ALLGATHER_LIVE`,
+    the busiest rank): the gathered and reordered K and V, the zeroed dK, dV buffers and the
+    calls' gradients, at a kernel call (beside the call's own workspace, half of
+    `kernel_workspace`: each call has half the rank's queries) or after the last. From v1.11
+    at a call 1.5·q + 5·cp·kv, at most 2·q + (7·cp + 1)·kv."""
+    at_call, most = te_allgather_backward_live_bytes(release, cp, q, kv)
+    return max(at_call + math.ceil(kernel_workspace / 2), most) - (q + 2 * kv)
+
+
+def te_allgather_backward_live_bytes(release: str, cp: int, q: int, kv: int) -> tuple[int, int]:
+    """`TE_ALLGATHER_LIVE` in bytes: (the most the all-gather backward holds at a kernel call,
+    the most at all) beyond what it is handed and saved, its busiest rank, for the rank's Q
+    bytes `q` and one of its K and V `kv`."""
+    at_call, most = (
+        math.ceil((a * q + (b * cp + c) * kv) / 2)
+        for a, b, c in TE_ALLGATHER_LIVE[_allgather_family(release)]
+    )
+    return at_call, most

@@ -18,9 +18,9 @@ from __future__ import annotations
 import dataclasses
 
 from ckplan.model.context_parallel import (
-    a2a_saved_output_bytes,
     attention_backward_workspace_bytes,
     cp_moved_bytes,
+    te_saved_output_bytes,
     torchtitan_ring_workspace_bytes,
 )
 from ckplan.model.finetune import frozen_ops
@@ -287,11 +287,12 @@ def _attention_ops(spec: ChainSpec, kind: LayerKind, shapes: LayerShapes) -> lis
                 "attention_core",
                 "attention",
                 # MLA: V may be a view keeping kv_up's whole output (`mla.value_view_bytes`);
-                # TE's all-to-all context parallelism keeps its own O (`a2a_saved_output_bytes`)
+                # TE's all-to-all and all-gather context parallelism keep the kernel's own O
+                # (`te_saved_output_bytes`)
                 seen
                 + logsumexp
                 + (value_view_bytes(spec, shapes) if spec.mla else 0)
-                + a2a_saved_output_bytes(spec, heads_r, kv_heads_r),
+                + te_saved_output_bytes(spec, heads_r, kv_heads_r),
                 core_flops,
                 2 * core_flops + score_flops,
                 ATTENTION_CORE,

@@ -564,6 +564,14 @@ def _validate(spec: ModelSpec) -> None:
     release = frameworks.framework_version(spec) if spec.framework == "megatron" else None
     if reason := context_parallel.cp_attention_error(spec.framework, spec.cp_attention, release):
         raise SpecError(reason)
+    if reason := context_parallel.te_cp_mla_error(
+        spec.cp_attention if spec.framework == "megatron" else None, spec.mla
+    ):
+        raise SpecError(reason)
+    if spec.framework == "megatron" and spec.cp > 1 and spec.kind == "transformer":
+        window = spec.sliding_window if spec.sliding_window_layers != "none" else 0
+        if reason := context_parallel.te_cp_window_error(spec.cp_attention, window):
+            raise SpecError(reason)
     if context_parallel.uses_a2a(spec) and spec.kind == "transformer":
         heads_r = spec.heads // spec.tp
         # K/V heads per rank as ckplan.model.op.kv_heads_per_rank counts them (one replicated

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckplan.model import frameworks
-from ckplan.model.context_parallel import a2a_heads_error
+from ckplan.model.context_parallel import a2a_heads_error, te_cp_window_error
 from ckplan.model.frameworks import layout_error
 from ckplan.model.spec import ModelSpec
 
@@ -242,11 +242,17 @@ def tensor_parallel_sizes(space: SearchSpace) -> list[int]:
     return sizes
 
 
-def _a2a_splits_heads(spec, tp: int, cp: int) -> bool:
-    """Whether `cp_attention` a2a (Megatron-Core's all-to-all context parallelism) can split
-    the heads a tensor-parallel rank holds over cp (`context_parallel.a2a_heads_error`); True
-    for the other ways of running context parallelism."""
-    if cp == 1 or spec.framework != "megatron" or spec.cp_attention != "a2a":
+def _te_runs_cp(spec, tp: int, cp: int) -> bool:
+    """Whether Megatron-Core's context parallelism (Transformer Engine's) runs at cp: a sliding
+    window needs a2a or allgather (`context_parallel.te_cp_window_error`), and `cp_attention`
+    a2a splits the heads a tensor-parallel rank holds over cp (`a2a_heads_error`). True for the
+    other frameworks."""
+    if cp == 1 or spec.framework != "megatron":
+        return True
+    window = spec.sliding_window if spec.sliding_window_layers != "none" else 0
+    if te_cp_window_error(spec.cp_attention, window):
+        return False
+    if spec.cp_attention != "a2a":
         return True
     heads_r = spec.heads // tp
     kv_heads_r = heads_r if spec.mla else -(-spec.kv_heads // tp)
@@ -268,7 +274,7 @@ def layouts(space: SearchSpace) -> Iterator[Layout]:
             for cp in divisors(n // (tp * pp)):
                 if spec.seq % cp or not space.allowed("cp", cp):
                     continue
-                if not _a2a_splits_heads(spec, tp, cp):
+                if not _te_runs_cp(spec, tp, cp):
                     continue
                 dp = n // (tp * pp * cp)
                 if batch % dp or not space.allowed("dp", dp):

@@ -1,7 +1,8 @@
-"""Transformer Engine's all-to-all context parallelism under Megatron-Core (`cp_attention: a2a`,
-Megatron's `--cp-comm-type a2a`): the tensors its all-to-alls carry, its own ops' bytes and its
-backward's transient by hand and as counted on TE's own text, what the attention core saves,
-the step's exposed all-to-alls, the key's rules and the export."""
+"""Transformer Engine's all-to-all and all-gather context parallelism under Megatron-Core
+(`cp_attention: a2a` and `allgather`, Megatron's `--cp-comm-type a2a` and `all_gather`): the
+tensors they send, their own ops' bytes and their backward's transient by hand and as counted
+on TE's own text, what the attention core saves, the step's exposed collectives, the key's
+rules and the export."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ from ckplan.model.context_parallel import (
     te_a2a_backward_workspace_bytes,
     te_a2a_moved_bytes,
     te_a2a_sent_bytes,
+    te_allgather_backward_live_bytes,
+    te_allgather_backward_workspace_bytes,
+    te_allgather_moved_bytes,
 )
 from ckplan.model.ops import layer_ops
 from ckplan.model.spec import SpecError
@@ -129,8 +133,9 @@ def test_the_step_exposes_its_all_to_alls():
             {"tp": 8, "cp": 2, "sp": True},
             "cp (2) must divide the query heads (4) and K/V heads (1)",
         ),
-        ({"framework_version": "te1.10"}, "te1.10 has no all-to-all context parallelism"),
+        ({"framework_version": "te1.10"}, "te1.10 has no a2a context parallelism"),
         ({"framework": "torchtitan", "zero": 3, "sp": False, "tp": 1}, "one of ring, allgather"),
+        ({"cp_attention": "allgather", "framework_version": "te1.9"}, "no all_gather context"),
         (
             {"framework": "deepspeed", "tp": 1, "sp": False, "cp": 1, "dp": 8},
             "the key is for frameworks",
@@ -155,6 +160,18 @@ def test_the_export_says_a2a_and_megatron_takes_it():
 A2A_WHEELS = ("1.13.0", "2.4.0", "2.9.0", "2.16.0")
 
 
+def _wheel_source(release: str) -> tuple[str, str]:
+    """TE's context-parallel module's text from the release's wheel (.ci/run downloads them
+    into CKPLAN_TE_WHEELS), and ckplan's name of the release; skipped without it."""
+    wheel = Path(WHEELS or "") / f"transformer_engine-{release}-py3-none-any.whl"
+    if not WHEELS or not wheel.is_file():
+        if os.environ.get("CKPLAN_REQUIRE_FRAMEWORKS") == "1":
+            pytest.fail(f"CKPLAN_REQUIRE_FRAMEWORKS=1 but {wheel} is missing", pytrace=False)
+        pytest.skip("no transformer_engine wheel (CKPLAN_TE_WHEELS, set by .ci/run)")
+    source = validation_script("te_cp_p2p_traffic").source_from_wheel(str(wheel))
+    return source, "te" + release.rsplit(".", 1)[0]
+
+
 @pytest.mark.parametrize("release", A2A_WHEELS)
 def test_transformer_engines_own_all_to_alls_move_and_hold_what_is_counted(release):
     """TE's own `AttnFuncWithCPAndQKVOA2A` from the release's wheel, run by validation/
@@ -162,14 +179,8 @@ def test_transformer_engines_own_all_to_alls_move_and_hold_what_is_counted(relea
     `te_a2a_backward_workspace_bytes` beyond the kernel's gradients (and the reorders'
     int32 chunk ids), at cp 2 and 4, K/V at the query heads and at half."""
     torch_or_skip()
-    wheel = Path(WHEELS or "") / f"transformer_engine-{release}-py3-none-any.whl"
-    if not WHEELS or not wheel.is_file():
-        if os.environ.get("CKPLAN_REQUIRE_FRAMEWORKS") == "1":
-            pytest.fail(f"CKPLAN_REQUIRE_FRAMEWORKS=1 but {wheel} is missing", pytrace=False)
-        pytest.skip("no transformer_engine wheel (CKPLAN_TE_WHEELS, set by .ci/run)")
+    source, ours = _wheel_source(release)
     harness = validation_script("te_cp_p2p_traffic")
-    source = harness.source_from_wheel(str(wheel))
-    ours = "te" + release.rsplit(".", 1)[0]
     shape = {"b": 1, "a": 4, "s": 8, "d": 16}
     for cp in (2, 4):
         for kv_heads in (4, 2):
@@ -179,7 +190,7 @@ def test_transformer_engines_own_all_to_alls_move_and_hold_what_is_counted(relea
             for rank in range(cp):
                 moved = harness.measure(source, cp, rank, shape, kv_heads, "a2a")
                 assert moved == te_a2a_moved_bytes(ours, *tensors)
-            peak = harness.backward_live(source, cp, shape, kv_heads)
+            peak, _ = harness.backward_live(source, cp, shape, kv_heads)
             held = te_a2a_backward_workspace_bytes(ours, *tensors, 0) + sum(tensors[:3])
             assert 0 <= peak - held <= 2 * 4 * 2 * cp
 
@@ -198,3 +209,119 @@ def test_plan_offers_only_the_cp_its_all_to_alls_can_split():
     assert (8, 2) in ring and (8, 2) not in a2a
     assert (2, 4) in a2a and (1, 8) in a2a
     assert a2a == {(tp, cp) for tp, cp in ring if (8 // tp) % cp == 0 and tp <= 8}
+
+
+# ---- the all-gather ----------------------------------------------------------------------
+
+
+def test_the_all_gathers_own_ops_by_hand():
+    """From v1.11, forward: the gathered K and V reordered (4·cp·kv) and the two chunks'
+    outputs copied into place (2·q). Backward: the reorder again (4·cp·kv), dK and dV zeroed
+    (2·cp·kv), each call's dK, dV added into them over 2·cp + 1 half-chunks of keys (3 x:
+    (6·cp + 3)·kv), dK and dV reordered (4·cp·kv), the dQ chunks copied (2·q)."""
+    cp = 4
+    assert te_allgather_moved_bytes("te2.9", cp, Q, KV) == (
+        4 * cp * KV + 2 * Q,
+        (4 * cp + 2 * cp + 6 * cp + 3 + 4 * cp) * KV + 2 * Q,
+    )
+    # v1.10 picks each call's keys out of the gathered K and V
+    assert te_allgather_moved_bytes("te1.10", cp, Q, KV) == (
+        2 * Q + (6 * cp + 1) * KV,
+        2 * Q + (18 * cp + 2) * KV,
+    )
+    spec = megatron_8b(cp_attention="allgather")
+    assert cp_moved_bytes(spec, 16, 4) == te_allgather_moved_bytes("te2.16", 4, Q, KV)
+    assert core(spec).side_bytes == cp_moved_bytes(spec, 16, 4)
+
+
+def test_the_all_gathers_backward_transient_by_hand():
+    """From v1.11, on the last rank at its second call: dQ (q), the zeroed dK, dV (2·cp·kv),
+    the gathered K and V reordered (2·cp·kv), the first call's dQ half (q/2) and its dK, dV
+    over cp half-chunks (cp·kv): 1.5·q + 5·cp·kv. At most 2·q + (7·cp + 1)·kv. The op returns
+    dQ, dK, dV (q + 2·kv), so the transient is the larger of the call's (with half the
+    kernel's own workspace) and the most, less them."""
+    assert te_allgather_backward_live_bytes("te2.9", 4, 2, 1) == (3 + 20, 4 + 29)
+    assert te_allgather_backward_workspace_bytes("te2.9", 4, 2, 1, 0) == 33 - 4
+    assert te_allgather_backward_workspace_bytes("te2.9", 4, 2, 1, 40) == 23 + 20 - 4
+    assert te_allgather_backward_live_bytes("te1.10", 4, 2, 1) == (4 + 33, 5 + 41)
+
+
+def test_the_all_gather_saves_each_chunks_output():
+    ring, gathered = (
+        core(megatron_8b(cp_attention="ring")),
+        core(megatron_8b(cp_attention="allgather")),
+    )
+    assert gathered.saved_bytes - ring.saved_bytes == OUT
+    workspace = te_allgather_backward_workspace_bytes(
+        "te2.16", 4, Q, KV, 4 * (8192 * 16 * 128 + 8192 * 16)
+    )
+    assert gathered.grad_workspace_bytes == workspace
+
+
+def test_the_all_gathers_collectives_are_exposed():
+    """K and V gathered (cp x the rank's, bf16) before the forward's kernels; again in the
+    backward, and dK, dV reduce-scattered after its kernels."""
+    spec, gpu = megatron_8b(cp_attention="allgather"), load_gpu("h100-sxm")
+    bandwidth = comm.group_bandwidth(gpu, 4, 2)
+    gather = comm.all_gather_seconds(4 * KV, 4, bandwidth) + comm.all_gather_latency(gpu, 4)
+    forward, backward = context_parallel_comm(spec, gpu, None, None)
+    assert forward == pytest.approx(2 * gather)
+    assert backward == pytest.approx(4 * gather)
+
+
+def test_the_export_says_all_gather():
+    plan = plan_of(megatron_8b(cp_attention="allgather"))
+    args = validate(parse(exports.export(plan, "megatron").text, 8))
+    assert args.cp_comm_type == ["all_gather"]
+
+
+def test_mla_runs_on_the_ring_only():
+    values = {"framework": "megatron", "cp": 2, "dp": 4, "seq": 4096}
+    with pytest.raises(SpecError, match="runs MLA under context parallelism on the ring only"):
+        load_spec("deepseek-v3", {**values, "cp_attention": "a2a"})
+    assert load_spec("deepseek-v3", {**values, "cp_attention": "ring"}).cp == 2
+
+
+@pytest.mark.parametrize("release", ("1.10.0", "1.13.0", "2.9.0", "2.16.0"))
+def test_transformer_engines_own_all_gather_moves_and_holds_what_is_counted(release):
+    """TE's own `AttnFuncWithCPAndKVAllGather` from the release's wheel, run by validation/
+    te_cp_p2p_traffic.py: every rank moves `te_allgather_moved_bytes`; the busiest rank's
+    backward holds `te_allgather_backward_live_bytes` (and the reorders' int32 chunk ids), at
+    cp 2 and 3, K/V at the query heads and at half."""
+    torch_or_skip()
+    source, ours = _wheel_source(release)
+    harness = validation_script("te_cp_p2p_traffic")
+    shape = {"b": 1, "a": 4, "s": 8, "d": 16}
+    for cp in (2, 3):
+        for kv_heads in (4, 2):
+            q, kv = 2 * 8 * 4 * 16, 2 * 8 * kv_heads * 16
+            seen = []
+            for rank in range(cp):
+                moved = harness.measure(source, cp, rank, shape, kv_heads, "allgather")
+                assert moved == te_allgather_moved_bytes(ours, cp, q, kv)
+                seen.append(harness.backward_live(source, cp, shape, kv_heads, "allgather", rank))
+            at_call, most = te_allgather_backward_live_bytes(ours, cp, q, kv)
+            assert 0 <= max(p for p, _ in seen) - most <= 2 * 4 * 2 * cp
+            assert 0 <= max(c for _, c in seen) - at_call <= 2 * 4 * 2 * cp
+
+
+def test_a_sliding_window_needs_a2a_or_allgather():
+    """Transformer Engine runs a window under context parallelism with a2a and all_gather only;
+    `plan` offers Mistral 7B's window cp > 1 only under them."""
+    from ckplan.plan.layout.space import SearchSpace, layouts
+
+    values = {"framework": "megatron", "cp": 2, "dp": 4}
+    with pytest.raises(SpecError, match="sliding-window attention under context parallelism"):
+        load_spec("mistral-7b", values)
+    for cp_attention in ("a2a", "allgather"):
+        assert load_spec("mistral-7b", {**values, "cp_attention": cp_attention}).cp == 2
+    assert load_spec("mistral-7b", {**values, "sliding_window_layers": "none"}).cp == 2
+
+    def cps(cp_attention):
+        spec = load_spec(
+            "mistral-7b", {"framework": "megatron", "dp": 8, "cp_attention": cp_attention}
+        )
+        return {lay.cp for lay in layouts(SearchSpace(spec, 8, 8, 16, {}))}
+
+    assert cps(None) == {1}
+    assert cps("allgather") == {1, 2, 4, 8}
