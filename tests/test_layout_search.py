@@ -188,7 +188,8 @@ def test_memory_bound_holds_for_the_dp_at_its_tightest():
 def brute_force(spec, gpus, batch, usable):
     """Every layout of the grid with every layer-level plan and every offload plan its
     framework runs (within the GPU's host memory): the fastest that fits per layout but for
-    its ZeRO stage, the lower ZeRO stage among equals (as the search keeps them)."""
+    its ZeRO stage and context-parallel exchange, the lower ZeRO stage among equals (as the
+    search keeps them)."""
     best = {}
     for layout in layouts(SearchSpace(spec, gpus, GPU.gpus_per_node, batch, {})):
         model = layout_spec(spec, layout)
@@ -200,7 +201,7 @@ def brute_force(spec, gpus, batch, usable):
             plan = evaluate(model, parse_strategy(name, model))
             if plan.total_bytes > usable or plan.host_bytes > host_memory_per_gpu(GPU):
                 continue
-            key = layout.without_zero()
+            key = layout.arrangement()
             entry = (step_time(plan, GPU).step_seconds, layout.zero)
             if key not in best or entry < best[key]:
                 best[key] = entry
@@ -217,7 +218,7 @@ def test_search_agrees_with_brute_force(budget):
     result = search_layouts(SMALL, 4, GPU, 8, budget, 0, top=top)
     brute = brute_force(SMALL, 4, 8, budget)
     ranked = sorted(brute.items(), key=lambda item: item[1])
-    shown = [e.layout.without_zero() for e in result.layouts]
+    shown = [e.layout.arrangement() for e in result.layouts]
     assert len(shown) == min(top, len(brute))
     assert result.layouts[0].seconds <= ranked[0][1][0] * (1 + 1e-12)
     kth = result.layouts[-1].seconds

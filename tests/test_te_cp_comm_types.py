@@ -317,11 +317,49 @@ def test_a_sliding_window_needs_a2a_or_allgather():
         assert load_spec("mistral-7b", {**values, "cp_attention": cp_attention}).cp == 2
     assert load_spec("mistral-7b", {**values, "sliding_window_layers": "none"}).cp == 2
 
-    def cps(cp_attention):
+    def exchanges(cp_attention):
         spec = load_spec(
             "mistral-7b", {"framework": "megatron", "dp": 8, "cp_attention": cp_attention}
         )
-        return {lay.cp for lay in layouts(SearchSpace(spec, 8, 8, 16, {}))}
+        return {(lay.cp, lay.cp_attention) for lay in layouts(SearchSpace(spec, 8, 8, 16, {}))}
 
-    assert cps(None) == {1}
-    assert cps("allgather") == {1, 2, 4, 8}
+    assert exchanges("allgather") == {(1, "allgather")} | {(cp, "allgather") for cp in (2, 4, 8)}
+    # none given: each exchange TE runs with the window (a2a where the heads split)
+    found = exchanges(None)
+    assert (1, None) in found and not any(name == "ring" for _, name in found)
+    assert {(2, "allgather"), (8, "allgather"), (2, "a2a"), (8, "a2a")} <= found
+
+
+def test_plan_tries_each_exchange_and_keeps_the_fastest():
+    """Megatron-Core with no `cp_attention` given: the search runs each of TE's exchanges at
+    cp > 1 (a2a where the heads split) and lists a layout once, with its fastest; the table
+    and the JSON say which."""
+    from ckplan.plan.layout.space import SearchSpace, layouts
+
+    spec = load_spec("llama3-8b", {"framework": "megatron"})
+    found = {
+        (lay.tp, lay.cp, lay.cp_attention) for lay in layouts(SearchSpace(spec, 16, 8, 64, {}))
+    }
+    assert {(1, 2, "ring"), (1, 2, "allgather"), (1, 2, "a2a")} <= found
+    assert (1, 16, "ring") in found and (1, 16, "a2a") not in found  # 8 K/V heads
+    assert (1, 1, None) in found
+
+
+def test_plan_json_names_the_exchange(cli):
+    import json
+
+    code, out, _ = cli(
+        "plan", "mistral-7b", "--gpus", "16", "--gpu", "h100-sxm", "--seq", "131072",
+        "--global-batch", "16", "--json",
+    )  # fmt: skip
+    assert code == 0
+    layouts = json.loads(out)["layouts"]
+    arrangements = [
+        (lay["tp"], lay["pp"], lay["cp"], lay["dp"], lay["sp"], lay["virtual_stages"])
+        + (lay["micro_batch"],)
+        for lay in layouts
+    ]
+    assert len(set(arrangements)) == len(arrangements)  # one entry a layout
+    for lay in layouts:
+        assert (lay["cp"] > 1) == (lay["cp_attention"] is not None)
+        assert lay["cp_attention"] != "ring"  # the window needs a2a or allgather

@@ -47,14 +47,18 @@ def split_text(spec) -> str:
 
 
 def layout_text(layout: Layout, spec=None) -> str:
-    """'tp 4 sp · pp 2 (v 5) · cp 2 · dp 4 · ZeRO 2 · mb 1 x 128'."""
+    """'tp 4 sp · pp 2 (v 5) · cp 2 · dp 4 · ZeRO 2 · mb 1 x 128' ('cp 2 a2a' where the
+    context-parallel exchange is not the ring)."""
     tp = f"tp {layout.tp}" + (" sp" if layout.sp else "")
     pp = f"pp {layout.pp}"
     if layout.virtual_stages > 1:
         pp += f" v{layout.virtual_stages}"
     if not layout.split.even:
         pp += f" [{split_text(spec) if spec is not None else _split_label(layout)}]"
-    parts = [tp, pp, f"cp {layout.cp}", f"dp {layout.dp}"]
+    cp = f"cp {layout.cp}"
+    if layout.cp > 1 and layout.cp_attention not in (None, "ring"):
+        cp += f" {layout.cp_attention}"  # the exchange, where not the ring
+    parts = [tp, pp, cp, f"dp {layout.dp}"]
     if spec is not None and spec.experts:
         parts.append(f"ep {layout.ep} etp {layout.etp}")
     parts += [f"ZeRO {layout.zero}", f"mb {layout.micro_batch}x{layout.microbatches}"]
@@ -171,6 +175,7 @@ def layout_dict(e: Evaluated) -> dict[str, Any]:
         "tp": layout.tp,
         "pp": layout.pp,
         "cp": layout.cp,
+        "cp_attention": layout.cp_attention if layout.cp > 1 else None,
         "dp": layout.dp,
         "ep": layout.ep,
         "etp": layout.etp if experts else None,
@@ -234,6 +239,7 @@ def rejected_dict(r: Rejected, best: Evaluated | None) -> dict[str, Any]:
         "tp": layout.tp,
         "pp": layout.pp,
         "cp": layout.cp,
+        "cp_attention": layout.cp_attention if layout.cp > 1 else None,
         "dp": layout.dp,
         "ep": layout.ep,
         "zero": layout.zero,

@@ -259,8 +259,8 @@ def check_search(
         )
 
 
-# Distinct (tp, sp, cp, micro-batch, ep, etp) of one search: each costs a few ms of per-layer
-# work (`bounds.Bounds.layer`); dense models on 16,384 GPUs have about 1,000.
+# Distinct (tp, sp, cp and its exchange, micro-batch, ep, etp) of one search: each costs a
+# few ms of per-layer work (`bounds.Bounds.layer`); dense models on 16,384 GPUs have about 1,000.
 MAX_LAYER_SHAPES = 4000
 
 
@@ -269,12 +269,13 @@ def check_layer_shapes(space: SearchSpace) -> None:
     (it would take minutes, not seconds), naming the keys with the most values to fix."""
     shapes: set[tuple] = set()
     for layout in layouts(space):
-        shapes.add((layout.tp, layout.sp, layout.cp, layout.micro_batch, layout.ep, layout.etp))
+        exchange, experts = layout.cp_attention, (layout.ep, layout.etp)
+        shapes.add((layout.tp, layout.sp, layout.cp, exchange, layout.micro_batch, *experts))
         if len(shapes) > MAX_LAYER_SHAPES:
             break
     else:
         return
-    names = ("tp", "sp", "cp", "micro_batch", "ep", "etp")
+    names = ("tp", "sp", "cp", "cp_attention", "micro_batch", "ep", "etp")
     spread = sorted(
         ((len({shape[i] for shape in shapes}), name) for i, name in enumerate(names)),
         reverse=True,
@@ -312,7 +313,7 @@ def search_layouts(
     failed: dict[tuple, int] = {}  # layouts but for the micro-batch -> least one over memory
     for layout in layouts(space):
         counts["layouts"] += 1
-        family = (*layout.without_zero()[:-2], layout.zero)
+        family = (*layout.arrangement()[:-2], layout.cp_attention, layout.zero)
         if layout.micro_batch >= failed.get(family, layout.micro_batch + 1):
             counts["memory"] += 1  # activations grow with the micro-batch: over too
             continue
@@ -485,7 +486,7 @@ class _Run:
         self.cutoff = cutoff
         self.offload = True  # try the framework's offload plans (frameworks.offload_strategies)
         self.evaluated: list[Evaluated] = []
-        self.best: dict[tuple, Evaluated] = {}  # fitting, per layout.without_zero()
+        self.best: dict[tuple, Evaluated] = {}  # fitting, per layout.arrangement()
         self.evaluations = self.optimal_runs = self.mixed_runs = 0
         self.unwritten: Candidate | None = None  # the last DP schedule no export writes
         self._kth: float | None = None  # kth_time, until `best` changes
@@ -536,12 +537,13 @@ class _Run:
         self._keep(evaluated)
 
     def _keep(self, evaluated: Evaluated) -> None:
-        """Hold `evaluated` where it is the fastest of its layout-but-for-ZeRO; where it is the
+        """Hold `evaluated` where it is the fastest of its arrangement (the layout but for ZeRO
+        and the context-parallel exchange); where it is the
         held layout evaluated again and no faster (`refine`), the held one with its reference
         (the DP's schedule that no export of the framework writes, reported beside it)."""
         if not evaluated.fits:
             return
-        key = evaluated.layout.without_zero()
+        key = evaluated.layout.arrangement()
         held = self.best.get(key)
         if held is None or (evaluated.seconds, evaluated.layout.zero) < (
             held.seconds,
@@ -816,18 +818,18 @@ def _rejected(
         (r for r in over + evaluated_over if r.time_bound.seconds < fastest),
         key=lambda r: (r.time_bound.seconds, r.layout),
     )
-    listed = {e.layout.without_zero() for e in shown}
+    listed = {e.layout.arrangement() for e in shown}
     slower = []
     for e in sorted(run.evaluated, key=lambda e: (e.seconds, e.layout)):
-        if e.fits and e.layout.without_zero() not in listed:
+        if e.fits and e.layout.arrangement() not in listed:
             slower.append(Rejected(e.layout, "slower", e.time_bound, e.memory_bound, usable, e))
-            listed.add(e.layout.without_zero())
+            listed.add(e.layout.arrangement())
     for seconds, layout, time_bound, memory_bound in queue:
         if len(slower) >= MAX_REJECTED:
             break
-        if layout.without_zero() not in listed and seconds >= fastest:
+        if layout.arrangement() not in listed and seconds >= fastest:
             slower.append(Rejected(layout, "slower", time_bound, memory_bound, usable))
-            listed.add(layout.without_zero())
+            listed.add(layout.arrangement())
     slower.sort(key=lambda r: (r.seconds, r.layout))
     memory = _distinct(memory)
     states = [r for r in memory if r.reason == "model_states"][:MAX_REJECTED]
@@ -836,10 +838,10 @@ def _rejected(
 
 
 def _distinct(rejected: list[Rejected]) -> list[Rejected]:
-    """One per layout-but-for-ZeRO (the first listed)."""
+    """One per arrangement (the layout but for ZeRO and the exchange; the first listed)."""
     seen, kept = set(), []
     for r in rejected:
-        key = r.layout.without_zero()
+        key = r.layout.arrangement()
         if key not in seen:
             seen.add(key)
             kept.append(r)

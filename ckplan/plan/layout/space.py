@@ -24,8 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckplan.model import frameworks
-from ckplan.model.context_parallel import a2a_heads_error, te_cp_window_error
-from ckplan.model.frameworks import layout_error
+from ckplan.model.context_parallel import (
+    FRAMEWORK_CP_ATTENTIONS,
+    a2a_heads_error,
+    cp_attention_error,
+    te_cp_mla_error,
+    te_cp_window_error,
+)
+from ckplan.model.frameworks import framework_version, layout_error
 from ckplan.model.spec import ModelSpec
 
 # The keys a layout sets; --set may fix any of them for the search (`constraints`).
@@ -103,6 +109,9 @@ class Layout:
     zero: int
     micro_batch: int
     microbatches: int
+    # how the attention runs under cp > 1 (`cp_attention`): the spec's, or under Megatron-Core
+    # each exchange Transformer Engine can run there (`cp_attentions`)
+    cp_attention: str | None = None
 
     @property
     def gpus(self) -> int:
@@ -123,10 +132,14 @@ class Layout:
         }
         if experts:
             keys |= {"ep": self.ep, "etp": self.etp}
+        if self.cp > 1 and self.cp_attention is not None:
+            keys["cp_attention"] = self.cp_attention
         return keys | self.split.keys()
 
-    def without_zero(self) -> tuple:
-        """Everything but the ZeRO stage: layouts equal but for it differ only in memory."""
+    def arrangement(self) -> tuple:
+        """Everything but the ZeRO stage and the context-parallel exchange: how the model and
+        the batch are split. Layouts equal in it are one entry of the search, the fastest that
+        fits kept."""
         return (
             self.tp,
             self.sp,
@@ -242,21 +255,30 @@ def tensor_parallel_sizes(space: SearchSpace) -> list[int]:
     return sizes
 
 
-def _te_runs_cp(spec, tp: int, cp: int) -> bool:
-    """Whether Megatron-Core's context parallelism (Transformer Engine's) runs at cp: a sliding
-    window needs a2a or allgather (`context_parallel.te_cp_window_error`), and `cp_attention`
-    a2a splits the heads a tensor-parallel rank holds over cp (`a2a_heads_error`). True for the
-    other frameworks."""
+MEGATRON_CP_ATTENTIONS = FRAMEWORK_CP_ATTENTIONS["megatron"]
+
+
+def cp_attentions(spec, tp: int, cp: int) -> tuple[str | None, ...]:
+    """The ways the search runs the attention at (tp, cp): the spec's `cp_attention`, or
+    under Megatron-Core with cp > 1 and none given each of Transformer Engine's that runs
+    there (ring, allgather, a2a), its release, the window, MLA and for a2a the heads allowing
+    (`context_parallel.cp_attention_error`, `te_cp_window_error`, `te_cp_mla_error`,
+    `a2a_heads_error`); none where the given one cannot run."""
     if cp == 1 or spec.framework != "megatron":
-        return True
+        return (spec.cp_attention,)
+    release = framework_version(spec)
     window = spec.sliding_window if spec.sliding_window_layers != "none" else 0
-    if te_cp_window_error(spec.cp_attention, window):
-        return False
-    if spec.cp_attention != "a2a":
-        return True
     heads_r = spec.heads // tp
     kv_heads_r = heads_r if spec.mla else -(-spec.kv_heads // tp)
-    return a2a_heads_error(cp, heads_r, kv_heads_r) is None
+    chosen = (spec.cp_attention,) if spec.cp_attention else MEGATRON_CP_ATTENTIONS
+    return tuple(
+        name
+        for name in chosen
+        if cp_attention_error("megatron", name, release) is None
+        and te_cp_window_error(name, window) is None
+        and te_cp_mla_error(name, spec.mla) is None
+        and (name != "a2a" or a2a_heads_error(cp, heads_r, kv_heads_r) is None)
+    )
 
 
 def layouts(space: SearchSpace) -> Iterator[Layout]:
@@ -274,11 +296,10 @@ def layouts(space: SearchSpace) -> Iterator[Layout]:
             for cp in divisors(n // (tp * pp)):
                 if spec.seq % cp or not space.allowed("cp", cp):
                     continue
-                if not _te_runs_cp(spec, tp, cp):
-                    continue
                 dp = n // (tp * pp * cp)
                 if batch % dp or not space.allowed("dp", dp):
                     continue
+                exchanges = cp_attentions(spec, tp, cp)
                 for ep, etp in _expert_layouts(space, tp, cp, dp):
                     zeros = tuple(
                         zero
@@ -305,20 +326,22 @@ def layouts(space: SearchSpace) -> Iterator[Layout]:
                                             continue
                                         if not _optimizer_allows(spec, zero, pp, microbatches):
                                             continue
-                                        yield Layout(
-                                            tp,
-                                            sp,
-                                            pp,
-                                            split,
-                                            v,
-                                            cp,
-                                            dp,
-                                            ep,
-                                            etp,
-                                            zero,
-                                            micro_batch,
-                                            microbatches,
-                                        )
+                                        for exchange in exchanges:
+                                            yield Layout(
+                                                tp,
+                                                sp,
+                                                pp,
+                                                split,
+                                                v,
+                                                cp,
+                                                dp,
+                                                ep,
+                                                etp,
+                                                zero,
+                                                micro_batch,
+                                                microbatches,
+                                                exchange,
+                                            )
 
 
 def _optimizer_allows(spec: ModelSpec, zero: int, pp: int, microbatches: int) -> bool:
