@@ -141,11 +141,15 @@ WHEELS = os.environ.get("CKPLAN_TE_WHEELS")
 WHEEL_RELEASES = ("1.10.0", "1.13.0", "2.1.0", "2.2.0", "2.3.0", "2.4.0", "2.9.0", "2.16.0")
 
 
-@pytest.mark.parametrize("release", WHEEL_RELEASES)
-def test_transformer_engines_own_loops_move_what_is_counted(release):
-    """TE's own `AttnFuncWithCP(AndKVP2P)` text from the release's wheel, run by
-    validation/te_cp_p2p_traffic.py: the mean over the ranks is `te_p2p_moved_bytes` of
-    the release at cp 2 and 3 (a whole byte's rounding), K/V at the query heads and at half."""
+# the harness's rank: b 1, 4 query heads, 8 tokens, head size 16
+SMALL = {"b": 1, "a": 4, "s": 8, "d": 16}
+
+
+def wheel_source(release: str) -> tuple:
+    """The harness (validation/te_cp_p2p_traffic.py), TE's context-parallel module's text
+    from the release's wheel (.ci/run downloads them into CKPLAN_TE_WHEELS) and ckplan's name
+    of the release; skipped without torch or the wheel (a failure under
+    CKPLAN_REQUIRE_FRAMEWORKS=1)."""
     torch_or_skip()
     wheel = Path(WHEELS or "") / f"transformer_engine-{release}-py3-none-any.whl"
     if not WHEELS or not wheel.is_file():
@@ -153,9 +157,16 @@ def test_transformer_engines_own_loops_move_what_is_counted(release):
             pytest.fail(f"CKPLAN_REQUIRE_FRAMEWORKS=1 but {wheel} is missing", pytrace=False)
         pytest.skip("no transformer_engine wheel (CKPLAN_TE_WHEELS, set by .ci/run)")
     harness = validation_script("te_cp_p2p_traffic")
-    source = harness.source_from_wheel(str(wheel))
-    ours = "te" + release.rsplit(".", 1)[0]
-    shape = {"b": 1, "a": 4, "s": 8, "d": 16}
+    return harness, harness.source_from_wheel(str(wheel)), "te" + release.rsplit(".", 1)[0]
+
+
+@pytest.mark.parametrize("release", WHEEL_RELEASES)
+def test_transformer_engines_own_loops_move_what_is_counted(release):
+    """TE's own `AttnFuncWithCP(AndKVP2P)` text from the release's wheel, run by
+    validation/te_cp_p2p_traffic.py: the mean over the ranks is `te_p2p_moved_bytes` of
+    the release at cp 2 and 3 (a whole byte's rounding), K/V at the query heads and at half."""
+    harness, source, ours = wheel_source(release)
+    shape = SMALL
     for cp in (2, 3):
         for kv_heads in (4, 2):
             seen = [harness.measure(source, cp, rank, shape, kv_heads) for rank in range(cp)]

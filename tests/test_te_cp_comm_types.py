@@ -6,14 +6,9 @@ rules and the export."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 from megatron_args import parse, validate
-from needs_torch import torch_or_skip
-from test_context_parallel import validation_script
-from test_te_context_parallel import WHEELS
+from test_te_context_parallel import SMALL, wheel_source
 
 from ckplan import exports
 from ckplan.hardware import communication as comm
@@ -160,28 +155,14 @@ def test_the_export_says_a2a_and_megatron_takes_it():
 A2A_WHEELS = ("1.13.0", "2.4.0", "2.9.0", "2.16.0")
 
 
-def _wheel_source(release: str) -> tuple[str, str]:
-    """TE's context-parallel module's text from the release's wheel (.ci/run downloads them
-    into CKPLAN_TE_WHEELS), and ckplan's name of the release; skipped without it."""
-    wheel = Path(WHEELS or "") / f"transformer_engine-{release}-py3-none-any.whl"
-    if not WHEELS or not wheel.is_file():
-        if os.environ.get("CKPLAN_REQUIRE_FRAMEWORKS") == "1":
-            pytest.fail(f"CKPLAN_REQUIRE_FRAMEWORKS=1 but {wheel} is missing", pytrace=False)
-        pytest.skip("no transformer_engine wheel (CKPLAN_TE_WHEELS, set by .ci/run)")
-    source = validation_script("te_cp_p2p_traffic").source_from_wheel(str(wheel))
-    return source, "te" + release.rsplit(".", 1)[0]
-
-
 @pytest.mark.parametrize("release", A2A_WHEELS)
 def test_transformer_engines_own_all_to_alls_move_and_hold_what_is_counted(release):
     """TE's own `AttnFuncWithCPAndQKVOA2A` from the release's wheel, run by validation/
     te_cp_p2p_traffic.py: every rank moves `te_a2a_moved_bytes`, and its backward holds at most
     `te_a2a_backward_workspace_bytes` beyond the kernel's gradients (and the reorders'
     int32 chunk ids), at cp 2 and 4, K/V at the query heads and at half."""
-    torch_or_skip()
-    source, ours = _wheel_source(release)
-    harness = validation_script("te_cp_p2p_traffic")
-    shape = {"b": 1, "a": 4, "s": 8, "d": 16}
+    harness, source, ours = wheel_source(release)
+    shape = SMALL
     for cp in (2, 4):
         for kv_heads in (4, 2):
             if kv_heads % cp:
@@ -288,10 +269,8 @@ def test_transformer_engines_own_all_gather_moves_and_holds_what_is_counted(rele
     te_cp_p2p_traffic.py: every rank moves `te_allgather_moved_bytes`; the busiest rank's
     backward holds `te_allgather_backward_live_bytes` (and the reorders' int32 chunk ids), at
     cp 2 and 3, K/V at the query heads and at half."""
-    torch_or_skip()
-    source, ours = _wheel_source(release)
-    harness = validation_script("te_cp_p2p_traffic")
-    shape = {"b": 1, "a": 4, "s": 8, "d": 16}
+    harness, source, ours = wheel_source(release)
+    shape = SMALL
     for cp in (2, 3):
         for kv_heads in (4, 2):
             q, kv = 2 * 8 * 4 * 16, 2 * 8 * kv_heads * 16
@@ -354,11 +333,8 @@ def test_plan_json_names_the_exchange(cli):
     )  # fmt: skip
     assert code == 0
     layouts = json.loads(out)["layouts"]
-    arrangements = [
-        (lay["tp"], lay["pp"], lay["cp"], lay["dp"], lay["sp"], lay["virtual_stages"])
-        + (lay["micro_batch"],)
-        for lay in layouts
-    ]
+    keys = ("tp", "pp", "cp", "dp", "sp", "virtual_stages", "micro_batch")
+    arrangements = [tuple(lay[key] for key in keys) for lay in layouts]
     assert len(set(arrangements)) == len(arrangements)  # one entry a layout
     for lay in layouts:
         assert (lay["cp"] > 1) == (lay["cp_attention"] is not None)

@@ -78,29 +78,27 @@ def cp_attention_error(
 ) -> str | None:
     """Why `cp_attention` cannot be set for `framework` (one line naming the key), or None:
     torchtitan's context parallelism is modelled as the ring or all-gathered K and V,
-    Megatron-Core's as Transformer Engine's ring or all-to-alls (`release`, its
-    `framework_version`, from v1.11 for a2a); the other frameworks' not at all."""
-    if cp_attention is None:
-        return None
-    modelled = FRAMEWORK_CP_ATTENTIONS.get(framework)
-    if modelled is None:
-        return (
-            f"key 'cp_attention' ({cp_attention}): {framework} runs its own context "
-            "parallelism; the key is for frameworks torchtitan and megatron"
-        )
-    if cp_attention not in modelled:
-        return (
-            f"key 'cp_attention' ({cp_attention}): under framework {framework} one of "
-            f"{', '.join(modelled)}"
-        )
+    Megatron-Core's as Transformer Engine's ring, all-gather or all-to-alls (`release`, its
+    `framework_version`: `TE_FIRST_RELEASE`); the other frameworks' not at all."""
+    prefix = f"key 'cp_attention' ({cp_attention}): "
+    modelled = FRAMEWORK_CP_ATTENTIONS.get(framework, ())
     first = TE_FIRST_RELEASE.get(cp_attention) if framework == "megatron" else None
-    if first and release and not _release_at_least(release, first):
-        return (
-            f"key 'cp_attention' ({cp_attention}): Transformer Engine {release} has no "
-            f"{MEGATRON_CP_COMM_TYPES[cp_attention]} context parallelism (from {first}); set "
-            "framework_version or cp_attention ring"
+    if cp_attention is None:
+        reason = None
+    elif not modelled:
+        reason = f"{framework} runs its own context parallelism; the key is for frameworks " + (
+            " and ".join(FRAMEWORK_CP_ATTENTIONS)
         )
-    return None
+    elif cp_attention not in modelled:
+        reason = f"under framework {framework} one of {', '.join(modelled)}"
+    elif first and release and not _release_at_least(release, first):
+        reason = (
+            f"Transformer Engine {release} has no {MEGATRON_CP_COMM_TYPES[cp_attention]} "
+            f"context parallelism (from {first}); set framework_version or cp_attention ring"
+        )
+    else:
+        reason = None
+    return prefix + reason if reason else None
 
 
 def te_cp_mla_error(cp_attention: str | None, mla: bool) -> str | None:
