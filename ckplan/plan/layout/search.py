@@ -332,8 +332,14 @@ def search_layouts(
     run.offload = offload
     for position, (seconds, layout, time_bound, memory_bound) in enumerate(queue):
         if seconds > run.kth_time():
-            counts["pruned"] = len(queue) - position
+            counts["pruned"] += len(queue) - position
             break
+        held = run.best.get(layout.arrangement())
+        if held is not None and seconds > held.seconds:
+            # its arrangement is listed once, with its fastest: another ZeRO stage or exchange
+            # already beats this one's lower bound
+            counts["pruned"] += 1
+            continue
         run.add(layout, time_bound, memory_bound)
     run.refine()
     # the joint DP may speed an offloading layout up: ranked again after it
