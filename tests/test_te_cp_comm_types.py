@@ -339,3 +339,46 @@ def test_plan_json_names_the_exchange(cli):
     for lay in layouts:
         assert (lay["cp"] > 1) == (lay["cp_attention"] is not None)
         assert lay["cp_attention"] != "ring"  # the window needs a2a or allgather
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"framework_version": "te1.9", "cp_attention": None}, "te1.9 runs no kernel for a"),
+        (
+            {
+                "framework_version": "te1.12",
+                "cp_attention": "allgather",
+                "attention_kernel": "cudnn",
+            },
+            "te1.12 runs a window's all-gather without the cuDNN kernel only",
+        ),
+    ],
+)
+def test_a_window_on_older_releases(changes, message):
+    values = {"framework": "megatron", "cp": 2, "dp": 4, **changes}
+    with pytest.raises(SpecError, match="cp_attention") as error:
+        load_spec("mistral-7b", values)
+    assert message in str(error.value)
+
+
+def test_te_1_10_runs_a_window_through_the_all_gather():
+    """TE v1.10's `attn_forward_func_with_cp` sends a window to `AttnFuncWithCPAndKVAllGather`
+    whatever the exchange; from v1.11 the all-gather takes it without cuDNN, from v2.0 with."""
+    values = {"framework": "megatron", "cp": 2, "dp": 4, "framework_version": "te1.10"}
+    ring = core(load_spec("mistral-7b", values))
+    gathered = core(load_spec("mistral-7b", {**values, "cp_attention": "allgather"}))
+    assert ring == gathered
+    assert ring.side_bytes == te_allgather_moved_bytes("te1.10", 2, *ring_sizes("mistral-7b"))
+    for release in ("te1.12", "te2.0"):
+        flash = {**values, "framework_version": release, "cp_attention": "allgather"}
+        assert load_spec("mistral-7b", flash).cp == 2
+    cudnn = {**values, "framework_version": "te2.0", "attention_kernel": "cudnn"}
+    assert load_spec("mistral-7b", {**cudnn, "cp_attention": "allgather"}).cp == 2
+
+
+def ring_sizes(preset: str) -> tuple[int, int]:
+    """(Q's, one of K's and V's) bf16 bytes of a rank at cp 2, TP 1, 8,192 tokens."""
+    spec = load_spec(preset)
+    tokens = spec.seq // 2
+    return 2 * tokens * spec.heads * spec.head_dim, 2 * tokens * spec.kv_heads * spec.head_dim

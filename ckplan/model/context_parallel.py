@@ -114,19 +114,38 @@ def te_cp_mla_error(cp_attention: str | None, mla: bool) -> str | None:
     )
 
 
-def te_cp_window_error(cp_attention: str | None, sliding_window: int) -> str | None:
+def te_cp_window_error(
+    cp_attention: str | None,
+    sliding_window: int,
+    release: str | None = None,
+    cudnn: bool = False,
+) -> str | None:
     """Why Megatron-Core cannot run sliding-window attention under context parallelism with
-    `cp_attention` (one line naming the key), or None: Transformer Engine runs it with a2a
-    and all_gather only ("Context parallelism does not support sliding window attention with
-    cp_comm_type=p2p", `attn_forward_func_with_cp`, context_parallel.py at v2.9; v1.11
-    "cannot support sliding window attention" but with a2a or all_gather; v1.8-v1.9 pick no
-    kernel for a window under context parallelism)."""
-    if not sliding_window or cp_attention not in (None, "ring"):
+    `cp_attention` on Transformer Engine `release` (one line naming the key), or None
+    (`attn_forward_func_with_cp` and `DotProductAttention`'s backend filter): v1.8-v1.9 pick no
+    kernel for a window under context parallelism; v1.10 runs the all-gather for it whatever
+    the exchange (`uses_te_allgather`); v1.11-v1.13 run a2a, or all_gather without the cuDNN
+    kernel; v2.0 on a2a and all_gather ("Context parallelism does not support sliding window
+    attention with cp_comm_type=p2p", v2.9). `cudnn`: the attention kernel is cuDNN's."""
+    exchange = cp_attention or "ring"
+    prefix = f"key 'cp_attention' ({exchange}): Transformer Engine "
+    if not sliding_window or release == "te1.10":
         return None
-    return (
-        f"key 'cp_attention' ({cp_attention or 'ring'}): Transformer Engine runs sliding-window "
-        "attention under context parallelism with a2a or allgather only"
-    )
+    if release in ("te1.8", "te1.9"):
+        return prefix + f"{release} runs no kernel for a sliding window under context parallelism"
+    if exchange == "ring":
+        return (
+            prefix
+            + "runs sliding-window attention under context parallelism with a2a or allgather only"
+        )
+    if exchange == "allgather" and cudnn and release and not _release_at_least(release, "te2.0"):
+        return prefix + f"{release} runs a window's all-gather without the cuDNN kernel only"
+    return None
+
+
+def te_sliding_window(spec) -> int:
+    """The window Transformer Engine sees: `sliding_window` where some layer has it, else 0."""
+    return spec.sliding_window if spec.sliding_window_layers != "none" else 0
 
 
 def a2a_heads_error(cp: int, heads_r: int, kv_heads_r: int) -> str | None:
@@ -150,8 +169,14 @@ def uses_a2a(spec) -> bool:
 
 def uses_te_allgather(spec) -> bool:
     """Whether `spec`'s attention runs Transformer Engine's all-gather context parallelism:
-    Megatron-Core, cp > 1, `cp_attention` allgather."""
-    return spec.framework == "megatron" and spec.cp > 1 and spec.cp_attention == "allgather"
+    Megatron-Core, cp > 1, `cp_attention` allgather, or on v1.10 a sliding window whatever the
+    exchange (`te_cp_window_error`)."""
+    if spec.framework != "megatron" or spec.cp < 2:
+        return False
+    if spec.cp_attention == "allgather":
+        return True
+    ring = spec.cp_attention in (None, "ring")
+    return ring and framework_version(spec) == "te1.10" and bool(te_sliding_window(spec))
 
 
 def ring_kv_heads(version: str | None, heads_r: int, kv_heads_r: int) -> int:

@@ -569,8 +569,9 @@ def _validate(spec: ModelSpec) -> None:
     ):
         raise SpecError(reason)
     if spec.framework == "megatron" and spec.cp > 1 and spec.kind == "transformer":
-        window = spec.sliding_window if spec.sliding_window_layers != "none" else 0
-        if reason := context_parallel.te_cp_window_error(spec.cp_attention, window):
+        window = context_parallel.te_sliding_window(spec)
+        cudnn = spec.attention_kernel == "cudnn"
+        if reason := context_parallel.te_cp_window_error(spec.cp_attention, window, release, cudnn):
             raise SpecError(reason)
     if context_parallel.uses_a2a(spec) and spec.kind == "transformer":
         heads_r = spec.heads // spec.tp

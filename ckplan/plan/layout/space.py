@@ -30,6 +30,7 @@ from ckplan.model.context_parallel import (
     cp_attention_error,
     te_cp_mla_error,
     te_cp_window_error,
+    te_sliding_window,
 )
 from ckplan.model.frameworks import framework_version, layout_error
 from ckplan.model.spec import ModelSpec
@@ -267,7 +268,8 @@ def cp_attentions(spec, tp: int, cp: int) -> tuple[str | None, ...]:
     if cp == 1 or spec.framework != "megatron":
         return (spec.cp_attention,)
     release = framework_version(spec)
-    window = spec.sliding_window if spec.sliding_window_layers != "none" else 0
+    window = te_sliding_window(spec)
+    cudnn = spec.attention_kernel == "cudnn"
     heads_r = spec.heads // tp
     kv_heads_r = heads_r if spec.mla else -(-spec.kv_heads // tp)
     chosen = (spec.cp_attention,) if spec.cp_attention else MEGATRON_CP_ATTENTIONS
@@ -275,7 +277,7 @@ def cp_attentions(spec, tp: int, cp: int) -> tuple[str | None, ...]:
         name
         for name in chosen
         if cp_attention_error("megatron", name, release) is None
-        and te_cp_window_error(name, window) is None
+        and te_cp_window_error(name, window, release, cudnn) is None
         and te_cp_mla_error(name, spec.mla) is None
         and (name != "a2a" or a2a_heads_error(cp, heads_r, kv_heads_r) is None)
     )
