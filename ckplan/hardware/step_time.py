@@ -262,7 +262,9 @@ def context_parallel_comm(
     context_parallel docs): each of the cp - 1 steps sends this rank's K and V chunk, 2·(s/cp)·b
     ·(g·d/t)·B bytes, to the next rank while the attention of the current chunk is computed; the
     backward sends K, V and their gradients, twice that. Overlapped with the attention core.
-    torchtitan's PyTorch ring attention exchanges otherwise (`torchtitan_ring_comm`).
+    torchtitan's PyTorch ring attention exchanges otherwise (`torchtitan_ring_comm`), and so
+    do Transformer Engine's all-to-all and all-gather exchanges under `cp_attention` a2a and
+    allgather (`a2a_context_parallel_comm`, `allgather_context_parallel_comm`).
     """
     cp = spec.cp
     if cp == 1 or spec.kind != "transformer":
