@@ -148,6 +148,30 @@ def te_sliding_window(spec) -> int:
     return spec.sliding_window if spec.sliding_window_layers != "none" else 0
 
 
+def te_cp_error(spec, cp_attention: str | None, tp: int, cp: int) -> str | None:
+    """Why Megatron-Core (Transformer Engine, at the spec's `framework_version`) cannot run
+    `spec`'s attention with `cp_attention` at (tp, cp), one line naming the key, or None: the
+    release (`cp_attention_error`), MLA (`te_cp_mla_error`), and at cp > 1 a sliding window
+    (`te_cp_window_error`) and for a2a the rank's heads (`a2a_heads_error`). The one check
+    the spec's validation and `plan`'s search both make."""
+    release = framework_version(spec)
+    reason = cp_attention_error("megatron", cp_attention, release) or te_cp_mla_error(
+        cp_attention, spec.mla
+    )
+    if reason or cp < 2 or spec.kind != "transformer":
+        return reason
+    cudnn = spec.attention_kernel == "cudnn"
+    if reason := te_cp_window_error(cp_attention, te_sliding_window(spec), release, cudnn):
+        return reason
+    if cp_attention != "a2a":
+        return None
+    heads_r = spec.heads // tp
+    # K/V heads per rank as ckplan.model.op.kv_heads_per_rank counts them (one replicated head
+    # when tp exceeds them); MLA's every head has its own K and V
+    kv_heads_r = heads_r if spec.mla else -(-spec.kv_heads // tp)
+    return a2a_heads_error(cp, heads_r, kv_heads_r)
+
+
 def a2a_heads_error(cp: int, heads_r: int, kv_heads_r: int) -> str | None:
     """Why the all-to-all context parallelism cannot split this rank's heads over `cp` (one
     line naming the key), or None: each all-to-all hands every context-parallel rank 1/cp of

@@ -561,25 +561,12 @@ def _validate(spec: ModelSpec) -> None:
         raise SpecError(reason)
     if reason := frameworks.framework_version_error(spec.framework, spec.framework_version):
         raise SpecError(reason)
-    release = frameworks.framework_version(spec) if spec.framework == "megatron" else None
-    if reason := context_parallel.cp_attention_error(spec.framework, spec.cp_attention, release):
+    if reason := context_parallel.cp_attention_error(spec.framework, spec.cp_attention):
         raise SpecError(reason)
-    if reason := context_parallel.te_cp_mla_error(
-        spec.cp_attention if spec.framework == "megatron" else None, spec.mla
+    if spec.framework == "megatron" and (
+        reason := context_parallel.te_cp_error(spec, spec.cp_attention, spec.tp, spec.cp)
     ):
         raise SpecError(reason)
-    if spec.framework == "megatron" and spec.cp > 1 and spec.kind == "transformer":
-        window = context_parallel.te_sliding_window(spec)
-        cudnn = spec.attention_kernel == "cudnn"
-        if reason := context_parallel.te_cp_window_error(spec.cp_attention, window, release, cudnn):
-            raise SpecError(reason)
-    if context_parallel.uses_a2a(spec) and spec.kind == "transformer":
-        heads_r = spec.heads // spec.tp
-        # K/V heads per rank as ckplan.model.op.kv_heads_per_rank counts them (one replicated
-        # head when tp exceeds them); MLA's every head has its own K and V
-        kv_heads_r = heads_r if spec.mla else -(-spec.kv_heads // spec.tp)
-        if reason := context_parallel.a2a_heads_error(spec.cp, heads_r, kv_heads_r):
-            raise SpecError(reason)
     if spec.mlp_tiles > 1:
         _validate_mlp_tiles(spec)
     if spec.mtp_layers and (spec.kind != "transformer" or spec.vocab == 0):

@@ -24,15 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckplan.model import frameworks
-from ckplan.model.context_parallel import (
-    FRAMEWORK_CP_ATTENTIONS,
-    a2a_heads_error,
-    cp_attention_error,
-    te_cp_mla_error,
-    te_cp_window_error,
-    te_sliding_window,
-)
-from ckplan.model.frameworks import framework_version, layout_error
+from ckplan.model.context_parallel import FRAMEWORK_CP_ATTENTIONS, te_cp_error
+from ckplan.model.frameworks import layout_error
 from ckplan.model.spec import ModelSpec
 
 # The keys a layout sets; --set may fix any of them for the search (`constraints`).
@@ -262,25 +255,12 @@ MEGATRON_CP_ATTENTIONS = FRAMEWORK_CP_ATTENTIONS["megatron"]
 def cp_attentions(spec, tp: int, cp: int) -> tuple[str | None, ...]:
     """The ways the search runs the attention at (tp, cp): the spec's `cp_attention`, or
     under Megatron-Core with cp > 1 and none given each of Transformer Engine's that runs
-    there (ring, allgather, a2a), its release, the window, MLA and for a2a the heads allowing
-    (`context_parallel.cp_attention_error`, `te_cp_window_error`, `te_cp_mla_error`,
-    `a2a_heads_error`); none where the given one cannot run."""
+    there (ring, allgather, a2a: `context_parallel.te_cp_error`); none where the given one
+    cannot run."""
     if cp == 1 or spec.framework != "megatron":
         return (spec.cp_attention,)
-    release = framework_version(spec)
-    window = te_sliding_window(spec)
-    cudnn = spec.attention_kernel == "cudnn"
-    heads_r = spec.heads // tp
-    kv_heads_r = heads_r if spec.mla else -(-spec.kv_heads // tp)
     chosen = (spec.cp_attention,) if spec.cp_attention else MEGATRON_CP_ATTENTIONS
-    return tuple(
-        name
-        for name in chosen
-        if cp_attention_error("megatron", name, release) is None
-        and te_cp_window_error(name, window, release, cudnn) is None
-        and te_cp_mla_error(name, spec.mla) is None
-        and (name != "a2a" or a2a_heads_error(cp, heads_r, kv_heads_r) is None)
-    )
+    return tuple(name for name in chosen if te_cp_error(spec, name, tp, cp) is None)
 
 
 def layouts(space: SearchSpace) -> Iterator[Layout]:
