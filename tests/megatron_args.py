@@ -13,6 +13,7 @@ argparse with `allow_abbrev=False` as Megatron does, so an unknown flag fails li
 """
 
 import argparse
+import math
 import re
 import shlex
 
@@ -82,6 +83,16 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         not args.fp8_param_gather or args.use_distributed_optimizer or args.use_megatron_fsdp,
         "--fp8-param-gather only supported with distributed optimizer, torch fsdp2, megatron "
         "fsdp, or inference mode",
+    )
+    # validate_args, core_v0.19.0: hierarchical context parallelism's sizes
+    if args.hierarchical_context_parallel_sizes:
+        check(
+            cp == math.prod(args.hierarchical_context_parallel_sizes),
+            "context_parallel_size == prod(hierarchical_context_parallel_sizes)",
+        )
+    check(
+        "a2a+p2p" not in args.cp_comm_type or args.hierarchical_context_parallel_sizes is not None,
+        "--hierarchical-context-parallel-sizes must be set when a2a+p2p is used in cp comm",
     )
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size

@@ -61,7 +61,10 @@ CLASS_NAMES = {
     "p2p": ("AttnFuncWithCP", "AttnFuncWithCPAndKVP2P"),
     "a2a": ("AttnFuncWithCPAndQKVOA2A",),
     "allgather": ("AttnFuncWithCPAndKVAllGather",),
+    "a2a+p2p": ("AttnFuncWithCPAndKVP2P",),
 }
+# the all-to-all group's size under --comm=a2a+p2p (the ring's: cp / A2A_SIZE)
+A2A_SIZE = 2
 MODULE_PATHS = (
     "transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py",
     "transformer_engine/pytorch/attention.py",
@@ -346,6 +349,12 @@ def measure(
 
     counter = _Counter()
     b, a, s, d = (shape[k] for k in "basd")
+    # a2a+p2p: the class runs the ring over `ring` ranks (this is ring rank `rank`, all-to-all
+    # rank 0) behind all-to-alls over A2A_SIZE; cp_group is the two groups, named
+    hierarchical = comm == "a2a+p2p"
+    ring = cp // A2A_SIZE if hierarchical else cp
+    sizes = {"a2a": A2A_SIZE, "p2p": ring}
+    ranks = {"a2a": 0, "p2p": rank}
 
     class Moved(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -404,8 +413,8 @@ def measure(
         torch=torch,
         os=__import__("os"),
         jit_fuser=_fused_kernel(counter),
-        get_distributed_world_size=lambda group: cp,
-        get_distributed_rank=lambda group: rank,
+        get_distributed_world_size=lambda group: sizes.get(group, cp),
+        get_distributed_rank=lambda group: ranks.get(group, rank),
         fused_attn_fwd=fused_attn_fwd,
         fused_attn_bwd=fused_attn_bwd,
         flash_attn_p2p_communicate=exchange,
@@ -450,7 +459,7 @@ def measure(
         "cu_seqlens_q_padded": padded,
         "cu_seqlens_kv_padded": padded,
         "dropout_p": 0.0,
-        "cp_group": None,
+        "cp_group": ["a2a", "p2p"] if hierarchical else None,
         "cp_global_ranks": list(range(cp)),
         "cp_stream": _NoStream(),
         "softmax_scale": None,
@@ -595,16 +604,25 @@ def main(path: str, release: str, check: bool, comm: str = "p2p", memory: bool =
             for cp in CPS:
                 if comm == "a2a" and (a % cp or kv_heads % cp):
                     continue  # the all-to-alls split the heads over cp
+                if comm == "a2a+p2p" and (cp % A2A_SIZE or cp == A2A_SIZE):
+                    continue  # a ring of two or more behind all-to-alls over A2A_SIZE
                 tensors = _a2a_tensors(shape, kv_heads)
                 if memory:
                     failures += _check_memory(source, release, comm, cp, shape, kv_heads)
                     continue
-                seen = [measure(source, cp, rank, shape, kv_heads, comm) for rank in range(cp)]
-                forward = sum(f for f, _ in seen) / cp
-                backward = sum(g for _, g in seen) / cp
+                ring = cp // A2A_SIZE if comm == "a2a+p2p" else cp
+                seen = [measure(source, cp, rank, shape, kv_heads, comm) for rank in range(ring)]
+                forward = sum(f for f, _ in seen) / ring
+                backward = sum(g for _, g in seen) / ring
                 tokens = b * s
                 if comm == "a2a":
                     ours = ours_module.te_a2a_moved_bytes(release, *tensors)
+                elif comm == "a2a+p2p":
+                    ring_part = ours_module.te_p2p_moved_bytes(
+                        release, ring, tokens * a * d, tokens * kv_heads * d, tokens * a
+                    )
+                    a2a_part = ours_module.te_hierarchical_a2a_moved_bytes(release, *tensors)
+                    ours = tuple(x + y for x, y in zip(ring_part, a2a_part, strict=True))
                 elif comm == "allgather":
                     ours = ours_module.te_allgather_moved_bytes(release, cp, *tensors[:2])
                 else:
@@ -643,7 +661,7 @@ def _check_memory(source: str, release: str, comm: str, cp: int, shape: dict, kv
     return not (0 <= peak - ours[1] <= slack and 0 <= at_call - ours[0] <= slack)
 
 
-COMMS = {"--comm=a2a": "a2a", "--comm=allgather": "allgather"}
+COMMS = {"--comm=a2a": "a2a", "--comm=allgather": "allgather", "--comm=a2a+p2p": "a2a+p2p"}
 
 if __name__ == "__main__":
     flags = [a for a in sys.argv[1:] if a.startswith("--")]

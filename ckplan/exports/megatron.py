@@ -295,6 +295,10 @@ def flags(plan: Plan, layers: LayerSegments, recompute_modules: bool = True) -> 
     if spec.cp > 1 and spec.cp_attention not in (None, "ring"):
         # Megatron-LM's default is p2p (arguments.py, core_v0.19.0), ckplan's ring
         out.append(["--cp-comm-type", MEGATRON_CP_COMM_TYPES[spec.cp_attention]])
+    if spec.cp > 1 and spec.cp_attention == "a2a+p2p":
+        # the all-to-all level first, then the ring's (TE's cp_group = [a2a, p2p])
+        sizes = [str(spec.cp_a2a_size), str(spec.cp // spec.cp_a2a_size)]
+        out.append(["--hierarchical-context-parallel-sizes", *sizes])
     uneven = spec.first_stage_layers is not None or spec.last_stage_layers is not None
     if spec.first_stage_layers is not None:
         out.append(["--decoder-first-pipeline-num-layers", str(spec.first_stage_layers)])

@@ -58,6 +58,8 @@ from ckplan.model.context_parallel import (
     a2a_tensor_bytes,
     te_a2a_sent_bytes,
     torchtitan_ring_exchange_bytes,
+    hierarchical_sizes,
+    te_hierarchical_a2a_sent_bytes,
     uses_a2a,
     uses_te_allgather,
 )
@@ -277,11 +279,39 @@ def context_parallel_comm(
     ring = torchtitan_ring_exchange_bytes(spec, heads_r, kv_heads_per_rank(spec))
     if ring != (0, 0):
         return torchtitan_ring_comm(spec, gpu, ring, core_forward.total, core_backward.total)
+    # under a2a+p2p the ring runs over cp / a2a ranks, tp·a2a apart, with the same bytes per
+    # rank (s·a2a/cp tokens at 1/a2a of the K/V heads); the all-to-alls around it
+    # (`hierarchical_context_parallel_comm`) are exposed
+    a2a, ring_size = hierarchical_sizes(spec)
+    a2a_forward, a2a_backward = (
+        hierarchical_context_parallel_comm(spec, gpu, heads_r) if a2a > 1 else (0.0, 0.0)
+    )
     tokens = (spec.seq // cp) * spec.micro_batch
     kv = 2 * tokens * kv_heads_per_rank(spec) * spec.head_dim * spec.dtype_bytes
-    bandwidth = comm.group_bandwidth(gpu, cp, spec.tp)
-    send = (cp - 1) * comm.p2p_seconds(kv, bandwidth)
-    return comm.exposed(send, core_forward.total), comm.exposed(2 * send, core_backward.total)
+    bandwidth = comm.group_bandwidth(gpu, ring_size, spec.tp * a2a)
+    send = (ring_size - 1) * comm.p2p_seconds(kv, bandwidth)
+    return (
+        a2a_forward + comm.exposed(send, core_forward.total),
+        a2a_backward + comm.exposed(2 * send, core_backward.total),
+    )
+
+
+def hierarchical_context_parallel_comm(
+    spec: ModelSpec, gpu: GPU, heads_r: int
+) -> tuple[float, float]:
+    """Seconds of the all-to-alls of Transformer Engine's a2a+p2p context parallelism,
+    (forward, backward): one per tensor sent (`context_parallel.te_hierarchical_a2a_sent_
+    bytes`) over a group of `cp_a2a_size` consecutive cp ranks, tp apart, none hidden (as
+    `a2a_context_parallel_comm`: the ring needs what they bring)."""
+    release = frameworks.framework_version(spec)
+    tensors = a2a_tensor_bytes(spec, heads_r, kv_heads_per_rank(spec))
+    forward, backward = te_hierarchical_a2a_sent_bytes(release, *tensors)
+    a2a = spec.cp_a2a_size
+
+    def seconds(sent: tuple[int, ...]) -> float:
+        return sum(comm.hierarchical_all_to_all_seconds(size, a2a, spec.tp, gpu) for size in sent)
+
+    return seconds(forward), seconds(backward)
 
 
 def a2a_context_parallel_comm(spec: ModelSpec, gpu: GPU, heads_r: int) -> tuple[float, float]:

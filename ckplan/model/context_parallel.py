@@ -41,25 +41,38 @@ FP32_BYTES = 4
 # cp_attention: the ring (PyTorch's ring attention under torchtitan, Transformer Engine's
 # point-to-point loops under Megatron-Core, its `cp_comm_type` p2p), K and V all-gathered and
 # one kernel call over them (the Llama 3 paper's context parallelism, Dubey et al. 2024
-# §3.3.2), or all-to-alls of Q, K, V and the output that trade the sequence split for a head
-# split (DeepSpeed-Ulysses, Jacobs et al. 2023; Megatron-Core's `cp_comm_type` a2a)
-CP_ATTENTIONS = ("ring", "allgather", "a2a")
+# §3.3.2), all-to-alls of Q, K, V and the output that trade the sequence split for a head
+# split (DeepSpeed-Ulysses, Jacobs et al. 2023; Megatron-Core's `cp_comm_type` a2a), or both:
+# the all-to-alls inside groups of `cp_a2a_size` ranks, the ring across the groups
+# (Megatron-Core's a2a+p2p, "hierarchical" context parallelism; `hierarchical_sizes`)
+CP_ATTENTIONS = ("ring", "allgather", "a2a", "a2a+p2p")
 # what each framework's context parallelism is modelled with
 FRAMEWORK_CP_ATTENTIONS = {
     "torchtitan": ("ring", "allgather"),
-    "megatron": ("ring", "allgather", "a2a"),
+    "megatron": ("ring", "allgather", "a2a", "a2a+p2p"),
 }
 # Transformer Engine's first release with each of Megatron-Core's `cp_comm_type`s beside p2p
 # (transformer_engine/pytorch/attention.py: `AttnFuncWithCPAndKVAllGather` from v1.10,
-# `AttnFuncWithCPAndQKVOA2A` from v1.11)
-TE_FIRST_RELEASE = {"allgather": "te1.10", "a2a": "te1.11"}
+# `AttnFuncWithCPAndQKVOA2A` from v1.11, a list of two groups as `AttnFuncWithCPAndKVP2P`'s
+# cp_group from v1.12; Megatron-Core asks for "Transformer-Engine ... >= 1.12.0 to support
+# hierarchical cp commucation", megatron/core/extensions/transformer_engine.py)
+TE_FIRST_RELEASE = {"allgather": "te1.10", "a2a": "te1.11", "a2a+p2p": "te1.12"}
 # Megatron's --cp-comm-type for each cp_attention (megatron/training/arguments.py)
-MEGATRON_CP_COMM_TYPES = {"ring": "p2p", "allgather": "all_gather", "a2a": "a2a"}
+MEGATRON_CP_COMM_TYPES = {
+    "ring": "p2p",
+    "allgather": "all_gather",
+    "a2a": "a2a",
+    "a2a+p2p": "a2a+p2p",
+}
 # the first release whose a2a forward saves the kernel's output before its all-to-all (the
 # `out_part` of AttnFuncWithCPAndQKVOA2A, context_parallel.py at v2.8) and whose backward
 # sends dO alone; v1.11-v2.7 save the output after it, the tensor returned, and send it back
 # with dO (`out, dout = flash_attn_a2a_communicate([out, dout], ...)`)
 TE_A2A_SAVES_KERNEL_OUTPUT = "te2.8"
+# the same change in the point-to-point class's all-to-all part under a2a+p2p
+# (`AttnFuncWithCPAndKVP2P`: `out_part` saved, `dout` alone sent back, context_parallel.py at
+# v2.15; v1.12-v2.14 save the returned output and send `[out, dout]`)
+TE_HIERARCHICAL_SAVES_KERNEL_OUTPUT = "te2.15"
 
 
 def uses_ring_attention(
@@ -106,11 +119,11 @@ def te_cp_mla_error(cp_attention: str | None, mla: bool) -> str | None:
     under `cp_attention` (one line naming the key), or None: "Context parallelism does not
     support MLA" but with p2p and a2a+p2p (`attn_forward_func_with_cp`, context_parallel.py at
     TE v2.9)."""
-    if not mla or cp_attention in (None, "ring"):
+    if not mla or cp_attention in (None, "ring", "a2a+p2p"):
         return None
     return (
         f"key 'cp_attention' ({cp_attention}): Transformer Engine runs MLA under context "
-        "parallelism on the ring only"
+        "parallelism on the ring (or a2a+p2p) only"
     )
 
 
@@ -133,7 +146,7 @@ def te_cp_window_error(
         return None
     if release in ("te1.8", "te1.9"):
         return prefix + f"{release} runs no kernel for a sliding window under context parallelism"
-    if exchange == "ring":
+    if exchange in ("ring", "a2a+p2p"):
         return (
             prefix
             + "runs sliding-window attention under context parallelism with a2a or allgather only"
@@ -148,40 +161,81 @@ def te_sliding_window(spec) -> int:
     return spec.sliding_window if spec.sliding_window_layers != "none" else 0
 
 
-def te_cp_error(spec, cp_attention: str | None, tp: int, cp: int) -> str | None:
+def te_cp_error(
+    spec, cp_attention: str | None, tp: int, cp: int, cp_a2a_size: int | None = None
+) -> str | None:
     """Why Megatron-Core (Transformer Engine, at the spec's `framework_version`) cannot run
     `spec`'s attention with `cp_attention` at (tp, cp), one line naming the key, or None: the
-    release (`cp_attention_error`), MLA (`te_cp_mla_error`), and at cp > 1 a sliding window
-    (`te_cp_window_error`) and for a2a the rank's heads (`a2a_heads_error`). The one check
-    the spec's validation and `plan`'s search both make."""
+    release (`cp_attention_error`), MLA (`te_cp_mla_error`), a2a+p2p's group size
+    (`hierarchical_size_error`; `cp_a2a_size`, else the spec's), and at cp > 1 a sliding window
+    (`te_cp_window_error`) and for the all-to-alls the rank's heads (`a2a_heads_error`). The
+    one check the spec's validation and `plan`'s search both make."""
     release = framework_version(spec)
     reason = cp_attention_error("megatron", cp_attention, release) or te_cp_mla_error(
         cp_attention, spec.mla
     )
+    a2a_size = cp_a2a_size or spec.cp_a2a_size
+    if not reason and cp_attention == "a2a+p2p":
+        reason = hierarchical_size_error(cp, a2a_size)
     if reason or cp < 2 or spec.kind != "transformer":
         return reason
     cudnn = spec.attention_kernel == "cudnn"
     if reason := te_cp_window_error(cp_attention, te_sliding_window(spec), release, cudnn):
         return reason
-    if cp_attention != "a2a":
+    if cp_attention not in ("a2a", "a2a+p2p"):
         return None
     heads_r = spec.heads // tp
     # K/V heads per rank as ckplan.model.op.kv_heads_per_rank counts them (one replicated head
     # when tp exceeds them); MLA's every head has its own K and V
     kv_heads_r = heads_r if spec.mla else -(-spec.kv_heads // tp)
-    return a2a_heads_error(cp, heads_r, kv_heads_r)
+    group = cp if cp_attention == "a2a" else a2a_size
+    return a2a_heads_error(group, heads_r, kv_heads_r, cp_attention)
 
 
-def a2a_heads_error(cp: int, heads_r: int, kv_heads_r: int) -> str | None:
-    """Why the all-to-all context parallelism cannot split this rank's heads over `cp` (one
-    line naming the key), or None: each all-to-all hands every context-parallel rank 1/cp of
+def hierarchical_size_error(cp: int, cp_a2a_size: int | None) -> str | None:
+    """Why `cp_a2a_size` cannot split `cp` ranks for a2a+p2p (one line naming the key), or
+    None: Megatron-Core needs the two sizes ("--hierarchical-context-parallel-sizes must be
+    set when a2a+p2p is used", their product cp: megatron/training/arguments.py at
+    core_v0.19.0); Transformer Engine's `attn_forward_func_with_cp` runs a group of one as the
+    ring (a2a size 1) or the all-to-all alone (a2a size cp), so ckplan asks for those names."""
+    prefix = "key 'cp_a2a_size'"
+    if cp_a2a_size is None:
+        return f"{prefix}: cp_attention a2a+p2p needs the all-to-all groups' size"
+    if cp > 1 and (cp % cp_a2a_size or cp_a2a_size in (1, cp)):
+        return (
+            f"{prefix} ({cp_a2a_size}) must divide cp ({cp}) and lie strictly between 1 and cp "
+            "(a2a+p2p with a group of 1 or of cp is the ring or a2a: set cp_attention to it)"
+        )
+    return None
+
+
+def hierarchical_sizes(spec) -> tuple[int, int]:
+    """(the all-to-all groups' size, the ring's size) of `spec`'s context parallelism: Megatron's
+    --hierarchical-context-parallel-sizes under a2a+p2p (groups of consecutive cp ranks,
+    `create_hierarchical_groups` in megatron/core/parallel_state.py; the ring joins the ranks
+    of the same place in each group, `send_dst` in `AttnFuncWithCPAndKVP2P`); (1, cp) on the
+    ring, (cp, 1) under a2a."""
+    if uses_hierarchical(spec):
+        return spec.cp_a2a_size, spec.cp // spec.cp_a2a_size
+    if uses_a2a(spec):
+        return spec.cp, 1
+    return 1, spec.cp
+
+
+def a2a_heads_error(
+    cp: int, heads_r: int, kv_heads_r: int, cp_attention: str = "a2a"
+) -> str | None:
+    """Why the all-to-all context parallelism cannot split this rank's heads over `cp` ranks
+    (one line naming the key), or None: each all-to-all hands every rank of its group 1/cp of
     the rank's query and K/V heads (`AttnFuncWithCPAndQKVOA2A`: "The number of attention heads
-    needs to be divisible by CP size!", context_parallel.py at TE v2.9)."""
+    needs to be divisible by CP size!", context_parallel.py at TE v2.9; `flash_attn_a2a_
+    communicate` splits the heads the same way under a2a+p2p, over its group)."""
     if heads_r % cp == 0 and kv_heads_r % cp == 0:
         return None
+    group = "cp" if cp_attention == "a2a" else "cp_a2a_size"
     return (
-        f"key 'cp_attention' (a2a): cp ({cp}) must divide the query heads ({heads_r}) and "
-        f"K/V heads ({kv_heads_r}) on each tensor-parallel rank"
+        f"key 'cp_attention' ({cp_attention}): {group} ({cp}) must divide the query heads "
+        f"({heads_r}) and K/V heads ({kv_heads_r}) on each tensor-parallel rank"
     )
 
 
@@ -189,6 +243,13 @@ def uses_a2a(spec) -> bool:
     """Whether `spec`'s attention runs Transformer Engine's all-to-all context parallelism:
     Megatron-Core, cp > 1, `cp_attention` a2a."""
     return spec.framework == "megatron" and spec.cp > 1 and spec.cp_attention == "a2a"
+
+
+def uses_hierarchical(spec) -> bool:
+    """Whether `spec`'s attention runs Transformer Engine's a2a+p2p context parallelism:
+    Megatron-Core, cp > 1, `cp_attention` a2a+p2p (all-to-alls over `cp_a2a_size` ranks
+    around a ring over cp / cp_a2a_size)."""
+    return spec.framework == "megatron" and spec.cp > 1 and spec.cp_attention == "a2a+p2p"
 
 
 def uses_te_allgather(spec) -> bool:
@@ -416,12 +477,21 @@ def megatron_cp_moved_bytes(spec, release: str, heads_r: int, kv_heads_r: int) -
     if uses_te_allgather(spec):
         q, k, _, _ = a2a_tensor_bytes(spec, heads_r, kv_heads_r)
         return te_allgather_moved_bytes(release, spec.cp, q, k)
+    a2a_part = (0, 0)
+    if uses_hierarchical(spec):
+        a2a_part = te_hierarchical_a2a_moved_bytes(
+            release, *a2a_tensor_bytes(spec, heads_r, kv_heads_r)
+        )
     if spec.mla:
-        return 0, 0
+        return a2a_part
+    # the ring's loops see the same number of values per rank under a2a+p2p: s·a2a/cp tokens
+    # at 1/a2a of the heads
     tokens = _rank_tokens(spec)
     q_values = tokens * heads_r * spec.head_dim
     kv_values = tokens * kv_heads_r * spec.head_dim
-    return te_p2p_moved_bytes(release, spec.cp, q_values, kv_values, tokens * heads_r)
+    ring = hierarchical_sizes(spec)[1]
+    forward, backward = te_p2p_moved_bytes(release, ring, q_values, kv_values, tokens * heads_r)
+    return forward + a2a_part[0], backward + a2a_part[1]
 
 
 # Transformer Engine's all-to-all context parallelism (Megatron-Core's `cp_comm_type` a2a,
@@ -474,6 +544,31 @@ def te_a2a_sent_bytes(
     return (q, k, v, out), (*resent, out, q, k, v)
 
 
+def te_hierarchical_a2a_sent_bytes(
+    release: str, q: int, k: int, v: int, out: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The tensors the all-to-all part of Transformer Engine `release`'s a2a+p2p context
+    parallelism sends through one all-to-all each over its group, (forward, backward): Q, K, V
+    before the ring and the output after it; backward the saved output and dO before it (dO
+    alone from v2.15: `TE_HIERARCHICAL_SAVES_KERNEL_OUTPUT`), dQ, dK, dV after
+    (`AttnFuncWithCPAndKVP2P`, the "communicate for the 'a2a' part of 'a2a+p2p'" blocks at
+    v1.12, v2.9 and v2.16)."""
+    kept = _release_at_least(release, TE_HIERARCHICAL_SAVES_KERNEL_OUTPUT)
+    return (q, k, v, out), ((out,) if kept else (out, out)) + (q, k, v)
+
+
+def te_hierarchical_a2a_moved_bytes(
+    release: str, q: int, k: int, v: int, out: int
+) -> tuple[int, int]:
+    """Bytes the all-to-all part of a2a+p2p moves beside the kernels, (forward, backward):
+    `A2A_MOVES_PER_BYTE` times each tensor it sends (`te_hierarchical_a2a_sent_bytes`; the
+    same `flash_attn_a2a_communicate` as the all-to-all class). The ring's loops over the
+    rest, at the ring's size, are `te_p2p_moved_bytes` (counted together on the CPU by
+    validation/te_cp_p2p_traffic.py --comm=a2a+p2p)."""
+    forward, backward = te_hierarchical_a2a_sent_bytes(release, q, k, v, out)
+    return A2A_MOVES_PER_BYTE * sum(forward), A2A_MOVES_PER_BYTE * sum(backward)
+
+
 def te_a2a_moved_bytes(release: str, q: int, k: int, v: int, out: int) -> tuple[int, int]:
     """Bytes Transformer Engine `release`'s all-to-all context parallelism moves beside its
     kernel calls in one attention forward and one backward (derived: `A2A_MOVES_PER_BYTE`
@@ -486,16 +581,42 @@ def te_a2a_moved_bytes(release: str, q: int, k: int, v: int, out: int) -> tuple[
 def te_saved_output_bytes(spec, heads_r: int, kv_heads_r: int) -> int:
     """What Transformer Engine's context parallelism saves for the backward beyond the ring's:
     a second attention output, the kernel's own, while the output projection saves the tensor
-    returned. The all-to-all from v2.8 (`TE_A2A_SAVES_KERNEL_OUTPUT`) saves the output before
-    its all-to-all (earlier releases the one returned: 0); the all-gather saves each chunk's
+    returned. The all-to-all from v2.8 (`TE_A2A_SAVES_KERNEL_OUTPUT`) and a2a+p2p from v2.15
+    (`TE_HIERARCHICAL_SAVES_KERNEL_OUTPUT`) save the output before its all-to-all (earlier
+    releases the one returned: 0); the all-gather saves each chunk's
     output (`out_per_step`) and returns a copy of both (`AttnFuncWithCPAndKVAllGather`, v1.10
     on). 0 elsewhere."""
     release = framework_version(spec)
-    if uses_te_allgather(spec) or (
-        uses_a2a(spec) and _release_at_least(release, TE_A2A_SAVES_KERNEL_OUTPUT)
+    if (
+        uses_te_allgather(spec)
+        or (uses_a2a(spec) and _release_at_least(release, TE_A2A_SAVES_KERNEL_OUTPUT))
+        or (
+            uses_hierarchical(spec)
+            and _release_at_least(release, TE_HIERARCHICAL_SAVES_KERNEL_OUTPUT)
+        )
     ):
         return a2a_tensor_bytes(spec, heads_r, kv_heads_r)[3]
     return 0
+
+
+def te_hierarchical_backward_workspace_bytes(
+    release: str, q: int, k: int, v: int, out: int, ring_workspace: int
+) -> int:
+    """What the all-to-all part of a2a+p2p holds in the backward beyond the ring's own
+    `ring_workspace` (its kernel's, as ckplan counts the ring's) and the kernels' dQ, dK, dV
+    (derived from `AttnFuncWithCPAndKVP2P.backward` the same way as
+    `te_a2a_backward_workspace_bytes`, checked by validation/te_cp_p2p_traffic.py
+    --comm=a2a+p2p --memory): dO after its all-to-all (and O, up to v2.14) beside the ring
+    until the backward returns, then dQ, dK, dV sent one after the other."""
+    sent = te_hierarchical_a2a_sent_bytes(release, q, k, v, out)[1]
+    kept = (len(sent) - 3) * out
+    return kept + max(ring_workspace, _a2a_gradients_sent(q, k, v))
+
+
+def _a2a_gradients_sent(q: int, k: int, v: int) -> int:
+    """The most `flash_attn_a2a_communicate` holds while it sends dQ, dK and dV back one after
+    the other (`te_a2a_backward_workspace_bytes`)."""
+    return max(3 * q + 2 * k + v, 2 * q + 3 * k + 2 * v, 2 * q + 2 * k + 3 * v)
 
 
 def te_a2a_backward_workspace_bytes(
@@ -513,16 +634,16 @@ def te_a2a_backward_workspace_bytes(
     max(3q + 2k + v, 2q + 3k + 2v, 2q + 2k + 3v) for Q's, K's and V's bytes."""
     resent = len(te_a2a_sent_bytes(release, q, k, v, out)[1]) - 3
     kept = resent * out  # dO, and O up to v2.7, at the kernel's layout
-    sent = max(3 * q + 2 * k + v, 2 * q + 3 * k + 2 * v, 2 * q + 2 * k + 3 * v)
-    return kept + max(kernel_workspace, sent)
+    return kept + max(kernel_workspace, _a2a_gradients_sent(q, k, v))
 
 
 def attention_backward_workspace_bytes(
     spec, heads_r: int, kv_heads_r: int, kernel_workspace: int
 ) -> int:
     """The attention core's backward transient: `kernel_workspace` (the kernel's own, ckplan.
-    model.ops), or under Transformer Engine's all-to-all or all-gather context parallelism
-    `te_a2a_backward_workspace_bytes` or `te_allgather_backward_workspace_bytes` around it."""
+    model.ops), or under Transformer Engine's all-to-all, all-gather or a2a+p2p context
+    parallelism `te_a2a_backward_workspace_bytes`, `te_allgather_backward_workspace_bytes` or
+    `te_hierarchical_backward_workspace_bytes` around it."""
     release = framework_version(spec)
     if uses_a2a(spec):
         tensors = a2a_tensor_bytes(spec, heads_r, kv_heads_r)
@@ -530,6 +651,9 @@ def attention_backward_workspace_bytes(
     if uses_te_allgather(spec):
         q, k, _, _ = a2a_tensor_bytes(spec, heads_r, kv_heads_r)
         return te_allgather_backward_workspace_bytes(release, spec.cp, q, k, kernel_workspace)
+    if uses_hierarchical(spec):
+        tensors = a2a_tensor_bytes(spec, heads_r, kv_heads_r)
+        return te_hierarchical_backward_workspace_bytes(release, *tensors, kernel_workspace)
     return kernel_workspace
 
 

@@ -51,6 +51,7 @@ SIZE_RANGES: dict[str, tuple[int, int]] = {
     "tp": (1, 2**16),
     "pp": (1, 2**16),
     "cp": (1, 2**20),
+    "cp_a2a_size": (1, 2**20),
     "dp": (1, 2**24),
     "zero": (0, 3),
     "virtual_stages": (1, 2**16),
@@ -263,10 +264,14 @@ class Parallelism(_Record):
     # dualpipe (DeepSeek-V3 §3.2.1: each rank holds stage r and stage p - 1 - r and runs
     # micro-batches from both ends; ckplan.model.memory.rank_stages)
     pipeline_schedule: str = "1f1b"
-    # how the attention runs under cp > 1 (framework torchtitan): ring (PyTorch's ring
-    # attention) or allgather (K and V all-gathered, one kernel call); None -> ring
+    # how the attention runs under cp > 1: ring (PyTorch's ring attention, Transformer
+    # Engine's p2p), allgather (K and V all-gathered, one kernel call), a2a (Ulysses'
+    # all-to-alls) or a2a+p2p (both, Megatron-Core); None -> ring
     # (ckplan.model.context_parallel)
     cp_attention: str | None = None
+    # a2a+p2p's all-to-all groups' size, the first of Megatron's
+    # --hierarchical-context-parallel-sizes (the ring runs over cp / cp_a2a_size)
+    cp_a2a_size: int | None = None
 
     __hash__ = _Record.__hash__
 

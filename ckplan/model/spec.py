@@ -69,7 +69,7 @@ KEY_ORDER = (
     "dtype_bytes", "kind", "source", "norm", "mlp", "attention", "positions", "bias", "dropout",
     "tied_embeddings", "fused_swiglu", "profile", "tp", "pp", "sp", "cp", "dp", "zero",
     "virtual_stages", "microbatches", "microbatch_group_size", "pipeline_schedule", "grad_sync",
-    "cp_attention", "weight_bytes",
+    "cp_attention", "cp_a2a_size", "weight_bytes",
     "grad_bytes", "master_bytes", "optimizer_bytes", "head_dim", "qkv_bias", "qk_norm",
     "post_norms", "parallel_residual", "sliding_window", "sliding_window_layers", "q_lora_rank",
     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "experts", "top_k",
@@ -563,6 +563,11 @@ def _validate(spec: ModelSpec) -> None:
         raise SpecError(reason)
     if reason := context_parallel.cp_attention_error(spec.framework, spec.cp_attention):
         raise SpecError(reason)
+    if spec.cp_a2a_size is not None and spec.cp_attention != "a2a+p2p":
+        raise SpecError(
+            f"key 'cp_a2a_size' ({spec.cp_a2a_size}) sizes the all-to-all groups of "
+            "cp_attention a2a+p2p; set cp_attention a2a+p2p or leave the key out"
+        )
     if spec.framework == "megatron" and (
         reason := context_parallel.te_cp_error(spec, spec.cp_attention, spec.tp, spec.cp)
     ):
