@@ -50,6 +50,7 @@ import ast
 import contextlib
 import functools
 import inspect
+import math
 import sys
 import types
 import zipfile
@@ -651,6 +652,8 @@ def _check_memory(source: str, release: str, comm: str, cp: int, shape: dict, kv
         ours = ours_module.te_a2a_backward_workspace_bytes(release, *tensors, 0) + sum(tensors[:3])
         print(f"{where}: backward peak {peak:,} B (ckplan {ours:,})")
         return not 0 <= peak - ours <= slack
+    if comm == "a2a+p2p":
+        return _check_hierarchical_memory(source, release, cp, shape, kv_heads)
     seen = [backward_live(source, cp, shape, kv_heads, comm, rank) for rank in range(cp)]
     peak, at_call = max(p for p, _ in seen), max(c for _, c in seen)
     ours = ours_module.te_allgather_backward_live_bytes(release, cp, *tensors[:2])
@@ -659,6 +662,38 @@ def _check_memory(source: str, release: str, comm: str, cp: int, shape: dict, kv
         f"(ckplan {ours[0]:,})"
     )
     return not (0 <= peak - ours[1] <= slack and 0 <= at_call - ours[0] <= slack)
+
+
+def _check_hierarchical_memory(source: str, release: str, cp: int, shape: dict, kv_heads: int):
+    """One --memory line of a2a+p2p: its backward's peak and its peak at a kernel call beyond
+    the point-to-point class's own (the ring alone over cp / A2A_SIZE ranks, on the shapes
+    the all-to-alls hand it: A2A_SIZE times the tokens at 1/A2A_SIZE of the heads), beside
+    ckplan's all-to-all part: what it keeps (dO, and O up to v2.14) at the kernel calls, that
+    and the three gradients' sends at the end, where the ring's buffers are still held; whether
+    they differ by more than the reorders' int32 chunk ids. Up to v2.7 the ring alone peaks
+    before its end, so its peak and the sends' do not add and ckplan's sum is an upper bound
+    there (by at most 2 Q-sized tensors on these shapes); the check then asks only that."""
+    from ckplan.model import context_parallel as ours_module
+
+    ring = cp // A2A_SIZE
+    q, k, v, out = _a2a_tensors(shape, kv_heads)
+    post = dict(shape, s=shape["s"] * A2A_SIZE, a=shape["a"] // A2A_SIZE)
+    both = [backward_live(source, cp, shape, kv_heads, "a2a+p2p", r) for r in range(ring)]
+    alone = [backward_live(source, ring, post, kv_heads // A2A_SIZE, "p2p", r) for r in range(ring)]
+    peak = max(p for p, _ in both) - max(p for p, _ in alone)
+    at_call = max(c for _, c in both) - max(c for _, c in alone)
+    ours_at_call = ours_module.te_hierarchical_backward_workspace_bytes(release, q, k, v, out, 0)
+    sent = ours_module.te_hierarchical_a2a_sent_bytes(release, q, k, v, out)[1]
+    kept = ours_at_call - ours_module._a2a_gradients_sent(q, k, v)
+    where = f"d {shape['d']}, K/V heads {kv_heads}/{shape['a']}, cp {cp} ({A2A_SIZE} x {ring})"
+    print(
+        f"{where}: beyond the ring alone, backward peak {peak:,} B (ckplan {ours_at_call:,}), "
+        f"at a kernel call {at_call:,} B (ckplan {kept:,}; {len(sent)} tensors sent back)"
+    )
+    slack = 2 * 4 * 2 * A2A_SIZE
+    exact = ours_module._release_at_least(release, "te2.8")
+    low = -math.inf if not exact else 0
+    return not (low <= peak - ours_at_call <= slack and 0 <= at_call - kept <= slack)
 
 
 COMMS = {"--comm=a2a": "a2a", "--comm=allgather": "allgather", "--comm=a2a+p2p": "a2a+p2p"}

@@ -56,10 +56,10 @@ from ckplan.hardware.times import ZERO, MicroBatchTime, StageTime
 from ckplan.model import frameworks, loss, memory, mtp, optimizers
 from ckplan.model.context_parallel import (
     a2a_tensor_bytes,
-    te_a2a_sent_bytes,
-    torchtitan_ring_exchange_bytes,
     hierarchical_sizes,
+    te_a2a_sent_bytes,
     te_hierarchical_a2a_sent_bytes,
+    torchtitan_ring_exchange_bytes,
     uses_a2a,
     uses_te_allgather,
 )
