@@ -207,13 +207,14 @@ _ENUM_VALUES = {
     "fp8_recipe": ["delayed", "current", "mxfp8", "blockwise", "tensorwise", ""],
     "loss": ["fused", "eager", "xentropy", "compiled", "chunked:4", "chunked:1", "chunked:"],
     "training": ["full", "lora"],
-    "cp_attention": ["ring", "allgather", "a2a", "p2p", "", "A2A"],
+    "cp_attention": ["ring", "allgather", "a2a", "a2a+p2p", "p2p", "", "A2A", "a2a+P2P"],
 }
 # keys that only one framework takes: the framework set beside them most of the time
 _FRAMEWORK_KEYS = {
     "framework_version": ["torchtitan", "torchtitan", "hf", "megatron"],
     "grad_sync": ["hf", "hf", "torchtitan", "deepspeed"],
     "cp_attention": ["megatron", "megatron", "torchtitan", "hf"],
+    "cp_a2a_size": ["megatron", "megatron", "megatron", "torchtitan"],
 }
 PLAUSIBLE = ["1", "2", "3", "4", "8", "16", "32", "64", "0", "5", "6", "7", "12", "128"]
 

@@ -273,6 +273,7 @@ QUIET_KEYS = frozenset(
         "fp8_param_gather",
         "grad_sync",
         "cp_attention",
+        "cp_a2a_size",
         "framework_version",
         "bitsandbytes_version",
         "fsdp_float8_all_gather",

@@ -249,14 +249,18 @@ def tensor_parallel_sizes(space: SearchSpace) -> list[int]:
     return sizes
 
 
-MEGATRON_CP_ATTENTIONS = FRAMEWORK_CP_ATTENTIONS["megatron"]
+# the exchanges tried where the spec names none: a2a+p2p only where the spec names it, with its
+# groups' size (`cp_a2a_size`)
+MEGATRON_CP_ATTENTIONS = tuple(
+    name for name in FRAMEWORK_CP_ATTENTIONS["megatron"] if name != "a2a+p2p"
+)
 
 
 def cp_attentions(spec, tp: int, cp: int) -> tuple[str | None, ...]:
     """The ways the search runs the attention at (tp, cp): the spec's `cp_attention`, or
     under Megatron-Core with cp > 1 and none given each of Transformer Engine's that runs
     there (ring, allgather, a2a: `context_parallel.te_cp_error`); none where the given one
-    cannot run."""
+    cannot run (a2a+p2p where `cp_a2a_size` does not split cp in two levels)."""
     if cp == 1 or spec.framework != "megatron":
         return (spec.cp_attention,)
     chosen = (spec.cp_attention,) if spec.cp_attention else MEGATRON_CP_ATTENTIONS
