@@ -32,7 +32,10 @@ so those runs skip the cp that does not divide them. With --comm=allgather the a
 context parallelism (`cp_comm_type` all_gather, `AttnFuncWithCPAndKVAllGather`, v1.10 on; the
 gathers and reduce-scatters uncounted), beside `te_allgather_moved_bytes`, and with --memory
 its backward's most live bytes, at a kernel call and at all, on its busiest rank, beside
-`te_allgather_backward_live_bytes`.
+`te_allgather_backward_live_bytes`. With --comm=a2a+p2p the point-to-point class given two
+groups (`cp_comm_type` a2a+p2p, v1.12 on: all-to-alls over A2A_SIZE ranks, the ring over
+cp / A2A_SIZE), beside `te_p2p_moved_bytes` at the ring's size plus
+`te_hierarchical_a2a_moved_bytes`, and with --memory its backward beyond the ring alone.
 
 Usage (the release's source file, or PyPI's pure-Python `transformer_engine` wheel of it,
 v1.10 on; the release as ckplan's `framework_version`):
@@ -42,6 +45,7 @@ v1.10 on; the release as ckplan's `framework_version`):
     python validation/te_cp_p2p_traffic.py wheels/transformer_engine-2.9.0-py3-none-any.whl te2.9
     python validation/te_cp_p2p_traffic.py te.py te2.9 --comm=a2a [--memory] [--check]
     python validation/te_cp_p2p_traffic.py te.py te2.9 --comm=allgather [--memory] [--check]
+    python validation/te_cp_p2p_traffic.py te.py te2.9 --comm=a2a+p2p [--memory] [--check]
 """
 
 from __future__ import annotations
