@@ -161,20 +161,18 @@ def te_sliding_window(spec) -> int:
     return spec.sliding_window if spec.sliding_window_layers != "none" else 0
 
 
-def te_cp_error(
-    spec, cp_attention: str | None, tp: int, cp: int, cp_a2a_size: int | None = None
-) -> str | None:
+def te_cp_error(spec, cp_attention: str | None, tp: int, cp: int) -> str | None:
     """Why Megatron-Core (Transformer Engine, at the spec's `framework_version`) cannot run
     `spec`'s attention with `cp_attention` at (tp, cp), one line naming the key, or None: the
     release (`cp_attention_error`), MLA (`te_cp_mla_error`), a2a+p2p's group size
-    (`hierarchical_size_error`; `cp_a2a_size`, else the spec's), and at cp > 1 a sliding window
+    (`hierarchical_size_error`, the spec's `cp_a2a_size`), and at cp > 1 a sliding window
     (`te_cp_window_error`) and for the all-to-alls the rank's heads (`a2a_heads_error`). The
     one check the spec's validation and `plan`'s search both make."""
     release = framework_version(spec)
     reason = cp_attention_error("megatron", cp_attention, release) or te_cp_mla_error(
         cp_attention, spec.mla
     )
-    a2a_size = cp_a2a_size or spec.cp_a2a_size
+    a2a_size = spec.cp_a2a_size
     if not reason and cp_attention == "a2a+p2p":
         reason = hierarchical_size_error(cp, a2a_size)
     if reason or cp < 2 or spec.kind != "transformer":
