@@ -205,7 +205,10 @@ def test_offload_snippet_saves_the_offloaded_layers_on_cpu(spec_of, model, name)
         grads, _, _ = step(namespace["forward_layers"], layers, x)
     finally:
         Block.attention_core = staticmethod(plain_core)
-    assert all(torch.equal(a, b) for a, b in zip(grads, reference, strict=True))
+    # equal to float64 rounding: save_on_cpu's host copies may sit at another alignment, and
+    # the CPU kernels then sum in another order (seen on AVX-512 builds, ~3e-14)
+    for a, b in zip(grads, reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     segments = layer_segments(plan).segments
     starts = [start for start, _, recompute in segments if recompute]
     stored = [i for start, end, recompute in segments if not recompute for i in range(start, end)]
