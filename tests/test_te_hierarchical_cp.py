@@ -18,6 +18,7 @@ from ckplan.inputs.presets import load_spec
 from ckplan.model.context_parallel import (
     cp_moved_bytes,
     hierarchical_sizes,
+    node_a2a_size,
     te_hierarchical_a2a_moved_bytes,
     te_hierarchical_a2a_sent_bytes,
     te_hierarchical_backward_workspace_bytes,
@@ -169,3 +170,43 @@ def test_transformer_engines_own_class_moves_and_holds_what_is_counted(release):
         a2a = te_hierarchical_a2a_moved_bytes(ours, *tensors)
         assert mean == pytest.approx((ring[0] + a2a[0], ring[1] + a2a[1]), abs=1)
         assert not harness._check_hierarchical_memory(source, ours, 4, SMALL, kv_heads)
+
+
+def test_plan_puts_each_all_to_all_group_inside_a_node():
+    """The groups' size `plan` tries: the largest that divides cp, stays below it, fits a
+    node with tp and splits the rank's heads (Llama 3 8B: 8 K/V heads)."""
+    spec = llama_8b(cp_attention=None, cp_a2a_size=None, tp=1, sp=False, cp=1)
+    assert node_a2a_size(spec, 1, 16, 8) == 8
+    assert node_a2a_size(spec, 2, 16, 8) == 4
+    assert node_a2a_size(spec, 4, 8, 8) == 2
+    assert node_a2a_size(spec, 1, 6, 8) == 2  # 3 does not split 8 K/V heads
+    assert node_a2a_size(spec, 8, 4, 8) is None  # one K/V head a rank
+    assert node_a2a_size(spec, 1, 2, 8) is None  # two levels need cp > the group
+
+
+def test_plan_tries_it_and_says_its_levels():
+    """Under Megatron-Core with no cp_attention given, each cp > 1 layout is also tried with
+    a2a+p2p at `node_a2a_size`; the table shows both levels, the JSON the groups' size, and
+    the layout's keys rebuild it."""
+    from ckplan.plan.layout.search import search_layouts
+    from ckplan.plan.layout.space import SearchSpace, cp_attentions, layouts
+    from ckplan.render.layouts import layout_text
+
+    spec = llama_8b(cp_attention=None, cp_a2a_size=None, tp=1, sp=False, cp=1, seq=262144)
+    assert ("a2a+p2p", 4) in cp_attentions(spec, 2, 16, 8)
+    assert ("a2a+p2p", 8) not in cp_attentions(spec, 2, 16, 8)
+    hierarchical = [
+        lay for lay in layouts(SearchSpace(spec, 64, 8, 8, {})) if lay.cp_attention == "a2a+p2p"
+    ]
+    assert hierarchical and all(
+        lay.cp_a2a_size == node_a2a_size(spec, lay.tp, lay.cp, 8) for lay in hierarchical
+    )
+    layout = next(lay for lay in hierarchical if (lay.tp, lay.cp) == (2, 16))
+    assert "cp 16 a2a 4+p2p 4" in layout_text(layout)
+    keys = layout.keys(False)
+    assert keys["cp_attention"] == "a2a+p2p" and keys["cp_a2a_size"] == 4
+    assert "cp_a2a_size" not in next(
+        lay for lay in layouts(SearchSpace(spec, 64, 8, 8, {})) if lay.cp_attention == "ring"
+    ).keys(False)
+    result = search_layouts(spec, 64, load_gpu("h100-sxm"), 8, 80 * 2**30, top=40)
+    assert any(e.layout.cp_attention == "a2a+p2p" for e in result.layouts)

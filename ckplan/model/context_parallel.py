@@ -161,18 +161,20 @@ def te_sliding_window(spec) -> int:
     return spec.sliding_window if spec.sliding_window_layers != "none" else 0
 
 
-def te_cp_error(spec, cp_attention: str | None, tp: int, cp: int) -> str | None:
+def te_cp_error(
+    spec, cp_attention: str | None, tp: int, cp: int, cp_a2a_size: int | None = None
+) -> str | None:
     """Why Megatron-Core (Transformer Engine, at the spec's `framework_version`) cannot run
     `spec`'s attention with `cp_attention` at (tp, cp), one line naming the key, or None: the
     release (`cp_attention_error`), MLA (`te_cp_mla_error`), a2a+p2p's group size
-    (`hierarchical_size_error`, the spec's `cp_a2a_size`), and at cp > 1 a sliding window
+    (`hierarchical_size_error`: `cp_a2a_size`, else the spec's), and at cp > 1 a sliding window
     (`te_cp_window_error`) and for the all-to-alls the rank's heads (`a2a_heads_error`). The
     one check the spec's validation and `plan`'s search both make."""
     release = framework_version(spec)
     reason = cp_attention_error("megatron", cp_attention, release) or te_cp_mla_error(
         cp_attention, spec.mla
     )
-    a2a_size = spec.cp_a2a_size
+    a2a_size = cp_a2a_size or spec.cp_a2a_size
     if not reason and cp_attention == "a2a+p2p":
         reason = hierarchical_size_error(cp, a2a_size)
     if reason or cp < 2 or spec.kind != "transformer":
@@ -204,6 +206,19 @@ def hierarchical_size_error(cp: int, cp_a2a_size: int | None) -> str | None:
             f"{prefix} ({cp_a2a_size}) must divide cp ({cp}) and lie strictly between 1 and cp "
             "(a2a+p2p with a group of 1 or of cp is the ring or a2a: set cp_attention to it)"
         )
+    return None
+
+
+def node_a2a_size(spec, tp: int, cp: int, gpus_per_node: int) -> int | None:
+    """The all-to-all groups' size `plan` tries for a2a+p2p at (tp, cp): the largest that
+    keeps each group inside a node (size·tp GPUs) and splits cp in two levels and the rank's
+    heads (`te_cp_error`), as Transformer Engine describes the scheme ("First applying a2a to
+    QKV across each CP sub-group (e.g., via NVLink), then exchanging KV with p2p between
+    sub-groups (e.g., via IBLink)", DotProductAttention's docstring at v2.9); None where no
+    size does."""
+    for size in range(min(cp - 1, gpus_per_node // tp), 1, -1):
+        if cp % size == 0 and te_cp_error(spec, "a2a+p2p", tp, cp, size) is None:
+            return size
     return None
 
 

@@ -48,7 +48,7 @@ def split_text(spec) -> str:
 
 def layout_text(layout: Layout, spec=None) -> str:
     """'tp 4 sp · pp 2 (v 5) · cp 2 · dp 4 · ZeRO 2 · mb 1 x 128' ('cp 2 a2a' where the
-    context-parallel exchange is not the ring)."""
+    context-parallel exchange is not the ring, 'cp 16 a2a 8+p2p 2' with a2a+p2p's groups)."""
     tp = f"tp {layout.tp}" + (" sp" if layout.sp else "")
     pp = f"pp {layout.pp}"
     if layout.virtual_stages > 1:
@@ -56,7 +56,10 @@ def layout_text(layout: Layout, spec=None) -> str:
     if not layout.split.even:
         pp += f" [{split_text(spec) if spec is not None else _split_label(layout)}]"
     cp = f"cp {layout.cp}"
-    if layout.cp > 1 and layout.cp_attention not in (None, "ring"):
+    if layout.cp > 1 and layout.cp_attention == "a2a+p2p" and layout.cp_a2a_size:
+        a2a = layout.cp_a2a_size
+        cp += f" a2a {a2a}+p2p {layout.cp // a2a}"  # the two levels' sizes
+    elif layout.cp > 1 and layout.cp_attention not in (None, "ring"):
         cp += f" {layout.cp_attention}"  # the exchange, where not the ring
     parts = [tp, pp, cp, f"dp {layout.dp}"]
     if spec is not None and spec.experts:
@@ -176,6 +179,7 @@ def layout_dict(e: Evaluated) -> dict[str, Any]:
         "pp": layout.pp,
         "cp": layout.cp,
         "cp_attention": (layout.cp_attention or "ring") if layout.cp > 1 else None,
+        "cp_a2a_size": layout.cp_a2a_size if layout.cp_attention == "a2a+p2p" else None,
         "dp": layout.dp,
         "ep": layout.ep,
         "etp": layout.etp if experts else None,
@@ -240,6 +244,7 @@ def rejected_dict(r: Rejected, best: Evaluated | None) -> dict[str, Any]:
         "pp": layout.pp,
         "cp": layout.cp,
         "cp_attention": (layout.cp_attention or "ring") if layout.cp > 1 else None,
+        "cp_a2a_size": layout.cp_a2a_size if layout.cp_attention == "a2a+p2p" else None,
         "dp": layout.dp,
         "ep": layout.ep,
         "zero": layout.zero,

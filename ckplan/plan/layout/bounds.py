@@ -183,7 +183,8 @@ class Bounds:
         """What one layer's ops depend on: (tp, sp, cp and its exchange, micro-batch), and (ep,
         etp) with experts (dp only shards states and sets the expert-data-parallel group)."""
         experts = (layout.ep, layout.etp) if self.experts else ()
-        return (layout.tp, layout.sp, layout.cp, layout.cp_attention, layout.micro_batch, *experts)
+        exchange = (layout.cp_attention, layout.cp_a2a_size)
+        return (layout.tp, layout.sp, layout.cp, *exchange, layout.micro_batch, *experts)
 
     def _layer_spec(self, layout: Layout) -> ModelSpec:
         key = self._layer_key(layout)
@@ -194,7 +195,7 @@ class Bounds:
                 keys["dp"] = _least_dp(layout)
             self._layer_specs[key] = self._spec(
                 tp=layout.tp, sp=layout.sp, cp=layout.cp, micro_batch=layout.micro_batch,
-                cp_attention=layout.cp_attention,
+                cp_attention=layout.cp_attention, cp_a2a_size=layout.cp_a2a_size,
                 pp=1, virtual_stages=1, zero=0, microbatches=1, **{"dp": 1, **keys},
             )  # fmt: skip
         return self._layer_specs[key]

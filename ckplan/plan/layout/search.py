@@ -271,6 +271,7 @@ def check_layer_shapes(space: SearchSpace) -> None:
     for layout in layouts(space):
         exchange, experts = layout.cp_attention, (layout.ep, layout.etp)
         shapes.add((layout.tp, layout.sp, layout.cp, exchange, layout.micro_batch, *experts))
+        # a2a+p2p's groups' size follows from (tp, cp): no further shape
         if len(shapes) > MAX_LAYER_SHAPES:
             break
     else:
@@ -313,7 +314,7 @@ def search_layouts(
     failed: dict[tuple, int] = {}  # layouts but for the micro-batch -> least one over memory
     for layout in layouts(space):
         counts["layouts"] += 1
-        family = (*layout.arrangement()[:-2], layout.cp_attention, layout.zero)
+        family = (*layout.arrangement()[:-2], layout.cp_attention, layout.cp_a2a_size, layout.zero)
         if layout.micro_batch >= failed.get(family, layout.micro_batch + 1):
             counts["memory"] += 1  # activations grow with the micro-batch: over too
             continue

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckplan.model import frameworks
-from ckplan.model.context_parallel import FRAMEWORK_CP_ATTENTIONS, te_cp_error
+from ckplan.model.context_parallel import FRAMEWORK_CP_ATTENTIONS, node_a2a_size, te_cp_error
 from ckplan.model.frameworks import layout_error
 from ckplan.model.spec import ModelSpec
 
@@ -104,8 +104,10 @@ class Layout:
     micro_batch: int
     microbatches: int
     # how the attention runs under cp > 1 (`cp_attention`): the spec's, or under Megatron-Core
-    # each exchange Transformer Engine can run there (`cp_attentions`)
+    # each exchange Transformer Engine can run there (`cp_attentions`), with a2a+p2p's groups'
+    # size (`cp_a2a_size`)
     cp_attention: str | None = None
+    cp_a2a_size: int | None = None
 
     @property
     def gpus(self) -> int:
@@ -128,6 +130,8 @@ class Layout:
             keys |= {"ep": self.ep, "etp": self.etp}
         if self.cp > 1 and self.cp_attention is not None:
             keys["cp_attention"] = self.cp_attention
+        if self.cp > 1 and self.cp_a2a_size is not None:
+            keys["cp_a2a_size"] = self.cp_a2a_size
         return keys | self.split.keys()
 
     def arrangement(self) -> tuple:
@@ -249,22 +253,28 @@ def tensor_parallel_sizes(space: SearchSpace) -> list[int]:
     return sizes
 
 
-# the exchanges tried where the spec names none: a2a+p2p only where the spec names it, with its
-# groups' size (`cp_a2a_size`)
-MEGATRON_CP_ATTENTIONS = tuple(
-    name for name in FRAMEWORK_CP_ATTENTIONS["megatron"] if name != "a2a+p2p"
-)
+MEGATRON_CP_ATTENTIONS = FRAMEWORK_CP_ATTENTIONS["megatron"]
 
 
-def cp_attentions(spec, tp: int, cp: int) -> tuple[str | None, ...]:
-    """The ways the search runs the attention at (tp, cp): the spec's `cp_attention`, or
-    under Megatron-Core with cp > 1 and none given each of Transformer Engine's that runs
-    there (ring, allgather, a2a: `context_parallel.te_cp_error`); none where the given one
+def cp_attentions(
+    spec, tp: int, cp: int, gpus_per_node: int
+) -> tuple[tuple[str | None, int | None], ...]:
+    """The ways the search runs the attention at (tp, cp), each (`cp_attention`,
+    `cp_a2a_size`): the spec's, or under Megatron-Core with cp > 1 and none given each of
+    Transformer Engine's that runs there (ring, allgather, a2a, and a2a+p2p with its groups
+    inside a node, `node_a2a_size`: `context_parallel.te_cp_error`); none where the given one
     cannot run (a2a+p2p where `cp_a2a_size` does not split cp in two levels)."""
     if cp == 1 or spec.framework != "megatron":
-        return (spec.cp_attention,)
-    chosen = (spec.cp_attention,) if spec.cp_attention else MEGATRON_CP_ATTENTIONS
-    return tuple(name for name in chosen if te_cp_error(spec, name, tp, cp) is None)
+        return ((spec.cp_attention, spec.cp_a2a_size),)
+    if spec.cp_attention:
+        given = spec.cp_attention, spec.cp_a2a_size
+        return (given,) if te_cp_error(spec, *given, tp, cp) is None else ()
+    tried = []
+    for name in MEGATRON_CP_ATTENTIONS:
+        size = node_a2a_size(spec, tp, cp, gpus_per_node) if name == "a2a+p2p" else None
+        if (name != "a2a+p2p" or size) and te_cp_error(spec, name, tp, cp, size) is None:
+            tried.append((name, size))
+    return tuple(tried)
 
 
 def layouts(space: SearchSpace) -> Iterator[Layout]:
@@ -285,7 +295,7 @@ def layouts(space: SearchSpace) -> Iterator[Layout]:
                 dp = n // (tp * pp * cp)
                 if batch % dp or not space.allowed("dp", dp):
                     continue
-                exchanges = cp_attentions(spec, tp, cp)
+                exchanges = cp_attentions(spec, tp, cp, space.gpus_per_node)
                 for ep, etp in _expert_layouts(space, tp, cp, dp):
                     zeros = tuple(
                         zero
@@ -312,7 +322,7 @@ def layouts(space: SearchSpace) -> Iterator[Layout]:
                                             continue
                                         if not _optimizer_allows(spec, zero, pp, microbatches):
                                             continue
-                                        for exchange in exchanges:
+                                        for exchange, a2a_size in exchanges:
                                             yield Layout(
                                                 tp,
                                                 sp,
@@ -327,6 +337,7 @@ def layouts(space: SearchSpace) -> Iterator[Layout]:
                                                 micro_batch,
                                                 microbatches,
                                                 exchange,
+                                                a2a_size,
                                             )
 
 
