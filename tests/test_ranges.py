@@ -22,6 +22,8 @@ def corner(key: str, value: int) -> dict:
         spec |= {"layers": max(4, value)}
     if key == "cp":
         spec |= {"seq": max(16, value)}
+    if key == "cp_a2a_size":  # a2a+p2p's groups, unchecked against cp 1
+        spec |= {"framework": "megatron", "cp_attention": "a2a+p2p"}
     if key == "mlp_tiles":  # at most one token a tile
         spec |= {"seq": max(spec.get("seq", 1), value)}
     if key == "tp":
