@@ -173,13 +173,15 @@ def test_transformer_engines_own_class_moves_and_holds_what_is_counted(release):
 
 
 def test_plan_puts_each_all_to_all_group_inside_a_node():
-    """The groups' size `plan` tries: the largest that divides cp, stays below it, fits a
-    node with tp and splits the rank's heads (Llama 3 8B: 8 K/V heads)."""
+    """The groups' size `plan` tries where the cp group spans nodes: the largest that divides
+    cp, stays below it, fits a node with tp and splits the rank's heads (Llama 3 8B: 8 K/V
+    heads)."""
     spec = llama_8b(cp_attention=None, cp_a2a_size=None, tp=1, sp=False, cp=1)
     assert node_a2a_size(spec, 1, 16, 8) == 8
     assert node_a2a_size(spec, 2, 16, 8) == 4
     assert node_a2a_size(spec, 4, 8, 8) == 2
-    assert node_a2a_size(spec, 1, 6, 8) == 2  # 3 does not split 8 K/V heads
+    assert node_a2a_size(spec, 1, 12, 8) == 4  # 6 does not split 8 K/V heads
+    assert node_a2a_size(spec, 1, 8, 8) is None  # the cp group is one node's
     assert node_a2a_size(spec, 8, 4, 8) is None  # one K/V head a rank
     assert node_a2a_size(spec, 1, 2, 8) is None  # two levels need cp > the group
 

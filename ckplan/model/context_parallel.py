@@ -210,12 +210,15 @@ def hierarchical_size_error(cp: int, cp_a2a_size: int | None) -> str | None:
 
 
 def node_a2a_size(spec, tp: int, cp: int, gpus_per_node: int) -> int | None:
-    """The all-to-all groups' size `plan` tries for a2a+p2p at (tp, cp): the largest that
-    keeps each group inside a node (size·tp GPUs) and splits cp in two levels and the rank's
-    heads (`te_cp_error`), as Transformer Engine describes the scheme ("First applying a2a to
-    QKV across each CP sub-group (e.g., via NVLink), then exchanging KV with p2p between
-    sub-groups (e.g., via IBLink)", DotProductAttention's docstring at v2.9); None where no
-    size does."""
+    """The all-to-all groups' size `plan` tries for a2a+p2p at (tp, cp): where the cp group
+    spans nodes (tp·cp GPUs), the largest that keeps each group inside a node (size·tp GPUs)
+    and splits cp in two levels and the rank's heads (`te_cp_error`), as Transformer Engine
+    describes the scheme ("First applying a2a to QKV across each CP sub-group (e.g., via
+    NVLink), then exchanging KV with p2p between sub-groups (e.g., via IBLink)",
+    DotProductAttention's docstring at v2.9); None where no size does, or the group is one
+    node's."""
+    if tp * cp <= gpus_per_node:
+        return None
     for size in range(min(cp - 1, gpus_per_node // tp), 1, -1):
         if cp % size == 0 and te_cp_error(spec, "a2a+p2p", tp, cp, size) is None:
             return size
