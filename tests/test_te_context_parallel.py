@@ -14,7 +14,9 @@ from test_context_parallel import validation_script
 from ckplan.inputs.presets import load_spec
 from ckplan.model.context_parallel import (
     TE_CP_MOVED,
+    TE_P2P_LIVE,
     cp_moved_bytes,
+    te_p2p_backward_live_bytes,
     te_p2p_moved_bytes,
     torchtitan_ring_moved_bytes,
 )
@@ -210,3 +212,49 @@ def test_the_newest_release_is_the_default():
 def test_torchtitan_keeps_pytorchs_ring():
     spec = megatron_8b(framework="torchtitan", framework_version="0.3", zero=3)
     assert cp_moved_bytes(spec, 32, 8) == torchtitan_ring_moved_bytes(spec, 32, 8)
+
+
+# ---- the point-to-point backward's own buffers ---------------------------------------------
+
+
+def test_every_release_has_its_backward_live_bytes():
+    assert set(TE_P2P_LIVE) == set(TRANSFORMER_ENGINE_RELEASES)
+
+
+def test_the_backward_buffers_by_hand():
+    """From v2.8: q + 8·kv at a call and after the loops (two received K‖V buffers, two
+    dK‖dV ones, the dQ buffer); v2.3-v2.7 hold 4·kv more after them; v1.12-v1.13's busiest
+    rank is the first at the query heads and another where K and V are few; v1.8-v1.9's
+    middle ranks (cp >= 3) hold one more K/V at a call."""
+    q, kv = 1024, 256
+    assert te_p2p_backward_live_bytes("te2.16", 4, q, kv) == (q + 8 * kv,) * 2
+    assert te_p2p_backward_live_bytes("te2.8", 2, q, kv) == (q + 8 * kv,) * 2
+    assert te_p2p_backward_live_bytes("te2.7", 2, q, kv) == (q + 10 * kv, q + 12 * kv)
+    assert te_p2p_backward_live_bytes("te1.12", 2, q, q) == (q * 23 // 2, 13 * q)
+    assert te_p2p_backward_live_bytes("te1.12", 2, q, kv) == (2 * q + 9 * kv, 2 * q + 9 * kv)
+    assert te_p2p_backward_live_bytes("te1.8", 2, q, kv)[0] == 3 * q // 2 + 12 * kv
+    assert te_p2p_backward_live_bytes("te1.8", 3, q, kv)[0] == 3 * q // 2 + 13 * kv
+
+
+def test_the_attention_core_holds_the_rings_buffers_beside_its_kernel():
+    """Megatron-Core's ring at cp 2 (Llama 3 8B, 4,096 tokens a rank): the kernel's
+    workspace and the buffers at a call, or the buffers after the loops, the larger; none at
+    cp 1 or under torchtitan (PyTorch's ring has its own count)."""
+    q, kv = 2 * 4096 * 32 * 128, 2 * 4096 * 8 * 128
+    plain = core(megatron_8b(cp=1, dp=8, seq=4096)).grad_workspace_bytes
+    at_call, at_end = te_p2p_backward_live_bytes("te2.16", 2, q, kv)
+    assert core(megatron_8b()).grad_workspace_bytes == max(at_call + plain, at_end)
+    older = core(megatron_8b(framework_version="te2.3")).grad_workspace_bytes
+    assert older == max(q + 10 * kv + plain, q + 12 * kv)
+
+
+@pytest.mark.parametrize("release", WHEEL_RELEASES)
+def test_transformer_engines_own_backward_holds_what_is_counted(release):
+    """TE's own point-to-point backward from the release's wheel, run by validation/
+    te_cp_p2p_traffic.py --memory: on its busiest rank the live bytes at a kernel call and
+    at all are `te_p2p_backward_live_bytes` (with the dQ, dK, dV it returns), up to the int32
+    sequence lengths, at cp 2 and 3, K/V at the query heads and at half."""
+    harness, source, ours = wheel_source(release)
+    for cp in (2, 3):
+        for kv_heads in (4, 2):
+            assert not harness._check_p2p_memory(source, ours, cp, SMALL, kv_heads)

@@ -94,10 +94,18 @@ def test_what_the_attention_core_saves_and_holds():
     assert core(llama_8b()).saved_bytes - ring.saved_bytes == OUT
     assert core(llama_8b(framework_version="te2.14")).saved_bytes == ring.saved_bytes
     sent = max(3 * Q + 2 * KV + KV, 2 * Q + 3 * KV + 2 * KV, 2 * Q + 2 * KV + 3 * KV)
-    assert te_hierarchical_backward_workspace_bytes("te2.14", Q, KV, KV, OUT, 0) == 2 * OUT + sent
-    assert te_hierarchical_backward_workspace_bytes("te2.16", Q, KV, KV, OUT, 0) == OUT + sent
+    hold = te_hierarchical_backward_workspace_bytes
+    assert hold("te2.14", Q, KV, KV, OUT, 0, 0) == 2 * OUT + sent
+    assert hold("te2.16", Q, KV, KV, OUT, 0, 0) == OUT + sent
     big = 10 * sent
-    assert te_hierarchical_backward_workspace_bytes("te2.16", Q, KV, KV, OUT, big) == OUT + big
+    assert hold("te2.16", Q, KV, KV, OUT, big, 0) == OUT + big
+    # the ring's buffers after its loops stay beside the sends
+    assert hold("te2.16", Q, KV, KV, OUT, 0, Q + 8 * KV) == OUT + Q + 8 * KV + sent
+    # the attention core: the ring over 4 ranks at v2.16 (q + 8·kv at a call and after)
+    ring = Q + 8 * KV
+    workspace = core(llama_8b()).grad_workspace_bytes
+    kernel = core(llama_8b(cp_attention="ring", cp_a2a_size=None)).grad_workspace_bytes - ring
+    assert workspace == OUT + max(ring + kernel, ring + sent)
 
 
 def test_the_step_exposes_the_all_to_alls_and_hides_a_shorter_ring():

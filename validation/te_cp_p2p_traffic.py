@@ -19,7 +19,10 @@ Q, K, V and the output gradient are bf16 (s, b, a, d) tensors (Megatron's sbhd l
 causal, the cuDNN fused-attention path (`use_fused_attention`), no bias, no dropout; K and V at
 the query heads and at half of them, and two head sizes, separate the Q-, K/V- and
 logsumexp-sized terms (the rank's chunk: s tokens). Printed per cp: the mean over the ranks
-beside ckplan's. The stand-ins are the kernels' and the exchange's; every other name TE's text
+beside ckplan's. With --memory the most bytes the backward holds at once beyond what it is
+handed and saved, and the most at a kernel call, on its busiest rank
+(`backward_live`), beside `te_p2p_backward_live_bytes` (the peak with the dQ, dK, dV it
+returns). The stand-ins are the kernels' and the exchange's; every other name TE's text
 uses but does not define must have one, or the run stops (`STUBBED` lists the few left as
 inert stubs), so that no path runs on a stub unnoticed.
 
@@ -35,12 +38,13 @@ its backward's most live bytes, at a kernel call and at all, on its busiest rank
 `te_allgather_backward_live_bytes`. With --comm=a2a+p2p the point-to-point class given two
 groups (`cp_comm_type` a2a+p2p, v1.12 on: all-to-alls over A2A_SIZE ranks, the ring over
 cp / A2A_SIZE), beside `te_p2p_moved_bytes` at the ring's size plus
-`te_hierarchical_a2a_moved_bytes`, and with --memory its backward beyond the ring alone.
+`te_hierarchical_a2a_moved_bytes`, and with --memory its backward beside
+`te_hierarchical_backward_workspace_bytes` around the ring's `te_p2p_backward_live_bytes`.
 
 Usage (the release's source file, or PyPI's pure-Python `transformer_engine` wheel of it,
 v1.10 on; the release as ckplan's `framework_version`):
     git -C TransformerEngine show v1.8:transformer_engine/pytorch/attention.py > te.py
-    python validation/te_cp_p2p_traffic.py te.py te1.8 [--check]
+    python validation/te_cp_p2p_traffic.py te.py te1.8 [--memory] [--check]
     pip download --no-deps -d wheels transformer_engine==2.9.0
     python validation/te_cp_p2p_traffic.py wheels/transformer_engine-2.9.0-py3-none-any.whl te2.9
     python validation/te_cp_p2p_traffic.py te.py te2.9 --comm=a2a [--memory] [--check]
@@ -658,6 +662,8 @@ def _check_memory(source: str, release: str, comm: str, cp: int, shape: dict, kv
         return not 0 <= peak - ours <= slack
     if comm == "a2a+p2p":
         return _check_hierarchical_memory(source, release, cp, shape, kv_heads)
+    if comm == "p2p":
+        return _check_p2p_memory(source, release, cp, shape, kv_heads)
     seen = [backward_live(source, cp, shape, kv_heads, comm, rank) for rank in range(cp)]
     peak, at_call = max(p for p, _ in seen), max(c for _, c in seen)
     ours = ours_module.te_allgather_backward_live_bytes(release, cp, *tensors[:2])
@@ -669,35 +675,63 @@ def _check_memory(source: str, release: str, comm: str, cp: int, shape: dict, kv
 
 
 def _check_hierarchical_memory(source: str, release: str, cp: int, shape: dict, kv_heads: int):
-    """One --memory line of a2a+p2p: its backward's peak and its peak at a kernel call beyond
-    the point-to-point class's own (the ring alone over cp / A2A_SIZE ranks, on the shapes
-    the all-to-alls hand it: A2A_SIZE times the tokens at 1/A2A_SIZE of the heads), beside
-    ckplan's all-to-all part: what it keeps (dO, and O up to v2.14) at the kernel calls, that
-    and the three gradients' sends at the end, where the ring's buffers are still held; whether
-    they differ by more than the reorders' int32 chunk ids. Up to v2.7 the ring alone peaks
-    before its end, so its peak and the sends' do not add and ckplan's sum is an upper bound
-    there (by at most 2 Q-sized tensors on these shapes); the check then asks only that."""
+    """One --memory line of a2a+p2p: its backward's peak and its peak at a kernel call on the
+    busiest of the ring's ranks beside ckplan's: the kernels' dQ, dK, dV and
+    `te_hierarchical_backward_workspace_bytes` around the ring's own live bytes at its size
+    (`te_p2p_backward_live_bytes`), what the all-to-alls keep (dO, and O up to v2.14) at the
+    calls, that and the three gradients' sends after the loops; whether they differ by more
+    than the int32 chunk ids and sequence lengths. Up to v2.7 the ring's own peak comes before
+    its end, so ckplan's sum is an upper bound there (by at most 2 Q-sized tensors on these
+    shapes); the check then asks only that."""
     from ckplan.model import context_parallel as ours_module
 
     ring = cp // A2A_SIZE
     q, k, v, out = _a2a_tensors(shape, kv_heads)
-    post = dict(shape, s=shape["s"] * A2A_SIZE, a=shape["a"] // A2A_SIZE)
-    both = [backward_live(source, cp, shape, kv_heads, "a2a+p2p", r) for r in range(ring)]
-    alone = [backward_live(source, ring, post, kv_heads // A2A_SIZE, "p2p", r) for r in range(ring)]
-    peak = max(p for p, _ in both) - max(p for p, _ in alone)
-    at_call = max(c for _, c in both) - max(c for _, c in alone)
-    ours_at_call = ours_module.te_hierarchical_backward_workspace_bytes(release, q, k, v, out, 0)
-    sent = ours_module.te_hierarchical_a2a_sent_bytes(release, q, k, v, out)[1]
-    kept = ours_at_call - ours_module._a2a_gradients_sent(q, k, v)
+    seen = [backward_live(source, cp, shape, kv_heads, "a2a+p2p", r) for r in range(ring)]
+    peak, at_call = max(p for p, _ in seen), max(c for _, c in seen)
+    ring_at_call, ring_at_end = ours_module.te_p2p_backward_live_bytes(release, ring, q, k)
+    ours = ours_module.te_hierarchical_backward_workspace_bytes(
+        release, q, k, v, out, ring_at_call, ring_at_end
+    )
+    kept = ours_module.te_hierarchical_backward_workspace_bytes(release, q, k, v, out, 0, 0)
+    kept -= ours_module._a2a_gradients_sent(q, k, v)
     where = f"d {shape['d']}, K/V heads {kv_heads}/{shape['a']}, cp {cp} ({A2A_SIZE} x {ring})"
     print(
-        f"{where}: beyond the ring alone, backward peak {peak:,} B (ckplan {ours_at_call:,}), "
-        f"at a kernel call {at_call:,} B (ckplan {kept:,}; {len(sent)} tensors sent back)"
+        f"{where}: backward peak {peak:,} B (ckplan {ours + q + 2 * k:,}), at a kernel call "
+        f"{at_call:,} B (ckplan {ring_at_call + kept:,})"
     )
-    slack = 2 * 4 * 2 * A2A_SIZE
-    exact = ours_module._release_at_least(release, "te2.8")
-    low = -math.inf if not exact else 0
-    return not (low <= peak - ours_at_call <= slack and 0 <= at_call - kept <= slack)
+    slack = INTEGER_SLACK
+    low = 0 if ours_module._release_at_least(release, "te2.8") else -math.inf
+    return not (
+        low <= peak - (ours + q + 2 * k) <= slack and 0 <= at_call - (ring_at_call + kept) <= slack
+    )
+
+
+def _check_p2p_memory(source: str, release: str, cp: int, shape: dict, kv_heads: int):
+    """One --memory line of the point-to-point class: its backward's peak and its peak at a
+    kernel call on its busiest rank, beside ckplan's `te_p2p_backward_live_bytes` (the peak
+    with the dQ, dK, dV it returns); whether they differ by more than the int32 sequence
+    lengths and chunk ids."""
+    from ckplan.model import context_parallel as ours_module
+
+    q, k, _, _ = _a2a_tensors(shape, kv_heads)
+    seen = [backward_live(source, cp, shape, kv_heads, "p2p", r) for r in range(cp)]
+    peak, at_call = max(p for p, _ in seen), max(c for _, c in seen)
+    ours_at_call, ours_at_end = ours_module.te_p2p_backward_live_bytes(release, cp, q, k)
+    ours_peak = ours_at_end + q + 2 * k
+    where = f"d {shape['d']}, K/V heads {kv_heads}/{shape['a']}, cp {cp}"
+    print(
+        f"{where}: backward peak {peak:,} B (ckplan {ours_peak:,}), at a kernel call "
+        f"{at_call:,} B (ckplan {ours_at_call:,})"
+    )
+    return not (
+        0 <= peak - ours_peak <= INTEGER_SLACK and 0 <= at_call - ours_at_call <= INTEGER_SLACK
+    )
+
+
+# the int32 and int64 tensors beside the counted ones: the cumulative sequence lengths, the
+# random-number states, the reorders' chunk ids (bytes, an upper bound on these shapes)
+INTEGER_SLACK = 512
 
 
 COMMS = {"--comm=a2a": "a2a", "--comm=allgather": "allgather", "--comm=a2a+p2p": "a2a+p2p"}
@@ -707,5 +741,5 @@ if __name__ == "__main__":
     arguments = [a for a in sys.argv[1:] if not a.startswith("--")]
     if len(arguments) != 2 or not set(flags) <= {"--check", "--memory", *COMMS}:
         sys.exit(__doc__)
-    comm = next((COMMS[f] for f in flags if f in COMMS), "a2a" if "--memory" in flags else "p2p")
+    comm = next((COMMS[f] for f in flags if f in COMMS), "p2p")
     sys.exit(main(*arguments, "--check" in flags, comm, "--memory" in flags))

@@ -616,17 +616,18 @@ def te_saved_output_bytes(spec, heads_r: int, kv_heads_r: int) -> int:
 
 
 def te_hierarchical_backward_workspace_bytes(
-    release: str, q: int, k: int, v: int, out: int, ring_workspace: int
+    release: str, q: int, k: int, v: int, out: int, ring_at_call: int, ring_at_end: int
 ) -> int:
-    """What the all-to-all part of a2a+p2p holds in the backward beyond the ring's own
-    `ring_workspace` (its kernel's, as ckplan counts the ring's) and the kernels' dQ, dK, dV
-    (derived from `AttnFuncWithCPAndKVP2P.backward` the same way as
-    `te_a2a_backward_workspace_bytes`, checked by validation/te_cp_p2p_traffic.py
-    --comm=a2a+p2p --memory): dO after its all-to-all (and O, up to v2.14) beside the ring
-    until the backward returns, then dQ, dK, dV sent one after the other."""
+    """What a2a+p2p's backward holds beyond the kernels' dQ, dK, dV, around the ring's own
+    transient: `ring_at_call` at its kernel calls (with the kernel's workspace), `ring_at_end`
+    once its loops are done (`te_p2p_backward_live_bytes`; derived from
+    `AttnFuncWithCPAndKVP2P.backward` the same way as `te_a2a_backward_workspace_bytes`,
+    checked by validation/te_cp_p2p_traffic.py --comm=a2a+p2p --memory). dO after its
+    all-to-all (and O, up to v2.14) stays beside the ring until the backward returns; after
+    the loops, their buffers still held, dQ, dK, dV go back one after the other."""
     sent = te_hierarchical_a2a_sent_bytes(release, q, k, v, out)[1]
     kept = (len(sent) - 3) * out
-    return kept + max(ring_workspace, _a2a_gradients_sent(q, k, v))
+    return kept + max(ring_at_call, ring_at_end + _a2a_gradients_sent(q, k, v))
 
 
 def _a2a_gradients_sent(q: int, k: int, v: int) -> int:
@@ -667,10 +668,58 @@ def attention_backward_workspace_bytes(
     if uses_te_allgather(spec):
         q, k, _, _ = a2a_tensor_bytes(spec, heads_r, kv_heads_r)
         return te_allgather_backward_workspace_bytes(release, spec.cp, q, k, kernel_workspace)
+    ring_ranks = hierarchical_sizes(spec)[1]
+    uses_te_ring = spec.framework == "megatron" and spec.cp > 1 and spec.attention != "standard"
+    at_call, at_end = 0, 0
+    if uses_te_ring and not spec.mla and ring_ranks > 1:
+        # the ring's loops at its size see the rank's bytes (`megatron_cp_moved_bytes`)
+        q, k, _, _ = a2a_tensor_bytes(spec, heads_r, kv_heads_r)
+        at_call, at_end = te_p2p_backward_live_bytes(release, ring_ranks, q, k)
     if uses_hierarchical(spec):
         tensors = a2a_tensor_bytes(spec, heads_r, kv_heads_r)
-        return te_hierarchical_backward_workspace_bytes(release, *tensors, kernel_workspace)
-    return kernel_workspace
+        return te_hierarchical_backward_workspace_bytes(
+            release, *tensors, at_call + kernel_workspace, at_end
+        )
+    return max(at_call + kernel_workspace, at_end)
+
+
+# What Transformer Engine's point-to-point backward (`AttnFuncWithCP(AndKVP2P).backward`) holds
+# beyond what it is handed and saved and beyond the dQ, dK, dV it returns, on its busiest rank:
+# the received K‖V buffers, the dK‖dV buffers passed round the ring, the dQ buffer (fp32 in
+# places) and the halves the load-balanced steps copy. Found by validation/
+# te_cp_p2p_traffic.py --memory (its live-bytes tracker on the release's own text; bf16 sbhd,
+# causal, cuDNN fused attention) at cp 2, 3, 4 and 8, K/V at the query heads and at a half and
+# a quarter of them: whatever cp but on v1.8-v1.9, whose middle ranks hold one K/V more at a
+# call. Each entry: (linear forms of Q's and one of K's and V's bytes whose largest is the live
+# set at a kernel call, those whose largest is the live set after the loops), the coefficients
+# (of q, of kv) as Fractions.
+_F = Fraction
+TE_P2P_LIVE: dict[str, tuple] = {
+    # v1.8-1.9 at cp 2 (`te_p2p_backward_live_bytes` adds the middle ranks' K/V at cp >= 3)
+    **dict.fromkeys(("te1.8", "te1.9", "te1.10", "te1.11"), (((_F(3, 2), 12),), ((_F(3, 2), 12),))),
+    # v1.12-1.13: the first rank and the others peak at different shares of Q and K/V
+    **dict.fromkeys(("te1.12", "te1.13"), (((_F(3, 2), 10), (2, 9)), ((1, 12), (2, 9)))),
+    **dict.fromkeys(("te2.0", "te2.1", "te2.2"), (((1, _F(289, 32)),), ((1, _F(161, 16)),))),
+    **dict.fromkeys(("te2.3", "te2.4", "te2.5", "te2.6", "te2.7"), (((1, 10),), ((1, 12),))),
+    **dict.fromkeys(
+        TRANSFORMER_ENGINE_RELEASES[TRANSFORMER_ENGINE_RELEASES.index("te2.8") :],
+        (((1, 8),), ((1, 8),)),
+    ),
+}
+
+
+def te_p2p_backward_live_bytes(release: str, cp: int, q: int, kv: int) -> tuple[int, int]:
+    """(What Transformer Engine `release`'s point-to-point backward holds at a kernel call, what
+    it holds after its loops) beyond what it is handed and saved and the dQ, dK, dV it returns,
+    on its busiest rank (derived: `TE_P2P_LIVE`), for the rank's Q bytes `q` and one of its
+    K and V `kv`. From v2.8 q + 8·kv both: the two received K‖V buffers, the two dK‖dV ones
+    and the dQ buffer."""
+    at_call, at_end = (
+        math.ceil(max(a * q + b * kv for a, b in forms)) for forms in TE_P2P_LIVE[release]
+    )
+    if release in ("te1.8", "te1.9") and cp >= 3:
+        at_call += kv  # a middle rank's copy of the received K and V halves
+    return at_call, at_end
 
 
 # Transformer Engine's all-gather context parallelism (Megatron-Core's `cp_comm_type`

@@ -268,7 +268,7 @@ def cp_attentions(
         return ((spec.cp_attention, spec.cp_a2a_size),)
     if spec.cp_attention:
         given = spec.cp_attention, spec.cp_a2a_size
-        return (given,) if te_cp_error(spec, *given, tp, cp) is None else ()
+        return (given,) if te_cp_error(spec, given[0], tp, cp, given[1]) is None else ()
     tried = []
     for name in MEGATRON_CP_ATTENTIONS:
         size = node_a2a_size(spec, tp, cp, gpus_per_node) if name == "a2a+p2p" else None
