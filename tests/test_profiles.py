@@ -72,9 +72,9 @@ def test_fused_profile_over_every_preset_and_layout(spec_of):
     for name in ("gpt2", "gpt3-175b", "llama3-8b", "llama3-70b", "megatron-22b", "mistral-7b"):
         for layout in layouts:
             if name == "mistral-7b" and "cp" in layout:
-                # the profile's numbers are the ring's; a window runs under Transformer Engine's
-                # all-gather or all-to-all exchanges (ckplan.model.context_parallel), whose
-                # saved output and backward transient no profile term expresses
+                # a window runs under Transformer Engine's all-gather or all-to-all exchanges
+                # (ckplan.model.context_parallel), whose saved output no profile term
+                # expresses (their backward transient wraps the profile's kernel workspace)
                 continue
             spec = spec_of(name, **layout)
             ops = transformer_layer_ops(spec)

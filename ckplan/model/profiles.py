@@ -43,6 +43,7 @@ from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
+from ckplan.model.context_parallel import attention_backward_workspace_bytes
 from ckplan.model.kernel_profile import Case, Condition, Field, Form, Profile, Terms
 from ckplan.model.op import Op, kv_heads_per_rank, split_share
 from ckplan.model.spec import (
@@ -417,9 +418,24 @@ def apply_profile(ops: tuple[Op, ...], spec: ChainSpec, profile: Profile) -> tup
                             f"({exact} bytes) for this model (dtype_bytes={spec.dtype_bytes})"
                         )
                     changes[FIELDS[field]] = math.ceil(exact)
+        if op.name == "attention_core" and "grad_workspace_bytes" in changes:
+            # the profile gives the kernel's; Transformer Engine's context-parallel loops hold
+            # their own around it
+            changes["grad_workspace_bytes"] = _exchange_workspace(
+                spec, changes["grad_workspace_bytes"]
+            )
         out.append(dataclasses.replace(op, **changes) if changes else op)
     _check_gradients_chain(out, profile)
     return tuple(out)
+
+
+def _exchange_workspace(spec: ChainSpec, kernel_workspace: int) -> int:
+    """The attention core's backward transient around a kernel workspace of
+    `kernel_workspace` bytes under the spec's context parallelism
+    (`context_parallel.attention_backward_workspace_bytes`, as the op table builds it)."""
+    heads_r = spec.heads // spec.tp
+    kv_heads_r = heads_r if spec.mla else kv_heads_per_rank(spec)
+    return attention_backward_workspace_bytes(spec, heads_r, kv_heads_r, kernel_workspace)
 
 
 def _check_gradients_chain(ops: list[Op], profile: Profile) -> None:
