@@ -688,9 +688,9 @@ def attention_backward_workspace_bytes(
 # the received K‖V buffers, the dK‖dV buffers passed round the ring, the dQ buffer (fp32 in
 # places) and the halves the load-balanced steps copy. Found by validation/
 # te_cp_p2p_traffic.py --memory (its live-bytes tracker on the release's own text; bf16 sbhd,
-# causal, cuDNN fused attention) at cp 2, 3, 4 and 8, K/V at the query heads and at a half and
-# a quarter of them: whatever cp but on v1.8-v1.9, whose middle ranks hold one K/V more at a
-# call. Each entry: (linear forms of Q's and one of K's and V's bytes whose largest is the live
+# causal, cuDNN fused attention) at cp 2, 3, 4 and 8, K/V at the query heads and at a half
+# (and, found once, a quarter, where v1.12-v1.13's other form wins) of them: whatever cp but on
+# v1.8-v1.9, whose middle ranks hold one K/V more at a call. Each entry: (linear forms of Q's and one of K's and V's bytes whose largest is the live
 # set at a kernel call, those whose largest is the live set after the loops), the coefficients
 # (of q, of kv) as Fractions.
 _F = Fraction
