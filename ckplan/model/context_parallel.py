@@ -690,9 +690,9 @@ def attention_backward_workspace_bytes(
 # te_cp_p2p_traffic.py --memory (its live-bytes tracker on the release's own text; bf16 sbhd,
 # causal, cuDNN fused attention) at cp 2, 3, 4 and 8, K/V at the query heads and at a half
 # (and, found once, a quarter, where v1.12-v1.13's other form wins) of them: whatever cp but on
-# v1.8-v1.9, whose middle ranks hold one K/V more at a call. Each entry: (linear forms of Q's and one of K's and V's bytes whose largest is the live
-# set at a kernel call, those whose largest is the live set after the loops), the coefficients
-# (of q, of kv) as Fractions.
+# v1.8-v1.9, whose middle ranks hold one K/V more at a call. Each entry: (linear forms of Q's
+# and one of K's and V's bytes whose largest is the live set at a kernel call, those whose
+# largest is the live set after the loops), the coefficients (of q, of kv) as Fractions.
 _F = Fraction
 TE_P2P_LIVE: dict[str, tuple] = {
     # v1.8-1.9 at cp 2 (`te_p2p_backward_live_bytes` adds the middle ranks' K/V at cp >= 3)

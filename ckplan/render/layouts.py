@@ -170,6 +170,14 @@ def _slower(rejected: Rejected, best: Evaluated | None) -> str:
 # ---- views -------------------------------------------------------------------------------
 
 
+def _exchange_fields(layout: Layout) -> dict[str, Any]:
+    """The context-parallel exchange of a JSON layout: `cp_attention` (the ring where none is
+    given) and a2a+p2p's `cp_a2a_size`, both null at cp 1."""
+    if layout.cp == 1:
+        return {"cp_attention": None, "cp_a2a_size": None}
+    return {"cp_attention": layout.cp_attention or "ring", "cp_a2a_size": layout.cp_a2a_size}
+
+
 def layout_dict(e: Evaluated) -> dict[str, Any]:
     """One layout of `plan --json`: the documented keys (docs/layouts.md), the split, the
     plan's memory (and the stage that peaks) and its `time` object."""
@@ -178,8 +186,7 @@ def layout_dict(e: Evaluated) -> dict[str, Any]:
         "tp": layout.tp,
         "pp": layout.pp,
         "cp": layout.cp,
-        "cp_attention": (layout.cp_attention or "ring") if layout.cp > 1 else None,
-        "cp_a2a_size": layout.cp_a2a_size if layout.cp_attention == "a2a+p2p" else None,
+        **_exchange_fields(layout),
         "dp": layout.dp,
         "ep": layout.ep,
         "etp": layout.etp if experts else None,
@@ -243,8 +250,7 @@ def rejected_dict(r: Rejected, best: Evaluated | None) -> dict[str, Any]:
         "tp": layout.tp,
         "pp": layout.pp,
         "cp": layout.cp,
-        "cp_attention": (layout.cp_attention or "ring") if layout.cp > 1 else None,
-        "cp_a2a_size": layout.cp_a2a_size if layout.cp_attention == "a2a+p2p" else None,
+        **_exchange_fields(layout),
         "dp": layout.dp,
         "ep": layout.ep,
         "zero": layout.zero,

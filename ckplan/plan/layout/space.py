@@ -271,8 +271,10 @@ def cp_attentions(
         return (given,) if te_cp_error(spec, given[0], tp, cp, given[1]) is None else ()
     tried = []
     for name in MEGATRON_CP_ATTENTIONS:
-        size = node_a2a_size(spec, tp, cp, gpus_per_node) if name == "a2a+p2p" else None
-        if (name != "a2a+p2p" or size) and te_cp_error(spec, name, tp, cp, size) is None:
+        if name != "a2a+p2p":
+            if te_cp_error(spec, name, tp, cp) is None:
+                tried.append((name, None))
+        elif size := node_a2a_size(spec, tp, cp, gpus_per_node):  # checked there
             tried.append((name, size))
     return tuple(tried)
 
