@@ -41,6 +41,10 @@ cp / A2A_SIZE), beside `te_p2p_moved_bytes` at the ring's size plus
 `te_hierarchical_a2a_moved_bytes`, and with --memory its backward beside
 `te_hierarchical_backward_workspace_bytes` around the ring's `te_p2p_backward_live_bytes`.
 
+With --mla (p2p or a2a+p2p, v2.5 on) MLA's attention: Q and K at one head size, V and the
+output at a smaller one (MLA_SHAPES), K/V at the query heads, the class's `enable_mla` path,
+beside `te_p2p_mla_moved_bytes` and `te_p2p_mla_backward_live_bytes`.
+
 Usage (the release's source file, or PyPI's pure-Python `transformer_engine` wheel of it,
 v1.10 on; the release as ckplan's `framework_version`):
     git -C TransformerEngine show v1.8:transformer_engine/pytorch/attention.py > te.py
@@ -50,6 +54,7 @@ v1.10 on; the release as ckplan's `framework_version`):
     python validation/te_cp_p2p_traffic.py te.py te2.9 --comm=a2a [--memory] [--check]
     python validation/te_cp_p2p_traffic.py te.py te2.9 --comm=allgather [--memory] [--check]
     python validation/te_cp_p2p_traffic.py te.py te2.9 --comm=a2a+p2p [--memory] [--check]
+    python validation/te_cp_p2p_traffic.py te.py te2.9 --mla [--comm=a2a+p2p] [--memory]
 """
 
 from __future__ import annotations
@@ -65,6 +70,13 @@ import zipfile
 
 SHAPES = ({"b": 1, "a": 8, "s": 16, "d": 32}, {"b": 1, "a": 8, "s": 16, "d": 64})
 CPS = (2, 3, 4, 8)
+# MLA: Q's and K's head size d, V's and the output's dv; three pairs separate the Q-, V- and
+# logsumexp-sized terms
+MLA_SHAPES = (
+    {"b": 1, "a": 8, "s": 16, "d": 48, "dv": 32},
+    {"b": 1, "a": 8, "s": 16, "d": 64, "dv": 32},
+    {"b": 1, "a": 8, "s": 16, "d": 64, "dv": 16},
+)
 # the autograd function of each `cp_comm_type`: p2p (`AttnFuncWithCP` in v1.8-1.9), a2a (v1.11 on)
 CLASS_NAMES = {
     "p2p": ("AttnFuncWithCP", "AttnFuncWithCPAndKVP2P"),
@@ -491,10 +503,12 @@ def measure(
         "softmax_offset": None,
     }
 
-    def sbhd(heads):
-        return torch.randn(s, b, heads, d, dtype=torch.bfloat16)
+    def sbhd(heads, size=d):
+        return torch.randn(s, b, heads, size, dtype=torch.bfloat16)
 
-    q, k, v, grad_out = sbhd(a), sbhd(kv_heads), sbhd(kv_heads), sbhd(a)
+    # V and the output at their own head size under MLA
+    dv = shape.get("dv", d)
+    q, k, v, grad_out = sbhd(a), sbhd(kv_heads), sbhd(kv_heads, dv), sbhd(a, dv)
     values.update(q=q, k=k, v=v)
     params = list(inspect.signature(attn.forward).parameters)[1:]
     unknown = [p for p in params if p not in values]
@@ -520,9 +534,16 @@ def measure(
 
 
 def _a2a_tensors(shape: dict[str, int], kv_heads: int) -> tuple[int, int, int, int]:
-    """The rank's bf16 Q, K, V and output bytes of `shape` at `kv_heads` K/V heads."""
+    """The rank's bf16 Q, K, V and output bytes of `shape` at `kv_heads` K/V heads (V and
+    the output at `dv` under MLA)."""
     b, a, s, d = (shape[k] for k in "basd")
-    return 2 * b * s * a * d, 2 * b * s * kv_heads * d, 2 * b * s * kv_heads * d, 2 * b * s * a * d
+    dv = shape.get("dv", d)
+    return (
+        2 * b * s * a * d,
+        2 * b * s * kv_heads * d,
+        2 * b * s * kv_heads * dv,
+        2 * b * s * a * dv,
+    )
 
 
 def _sibling(name: str):
@@ -598,18 +619,25 @@ def backward_live(
     return seen["peak"], seen["at_kernel"]
 
 
-def main(path: str, release: str, check: bool, comm: str = "p2p", memory: bool = False) -> int:
+def main(
+    path: str, release: str, check: bool, comm: str = "p2p", memory: bool = False, mla=False
+) -> int:
     from ckplan.model import context_parallel as ours_module
 
+    if mla and (
+        comm not in ("p2p", "a2a+p2p")
+        or not ours_module._release_at_least(release, ours_module.TE_MLA_CP_FIRST_RELEASE)
+    ):
+        raise SystemExit("--mla: the ring or a2a+p2p, Transformer Engine v2.5 on")
     if path.endswith(".whl"):
         source = source_from_wheel(path)
     else:
         with open(path, encoding="utf-8") as handle:
             source = handle.read()
     failures = 0
-    for shape in SHAPES:
-        b, a, s, d = (shape[k] for k in "basd")
-        for kv_heads in (a, a // 2):
+    for shape in MLA_SHAPES if mla else SHAPES:
+        a = shape["a"]
+        for kv_heads in (a,) if mla else (a, a // 2):
             for cp in CPS:
                 if comm == "a2a" and (a % cp or kv_heads % cp):
                     continue  # the all-to-alls split the heads over cp
@@ -623,27 +651,55 @@ def main(path: str, release: str, check: bool, comm: str = "p2p", memory: bool =
                 seen = [measure(source, cp, rank, shape, kv_heads, comm) for rank in range(ring)]
                 forward = sum(f for f, _ in seen) / ring
                 backward = sum(g for _, g in seen) / ring
-                tokens = b * s
                 if comm == "a2a":
                     ours = ours_module.te_a2a_moved_bytes(release, *tensors)
-                elif comm == "a2a+p2p":
-                    ring_part = ours_module.te_p2p_moved_bytes(
-                        release, ring, tokens * a * d, tokens * kv_heads * d, tokens * a
-                    )
-                    a2a_part = ours_module.te_hierarchical_a2a_moved_bytes(release, *tensors)
-                    ours = tuple(x + y for x, y in zip(ring_part, a2a_part, strict=True))
                 elif comm == "allgather":
                     ours = ours_module.te_allgather_moved_bytes(release, cp, *tensors[:2])
                 else:
-                    ours = ours_module.te_p2p_moved_bytes(
-                        release, cp, tokens * a * d, tokens * kv_heads * d, tokens * a
-                    )
+                    ours = _ring_moved(release, ring, shape, kv_heads, mla)
+                    if comm == "a2a+p2p":
+                        a2a_part = ours_module.te_hierarchical_a2a_moved_bytes(release, *tensors)
+                        ours = tuple(x + y for x, y in zip(ours, a2a_part, strict=True))
                 print(
-                    f"d {d}, K/V heads {kv_heads}/{a}, cp {cp}: forward {forward:,.2f} B "
+                    f"{_where(shape, kv_heads, cp)}: forward {forward:,.2f} B "
                     f"(ckplan {ours[0]:,}), backward {backward:,.2f} B (ckplan {ours[1]:,})"
                 )
                 failures += abs(forward - ours[0]) >= 1 or abs(backward - ours[1]) >= 1
     return 1 if check and failures else 0
+
+
+def _where(shape: dict, kv_heads: int, cp: int) -> str:
+    """A printed line's shape: head size (Q/K and V under MLA), K/V heads, cp."""
+    sizes = f"d {shape['d']}" + (f"/{shape['dv']}" if "dv" in shape else "")
+    return f"{sizes}, K/V heads {kv_heads}/{shape['a']}, cp {cp}"
+
+
+def _ring_moved(release: str, ring: int, shape: dict, kv_heads: int, mla: bool) -> tuple:
+    """ckplan's bytes for the ring's loops at `ring` ranks: `te_p2p_moved_bytes`, or
+    `te_p2p_mla_moved_bytes` under MLA."""
+    from ckplan.model import context_parallel as ours_module
+
+    b, a, s, d = (shape[k] for k in "basd")
+    tokens = b * s
+    if mla:
+        return ours_module.te_p2p_mla_moved_bytes(
+            ring, tokens * a * d, tokens * a * shape["dv"], tokens * a
+        )
+    return ours_module.te_p2p_moved_bytes(
+        release, ring, tokens * a * d, tokens * kv_heads * d, tokens * a
+    )
+
+
+def _ring_live(release: str, ring: int, shape: dict, kv_heads: int) -> tuple[int, int]:
+    """ckplan's (at a kernel call, after the loops) live bytes of the ring's backward at
+    `ring` ranks: `te_p2p_backward_live_bytes`, or `te_p2p_mla_backward_live_bytes` where V's
+    head size differs (MLA)."""
+    from ckplan.model import context_parallel as ours_module
+
+    q, k, v, _ = _a2a_tensors(shape, kv_heads)
+    if "dv" in shape:
+        return (ours_module.te_p2p_mla_backward_live_bytes(q, k, v),) * 2
+    return ours_module.te_p2p_backward_live_bytes(release, ring, q, k)
 
 
 def _check_memory(source: str, release: str, comm: str, cp: int, shape: dict, kv_heads: int):
@@ -652,7 +708,7 @@ def _check_memory(source: str, release: str, comm: str, cp: int, shape: dict, kv
     from ckplan.model import context_parallel as ours_module
 
     tensors = _a2a_tensors(shape, kv_heads)
-    where = f"d {shape['d']}, K/V heads {kv_heads}/{shape['a']}, cp {cp}"
+    where = _where(shape, kv_heads, cp)
     slack = 2 * 4 * 2 * cp
     if comm == "a2a":
         peak, _ = backward_live(source, cp, shape, kv_heads)
@@ -689,21 +745,21 @@ def _check_hierarchical_memory(source: str, release: str, cp: int, shape: dict, 
     q, k, v, out = _a2a_tensors(shape, kv_heads)
     seen = [backward_live(source, cp, shape, kv_heads, "a2a+p2p", r) for r in range(ring)]
     peak, at_call = max(p for p, _ in seen), max(c for _, c in seen)
-    ring_at_call, ring_at_end = ours_module.te_p2p_backward_live_bytes(release, ring, q, k)
+    ring_at_call, ring_at_end = _ring_live(release, ring, shape, kv_heads)
     ours = ours_module.te_hierarchical_backward_workspace_bytes(
         release, q, k, v, out, ring_at_call, ring_at_end
     )
     kept = ours_module.te_hierarchical_backward_workspace_bytes(release, q, k, v, out, 0, 0)
     kept -= ours_module._a2a_gradients_sent(q, k, v)
-    where = f"d {shape['d']}, K/V heads {kv_heads}/{shape['a']}, cp {cp} ({A2A_SIZE} x {ring})"
+    where = f"{_where(shape, kv_heads, cp)} ({A2A_SIZE} x {ring})"
     print(
-        f"{where}: backward peak {peak:,} B (ckplan {ours + q + 2 * k:,}), at a kernel call "
+        f"{where}: backward peak {peak:,} B (ckplan {ours + q + k + v:,}), at a kernel call "
         f"{at_call:,} B (ckplan {ring_at_call + kept:,})"
     )
     slack = INTEGER_SLACK
     low = 0 if ours_module._release_at_least(release, "te2.8") else -math.inf
     return not (
-        low <= peak - (ours + q + 2 * k) <= slack and 0 <= at_call - (ring_at_call + kept) <= slack
+        low <= peak - (ours + q + k + v) <= slack and 0 <= at_call - (ring_at_call + kept) <= slack
     )
 
 
@@ -712,14 +768,12 @@ def _check_p2p_memory(source: str, release: str, cp: int, shape: dict, kv_heads:
     kernel call on its busiest rank, beside ckplan's `te_p2p_backward_live_bytes` (the peak
     with the dQ, dK, dV it returns); whether they differ by more than the int32 sequence
     lengths and chunk ids."""
-    from ckplan.model import context_parallel as ours_module
-
-    q, k, _, _ = _a2a_tensors(shape, kv_heads)
+    q, k, v, _ = _a2a_tensors(shape, kv_heads)
     seen = [backward_live(source, cp, shape, kv_heads, "p2p", r) for r in range(cp)]
     peak, at_call = max(p for p, _ in seen), max(c for _, c in seen)
-    ours_at_call, ours_at_end = ours_module.te_p2p_backward_live_bytes(release, cp, q, k)
-    ours_peak = ours_at_end + q + 2 * k
-    where = f"d {shape['d']}, K/V heads {kv_heads}/{shape['a']}, cp {cp}"
+    ours_at_call, ours_at_end = _ring_live(release, cp, shape, kv_heads)
+    ours_peak = ours_at_end + q + k + v
+    where = _where(shape, kv_heads, cp)
     print(
         f"{where}: backward peak {peak:,} B (ckplan {ours_peak:,}), at a kernel call "
         f"{at_call:,} B (ckplan {ours_at_call:,})"
@@ -739,7 +793,7 @@ COMMS = {"--comm=a2a": "a2a", "--comm=allgather": "allgather", "--comm=a2a+p2p":
 if __name__ == "__main__":
     flags = [a for a in sys.argv[1:] if a.startswith("--")]
     arguments = [a for a in sys.argv[1:] if not a.startswith("--")]
-    if len(arguments) != 2 or not set(flags) <= {"--check", "--memory", *COMMS}:
+    if len(arguments) != 2 or not set(flags) <= {"--check", "--memory", "--mla", *COMMS}:
         sys.exit(__doc__)
     comm = next((COMMS[f] for f in flags if f in COMMS), "p2p")
-    sys.exit(main(*arguments, "--check" in flags, comm, "--memory" in flags))
+    sys.exit(main(*arguments, "--check" in flags, comm, "--memory" in flags, "--mla" in flags))

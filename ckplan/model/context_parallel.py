@@ -73,6 +73,10 @@ TE_A2A_SAVES_KERNEL_OUTPUT = "te2.8"
 # (`AttnFuncWithCPAndKVP2P`: `out_part` saved, `dout` alone sent back, context_parallel.py at
 # v2.15; v1.12-v2.14 save the returned output and send `[out, dout]`)
 TE_HIERARCHICAL_SAVES_KERNEL_OUTPUT = "te2.15"
+# the first release that runs MLA's attention under context parallelism (K and V flattened
+# into one K‖V buffer for the ring: `AttnFuncWithCPAndKVP2P`'s `enable_mla`, context_parallel.py
+# at v2.5; `te_cp_mla_release_error`)
+TE_MLA_CP_FIRST_RELEASE = "te2.5"
 
 
 def uses_ring_attention(
@@ -127,6 +131,21 @@ def te_cp_mla_error(cp_attention: str | None, mla: bool) -> str | None:
     )
 
 
+def te_cp_mla_release_error(release: str | None, mla: bool) -> str | None:
+    """Why Transformer Engine `release` runs no kernel for MLA's attention under context
+    parallelism (one line naming the key), or None: up to v2.4 `get_attention_backend`
+    disables FusedAttention "as it does not support context parallelism with MLA"
+    (dot_product_attention/utils.py at v2.4), FlashAttention runs no MLA and the unfused
+    attention no context parallelism; v2.5 disables it with FP8 attention only
+    (`TE_MLA_CP_FIRST_RELEASE`)."""
+    if not mla or release is None or _release_at_least(release, TE_MLA_CP_FIRST_RELEASE):
+        return None
+    return (
+        f"key 'framework_version' ({release}): Transformer Engine runs MLA under context "
+        f"parallelism from {TE_MLA_CP_FIRST_RELEASE}"
+    )
+
+
 def te_cp_window_error(
     cp_attention: str | None,
     sliding_window: int,
@@ -167,9 +186,10 @@ def te_cp_error(
     """Why Megatron-Core (Transformer Engine, at the spec's `framework_version`) cannot run
     `spec`'s attention with `cp_attention` at (tp, cp), one line naming the key, or None: the
     release (`cp_attention_error`), MLA (`te_cp_mla_error`), a2a+p2p's group size
-    (`hierarchical_size_error`: `cp_a2a_size`, else the spec's), and at cp > 1 a sliding window
-    (`te_cp_window_error`) and for the all-to-alls the rank's heads (`a2a_heads_error`). The
-    one check the spec's validation and `plan`'s search both make."""
+    (`hierarchical_size_error`: `cp_a2a_size`, else the spec's), and at cp > 1 MLA's release
+    (`te_cp_mla_release_error`), a sliding window (`te_cp_window_error`) and for the
+    all-to-alls the rank's heads (`a2a_heads_error`). The one check the spec's validation and
+    `plan`'s search both make."""
     release = framework_version(spec)
     reason = cp_attention_error("megatron", cp_attention, release) or te_cp_mla_error(
         cp_attention, spec.mla
@@ -178,6 +198,8 @@ def te_cp_error(
     if not reason and cp_attention == "a2a+p2p":
         reason = hierarchical_size_error(cp, a2a_size)
     if reason or cp < 2 or spec.kind != "transformer":
+        return reason
+    if reason := te_cp_mla_release_error(release, spec.mla):
         return reason
     cudnn = spec.attention_kernel == "cudnn"
     if reason := te_cp_window_error(cp_attention, te_sliding_window(spec), release, cudnn):
@@ -449,6 +471,14 @@ TE_CP_MOVED: dict[str, tuple] = {
 }
 
 
+# MLA's attention (K and V of different head sizes, v2.5 on: `TE_MLA_CP_FIRST_RELEASE`) takes
+# the class's `enable_mla` path: K and V flattened into one K‖V buffer, split back into views
+# at each step, dK and dV kept apart. The same counting and form as `TE_CP_MOVED`, for Q's
+# bytes (which K's equal: every head has its K, at Q's head size), V's (which the output's
+# equal) and the logsumexp's; one entry for every release from v2.5 (the same on v2.5-v2.18)
+TE_CP_MLA_MOVED = (((0, 8, 0), (11, 5, 0), (18, -2, 0)), ((18, 6, 0), (9, 7, 0), (0, 4, -4)))
+
+
 def te_p2p_moved_bytes(
     release: str, cp: int, q_values: int, kv_values: int, lse_values: int
 ) -> tuple[int, int]:
@@ -459,8 +489,25 @@ def te_p2p_moved_bytes(
     V at the K/V heads (TE takes grouped K and V as they are), `lse_values` its fp32
     logsumexp (b·a·s/cp); bf16 Q, K, V; cp >= 2."""
     sizes = (2 * q_values, 2 * kv_values, FP32_BYTES * lse_values)
+    return _quarter_sums(TE_CP_MOVED[release], cp, sizes)
+
+
+def te_p2p_mla_moved_bytes(
+    cp: int, q_values: int, v_values: int, lse_values: int
+) -> tuple[int, int]:
+    """`te_p2p_moved_bytes` for MLA (derived: `TE_CP_MLA_MOVED`, counted by validation/
+    te_cp_p2p_traffic.py --mla on v2.5-v2.18): `q_values` the rank's Q (b·a·s/cp·(d_nope +
+    d_rope)), which K's equal, `v_values` its V (b·a·s/cp·d_v), which the output's equal,
+    `lse_values` its fp32 logsumexp; bf16; cp >= 2."""
+    sizes = (2 * q_values, 2 * v_values, FP32_BYTES * lse_values)
+    return _quarter_sums(TE_CP_MLA_MOVED, cp, sizes)
+
+
+def _quarter_sums(entry: tuple, cp: int, sizes: tuple[int, int, int]) -> tuple[int, int]:
+    """(forward, backward) bytes of a `TE_CP_MOVED`-form `entry` at `cp` for the three
+    tensors' `sizes`, each rounded up to a whole byte."""
     moved = []
-    for coefficients in TE_CP_MOVED[release]:
+    for coefficients in entry:
         quarters = sum(
             Fraction(a * cp + b) * size + Fraction(e * size, cp)
             for (a, b, e), size in zip(coefficients, sizes, strict=True)
@@ -483,9 +530,8 @@ def megatron_cp_moved_bytes(spec, release: str, heads_r: int, kv_heads_r: int) -
     """`te_p2p_moved_bytes` of one attention call of `spec` under Megatron-Core with Transformer
     Engine `release` (its `framework_version`), or `te_a2a_moved_bytes` under `cp_attention`
     a2a; (0, 0) without context parallelism, without a fused attention kernel (Megatron's
-    unfused attention has no context parallelism) and for MLA on the ring, whose split head
-    sizes the count does not cover. `heads_r`, `kv_heads_r`: the
-    rank's query and K/V heads."""
+    unfused attention has no context parallelism); MLA's ring is `te_p2p_mla_moved_bytes`.
+    `heads_r`, `kv_heads_r`: the rank's query and K/V heads."""
     if spec.framework != "megatron" or spec.cp < 2 or spec.attention == "standard":
         return 0, 0
     if uses_a2a(spec):
@@ -498,15 +544,15 @@ def megatron_cp_moved_bytes(spec, release: str, heads_r: int, kv_heads_r: int) -
         a2a_part = te_hierarchical_a2a_moved_bytes(
             release, *a2a_tensor_bytes(spec, heads_r, kv_heads_r)
         )
-    if spec.mla:
-        return a2a_part
     # the ring's loops see the same number of values per rank under a2a+p2p: s·a2a/cp tokens
     # at 1/a2a of the heads
     tokens = _rank_tokens(spec)
-    q_values = tokens * heads_r * spec.head_dim
-    kv_values = tokens * kv_heads_r * spec.head_dim
     ring = hierarchical_sizes(spec)[1]
-    forward, backward = te_p2p_moved_bytes(release, ring, q_values, kv_values, tokens * heads_r)
+    q, k, v, _ = (size // spec.dtype_bytes for size in a2a_tensor_bytes(spec, heads_r, kv_heads_r))
+    if spec.mla:
+        forward, backward = te_p2p_mla_moved_bytes(ring, q, v, tokens * heads_r)
+    else:
+        forward, backward = te_p2p_moved_bytes(release, ring, q, k, tokens * heads_r)
     return forward + a2a_part[0], backward + a2a_part[1]
 
 
@@ -671,10 +717,13 @@ def attention_backward_workspace_bytes(
     ring_ranks = hierarchical_sizes(spec)[1]
     uses_te_ring = spec.framework == "megatron" and spec.cp > 1 and spec.attention != "standard"
     at_call, at_end = 0, 0
-    if uses_te_ring and not spec.mla and ring_ranks > 1:
+    if uses_te_ring and ring_ranks > 1:
         # the ring's loops at its size see the rank's bytes (`megatron_cp_moved_bytes`)
-        q, k, _, _ = a2a_tensor_bytes(spec, heads_r, kv_heads_r)
-        at_call, at_end = te_p2p_backward_live_bytes(release, ring_ranks, q, k)
+        q, k, v, _ = a2a_tensor_bytes(spec, heads_r, kv_heads_r)
+        if spec.mla:
+            at_call = at_end = te_p2p_mla_backward_live_bytes(q, k, v)
+        else:
+            at_call, at_end = te_p2p_backward_live_bytes(release, ring_ranks, q, k)
     if uses_hierarchical(spec):
         tensors = a2a_tensor_bytes(spec, heads_r, kv_heads_r)
         return te_hierarchical_backward_workspace_bytes(
@@ -720,6 +769,15 @@ def te_p2p_backward_live_bytes(release: str, cp: int, q: int, kv: int) -> tuple[
     if release in ("te1.8", "te1.9") and cp >= 3:
         at_call += kv  # a middle rank's copy of the received K and V halves
     return at_call, at_end
+
+
+def te_p2p_mla_backward_live_bytes(q: int, k: int, v: int) -> int:
+    """`te_p2p_backward_live_bytes` for MLA's attention, the same at a kernel call and after
+    the loops on every release that runs it (v2.5 on, found by validation/
+    te_cp_p2p_traffic.py --mla --memory on v2.5-v2.18): q + 4·(k + v) for the rank's Q, K and
+    V bytes, the two received K‖V buffers, the two dK‖dV ones and the dQ buffer, as v2.8's
+    q + 8·kv where K and V are one size."""
+    return q + 4 * (k + v)
 
 
 # Transformer Engine's all-gather context parallelism (Megatron-Core's `cp_comm_type`
