@@ -202,6 +202,21 @@ def test_sweep_says_how_offload_compares_with_recomputation(spec_of, capsys):
     assert f"copies exposed {exposed}: a " in out and " GiB copy takes " in out
 
 
+def test_the_comparison_names_the_sweeps_own_best_recomputation(capsys):
+    """The QLoRA example at 8k tokens on a 24 GB card: every uniform:K re-runs each layer once
+    (the same step), and the sentence comparing offloading with recomputation names the one
+    the sweep calls best (least memory among them), not another of the same time."""
+    from ckplan.cli import main
+
+    example = Path(__file__).resolve().parents[1] / "examples/fine-tuning/llama3-8b-qlora.yaml"
+    args = [str(example), "--budget", "24GB", "--gpu", "rtx-4090", "--seq", "8192"]
+    main(["sweep", *args, "-q"])
+    out = " ".join(capsys.readouterr().out.split())
+    best = out.split("Best plan that fits: ")[1].split(" ")[0]
+    assert best.startswith("uniform:")
+    assert f"as long as the best recomputation that fits, {best}, which needs no host" in out
+
+
 def test_cli_json_offload_fields(spec_of, capsys):
     from ckplan.cli import main
 

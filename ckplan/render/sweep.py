@@ -9,7 +9,7 @@ from ckplan.model.expert_layout import expert_layout
 from ckplan.model.op_policy import NO_EXPORT
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
-from ckplan.plan.search import SEQ_GRANULE, Candidate, SweepResult, choose
+from ckplan.plan.search import SEQ_GRANULE, Candidate, SweepResult, choose, cost_key
 from ckplan.render.common import GIB, gib, memory_bar
 from ckplan.render.estimate import (
     expert_layout_line,
@@ -564,7 +564,9 @@ def _offload_against_recompute(result) -> str | None:
     fitting = [c for c in result.candidates if c.fits and c.time is not None]
 
     def fastest(candidates):  # of the plans an export writes (`search.choose`)
-        return choose(candidates, lambda c: c.time.step_seconds).best if candidates else None
+        # ties (recomputations of equal time) broken as the sweep's best plan breaks them, so
+        # that the sentence names that plan
+        return choose(candidates, cost_key("time")).best if candidates else None
 
     moves = [c for c in fitting if any(items for _, items in c.plan.stage_offloads)]
     offload = fastest(moves)
