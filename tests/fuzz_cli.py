@@ -775,6 +775,8 @@ POLICY_LAYOUTS = [
     ["framework=torchtitan", "zero=3", "dp=8", "ep=8"],
     ["framework=torchtitan", "zero=3", "dp=8", "framework_version=2024.12"],
     ["framework=megatron", "cp=2", "framework_version=te1.8"],
+    ["framework=megatron", "cp=2", "framework_version=te2.4"],
+    ["framework=megatron", "cp=4", "cp_attention=a2a+p2p", "cp_a2a_size=2"],
     ["framework=torchtitan", "zero=2", "dp=8", "microbatches=4"],
     ["framework=torchtitan", "pp=2", "microbatches=4"],
     ["framework=hf", "zero=3", "dp=8", "microbatches=4", "grad_sync=step"],

@@ -128,6 +128,8 @@ class CodePath:
     def backward(self, op: Op, dtype_bytes: int) -> OpTime:
         return self._time(op, dtype_bytes, backward=True)
 
+    # the policy searches time the same ops of a layout again and again (a re-run's units)
+    @lru_cache(maxsize=8192)  # code paths are few (lru-cached themselves)
     def _time(self, op: Op, dtype_bytes: int, backward: bool) -> OpTime:
         op = self._eager(op, dtype_bytes) if self.eager else op
         timer = op_backward_time if backward else op_forward_time

@@ -392,6 +392,7 @@ def mla_comm(spec: ModelSpec, gpu: GPU) -> tuple[float, float]:
     )
 
 
+@lru_cache(maxsize=256)
 def expert_comm_exposed(spec: ModelSpec, gpu: GPU, kind: LayerKind) -> tuple[float, float]:
     """Exposed seconds of an MoE layer's expert-parallel collectives, (forward, backward): the
     share `exposed_fraction` leaves of them beside the layer's forward and backward compute. 0
@@ -410,6 +411,7 @@ def expert_comm_exposed(spec: ModelSpec, gpu: GPU, kind: LayerKind) -> tuple[flo
     return left * ep.forward, left * ep.backward
 
 
+@lru_cache(maxsize=256)
 def attention_cp_comm(spec: ModelSpec, gpu: GPU, kind: LayerKind) -> tuple[float, float]:
     """Exposed seconds of the context-parallel K/V ring, (forward, backward), beside the
     attention core it feeds (`context_parallel_comm`)."""
