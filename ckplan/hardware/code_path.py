@@ -39,6 +39,7 @@ from functools import lru_cache
 from ckplan.hardware.gpus import GPU, GPUError
 from ckplan.hardware.roofline import OpTime, memory_seconds, op_backward_time, op_forward_time
 from ckplan.model.fp8_blocks import block_scale_bytes_1d
+from ckplan.model.frameworks import framework_version
 from ckplan.model.op import ATTENTION_CORE, Op, in_group
 
 # Eager PyTorch's norms, gated activations and RoPE run each step as its own ATen kernel; the
@@ -129,7 +130,7 @@ class CodePath:
         return self._time(op, dtype_bytes, backward=True)
 
     # the policy searches time the same ops of a layout again and again (a re-run's units)
-    @lru_cache(maxsize=8192)  # code paths are few (lru-cached themselves)
+    @lru_cache(maxsize=8192)  # noqa: B019 (code paths are few, lru-cached themselves)
     def _time(self, op: Op, dtype_bytes: int, backward: bool) -> OpTime:
         op = self._eager(op, dtype_bytes) if self.eager else op
         timer = op_backward_time if backward else op_forward_time
@@ -402,9 +403,12 @@ def current_scaling_amax_reductions(recipe: str | None, sp: bool, tp: int) -> in
     return 1 if recipe == "current" and sp and tp > 1 else 0
 
 
-def sequence_parallel_gather_bytes(precision: str, framework: str, op: Op) -> int:
+def sequence_parallel_gather_bytes(
+    precision: str, framework: str, op: Op, version: str | None = None
+) -> int:
     """Bytes per element of the tensor-parallel all-gathers of `op` under sequence parallelism
-    (its input for a column-parallel layer, its output gradient for a row-parallel one).
+    (its input for a column-parallel layer, its output gradient for a row-parallel one), for
+    `framework` at its `version` (`frameworks.framework_version`).
 
     Transformer Engine (Megatron's `precision` fp8) gathers them in FP8 (`FP8_GATHER_BYTES`):
     NVIDIA/TransformerEngine v1.8 transformer_engine/pytorch/module/layernorm_linear.py (the
@@ -413,15 +417,30 @@ def sequence_parallel_gather_bytes(precision: str, framework: str, op: Op) -> in
     transpose for efficient gather") and `initialize_ub` ("AllGather buffers use fp8 when using
     fp8 recipe", the userbuffers of tp_comm_overlap); v2.9 transformer_engine/pytorch/
     distributed.py `gather_along_first_dim` (`_all_gather_fp8` for delayed and current
-    scaling). Other frameworks' gathers and the BF16 GEMMs' keep the GEMM's dtype."""
+    scaling). torchtitan of December 2024 (`framework_version` "2024.12") with torchao's float8,
+    tensor-wise scaling its one recipe there, gathers them in float8 too: its tensor-parallel
+    plan takes torchao's `PrepareFloat8ModuleInput` before the attention and the feed-forward
+    and `Float8ColwiseParallel` / `Float8RowwiseParallel` for the linears
+    (torchtitan/parallelisms/parallelize_llama.py `apply_tp` at 9dec370; at 820504e for the
+    tensor-wise recipe, `enable_float8_tensorwise_tp`), which cast the input to float8 before
+    its all-gather and, through `NoopFwToFloat8BwDynamic` after the output's reduce-scatter,
+    the output gradient before the backward's all-gather (torchao/float8/
+    float8_tensor_parallel.py at eab345c); torchtitan 0.3.0's row-wise recipes run plain
+    tensor parallelism. Other frameworks' gathers and the BF16 GEMMs' keep the GEMM's dtype."""
     assert op.matmul is not None
-    return FP8_GATHER_BYTES if _gathers_in_fp8(precision, framework, op) else op.matmul.dtype_bytes
+    in_fp8 = _gathers_in_fp8(precision, framework, op, version)
+    return FP8_GATHER_BYTES if in_fp8 else op.matmul.dtype_bytes
 
 
-def _gathers_in_fp8(precision: str, framework: str, op: Op) -> bool:
-    """Whether Transformer Engine casts `op`'s sequence-parallel gather to FP8 (sources in
-    `sequence_parallel_gather_bytes`): an FP8 GEMM under Megatron's precision fp8."""
-    return precision == "fp8" and framework == "megatron" and fp8_gemm(op)
+def _gathers_in_fp8(precision: str, framework: str, op: Op, version: str | None) -> bool:
+    """Whether `op`'s sequence-parallel gathers are cast to FP8 (sources in
+    `sequence_parallel_gather_bytes`): an FP8 GEMM under Megatron's precision fp8 or under
+    torchtitan 2024.12's float8."""
+    if not fp8_gemm(op):
+        return False
+    return (precision == "fp8" and framework == "megatron") or (
+        precision == "float8" and framework == "torchtitan" and version == "2024.12"
+    )
 
 
 def sequence_parallel_gather_size(spec, op: Op, rows: int, cols: int, usage: str) -> int:
@@ -433,8 +452,10 @@ def sequence_parallel_gather_size(spec, op: Op, rows: int, cols: int, usage: str
     derived: the per-element bytes times the elements, the scale bytes added by
     `fp8_gathered_bytes` and `fp8_block_gathered_bytes` (sources there)."""
     elements = rows * cols
-    if not _gathers_in_fp8(spec.precision, spec.framework, op):
-        return sequence_parallel_gather_bytes(spec.precision, spec.framework, op) * elements
+    version = framework_version(spec)
+    if not _gathers_in_fp8(spec.precision, spec.framework, op, version):
+        per_element = sequence_parallel_gather_bytes(spec.precision, spec.framework, op, version)
+        return per_element * elements
     if spec.fp8_recipe == "blockwise":
         return fp8_block_gathered_bytes(rows, cols, spec.tp, usage)
     return fp8_gathered_bytes(spec.fp8_recipe, elements)

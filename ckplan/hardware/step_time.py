@@ -73,6 +73,7 @@ from ckplan.model.op import (
     Matmul,
     Op,
     kv_heads_per_rank,
+    saves_gathered_input,
     split_share,
 )
 from ckplan.model.op_policy import (
@@ -176,8 +177,9 @@ def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tupl
     - a column-parallel linear (`tp_comm` "column": QKV, fc1): without SP, its input gradient
       is all-reduced in the backward, overlapped with the weight-gradient GEMM; with SP, its
       input is all-gathered in the forward (exposed) and again in the backward, overlapped with
-      the input-gradient GEMM, and the input gradient is reduce-scattered, overlapped with the
-      weight-gradient GEMM;
+      the input-gradient GEMM (not where the linear saved the gathered input, as torchtitan's
+      do: `op.saves_gathered_input`), and the input gradient is reduce-scattered, overlapped
+      with the weight-gradient GEMM;
     - a row-parallel linear ("row": out_proj, fc2): its output is all-reduced in the forward
       (exposed); with SP reduce-scattered in the forward and its output gradient all-gathered
       in the backward (both exposed).
@@ -186,9 +188,9 @@ def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tupl
 
     Each collective moves the whole (s·b, h) tensor of B-byte values on the TP link, plus NCCL's
     ring latency (`comm.all_reduce_latency`, `all_gather_latency`); under Transformer Engine's
-    FP8 the SP all-gathers of an FP8 GEMM move one byte per value
-    (`code_path.sequence_parallel_gather_bytes`, MXFP8's scales beside them; block scaling's
-    copies and scales, `code_path.fp8_block_gathered_bytes`), and under
+    FP8 (and torchtitan 2024.12's torchao float8) the SP all-gathers of an FP8 GEMM move one
+    byte per value (`code_path.sequence_parallel_gather_bytes`, MXFP8's scales beside them;
+    block scaling's copies and scales, `code_path.fp8_block_gathered_bytes`), and under
     current scaling each FP8 gather waits for an all-reduce of its amax over the group first
     (`code_path.current_scaling_amax_reductions`), exposed: the host waits on it before the
     cast. An overlapped one adds what it does not hide and the slowdown of the GEMM whose SMs
@@ -230,10 +232,13 @@ def tensor_parallel_comm(spec: ModelSpec, gpu: GPU, ops: tuple[Op, ...]) -> tupl
                 gather_size = sequence_parallel_gather_size(spec, op, rows, mm.k, "rowwise")
                 gather = comm.all_gather_seconds(gather_size, t, bandwidth) + gather_latency
                 forward += amax + pipelined(gather, mm)
-                # the backward re-gathers the saved copy, the column-wise one
-                regather_size = sequence_parallel_gather_size(spec, op, rows, mm.k, "columnwise")
-                regather = comm.all_gather_seconds(regather_size, t, bandwidth) + gather_latency
-                backward += beside(regather, input_grad)
+                if not saves_gathered_input(spec):
+                    # the backward re-gathers the saved copy, the column-wise one
+                    regather_size = sequence_parallel_gather_size(
+                        spec, op, rows, mm.k, "columnwise"
+                    )
+                    regather = comm.all_gather_seconds(regather_size, t, bandwidth) + gather_latency
+                    backward += beside(regather, input_grad)
                 scatter = comm.reduce_scatter_seconds(size, t, bandwidth) + gather_latency
                 backward += beside(scatter, weight_grad)
             else:

@@ -206,13 +206,20 @@ def column_parallel_saved_input_bytes(spec: ChainSpec, shapes: LayerShapes) -> i
     (hardware.code_path), whose linear saves the shard: a private stack described as
     torchtitan's state layout with Megatron-like kernels (the Llama 3 paper's, which cites
     Korthikanti et al. for its tensor parallelism) keeps the shard."""
-    torchtitan_tp = spec.framework == "torchtitan" and spec.kernels != "fused"
-    if not (torchtitan_tp and spec.sp and spec.tp > 1):
+    if not saves_gathered_input(spec):
         return shapes.B * shapes.stream
     gathered = shapes.tokens * spec.hidden
     if spec.precision == "float8" and framework_version(spec) == "2024.12":
         return gathered
     return shapes.B * gathered
+
+
+def saves_gathered_input(spec: ChainSpec) -> bool:
+    """Whether the column-parallel linears save their all-gathered input (torchtitan's sequence
+    parallelism, `column_parallel_saved_input_bytes`) rather than the sequence shard, which
+    Megatron-LM all-gathers again in the backward."""
+    torchtitan_tp = spec.framework == "torchtitan" and spec.kernels != "fused"
+    return torchtitan_tp and spec.sp and spec.tp > 1
 
 
 def kv_heads_per_rank(spec: ChainSpec) -> int:
