@@ -97,7 +97,7 @@ NORM_FUSED_LINEARS = ("qkv_proj", "fc1", "q_up", "kv_up")
 # FSDP2's per-parameter hooks). A code path with fewer calibration runs than the fit's minimum
 # keeps 1.0; fused is the reference.
 # calibration runs: fused 55, compiled 9, eager 4
-KERNEL_RATES: dict[str, float] = {"fused": 1.0, "compiled": 0.828, "eager": 1.0}
+KERNEL_RATES: dict[str, float] = {"fused": 1.0, "compiled": 0.765, "eager": 1.0}
 NORM_OPS = ("norm1", "norm2", "qk_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "kv_norm")
 NOT_FP8 = ("output", "router")  # the output layer and the router stay in BF16
 
