@@ -656,7 +656,7 @@ def main(
                 elif comm == "allgather":
                     ours = ours_module.te_allgather_moved_bytes(release, cp, *tensors[:2])
                 else:
-                    ours = _ring_moved(release, ring, shape, kv_heads, mla)
+                    ours = _ring_moved(release, ring, shape, kv_heads)
                     if comm == "a2a+p2p":
                         a2a_part = ours_module.te_hierarchical_a2a_moved_bytes(release, *tensors)
                         ours = tuple(x + y for x, y in zip(ours, a2a_part, strict=True))
@@ -674,14 +674,14 @@ def _where(shape: dict, kv_heads: int, cp: int) -> str:
     return f"{sizes}, K/V heads {kv_heads}/{shape['a']}, cp {cp}"
 
 
-def _ring_moved(release: str, ring: int, shape: dict, kv_heads: int, mla: bool) -> tuple:
+def _ring_moved(release: str, ring: int, shape: dict, kv_heads: int) -> tuple:
     """ckplan's bytes for the ring's loops at `ring` ranks: `te_p2p_moved_bytes`, or
-    `te_p2p_mla_moved_bytes` under MLA."""
+    `te_p2p_mla_moved_bytes` where V's head size differs (MLA)."""
     from ckplan.model import context_parallel as ours_module
 
     b, a, s, d = (shape[k] for k in "basd")
     tokens = b * s
-    if mla:
+    if "dv" in shape:
         return ours_module.te_p2p_mla_moved_bytes(
             ring, tokens * a * d, tokens * a * shape["dv"], tokens * a
         )
