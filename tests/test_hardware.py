@@ -28,6 +28,7 @@ from ckplan.inputs.gpus import gpu_names, load_gpu
 from ckplan.model.flops import model_flops_per_iteration
 from ckplan.model.op import Matmul, Op
 from ckplan.model.ops import layer_ops
+from ckplan.model.parts import KERNELS
 from ckplan.plan import evaluate, parse_strategy
 
 REQUIRED_GPUS = {
@@ -234,7 +235,7 @@ def test_code_path_rate_scales_the_gemms_and_attention_only(spec_of, a100, monke
     `test_roofline_of_a_large_square_matmul` takes 2·8192³ / (312e12 x 0.869 x 0.838 (the A100's
     sustained_fraction) x 0.5 x 2048/(19·108)) = 9.697 ms instead of 4.849 ms; the flash attention
     core twice its fused time; an element-wise op's bytes the same time."""
-    monkeypatch.setitem(code_path_module.KERNEL_RATES, "compiled", 0.5)
+    monkeypatch.setitem(code_path_module.KERNEL_RATES, "pytorch", 0.5)
     fused, compiled = _path(a100, "fused"), _path(a100, "compiled")
     gemm = Op("fc", "mlp", 0, 2 * 8192**3, 4 * 8192**3, matmul=Matmul(8192, 8192, 8192))
     waves = 2048 / (19 * 108)
@@ -259,9 +260,29 @@ def test_fused_kernels_are_the_code_paths_reference(a100):
     assert code_path_module.KERNEL_RATES["fused"] == 1.0
     path = _path(a100, "fused")
     assert path.gpu.matmul_efficiency == pytest.approx(0.869 * 0.838)
-    for kernels, rate in code_path_module.KERNEL_RATES.items():
+    assert set(code_path_module.RATE_GROUPS) == set(KERNELS)
+    assert set(code_path_module.RATE_GROUPS.values()) == set(code_path_module.KERNEL_RATES)
+    for kernels, group in code_path_module.RATE_GROUPS.items():
+        rate = code_path_module.KERNEL_RATES[group]
         assert 0.5 <= rate <= 1.0
         assert _path(a100, kernels).gpu.matmul_efficiency == pytest.approx(0.869 * 0.838 * rate)
+
+
+def test_eager_and_compiled_pytorch_share_the_gemm_and_attention_rate(spec_of):
+    """Inductor calls the same cuBLAS GEMMs and SDPA flash kernel as eager PyTorch (no Triton
+    GEMM templates outside max-autotune): compiling a step changes only its memory-bound ops.
+    So an eager and a compiled path time a GEMM and the attention core alike, and a norm's eager
+    kernels (rmsnorm: 3 passes forward where the fused one makes one) take longer eagerly."""
+    h100 = load_gpu("h100-sxm")
+    eager, compiled = _path(h100, "eager"), _path(h100, "compiled")
+    assert eager.gpu == compiled.gpu
+    gemm = Op("fc", "mlp", 0, 2 * 8192**3, 4 * 8192**3, matmul=Matmul(8192, 8192, 8192))
+    assert eager.forward(gemm, 2) == compiled.forward(gemm, 2)
+    assert eager.backward(gemm, 2) == compiled.backward(gemm, 2)
+    ops = {op.name: op for op in layer_ops(spec_of("llama3-8b"))}
+    core = ops["attention_core"]
+    assert eager.forward(core, 2) == compiled.forward(core, 2)
+    assert eager.forward(ops["norm1"], 2).total > compiled.forward(ops["norm1"], 2).total
 
 
 # ---- communication -------------------------------------------------------------------------

@@ -6,10 +6,10 @@ against the kernel benchmarks (MAMF, the attention kernels' published throughput
 
 - `sustained_fraction`, one per family of GPUs sharing a chip (A100 40/80 GB; the Hopper
   H100/H800/H200), written into the GPU presets;
-- the code path's rate (`ckplan.hardware.code_path.KERNEL_RATES`), one per value of the
-  `kernels` key other than `fused` (the reference, 1.0): torch.compile's and eager PyTorch's
-  GEMMs and attention against Megatron's fused kernels. A code path with fewer than
-  MIN_RUNS_PER_CONSTANT calibration runs keeps 1.0.
+- the code path's rate (`ckplan.hardware.code_path.KERNEL_RATES`), one per group of values of
+  the `kernels` key (`RATE_GROUPS`) other than `fused` (the reference, 1.0): PyTorch's GEMMs
+  and attention, eager and torch.compile alike, against Megatron's fused kernels. A group with
+  fewer than MIN_RUNS_PER_CONSTANT calibration runs keeps 1.0.
 
 The procedure is a deterministic profile search of the mean |log(predicted step / published
 step)| over the calibration runs: starting from every constant at 1.0, ROUNDS rounds in which,
@@ -70,10 +70,11 @@ def family_of(run) -> str | None:
 
 
 def kernels_of(run) -> str | None:
-    """The run's code path, as `predict` builds its model (the framework's default, Composer's
-    fused modules, `compile`); None where it cannot be built (`predict` does not score it)."""
+    """The group of the run's code path (`RATE_GROUPS`; the code path as `predict` builds its
+    model: the framework's default, Composer's fused modules, `compile`); None where it cannot
+    be built (`predict` does not score it)."""
     try:
-        return run_spec(run).kernels
+        return code_path_module.RATE_GROUPS[run_spec(run).kernels]
     except InputError:
         return None
 

@@ -12,7 +12,7 @@ four ways, each a key of the model's `Execution` part:
   full load, beside NCCL, with transposed backward operands. The share they sustain is fitted to
   published training runs per GPU family (docs/validation.md), and scaled per code path
   (`KERNEL_RATES`): the same GEMM shapes run at a different sustained rate under Megatron's
-  fused kernels than under torch.compile or eager PyTorch.
+  fused kernels than under PyTorch's, eager or compiled alike (`RATE_GROUPS`).
 - **Kernels for the memory-bound ops** (`kernels`): Megatron's fused CUDA kernels and
   torch.compile's generated ones (Inductor fuses each chain of element-wise ops into one kernel)
   move what the op table says; eager PyTorch runs each step of a norm, an activation and RoPE as
@@ -89,15 +89,23 @@ AMAX_BYTES = 4
 # gpt_layer_specs.py, core_v0.15.3); an MoE layer's pre_mlp_layernorm is a separate TENorm, so
 # its experts' and shared experts' fc1 and MLA's down projections cast a BF16 input.
 NORM_FUSED_LINEARS = ("qkv_proj", "fc1", "q_up", "kv_up")
-# The GEMMs' and attention kernels' sustained rate per code path (`kernels`), relative to
-# Megatron's fused kernels, fitted by validation/fit_time_model.py on the calibration split
-# (docs/validation.md, "The time model's fitted constants"): what a step's GEMMs and attention
-# lose outside Transformer Engine / Megatron's code (PyTorch's cuBLAS calls without fused
-# epilogues, torchao's separate FP8 scaling kernels, the kernel launch gaps between them and
-# FSDP2's per-parameter hooks). A code path with fewer calibration runs than the fit's minimum
+# The GEMMs' and attention kernels' sustained rate per group of code paths (`RATE_GROUPS`),
+# relative to Megatron's fused kernels, fitted by validation/fit_time_model.py on the calibration
+# split (docs/validation.md, "The time model's fitted constants"): what a step's GEMMs and
+# attention lose outside Transformer Engine / Megatron's code (PyTorch's cuBLAS calls without
+# fused epilogues, torchao's separate FP8 scaling kernels, the kernel launch gaps between them
+# and FSDP2's per-parameter hooks). A group with fewer calibration runs than the fit's minimum
 # keeps 1.0; fused is the reference.
-# calibration runs: fused 55, compiled 9, eager 4
-KERNEL_RATES: dict[str, float] = {"fused": 1.0, "compiled": 0.765, "eager": 1.0}
+# calibration runs: fused 55, pytorch 13
+KERNEL_RATES: dict[str, float] = {"fused": 1.0, "pytorch": 0.854}
+# Eager and compiled PyTorch share one rate: they run the same GEMM and attention kernels.
+# Inductor lowers aten.mm/addmm/bmm to a Triton template only under max-autotune and otherwise
+# calls the ATen (cuBLAS) kernel (torch/_inductor/kernel/mm.py `tuned_mm`, utils.py
+# `use_triton_template` gated on `max_autotune or max_autotune_gemm`, v2.5.0 to v2.13.0), and
+# torchtitan compiles each block in the default mode (`torch.compile(transformer_block,
+# fullgraph=True)`, parallelize_llama.py at 9dec370 and 4d88a8a); SDPA runs the same flash kernel
+# either way. What compiling changes is the memory-bound ops, counted by their bytes (`kernels`).
+RATE_GROUPS: dict[str, str] = {"fused": "fused", "eager": "pytorch", "compiled": "pytorch"}
 NORM_OPS = ("norm1", "norm2", "qk_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "kv_norm")
 NOT_FP8 = ("output", "router")  # the output layer and the router stay in BF16
 
@@ -500,9 +508,9 @@ def code_path(
     float8_all_gather: bool = False,
 ) -> CodePath:
     """The code path of a run on `gpu` (`seq`: query tokens per context-parallel rank): the
-    GEMMs and attention at the GPU's sustained fraction, its clock factor and the code path's
-    rate (`KERNEL_RATES`)."""
-    rate = gpu.sustained_fraction * gpu.clock_factor * KERNEL_RATES.get(kernels, 1.0)
+    GEMMs and attention at the GPU's sustained fraction, its clock factor and the rate of the
+    code path's group (`KERNEL_RATES`, `RATE_GROUPS`)."""
+    rate = gpu.sustained_fraction * gpu.clock_factor * KERNEL_RATES.get(RATE_GROUPS[kernels], 1.0)
     effective = dataclasses.replace(
         gpu,
         matmul_efficiency=gpu.matmul_efficiency * rate,
