@@ -38,6 +38,7 @@ from functools import lru_cache
 
 from ckplan.hardware.gpus import GPU, GPUError
 from ckplan.hardware.roofline import OpTime, memory_seconds, op_backward_time, op_forward_time
+from ckplan.model.async_tp import uses_async_tp
 from ckplan.model.fp8_blocks import block_scale_bytes_1d
 from ckplan.model.frameworks import framework_version
 from ckplan.model.op import ATTENTION_CORE, Op, in_group
@@ -130,6 +131,9 @@ class CodePath:
     # torchao float8's weights (precision float8): "cast" from bf16 on every forward, or
     # "gathered" in float8 by FSDP2 (fsdp_float8_all_gather): `float8_weight_cast_bytes`
     float8_weights: str | None = None
+    # torchtitan's async TP: the tensor-parallel linears' micro-pipelined GEMMs run in this many
+    # row chunks (`micro_pipelined_chunks`); 1 otherwise
+    tp_chunks: int = 1
 
     def forward(self, op: Op, dtype_bytes: int) -> OpTime:
         return self._time(op, dtype_bytes, backward=False)
@@ -141,11 +145,16 @@ class CodePath:
     @lru_cache(maxsize=8192)  # noqa: B019 (code paths are few, lru-cached themselves)
     def _time(self, op: Op, dtype_bytes: int, backward: bool) -> OpTime:
         op = self._eager(op, dtype_bytes) if self.eager else op
+        chunks = self.tp_chunks if op.tp_comm is not None and op.matmul is not None else 1
+        if chunks > 1:
+            op = _with_partial_sum_bytes(op, chunks, dtype_bytes, backward)
         timer = op_backward_time if backward else op_forward_time
         if self.fp8_gpu is None or not fp8_gemm(op):
-            return timer(op, self.gpu, dtype_bytes)
+            return timer(op, self.gpu, dtype_bytes, chunks)
         # the GEMMs at the FP8 rate (1-byte operands), the element-wise kernels as they are
-        gemm = timer(dataclasses.replace(op, forward_bytes=0, backward_bytes=0), self.fp8_gpu, 1)
+        gemm = timer(
+            dataclasses.replace(op, forward_bytes=0, backward_bytes=0), self.fp8_gpu, 1, chunks
+        )
         rest = timer(dataclasses.replace(op, matmul=None, forward_flops=0, backward_flops=0),
                      self.gpu, dtype_bytes)  # fmt: skip
         mm = op.matmul
@@ -209,6 +218,52 @@ class CodePath:
         if (forward, backward) == (op.forward_bytes, op.backward_bytes):
             return op
         return dataclasses.replace(op, forward_bytes=forward, backward_bytes=backward)
+
+
+def micro_pipelined_chunks(spec) -> int:
+    """Row chunks of each tensor-parallel linear's micro-pipelined GEMMs: tp under torchtitan's
+    async TP (`model.async_tp.uses_async_tp`), else 1.
+
+    Inductor's micro-pipeline pass (torch/_inductor/fx_passes/micro_pipeline_tp.py, run by
+    post_grad.py on the forward and the backward graph alike) replaces an all-gather along the
+    sequence followed by matmuls with `fused_all_gather_matmul` (a column-parallel layer's
+    forward; a row-parallel layer's input gradient) and a matmul followed by a reduce-scatter
+    with `fused_matmul_reduce_scatter` (a row-parallel layer's forward; a column-parallel
+    layer's input gradient). Both run one matmul per rank's shard of the rows:
+    `_fused_all_gather_matmul_impl`'s `default_consumer` calls `mm_out_op(shard, B, ...)` on
+    each gathered (m/tp, k) shard, `_fused_matmul_reduce_scatter_impl`'s `chunk_producer`
+    `mm_out_op(A_shards[rank], B, ...)` on each (m/tp, k) chunk
+    (torch/distributed/_symmetric_memory/__init__.py, v2.6 line to v2.13.0; the scaled
+    variants under float8 alike). The weight gradient's product, on the gathered tensor, stays
+    whole."""
+    if uses_async_tp(spec.framework, spec.tp, spec.sp, spec.tp_comm_overlap, spec.kernels):
+        return spec.tp
+    return 1
+
+
+def micro_pipelined_partial_sum_bytes(rows: int, cols: int, chunks: int, dtype_bytes: int) -> int:
+    """Bytes of the reduction after a micro-pipelined matmul's reduce-scatter: the (rows, cols)
+    product arrives as `chunks` partial (rows/chunks, cols) blocks, one from each rank
+    (`stacked_partials`), which one kernel sums into this rank's (rows/chunks, cols) share
+    (`reduce_fn`, torch.sum over the ranks, in `_fused_matmul_reduce_scatter_impl`,
+    torch/distributed/_symmetric_memory/__init__.py, v2.6 line to v2.13.0): it reads all and
+    writes one share. NCCL's reduce-scatter sums inside its own kernel, so plain TP has no such
+    pass. Derived."""
+    return rows * cols * dtype_bytes + rows // chunks * cols * dtype_bytes
+
+
+def _with_partial_sum_bytes(op: Op, chunks: int, dtype_bytes: int, backward: bool) -> Op:
+    """`op` with the partial-sum pass of its micro-pipelined reduce-scatter: a row-parallel
+    layer's output in the forward, a column-parallel layer's input gradient in the backward."""
+    mm = op.matmul
+    rows = mm.batch * mm.m
+    if backward and op.tp_comm == "column":
+        extra = micro_pipelined_partial_sum_bytes(rows, mm.k, chunks, dtype_bytes)
+        return dataclasses.replace(op, backward_bytes=op.backward_bytes + extra)
+    if not backward and op.tp_comm == "row":
+        extra = micro_pipelined_partial_sum_bytes(rows, mm.n, chunks, dtype_bytes)
+        return dataclasses.replace(op, forward_bytes=op.forward_bytes + extra)
+    return op
 
 
 def _cast_bytes(dtype_bytes: int) -> int:
@@ -506,6 +561,7 @@ def code_path(
     split_projections: bool = False,
     fused_act: bool = True,
     float8_all_gather: bool = False,
+    tp_chunks: int = 1,
 ) -> CodePath:
     """The code path of a run on `gpu` (`seq`: query tokens per context-parallel rank): the
     GEMMs and attention at the GPU's sustained fraction, its clock factor and the rate of the
@@ -555,6 +611,7 @@ def code_path(
         split_projections,
         fused_act,
         float8_weights,
+        tp_chunks,
     )
 
 
@@ -575,4 +632,5 @@ def spec_code_path(spec, gpu: GPU) -> CodePath:
         spec.framework == "torchtitan",
         spec.fused_swiglu,
         spec.fsdp_float8_all_gather,
+        micro_pipelined_chunks(spec),
     )

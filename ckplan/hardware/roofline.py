@@ -126,12 +126,24 @@ def backward_matmuls(matmul: Matmul) -> tuple[Matmul, Matmul]:
     return Matmul(m, k, n, batch, dtype), Matmul(k, n, m, batch, dtype)
 
 
+def row_chunk_seconds(gpu: GPU, matmul: Matmul, chunks: int) -> float:
+    """A GEMM run as `chunks` GEMMs one after another, each on 1/chunks of its rows (m): the
+    micro-pipelined products of torchtitan's async TP (`code_path.CodePath.tp_chunks`), each
+    with its own tile and wave quantisation and its own read of the weight. Derived; 1 chunk is
+    `matmul_seconds`."""
+    if chunks == 1:
+        return matmul_seconds(gpu, matmul)
+    chunk = Matmul(matmul.m // chunks, matmul.n, matmul.k, matmul.batch, matmul.dtype_bytes)
+    return chunks * matmul_seconds(gpu, chunk)
+
+
 def _flops_seconds(gpu: GPU, flops: int, dtype_bytes: int, efficiency: float) -> float:
     return flops / (peak_flops(gpu, dtype_bytes) * efficiency)
 
 
-def op_forward_time(op: Op, gpu: GPU, dtype_bytes: int = 2) -> OpTime:
-    """One op's forward: its GEMM (or fused kernel) and its memory-bound kernels."""
+def op_forward_time(op: Op, gpu: GPU, dtype_bytes: int = 2, row_chunks: int = 1) -> OpTime:
+    """One op's forward: its GEMM (or fused kernel) and its memory-bound kernels; the GEMM in
+    `row_chunks` row chunks (`row_chunk_seconds`)."""
     if op.fused_kernel:
         compute = _flops_seconds(
             gpu, CAUSAL_FRACTION * op.forward_flops, dtype_bytes, gpu.flash_attention_efficiency
@@ -139,17 +151,18 @@ def op_forward_time(op: Op, gpu: GPU, dtype_bytes: int = 2) -> OpTime:
         side = memory_seconds(gpu, op.side_bytes[0])
         return OpTime(max(compute, memory_seconds(gpu, op.forward_bytes)), side)
     if op.matmul is not None:
-        gemm = matmul_seconds(gpu, op.matmul)
+        gemm = row_chunk_seconds(gpu, op.matmul, row_chunks)
     else:
         gemm = _flops_seconds(gpu, op.forward_flops, dtype_bytes, gpu.matmul_efficiency)
     return OpTime(gemm, memory_seconds(gpu, op.forward_bytes))
 
 
-def op_backward_time(op: Op, gpu: GPU, dtype_bytes: int = 2) -> OpTime:
+def op_backward_time(op: Op, gpu: GPU, dtype_bytes: int = 2, row_chunks: int = 1) -> OpTime:
     """One op's backward: the two transposed products of its GEMM (plus forward re-runs where
     its backward FLOPs exceed twice the forward's; the input gradient's alone where they are
     below, a frozen weight's, ckplan.model.finetune), or its fused kernel, and its memory-bound
-    kernels."""
+    kernels; the input gradient's product in `row_chunks` row chunks (`row_chunk_seconds`), the
+    weight gradient's whole."""
     if op.fused_kernel:
         compute = _flops_seconds(
             gpu, CAUSAL_FRACTION * op.backward_flops, dtype_bytes, gpu.flash_attention_efficiency
@@ -160,7 +173,8 @@ def op_backward_time(op: Op, gpu: GPU, dtype_bytes: int = 2) -> OpTime:
         products = backward_matmuls(op.matmul)
         if op.backward_flops < 2 * op.forward_flops:  # a frozen weight: no weight gradient
             products = products[:1]
-        gemm = sum(matmul_seconds(gpu, product) for product in products)
+        gemm = row_chunk_seconds(gpu, products[0], row_chunks)
+        gemm += sum(matmul_seconds(gpu, product) for product in products[1:])
         if op.forward_flops and op.backward_flops > 2 * op.forward_flops:
             reruns = (op.backward_flops - 2 * op.forward_flops) / op.forward_flops
             gemm += reruns * matmul_seconds(gpu, op.matmul)
