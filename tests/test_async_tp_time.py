@@ -110,3 +110,17 @@ def test_async_tp_times_the_linears_in_chunks(precision):
         assert chunked.forward(fc2, B).matmul == pytest.approx(
             row_chunk_seconds(chunked.gpu, fc2.matmul, 8)
         )
+
+
+def test_row_chunks_split_as_torch_chunk_does():
+    """torch.chunk cuts 12 rows into 8 chunks as 6 of 2 rows; 4 rows into 4 of 1 (fewer chunks
+    than asked); 13 rows into 6 of 2 and one of 1."""
+    gpu = load_gpu("h100-sxm")
+
+    def of(m):
+        return matmul_seconds(gpu, Matmul(m, 4096, 4096))
+
+    assert row_chunk_seconds(gpu, Matmul(12, 4096, 4096), 8) == pytest.approx(6 * of(2))
+    assert row_chunk_seconds(gpu, Matmul(4, 4096, 4096), 8) == pytest.approx(4 * of(1))
+    assert row_chunk_seconds(gpu, Matmul(13, 4096, 4096), 8) == pytest.approx(6 * of(2) + of(1))
+    assert micro_pipelined_partial_sum_bytes(13, 16, 8, 2) == 13 * 16 * 2 + 2 * 16 * 2

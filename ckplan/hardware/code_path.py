@@ -247,9 +247,9 @@ def micro_pipelined_partial_sum_bytes(rows: int, cols: int, chunks: int, dtype_b
     (`stacked_partials`), which one kernel sums into this rank's (rows/chunks, cols) share
     (`reduce_fn`, torch.sum over the ranks, in `_fused_matmul_reduce_scatter_impl`,
     torch/distributed/_symmetric_memory/__init__.py, v2.6 line to v2.13.0): it reads all and
-    writes one share. NCCL's reduce-scatter sums inside its own kernel, so plain TP has no such
-    pass. Derived."""
-    return rows * cols * dtype_bytes + rows // chunks * cols * dtype_bytes
+    writes one share, ceil(rows / chunks) rows as torch.chunk cuts them. NCCL's reduce-scatter
+    sums inside its own kernel, so plain TP has no such pass. Derived."""
+    return rows * cols * dtype_bytes + -(-rows // chunks) * cols * dtype_bytes
 
 
 def _with_partial_sum_bytes(op: Op, chunks: int, dtype_bytes: int, backward: bool) -> Op:

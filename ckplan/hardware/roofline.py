@@ -32,6 +32,8 @@ memory-bound (attention's QKᵀ with k = d = 128 on an A100).
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from typing import NamedTuple
 
@@ -129,12 +131,17 @@ def backward_matmuls(matmul: Matmul) -> tuple[Matmul, Matmul]:
 def row_chunk_seconds(gpu: GPU, matmul: Matmul, chunks: int) -> float:
     """A GEMM run as `chunks` GEMMs one after another, each on 1/chunks of its rows (m): the
     micro-pipelined products of torchtitan's async TP (`code_path.CodePath.tp_chunks`), each
-    with its own tile and wave quantisation and its own read of the weight. Derived; 1 chunk is
-    `matmul_seconds`."""
+    with its own tile and wave quantisation and its own read of the weight. The rows split as
+    torch.chunk splits them: chunks of ceil(m / chunks) rows, the last one shorter (fewer
+    chunks where m is small). Derived; 1 chunk is `matmul_seconds`."""
     if chunks == 1:
         return matmul_seconds(gpu, matmul)
-    chunk = Matmul(matmul.m // chunks, matmul.n, matmul.k, matmul.batch, matmul.dtype_bytes)
-    return chunks * matmul_seconds(gpu, chunk)
+    size = -(-matmul.m // chunks)
+    whole, rest = divmod(matmul.m, size)
+    seconds = whole * matmul_seconds(gpu, dataclasses.replace(matmul, m=size))
+    if rest:
+        seconds += matmul_seconds(gpu, dataclasses.replace(matmul, m=rest))
+    return seconds
 
 
 def _flops_seconds(gpu: GPU, flops: int, dtype_bytes: int, efficiency: float) -> float:
