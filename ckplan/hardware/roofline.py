@@ -33,7 +33,6 @@ memory-bound (attention's QKᵀ with k = d = 128 on an A100).
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from typing import NamedTuple
 
