@@ -140,8 +140,9 @@ def _explanation(summary: dict[str, Any]) -> str:
     text = (
         "A throughput, TFLOP/s or MFU figure is compared as the step time it implies, in the "
         "publisher's own FLOP convention; positive errors are ckplan slower. The time model's "
-        "fitted constants (a sustained fraction per GPU family, a rate per code path) were "
-        "fitted on the calibration split only (docs/validation.md)."
+        "fitted constants (a sustained fraction per GPU family, a rate for PyTorch's kernels "
+        "against Megatron's fused ones) were fitted on the calibration split only "
+        "(docs/validation.md)."
     )
     if skipped:
         text += f" {skipped} runs not scored: their status says why."
