@@ -615,6 +615,7 @@ def code_path(
     )
 
 
+@lru_cache(maxsize=512)
 def spec_code_path(spec, gpu: GPU) -> CodePath:
     """`code_path` for a model description (a ModelSpec or its ChainSpec)."""
     return code_path(

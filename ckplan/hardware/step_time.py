@@ -430,6 +430,8 @@ def attention_cp_comm(spec: ModelSpec, gpu: GPU, kind: LayerKind) -> tuple[float
     )
 
 
+# the policy searches cost the same groups of units on each layout of a `plan` again and again
+@lru_cache(maxsize=16384)
 def rerun_time(
     spec: ModelSpec, gpu: GPU, kind: LayerKind | None, again: tuple[Unit, ...]
 ) -> tuple[OpTime, float, float]:
