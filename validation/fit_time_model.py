@@ -69,7 +69,7 @@ def family_of(run) -> str | None:
     return GPU_FAMILIES.get(run.gpu)
 
 
-def kernels_of(run) -> str | None:
+def rate_group_of(run) -> str | None:
     """The group of the run's code path (`RATE_GROUPS`; the code path as `predict` builds its
     model: the framework's default, Composer's fused modules, `compile`); None where it cannot
     be built (`predict` does not score it)."""
@@ -164,9 +164,9 @@ def fit(calibration) -> tuple[dict[str, float], dict[str, float], dict[str, int]
     by_family = {f: [r for r in calibration if r.gpu in p] for f, p in FAMILIES.items()}
     by_path: dict[str, list] = {}
     for run in calibration:
-        kernels = kernels_of(run)
-        if kernels is not None:
-            by_path.setdefault(kernels, []).append(run)
+        group = rate_group_of(run)
+        if group is not None:
+            by_path.setdefault(group, []).append(run)
     fitted_paths = [
         k for k in sorted(by_path) if k != "fused" and len(by_path[k]) >= MIN_RUNS_PER_CONSTANT
     ]
