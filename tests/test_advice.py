@@ -109,7 +109,8 @@ def test_one_gpu_fine_tune_names_the_fine_tuning_levers():
     keys = [a.keys for a in advise(lora, 4 * GIB)]
     assert not any(k.get("training") == "lora" for k in keys)
     assert {"optimizer": "adamw-8bit"} not in keys
-    assert {"training": "qlora", "framework": "hf"} in keys
+    # the LoRA run names no framework: the Trainer's (adapters' default), QLoRA offered as is
+    assert lora.framework == "hf" and {"training": "qlora"} in keys
     # full training on one GPU of unknown link: the layout's levers as before
     keys = [a.keys for a in advise(spec, usable)]
     assert {"training": "lora"} not in keys and any("tp" in k for k in keys)

@@ -185,8 +185,8 @@ def test_frozen_states_hold_the_weights_only():
 
 def test_qlora_states_by_hand():
     """The linears in nf4; norms, embedding and output at weight_bytes (2); the adapters at
-    2 + 4 + 4 + 8 (Megatron-LM's recipe, the default framework)."""
-    spec = small(training="qlora", lora_rank=8)
+    2 + 4 + 4 + 8 (Megatron-LM's recipe)."""
+    spec = small(training="qlora", lora_rank=8, framework="megatron")
     assert spec.weight_format == "nf4"
     linears = [(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)]
     per_layer = sum(quantized_weight_bytes(i, o, "nf4") for i, o in linears)
@@ -260,10 +260,32 @@ def test_estimate_shows_the_trainable_parameters(capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "trainable" in out and "6,815,744" in out and "q_proj,v_proj" in out
-    code = main(["estimate", "llama3-8b", "--set", "training=qlora", "--json"])
+    argv = ["estimate", "llama3-8b", "--set", "training=qlora", "--set", "framework=megatron"]
+    code = main([*argv, "--json"])
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["parameters"]["trainable"] == 6_815_744
     assert data["memory"]["model_states"]["gradients"] == 4 * 6_815_744
+
+
+def test_adapters_default_to_the_trainer_on_a_data_parallel_layout(capsys):
+    """A model that names no framework trains LoRA and QLoRA under Hugging Face's Trainer with
+    PEFT (Megatron-LM's arguments have no adapters), and every weight under Megatron-LM, as do
+    adapters on a layout the Trainer does not run (model parallelism, ZeRO 1); a named
+    framework stays."""
+    assert small(training="lora").framework == "hf"
+    assert small(training="qlora", dp=4, zero=3).framework == "hf"
+    assert small(training="full").framework == small(training="frozen").framework == "megatron"
+    assert small(training="lora", pp=2).framework == small(training="lora", cp=2).framework
+    assert small(training="lora", pp=2).framework == "megatron"
+    assert small(training="lora", dp=2, zero=1).framework == "megatron"  # the Trainer: 0, 2, 3
+    assert small(training="lora", framework="torchtitan").framework == "torchtitan"
+    code = main(["estimate", "llama3-8b", "--set", "training=qlora", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["model"]["framework"] == "hf" and data["model"]["kernels"] == "eager"
+    # the Trainer's fp32 norms, embedding and output beside the nf4 linears (4 B/param)
+    hf = model_state_bytes(small(training="qlora", lora_rank=8))
+    megatron = model_state_bytes(small(training="qlora", lora_rank=8, framework="megatron"))
+    assert hf.weights > megatron.weights
 
 
 @pytest.mark.parametrize("strategy", ["full", "selective", "mlp+uniform:2", "optimal"])
@@ -361,7 +383,7 @@ def test_dora_on_q_and_v_by_hand():
     outputs, each adapter keeps the base output and B's output (B·tokens·out each) and three
     out-long vectors; forward forms B·A as lora_B(lora_A(eye(64))), with no backward; the
     magnitude vector (out) trains."""
-    spec = small(training="lora", lora_rank=8, use_dora=True)
+    spec = small(training="lora", lora_rank=8, use_dora=True, framework="megatron")
     saved = activation_bytes_by_op(spec)
     lora = 2 * (2 * TOKENS * 8)
     q = 2 * 2 * TOKENS * 64 + 3 * 2 * 64

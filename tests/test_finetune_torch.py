@@ -77,7 +77,9 @@ def predict(harness, cfg, training, targets, rank, dropout):
     from ckplan.inputs.presets import spec_from_values
     from ckplan.model.memory import activation_bytes_by_op
 
-    mapping = harness.ckplan_mapping_for(cfg) | {"training": training}
+    # the op table's fused kernels, as ckplan's blocks run them (adapters alone would default
+    # to the Trainer's eager ones)
+    mapping = harness.ckplan_mapping_for(cfg) | {"training": training, "framework": "megatron"}
     if training == "lora":
         mapping |= {"lora_rank": rank, "lora_targets": ",".join(targets)}
         mapping |= {"lora_dropout": dropout}
@@ -259,6 +261,7 @@ def test_peft_dora_saved_bytes_match_autograd(harness, dtype, targets, dropout):
     assert len(magnitudes) == len(targets) and all(p.grad is not None for p in magnitudes)
 
     mapping = harness.ckplan_mapping_for(cfg) | {"training": "lora", "use_dora": True}
+    mapping |= {"framework": "megatron"}  # the op table's fused kernels, as in `predict`
     mapping |= {"lora_rank": 8, "lora_targets": ",".join(targets), "lora_dropout": dropout}
     spec = spec_from_values(mapping, origin=cfg.name)
     predicted = activation_bytes_by_op(spec)

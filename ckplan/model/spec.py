@@ -342,7 +342,11 @@ def spec_from_mapping(mapping: Mapping[str, Any], origin: str = "model") -> Mode
 
 def _build(values: dict[str, Any]) -> ModelSpec:
     _validate_ranges(values)
-    framework = values.get("framework") or "megatron"
+    if values.get("framework") is None:
+        values["framework"] = frameworks.default_framework(
+            *(values.get(key) for key in ("training", "zero", "tp", "pp", "cp", "ep"))
+        )
+    framework = values["framework"]
     if framework in frameworks.RULES:  # else Execution names the key
         defaults = frameworks.training_defaults(
             framework, values.get("zero") or 0, values.get("optimizer") or "adamw"

@@ -124,13 +124,17 @@ def device_note(plan: Plan, gpu: GPU) -> str:
     """What the "on the device" row adds to the reserved peak (hardware.device_memory)."""
     device = plan.device_memory(gpu)
     terms = [f"CUDA context {gib(device.cuda_context)}"]
+    reserved = "reserved"
+    if device.reserved < plan.reserved_bytes:
+        # the allocator frees its cache before it fails (model.allocator `reserved_within`)
+        reserved = f"reserved within the GPU's memory ({gib(device.reserved)}, its cache freed)"
     if device.nccl:
         terms.append(f"NCCL buffers {gib(device.nccl)} (dp {plan.spec.dp})")
     if device.paged_optimizer:
         terms.append(f"paged optimizer {gib(device.paged_optimizer)}")
     if device.symmetric_memory:
         terms.append(f"async TP workspace {gib(device.symmetric_memory)}")
-    return "as nvidia-smi shows it: reserved + " + " + ".join(terms)
+    return f"as nvidia-smi shows it: {reserved} + " + " + ".join(terms)
 
 
 def layer_kinds_list(spec: ModelSpec) -> list[dict[str, Any]]:
