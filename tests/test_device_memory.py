@@ -185,3 +185,30 @@ def test_zero3_nccl_bytes_are_two_communicators_by_hand():
     assert data_parallel_nccl_bytes(spec, a100) == 2 * 24 * 1 * 12 * MIB
     ddp = load_spec("llama2-7b", {"framework": "deepspeed", "zero": 2, "dp": 2})
     assert data_parallel_nccl_bytes(ddp, a100) == 24 * 1 * 12 * MIB
+
+
+def test_the_device_row_says_when_the_reserved_peak_is_not_the_reserved_row():
+    """The "on the device" row adds the terms outside the allocator to the reserved peak that
+    fits the GPU: it names the reserved peak as it is, within the GPU's memory (the cache
+    freed) or, over the GPU, the allocated peak's blocks."""
+    from ckplan.plan import evaluate, parse_strategy
+    from ckplan.render.estimate import device_note
+
+    gpu = load_gpu("rtx-4090")
+    cases = [
+        ({"seq": 1024, "training": "qlora"}, "as nvidia-smi shows it: reserved +"),
+        ({"seq": 8192, "training": "qlora"}, "reserved within the GPU's memory ("),
+        ({"seq": 8192}, "the allocated peak's blocks ("),
+    ]
+    for keys, words in cases:
+        spec = load_spec("llama3-8b", keys)
+        plan = evaluate(spec, parse_strategy("full", spec))
+        device = plan.device_memory(gpu)
+        note = device_note(plan, gpu)
+        assert words in note and "CUDA context" in note
+        if "within" in words:
+            assert device.reserved < plan.reserved_bytes
+            assert device.total <= gpu.memory_bytes
+        if "blocks" in words:
+            assert device.total > gpu.memory_bytes
+            assert device.reserved == allocator.budgeted_bytes(plan.total_bytes)

@@ -125,7 +125,9 @@ def device_note(plan: Plan, gpu: GPU) -> str:
     device = plan.device_memory(gpu)
     terms = [f"CUDA context {gib(device.cuda_context)}"]
     reserved = "reserved"
-    if device.reserved < plan.reserved_bytes:
+    if device.total > gpu.memory_bytes:
+        reserved = f"the allocated peak's blocks ({gib(device.reserved)}, more than the GPU holds)"
+    elif device.reserved < plan.reserved_bytes:
         # the allocator frees its cache before it fails (model.allocator `reserved_within`)
         reserved = f"reserved within the GPU's memory ({gib(device.reserved)}, its cache freed)"
     if device.nccl:
