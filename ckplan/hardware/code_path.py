@@ -42,6 +42,7 @@ from ckplan.model.async_tp import uses_async_tp
 from ckplan.model.fp8_blocks import block_scale_bytes_1d
 from ckplan.model.frameworks import framework_version
 from ckplan.model.op import ATTENTION_CORE, Op, in_group
+from ckplan.model.parts import cached_hash
 
 # Eager PyTorch's norms, gated activations and RoPE run each step as its own ATen kernel; the
 # bytes they move per element are `eager_rmsnorm_bytes`, `eager_gated_act_bytes` and
@@ -114,6 +115,8 @@ NOT_FP8 = ("output", "router")  # the output layer and the router stay in BF16
 @dataclass(frozen=True)
 class CodePath:
     """What a run's execution changes in the roofline of its ops (see the module docstring)."""
+
+    __hash__ = cached_hash  # a cache key, hashed on every lookup
 
     gpu: GPU  # compute rates at the sustained fraction, the attention kernel's at this length
     fp8_gpu: GPU | None  # the same for FP8 GEMMs; None: BF16 GEMMs

@@ -88,6 +88,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckplan.errors import InputError
+from ckplan.model.parts import cached_hash
 from ckplan.quoting import quote
 
 
@@ -97,6 +98,7 @@ class GPUError(InputError):
 
 @dataclass(frozen=True)
 class GPU:
+    __hash__ = cached_hash  # a cache key, hashed on every lookup
     name: str
     memory_bytes: int
     bf16_flops: float

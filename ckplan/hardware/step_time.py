@@ -85,6 +85,7 @@ from ckplan.model.op_policy import (
 )
 from ckplan.model.ops import layer_ops as model_layer_ops
 from ckplan.model.ops import representative_kind
+from ckplan.model.parts import cached_by_chain
 from ckplan.model.spec import ModelSpec
 
 TOKEN_ID_BYTES = memory.TOKEN_ID_BYTES
@@ -430,8 +431,9 @@ def attention_cp_comm(spec: ModelSpec, gpu: GPU, kind: LayerKind) -> tuple[float
     )
 
 
-# the policy searches cost the same groups of units on each layout of a `plan` again and again
-@lru_cache(maxsize=16384)
+# the policy searches cost the same groups of units on each layout of a `plan` again and again,
+# and layouts that differ in dp, ZeRO or the micro-batch count share them
+@cached_by_chain(16384)
 def rerun_time(
     spec: ModelSpec, gpu: GPU, kind: LayerKind | None, again: tuple[Unit, ...]
 ) -> tuple[OpTime, float, float]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckplan.model.frameworks import framework_version
+from ckplan.model.parts import cached_hash
 from ckplan.model.spec import ChainSpec
 
 ATTENTION_CORE = "attention_core"
@@ -33,6 +34,8 @@ class Matmul:
     """One (batched) GEMM of an op's forward: `batch` x (m x k) @ (k x n), operands and result
     of `dtype_bytes` each. Its backward is the two transposed products (ckplan.hardware)."""
 
+    __hash__ = cached_hash  # a cache key, hashed on every lookup
+
     m: int
     n: int
     k: int
@@ -42,6 +45,8 @@ class Matmul:
 
 @dataclass(frozen=True)
 class Op:
+    __hash__ = cached_hash  # a cache key, hashed on every lookup
+
     name: str
     component: str  # "attention" | "mlp" | "norm"
     saved_bytes: int  # what autograd keeps for this op's backward

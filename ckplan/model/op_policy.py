@@ -72,7 +72,7 @@ from ckplan.model.moe import (
 )
 from ckplan.model.op import FP32_BYTES, LayerShapes, Matmul, Op, kv_heads_per_rank
 from ckplan.model.ops import layer_ops, representative_kind
-from ckplan.model.parts import cached_by_chain
+from ckplan.model.parts import cached_by_chain, cached_hash
 from ckplan.model.spec import ChainSpec
 from ckplan.quoting import quote
 
@@ -227,6 +227,8 @@ class Unit:
     reads and whose outputs its backward reads (none: only the layer input); `internal` the
     bytes its backward reads that only its own forward produces (a norm's statistics and
     normalised input in eager code, the routing's scores), kept with its output."""
+
+    __hash__ = cached_hash  # a cache key, hashed on every lookup
 
     name: str
     output_bytes: int
