@@ -248,6 +248,12 @@ def test_the_accuracy_line_names_its_runs():
         "h100-sxm", "megatron"
     )
     assert "on A100 GPUs," in accuracy_note("a100-80gb", "deepspeed")  # too few: the family's
+    # the publishers' frameworks where they are not (only) the modelled one
+    assert "H100 GPUs with hf (published with composer)," in accuracy_note("h100-sxm", "hf")
+    assert "with megatron (published with megatron, nemo)," in accuracy_note("h100-sxm", "megatron")
+    assert "with torchtitan (published with in-house, torchtitan)," in accuracy_note(
+        "h100-sxm", "torchtitan"
+    )
     assert "no published training runs on b200" in accuracy_note("b200", "megatron")
 
 

@@ -132,6 +132,10 @@ def write(preset: str, fraction: float, runs: int) -> None:
     path.write_text(text, encoding="utf-8")
 
 
+def _items(figures: dict) -> list[str]:
+    return [f"{json.dumps(name)}: {json.dumps(value)}" for name, value in figures.items()]
+
+
 def write_accuracy() -> None:
     """Rewrite ACCURACY in ckplan/published/accuracy.py from the test split, predicted afresh
     (a new process reads the presets just written)."""
@@ -148,12 +152,12 @@ def write_accuracy() -> None:
     )
     text = ACCURACY_MODULE.read_text(encoding="utf-8")
     dictionary = r"^ACCURACY: [^\n{]*\{(?:[^{}]|\{[^{}]*\})*\}"
-    # One entry a line, as `ruff format` writes the dictionary.
+    # One entry a line; `ruff format` splits the long ones.
     entries = "".join(
-        f'    "{key}": {{"runs": {value["runs"]}, "mean_abs_error": {value["mean_abs_error"]}}},\n'
+        f"    {json.dumps(key)}: {{{', '.join(_items(value))}}},\n"
         for key, value in figures.items()
     )
-    line = f"ACCURACY: dict[str, dict[str, float]] = {{\n{entries}}}"
+    line = f"ACCURACY: dict[str, dict[str, Any]] = {{\n{entries}}}"
     text = re.sub(dictionary, lambda _: line, text, count=1, flags=re.M)
     ACCURACY_MODULE.write_text(text, encoding="utf-8")
 

@@ -40,6 +40,7 @@ def accuracy(predictions: list[Prediction], split: str = "test") -> dict[str, An
     scored time runs of `split` (the held-out test split by default: runs the fitted constants
     never saw): what `estimate` and `plan` quote."""
     groups: dict[str, list[float]] = {}
+    published: dict[str, set[str]] = {}  # the publishers' frameworks behind a framework key
     for prediction in predictions:
         run = prediction.run
         if not prediction.scored or run.published.metric in MEMORY_METRICS or run.split != split:
@@ -47,10 +48,14 @@ def accuracy(predictions: list[Prediction], split: str = "test") -> dict[str, An
         family = FAMILIES.get(run.gpu, run.gpu)
         for key in (family, f"{family}/{prediction.spec.framework}"):
             groups.setdefault(key, []).append(abs(prediction.error))
-    return {
-        key: {"runs": len(errors), "mean_abs_error": round(sum(errors) / len(errors), 4)}
-        for key, errors in sorted(groups.items())
-    }
+        publisher = "in-house" if run.framework == "other" else run.framework  # Meta's, ...
+        published.setdefault(f"{family}/{prediction.spec.framework}", set()).add(publisher)
+    figures: dict[str, Any] = {}
+    for key, errors in sorted(groups.items()):
+        figures[key] = {"runs": len(errors), "mean_abs_error": round(sum(errors) / len(errors), 4)}
+        if key in published:
+            figures[key]["published_with"] = ", ".join(sorted(published[key]))
+    return figures
 
 
 __all__ = ["accuracy", "run_suite", "selected", "suite_runs", "summarise"]
