@@ -174,3 +174,17 @@ def test_qlora_snippet_and_every_optim_construct(spec_of, tmp_path):
     bnb = namespace["bnb_config"]
     assert bnb.load_in_4bit and bnb.bnb_4bit_quant_type == "nf4" and bnb.bnb_4bit_use_double_quant
     assert str(namespace["training_args"].optim.value) == "paged_adamw_8bit"
+
+
+def test_an_unquantised_model_loads_in_the_dtype_its_weights_were_counted_in(spec_of):
+    """from_pretrained's default dtype changed (float32 up to transformers v4.57, the
+    checkpoint's from v5): the snippet names the one ckplan counted, and leaves a 4-bit model's
+    to bitsandbytes and prepare_model_for_kbit_training."""
+    fp32 = exports.export(plan_of(spec_of("llama3-8b", training="lora"), "full"), "peft").text
+    assert "from_pretrained(NAME, dtype=torch.float32)" in fp32 and "import torch" in fp32
+    bf16 = spec_of("llama3-8b", training="lora", weight_bytes=2, weight_format="bf16")
+    text = exports.export(plan_of(bf16, "full"), "peft").text
+    assert "from_pretrained(NAME, dtype=torch.bfloat16)" in text
+    qlora = exports.export(plan_of(spec_of("llama3-8b", training="qlora"), "full"), "peft").text
+    assert "from_pretrained(NAME, quantization_config=bnb_config)" in qlora
+    assert "from_pretrained(NAME, dtype" not in qlora

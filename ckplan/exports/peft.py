@@ -142,6 +142,17 @@ def _literal(value: object) -> str:
     return repr(value).replace("'", '"')
 
 
+def loaded_dtype(spec: ModelSpec) -> str:
+    """The dtype the snippet loads an unquantised model in: the one ckplan counted its weights
+    in (`weight_bytes`: 4 fp32, 2 the run's half precision). Named, because `from_pretrained`'s
+    default changed: float32 up to transformers v4.57, the checkpoint's own dtype from v5
+    (`dtype="auto"`, huggingface/transformers PR #42805); the `dtype` keyword is v4.56's (PR
+    #39782, `torch_dtype` before)."""
+    if spec.weight_bytes >= 4:
+        return COMPUTE_DTYPES["fp32"]
+    return COMPUTE_DTYPES["fp16" if spec.precision == "fp16" else "bf16"]
+
+
 def render(plan: Plan, layers: LayerSegments) -> str:
     spec = plan.spec
     objects = values(plan, layers)
@@ -151,8 +162,9 @@ def render(plan: Plan, layers: LayerSegments) -> str:
         "TrainingArguments": "training_args",
     }
     quantized = "BitsAndBytesConfig" in objects
+    load_dtype = None if quantized else loaded_dtype(spec)
     lines = [f"# ckplan plan {plan.strategy} for {spec.name}: Hugging Face Trainer with PEFT"]
-    if quantized:
+    if quantized or load_dtype:
         lines.append("import torch")
     if "LoraConfig" in objects:
         lines.append("from peft import LoraConfig")
@@ -162,7 +174,7 @@ def render(plan: Plan, layers: LayerSegments) -> str:
         lines.append(f"{names[name]} = {name}(")
         lines.extend(f"    {key}={_literal(value)}," for key, value in kwargs.items())
         lines.append(")")
-    config = ", quantization_config=bnb_config" if quantized else ""
+    config = ", quantization_config=bnb_config" if quantized else f", dtype={load_dtype}"
     lines.append(f"# model = AutoModelForCausalLM.from_pretrained(NAME{config})")
     if quantized:
         lines.append("# model = peft.prepare_model_for_kbit_training(model)")
