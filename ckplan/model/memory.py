@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ckplan.model import finetune, frameworks, mtp, optimizers
 from ckplan.model.fp8_blocks import weight_block_amaxes, weight_block_scale_bytes
@@ -703,6 +704,8 @@ class ModelStateBytes:
         return self.expert_weights + self.expert_gradients + self.expert_optimizer
 
 
+# every strategy a search evaluates on a layout holds the same states and pipeline buffers
+@lru_cache(maxsize=4096)
 def model_state_bytes(spec: ModelSpec, stage: int | None = None) -> ModelStateBytes:
     """Weights, gradients and optimizer state per GPU of pipeline stage `stage` (default the
     busiest, `busiest_stage`).
@@ -860,6 +863,7 @@ def outside_layer_parameters(spec: ModelSpec, stage: int) -> int:
     return dense + expert - in_layers
 
 
+@lru_cache(maxsize=4096)
 def pipeline_buffer_bytes(spec: ModelSpec, stage: int, in_flight: int) -> int:
     """The pipeline runtime's buffers on one GPU of pipeline stage `stage` with `in_flight`
     micro-batches waiting for their backward: torch.distributed.pipelining's under torchtitan
