@@ -99,6 +99,7 @@ class GPUError(InputError):
 @dataclass(frozen=True)
 class GPU:
     __hash__ = cached_hash  # a cache key, hashed on every lookup
+
     name: str
     memory_bytes: int
     bf16_flops: float
