@@ -9,6 +9,7 @@ from ckplan.cli import main
 from ckplan.errors import InputError
 from ckplan.model.finetune import (
     adapter_tensor_elements,
+    dequantize_4bit_bytes,
     gathered_layer_bytes,
     gathered_weight_bytes,
     matmul_4bit_keeps_input,
@@ -451,3 +452,25 @@ def test_dora_on_llama3_8b_adds_one_magnitude_per_output_row(capsys):
     assert parameter_count(spec).trainable == 6_815_744 + 32 * (4096 + 1024)
     assert main(["estimate", "llama3-8b", "--set", "training=lora", "--set", "use_dora=true"]) == 0
     assert "DoRA r=16 on q_proj,v_proj" in capsys.readouterr().out
+
+
+def test_a_4bit_weight_is_dequantised_in_forward_and_again_in_backward():
+    """bitsandbytes' MatMul4Bit dequantises the weight to the 2-byte compute dtype in forward
+    and in backward for dX: each pass reads the packed values and statistics and writes the
+    copy. The small model's q_proj (64 x 64): 2,048 packed bytes, 64 block absmaxes, one fp32
+    second-level absmax, an fp32 offset and the 16 fp32 code values, then 8,192 bytes
+    written; its qkv_proj op (q 64 x 64, k and v 64 x 32) and fc1 (gate and up, 64 x 128 each)
+    move the sums; a bf16 LoRA and int8 weights move none of it."""
+    assert dequantize_4bit_bytes(64, 64, "nf4") == (2_048 + 64 + 4 + 4 + 64) + 2 * 64 * 64
+    spec = small(training="qlora", lora_rank=8)
+    ops = {op.name: op for op in spec_ops(spec)}
+    qkv = sum(dequantize_4bit_bytes(64, out, "nf4") for out in (64, 32, 32))
+    fc1 = 2 * dequantize_4bit_bytes(64, 128, "nf4")
+    base = {op.name: op for op in spec_ops(small(training="lora", lora_rank=8))}
+    assert ops["qkv_proj"].forward_bytes == base["qkv_proj"].forward_bytes + qkv
+    assert ops["qkv_proj"].backward_bytes == qkv
+    assert ops["fc1"].forward_bytes - base["fc1"].forward_bytes == ops["fc1"].backward_bytes == fc1
+    assert ops["fc2"].backward_bytes == dequantize_4bit_bytes(128, 64, "nf4")
+    assert base["qkv_proj"].backward_bytes == 0
+    int8 = {op.name: op for op in spec_ops(small(training="lora", weight_format="int8"))}
+    assert int8["qkv_proj"].backward_bytes == 0

@@ -15,8 +15,10 @@ the model states when the base weights do not train (docs/fine-tuning.md).
   double-quantised block statistics (`quantized_weight_bytes`); bitsandbytes' MatMul4Bit
   (bitsandbytes 0.45.5, bitsandbytes/autograd/_functions.py) saves no activation
   (`ctx.tensors = (None, B)`: the packed weight only) and dequantises the weight to the
-  activation dtype in forward and again in backward for dX. Releases before 0.43.2 keep the
-  input too (`matmul_4bit_keeps_input`).
+  activation dtype in forward and again in backward for dX, each time a memory-bound kernel
+  that reads the packed weight and its statistics and writes the dequantised copy
+  (`dequantize_4bit_bytes`). Releases before 0.43.2 keep the input too
+  (`matmul_4bit_keeps_input`).
 
 - DoRA (Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank Adaptation", §4.3; PEFT's
   `use_dora`, peft v0.21.2 src/peft/tuners/lora/dora.py `DoraLinearLayer.forward` and
@@ -244,6 +246,18 @@ def linear_weight_parameters(spec: ChainSpec) -> int:
     return sum(fan_in * fan_out for fan_in, fan_out in linear_shapes(spec).values())
 
 
+def dequantize_4bit_bytes(fan_in: int, fan_out: int, weight_format: str) -> int:
+    """HBM bytes one dequantisation of a 4-bit (fan_in x fan_out) weight moves: it reads the
+    packed values and their double-quantised statistics (`quantized_weight_bytes`) and writes
+    the weight in the 2-byte compute dtype. bitsandbytes 0.45.5 bitsandbytes/autograd/
+    _functions.py, `MatMul4Bit`: forward `F.linear(A, F.dequantize_4bit(B, quant_state)
+    .to(A.dtype).t(), bias)`, backward `torch.matmul(grad_output, F.dequantize_4bit(B,
+    ctx.state).to(grad_output.dtype).t())`; `dequantize_4bit` (functional.py) first expands the
+    nested absmax (`dequantize_blockwise`), then writes the weight in `quant_state.dtype`, the
+    compute dtype (`.to` is then no copy). derived: the bytes each kernel reads and writes."""
+    return quantized_weight_bytes(fan_in, fan_out, weight_format) + HALF_BYTES * fan_in * fan_out
+
+
 def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
     """The op table with the base weights frozen, and LoRA's ops after the linears they adapt
     (an op post-pass, like `ops.fp8_saved`, so that every strategy, breakdown and chain reads
@@ -255,7 +269,9 @@ def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
       Its backward is the input-gradient GEMM alone (backward FLOPs = forward FLOPs) and it
       has no bias gradient to sum.
     - QLoRA: its backward dequantises the (largest) weight of the op to the activation dtype,
-      a temporary beside its gradients. Under bitsandbytes before 0.43.2 a 4-bit linear keeps
+      a temporary beside its gradients; its forward and its backward each move every 4-bit
+      weight's dequantisation (`dequantize_4bit_bytes`) as memory-bound bytes, which a
+      re-forward repeats. Under bitsandbytes before 0.43.2 a 4-bit linear keeps
       its input until its backward (`matmul_4bit_keeps_input`), whoever else saves it: one
       input per op, since the projections an op holds read the same tensor (q, k and v the
       normed x, gate and up the normed x).
@@ -279,9 +295,14 @@ def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
         by_site.setdefault(adapter.site, []).append(adapter)
     shapes = linear_shapes(spec)
     site_weights: dict[str, int] = {}
+    site_dequantized: dict[str, int] = {}  # 4-bit weights: one dequantisation's bytes
+    four_bit = finetune.weight_format in ("nf4", "fp4")
     for name, (fan_in, fan_out) in shapes.items():
         site = SITE_OF[name]
         site_weights[site] = max(site_weights.get(site, 0), fan_in * fan_out)
+        if four_bit:
+            moved = dequantize_4bit_bytes(fan_in, fan_out, finetune.weight_format)
+            site_dequantized[site] = site_dequantized.get(site, 0) + moved
     quantized = finetune.weight_format in ("nf4", "fp4", "int8")
     four_bit_keeps_input = finetune.weight_format in ("nf4", "fp4") and matmul_4bit_keeps_input(
         finetune.bitsandbytes_version
@@ -298,12 +319,14 @@ def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
             or four_bit_keeps_input
         )
         dequantized = HALF_BYTES * site_weights[op.name] if quantized else 0
+        dequantize_moved = site_dequantized.get(op.name, 0)
         out.append(
             dataclasses.replace(
                 op,
                 saved_bytes=op.saved_bytes if keeps_input else 0,
                 backward_flops=op.forward_flops,
-                backward_bytes=0,
+                forward_bytes=op.forward_bytes + dequantize_moved,
+                backward_bytes=dequantize_moved,
                 grad_workspace_bytes=op.grad_workspace_bytes + dequantized,
             )
         )
