@@ -152,7 +152,7 @@ def write_accuracy() -> None:
     )
     text = ACCURACY_MODULE.read_text(encoding="utf-8")
     dictionary = r"^ACCURACY: [^\n{]*\{(?:[^{}]|\{[^{}]*\})*\}"
-    # One entry a line; `ruff format` splits the long ones.
+    # One entry a line; `ruff format` (run below, a dev dependency) splits the long ones.
     entries = "".join(
         f"    {json.dumps(key)}: {{{', '.join(_items(value))}}},\n"
         for key, value in figures.items()
@@ -160,6 +160,7 @@ def write_accuracy() -> None:
     line = f"ACCURACY: dict[str, dict[str, Any]] = {{\n{entries}}}"
     text = re.sub(dictionary, lambda _: line, text, count=1, flags=re.M)
     ACCURACY_MODULE.write_text(text, encoding="utf-8")
+    subprocess.run([sys.executable, "-m", "ruff", "format", "-q", str(ACCURACY_MODULE)], check=True)
 
 
 def fit(calibration) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:

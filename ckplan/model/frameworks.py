@@ -82,7 +82,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
 
 from ckplan.model import optimizers
 
@@ -145,15 +144,21 @@ RULES = {
 TRAINING_KEYS = ("weight_bytes", "grad_bytes", "master_bytes", "optimizer_bytes")
 
 
-def default_framework(training: Any, zero: Any, tp: Any, pp: Any, cp: Any, ep: Any) -> str:
+def default_framework(
+    training: str | None,
+    zero: int | None,
+    tp: int | None,
+    pp: int | None,
+    cp: int | None,
+    ep: int | None,
+) -> str:
     """The framework a model that names none runs under: for adapters (`training` lora or qlora)
     on a layout the Trainer runs (`layout_error`), Hugging Face's Trainer with PEFT, where LoRA
     and QLoRA run (bitsandbytes' 4-bit weights, `prepare_model_for_kbit_training`);
     Megatron-LM's arguments have no adapters (megatron/training/arguments.py at core_v0.19.0:
     its --q-lora-rank and --kv-lora-rank are MLA's projections). Otherwise Megatron-LM."""
-    sizes = [size if isinstance(size, int) else 1 for size in (tp, pp, cp, ep)]
-    stage = zero if isinstance(zero, int) else 0
-    if training in ("lora", "qlora") and layout_error("hf", stage, *sizes) is None:
+    sizes = (size or 1 for size in (tp, pp, cp, ep))  # None: not given, the default 1
+    if training in ("lora", "qlora") and layout_error("hf", zero or 0, *sizes) is None:
         return "hf"
     return "megatron"
 
