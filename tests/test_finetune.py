@@ -10,9 +10,13 @@ from ckplan.errors import InputError
 from ckplan.model.finetune import (
     adapter_tensor_elements,
     dequantize_4bit_bytes,
+    dequantize_8bit_bytes,
     gathered_layer_bytes,
     gathered_weight_bytes,
+    int8_forward_bytes,
+    int8_transposed_input_bytes,
     matmul_4bit_keeps_input,
+    matmul_8bit_keeps_transposed_input,
     quantization_statistics_bytes,
     quantized_weight_bytes,
 )
@@ -118,6 +122,63 @@ def test_qlora_under_bitsandbytes_0_43_0_keeps_each_4bit_linear_input():
         small(training="lora", bitsandbytes_version="0.43.0")
     with pytest.raises(InputError, match="bitsandbytes_version"):
         small(training="qlora", bitsandbytes_version="latest")
+
+
+def test_int8_linears_keep_their_input_and_before_0_45_a_transposed_int8_copy():
+    """LLM.int8(): MatMul8bitLt keeps its input in ctx.tensors in every release (checked on the
+    CPU for 0.44.1, 0.45.5 and 0.50.1 by validation/bitsandbytes_matmul8bit_input.py), so with
+    dropout on every adapter (whose dropout outputs are other storages) each int8 linear op
+    still keeps its input: qkv_proj's and fc1's normed x (X each), fc2's F-wide input; where a
+    bf16 LoRA keeps none. Before 0.45.0 every int8 linear also keeps CAt, one int8 per input
+    value, and SCAt, an fp32 per input feature: q, k and v each quantise the normed x, gate and
+    up too."""
+    keys = {"training": "lora", "lora_rank": 8, "lora_dropout": 0.1, "lora_targets": "all-linear"}
+    bf16 = activation_bytes_by_op(small(**keys))
+    int8 = activation_bytes_by_op(small(**keys, weight_format="int8"))
+    old = activation_bytes_by_op(small(**keys, weight_format="int8", bitsandbytes_version="0.44.1"))
+    assert bf16["qkv_proj"] == bf16["fc1"] == bf16["fc2"] == 0
+    assert int8["qkv_proj"] == int8["fc1"] == X and int8["fc2"] == 2 * TOKENS * 128
+    assert int8["out_proj"] == bf16["out_proj"] == 2 * TOKENS * 64  # the flash output, once
+    assert int8_transposed_input_bytes(TOKENS, 64) == TOKENS * 64 + 4 * 64
+    assert old["qkv_proj"] - int8["qkv_proj"] == 3 * (TOKENS * 64 + 4 * 64)
+    assert old["fc1"] - int8["fc1"] == 2 * (TOKENS * 64 + 4 * 64)
+    assert old["fc2"] - int8["fc2"] == TOKENS * 128 + 4 * 128
+    assert old["out_proj"] - int8["out_proj"] == TOKENS * 64 + 4 * 64
+    # LoRA on q and v without dropout: the untargeted MLP's int8 linears keep their inputs
+    plain = activation_bytes_by_op(small(training="lora", weight_format="int8"))
+    assert plain["fc1"] == X and plain["fc2"] == 2 * TOKENS * 128
+    assert matmul_8bit_keeps_transposed_input("0.44.1")
+    assert matmul_8bit_keeps_transposed_input("0.41.0")
+    assert not matmul_8bit_keeps_transposed_input("0.45.0")
+    assert not matmul_8bit_keeps_transposed_input("0.50.1")
+    assert not matmul_8bit_keeps_transposed_input(None)
+    with pytest.raises(InputError, match="nf4, fp4 or int8"):
+        small(training="lora", bitsandbytes_version="0.44.1")
+
+
+def test_int8_linears_move_their_quantisation_and_the_weights_dequantisation():
+    """bitsandbytes 0.45.5's MatMul8bitLt beside its GEMM, bf16 activations, per input value:
+    the fp16 cast (2 + 2), the outlier search at threshold 6 (abs 2 + 2, >= 2 + 1, two any()
+    1 + 1), the quantisation (2 + 1): 16; per row an fp32 scale; per output value the
+    dequantisation (4 + 2) and the bf16 cast (2 + 2): 10; both scale vectors read. Backward:
+    the int8 codes copied to bf16 (1 + 2) and scaled in place (2 + 2) per weight value, the
+    scale vector made (4 + 4) and read (4) per row. Under fp16 activations no cast runs."""
+    assert int8_forward_bytes(32, 64, 16, 2, fp16=False) == (
+        32 * 64 * 16 + 4 * 32 + 32 * 16 * 10 + 4 * (32 + 16)
+    )
+    assert int8_forward_bytes(32, 64, 16, 2, fp16=True) == (
+        32 * 64 * 12 + 4 * 32 + 32 * 16 * 6 + 4 * (32 + 16)
+    )
+    assert dequantize_8bit_bytes(64, 16, 2) == 64 * 16 * 7 + 12 * 16
+    ops = {op.name: op for op in spec_ops(small(training="lora", weight_format="int8"))}
+    base = {op.name: op for op in spec_ops(small(training="lora"))}
+    qkv_forward = sum(int8_forward_bytes(TOKENS, 64, out, 2, fp16=False) for out in (64, 32, 32))
+    assert ops["qkv_proj"].forward_bytes == base["qkv_proj"].forward_bytes + qkv_forward
+    assert ops["qkv_proj"].backward_bytes == sum(
+        dequantize_8bit_bytes(64, out, 2) for out in (64, 32, 32)
+    )
+    assert ops["fc2"].backward_bytes == dequantize_8bit_bytes(128, 64, 2)
+    assert ops["fc1"].forward_flops == base["fc1"].forward_flops  # the GEMM at the BF16 rate
 
 
 def test_all_linear_targets_every_linear_of_the_layer():
@@ -460,7 +521,7 @@ def test_a_4bit_weight_is_dequantised_in_forward_and_again_in_backward():
     copy. The small model's q_proj (64 x 64): 2,048 packed bytes, 64 block absmaxes, one fp32
     second-level absmax, an fp32 offset and the 16 fp32 code values, then 8,192 bytes
     written; its qkv_proj op (q 64 x 64, k and v 64 x 32) and fc1 (gate and up, 64 x 128 each)
-    move the sums; a bf16 LoRA and int8 weights move none of it."""
+    move the sums; a bf16 LoRA moves none of it."""
     assert dequantize_4bit_bytes(64, 64, "nf4") == (2_048 + 64 + 4 + 4 + 64) + 2 * 64 * 64
     spec = small(training="qlora", lora_rank=8)
     ops = {op.name: op for op in spec_ops(spec)}
@@ -472,5 +533,3 @@ def test_a_4bit_weight_is_dequantised_in_forward_and_again_in_backward():
     assert ops["fc1"].forward_bytes - base["fc1"].forward_bytes == ops["fc1"].backward_bytes == fc1
     assert ops["fc2"].backward_bytes == dequantize_4bit_bytes(128, 64, "nf4")
     assert base["qkv_proj"].backward_bytes == 0
-    int8 = {op.name: op for op in spec_ops(small(training="lora", weight_format="int8"))}
-    assert int8["qkv_proj"].backward_bytes == 0

@@ -19,6 +19,10 @@ the model states when the base weights do not train (docs/fine-tuning.md).
   that reads the packed weight and its statistics and writes the dequantised copy
   (`dequantize_4bit_bytes`). Releases before 0.43.2 keep the input too
   (`matmul_4bit_keeps_input`).
+- LLM.int8() (Dettmers et al. 2022) keeps the frozen weights in int8 with an fp32 scale per
+  row; bitsandbytes' MatMul8bitLt quantises each input to int8 for an int8 GEMM and keeps the
+  input itself for the backward, which rebuilds the weight in the activation dtype for dX
+  (`int8_forward_bytes`, `dequantize_8bit_bytes`, `matmul_8bit_keeps_transposed_input`).
 
 - DoRA (Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank Adaptation", §4.3; PEFT's
   `use_dora`, peft v0.21.2 src/peft/tuners/lora/dora.py `DoraLinearLayer.forward` and
@@ -96,8 +100,85 @@ def matmul_4bit_keeps_input(bitsandbytes_version: str | None) -> bool:
     is a current release: False."""
     if bitsandbytes_version is None:
         return False
-    release = tuple(int(part) for part in bitsandbytes_version.split("."))
-    return release < MATMUL_4BIT_DROPS_INPUT_FROM
+    return _release(bitsandbytes_version) < MATMUL_4BIT_DROPS_INPUT_FROM
+
+
+# bitsandbytes' first release whose MatMul8bitLt quantises a frozen weight's input one way only
+MATMUL_8BIT_FAST_PATH_FROM = (0, 45, 0)
+# transformers' BitsAndBytesConfig(load_in_8bit=True) default llm_int8_threshold: LLM.int8()'s
+# outlier threshold (Dettmers et al. 2022, §3.2), which turns on the outlier search each forward
+INT8_THRESHOLD = 6.0
+
+
+def _release(bitsandbytes_version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in bitsandbytes_version.split("."))
+
+
+def matmul_8bit_keeps_transposed_input(bitsandbytes_version: str | None) -> bool:
+    """Whether bitsandbytes' LLM.int8() matmul keeps a column-wise int8 copy of its input (CAt,
+    with its fp32 column statistics SCAt) until its backward, beside the input itself.
+
+    bitsandbytes 0.41.0 to 0.44.1, bitsandbytes/autograd/_functions.py `MatMul8bitLt.forward`:
+    `CA, CAt, SCA, SCAt, coo_tensorA = F.double_quant(A.to(torch.float16), ...)` on every call,
+    then `if any(ctx.needs_input_grad[:2]): ctx.tensors = (CAt, subA, A)`. From 0.45.0 a weight
+    that needs no gradient takes the fast path, `F.int8_vectorwise_quant`, and CAt is None.
+    `bitsandbytes_version` None is a current release: False."""
+    if bitsandbytes_version is None:
+        return False
+    return _release(bitsandbytes_version) < MATMUL_8BIT_FAST_PATH_FROM
+
+
+def int8_transposed_input_bytes(tokens: int, fan_in: int) -> int:
+    """Bytes of the copy `matmul_8bit_keeps_transposed_input` describes, for one int8 linear:
+    CAt, one int8 per input value, and SCAt, one fp32 per input feature (bitsandbytes 0.44.1
+    functional.py `double_quant`: `out_col` in A's shape, `col_stats` of A's columns)."""
+    return tokens * fan_in + FP32_BYTES * fan_in
+
+
+def int8_forward_bytes(tokens: int, fan_in: int, fan_out: int, dtype_bytes: int, fp16: bool) -> int:
+    """HBM bytes one LLM.int8() linear moves beside its int8 GEMM in the forward, as
+    bitsandbytes 0.45.5 runs a frozen weight (bitsandbytes/autograd/_functions.py
+    `MatMul8bitLt.forward`, functional.py `int8_vectorwise_quant`, `int8_mm_dequant`), per
+    input value (tokens·fan_in) and output value (tokens·fan_out):
+
+    - `A.to(torch.float16)`: reads the input, writes fp16 (none under fp16 activations);
+    - the outlier search at llm_int8_threshold 6.0 (`INT8_THRESHOLD`): `A.abs()` reads 2 and
+      writes 2 bytes, `>= threshold` reads 2 and writes a 1-byte bool, `outliers.any()` and
+      `outliers.any(dim=0)` read it once each;
+    - `cint8_vector_quant` reads 2 and writes the 1-byte codes, and an fp32 scale per row;
+    - `int8_mm_dequant` reads the GEMM's int32 output and writes fp16, with both scale vectors;
+    - `.to(A.dtype)`: reads fp16 and writes the activation dtype (none under fp16).
+
+    The outlier columns' own fp16 product (`addmm(subA, state.subB)`) depends on the data and
+    is not counted. derived: the bytes each kernel reads and writes."""
+    cast_in = 0 if fp16 else dtype_bytes + HALF_BYTES
+    cast_out = 0 if fp16 else HALF_BYTES + dtype_bytes
+    outlier_search = (2 + 2) + (2 + 1) + 1 + 1
+    quantize = HALF_BYTES + 1
+    dequantize = FP32_BYTES + HALF_BYTES
+    per_input = cast_in + outlier_search + quantize
+    return (
+        tokens * fan_in * per_input
+        + FP32_BYTES * tokens  # the row scales, written by the quantisation
+        + tokens * fan_out * (dequantize + cast_out)
+        + FP32_BYTES * (tokens + fan_out)  # both scale vectors, read by the dequantisation
+    )
+
+
+def dequantize_8bit_bytes(fan_in: int, fan_out: int, dtype_bytes: int) -> int:
+    """HBM bytes one LLM.int8() linear's backward moves to rebuild its weight for dX
+    (bitsandbytes 0.45.5 `MatMul8bitLt.backward`: `CB = state.CB.to(ctx.dtype_A, copy=True)
+    .mul_(state.SCB.unsqueeze(1).mul(1.0 / 127.0))`, then `torch.matmul(grad_output, CB)`):
+    the copy reads the int8 codes and writes the activation dtype, the scale vector is read
+    and written once, and the in-place multiply reads the weight and the scales and writes
+    the weight. derived: the bytes each kernel reads and writes."""
+    n = fan_in * fan_out
+    return (
+        n * (1 + dtype_bytes)
+        + 2 * FP32_BYTES * fan_out
+        + n * 2 * dtype_bytes
+        + FP32_BYTES * fan_out
+    )
 
 
 def linear_shapes(spec: ChainSpec) -> dict[str, tuple[int, int]]:
@@ -275,6 +356,13 @@ def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
       its input until its backward (`matmul_4bit_keeps_input`), whoever else saves it: one
       input per op, since the projections an op holds read the same tensor (q, k and v the
       normed x, gate and up the normed x).
+    - LLM.int8() (weight_format int8): bitsandbytes' MatMul8bitLt keeps its input until its
+      backward in every release (`ctx.tensors = (CAt, subA, A)`), before 0.45.0 with a
+      column-wise int8 copy of it per linear (`int8_transposed_input_bytes`); its forward
+      moves the input's casts, outlier search and quantisation and the output's dequantisation
+      (`int8_forward_bytes`), its backward the weight's dequantisation
+      (`dequantize_8bit_bytes`), as memory-bound bytes. The int8 GEMM is timed as the op's
+      GEMM at the GPU's BF16 rate, and the outlier columns' fp16 product is not counted.
     - `{site}_lora`, one op per adapted linear: per adapter A's r-wide output (B's input); with
       lora_dropout, per adapter the dropout output A saves and its 1-byte mask (CUDA's
       native_dropout); FLOPs 2·tokens·r·(in + out) forward, twice that backward (both
@@ -295,17 +383,35 @@ def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
         by_site.setdefault(adapter.site, []).append(adapter)
     shapes = linear_shapes(spec)
     site_weights: dict[str, int] = {}
-    site_dequantized: dict[str, int] = {}  # 4-bit weights: one dequantisation's bytes
+    # quantised weights: the bytes their kernels move beside the GEMMs, forward and backward,
+    # and what an int8 linear keeps beyond its input
+    moved_forward: dict[str, int] = {}
+    moved_backward: dict[str, int] = {}
+    kept: dict[str, int] = {}
     four_bit = finetune.weight_format in ("nf4", "fp4")
+    eight_bit = finetune.weight_format == "int8"
+    keeps_transposed = eight_bit and matmul_8bit_keeps_transposed_input(
+        finetune.bitsandbytes_version
+    )
     for name, (fan_in, fan_out) in shapes.items():
         site = SITE_OF[name]
         site_weights[site] = max(site_weights.get(site, 0), fan_in * fan_out)
+        forward = backward = extra = 0
         if four_bit:
-            moved = dequantize_4bit_bytes(fan_in, fan_out, finetune.weight_format)
-            site_dequantized[site] = site_dequantized.get(site, 0) + moved
+            forward = backward = dequantize_4bit_bytes(fan_in, fan_out, finetune.weight_format)
+        if eight_bit:
+            fp16 = spec.precision == "fp16"
+            forward = int8_forward_bytes(tokens, fan_in, fan_out, B, fp16)
+            backward = dequantize_8bit_bytes(fan_in, fan_out, B)
+            extra = int8_transposed_input_bytes(tokens, fan_in) if keeps_transposed else 0
+        moved_forward[site] = moved_forward.get(site, 0) + forward
+        moved_backward[site] = moved_backward.get(site, 0) + backward
+        kept[site] = kept.get(site, 0) + extra
     quantized = finetune.weight_format in ("nf4", "fp4", "int8")
-    four_bit_keeps_input = finetune.weight_format in ("nf4", "fp4") and matmul_4bit_keeps_input(
-        finetune.bitsandbytes_version
+    # bitsandbytes' matmul holding the input in ctx.tensors: MatMul8bitLt always, MatMul4Bit
+    # before 0.43.2
+    bitsandbytes_keeps_input = eight_bit or (
+        four_bit and matmul_4bit_keeps_input(finetune.bitsandbytes_version)
     )
     out: list[Op] = []
     for op in ops:
@@ -316,17 +422,16 @@ def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
         keeps_input = (
             (bool(site) and not dropout)
             or (op.name == "out_proj" and op.saved_until is not None)
-            or four_bit_keeps_input
+            or bitsandbytes_keeps_input
         )
         dequantized = HALF_BYTES * site_weights[op.name] if quantized else 0
-        dequantize_moved = site_dequantized.get(op.name, 0)
         out.append(
             dataclasses.replace(
                 op,
-                saved_bytes=op.saved_bytes if keeps_input else 0,
+                saved_bytes=(op.saved_bytes if keeps_input else 0) + kept.get(op.name, 0),
                 backward_flops=op.forward_flops,
-                forward_bytes=op.forward_bytes + dequantize_moved,
-                backward_bytes=dequantize_moved,
+                forward_bytes=op.forward_bytes + moved_forward.get(op.name, 0),
+                backward_bytes=moved_backward.get(op.name, 0),
                 grad_workspace_bytes=op.grad_workspace_bytes + dequantized,
             )
         )

@@ -1011,10 +1011,12 @@ def _validate_finetune(spec: ModelSpec) -> None:
     """The fine-tuning keys (docs/fine-tuning.md): LoRA keys need LoRA, QLoRA 4-bit weights,
     and the layers and layouts ckplan models with frozen weights."""
     finetune = spec.finetune
-    if finetune.bitsandbytes_version is not None and finetune.weight_format not in ("nf4", "fp4"):
+    quantized = ("nf4", "fp4", "int8")
+    if finetune.bitsandbytes_version is not None and finetune.weight_format not in quantized:
         raise SpecError(
-            "key 'bitsandbytes_version' sets how bitsandbytes runs 4-bit weights: it needs "
-            f"weight_format nf4 or fp4 (weight_format is {finetune.weight_format or 'not set'})"
+            "key 'bitsandbytes_version' sets how bitsandbytes runs 4-bit and int8 weights: it "
+            f"needs weight_format nf4, fp4 or int8 (weight_format is "
+            f"{finetune.weight_format or 'not set'})"
         )
     lora = finetune.training in ("lora", "qlora")
     if not lora:
