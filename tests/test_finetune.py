@@ -13,6 +13,7 @@ from ckplan.model.finetune import (
     dequantize_8bit_bytes,
     gathered_layer_bytes,
     gathered_weight_bytes,
+    held_through_checkpoint_bytes,
     int8_forward_bytes,
     int8_transposed_input_bytes,
     matmul_4bit_keeps_input,
@@ -21,13 +22,16 @@ from ckplan.model.finetune import (
     quantized_weight_bytes,
 )
 from ckplan.model.flops import layer_backward_flops
+from ckplan.model.frameworks import checkpoint_reentrant
 from ckplan.model.memory import (
     activation_bytes_by_op,
     layer_backward_walk,
     model_state_bytes,
     parameter_count,
 )
+from ckplan.model.ops import layer_ops
 from ckplan.model.spec import spec_from_mapping
+from ckplan.plan import evaluate, parse_strategy
 
 # s 16, b 2, h 64, a 4, g 2 (d 16), F 128, B 2: 32 tokens, a residual-stream tensor 4,096 bytes
 SMALL = {
@@ -154,6 +158,43 @@ def test_int8_linears_keep_their_input_and_before_0_45_a_transposed_int8_copy():
     assert not matmul_8bit_keeps_transposed_input(None)
     with pytest.raises(InputError, match="nf4, fp4 or int8"):
         small(training="lora", bitsandbytes_version="0.44.1")
+
+
+def test_checkpointing_is_reentrant_where_the_framework_release_says():
+    """transformers v4.44.2 defaults gradient checkpointing to use_reentrant=True, v5.25.0 to
+    False; DeepSpeed's 2021 path and Megatron-LM checkpoint through an autograd.Function."""
+    assert checkpoint_reentrant(small(framework="hf", framework_version="4.44"))
+    assert not checkpoint_reentrant(small(framework="hf", framework_version="5.25"))
+    assert not checkpoint_reentrant(small(framework="hf"))  # the newest release modelled
+    assert checkpoint_reentrant(small(framework="deepspeed", framework_version="0.5.4", zero=3))
+    assert checkpoint_reentrant(small(framework="megatron"))
+    assert not checkpoint_reentrant(small(framework="torchtitan"))
+
+
+def test_int8_inputs_outlive_non_reentrant_checkpoints_and_offloading():
+    """bitsandbytes' MatMul8bitLt holds each input on its autograd node, which non-reentrant
+    checkpointing and offloading act around (their saved-tensor hooks see what autograd saves,
+    not a node's attributes; validation/bitsandbytes_matmul8bit_input.py checks it on the CPU):
+    with full recomputation under transformers 5.25 every layer keeps its int8 linears' inputs
+    beside its checkpointed input, X for qkv_proj's and fc1's normed x, the attention output
+    for out_proj, the F-wide input of fc2; under 4.44's reentrant checkpointing, none. A bf16
+    LoRA keeps none either way. Offloading every tape leaves them on the GPU whatever the
+    checkpointing."""
+    keys = {"training": "lora", "weight_format": "int8", "framework": "hf", "layers": 4}
+    current, old = small(**keys), small(**keys, framework_version="4.44")
+    per_layer = X + 2 * TOKENS * 64 + X + 2 * TOKENS * 128
+    assert held_through_checkpoint_bytes(layer_ops(current), current) == per_layer
+    plain = small(training="lora")
+    assert held_through_checkpoint_bytes(layer_ops(plain), plain) == 0
+    full = evaluate(current, parse_strategy("full", current))
+    reentrant = evaluate(old, parse_strategy("full", old))
+    assert full.activation_bytes - reentrant.activation_bytes == 4 * per_layer
+    assert any("includes" in note and "4 recomputed layers" in note for note in full.notes)
+    assert not any("bitsandbytes" in note for note in reentrant.notes)
+    bf16 = small(**{**keys, "weight_format": "bf16"})
+    assert not any("bitsandbytes" in n for n in evaluate(bf16, parse_strategy("full", bf16)).notes)
+    offloaded = evaluate(old, parse_strategy("offload", old))
+    assert any("offloaded or recomputed layers" in note for note in offloaded.notes)
 
 
 def test_int8_linears_move_their_quantisation_and_the_weights_dequantisation():

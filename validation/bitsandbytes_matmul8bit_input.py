@@ -19,8 +19,14 @@ that then runs keeps the same tensors. Unpack a release's wheel first (its sourc
     unzip wheels/bitsandbytes-0.44.1-*.whl 'bitsandbytes/*' -x '*.so' -d bnb-0.44.1
     python validation/bitsandbytes_matmul8bit_input.py bnb-0.44.1 bnb-0.45.5 bnb-0.50.1
 
-Measured (CPU, torch 2.13): 0.44.1 keeps the input and CAt, 0.45.5 and 0.50.1 the input alone,
-as ckplan says; a JSON line per release on stdout, with ckplan's answer.
+It then runs the matmul inside a checkpointed function (torch.utils.checkpoint, non-reentrant and
+reentrant) and checks whether the function's intermediate that feeds it outlives the forward: the
+node's `ctx.tensors` is out of reach of the saved-tensor hooks non-reentrant checkpointing works
+through (ckplan.model.finetune `held_through_checkpoint_bytes`).
+
+Measured (CPU, torch 2.13): 0.44.1 keeps the input and CAt, 0.45.5 and 0.50.1 the input alone;
+in all three the input outlives a non-reentrant checkpoint and not a reentrant one, as ckplan
+says; a JSON line per release on stdout, with ckplan's answer.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from pathlib import Path
 
 try:
     import torch
+    import torch._dynamo  # loaded before the stand-in modules, which it inspects
+    from torch.utils.checkpoint import checkpoint
 except ImportError:  # pragma: no cover - the message is the point
     sys.exit("bitsandbytes_matmul8bit_input.py needs PyTorch: python3 -m pip install torch")
 
@@ -127,6 +135,30 @@ def kept(functions: types.ModuleType) -> dict[str, bool]:
     return result
 
 
+def kept_through_checkpoint(functions: types.ModuleType, reentrant: bool) -> bool:
+    """Run a checkpointed layer, x -> h = 2x -> MatMul8bitLt(h), under torch.utils.checkpoint:
+    is h (an intermediate the checkpoint drops from autograd's saved tensors) alive after the
+    forward? Non-reentrant checkpointing packs only what autograd saves; the node's
+    `ctx.tensors` keeps h. Reentrant checkpointing runs the forward without a graph."""
+    state = functions.MatmulLtState()
+    state.has_fp16_weights = False
+    state.CB, state.SCB = _quantize(torch.randn(32, 16))
+    weight = torch.zeros(32, 16, dtype=torch.int8)
+    inner: list[weakref.ref] = []
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        h = x * 2.0
+        inner.append(weakref.ref(h))
+        return functions.MatMul8bitLt.apply(h, weight, None, None, state)
+
+    leaf = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
+    out = checkpoint(layer, leaf * 1.0, use_reentrant=reentrant)
+    alive = inner[0]() is not None
+    out.float().sum().backward()
+    assert leaf.grad is not None
+    return alive
+
+
 def version_of(root: Path) -> str:
     text = (root / "bitsandbytes" / "__init__.py").read_text()
     line = next(line for line in text.splitlines() if line.startswith("__version__"))
@@ -138,9 +170,17 @@ def main(roots: list[str]) -> None:
         sys.exit(__doc__)
     for root in map(Path, roots):
         version = version_of(root)
-        measured = kept(release_functions(root))
+        functions = release_functions(root)
+        measured = kept(functions)
+        for reentrant in (False, True):
+            name = "reentrant" if reentrant else "non_reentrant"
+            measured[f"kept_through_{name}_checkpoint"] = kept_through_checkpoint(
+                functions, reentrant
+            )
         transposed = matmul_8bit_keeps_transposed_input(version)
-        ckplan = {"keeps_input": True, "keeps_transposed_input": transposed}
+        ckplan = {"keeps_input": True, "keeps_transposed_input": transposed,
+                  "kept_through_non_reentrant_checkpoint": True,
+                  "kept_through_reentrant_checkpoint": False}  # fmt: skip
         print(json.dumps({"bitsandbytes": version, **measured, "ckplan": ckplan}))
 
 

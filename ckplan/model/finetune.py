@@ -339,6 +339,31 @@ def dequantize_4bit_bytes(fan_in: int, fan_out: int, weight_format: str) -> int:
     return quantized_weight_bytes(fan_in, fan_out, weight_format) + HALF_BYTES * fan_in * fan_out
 
 
+def bitsandbytes_keeps_input(spec: ChainSpec) -> bool:
+    """Whether the frozen linears' bitsandbytes matmul holds each input in `ctx.tensors`, a
+    Python attribute of its autograd node: MatMul8bitLt in every release (int8 weights),
+    MatMul4Bit before 0.43.2 (`matmul_4bit_keeps_input`)."""
+    fmt = spec.finetune.weight_format
+    if fmt == "int8":
+        return True
+    return fmt in ("nf4", "fp4") and matmul_4bit_keeps_input(spec.finetune.bitsandbytes_version)
+
+
+def held_through_checkpoint_bytes(ops: tuple[Op, ...], spec: ChainSpec) -> int:
+    """Bytes of one layer that `bitsandbytes_keeps_input`'s matmuls hold on their autograd
+    nodes (the frozen linear ops' saved bytes, `frozen_ops`: each op's input, and an int8
+    op's column-wise copies before 0.45.0); 0 where bitsandbytes keeps none. Non-reentrant
+    checkpointing (torch.utils.checkpoint with use_reentrant=False) drops what autograd saves
+    through its saved-tensor hooks, not a node's Python attributes, so a recomputed layer
+    keeps these from its forward to its backward; reentrant checkpointing runs the first
+    forward without a graph and keeps them only inside the recomputation. Checked on the CPU
+    with bitsandbytes 0.45.5's and 0.50.1's own MatMul8bitLt
+    (validation/bitsandbytes_matmul8bit_input.py)."""
+    if spec.training == "full" or not bitsandbytes_keeps_input(spec):
+        return 0
+    return sum(op.saved_bytes for op in ops if op.name in FROZEN_LINEARS and op.matmul)
+
+
 def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
     """The op table with the base weights frozen, and LoRA's ops after the linears they adapt
     (an op post-pass, like `ops.fp8_saved`, so that every strategy, breakdown and chain reads
@@ -408,11 +433,7 @@ def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
         moved_backward[site] = moved_backward.get(site, 0) + backward
         kept[site] = kept.get(site, 0) + extra
     quantized = finetune.weight_format in ("nf4", "fp4", "int8")
-    # bitsandbytes' matmul holding the input in ctx.tensors: MatMul8bitLt always, MatMul4Bit
-    # before 0.43.2
-    bitsandbytes_keeps_input = eight_bit or (
-        four_bit and matmul_4bit_keeps_input(finetune.bitsandbytes_version)
-    )
+    kept_by_bitsandbytes = bitsandbytes_keeps_input(spec)
     out: list[Op] = []
     for op in ops:
         if op.name not in FROZEN_LINEARS or op.matmul is None:
@@ -422,7 +443,7 @@ def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
         keeps_input = (
             (bool(site) and not dropout)
             or (op.name == "out_proj" and op.saved_until is not None)
-            or bitsandbytes_keeps_input
+            or kept_by_bitsandbytes
         )
         dequantized = HALF_BYTES * site_weights[op.name] if quantized else 0
         out.append(

@@ -872,6 +872,29 @@ def fsdp1_embedding_backward_bytes(
     return HALF * (root_params + embedding_params + output_params)
 
 
+# transformers releases whose gradient checkpointing defaults to use_reentrant=True
+# (`checkpoint_reentrant`)
+REENTRANT_CHECKPOINT_RELEASES = ("4.44",)
+
+
+def checkpoint_reentrant(spec) -> bool:
+    """Whether the run's activation checkpointing is PyTorch's reentrant variant, which runs a
+    checkpointed forward without an autograd graph. transformers' `gradient_checkpointing_enable`
+    without kwargs: `{"use_reentrant": True}` in v4.44.2 (modeling_utils.py), `{"use_reentrant":
+    False}` in v5.25.0 (`_activation_checkpointing_enable`); `framework_version` picks the release
+    under hf and under deepspeed driven by transformers. DeepSpeed's own path of 2021
+    (`deepspeed.checkpointing.CheckpointFunction`, a torch.autograd.Function) is reentrant.
+    Megatron-LM's `CheckpointFunction` (megatron/core/tensor_parallel/random.py, core_v0.15.0)
+    is an autograd.Function too: reentrant. torchtitan wraps blocks with torch.distributed's
+    `checkpoint_wrapper(module, preserve_rng_state=False)` (parallelize_llama.py at e7c0cae),
+    non-reentrant by default (CheckpointImpl.NO_REENTRANT); the other frameworks are taken
+    as non-reentrant."""
+    if spec.framework in ("hf", "deepspeed"):
+        version = framework_version(spec)
+        return version == DEEPSPEED_2021 or version in REENTRANT_CHECKPOINT_RELEASES
+    return spec.framework == "megatron"
+
+
 def fsdp2_resharding(spec) -> bool:
     """Whether the spec runs torchtitan's FSDP2 resharding after forward (zero 3, one pipeline
     stage, more than one rank in the FSDP mesh dp·cp, full training): its blocks' unsharded

@@ -19,7 +19,7 @@ from functools import lru_cache
 from ckplan.cache import BoundedCache
 from ckplan.hardware.device_memory import DeviceMemory, device_memory
 from ckplan.hardware.gpus import GPU
-from ckplan.model import allocator, frameworks, memory
+from ckplan.model import allocator, finetune, frameworks, memory
 from ckplan.model import flops as flops_model
 from ckplan.model.layers import stage_chunk_layers, stage_kinds
 from ckplan.model.loss import loss_cached_bytes
@@ -50,7 +50,7 @@ from ckplan.schedules import (
     simulate,
 )
 from ckplan.simple import formulas as simple
-from ckplan.units import format_flops
+from ckplan.units import format_bytes, format_flops
 
 DEFAULT_SLOTS = 500
 
@@ -541,11 +541,13 @@ def evaluate(
                 f"within the slack of the busiest stage ({busiest[3]}), whose FLOPs are shown",
             )
     notes += _strategy_notes(spec, strategy, forwards, results)
+    held, note = _held_through_checkpoints(spec, strategy, tuple(forwards), stage)
+    notes += (note,) if note else ()
     return _plan(
         spec,
         strategy.name,
         "derived",
-        peak,
+        peak + held,
         _per_iteration(spec, flops),
         steps,
         names,
@@ -958,11 +960,13 @@ def _evaluate_offload(spec, strategy, budget, slots, gpu) -> Plan | None:
         held = in_flight_microbatches(spec, stage)
         count = f"{float(held):g} micro-batch{'' if held == 1 else 'es'}"
         notes += (f"peak on {stage_label(spec, stage)}, {count} in flight",)
+    pinned, note = _held_through_checkpoints(spec, strategy, tuple(forwards), stage, tuple(kept))
+    notes += (note,) if note else ()
     return _plan(
         spec,
         strategy.name,
         "derived",
-        found.peak_bytes,
+        found.peak_bytes + pinned,
         _per_iteration(spec, flops),
         found.steps,
         names,
@@ -1045,6 +1049,47 @@ def _evaluate_simple(spec: ModelSpec, strategy: Strategy) -> Plan:
         notes=notes,
         per_layer=round(simple.activation_memory_mb(1, **shape) * simple.MB),
     )
+
+
+def _held_through_checkpoints(
+    spec: ModelSpec, strategy: Strategy, stage_forwards, stage: int, offloaded: tuple = ()
+) -> tuple[int, str | None]:
+    """(bytes added to the peak, note) for what recomputation and offloading cannot take off
+    the GPU in `stage` (`finetune.held_through_checkpoint_bytes`): bitsandbytes' matmuls hold
+    their inputs on their autograd nodes, out of reach of the saved-tensor hooks that
+    non-reentrant checkpointing and activation offloading act through. A layer whose tape is
+    offloaded (`offloaded`: chain indices) keeps them on the GPU; a recomputed layer keeps them
+    from its forward to its backward unless checkpointing is reentrant
+    (`frameworks.checkpoint_reentrant`: a reentrant first forward builds no graph). All are
+    alive until the first of these layers' backward ends, so the sum is exact where the
+    schedule peaks before then and an upper bound after. Under a per-op policy, whose kept ops
+    hold these inputs already, the note gives the most they add and nothing is added."""
+    if spec.training == "full" or not finetune.bitsandbytes_keeps_input(spec):
+        return 0, None
+    counts = dict(stage_forwards).get(stage, ())
+    first = layer_offset(spec, stage == 0)
+    kinds = stage_kinds(spec, stage)
+    reentrant = frameworks.checkpoint_reentrant(spec)
+    affected = [
+        kind
+        for index, kind in enumerate(kinds)
+        if first + index in offloaded
+        or (not reentrant and first + index < len(counts) and counts[first + index] >= 2)
+    ]
+    held = sum(finetune.held_through_checkpoint_bytes(layer_ops(spec, k), spec) for k in affected)
+    if not held:
+        return 0, None
+    matmul = "int8" if spec.weight_format == "int8" else "4-bit (before 0.43.2)"
+    how = "offloaded or recomputed" if offloaded else "recomputed"
+    why = (
+        f"bitsandbytes' {matmul} matmul keeps each frozen linear's input on its autograd node, "
+        "out of reach of the saved-tensor hooks of non-reentrant checkpointing (transformers "
+        f"5.25's default, `export --to peft`'s) and offloading: the {len(affected)} {how} "
+        "layers hold"
+    )
+    if strategy.policy:
+        return 0, f"{why} up to {format_bytes(held)} more on the GPU than counted here"
+    return held, f"includes {format_bytes(held)}: {why} them on the GPU through the forward"
 
 
 def _unwritten_note(spec, name, steps, names, notes, stage_offloads) -> str | None:
