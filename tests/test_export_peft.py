@@ -70,6 +70,18 @@ def test_qlora_snippet_matches_the_plan(spec_of):
     }
 
 
+@pytest.mark.parametrize(("version", "reentrant"), [("4.44", True), ("5.25", False)])
+def test_checkpointing_is_written_as_counted(spec_of, version, reentrant):
+    """The snippet's use_reentrant is the checkpointing ckplan counted (transformers 4.44's
+    default is reentrant, 5.25's not; bitsandbytes' int8 matmul inputs outlive only the latter,
+    docs/fine-tuning.md)."""
+    spec = spec_of(
+        "llama3-8b", **LLAMA, training="lora", weight_format="int8", framework_version=version
+    )
+    args = calls(exports.export(plan_of(spec, "full"), "peft").text)["TrainingArguments"]
+    assert args["gradient_checkpointing_kwargs"] == {"use_reentrant": reentrant}
+
+
 @pytest.mark.parametrize(
     ("optimizer", "optim"),
     [

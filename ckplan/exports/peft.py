@@ -12,7 +12,9 @@ and `TrainingArguments` for the plan (docs/exports.md).
 - transformers' `TrainingArguments` (v4.56.0, src/transformers/training_args.py):
   `per_device_train_batch_size`, `gradient_accumulation_steps`, `gradient_checkpointing`
   (the model's `gradient_checkpointing_enable`, which checkpoints every decoder layer, one
-  layer per checkpoint), `gradient_checkpointing_kwargs={"use_reentrant": False}`, `optim`
+  layer per checkpoint), `gradient_checkpointing_kwargs={"use_reentrant": False}` (True under
+  `framework_version: "4.44"`, whose default ckplan then counts:
+  `frameworks.checkpoint_reentrant`), `optim`
   (an `OptimizerNames` value: adamw_torch, adamw_8bit, paged_adamw_8bit, adafactor, sgd,
   lion_32bit, adamw_anyprecision with `optim_args`), `bf16` / `fp16`, and `fsdp`
   ("shard_grad_op" for ZeRO-2, "full_shard" for ZeRO-3).
@@ -25,6 +27,7 @@ SGD with momentum (its `optim="sgd"` is torch.optim.SGD without momentum) are re
 from __future__ import annotations
 
 from ckplan.exports.segments import LayerSegments, module_reason
+from ckplan.model import frameworks
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 
@@ -120,7 +123,9 @@ def values(plan: Plan, layers: LayerSegments) -> dict[str, dict[str, object]]:
         "gradient_checkpointing": bool(layers.recomputed),
     }
     if layers.recomputed:
-        args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+        # the checkpointing ckplan counted: reentrant under transformers 4.44's default
+        reentrant = frameworks.checkpoint_reentrant(spec)
+        args["gradient_checkpointing_kwargs"] = {"use_reentrant": reentrant}
     args["optim"] = OPTIM[spec.optimizer]
     if spec.optimizer == "adamw-bf16":
         args["optim_args"] = ANYPRECISION_ARGS

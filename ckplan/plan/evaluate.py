@@ -541,7 +541,7 @@ def evaluate(
                 f"within the slack of the busiest stage ({busiest[3]}), whose FLOPs are shown",
             )
     notes += _strategy_notes(spec, strategy, forwards, results)
-    held, note = _held_through_checkpoints(spec, strategy, tuple(forwards), stage)
+    held, note = _held_through_checkpoints(spec, tuple(forwards), stage)
     notes += (note,) if note else ()
     return _plan(
         spec,
@@ -960,7 +960,7 @@ def _evaluate_offload(spec, strategy, budget, slots, gpu) -> Plan | None:
         held = in_flight_microbatches(spec, stage)
         count = f"{float(held):g} micro-batch{'' if held == 1 else 'es'}"
         notes += (f"peak on {stage_label(spec, stage)}, {count} in flight",)
-    pinned, note = _held_through_checkpoints(spec, strategy, tuple(forwards), stage, tuple(kept))
+    pinned, note = _held_through_checkpoints(spec, tuple(forwards), stage, tuple(kept))
     notes += (note,) if note else ()
     return _plan(
         spec,
@@ -1052,7 +1052,7 @@ def _evaluate_simple(spec: ModelSpec, strategy: Strategy) -> Plan:
 
 
 def _held_through_checkpoints(
-    spec: ModelSpec, strategy: Strategy, stage_forwards, stage: int, offloaded: tuple = ()
+    spec: ModelSpec, stage_forwards, stage: int, offloaded: tuple = ()
 ) -> tuple[int, str | None]:
     """(bytes added to the peak, note) for what recomputation and offloading cannot take off
     the GPU in `stage` (`finetune.held_through_checkpoint_bytes`): bitsandbytes' matmuls hold
@@ -1062,8 +1062,8 @@ def _held_through_checkpoints(
     from its forward to its backward unless checkpointing is reentrant
     (`frameworks.checkpoint_reentrant`: a reentrant first forward builds no graph). All are
     alive until the first of these layers' backward ends, so the sum is exact where the
-    schedule peaks before then and an upper bound after. Under a per-op policy, whose kept ops
-    hold these inputs already, the note gives the most they add and nothing is added."""
+    schedule peaks before then and an upper bound after. (Per-op policies, whose kept ops would
+    hold some of them already, are refused with frozen weights.)"""
     if spec.training == "full" or not finetune.bitsandbytes_keeps_input(spec):
         return 0, None
     counts = dict(stage_forwards).get(stage, ())
@@ -1085,11 +1085,9 @@ def _held_through_checkpoints(
         f"bitsandbytes' {matmul} matmul keeps each frozen linear's input on its autograd node, "
         "out of reach of the saved-tensor hooks of non-reentrant checkpointing (transformers "
         f"5.25's default, `export --to peft`'s) and offloading: the {len(affected)} {how} "
-        "layers hold"
+        "layers hold them on the GPU through the forward"
     )
-    if strategy.policy:
-        return 0, f"{why} up to {format_bytes(held)} more on the GPU than counted here"
-    return held, f"includes {format_bytes(held)}: {why} them on the GPU through the forward"
+    return held, f"includes {format_bytes(held)}: {why}"
 
 
 def _unwritten_note(spec, name, steps, names, notes, stage_offloads) -> str | None:
