@@ -197,6 +197,19 @@ def test_int8_inputs_outlive_non_reentrant_checkpoints_and_offloading():
     assert any("offloaded or recomputed layers" in note for note in offloaded.notes)
 
 
+def test_optimal_plans_beside_the_held_int8_inputs():
+    """`optimal` under a budget between full recomputation's peak and storing everything: the
+    inputs bitsandbytes holds through non-reentrant checkpoints come beside the DP's schedule,
+    and the plan it returns stays within the budget with them."""
+    spec = small(training="lora", weight_format="int8", framework="hf", layers=8)
+    full = evaluate(spec, parse_strategy("full", spec)).activation_bytes
+    none = evaluate(spec, parse_strategy("none", spec)).activation_bytes
+    budget = (full + none) // 2
+    plan = evaluate(spec, parse_strategy("optimal", spec), budget=budget)
+    assert plan is not None and full <= plan.activation_bytes <= budget
+    assert any("includes" in note for note in plan.notes)
+
+
 def test_int8_linears_move_their_quantisation_and_the_weights_dequantisation():
     """bitsandbytes 0.45.5's MatMul8bitLt beside its GEMM, bf16 activations, per input value:
     the fp16 cast (2 + 2), the outlier search at threshold 6 (abs 2 + 2, >= 2 + 1, two any()

@@ -491,6 +491,16 @@ def evaluate(
         in_flight = in_flight_microbatches(spec, stage)
         last_stage = stage == spec.pp - 1 and stage > 0
         found = _stage_schedule(spec, chain, strategy, budget, slots, stage, in_flight, last_stage)
+        if found is not None and strategy.kind == "optimal":
+            # bitsandbytes' held inputs (`_held_through_checkpoints`) come beside the schedule:
+            # if they take it over the budget, plan again beside them as if every layer were
+            # recomputed, the most they add
+            held = _held_through_checkpoints(spec, ((stage, found[2].layer_forwards),), stage)
+            if found[0] + held[0] > budget:
+                most = _held_through_checkpoints(spec, ((stage, ()),), stage, all_layers=True)
+                found = _stage_schedule(
+                    spec, chain, strategy, budget - most[0], slots, stage, in_flight, last_stage
+                )
         if found is None:
             return None
         peak, steps, replay, group = found
@@ -1052,7 +1062,7 @@ def _evaluate_simple(spec: ModelSpec, strategy: Strategy) -> Plan:
 
 
 def _held_through_checkpoints(
-    spec: ModelSpec, stage_forwards, stage: int, offloaded: tuple = ()
+    spec: ModelSpec, stage_forwards, stage: int, offloaded: tuple = (), all_layers: bool = False
 ) -> tuple[int, str | None]:
     """(bytes added to the peak, note) for what recomputation and offloading cannot take off
     the GPU in `stage` (`finetune.held_through_checkpoint_bytes`): bitsandbytes' matmuls hold
@@ -1063,7 +1073,8 @@ def _held_through_checkpoints(
     (`frameworks.checkpoint_reentrant`: a reentrant first forward builds no graph). All are
     alive until the first of these layers' backward ends, so the sum is exact where the
     schedule peaks before then and an upper bound after. (Per-op policies, whose kept ops would
-    hold some of them already, are refused with frozen weights.)"""
+    hold some of them already, are refused with frozen weights.) `all_layers`: as if every
+    layer of the stage were recomputed, the most they add (what `optimal` plans beside)."""
     if spec.training == "full" or not finetune.bitsandbytes_keeps_input(spec):
         return 0, None
     counts = dict(stage_forwards).get(stage, ())
@@ -1074,6 +1085,7 @@ def _held_through_checkpoints(
         kind
         for index, kind in enumerate(kinds)
         if first + index in offloaded
+        or (not reentrant and all_layers)
         or (not reentrant and first + index < len(counts) and counts[first + index] >= 2)
     ]
     held = sum(finetune.held_through_checkpoint_bytes(layer_ops(spec, k), spec) for k in affected)
