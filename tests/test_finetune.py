@@ -169,6 +169,11 @@ def test_checkpointing_is_reentrant_where_the_framework_release_says():
     assert checkpoint_reentrant(small(framework="deepspeed", framework_version="0.5.4", zero=3))
     assert checkpoint_reentrant(small(framework="megatron"))
     assert not checkpoint_reentrant(small(framework="torchtitan"))
+    # the key says instead of the release
+    assert checkpoint_reentrant(small(framework="hf", checkpoint_reentrant=True))
+    assert not checkpoint_reentrant(
+        small(framework="hf", framework_version="4.44", checkpoint_reentrant=False)
+    )
 
 
 def test_int8_inputs_outlive_non_reentrant_checkpoints_and_offloading():

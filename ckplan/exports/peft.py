@@ -13,8 +13,8 @@ and `TrainingArguments` for the plan (docs/exports.md).
   `per_device_train_batch_size`, `gradient_accumulation_steps`, `gradient_checkpointing`
   (the model's `gradient_checkpointing_enable`, which checkpoints every decoder layer, one
   layer per checkpoint), `gradient_checkpointing_kwargs={"use_reentrant": False}` (True under
-  `framework_version: "4.44"`, whose default ckplan then counts:
-  `frameworks.checkpoint_reentrant`), `optim`
+  `framework_version: "4.44"`, whose default ckplan then counts, or `checkpoint_reentrant:
+  true`: `frameworks.checkpoint_reentrant`), `optim`
   (an `OptimizerNames` value: adamw_torch, adamw_8bit, paged_adamw_8bit, adafactor, sgd,
   lion_32bit, adamw_anyprecision with `optim_args`), `bf16` / `fp16`, and `fsdp`
   ("shard_grad_op" for ZeRO-2, "full_shard" for ZeRO-3).

@@ -888,7 +888,9 @@ def checkpoint_reentrant(spec) -> bool:
     is an autograd.Function too: reentrant. torchtitan wraps blocks with torch.distributed's
     `checkpoint_wrapper(module, preserve_rng_state=False)` (parallelize_llama.py at e7c0cae),
     non-reentrant by default (CheckpointImpl.NO_REENTRANT); the other frameworks are taken
-    as non-reentrant."""
+    as non-reentrant. The `checkpoint_reentrant` key, where given, says instead."""
+    if spec.checkpoint_reentrant is not None:
+        return spec.checkpoint_reentrant
     if spec.framework in ("hf", "deepspeed"):
         version = framework_version(spec)
         return version == DEEPSPEED_2021 or version in REENTRANT_CHECKPOINT_RELEASES

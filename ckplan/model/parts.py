@@ -655,6 +655,12 @@ class Execution(_Record):
     # outputs). Under torchtitan ckplan otherwise counts torch.distributed.pipelining's buffers
     # (ckplan.model.memory `pipeline_buffer_bytes`); under Megatron-LM there are none either way.
     deallocate_pipeline_outputs: bool = False
+    # torch.utils.checkpoint's use_reentrant for the recomputed layers: True runs each
+    # checkpointed forward without an autograd graph, False (non-reentrant) through saved-tensor
+    # hooks, which a node's Python attributes escape (ckplan.model.finetune
+    # `held_through_checkpoint_bytes`). None -> the framework release's
+    # (ckplan.model.frameworks `checkpoint_reentrant`)
+    checkpoint_reentrant: bool | None = None
 
     __hash__ = _Record.__hash__
 

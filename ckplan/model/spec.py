@@ -86,6 +86,7 @@ KEY_ORDER = (
     "training", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "use_dora",
     "weight_format", "bitsandbytes_version", "optimizer", "optimizer_in_backward", "zero_grad",
     "optimizer_offload", "param_offload", "fsdp_float8_all_gather", "deallocate_pipeline_outputs",
+    "checkpoint_reentrant",
 )  # fmt: skip
 PART_OF: dict[str, str] = {
     field.name: part for part, record in PARTS.items() for field in dataclasses.fields(record)

@@ -250,8 +250,8 @@ ARCHITECTURE_FEATURES = {
 # Keys of the other parts that only MoE models, uneven, interleaved or DualPipe pipelines, model
 # states on the host, hf's gradient sync, a torchtitan release or its context-parallel
 # attention, Megatron's fused MoE kernels, Transformer Engine's FP8, torchao's float8 all-gather
-# or an older bitsandbytes use: shown when not default (the two once-a-step data-parallel
-# overlaps when they differ from dp_comm_overlap).
+# or an older bitsandbytes use, or checkpointing's reentrancy: shown when not default (the two
+# once-a-step data-parallel overlaps when they differ from dp_comm_overlap).
 QUIET_KEYS = frozenset(
     {
         "moe_imbalance",
@@ -284,6 +284,7 @@ QUIET_KEYS = frozenset(
         "bitsandbytes_version",
         "fsdp_float8_all_gather",
         "deallocate_pipeline_outputs",
+        "checkpoint_reentrant",
     }
 )
 PART_TITLES = {
