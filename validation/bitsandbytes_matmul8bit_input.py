@@ -46,6 +46,8 @@ except ImportError:  # pragma: no cover - the message is the point
     sys.exit("bitsandbytes_matmul8bit_input.py needs PyTorch: python3 -m pip install torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bitsandbytes_matmul4bit_input import version_of
+
 from ckplan.model.finetune import matmul_8bit_keeps_transposed_input
 
 TRANSPOSED: list[weakref.ref] = []  # CAt of each quantisation of an input
@@ -157,12 +159,6 @@ def kept_through_checkpoint(functions: types.ModuleType, reentrant: bool) -> boo
     out.float().sum().backward()
     assert leaf.grad is not None
     return alive
-
-
-def version_of(root: Path) -> str:
-    text = (root / "bitsandbytes" / "__init__.py").read_text()
-    line = next(line for line in text.splitlines() if line.startswith("__version__"))
-    return line.split("=")[1].strip().strip("\"'")
 
 
 def main(roots: list[str]) -> None:
