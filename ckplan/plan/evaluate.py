@@ -495,8 +495,10 @@ def evaluate(
             # bitsandbytes' held inputs (`_held_through_checkpoints`) come beside the schedule:
             # if they take it over the budget, plan again beside them as if every layer were
             # recomputed, the most they add
-            held = _held_through_checkpoints(spec, ((stage, found[2].layer_forwards),), stage)
-            if found[0] + held[0] > budget:
+            alongside = _held_through_checkpoints(spec, ((stage, found[2].layer_forwards),), stage)[
+                0
+            ]
+            if alongside and found[0] + alongside > budget:
                 most = _held_through_checkpoints(spec, ((stage, ()),), stage, all_layers=True)
                 found = _stage_schedule(
                     spec, chain, strategy, budget - most[0], slots, stage, in_flight, last_stage
@@ -1088,7 +1090,10 @@ def _held_through_checkpoints(
         or (not reentrant and all_layers)
         or (not reentrant and first + index < len(counts) and counts[first + index] >= 2)
     ]
-    held = sum(finetune.held_through_checkpoint_bytes(layer_ops(spec, k), spec) for k in affected)
+    per_kind = {
+        k: finetune.held_through_checkpoint_bytes(layer_ops(spec, k), spec) for k in set(affected)
+    }
+    held = sum(per_kind[kind] for kind in affected)
     if not held:
         return 0, None
     matmul = "int8" if spec.weight_format == "int8" else "4-bit (before 0.43.2)"
