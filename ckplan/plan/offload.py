@@ -124,7 +124,11 @@ def offload_stage(
                 "parallelism (pp > 1) is not supported; use offload"
             )
         from ckplan.hardware.step_time import chain_compute_seconds
-        from ckplan.schedules.offload import JOINT_MAX_STAGES, optimal_offload_schedule
+        from ckplan.schedules.offload import (
+            JOINT_MAX_STAGES,
+            MAX_EXACT_COST,
+            optimal_offload_schedule,
+        )
 
         if chain.length > JOINT_MAX_STAGES:
             raise StrategyError(
@@ -137,6 +141,13 @@ def offload_stage(
         timed, copy_ns = stage_time_chain(chain, forward, backward, copies)
         if budget < 0:
             return None
+        total_ns = sum(timed.forward_flops) + sum(timed.backward_flops)
+        if chain.length * total_ns + 2 * sum(copy_ns) >= MAX_EXACT_COST:
+            raise StrategyError(
+                f"strategy {strategy.name!r}: this GPU's rates make the step's times, in "
+                "nanoseconds, too long for the exact offload DP (n x total + copies >= 2**60); "
+                "use offload"
+            )
         result = optimal_offload_schedule(
             timed, budget, copy_ns, host_budget_bytes=host_memory_per_gpu(gpu), slots=slots
         )

@@ -548,20 +548,24 @@ def offload_optimal_plan(
 ) -> Plan | None:
     """The faster on `gpu` of `offload+optimal` and `selective+offload+optimal` within `budget`
     activation bytes and the GPU's host memory (ties go to the smaller peak); None when neither
-    fits, with pipeline parallelism (the joint DP plans one micro-batch in flight), or beyond
-    the joint DP's chain length (`schedules.offload.JOINT_MAX_STAGES`)."""
+    fits, with pipeline parallelism (the joint DP plans one micro-batch in flight), beyond
+    the joint DP's chain length (`schedules.offload.JOINT_MAX_STAGES`) or its costs."""
     from ckplan.schedules.offload import JOINT_MAX_STAGES
 
     if budget <= 0 or spec.pp > 1 or spec.layers_per_stage + 2 > JOINT_MAX_STAGES:
         return None
     from ckplan.hardware.step_time import step_time
+    from ckplan.plan.strategies import StrategyError
 
     found = []
     for strategy in (
         Strategy("optimal", offload=True),
         Strategy("optimal", selective=True, offload=True),
     ):
-        plan = evaluate(spec, strategy, budget=budget, slots=slots, gpu=gpu)
+        try:
+            plan = evaluate(spec, strategy, budget=budget, slots=slots, gpu=gpu)
+        except StrategyError:  # times the exact DP cannot hold (`plan.offload.offload_stage`)
+            continue
         if plan is not None:
             found.append(plan)
     if not found:
