@@ -153,7 +153,7 @@ def int8_forward_bytes(tokens: int, fan_in: int, fan_out: int, dtype_bytes: int,
     is not counted. derived: the bytes each kernel reads and writes."""
     cast_in = 0 if fp16 else dtype_bytes + HALF_BYTES
     cast_out = 0 if fp16 else HALF_BYTES + dtype_bytes
-    outlier_search = (2 + 2) + (2 + 1) + 1 + 1
+    outlier_search = (2 + 2) + (2 + 1) + 1 + 1 if INT8_THRESHOLD > 0 else 0
     quantize = HALF_BYTES + 1
     dequantize = FP32_BYTES + HALF_BYTES
     per_input = cast_in + outlier_search + quantize

@@ -492,16 +492,14 @@ def evaluate(
         last_stage = stage == spec.pp - 1 and stage > 0
         found = _stage_schedule(spec, chain, strategy, budget, slots, stage, in_flight, last_stage)
         if found is not None and strategy.kind == "optimal":
-            # bitsandbytes' held inputs (`_held_through_checkpoints`) come beside the schedule:
+            # bitsandbytes' held inputs (`_held_bytes`) come beside the schedule:
             # if they take it over the budget, plan again beside them as if every layer were
             # recomputed, the most they add
-            alongside = _held_through_checkpoints(spec, ((stage, found[2].layer_forwards),), stage)[
-                0
-            ]
+            alongside, _ = _held_bytes(spec, ((stage, found[2].layer_forwards),), stage)
             if alongside and found[0] + alongside > budget:
-                most = _held_through_checkpoints(spec, ((stage, ()),), stage, all_layers=True)
+                most, _ = _held_bytes(spec, (), stage, all_layers=True)
                 found = _stage_schedule(
-                    spec, chain, strategy, budget - most[0], slots, stage, in_flight, last_stage
+                    spec, chain, strategy, budget - most, slots, stage, in_flight, last_stage
                 )
         if found is None:
             return None
@@ -1063,22 +1061,22 @@ def _evaluate_simple(spec: ModelSpec, strategy: Strategy) -> Plan:
     )
 
 
-def _held_through_checkpoints(
+def _held_bytes(
     spec: ModelSpec, stage_forwards, stage: int, offloaded: tuple = (), all_layers: bool = False
-) -> tuple[int, str | None]:
-    """(bytes added to the peak, note) for what recomputation and offloading cannot take off
-    the GPU in `stage` (`finetune.held_through_checkpoint_bytes`): bitsandbytes' matmuls hold
-    their inputs on their autograd nodes, out of reach of the saved-tensor hooks that
-    non-reentrant checkpointing and activation offloading act through. A layer whose tape is
-    offloaded (`offloaded`: chain indices) keeps them on the GPU; a recomputed layer keeps them
-    from its forward to its backward unless checkpointing is reentrant
-    (`frameworks.checkpoint_reentrant`: a reentrant first forward builds no graph). All are
-    alive until the first of these layers' backward ends, so the sum is exact where the
-    schedule peaks before then and an upper bound after. (Per-op policies, whose kept ops would
-    hold some of them already, are refused with frozen weights.) `all_layers`: as if every
-    layer of the stage were recomputed, the most they add (what `optimal` plans beside)."""
+) -> tuple[int, int]:
+    """(bytes, layers) that recomputation and offloading cannot take off the GPU in `stage`
+    (`finetune.held_through_checkpoint_bytes`): bitsandbytes' matmuls hold their inputs on
+    their autograd nodes, out of reach of the saved-tensor hooks that non-reentrant
+    checkpointing and activation offloading act through. A layer whose tape is offloaded
+    (`offloaded`: chain indices) keeps them on the GPU; a recomputed layer keeps them from its
+    forward to its backward unless checkpointing is reentrant (`frameworks.checkpoint_reentrant`:
+    a reentrant first forward builds no graph). All are alive until the first of these layers'
+    backward ends, so the sum is exact where the schedule peaks before then and an upper bound
+    after. (Per-op policies, whose kept ops would hold some of them already, are refused with
+    frozen weights.) `all_layers`: as if every layer of the stage were recomputed, the most they
+    add (what `optimal` plans beside)."""
     if spec.training == "full" or not finetune.bitsandbytes_keeps_input(spec):
-        return 0, None
+        return 0, 0
     counts = dict(stage_forwards).get(stage, ())
     first = layer_offset(spec, stage == 0)
     kinds = stage_kinds(spec, stage)
@@ -1093,7 +1091,15 @@ def _held_through_checkpoints(
     per_kind = {
         k: finetune.held_through_checkpoint_bytes(layer_ops(spec, k), spec) for k in set(affected)
     }
-    held = sum(per_kind[kind] for kind in affected)
+    return sum(per_kind[kind] for kind in affected), len(affected)
+
+
+def _held_through_checkpoints(
+    spec: ModelSpec, stage_forwards, stage: int, offloaded: tuple = ()
+) -> tuple[int, str | None]:
+    """(bytes added to the peak, note): `_held_bytes` of the plan's recomputed and offloaded
+    layers, and the note that says so; (0, None) where nothing is held."""
+    held, layers = _held_bytes(spec, stage_forwards, stage, offloaded)
     if not held:
         return 0, None
     matmul = "int8" if spec.weight_format == "int8" else "4-bit (before 0.43.2)"
@@ -1101,7 +1107,7 @@ def _held_through_checkpoints(
     why = (
         f"bitsandbytes' {matmul} matmul keeps each frozen linear's input on its autograd node, "
         "out of reach of the saved-tensor hooks of non-reentrant checkpointing (transformers "
-        f"5.25's default, `export --to peft`'s) and offloading: the {len(affected)} {how} "
+        f"5.25's default, `export --to peft`'s) and offloading: the {layers} {how} "
         "layers hold them on the GPU through the forward"
     )
     return held, f"includes {format_bytes(held)}: {why}"
