@@ -20,7 +20,8 @@ from ckplan.hardware.device_memory import (
 from ckplan.hardware.gpus import GPUError
 from ckplan.inputs.gpus import load_gpu
 from ckplan.inputs.presets import load_spec
-from ckplan.model import allocator
+from ckplan.model import allocator, finetune, memory
+from ckplan.model.op import split_share
 from ckplan.published.predict import predict, state_offload_values, unmodelled
 from ckplan.published.suite import suite_runs
 
@@ -164,8 +165,20 @@ def test_fsdp_param_offload_maps_to_both_state_offload_keys():
     run = _nvidia_smi_runs()["peft-docs-llama2-70b-qlora-fsdp-cpu-offload-2gpu"]
     assert unmodelled(run) is None
     assert state_offload_values(run) == {"optimizer_offload": "cpu", "param_offload": "cpu"}
-    # ckplan models model states on the host for full training only: listed, not scored
-    assert "model states on the host" in predict(run).status
+    prediction = predict(run)
+    assert prediction.scored
+    spec, states = prediction.spec, prediction.plan.model_states
+    # on the GPU of the frozen weights only the 4-bit statistics, no parameter's data; the
+    # adapters' gradients whole, accumulated over the two micro-batches under no_sync
+    statistics = spec.layers * finetune.layer_quantization_statistics_bytes(spec)
+    assert states.weights == statistics
+    adapters = spec.layers * finetune.lora_layer_parameters(spec)
+    assert states.gradients == adapters * spec.grad_bytes
+    frozen, _ = memory.frozen_weight_bytes(spec, 0, spec.weight_bytes)
+    shard = split_share(frozen - statistics, 2)
+    owned = split_share(adapters, 2)
+    per_owned = spec.weight_bytes + 4 + spec.master_bytes + spec.optimizer_bytes
+    assert states.host == shard + owned * per_owned
 
 
 def test_deepspeed_zero3_holds_two_data_parallel_communicators():

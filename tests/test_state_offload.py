@@ -126,8 +126,25 @@ def test_fsdp_offload_moves_every_state(framework):
             "modelled for optimizer: adamw",
         ),
         (
-            {"framework": "deepspeed", "zero": 2, "optimizer_offload": "cpu", "training": "lora"},
-            "training: full",
+            {
+                "framework": "hf",
+                "zero": 3,
+                "optimizer_offload": "cpu",
+                "param_offload": "cpu",
+                "microbatches": 2,
+                "grad_sync": "micro_batch",
+            },
+            "one micro-batch per step",
+        ),
+        (
+            {
+                "framework": "torchtitan",
+                "zero": 3,
+                "optimizer_offload": "cpu",
+                "param_offload": "cpu",
+                "microbatches": 2,
+            },
+            "more micro-batches with framework hf",
         ),
         (
             {

@@ -13,9 +13,12 @@ share over dp·cp, the experts' over their data-parallel group):
   v2.13.0). Both run beside the backward, on their own streams: exposed where they outlast it.
 - parameters, host to device, on every gather: FSDP2 copies the fp32 shard to the GPU before
   each all-gather (_fsdp_param.py `all_gather_inputs`), twice a step with resharding after
-  forward (zero 3), once without (zero 2); DeepSpeed's offload_param fetches the bf16 partition
-  for the forward's and the backward's gathers. Prefetched beside the forward and backward:
-  exposed where they outlast both.
+  forward (zero 3), once without (zero 2), for each micro-batch where hf's no_sync
+  accumulates several (FSDP1 copies each FlatParameter's shard up in `_unshard`); DeepSpeed's
+  offload_param fetches the bf16 partition for the forward's and the backward's gathers.
+  With frozen base weights (LoRA, QLoRA) their shards too, as stored
+  (`memory.host_frozen_bytes`: 4-bit weights packed). Prefetched beside the forward and
+  backward: exposed where they outlast both.
 - parameters, host to device, after the step: DeepSpeed ZeRO 1-2 cast the updated fp32
   partition into a pinned bf16 buffer and copy it to the GPU (stage_1_and_2.py `step`,
   weight_bytes per owned parameter) before the next forward can gather it: exposed. (ZeRO-3
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 
 from ckplan.hardware.gpus import GPU
 from ckplan.hardware.host_link import copy_seconds
-from ckplan.model import memory
+from ckplan.model import frameworks, memory
 from ckplan.model.memory import HOST_GRADIENT_BYTES
 from ckplan.model.op import split_share
 from ckplan.model.spec import ModelSpec
@@ -93,15 +96,19 @@ def state_traffic(
     params_out = spec.param_offload != "none"
     gathers = after = 0
     cpu_bytes = owned * CPU_ADAM_BYTES_PER_PARAMETER
+    # the shards fetched for a gather: the owned parameters' and the frozen weights'
+    shards = owned * spec.weight_bytes + memory.host_frozen_bytes(spec, memory.busiest_stage(spec))
     if spec.framework == "deepspeed":
         if params_out:
-            gathers = 2 * owned * spec.weight_bytes
+            gathers = 2 * shards
         else:
             after = owned * spec.weight_bytes
         if zero < 3 or params_out:
             cpu_bytes += owned * CAST_BYTES_PER_PARAMETER
     else:  # FSDP: each gather copies the shard up; zero 2 does not reshard after forward
-        gathers = (2 if zero >= 3 else 1) * owned * spec.weight_bytes
+        gathers = (2 if zero >= 3 else 1) * shards
+        if frameworks.offload_accumulates_on_device(spec):
+            gathers *= spec.microbatches  # no_sync: every micro-batch gathers
     return StateTraffic(
         gradients_to_host=owned * HOST_GRADIENT_BYTES,
         gathers_to_device=gathers,
@@ -135,12 +142,17 @@ def cpu_adam_seconds(traffic: StateTraffic, gpu: GPU, sharing: int) -> float:
 
 
 def exposed_state_copy_seconds(
-    traffic: StateTraffic, gpu: GPU, forward_seconds: float, backward_seconds: float
+    traffic: StateTraffic,
+    gpu: GPU,
+    forward_seconds: float,
+    backward_seconds: float,
+    passes: int = 1,
 ) -> float:
     """The host copies of the offloaded states that the compute does not hide (module
-    docstring): the gradients' beyond the backward, the gathers' beyond the forward and
-    backward, and the copy after the step in full (derived)."""
+    docstring): the gradients' beyond the (last) backward, the gathers' beyond the `passes`
+    micro-batches' forwards and backwards they are spread over, and the copy after the step
+    in full (derived)."""
     gradients = max(0.0, copy_seconds(traffic.gradients_to_host, gpu) - backward_seconds)
     gathers = copy_seconds(traffic.gathers_to_device, gpu)
-    gathers = max(0.0, gathers - forward_seconds - backward_seconds)
+    gathers = max(0.0, gathers - passes * (forward_seconds + backward_seconds))
     return gradients + gathers + copy_seconds(traffic.after_step_to_device, gpu)

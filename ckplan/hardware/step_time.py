@@ -829,6 +829,7 @@ def gradient_reduction(
     float8: int = 0,
     float8_cast_seconds: float = 0.0,
     fp8_params: int = 0,
+    frozen_bytes: int = 0,
 ) -> DataParallelComm:
     """One group's share of the data-parallel communication at ZeRO `zero` and pipeline size
     `pp` (a layout's; spec gives the framework and bytes): ZeRO 0 a ring all-reduce of the
@@ -846,8 +847,11 @@ def gradient_reduction(
     all-gather's copy-in stream, counted with it). `fp8_params`: of `params`, the FP8 primary
     weights, which the distributed optimizer's once-per-step gather moves in one byte each
     (Megatron-LM --fp8-param-gather: "perform the param all-gather in fp8"; its parameter
-    buffer is uint8, `frameworks.fp8_primary_weight_bytes`)."""
-    if ranks == 1 or params == 0:
+    buffer is uint8, `frameworks.fp8_primary_weight_bytes`). `frozen_bytes`: the frozen base
+    weights' bytes the forward's and the backward's gathers move beside `params`' (ZeRO 3 with
+    frozen base weights, `memory.frozen_gathered_bytes`); nothing else of theirs moves, as they
+    have no gradient and no update."""
+    if ranks == 1 or (params == 0 and frozen_bytes == 0):
         return DataParallelComm()
     sync = frameworks.gradient_sync(spec.framework, zero, pp, spec.grad_sync)
     reduce_bytes = frameworks.reduce_bytes_per_parameter(
@@ -860,16 +864,23 @@ def gradient_reduction(
     grads = params * reduce_bytes
     weights = (params - fp8_params) * gather_bytes + fp8_params * fp8_bytes
     weights -= (gather_bytes - frameworks.FLOAT8) * float8
-    if zero == 0:
+    if grads == 0:  # frozen base weights and no adapter: only their gathers
+        reduce = gather = 0.0
+    elif zero == 0:
         reduce = comm.all_reduce_seconds(grads, ranks, bandwidth)
         gather = 0.0
     else:
         reduce = comm.reduce_scatter_seconds(grads, ranks, bandwidth)
         gather = comm.all_gather_seconds(weights, ranks, bandwidth) + float8_cast_seconds
-    forward = gather if sync.gather_forward else 0.0
+    forward = 0.0
+    if sync.gather_forward:
+        forward = gather
+        if frozen_bytes:
+            passed = weights + frozen_bytes
+            forward = comm.all_gather_seconds(passed, ranks, bandwidth) + float8_cast_seconds
     backward = 0.0
     if sync.gather_backward:
-        again = weights + regathered * gather_bytes
+        again = weights + frozen_bytes + regathered * gather_bytes
         backward = comm.all_gather_seconds(again, ranks, bandwidth) + float8_cast_seconds
     once_gather = 0.0 if sync.gather_forward or sync.gather_backward else gather
     if sync.each_micro_batch:
@@ -903,6 +914,14 @@ def regathered_elements(spec: ModelSpec, stage: int, forwards: tuple[int, ...]) 
 
 
 @lru_cache(maxsize=256)
+def zero3_gathers_frozen(spec: ModelSpec, zero: int | None = None) -> bool:
+    """Whether the frozen base weights are sharded and so gathered for every pass: training
+    other than full at the framework's weight-sharding stage (`frameworks.weights_sharded_from`;
+    `zero` a layout's, default the spec's)."""
+    zero = spec.zero if zero is None else zero
+    return spec.training != "full" and zero >= frameworks.weights_sharded_from(spec.framework)
+
+
 def data_parallel_comm(spec: ModelSpec, gpu: GPU, regathered: int = 0) -> DataParallelComm:
     """Data-parallel communication of one iteration, before overlap, on the busiest stage's
     GPU: its dense parameters' gradients reduced over the dp·cp ranks that hold the same
@@ -921,9 +940,11 @@ def data_parallel_comm(spec: ModelSpec, gpu: GPU, regathered: int = 0) -> DataPa
     cast = (
         memory_seconds(gpu, float8_shard_cast_bytes(split_share(float8, ranks))) if float8 else 0.0
     )
+    frozen = memory.frozen_gathered_bytes(spec, stage) if zero3_gathers_frozen(spec) else 0
     parts = gradient_reduction(
-        spec, spec.zero, spec.pp, dense, ranks, bandwidth, regathered, float8, cast, fp8_dense
-    )
+        spec, spec.zero, spec.pp, dense, ranks, bandwidth, regathered, float8, cast, fp8_dense,
+        frozen,
+    )  # fmt: skip
     if experts:
         expert_ranks, stride = spec.expert_data_parallel, spec.ep * spec.etp
         parts += gradient_reduction(
@@ -1652,7 +1673,8 @@ def _rank_weight_seconds(spec: ModelSpec, gpu: GPU, rank: int) -> float:
 def state_copy_seconds(spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime) -> float:
     """The exposed host copies of the offloaded model states in one step
     (`host_states.exposed_state_copy_seconds` beside the busiest stage's forward and backward,
-    communication and re-forwards included); 0 without optimizer_offload."""
+    communication and re-forwards included, over every micro-batch where hf's no_sync gathers
+    for each); 0 without optimizer_offload."""
     if spec.optimizer_offload == "none":
         return 0.0
     forward = busiest.forward.total + busiest.forward_comm
@@ -1663,7 +1685,8 @@ def state_copy_seconds(spec: ModelSpec, gpu: GPU, busiest: MicroBatchTime) -> fl
         + busiest.recompute_comm
     )
     traffic = host_states.state_traffic(spec)
-    return host_states.exposed_state_copy_seconds(traffic, gpu, forward, backward)
+    passes = spec.microbatches if frameworks.offload_accumulates_on_device(spec) else 1
+    return host_states.exposed_state_copy_seconds(traffic, gpu, forward, backward, passes)
 
 
 def offload_exposed_seconds(

@@ -1346,10 +1346,13 @@ def state_offload_error(
     """Why the spec's `optimizer_offload` and `param_offload` cannot run as ckplan models them
     (one line naming the key), or None (module docstring): DeepSpeed's offload_optimizer with
     ZeRO 1-3 and its offload_param with ZeRO 3 beside it; FSDP's CPU offload, both keys, with
-    ZeRO 2-3. Both need full training with Adam (DeepSpeedCPUAdam; torch's AdamW on CPU
-    tensors), one pipeline stage and one micro-batch per step (DeepSpeed accumulates micro-
-    batches' gradients through host buffers and FSDP on the CPU, which ckplan does not time),
-    and no optimizer_in_backward. `zero`, `pp`, `microbatches`: a layout's, default the spec's."""
+    ZeRO 2-3. Full training or frozen base weights (LoRA, QLoRA: the adapters' states go to
+    the host, and with the parameters the frozen weights' shards), with Adam
+    (DeepSpeedCPUAdam; torch's AdamW on CPU tensors), one pipeline stage, and no
+    optimizer_in_backward. One micro-batch per step (DeepSpeed accumulates micro-batches'
+    gradients through host buffers and torchtitan's FSDP2 on the CPU, which ckplan does not
+    time), but for hf's FSDP under its no_sync accumulation (`offload_accumulates_on_device`).
+    `zero`, `pp`, `microbatches`: a layout's, default the spec's."""
     optimizer, param = spec.optimizer_offload != "none", spec.param_offload != "none"
     if not (optimizer or param):
         return None
@@ -1380,8 +1383,6 @@ def state_offload_error(
         )
     elif zero < 2:
         return f"key 'zero' ({zero}): FSDP's CPU offload shards the states; use zero 2 or 3"
-    if spec.training != "full":
-        return f"key {key!r}: model states on the host are modelled for training: full"
     if spec.optimizer != "adamw":
         return (
             f"key {key!r}: the CPU step is modelled for optimizer: adamw "
@@ -1389,12 +1390,25 @@ def state_offload_error(
         )
     if spec.optimizer_in_backward:
         return f"key {key!r}: the CPU step runs after backward; drop optimizer_in_backward"
-    if pp > 1 or microbatches > 1:
+    if pp > 1 or (microbatches > 1 and not offload_accumulates_on_device(spec)):
         return (
             f"key {key!r}: model states on the host are modelled for one pipeline stage and "
-            "one micro-batch per step (pp: 1, microbatches: 1)"
+            "one micro-batch per step (pp: 1, microbatches: 1; more micro-batches with "
+            "framework hf, whose no_sync accumulates on the GPU)"
         )
     return None
+
+
+def offload_accumulates_on_device(spec) -> bool:
+    """Whether FSDP's CPU offload accumulates the micro-batches' gradients on the GPU: hf's
+    Trainer runs all but the last micro-batch under FSDP's no_sync (`gradient_sync`), where
+    "`.grad` remains the unsharded gradient from prior `no_sync()` iterations" on the device
+    (torch/distributed/fsdp/_runtime_utils.py `_finalize_params`, PyTorch v2.13.0) and only
+    the last backward reduce-scatters the sum and copies its shard to the host
+    (`_offload_grad`). Outside no_sync FSDP1 cannot accumulate beside CPU offload ("Gradient
+    accumulation outside `no_sync()` does not work with CPU offloading", _flat_param.py
+    `prepare_gradient_for_backward`): `grad_sync: micro_batch` is refused."""
+    return spec.framework == "hf" and not gradient_sync("hf", 3, 1, spec.grad_sync).each_micro_batch
 
 
 def largest_parameter(spec, tp: int | None = None) -> int:

@@ -766,22 +766,12 @@ def finetune_state_bytes(
     """
     zero = spec.zero if zero is None else zero
     dp = spec.dp * spec.cp if dp is None else dp
-    dense, _ = stage_parameters(spec, stage)
     layers_here = sum(stage_kind_counts(spec, stage).values())
-    fmt = spec.weight_format
-    linear_whole = finetune.linear_weight_parameters(spec)  # one layer, not split
-    if spec.tp == 1:
-        linear_values = layers_here * linear_whole
-        linear_bytes = layers_here * finetune.frozen_linear_bytes(spec, spec.weight_bytes)
-    else:  # frozen weights under tp (bf16, fp16, fp32): the split linears at their bytes
-        part = layer_parameter_parts(spec)
-        linear_values = layers_here * (part.dense_per_rank(spec) - (part.total - linear_whole))
-        per_value = spec.weight_bytes if fmt is None else {"fp32": 4}.get(fmt, 2)
-        linear_bytes = linear_values * per_value
-    base = (dense - linear_values) * spec.weight_bytes + linear_bytes
+    base, statistics = frozen_weight_bytes(spec, stage, spec.weight_bytes)
     if zero >= frameworks.weights_sharded_from(spec.framework):
-        statistics = layers_here * finetune.layer_quantization_statistics_bytes(spec)
         base = sharded_frozen_bytes(base, statistics, dp)
+    on_host = host_frozen_bytes(spec, stage, dp)
+    base -= on_host
     adapter_layer = finetune.lora_layer_parameters(spec)
     trainable = layers_here * adapter_layer
     gathered = tuple(
@@ -807,8 +797,68 @@ def finetune_state_bytes(
         fp8_weights=fp8_primary_weights(spec, stage),
     )
     return ModelStateBytes(
-        base + adapters.weights, adapters.gradients, adapters.optimizer, buffers=buffers
+        base + adapters.weights,
+        adapters.gradients,
+        adapters.optimizer,
+        buffers=buffers,
+        host=adapters.host + on_host,
     )
+
+
+def host_frozen_bytes(spec: ModelSpec, stage: int, dp: int | None = None) -> int:
+    """Bytes of the frozen base weights that the host holds for one GPU of pipeline stage
+    `stage` under `param_offload: cpu` with frozen base weights: its shard over `dp` ranks
+    (default dp·cp) of their parameters' data, as stored (`frozen_weight_bytes` at
+    weight_bytes). FSDP's CPU offload keeps every sharded FlatParameter on the CPU, the
+    frozen ones among them (torch/distributed/fsdp/_flat_param.py, `_offload_params`,
+    PyTorch v2.13.0), and DeepSpeed's offload_param every ZeRO-3 partition; 4-bit weights'
+    statistics, no parameter's data, stay on the GPU (`sharded_frozen_bytes`). 0 without
+    param_offload or under training: full (`offloaded_states`). derived."""
+    if spec.param_offload == "none" or spec.training == "full":
+        return 0
+    dp = spec.dp * spec.cp if dp is None else dp
+    base, statistics = frozen_weight_bytes(spec, stage, spec.weight_bytes)
+    return split_share(base - statistics, dp)
+
+
+def frozen_weight_bytes(spec: ModelSpec, stage: int, per_value: int) -> tuple[int, int]:
+    """(bytes, of which quantisation statistics) of the frozen base weights on one GPU of
+    pipeline stage `stage`, before ZeRO shards them: the layers' linear weights in
+    weight_format (`finetune.frozen_linear_bytes`, statistics included), at `per_value` bytes
+    a value where none is given, and every other weight (norms, biases, embeddings, output
+    layer) at `per_value`. Under tp the split linears at their format's bytes.
+
+    derived: stage_parameters less the linears' values, plus the linears as stored."""
+    dense, _ = stage_parameters(spec, stage)
+    layers_here = sum(stage_kind_counts(spec, stage).values())
+    fmt = spec.weight_format
+    linear_whole = finetune.linear_weight_parameters(spec)  # one layer, not split
+    if spec.tp == 1:
+        linear_values = layers_here * linear_whole
+        linear_bytes = layers_here * finetune.frozen_linear_bytes(spec, per_value)
+    else:  # frozen weights under tp (bf16, fp16, fp32): the split linears at their bytes
+        part = layer_parameter_parts(spec)
+        linear_values = layers_here * (part.dense_per_rank(spec) - (part.total - linear_whole))
+        linear_bytes = linear_values * (per_value if fmt is None else {"fp32": 4}.get(fmt, 2))
+    statistics = layers_here * finetune.layer_quantization_statistics_bytes(spec)
+    return (dense - linear_values) * per_value + linear_bytes, statistics
+
+
+def frozen_gathered_bytes(spec: ModelSpec, stage: int) -> int:
+    """Bytes of the frozen base weights on one GPU of pipeline stage `stage` that ZeRO-3 or
+    FSDP all-gathers for every forward and backward (training: frozen, lora, qlora; 0 under
+    training: full, whose weights `step_time.gradient_reduction` gathers with the rest): the
+    parameters' data, 4-bit weights as their packed values (their statistics are no
+    parameter's data and stay on every rank, `sharded_frozen_bytes`), every unquantised value
+    in the compute dtype (FSDP gathers in MixedPrecisionPolicy.param_dtype, DeepSpeed the bf16
+    partition): `frozen_weight_bytes` at min(weight_bytes, dtype_bytes) a value, less the
+    statistics. derived."""
+    if spec.training == "full":
+        return 0
+    gathered, statistics = frozen_weight_bytes(
+        spec, stage, min(spec.weight_bytes, spec.dtype_bytes)
+    )
+    return gathered - statistics
 
 
 def sharded_frozen_bytes(frozen_bytes: int, unsharded_bytes: int, dp: int) -> int:
@@ -1294,7 +1344,10 @@ def offloaded_states(
     CPUOffloadPolicy): the sharded parameters (weight_bytes, fp32 in torchtitan's recipe, the
     optimizer's own), their sharded gradients (reduce-scatter output copied to the CPU) and
     torch's AdamW moments are on the host: (weight_bytes + 4 + master_bytes + optimizer_bytes)
-    per owned parameter; the device holds only the gathered parameters and buckets (`buffers`).
+    per owned parameter; the device holds only the gathered parameters and buckets (`buffers`),
+    and, where hf's FSDP accumulates several micro-batches under no_sync
+    (`frameworks.offload_accumulates_on_device`), their unsharded gradients until the last
+    backward reduces them (`states`' gradients, whole).
     """
     owned = states.optimizer + sharded * HOST_GRADIENT_BYTES
     weights, expert_weights, buffers = states.weights, states.expert_weights, states.buffers
@@ -1309,12 +1362,13 @@ def offloaded_states(
     else:
         host = owned + sharded * spec.weight_bytes
         weights = expert_weights = 0
+    accumulating = spec.microbatches > 1 and frameworks.offload_accumulates_on_device(spec)
     return ModelStateBytes(
         weights=weights,
-        gradients=0,
+        gradients=states.gradients if accumulating else 0,
         optimizer=0,
         expert_weights=expert_weights,
-        expert_gradients=0,
+        expert_gradients=states.expert_gradients if accumulating else 0,
         expert_optimizer=0,
         buffers=buffers,
         host=host,

@@ -158,6 +158,8 @@ def _levers(spec: ModelSpec, gpus_per_node: int, pcie: bool = False):
         if pcie:  # no tensor, pipeline or context parallelism over PCIe
             return [freed, *_finetune_levers(spec), loss, micro_batch, dp]
         return [freed, *_finetune_levers(spec), zero, loss, tp, pp, dp, cp, micro_batch]
+    if spec.training != "full":  # a fine-tune's states to the host before more GPUs
+        return [freed, zero, loss, _state_offload(spec), tp, pp, dp, cp, micro_batch]
     return [freed, zero, loss, tp, pp, dp, cp, micro_batch]
 
 
@@ -186,8 +188,9 @@ def _finetune_levers(spec: ModelSpec) -> list[list[dict[str, Any]]]:
 def _state_offload(spec: ModelSpec) -> list[dict[str, Any]]:
     """Model states to the host, as the framework runs it (frameworks.state_offload_error):
     DeepSpeed's ZeRO-Offload (offload_optimizer), then with ZeRO 3 its parameters too; FSDP's
-    CPU offload (both keys, ZeRO 3). Only for full training with Adam (what it models)."""
-    if spec.training != "full" or spec.optimizer != "adamw" or spec.optimizer_offload != "none":
+    CPU offload (both keys, ZeRO 3). With Adam (what it models), full training or the
+    adapters of a fine-tune beside its frozen weights."""
+    if spec.optimizer != "adamw" or spec.optimizer_offload != "none":
         return []
     if spec.framework == "deepspeed":
         return [

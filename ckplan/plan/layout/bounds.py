@@ -42,6 +42,7 @@ from ckplan.hardware.step_time import (
     gradient_reduction,
     layer_time,
     output_time,
+    zero3_gathers_frozen,
 )
 from ckplan.hardware.times import StageTime
 from ckplan.model import allocator, loss, memory, optimizers
@@ -135,6 +136,7 @@ class Bounds:
         self._ratios: dict[tuple, dict[Any, float]] = {}
         self._params: dict[tuple, dict[int, tuple[int, int]]] = {}
         self._fp8: dict[tuple, dict[int, tuple[int, int, int, int]]] = {}
+        self._trainable: dict[tuple, dict[int, tuple[int, int, int]]] = {}
         self._states: dict[tuple, tuple[tuple[StageShape, int], ...]] = {}
 
     @cached_property
@@ -317,6 +319,24 @@ class Bounds:
             }
         return self._params[key]
 
+    def trainable(self, layout: Layout) -> dict[int, tuple[int, int, int]]:
+        """(dense, expert) parameters that train per GPU of each distinct stage, and the bytes
+        of its frozen weights every ZeRO-3 pass gathers (`memory.trainable_stage_parameters`,
+        `memory.frozen_gathered_bytes`): `parameters` and none under training: full."""
+        if self.spec.training == "full":
+            return {stage: (*params, 0) for stage, params in self.parameters(layout).items()}
+        key = (layout.tp, layout.pp, layout.split, layout.virtual_stages, layout.ep, layout.etp)
+        if key not in self._trainable:
+            spec = self._weights_spec(layout)
+            self._trainable[key] = {
+                shape.index: (
+                    *memory.trainable_stage_parameters(spec, shape.index),
+                    memory.frozen_gathered_bytes(spec, shape.index),
+                )
+                for shape in self.stages(layout.pp, layout.split, layout.virtual_stages)
+            }
+        return self._trainable[key]
+
     def fp8(self, layout: Layout) -> dict[int, tuple[int, int, int, int]]:
         """Per distinct stage, its FP8 primary weights and their tensors on one GPU, (dense,
         expert) each (`memory.fp8_linear_parameters`, `memory.fp8_weight_amaxes`); zeros
@@ -339,6 +359,10 @@ class Bounds:
     # ---- bounds ------------------------------------------------------------------------
 
     def states(self, layout: Layout, stage: int) -> memory.ModelStateBytes:
+        if self.spec.training != "full" and self.spec.optimizer_offload != "none":
+            # frozen weights beside states on the host: the layout's own spec, exactly
+            laid_out = self.spec.replace(**layout_keys_cleared(layout, self.experts))
+            return memory.model_state_bytes(laid_out, stage)
         if self.spec.training != "full":  # frozen weights (docs/fine-tuning.md)
             spec = self._spec(
                 tp=layout.tp, sp=layout.tp > 1, cp=1, dp=1, zero=0, pp=layout.pp,
@@ -481,8 +505,8 @@ class Bounds:
         return max(params, key=lambda stage: (sum(params[stage]), -stage))
 
     def _busiest_parameters(self, layout: Layout) -> tuple[int, int]:
-        """`memory.busiest_stage`'s (dense, expert) parameters."""
-        return self.parameters(layout)[self._busiest_stage(layout)]
+        """`memory.busiest_stage`'s (dense, expert) parameters that train."""
+        return self.trainable(layout)[self._busiest_stage(layout)][:2]
 
     def _expert_dp(self, layout: Layout) -> int:
         return layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp)
@@ -493,7 +517,10 @@ class Bounds:
         dense, experts = self._busiest_parameters(layout)
         fp8_dense, fp8_experts = self.fp8(layout)[self._busiest_stage(layout)][:2]
         ranks = layout.dp * layout.cp
-        seconds = self._reduction(layout, dense, ranks, layout.tp, fp8_dense)
+        frozen = 0
+        if zero3_gathers_frozen(self.spec, layout.zero):
+            frozen = self.trainable(layout)[self._busiest_stage(layout)][2]
+        seconds = self._reduction(layout, dense, ranks, layout.tp, fp8_dense, frozen)
         if experts:
             seconds += self._reduction(
                 layout, experts, self._expert_dp(layout), layout.ep * layout.etp, fp8_experts
@@ -501,7 +528,13 @@ class Bounds:
         return seconds
 
     def _reduction(
-        self, layout: Layout, params: int, ranks: int, stride: int, fp8_params: int = 0
+        self,
+        layout: Layout,
+        params: int,
+        ranks: int,
+        stride: int,
+        fp8_params: int = 0,
+        frozen_bytes: int = 0,
     ) -> float:
         """`step_time.gradient_reduction` under the layout's ZeRO stage, all of it; under
         torchao's float8 all-gather every weight taken as gathered in 1 byte and its shard's
@@ -517,6 +550,7 @@ class Bounds:
             bandwidth,
             float8=float8,
             fp8_params=fp8_params,
+            frozen_bytes=frozen_bytes,
         )
         return parts.total(layout.microbatches)
 
