@@ -143,3 +143,25 @@ def test_model_states_on_the_host_are_a_lever_checked_against_host_memory():
     # frameworks that cannot offload states get no such lever
     megatron = advise(load_spec("llama3-8b", {"seq": 4096}), usable, 1, True, 10**12)
     assert not any("optimizer_offload" in a.keys for a in megatron)
+
+
+def test_a_fine_tune_over_several_gpus_moves_its_states_before_adding_gpus():
+    """Llama-2-70B QLoRA over FSDP on two RTX 4090s at 2 x 2048 tokens (PEFT's documented
+    FSDP-QLoRA recipe): over budget with full recomputation; FSDP's CPU offload, the frozen
+    shards and the adapters' states on the host, fits on the same two GPUs and comes before
+    twice the GPUs."""
+    gpu = load_gpu("rtx-4090")
+    spec = load_spec(
+        "llama2-70b",
+        {"training": "qlora", "weight_format": "nf4", "framework": "hf", "zero": 3, "dp": 2,
+         "seq": 2048, "micro_batch": 2},
+    )  # fmt: skip
+    from ckplan.hardware.host_link import host_memory_per_gpu
+    from ckplan.plan.search import DEFAULT_RESERVE
+
+    usable = gpu.memory_bytes - DEFAULT_RESERVE
+    assert least_bytes(spec) > usable
+    found = advise(spec, usable, gpu.gpus_per_node, over_pcie(gpu), host_memory_per_gpu(gpu))
+    assert found[0].keys == {"optimizer_offload": "cpu", "param_offload": "cpu"}  # zero 3 already
+    assert found[0].fits and found[0].total_bytes <= usable
+    assert any(a.keys.get("dp") == 4 for a in found[1:])

@@ -391,3 +391,30 @@ def test_plan_tries_mixed_only_with_one_pipeline_stage_on_pytorch_frameworks():
     result = search_layouts(piped, 4, GPU, 8, 32 * GIB, 0, top=5, constraints={"pp": 2})
     assert result.counts["optimal"] >= 1 and result.counts.get("mixed", 0) == 0
     assert result.layouts and all(e.layout.pp == 2 for e in result.layouts)
+
+
+@pytest.mark.parametrize("framework", ["hf", "deepspeed", "torchtitan"])
+@pytest.mark.parametrize("training", ["lora", "qlora"])
+def test_fine_tune_time_bounds_bound_every_plan(framework, training):
+    """With frozen base weights the time bound reduces and steps only the adapters and gathers
+    the frozen weights under ZeRO-3, as step_time does: at most the time of `none` on every
+    layout (equal where no framework-specific overlap applies: hf), and every memory bound at
+    most full recomputation's, model states on the host included (FSDP's CPU offload)."""
+    base = load_spec("llama3-8b", {"seq": 2048, "layers": 4, "training": training})
+    offloads = [{}]
+    if framework != "deepspeed":
+        offloads.append({"optimizer_offload": "cpu", "param_offload": "cpu", "zero": 3, "dp": 8})
+    for offload in offloads:
+        spec = base.replace(framework=framework, **offload)
+        bounds = Bounds(spec, GPU)
+        found = list(layouts(SearchSpace(spec, 8, 8, 16, {})))
+        assert found
+        for layout in found[::3]:
+            laid_out = layout_spec(spec, layout)
+            none = evaluate(laid_out, parse_strategy("none", laid_out))
+            seconds = step_time(none, GPU).step_seconds
+            assert bounds.time(layout).seconds <= seconds * (1 + 1e-9)
+            if framework == "hf":
+                assert bounds.time(layout).seconds == pytest.approx(seconds, rel=1e-9)
+            full = evaluate(laid_out, parse_strategy("full", laid_out))
+            assert bounds.memory(layout).bytes <= full.total_bytes

@@ -11,11 +11,13 @@ import re
 import pytest
 from test_finetune import SMALL as FINETUNE_SMALL
 
+from ckplan.hardware import communication as comm
 from ckplan.hardware import host_states
 from ckplan.hardware.gpus import gpu_from_mapping
 from ckplan.hardware.host_link import host_link_bytes_per_second, host_memory_per_gpu
-from ckplan.hardware.step_time import optimizer_seconds, step_time
+from ckplan.hardware.step_time import data_parallel_comm, optimizer_seconds, step_time
 from ckplan.inputs.gpus import load_gpu
+from ckplan.model import finetune, memory
 from ckplan.model.frameworks import largest_parameter
 from ckplan.model.memory import model_state_bytes, stage_parameters
 from ckplan.model.spec import SpecError, spec_from_mapping
@@ -313,3 +315,82 @@ def test_json_shows_the_host_states(capsys):
     assert offload["cpu_step_bytes"] == 34 * owned
     assert offload["exposed_seconds"] == data["time"]["state_copy_seconds"]
     assert offload["cpu_step_seconds"] == data["time"]["optimizer_seconds"]
+
+
+# The small model's frozen weights under QLoRA: 2 layers of linears (q 64x64, k and v 64x32,
+# o 64x64, gate, up and down 64x128: 36,864 values each layer) packed two to a byte, and the
+# rest (norms 2 x 2 x 64 + 64, embedding and output layer 2 x 256 x 64: 33,088 values) at
+# hf's 4 bytes; LoRA r 16 on q_proj (16 x (64 + 64)) and v_proj (16 x (64 + 32)) each layer.
+LINEAR_VALUES = 2 * 36_864
+OTHER_VALUES = 33_088
+ADAPTERS = 2 * (16 * 128 + 16 * 96)
+
+
+def qlora_fsdp(**changes):
+    return fsdp("hf", training="qlora", weight_format="nf4", **changes)
+
+
+def test_small_qlora_by_hand():
+    assert LINEAR_VALUES + OTHER_VALUES == P
+    assert finetune.lora_layer_parameters(qlora_fsdp()) * 2 == ADAPTERS
+
+
+def test_fsdp_offload_beside_frozen_weights_by_hand():
+    """QLoRA under FSDP's CPU offload over 4 GPUs: the host holds each GPU's shard of the
+    frozen weights' data (the packed 4-bit values and the rest at 4 bytes) and the adapters'
+    states (4 + 4 + 8 per owned parameter); the GPU keeps only the 4-bit statistics, which are
+    no parameter's data."""
+    s = qlora_fsdp()
+    statistics = 2 * finetune.layer_quantization_statistics_bytes(s)
+    shard = (LINEAR_VALUES // 2 + 4 * OTHER_VALUES) // 4
+    assert memory.host_frozen_bytes(s, 0) == shard
+    states = model_state_bytes(s)
+    assert (states.weights, states.gradients, states.optimizer) == (statistics, 0, 0)
+    assert states.host == shard + (ADAPTERS // 4) * 16
+    kept = model_state_bytes(s.replace(optimizer_offload="none", param_offload="none"))
+    assert kept.weights == statistics + shard + (ADAPTERS // 4) * 4
+
+
+def test_hf_accumulation_keeps_the_adapters_gradients_on_the_gpu():
+    """hf's FSDP under no_sync over 3 micro-batches: the adapters' unsharded gradients (4 bytes
+    each) stay on the GPU until the last backward; every micro-batch gathers the shards up
+    again, twice at zero 3, and the gradients go out once."""
+    s = qlora_fsdp(microbatches=3)
+    assert model_state_bytes(s).gradients == ADAPTERS * 4
+    shard = (LINEAR_VALUES // 2 + 4 * OTHER_VALUES) // 4
+    t = host_states.state_traffic(s)
+    assert t.gathers_to_device == 3 * 2 * (shard + (ADAPTERS // 4) * 4)
+    assert t.gradients_to_host == (ADAPTERS // 4) * 4
+    assert t.cpu_bytes == (ADAPTERS // 4) * 28
+
+
+def test_deepspeed_optimizer_offload_beside_frozen_weights():
+    """ZeRO-Offload of a LoRA fine-tune at ZeRO 2: the frozen weights stay on the GPU, whole;
+    only the adapters' fp32 master, gradient, moments and bf16 copy go to the host, with the
+    staging buffer of the largest adapter tensor."""
+    s = deepspeed(training="lora")
+    plain = model_state_bytes(s.replace(optimizer_offload="none"))
+    states = model_state_bytes(s)
+    assert states.weights == plain.weights
+    owned = ADAPTERS // 4
+    # the staging buffers: DeepSpeed's largest parameter that trains, a lora_A of q_proj or
+    # v_proj (16 x 64) or q_proj's lora_B (64 x 16), in bf16
+    assert memory.largest_trained_parameter(s) == 16 * 64
+    assert states.host == owned * (4 + 4 + 8 + 2) + 2 * 16 * 64
+
+
+def test_zero3_gathers_the_frozen_weights_every_pass():
+    """ZeRO-3 (hf's FULL_SHARD) of a QLoRA fine-tune gathers, for each forward and backward,
+    the adapters in bf16 and the frozen weights' data: the packed 4-bit values and the rest in
+    the compute dtype (2 bytes), not their statistics."""
+    s = spec(framework="hf", zero=3, dp=4, training="qlora", weight_format="nf4")
+    frozen = LINEAR_VALUES // 2 + 2 * OTHER_VALUES
+    assert memory.frozen_gathered_bytes(s, 0) == frozen
+    gpu = load_gpu("h100-sxm")
+    bandwidth = comm.group_bandwidth(gpu, 4, 1)
+    parts = data_parallel_comm(s, gpu)
+    assert parts.forward == pytest.approx(
+        comm.all_gather_seconds(2 * ADAPTERS + frozen, 4, bandwidth)
+    )
+    assert parts.backward == parts.forward
+    assert memory.frozen_gathered_bytes(spec(framework="hf", zero=3, dp=4), 0) == 0

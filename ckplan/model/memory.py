@@ -1317,6 +1317,17 @@ def states_of(
     return offloaded_states(spec, states, sharded, zero, tp)
 
 
+def largest_trained_parameter(spec: ModelSpec, tp: int | None = None) -> int:
+    """Values of the largest parameter tensor that trains on one GPU, which sizes DeepSpeed's
+    CPU-offload gradient staging buffers (`frameworks.largest_parameter`): DeepSpeed takes it
+    over the optimizer's groups, whose parameters it keeps only where requires_grad
+    (deepspeed/runtime/zero/stage_1_and_2.py v0.19.8, `bit16_groups`, `largest_param_numel`),
+    so with frozen base weights the largest adapter tensor (`finetune.adapter_tensor_elements`)."""
+    if spec.training == "full":
+        return frameworks.largest_parameter(spec, tp)
+    return max(finetune.adapter_tensor_elements(spec), default=0)
+
+
 HOST_GRADIENT_BYTES = 4  # fp32 gradients on the host (DeepSpeed's master dtype; FSDP2's reduce)
 
 
@@ -1336,7 +1347,7 @@ def offloaded_states(
     buffer beyond the reduce buckets (each bucket's partition is copied out as it is reduced).
     ZeRO 1-2 also pin a weight_bytes copy of the partition on the host for the copy back
     (param_buffer_of_bit16_for_cpu_offload_groups) and two gradient staging buffers of the
-    largest parameter, one on each side (`frameworks.largest_parameter`); the bf16 weights stay
+    largest parameter, one on each side (`largest_trained_parameter`); the bf16 weights stay
     on the device. With offload_param (ZeRO-3), the weight_bytes partition lives on the host
     instead of the device.
 
@@ -1352,7 +1363,7 @@ def offloaded_states(
     owned = states.optimizer + sharded * HOST_GRADIENT_BYTES
     weights, expert_weights, buffers = states.weights, states.expert_weights, states.buffers
     if spec.framework == "deepspeed":
-        staging = frameworks.HALF * frameworks.largest_parameter(spec, tp) if zero < 3 else 0
+        staging = frameworks.HALF * largest_trained_parameter(spec, tp) if zero < 3 else 0
         host = owned + staging
         if zero < 3 or spec.param_offload != "none":
             host += sharded * spec.weight_bytes  # the partition's copy, or the partition
