@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from ckplan.inputs.presets import load_mapping, spec_from_values
-from ckplan.model import frameworks, memory
+from ckplan.model import finetune, frameworks, memory
 from ckplan.plan.layer_chain import layer_chain
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,3 +146,70 @@ def test_plan_embedding_backward_against_the_measurement():
     shards = sum(memory.chain_gradient_bytes(plan.spec))
     measured = RESULTS["peaks"]["embedding_backward"]["bytes"]
     assert abs((during + plan.model_states.buffers + shards) / measured - 1) < 0.02
+
+
+# PEFT's FSDP-QLoRA recipe over the same model, measured with LoRA r 8 on every linear of the
+# decoder layers, the base and the adapters in bf16 (validation/torch_fsdp1_memory.py --lora;
+# validation/results-fsdp1-lora-memory-torch-2.13.0.json)
+LORA_RESULTS = json.loads(
+    (ROOT / "validation" / "results-fsdp1-lora-memory-torch-2.13.0.json").read_text()
+)
+# one layer's adapters: r (in + out) over q, o (256 + 256), k, v (256 + 128), gate, up, down
+# (256 + 512)
+ADAPTERS = 8 * (2 * 512 + 2 * 384 + 3 * 768)
+
+
+def _lora_spec(**changes):
+    keys = {"training": "lora", "lora_targets": "all-linear", "lora_rank": 8}
+    dtypes = {"weight_bytes": 2, "grad_bytes": 2, "master_bytes": 0, "optimizer_bytes": 4}
+    return _small_spec(**keys, **dtypes, **changes)
+
+
+def _lora_blocks(phase: str) -> dict[int, int]:
+    return {int(size): n for size, n in LORA_RESULTS["peaks"][phase]["blocks"].items()}
+
+
+def test_lora_resharding_keeps_the_root_and_gathers_one_frozen_layer():
+    """Frozen weights under FSDP1: the root's bf16 copy kept through the layers' backward,
+    one decoder layer's gathered copy at a time, and neither the output layer's gradient nor a
+    layer's: the frozen FlatParameters get none."""
+    spec = _lora_spec()
+    assert frameworks.fsdp1_resharding(spec)
+    assert finetune.lora_layer_parameters(spec) == ADAPTERS
+    assert LORA_RESULTS["trainable"] * 8 == 4 * ADAPTERS  # the flat shards of 8 ranks
+    blocks = _lora_blocks("layers_backward")
+    kept = frameworks.fsdp1_kept_unsharded_bytes(ROOT_PARAMS)
+    assert blocks[kept] == 1 and blocks[2 * LAYER] == 1
+    assert 2 * (OUTPUT - NORM) not in blocks and 4 * LAYER // 8 not in blocks
+    assert memory.model_state_bytes(spec).buffers == kept
+
+
+def test_lora_chain_holds_the_gathered_frozen_layer():
+    """ckplan's layer workspace is the gathered layer as `finetune.gathered_layer_bytes` counts
+    it: the frozen linears and all the layer's adapters in bf16, not its norms. PEFT's policy
+    makes each adapter its own unit, gathered one at a time, so the measured layer block is the
+    frozen linears and norms alone: ckplan's is larger by the adapters less the norms."""
+    spec, alone = _lora_spec(), _lora_spec(dp=1)
+    chain, plain = layer_chain(spec, False), layer_chain(alone, False)
+    forward = _minus(chain.forward_workspace_bytes, plain.forward_workspace_bytes)
+    backward = _minus(chain.backward_workspace_bytes, plain.backward_workspace_bytes)
+    layers = slice(1, 1 + spec.layers)
+    gathered = 2 * (LAYER - 2 * 256) + 2 * ADAPTERS
+    assert forward[layers] == [gathered] * spec.layers
+    assert backward[layers] == [gathered + 2 * ADAPTERS] * spec.layers
+    assert gathered - 2 * LAYER == 2 * ADAPTERS - 2 * 2 * 256
+    assert forward[0] == backward[0] == forward[-1] == backward[-1] == 0
+
+
+def test_lora_plan_peak_against_the_measured_loss_peak():
+    # beyond the frozen weights' shards and AdamW's states, ckplan's peak (the eager loss with
+    # the shifted copy, the root's copy kept) is the measured one to 0.3 %: 44,323,328 against
+    # 44,449,512 bytes
+    from ckplan.plan import evaluate, parse_strategy
+
+    spec = _lora_spec(framework_version="4.44")
+    plan = evaluate(spec, parse_strategy("full", spec))
+    states = plan.model_states
+    beyond = plan.total_bytes - states.weights - states.optimizer
+    measured = LORA_RESULTS["peaks"]["loss"]["bytes"]
+    assert abs(beyond / measured - 1) < 0.005

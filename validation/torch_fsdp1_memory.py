@@ -25,8 +25,16 @@ The CPU's differences from a CUDA run: no streams, so a block FSDP1 frees with r
 free at once (on CUDA the allocator waits for the stream), and nothing here reads the caching
 allocator's reserved bytes.
 
-Needs torch (2.13.0 was run) and transformers (5.25 was run); prints JSON with --json, writes
-it with --write. Results: validation/results-fsdp1-memory-torch-2.13.0.json.
+With --lora the same step trains PEFT's LoRA adapters over the frozen base as PEFT's FSDP-QLoRA
+recipe runs it (huggingface/peft examples/sft: `fsdp_auto_wrap_policy`, use_orig_params off, the
+base and the adapters in bf16), the check behind `frameworks.fsdp1_frozen_layer_backward_bytes`
+and the root's copy kept beside frozen weights (bitsandbytes needs CUDA: the base is bf16, not
+4-bit).
+
+Needs torch (2.13.0 was run), transformers (5.25 was run) and, with --lora, peft (0.21.2 was
+run); prints JSON with --json, writes it with --write. Results:
+validation/results-fsdp1-memory-torch-2.13.0.json, validation/results-fsdp1-lora-memory-torch-
+2.13.0.json.
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ import tempfile
 from pathlib import Path
 
 RESULTS = "validation/results-fsdp1-memory-torch-2.13.0.json"
+LORA_RESULTS = "validation/results-fsdp1-lora-memory-torch-2.13.0.json"
+LORA_RANK = 8
 WORLD = 8
 SHAPE = {"hidden": 256, "ffn": 512, "heads": 4, "kv_heads": 2, "layers": 4, "vocab": 6000}
 BATCH, SEQ = 4, 128
@@ -54,7 +64,12 @@ def _marker(torch, name: str):
     return hook
 
 
-def measure(shape: dict = SHAPE) -> dict:
+def measure(shape: dict = SHAPE, lora: bool = False) -> dict:
+    """The peaks of the second step; `lora`: PEFT's LoRA (r 8 on every linear of the decoder
+    layers, bf16 adapters over the frozen bf16 base) wrapped as PEFT's FSDP recipe wraps it
+    (`peft.utils.other.fsdp_auto_wrap_policy`: each decoder layer, and each leaf module whose
+    weight trains, its own unit; use_orig_params off, as accelerate's fsdp_config_qlora.yaml in
+    huggingface/peft examples/sft/configs sets it)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
@@ -76,22 +91,36 @@ def measure(shape: dict = SHAPE) -> dict:
     )  # fmt: skip
     model = LlamaForCausalLM(config)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    wrap = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+    inner = model
+    if lora:
+        import peft
+        from peft.utils.other import fsdp_auto_wrap_policy
+
+        config_lora = peft.LoraConfig(r=LORA_RANK, lora_alpha=16, target_modules="all-linear")
+        # the sharded QLoRA recipe's dtypes: a bf16 base (torch_dtype the 4-bit storage's) and
+        # adapters in it (TRL skips prepare_model_for_kbit_training for sharded QLoRA)
+        model = peft.get_peft_model(
+            model.to(torch.bfloat16), config_lora, autocast_adapter_dtype=False
+        )
+        model.enable_input_require_grads()  # PEFT's step before reentrant checkpointing
+        wrap = fsdp_auto_wrap_policy(model)
+        inner = model.base_model.model
     bf16 = torch.bfloat16
     fsdp = FullyShardedDataParallel(
         model,
-        auto_wrap_policy=functools.partial(
-            transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}
-        ),
+        auto_wrap_policy=wrap,
         mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, buffer_dtype=bf16),
         sharding_strategy=ShardingStrategy.FULL_SHARD,
         backward_prefetch=None,
         limit_all_gathers=True,
-        use_orig_params=True,
+        use_orig_params=not lora,
         device_id=torch.device("cpu"),
     )
-    model.model.norm.register_full_backward_pre_hook(_marker(torch, "mark:layers"))
-    model.model.embed_tokens.register_full_backward_pre_hook(_marker(torch, "mark:embedding"))
-    optimizer = torch.optim.AdamW(fsdp.parameters(), lr=1e-4, foreach=True)
+    inner.model.norm.register_full_backward_pre_hook(_marker(torch, "mark:layers"))
+    inner.model.embed_tokens.register_full_backward_pre_hook(_marker(torch, "mark:embedding"))
+    trained = [p for p in fsdp.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-4, foreach=True)
     ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
     vocab = config.vocab_size
 
@@ -119,7 +148,10 @@ def measure(shape: dict = SHAPE) -> dict:
         path = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
-    return _peaks(events) | {"shape": shape, "batch": BATCH, "seq": SEQ, "world": WORLD}
+    return _peaks(events) | {
+        "shape": shape, "batch": BATCH, "seq": SEQ, "world": WORLD,
+        **({"lora_rank": LORA_RANK, "trainable": sum(p.numel() for p in trained)} if lora else {}),
+    }  # fmt: skip
 
 
 def _peaks(events: list[dict]) -> dict:
@@ -157,13 +189,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--write", action="store_true", help=f"write {RESULTS}")
+    parser.add_argument(
+        "--lora", action="store_true", help=f"PEFT's LoRA over a frozen base ({LORA_RESULTS})"
+    )
     args = parser.parse_args(argv)
     import torch
 
-    results = {"torch": torch.__version__.split("+")[0], **measure()}
+    results = {"torch": torch.__version__.split("+")[0], **measure(lora=args.lora)}
     text = json.dumps(results, indent=1)
     if args.write:
-        Path(RESULTS).write_text(text + "\n")
+        Path(LORA_RESULTS if args.lora else RESULTS).write_text(text + "\n")
     if args.json or not args.write:
         print(text)
     return 0

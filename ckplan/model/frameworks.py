@@ -781,16 +781,17 @@ def deepspeed_persistent_bytes(
     return HALF * sum(elements for elements in tensor_elements if elements <= threshold)
 
 
-def _reshards_unit_by_unit(spec, framework: str) -> bool:
+def _reshards_unit_by_unit(spec, framework: str, frozen: bool = False) -> bool:
     """Whether `framework` runs this spec fully sharded, unit by unit: zero 3, one pipeline
-    stage, more than one rank in the FSDP mesh dp·cp, full training. The layout both FSDP1
-    (`fsdp1_resharding`) and FSDP2 (`fsdp2_resharding`) reshard after forward."""
+    stage, more than one rank in the FSDP mesh dp·cp, full training (or, `frozen`, any). The
+    layout both FSDP1 (`fsdp1_resharding`) and FSDP2 (`fsdp2_resharding`) reshard after
+    forward."""
     return (
         spec.framework == framework
         and spec.zero == 3
         and spec.pp == 1
         and spec.dp * spec.cp > 1
-        and spec.training == "full"
+        and (frozen or spec.training == "full")
     )
 
 
@@ -805,8 +806,10 @@ def fsdp1_resharding(spec) -> bool:
     from the forward to the end of the backward (`fsdp1_kept_unsharded_bytes`). The published
     runs ckplan reads as `hf` include torchtune's (FSDP2 since its 0.3) and Composer's (FSDP1
     with its own prefetch settings): at zero 3 over several ranks they are counted the
-    Trainer's way."""
-    return _reshards_unit_by_unit(spec, "hf")
+    Trainer's way. With frozen base weights (LoRA, QLoRA) too: the decoder layers and the root
+    unit gather and reshard as in full training, with no gradient of their own
+    (`fsdp1_frozen_layer_backward_bytes`)."""
+    return _reshards_unit_by_unit(spec, "hf", frozen=True)
 
 
 def fsdp1_kept_unsharded_bytes(root_params: int) -> int:
@@ -854,6 +857,18 @@ def fsdp1_layer_backward_bytes(layer_params: int, output_params: int) -> int:
     output layer's 3,072,000-byte gradient (2 · 6000 · 256), one layer's 1,180,672-byte
     parameters and its weights' gradients as they are written."""
     return HALF * layer_params + HALF * layer_params + HALF * output_params
+
+
+def fsdp1_frozen_layer_backward_bytes(layer_bytes: int, adapter_params: int) -> int:
+    """What a decoder layer's backward holds of FSDP1's buffers beyond the root's kept copy
+    when its base weights are frozen: its unsharded parameters gathered again (`layer_bytes`,
+    as gathered: 4-bit weights packed), and its adapters' bf16 gradients, which PEFT's wrap
+    policy (peft `fsdp_auto_wrap_policy`: every leaf module whose weight trains is its own
+    unit) reduce-scatters adapter by adapter. The frozen FlatParameters get no gradient, and
+    the frozen output layer none to wait with (`fsdp1_layer_backward_bytes`). derived from
+    torch/distributed/fsdp/_runtime_utils.py (`_pre_backward_hook`, `_post_backward_hook`,
+    PyTorch v2.13.0)."""
+    return layer_bytes + HALF * adapter_params
 
 
 def fsdp1_embedding_backward_bytes(

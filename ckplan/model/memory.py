@@ -783,6 +783,8 @@ def finetune_state_bytes(
         if trainable
         else 0
     )
+    if frameworks.fsdp1_resharding(spec):  # the root unit's frozen copy, kept all step
+        buffers = frameworks.fsdp1_kept_unsharded_bytes(outside_layer_parameters(spec, stage))
     if spec.framework == "deepspeed" and zero == 3 and dp > 1:  # the adapters kept whole
         persistent = frameworks.deepspeed_persistent_bytes(finetune.adapter_tensor_elements(spec))
         buffers += layers_here * split_share(persistent, spec.tp)

@@ -10,7 +10,7 @@ from functools import lru_cache
 
 from ckplan.cache import BoundedCache
 from ckplan.model import flops as flops_model
-from ckplan.model import frameworks, loss, memory, mtp
+from ckplan.model import finetune, frameworks, loss, memory, mtp
 from ckplan.model.layers import LayerKind, stage_kinds, stage_layer_indices
 from ckplan.model.op import ATTENTION_CORE
 from ckplan.model.spec import ModelSpec
@@ -101,7 +101,8 @@ def _with_fsdp1_buffers(spec: ModelSpec, chain: Chain) -> Chain:
     output = memory.output_layer_parameters(spec)
     embedding = memory.embedding_parameters(spec, 0)
     root = memory.outside_layer_parameters(spec, 0)
-    key = (id(chain), layer, output, embedding, root)
+    frozen = spec.training != "full"
+    key = (id(chain), layer, output, embedding, root, frozen)
     entry = _FSDP1_CHAINS.get(key)
     if entry is not None and entry[0] is chain:
         return entry[1]
@@ -109,10 +110,18 @@ def _with_fsdp1_buffers(spec: ModelSpec, chain: Chain) -> Chain:
     last = chain.length - 1 - (1 if spec.kind == "transformer" and spec.vocab > 0 else 0)
     forward = list(chain.forward_workspace_bytes)
     backward = list(chain.backward_workspace_bytes)
+    if frozen:  # the gathered frozen layer (4-bit packed) and its adapters; no gradient
+        gathered = finetune.gathered_layer_bytes(spec, frameworks.HALF)[0]
+        adapters = finetune.lora_layer_parameters(spec)
+        layer_forward = gathered
+        layer_backward = frameworks.fsdp1_frozen_layer_backward_bytes(gathered, adapters)
+    else:
+        layer_forward = frameworks.fsdp1_layer_forward_bytes(layer)
+        layer_backward = frameworks.fsdp1_layer_backward_bytes(layer, output)
     for i in range(first, last + 1):
-        forward[i] += frameworks.fsdp1_layer_forward_bytes(layer)
-        backward[i] += frameworks.fsdp1_layer_backward_bytes(layer, output)
-    if first:  # the embedding stage: the root's flat gradient is formed in its backward
+        forward[i] += layer_forward
+        backward[i] += layer_backward
+    if first and not frozen:  # the embedding stage: the root's flat gradient forms in its backward
         backward[0] += frameworks.fsdp1_embedding_backward_bytes(root, embedding, output)
     with_buffers = dataclasses.replace(
         chain, forward_workspace_bytes=tuple(forward), backward_workspace_bytes=tuple(backward)

@@ -454,19 +454,27 @@ def plan_summary_table(plan: Plan, gpu: GPU | None = None) -> Table:
     table.add_row("model states", both_units(states.total), _state_note(spec))
     frozen = spec.training != "full"
     base = spec.weight_format or f"{spec.weight_bytes} B/param"
+    frozen_note = f"frozen linears {base}, the rest {spec.weight_bytes} B/param" + (
+        f"; adapters {spec.weight_bytes} B/param" if spec.finetune.adapters else ""
+    )
+    if frozen and spec.param_offload != "none":
+        kept = "the 4-bit statistics" if spec.weight_format in ("nf4", "fp4") else "none"
+        frozen_note = f"frozen weights: {kept}; their shards on the host (param_offload)"
     table.add_row(
         "  weights",
         gib(states.weights),
-        f"frozen linears {base}, the rest {spec.weight_bytes} B/param"
-        + (f"; adapters {spec.weight_bytes} B/param" if spec.finetune.adapters else "")
-        if frozen
-        else _weights_note(spec),
+        frozen_note if frozen else _weights_note(spec),
     )
     on_host = spec.optimizer_offload != "none"
     table.add_row(
         "  gradients",
         gib(states.gradients),
-        "on the host (optimizer_offload)"
+        (
+            f"{spec.grad_bytes} B/param, unsharded until the last micro-batch (no_sync); "
+            "then on the host (optimizer_offload)"
+            if states.gradients
+            else "on the host (optimizer_offload)"
+        )
         if on_host
         else f"{spec.grad_bytes} B/param"
         + (" (trainable parameters only)" if frozen else "")
@@ -633,6 +641,10 @@ def host_state_note(spec) -> str:
     elif spec.zero < 3:
         parts.append(f"a {spec.weight_bytes} B/param copy and staging")
     name = "ZeRO-Offload" if ds else "FSDP CPU offload"
+    if spec.training != "full":
+        parts = [f"the adapters' {part}" for part in parts]
+        if spec.param_offload != "none":
+            parts.insert(0, "the frozen weights' shard")
     return f"per GPU, {name}: " + ", ".join(parts)
 
 
