@@ -91,7 +91,8 @@ def measure(shape: dict = SHAPE, lora: bool = False) -> dict:
     )  # fmt: skip
     model = LlamaForCausalLM(config)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    wrap = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+    layer_cls = {LlamaDecoderLayer}
+    wrap = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_cls)
     inner = model
     if lora:
         import peft

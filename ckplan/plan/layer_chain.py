@@ -9,8 +9,8 @@ import dataclasses
 from functools import lru_cache
 
 from ckplan.cache import BoundedCache
-from ckplan.model import flops as flops_model
 from ckplan.model import finetune, frameworks, loss, memory, mtp
+from ckplan.model import flops as flops_model
 from ckplan.model.layers import LayerKind, stage_kinds, stage_layer_indices
 from ckplan.model.op import ATTENTION_CORE
 from ckplan.model.spec import ModelSpec
