@@ -642,9 +642,9 @@ def host_state_note(spec) -> str:
         parts.append(f"a {spec.weight_bytes} B/param copy and staging")
     name = "ZeRO-Offload" if ds else "FSDP CPU offload"
     if spec.training != "full":
-        parts = [f"the adapters' {part}" for part in parts]
-        if spec.param_offload != "none":
-            parts.insert(0, "the frozen weights' shard")
+        adapters = "the adapters' " + ", ".join(parts)
+        frozen = "the frozen weights' shard; " if spec.param_offload != "none" else ""
+        return f"per GPU, {name}: {frozen}{adapters}"
     return f"per GPU, {name}: " + ", ".join(parts)
 
 
