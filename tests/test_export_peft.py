@@ -200,3 +200,46 @@ def test_an_unquantised_model_loads_in_the_dtype_its_weights_were_counted_in(spe
     qlora = exports.export(plan_of(spec_of("llama3-8b", training="qlora"), "full"), "peft").text
     assert "from_pretrained(NAME, quantization_config=bnb_config)" in qlora
     assert "from_pretrained(NAME, dtype" not in qlora
+
+
+SHARDED_QLORA = dict(
+    framework="hf", seq=1024, micro_batch=2, microbatches=1, dp=2, zero=3, training="qlora",
+    weight_format="nf4", optimizer_offload="cpu", param_offload="cpu",
+)  # fmt: skip
+BF16_STATES = dict(weight_bytes=2, grad_bytes=2, master_bytes=0, optimizer="adamw-bf16")
+
+
+def test_sharded_qlora_with_cpu_offload(spec_of):
+    """PEFT's FSDP-QLoRA recipe: FSDP's CPU offload as `fsdp="full_shard offload"`, the 4-bit
+    weights stored in bf16 so that FSDP can flatten them with the rest, the model loaded in it
+    and not prepared (TRL's sharded-QLoRA path), the adapters kept in bf16; with bf16 states
+    counted, torch's AdamW; otherwise a note saying what ckplan counted."""
+    spec = spec_of("llama3-8b", **SHARDED_QLORA, **BF16_STATES)
+    result = exports.export(plan_of(spec, "full"), "peft")
+    found = calls(result.text)
+    assert found["TrainingArguments"]["fsdp"] == "full_shard offload"
+    assert found["TrainingArguments"]["optim"] == "adamw_torch"
+    assert found["BitsAndBytesConfig"]["bnb_4bit_quant_storage"] == "torch.bfloat16"
+    assert "dtype=torch.bfloat16" in result.text and "prepare_model_for_kbit" not in result.text
+    assert "autocast_adapter_dtype=False" in result.text
+    assert not any("weight_bytes" in note for note in result.notes)
+    counted_fp32 = spec_of("llama3-8b", **SHARDED_QLORA)
+    notes = exports.export(plan_of(counted_fp32, "full"), "peft").notes
+    assert any("--set weight_bytes=2" in note for note in notes)
+    single = spec_of("llama3-8b", **LLAMA, training="qlora")
+    assert "bnb_4bit_quant_storage" not in exports.export(plan_of(single, "full"), "peft").text
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_sharded_qlora_arguments_construct(spec_of, tmp_path):
+    """transformers reads `fsdp="full_shard offload"` as FSDP with cpu_offload (optional)."""
+    framework_or_skip("transformers")
+    spec = spec_of("llama3-8b", **SHARDED_QLORA, **BF16_STATES)
+    text = exports.export(plan_of(spec, "full"), "peft").text
+    text = text.replace('output_dir="out"', f"output_dir={str(tmp_path)!r}")
+    text = text.replace("bf16=True,", "bf16=True, use_cpu=True,")  # no GPU here
+    namespace: dict = {}
+    exec(compile(text, "peft_snippet", "exec"), namespace)
+    args = namespace["training_args"]
+    assert args.fsdp_config["cpu_offload"] is True
+    assert str(namespace["bnb_config"].bnb_4bit_quant_storage) == "torch.bfloat16"

@@ -349,6 +349,8 @@ def test_fsdp_offload_beside_frozen_weights_by_hand():
     assert states.host == shard + (ADAPTERS // 4) * 16
     kept = model_state_bytes(s.replace(optimizer_offload="none", param_offload="none"))
     assert kept.weights == statistics + shard + (ADAPTERS // 4) * 4
+    # SHARD_GRAD_OP (zero 2) offloads the same shards: only the statistics stay, as at zero 3
+    assert model_state_bytes(qlora_fsdp(zero=2)).weights == statistics
 
 
 def test_hf_accumulation_keeps_the_adapters_gradients_on_the_gpu():
@@ -394,3 +396,19 @@ def test_zero3_gathers_the_frozen_weights_every_pass():
     )
     assert parts.backward == parts.forward
     assert memory.frozen_gathered_bytes(spec(framework="hf", zero=3, dp=4), 0) == 0
+
+
+def test_fsdp_offload_of_bf16_states():
+    """torch's AdamW over bf16 parameters under FSDP's CPU offload (adamw-bf16, no master
+    copy): the host holds the bf16 shard, its bf16 gradient (FSDP1's `_cpu_grad` is
+    zeros_like the shard) and two bf16 moments, 8 bytes per owned parameter, and the CPU step
+    moves the seven tensors at 2 bytes; DeepSpeedCPUAdam steps fp32 states only."""
+    s = fsdp("hf", weight_bytes=2, grad_bytes=2, master_bytes=0, optimizer="adamw-bf16")
+    owned = P // 4
+    assert memory.host_gradient_bytes(s) == 2
+    assert model_state_bytes(s).host == owned * (2 + 2 + 4)
+    t = host_states.state_traffic(s)
+    assert (t.gradients_to_host, t.cpu_bytes) == (2 * owned, 14 * owned)
+    assert memory.host_gradient_bytes(deepspeed()) == 4
+    with pytest.raises(SpecError, match="DeepSpeedCPUAdam"):
+        deepspeed(optimizer="adamw-bf16")

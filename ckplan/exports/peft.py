@@ -17,7 +17,9 @@ and `TrainingArguments` for the plan (docs/exports.md).
   true`: `frameworks.checkpoint_reentrant`), `optim`
   (an `OptimizerNames` value: adamw_torch, adamw_8bit, paged_adamw_8bit, adafactor, sgd,
   lion_32bit, adamw_anyprecision with `optim_args`), `bf16` / `fp16`, and `fsdp`
-  ("shard_grad_op" for ZeRO-2, "full_shard" for ZeRO-3).
+  ("shard_grad_op" for ZeRO-2, "full_shard" for ZeRO-3, with " offload" for FSDP's CPU
+  offload, `param_offload: cpu`). A 4-bit model under FSDP gets a float
+  `bnb_4bit_quant_storage` and loads in it (`sharded_qlora`).
 
 The Trainer runs data parallelism only and recomputes every layer or none: other layer
 segments, module recomputation, per-op policies, tp/pp/cp/ep > 1, the step in backward and
@@ -127,14 +129,38 @@ def values(plan: Plan, layers: LayerSegments) -> dict[str, dict[str, object]]:
         reentrant = frameworks.checkpoint_reentrant(spec)
         args["gradient_checkpointing_kwargs"] = {"use_reentrant": reentrant}
     args["optim"] = OPTIM[spec.optimizer]
-    if spec.optimizer == "adamw-bf16":
+    if spec.optimizer == "adamw-bf16" and sharded_qlora(spec):
+        args["optim"] = OPTIM["adamw"]  # torch's AdamW keeps the bf16 parameters' dtype
+    elif spec.optimizer == "adamw-bf16":
         args["optim_args"] = ANYPRECISION_ARGS
     if spec.precision in ("bf16", "fp16"):  # neither flag: the Trainer trains in fp32
         args[spec.precision] = True
-    if spec.dp > 1 and spec.zero in FSDP:
-        args["fsdp"] = FSDP[spec.zero]
+    if fsdp_shards(spec):
+        # "offload": FSDP's CPU offload of the parameters, their gradients and the step
+        # (transformers training_args.py FSDPOption.OFFLOAD -> fsdp_config cpu_offload)
+        offload = " offload" if spec.param_offload != "none" else ""
+        args["fsdp"] = FSDP[spec.zero] + offload
+        if "BitsAndBytesConfig" in out and fmt in ("nf4", "fp4"):
+            # FSDP flattens the packed 4-bit weights with the rest: a float storage dtype
+            out["BitsAndBytesConfig"]["bnb_4bit_quant_storage"] = COMPUTE_DTYPES[spec.precision]
     out["TrainingArguments"] = args
     return out
+
+
+def fsdp_shards(spec: ModelSpec) -> bool:
+    """Whether the Trainer runs the plan under FSDP (`fsdp` set): ZeRO 2 or 3 over more than
+    one rank."""
+    return spec.dp > 1 and spec.zero in FSDP
+
+
+def sharded_qlora(spec: ModelSpec) -> bool:
+    """A 4-bit model under FSDP: transformers loads it in its storage dtype and TRL's
+    SFTTrainer leaves it unprepared (trl v0.8.0 trl/trainer/sft_trainer.py `is_sharded_qlora`:
+    "one should never call peft_module_casting_to_bf16 or prepare_model_for_kbit_training when
+    doing QLoRA + FSDP / DS-Zero3"), so its unquantised weights and, through PEFT's
+    `update_layer` (v0.10.0: the adapters cast to the base weight's floating dtype), its
+    adapters stay in bf16."""
+    return fsdp_shards(spec) and spec.weight_format in ("nf4", "fp4")
 
 
 def _literal(value: object) -> str:
@@ -180,10 +206,16 @@ def render(plan: Plan, layers: LayerSegments) -> str:
         lines.extend(f"    {key}={_literal(value)}," for key, value in kwargs.items())
         lines.append(")")
     config = ", quantization_config=bnb_config" if quantized else f", dtype={load_dtype}"
+    if sharded_qlora(spec):  # the unquantised weights in the 4-bit storage's dtype
+        config += f", dtype={COMPUTE_DTYPES[spec.precision]}"
     lines.append(f"# model = AutoModelForCausalLM.from_pretrained(NAME{config})")
-    if quantized:
+    if quantized and not sharded_qlora(spec):
         lines.append("# model = peft.prepare_model_for_kbit_training(model)")
-    if "LoraConfig" in objects:
+    if "LoraConfig" in objects and sharded_qlora(spec):  # as TRL builds it (peft >= 0.12)
+        lines.append(
+            "# model = peft.get_peft_model(model, lora_config, autocast_adapter_dtype=False)"
+        )
+    elif "LoraConfig" in objects:
         lines.append("# model = peft.get_peft_model(model, lora_config)")
     lines.append("# Trainer(model=model, args=training_args, train_dataset=...).train()")
     return "\n".join(lines) + "\n"
@@ -204,12 +236,19 @@ def notes(plan: Plan, layers: LayerSegments) -> list[str]:
             f"loss: {spec.loss}: the Trainer materialises the logits; "
             "use_liger_kernel=True gives a fused linear cross-entropy"
         )
-    if spec.optimizer == "adamw-bf16":
+    if spec.optimizer == "adamw-bf16" and not sharded_qlora(spec):
         lines.append("optim adamw_anyprecision needs torchdistx installed")
     if spec.optimizer == "paged-adamw-8bit":
         lines.append(
             "paged_adamw_8bit: ckplan counts its states on the GPU; they move to host memory "
             "only under memory pressure"
+        )
+    if sharded_qlora(spec) and (spec.weight_bytes, spec.master_bytes) != (2, 0):
+        lines.append(
+            "FSDP over a 4-bit model: its other weights and adapters stay in bf16 (no "
+            "prepare_model_for_kbit_training); ckplan counted weight_bytes "
+            f"{spec.weight_bytes}, master_bytes {spec.master_bytes}: --set weight_bytes=2 "
+            "--set grad_bytes=2 --set master_bytes=0 --set optimizer=adamw-bf16 counts them so"
         )
     if spec.dp > 1:
         lines.append(f"launch {spec.dp} processes (torchrun or accelerate launch)")

@@ -6,11 +6,13 @@ the GPU).
 One step with one micro-batch, per GPU, over the parameters whose states it owns (`owned`: its
 share over dp·cp, the experts' over their data-parallel group):
 
-- gradients, device to host: 4 bytes per owned parameter (fp32; DeepSpeed converts each
-  reduced bucket's partition to fp32 on the GPU and copies it out with non_blocking=True,
-  stage_1_and_2.py `async_inplace_copy_grad_to_fp32_buffer_from_gpu`, v0.19.8; FSDP2 copies its
-  fp32 reduce-scatter output to the CPU, _fsdp_collectives.py `foreach_reduce`, PyTorch
-  v2.13.0). Both run beside the backward, on their own streams: exposed where they outlast it.
+- gradients, device to host: 4 bytes per owned parameter under DeepSpeed (fp32; it converts
+  each reduced bucket's partition to fp32 on the GPU and copies it out with non_blocking=True,
+  stage_1_and_2.py `async_inplace_copy_grad_to_fp32_buffer_from_gpu`, v0.19.8), the sharded
+  parameter's weight_bytes under FSDP (FSDP2 copies its reduce-scatter output to the CPU,
+  _fsdp_collectives.py `foreach_reduce`, FSDP1 into `_cpu_grad`, PyTorch v2.13.0;
+  `memory.host_gradient_bytes`). Both run beside the backward, on their own streams: exposed
+  where they outlast it.
 - parameters, host to device, on every gather: FSDP2 copies the fp32 shard to the GPU before
   each all-gather (_fsdp_param.py `all_gather_inputs`), twice a step with resharding after
   forward (zero 3), once without (zero 2), for each micro-batch where hf's no_sync
@@ -40,7 +42,6 @@ from dataclasses import dataclass
 from ckplan.hardware.gpus import GPU
 from ckplan.hardware.host_link import copy_seconds
 from ckplan.model import frameworks, memory
-from ckplan.model.memory import HOST_GRADIENT_BYTES
 from ckplan.model.op import split_share
 from ckplan.model.spec import ModelSpec
 
@@ -50,6 +51,15 @@ FP32 = 4
 # exp_avg and exp_avg_sq (3 x 4). torch's fused AdamW on the CPU (FSDP's step) reads and writes
 # the same tensors once.
 CPU_ADAM_BYTES_PER_PARAMETER = 7 * FP32
+
+
+def cpu_adam_bytes_per_parameter(spec: ModelSpec) -> int:
+    """The CPU step's memory traffic per owned parameter: `CPU_ADAM_BYTES_PER_PARAMETER` for
+    fp32 states; torch's AdamW over bf16 parameters and moments (`optimizer: adamw-bf16`, FSDP
+    only) reads and writes the same seven tensors at 2 bytes. derived."""
+    return CPU_ADAM_BYTES_PER_PARAMETER * (2 if spec.optimizer == "adamw-bf16" else 4) // FP32
+
+
 # Its arithmetic in Step_AVX (AdamW with weight decay): mul, fma, mul, mul, fma, sqrt, fma, div,
 # fma (decay), fma (update); an fma counts 2 FLOPs.
 CPU_ADAM_FLOPS_PER_PARAMETER = 15
@@ -95,7 +105,7 @@ def state_traffic(
     zero = spec.zero if zero is None else zero
     params_out = spec.param_offload != "none"
     gathers = after = 0
-    cpu_bytes = owned * CPU_ADAM_BYTES_PER_PARAMETER
+    cpu_bytes = owned * cpu_adam_bytes_per_parameter(spec)
     # the shards fetched for a gather: the owned parameters' and the frozen weights'
     shards = owned * spec.weight_bytes + memory.host_frozen_bytes(spec, memory.busiest_stage(spec))
     if spec.framework == "deepspeed":
@@ -110,7 +120,7 @@ def state_traffic(
         if frameworks.offload_accumulates_on_device(spec):
             gathers *= spec.microbatches  # no_sync: every micro-batch gathers
     return StateTraffic(
-        gradients_to_host=owned * HOST_GRADIENT_BYTES,
+        gradients_to_host=owned * memory.host_gradient_bytes(spec),
         gathers_to_device=gathers,
         after_step_to_device=after,
         cpu_bytes=cpu_bytes,

@@ -1363,7 +1363,8 @@ def state_offload_error(
     ZeRO 1-3 and its offload_param with ZeRO 3 beside it; FSDP's CPU offload, both keys, with
     ZeRO 2-3. Full training or frozen base weights (LoRA, QLoRA: the adapters' states go to
     the host, and with the parameters the frozen weights' shards), with Adam
-    (DeepSpeedCPUAdam; torch's AdamW on CPU tensors), one pipeline stage, and no
+    (DeepSpeedCPUAdam; torch's AdamW on CPU tensors, fp32 or, `adamw-bf16`, in the bf16
+    parameters' dtype), one pipeline stage, and no
     optimizer_in_backward. One micro-batch per step (DeepSpeed accumulates micro-batches'
     gradients through host buffers and torchtitan's FSDP2 on the CPU, which ckplan does not
     time), but for hf's FSDP under its no_sync accumulation (`offload_accumulates_on_device`).
@@ -1398,10 +1399,11 @@ def state_offload_error(
         )
     elif zero < 2:
         return f"key 'zero' ({zero}): FSDP's CPU offload shards the states; use zero 2 or 3"
-    if spec.optimizer != "adamw":
+    cpu_optimizers = ("adamw",) if framework == "deepspeed" else ("adamw", "adamw-bf16")
+    if spec.optimizer not in cpu_optimizers:
         return (
             f"key {key!r}: the CPU step is modelled for optimizer: adamw "
-            f"(DeepSpeedCPUAdam), got {spec.optimizer}"
+            f"(DeepSpeedCPUAdam; torch's AdamW, or adamw-bf16, under FSDP), got {spec.optimizer}"
         )
     if spec.optimizer_in_backward:
         return f"key {key!r}: the CPU step runs after backward; drop optimizer_in_backward"

@@ -771,7 +771,8 @@ def finetune_state_bytes(
     if zero >= frameworks.weights_sharded_from(spec.framework):
         base = sharded_frozen_bytes(base, statistics, dp)
     on_host = host_frozen_bytes(spec, stage, dp)
-    base -= on_host
+    if on_host:  # the parameters' data on the host: the 4-bit statistics stay
+        base = statistics
     adapter_layer = finetune.lora_layer_parameters(spec)
     trainable = layers_here * adapter_layer
     gathered = tuple(
@@ -1333,6 +1334,15 @@ def largest_trained_parameter(spec: ModelSpec, tp: int | None = None) -> int:
 HOST_GRADIENT_BYTES = 4  # fp32 gradients on the host (DeepSpeed's master dtype; FSDP2's reduce)
 
 
+def host_gradient_bytes(spec: ModelSpec) -> int:
+    """Bytes of one offloaded gradient value on the host: fp32 under DeepSpeed (its master
+    dtype); under FSDP the sharded parameter's dtype, weight_bytes (FSDP1 pins
+    `_cpu_grad = torch.zeros_like(flat_param._local_shard)`, torch/distributed/fsdp/
+    _flat_param.py, PyTorch v2.13.0; FSDP2 copies the reduce-scatter output, cast to the
+    sharded parameter's dtype, to the CPU, fp32 in torchtitan's recipe)."""
+    return HOST_GRADIENT_BYTES if spec.framework == "deepspeed" else spec.weight_bytes
+
+
 def offloaded_states(
     spec: ModelSpec, states: ModelStateBytes, sharded: int, zero: int, tp: int | None = None
 ) -> ModelStateBytes:
@@ -1356,13 +1366,14 @@ def offloaded_states(
     FSDP CPU offload (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, PyTorch v2.13.0,
     CPUOffloadPolicy): the sharded parameters (weight_bytes, fp32 in torchtitan's recipe, the
     optimizer's own), their sharded gradients (reduce-scatter output copied to the CPU) and
-    torch's AdamW moments are on the host: (weight_bytes + 4 + master_bytes + optimizer_bytes)
-    per owned parameter; the device holds only the gathered parameters and buckets (`buffers`),
+    torch's AdamW moments are on the host: (2·weight_bytes + master_bytes + optimizer_bytes)
+    per owned parameter (the gradient in the parameter's dtype, `host_gradient_bytes`); the
+    device holds only the gathered parameters and buckets (`buffers`),
     and, where hf's FSDP accumulates several micro-batches under no_sync
     (`frameworks.offload_accumulates_on_device`), their unsharded gradients until the last
     backward reduces them (`states`' gradients, whole).
     """
-    owned = states.optimizer + sharded * HOST_GRADIENT_BYTES
+    owned = states.optimizer + sharded * host_gradient_bytes(spec)
     weights, expert_weights, buffers = states.weights, states.expert_weights, states.buffers
     if spec.framework == "deepspeed":
         staging = frameworks.HALF * largest_trained_parameter(spec, tp) if zero < 3 else 0

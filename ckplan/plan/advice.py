@@ -190,7 +190,8 @@ def _state_offload(spec: ModelSpec) -> list[dict[str, Any]]:
     DeepSpeed's ZeRO-Offload (offload_optimizer), then with ZeRO 3 its parameters too; FSDP's
     CPU offload (both keys, ZeRO 3). With Adam (what it models), full training or the
     adapters of a fine-tune beside its frozen weights."""
-    if spec.optimizer != "adamw" or spec.optimizer_offload != "none":
+    cpu_step = ("adamw",) if spec.framework == "deepspeed" else ("adamw", "adamw-bf16")
+    if spec.optimizer not in cpu_step or spec.optimizer_offload != "none":
         return []
     if spec.framework == "deepspeed":
         return [

@@ -17,6 +17,7 @@ from ckplan.model.memory import (
     gradient_lifetime,
     gradients_allocated_in_backward,
     gradients_kept_between_steps,
+    host_gradient_bytes,
     optimizer_tensor_bytes,
     parameter_count,
 )
@@ -635,7 +636,8 @@ def state_offload_dict(plan: Plan, time: StepTime | None = None) -> dict[str, An
 def host_state_note(spec) -> str:
     """What the host holds per GPU under optimizer_offload (memory.offloaded_states)."""
     ds = spec.framework == "deepspeed"
-    parts = ["master + Adam", "fp32 gradients"]
+    gradients = {4: "fp32", 2: "bf16"}.get(host_gradient_bytes(spec), "")
+    parts = ["master + Adam" if spec.master_bytes or ds else "Adam", f"{gradients} gradients"]
     if not ds or spec.param_offload != "none":
         parts.insert(0, "weights")
     elif spec.zero < 3:
