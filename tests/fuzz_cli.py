@@ -206,13 +206,19 @@ _ENUM_VALUES = {
     "precision": ["bf16", "fp16", "fp8", "fp32"],
     "fp8_recipe": ["delayed", "current", "mxfp8", "blockwise", "tensorwise", ""],
     "loss": ["fused", "eager", "xentropy", "compiled", "chunked:4", "chunked:1", "chunked:"],
-    "training": ["full", "lora"],
+    "training": ["full", "lora", "qlora", "frozen"],
+    "optimizer_offload": ["none", "cpu", "cpu", "CPU", ""],
+    "fsdp_backward_prefetch": ["none", "backward_pre", "backward_post", "BACKWARD_PRE", ""],
+    "param_offload": ["none", "cpu", "cpu", "nvme"],
+    "weight_format": ["nf4", "fp4", "int8", "bf16", "fp32", "int4"],
+    "optimizer": ["adamw", "adamw-bf16", "adamw-8bit", "sgd", "lion", "adafactor"],
     "cp_attention": ["ring", "allgather", "a2a", "a2a+p2p", "p2p", "", "A2A", "a2a+P2P"],
 }
 # keys that only one framework takes: the framework set beside them most of the time
 _FRAMEWORK_KEYS = {
     "framework_version": ["torchtitan", "torchtitan", "hf", "megatron"],
     "grad_sync": ["hf", "hf", "torchtitan", "deepspeed"],
+    "fsdp_backward_prefetch": ["hf", "hf", "hf", "megatron"],
     "cp_attention": ["megatron", "megatron", "torchtitan", "hf"],
     "cp_a2a_size": ["megatron", "megatron", "megatron", "torchtitan"],
 }

@@ -213,3 +213,28 @@ def test_lora_plan_peak_against_the_measured_loss_peak():
     beyond = plan.total_bytes - states.weights - states.optimizer
     measured = LORA_RESULTS["peaks"]["loss"]["bytes"]
     assert abs(beyond / measured - 1) < 0.005
+
+
+PREFETCH_RESULTS = json.loads(
+    (ROOT / "validation" / "results-fsdp1-backward-pre-memory-torch-2.13.0.json").read_text()
+)
+
+
+def test_backward_pre_holds_the_layer_before_in_a_layers_backward():
+    """With backward_prefetch BACKWARD_PRE (accelerate's `fsdp_backward_prefetch`) the layers'
+    backward peak holds two layers' unsharded copies, the running one's and the prefetched
+    one's; ckplan adds the second to every layer's backward but the first layer's, whose next
+    unit is the root, kept unsharded already."""
+    blocks = {
+        int(size): n for size, n in PREFETCH_RESULTS["peaks"]["layers_backward"]["blocks"].items()
+    }
+    assert blocks[2 * LAYER] == 2 and _blocks("layers_backward")[2 * LAYER] == 1
+    spec = _small_spec(fsdp_backward_prefetch="backward_pre")
+    assert frameworks.fsdp1_prefetched_layers(spec) == 1
+    assert (
+        frameworks.fsdp1_prefetched_layers(_small_spec(fsdp_backward_prefetch="backward_post")) == 0
+    )
+    chain, plain = layer_chain(spec, False), layer_chain(_small_spec(), False)
+    extra = _minus(chain.backward_workspace_bytes, plain.backward_workspace_bytes)
+    assert extra == [0, 0] + [2 * LAYER] * (spec.layers - 1) + [0]
+    assert chain.forward_workspace_bytes == plain.forward_workspace_bytes

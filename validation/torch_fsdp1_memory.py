@@ -25,8 +25,9 @@ The CPU's differences from a CUDA run: no streams, so a block FSDP1 frees with r
 free at once (on CUDA the allocator waits for the stream), and nothing here reads the caching
 allocator's reserved bytes.
 
-With --lora the same step trains PEFT's LoRA adapters over the frozen base as PEFT's FSDP-QLoRA
-recipe runs it (huggingface/peft examples/sft: `fsdp_auto_wrap_policy`, use_orig_params off, the
+With --backward-pre FSDP prefetches the next unit in its backward (BACKWARD_PRE, the check
+behind `frameworks.fsdp1_prefetched_layers`). With --lora the same step trains PEFT's LoRA
+adapters over the frozen base as PEFT's FSDP-QLoRA recipe runs it (huggingface/peft examples/sft: `fsdp_auto_wrap_policy`, use_orig_params off, the
 base and the adapters in bf16), the check behind `frameworks.fsdp1_frozen_layer_backward_bytes`
 and the root's copy kept beside frozen weights (bitsandbytes needs CUDA: the base is bf16, not
 4-bit).
@@ -34,7 +35,7 @@ and the root's copy kept beside frozen weights (bitsandbytes needs CUDA: the bas
 Needs torch (2.13.0 was run), transformers (5.25 was run) and, with --lora, peft (0.21.2 was
 run); prints JSON with --json, writes it with --write. Results:
 validation/results-fsdp1-memory-torch-2.13.0.json, validation/results-fsdp1-lora-memory-torch-
-2.13.0.json.
+2.13.0.json, validation/results-fsdp1-backward-pre-memory-torch-2.13.0.json.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from pathlib import Path
 
 RESULTS = "validation/results-fsdp1-memory-torch-2.13.0.json"
 LORA_RESULTS = "validation/results-fsdp1-lora-memory-torch-2.13.0.json"
+PREFETCH_RESULTS = "validation/results-fsdp1-backward-pre-memory-torch-2.13.0.json"
 LORA_RANK = 8
 WORLD = 8
 SHAPE = {"hidden": 256, "ffn": 512, "heads": 4, "kv_heads": 2, "layers": 4, "vocab": 6000}
@@ -64,15 +66,21 @@ def _marker(torch, name: str):
     return hook
 
 
-def measure(shape: dict = SHAPE, lora: bool = False) -> dict:
+def measure(shape: dict = SHAPE, lora: bool = False, prefetch: bool = False) -> dict:
     """The peaks of the second step; `lora`: PEFT's LoRA (r 8 on every linear of the decoder
     layers, bf16 adapters over the frozen bf16 base) wrapped as PEFT's FSDP recipe wraps it
     (`peft.utils.other.fsdp_auto_wrap_policy`: each decoder layer, and each leaf module whose
     weight trains, its own unit; use_orig_params off, as accelerate's fsdp_config_qlora.yaml in
-    huggingface/peft examples/sft/configs sets it)."""
+    huggingface/peft examples/sft/configs sets it); `prefetch`: backward_prefetch BACKWARD_PRE
+    (accelerate's `fsdp_backward_prefetch`) instead of the Trainer's none."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import (
+        BackwardPrefetch,
+        FullyShardedDataParallel,
+        MixedPrecision,
+        ShardingStrategy,
+    )
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from torch.profiler import ProfilerActivity, profile, record_function
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -113,7 +121,7 @@ def measure(shape: dict = SHAPE, lora: bool = False) -> dict:
         auto_wrap_policy=wrap,
         mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, buffer_dtype=bf16),
         sharding_strategy=ShardingStrategy.FULL_SHARD,
-        backward_prefetch=None,
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE if prefetch else None,
         limit_all_gathers=True,
         use_orig_params=not lora,
         device_id=torch.device("cpu"),
@@ -193,13 +201,18 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--lora", action="store_true", help=f"PEFT's LoRA over a frozen base ({LORA_RESULTS})"
     )
+    parser.add_argument(
+        "--backward-pre", action="store_true", help=f"BACKWARD_PRE prefetch ({PREFETCH_RESULTS})"
+    )
     args = parser.parse_args(argv)
     import torch
 
-    results = {"torch": torch.__version__.split("+")[0], **measure(lora=args.lora)}
+    measured = measure(lora=args.lora, prefetch=args.backward_pre)
+    results = {"torch": torch.__version__.split("+")[0], **measured}
     text = json.dumps(results, indent=1)
     if args.write:
-        Path(LORA_RESULTS if args.lora else RESULTS).write_text(text + "\n")
+        target = LORA_RESULTS if args.lora else PREFETCH_RESULTS if args.backward_pre else RESULTS
+        Path(target).write_text(text + "\n")
     if args.json or not args.write:
         print(text)
     return 0

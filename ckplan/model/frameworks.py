@@ -95,6 +95,8 @@ HALF = 2  # bytes of a bf16 value
 FLOAT8 = 1  # bytes of a float8 value (torch.float8_e4m3fn)
 OFFLOAD_DEVICES = ("none", "cpu")  # optimizer_offload, param_offload
 GRAD_SYNCS = ("micro_batch", "step")  # grad_sync (`gradient_sync`)
+# fsdp_backward_prefetch: FSDP1's BackwardPrefetch under hf (`fsdp1_prefetched_layers`)
+BACKWARD_PREFETCHES = ("none", "backward_pre", "backward_post")
 # zero_grad: what the training loop's zero_grad leaves between steps (ckplan.model.memory
 # `gradients_allocated_in_backward`): `none`, the gradients set to None (PyTorch's default
 # since 2.0), or `zeros`, kept allocated and zeroed (the default before 2.0)
@@ -327,6 +329,17 @@ def grad_sync_error(framework: str, grad_sync: str | None) -> str | None:
     return (
         f"key 'grad_sync' ({grad_sync}): {framework} reduces the gradients its own way "
         "(docs/memory.md); the key is for framework hf"
+    )
+
+
+def backward_prefetch_error(framework: str, prefetch: str | None) -> str | None:
+    """Why `fsdp_backward_prefetch` cannot be set for `framework` (one line naming the key), or
+    None: it is FSDP1's BackwardPrefetch, which ckplan models under hf."""
+    if prefetch is None or framework == "hf":
+        return None
+    return (
+        f"key 'fsdp_backward_prefetch' ({prefetch}): FSDP1's backward prefetch under the "
+        f"Hugging Face Trainer; the key is for framework hf, not {framework}"
     )
 
 
@@ -857,6 +870,19 @@ def fsdp1_layer_backward_bytes(layer_params: int, output_params: int) -> int:
     output layer's 3,072,000-byte gradient (2 · 6000 · 256), one layer's 1,180,672-byte
     parameters and its weights' gradients as they are written."""
     return HALF * layer_params + HALF * layer_params + HALF * output_params
+
+
+def fsdp1_prefetched_layers(spec) -> int:
+    """Layers' unsharded copies FSDP1 holds beside the running layer's in its backward:
+    `fsdp_backward_prefetch` backward_pre gathers the next unit in backward order when the
+    current one's backward starts (torch/distributed/fsdp/_runtime_utils.py `_pre_backward_hook`
+    -> `_prefetch_handle`, PyTorch v2.13.0), so two layers' copies live through its gradient
+    computation: 1. backward_post issues that gather from the post-backward hook, after the
+    current copy is resharded (`_post_backward_reshard`: `_reshard`, then `_prefetch_handle`),
+    and none, the Hugging Face Trainer's default ("NO_PREFETCH",
+    `fsdp1_layer_backward_bytes`), none: 0. Accelerate's config files set it
+    (`fsdp_backward_prefetch: BACKWARD_PRE` in huggingface/peft examples/sft/configs)."""
+    return 1 if spec.fsdp_backward_prefetch == "backward_pre" else 0
 
 
 def fsdp1_frozen_layer_backward_bytes(layer_bytes: int, adapter_params: int) -> int:

@@ -24,7 +24,7 @@ from typing import Any
 
 from ckplan.errors import InputError
 from ckplan.model.context_parallel import CP_ATTENTIONS
-from ckplan.model.frameworks import GRAD_SYNCS, OFFLOAD_DEVICES, ZERO_GRADS
+from ckplan.model.frameworks import BACKWARD_PREFETCHES, GRAD_SYNCS, OFFLOAD_DEVICES, ZERO_GRADS
 from ckplan.model.optimizers import OPTIMIZERS
 from ckplan.model.pipeline_layout import LayoutError, PipelineLayout, parse_layout
 from ckplan.quoting import quote
@@ -661,6 +661,10 @@ class Execution(_Record):
     # `held_through_checkpoint_bytes`). None -> the framework release's
     # (ckplan.model.frameworks `checkpoint_reentrant`)
     checkpoint_reentrant: bool | None = None
+    # FSDP1's backward prefetch under the Hugging Face Trainer (framework hf, zero 3):
+    # none | backward_pre | backward_post; None -> none, the Trainer's "NO_PREFETCH"
+    # (ckplan.model.frameworks `fsdp1_prefetched_layers`)
+    fsdp_backward_prefetch: str | None = None
 
     __hash__ = _Record.__hash__
 
@@ -696,6 +700,10 @@ class Execution(_Record):
             raise SpecError(
                 f"key 'kernels' must be one of {', '.join(KERNELS)}, got {quote(self.kernels)}"
             )
+        prefetch = self.fsdp_backward_prefetch
+        if prefetch is not None and prefetch not in BACKWARD_PREFETCHES:
+            rule = f"must be one of {', '.join(BACKWARD_PREFETCHES)}"
+            raise SpecError(key="fsdp_backward_prefetch", rule=rule, value=prefetch)
 
     def _check_fp8_recipe(self) -> None:
         """`fp8_recipe` is Transformer Engine's (precision fp8): torchao's float8 and the

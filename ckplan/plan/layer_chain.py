@@ -93,7 +93,9 @@ _FSDP1_CHAINS = BoundedCache(max_entries=4096, max_weight=1_000_000)
 
 def _with_fsdp1_buffers(spec: ModelSpec, chain: Chain) -> Chain:
     """`chain` with FSDP1's per-layer buffers in its layers' workspaces
-    (`frameworks.fsdp1_layer_forward_bytes`, `frameworks.fsdp1_layer_backward_bytes`) and the
+    (`frameworks.fsdp1_layer_forward_bytes`, `frameworks.fsdp1_layer_backward_bytes`, with
+    `fsdp_backward_prefetch` backward_pre the layer before's copy: `fsdp1_prefetched_layers`;
+    beside frozen weights `fsdp1_frozen_layer_backward_bytes`) and the
     root unit's gradient in the embedding stage's backward
     (`frameworks.fsdp1_embedding_backward_bytes`): they live only while a unit runs, so the
     loss's peak does not hold them. Remembered by chain (identity) and the sizes."""
@@ -102,7 +104,8 @@ def _with_fsdp1_buffers(spec: ModelSpec, chain: Chain) -> Chain:
     embedding = memory.embedding_parameters(spec, 0)
     root = memory.outside_layer_parameters(spec, 0)
     frozen = spec.training != "full"
-    key = (id(chain), layer, output, embedding, root, frozen)
+    prefetched = frameworks.fsdp1_prefetched_layers(spec)
+    key = (id(chain), layer, output, embedding, root, frozen, prefetched)
     entry = _FSDP1_CHAINS.get(key)
     if entry is not None and entry[0] is chain:
         return entry[1]
@@ -116,11 +119,14 @@ def _with_fsdp1_buffers(spec: ModelSpec, chain: Chain) -> Chain:
         layer_forward = gathered
         layer_backward = frameworks.fsdp1_frozen_layer_backward_bytes(gathered, adapters)
     else:
-        layer_forward = frameworks.fsdp1_layer_forward_bytes(layer)
+        gathered = frameworks.fsdp1_layer_forward_bytes(layer)
+        layer_forward = gathered
         layer_backward = frameworks.fsdp1_layer_backward_bytes(layer, output)
     for i in range(first, last + 1):
         forward[i] += layer_forward
         backward[i] += layer_backward
+        if i > first:  # the layer before, prefetched (the first layer's next unit: the root)
+            backward[i] += prefetched * gathered
     if first and not frozen:  # the embedding stage: the root's flat gradient forms in its backward
         backward[0] += frameworks.fsdp1_embedding_backward_bytes(root, embedding, output)
     with_buffers = dataclasses.replace(

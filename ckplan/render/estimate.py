@@ -286,6 +286,7 @@ QUIET_KEYS = frozenset(
         "fsdp_float8_all_gather",
         "deallocate_pipeline_outputs",
         "checkpoint_reentrant",
+        "fsdp_backward_prefetch",
     }
 )
 PART_TITLES = {
