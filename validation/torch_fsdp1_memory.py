@@ -27,10 +27,10 @@ allocator's reserved bytes.
 
 With --backward-pre FSDP prefetches the next unit in its backward (BACKWARD_PRE, the check
 behind `frameworks.fsdp1_prefetched_layers`). With --lora the same step trains PEFT's LoRA
-adapters over the frozen base as PEFT's FSDP-QLoRA recipe runs it (huggingface/peft examples/sft: `fsdp_auto_wrap_policy`, use_orig_params off, the
-base and the adapters in bf16), the check behind `frameworks.fsdp1_frozen_layer_backward_bytes`
-and the root's copy kept beside frozen weights (bitsandbytes needs CUDA: the base is bf16, not
-4-bit).
+adapters over the frozen base as PEFT's FSDP-QLoRA recipe runs it (huggingface/peft
+examples/sft: `fsdp_auto_wrap_policy`, use_orig_params off, the base and the adapters in
+bf16), the check behind `frameworks.fsdp1_frozen_layer_backward_bytes` and the root's copy
+kept beside frozen weights (bitsandbytes needs CUDA: the base is bf16, not 4-bit).
 
 Needs torch (2.13.0 was run), transformers (5.25 was run) and, with --lora, peft (0.21.2 was
 run); prints JSON with --json, writes it with --write. Results:
