@@ -241,15 +241,16 @@ def test_sharded_qlora_arguments_construct(spec_of, tmp_path):
     namespace: dict = {}
     exec(compile(text, "peft_snippet", "exec"), namespace)
     args = namespace["training_args"]
-    assert args.fsdp_config["cpu_offload"] is True
+    assert args.fsdp_config["cpu_offload"] is True and args.fsdp_config["version"] == 1
     assert str(namespace["bnb_config"].bnb_4bit_quant_storage) == "torch.bfloat16"
 
 
 def test_backward_prefetch_is_written_to_fsdp_config(spec_of):
     spec = spec_of("llama3-8b", **SHARDED_QLORA, fsdp_backward_prefetch="backward_pre")
     found = calls(exports.export(plan_of(spec, "full"), "peft").text)
-    assert found["TrainingArguments"]["fsdp_config"] == {"backward_prefetch": "backward_pre"}
+    config = found["TrainingArguments"]["fsdp_config"]
+    assert config == {"version": 1, "backward_prefetch": "backward_pre"}
     plain = calls(
         exports.export(plan_of(spec_of("llama3-8b", **SHARDED_QLORA), "full"), "peft").text
     )
-    assert "fsdp_config" not in plain["TrainingArguments"]
+    assert plain["TrainingArguments"]["fsdp_config"] == {"version": 1}  # FSDP1, as counted

@@ -18,8 +18,9 @@ and `TrainingArguments` for the plan (docs/exports.md).
   (an `OptimizerNames` value: adamw_torch, adamw_8bit, paged_adamw_8bit, adafactor, sgd,
   lion_32bit, adamw_anyprecision with `optim_args`), `bf16` / `fp16`, and `fsdp`
   ("shard_grad_op" for ZeRO-2, "full_shard" for ZeRO-3, with " offload" for FSDP's CPU
-  offload, `param_offload: cpu`; `fsdp_config={"backward_prefetch": ...}` for
-  `fsdp_backward_prefetch`). A 4-bit model under FSDP gets a float
+  offload, `param_offload: cpu`), with `fsdp_config` version 1 (FSDP1, whose buffers ckplan
+  counts; the Trainer's default is FSDP2 since transformers v5) and the `backward_prefetch` of
+  `fsdp_backward_prefetch`. A 4-bit model under FSDP gets a float
   `bnb_4bit_quant_storage` and loads in it (`sharded_qlora`).
 
 The Trainer runs data parallelism only and recomputes every layer or none: other layer
@@ -141,8 +142,12 @@ def values(plan: Plan, layers: LayerSegments) -> dict[str, dict[str, object]]:
         # (transformers training_args.py FSDPOption.OFFLOAD -> fsdp_config cpu_offload)
         offload = " offload" if spec.param_offload != "none" else ""
         args["fsdp"] = FSDP[spec.zero] + offload
-        if spec.fsdp_backward_prefetch is not None:  # FSDP1's, as the Trainer reads it
-            args["fsdp_config"] = {"backward_prefetch": spec.fsdp_backward_prefetch}
+        # FSDP1, whose buffers ckplan counts (accelerate's default fsdp_version); the Trainer's
+        # own fsdp_config defaults to FSDP2 (transformers v5.25.0 training_args.py,
+        # `fsdp_config.get("version", 2)`)
+        args["fsdp_config"] = {"version": 1}
+        if spec.fsdp_backward_prefetch is not None:  # as the Trainer reads FSDP1's
+            args["fsdp_config"]["backward_prefetch"] = spec.fsdp_backward_prefetch
         if "BitsAndBytesConfig" in out and fmt in ("nf4", "fp4"):
             # FSDP flattens the packed 4-bit weights with the rest: a float storage dtype
             out["BitsAndBytesConfig"]["bnb_4bit_quant_storage"] = COMPUTE_DTYPES[spec.precision]
