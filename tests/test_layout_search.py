@@ -418,3 +418,25 @@ def test_fine_tune_time_bounds_bound_every_plan(framework, training):
                 assert bounds.time(layout).seconds == pytest.approx(seconds, rel=1e-9)
             full = evaluate(laid_out, parse_strategy("full", laid_out))
             assert bounds.memory(layout).bytes <= full.total_bytes
+
+
+@pytest.mark.parametrize("offload", [{}, {"optimizer_offload": "cpu"}])
+def test_bounds_read_each_zero_stages_bytes(offload):
+    """A DeepSpeed model whose file says ZeRO 3 (fp32 gradient accumulation, 4 bytes) searched
+    over every ZeRO stage: each layout's bounds take the bytes of its own stage (2 bytes below
+    ZeRO 3), as its spec derives them, so they stay below its plans' time and memory."""
+    spec = load_spec(
+        "llama3-8b",
+        {"seq": 2048, "layers": 4, "framework": "deepspeed", "zero": 3, "dp": 8, **offload},
+    )
+    assert spec.grad_bytes == 4
+    bounds = Bounds(spec, GPU)
+    found = list(layouts(SearchSpace(spec, 8, 8, 16, {})))
+    assert {layout.zero for layout in found} >= {1, 2, 3}
+    for layout in found[::2]:
+        laid_out = layout_spec(spec, layout)
+        assert bounds.bytes_spec(layout).grad_bytes == laid_out.grad_bytes
+        none = evaluate(laid_out, parse_strategy("none", laid_out))
+        assert bounds.time(layout).seconds <= step_time(none, GPU).step_seconds * (1 + 1e-9)
+        full = evaluate(laid_out, parse_strategy("full", laid_out))
+        assert bounds.memory(layout).bytes <= full.total_bytes

@@ -1317,7 +1317,7 @@ def states_of(
     if spec.optimizer_offload == "none":
         return states
     sharded = split_share(dense, dp) + (split_share(expert, expert_dp) if expert else 0)
-    return offloaded_states(spec, states, sharded, zero, tp)
+    return offloaded_states(spec, states, sharded, zero, tp, microbatches)
 
 
 def largest_trained_parameter(spec: ModelSpec, tp: int | None = None) -> int:
@@ -1344,7 +1344,12 @@ def host_gradient_bytes(spec: ModelSpec) -> int:
 
 
 def offloaded_states(
-    spec: ModelSpec, states: ModelStateBytes, sharded: int, zero: int, tp: int | None = None
+    spec: ModelSpec,
+    states: ModelStateBytes,
+    sharded: int,
+    zero: int,
+    tp: int | None = None,
+    microbatches: int | None = None,
 ) -> ModelStateBytes:
     """The model states `states` (per GPU, on the device) with optimizer_offload: cpu (and
     param_offload: cpu), `sharded` the parameters whose states this GPU owns (its share over
@@ -1371,7 +1376,8 @@ def offloaded_states(
     device holds only the gathered parameters and buckets (`buffers`),
     and, where hf's FSDP accumulates several micro-batches under no_sync
     (`frameworks.offload_accumulates_on_device`), their unsharded gradients until the last
-    backward reduces them (`states`' gradients, whole).
+    backward reduces them (`states`' gradients, whole). `tp`, `microbatches`: a layout's,
+    default the spec's.
     """
     owned = states.optimizer + sharded * host_gradient_bytes(spec)
     weights, expert_weights, buffers = states.weights, states.expert_weights, states.buffers
@@ -1386,7 +1392,8 @@ def offloaded_states(
     else:
         host = owned + sharded * spec.weight_bytes
         weights = expert_weights = 0
-    accumulating = spec.microbatches > 1 and frameworks.offload_accumulates_on_device(spec)
+    microbatches = spec.microbatches if microbatches is None else microbatches
+    accumulating = microbatches > 1 and frameworks.offload_accumulates_on_device(spec)
     return ModelStateBytes(
         weights=weights,
         gradients=states.gradients if accumulating else 0,

@@ -137,6 +137,7 @@ class Bounds:
         self._params: dict[tuple, dict[int, tuple[int, int]]] = {}
         self._fp8: dict[tuple, dict[int, tuple[int, int, int, int]]] = {}
         self._trainable: dict[tuple, dict[int, tuple[int, int, int]]] = {}
+        self._by_zero: dict[int, ModelSpec] = {}
         self._states: dict[tuple, tuple[tuple[StageShape, int], ...]] = {}
 
     @cached_property
@@ -356,6 +357,17 @@ class Bounds:
             }
         return self._fp8[key]
 
+    def bytes_spec(self, layout: Layout) -> ModelSpec:
+        """The model with the bytes per parameter of the layout's ZeRO stage: the framework's
+        defaults can depend on it (DeepSpeed's ZeRO-3 accumulates fp32 gradients,
+        `frameworks.training_defaults`), and a key still at its default is derived again from
+        the layout's, as the layout's own spec is (`ModelSpec.replace`). One per stage."""
+        if layout.zero not in self._by_zero:
+            self._by_zero[layout.zero] = self.spec.replace(
+                **layout_keys_cleared(layout, self.experts)
+            )
+        return self._by_zero[layout.zero]
+
     # ---- bounds ------------------------------------------------------------------------
 
     def states(self, layout: Layout, stage: int) -> memory.ModelStateBytes:
@@ -375,7 +387,7 @@ class Bounds:
         # the step in backward holds one layer's gradients: none here keeps the bound below
         held = 0 if self.spec.optimizer_in_backward else None
         return memory.states_of(
-            self.spec, dense, expert, zero=layout.zero, dp=layout.dp * layout.cp,
+            self.bytes_spec(layout), dense, expert, zero=layout.zero, dp=layout.dp * layout.cp,
             expert_dp=self._expert_dp(layout), held_gradients=held, tp=layout.tp,
             microbatches=layout.microbatches,
         )  # fmt: skip
@@ -542,7 +554,7 @@ class Bounds:
         bandwidth = comm.group_bandwidth(self.gpu, ranks, stride)
         float8 = params if self.spec.fsdp_float8_all_gather else 0
         parts = gradient_reduction(
-            self.spec,
+            self.bytes_spec(layout),
             layout.zero,
             layout.pp,
             params,
@@ -556,7 +568,7 @@ class Bounds:
 
     def _optimizer(self, layout: Layout) -> float:
         """`step_time.optimizer_seconds`: Adam's memory-bound step over this GPU's share."""
-        spec = self.spec
+        spec = self.bytes_spec(layout)
         dense, experts = self._busiest_parameters(layout)
         fp8_dense, fp8_experts, dense_tensors, expert_tensors = self.fp8(layout)[
             self._busiest_stage(layout)
