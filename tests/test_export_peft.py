@@ -19,6 +19,16 @@ def plan_of(spec, name):
     return evaluate(spec, parse_strategy(name, spec))
 
 
+def run_snippet(spec, tmp_path) -> dict:
+    """The `full` plan's snippet run against the installed libraries on the CPU: its names."""
+    text = exports.export(plan_of(spec, "full"), "peft").text
+    text = text.replace('output_dir="out"', f"output_dir={str(tmp_path)!r}")
+    text = text.replace("bf16=True,", "bf16=True, use_cpu=True,")  # no GPU here
+    namespace: dict = {}
+    exec(compile(text, "peft_snippet", "exec"), namespace)
+    return namespace
+
+
 def calls(text):
     """Each constructor call of the snippet: name -> {keyword: value} (dtypes as their text)."""
     out = {}
@@ -156,11 +166,7 @@ def test_objects_construct(spec_of, tmp_path):
     framework_or_skip("peft")
     framework_or_skip("transformers")
     spec = spec_of("llama3-8b", **LLAMA, training="lora", lora_targets="all-linear")
-    text = exports.export(plan_of(spec, "full"), "peft").text
-    text = text.replace('output_dir="out"', f"output_dir={str(tmp_path)!r}")
-    text = text.replace("bf16=True,", "bf16=True, use_cpu=True,")  # no GPU here
-    namespace: dict = {}
-    exec(compile(text, "peft_snippet", "exec"), namespace)
+    namespace = run_snippet(spec, tmp_path)
     args, lora = namespace["training_args"], namespace["lora_config"]
     assert args.per_device_train_batch_size == 2 and args.gradient_accumulation_steps == 4
     assert args.gradient_checkpointing is True and str(args.optim.value) == "adamw_torch"
@@ -178,11 +184,7 @@ def test_qlora_snippet_and_every_optim_construct(spec_of, tmp_path):
     names = {name.value for name in transformers.training_args.OptimizerNames}
     assert set(OPTIM.values()) <= names
     spec = spec_of("llama3-8b", **LLAMA, training="qlora", optimizer="paged-adamw-8bit")
-    text = exports.export(plan_of(spec, "full"), "peft").text
-    text = text.replace('output_dir="out"', f"output_dir={str(tmp_path)!r}")
-    text = text.replace("bf16=True,", "bf16=True, use_cpu=True,")  # no GPU here
-    namespace: dict = {}
-    exec(compile(text, "peft_snippet", "exec"), namespace)
+    namespace = run_snippet(spec, tmp_path)
     bnb = namespace["bnb_config"]
     assert bnb.load_in_4bit and bnb.bnb_4bit_quant_type == "nf4" and bnb.bnb_4bit_use_double_quant
     assert str(namespace["training_args"].optim.value) == "paged_adamw_8bit"
@@ -235,11 +237,7 @@ def test_sharded_qlora_arguments_construct(spec_of, tmp_path):
     """transformers reads `fsdp="full_shard offload"` as FSDP with cpu_offload (optional)."""
     framework_or_skip("transformers")
     spec = spec_of("llama3-8b", **SHARDED_QLORA, **BF16_STATES)
-    text = exports.export(plan_of(spec, "full"), "peft").text
-    text = text.replace('output_dir="out"', f"output_dir={str(tmp_path)!r}")
-    text = text.replace("bf16=True,", "bf16=True, use_cpu=True,")  # no GPU here
-    namespace: dict = {}
-    exec(compile(text, "peft_snippet", "exec"), namespace)
+    namespace = run_snippet(spec, tmp_path)
     args = namespace["training_args"]
     assert args.fsdp_config["cpu_offload"] is True and args.fsdp_config["version"] == 1
     assert str(namespace["bnb_config"].bnb_4bit_quant_storage) == "torch.bfloat16"
