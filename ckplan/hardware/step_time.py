@@ -913,7 +913,6 @@ def regathered_elements(spec: ModelSpec, stage: int, forwards: tuple[int, ...]) 
     return extra
 
 
-@lru_cache(maxsize=256)
 def zero3_gathers_frozen(spec: ModelSpec, zero: int | None = None) -> bool:
     """Whether the frozen base weights are sharded and so gathered for every pass: training
     other than full at the framework's weight-sharding stage (`frameworks.weights_sharded_from`;
@@ -922,6 +921,7 @@ def zero3_gathers_frozen(spec: ModelSpec, zero: int | None = None) -> bool:
     return spec.training != "full" and zero >= frameworks.weights_sharded_from(spec.framework)
 
 
+@lru_cache(maxsize=256)
 def data_parallel_comm(spec: ModelSpec, gpu: GPU, regathered: int = 0) -> DataParallelComm:
     """Data-parallel communication of one iteration, before overlap, on the busiest stage's
     GPU: its dense parameters' gradients reduced over the dp·cp ranks that hold the same
