@@ -873,14 +873,14 @@ def fsdp1_layer_backward_bytes(layer_params: int, output_params: int) -> int:
 
 
 def fsdp1_prefetched_layers(spec) -> int:
-    """Layers' unsharded copies FSDP1 holds beside the running layer's in its backward:
-    `fsdp_backward_prefetch` backward_pre gathers the next unit in backward order when the
-    current one's backward starts (torch/distributed/fsdp/_runtime_utils.py `_pre_backward_hook`
-    -> `_prefetch_handle`, PyTorch v2.13.0), so two layers' copies live through its gradient
-    computation: 1. backward_post issues that gather from the post-backward hook, after the
-    current copy is resharded (`_post_backward_reshard`: `_reshard`, then `_prefetch_handle`),
-    and none, the Hugging Face Trainer's default ("NO_PREFETCH",
-    `fsdp1_layer_backward_bytes`), none: 0. Accelerate's config files set it
+    """Layers' unsharded copies FSDP1 holds beside the running layer's in its backward.
+    1 under `fsdp_backward_prefetch: backward_pre`, which gathers the next unit in backward
+    order when the current one's backward starts (torch/distributed/fsdp/_runtime_utils.py
+    `_pre_backward_hook` -> `_prefetch_handle`, PyTorch v2.13.0), so that two layers' copies
+    live through its gradient computation. 0 under backward_post, which issues that gather
+    from the post-backward hook after the current copy is resharded (`_post_backward_reshard`:
+    `_reshard`, then `_prefetch_handle`), and under none, the Hugging Face Trainer's default
+    ("NO_PREFETCH", `fsdp1_layer_backward_bytes`). Accelerate's config files set it
     (`fsdp_backward_prefetch: BACKWARD_PRE` in huggingface/peft examples/sft/configs)."""
     return 1 if spec.fsdp_backward_prefetch == "backward_pre" else 0
 
