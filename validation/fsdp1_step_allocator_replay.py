@@ -44,8 +44,18 @@ step 1, its peaks reset at its start (what step 1 reserved stays reserved, as
 Left out: the CUDA events that delay the reuse of a block freed with record_stream (a freed
 block is free at once here), NCCL's buffers, the cuBLAS workspaces.
 
+With `--frozen` the base model is frozen as under LoRA (Answer.AI's fsdp_qlora train.py at
+4cd6923, validation/runs/memory-answerai-fsdp-qlora.yaml): no gradient, no optimizer step, the
+parameters' shards bf16, no low-precision shard cast (no MixedPrecision), and each layer's copy
+resharded once its input's gradient is computed (FSDP1's `_register_post_backward_reshard_only_hook`
+for a FlatParameter that does not require a gradient); the LoRA adapters (under 1 % of the
+bytes) and their dropout are left out. `--prefetch` adds BACKWARD_PRE: a layer's pre-backward
+gathers the layer before it too (`_prefetch_handle`). `--world` sets the ranks, `--shape` the
+model's shapes.
+
 Usage: python validation/fsdp1_step_allocator_replay.py [--seq 1024] [--batch 8] [--liger]
-       [--layers 32] [--expandable] | --write
+       [--layers 32] [--expandable] [--frozen] [--prefetch] [--world 8]
+       [--shape llama3-8b|llama2-7b] | --write
 """
 
 from __future__ import annotations
@@ -66,11 +76,13 @@ from torch.utils._pytree import tree_flatten
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from caching_allocator import CachingAllocator, StreamsExpandableAllocator
 
-WORLD = 8
+WORLD = 8  # the Liger benchmark's ranks; `--world` changes it
 GiB = 2**30
 # FSDP1's streams (torch/distributed/fsdp/_runtime_utils.py `_init_streams`), 0 the default
 UNSHARD, PRE_UNSHARD, POST_BACKWARD = 1, 2, 3
 LLAMA3_8B = {"hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8, "vocab": 128256}
+LLAMA2_7B = {"hidden": 4096, "ffn": 11008, "heads": 32, "kv_heads": 32, "vocab": 32000}
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama2-7b": LLAMA2_7B}
 
 
 class StepTrace(TorchDispatchMode):
@@ -276,8 +288,9 @@ def rank0_slices(numels: list[int]) -> list[int]:
 class FSDP1Buffers:
     """FSDP1's buffers as trace events at the points its hooks run (module docstring)."""
 
-    def __init__(self, trace: StepTrace, model) -> None:
+    def __init__(self, trace: StepTrace, model, frozen: bool = False, prefetch: bool = False):
         self.trace, self.model = trace, model
+        self.frozen, self.prefetch = frozen, prefetch
         layers = list(model.model.layers)
         root = [model.model.embed_tokens.weight, model.model.norm.weight, model.lm_head.weight]
         self.units = [root] + [list(layer.parameters()) for layer in layers]
@@ -291,19 +304,37 @@ class FSDP1Buffers:
             layer.register_forward_hook(self._post_forward(index))
         for unit in self.units:
             for param in unit:
-                param.register_post_accumulate_grad_hook(self._accumulated)
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(self._accumulated)
 
     def unshard(self, unit: int) -> None:
-        low = self.trace.add(2 * shard_numel(self.numel[unit]), PRE_UNSHARD)
-        self.copies[unit] = self.trace.add(2 * WORLD * shard_numel(self.numel[unit]), UNSHARD)
-        self.trace.drop(low)
+        if unit in self.copies:  # gathered already (prefetched)
+            return
+        shard = shard_numel(self.numel[unit])
+        low = None if self.frozen else self.trace.add(2 * shard, PRE_UNSHARD)
+        self.copies[unit] = self.trace.add(2 * WORLD * shard, UNSHARD)
+        if low is not None:
+            self.trace.drop(low)
 
     def reshard(self, unit: int) -> None:
-        self.trace.drop(self.copies.pop(unit))
+        if unit in self.copies:
+            self.trace.drop(self.copies.pop(unit))
 
     def _pre_forward(self, unit: int):
         def hook(module, args):
             self.unshard(unit)
+            hidden = args[0] if args else None
+            if self.frozen and torch.is_grad_enabled() and getattr(hidden, "requires_grad", False):
+                # the reshard-only hook: on the unit's inputs' gradients (the recomputation)
+                hidden.register_hook(lambda grad: self.reshard(unit))
+
+        return hook
+
+    def _pre_backward(self, unit: int):
+        def hook(grad):
+            self.unshard(unit)
+            if self.prefetch and unit > 1:
+                self.unshard(unit - 1)  # BACKWARD_PRE: the next unit in backward order
 
         return hook
 
@@ -312,7 +343,7 @@ class FSDP1Buffers:
             self.reshard(unit)
             hidden = output[0] if isinstance(output, tuple) else output
             if torch.is_grad_enabled() and hidden.requires_grad:  # the recomputation
-                hidden.register_hook(lambda grad: self.unshard(unit))
+                hidden.register_hook(self._pre_backward(unit))
 
         return hook
 
@@ -373,28 +404,38 @@ def build(layers: int, shape=LLAMA3_8B):
 
 
 def trace_steps(
-    batch: int, seq: int, liger: bool, layers: int = 32, steps: int = 2, shape=LLAMA3_8B
+    batch: int,
+    seq: int,
+    liger: bool,
+    layers: int = 32,
+    steps: int = 2,
+    shape=LLAMA3_8B,
+    frozen: bool = False,
+    prefetch: bool = False,
 ):
     """The recorded events of `steps` steps and the bytes alive before them (the parameters'
-    fp32 shards)."""
+    fp32 shards; bf16 ones with `frozen`)."""
     from transformers.models.llama import modeling_llama
 
     model = build(layers, shape)
     eager_rotary = use_liger_kernels(model) if liger else modeling_llama.apply_rotary_pos_emb
     try:
-        return _trace(model, batch, seq, liger, steps)
+        return _trace(model, batch, seq, liger, steps, frozen, prefetch)
     finally:
         modeling_llama.apply_rotary_pos_emb = eager_rotary
 
 
-def _trace(model, batch: int, seq: int, liger: bool, steps: int):
+def _trace(model, batch: int, seq: int, liger: bool, steps: int, frozen=False, prefetch=False):
     vocab = model.config.vocab_size
     loss_fn = liger_loss if liger else hf_loss
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     for tensor in [ids, *model.parameters(), *model.buffers()]:
         tensor.untyped_storage()._trace_key = None  # made before the trace: not recorded
     trace = StepTrace()
-    fsdp = FSDP1Buffers(trace, model)
+    if frozen:  # transformers' enable_input_require_grads, as for reentrant checkpointing
+        model.requires_grad_(False)
+        model.model.embed_tokens.register_forward_hook(lambda m, a, out: out.requires_grad_())
+    fsdp = FSDP1Buffers(trace, model, frozen, prefetch)
     states: list[int] = []
     with trace:
         for step in range(steps):
@@ -406,10 +447,13 @@ def _trace(model, batch: int, seq: int, liger: bool, steps: int):
             trace.mark(f"backward{step + 1}")
             loss.backward()
             del loss
+            if frozen:
+                fsdp.reshard(0)  # the root's reshard-only hook, on the embedding's output
             trace.mark(f"optimizer{step + 1}")
-            fsdp.optimizer_step(states)
-            fsdp.zero_grad()
-    master = sum(4 * shard_numel(n) for n in fsdp.numel)
+            if not frozen:
+                fsdp.optimizer_step(states)
+                fsdp.zero_grad()
+    master = sum((2 if frozen else 4) * shard_numel(n) for n in fsdp.numel)
     return trace.events, master
 
 
@@ -448,6 +492,15 @@ RUNS = {
     "liger-e2e-llama3-8b-liger-seq16384": (16384, True),
 }
 RESULTS = "validation/results-fsdp1-step-allocator-replay-torch-2.13.0.json"
+# Answer.AI's Llama-2 7B LoRA rows without CPU offload (validation/runs/
+# memory-answerai-fsdp-qlora.yaml): two ranks, the base frozen, BACKWARD_PRE
+LORA_RUNS = {
+    "aai-fsdp-qlora-llama2-7b-lora-b1-s512-2x3090": (1, 512),
+    "aai-fsdp-qlora-llama2-7b-lora-b1-s2048-2x3090": (1, 2048),
+    "aai-fsdp-qlora-llama2-7b-lora-b4-s2048-2x3090": (4, 2048),
+    "aai-fsdp-qlora-llama2-7b-lora-b6-s2048-2x3090": (6, 2048),
+}
+LORA_RESULTS = "validation/results-fsdp1-lora-step-allocator-replay-torch-2.13.0.json"
 
 
 def peaks(replayed: dict) -> tuple[float, float]:
@@ -480,15 +533,63 @@ def measure_runs() -> dict:
     return {"torch": torch.__version__, "runs": rows}
 
 
+def measure_lora_runs() -> dict:
+    """Answer.AI's LoRA rows replayed with the default allocator, beside ckplan's allocated and
+    reserved peaks and the published reserved one (GiB)."""
+    global WORLD
+    from ckplan.published.predict import predict
+    from ckplan.published.suite import suite_runs
+
+    runs = {run.name: run for run in suite_runs()}
+    rows, world = {}, WORLD
+    WORLD = 2
+    try:
+        for name, (batch, seq) in LORA_RUNS.items():
+            events, before = trace_steps(
+                batch, seq, False, shape=LLAMA2_7B, frozen=True, prefetch=True
+            )
+            replayed = replay(events, before)
+            allocated, reserved = peaks(replayed)
+            prediction = predict(runs[name])
+            rows[name] = {
+                "published_reserved": runs[name].published.value / GiB,
+                "ckplan_allocated": prediction.memory_bytes / GiB,
+                "ckplan_reserved": prediction.predicted / GiB,
+                "default": {"allocated": allocated, "reserved": reserved, **replayed},
+            }
+    finally:
+        WORLD = world
+    return {"torch": torch.__version__, "runs": rows}
+
+
 def main(argv=None) -> int:
+    global WORLD
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--liger", action="store_true")
     parser.add_argument("--expandable", action="store_true", help="with expandable segments")
+    parser.add_argument("--frozen", action="store_true", help="the base model frozen (LoRA)")
+    parser.add_argument("--prefetch", action="store_true", help="BACKWARD_PRE")
+    parser.add_argument("--world", type=int, default=WORLD, help="ranks")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--write", action="store_true", help=f"every bar, written to {RESULTS}")
+    parser.add_argument(
+        "--write-lora", action="store_true", help=f"the LoRA rows, written to {LORA_RESULTS}"
+    )
     args = parser.parse_args(argv)
+    if args.write_lora:
+        result = measure_lora_runs()
+        Path(LORA_RESULTS).write_text(json.dumps(result, indent=1) + "\n")
+        for name, row in result["runs"].items():
+            print(
+                f"{name:48s} published {row['published_reserved']:6.2f}  ckplan allocated "
+                f"{row['ckplan_allocated']:6.2f} reserved {row['ckplan_reserved']:6.2f}  replay "
+                f"allocated {row['default']['allocated']:6.2f} reserved "
+                f"{row['default']['reserved']:6.2f} GiB"
+            )
+        return 0
     if args.write:
         result = measure_runs()
         Path(RESULTS).write_text(json.dumps(result, indent=1) + "\n")
@@ -501,9 +602,21 @@ def main(argv=None) -> int:
                 f"{row['expandable_segments']['reserved']:6.2f}) GiB"
             )
         return 0
-    events, master = trace_steps(args.batch, args.seq, args.liger, args.layers)
+    WORLD = args.world
+    events, master = trace_steps(
+        args.batch,
+        args.seq,
+        args.liger,
+        args.layers,
+        shape=SHAPES[args.shape],
+        frozen=args.frozen,
+        prefetch=args.prefetch,
+    )
     result = replay(events, master, args.expandable)
-    result.update(seq=args.seq, batch=args.batch, liger=args.liger, layers=args.layers)
+    result.update(
+        seq=args.seq, batch=args.batch, liger=args.liger, layers=args.layers, world=args.world,
+        shape=args.shape, frozen=args.frozen, prefetch=args.prefetch,
+    )  # fmt: skip
     print(json.dumps(result, indent=1))
     return 0
 
