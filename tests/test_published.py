@@ -255,6 +255,9 @@ def test_the_accuracy_line_names_its_runs():
         "h100-sxm", "torchtitan"
     )
     assert "no published training runs on b200" in accuracy_note("b200", "megatron")
+    # a GPU of no fitted family, quoted on its own held-out runs (Answer.AI's RTX 4090 pairs)
+    assert "held-out published runs on rtx-4090 GPUs with hf" in accuracy_note("rtx-4090", "hf")
+    assert "no published training runs on rtx-3090" in accuracy_note("rtx-3090", "hf")
 
 
 def test_the_fitted_constants_are_the_fit():
