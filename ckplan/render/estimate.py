@@ -25,7 +25,7 @@ from ckplan.model.ops import layer_ops
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 from ckplan.plan.search import Candidate
-from ckplan.published.accuracy import accuracy_note
+from ckplan.published.accuracy import accuracy_note, reserved_note
 from ckplan.render.common import both_units, facts_table, gib
 from ckplan.render.fit import declare
 from ckplan.units import format_flops
@@ -521,7 +521,10 @@ def plan_summary_table(plan: Plan, gpu: GPU | None = None) -> Table:
     table.add_row(
         "  reserved",
         both_units(plan.reserved_bytes),
-        "the CUDA caching allocator's peak with memory to spare (max_memory_reserved)",
+        "the CUDA caching allocator's peak with memory to spare (max_memory_reserved)"
+        + reserved_note(
+            spec.framework, spec.training, spec.zero, spec.dp, spec.expandable_segments
+        ),
     )
     if gpu is not None:
         table.add_row(
