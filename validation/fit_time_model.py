@@ -19,7 +19,7 @@ enough runs, a golden-section search of its rate in [0.5, 1] on that code path's
 path's runs scale with the product of their family's fraction and the path's rate, and a plain
 coordinate descent, one constant at a time, stalls on that product's kinks. Test runs are
 never read by the fit: the split is a field of each run, fixed before any fitting by a hash of
-the run's name (validation/runs/README.md). Runs on a GPU outside the families (the RTX
+the run's name (docs/validation.md, "The split"). Runs on a GPU outside the families (the RTX
 4090's, whose GPU file assumes its GEMM and attention rates: no kernel benchmark was found)
 are reported by `ckplan validate` but not fitted: their errors are the file's assumptions,
 which no family's fraction scales, and would move the code paths' rates of every family.
