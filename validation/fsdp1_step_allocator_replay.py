@@ -579,27 +579,19 @@ def main(argv=None) -> int:
         "--write-lora", action="store_true", help=f"the LoRA rows, written to {LORA_RESULTS}"
     )
     args = parser.parse_args(argv)
-    if args.write_lora:
-        result = measure_lora_runs()
-        Path(LORA_RESULTS).write_text(json.dumps(result, indent=1) + "\n")
+    if args.write_lora or args.write:
+        result = measure_lora_runs() if args.write_lora else measure_runs()
+        written = LORA_RESULTS if args.write_lora else RESULTS
+        Path(written).write_text(json.dumps(result, indent=1) + "\n")
         for name, row in result["runs"].items():
+            expandable = row.get("expandable_segments")
             print(
                 f"{name:48s} published {row['published_reserved']:6.2f}  ckplan allocated "
                 f"{row['ckplan_allocated']:6.2f} reserved {row['ckplan_reserved']:6.2f}  replay "
                 f"allocated {row['default']['allocated']:6.2f} reserved "
-                f"{row['default']['reserved']:6.2f} GiB"
-            )
-        return 0
-    if args.write:
-        result = measure_runs()
-        Path(RESULTS).write_text(json.dumps(result, indent=1) + "\n")
-        for name, row in result["runs"].items():
-            print(
-                f"{name:36s} published {row['published_reserved']:6.2f}  ckplan allocated "
-                f"{row['ckplan_allocated']:6.2f} reserved {row['ckplan_reserved']:6.2f}  replay "
-                f"allocated {row['default']['allocated']:6.2f} reserved "
-                f"{row['default']['reserved']:6.2f} (expandable "
-                f"{row['expandable_segments']['reserved']:6.2f}) GiB"
+                f"{row['default']['reserved']:6.2f}"
+                + (f" (expandable {expandable['reserved']:6.2f})" if expandable else "")
+                + " GiB"
             )
         return 0
     WORLD = args.world
