@@ -20,7 +20,8 @@ and `TrainingArguments` for the plan (docs/exports.md).
   ("shard_grad_op" for ZeRO-2, "full_shard" for ZeRO-3, with " offload" for FSDP's CPU
   offload, `param_offload: cpu`), with `fsdp_config` version 1 (FSDP1, whose buffers ckplan
   counts; the Trainer's default is FSDP2 since transformers v5) and the `backward_prefetch` of
-  `fsdp_backward_prefetch`. A 4-bit model under FSDP gets a float
+  `fsdp_backward_prefetch` (an fp32 reduction, `fsdp_reduce_dtype: fp32` beside half-precision
+  training, has no key there: refused). A 4-bit model under FSDP gets a float
   `bnb_4bit_quant_storage` and loads in it (`sharded_qlora`).
 
 The Trainer runs data parallelism only and recomputes every layer or none: other layer
@@ -80,6 +81,11 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
         return (
             f"precision {spec.precision}: the Trainer trains in fp32 or in bf16 or fp16 mixed "
             "precision"
+        )
+    if fsdp_shards(spec) and frameworks.fsdp1_cast_reduce(spec):
+        return (
+            "fsdp_reduce_dtype: fp32: the Trainer's FSDP reduces the gradients in the training "
+            "precision (accelerate's set_mixed_precision); no TrainingArguments key writes fp32"
         )
     if layers.selective:
         return (

@@ -855,7 +855,12 @@ def gradient_reduction(
         return DataParallelComm()
     sync = frameworks.gradient_sync(spec.framework, zero, pp, spec.grad_sync)
     reduce_bytes = frameworks.reduce_bytes_per_parameter(
-        spec.framework, zero, spec.grad_bytes, spec.dtype_bytes
+        spec.framework,
+        zero,
+        spec.grad_bytes,
+        spec.dtype_bytes,
+        spec.precision,
+        spec.fsdp_reduce_dtype,
     )
     # FSDP gathers the weights in the compute dtype (MixedPrecisionPolicy.param_dtype), whatever
     # the sharded copy's (fp32 under torchtitan and Hugging Face's AMP)
@@ -1001,7 +1006,12 @@ def deepspeed_2021_reduce_seconds(
     if not frameworks.deepspeed_list_collectives(spec):
         return (0.0,) * n
     reduce_bytes = frameworks.reduce_bytes_per_parameter(
-        spec.framework, spec.zero, spec.grad_bytes, spec.dtype_bytes
+        spec.framework,
+        spec.zero,
+        spec.grad_bytes,
+        spec.dtype_bytes,
+        spec.precision,
+        spec.fsdp_reduce_dtype,
     )
     triggered, _ = frameworks.deepspeed_zero3_reduce_triggers(tuple(reversed(modules)) * 3)
     seconds = []
@@ -1048,7 +1058,12 @@ def deepspeed_2021_copies(
     ranks = spec.dp * spec.cp
     weight_bytes = min(spec.weight_bytes, spec.dtype_bytes)
     reduce_bytes = frameworks.reduce_bytes_per_parameter(
-        spec.framework, spec.zero, spec.grad_bytes, spec.dtype_bytes
+        spec.framework,
+        spec.zero,
+        spec.grad_bytes,
+        spec.dtype_bytes,
+        spec.precision,
+        spec.fsdp_reduce_dtype,
     )
     kinds = stage_kinds(spec, 0)
     first = 1 if spec.kind == "transformer" and spec.vocab > 0 else 0

@@ -97,6 +97,12 @@ OFFLOAD_DEVICES = ("none", "cpu")  # optimizer_offload, param_offload
 GRAD_SYNCS = ("micro_batch", "step")  # grad_sync (`gradient_sync`)
 # fsdp_backward_prefetch: FSDP1's BackwardPrefetch under hf (`fsdp1_prefetched_layers`)
 BACKWARD_PREFETCHES = ("none", "backward_pre", "backward_post")
+# fsdp_reduce_dtype: the dtype FSDP reduce-scatters the gradients in under hf
+# (`fsdp_reduce_bytes`), bytes per value
+FSDP_REDUCE_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# the half dtype accelerate's mixed precision computes (and, by default, reduces) in per precision
+# (accelerate/utils/dataclasses.py `set_mixed_precision` at v1.14.0: fp8 runs bf16)
+_HALF_DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16", "float8": "bf16"}
 # zero_grad: what the training loop's zero_grad leaves between steps (ckplan.model.memory
 # `gradients_allocated_in_backward`): `none`, the gradients set to None (PyTorch's default
 # since 2.0), or `zeros`, kept allocated and zeroed (the default before 2.0)
@@ -343,6 +349,54 @@ def backward_prefetch_error(framework: str, prefetch: str | None) -> str | None:
     )
 
 
+def fsdp_reduce_dtype_error(framework: str, precision: str, reduce_dtype: str | None) -> str | None:
+    """Why `fsdp_reduce_dtype` cannot be set (one line naming the key), or None: it is the
+    reduce_dtype of the MixedPrecision accelerate hands FSDP (framework hf), fp32 or the
+    precision's half dtype; without mixed precision (precision fp32) fp32 alone."""
+    if reduce_dtype is None:
+        return None
+    if framework != "hf":
+        return (
+            f"key 'fsdp_reduce_dtype' ({reduce_dtype}): the dtype FSDP reduces the gradients in "
+            f"under the Hugging Face Trainer or accelerate; the key is for framework hf, not "
+            f"{framework}"
+        )
+    allowed = ("fp32", *(() if precision not in _HALF_DTYPES else (_HALF_DTYPES[precision],)))
+    if reduce_dtype not in allowed:
+        return (
+            f"key 'fsdp_reduce_dtype' must be {' or '.join(allowed)} under precision "
+            f"{precision}, got {reduce_dtype!r}"
+        )
+    return None
+
+
+def fsdp_reduce_bytes(precision: str, dtype_bytes: int, reduce_dtype: str | None) -> int:
+    """Bytes per value of the gradients FSDP reduce-scatters under hf: `reduce_dtype` where set,
+    else the mixed precision's half dtype, as accelerate sets it: under `--bf16`/`--fp16`
+    (mixed_precision bf16 or fp16) accelerate/state.py hands the FSDP plugin the precision
+    (`fsdp_plugin.set_mixed_precision(self._mixed_precision)`), whose policy is
+    `MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)` (accelerate
+    v0.33.0 and v1.14.0, utils/dataclasses.py `FullyShardedDataParallelPlugin.
+    set_mixed_precision`); without mixed precision (precision fp32) no policy, fp32."""
+    if reduce_dtype is not None:
+        return FSDP_REDUCE_DTYPES[reduce_dtype]
+    return dtype_bytes if precision in _HALF_DTYPES else 4
+
+
+def fsdp1_cast_reduce(spec) -> bool:
+    """Whether FSDP1 casts each unit's unsharded gradient to another dtype before its
+    reduce-scatter: the gradient is computed in param_dtype (the half dtype under mixed
+    precision) and `_post_backward_hook` makes `flat_param.grad.to(handle._reduce_dtype)`
+    while the computed one stays alive on the post-backward stream
+    (torch/distributed/fsdp/_runtime_utils.py, PyTorch v2.13.0): under hf with
+    `fsdp_reduce_dtype: fp32` beside bf16 or fp16 weights in compute."""
+    return (
+        spec.framework == "hf"
+        and spec.fsdp_reduce_dtype == "fp32"
+        and spec.precision in _HALF_DTYPES
+    )
+
+
 def weights_sharded_from(framework: str) -> int:
     """The lowest ZeRO stage at which `framework` shards the weights it keeps (`weight_bytes`)
     over the data-parallel ranks: 3 (ZeRO-3, Rajbhandari et al. 2020 §5), but 2 for
@@ -535,17 +589,27 @@ def deepspeed_zero3_reduce_bytes(
     return HALF * bucket + HALF * min(bucket, trainable_params)
 
 
-def reduce_bytes_per_parameter(framework: str, zero: int, grad_bytes: int, dtype_bytes: int) -> int:
+def reduce_bytes_per_parameter(
+    framework: str,
+    zero: int,
+    grad_bytes: int,
+    dtype_bytes: int,
+    precision: str = "bf16",
+    fsdp_reduce_dtype: str | None = None,
+) -> int:
     """Bytes per parameter the data-parallel gradient reduction moves. DeepSpeed's ZeRO-3
     reduce-scatters each gradient in its half-precision dtype and only then adds the
     partition to its fp32 accumulation buffer (`grad_bytes` 4): at v0.3.16 and v0.5.4,
     deepspeed/runtime/zero/partition_parameters.py `_reduce_scatter_gradient` reduce-scatters
     `param.grad` in `param.dtype`; at v0.19.8, stage3.py `__avg_scatter_grads` reduces in
     `communication_data_type`, which engine.py `communication_data_type` sets to fp16 or bf16
-    as the precision is, unless configured. Every other framework reduces its gradients in
-    the dtype it keeps them in."""
+    as the precision is, unless configured. FSDP under hf (zero 2 and 3) reduces in its
+    policy's reduce_dtype (`fsdp_reduce_bytes`: the half dtype unless `fsdp_reduce_dtype`
+    says fp32). Every other framework reduces its gradients in the dtype it keeps them in."""
     if framework == "deepspeed" and zero == 3:
         return dtype_bytes
+    if framework == "hf" and zero >= 2:
+        return fsdp_reduce_bytes(precision, dtype_bytes, fsdp_reduce_dtype)
     return grad_bytes
 
 
@@ -870,6 +934,16 @@ def fsdp1_layer_backward_bytes(layer_params: int, output_params: int) -> int:
     output layer's 3,072,000-byte gradient (2 · 6000 · 256), one layer's 1,180,672-byte
     parameters and its weights' gradients as they are written."""
     return HALF * layer_params + HALF * layer_params + HALF * output_params
+
+
+def fsdp1_cast_reduce_bytes(unit_params: int) -> int:
+    """What a unit's post-backward holds of its gradient when FSDP1 casts it to fp32 before the
+    reduce-scatter (`fsdp1_cast_reduce`): the bf16 gradient autograd computed, kept alive on
+    the post-backward stream (`_no_dispatch_record_stream`), and its fp32 copy, 6 bytes a
+    parameter. The unit's unsharded parameters are freed just before
+    (`_post_backward_hook` runs `_post_backward_reshard` first; torch/distributed/fsdp/
+    _runtime_utils.py, PyTorch v2.13.0). derived."""
+    return (HALF + 4) * unit_params
 
 
 def fsdp1_prefetched_layers(spec) -> int:

@@ -24,7 +24,13 @@ from typing import Any
 
 from ckplan.errors import InputError
 from ckplan.model.context_parallel import CP_ATTENTIONS
-from ckplan.model.frameworks import BACKWARD_PREFETCHES, GRAD_SYNCS, OFFLOAD_DEVICES, ZERO_GRADS
+from ckplan.model.frameworks import (
+    BACKWARD_PREFETCHES,
+    FSDP_REDUCE_DTYPES,
+    GRAD_SYNCS,
+    OFFLOAD_DEVICES,
+    ZERO_GRADS,
+)
 from ckplan.model.optimizers import OPTIMIZERS
 from ckplan.model.pipeline_layout import LayoutError, PipelineLayout, parse_layout
 from ckplan.quoting import quote
@@ -665,6 +671,10 @@ class Execution(_Record):
     # none | backward_pre | backward_post; None -> none, the Trainer's "NO_PREFETCH"
     # (ckplan.model.frameworks `fsdp1_prefetched_layers`)
     fsdp_backward_prefetch: str | None = None
+    # the dtype FSDP reduce-scatters the gradients in under the Hugging Face Trainer or
+    # accelerate (framework hf): fp32 | bf16 | fp16; None -> the mixed precision's half dtype,
+    # accelerate's (ckplan.model.frameworks `fsdp_reduce_bytes`)
+    fsdp_reduce_dtype: str | None = None
 
     __hash__ = _Record.__hash__
 
@@ -704,6 +714,10 @@ class Execution(_Record):
         if prefetch is not None and prefetch not in BACKWARD_PREFETCHES:
             rule = f"must be one of {', '.join(BACKWARD_PREFETCHES)}"
             raise SpecError(key="fsdp_backward_prefetch", rule=rule, value=prefetch)
+        reduce = self.fsdp_reduce_dtype
+        if reduce is not None and reduce not in FSDP_REDUCE_DTYPES:
+            rule = f"must be one of {', '.join(FSDP_REDUCE_DTYPES)}"
+            raise SpecError(key="fsdp_reduce_dtype", rule=rule, value=reduce)
 
     def _check_fp8_recipe(self) -> None:
         """`fp8_recipe` is Transformer Engine's (precision fp8): torchao's float8 and the

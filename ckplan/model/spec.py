@@ -86,7 +86,7 @@ KEY_ORDER = (
     "training", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "use_dora",
     "weight_format", "bitsandbytes_version", "optimizer", "optimizer_in_backward", "zero_grad",
     "optimizer_offload", "param_offload", "fsdp_float8_all_gather", "deallocate_pipeline_outputs",
-    "checkpoint_reentrant", "fsdp_backward_prefetch",
+    "checkpoint_reentrant", "fsdp_backward_prefetch", "fsdp_reduce_dtype",
 )  # fmt: skip
 PART_OF: dict[str, str] = {
     field.name: part for part, record in PARTS.items() for field in dataclasses.fields(record)
@@ -292,7 +292,7 @@ _STR_FIELDS |= {"framework", "kernels", "attention_kernel", "precision", "fp8_re
 _STR_FIELDS |= {"training", "lora_targets", "weight_format", "bitsandbytes_version"}
 _STR_FIELDS |= {"optimizer"}
 _STR_FIELDS |= {"optimizer_offload", "param_offload", "grad_sync", "framework_version"}
-_STR_FIELDS |= {"cp_attention", "fsdp_backward_prefetch"}
+_STR_FIELDS |= {"cp_attention", "fsdp_backward_prefetch", "fsdp_reduce_dtype"}
 _STR_FIELDS |= {"pipeline_layout", "zero_grad", "pipeline_schedule", "moe_token_dispatcher_type"}
 _LAYER_SET_FIELDS = {"moe_layers", "sliding_window_layers"}
 _FLOAT_FIELDS = {"dropout", "capacity_factor", "lora_dropout", "lora_alpha"}
@@ -564,6 +564,9 @@ def _validate(spec: ModelSpec) -> None:
     if reason := frameworks.grad_sync_error(spec.framework, spec.grad_sync):
         raise SpecError(reason)
     if reason := frameworks.backward_prefetch_error(spec.framework, spec.fsdp_backward_prefetch):
+        raise SpecError(reason)
+    reduce = spec.fsdp_reduce_dtype
+    if reason := frameworks.fsdp_reduce_dtype_error(spec.framework, spec.precision, reduce):
         raise SpecError(reason)
     if reason := frameworks.framework_version_error(spec.framework, spec.framework_version):
         raise SpecError(reason)

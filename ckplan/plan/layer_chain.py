@@ -98,14 +98,18 @@ def _with_fsdp1_buffers(spec: ModelSpec, chain: Chain) -> Chain:
     beside frozen weights `fsdp1_frozen_layer_backward_bytes`) and the
     root unit's gradient in the embedding stage's backward
     (`frameworks.fsdp1_embedding_backward_bytes`): they live only while a unit runs, so the
-    loss's peak does not hold them. Remembered by chain (identity) and the sizes."""
+    loss's peak does not hold them; under an fp32 reduction of half-precision gradients
+    (`frameworks.fsdp1_cast_reduce`) each unit's post-backward holds its gradient and the fp32
+    copy (`frameworks.fsdp1_cast_reduce_bytes`) where that is more. Remembered by chain
+    (identity) and the sizes."""
     layer = memory.largest_layer_parameters(spec, 0)
     output = memory.output_layer_parameters(spec)
     embedding = memory.embedding_parameters(spec, 0)
     root = memory.outside_layer_parameters(spec, 0)
     frozen = spec.training != "full"
     prefetched = frameworks.fsdp1_prefetched_layers(spec)
-    key = (id(chain), layer, output, embedding, root, frozen, prefetched)
+    cast = frameworks.fsdp1_cast_reduce(spec) and not frozen
+    key = (id(chain), layer, output, embedding, root, frozen, prefetched, cast)
     entry = _FSDP1_CHAINS.get(key)
     if entry is not None and entry[0] is chain:
         return entry[1]
@@ -124,11 +128,17 @@ def _with_fsdp1_buffers(spec: ModelSpec, chain: Chain) -> Chain:
         layer_backward = frameworks.fsdp1_layer_backward_bytes(layer, output)
     for i in range(first, last + 1):
         forward[i] += layer_forward
-        backward[i] += layer_backward
-        if i > first:  # the layer before, prefetched (the first layer's next unit: the root)
-            backward[i] += prefetched * gathered
+        ahead = prefetched * gathered if i > first else 0  # the layer before, prefetched
+        running = layer_backward
+        if cast:  # its post-backward: the copy freed, the gradient and its fp32 cast
+            waiting = frameworks.HALF * output  # the output layer's gradient
+            running = max(running, frameworks.fsdp1_cast_reduce_bytes(layer) + waiting)
+        backward[i] += running + ahead
     if first and not frozen:  # the embedding stage: the root's flat gradient forms in its backward
-        backward[0] += frameworks.fsdp1_embedding_backward_bytes(root, embedding, output)
+        root_backward = frameworks.fsdp1_embedding_backward_bytes(root, embedding, output)
+        if cast:  # and the root's post-backward casts it
+            root_backward = max(root_backward, frameworks.fsdp1_cast_reduce_bytes(root))
+        backward[0] += root_backward
     with_buffers = dataclasses.replace(
         chain, forward_workspace_bytes=tuple(forward), backward_workspace_bytes=tuple(backward)
     )

@@ -109,6 +109,8 @@ def run_spec(run: PublishedRun) -> ModelSpec:
         execution["kernels"] = "fused"
     if run.framework in GRAD_SYNC_EACH_MICRO_BATCH:
         execution["grad_sync"] = "micro_batch"
+    if run.framework in FSDP_REDUCE_FP32 and run.layout.get("zero", 0) >= 2:
+        execution["fsdp_reduce_dtype"] = "fp32"
     if run.compile:
         execution["kernels"] = "compiled"
     if run.attention_kernel in ("flash2", "flash3", "cudnn", "triton", "sdpa"):
@@ -155,6 +157,11 @@ def state_offload_values(run: PublishedRun) -> dict[str, Any]:
 # Hugging Face Trainer's no_sync reduces once per step): Composer and torchtune
 # (ckplan.model.frameworks.gradient_sync).
 GRAD_SYNC_EACH_MICRO_BATCH = ("composer", "torchtune")
+# Publishers ckplan runs as `hf` whose FSDP reduces the gradients in fp32 where accelerate
+# reduces them in the half dtype (`fsdp_reduce_dtype`): Composer's 'DEFAULT' mixed precision,
+# param_dtype bf16 and reduce_dtype fp32 (composer/trainer/mosaic_fsdp_utils.py
+# `get_mixed_precision`, the llm-foundry runs' assumptions)
+FSDP_REDUCE_FP32 = ("composer",)
 
 
 # torchtune's module names (torchtune/modules/peft/lora.py users: the attention's q_proj, k_proj,

@@ -287,6 +287,7 @@ QUIET_KEYS = frozenset(
         "deallocate_pipeline_outputs",
         "checkpoint_reentrant",
         "fsdp_backward_prefetch",
+        "fsdp_reduce_dtype",
     }
 )
 PART_TITLES = {
