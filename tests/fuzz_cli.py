@@ -209,6 +209,7 @@ _ENUM_VALUES = {
     "training": ["full", "lora", "qlora", "frozen"],
     "optimizer_offload": ["none", "cpu", "cpu", "CPU", ""],
     "fsdp_backward_prefetch": ["none", "backward_pre", "backward_post", "BACKWARD_PRE", ""],
+    "fsdp_reduce_dtype": ["fp32", "bf16", "fp16", "float32", "FP32", ""],
     "param_offload": ["none", "cpu", "cpu", "nvme"],
     "weight_format": ["nf4", "fp4", "int8", "bf16", "fp32", "int4"],
     "optimizer": ["adamw", "adamw-bf16", "adamw-8bit", "sgd", "lion", "adafactor"],
@@ -219,6 +220,7 @@ _FRAMEWORK_KEYS = {
     "framework_version": ["torchtitan", "torchtitan", "hf", "megatron"],
     "grad_sync": ["hf", "hf", "torchtitan", "deepspeed"],
     "fsdp_backward_prefetch": ["hf", "hf", "hf", "megatron"],
+    "fsdp_reduce_dtype": ["hf", "hf", "hf", "torchtitan"],
     "cp_attention": ["megatron", "megatron", "torchtitan", "hf"],
     "cp_a2a_size": ["megatron", "megatron", "megatron", "torchtitan"],
 }
