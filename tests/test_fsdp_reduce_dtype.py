@@ -1,14 +1,14 @@
 """`fsdp_reduce_dtype`: the dtype hf's FSDP reduce-scatters the gradients in (ckplan.model.
 frameworks `fsdp_reduce_bytes`, `fsdp1_cast_reduce`), by hand: accelerate's half dtype by
 default, fp32 where set (Composer's runs), with FSDP1's fp32 copy of each unit's gradient in its
-post-backward."""
+post-backward. The model is tests/test_fsdp1_memory.py's: 4 layers of 590,336 parameters."""
 
 import pytest
+from test_fsdp1_memory import EMBEDDING, LAYER, OUTPUT, ROOT_PARAMS, _small_spec
 
 from ckplan.exports import peft
 from ckplan.exports.segments import layer_segments
 from ckplan.hardware.step_time import gradient_reduction
-from ckplan.inputs.presets import load_mapping, spec_from_values
 from ckplan.model import frameworks, memory
 from ckplan.model.spec import SpecError
 from ckplan.plan import evaluate, parse_strategy
@@ -16,30 +16,8 @@ from ckplan.plan.layer_chain import layer_chain
 from ckplan.published.predict import run_spec
 from ckplan.published.suite import suite_runs
 
-LAYER, ROOT_PARAMS, OUTPUT, EMBEDDING = 590_336, 3_072_256, 1_536_256, 1_536_000
 # no mixed precision; without sharding, which ckplan refuses beside fp32 under hf
 FP32 = {"precision": "fp32", "dtype_bytes": 4, "zero": 0, "dp": 1}
-
-
-def _small_spec(**changes):
-    """The FSDP1 model of tests/test_fsdp1_memory.py: 4 layers of 590,336 parameters."""
-    base, origin = load_mapping("llama3-8b")
-    values = {
-        **base,
-        "hidden": 256,
-        "ffn_hidden": 512,
-        "heads": 4,
-        "kv_heads": 2,
-        "vocab": 6000,
-        "layers": 4,
-        "seq": 128,
-        "micro_batch": 4,
-        "framework": "hf",
-        "zero": 3,
-        "dp": 8,
-        "loss": "eager",
-    }
-    return spec_from_values({**values, **changes}, origin)
 
 
 def test_reduce_bytes_by_framework():

@@ -839,7 +839,7 @@ def gradient_reduction(
     forward and again for its backward. The gradients are reduced once per step or every
     micro-batch, beside its backward, and the weights gathered per micro-batch as the framework
     runs gradient accumulation (`frameworks.gradient_sync`), in the bytes it reduces them in
-    (`frameworks.reduce_bytes_per_parameter`). `regathered`: the elements a ZeRO-3 backward
+    (`frameworks.spec_reduce_bytes`). `regathered`: the elements a ZeRO-3 backward
     gathers beyond `params` once per micro-batch, the weights of the layers it re-runs forward
     (`regathered_elements`). `float8`: the weights among `params` that torchao's float8
     all-gather gathers in 1 byte each (`frameworks.fsdp2_gathered_bytes`), whose shards are
@@ -854,14 +854,7 @@ def gradient_reduction(
     if ranks == 1 or (params == 0 and frozen_bytes == 0):
         return DataParallelComm()
     sync = frameworks.gradient_sync(spec.framework, zero, pp, spec.grad_sync)
-    reduce_bytes = frameworks.reduce_bytes_per_parameter(
-        spec.framework,
-        zero,
-        spec.grad_bytes,
-        spec.dtype_bytes,
-        spec.precision,
-        spec.fsdp_reduce_dtype,
-    )
+    reduce_bytes = frameworks.spec_reduce_bytes(spec, zero)
     # FSDP gathers the weights in the compute dtype (MixedPrecisionPolicy.param_dtype), whatever
     # the sharded copy's (fp32 under torchtitan and Hugging Face's AMP)
     gather_bytes = min(spec.weight_bytes, spec.dtype_bytes)
@@ -1005,14 +998,7 @@ def deepspeed_2021_reduce_seconds(
     n = len(modules)
     if not frameworks.deepspeed_list_collectives(spec):
         return (0.0,) * n
-    reduce_bytes = frameworks.reduce_bytes_per_parameter(
-        spec.framework,
-        spec.zero,
-        spec.grad_bytes,
-        spec.dtype_bytes,
-        spec.precision,
-        spec.fsdp_reduce_dtype,
-    )
+    reduce_bytes = frameworks.spec_reduce_bytes(spec)
     triggered, _ = frameworks.deepspeed_zero3_reduce_triggers(tuple(reversed(modules)) * 3)
     seconds = []
     for call in triggered[n : 2 * n]:
@@ -1057,14 +1043,7 @@ def deepspeed_2021_copies(
         return None
     ranks = spec.dp * spec.cp
     weight_bytes = min(spec.weight_bytes, spec.dtype_bytes)
-    reduce_bytes = frameworks.reduce_bytes_per_parameter(
-        spec.framework,
-        spec.zero,
-        spec.grad_bytes,
-        spec.dtype_bytes,
-        spec.precision,
-        spec.fsdp_reduce_dtype,
-    )
+    reduce_bytes = frameworks.spec_reduce_bytes(spec)
     kinds = stage_kinds(spec, 0)
     first = 1 if spec.kind == "transformer" and spec.vocab > 0 else 0
     counts = list(forwards[first : first + len(kinds)]) or [1] * len(kinds)

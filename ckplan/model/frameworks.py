@@ -613,6 +613,18 @@ def reduce_bytes_per_parameter(
     return grad_bytes
 
 
+def spec_reduce_bytes(spec, zero: int | None = None) -> int:
+    """`reduce_bytes_per_parameter` of a spec, at `zero` where given (a layout's), else its own."""
+    return reduce_bytes_per_parameter(
+        spec.framework,
+        spec.zero if zero is None else zero,
+        spec.grad_bytes,
+        spec.dtype_bytes,
+        spec.precision,
+        spec.fsdp_reduce_dtype,
+    )
+
+
 def deepspeed_zero3_regathered(
     module_weights: tuple[int, ...], max_reuse: int = DEEPSPEED_MAX_REUSE
 ) -> int:
