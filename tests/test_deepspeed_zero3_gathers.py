@@ -40,7 +40,9 @@ def test_zero3_reduces_in_half_precision():
     assert reduce_bytes_per_parameter("deepspeed", 3, 4, 4) == 4  # fp32 training
     assert reduce_bytes_per_parameter("deepspeed", 2, 4, 2) == 4
     assert reduce_bytes_per_parameter("megatron", 3, 4, 2) == 4
-    assert reduce_bytes_per_parameter("hf", 3, 4, 2) == 4
+    # hf's FSDP: accelerate's reduce_dtype, the half dtype unless fsdp_reduce_dtype says fp32
+    assert reduce_bytes_per_parameter("hf", 3, 4, 2) == 2
+    assert reduce_bytes_per_parameter("hf", 3, 4, 2, "bf16", "fp32") == 4
 
 
 def test_regathered_by_reuse_distance():

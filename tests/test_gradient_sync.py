@@ -20,6 +20,7 @@ FP32_GRADS = 4 * PARAMS  # 32,121,044,992 bytes
 BF16 = 2 * PARAMS  # 16,060,522,496 bytes
 # per rank, (d - 1)/d of the bytes over dp 4
 RS_FP32 = 24_090_783_744 / BANDWIDTH  # the fp32 gradients' reduce-scatter
+RS_BF16 = 12_045_391_872 / BANDWIDTH  # the gradients' reduce-scatter in bf16 (hf's FSDP)
 AG_BF16 = 12_045_391_872 / BANDWIDTH  # the bf16 weights' all-gather
 
 
@@ -97,15 +98,18 @@ def test_zero_3_gathers_for_forward_and_backward(spec_of, a100):
 
 
 def test_hf_reduces_once_under_no_sync(spec_of, a100):
-    # hf's fp32 weights are gathered in bf16 (the compute dtype), its gradients reduced in fp32
+    # hf's fp32 weights are gathered in bf16 (the compute dtype), its gradients reduced in bf16
+    # (accelerate's MixedPrecision: reduce_dtype the training precision's, `fsdp_reduce_dtype`)
     spec = spec_of("llama3-8b", framework="hf", dp=4, zero=3, microbatches=8)
     parts = data_parallel_comm(spec, a100)
-    assert parts.reduce == pytest.approx(RS_FP32)
+    assert parts.reduce == pytest.approx(RS_BF16)
     assert parts.forward == pytest.approx(AG_BF16)
     assert parts.backward == pytest.approx(AG_BF16)
     each = data_parallel_comm(spec.replace(grad_sync="micro_batch"), a100)
     assert each.reduce == 0.0
-    assert each.backward == pytest.approx(AG_BF16 + RS_FP32)
+    assert each.backward == pytest.approx(AG_BF16 + RS_BF16)
+    fp32 = data_parallel_comm(spec.replace(fsdp_reduce_dtype="fp32"), a100)
+    assert fp32.reduce == pytest.approx(RS_FP32)  # Composer's reduction
 
 
 def test_torchtitan_all_reduces_every_micro_batch_without_fsdp_sharding(spec_of, a100):
