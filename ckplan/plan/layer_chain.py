@@ -126,14 +126,15 @@ def _with_fsdp1_buffers(spec: ModelSpec, chain: Chain) -> Chain:
         gathered = frameworks.fsdp1_layer_forward_bytes(layer)
         layer_forward = gathered
         layer_backward = frameworks.fsdp1_layer_backward_bytes(layer, output)
+        if cast:  # its post-backward: the copy freed, the gradient and its fp32 cast, beside
+            # the waiting output layer's gradient
+            post = frameworks.fsdp1_cast_reduce_bytes(layer) + frameworks.HALF * output
+            layer_backward = max(layer_backward, post)
     for i in range(first, last + 1):
         forward[i] += layer_forward
-        ahead = prefetched * gathered if i > first else 0  # the layer before, prefetched
-        running = layer_backward
-        if cast:  # its post-backward: the copy freed, the gradient and its fp32 cast
-            waiting = frameworks.HALF * output  # the output layer's gradient
-            running = max(running, frameworks.fsdp1_cast_reduce_bytes(layer) + waiting)
-        backward[i] += running + ahead
+        backward[i] += layer_backward
+        if i > first:  # the layer before, prefetched (the first layer's next unit: the root)
+            backward[i] += prefetched * gathered
     if first and not frozen:  # the embedding stage: the root's flat gradient forms in its backward
         root_backward = frameworks.fsdp1_embedding_backward_bytes(root, embedding, output)
         if cast:  # and the root's post-backward casts it
