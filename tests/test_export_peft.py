@@ -239,16 +239,24 @@ def test_sharded_qlora_arguments_construct(spec_of, tmp_path):
     spec = spec_of("llama3-8b", **SHARDED_QLORA, **BF16_STATES)
     namespace = run_snippet(spec, tmp_path)
     args = namespace["training_args"]
-    assert args.fsdp_config["cpu_offload"] is True and args.fsdp_config["version"] == 1
+    assert args.fsdp_config["cpu_offload"] is True and args.fsdp_config["version"] == 2
     assert str(namespace["bnb_config"].bnb_4bit_quant_storage) == "torch.bfloat16"
+    # FSDP2 under transformers 5.25 by default; FSDP1 where the plan says so, as it was counted
+    fsdp1 = run_snippet(spec.replace(fsdp_version=1), tmp_path)["training_args"]
+    assert fsdp1.fsdp_config["version"] == 1
 
 
 def test_backward_prefetch_is_written_to_fsdp_config(spec_of):
-    spec = spec_of("llama3-8b", **SHARDED_QLORA, fsdp_backward_prefetch="backward_pre")
+    fsdp1 = dict(SHARDED_QLORA, fsdp_version=1)
+    spec = spec_of("llama3-8b", **fsdp1, fsdp_backward_prefetch="backward_pre")
     found = calls(exports.export(plan_of(spec, "full"), "peft").text)
     config = found["TrainingArguments"]["fsdp_config"]
     assert config == {"version": 1, "backward_prefetch": "backward_pre"}
-    plain = calls(
-        exports.export(plan_of(spec_of("llama3-8b", **SHARDED_QLORA), "full"), "peft").text
-    )
+    plain = calls(exports.export(plan_of(spec_of("llama3-8b", **fsdp1), "full"), "peft").text)
     assert plain["TrainingArguments"]["fsdp_config"] == {"version": 1}  # FSDP1, as counted
+    default = spec_of("llama3-8b", **SHARDED_QLORA)  # transformers 5.25's Trainer: FSDP2
+    found = calls(exports.export(plan_of(default, "full"), "peft").text)
+    assert found["TrainingArguments"]["fsdp_config"] == {"version": 2}
+    old = spec_of("llama3-8b", **SHARDED_QLORA, framework_version="4.44")
+    found = calls(exports.export(plan_of(old, "full"), "peft").text)
+    assert found["TrainingArguments"]["fsdp_config"] == {"version": 1}

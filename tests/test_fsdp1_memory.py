@@ -38,6 +38,7 @@ def _small_spec(**changes):
         "seq": 128,
         "micro_batch": 4,
         "framework": "hf",
+        "fsdp_version": 1,  # FSDP1 (the Trainer's default before transformers v5.10.1)
         "zero": 3,
         "dp": 8,
         "loss": "eager",
@@ -62,7 +63,10 @@ def test_selects_the_trainers_fsdp_only():
     assert frameworks.fsdp1_resharding(_small_spec())
     assert not frameworks.fsdp1_resharding(_small_spec(zero=2))
     assert not frameworks.fsdp1_resharding(_small_spec(dp=1))
-    assert not frameworks.fsdp1_resharding(_small_spec(framework="torchtitan"))
+    assert not frameworks.fsdp1_resharding(_small_spec(framework="torchtitan", fsdp_version=None))
+    # transformers v5.25's Trainer builds FSDP2 unless fsdp_config says version 1
+    assert not frameworks.fsdp1_resharding(_small_spec(fsdp_version=None))
+    assert frameworks.fsdp1_resharding(_small_spec(fsdp_version=None, framework_version="4.44"))
 
 
 def test_root_copy_kept_through_loss_and_backward():

@@ -12,13 +12,17 @@ recomputation) and temporaries (backward). The model is torchtitan 0.3.0's Llama
 (`torchtitan.models.llama3._8b`: dim 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336, vocab
 128256, fused QKV), its attention torchtitan's `ScaledDotProductAttention` (FlexAttention has no
 CPU backward), torchtitan's `FullAC` or per-op `SelectiveAC`; fully_shard with
-MixedPrecisionPolicy(param bf16, reduce fp32, cast_forward_inputs off) in one of two layouts:
+MixedPrecisionPolicy(param bf16, reduce fp32, cast_forward_inputs off) in one of three layouts:
 
 - `202412`: torchtitan 9dec370's apply_fsdp (the Dec 2024 benchmark): every block resharded
   after forward but the last, the root module (embedding, final norm, output) the root FSDP
   unit, which FSDP2 never reshards after forward;
 - `0.3.0`: torchtitan 0.3.0's apply_fsdp_to_decoder: the embedding its own unit, resharded; the
-  final norm and output one unit not resharded; every block resharded.
+  final norm and output one unit not resharded; every block resharded;
+- `accelerate`: accelerate v1.14.0's `fsdp2_prepare_model` under the Hugging Face Trainer
+  (fsdp_version 2, the default of transformers v5.25): `0.3.0`'s units, with the policy
+  `set_mixed_precision("bf16")` builds, MixedPrecisionPolicy(param bf16, reduce bf16, output
+  bf16), so the reduce-scatter input is bf16.
 
 The loss is torchtitan's eager cross-entropy on fp32-upcast logits, the optimizer AdamW with
 foreach off (torchtitan's default is `fused`, one kernel per parameter group that updates in
@@ -51,6 +55,7 @@ CASES = (
     {"layout": "202412", "ac": "op", "micro_batch": 2, "seq": 8192},
     {"layout": "0.3.0", "ac": "op", "micro_batch": 2, "seq": 8192},
     {"layout": "202412", "ac": "full", "micro_batch": 1, "seq": 32768},
+    {"layout": "accelerate", "ac": "op", "micro_batch": 2, "seq": 8192},
 )
 
 
@@ -97,15 +102,19 @@ def build(torch, shape, ac, layout, mesh):
     mp = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
     )
+    if layout == "accelerate":  # accelerate/utils/dataclasses.py `set_mixed_precision`, v1.14.0
+        mp = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.bfloat16
+        )
     blocks = list(model.layers.values())
-    if layout == "0.3.0":
+    if layout in ("0.3.0", "accelerate"):
         fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
         fully_shard(
             [model.norm, model.lm_head], mesh=mesh, mp_policy=mp, reshard_after_forward=False
         )
     for index, block in enumerate(blocks):
         last = index == len(blocks) - 1
-        reshard = layout == "0.3.0" or not last
+        reshard = layout in ("0.3.0", "accelerate") or not last
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model

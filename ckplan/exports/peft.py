@@ -18,11 +18,12 @@ and `TrainingArguments` for the plan (docs/exports.md).
   (an `OptimizerNames` value: adamw_torch, adamw_8bit, paged_adamw_8bit, adafactor, sgd,
   lion_32bit, adamw_anyprecision with `optim_args`), `bf16` / `fp16`, and `fsdp`
   ("shard_grad_op" for ZeRO-2, "full_shard" for ZeRO-3, with " offload" for FSDP's CPU
-  offload, `param_offload: cpu`), with `fsdp_config` version 1 (FSDP1, whose buffers ckplan
-  counts; the Trainer's default is FSDP2 since transformers v5) and the `backward_prefetch` of
-  `fsdp_backward_prefetch` (an fp32 reduction, `fsdp_reduce_dtype: fp32` beside half-precision
-  training, has no key there: refused). A 4-bit model under FSDP gets a float
-  `bnb_4bit_quant_storage` and loads in it (`sharded_qlora`).
+  offload, `param_offload: cpu`), with `fsdp_config` version the plan's `fsdp_version` (FSDP1
+  or FSDP2, whose buffers ckplan counted; the Trainer's default is FSDP2 from transformers
+  v5.10.1) and FSDP1's `backward_prefetch` of `fsdp_backward_prefetch` (an fp32 reduction,
+  `fsdp_reduce_dtype: fp32` beside half-precision training, has no key there: refused). A
+  4-bit model under FSDP gets a float `bnb_4bit_quant_storage` and loads in it
+  (`sharded_qlora`).
 
 The Trainer runs data parallelism only and recomputes every layer or none: other layer
 segments, module recomputation, per-op policies, tp/pp/cp/ep > 1, the step in backward and
@@ -82,7 +83,7 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
             f"precision {spec.precision}: the Trainer trains in fp32 or in bf16 or fp16 mixed "
             "precision"
         )
-    if fsdp_shards(spec) and frameworks.fsdp1_cast_reduce(spec):
+    if fsdp_shards(spec) and spec.fsdp_reduce_dtype == "fp32" and spec.precision != "fp32":
         return (
             "fsdp_reduce_dtype: fp32: the Trainer's FSDP reduces the gradients in the training "
             "precision (accelerate's set_mixed_precision); no TrainingArguments key writes fp32"
@@ -148,10 +149,10 @@ def values(plan: Plan, layers: LayerSegments) -> dict[str, dict[str, object]]:
         # (transformers training_args.py FSDPOption.OFFLOAD -> fsdp_config cpu_offload)
         offload = " offload" if spec.param_offload != "none" else ""
         args["fsdp"] = FSDP[spec.zero] + offload
-        # FSDP1, whose buffers ckplan counts (accelerate's default fsdp_version); the Trainer's
-        # own fsdp_config defaults to FSDP2 (transformers v5.25.0 training_args.py,
-        # `fsdp_config.get("version", 2)`)
-        args["fsdp_config"] = {"version": 1}
+        # the FSDP whose buffers ckplan counted (`fsdp_version`: by default the release's, FSDP2
+        # from transformers v5.10.1, training_args.py `fsdp_config.get("version", 2)`), said
+        # explicitly so that no other release's default applies
+        args["fsdp_config"] = {"version": frameworks.fsdp_version(spec)}
         if spec.fsdp_backward_prefetch is not None:  # as the Trainer reads FSDP1's
             args["fsdp_config"]["backward_prefetch"] = spec.fsdp_backward_prefetch
         if "BitsAndBytesConfig" in out and fmt in ("nf4", "fp4"):

@@ -916,7 +916,7 @@ def zero3_gathers_frozen(spec: ModelSpec, zero: int | None = None) -> bool:
     other than full at the framework's weight-sharding stage (`frameworks.weights_sharded_from`;
     `zero` a layout's, default the spec's)."""
     zero = spec.zero if zero is None else zero
-    return spec.training != "full" and zero >= frameworks.weights_sharded_from(spec.framework)
+    return spec.training != "full" and zero >= frameworks.weights_sharded_from(spec)
 
 
 @lru_cache(maxsize=256)

@@ -100,6 +100,12 @@ BACKWARD_PREFETCHES = ("none", "backward_pre", "backward_post")
 # fsdp_reduce_dtype: the dtype FSDP reduce-scatters the gradients in under hf
 # (`fsdp_reduce_bytes`), bytes per value
 FSDP_REDUCE_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# fsdp_version: PyTorch FSDP's version under hf (`fsdp_version`)
+FSDP_VERSIONS = (1, 2)
+# the transformers releases among FRAMEWORK_VERSIONS["hf"] whose Trainer builds FSDP2 unless
+# fsdp_config says version 1: `int(self.fsdp_config.get("version", 2))` in training_args.py
+# from v5.10.1 (`get("version", 1)` through v5.9.0, and v4.44.2 builds FSDP1 alone)
+FSDP2_DEFAULT_RELEASES = ("5.25",)
 # the half dtype accelerate's mixed precision computes (and, by default, reduces) in per precision
 # (accelerate/utils/dataclasses.py `set_mixed_precision` at v1.14.0: fp8 runs bf16)
 _HALF_DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16", "float8": "bf16"}
@@ -383,6 +389,59 @@ def fsdp_reduce_bytes(precision: str, dtype_bytes: int, reduce_dtype: str | None
     return dtype_bytes if precision in _HALF_DTYPES else 4
 
 
+def fsdp_version(spec) -> int:
+    """The PyTorch FSDP a spec shards with: 2 under torchtitan (`fully_shard`); under hf its
+    `fsdp_version`, else its transformers release's Trainer default (`FSDP2_DEFAULT_RELEASES`:
+    v5.25.0 training_args.py `fsdp_config.get("version", 2)`, where FSDP1 is deprecated;
+    v4.44.2 builds FSDP1); 1 elsewhere (no PyTorch FSDP: the value names nothing)."""
+    if spec.framework == "torchtitan":
+        return 2
+    if spec.framework != "hf":
+        return 1
+    if spec.fsdp_version is not None:
+        return spec.fsdp_version
+    return 2 if framework_version(spec) in FSDP2_DEFAULT_RELEASES else 1
+
+
+def runs_fsdp2(spec) -> bool:
+    """Whether the spec's sharded data parallelism is FSDP2 (`fully_shard`): torchtitan's, or
+    accelerate's under hf at `fsdp_version` 2 (accelerate v1.14.0 utils/fsdp_utils.py
+    `fsdp2_prepare_model`)."""
+    return spec.framework in ("torchtitan", "hf") and fsdp_version(spec) == 2
+
+
+def fsdp_version_error(spec) -> str | None:
+    """Why `fsdp_version` cannot be set (one line naming the key), or None: it picks the
+    PyTorch FSDP the Hugging Face Trainer builds (framework hf); FSDP1's backward prefetch
+    (`fsdp_backward_prefetch`) has no FSDP2 counterpart, which always prefetches the next unit
+    in backward."""
+    if spec.fsdp_version is not None and spec.framework != "hf":
+        return (
+            f"key 'fsdp_version' ({spec.fsdp_version}): the PyTorch FSDP the Hugging Face Trainer "
+            f"builds; the key is for framework hf, not {spec.framework}"
+        )
+    prefetch = spec.fsdp_backward_prefetch
+    if spec.framework == "hf" and prefetch is not None and fsdp_version(spec) == 2:
+        return (
+            f"key 'fsdp_backward_prefetch' ({prefetch}) is FSDP1's; FSDP2 "
+            "prefetches the next unit in backward itself: set fsdp_version: 1 or leave the key out"
+        )
+    return None
+
+
+def fsdp2_reduce_bytes(spec) -> int:
+    """Bytes per value of FSDP2's reduce-scatter input, its MixedPrecisionPolicy's reduce_dtype:
+    torchtitan's fp32 (`mixed_precision_reduce` "float32", its default), accelerate's the half
+    dtype unless `fsdp_reduce_dtype` says fp32 (`fsdp_reduce_bytes`: accelerate v1.14.0
+    utils/dataclasses.py `set_mixed_precision` builds `MixedPrecisionPolicy(param_dtype=dtype,
+    reduce_dtype=dtype, output_dtype=dtype)` under fsdp_version 2). FSDP2 allocates the input in
+    reduce_dtype and copies the unsharded gradients into it (torch/distributed/fsdp/
+    _fully_shard/_fsdp_collectives.py `foreach_reduce`, PyTorch v2.13.0)."""
+    if spec.framework == "hf":
+        return fsdp_reduce_bytes(spec.precision, spec.dtype_bytes, spec.fsdp_reduce_dtype)
+    return 4
+
+
 def fsdp1_cast_reduce(spec) -> bool:
     """Whether FSDP1 casts each unit's unsharded gradient to another dtype before its
     reduce-scatter: the gradient is computed in param_dtype (the half dtype under mixed
@@ -392,21 +451,23 @@ def fsdp1_cast_reduce(spec) -> bool:
     `fsdp_reduce_dtype: fp32` beside bf16 or fp16 weights in compute."""
     return (
         spec.framework == "hf"
+        and fsdp_version(spec) == 1
         and spec.fsdp_reduce_dtype == "fp32"
         and spec.precision in _HALF_DTYPES
     )
 
 
-def weights_sharded_from(framework: str) -> int:
-    """The lowest ZeRO stage at which `framework` shards the weights it keeps (`weight_bytes`)
-    over the data-parallel ranks: 3 (ZeRO-3, Rajbhandari et al. 2020 §5), but 2 for
-    torchtitan, whose zero 2 is FSDP2 with reshard_after_forward=False: `fully_shard` shards
+def weights_sharded_from(spec) -> int:
+    """The lowest ZeRO stage at which the spec's framework shards the weights it keeps
+    (`weight_bytes`) over the data-parallel ranks: 3 (ZeRO-3, Rajbhandari et al. 2020 §5), but
+    2 under FSDP2 (`runs_fsdp2`: torchtitan, hf at fsdp_version 2), whose zero 2 is
+    reshard_after_forward=False: `fully_shard` shards
     every parameter whatever that flag, which keeps only the unsharded copy in param_dtype
     alive from forward to backward (torch/distributed/fsdp/_fully_shard/_fully_shard.py,
     `reshard_after_forward` "If False, then this keeps the unsharded parameters in memory
     after forward"; _fsdp_param.py: the sharded fp32 data `_sharded_param_data`, the unsharded
     parameter in `param_dtype`, PyTorch v2.13.0); that bf16 copy is `buffer_bytes`'."""
-    return 2 if framework == "torchtitan" else 3
+    return 2 if runs_fsdp2(spec) else 3
 
 
 def layout_error(framework: str, zero: int, tp: int, pp: int, cp: int, ep: int) -> str | None:
@@ -534,13 +595,13 @@ def buffer_bytes(
     FSDP2 gathers in float8 (`fsdp2_gathered_bytes`)."""
     framework, zero, dp = spec.framework, spec.zero, spec.dp
     if fsdp2_resharding(spec):  # the layers' copies are their chain stages' (fsdp2_layer_*)
-        grouping = fsdp2_grouping(framework_version(spec), spec.tied_embeddings)
+        grouping = spec_fsdp2_grouping(spec)
         kept = fsdp2_outer_units(root_params, embedding_params, grouping)[1]
         return fsdp2_kept_unsharded_bytes(
             kept, layer_params, grouping.last_block_kept, layer_float8=float8[1]
         )
     # torchtitan's FSDP mesh is dp_shard·cp (context-parallel ranks hold the same parameters)
-    if framework == "torchtitan" and dp * spec.cp > 1 and zero >= 2:
+    if runs_fsdp2(spec) and dp * spec.cp > 1 and zero >= 2:
         stage_float8, layer_float8 = float8
         if zero == 2 or spec.pp > 1:  # no reshard after forward
             unsharded = fsdp2_gathered_bytes(stage_params, stage_float8)
@@ -548,7 +609,8 @@ def buffer_bytes(
             unsharded = 2 * fsdp2_gathered_bytes(layer_params, layer_float8) + HALF * root_params
         if spec.pp > 1:  # fp32 unsharded gradients of the stage, the running layer's in bf16
             return unsharded + 4 * stage_params + HALF * layer_params
-        reducing = (HALF + 4) * layer_params  # bf16 gradients, fp32 reduce-scatter input
+        # bf16 gradients, the reduce-scatter input in reduce_dtype (torchtitan's fp32)
+        reducing = (HALF + fsdp2_reduce_bytes(spec)) * layer_params
         return unsharded + reducing
     if framework == "deepspeed" and dp > 1 and zero >= 1:
         reduce = min(DEEPSPEED_REDUCE_BUCKET, stage_params) * HALF
@@ -870,13 +932,14 @@ def deepspeed_persistent_bytes(
     return HALF * sum(elements for elements in tensor_elements if elements <= threshold)
 
 
-def _reshards_unit_by_unit(spec, framework: str, frozen: bool = False) -> bool:
-    """Whether `framework` runs this spec fully sharded, unit by unit: zero 3, one pipeline
-    stage, more than one rank in the FSDP mesh dp·cp, full training (or, `frozen`, any). The
-    layout both FSDP1 (`fsdp1_resharding`) and FSDP2 (`fsdp2_resharding`) reshard after
-    forward."""
+def _reshards_unit_by_unit(spec, version: int, frozen: bool = False) -> bool:
+    """Whether FSDP `version` (`fsdp_version`) runs this spec fully sharded, unit by unit:
+    zero 3, one pipeline stage, more than one rank in the FSDP mesh dp·cp, full training (or,
+    `frozen`, any). The layout both FSDP1 (`fsdp1_resharding`) and FSDP2 (`fsdp2_resharding`)
+    reshard after forward."""
     return (
-        spec.framework == framework
+        spec.framework in ("torchtitan", "hf")
+        and fsdp_version(spec) == version
         and spec.zero == 3
         and spec.pp == 1
         and spec.dp * spec.cp > 1
@@ -898,7 +961,7 @@ def fsdp1_resharding(spec) -> bool:
     Trainer's way. With frozen base weights (LoRA, QLoRA) too: the decoder layers and the root
     unit gather and reshard as in full training, with no gradient of their own
     (`fsdp1_frozen_layer_backward_bytes`)."""
-    return _reshards_unit_by_unit(spec, "hf", frozen=True)
+    return spec.framework == "hf" and _reshards_unit_by_unit(spec, 1, frozen=True)
 
 
 def fsdp1_kept_unsharded_bytes(root_params: int) -> int:
@@ -1025,13 +1088,24 @@ def checkpoint_reentrant(spec) -> bool:
 
 
 def fsdp2_resharding(spec) -> bool:
-    """Whether the spec runs torchtitan's FSDP2 resharding after forward (zero 3, one pipeline
-    stage, more than one rank in the FSDP mesh dp·cp, full training): its blocks' unsharded
-    copies, gradients and reduce-scatter buffers then live only while a block runs, and ckplan
-    holds them as the layers' chain workspaces (`fsdp2_layer_forward_bytes`,
-    `fsdp2_layer_backward_bytes`) beside the copies kept all step
-    (`fsdp2_kept_unsharded_bytes`)."""
-    return _reshards_unit_by_unit(spec, "torchtitan")
+    """Whether the spec runs FSDP2 resharding after forward (torchtitan's, or accelerate's at
+    fsdp_version 2; zero 3, one pipeline stage, more than one rank in the FSDP mesh dp·cp, full
+    training): its blocks' unsharded copies, gradients and reduce-scatter buffers then live
+    only while a block runs, and ckplan holds them as the layers' chain workspaces
+    (`fsdp2_layer_forward_bytes`, `fsdp2_layer_backward_bytes`) beside the copies kept all
+    step (`fsdp2_kept_unsharded_bytes`)."""
+    return _reshards_unit_by_unit(spec, 2)
+
+
+def fsdp2_frozen_resharding(spec) -> bool:
+    """Whether accelerate's FSDP2 (hf, fsdp_version 2) gathers and reshards frozen base weights
+    unit by unit: zero 3, more than one rank, training other than full (LoRA, QLoRA). The
+    blocks' copies then live while a block runs (`fsdp2_frozen_layer_backward_bytes`)."""
+    return (
+        spec.framework == "hf"
+        and spec.training != "full"
+        and _reshards_unit_by_unit(spec, 2, frozen=True)
+    )
 
 
 def framework_version_error(framework: str, version: str | None) -> str | None:
@@ -1078,6 +1152,19 @@ class FSDP2Grouping:
 
     embedding_own_unit: bool
     last_block_kept: bool
+
+
+def spec_fsdp2_grouping(spec) -> FSDP2Grouping:
+    """The FSDP2 units of the spec's framework: torchtitan's by release (`fsdp2_grouping`);
+    accelerate's (hf) as v1.14.0 builds them (utils/fsdp_utils.py `fsdp2_prepare_model`):
+    every decoder layer `fully_shard`ed with the plugin's reshard_after_forward (True under
+    FULL_SHARD), then the input embedding its own unit, resharded, unless tied, and
+    `[final_norm, lm_head]` (a tied embedding in its place) one unit with
+    `reshard_after_forward=False`, the root holding none: torchtitan 0.3's grouping.
+    Accelerate v1.6.0-v1.13.0 left the embedding, final norm and output in the root, kept all
+    step: not modelled apart."""
+    version = framework_version(spec) if spec.framework == "torchtitan" else "0.3"
+    return fsdp2_grouping(version, spec.tied_embeddings)
 
 
 def fsdp2_grouping(version: str | None, tied_embeddings: bool = False) -> FSDP2Grouping:
@@ -1165,6 +1252,7 @@ def fsdp2_layer_backward_bytes(
     grouping: FSDP2Grouping = FSDP2Grouping(embedding_own_unit=False, last_block_kept=True),
     embedding_params: int = 0,
     float8: int = 0,
+    reduce_bytes: int = 4,
 ) -> int:
     """What a block's backward holds of FSDP2's buffers beyond the kept copies (PyTorch
     v2.13.0, torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py) under torchtitan's
@@ -1175,7 +1263,8 @@ def fsdp2_layer_backward_bytes(
       before the first block that is the embedding's own unit (`embedding_params`), else
       nothing: the kept unit is already unsharded;
     - its unsharded gradients, in param_dtype bf16 until its post-backward;
-    - the previous unit's fp32 reduce-scatter input (reduce_dtype float32), which
+    - the previous unit's reduce-scatter input, `reduce_bytes` a value (reduce_dtype:
+      torchtitan's float32, accelerate's bf16: `fsdp2_reduce_bytes`), which
       `reduce_scatter_states` holds until this block's post-backward frees it before its own
       (`reduce_scatter_max_input_buffers` 1): behind the last block (the first to run), the
       final norm and output's own unit (`output_params`), else none;
@@ -1193,20 +1282,39 @@ def fsdp2_layer_backward_bytes(
     next_unit = embedding_params if grouping.embedding_own_unit else 0
     prefetched = HALF * next_unit if first else block
     behind = output_params if grouping.embedding_own_unit else 0
-    previous_reduce = 4 * (behind if last else layer_params)
+    previous_reduce = reduce_bytes * (behind if last else layer_params)
     waiting = 0 if grouping.embedding_own_unit else HALF * output_params
     return running + prefetched + HALF * layer_params + previous_reduce + waiting
 
 
-def fsdp2_embedding_backward_bytes(embedding_params: int, layer_params: int) -> int:
+def fsdp2_embedding_backward_bytes(
+    embedding_params: int, layer_params: int, reduce_bytes: int = 4
+) -> int:
     """What the embedding's backward holds of FSDP2's buffers when it is a unit of its own
     (torchtitan "0.3", `fsdp2_grouping`): its bf16 unsharded parameters (gathered again,
     prefetched by the first block), its bf16 unsharded gradient (the embedding's backward
-    makes a dense one), and the first block's fp32 reduce-scatter input, freed at the
-    embedding's post-backward.
+    makes a dense one), and the first block's reduce-scatter input (`reduce_bytes` a value,
+    `fsdp2_layer_backward_bytes`), freed at the embedding's post-backward.
 
     derived: as `fsdp2_layer_backward_bytes`, with nothing left to prefetch."""
-    return HALF * embedding_params + HALF * embedding_params + 4 * layer_params
+    return HALF * embedding_params + HALF * embedding_params + reduce_bytes * layer_params
+
+
+def fsdp2_frozen_layer_backward_bytes(
+    layer_bytes: int, adapter_params: int, prefetched_bytes: int, reduce_bytes: int
+) -> int:
+    """What a decoder layer's backward holds of FSDP2's buffers when its base weights are
+    frozen (hf, fsdp_version 2, `fsdp2_frozen_resharding`): its unsharded parameters gathered
+    again (`layer_bytes`, as gathered: 4-bit weights packed), the unit before it in forward
+    order, prefetched at its pre-backward (`prefetched_bytes`: the layer before; before the
+    first layer the embedding's own unit, which FSDP2 prefetches from its post-forward order
+    though the frozen embedding runs no backward), its adapters' bf16 gradients and the
+    previous layer's adapters' reduce-scatter input (`reduce_bytes` a value,
+    `fsdp2_reduce_bytes`). The frozen parameters get no gradient. derived from
+    torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py (`pre_backward`,
+    `_backward_prefetch`: `comm_ctx.post_forward_order[curr_index - 1]`, `post_backward`,
+    PyTorch v2.13.0), as `fsdp2_layer_backward_bytes`."""
+    return layer_bytes + prefetched_bytes + (HALF + reduce_bytes) * adapter_params
 
 
 def fsdp2_pipeline_accumulates(spec) -> bool:
@@ -1216,7 +1324,7 @@ def fsdp2_pipeline_accumulates(spec) -> bool:
     (ckplan.plan.evaluate `interleaved_gradient_excess`).
     derived: `buffer_bytes`' torchtitan branch with pp > 1."""
     return (
-        spec.framework == "torchtitan"
+        runs_fsdp2(spec)
         and spec.pp > 1
         and spec.zero >= 2
         and spec.dp * spec.cp > 1
@@ -1225,15 +1333,10 @@ def fsdp2_pipeline_accumulates(spec) -> bool:
 
 
 def fsdp2_sharded(spec) -> bool:
-    """Whether torchtitan's FSDP2 shards this full-training spec's gradients over more than one
-    rank (zero 2 or 3, dp·cp > 1): its reduce-scatter and all-gather streams then keep pools of
-    their own (`fsdp2_stream_pool_bytes`)."""
-    return (
-        spec.framework == "torchtitan"
-        and spec.zero >= 2
-        and spec.dp * spec.cp > 1
-        and spec.training == "full"
-    )
+    """Whether FSDP2 (`runs_fsdp2`) shards this full-training spec's gradients over more than
+    one rank (zero 2 or 3, dp·cp > 1): its reduce-scatter and all-gather streams then keep
+    pools of their own (`fsdp2_stream_pool_bytes`)."""
+    return runs_fsdp2(spec) and spec.zero >= 2 and spec.dp * spec.cp > 1 and spec.training == "full"
 
 
 def fsdp2_stream_pool_bytes(sharded_gradient_bytes: int, all_gather_pool_bytes: int) -> int:

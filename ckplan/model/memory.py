@@ -750,8 +750,8 @@ def finetune_state_bytes(
     in full precision"); the norms, biases, embeddings and output layer at
     weight_bytes (bf16 in torchtune's QLoRA recipes; fp32 after PEFT's
     prepare_model_for_kbit_training, peft v0.17.0 src/peft/utils/other.py, "cast all non INT8
-    parameters to fp32", which hf's weight_bytes 4 gives). ZeRO-3 (torchtitan's FSDP from
-    zero 2, `frameworks.weights_sharded_from`) shards the frozen weights over dp·cp as any
+    parameters to fp32", which hf's weight_bytes 4 gives). ZeRO-3 (FSDP2 from zero 2,
+    `frameworks.weights_sharded_from`) shards the frozen weights over dp·cp as any
     weight, but for the 4-bit weights' quantisation statistics, which are no parameter's data
     and stay whole on every rank (`sharded_frozen_bytes`). The LoRA adapters train with the
     usual weight, gradient, master and optimizer bytes
@@ -768,7 +768,7 @@ def finetune_state_bytes(
     dp = spec.dp * spec.cp if dp is None else dp
     layers_here = sum(stage_kind_counts(spec, stage).values())
     base, statistics = frozen_weight_bytes(spec, stage, spec.weight_bytes)
-    if zero >= frameworks.weights_sharded_from(spec.framework):
+    if zero >= frameworks.weights_sharded_from(spec):
         base = sharded_frozen_bytes(base, statistics, dp)
     on_host = host_frozen_bytes(spec, stage, dp)
     if on_host:  # the parameters' data on the host: the 4-bit statistics stay
@@ -786,6 +786,12 @@ def finetune_state_bytes(
     )
     if frameworks.fsdp1_resharding(spec):  # the root unit's frozen copy, kept all step
         buffers = frameworks.fsdp1_kept_unsharded_bytes(outside_layer_parameters(spec, stage))
+    if frameworks.fsdp2_frozen_resharding(spec):  # the kept unit's frozen copy (final norm, output)
+        grouping = frameworks.spec_fsdp2_grouping(spec)
+        kept = frameworks.fsdp2_outer_units(
+            outside_layer_parameters(spec, stage), embedding_parameters(spec, stage), grouping
+        )[1]
+        buffers = frameworks.fsdp2_kept_unsharded_bytes(kept, 0, grouping.last_block_kept)
     if spec.framework == "deepspeed" and zero == 3 and dp > 1:  # the adapters kept whole
         persistent = frameworks.deepspeed_persistent_bytes(finetune.adapter_tensor_elements(spec))
         buffers += layers_here * split_share(persistent, spec.tp)
@@ -994,7 +1000,7 @@ def stream_pool_bytes(spec: ModelSpec, stage: int | None = None) -> int:
     layer = largest_layer_parameters(spec, stage)
     outside = outside_layer_parameters(spec, stage)
     gradients = model_state_bytes(spec, stage).gradients
-    grouping = frameworks.fsdp2_grouping(frameworks.framework_version(spec), spec.tied_embeddings)
+    grouping = frameworks.spec_fsdp2_grouping(spec)
     embedding, kept = frameworks.fsdp2_outer_units(
         outside, embedding_parameters(spec, stage), grouping
     )
@@ -1294,9 +1300,7 @@ def states_of(
         experts = shard(expert, expert_dp, bytes_per_param, from_stage)
         return shard(dense, dp, bytes_per_param, from_stage) + experts, experts
 
-    weights, expert_weights = both(
-        spec.weight_bytes, frameworks.weights_sharded_from(spec.framework)
-    )
+    weights, expert_weights = both(spec.weight_bytes, frameworks.weights_sharded_from(spec))
     if any(fp8_weights):
         fp8_bytes = frameworks.fp8_primary_weight_bytes(True, spec.weight_bytes)
         dense_fp8, expert_fp8 = fp8_weights

@@ -27,6 +27,7 @@ from ckplan.model.context_parallel import CP_ATTENTIONS
 from ckplan.model.frameworks import (
     BACKWARD_PREFETCHES,
     FSDP_REDUCE_DTYPES,
+    FSDP_VERSIONS,
     GRAD_SYNCS,
     OFFLOAD_DEVICES,
     ZERO_GRADS,
@@ -675,6 +676,10 @@ class Execution(_Record):
     # accelerate (framework hf): fp32 | bf16 | fp16; None -> the mixed precision's half dtype,
     # accelerate's (ckplan.model.frameworks `fsdp_reduce_bytes`)
     fsdp_reduce_dtype: str | None = None
+    # PyTorch FSDP's version under the Hugging Face Trainer or accelerate (framework hf): 1
+    # (FullyShardedDataParallel, flat parameters) | 2 (fully_shard, per-parameter DTensors);
+    # None -> the transformers release's default (ckplan.model.frameworks `fsdp_version`)
+    fsdp_version: int | None = None
 
     __hash__ = _Record.__hash__
 
@@ -718,6 +723,9 @@ class Execution(_Record):
         if reduce is not None and reduce not in FSDP_REDUCE_DTYPES:
             rule = f"must be one of {', '.join(FSDP_REDUCE_DTYPES)}"
             raise SpecError(key="fsdp_reduce_dtype", rule=rule, value=reduce)
+        if self.fsdp_version is not None and self.fsdp_version not in FSDP_VERSIONS:
+            rule = f"must be one of {', '.join(map(str, FSDP_VERSIONS))}"
+            raise SpecError(key="fsdp_version", rule=rule, value=self.fsdp_version)
 
     def _check_fp8_recipe(self) -> None:
         """`fp8_recipe` is Transformer Engine's (precision fp8): torchao's float8 and the

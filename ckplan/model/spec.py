@@ -86,7 +86,7 @@ KEY_ORDER = (
     "training", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "use_dora",
     "weight_format", "bitsandbytes_version", "optimizer", "optimizer_in_backward", "zero_grad",
     "optimizer_offload", "param_offload", "fsdp_float8_all_gather", "deallocate_pipeline_outputs",
-    "checkpoint_reentrant", "fsdp_backward_prefetch", "fsdp_reduce_dtype",
+    "checkpoint_reentrant", "fsdp_backward_prefetch", "fsdp_reduce_dtype", "fsdp_version",
 )  # fmt: skip
 PART_OF: dict[str, str] = {
     field.name: part for part, record in PARTS.items() for field in dataclasses.fields(record)
@@ -569,6 +569,8 @@ def _validate(spec: ModelSpec) -> None:
     if reason := frameworks.fsdp_reduce_dtype_error(spec.framework, spec.precision, reduce):
         raise SpecError(reason)
     if reason := frameworks.framework_version_error(spec.framework, spec.framework_version):
+        raise SpecError(reason)
+    if reason := frameworks.fsdp_version_error(spec):
         raise SpecError(reason)
     if reason := context_parallel.cp_attention_error(spec.framework, spec.cp_attention):
         raise SpecError(reason)

@@ -83,6 +83,8 @@ def layer_chain(
     chain = _layer_chain(spec.chain, recompute_groups(selective), stage)
     if isinstance(spec, ModelSpec) and frameworks.fsdp2_resharding(spec):
         return _with_fsdp2_buffers(spec, chain, stage)
+    if isinstance(spec, ModelSpec) and frameworks.fsdp2_frozen_resharding(spec):
+        return _with_fsdp2_frozen_buffers(spec, chain)
     if isinstance(spec, ModelSpec) and frameworks.fsdp1_resharding(spec):
         return _with_fsdp1_buffers(spec, chain)
     return chain
@@ -161,9 +163,10 @@ def _with_fsdp2_buffers(spec: ModelSpec, chain: Chain, stage: int) -> Chain:
     layer = memory.largest_layer_parameters(spec, stage)
     output = memory.output_layer_parameters(spec)
     embedding = memory.embedding_parameters(spec, stage)
-    grouping = frameworks.fsdp2_grouping(frameworks.framework_version(spec), spec.tied_embeddings)
+    grouping = frameworks.spec_fsdp2_grouping(spec)
     float8 = memory.float8_gathered_layer_weights(spec)
-    key = (id(chain), layer, output, embedding, grouping, float8)
+    reduce = frameworks.fsdp2_reduce_bytes(spec)
+    key = (id(chain), layer, output, embedding, grouping, float8, reduce)
     entry = _FSDP2_CHAINS.get(key)
     if entry is not None and entry[0] is chain:
         return entry[1]
@@ -182,10 +185,47 @@ def _with_fsdp2_buffers(spec: ModelSpec, chain: Chain, stage: int) -> Chain:
             grouping=grouping,
             embedding_params=embedding,
             float8=float8,
+            reduce_bytes=reduce,
         )
     if first and grouping.embedding_own_unit:  # the embedding stage, a unit of its own
         forward[0] += frameworks.fsdp2_layer_forward_bytes(embedding)
-        backward[0] += frameworks.fsdp2_embedding_backward_bytes(embedding, layer)
+        backward[0] += frameworks.fsdp2_embedding_backward_bytes(embedding, layer, reduce)
+    with_buffers = dataclasses.replace(
+        chain, forward_workspace_bytes=tuple(forward), backward_workspace_bytes=tuple(backward)
+    )
+    _FSDP2_CHAINS.put(key, (chain, with_buffers), chain.length)
+    return with_buffers
+
+
+def _with_fsdp2_frozen_buffers(spec: ModelSpec, chain: Chain) -> Chain:
+    """`chain` with accelerate's FSDP2 buffers beside frozen base weights
+    (`frameworks.fsdp2_frozen_resharding`) in its layers' workspaces: in forward each layer's
+    gathered weights, its unsharded copy and the all-gather output it came from
+    (`frameworks.fsdp2_layer_forward_bytes`, as gathered: 4-bit weights packed); in backward
+    `frameworks.fsdp2_frozen_layer_backward_bytes`, the unit before prefetched (before the
+    first layer the embedding's own unit, which runs no backward: it is frozen, its input the
+    token ids). Remembered by chain (identity) and the sizes."""
+    gathered = finetune.gathered_layer_bytes(spec, frameworks.HALF)[0]
+    adapters = finetune.lora_layer_parameters(spec)
+    embedding = memory.embedding_parameters(spec, 0)
+    own_embedding = frameworks.spec_fsdp2_grouping(spec).embedding_own_unit
+    reduce = frameworks.fsdp2_reduce_bytes(spec)
+    key = (id(chain), gathered, adapters, embedding, own_embedding, reduce)
+    entry = _FSDP2_CHAINS.get(key)
+    if entry is not None and entry[0] is chain:
+        return entry[1]
+    first = layer_offset(spec, True)
+    last = chain.length - 1 - (1 if spec.kind == "transformer" and spec.vocab > 0 else 0)
+    forward = list(chain.forward_workspace_bytes)
+    backward = list(chain.backward_workspace_bytes)
+    for i in range(first, last + 1):
+        forward[i] += 2 * gathered  # the copy and the all-gather output (fsdp2_layer_forward_bytes)
+        before = gathered if i > first else (frameworks.HALF * embedding if own_embedding else 0)
+        backward[i] += frameworks.fsdp2_frozen_layer_backward_bytes(
+            gathered, adapters, before, reduce
+        )
+    if first and own_embedding:
+        forward[0] += frameworks.fsdp2_layer_forward_bytes(embedding)
     with_buffers = dataclasses.replace(
         chain, forward_workspace_bytes=tuple(forward), backward_workspace_bytes=tuple(backward)
     )

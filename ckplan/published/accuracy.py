@@ -54,10 +54,15 @@ FAMILIES = {
 FSDP1_FINETUNE_RESERVED = {"runs": 15, "least": 0.08, "most": 0.36}
 
 
-def reserved_note(framework: str, training: str, zero: int, dp: int, expandable: bool) -> str:
+def reserved_note(
+    framework: str, training: str, zero: int, dp: int, expandable: bool, fsdp_version: int = 1
+) -> str:
     """A caveat beside a reserved peak ckplan is known to place low (`FSDP1_FINETUNE_RESERVED`):
-    a fine-tune sharded by FSDP1 under `hf` with PyTorch's default allocator; else ""."""
+    a fine-tune sharded by FSDP1 (`fsdp_version` 1) under `hf` with PyTorch's default
+    allocator; else ""."""
     if framework != "hf" or training == "full" or zero < 3 or dp < 2 or expandable:
+        return ""
+    if fsdp_version != 1:
         return ""
     figures = FSDP1_FINETUNE_RESERVED
     return (

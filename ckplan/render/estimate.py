@@ -9,6 +9,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from ckplan import __version__
+from ckplan.model import frameworks
 from ckplan.model.expert_layout import ExpertLayout, expert_layout
 from ckplan.model.layers import distinct_kinds, format_layer_set, kind_layer_indices
 from ckplan.model.memory import (
@@ -524,7 +525,12 @@ def plan_summary_table(plan: Plan, gpu: GPU | None = None) -> Table:
         both_units(plan.reserved_bytes),
         "the CUDA caching allocator's peak with memory to spare (max_memory_reserved)"
         + reserved_note(
-            spec.framework, spec.training, spec.zero, spec.dp, spec.expandable_segments
+            spec.framework,
+            spec.training,
+            spec.zero,
+            spec.dp,
+            spec.expandable_segments,
+            frameworks.fsdp_version(spec),
         ),
     )
     if gpu is not None:
