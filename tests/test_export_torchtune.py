@@ -105,6 +105,7 @@ REFUSED = [
     ("full", {"training": "lora", "optimizer_in_backward": True}, "optimizer_in_bwd"),
     ("full", {"optimizer": "lion"}, "optimizer: lion"),
     ("full", {"dp": 4, "zero": 1}, "FSDP2"),
+    ("full", {"framework": "hf", "dp": 4, "zero": 3, "fsdp_version": 1}, "fsdp_version 1"),
     ("uniform:4+offload", {"training": "lora"}, "every layer"),
     ("selective+offload", {"training": "lora"}, "selective"),
 ]

@@ -21,7 +21,11 @@ The keys, as torchtune v0.6.1's recipes/configs and recipes read them:
   `model.lora_alpha`, `model.lora_dropout`, `model.use_dora`, `model.quantize_base` (QLoRA's
   NF4 base, torchao's NF4Tensor);
 - `fsdp_reshard_after_forward` on the distributed recipes: True is FSDP2's full sharding
-  (ZeRO-3), False keeps the gathered weights from forward to backward (ZeRO-2).
+  (ZeRO-3), False keeps the gathered weights from forward to backward (ZeRO-2). A plan
+  counted under FSDP1 (`fsdp_version: 1`) is refused. ckplan counts the Trainer's FSDP2 units
+  (accelerate's: the embedding and `[norm, output]` units of their own); torchtune's
+  `shard_model` leaves the embedding and output in the root unit, kept from forward to backward
+  (about 2 bytes per embedding parameter more than counted).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import yaml
 
 from ckplan.exports.segments import LayerSegments, module_reason
+from ckplan.model import frameworks
 from ckplan.model.loss import chunks
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
@@ -65,6 +70,11 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
             return f"{key}={getattr(spec, key)}: torchtune's fine-tuning recipes run FSDP only"
     if spec.dp > 1 and spec.zero not in (2, 3):
         return f"zero={spec.zero} with dp={spec.dp}: torchtune shards with FSDP2 (zero 2 or 3)"
+    if spec.dp > 1 and spec.framework == "hf" and frameworks.fsdp_version(spec) == 1:
+        return (
+            "fsdp_version 1: torchtune shards with FSDP2 (training.shard_model's fully_shard); "
+            "--set fsdp_version=2"
+        )
     if spec.training == "frozen":
         return "training: frozen: torchtune's recipes train every weight or LoRA adapters"
     adapters = spec.finetune.adapters

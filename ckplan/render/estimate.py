@@ -289,6 +289,7 @@ QUIET_KEYS = frozenset(
         "checkpoint_reentrant",
         "fsdp_backward_prefetch",
         "fsdp_reduce_dtype",
+        "fsdp_version",
     }
 )
 PART_TITLES = {
