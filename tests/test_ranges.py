@@ -48,6 +48,8 @@ def corner(key: str, value: int) -> dict:
         spec |= {"pp": 2, "layers": value + 1}
     if key == "lora_rank":
         spec |= {"training": "lora"}
+    if key == "fsdp_version":  # the Hugging Face Trainer's FSDP
+        spec |= {"framework": "hf"}
     if key == "mtp_layers" and value > 0:  # each depth reads the embedding, feeds the head
         spec |= {"vocab": 64}
     if key == "microbatch_group_size":  # the interleaved schedule's, pp <= N <= microbatches

@@ -27,7 +27,6 @@ from ckplan.model.context_parallel import CP_ATTENTIONS
 from ckplan.model.frameworks import (
     BACKWARD_PREFETCHES,
     FSDP_REDUCE_DTYPES,
-    FSDP_VERSIONS,
     GRAD_SYNCS,
     OFFLOAD_DEVICES,
     ZERO_GRADS,
@@ -90,6 +89,7 @@ SIZE_RANGES: dict[str, tuple[int, int]] = {
     "lora_rank": (1, 2**20),
     "moe_router_num_groups": (0, 2**20),
     "moe_router_group_topk": (0, 2**20),
+    "fsdp_version": (1, 2),  # PyTorch's FullyShardedDataParallel (1) or fully_shard (2)
 }
 
 
@@ -723,9 +723,6 @@ class Execution(_Record):
         if reduce is not None and reduce not in FSDP_REDUCE_DTYPES:
             rule = f"must be one of {', '.join(FSDP_REDUCE_DTYPES)}"
             raise SpecError(key="fsdp_reduce_dtype", rule=rule, value=reduce)
-        if self.fsdp_version is not None and self.fsdp_version not in FSDP_VERSIONS:
-            rule = f"must be one of {', '.join(map(str, FSDP_VERSIONS))}"
-            raise SpecError(key="fsdp_version", rule=rule, value=self.fsdp_version)
 
     def _check_fp8_recipe(self) -> None:
         """`fp8_recipe` is Transformer Engine's (precision fp8): torchao's float8 and the
