@@ -79,9 +79,11 @@ def test_accelerate_shards_like_torchtitan_0_3_reducing_in_bf16():
     assert frameworks.fsdp1_cast_reduce(_spec(fsdp_reduce_dtype="fp32", fsdp_version=1))
     # the kept unit: final norm and output in bf16, as torchtitan 0.3
     assert memory.model_state_bytes(spec).buffers == 2 * OUTPUT
-    # the weights shard from zero 2 (fully_shard shards whatever reshard_after_forward)
+    # the weights shard from zero 2 (fully_shard shards whatever reshard_after_forward; FSDP1
+    # SHARD_GRAD_OP too)
     assert frameworks.weights_sharded_from(spec) == 2
-    assert frameworks.weights_sharded_from(spec.replace(fsdp_version=1)) == 3
+    assert frameworks.weights_sharded_from(spec.replace(fsdp_version=1)) == 2  # SHARD_GRAD_OP
+    assert frameworks.weights_sharded_from(spec.replace(framework="deepspeed")) == 3
 
 
 def test_chain_holds_accelerates_unit_buffers():
@@ -186,3 +188,25 @@ def test_rerun_reduces_in_bf16_at_a_small_shape():
     assert scattered["accelerate"] == frameworks.fsdp2_reduce_bytes(_spec()) * layer
     torchtitan = _spec(framework="torchtitan")
     assert scattered["0.3.0"] == frameworks.fsdp2_reduce_bytes(torchtitan) * layer
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_zero_2_shards_the_weights_and_keeps_their_copies(version):
+    """Without reshard after forward (FSDP2's reshard_after_forward False, FSDP1's
+    SHARD_GRAD_OP) the parameters stay sharded outside the forward and backward, and their
+    bf16 copies, frozen ones too, are kept from forward to backward."""
+    params = 8_030_261_248  # Llama 3 8B
+    full = _spec(zero=2, fsdp_version=version)
+    states = memory.model_state_bytes(full)
+    assert states.weights == 4 * params // 8
+    if version == 1:  # FSDP1's unsharded flat parameters
+        assert states.buffers == 2 * params
+    lora = _spec(zero=2, fsdp_version=version, training="lora", lora_targets="all-linear")
+    adapters = finetune.lora_layer_parameters(lora)
+    frozen_layer = finetune.gathered_layer_bytes(lora, 2)[0] - 2 * adapters
+    outside = 2 * (EMBEDDING + OUTPUT)
+    kept = memory.model_state_bytes(lora).buffers
+    assert kept >= 32 * frozen_layer + outside
+    # beside them the adapters' copies (and under FSDP2 a layer's adapter gradients in bf16
+    # and their bf16 reduce-scatter input, `buffer_bytes`)
+    assert kept - (32 * frozen_layer + outside) == 2 * 32 * adapters + (version - 1) * 4 * adapters

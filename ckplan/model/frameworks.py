@@ -460,14 +460,17 @@ def fsdp1_cast_reduce(spec) -> bool:
 def weights_sharded_from(spec) -> int:
     """The lowest ZeRO stage at which the spec's framework shards the weights it keeps
     (`weight_bytes`) over the data-parallel ranks: 3 (ZeRO-3, Rajbhandari et al. 2020 §5), but
-    2 under FSDP2 (`runs_fsdp2`: torchtitan, hf at fsdp_version 2), whose zero 2 is
-    reshard_after_forward=False: `fully_shard` shards
-    every parameter whatever that flag, which keeps only the unsharded copy in param_dtype
-    alive from forward to backward (torch/distributed/fsdp/_fully_shard/_fully_shard.py,
-    `reshard_after_forward` "If False, then this keeps the unsharded parameters in memory
-    after forward"; _fsdp_param.py: the sharded fp32 data `_sharded_param_data`, the unsharded
-    parameter in `param_dtype`, PyTorch v2.13.0); that bf16 copy is `buffer_bytes`'."""
-    return 2 if runs_fsdp2(spec) else 3
+    2 under PyTorch FSDP (torchtitan, hf), whose zero 2 keeps the parameters sharded too. FSDP2's
+    is reshard_after_forward=False: `fully_shard` shards every parameter whatever that flag,
+    which keeps only the unsharded copy in param_dtype alive from forward to backward
+    (torch/distributed/fsdp/_fully_shard/_fully_shard.py, `reshard_after_forward` "If False,
+    then this keeps the unsharded parameters in memory after forward"; _fsdp_param.py: the
+    sharded fp32 data `_sharded_param_data`, the unsharded parameter in `param_dtype`, PyTorch
+    v2.13.0); FSDP1's is SHARD_GRAD_OP, whose "parameters are sharded outside computation": it
+    "does not reshard them after the forward, and only reshards them after the backward"
+    (torch/distributed/fsdp/api.py `ShardingStrategy`). That unsharded copy is
+    `buffer_bytes`'."""
+    return 2 if spec.framework in ("torchtitan", "hf") else 3
 
 
 def layout_error(framework: str, zero: int, tp: int, pp: int, cp: int, ep: int) -> str | None:
@@ -623,6 +626,11 @@ def buffer_bytes(
         return reduce + gather
     if fsdp1_resharding(spec):  # the layers' copies are their chain stages' (fsdp1_layer_*)
         return fsdp1_kept_unsharded_bytes(root_params)
+    if framework == "hf" and zero == 2 and dp > 1:
+        # FSDP1's SHARD_GRAD_OP: the stage's unsharded flat parameters in param_dtype (bf16 under
+        # mixed precision, the weights' own under pure bf16) from forward to backward; autocast
+        # sees them and caches none (`weights_sharded_from`)
+        return HALF * stage_params
     if framework == "hf":
         buckets = 4 * stage_params if dp > 1 and zero == 0 else 0  # DDP's reducer buckets
         # autocast caches the bf16 cast of an fp32 leaf weight only (PyTorch

@@ -795,6 +795,15 @@ def finetune_state_bytes(
     if spec.framework == "deepspeed" and zero == 3 and dp > 1:  # the adapters kept whole
         persistent = frameworks.deepspeed_persistent_bytes(finetune.adapter_tensor_elements(spec))
         buffers += layers_here * split_share(persistent, spec.tp)
+    if zero == 2 and dp > 1 and zero >= frameworks.weights_sharded_from(spec):
+        # PyTorch FSDP without reshard after forward (FSDP2's reshard_after_forward False,
+        # FSDP1's SHARD_GRAD_OP): every unit's frozen weights stay gathered in bf16 (4-bit ones
+        # packed) from its forward to the end of the backward, beside the adapters' copies
+        # `buffer_bytes` holds (frameworks.weights_sharded_from: their shards are sharded)
+        frozen_layer = finetune.gathered_layer_bytes(spec, frameworks.HALF)[0]
+        frozen_layer -= frameworks.HALF * adapter_layer
+        outside = frameworks.HALF * outside_layer_parameters(spec, stage)
+        buffers += layers_here * split_share(frozen_layer, spec.tp) + outside
     adapters = states_of(
         spec,
         trainable,
