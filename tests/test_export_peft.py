@@ -95,7 +95,7 @@ def test_checkpointing_is_written_as_counted(spec_of, version, reentrant):
 @pytest.mark.parametrize(
     ("optimizer", "optim"),
     [
-        ("adamw", "adamw_torch"),
+        ("adamw", "adamw_torch_fused"),
         ("adamw-8bit", "adamw_8bit"),
         ("adafactor", "adafactor"),
         ("sgd-nomomentum", "sgd"),
@@ -169,7 +169,7 @@ def test_objects_construct(spec_of, tmp_path):
     namespace = run_snippet(spec, tmp_path)
     args, lora = namespace["training_args"], namespace["lora_config"]
     assert args.per_device_train_batch_size == 2 and args.gradient_accumulation_steps == 4
-    assert args.gradient_checkpointing is True and str(args.optim.value) == "adamw_torch"
+    assert args.gradient_checkpointing is True and str(args.optim.value) == "adamw_torch_fused"
     assert lora.r == 16 and lora.task_type == "CAUSAL_LM"
 
 
@@ -220,7 +220,7 @@ def test_sharded_qlora_with_cpu_offload(spec_of):
     result = exports.export(plan_of(spec, "full"), "peft")
     found = calls(result.text)
     assert found["TrainingArguments"]["fsdp"] == "full_shard offload"
-    assert found["TrainingArguments"]["optim"] == "adamw_torch"
+    assert found["TrainingArguments"]["optim"] == "adamw_torch_fused"
     assert found["BitsAndBytesConfig"]["bnb_4bit_quant_storage"] == "torch.bfloat16"
     assert "dtype=torch.bfloat16" in result.text and "prepare_model_for_kbit" not in result.text
     assert "autocast_adapter_dtype=False" in result.text

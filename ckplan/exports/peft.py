@@ -15,7 +15,9 @@ and `TrainingArguments` for the plan (docs/exports.md).
   layer per checkpoint), `gradient_checkpointing_kwargs={"use_reentrant": False}` (True under
   `framework_version: "4.44"`, whose default ckplan then counts, or `checkpoint_reentrant:
   true`: `frameworks.checkpoint_reentrant`), `optim`
-  (an `OptimizerNames` value: adamw_torch, adamw_8bit, paged_adamw_8bit, adafactor, sgd,
+  (an `OptimizerNames` value: adamw_torch_fused, the Trainer's own default from torch 2.8,
+  whose fused kernel updates in place, as ckplan counts the step, where `adamw_torch`'s
+  foreach path would hold a parameter-sized temporary; adamw_8bit, paged_adamw_8bit, adafactor, sgd,
   lion_32bit, adamw_anyprecision with `optim_args`), `bf16` / `fp16`, and `fsdp`
   ("shard_grad_op" for ZeRO-2, "full_shard" for ZeRO-3, with " offload" for FSDP's CPU
   offload, `param_offload: cpu`), with `fsdp_config` version the plan's `fsdp_version` (FSDP1
@@ -40,7 +42,7 @@ from ckplan.plan import Plan
 NAME = "peft"
 # ckplan's optimizer -> TrainingArguments.optim (transformers v4.56.0 OptimizerNames)
 OPTIM = {
-    "adamw": "adamw_torch",
+    "adamw": "adamw_torch_fused",
     "adamw-8bit": "adamw_8bit",
     "paged-adamw-8bit": "paged_adamw_8bit",
     "adafactor": "adafactor",
