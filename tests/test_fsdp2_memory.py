@@ -34,7 +34,7 @@ DEC_2024 = frameworks.fsdp2_grouping("2024.12")
 V0_3 = frameworks.fsdp2_grouping("0.3")
 
 
-def _spec(case=None, **changes):
+def fsdp2_spec(case=None, **changes):
     base, origin = load_mapping("llama3-8b")
     values = {
         **base,
@@ -58,7 +58,7 @@ def _spec(case=None, **changes):
 
 
 def test_llama3_8b_parameter_counts():
-    spec = _spec()
+    spec = fsdp2_spec()
     assert memory.largest_layer_parameters(spec) == LAYER
     assert memory.output_layer_parameters(spec) == OUTPUT
     dense, expert = memory.stage_parameters(spec, 0)
@@ -66,7 +66,7 @@ def test_llama3_8b_parameter_counts():
 
 
 def test_embedding_parameters():
-    spec = _spec()
+    spec = fsdp2_spec()
     assert memory.embedding_parameters(spec) == EMBEDDING == ROOT_PARAMS - OUTPUT
     assert memory.embedding_parameters(spec, 1) == 0
 
@@ -80,15 +80,16 @@ def test_groupings_by_release():
     assert frameworks.fsdp2_grouping(None) == V0_3  # the newest release modelled
     assert frameworks.fsdp2_outer_units(ROOT_PARAMS, EMBEDDING, DEC_2024) == (0, ROOT_PARAMS)
     assert frameworks.fsdp2_outer_units(ROOT_PARAMS, EMBEDDING, V0_3) == (EMBEDDING, OUTPUT)
-    assert frameworks.framework_version(_spec()) == "2024.12"
-    assert frameworks.framework_version(_spec(framework_version=None)) == "0.3"
+    assert frameworks.framework_version(fsdp2_spec()) == "2024.12"
+    assert frameworks.framework_version(fsdp2_spec(framework_version=None)) == "0.3"
     # hf: transformers' causal-LM loss by release (ckplan.model.loss `shifted_logits`)
-    assert frameworks.framework_version(_spec(framework="hf", framework_version=None)) == "5.25"
+    hf = fsdp2_spec(framework="hf", framework_version=None)
+    assert frameworks.framework_version(hf) == "5.25"
     # deepspeed: the transformers release of a model the Trainer or accelerate hands to it
-    deepspeed = _spec(framework="deepspeed", framework_version=None)
+    deepspeed = fsdp2_spec(framework="deepspeed", framework_version=None)
     assert frameworks.framework_version(deepspeed) == "5.25"
     # megatron: the Transformer Engine release (ckplan.model.context_parallel `TE_CP_MOVED`)
-    megatron = _spec(framework="megatron", framework_version=None)
+    megatron = fsdp2_spec(framework="megatron", framework_version=None)
     assert frameworks.framework_version(megatron) == "te2.16"
 
 
@@ -97,7 +98,7 @@ def test_kept_unsharded_by_hand():
     assert frameworks.fsdp2_kept_unsharded_bytes(ROOT_PARAMS, LAYER, True) == 2_537_578_496
     # 0.3: the final norm and output alone: 2 · 525,340,672
     assert frameworks.fsdp2_kept_unsharded_bytes(OUTPUT, LAYER, False) == 1_050_681_344
-    assert memory.model_state_bytes(_spec(framework_version="0.3")).buffers == 1_050_681_344
+    assert memory.model_state_bytes(fsdp2_spec(framework_version="0.3")).buffers == 1_050_681_344
 
 
 def test_block_buffers_by_hand():
@@ -153,7 +154,7 @@ def test_block_buffers_by_hand_0_3():
     ],
 )
 def test_which_layouts_reshard(changes, resharding):
-    assert frameworks.fsdp2_resharding(_spec(**changes)) is resharding
+    assert frameworks.fsdp2_resharding(fsdp2_spec(**changes)) is resharding
 
 
 def _added_workspaces(spec):
@@ -181,7 +182,7 @@ def _added_workspaces(spec):
 
 
 def test_chain_holds_the_block_buffers_in_its_layer_stages():
-    spec = _spec()
+    spec = fsdp2_spec()
     chain = layer_chain(spec, ())
     added_forward, added_backward = _added_workspaces(spec)
     # embedding, 32 blocks, output layer and loss; the output stage's is no FSDP2 buffer but
@@ -194,7 +195,7 @@ def test_chain_holds_the_block_buffers_in_its_layer_stages():
 
 
 def test_chain_holds_the_0_3_unit_buffers():
-    spec = _spec(framework_version="0.3")
+    spec = fsdp2_spec(framework_version="0.3")
     added_forward, added_backward = _added_workspaces(spec)
     # embedding (its own unit), 32 blocks all resharded, output layer and loss
     assert added_forward == [4 * EMBEDDING, *[872_448_000] * 32, 0]
@@ -217,7 +218,7 @@ def test_recorded_measurement_matches_the_model_states(case):
     """The sharded fp32 parameters and AdamW states, the kept bf16 copies at the peak (after
     the forward, with no all-gather or reduce-scatter buffer live) and the last block's
     all-gather output at the forward's peak are ckplan's to the byte."""
-    spec = _spec(case)
+    spec = fsdp2_spec(case)
     states = memory.model_state_bytes(spec)
     phases = case["phases"]
     assert case["peak_phase"] == "backward"
@@ -239,7 +240,7 @@ def test_recorded_measurement_matches_the_model_states(case):
 
 
 def test_plan_states_at_the_loss_peak():
-    spec = _spec()
+    spec = fsdp2_spec()
     plan = evaluate(spec, parse_strategy("sac", spec))
     assert plan.model_states.buffers == 2_537_578_496
 
@@ -247,9 +248,9 @@ def test_plan_states_at_the_loss_peak():
 SMALL = {"dim": 256, "heads": 4, "kv_heads": 2, "ffn": 768, "layers": 4, "vocab": 1024}
 
 
-def test_rerun_at_a_small_shape():
-    """The measurement itself, at a small shape of the same structure: the kept copies, the
-    last block's all-gather output and the sharded states, by hand."""
+def measurement_harness():
+    """validation/torch_fsdp2_memory.py as a module, where torch and torchtitan install (else
+    the test is skipped)."""
     torch_or_skip()
     framework_or_skip("torchtitan", "FSDP2 buffers not remeasured")
     path = ROOT / "validation" / "torch_fsdp2_memory.py"
@@ -257,6 +258,13 @@ def test_rerun_at_a_small_shape():
     harness = importlib.util.module_from_spec(module_spec)
     sys.modules[module_spec.name] = harness
     module_spec.loader.exec_module(harness)
+    return harness
+
+
+def test_rerun_at_a_small_shape():
+    """The measurement itself, at a small shape of the same structure: the kept copies, the
+    last block's all-gather output and the sharded states, by hand."""
+    harness = measurement_harness()
     case = {"layout": "202412", "ac": "op", "micro_batch": 2, "seq": 128}
     result = harness.measure(case, SMALL)
     dim, kv_dim = 256, 2 * 64
@@ -274,7 +282,7 @@ def test_rerun_at_a_small_shape():
 
 def test_stream_pools_by_hand():
     # the 8 ranks' sharded fp32 gradients (4 · 8,030,261,248 / 8) and the all-gather pool
-    spec = _spec()
+    spec = fsdp2_spec()
     gradients = 4_015_130_624
     assert memory.model_state_bytes(spec).gradients == gradients
     assert frameworks.fsdp2_stream_pool_bytes(gradients, 7) == gradients + 7
@@ -340,7 +348,7 @@ def test_all_gather_pool_with_the_default_allocator():
 
 def test_stream_pools_of_a_pipeline_stage():
     # pp 4: the busiest stage is the first or the last, 8 layers and the embedding or output
-    spec = _spec(pp=4)
+    spec = fsdp2_spec(pp=4)
     stage = memory.busiest_stage(spec)
     dense, expert = memory.stage_parameters(spec, stage)
     gradients = memory.model_state_bytes(spec, stage).gradients
@@ -353,7 +361,7 @@ def test_stream_pools_of_a_pipeline_stage():
 def test_reserved_adds_the_stream_pools_in_whole_blocks():
     from ckplan.model import allocator
 
-    spec = _spec()
+    spec = fsdp2_spec()
     plan = evaluate(spec, parse_strategy("sac", spec))
     pools = memory.stream_pool_bytes(spec)
     without = allocator.reserved_bytes(plan.total_bytes, True)

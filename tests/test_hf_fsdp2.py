@@ -5,40 +5,30 @@ and frozen base weights are gathered layer by layer (ckplan.model.frameworks `ru
 and against PyTorch's FSDPMemTracker (validation/torch_fsdp2_memory.py, layout `accelerate`).
 """
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-from needs_frameworks import framework_or_skip
-from needs_torch import torch_or_skip
-from test_fsdp2_memory import EMBEDDING, LAYER, OUTPUT, RESULTS, SMALL
+from test_fsdp2_memory import (
+    EMBEDDING,
+    LAYER,
+    OUTPUT,
+    RESULTS,
+    SMALL,
+    fsdp2_spec,
+    measurement_harness,
+)
 
 from ckplan.hardware.step_time import step_time
 from ckplan.inputs.gpus import load_gpu
-from ckplan.inputs.presets import load_mapping, spec_from_values
 from ckplan.model import finetune, frameworks, memory
 from ckplan.model.parts import SpecError
 from ckplan.plan import evaluate, parse_strategy
 from ckplan.plan.layer_chain import layer_chain
 
-ROOT = Path(__file__).resolve().parent.parent
 NORM = 4096
 
 
 def _spec(**changes):
-    base, origin = load_mapping("llama3-8b")
-    values = {
-        **base,
-        "framework": "hf",
-        "zero": 3,
-        "dp": 8,
-        "seq": 8192,
-        "micro_batch": 2,
-        "optimizer": "adamw",
-        "loss": "eager",
-    }
-    return spec_from_values({**values, **changes}, origin)
+    """Llama 3 8B over 8 ranks at 2 x 8,192 tokens (test_fsdp2_memory's) under framework hf."""
+    return fsdp2_spec(**{"framework": "hf", **changes})
 
 
 def _added(spec):
@@ -170,13 +160,7 @@ def test_recorded_accelerate_measurement():
 def test_rerun_reduces_in_bf16_at_a_small_shape():
     """The measurement at a small shape: the reduce-scatter input at the backward's peak is the
     bf16 one accelerate's policy makes, half torchtitan's fp32."""
-    torch_or_skip()
-    framework_or_skip("torchtitan", "FSDP2 buffers not remeasured")
-    path = ROOT / "validation" / "torch_fsdp2_memory.py"
-    module_spec = importlib.util.spec_from_file_location("torch_fsdp2_memory", path)
-    harness = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_spec.name] = harness
-    module_spec.loader.exec_module(harness)
+    harness = measurement_harness()
     dim, kv_dim = 256, 2 * 64
     layer = dim * (dim + 2 * kv_dim) + dim * dim + 3 * dim * 768 + 2 * dim  # 786,944
     scattered = {}

@@ -90,6 +90,29 @@ def layer_chain(
     return chain
 
 
+def _with_unit_buffers(
+    cache: BoundedCache, key: tuple, spec: ModelSpec, chain: Chain, add, first_stage: bool = True
+) -> Chain:
+    """`chain` with an FSDP's per-unit buffers added to its stages' workspaces by
+    `add(forward, backward, first, last)`, which changes the two lists in place (`first` and
+    `last` the indices of the chain's first and last layer; the embedding stage comes before
+    them on the `first_stage`), remembered in `cache` by `key` (the chain's identity first)
+    while that chain lives."""
+    entry = cache.get(key)
+    if entry is not None and entry[0] is chain:
+        return entry[1]
+    first = layer_offset(spec, first_stage)
+    last = chain.length - 1 - (1 if spec.kind == "transformer" and spec.vocab > 0 else 0)
+    forward = list(chain.forward_workspace_bytes)
+    backward = list(chain.backward_workspace_bytes)
+    add(forward, backward, first, last)
+    with_buffers = dataclasses.replace(
+        chain, forward_workspace_bytes=tuple(forward), backward_workspace_bytes=tuple(backward)
+    )
+    cache.put(key, (chain, with_buffers), chain.length)
+    return with_buffers
+
+
 _FSDP1_CHAINS = BoundedCache(max_entries=4096, max_weight=1_000_000)
 
 
@@ -111,14 +134,6 @@ def _with_fsdp1_buffers(spec: ModelSpec, chain: Chain) -> Chain:
     frozen = spec.training != "full"
     prefetched = frameworks.fsdp1_prefetched_layers(spec)
     cast = frameworks.fsdp1_cast_reduce(spec) and not frozen
-    key = (id(chain), layer, output, embedding, root, frozen, prefetched, cast)
-    entry = _FSDP1_CHAINS.get(key)
-    if entry is not None and entry[0] is chain:
-        return entry[1]
-    first = layer_offset(spec, True)
-    last = chain.length - 1 - (1 if spec.kind == "transformer" and spec.vocab > 0 else 0)
-    forward = list(chain.forward_workspace_bytes)
-    backward = list(chain.backward_workspace_bytes)
     if frozen:  # the gathered frozen layer (4-bit packed) and its adapters; no gradient
         gathered = finetune.gathered_layer_bytes(spec, frameworks.HALF)[0]
         adapters = finetune.lora_layer_parameters(spec)
@@ -132,21 +147,22 @@ def _with_fsdp1_buffers(spec: ModelSpec, chain: Chain) -> Chain:
             # the waiting output layer's gradient
             post = frameworks.fsdp1_cast_reduce_bytes(layer) + frameworks.HALF * output
             layer_backward = max(layer_backward, post)
-    for i in range(first, last + 1):
-        forward[i] += layer_forward
-        backward[i] += layer_backward
-        if i > first:  # the layer before, prefetched (the first layer's next unit: the root)
-            backward[i] += prefetched * gathered
-    if first and not frozen:  # the embedding stage: the root's flat gradient forms in its backward
-        root_backward = frameworks.fsdp1_embedding_backward_bytes(root, embedding, output)
-        if cast:  # and the root's post-backward casts it
-            root_backward = max(root_backward, frameworks.fsdp1_cast_reduce_bytes(root))
-        backward[0] += root_backward
-    with_buffers = dataclasses.replace(
-        chain, forward_workspace_bytes=tuple(forward), backward_workspace_bytes=tuple(backward)
-    )
-    _FSDP1_CHAINS.put(key, (chain, with_buffers), chain.length)
-    return with_buffers
+
+    def add(forward: list[int], backward: list[int], first: int, last: int) -> None:
+        for i in range(first, last + 1):
+            forward[i] += layer_forward
+            backward[i] += layer_backward
+            if i > first:  # the layer before, prefetched (the first layer's next unit: the root)
+                backward[i] += prefetched * gathered
+        if first and not frozen:  # the embedding stage: the root's flat gradient forms in its
+            # backward
+            root_backward = frameworks.fsdp1_embedding_backward_bytes(root, embedding, output)
+            if cast:  # and the root's post-backward casts it
+                root_backward = max(root_backward, frameworks.fsdp1_cast_reduce_bytes(root))
+            backward[0] += root_backward
+
+    key = (id(chain), layer, output, embedding, root, frozen, prefetched, cast)
+    return _with_unit_buffers(_FSDP1_CHAINS, key, spec, chain, add)
 
 
 _FSDP2_CHAINS = BoundedCache(max_entries=4096, max_weight=1_000_000)
@@ -166,35 +182,27 @@ def _with_fsdp2_buffers(spec: ModelSpec, chain: Chain, stage: int) -> Chain:
     grouping = frameworks.spec_fsdp2_grouping(spec)
     float8 = memory.float8_gathered_layer_weights(spec)
     reduce = frameworks.fsdp2_reduce_bytes(spec)
-    key = (id(chain), layer, output, embedding, grouping, float8, reduce)
-    entry = _FSDP2_CHAINS.get(key)
-    if entry is not None and entry[0] is chain:
-        return entry[1]
-    first = layer_offset(spec, stage == 0)
-    last = chain.length - 1 - (1 if spec.kind == "transformer" and spec.vocab > 0 else 0)
-    forward = list(chain.forward_workspace_bytes)
-    backward = list(chain.backward_workspace_bytes)
-    for i in range(first, last + 1):
-        kept = grouping.last_block_kept and i == last
-        forward[i] += frameworks.fsdp2_layer_forward_bytes(layer, kept=kept, float8=float8)
-        backward[i] += frameworks.fsdp2_layer_backward_bytes(
-            layer,
-            output,
-            first=i == first,
-            last=i == last,
-            grouping=grouping,
-            embedding_params=embedding,
-            float8=float8,
-            reduce_bytes=reduce,
-        )
-    if first and grouping.embedding_own_unit:  # the embedding stage, a unit of its own
-        forward[0] += frameworks.fsdp2_layer_forward_bytes(embedding)
-        backward[0] += frameworks.fsdp2_embedding_backward_bytes(embedding, layer, reduce)
-    with_buffers = dataclasses.replace(
-        chain, forward_workspace_bytes=tuple(forward), backward_workspace_bytes=tuple(backward)
-    )
-    _FSDP2_CHAINS.put(key, (chain, with_buffers), chain.length)
-    return with_buffers
+
+    def add(forward: list[int], backward: list[int], first: int, last: int) -> None:
+        for i in range(first, last + 1):
+            kept = grouping.last_block_kept and i == last
+            forward[i] += frameworks.fsdp2_layer_forward_bytes(layer, kept=kept, float8=float8)
+            backward[i] += frameworks.fsdp2_layer_backward_bytes(
+                layer,
+                output,
+                first=i == first,
+                last=i == last,
+                grouping=grouping,
+                embedding_params=embedding,
+                float8=float8,
+                reduce_bytes=reduce,
+            )
+        if first and grouping.embedding_own_unit:  # the embedding stage, a unit of its own
+            forward[0] += frameworks.fsdp2_layer_forward_bytes(embedding)
+            backward[0] += frameworks.fsdp2_embedding_backward_bytes(embedding, layer, reduce)
+
+    key = (id(chain), layer, output, embedding, grouping, float8, reduce, stage == 0)
+    return _with_unit_buffers(_FSDP2_CHAINS, key, spec, chain, add, first_stage=stage == 0)
 
 
 def _with_fsdp2_frozen_buffers(spec: ModelSpec, chain: Chain) -> Chain:
@@ -208,29 +216,21 @@ def _with_fsdp2_frozen_buffers(spec: ModelSpec, chain: Chain) -> Chain:
     gathered = finetune.gathered_layer_bytes(spec, frameworks.HALF)[0]
     adapters = finetune.lora_layer_parameters(spec)
     embedding = memory.embedding_parameters(spec, 0)
-    own_embedding = frameworks.spec_fsdp2_grouping(spec).embedding_own_unit
+    own = frameworks.spec_fsdp2_grouping(spec).embedding_own_unit
     reduce = frameworks.fsdp2_reduce_bytes(spec)
-    key = (id(chain), gathered, adapters, embedding, own_embedding, reduce)
-    entry = _FSDP2_CHAINS.get(key)
-    if entry is not None and entry[0] is chain:
-        return entry[1]
-    first = layer_offset(spec, True)
-    last = chain.length - 1 - (1 if spec.kind == "transformer" and spec.vocab > 0 else 0)
-    forward = list(chain.forward_workspace_bytes)
-    backward = list(chain.backward_workspace_bytes)
-    for i in range(first, last + 1):
-        forward[i] += 2 * gathered  # the copy and the all-gather output (fsdp2_layer_forward_bytes)
-        before = gathered if i > first else (frameworks.HALF * embedding if own_embedding else 0)
-        backward[i] += frameworks.fsdp2_frozen_layer_backward_bytes(
-            gathered, adapters, before, reduce
-        )
-    if first and own_embedding:
-        forward[0] += frameworks.fsdp2_layer_forward_bytes(embedding)
-    with_buffers = dataclasses.replace(
-        chain, forward_workspace_bytes=tuple(forward), backward_workspace_bytes=tuple(backward)
-    )
-    _FSDP2_CHAINS.put(key, (chain, with_buffers), chain.length)
-    return with_buffers
+
+    def add(forward: list[int], backward: list[int], first: int, last: int) -> None:
+        for i in range(first, last + 1):
+            forward[i] += 2 * gathered  # the copy and the all-gather output
+            before = gathered if i > first else (frameworks.HALF * embedding if own else 0)
+            backward[i] += frameworks.fsdp2_frozen_layer_backward_bytes(
+                gathered, adapters, before, reduce
+            )
+        if first and own:
+            forward[0] += frameworks.fsdp2_layer_forward_bytes(embedding)
+
+    key = (id(chain), "frozen", gathered, adapters, embedding, own, reduce)
+    return _with_unit_buffers(_FSDP2_CHAINS, key, spec, chain, add)
 
 
 _CHAINS = BoundedCache(max_entries=4096, max_weight=1_000_000)  # weighed in chain stages
