@@ -57,8 +57,13 @@ parameter (its mixed-precision recipe) and adds buffers of its own:
   (`fsdp1_kept_unsharded_bytes`) and, while a layer runs, its copy, its bf16 gradients and the
   output layer's waiting gradient, as that layer's chain workspace (`fsdp1_layer_forward_bytes`,
   `fsdp1_layer_backward_bytes`, `fsdp1_embedding_backward_bytes`; measured on the CPU:
-  validation/torch_fsdp1_memory.py). No tensor, pipeline, context or expert parallelism;
-  ZeRO-2/3 through accelerate's FSDP or DeepSpeed.
+  validation/torch_fsdp1_memory.py). That is `fsdp_version` 1; at 2 (the Trainer's default
+  from transformers v5.10.1) accelerate's FSDP2 holds torchtitan 0.3's buffers with a bf16
+  reduce-scatter input (`spec_fsdp2_grouping`, `fsdp2_reduce_bytes`), and beside frozen base
+  weights each layer's gathered copy while it runs (`fsdp2_frozen_layer_backward_bytes`). At
+  zero 2 both FSDPs shard the weights and keep their bf16 copies from forward to backward
+  (`weights_sharded_from`). No tensor, pipeline, context or expert parallelism; ZeRO-2/3
+  through accelerate's FSDP or DeepSpeed.
 
 Model states in host memory (`optimizer_offload: cpu`, `param_offload: cpu`;
 `state_offload_error` says what each framework runs, ckplan.model.memory `offloaded_states`
@@ -100,8 +105,6 @@ BACKWARD_PREFETCHES = ("none", "backward_pre", "backward_post")
 # fsdp_reduce_dtype: the dtype FSDP reduce-scatters the gradients in under hf
 # (`fsdp_reduce_bytes`), bytes per value
 FSDP_REDUCE_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
-# fsdp_version: PyTorch FSDP's version under hf (`fsdp_version`)
-FSDP_VERSIONS = (1, 2)
 # the transformers releases among FRAMEWORK_VERSIONS["hf"] whose Trainer builds FSDP2 unless
 # fsdp_config says version 1: `int(self.fsdp_config.get("version", 2))` in training_args.py
 # from v5.10.1 (`get("version", 1)` through v5.9.0, and v4.44.2 builds FSDP1 alone)

@@ -750,7 +750,7 @@ def finetune_state_bytes(
     in full precision"); the norms, biases, embeddings and output layer at
     weight_bytes (bf16 in torchtune's QLoRA recipes; fp32 after PEFT's
     prepare_model_for_kbit_training, peft v0.17.0 src/peft/utils/other.py, "cast all non INT8
-    parameters to fp32", which hf's weight_bytes 4 gives). ZeRO-3 (FSDP2 from zero 2,
+    parameters to fp32", which hf's weight_bytes 4 gives). ZeRO-3 (PyTorch FSDP from zero 2,
     `frameworks.weights_sharded_from`) shards the frozen weights over dp·cp as any
     weight, but for the 4-bit weights' quantisation statistics, which are no parameter's data
     and stay whole on every rank (`sharded_frozen_bytes`). The LoRA adapters train with the
