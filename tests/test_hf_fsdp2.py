@@ -194,3 +194,11 @@ def test_zero_2_shards_the_weights_and_keeps_their_copies(version):
     # beside them the adapters' copies (and under FSDP2 a layer's adapter gradients in bf16
     # and their bf16 reduce-scatter input, `buffer_bytes`)
     assert kept - (32 * frozen_layer + outside) == 2 * 32 * adapters + (version - 1) * 4 * adapters
+
+
+def test_estimate_names_the_fsdp_its_buffers_are(cli):
+    argv = ["estimate", "llama3-8b", "--set", "framework=hf", "--set", "zero=3", "--set", "dp=8"]
+    code, out, _ = cli(*argv, "-s", "full")
+    assert code == 0 and "hf's FSDP2 (docs/memory.md)" in out
+    code, out, _ = cli(*argv, "--set", "fsdp_version=1", "-s", "full")
+    assert code == 0 and "hf's FSDP1 (docs/memory.md)" in out

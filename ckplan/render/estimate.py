@@ -506,7 +506,10 @@ def plan_summary_table(plan: Plan, gpu: GPU | None = None) -> Table:
         else f"{spec.master_bytes + spec.optimizer_bytes} B/param{per_tensor} ({held})",
     )
     if states.buffers:
-        table.add_row("  buffers", gib(states.buffers), f"{spec.framework}'s (docs/memory.md)")
+        owner = f"{spec.framework}'s"
+        if spec.framework == "hf" and spec.zero >= 2 and spec.dp > 1:  # the Trainer's FSDP
+            owner = f"hf's FSDP{frameworks.fsdp_version(spec)}"
+        table.add_row("  buffers", gib(states.buffers), f"{owner} (docs/memory.md)")
     if states.host:
         table.add_row(
             "model states on host", both_units(states.host), host_state_note(spec), style="bold"
