@@ -211,6 +211,7 @@ _ENUM_VALUES = {
     "fsdp_backward_prefetch": ["none", "backward_pre", "backward_post", "BACKWARD_PRE", ""],
     "fsdp_reduce_dtype": ["fp32", "bf16", "fp16", "float32", "FP32", ""],
     "fsdp_version": ["1", "2", "2", "0", "3", "two", ""],
+    "optimizer_implementation": ["fused", "foreach", "foreach", "for-loop", "FUSED", ""],
     "param_offload": ["none", "cpu", "cpu", "nvme"],
     "weight_format": ["nf4", "fp4", "int8", "bf16", "fp32", "int4"],
     "optimizer": ["adamw", "adamw-bf16", "adamw-8bit", "sgd", "lion", "adafactor"],
@@ -223,6 +224,7 @@ _FRAMEWORK_KEYS = {
     "fsdp_backward_prefetch": ["hf", "hf", "hf", "megatron"],
     "fsdp_reduce_dtype": ["hf", "hf", "hf", "torchtitan"],
     "fsdp_version": ["hf", "hf", "hf", "torchtitan"],
+    "optimizer_implementation": ["hf", "hf", "torchtitan", "megatron"],
     "cp_attention": ["megatron", "megatron", "torchtitan", "hf"],
     "cp_a2a_size": ["megatron", "megatron", "megatron", "torchtitan"],
 }

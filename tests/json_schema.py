@@ -31,6 +31,7 @@ MEMORY = {
     "activation_bytes": int,
     "model_state_bytes": int,
     "total_bytes": int,
+    "optimizer_step_bytes": int,  # 0 unless the step allocates a workspace (foreach AdamW)
     "reserved_bytes": int,
     "device_bytes": (int, None),  # with --gpu: the peak as nvidia-smi shows it
     "budgeted_bytes": int,

@@ -93,6 +93,23 @@ def test_checkpointing_is_written_as_counted(spec_of, version, reentrant):
 
 
 @pytest.mark.parametrize(
+    ("changes", "optim"),
+    [
+        ({"framework_version": "4.44"}, "adamw_torch"),  # v4.44's default: foreach
+        ({"framework_version": "4.44", "optimizer_implementation": "fused"}, "adamw_torch_fused"),
+        ({"optimizer_implementation": "foreach"}, "adamw_torch"),
+        ({}, "adamw_torch_fused"),
+    ],
+)
+def test_optim_is_the_counted_step(spec_of, changes, optim):
+    """The AdamW path whose step ckplan counted: foreach's copy of exp_avg_sq or the fused
+    kernel's none (`optimizer_implementation`)."""
+    spec = spec_of("llama3-8b", **LLAMA, **changes)
+    args = calls(exports.export(plan_of(spec, "full"), "peft").text)["TrainingArguments"]
+    assert args["optim"] == optim
+
+
+@pytest.mark.parametrize(
     ("optimizer", "optim"),
     [
         ("adamw", "adamw_torch_fused"),

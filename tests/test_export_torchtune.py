@@ -93,6 +93,15 @@ def test_values_are_the_plan(spec_of):
     assert header(sharded.text)[0] == "full_finetune_distributed"
     assert got["fsdp_reshard_after_forward"] is True and got["compile"] is True
     assert got["optimizer_in_bwd"] is False
+    assert got["optimizer"] == {"_component_": "torch.optim.AdamW", "fused": True}
+
+
+def test_foreach_step_is_said(spec_of):
+    """`optimizer_implementation: foreach` turns torchtune's configs' `fused: True` off."""
+    foreach = {"framework": "hf", "optimizer_implementation": "foreach"}
+    _, result = export(spec_of, "full", CASES[4][1] | foreach)
+    optimizer = yaml.safe_load(result.text)["optimizer"]
+    assert optimizer == {"_component_": "torch.optim.AdamW", "fused": False, "foreach": True}
 
 
 REFUSED = [

@@ -384,6 +384,12 @@ def test_torchtitan_02_toml_has_only_the_release_keys(spec_of):
         assert float8_keys["precompute_float8_dynamic_scale_for_fsdp"] is gather
         assert float8_keys["filter_fqns"] == ["output"]
         assert tables[-1]["model"]["converters"] == ["quantize.linear.float8"]
+    foreach = spec.replace(optimizer_implementation="foreach")  # "fused", its default, unsaid
+    tables.append(
+        tomllib.loads(exports.export(plan_of(foreach, "full"), "torchtitan", version="0.2").text)
+    )
+    assert tables[-1]["optimizer"] == {"implementation": "foreach"}
+    assert "optimizer" not in tables[1]
     every_fourth = LayerSegments(
         8, ((0, 3, False), (3, 4, True), (4, 7, False), (7, 8, True)), False
     )

@@ -15,6 +15,7 @@ from needs_frameworks import installed_or_skip
 
 from ckplan import exports
 from ckplan.exports import torchtitan
+from ckplan.model.frameworks import optimizer_implementation
 from ckplan.plan.evaluate import evaluate
 from ckplan.plan.strategies import parse_strategy
 
@@ -118,6 +119,7 @@ TORCHTITAN_03_CASES = [
     # torchao's Float8Linear, which checks for an SM89+ GPU): the options are the same
     ("full", "llama3-8b", {"dp": 8, "zero": 3, "precision": "float8"}, LLAMA),
     ("full", "qwen3-30b-a3b", {"dp": 8, "zero": 3, "ep": 8}, ("qwen3", "qwen3_30b_a3b")),
+    ("full", "llama3-8b", {"dp": 8, "zero": 3, "optimizer_implementation": "foreach"}, LLAMA),
 ]  # fmt: skip
 AC_CLASSES = {"none": None, "full": "FullAC.Config", "sac-fused": "SelectiveAC.Config"}
 
@@ -164,7 +166,7 @@ def test_torchtitan_03_parses_every_exported_case(torchtitan_03):
         values = parsed["values"]
         # every option written reads back as written (a flag: True, its no- form: False)
         for index, word in enumerate(args):
-            if not word.startswith("--parallelism.") and not word.startswith("--training."):
+            if not word.startswith(("--parallelism.", "--training.", "--optimizer.")):
                 continue
             following = args[index + 1] if index + 1 < len(args) else ""
             if following.startswith("--") or following.startswith("activation-checkpoint:"):
@@ -193,6 +195,8 @@ def test_torchtitan_03_parses_every_exported_case(torchtitan_03):
             per_stage = parallel["pipeline-parallel-layers-per-stage"]
             assert per_stage * spec.pp * spec.virtual_stages == spec.layers
         assert parallel.get("enable-cpu-offload", False) is (spec.optimizer_offload == "cpu")
+        # torchtitan's default "fused" unsaid
+        assert parallel.get("implementation", "fused") == optimizer_implementation(spec)
         if spec.experts:
             assert parallel["expert-parallel-degree"] == spec.ep
 

@@ -16,8 +16,9 @@ and `TrainingArguments` for the plan (docs/exports.md).
   `framework_version: "4.44"`, whose default ckplan then counts, or `checkpoint_reentrant:
   true`: `frameworks.checkpoint_reentrant`), `optim`
   (an `OptimizerNames` value: adamw_torch_fused, the Trainer's own default from torch 2.8,
-  whose fused kernel updates in place, as ckplan counts the step, where `adamw_torch`'s
-  foreach path would hold a parameter-sized temporary; adamw_8bit, paged_adamw_8bit, adafactor, sgd,
+  whose fused kernel updates in place, or `adamw_torch` under `optimizer_implementation:
+  foreach`, the default of transformers v4.44, whose foreach step ckplan counts with its copy
+  of exp_avg_sq; adamw_8bit, paged_adamw_8bit, adafactor, sgd,
   lion_32bit, adamw_anyprecision with `optim_args`), `bf16` / `fp16`, and `fsdp`
   ("shard_grad_op" for ZeRO-2, "full_shard" for ZeRO-3, with " offload" for FSDP's CPU
   offload, `param_offload: cpu`), with `fsdp_config` version the plan's `fsdp_version` (FSDP1
@@ -50,6 +51,9 @@ OPTIM = {
     "lion": "lion_32bit",
     "adamw-bf16": "adamw_anyprecision",
 }
+# torch.optim.AdamW with neither fused nor foreach, which PyTorch runs foreach on CUDA
+# (`optimizer_implementation: foreach`; transformers v4.44.2's default optim)
+FOREACH_ADAMW = "adamw_torch"
 # Trainer parses optim_args "k=v,k=v" into AnyPrecisionAdamW's dtypes (use_kahan_summation off)
 ANYPRECISION_ARGS = "momentum_dtype=bfloat16,variance_dtype=bfloat16"
 # bitsandbytes' compute dtype of the 4-bit layers, the run's precision (BitsAndBytesConfig
@@ -79,6 +83,15 @@ def reason(spec: ModelSpec, layers: LayerSegments) -> str | None:
         return (
             "optimizer_in_backward: the Trainer steps after backward (torchtune's "
             "optimizer_in_bwd runs it)"
+        )
+    if (
+        spec.optimizer == "adamw-bf16"
+        and spec.optimizer_implementation == "foreach"
+        and not sharded_qlora(spec)
+    ):
+        return (
+            "optimizer_implementation: foreach with adamw-bf16: the Trainer's AdamW with bf16 "
+            "states is adamw_anyprecision, which steps tensor by tensor"
         )
     if spec.precision not in ("bf16", "fp16", "fp32"):
         return (
@@ -140,8 +153,14 @@ def values(plan: Plan, layers: LayerSegments) -> dict[str, dict[str, object]]:
         reentrant = frameworks.checkpoint_reentrant(spec)
         args["gradient_checkpointing_kwargs"] = {"use_reentrant": reentrant}
     args["optim"] = OPTIM[spec.optimizer]
-    if spec.optimizer == "adamw-bf16" and sharded_qlora(spec):
-        args["optim"] = OPTIM["adamw"]  # torch's AdamW keeps the bf16 parameters' dtype
+    # torch's AdamW keeps the bf16 parameters' dtype: a sharded QLoRA's adamw-bf16
+    torch_adamw = spec.optimizer == "adamw" or (
+        spec.optimizer == "adamw-bf16" and sharded_qlora(spec)
+    )
+    if torch_adamw and frameworks.optimizer_implementation(spec) == "foreach":
+        args["optim"] = FOREACH_ADAMW  # the step ckplan counted, with its exp_avg_sq copy
+    elif torch_adamw:
+        args["optim"] = OPTIM["adamw"]
     elif spec.optimizer == "adamw-bf16":
         args["optim_args"] = ANYPRECISION_ARGS
     if spec.precision in ("bf16", "fp16"):  # neither flag: the Trainer trains in fp32

@@ -37,7 +37,9 @@ scaling, `recipe_name` unset: torchtitan/config/job_config.py and components/qua
 float8.py at v0.2.2), which the 0.2.x export writes with `filter_fqns = ["output"]`, the output
 layer in bf16 as ckplan models it; 0.3.0's `Float8LinearConverter` has the rowwise recipes only
 (`recipe_name` rowwise or rowwise_with_gw_hp) and no float8 all-gather, so the 0.3 export
-refuses the key.
+refuses the key. A foreach AdamW step (`optimizer_implementation: foreach`) is written as
+`--optimizer.implementation foreach` (0.3.0) or `[optimizer] implementation = "foreach"`
+(0.2.x); both releases default to "fused", which ckplan counts otherwise.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from __future__ import annotations
 import re
 
 from ckplan.exports.segments import LayerSegments, module_reason
+from ckplan.model import frameworks
 from ckplan.model.op_policy import TORCHTITAN_03_POLICY, TORCHTITAN_03_WORD, TORCHTITAN_POLICY
 from ckplan.model.spec import ModelSpec
 from ckplan.model.torchtitan_ac import DEFAULT_RELEASE, RELEASES, policy_reason
@@ -268,6 +271,8 @@ def options(spec: ModelSpec) -> list[tuple[str, str | None]]:
         out.append(("--parallelism.expert-parallel-degree", str(spec.ep)))
     if spec.optimizer_offload != "none":
         out.append(("--training.enable-cpu-offload", None))
+    if frameworks.optimizer_implementation(spec) == "foreach":  # "fused" is its default
+        out.append(("--optimizer.implementation", "foreach"))
     out.append(("--training.disable-cuda-graphs", None))
     return out
 
@@ -290,6 +295,8 @@ def render(plan: Plan, layers: LayerSegments, version: str = DEFAULT_VERSION) ->
     lines = [f"# ckplan: plan {plan.strategy} for {plan.spec.name}", "[activation_checkpoint]"]
     lines += [f'{key} = "{value}"' for key, value in section(layers).items()]
     lines += _toml_lines(float8_tables(plan.spec))
+    if frameworks.optimizer_implementation(plan.spec) == "foreach":  # "fused" is its default
+        lines += _toml_lines({"optimizer": {"implementation": "foreach"}})
     return "\n".join(lines) + "\n"
 
 

@@ -14,7 +14,9 @@ The keys, as torchtune v0.6.1's recipes/configs and recipes read them:
 - `loss._component_`: torchtune.modules.loss.CEWithChunkedOutputLoss with
   `loss.num_output_chunks` (its constructor argument, default 8) for `loss: chunked:N`, or
   torch.nn.CrossEntropyLoss for `loss: eager`;
-- `optimizer._component_` and, with full training, `optimizer_in_bwd`;
+- `optimizer._component_` (torch.optim.AdamW with `fused: True`, as torchtune's own configs
+  set it, or `fused: False, foreach: True` under `optimizer_implementation: foreach`) and, with full
+  training, `optimizer_in_bwd`;
 - the LoRA builders' arguments (torchtune/models/llama3/_model_builders.py `lora_llama3_8b`):
   `model.lora_attn_modules` (q_proj, k_proj, v_proj, output_proj), `model.apply_lora_to_mlp`
   (w1, w2 and w3 together), `model.apply_lora_to_output`, `model.lora_rank`,
@@ -139,6 +141,9 @@ def values(plan: Plan, layers: LayerSegments) -> dict[str, object]:
         "enable_activation_offloading": bool(layers.offloaded),
         "optimizer": {"_component_": OPTIMIZERS[spec.optimizer]},
     }
+    if spec.optimizer == "adamw":  # the step ckplan counted, said whatever the config holds
+        foreach = frameworks.optimizer_implementation(spec) == "foreach"
+        out["optimizer"] |= {"fused": False, "foreach": True} if foreach else {"fused": True}
     if spec.loss.startswith(("chunked:", "chunked-output:")):
         out["loss"] = {"_component_": CHUNKED_LOSS, "num_output_chunks": chunks(spec.loss)}
     else:

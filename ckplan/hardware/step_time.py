@@ -1262,23 +1262,26 @@ def optimizer_seconds(spec: ModelSpec, gpu: GPU) -> float:
         traffic = host_states.state_traffic(spec)
         return host_states.cpu_adam_seconds(traffic, gpu, host_states.gpus_stepping(spec, gpu))
     stage = memory.busiest_stage(spec)
-    dense, experts = memory.trainable_stage_parameters(spec, stage)
     fp8_dense, fp8_experts = memory.fp8_primary_weights(spec, stage)
     if spec.zero >= 1:
-        dense, fp8_dense = (split_share(n, spec.dp * spec.cp) for n in (dense, fp8_dense))
-        expert_dp = spec.expert_data_parallel
-        experts, fp8_experts = (
-            split_share(n, expert_dp) if n else 0 for n in (experts, fp8_experts)
-        )
-    per_param = optimizers.step_bytes_per_parameter(
-        spec.optimizer, spec.grad_bytes, spec.master_bytes, spec.weight_bytes, spec.optimizer_bytes
-    )
-    step = (dense + experts) * per_param
+        fp8_dense = split_share(fp8_dense, spec.dp * spec.cp)
+        fp8_experts = split_share(fp8_experts, spec.expert_data_parallel) if fp8_experts else 0
+    step = memory.stepped_parameters(spec, stage) * optimizer_step_bytes_per_parameter(spec)
     cast = fp8_master_cast_extra_bytes(spec, fp8_dense + fp8_experts)
     # torchao's precomputed float8 scales, after the step (`float8_precompute_amax_bytes`)
     float8 = memory.float8_gathered_stage_weights(spec, stage)
     amax = float8_precompute_amax_bytes(split_share(float8, spec.dp * spec.cp))
     return memory_seconds(gpu, step + cast + amax) + fp8_amax_reduction_seconds(spec, gpu)
+
+
+def optimizer_step_bytes_per_parameter(spec: ModelSpec) -> int:
+    """Bytes the optimizer step moves per parameter it steps: foreach AdamW's kernel by kernel
+    (`optimizers.foreach_adamw_step_bytes_per_parameter`) under `optimizer_implementation`
+    foreach, else one pass (`optimizers.step_bytes_per_parameter`)."""
+    args = (spec.grad_bytes, spec.master_bytes, spec.weight_bytes, spec.optimizer_bytes)
+    if frameworks.optimizer_implementation(spec) == "foreach":
+        return optimizers.foreach_adamw_step_bytes_per_parameter(*args)
+    return optimizers.step_bytes_per_parameter(spec.optimizer, *args)
 
 
 def fp8_master_cast_extra_bytes(spec: ModelSpec, fp8_shard: int) -> int:

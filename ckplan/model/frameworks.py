@@ -112,6 +112,15 @@ FSDP2_DEFAULT_RELEASES = ("5.25",)
 # the half dtype accelerate's mixed precision computes (and, by default, reduces) in per precision
 # (accelerate/utils/dataclasses.py `set_mixed_precision` at v1.14.0: fp8 runs bf16)
 _HALF_DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16", "float8": "bf16"}
+# optimizer_implementation: the code path torch.optim.AdamW steps with (`optimizer_implementation`):
+# `fused` (one kernel, in place) or `foreach` (a kernel per operation over every tensor at once,
+# beside a copy of exp_avg_sq: ckplan.model.optimizers `foreach_adamw_workspace_bytes`)
+OPTIMIZER_IMPLEMENTATIONS = ("fused", "foreach")
+# the transformers releases among FRAMEWORK_VERSIONS["hf"] whose Trainer defaults to
+# `optim="adamw_torch"`, torch.optim.AdamW with neither `fused` nor `foreach`, which PyTorch then
+# runs foreach on CUDA (training_args.py v4.44.2 `default_optim = "adamw_torch"`; v5.25.0 makes
+# it "adamw_torch_fused" from torch 2.8)
+FOREACH_DEFAULT_RELEASES = ("4.44",)
 # zero_grad: what the training loop's zero_grad leaves between steps (ckplan.model.memory
 # `gradients_allocated_in_backward`): `none`, the gradients set to None (PyTorch's default
 # since 2.0), or `zeros`, kept allocated and zeroed (the default before 2.0)
@@ -358,6 +367,52 @@ def backward_prefetch_error(framework: str, prefetch: str | None) -> str | None:
     )
 
 
+def optimizer_implementation(spec) -> str:
+    """How the spec's AdamW steps: its `optimizer_implementation`, else the framework's default.
+
+    - hf: the Trainer's default `optim`, "adamw_torch" through the releases of
+      `FOREACH_DEFAULT_RELEASES` (transformers v4.44.2 training_args.py), torch.optim.AdamW
+      without `fused` or `foreach`, which PyTorch runs foreach on CUDA (torch/optim/optimizer.py
+      `_default_to_fused_or_foreach` at v2.13.0: fused only when asked); "adamw_torch_fused"
+      under v5.25.0 with torch >= 2.8 (`default_optim`, `fused=True` in trainer_optimizer.py).
+    - torchtitan: `[optimizer] implementation = "fused"`, its default (torchtitan
+      components/optimizer/optimizer.py at v0.3.0).
+    - megatron, deepspeed: their fused Adam kernels (Transformer Engine's or Apex's FusedAdam,
+      DeepSpeed's FusedAdam), which update in place as the fused path does.
+
+    Optimizers other than adamw and adamw-bf16 run their own kernels: `fused` names them."""
+    if spec.optimizer_implementation is not None:
+        return spec.optimizer_implementation
+    foreach_default = (
+        spec.framework == "hf"
+        and framework_version(spec) in FOREACH_DEFAULT_RELEASES
+        and spec.optimizer == "adamw"
+    )
+    return "foreach" if foreach_default else "fused"
+
+
+def optimizer_implementation_error(spec) -> str | None:
+    """Why `optimizer_implementation` cannot be set (one line naming the key), or None: it picks
+    torch.optim.AdamW's code path (optimizer adamw, or adamw-bf16 on bf16 parameters), which
+    the Hugging Face Trainer (`optim` adamw_torch or adamw_torch_fused) and torchtitan
+    (`[optimizer] implementation`) let a run choose; Megatron-LM and DeepSpeed step with their
+    own fused Adam."""
+    chosen = spec.optimizer_implementation
+    if chosen is None:
+        return None
+    if spec.framework not in ("hf", "torchtitan"):
+        return (
+            f"key 'optimizer_implementation' ({chosen}): torch.optim.AdamW's code path under "
+            f"framework hf or torchtitan; {spec.framework} steps with its own fused Adam"
+        )
+    if spec.optimizer not in ("adamw", "adamw-bf16"):
+        return (
+            f"key 'optimizer_implementation' ({chosen}): torch.optim.AdamW's code path, for "
+            f"optimizer adamw or adamw-bf16, not {spec.optimizer}"
+        )
+    return None
+
+
 def fsdp_reduce_dtype_error(framework: str, precision: str, reduce_dtype: str | None) -> str | None:
     """Why `fsdp_reduce_dtype` cannot be set (one line naming the key), or None: it is the
     reduce_dtype of the MixedPrecision accelerate hands FSDP (framework hf), fp32 or the
@@ -579,6 +634,19 @@ def fp8_master_cast_bytes(fp8_recipe: str | None) -> int:
 # one fp32 amax per FP8 weight tensor (block scaling: per 128x128 block), packed into one
 # all-reduce
 FP8_AMAX_BYTES = 4
+
+
+def step_buffer_bytes(spec, trainable_params: int) -> int:
+    """Of `buffer_bytes`, what is still allocated at the optimizer step, after the backward,
+    on a GPU that trains `trainable_params`: under hf DDP's reducer buckets (4 B per
+    trainable parameter over several ranks at zero 0), which the reducer keeps from step to
+    step (torch/nn/parallel/distributed.py, `_Reducer` built once in `__init__`, PyTorch
+    v2.13.0). autocast's bf16 weight copies are released with the backward that saved them,
+    and PyTorch FSDP reshards every unit in its post-backward, so the unsharded copies and
+    gradients of either FSDP are freed by then (derived); torchtitan holds none at zero 0-3."""
+    if spec.framework == "hf" and spec.dp > 1 and spec.zero == 0:
+        return 4 * trainable_params
+    return 0
 
 
 def buffer_bytes(

@@ -651,6 +651,52 @@ def trainable_stage_parameters(spec: ModelSpec, stage: int = 0) -> tuple[int, in
     return layers_here * finetune.lora_layer_parameters(spec), 0
 
 
+def stepped_parameters(spec: ModelSpec, stage: int = 0) -> int:
+    """The parameters whose optimizer state one GPU of pipeline stage `stage` holds and steps:
+    its trainable ones (`trainable_stage_parameters`), from ZeRO 1 the dense ones' share over
+    dp·cp and the routed experts' over their expert-data-parallel group (as `states_of`
+    shards the optimizer state)."""
+    dense, experts = trainable_stage_parameters(spec, stage)
+    if spec.zero >= 1:
+        dense = split_share(dense, spec.dp * spec.cp)
+        experts = split_share(experts, spec.expert_data_parallel) if experts else 0
+    return dense + experts
+
+
+def optimizer_workspace_bytes(spec: ModelSpec, stage: int = 0) -> int:
+    """What the optimizer step allocates on one GPU of pipeline stage `stage` beside the model
+    states: foreach AdamW's copy of exp_avg_sq over the parameters it steps
+    (`optimizers.foreach_adamw_workspace_bytes`, `frameworks.optimizer_implementation`
+    foreach); 0 for the fused step, which updates in place, for a step on the host
+    (`optimizer_offload`), and for the step in backward, which runs one tensor at a time
+    (its largest tensor's copy is not counted)."""
+    if frameworks.optimizer_implementation(spec) != "foreach":
+        return 0
+    if spec.optimizer_offload != "none" or spec.optimizer_in_backward:
+        return 0
+    return optimizers.foreach_adamw_workspace_bytes(
+        stepped_parameters(spec, stage), spec.optimizer_bytes
+    )
+
+
+def optimizer_step_bytes(spec: ModelSpec) -> int:
+    """The allocated bytes of the optimizer step on the busiest GPU where the step allocates a
+    workspace (`optimizer_workspace_bytes`), else 0: the weights, every gradient, the optimizer
+    states, the framework's buffers that outlive the backward (`frameworks.step_buffer_bytes`)
+    and the workspace; the activations are freed by then (derived). Without a workspace the
+    step holds no more than the end of the backward, which the schedule's peak covers."""
+    best = 0
+    for stage in distinct_stages(spec):
+        workspace = optimizer_workspace_bytes(spec, stage)
+        if not workspace:
+            continue
+        states = model_state_bytes(spec, stage)
+        kept = frameworks.step_buffer_bytes(spec, sum(trainable_stage_parameters(spec, stage)))
+        held = states.weights + states.gradients + states.optimizer + kept
+        best = max(best, held + workspace)
+    return best
+
+
 def distinct_stages(spec: ModelSpec) -> tuple[int, ...]:
     """One pipeline stage of each kind whose parameters can differ: the first, the last, and
     each middle stage whose layer kinds no earlier middle stage holds."""

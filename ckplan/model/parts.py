@@ -29,6 +29,7 @@ from ckplan.model.frameworks import (
     FSDP_REDUCE_DTYPES,
     GRAD_SYNCS,
     OFFLOAD_DEVICES,
+    OPTIMIZER_IMPLEMENTATIONS,
     ZERO_GRADS,
 )
 from ckplan.model.optimizers import OPTIMIZERS
@@ -385,6 +386,9 @@ class TrainingState(_Record):
     optimizer_bytes: int = 8
     optimizer: str = "adamw"  # ckplan.model.optimizers.OPTIMIZERS
     optimizer_in_backward: bool = False  # step each parameter in backward, free its gradient
+    # torch.optim.AdamW's code path: fused | foreach; None -> the framework's
+    # (ckplan.model.frameworks `optimizer_implementation`)
+    optimizer_implementation: str | None = None
     # what zero_grad leaves between steps: none (set_to_none=True, PyTorch's default since 2.0)
     # | zeros (set_to_none=False, the default before 2.0: every gradient held all step)
     zero_grad: str = "none"
@@ -400,6 +404,10 @@ class TrainingState(_Record):
         if self.optimizer not in OPTIMIZERS:
             rule = f"must be one of {', '.join(OPTIMIZERS)}"
             raise SpecError(key="optimizer", rule=rule, value=self.optimizer)
+        implementation = self.optimizer_implementation
+        if implementation is not None and implementation not in OPTIMIZER_IMPLEMENTATIONS:
+            rule = f"must be one of {', '.join(OPTIMIZER_IMPLEMENTATIONS)}"
+            raise SpecError(key="optimizer_implementation", rule=rule, value=implementation)
         if self.zero_grad not in ZERO_GRADS:
             rule = f"must be one of {', '.join(ZERO_GRADS)}"
             raise SpecError(key="zero_grad", rule=rule, value=self.zero_grad)

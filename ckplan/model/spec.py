@@ -84,7 +84,8 @@ KEY_ORDER = (
     "fp8_recipe", "fp8_param_gather", "loss", "tp_comm_overlap", "dp_comm_overlap",
     "overlap_grad_reduce", "overlap_param_gather", "expandable_segments", "mlp_tiles",
     "training", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "use_dora",
-    "weight_format", "bitsandbytes_version", "optimizer", "optimizer_in_backward", "zero_grad",
+    "weight_format", "bitsandbytes_version", "optimizer", "optimizer_in_backward",
+    "optimizer_implementation", "zero_grad",
     "optimizer_offload", "param_offload", "fsdp_float8_all_gather", "deallocate_pipeline_outputs",
     "checkpoint_reentrant", "fsdp_backward_prefetch", "fsdp_reduce_dtype", "fsdp_version",
 )  # fmt: skip
@@ -290,7 +291,7 @@ _BOOL_FIELDS = {key for key, f in _KEYS.items() if f.type in ("bool", "bool | No
 _STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions", "profile"}
 _STR_FIELDS |= {"framework", "kernels", "attention_kernel", "precision", "fp8_recipe", "loss"}
 _STR_FIELDS |= {"training", "lora_targets", "weight_format", "bitsandbytes_version"}
-_STR_FIELDS |= {"optimizer"}
+_STR_FIELDS |= {"optimizer", "optimizer_implementation"}
 _STR_FIELDS |= {"optimizer_offload", "param_offload", "grad_sync", "framework_version"}
 _STR_FIELDS |= {"cp_attention", "fsdp_backward_prefetch", "fsdp_reduce_dtype"}
 _STR_FIELDS |= {"pipeline_layout", "zero_grad", "pipeline_schedule", "moe_token_dispatcher_type"}
@@ -571,6 +572,8 @@ def _validate(spec: ModelSpec) -> None:
     if reason := frameworks.framework_version_error(spec.framework, spec.framework_version):
         raise SpecError(reason)
     if reason := frameworks.fsdp_version_error(spec):
+        raise SpecError(reason)
+    if reason := frameworks.optimizer_implementation_error(spec):
         raise SpecError(reason)
     if reason := context_parallel.cp_attention_error(spec.framework, spec.cp_attention):
         raise SpecError(reason)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ckplan.model.frameworks import layout_error
+from ckplan.model.frameworks import layout_error, optimizer_implementation
 from ckplan.model.spec import ModelSpec, SpecError
 from ckplan.plan.evaluate import evaluate
 from ckplan.plan.strategies import parse_strategy
@@ -154,13 +154,19 @@ def _levers(spec: ModelSpec, gpus_per_node: int, pcie: bool = False):
     # gradients kept zeroed between steps set to None instead (PyTorch 2's zero_grad): the
     # smallest change, first
     freed = [{"zero_grad": "none"}] if spec.zero_grad != "none" else []
+    # AdamW's fused step instead of foreach: no exp_avg_sq copy at the step, same GPUs
+    fused = (
+        [{"optimizer_implementation": "fused"}]
+        if optimizer_implementation(spec) == "foreach"
+        else []
+    )
     if _one_gpu_fine_tune(spec, pcie):
         if pcie:  # no tensor, pipeline or context parallelism over PCIe
-            return [freed, *_finetune_levers(spec), loss, micro_batch, dp]
-        return [freed, *_finetune_levers(spec), zero, loss, tp, pp, dp, cp, micro_batch]
+            return [freed, fused, *_finetune_levers(spec), loss, micro_batch, dp]
+        return [freed, fused, *_finetune_levers(spec), zero, loss, tp, pp, dp, cp, micro_batch]
     if spec.training != "full":  # a fine-tune's states to the host before more GPUs
-        return [freed, zero, loss, _state_offload(spec), tp, pp, dp, cp, micro_batch]
-    return [freed, zero, loss, tp, pp, dp, cp, micro_batch]
+        return [freed, fused, zero, loss, _state_offload(spec), tp, pp, dp, cp, micro_batch]
+    return [freed, fused, zero, loss, tp, pp, dp, cp, micro_batch]
 
 
 def _finetune_levers(spec: ModelSpec) -> list[list[dict[str, Any]]]:

@@ -108,12 +108,20 @@ class Plan:
     # the pipeline runtime's receive buffers and kept outputs on the peak stage, included in
     # activation_bytes (memory.pipeline_buffer_bytes)
     pipeline_buffer_bytes: int = 0
+    # the optimizer step's allocated bytes where it allocates a workspace beside the states
+    # (foreach AdamW's exp_avg_sq copy: memory.optimizer_step_bytes), else 0
+    optimizer_step_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        """The allocated peak per GPU: activations and model states (torch's
-        max_memory_allocated)."""
-        return self.activation_bytes + self.model_states.total
+        """The allocated peak per GPU (torch's max_memory_allocated): activations and model
+        states at the schedule's peak, or the optimizer step where it holds more."""
+        return max(self.activation_bytes + self.model_states.total, self.optimizer_step_bytes)
+
+    @property
+    def step_sets_peak(self) -> bool:
+        """Whether the optimizer step, not the forward and backward, holds the peak."""
+        return self.optimizer_step_bytes > self.activation_bytes + self.model_states.total
 
     @property
     def host_total_bytes(self) -> int:
@@ -860,6 +868,7 @@ def _plan(
         stage_prefetch=stage_prefetch,
         stage_policy=stage_policy,
         pipeline_buffer_bytes=pipeline_buffer_bytes,
+        optimizer_step_bytes=memory.optimizer_step_bytes(spec),
     )
 
 

@@ -20,6 +20,7 @@ from ckplan.model.memory import (
     gradients_kept_between_steps,
     host_gradient_bytes,
     optimizer_tensor_bytes,
+    optimizer_workspace_bytes,
     parameter_count,
 )
 from ckplan.model.ops import layer_ops
@@ -64,6 +65,7 @@ def plan_dict(plan: Plan, time: StepTime | None = None, gpu: GPU | None = None) 
             }
             | ({"host": states.host} if states.host else {}),
             "total_bytes": plan.total_bytes,
+            "optimizer_step_bytes": plan.optimizer_step_bytes,
             "reserved_bytes": plan.reserved_bytes,
             "device_bytes": None,
             "budgeted_bytes": plan.budgeted_bytes,
@@ -290,6 +292,7 @@ QUIET_KEYS = frozenset(
         "fsdp_backward_prefetch",
         "fsdp_reduce_dtype",
         "fsdp_version",
+        "optimizer_implementation",
     }
 )
 PART_TITLES = {
@@ -346,6 +349,8 @@ def _shown(spec: ModelSpec, key: str, value: Any, default: Any) -> bool:
         return True
     if key in ("overlap_grad_reduce", "overlap_param_gather"):
         return value != spec.dp_comm_overlap
+    if key == "optimizer_implementation":  # shown where set, or where its default is foreach
+        return value is not None or frameworks.optimizer_implementation(spec) == "foreach"
     return value != (spec.tp if key == "etp" else default)
 
 
@@ -363,6 +368,7 @@ def model_table(spec: ModelSpec, title: str | None = None) -> Table:
     table.add_column("part", style="bold")
     table.add_column("values")
     values = spec.to_dict()
+    values["optimizer_implementation"] = frameworks.optimizer_implementation(spec)
     for name, keys in model_rows(spec):
         table.add_row(name, "  ".join(f"{key}={values[key]}" for key in keys))
     return table
@@ -521,9 +527,20 @@ def plan_summary_table(plan: Plan, gpu: GPU | None = None) -> Table:
             f"E/ep = {spec.experts // spec.ep} experts per GPU, ZeRO-{spec.zero} over "
             f"expert-DP {spec.expert_data_parallel}",
         )
-    table.add_row(
-        "total per GPU", both_units(plan.total_bytes), "activations + model states", style="bold"
+    if plan.optimizer_step_bytes:
+        workspace = optimizer_workspace_bytes(spec, plan.peak_stage)
+        table.add_row(
+            "optimizer step",
+            both_units(plan.optimizer_step_bytes),
+            "weights, every gradient and the optimizer states, with foreach AdamW's copy of "
+            f"exp_avg_sq ({gib(workspace)}); optimizer_implementation: fused allocates none",
+        )
+    total_note = (
+        "the optimizer step's (foreach AdamW)"
+        if plan.step_sets_peak
+        else "activations + model states"
     )
+    table.add_row("total per GPU", both_units(plan.total_bytes), total_note, style="bold")
     table.add_row(
         "  reserved",
         both_units(plan.reserved_bytes),

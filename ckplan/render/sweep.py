@@ -326,7 +326,12 @@ def sweep_verdict(result: SweepResult) -> Text:
         f"({smallest.plan.strategy}), {gib(-smallest.headroom_bytes)} over the usable budget."
     )
     states = smallest.plan.model_states.total
-    if states > result.usable_bytes:
+    if smallest.plan.step_sets_peak:
+        text += (
+            f" The optimizer step holds {gib(smallest.plan.optimizer_step_bytes)} whatever is "
+            "recomputed: foreach AdamW copies exp_avg_sq beside the states."
+        )
+    elif states > result.usable_bytes:
         text += f" Model states alone need {gib(states)}."
     advice = sweep_advice(result)
     if advice:
@@ -548,6 +553,11 @@ def why_not_fitting(candidate: Candidate) -> str:
         return (
             f"offloaded tapes {format_bytes(candidate.plan.host_bytes, GIB)} over the "
             f"{format_bytes(host, GIB)} of host memory per GPU"
+        )
+    if candidate.plan.step_sets_peak:
+        return (
+            f"the optimizer step {format_bytes(candidate.plan.optimizer_step_bytes, GIB)} "
+            "(foreach AdamW's exp_avg_sq copy beside the states)"
         )
     if states > candidate.budget_bytes:
         return f"model states alone {format_bytes(states, GIB)}"
