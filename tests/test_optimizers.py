@@ -174,8 +174,9 @@ def test_step_time_follows_the_bytes():
     sgd = optimizer_seconds(small(optimizer="sgd-nomomentum"), gpu)
     assert sgd < adam
     per_param = optimizers.step_bytes_per_parameter("adamw", 4, 0, 4, 8)
-    assert per_param == 4 + 16 + 4
-    assert optimizers.step_bytes_per_parameter("adafactor", 4, 0, 4, 0) == 12
+    assert per_param == 4 + 16 + 2 * 4  # no master copy: the weight is read and written
+    assert optimizers.step_bytes_per_parameter("adamw", 4, 4, 2, 8) == 4 + 8 + 16 + 2
+    assert optimizers.step_bytes_per_parameter("adafactor", 4, 0, 4, 0) == 8 + 2 * 4
 
 
 def test_in_backward_is_not_the_frameworks_freed_gradients():

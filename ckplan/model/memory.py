@@ -685,6 +685,8 @@ def optimizer_step_bytes(spec: ModelSpec) -> int:
     states, the framework's buffers that outlive the backward (`frameworks.step_buffer_bytes`)
     and the workspace; the activations are freed by then (derived). Without a workspace the
     step holds no more than the end of the backward, which the schedule's peak covers."""
+    if frameworks.optimizer_implementation(spec) != "foreach":
+        return 0  # the fused step: no workspace on any stage
     best = 0
     for stage in distinct_stages(spec):
         workspace = optimizer_workspace_bytes(spec, stage)

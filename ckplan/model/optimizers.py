@@ -136,13 +136,15 @@ def step_bytes_per_parameter(
 ) -> int:
     """Bytes one optimizer step reads and writes per trainable parameter, memory-bound (derived
     from each update rule, as Megatron-LM's mixed-precision Adam): it reads the gradient, reads
-    and writes the master weight and every state byte, and writes the working weight.
-    `state_bytes` is the per-parameter state (optimizer_bytes: 8-bit Adam's block statistics
-    and Adafactor's factored moments are small beside it). Adafactor reads the gradient twice
-    (the squared gradient's row and column means, then the update; transformers'
-    Adafactor.step)."""
+    and writes the master weight and every state byte, and writes the working weight; without
+    a master copy the weight is what it steps, read and written (torch.optim.AdamW's fused
+    kernel, `_fused_adamw_`, updates param, exp_avg and exp_avg_sq in place). `state_bytes` is
+    the per-parameter state (optimizer_bytes: 8-bit Adam's block statistics and Adafactor's
+    factored moments are small beside it). Adafactor reads the gradient twice (the squared
+    gradient's row and column means, then the update; transformers' Adafactor.step)."""
     grads = 2 * grad_bytes if optimizer == "adafactor" else grad_bytes
-    return grads + 2 * master_bytes + 2 * state_bytes + weight_bytes
+    weights = weight_bytes if master_bytes else 2 * weight_bytes
+    return grads + 2 * master_bytes + 2 * state_bytes + weights
 
 
 def adam_moment_bytes(optimizer_bytes: int) -> int:

@@ -41,11 +41,12 @@ from ckplan.hardware.step_time import (
     fp8_master_cast_extra_bytes,
     gradient_reduction,
     layer_time,
+    optimizer_step_bytes_per_parameter,
     output_time,
     zero3_gathers_frozen,
 )
 from ckplan.hardware.times import StageTime
-from ckplan.model import allocator, loss, memory, optimizers
+from ckplan.model import allocator, loss, memory
 from ckplan.model.layers import LayerKind, stage_kinds
 from ckplan.model.modules import LAYERNORM, MLA_UP_PROJ, MOE_ACT
 from ckplan.model.moe import EXPERTS, MOE, SHARED_EXPERTS
@@ -586,13 +587,7 @@ class Bounds:
             after = copy_seconds(traffic.after_step_to_device, self.gpu)
             sharing = min(self.gpu.gpus_per_node, layout.gpus)
             return host_states.cpu_adam_seconds(traffic, self.gpu, sharing) + after
-        per_param = optimizers.step_bytes_per_parameter(
-            spec.optimizer,
-            spec.grad_bytes,
-            spec.master_bytes,
-            spec.weight_bytes,
-            spec.optimizer_bytes,
-        )
+        per_param = optimizer_step_bytes_per_parameter(spec)
         cast = fp8_master_cast_extra_bytes(spec, fp8_dense + fp8_experts)
         amax = amax_all_reduce_seconds(self.gpu, dense_tensors, layout.dp * layout.cp, layout.tp)
         amax += amax_all_reduce_seconds(
