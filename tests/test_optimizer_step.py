@@ -156,7 +156,21 @@ def test_sweep_says_the_step_sets_the_peak():
     plan = plan_of(spec())
     assert plan.step_sets_peak
     candidate = Candidate(plan=plan, budget_bytes=plan.optimizer_step_bytes - 1)
-    assert why_not_fitting(candidate).startswith("the optimizer step")
+    assert why_not_fitting(candidate).startswith("foreach AdamW's step")
+
+
+def test_the_fused_step_is_offered_first():
+    """Among the levers that fit on the same GPUs, the one that trains the same model the same
+    way comes first: AdamW's fused step (a 1.5B model, every weight, on one GPU)."""
+    from ckplan.plan.advice import advise
+
+    model = spec(
+        layers=16, hidden=2048, heads=32, kv_heads=8, ffn_hidden=8192, vocab=128256, seq=2048
+    )
+    usable = 27 * 2**30  # the fused plan: 26.67 GiB, in the backward; foreach: 27.91 GiB
+    assert plan_of(model).budgeted_bytes > usable
+    first = advise(model, usable, pcie=True)[0]
+    assert first.keys == {"optimizer_implementation": "fused"} and first.fits
 
 
 # ---- against PyTorch -------------------------------------------------------------------------

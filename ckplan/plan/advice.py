@@ -92,6 +92,11 @@ def _try(spec: ModelSpec, keys: dict[str, Any]) -> ModelSpec | None:
         return None
 
 
+# levers that train the same model the same way on the same GPUs: the gradients set to None
+# between steps, AdamW's fused step instead of foreach
+SAME_TRAINING = frozenset({"zero_grad", "optimizer_implementation"})
+
+
 def _pipeline_keys(spec: ModelSpec, pp: int) -> dict[str, Any] | None:
     """pp with the split Megatron would use: even, else embedding/loss counted as layers."""
     from ckplan.plan.layout.space import pipeline_splits
@@ -247,9 +252,16 @@ def advise(
                 best = advice
         if best is not None and best.total_bytes < current:
             found.append(best)
-    # model states on the host last among equals: the CPU's optimizer step is slow
+    # what changes neither the training nor the GPUs first among equals (`SAME_TRAINING`),
+    # model states on the host last: the CPU's optimizer step is slow
     found.sort(
-        key=lambda a: (not a.fits, a.gpus_factor, "optimizer_offload" in a.keys, a.total_bytes)
+        key=lambda a: (
+            not a.fits,
+            a.gpus_factor,
+            not set(a.keys) <= SAME_TRAINING,
+            "optimizer_offload" in a.keys,
+            a.total_bytes,
+        )
     )
     if _one_gpu_fine_tune(spec, pcie):  # every lever, with what it gives alone
         return found

@@ -555,10 +555,7 @@ def why_not_fitting(candidate: Candidate) -> str:
             f"{format_bytes(host, GIB)} of host memory per GPU"
         )
     if candidate.plan.step_sets_peak:
-        return (
-            f"the optimizer step {format_bytes(candidate.plan.optimizer_step_bytes, GIB)} "
-            "(foreach AdamW's exp_avg_sq copy beside the states)"
-        )
+        return f"foreach AdamW's step {format_bytes(candidate.plan.optimizer_step_bytes, GIB)}"
     if states > candidate.budget_bytes:
         return f"model states alone {format_bytes(states, GIB)}"
     return (
