@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ckplan.model.frameworks import optimizer_implementation
 from ckplan.render.common import facts_table
 
 if TYPE_CHECKING:  # Rich is imported where a table is built: --json needs none
@@ -126,5 +127,9 @@ def gpu_table(gpu: GPU) -> Group:
 
 
 def _optimizer_name(spec) -> str:
-    """The optimizer as the step-time table names it (Adam for adamw, as before)."""
-    return "Adam" if spec.optimizer == "adamw" else spec.optimizer
+    """The optimizer as the step-time table names it (Adam for adamw, as before), with its
+    foreach path where it steps so (a kernel per operation: `optimizer_implementation`)."""
+    name = "Adam" if spec.optimizer == "adamw" else spec.optimizer
+    if optimizer_implementation(spec) == "foreach":
+        return f"{name} foreach, a kernel per operation"
+    return name
