@@ -667,12 +667,19 @@ def optimizer_workspace_bytes(spec: ModelSpec, stage: int = 0) -> int:
     """What the optimizer step allocates on one GPU of pipeline stage `stage` beside the model
     states: foreach AdamW's copy of exp_avg_sq over the parameters it steps
     (`optimizers.foreach_adamw_workspace_bytes`, `frameworks.optimizer_implementation`
-    foreach); 0 for the fused step, which updates in place, for a step on the host
+    foreach), or Adafactor's fp32 temporaries of its largest trained tensor
+    (`optimizers.adafactor_workspace_bytes`; zero 0, whole tensors); 0 for the fused step,
+    which updates in place, and for the other optimizers' kernels, for a step on the host
     (`optimizer_offload`), and for the step in backward, which runs one tensor at a time
-    (its largest tensor's copy is not counted)."""
-    if frameworks.optimizer_implementation(spec) != "foreach":
-        return 0
+    (its largest tensor's temporaries are not counted)."""
     if spec.optimizer_offload != "none" or spec.optimizer_in_backward:
+        return 0
+    if spec.optimizer == "adafactor":
+        largest = largest_trained_parameter(spec)
+        if spec.training == "full" and not outside_layer_parameters(spec, stage):
+            largest = frameworks.largest_weight(spec, spec.tp)  # no embedding or output here
+        return optimizers.adafactor_workspace_bytes(largest, spec.weight_bytes, spec.grad_bytes)
+    if frameworks.optimizer_implementation(spec) != "foreach":
         return 0
     return optimizers.foreach_adamw_workspace_bytes(
         stepped_parameters(spec, stage), spec.optimizer_bytes
@@ -685,8 +692,8 @@ def optimizer_step_bytes(spec: ModelSpec) -> int:
     states, the framework's buffers that outlive the backward (`frameworks.step_buffer_bytes`)
     and the workspace; the activations are freed by then (derived). Without a workspace the
     step holds no more than the end of the backward, which the schedule's peak covers."""
-    if frameworks.optimizer_implementation(spec) != "foreach":
-        return 0  # the fused step: no workspace on any stage
+    if frameworks.optimizer_implementation(spec) != "foreach" and spec.optimizer != "adafactor":
+        return 0  # an in-place step: no workspace on any stage
     best = 0
     for stage in distinct_stages(spec):
         workspace = optimizer_workspace_bytes(spec, stage)

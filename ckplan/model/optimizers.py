@@ -163,6 +163,18 @@ def foreach_adamw_workspace_bytes(parameters: int, optimizer_bytes: int) -> int:
     return parameters * adam_moment_bytes(optimizer_bytes)
 
 
+def adafactor_workspace_bytes(largest: int, weight_bytes: int, grad_bytes: int) -> int:
+    """What transformers' Adafactor step allocates at most beside the states: it steps tensor by
+    tensor, and for one of `largest` values holds two fp32 temporaries at once (`grad**2` and
+    `+ eps`; then that sum and `_approx_sq_grad`'s outer product, or `exp_avg_sq.rsqrt()`; then
+    the update and `-update` in `p_data_fp32.add_(-update)`), beside an fp32 copy of a half
+    gradient (`grad.float()`) and of a half parameter (`p_data_fp32 = p.float()`), alive
+    through the tensor's step (src/transformers/optimization.py `Adafactor.step`,
+    transformers v5.25.0)."""
+    copies = (grad_bytes < FP32) + (weight_bytes < FP32)
+    return largest * FP32 * (2 + copies)
+
+
 def foreach_adamw_step_bytes_per_parameter(
     grad_bytes: int, master_bytes: int, weight_bytes: int, optimizer_bytes: int
 ) -> int:

@@ -529,17 +529,23 @@ def plan_summary_table(plan: Plan, gpu: GPU | None = None) -> Table:
         )
     if plan.optimizer_step_bytes:
         workspace = optimizer_workspace_bytes(spec, plan.peak_stage)
+        what = (
+            "Adafactor's fp32 temporaries of its largest tensor"
+            if spec.optimizer == "adafactor"
+            else "foreach AdamW's copy of exp_avg_sq"
+        )
+        fused = (
+            ""
+            if spec.optimizer == "adafactor"
+            else "; optimizer_implementation: fused allocates none"
+        )
         table.add_row(
             "optimizer step",
             both_units(plan.optimizer_step_bytes),
-            "weights, every gradient and the optimizer states, with foreach AdamW's copy of "
-            f"exp_avg_sq ({gib(workspace)}); optimizer_implementation: fused allocates none",
+            f"weights, every gradient and the optimizer states, with {what} ({gib(workspace)})"
+            + fused,
         )
-    total_note = (
-        "the optimizer step's (foreach AdamW)"
-        if plan.step_sets_peak
-        else "activations + model states"
-    )
+    total_note = "the optimizer step's" if plan.step_sets_peak else "activations + model states"
     table.add_row("total per GPU", both_units(plan.total_bytes), total_note, style="bold")
     table.add_row(
         "  reserved",

@@ -329,7 +329,7 @@ def sweep_verdict(result: SweepResult) -> Text:
     if smallest.plan.step_sets_peak:
         text += (
             f" The optimizer step holds {gib(smallest.plan.optimizer_step_bytes)} whatever is "
-            "recomputed: foreach AdamW copies exp_avg_sq beside the states."
+            "recomputed, its workspace beside the states."
         )
     elif states > result.usable_bytes:
         text += f" Model states alone need {gib(states)}."
@@ -555,7 +555,7 @@ def why_not_fitting(candidate: Candidate) -> str:
             f"{format_bytes(host, GIB)} of host memory per GPU"
         )
     if candidate.plan.step_sets_peak:
-        return f"foreach AdamW's step {format_bytes(candidate.plan.optimizer_step_bytes, GIB)}"
+        return f"the optimizer step {format_bytes(candidate.plan.optimizer_step_bytes, GIB)}"
     if states > candidate.budget_bytes:
         return f"model states alone {format_bytes(states, GIB)}"
     return (
