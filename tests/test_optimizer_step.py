@@ -49,7 +49,9 @@ def test_foreach_kernels_by_hand():
         ({"optimizer": "adamw-bf16"}, "fused"),  # the Trainer's adamw_anyprecision
         ({"framework": "torchtitan", "framework_version": None}, "fused"),  # its default
         ({"framework": "megatron", "framework_version": None}, "fused"),
-        ({"framework": "deepspeed", "framework_version": None}, "fused"),
+        ({"framework": "deepspeed", "framework_version": None}, "fused"),  # the Trainer's, 5.25
+        ({"framework": "deepspeed"}, "foreach"),  # the Trainer's adamw_torch as the client's
+        ({"framework": "deepspeed", "framework_version": "0.5.4"}, "fused"),  # FusedAdam
         ({"framework_version": "5.25", "optimizer_implementation": "foreach"}, "foreach"),
         ({"optimizer_implementation": "fused"}, "fused"),
         (
@@ -104,6 +106,18 @@ def test_ddp_keeps_its_buckets_at_the_step():
     are whole on each rank."""
     plan = plan_of(spec(dp=2, zero=0))
     assert plan.optimizer_step_bytes == (20 + 4) * P
+
+
+def test_deepspeed_zero3_keeps_its_bucket_at_the_step():
+    """The Trainer's foreach AdamW as DeepSpeed's client optimizer over its fp32 partitions
+    (ZeRO-3 over two ranks): the partition's master weights, moments and gradients, the bf16
+    weights' partition and the IPG bucket ZeRO-3 allocates at init (2 bytes x 5e8)."""
+    model = spec(framework="deepspeed", dp=2, zero=3)
+    states = model_state_bytes(model)
+    workspace = optimizer_workspace_bytes(model)
+    assert workspace == 4 * P // 2  # exp_avg_sq of the fp32 partition
+    held = states.weights + states.gradients + states.optimizer + 2 * 500_000_000
+    assert plan_of(model).optimizer_step_bytes == held + workspace
 
 
 def test_fsdp_shards_the_step():

@@ -23,7 +23,9 @@ Model states on the host (`optimizer_offload: cpu`, `param_offload: cpu`) become
 true}` (deepspeed/runtime/zero/offload_config.py, v0.19.8: DeepSpeedZeroOffloadOptimizerConfig,
 valid with stage 1, 2 and 3, and DeepSpeedZeroOffloadParamConfig, stage 3 only); ZeRO-Offload
 asserts the optimizer is DeepSpeedCPUAdam (stage_1_and_2.py `_enforce_cpu_offload`), which a
-config's `"optimizer": {"type": "AdamW"}` builds when offload_optimizer is set.
+config's `"optimizer": {"type": "AdamW"}` builds when offload_optimizer is set. Otherwise the
+fragment names no optimizer, so DeepSpeed steps the client's (the Trainer's `optim`): where
+ckplan counted its foreach path (`optimizer_implementation: foreach`), a note says so.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import json
 
 from ckplan.exports.segments import LayerSegments, module_reason
+from ckplan.model.frameworks import optimizer_implementation
 from ckplan.model.spec import ModelSpec
 from ckplan.plan import Plan
 
@@ -142,6 +145,13 @@ def notes(plan: Plan, layers: LayerSegments) -> list[str]:
             "(or pass deepspeed.ops.adam.DeepSpeedCPUAdam)"
         )
     spec = plan.spec
+    if spec.optimizer_offload == "none" and optimizer_implementation(spec) == "foreach":
+        lines.append(
+            "the optimizer step counted is torch.optim.AdamW's foreach path with its copy of "
+            "exp_avg_sq, the client optimizer DeepSpeed steps when its config names none (the "
+            'Trainer\'s adamw_torch); "optimizer": {"type": "AdamW"} makes it FusedAdam, in '
+            "place: --set optimizer_implementation=fused"
+        )
     if spec.tp > 1 or spec.pp > 1 or spec.cp > 1:
         lines.append(
             f"tp={spec.tp} pp={spec.pp} cp={spec.cp} are the launcher's (Megatron-DeepSpeed: "

@@ -375,16 +375,20 @@ def optimizer_implementation(spec) -> str:
       without `fused` or `foreach`, which PyTorch runs foreach on CUDA (torch/optim/optimizer.py
       `_default_to_fused_or_foreach` at v2.13.0: fused only when asked); "adamw_torch_fused"
       under v5.25.0 with torch >= 2.8 (`default_optim`, `fused=True` in trainer_optimizer.py).
+    - deepspeed: at a transformers release (`framework_version` 4.44 or 5.25) the Trainer's
+      optimizer as hf's, which DeepSpeed steps when its config names none (the client
+      optimizer, deepspeed/runtime/engine.py `_configure_optimizer`, v0.19.8); `fused` at
+      0.5.4, DeepSpeed's own runs, whose config names "Adam" or "AdamW": FusedAdam
+      (`_configure_basic_optimizer`), in place.
     - torchtitan: `[optimizer] implementation = "fused"`, its default (torchtitan
       components/optimizer/optimizer.py at v0.3.0).
-    - megatron, deepspeed: their fused Adam kernels (Transformer Engine's or Apex's FusedAdam,
-      DeepSpeed's FusedAdam), which update in place as the fused path does.
+    - megatron: Transformer Engine's or Apex's FusedAdam, in place as the fused path.
 
     Optimizers other than adamw and adamw-bf16 run their own kernels: `fused` names them."""
     if spec.optimizer_implementation is not None:
         return spec.optimizer_implementation
     foreach_default = (
-        spec.framework == "hf"
+        spec.framework in ("hf", "deepspeed")
         and framework_version(spec) in FOREACH_DEFAULT_RELEASES
         and spec.optimizer == "adamw"
     )
@@ -394,16 +398,16 @@ def optimizer_implementation(spec) -> str:
 def optimizer_implementation_error(spec) -> str | None:
     """Why `optimizer_implementation` cannot be set (one line naming the key), or None: it picks
     torch.optim.AdamW's code path (optimizer adamw, or adamw-bf16 on bf16 parameters), which
-    the Hugging Face Trainer (`optim` adamw_torch or adamw_torch_fused) and torchtitan
-    (`[optimizer] implementation`) let a run choose; Megatron-LM and DeepSpeed step with their
-    own fused Adam."""
+    the Hugging Face Trainer (`optim` adamw_torch or adamw_torch_fused, also as DeepSpeed's
+    client optimizer) and torchtitan (`[optimizer] implementation`) let a run choose;
+    Megatron-LM steps with its own fused Adam."""
     chosen = spec.optimizer_implementation
     if chosen is None:
         return None
-    if spec.framework not in ("hf", "torchtitan"):
+    if spec.framework == "megatron":
         return (
             f"key 'optimizer_implementation' ({chosen}): torch.optim.AdamW's code path under "
-            f"framework hf or torchtitan; {spec.framework} steps with its own fused Adam"
+            "framework hf, deepspeed or torchtitan; megatron steps with its own fused Adam"
         )
     if spec.optimizer not in ("adamw", "adamw-bf16"):
         return (
@@ -643,9 +647,14 @@ def step_buffer_bytes(spec, trainable_params: int) -> int:
     step (torch/nn/parallel/distributed.py, `_Reducer` built once in `__init__`, PyTorch
     v2.13.0). autocast's bf16 weight copies are released with the backward that saved them,
     and PyTorch FSDP reshards every unit in its post-backward, so the unsharded copies and
-    gradients of either FSDP are freed by then (derived); torchtitan holds none at zero 0-3."""
+    gradients of either FSDP are freed by then (derived); torchtitan holds none at zero 0-3.
+    DeepSpeed's ZeRO-3 keeps its IPG bucket, allocated whole at init
+    (`deepspeed_zero3_reduce_bytes`); the gathered parameters are released by the backward's
+    end. ZeRO 1-2's buckets are not counted here."""
     if spec.framework == "hf" and spec.dp > 1 and spec.zero == 0:
         return 4 * trainable_params
+    if spec.framework == "deepspeed" and spec.dp > 1 and spec.zero == 3:
+        return HALF * DEEPSPEED_REDUCE_BUCKET
     return 0
 
 
