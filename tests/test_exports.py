@@ -422,6 +422,12 @@ def test_torchtitan_02_toml_has_only_the_release_keys(spec_of):
             "full",
             "no float8 all-gather",
         ),
+        ({"optimizer": "adamw-8bit"}, "full", "torchtitan builds torch.optim.Adam or AdamW"),
+        (
+            {"optimizer": "adamw-bf16", "optimizer_implementation": "foreach"},
+            "full",
+            "fused kernel only",
+        ),
     ],
 )
 def test_torchtitan_03_refuses_what_its_options_cannot_say(spec_of, layout, strategy, fragment):
@@ -434,6 +440,16 @@ def test_torchtitan_03_refuses_what_its_options_cannot_say(spec_of, layout, stra
         exports.export(plan, "torchtitan")
     if strategy == "sac":  # 0.2.x's op SAC is ckplan's sac
         assert exports.why_not(plan, "torchtitan", "0.2") is None
+
+
+def test_torchtitan_bf16_moments_are_03s_fused_opt_states_bf16(spec_of):
+    """AdamW with bf16 moments: 0.3.0's `fused_opt_states_bf16` (fp32 parameters, bf16 states,
+    the fused kernel); 0.2.x has no such implementation."""
+    spec = spec_of("llama3-8b", framework="torchtitan", dp=8, zero=3, optimizer="adamw-bf16")
+    plan = plan_of(spec, "full")
+    text = exports.export(plan, "torchtitan").text
+    assert "--optimizer.implementation fused_opt_states_bf16" in text.splitlines()
+    assert "keeps AdamW's moments in fp32" in exports.why_not(plan, "torchtitan", "0.2")
 
 
 def test_torchtitan_03_refuses_sac_on_moe_and_experts_beside_tp(spec_of):

@@ -39,7 +39,9 @@ layer in bf16 as ckplan models it; 0.3.0's `Float8LinearConverter` has the rowwi
 (`recipe_name` rowwise or rowwise_with_gw_hp) and no float8 all-gather, so the 0.3 export
 refuses the key. A foreach AdamW step (`optimizer_implementation: foreach`) is written as
 `--optimizer.implementation foreach` (0.3.0) or `[optimizer] implementation = "foreach"`
-(0.2.x); both releases default to "fused", which ckplan counts otherwise.
+(0.2.x); both releases default to "fused", which ckplan counts otherwise. AdamW with bf16
+moments (`optimizer: adamw-bf16`) is 0.3.0's `fused_opt_states_bf16`; other optimizers are
+refused (torchtitan builds Adam and AdamW).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from __future__ import annotations
 import re
 
 from ckplan.exports.segments import LayerSegments, module_reason
-from ckplan.model import frameworks
+from ckplan.model.frameworks import optimizer_implementation
 from ckplan.model.op_policy import TORCHTITAN_03_POLICY, TORCHTITAN_03_WORD, TORCHTITAN_POLICY
 from ckplan.model.spec import ModelSpec
 from ckplan.model.torchtitan_ac import DEFAULT_RELEASE, RELEASES, policy_reason
@@ -76,6 +78,8 @@ def reason(spec: ModelSpec, layers: LayerSegments, version: str = DEFAULT_VERSIO
             "its bfloat16 default"
         )
     if version == "0.3" and (why := _layout_reason_03(spec)):
+        return why
+    if why := _optimizer_reason(spec, version):
         return why
     if spec.pipeline_schedule == "dualpipe":
         # --parallelism.pipeline-parallel-schedule names PyTorch's schedules
@@ -228,6 +232,30 @@ def subcommand(layers: LayerSegments) -> str:
     return SUBCOMMAND + ("none" if layers.stores_all else "full")
 
 
+def _optimizer_reason(spec: ModelSpec, version: str) -> str | None:
+    """Why torchtitan cannot step the plan's optimizer, or None: it builds torch.optim.Adam or
+    AdamW (`[optimizer] name`; 0.3.0 also DistMuon, which ckplan does not model), with fp32
+    moments, or bf16 ones under 0.3.0's `implementation = "fused_opt_states_bf16"` (the fused
+    kernel's mixed-precision path: components/optimizer/optimizer.py at v0.3.0; 0.2.2's
+    implementations are for-loop, foreach and fused)."""
+    if spec.optimizer not in ("adamw", "adamw-bf16"):
+        return (
+            f"optimizer {spec.optimizer}: torchtitan builds torch.optim.Adam or AdamW "
+            "([optimizer] name); use optimizer adamw"
+        )
+    if spec.optimizer == "adamw-bf16" and version != "0.3":
+        return (
+            "optimizer adamw-bf16: torchtitan 0.2.x keeps AdamW's moments in fp32; 0.3.0's "
+            "fused_opt_states_bf16 keeps them in bf16 (--torchtitan-version 0.3)"
+        )
+    if spec.optimizer == "adamw-bf16" and optimizer_implementation(spec) == "foreach":
+        return (
+            "optimizer adamw-bf16 with optimizer_implementation foreach: torchtitan keeps bf16 "
+            "moments with its fused kernel only (fused_opt_states_bf16)"
+        )
+    return None
+
+
 def options(spec: ModelSpec) -> list[tuple[str, str | None]]:
     """torchtitan 0.3.0's overrides for the batch and layout, (option, value or None for a
     flag), from its TrainingConfig and ParallelismConfig (config/configs.py): the local batch
@@ -271,7 +299,9 @@ def options(spec: ModelSpec) -> list[tuple[str, str | None]]:
         out.append(("--parallelism.expert-parallel-degree", str(spec.ep)))
     if spec.optimizer_offload != "none":
         out.append(("--training.enable-cpu-offload", None))
-    if frameworks.optimizer_implementation(spec) == "foreach":  # "fused" is its default
+    if spec.optimizer == "adamw-bf16":  # fp32 parameters, bf16 moments, the fused kernel
+        out.append(("--optimizer.implementation", "fused_opt_states_bf16"))
+    elif optimizer_implementation(spec) == "foreach":  # "fused" is its default
         out.append(("--optimizer.implementation", "foreach"))
     out.append(("--training.disable-cuda-graphs", None))
     return out
@@ -295,7 +325,7 @@ def render(plan: Plan, layers: LayerSegments, version: str = DEFAULT_VERSION) ->
     lines = [f"# ckplan: plan {plan.strategy} for {plan.spec.name}", "[activation_checkpoint]"]
     lines += [f'{key} = "{value}"' for key, value in section(layers).items()]
     lines += _toml_lines(float8_tables(plan.spec))
-    if frameworks.optimizer_implementation(plan.spec) == "foreach":  # "fused" is its default
+    if optimizer_implementation(plan.spec) == "foreach":  # "fused" is its default
         lines += _toml_lines({"optimizer": {"implementation": "foreach"}})
     return "\n".join(lines) + "\n"
 
