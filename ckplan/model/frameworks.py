@@ -376,10 +376,11 @@ def optimizer_implementation(spec) -> str:
       `_default_to_fused_or_foreach` at v2.13.0: fused only when asked); "adamw_torch_fused"
       under v5.25.0 with torch >= 2.8 (`default_optim`, `fused=True` in trainer_optimizer.py).
     - deepspeed: at a transformers release (`framework_version` 4.44 or 5.25) the Trainer's
-      optimizer as hf's, which DeepSpeed steps when its config names none (the client
-      optimizer, deepspeed/runtime/engine.py `_configure_optimizer`, v0.19.8); `fused` at
+      optimizer as hf's: with no "optimizer" in the DeepSpeed config the Trainer builds its
+      own (`trainer.create_optimizer()`, transformers v5.25.0 integrations/deepspeed.py
+      `deepspeed_optim_sched`) and DeepSpeed steps it as the client optimizer; `fused` at
       0.5.4, DeepSpeed's own runs, whose config names "Adam" or "AdamW": FusedAdam
-      (`_configure_basic_optimizer`), in place.
+      (deepspeed/runtime/engine.py `_configure_basic_optimizer`, v0.19.8), in place.
     - torchtitan: `[optimizer] implementation = "fused"`, its default (torchtitan
       components/optimizer/optimizer.py at v0.3.0).
     - megatron: Transformer Engine's or Apex's FusedAdam, in place as the fused path.
