@@ -1,8 +1,9 @@
 """The optimizer step as a phase of the step's memory, and its code path (fused or foreach).
 
 torch.optim.AdamW's foreach step copies every exp_avg_sq (`_foreach_sqrt`) before it updates
-the parameters; the fused step updates in place. The copy is checked against PyTorch itself
-(skipped without torch), the bytes and the defaults by hand (docs/memory.md, "The optimizer
+the parameters; the fused step updates in place; transformers' Adafactor holds fp32
+temporaries of its largest tensor. Each is checked against the library itself (skipped
+without it), the bytes, the defaults and the exports by hand (docs/memory.md, "The optimizer
 step")."""
 
 import pytest
