@@ -663,6 +663,14 @@ def stepped_parameters(spec: ModelSpec, stage: int = 0) -> int:
     return dense + experts
 
 
+def _allocates_workspace(spec: ModelSpec) -> bool:
+    """Whether the optimizer step allocates beside the states on the GPU: foreach AdamW or
+    Adafactor, stepping there (not on the host, not tensor by tensor in backward)."""
+    if spec.optimizer_offload != "none" or spec.optimizer_in_backward:
+        return False
+    return spec.optimizer == "adafactor" or frameworks.optimizer_implementation(spec) == "foreach"
+
+
 def optimizer_workspace_bytes(spec: ModelSpec, stage: int = 0) -> int:
     """What the optimizer step allocates on one GPU of pipeline stage `stage` beside the model
     states: foreach AdamW's copy of exp_avg_sq over the parameters it steps
@@ -672,15 +680,13 @@ def optimizer_workspace_bytes(spec: ModelSpec, stage: int = 0) -> int:
     which updates in place, and for the other optimizers' kernels, for a step on the host
     (`optimizer_offload`), and for the step in backward, which runs one tensor at a time
     (its largest tensor's temporaries are not counted)."""
-    if spec.optimizer_offload != "none" or spec.optimizer_in_backward:
+    if not _allocates_workspace(spec):
         return 0
     if spec.optimizer == "adafactor":
         largest = largest_trained_parameter(spec)
         if spec.training == "full" and not outside_layer_parameters(spec, stage):
             largest = frameworks.largest_weight(spec, spec.tp)  # no embedding or output here
         return optimizers.adafactor_workspace_bytes(largest, spec.weight_bytes, spec.grad_bytes)
-    if frameworks.optimizer_implementation(spec) != "foreach":
-        return 0
     return optimizers.foreach_adamw_workspace_bytes(
         stepped_parameters(spec, stage), spec.optimizer_bytes
     )
@@ -692,13 +698,11 @@ def optimizer_step_bytes(spec: ModelSpec) -> int:
     states, the framework's buffers that outlive the backward (`frameworks.step_buffer_bytes`)
     and the workspace; the activations are freed by then (derived). Without a workspace the
     step holds no more than the end of the backward, which the schedule's peak covers."""
-    if frameworks.optimizer_implementation(spec) != "foreach" and spec.optimizer != "adafactor":
-        return 0  # an in-place step: no workspace on any stage
+    if not _allocates_workspace(spec):
+        return 0  # no workspace on any stage
     best = 0
     for stage in distinct_stages(spec):
         workspace = optimizer_workspace_bytes(spec, stage)
-        if not workspace:
-            continue
         states = model_state_bytes(spec, stage)
         kept = frameworks.step_buffer_bytes(spec, sum(trainable_stage_parameters(spec, stage)))
         held = states.weights + states.gradients + states.optimizer + kept
