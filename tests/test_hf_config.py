@@ -30,6 +30,11 @@ PUBLISHED = {
     "gpt2": 124_439_808,
     "pythia-160m": 162_322_944,  # gpt_neox
     "DeepSeek-V2-Lite": 15_706_484_224,
+    # GLM-4.5-Air: "106B total parameters" (zai-org/GLM-4.5 README), the main model's 46
+    # layers without the MTP layer the checkpoint adds; transformers v5.25.0 builds the same
+    # count (tests/test_hf_families_torch.py)
+    "GLM-4.5-Air": 106_852_251_264,
+    "SmolLM3-3B": 3_075_098_624,  # "3.08B params" (the model page), tied embeddings
 }
 
 
@@ -105,6 +110,55 @@ def test_family_quirks():
     lite = load("DeepSeek-V2-Lite")
     assert (lite.q_lora_rank, lite.moe_layers, lite.shared_ffn_hidden) == (0, "1-", 2816)
     assert not lite.expert_bias
+
+
+def test_glm4_moe_air():
+    """GLM-4.5-Air: 128 routed experts from layer 1 on, one shared, a correction bias per
+    expert; Q, K, V biased and o_proj not; 96 heads of 128 (a·d = 12,288 != h); 12B active
+    (zai-org/GLM-4.5 README: "106B total parameters and 12B active"), which counts neither
+    the input embedding nor the output layer."""
+    spec = load("GLM-4.5-Air")
+    assert (spec.experts, spec.top_k, spec.moe_ffn_hidden, spec.moe_layers) == (128, 8, 1408, "1-")
+    assert (spec.shared_experts, spec.shared_ffn_hidden, spec.expert_bias) == (1, 1408, True)
+    assert spec.qkv_bias and not spec.bias and not spec.qk_norm and spec.head_dim == 128
+    assert spec.moe_router_num_groups == 0  # n_group 1: no group limit
+    counts = parameter_count(spec)
+    assert round((counts.active - 2 * spec.vocab * spec.hidden) / 1e9) == 12
+    assert "multi-token-prediction" in spec.source
+
+
+def test_glm4_moe_options():
+    config = json.loads((FIXTURES / "GLM-4.5-Air" / "config.json").read_text())
+    changes = {"use_qk_norm": True, "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4}
+    mapping = hf_config_mapping({**config, **changes}, "x/config.json")
+    assert mapping["qk_norm"] and mapping["moe_layers"] == "3-"
+    assert (mapping["moe_router_num_groups"], mapping["moe_router_group_topk"]) == (8, 4)
+
+
+def test_glm4_dense_has_four_norms_and_qkv_biases():
+    spec = load("glm4-config-defaults")
+    assert spec.post_norms and spec.qkv_bias and not spec.bias and spec.head_dim == 128
+
+
+def test_smollm3_windows_sit_on_its_nope_layers():
+    """SmolLM3Config.__post_init__ (v5.25.0): with use_sliding_window, the layers without RoPE
+    (every no_rope_layer_interval-th, or the zeros of no_rope_layers) slide."""
+    spec = load("SmolLM3-3B")
+    assert spec.tied_embeddings and spec.sliding_window == 0
+    config = json.loads((FIXTURES / "SmolLM3-3B" / "config.json").read_text())
+    windowed = {**config, "use_sliding_window": True, "sliding_window": 4096}
+    assert hf_config_mapping(windowed, "x")["sliding_window_layers"] == "3-:4"
+    given = {**windowed, "no_rope_layers": [0, 1] * 18}
+    assert hf_config_mapping(given, "x")["sliding_window_layers"] == "0-:2"
+    interval = {**windowed, "no_rope_layers": None, "no_rope_layer_interval": 6}
+    assert hf_config_mapping(interval, "x")["sliding_window_layers"] == "5-:6"
+
+
+def test_granite_is_llama_with_scalar_multipliers():
+    config = json.loads((FIXTURES / "granite-config-defaults" / "config.json").read_text())
+    granite = hf_config_mapping(config, "x")
+    llama = hf_config_mapping({**config, "model_type": "llama"}, "x")
+    assert granite.pop("source") != llama.pop("source") and granite == llama
 
 
 @pytest.mark.parametrize(

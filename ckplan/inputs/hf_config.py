@@ -40,10 +40,10 @@ _INTEGER_KEYS = (
 _LAYER_RULE_KEYS = {
     "decoder_sparse_step": 1, "moe_layer_freq": 1, "sliding_window_pattern": 1,
     "_sliding_window_pattern": 1, "max_window_layers": 0, "first_k_dense_replace": 0,
-    "num_nextn_predict_layers": 0,
+    "num_nextn_predict_layers": 0, "no_rope_layer_interval": 1,
 }  # fmt: skip
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe")
 
 
 def hf_config_mapping(
@@ -128,14 +128,15 @@ def _check_types(config: Mapping[str, Any], origin: str, model_type: str) -> Non
                 f"{origin}: key {key!r} expects an integer in {low}..{most_layers:,}, "
                 f"got {quote(value)}"
             )
-    for key in ("mlp_only_layers", "layer_types"):
+    for key in ("mlp_only_layers", "no_rope_layers", "layer_types"):
         value = config.get(key)
         kind = str if key == "layer_types" else int
         if value is not None and (
             not isinstance(value, list)
             or not all(isinstance(item, kind) and not isinstance(item, bool) for item in value)
         ):
-            what = "layer type names" if kind is str else "layer indices"
+            what = {"layer_types": "layer type names", "no_rope_layers": "0/1 flags, one a layer"}
+            what = what.get(key, "layer indices")
             raise SpecError(f"{origin}: key {key!r} expects a list of {what}, got {quote(value)}")
     for key in ("torch_dtype", "dtype"):
         value = config.get(key)
@@ -379,6 +380,65 @@ def _gemma3_text(c: _Config) -> dict[str, Any]:
     return mapping | windows
 
 
+def _granite(c: _Config) -> dict[str, Any]:
+    """Granite 3.x: Llama's layer. Its embedding_multiplier, attention_multiplier,
+    residual_multiplier and logits_scaling are scalars (GraniteModel, GraniteDecoderLayer,
+    modeling_granite.py, transformers v5.25.0): no parameters, no tensor saved."""
+    return _llama(c)
+
+
+def _smollm3(c: _Config) -> dict[str, Any]:
+    """SmolLM3: Llama's layer, the embeddings tied by default, every no_rope_layer_interval-th
+    layer without RoPE (no parameters either way) and, with use_sliding_window, the window on
+    those NoPE layers (SmolLM3Config.__post_init__, configuration_smollm3.py v5.25.0)."""
+    mapping = {**_base(c, tied=True), **_llama_biases(c)}
+    if not c.flag("use_sliding_window", False):
+        return mapping
+    layers = _capped(mapping["layers"])
+    interval = c.get("no_rope_layer_interval", 4)
+    rope = c.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    return mapping | _windows(c, layers, lambda i: i < len(rope) and not rope[i])
+
+
+def _glm4(c: _Config) -> dict[str, Any]:
+    """GLM-4 (0414): Q, K and V with biases (attention_bias, default true), o_proj and the MLP
+    without; a norm after attention and after the MLP beside the two before them
+    (post_self_attn_layernorm, post_mlp_layernorm: Glm4DecoderLayer, modeling_glm4.py
+    v5.25.0), Gemma 2's four; head_dim 128 by default. Its partial rotary factor changes
+    nothing ckplan counts."""
+    mapping = _base(c, tied=False, head_dim=128)
+    return mapping | {"qkv_bias": c.flag("attention_bias", True), "post_norms": True}
+
+
+def _glm4_moe(c: _Config) -> dict[str, Any]:
+    """GLM-4.5 / 4.6 (Glm4MoeForCausalLM, modeling_glm4_moe.py v5.25.0): Q, K, V biases with
+    attention_bias, o_proj without; per-head QK norms with use_qk_norm; the first
+    first_k_dense_replace layers dense, the rest n_routed_experts routed experts of
+    moe_intermediate_size and one shared MLP of n_shared_experts × that width; a sigmoid
+    router with a per-expert correction bias (e_score_correction_bias, in the checkpoint),
+    group-limited by n_group/topk_group. Its multi-token-prediction layers are not built by
+    transformers: noted, as for DeepSeek-V3."""
+    mapping = _base(c, tied=False)
+    mapping |= {
+        "qkv_bias": c.flag("attention_bias", False),
+        "qk_norm": c.flag("use_qk_norm", False),
+    }
+    layers = _capped(mapping["layers"])
+    first_dense = c.get("first_k_dense_replace", 1)
+    mapping |= {
+        "experts": c.get("n_routed_experts", 128),
+        "top_k": c.get("num_experts_per_tok", 8),
+        "moe_ffn_hidden": c.get("moe_intermediate_size", 1408),
+        "moe_layers": _moe_layers(layers, {i for i in range(layers) if i >= first_dense}),
+        "shared_experts": c.get("n_shared_experts", 1),
+        "expert_bias": True,
+    }
+    groups, chosen = c.get("n_group", 1), c.get("topk_group", 1)
+    if groups > 1:
+        mapping |= {"moe_router_num_groups": groups, "moe_router_group_topk": chosen}
+    return mapping | {"_notes": _mtp_notes(c)}
+
+
 def _phi3(c: _Config) -> dict[str, Any]:
     mapping = {**_base(c, tied=False), **_llama_biases(c)}  # fused qkv_proj and gate_up_proj
     return mapping | _windows(c, mapping["layers"], None)
@@ -437,7 +497,6 @@ def _deepseek(c: _Config) -> dict[str, Any]:
         "v_head_dim": c.need("v_head_dim"),
     }
     experts = c.get("n_routed_experts", 0)
-    notes = []
     if experts:
         first_dense, freq = c.get("first_k_dense_replace", 0), c.get("moe_layer_freq", 1)
         moe = {i for i in range(layers) if i >= first_dense and i % freq == 0}
@@ -451,15 +510,19 @@ def _deepseek(c: _Config) -> dict[str, Any]:
             "expert_bias": c.get("topk_method") == "noaux_tc",
         }
         mapping |= _deepseek_router_groups(c)
+    return mapping | {"_notes": _mtp_notes(c)}
+
+
+def _mtp_notes(c: _Config) -> list[str]:
+    """The checkpoint's multi-token-prediction layers: whether a run trains them is the run's
+    choice (Hugging Face transformers does not build them; Megatron's --mtp-num-layers)."""
     mtp = c.get("num_nextn_predict_layers", 0)
-    if mtp:
-        # the checkpoint holds them; whether a run trains them is the run's choice
-        # (Hugging Face transformers' DeepseekV3 does not load them; Megatron's --mtp-num-layers)
-        notes.append(
-            f"its {mtp} multi-token-prediction layer(s) (num_nextn_predict_layers) not trained "
-            f"here: set mtp_layers={mtp} for a run that trains them"
-        )
-    return mapping | {"_notes": notes}
+    if not mtp:
+        return []
+    return [
+        f"its {mtp} multi-token-prediction layer(s) (num_nextn_predict_layers) not trained "
+        f"here: set mtp_layers={mtp} for a run that trains them"
+    ]
 
 
 def _deepseek_router_groups(c: _Config) -> dict[str, Any]:
@@ -492,6 +555,10 @@ _FAMILIES: dict[str, Callable[[_Config], dict[str, Any]]] = {
     "gemma3": _gemma3_text,  # a text-only gemma3 config (the multimodal one: text_config)
     "gemma3_text": _gemma3_text,
     "phi3": _phi3,
+    "granite": _granite,
+    "smollm3": _smollm3,
+    "glm4": _glm4,
+    "glm4_moe": _glm4_moe,
     "gpt2": _gpt2,
     "gpt_neox": _gpt_neox,
     "deepseek_v2": _deepseek,
