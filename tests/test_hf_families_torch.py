@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from needs_frameworks import framework_or_skip
 
+from ckplan.inputs.hf_config import SUPPORTED
 from ckplan.inputs.presets import load_spec
 from ckplan.model.memory import parameter_count
 
@@ -37,3 +38,33 @@ def test_parameters_equal_what_transformers_builds(name):
     path = FIXTURES / name / "config.json"
     expected = checkpoint_tensors(json.loads(path.read_text()))
     assert parameter_count(load_spec(str(path), {})).total == expected
+
+
+# The keys a config.json cannot leave out, small; every other key takes its config class's
+# default, in ckplan as in transformers (grouped-query heads, head_dim, MLA ranks, experts).
+MINIMAL = {
+    "vocab_size": 160_000, "hidden_size": 2048, "num_attention_heads": 32, "num_hidden_layers": 4,
+    "intermediate_size": 4096, "max_position_embeddings": 4096,
+}  # fmt: skip
+MINIMAL_BY_FAMILY = {
+    "gpt2": {
+        "vocab_size": 160_000,
+        "n_layer": 4,
+        "n_embd": 2048,
+        "n_head": 32,
+        "n_positions": 4096,
+    },
+    # DeepseekV2Config has no num_experts_per_tok default; V3's 8 router groups (top-4 of them)
+    # need 8 experts each
+    "deepseek_v2": MINIMAL | {"n_routed_experts": 8, "num_experts_per_tok": 2},
+    "deepseek_v3": MINIMAL | {"n_routed_experts": 64, "moe_intermediate_size": 256},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(set(SUPPORTED) - {"gemma3"}))
+def test_a_key_left_out_takes_the_config_class_default(model_type, tmp_path):
+    """gemma3 is the multimodal config; its text_config is gemma3_text, tested here."""
+    config = {**MINIMAL_BY_FAMILY.get(model_type, MINIMAL), "model_type": model_type}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert parameter_count(load_spec(str(path), {})).total == checkpoint_tensors(config)

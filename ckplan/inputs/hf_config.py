@@ -42,6 +42,12 @@ _LAYER_RULE_KEYS = {
     "_sliding_window_pattern": 1, "max_window_layers": 0, "first_k_dense_replace": 0,
     "num_nextn_predict_layers": 0, "no_rope_layer_interval": 1,
 }  # fmt: skip
+# num_key_value_heads where the config class's default is a number of its own, not the query
+# heads (configuration_<family>.py, transformers v5.25.0): a config.json without the key gets it.
+_KV_HEADS = {
+    "mistral": 8, "mixtral": 8, "qwen2": 32, "qwen2_moe": 16, "qwen3": 32, "qwen3_moe": 4,
+    "gemma": 16, "gemma2": 4, "smollm3": 4, "glm4": 2, "glm4_moe": 8,
+}  # fmt: skip
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe")
 
@@ -194,7 +200,7 @@ def _base(c: _Config, *, tied: bool, head_dim: int | None = None) -> dict[str, A
         "layers": c.need("num_hidden_layers"),
         "hidden": hidden,
         "heads": heads,
-        "kv_heads": c.get("num_key_value_heads", heads),
+        "kv_heads": c.get("num_key_value_heads", _KV_HEADS.get(c.model_type, heads)),
         "ffn_hidden": c.need("intermediate_size"),
         "vocab": c.need("vocab_size"),
         "seq": c.need("max_position_embeddings"),
@@ -309,8 +315,9 @@ def _qwen2(c: _Config) -> dict[str, Any]:
     return mapping | _qwen_windows(c, mapping["layers"])
 
 
-def _qwen3(c: _Config) -> dict[str, Any]:
-    mapping = {**_base(c, tied=False, head_dim=128), **_llama_biases(c), "qk_norm": True}
+def _qwen3(c: _Config, head_dim: int | None = 128) -> dict[str, Any]:
+    """Qwen3: QK-norms, head_dim 128 by default (Qwen3-MoE's class has none: h/a)."""
+    mapping = {**_base(c, tied=False, head_dim=head_dim), **_llama_biases(c), "qk_norm": True}
     return mapping | _qwen_windows(c, mapping["layers"])
 
 
@@ -340,7 +347,7 @@ def _qwen2_moe(c: _Config) -> dict[str, Any]:
 
 
 def _qwen3_moe(c: _Config) -> dict[str, Any]:
-    mapping = _qwen3(c)
+    mapping = _qwen3(c, head_dim=None)
     experts = c.get("num_experts", 128)
     return mapping | {
         "experts": experts,
@@ -425,6 +432,8 @@ def _glm4_moe(c: _Config) -> dict[str, Any]:
     }
     layers = _capped(mapping["layers"])
     first_dense = c.get("first_k_dense_replace", 1)
+    if first_dense >= layers:  # every layer dense: Glm4MoeMLP of intermediate_size
+        return mapping | {"_notes": _mtp_notes(c)}
     mapping |= {
         "experts": c.get("n_routed_experts", 128),
         "top_k": c.get("num_experts_per_tok", 8),
@@ -485,12 +494,16 @@ def _gpt_neox(c: _Config) -> dict[str, Any]:
 def _deepseek(c: _Config) -> dict[str, Any]:
     """DeepSeek-V2/V3: MLA, a dense first_k_dense_replace, then MoE every moe_layer_freq-th
     layer (DeepseekV2DecoderLayer), shared experts of n_shared_experts × moe_intermediate_size;
-    V3's noaux_tc routing adds a per-expert bias (e_score_correction_bias)."""
+    V3's noaux_tc routing adds a per-expert bias (e_score_correction_bias). A key the file leaves
+    out takes its config class's default (`_DEEPSEEK_DEFAULTS`); q_lora_rank null is no query
+    latent."""
+    q_lora_rank = c.data.get("q_lora_rank", 1536)  # present and null: no query latent
+    c = _Config(_DEEPSEEK_DEFAULTS[c.model_type] | c.data, c.origin, c.model_type)
     mapping = {**_base(c, tied=False), **_llama_biases(c)}
     mapping.pop("head_dim", None)
     layers = _capped(mapping["layers"])
     mapping |= {
-        "q_lora_rank": c.get("q_lora_rank", 0),
+        "q_lora_rank": q_lora_rank or 0,
         "kv_lora_rank": c.need("kv_lora_rank"),
         "qk_nope_head_dim": c.need("qk_nope_head_dim"),
         "qk_rope_head_dim": c.need("qk_rope_head_dim"),
@@ -507,10 +520,24 @@ def _deepseek(c: _Config) -> dict[str, Any]:
             "moe_ffn_hidden": c.need("moe_intermediate_size"),
             "moe_layers": _moe_layers(layers, moe),
             "shared_experts": shared,
-            "expert_bias": c.get("topk_method") == "noaux_tc",
+            "expert_bias": c.model_type == "deepseek_v3" or c.get("topk_method") == "noaux_tc",
         }
         mapping |= _deepseek_router_groups(c)
     return mapping | {"_notes": _mtp_notes(c)}
+
+
+# DeepseekV2Config and DeepseekV3Config's defaults for the keys the MLA and MoE layers read
+# (configuration_deepseek_v2.py, configuration_deepseek_v3.py, transformers v5.25.0); V2's
+# num_experts_per_tok has none (None), so a file without it is an error.
+_DEEPSEEK_DEFAULTS = {
+    "deepseek_v2": {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                    "v_head_dim": 128, "n_routed_experts": 64, "n_shared_experts": 2,
+                    "moe_intermediate_size": 1407, "first_k_dense_replace": 0},
+    "deepseek_v3": {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                    "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+                    "moe_intermediate_size": 2048, "first_k_dense_replace": 3,
+                    "num_experts_per_tok": 8},
+}  # fmt: skip
 
 
 def _mtp_notes(c: _Config) -> list[str]:
