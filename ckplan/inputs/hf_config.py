@@ -498,7 +498,7 @@ def _deepseek(c: _Config) -> dict[str, Any]:
     out takes its config class's default (`_DEEPSEEK_DEFAULTS`); q_lora_rank null is no query
     latent."""
     q_lora_rank = c.data.get("q_lora_rank", 1536)  # present and null: no query latent
-    c = _Config(_DEEPSEEK_DEFAULTS[c.model_type] | c.data, c.origin, c.model_type)
+    c = _Config({**_DEEPSEEK_DEFAULTS[c.model_type], **c.data}, c.origin, c.model_type)
     mapping = {**_base(c, tied=False), **_llama_biases(c)}
     mapping.pop("head_dim", None)
     layers = _capped(mapping["layers"])
