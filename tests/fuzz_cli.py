@@ -386,6 +386,7 @@ HF_EXTRA_KEYS = [
     "qk_nope_head_dim", "v_head_dim", "attention_bias", "mlp_bias", "n_layer", "n_embd", "n_head",
     "n_positions", "n_inner", "attn_pdrop", "rope_scaling", "quantization_config", "text_config",
     "sliding_window_pattern", "num_nextn_predict_layers", "topk_method", "n_shared_experts",
+    "no_rope_layers", "no_rope_layer_interval", "use_qk_norm", "n_group", "topk_group",
 ]  # fmt: skip
 
 
@@ -417,6 +418,8 @@ def hf_config_text(rng: random.Random) -> tuple[str, str]:
                     "deepseek_v3",
                     "qwen2_moe",
                     "qwen3_moe",
+                    "glm4_moe",
+                    "smollm3",
                     "phi3",
                     "gpt_neox",
                     "",
