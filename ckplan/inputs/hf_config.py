@@ -442,10 +442,7 @@ def _glm4_moe(c: _Config) -> dict[str, Any]:
         "shared_experts": c.get("n_shared_experts", 1),
         "expert_bias": True,
     }
-    groups, chosen = c.get("n_group", 1), c.get("topk_group", 1)
-    if groups > 1:
-        mapping |= {"moe_router_num_groups": groups, "moe_router_group_topk": chosen}
-    return mapping | {"_notes": _mtp_notes(c)}
+    return mapping | _router_groups(c) | {"_notes": _mtp_notes(c)}
 
 
 def _phi3(c: _Config) -> dict[str, Any]:
@@ -522,7 +519,7 @@ def _deepseek(c: _Config) -> dict[str, Any]:
             "shared_experts": shared,
             "expert_bias": c.model_type == "deepseek_v3" or c.get("topk_method") == "noaux_tc",
         }
-        mapping |= _deepseek_router_groups(c)
+        mapping |= _router_groups(c)
     return mapping | {"_notes": _mtp_notes(c)}
 
 
@@ -552,14 +549,15 @@ def _mtp_notes(c: _Config) -> list[str]:
     ]
 
 
-def _deepseek_router_groups(c: _Config) -> dict[str, Any]:
+def _router_groups(c: _Config) -> dict[str, Any]:
     """Group-limited routing (ckplan's moe_router_num_groups, moe_router_group_topk), as
     Megatron-Bridge maps n_group and topk_group (src/megatron/bridge/models/deepseek/common.py
-    at bf71eba). Hugging Face transformers 5.25: DeepseekV3TopkRouter always routes within
-    topk_group of n_group groups (DeepseekV3Config defaults 8 and 4); DeepseekV2 only with
-    topk_method group_limited_greedy (its defaults None). One group is no limit."""
-    if c.model_type == "deepseek_v3":
-        groups, chosen = c.get("n_group", 8), c.get("topk_group", 4)
+    at bf71eba). Hugging Face transformers 5.25: DeepseekV3TopkRouter and Glm4MoeTopkRouter
+    always route within topk_group of n_group groups (defaults 8 and 4; 1 and 1); DeepseekV2
+    only with topk_method group_limited_greedy (its defaults None). One group is no limit."""
+    if c.model_type in _ROUTER_GROUPS:
+        default_groups, default_chosen = _ROUTER_GROUPS[c.model_type]
+        groups, chosen = c.get("n_group", default_groups), c.get("topk_group", default_chosen)
     elif c.get("topk_method") == "group_limited_greedy":
         groups, chosen = c.need("n_group"), c.need("topk_group")
     else:
@@ -567,6 +565,9 @@ def _deepseek_router_groups(c: _Config) -> dict[str, Any]:
     if groups <= 1:
         return {}
     return {"moe_router_num_groups": groups, "moe_router_group_topk": chosen}
+
+
+_ROUTER_GROUPS = {"deepseek_v3": (8, 4), "glm4_moe": (1, 1)}  # (n_group, topk_group) defaults
 
 
 _FAMILIES: dict[str, Callable[[_Config], dict[str, Any]]] = {
