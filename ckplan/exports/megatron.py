@@ -29,7 +29,8 @@ from the TransformerConfig fields, megatron/training/argument_utils.py, under th
 - The model: `--hidden-size`, `--ffn-hidden-size`, `--num-attention-heads`,
   `--group-query-attention --num-query-groups`, `--kv-channels` (a·d ≠ h), `--normalization`,
   `--swiglu`, `--position-embedding-type`, `--disable-bias-linear`, `--add-qkv-bias`,
-  `--qk-layernorm`, `--untie-embeddings-and-output-weights`, dropouts, `--window-size`; MoE
+  `--qk-layernorm`, `--softmax-type learnable` (attention sinks),
+  `--untie-embeddings-and-output-weights`, dropouts, `--window-size`; MoE
   (`--num-experts`, `--moe-router-topk`, `--moe-ffn-hidden-size`, `--moe-layer-freq` as a
   pattern such as `[0]*3+[1]*58`, shared experts and their sigmoid gate
   (`--moe-shared-expert-gate`, from core_v0.16.0: sigmoid(x·w_g) with w_g of shape 1×h scales the
@@ -260,6 +261,11 @@ def _architecture_reason(spec: ModelSpec) -> str | None:
         return "post_norms: Megatron-LM's GPT layer has no norms after attention and the MLP"
     if spec.parallel_residual:
         return "parallel_residual: Megatron-LM's GPT layer runs attention and the MLP in sequence"
+    if spec.qk_norm and spec.qk_norm_width == "full":
+        return (
+            "qk_norm_width full: Megatron-LM's --qk-layernorm norms each head on its own; no "
+            "flag norms all heads together"
+        )
     if spec.sliding_window and spec.sliding_window_layers != "all":
         return (
             "sliding windows on some layers: --window-size applies to every layer (its "
@@ -391,6 +397,10 @@ def model_flags(spec: ModelSpec) -> list[list[str]]:
             out.append(["--add-qkv-bias"])
     if spec.qk_norm:
         out.append(["--qk-layernorm"])
+    if spec.attention_sinks:
+        # a learned logit per head in every softmax (dot_product_attention.py and
+        # transformer_engine.py, core_v0.19.0: softmax_offset)
+        out.append(["--softmax-type", "learnable"])
     if not spec.tied_embeddings:
         out.append(["--untie-embeddings-and-output-weights"])
     dropout = f"{spec.dropout:g}"

@@ -46,10 +46,13 @@ _LAYER_RULE_KEYS = {
 # heads (configuration_<family>.py, transformers v5.25.0): a config.json without the key gets it.
 _KV_HEADS = {
     "mistral": 8, "mixtral": 8, "qwen2": 32, "qwen2_moe": 16, "qwen3": 32, "qwen3_moe": 4,
-    "gemma": 16, "gemma2": 4, "smollm3": 4, "glm4": 2, "glm4_moe": 8,
+    "gemma": 16, "gemma2": 4, "smollm3": 4, "glm4": 2, "glm4_moe": 8, "gpt_oss": 8,
 }  # fmt: skip
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe")
+_MOE_FAMILIES = (
+    "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "olmoe",
+    "gpt_oss",
+)  # fmt: skip
 
 
 def hf_config_mapping(
@@ -89,6 +92,14 @@ def hf_config_mapping(
         )
     _check_types(config, origin, model_type)
     mapping = family(_Config(config, origin, model_type))
+    quantization = config.get("quantization_config")
+    if isinstance(quantization, Mapping):
+        method = quantization.get("quant_method")
+        named = f" ({method})" if isinstance(method, str) and method.isidentifier() else ""
+        notes.append(
+            f"the checkpoint's quantization_config{named} is not read: weights counted at "
+            "the config's dtype (weight_format for a quantized base)"
+        )
     mapping = {"name": Path(origin).parent.name or "hf-model", **mapping}
     longest = mapping["seq"]
     low, high = SIZE_RANGES["seq"]
@@ -445,6 +456,88 @@ def _glm4_moe(c: _Config) -> dict[str, Any]:
     return mapping | _router_groups(c) | {"_notes": _mtp_notes(c)}
 
 
+def _no_mlp_bias(c: _Config) -> dict[str, Any]:
+    """OLMo 2/3 and OLMoE: attention_bias biases Q, K, V and O; their MLP has none, a layout
+    ckplan's two bias keys do not hold (the published checkpoints set false)."""
+    if c.flag("attention_bias", False):
+        raise c.refuse(
+            "attention_bias",
+            "biases on Q, K, V and O without MLP biases: ckplan's biases are on every linear "
+            "layer (bias) or on Q, K, V only (qkv_bias)",
+        )
+    return {"bias": False}
+
+
+_POST_NORM_NOTE = (
+    "its two norms follow attention and the MLP instead of preceding them: the same weights "
+    "and saved tensors, counted as pre-norms"
+)
+
+
+def _olmo2(c: _Config) -> dict[str, Any]:
+    """OLMo 2 (Olmo2DecoderLayer, modeling_olmo2.py v5.25.0): RMSNorm after attention and after
+    the MLP, none before (`_POST_NORM_NOTE`), and QK-norms over all heads together (q_norm of
+    a·d, k_norm of g·d: qk_norm_width full)."""
+    mapping = {**_base(c, tied=False), **_no_mlp_bias(c)}
+    return mapping | {"qk_norm": True, "qk_norm_width": "full", "_notes": [_POST_NORM_NOTE]}
+
+
+def _olmo3(c: _Config) -> dict[str, Any]:
+    """OLMo 3: OLMo 2's layer with a 4,096-token window on three layers of four, (i + 1) % 4
+    != 0, unless layer_types says otherwise (Olmo3Config, configuration_olmo3.py v5.25.0)."""
+    mapping = _olmo2(c)
+    data = dict(c.data)
+    data.setdefault("sliding_window", 4096)
+    windows = _windows(
+        _Config(data, c.origin, c.model_type), mapping["layers"], lambda i: (i + 1) % 4 != 0
+    )
+    return mapping | windows
+
+
+def _olmoe(c: _Config) -> dict[str, Any]:
+    """OLMoE (OlmoeDecoderLayer, modeling_olmoe.py v5.25.0): Llama's pre-norm layer with
+    QK-norms over all heads (q_norm of h, k_norm of (h/a)·g) and, in every layer,
+    num_experts experts of intermediate_size with top-k routing, no shared expert and no
+    router bias. clip_qkv clamps Q, K and V in place: nothing saved."""
+    mapping = {**_base(c, tied=False), **_no_mlp_bias(c)}
+    mapping.pop("head_dim", None)  # OlmoeAttention: head_dim is h/a
+    return mapping | {
+        "qk_norm": True,
+        "qk_norm_width": "full",
+        "experts": c.get("num_experts", 64),
+        "top_k": c.get("num_experts_per_tok", 8),
+    }
+
+
+def _gpt_oss(c: _Config) -> dict[str, Any]:
+    """gpt-oss (GptOssForCausalLM, modeling_gpt_oss.py v5.25.0): Q, K, V and O with biases
+    (attention_bias, default true), an attention sink per head, a 128-token window on the even
+    layers ((i + 1) % 2 != 0) unless layer_types says otherwise, and in every layer
+    num_local_experts experts of intermediate_size with biases on both projections, routed by
+    a linear with a bias: ckplan's `bias` counts each of them. Its clamped SwiGLU (swiglu_limit,
+    swiglu_alpha) saves what SwiGLU saves here. head_dim 64 by default."""
+    if not c.flag("attention_bias", True):
+        raise c.refuse(
+            "attention_bias",
+            "false leaves the experts' and the router's biases, a layout ckplan's bias keys "
+            "do not hold",
+        )
+    mapping = {**_base(c, tied=False, head_dim=64), "bias": True, "attention_sinks": True}
+    data = dict(c.data)
+    data.setdefault("sliding_window", 128)
+    windows = _windows(
+        _Config(data, c.origin, c.model_type), mapping["layers"], lambda i: (i + 1) % 2 != 0
+    )
+    return mapping | windows | {
+        "experts": c.get("num_local_experts", 128),
+        "top_k": c.get("num_experts_per_tok", 4),
+        "_notes": [
+            "attention sinks: transformers has no SDPA kernel for them (eager, flex or a "
+            "sink-aware flash kernel); attention: standard for its eager path"
+        ],
+    }
+
+
 def _phi3(c: _Config) -> dict[str, Any]:
     mapping = {**_base(c, tied=False), **_llama_biases(c)}  # fused qkv_proj and gate_up_proj
     return mapping | _windows(c, mapping["layers"], None)
@@ -591,5 +684,9 @@ _FAMILIES: dict[str, Callable[[_Config], dict[str, Any]]] = {
     "gpt_neox": _gpt_neox,
     "deepseek_v2": _deepseek,
     "deepseek_v3": _deepseek,
+    "olmo2": _olmo2,
+    "olmo3": _olmo3,
+    "olmoe": _olmoe,
+    "gpt_oss": _gpt_oss,
 }
 SUPPORTED = tuple(_FAMILIES)

@@ -19,7 +19,7 @@ from ckplan.model.layers import (
 from ckplan.model.loss import logits_elements
 from ckplan.model.mla import mla_parameters
 from ckplan.model.modules import Discard, is_discarding, layer_discards
-from ckplan.model.moe import moe_layer_parameters
+from ckplan.model.moe import moe_layer_parameters, router_bias_parameters
 from ckplan.model.op import DENSE_MLP, in_group, split_share
 from ckplan.model.op_policy import is_policy, parse_policy, policy_tape_bytes
 from ckplan.model.ops import group_input_bytes, layer_ops, representative_kind
@@ -376,6 +376,28 @@ def norm_parameters(spec: ModelSpec) -> int:
     return 2 * spec.hidden if spec.norm == "layernorm" else spec.hidden
 
 
+def qk_norm_parameters(spec: ModelSpec) -> tuple[int, int]:
+    """The gains of the Q-norm and the K-norm (RMSNorm, Zhang & Sennrich 2019): one head's d
+    each when each head is normed on its own (Qwen3Attention, Gemma3Attention: RMSNorm(head_dim)),
+    all query heads' a·d and all K heads' g·d when the heads are normed together
+    (qk_norm_width full: Olmo2Attention's q_norm and k_norm, modeling_olmo2.py, transformers
+    v5.25.0); (0, 0) without QK-norms."""
+    if not spec.qk_norm:
+        return 0, 0
+    d = spec.head_dim
+    if spec.qk_norm_width == "full":
+        return spec.heads * d, spec.kv_heads * d
+    return d, d
+
+
+def sink_parameters(spec: ModelSpec) -> int:
+    """Attention sinks: one learned logit per query head (GptOssAttention.sinks,
+    modeling_gpt_oss.py, transformers v5.25.0; Megatron-Core's softmax_offset under
+    softmax_type learnable, dot_product_attention.py core_v0.19.0, split with the heads over
+    tp)."""
+    return spec.heads if spec.attention_sinks else 0
+
+
 @dataclass(frozen=True)
 class LayerParameters:
     """One layer's weights by how Megatron-LM lays them out on the tensor-parallel ranks."""
@@ -432,9 +454,12 @@ def layer_parameter_parts(spec: ModelSpec, kind: LayerKind | None = None) -> Lay
     else:
         d = spec.head_dim
         q_out, kv_out = spec.heads * d, 2 * spec.kv_heads * d
+        q_norm, k_norm = qk_norm_parameters(spec)
         split = h * q_out + spec.heads * d * h + (q_out if spec.qkv_bias else 0)
+        split += (q_norm if spec.qk_norm_width == "full" else 0) + sink_parameters(spec)
         kv = h * kv_out + (kv_out if spec.qkv_bias else 0)
-        replicated = norms + (2 * d if spec.qk_norm else 0) + row_bias
+        kv += k_norm if spec.qk_norm_width == "full" else 0
+        replicated = norms + (q_norm + k_norm if spec.qk_norm_width == "head" else 0) + row_bias
     if kind.moe:
         moe_split, moe_replicated, experts = moe_layer_parameters(spec)
         shared_bias = row_bias if spec.shared_ffn_hidden else 0  # the shared experts' fc2 bias
@@ -478,10 +503,14 @@ def layer_module_parameters(
     post = norm if spec.post_norms else 0
     row_bias = h if spec.bias else 0
     q_out, kv_out = spec.heads * d, 2 * spec.kv_heads * d
+    q_norm, k_norm = qk_norm_parameters(spec)
+    full = spec.qk_norm_width == "full"
     q = split_share(h * q_out + (q_out if spec.qkv_bias else 0), t)
-    kv_per_head = (h * kv_out + (kv_out if spec.qkv_bias else 0)) // spec.kv_heads
+    q += split_share((q_norm if full else 0) + sink_parameters(spec), t)
+    kv_gains = k_norm if full else 0  # a full-width K-norm's gains split with the K heads
+    kv_per_head = (h * kv_out + (kv_out if spec.qkv_bias else 0) + kv_gains) // spec.kv_heads
     kv = kv_per_head * -(-spec.kv_heads // t)
-    qkv = q + kv + (2 * d if spec.qk_norm else 0)
+    qkv = q + kv + (0 if full else q_norm + k_norm)
     out_proj = split_share(spec.heads * d * h, t) + row_bias + post
     gated = spec.mlp != "gelu"
     fc1 = split_share(
@@ -1148,10 +1177,14 @@ def fp8_linear_layer_parameters(spec: ModelSpec, kind: LayerKind) -> tuple[int, 
     plain = (4 if spec.post_norms else 2) * norm_parameters(spec)
     if spec.mla:
         plain += spec.kv_lora_rank + (spec.q_lora_rank or 0)
-    elif spec.qk_norm:
-        plain += 2 * spec.head_dim
+    else:
+        q_norm, k_norm = qk_norm_parameters(spec)
+        if spec.qk_norm_width == "full":  # split with their heads, as the Q and K weights
+            q_norm = split_share(q_norm, spec.tp)
+            k_norm = k_norm // spec.kv_heads * -(-spec.kv_heads // spec.tp)
+        plain += q_norm + k_norm + split_share(sink_parameters(spec), spec.tp)
     if kind.moe:
-        plain += spec.experts * spec.hidden + (spec.experts if spec.expert_bias else 0)
+        plain += spec.experts * spec.hidden + router_bias_parameters(spec)
         plain += spec.hidden if spec.shared_ffn_hidden and spec.shared_expert_gate else 0
     dense_bias, expert_bias = _bias_parameters_per_rank(spec, kind)
     dense = parts.dense_per_rank(spec) - plain - dense_bias
@@ -1499,7 +1532,7 @@ def layer_tensors(spec: ModelSpec) -> Counter:
     hold them (tp 1; `finetune.linear_shapes`): each linear's (out, in) weight and its bias,
     the norms' gains (and LayerNorm's biases), the QK-norms' gains. Their values sum to
     `layer_parameters` (derived from `layer_parameter_parts`)."""
-    h, d = spec.hidden, spec.head_dim
+    h = spec.hidden
     tensors: Counter = Counter()
     for name, (fan_in, fan_out) in finetune.linear_shapes(spec).items():
         tensors[(fan_out, fan_in)] += 1
@@ -1508,8 +1541,12 @@ def layer_tensors(spec: ModelSpec) -> Counter:
             tensors[(fan_out,)] += 1
     norms = 4 if spec.post_norms else 2
     tensors[(h,)] += norms * (2 if spec.norm == "layernorm" else 1)
-    if spec.qk_norm:
-        tensors[(d,)] += 2
+    q_norm, k_norm = qk_norm_parameters(spec)
+    for gains in (q_norm, k_norm):
+        if gains:
+            tensors[(gains,)] += 1
+    if spec.attention_sinks:
+        tensors[(spec.heads,)] += 1
     return tensors
 
 

@@ -793,11 +793,19 @@ def moe_ops(spec: ModelSpec, shapes: LayerShapes, out_grad: int) -> list[Op]:
     return ops
 
 
+def router_bias_parameters(spec: ModelSpec) -> int:
+    """The router's per-expert biases: DeepSeek-V3's routing bias (expert_bias; Megatron-Core's
+    --moe-router-enable-expert-bias) and, with `bias`, the gating linear's own bias
+    (Megatron-Core's TopKRouter under add_bias_linear, router.py since core_v0.15.0;
+    GptOssTopKRouter.bias, modeling_gpt_oss.py, transformers v5.25.0)."""
+    return spec.experts * (int(spec.expert_bias) + int(spec.bias))
+
+
 def moe_layer_parameters(spec: ModelSpec) -> tuple[int, int, int]:
     """(tensor-parallel, replicated, expert) parameters of one MoE MLP.
 
     Experts: E·(h·w1 + F_e·h) with w1 = 2F_e gated (gate and up) or F_e, plus biases, split
-    over ep·etp ranks. Router E·h (+ E for DeepSeek-V3's expert bias), whole on every rank
+    over ep·etp ranks. Router E·h (+ `router_bias_parameters`), whole on every rank
     (Megatron's TopKRouter weight is not tensor-parallel). Shared experts: a TP-split MLP of
     shared_ffn_hidden; their sigmoid gate h, whole. Mixtral-8x7B: 1,409,318,912 per layer.
     """
@@ -805,7 +813,7 @@ def moe_layer_parameters(spec: ModelSpec) -> tuple[int, int, int]:
     gated = spec.mlp != "gelu"
     w1 = (2 if gated else 1) * F
     expert = h * w1 + F * h + ((w1 + h) if spec.bias else 0)
-    replicated = E * h + (E if spec.expert_bias else 0)
+    replicated = E * h + router_bias_parameters(spec)
     split = 0
     if spec.shared_ffn_hidden:
         S = spec.shared_ffn_hidden

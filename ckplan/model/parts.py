@@ -159,8 +159,14 @@ class Architecture(_Record):
     head_dim: int | None = None  # d; None -> h / a (Gemma, Qwen3: a·d != h)
     qkv_bias: bool | None = None  # biases on Q, K, V only (Qwen2); None -> bias
     qk_norm: bool = False  # RMSNorm on each head of Q and K (Qwen3, Gemma 3)
+    # the QK-norms' span: each head on its own (head) or all of Q's and all of K's heads as one
+    # vector (full: OLMo 2's q_norm over a·d, k_norm over g·d)
+    qk_norm_width: str = "head"
     post_norms: bool = False  # norms after attention and MLP too (Gemma 2/3)
     parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX)
+    # a learned logit per head that joins each softmax row and takes no value (gpt-oss;
+    # Megatron-Core's softmax_type learnable)
+    attention_sinks: bool = False
     # sliding-window attention: the window in tokens (0 = none) and the layers that use it
     sliding_window: int = 0
     sliding_window_layers: str = "all"  # a layer set (ckplan.model.layers)

@@ -59,6 +59,7 @@ KINDS = ("transformer", "mlp")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu", "geglu")  # geglu: gated like swiglu (Gemma), the same shapes
 ATTENTIONS = ("standard", "flash")
+QK_NORM_WIDTHS = ("head", "full")
 POSITIONS = ("learned", "rope")
 PIPELINE_SCHEDULES = ("1f1b", "dualpipe")
 MOE_TOKEN_DISPATCHERS = ("alltoall", "flex")
@@ -72,7 +73,8 @@ KEY_ORDER = (
     "virtual_stages", "microbatches", "microbatch_group_size", "pipeline_schedule", "grad_sync",
     "cp_attention", "cp_a2a_size", "weight_bytes",
     "grad_bytes", "master_bytes", "optimizer_bytes", "head_dim", "qkv_bias", "qk_norm",
-    "post_norms", "parallel_residual", "sliding_window", "sliding_window_layers", "q_lora_rank",
+    "qk_norm_width", "post_norms", "parallel_residual", "attention_sinks", "sliding_window",
+    "sliding_window_layers", "q_lora_rank",
     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "experts", "top_k",
     "moe_ffn_hidden", "shared_experts", "shared_ffn_hidden", "shared_expert_gate", "expert_bias",
     "capacity_factor", "moe_permute_fusion", "moe_router_fusion", "moe_act_input_fp8",
@@ -289,7 +291,15 @@ _REQUIRED = [
 ]
 _BOOL_FIELDS = {key for key, f in _KEYS.items() if f.type in ("bool", "bool | None")}
 _STR_FIELDS = {"name", "source", "kind", "norm", "mlp", "attention", "positions", "profile"}
-_STR_FIELDS |= {"framework", "kernels", "attention_kernel", "precision", "fp8_recipe", "loss"}
+_STR_FIELDS |= {
+    "qk_norm_width",
+    "framework",
+    "kernels",
+    "attention_kernel",
+    "precision",
+    "fp8_recipe",
+    "loss",
+}
 _STR_FIELDS |= {"training", "lora_targets", "weight_format", "bitsandbytes_version"}
 _STR_FIELDS |= {"optimizer", "optimizer_implementation"}
 _STR_FIELDS |= {"optimizer_offload", "param_offload", "grad_sync", "framework_version"}
@@ -303,6 +313,7 @@ ENUMS = {
     "norm": NORMS,
     "mlp": MLPS,
     "attention": ATTENTIONS,
+    "qk_norm_width": QK_NORM_WIDTHS,
     "positions": POSITIONS,
     "pipeline_schedule": PIPELINE_SCHEDULES,
     "moe_token_dispatcher_type": MOE_TOKEN_DISPATCHERS,
@@ -556,6 +567,7 @@ def _validate(spec: ModelSpec) -> None:
     if spec.precision == "fp32":
         _validate_fp32(spec)
     _validate_layer_sets(spec)
+    _validate_attention_details(spec)
     _validate_mla(spec)
     _validate_moe(spec)
     _validate_finetune(spec)
@@ -854,6 +866,23 @@ def _validate_layer_sets(spec: ModelSpec) -> None:
             parse_layer_set(getattr(spec, key), spec.layers)
         except LayerSetError as error:
             raise SpecError(f"key {key!r}: {error}") from None
+
+
+def _validate_attention_details(spec: ModelSpec) -> None:
+    if spec.qk_norm_width != "head" and not spec.qk_norm:
+        raise SpecError(
+            f"key 'qk_norm_width' ({spec.qk_norm_width}) sets the span of the QK-norms: "
+            "needs qk_norm: true"
+        )
+    if spec.kind != "transformer" and (spec.qk_norm or spec.attention_sinks):
+        key = "qk_norm" if spec.qk_norm else "attention_sinks"
+        raise SpecError(f"key {key!r} needs kind: transformer (the NumPy MLP has no attention)")
+    if spec.mla and (spec.qk_norm or spec.attention_sinks):
+        key = "qk_norm" if spec.qk_norm else "attention_sinks"
+        raise SpecError(
+            f"key {key!r} is not modelled with multi-head latent attention (kv_lora_rank > 0), "
+            "whose latent norms are its own"
+        )
 
 
 def _validate_mla(spec: ModelSpec) -> None:

@@ -231,8 +231,10 @@ ARCHITECTURE_FEATURES = {
         "head_dim",
         "qkv_bias",
         "qk_norm",
+        "qk_norm_width",
         "post_norms",
         "parallel_residual",
+        "attention_sinks",
         "sliding_window",
         "sliding_window_layers",
     ),
@@ -322,6 +324,7 @@ def model_rows(spec: ModelSpec) -> list[tuple[str, list[str]]]:
             or spec.qk_norm
             or spec.post_norms
             or spec.parallel_residual
+            or spec.attention_sinks
             or bool(spec.sliding_window),
             "mla": spec.mla,
             "moe": bool(spec.experts),
