@@ -171,7 +171,7 @@ def hostile_int(rng: random.Random) -> str:
 
 _BOOLS = {
     "bias", "tied_embeddings", "fused_swiglu", "sp", "qkv_bias", "qk_norm", "post_norms",
-    "parallel_residual", "shared_expert_gate", "expert_bias",
+    "parallel_residual", "shared_expert_gate", "expert_bias", "attention_sinks",
     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
 }  # fmt: skip
 _ENUM_VALUES = {
@@ -179,6 +179,7 @@ _ENUM_VALUES = {
     "norm": ["layernorm", "rmsnorm"],
     "mlp": ["gelu", "swiglu", "geglu"],
     "attention": ["standard", "flash"],
+    "qk_norm_width": ["head", "full", "all", ""],
     "positions": ["learned", "rope"],
     "profile": ["fused", "torch-eager", "torch-sdpa"],
     "moe_imbalance": ["average", "worst", "1.5", "8"],
@@ -387,6 +388,7 @@ HF_EXTRA_KEYS = [
     "n_positions", "n_inner", "attn_pdrop", "rope_scaling", "quantization_config", "text_config",
     "sliding_window_pattern", "num_nextn_predict_layers", "topk_method", "n_shared_experts",
     "no_rope_layers", "no_rope_layer_interval", "use_qk_norm", "n_group", "topk_group",
+    "swiglu_limit", "clip_qkv", "norm_topk_prob",
 ]  # fmt: skip
 
 
@@ -422,6 +424,10 @@ def hf_config_text(rng: random.Random) -> tuple[str, str]:
                     "smollm3",
                     "phi3",
                     "gpt_neox",
+                    "gpt_oss",
+                    "olmo2",
+                    "olmo3",
+                    "olmoe",
                     "",
                 ],
             )

@@ -669,3 +669,28 @@ def test_torchtitan_refuses_a_group_torch_does_not_run(spec_of):
     )
     why = exports.why_not(plan_of(spec.replace(microbatch_group_size=8), "none"), "torchtitan")
     assert "microbatch_group_size 8" in why and "= 4" in why
+
+
+def test_megatron_attention_sinks_are_its_learnable_softmax_offset():
+    """gpt-oss's sinks are Megatron-Core's softmax_type learnable (core_v0.19.0); the layout
+    of the config.json (windows on alternate layers) has no flag, so the test runs it without
+    its windows."""
+    from ckplan.inputs.presets import load_spec
+
+    spec = load_spec("tests/fixtures/hf/gpt-oss-20b/config.json", {"ep": 8, "dp": 8})
+    with pytest.raises(exports.ExportError, match="sliding windows on some layers"):
+        exports.export(plan_of(spec, "none"), "megatron")
+    plan = plan_of(spec.replace(sliding_window=0, sliding_window_layers="all"), "none")
+    _, args = megatron_args(plan)
+    assert args.softmax_type == "learnable" and args.add_bias_linear
+    assert (args.num_experts, args.moe_router_topk, args.kv_channels) == (32, 4, 64)
+
+
+def test_megatron_refuses_qk_norms_over_all_heads():
+    from ckplan.inputs.presets import load_spec
+
+    spec = load_spec("tests/fixtures/hf/OLMo-2-1124-13B/config.json", {"dp": 8})
+    with pytest.raises(exports.ExportError, match="qk_norm_width full"):
+        exports.export(plan_of(spec, "none"), "megatron")
+    _, args = megatron_args(plan_of(spec.replace(qk_norm_width="head"), "none"))
+    assert args.qk_layernorm

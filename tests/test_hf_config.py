@@ -35,6 +35,10 @@ PUBLISHED = {
     # count (tests/test_hf_families_torch.py)
     "GLM-4.5-Air": 106_852_251_264,
     "SmolLM3-3B": 3_075_098_624,  # "3.08B params" (the model page), tied embeddings
+    # gpt-oss model card (OpenAI, 2025, Table 1): "20.91B" total for gpt-oss-20b
+    "gpt-oss-20b": 20_914_757_184,
+    # the checkpoint's model.safetensors.index.json: total_size 54,864,793,600 bytes in fp32
+    "OLMo-2-1124-13B": 54_864_793_600 // 4,
 }
 
 
@@ -235,3 +239,62 @@ def test_a_whole_float_layer_count_keeps_the_per_layer_rules():
 
 def load_spec_of(config, name):
     return spec_from_mapping(hf_config_mapping(config, f"{name}/config.json"))
+
+
+def test_gpt_oss_20b():
+    """gpt-oss-20b: 32 experts, top-4, in every layer, biased (Q, K, V, O, the experts and
+    the router), a sink per head, a 128-token window on the even layers; 3.61B active (the
+    model card's figure, which counts the output layer and not the input embedding)."""
+    spec = load("gpt-oss-20b")
+    assert (spec.experts, spec.top_k, spec.moe_ffn_hidden, spec.moe_layers) == (32, 4, 2880, "all")
+    assert spec.bias and spec.qkv_bias and spec.attention_sinks and not spec.expert_bias
+    assert (spec.heads, spec.kv_heads, spec.head_dim) == (64, 8, 64)
+    assert (spec.sliding_window, spec.sliding_window_layers) == (128, "0-:2")
+    counts = parameter_count(spec)
+    assert round((counts.active - spec.vocab * spec.hidden) / 1e7) == 361
+    assert "quantization_config (mxfp4) is not read" in spec.source
+    assert "attention sinks" in spec.source
+
+
+def test_gpt_oss_layer_counts_by_hand():
+    """One gpt-oss-20b layer, term by term: Q, K, V, O with biases, 64 sinks, two RMSNorm
+    gains, the router's weight and bias, 32 experts each with a 2F x h gate-up and F x h down
+    projection and their biases."""
+    h, a, g, d, E, F = 2880, 64, 8, 64, 32, 2880
+    attention = h * a * d + a * d + 2 * (h * g * d + g * d) + a * d * h + h + a
+    experts = E * (h * 2 * F + 2 * F + F * h + h)
+    router = E * h + E
+    spec = load("gpt-oss-20b")
+    assert parameter_count(spec).per_layer == attention + 2 * h + router + experts
+
+
+def test_olmo2_norms_all_heads_together():
+    """OLMo 2: q_norm over a·d and k_norm over g·d (Olmo2Attention), not a head's d; the
+    two norms after attention and the MLP counted as pre-norms (the same gains)."""
+    spec = load("OLMo-2-1124-13B")
+    assert spec.qk_norm and spec.qk_norm_width == "full" and not spec.bias
+    assert not spec.post_norms and spec.dtype_bytes == 4
+    per_head = parameter_count(spec.replace(qk_norm_width="head")).per_layer
+    assert parameter_count(spec).per_layer - per_head == (40 * 128 - 128) + (40 * 128 - 128)
+    assert "norms follow attention and the MLP" in spec.source
+
+
+def test_olmo3_windows_three_layers_in_four():
+    spec = load("olmo3-config-defaults")
+    assert spec.qk_norm_width == "full" and spec.sliding_window == 4096
+    kinds = layer_kinds(spec.replace(seq=8192))
+    assert [kind.window for kind in kinds[:8]] == [4096, 4096, 4096, 0] * 2
+
+
+def test_olmoe_experts_in_every_layer():
+    spec = load("olmoe-config-defaults")
+    assert (spec.experts, spec.top_k, spec.moe_layers) == (64, 8, "all")
+    assert spec.qk_norm_width == "full" and not spec.bias and not spec.expert_bias
+
+
+def test_a_quantized_checkpoint_is_counted_at_its_dtype():
+    config = json.loads((FIXTURES / "Meta-Llama-3-8B" / "config.json").read_text())
+    quantized = {**config, "quantization_config": {"quant_method": "gptq", "bits": 4}}
+    mapping = hf_config_mapping(quantized, "x/config.json")
+    assert "quantization_config (gptq) is not read" in mapping["source"]
+    assert mapping["dtype_bytes"] == 2

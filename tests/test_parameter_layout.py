@@ -103,7 +103,8 @@ def test_megatron_presets_positions_no_longer_divided(spec_of):
 
 def test_moe_biases_and_router(spec_of):
     """Mixtral-style MoE with biases: each expert's fc2 bias stays whole on its etp ranks, the
-    shared expert's fc2 bias (row-parallel) on every TP rank, the router (E·h) whole."""
+    shared expert's fc2 bias (row-parallel) on every TP rank, the router (E·h, and its bias of
+    E under add_bias_linear: Megatron-Core's TopKRouter since core_v0.15.0) whole."""
     base = spec_of("mixtral-8x7b", layers=2, tp=2, sp=True, ep=4, etp=2, dp=4)
     spec = base.replace(bias=True, qkv_bias=True, shared_experts=1, shared_ffn_hidden=14336)
     h, E, F = spec.hidden, spec.experts, spec.moe_ffn_hidden
@@ -113,7 +114,8 @@ def test_moe_biases_and_router(spec_of):
     assert part.experts_per_rank(spec) == expert_matrices // (4 * 2) + E // 4 * h
     shared = h * 2 * F + F * h + 2 * F  # fc1 (gate and up) with bias, fc2 weight
     attention = 2 * h * h // 2 + 2 * h * 1024 // 2 + (h + 2 * 1024) // 2  # 8 kv heads of 128
-    norms_and_row_biases = 2 * h + h + h + E * h  # norms, out-proj bias, shared fc2 bias, router
+    # norms, out-proj bias, shared fc2 bias, router weight and bias
+    norms_and_row_biases = 2 * h + h + h + E * h + E
     assert part.dense_per_rank(spec) == attention + shared // 2 + norms_and_row_biases
 
 

@@ -504,9 +504,18 @@ def _olmoe(c: _Config) -> dict[str, Any]:
     return mapping | {
         "qk_norm": True,
         "qk_norm_width": "full",
-        "experts": c.get("num_experts", 64),
+        "experts": _every_layer_experts(c, "num_experts", 64),
         "top_k": c.get("num_experts_per_tok", 8),
     }
+
+
+def _every_layer_experts(c: _Config, key: str, default: int) -> Any:
+    """The experts of a family whose every MLP is a mixture of experts (no dense MLP to fall
+    back on): at least one."""
+    experts = c.get(key, default)
+    if experts == 0:
+        raise c.refuse(key, f"0: every {c.model_type} MLP is a mixture of experts")
+    return experts
 
 
 def _gpt_oss(c: _Config) -> dict[str, Any]:
@@ -528,14 +537,18 @@ def _gpt_oss(c: _Config) -> dict[str, Any]:
     windows = _windows(
         _Config(data, c.origin, c.model_type), mapping["layers"], lambda i: (i + 1) % 2 != 0
     )
-    return mapping | windows | {
-        "experts": c.get("num_local_experts", 128),
-        "top_k": c.get("num_experts_per_tok", 4),
-        "_notes": [
-            "attention sinks: transformers has no SDPA kernel for them (eager, flex or a "
-            "sink-aware flash kernel); attention: standard for its eager path"
-        ],
-    }
+    return (
+        mapping
+        | windows
+        | {
+            "experts": _every_layer_experts(c, "num_local_experts", 128),
+            "top_k": c.get("num_experts_per_tok", 4),
+            "_notes": [
+                "attention sinks: transformers has no SDPA kernel for them (eager, flex or a "
+                "sink-aware flash kernel); attention: standard for its eager path"
+            ],
+        }
+    )
 
 
 def _phi3(c: _Config) -> dict[str, Any]:
