@@ -106,7 +106,8 @@ def test_family_quirks():
     assert (moe.shared_ffn_hidden, moe.shared_expert_gate, moe.qkv_bias) == (5632, True, True)
     gemma2 = load("gemma-2-9b")
     assert gemma2.post_norms and gemma2.sliding_window_layers == "0-:2"
-    assert gemma2.mlp == "geglu" and gemma2.tied_embeddings and gemma2.dtype_bytes == 4
+    assert gemma2.mlp == "geglu" and gemma2.tied_embeddings and gemma2.dtype_bytes == 2
+    assert "stored in float32: planned as bf16 mixed-precision training" in gemma2.source
     assert load("Mistral-7B-v0.1").sliding_window == 4096
     assert load("Phi-3-mini-4k-instruct").sliding_window == 2047
     neox = load("pythia-160m")
@@ -273,7 +274,7 @@ def test_olmo2_norms_all_heads_together():
     two norms after attention and the MLP counted as pre-norms (the same gains)."""
     spec = load("OLMo-2-1124-13B")
     assert spec.qk_norm and spec.qk_norm_width == "full" and not spec.bias
-    assert not spec.post_norms and spec.dtype_bytes == 4
+    assert not spec.post_norms and spec.dtype_bytes == 2
     per_head = parameter_count(spec.replace(qk_norm_width="head")).per_layer
     assert parameter_count(spec).per_layer - per_head == (40 * 128 - 128) + (40 * 128 - 128)
     assert "norms follow attention and the MLP" in spec.source

@@ -24,7 +24,11 @@ from ckplan.model.spec import SIZE_RANGES, SpecError
 from ckplan.quoting import quote
 
 DEFAULT_SEQ = 4096  # tokens, for a config.json that --seq does not set
-_HF_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+# bytes per activation value of the run a config.json is planned as: bf16 mixed precision,
+# whatever dtype the checkpoint is stored in (torch_dtype float32 is how Gemma 2, OLMo 2 and
+# GPT-2 ship, not how they train); precision=fp32 plans a full-fp32 run
+TRAINING_DTYPE_BYTES = 2
+_HF_DTYPES = ("float32", "float16", "bfloat16", "float64")  # torch_dtype, dtype
 # Integer keys ckplan reads, checked for their JSON type before anything computes with them
 # (a JSON "32" would pass as --set's text does; a dict in head_dim would multiply).
 _INTEGER_KEYS = (
@@ -92,6 +96,12 @@ def hf_config_mapping(
         )
     _check_types(config, origin, model_type)
     mapping = family(_Config(config, origin, model_type))
+    stored = config.get("torch_dtype") or config.get("dtype")
+    if stored in ("float32", "float64"):
+        notes.append(
+            f"the checkpoint is stored in {stored}: planned as bf16 mixed-precision training, "
+            "2-byte activations (precision=fp32 for a run in fp32)"
+        )
     quantization = config.get("quantization_config")
     if isinstance(quantization, Mapping):
         method = quantization.get("quant_method")
@@ -157,9 +167,9 @@ def _check_types(config: Mapping[str, Any], origin: str, model_type: str) -> Non
             raise SpecError(f"{origin}: key {key!r} expects a list of {what}, got {quote(value)}")
     for key in ("torch_dtype", "dtype"):
         value = config.get(key)
-        if value is not None and (not isinstance(value, str) or value not in _HF_DTYPE_BYTES):
+        if value is not None and (not isinstance(value, str) or value not in _HF_DTYPES):
             raise SpecError(
-                f"{origin}: key {key!r} expects one of {', '.join(_HF_DTYPE_BYTES)}, "
+                f"{origin}: key {key!r} expects one of {', '.join(_HF_DTYPES)}, "
                 f"got {quote(value)}"
             )
     for key in ("hidden_act", "hidden_activation", "topk_method"):
@@ -206,7 +216,6 @@ def _base(c: _Config, *, tied: bool, head_dim: int | None = None) -> dict[str, A
     """The keys every RoPE decoder family shares (Llama's names)."""
     heads = c.need("num_attention_heads")
     hidden = c.need("hidden_size")
-    dtype = c.get("torch_dtype", c.get("dtype", "bfloat16"))
     mapping = {
         "layers": c.need("num_hidden_layers"),
         "hidden": hidden,
@@ -216,7 +225,7 @@ def _base(c: _Config, *, tied: bool, head_dim: int | None = None) -> dict[str, A
         "vocab": c.need("vocab_size"),
         "seq": c.need("max_position_embeddings"),
         "micro_batch": 1,
-        "dtype_bytes": _HF_DTYPE_BYTES[dtype],
+        "dtype_bytes": TRAINING_DTYPE_BYTES,
         "norm": "rmsnorm",
         "mlp": _gated_mlp(c),
         "attention": "flash",
@@ -568,7 +577,7 @@ def _gpt2(c: _Config) -> dict[str, Any]:
         "vocab": c.need("vocab_size"),
         "seq": c.need("n_positions"),
         "micro_batch": 1,
-        "dtype_bytes": _HF_DTYPE_BYTES[c.get("torch_dtype", c.get("dtype", "float32"))],
+        "dtype_bytes": TRAINING_DTYPE_BYTES,
         "norm": "layernorm",
         "mlp": "gelu",
         "attention": "standard",
