@@ -169,8 +169,7 @@ def _check_types(config: Mapping[str, Any], origin: str, model_type: str) -> Non
         value = config.get(key)
         if value is not None and (not isinstance(value, str) or value not in _HF_DTYPES):
             raise SpecError(
-                f"{origin}: key {key!r} expects one of {', '.join(_HF_DTYPES)}, "
-                f"got {quote(value)}"
+                f"{origin}: key {key!r} expects one of {', '.join(_HF_DTYPES)}, got {quote(value)}"
             )
     for key in ("hidden_act", "hidden_activation", "topk_method"):
         value = config.get(key)
