@@ -35,7 +35,7 @@ PUBLISHED = {
     # count (tests/test_hf_families_torch.py)
     "GLM-4.5-Air": 106_852_251_264,
     "SmolLM3-3B": 3_075_098_624,  # "3.08B params" (the model page), tied embeddings
-    # gpt-oss model card (OpenAI, 2025, Table 1): "20.91B" total for gpt-oss-20b
+    # the gpt-oss model card (OpenAI, 2025): "20.91B" total for gpt-oss-20b
     "gpt-oss-20b": 20_914_757_184,
     # the checkpoint's model.safetensors.index.json: total_size 54,864,793,600 bytes in fp32
     "OLMo-2-1124-13B": 54_864_793_600 // 4,
