@@ -272,11 +272,17 @@ def _capped(layers: int) -> int:
     return min(layers, SIZE_RANGES["layers"][1] + 1)
 
 
-def _windows(c: _Config, layers: int, default_pattern: Callable[[int], bool] | None) -> dict:
+def _windows(
+    c: _Config,
+    layers: int,
+    default_pattern: Callable[[int], bool] | None,
+    default_window: int | None = None,
+) -> dict:
     """sliding_window and which layers use it: HF's layer_types when given, else the family's
-    rule (`default_pattern(i)` True for a sliding layer; None: every layer)."""
+    rule (`default_pattern(i)` True for a sliding layer; None: every layer). `default_window`
+    is the config class's window for a file without the key (one that sets null has none)."""
     layers = _capped(layers)
-    window = c.get("sliding_window")
+    window = c.data.get("sliding_window", default_window)
     if not window:
         return {}
     types = c.get("layer_types")
@@ -309,9 +315,7 @@ def _llama(c: _Config) -> dict[str, Any]:
 def _mistral(c: _Config) -> dict[str, Any]:
     mapping = {**_base(c, tied=False), **_llama_biases(c)}
     # MistralConfig's default window is 4096; v0.2+ checkpoints set null (full attention).
-    data = dict(c.data)
-    data.setdefault("sliding_window", 4096)
-    return mapping | _windows(_Config(data, c.origin, c.model_type), mapping["layers"], None)
+    return mapping | _windows(c, mapping["layers"], None, default_window=4096)
 
 
 def _mixtral(c: _Config) -> dict[str, Any]:
@@ -384,13 +388,8 @@ def _gemma(c: _Config) -> dict[str, Any]:
 
 def _gemma2(c: _Config) -> dict[str, Any]:
     mapping = {**_gemma(c), "post_norms": True}
-    data = dict(c.data)
-    data.setdefault("sliding_window", 4096)
     # Gemma2DecoderLayer: sliding on the even layers, (i + 1) % 2 != 0.
-    windows = _windows(
-        _Config(data, c.origin, c.model_type), mapping["layers"], lambda i: i % 2 == 0
-    )
-    return mapping | windows
+    return mapping | _windows(c, mapping["layers"], lambda i: i % 2 == 0, default_window=4096)
 
 
 def _gemma3_text(c: _Config) -> dict[str, Any]:
@@ -494,11 +493,7 @@ def _olmo3(c: _Config) -> dict[str, Any]:
     """OLMo 3: OLMo 2's layer with a 4,096-token window on three layers of four, (i + 1) % 4
     != 0, unless layer_types says otherwise (Olmo3Config, configuration_olmo3.py v5.25.0)."""
     mapping = _olmo2(c)
-    data = dict(c.data)
-    data.setdefault("sliding_window", 4096)
-    windows = _windows(
-        _Config(data, c.origin, c.model_type), mapping["layers"], lambda i: (i + 1) % 4 != 0
-    )
+    windows = _windows(c, mapping["layers"], lambda i: (i + 1) % 4 != 0, default_window=4096)
     return mapping | windows
 
 
@@ -540,11 +535,7 @@ def _gpt_oss(c: _Config) -> dict[str, Any]:
             "do not hold",
         )
     mapping = {**_base(c, tied=False, head_dim=64), "bias": True, "attention_sinks": True}
-    data = dict(c.data)
-    data.setdefault("sliding_window", 128)
-    windows = _windows(
-        _Config(data, c.origin, c.model_type), mapping["layers"], lambda i: (i + 1) % 2 != 0
-    )
+    windows = _windows(c, mapping["layers"], lambda i: (i + 1) % 2 != 0, default_window=128)
     return (
         mapping
         | windows
