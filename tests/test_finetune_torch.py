@@ -277,3 +277,72 @@ def test_peft_dora_saved_bytes_match_autograd(harness, dtype, targets, dropout):
     assert measured.get("act", 0) == predicted["act"]
     trainable = sum(p.numel() for p in layer.parameters() if p.requires_grad)
     assert trainable == lora_layer_parameters(spec)
+
+
+# ---- a mixture of experts with frozen base weights (validation/torch_moe_mla.py) -------------
+
+MOE_CASES = [
+    ("frozen", (), 0.0),
+    ("lora", ("q_proj", "v_proj"), 0.0),
+    ("lora", ("q_proj", "k_proj", "v_proj", "o_proj"), 0.1),
+]
+
+
+def measure_moe(harness, cfg, targets, rank, dropout):
+    """What autograd saves in validation/torch_moe_mla.py's MoE layer with every base weight
+    frozen (the experts', the router's and the shared experts' too) and adapters on `targets`."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import torch_moe_mla
+
+    torch.manual_seed(0)
+    layer = torch_moe_mla.MoELayer(cfg).to(dtype=cfg.torch_dtype).train()
+    layer.requires_grad_(False)
+    for name in targets:
+        adapted = LoraLinear(getattr(layer, name), rank, 2 * rank, dropout)
+        setattr(layer, name, adapted.to(dtype=cfg.torch_dtype))
+    exclude = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    exclude |= {b.untyped_storage().data_ptr() for b in layer.buffers()}
+    x = torch.randn(cfg.micro_batch, cfg.seq, cfg.hidden, dtype=cfg.torch_dtype)
+    x.requires_grad_(True)  # a layer after the first: its input needs a gradient
+    recorder = harness.SavedTensorRecorder(exclude)
+    with recorder.recording():
+        out = layer(x, recorder)
+    out.float().sum().backward()
+    assert x.grad is not None
+    assert all(p.grad is None for n, p in layer.named_parameters() if "lora_" not in n)
+    return recorder.by_op()
+
+
+@pytest.mark.parametrize("name", ["moe-bf16", "moe-bf16-torchtitan", "moe-bf16-hf"])
+@pytest.mark.parametrize(("training", "targets", "dropout"), MOE_CASES)
+def test_frozen_experts_saved_bytes_match_autograd(harness, name, training, targets, dropout):
+    """Frozen experts, router and shared experts save no input (the dispatched rows, the
+    activation's output, the normed x), beside adapters on the attention projections; every
+    other op saves what it saves in full training. As in full training, the fused norms keep
+    an fp32 rstd per token and the router's aux loss its int64 counts and a scalar, which
+    ckplan leaves out."""
+    cfg = next(c for c in harness.default_configs() if c.name == name)
+    rank = 8
+    measured = measure_moe(harness, cfg, targets, rank, dropout)
+    mapping = harness.ckplan_mapping_for(cfg) | {"training": training}
+    if training == "lora":
+        mapping |= {"lora_rank": rank, "lora_targets": ",".join(targets), "lora_dropout": dropout}
+    from ckplan.inputs.presets import spec_from_values
+    from ckplan.model.memory import activation_bytes_by_op
+
+    predicted = activation_bytes_by_op(spec_from_values(mapping, origin=cfg.name))
+    tokens = cfg.seq * cfg.micro_batch
+    for op in ("router", "expert_fc1", "expert_fc2", "shared_fc1", "shared_fc2"):
+        assert predicted[op] == 0, op
+    sites = {
+        "qkv_proj": ("qkv_proj", "qkv_proj_lora"),
+        "attention_core": ("attention_core", "out_proj", "out_proj_lora"),
+    }
+    for tag, ops in sites.items():
+        got = measured.get(tag, 0) + (measured.get("out_proj", 0) if tag == "attention_core" else 0)
+        assert got == sum(predicted.get(op, 0) for op in ops), tag
+    compared = set(predicted) - {op for ops in sites.values() for op in ops}
+    for op in compared:
+        extra = {"norm1": 4 * tokens, "norm2": 4 * tokens, "router_probs": 8 * cfg.experts + 4}
+        assert measured.get(op, 0) - predicted[op] == extra.get(op, 0), op
+    assert set(measured) <= set(predicted)

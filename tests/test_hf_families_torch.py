@@ -13,7 +13,7 @@ from needs_frameworks import framework_or_skip
 
 from ckplan.inputs.hf_config import SUPPORTED
 from ckplan.inputs.presets import load_spec
-from ckplan.model.memory import parameter_count
+from ckplan.model.memory import frozen_weight_bytes, parameter_count
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
@@ -68,3 +68,53 @@ def test_a_key_left_out_takes_the_config_class_default(model_type, tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     assert parameter_count(load_spec(str(path), {})).total == checkpoint_tensors(config)
+
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MOE_FIXTURES = [
+    "GLM-4.5-Air",
+    "Mixtral-8x7B-v0.1",
+    "Qwen1.5-MoE-A2.7B",
+    "Qwen3-30B-A3B",
+    "gpt-oss-20b",
+    "olmoe-config-defaults",
+]
+
+
+def peft_trainable(config: dict, target_modules) -> int:
+    """The trainable parameters PEFT gives the model transformers builds from `config` (on the
+    meta device) under LoRA r 8 on `target_modules`."""
+    torch = framework_or_skip("torch", "the adapter counts were not checked")
+    transformers = framework_or_skip("transformers", "the adapter counts were not checked")
+    peft = framework_or_skip("peft", "the adapter counts were not checked")
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**config)
+        )
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=target_modules))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("name", MOE_FIXTURES)
+def test_attention_adapters_on_a_mixture_of_experts_equal_peft(name):
+    """LoRA on the attention projections of an MoE checkpoint: ckplan's trainable parameters
+    are PEFT's, and its frozen weights every other parameter."""
+    config = json.loads((FIXTURES / name / "config.json").read_text())
+    keys = {"training": "lora", "lora_rank": 8, "lora_targets": ",".join(ATTENTION)}
+    spec = load_spec(str(FIXTURES / name / "config.json"), keys)
+    counts = parameter_count(spec)
+    assert counts.trainable == peft_trainable(config, ATTENTION)
+    assert frozen_weight_bytes(spec, 0, 2) == (2 * counts.total, 0)  # the experts' among them
+
+
+def test_all_linear_adapts_more_than_attention_on_mixtral_not_on_gpt_oss():
+    """Why `lora_targets` names attention projections only beside experts: on Mixtral PEFT's
+    all-linear adapts the router and the experts' 3D weights too (target_parameters, which
+    ckplan does not model), while on gpt-oss it is the attention projections alone."""
+    mixtral = json.loads((FIXTURES / "Mixtral-8x7B-v0.1" / "config.json").read_text())
+    mixtral |= {"num_hidden_layers": 2}
+    assert peft_trainable(mixtral, "all-linear") > peft_trainable(mixtral, ATTENTION)
+    gpt_oss = json.loads((FIXTURES / "gpt-oss-20b" / "config.json").read_text())
+    gpt_oss |= {"num_hidden_layers": 2, "layer_types": gpt_oss["layer_types"][:2]}
+    assert peft_trainable(gpt_oss, "all-linear") == peft_trainable(gpt_oss, ATTENTION)

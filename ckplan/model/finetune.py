@@ -37,6 +37,16 @@ the model states when the base weights do not train (docs/fine-tuning.md).
 PEFT names the linear layers of a Llama layer q_proj, k_proj, v_proj, o_proj, gate_proj,
 up_proj and down_proj; ckplan's ops are qkv_proj (q, k, v), out_proj (o), fc1 (gate and up, or
 up alone in a GELU MLP) and fc2 (down).
+
+- A layer whose MLP is a mixture of experts (`_moe_layer`): Hugging Face transformers v5.25.0
+  holds the routed experts as 3D parameters of one module and the router as a bare parameter
+  (models/mixtral/modeling_mixtral.py `MixtralExperts.gate_up_proj`, `down_proj`,
+  `MixtralTopKRouter.weight`; the same in qwen2_moe, qwen3_moe, olmoe and gpt_oss), not as
+  nn.Linear modules, so PEFT's `target_modules` (which match nn.Linear modules by name) adapt
+  only the attention projections and the shared experts' MLP (Qwen2MoeSparseMoeBlock.
+  shared_expert, a gate_proj, up_proj and down_proj; ckplan's shared_fc1 and shared_fc2).
+  The experts, the router and the shared experts' gate stay frozen: no weight-gradient GEMM,
+  no saved input (`FROZEN_MOE_GEMMS`).
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ckplan.model.layers import LayerKind, layer_kinds
 from ckplan.model.op import MASK_BYTES, Op, matmul_flops
 from ckplan.model.parts import LORA_TARGETS
 from ckplan.model.spec import ChainSpec
@@ -58,7 +69,15 @@ SITE_OF = {
     "up_proj": "fc1",
     "down_proj": "fc2",
 }
-FROZEN_LINEARS = ("qkv_proj", "out_proj", "fc1", "fc2")
+# ... and in a layer whose MLP is a mixture of experts: the shared experts' MLP
+SHARED_EXPERT_SITE_OF = SITE_OF | {
+    "gate_proj": "shared_fc1",
+    "up_proj": "shared_fc1",
+    "down_proj": "shared_fc2",
+}
+FROZEN_LINEARS = ("qkv_proj", "out_proj", "fc1", "fc2", "shared_fc1", "shared_fc2")
+# the GEMMs of a mixture of experts that no adapter sits beside, frozen with the base weights
+FROZEN_MOE_GEMMS = ("router", "expert_fc1", "expert_fc2", "shared_gate")
 # bitsandbytes' defaults (bitsandbytes 0.45.5, bitsandbytes/functional.py quantize_4bit and
 # quantize_blockwise): 64 weights per 4-bit block; double quantisation quantises the blocks'
 # fp32 absmax to 8 bits in blocks of 256, each with an fp32 absmax, around one fp32 offset.
@@ -181,10 +200,28 @@ def dequantize_8bit_bytes(fan_in: int, fan_out: int, dtype_bytes: int) -> int:
     )
 
 
-def linear_shapes(spec: ChainSpec) -> dict[str, tuple[int, int]]:
-    """(in, out) of each PEFT-named linear layer of one dense layer, whole (not split over tp):
-    q a·d, k and v g·d, o from a·d, gate and up F (gated MLPs only), down to h."""
-    h, d, F = spec.hidden, spec.head_dim, spec.ffn_hidden
+def _moe_layer(spec: ChainSpec, kind: LayerKind | None) -> bool:
+    """Whether a layer of `kind` (None: the first layer's, a uniform model's only kind) has a
+    mixture of experts for its MLP."""
+    if not spec.experts:
+        return False
+    return (layer_kinds(spec)[0] if kind is None else kind).moe
+
+
+def site_of(spec: ChainSpec, kind: LayerKind | None = None) -> dict[str, str]:
+    """ckplan's op holding each PEFT-named module in a layer of `kind`: `SITE_OF`, or with a
+    mixture of experts `SHARED_EXPERT_SITE_OF`."""
+    return SHARED_EXPERT_SITE_OF if _moe_layer(spec, kind) else SITE_OF
+
+
+def linear_shapes(spec: ChainSpec, kind: LayerKind | None = None) -> dict[str, tuple[int, int]]:
+    """(in, out) of each PEFT-named linear layer of one layer of `kind`, whole (not split over
+    tp): q a·d, k and v g·d, o from a·d, gate and up F (gated MLPs only), down to h. In a layer
+    whose MLP is a mixture of experts the MLP's are the shared experts' (F their total width;
+    none without shared experts); the routed experts and the router are no linear modules
+    (the module docstring)."""
+    h, d = spec.hidden, spec.head_dim
+    F = spec.shared_ffn_hidden if _moe_layer(spec, kind) else spec.ffn_hidden
     shapes = {
         "q_proj": (h, spec.heads * d),
         "k_proj": (h, spec.kv_heads * d),
@@ -194,41 +231,55 @@ def linear_shapes(spec: ChainSpec) -> dict[str, tuple[int, int]]:
         "up_proj": (h, F),
         "down_proj": (F, h),
     }
-    if spec.mlp == "gelu":
+    if spec.mlp == "gelu" or not F:
         del shapes["gate_proj"]
+    if not F:
+        del shapes["up_proj"], shapes["down_proj"]
     return shapes
 
 
-def adapters(spec: ChainSpec) -> tuple[Adapter, ...]:
-    """The LoRA adapters of one layer, in layer order (all-linear: every linear layer of the
-    layer, the output layer excluded, as PEFT's INCLUDE_LINEAR_LAYERS_SHORTHAND)."""
-    shapes = linear_shapes(spec)
+def adapters(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Adapter, ...]:
+    """The LoRA adapters of one layer of `kind`, in layer order (all-linear: every linear layer
+    of the layer, the output layer excluded, as PEFT's INCLUDE_LINEAR_LAYERS_SHORTHAND)."""
+    shapes = linear_shapes(spec, kind)
+    sites = site_of(spec, kind)
     return tuple(
-        Adapter(name, SITE_OF[name], *shapes[name])
+        Adapter(name, sites[name], *shapes[name])
         for name in LORA_TARGETS
         if name in spec.finetune.adapters and name in shapes
     )
 
 
-def adapter_tensor_elements(spec: ChainSpec) -> tuple[int, ...]:
+def adapter_tensor_elements(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[int, ...]:
     """The elements of each of one layer's adapter tensors: per adapter lora_A (r x in) and
     lora_B (out x r) (Hu et al. 2021, §4.1), and with DoRA the magnitude vector (out)."""
     rank, dora = spec.finetune.lora_rank, spec.finetune.use_dora
     tensors: list[int] = []
-    for adapter in adapters(spec):
+    for adapter in adapters(spec, kind):
         tensors += [rank * adapter.fan_in, adapter.fan_out * rank]
         if dora:
             tensors.append(adapter.fan_out)
     return tuple(tensors)
 
 
-def lora_layer_parameters(spec: ChainSpec) -> int:
-    """Trainable parameters of one layer's adapters: Σ r·(in + out) (PEFT's
+def lora_layer_parameters(spec: ChainSpec, kind: LayerKind | None = None) -> int:
+    """Trainable parameters of the adapters of one layer of `kind`: Σ r·(in + out) (PEFT's
     print_trainable_parameters counts the same lora_A and lora_B weights)."""
     finetune = spec.finetune
     return sum(
-        adapter.parameters(finetune.lora_rank, finetune.use_dora) for adapter in adapters(spec)
+        adapter.parameters(finetune.lora_rank, finetune.use_dora)
+        for adapter in adapters(spec, kind)
     )
+
+
+def largest_layer_lora_parameters(spec: ChainSpec) -> int:
+    """The most adapter parameters one layer of `spec` has, over its kinds of layer."""
+    return max(lora_layer_parameters(spec, kind) for kind in set(layer_kinds(spec)))
+
+
+def lora_parameters(spec: ChainSpec, kind_counts: dict[LayerKind, int]) -> int:
+    """Trainable parameters of the adapters of `kind_counts`' layers (count per kind)."""
+    return sum(count * lora_layer_parameters(spec, kind) for kind, count in kind_counts.items())
 
 
 def quantized_weight_bytes(fan_in: int, fan_out: int, weight_format: str) -> int:
@@ -268,14 +319,14 @@ def quantization_statistics_bytes(fan_in: int, fan_out: int, weight_format: str)
     return quantized_weight_bytes(fan_in, fan_out, weight_format) - -(-n // 2)
 
 
-def layer_quantization_statistics_bytes(spec: ChainSpec) -> int:
+def layer_quantization_statistics_bytes(spec: ChainSpec, kind: LayerKind | None = None) -> int:
     """One layer's `quantization_statistics_bytes` over its frozen linear weights."""
     fmt = spec.finetune.weight_format
     if fmt is None:
         return 0
     return sum(
         quantization_statistics_bytes(fan_in, fan_out, fmt)
-        for fan_in, fan_out in linear_shapes(spec).values()
+        for fan_in, fan_out in linear_shapes(spec, kind).values()
     )
 
 
@@ -295,22 +346,44 @@ def gathered_weight_bytes(
     return n * per_value
 
 
-def gathered_layer_bytes(spec: ChainSpec, weight_bytes: int) -> tuple[int, int]:
-    """(one layer, its largest weight): the bytes ZeRO-3 gathers of one layer's frozen linear
-    weights and adapters (`gathered_weight_bytes`; the adapters at `weight_bytes` per value;
-    the norms, below the persistence threshold, stay whole and are not counted)."""
+def expert_weight_shapes(spec: ChainSpec, kind: LayerKind | None = None) -> list[tuple[int, int]]:
+    """(in, out) of each frozen weight matrix of a layer of `kind`'s mixture of experts beyond
+    its linear modules (`linear_shapes`): per routed expert its fc1 (h to 2F_e gated, F_e) and
+    fc2 (F_e to h), the router (h to E) and the shared experts' gate (h to 1); none in a
+    dense layer. Their biases are not counted, as for the linears."""
+    if not _moe_layer(spec, kind):
+        return []
+    h, width = spec.hidden, spec.moe_ffn_hidden
+    fc1 = (h, (1 if spec.mlp == "gelu" else 2) * width)
+    shapes = [fc1, (width, h)] * spec.experts + [(h, spec.experts)]
+    if spec.shared_ffn_hidden and spec.shared_expert_gate:
+        shapes.append((h, 1))
+    return shapes
+
+
+def gathered_layer_bytes(
+    spec: ChainSpec, weight_bytes: int, kind: LayerKind | None = None
+) -> tuple[int, int]:
+    """(one layer, its largest weight): the bytes ZeRO-3 gathers of one layer of `kind`'s frozen
+    linear weights, its experts' and router's (`expert_weight_shapes`, at `weight_bytes` a
+    value) and its adapters (`gathered_weight_bytes`; the adapters at `weight_bytes` per value;
+    the norms, below the persistence threshold, stay whole and are not counted). None: the
+    model's largest layer."""
+    if kind is None and spec.experts:
+        return max(
+            gathered_layer_bytes(spec, weight_bytes, each) for each in set(layer_kinds(spec))
+        )
     fmt = spec.finetune.weight_format
     weights = [
-        gathered_weight_bytes(i, o, fmt, weight_bytes) for i, o in linear_shapes(spec).values()
+        gathered_weight_bytes(i, o, fmt, weight_bytes)
+        for i, o in linear_shapes(spec, kind).values()
     ]
-    adapter_values = sum(
-        adapter.parameters(spec.finetune.lora_rank, spec.finetune.use_dora)
-        for adapter in adapters(spec)
-    )
+    weights += [weight_bytes * i * o for i, o in expert_weight_shapes(spec, kind)]
+    adapter_values = lora_layer_parameters(spec, kind)
     return sum(weights) + weight_bytes * adapter_values, max(weights)
 
 
-def frozen_linear_bytes(spec: ChainSpec, weight_bytes: int) -> int:
+def frozen_linear_bytes(spec: ChainSpec, weight_bytes: int, kind: LayerKind | None = None) -> int:
     """Bytes of one layer's frozen linear weights (the biases excluded): each weight in the
     weight_format, or at `weight_bytes` per value when none is given."""
     fmt = spec.finetune.weight_format
@@ -318,13 +391,13 @@ def frozen_linear_bytes(spec: ChainSpec, weight_bytes: int) -> int:
         fan_in * fan_out * weight_bytes
         if fmt is None
         else quantized_weight_bytes(fan_in, fan_out, fmt)
-        for fan_in, fan_out in linear_shapes(spec).values()
+        for fan_in, fan_out in linear_shapes(spec, kind).values()
     )
 
 
-def linear_weight_parameters(spec: ChainSpec) -> int:
+def linear_weight_parameters(spec: ChainSpec, kind: LayerKind | None = None) -> int:
     """Values of one layer's linear weights (biases excluded)."""
-    return sum(fan_in * fan_out for fan_in, fan_out in linear_shapes(spec).values())
+    return sum(fan_in * fan_out for fan_in, fan_out in linear_shapes(spec, kind).values())
 
 
 def dequantize_4bit_bytes(fan_in: int, fan_out: int, weight_format: str) -> int:
@@ -364,7 +437,9 @@ def held_through_checkpoint_bytes(ops: tuple[Op, ...], spec: ChainSpec) -> int:
     return sum(op.saved_bytes for op in ops if op.name in FROZEN_LINEARS and op.matmul)
 
 
-def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
+def frozen_ops(
+    ops: tuple[Op, ...], spec: ChainSpec, kind: LayerKind | None = None
+) -> tuple[Op, ...]:
     """The op table with the base weights frozen, and LoRA's ops after the linears they adapt
     (an op post-pass, like `ops.fp8_saved`, so that every strategy, breakdown and chain reads
     the same table). derived:
@@ -395,6 +470,11 @@ def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
       with the linear) and holds, for one adapter at a time, the gradients of the scaled
       product (out), of A's output (r) and of its input (in, twice with dropout) until they
       are added to the linear's input gradient: workspace.
+    - A mixture of experts' frozen GEMMs (`FROZEN_MOE_GEMMS`): each backward the input-gradient
+      GEMM alone. The router saves no input: the normed x it reads is kept only where the
+      shared experts' gate and up adapters save it without dropout (one storage, on the
+      router as in full training); the experts' fc1 and fc2 save nothing (the dispatched rows
+      and the activation's output); the shared experts' gate keeps what its product saves.
     """
     finetune = spec.finetune
     if finetune.training == "full":
@@ -404,9 +484,10 @@ def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
     rank = finetune.lora_rank
     dropout = finetune.lora_dropout > 0
     by_site: dict[str, list[Adapter]] = {}
-    for adapter in adapters(spec):
+    for adapter in adapters(spec, kind):
         by_site.setdefault(adapter.site, []).append(adapter)
-    shapes = linear_shapes(spec)
+    shapes = linear_shapes(spec, kind)
+    sites = site_of(spec, kind)
     site_weights: dict[str, int] = {}
     # quantised weights: the bytes their kernels move beside the GEMMs, forward and backward,
     # and what an int8 linear keeps beyond its input
@@ -419,7 +500,7 @@ def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
         finetune.bitsandbytes_version
     )
     for name, (fan_in, fan_out) in shapes.items():
-        site = SITE_OF[name]
+        site = sites[name]
         site_weights[site] = max(site_weights.get(site, 0), fan_in * fan_out)
         forward = backward = extra = 0
         if four_bit:
@@ -436,6 +517,9 @@ def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
     kept_by_bitsandbytes = bitsandbytes_keeps_input(spec)
     out: list[Op] = []
     for op in ops:
+        if op.name in FROZEN_MOE_GEMMS:
+            out.append(_frozen_moe_gemm(op, "shared_fc1" in by_site and not dropout))
+            continue
         if op.name not in FROZEN_LINEARS or op.matmul is None:
             out.append(op)
             continue
@@ -460,6 +544,18 @@ def frozen_ops(ops: tuple[Op, ...], spec: ChainSpec) -> tuple[Op, ...]:
             dora = finetune.use_dora
             out.append(lora_op(op, site, B, tokens, rank, dropout, dora, quantized))
     return tuple(out)
+
+
+def _frozen_moe_gemm(op: Op, input_saved_by_adapter: bool) -> Op:
+    """One of `FROZEN_MOE_GEMMS` with its weight frozen (`frozen_ops`): the input-gradient
+    GEMM alone in backward, and no saved input but the router's normed x where the shared
+    experts' adapters save it (`input_saved_by_adapter`) and the shared gate's product."""
+    saved = op.saved_bytes
+    if op.name in ("expert_fc1", "expert_fc2") or (
+        op.name == "router" and not input_saved_by_adapter
+    ):
+        saved = 0
+    return dataclasses.replace(op, saved_bytes=saved, backward_flops=op.forward_flops)
 
 
 def lora_op(

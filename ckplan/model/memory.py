@@ -586,7 +586,9 @@ def parameter_count(spec: ModelSpec) -> ParameterCount:
         all_layers,
         sum(part.experts * count for part, count in parts),
         sum(part.inactive * count for part, count in parts),
-        None if spec.training == "full" else spec.layers * finetune.lora_layer_parameters(spec),
+        None
+        if spec.training == "full"
+        else finetune.lora_parameters(spec, Counter(layer_kinds(spec))),
         mtp_parameters(spec),
     )
 
@@ -676,8 +678,7 @@ def trainable_stage_parameters(spec: ModelSpec, stage: int = 0) -> tuple[int, in
     reduction and the optimizer step read."""
     if spec.training == "full":
         return stage_parameters(spec, stage)
-    layers_here = sum(stage_kind_counts(spec, stage).values())
-    return layers_here * finetune.lora_layer_parameters(spec), 0
+    return finetune.lora_parameters(spec, stage_kind_counts(spec, stage)), 0
 
 
 def stepped_parameters(spec: ModelSpec, stage: int = 0) -> int:
@@ -854,18 +855,21 @@ def finetune_state_bytes(
     """
     zero = spec.zero if zero is None else zero
     dp = spec.dp * spec.cp if dp is None else dp
-    layers_here = sum(stage_kind_counts(spec, stage).values())
+    kind_counts = stage_kind_counts(spec, stage)
     base, statistics = frozen_weight_bytes(spec, stage, spec.weight_bytes)
     if zero >= frameworks.weights_sharded_from(spec):
         base = sharded_frozen_bytes(base, statistics, dp)
     on_host = host_frozen_bytes(spec, stage, dp)
     if on_host:  # the parameters' data on the host: the 4-bit statistics stay
         base = statistics
-    adapter_layer = finetune.lora_layer_parameters(spec)
-    trainable = layers_here * adapter_layer
+    # the largest layer's adapters and gathered weights size the per-layer buffers
+    adapter_layer = max(finetune.lora_layer_parameters(spec, kind) for kind in kind_counts)
+    trainable = finetune.lora_parameters(spec, kind_counts)
     gathered = tuple(
         split_share(part, spec.tp)
-        for part in finetune.gathered_layer_bytes(spec, spec.weight_bytes)
+        for part in max(
+            finetune.gathered_layer_bytes(spec, spec.weight_bytes, kind) for kind in kind_counts
+        )
     )
     buffers = (
         frameworks.buffer_bytes(spec, trainable, adapter_layer, 0, gathered=gathered)
@@ -881,17 +885,20 @@ def finetune_state_bytes(
         )[1]
         buffers = frameworks.fsdp2_kept_unsharded_bytes(kept, 0, grouping.last_block_kept)
     if spec.framework == "deepspeed" and zero == 3 and dp > 1:  # the adapters kept whole
-        persistent = frameworks.deepspeed_persistent_bytes(finetune.adapter_tensor_elements(spec))
-        buffers += layers_here * split_share(persistent, spec.tp)
+        for kind, count in kind_counts.items():
+            elements = finetune.adapter_tensor_elements(spec, kind)
+            persistent = frameworks.deepspeed_persistent_bytes(elements)
+            buffers += count * split_share(persistent, spec.tp)
     if zero == 2 and dp > 1 and zero >= frameworks.weights_sharded_from(spec):
         # PyTorch FSDP without reshard after forward (FSDP2's reshard_after_forward False,
         # FSDP1's SHARD_GRAD_OP): every unit's frozen weights stay gathered in bf16 (4-bit ones
         # packed) from its forward to the end of the backward, beside the adapters' copies
         # `buffer_bytes` holds (frameworks.weights_sharded_from: their shards are sharded)
-        frozen_layer = finetune.gathered_layer_bytes(spec, frameworks.HALF)[0]
-        frozen_layer -= frameworks.HALF * adapter_layer
-        outside = frameworks.HALF * outside_layer_parameters(spec, stage)
-        buffers += layers_here * split_share(frozen_layer, spec.tp) + outside
+        for kind, count in kind_counts.items():
+            frozen_layer = finetune.gathered_layer_bytes(spec, frameworks.HALF, kind)[0]
+            frozen_layer -= frameworks.HALF * finetune.lora_layer_parameters(spec, kind)
+            buffers += count * split_share(frozen_layer, spec.tp)
+        buffers += frameworks.HALF * outside_layer_parameters(spec, stage)
     adapters = states_of(
         spec,
         trainable,
@@ -902,10 +909,15 @@ def finetune_state_bytes(
         held_gradients=in_backward_gradient_parameters(spec, stage),
         fp8_weights=fp8_primary_weights(spec, stage),
     )
+    # of the frozen weights, the routed experts' (at weight_bytes: never quantised, `finetune`)
+    expert_weights = 0 if on_host else stage_parameters(spec, stage)[1] * spec.weight_bytes
+    if zero >= frameworks.weights_sharded_from(spec):
+        expert_weights = split_share(expert_weights, dp)
     return ModelStateBytes(
         base + adapters.weights,
         adapters.gradients,
         adapters.optimizer,
+        expert_weights=expert_weights,
         buffers=buffers,
         host=adapters.host + on_host,
     )
@@ -935,19 +947,21 @@ def frozen_weight_bytes(spec: ModelSpec, stage: int, per_value: int) -> tuple[in
     layer) at `per_value`. Under tp the split linears at their format's bytes.
 
     derived: stage_parameters less the linears' values, plus the linears as stored."""
-    dense, _ = stage_parameters(spec, stage)
-    layers_here = sum(stage_kind_counts(spec, stage).values())
+    dense, experts = stage_parameters(spec, stage)
     fmt = spec.weight_format
-    linear_whole = finetune.linear_weight_parameters(spec)  # one layer, not split
-    if spec.tp == 1:
-        linear_values = layers_here * linear_whole
-        linear_bytes = layers_here * finetune.frozen_linear_bytes(spec, per_value)
-    else:  # frozen weights under tp (bf16, fp16, fp32): the split linears at their bytes
-        part = layer_parameter_parts(spec)
-        linear_values = layers_here * (part.dense_per_rank(spec) - (part.total - linear_whole))
-        linear_bytes = linear_values * (per_value if fmt is None else {"fp32": 4}.get(fmt, 2))
-    statistics = layers_here * finetune.layer_quantization_statistics_bytes(spec)
-    return (dense - linear_values) * per_value + linear_bytes, statistics
+    linear_values = linear_bytes = statistics = 0
+    for kind, count in stage_kind_counts(spec, stage).items():
+        linear_whole = finetune.linear_weight_parameters(spec, kind)  # one layer, not split
+        if spec.tp == 1:
+            values = linear_whole
+            linear_bytes += count * finetune.frozen_linear_bytes(spec, per_value, kind)
+        else:  # frozen weights under tp (bf16, fp16, fp32): the split linears at their bytes
+            part = layer_parameter_parts(spec, kind)
+            values = part.dense_per_rank(spec) - (part.total - part.experts - linear_whole)
+            linear_bytes += count * values * (per_value if fmt is None else {"fp32": 4}.get(fmt, 2))
+        linear_values += count * values
+        statistics += count * finetune.layer_quantization_statistics_bytes(spec, kind)
+    return (dense + experts - linear_values) * per_value + linear_bytes, statistics
 
 
 def frozen_gathered_bytes(spec: ModelSpec, stage: int) -> int:
@@ -1596,7 +1610,9 @@ def in_backward_gradient_parameters(spec: ModelSpec, stage: int) -> int | None:
     if not spec.optimizer_in_backward:
         return None
     if spec.training != "full":
-        return finetune.lora_layer_parameters(spec)
+        return max(
+            finetune.lora_layer_parameters(spec, kind) for kind in stage_kind_counts(spec, stage)
+        )
     layer = largest_layer_parameters(spec, stage)
     outside = outside_layer_parameters(spec, stage)
     vocab_block = split_share(spec.vocab * spec.hidden, spec.tp) if outside else 0
@@ -1711,8 +1727,10 @@ def chain_gradient_bytes(spec: ModelSpec) -> tuple[int, ...]:
             # fsdp1_embedding_backward_bytes)
             first = last = 0
     else:
-        adapters = finetune.lora_layer_parameters(spec)
-        per_layer = [states_of(spec, adapters, 0).gradients for _ in kinds]
+        per_layer = [
+            states_of(spec, finetune.lora_layer_parameters(spec, kind), 0).gradients
+            for kind in kinds
+        ]
         first = last = 0
     has_ends = spec.vocab > 0
     return (first, *per_layer, last) if has_ends else tuple(per_layer)

@@ -344,14 +344,15 @@ def layer_ops(spec: ChainSpec, kind: LayerKind | None = None) -> tuple[Op, ...]:
     other than fused (this table) replaces the numbers of the ops it names."""
     if spec.kind == "mlp":
         return numpy_mlp.layer_ops(spec)
-    ops = transformer_layer_ops(spec, representative_kind(spec) if kind is None else kind)
+    kind = representative_kind(spec) if kind is None else kind
+    ops = transformer_layer_ops(spec, kind)
     if spec.precision == "fp8":
         ops = fp8_saved(ops, spec)
     if not spec.profile.is_fused:
         from ckplan.model.profiles import apply_profile  # only with a profile (start-up time)
 
         ops = apply_profile(ops, spec, spec.profile)
-    return frozen_ops(ops, spec) if spec.training != "full" else ops
+    return frozen_ops(ops, spec, kind) if spec.training != "full" else ops
 
 
 # Linear layers whose GEMM runs in FP8 (the router and the output layer stay in BF16; the

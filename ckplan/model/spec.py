@@ -1082,9 +1082,7 @@ def _validate_finetune(spec: ModelSpec) -> None:
     if spec.kind != "transformer":
         raise SpecError(f"key 'training' ({finetune.training}) needs kind: transformer")
     if spec.experts:
-        raise SpecError(
-            f"key 'experts': {what} is not modelled for a mixture of experts yet (experts: 0)"
-        )
+        _validate_frozen_experts(spec, what)
     if spec.mla:
         raise SpecError(
             f"key 'kv_lora_rank': {what} is not modelled with multi-head latent attention yet"
@@ -1107,6 +1105,42 @@ def _validate_finetune(spec: ModelSpec) -> None:
         raise SpecError(
             "key 'lora_targets': gate_proj needs a gated MLP (mlp: swiglu or geglu); a GELU "
             "MLP has up_proj and down_proj"
+        )
+
+
+# the PEFT modules an adapter may target beside a mixture of experts (`_validate_frozen_experts`)
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _validate_frozen_experts(spec: ModelSpec, what: str) -> None:
+    """Frozen base weights beside a mixture of experts: the experts stay in the compute dtype
+    and on every rank, and adapters sit on the attention projections only (ckplan.model.
+    finetune)."""
+    mlp_targets = [name for name in spec.finetune.adapters if name not in ATTENTION_TARGETS]
+    if mlp_targets:
+        raise SpecError(
+            f"key 'lora_targets' must name attention projections only (q_proj, k_proj, v_proj, "
+            f"o_proj) with experts, got {spec.finetune.lora_targets}: for the MLP's names and "
+            "all-linear PEFT adapts the experts' 3D weights and the router of Mixtral and "
+            "Qwen MoE models (target_parameters), which is not modelled yet"
+        )
+    if spec.finetune.weight_format in ("nf4", "fp4", "int8"):
+        raise SpecError(
+            f"key 'weight_format' must be bf16, fp16 or fp32 with experts and {what}, got "
+            f"{spec.finetune.weight_format} (bitsandbytes quantises nn.Linear modules, and "
+            "transformers holds the experts as 3D parameters: quantised experts are not "
+            "modelled yet)"
+        )
+    for key in ("ep", "etp"):
+        if getattr(spec, key) > 1:
+            raise SpecError(
+                f"key {key!r} must be 1 with experts and {what} (expert parallelism beside "
+                f"frozen base weights is not modelled yet), got {getattr(spec, key)}"
+            )
+    if spec.mtp_layers:
+        raise SpecError(
+            f"key 'mtp_layers' must be 0 with {what} (the MTP depths' frozen weights are not "
+            f"modelled yet), got {spec.mtp_layers}"
         )
 
 

@@ -136,7 +136,7 @@ def _with_fsdp1_buffers(spec: ModelSpec, chain: Chain) -> Chain:
     cast = frameworks.fsdp1_cast_reduce(spec) and not frozen
     if frozen:  # the gathered frozen layer (4-bit packed) and its adapters; no gradient
         gathered = finetune.gathered_layer_bytes(spec, frameworks.HALF)[0]
-        adapters = finetune.lora_layer_parameters(spec)
+        adapters = finetune.largest_layer_lora_parameters(spec)
         layer_forward = gathered
         layer_backward = frameworks.fsdp1_frozen_layer_backward_bytes(gathered, adapters)
     else:
@@ -214,7 +214,7 @@ def _with_fsdp2_frozen_buffers(spec: ModelSpec, chain: Chain) -> Chain:
     first layer the embedding's own unit, which runs no backward: it is frozen, its input the
     token ids). Remembered by chain (identity) and the sizes."""
     gathered = finetune.gathered_layer_bytes(spec, frameworks.HALF)[0]
-    adapters = finetune.lora_layer_parameters(spec)
+    adapters = finetune.largest_layer_lora_parameters(spec)
     embedding = memory.embedding_parameters(spec, 0)
     own = frameworks.spec_fsdp2_grouping(spec).embedding_own_unit
     reduce = frameworks.fsdp2_reduce_bytes(spec)
