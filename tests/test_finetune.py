@@ -586,3 +586,70 @@ def test_a_4bit_weight_is_dequantised_in_forward_and_again_in_backward():
     assert ops["fc1"].forward_bytes - base["fc1"].forward_bytes == ops["fc1"].backward_bytes == fc1
     assert ops["fc2"].backward_bytes == dequantize_4bit_bytes(128, 64, "nf4")
     assert base["qkv_proj"].backward_bytes == 0
+
+
+# ---- a mixture of experts: 4 experts of 32, top 2, a shared expert of 64 -------------------
+
+MOE = {"experts": 4, "top_k": 2, "moe_ffn_hidden": 32, "shared_experts": 1, "shared_ffn_hidden": 64}
+
+
+def test_frozen_experts_and_router_save_no_input():
+    """The router's x (32 tokens x 64), the experts' dispatched rows (64 x 64) and their
+    activation's output (64 x 32) leave the table; what routes and combines stays."""
+    full = activation_bytes_by_op(small(**MOE, framework="hf"))
+    frozen = activation_bytes_by_op(
+        small(**MOE, framework="hf", training="lora", lora_targets="q_proj,v_proj")
+    )
+    rows = TOKENS * 2
+    assert (full["router"], full["expert_fc1"], full["expert_fc2"]) == (
+        X,
+        2 * rows * 64,
+        2 * rows * 32,
+    )
+    for op in ("router", "expert_fc1", "expert_fc2", "shared_fc1", "shared_fc2"):
+        assert frozen[op] == 0, op
+    for op in ("router_probs", "permute", "expert_act", "unpermute", "shared_act"):
+        assert frozen[op] == full[op], op
+    assert frozen["qkv_proj"] == X  # q and v adapters read the normed x
+
+
+def test_frozen_expert_gemms_run_the_input_gradient_alone():
+    ops = {op.name: op for op in layer_ops(small(**MOE, training="frozen"))}
+    for name in ("router", "expert_fc1", "expert_fc2", "shared_fc1", "shared_fc2"):
+        assert ops[name].backward_flops == ops[name].forward_flops > 0, name
+    full = {op.name: op for op in layer_ops(small(**MOE))}
+    assert full["expert_fc1"].backward_flops == 2 * full["expert_fc1"].forward_flops
+
+
+def test_frozen_experts_are_weights_and_gathered_with_their_layer():
+    """Frozen states hold every weight at weight_bytes (hf's 4), the routed experts'
+    4·(64·64 + 32·64) values a layer among them; ZeRO-3 gathers a layer's linears, experts and
+    router (here at 2 bytes a value)."""
+    spec = small(**MOE, training="lora", lora_targets="q_proj,k_proj,v_proj,o_proj", lora_rank=8)
+    counts = parameter_count(spec)
+    adapters = 8 * (128 + 96 + 96 + 128)  # q, k, v, o: r·(in + out)
+    assert counts.trainable == 2 * adapters
+    states = model_state_bytes(spec)
+    experts = 4 * (64 * 64 + 32 * 64)
+    assert spec.weight_bytes == 4
+    assert states.expert_weights == 4 * 2 * experts
+    assert states.weights == 4 * (counts.total + counts.trainable)
+    attention = 64 * 64 + 2 * 64 * 32 + 64 * 64
+    shared = 3 * 64 * 64
+    router = 64 * 4
+    layer, largest = gathered_layer_bytes(spec, 2)
+    assert layer == 2 * (attention + shared + experts + router + adapters)
+    assert largest == 2 * 64 * 64
+
+
+def test_frozen_experts_skip_their_weight_gradients_in_the_model_flops():
+    from ckplan.model.flops import frozen_weight_gradient_flops
+
+    spec = small(**MOE, training="frozen")
+    skipped = frozen_weight_gradient_flops(spec)
+    rows = TOKENS // 2 * 2  # one sequence's tokens, each to 2 experts
+    per_layer = 2 * 16 * (2 * 64 * 64 + 2 * 64 * 32)  # q, o; k, v
+    per_layer += 2 * 16 * 64 * 4 + 2 * rows * 64 * 64 + 2 * rows * 32 * 64  # router, experts
+    per_layer += 2 * 16 * 64 * 128 + 2 * 16 * 64 * 64  # the shared expert's fc1 and fc2
+    logits = 2 * 16 * 64 * 256
+    assert skipped == 2 * per_layer + logits
