@@ -1131,12 +1131,17 @@ def _validate_frozen_experts(spec: ModelSpec, what: str) -> None:
             "transformers holds the experts as 3D parameters: quantised experts are not "
             "modelled yet)"
         )
-    for key in ("ep", "etp"):
-        if getattr(spec, key) > 1:
-            raise SpecError(
-                f"key {key!r} must be 1 with experts and {what} (expert parallelism beside "
-                f"frozen base weights is not modelled yet), got {getattr(spec, key)}"
-            )
+    if spec.ep > 1:
+        raise SpecError(
+            f"key 'ep' must be 1 with experts and {what} (expert parallelism beside frozen "
+            f"base weights is not modelled yet), got {spec.ep}"
+        )
+    if spec.etp != spec.tp:
+        raise SpecError(
+            f"key 'etp' must equal tp ({spec.tp}) with experts and {what} (the experts split "
+            f"as the layer's other weights; other expert layouts beside frozen base weights "
+            f"are not modelled yet), got {spec.etp}"
+        )
     if spec.mtp_layers:
         raise SpecError(
             f"key 'mtp_layers' must be 0 with {what} (the MTP depths' frozen weights are not "

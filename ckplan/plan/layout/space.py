@@ -367,10 +367,14 @@ def _virtual_stages(space: SearchSpace, pp: int, split: Split, microbatches: int
 
 def _expert_layouts(space: SearchSpace, tp: int, cp: int, dp: int) -> list[tuple[int, int]]:
     """(ep, etp) pairs: ep dividing the experts, etp tp (Megatron's default) or 1, dividing
-    the experts' width, ep·etp dividing tp·cp·dp. (1, tp) without experts."""
+    the experts' width, ep·etp dividing tp·cp·dp. (1, tp) without experts, and beside frozen
+    base weights, whose experts split as the layer's other weights (docs/fine-tuning.md)."""
     spec = space.spec
     if not spec.experts:
         return [(1, tp)]
+    if spec.training != "full":
+        fits = spec.moe_ffn_hidden % tp == 0 and space.allowed("ep", 1)
+        return [(1, tp)] if fits and space.allowed("etp", tp) else []
     pairs = []
     for etp in dict.fromkeys((tp, 1)):
         if spec.moe_ffn_hidden % etp or not space.allowed("etp", etp):
