@@ -672,18 +672,24 @@ def test_torchtitan_refuses_a_group_torch_does_not_run(spec_of):
 
 
 def test_megatron_attention_sinks_are_its_learnable_softmax_offset():
-    """gpt-oss's sinks are Megatron-Core's softmax_type learnable (core_v0.19.0); the layout
-    of the config.json (windows on alternate layers) has no flag, so the test runs it without
-    its windows."""
+    """gpt-oss's sinks are Megatron-Core's softmax_type learnable (core_v0.19.0), and its
+    windows on the even layers the `--window-attn-skip-freq` pattern, 1 where a layer is
+    windowed (transformer/utils.py is_layer_window_attention reads `pattern[layer_number - 1]`,
+    1-based)."""
     from ckplan.inputs.presets import load_spec
 
     spec = load_spec("tests/fixtures/hf/gpt-oss-20b/config.json", {"ep": 8, "dp": 8})
-    with pytest.raises(exports.ExportError, match="sliding windows on some layers"):
-        exports.export(plan_of(spec, "none"), "megatron")
-    plan = plan_of(spec.replace(sliding_window=0, sliding_window_layers="all"), "none")
-    _, args = megatron_args(plan)
+    text, args = megatron_args(plan_of(spec, "none"))
     assert args.softmax_type == "learnable" and args.add_bias_linear
     assert (args.num_experts, args.moe_router_topk, args.kv_channels) == (32, 4, 64)
+    assert args.window_size == "128,0"
+    pattern = eval(args.window_attn_skip_freq)  # Megatron's moe_freq_type evaluates it so
+    assert pattern == [1, 0] * 12
+    windowed = [number for number in range(1, 25) if pattern[number - 1]]
+    assert windowed == [1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23]  # layers 0, 2, ... 0-based
+    full = load_spec("tests/fixtures/hf/gpt-oss-20b/config.json", {"ep": 8, "dp": 8})
+    full = full.replace(sliding_window_layers="all")
+    assert "--window-attn-skip-freq" not in exports.export(plan_of(full, "none"), "megatron").text
 
 
 def test_megatron_refuses_qk_norms_over_all_heads():

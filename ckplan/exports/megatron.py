@@ -30,7 +30,8 @@ from the TransformerConfig fields, megatron/training/argument_utils.py, under th
   `--group-query-attention --num-query-groups`, `--kv-channels` (a·d ≠ h), `--normalization`,
   `--swiglu`, `--position-embedding-type`, `--disable-bias-linear`, `--add-qkv-bias`,
   `--qk-layernorm`, `--softmax-type learnable` (attention sinks),
-  `--untie-embeddings-and-output-weights`, dropouts, `--window-size`; MoE
+  `--untie-embeddings-and-output-weights`, dropouts, `--window-size` (with
+  `--window-attn-skip-freq` as a pattern where windows are on some layers); MoE
   (`--num-experts`, `--moe-router-topk`, `--moe-ffn-hidden-size`, `--moe-layer-freq` as a
   pattern such as `[0]*3+[1]*58`, shared experts and their sigmoid gate
   (`--moe-shared-expert-gate`, from core_v0.16.0: sigmoid(x·w_g) with w_g of shape 1×h scales the
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Collection
 from itertools import groupby
 
 from ckplan.exports.segments import LayerSegments
@@ -266,11 +268,6 @@ def _architecture_reason(spec: ModelSpec) -> str | None:
             "qk_norm_width full: Megatron-LM's --qk-layernorm norms each head on its own; no "
             "flag norms all heads together"
         )
-    if spec.sliding_window and spec.sliding_window_layers != "all":
-        return (
-            "sliding windows on some layers: --window-size applies to every layer (its "
-            "--window-attn-skip-freq pattern is not written by ckplan)"
-        )
     if spec.precision == "float8":
         return (
             "precision float8 (torchao): Megatron-LM runs FP8 through Transformer Engine, "
@@ -407,6 +404,11 @@ def model_flags(spec: ModelSpec) -> list[list[str]]:
     out += [["--attention-dropout", dropout], ["--hidden-dropout", dropout]]
     if spec.sliding_window:
         out.append(["--window-size", f"{spec.sliding_window},0"])  # tuple_type reads "W,0"
+        if spec.sliding_window_layers != "all":
+            # 1 a windowed layer, 0 full attention (transformer/utils.py core_v0.19.0,
+            # is_layer_window_attention: `window_attn_skip_freq[layer_number - 1]`)
+            windowed = parse_layer_set(spec.sliding_window_layers, spec.layers)
+            out.append(["--window-attn-skip-freq", layer_pattern(windowed, spec.layers)])
     if spec.mla:
         out.append(["--multi-latent-attention"])
         if spec.q_lora_rank:
@@ -477,11 +479,17 @@ def _moe_flags(spec: ModelSpec) -> list[list[str]]:
 
 
 def moe_layer_pattern(spec: ModelSpec) -> str:
-    """The MoE layers as Megatron-LM's `--moe-layer-freq` list expression (its moe_freq_type
-    evaluates any text with a `[`), run-length coded and without parentheses, so that a shell
-    reads it bare: DeepSeek-V3's three dense layers first are "[0]*3+[1]*58"."""
-    moe = parse_layer_set(spec.moe_layers, spec.layers)
-    flags = [1 if layer in moe else 0 for layer in range(spec.layers)]
+    """The MoE layers as Megatron-LM's `--moe-layer-freq` list expression: DeepSeek-V3's
+    three dense layers first are "[0]*3+[1]*58" (`layer_pattern`)."""
+    return layer_pattern(parse_layer_set(spec.moe_layers, spec.layers), spec.layers)
+
+
+def layer_pattern(chosen: Collection[int], layers: int) -> str:
+    """A 1 for each layer in `chosen` (0-based), a 0 for the others, as the list expression
+    Megatron-LM's moe_freq_type evaluates for `--moe-layer-freq` and `--window-attn-skip-freq`
+    (any text with a `[`), run-length coded and without parentheses, so that a shell reads it
+    bare: gpt-oss's windows on the even layers of 24 are "[1]*1+[0]*1+..."."""
+    flags = [1 if layer in chosen else 0 for layer in range(layers)]
     runs = [(flag, len(list(group))) for flag, group in groupby(flags)]
     return "+".join(f"[{flag}]*{count}" for flag, count in runs)
 
