@@ -679,7 +679,7 @@ def test_megatron_attention_sinks_are_its_learnable_softmax_offset():
     from ckplan.inputs.presets import load_spec
 
     spec = load_spec("tests/fixtures/hf/gpt-oss-20b/config.json", {"ep": 8, "dp": 8})
-    text, args = megatron_args(plan_of(spec, "none"))
+    _, args = megatron_args(plan_of(spec, "none"))
     assert args.softmax_type == "learnable" and args.add_bias_linear
     assert (args.num_experts, args.moe_router_topk, args.kv_channels) == (32, 4, 64)
     assert args.window_size == "128,0"
