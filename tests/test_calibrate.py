@@ -94,6 +94,70 @@ def test_attribute_gpt2_block_with_sdpa_and_dropouts():
     ]  # fmt: skip
 
 
+def _norm(name):
+    return [Call(n, norm=name) for n in ("to", "pow", "mean", "add", "rsqrt", "__mul__", "to")]
+
+
+def sdpa_layer_calls(norms=("input_layernorm", "post_attention_layernorm"), qk=False, post=False):
+    """Transformers' decoder layer with SDPA: Llama's, with `qk` Qwen3's norms on each head of
+    Q and K, with `post` OLMo 2's norms on the sublayers' outputs instead of their inputs, and
+    with four norms Gemma's on both."""
+    q_norm = _norm("self_attn.q_norm") if qk else []
+    k_norm = _norm("self_attn.k_norm") if qk else []
+    attention = [
+        Call("linear", proj="self_attn.q_proj"), Call("view"), *q_norm, Call("transpose"),
+        Call("linear", proj="self_attn.k_proj"), Call("view"), *k_norm, Call("transpose"),
+        Call("linear", proj="self_attn.v_proj"), Call("view"), Call("transpose"),
+        Call("__mul__"), Call("cat"), Call("__add__"),  # RoPE
+        Call("scaled_dot_product_attention"), Call("transpose"), Call("reshape"),
+        Call("linear", proj="self_attn.o_proj"),
+    ]  # fmt: skip
+    mlp = [
+        Call("linear", proj="mlp.gate_proj"), Call("silu"), Call("linear", proj="mlp.up_proj"),
+        Call("__mul__"), Call("linear", proj="mlp.down_proj"),
+    ]  # fmt: skip
+    residual = [Call("__add__")]
+    if len(norms) == 4:
+        first, after_attention, before_mlp, last = (_norm(n) for n in norms)
+        return [*first, *attention, *after_attention, *residual, *before_mlp, *mlp, *last,
+                *residual]  # fmt: skip
+    if post:
+        return [*attention, *_norm(norms[0]), *residual, *mlp, *_norm(norms[1]), *residual]
+    return [*_norm(norms[0]), *attention, *residual, *_norm(norms[1]), *mlp, *residual]
+
+
+def test_attribute_qk_norms_on_each_head():
+    calls = sdpa_layer_calls(qk=True)
+    ops = attribute(calls)
+    named = [(c.norm, op) for c, op in zip(calls, ops, strict=True) if c.norm]
+    assert {op for norm, op in named if norm.endswith(("q_norm", "k_norm"))} == {"qk_norm"}
+    assert ops.count("qk_norm") == 14
+    plain = attribute(sdpa_layer_calls())
+    assert [op for op in ops if op != "qk_norm"] == plain
+
+
+def test_attribute_post_norms_count_where_ckplan_counts_them():
+    """OLMo 2's norm after the attention is ckplan's norm2 and the one after the MLP its
+    norm1 (the next layer's), with the residual adds after them."""
+    calls = sdpa_layer_calls(("post_attention_layernorm", "post_feedforward_layernorm"), post=True)
+    ops = attribute(calls)
+    assert ops[0] == "qkv_proj" and ops[-8:] == ["norm1"] * 8
+    assert ops[ops.index("out_proj") + 1 : ops.index("out_proj") + 8] == ["norm2"] * 7
+    assert ops.count("out_proj") == 1 and ops.count("fc2") == 1 and ops.count("act") == 2
+    assert "attention_core" in ops and ops.count("fc1") == 3  # the residual add joins fc1
+
+
+def test_attribute_four_norms_as_gemma():
+    norms = (
+        "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    )  # fmt: skip
+    ops = attribute(sdpa_layer_calls(norms))
+    assert ops[:7] == ["norm1"] * 7 and ops[-8:] == ["post_mlp_norm"] * 8
+    assert ops.count("post_attn_norm") == 8 and ops.count("norm2") == 7
+    assert ops.count("out_proj") == 1 and ops.count("fc2") == 1
+
+
 @pytest.mark.parametrize(
     ("calls", "message"),
     [

@@ -3,6 +3,7 @@ left out of the fit, the attribution rule against the explicit op tags of the va
 layers, and the profile through `ckplan estimate`. Needs torch (tests/needs_torch.py)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -138,7 +139,8 @@ def test_calibrate_then_estimate_at_the_held_out_shape(tmp_path, capsys):
     assert predicted == check["measured_bytes"] == check["predicted_bytes"]
     assert report["written"] == str(out) and out.read_text().startswith("# A kernel profile")
     assert report["profile"]["requires"] == [
-        "attention=standard", "norm=layernorm", "mlp=gelu", "dropout", "!gqa", "dtype_bytes=2",
+        "attention=standard", "norm=layernorm", "mlp=gelu", "dropout", "!gqa", "!qk_norm",
+        "dtype_bytes=2",
     ]  # fmt: skip
 
 
@@ -215,6 +217,56 @@ def test_hf_layer_from_a_config_json(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert "qwen2 decoder layer" in report["block"] and report["check"]["error"] == 0
     assert report["profile"]["ops"]["softmax"] == {"saved": {"as2b": 4}}
+
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
+
+
+@pytest.mark.parametrize("training", ["full", "lora"])
+def test_hf_qwen3_qk_norms_are_torch_sdpa(training):
+    """Qwen3's norms on each head of Q and K, measured on transformers' own layer: exactly the
+    torch-sdpa profile's qk_norm, (4 + B)·(sbad + sbgd) + 4·(asb + gsb), and 4·(...) + 4·(...)
+    beside a frozen gain; the whole layer is torch-sdpa at a model's size."""
+    framework_or_skip("transformers", "--hf not tested")
+    keys = {} if training == "full" else {"training": "lora", "lora_targets": "q_proj,v_proj"}
+    if training == "lora":
+        framework_or_skip("peft", "--hf with LoRA not tested")
+    spec = load_spec(str(FIXTURES / "Qwen3-8B" / "config.json"), {"framework": "hf", **keys})
+    result = calibrate(
+        spec, hf=True, hf_config=json.loads((FIXTURES / "Qwen3-8B" / "config.json").read_text())
+    )
+    assert result.max_residual == 0 and result.check_error == 0
+    assert result.profile["ops"]["qk_norm"]["saved"] == {
+        "sbad": "B+4", "sbgd": "B+4", "asb": 4, "gsb": 4,
+    }  # fmt: skip
+    assert "qk_norm" in result.profile["requires"]
+    measured = profile_from_mapping(result.profile, "hf")
+    layouts = [{}] if training == "lora" else [{}, {"framework": "megatron", "tp": 4, "sp": True}]
+    for layout in layouts:
+        at = spec.replace(**layout)
+        assert _bytes(at, measured) == _bytes(at, load_profile("torch-sdpa"))
+
+
+def test_hf_olmo2_post_norms_save_what_pre_norms_would():
+    """OLMo 2's norms on the sublayers' outputs, counted as ckplan's norm2 and norm1: each an
+    exact function of the terms over s·b·h-wide rows, as a pre-norm; its RMSNorm multiplies
+    the gain in fp32 (`(self.weight * hidden_states).to(input_dtype)`, modeling_olmo2.py
+    transformers v5.25.0), 8 bytes an element where Llama's saves 4 + B. Its full-width QK
+    norms likewise: 8·(sbad + sbgd) and one fp32 statistic per token for each."""
+    framework_or_skip("transformers", "--hf not tested")
+    path = FIXTURES / "OLMo-2-1124-13B" / "config.json"
+    result = calibrate(load_spec(str(path), {}), hf=True, hf_config=json.loads(path.read_text()))
+    assert result.max_residual == 0 and result.check_error == 0
+    ops = result.profile["ops"]
+    assert ops["norm1"]["saved"] == ops["norm2"]["saved"] == {"sbh": 8, "sb": 4}
+    assert ops["qk_norm"]["saved"] == {"sbad": 16, "sb": 8}  # MHA: sbgd is sbad
+    spec = result.spec
+    table = transformer_layer_ops(spec)
+    fitted = apply_profile(table, spec, profile_from_mapping(result.profile, "hf"))
+    shipped = apply_profile(table, spec, load_profile("torch-sdpa"))
+    for mine, theirs in zip(fitted, shipped, strict=True):
+        if mine.name in ("qkv_proj", "attention_core", "out_proj", "fc1", "act", "fc2"):
+            assert mine.saved_bytes == theirs.saved_bytes, mine.name
 
 
 def test_cuda_without_a_gpu_is_one_line(capsys):

@@ -7,11 +7,17 @@ ran in. Every tensor autograd saves is saved during one such call. The rule, in 
 
 1. **Norms.** A call inside a norm module (a module whose class name contains "norm": LayerNorm,
    RMSNorm, LlamaRMSNorm, ...) belongs to that norm, or a top-level `layer_norm`/`rms_norm` call
-   outside one. The first norm of the layer is norm1, the second norm2; a layer with another
-   count of norms is not a layout ckplan's table describes (an error). Calls before norm1 are
-   norm1's.
-2. **Regions.** Calls after norm1 and before norm2 are the attention block, calls after norm2
-   the MLP block.
+   outside one. The norms named `q_norm` and `k_norm` (Qwen3, OLMo 2, Gemma 3: on the queries
+   and keys) are qk_norm. Of the others, in a pre-norm layer the first is norm1 and the second
+   norm2, and calls before norm1 are norm1's. In a layer whose first norm runs after a
+   projection (OLMo 2's norms on the sublayers' outputs) the first is norm2 and the second
+   norm1, as ckplan counts them ([models](../../docs/models.md)); with four (Gemma 2 and 3) they
+   are norm1, post_attn_norm, norm2 and post_mlp_norm. Another count of norms is not a layout
+   ckplan's table describes (an error).
+2. **Regions.** The calls between the norm before the attention (or the layer's start) and the
+   next norm are the attention block, those between the norm before the MLP (or the
+   attention's norm) and the next the MLP block. The calls after a block's closing norm (the
+   residual add) are that norm's.
 3. **Projections** (calls inside a module with a 2-D weight: nn.Linear, Hugging Face's Conv1D).
    In the attention block the last projection module is out_proj and the others (q, k, v, or one
    fused QKV) are qkv_proj; in the MLP block the last is fc2 and the others (fc1, or gate and
@@ -62,27 +68,64 @@ class Call:
     proj: str | None = None  # qualified name of the innermost projection module it ran in
 
 
+QK_NORMS = ("q_norm", "k_norm")  # Hugging Face's names of the norms on queries and keys
+
+
 def attribute(calls: list[Call]) -> list[str]:
     """The ckplan op of every call, by the rule in this module's docstring."""
-    norms = _norm_units(calls)
-    if len(norms) != 2:
-        raise AttributionError(
-            f"the layer has {len(norms)} norm(s); ckplan's op table has two (norm1 before the "
-            "attention, norm2 before the MLP)"
-        )
-    first, second = norms
+    units = _norm_units(calls)
+    qk = {unit for unit in units if unit.rsplit(".", 1)[-1] in QK_NORMS}
+    norms = [unit for unit in units if unit not in qk]
     ops: list[str | None] = [None] * len(calls)
-    for index in range(len(calls)):
-        unit = _norm_unit(calls[index])
-        if unit == first or index < _first(calls, first):
-            ops[index] = "norm1"
-        elif unit == second:
-            ops[index] = "norm2"
-    attention = [i for i in range(_last(calls, first) + 1, _first(calls, second))]
-    mlp = [i for i in range(_last(calls, second) + 1, len(calls))]
+    for index, call in enumerate(calls):
+        if _norm_unit(call) in qk:
+            ops[index] = "qk_norm"
+    attention, mlp = _label_norms(calls, norms, ops)
     _label_block(calls, attention, ops, ("qkv_proj", "out_proj", "out_dropout"), "attention")
     _label_block(calls, mlp, ops, ("fc1", "fc2", "mlp_dropout"), "MLP")
     return [op or "norm2" for op in ops]  # only norm2's own calls can be left: between norms
+
+
+def _label_norms(calls: list[Call], norms: list[str], ops: list) -> tuple[list[int], list[int]]:
+    """Label the layer's norms and the calls after each (rule 1); the indexes of the attention
+    block's and the MLP block's calls (rule 2)."""
+    projection = next((i for i, call in enumerate(calls) if call.proj is not None), len(calls))
+    if len(norms) == 2 and _first(calls, norms[0]) < projection:
+        roles = ("norm1", "norm2")  # before the attention, before the MLP
+        attention, mlp = (0, 1), (1, None)
+    elif len(norms) == 2:
+        roles = ("norm2", "norm1")  # after the attention, after the MLP
+        attention, mlp = (None, 0), (0, 1)
+    elif len(norms) == 4:
+        roles = ("norm1", "post_attn_norm", "norm2", "post_mlp_norm")
+        attention, mlp = (0, 1), (2, 3)
+    else:
+        raise AttributionError(
+            f"the layer has {len(norms)} norm(s) besides q_norm and k_norm; ckplan's op table "
+            "has two (before or after the attention and the MLP) or four (both)"
+        )
+    for index, call in enumerate(calls):
+        unit = _norm_unit(call)
+        if unit in norms:
+            ops[index] = roles[norms.index(unit)]
+    # the calls after each norm up to the next block (the residual adds) are that norm's, and
+    # the calls before the first norm its own where no block comes first
+    blocks = {attention[0], mlp[0]} - {None}
+    for position, unit in enumerate(norms):
+        end = _first(calls, norms[position + 1]) if position + 1 < len(norms) else len(calls)
+        if position not in blocks:
+            for index in range(_last(calls, unit) + 1, end):
+                ops[index] = ops[index] or roles[position]
+    if attention[0] == 0:
+        for index in range(_first(calls, norms[0])):
+            ops[index] = ops[index] or roles[0]
+
+    def region(bounds: tuple[int | None, int | None]) -> list[int]:
+        start = 0 if bounds[0] is None else _last(calls, norms[bounds[0]]) + 1
+        end = len(calls) if bounds[1] is None else _first(calls, norms[bounds[1]])
+        return [i for i in range(start, end) if ops[i] is None]
+
+    return region(attention), region(mlp)
 
 
 def _norm_unit(call: Call) -> str | None:

@@ -3,7 +3,7 @@
 A measurement is, per op and per dtype class (the activation dtype "B", or a fixed item size:
 4 for fp32, 1 for a bool mask), the number of elements the op's saved storages hold. Over the
 fitting shapes each of these is a linear function of the terms of ckplan.model.profiles,
-evaluated at one rank (t = 1): s·b·h, s·b·g·d, s·b·F, a·s²·b, a·s·b, s·b, s². The coefficients
+evaluated at one rank (t = 1): s·b·h, s·b·g·d, s·b·F, a·s²·b, a·s·b, s·b, g·s·b, s². The coefficients
 are found by least squares in exact rational arithmetic (Fractions), so an exact function of the
 terms comes out with its exact coefficients and a zero residual, and anything else shows as a
 residual; a shape left out of the fit checks them.
@@ -21,8 +21,16 @@ from fractions import Fraction
 
 from ckplan.model.profiles import Form, format_form
 
-COLUMNS = ("sbh", "sbF", "as2b", "asb", "sb", "sbgd", "s2")  # preference when collinear
-HEAD_OPS = ("attn_scores", "softmax", "attn_dropout", "attn_values", "attention_core", "out_proj")
+COLUMNS = ("sbh", "sbF", "as2b", "asb", "sb", "sbgd", "gsb", "s2")  # preference when collinear
+HEAD_OPS = (
+    "attn_scores",
+    "softmax",
+    "attn_dropout",
+    "attn_values",
+    "attention_core",
+    "out_proj",
+    "qk_norm",
+)
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,7 @@ class Shape:
             "asb": a * s * b,
             "sb": s * b,
             "sbgd": s * b * g * (h // a),
+            "gsb": g * s * b,
             "s2": s * s,
         }
 

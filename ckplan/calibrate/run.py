@@ -39,6 +39,8 @@ from ckplan.model.spec import ModelSpec
 from ckplan.quoting import quote
 
 DTYPES = {2: torch.bfloat16, 4: torch.float32}
+# the ops of norms, whose gains freeze with the other weights
+NORM_OPS = ("norm1", "norm2", "qk_norm", "post_attn_norm", "post_mlp_norm")
 
 
 @dataclass
@@ -329,8 +331,11 @@ def requires(spec: ModelSpec) -> list[str]:
         ((False, "mlp", spec.mlp),),
         ((spec.dropout == 0, "dropout", None),),
         ((spec.kv_heads == spec.heads, "gqa", None),),
+        ((not spec.qk_norm, "qk_norm", None),),
         ((False, "dtype_bytes", spec.dtype_bytes),),
     ]
+    if spec.qk_norm:  # per head or over all heads: one fp32 statistic per row either way
+        items.insert(-1, ((False, "qk_norm_width", spec.qk_norm_width),))
     return [condition_text(item) for item in items]
 
 
@@ -343,7 +348,7 @@ def _profile_mapping(spec, fits, unmeasured, block, device, name, samples, froze
     for op in unmeasured:  # the measured layer has no such op: it saves nothing
         ops[op] = {"saved": {}}
     for op, entry in ops.items():
-        if op not in ("norm1", "norm2") or not frozen_fits:  # the other ops with weights: linears
+        if op not in NORM_OPS or not frozen_fits:  # the other ops with weights: linears
             continue
         frozen = frozen_fits[op].mapping() if op in frozen_fits else {}
         if frozen != entry["saved"]:
@@ -414,14 +419,16 @@ def compare_with_fused(result: Calibration) -> list[dict]:
     fused = load_profile("fused")
     spec = result.spec.replace(profile="fused")
     at_size = bytes_at(spec, result.profile)
+    written = {op for op, _ in fused.ops}  # the others are the op table's own (qk_norm, ...)
     rows = []
     for op, (fused_bytes, calibrated_bytes) in at_size.items():
         fit = result.fits.get(op)
         measured = tuple(sorted(fit.terms.items())) if fit else ()
+        saved = resolved_fields(fused, op, spec).get("saved", ((),))
         rows.append(
             {
                 "op": op,
-                "fused": field_text(resolved_fields(fused, op, spec).get("saved", ((),))),
+                "fused": field_text(saved) if op in written else "the op table's",
                 "calibrated": terms_text(measured),
                 "fused_bytes": fused_bytes,
                 "calibrated_bytes": calibrated_bytes,

@@ -66,6 +66,7 @@ TERMS = {
     "as2b": "a·s²·b / t, an attention-score tensor",
     "asb": "a·s·b / t, one value per head and token",
     "sb": "s·b, one value per token (/ t under sequence parallelism)",
+    "gsb": "g·s·b, one value per kv head and token (the kv heads of one rank)",
     "s2": "s², one (s, s) tensor per layer",
 }
 # Profile field -> the `Op` attribute it sets.
@@ -340,6 +341,7 @@ def term_values(spec: ChainSpec) -> dict[str, int]:
         "as2b": split_share(spec.heads * spec.micro_batch * seq_local * spec.seq, t),
         "asb": split_share(tokens * spec.heads, t),
         "sb": split_share(tokens, replicated),
+        "gsb": tokens * kv_heads_per_rank(spec),
         "s2": seq_local * spec.seq,
     }
 
