@@ -3,15 +3,16 @@
 A measurement is, per op and per dtype class (the activation dtype "B", or a fixed item size:
 4 for fp32, 1 for a bool mask), the number of elements the op's saved storages hold. Over the
 fitting shapes each of these is a linear function of the terms of ckplan.model.profiles,
-evaluated at one rank (t = 1): s·b·h, s·b·g·d, s·b·F, a·s²·b, a·s·b, s·b, g·s·b, s². The coefficients
-are found by least squares in exact rational arithmetic (Fractions), so an exact function of the
-terms comes out with its exact coefficients and a zero residual, and anything else shows as a
-residual; a shape left out of the fit checks them.
+evaluated at one rank (t = 1): s·b·h, s·b·g·d, s·b·F, a·s²·b, a·s·b, s·b, g·s·b, s². The
+coefficients are found by least squares in exact rational arithmetic (Fractions), so an exact
+function of the terms comes out with its exact coefficients and a zero residual, and anything
+else shows as a residual; a shape left out of the fit checks them.
 
 At t = 1 the residual-stream tensors (sbh) and the tensors at the attention heads (sbad) have the
 same size; an op's s·b·h coefficient is written on sbad inside the attention (attn_scores,
-softmax, attn_dropout, attn_values, attention_core, out_proj, as ckplan's table splits them) and
-on sbh elsewhere. When g = a in every shape (MHA), s·b·g·d is s·b·h too and is folded into it.
+softmax, attn_dropout, attn_values, attention_core, out_proj and qk_norm, as ckplan's table
+splits them) and on sbh elsewhere. When g = a in every shape (MHA), s·b·g·d is s·b·h too and is
+folded into it, and g·s·b into a·s·b.
 """
 
 from __future__ import annotations
