@@ -20,16 +20,12 @@ from ckplan.model.loss import logits_elements
 from ckplan.model.mla import mla_parameters
 from ckplan.model.modules import Discard, is_discarding, layer_discards
 from ckplan.model.moe import moe_layer_parameters, router_bias_parameters
-from ckplan.model.op import DENSE_MLP, in_group, split_share
+from ckplan.model.op import DENSE_MLP, RESIDUAL_NORMS, in_group, split_share
 from ckplan.model.op_policy import is_policy, parse_policy, policy_tape_bytes
 from ckplan.model.ops import group_input_bytes, layer_ops, representative_kind
 from ckplan.model.parts import cached_by_chain
 from ckplan.model.spec import ModelSpec
 from ckplan.simple import mlp as numpy_mlp
-
-# The norms whose input gradient is added to the residual-stream gradient (a post-norm's is
-# read by the op before it, like any other op's).
-RESIDUAL_NORMS = ("norm1", "norm2")
 
 TOKEN_ID_BYTES = 8  # int64 token ids, the embedding's input
 

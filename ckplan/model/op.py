@@ -27,6 +27,9 @@ ATTENTION_CORE = "attention_core"
 DENSE_MLP = "mlp"
 FP32_BYTES = 4
 MASK_BYTES = 1  # a dropout mask value
+# The norms whose input gradient is added to the residual-stream gradient (a post-norm's is
+# read by the op before it, like any other op's; memory.layer_backward_walk).
+RESIDUAL_NORMS = ("norm1", "norm2")
 
 
 @dataclass(frozen=True)

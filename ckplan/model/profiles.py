@@ -45,7 +45,7 @@ from typing import Any
 
 from ckplan.model.context_parallel import attention_backward_workspace_bytes
 from ckplan.model.kernel_profile import Case, Condition, Field, Form, Profile, Terms
-from ckplan.model.op import Op, kv_heads_per_rank, split_share
+from ckplan.model.op import RESIDUAL_NORMS, Op, kv_heads_per_rank, split_share
 from ckplan.model.spec import (
     CHAIN_PARTS,
     ENUMS,
@@ -449,7 +449,7 @@ def _check_gradients_chain(ops: list[Op], profile: Profile) -> None:
                 f"profile {quote(profile.name)}: ops.{op.name}.output_grad is {-waiting} bytes "
                 "more than the input gradients of the ops after it (input_grad) leave"
             )
-        if op.component != "norm":
+        if op.name not in RESIDUAL_NORMS:  # their input gradients join the residual stream
             waiting += op.input_grad_bytes
     if waiting:
         raise ProfileError(
