@@ -49,7 +49,11 @@ VARIANTS = [
     ("hf-gpt2-eager-dropout", "gpt2", {"dropout": 0.1}, True),
     ("hf-llama-eager", "llama3-8b", {"attention": "standard"}, True),
     ("hf-llama-sdpa", "llama3-8b", {}, True),
+    # QK norms per head (Qwen3) and OLMo 2's norms after the sublayers, over all heads of Q, K
+    ("hf-qwen3-sdpa", "tests/fixtures/hf/Qwen3-8B/config.json", {}, True),
+    ("hf-olmo2-sdpa", "tests/fixtures/hf/OLMo-2-1124-13B/config.json", {}, True),
 ]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def held_out(gqa: bool) -> list[Shape]:
@@ -84,12 +88,17 @@ def run(hf: bool) -> list[dict]:
     for name, preset, overrides, needs_hf in VARIANTS:
         if needs_hf and not hf:
             continue
+        config = None
+        if preset.endswith("config.json"):  # the checkpoint's own model type
+            preset = str(ROOT / preset)
+            config = json.loads(Path(preset).read_text(encoding="utf-8"))
         spec = load_spec(preset, overrides)
-        result = calibrate(spec, hf=needs_hf, name=name)
+        result = calibrate(spec, hf=needs_hf, name=name, hf_config=config)
         path = folder / f"{name}.yaml"
         path.write_text(yaml.safe_dump(result.profile, sort_keys=False), encoding="utf-8")
         for shape in held_out(spec.kv_heads < spec.heads):
-            measured = measure(spec, shape, DTYPES[spec.dtype_bytes], "cpu", needs_hf)
+            dtype = DTYPES[spec.dtype_bytes]
+            measured = measure(spec, shape, dtype, "cpu", needs_hf, config)
             total = sum(measured.bytes_by_op.values())
             calibrated = estimate_bytes(spec, shape, str(path))
             fused = estimate_bytes(spec, shape, "fused")
