@@ -53,8 +53,14 @@ class LoraLinear(nn.Module):
 
 def measure(harness, cfg, targets, rank, dropout):
     torch.manual_seed(0)
-    layer = harness.LlamaLayer(cfg).to(dtype=cfg.torch_dtype).train()
-    layer.requires_grad_(False)  # every base weight frozen, the norms' too
+    return measure_frozen(harness, harness.LlamaLayer(cfg), cfg, targets, rank, dropout)
+
+
+def measure_frozen(harness, layer, cfg, targets, rank, dropout):
+    """What autograd saves in `layer` with every base weight frozen (the norms' too) and
+    adapters on `targets`, by op tag."""
+    layer = layer.to(dtype=cfg.torch_dtype).train()
+    layer.requires_grad_(False)
     for name in targets:
         adapted = LoraLinear(getattr(layer, name), rank, 2.0 * rank, dropout)
         setattr(layer, name, adapted.to(dtype=cfg.torch_dtype))
@@ -295,22 +301,7 @@ def measure_moe(harness, cfg, targets, rank, dropout):
     import torch_moe_mla
 
     torch.manual_seed(0)
-    layer = torch_moe_mla.MoELayer(cfg).to(dtype=cfg.torch_dtype).train()
-    layer.requires_grad_(False)
-    for name in targets:
-        adapted = LoraLinear(getattr(layer, name), rank, 2 * rank, dropout)
-        setattr(layer, name, adapted.to(dtype=cfg.torch_dtype))
-    exclude = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    exclude |= {b.untyped_storage().data_ptr() for b in layer.buffers()}
-    x = torch.randn(cfg.micro_batch, cfg.seq, cfg.hidden, dtype=cfg.torch_dtype)
-    x.requires_grad_(True)  # a layer after the first: its input needs a gradient
-    recorder = harness.SavedTensorRecorder(exclude)
-    with recorder.recording():
-        out = layer(x, recorder)
-    out.float().sum().backward()
-    assert x.grad is not None
-    assert all(p.grad is None for n, p in layer.named_parameters() if "lora_" not in n)
-    return recorder.by_op()
+    return measure_frozen(harness, torch_moe_mla.MoELayer(cfg), cfg, targets, rank, dropout)
 
 
 @pytest.mark.parametrize("name", ["moe-bf16", "moe-bf16-torchtitan", "moe-bf16-hf"])

@@ -20,18 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+from ckplan.calibrate.attribute import CORE_OPS
 from ckplan.model.profiles import Form, format_form
 
 COLUMNS = ("sbh", "sbF", "as2b", "asb", "sb", "sbgd", "gsb", "s2")  # preference when collinear
-HEAD_OPS = (
-    "attn_scores",
-    "softmax",
-    "attn_dropout",
-    "attn_values",
-    "attention_core",
-    "out_proj",
-    "qk_norm",
-)
+HEAD_OPS = (*CORE_OPS, "out_proj", "qk_norm")  # the ops at the attention heads
 
 
 @dataclass(frozen=True)
