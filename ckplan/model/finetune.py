@@ -42,11 +42,13 @@ up alone in a GELU MLP) and fc2 (down).
   holds the routed experts as 3D parameters of one module and the router as a bare parameter
   (models/mixtral/modeling_mixtral.py `MixtralExperts.gate_up_proj`, `down_proj`,
   `MixtralTopKRouter.weight`; the same in qwen2_moe, qwen3_moe, olmoe and gpt_oss), not as
-  nn.Linear modules, so PEFT's `target_modules` (which match nn.Linear modules by name) adapt
-  only the attention projections and the shared experts' MLP (Qwen2MoeSparseMoeBlock.
-  shared_expert, a gate_proj, up_proj and down_proj; ckplan's shared_fc1 and shared_fc2).
-  The experts, the router and the shared experts' gate stay frozen: no weight-gradient GEMM,
-  no saved input (`FROZEN_MOE_GEMMS`).
+  nn.Linear modules. The shared experts' MLP is nn.Linear modules (Qwen2MoeSparseMoeBlock.
+  shared_expert's gate_proj, up_proj and down_proj; ckplan's shared_fc1 and shared_fc2). The
+  adapters sit on the attention projections: for the MLP's names and all-linear, PEFT 0.21.2
+  adapts the experts' 3D parameters and the router of Mixtral- and Qwen-MoE models instead
+  (peft/utils/transformers_weight_conversion.py `_convert_peft_config_moe`, target_parameters),
+  which the spec refuses. The experts, the router, the shared experts and their gate stay
+  frozen: no weight-gradient GEMM, no saved input (`FROZEN_MOE_GEMMS`).
 """
 
 from __future__ import annotations

@@ -940,9 +940,11 @@ def frozen_weight_bytes(spec: ModelSpec, stage: int, per_value: int) -> tuple[in
     pipeline stage `stage`, before ZeRO shards them: the layers' linear weights in
     weight_format (`finetune.frozen_linear_bytes`, statistics included), at `per_value` bytes
     a value where none is given, and every other weight (norms, biases, embeddings, output
-    layer) at `per_value`. Under tp the split linears at their format's bytes.
+    layer) and a mixture of experts' experts and router at `per_value`. Under tp the split
+    linears at their format's bytes.
 
-    derived: stage_parameters less the linears' values, plus the linears as stored."""
+    derived: stage_parameters (dense and experts) less the linears' values, plus the linears as
+    stored, summed over the stage's kinds of layer."""
     dense, experts = stage_parameters(spec, stage)
     fmt = spec.weight_format
     linear_values = linear_bytes = statistics = 0
