@@ -269,6 +269,30 @@ def test_hf_olmo2_post_norms_save_what_pre_norms_would():
             assert mine.saved_bytes == theirs.saved_bytes, mine.name
 
 
+def test_hf_gemma2_four_norms_and_its_geglu():
+    """Gemma 2's four norms are read as norm1, post_attn_norm, norm2 and post_mlp_norm, and its
+    eager gelu_pytorch_tanh(gate) * up saves gate, its GELU and up: 3B·sbF, the torch-sdpa and
+    torch-eager profiles' act under mlp geglu. (Its RMSNorm also saves `1 + weight` in fp32,
+    h values no term writes: the norms keep a residual, the other ops fit exactly.)"""
+    framework_or_skip("transformers", "--hf not tested")
+    path = FIXTURES / "gemma-2-9b" / "config.json"
+    spec = load_spec(str(path), {"attention": "standard"})  # SDPA has no softcap
+    result = calibrate(spec, hf=True, hf_config=json.loads(path.read_text()))
+    for op in ("norm1", "post_attn_norm", "norm2", "post_mlp_norm"):
+        assert result.fits[op].max_residual > 0, op
+    exact = {op: fit for op, fit in result.fits.items() if "norm" not in op}
+    assert exact and all(fit.max_residual == 0 for fit in exact.values())
+    assert result.profile["ops"]["act"]["saved"] == {"sbF": "3B"}
+    for name in ("torch-sdpa", "torch-eager"):
+        shipped = load_profile(name)
+        at = spec.replace(attention="flash") if name == "torch-sdpa" else spec
+        act = next(
+            op for op in apply_profile(transformer_layer_ops(at), at, shipped) if op.name == "act"
+        )
+        tokens = at.seq * at.micro_batch
+        assert act.saved_bytes == 3 * at.dtype_bytes * tokens * at.ffn_hidden, name
+
+
 def test_cuda_without_a_gpu_is_one_line(capsys):
     """--device cuda is guarded: on a machine without CUDA, one line and exit 2. (The CUDA path
     itself, ckplan/calibrate/cuda.py, has not been run: no GPU here.)"""

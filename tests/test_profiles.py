@@ -47,7 +47,7 @@ def specs(draw):
             "micro_batch": draw(st.integers(1, 9)),
             "dtype_bytes": draw(st.sampled_from([1, 2, 4, 8])),
             "norm": draw(st.sampled_from(["layernorm", "rmsnorm"])),
-            "mlp": draw(st.sampled_from(["gelu", "swiglu"])),
+            "mlp": draw(st.sampled_from(["gelu", "swiglu", "geglu"])),
             "attention": draw(st.sampled_from(["standard", "flash"])),
             "dropout": draw(st.sampled_from([0.0, 0.1])),
             "fused_swiglu": draw(st.booleans()),
