@@ -473,10 +473,10 @@ def frozen_ops(
       product (out), of A's output (r) and of its input (in, twice with dropout) until they
       are added to the linear's input gradient: workspace.
     - A mixture of experts' frozen GEMMs (`FROZEN_MOE_GEMMS`): each backward the input-gradient
-      GEMM alone. The router saves no input: the normed x it reads is kept only where the
-      shared experts' gate and up adapters save it without dropout (one storage, on the
-      router as in full training); the experts' fc1 and fc2 save nothing (the dispatched rows
-      and the activation's output); the shared experts' gate keeps what its product saves.
+      GEMM alone. The router saves no input (the normed x: no adapter reads it, the spec
+      keeps them on the attention), the experts' fc1 and fc2 save nothing (the dispatched
+      rows and the activation's output), the shared experts' gate keeps what its product
+      saves.
     """
     finetune = spec.finetune
     if finetune.training == "full":
@@ -520,7 +520,7 @@ def frozen_ops(
     out: list[Op] = []
     for op in ops:
         if op.name in FROZEN_MOE_GEMMS:
-            out.append(_frozen_moe_gemm(op, "shared_fc1" in by_site and not dropout))
+            out.append(_frozen_moe_gemm(op))
             continue
         if op.name not in FROZEN_LINEARS or op.matmul is None:
             out.append(op)
@@ -548,15 +548,11 @@ def frozen_ops(
     return tuple(out)
 
 
-def _frozen_moe_gemm(op: Op, input_saved_by_adapter: bool) -> Op:
+def _frozen_moe_gemm(op: Op) -> Op:
     """One of `FROZEN_MOE_GEMMS` with its weight frozen (`frozen_ops`): the input-gradient
-    GEMM alone in backward, and no saved input but the router's normed x where the shared
-    experts' adapters save it (`input_saved_by_adapter`) and the shared gate's product."""
-    saved = op.saved_bytes
-    if op.name in ("expert_fc1", "expert_fc2") or (
-        op.name == "router" and not input_saved_by_adapter
-    ):
-        saved = 0
+    GEMM alone in backward; the router and the experts save no input, the shared gate keeps
+    what its product saves."""
+    saved = 0 if op.name in ("router", "expert_fc1", "expert_fc2") else op.saved_bytes
     return dataclasses.replace(op, saved_bytes=saved, backward_flops=op.forward_flops)
 
 
