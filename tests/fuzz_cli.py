@@ -401,6 +401,12 @@ def hf_config_text(rng: random.Random) -> tuple[str, str]:
             config[key] = small
     for _ in range(rng.randint(1, 3)):
         kind = rng.random()
+        if isinstance(config.get("text_config"), dict) and rng.random() < 0.5:
+            # a multimodal file: its language model's keys, inside text_config
+            text = config["text_config"]
+            inner = pick(rng, list(text)) if text else "model_type"
+            text[inner if kind < 0.6 else pick(rng, HF_EXTRA_KEYS)] = pick(rng, JSON_VALUES)
+            continue
         key = pick(rng, list(config)) if config else "model_type"
         if kind < 0.5:
             config[key] = pick(rng, JSON_VALUES)
@@ -428,6 +434,12 @@ def hf_config_text(rng: random.Random) -> tuple[str, str]:
                     "olmo2",
                     "olmo3",
                     "olmoe",
+                    "mistral3",
+                    "qwen3_vl",
+                    "qwen3_vl_moe",
+                    "qwen3_vl_text",
+                    "ministral",
+                    "ministral3",
                     "",
                 ],
             )

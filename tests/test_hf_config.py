@@ -299,3 +299,83 @@ def test_a_quantized_checkpoint_is_counted_at_its_dtype():
     mapping = hf_config_mapping(quantized, "x/config.json")
     assert "quantization_config (gptq) is not read" in mapping["source"]
     assert mapping["dtype_bytes"] == 2
+
+
+def test_mistral_small_3_language_model_by_hand():
+    """Mistral Small 3.x (mistral3, text model mistral; the shapes of Mistral3Config's own
+    text defaults, transformers v5.25.0): 40 layers of h 5,120, 32 query heads and 8 key/value
+    heads of 128, SwiGLU 32,768 wide, vocabulary 131,072. Untied: 23,572,403,200; a file whose
+    top level leaves tie_word_embeddings out is tied by Mistral3Config's default, one
+    embedding fewer, and the source says so."""
+    h, d, layers, ffn, vocab = 5120, 128, 40, 32768, 131072
+    per_layer = h * 32 * d * 2 + h * 8 * d * 2 + 3 * h * ffn + 2 * h
+    untied = layers * per_layer + 2 * vocab * h + h
+    assert untied == 23_572_403_200
+    config = json.loads((FIXTURES / "mistral3-config-defaults" / "config.json").read_text())
+    tied = load("mistral3-config-defaults")
+    assert parameter_count(tied).total == untied - vocab * h
+    assert tied.tied_embeddings and "by the mistral3 config's default" in tied.source
+    assert "(HF model_type mistral3, text model mistral)" in tied.source
+    apart = load_spec_of({**config, "tie_word_embeddings": False}, "mistral3-config-defaults")
+    assert parameter_count(apart).total == untied and not apart.tied_embeddings
+    assert "config's default" not in apart.source
+    assert (tied.head_dim, tied.kv_heads, tied.sliding_window) == (128, 8, 0)
+
+
+def test_ministral_windows_follow_layer_types():
+    """MinistralAttention (v5.25.0) slides on the layers layer_types names sliding_attention;
+    without layer_types on every layer while sliding_window is set (4,096 by default)."""
+    assert load("ministral-config-defaults").sliding_window_layers == "0-:2"
+    config = json.loads((FIXTURES / "ministral-config-defaults" / "config.json").read_text())
+    every = hf_config_mapping({**config, "layer_types": None}, "x")
+    assert (every["sliding_window"], every["sliding_window_layers"]) == (4096, "all")
+    default = {key: value for key, value in config.items() if key != "sliding_window"}
+    assert hf_config_mapping({**default, "layer_types": None}, "x")["sliding_window"] == 4096
+    assert "sliding_window" not in hf_config_mapping({**config, "sliding_window": None}, "x")
+    assert not hf_config_mapping({**config, "attention_bias": True}, "x")["bias"]
+
+
+def test_ministral3_window_on_every_layer():
+    """Ministral3 (v5.25.0) gives every layer config.sliding_window, none by default, and does
+    not read layer_types; head_dim 128 by default."""
+    spec = load("ministral3-config-defaults")
+    assert spec.sliding_window == 0 and spec.head_dim == 128
+    config = json.loads((FIXTURES / "ministral3-config-defaults" / "config.json").read_text())
+    halves = ["sliding_attention", "full_attention"] * 17
+    windowed = hf_config_mapping({**config, "sliding_window": 8192, "layer_types": halves}, "x")
+    assert (windowed["sliding_window"], windowed["sliding_window_layers"]) == (8192, "all")
+    narrow = hf_config_mapping({**config, "head_dim": None, "hidden_size": 2048}, "x")
+    assert narrow["head_dim"] == 128
+
+
+def test_qwen3_vl_language_models():
+    """Qwen3-VL's text model is Qwen3's layer (QK norms, head_dim 128 by default); Qwen3-VL-MoE's
+    Qwen3-MoE's (60 experts, top 4, 1,408 wide by default, mlp_only_layers dense)."""
+    dense = load("qwen3-vl-config-defaults")
+    assert dense.qk_norm and not dense.experts and not dense.tied_embeddings
+    assert "(HF model_type qwen3_vl, text model qwen3_vl_text)" in dense.source
+    moe = load("qwen3-vl-moe-config-defaults")
+    assert (moe.experts, moe.top_k, moe.moe_ffn_hidden, moe.moe_layers) == (60, 4, 1408, "all")
+    assert moe.qk_norm and not moe.shared_experts
+    config = json.loads((FIXTURES / "qwen3-vl-moe-config-defaults" / "config.json").read_text())
+    text = {**config["text_config"], "mlp_only_layers": [0], "decoder_sparse_step": 1}
+    assert hf_config_mapping({**config, "text_config": text}, "x")["moe_layers"] == "1-"
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"text_config": None}, "key 'text_config' is missing: a mistral3 config holds"),
+        ({"text_config": [1, 2]}, "key 'text_config' expects the language model's config"),
+        (
+            {"text_config": {"model_type": "llama"}},
+            "key 'text_config.model_type' of a mistral3 config expects mistral or ministral3, "
+            "got 'llama'",
+        ),
+        ({"tie_word_embeddings": "no"}, "key 'tie_word_embeddings' expects true or false"),
+    ],
+)
+def test_a_multimodal_config_needs_its_text_model(changes, message):
+    config = json.loads((FIXTURES / "mistral3-config-defaults" / "config.json").read_text())
+    with pytest.raises(SpecError, match=message):
+        hf_config_mapping({**config, **changes}, "x/config.json")

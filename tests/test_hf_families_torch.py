@@ -19,18 +19,26 @@ FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
 
 def checkpoint_tensors(config: dict) -> int:
+    """The language model's tensors: of a multimodal config (a text_config) the
+    ForConditionalGeneration model's language model and output layer, tied or not as that
+    model ties them, without the vision tower and projector."""
     torch = framework_or_skip("torch", "the parameter counts were not checked")
     transformers = framework_or_skip("transformers", "the parameter counts were not checked")
-    if "text_config" in config:  # gemma3: the language model alone
-        config = config["text_config"] | {"model_type": "gemma3_text"}
+    auto = transformers.AutoModelForCausalLM
+    if "text_config" in config:
+        auto = transformers.AutoModelForImageTextToText
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_config(
-            transformers.AutoConfig.for_model(**config)
-        )
-    saved = set(model.state_dict())
-    parameters = sum(p.numel() for p in model.parameters())  # tied weights once
-    return parameters + sum(b.numel() for name, b in model.named_buffers() if name in saved)
+        model = auto.from_config(transformers.AutoConfig.for_model(**config))
+    parts = [model]
+    if "text_config" in config:
+        parts = [model.model.language_model, model.lm_head]
+    parameters = {id(p): p for part in parts for p in part.parameters()}  # tied weights once
+    buffers = 0
+    for part in parts:
+        saved = set(part.state_dict())
+        buffers += sum(b.numel() for name, b in part.named_buffers() if name in saved)
+    return sum(p.numel() for p in parameters.values()) + buffers
 
 
 @pytest.mark.parametrize("name", sorted(p.parent.name for p in FIXTURES.glob("*/config.json")))
@@ -58,16 +66,48 @@ MINIMAL_BY_FAMILY = {
     # need 8 experts each
     "deepseek_v2": MINIMAL | {"n_routed_experts": 8, "num_experts_per_tok": 2},
     "deepseek_v3": MINIMAL | {"n_routed_experts": 64, "moe_intermediate_size": 256},
+    # MinistralConfig keeps head_dim None, which MinistralAttention then cannot use
+    # (transformers v5.25.0: `self.head_dim**-0.5` on None); ckplan reads h/a
+    "ministral": MINIMAL | {"head_dim": 64},
 }
 
 
-@pytest.mark.parametrize("model_type", sorted(set(SUPPORTED) - {"gemma3"}))
+MULTIMODAL = {"gemma3", "mistral3", "qwen3_vl", "qwen3_vl_moe"}
+
+
+@pytest.mark.parametrize("model_type", sorted(set(SUPPORTED) - MULTIMODAL))
 def test_a_key_left_out_takes_the_config_class_default(model_type, tmp_path):
-    """gemma3 is the multimodal config; its text_config is gemma3_text, tested here."""
+    """The multimodal configs hold their language model in text_config: tested below."""
     config = {**MINIMAL_BY_FAMILY.get(model_type, MINIMAL), "model_type": model_type}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     assert parameter_count(load_spec(str(path), {})).total == checkpoint_tensors(config)
+
+
+@pytest.mark.parametrize(
+    "outer, inner, top",
+    [
+        ("gemma3", "gemma3_text", {}),
+        ("mistral3", "mistral", {}),
+        ("mistral3", "ministral3", {}),
+        ("mistral3", "mistral", {"tie_word_embeddings": False}),
+        ("qwen3_vl", "qwen3_vl_text", {}),
+        ("qwen3_vl", "qwen3_vl_text", {"tie_word_embeddings": True}),
+        ("qwen3_vl_moe", "qwen3_vl_moe_text", {}),
+    ],
+)
+def test_a_multimodal_language_model_is_what_transformers_builds(outer, inner, top, tmp_path):
+    """The text model's keys left out take its config class's defaults; the outer file's
+    tie_word_embeddings (or its class default: Mistral3Config's true, Qwen3-VL's false) ties
+    the output layer, whatever text_config says."""
+    tied = top.get("tie_word_embeddings", outer in ("gemma3", "mistral3"))
+    text = MINIMAL | {"model_type": inner, "tie_word_embeddings": not tied}
+    config = {"model_type": outer, "text_config": text, **top}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    spec = load_spec(str(path), {})
+    assert parameter_count(spec).total == checkpoint_tensors(config)
+    assert "vision tower" in spec.source
 
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -87,13 +127,27 @@ def peft_trainable(config: dict, target_modules) -> int:
     torch = framework_or_skip("torch", "the adapter counts were not checked")
     transformers = framework_or_skip("transformers", "the adapter counts were not checked")
     peft = framework_or_skip("peft", "the adapter counts were not checked")
+    auto = transformers.AutoModelForCausalLM
+    if "text_config" in config:
+        auto = transformers.AutoModelForImageTextToText
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_config(
-            transformers.AutoConfig.for_model(**config)
-        )
+        model = auto.from_config(transformers.AutoConfig.for_model(**config))
         model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=target_modules))
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("name", ["mistral3-config-defaults", "gemma-3-4b-it"])
+def test_adapters_on_a_multimodal_checkpoint_equal_peft_on_its_language_model(name):
+    """ckplan's LoRA on q_proj and v_proj of a multimodal checkpoint is PEFT's on the language
+    model's projections (a regex naming language_model); PEFT's plain names also adapt the
+    vision tower's like-named projections (Pixtral's, SigLIP's), which ckplan does not count."""
+    config = json.loads((FIXTURES / name / "config.json").read_text())
+    keys = {"training": "lora", "lora_rank": 8, "lora_targets": "q_proj,v_proj"}
+    spec = load_spec(str(FIXTURES / name / "config.json"), keys)
+    trainable = parameter_count(spec).trainable
+    assert trainable == peft_trainable(config, r".*language_model.*\.(q_proj|v_proj)")
+    assert trainable < peft_trainable(config, ["q_proj", "v_proj"])
 
 
 @pytest.mark.parametrize("name", MOE_FIXTURES)

@@ -51,11 +51,12 @@ _LAYER_RULE_KEYS = {
 _KV_HEADS = {
     "mistral": 8, "mixtral": 8, "qwen2": 32, "qwen2_moe": 16, "qwen3": 32, "qwen3_moe": 4,
     "gemma": 16, "gemma2": 4, "smollm3": 4, "glm4": 2, "glm4_moe": 8, "gpt_oss": 8,
+    "ministral": 8, "ministral3": 8, "qwen3_vl_text": 32, "qwen3_vl_moe_text": 16,
 }  # fmt: skip
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _MOE_FAMILIES = (
     "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "olmoe",
-    "gpt_oss",
+    "gpt_oss", "qwen3_vl_moe_text",
 )  # fmt: skip
 
 
@@ -66,14 +67,19 @@ def hf_config_mapping(
     `with_context` adds the model's own maximum context as `_max_seq` for `seq_note`."""
     model_type = config.get("model_type")
     notes: list[str] = []
-    if model_type == "gemma3" and isinstance(config.get("text_config"), Mapping):
-        # The multimodal checkpoint: its language model is the text_config.
-        if config.get("vision_config"):
-            notes.append("vision tower and projector not counted")
-        text = dict(config["text_config"])
-        for key in ("torch_dtype", "dtype"):
-            text.setdefault(key, config.get(key))
-        config, model_type = text, "gemma3_text"
+    families, label = _FAMILIES, model_type
+    # a gemma3 file without text_config is the text model itself (Gemma3ForCausalLM)
+    if (
+        isinstance(model_type, str)
+        and model_type in _TEXT_TOWERS
+        and (model_type != "gemma3" or config.get("text_config") is not None)
+    ):
+        config, inner = _text_tower(config, origin, model_type)
+        families, label = _FAMILIES | _TOWER_FAMILIES, f"{model_type}, text model {inner}"
+        model_type = inner
+        notes.append(_VISION_NOTE)
+        if "_tie_note" in config:
+            notes.append(config.pop("_tie_note"))
     if model_type is not None and not isinstance(model_type, str):
         raise SpecError(
             f"{origin}: key 'model_type' expects a string such as llama, got {quote(model_type)}"
@@ -88,7 +94,7 @@ def hf_config_mapping(
             f"{origin}: not a recognised Hugging Face config: needs model_type and "
             "num_hidden_layers, hidden_size, num_attention_heads (or n_layer, n_embd, n_head)"
         )
-    family = _FAMILIES.get(model_type)
+    family = families.get(model_type)
     if family is None:
         raise SpecError(
             f"{origin}: unsupported model_type {quote(model_type)}; supported: "
@@ -119,12 +125,69 @@ def hf_config_mapping(
     mapping["seq"] = min(DEFAULT_SEQ, longest) if isinstance(longest, int) else longest
     if with_context:
         mapping["_max_seq"] = longest
-    source = f"{origin} (HF model_type {model_type})"
+    source = f"{origin} (HF model_type {label})"
     if notes or mapping.get("_notes"):
         source += "; " + "; ".join([*notes, *mapping.pop("_notes", [])])
     mapping.pop("_notes", None)
     mapping["source"] = source
     return mapping
+
+
+# Multimodal checkpoints whose language model ckplan reads from `text_config`: the outer
+# model_type -> the text models it may hold (the first when text_config names none) and the
+# outer config class's tie_word_embeddings. The outer config decides the tie: the
+# ForConditionalGeneration model ties lm_head to the language model's embedding by its own
+# config (PreTrainedModel.get_expanded_tied_weights_keys reads `self.config`, transformers
+# v5.25.0 modeling_utils.py), whatever text_config says.
+_TEXT_TOWERS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "gemma3": (("gemma3_text",), True),  # Gemma3Config
+    "mistral3": (("mistral", "ministral3"), True),  # Mistral3Config: Mistral Small 3.x, Ministral 3
+    "qwen3_vl": (("qwen3_vl_text",), False),  # Qwen3VLConfig
+    "qwen3_vl_moe": (("qwen3_vl_moe_text",), False),  # Qwen3VLMoeConfig
+}
+# The text models' own config classes' tie_word_embeddings (Qwen3VLTextConfig has none).
+_TEXT_TIES = {"gemma3_text": True, "mistral": False, "ministral3": False, "qwen3_vl_moe_text": True}
+_VISION_NOTE = (
+    "the language model of a multimodal checkpoint: the vision tower, the projector and any "
+    "adapter a target name puts on them not counted"
+)
+
+
+def _text_tower(config: Mapping[str, Any], origin: str, outer: str) -> tuple[dict, str]:
+    """The language model of a multimodal config.json (`_TEXT_TOWERS`): its text_config, with
+    the outer file's dtype and tie_word_embeddings."""
+    text = config.get("text_config")
+    if text is None:
+        raise SpecError(
+            f"{origin}: key 'text_config' is missing: a {outer} config holds its language "
+            "model's config there"
+        )
+    if not isinstance(text, Mapping):
+        raise SpecError(
+            f"{origin}: key 'text_config' expects the language model's config (a mapping) in a "
+            f"{outer} config, got {quote(text)}"
+        )
+    kinds, tied = _TEXT_TOWERS[outer]
+    inner = text.get("model_type", kinds[0])
+    if inner not in kinds:
+        raise SpecError(
+            f"{origin}: key 'text_config.model_type' of a {outer} config expects "
+            f"{' or '.join(kinds)}, got {quote(inner)}"
+        )
+    text = dict(text)
+    for key in ("torch_dtype", "dtype"):
+        text.setdefault(key, config.get(key))
+    tie = config.get("tie_word_embeddings")
+    text["tie_word_embeddings"] = tied if tie is None else tie
+    own = config["text_config"].get("tie_word_embeddings", _TEXT_TIES.get(inner))
+    if tie is None and own not in (None, tied):  # a text model that would tie otherwise
+        text["_tie_note"] = (
+            f"output layer {'tied to' if tied else 'apart from'} the embedding by the "
+            f"{outer} config's default, the file's top level having no tie_word_embeddings "
+            "(transformers ties by that config, not text_config's; --set tied_embeddings to "
+            "change)"
+        )
+    return text, inner
 
 
 def seq_note(mapping: Mapping[str, Any]) -> str:
@@ -376,6 +439,57 @@ def _qwen3_moe(c: _Config) -> dict[str, Any]:
         "experts": experts,
         "top_k": c.get("num_experts_per_tok", 8),
         "moe_ffn_hidden": c.get("moe_intermediate_size", 768),
+        "moe_layers": _moe_layers(
+            mapping["layers"], _qwen_moe_layers(c, mapping["layers"], experts)
+        ),
+    }
+
+
+def _ministral(c: _Config) -> dict[str, Any]:
+    """Ministral 8B (MinistralForCausalLM, modeling_ministral.py v5.25.0): Llama's layer, its
+    projections without biases whatever attention_bias says, and a window on the layers
+    layer_types names sliding_attention: every layer by default while sliding_window is set
+    (4,096 in MinistralConfig; null: full attention everywhere)."""
+    mapping = _base(c, tied=False) | {"bias": False}
+    return mapping | _windows(c, mapping["layers"], None, default_window=4096)
+
+
+def _ministral3(c: _Config) -> dict[str, Any]:
+    """Ministral 3 (Ministral3ForCausalLM, modeling_ministral3.py v5.25.0), standalone or as the
+    text model of a mistral3 checkpoint: Llama's layer without biases, head_dim 128 by default,
+    sliding_window on every layer when set (none by default; layer_types is not read there).
+    Its queries are scaled by position after RoPE (`get_llama_4_attn_scale`, rope_parameters'
+    llama_4_scaling_beta): an element-wise product with a factor that needs no gradient, so
+    autograd saves that (1, 1, s, 1) factor alone, nothing ckplan counts."""
+    mapping = _base(c, tied=False, head_dim=128) | {"bias": False}
+    every_layer = _Config(
+        {key: value for key, value in c.data.items() if key != "layer_types"},
+        c.origin,
+        c.model_type,
+    )
+    return mapping | _windows(every_layer, mapping["layers"], None)
+
+
+def _qwen3_vl_text(c: _Config) -> dict[str, Any]:
+    """Qwen3-VL's language model (Qwen3VLTextModel, modeling_qwen3_vl.py v5.25.0): Qwen3's
+    layer, per-head QK norms and head_dim 128 by default, no window. Its interleaved
+    multimodal RoPE and the DeepStack visual features added to the first layers' hidden
+    states (by the vision tower's mergers) hold no parameter of the language model."""
+    return {**_base(c, tied=False, head_dim=128), **_llama_biases(c), "qk_norm": True}
+
+
+def _qwen3_vl_moe_text(c: _Config) -> dict[str, Any]:
+    """Qwen3-VL-MoE's language model (Qwen3VLMoeTextModel, modeling_qwen3_vl_moe.py v5.25.0):
+    Qwen3-MoE's layer (head_dim h/a by default; num_experts experts of moe_intermediate_size,
+    top-k routing, no shared expert, a router without bias), sparse every
+    decoder_sparse_step-th layer outside mlp_only_layers, with its config class's defaults
+    (60 experts, top 4, 1,408 wide)."""
+    mapping = {**_base(c, tied=False), **_llama_biases(c), "qk_norm": True}
+    experts = c.get("num_experts", 60)
+    return mapping | {
+        "experts": experts,
+        "top_k": c.get("num_experts_per_tok", 4),
+        "moe_ffn_hidden": c.get("moe_intermediate_size", 1408),
         "moe_layers": _moe_layers(
             mapping["layers"], _qwen_moe_layers(c, mapping["layers"], experts)
         ),
@@ -700,5 +814,12 @@ _FAMILIES: dict[str, Callable[[_Config], dict[str, Any]]] = {
     "olmo3": _olmo3,
     "olmoe": _olmoe,
     "gpt_oss": _gpt_oss,
+    "ministral": _ministral,
+    "ministral3": _ministral3,
 }
-SUPPORTED = tuple(_FAMILIES)
+# Text models read only inside their multimodal config (`_TEXT_TOWERS`).
+_TOWER_FAMILIES: dict[str, Callable[[_Config], dict[str, Any]]] = {
+    "qwen3_vl_text": _qwen3_vl_text,
+    "qwen3_vl_moe_text": _qwen3_vl_moe_text,
+}
+SUPPORTED = (*_FAMILIES, *(outer for outer in _TEXT_TOWERS if outer not in _FAMILIES))
