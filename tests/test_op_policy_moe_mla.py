@@ -551,3 +551,33 @@ def test_mla_rope_unit_moves_the_rotation_and_the_assembly():
     hand = 2 * 4 * 32 * 5 * 8 + 2 * q + (4 * 32 * 4 * 8 + 4 * 32 * 8) + k
     assert rope.op.forward_bytes == rope_moved_bytes(s, LayerShapes.of(s)) == hand == 39_936
     assert rope.op.name == MLA_ROPE
+
+
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize(
+    "pipeline",
+    [
+        {"pp": 2},
+        {"pp": 2, "virtual_stages": 2, "microbatches": 4},
+        {"pp": 2, "first_stage_layers": 1, "last_stage_layers": 3},
+        {"pp": 2, "cp": 2, "ep": 2, "dp": 2, "zero": 3},
+    ],
+)
+def test_a_layers_scoped_frontier_is_the_same_on_every_pipeline(mla, pipeline):
+    """`plan` computes the scoped frontier once per layer shape (`search._one_stage`): a layout's
+    pipeline keys change neither what a layer keeps nor what its re-runs cost, so the frontier
+    of the layout is the one-stage frontier, point for point."""
+    from ckplan.inputs.gpus import load_gpu
+    from ckplan.model.layers import layer_kinds
+    from ckplan.plan.policy_search import scoped_frontier
+    from ckplan.plan.search import _one_stage
+
+    gpu = load_gpu("h100-sxm")
+    s = spec(mla, layers=4, moe_layers="1-", **pipeline)  # a dense layer and MoE ones
+    one = _one_stage(s)
+    assert one.pp == 1 and (one.tp, one.cp, one.ep, one.micro_batch) == (s.tp, s.cp, s.ep, 2)
+    kinds = tuple(dict.fromkeys(layer_kinds(s)))
+    assert len(kinds) == 2
+    for kind in (*kinds, None):
+        frontier = scoped_frontier(s, gpu, kind, wrapped=True)
+        assert len(frontier) > 1 and frontier == scoped_frontier(one, gpu, kind, wrapped=True)

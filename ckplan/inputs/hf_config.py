@@ -52,6 +52,7 @@ _KV_HEADS = {
     "mistral": 8, "mixtral": 8, "qwen2": 32, "qwen2_moe": 16, "qwen3": 32, "qwen3_moe": 4,
     "gemma": 16, "gemma2": 4, "smollm3": 4, "glm4": 2, "glm4_moe": 8, "gpt_oss": 8,
     "ministral": 8, "ministral3": 8, "qwen3_vl_text": 32, "qwen3_vl_moe_text": 16,
+    "seed_oss": 8, "ernie4_5": 2, "helium": 20, "starcoder2": 2,
 }  # fmt: skip
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _MOE_FAMILIES = (
@@ -496,6 +497,97 @@ def _qwen3_vl_moe_text(c: _Config) -> dict[str, Any]:
     }
 
 
+def _one_dropout(c: _Config, defaults: dict[str, float]) -> float:
+    """The family's dropout rates (attention probabilities, the residual branches, the
+    embedding: `defaults`, its config class's) as ckplan's one `dropout`, which applies one
+    rate at each of those places (Korthikanti et al. 2022's layer). Rates that differ are
+    refused: ckplan has one."""
+    rates: dict[str, float] = {}
+    for key, default in defaults.items():
+        value = c.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+            raise SpecError(f"{c.origin}: key {key!r} expects a rate in [0, 1), got {quote(value)}")
+        rates[key] = value
+    if len(set(rates.values())) > 1:
+        given = ", ".join(f"{key} {value}" for key, value in rates.items())
+        raise c.refuse(
+            " and ".join(rates), f"{given}: ckplan's dropout is one rate at each of those places"
+        )
+    return next(iter(rates.values()))
+
+
+def _seed_oss(c: _Config) -> dict[str, Any]:
+    """Seed-OSS (SeedOssForCausalLM, modeling_seed_oss.py v5.25.0): Llama's layer, head_dim 128
+    by default, biases on Q, K and V by attention_bias (true by default), on O by
+    attention_out_bias and on the MLP by mlp_bias (false by default); dropout on the attention
+    probabilities (attention_dropout) and after O and the MLP (residual_dropout), 0.1 each by
+    default."""
+    mapping = _base(c, tied=False, head_dim=128)
+    biases = (
+        c.flag("attention_bias", True),
+        c.flag("attention_out_bias", False),
+        c.flag("mlp_bias", False),
+    )
+    if biases == (True, False, False):
+        mapping["qkv_bias"] = True
+    elif len(set(biases)) == 1:
+        mapping["bias"] = biases[0]
+    else:
+        raise c.refuse(
+            "attention_bias, attention_out_bias and mlp_bias",
+            "ckplan's biases are on every linear layer (bias) or on Q, K, V only (qkv_bias)",
+        )
+    rates = {"attention_dropout": 0.1, "residual_dropout": 0.1}
+    return mapping | {"dropout": _one_dropout(c, rates)}
+
+
+def _ernie4_5(c: _Config) -> dict[str, Any]:
+    """ERNIE 4.5 dense (Ernie4_5ForCausalLM, modeling_ernie4_5.py v5.25.0): Llama's layer,
+    head_dim 128 and tied embeddings by default, use_bias on every projection, attention's and
+    the MLP's alike. Its interleaved RoPE holds no parameters."""
+    mapping = _base(c, tied=True, head_dim=128)
+    return mapping | {"bias": c.flag("use_bias", False)}
+
+
+def _helium(c: _Config) -> dict[str, Any]:
+    """Helium (HeliumForCausalLM, modeling_helium.py v5.25.0): Llama's layer with biases on Q, K
+    and V by attention_bias, none on O (an h x h projection, so a·d must be h), the MLP's by
+    mlp_bias; head_dim 128 by default."""
+    mapping = _base(c, tied=False, head_dim=128)
+    heads, hidden = mapping["heads"], mapping["hidden"]
+    head_dim = mapping.get("head_dim")
+    if head_dim is not None and isinstance(heads, int) and head_dim * heads != hidden:
+        raise c.refuse("head_dim", "Helium's o_proj is hidden x hidden: heads x head_dim must be h")
+    attention, mlp = c.flag("attention_bias", False), c.flag("mlp_bias", False)
+    if mlp:
+        raise c.refuse(
+            "mlp_bias",
+            "the MLP's biases without O's: ckplan's biases are on every linear layer (bias) or "
+            "on Q, K, V only (qkv_bias)",
+        )
+    return mapping | {"qkv_bias": attention}
+
+
+def _starcoder2(c: _Config) -> dict[str, Any]:
+    """StarCoder2 (Starcoder2ForCausalLM, modeling_starcoder2.py v5.25.0): LayerNorm with its
+    bias, a two-matrix MLP (c_fc, c_proj) with GeLU, biases on every projection by use_bias
+    (true by default), tied embeddings by default, sliding_window on every layer when set, and
+    one dropout rate on the attention probabilities, the residual branches and the embedding
+    (0 by default)."""
+    mapping = _base(c, tied=True)
+    act = str(c.get("hidden_act", "gelu_pytorch_tanh"))
+    if not act.startswith("gelu"):
+        raise c.refuse("hidden_act", f"{quote(act)}: ckplan models StarCoder2's MLP with GeLU")
+    rates = {"attention_dropout": 0.0, "residual_dropout": 0.0, "embedding_dropout": 0.0}
+    mapping |= {
+        "norm": "layernorm",
+        "mlp": "gelu",
+        "bias": c.flag("use_bias", True),
+        "dropout": _one_dropout(c, rates),
+    }
+    return mapping | _windows(c, mapping["layers"], None)
+
+
 def _gemma(c: _Config) -> dict[str, Any]:
     return {**_base(c, tied=True, head_dim=256), **_llama_biases(c)}
 
@@ -816,6 +908,10 @@ _FAMILIES: dict[str, Callable[[_Config], dict[str, Any]]] = {
     "gpt_oss": _gpt_oss,
     "ministral": _ministral,
     "ministral3": _ministral3,
+    "seed_oss": _seed_oss,
+    "ernie4_5": _ernie4_5,
+    "helium": _helium,
+    "starcoder2": _starcoder2,
 }
 # Text models read only inside their multimodal config (`_TEXT_TOWERS`).
 _TOWER_FAMILIES: dict[str, Callable[[_Config], dict[str, Any]]] = {

@@ -6,7 +6,6 @@ buffers, allocator slack); what remains holds model states plus the step's peak 
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from ckplan.model.op_policy import (
     layerwise_export_reason,
     parse_policy,
 )
+from ckplan.model.parts import cached_by_chain
 from ckplan.model.spec import SIZE_RANGES, ModelSpec, SpecError
 from ckplan.plan.evaluate import DEFAULT_SLOTS, Plan, evaluate
 from ckplan.plan.export_limits import framework_note
@@ -515,17 +515,19 @@ def best_policy_plan(
     return found
 
 
-@functools.lru_cache(maxsize=64)
+@cached_by_chain(256)
 def policy_points(spec: ModelSpec, gpu: GPU | None = None, scoped: bool = True) -> tuple:
     """The per-op policies `best_policy_plan` searches, by stored bytes, each cheaper than all
     before it: the layer-level frontier's points that keep something and, with `scoped`, on
     eager layers of `SCOPED_FRAMEWORKS` (`op_policy.scope_model_reason`), the scoped frontier
     of the policies a checkpoint around each region's submodule runs
-    (`policy_search.scoped_frontier(wrapped=True)`). Cached per model and GPU: the scoped
-    frontier takes about a second on an MoE layer. Under torchtitan the scoped ones alone, which
-    the torch snippet runs with torchtitan's checkpointing off (its configuration runs its own
-    layer-level op lists only), on layouts without tensor parallelism."""
-    from ckplan.plan.policy_search import policy_frontier, scoped_frontier
+    (`policy_search.scoped_frontier(wrapped=True)`). Cached per GPU and the parts one GPU's
+    layers depend on (`parts.cached_by_chain`): the scoped frontier takes about a second on an
+    MoE layer, and layouts that differ only in dp, ZeRO or the micro-batch count share it.
+    Under torchtitan the scoped ones alone, which the torch snippet runs with torchtitan's
+    checkpointing off (its configuration runs its own layer-level op lists only), on layouts
+    without tensor parallelism."""
+    from ckplan.plan.policy_search import policy_frontier
 
     points = []
     if spec.framework != "torchtitan":
@@ -534,13 +536,36 @@ def policy_points(spec: ModelSpec, gpu: GPU | None = None, scoped: bool = True) 
     # tests/test_torchtitan_scoped.py); with tensor parallelism the regions run on DTensors
     checked = spec.framework != "torchtitan" or spec.tp == 1
     if scoped and spec.framework in SCOPED_FRAMEWORKS and checked:
-        points += scoped_frontier(spec, gpu, wrapped=True)
+        points += _wrapped_frontier(_one_stage(spec), gpu)
     points.sort(key=lambda p: (p.tape_bytes, p.cost, bool(p.scopes)))
     merged: list = []
     for point in points:
         if not merged or point.cost < merged[-1].cost:
             merged.append(point)
     return tuple(merged)
+
+
+# The pipeline's keys: how the layers are split over stages, not what one layer holds or costs.
+_ONE_STAGE = {
+    "pp": 1, "virtual_stages": 1, "first_stage_layers": None, "last_stage_layers": None,
+    "account_for_embedding_in_pipeline_split": False,
+    "account_for_loss_in_pipeline_split": False, "pipeline_layout": None,
+    "pipeline_schedule": "1f1b",
+}  # fmt: skip
+
+
+def _one_stage(spec: ModelSpec):
+    """The parts one layer's ops, tape and re-run time depend on (`spec.chain`), with the
+    pipeline's keys at one stage: the scoped frontier of a layer is the same on every pipeline
+    layout (tests/test_policy_search.py), so layouts that differ only there share it."""
+    return spec.chain.replace(**_ONE_STAGE)
+
+
+@cached_by_chain(256)
+def _wrapped_frontier(spec, gpu: GPU | None) -> tuple:
+    from ckplan.plan.policy_search import scoped_frontier
+
+    return scoped_frontier(spec, gpu, wrapped=True)
 
 
 def offload_optimal_plan(
