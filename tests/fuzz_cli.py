@@ -388,7 +388,8 @@ HF_EXTRA_KEYS = [
     "n_positions", "n_inner", "attn_pdrop", "rope_scaling", "quantization_config", "text_config",
     "sliding_window_pattern", "num_nextn_predict_layers", "topk_method", "n_shared_experts",
     "no_rope_layers", "no_rope_layer_interval", "use_qk_norm", "n_group", "topk_group",
-    "swiglu_limit", "clip_qkv", "norm_topk_prob",
+    "swiglu_limit", "clip_qkv", "norm_topk_prob", "attention_out_bias", "attention_dropout",
+    "residual_dropout", "embedding_dropout", "use_bias",
 ]  # fmt: skip
 
 
@@ -440,6 +441,10 @@ def hf_config_text(rng: random.Random) -> tuple[str, str]:
                     "qwen3_vl_text",
                     "ministral",
                     "ministral3",
+                    "seed_oss",
+                    "ernie4_5",
+                    "helium",
+                    "starcoder2",
                     "",
                 ],
             )

@@ -379,3 +379,49 @@ def test_a_multimodal_config_needs_its_text_model(changes, message):
     config = json.loads((FIXTURES / "mistral3-config-defaults" / "config.json").read_text())
     with pytest.raises(SpecError, match=message):
         hf_config_mapping({**config, **changes}, "x/config.json")
+
+
+def test_seed_oss_biases_and_dropout():
+    """Seed-OSS (v5.25.0 defaults): Q, K, V biased, O and the MLP not: qkv_bias; dropout 0.1 on
+    the attention probabilities and after O and the MLP: ckplan's one rate."""
+    spec = load("seed-oss-config-defaults")
+    assert spec.qkv_bias and not spec.bias and spec.dropout == 0.1 and spec.head_dim == 128
+    config = json.loads((FIXTURES / "seed-oss-config-defaults" / "config.json").read_text())
+    every = {**config, "attention_out_bias": True, "mlp_bias": True}
+    assert hf_config_mapping(every, "x")["bias"]
+    none = {**config, "attention_bias": False, "attention_dropout": 0, "residual_dropout": 0}
+    assert not hf_config_mapping(none, "x")["bias"] and hf_config_mapping(none, "x")["dropout"] == 0
+    with pytest.raises(SpecError, match="cannot model attention_bias, attention_out_bias"):
+        hf_config_mapping({**config, "attention_out_bias": True}, "x")
+    with pytest.raises(SpecError, match="attention_dropout 0.1, residual_dropout 0"):
+        hf_config_mapping({**config, "residual_dropout": 0}, "x")
+    with pytest.raises(SpecError, match="key 'residual_dropout' expects a rate in"):
+        hf_config_mapping({**config, "residual_dropout": "0.1"}, "x")
+
+
+def test_ernie_helium_starcoder2_layers():
+    """ERNIE 4.5: use_bias on every projection, tied by default. Helium: Q, K, V biases alone,
+    an h x h o_proj. StarCoder2: LayerNorm, a GeLU MLP of two matrices, biases everywhere,
+    tied, a window on every layer when set, one dropout rate for its three."""
+    ernie = load("ernie4_5-config-defaults")
+    assert ernie.tied_embeddings and not ernie.bias and ernie.head_dim == 128
+    config = json.loads((FIXTURES / "ernie4_5-config-defaults" / "config.json").read_text())
+    assert hf_config_mapping({**config, "use_bias": True}, "x")["bias"]
+    helium = json.loads((FIXTURES / "helium-config-defaults" / "config.json").read_text())
+    assert hf_config_mapping({**helium, "attention_bias": True}, "x")["qkv_bias"]
+    with pytest.raises(SpecError, match="cannot model mlp_bias"):
+        hf_config_mapping({**helium, "mlp_bias": True}, "x")
+    with pytest.raises(SpecError, match="cannot model head_dim"):
+        hf_config_mapping({**helium, "head_dim": 64}, "x")
+    coder = load("starcoder2-config-defaults")
+    assert (coder.norm, coder.mlp, coder.bias, coder.tied_embeddings) == (
+        "layernorm", "gelu", True, True,
+    )  # fmt: skip
+    config = json.loads((FIXTURES / "starcoder2-config-defaults" / "config.json").read_text())
+    rates = {"attention_dropout": 0.1, "residual_dropout": 0.1, "embedding_dropout": 0.1}
+    windowed = hf_config_mapping({**config, **rates, "sliding_window": 4096}, "x")
+    assert (windowed["dropout"], windowed["sliding_window_layers"]) == (0.1, "all")
+    with pytest.raises(SpecError, match="embedding_dropout 0.0"):
+        hf_config_mapping({**config, **rates, "embedding_dropout": 0.0}, "x")
+    with pytest.raises(SpecError, match="cannot model hidden_act"):
+        hf_config_mapping({**config, "hidden_act": "silu"}, "x")
