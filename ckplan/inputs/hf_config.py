@@ -3,7 +3,8 @@
 Each supported `model_type` is mapped key by key, with the defaults of its transformers config
 class for the keys a checkpoint leaves out (Gemma 3's sparse text_config relies on them). Keys
 that change what ckplan counts are either modelled (qkv bias, tied embeddings, head_dim,
-qk-norm, post-norms, parallel residual, sliding windows, experts, MLA) or refused with an error
+qk-norm, post-norms, parallel residual, sliding windows, experts, MLA, dropout rates, a
+multimodal file's language model in text_config) or refused with an error
 naming them; keys that change nothing ckplan counts are ignored on purpose: RoPE settings and
 partial rotary (no parameters, nothing saved), logit soft-capping (an element-wise tanh fused in
 the kernels), Gemma's embedding scaling, router details (group-limited top-k, scaling factors).
