@@ -439,6 +439,8 @@ def hf_config_text(rng: random.Random) -> tuple[str, str]:
                     "qwen3_vl",
                     "qwen3_vl_moe",
                     "qwen3_vl_text",
+                    "qwen2_vl",
+                    "qwen2_5_vl",
                     "ministral",
                     "ministral3",
                     "seed_oss",

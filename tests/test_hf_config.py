@@ -393,7 +393,7 @@ def test_seed_oss_biases_and_dropout():
     assert not hf_config_mapping(none, "x")["bias"] and hf_config_mapping(none, "x")["dropout"] == 0
     with pytest.raises(SpecError, match="cannot model attention_bias, attention_out_bias"):
         hf_config_mapping({**config, "attention_out_bias": True}, "x")
-    with pytest.raises(SpecError, match="attention_dropout 0.1, residual_dropout 0"):
+    with pytest.raises(SpecError, match=r"attention_dropout 0\.1, residual_dropout 0"):
         hf_config_mapping({**config, "residual_dropout": 0}, "x")
     with pytest.raises(SpecError, match="key 'residual_dropout' expects a rate in"):
         hf_config_mapping({**config, "residual_dropout": "0.1"}, "x")
@@ -421,7 +421,7 @@ def test_ernie_helium_starcoder2_layers():
     rates = {"attention_dropout": 0.1, "residual_dropout": 0.1, "embedding_dropout": 0.1}
     windowed = hf_config_mapping({**config, **rates, "sliding_window": 4096}, "x")
     assert (windowed["dropout"], windowed["sliding_window_layers"]) == (0.1, "all")
-    with pytest.raises(SpecError, match="embedding_dropout 0.0"):
+    with pytest.raises(SpecError, match=r"embedding_dropout 0\.0"):
         hf_config_mapping({**config, **rates, "embedding_dropout": 0.0}, "x")
     with pytest.raises(SpecError, match="cannot model hidden_act"):
         hf_config_mapping({**config, "hidden_act": "silu"}, "x")

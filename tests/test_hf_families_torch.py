@@ -11,11 +11,20 @@ from pathlib import Path
 import pytest
 from needs_frameworks import framework_or_skip
 
-from ckplan.inputs.hf_config import SUPPORTED
+from ckplan.inputs.hf_config import SUPPORTED, hf_config_mapping
 from ckplan.inputs.presets import load_spec
 from ckplan.model.memory import frozen_weight_bytes, parameter_count
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+
+
+# The multimodal model_types: their language model is the ForConditionalGeneration model's.
+MULTIMODAL = {"gemma3", "mistral3", "qwen3_vl", "qwen3_vl_moe", "qwen2_vl", "qwen2_5_vl"}
+
+
+def multimodal(config: dict) -> bool:
+    """A multimodal file: a text_config, or a Qwen2-VL file whose text keys sit at the top."""
+    return "text_config" in config or config.get("model_type") in ("qwen2_vl", "qwen2_5_vl")
 
 
 def checkpoint_tensors(config: dict) -> int:
@@ -25,13 +34,13 @@ def checkpoint_tensors(config: dict) -> int:
     torch = framework_or_skip("torch", "the parameter counts were not checked")
     transformers = framework_or_skip("transformers", "the parameter counts were not checked")
     auto = transformers.AutoModelForCausalLM
-    if "text_config" in config:
+    if multimodal(config):
         auto = transformers.AutoModelForImageTextToText
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
         model = auto.from_config(transformers.AutoConfig.for_model(**config))
     parts = [model]
-    if "text_config" in config:
+    if multimodal(config):
         parts = [model.model.language_model, model.lm_head]
     parameters = {id(p): p for part in parts for p in part.parameters()}  # tied weights once
     buffers = 0
@@ -74,9 +83,6 @@ MINIMAL_BY_FAMILY = {
 }
 
 
-MULTIMODAL = {"gemma3", "mistral3", "qwen3_vl", "qwen3_vl_moe"}
-
-
 @pytest.mark.parametrize("model_type", sorted(set(SUPPORTED) - MULTIMODAL))
 def test_a_key_left_out_takes_the_config_class_default(model_type, tmp_path):
     """The multimodal configs hold their language model in text_config: tested below."""
@@ -96,6 +102,8 @@ def test_a_key_left_out_takes_the_config_class_default(model_type, tmp_path):
         ("qwen3_vl", "qwen3_vl_text", {}),
         ("qwen3_vl", "qwen3_vl_text", {"tie_word_embeddings": True}),
         ("qwen3_vl_moe", "qwen3_vl_moe_text", {}),
+        ("qwen2_vl", "qwen2_vl_text", {}),
+        ("qwen2_5_vl", "qwen2_5_vl_text", {"tie_word_embeddings": True}),
     ],
 )
 def test_a_multimodal_language_model_is_what_transformers_builds(outer, inner, top, tmp_path):
@@ -104,12 +112,29 @@ def test_a_multimodal_language_model_is_what_transformers_builds(outer, inner, t
     the output layer, whatever text_config says."""
     tied = top.get("tie_word_embeddings", outer in ("gemma3", "mistral3"))
     text = MINIMAL | {"model_type": inner, "tie_word_embeddings": not tied}
+    if outer in ("qwen2_vl", "qwen2_5_vl"):  # a text_config that ties ties these (pre-v5 files)
+        text["tie_word_embeddings"] = True
     config = {"model_type": outer, "text_config": text, **top}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     spec = load_spec(str(path), {})
     assert parameter_count(spec).total == checkpoint_tensors(config)
     assert "vision tower" in spec.source
+
+
+@pytest.mark.parametrize("outer", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("tie", [None, True, False])
+def test_a_flat_qwen2_vl_file_is_its_language_model(outer, tie, tmp_path):
+    """Qwen2-VL and Qwen2.5-VL hub files keep the text model's keys at the top level, which
+    the config turns into its text_config."""
+    config = {"model_type": outer, **MINIMAL, "vision_config": {"depth": 1}}
+    if tie is not None:
+        config["tie_word_embeddings"] = tie
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    spec = load_spec(str(path), {})
+    assert parameter_count(spec).total == checkpoint_tensors(config)
+    assert spec.tied_embeddings is bool(tie) and spec.qkv_bias
 
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -130,7 +155,7 @@ def peft_trainable(config: dict, target_modules) -> int:
     transformers = framework_or_skip("transformers", "the adapter counts were not checked")
     peft = framework_or_skip("peft", "the adapter counts were not checked")
     auto = transformers.AutoModelForCausalLM
-    if "text_config" in config:
+    if multimodal(config):
         auto = transformers.AutoModelForImageTextToText
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
@@ -174,3 +199,45 @@ def test_all_linear_adapts_more_than_attention_on_mixtral_not_on_gpt_oss():
     gpt_oss = json.loads((FIXTURES / "gpt-oss-20b" / "config.json").read_text())
     gpt_oss |= {"num_hidden_layers": 2, "layer_types": gpt_oss["layer_types"][:2]}
     assert peft_trainable(gpt_oss, "all-linear") == peft_trainable(gpt_oss, ATTENTION)
+
+
+@pytest.mark.parametrize(
+    "model_type, keys",
+    [
+        ("qwen2", {}),
+        ("qwen2", {"max_window_layers": 2}),
+        ("qwen3", {"num_hidden_layers": 32}),
+        ("qwen2_moe", {"max_window_layers": 3}),
+        ("qwen2_moe", {"num_hidden_layers": 32}),
+        ("qwen2_5_vl", {"max_window_layers": 1}),
+        ("ministral", {"head_dim": 64}),
+    ],
+)
+def test_sliding_layers_are_the_ones_transformers_configures(model_type, keys, tmp_path):
+    """The layers ckplan slides on are those the config class marks sliding_attention in
+    layer_types (v5.25.0), from use_sliding_window, max_window_layers and the family's rule,
+    the window 4,096 wide where the file gives none."""
+    transformers = framework_or_skip("transformers", "the sliding layers were not checked")
+    from ckplan.model.layers import parse_layer_set
+
+    config = {**MINIMAL, "model_type": model_type, "use_sliding_window": True, **keys}
+    configured = transformers.AutoConfig.for_model(**config)
+    text = configured.get_text_config()
+    expected = {i for i, kind in enumerate(text.layer_types) if kind == "sliding_attention"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    spec = load_spec(str(path), {})
+    layers = spec.layers
+    sliding = parse_layer_set(spec.sliding_window_layers, layers) if spec.sliding_window else set()
+    assert sliding == expected
+    assert not expected or spec.sliding_window == text.sliding_window == 4096
+
+
+def test_qwen3_moe_slides_on_every_layer():
+    """Qwen3-MoE's attention takes config.sliding_window in every layer (v5.25.0: its config
+    has no layer_types): with use_sliding_window, all of them."""
+    transformers = framework_or_skip("transformers", "the sliding layers were not checked")
+    config = {**MINIMAL, "model_type": "qwen3_moe", "use_sliding_window": True}
+    assert transformers.AutoConfig.for_model(**config).sliding_window == 4096
+    mapping = hf_config_mapping(config, "x")
+    assert (mapping["sliding_window"], mapping["sliding_window_layers"]) == (4096, "all")

@@ -53,7 +53,8 @@ _KV_HEADS = {
     "mistral": 8, "mixtral": 8, "qwen2": 32, "qwen2_moe": 16, "qwen3": 32, "qwen3_moe": 4,
     "gemma": 16, "gemma2": 4, "smollm3": 4, "glm4": 2, "glm4_moe": 8, "gpt_oss": 8,
     "ministral": 8, "ministral3": 8, "qwen3_vl_text": 32, "qwen3_vl_moe_text": 16,
-    "seed_oss": 8, "ernie4_5": 2, "helium": 20, "starcoder2": 2,
+    "seed_oss": 8, "ernie4_5": 2, "helium": 20, "starcoder2": 2, "qwen2_vl_text": 8,
+    "qwen2_5_vl_text": 8,
 }  # fmt: skip
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _MOE_FAMILIES = (
@@ -146,7 +147,15 @@ _TEXT_TOWERS: dict[str, tuple[tuple[str, ...], bool]] = {
     "mistral3": (("mistral", "ministral3"), True),  # Mistral3Config: Mistral Small 3.x, Ministral 3
     "qwen3_vl": (("qwen3_vl_text",), False),  # Qwen3VLConfig
     "qwen3_vl_moe": (("qwen3_vl_moe_text",), False),  # Qwen3VLMoeConfig
+    "qwen2_vl": (("qwen2_vl_text",), False),  # Qwen2VLConfig
+    "qwen2_5_vl": (("qwen2_5_vl_text",), False),  # Qwen2_5_VLConfig
 }
+# Qwen2-VL and Qwen2.5-VL: hub files keep the text model's keys at the top level, from which
+# the config builds text_config when there is none, and a text_config that ties (the files
+# before transformers v5) ties the model when the top level does not say so
+# (Qwen2VLConfig.__post_init__, Qwen2_5_VLConfig.__post_init__, v5.25.0).
+_FLAT_TOWERS = ("qwen2_vl", "qwen2_5_vl")
+_NOT_TEXT_KEYS = ("model_type", "architectures", "text_config", "vision_config")
 # The text models' own config classes' tie_word_embeddings (Qwen3VLTextConfig has none).
 _TEXT_TIES = {"gemma3_text": True, "mistral": False, "ministral3": False, "qwen3_vl_moe_text": True}
 _VISION_NOTE = (
@@ -159,6 +168,8 @@ def _text_tower(config: Mapping[str, Any], origin: str, outer: str) -> tuple[dic
     """The language model of a multimodal config.json (`_TEXT_TOWERS`): its text_config, with
     the outer file's dtype and tie_word_embeddings."""
     text = config.get("text_config")
+    if text is None and outer in _FLAT_TOWERS:
+        text = {key: value for key, value in config.items() if key not in _NOT_TEXT_KEYS}
     if text is None:
         raise SpecError(
             f"{origin}: key 'text_config' is missing: a {outer} config holds its language "
@@ -180,8 +191,11 @@ def _text_tower(config: Mapping[str, Any], origin: str, outer: str) -> tuple[dic
     for key in ("torch_dtype", "dtype"):
         text.setdefault(key, config.get(key))
     tie = config.get("tie_word_embeddings")
+    nested = config.get("text_config") or {}
+    if outer in _FLAT_TOWERS and not tie and nested.get("tie_word_embeddings") is True:
+        tie = True
     text["tie_word_embeddings"] = tied if tie is None else tie
-    own = config["text_config"].get("tie_word_embeddings", _TEXT_TIES.get(inner))
+    own = nested.get("tie_word_embeddings", _TEXT_TIES.get(inner))
     if tie is None and own not in (None, tied):  # a text model that would tie otherwise
         text["_tie_note"] = (
             f"output layer {'tied to' if tied else 'apart from'} the embedding by the "
@@ -390,23 +404,47 @@ def _mixtral(c: _Config) -> dict[str, Any]:
     return mapping
 
 
-def _qwen_windows(c: _Config, layers: int) -> dict[str, Any]:
-    """Qwen2/3: a window only with use_sliding_window, on the layers from max_window_layers."""
+def _qwen_windows(
+    c: _Config, layers: int, sliding: Callable[[int, int], bool] | None, first: int = 28
+) -> dict[str, Any]:
+    """Qwen's windows (configuration_qwen2.py, configuration_qwen2_moe.py,
+    configuration_qwen3.py, modeling_qwen3_moe.py, configuration_qwen2_vl.py and
+    configuration_qwen2_5_vl.py, v5.25.0): only with use_sliding_window (the config classes set
+    sliding_window None otherwise), 4,096 wide by default, on the layers layer_types names,
+    else by the family's rule `sliding(i, max_window_layers)` (max_window_layers `first` by
+    default); None: every layer, layer_types unread (Qwen3-MoE's attention takes
+    config.sliding_window in every layer)."""
     if not c.flag("use_sliding_window", False):
         return {}
-    start = c.get("max_window_layers", layers)
-    return _windows(c, layers, lambda i: i >= start)
+    if sliding is None:
+        data = {key: value for key, value in c.data.items() if key != "layer_types"}
+        return _windows(_Config(data, c.origin, c.model_type), layers, None, default_window=4096)
+    start = c.get("max_window_layers", first)
+    return _windows(c, layers, lambda i: sliding(i, start), default_window=4096)
+
+
+def _from_max_window_layers(i: int, start: int) -> bool:
+    """Qwen2's, Qwen3's and Qwen2-VL's rule: the layers from max_window_layers on slide."""
+    return i >= start
 
 
 def _qwen2(c: _Config) -> dict[str, Any]:
     mapping = _base(c, tied=False) | {"qkv_bias": True}  # Qwen2Attention: q, k, v with bias
-    return mapping | _qwen_windows(c, mapping["layers"])
+    return mapping | _qwen_windows(c, mapping["layers"], _from_max_window_layers)
+
+
+def _qwen2_vl_text(c: _Config) -> dict[str, Any]:
+    """Qwen2-VL's and Qwen2.5-VL's language model (Qwen2VLTextModel, Qwen2_5_VLTextModel,
+    v5.25.0): Qwen2's layer (Q, K and V biased), its window rule with max_window_layers 80 by
+    default. Their multimodal RoPE holds no parameters."""
+    mapping = _base(c, tied=False) | {"qkv_bias": True}
+    return mapping | _qwen_windows(c, mapping["layers"], _from_max_window_layers, first=80)
 
 
 def _qwen3(c: _Config, head_dim: int | None = 128) -> dict[str, Any]:
     """Qwen3: QK-norms, head_dim 128 by default (Qwen3-MoE's class has none: h/a)."""
     mapping = {**_base(c, tied=False, head_dim=head_dim), **_llama_biases(c), "qk_norm": True}
-    return mapping | _qwen_windows(c, mapping["layers"])
+    return mapping | _qwen_windows(c, mapping["layers"], _from_max_window_layers)
 
 
 def _qwen_moe_layers(c: _Config, layers: int, experts: int) -> set[int]:
@@ -418,7 +456,11 @@ def _qwen_moe_layers(c: _Config, layers: int, experts: int) -> set[int]:
 
 
 def _qwen2_moe(c: _Config) -> dict[str, Any]:
-    mapping = _qwen2(c)
+    """Qwen2-MoE: Qwen2's layer (Q, K and V biased); its windows, with use_sliding_window, on
+    the even layers below max_window_layers (Qwen2MoeConfig.__post_init__, v5.25.0)."""
+    mapping = _base(c, tied=False) | {"qkv_bias": True}
+    below = _qwen_windows(c, mapping["layers"], lambda i, start: i % 2 == 0 and i < start)
+    mapping |= below
     experts = c.get("num_experts", 60)
     shared = c.get("shared_expert_intermediate_size", 5632)
     mapping |= {
@@ -435,7 +477,10 @@ def _qwen2_moe(c: _Config) -> dict[str, Any]:
 
 
 def _qwen3_moe(c: _Config) -> dict[str, Any]:
-    mapping = _qwen3(c, head_dim=None)
+    """Qwen3-MoE: Qwen3's layer, head_dim h/a by default; with use_sliding_window its window on
+    every layer (Qwen3MoeAttention, v5.25.0)."""
+    mapping = {**_base(c, tied=False), **_llama_biases(c), "qk_norm": True}
+    mapping |= _qwen_windows(c, mapping["layers"], None)
     experts = c.get("num_experts", 128)
     return mapping | {
         "experts": experts,
@@ -916,6 +961,8 @@ _FAMILIES: dict[str, Callable[[_Config], dict[str, Any]]] = {
 }
 # Text models read only inside their multimodal config (`_TEXT_TOWERS`).
 _TOWER_FAMILIES: dict[str, Callable[[_Config], dict[str, Any]]] = {
+    "qwen2_vl_text": _qwen2_vl_text,
+    "qwen2_5_vl_text": _qwen2_vl_text,
     "qwen3_vl_text": _qwen3_vl_text,
     "qwen3_vl_moe_text": _qwen3_vl_moe_text,
 }
