@@ -389,7 +389,7 @@ HF_EXTRA_KEYS = [
     "sliding_window_pattern", "num_nextn_predict_layers", "topk_method", "n_shared_experts",
     "no_rope_layers", "no_rope_layer_interval", "use_qk_norm", "n_group", "topk_group",
     "swiglu_limit", "clip_qkv", "norm_topk_prob", "attention_out_bias", "attention_dropout",
-    "residual_dropout", "embedding_dropout", "use_bias",
+    "residual_dropout", "embedding_dropout", "use_bias", "use_mtp", "num_mtp_modules",
 ]  # fmt: skip
 
 
@@ -447,6 +447,8 @@ def hf_config_text(rng: random.Random) -> tuple[str, str]:
                     "ernie4_5",
                     "helium",
                     "starcoder2",
+                    "exaone4",
+                    "minimax_m2",
                     "",
                 ],
             )

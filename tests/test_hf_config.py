@@ -425,3 +425,42 @@ def test_ernie_helium_starcoder2_layers():
         hf_config_mapping({**config, **rates, "embedding_dropout": 0.0}, "x")
     with pytest.raises(SpecError, match="cannot model hidden_act"):
         hf_config_mapping({**config, "hidden_act": "silu"}, "x")
+
+
+def test_exaone4_is_olmo2s_layer_with_head_qk_norms_and_windows():
+    """EXAONE 4.0: norms after the sublayers (counted as pre-norms), per-head QK norms, a window
+    on three layers of four by default; a pattern string needs layer_types, which the
+    checkpoints give."""
+    spec = load("exaone4-config-defaults")
+    assert spec.qk_norm and spec.qk_norm_width == "head" and not spec.bias
+    assert spec.sliding_window == 4096 and spec.sliding_window_layers.startswith("0-2,4-6")
+    assert "counted as pre-norms" in spec.source
+    config = json.loads((FIXTURES / "exaone4-config-defaults" / "config.json").read_text())
+    kinds = ["sliding_attention"] * 3 + ["full_attention"]
+    given = {**config, "sliding_window_pattern": "LLLG", "layer_types": kinds * 8}
+    assert (
+        hf_config_mapping(given, "x")["sliding_window_layers"]
+        == "0-2,4-6,8-10,12-14,16-18,20-22,24-26,28-30"
+    )
+    with pytest.raises(SpecError, match="cannot model sliding_window_pattern"):
+        hf_config_mapping({**config, "sliding_window_pattern": "LLLG"}, "x")
+    assert "sliding_window" not in hf_config_mapping({**config, "sliding_window": None}, "x")
+
+
+def test_minimax_m2_230b_10b_active():
+    """MiniMax-M2: 256 experts of 1,536 in all 62 layers, top 8, sigmoid routing with a
+    correction bias, QK norms over all heads; about 230B parameters, 10B active without the
+    input embedding (the model card: "230 billion total parameters with 10 billion active")."""
+    spec = load("minimax-m2-config-defaults")
+    assert (spec.experts, spec.top_k, spec.expert_bias, spec.qk_norm_width) == (
+        256,
+        8,
+        True,
+        "full",
+    )
+    counts = parameter_count(spec)
+    assert round(counts.total / 1e9) == 229
+    assert round((counts.active - spec.vocab * spec.hidden) / 1e9) == 10
+    config = json.loads((FIXTURES / "minimax-m2-config-defaults" / "config.json").read_text())
+    noted = hf_config_mapping({**config, "use_mtp": True, "num_mtp_modules": 3}, "x")
+    assert "its 3 multi-token-prediction module(s) (use_mtp) not counted" in noted["source"]

@@ -211,6 +211,8 @@ def test_all_linear_adapts_more_than_attention_on_mixtral_not_on_gpt_oss():
         ("qwen2_moe", {"num_hidden_layers": 32}),
         ("qwen2_5_vl", {"max_window_layers": 1}),
         ("ministral", {"head_dim": 64}),
+        ("exaone4", {}),
+        ("exaone4", {"sliding_window_pattern": 2}),
     ],
 )
 def test_sliding_layers_are_the_ones_transformers_configures(model_type, keys, tmp_path):

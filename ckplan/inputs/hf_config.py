@@ -39,7 +39,7 @@ _INTEGER_KEYS = (
     "num_experts_per_tok", "num_experts", "moe_intermediate_size",
     "shared_expert_intermediate_size", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
     "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts", "n_group",
-    "topk_group",
+    "topk_group", "num_mtp_modules",
 )  # fmt: skip
 # Integer keys that pick layers: whole numbers, the divisors at least 1.
 _LAYER_RULE_KEYS = {
@@ -54,12 +54,12 @@ _KV_HEADS = {
     "gemma": 16, "gemma2": 4, "smollm3": 4, "glm4": 2, "glm4_moe": 8, "gpt_oss": 8,
     "ministral": 8, "ministral3": 8, "qwen3_vl_text": 32, "qwen3_vl_moe_text": 16,
     "seed_oss": 8, "ernie4_5": 2, "helium": 20, "starcoder2": 2, "qwen2_vl_text": 8,
-    "qwen2_5_vl_text": 8,
+    "qwen2_5_vl_text": 8, "exaone4": 32, "minimax_m2": 8,
 }  # fmt: skip
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _MOE_FAMILIES = (
     "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "olmoe",
-    "gpt_oss", "qwen3_vl_moe_text",
+    "gpt_oss", "qwen3_vl_moe_text", "minimax_m2",
 )  # fmt: skip
 
 
@@ -227,8 +227,8 @@ def _check_types(config: Mapping[str, Any], origin: str, model_type: str) -> Non
     most_layers = SIZE_RANGES["layers"][1]  # a layer rule's step or count
     for key, low in _LAYER_RULE_KEYS.items():
         value = config.get(key)
-        if value is None:
-            continue
+        if value is None or (model_type == "exaone4" and isinstance(value, str)):
+            continue  # EXAONE 4's pattern string ("LLLG") comes with its layer_types
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= most_layers:
             raise SpecError(
                 f"{origin}: key {key!r} expects an integer in {low}..{most_layers:,}, "
@@ -634,6 +634,56 @@ def _starcoder2(c: _Config) -> dict[str, Any]:
     return mapping | _windows(c, mapping["layers"], None)
 
 
+def _exaone4(c: _Config) -> dict[str, Any]:
+    """EXAONE 4.0 (Exaone4ForCausalLM, modeling_exaone4.py v5.25.0): OLMo 2's layer, RMSNorm
+    after attention and after the MLP and none before (`_POST_NORM_NOTE`), with per-head QK
+    norms and no biases; sliding_window (4,096 by default; null: none) on the layers
+    layer_types names sliding_attention, else on those where (i + 1) % sliding_window_pattern
+    != 0 (4 by default; a pattern string such as "LLLG" comes with layer_types in the
+    checkpoints). Its global layers run without RoPE: no parameters either way."""
+    mapping = _base(c, tied=False) | {"bias": False, "qk_norm": True}
+    mapping["_notes"] = [_POST_NORM_NOTE]
+    rule = None
+    if c.data.get("sliding_window", 4096) and c.get("layer_types") is None:
+        pattern = c.get("sliding_window_pattern", 4)
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise c.refuse(
+                "sliding_window_pattern",
+                f"{quote(pattern)} without layer_types: a positive integer, every pattern-th "
+                "layer global",
+            )
+
+        def rule(i: int) -> bool:
+            return (i + 1) % pattern != 0
+
+    return mapping | _windows(c, mapping["layers"], rule, default_window=4096)
+
+
+def _minimax_m2(c: _Config) -> dict[str, Any]:
+    """MiniMax-M2 (MiniMaxM2ForCausalLM, modeling_minimax_m2.py v5.25.0): attention without
+    biases, head_dim 128 by default, QK norms over all heads (q_norm of a·d, k_norm of g·d:
+    qk_norm_width full, built whatever use_qk_norm says); in every layer num_local_experts
+    experts of intermediate_size, top num_experts_per_tok, routed by sigmoid scores with a
+    per-expert correction bias (e_score_correction_bias, a buffer the checkpoint holds:
+    expert_bias), no shared expert. Its partial rotary holds no parameters; the checkpoint's
+    multi-token-prediction modules (use_mtp), which transformers does not build, are noted."""
+    mapping = _base(c, tied=False, head_dim=128) | {"bias": False}
+    mapping |= {
+        "qk_norm": True,
+        "qk_norm_width": "full",
+        "experts": _every_layer_experts(c, "num_local_experts", 256),
+        "top_k": c.get("num_experts_per_tok", 8),
+        "expert_bias": True,
+    }
+    modules = c.get("num_mtp_modules", 0) if c.flag("use_mtp", False) else 0
+    if modules:
+        mapping["_notes"] = [
+            f"its {modules} multi-token-prediction module(s) (use_mtp) not counted: transformers "
+            "does not build them"
+        ]
+    return mapping
+
+
 def _gemma(c: _Config) -> dict[str, Any]:
     return {**_base(c, tied=True, head_dim=256), **_llama_biases(c)}
 
@@ -958,6 +1008,8 @@ _FAMILIES: dict[str, Callable[[_Config], dict[str, Any]]] = {
     "ernie4_5": _ernie4_5,
     "helium": _helium,
     "starcoder2": _starcoder2,
+    "exaone4": _exaone4,
+    "minimax_m2": _minimax_m2,
 }
 # Text models read only inside their multimodal config (`_TEXT_TOWERS`).
 _TOWER_FAMILIES: dict[str, Callable[[_Config], dict[str, Any]]] = {
