@@ -145,6 +145,8 @@ MOE_FIXTURES = [
     "Qwen3-30B-A3B",
     "gpt-oss-20b",
     "olmoe-config-defaults",
+    "minimax-m2-config-defaults",
+    "qwen3-vl-moe-config-defaults",
 ]
 
 
