@@ -390,6 +390,8 @@ HF_EXTRA_KEYS = [
     "no_rope_layers", "no_rope_layer_interval", "use_qk_norm", "n_group", "topk_group",
     "swiglu_limit", "clip_qkv", "norm_topk_prob", "attention_out_bias", "attention_dropout",
     "residual_dropout", "embedding_dropout", "use_bias", "use_mtp", "num_mtp_modules",
+    "moe_num_experts", "moe_k", "moe_layer_start_index", "moe_layer_end_index",
+    "moe_layer_interval", "sliding_window_pattern",
 ]  # fmt: skip
 
 
@@ -449,6 +451,7 @@ def hf_config_text(rng: random.Random) -> tuple[str, str]:
                     "starcoder2",
                     "exaone4",
                     "minimax_m2",
+                    "ernie4_5_moe",
                     "",
                 ],
             )

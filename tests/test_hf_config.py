@@ -464,3 +464,23 @@ def test_minimax_m2_230b_10b_active():
     config = json.loads((FIXTURES / "minimax-m2-config-defaults" / "config.json").read_text())
     noted = hf_config_mapping({**config, "use_mtp": True, "num_mtp_modules": 3}, "x")
     assert "its 3 multi-token-prediction module(s) (use_mtp) not counted" in noted["source"]
+
+
+def test_ernie4_5_moe_layers_experts_and_shared_mlp():
+    """ERNIE-4.5-21B-A3B's shapes (Ernie4_5_MoeConfig's defaults): 64 experts of 1,536, top 6,
+    two shared experts as one MLP of 3,072, a correction bias per expert, layers 1 to 27 sparse;
+    21.8B parameters, 3.4B active with the tied embedding once. The layer rule follows
+    Ernie4_5_MoeDecoderLayer: (i + 1) % interval == 0 within [start, end]."""
+    spec = load("ernie4_5-moe-config-defaults")
+    assert (spec.experts, spec.top_k, spec.moe_ffn_hidden, spec.moe_layers) == (64, 6, 1536, "1-")
+    assert (spec.shared_experts, spec.expert_bias, spec.tied_embeddings) == (2, True, True)
+    assert "set mtp_layers=1" in spec.source
+    counts = parameter_count(spec)
+    assert (round(counts.total / 1e8), round(counts.active / 1e8)) == (218, 34)
+    config = json.loads((FIXTURES / "ernie4_5-moe-config-defaults" / "config.json").read_text())
+    rule = {"moe_layer_interval": 2, "moe_layer_start_index": 3, "moe_layer_end_index": 20}
+    assert hf_config_mapping({**config, **rule}, "x")["moe_layers"] == "3,5,7,9,11,13,15,17,19"
+    alias = {key: value for key, value in config.items() if key != "num_nextn_predict_layers"}
+    assert "set mtp_layers=1" in hf_config_mapping({**alias, "num_mtp_layers": 1}, "x")["source"]
+    with pytest.raises(SpecError, match="cannot model use_bias"):
+        hf_config_mapping({**config, "use_bias": True}, "x")

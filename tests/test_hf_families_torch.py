@@ -147,6 +147,7 @@ MOE_FIXTURES = [
     "olmoe-config-defaults",
     "minimax-m2-config-defaults",
     "qwen3-vl-moe-config-defaults",
+    "ernie4_5-moe-config-defaults",
 ]
 
 

@@ -39,13 +39,14 @@ _INTEGER_KEYS = (
     "num_experts_per_tok", "num_experts", "moe_intermediate_size",
     "shared_expert_intermediate_size", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
     "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts", "n_group",
-    "topk_group", "num_mtp_modules",
+    "topk_group", "num_mtp_modules", "moe_num_experts", "moe_k", "moe_num_shared_experts",
+    "moe_layer_start_index", "moe_layer_end_index", "num_mtp_layers",
 )  # fmt: skip
 # Integer keys that pick layers: whole numbers, the divisors at least 1.
 _LAYER_RULE_KEYS = {
     "decoder_sparse_step": 1, "moe_layer_freq": 1, "sliding_window_pattern": 1,
     "_sliding_window_pattern": 1, "max_window_layers": 0, "first_k_dense_replace": 0,
-    "num_nextn_predict_layers": 0, "no_rope_layer_interval": 1,
+    "num_nextn_predict_layers": 0, "no_rope_layer_interval": 1, "moe_layer_interval": 1,
 }  # fmt: skip
 # num_key_value_heads where the config class's default is a number of its own, not the query
 # heads (configuration_<family>.py, transformers v5.25.0): a config.json without the key gets it.
@@ -54,12 +55,12 @@ _KV_HEADS = {
     "gemma": 16, "gemma2": 4, "smollm3": 4, "glm4": 2, "glm4_moe": 8, "gpt_oss": 8,
     "ministral": 8, "ministral3": 8, "qwen3_vl_text": 32, "qwen3_vl_moe_text": 16,
     "seed_oss": 8, "ernie4_5": 2, "helium": 20, "starcoder2": 2, "qwen2_vl_text": 8,
-    "qwen2_5_vl_text": 8, "exaone4": 32, "minimax_m2": 8,
+    "qwen2_5_vl_text": 8, "exaone4": 32, "minimax_m2": 8, "ernie4_5_moe": 4,
 }  # fmt: skip
-_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _MOE_FAMILIES = (
     "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "olmoe",
-    "gpt_oss", "qwen3_vl_moe_text", "minimax_m2",
+    "gpt_oss", "qwen3_vl_moe_text", "minimax_m2", "ernie4_5_moe",
 )  # fmt: skip
 
 
@@ -595,6 +596,49 @@ def _ernie4_5(c: _Config) -> dict[str, Any]:
     return mapping | {"bias": c.flag("use_bias", False)}
 
 
+def _ernie4_5_moe(c: _Config) -> dict[str, Any]:
+    """ERNIE 4.5 MoE (Ernie4_5_MoeForCausalLM, modeling_ernie4_5_moe.py v5.25.0): ERNIE 4.5's
+    layer, tied by default, head_dim h/a unless given; a mixture of experts on the layers i with
+    (i + 1) % moe_layer_interval == 0 from moe_layer_start_index (1) to moe_layer_end_index (-1:
+    the last), dense MLPs of intermediate_size on the others; moe_num_experts experts (64) of
+    moe_intermediate_size (1,536), top moe_k (6), a softmax router with a per-expert correction
+    bias (moe_statics.e_score_correction_bias, in the checkpoint: expert_bias) and
+    moe_num_shared_experts (2) shared experts, one MLP that many times as wide. use_bias, which
+    would bias the output layer but not the experts, is refused. The router's weight and
+    correction bias are fp32 parameters there, E·(h + 1) values a layer, counted at the run's
+    weight bytes."""
+    if c.flag("use_bias", False):
+        raise c.refuse(
+            "use_bias",
+            "biases on the projections and the output layer but none on the experts: a layout "
+            "ckplan's bias keys do not hold",
+        )
+    mapping = _base(c, tied=True) | {"bias": False}
+    layers = _capped(mapping["layers"])
+    experts = c.get("moe_num_experts", c.get("num_experts", 64))
+    start, end = c.get("moe_layer_start_index", 1), c.get("moe_layer_end_index", -1)
+    for key, value in (("moe_layer_start_index", start), ("moe_layer_end_index", end)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(
+                f"{c.origin}: key {key!r} expects an integer layer index, got {quote(value)}"
+            )
+    end = layers - 1 if end == -1 else end
+    interval = c.get("moe_layer_interval", 1)
+    moe = {i for i in range(layers) if (i + 1) % interval == 0 and start <= i <= end}
+    notes = _mtp_notes(c, c.get("num_nextn_predict_layers", c.get("num_mtp_layers", 0)))
+    if not experts or not moe:
+        return mapping | {"_notes": notes}
+    return mapping | {
+        "experts": experts,
+        "top_k": c.get("moe_k", c.get("num_experts_per_tok", 6)),
+        "moe_ffn_hidden": c.get("moe_intermediate_size", 1536),
+        "moe_layers": _moe_layers(layers, moe),
+        "shared_experts": c.get("moe_num_shared_experts", 2),
+        "expert_bias": True,
+        "_notes": notes,
+    }
+
+
 def _helium(c: _Config) -> dict[str, Any]:
     """Helium (HeliumForCausalLM, modeling_helium.py v5.25.0): Llama's layer with biases on Q, K
     and V by attention_bias, none on O (an h x h projection, so a·d must be h), the MLP's by
@@ -944,10 +988,11 @@ _DEEPSEEK_DEFAULTS = {
 }  # fmt: skip
 
 
-def _mtp_notes(c: _Config) -> list[str]:
-    """The checkpoint's multi-token-prediction layers: whether a run trains them is the run's
-    choice (Hugging Face transformers does not build them; Megatron's --mtp-num-layers)."""
-    mtp = c.get("num_nextn_predict_layers", 0)
+def _mtp_notes(c: _Config, mtp: Any = None) -> list[str]:
+    """The checkpoint's multi-token-prediction layers (`mtp`, by default
+    num_nextn_predict_layers): whether a run trains them is the run's choice (Hugging Face
+    transformers does not build them; Megatron's --mtp-num-layers)."""
+    mtp = c.get("num_nextn_predict_layers", 0) if mtp is None else mtp
     if not mtp:
         return []
     return [
@@ -1010,6 +1055,7 @@ _FAMILIES: dict[str, Callable[[_Config], dict[str, Any]]] = {
     "starcoder2": _starcoder2,
     "exaone4": _exaone4,
     "minimax_m2": _minimax_m2,
+    "ernie4_5_moe": _ernie4_5_moe,
 }
 # Text models read only inside their multimodal config (`_TEXT_TOWERS`).
 _TOWER_FAMILIES: dict[str, Callable[[_Config], dict[str, Any]]] = {
