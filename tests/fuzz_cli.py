@@ -391,7 +391,7 @@ HF_EXTRA_KEYS = [
     "swiglu_limit", "clip_qkv", "norm_topk_prob", "attention_out_bias", "attention_dropout",
     "residual_dropout", "embedding_dropout", "use_bias", "use_mtp", "num_mtp_modules",
     "moe_num_experts", "moe_k", "moe_layer_start_index", "moe_layer_end_index",
-    "moe_layer_interval",
+    "moe_layer_interval", "shared_intermediate_size",
 ]  # fmt: skip
 
 
@@ -452,6 +452,8 @@ def hf_config_text(rng: random.Random) -> tuple[str, str]:
                     "exaone4",
                     "minimax_m2",
                     "ernie4_5_moe",
+                    "granitemoe",
+                    "granitemoeshared",
                     "",
                 ],
             )

@@ -484,3 +484,18 @@ def test_ernie4_5_moe_layers_experts_and_shared_mlp():
     assert "set mtp_layers=1" in hf_config_mapping({**alias, "num_mtp_layers": 1}, "x")["source"]
     with pytest.raises(SpecError, match="cannot model use_bias"):
         hf_config_mapping({**config, "use_bias": True}, "x")
+
+
+def test_granite_moe_experts_and_shared_mlp():
+    """Granite 3.x MoE: experts in every layer, top 2, a router without bias; GraniteMoeShared
+    adds one ungated shared MLP of shared_intermediate_size (none at 0, its default); Q, K, V
+    and O biases without expert biases are refused."""
+    moe = load("granitemoe-config-defaults")
+    assert (moe.experts, moe.top_k, moe.shared_experts, moe.bias) == (8, 2, 0, False)
+    shared = load("granitemoeshared-shared-mlp")
+    assert (shared.shared_experts, shared.shared_ffn_hidden) == (1, 1024)
+    assert not shared.shared_expert_gate
+    config = json.loads((FIXTURES / "granitemoeshared-shared-mlp" / "config.json").read_text())
+    assert "shared_experts" not in hf_config_mapping({**config, "shared_intermediate_size": 0}, "x")
+    with pytest.raises(SpecError, match="cannot model attention_bias"):
+        hf_config_mapping({**config, "attention_bias": True}, "x")

@@ -40,7 +40,7 @@ _INTEGER_KEYS = (
     "shared_expert_intermediate_size", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
     "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts", "n_group",
     "topk_group", "num_mtp_modules", "moe_num_experts", "moe_k", "moe_num_shared_experts",
-    "moe_layer_start_index", "moe_layer_end_index", "num_mtp_layers",
+    "moe_layer_start_index", "moe_layer_end_index", "num_mtp_layers", "shared_intermediate_size",
 )  # fmt: skip
 # Integer keys that pick layers: whole numbers, the divisors at least 1.
 _LAYER_RULE_KEYS = {
@@ -60,7 +60,7 @@ _KV_HEADS = {
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _MOE_FAMILIES = (
     "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "olmoe",
-    "gpt_oss", "qwen3_vl_moe_text", "minimax_m2", "ernie4_5_moe",
+    "gpt_oss", "qwen3_vl_moe_text", "minimax_m2", "ernie4_5_moe", "granitemoe", "granitemoeshared",
 )  # fmt: skip
 
 
@@ -758,6 +758,30 @@ def _granite(c: _Config) -> dict[str, Any]:
     return _llama(c)
 
 
+def _granitemoe(c: _Config) -> dict[str, Any]:
+    """Granite 3.x MoE (GraniteMoeForCausalLM, modeling_granitemoe.py v5.25.0): Granite's
+    attention (its multipliers scalars) and in every layer num_local_experts experts of
+    intermediate_size, top num_experts_per_tok, a router without bias; with
+    GraniteMoeShared's shared_intermediate_size > 0 one shared SwiGLU MLP that wide, ungated.
+    attention_bias biases Q, K, V and O but not the experts, a layout ckplan's bias keys do not
+    hold: refused."""
+    if c.flag("attention_bias", False):
+        raise c.refuse(
+            "attention_bias",
+            "biases on Q, K, V and O but none on the experts: ckplan's biases are on every "
+            "linear layer (bias) or on Q, K, V only (qkv_bias)",
+        )
+    mapping = _base(c, tied=False) | {"bias": False}
+    mapping |= {
+        "experts": _every_layer_experts(c, "num_local_experts", 8),
+        "top_k": c.get("num_experts_per_tok", 2),
+    }
+    shared = c.get("shared_intermediate_size", 0) if c.model_type == "granitemoeshared" else 0
+    if shared:
+        mapping |= {"shared_experts": 1, "shared_ffn_hidden": shared}
+    return mapping
+
+
 def _smollm3(c: _Config) -> dict[str, Any]:
     """SmolLM3: Llama's layer, the embeddings tied by default, every no_rope_layer_interval-th
     layer without RoPE (no parameters either way) and, with use_sliding_window, the window on
@@ -1056,6 +1080,8 @@ _FAMILIES: dict[str, Callable[[_Config], dict[str, Any]]] = {
     "exaone4": _exaone4,
     "minimax_m2": _minimax_m2,
     "ernie4_5_moe": _ernie4_5_moe,
+    "granitemoe": _granitemoe,
+    "granitemoeshared": _granitemoe,
 }
 # Text models read only inside their multimodal config (`_TEXT_TOWERS`).
 _TOWER_FAMILIES: dict[str, Callable[[_Config], dict[str, Any]]] = {
