@@ -454,6 +454,7 @@ def hf_config_text(rng: random.Random) -> tuple[str, str]:
                     "ernie4_5_moe",
                     "granitemoe",
                     "granitemoeshared",
+                    "hunyuan_v1_dense",
                     "",
                 ],
             )

@@ -499,3 +499,12 @@ def test_granite_moe_experts_and_shared_mlp():
     assert "shared_experts" not in hf_config_mapping({**config, "shared_intermediate_size": 0}, "x")
     with pytest.raises(SpecError, match="cannot model attention_bias"):
         hf_config_mapping({**config, "attention_bias": True}, "x")
+
+
+def test_hunyuan_dense_has_qwen3s_qk_norms():
+    """Hunyuan dense: per-head QK norms (after RoPE), Llama's biases rule."""
+    spec = load("hunyuan-dense-config-defaults")
+    assert spec.qk_norm and spec.qk_norm_width == "head" and not spec.bias
+    config = json.loads((FIXTURES / "hunyuan-dense-config-defaults" / "config.json").read_text())
+    with pytest.raises(SpecError, match="cannot model attention_bias"):
+        hf_config_mapping({**config, "attention_bias": True}, "x")

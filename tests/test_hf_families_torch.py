@@ -78,6 +78,7 @@ MINIMAL_BY_FAMILY = {
     # MinistralConfig keeps head_dim None, which MinistralAttention then cannot use
     # (transformers v5.25.0: `self.head_dim**-0.5` on None); ckplan reads h/a
     "ministral": MINIMAL | {"head_dim": 64},
+    "hunyuan_v1_dense": MINIMAL | {"head_dim": 64},  # the same: head_dim None in its config
     # Helium's o_proj is hidden x hidden, so its heads span h; its 20 key/value heads by default
     "helium": MINIMAL | {"hidden_size": 2560, "num_attention_heads": 40, "head_dim": 64},
 }

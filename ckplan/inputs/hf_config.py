@@ -448,6 +448,15 @@ def _qwen3(c: _Config, head_dim: int | None = 128) -> dict[str, Any]:
     return mapping | _qwen_windows(c, mapping["layers"], _from_max_window_layers)
 
 
+def _hunyuan_dense(c: _Config) -> dict[str, Any]:
+    """Hunyuan dense (HunYuanDenseV1ForCausalLM, modeling_hunyuan_v1_dense.py v5.25.0): Llama's
+    layer with per-head QK norms (query_layernorm, key_layernorm), applied after RoPE where
+    Qwen3 applies them before: the same gains and, as RoPE saves only its cos and sin, the same
+    saved tensors (the norm's input is the rotated projection instead of the projection).
+    attention_bias biases Q, K, V and O, the MLP none: refused as Llama's."""
+    return {**_base(c, tied=False), **_llama_biases(c), "qk_norm": True}
+
+
 def _qwen_moe_layers(c: _Config, layers: int, experts: int) -> set[int]:
     """Qwen2/3-MoE: layer i is sparse unless in mlp_only_layers, every decoder_sparse_step."""
     layers = _capped(layers)
@@ -1082,6 +1091,7 @@ _FAMILIES: dict[str, Callable[[_Config], dict[str, Any]]] = {
     "ernie4_5_moe": _ernie4_5_moe,
     "granitemoe": _granitemoe,
     "granitemoeshared": _granitemoe,
+    "hunyuan_v1_dense": _hunyuan_dense,
 }
 # Text models read only inside their multimodal config (`_TEXT_TOWERS`).
 _TOWER_FAMILIES: dict[str, Callable[[_Config], dict[str, Any]]] = {
