@@ -415,3 +415,38 @@ def test_calibrate_refuses_dora_and_qlora(capsys):
         out, err = capsys.readouterr()
         assert out == "" and len(err.strip().splitlines()) == 1
         assert ("DoRA" if "use_dora=true" in training else "bitsandbytes") in err
+
+
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_hf_qwen3_with_heads_wider_than_h_is_torch_sdpa(head_dim, monkeypatch):
+    """Where a·d is not h (Gemma, Qwen3-MoE, gpt-oss, GLM-4.5), the tensors at the attention
+    heads (Q, the context, out_proj's input, the QK norms') are a·d wide: transformers' Qwen3
+    layer with h 64 and 4 heads of 16 (a·d = h) or 32 (a·d = 2h) saves, op by op, what the
+    torch-sdpa profile counts with sbad = s·b·a·d."""
+    framework_or_skip("transformers", "--hf not tested")
+    import ckplan.calibrate.hf as hf_module
+    from ckplan.calibrate.fit import Shape
+    from ckplan.calibrate.run import measure
+    from ckplan.model.spec import spec_from_mapping
+
+    resize = hf_module._resize
+
+    def with_head_dim(hf_config, spec, shape):
+        resize(hf_config, spec, shape)
+        hf_config.head_dim = head_dim
+
+    monkeypatch.setattr(hf_module, "_resize", with_head_dim)
+    shape = Shape(seq=16, batch=2, hidden=64, heads=4, kv_heads=2, ffn=96)
+    keys = {
+        "name": "qwen3-tiny", "layers": 1, "hidden": 64, "heads": 4, "kv_heads": 2,
+        "head_dim": head_dim, "ffn_hidden": 96, "seq": 16, "micro_batch": 2, "vocab": 0,
+        "dtype_bytes": 2, "norm": "rmsnorm", "mlp": "swiglu", "attention": "flash",
+        "positions": "rope", "bias": False, "dropout": 0, "qk_norm": True, "framework": "hf",
+    }  # fmt: skip
+    spec = spec_from_mapping(keys)
+    config = {"model_type": "qwen3", "attention_bias": False}
+    measured = measure(spec, shape, torch.bfloat16, "cpu", hf=True, hf_config=config)
+    table = apply_profile(transformer_layer_ops(spec), spec, load_profile("torch-sdpa"))
+    predicted = {op.name: op.saved_bytes for op in table if op.saved_bytes}
+    assert measured.bytes_by_op == predicted
+    assert predicted["out_proj"] == 2 * 16 * 2 * 4 * head_dim  # B·s·b·a·d

@@ -12,7 +12,8 @@ Terms: element counts on one GPU rank, split exactly as `ops.transformer_layer_o
 (t = tp, tokens = s·b / cp, "/ t" the largest share of a split, `ops.split_share`):
 
     sbh   s·b·h    a residual-stream tensor: whole on each TP rank, / t under sequence parallelism
-    sbad  s·b·a·d  a tensor at the a attention heads (Q, O, the context): s·b·h / t
+    sbad  s·b·a·d  a tensor at the a attention heads (Q, O, the context): s·b·a·d / t, which is
+                   s·b·h / t where a·d = h (not Gemma's, Qwen3-MoE's or gpt-oss's)
     sbgd  s·b·g·d  K or V at the kv heads of one rank: ceil(g / t)·d wide (one head when t > g)
     sbF   s·b·F    an MLP hidden tensor: / t
     as2b  a·s²·b   an attention-score tensor: / t (under cp, s/cp query rows against s keys)
@@ -60,7 +61,7 @@ from ckplan.quoting import quote
 
 TERMS = {
     "sbh": "s·b·h, a residual-stream tensor (/ t under sequence parallelism)",
-    "sbad": "s·b·a·d = s·b·h / t, a tensor at the attention heads",
+    "sbad": "s·b·a·d / t, a tensor at the attention heads",
     "sbgd": "s·b·g·d, K or V at the kv heads of one rank",
     "sbF": "s·b·F / t, an MLP hidden tensor",
     "as2b": "a·s²·b / t, an attention-score tensor",
@@ -335,7 +336,7 @@ def term_values(spec: ChainSpec) -> dict[str, int]:
     replicated = t if spec.sp else 1
     return {
         "sbh": split_share(tokens * spec.hidden, replicated),
-        "sbad": split_share(tokens * spec.hidden, t),
+        "sbad": split_share(tokens * spec.heads * spec.head_dim, t),
         "sbgd": tokens * kv_heads_per_rank(spec) * spec.head_dim,
         "sbF": split_share(tokens * spec.ffn_hidden, t),
         "as2b": split_share(spec.heads * spec.micro_batch * seq_local * spec.seq, t),
