@@ -508,3 +508,11 @@ def test_hunyuan_dense_has_qwen3s_qk_norms():
     config = json.loads((FIXTURES / "hunyuan-dense-config-defaults" / "config.json").read_text())
     with pytest.raises(SpecError, match="cannot model attention_bias"):
         hf_config_mapping({**config, "attention_bias": True}, "x")
+
+
+def test_a_multimodal_files_dtype_and_quantization_reach_its_language_model():
+    """The outer file's torch_dtype and quantization_config speak for the language model."""
+    config = json.loads((FIXTURES / "mistral3-config-defaults" / "config.json").read_text())
+    stored = {**config, "torch_dtype": "float32", "quantization_config": {"quant_method": "fp8"}}
+    source = hf_config_mapping(stored, "x")["source"]
+    assert "stored in float32" in source and "quantization_config (fp8) is not read" in source

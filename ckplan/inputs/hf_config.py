@@ -153,7 +153,7 @@ _TEXT_TOWERS: dict[str, tuple[tuple[str, ...], bool]] = {
 }
 # Qwen2-VL and Qwen2.5-VL: hub files keep the text model's keys at the top level, from which
 # the config builds text_config when there is none, and a text_config that ties (the files
-# before transformers v5) ties the model when the top level does not say so
+# before transformers v5) ties the model whatever the top level says
 # (Qwen2VLConfig.__post_init__, Qwen2_5_VLConfig.__post_init__, v5.25.0).
 _FLAT_TOWERS = ("qwen2_vl", "qwen2_5_vl")
 _NOT_TEXT_KEYS = ("model_type", "architectures", "text_config", "vision_config")
@@ -189,7 +189,7 @@ def _text_tower(config: Mapping[str, Any], origin: str, outer: str) -> tuple[dic
             f"{' or '.join(kinds)}, got {quote(inner)}"
         )
     text = dict(text)
-    for key in ("torch_dtype", "dtype"):
+    for key in ("torch_dtype", "dtype", "quantization_config"):
         text.setdefault(key, config.get(key))
     tie = config.get("tie_word_embeddings")
     nested = config.get("text_config") or {}
