@@ -418,10 +418,15 @@ def _qwen_windows(
     if not c.flag("use_sliding_window", False):
         return {}
     if sliding is None:
-        data = {key: value for key, value in c.data.items() if key != "layer_types"}
-        return _windows(_Config(data, c.origin, c.model_type), layers, None, default_window=4096)
+        return _windows(_without_layer_types(c), layers, None, default_window=4096)
     start = c.get("max_window_layers", first)
     return _windows(c, layers, lambda i: sliding(i, start), default_window=4096)
+
+
+def _without_layer_types(c: _Config) -> _Config:
+    """The file as a family that gives every layer its window reads it: layer_types unread."""
+    data = {key: value for key, value in c.data.items() if key != "layer_types"}
+    return _Config(data, c.origin, c.model_type)
 
 
 def _from_max_window_layers(i: int, start: int) -> bool:
@@ -471,16 +476,8 @@ def _qwen2_moe(c: _Config) -> dict[str, Any]:
     mapping = _base(c, tied=False) | {"qkv_bias": True}
     below = _qwen_windows(c, mapping["layers"], lambda i, start: i % 2 == 0 and i < start)
     mapping |= below
-    experts = c.get("num_experts", 60)
+    mapping |= _qwen_experts(c, mapping["layers"], (60, 4, 1408))
     shared = c.get("shared_expert_intermediate_size", 5632)
-    mapping |= {
-        "experts": experts,
-        "top_k": c.get("num_experts_per_tok", 4),
-        "moe_ffn_hidden": c.get("moe_intermediate_size", 1408),
-        "moe_layers": _moe_layers(
-            mapping["layers"], _qwen_moe_layers(c, mapping["layers"], experts)
-        ),
-    }
     if shared:  # Qwen2MoeSparseMoeBlock: one shared expert with a sigmoid gate
         mapping |= {"shared_experts": 1, "shared_ffn_hidden": shared, "shared_expert_gate": True}
     return mapping
@@ -491,14 +488,19 @@ def _qwen3_moe(c: _Config) -> dict[str, Any]:
     every layer (Qwen3MoeAttention, v5.25.0)."""
     mapping = {**_base(c, tied=False), **_llama_biases(c), "qk_norm": True}
     mapping |= _qwen_windows(c, mapping["layers"], None)
-    experts = c.get("num_experts", 128)
-    return mapping | {
+    return mapping | _qwen_experts(c, mapping["layers"], (128, 8, 768))
+
+
+def _qwen_experts(c: _Config, layers: int, defaults: tuple[int, int, int]) -> dict[str, Any]:
+    """Qwen's experts: num_experts of moe_intermediate_size, top num_experts_per_tok (each
+    `defaults` where the file leaves it out), on the layers `_qwen_moe_layers` picks."""
+    experts, top_k, width = defaults
+    experts = c.get("num_experts", experts)
+    return {
         "experts": experts,
-        "top_k": c.get("num_experts_per_tok", 8),
-        "moe_ffn_hidden": c.get("moe_intermediate_size", 768),
-        "moe_layers": _moe_layers(
-            mapping["layers"], _qwen_moe_layers(c, mapping["layers"], experts)
-        ),
+        "top_k": c.get("num_experts_per_tok", top_k),
+        "moe_ffn_hidden": c.get("moe_intermediate_size", width),
+        "moe_layers": _moe_layers(layers, _qwen_moe_layers(c, layers, experts)),
     }
 
 
@@ -519,12 +521,7 @@ def _ministral3(c: _Config) -> dict[str, Any]:
     llama_4_scaling_beta): an element-wise product with a factor that needs no gradient, so
     autograd saves that (1, 1, s, 1) factor alone, nothing ckplan counts."""
     mapping = _base(c, tied=False, head_dim=128) | {"bias": False}
-    every_layer = _Config(
-        {key: value for key, value in c.data.items() if key != "layer_types"},
-        c.origin,
-        c.model_type,
-    )
-    return mapping | _windows(every_layer, mapping["layers"], None)
+    return mapping | _windows(_without_layer_types(c), mapping["layers"], None)
 
 
 def _qwen3_vl_text(c: _Config) -> dict[str, Any]:
@@ -542,15 +539,7 @@ def _qwen3_vl_moe_text(c: _Config) -> dict[str, Any]:
     decoder_sparse_step-th layer outside mlp_only_layers, with its config class's defaults
     (60 experts, top 4, 1,408 wide)."""
     mapping = {**_base(c, tied=False), **_llama_biases(c), "qk_norm": True}
-    experts = c.get("num_experts", 60)
-    return mapping | {
-        "experts": experts,
-        "top_k": c.get("num_experts_per_tok", 4),
-        "moe_ffn_hidden": c.get("moe_intermediate_size", 1408),
-        "moe_layers": _moe_layers(
-            mapping["layers"], _qwen_moe_layers(c, mapping["layers"], experts)
-        ),
-    }
+    return mapping | _qwen_experts(c, mapping["layers"], (60, 4, 1408))
 
 
 def _one_dropout(c: _Config, defaults: dict[str, float]) -> float:
@@ -616,12 +605,7 @@ def _ernie4_5_moe(c: _Config) -> dict[str, Any]:
     would bias the output layer but not the experts, is refused. The router's weight and
     correction bias are fp32 parameters there, E·(h + 1) values a layer, counted at the run's
     weight bytes."""
-    if c.flag("use_bias", False):
-        raise c.refuse(
-            "use_bias",
-            "biases on the projections and the output layer but none on the experts: a layout "
-            "ckplan's bias keys do not hold",
-        )
+    _refuse_bias_without_experts(c, "use_bias", "the projections and the output layer")
     mapping = _base(c, tied=True) | {"bias": False}
     layers = _capped(mapping["layers"])
     experts = c.get("moe_num_experts", c.get("num_experts", 64))
@@ -774,12 +758,7 @@ def _granitemoe(c: _Config) -> dict[str, Any]:
     GraniteMoeShared's shared_intermediate_size > 0 one shared SwiGLU MLP that wide, ungated.
     attention_bias biases Q, K, V and O but not the experts, a layout ckplan's bias keys do not
     hold: refused."""
-    if c.flag("attention_bias", False):
-        raise c.refuse(
-            "attention_bias",
-            "biases on Q, K, V and O but none on the experts: ckplan's biases are on every "
-            "linear layer (bias) or on Q, K, V only (qkv_bias)",
-        )
+    _refuse_bias_without_experts(c, "attention_bias", "Q, K, V and O")
     mapping = _base(c, tied=False) | {"bias": False}
     mapping |= {
         "experts": _every_layer_experts(c, "num_local_experts", 8),
@@ -889,6 +868,17 @@ def _olmoe(c: _Config) -> dict[str, Any]:
         "experts": _every_layer_experts(c, "num_experts", 64),
         "top_k": c.get("num_experts_per_tok", 8),
     }
+
+
+def _refuse_bias_without_experts(c: _Config, key: str, biased: str) -> None:
+    """A bias key that biases `biased` but not the experts: a layout ckplan's bias keys (every
+    linear layer, or Q, K and V only) do not hold."""
+    if c.flag(key, False):
+        raise c.refuse(
+            key,
+            f"biases on {biased} but none on the experts: ckplan's biases are on every linear "
+            "layer (bias) or on Q, K, V only (qkv_bias)",
+        )
 
 
 def _every_layer_experts(c: _Config, key: str, default: int) -> Any:
