@@ -557,7 +557,7 @@ _ONE_STAGE = {
 def _one_stage(spec: ModelSpec):
     """The parts one layer's ops, tape and re-run time depend on (`spec.chain`), with the
     pipeline's keys at one stage: the scoped frontier of a layer is the same on every pipeline
-    layout (tests/test_policy_search.py), so layouts that differ only there share it."""
+    layout (tests/test_op_policy_moe_mla.py), so layouts that differ only there share it."""
     return spec.chain.replace(**_ONE_STAGE)
 
 
