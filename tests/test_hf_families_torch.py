@@ -19,26 +19,39 @@ FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
 
 # The multimodal model_types: their language model is the ForConditionalGeneration model's.
-MULTIMODAL = {"gemma3", "mistral3", "qwen3_vl", "qwen3_vl_moe", "qwen2_vl", "qwen2_5_vl"}
+# Qwen2-VL's and Qwen2.5-VL's files may keep the text keys at the top, without text_config.
+FLAT_MULTIMODAL = {"qwen2_vl", "qwen2_5_vl"}
+MULTIMODAL = {"gemma3", "mistral3", "qwen3_vl", "qwen3_vl_moe", *FLAT_MULTIMODAL}
 
 
 def multimodal(config: dict) -> bool:
     """A multimodal file: a text_config, or a Qwen2-VL file whose text keys sit at the top."""
-    return "text_config" in config or config.get("model_type") in ("qwen2_vl", "qwen2_5_vl")
+    return "text_config" in config or config.get("model_type") in FLAT_MULTIMODAL
 
 
-def checkpoint_tensors(config: dict) -> int:
-    """The language model's tensors: of a multimodal config (a text_config) the
-    ForConditionalGeneration model's language model and output layer, tied or not as that
-    model ties them, without the vision tower and projector."""
-    torch = framework_or_skip("torch", "the parameter counts were not checked")
-    transformers = framework_or_skip("transformers", "the parameter counts were not checked")
+def built_model(config: dict, why: str, lora_targets=None):
+    """The model transformers builds from `config` on the meta device (no memory): the
+    ForConditionalGeneration model of a multimodal file; with `lora_targets`, under PEFT's LoRA
+    r 8 on them. `why`: what a missing framework leaves unchecked."""
+    torch = framework_or_skip("torch", why)
+    transformers = framework_or_skip("transformers", why)
     auto = transformers.AutoModelForCausalLM
     if multimodal(config):
         auto = transformers.AutoModelForImageTextToText
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
         model = auto.from_config(transformers.AutoConfig.for_model(**config))
+        if lora_targets is not None:
+            peft = framework_or_skip("peft", why)
+            model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=lora_targets))
+    return model
+
+
+def checkpoint_tensors(config: dict) -> int:
+    """The language model's tensors: of a multimodal config (a text_config) the
+    ForConditionalGeneration model's language model and output layer, tied or not as that
+    model ties them, without the vision tower and projector."""
+    model = built_model(config, "the parameter counts were not checked")
     parts = [model]
     if multimodal(config):
         parts = [model.model.language_model, model.lm_head]
@@ -113,7 +126,7 @@ def test_a_multimodal_language_model_is_what_transformers_builds(outer, inner, t
     the output layer, whatever text_config says."""
     tied = top.get("tie_word_embeddings", outer in ("gemma3", "mistral3"))
     text = MINIMAL | {"model_type": inner, "tie_word_embeddings": not tied}
-    if outer in ("qwen2_vl", "qwen2_5_vl"):  # a text_config that ties ties these (pre-v5 files)
+    if outer in FLAT_MULTIMODAL:  # a text_config that ties ties these (pre-v5 files)
         text["tie_word_embeddings"] = True
     config = {"model_type": outer, "text_config": text, **top}
     path = tmp_path / "config.json"
@@ -123,7 +136,7 @@ def test_a_multimodal_language_model_is_what_transformers_builds(outer, inner, t
     assert "vision tower" in spec.source
 
 
-@pytest.mark.parametrize("outer", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("outer", sorted(FLAT_MULTIMODAL))
 @pytest.mark.parametrize("tie", [None, True, False])
 def test_a_flat_qwen2_vl_file_is_its_language_model(outer, tie, tmp_path):
     """Qwen2-VL and Qwen2.5-VL hub files keep the text model's keys at the top level, which
@@ -155,16 +168,7 @@ MOE_FIXTURES = [
 def peft_trainable(config: dict, target_modules) -> int:
     """The trainable parameters PEFT gives the model transformers builds from `config` (on the
     meta device) under LoRA r 8 on `target_modules`."""
-    torch = framework_or_skip("torch", "the adapter counts were not checked")
-    transformers = framework_or_skip("transformers", "the adapter counts were not checked")
-    peft = framework_or_skip("peft", "the adapter counts were not checked")
-    auto = transformers.AutoModelForCausalLM
-    if multimodal(config):
-        auto = transformers.AutoModelForImageTextToText
-    with warnings.catch_warnings(), torch.device("meta"):
-        warnings.simplefilter("ignore")
-        model = auto.from_config(transformers.AutoConfig.for_model(**config))
-        model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=target_modules))
+    model = built_model(config, "the adapter counts were not checked", target_modules)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
