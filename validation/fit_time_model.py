@@ -20,9 +20,9 @@ path's runs scale with the product of their family's fraction and the path's rat
 coordinate descent, one constant at a time, stalls on that product's kinks. Test runs are
 never read by the fit: the split is a field of each run, fixed before any fitting by a hash of
 the run's name (docs/validation.md, "The split"). Runs on a GPU outside the families (the RTX
-4090's, whose GPU file assumes its GEMM and attention rates: no kernel benchmark was found)
-are reported by `ckplan validate` but not fitted: their errors are the file's assumptions,
-which no family's fraction scales, and would move the code paths' rates of every family.
+4090's, whose GPU file takes its GEMM and attention rates from one card's published kernel
+benchmarks) are reported by `ckplan validate` but not fitted: no family's fraction scales
+them, and one card's runs would move the code paths' rates of every family.
 
     python validation/fit_time_model.py            # fit and report
     python validation/fit_time_model.py --write    # and write them (presets, code_path.py)
